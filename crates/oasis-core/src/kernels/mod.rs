@@ -1,0 +1,24 @@
+//! CPU twins of the GPU kernels. Each function here is the oracle its CUDA kernel is tested
+//! against, and the path that runs the whole system on a machine with no GPU.
+//!
+//! Conventions shared by every kernel:
+//! * all buffers are flat row-major slices; the shape comment on each argument is normative;
+//! * tables are `i32` (what the GPU kernels take); a negative entry means "empty / padding";
+//! * every shape and every table entry is validated before any write, so a bad call returns an
+//!   error and leaves every output untouched;
+//! * arithmetic is f32 whatever the storage type `T`.
+
+pub mod append;
+pub mod attention;
+pub mod gather;
+pub mod score;
+pub mod select;
+pub mod summary;
+mod validate;
+
+pub use append::append_kv;
+pub use attention::{decode_attention, ExtraKv, PagedKv};
+pub use gather::{copy_pages, gather_blocks};
+pub use score::{score_blocks, topk_blocks};
+pub use select::{delta_select, SelectStats};
+pub use summary::build_summaries;

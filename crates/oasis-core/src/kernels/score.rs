@@ -1,0 +1,269 @@
+//! Block scoring (Quest upper bound from the min/max summaries) and per-head top-K.
+//!
+//! The lookahead query scores every logical block of its sequence per KV head:
+//! `score = sum over the group's query heads g, sum over d of max(q_g[d] * min[d], q_g[d] * max[d])`,
+//! an upper bound on `q_g · k` for every key `k` of the block, summed over the GQA group because
+//! the selection is per KV head. Then [`topk_blocks`] picks the best `k` logical blocks per head.
+
+use std::cmp::Ordering;
+
+use crate::dtype::KvElem;
+use crate::error::{check_len, OasisError, Result};
+use crate::geometry::KvGeometry;
+use crate::kernels::validate::{all_indices, csr, csr_range, leading_rows};
+
+/// Quest scores: `scores[j, h]` = sum over query heads g of KV head h of
+/// `sum_d max(q[s,g,d] * min[b,h,d], q[s,g,d] * max[b,h,d])`, `b = blk_indices[j]`, j in seq s's
+/// range. Accumulated in f32: for each g of the group in order, d in order, into one sum.
+///
+/// # Errors
+/// * [`OasisError::Shape`] for a buffer of the wrong size;
+/// * [`OasisError::Invalid`] for a malformed `blk_indptr`;
+/// * [`OasisError::IndexOutOfRange`] for a host block id outside the summaries (negative ids
+///   included: every logical block of a sparse sequence has a host block).
+///
+/// `scores` is untouched when an error is returned.
+pub fn score_blocks<T: KvElem>(
+    geo: &KvGeometry,
+    q: &[T],            // [num_seqs, num_qo_heads, head_dim]  (the lookahead row)
+    summaries: &[T],    // [num_host_blocks, num_kv_heads, 2, head_dim]
+    blk_indptr: &[i32], // [num_seqs + 1]
+    blk_indices: &[i32], // [nnz] host block of logical block (j - blk_indptr[s]) of seq s
+    scores: &mut [f32], // [nnz, num_kv_heads]
+) -> Result<()> {
+    geo.validate()?;
+    let (hq, h_kv, d) = (geo.num_qo_heads, geo.num_kv_heads, geo.head_dim);
+    let gs = geo.group_size();
+    let num_seqs = csr("blk_indptr", blk_indptr, "blk_indices", blk_indices.len())?;
+    check_len("q", q.len(), &[num_seqs, hq, d])?;
+    let num_host = leading_rows("summaries", summaries.len(), &[h_kv, 2, d])?;
+    check_len("scores", scores.len(), &[blk_indices.len(), h_kv])?;
+    all_indices("blk_indices", blk_indices, num_host)?;
+
+    let mut qf = vec![0.0f32; hq * d];
+    let mut mn = vec![0.0f32; d];
+    let mut mx = vec![0.0f32; d];
+    for s in 0..num_seqs {
+        for (x, &v) in qf.iter_mut().zip(&q[s * hq * d..(s + 1) * hq * d]) {
+            *x = v.to_f32();
+        }
+        for j in csr_range(blk_indptr, s) {
+            let b = blk_indices[j] as usize; // validated
+            for h in 0..h_kv {
+                let at = (b * h_kv + h) * 2 * d;
+                for x in 0..d {
+                    mn[x] = summaries[at + x].to_f32();
+                    mx[x] = summaries[at + d + x].to_f32();
+                }
+                let mut acc = 0.0f32;
+                for g in h * gs..(h + 1) * gs {
+                    for ((&qv, &lo), &hi) in qf[g * d..(g + 1) * d].iter().zip(&mn).zip(&mx) {
+                        acc += (qv * lo).max(qv * hi);
+                    }
+                }
+                scores[j * h_kv + h] = acc;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// "`a` ranks before `b`": higher score first, NaN last, ties by lower logical index.
+#[inline]
+fn ranks_before(scores: &[f32], stride: usize, a: u32, b: u32) -> Ordering {
+    let (sa, sb) = (scores[a as usize * stride], scores[b as usize * stride]);
+    let by_score = match (sa.is_nan(), sb.is_nan()) {
+        (false, false) => sb.partial_cmp(&sa).unwrap_or(Ordering::Equal),
+        (false, true) => Ordering::Less,
+        (true, false) => Ordering::Greater,
+        (true, true) => Ordering::Equal,
+    };
+    by_score.then(a.cmp(&b))
+}
+
+/// Per (seq, kv head) top-k logical block indices (0-based within the seq), best first; ties ->
+/// lower logical index first; padded with -1 when the sequence has fewer than k blocks.
+/// NaN scores rank below every number (and `-0.0 == 0.0` is a tie).
+///
+/// # Errors
+/// * [`OasisError::Config`] for `num_kv_heads == 0`;
+/// * [`OasisError::Invalid`] for a malformed `blk_indptr`;
+/// * [`OasisError::Shape`] when `scores` is not `[blk_indptr[-1], num_kv_heads]` or `out` not
+///   `[num_seqs, num_kv_heads, k]`.
+///
+/// `out` is untouched when an error is returned.
+pub fn topk_blocks(
+    num_kv_heads: usize,
+    scores: &[f32],     // [nnz, num_kv_heads]
+    blk_indptr: &[i32], // [num_seqs + 1]
+    k: usize,
+    out: &mut [i32], // [num_seqs, num_kv_heads, k]
+) -> Result<()> {
+    if num_kv_heads == 0 {
+        return Err(OasisError::Config("num_kv_heads must be positive".to_string()));
+    }
+    let nnz = leading_rows("scores", scores.len(), &[num_kv_heads])?;
+    let num_seqs = csr("blk_indptr", blk_indptr, "scores", nnz)?;
+    check_len("out", out.len(), &[num_seqs, num_kv_heads, k])?;
+    if k == 0 {
+        return Ok(());
+    }
+    let mut order: Vec<u32> = Vec::new();
+    for s in 0..num_seqs {
+        let range = csr_range(blk_indptr, s);
+        let n = range.len();
+        // n <= nnz <= i32::MAX: logical indices fit u32 and i32.
+        for h in 0..num_kv_heads {
+            let col = &scores[range.start * num_kv_heads + h..];
+            order.clear();
+            order.extend(0..n as u32);
+            let cmp = |a: &u32, b: &u32| ranks_before(col, num_kv_heads, *a, *b);
+            let take = k.min(n);
+            if take < n {
+                // The comparator is a total order, so the partition is deterministic.
+                order.select_nth_unstable_by(take - 1, cmp);
+            }
+            order[..take].sort_unstable_by(cmp);
+            let dst = &mut out[(s * num_kv_heads + h) * k..][..k];
+            for (o, i) in dst.iter_mut().zip(order[..take].iter().map(|&i| i as i32).chain(std::iter::repeat(-1))) {
+                *o = i;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::bf16;
+
+    #[test]
+    fn score_matches_naive() {
+        let g = KvGeometry::new(6, 2, 5, 4).unwrap();
+        let (hq, h_kv, d) = (6, 2, 5);
+        let num_host = 7;
+        let val = |i: usize| ((i * 37 + 11) % 23) as f32 / 4.0 - 2.7;
+        let q: Vec<bf16> = (0..2 * hq * d).map(|i| bf16::from_f32(val(i * 3))).collect();
+        let mut sm = vec![bf16::ZERO; num_host * h_kv * 2 * d];
+        for b in 0..num_host {
+            for h in 0..h_kv {
+                for x in 0..d {
+                    let (a, c) = (val(b * 31 + h * 7 + x), val(b * 13 + h * 5 + x + 100));
+                    sm[(b * h_kv + h) * 2 * d + x] = bf16::from_f32(a.min(c));
+                    sm[((b * h_kv + h) * 2 + 1) * d + x] = bf16::from_f32(a.max(c));
+                }
+            }
+        }
+        let indptr = [0, 3, 3, 5];
+        let indices = [6, 0, 2, 2, 5];
+        let mut scores = vec![f32::NAN; 5 * h_kv];
+        // Seq 1 has no blocks: q has 3 rows.
+        let q3: Vec<bf16> = q.iter().chain(&q[..hq * d]).copied().collect();
+        score_blocks(&g, &q3, &sm, &indptr, &indices, &mut scores).unwrap();
+        for s in 0..3 {
+            for j in indptr[s] as usize..indptr[s + 1] as usize {
+                let b = indices[j];
+                for h in 0..h_kv {
+                    let mut want = 0.0f64;
+                    for gq in 0..hq {
+                        if gq / (hq / h_kv) != h {
+                            continue;
+                        }
+                        for x in 0..d {
+                            let qv = q3[(s * hq + gq) * d + x].to_f32() as f64;
+                            let lo = sm[(b * h_kv + h) * 2 * d + x].to_f32() as f64;
+                            let hi = sm[((b * h_kv + h) * 2 + 1) * d + x].to_f32() as f64;
+                            want += (qv * lo).max(qv * hi);
+                        }
+                    }
+                    let got = scores[j * h_kv + h] as f64;
+                    assert!((got - want).abs() <= 1e-4 + 1e-5 * want.abs(), "{got} vs {want}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn score_validation() {
+        let g = KvGeometry::new(2, 1, 2, 4).unwrap();
+        let q = [1.0f32; 4];
+        let sm = [0.0f32; 2 * 2 * 2];
+        let mut sc = [0.0f32; 2];
+        let r = score_blocks(&g, &q, &sm, &[0, 2], &[0, 2], &mut sc);
+        assert!(matches!(r, Err(OasisError::IndexOutOfRange { what: "blk_indices", index: 2, bound: 2 })));
+        let r = score_blocks(&g, &q, &sm, &[0, 2], &[0, -1], &mut sc);
+        assert!(matches!(r, Err(OasisError::IndexOutOfRange { what: "blk_indices", index: -1, .. })));
+        let r = score_blocks(&g, &q[1..], &sm, &[0, 2], &[0, 1], &mut sc);
+        assert!(matches!(r, Err(OasisError::Shape { what: "q", .. })));
+        let r = score_blocks(&g, &q, &sm[1..], &[0, 2], &[0, 1], &mut sc);
+        assert!(matches!(r, Err(OasisError::Shape { what: "summaries", .. })));
+        let r = score_blocks(&g, &q, &sm, &[0, 2], &[0, 1], &mut sc[1..]);
+        assert!(matches!(r, Err(OasisError::Shape { what: "scores", .. })));
+        let r = score_blocks(&g, &q, &sm, &[0, 1], &[0, 1], &mut sc);
+        assert!(matches!(r, Err(OasisError::Shape { what: "blk_indices", .. })));
+        let r = score_blocks(&g, &q, &sm, &[1, 2], &[0, 1], &mut sc);
+        assert!(matches!(r, Err(OasisError::Invalid(_))));
+        assert_eq!(sc, [0.0; 2]);
+        score_blocks(&g, &q, &sm, &[0, 2], &[0, 1], &mut sc).unwrap();
+    }
+
+    /// Reference: full sort of (score desc, NaN last, index asc).
+    fn naive_topk(col: &[f32], k: usize) -> Vec<i32> {
+        let mut idx: Vec<usize> = (0..col.len()).collect();
+        idx.sort_by(|&a, &b| {
+            let key = |i: usize| if col[i].is_nan() { f32::NEG_INFINITY } else { col[i] };
+            let nan = |i: usize| col[i].is_nan();
+            nan(a).cmp(&nan(b)).then(key(b).partial_cmp(&key(a)).unwrap()).then(a.cmp(&b))
+        });
+        let mut out: Vec<i32> = idx.into_iter().take(k).map(|i| i as i32).collect();
+        out.resize(k, -1);
+        out
+    }
+
+    #[test]
+    fn topk_matches_naive_with_ties_nan_and_padding() {
+        let h_kv = 2;
+        let indptr = [0, 6, 6, 9];
+        let col0 = [1.0, 3.0, 3.0, -0.0, f32::NAN, 0.0];
+        let col1 = [2.0, 2.0, 2.0, f32::NEG_INFINITY, 5.0, 2.0];
+        let s2 = [[7.0, f32::NAN, 7.0], [-1.0, -2.0, -1.0]];
+        let mut scores = Vec::new();
+        for j in 0..6 {
+            scores.extend([col0[j], col1[j]]);
+        }
+        for j in 0..3 {
+            scores.extend([s2[0][j], s2[1][j]]);
+        }
+        for k in [1, 2, 3, 4, 6, 8] {
+            let mut out = vec![99; 3 * h_kv * k];
+            topk_blocks(h_kv, &scores, &indptr, k, &mut out).unwrap();
+            assert_eq!(&out[..k], naive_topk(&col0, k).as_slice(), "k={k}");
+            assert_eq!(&out[k..2 * k], naive_topk(&col1, k).as_slice(), "k={k}");
+            assert!(out[2 * k..4 * k].iter().all(|&x| x == -1));
+            assert_eq!(&out[4 * k..5 * k], naive_topk(&s2[0], k).as_slice());
+            assert_eq!(&out[5 * k..6 * k], naive_topk(&s2[1], k).as_slice());
+        }
+        let mut out = vec![0; 6];
+        topk_blocks(h_kv, &scores, &indptr, 1, &mut out).unwrap();
+        assert_eq!(out, [1, 4, -1, -1, 0, 0]);
+        // k = 0 is an empty output.
+        topk_blocks(h_kv, &scores, &indptr, 0, &mut []).unwrap();
+    }
+
+    #[test]
+    fn topk_validation() {
+        let scores = [1.0f32; 6];
+        let mut out = [5i32; 4];
+        assert!(matches!(topk_blocks(0, &scores, &[0, 3], 2, &mut out), Err(OasisError::Config(_))));
+        let r = topk_blocks(2, &scores[1..], &[0, 3], 2, &mut out);
+        assert!(matches!(r, Err(OasisError::Shape { what: "scores", .. })));
+        let r = topk_blocks(2, &scores, &[0, 2], 2, &mut out);
+        assert!(matches!(r, Err(OasisError::Shape { what: "scores", .. })));
+        let r = topk_blocks(2, &scores, &[0, 3], 2, &mut out[1..]);
+        assert!(matches!(r, Err(OasisError::Shape { what: "out", .. })));
+        assert!(matches!(topk_blocks(2, &scores, &[0, 4, 3], 1, &mut out), Err(OasisError::Invalid(_))));
+        assert!(matches!(topk_blocks(2, &scores, &[], 1, &mut out), Err(OasisError::Shape { .. })));
+        assert_eq!(out, [5; 4]);
+    }
+}

@@ -1,0 +1,176 @@
+// oasis_common.cuh — what every OasisKV kernel shares: storage types, f32 conversions, warp and
+// block helpers, a shared-memory bitonic sort and a block-wide byte copy.
+//
+// No framework and no CUDA toolkit header is included on purpose (flashinfer's rule): NVRTC
+// compiles these files with nothing but this header, passed to it explicitly by oasis-cuda, so
+// the build does not depend on which cuda_fp16.h / cuda_bf16.h a machine happens to have.
+// Storage types are plain 16-bit wrappers; arithmetic is always f32.
+#pragma once
+
+namespace oasis {
+
+typedef unsigned long long u64;
+typedef long long i64;
+typedef unsigned int u32;
+
+// 16-bit storage types: bit patterns only, converted to f32 for every arithmetic operation.
+struct __align__(2) bf16 {
+    unsigned short bits;
+};
+struct __align__(2) f16 {
+    unsigned short bits;
+};
+
+__device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000); }
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(bf16 x) { return __uint_as_float(((u32)x.bits) << 16); }
+__device__ __forceinline__ float to_f32(f16 x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(x.bits));
+    return f;
+}
+
+// Round to nearest even, like half::bf16::from_f32 / half::f16::from_f32 in the CPU twins.
+template <typename T>
+__device__ __forceinline__ T from_f32(float x);
+
+template <>
+__device__ __forceinline__ float from_f32<float>(float x) {
+    return x;
+}
+
+template <>
+__device__ __forceinline__ bf16 from_f32<bf16>(float x) {
+    u32 u = __float_as_uint(x);
+    bf16 r;
+    if ((u & 0x7fffffffu) > 0x7f800000u) {  // NaN: keep it a (quiet) NaN
+        r.bits = (unsigned short)((u >> 16) | 0x0040u);
+        return r;
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    r.bits = (unsigned short)(u >> 16);
+    return r;
+}
+
+template <>
+__device__ __forceinline__ f16 from_f32<f16>(float x) {
+    f16 r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.bits) : "f"(x));
+    return r;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Exclusive prefix sum of `v` over the whole thread block (blockDim.x a multiple of 32, at most
+// 1024); `*total` receives the block sum. Every thread must call it; `scratch` holds 33 ints of
+// shared memory. Ends with a barrier, so it can be called again right away.
+__device__ __forceinline__ int block_exclusive_scan(int v, int* scratch, int* total) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int nwarps = blockDim.x >> 5;
+    int incl = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        int n = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += n;
+    }
+    if (lane == 31) scratch[warp] = incl;
+    __syncthreads();
+    if (warp == 0) {
+        int w = lane < nwarps ? scratch[lane] : 0;
+        int wincl = w;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            int n = __shfl_up_sync(0xffffffffu, wincl, o);
+            if (lane >= o) wincl += n;
+        }
+        if (lane < nwarps) scratch[lane] = wincl - w;  // exclusive prefix of the warp totals
+        if (lane == nwarps - 1) scratch[32] = wincl;
+    }
+    __syncthreads();
+    const int excl = scratch[warp] + incl - v;
+    *total = scratch[32];
+    __syncthreads();
+    return excl;
+}
+
+// Ascending in-place bitonic sort of `n` keys in shared memory, `n` a power of two. Every thread
+// of the block must call it, after a barrier that published the keys; ends with a barrier.
+template <typename K>
+__device__ void block_bitonic_sort(K* a, int n) {
+    for (int k = 2; k <= n; k <<= 1) {
+        for (int j = k >> 1; j > 0; j >>= 1) {
+            for (int i = threadIdx.x; i < n; i += blockDim.x) {
+                const int ixj = i ^ j;
+                if (ixj > i) {
+                    const K x = a[i];
+                    const K y = a[ixj];
+                    const bool ascending = (i & k) == 0;
+                    if ((x > y) == ascending) {
+                        a[i] = y;
+                        a[ixj] = x;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+}
+
+__device__ __forceinline__ int next_pow2(int n) {
+    int p = 1;
+    while (p < n) p <<= 1;
+    return p;
+}
+
+// Number of 16-byte loads each thread keeps in flight in block_copy_bytes. Tuned for reads of
+// pinned host memory through UVA, where every load pays a PCIe round trip.
+#define OASIS_COPY_UNROLL 4
+
+// Block-cooperative copy of `n` bytes; 16-byte accesses when both pointers and `n` allow it,
+// else 4-, 2- or 1-byte ones. Either side may be pinned host memory reached through UVA.
+__device__ __forceinline__ void block_copy_bytes(void* __restrict__ dst, const void* __restrict__ src, u64 n) {
+    const u64 align = (u64)dst | (u64)src | n;
+    const u64 tid = threadIdx.x;
+    const u64 nt = blockDim.x;
+    if ((align & 15) == 0) {
+        const uint4* s = (const uint4*)src;
+        uint4* d = (uint4*)dst;
+        const u64 n16 = n >> 4;
+        u64 i = tid;
+        for (; i + (OASIS_COPY_UNROLL - 1) * nt < n16; i += OASIS_COPY_UNROLL * nt) {
+            uint4 r[OASIS_COPY_UNROLL];
+#pragma unroll
+            for (int u = 0; u < OASIS_COPY_UNROLL; ++u) r[u] = s[i + u * nt];
+#pragma unroll
+            for (int u = 0; u < OASIS_COPY_UNROLL; ++u) d[i + u * nt] = r[u];
+        }
+        for (; i < n16; i += nt) d[i] = s[i];
+    } else if ((align & 3) == 0) {
+        const u32* s = (const u32*)src;
+        u32* d = (u32*)dst;
+        for (u64 i = tid; i < (n >> 2); i += nt) d[i] = s[i];
+    } else if ((align & 1) == 0) {
+        const unsigned short* s = (const unsigned short*)src;
+        unsigned short* d = (unsigned short*)dst;
+        for (u64 i = tid; i < (n >> 1); i += nt) d[i] = s[i];
+    } else {
+        const unsigned char* s = (const unsigned char*)src;
+        unsigned char* d = (unsigned char*)dst;
+        for (u64 i = tid; i < n; i += nt) d[i] = s[i];
+    }
+}
+
+}  // namespace oasis

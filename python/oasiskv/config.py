@@ -1,0 +1,92 @@
+"""User-facing configuration of the KV cache."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class KvConfig:
+    """How OasisKV keeps the KV cache of a request.
+
+    A request decodes densely until its context passes ``sparse_threshold`` tokens; then its full
+    KV moves to the host pool and the GPU keeps, per layer and KV head, ``top_k_blocks`` selected
+    blocks plus the local block. Each step the lookahead query re-selects; at most ``fetch_cap``
+    new blocks per KV head enter the working set per step (the per-step traffic cap of the paper,
+    eq. 3).
+
+    Attributes:
+        block_size: tokens per KV block (page).
+        top_k_blocks: the working-set budget K, in blocks per KV head (excluding the local block).
+        fetch_cap: the cap C on new blocks per KV head and step: a fraction of ``top_k_blocks`` when
+            a float in (0, 1], an absolute count when an int >= 1. ``None`` means uncapped (C = K).
+        sparse_threshold: context length (tokens) past which a request turns sparse. Defaults to
+            the budget, ``top_k_blocks * block_size``: below it the budget holds everything anyway.
+        kv_dtype: storage dtype of the pools; defaults to the model's dtype.
+        num_gpu_pages: pages in the GPU pool (shared by all requests, per layer). ``None`` sizes the
+            pool for the batch of each ``generate`` call.
+        num_host_blocks: blocks in the host pool; ``None`` sizes it like ``num_gpu_pages``.
+        measure_recall: compute lookahead recall (the predicted set against the exact top-K of the
+            next step's true query). Costs one extra scoring pass per layer and step.
+    """
+
+    block_size: int = 16
+    top_k_blocks: int = 128
+    fetch_cap: float | int | None = 0.05
+    sparse_threshold: int | None = None
+    kv_dtype: torch.dtype | None = None
+    num_gpu_pages: int | None = None
+    num_host_blocks: int | None = None
+    measure_recall: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
+            raise ConfigError(f"block_size must be an int in 1..=1024, got {self.block_size!r}")
+        if not isinstance(self.top_k_blocks, int) or self.top_k_blocks < 1:
+            raise ConfigError(f"top_k_blocks must be an int >= 1, got {self.top_k_blocks!r}")
+        cap = self.fetch_cap
+        if cap is not None:
+            if isinstance(cap, bool) or not isinstance(cap, int | float):
+                raise ConfigError(f"fetch_cap must be a float in (0, 1], an int >= 1 or None, got {cap!r}")
+            if isinstance(cap, float) and not 0.0 < cap <= 1.0:
+                raise ConfigError(
+                    f"fetch_cap={cap}: a float is a fraction of top_k_blocks and must lie in (0, 1]; "
+                    "pass an int for an absolute number of blocks"
+                )
+            if isinstance(cap, int) and cap < 1:
+                raise ConfigError(f"fetch_cap={cap}: an absolute cap must be >= 1 (use None for uncapped)")
+        if self.sparse_threshold is not None and (
+            not isinstance(self.sparse_threshold, int) or self.sparse_threshold < 1
+        ):
+            raise ConfigError(f"sparse_threshold must be an int >= 1 or None, got {self.sparse_threshold!r}")
+        if self.kv_dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
+            raise ConfigError(f"kv_dtype must be float32, float16 or bfloat16, got {self.kv_dtype}")
+        for name in ("num_gpu_pages", "num_host_blocks"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ConfigError(f"{name} must be an int >= 1 or None, got {v!r}")
+        if self.num_gpu_pages is not None and self.num_gpu_pages < self.top_k_blocks + 1:
+            raise ConfigError(
+                f"the budget needs top_k_blocks + 1 = {self.top_k_blocks + 1} GPU pages per sparse request "
+                f"but num_gpu_pages={self.num_gpu_pages}; lower top_k_blocks or raise num_gpu_pages"
+            )
+
+    @property
+    def cap_blocks(self) -> int:
+        """The fetch cap C in blocks per KV head and step."""
+        if self.fetch_cap is None:
+            return self.top_k_blocks
+        if isinstance(self.fetch_cap, float):
+            return max(1, min(self.top_k_blocks, math.ceil(self.fetch_cap * self.top_k_blocks)))
+        return min(self.fetch_cap, self.top_k_blocks)
+
+    @property
+    def threshold_tokens(self) -> int:
+        if self.sparse_threshold is not None:
+            return self.sparse_threshold
+        return self.top_k_blocks * self.block_size

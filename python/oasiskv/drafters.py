@@ -1,0 +1,157 @@
+"""Lookahead sources: where the draft token of the next position comes from.
+
+At decode step t a request feeds its current token x_t (position p) and, stacked beside it, a draft
+token d_{t+1} for position p+1. The draft row's query at each layer ranks the block summaries and
+predicts the blocks step t+1 will attend to. Every drafter answers one question: given the tokens
+so far (ending with x_t), which token is at p+1?
+
+* :class:`NgramDrafter` — prompt lookup: the token that followed the latest earlier occurrence of
+  the longest matching suffix n-gram.
+* :class:`Eagle3Drafter` — an EAGLE-3 head over the target's captured hidden states.
+* :class:`OracleDrafter` — the true next token (known from a reference run); measurement only.
+* :class:`PreviousQueryDrafter` — no lookahead row at all: the current query predicts the next
+  step (the FreeKV-like baseline the paper compares against).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .errors import ConfigError
+
+
+class Drafter:
+    """Interface of a lookahead source. Subclasses override :meth:`propose`."""
+
+    name = "drafter"
+    #: False when the drafter adds no lookahead row (the current query predicts the next step).
+    uses_lookahead_row = True
+
+    def capture_layers(self, num_layers: int) -> tuple[int, ...]:
+        """Target layers whose entering residual stream the drafter needs (none by default)."""
+        return ()
+
+    def begin(self, req_id: int, prompt: Sequence[int]) -> None:
+        """A request starts."""
+
+    def end(self, req_id: int) -> None:
+        """A request finished; drop its state."""
+
+    def propose(self, req_id: int, tokens: Sequence[int], features: torch.Tensor | None = None) -> int:
+        """The draft for the position after ``tokens[-1]``.
+
+        ``features`` are the target's captured hidden states of the position before ``tokens[-1]``
+        (``[3 * hidden]``), for drafters that ask for them.
+        """
+        raise NotImplementedError
+
+
+class NgramDrafter(Drafter):
+    """Prompt-lookup drafting: match the longest suffix n-gram (``max_n`` down to ``min_n``) against
+    earlier text and propose the token that followed its latest occurrence. Without a match it
+    proposes the current token again (a weak but harmless draft)."""
+
+    name = "ngram"
+
+    def __init__(self, max_n: int = 4, min_n: int = 1, window: int = 8192) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ConfigError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
+        self.max_n, self.min_n, self.window = max_n, min_n, window
+        self.hits = 0
+        self.misses = 0
+
+    def propose(self, req_id, tokens, features=None) -> int:
+        toks = list(tokens[-self.window :])
+        n_tok = len(toks)
+        for n in range(min(self.max_n, n_tok - 1), self.min_n - 1, -1):
+            suffix = toks[n_tok - n :]
+            # Latest earlier occurrence whose follower exists.
+            for start in range(n_tok - n - 1, -1, -1):
+                if toks[start : start + n] == suffix:
+                    self.hits += 1
+                    return toks[start + n]
+        self.misses += 1
+        return toks[-1]
+
+
+class OracleDrafter(Drafter):
+    """The true next token, read from reference continuations (one list of generated tokens per
+    prompt, e.g. from a dense greedy run). For measuring the lookahead mechanism only."""
+
+    name = "oracle"
+
+    def __init__(self, continuations: Sequence[Sequence[int]]) -> None:
+        self.continuations = [list(c) for c in continuations]
+        self._prompt_len: dict[int, int] = {}
+
+    def begin(self, req_id, prompt) -> None:
+        if req_id >= len(self.continuations):
+            raise ConfigError(
+                f"OracleDrafter has {len(self.continuations)} continuations but request {req_id} started; "
+                "pass one continuation per prompt"
+            )
+        self._prompt_len[req_id] = len(prompt)
+
+    def propose(self, req_id, tokens, features=None) -> int:
+        cont = self.continuations[req_id]
+        i = len(tokens) - self._prompt_len[req_id]  # index of the next generated token
+        return cont[i] if 0 <= i < len(cont) else tokens[-1]
+
+
+class PreviousQueryDrafter(Drafter):
+    """No lookahead: step t's own query selects the blocks of step t+1."""
+
+    name = "previous-query"
+    uses_lookahead_row = False
+
+    def propose(self, req_id, tokens, features=None) -> int:  # pragma: no cover - never called
+        raise RuntimeError("PreviousQueryDrafter adds no lookahead row")
+
+
+class Eagle3Drafter(Drafter):
+    """An EAGLE-3 head (see :mod:`oasiskv.models.eagle3`) drafting one token per step."""
+
+    name = "eagle3"
+
+    def __init__(self, head, target) -> None:
+        from .models.eagle3 import Eagle3State  # local: keeps `import oasiskv` light
+
+        self.head = head
+        self.target = target
+        self._state_cls = Eagle3State
+        self._states: dict[int, object] = {}
+
+    def capture_layers(self, num_layers: int) -> tuple[int, ...]:
+        return tuple(self.head.capture_layers(num_layers))
+
+    def begin(self, req_id, prompt) -> None:
+        self._states[req_id] = self._state_cls()
+
+    def end(self, req_id) -> None:
+        self._states.pop(req_id, None)
+
+    @torch.no_grad()
+    def propose(self, req_id, tokens, features=None) -> int:
+        if features is None:
+            return tokens[-1]
+        state = self._states[req_id]
+        pos = torch.tensor([len(tokens) - 1])
+        ids = torch.tensor([tokens[-1]])
+        draft, _ = self.head.step(state, features.reshape(1, -1), ids, pos)
+        return int(draft[0])
+
+
+def make_drafter(spec: str | Drafter | None) -> Drafter | None:
+    """``"ngram"``, ``"previous-query"``, ``None`` or a Drafter instance."""
+    if spec is None or isinstance(spec, Drafter):
+        return spec
+    if spec == "ngram":
+        return NgramDrafter()
+    if spec in ("previous-query", "none"):
+        return PreviousQueryDrafter()
+    raise ConfigError(
+        f"unknown drafter {spec!r}; use 'ngram', 'previous-query', or pass a Drafter instance "
+        "(Eagle3Drafter(head, model), OracleDrafter(continuations))"
+    )

@@ -1,0 +1,445 @@
+"""The decode engine: requests, the KV pools, and one forward pass per step.
+
+One :class:`Engine` owns the per-layer pools (GPU pages, host blocks, summaries, head-wise mapping)
+and runs batches of requests. Every step it
+
+1. plans on the CPU, once for all layers: which page each request's new token goes to, the
+   attention tables (dense requests: their page table; sparse ones: their budget slots plus the
+   local block) and the scoring tables of the sparse requests;
+2. runs the model forward over the stacked rows ``[x_t ; d_{t+1}]`` of every request; at each
+   layer the attention callback appends x_t's K/V (with write-through for sparse requests),
+   attends both rows over the working set in one call, and for sparse requests lets the lookahead
+   row score the block summaries, select the next step's blocks (delta selection, capped) and
+   gather them from the host pool;
+3. samples, drafts the next lookahead token, and turns requests sparse once their context passes
+   the threshold.
+
+On the CPU the "background" stages run inline after each layer's attention; the GPU backend
+moves them onto their own streams without changing this structure.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from . import ops
+from .config import KvConfig
+from .drafters import Drafter
+from .errors import ConfigError, OutOfBlocksError
+
+BACKENDS = ("dense", "oasis")
+
+
+@dataclass
+class RequestMetrics:
+    """What one request cost and how well its lookahead predicted.
+
+    Byte counts are per request, over all layers, K and V together.
+    """
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    steps: int = 0
+    sparse_steps: int = 0
+    sparse_since_token: int | None = None
+    full_kv_bytes: int = 0
+    resident_kv_bytes: int = 0
+    summary_bytes: int = 0
+    fetched_bytes_total: int = 0
+    fetched_bytes_per_step: float = 0.0
+    lookahead_recall: float | None = None
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class GenerationResult:
+    request_id: int
+    prompt_tokens: list[int]
+    tokens: list[int]
+    text: str | None
+    finish_reason: str
+    metrics: RequestMetrics
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["metrics"] = self.metrics.as_dict()
+        return d
+
+
+@dataclass
+class _Request:
+    id: int
+    prompt: list[int]
+    max_new_tokens: int
+    tokens: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)  # dense page table, logical order
+    sparse: bool = False
+    slot_pages: list[int] = field(default_factory=list)  # the budget: K pages (head-wise mapped)
+    local_page: int = -1
+    host_blocks: list[int] = field(default_factory=list)  # host block of each logical block
+    draft: int | None = None
+    features: torch.Tensor | None = None
+    pred: list[torch.Tensor | None] = field(default_factory=list)  # per layer [Hkv, K] last prediction
+    finish_reason: str | None = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    recall_sum: float = 0.0
+    recall_n: int = 0
+
+    @property
+    def kv_len(self) -> int:
+        """Tokens whose KV is stored (every token but the newest)."""
+        return len(self.tokens) - 1
+
+
+class KvPools:
+    """The per-layer pools and their allocators (one page id addresses the same page in every layer)."""
+
+    def __init__(self, geo, num_layers: int, dtype: torch.dtype, num_pages: int, num_host_blocks: int,
+                 device: torch.device) -> None:
+        hk, b, d = geo.num_kv_heads, geo.block_size, geo.head_dim
+        self.geo, self.dtype, self.num_layers = geo, dtype, num_layers
+        self.num_pages, self.num_host_blocks = num_pages, num_host_blocks
+        # [num_pages, num_kv_heads, block_size, head_dim] per layer
+        self.k_pages = [torch.zeros(num_pages, hk, b, d, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_pages = [torch.zeros(num_pages, hk, b, d, dtype=dtype, device=device) for _ in range(num_layers)]
+        # Head-wise mapping per layer: [num_pages, num_kv_heads], logical block held, -1 empty.
+        self.page_map = torch.full((num_layers, num_pages, hk), -1, dtype=torch.int32)
+        self.page_last_selected = torch.full((num_layers, num_pages, hk), -1, dtype=torch.int32)
+        # Host pool (pinned when a GPU is used) and summaries: [num_host_blocks, ...] per layer.
+        self.host_k = [torch.zeros(num_host_blocks, hk, b, d, dtype=dtype) for _ in range(num_layers)]
+        self.host_v = [torch.zeros(num_host_blocks, hk, b, d, dtype=dtype) for _ in range(num_layers)]
+        self.summaries = [torch.zeros(num_host_blocks, hk, 2, d, dtype=dtype) for _ in range(num_layers)]
+        self.gpu = ops.BlockPool("gpu", num_pages)
+        self.host = ops.BlockPool("host", num_host_blocks)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page, K and V, one layer."""
+        g = self.geo
+        return 2 * g.num_kv_heads * g.block_size * g.head_dim * self.dtype.itemsize
+
+    @property
+    def summary_block_bytes(self) -> int:
+        g = self.geo
+        return 2 * g.num_kv_heads * g.head_dim * self.dtype.itemsize
+
+
+def _i32(x) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.int32)
+
+
+def _csr(lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    indptr = [0]
+    flat: list[int] = []
+    for xs in lists:
+        flat.extend(xs)
+        indptr.append(len(flat))
+    return _i32(indptr), _i32(flat)
+
+
+class Engine:
+    """Runs requests over one model with one attention backend (``dense`` or ``oasis``)."""
+
+    def __init__(self, model, kv: KvConfig, backend: str, drafter: Drafter | None, eos_token_ids=()) -> None:
+        if backend not in BACKENDS:
+            raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.model = model
+        self.cfg = model.config
+        self.kv = kv
+        self.backend = backend
+        self.drafter = drafter
+        self.eos = set(eos_token_ids)
+        c = self.cfg
+        self.geo = ops.KvGeometry(c.num_attention_heads, c.num_key_value_heads, c.head_dim, kv.block_size)
+        self.dtype = kv.kv_dtype or next(model.parameters()).dtype
+        self.device = next(model.parameters()).device
+        self.rows = 2 if (drafter is not None and drafter.uses_lookahead_row) else 1
+        self.capture = tuple(drafter.capture_layers(c.num_hidden_layers)) if drafter is not None else ()
+        self.pools: KvPools | None = None
+        self.step_no = 0
+        # Latest lookahead query of every layer ([batch, num_qo_heads, head_dim]) and each request's
+        # row in it: the initial selection of a request that turns sparse uses them.
+        self._last_q: list[torch.Tensor | None] = [None] * c.num_hidden_layers
+        self._last_row: dict[int, int] = {}
+
+    # ---------------------------------------------------------------- pools
+    def ensure_pools(self, requests: list[_Request]) -> None:
+        """Size the pools for this batch unless the config fixes them."""
+        b = self.kv.block_size
+        need = sum(math.ceil((len(r.prompt) + r.max_new_tokens + 1) / b) + 1 for r in requests)
+        need = max(need, len(requests) * (self.kv.top_k_blocks + 2))
+        pages = self.kv.num_gpu_pages or need
+        host = self.kv.num_host_blocks or self.kv.num_gpu_pages or need
+        p = self.pools
+        if p is not None and p.num_pages >= pages and p.num_host_blocks >= host and p.gpu.num_free == p.num_pages:
+            return
+        self.pools = KvPools(self.geo, self.cfg.num_hidden_layers, self.dtype, pages, host, self.device)
+
+    # ---------------------------------------------------------------- request lifecycle
+    def _alloc(self, pool, n: int, what: str) -> list[int]:
+        try:
+            return pool.allocate(n)
+        except OutOfBlocksError as e:
+            raise OutOfBlocksError(
+                f"{e} while allocating {what}; raise KvConfig.num_gpu_pages / num_host_blocks, lower "
+                "top_k_blocks, or submit fewer requests at once"
+            ) from None
+
+    def release(self, r: _Request) -> None:
+        p = self.pools
+        if p is None:
+            return
+        pages = r.pages + r.slot_pages + ([r.local_page] if r.local_page >= 0 else [])
+        if pages:
+            p.gpu.free(sorted(set(pages)))
+        if r.host_blocks:
+            p.host.free(r.host_blocks)
+        r.pages, r.slot_pages, r.local_page, r.host_blocks = [], [], -1, []
+        if self.drafter is not None:
+            self.drafter.end(r.id)
+
+    def _set_map(self, pages: list[int], value) -> None:
+        """Set the head-wise mapping of whole pages in every layer (value: int or per-page list)."""
+        p = self.pools
+        idx = torch.tensor(pages, dtype=torch.long)
+        if isinstance(value, int):
+            p.page_map[:, idx, :] = value
+        else:
+            p.page_map[:, idx, :] = _i32(value).view(1, -1, 1)
+        p.page_last_selected[:, idx, :] = -1
+
+    # ---------------------------------------------------------------- prefill
+    @torch.no_grad()
+    def prefill(self, r: _Request) -> torch.Tensor:
+        """Run the prompt densely, store its KV in fresh pages, return the last row's logits."""
+        from .models.transformer import causal_attention
+
+        p = self.pools
+        b = self.kv.block_size
+        n = len(r.prompt)
+        n_blocks = math.ceil(n / b)
+        r.pages = self._alloc(p.gpu, n_blocks, f"{n_blocks} pages for a {n}-token prompt")
+        self._set_map(r.pages, list(range(n_blocks)))
+        page_idx = torch.tensor(r.pages, dtype=torch.long, device=self.device)
+        scale = self.geo.head_dim ** -0.5
+        hk, d = self.geo.num_kv_heads, self.geo.head_dim
+
+        def attn(layer, q, k, v):
+            o = causal_attention(q, k, v, scale)
+            pad = n_blocks * b - n
+            for src, pool in ((k, p.k_pages[layer]), (v, p.v_pages[layer])):
+                x = torch.nn.functional.pad(src.to(self.dtype), (0, 0, 0, 0, 0, pad))
+                pool[page_idx] = x.view(n_blocks, b, hk, d).transpose(1, 2)
+            self._last_q[layer] = q[-1:].to(self.dtype)
+            return o
+
+        self._last_row = {r.id: 0}
+
+        ids = torch.tensor(r.prompt, dtype=torch.long, device=self.device)
+        pos = torch.arange(n, device=self.device)
+        logits, captured = self.model.forward(
+            ids, pos, attn, logits_rows=torch.tensor([n - 1], device=self.device), capture_layers=self.capture
+        )
+        if self.capture:
+            r.features = torch.cat([captured[i][-1] for i in self.capture])
+        r.pred = [None] * self.cfg.num_hidden_layers
+        return logits[0]
+
+    # ---------------------------------------------------------------- dense -> sparse
+    @torch.no_grad()
+    def make_sparse(self, r: _Request) -> None:
+        """Move the request's KV to the host pool and keep only the budget on the GPU.
+
+        The initial working set is the top-K of the latest lookahead query of every layer (the
+        last prompt token's query right after prefill), filled without the fetch cap.
+        """
+        p, g, kv = self.pools, self.geo, self.kv
+        b, k_budget = kv.block_size, kv.top_k_blocks
+        length = r.kv_len
+        n_blocks = math.ceil(length / b)
+        r.host_blocks = self._alloc(p.host, n_blocks, f"{n_blocks} host blocks")
+        src, dst = _i32(r.pages[:n_blocks]), _i32(r.host_blocks)
+        lens = _i32([b] * (n_blocks - 1) + [length - (n_blocks - 1) * b])
+        for layer in range(self.cfg.num_hidden_layers):
+            ops.copy_pages(g, p.k_pages[layer], p.v_pages[layer], src, p.host_k[layer], p.host_v[layer], dst)
+            ops.build_summaries(g, p.host_k[layer], dst, lens, p.summaries[layer])
+        # The local block is the block the next token lands in.
+        local_block = length // b
+        spare = list(r.pages)
+        if length % b != 0:
+            r.local_page = spare.pop(local_block)
+        else:
+            r.local_page = spare.pop()
+        if len(spare) < k_budget:
+            spare += self._alloc(p.gpu, k_budget - len(spare), f"the {k_budget}-page working set")
+        r.slot_pages, surplus = spare[:k_budget], spare[k_budget:]
+        if surplus:
+            p.gpu.free(surplus)
+        r.pages = []
+        self._set_map(r.slot_pages, -1)
+        self._set_map([r.local_page], local_block)
+        r.sparse = True
+        r.metrics.sparse_since_token = length
+        n_complete = length // b
+        slot_pages = _i32([r.slot_pages])
+        blk_indptr, blk_indices = _csr([r.host_blocks[:n_complete]])
+        host_indptr, host_indices = _csr([r.host_blocks])
+        for layer in range(self.cfg.num_hidden_layers):
+            row = self._last_row[r.id]
+            q = self._last_q[layer][row : row + 1].reshape(1, g.num_qo_heads, g.head_dim).contiguous()
+            scores = ops.score_blocks(g, q, p.summaries[layer], blk_indptr, blk_indices)
+            pred = ops.topk_blocks(g.num_kv_heads, scores, blk_indptr, k_budget)
+            ps, pb, _ = ops.delta_select(g.num_kv_heads, pred, slot_pages, p.page_map[layer],
+                                         p.page_last_selected[layer], self.step_no, k_budget)
+            ops.gather_blocks(g, ps, pb, slot_pages, host_indptr, host_indices, p.host_k[layer],
+                              p.host_v[layer], p.k_pages[layer], p.v_pages[layer])
+            r.pred[layer] = pred[0]
+
+    # ---------------------------------------------------------------- one decode step
+    @torch.no_grad()
+    def decode_step(self, reqs: list[_Request]) -> torch.Tensor:
+        """Advance every request by one token; returns row-0 logits ``[len(reqs), vocab]``."""
+        p, g, kv = self.pools, self.geo, self.kv
+        b, k_budget, cap = kv.block_size, kv.top_k_blocks, kv.cap_blocks
+        rows, n = self.rows, len(reqs)
+        hq, hk, d = g.num_qo_heads, g.num_kv_heads, g.head_dim
+
+        # ---- plan (CPU, once per step)
+        ids, pos = [], []
+        page_ids, offsets, host_ids, kv_lists, last_len = [], [], [], [], []
+        for r in reqs:
+            t = r.kv_len  # position of x_t
+            ids.append(r.tokens[-1])
+            pos.append(t)
+            if rows == 2:
+                ids.append(r.draft)
+                pos.append(t + 1)
+            blk, off = divmod(t, b)
+            if r.sparse:
+                if len(r.host_blocks) <= blk:
+                    r.host_blocks += self._alloc(p.host, 1, "a host block")
+                if off == 0:
+                    self._set_map([r.local_page], blk)
+                page_ids.append(r.local_page)
+                host_ids.append(r.host_blocks[blk])
+                kv_lists.append(r.slot_pages + [r.local_page])
+            else:
+                if len(r.pages) <= blk:
+                    new = self._alloc(p.gpu, 1, "a page")
+                    r.pages += new
+                    self._set_map(new, blk)
+                page_ids.append(r.pages[blk])
+                host_ids.append(-1)
+                kv_lists.append(list(r.pages))
+            offsets.append(off)
+            last_len.append(off + 1)
+        page_ids_t, offsets_t, host_ids_t = _i32(page_ids), _i32(offsets), _i32(host_ids)
+        kv_indptr, kv_indices = _csr(kv_lists)
+        last_len_t = _i32(last_len)
+
+        sp = [i for i, r in enumerate(reqs) if r.sparse]
+        if sp:
+            sp_idx = torch.tensor(sp, dtype=torch.long)
+            sp_reqs = [reqs[i] for i in sp]
+            slot_pages = _i32([r.slot_pages for r in sp_reqs])
+            # Candidates: blocks complete once x_t is appended.
+            blk_indptr, blk_indices = _csr([r.host_blocks[: (r.kv_len + 1) // b] for r in sp_reqs])
+            host_indptr, host_indices = _csr([r.host_blocks for r in sp_reqs])
+            fetched = torch.zeros(len(sp), dtype=torch.long)
+        step = self.step_no
+        scale = d ** -0.5
+        measure = kv.measure_recall
+
+        def attn(layer, q, k, v):
+            out_dtype = q.dtype
+            q4 = q.view(n, rows, hq, d).to(self.dtype).contiguous()
+            k4 = k.view(n, rows, hk, d).to(self.dtype)
+            v4 = v.view(n, rows, hk, d).to(self.dtype)
+            ops.append_kv(g, k4[:, 0].contiguous(), v4[:, 0].contiguous(), page_ids_t, offsets_t, host_ids_t,
+                          p.k_pages[layer], p.v_pages[layer], p.host_k[layer], p.host_v[layer], p.summaries[layer])
+            extra_k = k4[:, 1].contiguous() if rows == 2 else None
+            extra_v = v4[:, 1].contiguous() if rows == 2 else None
+            o = ops.decode_attention(g, q4, p.k_pages[layer], p.v_pages[layer], kv_indptr, kv_indices, last_len_t,
+                                     page_map=p.page_map[layer], extra_k=extra_k, extra_v=extra_v, sm_scale=scale)
+            self._last_q[layer] = q4[:, rows - 1]
+            if sp:
+                self._select(layer, q4, sp_idx, sp_reqs, slot_pages, blk_indptr, blk_indices, host_indptr,
+                             host_indices, step, cap, k_budget, measure, fetched)
+            return o.view(n * rows, hq, d).to(out_dtype)
+
+        self._last_row = {r.id: i for i, r in enumerate(reqs)}
+        ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
+        pos_t = torch.tensor(pos, dtype=torch.long, device=self.device)
+        row0 = torch.arange(0, n * rows, rows, device=self.device)
+        logits, captured = self.model.forward(ids_t, pos_t, attn, logits_rows=row0, capture_layers=self.capture)
+        if self.capture:
+            feats = torch.cat([captured[i][row0] for i in self.capture], dim=-1)
+            for i, r in enumerate(reqs):
+                r.features = feats[i]
+        entry_bytes = 2 * b * d * self.dtype.itemsize  # one block-head entry, K and V
+        for i, r in enumerate(reqs):
+            r.metrics.steps += 1
+        if sp:
+            for j, r in enumerate(sp_reqs):
+                r.metrics.sparse_steps += 1
+                r.metrics.fetched_bytes_total += int(fetched[j]) * entry_bytes
+        self.step_no += 1
+        return logits
+
+    def _select(self, layer, q4, sp_idx, sp_reqs, slot_pages, blk_indptr, blk_indices, host_indptr, host_indices,
+                step, cap, k_budget, measure, fetched) -> None:
+        """The background chain of one layer: score -> top-K -> delta selection -> gather."""
+        p, g = self.pools, self.geo
+        summaries = p.summaries[layer]
+        if measure:
+            # Recall of last step's prediction against the exact top-K of this step's true query.
+            q_now = q4[sp_idx, 0].contiguous()
+            actual = ops.topk_blocks(g.num_kv_heads, ops.score_blocks(g, q_now, summaries, blk_indptr, blk_indices),
+                                     blk_indptr, k_budget)
+            for j, r in enumerate(sp_reqs):
+                prev = r.pred[layer]
+                if prev is None:
+                    continue
+                for h in range(g.num_kv_heads):
+                    a = actual[j, h]
+                    a = a[a >= 0]
+                    if a.numel() == 0:
+                        continue
+                    pr = prev[h]
+                    hit = torch.isin(a, pr[pr >= 0]).sum().item()
+                    r.recall_sum += hit / a.numel()
+                    r.recall_n += 1
+        q_look = q4[sp_idx, -1].contiguous()
+        scores = ops.score_blocks(g, q_look, summaries, blk_indptr, blk_indices)
+        pred = ops.topk_blocks(g.num_kv_heads, scores, blk_indptr, k_budget)
+        ps, pb, _ = ops.delta_select(g.num_kv_heads, pred, slot_pages, p.page_map[layer],
+                                     p.page_last_selected[layer], step, cap)
+        ops.gather_blocks(g, ps, pb, slot_pages, host_indptr, host_indices, p.host_k[layer], p.host_v[layer],
+                          p.k_pages[layer], p.v_pages[layer])
+        fetched += (ps >= 0).sum(dim=(1, 2))
+        for j, r in enumerate(sp_reqs):
+            r.pred[layer] = pred[j]
+
+    # ---------------------------------------------------------------- metrics
+    def finalize_metrics(self, r: _Request) -> None:
+        p, m = self.pools, r.metrics
+        layers = self.cfg.num_hidden_layers
+        length = r.kv_len + 1  # the last token's KV would be stored by the next step
+        token_bytes = p.page_bytes // self.kv.block_size
+        m.full_kv_bytes = length * token_bytes * layers
+        n_blocks = math.ceil(length / self.kv.block_size)
+        if r.sparse:
+            m.summary_bytes = n_blocks * p.summary_block_bytes * layers
+            m.resident_kv_bytes = (len(r.slot_pages) + 1) * p.page_bytes * layers + m.summary_bytes
+        else:
+            m.resident_kv_bytes = n_blocks * p.page_bytes * layers
+        m.fetched_bytes_per_step = m.fetched_bytes_total / m.sparse_steps if m.sparse_steps else 0.0
+        m.lookahead_recall = r.recall_sum / r.recall_n if r.recall_n else None

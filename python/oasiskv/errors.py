@@ -1,0 +1,73 @@
+"""The OasisKV exception hierarchy.
+
+Every error the library raises on purpose is an :class:`OasisError`. Caller mistakes also derive
+from the matching built-in (``ValueError``, ``TypeError``, ...) so ``except ValueError`` keeps
+working. Messages say what was wrong and how to fix the call. The native module maps each Rust
+error variant onto one of these classes.
+"""
+
+from __future__ import annotations
+
+
+class OasisError(Exception):
+    """Base class of every error OasisKV raises on purpose."""
+
+
+class ConfigError(OasisError, ValueError):
+    """A configuration value is invalid (KvConfig, model config, CLI flags)."""
+
+
+class ShapeError(OasisError, ValueError):
+    """A tensor has the wrong shape for the operation."""
+
+
+class DTypeError(OasisError, TypeError):
+    """A tensor has a dtype the operation does not support."""
+
+
+class DeviceError(OasisError, ValueError):
+    """A tensor lives on the wrong device, or the devices of the arguments disagree."""
+
+
+class InvalidArgumentError(OasisError, ValueError):
+    """Arguments are inconsistent with each other (e.g. a fetch cap of zero, aliasing outputs)."""
+
+
+class IndexError_(OasisError, IndexError):
+    """A table entry (page id, block id, slot) points outside the buffer it indexes."""
+
+
+class OutOfBlocksError(OasisError, MemoryError):
+    """A pool (GPU pages or host blocks) has fewer free blocks than requested."""
+
+
+class ContextLengthError(OasisError, ValueError):
+    """A prompt plus the requested new tokens exceeds the model's context window."""
+
+
+class CheckpointError(OasisError, OSError):
+    """A checkpoint is missing, incomplete or corrupt."""
+
+
+class UnsupportedQuantizationError(CheckpointError):
+    """A GGUF tensor uses a quantisation type the loader does not support."""
+
+
+class CudaUnavailableError(OasisError, RuntimeError):
+    """A GPU path was requested but the CUDA driver, NVRTC or a supported GPU is missing."""
+
+
+__all__ = [
+    "OasisError",
+    "ConfigError",
+    "ShapeError",
+    "DTypeError",
+    "DeviceError",
+    "InvalidArgumentError",
+    "IndexError_",
+    "OutOfBlocksError",
+    "ContextLengthError",
+    "CheckpointError",
+    "UnsupportedQuantizationError",
+    "CudaUnavailableError",
+]

@@ -1,0 +1,283 @@
+"""Model hyper-parameters shared by the Llama and Qwen3 implementations.
+
+:class:`ModelConfig` is the one description of a target model that the rest of OasisKV reads
+(layer count, head geometry, RoPE). It is built from a Hugging Face ``config.json`` dict
+(:meth:`ModelConfig.from_hf_dict`, both the transformers 4.x ``rope_theta``/``rope_scaling`` and the
+5.x ``rope_parameters`` spellings) or from GGUF metadata (see :mod:`oasiskv.models.loader`), and
+written back with :meth:`ModelConfig.to_hf_dict`, which ``transformers.LlamaConfig`` /
+``Qwen3Config`` accept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from oasiskv.errors import ConfigError
+
+#: ``config.json`` ``model_type`` values this package implements, mapped to :attr:`ModelConfig.family`.
+SUPPORTED_MODEL_TYPES: dict[str, str] = {"llama": "llama", "qwen3": "qwen3"}
+#: RoPE scaling kinds implemented (``None`` = plain RoPE).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _normalize_rope_scaling(rs: Any) -> dict[str, Any] | None:
+    """Canonical form: ``None`` or ``{"rope_type": "linear"|"llama3", ...numbers}``."""
+    if rs is None:
+        return None
+    if not isinstance(rs, Mapping):
+        raise ConfigError(
+            f"rope_scaling must be None or a dict like {{'rope_type': 'llama3', 'factor': 8.0, ...}}, "
+            f"got {type(rs).__name__}"
+        )
+    rope_type = rs.get("rope_type", rs.get("type", "default"))
+    if rope_type in (None, "default"):
+        return None
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(
+            f"rope_scaling type {rope_type!r} is not supported; supported: 'llama3', 'linear' or none. "
+            "Use a checkpoint with one of those, or remove rope_scaling from config.json to run with plain RoPE."
+        )
+    out: dict[str, Any] = {"rope_type": rope_type}
+    if rope_type == "linear":
+        factor = rs.get("factor")
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor > 0:
+            raise ConfigError(f"linear rope_scaling needs a positive 'factor', got {factor!r}")
+        out["factor"] = float(factor)
+        return out
+    missing = [k for k in _LLAMA3_KEYS if k not in rs]
+    if missing:
+        raise ConfigError(
+            f"llama3 rope_scaling is missing {missing}; it needs all of {list(_LLAMA3_KEYS)} "
+            "(e.g. factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)"
+        )
+    out["factor"] = float(rs["factor"])
+    out["low_freq_factor"] = float(rs["low_freq_factor"])
+    out["high_freq_factor"] = float(rs["high_freq_factor"])
+    out["original_max_position_embeddings"] = int(rs["original_max_position_embeddings"])
+    if not out["factor"] > 0 or not out["original_max_position_embeddings"] > 0:
+        raise ConfigError(f"llama3 rope_scaling needs factor > 0 and original_max_position_embeddings > 0: {out}")
+    if not out["high_freq_factor"] > out["low_freq_factor"] > 0:
+        raise ConfigError(
+            f"llama3 rope_scaling needs high_freq_factor > low_freq_factor > 0, got "
+            f"high={out['high_freq_factor']}, low={out['low_freq_factor']}"
+        )
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of a decoder-only Llama or Qwen3 model.
+
+    ``head_dim`` defaults to ``hidden_size // num_attention_heads``. ``rope_scaling`` is ``None`` or a
+    dict ``{"rope_type": "llama3"|"linear", ...}`` (normalised on construction). ``eos_token_ids`` lists
+    every id that ends generation. Construction validates everything and raises
+    :class:`~oasiskv.errors.ConfigError` with a fix-it message.
+    """
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.family not in SUPPORTED_MODEL_TYPES.values():
+            raise ConfigError(
+                f"family must be one of {sorted(set(SUPPORTED_MODEL_TYPES.values()))}, got {self.family!r}"
+            )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "max_position_embeddings",
+        ):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ConfigError(f"{name} must be a positive int, got {v!r}")
+        head_dim = self.head_dim
+        if head_dim is None:
+            if self.hidden_size % self.num_attention_heads:
+                raise ConfigError(
+                    f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                    f"{self.num_attention_heads}; pass head_dim explicitly"
+                )
+            head_dim = self.hidden_size // self.num_attention_heads
+            object.__setattr__(self, "head_dim", head_dim)
+        if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim <= 0 or head_dim % 2:
+            raise ConfigError(f"head_dim must be a positive even int (RoPE rotates pairs), got {head_dim!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
+                f"({self.num_key_value_heads}) for grouped-query attention"
+            )
+        if not (isinstance(self.rms_norm_eps, (int, float)) and self.rms_norm_eps > 0):
+            raise ConfigError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+        if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0 and math.isfinite(self.rope_theta)):
+            raise ConfigError(f"rope_theta must be a positive finite number, got {self.rope_theta!r}")
+        object.__setattr__(self, "rms_norm_eps", float(self.rms_norm_eps))
+        object.__setattr__(self, "rope_theta", float(self.rope_theta))
+        object.__setattr__(self, "rope_scaling", _normalize_rope_scaling(self.rope_scaling))
+        object.__setattr__(self, "tie_word_embeddings", bool(self.tie_word_embeddings))
+        eos = self.eos_token_ids
+        if eos is None:
+            eos = []
+        elif isinstance(eos, int):
+            eos = [eos]
+        eos = [int(e) for e in eos]
+        for tid in eos + ([] if self.bos_token_id is None else [self.bos_token_id]):
+            if not 0 <= tid < self.vocab_size:
+                raise ConfigError(f"special token id {tid} is outside the vocabulary [0, {self.vocab_size})")
+        object.__setattr__(self, "eos_token_ids", eos)
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def num_kv_groups(self) -> int:
+        """Query heads per KV head."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim  # type: ignore[operator]
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim  # type: ignore[operator]
+
+    @property
+    def model_type(self) -> str:
+        return self.family
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        """A copy with ``changes`` applied (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ HF conversion
+    @classmethod
+    def from_hf_dict(cls, d: Mapping[str, Any]) -> ModelConfig:
+        """Build from a Hugging Face ``config.json`` dict (model_type ``llama`` or ``qwen3``)."""
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"expected a config.json dict, got {type(d).__name__}")
+        model_type = d.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"model_type {model_type!r} is not supported; supported model types: "
+                f"{sorted(SUPPORTED_MODEL_TYPES)}. Use a Llama or Qwen3 checkpoint."
+            )
+        family = SUPPORTED_MODEL_TYPES[model_type]
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"hidden_act {act!r} is not supported (only 'silu' SwiGLU MLPs are implemented)")
+        for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
+            if d.get(flag):
+                raise ConfigError(
+                    f"config.json sets {flag}=true, which this implementation does not support; "
+                    f"only bias-free full-attention Llama/Qwen3 models can be loaded"
+                )
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        missing = [k for k in required if k not in d]
+        if missing:
+            raise ConfigError(f"config.json is missing required keys {missing}")
+
+        # RoPE: transformers 5 writes rope_parameters = {rope_type, rope_theta, ...}; 4.x writes
+        # rope_theta + rope_scaling.
+        rope_params = d.get("rope_parameters")
+        if isinstance(rope_params, Mapping) and rope_params and all(
+            isinstance(v, Mapping) for v in rope_params.values()
+        ):
+            raise ConfigError(
+                "per-layer-type rope_parameters are not supported (only one RoPE setting for all layers)"
+            )
+        rope_theta = d.get("rope_theta")
+        rope_scaling = d.get("rope_scaling")
+        if isinstance(rope_params, Mapping) and rope_params:
+            if rope_params.get("rope_theta") is not None:
+                rope_theta = rope_params["rope_theta"]
+            if rope_scaling is None:
+                rope_scaling = dict(rope_params)
+        if rope_theta is None:
+            rope_theta = 1e6 if family == "qwen3" else 10000.0
+        if isinstance(rope_scaling, Mapping):
+            rope_scaling = {k: v for k, v in rope_scaling.items() if k != "rope_theta"}
+            if (
+                rope_scaling.get("rope_type", rope_scaling.get("type")) == "llama3"
+                and "original_max_position_embeddings" not in rope_scaling
+                and "max_position_embeddings" in d
+            ):
+                rope_scaling["original_max_position_embeddings"] = d["max_position_embeddings"]
+
+        eos = d.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(
+            family=family,
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=d["num_attention_heads"],
+            num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+            head_dim=d.get("head_dim"),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A ``config.json`` dict that ``transformers.LlamaConfig``/``Qwen3Config`` (4.x and 5.x) load."""
+        rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling is not None:
+            rope_parameters.update(self.rope_scaling)
+        arch = "LlamaForCausalLM" if self.family == "llama" else "Qwen3ForCausalLM"
+        d: dict[str, Any] = {
+            "architectures": [arch],
+            "model_type": self.family,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": None if self.rope_scaling is None else dict(self.rope_scaling),
+            "rope_parameters": rope_parameters,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": False,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": (
+                None
+                if not self.eos_token_ids
+                else self.eos_token_ids[0]
+                if len(self.eos_token_ids) == 1
+                else list(self.eos_token_ids)
+            ),
+        }
+        if self.family == "llama":
+            d["mlp_bias"] = False
+        else:
+            d["use_sliding_window"] = False
+        return d

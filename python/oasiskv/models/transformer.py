@@ -1,0 +1,472 @@
+"""Llama / Qwen3 decoder in PyTorch that does not own its attention.
+
+:class:`CausalLM` computes everything of a decoder step except attention itself: embeddings,
+RMSNorm pre-norms, the fused QKV projection, Qwen3's per-head q/k RMSNorm, rotate-half RoPE (with
+llama3 or linear scaling), the SwiGLU MLP, the final norm and the LM head. At layer ``i`` it calls
+``attn(i, q, k, v)`` and the caller decides where K/V live (a paged GPU pool, a host block store,
+or the dense helpers below).
+
+Tokens are a flat varlen batch (vLLM style): the rows of several requests are concatenated and
+``positions`` gives each row's position inside its own request. Numerics follow Hugging Face
+transformers (RMSNorm in float32, RoPE tables in float32 then cast to the compute dtype).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from oasiskv.errors import ConfigError, ContextLengthError, ShapeError
+from oasiskv.models.config import ModelConfig
+
+#: ``attn(layer_index, q [n, Hq, D], k [n, Hkv, D], v [n, Hkv, D]) -> o [n, Hq, D]``
+AttnFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+
+
+# ---------------------------------------------------------------------------------------- numerics
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """HF-style RMSNorm: normalise in float32, cast back, then scale by ``weight``."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype | None = None, device=None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype, device=device))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+def rope_inv_freq(cfg: ModelConfig) -> Tensor:
+    """Inverse RoPE frequencies [head_dim // 2] (float32), with llama3 / linear scaling applied."""
+    dim = cfg.head_dim
+    assert dim is not None
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv_freq
+    if rs["rope_type"] == "linear":
+        return inv_freq / rs["factor"]
+    # llama3 (same arithmetic as transformers' _compute_llama3_parameters)
+    factor = rs["factor"]
+    low, high = rs["low_freq_factor"], rs["high_freq_factor"]
+    old_ctx = rs["original_max_position_embeddings"]
+    low_freq_wavelen = old_ctx / low
+    high_freq_wavelen = old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, inv_freq_llama)
+
+
+def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos/sin tables [n, 1, head_dim] for ``positions`` [n] (computed in float32, cast to ``dtype``)."""
+    freqs = positions.to(torch.float32)[:, None] * inv_freq.to(device=positions.device)[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate-half RoPE on x [n, heads, D] with cos/sin [n, 1, D]."""
+    return x * cos + rotate_half(x) * sin
+
+
+# -------------------------------------------------------------------------------------- attention
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
+    """Causal attention of ONE contiguous sequence (torch SDPA, GQA by repeating KV heads).
+
+    q [nq, Hq, D]; k, v [nk, Hkv, D] with nk >= nq. The queries are the LAST nq positions of the
+    nk-long sequence (so a chunk can attend to a cached prefix). Query head g uses KV head
+    g // (Hq // Hkv). Returns [nq, Hq, D] (contiguous, q's dtype). ``scale`` defaults to D ** -0.5.
+    """
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[-1] != k.shape[-1]:
+        raise ShapeError(
+            f"causal_attention expects q [nq, Hq, D] and k, v [nk, Hkv, D]; got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    nq, hq, _ = q.shape
+    nk, hkv, _ = k.shape
+    if nk < nq or hq % hkv:
+        raise ShapeError(
+            f"causal_attention needs nk >= nq and Hq a multiple of Hkv; got nq={nq}, nk={nk}, Hq={hq}, Hkv={hkv}"
+        )
+    if hq != hkv:
+        k = k.repeat_interleave(hq // hkv, dim=1)
+        v = v.repeat_interleave(hq // hkv, dim=1)
+    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if nq == nk:
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
+    else:
+        rows = torch.arange(nq, device=q.device)[:, None] + (nk - nq)
+        mask = torch.arange(nk, device=q.device)[None, :] <= rows
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1).contiguous()
+
+
+def varlen_causal_attention(
+    q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Sequence[int] | Tensor, scale: float | None = None
+) -> Tensor:
+    """:func:`causal_attention` over a flat varlen batch; ``cu_seqlens`` = [0, len0, len0+len1, ...]."""
+    cu = [int(x) for x in cu_seqlens]
+    if cu[0] != 0 or cu[-1] != q.shape[0] or any(b < a for a, b in zip(cu, cu[1:], strict=False)):
+        raise ShapeError(f"cu_seqlens must rise from 0 to n_tok={q.shape[0]}, got {cu}")
+    if len(cu) == 2:
+        return causal_attention(q, k, v, scale)
+    out = torch.empty_like(q)
+    for a, b in zip(cu, cu[1:], strict=False):
+        if b > a:
+            out[a:b] = causal_attention(q[a:b], k[a:b], v[a:b], scale)
+    return out
+
+
+def dense_causal_attn(cu_seqlens: Sequence[int] | Tensor | None = None, scale: float | None = None) -> AttnFn:
+    """An ``attn`` callable for :meth:`CausalLM.forward` that runs full causal attention over the
+    given tokens alone (no cache): one sequence, or a varlen batch described by ``cu_seqlens``."""
+
+    def attn(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if cu_seqlens is None:
+            return causal_attention(q, k, v, scale)
+        return varlen_causal_attention(q, k, v, cu_seqlens, scale)
+
+    return attn
+
+
+class DenseKVCache:
+    """A plain per-layer KV cache for ONE sequence, usable as the ``attn`` callable.
+
+    Meant for tests, references and small prefill/generation jobs, not the production path. Each call
+    appends the new K/V of that layer and attends causally over everything cached so far.
+    """
+
+    def __init__(self, num_layers: int, scale: float | None = None) -> None:
+        self.k: list[Tensor | None] = [None] * num_layers
+        self.v: list[Tensor | None] = [None] * num_layers
+        self.scale = scale
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k[0] is None else int(self.k[0].shape[0])
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        pk, pv = self.k[layer], self.v[layer]
+        if pk is not None:
+            k = torch.cat((pk, k))
+            v = torch.cat((pv, v))  # type: ignore[arg-type]
+        self.k[layer], self.v[layer] = k, v
+        return causal_attention(q, k, v, self.scale)
+
+
+# ------------------------------------------------------------------------------------------ model
+class DecoderLayer(nn.Module):
+    """One pre-norm block: fused QKV, optional per-head q/k norm (Qwen3), RoPE, SwiGLU MLP."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        assert d is not None
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = d
+        self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
+        self.intermediate_size = cfg.intermediate_size
+        kw = {"dtype": dtype, "device": device}
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, **kw)
+        self.qkv_proj = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size, h, **kw))
+        self.qk_norm = cfg.family == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps, **kw)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps, **kw)
+        self.o_proj = nn.Parameter(torch.empty(h, self.q_size, **kw))
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, **kw)
+        self.gate_up_proj = nn.Parameter(torch.empty(2 * cfg.intermediate_size, h, **kw))
+        self.down_proj = nn.Parameter(torch.empty(h, cfg.intermediate_size, **kw))
+        self.eps = cfg.rms_norm_eps
+
+    def forward(self, layer_idx: int, h: Tensor, cos: Tensor, sin: Tensor, attn: AttnFn) -> Tensor:
+        n = h.shape[0]
+        x = self.input_layernorm(h)
+        qkv = F.linear(x, self.qkv_proj)
+        hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q = qkv[:, : self.q_size].view(n, hq, d)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(n, hkv, d)
+        v = qkv[:, self.q_size + self.kv_size :].reshape(n, hkv, d)
+        if self.qk_norm:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rope(q, cos, sin).contiguous()
+        k = apply_rope(k, cos, sin).contiguous()
+        o = attn(layer_idx, q, k, v)
+        if o.shape != q.shape:
+            raise ShapeError(
+                f"attn(layer={layer_idx}) returned shape {tuple(o.shape)}, expected {tuple(q.shape)} "
+                "([n_tok, num_heads, head_dim], same as q)"
+            )
+        h = h + F.linear(o.reshape(n, self.q_size).to(h.dtype), self.o_proj)
+        x = self.post_attention_layernorm(h)
+        gu = F.linear(x, self.gate_up_proj)
+        g, u = gu[:, : self.intermediate_size], gu[:, self.intermediate_size :]
+        return h + F.linear(F.silu(g) * u, self.down_proj)
+
+
+class CausalLM(nn.Module):
+    """Llama / Qwen3 causal LM without attention (see the module docstring).
+
+    ``CausalLM(cfg, dtype, device)`` allocates UNINITIALISED weights; use :meth:`random`, or the loaders
+    in :mod:`oasiskv.models.loader`. Parameters have ``requires_grad=False`` (inference model).
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        super().__init__()
+        if not isinstance(cfg, ModelConfig):
+            raise ConfigError(f"CausalLM needs a ModelConfig, got {type(cfg).__name__}")
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ConfigError(f"compute dtype must be float32, bfloat16 or float16, got {dtype}")
+        self.config = cfg
+        kw = {"dtype": dtype, "device": device}
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(
+            cfg.vocab_size, cfg.hidden_size, **kw))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        if cfg.tie_word_embeddings:
+            self.lm_head = self.embed_tokens.weight
+        else:
+            self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, **kw))
+        self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
+        self.requires_grad_(False)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_attention_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.config.num_key_value_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.config.head_dim  # type: ignore[return-value]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def attn_scale(self) -> float:
+        """Softmax scale the attention must use: head_dim ** -0.5."""
+        return self.head_dim**-0.5
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def check_context_length(self, num_tokens: int) -> None:
+        """Raise :class:`ContextLengthError` if ``num_tokens`` positions exceed the model's window."""
+        limit = self.config.max_position_embeddings
+        if num_tokens > limit:
+            raise ContextLengthError(
+                f"{num_tokens} tokens exceed the model's context window of {limit} "
+                "(max_position_embeddings); shorten the prompt or request fewer new tokens"
+            )
+
+    def set_rope_freq_factors(self, factors: Tensor) -> None:
+        """Divide the RoPE inverse frequencies by per-pair ``factors`` [head_dim // 2] (llama.cpp's
+        ``rope_freqs`` tensor, used by GGUF conversions of llama3-scaled models)."""
+        base = rope_inv_freq(self.config.replace(rope_scaling=None))
+        if factors.shape != base.shape:
+            raise ShapeError(f"rope freq factors must have shape {tuple(base.shape)}, got {tuple(factors.shape)}")
+        self.inv_freq = (base / factors.float().cpu()).to(self.inv_freq.device)
+
+    # ------------------------------------------------------------------ forward
+    def embed(self, ids: Tensor) -> Tensor:
+        """Token embeddings [n, hidden] in the compute dtype."""
+        return F.embedding(ids, self.embed_tokens.weight)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Final norm + LM head on residual-stream rows [n, hidden] -> float32 logits [n, vocab]."""
+        return F.linear(self.norm(hidden), self.lm_head).float()
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        positions: Tensor,
+        attn: AttnFn,
+        logits_rows: Tensor | None = None,
+        capture_layers: Sequence[int] = (),
+    ) -> tuple[Tensor, dict[int, Tensor]]:
+        """Run the decoder over a flat varlen batch.
+
+        input_ids, positions: LongTensor [n_tok]. ``attn(i, q, k, v)`` is called at layer i with
+        contiguous q [n_tok, num_heads, head_dim] and k, v [n_tok, num_kv_heads, head_dim] (after q/k
+        norm and RoPE at ``positions``) and must return o [n_tok, num_heads, head_dim].
+
+        Returns ``(logits, captured)``: float32 logits [len(logits_rows), vocab] (all rows when
+        ``logits_rows`` is None) and ``captured[i]`` = the residual stream ENTERING layer i
+        (captured[0] = embeddings, captured[num_layers] = output of the last layer before the final
+        norm) for every i in ``capture_layers``.
+        """
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise ShapeError(
+                f"input_ids and positions must both be 1-D [n_tok]; got {tuple(input_ids.shape)} and "
+                f"{tuple(positions.shape)} (flatten a batch of requests into one varlen row list)"
+            )
+        if input_ids.dtype.is_floating_point or positions.dtype.is_floating_point:
+            raise ShapeError("input_ids and positions must be integer (LongTensor) tensors")
+        want = set()
+        for i in capture_layers:
+            if not 0 <= int(i) <= self.num_layers:
+                raise ShapeError(f"capture layer {i} is outside [0, {self.num_layers}]")
+            want.add(int(i))
+        captured: dict[int, Tensor] = {}
+        h = self.embed(input_ids)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)
+        for i, layer in enumerate(self.layers):
+            if i in want:
+                captured[i] = h
+            h = layer(i, h, cos, sin, attn)
+        if self.num_layers in want:
+            captured[self.num_layers] = h
+        if logits_rows is not None:
+            h = h[logits_rows]
+        return self.logits(h), captured
+
+    # ------------------------------------------------------------------ weights
+    def hf_tensor_slots(self) -> dict[str, Tensor]:
+        """Hugging Face tensor name -> the view of our (fused) parameter it fills.
+
+        Names follow ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` (``model.layers.N.self_attn.q_proj.weight``
+        ...); ``lm_head.weight`` is absent when the embeddings are tied.
+        """
+        cfg = self.config
+        slots: dict[str, Tensor] = {"model.embed_tokens.weight": self.embed_tokens.weight.data}
+        qs, kvs, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            qkv = layer.qkv_proj.data
+            slots[p + "input_layernorm.weight"] = layer.input_layernorm.weight.data
+            slots[p + "self_attn.q_proj.weight"] = qkv[:qs]
+            slots[p + "self_attn.k_proj.weight"] = qkv[qs : qs + kvs]
+            slots[p + "self_attn.v_proj.weight"] = qkv[qs + kvs :]
+            slots[p + "self_attn.o_proj.weight"] = layer.o_proj.data
+            if layer.qk_norm:
+                slots[p + "self_attn.q_norm.weight"] = layer.q_norm.weight.data
+                slots[p + "self_attn.k_norm.weight"] = layer.k_norm.weight.data
+            slots[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight.data
+            slots[p + "mlp.gate_proj.weight"] = layer.gate_up_proj.data[:inter]
+            slots[p + "mlp.up_proj.weight"] = layer.gate_up_proj.data[inter:]
+            slots[p + "mlp.down_proj.weight"] = layer.down_proj.data
+        slots["model.norm.weight"] = self.norm.weight.data
+        if not cfg.tie_word_embeddings:
+            slots["lm_head.weight"] = self.lm_head.data
+        return slots
+
+    def hf_state_dict(self) -> dict[str, Tensor]:
+        """Weights under Hugging Face names (copies), e.g. for ``safetensors.torch.save_file``."""
+        return {k: v.detach().clone().contiguous() for k, v in self.hf_tensor_slots().items()}
+
+    def load_hf_state_dict(self, tensors: dict[str, Tensor], strict: bool = True) -> None:
+        """Copy Hugging Face-named tensors into the model (shapes must match exactly)."""
+        slots = self.hf_tensor_slots()
+        missing = [n for n in slots if n not in tensors]
+        if strict and missing:
+            raise ShapeError(f"missing tensors: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        with torch.no_grad():
+            for name, t in tensors.items():
+                dst = slots.get(name)
+                if dst is None:
+                    continue
+                if tuple(t.shape) != tuple(dst.shape):
+                    raise ShapeError(f"tensor {name} has shape {tuple(t.shape)}, expected {tuple(dst.shape)}")
+                dst.copy_(t)
+
+    @classmethod
+    def random(
+        cls,
+        cfg: ModelConfig,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        std: float = 0.02,
+    ) -> CausalLM:
+        """Deterministically initialised model: matrices ~ N(0, std), norm weights = 1 + N(0, 0.1)."""
+        model = cls(cfg, dtype=dtype, device=device)
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, t in sorted(model.hf_tensor_slots().items()):
+                if name.endswith("norm.weight"):
+                    vals = 1.0 + 0.1 * torch.randn(t.shape, generator=gen)
+                else:
+                    vals = std * torch.randn(t.shape, generator=gen)
+                t.copy_(vals)
+        return model
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (
+            f"family={c.family}, layers={c.num_hidden_layers}, hidden={c.hidden_size}, heads={c.num_attention_heads}"
+            f"/{c.num_key_value_heads}, head_dim={c.head_dim}, vocab={c.vocab_size}, dtype={self.dtype}"
+        )
+
+
+@torch.no_grad()
+def greedy_generate(
+    model: CausalLM,
+    prompt_ids: Sequence[int],
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int] | None = None,
+) -> list[int]:
+    """Greedy decoding of one sequence with a :class:`DenseKVCache` (reference / smoke-test helper).
+
+    Returns only the generated ids (stops after an eos id, which is included).
+    """
+    if not prompt_ids:
+        raise ShapeError("prompt_ids must contain at least one token")
+    model.check_context_length(len(prompt_ids) + max_new_tokens)
+    eos = set(model.config.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    cache = DenseKVCache(model.num_layers, model.attn_scale)
+    dev = model.device
+    ids = torch.tensor(list(prompt_ids), dtype=torch.long, device=dev)
+    pos = torch.arange(len(prompt_ids), device=dev)
+    last = torch.tensor([len(prompt_ids) - 1], device=dev)
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        logits, _ = model(ids, pos, cache, logits_rows=last)
+        nxt = int(logits[0].argmax())
+        out.append(nxt)
+        if nxt in eos:
+            break
+        ids = torch.tensor([nxt], device=dev)
+        pos = torch.tensor([cache.length], device=dev)
+        last = torch.zeros(1, dtype=torch.long, device=dev)
+    return out
