@@ -353,10 +353,12 @@ class Engine:
             # Candidates: blocks complete once x_t is appended.
             blk_indptr, blk_indices = _csr([r.host_blocks[: (r.kv_len + 1) // b] for r in sp_reqs])
             host_indptr, host_indices = _csr([r.host_blocks for r in sp_reqs])
+            # Recall is judged over the blocks that were candidates when last step predicted: the
+            # blocks before x_t's own (the local block, always resident).
+            rec_csr = _csr([r.host_blocks[: r.kv_len // b] for r in sp_reqs]) if kv.measure_recall else None
             fetched = torch.zeros(len(sp), dtype=torch.long)
         step = self.step_no
         scale = d ** -0.5
-        measure = kv.measure_recall
 
         def attn(layer, q, k, v):
             out_dtype = q.dtype
@@ -372,7 +374,7 @@ class Engine:
             self._last_q[layer] = q4[:, rows - 1]
             if sp:
                 self._select(layer, q4, sp_idx, sp_reqs, slot_pages, blk_indptr, blk_indices, host_indptr,
-                             host_indices, step, cap, k_budget, measure, fetched)
+                             host_indices, step, cap, k_budget, rec_csr, fetched)
             return o.view(n * rows, hq, d).to(out_dtype)
 
         self._last_row = {r.id: i for i, r in enumerate(reqs)}
@@ -395,15 +397,16 @@ class Engine:
         return logits
 
     def _select(self, layer, q4, sp_idx, sp_reqs, slot_pages, blk_indptr, blk_indices, host_indptr, host_indices,
-                step, cap, k_budget, measure, fetched) -> None:
+                step, cap, k_budget, rec_csr, fetched) -> None:
         """The background chain of one layer: score -> top-K -> delta selection -> gather."""
         p, g = self.pools, self.geo
         summaries = p.summaries[layer]
-        if measure:
+        if rec_csr is not None:
             # Recall of last step's prediction against the exact top-K of this step's true query.
             q_now = q4[sp_idx, 0].contiguous()
-            actual = ops.topk_blocks(g.num_kv_heads, ops.score_blocks(g, q_now, summaries, blk_indptr, blk_indices),
-                                     blk_indptr, k_budget)
+            rec_indptr, rec_indices = rec_csr
+            actual = ops.topk_blocks(g.num_kv_heads, ops.score_blocks(g, q_now, summaries, rec_indptr, rec_indices),
+                                     rec_indptr, k_budget)
             for j, r in enumerate(sp_reqs):
                 prev = r.pred[layer]
                 if prev is None:

@@ -21,16 +21,32 @@ impl std::fmt::Display for Tier {
 pub enum OasisError {
     /// A buffer does not have the shape the operation needs.
     #[error("{what}: expected shape {expected}, got {got}")]
-    Shape { what: &'static str, expected: String, got: String },
+    Shape {
+        what: &'static str,
+        expected: String,
+        got: String,
+    },
     /// A buffer has the wrong element type.
     #[error("{what}: expected dtype {expected}, got {got}")]
-    DType { what: &'static str, expected: String, got: String },
+    DType {
+        what: &'static str,
+        expected: String,
+        got: String,
+    },
     /// An index stored in a table points outside the buffer it indexes.
     #[error("{what}: index {index} out of range 0..{bound}")]
-    IndexOutOfRange { what: &'static str, index: i64, bound: usize },
+    IndexOutOfRange {
+        what: &'static str,
+        index: i64,
+        bound: usize,
+    },
     /// A pool has fewer free blocks than requested.
     #[error("out of blocks in the {tier}: requested {requested}, free {free}")]
-    OutOfBlocks { tier: Tier, requested: usize, free: usize },
+    OutOfBlocks {
+        tier: Tier,
+        requested: usize,
+        free: usize,
+    },
     /// A configuration value is outside what the geometry allows.
     #[error("invalid config: {0}")]
     Config(String),

@@ -17,7 +17,12 @@ impl KvGeometry {
     /// # Errors
     /// [`OasisError::Config`] when a size is zero, head_dim exceeds [`MAX_HEAD_DIM`] or the query
     /// heads are not a multiple of the KV heads.
-    pub fn new(num_qo_heads: usize, num_kv_heads: usize, head_dim: usize, block_size: usize) -> Result<Self> {
+    pub fn new(
+        num_qo_heads: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+        block_size: usize,
+    ) -> Result<Self> {
         if num_qo_heads == 0 || num_kv_heads == 0 || head_dim == 0 || block_size == 0 {
             return Err(OasisError::Config(format!(
                 "all sizes must be positive (num_qo_heads={num_qo_heads}, num_kv_heads={num_kv_heads}, head_dim={head_dim}, block_size={block_size})"
@@ -29,9 +34,16 @@ impl KvGeometry {
             )));
         }
         if head_dim > MAX_HEAD_DIM {
-            return Err(OasisError::Config(format!("head_dim {head_dim} exceeds the supported maximum {MAX_HEAD_DIM}")));
+            return Err(OasisError::Config(format!(
+                "head_dim {head_dim} exceeds the supported maximum {MAX_HEAD_DIM}"
+            )));
         }
-        Ok(Self { num_qo_heads, num_kv_heads, head_dim, block_size })
+        Ok(Self {
+            num_qo_heads,
+            num_kv_heads,
+            head_dim,
+            block_size,
+        })
     }
 
     /// Re-check a geometry that may have been built field by field (the fields are public):
@@ -41,14 +53,21 @@ impl KvGeometry {
     /// # Errors
     /// [`OasisError::Config`] as for [`KvGeometry::new`], or when a page size overflows.
     pub fn validate(&self) -> Result<()> {
-        Self::new(self.num_qo_heads, self.num_kv_heads, self.head_dim, self.block_size)?;
+        Self::new(
+            self.num_qo_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.block_size,
+        )?;
         let page = self
             .num_kv_heads
             .checked_mul(self.block_size)
             .and_then(|x| x.checked_mul(self.head_dim));
         let q_row = self.num_qo_heads.checked_mul(self.head_dim);
         if page.is_none() || q_row.is_none() {
-            return Err(OasisError::Config(format!("geometry sizes overflow: {self:?}")));
+            return Err(OasisError::Config(format!(
+                "geometry sizes overflow: {self:?}"
+            )));
         }
         Ok(())
     }

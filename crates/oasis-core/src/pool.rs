@@ -29,7 +29,11 @@ impl BlockPool {
     pub fn new(tier: Tier, num_blocks: usize) -> Self {
         // i32::MAX fits both u32 and every usize this crate builds for.
         let n = num_blocks.min(i32::MAX as usize) as u32;
-        Self { tier, free: (0..n).rev().collect(), is_free: vec![true; n as usize] }
+        Self {
+            tier,
+            free: (0..n).rev().collect(),
+            is_free: vec![true; n as usize],
+        }
     }
 
     /// The tier this pool manages (used in error messages).
@@ -58,7 +62,11 @@ impl BlockPool {
     /// [`OasisError::OutOfBlocks`] when fewer than `n` blocks are free; nothing is allocated then.
     pub fn allocate(&mut self, n: usize) -> Result<Vec<u32>> {
         if n > self.free.len() {
-            return Err(OasisError::OutOfBlocks { tier: self.tier, requested: n, free: self.free.len() });
+            return Err(OasisError::OutOfBlocks {
+                tier: self.tier,
+                requested: n,
+                free: self.free.len(),
+            });
         }
         let ids = self.free.split_off(self.free.len() - n);
         // `split_off` keeps the stack order; hand them out in pop order (most recently freed first).
@@ -125,7 +133,14 @@ mod tests {
         let mut pool = BlockPool::new(Tier::Host, 5);
         pool.allocate(3).unwrap();
         let err = pool.allocate(3).unwrap_err();
-        assert_eq!(err, OasisError::OutOfBlocks { tier: Tier::Host, requested: 3, free: 2 });
+        assert_eq!(
+            err,
+            OasisError::OutOfBlocks {
+                tier: Tier::Host,
+                requested: 3,
+                free: 2
+            }
+        );
         assert_eq!(pool.num_free(), 2);
         assert_eq!(pool.allocate(2).unwrap().len(), 2);
     }
@@ -164,7 +179,10 @@ mod tests {
         let mut pool = BlockPool::new(Tier::Gpu, 0);
         assert_eq!(pool.num_blocks(), 0);
         assert!(pool.allocate(0).unwrap().is_empty());
-        assert!(matches!(pool.allocate(1), Err(OasisError::OutOfBlocks { .. })));
+        assert!(matches!(
+            pool.allocate(1),
+            Err(OasisError::OutOfBlocks { .. })
+        ));
         assert!(matches!(pool.free(&[0]), Err(OasisError::Invalid(_))));
         assert!(!pool.is_free(0));
     }

@@ -40,7 +40,8 @@ def _normalize_rope_scaling(rs: Any) -> dict[str, Any] | None:
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ConfigError(
             f"rope_scaling type {rope_type!r} is not supported; supported: 'llama3', 'linear' or none. "
-            "Use a checkpoint with one of those, or remove rope_scaling from config.json to run with plain RoPE."
+            "Use a checkpoint with one of those, or remove "
+            "rope_scaling from config.json to run with plain RoPE."
         )
     out: dict[str, Any] = {"rope_type": rope_type}
     if rope_type == "linear":
@@ -53,14 +54,17 @@ def _normalize_rope_scaling(rs: Any) -> dict[str, Any] | None:
     if missing:
         raise ConfigError(
             f"llama3 rope_scaling is missing {missing}; it needs all of {list(_LLAMA3_KEYS)} "
-            "(e.g. factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)"
+            "(e.g. factor=8.0, low_freq_factor=1.0, "
+            "high_freq_factor=4.0, original_max_position_embeddings=8192)"
         )
     out["factor"] = float(rs["factor"])
     out["low_freq_factor"] = float(rs["low_freq_factor"])
     out["high_freq_factor"] = float(rs["high_freq_factor"])
     out["original_max_position_embeddings"] = int(rs["original_max_position_embeddings"])
     if not out["factor"] > 0 or not out["original_max_position_embeddings"] > 0:
-        raise ConfigError(f"llama3 rope_scaling needs factor > 0 and original_max_position_embeddings > 0: {out}")
+        raise ConfigError(
+            f"llama3 rope_scaling needs factor > 0 and original_max_position_embeddings > 0: {out}"
+        )
     if not out["high_freq_factor"] > out["low_freq_factor"] > 0:
         raise ConfigError(
             f"llama3 rope_scaling needs high_freq_factor > low_freq_factor > 0, got "
@@ -130,7 +134,11 @@ class ModelConfig:
             )
         if not (isinstance(self.rms_norm_eps, (int, float)) and self.rms_norm_eps > 0):
             raise ConfigError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
-        if not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0 and math.isfinite(self.rope_theta)):
+        if not (
+            isinstance(self.rope_theta, (int, float))
+            and self.rope_theta > 0
+            and math.isfinite(self.rope_theta)
+        ):
             raise ConfigError(f"rope_theta must be a positive finite number, got {self.rope_theta!r}")
         object.__setattr__(self, "rms_norm_eps", float(self.rms_norm_eps))
         object.__setattr__(self, "rope_theta", float(self.rope_theta))
@@ -184,14 +192,22 @@ class ModelConfig:
         family = SUPPORTED_MODEL_TYPES[model_type]
         act = d.get("hidden_act", "silu")
         if act != "silu":
-            raise ConfigError(f"hidden_act {act!r} is not supported (only 'silu' SwiGLU MLPs are implemented)")
+            raise ConfigError(
+                f"hidden_act {act!r} is not supported (only 'silu' SwiGLU MLPs are implemented)"
+            )
         for flag in ("attention_bias", "mlp_bias", "use_sliding_window"):
             if d.get(flag):
                 raise ConfigError(
                     f"config.json sets {flag}=true, which this implementation does not support; "
                     f"only bias-free full-attention Llama/Qwen3 models can be loaded"
                 )
-        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+        required = (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        )
         missing = [k for k in required if k not in d]
         if missing:
             raise ConfigError(f"config.json is missing required keys {missing}")
@@ -199,8 +215,10 @@ class ModelConfig:
         # RoPE: transformers 5 writes rope_parameters = {rope_type, rope_theta, ...}; 4.x writes
         # rope_theta + rope_scaling.
         rope_params = d.get("rope_parameters")
-        if isinstance(rope_params, Mapping) and rope_params and all(
-            isinstance(v, Mapping) for v in rope_params.values()
+        if (
+            isinstance(rope_params, Mapping)
+            and rope_params
+            and all(isinstance(v, Mapping) for v in rope_params.values())
         ):
             raise ConfigError(
                 "per-layer-type rope_parameters are not supported (only one RoPE setting for all layers)"

@@ -57,7 +57,11 @@ _FALLBACK_TEMPLATE = (
 @lru_cache(maxsize=1)
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable unicode character map."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -120,7 +124,6 @@ class Tokenizer:
         ``encode(text)`` -- the template already writes any BOS/role tokens."""
         template = self.chat_template or _FALLBACK_TEMPLATE
         try:
-            from jinja2 import StrictUndefined  # noqa: F401
             from jinja2.exceptions import TemplateError
             from jinja2.sandbox import ImmutableSandboxedEnvironment
         except ImportError as e:  # pragma: no cover - jinja2 ships with transformers
@@ -129,7 +132,9 @@ class Tokenizer:
         def raise_exception(msg: str) -> None:
             raise TemplateError(msg)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
         env.globals["raise_exception"] = raise_exception
         env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
         try:
@@ -150,14 +155,17 @@ class Tokenizer:
         kind = meta.get("tokenizer.ggml.model")
         if kind != "gpt2":
             raise ConfigError(
-                f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, tokenizer.ggml.model='gpt2'); "
+                f"GGUF tokenizer model {kind!r} is not supported "
+                "(only byte-level BPE, tokenizer.ggml.model='gpt2'); "
                 "load the weights with load_gguf(..., with_tokenizer=False) and a tokenizer.json via "
                 "Tokenizer.from_hf_dir()"
             )
         tokens = meta.get("tokenizer.ggml.tokens")
         merges = meta.get("tokenizer.ggml.merges")
         if not tokens or merges is None:
-            raise CheckpointError("GGUF tokenizer metadata lacks tokenizer.ggml.tokens or tokenizer.ggml.merges")
+            raise CheckpointError(
+                "GGUF tokenizer metadata lacks tokenizer.ggml.tokens or tokenizer.ggml.merges"
+            )
         token_types = meta.get("tokenizer.ggml.token_type") or [_TOKEN_NORMAL] * len(tokens)
         pre = meta.get("tokenizer.ggml.pre")
 
@@ -217,7 +225,11 @@ class Tokenizer:
 
         bos = meta.get("tokenizer.ggml.bos_token_id")
         eos_ids: list[int] = []
-        for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+        for key in (
+            "tokenizer.ggml.eos_token_id",
+            "tokenizer.ggml.eot_token_id",
+            "tokenizer.ggml.eom_token_id",
+        ):
             v = meta.get(key)
             if v is not None and int(v) not in eos_ids:
                 eos_ids.append(int(v))
@@ -281,7 +293,9 @@ class Tokenizer:
         # tokenizer.json post-processors (e.g. Llama-3's TemplateProcessing) add BOS themselves; we add
         # it by hand in encode(add_special_tokens=True), so only trust add_bos_token.
         add_bos = bool(tcfg.get("add_bos_token", False))
-        return cls(backend, bos_token_id=bos, eos_token_ids=eos_ids, chat_template=template, add_bos_token=add_bos)
+        return cls(
+            backend, bos_token_id=bos, eos_token_ids=eos_ids, chat_template=template, add_bos_token=add_bos
+        )
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab={self.vocab_size}, bos={self.bos_token_id}, eos={self.eos_token_ids})"

@@ -107,7 +107,8 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None
     nk, hkv, _ = k.shape
     if nk < nq or hq % hkv:
         raise ShapeError(
-            f"causal_attention needs nk >= nq and Hq a multiple of Hkv; got nq={nq}, nk={nk}, Hq={hq}, Hkv={hkv}"
+            "causal_attention needs nk >= nq and Hq a multiple "
+            f"of Hkv; got nq={nq}, nk={nk}, Hq={hq}, Hkv={hkv}"
         )
     if hq != hkv:
         k = k.repeat_interleave(hq // hkv, dim=1)
@@ -208,7 +209,7 @@ class DecoderLayer(nn.Module):
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         q = qkv[:, : self.q_size].view(n, hq, d)
         k = qkv[:, self.q_size : self.q_size + self.kv_size].view(n, hkv, d)
-        v = qkv[:, self.q_size + self.kv_size :].reshape(n, hkv, d)
+        v = qkv[:, self.q_size + self.kv_size :].contiguous().view(n, hkv, d)
         if self.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
@@ -234,7 +235,9 @@ class CausalLM(nn.Module):
     in :mod:`oasiskv.models.loader`. Parameters have ``requires_grad=False`` (inference model).
     """
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    def __init__(
+        self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    ):
         super().__init__()
         if not isinstance(cfg, ModelConfig):
             raise ConfigError(f"CausalLM needs a ModelConfig, got {type(cfg).__name__}")
@@ -242,8 +245,9 @@ class CausalLM(nn.Module):
             raise ConfigError(f"compute dtype must be float32, bfloat16 or float16, got {dtype}")
         self.config = cfg
         kw = {"dtype": dtype, "device": device}
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(
-            cfg.vocab_size, cfg.hidden_size, **kw))
+        self.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, **kw)
+        )
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         if cfg.tie_word_embeddings:
@@ -305,7 +309,9 @@ class CausalLM(nn.Module):
         ``rope_freqs`` tensor, used by GGUF conversions of llama3-scaled models)."""
         base = rope_inv_freq(self.config.replace(rope_scaling=None))
         if factors.shape != base.shape:
-            raise ShapeError(f"rope freq factors must have shape {tuple(base.shape)}, got {tuple(factors.shape)}")
+            raise ShapeError(
+                f"rope freq factors must have shape {tuple(base.shape)}, got {tuple(factors.shape)}"
+            )
         self.inv_freq = (base / factors.float().cpu()).to(self.inv_freq.device)
 
     # ------------------------------------------------------------------ forward
@@ -434,7 +440,8 @@ class CausalLM(nn.Module):
     def extra_repr(self) -> str:
         c = self.config
         return (
-            f"family={c.family}, layers={c.num_hidden_layers}, hidden={c.hidden_size}, heads={c.num_attention_heads}"
+            f"family={c.family}, layers={c.num_hidden_layers}, "
+            f"hidden={c.hidden_size}, heads={c.num_attention_heads}"
             f"/{c.num_key_value_heads}, head_dim={c.head_dim}, vocab={c.vocab_size}, dtype={self.dtype}"
         )
 

@@ -24,14 +24,14 @@ use crate::kernels::validate::{index, leading_rows};
 pub fn append_kv<T: KvElem>(
     geo: &KvGeometry,
     k_new: &[T],
-    v_new: &[T],          // [num_seqs, num_kv_heads, head_dim]
-    page_ids: &[i32],     // [num_seqs]
-    page_offsets: &[i32], // [num_seqs] 0..block_size
+    v_new: &[T],            // [num_seqs, num_kv_heads, head_dim]
+    page_ids: &[i32],       // [num_seqs]
+    page_offsets: &[i32],   // [num_seqs] 0..block_size
     host_block_ids: &[i32], // [num_seqs] -1 = dense
     k_pages: &mut [T],
     v_pages: &mut [T], // [num_pages, num_kv_heads, block_size, head_dim]
     host_k: &mut [T],
-    host_v: &mut [T], // [num_host_blocks, num_kv_heads, block_size, head_dim]
+    host_v: &mut [T],    // [num_host_blocks, num_kv_heads, block_size, head_dim]
     summaries: &mut [T], // [num_host_blocks, num_kv_heads, 2, head_dim]
 ) -> Result<()> {
     geo.validate()?;
@@ -114,8 +114,18 @@ mod tests {
         }
     }
 
-    fn run(g: &KvGeometry, b: &mut Bufs, k: &[f32], v: &[f32], p: &[i32], o: &[i32], hb: &[i32]) -> Result<()> {
-        append_kv(g, k, v, p, o, hb, &mut b.kp, &mut b.vp, &mut b.hk, &mut b.hv, &mut b.sm)
+    fn run(
+        g: &KvGeometry,
+        b: &mut Bufs,
+        k: &[f32],
+        v: &[f32],
+        p: &[i32],
+        o: &[i32],
+        hb: &[i32],
+    ) -> Result<()> {
+        append_kv(
+            g, k, v, p, o, hb, &mut b.kp, &mut b.vp, &mut b.hk, &mut b.hv, &mut b.sm,
+        )
     }
 
     #[test]
@@ -126,7 +136,9 @@ mod tests {
         // Seq 0 sparse (page 2, host block 1), seq 1 dense (page 0).
         let mut tokens = Vec::new();
         for t in 0..3 {
-            let k: Vec<f32> = (0..2 * h_kv * d).map(|i| ((i * 7 + t * 5) % 11) as f32 - 5.0).collect();
+            let k: Vec<f32> = (0..2 * h_kv * d)
+                .map(|i| ((i * 7 + t * 5) % 11) as f32 - 5.0)
+                .collect();
             let v: Vec<f32> = k.iter().map(|x| x * 0.5 + 1.0).collect();
             run(&g, &mut b, &k, &v, &[2, 0], &[t as i32, t as i32], &[1, -1]).unwrap();
             tokens.push(k.clone());
@@ -172,13 +184,28 @@ mod tests {
     fn bf16_is_bit_exact() {
         let g = geo();
         let n = g.page_elems();
-        let k: Vec<bf16> = (0..g.num_kv_heads * g.head_dim).map(|i| bf16::from_f32(i as f32 * 0.1)).collect();
+        let k: Vec<bf16> = (0..g.num_kv_heads * g.head_dim)
+            .map(|i| bf16::from_f32(i as f32 * 0.1))
+            .collect();
         let mut kp = vec![bf16::ZERO; n];
         let mut vp = vec![bf16::ZERO; n];
         let mut hk = vec![bf16::ZERO; n];
         let mut hv = vec![bf16::ZERO; n];
         let mut sm = vec![bf16::ZERO; 2 * g.num_kv_heads * g.head_dim];
-        append_kv(&g, &k, &k, &[0], &[3], &[0], &mut kp, &mut vp, &mut hk, &mut hv, &mut sm).unwrap();
+        append_kv(
+            &g,
+            &k,
+            &k,
+            &[0],
+            &[3],
+            &[0],
+            &mut kp,
+            &mut vp,
+            &mut hk,
+            &mut hv,
+            &mut sm,
+        )
+        .unwrap();
         assert_eq!(kp, hk);
         assert_eq!(vp, hv);
         assert_eq!(&kp[3 * g.head_dim..4 * g.head_dim], &k[..g.head_dim]);
@@ -196,21 +223,48 @@ mod tests {
             other => panic!("expected shape error for {what}, got {other:?}"),
         };
         let oob = |r: Result<()>, what: &str, index: i64| match r {
-            Err(OasisError::IndexOutOfRange { what: w, index: i, .. }) => assert_eq!((w, i), (what, index)),
+            Err(OasisError::IndexOutOfRange {
+                what: w, index: i, ..
+            }) => assert_eq!((w, i), (what, index)),
             other => panic!("expected index error for {what}, got {other:?}"),
         };
         shape(run(&g, &mut b, &k2, &k1, &[0], &[0], &[0]), "k_new");
         shape(run(&g, &mut b, &k1, &k2, &[0], &[0], &[0]), "v_new");
-        shape(run(&g, &mut b, &k1, &k1, &[0], &[0, 1], &[0]), "page_offsets");
+        shape(
+            run(&g, &mut b, &k1, &k1, &[0], &[0, 1], &[0]),
+            "page_offsets",
+        );
         shape(run(&g, &mut b, &k1, &k1, &[0], &[0], &[]), "host_block_ids");
         oob(run(&g, &mut b, &k1, &k1, &[2], &[0], &[0]), "page_ids", 2);
         oob(run(&g, &mut b, &k1, &k1, &[-1], &[0], &[0]), "page_ids", -1);
-        oob(run(&g, &mut b, &k1, &k1, &[0], &[4], &[0]), "page_offsets", 4);
-        oob(run(&g, &mut b, &k1, &k1, &[0], &[-2], &[0]), "page_offsets", -2);
-        oob(run(&g, &mut b, &k1, &k1, &[0], &[0], &[1]), "host_block_ids", 1);
+        oob(
+            run(&g, &mut b, &k1, &k1, &[0], &[4], &[0]),
+            "page_offsets",
+            4,
+        );
+        oob(
+            run(&g, &mut b, &k1, &k1, &[0], &[-2], &[0]),
+            "page_offsets",
+            -2,
+        );
+        oob(
+            run(&g, &mut b, &k1, &k1, &[0], &[0], &[1]),
+            "host_block_ids",
+            1,
+        );
         // A bad second sequence stops the first one's write too.
-        oob(run(&g, &mut b, &k2, &k2, &[0, 1], &[0, 0], &[0, 5]), "host_block_ids", 5);
-        assert!(b.kp.iter().chain(&b.vp).chain(&b.hk).chain(&b.sm).all(|&x| x == 0.0));
+        oob(
+            run(&g, &mut b, &k2, &k2, &[0, 1], &[0, 0], &[0, 5]),
+            "host_block_ids",
+            5,
+        );
+        assert!(b
+            .kp
+            .iter()
+            .chain(&b.vp)
+            .chain(&b.hk)
+            .chain(&b.sm)
+            .all(|&x| x == 0.0));
 
         let mut bad = bufs(&g, 2, 1);
         bad.vp.pop();
@@ -227,14 +281,35 @@ mod tests {
         // All dense: the host pool may be empty.
         let mut dense = bufs(&g, 2, 0);
         run(&g, &mut dense, &k1, &k1, &[1], &[0], &[-1]).unwrap();
-        oob(run(&g, &mut dense, &k1, &k1, &[1], &[0], &[0]), "host_block_ids", 0);
+        oob(
+            run(&g, &mut dense, &k1, &k1, &[1], &[0], &[0]),
+            "host_block_ids",
+            0,
+        );
     }
 
     #[test]
     fn bad_geometry_is_an_error() {
-        let g = KvGeometry { num_qo_heads: 3, num_kv_heads: 0, head_dim: 4, block_size: 4 };
+        let g = KvGeometry {
+            num_qo_heads: 3,
+            num_kv_heads: 0,
+            head_dim: 4,
+            block_size: 4,
+        };
         let mut b = bufs(&geo(), 1, 0);
-        let r = append_kv::<f32>(&g, &[], &[], &[], &[], &[], &mut b.kp, &mut b.vp, &mut b.hk, &mut b.hv, &mut b.sm);
+        let r = append_kv::<f32>(
+            &g,
+            &[],
+            &[],
+            &[],
+            &[],
+            &[],
+            &mut b.kp,
+            &mut b.vp,
+            &mut b.hk,
+            &mut b.hv,
+            &mut b.sm,
+        );
         assert!(matches!(r, Err(OasisError::Config(_))));
     }
 }

@@ -74,9 +74,17 @@ pub fn decode_attention<T: KvElem>(
     out: &mut [T], // [num_seqs, num_rows, num_qo_heads, head_dim]
 ) -> Result<()> {
     geo.validate()?;
-    let (hq, h_kv, bs, d) = (geo.num_qo_heads, geo.num_kv_heads, geo.block_size, geo.head_dim);
+    let (hq, h_kv, bs, d) = (
+        geo.num_qo_heads,
+        geo.num_kv_heads,
+        geo.block_size,
+        geo.head_dim,
+    );
     let gs = geo.group_size();
-    ensure!(num_rows >= 1, "num_rows must be at least 1 (row 0 is the current token)");
+    ensure!(
+        num_rows >= 1,
+        "num_rows must be at least 1 (row 0 is the current token)"
+    );
     let num_seqs = csr("kv_indptr", kv.kv_indptr, "kv_indices", kv.kv_indices.len())?;
     check_len("q", q.len(), &[num_seqs, num_rows, hq, d])?;
     check_len("out", out.len(), &[num_seqs, num_rows, hq, d])?;
@@ -98,17 +106,27 @@ pub fn decode_attention<T: KvElem>(
     let mut max_tokens = 0usize;
     for s in 0..num_seqs {
         let pages = csr_range(kv.kv_indptr, s).len();
-        ensure!(pages >= 1, "sequence {s} has no pages (every sequence needs at least its last page)");
+        ensure!(
+            pages >= 1,
+            "sequence {s} has no pages (every sequence needs at least its last page)"
+        );
         let last = length("kv_last_page_len", s, kv.kv_last_page_len[s], bs)?;
-        let tokens = (pages - 1).checked_mul(bs).and_then(|t| t.checked_add(last));
+        let tokens = (pages - 1)
+            .checked_mul(bs)
+            .and_then(|t| t.checked_add(last));
         max_tokens = max_tokens.max(tokens.ok_or_else(|| too_large("tokens in a sequence"))?);
     }
 
     // Scratch, sized once for the longest sequence and reused for every (seq, kv head).
     let nq = num_rows * gs; // query vectors sharing one KV head
-    let cols = max_tokens.checked_add(1).and_then(|c| c.checked_mul(nq)).ok_or_else(|| too_large("scores"))?;
+    let cols = max_tokens
+        .checked_add(1)
+        .and_then(|c| c.checked_mul(nq))
+        .ok_or_else(|| too_large("scores"))?;
     let mut scores: Vec<f32> = Vec::new();
-    scores.try_reserve_exact(cols).map_err(|_| too_large("scores"))?;
+    scores
+        .try_reserve_exact(cols)
+        .map_err(|_| too_large("scores"))?;
     let mut entries: Vec<(i32, u32)> = Vec::new();
     let mut qf = vec![0.0f32; nq * d];
     let mut acc = vec![0.0f32; nq * d];
@@ -139,7 +157,10 @@ pub fn decode_attention<T: KvElem>(
             if kv.page_map.is_some() {
                 entries.sort_unstable();
             }
-            let ntok: usize = entries.iter().map(|&(_, pos)| tokens_of(pos as usize)).sum();
+            let ntok: usize = entries
+                .iter()
+                .map(|&(_, pos)| tokens_of(pos as usize))
+                .sum();
             let extra_kv = extra.map(|e| {
                 let at = (s * h_kv + h) * d;
                 (&e.k[at..at + d], &e.v[at..at + d])
@@ -176,7 +197,11 @@ pub fn decode_attention<T: KvElem>(
 
             // Softmax numerators and denominators, f32, in visit order.
             for qi in 0..nq {
-                let n = if qi >= gs && extra_kv.is_some() { ntok + 1 } else { ntok };
+                let n = if qi >= gs && extra_kv.is_some() {
+                    ntok + 1
+                } else {
+                    ntok
+                };
                 let p = &mut scores[qi * ncols..][..n];
                 let m = p.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let mut l = 0.0f32;
@@ -241,7 +266,10 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     const LANES: usize = 8; // arbitrary: one AVX register of f32
     let split = a.len().min(b.len()) / LANES * LANES;
     let mut acc = [0.0f32; LANES];
-    for (x, y) in a[..split].chunks_exact(LANES).zip(b[..split].chunks_exact(LANES)) {
+    for (x, y) in a[..split]
+        .chunks_exact(LANES)
+        .zip(b[..split].chunks_exact(LANES))
+    {
         for i in 0..LANES {
             acc[i] += x[i] * y[i];
         }
@@ -267,7 +295,9 @@ mod tests {
 
     /// Deterministic pseudo-random values in [-1, 1).
     fn rand_vec<T: KvElem>(n: usize, seed: u64) -> Vec<T> {
-        let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let mut x = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         (0..n)
             .map(|_| {
                 x ^= x << 13;
@@ -301,7 +331,11 @@ mod tests {
                 let mut blocks: Vec<(i64, usize, usize)> = Vec::new(); // (logical, page, ntok)
                 for (pos, &p) in pages.iter().enumerate() {
                     let logical = kv.page_map.map_or(pos as i64, |pm| pm[p * h_kv + h] as i64);
-                    let ntok = if pos + 1 == pages.len() { kv.kv_last_page_len[s] as usize } else { bs };
+                    let ntok = if pos + 1 == pages.len() {
+                        kv.kv_last_page_len[s] as usize
+                    } else {
+                        bs
+                    };
                     if logical >= 0 {
                         blocks.push((logical, p, ntok));
                     }
@@ -311,8 +345,14 @@ mod tests {
                 for &(_, p, ntok) in &blocks {
                     for t in 0..ntok {
                         let at = ((p * h_kv + h) * bs + t) * d;
-                        let k = kv.k_pages[at..at + d].iter().map(|x| x.to_f32() as f64).collect();
-                        let v = kv.v_pages[at..at + d].iter().map(|x| x.to_f32() as f64).collect();
+                        let k = kv.k_pages[at..at + d]
+                            .iter()
+                            .map(|x| x.to_f32() as f64)
+                            .collect();
+                        let v = kv.v_pages[at..at + d]
+                            .iter()
+                            .map(|x| x.to_f32() as f64)
+                            .collect();
                         rows.push((k, v));
                     }
                 }
@@ -329,7 +369,9 @@ mod tests {
                     let qv: Vec<f64> = q[qa..qa + d].iter().map(|x| x.to_f32() as f64).collect();
                     let logits: Vec<f64> = rows
                         .iter()
-                        .map(|(k, _)| k.iter().zip(&qv).map(|(a, b)| a * b).sum::<f64>() * sm_scale as f64)
+                        .map(|(k, _)| {
+                            k.iter().zip(&qv).map(|(a, b)| a * b).sum::<f64>() * sm_scale as f64
+                        })
                         .collect();
                     let m = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
                     let w: Vec<f64> = logits.iter().map(|x| (x - m).exp()).collect();
@@ -358,7 +400,11 @@ mod tests {
         assert_eq!(got.len(), want.len());
         for (i, (g, w)) in got.iter().zip(want).enumerate() {
             let g = g.to_f32() as f64;
-            assert!((g - w).abs() <= atol + rtol * w.abs(), "element {i}: got {g}, want {w} ({:?})", T::DTYPE);
+            assert!(
+                (g - w).abs() <= atol + rtol * w.abs(),
+                "element {i}: got {g}, want {w} ({:?})",
+                T::DTYPE
+            );
         }
     }
 
@@ -395,7 +441,13 @@ mod tests {
         }
     }
 
-    fn run_case<T: KvElem>(g: &KvGeometry, blocks: &[usize], last: &[i32], num_rows: usize, with_extra: bool) {
+    fn run_case<T: KvElem>(
+        g: &KvGeometry,
+        blocks: &[usize],
+        last: &[i32],
+        num_rows: usize,
+        with_extra: bool,
+    ) {
         let num_seqs = blocks.len();
         let dn = dense::<T>(g, blocks, last, 11);
         let q: Vec<T> = rand_vec(num_seqs * num_rows * g.num_qo_heads * g.head_dim, 5);
@@ -465,7 +517,10 @@ mod tests {
                 for b in 0..nb - 1 {
                     let page = slots[perm[b]];
                     page_map[page * h_kv + h] = b as i32;
-                    let (src, dst) = ((logical_of(b) * h_kv + h) * bs * d, (page * h_kv + h) * bs * d);
+                    let (src, dst) = (
+                        (logical_of(b) * h_kv + h) * bs * d,
+                        (page * h_kv + h) * bs * d,
+                    );
                     wk[dst..dst + bs * d].copy_from_slice(&dn.k[src..src + bs * d]);
                     wv[dst..dst + bs * d].copy_from_slice(&dn.v[src..src + bs * d]);
                 }
@@ -571,37 +626,193 @@ mod tests {
         let invalid = |r: Result<()>| assert!(matches!(r, Err(OasisError::Invalid(_))), "{r:?}");
 
         shape(run(base, &q[1..], 1, None), "q");
-        shape(run(PagedKv { kv_last_page_len: &[1], ..base }, &q, 1, None), "kv_last_page_len");
-        shape(run(PagedKv { k_pages: &k[1..], ..base }, &q, 1, None), "k_pages");
-        shape(run(PagedKv { v_pages: &k[1..], ..base }, &q, 1, None), "v_pages");
-        shape(run(PagedKv { page_map: Some(&pm[1..]), ..base }, &q, 1, None), "page_map");
-        shape(run(PagedKv { kv_indices: &[0, 1], ..base }, &q, 1, None), "kv_indices");
-        shape(run(PagedKv { kv_indptr: &[], ..base }, &[], 1, None), "kv_indptr");
-        let r = run(PagedKv { kv_indices: &[0, 3, 1], ..base }, &q, 1, None);
-        assert!(matches!(r, Err(OasisError::IndexOutOfRange { what: "kv_indices", index: 3, bound: 3 })));
-        let r = run(PagedKv { kv_indices: &[0, -1, 1], ..base }, &q, 1, None);
-        assert!(matches!(r, Err(OasisError::IndexOutOfRange { what: "kv_indices", index: -1, .. })));
-        invalid(run(PagedKv { kv_indptr: &[1, 2, 3], ..base }, &q, 1, None));
-        invalid(run(PagedKv { kv_indptr: &[0, 3, 2], ..base }, &q, 1, None));
-        invalid(run(PagedKv { kv_indptr: &[0, 0, 3], ..base }, &q, 1, None)); // empty seq
-        invalid(run(PagedKv { kv_last_page_len: &[0, 2], ..base }, &q, 1, None));
-        invalid(run(PagedKv { kv_last_page_len: &[1, 3], ..base }, &q, 1, None));
+        shape(
+            run(
+                PagedKv {
+                    kv_last_page_len: &[1],
+                    ..base
+                },
+                &q,
+                1,
+                None,
+            ),
+            "kv_last_page_len",
+        );
+        shape(
+            run(
+                PagedKv {
+                    k_pages: &k[1..],
+                    ..base
+                },
+                &q,
+                1,
+                None,
+            ),
+            "k_pages",
+        );
+        shape(
+            run(
+                PagedKv {
+                    v_pages: &k[1..],
+                    ..base
+                },
+                &q,
+                1,
+                None,
+            ),
+            "v_pages",
+        );
+        shape(
+            run(
+                PagedKv {
+                    page_map: Some(&pm[1..]),
+                    ..base
+                },
+                &q,
+                1,
+                None,
+            ),
+            "page_map",
+        );
+        shape(
+            run(
+                PagedKv {
+                    kv_indices: &[0, 1],
+                    ..base
+                },
+                &q,
+                1,
+                None,
+            ),
+            "kv_indices",
+        );
+        shape(
+            run(
+                PagedKv {
+                    kv_indptr: &[],
+                    ..base
+                },
+                &[],
+                1,
+                None,
+            ),
+            "kv_indptr",
+        );
+        let r = run(
+            PagedKv {
+                kv_indices: &[0, 3, 1],
+                ..base
+            },
+            &q,
+            1,
+            None,
+        );
+        assert!(matches!(
+            r,
+            Err(OasisError::IndexOutOfRange {
+                what: "kv_indices",
+                index: 3,
+                bound: 3
+            })
+        ));
+        let r = run(
+            PagedKv {
+                kv_indices: &[0, -1, 1],
+                ..base
+            },
+            &q,
+            1,
+            None,
+        );
+        assert!(matches!(
+            r,
+            Err(OasisError::IndexOutOfRange {
+                what: "kv_indices",
+                index: -1,
+                ..
+            })
+        ));
+        invalid(run(
+            PagedKv {
+                kv_indptr: &[1, 2, 3],
+                ..base
+            },
+            &q,
+            1,
+            None,
+        ));
+        invalid(run(
+            PagedKv {
+                kv_indptr: &[0, 3, 2],
+                ..base
+            },
+            &q,
+            1,
+            None,
+        ));
+        invalid(run(
+            PagedKv {
+                kv_indptr: &[0, 0, 3],
+                ..base
+            },
+            &q,
+            1,
+            None,
+        )); // empty seq
+        invalid(run(
+            PagedKv {
+                kv_last_page_len: &[0, 2],
+                ..base
+            },
+            &q,
+            1,
+            None,
+        ));
+        invalid(run(
+            PagedKv {
+                kv_last_page_len: &[1, 3],
+                ..base
+            },
+            &q,
+            1,
+            None,
+        ));
         invalid(run(base, &[], 0, None));
         // Extra K,V needs a lookahead row.
         let extra = ExtraKv { k: &ex, v: &ex };
         invalid(run(base, &q, 1, Some(&extra)));
         let q2 = vec![0.1f32; 2 * 2 * 4 * 4];
         let mut out2 = vec![0.0f32; q2.len()];
-        let bad = ExtraKv { k: &ex[1..], v: &ex };
+        let bad = ExtraKv {
+            k: &ex[1..],
+            v: &ex,
+        };
         let r = decode_attention(&g, &q2, 2, &base, Some(&bad), 1.0, &mut out2);
         shape(r, "extra_k");
-        let bad = ExtraKv { k: &ex, v: &ex[1..] };
-        shape(decode_attention(&g, &q2, 2, &base, Some(&bad), 1.0, &mut out2), "extra_v");
-        shape(decode_attention(&g, &q, 2, &base, None, 1.0, &mut out2), "q");
-        shape(decode_attention(&g, &q2, 2, &base, None, 1.0, &mut out2[1..]), "out");
+        let bad = ExtraKv {
+            k: &ex,
+            v: &ex[1..],
+        };
+        shape(
+            decode_attention(&g, &q2, 2, &base, Some(&bad), 1.0, &mut out2),
+            "extra_v",
+        );
+        shape(
+            decode_attention(&g, &q, 2, &base, None, 1.0, &mut out2),
+            "q",
+        );
+        shape(
+            decode_attention(&g, &q2, 2, &base, None, 1.0, &mut out2[1..]),
+            "out",
+        );
         decode_attention(&g, &q2, 2, &base, Some(&extra), 1.0, &mut out2).unwrap();
         // No sequences at all is a valid, empty call.
-        let none = PagedKv { kv_indptr: &[0], kv_indices: &[], kv_last_page_len: &[], ..base };
+        let none = PagedKv {
+            kv_indptr: &[0],
+            kv_indices: &[],
+            kv_last_page_len: &[],
+            ..base
+        };
         decode_attention(&g, &[], 1, &none, None, 1.0, &mut []).unwrap();
     }
 }

@@ -25,11 +25,11 @@ use crate::kernels::validate::{all_indices, csr, csr_range, leading_rows};
 /// `scores` is untouched when an error is returned.
 pub fn score_blocks<T: KvElem>(
     geo: &KvGeometry,
-    q: &[T],            // [num_seqs, num_qo_heads, head_dim]  (the lookahead row)
-    summaries: &[T],    // [num_host_blocks, num_kv_heads, 2, head_dim]
-    blk_indptr: &[i32], // [num_seqs + 1]
+    q: &[T],             // [num_seqs, num_qo_heads, head_dim]  (the lookahead row)
+    summaries: &[T],     // [num_host_blocks, num_kv_heads, 2, head_dim]
+    blk_indptr: &[i32],  // [num_seqs + 1]
     blk_indices: &[i32], // [nnz] host block of logical block (j - blk_indptr[s]) of seq s
-    scores: &mut [f32], // [nnz, num_kv_heads]
+    scores: &mut [f32],  // [nnz, num_kv_heads]
 ) -> Result<()> {
     geo.validate()?;
     let (hq, h_kv, d) = (geo.num_qo_heads, geo.num_kv_heads, geo.head_dim);
@@ -100,7 +100,9 @@ pub fn topk_blocks(
     out: &mut [i32], // [num_seqs, num_kv_heads, k]
 ) -> Result<()> {
     if num_kv_heads == 0 {
-        return Err(OasisError::Config("num_kv_heads must be positive".to_string()));
+        return Err(OasisError::Config(
+            "num_kv_heads must be positive".to_string(),
+        ));
     }
     let nnz = leading_rows("scores", scores.len(), &[num_kv_heads])?;
     let num_seqs = csr("blk_indptr", blk_indptr, "scores", nnz)?;
@@ -114,6 +116,12 @@ pub fn topk_blocks(
         let n = range.len();
         // n <= nnz <= i32::MAX: logical indices fit u32 and i32.
         for h in 0..num_kv_heads {
+            let dst = &mut out[(s * num_kv_heads + h) * k..][..k];
+            if n == 0 {
+                dst.fill(-1);
+                continue;
+            }
+            // n >= 1, so this start is < scores.len().
             let col = &scores[range.start * num_kv_heads + h..];
             order.clear();
             order.extend(0..n as u32);
@@ -124,8 +132,12 @@ pub fn topk_blocks(
                 order.select_nth_unstable_by(take - 1, cmp);
             }
             order[..take].sort_unstable_by(cmp);
-            let dst = &mut out[(s * num_kv_heads + h) * k..][..k];
-            for (o, i) in dst.iter_mut().zip(order[..take].iter().map(|&i| i as i32).chain(std::iter::repeat(-1))) {
+            for (o, i) in dst.iter_mut().zip(
+                order[..take]
+                    .iter()
+                    .map(|&i| i as i32)
+                    .chain(std::iter::repeat(-1)),
+            ) {
                 *o = i;
             }
         }
@@ -144,7 +156,9 @@ mod tests {
         let (hq, h_kv, d) = (6, 2, 5);
         let num_host = 7;
         let val = |i: usize| ((i * 37 + 11) % 23) as f32 / 4.0 - 2.7;
-        let q: Vec<bf16> = (0..2 * hq * d).map(|i| bf16::from_f32(val(i * 3))).collect();
+        let q: Vec<bf16> = (0..2 * hq * d)
+            .map(|i| bf16::from_f32(val(i * 3)))
+            .collect();
         let mut sm = vec![bf16::ZERO; num_host * h_kv * 2 * d];
         for b in 0..num_host {
             for h in 0..h_kv {
@@ -163,7 +177,7 @@ mod tests {
         score_blocks(&g, &q3, &sm, &indptr, &indices, &mut scores).unwrap();
         for s in 0..3 {
             for j in indptr[s] as usize..indptr[s + 1] as usize {
-                let b = indices[j];
+                let b = indices[j] as usize;
                 for h in 0..h_kv {
                     let mut want = 0.0f64;
                     for gq in 0..hq {
@@ -178,7 +192,10 @@ mod tests {
                         }
                     }
                     let got = scores[j * h_kv + h] as f64;
-                    assert!((got - want).abs() <= 1e-4 + 1e-5 * want.abs(), "{got} vs {want}");
+                    assert!(
+                        (got - want).abs() <= 1e-4 + 1e-5 * want.abs(),
+                        "{got} vs {want}"
+                    );
                 }
             }
         }
@@ -191,17 +208,43 @@ mod tests {
         let sm = [0.0f32; 2 * 2 * 2];
         let mut sc = [0.0f32; 2];
         let r = score_blocks(&g, &q, &sm, &[0, 2], &[0, 2], &mut sc);
-        assert!(matches!(r, Err(OasisError::IndexOutOfRange { what: "blk_indices", index: 2, bound: 2 })));
+        assert!(matches!(
+            r,
+            Err(OasisError::IndexOutOfRange {
+                what: "blk_indices",
+                index: 2,
+                bound: 2
+            })
+        ));
         let r = score_blocks(&g, &q, &sm, &[0, 2], &[0, -1], &mut sc);
-        assert!(matches!(r, Err(OasisError::IndexOutOfRange { what: "blk_indices", index: -1, .. })));
+        assert!(matches!(
+            r,
+            Err(OasisError::IndexOutOfRange {
+                what: "blk_indices",
+                index: -1,
+                ..
+            })
+        ));
         let r = score_blocks(&g, &q[1..], &sm, &[0, 2], &[0, 1], &mut sc);
         assert!(matches!(r, Err(OasisError::Shape { what: "q", .. })));
         let r = score_blocks(&g, &q, &sm[1..], &[0, 2], &[0, 1], &mut sc);
-        assert!(matches!(r, Err(OasisError::Shape { what: "summaries", .. })));
+        assert!(matches!(
+            r,
+            Err(OasisError::Shape {
+                what: "summaries",
+                ..
+            })
+        ));
         let r = score_blocks(&g, &q, &sm, &[0, 2], &[0, 1], &mut sc[1..]);
         assert!(matches!(r, Err(OasisError::Shape { what: "scores", .. })));
         let r = score_blocks(&g, &q, &sm, &[0, 1], &[0, 1], &mut sc);
-        assert!(matches!(r, Err(OasisError::Shape { what: "blk_indices", .. })));
+        assert!(matches!(
+            r,
+            Err(OasisError::Shape {
+                what: "blk_indices",
+                ..
+            })
+        ));
         let r = score_blocks(&g, &q, &sm, &[1, 2], &[0, 1], &mut sc);
         assert!(matches!(r, Err(OasisError::Invalid(_))));
         assert_eq!(sc, [0.0; 2]);
@@ -212,9 +255,18 @@ mod tests {
     fn naive_topk(col: &[f32], k: usize) -> Vec<i32> {
         let mut idx: Vec<usize> = (0..col.len()).collect();
         idx.sort_by(|&a, &b| {
-            let key = |i: usize| if col[i].is_nan() { f32::NEG_INFINITY } else { col[i] };
+            let key = |i: usize| {
+                if col[i].is_nan() {
+                    f32::NEG_INFINITY
+                } else {
+                    col[i]
+                }
+            };
             let nan = |i: usize| col[i].is_nan();
-            nan(a).cmp(&nan(b)).then(key(b).partial_cmp(&key(a)).unwrap()).then(a.cmp(&b))
+            nan(a)
+                .cmp(&nan(b))
+                .then(key(b).partial_cmp(&key(a)).unwrap())
+                .then(a.cmp(&b))
         });
         let mut out: Vec<i32> = idx.into_iter().take(k).map(|i| i as i32).collect();
         out.resize(k, -1);
@@ -232,8 +284,8 @@ mod tests {
         for j in 0..6 {
             scores.extend([col0[j], col1[j]]);
         }
-        for j in 0..3 {
-            scores.extend([s2[0][j], s2[1][j]]);
+        for (a, b) in s2[0].iter().zip(&s2[1]) {
+            scores.extend([*a, *b]);
         }
         for k in [1, 2, 3, 4, 6, 8] {
             let mut out = vec![99; 3 * h_kv * k];
@@ -255,15 +307,24 @@ mod tests {
     fn topk_validation() {
         let scores = [1.0f32; 6];
         let mut out = [5i32; 4];
-        assert!(matches!(topk_blocks(0, &scores, &[0, 3], 2, &mut out), Err(OasisError::Config(_))));
+        assert!(matches!(
+            topk_blocks(0, &scores, &[0, 3], 2, &mut out),
+            Err(OasisError::Config(_))
+        ));
         let r = topk_blocks(2, &scores[1..], &[0, 3], 2, &mut out);
         assert!(matches!(r, Err(OasisError::Shape { what: "scores", .. })));
         let r = topk_blocks(2, &scores, &[0, 2], 2, &mut out);
         assert!(matches!(r, Err(OasisError::Shape { what: "scores", .. })));
         let r = topk_blocks(2, &scores, &[0, 3], 2, &mut out[1..]);
         assert!(matches!(r, Err(OasisError::Shape { what: "out", .. })));
-        assert!(matches!(topk_blocks(2, &scores, &[0, 4, 3], 1, &mut out), Err(OasisError::Invalid(_))));
-        assert!(matches!(topk_blocks(2, &scores, &[], 1, &mut out), Err(OasisError::Shape { .. })));
+        assert!(matches!(
+            topk_blocks(2, &scores, &[0, 4, 3], 1, &mut out),
+            Err(OasisError::Invalid(_))
+        ));
+        assert!(matches!(
+            topk_blocks(2, &scores, &[], 1, &mut out),
+            Err(OasisError::Shape { .. })
+        ));
         assert_eq!(out, [5; 4]);
     }
 }

@@ -73,9 +73,14 @@ pub fn delta_select(
 ) -> Result<SelectStats> {
     let h_kv = num_kv_heads;
     if h_kv == 0 {
-        return Err(OasisError::Config("num_kv_heads must be positive".to_string()));
+        return Err(OasisError::Config(
+            "num_kv_heads must be positive".to_string(),
+        ));
     }
-    ensure!(num_pred <= budget, "num_pred ({num_pred}) must not exceed the budget ({budget})");
+    ensure!(
+        num_pred <= budget,
+        "num_pred ({num_pred}) must not exceed the budget ({budget})"
+    );
     let num_seqs = if budget > 0 {
         leading_rows("slot_pages", slot_pages.len(), &[budget])?
     } else if fetch_cap > 0 {
@@ -86,9 +91,17 @@ pub fn delta_select(
     check_len("predicted", predicted.len(), &[num_seqs, h_kv, num_pred])?;
     check_len("slot_pages", slot_pages.len(), &[num_seqs, budget])?;
     check_len("plan_slots", plan_slots.len(), &[num_seqs, h_kv, fetch_cap])?;
-    check_len("plan_blocks", plan_blocks.len(), &[num_seqs, h_kv, fetch_cap])?;
+    check_len(
+        "plan_blocks",
+        plan_blocks.len(),
+        &[num_seqs, h_kv, fetch_cap],
+    )?;
     let num_pages = leading_rows("page_map", page_map.len(), &[h_kv])?;
-    check_len("page_last_selected", page_last_selected.len(), &[num_pages, h_kv])?;
+    check_len(
+        "page_last_selected",
+        page_last_selected.len(),
+        &[num_pages, h_kv],
+    )?;
     let mut owner = vec![false; num_pages];
     for (i, &p) in slot_pages.iter().enumerate() {
         let p = index("slot_pages", p, num_pages)?;
@@ -115,7 +128,12 @@ pub fn delta_select(
             // 1. S: distinct non-negative predictions, sorted for lookup; the first position of
             //    each block is kept to restore prediction order for `missing`.
             sorted.clear();
-            sorted.extend(pred.iter().enumerate().filter(|&(_, &b)| b >= 0).map(|(i, &b)| (b, i as u32)));
+            sorted.extend(
+                pred.iter()
+                    .enumerate()
+                    .filter(|&(_, &b)| b >= 0)
+                    .map(|(i, &b)| (b, i as u32)),
+            );
             sorted.sort_unstable();
             sorted.dedup_by_key(|&mut (b, _)| b); // keeps the first = lowest position
             resident.clear();
@@ -187,8 +205,30 @@ mod tests {
         pb: Vec<i32>,
     }
 
-    fn run(h: usize, pred: &[i32], np: usize, slots: &[i32], budget: usize, st: &mut St, step: i32, cap: usize) -> Result<SelectStats> {
-        delta_select(h, pred, np, slots, budget, &mut st.map, &mut st.last, step, cap, &mut st.ps, &mut st.pb)
+    #[allow(clippy::too_many_arguments)]
+    fn run(
+        h: usize,
+        pred: &[i32],
+        np: usize,
+        slots: &[i32],
+        budget: usize,
+        st: &mut St,
+        step: i32,
+        cap: usize,
+    ) -> Result<SelectStats> {
+        delta_select(
+            h,
+            pred,
+            np,
+            slots,
+            budget,
+            &mut st.map,
+            &mut st.last,
+            step,
+            cap,
+            &mut st.ps,
+            &mut st.pb,
+        )
     }
 
     fn state(num_pages: usize, h: usize, seqs: usize, cap: usize) -> St {
@@ -216,7 +256,14 @@ mod tests {
         // Predict 12 (resident), 20, 21, 22 (missing); -1 and a duplicate are ignored.
         let pred = [20, 12, -1, 20];
         let stats = run(1, &pred, 4, &slots, 4, &mut st, 4, 2).unwrap();
-        assert_eq!(stats, SelectStats { pairs: 1, kept: 1, missing: 1 });
+        assert_eq!(
+            stats,
+            SelectStats {
+                pairs: 1,
+                kept: 1,
+                missing: 1
+            }
+        );
         assert_eq!(st.last[0], 4); // kept
         assert_eq!(st.map[7], 20); // empty slot used first
         assert_eq!(st.last[7], 4);
@@ -225,12 +272,25 @@ mod tests {
 
         let pred = [21, 22, 23, 12];
         let stats = run(1, &pred, 4, &slots, 4, &mut st, 5, 2).unwrap();
-        assert_eq!(stats, SelectStats { pairs: 2, kept: 1, missing: 3 });
+        assert_eq!(
+            stats,
+            SelectStats {
+                pairs: 2,
+                kept: 1,
+                missing: 3
+            }
+        );
         // Victims (not predicted): slot 0 (last 3), slot 1 (last 1), slot 2 (last 4). LRS first.
         assert_eq!(st.ps, [1, 0]);
         assert_eq!(st.pb, [21, 22]);
-        assert_eq!((st.map[2], st.map[5], st.map[7], st.map[0]), (21, 22, 20, 12));
-        assert_eq!((st.last[2], st.last[5], st.last[7], st.last[0]), (5, 5, 4, 5));
+        assert_eq!(
+            (st.map[2], st.map[5], st.map[7], st.map[0]),
+            (21, 22, 20, 12)
+        );
+        assert_eq!(
+            (st.last[2], st.last[5], st.last[7], st.last[0]),
+            (5, 5, 4, 5)
+        );
     }
 
     #[test]
@@ -249,7 +309,14 @@ mod tests {
         let mut st2 = state(4, 1, 1, 0);
         st2.map.copy_from_slice(&st.map);
         let stats = run(1, &[2, 9], 2, &slots, 3, &mut st2, 7, 0).unwrap();
-        assert_eq!(stats, SelectStats { pairs: 0, kept: 1, missing: 1 });
+        assert_eq!(
+            stats,
+            SelectStats {
+                pairs: 0,
+                kept: 1,
+                missing: 1
+            }
+        );
         assert_eq!(st2.map, st.map);
         assert_eq!(st2.last[2], 7);
     }
@@ -278,31 +345,90 @@ mod tests {
         let r = run(h, &pred, 2, &slots, 2, &mut st, 1, 2);
         assert!(r.is_ok());
         let mut st = state(6, h, 2, 2);
-        assert!(matches!(run(h, &pred, 3, &slots, 2, &mut st, 1, 2), Err(OasisError::Invalid(_))));
-        assert!(matches!(run(0, &pred, 2, &slots, 2, &mut st, 1, 2), Err(OasisError::Config(_))));
+        assert!(matches!(
+            run(h, &pred, 3, &slots, 2, &mut st, 1, 2),
+            Err(OasisError::Invalid(_))
+        ));
+        assert!(matches!(
+            run(0, &pred, 2, &slots, 2, &mut st, 1, 2),
+            Err(OasisError::Config(_))
+        ));
         let r = run(h, &pred[1..], 2, &slots, 2, &mut st, 1, 2);
-        assert!(matches!(r, Err(OasisError::Shape { what: "predicted", .. })));
+        assert!(matches!(
+            r,
+            Err(OasisError::Shape {
+                what: "predicted",
+                ..
+            })
+        ));
         let r = run(h, &pred, 2, &slots[1..], 2, &mut st, 1, 2);
-        assert!(matches!(r, Err(OasisError::Shape { what: "slot_pages", .. })));
+        assert!(matches!(
+            r,
+            Err(OasisError::Shape {
+                what: "slot_pages",
+                ..
+            })
+        ));
         let r = run(h, &pred, 2, &[0, 1, 2, 6], 2, &mut st, 1, 2);
-        assert!(matches!(r, Err(OasisError::IndexOutOfRange { what: "slot_pages", index: 6, bound: 6 })));
+        assert!(matches!(
+            r,
+            Err(OasisError::IndexOutOfRange {
+                what: "slot_pages",
+                index: 6,
+                bound: 6
+            })
+        ));
         let r = run(h, &pred, 2, &[0, 1, -1, 2], 2, &mut st, 1, 2);
-        assert!(matches!(r, Err(OasisError::IndexOutOfRange { what: "slot_pages", index: -1, .. })));
-        assert!(matches!(run(h, &pred, 2, &[0, 1, 2, 0], 2, &mut st, 1, 2), Err(OasisError::Invalid(_))));
+        assert!(matches!(
+            r,
+            Err(OasisError::IndexOutOfRange {
+                what: "slot_pages",
+                index: -1,
+                ..
+            })
+        ));
+        assert!(matches!(
+            run(h, &pred, 2, &[0, 1, 2, 0], 2, &mut st, 1, 2),
+            Err(OasisError::Invalid(_))
+        ));
         let r = run(h, &pred, 2, &slots, 2, &mut st, 1, 3);
-        assert!(matches!(r, Err(OasisError::Shape { what: "plan_slots", .. })));
+        assert!(matches!(
+            r,
+            Err(OasisError::Shape {
+                what: "plan_slots",
+                ..
+            })
+        ));
         check(&st);
         let mut bad = state(6, h, 2, 2);
         bad.pb.pop();
         let r = run(h, &pred, 2, &slots, 2, &mut bad, 1, 2);
-        assert!(matches!(r, Err(OasisError::Shape { what: "plan_blocks", .. })));
+        assert!(matches!(
+            r,
+            Err(OasisError::Shape {
+                what: "plan_blocks",
+                ..
+            })
+        ));
         let mut bad = state(6, h, 2, 2);
         bad.map.pop();
         let r = run(h, &pred, 2, &slots, 2, &mut bad, 1, 2);
-        assert!(matches!(r, Err(OasisError::Shape { what: "page_map", .. })));
+        assert!(matches!(
+            r,
+            Err(OasisError::Shape {
+                what: "page_map",
+                ..
+            })
+        ));
         let mut bad = state(6, h, 2, 2);
         bad.last.pop();
         let r = run(h, &pred, 2, &slots, 2, &mut bad, 1, 2);
-        assert!(matches!(r, Err(OasisError::Shape { what: "page_last_selected", .. })));
+        assert!(matches!(
+            r,
+            Err(OasisError::Shape {
+                what: "page_last_selected",
+                ..
+            })
+        ));
     }
 }

@@ -71,7 +71,14 @@ mod tests {
     use crate::error::OasisError;
     use half::{bf16, f16};
 
-    fn naive<T: KvElem>(g: &KvGeometry, host_k: &[T], b: usize, n: usize, h: usize, x: usize) -> (f32, f32) {
+    fn naive<T: KvElem>(
+        g: &KvGeometry,
+        host_k: &[T],
+        b: usize,
+        n: usize,
+        h: usize,
+        x: usize,
+    ) -> (f32, f32) {
         let mut mn = f32::INFINITY;
         let mut mx = f32::NEG_INFINITY;
         for t in 0..n {
@@ -102,7 +109,9 @@ mod tests {
         }
         // Block 2 untouched.
         let b2 = 2 * g.num_kv_heads * 2 * g.head_dim;
-        assert!(sm[b2..b2 + g.num_kv_heads * 2 * g.head_dim].iter().all(|x| x.to_f32() == -99.0));
+        assert!(sm[b2..b2 + g.num_kv_heads * 2 * g.head_dim]
+            .iter()
+            .all(|x| x.to_f32() == -99.0));
     }
 
     #[test]
@@ -118,17 +127,49 @@ mod tests {
         let host_k = vec![1.0f32; 2 * g.page_elems()];
         let mut sm = vec![0.0f32; 2 * 2 * 2];
         let r = build_summaries(&g, &host_k, &[2], &[1], &mut sm);
-        assert!(matches!(r, Err(OasisError::IndexOutOfRange { what: "block_ids", index: 2, bound: 2 })));
+        assert!(matches!(
+            r,
+            Err(OasisError::IndexOutOfRange {
+                what: "block_ids",
+                index: 2,
+                bound: 2
+            })
+        ));
         let r = build_summaries(&g, &host_k, &[-1], &[1], &mut sm);
-        assert!(matches!(r, Err(OasisError::IndexOutOfRange { what: "block_ids", index: -1, .. })));
-        assert!(matches!(build_summaries(&g, &host_k, &[0], &[0], &mut sm), Err(OasisError::Invalid(_))));
-        assert!(matches!(build_summaries(&g, &host_k, &[0], &[5], &mut sm), Err(OasisError::Invalid(_))));
+        assert!(matches!(
+            r,
+            Err(OasisError::IndexOutOfRange {
+                what: "block_ids",
+                index: -1,
+                ..
+            })
+        ));
+        assert!(matches!(
+            build_summaries(&g, &host_k, &[0], &[0], &mut sm),
+            Err(OasisError::Invalid(_))
+        ));
+        assert!(matches!(
+            build_summaries(&g, &host_k, &[0], &[5], &mut sm),
+            Err(OasisError::Invalid(_))
+        ));
         let r = build_summaries(&g, &host_k, &[0, 1], &[1], &mut sm);
-        assert!(matches!(r, Err(OasisError::Shape { what: "block_lens", .. })));
+        assert!(matches!(
+            r,
+            Err(OasisError::Shape {
+                what: "block_lens",
+                ..
+            })
+        ));
         let r = build_summaries(&g, &host_k[1..], &[0], &[1], &mut sm);
         assert!(matches!(r, Err(OasisError::Shape { what: "host_k", .. })));
         let r = build_summaries(&g, &host_k, &[0], &[1], &mut sm[1..]);
-        assert!(matches!(r, Err(OasisError::Shape { what: "summaries", .. })));
+        assert!(matches!(
+            r,
+            Err(OasisError::Shape {
+                what: "summaries",
+                ..
+            })
+        ));
         // A good entry before a bad one is not written either.
         let r = build_summaries(&g, &host_k, &[0, 1], &[4, 9], &mut sm);
         assert!(matches!(r, Err(OasisError::Invalid(_))));

@@ -6,20 +6,30 @@ use crate::error::{OasisError, Result};
 /// Number of leading rows of a buffer shaped `[rows, row_shape...]`: `len` must be a whole
 /// multiple of the row size. Used for pools whose row count is implied by the buffer.
 pub(crate) fn leading_rows(what: &'static str, len: usize, row_shape: &[usize]) -> Result<usize> {
-    let row = row_shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d));
+    let row = row_shape
+        .iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d));
     match row {
         Some(row) if row > 0 && len % row == 0 => Ok(len / row),
         Some(0) if len == 0 => Ok(0),
         _ => Err(OasisError::Shape {
             what,
-            expected: format!("[n, {}] (a multiple of {} elements)", join(row_shape), fmt_opt(row)),
+            expected: format!(
+                "[n, {}] (a multiple of {} elements)",
+                join(row_shape),
+                fmt_opt(row)
+            ),
             got: format!("{len} elements"),
         }),
     }
 }
 
 fn join(shape: &[usize]) -> String {
-    shape.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(", ")
+    shape
+        .iter()
+        .map(|d| d.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn fmt_opt(x: Option<usize>) -> String {
@@ -31,7 +41,11 @@ fn fmt_opt(x: Option<usize>) -> String {
 pub(crate) fn index(what: &'static str, value: i32, bound: usize) -> Result<usize> {
     match usize::try_from(value) {
         Ok(i) if i < bound => Ok(i),
-        _ => Err(OasisError::IndexOutOfRange { what, index: i64::from(value), bound }),
+        _ => Err(OasisError::IndexOutOfRange {
+            what,
+            index: i64::from(value),
+            bound,
+        }),
     }
 }
 
@@ -59,7 +73,10 @@ pub(crate) fn csr(
         });
     };
     if indptr[0] != 0 {
-        return Err(OasisError::Invalid(format!("{indptr_what}[0] must be 0, got {}", indptr[0])));
+        return Err(OasisError::Invalid(format!(
+            "{indptr_what}[0] must be 0, got {}",
+            indptr[0]
+        )));
     }
     for (s, w) in indptr.windows(2).enumerate() {
         if w[1] < w[0] {
@@ -94,6 +111,8 @@ pub(crate) fn csr_range(indptr: &[i32], s: usize) -> std::ops::Range<usize> {
 pub(crate) fn length(what: &'static str, i: usize, value: i32, max: usize) -> Result<usize> {
     match usize::try_from(value) {
         Ok(n) if n >= 1 && n <= max => Ok(n),
-        _ => Err(OasisError::Invalid(format!("{what}[{i}] = {value}, expected 1..={max}"))),
+        _ => Err(OasisError::Invalid(format!(
+            "{what}[{i}] = {value}, expected 1..={max}"
+        ))),
     }
 }

@@ -1,0 +1,95 @@
+//! The kernel registry: every `.cu` source of `cuda/`, embedded at build time, with its entry
+//! points, and the headers NVRTC is given (it sees no file system: every `#include` of a kernel
+//! must be one of [`HEADERS`]).
+//!
+//! Entry points are `extern "C"` and named `<verb>_<object>_<dtype>`; each kernel family exists
+//! for bf16, f16 and f32 storage (the dtype-free ones carry the dtype of their tables).
+
+/// One kernel source file and the `extern "C"` kernels it defines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KernelSource {
+    /// Registry name, the file stem (`"decode_attn"`).
+    pub name: &'static str,
+    /// File name under `cuda/`, also the NVRTC program name that compile logs show.
+    pub file: &'static str,
+    /// The source text.
+    pub source: &'static str,
+    /// Every `extern "C" __global__` function of the file.
+    pub entry_points: &'static [&'static str],
+}
+
+/// Headers handed to NVRTC with every program: (include name, contents).
+pub const HEADERS: &[(&str, &str)] = &[(
+    "oasis_common.cuh",
+    include_str!("../../../cuda/oasis_common.cuh"),
+)];
+
+/// Every kernel source, in dependency-free order.
+pub const SOURCES: &[KernelSource] = &[
+    KernelSource {
+        name: "append_kv",
+        file: "append_kv.cu",
+        source: include_str!("../../../cuda/append_kv.cu"),
+        entry_points: &[
+            "append_kv_bf16",
+            "append_kv_f16",
+            "append_kv_f32",
+            "build_summaries_bf16",
+            "build_summaries_f16",
+            "build_summaries_f32",
+        ],
+    },
+    KernelSource {
+        name: "decode_attn",
+        file: "decode_attn.cu",
+        source: include_str!("../../../cuda/decode_attn.cu"),
+        entry_points: &[
+            "decode_attn_bf16",
+            "decode_attn_f16",
+            "decode_attn_f32",
+            "merge_attn_states_bf16",
+            "merge_attn_states_f16",
+            "merge_attn_states_f32",
+        ],
+    },
+    KernelSource {
+        name: "score_blocks",
+        file: "score_blocks.cu",
+        source: include_str!("../../../cuda/score_blocks.cu"),
+        entry_points: &[
+            "score_blocks_bf16",
+            "score_blocks_f16",
+            "score_blocks_f32",
+            "topk_blocks_f32",
+        ],
+    },
+    KernelSource {
+        name: "delta_select",
+        file: "delta_select.cu",
+        source: include_str!("../../../cuda/delta_select.cu"),
+        entry_points: &["delta_select_i32"],
+    },
+    KernelSource {
+        name: "gather_blocks",
+        file: "gather_blocks.cu",
+        source: include_str!("../../../cuda/gather_blocks.cu"),
+        entry_points: &[
+            "gather_blocks_bf16",
+            "gather_blocks_f16",
+            "gather_blocks_f32",
+            "copy_pages_bf16",
+            "copy_pages_f16",
+            "copy_pages_f32",
+        ],
+    },
+];
+
+/// The source registered under `name` (file stem, e.g. `"gather_blocks"`).
+pub fn source(name: &str) -> Option<&'static KernelSource> {
+    SOURCES.iter().find(|s| s.name == name)
+}
+
+/// The source that defines the kernel `entry` (e.g. `"gather_blocks_bf16"`).
+pub fn source_of(entry: &str) -> Option<&'static KernelSource> {
+    SOURCES.iter().find(|s| s.entry_points.contains(&entry))
+}

@@ -1,0 +1,1034 @@
+//! One launch wrapper per kernel, with the argument layout of its CPU twin in
+//! `oasis_core::kernels` (flat row-major buffers, `i32` tables, negative = empty), plus the
+//! caller's stream. Each wrapper checks every size the way the twin does and returns an error
+//! before anything is queued; then it launches and returns without synchronising the host.
+//!
+//! What a wrapper cannot check without a host synchronisation is the *contents* of the device
+//! tables (page ids, block ids, CSR pointers). The kernels bounds-check every entry they
+//! dereference and skip an out-of-range one, where the CPU twin returns an error: test a new
+//! caller on the CPU path first.
+//!
+//! Buffers are [`DevSlice`]s: a raw device address plus its element count (a PyTorch tensor's
+//! `data_ptr()` and `numel()`), made with an `unsafe` constructor whose contract carries what
+//! the wrappers cannot see. Pinned host buffers (the host pool) are passed the same way: the
+//! kernels read and write them through unified virtual addressing ([`Gpu::check_uva`]).
+
+use std::marker::PhantomData;
+
+use oasis_core::error::check_len;
+use oasis_core::{DType, KvElem, KvGeometry, OasisError};
+
+use crate::driver::{Args, Gpu, LaunchCfg};
+use crate::error::{guard, CudaError, Result};
+
+/// Threads per block of the decode attention kernel (a multiple of 32). Arbitrary.
+pub const DECODE_THREADS: u32 = 128;
+/// Largest tokens per attention tile (one softmax lane per token: at most 32).
+pub const MAX_TILE_TOKENS: usize = 32;
+/// Shared memory the attention wrapper aims to stay under when it picks the tile size, so that
+/// several blocks share an SM. Tuned for H100/H200 (228 KiB per SM).
+pub const DECODE_SMEM_TARGET: usize = 48 * 1024;
+/// Threads per block of `score_blocks_*`; must match OASIS_SCORE_THREADS in cuda/score_blocks.cu.
+pub const SCORE_THREADS: u32 = 256;
+/// Threads per block of `topk_blocks_f32`; must match OASIS_TOPK_THREADS.
+pub const TOPK_THREADS: u32 = 512;
+/// Largest `k` of [`Gpu::topk_blocks`]; must match OASIS_MAX_TOPK in cuda/score_blocks.cu.
+pub const MAX_TOPK: usize = 512;
+/// Threads per block of `delta_select_i32`; must match OASIS_SELECT_THREADS.
+pub const SELECT_THREADS: u32 = 256;
+/// Largest budget of [`Gpu::delta_select`]; must match OASIS_MAX_SELECT_BUDGET.
+pub const MAX_SELECT_BUDGET: usize = 4096;
+/// Threads per block of the copy kernels; must match OASIS_COPY_THREADS in cuda/gather_blocks.cu.
+pub const COPY_THREADS: u32 = 128;
+/// Threads per block of append / summary / merge kernels (they stride over head_dim). Arbitrary.
+pub const ROW_THREADS: u32 = 128;
+/// Largest split count of the split-KV attention (grid z). Arbitrary.
+pub const MAX_SPLITS: usize = 256;
+/// Fewest pages a split should get: below this the merge costs more than the split saves.
+/// Arbitrary.
+pub const MIN_PAGES_PER_SPLIT: usize = 8;
+
+/// `len` elements of `T` at device-visible address `ptr`: device memory, or pinned host memory
+/// mapped at the same address (UVA). Copy, like the raw pointer it is.
+#[derive(Debug)]
+pub struct DevSlice<T> {
+    ptr: u64,
+    len: usize,
+    _elem: PhantomData<fn() -> T>,
+}
+
+impl<T> Clone for DevSlice<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for DevSlice<T> {}
+
+impl<T> DevSlice<T> {
+    /// # Safety
+    /// 1. `ptr .. ptr + len * size_of::<T>()` lies inside one live allocation that the device of
+    ///    the [`Gpu`] it is used with can read and, for output arguments, write at that address
+    ///    (device memory of that device, or pinned host memory mapped through UVA);
+    /// 2. `ptr` is aligned for `T`, and the memory holds valid `T` values;
+    /// 3. the allocation stays alive, and no host code or other stream writes it (or reads an
+    ///    output argument) unordered with the launch, until the stream has run the kernel;
+    /// 4. output arguments do not overlap any other argument of the same launch.
+    pub unsafe fn from_raw(ptr: u64, len: usize) -> Self {
+        Self {
+            ptr,
+            len,
+            _elem: PhantomData,
+        }
+    }
+
+    /// The empty buffer (a null pointer of length 0); valid wherever a length of 0 is.
+    pub const fn empty() -> Self {
+        Self {
+            ptr: 0,
+            len: 0,
+            _elem: PhantomData,
+        }
+    }
+
+    /// Device address.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer has no element.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// A CUDA stream handle (`torch.cuda.current_stream().cuda_stream`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stream(u64);
+
+impl Stream {
+    /// # Safety
+    /// `handle` is 0 (the legacy default stream) or a live stream of the context of the [`Gpu`]
+    /// it is used with, and stays alive until the work queued on it has run.
+    pub unsafe fn from_raw(handle: u64) -> Self {
+        Self(handle)
+    }
+
+    /// The legacy default stream (handle 0), always valid.
+    pub const fn legacy_default() -> Self {
+        Self(0)
+    }
+
+    /// The raw handle.
+    pub fn handle(&self) -> u64 {
+        self.0
+    }
+}
+
+/// The paged KV of [`Gpu::decode_attention`], as `oasis_core::kernels::PagedKv`.
+#[derive(Debug, Clone, Copy)]
+pub struct PagedKvDev<T> {
+    pub k_pages: DevSlice<T>, // [num_pages, num_kv_heads, block_size, head_dim]
+    pub v_pages: DevSlice<T>, // [num_pages, num_kv_heads, block_size, head_dim]
+    pub kv_indptr: DevSlice<i32>, // [num_seqs + 1] CSR over kv_indices
+    pub kv_indices: DevSlice<i32>, // [nnz] GPU page ids of each sequence
+    pub kv_last_page_len: DevSlice<i32>, // [num_seqs] 1..=block_size
+    pub page_map: Option<DevSlice<i32>>, // [num_pages, num_kv_heads]; None = every entry valid
+}
+
+/// The lookahead token's own K and V, seen by rows >= 1, as `oasis_core::kernels::ExtraKv`.
+#[derive(Debug, Clone, Copy)]
+pub struct ExtraKvDev<T> {
+    pub k: DevSlice<T>, // [num_seqs, num_kv_heads, head_dim]
+    pub v: DevSlice<T>, // [num_seqs, num_kv_heads, head_dim]
+}
+
+/// Split-KV ("flash-decoding"): each sequence's pages are cut into `num_splits` parts, attended
+/// by separate blocks, and merged. `workspace` holds the partial results:
+/// [`decode_attn_workspace_len`] f32 elements.
+#[derive(Debug, Clone, Copy)]
+pub struct SplitKv {
+    pub num_splits: usize,
+    pub workspace: DevSlice<f32>,
+}
+
+/// f32 elements of the split-KV workspace: partial outputs
+/// `[num_seqs, num_rows, num_qo_heads, num_splits, head_dim]` then log-sum-exps
+/// `[num_seqs, num_rows, num_qo_heads, num_splits]`.
+pub fn decode_attn_workspace_len(
+    num_seqs: usize,
+    num_rows: usize,
+    num_qo_heads: usize,
+    head_dim: usize,
+    num_splits: usize,
+) -> usize {
+    num_seqs * num_rows * num_qo_heads * num_splits * (head_dim + 1)
+}
+
+/// A split count for a batch whose longest sequence has `max_pages` pages: enough blocks for
+/// about two waves over the device's SMs, each split keeping at least [`MIN_PAGES_PER_SPLIT`]
+/// pages. 1 means no split (and no workspace). Plan it on the CPU once per step.
+pub fn plan_num_splits(
+    num_sms: usize,
+    num_seqs: usize,
+    num_kv_heads: usize,
+    max_pages: usize,
+) -> usize {
+    let blocks = (num_seqs * num_kv_heads).max(1);
+    let want = (2 * num_sms).div_ceil(blocks);
+    let most = (max_pages / MIN_PAGES_PER_SPLIT).max(1);
+    want.clamp(1, most.min(MAX_SPLITS))
+}
+
+/// Shared memory of one decode attention block, in bytes: the same sum as the kernel's layout
+/// (cuda/decode_attn.cu, `DecodeSmem`), for `nq` query vectors per block and `tt` tile tokens.
+pub fn decode_attn_smem_bytes(nq: usize, head_dim: usize, tt: usize) -> usize {
+    let d = head_dim;
+    4 * (nq * (d + 1) + tt * (d + 1) + tt * d + nq * tt + nq * d + 2 * nq)
+}
+
+/// Shared memory of one delta-selection block, in bytes (cuda/delta_select.cu).
+pub fn delta_select_smem_bytes(budget: usize, num_pred: usize) -> usize {
+    let b2 = budget.max(1).next_power_of_two();
+    let p2 = num_pred.max(1).next_power_of_two();
+    8 * b2 + 4 * b2 + 4 * budget + 4 * p2
+}
+
+/// Number of leading rows of a buffer shaped `[n, row_shape...]` (pool sizes are implied by the
+/// buffers, as in the CPU twins).
+fn rows(what: &'static str, len: usize, row_shape: &[usize]) -> Result<usize> {
+    let row: usize = row_shape.iter().product();
+    if row == 0 || !len.is_multiple_of(row) {
+        return Err(OasisError::Shape {
+            what,
+            expected: format!("[n, {row_shape:?}] (a multiple of {row} elements)"),
+            got: format!("{len} elements"),
+        }
+        .into());
+    }
+    Ok(len / row)
+}
+
+/// Sequences of a CSR `indptr` buffer (its length minus one).
+fn csr_rows(what: &'static str, indptr_len: usize) -> Result<usize> {
+    indptr_len.checked_sub(1).ok_or_else(|| {
+        OasisError::Shape {
+            what,
+            expected: "[num_seqs + 1] (at least 1 element)".into(),
+            got: "0 elements".into(),
+        }
+        .into()
+    })
+}
+
+fn int(what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v)
+        .map_err(|_| CudaError::Unsupported(format!("{what} = {v} does not fit the kernels' i32")))
+}
+
+fn grid_dim(what: &str, v: usize, max: u32) -> Result<u32> {
+    match u32::try_from(v) {
+        Ok(x) if x <= max => Ok(x),
+        _ => Err(CudaError::Unsupported(format!(
+            "{what} = {v} exceeds the grid limit {max}"
+        ))),
+    }
+}
+
+/// Grid x may be up to 2^31 - 1 blocks, y and z up to 65535.
+const GRID_X_MAX: u32 = i32::MAX as u32;
+const GRID_YZ_MAX: u32 = 65535;
+
+/// Threads for kernels that stride over head_dim: a multiple of 32, at most ROW_THREADS.
+fn row_threads(head_dim: usize) -> u32 {
+    (head_dim.div_ceil(32) * 32).clamp(32, ROW_THREADS as usize) as u32
+}
+
+/// The kernel of family `$family` for storage type `$t`.
+macro_rules! entry {
+    ($t:ty, $family:literal) => {
+        match <$t as KvElem>::DTYPE {
+            DType::BF16 => concat!($family, "_bf16"),
+            DType::F16 => concat!($family, "_f16"),
+            DType::F32 => concat!($family, "_f32"),
+        }
+    };
+}
+
+impl Gpu {
+    /// GPU twin of `oasis_core::kernels::append_kv`: append one token per sequence, with
+    /// write-through to the host pool and the summary update for sparse sequences
+    /// (`host_block_ids[s] >= 0`). `host_k`, `host_v` may be empty when every sequence is dense.
+    ///
+    /// # Errors
+    /// [`CudaError::Invalid`] for a buffer whose size does not match its shape.
+    #[allow(clippy::too_many_arguments)]
+    pub fn append_kv<T: KvElem>(
+        &self,
+        geo: &KvGeometry,
+        k_new: DevSlice<T>,            // [num_seqs, num_kv_heads, head_dim]
+        v_new: DevSlice<T>,            // [num_seqs, num_kv_heads, head_dim]
+        page_ids: DevSlice<i32>,       // [num_seqs]
+        page_offsets: DevSlice<i32>,   // [num_seqs] 0..block_size
+        host_block_ids: DevSlice<i32>, // [num_seqs] -1 = dense
+        k_pages: DevSlice<T>,          // [num_pages, num_kv_heads, block_size, head_dim]
+        v_pages: DevSlice<T>,          // [num_pages, num_kv_heads, block_size, head_dim]
+        host_k: DevSlice<T>, // [num_host_blocks, num_kv_heads, block_size, head_dim] pinned host
+        host_v: DevSlice<T>, // [num_host_blocks, num_kv_heads, block_size, head_dim] pinned host
+        summaries: DevSlice<T>, // [num_host_blocks, num_kv_heads, 2, head_dim]
+        stream: Stream,
+    ) -> Result<()> {
+        guard("append_kv", || {
+            geo.validate()?;
+            let (h, bs, d) = (geo.num_kv_heads, geo.block_size, geo.head_dim);
+            let num_seqs = page_ids.len();
+            check_len("k_new", k_new.len(), &[num_seqs, h, d])?;
+            check_len("v_new", v_new.len(), &[num_seqs, h, d])?;
+            check_len("page_offsets", page_offsets.len(), &[num_seqs])?;
+            check_len("host_block_ids", host_block_ids.len(), &[num_seqs])?;
+            let num_pages = rows("k_pages", k_pages.len(), &[h, bs, d])?;
+            check_len("v_pages", v_pages.len(), &[num_pages, h, bs, d])?;
+            let num_host = rows("host_k", host_k.len(), &[h, bs, d])?;
+            check_len("host_v", host_v.len(), &[num_host, h, bs, d])?;
+            check_len("summaries", summaries.len(), &[num_host, h, 2, d])?;
+
+            let name = entry!(T, "append_kv");
+            let args = Args::default()
+                .ptr(k_new.ptr())
+                .ptr(v_new.ptr())
+                .ptr(page_ids.ptr())
+                .ptr(page_offsets.ptr())
+                .ptr(host_block_ids.ptr())
+                .ptr(k_pages.ptr())
+                .ptr(v_pages.ptr())
+                .ptr(host_k.ptr())
+                .ptr(host_v.ptr())
+                .ptr(summaries.ptr())
+                .i32(int("num_kv_heads", h)?)
+                .i32(int("head_dim", d)?)
+                .i32(int("block_size", bs)?)
+                .i32(int("num_pages", num_pages)?)
+                .i32(int("num_host_blocks", num_host)?);
+            let grid = (
+                grid_dim("num_seqs", num_seqs, GRID_X_MAX)?,
+                grid_dim("num_kv_heads", h, GRID_YZ_MAX)?,
+                1,
+            );
+            // SAFETY: `args` follows append_kv_* in cuda/append_kv.cu (10 pointers, 5 i32) in
+            // order and width. Every buffer has the length its shape needs (checked above) and,
+            // by DevSlice's contract, is reachable by this device until the stream runs the
+            // kernel; table entries are bounds-checked by the kernel; the stream is valid by
+            // Stream's contract.
+            unsafe {
+                self.launch(
+                    name,
+                    LaunchCfg {
+                        grid,
+                        block: row_threads(d),
+                        smem: 0,
+                    },
+                    stream.handle(),
+                    &args,
+                )
+            }
+        })
+    }
+
+    /// GPU twin of `oasis_core::kernels::build_summaries`: recompute the summaries of host
+    /// blocks `block_ids[i]` over their first `block_lens[i]` tokens.
+    ///
+    /// # Errors
+    /// [`CudaError::Invalid`] for a buffer whose size does not match its shape.
+    pub fn build_summaries<T: KvElem>(
+        &self,
+        geo: &KvGeometry,
+        host_k: DevSlice<T>, // [num_host_blocks, num_kv_heads, block_size, head_dim]
+        block_ids: DevSlice<i32>, // [n]
+        block_lens: DevSlice<i32>, // [n] 1..=block_size
+        summaries: DevSlice<T>, // [num_host_blocks, num_kv_heads, 2, head_dim]
+        stream: Stream,
+    ) -> Result<()> {
+        guard("build_summaries", || {
+            geo.validate()?;
+            let (h, bs, d) = (geo.num_kv_heads, geo.block_size, geo.head_dim);
+            let num_host = rows("host_k", host_k.len(), &[h, bs, d])?;
+            check_len("summaries", summaries.len(), &[num_host, h, 2, d])?;
+            check_len("block_lens", block_lens.len(), &[block_ids.len()])?;
+
+            let name = entry!(T, "build_summaries");
+            let args = Args::default()
+                .ptr(host_k.ptr())
+                .ptr(block_ids.ptr())
+                .ptr(block_lens.ptr())
+                .ptr(summaries.ptr())
+                .i32(int("num_kv_heads", h)?)
+                .i32(int("head_dim", d)?)
+                .i32(int("block_size", bs)?)
+                .i32(int("num_host_blocks", num_host)?);
+            let grid = (
+                grid_dim("n", block_ids.len(), GRID_X_MAX)?,
+                grid_dim("num_kv_heads", h, GRID_YZ_MAX)?,
+                1,
+            );
+            // SAFETY: `args` follows build_summaries_* in cuda/append_kv.cu (4 pointers, 4 i32).
+            // Buffer lengths checked above; reachability and lifetime by DevSlice's contract;
+            // table entries bounds-checked by the kernel; the stream by Stream's contract.
+            unsafe {
+                self.launch(
+                    name,
+                    LaunchCfg {
+                        grid,
+                        block: row_threads(d),
+                        smem: 0,
+                    },
+                    stream.handle(),
+                    &args,
+                )
+            }
+        })
+    }
+
+    /// GPU twin of `oasis_core::kernels::decode_attention`: every query row of a sequence attends
+    /// to every valid (page, head) entry of it; rows >= 1 also attend to `extra`. With `split`,
+    /// the pages are cut into `split.num_splits` parts whose results are merged by a second
+    /// kernel on the same stream ([`plan_num_splits`] picks the count).
+    ///
+    /// # Errors
+    /// [`CudaError::Invalid`] for a buffer whose size does not match its shape, `num_rows == 0`,
+    /// `extra` with fewer than 2 rows, or a workspace too small; [`CudaError::Unsupported`] when
+    /// the query group does not fit in shared memory.
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode_attention<T: KvElem>(
+        &self,
+        geo: &KvGeometry,
+        q: DevSlice<T>, // [num_seqs, num_rows, num_qo_heads, head_dim]
+        num_rows: usize,
+        kv: &PagedKvDev<T>,
+        extra: Option<&ExtraKvDev<T>>,
+        sm_scale: f32,
+        out: DevSlice<T>, // [num_seqs, num_rows, num_qo_heads, head_dim]
+        split: Option<&SplitKv>,
+        stream: Stream,
+    ) -> Result<()> {
+        guard("decode_attention", || {
+            geo.validate()?;
+            let (qh, h, bs, d) = (
+                geo.num_qo_heads,
+                geo.num_kv_heads,
+                geo.block_size,
+                geo.head_dim,
+            );
+            if num_rows == 0 {
+                return Err(OasisError::Invalid("num_rows must be at least 1".into()).into());
+            }
+            let num_seqs = csr_rows("kv_indptr", kv.kv_indptr.len())?;
+            check_len("q", q.len(), &[num_seqs, num_rows, qh, d])?;
+            check_len("out", out.len(), &[num_seqs, num_rows, qh, d])?;
+            check_len("kv_last_page_len", kv.kv_last_page_len.len(), &[num_seqs])?;
+            let num_pages = rows("k_pages", kv.k_pages.len(), &[h, bs, d])?;
+            check_len("v_pages", kv.v_pages.len(), &[num_pages, h, bs, d])?;
+            if let Some(pm) = &kv.page_map {
+                check_len("page_map", pm.len(), &[num_pages, h])?;
+            }
+            if let Some(x) = extra {
+                if num_rows < 2 {
+                    return Err(OasisError::Invalid(format!(
+                        "extra kv is seen by rows >= 1 only: it needs num_rows >= 2, got {num_rows}"
+                    ))
+                    .into());
+                }
+                check_len("extra.k", x.k.len(), &[num_seqs, h, d])?;
+                check_len("extra.v", x.v.len(), &[num_seqs, h, d])?;
+            }
+            let num_splits = split.map_or(1, |s| s.num_splits);
+            if num_splits == 0 || num_splits > MAX_SPLITS {
+                return Err(OasisError::Invalid(format!(
+                    "num_splits must be in 1..={MAX_SPLITS}, got {num_splits}"
+                ))
+                .into());
+            }
+            let heads = num_seqs * num_rows * qh;
+            let (tmp_out, tmp_lse) = match split {
+                Some(s) if num_splits > 1 => {
+                    let need = decode_attn_workspace_len(num_seqs, num_rows, qh, d, num_splits);
+                    if s.workspace.len() < need {
+                        return Err(OasisError::Shape {
+                            what: "split workspace",
+                            expected: format!("at least {need} f32 elements"),
+                            got: format!("{} elements", s.workspace.len()),
+                        }
+                        .into());
+                    }
+                    let lse = s.workspace.ptr() + (heads * num_splits * d * 4) as u64;
+                    (s.workspace.ptr(), lse)
+                }
+                _ => (0, 0),
+            };
+
+            let name = entry!(T, "decode_attn");
+            let nq = num_rows * geo.group_size();
+            let tt = (1..=MAX_TILE_TOKENS)
+                .rev()
+                .find(|&tt| decode_attn_smem_bytes(nq, d, tt) <= DECODE_SMEM_TARGET)
+                .unwrap_or(1);
+            let smem = decode_attn_smem_bytes(nq, d, tt);
+            let pm = kv.page_map.map_or(0, |p| p.ptr());
+            let (ek, ev) = extra.map_or((0, 0), |x| (x.k.ptr(), x.v.ptr()));
+            let args = Args::default()
+                .ptr(q.ptr())
+                .ptr(kv.k_pages.ptr())
+                .ptr(kv.v_pages.ptr())
+                .ptr(kv.kv_indptr.ptr())
+                .ptr(kv.kv_indices.ptr())
+                .ptr(kv.kv_last_page_len.ptr())
+                .ptr(pm)
+                .ptr(ek)
+                .ptr(ev)
+                .ptr(out.ptr())
+                .ptr(tmp_out)
+                .ptr(tmp_lse)
+                .i32(int("num_rows", num_rows)?)
+                .i32(int("num_qo_heads", qh)?)
+                .i32(int("num_kv_heads", h)?)
+                .i32(int("head_dim", d)?)
+                .i32(int("block_size", bs)?)
+                .i32(int("num_pages", num_pages)?)
+                .i32(int("num_splits", num_splits)?)
+                .i32(int("tile_tokens", tt)?)
+                .f32(sm_scale);
+            let grid = (
+                grid_dim("num_seqs", num_seqs, GRID_X_MAX)?,
+                grid_dim("num_kv_heads", h, GRID_YZ_MAX)?,
+                grid_dim("num_splits", num_splits, GRID_YZ_MAX)?,
+            );
+            // SAFETY: `args` follows decode_attn_* in cuda/decode_attn.cu (12 pointers, 8 i32,
+            // 1 f32); null pointers only where the kernel tests for null (page_map, extra_k,
+            // extra_v) or never dereferences them (tmp_* when num_splits == 1, out when > 1).
+            // Buffer lengths checked above, the workspace against decode_attn_workspace_len;
+            // `smem` is the kernel's layout for (nq, d, tt) and launch() checks it against the
+            // device limit. kv_indices and the CSR contents are bounds-checked by the kernel
+            // (page ids), the CSR itself must be consistent with kv_indices (DevSlice contract:
+            // the kernel reads kv_indices[kv_indptr[s]..kv_indptr[s+1]]). Reachability and
+            // lifetime by DevSlice's contract, the stream by Stream's.
+            unsafe {
+                self.launch(
+                    name,
+                    LaunchCfg {
+                        grid,
+                        block: DECODE_THREADS,
+                        smem,
+                    },
+                    stream.handle(),
+                    &args,
+                )?
+            };
+            if num_splits == 1 {
+                return Ok(());
+            }
+            let name = entry!(T, "merge_attn_states");
+            let args = Args::default()
+                .ptr(tmp_out)
+                .ptr(tmp_lse)
+                .ptr(out.ptr())
+                .i32(int("num_splits", num_splits)?)
+                .i32(int("head_dim", d)?);
+            let grid = (
+                grid_dim("num_seqs * num_rows * num_qo_heads", heads, GRID_X_MAX)?,
+                1,
+                1,
+            );
+            // SAFETY: `args` follows merge_attn_states_* (3 pointers, 2 i32); the workspace
+            // holds heads * num_splits * (d + 1) f32 (checked above) written by the launch just
+            // queued on the same stream; `out` has heads * d elements.
+            unsafe {
+                self.launch(
+                    name,
+                    LaunchCfg {
+                        grid,
+                        block: row_threads(d),
+                        smem: 0,
+                    },
+                    stream.handle(),
+                    &args,
+                )
+            }
+        })
+    }
+
+    /// GPU twin of `oasis_core::kernels::score_blocks`: Quest scores of the lookahead query
+    /// against every listed block summary, summed over the GQA group.
+    ///
+    /// # Errors
+    /// [`CudaError::Invalid`] for a buffer whose size does not match its shape.
+    #[allow(clippy::too_many_arguments)]
+    pub fn score_blocks<T: KvElem>(
+        &self,
+        geo: &KvGeometry,
+        q: DevSlice<T>,             // [num_seqs, num_qo_heads, head_dim]
+        summaries: DevSlice<T>,     // [num_host_blocks, num_kv_heads, 2, head_dim]
+        blk_indptr: DevSlice<i32>,  // [num_seqs + 1]
+        blk_indices: DevSlice<i32>, // [nnz]
+        scores: DevSlice<f32>,      // [nnz, num_kv_heads]
+        stream: Stream,
+    ) -> Result<()> {
+        guard("score_blocks", || {
+            geo.validate()?;
+            let (qh, h, d) = (geo.num_qo_heads, geo.num_kv_heads, geo.head_dim);
+            let num_seqs = csr_rows("blk_indptr", blk_indptr.len())?;
+            check_len("q", q.len(), &[num_seqs, qh, d])?;
+            let num_host = rows("summaries", summaries.len(), &[h, 2, d])?;
+            let nnz = blk_indices.len();
+            check_len("scores", scores.len(), &[nnz, h])?;
+
+            let name = entry!(T, "score_blocks");
+            let args = Args::default()
+                .ptr(q.ptr())
+                .ptr(summaries.ptr())
+                .ptr(blk_indptr.ptr())
+                .ptr(blk_indices.ptr())
+                .ptr(scores.ptr())
+                .i32(int("num_seqs", num_seqs)?)
+                .i32(int("nnz", nnz)?)
+                .i32(int("num_qo_heads", qh)?)
+                .i32(int("num_kv_heads", h)?)
+                .i32(int("head_dim", d)?)
+                .i32(int("num_host_blocks", num_host)?);
+            let warps = nnz * h;
+            let blocks = warps.div_ceil((SCORE_THREADS / 32) as usize);
+            let grid = (grid_dim("score blocks", blocks, GRID_X_MAX)?, 1, 1);
+            // SAFETY: `args` follows score_blocks_* in cuda/score_blocks.cu (5 pointers, 6 i32).
+            // Lengths checked above; the kernel bounds-checks block ids and needs blk_indptr to
+            // be a CSR over nnz (DevSlice contract: valid values); reachability and lifetime by
+            // DevSlice's contract, the stream by Stream's.
+            unsafe {
+                self.launch(
+                    name,
+                    LaunchCfg {
+                        grid,
+                        block: SCORE_THREADS,
+                        smem: 0,
+                    },
+                    stream.handle(),
+                    &args,
+                )
+            }
+        })
+    }
+
+    /// GPU twin of `oasis_core::kernels::topk_blocks`: per (sequence, KV head), the `k` best
+    /// logical blocks, best first, ties to the lower index, padded with -1.
+    ///
+    /// # Errors
+    /// [`CudaError::Invalid`] for a buffer whose size does not match its shape;
+    /// [`CudaError::Unsupported`] for `k > MAX_TOPK`.
+    pub fn topk_blocks(
+        &self,
+        num_kv_heads: usize,
+        scores: DevSlice<f32>,     // [nnz, num_kv_heads]
+        blk_indptr: DevSlice<i32>, // [num_seqs + 1]
+        k: usize,
+        out: DevSlice<i32>, // [num_seqs, num_kv_heads, k]
+        stream: Stream,
+    ) -> Result<()> {
+        guard("topk_blocks", || {
+            if num_kv_heads == 0 {
+                return Err(OasisError::Config("num_kv_heads must be positive".into()).into());
+            }
+            if k > MAX_TOPK {
+                return Err(CudaError::Unsupported(format!(
+                    "k = {k} exceeds the top-k kernel's maximum {MAX_TOPK}"
+                )));
+            }
+            let num_seqs = csr_rows("blk_indptr", blk_indptr.len())?;
+            rows("scores", scores.len(), &[num_kv_heads])?;
+            check_len("out", out.len(), &[num_seqs, num_kv_heads, k])?;
+            if k == 0 {
+                return Ok(());
+            }
+            let name = "topk_blocks_f32";
+            let args = Args::default()
+                .ptr(scores.ptr())
+                .ptr(blk_indptr.ptr())
+                .ptr(out.ptr())
+                .i32(int("num_kv_heads", num_kv_heads)?)
+                .i32(int("k", k)?);
+            let grid = (
+                grid_dim("num_seqs", num_seqs, GRID_X_MAX)?,
+                grid_dim("num_kv_heads", num_kv_heads, GRID_YZ_MAX)?,
+                1,
+            );
+            // SAFETY: `args` follows topk_blocks_f32 in cuda/score_blocks.cu (3 pointers, 2 i32);
+            // k <= OASIS_MAX_TOPK (its static sort buffer). Lengths checked above; blk_indptr
+            // must be a CSR over the scores' rows (DevSlice contract: valid values);
+            // reachability and lifetime by DevSlice's contract, the stream by Stream's.
+            unsafe {
+                self.launch(
+                    name,
+                    LaunchCfg {
+                        grid,
+                        block: TOPK_THREADS,
+                        smem: 0,
+                    },
+                    stream.handle(),
+                    &args,
+                )
+            }
+        })
+    }
+
+    /// GPU twin of `oasis_core::kernels::delta_select`: keep predicted blocks already resident,
+    /// pair each missing one with a victim slot (empty first, then least recently selected), at
+    /// most `fetch_cap` per head; updates `page_map` and `page_last_selected` and writes the
+    /// plan. `stats`, when given, receives (pairs, kept, missing) per (seq, head): sum them for
+    /// the twin's `SelectStats` (reading them needs a synchronisation the caller chooses).
+    ///
+    /// Unlike the twin, the kernel does not reject a slot page out of range (it skips that slot)
+    /// nor a page listed twice in `slot_pages` (undefined then).
+    ///
+    /// # Errors
+    /// [`CudaError::Invalid`] for a buffer whose size does not match its shape or
+    /// `num_pred > budget`; [`CudaError::Unsupported`] for `budget > MAX_SELECT_BUDGET`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn delta_select(
+        &self,
+        num_kv_heads: usize,
+        predicted: DevSlice<i32>, // [num_seqs, num_kv_heads, num_pred]
+        num_pred: usize,
+        slot_pages: DevSlice<i32>, // [num_seqs, budget]
+        budget: usize,
+        page_map: DevSlice<i32>,           // [num_pages, num_kv_heads]
+        page_last_selected: DevSlice<i32>, // [num_pages, num_kv_heads]
+        step: i32,
+        fetch_cap: usize,
+        plan_slots: DevSlice<i32>,    // [num_seqs, num_kv_heads, fetch_cap]
+        plan_blocks: DevSlice<i32>,   // [num_seqs, num_kv_heads, fetch_cap]
+        stats: Option<DevSlice<i32>>, // [num_seqs, num_kv_heads, 3]
+        stream: Stream,
+    ) -> Result<()> {
+        guard("delta_select", || {
+            if num_kv_heads == 0 {
+                return Err(OasisError::Config("num_kv_heads must be positive".into()).into());
+            }
+            if num_pred > budget {
+                return Err(OasisError::Invalid(format!(
+                    "num_pred ({num_pred}) must not exceed budget ({budget})"
+                ))
+                .into());
+            }
+            if budget > MAX_SELECT_BUDGET {
+                return Err(CudaError::Unsupported(format!(
+                    "budget = {budget} slots exceeds the selection kernel's maximum {MAX_SELECT_BUDGET}"
+                )));
+            }
+            let h = num_kv_heads;
+            // As the twin: the batch size comes from the first buffer that has a row per seq.
+            let num_seqs = if budget > 0 {
+                rows("slot_pages", slot_pages.len(), &[budget])?
+            } else if fetch_cap > 0 {
+                rows("plan_slots", plan_slots.len(), &[h, fetch_cap])?
+            } else {
+                0
+            };
+            check_len("slot_pages", slot_pages.len(), &[num_seqs, budget])?;
+            check_len("predicted", predicted.len(), &[num_seqs, h, num_pred])?;
+            let num_pages = rows("page_map", page_map.len(), &[h])?;
+            check_len(
+                "page_last_selected",
+                page_last_selected.len(),
+                &[num_pages, h],
+            )?;
+            check_len("plan_slots", plan_slots.len(), &[num_seqs, h, fetch_cap])?;
+            check_len("plan_blocks", plan_blocks.len(), &[num_seqs, h, fetch_cap])?;
+            if let Some(st) = &stats {
+                check_len("stats", st.len(), &[num_seqs, h, 3])?;
+            }
+
+            let name = "delta_select_i32";
+            let args = Args::default()
+                .ptr(predicted.ptr())
+                .ptr(slot_pages.ptr())
+                .ptr(page_map.ptr())
+                .ptr(page_last_selected.ptr())
+                .ptr(plan_slots.ptr())
+                .ptr(plan_blocks.ptr())
+                .ptr(stats.map_or(0, |s| s.ptr()))
+                .i32(int("num_kv_heads", h)?)
+                .i32(int("num_pred", num_pred)?)
+                .i32(int("budget", budget)?)
+                .i32(int("num_pages", num_pages)?)
+                .i32(step)
+                .i32(int("fetch_cap", fetch_cap)?);
+            let grid = (
+                grid_dim("num_seqs", num_seqs, GRID_X_MAX)?,
+                grid_dim("num_kv_heads", h, GRID_YZ_MAX)?,
+                1,
+            );
+            let smem = delta_select_smem_bytes(budget, num_pred);
+            // SAFETY: `args` follows delta_select_i32 in cuda/delta_select.cu (7 pointers, 6 i32);
+            // stats may be null (the kernel tests it). budget <= OASIS_MAX_SELECT_BUDGET, `smem`
+            // is the kernel's layout and launch() checks it against the device limit. Lengths
+            // checked above; page ids are bounds-checked by the kernel; reachability and
+            // lifetime by DevSlice's contract, the stream by Stream's.
+            unsafe {
+                self.launch(
+                    name,
+                    LaunchCfg {
+                        grid,
+                        block: SELECT_THREADS,
+                        smem,
+                    },
+                    stream.handle(),
+                    &args,
+                )
+            }
+        })
+    }
+
+    /// GPU twin of `oasis_core::kernels::gather_blocks`: copy every planned block-head entry
+    /// from the host pool (pinned, read through UVA) into its GPU slot. Bit-exact.
+    ///
+    /// # Errors
+    /// [`CudaError::Invalid`] for a buffer whose size does not match its shape.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gather_blocks<T: KvElem>(
+        &self,
+        geo: &KvGeometry,
+        plan_slots: DevSlice<i32>,  // [num_seqs, num_kv_heads, fetch_cap]
+        plan_blocks: DevSlice<i32>, // [num_seqs, num_kv_heads, fetch_cap]
+        fetch_cap: usize,
+        slot_pages: DevSlice<i32>, // [num_seqs, budget]
+        budget: usize,
+        host_indptr: DevSlice<i32>,  // [num_seqs + 1]
+        host_indices: DevSlice<i32>, // [nnz]
+        host_k: DevSlice<T>, // [num_host_blocks, num_kv_heads, block_size, head_dim] pinned host
+        host_v: DevSlice<T>, // [num_host_blocks, num_kv_heads, block_size, head_dim] pinned host
+        k_pages: DevSlice<T>, // [num_pages, num_kv_heads, block_size, head_dim]
+        v_pages: DevSlice<T>, // [num_pages, num_kv_heads, block_size, head_dim]
+        stream: Stream,
+    ) -> Result<()> {
+        guard("gather_blocks", || {
+            geo.validate()?;
+            let (h, bs, d) = (geo.num_kv_heads, geo.block_size, geo.head_dim);
+            let num_seqs = csr_rows("host_indptr", host_indptr.len())?;
+            check_len("plan_slots", plan_slots.len(), &[num_seqs, h, fetch_cap])?;
+            check_len("plan_blocks", plan_blocks.len(), &[num_seqs, h, fetch_cap])?;
+            check_len("slot_pages", slot_pages.len(), &[num_seqs, budget])?;
+            let num_host = rows("host_k", host_k.len(), &[h, bs, d])?;
+            check_len("host_v", host_v.len(), &[num_host, h, bs, d])?;
+            let num_pages = rows("k_pages", k_pages.len(), &[h, bs, d])?;
+            check_len("v_pages", v_pages.len(), &[num_pages, h, bs, d])?;
+
+            let name = entry!(T, "gather_blocks");
+            let args = Args::default()
+                .ptr(plan_slots.ptr())
+                .ptr(plan_blocks.ptr())
+                .ptr(slot_pages.ptr())
+                .ptr(host_indptr.ptr())
+                .ptr(host_indices.ptr())
+                .ptr(host_k.ptr())
+                .ptr(host_v.ptr())
+                .ptr(k_pages.ptr())
+                .ptr(v_pages.ptr())
+                .i32(int("num_kv_heads", h)?)
+                .i32(int("fetch_cap", fetch_cap)?)
+                .i32(int("budget", budget)?)
+                .i32(int("block_size", bs)?)
+                .i32(int("head_dim", d)?)
+                .i32(int("num_pages", num_pages)?)
+                .i32(int("num_host_blocks", num_host)?);
+            let grid = (
+                grid_dim("plan entries", num_seqs * h * fetch_cap, GRID_X_MAX)?,
+                1,
+                1,
+            );
+            // SAFETY: `args` follows gather_blocks_* in cuda/gather_blocks.cu (9 pointers, 7 i32).
+            // Lengths checked above; slots, pages, logical and host block ids are all
+            // bounds-checked by the kernel, which needs host_indptr to be a CSR over
+            // host_indices (DevSlice contract: valid values). host_k/host_v are pinned host
+            // memory at the same address on the device (DevSlice contract; Gpu::check_uva tests
+            // it); lifetime by DevSlice's contract, the stream by Stream's.
+            unsafe {
+                self.launch(
+                    name,
+                    LaunchCfg {
+                        grid,
+                        block: COPY_THREADS,
+                        smem: 0,
+                    },
+                    stream.handle(),
+                    &args,
+                )
+            }
+        })
+    }
+
+    /// GPU twin of `oasis_core::kernels::copy_pages`: whole pages `src_ids[i] -> dst_ids[i]`, all
+    /// heads, between two pools of the same page geometry (either may be pinned host memory).
+    ///
+    /// # Errors
+    /// [`CudaError::Invalid`] for a buffer whose size does not match its shape.
+    #[allow(clippy::too_many_arguments)]
+    pub fn copy_pages<T: KvElem>(
+        &self,
+        geo: &KvGeometry,
+        src_k: DevSlice<T>, // [num_src_pages, num_kv_heads, block_size, head_dim]
+        src_v: DevSlice<T>, // [num_src_pages, num_kv_heads, block_size, head_dim]
+        src_ids: DevSlice<i32>, // [n]
+        dst_k: DevSlice<T>, // [num_dst_pages, num_kv_heads, block_size, head_dim]
+        dst_v: DevSlice<T>, // [num_dst_pages, num_kv_heads, block_size, head_dim]
+        dst_ids: DevSlice<i32>, // [n]
+        stream: Stream,
+    ) -> Result<()> {
+        guard("copy_pages", || {
+            geo.validate()?;
+            let (h, bs, d) = (geo.num_kv_heads, geo.block_size, geo.head_dim);
+            let n = src_ids.len();
+            check_len("dst_ids", dst_ids.len(), &[n])?;
+            let num_src = rows("src_k", src_k.len(), &[h, bs, d])?;
+            check_len("src_v", src_v.len(), &[num_src, h, bs, d])?;
+            let num_dst = rows("dst_k", dst_k.len(), &[h, bs, d])?;
+            check_len("dst_v", dst_v.len(), &[num_dst, h, bs, d])?;
+
+            let name = entry!(T, "copy_pages");
+            let page_elems = i64::try_from(geo.page_elems())
+                .map_err(|_| CudaError::Unsupported("page size does not fit i64".into()))?;
+            let args = Args::default()
+                .ptr(src_k.ptr())
+                .ptr(src_v.ptr())
+                .ptr(src_ids.ptr())
+                .ptr(dst_k.ptr())
+                .ptr(dst_v.ptr())
+                .ptr(dst_ids.ptr())
+                .i64(page_elems)
+                .i32(int("num_src_pages", num_src)?)
+                .i32(int("num_dst_pages", num_dst)?);
+            let grid = (grid_dim("n", n, GRID_X_MAX)?, 1, 1);
+            // SAFETY: `args` follows copy_pages_* in cuda/gather_blocks.cu (6 pointers, 1 i64,
+            // 2 i32). Lengths checked above; page ids bounds-checked by the kernel; reachability
+            // (UVA for a pinned side) and lifetime by DevSlice's contract, the stream by
+            // Stream's.
+            unsafe {
+                self.launch(
+                    name,
+                    LaunchCfg {
+                        grid,
+                        block: COPY_THREADS,
+                        smem: 0,
+                    },
+                    stream.handle(),
+                    &args,
+                )
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_planning() {
+        // One long sequence, 8 KV heads, 132 SMs: 2 waves want 33 splits, 4096 pages allow them.
+        assert_eq!(plan_num_splits(132, 1, 8, 4096), 33);
+        // Short sequences never split below MIN_PAGES_PER_SPLIT pages.
+        assert_eq!(plan_num_splits(132, 1, 8, 10), 1);
+        assert_eq!(plan_num_splits(132, 1, 8, 16), 2);
+        // A big batch fills the device alone.
+        assert_eq!(plan_num_splits(132, 64, 8, 4096), 1);
+        assert!(plan_num_splits(10_000, 1, 1, usize::MAX / 2) <= MAX_SPLITS);
+    }
+
+    #[test]
+    fn shared_memory_sizes() {
+        // Qwen3-8B shapes, 2 rows: 8 query vectors, head_dim 128, a 32-token tile.
+        let b = decode_attn_smem_bytes(8, 128, 32);
+        assert_eq!(
+            b,
+            4 * (8 * 129 + 32 * 129 + 32 * 128 + 8 * 32 + 8 * 128 + 16)
+        );
+        assert!(b <= DECODE_SMEM_TARGET);
+        assert_eq!(
+            delta_select_smem_bytes(100, 20),
+            8 * 128 + 4 * 128 + 4 * 100 + 4 * 32
+        );
+        assert!(delta_select_smem_bytes(MAX_SELECT_BUDGET, MAX_SELECT_BUDGET) <= 227 * 1024);
+    }
+
+    #[test]
+    fn sizes_and_limits() {
+        assert_eq!(rows("x", 12, &[3, 2]).unwrap(), 2);
+        assert!(rows("x", 13, &[3, 2]).is_err());
+        assert!(rows("x", 0, &[0]).is_err());
+        assert_eq!(csr_rows("p", 3).unwrap(), 2);
+        assert!(csr_rows("p", 0).is_err());
+        assert!(int("n", 1 << 31).is_err());
+        assert!(grid_dim("y", 65536, GRID_YZ_MAX).is_err());
+        assert_eq!(row_threads(64), 64);
+        assert_eq!(row_threads(54), 64);
+        assert_eq!(row_threads(256), ROW_THREADS);
+        assert_eq!(row_threads(1), 32);
+    }
+
+    #[test]
+    fn entry_names_follow_the_dtype() {
+        assert_eq!(entry!(half::bf16, "gather_blocks"), "gather_blocks_bf16");
+        assert_eq!(entry!(half::f16, "gather_blocks"), "gather_blocks_f16");
+        assert_eq!(entry!(f32, "gather_blocks"), "gather_blocks_f32");
+        for name in [
+            "append_kv_bf16",
+            "decode_attn_f16",
+            "merge_attn_states_f32",
+            "score_blocks_bf16",
+        ] {
+            assert!(
+                crate::kernels::source_of(name).is_some(),
+                "{name} not registered"
+            );
+        }
+    }
+
+    /// The launch constants repeated from the kernels' `#define`s agree with them.
+    #[test]
+    fn constants_match_the_kernel_sources() {
+        let define = |source: &str, name: &str| -> usize {
+            let src = crate::kernels::source(source).unwrap().source;
+            let line = src
+                .lines()
+                .find(|l| l.starts_with(&format!("#define {name} ")))
+                .unwrap();
+            line.split_whitespace().nth(2).unwrap().parse().unwrap()
+        };
+        assert_eq!(
+            define("score_blocks", "OASIS_SCORE_THREADS"),
+            SCORE_THREADS as usize
+        );
+        assert_eq!(
+            define("score_blocks", "OASIS_TOPK_THREADS"),
+            TOPK_THREADS as usize
+        );
+        assert_eq!(define("score_blocks", "OASIS_MAX_TOPK"), MAX_TOPK);
+        assert_eq!(
+            define("delta_select", "OASIS_SELECT_THREADS"),
+            SELECT_THREADS as usize
+        );
+        assert_eq!(
+            define("delta_select", "OASIS_MAX_SELECT_BUDGET"),
+            MAX_SELECT_BUDGET
+        );
+        assert_eq!(
+            define("gather_blocks", "OASIS_COPY_THREADS"),
+            COPY_THREADS as usize
+        );
+    }
+
+    #[test]
+    fn args_keep_their_order() {
+        let a = Args::default().ptr(1).i32(2).i64(3).f32(4.0);
+        assert_eq!(a.len(), 4);
+    }
+}

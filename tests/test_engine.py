@@ -1,0 +1,191 @@
+"""End-to-end generation: the oasis backend against dense, mixed batches, invariants, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import oasiskv
+from oasiskv import KvConfig, errors
+from oasiskv.drafters import NgramDrafter, OracleDrafter, PreviousQueryDrafter
+from oasiskv.models.config import ModelConfig
+from oasiskv.models.transformer import CausalLM
+
+torch.set_num_threads(2)
+
+
+def qwen3_like(**kw) -> CausalLM:
+    cfg = ModelConfig(family="qwen3", vocab_size=301, hidden_size=128, intermediate_size=192, num_hidden_layers=3,
+                      num_attention_heads=8, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048, **kw)
+    return CausalLM.random(cfg, seed=1)
+
+
+def llama_like() -> CausalLM:
+    cfg = ModelConfig(family="llama", vocab_size=257, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024)
+    return CausalLM.random(cfg, seed=2)
+
+
+def prompts(vocab: int, lens, seed=0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    # Repetitive text so the n-gram drafter finds matches.
+    out = []
+    for n in lens:
+        base = torch.randint(0, vocab, (37,), generator=g).tolist()
+        out.append((base * (n // 37 + 1))[:n])
+    return out
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return qwen3_like()
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "previous-query"])
+def test_full_budget_oasis_equals_dense_tokens_qwen3(qwen3, drafter):
+    """Budget >= context: greedy tokens identical to dense, while the requests really run sparse."""
+    ps = prompts(qwen3.config.vocab_size, [211, 97, 150])
+    kv = KvConfig(block_size=16, top_k_blocks=32, fetch_cap=4, sparse_threshold=64)
+    dense = oasiskv.LLM(qwen3, kv=kv, backend="dense", drafter=drafter).generate(ps, 24, ignore_eos=True)
+    oasis = oasiskv.LLM(qwen3, kv=kv, backend="oasis", drafter=drafter).generate(ps, 24, ignore_eos=True)
+    for d, o in zip(dense, oasis, strict=True):
+        assert o.tokens == d.tokens
+        assert o.metrics.sparse_steps == o.metrics.steps > 0
+        assert d.metrics.sparse_steps == 0
+        # Everything fits: the prediction is exact (recall 1) once blocks complete.
+        assert o.metrics.lookahead_recall is None or o.metrics.lookahead_recall == pytest.approx(1.0)
+
+
+def test_mixed_dense_and_sparse_batch_with_small_budget(qwen3):
+    """Requests of different lengths share one batch; the short one stays dense and is exact."""
+    ps = prompts(qwen3.config.vocab_size, [300, 40, 123], seed=3)
+    kv = KvConfig(block_size=8, top_k_blocks=6, fetch_cap=2, sparse_threshold=100)
+    dense = oasiskv.LLM(qwen3, kv=kv, backend="dense", drafter="ngram").generate(ps, 16, ignore_eos=True)
+    oasis = oasiskv.LLM(qwen3, kv=kv, backend="oasis", drafter="ngram").generate(ps, 16, ignore_eos=True)
+    assert oasis[1].metrics.sparse_steps == 0 and oasis[1].tokens == dense[1].tokens
+    for r in (oasis[0], oasis[2]):
+        m = r.metrics
+        assert m.sparse_steps == m.steps
+        assert m.resident_kv_bytes < m.full_kv_bytes
+        assert 0.0 <= m.lookahead_recall <= 1.0
+        # The cap bounds traffic: at most C blocks per KV head, layer and step.
+        page_bytes = 2 * 2 * 8 * 32 * 4  # K+V, 2 kv heads, block 8, head_dim 32, f32
+        entry_bytes = page_bytes // 2
+        cap_bytes = 2 * 2 * qwen3.config.num_hidden_layers * entry_bytes
+        assert m.fetched_bytes_per_step <= cap_bytes
+        assert len(r.tokens) == 16
+
+
+def test_working_set_invariants_during_generation(qwen3):
+    """After every step: slots hold exactly the host blocks the mapping names, no block twice per
+    head, the local block is resident and the budget is never exceeded."""
+    kv = KvConfig(block_size=8, top_k_blocks=5, fetch_cap=1, sparse_threshold=50)
+    llm = oasiskv.LLM(qwen3, kv=kv, backend="oasis", drafter="ngram")
+    eng = llm.engine
+    checked = {"n": 0}
+    orig = eng.decode_step
+
+    def checked_step(reqs):
+        logits = orig(reqs)
+        p = eng.pools
+        for r in reqs:
+            if not r.sparse:
+                continue
+            assert len(r.slot_pages) == kv.top_k_blocks
+            for layer in range(qwen3.config.num_hidden_layers):
+                for h in range(qwen3.config.num_key_value_heads):
+                    held = [int(p.page_map[layer, pg, h]) for pg in r.slot_pages]
+                    valid = [b for b in held if b >= 0]
+                    assert len(valid) == len(set(valid)), "a block sits in two slots"
+                    for pg, b in zip(r.slot_pages, held, strict=True):
+                        if b >= 0:
+                            hb = r.host_blocks[b]
+                            assert torch.equal(p.k_pages[layer][pg, h], p.host_k[layer][hb, h])
+                            assert torch.equal(p.v_pages[layer][pg, h], p.host_v[layer][hb, h])
+                # The local block: the block of the token this step stored (x_t, at position
+                # kv_len until the sampled token is appended), resident in the local page.
+                blk, off = divmod(r.kv_len, kv.block_size)
+                assert int(p.page_map[layer, r.local_page, 0]) == blk
+                hb = r.host_blocks[blk]
+                assert torch.equal(p.k_pages[layer][r.local_page, :, : off + 1], p.host_k[layer][hb, :, : off + 1])
+            checked["n"] += 1
+        return logits
+
+    eng.decode_step = checked_step
+    llm.generate(prompts(qwen3.config.vocab_size, [90, 70], seed=4), 20, ignore_eos=True)
+    assert checked["n"] > 20
+
+
+def test_llama_family_and_drafters_run():
+    model = llama_like()
+    ps = prompts(model.config.vocab_size, [120])
+    kv = KvConfig(block_size=16, top_k_blocks=3, fetch_cap=None, sparse_threshold=60)
+    dense = oasiskv.LLM(model, kv=kv, backend="dense", drafter=None).generate(ps, 12, ignore_eos=True)[0]
+    oracle = OracleDrafter([dense.tokens])
+    res = oasiskv.LLM(model, kv=kv, backend="oasis", drafter=oracle).generate(ps, 12, ignore_eos=True)[0]
+    assert res.metrics.sparse_steps > 0 and len(res.tokens) == 12
+    for drafter in (NgramDrafter(), PreviousQueryDrafter()):
+        r = oasiskv.LLM(model, kv=kv, backend="oasis", drafter=drafter).generate(ps, 6, ignore_eos=True)[0]
+        assert len(r.tokens) == 6
+
+
+def test_ngram_drafter_proposes_continuation():
+    d = NgramDrafter(max_n=3)
+    assert d.propose(0, [5, 6, 7, 8, 5, 6, 7]) == 8
+    assert d.propose(0, [1, 2, 3]) == 3  # no match: repeat the current token
+
+
+def test_sampling_is_seeded(qwen3):
+    ps = prompts(qwen3.config.vocab_size, [50])
+    llm = oasiskv.LLM(qwen3, backend="dense", drafter=None)
+    a = llm.generate(ps, 8, temperature=1.0, top_p=0.9, seed=5, ignore_eos=True)[0].tokens
+    b = llm.generate(ps, 8, temperature=1.0, top_p=0.9, seed=5, ignore_eos=True)[0].tokens
+    assert a == b
+
+
+# ---------------------------------------------------------------- bad input
+def test_prompt_longer_than_context_is_a_typed_error(qwen3):
+    llm = oasiskv.LLM(qwen3, backend="dense", drafter=None)
+    with pytest.raises(errors.ContextLengthError, match="exceeds the model's context"):
+        llm.generate([[1] * 2040], max_new_tokens=16)
+    assert len(llm.generate([[1, 2, 3]], max_new_tokens=2, ignore_eos=True)[0].tokens) == 2
+
+
+def test_budget_larger_than_pools_is_a_typed_error(qwen3):
+    with pytest.raises(errors.ConfigError, match="num_gpu_pages"):
+        KvConfig(top_k_blocks=64, num_gpu_pages=32)
+    llm = oasiskv.LLM(qwen3, kv=KvConfig(block_size=16, top_k_blocks=4, num_gpu_pages=8, num_host_blocks=8,
+                                         sparse_threshold=500), backend="oasis")
+    with pytest.raises(errors.OutOfBlocksError, match="num_gpu_pages"):
+        llm.generate(prompts(qwen3.config.vocab_size, [400]), 4)
+    # The pools are intact after the failure: a small request still runs.
+    assert len(llm.generate([[3, 4, 5]], 3, ignore_eos=True)[0].tokens) == 3
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"fetch_cap": 1.5}, "fraction"),
+        ({"fetch_cap": 0}, "cap"),
+        ({"block_size": 0}, "block_size"),
+        ({"top_k_blocks": -1}, "top_k_blocks"),
+        ({"kv_dtype": torch.int8}, "kv_dtype"),
+    ],
+)
+def test_bad_kv_config(kw, match):
+    with pytest.raises(errors.ConfigError, match=match):
+        KvConfig(**kw)
+
+
+def test_bad_generate_arguments(qwen3):
+    llm = oasiskv.LLM(qwen3, backend="oasis")
+    with pytest.raises(errors.ConfigError, match="empty"):
+        llm.generate([[]], 4)
+    with pytest.raises(errors.ConfigError, match="vocabulary"):
+        llm.generate([[10**6]], 4)
+    with pytest.raises(errors.ConfigError, match="tokenizer"):
+        llm.generate("text without a tokenizer", 4)
+    with pytest.raises(errors.ConfigError, match="drafter"):
+        oasiskv.LLM(qwen3, drafter="bogus")
+    with pytest.raises(ValueError):
+        oasiskv.LLM(qwen3, backend="sparse-ish")

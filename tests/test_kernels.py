@@ -1,0 +1,257 @@
+"""The Rust CPU kernels (through oasiskv.ops) against independent float64 references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import ATTN_TOL, TOL, ref_decode_attention, ref_score_blocks
+
+from oasiskv import errors, ops
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+GROUPS = [1, 3, 4, 8]
+HEAD_DIMS = [64, 40]
+BLOCK_SIZES = [16, 5]
+
+
+def i32(x):
+    return torch.tensor(x, dtype=torch.int32)
+
+
+def _rand_case(gen, dtype, group, head_dim, block_size, num_seqs=3, rows=2, hk=2, num_pages=97):
+    hq = hk * group
+    geo = ops.KvGeometry(hq, hk, head_dim, block_size)
+    k_pages = torch.randn(num_pages, hk, block_size, head_dim, generator=gen).to(dtype)
+    v_pages = torch.randn(num_pages, hk, block_size, head_dim, generator=gen).to(dtype)
+    perm = torch.randperm(num_pages, generator=gen).tolist()
+    lists, last = [], []
+    for s in range(num_seqs):
+        n = int(torch.randint(1, 11, (1,), generator=gen))
+        lists.append([perm.pop() for _ in range(n)])
+        last.append(int(torch.randint(1, block_size + 1, (1,), generator=gen)))
+    indptr = [0]
+    for lst in lists:
+        indptr.append(indptr[-1] + len(lst))
+    flat = [p for lst in lists for p in lst]
+    # Head-wise mapping: random logical ids, about a quarter of the entries empty; last pages valid.
+    page_map = torch.randint(0, 1000, (num_pages, hk), generator=gen, dtype=torch.int32)
+    page_map[torch.rand(num_pages, hk, generator=gen) < 0.25] = -1
+    for lst in lists:
+        page_map[lst[-1]] = 5000
+    q = torch.randn(num_seqs, rows, hq, head_dim, generator=gen).to(dtype)
+    extra_k = torch.randn(num_seqs, hk, head_dim, generator=gen).to(dtype) if rows > 1 else None
+    extra_v = torch.randn(num_seqs, hk, head_dim, generator=gen).to(dtype) if rows > 1 else None
+    return geo, q, k_pages, v_pages, i32(indptr), i32(flat), i32(last), page_map, extra_k, extra_v
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_sparse_attention_matches_float64_reference(dtype, group, head_dim, block_size):
+    gen = torch.Generator().manual_seed(hash((str(dtype), group, head_dim, block_size)) % 2**31)
+    geo, q, kp, vp, indptr, indices, last, pmap, ek, ev = _rand_case(gen, dtype, group, head_dim, block_size)
+    out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
+    ops.decode_attention(geo, q, kp, vp, indptr, indices, last, page_map=pmap, extra_k=ek, extra_v=ev, out=out)
+    ref = ref_decode_attention(q, kp, vp, indptr, indices, last, pmap, ek, ev)
+    atol, rtol = ATTN_TOL[dtype]
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", GROUPS)
+def test_full_budget_working_set_equals_dense_bit_exact(dtype, group):
+    """A working set that holds every block, in shuffled slots, gives exactly the dense output."""
+    gen = torch.Generator().manual_seed(7 + group)
+    hk, d, b, n_blocks, last = 2, 64, 16, 13, 7
+    geo = ops.KvGeometry(hk * group, hk, d, b)
+    num_pages = 64
+    kp = torch.randn(num_pages, hk, b, d, generator=gen).to(dtype)
+    vp = torch.randn(num_pages, hk, b, d, generator=gen).to(dtype)
+    dense_pages = list(range(n_blocks))  # logical block i in page i; the last is the local block
+    page_map = torch.full((num_pages, hk), -1, dtype=torch.int32)
+    for i in dense_pages:
+        page_map[i] = i
+    # Sparse copy: budget of 20 slots, complete blocks scattered over them per head, 7 empty slots.
+    slots = list(range(30, 50))
+    local = 60
+    kp[local], vp[local] = kp[n_blocks - 1], vp[n_blocks - 1]
+    page_map[local] = n_blocks - 1
+    for h in range(hk):
+        order = torch.randperm(len(slots), generator=gen).tolist()[: n_blocks - 1]
+        for blk, slot_i in enumerate(order):
+            page = slots[slot_i]
+            kp[page, h], vp[page, h] = kp[blk, h], vp[blk, h]
+            page_map[page, h] = blk
+    q = torch.randn(1, 2, hk * group, d, generator=gen).to(dtype)
+    ek = torch.randn(1, hk, d, generator=gen).to(dtype)
+    ev = torch.randn(1, hk, d, generator=gen).to(dtype)
+    dense = ops.decode_attention(geo, q, kp, vp, i32([0, n_blocks]), i32(dense_pages), i32([last]),
+                                 page_map=page_map, extra_k=ek, extra_v=ev)
+    sparse = ops.decode_attention(geo, q, kp, vp, i32([0, len(slots) + 1]), i32(slots + [local]), i32([last]),
+                                  page_map=page_map, extra_k=ek, extra_v=ev)
+    assert torch.equal(dense, sparse)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 4])
+def test_score_and_topk_match_reference(dtype, group):
+    gen = torch.Generator().manual_seed(11)
+    hk, d, n_host = 3, 64, 101
+    geo = ops.KvGeometry(hk * group, hk, d, 16)
+    keys = torch.randn(n_host, hk, 16, d, generator=gen).to(dtype)
+    summaries = torch.empty(n_host, hk, 2, d, dtype=dtype)
+    ops.build_summaries(geo, keys, i32(list(range(n_host))), i32([16] * n_host), summaries)
+    torch.testing.assert_close(summaries[:, :, 0], keys.amin(dim=2), atol=0, rtol=0)
+    torch.testing.assert_close(summaries[:, :, 1], keys.amax(dim=2), atol=0, rtol=0)
+    lens = [54, 1, 37]
+    perm = torch.randperm(n_host, generator=gen).tolist()
+    blk_indptr = i32([0, 54, 55, 92])
+    blk_indices = i32(perm[: sum(lens)])
+    q = torch.randn(3, hk * group, d, generator=gen).to(dtype)
+    scores = ops.score_blocks(geo, q, summaries, blk_indptr, blk_indices)
+    ref = ref_score_blocks(q, summaries, blk_indptr, blk_indices)
+    atol, rtol = TOL[torch.float32]
+    torch.testing.assert_close(scores.double(), ref, atol=1e-3 * d * group, rtol=max(rtol, 1e-4))
+    k = 16
+    top = ops.topk_blocks(hk, scores, blk_indptr, k)
+    assert top.shape == (3, hk, k)
+    for s, n in enumerate(lens):
+        seg = scores[int(blk_indptr[s]) : int(blk_indptr[s + 1])]
+        for h in range(hk):
+            chosen = top[s, h]
+            valid = chosen[chosen >= 0]
+            assert valid.numel() == min(k, n)
+            assert (chosen[valid.numel() :] == -1).all()
+            assert len(set(valid.tolist())) == valid.numel()
+            if n > k:  # top-K by threshold: every chosen score >= the k-th best
+                kth = torch.topk(seg[:, h], k).values[-1]
+                assert (seg[valid.long(), h] >= kth).all()
+            got = seg[valid.long(), h]
+            assert (got[:-1] >= got[1:]).all(), "best first"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_append_writes_through_and_updates_summary(dtype):
+    gen = torch.Generator().manual_seed(3)
+    hk, d, b = 2, 8, 4
+    geo = ops.KvGeometry(4, hk, d, b)
+    kp = torch.zeros(6, hk, b, d, dtype=dtype)
+    vp = torch.zeros_like(kp)
+    hk_pool = torch.zeros(5, hk, b, d, dtype=dtype)
+    hv_pool = torch.zeros_like(hk_pool)
+    summ = torch.zeros(5, hk, 2, d, dtype=dtype)
+    toks_k, toks_v = [], []
+    for off in range(b):
+        k_new = torch.randn(2, hk, d, generator=gen).to(dtype)
+        v_new = torch.randn(2, hk, d, generator=gen).to(dtype)
+        toks_k.append(k_new)
+        toks_v.append(v_new)
+        # seq 0 is sparse (page 3 mirrors host block 2), seq 1 dense (page 5, no write-through)
+        ops.append_kv(geo, k_new, v_new, i32([3, 5]), i32([off, off]), i32([2, -1]), kp, vp, hk_pool, hv_pool, summ)
+    ks = torch.stack(toks_k)  # [b, seqs, hk, d]
+    assert torch.equal(kp[3], ks[:, 0].transpose(0, 1))
+    assert torch.equal(kp[5], ks[:, 1].transpose(0, 1))
+    assert torch.equal(vp[5], torch.stack(toks_v)[:, 1].transpose(0, 1))
+    assert torch.equal(hk_pool[2], kp[3]) and torch.equal(hv_pool[2], vp[3])
+    assert torch.equal(summ[2, :, 0], ks[:, 0].amin(dim=0)) and torch.equal(summ[2, :, 1], ks[:, 0].amax(dim=0))
+    assert not hk_pool[[0, 1, 3, 4]].any(), "dense sequences are not written through"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_select_and_gather_bit_exact(dtype):
+    gen = torch.Generator().manual_seed(5)
+    hk, d, b, budget, cap = 2, 16, 4, 6, 3
+    geo = ops.KvGeometry(2, hk, d, b)
+    host_k = torch.randn(40, hk, b, d, generator=gen).to(dtype)
+    host_v = torch.randn(40, hk, b, d, generator=gen).to(dtype)
+    kp = torch.full((20, hk, b, d), float("nan"), dtype=dtype)
+    vp = kp.clone()
+    page_map = torch.full((20, hk), -1, dtype=torch.int32)
+    last_sel = torch.full((20, hk), -1, dtype=torch.int32)
+    slot_pages = i32([[2, 4, 6, 8, 10, 12]])
+    host_blocks = torch.randperm(40, generator=gen)[:15].to(torch.int32)
+    predicted = i32([[[3, 9, 1, 14, 0, -1], [7, 2, -1, -1, -1, -1]]])
+    ps, pb, (pairs, kept, missing) = ops.delta_select(hk, predicted, slot_pages, page_map, last_sel, 0, cap)
+    assert pairs == 3 + 2 and kept == 0 and missing == 5 + 2
+    copied = ops.gather_blocks(geo, ps, pb, slot_pages, i32([0, 15]), host_blocks, host_k, host_v, kp, vp)
+    assert copied == pairs
+    for h in range(hk):
+        for page in slot_pages[0].tolist():
+            blk = int(page_map[page, h])
+            if blk >= 0:
+                assert torch.equal(kp[page, h], host_k[int(host_blocks[blk]), h])
+                assert torch.equal(vp[page, h], host_v[int(host_blocks[blk]), h])
+    assert ((page_map[slot_pages[0].long()] >= 0).sum(dim=0) == torch.tensor([3, 2])).all()
+
+
+def test_copy_pages_bit_exact():
+    geo = ops.KvGeometry(2, 1, 8, 4)
+    src_k = torch.randn(5, 1, 4, 8).to(torch.bfloat16)
+    src_v = torch.randn(5, 1, 4, 8).to(torch.bfloat16)
+    dst_k, dst_v = torch.zeros(7, 1, 4, 8, dtype=torch.bfloat16), torch.zeros(7, 1, 4, 8, dtype=torch.bfloat16)
+    ops.copy_pages(geo, src_k, src_v, i32([4, 0]), dst_k, dst_v, i32([1, 6]))
+    assert torch.equal(dst_k[1], src_k[4]) and torch.equal(dst_v[6], src_v[0])
+
+
+# ---------------------------------------------------------------- bad input: typed errors, no crash
+def _attn_args():
+    gen = torch.Generator().manual_seed(0)
+    return _rand_case(gen, torch.float32, 2, 16, 4, num_seqs=2)
+
+
+def test_wrong_dtype_is_a_typed_error():
+    geo, q, kp, vp, indptr, indices, last, pmap, ek, ev = _attn_args()
+    with pytest.raises(errors.DTypeError, match="int32"):
+        ops.decode_attention(geo, q, kp, vp, indptr.long(), indices, last, page_map=pmap, extra_k=ek, extra_v=ev)
+    with pytest.raises(errors.DTypeError, match="one dtype"):
+        ops.decode_attention(geo, q.half(), kp, vp, indptr, indices, last, page_map=pmap, extra_k=ek, extra_v=ev)
+    with pytest.raises(TypeError):  # DTypeError is a TypeError
+        ops.decode_attention(geo, q.double(), kp.double(), vp.double(), indptr, indices, last)
+
+
+def test_wrong_shape_is_a_typed_error():
+    geo, q, kp, vp, indptr, indices, last, pmap, ek, ev = _attn_args()
+    with pytest.raises(errors.ShapeError, match="k_pages"):
+        ops.decode_attention(geo, q, kp[:, :, :3].contiguous(), vp, indptr, indices, last)
+    with pytest.raises(errors.ShapeError, match="contiguous"):
+        ops.decode_attention(geo, q.transpose(2, 3), kp, vp, indptr, indices, last)
+    with pytest.raises(ValueError):
+        ops.decode_attention(geo, q, kp, vp, indptr[:-1], indices, last)
+
+
+def test_wrong_device_is_a_typed_error():
+    geo, q, kp, vp, indptr, indices, last, pmap, ek, ev = _attn_args()
+    with pytest.raises(errors.DeviceError, match="cpu"):
+        ops.decode_attention(geo, q.to("meta"), kp, vp, indptr, indices, last)
+
+
+def test_bad_table_entries_and_aliasing_are_typed_errors():
+    geo, q, kp, vp, indptr, indices, last, pmap, ek, ev = _attn_args()
+    bad = indices.clone()
+    bad[0] = kp.shape[0] + 3
+    out = torch.zeros_like(q)
+    with pytest.raises(IndexError, match="kv_indices"):
+        ops.decode_attention(geo, q, kp, vp, indptr, bad, last, out=out)
+    assert not out.any(), "a rejected call writes nothing"
+    with pytest.raises(errors.InvalidArgumentError, match="share memory"):
+        ops.decode_attention(geo, q, kp, vp, indptr, indices, last, out=q)
+    with pytest.raises(errors.OasisError):
+        ops.decode_attention(geo, q[:, :1].contiguous(), kp, vp, indptr, indices, last, extra_k=ek[:, :], extra_v=ev)
+    # The process survives and the next valid call works.
+    ops.decode_attention(geo, q, kp, vp, indptr, indices, last, page_map=pmap, extra_k=ek, extra_v=ev)
+
+
+def test_block_pool_errors():
+    pool = ops.BlockPool("gpu", 4)
+    a = pool.allocate(3)
+    with pytest.raises(errors.OutOfBlocksError, match="requested 2, free 1"):
+        pool.allocate(2)
+    assert pool.num_free == 1
+    pool.free(a)
+    with pytest.raises(errors.InvalidArgumentError):
+        pool.free(a)
+    with pytest.raises(errors.ConfigError):
+        ops.BlockPool("disk", 4)
+    with pytest.raises(errors.ConfigError):
+        ops.KvGeometry(6, 4, 64, 16)
