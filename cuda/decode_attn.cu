@@ -5,9 +5,9 @@
 //
 // One thread block per (sequence, KV head, split). It serves every query vector that reads this
 // KV head: the num_rows stacked rows times the GQA group, so each K/V tile is read from HBM once
-// for all of them. Tiles of up to `tile_tokens` tokens of one page entry are staged in shared
-// memory as f32; scores are computed per (query, token) pair, then one warp per query updates an
-// online softmax (running max m, running sum l, unnormalised accumulator).
+// for all of them. Tiles of up to `tile_tokens` tokens (filled across page entries) are staged in
+// shared memory as f32; scores are computed per (query, token) pair, then one warp per query
+// updates an online softmax (running max m, running sum l, unnormalised accumulator).
 //
 // Row 0 is the current token; rows >= 1 are lookahead rows that also attend to the extra K/V
 // (the lookahead token's own key and value), handled as a one-token tile in the last split.
@@ -33,10 +33,11 @@ struct DecodeSmem {
     float* l;    // [nq]
 };
 
-// Stage `nt` tokens of K and V (rows of `d` contiguous elements) as f32.
+// Stage `nt` tokens of K and V (rows of `d` contiguous elements) as f32 into tile rows
+// `row0 ..`. No barrier: the next attend_staged() starts with one.
 template <typename T>
-__device__ __forceinline__ void load_kv_tile(const T* __restrict__ ksrc, const T* __restrict__ vsrc, int nt, int d,
-                                             DecodeSmem sm) {
+__device__ __forceinline__ void stage_kv_rows(const T* __restrict__ ksrc, const T* __restrict__ vsrc, int nt,
+                                              int row0, int d, DecodeSmem sm) {
     constexpr int EPV = 16 / sizeof(T);  // elements per 16-byte vector
     const bool vec = ((d * (int)sizeof(T)) % 16 == 0) && ((((u64)ksrc) | ((u64)vsrc)) & 15) == 0;
     if (vec) {
@@ -49,8 +50,8 @@ __device__ __forceinline__ void load_kv_tile(const T* __restrict__ ksrc, const T
             const T* ke = (const T*)&kr;
             const T* ve = (const T*)&vr;
             const int e = c * EPV;
-            const int t = e / d;
-            const int x = e - t * d;
+            const int t = row0 + e / d;
+            const int x = e % d;
 #pragma unroll
             for (int u = 0; u < EPV; ++u) {
                 sm.k[t * (d + 1) + x + u] = to_f32(ke[u]);
@@ -59,20 +60,19 @@ __device__ __forceinline__ void load_kv_tile(const T* __restrict__ ksrc, const T
         }
     } else {
         for (int e = threadIdx.x; e < nt * d; e += blockDim.x) {
-            const int t = e / d;
-            const int x = e - t * d;
+            const int t = row0 + e / d;
+            const int x = e % d;
             sm.k[t * (d + 1) + x] = to_f32(ksrc[e]);
             sm.v[t * d + x] = to_f32(vsrc[e]);
         }
     }
 }
 
-// One tile: stage K/V, score every (query, token) pair, update the online softmax of every query.
-// `mask_rows_below`: queries of rows < it do not see this tile (0 = all see it). Block-uniform.
-template <typename T>
-__device__ void attend_tile(const T* __restrict__ ksrc, const T* __restrict__ vsrc, int nt, int nq, int group,
-                            int d, int tt, float sm_scale, int mask_rows_below, DecodeSmem sm) {
-    load_kv_tile<T>(ksrc, vsrc, nt, d, sm);
+// One staged tile of `nt` tokens: score every (query, token) pair, update the online softmax of
+// every query. `mask_rows_below`: queries of rows < it do not see this tile (0 = all see it).
+// Block-uniform; starts and ends with a barrier.
+__device__ void attend_staged(int nt, int nq, int group, int d, int tt, float sm_scale, int mask_rows_below,
+                              DecodeSmem sm) {
     __syncthreads();
     for (int p = threadIdx.x; p < nq * nt; p += blockDim.x) {
         const int qi = p / nt;
@@ -118,8 +118,8 @@ __device__ void attend_tile(const T* __restrict__ ksrc, const T* __restrict__ vs
     __syncthreads();
 }
 
-// grid (num_seqs, num_kv_heads, num_splits); blockDim.x a multiple of 32; dynamic shared memory
-// decode_smem_floats(num_rows * group, head_dim, tile_tokens) * 4 bytes; tile_tokens in 1..=32.
+// grid (num_seqs, num_kv_heads, num_splits); blockDim.x a multiple of 32; dynamic shared memory as
+// laid out in DecodeSmem for nq = num_rows * group; tile_tokens in 1..=32.
 template <typename T>
 __device__ void decode_attn_impl(
     const T* __restrict__ q,                  // [num_seqs, num_rows, num_qo_heads, head_dim]
@@ -177,21 +177,30 @@ __device__ void decode_attn_impl(
     last_len = last_len < 0 ? 0 : (last_len > block_size ? block_size : last_len);
     const i64 entry = (i64)block_size * d;
 
+    // Tiles fill across page entries (a 16-token page is half a 32-token tile).
+    int fill = 0;
     for (int p = p0; p < p1; ++p) {
         const int page = kv_indices[p_begin + p];
         if (page < 0 || page >= num_pages) continue;
         if (page_map != nullptr && page_map[(i64)page * num_kv_heads + h] < 0) continue;
         const int n_tok = p == n_pages - 1 ? last_len : block_size;
         const i64 base = ((i64)page * num_kv_heads + h) * entry;
-        for (int t0 = 0; t0 < n_tok; t0 += tt) {
-            const int nt = min(tt, n_tok - t0);
-            attend_tile<T>(k_pages + base + (i64)t0 * d, v_pages + base + (i64)t0 * d, nt, nq, group, d, tt,
-                           sm_scale, 0, sm);
+        for (int t0 = 0; t0 < n_tok;) {
+            const int take = min(tt - fill, n_tok - t0);
+            stage_kv_rows<T>(k_pages + base + (i64)t0 * d, v_pages + base + (i64)t0 * d, take, fill, d, sm);
+            fill += take;
+            t0 += take;
+            if (fill == tt) {
+                attend_staged(fill, nq, group, d, tt, sm_scale, 0, sm);
+                fill = 0;
+            }
         }
     }
+    if (fill > 0) attend_staged(fill, nq, group, d, tt, sm_scale, 0, sm);
     if (extra_k != nullptr && extra_v != nullptr && num_rows >= 2 && split == num_splits - 1) {
         const i64 off = ((i64)s * num_kv_heads + h) * d;
-        attend_tile<T>(extra_k + off, extra_v + off, 1, nq, group, d, tt, sm_scale, 1, sm);
+        stage_kv_rows<T>(extra_k + off, extra_v + off, 1, 0, d, sm);
+        attend_staged(1, nq, group, d, tt, sm_scale, 1, sm);
     }
 
     for (int e = threadIdx.x; e < nq * d; e += blockDim.x) {

@@ -189,3 +189,14 @@ def test_bad_generate_arguments(qwen3):
         oasiskv.LLM(qwen3, drafter="bogus")
     with pytest.raises(ValueError):
         oasiskv.LLM(qwen3, backend="sparse-ish")
+
+
+def test_prefill_cache_shares_a_prompt_between_engines(qwen3):
+    ps = prompts(qwen3.config.vocab_size, [150])
+    kv = KvConfig(block_size=16, top_k_blocks=4, fetch_cap=1, sparse_threshold=64)
+    cache = oasiskv.PrefillCache()
+    fresh = oasiskv.LLM(qwen3, kv=kv, backend="oasis", drafter="ngram").generate(ps, 10, ignore_eos=True)[0]
+    a = oasiskv.LLM(qwen3, kv=kv, backend="dense", drafter="ngram", prefill_cache=cache).generate(ps, 10, ignore_eos=True)
+    b = oasiskv.LLM(qwen3, kv=kv, backend="oasis", drafter="ngram", prefill_cache=cache).generate(ps, 10, ignore_eos=True)
+    assert cache.hits == 1
+    assert b[0].tokens == fresh.tokens and a[0].tokens[0] == fresh.tokens[0]

@@ -17,7 +17,7 @@ from __future__ import annotations
 from . import errors
 from .config import KvConfig
 from .drafters import Drafter, Eagle3Drafter, NgramDrafter, OracleDrafter, PreviousQueryDrafter
-from .engine import GenerationResult, RequestMetrics
+from .engine import GenerationResult, PrefillCache, RequestMetrics
 from .errors import (
     CheckpointError,
     ConfigError,
@@ -40,6 +40,7 @@ __all__ = [
     "KvConfig",
     "GenerationResult",
     "RequestMetrics",
+    "PrefillCache",
     "Drafter",
     "NgramDrafter",
     "Eagle3Drafter",

@@ -99,6 +99,43 @@ class _Request:
         return len(self.tokens) - 1
 
 
+@dataclass
+class _Prefilled:
+    k: list[torch.Tensor]  # per layer [n, num_kv_heads, head_dim], post-RoPE
+    v: list[torch.Tensor]
+    last_q: list[torch.Tensor]  # per layer [1, num_qo_heads, head_dim]
+    logits: torch.Tensor
+    features: torch.Tensor | None
+
+
+class PrefillCache:
+    """Prompt -> its prefill results, so several engines (say a dense and an oasis one over the same
+    model) prefill a shared prompt once. Holds at most ``capacity`` prompts, least recently used out.
+
+    NOTE: an entry holds the prompt's whole KV in host memory; keep ``capacity`` small.
+    """
+
+    def __init__(self, capacity: int = 1) -> None:
+        if capacity < 1:
+            raise ConfigError(f"PrefillCache capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self._items: dict = {}
+        self.hits = 0
+
+    def get(self, key):
+        item = self._items.pop(key, None)
+        if item is not None:
+            self._items[key] = item
+            self.hits += 1
+        return item
+
+    def put(self, key, item) -> None:
+        self._items.pop(key, None)
+        self._items[key] = item
+        while len(self._items) > self.capacity:
+            self._items.pop(next(iter(self._items)))
+
+
 class KvPools:
     """The per-layer pools and their allocators (one page id addresses the same page in every layer)."""
 
@@ -148,7 +185,8 @@ def _csr(lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 class Engine:
     """Runs requests over one model with one attention backend (``dense`` or ``oasis``)."""
 
-    def __init__(self, model, kv: KvConfig, backend: str, drafter: Drafter | None, eos_token_ids=()) -> None:
+    def __init__(self, model, kv: KvConfig, backend: str, drafter: Drafter | None, eos_token_ids=(),
+                 prefill_cache: PrefillCache | None = None) -> None:
         if backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.model = model
@@ -164,6 +202,7 @@ class Engine:
         self.rows = 2 if (drafter is not None and drafter.uses_lookahead_row) else 1
         self.capture = tuple(drafter.capture_layers(c.num_hidden_layers)) if drafter is not None else ()
         self.pools: KvPools | None = None
+        self.prefill_cache = prefill_cache
         self.step_no = 0
         # Latest lookahead query of every layer ([batch, num_qo_heads, head_dim]) and each request's
         # row in it: the initial selection of a request that turns sparse uses them.
@@ -219,7 +258,11 @@ class Engine:
     # ---------------------------------------------------------------- prefill
     @torch.no_grad()
     def prefill(self, r: _Request) -> torch.Tensor:
-        """Run the prompt densely, store its KV in fresh pages, return the last row's logits."""
+        """Run the prompt densely, store its KV in fresh pages, return the last row's logits.
+
+        With a :class:`PrefillCache` the same prompt on the same model is computed once: the cached
+        K/V, last queries, logits and draft features are written back instead.
+        """
         from .models.transformer import causal_attention
 
         p = self.pools
@@ -231,17 +274,37 @@ class Engine:
         page_idx = torch.tensor(r.pages, dtype=torch.long, device=self.device)
         scale = self.geo.head_dim ** -0.5
         hk, d = self.geo.num_kv_heads, self.geo.head_dim
+        layers = self.cfg.num_hidden_layers
+        self._last_row = {r.id: 0}
+        r.pred = [None] * layers
 
-        def attn(layer, q, k, v):
-            o = causal_attention(q, k, v, scale)
+        def store(layer, k, v):
             pad = n_blocks * b - n
             for src, pool in ((k, p.k_pages[layer]), (v, p.v_pages[layer])):
                 x = torch.nn.functional.pad(src.to(self.dtype), (0, 0, 0, 0, 0, pad))
                 pool[page_idx] = x.view(n_blocks, b, hk, d).transpose(1, 2)
+
+        cache = self.prefill_cache
+        key = (id(self.model), self.dtype, self.capture, tuple(r.prompt))
+        hit = cache.get(key) if cache is not None else None
+        if hit is not None:
+            for layer in range(layers):
+                store(layer, hit.k[layer], hit.v[layer])
+                self._last_q[layer] = hit.last_q[layer]
+            r.features = hit.features
+            return hit.logits
+
+        ks: list[torch.Tensor] = []
+        vs: list[torch.Tensor] = []
+
+        def attn(layer, q, k, v):
+            o = causal_attention(q, k, v, scale)
+            store(layer, k, v)
+            if cache is not None:
+                ks.append(k.to(self.dtype))
+                vs.append(v.to(self.dtype))
             self._last_q[layer] = q[-1:].to(self.dtype)
             return o
-
-        self._last_row = {r.id: 0}
 
         ids = torch.tensor(r.prompt, dtype=torch.long, device=self.device)
         pos = torch.arange(n, device=self.device)
@@ -250,7 +313,8 @@ class Engine:
         )
         if self.capture:
             r.features = torch.cat([captured[i][-1] for i in self.capture])
-        r.pred = [None] * self.cfg.num_hidden_layers
+        if cache is not None:
+            cache.put(key, _Prefilled(ks, vs, list(self._last_q), logits[0], r.features))
         return logits[0]
 
     # ---------------------------------------------------------------- dense -> sparse

@@ -9,7 +9,7 @@ import torch
 
 from .config import KvConfig
 from .drafters import Drafter, make_drafter
-from .engine import Engine, GenerationResult, _Request
+from .engine import Engine, GenerationResult, PrefillCache, _Request
 from .errors import ConfigError, ContextLengthError
 
 
@@ -27,11 +27,14 @@ class LLM:
         dtype: compute dtype when loading a model (float32 on the CPU by default).
         device: where the model runs (``"cpu"``; ``"cuda"`` once the GPU backend is built).
         max_batch_size: most requests decoded together; later ones wait for a free seat.
+        prefill_cache: share prompt prefills between LLMs over the same model (see
+            :class:`~oasiskv.engine.PrefillCache`); the demo uses it so dense and oasis prefill once.
     """
 
     def __init__(self, model, *, tokenizer=None, kv: KvConfig | None = None, backend: str = "oasis",
                  drafter: str | Drafter | None = "ngram", dtype: torch.dtype | None = None,
-                 device: str | torch.device = "cpu", max_batch_size: int = 64) -> None:
+                 device: str | torch.device = "cpu", max_batch_size: int = 64,
+                 prefill_cache: PrefillCache | None = None) -> None:
         if isinstance(model, str):
             from .models.loader import load_model
 
@@ -48,7 +51,7 @@ class LLM:
             drafter = "previous-query"
         self.drafter = make_drafter(drafter)
         eos = list(getattr(tokenizer, "eos_token_ids", None) or getattr(model.config, "eos_token_ids", None) or [])
-        self.engine = Engine(self.model, self.kv, backend, self.drafter, eos)
+        self.engine = Engine(self.model, self.kv, backend, self.drafter, eos, prefill_cache)
         self.max_batch_size = max_batch_size
 
     # ------------------------------------------------------------------ helpers

@@ -374,8 +374,10 @@ def load_gguf(
     """Load a llama.cpp GGUF file (architecture llama or qwen3) and its byte-level BPE tokenizer.
 
     Weights are dequantised to ``dtype`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1 supported). llama.cpp's
-    q/k row permutation for ``llama`` is undone exactly. With ``with_tokenizer=False`` the tokenizer is
-    not built and ``None`` is returned in its place.
+    q/k row permutation for ``llama`` is undone exactly. A ``rope_freqs.weight`` tensor (how llama.cpp
+    stores llama3 RoPE scaling) is applied to ``model.inv_freq`` exactly; ``model.config.rope_scaling``
+    then stays None because the GGUF does not record the llama3 parameters. With ``with_tokenizer=False``
+    the tokenizer is not built and ``None`` is returned in its place.
     """
     path = Path(path)
     reader = _gguf_reader(path)

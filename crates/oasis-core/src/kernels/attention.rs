@@ -117,6 +117,12 @@ pub fn decode_attention<T: KvElem>(
         max_tokens = max_tokens.max(tokens.ok_or_else(|| too_large("tokens in a sequence"))?);
     }
 
+    if num_seqs == 0 {
+        // NOTE: also keeps absurd `num_rows` / head counts from sizing the scratch below; with
+        // at least one sequence they are bounded by `q.len()`.
+        return Ok(());
+    }
+
     // Scratch, sized once for the longest sequence and reused for every (seq, kv head).
     let nq = num_rows * gs; // query vectors sharing one KV head
     let cols = max_tokens

@@ -39,6 +39,9 @@ pub fn score_blocks<T: KvElem>(
     let num_host = leading_rows("summaries", summaries.len(), &[h_kv, 2, d])?;
     check_len("scores", scores.len(), &[blk_indices.len(), h_kv])?;
     all_indices("blk_indices", blk_indices, num_host)?;
+    if num_seqs == 0 {
+        return Ok(()); // and `hq * d` below is bounded by `q.len()`
+    }
 
     let mut qf = vec![0.0f32; hq * d];
     let mut mn = vec![0.0f32; d];

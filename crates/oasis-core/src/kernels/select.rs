@@ -117,10 +117,11 @@ pub fn delta_select(
 
     let mut stats = SelectStats::default();
     // Per-head scratch, reused: S sorted by block with first position, residency flags, victims.
-    let mut sorted: Vec<(i32, u32)> = Vec::with_capacity(num_pred);
-    let mut resident: Vec<bool> = Vec::with_capacity(num_pred);
-    let mut missing: Vec<i32> = Vec::with_capacity(num_pred);
-    let mut victims: Vec<(bool, i32, u32)> = Vec::with_capacity(budget);
+    // (Grown on demand: with no sequences, `budget` and `num_pred` are not bounded by a buffer.)
+    let mut sorted: Vec<(i32, u32)> = Vec::new();
+    let mut resident: Vec<bool> = Vec::new();
+    let mut missing: Vec<i32> = Vec::new();
+    let mut victims: Vec<(bool, i32, u32)> = Vec::new();
     for s in 0..num_seqs {
         let pages = &slot_pages[s * budget..(s + 1) * budget];
         for h in 0..h_kv {

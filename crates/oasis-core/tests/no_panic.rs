@@ -1,0 +1,276 @@
+//! Robustness: every kernel, fed mostly-valid calls with random corruption (a buffer one element
+//! short or long, table entries out of range or negative, bad counts, broken geometry), must
+//! return `Ok` or `Err` without panicking, and must leave every output untouched on `Err`.
+
+use oasis_core::kernels::{
+    append_kv, build_summaries, copy_pages, decode_attention, delta_select, gather_blocks, score_blocks, topk_blocks,
+    ExtraKv, PagedKv,
+};
+use oasis_core::KvGeometry;
+use proptest::prelude::*;
+use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+static C: [AtomicUsize; 16] = [const { AtomicUsize::new(0) }; 16];
+fn tally(i: usize, ok: bool) { C[2*i + ok as usize].fetch_add(1, Relaxed); }
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+    /// True with probability 1/n.
+    fn one_in(&mut self, n: usize) -> bool {
+        self.below(n) == 0
+    }
+    fn f32(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+    /// A table entry: usually in `0..bound`, sometimes just outside, negative or extreme.
+    fn entry(&mut self, bound: usize) -> i32 {
+        match self.below(16) {
+            0 => -1,
+            1 => bound as i32,
+            2 => [i32::MIN, i32::MAX, -2, bound as i32 + 1][self.below(4)],
+            _ => self.below(bound) as i32,
+        }
+    }
+    fn table(&mut self, n: usize, bound: usize) -> Vec<i32> {
+        (0..n).map(|_| self.entry(bound)).collect()
+    }
+    fn data(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.f32()).collect()
+    }
+    fn jdata(&mut self, n: usize) -> Vec<f32> {
+        let v = self.data(n);
+        self.jiggle(v)
+    }
+    fn jtable(&mut self, n: usize, bound: usize) -> Vec<i32> {
+        let v = self.table(n, bound);
+        self.jiggle(v)
+    }
+    /// Entries drawn from `lo..lo + span`, sometimes one short or long.
+    fn jsmall(&mut self, n: usize, lo: i32, span: usize) -> Vec<i32> {
+        let v = (0..n).map(|_| lo + self.below(span) as i32).collect();
+        self.jiggle(v)
+    }
+    /// Sometimes one element short or long.
+    fn jiggle<T: Clone + Default>(&mut self, mut v: Vec<T>) -> Vec<T> {
+        match self.below(12) {
+            0 => {
+                v.pop();
+            }
+            1 => v.push(T::default()),
+            _ => {}
+        }
+        v
+    }
+    /// A count: usually `n`, sometimes off by one.
+    fn count(&mut self, n: usize) -> usize {
+        match self.below(12) {
+            0 => n + 1,
+            1 => n.saturating_sub(1),
+            _ => n,
+        }
+    }
+    fn geometry(&mut self) -> KvGeometry {
+        let h_kv = 1 + self.below(3);
+        let mut g = KvGeometry { num_qo_heads: h_kv * (1 + self.below(3)), num_kv_heads: h_kv, head_dim: 1 + self.below(6), block_size: 1 + self.below(4) };
+        if self.one_in(20) {
+            // Built by hand, bypassing `new`.
+            match self.below(3) {
+                0 => g.num_kv_heads = 0,
+                1 => g.num_qo_heads += 1,
+                _ => g.head_dim = 0,
+            }
+        }
+        g
+    }
+}
+
+/// CSR over `lens`, sometimes corrupted.
+fn indptr(rng: &mut Rng, lens: &[usize]) -> Vec<i32> {
+    let mut p = vec![0i32];
+    for &n in lens {
+        p.push(p.last().unwrap() + n as i32);
+    }
+    if rng.one_in(15) {
+        let i = rng.below(p.len());
+        p[i] += [-1, 1, 5][rng.below(3)];
+    }
+    rng.jiggle(p)
+}
+
+fn heads(g: &KvGeometry) -> (usize, usize, usize, usize) {
+    // Sizes that stay usable for building buffers even when the geometry is invalid.
+    (g.num_qo_heads.max(1), g.num_kv_heads.max(1), g.head_dim.max(1), g.block_size.max(1))
+}
+
+fn attention_case(rng: &mut Rng) {
+    let g = rng.geometry();
+    let (hq, h_kv, d, bs) = heads(&g);
+    let num_seqs = rng.below(4);
+    let num_pages = 1 + rng.below(6);
+    let num_rows = rng.below(4);
+    let lens: Vec<usize> = (0..num_seqs).map(|_| if rng.one_in(10) { 0 } else { 1 + rng.below(3) }).collect();
+    let nnz = lens.iter().sum();
+    let k = rng.jdata(num_pages * h_kv * bs * d);
+    let v = rng.jdata(num_pages * h_kv * bs * d);
+    let ip = indptr(rng, &lens);
+    let ind = rng.jtable(nnz, num_pages);
+    let last: Vec<i32> = (0..num_seqs).map(|_| rng.entry(bs).wrapping_add(1)).collect();
+    let last = rng.jiggle(last);
+    let pm = rng.jsmall(num_pages * h_kv, -2, 6);
+    let q = rng.jdata(num_seqs * num_rows * hq * d);
+    let ek = rng.jdata(num_seqs * h_kv * d);
+    let ev = rng.jdata(num_seqs * h_kv * d);
+    let rows = rng.count(num_rows);
+    let kv = PagedKv {
+        k_pages: &k,
+        v_pages: &v,
+        kv_indptr: &ip,
+        kv_indices: &ind,
+        kv_last_page_len: &last,
+        page_map: (!rng.one_in(3)).then_some(pm.as_slice()),
+    };
+    let extra = ExtraKv { k: &ek, v: &ev };
+    let extra = rng.one_in(2).then_some(&extra);
+    let mut out = rng.jiggle(vec![f32::NAN; num_seqs * num_rows * hq * d]);
+    let before: Vec<u32> = out.iter().map(|x| x.to_bits()).collect();
+    let r = decode_attention(&g, &q, rows, &kv, extra, 0.5, &mut out); tally(0, r.is_ok()); match r {
+        Ok(()) => assert!(out.iter().all(|x| x.is_finite()), "non-finite output"),
+        Err(_) => assert_eq!(out.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), before),
+    }
+}
+
+fn append_summary_case(rng: &mut Rng) {
+    let g = rng.geometry();
+    let (_, h_kv, d, bs) = heads(&g);
+    let num_seqs = rng.below(4);
+    let num_pages = 1 + rng.below(4);
+    let num_host = rng.below(4);
+    let k = rng.jdata(num_seqs * h_kv * d);
+    let v = rng.jdata(num_seqs * h_kv * d);
+    let pid = rng.jtable(num_seqs, num_pages);
+    let off = rng.jtable(num_seqs, bs);
+    let hb = rng.jtable(num_seqs, num_host);
+    let mut kp = rng.jdata(num_pages * h_kv * bs * d);
+    let mut vp = rng.jdata(num_pages * h_kv * bs * d);
+    let mut hk = rng.jdata(num_host * h_kv * bs * d);
+    let mut hv = rng.jdata(num_host * h_kv * bs * d);
+    let mut sm = rng.jdata(num_host * h_kv * 2 * d);
+    let before = (kp.clone(), vp.clone(), hk.clone(), hv.clone(), sm.clone());
+    let r = append_kv(&g, &k, &v, &pid, &off, &hb, &mut kp, &mut vp, &mut hk, &mut hv, &mut sm); tally(1, r.is_ok()); if r.is_err() {
+        assert_eq!((kp, vp, hk.clone(), hv, sm.clone()), before);
+    }
+
+    let n = rng.below(4);
+    let ids = rng.jtable(n, num_host);
+    let lens: Vec<i32> = (0..n).map(|_| rng.entry(bs).wrapping_add(1)).collect();
+    let lens = rng.jiggle(lens);
+    let before = sm.clone();
+    let r = build_summaries(&g, &hk, &ids, &lens, &mut sm); tally(2, r.is_ok()); if r.is_err() {
+        assert_eq!(sm, before);
+    }
+}
+
+fn score_case(rng: &mut Rng) {
+    let g = rng.geometry();
+    let (hq, h_kv, d, _) = heads(&g);
+    let num_seqs = rng.below(4);
+    let num_host = 1 + rng.below(5);
+    let lens: Vec<usize> = (0..num_seqs).map(|_| rng.below(5)).collect();
+    let nnz: usize = lens.iter().sum();
+    let q = rng.jdata(num_seqs * hq * d);
+    let sm = rng.jdata(num_host * h_kv * 2 * d);
+    let ip = indptr(rng, &lens);
+    let ind = rng.jtable(nnz, num_host);
+    let mut scores = rng.jiggle(vec![9.0f32; nnz * h_kv]);
+    let before = scores.clone();
+    let r = score_blocks(&g, &q, &sm, &ip, &ind, &mut scores); tally(3, r.is_ok()); if r.is_err() {
+        assert_eq!(scores, before);
+    }
+    let k = rng.below(6);
+    let h = rng.count(h_kv);
+    let sc = rng.jdata(nnz * h_kv);
+    let mut out = rng.jiggle(vec![77; num_seqs * h_kv * k]);
+    let before = out.clone();
+    let r = topk_blocks(h, &sc, &ip, rng.count(k), &mut out); tally(4, r.is_ok()); match r {
+        Ok(()) => assert!(out.iter().all(|&x| x >= -1 && x < 5)),
+        Err(_) => assert_eq!(out, before),
+    }
+}
+
+fn select_gather_case(rng: &mut Rng) {
+    let g = rng.geometry();
+    let (_, h_kv, d, bs) = heads(&g);
+    let num_seqs = rng.below(4);
+    let budget = rng.below(5);
+    let num_pred = rng.below(budget + 1);
+    let cap = rng.below(4);
+    let num_pages = num_seqs * budget + rng.below(3);
+    let mut pages: Vec<i32> = (0..num_pages as i32).collect();
+    for i in (1..pages.len()).rev() {
+        pages.swap(i, rng.below(i + 1));
+    }
+    pages.truncate(num_seqs * budget);
+    if rng.one_in(8) && !pages.is_empty() {
+        let i = rng.below(pages.len());
+        pages[i] = rng.entry(num_pages); // maybe a duplicate or out of range
+    }
+    let slot_pages = rng.jiggle(pages);
+    let nblocks = 1 + rng.below(6);
+    let pred = rng.jtable(num_seqs * h_kv * num_pred, nblocks);
+    let mut map = rng.jsmall(num_pages * h_kv, -1, nblocks + 1);
+    let mut last = rng.jsmall(num_pages * h_kv, -1, 5);
+    let mut ps = rng.jiggle(vec![-5; num_seqs * h_kv * cap]);
+    let mut pb = rng.jiggle(vec![-5; num_seqs * h_kv * cap]);
+    let before = (map.clone(), last.clone(), ps.clone(), pb.clone());
+    let (np, b, c) = (rng.count(num_pred), rng.count(budget), rng.count(cap));
+    let h = if rng.one_in(20) { 0 } else { h_kv };
+    let r = delta_select(h, &pred, np, &slot_pages, b, &mut map, &mut last, 3, c, &mut ps, &mut pb); tally(5, r.is_ok()); if r.is_err() {
+        assert_eq!((map, last, ps.clone(), pb.clone()), before);
+    }
+
+    let num_host = 1 + rng.below(6);
+    let lens: Vec<usize> = (0..num_seqs).map(|_| rng.below(nblocks + 1)).collect();
+    let hip = indptr(rng, &lens);
+    let hind = rng.jtable(lens.iter().sum(), num_host);
+    let hk = rng.jdata(num_host * h_kv * bs * d);
+    let hv = rng.jdata(num_host * h_kv * bs * d);
+    let mut kp = rng.jdata(num_pages * h_kv * bs * d);
+    let mut vp = rng.jdata(num_pages * h_kv * bs * d);
+    let before = (kp.clone(), vp.clone());
+    let r = gather_blocks(&g, &ps, &pb, c, &slot_pages, b, &hip, &hind, &hk, &hv, &mut kp, &mut vp); tally(6, r.is_ok()); if r.is_err() {
+        assert_eq!((kp.clone(), vp.clone()), before);
+    }
+
+    let n = rng.below(4);
+    let src = rng.table(n, num_host);
+    let dst = rng.jtable(n, num_pages);
+    let before = (kp.clone(), vp.clone());
+    let r = copy_pages(&g, &hk, &hv, &src, &mut kp, &mut vp, &dst); tally(7, r.is_ok()); if r.is_err() {
+        assert_eq!((kp, vp), before);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
+
+    #[test]
+    fn kernels_never_panic(seed in any::<u64>()) {
+        let mut rng = Rng(seed);
+        attention_case(&mut rng);
+        append_summary_case(&mut rng);
+        score_case(&mut rng);
+        select_gather_case(&mut rng);
+    }
+    #[test]
+    fn zz_report(_x in 0..1) { std::thread::sleep(std::time::Duration::from_secs(3)); eprintln!("{:?}", C.iter().map(|c| c.load(Relaxed)).collect::<Vec<_>>()); }
+}
