@@ -24,8 +24,18 @@ ATTN_TOL = {
 }
 
 
-def ref_decode_attention(q, k_pages, v_pages, kv_indptr, kv_indices, last_len, page_map=None, extra_k=None,
-                         extra_v=None, scale=None):
+def ref_decode_attention(
+    q,
+    k_pages,
+    v_pages,
+    kv_indptr,
+    kv_indices,
+    last_len,
+    page_map=None,
+    extra_k=None,
+    extra_v=None,
+    scale=None,
+):
     """q [S, R, Hq, D]; pages [P, Hkv, B, D]; returns float64 [S, R, Hq, D]."""
     s_n, r_n, hq, d = q.shape
     hk, b = k_pages.shape[1], k_pages.shape[2]

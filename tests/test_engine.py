@@ -15,14 +15,33 @@ torch.set_num_threads(2)
 
 
 def qwen3_like(**kw) -> CausalLM:
-    cfg = ModelConfig(family="qwen3", vocab_size=301, hidden_size=128, intermediate_size=192, num_hidden_layers=3,
-                      num_attention_heads=8, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048, **kw)
+    cfg = ModelConfig(
+        family="qwen3",
+        vocab_size=301,
+        hidden_size=128,
+        intermediate_size=192,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=2048,
+        **kw,
+    )
     return CausalLM.random(cfg, seed=1)
 
 
 def llama_like() -> CausalLM:
-    cfg = ModelConfig(family="llama", vocab_size=257, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
-                      num_attention_heads=6, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024)
+    cfg = ModelConfig(
+        family="llama",
+        vocab_size=257,
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+    )
     return CausalLM.random(cfg, seed=2)
 
 
@@ -107,7 +126,9 @@ def test_working_set_invariants_during_generation(qwen3):
                 blk, off = divmod(r.kv_len, kv.block_size)
                 assert int(p.page_map[layer, r.local_page, 0]) == blk
                 hb = r.host_blocks[blk]
-                assert torch.equal(p.k_pages[layer][r.local_page, :, : off + 1], p.host_k[layer][hb, :, : off + 1])
+                assert torch.equal(
+                    p.k_pages[layer][r.local_page, :, : off + 1], p.host_k[layer][hb, :, : off + 1]
+                )
             checked["n"] += 1
         return logits
 
@@ -154,8 +175,11 @@ def test_prompt_longer_than_context_is_a_typed_error(qwen3):
 def test_budget_larger_than_pools_is_a_typed_error(qwen3):
     with pytest.raises(errors.ConfigError, match="num_gpu_pages"):
         KvConfig(top_k_blocks=64, num_gpu_pages=32)
-    llm = oasiskv.LLM(qwen3, kv=KvConfig(block_size=16, top_k_blocks=4, num_gpu_pages=8, num_host_blocks=8,
-                                         sparse_threshold=500), backend="oasis")
+    llm = oasiskv.LLM(
+        qwen3,
+        kv=KvConfig(block_size=16, top_k_blocks=4, num_gpu_pages=8, num_host_blocks=8, sparse_threshold=500),
+        backend="oasis",
+    )
     with pytest.raises(errors.OutOfBlocksError, match="num_gpu_pages"):
         llm.generate(prompts(qwen3.config.vocab_size, [400]), 4)
     # The pools are intact after the failure: a small request still runs.
@@ -196,7 +220,11 @@ def test_prefill_cache_shares_a_prompt_between_engines(qwen3):
     kv = KvConfig(block_size=16, top_k_blocks=4, fetch_cap=1, sparse_threshold=64)
     cache = oasiskv.PrefillCache()
     fresh = oasiskv.LLM(qwen3, kv=kv, backend="oasis", drafter="ngram").generate(ps, 10, ignore_eos=True)[0]
-    a = oasiskv.LLM(qwen3, kv=kv, backend="dense", drafter="ngram", prefill_cache=cache).generate(ps, 10, ignore_eos=True)
-    b = oasiskv.LLM(qwen3, kv=kv, backend="oasis", drafter="ngram", prefill_cache=cache).generate(ps, 10, ignore_eos=True)
+    a = oasiskv.LLM(qwen3, kv=kv, backend="dense", drafter="ngram", prefill_cache=cache).generate(
+        ps, 10, ignore_eos=True
+    )
+    b = oasiskv.LLM(qwen3, kv=kv, backend="oasis", drafter="ngram", prefill_cache=cache).generate(
+        ps, 10, ignore_eos=True
+    )
     assert cache.hits == 1
     assert b[0].tokens == fresh.tokens and a[0].tokens[0] == fresh.tokens[0]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference import ATTN_TOL, TOL, ref_decode_attention, ref_score_blocks
 
 from oasiskv import errors, ops
+from reference import ATTN_TOL, TOL, ref_decode_attention, ref_score_blocks
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 GROUPS = [1, 3, 4, 8]
@@ -25,7 +25,7 @@ def _rand_case(gen, dtype, group, head_dim, block_size, num_seqs=3, rows=2, hk=2
     v_pages = torch.randn(num_pages, hk, block_size, head_dim, generator=gen).to(dtype)
     perm = torch.randperm(num_pages, generator=gen).tolist()
     lists, last = [], []
-    for s in range(num_seqs):
+    for _ in range(num_seqs):
         n = int(torch.randint(1, 11, (1,), generator=gen))
         lists.append([perm.pop() for _ in range(n)])
         last.append(int(torch.randint(1, block_size + 1, (1,), generator=gen)))
@@ -52,7 +52,9 @@ def test_sparse_attention_matches_float64_reference(dtype, group, head_dim, bloc
     gen = torch.Generator().manual_seed(hash((str(dtype), group, head_dim, block_size)) % 2**31)
     geo, q, kp, vp, indptr, indices, last, pmap, ek, ev = _rand_case(gen, dtype, group, head_dim, block_size)
     out = torch.full_like(q, float("nan"))  # poisoned: every element must be written
-    ops.decode_attention(geo, q, kp, vp, indptr, indices, last, page_map=pmap, extra_k=ek, extra_v=ev, out=out)
+    ops.decode_attention(
+        geo, q, kp, vp, indptr, indices, last, page_map=pmap, extra_k=ek, extra_v=ev, out=out
+    )
     ref = ref_decode_attention(q, kp, vp, indptr, indices, last, pmap, ek, ev)
     atol, rtol = ATTN_TOL[dtype]
     torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
@@ -86,10 +88,30 @@ def test_full_budget_working_set_equals_dense_bit_exact(dtype, group):
     q = torch.randn(1, 2, hk * group, d, generator=gen).to(dtype)
     ek = torch.randn(1, hk, d, generator=gen).to(dtype)
     ev = torch.randn(1, hk, d, generator=gen).to(dtype)
-    dense = ops.decode_attention(geo, q, kp, vp, i32([0, n_blocks]), i32(dense_pages), i32([last]),
-                                 page_map=page_map, extra_k=ek, extra_v=ev)
-    sparse = ops.decode_attention(geo, q, kp, vp, i32([0, len(slots) + 1]), i32(slots + [local]), i32([last]),
-                                  page_map=page_map, extra_k=ek, extra_v=ev)
+    dense = ops.decode_attention(
+        geo,
+        q,
+        kp,
+        vp,
+        i32([0, n_blocks]),
+        i32(dense_pages),
+        i32([last]),
+        page_map=page_map,
+        extra_k=ek,
+        extra_v=ev,
+    )
+    sparse = ops.decode_attention(
+        geo,
+        q,
+        kp,
+        vp,
+        i32([0, len(slots) + 1]),
+        i32(slots + [local]),
+        i32([last]),
+        page_map=page_map,
+        extra_k=ek,
+        extra_v=ev,
+    )
     assert torch.equal(dense, sparse)
 
 
@@ -148,20 +170,24 @@ def test_append_writes_through_and_updates_summary(dtype):
         toks_k.append(k_new)
         toks_v.append(v_new)
         # seq 0 is sparse (page 3 mirrors host block 2), seq 1 dense (page 5, no write-through)
-        ops.append_kv(geo, k_new, v_new, i32([3, 5]), i32([off, off]), i32([2, -1]), kp, vp, hk_pool, hv_pool, summ)
+        ops.append_kv(
+            geo, k_new, v_new, i32([3, 5]), i32([off, off]), i32([2, -1]), kp, vp, hk_pool, hv_pool, summ
+        )
     ks = torch.stack(toks_k)  # [b, seqs, hk, d]
     assert torch.equal(kp[3], ks[:, 0].transpose(0, 1))
     assert torch.equal(kp[5], ks[:, 1].transpose(0, 1))
     assert torch.equal(vp[5], torch.stack(toks_v)[:, 1].transpose(0, 1))
     assert torch.equal(hk_pool[2], kp[3]) and torch.equal(hv_pool[2], vp[3])
-    assert torch.equal(summ[2, :, 0], ks[:, 0].amin(dim=0)) and torch.equal(summ[2, :, 1], ks[:, 0].amax(dim=0))
+    assert torch.equal(summ[2, :, 0], ks[:, 0].amin(dim=0)) and torch.equal(
+        summ[2, :, 1], ks[:, 0].amax(dim=0)
+    )
     assert not hk_pool[[0, 1, 3, 4]].any(), "dense sequences are not written through"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_select_and_gather_bit_exact(dtype):
     gen = torch.Generator().manual_seed(5)
-    hk, d, b, budget, cap = 2, 16, 4, 6, 3
+    hk, d, b, cap = 2, 16, 4, 3
     geo = ops.KvGeometry(2, hk, d, b)
     host_k = torch.randn(40, hk, b, d, generator=gen).to(dtype)
     host_v = torch.randn(40, hk, b, d, generator=gen).to(dtype)
@@ -189,7 +215,10 @@ def test_copy_pages_bit_exact():
     geo = ops.KvGeometry(2, 1, 8, 4)
     src_k = torch.randn(5, 1, 4, 8).to(torch.bfloat16)
     src_v = torch.randn(5, 1, 4, 8).to(torch.bfloat16)
-    dst_k, dst_v = torch.zeros(7, 1, 4, 8, dtype=torch.bfloat16), torch.zeros(7, 1, 4, 8, dtype=torch.bfloat16)
+    dst_k, dst_v = (
+        torch.zeros(7, 1, 4, 8, dtype=torch.bfloat16),
+        torch.zeros(7, 1, 4, 8, dtype=torch.bfloat16),
+    )
     ops.copy_pages(geo, src_k, src_v, i32([4, 0]), dst_k, dst_v, i32([1, 6]))
     assert torch.equal(dst_k[1], src_k[4]) and torch.equal(dst_v[6], src_v[0])
 
@@ -203,9 +232,13 @@ def _attn_args():
 def test_wrong_dtype_is_a_typed_error():
     geo, q, kp, vp, indptr, indices, last, pmap, ek, ev = _attn_args()
     with pytest.raises(errors.DTypeError, match="int32"):
-        ops.decode_attention(geo, q, kp, vp, indptr.long(), indices, last, page_map=pmap, extra_k=ek, extra_v=ev)
+        ops.decode_attention(
+            geo, q, kp, vp, indptr.long(), indices, last, page_map=pmap, extra_k=ek, extra_v=ev
+        )
     with pytest.raises(errors.DTypeError, match="one dtype"):
-        ops.decode_attention(geo, q.half(), kp, vp, indptr, indices, last, page_map=pmap, extra_k=ek, extra_v=ev)
+        ops.decode_attention(
+            geo, q.half(), kp, vp, indptr, indices, last, page_map=pmap, extra_k=ek, extra_v=ev
+        )
     with pytest.raises(TypeError):  # DTypeError is a TypeError
         ops.decode_attention(geo, q.double(), kp.double(), vp.double(), indptr, indices, last)
 
@@ -237,7 +270,9 @@ def test_bad_table_entries_and_aliasing_are_typed_errors():
     with pytest.raises(errors.InvalidArgumentError, match="share memory"):
         ops.decode_attention(geo, q, kp, vp, indptr, indices, last, out=q)
     with pytest.raises(errors.OasisError):
-        ops.decode_attention(geo, q[:, :1].contiguous(), kp, vp, indptr, indices, last, extra_k=ek[:, :], extra_v=ev)
+        ops.decode_attention(
+            geo, q[:, :1].contiguous(), kp, vp, indptr, indices, last, extra_k=ek[:, :], extra_v=ev
+        )
     # The process survives and the next valid call works.
     ops.decode_attention(geo, q, kp, vp, indptr, indices, last, page_map=pmap, extra_k=ek, extra_v=ev)
 

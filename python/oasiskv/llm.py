@@ -31,10 +31,19 @@ class LLM:
             :class:`~oasiskv.engine.PrefillCache`); the demo uses it so dense and oasis prefill once.
     """
 
-    def __init__(self, model, *, tokenizer=None, kv: KvConfig | None = None, backend: str = "oasis",
-                 drafter: str | Drafter | None = "ngram", dtype: torch.dtype | None = None,
-                 device: str | torch.device = "cpu", max_batch_size: int = 64,
-                 prefill_cache: PrefillCache | None = None) -> None:
+    def __init__(
+        self,
+        model,
+        *,
+        tokenizer=None,
+        kv: KvConfig | None = None,
+        backend: str = "oasis",
+        drafter: str | Drafter | None = "ngram",
+        dtype: torch.dtype | None = None,
+        device: str | torch.device = "cpu",
+        max_batch_size: int = 64,
+        prefill_cache: PrefillCache | None = None,
+    ) -> None:
         if isinstance(model, str):
             from .models.loader import load_model
 
@@ -50,19 +59,25 @@ class LLM:
         if backend == "oasis" and drafter is None:
             drafter = "previous-query"
         self.drafter = make_drafter(drafter)
-        eos = list(getattr(tokenizer, "eos_token_ids", None) or getattr(model.config, "eos_token_ids", None) or [])
+        eos = list(
+            getattr(tokenizer, "eos_token_ids", None) or getattr(model.config, "eos_token_ids", None) or []
+        )
         self.engine = Engine(self.model, self.kv, backend, self.drafter, eos, prefill_cache)
         self.max_batch_size = max_batch_size
 
     # ------------------------------------------------------------------ helpers
     def _tokenize(self, prompts) -> list[list[int]]:
-        if isinstance(prompts, str) or (isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (
+            isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
+        ):
             prompts = [prompts]
         out = []
         for i, pr in enumerate(prompts):
             if isinstance(pr, str):
                 if self.tokenizer is None:
-                    raise ConfigError("text prompts need a tokenizer; pass LLM(..., tokenizer=...) or token ids")
+                    raise ConfigError(
+                        "text prompts need a tokenizer; pass LLM(..., tokenizer=...) or token ids"
+                    )
                 ids = self.tokenizer.encode(pr)
             else:
                 ids = [int(t) for t in pr]
@@ -87,8 +102,17 @@ class LLM:
         return int(torch.multinomial(probs, 1, generator=gen))
 
     # ------------------------------------------------------------------ generate
-    def generate(self, prompts, max_new_tokens: int = 64, *, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int = 0, ignore_eos: bool = False, progress: bool = False) -> list[GenerationResult]:
+    def generate(
+        self,
+        prompts,
+        max_new_tokens: int = 64,
+        *,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        ignore_eos: bool = False,
+        progress: bool = False,
+    ) -> list[GenerationResult]:
         """Generate for one prompt or a list of prompts (text or token ids).
 
         Returns one :class:`GenerationResult` per prompt, in order, each with its tokens, text and
@@ -103,11 +127,14 @@ class LLM:
         for i, ids in enumerate(token_lists):
             if len(ids) + max_new_tokens > ctx:
                 raise ContextLengthError(
-                    f"prompt {i} has {len(ids)} tokens and max_new_tokens={max_new_tokens}: {len(ids) + max_new_tokens} "
-                    f"exceeds the model's context of {ctx} tokens; shorten the prompt or lower max_new_tokens"
+                    f"prompt {i} has {len(ids)} tokens and max_new_tokens={max_new_tokens}: "
+                    f"{len(ids) + max_new_tokens} exceeds the model's context of {ctx} tokens; "
+                    "shorten the prompt or lower max_new_tokens"
                 )
         eng = self.engine
-        reqs = [_Request(id=i, prompt=ids, max_new_tokens=max_new_tokens) for i, ids in enumerate(token_lists)]
+        reqs = [
+            _Request(id=i, prompt=ids, max_new_tokens=max_new_tokens) for i, ids in enumerate(token_lists)
+        ]
         eng.ensure_pools(reqs[: self.max_batch_size] if len(reqs) > self.max_batch_size else reqs)
         gen = torch.Generator().manual_seed(seed)
         waiting = list(reqs)
@@ -185,4 +212,6 @@ class LLM:
     def _result(self, r: _Request) -> GenerationResult:
         gen_tokens = r.tokens[len(r.prompt) :]
         text = self.tokenizer.decode(gen_tokens) if self.tokenizer is not None else None
-        return GenerationResult(r.id, list(r.prompt), gen_tokens, text, r.finish_reason or "aborted", r.metrics)
+        return GenerationResult(
+            r.id, list(r.prompt), gen_tokens, text, r.finish_reason or "aborted", r.metrics
+        )
