@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m oasiskv.bench.kernels` (GPU kernels against measured ceilings)."""

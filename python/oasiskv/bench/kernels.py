@@ -1,0 +1,258 @@
+"""GPU kernel benchmark: every kernel against a ceiling measured in the same run.
+
+    python -m oasiskv.bench.kernels [--preset qwen3-8b] [--json out.json] [--refcheck] [--quick]
+
+Ceilings (measured here, not quoted): device-to-device copy bandwidth (bytes read + written),
+pinned host-to-device copy bandwidth (one large cudaMemcpyAsync), torch SDPA (flash) over a
+contiguous KV. Each kernel is timed with CUDA events after warm-up; the median of the repeats is
+reported, with the ratio to its ceiling and the target the GPU issue sets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+import torch
+
+PRESETS = {
+    "qwen3-8b": {"num_qo_heads": 32, "num_kv_heads": 8, "head_dim": 128, "block_size": 16},
+    "llama3.1-8b": {"num_qo_heads": 32, "num_kv_heads": 8, "head_dim": 128, "block_size": 16},
+}
+
+
+def time_cuda(fn, warmup: int = 5, repeat: int = 20) -> float:
+    """Median milliseconds of ``fn`` over ``repeat`` runs, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def i32(x, dev):
+    return torch.as_tensor(x, dtype=torch.int32).to(dev)
+
+
+def ceilings(dev) -> dict:
+    n = 1 << 30  # 1 GiB
+    src = torch.empty(n, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    ms = time_cuda(lambda: dst.copy_(src))
+    d2d = 2 * n / (ms * 1e-3)
+    host = torch.empty(n // 4, dtype=torch.uint8).pin_memory()
+    dh = torch.empty(n // 4, dtype=torch.uint8, device=dev)
+    ms = time_cuda(lambda: dh.copy_(host, non_blocking=True))
+    h2d = (n // 4) / (ms * 1e-3)
+    del src, dst, host, dh
+    return {"d2d_copy_Bps": d2d, "h2d_pinned_Bps": h2d}
+
+
+def bench_attention(ops, geo, dev, dtype, batch: int, pages_per_seq: int, sparse: bool, results: dict,
+                    refcheck: bool, label: str) -> dict:
+    hq, hk, d, b = geo.num_qo_heads, geo.num_kv_heads, geo.head_dim, geo.block_size
+    num_pages = batch * pages_per_seq
+    k_pages = torch.randn(num_pages, hk, b, d, device=dev, dtype=dtype)
+    v_pages = torch.randn_like(k_pages)
+    perm = torch.randperm(num_pages, device=dev).to(torch.int32)
+    indptr = i32(torch.arange(0, num_pages + 1, pages_per_seq), dev)
+    last = i32([b] * batch, dev)
+    rows = 2 if sparse else 1
+    q = torch.randn(batch, rows, hq, d, device=dev, dtype=dtype)
+    extra_k = torch.randn(batch, hk, d, device=dev, dtype=dtype) if sparse else None
+    extra_v = torch.randn_like(extra_k) if sparse else None
+    page_map = torch.zeros(num_pages, hk, dtype=torch.int32, device=dev)
+    out = torch.empty_like(q)
+
+    def run():
+        ops.decode_attention(geo, q, k_pages, v_pages, indptr, perm, last, page_map=page_map, extra_k=extra_k,
+                             extra_v=extra_v, out=out, max_pages_per_seq=pages_per_seq)
+
+    ms = time_cuda(run)
+    kv_bytes = 2 * num_pages * hk * b * d * dtype.itemsize
+    r = {"label": label, "ms": ms, "bytes_read": kv_bytes, "Bps": kv_bytes / (ms * 1e-3)}
+    if refcheck:
+        from oasiskv import _core  # noqa: F401  (CPU twin through ops on CPU tensors)
+
+        sel = slice(0, 2)
+        cpu_out = ops.decode_attention(
+            geo, q[sel].cpu(), k_pages.cpu(), v_pages.cpu(), indptr[:3].cpu(),
+            perm[: 2 * pages_per_seq].cpu(), last[sel].cpu(), page_map=page_map.cpu(),
+            extra_k=None if extra_k is None else extra_k[sel].cpu(),
+            extra_v=None if extra_v is None else extra_v[sel].cpu(),
+        )
+        r["refcheck_max_abs_err"] = float((out[sel].cpu().float() - cpu_out.float()).abs().max())
+    if not sparse:
+        # torch SDPA (flash) over the same amount of contiguous KV: [batch, heads, ctx, d]
+        ctx = pages_per_seq * b
+        kc = torch.randn(batch, hk, ctx, d, device=dev, dtype=dtype)
+        vc = torch.randn_like(kc)
+        qc = torch.randn(batch, hq, 1, d, device=dev, dtype=dtype)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def sdpa():
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                torch.nn.functional.scaled_dot_product_attention(qc, kc, vc, enable_gqa=True)
+
+        try:
+            sms = time_cuda(sdpa)
+            r["sdpa_ms"] = sms
+            r["sdpa_Bps"] = kv_bytes / (sms * 1e-3)
+        except RuntimeError as e:  # flash backend refused the shape
+            r["sdpa_error"] = str(e)[:200]
+        del kc, vc
+    del k_pages, v_pages
+    torch.cuda.empty_cache()
+    return r
+
+
+def bench_gather(ops, geo, dev, dtype, n_entries: int, h2d: float) -> dict:
+    hk, d, b = geo.num_kv_heads, geo.head_dim, geo.block_size
+    n_host = 8192
+    host_k = torch.randn(n_host, hk, b, d, dtype=dtype).pin_memory()
+    host_v = torch.randn(n_host, hk, b, d, dtype=dtype).pin_memory()
+    # One plan: n_entries block-head entries spread over seqs of budget 128, cap = 128.
+    per_seq = hk * 128
+    seqs = max(1, n_entries // per_seq)
+    budget = cap = 128
+    plan_slots = torch.arange(cap, dtype=torch.int32).repeat(seqs, hk, 1).to(dev)
+    plan_blocks = torch.randint(0, n_host // seqs, (seqs, hk, cap), dtype=torch.int32).to(dev)
+    slot_pages = torch.arange(seqs * budget, dtype=torch.int32).view(seqs, budget).to(dev)
+    per = n_host // seqs
+    host_indptr = i32(list(range(0, seqs * per + 1, per)), dev)
+    host_indices = torch.randperm(n_host, dtype=torch.int32)[: seqs * per].to(dev)
+    k_pages = torch.empty(seqs * budget, hk, b, d, device=dev, dtype=dtype)
+    v_pages = torch.empty_like(k_pages)
+
+    def run():
+        ops.gather_blocks(geo, plan_slots, plan_blocks, slot_pages, host_indptr, host_indices, host_k, host_v,
+                          k_pages, v_pages)
+
+    ms = time_cuda(run)
+    entries = seqs * hk * cap
+    moved = entries * 2 * b * d * dtype.itemsize
+    return {"label": f"gather {entries} entries of {2 * b * d * dtype.itemsize // 1024} KiB (K+V)", "ms": ms,
+            "bytes": moved, "Bps": moved / (ms * 1e-3), "ratio_to_h2d": moved / (ms * 1e-3) / h2d}
+
+
+def bench_score(ops, geo, dev, dtype, batch: int, ctx: int, k: int) -> dict:
+    hq, hk, d, b = geo.num_qo_heads, geo.num_kv_heads, geo.head_dim, geo.block_size
+    nb = ctx // b
+    n_host = batch * nb
+    summaries = torch.randn(n_host, hk, 2, d, device=dev, dtype=dtype)
+    q = torch.randn(batch, hq, d, device=dev, dtype=dtype)
+    blk_indptr = i32(list(range(0, n_host + 1, nb)), dev)
+    blk_indices = torch.randperm(n_host, device=dev).to(torch.int32)
+    scores = torch.empty(n_host, hk, device=dev, dtype=torch.float32)
+    top = torch.empty(batch, hk, k, device=dev, dtype=torch.int32)
+
+    def score():
+        ops.score_blocks(geo, q, summaries, blk_indptr, blk_indices, scores)
+
+    def both():
+        score()
+        ops.topk_blocks(hk, scores, blk_indptr, k, top)
+
+    ms_s = time_cuda(score)
+    ms = time_cuda(both)
+    sb = n_host * hk * 2 * d * dtype.itemsize
+    return {"label": f"score+top-{k}, {ctx} ctx, batch {batch}", "ms": ms, "score_only_ms": ms_s,
+            "summary_bytes": sb, "Bps": sb / (ms * 1e-3), "score_only_Bps": sb / (ms_s * 1e-3)}
+
+
+def bench_select(ops, geo, dev, batch: int, budget: int, cap: int) -> dict:
+    hk = geo.num_kv_heads
+    num_pages = batch * budget
+    slot_pages = torch.arange(num_pages, dtype=torch.int32, device=dev).view(batch, budget)
+    page_map = torch.randint(0, 4 * budget, (num_pages, hk), dtype=torch.int32, device=dev)
+    last = torch.randint(0, 100, (num_pages, hk), dtype=torch.int32, device=dev)
+    pred = torch.stack([torch.randperm(4 * budget, device=dev)[:budget] for _ in range(batch * hk)])
+    pred = pred.view(batch, hk, budget).to(torch.int32)
+    ps = torch.empty(batch, hk, cap, dtype=torch.int32, device=dev)
+    pb = torch.empty_like(ps)
+    step = [1000]
+
+    def run():
+        step[0] += 1
+        ops.delta_select(hk, pred, slot_pages, page_map, last, step[0], cap, ps, pb)
+
+    ms = time_cuda(run)
+    return {"label": f"delta select {batch} x {hk} heads x {budget} slots, cap {cap}", "ms": ms, "us": ms * 1e3}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="qwen3-8b", choices=sorted(PRESETS))
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--refcheck", action="store_true", help="check GPU outputs against the CPU twin once")
+    ap.add_argument("--quick", action="store_true", help="smaller batches (smoke test)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("oasiskv.bench.kernels needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from oasiskv import ops
+
+    dev = torch.device("cuda")
+    dtype = getattr(torch, args.dtype)
+    p = PRESETS[args.preset]
+    geo = ops.KvGeometry(p["num_qo_heads"], p["num_kv_heads"], p["head_dim"], p["block_size"])
+    ceil = ceilings(dev)
+    d2d, h2d = ceil["d2d_copy_Bps"], ceil["h2d_pinned_Bps"]
+    res: dict = {"device": torch.cuda.get_device_name(), "preset": args.preset, "dtype": args.dtype,
+                 "ceilings": ceil, "kernels": []}
+    batches = (8, 16) if args.quick else (64, 256)
+    for bs in batches:
+        r = bench_attention(ops, geo, dev, dtype, bs, 129, True, res, args.refcheck,
+                            f"sparse attn, 129 blocks/head, batch {bs}")
+        r["ratio_to_d2d"], r["target"] = r["Bps"] / d2d, ">= 0.8 x d2d"
+        res["kernels"].append(r)
+    for ctx in (16384, 32768):
+        bs = 4 if args.quick else 16
+        r = bench_attention(ops, geo, dev, dtype, bs, ctx // geo.block_size, False, res, args.refcheck,
+                            f"dense attn, {ctx} ctx, batch {bs}")
+        r["ratio_to_d2d"] = r["Bps"] / d2d
+        if "sdpa_ms" in r:
+            r["ratio_to_sdpa"] = r["sdpa_ms"] / r["ms"]
+        r["target"] = ">= 0.8 x d2d and >= 0.95 x SDPA"
+        res["kernels"].append(r)
+    g = bench_gather(ops, geo, dev, dtype, 8 * 128 * (16 if args.quick else 64), h2d)
+    g["target"] = ">= 0.9 x pinned H2D memcpy"
+    res["kernels"].append(g)
+    s = bench_score(ops, geo, dev, dtype, 16 if args.quick else 64, 32768, 128)
+    s["ratio_to_d2d"], s["target"] = s["Bps"] / d2d, ">= 0.7 x d2d"
+    res["kernels"].append(s)
+    sel = bench_select(ops, geo, dev, 64 if args.quick else 256, 128, 7)
+    sel["target"] = "<= 20 us per layer"
+    res["kernels"].append(sel)
+
+    print(f"{res['device']}  preset {args.preset}  {args.dtype}")
+    print(f"ceilings: d2d copy {d2d / 1e12:.2f} TB/s (read+write), pinned H2D {h2d / 1e9:.1f} GB/s")
+    for r in res["kernels"]:
+        parts = [f"{r['label']:<48} {r['ms'] * 1e3:9.1f} us"]
+        if "Bps" in r:
+            parts.append(f"{r['Bps'] / 1e9:8.1f} GB/s")
+        for key in ("ratio_to_d2d", "ratio_to_sdpa", "ratio_to_h2d"):
+            if key in r:
+                parts.append(f"{key[9:]} {r[key]:.2f}")
+        if "refcheck_max_abs_err" in r:
+            parts.append(f"err {r['refcheck_max_abs_err']:.1e}")
+        parts.append(f"[target {r['target']}]")
+        print("  ".join(parts))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
