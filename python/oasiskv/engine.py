@@ -89,8 +89,6 @@ class _Request:
     pred: list[torch.Tensor | None] = field(default_factory=list)  # per layer [Hkv, K] last prediction
     finish_reason: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
-    recall_sum: float = 0.0
-    recall_n: int = 0
 
     @property
     def kv_len(self) -> int:
@@ -158,12 +156,23 @@ class KvPools:
             torch.zeros(num_pages, hk, b, d, dtype=dtype, device=device) for _ in range(num_layers)
         ]
         # Head-wise mapping per layer: [num_pages, num_kv_heads], logical block held, -1 empty.
-        self.page_map = torch.full((num_layers, num_pages, hk), -1, dtype=torch.int32)
-        self.page_last_selected = torch.full((num_layers, num_pages, hk), -1, dtype=torch.int32)
+        self.page_map = torch.full((num_layers, num_pages, hk), -1, dtype=torch.int32, device=device)
+        self.page_last_selected = torch.full(
+            (num_layers, num_pages, hk), -1, dtype=torch.int32, device=device
+        )
         # Host pool (pinned when a GPU is used) and summaries: [num_host_blocks, ...] per layer.
-        self.host_k = [torch.zeros(num_host_blocks, hk, b, d, dtype=dtype) for _ in range(num_layers)]
-        self.host_v = [torch.zeros(num_host_blocks, hk, b, d, dtype=dtype) for _ in range(num_layers)]
-        self.summaries = [torch.zeros(num_host_blocks, hk, 2, d, dtype=dtype) for _ in range(num_layers)]
+        # With a GPU the host pool is pinned: the gather and write-through kernels read and write it
+        # directly through unified virtual addressing.
+        pin = device.type == "cuda"
+        self.host_k = [
+            torch.zeros(num_host_blocks, hk, b, d, dtype=dtype, pin_memory=pin) for _ in range(num_layers)
+        ]
+        self.host_v = [
+            torch.zeros(num_host_blocks, hk, b, d, dtype=dtype, pin_memory=pin) for _ in range(num_layers)
+        ]
+        self.summaries = [
+            torch.zeros(num_host_blocks, hk, 2, d, dtype=dtype, device=device) for _ in range(num_layers)
+        ]
         self.gpu = ops.BlockPool("gpu", num_pages)
         self.host = ops.BlockPool("host", num_host_blocks)
 
@@ -179,17 +188,31 @@ class KvPools:
         return 2 * g.num_kv_heads * g.head_dim * self.dtype.itemsize
 
 
-def _i32(x) -> torch.Tensor:
-    return torch.tensor(x, dtype=torch.int32)
+def _i32(x, device=None) -> torch.Tensor:
+    t = torch.tensor(x, dtype=torch.int32)
+    return t if device is None or device.type == "cpu" else t.to(device, non_blocking=True)
 
 
-def _csr(lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+def _csr(lists: list[list[int]], device=None) -> tuple[torch.Tensor, torch.Tensor]:
     indptr = [0]
     flat: list[int] = []
     for xs in lists:
         flat.extend(xs)
         indptr.append(len(flat))
-    return _i32(indptr), _i32(flat)
+    return _i32(indptr, device), _i32(flat, device)
+
+
+def _recall(actual: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence: the sum over KV heads of |prev ∩ actual| / |actual|, and the heads counted.
+
+    actual, prev: [num_seqs, num_kv_heads, k] logical blocks, -1 padded.
+    """
+    valid = actual >= 0
+    hit = ((actual.unsqueeze(-1) == prev.unsqueeze(-2)) & (prev >= 0).unsqueeze(-2)).any(-1) & valid
+    denom = valid.sum(-1)
+    counted = denom > 0
+    ratio = hit.sum(-1).float() / denom.clamp(min=1).float()
+    return (ratio * counted).sum(-1), counted.sum(-1).float()
 
 
 class Engine:
@@ -225,10 +248,23 @@ class Engine:
         # row in it: the initial selection of a request that turns sparse uses them.
         self._last_q: list[torch.Tensor | None] = [None] * c.num_hidden_layers
         self._last_row: dict[int, int] = {}
+        # The background chain (score -> select -> gather) runs on its own stream on a GPU; the
+        # attention of layer l waits only for layer l's transfer event of the previous step.
+        self.cuda = self.device.type == "cuda"
+        self._side = torch.cuda.Stream(self.device) if self.cuda else None
+        self._gather_done: list = [None] * c.num_hidden_layers
+        # Per-request accumulators kept on the device (no host sync per step), indexed by request id.
+        self._acc_fetched = torch.zeros(0)
+        self._acc_recall = torch.zeros(0)
+        self._acc_recall_n = torch.zeros(0)
 
     # ---------------------------------------------------------------- pools
-    def ensure_pools(self, requests: list[_Request]) -> None:
-        """Size the pools for this batch unless the config fixes them."""
+    def ensure_pools(self, requests: list[_Request], num_requests: int | None = None) -> None:
+        """Size the pools for this batch unless the config fixes them; reset the accumulators."""
+        n_req = num_requests or len(requests)
+        self._acc_fetched = torch.zeros(n_req, dtype=torch.long, device=self.device)
+        self._acc_recall = torch.zeros(n_req, dtype=torch.float32, device=self.device)
+        self._acc_recall_n = torch.zeros(n_req, dtype=torch.float32, device=self.device)
         b = self.kv.block_size
         need = sum(math.ceil((len(r.prompt) + r.max_new_tokens + 1) / b) + 1 for r in requests)
         need = max(need, len(requests) * (self.kv.top_k_blocks + 2))
@@ -254,10 +290,16 @@ class Engine:
                 "top_k_blocks, or submit fewer requests at once"
             ) from None
 
+    def _join_background(self) -> None:
+        """Make the compute stream wait for all background work (before pages change owners)."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self._side)
+
     def release(self, r: _Request) -> None:
         p = self.pools
         if p is None:
             return
+        self._join_background()
         pages = r.pages + r.slot_pages + ([r.local_page] if r.local_page >= 0 else [])
         if pages:
             p.gpu.free(sorted(set(pages)))
@@ -270,11 +312,11 @@ class Engine:
     def _set_map(self, pages: list[int], value) -> None:
         """Set the head-wise mapping of whole pages in every layer (value: int or per-page list)."""
         p = self.pools
-        idx = torch.tensor(pages, dtype=torch.long)
+        idx = torch.tensor(pages, dtype=torch.long).to(self.device, non_blocking=True)
         if isinstance(value, int):
             p.page_map[:, idx, :] = value
         else:
-            p.page_map[:, idx, :] = _i32(value).view(1, -1, 1)
+            p.page_map[:, idx, :] = _i32(value, self.device).view(1, -1, 1)
         p.page_last_selected[:, idx, :] = -1
 
     # ---------------------------------------------------------------- prefill
@@ -288,6 +330,7 @@ class Engine:
         from .models.transformer import causal_attention
 
         p = self.pools
+        self._join_background()
         b = self.kv.block_size
         n = len(r.prompt)
         n_blocks = math.ceil(n / b)
@@ -348,12 +391,14 @@ class Engine:
         last prompt token's query right after prefill), filled without the fetch cap.
         """
         p, g, kv = self.pools, self.geo, self.kv
+        self._join_background()
+        dev = self.device
         b, k_budget = kv.block_size, kv.top_k_blocks
         length = r.kv_len
         n_blocks = math.ceil(length / b)
         r.host_blocks = self._alloc(p.host, n_blocks, f"{n_blocks} host blocks")
-        src, dst = _i32(r.pages[:n_blocks]), _i32(r.host_blocks)
-        lens = _i32([b] * (n_blocks - 1) + [length - (n_blocks - 1) * b])
+        src, dst = _i32(r.pages[:n_blocks], dev), _i32(r.host_blocks, dev)
+        lens = _i32([b] * (n_blocks - 1) + [length - (n_blocks - 1) * b], dev)
         for layer in range(self.cfg.num_hidden_layers):
             ops.copy_pages(g, p.k_pages[layer], p.v_pages[layer], src, p.host_k[layer], p.host_v[layer], dst)
             ops.build_summaries(g, p.host_k[layer], dst, lens, p.summaries[layer])
@@ -375,9 +420,9 @@ class Engine:
         r.sparse = True
         r.metrics.sparse_since_token = length
         n_complete = length // b
-        slot_pages = _i32([r.slot_pages])
-        blk_indptr, blk_indices = _csr([r.host_blocks[:n_complete]])
-        host_indptr, host_indices = _csr([r.host_blocks])
+        slot_pages = _i32([r.slot_pages], dev)
+        blk_indptr, blk_indices = _csr([r.host_blocks[:n_complete]], dev)
+        host_indptr, host_indices = _csr([r.host_blocks], dev)
         for layer in range(self.cfg.num_hidden_layers):
             row = self._last_row[r.id]
             q = self._last_q[layer][row : row + 1].reshape(1, g.num_qo_heads, g.head_dim).contiguous()
@@ -444,27 +489,47 @@ class Engine:
                 kv_lists.append(list(r.pages))
             offsets.append(off)
             last_len.append(off + 1)
-        page_ids_t, offsets_t, host_ids_t = _i32(page_ids), _i32(offsets), _i32(host_ids)
-        kv_indptr, kv_indices = _csr(kv_lists)
-        last_len_t = _i32(last_len)
+        dev = self.device
+        page_ids_t, offsets_t, host_ids_t = _i32(page_ids, dev), _i32(offsets, dev), _i32(host_ids, dev)
+        kv_indptr, kv_indices = _csr(kv_lists, dev)
+        last_len_t = _i32(last_len, dev)
+        max_pages = max(len(x) for x in kv_lists)
 
         sp = [i for i, r in enumerate(reqs) if r.sparse]
         if sp:
-            sp_idx = torch.tensor(sp, dtype=torch.long)
+            sp_idx = torch.tensor(sp, dtype=torch.long).to(dev, non_blocking=True)
             sp_reqs = [reqs[i] for i in sp]
-            slot_pages = _i32([r.slot_pages for r in sp_reqs])
+            sp_ids = torch.tensor([r.id for r in sp_reqs], dtype=torch.long).to(dev, non_blocking=True)
+            slot_pages = _i32([r.slot_pages for r in sp_reqs], dev)
             # Candidates: blocks complete once x_t is appended.
-            blk_indptr, blk_indices = _csr([r.host_blocks[: (r.kv_len + 1) // b] for r in sp_reqs])
-            host_indptr, host_indices = _csr([r.host_blocks for r in sp_reqs])
+            blk_indptr, blk_indices = _csr([r.host_blocks[: (r.kv_len + 1) // b] for r in sp_reqs], dev)
+            host_indptr, host_indices = _csr([r.host_blocks for r in sp_reqs], dev)
             # Recall is judged over the blocks that were candidates when last step predicted: the
             # blocks before x_t's own (the local block, always resident).
-            rec_csr = _csr([r.host_blocks[: r.kv_len // b] for r in sp_reqs]) if kv.measure_recall else None
-            fetched = torch.zeros(len(sp), dtype=torch.long)
+            rec_csr = (
+                _csr([r.host_blocks[: r.kv_len // b] for r in sp_reqs], dev) if kv.measure_recall else None
+            )
+            if self.cuda:
+                # These are read on the background stream: keep their memory until it is done.
+                for t in (
+                    sp_idx,
+                    sp_ids,
+                    slot_pages,
+                    blk_indptr,
+                    blk_indices,
+                    host_indptr,
+                    host_indices,
+                    *(rec_csr or ()),
+                ):
+                    t.record_stream(self._side)
         step = self.step_no
         scale = d**-0.5
 
         def attn(layer, q, k, v):
             out_dtype = q.dtype
+            if self.cuda and self._gather_done[layer] is not None:
+                # The one place the compute stream waits: layer l's transfer of the previous step.
+                torch.cuda.current_stream(dev).wait_event(self._gather_done[layer])
             q4 = q.view(n, rows, hq, d).to(self.dtype).contiguous()
             k4 = k.view(n, rows, hk, d).to(self.dtype)
             v4 = v.view(n, rows, hk, d).to(self.dtype)
@@ -495,13 +560,15 @@ class Engine:
                 extra_k=extra_k,
                 extra_v=extra_v,
                 sm_scale=scale,
+                max_pages_per_seq=max_pages,
             )
             self._last_q[layer] = q4[:, rows - 1]
             if sp:
-                self._select(
+                args = (
                     layer,
                     q4,
                     sp_idx,
+                    sp_ids,
                     sp_reqs,
                     slot_pages,
                     blk_indptr,
@@ -512,14 +579,25 @@ class Engine:
                     cap,
                     k_budget,
                     rec_csr,
-                    fetched,
                 )
+                if self.cuda:
+                    attn_done = torch.cuda.Event()
+                    attn_done.record()
+                    with torch.cuda.stream(self._side):
+                        self._side.wait_event(attn_done)  # selection reads q, gather overwrites slots
+                        q4.record_stream(self._side)
+                        self._select(*args)
+                        done = torch.cuda.Event()
+                        done.record(self._side)
+                    self._gather_done[layer] = done
+                else:
+                    self._select(*args)
             return o.view(n * rows, hq, d).to(out_dtype)
 
         self._last_row = {r.id: i for i, r in enumerate(reqs)}
-        ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
-        pos_t = torch.tensor(pos, dtype=torch.long, device=self.device)
-        row0 = torch.arange(0, n * rows, rows, device=self.device)
+        ids_t = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
+        pos_t = torch.tensor(pos, dtype=torch.long).to(dev, non_blocking=True)
+        row0 = torch.arange(0, n * rows, rows, device=dev)
         logits, captured = self.model.forward(
             ids_t, pos_t, attn, logits_rows=row0, capture_layers=self.capture
         )
@@ -527,13 +605,10 @@ class Engine:
             feats = torch.cat([captured[i][row0] for i in self.capture], dim=-1)
             for i, r in enumerate(reqs):
                 r.features = feats[i]
-        entry_bytes = 2 * b * d * self.dtype.itemsize  # one block-head entry, K and V
         for r in reqs:
             r.metrics.steps += 1
-        if sp:
-            for j, r in enumerate(sp_reqs):
+            if r.sparse:
                 r.metrics.sparse_steps += 1
-                r.metrics.fetched_bytes_total += int(fetched[j]) * entry_bytes
         self.step_no += 1
         return logits
 
@@ -542,6 +617,7 @@ class Engine:
         layer,
         q4,
         sp_idx,
+        sp_ids,
         sp_reqs,
         slot_pages,
         blk_indptr,
@@ -552,34 +628,23 @@ class Engine:
         cap,
         k_budget,
         rec_csr,
-        fetched,
     ) -> None:
-        """The background chain of one layer: score -> top-K -> delta selection -> gather."""
+        """The background chain of one layer: score -> top-K -> delta selection -> gather.
+
+        On a GPU this runs on the background stream; it never synchronises with the host.
+        """
         p, g = self.pools, self.geo
         summaries = p.summaries[layer]
         if rec_csr is not None:
             # Recall of last step's prediction against the exact top-K of this step's true query.
+            prev = torch.stack([r.pred[layer] for r in sp_reqs])
             q_now = q4[sp_idx, 0].contiguous()
             rec_indptr, rec_indices = rec_csr
-            actual = ops.topk_blocks(
-                g.num_kv_heads,
-                ops.score_blocks(g, q_now, summaries, rec_indptr, rec_indices),
-                rec_indptr,
-                k_budget,
-            )
-            for j, r in enumerate(sp_reqs):
-                prev = r.pred[layer]
-                if prev is None:
-                    continue
-                for h in range(g.num_kv_heads):
-                    a = actual[j, h]
-                    a = a[a >= 0]
-                    if a.numel() == 0:
-                        continue
-                    pr = prev[h]
-                    hit = torch.isin(a, pr[pr >= 0]).sum().item()
-                    r.recall_sum += hit / a.numel()
-                    r.recall_n += 1
+            scores_now = ops.score_blocks(g, q_now, summaries, rec_indptr, rec_indices)
+            actual = ops.topk_blocks(g.num_kv_heads, scores_now, rec_indptr, k_budget)
+            hits, counted = _recall(actual, prev)
+            self._acc_recall.index_add_(0, sp_ids, hits)
+            self._acc_recall_n.index_add_(0, sp_ids, counted)
         q_look = q4[sp_idx, -1].contiguous()
         scores = ops.score_blocks(g, q_look, summaries, blk_indptr, blk_indices)
         pred = ops.topk_blocks(g.num_kv_heads, scores, blk_indptr, k_budget)
@@ -598,7 +663,7 @@ class Engine:
             p.k_pages[layer],
             p.v_pages[layer],
         )
-        fetched += (ps >= 0).sum(dim=(1, 2))
+        self._acc_fetched.index_add_(0, sp_ids, (ps >= 0).sum(dim=(1, 2)))
         for j, r in enumerate(sp_reqs):
             r.pred[layer] = pred[j]
 
@@ -615,5 +680,9 @@ class Engine:
             m.resident_kv_bytes = (len(r.slot_pages) + 1) * p.page_bytes * layers + m.summary_bytes
         else:
             m.resident_kv_bytes = n_blocks * p.page_bytes * layers
+        self._join_background()
+        entry_bytes = 2 * self.kv.block_size * self.geo.head_dim * self.dtype.itemsize  # K+V, one head
+        m.fetched_bytes_total = int(self._acc_fetched[r.id]) * entry_bytes
         m.fetched_bytes_per_step = m.fetched_bytes_total / m.sparse_steps if m.sparse_steps else 0.0
-        m.lookahead_recall = r.recall_sum / r.recall_n if r.recall_n else None
+        n_rec = float(self._acc_recall_n[r.id])
+        m.lookahead_recall = float(self._acc_recall[r.id]) / n_rec if n_rec else None

@@ -135,7 +135,7 @@ class LLM:
         reqs = [
             _Request(id=i, prompt=ids, max_new_tokens=max_new_tokens) for i, ids in enumerate(token_lists)
         ]
-        eng.ensure_pools(reqs[: self.max_batch_size] if len(reqs) > self.max_batch_size else reqs)
+        eng.ensure_pools(reqs[: self.max_batch_size], num_requests=len(reqs))
         gen = torch.Generator().manual_seed(seed)
         waiting = list(reqs)
         running: list[_Request] = []

@@ -36,8 +36,11 @@ def append_kv(geo, k_new, v_new, page_ids, page_offsets, host_block_ids, k_pages
 
 def decode_attention(geo, q, k_pages, v_pages, kv_indptr, kv_indices, kv_last_page_len, *, page_map=None,
                      extra_k=None, extra_v=None, sm_scale: float | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of stacked query rows ``q [num_seqs, num_rows, num_qo_heads, head_dim]``."""
+                     out: torch.Tensor | None = None, max_pages_per_seq: int = 0) -> torch.Tensor:
+    """Attention of stacked query rows ``q [num_seqs, num_rows, num_qo_heads, head_dim]``.
+
+    ``max_pages_per_seq`` (a bound on any sequence's page count) lets the GPU path plan its split
+    of long contexts without reading the tables back; the CPU ignores it."""
     _check_device(q, k_pages, out)
     if out is None:
         out = torch.empty_like(q)

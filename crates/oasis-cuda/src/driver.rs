@@ -78,9 +78,9 @@ pub struct Gpu {
 static GPUS: Mutex<Vec<Arc<Gpu>>> = Mutex::new(Vec::new());
 
 impl Gpu {
-    /// Attach to the context current on this thread; when none is current, to the primary
-    /// context of `device` (retained, never created anew nor made current). When a context is
-    /// current and `device` is given, they must agree.
+    /// Attach to the context current on this thread when it belongs to `device` (or `device`
+    /// is `None`); otherwise to the primary context of `device` (retained, never made current;
+    /// launches push it for their duration).
     ///
     /// # Errors
     /// [`CudaError::DriverMissing`], [`CudaError::NoContext`] (none current and no device),
@@ -91,15 +91,20 @@ impl Gpu {
             let mut cur: sys::CUcontext = std::ptr::null_mut();
             // SAFETY: `cur` is valid for writes.
             check(unsafe { sys::cuCtxGetCurrent(&mut cur) }, "cuCtxGetCurrent")?;
-            let (ctx, dev, retained) = if !cur.is_null() {
+            let mut cur_dev: Option<sys::CUdevice> = None;
+            if !cur.is_null() {
                 let mut dev: sys::CUdevice = 0;
                 // SAFETY: a context is current; `dev` is valid for writes.
                 check(unsafe { sys::cuCtxGetDevice(&mut dev) }, "cuCtxGetDevice")?;
-                if let Some(want) = device.filter(|&d| d != dev) {
-                    return Err(CudaError::Driver(format!(
-                        "the current context belongs to device {dev}, not to the requested device {want}"
-                    )));
-                }
+                cur_dev = Some(dev);
+            }
+            // The current context serves when it belongs to the requested device (or none was
+            // named). Otherwise (none current, or tensors on another device than the current
+            // one, as with torch's current device 0 and tensors on cuda:1) the requested
+            // device's primary context does: it is the one PyTorch allocated them in.
+            let (ctx, dev, retained) = if let Some(dev) =
+                cur_dev.filter(|&d| device.is_none() || device == Some(d))
+            {
                 (cur, dev, false)
             } else {
                 let want = device.ok_or(CudaError::NoContext)?;

@@ -1,10 +1,123 @@
 //! Tensors as they cross the FFI boundary: a pointer, a shape, a dtype and a device, read from
 //! any object with torch's tensor attributes. Nothing here copies data.
+//!
+//! Every call runs in one [`Place`]: on the CPU twins when its device-side tensors are all on the
+//! CPU, or on CUDA device `n` when they are all on `cuda:n`. [`Cx`] carries that decision through
+//! the shape checks, so that one set of checks serves both paths: [`TensorArg::dim`] and
+//! [`TensorArg::expect_shape`] also check that the tensor lives where the call runs (or, for the
+//! host pool of a CUDA call, in pinned CPU memory) and is contiguous.
+
+use std::cell::Cell;
+use std::fmt;
 
 use oasis_core::DType;
+use oasis_cuda::DevSlice;
 use pyo3::prelude::*;
 
 use crate::errors::py_err;
+
+/// Where a call runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Place {
+    /// The CPU twins of `oasis_core::kernels`.
+    Cpu,
+    /// The CUDA kernels of `oasis_cuda`, on this device ordinal.
+    Cuda(i32),
+}
+
+impl Place {
+    /// Parse torch's device string (`cpu`, `cuda:1`); `None` for any other device.
+    fn parse(device: &str) -> Option<Place> {
+        if device == "cpu" {
+            return Some(Place::Cpu);
+        }
+        let n: i32 = device.strip_prefix("cuda:")?.parse().ok()?;
+        (n >= 0).then_some(Place::Cuda(n))
+    }
+}
+
+impl fmt::Display for Place {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Place::Cpu => f.write_str("cpu"),
+            Place::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+/// The context of one call: the GIL token, where the call runs, and whether the tensor being
+/// checked belongs to the host pool (which a CUDA call may read from pinned CPU memory).
+#[derive(Clone, Copy)]
+pub struct Cx<'py> {
+    pub py: Python<'py>,
+    pub place: Place,
+    host_pool: bool,
+}
+
+impl<'py> Cx<'py> {
+    /// Decide where a call runs from its tensors. `device_side` tensors must all be on the CPU or
+    /// all on one `cuda:n`; `host_side` tensors (the host pool) must be where they are, or, for a
+    /// CUDA call, on the CPU (pinned: checked by [`TensorArg::dim`] / [`TensorArg::expect_shape`]
+    /// under [`Cx::host`]).
+    ///
+    /// # Errors
+    /// `DeviceError` naming every tensor and its device when they disagree, or when a device is
+    /// neither `cpu` nor `cuda:n`.
+    pub fn new(py: Python<'py>, device_side: &[(&str, &TensorArg)], host_side: &[(&str, &TensorArg)]) -> PyResult<Self> {
+        let (first_name, first) = device_side[0];
+        let place = Place::parse(&first.device);
+        let device_ok = place.is_some() && device_side.iter().all(|(_, t)| Place::parse(&t.device) == place);
+        let host_ok = |t: &TensorArg| {
+            let p = Place::parse(&t.device);
+            p == place || (matches!(place, Some(Place::Cuda(_))) && p == Some(Place::Cpu))
+        };
+        if device_ok && host_side.iter().all(|(_, t)| host_ok(t)) {
+            let place = place.unwrap_or(Place::Cpu);
+            return Ok(Self { py, place, host_pool: false });
+        }
+        // Group the tensors by device, in argument order, for a message that names them all.
+        let mut groups: Vec<(&str, Vec<&str>)> = Vec::new();
+        for (name, t) in device_side.iter().chain(host_side) {
+            match groups.iter_mut().find(|(d, _)| *d == t.device) {
+                Some((_, names)) => names.push(name),
+                None => groups.push((&t.device, vec![name])),
+            }
+        }
+        let listing = groups.iter().map(|(d, names)| format!("{} on {d}", names.join(", "))).collect::<Vec<_>>().join("; ");
+        let msg = if let Some((name, t)) = device_side.iter().chain(host_side).find(|(_, t)| Place::parse(&t.device).is_none()) {
+            format!(
+                "{name} is on {}; the kernels run on CPU tensors or on CUDA tensors (move them with .cpu() or .to(\"cuda\")). \
+                 tensors: {listing}",
+                t.device
+            )
+        } else if device_ok {
+            let names = host_side.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ");
+            format!(
+                "the call runs on {} ({first_name}'s device) but the host pool is elsewhere: {listing}; pass {names} on {} \
+                 or, for a CUDA call, as pinned CPU memory (torch.empty(..., pin_memory=True))",
+                first.device, first.device
+            )
+        } else {
+            let host = if host_side.is_empty() {
+                String::new()
+            } else {
+                let names = host_side.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ");
+                format!(" ({names} may also be pinned CPU memory when the rest is on a CUDA device)")
+            };
+            format!(
+                "the tensors of one call must be on one device, but {listing}; move them to one device, e.g. \
+                 .to({first_name}.device){host}"
+            )
+        };
+        Err(py_err(py, "DeviceError", msg))
+    }
+
+    /// The same call, for checking a host-pool tensor (a CUDA call may read it from pinned CPU
+    /// memory through unified addressing).
+    pub fn host(self) -> Self {
+        Self { host_pool: true, ..self }
+    }
+}
 
 pub struct TensorArg {
     pub ptr: usize,
@@ -14,6 +127,10 @@ pub struct TensorArg {
     pub device: String,
     pub contiguous: bool,
     pub elem_size: usize,
+    /// The tensor itself, to ask `is_pinned()` only when it matters (a CPU host pool of a CUDA
+    /// call), and remembered once asked.
+    obj: Py<PyAny>,
+    pinned: Cell<Option<bool>>,
 }
 
 impl<'a, 'py> FromPyObject<'a, 'py> for TensorArg {
@@ -31,7 +148,16 @@ impl<'a, 'py> FromPyObject<'a, 'py> for TensorArg {
         let device: String = ob.getattr("device").and_then(|d| d.str()).map(|s| s.to_string()).map_err(|_| not_tensor())?;
         let contiguous: bool = ob.call_method0("is_contiguous").and_then(|c| c.extract()).map_err(|_| not_tensor())?;
         let elem_size: usize = ob.call_method0("element_size").and_then(|c| c.extract()).map_err(|_| not_tensor())?;
-        Ok(Self { ptr, shape, dtype: dtype.trim_start_matches("torch.").to_string(), device, contiguous, elem_size })
+        Ok(Self {
+            ptr,
+            shape,
+            dtype: dtype.trim_start_matches("torch.").to_string(),
+            device,
+            contiguous,
+            elem_size,
+            obj: ob.to_owned().unbind(),
+            pinned: Cell::new(None),
+        })
     }
 }
 
@@ -40,13 +166,61 @@ impl TensorArg {
         self.shape.iter().product()
     }
 
-    fn check_cpu(&self, py: Python<'_>, name: &str) -> PyResult<()> {
-        if self.device != "cpu" {
-            return Err(py_err(
-                py,
-                "DeviceError",
-                format!("{name} is on {}; the CPU kernels need CPU tensors (move it with .cpu(), or use the GPU backend)", self.device),
-            ));
+    /// Whether this CPU tensor lives in page-locked memory (torch's `is_pinned()`).
+    fn is_pinned(&self, py: Python<'_>) -> bool {
+        if let Some(p) = self.pinned.get() {
+            return p;
+        }
+        let p = self.obj.bind(py).call_method0("is_pinned").and_then(|r| r.extract()).unwrap_or(false);
+        self.pinned.set(Some(p));
+        p
+    }
+
+    /// A CPU tensor that a CUDA call reads or writes through unified addressing (a non-empty host
+    /// pool in pinned memory).
+    pub fn is_host_mapped(&self) -> bool {
+        self.device == "cpu" && self.numel() > 0
+    }
+
+    /// The tensor lives where the call runs (see [`Cx`]) and is contiguous.
+    fn check_place(&self, cx: &Cx<'_>, name: &str) -> PyResult<()> {
+        let py = cx.py;
+        let here = Place::parse(&self.device);
+        match (cx.place, here) {
+            (p, Some(h)) if p == h => {}
+            (Place::Cuda(_), Some(Place::Cpu)) if cx.host_pool => {
+                // An empty host pool (every sequence dense) is never touched: any memory will do.
+                if self.numel() > 0 && !self.is_pinned(py) {
+                    return Err(py_err(
+                        py,
+                        "DeviceError",
+                        format!(
+                            "{name} is in pageable CPU memory; the CUDA kernels read the host pool through unified \
+                             addressing, so allocate it with pin_memory=True (torch.empty(..., pin_memory=True)) or \
+                             pass {name}.pin_memory()"
+                        ),
+                    ));
+                }
+            }
+            (Place::Cpu, _) => {
+                return Err(py_err(
+                    py,
+                    "DeviceError",
+                    format!(
+                        "{name} is on {}; the CPU kernels need CPU tensors (move it with .cpu(), or pass every tensor \
+                         on one CUDA device for the GPU kernels)",
+                        self.device
+                    ),
+                ));
+            }
+            (Place::Cuda(n), _) => {
+                let also = if cx.host_pool { " (or, as the host pool, in pinned CPU memory)" } else { "" };
+                return Err(py_err(
+                    py,
+                    "DeviceError",
+                    format!("{name} is on {} but the call runs on cuda:{n}; pass it on cuda:{n}{also}", self.device),
+                ));
+            }
         }
         if !self.contiguous {
             return Err(py_err(py, "ShapeError", format!("{name} is not contiguous; pass {name}.contiguous()")));
@@ -54,19 +228,21 @@ impl TensorArg {
         Ok(())
     }
 
-    /// Size of dimension `axis`, checking the rank is `ndim`, the tensor is contiguous and on the CPU.
-    pub fn dim(&self, py: Python<'_>, name: &str, ndim: usize, axis: usize) -> PyResult<usize> {
-        self.check_cpu(py, name)?;
+    /// Size of dimension `axis`, checking the rank is `ndim`, the tensor is contiguous and lives
+    /// where the call runs.
+    pub fn dim(&self, cx: &Cx<'_>, name: &str, ndim: usize, axis: usize) -> PyResult<usize> {
+        self.check_place(cx, name)?;
         if self.shape.len() != ndim {
-            return Err(py_err(py, "ShapeError", format!("{name} must have {ndim} dimensions, got shape {:?}", self.shape)));
+            return Err(py_err(cx.py, "ShapeError", format!("{name} must have {ndim} dimensions, got shape {:?}", self.shape)));
         }
         Ok(self.shape[axis])
     }
 
-    pub fn expect_shape(&self, py: Python<'_>, name: &str, shape: &[usize]) -> PyResult<()> {
-        self.check_cpu(py, name)?;
+    /// Check the exact shape, and that the tensor is contiguous and lives where the call runs.
+    pub fn expect_shape(&self, cx: &Cx<'_>, name: &str, shape: &[usize]) -> PyResult<()> {
+        self.check_place(cx, name)?;
         if self.shape != shape {
-            return Err(py_err(py, "ShapeError", format!("{name} must have shape {shape:?}, got {:?}", self.shape)));
+            return Err(py_err(cx.py, "ShapeError", format!("{name} must have shape {shape:?}, got {:?}", self.shape)));
         }
         Ok(())
     }
@@ -136,9 +312,27 @@ impl TensorArg {
     pub unsafe fn ints_mut<'s>(&'s self) -> &'s mut [i32] {
         self.slice_mut::<i32>()
     }
+
+    /// The tensor as a device buffer of its `numel()` elements.
+    ///
+    /// # Safety
+    /// [`DevSlice::from_raw`]'s contract: the tensor is contiguous, of element type `T`, on the
+    /// call's CUDA device or in pinned host memory mapped at the same address (checked by the
+    /// caller with [`Self::dim`] / [`Self::expect_shape`] and `Gpu::check_uva`); it stays alive
+    /// and is not touched unordered with the launch until the stream has run it (the caller's
+    /// stream contract, as for any CUDA op of PyTorch); an output does not overlap any other
+    /// argument (checked with [`check_disjoint`]).
+    pub unsafe fn dev<T>(&self) -> DevSlice<T> {
+        if self.numel() == 0 {
+            return DevSlice::empty();
+        }
+        DevSlice::from_raw(self.ptr as u64, self.numel())
+    }
 }
 
 /// Reject calls where two of the named tensors share memory (at least one of them is written).
+/// Device addresses and host addresses share one space under unified addressing, so the test
+/// holds for CUDA calls too.
 pub fn check_disjoint(py: Python<'_>, named: &[(&str, &TensorArg)]) -> PyResult<()> {
     for (i, (na, a)) in named.iter().enumerate() {
         for (nb, b) in &named[i + 1..] {

@@ -53,12 +53,21 @@ def ceilings(dev) -> dict:
     dh = torch.empty(n // 4, dtype=torch.uint8, device=dev)
     ms = time_cuda(lambda: dh.copy_(host, non_blocking=True))
     h2d = (n // 4) / (ms * 1e-3)
-    del src, dst, host, dh
     return {"d2d_copy_Bps": d2d, "h2d_pinned_Bps": h2d}
 
 
-def bench_attention(ops, geo, dev, dtype, batch: int, pages_per_seq: int, sparse: bool, results: dict,
-                    refcheck: bool, label: str) -> dict:
+def bench_attention(
+    ops,
+    geo,
+    dev,
+    dtype,
+    batch: int,
+    pages_per_seq: int,
+    sparse: bool,
+    results: dict,
+    refcheck: bool,
+    label: str,
+) -> dict:
     hq, hk, d, b = geo.num_qo_heads, geo.num_kv_heads, geo.head_dim, geo.block_size
     num_pages = batch * pages_per_seq
     k_pages = torch.randn(num_pages, hk, b, d, device=dev, dtype=dtype)
@@ -74,8 +83,20 @@ def bench_attention(ops, geo, dev, dtype, batch: int, pages_per_seq: int, sparse
     out = torch.empty_like(q)
 
     def run():
-        ops.decode_attention(geo, q, k_pages, v_pages, indptr, perm, last, page_map=page_map, extra_k=extra_k,
-                             extra_v=extra_v, out=out, max_pages_per_seq=pages_per_seq)
+        ops.decode_attention(
+            geo,
+            q,
+            k_pages,
+            v_pages,
+            indptr,
+            perm,
+            last,
+            page_map=page_map,
+            extra_k=extra_k,
+            extra_v=extra_v,
+            out=out,
+            max_pages_per_seq=pages_per_seq,
+        )
 
     ms = time_cuda(run)
     kv_bytes = 2 * num_pages * hk * b * d * dtype.itemsize
@@ -85,8 +106,14 @@ def bench_attention(ops, geo, dev, dtype, batch: int, pages_per_seq: int, sparse
 
         sel = slice(0, 2)
         cpu_out = ops.decode_attention(
-            geo, q[sel].cpu(), k_pages.cpu(), v_pages.cpu(), indptr[:3].cpu(),
-            perm[: 2 * pages_per_seq].cpu(), last[sel].cpu(), page_map=page_map.cpu(),
+            geo,
+            q[sel].cpu(),
+            k_pages.cpu(),
+            v_pages.cpu(),
+            indptr[:3].cpu(),
+            perm[: 2 * pages_per_seq].cpu(),
+            last[sel].cpu(),
+            page_map=page_map.cpu(),
             extra_k=None if extra_k is None else extra_k[sel].cpu(),
             extra_v=None if extra_v is None else extra_v[sel].cpu(),
         )
@@ -109,9 +136,6 @@ def bench_attention(ops, geo, dev, dtype, batch: int, pages_per_seq: int, sparse
             r["sdpa_Bps"] = kv_bytes / (sms * 1e-3)
         except RuntimeError as e:  # flash backend refused the shape
             r["sdpa_error"] = str(e)[:200]
-        del kc, vc
-    del k_pages, v_pages
-    torch.cuda.empty_cache()
     return r
 
 
@@ -134,14 +158,29 @@ def bench_gather(ops, geo, dev, dtype, n_entries: int, h2d: float) -> dict:
     v_pages = torch.empty_like(k_pages)
 
     def run():
-        ops.gather_blocks(geo, plan_slots, plan_blocks, slot_pages, host_indptr, host_indices, host_k, host_v,
-                          k_pages, v_pages)
+        ops.gather_blocks(
+            geo,
+            plan_slots,
+            plan_blocks,
+            slot_pages,
+            host_indptr,
+            host_indices,
+            host_k,
+            host_v,
+            k_pages,
+            v_pages,
+        )
 
     ms = time_cuda(run)
     entries = seqs * hk * cap
     moved = entries * 2 * b * d * dtype.itemsize
-    return {"label": f"gather {entries} entries of {2 * b * d * dtype.itemsize // 1024} KiB (K+V)", "ms": ms,
-            "bytes": moved, "Bps": moved / (ms * 1e-3), "ratio_to_h2d": moved / (ms * 1e-3) / h2d}
+    return {
+        "label": f"gather {entries} entries of {2 * b * d * dtype.itemsize // 1024} KiB (K+V)",
+        "ms": ms,
+        "bytes": moved,
+        "Bps": moved / (ms * 1e-3),
+        "ratio_to_h2d": moved / (ms * 1e-3) / h2d,
+    }
 
 
 def bench_score(ops, geo, dev, dtype, batch: int, ctx: int, k: int) -> dict:
@@ -165,8 +204,14 @@ def bench_score(ops, geo, dev, dtype, batch: int, ctx: int, k: int) -> dict:
     ms_s = time_cuda(score)
     ms = time_cuda(both)
     sb = n_host * hk * 2 * d * dtype.itemsize
-    return {"label": f"score+top-{k}, {ctx} ctx, batch {batch}", "ms": ms, "score_only_ms": ms_s,
-            "summary_bytes": sb, "Bps": sb / (ms * 1e-3), "score_only_Bps": sb / (ms_s * 1e-3)}
+    return {
+        "label": f"score+top-{k}, {ctx} ctx, batch {batch}",
+        "ms": ms,
+        "score_only_ms": ms_s,
+        "summary_bytes": sb,
+        "Bps": sb / (ms * 1e-3),
+        "score_only_Bps": sb / (ms_s * 1e-3),
+    }
 
 
 def bench_select(ops, geo, dev, batch: int, budget: int, cap: int) -> dict:
@@ -186,7 +231,11 @@ def bench_select(ops, geo, dev, batch: int, budget: int, cap: int) -> dict:
         ops.delta_select(hk, pred, slot_pages, page_map, last, step[0], cap, ps, pb)
 
     ms = time_cuda(run)
-    return {"label": f"delta select {batch} x {hk} heads x {budget} slots, cap {cap}", "ms": ms, "us": ms * 1e3}
+    return {
+        "label": f"delta select {batch} x {hk} heads x {budget} slots, cap {cap}",
+        "ms": ms,
+        "us": ms * 1e3,
+    }
 
 
 def main(argv=None) -> int:
@@ -208,18 +257,43 @@ def main(argv=None) -> int:
     geo = ops.KvGeometry(p["num_qo_heads"], p["num_kv_heads"], p["head_dim"], p["block_size"])
     ceil = ceilings(dev)
     d2d, h2d = ceil["d2d_copy_Bps"], ceil["h2d_pinned_Bps"]
-    res: dict = {"device": torch.cuda.get_device_name(), "preset": args.preset, "dtype": args.dtype,
-                 "ceilings": ceil, "kernels": []}
+    res: dict = {
+        "device": torch.cuda.get_device_name(),
+        "preset": args.preset,
+        "dtype": args.dtype,
+        "ceilings": ceil,
+        "kernels": [],
+    }
     batches = (8, 16) if args.quick else (64, 256)
     for bs in batches:
-        r = bench_attention(ops, geo, dev, dtype, bs, 129, True, res, args.refcheck,
-                            f"sparse attn, 129 blocks/head, batch {bs}")
+        r = bench_attention(
+            ops,
+            geo,
+            dev,
+            dtype,
+            bs,
+            129,
+            True,
+            res,
+            args.refcheck,
+            f"sparse attn, 129 blocks/head, batch {bs}",
+        )
         r["ratio_to_d2d"], r["target"] = r["Bps"] / d2d, ">= 0.8 x d2d"
         res["kernels"].append(r)
     for ctx in (16384, 32768):
         bs = 4 if args.quick else 16
-        r = bench_attention(ops, geo, dev, dtype, bs, ctx // geo.block_size, False, res, args.refcheck,
-                            f"dense attn, {ctx} ctx, batch {bs}")
+        r = bench_attention(
+            ops,
+            geo,
+            dev,
+            dtype,
+            bs,
+            ctx // geo.block_size,
+            False,
+            res,
+            args.refcheck,
+            f"dense attn, {ctx} ctx, batch {bs}",
+        )
         r["ratio_to_d2d"] = r["Bps"] / d2d
         if "sdpa_ms" in r:
             r["ratio_to_sdpa"] = r["sdpa_ms"] / r["ms"]
