@@ -7,7 +7,9 @@
 use std::hint::black_box;
 use std::time::Duration;
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use criterion::{
+    criterion_group, criterion_main, BenchmarkId, Criterion, SamplingMode, Throughput,
+};
 use half::bf16;
 use oasis_core::kernels::{decode_attention, delta_select, topk_blocks, ExtraKv, PagedKv};
 use oasis_core::{KvElem, KvGeometry};
@@ -155,6 +157,8 @@ fn bench_attention_dtype<T: KvElem>(c: &mut Criterion, name: &str) {
 
     let mut g = c.benchmark_group("decode_attention");
     g.throughput(Throughput::Bytes(bytes as u64));
+    // Tens of ms per call: flat sampling keeps the run to about sample_size calls.
+    g.sampling_mode(SamplingMode::Flat);
     for (label, page_map) in [("dense", None), ("working_set", Some(page_map.as_slice()))] {
         let kv = PagedKv {
             k_pages: &k,

@@ -1,9 +1,21 @@
 """Tensor-level entry points of the OasisKV kernels.
 
 Each function takes torch tensors laid out as in ``docs/CORE_CONTRACT.md`` and dispatches on the
-tensors' device: CPU tensors run the Rust CPU twins in ``oasiskv._core``. Validation (shape,
-dtype, device, contiguity, aliasing, table ranges) happens in the native module, which raises the
-classes of :mod:`oasiskv.errors`; the GIL is released while a kernel runs.
+tensors' device: CPU tensors run the Rust CPU twins in ``oasiskv._core`` (synchronously, with every
+table entry validated); CUDA tensors, all on one ``cuda:N``, queue the NVRTC-compiled kernels on
+``torch.cuda.current_stream(device)`` and return without synchronising. A CUDA call may take the
+host pool (``host_k``/``host_v``, one side of :func:`copy_pages`) as pinned CPU memory
+(``pin_memory=True``), which the kernels read and write through unified addressing.
+
+Validation (shape, dtype, device, contiguity, aliasing; table ranges on the CPU only) happens in
+the native module, which raises the classes of :mod:`oasiskv.errors`; the GIL is released while a
+kernel runs or is launched. On the GPU, table contents are not validated (that would need a host
+synchronisation): the kernels bounds-check every entry and skip a bad one, so test a new caller
+on the CPU first.
+
+Outputs allocated here live on the device of the call's tensors. Results that the CPU returns as
+Python numbers (the selection statistics, the number of gathered entries) are ``None`` on the GPU:
+reading them back would synchronise.
 """
 
 from __future__ import annotations
@@ -16,87 +28,146 @@ from .errors import DeviceError
 KvGeometry = _core.KvGeometry
 BlockPool = _core.BlockPool
 
+# Split-KV workspaces of decode_attention, one per (device, stream), grown on demand. Kept for the
+# life of the process: a kernel queued on that stream may still be reading the buffer.
+_WORKSPACES: dict[tuple[torch.device, int], torch.Tensor] = {}
+_NUM_SMS: dict[torch.device, int] = {}
 
-def _check_device(*tensors: torch.Tensor | None) -> None:
-    devs = {t.device.type for t in tensors if t is not None}
-    if devs - {"cpu"}:
+
+def _check_device(*tensors: torch.Tensor | None) -> torch.device:
+    """The device of the first tensor given; only CPU and CUDA tensors are accepted here (the native
+    module checks that they agree, and which may be pinned host memory)."""
+    devs = [t.device for t in tensors if t is not None]
+    bad = sorted({str(d) for d in devs if d.type not in ("cpu", "cuda")})
+    if bad:
         raise DeviceError(
-            f"tensors on {sorted(devs)}: this build runs the CPU kernels only; move every tensor "
-            "to the CPU (tensor.cpu()) or install a build with the GPU backend"
+            f"tensors on {bad}: the kernels run on CPU tensors or on CUDA tensors; move every tensor to the CPU "
+            "(tensor.cpu()) or to one CUDA device (tensor.to('cuda'))"
         )
+    return devs[0]
+
+
+def _stream(device: torch.device) -> int:
+    """The raw handle of the current stream of a CUDA device (0, ignored, on the CPU)."""
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
+def _num_sms(device: torch.device) -> int:
+    n = _NUM_SMS.get(device)
+    if n is None:
+        n = _NUM_SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n
+
+
+def _workspace(device: torch.device, stream: int, numel: int) -> torch.Tensor:
+    """A float32 buffer of at least ``numel`` elements for split-KV attention on ``stream``.
+
+    Reusing one buffer per stream is safe: the kernels that use it run in stream order. A larger
+    request replaces it; the caching allocator only hands the old memory out again in that
+    stream's order.
+    """
+    key = (device, stream)
+    ws = _WORKSPACES.get(key)
+    if ws is None or ws.numel() < numel:
+        ws = _WORKSPACES[key] = torch.empty(numel, dtype=torch.float32, device=device)
+    return ws
 
 
 def append_kv(geo, k_new, v_new, page_ids, page_offsets, host_block_ids, k_pages, v_pages, host_k, host_v,
               summaries) -> None:
     """Append one token per sequence (write-through + summary update for sparse sequences)."""
-    _check_device(k_new, k_pages, host_k)
+    dev = _check_device(k_new, k_pages, host_k)
     _core.append_kv(geo, k_new, v_new, page_ids, page_offsets, host_block_ids, k_pages, v_pages, host_k,
-                    host_v, summaries)
+                    host_v, summaries, stream=_stream(dev))
 
 
 def decode_attention(geo, q, k_pages, v_pages, kv_indptr, kv_indices, kv_last_page_len, *, page_map=None,
                      extra_k=None, extra_v=None, sm_scale: float | None = None,
-                     out: torch.Tensor | None = None, max_pages_per_seq: int = 0) -> torch.Tensor:
+                     out: torch.Tensor | None = None, max_pages_per_seq: int = 0,
+                     num_splits: int = 0) -> torch.Tensor:
     """Attention of stacked query rows ``q [num_seqs, num_rows, num_qo_heads, head_dim]``.
 
-    ``max_pages_per_seq`` (a bound on any sequence's page count) lets the GPU path plan its split
-    of long contexts without reading the tables back; the CPU ignores it."""
-    _check_device(q, k_pages, out)
+    ``max_pages_per_seq`` (a bound on any sequence's page count; 0 = ``len(kv_indices)``) lets the
+    GPU path plan its split of long contexts without reading the tables back; ``num_splits`` forces
+    a split count (0 = plan it from the SM count). The CPU ignores both."""
+    dev = _check_device(q, k_pages, out)
     if out is None:
         out = torch.empty_like(q)
     if sm_scale is None:
         sm_scale = geo.head_dim ** -0.5
-    _core.decode_attention(geo, q, k_pages, v_pages, kv_indptr, kv_indices, kv_last_page_len, page_map,
-                           extra_k, extra_v, float(sm_scale), out)
+    if dev.type != "cuda":
+        _core.decode_attention(geo, q, k_pages, v_pages, kv_indptr, kv_indices, kv_last_page_len, page_map,
+                               extra_k, extra_v, float(sm_scale), out)
+        return out
+    stream = _stream(dev)
+    splits, workspace = int(num_splits), None
+    if q.dim() == 4:  # else the native module raises the shape error
+        num_seqs, num_rows = q.shape[0], q.shape[1]
+        if splits == 0:
+            max_pages = int(max_pages_per_seq) or kv_indices.numel()
+            splits = _core.plan_num_splits(_num_sms(dev), num_seqs, geo.num_kv_heads, max_pages)
+        if splits > 1:
+            need = _core.decode_attn_workspace_len(num_seqs, num_rows, geo.num_qo_heads, geo.head_dim, splits)
+            workspace = _workspace(dev, stream, need)
+    _core.decode_attention(geo, q, k_pages, v_pages, kv_indptr, kv_indices, kv_last_page_len, page_map, extra_k,
+                           extra_v, float(sm_scale), out, num_splits=splits, max_pages_per_seq=int(max_pages_per_seq),
+                           workspace=workspace, stream=stream)
     return out
 
 
 def build_summaries(geo, host_k, block_ids, block_lens, summaries) -> None:
-    _check_device(host_k, summaries)
-    _core.build_summaries(geo, host_k, block_ids, block_lens, summaries)
+    dev = _check_device(summaries, host_k)
+    _core.build_summaries(geo, host_k, block_ids, block_lens, summaries, stream=_stream(dev))
 
 
 def score_blocks(geo, q, summaries, blk_indptr, blk_indices, scores: torch.Tensor | None = None) -> torch.Tensor:
     """Quest scores ``[nnz, num_kv_heads]`` (f32) of lookahead queries ``[num_seqs, num_qo_heads, head_dim]``."""
-    _check_device(q, summaries)
+    dev = _check_device(q, summaries)
     if scores is None:
-        scores = torch.empty(blk_indices.shape[0], geo.num_kv_heads, dtype=torch.float32)
-    _core.score_blocks(geo, q, summaries, blk_indptr, blk_indices, scores)
+        scores = torch.empty(blk_indices.shape[0], geo.num_kv_heads, dtype=torch.float32, device=dev)
+    _core.score_blocks(geo, q, summaries, blk_indptr, blk_indices, scores, stream=_stream(dev))
     return scores
 
 
 def topk_blocks(num_kv_heads: int, scores, blk_indptr, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Top-k logical blocks per (seq, kv head), best first, -1 padded: ``[num_seqs, num_kv_heads, k]``."""
-    _check_device(scores)
+    dev = _check_device(scores)
     if out is None:
-        out = torch.empty(blk_indptr.shape[0] - 1, num_kv_heads, k, dtype=torch.int32)
-    _core.topk_blocks(num_kv_heads, scores, blk_indptr, k, out)
+        out = torch.empty(blk_indptr.shape[0] - 1, num_kv_heads, k, dtype=torch.int32, device=dev)
+    _core.topk_blocks(num_kv_heads, scores, blk_indptr, k, out, stream=_stream(dev))
     return out
 
 
 def delta_select(num_kv_heads: int, predicted, slot_pages, page_map, page_last_selected, step: int,
-                 fetch_cap: int, plan_slots=None, plan_blocks=None):
-    """Delta selection with capped eviction. Returns ``(plan_slots, plan_blocks, (pairs, kept, missing))``."""
-    _check_device(predicted, page_map)
+                 fetch_cap: int, plan_slots=None, plan_blocks=None, *, stats: torch.Tensor | None = None):
+    """Delta selection with capped eviction. Returns ``(plan_slots, plan_blocks, stats)``.
+
+    ``stats`` is ``(pairs, kept, missing)`` summed over sequences and heads on the CPU. On the GPU it
+    is the ``stats`` tensor passed in (int32 ``[num_seqs, num_kv_heads, 3]``, filled per (seq, head)
+    on the stream), or ``None``."""
+    dev = _check_device(predicted, page_map)
     n = predicted.shape[0]
     if plan_slots is None:
-        plan_slots = torch.empty(n, num_kv_heads, fetch_cap, dtype=torch.int32)
+        plan_slots = torch.empty(n, num_kv_heads, fetch_cap, dtype=torch.int32, device=dev)
     if plan_blocks is None:
-        plan_blocks = torch.empty(n, num_kv_heads, fetch_cap, dtype=torch.int32)
-    stats = _core.delta_select(num_kv_heads, predicted, slot_pages, page_map, page_last_selected, int(step),
-                               int(fetch_cap), plan_slots, plan_blocks)
-    return plan_slots, plan_blocks, stats
+        plan_blocks = torch.empty(n, num_kv_heads, fetch_cap, dtype=torch.int32, device=dev)
+    totals = _core.delta_select(num_kv_heads, predicted, slot_pages, page_map, page_last_selected, int(step),
+                                int(fetch_cap), plan_slots, plan_blocks, stats=stats, stream=_stream(dev))
+    return plan_slots, plan_blocks, (totals if dev.type != "cuda" else stats)
 
 
 def gather_blocks(geo, plan_slots, plan_blocks, slot_pages, host_indptr, host_indices, host_k, host_v, k_pages,
-                  v_pages) -> int:
-    """Copy the planned block-head entries from the host pool into GPU slots; returns entries copied."""
-    _check_device(plan_slots, host_k, k_pages)
+                  v_pages) -> int | None:
+    """Copy the planned block-head entries from the host pool into GPU slots.
+
+    Returns the number of entries copied on the CPU, ``None`` on the GPU (queued, not yet run)."""
+    dev = _check_device(plan_slots, k_pages, host_k)
     return _core.gather_blocks(geo, plan_slots, plan_blocks, slot_pages, host_indptr, host_indices, host_k,
-                               host_v, k_pages, v_pages)
+                               host_v, k_pages, v_pages, stream=_stream(dev))
 
 
 def copy_pages(geo, src_k, src_v, src_ids, dst_k, dst_v, dst_ids) -> None:
-    """Whole-page copy between pools of the same page geometry."""
-    _check_device(src_k, dst_k)
-    _core.copy_pages(geo, src_k, src_v, src_ids, dst_k, dst_v, dst_ids)
+    """Whole-page copy between pools of the same page geometry (either pool may be pinned host memory
+    when the ids are on a CUDA device)."""
+    dev = _check_device(src_ids, src_k, dst_k)
+    _core.copy_pages(geo, src_k, src_v, src_ids, dst_k, dst_v, dst_ids, stream=_stream(dev))

@@ -22,6 +22,8 @@
 //! page_last_selected   [num_pages, num_kv_heads] i32  step the entry was last selected, -1 never
 //! ```
 
+#![forbid(unsafe_code)]
+
 pub mod dtype;
 pub mod error;
 pub mod geometry;

@@ -102,25 +102,24 @@ impl Gpu {
             // named). Otherwise (none current, or tensors on another device than the current
             // one, as with torch's current device 0 and tensors on cuda:1) the requested
             // device's primary context does: it is the one PyTorch allocated them in.
-            let (ctx, dev, retained) = if let Some(dev) =
-                cur_dev.filter(|&d| device.is_none() || device == Some(d))
-            {
-                (cur, dev, false)
-            } else {
-                let want = device.ok_or(CudaError::NoContext)?;
-                let mut dev: sys::CUdevice = 0;
-                let mut ctx: sys::CUcontext = std::ptr::null_mut();
-                // SAFETY: out-pointers valid for writes. Retaining the primary context activates
-                // the one PyTorch uses; it is never released (it lives as long as the process).
-                unsafe {
-                    check(sys::cuDeviceGet(&mut dev, want), "cuDeviceGet")?;
-                    check(
-                        sys::cuDevicePrimaryCtxRetain(&mut ctx, dev),
-                        "cuDevicePrimaryCtxRetain",
-                    )?;
-                }
-                (ctx, dev, true)
-            };
+            let (ctx, dev, retained) =
+                if let Some(dev) = cur_dev.filter(|&d| device.is_none() || device == Some(d)) {
+                    (cur, dev, false)
+                } else {
+                    let want = device.ok_or(CudaError::NoContext)?;
+                    let mut dev: sys::CUdevice = 0;
+                    let mut ctx: sys::CUcontext = std::ptr::null_mut();
+                    // SAFETY: out-pointers valid for writes. Retaining the primary context activates
+                    // the one PyTorch uses; it is never released (it lives as long as the process).
+                    unsafe {
+                        check(sys::cuDeviceGet(&mut dev, want), "cuDeviceGet")?;
+                        check(
+                            sys::cuDevicePrimaryCtxRetain(&mut ctx, dev),
+                            "cuDevicePrimaryCtxRetain",
+                        )?;
+                    }
+                    (ctx, dev, true)
+                };
             let mut gpus = GPUS.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(g) = gpus.iter().find(|g| g.ctx == ctx as usize) {
                 if retained {

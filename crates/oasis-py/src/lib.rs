@@ -1,33 +1,129 @@
-//! `oasiskv._core`: the thin PyO3 module over `oasis-core`.
+//! `oasiskv._core`: the thin PyO3 module over `oasis-core` (CPU twins) and `oasis-cuda` (GPU
+//! kernels).
 //!
 //! Tensors cross the boundary as [`TensorArg`]s: anything with torch's `data_ptr()`, `shape`,
-//! `dtype`, `device` and `is_contiguous()` (torch tensors, in practice). Every function checks
-//! device, dtype, contiguity, shape and aliasing here, then releases the GIL and calls the core
-//! kernel, which validates every table entry before writing. No panic crosses into Python: each
-//! entry point runs under `catch_unwind` and core errors become the classes of `oasiskv.errors`.
+//! `dtype`, `device` and `is_contiguous()` (torch tensors, in practice). Every kernel function
+//! dispatches on the device of its tensors:
+//!
+//! ```text
+//!                ┌─ all on the CPU ──────▶ oasis_core::kernels::* (validates every table entry)
+//! tensors ─ Cx ──┤
+//!                └─ all on one cuda:N ───▶ oasis_cuda::Gpu::* on `stream` (host pool: pinned CPU
+//!                                          memory through unified addressing, or cuda:N)
+//! ```
+//!
+//! Device, dtype, contiguity, shape and aliasing are checked here, the same checks for both
+//! paths; then the GIL is released and the kernel runs (CPU) or is queued (CUDA: the call returns
+//! without synchronising). Table *contents* are not validated on the GPU (that would need a
+//! synchronisation): the kernels bounds-check every entry they dereference and skip a bad one,
+//! where the CPU twins raise. No panic crosses into Python: each entry point runs under
+//! `catch_unwind`, and core and CUDA errors become the classes of `oasiskv.errors`.
+//!
+//! Nothing here links against CUDA: the module imports on a machine without a driver or NVRTC,
+//! and only a call on CUDA tensors (or `compile_kernels`, `nvrtc_version`) asks for them.
 
 mod errors;
 mod tensor;
 
+use std::collections::HashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use half::{bf16, f16};
 use oasis_core::kernels::{self, ExtraKv, PagedKv};
 use oasis_core::{BlockPool as CorePool, DType, KvGeometry, OasisError, Tier};
+use oasis_cuda::ops::{decode_attn_workspace_len as ws_len, plan_num_splits as plan_splits};
+use oasis_cuda::{CudaError, ExtraKvDev, Gpu, PagedKvDev, SplitKv, Stream};
 use pyo3::prelude::*;
 
-use errors::{core_err, py_err};
-use tensor::{check_disjoint, TensorArg};
+use errors::{core_err, cuda_err, py_err};
+use tensor::{check_disjoint, Cx, Place, TensorArg};
 
-/// Run `f` with the GIL released, turning a panic into an `OasisError` instead of unwinding
-/// into Python.
-fn guarded<R: Send>(py: Python<'_>, what: &str, f: impl FnOnce() -> Result<R, OasisError> + Send) -> PyResult<R> {
+fn internal_error(py: Python<'_>, what: &str) -> PyErr {
+    py_err(
+        py,
+        "OasisError",
+        format!("internal error in {what}; please report it with the call's shapes"),
+    )
+}
+
+/// Run a whole entry point, turning a panic into an `OasisError` instead of unwinding into
+/// Python.
+fn entry<R>(py: Python<'_>, what: &str, f: impl FnOnce() -> PyResult<R>) -> PyResult<R> {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|_| Err(internal_error(py, what)))
+}
+
+/// Run a CPU kernel with the GIL released, turning a panic into an `OasisError`.
+fn guarded<R: Send>(
+    py: Python<'_>,
+    what: &str,
+    f: impl FnOnce() -> Result<R, OasisError> + Send,
+) -> PyResult<R> {
     let res = py.detach(|| catch_unwind(AssertUnwindSafe(f)));
     match res {
         Ok(Ok(v)) => Ok(v),
         Ok(Err(e)) => Err(core_err(py, e)),
-        Err(_) => Err(py_err(py, "OasisError", format!("internal error in {what}; please report it with the call's shapes"))),
+        Err(_) => Err(internal_error(py, what)),
     }
+}
+
+/// One [`Gpu`] per device ordinal, attached on the first call that runs there (PyTorch's
+/// context for that device: the current one when it belongs to it, else its primary context).
+static GPUS: OnceLock<Mutex<HashMap<i32, Arc<Gpu>>>> = OnceLock::new();
+
+fn gpu_for(device: i32) -> Result<Arc<Gpu>, CudaError> {
+    let mut gpus = GPUS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
+    if let Some(g) = gpus.get(&device) {
+        return Ok(g.clone());
+    }
+    let g = Gpu::attach(Some(device))?;
+    gpus.insert(device, g.clone());
+    Ok(g)
+}
+
+/// Run `f` with the GIL released and no panic escaping, mapping CUDA errors.
+fn detached<R: Send>(
+    py: Python<'_>,
+    what: &str,
+    f: impl FnOnce() -> Result<R, CudaError> + Send,
+) -> PyResult<R> {
+    match py.detach(|| catch_unwind(AssertUnwindSafe(f))) {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(cuda_err(py, e)),
+        Err(_) => Err(internal_error(py, what)),
+    }
+}
+
+/// Queue a CUDA kernel on `stream` of `device`: attach (once per device), check that every
+/// pinned host tensor of `host` is mapped at its own address on the device, then call `f` with
+/// the GIL released.
+fn on_gpu<R: Send>(
+    py: Python<'_>,
+    what: &str,
+    device: i32,
+    stream: u64,
+    host: &[(&str, &TensorArg)],
+    f: impl FnOnce(&Gpu, Stream) -> Result<R, CudaError> + Send,
+) -> PyResult<R> {
+    let gpu = detached(py, what, || gpu_for(device))?;
+    for (name, t) in host.iter().filter(|(_, t)| t.is_host_mapped()) {
+        let ptr = t.ptr as u64;
+        if let Err(e) = py.detach(|| gpu.check_uva(ptr)) {
+            return Err(py_err(
+                py,
+                "DeviceError",
+                format!("{name} is not visible to cuda:{device} at its host address ({e}); allocate it with torch.empty(..., pin_memory=True)"),
+            ));
+        }
+    }
+    // SAFETY: Stream::from_raw's contract is the documented contract of every kernel function of
+    // this module: `stream` is 0 or a live stream of the tensors' device
+    // (torch.cuda.current_stream(device).cuda_stream), as for PyTorch's own raw-stream APIs.
+    let stream = unsafe { Stream::from_raw(stream) };
+    detached(py, what, || f(&gpu, stream))
 }
 
 /// Dispatch a generic kernel body over the storage dtype.
@@ -60,7 +156,13 @@ struct PyGeometry {
 #[pymethods]
 impl PyGeometry {
     #[new]
-    fn new(py: Python<'_>, num_qo_heads: usize, num_kv_heads: usize, head_dim: usize, block_size: usize) -> PyResult<Self> {
+    fn new(
+        py: Python<'_>,
+        num_qo_heads: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+        block_size: usize,
+    ) -> PyResult<Self> {
         KvGeometry::new(num_qo_heads, num_kv_heads, head_dim, block_size)
             .map(|inner| Self { inner })
             .map_err(|e| core_err(py, e))
@@ -104,9 +206,17 @@ impl PyBlockPool {
         let tier = match tier {
             "gpu" => Tier::Gpu,
             "host" => Tier::Host,
-            other => return Err(py_err(py, "ConfigError", format!("tier must be 'gpu' or 'host', got {other:?}"))),
+            other => {
+                return Err(py_err(
+                    py,
+                    "ConfigError",
+                    format!("tier must be 'gpu' or 'host', got {other:?}"),
+                ))
+            }
         };
-        Ok(Self { inner: CorePool::new(tier, num_blocks) })
+        Ok(Self {
+            inner: CorePool::new(tier, num_blocks),
+        })
     }
     #[getter]
     fn num_blocks(&self) -> usize {
@@ -135,18 +245,47 @@ fn kv_dtype(py: Python<'_>, named: &[(&str, &TensorArg)]) -> PyResult<DType> {
             return Err(py_err(
                 py,
                 "DTypeError",
-                format!("{name} has dtype {} but {first_name} has {}; pass all KV tensors in one dtype", t.dtype, first.dtype),
+                format!(
+                    "{name} has dtype {} but {first_name} has {}; pass all KV tensors in one dtype",
+                    t.dtype, first.dtype
+                ),
             ));
         }
     }
     Ok(dt)
 }
 
+/// Outputs must not share memory with each other nor with any input of the same call.
+fn check_outputs(
+    py: Python<'_>,
+    outputs: &[(&str, &TensorArg)],
+    inputs: &[(&str, &TensorArg)],
+) -> PyResult<()> {
+    check_disjoint(py, outputs)?;
+    for o in outputs {
+        for i in inputs {
+            check_disjoint(py, &[*o, *i])?;
+        }
+    }
+    Ok(())
+}
+
 #[pyfunction]
-#[pyo3(signature = (geo, k_new, v_new, page_ids, page_offsets, host_block_ids, k_pages, v_pages, host_k, host_v, summaries))]
+#[pyo3(signature = (geo, k_new, v_new, page_ids, page_offsets, host_block_ids, k_pages, v_pages, host_k, host_v, summaries, *, stream = 0))]
 #[allow(clippy::too_many_arguments)]
 /// Append one token per sequence into its page slot, with write-through and summary update for
 /// sparse sequences (host_block_ids >= 0).
+///
+/// k_new, v_new [num_seqs, num_kv_heads, head_dim]; page_ids, page_offsets, host_block_ids
+/// [num_seqs] int32; k_pages, v_pages [num_pages, num_kv_heads, block_size, head_dim]; host_k,
+/// host_v [num_host_blocks, num_kv_heads, block_size, head_dim] (may be empty when every sequence
+/// is dense); summaries [num_host_blocks, num_kv_heads, 2, head_dim].
+///
+/// CUDA: every tensor on one cuda:N except the host pool (host_k, host_v), which may also be
+/// pinned CPU memory; queued on `stream` (the raw cudaStream_t of a live stream of cuda:N,
+/// torch.cuda.current_stream(device).cuda_stream; 0 = the legacy default stream), returns at
+/// once. Table entries are not validated on the GPU: out-of-range ones are skipped. `stream` is
+/// ignored on the CPU.
 fn append_kv(
     py: Python<'_>,
     geo: &PyGeometry,
@@ -160,41 +299,129 @@ fn append_kv(
     host_k: TensorArg,
     host_v: TensorArg,
     summaries: TensorArg,
+    stream: u64,
 ) -> PyResult<()> {
-    let g = geo.inner;
-    let n = k_new.dim(py, "k_new", 3, 0)?;
-    k_new.expect_shape(py, "k_new", &[n, g.num_kv_heads, g.head_dim])?;
-    v_new.expect_shape(py, "v_new", &[n, g.num_kv_heads, g.head_dim])?;
-    for (name, t) in [("page_ids", &page_ids), ("page_offsets", &page_offsets), ("host_block_ids", &host_block_ids)] {
-        t.expect_i32(py, name)?;
-        t.expect_shape(py, name, &[n])?;
-    }
-    let np = k_pages.dim(py, "k_pages", 4, 0)?;
-    k_pages.expect_shape(py, "k_pages", &[np, g.num_kv_heads, g.block_size, g.head_dim])?;
-    v_pages.expect_shape(py, "v_pages", &[np, g.num_kv_heads, g.block_size, g.head_dim])?;
-    let nh = host_k.dim(py, "host_k", 4, 0)?;
-    host_k.expect_shape(py, "host_k", &[nh, g.num_kv_heads, g.block_size, g.head_dim])?;
-    host_v.expect_shape(py, "host_v", &[nh, g.num_kv_heads, g.block_size, g.head_dim])?;
-    summaries.expect_shape(py, "summaries", &[nh, g.num_kv_heads, 2, g.head_dim])?;
-    let dt = kv_dtype(
-        py,
-        &[("k_pages", &k_pages), ("v_pages", &v_pages), ("k_new", &k_new), ("v_new", &v_new), ("host_k", &host_k), ("host_v", &host_v), ("summaries", &summaries)],
-    )?;
-    check_disjoint(py, &[("k_pages", &k_pages), ("v_pages", &v_pages), ("host_k", &host_k), ("host_v", &host_v), ("summaries", &summaries)])?;
-    with_dtype!(dt, T => {
-        // SAFETY: shapes, dtypes and CPU residence were checked above; the mutable buffers were
-        // checked pairwise disjoint; the caller keeps the tensors alive for the call.
-        let (kn, vn) = unsafe { (k_new.slice::<T>(), v_new.slice::<T>()) };
-        let (kp, vp, hk, hv, sm) = unsafe { (k_pages.slice_mut::<T>(), v_pages.slice_mut::<T>(), host_k.slice_mut::<T>(), host_v.slice_mut::<T>(), summaries.slice_mut::<T>()) };
-        let (pi, po, hb) = unsafe { (page_ids.ints(), page_offsets.ints(), host_block_ids.ints()) };
-        guarded(py, "append_kv", || kernels::append_kv::<T>(&g, kn, vn, pi, po, hb, kp, vp, hk, hv, sm))
+    entry(py, "append_kv", || {
+        let g = geo.inner;
+        let host = [("host_k", &host_k), ("host_v", &host_v)];
+        let cx = Cx::new(
+            py,
+            &[
+                ("k_new", &k_new),
+                ("v_new", &v_new),
+                ("page_ids", &page_ids),
+                ("page_offsets", &page_offsets),
+                ("host_block_ids", &host_block_ids),
+                ("k_pages", &k_pages),
+                ("v_pages", &v_pages),
+                ("summaries", &summaries),
+            ],
+            &host,
+        )?;
+        let n = k_new.dim(&cx, "k_new", 3, 0)?;
+        k_new.expect_shape(&cx, "k_new", &[n, g.num_kv_heads, g.head_dim])?;
+        v_new.expect_shape(&cx, "v_new", &[n, g.num_kv_heads, g.head_dim])?;
+        for (name, t) in [
+            ("page_ids", &page_ids),
+            ("page_offsets", &page_offsets),
+            ("host_block_ids", &host_block_ids),
+        ] {
+            t.expect_i32(py, name)?;
+            t.expect_shape(&cx, name, &[n])?;
+        }
+        let np = k_pages.dim(&cx, "k_pages", 4, 0)?;
+        k_pages.expect_shape(
+            &cx,
+            "k_pages",
+            &[np, g.num_kv_heads, g.block_size, g.head_dim],
+        )?;
+        v_pages.expect_shape(
+            &cx,
+            "v_pages",
+            &[np, g.num_kv_heads, g.block_size, g.head_dim],
+        )?;
+        let nh = host_k.dim(&cx.host(), "host_k", 4, 0)?;
+        host_k.expect_shape(
+            &cx.host(),
+            "host_k",
+            &[nh, g.num_kv_heads, g.block_size, g.head_dim],
+        )?;
+        host_v.expect_shape(
+            &cx.host(),
+            "host_v",
+            &[nh, g.num_kv_heads, g.block_size, g.head_dim],
+        )?;
+        summaries.expect_shape(&cx, "summaries", &[nh, g.num_kv_heads, 2, g.head_dim])?;
+        let dt = kv_dtype(
+            py,
+            &[
+                ("k_pages", &k_pages),
+                ("v_pages", &v_pages),
+                ("k_new", &k_new),
+                ("v_new", &v_new),
+                ("host_k", &host_k),
+                ("host_v", &host_v),
+                ("summaries", &summaries),
+            ],
+        )?;
+        check_outputs(
+            py,
+            &[
+                ("k_pages", &k_pages),
+                ("v_pages", &v_pages),
+                ("host_k", &host_k),
+                ("host_v", &host_v),
+                ("summaries", &summaries),
+            ],
+            &[
+                ("k_new", &k_new),
+                ("v_new", &v_new),
+                ("page_ids", &page_ids),
+                ("page_offsets", &page_offsets),
+                ("host_block_ids", &host_block_ids),
+            ],
+        )?;
+        match cx.place {
+            Place::Cpu => with_dtype!(dt, T => {
+                // SAFETY: shapes, dtypes and CPU residence were checked above; the mutable buffers
+                // were checked disjoint from each other and from the inputs; the caller keeps the
+                // tensors alive for the call.
+                let (kn, vn) = unsafe { (k_new.slice::<T>(), v_new.slice::<T>()) };
+                let (kp, vp, hk, hv, sm) = unsafe { (k_pages.slice_mut::<T>(), v_pages.slice_mut::<T>(), host_k.slice_mut::<T>(), host_v.slice_mut::<T>(), summaries.slice_mut::<T>()) };
+                let (pi, po, hb) = unsafe { (page_ids.ints(), page_offsets.ints(), host_block_ids.ints()) };
+                guarded(py, "append_kv", || kernels::append_kv::<T>(&g, kn, vn, pi, po, hb, kp, vp, hk, hv, sm))
+            }),
+            Place::Cuda(dev) => with_dtype!(dt, T => {
+                // SAFETY: (TensorArg::dev) shapes, dtypes, contiguity and residence on cuda:dev
+                // (the host pool: pinned, mapped checked in on_gpu) were checked above; outputs
+                // are disjoint from every other argument.
+                let (kn, vn, kp, vp, hk, hv, sm) = unsafe { (k_new.dev::<T>(), v_new.dev::<T>(), k_pages.dev::<T>(), v_pages.dev::<T>(), host_k.dev::<T>(), host_v.dev::<T>(), summaries.dev::<T>()) };
+                let (pi, po, hb) = unsafe { (page_ids.dev::<i32>(), page_offsets.dev::<i32>(), host_block_ids.dev::<i32>()) };
+                on_gpu(py, "append_kv", dev, stream, &host, move |gpu, st| gpu.append_kv::<T>(&g, kn, vn, pi, po, hb, kp, vp, hk, hv, sm, st))
+            }),
+        }
     })
 }
 
 #[pyfunction]
-#[pyo3(signature = (geo, q, k_pages, v_pages, kv_indptr, kv_indices, kv_last_page_len, page_map, extra_k, extra_v, sm_scale, out))]
+#[pyo3(signature = (geo, q, k_pages, v_pages, kv_indptr, kv_indices, kv_last_page_len, page_map, extra_k, extra_v, sm_scale, out, *, num_splits = 0, max_pages_per_seq = 0, workspace = None, stream = 0))]
 #[allow(clippy::too_many_arguments)]
 /// Decode attention for stacked query rows over paged, head-wise working sets.
+///
+/// q, out [num_seqs, num_rows, num_qo_heads, head_dim]; k_pages, v_pages [num_pages,
+/// num_kv_heads, block_size, head_dim]; kv_indptr [num_seqs + 1], kv_indices [nnz],
+/// kv_last_page_len [num_seqs] int32 (flashinfer's CSR); page_map [num_pages, num_kv_heads] int32
+/// or None (entries < 0 are skipped); extra_k, extra_v [num_seqs, num_kv_heads, head_dim] or None
+/// (seen by rows >= 1 only).
+///
+/// CUDA: every tensor on one cuda:N, queued on `stream` (the raw cudaStream_t of a live stream of
+/// cuda:N; 0 = the legacy default stream), returns at once. `num_splits` cuts each sequence's
+/// pages into that many parts merged by a second kernel (split-KV); 0 plans it from the SM count
+/// and `max_pages_per_seq` (a bound on any sequence's page count; 0 = len(kv_indices)). More than
+/// one split needs `workspace`, a float32 tensor on cuda:N of at least
+/// decode_attn_workspace_len(num_seqs, num_rows, num_qo_heads, head_dim, num_splits) elements.
+/// Table entries are not validated on the GPU: out-of-range page ids are skipped. The CPU
+/// ignores num_splits, max_pages_per_seq, workspace and stream.
 fn decode_attention(
     py: Python<'_>,
     geo: &PyGeometry,
@@ -209,123 +436,385 @@ fn decode_attention(
     extra_v: Option<TensorArg>,
     sm_scale: f32,
     out: TensorArg,
+    num_splits: usize,
+    max_pages_per_seq: usize,
+    workspace: Option<TensorArg>,
+    stream: u64,
 ) -> PyResult<()> {
-    let g = geo.inner;
-    let ns = q.dim(py, "q", 4, 0)?;
-    let rows = q.dim(py, "q", 4, 1)?;
-    q.expect_shape(py, "q", &[ns, rows, g.num_qo_heads, g.head_dim])?;
-    out.expect_shape(py, "out", &[ns, rows, g.num_qo_heads, g.head_dim])?;
-    let np = k_pages.dim(py, "k_pages", 4, 0)?;
-    k_pages.expect_shape(py, "k_pages", &[np, g.num_kv_heads, g.block_size, g.head_dim])?;
-    v_pages.expect_shape(py, "v_pages", &[np, g.num_kv_heads, g.block_size, g.head_dim])?;
-    kv_indptr.expect_i32(py, "kv_indptr")?;
-    kv_indptr.expect_shape(py, "kv_indptr", &[ns + 1])?;
-    kv_indices.expect_i32(py, "kv_indices")?;
-    kv_indices.dim(py, "kv_indices", 1, 0)?;
-    kv_last_page_len.expect_i32(py, "kv_last_page_len")?;
-    kv_last_page_len.expect_shape(py, "kv_last_page_len", &[ns])?;
-    if let Some(pm) = &page_map {
-        pm.expect_i32(py, "page_map")?;
-        pm.expect_shape(py, "page_map", &[np, g.num_kv_heads])?;
-    }
-    let mut named = vec![("q", &q), ("k_pages", &k_pages), ("v_pages", &v_pages), ("out", &out)];
-    match (&extra_k, &extra_v) {
-        (Some(ek), Some(ev)) => {
-            ek.expect_shape(py, "extra_k", &[ns, g.num_kv_heads, g.head_dim])?;
-            ev.expect_shape(py, "extra_v", &[ns, g.num_kv_heads, g.head_dim])?;
-            named.push(("extra_k", ek));
-            named.push(("extra_v", ev));
+    entry(py, "decode_attention", || {
+        let g = geo.inner;
+        let mut all = vec![
+            ("q", &q),
+            ("k_pages", &k_pages),
+            ("v_pages", &v_pages),
+            ("kv_indptr", &kv_indptr),
+            ("kv_indices", &kv_indices),
+            ("kv_last_page_len", &kv_last_page_len),
+        ];
+        for (name, t) in [
+            ("page_map", &page_map),
+            ("extra_k", &extra_k),
+            ("extra_v", &extra_v),
+            ("workspace", &workspace),
+        ] {
+            if let Some(t) = t {
+                all.push((name, t));
+            }
         }
-        (None, None) => {}
-        _ => return Err(py_err(py, "InvalidArgumentError", "pass extra_k and extra_v together, or neither".into())),
-    }
-    let dt = kv_dtype(py, &named)?;
-    for (name, t) in &named[..named.len()] {
-        if *name != "out" {
-            check_disjoint(py, &[("out", &out), (name, t)])?;
+        all.push(("out", &out));
+        let cx = Cx::new(py, &all, &[])?;
+        let ns = q.dim(&cx, "q", 4, 0)?;
+        let rows = q.dim(&cx, "q", 4, 1)?;
+        q.expect_shape(&cx, "q", &[ns, rows, g.num_qo_heads, g.head_dim])?;
+        out.expect_shape(&cx, "out", &[ns, rows, g.num_qo_heads, g.head_dim])?;
+        let np = k_pages.dim(&cx, "k_pages", 4, 0)?;
+        k_pages.expect_shape(
+            &cx,
+            "k_pages",
+            &[np, g.num_kv_heads, g.block_size, g.head_dim],
+        )?;
+        v_pages.expect_shape(
+            &cx,
+            "v_pages",
+            &[np, g.num_kv_heads, g.block_size, g.head_dim],
+        )?;
+        kv_indptr.expect_i32(py, "kv_indptr")?;
+        kv_indptr.expect_shape(&cx, "kv_indptr", &[ns + 1])?;
+        kv_indices.expect_i32(py, "kv_indices")?;
+        kv_indices.dim(&cx, "kv_indices", 1, 0)?;
+        kv_last_page_len.expect_i32(py, "kv_last_page_len")?;
+        kv_last_page_len.expect_shape(&cx, "kv_last_page_len", &[ns])?;
+        if let Some(pm) = &page_map {
+            pm.expect_i32(py, "page_map")?;
+            pm.expect_shape(&cx, "page_map", &[np, g.num_kv_heads])?;
         }
-    }
-    with_dtype!(dt, T => {
-        // SAFETY: shapes/dtypes/CPU residence checked above; `out` is disjoint from every input.
-        let (qs, kp, vp, o) = unsafe { (q.slice::<T>(), k_pages.slice::<T>(), v_pages.slice::<T>(), out.slice_mut::<T>()) };
-        let kv = PagedKv {
-            k_pages: kp,
-            v_pages: vp,
-            kv_indptr: unsafe { kv_indptr.ints() },
-            kv_indices: unsafe { kv_indices.ints() },
-            kv_last_page_len: unsafe { kv_last_page_len.ints() },
-            page_map: page_map.as_ref().map(|p| unsafe { p.ints() }),
-        };
-        let extra = match (&extra_k, &extra_v) {
-            (Some(ek), Some(ev)) => Some(ExtraKv { k: unsafe { ek.slice::<T>() }, v: unsafe { ev.slice::<T>() } }),
-            _ => None,
-        };
-        guarded(py, "decode_attention", || kernels::decode_attention::<T>(&g, qs, rows, &kv, extra.as_ref(), sm_scale, o))
+        let mut named = vec![
+            ("q", &q),
+            ("k_pages", &k_pages),
+            ("v_pages", &v_pages),
+            ("out", &out),
+        ];
+        match (&extra_k, &extra_v) {
+            (Some(ek), Some(ev)) => {
+                ek.expect_shape(&cx, "extra_k", &[ns, g.num_kv_heads, g.head_dim])?;
+                ev.expect_shape(&cx, "extra_v", &[ns, g.num_kv_heads, g.head_dim])?;
+                named.push(("extra_k", ek));
+                named.push(("extra_v", ev));
+            }
+            (None, None) => {}
+            _ => {
+                return Err(py_err(
+                    py,
+                    "InvalidArgumentError",
+                    "pass extra_k and extra_v together, or neither".into(),
+                ))
+            }
+        }
+        let dt = kv_dtype(py, &named)?;
+        let inputs: Vec<_> = all
+            .iter()
+            .copied()
+            .filter(|(n, _)| *n != "out" && *n != "workspace")
+            .collect();
+        check_outputs(py, &[("out", &out)], &inputs)?;
+        match cx.place {
+            Place::Cpu => with_dtype!(dt, T => {
+                // SAFETY: shapes/dtypes/CPU residence checked above; `out` is disjoint from every input.
+                let (qs, kp, vp, o) = unsafe { (q.slice::<T>(), k_pages.slice::<T>(), v_pages.slice::<T>(), out.slice_mut::<T>()) };
+                let kv = PagedKv {
+                    k_pages: kp,
+                    v_pages: vp,
+                    kv_indptr: unsafe { kv_indptr.ints() },
+                    kv_indices: unsafe { kv_indices.ints() },
+                    kv_last_page_len: unsafe { kv_last_page_len.ints() },
+                    page_map: page_map.as_ref().map(|p| unsafe { p.ints() }),
+                };
+                let extra = match (&extra_k, &extra_v) {
+                    (Some(ek), Some(ev)) => Some(ExtraKv { k: unsafe { ek.slice::<T>() }, v: unsafe { ev.slice::<T>() } }),
+                    _ => None,
+                };
+                guarded(py, "decode_attention", || kernels::decode_attention::<T>(&g, qs, rows, &kv, extra.as_ref(), sm_scale, o))
+            }),
+            Place::Cuda(dev) => {
+                let ws = match &workspace {
+                    Some(w) => {
+                        w.expect_f32(py, "workspace")?;
+                        w.dim(&cx, "workspace", 1, 0)?;
+                        check_outputs(
+                            py,
+                            &[("workspace", w)],
+                            &all.iter()
+                                .copied()
+                                .filter(|(n, _)| *n != "workspace")
+                                .collect::<Vec<_>>(),
+                        )?;
+                        // SAFETY: float32, contiguous, on cuda:dev, disjoint from every other argument.
+                        Some(unsafe { w.dev::<f32>() })
+                    }
+                    None => None,
+                };
+                let (hq, h, d) = (g.num_qo_heads, g.num_kv_heads, g.head_dim);
+                let max_pages = if max_pages_per_seq > 0 {
+                    max_pages_per_seq
+                } else {
+                    kv_indices.numel()
+                };
+                with_dtype!(dt, T => {
+                    // SAFETY: (TensorArg::dev) shapes, dtypes, contiguity and residence on cuda:dev
+                    // checked above; `out` is disjoint from every other argument.
+                    let (qd, od) = unsafe { (q.dev::<T>(), out.dev::<T>()) };
+                    let kv = unsafe {
+                        PagedKvDev {
+                            k_pages: k_pages.dev::<T>(),
+                            v_pages: v_pages.dev::<T>(),
+                            kv_indptr: kv_indptr.dev::<i32>(),
+                            kv_indices: kv_indices.dev::<i32>(),
+                            kv_last_page_len: kv_last_page_len.dev::<i32>(),
+                            page_map: page_map.as_ref().map(|p| p.dev::<i32>()),
+                        }
+                    };
+                    let extra = match (&extra_k, &extra_v) {
+                        (Some(ek), Some(ev)) => Some(unsafe { ExtraKvDev { k: ek.dev::<T>(), v: ev.dev::<T>() } }),
+                        _ => None,
+                    };
+                    on_gpu(py, "decode_attention", dev, stream, &[], move |gpu, st| {
+                        let splits = if num_splits > 0 { num_splits } else { plan_splits(gpu.num_sms(), ns, h, max_pages) };
+                        let split = match ws {
+                            _ if splits <= 1 => None,
+                            Some(w) => Some(SplitKv { num_splits: splits, workspace: w }),
+                            None => {
+                                let need = ws_len(ns, rows, hq, d, splits);
+                                return Err(OasisError::Invalid(format!(
+                                    "split-kv attention with {splits} splits needs a float32 workspace of {need} elements on \
+                                     cuda:{dev}: pass workspace=torch.empty({need}, dtype=torch.float32, device=q.device) \
+                                     (decode_attn_workspace_len gives the size), or num_splits=1"
+                                ))
+                                .into());
+                            }
+                        };
+                        gpu.decode_attention::<T>(&g, qd, rows, &kv, extra.as_ref(), sm_scale, od, split.as_ref(), st)
+                    })
+                })
+            }
+        }
     })
 }
 
 #[pyfunction]
+#[pyo3(signature = (geo, host_k, block_ids, block_lens, summaries, *, stream = 0))]
 /// Recompute the min/max summaries of the given host blocks over their first `block_lens` tokens.
-fn build_summaries(py: Python<'_>, geo: &PyGeometry, host_k: TensorArg, block_ids: TensorArg, block_lens: TensorArg, summaries: TensorArg) -> PyResult<()> {
-    let g = geo.inner;
-    let nh = host_k.dim(py, "host_k", 4, 0)?;
-    host_k.expect_shape(py, "host_k", &[nh, g.num_kv_heads, g.block_size, g.head_dim])?;
-    summaries.expect_shape(py, "summaries", &[nh, g.num_kv_heads, 2, g.head_dim])?;
-    let n = block_ids.dim(py, "block_ids", 1, 0)?;
-    block_ids.expect_i32(py, "block_ids")?;
-    block_lens.expect_i32(py, "block_lens")?;
-    block_lens.expect_shape(py, "block_lens", &[n])?;
-    let dt = kv_dtype(py, &[("host_k", &host_k), ("summaries", &summaries)])?;
-    check_disjoint(py, &[("host_k", &host_k), ("summaries", &summaries)])?;
-    with_dtype!(dt, T => {
-        // SAFETY: checked above; summaries is disjoint from host_k.
-        let (hk, sm, ids, lens) = unsafe { (host_k.slice::<T>(), summaries.slice_mut::<T>(), block_ids.ints(), block_lens.ints()) };
-        guarded(py, "build_summaries", || kernels::build_summaries::<T>(&g, hk, ids, lens, sm))
+///
+/// host_k [num_host_blocks, num_kv_heads, block_size, head_dim]; block_ids, block_lens [n] int32;
+/// summaries [num_host_blocks, num_kv_heads, 2, head_dim].
+///
+/// CUDA: block_ids, block_lens and summaries on one cuda:N; host_k there too or in pinned CPU
+/// memory; queued on `stream` (raw cudaStream_t of cuda:N, 0 = legacy default), returns at once.
+/// Out-of-range ids or lengths are skipped on the GPU. `stream` is ignored on the CPU.
+fn build_summaries(
+    py: Python<'_>,
+    geo: &PyGeometry,
+    host_k: TensorArg,
+    block_ids: TensorArg,
+    block_lens: TensorArg,
+    summaries: TensorArg,
+    stream: u64,
+) -> PyResult<()> {
+    entry(py, "build_summaries", || {
+        let g = geo.inner;
+        let host = [("host_k", &host_k)];
+        let cx = Cx::new(
+            py,
+            &[
+                ("summaries", &summaries),
+                ("block_ids", &block_ids),
+                ("block_lens", &block_lens),
+            ],
+            &host,
+        )?;
+        let nh = host_k.dim(&cx.host(), "host_k", 4, 0)?;
+        host_k.expect_shape(
+            &cx.host(),
+            "host_k",
+            &[nh, g.num_kv_heads, g.block_size, g.head_dim],
+        )?;
+        summaries.expect_shape(&cx, "summaries", &[nh, g.num_kv_heads, 2, g.head_dim])?;
+        let n = block_ids.dim(&cx, "block_ids", 1, 0)?;
+        block_ids.expect_i32(py, "block_ids")?;
+        block_lens.expect_i32(py, "block_lens")?;
+        block_lens.expect_shape(&cx, "block_lens", &[n])?;
+        let dt = kv_dtype(py, &[("host_k", &host_k), ("summaries", &summaries)])?;
+        check_outputs(
+            py,
+            &[("summaries", &summaries)],
+            &[
+                ("host_k", &host_k),
+                ("block_ids", &block_ids),
+                ("block_lens", &block_lens),
+            ],
+        )?;
+        match cx.place {
+            Place::Cpu => with_dtype!(dt, T => {
+                // SAFETY: checked above; summaries is disjoint from the inputs.
+                let (hk, sm, ids, lens) = unsafe { (host_k.slice::<T>(), summaries.slice_mut::<T>(), block_ids.ints(), block_lens.ints()) };
+                guarded(py, "build_summaries", || kernels::build_summaries::<T>(&g, hk, ids, lens, sm))
+            }),
+            Place::Cuda(dev) => with_dtype!(dt, T => {
+                // SAFETY: (TensorArg::dev) checked above; summaries is disjoint from the inputs.
+                let (hk, sm, ids, lens) = unsafe { (host_k.dev::<T>(), summaries.dev::<T>(), block_ids.dev::<i32>(), block_lens.dev::<i32>()) };
+                on_gpu(py, "build_summaries", dev, stream, &host, move |gpu, st| gpu.build_summaries::<T>(&g, hk, ids, lens, sm, st))
+            }),
+        }
     })
 }
 
 #[pyfunction]
+#[pyo3(signature = (geo, q, summaries, blk_indptr, blk_indices, scores, *, stream = 0))]
 /// Quest block scores of the lookahead queries, summed over each GQA group: scores [nnz, num_kv_heads] f32.
-fn score_blocks(py: Python<'_>, geo: &PyGeometry, q: TensorArg, summaries: TensorArg, blk_indptr: TensorArg, blk_indices: TensorArg, scores: TensorArg) -> PyResult<()> {
-    let g = geo.inner;
-    let ns = q.dim(py, "q", 3, 0)?;
-    q.expect_shape(py, "q", &[ns, g.num_qo_heads, g.head_dim])?;
-    let nh = summaries.dim(py, "summaries", 4, 0)?;
-    summaries.expect_shape(py, "summaries", &[nh, g.num_kv_heads, 2, g.head_dim])?;
-    blk_indptr.expect_i32(py, "blk_indptr")?;
-    blk_indptr.expect_shape(py, "blk_indptr", &[ns + 1])?;
-    blk_indices.expect_i32(py, "blk_indices")?;
-    let nnz = blk_indices.dim(py, "blk_indices", 1, 0)?;
-    scores.expect_f32(py, "scores")?;
-    scores.expect_shape(py, "scores", &[nnz, g.num_kv_heads])?;
-    let dt = kv_dtype(py, &[("q", &q), ("summaries", &summaries)])?;
-    with_dtype!(dt, T => {
-        // SAFETY: checked above; scores is f32 and so cannot alias the T-typed inputs' use.
-        let (qs, sm, ip, ix, sc) = unsafe { (q.slice::<T>(), summaries.slice::<T>(), blk_indptr.ints(), blk_indices.ints(), scores.slice_mut::<f32>()) };
-        guarded(py, "score_blocks", || kernels::score_blocks::<T>(&g, qs, sm, ip, ix, sc))
+///
+/// q [num_seqs, num_qo_heads, head_dim]; summaries [num_host_blocks, num_kv_heads, 2, head_dim];
+/// blk_indptr [num_seqs + 1], blk_indices [nnz] int32 (host block of each logical block).
+///
+/// CUDA: every tensor on one cuda:N, queued on `stream` (raw cudaStream_t, 0 = legacy default),
+/// returns at once. An out-of-range block id scores -inf on the GPU (the CPU raises). `stream`
+/// is ignored on the CPU.
+#[allow(clippy::too_many_arguments)]
+fn score_blocks(
+    py: Python<'_>,
+    geo: &PyGeometry,
+    q: TensorArg,
+    summaries: TensorArg,
+    blk_indptr: TensorArg,
+    blk_indices: TensorArg,
+    scores: TensorArg,
+    stream: u64,
+) -> PyResult<()> {
+    entry(py, "score_blocks", || {
+        let g = geo.inner;
+        let inputs = [
+            ("q", &q),
+            ("summaries", &summaries),
+            ("blk_indptr", &blk_indptr),
+            ("blk_indices", &blk_indices),
+        ];
+        let cx = Cx::new(
+            py,
+            &[
+                inputs[0],
+                inputs[1],
+                inputs[2],
+                inputs[3],
+                ("scores", &scores),
+            ],
+            &[],
+        )?;
+        let ns = q.dim(&cx, "q", 3, 0)?;
+        q.expect_shape(&cx, "q", &[ns, g.num_qo_heads, g.head_dim])?;
+        let nh = summaries.dim(&cx, "summaries", 4, 0)?;
+        summaries.expect_shape(&cx, "summaries", &[nh, g.num_kv_heads, 2, g.head_dim])?;
+        blk_indptr.expect_i32(py, "blk_indptr")?;
+        blk_indptr.expect_shape(&cx, "blk_indptr", &[ns + 1])?;
+        blk_indices.expect_i32(py, "blk_indices")?;
+        let nnz = blk_indices.dim(&cx, "blk_indices", 1, 0)?;
+        scores.expect_f32(py, "scores")?;
+        scores.expect_shape(&cx, "scores", &[nnz, g.num_kv_heads])?;
+        let dt = kv_dtype(py, &[("q", &q), ("summaries", &summaries)])?;
+        check_outputs(py, &[("scores", &scores)], &inputs)?;
+        match cx.place {
+            Place::Cpu => with_dtype!(dt, T => {
+                // SAFETY: checked above; scores is disjoint from the inputs.
+                let (qs, sm, ip, ix, sc) = unsafe { (q.slice::<T>(), summaries.slice::<T>(), blk_indptr.ints(), blk_indices.ints(), scores.slice_mut::<f32>()) };
+                guarded(py, "score_blocks", || kernels::score_blocks::<T>(&g, qs, sm, ip, ix, sc))
+            }),
+            Place::Cuda(dev) => with_dtype!(dt, T => {
+                // SAFETY: (TensorArg::dev) checked above; scores is disjoint from the inputs.
+                let (qs, sm, ip, ix, sc) = unsafe { (q.dev::<T>(), summaries.dev::<T>(), blk_indptr.dev::<i32>(), blk_indices.dev::<i32>(), scores.dev::<f32>()) };
+                on_gpu(py, "score_blocks", dev, stream, &[], move |gpu, st| gpu.score_blocks::<T>(&g, qs, sm, ip, ix, sc, st))
+            }),
+        }
     })
 }
 
 #[pyfunction]
+#[pyo3(signature = (num_kv_heads, scores, blk_indptr, k, out, *, stream = 0))]
 /// Per (seq, kv head) top-k logical blocks, best first, -1 padded: out [num_seqs, num_kv_heads, k].
-fn topk_blocks(py: Python<'_>, num_kv_heads: usize, scores: TensorArg, blk_indptr: TensorArg, k: usize, out: TensorArg) -> PyResult<()> {
-    scores.expect_f32(py, "scores")?;
-    let nnz = scores.dim(py, "scores", 2, 0)?;
-    scores.expect_shape(py, "scores", &[nnz, num_kv_heads])?;
-    blk_indptr.expect_i32(py, "blk_indptr")?;
-    let ns = blk_indptr.dim(py, "blk_indptr", 1, 0)?.saturating_sub(1);
-    out.expect_i32(py, "out")?;
-    out.expect_shape(py, "out", &[ns, num_kv_heads, k])?;
-    // SAFETY: checked above; out is i32 and scores f32, distinct tensors.
-    let (sc, ip, o) = unsafe { (scores.slice::<f32>(), blk_indptr.ints(), out.ints_mut()) };
-    guarded(py, "topk_blocks", || kernels::topk_blocks(num_kv_heads, sc, ip, k, o))
+///
+/// scores [nnz, num_kv_heads] float32; blk_indptr [num_seqs + 1] int32. Ties go to the lower
+/// logical index.
+///
+/// CUDA: every tensor on one cuda:N, queued on `stream` (raw cudaStream_t, 0 = legacy default),
+/// returns at once; k is at most 512 there. `stream` is ignored on the CPU.
+fn topk_blocks(
+    py: Python<'_>,
+    num_kv_heads: usize,
+    scores: TensorArg,
+    blk_indptr: TensorArg,
+    k: usize,
+    out: TensorArg,
+    stream: u64,
+) -> PyResult<()> {
+    entry(py, "topk_blocks", || {
+        let cx = Cx::new(
+            py,
+            &[
+                ("scores", &scores),
+                ("blk_indptr", &blk_indptr),
+                ("out", &out),
+            ],
+            &[],
+        )?;
+        scores.expect_f32(py, "scores")?;
+        let nnz = scores.dim(&cx, "scores", 2, 0)?;
+        scores.expect_shape(&cx, "scores", &[nnz, num_kv_heads])?;
+        blk_indptr.expect_i32(py, "blk_indptr")?;
+        let ns = blk_indptr.dim(&cx, "blk_indptr", 1, 0)?.saturating_sub(1);
+        out.expect_i32(py, "out")?;
+        out.expect_shape(&cx, "out", &[ns, num_kv_heads, k])?;
+        check_outputs(
+            py,
+            &[("out", &out)],
+            &[("scores", &scores), ("blk_indptr", &blk_indptr)],
+        )?;
+        match cx.place {
+            Place::Cpu => {
+                // SAFETY: checked above; out is disjoint from the inputs.
+                let (sc, ip, o) =
+                    unsafe { (scores.slice::<f32>(), blk_indptr.ints(), out.ints_mut()) };
+                guarded(py, "topk_blocks", || {
+                    kernels::topk_blocks(num_kv_heads, sc, ip, k, o)
+                })
+            }
+            Place::Cuda(dev) => {
+                // SAFETY: (TensorArg::dev) checked above; out is disjoint from the inputs.
+                let (sc, ip, o) = unsafe {
+                    (
+                        scores.dev::<f32>(),
+                        blk_indptr.dev::<i32>(),
+                        out.dev::<i32>(),
+                    )
+                };
+                on_gpu(py, "topk_blocks", dev, stream, &[], move |gpu, st| {
+                    gpu.topk_blocks(num_kv_heads, sc, ip, k, o, st)
+                })
+            }
+        }
+    })
 }
 
 #[pyfunction]
-#[pyo3(signature = (num_kv_heads, predicted, slot_pages, page_map, page_last_selected, step, fetch_cap, plan_slots, plan_blocks))]
+#[pyo3(signature = (num_kv_heads, predicted, slot_pages, page_map, page_last_selected, step, fetch_cap, plan_slots, plan_blocks, *, stats = None, stream = 0))]
 #[allow(clippy::too_many_arguments)]
 /// Delta selection with capped least-recently-selected eviction. Updates page_map and
-/// page_last_selected in place, writes the plan, returns (pairs, kept, missing).
+/// page_last_selected in place and writes the plan.
+///
+/// predicted [num_seqs, num_kv_heads, num_pred] (num_pred <= budget), slot_pages
+/// [num_seqs, budget], page_map and page_last_selected [num_pages, num_kv_heads], plan_slots and
+/// plan_blocks [num_seqs, num_kv_heads, fetch_cap], all int32.
+///
+/// CPU: returns (pairs, kept, missing) summed over sequences and heads; `stats` must be None.
+/// CUDA: every tensor on one cuda:N, queued on `stream` (raw cudaStream_t, 0 = legacy default),
+/// returns None at once; pass `stats`, an int32 tensor [num_seqs, num_kv_heads, 3] on cuda:N, to
+/// receive (pairs, kept, missing) per (seq, head). On the GPU, budget is at most 4096, and
+/// slot_pages is not validated: an out-of-range page is skipped, a page listed twice is undefined.
 fn delta_select(
     py: Python<'_>,
     num_kv_heads: usize,
@@ -337,42 +826,126 @@ fn delta_select(
     fetch_cap: usize,
     plan_slots: TensorArg,
     plan_blocks: TensorArg,
-) -> PyResult<(usize, usize, usize)> {
-    let ns = predicted.dim(py, "predicted", 3, 0)?;
-    let np = predicted.dim(py, "predicted", 3, 2)?;
-    predicted.expect_shape(py, "predicted", &[ns, num_kv_heads, np])?;
-    let budget = slot_pages.dim(py, "slot_pages", 2, 1)?;
-    slot_pages.expect_shape(py, "slot_pages", &[ns, budget])?;
-    let npages = page_map.dim(py, "page_map", 2, 0)?;
-    page_map.expect_shape(py, "page_map", &[npages, num_kv_heads])?;
-    page_last_selected.expect_shape(py, "page_last_selected", &[npages, num_kv_heads])?;
-    plan_slots.expect_shape(py, "plan_slots", &[ns, num_kv_heads, fetch_cap])?;
-    plan_blocks.expect_shape(py, "plan_blocks", &[ns, num_kv_heads, fetch_cap])?;
-    let all = [
-        ("predicted", &predicted),
-        ("slot_pages", &slot_pages),
-        ("page_map", &page_map),
-        ("page_last_selected", &page_last_selected),
-        ("plan_slots", &plan_slots),
-        ("plan_blocks", &plan_blocks),
-    ];
-    for (name, t) in all {
-        t.expect_i32(py, name)?;
-    }
-    check_disjoint(py, &all)?;
-    // SAFETY: all i32 on the CPU with the checked shapes; the four mutable ones are disjoint.
-    let (pr, sp, pm, pls, ps, pb) = unsafe {
-        (predicted.ints(), slot_pages.ints(), page_map.ints_mut(), page_last_selected.ints_mut(), plan_slots.ints_mut(), plan_blocks.ints_mut())
-    };
-    let st = guarded(py, "delta_select", || kernels::delta_select(num_kv_heads, pr, np, sp, budget, pm, pls, step, fetch_cap, ps, pb))?;
-    Ok((st.pairs, st.kept, st.missing))
+    stats: Option<TensorArg>,
+    stream: u64,
+) -> PyResult<Option<(usize, usize, usize)>> {
+    entry(py, "delta_select", || {
+        let mut all = vec![
+            ("predicted", &predicted),
+            ("slot_pages", &slot_pages),
+            ("page_map", &page_map),
+            ("page_last_selected", &page_last_selected),
+            ("plan_slots", &plan_slots),
+            ("plan_blocks", &plan_blocks),
+        ];
+        if let Some(st) = &stats {
+            all.push(("stats", st));
+        }
+        let cx = Cx::new(py, &all, &[])?;
+        let ns = predicted.dim(&cx, "predicted", 3, 0)?;
+        let np = predicted.dim(&cx, "predicted", 3, 2)?;
+        predicted.expect_shape(&cx, "predicted", &[ns, num_kv_heads, np])?;
+        let budget = slot_pages.dim(&cx, "slot_pages", 2, 1)?;
+        slot_pages.expect_shape(&cx, "slot_pages", &[ns, budget])?;
+        let npages = page_map.dim(&cx, "page_map", 2, 0)?;
+        page_map.expect_shape(&cx, "page_map", &[npages, num_kv_heads])?;
+        page_last_selected.expect_shape(&cx, "page_last_selected", &[npages, num_kv_heads])?;
+        plan_slots.expect_shape(&cx, "plan_slots", &[ns, num_kv_heads, fetch_cap])?;
+        plan_blocks.expect_shape(&cx, "plan_blocks", &[ns, num_kv_heads, fetch_cap])?;
+        if let Some(st) = &stats {
+            st.expect_shape(&cx, "stats", &[ns, num_kv_heads, 3])?;
+        }
+        for (name, t) in &all {
+            t.expect_i32(py, name)?;
+        }
+        check_disjoint(py, &all)?;
+        match cx.place {
+            Place::Cpu => {
+                if stats.is_some() {
+                    return Err(py_err(
+                        py,
+                        "InvalidArgumentError",
+                        "stats is filled by the GPU kernel only; on the CPU delta_select returns the totals (pairs, kept, missing): pass stats=None".into(),
+                    ));
+                }
+                // SAFETY: all i32 on the CPU with the checked shapes; the four mutable ones are disjoint.
+                let (pr, sp, pm, pls, ps, pb) = unsafe {
+                    (
+                        predicted.ints(),
+                        slot_pages.ints(),
+                        page_map.ints_mut(),
+                        page_last_selected.ints_mut(),
+                        plan_slots.ints_mut(),
+                        plan_blocks.ints_mut(),
+                    )
+                };
+                let st = guarded(py, "delta_select", || {
+                    kernels::delta_select(
+                        num_kv_heads,
+                        pr,
+                        np,
+                        sp,
+                        budget,
+                        pm,
+                        pls,
+                        step,
+                        fetch_cap,
+                        ps,
+                        pb,
+                    )
+                })?;
+                Ok(Some((st.pairs, st.kept, st.missing)))
+            }
+            Place::Cuda(dev) => {
+                // SAFETY: (TensorArg::dev) all int32 on cuda:dev with the checked shapes, pairwise disjoint.
+                let (pr, sp, pm, pls, ps, pb) = unsafe {
+                    (
+                        predicted.dev::<i32>(),
+                        slot_pages.dev::<i32>(),
+                        page_map.dev::<i32>(),
+                        page_last_selected.dev::<i32>(),
+                        plan_slots.dev::<i32>(),
+                        plan_blocks.dev::<i32>(),
+                    )
+                };
+                let sd = stats.as_ref().map(|s| unsafe { s.dev::<i32>() });
+                on_gpu(py, "delta_select", dev, stream, &[], move |gpu, st| {
+                    gpu.delta_select(
+                        num_kv_heads,
+                        pr,
+                        np,
+                        sp,
+                        budget,
+                        pm,
+                        pls,
+                        step,
+                        fetch_cap,
+                        ps,
+                        pb,
+                        sd,
+                        st,
+                    )
+                })?;
+                Ok(None)
+            }
+        }
+    })
 }
 
 #[pyfunction]
-#[pyo3(signature = (geo, plan_slots, plan_blocks, slot_pages, host_indptr, host_indices, host_k, host_v, k_pages, v_pages))]
+#[pyo3(signature = (geo, plan_slots, plan_blocks, slot_pages, host_indptr, host_indices, host_k, host_v, k_pages, v_pages, *, stream = 0))]
 #[allow(clippy::too_many_arguments)]
 /// Execute a selection plan: copy planned block-head entries from the host pool into GPU slots.
-/// Returns the number of block-head entries copied.
+///
+/// plan_slots, plan_blocks [num_seqs, num_kv_heads, fetch_cap], slot_pages [num_seqs, budget],
+/// host_indptr [num_seqs + 1], host_indices [nnz] int32; host_k, host_v [num_host_blocks,
+/// num_kv_heads, block_size, head_dim]; k_pages, v_pages [num_pages, num_kv_heads, block_size,
+/// head_dim]. Bit-exact.
+///
+/// CPU: returns the number of block-head entries copied. CUDA: every tensor on one cuda:N except
+/// host_k, host_v, which may be pinned CPU memory (read through unified addressing); queued on
+/// `stream` (raw cudaStream_t, 0 = legacy default); returns None at once. Plan entries out of
+/// range are skipped on the GPU. Keep the host pool alive until the stream has run the copy.
 fn gather_blocks(
     py: Python<'_>,
     geo: &PyGeometry,
@@ -385,56 +958,283 @@ fn gather_blocks(
     host_v: TensorArg,
     k_pages: TensorArg,
     v_pages: TensorArg,
-) -> PyResult<usize> {
-    let g = geo.inner;
-    let ns = plan_slots.dim(py, "plan_slots", 3, 0)?;
-    let cap = plan_slots.dim(py, "plan_slots", 3, 2)?;
-    for (name, t) in [("plan_slots", &plan_slots), ("plan_blocks", &plan_blocks), ("slot_pages", &slot_pages), ("host_indptr", &host_indptr), ("host_indices", &host_indices)] {
-        t.expect_i32(py, name)?;
-    }
-    plan_slots.expect_shape(py, "plan_slots", &[ns, g.num_kv_heads, cap])?;
-    plan_blocks.expect_shape(py, "plan_blocks", &[ns, g.num_kv_heads, cap])?;
-    let budget = slot_pages.dim(py, "slot_pages", 2, 1)?;
-    slot_pages.expect_shape(py, "slot_pages", &[ns, budget])?;
-    host_indptr.expect_shape(py, "host_indptr", &[ns + 1])?;
-    host_indices.dim(py, "host_indices", 1, 0)?;
-    let nh = host_k.dim(py, "host_k", 4, 0)?;
-    host_k.expect_shape(py, "host_k", &[nh, g.num_kv_heads, g.block_size, g.head_dim])?;
-    host_v.expect_shape(py, "host_v", &[nh, g.num_kv_heads, g.block_size, g.head_dim])?;
-    let np = k_pages.dim(py, "k_pages", 4, 0)?;
-    k_pages.expect_shape(py, "k_pages", &[np, g.num_kv_heads, g.block_size, g.head_dim])?;
-    v_pages.expect_shape(py, "v_pages", &[np, g.num_kv_heads, g.block_size, g.head_dim])?;
-    let dt = kv_dtype(py, &[("host_k", &host_k), ("host_v", &host_v), ("k_pages", &k_pages), ("v_pages", &v_pages)])?;
-    check_disjoint(py, &[("host_k", &host_k), ("host_v", &host_v), ("k_pages", &k_pages), ("v_pages", &v_pages)])?;
-    with_dtype!(dt, T => {
-        // SAFETY: checked above; the page pools are disjoint from each other and from the host pool.
-        let (ps, pb, sp, hi, hx) = unsafe { (plan_slots.ints(), plan_blocks.ints(), slot_pages.ints(), host_indptr.ints(), host_indices.ints()) };
-        let (hk, hv, kp, vp) = unsafe { (host_k.slice::<T>(), host_v.slice::<T>(), k_pages.slice_mut::<T>(), v_pages.slice_mut::<T>()) };
-        guarded(py, "gather_blocks", || kernels::gather_blocks::<T>(&g, ps, pb, cap, sp, budget, hi, hx, hk, hv, kp, vp))
+    stream: u64,
+) -> PyResult<Option<usize>> {
+    entry(py, "gather_blocks", || {
+        let g = geo.inner;
+        let tables = [
+            ("plan_slots", &plan_slots),
+            ("plan_blocks", &plan_blocks),
+            ("slot_pages", &slot_pages),
+            ("host_indptr", &host_indptr),
+            ("host_indices", &host_indices),
+        ];
+        let host = [("host_k", &host_k), ("host_v", &host_v)];
+        let cx = Cx::new(
+            py,
+            &[
+                tables[0],
+                tables[1],
+                tables[2],
+                tables[3],
+                tables[4],
+                ("k_pages", &k_pages),
+                ("v_pages", &v_pages),
+            ],
+            &host,
+        )?;
+        let ns = plan_slots.dim(&cx, "plan_slots", 3, 0)?;
+        let cap = plan_slots.dim(&cx, "plan_slots", 3, 2)?;
+        for (name, t) in tables {
+            t.expect_i32(py, name)?;
+        }
+        plan_slots.expect_shape(&cx, "plan_slots", &[ns, g.num_kv_heads, cap])?;
+        plan_blocks.expect_shape(&cx, "plan_blocks", &[ns, g.num_kv_heads, cap])?;
+        let budget = slot_pages.dim(&cx, "slot_pages", 2, 1)?;
+        slot_pages.expect_shape(&cx, "slot_pages", &[ns, budget])?;
+        host_indptr.expect_shape(&cx, "host_indptr", &[ns + 1])?;
+        host_indices.dim(&cx, "host_indices", 1, 0)?;
+        let nh = host_k.dim(&cx.host(), "host_k", 4, 0)?;
+        host_k.expect_shape(
+            &cx.host(),
+            "host_k",
+            &[nh, g.num_kv_heads, g.block_size, g.head_dim],
+        )?;
+        host_v.expect_shape(
+            &cx.host(),
+            "host_v",
+            &[nh, g.num_kv_heads, g.block_size, g.head_dim],
+        )?;
+        let np = k_pages.dim(&cx, "k_pages", 4, 0)?;
+        k_pages.expect_shape(
+            &cx,
+            "k_pages",
+            &[np, g.num_kv_heads, g.block_size, g.head_dim],
+        )?;
+        v_pages.expect_shape(
+            &cx,
+            "v_pages",
+            &[np, g.num_kv_heads, g.block_size, g.head_dim],
+        )?;
+        let dt = kv_dtype(
+            py,
+            &[
+                ("host_k", &host_k),
+                ("host_v", &host_v),
+                ("k_pages", &k_pages),
+                ("v_pages", &v_pages),
+            ],
+        )?;
+        check_disjoint(
+            py,
+            &[
+                ("host_k", &host_k),
+                ("host_v", &host_v),
+                ("k_pages", &k_pages),
+                ("v_pages", &v_pages),
+            ],
+        )?;
+        check_outputs(py, &[("k_pages", &k_pages), ("v_pages", &v_pages)], &tables)?;
+        match cx.place {
+            Place::Cpu => with_dtype!(dt, T => {
+                // SAFETY: checked above; the page pools are disjoint from each other and from every input.
+                let (ps, pb, sp, hi, hx) = unsafe { (plan_slots.ints(), plan_blocks.ints(), slot_pages.ints(), host_indptr.ints(), host_indices.ints()) };
+                let (hk, hv, kp, vp) = unsafe { (host_k.slice::<T>(), host_v.slice::<T>(), k_pages.slice_mut::<T>(), v_pages.slice_mut::<T>()) };
+                guarded(py, "gather_blocks", || kernels::gather_blocks::<T>(&g, ps, pb, cap, sp, budget, hi, hx, hk, hv, kp, vp)).map(Some)
+            }),
+            Place::Cuda(dev) => with_dtype!(dt, T => {
+                // SAFETY: (TensorArg::dev) checked above (the host pool pinned; mapped checked in
+                // on_gpu); the page pools are disjoint from each other and from every input.
+                let (ps, pb, sp, hi, hx) = unsafe { (plan_slots.dev::<i32>(), plan_blocks.dev::<i32>(), slot_pages.dev::<i32>(), host_indptr.dev::<i32>(), host_indices.dev::<i32>()) };
+                let (hk, hv, kp, vp) = unsafe { (host_k.dev::<T>(), host_v.dev::<T>(), k_pages.dev::<T>(), v_pages.dev::<T>()) };
+                on_gpu(py, "gather_blocks", dev, stream, &host, move |gpu, st| gpu.gather_blocks::<T>(&g, ps, pb, cap, sp, budget, hi, hx, hk, hv, kp, vp, st))?;
+                Ok(None)
+            }),
+        }
     })
 }
 
 #[pyfunction]
+#[pyo3(signature = (geo, src_k, src_v, src_ids, dst_k, dst_v, dst_ids, *, stream = 0))]
 #[allow(clippy::too_many_arguments)]
-/// Whole-page copy between two pools of the same page geometry: src_ids[i] -> dst_ids[i].
-fn copy_pages(py: Python<'_>, geo: &PyGeometry, src_k: TensorArg, src_v: TensorArg, src_ids: TensorArg, dst_k: TensorArg, dst_v: TensorArg, dst_ids: TensorArg) -> PyResult<()> {
-    let g = geo.inner;
-    let ns = src_k.dim(py, "src_k", 4, 0)?;
-    src_k.expect_shape(py, "src_k", &[ns, g.num_kv_heads, g.block_size, g.head_dim])?;
-    src_v.expect_shape(py, "src_v", &[ns, g.num_kv_heads, g.block_size, g.head_dim])?;
-    let nd = dst_k.dim(py, "dst_k", 4, 0)?;
-    dst_k.expect_shape(py, "dst_k", &[nd, g.num_kv_heads, g.block_size, g.head_dim])?;
-    dst_v.expect_shape(py, "dst_v", &[nd, g.num_kv_heads, g.block_size, g.head_dim])?;
-    src_ids.expect_i32(py, "src_ids")?;
-    dst_ids.expect_i32(py, "dst_ids")?;
-    let n = src_ids.dim(py, "src_ids", 1, 0)?;
-    dst_ids.expect_shape(py, "dst_ids", &[n])?;
-    let dt = kv_dtype(py, &[("src_k", &src_k), ("src_v", &src_v), ("dst_k", &dst_k), ("dst_v", &dst_v)])?;
-    check_disjoint(py, &[("src_k", &src_k), ("src_v", &src_v), ("dst_k", &dst_k), ("dst_v", &dst_v)])?;
-    with_dtype!(dt, T => {
-        // SAFETY: checked above; destination pools are disjoint from the sources.
-        let (sk, sv, si, dk, dv, di) = unsafe { (src_k.slice::<T>(), src_v.slice::<T>(), src_ids.ints(), dst_k.slice_mut::<T>(), dst_v.slice_mut::<T>(), dst_ids.ints()) };
-        guarded(py, "copy_pages", || kernels::copy_pages::<T>(&g, sk, sv, si, dk, dv, di))
+/// Whole-page copy between two pools of the same page geometry: src_ids[i] -> dst_ids[i], all heads.
+///
+/// src_k, src_v [num_src_pages, num_kv_heads, block_size, head_dim]; dst_k, dst_v [num_dst_pages,
+/// ...]; src_ids, dst_ids [n] int32. Bit-exact.
+///
+/// CUDA: src_ids, dst_ids on cuda:N; each pool there too or in pinned CPU memory (dense pages to
+/// host blocks when a request turns sparse); queued on `stream` (raw cudaStream_t, 0 = legacy
+/// default), returns at once. Out-of-range ids are skipped on the GPU.
+fn copy_pages(
+    py: Python<'_>,
+    geo: &PyGeometry,
+    src_k: TensorArg,
+    src_v: TensorArg,
+    src_ids: TensorArg,
+    dst_k: TensorArg,
+    dst_v: TensorArg,
+    dst_ids: TensorArg,
+    stream: u64,
+) -> PyResult<()> {
+    entry(py, "copy_pages", || {
+        let g = geo.inner;
+        let pools = [
+            ("src_k", &src_k),
+            ("src_v", &src_v),
+            ("dst_k", &dst_k),
+            ("dst_v", &dst_v),
+        ];
+        let cx = Cx::new(py, &[("src_ids", &src_ids), ("dst_ids", &dst_ids)], &pools)?;
+        let ns = src_k.dim(&cx.host(), "src_k", 4, 0)?;
+        src_k.expect_shape(
+            &cx.host(),
+            "src_k",
+            &[ns, g.num_kv_heads, g.block_size, g.head_dim],
+        )?;
+        src_v.expect_shape(
+            &cx.host(),
+            "src_v",
+            &[ns, g.num_kv_heads, g.block_size, g.head_dim],
+        )?;
+        let nd = dst_k.dim(&cx.host(), "dst_k", 4, 0)?;
+        dst_k.expect_shape(
+            &cx.host(),
+            "dst_k",
+            &[nd, g.num_kv_heads, g.block_size, g.head_dim],
+        )?;
+        dst_v.expect_shape(
+            &cx.host(),
+            "dst_v",
+            &[nd, g.num_kv_heads, g.block_size, g.head_dim],
+        )?;
+        src_ids.expect_i32(py, "src_ids")?;
+        dst_ids.expect_i32(py, "dst_ids")?;
+        let n = src_ids.dim(&cx, "src_ids", 1, 0)?;
+        dst_ids.expect_shape(&cx, "dst_ids", &[n])?;
+        let dt = kv_dtype(py, &pools)?;
+        check_disjoint(py, &pools)?;
+        check_outputs(
+            py,
+            &[("dst_k", &dst_k), ("dst_v", &dst_v)],
+            &[("src_ids", &src_ids), ("dst_ids", &dst_ids)],
+        )?;
+        match cx.place {
+            Place::Cpu => with_dtype!(dt, T => {
+                // SAFETY: checked above; destination pools are disjoint from the sources and the ids.
+                let (sk, sv, si, dk, dv, di) = unsafe { (src_k.slice::<T>(), src_v.slice::<T>(), src_ids.ints(), dst_k.slice_mut::<T>(), dst_v.slice_mut::<T>(), dst_ids.ints()) };
+                guarded(py, "copy_pages", || kernels::copy_pages::<T>(&g, sk, sv, si, dk, dv, di))
+            }),
+            Place::Cuda(dev) => with_dtype!(dt, T => {
+                // SAFETY: (TensorArg::dev) checked above (pinned pools: mapped checked in on_gpu);
+                // destination pools are disjoint from the sources and the ids.
+                let (sk, sv, si, dk, dv, di) = unsafe { (src_k.dev::<T>(), src_v.dev::<T>(), src_ids.dev::<i32>(), dst_k.dev::<T>(), dst_v.dev::<T>(), dst_ids.dev::<i32>()) };
+                on_gpu(py, "copy_pages", dev, stream, &pools, move |gpu, st| gpu.copy_pages::<T>(&g, sk, sv, si, dk, dv, di, st))
+            }),
+        }
+    })
+}
+
+#[pyfunction]
+/// f32 elements of the split-KV workspace of decode_attention: partial outputs and log-sum-exps
+/// of every (seq, row, query head, split).
+fn decode_attn_workspace_len(
+    py: Python<'_>,
+    num_seqs: usize,
+    num_rows: usize,
+    num_qo_heads: usize,
+    head_dim: usize,
+    num_splits: usize,
+) -> PyResult<usize> {
+    // The product of oasis_cuda's formula, checked: sizes come from Python and must not wrap.
+    let fits = head_dim
+        .checked_add(1)
+        .and_then(|d1| {
+            [num_seqs, num_rows, num_qo_heads, num_splits]
+                .iter()
+                .try_fold(d1, |acc, &x| acc.checked_mul(x))
+        })
+        .is_some();
+    if !fits {
+        return Err(py_err(
+            py,
+            "InvalidArgumentError",
+            "the split-kv workspace size overflows; make the call smaller".into(),
+        ));
+    }
+    Ok(ws_len(
+        num_seqs,
+        num_rows,
+        num_qo_heads,
+        head_dim,
+        num_splits,
+    ))
+}
+
+#[pyfunction]
+/// The split count decode_attention plans on a GPU with `num_sms` SMs for a batch whose longest
+/// sequence has `max_pages` pages (1 = no split, no workspace).
+fn plan_num_splits(
+    py: Python<'_>,
+    num_sms: usize,
+    num_seqs: usize,
+    num_kv_heads: usize,
+    max_pages: usize,
+) -> PyResult<usize> {
+    entry(py, "plan_num_splits", || {
+        Ok(plan_splits(
+            num_sms.min(1 << 20),
+            num_seqs,
+            num_kv_heads,
+            max_pages,
+        ))
+    })
+}
+
+/// Why the CUDA path cannot run here, or `None`.
+fn cuda_unavailable_reason() -> Option<String> {
+    let mut reasons = Vec::new();
+    if let Err(e) = oasis_cuda::nvrtc_info() {
+        reasons.push(e.to_string());
+    }
+    let gpu = match Gpu::attach(None) {
+        Err(CudaError::NoContext) => Gpu::attach(Some(0)),
+        r => r,
+    };
+    if let Err(e) = gpu {
+        reasons.push(e.to_string());
+    }
+    (!reasons.is_empty()).then(|| reasons.join("; "))
+}
+
+#[pyfunction]
+/// None when the CUDA path can run here (driver, a GPU of sm_80 or newer that takes a context,
+/// NVRTC), else the reason and what to install or set. Never raises. Without a current context
+/// it attaches to device 0's primary context (as torch.cuda.init() would).
+fn cuda_status(py: Python<'_>) -> Option<String> {
+    py.detach(|| {
+        catch_unwind(cuda_unavailable_reason)
+            .unwrap_or_else(|_| Some("internal error while probing cuda".to_string()))
+    })
+}
+
+#[pyfunction]
+#[pyo3(signature = (arch = "sm_90"))]
+/// Compile every kernel source with NVRTC for `arch` (sm_XY or compute_XY, sm_80 or newer),
+/// through the on-disk cache; returns (source name, image bytes) per source. Needs libnvrtc
+/// only, no GPU. Raises CudaUnavailableError without NVRTC, OasisError with the log when a
+/// source does not compile.
+fn compile_kernels(py: Python<'_>, arch: &str) -> PyResult<Vec<(String, usize)>> {
+    let arch = arch.to_string();
+    detached(py, "compile_kernels", move || {
+        oasis_cuda::compile_all(&arch)
+    })
+}
+
+#[pyfunction]
+/// (major, minor) of the NVRTC in use. Raises CudaUnavailableError when libnvrtc is not found.
+fn nvrtc_version(py: Python<'_>) -> PyResult<(i32, i32)> {
+    detached(py, "nvrtc_version", || {
+        oasis_cuda::nvrtc_info().map(|i| i.version)
     })
 }
 
@@ -451,5 +1251,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(delta_select, m)?)?;
     m.add_function(wrap_pyfunction!(gather_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(copy_pages, m)?)?;
+    m.add_function(wrap_pyfunction!(decode_attn_workspace_len, m)?)?;
+    m.add_function(wrap_pyfunction!(plan_num_splits, m)?)?;
+    m.add_function(wrap_pyfunction!(cuda_status, m)?)?;
+    m.add_function(wrap_pyfunction!(compile_kernels, m)?)?;
+    m.add_function(wrap_pyfunction!(nvrtc_version, m)?)?;
     Ok(())
 }

@@ -63,17 +63,28 @@ impl<'py> Cx<'py> {
     /// # Errors
     /// `DeviceError` naming every tensor and its device when they disagree, or when a device is
     /// neither `cpu` nor `cuda:n`.
-    pub fn new(py: Python<'py>, device_side: &[(&str, &TensorArg)], host_side: &[(&str, &TensorArg)]) -> PyResult<Self> {
+    pub fn new(
+        py: Python<'py>,
+        device_side: &[(&str, &TensorArg)],
+        host_side: &[(&str, &TensorArg)],
+    ) -> PyResult<Self> {
         let (first_name, first) = device_side[0];
         let place = Place::parse(&first.device);
-        let device_ok = place.is_some() && device_side.iter().all(|(_, t)| Place::parse(&t.device) == place);
+        let device_ok = place.is_some()
+            && device_side
+                .iter()
+                .all(|(_, t)| Place::parse(&t.device) == place);
         let host_ok = |t: &TensorArg| {
             let p = Place::parse(&t.device);
             p == place || (matches!(place, Some(Place::Cuda(_))) && p == Some(Place::Cpu))
         };
         if device_ok && host_side.iter().all(|(_, t)| host_ok(t)) {
             let place = place.unwrap_or(Place::Cpu);
-            return Ok(Self { py, place, host_pool: false });
+            return Ok(Self {
+                py,
+                place,
+                host_pool: false,
+            });
         }
         // Group the tensors by device, in argument order, for a message that names them all.
         let mut groups: Vec<(&str, Vec<&str>)> = Vec::new();
@@ -83,15 +94,27 @@ impl<'py> Cx<'py> {
                 None => groups.push((&t.device, vec![name])),
             }
         }
-        let listing = groups.iter().map(|(d, names)| format!("{} on {d}", names.join(", "))).collect::<Vec<_>>().join("; ");
-        let msg = if let Some((name, t)) = device_side.iter().chain(host_side).find(|(_, t)| Place::parse(&t.device).is_none()) {
+        let listing = groups
+            .iter()
+            .map(|(d, names)| format!("{} on {d}", names.join(", ")))
+            .collect::<Vec<_>>()
+            .join("; ");
+        let msg = if let Some((name, t)) = device_side
+            .iter()
+            .chain(host_side)
+            .find(|(_, t)| Place::parse(&t.device).is_none())
+        {
             format!(
                 "{name} is on {}; the kernels run on CPU tensors or on CUDA tensors (move them with .cpu() or .to(\"cuda\")). \
                  tensors: {listing}",
                 t.device
             )
         } else if device_ok {
-            let names = host_side.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ");
+            let names = host_side
+                .iter()
+                .map(|(n, _)| *n)
+                .collect::<Vec<_>>()
+                .join(", ");
             format!(
                 "the call runs on {} ({first_name}'s device) but the host pool is elsewhere: {listing}; pass {names} on {} \
                  or, for a CUDA call, as pinned CPU memory (torch.empty(..., pin_memory=True))",
@@ -101,8 +124,14 @@ impl<'py> Cx<'py> {
             let host = if host_side.is_empty() {
                 String::new()
             } else {
-                let names = host_side.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ");
-                format!(" ({names} may also be pinned CPU memory when the rest is on a CUDA device)")
+                let names = host_side
+                    .iter()
+                    .map(|(n, _)| *n)
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                format!(
+                    " ({names} may also be pinned CPU memory when the rest is on a CUDA device)"
+                )
             };
             format!(
                 "the tensors of one call must be on one device, but {listing}; move them to one device, e.g. \
@@ -115,7 +144,10 @@ impl<'py> Cx<'py> {
     /// The same call, for checking a host-pool tensor (a CUDA call may read it from pinned CPU
     /// memory through unified addressing).
     pub fn host(self) -> Self {
-        Self { host_pool: true, ..self }
+        Self {
+            host_pool: true,
+            ..self
+        }
     }
 }
 
@@ -139,15 +171,43 @@ impl<'a, 'py> FromPyObject<'a, 'py> for TensorArg {
     fn extract(ob: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
         let py = ob.py();
         let not_tensor = || {
-            let ty = ob.get_type().name().map(|n| n.to_string()).unwrap_or_default();
-            py_err(py, "DTypeError", format!("expected a torch.Tensor, got {ty}; pass a tensor (torch.as_tensor(x))"))
+            let ty = ob
+                .get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_default();
+            py_err(
+                py,
+                "DTypeError",
+                format!("expected a torch.Tensor, got {ty}; pass a tensor (torch.as_tensor(x))"),
+            )
         };
-        let ptr: usize = ob.call_method0("data_ptr").and_then(|p| p.extract()).map_err(|_| not_tensor())?;
-        let shape: Vec<usize> = ob.getattr("shape").and_then(|s| s.extract()).map_err(|_| not_tensor())?;
-        let dtype: String = ob.getattr("dtype").and_then(|d| d.str()).map(|s| s.to_string()).map_err(|_| not_tensor())?;
-        let device: String = ob.getattr("device").and_then(|d| d.str()).map(|s| s.to_string()).map_err(|_| not_tensor())?;
-        let contiguous: bool = ob.call_method0("is_contiguous").and_then(|c| c.extract()).map_err(|_| not_tensor())?;
-        let elem_size: usize = ob.call_method0("element_size").and_then(|c| c.extract()).map_err(|_| not_tensor())?;
+        let ptr: usize = ob
+            .call_method0("data_ptr")
+            .and_then(|p| p.extract())
+            .map_err(|_| not_tensor())?;
+        let shape: Vec<usize> = ob
+            .getattr("shape")
+            .and_then(|s| s.extract())
+            .map_err(|_| not_tensor())?;
+        let dtype: String = ob
+            .getattr("dtype")
+            .and_then(|d| d.str())
+            .map(|s| s.to_string())
+            .map_err(|_| not_tensor())?;
+        let device: String = ob
+            .getattr("device")
+            .and_then(|d| d.str())
+            .map(|s| s.to_string())
+            .map_err(|_| not_tensor())?;
+        let contiguous: bool = ob
+            .call_method0("is_contiguous")
+            .and_then(|c| c.extract())
+            .map_err(|_| not_tensor())?;
+        let elem_size: usize = ob
+            .call_method0("element_size")
+            .and_then(|c| c.extract())
+            .map_err(|_| not_tensor())?;
         Ok(Self {
             ptr,
             shape,
@@ -171,7 +231,12 @@ impl TensorArg {
         if let Some(p) = self.pinned.get() {
             return p;
         }
-        let p = self.obj.bind(py).call_method0("is_pinned").and_then(|r| r.extract()).unwrap_or(false);
+        let p = self
+            .obj
+            .bind(py)
+            .call_method0("is_pinned")
+            .and_then(|r| r.extract())
+            .unwrap_or(false);
         self.pinned.set(Some(p));
         p
     }
@@ -214,16 +279,27 @@ impl TensorArg {
                 ));
             }
             (Place::Cuda(n), _) => {
-                let also = if cx.host_pool { " (or, as the host pool, in pinned CPU memory)" } else { "" };
+                let also = if cx.host_pool {
+                    " (or, as the host pool, in pinned CPU memory)"
+                } else {
+                    ""
+                };
                 return Err(py_err(
                     py,
                     "DeviceError",
-                    format!("{name} is on {} but the call runs on cuda:{n}; pass it on cuda:{n}{also}", self.device),
+                    format!(
+                        "{name} is on {} but the call runs on cuda:{n}; pass it on cuda:{n}{also}",
+                        self.device
+                    ),
                 ));
             }
         }
         if !self.contiguous {
-            return Err(py_err(py, "ShapeError", format!("{name} is not contiguous; pass {name}.contiguous()")));
+            return Err(py_err(
+                py,
+                "ShapeError",
+                format!("{name} is not contiguous; pass {name}.contiguous()"),
+            ));
         }
         Ok(())
     }
@@ -233,7 +309,14 @@ impl TensorArg {
     pub fn dim(&self, cx: &Cx<'_>, name: &str, ndim: usize, axis: usize) -> PyResult<usize> {
         self.check_place(cx, name)?;
         if self.shape.len() != ndim {
-            return Err(py_err(cx.py, "ShapeError", format!("{name} must have {ndim} dimensions, got shape {:?}", self.shape)));
+            return Err(py_err(
+                cx.py,
+                "ShapeError",
+                format!(
+                    "{name} must have {ndim} dimensions, got shape {:?}",
+                    self.shape
+                ),
+            ));
         }
         Ok(self.shape[axis])
     }
@@ -242,21 +325,39 @@ impl TensorArg {
     pub fn expect_shape(&self, cx: &Cx<'_>, name: &str, shape: &[usize]) -> PyResult<()> {
         self.check_place(cx, name)?;
         if self.shape != shape {
-            return Err(py_err(cx.py, "ShapeError", format!("{name} must have shape {shape:?}, got {:?}", self.shape)));
+            return Err(py_err(
+                cx.py,
+                "ShapeError",
+                format!("{name} must have shape {shape:?}, got {:?}", self.shape),
+            ));
         }
         Ok(())
     }
 
     pub fn expect_i32(&self, py: Python<'_>, name: &str) -> PyResult<()> {
         if self.dtype != "int32" {
-            return Err(py_err(py, "DTypeError", format!("{name} must be int32, got {}; pass {name}.to(torch.int32)", self.dtype)));
+            return Err(py_err(
+                py,
+                "DTypeError",
+                format!(
+                    "{name} must be int32, got {}; pass {name}.to(torch.int32)",
+                    self.dtype
+                ),
+            ));
         }
         Ok(())
     }
 
     pub fn expect_f32(&self, py: Python<'_>, name: &str) -> PyResult<()> {
         if self.dtype != "float32" {
-            return Err(py_err(py, "DTypeError", format!("{name} must be float32, got {}; pass {name}.float()", self.dtype)));
+            return Err(py_err(
+                py,
+                "DTypeError",
+                format!(
+                    "{name} must be float32, got {}; pass {name}.float()",
+                    self.dtype
+                ),
+            ));
         }
         Ok(())
     }
@@ -268,7 +369,10 @@ impl TensorArg {
             _ => Err(py_err(
                 py,
                 "DTypeError",
-                format!("{name} has dtype {}; KV tensors must be float32, float16 or bfloat16", self.dtype),
+                format!(
+                    "{name} has dtype {}; KV tensors must be float32, float16 or bfloat16",
+                    self.dtype
+                ),
             )),
         }
     }
@@ -280,7 +384,7 @@ impl TensorArg {
     /// # Safety
     /// The tensor must be alive, on the CPU, contiguous, and of element type `T` (checked by the
     /// caller), and not written through another alias while the slice lives.
-    pub unsafe fn slice<'s, T>(&'s self) -> &'s [T] {
+    pub unsafe fn slice<T>(&self) -> &[T] {
         let n = self.numel();
         if n == 0 || self.ptr == 0 {
             return &[];
@@ -292,7 +396,7 @@ impl TensorArg {
     /// As [`Self::slice`], and no other live slice may overlap this tensor's memory
     /// (checked with [`check_disjoint`]).
     #[allow(clippy::mut_from_ref)]
-    pub unsafe fn slice_mut<'s, T>(&'s self) -> &'s mut [T] {
+    pub unsafe fn slice_mut<T>(&self) -> &mut [T] {
         let n = self.numel();
         if n == 0 || self.ptr == 0 {
             return &mut [];
@@ -302,14 +406,14 @@ impl TensorArg {
 
     /// # Safety
     /// As [`Self::slice`] for an int32 tensor.
-    pub unsafe fn ints<'s>(&'s self) -> &'s [i32] {
+    pub unsafe fn ints(&self) -> &[i32] {
         self.slice::<i32>()
     }
 
     /// # Safety
     /// As [`Self::slice_mut`] for an int32 tensor.
     #[allow(clippy::mut_from_ref)]
-    pub unsafe fn ints_mut<'s>(&'s self) -> &'s mut [i32] {
+    pub unsafe fn ints_mut(&self) -> &mut [i32] {
         self.slice_mut::<i32>()
     }
 
@@ -342,7 +446,9 @@ pub fn check_disjoint(py: Python<'_>, named: &[(&str, &TensorArg)]) -> PyResult<
                 return Err(py_err(
                     py,
                     "InvalidArgumentError",
-                    format!("{na} and {nb} share memory; pass separate tensors (clone one of them)"),
+                    format!(
+                        "{na} and {nb} share memory; pass separate tensors (clone one of them)"
+                    ),
                 ));
             }
         }

@@ -1,0 +1,176 @@
+"""Type stub of the native module ``oasiskv._core`` (crates/oasis-py). Checked against the built module by
+tests/test_stub.py: every public name, and every function's parameters, must match.
+
+Kernel functions dispatch on their tensors' device: all on the CPU runs the CPU twins; all on one
+``cuda:N`` (the host pool may be pinned CPU memory) queues the CUDA kernels on ``stream`` (the raw
+``cudaStream_t`` of a live stream of that device, ``torch.cuda.current_stream(device).cuda_stream``;
+0 = the legacy default stream) and returns without synchronising.
+"""
+
+import torch
+
+__version__: str
+
+class KvGeometry:
+    """The KV shape of a model: query heads, KV heads, head_dim, tokens per block."""
+
+    def __new__(cls, num_qo_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> KvGeometry: ...
+    @property
+    def num_qo_heads(self) -> int:
+        """Query (output) heads."""
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads; num_qo_heads is a multiple of it."""
+    @property
+    def head_dim(self) -> int:
+        """Elements per head vector."""
+    @property
+    def block_size(self) -> int:
+        """Tokens per block (page)."""
+
+class BlockPool:
+    """Free list of fixed-size blocks: the GPU page pool or the host pool of one engine."""
+
+    def __new__(cls, tier: str, num_blocks: int) -> BlockPool: ...
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the pool."""
+    @property
+    def num_free(self) -> int:
+        """Blocks free now."""
+    def allocate(self, n: int) -> list[int]:
+        """Allocate ``n`` blocks, all or nothing (OutOfBlocksError otherwise)."""
+    def free(self, ids: list[int]) -> None:
+        """Return blocks to the pool; raises on a double free or an unknown id."""
+
+def append_kv(
+    geo: KvGeometry,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    page_ids: torch.Tensor,
+    page_offsets: torch.Tensor,
+    host_block_ids: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    host_k: torch.Tensor,
+    host_v: torch.Tensor,
+    summaries: torch.Tensor,
+    *,
+    stream: int = 0,
+) -> None:
+    """Append one token per sequence, with write-through and summary update for sparse sequences."""
+
+def decode_attention(
+    geo: KvGeometry,
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_last_page_len: torch.Tensor,
+    page_map: torch.Tensor | None,
+    extra_k: torch.Tensor | None,
+    extra_v: torch.Tensor | None,
+    sm_scale: float,
+    out: torch.Tensor,
+    *,
+    num_splits: int = 0,
+    max_pages_per_seq: int = 0,
+    workspace: torch.Tensor | None = None,
+    stream: int = 0,
+) -> None:
+    """Decode attention of stacked query rows over paged, head-wise working sets (split-KV on the GPU)."""
+
+def build_summaries(
+    geo: KvGeometry,
+    host_k: torch.Tensor,
+    block_ids: torch.Tensor,
+    block_lens: torch.Tensor,
+    summaries: torch.Tensor,
+    *,
+    stream: int = 0,
+) -> None:
+    """Recompute the min/max summaries of host blocks over their first ``block_lens`` tokens."""
+
+def score_blocks(
+    geo: KvGeometry,
+    q: torch.Tensor,
+    summaries: torch.Tensor,
+    blk_indptr: torch.Tensor,
+    blk_indices: torch.Tensor,
+    scores: torch.Tensor,
+    *,
+    stream: int = 0,
+) -> None:
+    """Quest block scores of the lookahead queries, summed over each GQA group, into ``scores``."""
+
+def topk_blocks(
+    num_kv_heads: int,
+    scores: torch.Tensor,
+    blk_indptr: torch.Tensor,
+    k: int,
+    out: torch.Tensor,
+    *,
+    stream: int = 0,
+) -> None:
+    """Per (seq, kv head) top-k logical blocks, best first, ties to the lower index, -1 padded."""
+
+def delta_select(
+    num_kv_heads: int,
+    predicted: torch.Tensor,
+    slot_pages: torch.Tensor,
+    page_map: torch.Tensor,
+    page_last_selected: torch.Tensor,
+    step: int,
+    fetch_cap: int,
+    plan_slots: torch.Tensor,
+    plan_blocks: torch.Tensor,
+    *,
+    stats: torch.Tensor | None = None,
+    stream: int = 0,
+) -> tuple[int, int, int] | None:
+    """Delta selection with capped eviction; (pairs, kept, missing) on the CPU, None on the GPU."""
+
+def gather_blocks(
+    geo: KvGeometry,
+    plan_slots: torch.Tensor,
+    plan_blocks: torch.Tensor,
+    slot_pages: torch.Tensor,
+    host_indptr: torch.Tensor,
+    host_indices: torch.Tensor,
+    host_k: torch.Tensor,
+    host_v: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    *,
+    stream: int = 0,
+) -> int | None:
+    """Execute a selection plan (host pool -> GPU slots); entries copied on the CPU, None on the GPU."""
+
+def copy_pages(
+    geo: KvGeometry,
+    src_k: torch.Tensor,
+    src_v: torch.Tensor,
+    src_ids: torch.Tensor,
+    dst_k: torch.Tensor,
+    dst_v: torch.Tensor,
+    dst_ids: torch.Tensor,
+    *,
+    stream: int = 0,
+) -> None:
+    """Whole-page copy between two pools of the same page geometry: src_ids[i] -> dst_ids[i]."""
+
+def decode_attn_workspace_len(num_seqs: int, num_rows: int, num_qo_heads: int, head_dim: int, num_splits: int) -> int:
+    """float32 elements of the split-KV workspace of decode_attention."""
+
+def plan_num_splits(num_sms: int, num_seqs: int, num_kv_heads: int, max_pages: int) -> int:
+    """The split count decode_attention plans for a GPU with ``num_sms`` SMs (1 = no split)."""
+
+def cuda_status() -> str | None:
+    """None when the CUDA path can run here, else why not and what to install or set; never raises."""
+
+def compile_kernels(arch: str = "sm_90") -> list[tuple[str, int]]:
+    """Compile every kernel source with NVRTC for ``arch``; (source name, image bytes) per source."""
+
+def nvrtc_version() -> tuple[int, int]:
+    """(major, minor) of the NVRTC in use; CudaUnavailableError when libnvrtc is not found."""
