@@ -11,8 +11,10 @@ export PATH := $(VIRTUAL_ENV)/bin:$(PATH)
 STAMP := $(VENV)/.deps-stamp
 BUILD_STAMP := $(VENV)/.build-stamp
 # NVRTC from PyPI (nvidia-cuda-nvrtc): the kernel compile check needs no GPU and no CUDA install.
-NVRTC_LIB = $(firstword $(wildcard $(VENV)/lib/python3*/site-packages/nvidia/cu13/lib/libnvrtc.so.13))
-export OASIS_NVRTC_LIB ?= $(abspath $(NVRTC_LIB))
+# Found by the shell at recipe time (make's own wildcard would cache the venv before it exists).
+WITH_NVRTC = OASIS_NVRTC_LIB="$${OASIS_NVRTC_LIB:-$$(ls $(VIRTUAL_ENV)/lib/python3*/site-packages/nvidia/cu13/lib/libnvrtc.so.13 2>/dev/null | head -1)}"; \
+	test -n "$$OASIS_NVRTC_LIB" || { echo "libnvrtc not found under $(VENV): rm $(STAMP) and rerun make"; exit 1; }; \
+	export OASIS_NVRTC_LIB;
 RUST_SOURCES := $(shell find crates cuda -type f \( -name '*.rs' -o -name '*.toml' -o -name '*.cu' -o -name '*.cuh' \) 2>/dev/null) Cargo.toml
 
 PY_DEPS := torch numpy safetensors tokenizers "gguf>=0.10" tqdm jinja2 "transformers>=4.51" \
@@ -43,11 +45,10 @@ demo: $(BUILD_STAMP) ## dense vs OasisKV on SmolLM2-135M with a 6K-token prompt,
 test: test-rust test-py ## what CI runs: Rust tests (incl. the NVRTC kernel compile) + pytest, CPU only
 
 test-rust: $(STAMP)
-	@test -n "$(OASIS_NVRTC_LIB)" || { echo "libnvrtc not found in $(VENV); run 'make build'"; exit 1; }
-	cargo test --workspace --exclude oasis-py --release
+	$(WITH_NVRTC) cargo test --workspace --exclude oasis-py --release
 
 test-py: $(BUILD_STAMP)
-	$(PY) -m pytest -q
+	$(WITH_NVRTC) $(PY) -m pytest -q
 
 test-gpu: $(BUILD_STAMP) ## GPU tests (on a machine with a CUDA GPU)
 	$(PY) -m pytest -q -m gpu
