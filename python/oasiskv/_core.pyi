@@ -160,7 +160,9 @@ def copy_pages(
 ) -> None:
     """Whole-page copy between two pools of the same page geometry: src_ids[i] -> dst_ids[i]."""
 
-def decode_attn_workspace_len(num_seqs: int, num_rows: int, num_qo_heads: int, head_dim: int, num_splits: int) -> int:
+def decode_attn_workspace_len(
+    num_seqs: int, num_rows: int, num_qo_heads: int, head_dim: int, num_splits: int
+) -> int:
     """float32 elements of the split-KV workspace of decode_attention."""
 
 def plan_num_splits(num_sms: int, num_seqs: int, num_kv_heads: int, max_pages: int) -> int:

@@ -41,8 +41,8 @@ def _check_device(*tensors: torch.Tensor | None) -> torch.device:
     bad = sorted({str(d) for d in devs if d.type not in ("cpu", "cuda")})
     if bad:
         raise DeviceError(
-            f"tensors on {bad}: the kernels run on CPU tensors or on CUDA tensors; move every tensor to the CPU "
-            "(tensor.cpu()) or to one CUDA device (tensor.to('cuda'))"
+            f"tensors on {bad}: the kernels run on CPU tensors or on CUDA tensors; move every tensor to "
+            "the CPU (tensor.cpu()) or to one CUDA device (tensor.to('cuda'))"
         )
     return devs[0]
 
@@ -109,9 +109,9 @@ def decode_attention(geo, q, k_pages, v_pages, kv_indptr, kv_indices, kv_last_pa
         if splits > 1:
             need = _core.decode_attn_workspace_len(num_seqs, num_rows, geo.num_qo_heads, geo.head_dim, splits)
             workspace = _workspace(dev, stream, need)
-    _core.decode_attention(geo, q, k_pages, v_pages, kv_indptr, kv_indices, kv_last_page_len, page_map, extra_k,
-                           extra_v, float(sm_scale), out, num_splits=splits, max_pages_per_seq=int(max_pages_per_seq),
-                           workspace=workspace, stream=stream)
+    _core.decode_attention(geo, q, k_pages, v_pages, kv_indptr, kv_indices, kv_last_page_len, page_map,
+                           extra_k, extra_v, float(sm_scale), out, num_splits=splits,
+                           max_pages_per_seq=int(max_pages_per_seq), workspace=workspace, stream=stream)
     return out
 
 
@@ -120,8 +120,10 @@ def build_summaries(geo, host_k, block_ids, block_lens, summaries) -> None:
     _core.build_summaries(geo, host_k, block_ids, block_lens, summaries, stream=_stream(dev))
 
 
-def score_blocks(geo, q, summaries, blk_indptr, blk_indices, scores: torch.Tensor | None = None) -> torch.Tensor:
-    """Quest scores ``[nnz, num_kv_heads]`` (f32) of lookahead queries ``[num_seqs, num_qo_heads, head_dim]``."""
+def score_blocks(geo, q, summaries, blk_indptr, blk_indices,
+                 scores: torch.Tensor | None = None) -> torch.Tensor:
+    """Quest scores ``[nnz, num_kv_heads]`` (f32) of lookahead queries ``[num_seqs, num_qo_heads,
+    head_dim]``."""
     dev = _check_device(q, summaries)
     if scores is None:
         scores = torch.empty(blk_indices.shape[0], geo.num_kv_heads, dtype=torch.float32, device=dev)
@@ -129,7 +131,8 @@ def score_blocks(geo, q, summaries, blk_indptr, blk_indices, scores: torch.Tenso
     return scores
 
 
-def topk_blocks(num_kv_heads: int, scores, blk_indptr, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def topk_blocks(num_kv_heads: int, scores, blk_indptr, k: int,
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """Top-k logical blocks per (seq, kv head), best first, -1 padded: ``[num_seqs, num_kv_heads, k]``."""
     dev = _check_device(scores)
     if out is None:
@@ -156,8 +159,8 @@ def delta_select(num_kv_heads: int, predicted, slot_pages, page_map, page_last_s
     return plan_slots, plan_blocks, (totals if dev.type != "cuda" else stats)
 
 
-def gather_blocks(geo, plan_slots, plan_blocks, slot_pages, host_indptr, host_indices, host_k, host_v, k_pages,
-                  v_pages) -> int | None:
+def gather_blocks(geo, plan_slots, plan_blocks, slot_pages, host_indptr, host_indices, host_k, host_v,
+                  k_pages, v_pages) -> int | None:
     """Copy the planned block-head entries from the host pool into GPU slots.
 
     Returns the number of entries copied on the CPU, ``None`` on the GPU (queued, not yet run)."""

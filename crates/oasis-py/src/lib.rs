@@ -32,8 +32,10 @@ use std::sync::{Arc, Mutex, OnceLock};
 use half::{bf16, f16};
 use oasis_core::kernels::{self, ExtraKv, PagedKv};
 use oasis_core::{BlockPool as CorePool, DType, KvGeometry, OasisError, Tier};
-use oasis_cuda::ops::{decode_attn_workspace_len as ws_len, plan_num_splits as plan_splits};
-use oasis_cuda::{CudaError, ExtraKvDev, Gpu, PagedKvDev, SplitKv, Stream};
+use oasis_cuda::ops::{
+    decode_attn_workspace_len as ws_len, plan_num_splits as plan_splits, MAX_SPLITS,
+};
+use oasis_cuda::{CudaError, DevSlice, ExtraKvDev, Gpu, PagedKvDev, SplitKv, Stream};
 use pyo3::prelude::*;
 
 use errors::{core_err, cuda_err, py_err};
@@ -163,9 +165,11 @@ impl PyGeometry {
         head_dim: usize,
         block_size: usize,
     ) -> PyResult<Self> {
-        KvGeometry::new(num_qo_heads, num_kv_heads, head_dim, block_size)
-            .map(|inner| Self { inner })
-            .map_err(|e| core_err(py, e))
+        entry(py, "KvGeometry", || {
+            KvGeometry::new(num_qo_heads, num_kv_heads, head_dim, block_size)
+                .map(|inner| Self { inner })
+                .map_err(|e| core_err(py, e))
+        })
     }
     #[getter]
     fn num_qo_heads(&self) -> usize {
@@ -228,11 +232,15 @@ impl PyBlockPool {
     }
     /// Allocate `n` blocks, all or nothing. Raises OutOfBlocksError when fewer are free.
     fn allocate(&mut self, py: Python<'_>, n: usize) -> PyResult<Vec<u32>> {
-        self.inner.allocate(n).map_err(|e| core_err(py, e))
+        entry(py, "BlockPool.allocate", || {
+            self.inner.allocate(n).map_err(|e| core_err(py, e))
+        })
     }
     /// Return blocks to the pool. Raises on a double free or an unknown id (nothing freed then).
     fn free(&mut self, py: Python<'_>, ids: Vec<u32>) -> PyResult<()> {
-        self.inner.free(&ids).map_err(|e| core_err(py, e))
+        entry(py, "BlockPool.free", || {
+            self.inner.free(&ids).map_err(|e| core_err(py, e))
+        })
     }
 }
 
@@ -582,6 +590,8 @@ fn decode_attention(
                         let split = match ws {
                             _ if splits <= 1 => None,
                             Some(w) => Some(SplitKv { num_splits: splits, workspace: w }),
+                            // Out of range: the launch wrapper says so before it looks at a workspace.
+                            None if splits > MAX_SPLITS => Some(SplitKv { num_splits: splits, workspace: DevSlice::empty() }),
                             None => {
                                 let need = ws_len(ns, rows, hq, d, splits);
                                 return Err(OasisError::Invalid(format!(
