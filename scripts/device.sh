@@ -43,7 +43,7 @@ run)
     # own time limit so a hang in one still leaves the others' logs under $OUT.
     stage() { local secs=$1 name=$2; shift 2; echo "== $name"; timeout "$secs" "$@" > "$OUT/$name.log" 2>&1; \
         echo "rc=$?" >> "$OUT/$name.log"; tail -n 15 "$OUT/$name.log"; }
-    stage "${PYTEST_SECS:-300}" pytest-gpu python3 -m pytest -q -p no:cacheprovider -m gpu -x --rootdir=. tests "$@"
+    stage "${PYTEST_SECS:-300}" pytest-gpu python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir=. tests "$@"
     stage "${BENCH_SECS:-200}" bench-kernels python3 -m oasiskv.bench.kernels --refcheck --json "$OUT/bench-kernels.json"
     if [ -n "${SANITIZE:-}" ]; then
         for tool in memcheck racecheck; do

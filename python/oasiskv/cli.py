@@ -2,6 +2,7 @@
 
 ``oasis demo``      dense vs OasisKV on SmolLM2-135M-Instruct with a real 6K-token prompt.
 ``oasis generate``  generate from any local model (HF directory or GGUF) with either backend.
+``oasis eval``      accuracy evaluation: lookahead accuracy, decode fidelity, retrieval (docs/EVAL.md).
 """
 
 from __future__ import annotations
@@ -180,6 +181,12 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    from .eval.harness import main as eval_main
+
+    return eval_main(args)
+
+
 def _kv_flags(p: argparse.ArgumentParser, top_k: int) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--top-k-blocks", type=int, default=top_k, help="working-set budget in blocks per KV head")
@@ -219,6 +226,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true")
     _kv_flags(g, top_k=128)
     g.set_defaults(func=cmd_generate)
+    e = sub.add_parser("eval", help="accuracy evaluation (lookahead, fidelity, retrieval); see docs/EVAL.md")
+    from .eval.harness import add_arguments as eval_arguments
+
+    eval_arguments(e)
+    e.set_defaults(func=cmd_eval)
     return ap
 
 

@@ -257,6 +257,11 @@ class Engine:
         self._acc_fetched = torch.zeros(0)
         self._acc_recall = torch.zeros(0)
         self._acc_recall_n = torch.zeros(0)
+        # Optional measurement hook (None on the normal path): ``recorder.on_recall(engine, layer,
+        # sp_reqs, actual, prev, slot_pages)`` is called from ``_select`` wherever recall is measured,
+        # before this step's selection changes the mapping. ``oasiskv.eval`` uses it for per-layer,
+        # per-step lookahead accuracy. On a GPU it runs on the background stream: it must not sync.
+        self.recorder = None
 
     # ---------------------------------------------------------------- pools
     def ensure_pools(self, requests: list[_Request], num_requests: int | None = None) -> None:
@@ -645,6 +650,8 @@ class Engine:
             hits, counted = _recall(actual, prev)
             self._acc_recall.index_add_(0, sp_ids, hits)
             self._acc_recall_n.index_add_(0, sp_ids, counted)
+            if self.recorder is not None:
+                self.recorder.on_recall(self, layer, sp_reqs, actual, prev, slot_pages)
         q_look = q4[sp_idx, -1].contiguous()
         scores = ops.score_blocks(g, q_look, summaries, blk_indptr, blk_indices)
         pred = ops.topk_blocks(g.num_kv_heads, scores, blk_indptr, k_budget)
