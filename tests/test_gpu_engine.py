@@ -1,0 +1,107 @@
+"""The engine on a GPU: pools on the device, pinned host pool, background stream, against the CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import oasiskv
+from oasiskv import KvConfig
+from oasiskv.engine import Engine, _Request
+from oasiskv.models.config import ModelConfig
+from oasiskv.models.transformer import CausalLM
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def _model(device, dtype=torch.float32):
+    cfg = ModelConfig(
+        family="qwen3",
+        vocab_size=301,
+        hidden_size=256,
+        intermediate_size=384,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+    )
+    return CausalLM.random(cfg, seed=1, dtype=dtype, device=device)
+
+
+def _prompts(vocab, lens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lens:
+        base = torch.randint(0, vocab, (41,), generator=g).tolist()
+        out.append((base * (n // 41 + 1))[:n])
+    return out
+
+
+def _teacher_forced_logits(model, kv, backend, prompts, forced, drafter="ngram"):
+    """Prefill, then decode with the given tokens forced (not sampled); returns [steps, reqs, vocab]."""
+    eng = Engine(model, kv, backend, oasiskv.drafters.make_drafter(drafter))
+    reqs = [_Request(id=i, prompt=p, max_new_tokens=len(forced[i]) + 1) for i, p in enumerate(prompts)]
+    eng.ensure_pools(reqs)
+    for r in reqs:
+        eng.drafter.begin(r.id, r.prompt)
+        r.tokens = list(r.prompt)
+        eng.prefill(r)
+        r.tokens.append(forced[r.id][0])
+        r.draft = eng.drafter.propose(r.id, r.tokens) if eng.rows == 2 else None
+        if backend == "oasis" and r.kv_len > kv.threshold_tokens:
+            eng.make_sparse(r)
+    out = []
+    for t in range(1, len(forced[0])):
+        logits = eng.decode_step(reqs)
+        out.append(logits.float().cpu())
+        for r in reqs:
+            r.tokens.append(forced[r.id][t])
+            if eng.rows == 2:
+                r.draft = eng.drafter.propose(r.id, r.tokens)
+    for r in reqs:
+        eng.finalize_metrics(r)
+    return torch.stack(out), reqs
+
+
+def test_gpu_oasis_full_budget_matches_gpu_dense_and_cpu():
+    dev = torch.device("cuda")
+    prompts = _prompts(301, [333, 150, 97])
+    forced = [_prompts(301, [20], seed=9 + i)[0] for i in range(3)]
+    kv = KvConfig(block_size=16, top_k_blocks=32, fetch_cap=4, sparse_threshold=64)
+    gpu_model = _model(dev)
+    dense, _ = _teacher_forced_logits(gpu_model, kv, "dense", prompts, forced)
+    oasis, reqs = _teacher_forced_logits(gpu_model, kv, "oasis", prompts, forced)
+    assert all(r.sparse for r in reqs[:2])
+    torch.testing.assert_close(oasis, dense, atol=2e-4, rtol=1e-3)
+    cpu, _ = _teacher_forced_logits(_model("cpu"), kv, "oasis", prompts, forced)
+    torch.testing.assert_close(oasis, cpu, atol=2e-4, rtol=1e-3)
+
+
+def test_gpu_small_budget_matches_cpu_engine_selection():
+    """A budget far below the context: the GPU engine (background stream, capped fetches) makes the
+    same selections as the CPU engine, so logits agree step by step."""
+    dev = torch.device("cuda")
+    prompts = _prompts(301, [700, 400])
+    forced = [_prompts(301, [24], seed=3 + i)[0] for i in range(2)]
+    kv = KvConfig(block_size=16, top_k_blocks=6, fetch_cap=2, sparse_threshold=128)
+    gpu, greqs = _teacher_forced_logits(_model(dev), kv, "oasis", prompts, forced)
+    cpu, creqs = _teacher_forced_logits(_model("cpu"), kv, "oasis", prompts, forced)
+    torch.testing.assert_close(gpu, cpu, atol=2e-3, rtol=1e-2)
+    for g, c in zip(greqs, creqs, strict=True):
+        assert g.metrics.fetched_bytes_total == c.metrics.fetched_bytes_total
+        assert g.metrics.lookahead_recall == pytest.approx(c.metrics.lookahead_recall, abs=1e-6)
+
+
+def test_gpu_generate_bf16_runs_and_reports_metrics():
+    model = _model(torch.device("cuda"), torch.bfloat16)
+    llm = oasiskv.LLM(model, kv=KvConfig(block_size=16, top_k_blocks=8, fetch_cap=0.25, sparse_threshold=128))
+    res = llm.generate(_prompts(301, [600, 300, 50]), 16, ignore_eos=True)
+    assert all(len(r.tokens) == 16 for r in res)
+    m = res[0].metrics
+    assert m.sparse_steps == m.steps and m.resident_kv_bytes < m.full_kv_bytes
+    assert 0.0 <= m.lookahead_recall <= 1.0
+    assert res[2].metrics.sparse_steps == 0
