@@ -35,6 +35,10 @@ run)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site dist/*.whl .whl/*.whl 2>&1 | tail -3
     export PYTHONPATH=/tmp/site
+    if [ -n "${OVERLAY_PY:-}" ]; then
+        # Python-only change since the wheel was built: use the tree's .py files over the wheel's.
+        (cd python && find oasiskv -name '*.py' -exec cp --parents {} /tmp/site/ \;)
+    fi
     cd /tmp && python3 -c "import oasiskv, torch; print('oasiskv', oasiskv.__version__, 'torch', torch.__version__, 'cuda', torch.cuda.is_available())" | tee "$OUT/env.txt"
     cd - >/dev/null
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee -a "$OUT/env.txt"
@@ -43,8 +47,8 @@ run)
     # own time limit so a hang in one still leaves the others' logs under $OUT.
     stage() { local secs=$1 name=$2; shift 2; echo "== $name"; timeout "$secs" "$@" > "$OUT/$name.log" 2>&1; \
         echo "rc=$?" >> "$OUT/$name.log"; tail -n 15 "$OUT/$name.log"; }
-    stage "${PYTEST_SECS:-300}" pytest-gpu python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir=. tests "$@"
-    stage "${BENCH_SECS:-200}" bench-kernels python3 -m oasiskv.bench.kernels --refcheck --json "$OUT/bench-kernels.json"
+    stage "${PYTEST_SECS:-300}" pytest-gpu python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir=. ${TESTS:-tests} "$@"
+    [ -n "${NO_BENCH:-}" ] || stage "${BENCH_SECS:-200}" bench-kernels python3 -m oasiskv.bench.kernels --refcheck --json "$OUT/bench-kernels.json"
     if [ -n "${SANITIZE:-}" ]; then
         for tool in memcheck racecheck; do
             stage "${SANITIZE_SECS:-120}" "sanitizer-$tool" compute-sanitizer --tool "$tool" --error-exitcode 9 \
