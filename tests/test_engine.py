@@ -228,3 +228,59 @@ def test_prefill_cache_shares_a_prompt_between_engines(qwen3):
     )
     assert cache.hits == 1
     assert b[0].tokens == fresh.tokens and a[0].tokens[0] == fresh.tokens[0]
+
+
+def test_eagle3_drafter_runs_through_the_engine():
+    """A random EAGLE-3 head drafts from the target's captured states (layers 2, L/2, L-3)."""
+    from oasiskv.models.eagle3 import Eagle3Head
+
+    cfg = ModelConfig(
+        family="llama",
+        vocab_size=257,
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=8,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+    )
+    model = CausalLM.random(cfg, seed=4)
+    head = Eagle3Head.random(cfg, draft_vocab_size=64, seed=5)
+    drafter = oasiskv.Eagle3Drafter(head, model)
+    assert drafter.capture_layers(8) == (2, 4, 5)
+    kv = KvConfig(block_size=16, top_k_blocks=4, fetch_cap=1, sparse_threshold=64)
+    ps = prompts(cfg.vocab_size, [150, 90])
+    res = oasiskv.LLM(model, kv=kv, backend="oasis", drafter=drafter).generate(ps, 8, ignore_eos=True)
+    assert all(len(r.tokens) == 8 for r in res)
+    assert res[0].metrics.sparse_steps == res[0].metrics.steps
+    # Budget >= context: the draft source does not change the tokens.
+    kv_full = KvConfig(block_size=16, top_k_blocks=32, fetch_cap=4, sparse_threshold=64)
+    d = oasiskv.LLM(model, kv=kv_full, backend="dense", drafter=oasiskv.Eagle3Drafter(head, model)).generate(
+        ps, 8, ignore_eos=True
+    )
+    o = oasiskv.LLM(model, kv=kv_full, backend="oasis", drafter=oasiskv.Eagle3Drafter(head, model)).generate(
+        ps, 8, ignore_eos=True
+    )
+    assert [r.tokens for r in d] == [r.tokens for r in o]
+
+
+@pytest.mark.slow
+def test_full_budget_oasis_equals_dense_tokens_smollm2():
+    """The real pretrained model: greedy tokens with a full budget equal dense, while sparse."""
+    from oasiskv.models.loader import load_model
+
+    model, tok = load_model("smollm2")
+    text = " ".join(
+        f"Entry {i}: the {('red', 'blue', 'green')[i % 3]} box holds {i * 7} coins." for i in range(40)
+    )
+    prompt = tok.apply_chat_template([{"role": "user", "content": text + " Which box holds 91 coins?"}])
+    kv = KvConfig(block_size=16, top_k_blocks=64, fetch_cap=0.05, sparse_threshold=128)
+    dense = oasiskv.LLM(model, tokenizer=tok, kv=kv, backend="dense", drafter="ngram").generate(
+        prompt, 24, ignore_eos=True
+    )[0]
+    oasis = oasiskv.LLM(model, tokenizer=tok, kv=kv, backend="oasis", drafter="ngram").generate(
+        prompt, 24, ignore_eos=True
+    )[0]
+    assert oasis.metrics.prompt_tokens > 400 and oasis.metrics.sparse_steps == oasis.metrics.steps
+    assert oasis.tokens == dense.tokens

@@ -120,6 +120,8 @@ class Eagle3Drafter(Drafter):
 
         self.head = head
         self.target = target
+        if getattr(head, "embed_tokens", None) is None:
+            head.attach_target(target)  # the public format shares the target's token embedding
         self._state_cls = Eagle3State
         self._states: dict[int, object] = {}
 
@@ -137,9 +139,11 @@ class Eagle3Drafter(Drafter):
         if features is None:
             return tokens[-1]
         state = self._states[req_id]
-        pos = torch.tensor([len(tokens) - 1])
-        ids = torch.tensor([tokens[-1]])
-        draft, _ = self.head.step(state, features.reshape(1, -1), ids, pos)
+        dev = features.device
+        pos = torch.tensor([len(tokens) - 1], device=dev)
+        ids = torch.tensor([tokens[-1]], device=dev)
+        feats = features.reshape(1, -1).to(next(self.head.parameters()).dtype)
+        draft, _ = self.head.step(state, feats, ids, pos)
         return int(draft[0])
 
 
