@@ -246,6 +246,415 @@ __device__ void merge_attn_states_impl(
     }
 }
 
+// ============================================================================================
+// Tensor-core path (bf16 / f16, head_dim 64 / 128 / 256, nq = num_rows * group <= 16, block_size
+// a multiple of 16). Same contract and arguments as decode_attn_impl (tile_tokens is ignored).
+//
+// One block of 4 warps per (sequence, KV head, split). A work item is a 16-token chunk of one
+// (page, head) entry (or the lookahead row's extra K/V, a one-token item of the last split).
+// The block compacts the valid items of its split (kv_indices in range, page_map >= 0, tokens
+// left on the last page) into a shared list, LIST_CAP candidates per round; warp w takes items
+// w, w + 4, ... of the list. Each warp streams its items through its own STAGES-deep ring of
+// shared-memory buffers with cp.async (16-byte copies, rows past the valid tokens zero-filled),
+// so STAGES - 1 chunks per warp are in flight while it computes one; only __syncwarp inside
+// the loop. Per chunk: S = Q Kᵀ (16 padded query rows × 16 tokens) with mma.m16n8k16 (K
+// fragments by ldmatrix), masking, an online softmax in f32 on the accumulator fragments (base
+// 2: scores are pre-scaled by sm_scale·log2 e), P rounded to T and O += P V with mma (V
+// fragments by ldmatrix.trans). Each warp keeps its own (m, l, O); the four states are merged
+// through shared memory at the end. Shared buffers are XOR-swizzled in 16-byte units (unit u
+// of token row r lives at u ^ (r & 7)), so the 8 row addresses of every ldmatrix hit distinct
+// banks.
+//
+// Shared memory (bytes; the Rust wrapper computes the same sum in
+// oasis_cuda::ops::decode_attn_tc_smem_bytes): staging 4 * STAGES * 64 * D (reused for the
+// final merge: 4 * 16 * (D + 8) f32), item list 2 * (LIST_CAP + 1) ints, merge m/l 2 * 64
+// floats, scan scratch 36 ints.
+// ============================================================================================
+
+#define OASIS_TC_WARPS 4
+#define OASIS_TC_LIST_CAP 512
+
+// ---- PTX wrappers (sm_80+) -----------------------------------------------------------------
+namespace tc {
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// 16 bytes global -> shared; only the first `src_bytes` (0 or 16) are read, the rest zero-filled.
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_u32(dst)), "l"(src), "r"(src_bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p))
+                 : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], const void* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p))
+                 : "memory");
+}
+
+// d += a · b for one m16n8k16 tile: a row-major 16×16, b column-major 16×8, f32 accumulate.
+template <typename T>
+__device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1);
+template <>
+__device__ __forceinline__ void mma16816<bf16>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void mma16816<f16>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two f32 rounded to T (nearest even), `lo` in the low half.
+template <typename T>
+__device__ __forceinline__ u32 pack2(float lo, float hi);
+template <>
+__device__ __forceinline__ u32 pack2<bf16>(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+template <>
+__device__ __forceinline__ u32 pack2<f16>(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+}  // namespace tc
+// ---- end of PTX wrappers -------------------------------------------------------------------
+
+template <typename T, int D, int STAGES>
+__device__ void decode_attn_tc_impl(
+    const T* __restrict__ q, const T* __restrict__ k_pages, const T* __restrict__ v_pages,
+    const int* __restrict__ kv_indptr, const int* __restrict__ kv_indices,
+    const int* __restrict__ kv_last_page_len, const int* __restrict__ page_map, const T* __restrict__ extra_k,
+    const T* __restrict__ extra_v, T* __restrict__ out, float* __restrict__ tmp_out, float* __restrict__ tmp_lse,
+    int num_rows, int num_qo_heads, int num_kv_heads, int block_size, int num_pages, int num_splits,
+    float sm_scale) {
+    constexpr int WARPS = OASIS_TC_WARPS;
+    constexpr int THREADS = WARPS * 32;
+    constexpr int CHUNK = 16;                   // tokens per work item
+    constexpr int UPR = D / 8;                  // 16-byte units per token row
+    constexpr int CHUNK_UNITS = CHUNK * UPR;    // 16-byte units of one K (or V) chunk
+    constexpr int LIST_CAP = OASIS_TC_LIST_CAP; // candidates per round
+    constexpr int PER_THREAD = LIST_CAP / THREADS;
+    constexpr int OSTRIDE = D + 8;              // f32 row stride of the merge buffer
+    static_assert(D == 64 || D == 128 || D == 256, "head_dim");
+    static_assert(LIST_CAP % THREADS == 0, "list");
+    static_assert(WARPS * 16 * OSTRIDE * 4 <= WARPS * STAGES * 2 * CHUNK_UNITS * 16, "merge buffer");
+
+    extern __shared__ __align__(16) unsigned char tc_smem[];
+    uint4* stage = (uint4*)tc_smem;  // [WARPS][STAGES][K, V][CHUNK_UNITS]
+    int* list_page = (int*)(tc_smem + WARPS * STAGES * 2 * CHUNK_UNITS * 16);  // [LIST_CAP + 1]; -1 = extra
+    int* list_info = list_page + (LIST_CAP + 1);  // [LIST_CAP + 1]: (first token << 5) | valid tokens
+    float* red_m = (float*)(list_info + (LIST_CAP + 1));  // [WARPS][16]
+    float* red_l = red_m + WARPS * 16;                    // [WARPS][16]
+    int* scan_scratch = (int*)(red_l + WARPS * 16);       // 33 (+3 pad) ints
+    float* red_o = (float*)tc_smem;                       // [WARPS][16][OSTRIDE], after the loop
+
+    const int s = blockIdx.x;
+    const int h = blockIdx.y;
+    const int split = blockIdx.z;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int g = lane >> 2;  // mma group: rows g and g + 8 of A / C, column g of B
+    const int c = lane & 3;   // thread in group
+    const int group = num_qo_heads / num_kv_heads;
+    const int nq = num_rows * group;
+    const float scale_log2 = sm_scale * 1.4426950408889634f;
+
+    // Q fragments (A operand, rows = query vectors qi = row * group + j, padded with zeros to 16).
+    u32 qf[D / 16][4];
+    {
+        const T* qrow[2] = {nullptr, nullptr};
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int qi = g + 8 * hf;
+            if (qi < nq) {
+                const int row = qi / group;
+                const int hq = h * group + (qi - row * group);
+                qrow[hf] = q + (((i64)s * num_rows + row) * num_qo_heads + hq) * D;
+            }
+        }
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const T* base = qrow[r & 1];
+                const int x = ks * 16 + 2 * c + 8 * (r >> 1);
+                qf[ks][r] = base != nullptr ? *(const u32*)(base + x) : 0u;
+            }
+        }
+    }
+
+    float o[D / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.f;
+    float m_r[2] = {neg_inf(), neg_inf()};  // running max (log2 units) of rows g, g + 8
+    float l_r[2] = {0.f, 0.f};              // this thread's part of the running sums
+
+    const int p_begin = kv_indptr[s];
+    const int n_pages = kv_indptr[s + 1] - p_begin;
+    const int per_split = (n_pages + num_splits - 1) / num_splits;
+    const int p0 = min(n_pages, split * per_split);
+    const int p1 = min(n_pages, p0 + per_split);
+    int last_len = kv_last_page_len[s];
+    last_len = last_len < 0 ? 0 : (last_len > block_size ? block_size : last_len);
+    const int cpp = block_size / CHUNK;  // chunks per page entry
+    const int k_lo = p0 * cpp;
+    const int k_hi = p1 * cpp;
+    const bool with_extra = extra_k != nullptr && extra_v != nullptr && num_rows >= 2 && split == num_splits - 1;
+    const i64 entry = (i64)block_size * D;
+    uint4* wbuf = stage + warp * STAGES * 2 * CHUNK_UNITS;
+
+    for (int base = k_lo;; base += LIST_CAP) {
+        // ---- compact this round's valid items into the shared list
+        const int n = min(LIST_CAP, k_hi - base);
+        int c_page[PER_THREAD], c_info[PER_THREAD];
+        int cnt = 0;
+#pragma unroll
+        for (int u = 0; u < PER_THREAD; ++u) {
+            const int idx = threadIdx.x * PER_THREAD + u;
+            c_page[u] = -1;
+            c_info[u] = 0;
+            if (idx < n) {
+                const int kk = base + idx;
+                const int p = kk / cpp;
+                const int t0 = (kk - p * cpp) * CHUNK;
+                const int page = kv_indices[p_begin + p];
+                const int n_tok = p == n_pages - 1 ? last_len : block_size;
+                if (page >= 0 && page < num_pages && t0 < n_tok &&
+                    (page_map == nullptr || page_map[(i64)page * num_kv_heads + h] >= 0)) {
+                    c_page[u] = page;
+                    c_info[u] = (t0 << 5) | min(CHUNK, n_tok - t0);
+                    ++cnt;
+                }
+            }
+        }
+        int total;
+        int pos = block_exclusive_scan(cnt, scan_scratch, &total);
+#pragma unroll
+        for (int u = 0; u < PER_THREAD; ++u) {
+            if (c_page[u] >= 0) {
+                list_page[pos] = c_page[u];
+                list_info[pos] = c_info[u];
+                ++pos;
+            }
+        }
+        const bool last_round = base + LIST_CAP >= k_hi;
+        if (last_round && with_extra) {
+            if (threadIdx.x == 0) {
+                list_page[total] = -1;
+                list_info[total] = 1;  // token 0, one valid token
+            }
+            ++total;
+        }
+        __syncthreads();
+
+        // ---- this warp's items: warp, warp + WARPS, ...
+        const int my_n = total > warp ? (total - warp + WARPS - 1) / WARPS : 0;
+        auto issue = [&](int i) {
+            const int j = warp + WARPS * i;
+            const int page = list_page[j];
+            const int info = list_info[j];
+            const int nvalid = info & 31;
+            const T* ksrc;
+            const T* vsrc;
+            if (page >= 0) {
+                const i64 off = ((i64)page * num_kv_heads + h) * entry + (i64)(info >> 5) * D;
+                ksrc = k_pages + off;
+                vsrc = v_pages + off;
+            } else {
+                const i64 off = ((i64)s * num_kv_heads + h) * D;
+                ksrc = extra_k + off;
+                vsrc = extra_v + off;
+            }
+            uint4* kd = wbuf + (i % STAGES) * 2 * CHUNK_UNITS;
+            uint4* vd = kd + CHUNK_UNITS;
+#pragma unroll
+            for (int r = 0; r < CHUNK_UNITS / 32; ++r) {
+                const int unit = lane + 32 * r;
+                const int row = unit / UPR;
+                const int col = unit % UPR;
+                const bool ok = row < nvalid;
+                const int src = ok ? row * D + col * 8 : 0;
+                const int dst = row * UPR + (col ^ (row & 7));
+                tc::cp_async_16(kd + dst, ksrc + src, ok ? 16 : 0);
+                tc::cp_async_16(vd + dst, vsrc + src, ok ? 16 : 0);
+            }
+        };
+#pragma unroll
+        for (int st = 0; st < STAGES - 1; ++st) {
+            if (st < my_n) issue(st);
+            tc::cp_async_commit();
+        }
+        for (int i = 0; i < my_n; ++i) {
+            tc::cp_async_wait<STAGES - 2>();
+            __syncwarp();  // item i visible to the whole warp; everyone done with item i - 1's buffer
+            if (i + STAGES - 1 < my_n) issue(i + STAGES - 1);
+            tc::cp_async_commit();
+
+            const int j = warp + WARPS * i;
+            const int nvalid = list_info[j] & 31;
+            const int row_lo = list_page[j] < 0 ? group : 0;  // the extra K/V is not seen by row 0
+            const uint4* kb = wbuf + (i % STAGES) * 2 * CHUNK_UNITS;
+            const uint4* vb = kb + CHUNK_UNITS;
+
+            // S = Q Kᵀ: two n-tiles of 8 tokens.
+            float sc[2][4];
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
+#pragma unroll
+            for (int ks = 0; ks < D / 16; ++ks) {
+                const int tok = ((lane >> 4) << 3) + (lane & 7);
+                const int unit = 2 * ks + ((lane >> 3) & 1);
+                u32 b[4];
+                tc::ldmatrix_x4(b, kb + tok * UPR + (unit ^ (tok & 7)));
+                tc::mma16816<T>(sc[0], qf[ks], b[0], b[1]);
+                tc::mma16816<T>(sc[1], qf[ks], b[2], b[3]);
+            }
+
+            // Mask, scale, online softmax (rows g: elements 0, 1; rows g + 8: elements 2, 3).
+            float mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int tok = nt * 8 + 2 * c + (e & 1);
+                    const int qi = g + 8 * (e >> 1);
+                    const bool ok = tok < nvalid && qi >= row_lo;
+                    sc[nt][e] = ok ? sc[nt][e] * scale_log2 : neg_inf();
+                    mx[e >> 1] = fmaxf(mx[e >> 1], sc[nt][e]);
+                }
+            }
+            float alpha[2], mu[2];
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 1));
+                mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 2));
+                const float m_new = fmaxf(m_r[hf], mx[hf]);
+                mu[hf] = m_new == neg_inf() ? 0.f : m_new;  // nothing seen yet: p = alpha = 0
+                alpha[hf] = exp2f(m_r[hf] - mu[hf]);
+                m_r[hf] = m_new;
+            }
+            float psum[2] = {0.f, 0.f};
+#pragma unroll
+            for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    sc[nt][e] = exp2f(sc[nt][e] - mu[e >> 1]);
+                    psum[e >> 1] += sc[nt][e];
+                }
+            }
+            l_r[0] = l_r[0] * alpha[0] + psum[0];
+            l_r[1] = l_r[1] * alpha[1] + psum[1];
+#pragma unroll
+            for (int nt = 0; nt < D / 8; ++nt) {
+                o[nt][0] *= alpha[0];
+                o[nt][1] *= alpha[0];
+                o[nt][2] *= alpha[1];
+                o[nt][3] *= alpha[1];
+            }
+            // P as the A operand (k = token): the two S n-tiles are its two k halves.
+            u32 pa[4];
+            pa[0] = tc::pack2<T>(sc[0][0], sc[0][1]);
+            pa[1] = tc::pack2<T>(sc[0][2], sc[0][3]);
+            pa[2] = tc::pack2<T>(sc[1][0], sc[1][1]);
+            pa[3] = tc::pack2<T>(sc[1][2], sc[1][3]);
+            // O += P V: V fragments transposed by ldmatrix, two n-tiles of 8 dims per load.
+#pragma unroll
+            for (int dn = 0; dn < D / 16; ++dn) {
+                const int tok = (((lane >> 3) & 1) << 3) + (lane & 7);
+                const int unit = 2 * dn + (lane >> 4);
+                u32 b[4];
+                tc::ldmatrix_x4_trans(b, vb + tok * UPR + (unit ^ (tok & 7)));
+                tc::mma16816<T>(o[2 * dn], pa, b[0], b[1]);
+                tc::mma16816<T>(o[2 * dn + 1], pa, b[2], b[3]);
+            }
+        }
+        tc::cp_async_wait<0>();  // only empty groups can be left; keep the ring clean anyway
+        __syncthreads();         // the list and the buffers are rewritten next
+        if (last_round) break;
+    }
+
+    // ---- merge the warps' states (staging buffers reused: every warp passed the barrier above)
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        l_r[hf] += __shfl_xor_sync(0xffffffffu, l_r[hf], 1);
+        l_r[hf] += __shfl_xor_sync(0xffffffffu, l_r[hf], 2);
+    }
+    {
+        float* ro = red_o + warp * 16 * OSTRIDE;
+#pragma unroll
+        for (int nt = 0; nt < D / 8; ++nt) {
+            const int x = nt * 8 + 2 * c;
+            ro[g * OSTRIDE + x] = o[nt][0];
+            ro[g * OSTRIDE + x + 1] = o[nt][1];
+            ro[(g + 8) * OSTRIDE + x] = o[nt][2];
+            ro[(g + 8) * OSTRIDE + x + 1] = o[nt][3];
+        }
+        if (c == 0) {
+            red_m[warp * 16 + g] = m_r[0];
+            red_m[warp * 16 + g + 8] = m_r[1];
+            red_l[warp * 16 + g] = l_r[0];
+            red_l[warp * 16 + g + 8] = l_r[1];
+        }
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < nq * D; e += THREADS) {
+        const int qi = e / D;
+        const int x = e - qi * D;
+        float mw[WARPS];
+        float mall = neg_inf();
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            mw[w] = red_m[w * 16 + qi];
+            mall = fmaxf(mall, mw[w]);
+        }
+        float l = 0.f, acc = 0.f;
+        if (mall != neg_inf()) {
+#pragma unroll
+            for (int w = 0; w < WARPS; ++w) {
+                if (mw[w] == neg_inf()) continue;
+                const float f = exp2f(mw[w] - mall);
+                l += red_l[w * 16 + qi] * f;
+                acc += red_o[(w * 16 + qi) * OSTRIDE + x] * f;
+            }
+        }
+        const float ov = l > 0.f ? acc / l : 0.f;
+        const int row = qi / group;
+        const int hq = h * group + (qi - row * group);
+        const i64 head = ((i64)s * num_rows + row) * num_qo_heads + hq;
+        if (num_splits == 1) {
+            out[head * D + x] = from_f32<T>(ov);
+        } else {
+            tmp_out[(head * num_splits + split) * D + x] = ov;
+            if (x == 0) tmp_lse[head * num_splits + split] = l > 0.f ? (mall + log2f(l)) * 0.6931471805599453f : neg_inf();
+        }
+    }
+}
+
 }  // namespace oasis
 
 #define OASIS_DECODE_ATTN(NAME, T)                                                                    \
@@ -274,3 +683,26 @@ OASIS_DECODE_ATTN(decode_attn_f32, float)
 OASIS_MERGE_ATTN_STATES(merge_attn_states_bf16, oasis::bf16)
 OASIS_MERGE_ATTN_STATES(merge_attn_states_f16, oasis::f16)
 OASIS_MERGE_ATTN_STATES(merge_attn_states_f32, float)
+
+#define OASIS_DECODE_ATTN_TC(NAME, T, D, STAGES)                                                      \
+    extern "C" __global__ void __launch_bounds__(OASIS_TC_WARPS * 32)                                 \
+        NAME(const T* q, const T* k_pages, const T* v_pages, const int* kv_indptr, const int* kv_indices, \
+             const int* kv_last_page_len, const int* page_map, const T* extra_k, const T* extra_v, T* out, \
+             float* tmp_out, float* tmp_lse, int num_rows, int num_qo_heads, int num_kv_heads,           \
+             int head_dim, int block_size, int num_pages, int num_splits, int tile_tokens, float sm_scale) { \
+        (void)head_dim;                                                                               \
+        (void)tile_tokens;                                                                            \
+        oasis::decode_attn_tc_impl<T, D, STAGES>(q, k_pages, v_pages, kv_indptr, kv_indices,          \
+                                                 kv_last_page_len, page_map, extra_k, extra_v, out,   \
+                                                 tmp_out, tmp_lse, num_rows, num_qo_heads,           \
+                                                 num_kv_heads, block_size, num_pages, num_splits,    \
+                                                 sm_scale);                                          \
+    }
+
+// Pipeline depth per head_dim (must match oasis_cuda::ops::decode_attn_tc_stages).
+OASIS_DECODE_ATTN_TC(decode_attn_tc_bf16_d64, oasis::bf16, 64, 4)
+OASIS_DECODE_ATTN_TC(decode_attn_tc_bf16_d128, oasis::bf16, 128, 3)
+OASIS_DECODE_ATTN_TC(decode_attn_tc_bf16_d256, oasis::bf16, 256, 2)
+OASIS_DECODE_ATTN_TC(decode_attn_tc_f16_d64, oasis::f16, 64, 4)
+OASIS_DECODE_ATTN_TC(decode_attn_tc_f16_d128, oasis::f16, 128, 3)
+OASIS_DECODE_ATTN_TC(decode_attn_tc_f16_d256, oasis::f16, 256, 2)

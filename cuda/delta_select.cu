@@ -12,9 +12,13 @@
 //  5. n = min(len(missing), len(victims), fetch_cap); for i < n: page_map[victim_i page, h] =
 //     missing[i], page_last_selected = step, plan_slots[s,h,i] = victim slot, plan_blocks[s,h,i] =
 //     missing[i]. Remaining plan entries = -1.
-// Membership tests use sorted copies in shared memory (binary search), orders use bitonic sorts
-// and an ordered compaction. A duplicate in `predicted` counts once (its first position); a slot
-// whose page is out of range takes no part (neither kept nor victim).
+// Two kernels compute the same thing. delta_select_warp_i32 (budget <= OASIS_SELECT_WARP_MAX):
+// one warp per (s, h), everything in registers and a little per-warp shared memory, no block
+// barrier: membership by brute-force comparison, victims by rounds of warp arg-min. Above that,
+// delta_select_i32: one thread block per (s, h); membership tests use sorted copies in shared
+// memory (binary search), orders use bitonic sorts and an ordered compaction. In both, a
+// duplicate in `predicted` counts once (its first position); a slot whose page is out of range
+// takes no part (neither kept nor victim).
 #include "oasis_common.cuh"
 
 // Threads per block of delta_select_i32. Arbitrary (a multiple of 32, at most 1024).
@@ -22,6 +26,12 @@
 // Largest budget (slots per sequence) the kernel supports: slot indices are packed in 16 bits of
 // the victim sort key, and shared memory grows as 20 bytes per slot. Arbitrary below 65536.
 #define OASIS_MAX_SELECT_BUDGET 4096
+// Threads per block of delta_select_warp_i32 (one (sequence, KV head) per warp). Arbitrary (a
+// multiple of 32).
+#define OASIS_SELECT_WARP_THREADS 128
+// Largest budget of delta_select_warp_i32: budget / 32 slots per lane in registers, and 3 ints of
+// shared memory per slot per warp. A multiple of 32, at most 8 * 32 (the largest instantiation).
+#define OASIS_SELECT_WARP_MAX 256
 
 namespace oasis {
 
@@ -191,6 +201,183 @@ __device__ void delta_select_impl(
     }
 }
 
+
+// One warp per (s, h) for budget <= 32 * K (num_pred <= budget). Lane l holds slots and
+// predictions k * 32 + l, k < K. `sm` is this warp's shared memory: 3 * OASIS_SELECT_WARP_MAX ints.
+#define OASIS_SEL_EMPTY (-2)  // a valid empty slot (never equals a prediction, padding included)
+template <int K>
+__device__ void delta_select_warp_impl(
+    const int* __restrict__ predicted, const int* __restrict__ slot_pages, int* __restrict__ page_map,
+    int* __restrict__ page_last_selected, int* __restrict__ plan_slots, int* __restrict__ plan_blocks,
+    int* __restrict__ stats, int* __restrict__ sm, int s, int h, int num_kv_heads, int num_pred, int budget,
+    int num_pages, int step, int fetch_cap) {
+    const int lane = threadIdx.x & 31;
+    const u32 lt_mask = (1u << lane) - 1u;
+    int* spred = sm;                              // [round4(num_pred)] predictions, < 0 -> -1
+    int* sheld = sm + OASIS_SELECT_WARP_MAX;      // [round4(budget)] block held, else EMPTY
+    int* smiss = sm + 2 * OASIS_SELECT_WARP_MAX;  // [n_missing] missing blocks, prediction order
+    const int* pred = predicted + ((i64)s * num_kv_heads + h) * num_pred;
+    const int* pages = slot_pages + (i64)s * budget;
+
+    int page[K];
+    int held[K];  // block held (>= 0), OASIS_SEL_EMPTY, or OASIS_NO_SLOT (no part)
+    int ls[K];
+    int mp[K];    // prediction, -1 for none
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const int i = k * 32 + lane;
+        page[k] = i < budget ? pages[i] : -1;
+        mp[k] = i < num_pred ? pred[i] : -1;
+        if (mp[k] < 0) mp[k] = -1;
+    }
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const int i = k * 32 + lane;
+        const bool ok = i < budget && page[k] >= 0 && page[k] < num_pages;
+        held[k] = OASIS_NO_SLOT;
+        ls[k] = 0;
+        if (ok) {
+            const i64 e = (i64)page[k] * num_kv_heads + h;
+            const int v = page_map[e];
+            held[k] = v < 0 ? OASIS_SEL_EMPTY : v;
+            ls[k] = page_last_selected[e];
+        }
+        spred[i] = mp[k];
+        sheld[i] = held[k] >= 0 ? held[k] : OASIS_SEL_EMPTY;
+    }
+    __syncwarp();
+
+    // Slots whose block is predicted; predictions seen at an earlier position (duplicates).
+    bool in_s[K];
+    bool dup[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        in_s[k] = false;
+        dup[k] = false;
+    }
+    const int np4 = (num_pred + 3) & ~3;  // <= 32 * K: the padding up to there holds -1
+    for (int p = 0; p < np4; p += 4) {
+        const int4 v = *(const int4*)(spred + p);
+        const int vv[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+#pragma unroll
+            for (int k = 0; k < K; ++k) {
+                in_s[k] |= held[k] == vv[c];
+                dup[k] |= (mp[k] == vv[c]) & (p + c < k * 32 + lane);
+            }
+        }
+    }
+    // Predictions resident in some slot.
+    bool res[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) res[k] = false;
+    const int nb4 = (budget + 3) & ~3;
+    for (int p = 0; p < nb4; p += 4) {
+        const int4 v = *(const int4*)(sheld + p);
+        const int vv[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+#pragma unroll
+            for (int k = 0; k < K; ++k) res[k] |= mp[k] == vv[c];
+        }
+    }
+    __syncwarp();  // spred / sheld reads done before smiss is written (disjoint, but cheap)
+
+    // Step 3: kept count and the missing list, in prediction order (first occurrences only).
+    int kept = 0;
+    int n_missing = 0;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const bool first = mp[k] >= 0 && !dup[k];
+        const bool is_kept = first && res[k];
+        const bool is_miss = first && !res[k];
+        kept += __popc(__ballot_sync(0xffffffffu, is_kept));
+        const u32 m = __ballot_sync(0xffffffffu, is_miss);
+        if (is_miss) smiss[n_missing + __popc(m & lt_mask)] = mp[k];
+        n_missing += __popc(m);
+    }
+    // Steps 2 and 4: keep predicted resident slots; victim keys (occupied, last selected, slot).
+    u64 key[K];
+    int n_victims = 0;
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        const bool keep = held[k] >= 0 && in_s[k];
+        const bool victim = held[k] != OASIS_NO_SLOT && !keep;
+        if (keep) page_last_selected[(i64)page[k] * num_kv_heads + h] = step;
+        const u64 occupied = held[k] >= 0 ? 1ull : 0ull;
+        key[k] = victim ? (occupied << 63) | ((u64)((u32)ls[k] ^ 0x80000000u) << 16) | (u64)(k * 32 + lane) : ~0ull;
+        n_victims += __popc(__ballot_sync(0xffffffffu, victim));
+    }
+    __syncwarp();  // smiss visible to the whole warp
+
+    // Step 5: the i-th smallest victim key takes missing[i].
+    const int n = min(min(n_missing, n_victims), fetch_cap);
+    const i64 plan = ((i64)s * num_kv_heads + h) * fetch_cap;
+    for (int i = 0; i < n; ++i) {
+        u64 mk = key[0];
+#pragma unroll
+        for (int k = 1; k < K; ++k) mk = key[k] < mk ? key[k] : mk;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const u64 other = __shfl_xor_sync(0xffffffffu, mk, o);
+            mk = other < mk ? other : mk;
+        }
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            if (key[k] == mk) {  // exactly one lane and k: slot indices are distinct
+                key[k] = ~0ull;
+                const int slot = k * 32 + lane;
+                const int blk = smiss[i];
+                const i64 e = (i64)page[k] * num_kv_heads + h;
+                page_map[e] = blk;
+                page_last_selected[e] = step;
+                plan_slots[plan + i] = slot;
+                plan_blocks[plan + i] = blk;
+            }
+        }
+    }
+    for (int i = n + lane; i < fetch_cap; i += 32) {
+        plan_slots[plan + i] = -1;
+        plan_blocks[plan + i] = -1;
+    }
+    if (stats != nullptr && lane == 0) {
+        int* st = stats + ((i64)s * num_kv_heads + h) * 3;
+        st[0] = n;
+        st[1] = kept;
+        st[2] = n_missing;
+    }
+}
+
+// grid ceil(num_seqs * num_kv_heads / warps per block), OASIS_SELECT_WARP_THREADS threads, no
+// dynamic shared memory; budget <= OASIS_SELECT_WARP_MAX, num_pred <= budget.
+__device__ void delta_select_warp_entry(
+    const int* predicted, const int* slot_pages, int* page_map, int* page_last_selected, int* plan_slots,
+    int* plan_blocks, int* stats, int num_kv_heads, int num_pred, int budget, int num_pages, int step, int fetch_cap,
+    int num_seqs) {
+    __shared__ __align__(16) int smem[OASIS_SELECT_WARP_THREADS / 32][3 * OASIS_SELECT_WARP_MAX];
+    const int warp = threadIdx.x >> 5;
+    const i64 w = (i64)blockIdx.x * (blockDim.x >> 5) + warp;
+    if (w >= (i64)num_seqs * num_kv_heads) return;  // warp-uniform
+    const int s = (int)(w / num_kv_heads);
+    const int h = (int)(w - (i64)s * num_kv_heads);
+    int* sm = smem[warp];
+    const int kk = (budget + 31) / 32;
+    if (kk <= 1) {
+        delta_select_warp_impl<1>(predicted, slot_pages, page_map, page_last_selected, plan_slots, plan_blocks, stats,
+                                  sm, s, h, num_kv_heads, num_pred, budget, num_pages, step, fetch_cap);
+    } else if (kk <= 2) {
+        delta_select_warp_impl<2>(predicted, slot_pages, page_map, page_last_selected, plan_slots, plan_blocks, stats,
+                                  sm, s, h, num_kv_heads, num_pred, budget, num_pages, step, fetch_cap);
+    } else if (kk <= 4) {
+        delta_select_warp_impl<4>(predicted, slot_pages, page_map, page_last_selected, plan_slots, plan_blocks, stats,
+                                  sm, s, h, num_kv_heads, num_pred, budget, num_pages, step, fetch_cap);
+    } else {
+        delta_select_warp_impl<8>(predicted, slot_pages, page_map, page_last_selected, plan_slots, plan_blocks, stats,
+                                  sm, s, h, num_kv_heads, num_pred, budget, num_pages, step, fetch_cap);
+    }
+}
+
 }  // namespace oasis
 
 extern "C" __global__ void __launch_bounds__(OASIS_SELECT_THREADS)
@@ -199,4 +386,12 @@ extern "C" __global__ void __launch_bounds__(OASIS_SELECT_THREADS)
                      int num_pages, int step, int fetch_cap) {
     oasis::delta_select_impl(predicted, slot_pages, page_map, page_last_selected, plan_slots, plan_blocks, stats,
                              num_kv_heads, num_pred, budget, num_pages, step, fetch_cap);
+}
+
+extern "C" __global__ void __launch_bounds__(OASIS_SELECT_WARP_THREADS)
+    delta_select_warp_i32(const int* predicted, const int* slot_pages, int* page_map, int* page_last_selected,
+                          int* plan_slots, int* plan_blocks, int* stats, int num_kv_heads, int num_pred, int budget,
+                          int num_pages, int step, int fetch_cap, int num_seqs) {
+    oasis::delta_select_warp_entry(predicted, slot_pages, page_map, page_last_selected, plan_slots, plan_blocks,
+                                   stats, num_kv_heads, num_pred, budget, num_pages, step, fetch_cap, num_seqs);
 }

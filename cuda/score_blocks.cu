@@ -3,8 +3,11 @@
 // CPU twins: oasis_core::kernels::score_blocks and oasis_core::kernels::topk_blocks.
 #include "oasis_common.cuh"
 
-// Threads per block of score_blocks_* (8 warps, one (block, head) score per warp). Arbitrary.
+// Threads per block of score_blocks_* (8 warps). Arbitrary (a multiple of 32).
 #define OASIS_SCORE_THREADS 256
+// Consecutive entries j of blk_indices one warp of score_blocks_* scores, for one KV head: the
+// grid has ceil(nnz / OASIS_SCORE_TILE) * num_kv_heads warps. One index per lane: must be 32.
+#define OASIS_SCORE_TILE 32
 // Threads per block of topk_blocks_f32, and the largest k it supports (the selected entries are
 // sorted in shared memory: k rounded up to a power of two must fit the sort buffer).
 #define OASIS_TOPK_THREADS 512
@@ -12,8 +15,248 @@
 
 namespace oasis {
 
-// Warp w scores entry (j, h) = (w / num_kv_heads, w % num_kv_heads):
-//   sum over query heads g of KV head h, over d, of max(q[s,g,d] * min[b,h,d], q[s,g,d] * max[b,h,d])
+// Largest s with blk_indptr[s] <= j: then j < blk_indptr[s + 1] (empty sequences are skipped).
+__device__ __forceinline__ int score_seq_of(const int* __restrict__ blk_indptr, int num_seqs, int j) {
+    int lo = 0;
+    int hi = num_seqs - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (blk_indptr[mid] <= j) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
+// The 8 (16-bit types) or 4 (f32) values of a 16-byte word, as f32.
+template <typename T>
+__device__ __forceinline__ void unpack16(const uint4& w, float* out);
+template <>
+__device__ __forceinline__ void unpack16<bf16>(const uint4& w, float* out) {
+    const u32 v[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        out[2 * i] = __uint_as_float(v[i] << 16);
+        out[2 * i + 1] = __uint_as_float(v[i] & 0xffff0000u);
+    }
+}
+template <>
+__device__ __forceinline__ void unpack16<f16>(const uint4& w, float* out) {
+    const u32 v[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        f16 a;
+        f16 b;
+        a.bits = (unsigned short)(v[i] & 0xffffu);
+        b.bits = (unsigned short)(v[i] >> 16);
+        out[2 * i] = to_f32(a);
+        out[2 * i + 1] = to_f32(b);
+    }
+}
+template <>
+__device__ __forceinline__ void unpack16<float>(const uint4& w, float* out) {
+    out[0] = __uint_as_float(w.x);
+    out[1] = __uint_as_float(w.y);
+    out[2] = __uint_as_float(w.z);
+    out[3] = __uint_as_float(w.w);
+}
+
+// Vector path of score_blocks_impl: warp `w` scores entries j of [tile * 32, tile * 32 + 32)
+// (tile = w / num_kv_heads) for head h = w % num_kv_heads, with 16-byte loads of the summaries.
+// One (block, head) summary is 2*V 16-byte words (V = head_dim * sizeof(T) / 16: min row then
+// max row). V <= 16: a "unit" of 2V lanes holds one summary, one word per lane (lanes r < V the
+// min, r >= V the max of the same d's), exchanged across the halves with one xor-V shuffle; the
+// GQA group is split between the halves (head 2i + half); 32 / 2V units per warp, each over its
+// own slice of the tile. V >= 32: the whole warp holds a summary, V/32 words of each row per
+// lane, and every lane covers the whole group. The query slice of the current sequence lives in
+// registers (GH heads of the group at most per lane); `U` summaries are loaded before any is
+// used. Scores are reduced over the unit's lanes with xor shuffles.
+template <typename T, int V, int GH>
+__device__ void score_blocks_vec(
+    const T* __restrict__ q, const T* __restrict__ summaries, const int* __restrict__ blk_indptr,
+    const int* __restrict__ blk_indices, float* __restrict__ scores, int num_seqs, int nnz, int num_qo_heads,
+    int num_kv_heads, int head_dim, int num_host_blocks, int tile, int h) {
+    constexpr int E = 16 / (int)sizeof(T);           // values per 16-byte word
+    constexpr bool SPLIT = V <= 16;                  // min and max rows on different lanes
+    constexpr int LPU = SPLIT ? 2 * V : 32;          // lanes per unit
+    constexpr int NSUB = 32 / LPU;                   // units per warp
+    constexpr int NV = SPLIT ? 1 : V / 32;           // words of each row per lane
+    constexpr int LOADS = SPLIT ? 1 : 2 * NV;        // 16-byte loads per lane per summary
+    constexpr int U = LOADS >= 8 ? 1 : 8 / LOADS;    // summaries in flight per unit
+    constexpr int SUBT = OASIS_SCORE_TILE / NSUB;    // entries per unit
+
+    const int lane = threadIdx.x & 31;
+    const int sub = lane / LPU;
+    const int r = lane % LPU;
+    const int half = SPLIT ? r / V : 0;
+    const int group = num_qo_heads / num_kv_heads;
+    // Heads of the group this lane covers: g = i * GSTEP + half for i < nh.
+    const int gstep = SPLIT ? 2 : 1;
+    const int nh = SPLIT ? (group - half + 1) / 2 : group;
+
+    const int t0 = tile * OASIS_SCORE_TILE;
+    const int t1 = min(nnz, t0 + OASIS_SCORE_TILE);
+    // One block id per lane for the whole tile, handed out with shuffles.
+    const int tile_idx = t0 + lane < t1 ? blk_indices[t0 + lane] : -1;
+    int j = min(t1, t0 + sub * SUBT);
+    const int jend = min(t1, t0 + (sub + 1) * SUBT);
+
+    float qr[GH][NV][E];
+    int s = 0;
+    int seq_end = 0;
+    const uint4* sum4 = (const uint4*)summaries;
+    const i64 row_words = (i64)V;  // 16-byte words per row
+    // d offset (in words) of word k of this lane's row
+    auto word_of = [&](int k) { return SPLIT ? (r % V) : (r + 32 * k); };
+    auto load_q = [&]() {
+        const T* qs = q + ((i64)s * num_qo_heads + (i64)h * group) * head_dim;
+#pragma unroll
+        for (int i = 0; i < GH; ++i) {
+            const int g = i * gstep + half;
+#pragma unroll
+            for (int k = 0; k < NV; ++k) {
+#pragma unroll
+                for (int e = 0; e < E; ++e) {
+                    qr[i][k][e] = i < nh ? to_f32(qs[(i64)g * head_dim + word_of(k) * E + e]) : 0.f;
+                }
+            }
+        }
+    };
+    if (j < jend) {
+        s = score_seq_of(blk_indptr, num_seqs, j);
+        seq_end = blk_indptr[s + 1];
+        load_q();
+    }
+
+    while (__any_sync(0xffffffffu, j < jend)) {
+        const int cnt = j < jend ? min(U, min(jend, seq_end) - j) : 0;
+        int bid[U];
+        uint4 raw[U][LOADS];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            bid[u] = __shfl_sync(0xffffffffu, tile_idx, (j - t0 + u) & 31);
+            const bool ok = u < cnt && bid[u] >= 0 && bid[u] < num_host_blocks;
+            const uint4* base = sum4 + ((i64)bid[u] * num_kv_heads + h) * 2 * row_words;
+#pragma unroll
+            for (int l = 0; l < LOADS; ++l) {
+                if (ok) {
+                    // SPLIT: word r of the unit (min row r < V, max row after). Else: min words
+                    // r + 32k, then max words V + r + 32k.
+                    const int wi = SPLIT ? r : (l < NV ? r + 32 * l : V + r + 32 * (l - NV));
+                    raw[u][l] = base[wi];
+                } else {
+                    raw[u][l].x = 0u;
+                    raw[u][l].y = 0u;
+                    raw[u][l].z = 0u;
+                    raw[u][l].w = 0u;
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            float lo[NV][E];
+            float hi[NV][E];
+            if (SPLIT) {
+                uint4 other;
+                other.x = __shfl_xor_sync(0xffffffffu, raw[u][0].x, V);
+                other.y = __shfl_xor_sync(0xffffffffu, raw[u][0].y, V);
+                other.z = __shfl_xor_sync(0xffffffffu, raw[u][0].z, V);
+                other.w = __shfl_xor_sync(0xffffffffu, raw[u][0].w, V);
+                unpack16<T>(half ? other : raw[u][0], lo[0]);
+                unpack16<T>(half ? raw[u][0] : other, hi[0]);
+            } else {
+#pragma unroll
+                for (int k = 0; k < NV; ++k) {
+                    unpack16<T>(raw[u][k], lo[k]);
+                    unpack16<T>(raw[u][SPLIT ? 0 : NV + k], hi[k]);
+                }
+            }
+            float acc = 0.f;
+#pragma unroll
+            for (int i = 0; i < GH; ++i) {
+                if (i < nh) {
+#pragma unroll
+                    for (int k = 0; k < NV; ++k) {
+#pragma unroll
+                        for (int e = 0; e < E; ++e) {
+                            const float qv = qr[i][k][e];
+                            acc += fmaxf(qv * lo[k][e], qv * hi[k][e]);
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int o = 1; o < LPU; o <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+            if (r == 0 && u < cnt) {
+                const bool ok = bid[u] >= 0 && bid[u] < num_host_blocks;
+                scores[(i64)(j + u) * num_kv_heads + h] = ok ? acc : neg_inf();
+            }
+        }
+        j += cnt;
+        if (j < jend && j >= seq_end) {  // next non-empty sequence
+            while (s + 1 < num_seqs && blk_indptr[s + 1] <= j) ++s;
+            seq_end = blk_indptr[s + 1];
+            load_q();
+        }
+    }
+}
+
+// Scalar path (any head_dim, any alignment, large groups): warp w scores the entries of its tile
+// one by one for head h, lanes striding over d.
+template <typename T>
+__device__ void score_blocks_scalar(
+    const T* __restrict__ q, const T* __restrict__ summaries, const int* __restrict__ blk_indptr,
+    const int* __restrict__ blk_indices, float* __restrict__ scores, int num_seqs, int nnz, int num_qo_heads,
+    int num_kv_heads, int head_dim, int num_host_blocks, int tile, int h) {
+    const int lane = threadIdx.x & 31;
+    const int t0 = tile * OASIS_SCORE_TILE;
+    const int t1 = min(nnz, t0 + OASIS_SCORE_TILE);
+    const int group = num_qo_heads / num_kv_heads;
+    int s = score_seq_of(blk_indptr, num_seqs, t0);
+    for (int j = t0; j < t1; ++j) {
+        while (s + 1 < num_seqs && blk_indptr[s + 1] <= j) ++s;
+        const int b = blk_indices[j];
+        if (b < 0 || b >= num_host_blocks) {
+            if (lane == 0) scores[(i64)j * num_kv_heads + h] = neg_inf();
+            continue;
+        }
+        const T* mn = summaries + ((i64)b * num_kv_heads + h) * 2 * head_dim;
+        const T* mx = mn + head_dim;
+        const T* qs = q + ((i64)s * num_qo_heads + (i64)h * group) * head_dim;
+        float acc = 0.f;
+        for (int x = lane; x < head_dim; x += 32) {
+            const float lo_k = to_f32(mn[x]);
+            const float hi_k = to_f32(mx[x]);
+            for (int g = 0; g < group; ++g) {
+                const float qv = to_f32(qs[(i64)g * head_dim + x]);
+                acc += fmaxf(qv * lo_k, qv * hi_k);
+            }
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) scores[(i64)j * num_kv_heads + h] = acc;
+    }
+}
+
+template <typename T, int V>
+__device__ __forceinline__ bool score_blocks_dispatch_gh(
+    const T* q, const T* summaries, const int* blk_indptr, const int* blk_indices, float* scores, int num_seqs,
+    int nnz, int num_qo_heads, int num_kv_heads, int head_dim, int num_host_blocks, int tile, int h, int nh) {
+    if (nh <= 2) {
+        score_blocks_vec<T, V, 2>(q, summaries, blk_indptr, blk_indices, scores, num_seqs, nnz, num_qo_heads,
+                                  num_kv_heads, head_dim, num_host_blocks, tile, h);
+    } else if (nh <= 4) {
+        score_blocks_vec<T, V, 4>(q, summaries, blk_indptr, blk_indices, scores, num_seqs, nnz, num_qo_heads,
+                                  num_kv_heads, head_dim, num_host_blocks, tile, h);
+    } else if (nh <= 8) {
+        score_blocks_vec<T, V, 8>(q, summaries, blk_indptr, blk_indices, scores, num_seqs, nnz, num_qo_heads,
+                                  num_kv_heads, head_dim, num_host_blocks, tile, h);
+    } else {
+        return false;
+    }
+    return true;
+}
+
+// grid: ceil(ceil(nnz / OASIS_SCORE_TILE) * num_kv_heads * 32 / OASIS_SCORE_THREADS) blocks.
+// Entry (j, h) = sum over query heads g of KV head h, over d, of
+//   max(q[s,g,d] * min[b,h,d], q[s,g,d] * max[b,h,d])
 // with b = blk_indices[j] and s the sequence whose CSR range holds j. An out-of-range block id
 // scores -inf (never selected).
 template <typename T>
@@ -25,38 +268,39 @@ __device__ void score_blocks_impl(
     float* __restrict__ scores,          // [nnz, num_kv_heads]
     int num_seqs, int nnz, int num_qo_heads, int num_kv_heads, int head_dim, int num_host_blocks) {
     const i64 w = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-    const int lane = threadIdx.x & 31;
-    if (w >= (i64)nnz * num_kv_heads) return;  // warp-uniform
-    const int j = (int)(w / num_kv_heads);
-    const int h = (int)(w - (i64)j * num_kv_heads);
-    // Largest s with blk_indptr[s] <= j: then j < blk_indptr[s + 1] (empty sequences are skipped).
-    int lo = 0;
-    int hi = num_seqs - 1;
-    while (lo < hi) {
-        const int mid = (lo + hi + 1) >> 1;
-        if (blk_indptr[mid] <= j) lo = mid; else hi = mid - 1;
-    }
-    const int s = lo;
-    const int b = blk_indices[j];
-    if (b < 0 || b >= num_host_blocks) {
-        if (lane == 0) scores[w] = neg_inf();
-        return;
-    }
+    const i64 num_tiles = ((i64)nnz + OASIS_SCORE_TILE - 1) / OASIS_SCORE_TILE;
+    if (w >= num_tiles * num_kv_heads) return;  // warp-uniform
+    const int tile = (int)(w / num_kv_heads);
+    const int h = (int)(w - (i64)tile * num_kv_heads);
     const int group = num_qo_heads / num_kv_heads;
-    const T* mn = summaries + ((i64)b * num_kv_heads + h) * 2 * head_dim;
-    const T* mx = mn + head_dim;
-    const T* qs = q + ((i64)s * num_qo_heads + (i64)h * group) * head_dim;
-    float acc = 0.f;
-    for (int x = lane; x < head_dim; x += 32) {
-        const float lo_k = to_f32(mn[x]);
-        const float hi_k = to_f32(mx[x]);
-        for (int g = 0; g < group; ++g) {
-            const float qv = to_f32(qs[(i64)g * head_dim + x]);
-            acc += fmaxf(qv * lo_k, qv * hi_k);
+    const int bytes = head_dim * (int)sizeof(T);
+    const int v = bytes % 16 == 0 ? bytes / 16 : 0;
+    const bool aligned = ((u64)summaries & 15) == 0;
+    bool done = false;
+    if (aligned) {
+        const int nh_split = (group + 1) / 2;  // per lane when the group is split in halves
+        if (v == 8) {
+            done = score_blocks_dispatch_gh<T, 8>(q, summaries, blk_indptr, blk_indices, scores, num_seqs, nnz,
+                                                  num_qo_heads, num_kv_heads, head_dim, num_host_blocks, tile, h,
+                                                  nh_split);
+        } else if (v == 16) {
+            done = score_blocks_dispatch_gh<T, 16>(q, summaries, blk_indptr, blk_indices, scores, num_seqs, nnz,
+                                                   num_qo_heads, num_kv_heads, head_dim, num_host_blocks, tile, h,
+                                                   nh_split);
+        } else if (v == 32) {
+            done = score_blocks_dispatch_gh<T, 32>(q, summaries, blk_indptr, blk_indices, scores, num_seqs, nnz,
+                                                   num_qo_heads, num_kv_heads, head_dim, num_host_blocks, tile, h,
+                                                   group);
+        } else if (v == 64) {
+            done = score_blocks_dispatch_gh<T, 64>(q, summaries, blk_indptr, blk_indices, scores, num_seqs, nnz,
+                                                   num_qo_heads, num_kv_heads, head_dim, num_host_blocks, tile, h,
+                                                   group);
         }
     }
-    acc = warp_sum(acc);
-    if (lane == 0) scores[w] = acc;
+    if (!done) {
+        score_blocks_scalar<T>(q, summaries, blk_indptr, blk_indices, scores, num_seqs, nnz, num_qo_heads,
+                               num_kv_heads, head_dim, num_host_blocks, tile, h);
+    }
 }
 
 // Order-preserving map of a score to an unsigned key (larger score, larger key). -0 and +0 are

@@ -30,6 +30,9 @@ pub const MAX_TILE_TOKENS: usize = 32;
 pub const DECODE_SMEM_TARGET: usize = 48 * 1024;
 /// Threads per block of `score_blocks_*`; must match OASIS_SCORE_THREADS in cuda/score_blocks.cu.
 pub const SCORE_THREADS: u32 = 256;
+/// Consecutive block-table entries one warp of `score_blocks_*` scores (for one KV head); must
+/// match OASIS_SCORE_TILE.
+pub const SCORE_TILE: usize = 32;
 /// Threads per block of `topk_blocks_f32`; must match OASIS_TOPK_THREADS.
 pub const TOPK_THREADS: u32 = 512;
 /// Largest `k` of [`Gpu::topk_blocks`]; must match OASIS_MAX_TOPK in cuda/score_blocks.cu.
@@ -38,6 +41,12 @@ pub const MAX_TOPK: usize = 512;
 pub const SELECT_THREADS: u32 = 256;
 /// Largest budget of [`Gpu::delta_select`]; must match OASIS_MAX_SELECT_BUDGET.
 pub const MAX_SELECT_BUDGET: usize = 4096;
+/// Threads per block of `delta_select_warp_i32` (one warp per (sequence, KV head)); must match
+/// OASIS_SELECT_WARP_THREADS.
+pub const SELECT_WARP_THREADS: u32 = 128;
+/// Largest budget `delta_select_warp_i32` handles; above it [`Gpu::delta_select`] launches
+/// `delta_select_i32`. Must match OASIS_SELECT_WARP_MAX.
+pub const SELECT_WARP_MAX: usize = 256;
 /// Threads per block of the copy kernels; must match OASIS_COPY_THREADS in cuda/gather_blocks.cu.
 pub const COPY_THREADS: u32 = 128;
 /// Threads per block of append / summary / merge kernels (they stride over head_dim). Arbitrary.
@@ -47,6 +56,12 @@ pub const MAX_SPLITS: usize = 256;
 /// Fewest pages a split should get: below this the merge costs more than the split saves.
 /// Arbitrary.
 pub const MIN_PAGES_PER_SPLIT: usize = 8;
+/// Blocks of the tensor-core decode attention kernel resident per SM that the split planner
+/// counts on (head_dim 128: two blocks of about 100 KiB shared memory each on an H100/H200).
+pub const DECODE_TC_BLOCKS_PER_SM: usize = 2;
+/// Work items (16-token chunks) the tensor-core decode attention kernel compacts per round;
+/// must match OASIS_TC_LIST_CAP in cuda/decode_attn.cu.
+pub const DECODE_TC_LIST_CAP: usize = 512;
 
 /// `len` elements of `T` at device-visible address `ptr`: device memory, or pinned host memory
 /// mapped at the same address (UVA). Copy, like the raw pointer it is.
@@ -169,9 +184,11 @@ pub fn decode_attn_workspace_len(
     num_seqs * num_rows * num_qo_heads * num_splits * (head_dim + 1)
 }
 
-/// A split count for a batch whose longest sequence has `max_pages` pages: enough blocks for
-/// about two waves over the device's SMs, each split keeping at least [`MIN_PAGES_PER_SPLIT`]
-/// pages. 1 means no split (and no workspace). Plan it on the CPU once per step.
+/// A split count for a batch whose longest sequence has `max_pages` pages: the fewest splits
+/// whose blocks fill the device's resident block slots ([`DECODE_TC_BLOCKS_PER_SM`] per SM) to
+/// at least 90% over whole waves (no half-empty last wave), else the count that fills them best;
+/// each split keeps at least [`MIN_PAGES_PER_SPLIT`] pages. 1 means no split (and no workspace).
+/// Plan it on the CPU once per step.
 pub fn plan_num_splits(
     num_sms: usize,
     num_seqs: usize,
@@ -179,9 +196,21 @@ pub fn plan_num_splits(
     max_pages: usize,
 ) -> usize {
     let blocks = (num_seqs * num_kv_heads).max(1);
-    let want = (2 * num_sms).div_ceil(blocks);
-    let most = (max_pages / MIN_PAGES_PER_SPLIT).max(1);
-    want.clamp(1, most.min(MAX_SPLITS))
+    let slots = (DECODE_TC_BLOCKS_PER_SM * num_sms).max(1);
+    let most = (max_pages / MIN_PAGES_PER_SPLIT).clamp(1, MAX_SPLITS);
+    // Fill of the slots over the waves `n` blocks take, in 1/1000.
+    let fill = |n: usize| n.saturating_mul(1000) / (n.div_ceil(slots) * slots);
+    let mut best = (1, fill(blocks));
+    for splits in 1..=most {
+        let f = fill(blocks.saturating_mul(splits));
+        if f >= 900 {
+            return splits;
+        }
+        if f > best.1 {
+            best = (splits, f);
+        }
+    }
+    best.0
 }
 
 /// Shared memory of one decode attention block, in bytes: the same sum as the kernel's layout
@@ -189,6 +218,25 @@ pub fn plan_num_splits(
 pub fn decode_attn_smem_bytes(nq: usize, head_dim: usize, tt: usize) -> usize {
     let d = head_dim;
     4 * (nq * (d + 1) + tt * (d + 1) + tt * d + nq * tt + nq * d + 2 * nq)
+}
+
+/// Pipeline depth (shared-memory stages per warp) of the tensor-core decode attention kernel for
+/// `head_dim`, or None when it has no variant for it. Must match the OASIS_DECODE_ATTN_TC
+/// instances in cuda/decode_attn.cu.
+pub fn decode_attn_tc_stages(head_dim: usize) -> Option<usize> {
+    match head_dim {
+        64 => Some(4),
+        128 => Some(3),
+        256 => Some(2),
+        _ => None,
+    }
+}
+
+/// Shared memory of one tensor-core decode attention block, in bytes (cuda/decode_attn.cu,
+/// `decode_attn_tc_impl`): 4 warps × `stages` × (K + V of 16 tokens of 16-bit elements), the
+/// item list, the merge's m/l and the scan scratch.
+pub fn decode_attn_tc_smem_bytes(head_dim: usize, stages: usize) -> usize {
+    4 * stages * 2 * 16 * head_dim * 2 + 2 * 4 * (DECODE_TC_LIST_CAP + 1) + 2 * 4 * 64 + 4 * 36
 }
 
 /// Shared memory of one delta-selection block, in bytes (cuda/delta_select.cu).
@@ -249,6 +297,22 @@ fn row_threads(head_dim: usize) -> u32 {
 }
 
 /// The kernel of family `$family` for storage type `$t`.
+/// The tensor-core decode attention entry point for `T` and `head_dim`, with its pipeline
+/// depth; None for f32 storage or a head_dim it has no variant for.
+fn decode_attn_tc_entry<T: KvElem>(head_dim: usize) -> Option<(&'static str, usize)> {
+    let stages = decode_attn_tc_stages(head_dim)?;
+    let name = match (T::DTYPE, head_dim) {
+        (DType::BF16, 64) => "decode_attn_tc_bf16_d64",
+        (DType::BF16, 128) => "decode_attn_tc_bf16_d128",
+        (DType::BF16, 256) => "decode_attn_tc_bf16_d256",
+        (DType::F16, 64) => "decode_attn_tc_f16_d64",
+        (DType::F16, 128) => "decode_attn_tc_f16_d128",
+        (DType::F16, 256) => "decode_attn_tc_f16_d256",
+        _ => return None,
+    };
+    Some((name, stages))
+}
+
 macro_rules! entry {
     ($t:ty, $family:literal) => {
         match <$t as KvElem>::DTYPE {
@@ -469,15 +533,30 @@ impl Gpu {
                 _ => (0, 0),
             };
 
-            let name = entry!(T, "decode_attn");
             let nq = num_rows * geo.group_size();
-            let tt = (1..=MAX_TILE_TOKENS)
-                .rev()
-                .find(|&tt| decode_attn_smem_bytes(nq, d, tt) <= DECODE_SMEM_TARGET)
-                .unwrap_or(1);
-            let smem = decode_attn_smem_bytes(nq, d, tt);
             let pm = kv.page_map.map_or(0, |p| p.ptr());
             let (ek, ev) = extra.map_or((0, 0), |x| (x.k.ptr(), x.v.ptr()));
+            // Tensor-core kernel for 16-bit storage when the query group fits one m16 tile, pages
+            // are whole 16-token chunks and K/V allow 16-byte copies (q 4-byte loads); else the
+            // generic one, whose `tile_tokens` the tensor-core kernel ignores (it passes 0).
+            let aligned = q.ptr() % 4 == 0
+                && (kv.k_pages.ptr() | kv.v_pages.ptr() | ek | ev) % 16 == 0;
+            let (name, tt, smem) = match decode_attn_tc_entry::<T>(d) {
+                Some((name, stages)) if nq <= 16 && bs % 16 == 0 && aligned => {
+                    (name, 0, decode_attn_tc_smem_bytes(d, stages))
+                }
+                _ => {
+                    let tt = (1..=MAX_TILE_TOKENS)
+                        .rev()
+                        .find(|&tt| decode_attn_smem_bytes(nq, d, tt) <= DECODE_SMEM_TARGET)
+                        .unwrap_or(1);
+                    (
+                        entry!(T, "decode_attn"),
+                        tt,
+                        decode_attn_smem_bytes(nq, d, tt),
+                    )
+                }
+            };
             let args = Args::default()
                 .ptr(q.ptr())
                 .ptr(kv.k_pages.ptr())
@@ -505,11 +584,14 @@ impl Gpu {
                 grid_dim("num_kv_heads", h, GRID_YZ_MAX)?,
                 grid_dim("num_splits", num_splits, GRID_YZ_MAX)?,
             );
-            // SAFETY: `args` follows decode_attn_* in cuda/decode_attn.cu (12 pointers, 8 i32,
-            // 1 f32); null pointers only where the kernel tests for null (page_map, extra_k,
-            // extra_v) or never dereferences them (tmp_* when num_splits == 1, out when > 1).
-            // Buffer lengths checked above, the workspace against decode_attn_workspace_len;
-            // `smem` is the kernel's layout for (nq, d, tt) and launch() checks it against the
+            // SAFETY: `args` follows decode_attn_* and decode_attn_tc_* in cuda/decode_attn.cu
+            // (12 pointers, 8 i32, 1 f32); null pointers only where the kernel tests for null
+            // (page_map, extra_k, extra_v) or never dereferences them (tmp_* when num_splits ==
+            // 1, out when > 1). Buffer lengths checked above, the workspace against
+            // decode_attn_workspace_len; the tensor-core kernel only where its shape and
+            // alignment conditions hold (checked above; it is instantiated for this head_dim).
+            // `smem` is the chosen kernel's layout (for (nq, d, tt), or for (d, stages) of the
+            // tensor-core kernel) and launch() checks it against the
             // device limit. kv_indices and the CSR contents are bounds-checked by the kernel
             // (page ids), the CSR itself must be consistent with kv_indices (DevSlice contract:
             // the kernel reads kv_indices[kv_indptr[s]..kv_indptr[s+1]]). Reachability and
@@ -597,7 +679,8 @@ impl Gpu {
                 .i32(int("num_kv_heads", h)?)
                 .i32(int("head_dim", d)?)
                 .i32(int("num_host_blocks", num_host)?);
-            let warps = nnz * h;
+            // One warp per (tile of SCORE_TILE entries, KV head).
+            let warps = nnz.div_ceil(SCORE_TILE) * h;
             let blocks = warps.div_ceil((SCORE_THREADS / 32) as usize);
             let grid = (grid_dim("score blocks", blocks, GRID_X_MAX)?, 1, 1);
             // SAFETY: `args` follows score_blocks_* in cuda/score_blocks.cu (5 pointers, 6 i32).
@@ -747,6 +830,47 @@ impl Gpu {
                 check_len("stats", st.len(), &[num_seqs, h, 3])?;
             }
 
+            if budget <= SELECT_WARP_MAX {
+                let name = "delta_select_warp_i32";
+                let args = Args::default()
+                    .ptr(predicted.ptr())
+                    .ptr(slot_pages.ptr())
+                    .ptr(page_map.ptr())
+                    .ptr(page_last_selected.ptr())
+                    .ptr(plan_slots.ptr())
+                    .ptr(plan_blocks.ptr())
+                    .ptr(stats.map_or(0, |s| s.ptr()))
+                    .i32(int("num_kv_heads", h)?)
+                    .i32(int("num_pred", num_pred)?)
+                    .i32(int("budget", budget)?)
+                    .i32(int("num_pages", num_pages)?)
+                    .i32(step)
+                    .i32(int("fetch_cap", fetch_cap)?)
+                    .i32(int("num_seqs", num_seqs)?);
+                // One warp per (sequence, KV head).
+                let warps = num_seqs.checked_mul(h).ok_or_else(|| {
+                    CudaError::Unsupported("num_seqs * num_kv_heads overflows".into())
+                })?;
+                let blocks = warps.div_ceil((SELECT_WARP_THREADS / 32) as usize);
+                let grid = (grid_dim("selection blocks", blocks, GRID_X_MAX)?, 1, 1);
+                // SAFETY: `args` follows delta_select_warp_i32 in cuda/delta_select.cu (7 pointers,
+                // 7 i32); stats may be null (the kernel tests it). num_pred <= budget <=
+                // OASIS_SELECT_WARP_MAX (its register and static shared-memory layout). Lengths
+                // checked above; page ids are bounds-checked by the kernel; reachability and
+                // lifetime by DevSlice's contract, the stream by Stream's.
+                return unsafe {
+                    self.launch(
+                        name,
+                        LaunchCfg {
+                            grid,
+                            block: SELECT_WARP_THREADS,
+                            smem: 0,
+                        },
+                        stream.handle(),
+                        &args,
+                    )
+                };
+            }
             let name = "delta_select_i32";
             let args = Args::default()
                 .ptr(predicted.ptr())
@@ -933,14 +1057,46 @@ mod tests {
 
     #[test]
     fn split_planning() {
-        // One long sequence, 8 KV heads, 132 SMs: 2 waves want 33 splits, 4096 pages allow them.
-        assert_eq!(plan_num_splits(132, 1, 8, 4096), 33);
+        // One long sequence, 8 KV heads, 132 SMs (264 block slots): 30 splits fill 240 of them
+        // (over 90%), 4096 pages allow that.
+        assert_eq!(plan_num_splits(132, 1, 8, 4096), 30);
+        // Batch 16 at 16K tokens: 128 blocks fill half the slots, 2 splits fill 256 of 264
+        // (3 would leave a second wave 45% full).
+        assert_eq!(plan_num_splits(132, 16, 8, 1024), 2);
+        // 300 blocks: a second wave 14% full unsplit; 4 splits give 1200 blocks in 5 waves.
+        assert_eq!(plan_num_splits(132, 300, 1, 129), 4);
         // Short sequences never split below MIN_PAGES_PER_SPLIT pages.
         assert_eq!(plan_num_splits(132, 1, 8, 10), 1);
         assert_eq!(plan_num_splits(132, 1, 8, 16), 2);
         // A big batch fills the device alone.
         assert_eq!(plan_num_splits(132, 64, 8, 4096), 1);
         assert!(plan_num_splits(10_000, 1, 1, usize::MAX / 2) <= MAX_SPLITS);
+    }
+
+    #[test]
+    fn tensor_core_variants() {
+        // Qwen3-8B shapes: head_dim 128, 3 stages of 8 KiB per warp, two blocks per SM fit the
+        // 227 KiB of an H100/H200.
+        assert_eq!(decode_attn_tc_stages(128), Some(3));
+        let b = decode_attn_tc_smem_bytes(128, 3);
+        assert_eq!(b, 4 * 3 * 8192 + 8 * 513 + 512 + 144);
+        assert!(DECODE_TC_BLOCKS_PER_SM * (b + 1024) <= 227 * 1024);
+        assert!(decode_attn_tc_smem_bytes(256, 2) <= 227 * 1024);
+        assert_eq!(decode_attn_tc_stages(96), None);
+        assert_eq!(
+            decode_attn_tc_entry::<half::bf16>(64),
+            Some(("decode_attn_tc_bf16_d64", 4))
+        );
+        assert_eq!(decode_attn_tc_entry::<f32>(128), None);
+        for d in [64, 128, 256] {
+            for name in [
+                decode_attn_tc_entry::<half::bf16>(d),
+                decode_attn_tc_entry::<half::f16>(d),
+            ] {
+                let (name, _) = name.unwrap();
+                assert!(crate::kernels::source_of(name).is_some(), "{name} not registered");
+            }
+        }
     }
 
     #[test]
@@ -1019,6 +1175,15 @@ mod tests {
         assert_eq!(
             define("delta_select", "OASIS_MAX_SELECT_BUDGET"),
             MAX_SELECT_BUDGET
+        );
+        assert_eq!(define("score_blocks", "OASIS_SCORE_TILE"), SCORE_TILE);
+        assert_eq!(
+            define("delta_select", "OASIS_SELECT_WARP_THREADS"),
+            SELECT_WARP_THREADS as usize
+        );
+        assert_eq!(
+            define("delta_select", "OASIS_SELECT_WARP_MAX"),
+            SELECT_WARP_MAX
         );
         assert_eq!(
             define("gather_blocks", "OASIS_COPY_THREADS"),
