@@ -17,6 +17,10 @@
 // With num_splits == 1 the result is written to `out` directly; otherwise each split writes its
 // normalised partial output and log-sum-exp to the workspace and merge_attn_states_* combines
 // them. The split of a sequence's page list is by equal page counts.
+//
+// bf16 / f16 storage with head_dim 64/128/256, num_rows * group <= 16 and block_size a multiple
+// of 16 goes to the tensor-core kernels decode_attn_tc_* instead (same contract and arguments,
+// see decode_attn_tc_impl below); this generic kernel serves f32 and every other shape.
 #include "oasis_common.cuh"
 
 namespace oasis {

@@ -3,7 +3,9 @@
 // CPU twins: oasis_core::kernels::score_blocks and oasis_core::kernels::topk_blocks.
 #include "oasis_common.cuh"
 
-// Threads per block of score_blocks_* (8 warps). Arbitrary (a multiple of 32).
+// Threads per block of score_blocks_* (8 warps). Arbitrary (a multiple of 32). The entry points
+// ask for 2 blocks per SM (<= 128 registers): the common instantiations (head_dim 128, groups
+// <= 4) need ~100 and do not spill; the widest (8 query heads per lane) spill a little.
 #define OASIS_SCORE_THREADS 256
 // Consecutive entries j of blk_indices one warp of score_blocks_* scores, for one KV head: the
 // grid has ceil(nnz / OASIS_SCORE_TILE) * num_kv_heads warps. One index per lane: must be 32.
@@ -401,7 +403,7 @@ __device__ void topk_blocks_impl(
 }  // namespace oasis
 
 #define OASIS_SCORE_BLOCKS(NAME, T)                                                                   \
-    extern "C" __global__ void __launch_bounds__(OASIS_SCORE_THREADS)                                 \
+    extern "C" __global__ void __launch_bounds__(OASIS_SCORE_THREADS, 2)                                 \
         NAME(const T* q, const T* summaries, const int* blk_indptr, const int* blk_indices, float* scores, \
              int num_seqs, int nnz, int num_qo_heads, int num_kv_heads, int head_dim, int num_host_blocks) { \
         oasis::score_blocks_impl<T>(q, summaries, blk_indptr, blk_indices, scores, num_seqs, nnz,    \

@@ -539,10 +539,10 @@ impl Gpu {
             // Tensor-core kernel for 16-bit storage when the query group fits one m16 tile, pages
             // are whole 16-token chunks and K/V allow 16-byte copies (q 4-byte loads); else the
             // generic one, whose `tile_tokens` the tensor-core kernel ignores (it passes 0).
-            let aligned = q.ptr() % 4 == 0
-                && (kv.k_pages.ptr() | kv.v_pages.ptr() | ek | ev) % 16 == 0;
+            let aligned = q.ptr().is_multiple_of(4)
+                && (kv.k_pages.ptr() | kv.v_pages.ptr() | ek | ev).is_multiple_of(16);
             let (name, tt, smem) = match decode_attn_tc_entry::<T>(d) {
-                Some((name, stages)) if nq <= 16 && bs % 16 == 0 && aligned => {
+                Some((name, stages)) if nq <= 16 && bs.is_multiple_of(16) && aligned => {
                     (name, 0, decode_attn_tc_smem_bytes(d, stages))
                 }
                 _ => {
@@ -1088,13 +1088,28 @@ mod tests {
             Some(("decode_attn_tc_bf16_d64", 4))
         );
         assert_eq!(decode_attn_tc_entry::<f32>(128), None);
+        let src = crate::kernels::source("decode_attn").unwrap().source;
+        assert!(src.contains(&format!("#define OASIS_TC_LIST_CAP {DECODE_TC_LIST_CAP}\n")));
+        // The launch gives it DECODE_THREADS threads: 4 warps.
+        assert!(src.contains("#define OASIS_TC_WARPS 4\n"));
+        assert_eq!(DECODE_THREADS, 4 * 32);
+        for d in [64, 128, 256] {
+            let st = decode_attn_tc_stages(d).unwrap();
+            for (t, ty) in [("bf16", "bf16"), ("f16", "f16")] {
+                let inst = format!("(decode_attn_tc_{t}_d{d}, oasis::{ty}, {d}, {st})");
+                assert!(src.contains(&inst), "{inst} not in decode_attn.cu");
+            }
+        }
         for d in [64, 128, 256] {
             for name in [
                 decode_attn_tc_entry::<half::bf16>(d),
                 decode_attn_tc_entry::<half::f16>(d),
             ] {
                 let (name, _) = name.unwrap();
-                assert!(crate::kernels::source_of(name).is_some(), "{name} not registered");
+                assert!(
+                    crate::kernels::source_of(name).is_some(),
+                    "{name} not registered"
+                );
             }
         }
     }
