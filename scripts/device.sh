@@ -74,14 +74,15 @@ run)
     stage() { local secs=$1 name=$2; shift 2; echo "== $name"; timeout "$secs" "$@" > "$OUT/$name.log" 2>&1; \
         echo "rc=$?" >> "$OUT/$name.log"; tail -n 15 "$OUT/$name.log"; }
     stage "${PYTEST_SECS:-300}" pytest-gpu python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir=. ${TESTS:-tests} "$@"
-    [ -n "${NO_BENCH:-}" ] || stage "${BENCH_SECS:-200}" bench-kernels python3 -m oasiskv.bench.kernels --refcheck --json "$OUT/bench-kernels.json"
+    [ -n "${NO_BENCH:-}" ] || stage "${BENCH_SECS:-200}" bench-kernels python3 -m oasiskv.bench.kernels --refcheck --json "$OUT/bench-kernels.json" ${BENCH_ARGS:-}
     if [ -n "${DEMO:-}" ]; then
         stage 240 demo python3 -m oasiskv.cli demo --ignore-eos --max-new-tokens 64
         stage 240 demo-json python3 -m oasiskv.cli demo --json --ignore-eos --max-new-tokens 64
         cp "$OUT/demo-json.log" "$OUT/demo.json"
     fi
     if [ -n "${SANITIZE:-}" ]; then
-        for tool in memcheck racecheck; do
+        SANITIZE_TOOLS="${SANITIZE_TOOLS:-memcheck racecheck}"
+        for tool in $SANITIZE_TOOLS; do
             stage "${SANITIZE_SECS:-120}" "sanitizer-$tool" compute-sanitizer --tool "$tool" --error-exitcode 9 \
                 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir=. tests/test_gpu_kernels.py -k "$SANITIZE"
         done
