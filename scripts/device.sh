@@ -71,8 +71,14 @@ run)
     python3 -c "import oasiskv._core as c; print('cuda_status', c.cuda_status())" | tee -a "$OUT/env.txt"
     # Tests import the installed package, never the source tree's python/ folder. Each stage has its
     # own time limit so a hang in one still leaves the others' logs under $OUT.
-    stage() { local secs=$1 name=$2; shift 2; echo "== $name"; timeout "$secs" "$@" > "$OUT/$name.log" 2>&1; \
-        echo "rc=$?" >> "$OUT/$name.log"; tail -n 15 "$OUT/$name.log"; }
+    stage() {
+        local secs=$1 name=$2 rc=0
+        shift 2
+        echo "== $name"
+        timeout "$secs" "$@" > "$OUT/$name.log" 2>&1 || rc=$?
+        echo "rc=$rc" >> "$OUT/$name.log"
+        tail -n 15 "$OUT/$name.log"
+    }
     stage "${PYTEST_SECS:-300}" pytest-gpu python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir=. ${TESTS:-tests} "$@"
     [ -n "${NO_BENCH:-}" ] || stage "${BENCH_SECS:-200}" bench-kernels python3 -m oasiskv.bench.kernels --refcheck --json "$OUT/bench-kernels.json" ${BENCH_ARGS:-}
     if [ -n "${DEMO:-}" ]; then
