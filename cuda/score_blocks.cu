@@ -4,8 +4,7 @@
 #include "oasis_common.cuh"
 
 // Threads per block of score_blocks_* (8 warps). Arbitrary (a multiple of 32). The entry points
-// ask for 2 blocks per SM (<= 128 registers): the common instantiations (head_dim 128, groups
-// <= 4) need ~100 and do not spill; the widest (8 query heads per lane) spill a little.
+// ask for 2 blocks per SM (<= 128 registers).
 #define OASIS_SCORE_THREADS 256
 // Consecutive entries j of blk_indices one warp of score_blocks_* scores, for one KV head: the
 // grid has ceil(nnz / OASIS_SCORE_TILE) * num_kv_heads warps. One index per lane: must be 32.
@@ -65,13 +64,12 @@ __device__ __forceinline__ void unpack16<float>(const uint4& w, float* out) {
 // (tile = w / num_kv_heads) for head h = w % num_kv_heads, with 16-byte loads of the summaries.
 // One (block, head) summary is 2*V 16-byte words (V = head_dim * sizeof(T) / 16: min row then
 // max row). V <= 16: a "unit" of 2V lanes holds one summary, one word per lane (lanes r < V the
-// min, r >= V the max of the same d's), exchanged across the halves with one xor-V shuffle; the
-// GQA group is split between the halves (head 2i + half); 32 / 2V units per warp, each over its
-// own slice of the tile. V >= 32: the whole warp holds a summary, V/32 words of each row per
-// lane, and every lane covers the whole group. The query slice of the current sequence lives in
-// registers (GH heads of the group at most per lane); `U` summaries are loaded before any is
-// used. Scores are reduced over the unit's lanes with xor shuffles.
-template <typename T, int V, int GH>
+// min, r >= V the max of the same d's); 32 / 2V units per warp, each over its own slice of the
+// tile. V >= 32: the whole warp holds a summary, V/32 words of each row per lane. The query of the
+// current sequence lives in registers as the two group-summed coefficient vectors P and N (see
+// load_q), so any GQA group costs one FMA per summary value; `U` summaries are loaded before any
+// is used. Scores are reduced over the unit's lanes with xor shuffles.
+template <typename T, int V>
 __device__ void score_blocks_vec(
     const T* __restrict__ q, const T* __restrict__ summaries, const int* __restrict__ blk_indptr,
     const int* __restrict__ blk_indices, float* __restrict__ scores, int num_seqs, int nnz, int num_qo_heads,
@@ -82,7 +80,7 @@ __device__ void score_blocks_vec(
     constexpr int NSUB = 32 / LPU;                   // units per warp
     constexpr int NV = SPLIT ? 1 : V / 32;           // words of each row per lane
     constexpr int LOADS = SPLIT ? 1 : 2 * NV;        // 16-byte loads per lane per summary
-    constexpr int U = LOADS >= 8 ? 1 : 8 / LOADS;    // summaries in flight per unit
+    constexpr int U = LOADS >= 16 ? 1 : 16 / LOADS;  // summaries in flight per unit
     constexpr int SUBT = OASIS_SCORE_TILE / NSUB;    // entries per unit
 
     const int lane = threadIdx.x & 31;
@@ -90,9 +88,6 @@ __device__ void score_blocks_vec(
     const int r = lane % LPU;
     const int half = SPLIT ? r / V : 0;
     const int group = num_qo_heads / num_kv_heads;
-    // Heads of the group this lane covers: g = i * GSTEP + half for i < nh.
-    const int gstep = SPLIT ? 2 : 1;
-    const int nh = SPLIT ? (group - half + 1) / 2 : group;
 
     const int t0 = tile * OASIS_SCORE_TILE;
     const int t1 = min(nnz, t0 + OASIS_SCORE_TILE);
@@ -101,7 +96,12 @@ __device__ void score_blocks_vec(
     int j = min(t1, t0 + sub * SUBT);
     const int jend = min(t1, t0 + (sub + 1) * SUBT);
 
-    float qr[GH][NV][E];
+    // Because min <= max, max(q * lo, q * hi) = max(q, 0) * hi + min(q, 0) * lo, so the score
+    // summed over the GQA group is one dot product of the summary with two vectors of the query:
+    // P = sum_g max(q_g, 0) (against the max row) and N = sum_g min(q_g, 0) (against the min row).
+    // Each lane keeps the coefficients of the words it loads: one FMA per summary value.
+    float cmin[NV][E];  // N on this lane's min words
+    float cmax[NV][E];  // P on this lane's max words
     int s = 0;
     int seq_end = 0;
     const uint4* sum4 = (const uint4*)summaries;
@@ -111,14 +111,18 @@ __device__ void score_blocks_vec(
     auto load_q = [&]() {
         const T* qs = q + ((i64)s * num_qo_heads + (i64)h * group) * head_dim;
 #pragma unroll
-        for (int i = 0; i < GH; ++i) {
-            const int g = i * gstep + half;
+        for (int k = 0; k < NV; ++k) {
 #pragma unroll
-            for (int k = 0; k < NV; ++k) {
-#pragma unroll
-                for (int e = 0; e < E; ++e) {
-                    qr[i][k][e] = i < nh ? to_f32(qs[(i64)g * head_dim + word_of(k) * E + e]) : 0.f;
+            for (int e = 0; e < E; ++e) {
+                float pos = 0.f;
+                float neg = 0.f;
+                for (int g = 0; g < group; ++g) {
+                    const float qv = to_f32(qs[(i64)g * head_dim + word_of(k) * E + e]);
+                    pos += fmaxf(qv, 0.f);
+                    neg += fminf(qv, 0.f);
                 }
+                cmin[k][e] = neg;
+                cmax[k][e] = pos;
             }
         }
     };
@@ -154,35 +158,22 @@ __device__ void score_blocks_vec(
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            float lo[NV][E];
-            float hi[NV][E];
+            float acc = 0.f;
             if (SPLIT) {
-                uint4 other;
-                other.x = __shfl_xor_sync(0xffffffffu, raw[u][0].x, V);
-                other.y = __shfl_xor_sync(0xffffffffu, raw[u][0].y, V);
-                other.z = __shfl_xor_sync(0xffffffffu, raw[u][0].z, V);
-                other.w = __shfl_xor_sync(0xffffffffu, raw[u][0].w, V);
-                unpack16<T>(half ? other : raw[u][0], lo[0]);
-                unpack16<T>(half ? raw[u][0] : other, hi[0]);
+                // Lanes r < V hold a min word, lanes r >= V the max word of the same d's.
+                float v[E];
+                unpack16<T>(raw[u][0], v);
+#pragma unroll
+                for (int e = 0; e < E; ++e) acc += (half ? cmax[0][e] : cmin[0][e]) * v[e];
             } else {
 #pragma unroll
                 for (int k = 0; k < NV; ++k) {
-                    unpack16<T>(raw[u][k], lo[k]);
-                    unpack16<T>(raw[u][SPLIT ? 0 : NV + k], hi[k]);
-                }
-            }
-            float acc = 0.f;
+                    float lo[E];
+                    float hi[E];
+                    unpack16<T>(raw[u][k], lo);
+                    unpack16<T>(raw[u][NV + k], hi);
 #pragma unroll
-            for (int i = 0; i < GH; ++i) {
-                if (i < nh) {
-#pragma unroll
-                    for (int k = 0; k < NV; ++k) {
-#pragma unroll
-                        for (int e = 0; e < E; ++e) {
-                            const float qv = qr[i][k][e];
-                            acc += fmaxf(qv * lo[k][e], qv * hi[k][e]);
-                        }
-                    }
+                    for (int e = 0; e < E; ++e) acc += cmin[k][e] * lo[e] + cmax[k][e] * hi[e];
                 }
             }
 #pragma unroll
@@ -201,7 +192,7 @@ __device__ void score_blocks_vec(
     }
 }
 
-// Scalar path (any head_dim, any alignment, large groups): warp w scores the entries of its tile
+// Scalar path (any head_dim, any alignment): warp w scores the entries of its tile
 // one by one for head h, lanes striding over d.
 template <typename T>
 __device__ void score_blocks_scalar(
@@ -237,25 +228,6 @@ __device__ void score_blocks_scalar(
     }
 }
 
-template <typename T, int V>
-__device__ __forceinline__ bool score_blocks_dispatch_gh(
-    const T* q, const T* summaries, const int* blk_indptr, const int* blk_indices, float* scores, int num_seqs,
-    int nnz, int num_qo_heads, int num_kv_heads, int head_dim, int num_host_blocks, int tile, int h, int nh) {
-    if (nh <= 2) {
-        score_blocks_vec<T, V, 2>(q, summaries, blk_indptr, blk_indices, scores, num_seqs, nnz, num_qo_heads,
-                                  num_kv_heads, head_dim, num_host_blocks, tile, h);
-    } else if (nh <= 4) {
-        score_blocks_vec<T, V, 4>(q, summaries, blk_indptr, blk_indices, scores, num_seqs, nnz, num_qo_heads,
-                                  num_kv_heads, head_dim, num_host_blocks, tile, h);
-    } else if (nh <= 8) {
-        score_blocks_vec<T, V, 8>(q, summaries, blk_indptr, blk_indices, scores, num_seqs, nnz, num_qo_heads,
-                                  num_kv_heads, head_dim, num_host_blocks, tile, h);
-    } else {
-        return false;
-    }
-    return true;
-}
-
 // grid: ceil(ceil(nnz / OASIS_SCORE_TILE) * num_kv_heads * 32 / OASIS_SCORE_THREADS) blocks.
 // Entry (j, h) = sum over query heads g of KV head h, over d, of
 //   max(q[s,g,d] * min[b,h,d], q[s,g,d] * max[b,h,d])
@@ -280,23 +252,22 @@ __device__ void score_blocks_impl(
     const bool aligned = ((u64)summaries & 15) == 0;
     bool done = false;
     if (aligned) {
-        const int nh_split = (group + 1) / 2;  // per lane when the group is split in halves
         if (v == 8) {
-            done = score_blocks_dispatch_gh<T, 8>(q, summaries, blk_indptr, blk_indices, scores, num_seqs, nnz,
-                                                  num_qo_heads, num_kv_heads, head_dim, num_host_blocks, tile, h,
-                                                  nh_split);
+            score_blocks_vec<T, 8>(q, summaries, blk_indptr, blk_indices, scores, num_seqs, nnz, num_qo_heads,
+                                     num_kv_heads, head_dim, num_host_blocks, tile, h);
+            done = true;
         } else if (v == 16) {
-            done = score_blocks_dispatch_gh<T, 16>(q, summaries, blk_indptr, blk_indices, scores, num_seqs, nnz,
-                                                   num_qo_heads, num_kv_heads, head_dim, num_host_blocks, tile, h,
-                                                   nh_split);
+            score_blocks_vec<T, 16>(q, summaries, blk_indptr, blk_indices, scores, num_seqs, nnz, num_qo_heads,
+                                     num_kv_heads, head_dim, num_host_blocks, tile, h);
+            done = true;
         } else if (v == 32) {
-            done = score_blocks_dispatch_gh<T, 32>(q, summaries, blk_indptr, blk_indices, scores, num_seqs, nnz,
-                                                   num_qo_heads, num_kv_heads, head_dim, num_host_blocks, tile, h,
-                                                   group);
+            score_blocks_vec<T, 32>(q, summaries, blk_indptr, blk_indices, scores, num_seqs, nnz, num_qo_heads,
+                                     num_kv_heads, head_dim, num_host_blocks, tile, h);
+            done = true;
         } else if (v == 64) {
-            done = score_blocks_dispatch_gh<T, 64>(q, summaries, blk_indptr, blk_indices, scores, num_seqs, nnz,
-                                                   num_qo_heads, num_kv_heads, head_dim, num_host_blocks, tile, h,
-                                                   group);
+            score_blocks_vec<T, 64>(q, summaries, blk_indptr, blk_indices, scores, num_seqs, nnz, num_qo_heads,
+                                     num_kv_heads, head_dim, num_host_blocks, tile, h);
+            done = true;
         }
     }
     if (!done) {
