@@ -16,6 +16,10 @@
 // sorted in shared memory: k rounded up to a power of two must fit the sort buffer).
 #define OASIS_TOPK_THREADS 512
 #define OASIS_MAX_TOPK 512
+// Keys of one (sequence, head) kept in shared memory across the radix passes (the scores are
+// strided by num_kv_heads in global memory: read once, not once per pass). Longer sequences read
+// global memory each pass. Arbitrary: 32 KiB of static shared memory.
+#define OASIS_TOPK_CACHE 8192
 
 namespace oasis {
 
@@ -315,6 +319,7 @@ __device__ void topk_blocks_impl(
     int num_kv_heads, int k) {
     __shared__ int hist[256];
     __shared__ u64 sel[OASIS_MAX_TOPK];
+    __shared__ u32 kcache[OASIS_TOPK_CACHE];
     __shared__ int scan_scratch[33];
     __shared__ u32 s_prefix;
     __shared__ int s_remaining;
@@ -329,10 +334,15 @@ __device__ void topk_blocks_impl(
     const int sort_n = next_pow2(take < 1 ? 1 : take);
 
     for (int i = threadIdx.x; i < sort_n; i += blockDim.x) sel[i] = ~0ull;
+    const bool cached = n <= OASIS_TOPK_CACHE;
+    if (cached) {
+        for (int i = threadIdx.x; i < n; i += blockDim.x) kcache[i] = score_key(col[(i64)i * num_kv_heads]);
+    }
     __syncthreads();
+    auto key_at = [&](int i) -> u32 { return cached ? kcache[i] : score_key(col[(i64)i * num_kv_heads]); };
 
     if (n <= k) {
-        for (int i = threadIdx.x; i < n; i += blockDim.x) sel[i] = rank_key(score_key(col[(i64)i * num_kv_heads]), i);
+        for (int i = threadIdx.x; i < n; i += blockDim.x) sel[i] = rank_key(key_at(i), i);
     } else {
         u32 prefix = 0;
         u32 mask = 0;
@@ -341,19 +351,35 @@ __device__ void topk_blocks_impl(
             for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
             __syncthreads();
             for (int i = threadIdx.x; i < n; i += blockDim.x) {
-                const u32 key = score_key(col[(i64)i * num_kv_heads]);
+                const u32 key = key_at(i);
                 if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1);
             }
             __syncthreads();
-            if (threadIdx.x == 0) {
-                int above = 0;
-                int bin = 255;
-                for (; bin > 0; --bin) {
-                    if (above + hist[bin] >= remaining) break;
-                    above += hist[bin];
+            if (threadIdx.x < 32) {
+                // The highest bin where the count from the top reaches `remaining`: lane l owns
+                // bins [8l, 8l + 8); a suffix sum over the lanes finds the owning lane.
+                const int lane = threadIdx.x;
+                int cnt = 0;
+#pragma unroll
+                for (int b = 0; b < 8; ++b) cnt += hist[lane * 8 + b];
+                int suffix = cnt;  // inclusive count of bins >= 8 * lane
+#pragma unroll
+                for (int o = 1; o < 32; o <<= 1) {
+                    const int v = __shfl_down_sync(0xffffffffu, suffix, o);
+                    if (lane + o < 32) suffix += v;
                 }
-                s_prefix = prefix | ((u32)bin << shift);
-                s_remaining = remaining - above;
+                const int above_lane = suffix - cnt;  // bins above this lane's
+                const bool owner = (suffix >= remaining && above_lane < remaining) || (lane == 0 && suffix < remaining);
+                if (owner) {
+                    int above = above_lane;
+                    int bin = lane * 8 + 7;
+                    for (; bin > lane * 8; --bin) {
+                        if (above + hist[bin] >= remaining) break;
+                        above += hist[bin];
+                    }
+                    s_prefix = prefix | ((u32)bin << shift);
+                    s_remaining = remaining - above;
+                }
             }
             __syncthreads();
             prefix = s_prefix;
@@ -367,14 +393,14 @@ __device__ void topk_blocks_impl(
         if (threadIdx.x == 0) s_count = 0;
         __syncthreads();
         for (int i = threadIdx.x; i < n; i += blockDim.x) {
-            const u32 key = score_key(col[(i64)i * num_kv_heads]);
+            const u32 key = key_at(i);
             if (key > kth) sel[atomicAdd(&s_count, 1)] = rank_key(key, i);
         }
         // Ties at the threshold: the lowest indices first (ordered compaction, chunk by chunk).
         int taken = 0;
         for (int c0 = 0; c0 < n && taken < remaining; c0 += blockDim.x) {
             const int i = c0 + threadIdx.x;
-            const int flag = (i < n && score_key(col[(i64)i * num_kv_heads]) == kth) ? 1 : 0;
+            const int flag = (i < n && key_at(i) == kth) ? 1 : 0;
             int total;
             const int pos = taken + block_exclusive_scan(flag, scan_scratch, &total);
             if (flag && pos < remaining) sel[n_above + pos] = rank_key(kth, i);
