@@ -9,9 +9,9 @@
 // Consecutive entries j of blk_indices one warp of score_blocks_* scores, for one KV head: the
 // grid has ceil(nnz / OASIS_SCORE_TILE) * num_kv_heads warps. One index per lane: must be 32.
 #define OASIS_SCORE_TILE 32
-// Consecutive tiles one warp scores: amortises the warp's sequence search and query load. Tuned
-// on the H200 (32K context, batch 64); 1 is correct too.
-#define OASIS_SCORE_TILES_PER_WARP 4
+// Consecutive tiles one warp scores (amortises the warp's sequence search and query load, but
+// fewer warps in flight). Tuned on the H200 at 32K context, batch 64: 1 beat 4 (190 vs 211 us).
+#define OASIS_SCORE_TILES_PER_WARP 1
 // Threads per block of topk_blocks_f32, and the largest k it supports (the selected entries are
 // sorted in shared memory: k rounded up to a power of two must fit the sort buffer).
 #define OASIS_TOPK_THREADS 512
@@ -101,8 +101,8 @@ __device__ void score_blocks_vec(
     // summed over the GQA group is one dot product of the summary with two vectors of the query:
     // P = sum_g max(q_g, 0) (against the max row) and N = sum_g min(q_g, 0) (against the min row).
     // Each lane keeps the coefficients of the words it loads: one FMA per summary value.
-    float cmin[NV][E];  // N on this lane's min words
-    float cmax[NV][E];  // P on this lane's max words
+    float cmin[NV][E];  // N on this lane's min words (SPLIT: the coefficient of its one word)
+    float cmax[NV][E];  // P on this lane's max words (unused when SPLIT)
     int s = 0;
     int seq_end = 0;
     const uint4* sum4 = (const uint4*)summaries;
@@ -124,6 +124,7 @@ __device__ void score_blocks_vec(
                 }
                 cmin[k][e] = neg;
                 cmax[k][e] = pos;
+                if (SPLIT) cmin[k][e] = half ? pos : neg;  // the coefficient of this lane's word
             }
         }
     };
@@ -178,7 +179,7 @@ __device__ void score_blocks_vec(
                 float v[E];
                 unpack16<T>(raw[u][0], v);
 #pragma unroll
-                for (int e = 0; e < E; ++e) acc += (half ? cmax[0][e] : cmin[0][e]) * v[e];
+                for (int e = 0; e < E; ++e) acc += cmin[0][e] * v[e];
             } else {
 #pragma unroll
                 for (int k = 0; k < NV; ++k) {

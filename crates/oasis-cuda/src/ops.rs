@@ -34,7 +34,7 @@ pub const SCORE_THREADS: u32 = 256;
 /// match OASIS_SCORE_TILE.
 pub const SCORE_TILE: usize = 32;
 /// Consecutive tiles one warp of `score_blocks_*` scores; must match OASIS_SCORE_TILES_PER_WARP.
-pub const SCORE_TILES_PER_WARP: usize = 4;
+pub const SCORE_TILES_PER_WARP: usize = 1;
 /// Threads per block of `topk_blocks_f32`; must match OASIS_TOPK_THREADS.
 pub const TOPK_THREADS: u32 = 512;
 /// Largest `k` of [`Gpu::topk_blocks`]; must match OASIS_MAX_TOPK in cuda/score_blocks.cu.
