@@ -9,9 +9,6 @@
 // Consecutive entries j of blk_indices one warp of score_blocks_* scores, for one KV head: the
 // grid has ceil(nnz / OASIS_SCORE_TILE) * num_kv_heads warps. One index per lane: must be 32.
 #define OASIS_SCORE_TILE 32
-// Consecutive tiles one warp scores (amortises the warp's sequence search and query load, but
-// fewer warps in flight). Tuned on the H200 at 32K context, batch 64: 1 beat 4 (190 vs 211 us).
-#define OASIS_SCORE_TILES_PER_WARP 1
 // Threads per block of topk_blocks_f32, and the largest k it supports (the selected entries are
 // sorted in shared memory: k rounded up to a power of two must fit the sort buffer).
 #define OASIS_TOPK_THREADS 512
@@ -67,8 +64,8 @@ __device__ __forceinline__ void unpack16<float>(const uint4& w, float* out) {
     out[3] = __uint_as_float(w.w);
 }
 
-// Vector path of score_blocks_impl: a warp scores entries j of tiles [tile_begin, tile_end)
-// (32 entries each) for head h, with 16-byte loads of the summaries.
+// Vector path of score_blocks_impl: warp `w` scores entries j of [tile * 32, tile * 32 + 32)
+// (tile = w / num_kv_heads) for head h = w % num_kv_heads, with 16-byte loads of the summaries.
 // One (block, head) summary is 2*V 16-byte words (V = head_dim * sizeof(T) / 16: min row then
 // max row). V <= 16: a "unit" of 2V lanes holds one summary, one word per lane (lanes r < V the
 // min, r >= V the max of the same d's); 32 / 2V units per warp, each over its own slice of the
@@ -80,7 +77,7 @@ template <typename T, int V>
 __device__ void score_blocks_vec(
     const T* __restrict__ q, const T* __restrict__ summaries, const int* __restrict__ blk_indptr,
     const int* __restrict__ blk_indices, float* __restrict__ scores, int num_seqs, int nnz, int num_qo_heads,
-    int num_kv_heads, int head_dim, int num_host_blocks, int tile_begin, int tile_end, int h) {
+    int num_kv_heads, int head_dim, int num_host_blocks, int tile, int h) {
     constexpr int E = 16 / (int)sizeof(T);           // values per 16-byte word
     constexpr bool SPLIT = V <= 16;                  // min and max rows on different lanes
     constexpr int LPU = SPLIT ? 2 * V : 32;          // lanes per unit
@@ -96,13 +93,19 @@ __device__ void score_blocks_vec(
     const int half = SPLIT ? r / V : 0;
     const int group = num_qo_heads / num_kv_heads;
 
+    const int t0 = tile * OASIS_SCORE_TILE;
+    const int t1 = min(nnz, t0 + OASIS_SCORE_TILE);
+    // One block id per lane for the whole tile, handed out with shuffles.
+    const int tile_idx = t0 + lane < t1 ? blk_indices[t0 + lane] : -1;
+    int j = min(t1, t0 + sub * SUBT);
+    const int jend = min(t1, t0 + (sub + 1) * SUBT);
 
     // Because min <= max, max(q * lo, q * hi) = max(q, 0) * hi + min(q, 0) * lo, so the score
     // summed over the GQA group is one dot product of the summary with two vectors of the query:
     // P = sum_g max(q_g, 0) (against the max row) and N = sum_g min(q_g, 0) (against the min row).
     // Each lane keeps the coefficients of the words it loads: one FMA per summary value.
-    float cmin[NV][E];  // N on this lane's min words (SPLIT: the coefficient of its one word)
-    float cmax[NV][E];  // P on this lane's max words (unused when SPLIT)
+    float cmin[NV][E];  // N on this lane's min words
+    float cmax[NV][E];  // P on this lane's max words
     int s = 0;
     int seq_end = 0;
     const uint4* sum4 = (const uint4*)summaries;
@@ -124,25 +127,11 @@ __device__ void score_blocks_vec(
                 }
                 cmin[k][e] = neg;
                 cmax[k][e] = pos;
-                if (SPLIT) cmin[k][e] = half ? pos : neg;  // the coefficient of this lane's word
             }
         }
     };
-    s = -1;
-    for (int tile = tile_begin; tile < tile_end; ++tile) {
-    const int t0 = tile * OASIS_SCORE_TILE;
-    if (t0 >= nnz) break;  // warp-uniform
-    const int t1 = min(nnz, t0 + OASIS_SCORE_TILE);
-    // One block id per lane for the whole tile, handed out with shuffles.
-    const int tile_idx = t0 + lane < t1 ? blk_indices[t0 + lane] : -1;
-    int j = min(t1, t0 + sub * SUBT);
-    const int jend = min(t1, t0 + (sub + 1) * SUBT);
-    if (j < jend && (s < 0 || j >= seq_end)) {  // first entry, or a new sequence since the last tile
-        if (s < 0) {
-            s = score_seq_of(blk_indptr, num_seqs, j);
-        } else {
-            while (s + 1 < num_seqs && blk_indptr[s + 1] <= j) ++s;
-        }
+    if (j < jend) {
+        s = score_seq_of(blk_indptr, num_seqs, j);
         seq_end = blk_indptr[s + 1];
         load_q();
     }
@@ -179,7 +168,7 @@ __device__ void score_blocks_vec(
                 float v[E];
                 unpack16<T>(raw[u][0], v);
 #pragma unroll
-                for (int e = 0; e < E; ++e) acc += cmin[0][e] * v[e];
+                for (int e = 0; e < E; ++e) acc += (half ? cmax[0][e] : cmin[0][e]) * v[e];
             } else {
 #pragma unroll
                 for (int k = 0; k < NV; ++k) {
@@ -205,7 +194,6 @@ __device__ void score_blocks_vec(
             load_q();
         }
     }
-    }  // tiles
 }
 
 // Scalar path (any head_dim, any alignment): warp w scores the entries of its tile
@@ -259,12 +247,9 @@ __device__ void score_blocks_impl(
     int num_seqs, int nnz, int num_qo_heads, int num_kv_heads, int head_dim, int num_host_blocks) {
     const i64 w = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const i64 num_tiles = ((i64)nnz + OASIS_SCORE_TILE - 1) / OASIS_SCORE_TILE;
-    const i64 num_runs = (num_tiles + OASIS_SCORE_TILES_PER_WARP - 1) / OASIS_SCORE_TILES_PER_WARP;
-    if (w >= num_runs * num_kv_heads) return;  // warp-uniform
-    const int run = (int)(w / num_kv_heads);
-    const int h = (int)(w - (i64)run * num_kv_heads);
-    const int tile_begin = run * OASIS_SCORE_TILES_PER_WARP;
-    const int tile_end = (int)min((i64)tile_begin + OASIS_SCORE_TILES_PER_WARP, num_tiles);
+    if (w >= num_tiles * num_kv_heads) return;  // warp-uniform
+    const int tile = (int)(w / num_kv_heads);
+    const int h = (int)(w - (i64)tile * num_kv_heads);
     const int group = num_qo_heads / num_kv_heads;
     const int bytes = head_dim * (int)sizeof(T);
     const int v = bytes % 16 == 0 ? bytes / 16 : 0;
@@ -273,27 +258,25 @@ __device__ void score_blocks_impl(
     if (aligned) {
         if (v == 8) {
             score_blocks_vec<T, 8>(q, summaries, blk_indptr, blk_indices, scores, num_seqs, nnz, num_qo_heads,
-                                     num_kv_heads, head_dim, num_host_blocks, tile_begin, tile_end, h);
+                                     num_kv_heads, head_dim, num_host_blocks, tile, h);
             done = true;
         } else if (v == 16) {
             score_blocks_vec<T, 16>(q, summaries, blk_indptr, blk_indices, scores, num_seqs, nnz, num_qo_heads,
-                                     num_kv_heads, head_dim, num_host_blocks, tile_begin, tile_end, h);
+                                     num_kv_heads, head_dim, num_host_blocks, tile, h);
             done = true;
         } else if (v == 32) {
             score_blocks_vec<T, 32>(q, summaries, blk_indptr, blk_indices, scores, num_seqs, nnz, num_qo_heads,
-                                     num_kv_heads, head_dim, num_host_blocks, tile_begin, tile_end, h);
+                                     num_kv_heads, head_dim, num_host_blocks, tile, h);
             done = true;
         } else if (v == 64) {
             score_blocks_vec<T, 64>(q, summaries, blk_indptr, blk_indices, scores, num_seqs, nnz, num_qo_heads,
-                                     num_kv_heads, head_dim, num_host_blocks, tile_begin, tile_end, h);
+                                     num_kv_heads, head_dim, num_host_blocks, tile, h);
             done = true;
         }
     }
     if (!done) {
-        for (int tile = tile_begin; tile < tile_end; ++tile) {
-            score_blocks_scalar<T>(q, summaries, blk_indptr, blk_indices, scores, num_seqs, nnz, num_qo_heads,
-                                   num_kv_heads, head_dim, num_host_blocks, tile, h);
-        }
+        score_blocks_scalar<T>(q, summaries, blk_indptr, blk_indices, scores, num_seqs, nnz, num_qo_heads,
+                               num_kv_heads, head_dim, num_host_blocks, tile, h);
     }
 }
 
@@ -370,7 +353,8 @@ __device__ void topk_blocks_impl(
                     if (lane + o < 32) suffix += v;
                 }
                 const int above_lane = suffix - cnt;  // bins above this lane's
-                const bool owner = (suffix >= remaining && above_lane < remaining) || (lane == 0 && suffix < remaining);
+                const bool owner =
+                    (suffix >= remaining && above_lane < remaining) || (lane == 0 && suffix < remaining);
                 if (owner) {
                     int above = above_lane;
                     int bin = lane * 8 + 7;

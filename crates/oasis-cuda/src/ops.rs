@@ -33,8 +33,6 @@ pub const SCORE_THREADS: u32 = 256;
 /// Consecutive block-table entries one warp of `score_blocks_*` scores (for one KV head); must
 /// match OASIS_SCORE_TILE.
 pub const SCORE_TILE: usize = 32;
-/// Consecutive tiles one warp of `score_blocks_*` scores; must match OASIS_SCORE_TILES_PER_WARP.
-pub const SCORE_TILES_PER_WARP: usize = 1;
 /// Threads per block of `topk_blocks_f32`; must match OASIS_TOPK_THREADS.
 pub const TOPK_THREADS: u32 = 512;
 /// Largest `k` of [`Gpu::topk_blocks`]; must match OASIS_MAX_TOPK in cuda/score_blocks.cu.
@@ -681,8 +679,8 @@ impl Gpu {
                 .i32(int("num_kv_heads", h)?)
                 .i32(int("head_dim", d)?)
                 .i32(int("num_host_blocks", num_host)?);
-            // One warp per (run of SCORE_TILES_PER_WARP tiles of SCORE_TILE entries, KV head).
-            let warps = nnz.div_ceil(SCORE_TILE).div_ceil(SCORE_TILES_PER_WARP) * h;
+            // One warp per (tile of SCORE_TILE entries, KV head).
+            let warps = nnz.div_ceil(SCORE_TILE) * h;
             let blocks = warps.div_ceil((SCORE_THREADS / 32) as usize);
             let grid = (grid_dim("score blocks", blocks, GRID_X_MAX)?, 1, 1);
             // SAFETY: `args` follows score_blocks_* in cuda/score_blocks.cu (5 pointers, 6 i32).
@@ -1194,7 +1192,6 @@ mod tests {
             MAX_SELECT_BUDGET
         );
         assert_eq!(define("score_blocks", "OASIS_SCORE_TILE"), SCORE_TILE);
-        assert_eq!(define("score_blocks", "OASIS_SCORE_TILES_PER_WARP"), SCORE_TILES_PER_WARP);
         assert_eq!(
             define("delta_select", "OASIS_SELECT_WARP_THREADS"),
             SELECT_WARP_THREADS as usize
