@@ -1,0 +1,633 @@
+"""``oasis eval``: the accuracy evaluation of OasisKV (lookahead accuracy, decode fidelity, retrieval).
+
+Sections (``--sections``):
+
+* ``teacher`` — teacher-forced runs (:mod:`oasiskv.eval.teacher`) on held-out corpus texts
+  (:mod:`oasiskv.eval.corpus`) at each context length: dense, then per budget the Quest-like
+  reference and OasisKV with every drafter and fetch cap. Each OasisKV run gives the lookahead
+  accuracy per layer (split by whether the draft matched the next token), the decode fidelity
+  against dense (NLL change, KL, top-1 agreement) and the bytes fetched per step — the sweep of
+  top-K and fetch cap in the shape of the paper's Table 2.
+* ``retrieval`` — passkey, needle and key-value retrieval (:mod:`oasiskv.eval.retrieval`) at
+  several depths, greedy generation through :class:`oasiskv.LLM`: dense vs OasisKV (and Quest-like)
+  per budget.
+
+Results go to ``--out``: ``results.json`` (rewritten after every record, so an interrupted run
+keeps what it measured; a later run into the same directory adds or replaces records by their
+configuration, so one evaluation can be split over several commands), ``results.md`` and PNG plots
+(:mod:`oasiskv.eval.report`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from fractions import Fraction
+from pathlib import Path
+
+import torch
+
+from ..config import KvConfig
+from . import corpus, report, retrieval
+from .teacher import DRAFTERS, Policy, TeacherForcing, summarize
+
+SCHEMA = "oasiskv-eval/1"
+
+PRESETS: dict[str, dict] = {
+    # Minutes on 2 CPU cores with SmolLM2-135M.
+    "smoke": {
+        "contexts": "512",
+        "steps": 16,
+        "texts": 1,
+        "batch_size": 4,
+        "budgets": "1/16,1/8,1/4",
+        "caps": "0.05,none",
+        "drafters": "eagle3,ngram,oracle,previous-query",
+        "retrieval_trials": 2,
+        "depths": "0.25,0.75",
+        "retrieval_budgets": "1/4",
+        "retrieval_contexts": None,
+    },
+    # The issue's full evaluation (GPU): 4K and 8K, budgets 1/16..1/4, caps 0.05 and uncapped.
+    "full": {
+        "contexts": "4096,8192",
+        "steps": 256,
+        "texts": 8,
+        "batch_size": 8,
+        "budgets": "1/16,1/8,1/4",
+        "caps": "0.05,none",
+        "drafters": "eagle3,eagle3-prefill,ngram,oracle,previous-query",
+        "retrieval_trials": 200,
+        "depths": "0.1,0.3,0.5,0.7,0.9",
+        "retrieval_budgets": "1/16,1/8,1/4",
+        "retrieval_contexts": None,
+    },
+}
+
+DEFAULT_HEADS = {"smollm2": "data/eagle3-smollm2"}
+
+
+# ------------------------------------------------------------------------------------------ args
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2", help="'smollm2', a .gguf file or a HF Llama/Qwen3 directory")
+    p.add_argument(
+        "--eagle3",
+        default=None,
+        help="EAGLE-3 head directory (public checkpoint format); smollm2 default: the bundled head if any",
+    )
+    p.add_argument("--preset", default="smoke", choices=sorted(PRESETS), help="default sizes (smoke: CPU)")
+    p.add_argument("--sections", default="teacher,retrieval", help="comma list of: teacher, retrieval")
+    p.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda[:N]")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
+    p.add_argument("--out", default="out/eval", help="output directory (results.json, results.md, *.png)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--source", default="stdlib", choices=["stdlib", "all"], help="held-out corpus source")
+    p.add_argument("--contexts", default=None, help="teacher-forced context lengths, e.g. 4096,8192")
+    p.add_argument("--steps", type=int, default=None, help="teacher-forced decode steps per text")
+    p.add_argument("--texts", type=int, default=None, help="held-out texts per context")
+    p.add_argument("--batch-size", type=int, default=None, help="requests decoded together")
+    p.add_argument(
+        "--budgets", default=None, help="top-K: fractions of the context (1/16,1/8,1/4) or blocks (20b)"
+    )
+    p.add_argument("--caps", default=None, help="fetch caps: fractions of K, counts, or 'none' (uncapped)")
+    p.add_argument("--drafters", default=None, help=f"comma list of {', '.join(DRAFTERS)}")
+    p.add_argument("--no-quest", action="store_true", help="skip the Quest-like reference")
+    p.add_argument("--retrieval-tasks", default=",".join(retrieval.TASKS))
+    p.add_argument("--retrieval-trials", type=int, default=None, help="trials per task and context")
+    p.add_argument("--retrieval-contexts", default=None, help="defaults to --contexts")
+    p.add_argument("--retrieval-budgets", default=None, help="budgets of the retrieval runs")
+    p.add_argument("--retrieval-cap", default="0.05", help="fetch cap of the retrieval runs")
+    p.add_argument(
+        "--retrieval-drafter",
+        default=None,
+        help="drafter of the retrieval runs (default: eagle3 if a head, else ngram)",
+    )
+    p.add_argument("--depths", default=None, help="needle depths (fractions of the filler before it)")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--resume", action="store_true", help="skip configurations already in --out/results.json")
+    p.add_argument(
+        "--time-limit-min", type=float, default=None, help="start no new run after this many minutes"
+    )
+    p.add_argument(
+        "--report-only", action="store_true", help="re-render results.md and plots from results.json"
+    )
+    p.add_argument(
+        "--merge",
+        nargs="*",
+        default=[],
+        metavar="RESULTS_JSON",
+        help="with --report-only: first merge these results.json files into --out",
+    )
+
+
+def _fill_preset(args) -> None:
+    for k, v in PRESETS[args.preset].items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+    if args.retrieval_contexts is None:
+        args.retrieval_contexts = args.contexts
+
+
+def parse_fractions(s: str) -> list[tuple[str, float | None]]:
+    """Budgets: fractions of the context (``1/16``) or absolute block counts (``20b``, as the
+    paper's Fig. 4 top-20); returns (label, fraction or None)."""
+    out: list[tuple[str, float | None]] = []
+    for x in s.split(","):
+        x = x.strip()
+        if not x:
+            continue
+        if x.endswith("b"):
+            if not x[:-1].isdigit() or int(x[:-1]) < 1:
+                raise ValueError(f"budget {x}: an absolute budget is a block count like 20b")
+            out.append((x, None))
+            continue
+        f = Fraction(x)
+        if not 0 < f <= 1:
+            raise ValueError(f"budget {x} must be a fraction in (0, 1] or a block count like 20b")
+        out.append((x, float(f)))
+    return out
+
+
+def parse_caps(s: str) -> list[float | int | None]:
+    out: list[float | int | None] = []
+    for x in s.split(","):
+        x = x.strip().lower()
+        if not x:
+            continue
+        out.append(None if x in ("none", "uncapped", "inf") else (float(x) if "." in x else int(x)))
+    return out
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in str(s).split(",") if x.strip()]
+
+
+def _floats(s: str) -> list[float]:
+    return [float(x) for x in str(s).split(",") if x.strip()]
+
+
+def pick_device(spec: str) -> torch.device:
+    """``auto``: the GPU when torch sees one and the kernels can run there (as ``oasis demo``), else
+    the CPU."""
+    from ..cli import _device
+
+    return torch.device(_device(spec))
+
+
+def budget_blocks(context: int, frac: float | None, block_size: int, label: str | None = None) -> int:
+    """K in blocks: ``round(context * frac / block_size)`` (at least 1), or the count of a ``20b`` label."""
+    if frac is None:
+        return int(str(label)[:-1])
+    return max(1, round(context * frac / block_size))
+
+
+# ------------------------------------------------------------------------------------------ results
+class Results:
+    """results.json: meta of every invocation plus records keyed by their configuration."""
+
+    KEY_FIELDS = (
+        "section",
+        "context",
+        "policy",
+        "drafter",
+        "budget",
+        "fetch_cap",
+        "task",
+        "block_size",
+        "steps",
+        "texts",
+    )
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.path = out / "results.json"
+        self.data = {"schema": SCHEMA, "runs": [], "records": []}
+        if self.path.is_file():
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+            if data.get("schema") != SCHEMA:
+                raise ValueError(f"{self.path} has schema {data.get('schema')!r}, expected {SCHEMA!r}")
+            self.data = data
+
+    @classmethod
+    def key(cls, rec: dict) -> tuple:
+        return tuple(json.dumps(rec.get(k)) for k in cls.KEY_FIELDS)
+
+    def find(self, rec: dict) -> dict | None:
+        """The stored record with the configuration of ``rec``, if any."""
+        k = self.key(rec)
+        return next((r for r in self.data["records"] if self.key(r) == k), None)
+
+    def merge(self, other: dict) -> None:
+        """Add another results file's runs and records (records of the same configuration replace)."""
+        if other.get("schema") != SCHEMA:
+            raise ValueError(f"cannot merge schema {other.get('schema')!r} into {SCHEMA!r}")
+        self.data["runs"] += other.get("runs", [])
+        for rec in other.get("records", []):
+            self.add(rec)
+
+    def add_run(self, meta: dict) -> None:
+        self.data["runs"].append(meta)
+        self.save()
+
+    def add(self, rec: dict) -> None:
+        k = self.key(rec)
+        recs = [r for r in self.data["records"] if self.key(r) != k]
+        recs.append(rec)
+        self.data["records"] = recs
+        self.save()
+
+    def save(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(self.data, indent=1) + "\n", encoding="utf-8")
+        os.replace(tmp, self.path)
+
+
+def _git_commit() -> str | None:
+    try:
+        here = Path(__file__).resolve().parent
+        r = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5, check=False
+        )
+        return r.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _meta(args, model, device, head_path, files) -> dict:
+    from .. import __version__
+
+    c = model.config
+    return {
+        "argv": sys.argv,
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "args": {k: v for k, v in vars(args).items() if k != "func"},
+        "model": args.model,
+        "model_config": {
+            "family": c.family,
+            "num_hidden_layers": c.num_hidden_layers,
+            "hidden_size": c.hidden_size,
+            "num_attention_heads": c.num_attention_heads,
+            "num_key_value_heads": c.num_key_value_heads,
+            "head_dim": c.head_dim,
+            "vocab_size": c.vocab_size,
+        },
+        "eagle3": head_path,
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor(),
+        "dtype": args.dtype,
+        "torch": torch.__version__,
+        "oasiskv": __version__,
+        "python": platform.python_version(),
+        "git_commit": _git_commit(),
+        "corpus_source": args.source,
+        "corpus_fingerprint": corpus.fingerprint(files),
+    }
+
+
+# ------------------------------------------------------------------------------------------ loading
+def load(args, device: torch.device):
+    """(model, tokenizer, eagle3 head or None, head path or None)."""
+    from importlib import resources
+
+    from ..models.eagle3 import Eagle3Head
+    from ..models.loader import load_model
+
+    dtype = getattr(torch, args.dtype)
+    model, tok = load_model(args.model, dtype=dtype, device=device)
+    if tok is None:
+        raise ValueError(f"{args.model} has no tokenizer.json; the evaluation needs a tokenizer")
+    head_path = args.eagle3
+    if head_path is None and args.model.lower() in DEFAULT_HEADS:
+        cand = resources.files("oasiskv").joinpath(DEFAULT_HEADS[args.model.lower()])
+        if cand.is_dir() and cand.joinpath("config.json").is_file():
+            head_path = str(cand)
+    head = None
+    if head_path is not None:
+        head = Eagle3Head.load(head_path, model.config, dtype=dtype, device=device).attach_target(model)
+        head.eval()
+    return model, tok, head, head_path
+
+
+# ------------------------------------------------------------------------------------------ sections
+def run_teacher(args, model, tok, head, results: Results, files, progress: bool) -> None:
+    from tqdm import tqdm
+
+    drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
+    for d in drafters:
+        if d not in DRAFTERS:
+            raise ValueError(f"unknown drafter {d!r}; use {DRAFTERS}")
+    if head is None and any(d.startswith("eagle3") for d in drafters):
+        print(
+            "oasis eval: no EAGLE-3 head (pass --eagle3 PATH): skipping the eagle3 drafters", file=sys.stderr
+        )
+        drafters = [d for d in drafters if not d.startswith("eagle3")]
+    budgets = parse_fractions(args.budgets)
+    caps = parse_caps(args.caps)
+    b = args.block_size
+    for context in _ints(args.contexts):
+        steps = min(args.steps, context // 2)
+        texts = corpus.heldout_texts(
+            tok, context + 1, args.texts, source=args.source, seed=args.seed, files=files
+        )
+        runner = TeacherForcing(
+            model,
+            [t["tokens"] for t in texts],
+            steps,
+            block_size=b,
+            batch_size=args.batch_size,
+            eagle3_head=head,
+            progress=progress,
+        )
+        base = {
+            "section": "teacher",
+            "context": context,
+            "steps": steps,
+            "texts": len(texts),
+            "text_ids": [f"{t['package']}#{t['window']}" for t in texts],
+            "block_size": b,
+        }
+        # The plan: (policy, budget label, fraction, cap, drafter); skip what --resume finds done.
+        plan = []
+        for label, frac in budgets:
+            if not args.no_quest:
+                plan.append(("quest", label, frac, None, None))
+            for cap in caps:
+                plan += [("oasis", label, frac, cap, d) for d in drafters]
+
+        def key_of(kind, label, frac, cap, d, base=base):
+            return {**base, "policy": kind, "budget": label, "fetch_cap": cap, "drafter": d}
+
+        if args.resume:
+            plan = [x for x in plan if results.find(key_of(*x)) is None]
+            if not plan and results.find(key_of("dense", None, None, None, None)):
+                continue
+        bar = tqdm(total=1 + len(plan), desc=f"teacher C={context}", unit="run", disable=not progress)
+        dense = runner.run(Policy("dense"))
+        results.add({**base, "budget": None, "budget_frac": None, **summarize(dense, None)})
+        bar.update(1)
+        for i, (kind, label, frac, cap, d) in enumerate(plan):
+            if deadline.passed():
+                bar.write(
+                    f"oasis eval: --time-limit-min reached: {len(plan) - i} teacher runs left (--resume)"
+                )
+                break
+            k_blocks = budget_blocks(context, frac, b, label)
+            frac = k_blocks * b / context if frac is None else frac
+            common = {**base, "budget": label, "budget_frac": frac, "budget_tokens": k_blocks * b}
+            if kind == "quest":
+                rec = summarize(runner.run(Policy("quest", None, k_blocks)), dense)
+                results.add({**common, **rec})
+                bar.update(1)
+                continue
+            res = runner.run(Policy("oasis", d, k_blocks, cap))
+            rec = summarize(res, dense)
+            rec["cap_blocks"] = KvConfig(block_size=b, top_k_blocks=k_blocks, fetch_cap=cap).cap_blocks
+            quest = results.find(key_of("quest", label, frac, None, None))
+            if quest is not None:
+                rec["nll_quest"] = quest["nll"]
+                rec["delta_vs_quest_pct"] = 100.0 * (rec["nll"] - quest["nll"]) / quest["nll"]
+            results.add({**common, **rec})
+            bar.update(1)
+            if progress:
+                la = rec.get("lookahead", {})
+                bar.write(
+                    f"C={context} K={label} cap={cap} {d:15s} overlap={_f(la.get('overlap'))} "
+                    f"dNLL={_f(rec.get('delta_nll_pct'))}% KL={_f(rec.get('kl'), 5)} "
+                    f"fetch/step={rec['fetched_bytes_per_step'] / 1e6:.3f} MB"
+                )
+        bar.close()
+        del runner
+
+
+class Deadline:
+    """``--time-limit-min``: no new run starts once it has passed (what ran is saved)."""
+
+    def __init__(self, minutes: float | None) -> None:
+        self.end = time.perf_counter() + minutes * 60 if minutes else None
+
+    def passed(self) -> bool:
+        return self.end is not None and time.perf_counter() > self.end
+
+
+deadline = Deadline(None)
+
+
+def _f(x, nd: int = 3) -> str:
+    return "-" if x is None else f"{x:.{nd}f}"
+
+
+def run_retrieval(args, model, tok, head, results: Results, files, progress: bool) -> None:
+    from tqdm import tqdm
+
+    from ..drafters import Eagle3Drafter
+    from ..engine import PrefillCache
+    from ..llm import LLM
+    from .policies import QuestModel
+
+    tasks = [t.strip() for t in args.retrieval_tasks.split(",") if t.strip()]
+    depths = _floats(args.depths)
+    budgets = parse_fractions(args.retrieval_budgets)
+    cap = parse_caps(args.retrieval_cap)[0]
+    drafter_name = args.retrieval_drafter or ("eagle3" if head is not None else "ngram")
+    if drafter_name.startswith("eagle3") and head is None:
+        raise ValueError("the eagle3 retrieval drafter needs --eagle3 PATH")
+    b = args.block_size
+    batch = args.batch_size
+    for context in _ints(args.retrieval_contexts):
+        hay = corpus.heldout_texts(
+            tok,
+            min(context, 4096) + 1,
+            max(2, -(-context // 4096) + 1),
+            source=args.source,
+            seed=args.seed + 1,
+            files=files,
+        )
+        lines: list[str] = []
+        for h in hay:
+            lines += tok.decode(h["tokens"]).splitlines(keepends=True)
+        trials = retrieval.make_trials(
+            tok, tasks, context, args.retrieval_trials, depths, haystack_lines=lines, seed=args.seed
+        )
+        cache = PrefillCache(capacity=3 * batch)  # dense, lookahead drafter, Quest keys
+        qm = QuestModel(model)  # one wrapper for every Quest budget: its prefills are shared
+        variants: list[tuple[dict, LLM]] = []
+        dense_kv = KvConfig(block_size=b, top_k_blocks=1, fetch_cap=None, measure_recall=False)
+        variants.append(
+            (
+                {"policy": "dense", "drafter": None, "budget": None, "fetch_cap": None},
+                LLM(
+                    model,
+                    tokenizer=tok,
+                    kv=dense_kv,
+                    backend="dense",
+                    drafter=None,
+                    max_batch_size=batch,
+                    prefill_cache=cache,
+                ),
+            )
+        )
+        for label, frac in budgets:
+            k_blocks = budget_blocks(context, frac, b, label)
+            frac = k_blocks * b / context if frac is None else frac
+            kv = KvConfig(block_size=b, top_k_blocks=k_blocks, fetch_cap=cap)
+            if drafter_name.startswith("eagle3"):
+                from .teacher import PrefilledEagle3Drafter
+
+                drafter = (PrefilledEagle3Drafter if drafter_name == "eagle3-prefill" else Eagle3Drafter)(
+                    head, model
+                )
+            else:
+                drafter = drafter_name
+            cfg = {"budget": label, "budget_frac": frac, "top_k_blocks": k_blocks}
+            variants.append(
+                (
+                    {"policy": "oasis", "drafter": drafter_name, "fetch_cap": cap, **cfg},
+                    LLM(
+                        model,
+                        tokenizer=tok,
+                        kv=kv,
+                        backend="oasis",
+                        drafter=drafter,
+                        max_batch_size=batch,
+                        prefill_cache=cache,
+                    ),
+                )
+            )
+            if not args.no_quest:
+                llm = LLM(
+                    qm,
+                    tokenizer=tok,
+                    kv=dense_kv,
+                    backend="dense",
+                    drafter=None,
+                    max_batch_size=batch,
+                    prefill_cache=cache,
+                )
+                qm.attach(llm.engine, k_blocks)
+                variants.append(({"policy": "quest", "drafter": None, "fetch_cap": None, **cfg}, llm))
+        groups = {t: [x for x in trials if x["task"] == t] for t in tasks}
+
+        def rec_base(cfg: dict, task: str, context=context) -> dict:
+            return {"section": "retrieval", "context": context, "task": task, "block_size": b, **cfg}
+
+        todo = {
+            t: [
+                vi
+                for vi, (cfg, _) in enumerate(variants)
+                if not (args.resume and results.find(rec_base(cfg, t)))
+            ]
+            for t in tasks
+        }
+        n_gen = sum(-(-len(groups[t]) // batch) * len(todo[t]) for t in tasks)
+        bar = tqdm(total=n_gen, desc=f"retrieval C={context}", unit="gen", disable=not progress)
+        pools = None
+        for task, group in groups.items():
+            if not todo[task]:
+                continue
+            if deadline.passed():
+                bar.write(f"oasis eval: --time-limit-min reached before retrieval task {task} (use --resume)")
+                break
+            t0 = time.perf_counter()
+            outcomes: dict[int, list[int]] = {vi: [] for vi in todo[task]}
+            texts: dict[int, list[str]] = {vi: [] for vi in todo[task]}
+            for s in range(0, len(group), batch):
+                chunk = group[s : s + batch]
+                for vi in todo[task]:
+                    llm = variants[vi][1]
+                    if pools is not None:
+                        llm.engine.pools = pools  # one set of pools for all variants
+                    res = llm.generate(
+                        [x["prompt"] for x in chunk],
+                        max_new_tokens=chunk[0]["max_new_tokens"],
+                        temperature=0.0,
+                    )
+                    pools = llm.engine.pools
+                    for x, r in zip(chunk, res, strict=True):
+                        outcomes[vi].append(int(retrieval.score(task, x["answer"], r.text)))
+                        texts[vi].append(r.text)
+                    bar.update(1)
+            wall = time.perf_counter() - t0
+            for vi in todo[task]:
+                cfg = variants[vi][0]
+                oc = outcomes[vi]
+                per_depth: dict[str, list[int]] = {}
+                for x, o in zip(group, oc, strict=True):
+                    per_depth.setdefault(f"{x['depth']:g}", []).append(o)
+                rec = {
+                    **rec_base(cfg, task),
+                    "trials": len(oc),
+                    "accuracy": sum(oc) / len(oc),
+                    "per_depth": {k: sum(v) / len(v) for k, v in per_depth.items()},
+                    "outcomes": "".join(map(str, oc)),
+                    "examples": [
+                        {"answer": x["answer"], "generated": t}
+                        for x, t in list(zip(group, texts[vi], strict=True))[:3]
+                    ],
+                    "prompt_tokens_mean": sum(len(tok.encode(x["prompt"])) for x in group) / len(group),
+                    "wall_s_task": wall,
+                }
+                results.add(rec)
+                if progress:
+                    bar.write(
+                        f"C={context} {task:8s} {cfg['policy']:6s} {cfg.get('budget') or '':5s} "
+                        f"acc={rec['accuracy']:.3f} ({len(oc)} trials)"
+                    )
+        bar.close()
+
+
+# ------------------------------------------------------------------------------------------ main
+def main(args) -> int:
+    global deadline
+    out = Path(args.out)
+    if args.report_only:
+        if args.merge:
+            res = Results(out)
+            for f in args.merge:
+                res.merge(json.loads(Path(f).read_text(encoding="utf-8")))
+            res.save()
+        report.write(out)
+        print(f"oasis eval: wrote {out / 'results.md'}")
+        return 0
+    _fill_preset(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    bad = [s for s in sections if s not in ("teacher", "retrieval")]
+    if bad:
+        raise ValueError(f"unknown section(s) {bad}; use teacher, retrieval")
+    deadline = Deadline(args.time_limit_min)
+    device = pick_device(args.device)
+    progress = not args.no_progress
+    model, tok, head, head_path = load(args, device)
+    files = corpus.list_files(source=args.source)
+    results = Results(out)
+    results.add_run(_meta(args, model, device, head_path, files))
+    t0 = time.perf_counter()
+    if "teacher" in sections:
+        run_teacher(args, model, tok, head, results, files, progress)
+    if "retrieval" in sections:
+        run_retrieval(args, model, tok, head, results, files, progress)
+    results.data["runs"][-1]["wall_s"] = time.perf_counter() - t0
+    results.save()
+    written = report.write(out)
+    print(f"oasis eval: results in {out}: " + ", ".join(p.name for p in written))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="oasis eval", description=__doc__.split("\n")[0])
+    add_arguments(ap)
+    return ap
+
+
+if __name__ == "__main__":
+    sys.exit(main(build_parser().parse_args()))

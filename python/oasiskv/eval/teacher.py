@@ -1,0 +1,478 @@
+"""Teacher-forced runs over the :class:`~oasiskv.engine.Engine`.
+
+A run takes texts of ``C + 1`` tokens, prefills the first ``P = C - S`` of each (dense, as the
+engine always does), turns the request sparse right away (``oasis``), and then steps through the
+remaining ``S`` positions feeding the TRUE token as x_t every step. Step j feeds ``text[P + j]`` and
+its row-0 logits predict ``text[P + j + 1]``; the last step sees a context of ``C`` tokens. The
+lookahead token of each step comes from the policy's drafter:
+
+* ``eagle3``  — :class:`~oasiskv.drafters.Eagle3Drafter` over the target's captured hidden states;
+* ``ngram``   — :class:`~oasiskv.drafters.NgramDrafter` (prompt lookup over the text so far);
+* ``oracle``  — :class:`~oasiskv.drafters.OracleDrafter`: the true next token (known here);
+* ``previous-query`` — no lookahead row: x_t's own query selects the next step (FreeKV-like).
+
+Per step and text the runner keeps the NLL of the true token, the top-1 token and, against a dense
+run of the same texts, KL(dense || policy). A :class:`LookaheadRecorder` on the engine receives,
+per layer and step, the predicted top-K of the previous step, the exact top-K of this step's true
+query and the working set this step attended over (``Engine.recorder``).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import KvConfig
+from ..drafters import Eagle3Drafter, NgramDrafter, OracleDrafter, PreviousQueryDrafter
+from ..engine import Engine, PrefillCache, _recall, _Request
+from .policies import QuestModel
+
+DRAFTERS = ("eagle3", "eagle3-prefill", "ngram", "oracle", "previous-query")
+
+
+class PrefilledEagle3Drafter(Eagle3Drafter):
+    """:class:`~oasiskv.drafters.Eagle3Drafter` whose head KV cache is first filled over the prompt.
+
+    The library drafter starts each request with an empty head cache: its single layer attends
+    only to the positions drafted since decoding began. EAGLE deployments instead run the head over
+    the prompt's target features at admission. This variant does that (one extra dense target
+    forward over the prompt to get the features of every prompt position), so the evaluation can
+    show what the missing prompt context costs.
+    """
+
+    name = "eagle3-prefill"
+
+    @torch.no_grad()
+    def begin(self, req_id, prompt) -> None:
+        from ..models.transformer import dense_causal_attn
+
+        super().begin(req_id, prompt)
+        n = len(prompt)
+        if n < 2:
+            return
+        target = self.target
+        dev = next(target.parameters()).device
+        ids = torch.tensor(list(prompt), dtype=torch.long, device=dev)
+        pos = torch.arange(n, device=dev)
+        layers = self.capture_layers(target.config.num_hidden_layers)
+        _, cap = target.forward(
+            ids,
+            pos,
+            dense_causal_attn(),
+            logits_rows=torch.tensor([n - 1], device=dev),
+            capture_layers=layers,
+        )
+        feats = torch.cat([cap[i] for i in layers], dim=-1)
+        # Row p pairs the feature of p - 1 with the token at p (positions 1 .. n-1).
+        self.head.step(self._states[req_id], feats[:-1], ids[1:], pos[1:])
+
+
+@dataclass(frozen=True)
+class Policy:
+    """One configuration of a teacher-forced run."""
+
+    kind: str  # "dense" | "oasis" | "quest"
+    drafter: str | None = None  # oasis only: one of DRAFTERS
+    top_k_blocks: int | None = None
+    fetch_cap: float | int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("dense", "oasis", "quest"):
+            raise ValueError(f"policy kind must be dense, oasis or quest, got {self.kind!r}")
+        if self.kind == "oasis" and self.drafter not in DRAFTERS:
+            raise ValueError(f"an oasis policy needs a drafter in {DRAFTERS}, got {self.drafter!r}")
+        if self.kind != "dense" and (self.top_k_blocks is None or self.top_k_blocks < 1):
+            raise ValueError(f"{self.kind} needs top_k_blocks >= 1")
+
+    @property
+    def label(self) -> str:
+        if self.kind == "dense":
+            return "dense"
+        if self.kind == "quest":
+            return f"quest K={self.top_k_blocks}"
+        cap = "uncapped" if self.fetch_cap is None else f"cap={self.fetch_cap}"
+        return f"oasis/{self.drafter} K={self.top_k_blocks} {cap}"
+
+
+class LookaheadRecorder:
+    """``Engine.recorder``: per (step, layer, request) lookahead overlap and working-set hit.
+
+    * overlap: |predicted ∩ exact| / |exact|, averaged over KV heads, where ``predicted`` is the
+      top-K chosen by last step's lookahead (or current, for previous-query) query and ``exact`` the
+      top-K of this step's true query, both over the blocks that were complete at prediction time;
+    * resident hit: the same with ``predicted`` replaced by the working set this step attended over
+      (what the fetch cap let in).
+
+    Only steps with :attr:`enabled` are kept (the runner skips the first sparse step, whose
+    prediction came from the prompt's last query, not from a lookahead row). Values stay on the
+    device until :meth:`tensors` (no host sync inside the engine's background chain).
+    """
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.step = -1
+        self._rows: list[tuple[int, int, list[int], torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def on_recall(self, engine, layer, sp_reqs, actual, prev, slot_pages) -> None:
+        if not self.enabled:
+            return
+        ov, n = _recall(actual, prev)
+        resident = engine.pools.page_map[layer][slot_pages.long()].transpose(1, 2)  # [n, hk, K]
+        hit, _ = _recall(actual, resident)
+        denom = n.clamp(min=1)
+        self._rows.append((self.step, layer, [r.id for r in sp_reqs], ov / denom, hit / denom, n > 0))
+
+    def clear(self) -> None:
+        self._rows.clear()
+
+    def tensors(self, num_layers: int, req_ids: list[int], steps: list[int]):
+        """(overlap, resident_hit, valid) as float/bool CPU tensors [len(steps), num_layers, len(req_ids)]."""
+        s_idx = {s: i for i, s in enumerate(steps)}
+        r_idx = {r: i for i, r in enumerate(req_ids)}
+        shape = (len(steps), num_layers, len(req_ids))
+        ov = torch.zeros(shape)
+        hit = torch.zeros(shape)
+        valid = torch.zeros(shape, dtype=torch.bool)
+        for step, layer, ids, o, h, v in self._rows:
+            if step not in s_idx:
+                continue
+            cols = torch.tensor([r_idx[i] for i in ids])
+            ov[s_idx[step], layer, cols] = o.float().cpu()
+            hit[s_idx[step], layer, cols] = h.float().cpu()
+            valid[s_idx[step], layer, cols] = v.cpu()
+        return ov, hit, valid
+
+
+@dataclass
+class RunResult:
+    policy: Policy
+    nll: torch.Tensor  # [S, n]
+    top1: torch.Tensor  # [S, n] token ids
+    kl: torch.Tensor | None  # [S, n] KL(dense || policy)
+    top1_agree: torch.Tensor | None  # [S, n] bool
+    fetched_bytes_per_step: list[float] = field(default_factory=list)  # per text
+    full_kv_bytes: list[int] = field(default_factory=list)
+    resident_kv_bytes: list[int] = field(default_factory=list)
+    would_fetch_bytes_per_step: list[float] | None = None  # quest: selection churn
+    overlap: torch.Tensor | None = None  # [S', L, n]
+    resident_hit: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+    matched: torch.Tensor | None = None  # [S', n] bool; None without a draft
+    measured_steps: list[int] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+class TeacherForcing:
+    """Teacher-forced runs of many policies over the same texts (see the module docstring).
+
+    Args:
+        model: a ``CausalLM`` (any device).
+        texts: token lists, all of the same length ``C + 1``.
+        steps: S, the number of teacher-forced decode steps (``< C``).
+        block_size: KV block size of every run.
+        batch_size: texts decoded together per engine batch.
+        eagle3_head: an :class:`~oasiskv.models.eagle3.Eagle3Head` attached to ``model`` (for the
+            ``eagle3`` drafter).
+        progress: tqdm bars over the steps of each run.
+    """
+
+    def __init__(
+        self,
+        model,
+        texts: list[list[int]],
+        steps: int,
+        *,
+        block_size: int = 16,
+        batch_size: int = 8,
+        eagle3_head=None,
+        progress: bool = True,
+    ) -> None:
+        lens = {len(t) for t in texts}
+        if not texts or len(lens) != 1:
+            raise ValueError(f"need one or more texts of equal length, got lengths {sorted(lens)}")
+        self.length = lens.pop()
+        self.context = self.length - 1
+        if not 1 <= steps < self.context - block_size:
+            raise ValueError(f"steps must be in [1, {self.context - block_size}), got {steps}")
+        self.model = model.eval()
+        self.texts = [list(t) for t in texts]
+        self.steps = steps
+        self.prefix = self.context - steps
+        self.block_size = block_size
+        self.batch_size = max(1, batch_size)
+        self.head = eagle3_head
+        self.progress = progress
+        self.device = next(model.parameters()).device
+        self.cache = PrefillCache(capacity=3 * min(self.batch_size, len(texts)))
+        self.quest_model = QuestModel(model)
+        self._pools: dict[str, object] = {}
+        self._dense: list[dict] | None = None  # per chunk: logp [S, n, V], top1 [S, n]
+
+    # -------------------------------------------------------------- helpers
+    def _chunks(self) -> list[list[int]]:
+        idx = list(range(len(self.texts)))
+        return [idx[i : i + self.batch_size] for i in range(0, len(idx), self.batch_size)]
+
+    def _drafter(self, policy: Policy, chunk: list[list[int]]):
+        if policy.kind != "oasis":
+            return None
+        name = policy.drafter
+        if name == "ngram":
+            return NgramDrafter()
+        if name == "oracle":
+            return OracleDrafter([t[self.prefix :] for t in chunk])
+        if name == "previous-query":
+            return PreviousQueryDrafter()
+        if self.head is None:
+            raise ValueError(f"the {name} drafter needs an EAGLE-3 head (pass --eagle3 PATH)")
+        if name == "eagle3-prefill":
+            return PrefilledEagle3Drafter(self.head, self.model)
+        return Eagle3Drafter(self.head, self.model)
+
+    def _engine(self, policy: Policy, drafter) -> Engine:
+        b = self.block_size
+        if policy.kind == "oasis":
+            kv = KvConfig(
+                block_size=b,
+                top_k_blocks=policy.top_k_blocks,
+                fetch_cap=policy.fetch_cap,
+                sparse_threshold=max(1, self.prefix - 1),  # sparse from the first decode step
+                measure_recall=True,
+            )
+            return Engine(self.model, kv, "oasis", drafter, (), self.cache)
+        kv = KvConfig(block_size=b, top_k_blocks=1, fetch_cap=None, measure_recall=False)
+        if policy.kind == "quest":
+            qm = self.quest_model
+            qm.reset(policy.top_k_blocks)
+            eng = Engine(qm, kv, "dense", None, (), self.cache)
+            qm.attach(eng)
+            return eng
+        return Engine(self.model, kv, "dense", None, (), self.cache)
+
+    # -------------------------------------------------------------- runs
+    @torch.no_grad()
+    def run(self, policy: Policy) -> RunResult:
+        """One policy over all texts. The dense policy must run first: the others are compared to it."""
+        if policy.kind != "dense" and self._dense is None:
+            self.run(Policy("dense"))
+        if policy.kind == "dense":
+            self._dense = []
+        t0 = time.perf_counter()
+        parts = []
+        for ci, idx in enumerate(self._chunks()):
+            parts.append(self._run_chunk(policy, ci, [self.texts[i] for i in idx]))
+        res = _concat(policy, parts)
+        res.wall_s = time.perf_counter() - t0
+        return res
+
+    def _run_chunk(self, policy: Policy, ci: int, chunk: list[list[int]]) -> RunResult:
+        S, P, b = self.steps, self.prefix, self.block_size
+        n = len(chunk)
+        drafter = self._drafter(policy, chunk)
+        eng = self._engine(policy, drafter)
+        key = str(eng.dtype)
+        if key in self._pools:
+            eng.pools = self._pools[key]
+        recorder = None
+        if policy.kind == "oasis":
+            recorder = eng.recorder = LookaheadRecorder()
+        reqs = [_Request(id=i, prompt=t[:P], max_new_tokens=S + 1) for i, t in enumerate(chunk)]
+        eng.ensure_pools(reqs)
+        self._pools[key] = eng.pools
+        for r, t in zip(reqs, chunk, strict=True):
+            if drafter is not None:
+                drafter.begin(r.id, r.prompt)
+            r.tokens = list(r.prompt)
+            eng.prefill(r)
+            r.tokens.append(t[P])
+            if eng.rows == 2:
+                r.draft = drafter.propose(r.id, r.tokens, r.features)
+            if eng.backend == "oasis" and r.kv_len > eng.kv.threshold_tokens:
+                eng.make_sparse(r)
+        dev = self.device
+        targets = torch.tensor([[t[P + j + 1] for t in chunk] for j in range(S)], device=dev)  # [S, n]
+        nll = torch.empty(S, n, device=dev)
+        top1 = torch.empty(S, n, dtype=torch.long, device=dev)
+        kl = torch.empty(S, n, device=dev) if policy.kind != "dense" else None
+        logp_all = None
+        if policy.kind == "dense":
+            logp_all = torch.empty(S, n, self.model.config.vocab_size, device=dev)
+        dense = self._dense[ci] if self._dense is not None and policy.kind != "dense" else None
+        matched: list[list[bool]] = []
+        measured: list[int] = []
+        prev_draft = [r.draft for r in reqs]
+        bar = None
+        if self.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=S, desc=policy.label, unit="step", leave=False)
+        try:
+            for j in range(S):
+                if recorder is not None:
+                    # Step 0 judges the prompt's last query (make_sparse), not a lookahead: skip it.
+                    recorder.enabled = j > 0
+                    recorder.step = j
+                    if j > 0:
+                        measured.append(j)
+                        if eng.rows == 2:
+                            matched.append([prev_draft[i] == chunk[i][P + j] for i in range(n)])
+                prev_draft = [r.draft for r in reqs]
+                logits = eng.decode_step(reqs)
+                lp = torch.log_softmax(logits.float(), dim=-1)
+                nll[j] = -lp.gather(1, targets[j].unsqueeze(1)).squeeze(1)
+                top1[j] = lp.argmax(-1)
+                if logp_all is not None:
+                    logp_all[j] = lp
+                if dense is not None:
+                    d = dense["logp"][j]
+                    kl[j] = (d.exp() * (d - lp)).sum(-1)
+                if j < S - 1:
+                    for i, r in enumerate(reqs):
+                        r.tokens.append(chunk[i][P + j + 1])
+                        if eng.rows == 2:
+                            r.draft = drafter.propose(r.id, r.tokens, r.features)
+                        if eng.backend == "oasis" and not r.sparse and r.kv_len > eng.kv.threshold_tokens:
+                            eng.make_sparse(r)
+                if bar:
+                    bar.update(1)
+        finally:
+            if bar:
+                bar.close()
+        for r in reqs:
+            eng.finalize_metrics(r)
+            eng.release(r)
+        if policy.kind == "dense":
+            self._dense.append({"logp": logp_all, "top1": top1})
+        res = RunResult(
+            policy,
+            nll.cpu(),
+            top1.cpu(),
+            kl.cpu() if kl is not None else None,
+            (top1 == dense["top1"]).cpu() if dense is not None else None,
+            fetched_bytes_per_step=[r.metrics.fetched_bytes_per_step for r in reqs],
+            full_kv_bytes=[r.metrics.full_kv_bytes for r in reqs],
+            resident_kv_bytes=[r.metrics.resident_kv_bytes for r in reqs],
+        )
+        if policy.kind == "quest":
+            qm = self.quest_model
+            entry = 2 * b * eng.geo.head_dim * eng.dtype.itemsize
+            res.would_fetch_bytes_per_step = [
+                float(qm.churn.get(r.id, 0)) * entry / max(1, S - 1) for r in reqs
+            ]
+            # A dense engine reports its whole KV as resident; so does Quest (everything resident).
+        if recorder is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            ov, hit, valid = recorder.tensors(
+                self.model.config.num_hidden_layers, [r.id for r in reqs], measured
+            )
+            res.overlap, res.resident_hit, res.valid = ov, hit, valid
+            res.measured_steps = measured
+            res.matched = torch.tensor(matched, dtype=torch.bool) if matched else None
+        return res
+
+
+def _concat(policy: Policy, parts: list[RunResult]) -> RunResult:
+    def cat(name, dim):
+        xs = [getattr(p, name) for p in parts]
+        return None if any(x is None for x in xs) else torch.cat(xs, dim=dim)
+
+    out = RunResult(
+        policy,
+        cat("nll", 1),
+        cat("top1", 1),
+        cat("kl", 1),
+        cat("top1_agree", 1),
+        fetched_bytes_per_step=sum((p.fetched_bytes_per_step for p in parts), []),
+        full_kv_bytes=sum((p.full_kv_bytes for p in parts), []),
+        resident_kv_bytes=sum((p.resident_kv_bytes for p in parts), []),
+    )
+    if all(p.would_fetch_bytes_per_step is not None for p in parts):
+        out.would_fetch_bytes_per_step = sum((p.would_fetch_bytes_per_step for p in parts), [])
+    out.overlap = cat("overlap", 2)
+    out.resident_hit = cat("resident_hit", 2)
+    out.valid = cat("valid", 2)
+    out.matched = cat("matched", 1)
+    out.measured_steps = parts[0].measured_steps
+    return out
+
+
+def _mean(x: torch.Tensor, mask: torch.Tensor | None = None) -> float | None:
+    if mask is not None:
+        x = x[mask]
+    return float(x.float().mean()) if x.numel() else None
+
+
+def summarize(res: RunResult, dense: RunResult | None) -> dict:
+    """The JSON record of one run (see docs/EVAL.md for every field)."""
+    p = res.policy
+    rec: dict = {
+        "policy": p.kind,
+        "drafter": p.drafter,
+        "top_k_blocks": p.top_k_blocks,
+        "fetch_cap": p.fetch_cap,
+        "nll": _mean(res.nll),
+        "ppl": math.exp(_mean(res.nll)),
+        "nll_per_text": [float(x) for x in res.nll.mean(0)],
+        "wall_s": res.wall_s,
+    }
+    if dense is not None and p.kind != "dense":
+        d_nll = _mean(dense.nll)
+        per_text = res.nll.mean(0) - dense.nll.mean(0)
+        n = per_text.numel()
+        rec.update(
+            nll_dense=d_nll,
+            delta_nll=rec["nll"] - d_nll,
+            delta_nll_pct=100.0 * (rec["nll"] - d_nll) / d_nll,
+            delta_nll_se=float(per_text.std(unbiased=True) / math.sqrt(n)) if n > 1 else None,
+            ppl_ratio=math.exp(rec["nll"] - d_nll),
+            kl=_mean(res.kl),
+            top1_agree=_mean(res.top1_agree),
+        )
+    if p.kind != "dense":
+        rec["fetched_bytes_per_step"] = sum(res.fetched_bytes_per_step) / len(res.fetched_bytes_per_step)
+        rec["full_kv_bytes"] = sum(res.full_kv_bytes) / len(res.full_kv_bytes)
+        if p.kind == "oasis":
+            rec["resident_kv_bytes"] = sum(res.resident_kv_bytes) / len(res.resident_kv_bytes)
+    if res.would_fetch_bytes_per_step is not None:
+        w = res.would_fetch_bytes_per_step
+        rec["would_fetch_bytes_per_step"] = sum(w) / len(w)
+    if res.overlap is not None:
+        rec["lookahead"] = lookahead_summary(res)
+    return rec
+
+
+def lookahead_summary(res: RunResult) -> dict:
+    ov, hit, valid = res.overlap, res.resident_hit, res.valid  # [S', L, n]
+    per_layer = []
+    hit_layer = []
+    for layer in range(ov.shape[1]):
+        per_layer.append(_mean(ov[:, layer], valid[:, layer]))
+        hit_layer.append(_mean(hit[:, layer], valid[:, layer]))
+    out = {
+        "overlap": _mean(ov, valid),
+        "overlap_per_layer": per_layer,
+        "overlap_min_layer": min((x for x in per_layer if x is not None), default=None),
+        "resident_hit": _mean(hit, valid),
+        "resident_hit_per_layer": hit_layer,
+        "steps_measured": len(res.measured_steps),
+        "overlap_per_step": [_mean(ov[s], valid[s]) for s in range(ov.shape[0])],
+    }
+    if res.matched is not None and res.matched.numel():
+        m = res.matched.unsqueeze(1).expand_as(valid)  # [S', L, n]
+        out.update(
+            draft_accept=_mean(res.matched.float()),
+            overlap_matched=_mean(ov, valid & m),
+            overlap_unmatched=_mean(ov, valid & ~m),
+            n_matched=int(res.matched.sum()),
+            n_unmatched=int((~res.matched).sum()),
+            matched_per_step=[_mean(res.matched[s].float()) for s in range(res.matched.shape[0])],
+        )
+    else:
+        out.update(
+            draft_accept=None, overlap_matched=None, overlap_unmatched=None, n_matched=0, n_unmatched=0
+        )
+    return out

@@ -1,0 +1,546 @@
+"""The evaluation harness (oasis eval): corpus split, teacher-forced runs, lookahead recorder,
+Quest-like mask, retrieval prompts, results file and report; end to end on a tiny model (fast) and
+on SmolLM2 through the CLI (slow)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from oasiskv import ops
+from oasiskv.eval import corpus, harness, report, retrieval
+from oasiskv.eval.policies import QuestModel
+from oasiskv.eval.teacher import Policy, TeacherForcing, summarize
+from oasiskv.models.config import ModelConfig
+from oasiskv.models.eagle3 import Eagle3Head
+from oasiskv.models.transformer import CausalLM
+
+torch.set_num_threads(2)
+
+BLOCK = 8
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids (fits the tiny model's vocabulary of 301)."""
+
+    eos_token_ids: list[int] = []
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = ModelConfig(
+        family="llama",
+        vocab_size=301,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+    )
+    return CausalLM.random(cfg, seed=1)
+
+
+@pytest.fixture(scope="module")
+def head(tiny):
+    return Eagle3Head.random(tiny.config, 64, seed=2).attach_target(tiny)
+
+
+def repetitive(n: int, period: int = 37, seed: int = 0, vocab: int = 301) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randint(0, vocab, (period,), generator=g).tolist()
+    return (base * (n // period + 1))[:n]
+
+
+# ------------------------------------------------------------------------------------------ corpus
+def _fake_roots(tmp_path: Path):
+    std = tmp_path / "lib"
+    site = tmp_path / "site-packages"
+    for root, files in (
+        (std, {"json/__init__.py": "x = 1\n", "json/decoder.py": "y = 2\n", "argparse.py": "z = 3\n"}),
+        (
+            site,
+            {
+                "torch/nn/linear.py": "import torch\n",
+                "torch/README.md": "# torch\n",
+                "torch/__pycache__/x.py": "cached\n",
+                "torch-2.0.dist-info/METADATA.txt": "meta\n",
+                "oasiskv/engine.py": "ours\n",
+                "six.py": "six\n",
+                "data.bin": "binary",
+            },
+        ),
+    ):
+        for rel, text in files.items():
+            p = root / rel
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(text)
+    (site / "bad.txt").write_bytes(b"\xff\xfe not utf-8")
+    return [("stdlib", std), ("site", site)]
+
+
+def test_corpus_keys_packages_and_exclusions(tmp_path):
+    files = corpus.list_files(_fake_roots(tmp_path))
+    keys = [f.key for f in files]
+    assert keys == sorted(keys)
+    assert set(keys) == {
+        "stdlib/argparse.py",
+        "stdlib/json/__init__.py",
+        "stdlib/json/decoder.py",
+        "site/bad.txt",
+        "site/six.py",
+        "site/torch/README.md",
+        "site/torch/nn/linear.py",
+    }
+    pk = {f.key: f.package for f in files}
+    assert pk["stdlib/json/decoder.py"] == "stdlib/json" and pk["stdlib/argparse.py"] == "stdlib/argparse"
+    assert pk["site/torch/nn/linear.py"] == "site/torch" and pk["site/six.py"] == "site/six"
+    assert corpus.read_text([f for f in files if f.key == "site/bad.txt"][0]) is None
+    # The split is a fixed function of the package name: every file of a package on one side.
+    for f in files:
+        assert f.split == corpus.split_of(f.package)
+    assert corpus.fingerprint(files) == corpus.fingerprint(corpus.list_files(_fake_roots(tmp_path)))
+    only_std = corpus.list_files(_fake_roots(tmp_path), source="stdlib")
+    assert {f.key.split("/")[0] for f in only_std} == {"stdlib"}
+
+
+def test_split_rule_is_fixed():
+    # Pinned values: changing the rule would silently move held-out text into training.
+    assert corpus.split_of("stdlib/json") == corpus.split_of("stdlib/json")
+    held = [p for p in (f"stdlib/pkg{i}" for i in range(2000)) if corpus.split_of(p) == "heldout"]
+    assert 0.07 < len(held) / 2000 < 0.13
+    assert corpus.split_of("stdlib/pdb") == "heldout" and corpus.split_of("stdlib/json") == "train"
+
+
+def test_heldout_texts_are_long_enough_for_8k_and_deterministic():
+    tok = ByteTokenizer()
+    a = corpus.heldout_texts(tok, 8193, 8, source="stdlib")
+    b = corpus.heldout_texts(tok, 8193, 8, source="stdlib")
+    assert len(a) == 8 and all(len(t["tokens"]) == 8193 for t in a)
+    assert [t["tokens"] for t in a] == [t["tokens"] for t in b]
+    assert all(corpus.split_of(t["package"]) == "heldout" for t in a)
+    assert len({t["package"] for t in a}) >= 4  # one window per package first
+    with pytest.raises(ValueError, match="held-out split"):
+        corpus.heldout_texts(tok, 8193, 8, source="stdlib", files=[])
+
+
+# ------------------------------------------------------------------------------------------ teacher
+def test_oracle_overlap_at_least_previous_query_on_repetitive_text(tiny):
+    texts = [repetitive(257, seed=s) for s in range(2)]
+    tf = TeacherForcing(tiny, texts, 24, block_size=BLOCK, batch_size=2, progress=False)
+    dense = tf.run(Policy("dense"))
+    recs = {
+        d: summarize(tf.run(Policy("oasis", d, 4, None)), dense)
+        for d in ("oracle", "previous-query", "ngram")
+    }
+    L = tiny.config.num_hidden_layers
+    o, p, n = (recs[d]["lookahead"] for d in ("oracle", "previous-query", "ngram"))
+    assert o["overlap"] >= p["overlap"] + 0.05, (o["overlap"], p["overlap"])
+    assert len(o["overlap_per_layer"]) == L and o["steps_measured"] == 23  # step 0 is not a lookahead
+    assert o["draft_accept"] == 1.0 and o["overlap_unmatched"] is None and o["n_matched"] == 23 * 2
+    assert p["draft_accept"] is None and p["overlap_matched"] is None
+    # On a periodic text the n-gram drafter finds the next token (after the first period).
+    assert n["draft_accept"] > 0.9
+    # Uncapped: the working set is exactly the prediction.
+    assert o["resident_hit"] == pytest.approx(o["overlap"], abs=1e-6)
+    for r in recs.values():
+        assert 0.0 <= r["lookahead"]["overlap_min_layer"] <= r["lookahead"]["overlap"] <= 1.0
+        assert r["fetched_bytes_per_step"] > 0 and r["kl"] >= 0
+
+
+def test_fetch_cap_bounds_traffic_and_resident_hit(tiny):
+    tf = TeacherForcing(tiny, [repetitive(257, seed=3)], 16, block_size=BLOCK, batch_size=1, progress=False)
+    dense = tf.run(Policy("dense"))
+    capped = summarize(tf.run(Policy("oasis", "previous-query", 6, 1)), dense)
+    free = summarize(tf.run(Policy("oasis", "previous-query", 6, None)), dense)
+    c = tiny.config
+    entry = 2 * BLOCK * c.head_dim * 4
+    assert capped["fetched_bytes_per_step"] <= c.num_hidden_layers * c.num_key_value_heads * 1 * entry
+    assert capped["fetched_bytes_per_step"] <= free["fetched_bytes_per_step"]
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "eagle3", "eagle3-prefill"])
+def test_budget_covering_the_context_is_exact(tiny, head, drafter):
+    """K >= every block: the sparse run reads everything, so fidelity is 0/1 and overlap is 1."""
+    texts = [repetitive(161, seed=s) for s in range(2)]
+    tf = TeacherForcing(tiny, texts, 12, block_size=BLOCK, batch_size=2, eagle3_head=head, progress=False)
+    dense = tf.run(Policy("dense"))
+    for pol in (Policy("oasis", drafter, 64, 0.05), Policy("quest", None, 64)):
+        rec = summarize(tf.run(pol), dense)
+        assert rec["kl"] == pytest.approx(0.0, abs=1e-6)
+        assert rec["top1_agree"] == 1.0
+        assert rec["delta_nll"] == pytest.approx(0.0, abs=1e-5)
+        if pol.kind == "oasis":
+            assert rec["lookahead"]["overlap"] == pytest.approx(1.0)
+            assert rec["lookahead"]["resident_hit"] == pytest.approx(1.0)
+
+
+def test_small_budget_changes_the_output(tiny):
+    tf = TeacherForcing(tiny, [repetitive(257, seed=5)], 8, block_size=BLOCK, batch_size=1, progress=False)
+    dense = tf.run(Policy("dense"))
+    for pol in (Policy("quest", None, 2), Policy("oasis", "oracle", 2, 1)):
+        assert summarize(tf.run(pol), dense)["kl"] > 1e-5
+
+
+def test_teacher_forcing_rejects_bad_input(tiny):
+    with pytest.raises(ValueError, match="equal length"):
+        TeacherForcing(tiny, [[1] * 100, [1] * 90], 8)
+    with pytest.raises(ValueError, match="steps"):
+        TeacherForcing(tiny, [[1] * 100], 99)
+    with pytest.raises(ValueError, match="drafter"):
+        Policy("oasis", "magic", 4)
+    tf = TeacherForcing(tiny, [[1] * 100], 8, progress=False)
+    with pytest.raises(ValueError, match="EAGLE-3 head"):
+        tf.run(Policy("oasis", "eagle3", 2))
+
+
+# ------------------------------------------------------------------------------------------ quest
+def _quest_reference_scores(q, kmin, kmax, group):
+    """Quest score per block and KV head, in torch: sum over the group's query heads of
+    sum_d max(q*min, q*max). q [Hq, D]; kmin/kmax [nb, Hkv, D] -> [nb, Hkv]."""
+    qg = q.view(-1, group, q.shape[-1])  # [Hkv, group, D]
+    s = torch.maximum(qg.unsqueeze(0) * kmin.unsqueeze(2), qg.unsqueeze(0) * kmax.unsqueeze(2))
+    return s.sum(dim=(2, 3))
+
+
+def test_quest_mask_restricts_attention_to_current_query_top_k(tiny, monkeypatch):
+    """During a Quest-like step, attention reads exactly the current query's top-K blocks (by an
+    independent torch Quest score) plus the local block, per KV head; its output equals softmax
+    attention over those tokens only; the mapping is restored afterwards."""
+    K = 3
+    text = repetitive(201, seed=7)
+    tf = TeacherForcing(tiny, [text], 4, block_size=BLOCK, batch_size=1, progress=False)
+    tf.run(Policy("dense"))
+    c = tiny.config
+    group = c.num_attention_heads // c.num_key_value_heads
+    seen = []
+    orig = ops.decode_attention
+
+    def spy(geo, q, k_pages, v_pages, kv_indptr, kv_indices, last_len, *, page_map=None, **kw):
+        out = orig(geo, q, k_pages, v_pages, kv_indptr, kv_indices, last_len, page_map=page_map, **kw)
+        seen.append(
+            dict(
+                q=q.clone(),
+                k=k_pages.clone(),
+                v=v_pages.clone(),
+                pages=kv_indices.tolist(),
+                last=int(last_len[0]),
+                pm=page_map.clone(),
+                out=out.clone(),
+            )
+        )
+        return out
+
+    monkeypatch.setattr(ops, "decode_attention", spy)
+    res = tf.run(Policy("quest", None, K))
+    assert len(seen) == 4 * c.num_hidden_layers
+    qm = tf.quest_model
+    for call in seen:
+        pages, pm, q = call["pages"], call["pm"], call["q"][0, 0]  # one request, row 0
+        n_blocks = len(pages)
+        local = n_blocks - 1  # x_t's own block: always visible
+        vis = pm[pages]  # [n_blocks, Hkv], logical block or -1
+        kb = call["k"][pages]  # [nb, Hkv, B, D]
+        complete = kb[:local]
+        scores = _quest_reference_scores(q.float(), complete.amin(2).float(), complete.amax(2).float(), group)
+        for h in range(c.num_key_value_heads):
+            top = set(torch.topk(scores[:, h], K).indices.tolist())
+            visible = {int(i) for i in range(n_blocks) if vis[i, h] >= 0}
+            assert visible == top | {local}, (visible, top)
+            # Reference attention over the visible tokens of this head's group.
+            ks, vs = [], []
+            for i in sorted(visible):
+                n_tok = call["last"] if i == local else BLOCK
+                ks.append(call["k"][pages[i], h, :n_tok])
+                vs.append(call["v"][pages[i], h, :n_tok])
+            kk, vv = torch.cat(ks).float(), torch.cat(vs).float()
+            for g in range(h * group, (h + 1) * group):
+                w = torch.softmax(kk @ q[g].float() * c.head_dim**-0.5, dim=0)
+                torch.testing.assert_close(call["out"][0, 0, g].float(), w @ vv, atol=1e-5, rtol=1e-4)
+    # The mapping is restored after every call, and the would-fetch statistic is filled.
+    eng_pm = [v for v in qm.last_visible.values()]
+    assert eng_pm and all(v == c.num_key_value_heads * (K + 1) for v in eng_pm)
+    assert res.would_fetch_bytes_per_step is not None
+
+
+def test_quest_model_attach_checks(tiny):
+    from oasiskv.config import KvConfig
+    from oasiskv.engine import Engine
+
+    qm = QuestModel(tiny, 2)
+    eng = Engine(tiny, KvConfig(top_k_blocks=2), "dense", None)
+    with pytest.raises(ValueError, match="wrapper as its model"):
+        qm.attach(eng)
+    eng = Engine(qm, KvConfig(top_k_blocks=2), "oasis", None)
+    with pytest.raises(ValueError, match="dense engine"):
+        qm.attach(eng)
+
+
+def test_engine_recorder_default_is_off_and_cheap(tiny):
+    import oasiskv
+
+    llm = oasiskv.LLM(tiny, kv=oasiskv.KvConfig(block_size=8, top_k_blocks=2, sparse_threshold=32))
+    assert llm.engine.recorder is None
+    calls = []
+
+    class Rec:
+        def on_recall(self, engine, layer, sp_reqs, actual, prev, slot_pages):
+            calls.append((layer, actual.shape, prev.shape, slot_pages.shape))
+
+    llm.engine.recorder = Rec()
+    llm.generate([repetitive(80)], max_new_tokens=4, ignore_eos=True)
+    L = tiny.config.num_hidden_layers
+    assert len(calls) % L == 0 and len(calls) >= L
+    assert calls[0][1] == (1, 2, 2) and calls[0][3] == (1, 2)
+
+
+# ------------------------------------------------------------------------------------------ retrieval
+def test_retrieval_trials_fit_the_context_and_score():
+    tok = ByteTokenizer()
+    lines = [f"line {i} of some held-out text\n" for i in range(400)]
+    trials = retrieval.make_trials(tok, retrieval.TASKS, 600, 4, [0.1, 0.9], haystack_lines=lines, seed=1)
+    assert len(trials) == 12
+    for t in trials:
+        n = len(tok.encode(t["prompt"]))
+        assert 600 - t["max_new_tokens"] - 40 <= n <= 600 - t["max_new_tokens"]
+        assert t["answer"] in t["prompt"]
+        assert abs(t["actual_depth"] - t["depth"]) < 0.05
+    # The fact sits at its depth: about `depth` of the prompt lies before it (long prompts, where
+    # the instructions are negligible).
+    for t in retrieval.make_trials(tok, retrieval.TASKS, 4000, 2, [0.1, 0.9], haystack_lines=lines, seed=1):
+        at = t["prompt"].index(t["answer"]) / len(t["prompt"])
+        assert abs(at - t["depth"]) < 0.06, (t["task"], at, t["depth"])
+    again = retrieval.make_trials(tok, retrieval.TASKS, 600, 4, [0.1, 0.9], haystack_lines=lines, seed=1)
+    assert [t["prompt"] for t in trials] == [t["prompt"] for t in again]
+    with pytest.raises(ValueError, match="too small"):
+        retrieval.make_trial("passkey", tok, 100, 0, 0.5)
+    assert retrieval.score("passkey", "12345", " 12345. The pass key")
+    assert not retrieval.score("passkey", "12345", " 123456")
+    assert retrieval.score("kv", "0a1b2c3d", '0a1b2c3d"\n')
+    assert not retrieval.score("kv", "0a1b2c3d", "0a1b")
+
+
+# ------------------------------------------------------------------------------------------ harness
+def _args(tmp_path, *extra):
+    args = harness.build_parser().parse_args(
+        [
+            "--out",
+            str(tmp_path),
+            "--contexts",
+            "192",
+            "--steps",
+            "6",
+            "--texts",
+            "2",
+            "--batch-size",
+            "2",
+            "--block-size",
+            str(BLOCK),
+            "--budgets",
+            "1/8,1/4",
+            "--caps",
+            "0.05,none",
+            "--drafters",
+            "eagle3,ngram,oracle,previous-query",
+            "--retrieval-trials",
+            "2",
+            "--retrieval-tasks",
+            "passkey,kv",
+            "--depths",
+            "0.2,0.8",
+            "--retrieval-budgets",
+            "1/4",
+            "--retrieval-contexts",
+            "600",
+            *extra,
+        ]
+    )
+    harness._fill_preset(args)
+    return args
+
+
+def test_harness_end_to_end_results_schema(tiny, head, tmp_path):
+    tok = ByteTokenizer()
+    args = _args(tmp_path)
+    files = corpus.list_files(source="stdlib")
+    res = harness.Results(tmp_path)
+    res.add_run({"argv": ["oasis", "eval", "--contexts", "192"], "model": "tiny"})
+    harness.run_teacher(args, tiny, tok, head, res, files, progress=False)
+    harness.run_retrieval(args, tiny, tok, head, res, files, progress=False)
+    written = report.write(tmp_path)
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["schema"] == harness.SCHEMA
+    teacher = [r for r in data["records"] if r["section"] == "teacher"]
+    # dense + 2 budgets x (quest + 2 caps x 4 drafters)
+    assert len(teacher) == 1 + 2 * (1 + 2 * 4)
+    L = tiny.config.num_hidden_layers
+    for r in teacher:
+        for k in ("context", "steps", "texts", "block_size", "policy", "nll", "ppl", "nll_per_text"):
+            assert k in r, k
+        if r["policy"] == "dense":
+            continue
+        for k in (
+            "budget",
+            "top_k_blocks",
+            "delta_nll",
+            "delta_nll_pct",
+            "kl",
+            "top1_agree",
+            "fetched_bytes_per_step",
+        ):
+            assert k in r and r[k] is not None, k
+        assert r["top_k_blocks"] == harness.budget_blocks(192, float(eval(r["budget"])), BLOCK)
+        if r["policy"] == "oasis":
+            la = r["lookahead"]
+            for k in (
+                "overlap",
+                "overlap_per_layer",
+                "overlap_min_layer",
+                "resident_hit",
+                "draft_accept",
+                "overlap_matched",
+                "overlap_unmatched",
+                "overlap_per_step",
+            ):
+                assert k in la, k
+            assert len(la["overlap_per_layer"]) == L
+            assert "delta_vs_quest_pct" in r and "cap_blocks" in r
+        else:
+            assert "would_fetch_bytes_per_step" in r
+    ret = [r for r in data["records"] if r["section"] == "retrieval"]
+    assert {(r["task"], r["policy"]) for r in ret} == {
+        (t, p) for t in ("passkey", "kv") for p in ("dense", "oasis", "quest")
+    }
+    for r in ret:
+        assert r["trials"] == 2 and len(r["outcomes"]) == 2 and 0 <= r["accuracy"] <= 1
+        assert set(r["per_depth"]) == {"0.2", "0.8"} and r["context"] == 600
+    md = (tmp_path / "results.md").read_text()
+    for heading in ("## Lookahead accuracy", "## Decode fidelity", "## Retrieval accuracy", "Quest-like"):
+        assert heading in md
+    names = {p.name for p in written}
+    try:
+        import matplotlib  # noqa: F401
+
+        assert {"lookahead_per_layer_C192.png", "fidelity_vs_bytes_C192.png", "retrieval_C600.png"} <= names
+        assert all((tmp_path / n).stat().st_size > 1000 for n in names if n.endswith(".png"))
+    except ImportError:
+        pass
+    # A second run into the same directory replaces records of the same configuration.
+    n_before = len(data["records"])
+    args2 = _args(tmp_path, "--budgets", "1/4", "--caps", "none", "--drafters", "oracle", "--no-quest")
+    harness.run_teacher(args2, tiny, tok, head, res, files, progress=False)
+    data2 = json.loads((tmp_path / "results.json").read_text())
+    assert len(data2["records"]) == n_before
+    # --resume finds every configuration done: nothing runs, nothing changes.
+    before = (tmp_path / "results.json").read_text()
+    harness.run_teacher(_args(tmp_path, "--resume"), tiny, tok, head, res, files, progress=False)
+    harness.run_retrieval(_args(tmp_path, "--resume"), tiny, tok, head, res, files, progress=False)
+    assert (tmp_path / "results.json").read_text() == before
+
+
+def test_time_limit_and_merge(tiny, tmp_path, monkeypatch):
+    tok = ByteTokenizer()
+    files = corpus.list_files(source="stdlib")
+    a, b = tmp_path / "a", tmp_path / "b"
+    monkeypatch.setattr(harness, "deadline", harness.Deadline(1e-9))  # already passed
+    res_a = harness.Results(a)
+    harness.run_teacher(_args(a, "--drafters", "oracle"), tiny, tok, None, res_a, files, progress=False)
+    assert [r["policy"] for r in res_a.data["records"]] == ["dense"]  # the reference always runs
+    monkeypatch.setattr(harness, "deadline", harness.Deadline(None))
+    res_b = harness.Results(b)
+    harness.run_teacher(
+        _args(b, "--drafters", "oracle", "--budgets", "1/4", "--caps", "none", "--no-quest"),
+        tiny,
+        tok,
+        None,
+        res_b,
+        files,
+        progress=False,
+    )
+    assert len(res_b.data["records"]) == 2
+    args = harness.build_parser().parse_args(
+        [
+            "--report-only",
+            "--out",
+            str(tmp_path / "m"),
+            "--merge",
+            str(a / "results.json"),
+            str(b / "results.json"),
+        ]
+    )
+    assert harness.main(args) == 0
+    merged = json.loads((tmp_path / "m" / "results.json").read_text())
+    assert len(merged["records"]) == 2  # dense of a replaced by dense of b (same configuration)
+    assert (tmp_path / "m" / "results.md").is_file()
+
+
+def test_parse_helpers():
+    assert harness.parse_fractions("1/16,1/8, 1/4") == [("1/16", 0.0625), ("1/8", 0.125), ("1/4", 0.25)]
+    assert harness.parse_caps("0.05,none,4") == [0.05, None, 4]
+    with pytest.raises(ValueError):
+        harness.parse_fractions("3/2")
+    assert harness.parse_fractions("20b,1/4") == [("20b", None), ("1/4", 0.25)]
+    assert harness.budget_blocks(8192, None, 16, "20b") == 20
+    with pytest.raises(ValueError, match="block count"):
+        harness.parse_fractions("xb")
+    assert harness.budget_blocks(8192, 1 / 16, 16) == 32 and harness.budget_blocks(512, 1 / 16, 16) == 2
+
+
+def test_report_only_needs_results(tmp_path):
+    with pytest.raises(FileNotFoundError, match="results.json"):
+        report.write(tmp_path)
+
+
+@pytest.mark.slow
+def test_oasis_eval_cli_on_smollm2(tmp_path):
+    """The real CLI path on SmolLM2 at a small size (about a minute on 2 cores)."""
+    from oasiskv.cli import main
+
+    rc = main(
+        [
+            "eval",
+            "--out",
+            str(tmp_path),
+            "--threads",
+            "2",
+            "--no-progress",
+            "--contexts",
+            "256",
+            "--steps",
+            "8",
+            "--texts",
+            "1",
+            "--budgets",
+            "1/4",
+            "--caps",
+            "0.05",
+            "--drafters",
+            "ngram,oracle,previous-query",
+            "--retrieval-trials",
+            "1",
+            "--retrieval-tasks",
+            "passkey",
+            "--depths",
+            "0.5",
+        ]
+    )
+    assert rc == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    recs = {(r["section"], r["policy"], r.get("drafter")): r for r in data["records"]}
+    oracle = recs[("teacher", "oasis", "oracle")]["lookahead"]["overlap"]
+    prev = recs[("teacher", "oasis", "previous-query")]["lookahead"]["overlap"]
+    assert oracle >= prev and not math.isnan(oracle)
+    assert recs[("retrieval", "dense", None)]["trials"] == 1
+    assert data["runs"][-1]["model_config"]["num_hidden_layers"] == 30
+    assert (tmp_path / "results.md").is_file()
