@@ -133,6 +133,60 @@ class PrefillCache:
             self._items.pop(next(iter(self._items)))
 
 
+@dataclass
+class _SparsePlan:
+    """The tables of one step's sparse requests, built once on the CPU and read by every layer's
+    selection chain (on the background stream when there is a GPU)."""
+
+    idx: torch.Tensor  # [n_sparse] rows of the sparse requests in the batch
+    ids: torch.Tensor  # [n_sparse] request ids (rows of the metric accumulators)
+    reqs: list[_Request]
+    slot_pages: torch.Tensor  # [n_sparse, top_k_blocks] GPU page of each budget slot
+    blk_indptr: torch.Tensor  # CSR over blk_indices: the candidates, blocks complete once x_t is appended
+    blk_indices: torch.Tensor  # host block of each candidate, logical order
+    host_indptr: torch.Tensor  # CSR over host_indices: every host block of the request
+    host_indices: torch.Tensor
+    # Recall is judged over the blocks that were candidates when the last step predicted: those
+    # before x_t's own block (the local block, always resident). None: recall not measured.
+    rec_csr: tuple[torch.Tensor, torch.Tensor] | None
+
+    @staticmethod
+    def build(
+        reqs: list[_Request], rows: list[int], block_size: int, dev, measure_recall: bool
+    ) -> _SparsePlan:
+        sp_reqs = [reqs[i] for i in rows]
+        blk = _csr([r.host_blocks[: (r.kv_len + 1) // block_size] for r in sp_reqs], dev)
+        host = _csr([r.host_blocks for r in sp_reqs], dev)
+        rec = (
+            _csr([r.host_blocks[: r.kv_len // block_size] for r in sp_reqs], dev) if measure_recall else None
+        )
+        return _SparsePlan(
+            idx=torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True),
+            ids=torch.tensor([r.id for r in sp_reqs], dtype=torch.long).to(dev, non_blocking=True),
+            reqs=sp_reqs,
+            slot_pages=_i32([r.slot_pages for r in sp_reqs], dev),
+            blk_indptr=blk[0],
+            blk_indices=blk[1],
+            host_indptr=host[0],
+            host_indices=host[1],
+            rec_csr=rec,
+        )
+
+    def keep_for(self, stream) -> None:
+        """These tables are read on ``stream``: keep their memory until it is done with them."""
+        for t in (
+            self.idx,
+            self.ids,
+            self.slot_pages,
+            self.blk_indptr,
+            self.blk_indices,
+            self.host_indptr,
+            self.host_indices,
+            *(self.rec_csr or ()),
+        ):
+            t.record_stream(stream)
+
+
 class KvPools:
     """The per-layer pools and their allocators (one page id addresses the same page in every layer)."""
 
@@ -501,32 +555,9 @@ class Engine:
         max_pages = max(len(x) for x in kv_lists)
 
         sp = [i for i, r in enumerate(reqs) if r.sparse]
-        if sp:
-            sp_idx = torch.tensor(sp, dtype=torch.long).to(dev, non_blocking=True)
-            sp_reqs = [reqs[i] for i in sp]
-            sp_ids = torch.tensor([r.id for r in sp_reqs], dtype=torch.long).to(dev, non_blocking=True)
-            slot_pages = _i32([r.slot_pages for r in sp_reqs], dev)
-            # Candidates: blocks complete once x_t is appended.
-            blk_indptr, blk_indices = _csr([r.host_blocks[: (r.kv_len + 1) // b] for r in sp_reqs], dev)
-            host_indptr, host_indices = _csr([r.host_blocks for r in sp_reqs], dev)
-            # Recall is judged over the blocks that were candidates when last step predicted: the
-            # blocks before x_t's own (the local block, always resident).
-            rec_csr = (
-                _csr([r.host_blocks[: r.kv_len // b] for r in sp_reqs], dev) if kv.measure_recall else None
-            )
-            if self.cuda:
-                # These are read on the background stream: keep their memory until it is done.
-                for t in (
-                    sp_idx,
-                    sp_ids,
-                    slot_pages,
-                    blk_indptr,
-                    blk_indices,
-                    host_indptr,
-                    host_indices,
-                    *(rec_csr or ()),
-                ):
-                    t.record_stream(self._side)
+        plan = _SparsePlan.build(reqs, sp, b, dev, kv.measure_recall) if sp else None
+        if plan is not None and self.cuda:
+            plan.keep_for(self._side)
         step = self.step_no
         scale = d**-0.5
 
@@ -568,23 +599,8 @@ class Engine:
                 max_pages_per_seq=max_pages,
             )
             self._last_q[layer] = q4[:, rows - 1]
-            if sp:
-                args = (
-                    layer,
-                    q4,
-                    sp_idx,
-                    sp_ids,
-                    sp_reqs,
-                    slot_pages,
-                    blk_indptr,
-                    blk_indices,
-                    host_indptr,
-                    host_indices,
-                    step,
-                    cap,
-                    k_budget,
-                    rec_csr,
-                )
+            if plan is not None:
+                args = (layer, q4, plan, step, cap, k_budget)
                 if self.cuda:
                     attn_done = torch.cuda.Event()
                     attn_done.record()
@@ -618,27 +634,21 @@ class Engine:
         return logits
 
     def _select(
-        self,
-        layer,
-        q4,
-        sp_idx,
-        sp_ids,
-        sp_reqs,
-        slot_pages,
-        blk_indptr,
-        blk_indices,
-        host_indptr,
-        host_indices,
-        step,
-        cap,
-        k_budget,
-        rec_csr,
+        self, layer: int, q4: torch.Tensor, plan: _SparsePlan, step: int, cap: int, k_budget: int
     ) -> None:
         """The background chain of one layer: score -> top-K -> delta selection -> gather.
 
         On a GPU this runs on the background stream; it never synchronises with the host.
         """
         p, g = self.pools, self.geo
+        sp_idx, sp_ids, sp_reqs, slot_pages = plan.idx, plan.ids, plan.reqs, plan.slot_pages
+        blk_indptr, blk_indices, host_indptr, host_indices = (
+            plan.blk_indptr,
+            plan.blk_indices,
+            plan.host_indptr,
+            plan.host_indices,
+        )
+        rec_csr = plan.rec_csr
         summaries = p.summaries[layer]
         if rec_csr is not None:
             # Recall of last step's prediction against the exact top-K of this step's true query.
