@@ -117,6 +117,7 @@ def test_save_load_round_trip(head, target, tmp_path):
     head.save(tmp_path / "h")
     cfg = json.loads((tmp_path / "h" / "config.json").read_text())
     assert cfg["draft_vocab_size"] == DRAFT_VOCAB and cfg["num_hidden_layers"] == 1
+    assert cfg["tie_word_embeddings"] is False  # the draft lm_head is never the embedding
     tensors = load_file(str(tmp_path / "h" / "model.safetensors"))
     H = TARGET.hidden_size
     assert tensors["fc.weight"].shape == (H, 3 * H)
@@ -226,3 +227,11 @@ def test_forward_train_trains_the_head_only(target):
     assert all(p is not target.embed_tokens.weight for p in head.parameters())
     with pytest.raises(ShapeError, match="width"):
         head.forward_train(feats[:, :100], toks)
+
+
+def test_saved_config_never_ties_the_draft_lm_head(tmp_path):
+    """A tied target (SmolLM2 is one) must not make the head's config claim tied embeddings."""
+    tied = TARGET.replace(tie_word_embeddings=True)
+    Eagle3Head.random(tied, draft_vocab_size=DRAFT_VOCAB, seed=3).save(tmp_path / "t")
+    cfg = json.loads((tmp_path / "t" / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is False

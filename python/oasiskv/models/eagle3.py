@@ -378,6 +378,9 @@ class Eagle3Head(nn.Module):
             num_hidden_layers=1,
             draft_vocab_size=self.draft_vocab_size,
             target_hidden_size=self.target_hidden_size,
+            # The head's lm_head is over the draft vocabulary: never tied to the token embedding
+            # (the target's config may say otherwise; loaders that honour it would fail).
+            tie_word_embeddings=False,
         )
         return d
 
