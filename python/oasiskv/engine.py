@@ -485,28 +485,15 @@ class Engine:
         for layer in range(self.cfg.num_hidden_layers):
             row = self._last_row[r.id]
             q = self._last_q[layer][row : row + 1].reshape(1, g.num_qo_heads, g.head_dim).contiguous()
-            scores = ops.score_blocks(g, q, p.summaries[layer], blk_indptr, blk_indices)
-            pred = ops.topk_blocks(g.num_kv_heads, scores, blk_indptr, k_budget)
-            ps, pb, _ = ops.delta_select(
-                g.num_kv_heads,
-                pred,
+            pred, _ = self._select_and_fetch(
+                layer,
+                q,
                 slot_pages,
-                p.page_map[layer],
-                p.page_last_selected[layer],
+                (blk_indptr, blk_indices),
+                (host_indptr, host_indices),
                 self.step_no,
                 k_budget,
-            )
-            ops.gather_blocks(
-                g,
-                ps,
-                pb,
-                slot_pages,
-                host_indptr,
-                host_indices,
-                p.host_k[layer],
-                p.host_v[layer],
-                p.k_pages[layer],
-                p.v_pages[layer],
+                k_budget,
             )
             r.pred[layer] = pred[0]
 
@@ -642,12 +629,6 @@ class Engine:
         """
         p, g = self.pools, self.geo
         sp_idx, sp_ids, sp_reqs, slot_pages = plan.idx, plan.ids, plan.reqs, plan.slot_pages
-        blk_indptr, blk_indices, host_indptr, host_indices = (
-            plan.blk_indptr,
-            plan.blk_indices,
-            plan.host_indptr,
-            plan.host_indices,
-        )
         rec_csr = plan.rec_csr
         summaries = p.summaries[layer]
         if rec_csr is not None:
@@ -662,9 +643,27 @@ class Engine:
             self._acc_recall_n.index_add_(0, sp_ids, counted)
             if self.recorder is not None:
                 self.recorder.on_recall(self, layer, sp_reqs, actual, prev, slot_pages)
-        q_look = q4[sp_idx, -1].contiguous()
-        scores = ops.score_blocks(g, q_look, summaries, blk_indptr, blk_indices)
-        pred = ops.topk_blocks(g.num_kv_heads, scores, blk_indptr, k_budget)
+        pred, ps = self._select_and_fetch(
+            layer,
+            q4[sp_idx, -1].contiguous(),
+            slot_pages,
+            (plan.blk_indptr, plan.blk_indices),
+            (plan.host_indptr, plan.host_indices),
+            step,
+            cap,
+            k_budget,
+        )
+        self._acc_fetched.index_add_(0, sp_ids, (ps >= 0).sum(dim=(1, 2)))
+        for j, r in enumerate(sp_reqs):
+            r.pred[layer] = pred[j]
+
+    def _select_and_fetch(self, layer, q, slot_pages, blk_csr, host_csr, step, cap, k_budget):
+        """Score the candidate blocks with ``q`` ([n, num_qo_heads, head_dim]), take the top-K per
+        KV head, plan with delta selection (at most ``cap`` fetches per head) and gather the plan
+        from the host pool. Returns the prediction and the plan's slots."""
+        p, g = self.pools, self.geo
+        scores = ops.score_blocks(g, q, p.summaries[layer], *blk_csr)
+        pred = ops.topk_blocks(g.num_kv_heads, scores, blk_csr[0], k_budget)
         ps, pb, _ = ops.delta_select(
             g.num_kv_heads, pred, slot_pages, p.page_map[layer], p.page_last_selected[layer], step, cap
         )
@@ -673,16 +672,13 @@ class Engine:
             ps,
             pb,
             slot_pages,
-            host_indptr,
-            host_indices,
+            *host_csr,
             p.host_k[layer],
             p.host_v[layer],
             p.k_pages[layer],
             p.v_pages[layer],
         )
-        self._acc_fetched.index_add_(0, sp_ids, (ps >= 0).sum(dim=(1, 2)))
-        for j, r in enumerate(sp_reqs):
-            r.pred[layer] = pred[j]
+        return pred, ps
 
     # ---------------------------------------------------------------- metrics
     def finalize_metrics(self, r: _Request) -> None:
