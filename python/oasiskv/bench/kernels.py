@@ -127,7 +127,7 @@ def bench_attention(
     page_map = torch.zeros(num_pages, hk, dtype=torch.int32, device=dev)
     out = torch.empty_like(q)
 
-    def run():
+    def run(num_splits: int = 0):  # 0: the planner's split count
         ops.decode_attention(
             geo,
             q,
@@ -141,6 +141,7 @@ def bench_attention(
             extra_v=extra_v,
             out=out,
             max_pages_per_seq=pages_per_seq,
+            num_splits=num_splits,
         )
 
     ms, eager = time_both(run)
@@ -151,20 +152,7 @@ def bench_attention(
         for ns in (1, 2, 3, 4, 6, 8):
 
             def run_n(ns=ns):
-                ops.decode_attention(
-                    geo,
-                    q,
-                    k_pages,
-                    v_pages,
-                    indptr,
-                    perm,
-                    last,
-                    page_map=page_map,
-                    extra_k=extra_k,
-                    extra_v=extra_v,
-                    out=out,
-                    num_splits=ns,
-                )
+                run(ns)
 
             try:
                 r["splits_ms"][ns] = time_graph(run_n) or time_cuda(run_n)
