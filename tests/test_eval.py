@@ -170,7 +170,7 @@ def test_fetch_cap_bounds_traffic_and_resident_hit(tiny):
     assert capped["fetched_bytes_per_step"] <= free["fetched_bytes_per_step"]
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "eagle3", "eagle3-prefill"])
+@pytest.mark.parametrize("drafter", ["ngram", "eagle3", "eagle3-noprefill"])
 def test_budget_covering_the_context_is_exact(tiny, head, drafter):
     """K >= every block: the sparse run reads everything, so fidelity is 0/1 and overlap is 1."""
     texts = [repetitive(161, seed=s) for s in range(2)]

@@ -17,13 +17,13 @@ pytestmark = [
 ]
 
 
-def _model(device, dtype=torch.float32):
+def _model(device, dtype=torch.float32, num_layers=3):
     cfg = ModelConfig(
         family="qwen3",
         vocab_size=301,
         hidden_size=256,
         intermediate_size=384,
-        num_hidden_layers=3,
+        num_hidden_layers=num_layers,
         num_attention_heads=8,
         num_key_value_heads=2,
         head_dim=64,
@@ -105,3 +105,38 @@ def test_gpu_generate_bf16_runs_and_reports_metrics():
     assert m.sparse_steps == m.steps and m.resident_kv_bytes < m.full_kv_bytes
     assert 0.0 <= m.lookahead_recall <= 1.0
     assert res[2].metrics.sparse_steps == 0
+
+
+def test_gpu_eagle3_prompt_features_stay_on_the_device_and_match_cpu():
+    """The prefill hands the EAGLE-3 drafter every prompt position's features on the GPU (no
+    trip through the host); the head's prompt cache and first draft agree with the CPU engine."""
+    from oasiskv.drafters import Eagle3Drafter
+    from oasiskv.models.eagle3 import Eagle3Head
+
+    class Spy(Eagle3Drafter):
+        def feed_prompt(self, req_id, prompt, features, start=0):
+            self.seen = (features.device, features.dtype, tuple(features.shape))
+            super().feed_prompt(req_id, prompt, features, start)
+
+    prompt = _prompts(301, [333])[0]
+    kv = KvConfig(block_size=16, top_k_blocks=32, fetch_cap=4, sparse_threshold=64)
+    out = {}
+    for dev in (torch.device("cuda"), torch.device("cpu")):
+        model = _model(dev, num_layers=8)
+        head = Eagle3Head.random(model.config, 64, seed=2, device=dev).attach_target(model)
+        drafter = Spy(head, model)
+        eng = Engine(model, kv, "oasis", drafter)
+        r = _Request(id=0, prompt=prompt, max_new_tokens=2)
+        eng.ensure_pools([r])
+        drafter.begin(0, prompt)
+        r.tokens = list(prompt)
+        logits = eng.prefill(r)
+        r.tokens.append(int(logits.argmax()))
+        draft = drafter.propose(0, r.tokens, r.features)
+        assert drafter.seen == (model.device, model.dtype, (len(prompt), 3 * model.config.hidden_size))
+        assert r.features.device == model.device
+        state = drafter._states[0]
+        out[dev.type] = (r.tokens[-1], draft, state.k[: state.length].float().cpu())
+    assert out["cuda"][0] == out["cpu"][0]
+    torch.testing.assert_close(out["cuda"][2], out["cpu"][2], atol=2e-4, rtol=1e-3)
+    assert out["cuda"][1] == out["cpu"][1]

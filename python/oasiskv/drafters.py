@@ -7,7 +7,8 @@ so far (ending with x_t), which token is at p+1?
 
 * :class:`NgramDrafter` — prompt lookup: the token that followed the latest earlier occurrence of
   the longest matching suffix n-gram.
-* :class:`Eagle3Drafter` — an EAGLE-3 head over the target's captured hidden states.
+* :class:`Eagle3Drafter` — an EAGLE-3 head over the target's captured hidden states; by default
+  its head first runs over the prompt's features, which the engine captures during the prefill.
 * :class:`OracleDrafter` — the true next token (known from a reference run); measurement only.
 * :class:`PreviousQueryDrafter` — no lookahead row at all: the current query predicts the next
   step (the FreeKV-like baseline the paper compares against).
@@ -23,11 +24,18 @@ from .errors import ConfigError
 
 
 class Drafter:
-    """Interface of a lookahead source. Subclasses override :meth:`propose`."""
+    """Interface of a lookahead source. Subclasses override :meth:`propose`.
+
+    Lifecycle of a request: :meth:`begin`, then (only when :attr:`wants_prompt_features`) one
+    :meth:`feed_prompt` per prefill chunk, then one :meth:`propose` per decode step, then :meth:`end`.
+    """
 
     name = "drafter"
     #: False when the drafter adds no lookahead row (the current query predicts the next step).
     uses_lookahead_row = True
+    #: True when the engine should hand the drafter the captured hidden states of EVERY prompt
+    #: position at prefill (:meth:`feed_prompt`); needs non-empty :meth:`capture_layers`.
+    wants_prompt_features = False
 
     def capture_layers(self, num_layers: int) -> tuple[int, ...]:
         """Target layers whose entering residual stream the drafter needs (none by default)."""
@@ -35,6 +43,16 @@ class Drafter:
 
     def begin(self, req_id: int, prompt: Sequence[int]) -> None:
         """A request starts."""
+
+    def feed_prompt(self, req_id: int, prompt: Sequence[int], features: torch.Tensor, start: int = 0) -> None:
+        """The engine prefilled ``prompt[start : start + n]``; ``features`` ``[n, width]`` are those
+        positions' captured hidden states (:meth:`capture_layers` concatenated in order, the model's
+        dtype and device), taken from the prefill forward itself.
+
+        Called after :meth:`begin` and before the first :meth:`propose`, once per prefill chunk in
+        position order (the chunks cover the whole prompt; today's engine prefills in one chunk,
+        ``start = 0``, ``n = len(prompt)``). Only called when :attr:`wants_prompt_features`.
+        """
 
     def end(self, req_id: int) -> None:
         """A request finished; drop its state."""
@@ -111,11 +129,22 @@ class PreviousQueryDrafter(Drafter):
 
 
 class Eagle3Drafter(Drafter):
-    """An EAGLE-3 head (see :mod:`oasiskv.models.eagle3`) drafting one token per step."""
+    """An EAGLE-3 head (see :mod:`oasiskv.models.eagle3`) drafting one token per step.
+
+    With ``prefill=True`` (the default) the head's KV cache is filled over the prompt before the
+    first draft, as EAGLE deployments do: the engine hands over the target features of every
+    prompt position captured during its prefill forward (no second target pass), and
+    :meth:`feed_prompt` runs the head over them with the training-time pairing -- row ``p`` pairs
+    the feature of position ``p - 1`` with the token at ``p`` (RoPE position ``p``), for
+    ``p = 1 .. P - 1``. The first :meth:`propose` (feature of ``P - 1``, first generated token at
+    ``P``) then attends over the whole prompt, exactly like row ``P - 1`` of
+    :func:`oasiskv.train.eagle3.ttt_forward`'s first pass. ``prefill=False`` keeps the head's
+    cache empty until decoding starts (it sees only positions drafted since then).
+    """
 
     name = "eagle3"
 
-    def __init__(self, head, target) -> None:
+    def __init__(self, head, target, *, prefill: bool = True) -> None:
         from .models.eagle3 import Eagle3State  # local: keeps `import oasiskv` light
 
         self.head = head
@@ -124,6 +153,8 @@ class Eagle3Drafter(Drafter):
             head.attach_target(target)  # the public format shares the target's token embedding
         self._state_cls = Eagle3State
         self._states: dict[int, object] = {}
+        self.wants_prompt_features = bool(prefill)
+        self.name = "eagle3" if prefill else "eagle3-noprefill"
 
     def capture_layers(self, num_layers: int) -> tuple[int, ...]:
         return tuple(self.head.capture_layers(num_layers))
@@ -133,6 +164,30 @@ class Eagle3Drafter(Drafter):
 
     def end(self, req_id) -> None:
         self._states.pop(req_id, None)
+
+    @torch.no_grad()
+    def feed_prompt(self, req_id, prompt, features, start=0) -> None:
+        """Extend the head's cache by the rows ``p = start + 1 .. start + n`` (those below ``P``):
+        feature of ``p - 1``, token ``prompt[p]``, RoPE position ``p``. No draft logits are computed."""
+        state = self._states.setdefault(req_id, self._state_cls())
+        n, total = features.shape[0], len(prompt)
+        if not 0 <= start < total or start + n > total:
+            raise ValueError(
+                f"feed_prompt got features of positions {start}..{start + n - 1} for a {total}-token "
+                "prompt; pass the features of prompt positions only"
+            )
+        if state.length != start:
+            raise ValueError(
+                f"feed_prompt for request {req_id} starts at position {start} but the head has "
+                f"{state.length} prompt rows; feed the chunks in position order, once, after begin()"
+            )
+        m = min(n, total - 1 - start)  # the last prompt position is paired by the first propose
+        if m <= 0:
+            return
+        dev = features.device
+        ids = torch.tensor(prompt[start + 1 : start + 1 + m], dtype=torch.long).to(dev, non_blocking=True)
+        pos = torch.arange(start + 1, start + 1 + m, device=dev)
+        self.head.extend(state, features[:m], ids, pos)
 
     @torch.no_grad()
     def propose(self, req_id, tokens, features=None) -> int:

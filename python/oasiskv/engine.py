@@ -14,6 +14,11 @@ and runs batches of requests. Every step it
 3. samples, drafts the next lookahead token, and turns requests sparse once their context passes
    the threshold.
 
+Prefill is dense, one forward over the whole prompt. It captures the drafter's
+``capture_layers`` for the first draft, and for a drafter that ``wants_prompt_features`` (an
+EAGLE-3 head filling its cache over the prompt) those of every prompt position, handed over by
+``Drafter.feed_prompt`` right after that same forward.
+
 On the CPU the "background" stages run inline after each layer's attention; the GPU backend
 moves them onto their own streams without changing this structure.
 """
@@ -102,6 +107,8 @@ class _Prefilled:
     v: list[torch.Tensor]
     last_q: list[torch.Tensor]  # per layer [1, num_qo_heads, head_dim]
     logits: torch.Tensor
+    # [n, width] the captured features of EVERY prompt position (the engine's capture layers
+    # concatenated), None when the engine captures nothing.
     features: torch.Tensor | None
 
 
@@ -109,7 +116,13 @@ class PrefillCache:
     """Prompt -> its prefill results, so several engines (say a dense and an oasis one over the same
     model) prefill a shared prompt once. Holds at most ``capacity`` prompts, least recently used out.
 
-    NOTE: an entry holds the prompt's whole KV in host memory; keep ``capacity`` small.
+    Entries are keyed by (model, KV dtype, capture layers, prompt). An engine that captures
+    features stores those of every prompt position, whether or not its own drafter wants them, so
+    a hit serves a drafter with ``wants_prompt_features`` exactly as a fresh prefill would (no
+    recompute, and no dependence on which engine filled the entry first).
+
+    NOTE: an entry holds the prompt's whole KV (and its features: ``3 * hidden`` values per token
+    for EAGLE-3) on the model's device; keep ``capacity`` small.
     """
 
     def __init__(self, capacity: int = 1) -> None:
@@ -295,6 +308,8 @@ class Engine:
         self.device = next(model.parameters()).device
         self.rows = 2 if (drafter is not None and drafter.uses_lookahead_row) else 1
         self.capture = tuple(drafter.capture_layers(c.num_hidden_layers)) if drafter is not None else ()
+        # Hand the features of every prompt position to the drafter at prefill (Drafter.feed_prompt).
+        self.prompt_features = bool(self.capture) and bool(getattr(drafter, "wants_prompt_features", False))
         self.pools: KvPools | None = None
         self.prefill_cache = prefill_cache
         self.step_no = 0
@@ -383,8 +398,11 @@ class Engine:
     def prefill(self, r: _Request) -> torch.Tensor:
         """Run the prompt densely, store its KV in fresh pages, return the last row's logits.
 
-        With a :class:`PrefillCache` the same prompt on the same model is computed once: the cached
-        K/V, last queries, logits and draft features are written back instead.
+        Sets ``r.features`` to the last prompt position's captured features (the first draft's
+        input) and, when the drafter ``wants_prompt_features``, calls its ``feed_prompt`` with the
+        features of every prompt position, captured by this same forward (call the drafter's
+        ``begin`` first). With a :class:`PrefillCache` the same prompt on the same model is computed
+        once: the cached K/V, last queries, logits and features are written back instead.
         """
         from .models.transformer import causal_attention
 
@@ -415,7 +433,7 @@ class Engine:
             for layer in range(layers):
                 store(layer, hit.k[layer], hit.v[layer])
                 self._last_q[layer] = hit.last_q[layer]
-            r.features = hit.features
+            self._take_features(r, hit.features)
             return hit.logits
 
         ks: list[torch.Tensor] = []
@@ -435,11 +453,27 @@ class Engine:
         logits, captured = self.model.forward(
             ids, pos, attn, logits_rows=torch.tensor([n - 1], device=self.device), capture_layers=self.capture
         )
+        feats = None
         if self.capture:
-            r.features = torch.cat([captured[i][-1] for i in self.capture])
+            # Every position when someone keeps or consumes them, else the last one only. One
+            # concatenation on the device after the forward: no copy or host sync per layer.
+            rows = slice(None) if (self.prompt_features or cache is not None) else slice(-1, None)
+            feats = torch.cat([captured[i][rows] for i in self.capture], dim=-1)  # [n or 1, width]
         if cache is not None:
-            cache.put(key, _Prefilled(ks, vs, list(self._last_q), logits[0], r.features))
+            cache.put(key, _Prefilled(ks, vs, list(self._last_q), logits[0], feats))
+        self._take_features(r, feats)
         return logits[0]
+
+    def _take_features(self, r: _Request, feats: torch.Tensor | None) -> None:
+        """``r.features`` := the last prompt position's features; a drafter that wants them gets
+        every position's (``feats`` [n, width], or None when nothing is captured)."""
+        if feats is None:
+            r.features = None
+            return
+        # A copy, not a view: the [n, width] block is not kept alive until the first decode step.
+        r.features = feats[-1].clone()
+        if self.prompt_features:
+            self.drafter.feed_prompt(r.id, r.prompt, feats, 0)
 
     # ---------------------------------------------------------------- dense -> sparse
     @torch.no_grad()

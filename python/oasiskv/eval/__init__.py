@@ -11,13 +11,12 @@
 from __future__ import annotations
 
 from .policies import QuestModel
-from .teacher import DRAFTERS, LookaheadRecorder, Policy, PrefilledEagle3Drafter, TeacherForcing, summarize
+from .teacher import DRAFTERS, LookaheadRecorder, Policy, TeacherForcing, summarize
 
 __all__ = [
     "DRAFTERS",
     "LookaheadRecorder",
     "Policy",
-    "PrefilledEagle3Drafter",
     "QuestModel",
     "TeacherForcing",
     "summarize",

@@ -11,7 +11,8 @@ import math
 import sys
 from pathlib import Path
 
-DRAFTER_ORDER = ("eagle3", "eagle3-prefill", "ngram", "oracle", "previous-query")
+# eagle3-prefill: results written before the library drafter prefilled its head (same as eagle3 now).
+DRAFTER_ORDER = ("eagle3", "eagle3-noprefill", "eagle3-prefill", "ngram", "oracle", "previous-query")
 
 
 def _f(x, nd: int = 3) -> str:
@@ -334,7 +335,14 @@ def plots(data: dict, out: Path) -> list[Path]:
     for ctx, rs in sorted(_by([r for r in teacher if r.get("policy") != "dense"], "context").items()):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         budgets = sorted(_by(rs, "budget"), key=_budget_key)
-        markers = {"eagle3": "o", "eagle3-prefill": "D", "ngram": "s", "oracle": "*", "previous-query": "v"}
+        markers = {
+            "eagle3": "o",
+            "eagle3-noprefill": "D",
+            "eagle3-prefill": "P",
+            "ngram": "s",
+            "oracle": "*",
+            "previous-query": "v",
+        }
         for bi, bud in enumerate(budgets):
             for r in _by(rs, "budget")[bud]:
                 if r["policy"] == "quest":
@@ -356,7 +364,9 @@ def plots(data: dict, out: Path) -> list[Path]:
             for i, b in enumerate(budgets)
         ]
         handles += [
-            Line2D([], [], color="k", marker=m, ls="", mfc="none", label=d) for d, m in markers.items()
+            Line2D([], [], color="k", marker=m, ls="", mfc="none", label=d)
+            for d, m in markers.items()
+            if any(r.get("drafter") == d for r in rs)
         ]
         handles += [Line2D([], [], color="k", ls=":", label="Quest-like (same budget)")]
         ax.legend(handles=handles, fontsize=7)

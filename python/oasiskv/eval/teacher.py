@@ -6,7 +6,11 @@ remaining ``S`` positions feeding the TRUE token as x_t every step. Step j feeds
 its row-0 logits predict ``text[P + j + 1]``; the last step sees a context of ``C`` tokens. The
 lookahead token of each step comes from the policy's drafter:
 
-* ``eagle3``  — :class:`~oasiskv.drafters.Eagle3Drafter` over the target's captured hidden states;
+* ``eagle3``  — :class:`~oasiskv.drafters.Eagle3Drafter` over the target's captured hidden states,
+  as the library runs it: the head's cache is first filled over the prompt's features, which the
+  engine captures during its prefill;
+* ``eagle3-noprefill`` — the same head with ``prefill=False``: its cache starts empty at the first
+  decode step (what the library did before; shows what the prompt context is worth);
 * ``ngram``   — :class:`~oasiskv.drafters.NgramDrafter` (prompt lookup over the text so far);
 * ``oracle``  — :class:`~oasiskv.drafters.OracleDrafter`: the true next token (known here);
 * ``previous-query`` — no lookahead row: x_t's own query selects the next step (FreeKV-like).
@@ -30,44 +34,13 @@ from ..drafters import Eagle3Drafter, NgramDrafter, OracleDrafter, PreviousQuery
 from ..engine import Engine, PrefillCache, _recall, _Request
 from .policies import QuestModel
 
-DRAFTERS = ("eagle3", "eagle3-prefill", "ngram", "oracle", "previous-query")
+#: ``eagle3-prefill`` is a deprecated alias of ``eagle3`` (the library drafter now prefills its head
+#: from the engine's prefill); kept until the harness's ``full`` preset stops naming it.
+DRAFTERS = ("eagle3", "eagle3-noprefill", "ngram", "oracle", "previous-query", "eagle3-prefill")
 
-
-class PrefilledEagle3Drafter(Eagle3Drafter):
-    """:class:`~oasiskv.drafters.Eagle3Drafter` whose head KV cache is first filled over the prompt.
-
-    The library drafter starts each request with an empty head cache: its single layer attends
-    only to the positions drafted since decoding began. EAGLE deployments instead run the head over
-    the prompt's target features at admission. This variant does that (one extra dense target
-    forward over the prompt to get the features of every prompt position), so the evaluation can
-    show what the missing prompt context costs.
-    """
-
-    name = "eagle3-prefill"
-
-    @torch.no_grad()
-    def begin(self, req_id, prompt) -> None:
-        from ..models.transformer import dense_causal_attn
-
-        super().begin(req_id, prompt)
-        n = len(prompt)
-        if n < 2:
-            return
-        target = self.target
-        dev = next(target.parameters()).device
-        ids = torch.tensor(list(prompt), dtype=torch.long, device=dev)
-        pos = torch.arange(n, device=dev)
-        layers = self.capture_layers(target.config.num_hidden_layers)
-        _, cap = target.forward(
-            ids,
-            pos,
-            dense_causal_attn(),
-            logits_rows=torch.tensor([n - 1], device=dev),
-            capture_layers=layers,
-        )
-        feats = torch.cat([cap[i] for i in layers], dim=-1)
-        # Row p pairs the feature of p - 1 with the token at p (positions 1 .. n-1).
-        self.head.step(self._states[req_id], feats[:-1], ids[1:], pos[1:])
+#: Deprecated alias (the harness's retrieval section still imports it): ``Eagle3Drafter`` itself
+#: now runs its head over the prompt, from the features of the engine's own prefill.
+PrefilledEagle3Drafter = Eagle3Drafter
 
 
 @dataclass(frozen=True)
@@ -228,9 +201,9 @@ class TeacherForcing:
             return PreviousQueryDrafter()
         if self.head is None:
             raise ValueError(f"the {name} drafter needs an EAGLE-3 head (pass --eagle3 PATH)")
-        if name == "eagle3-prefill":
-            return PrefilledEagle3Drafter(self.head, self.model)
-        return Eagle3Drafter(self.head, self.model)
+        if name == "eagle3-noprefill":
+            return Eagle3Drafter(self.head, self.model, prefill=False)
+        return Eagle3Drafter(self.head, self.model)  # eagle3 (and its deprecated alias eagle3-prefill)
 
     def _engine(self, policy: Policy, drafter) -> Engine:
         b = self.block_size

@@ -35,6 +35,9 @@ Row t of a draft call pairs the target feature of position ``p - 1`` with the to
 (RoPE position ``p``) and predicts the token at ``p + 1``: EAGLE's "feature of the previous position +
 embedding of the current token". :meth:`Eagle3Head.step` may also be given the draft's own output
 hidden state ``[n, H]`` instead of a target feature (multi-step drafting); ``fc`` is then skipped.
+Training (:mod:`oasiskv.train.eagle3`) feeds a sequence of T tokens as the rows ``p = 1 .. T - 1``
+(there is no row for position 0); :class:`oasiskv.drafters.Eagle3Drafter` feeds a prompt of P tokens
+the same way (rows ``1 .. P - 1`` at admission, :meth:`Eagle3Head.extend`) before its first draft.
 """
 
 from __future__ import annotations
@@ -300,6 +303,15 @@ class Eagle3Head(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
     @torch.no_grad()
+    def extend(self, state: Eagle3State, features: Tensor, token_ids: Tensor, positions: Tensor) -> Tensor:
+        """Run the decoder layer over n consecutive positions of ONE request, extending its state's
+        KV cache, without the draft logits (e.g. over the prompt at admission).
+
+        Same inputs as :meth:`step`; returns the draft hidden states [n, H].
+        """
+        return self._layer(features, token_ids, positions, state)
+
+    @torch.no_grad()
     def step(
         self, state: Eagle3State, features: Tensor, token_ids: Tensor, positions: Tensor
     ) -> tuple[Tensor, Tensor]:
@@ -310,7 +322,7 @@ class Eagle3Head(nn.Module):
         everything already in ``state`` and to rows <= t. Returns (draft token ids [n] in the TARGET
         vocabulary -- the greedy guess for position p+1 --, draft hidden [n, H]).
         """
-        h = self._layer(features, token_ids, positions, state)
+        h = self.extend(state, features, token_ids, positions)
         draft = self.draft_logits(h).argmax(dim=-1)
         return self.to_target_ids(draft), h
 
