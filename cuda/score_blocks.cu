@@ -3,15 +3,36 @@
 // CPU twins: oasis_core::kernels::score_blocks and oasis_core::kernels::topk_blocks.
 #include "oasis_common.cuh"
 
-// Threads per block of score_blocks_* (8 warps). Arbitrary (a multiple of 32). The entry points
-// ask for 2 blocks per SM (<= 128 registers).
+// Launch shape of score_blocks_*, chosen by scripts/exp_score.py on the H200 (docs/PERF.md): 8
+// warps per thread block, 4 blocks per SM (<= 64 registers), 8 summaries in flight per warp, and
+// the warps of a block on consecutive tiles of ONE KV head. That is 0.84 x copy bandwidth where
+// (2 blocks, 16 in flight, heads across the warps of a block) reached 0.66: more resident warps
+// hide the per-warp prologue and the shuffle reductions behind other warps' loads. The #ifndef
+// guards let that script compile variants; oasis-cuda builds the defaults, and
+// oasis_cuda::ops::SCORE_THREADS / the grid in Gpu::score_blocks must match them.
+#ifndef OASIS_SCORE_THREADS
 #define OASIS_SCORE_THREADS 256
+#endif
+#ifndef OASIS_SCORE_MIN_BLOCKS
+#define OASIS_SCORE_MIN_BLOCKS 4
+#endif
+// Most summaries one unit of lanes loads before using any (a power of two <= 16).
+#ifndef OASIS_SCORE_UMAX
+#define OASIS_SCORE_UMAX 8
+#endif
+// 1: thread block c scores OASIS_SCORE_THREADS / 32 consecutive tiles of head c % H (grid:
+// ceil(tiles / warps per block) * H). 0: warp w scores tile w / H for head w % H.
+#ifndef OASIS_SCORE_HEAD_MAJOR
+#define OASIS_SCORE_HEAD_MAJOR 1
+#endif
 // Consecutive entries j of blk_indices one warp of score_blocks_* scores, for one KV head: the
 // grid has ceil(nnz / OASIS_SCORE_TILE) * num_kv_heads warps. One index per lane: must be 32.
 #define OASIS_SCORE_TILE 32
 // Threads per block of topk_blocks_f32, and the largest k it supports (the selected entries are
 // sorted in shared memory: k rounded up to a power of two must fit the sort buffer).
+#ifndef OASIS_TOPK_THREADS
 #define OASIS_TOPK_THREADS 512
+#endif
 #define OASIS_MAX_TOPK 512
 // Keys of one (sequence, head) kept in shared memory across the radix passes (the scores are
 // strided by num_kv_heads in global memory: read once, not once per pass). Longer sequences read
@@ -84,7 +105,8 @@ __device__ void score_blocks_vec(
     constexpr int NSUB = 32 / LPU;                   // units per warp
     constexpr int NV = SPLIT ? 1 : V / 32;           // words of each row per lane
     constexpr int LOADS = SPLIT ? 1 : 2 * NV;        // 16-byte loads per lane per summary
-    constexpr int U = LOADS >= 16 ? 1 : 16 / LOADS;  // summaries in flight per unit
+    constexpr int U0 = LOADS >= 16 ? 1 : 16 / LOADS;
+    constexpr int U = U0 < OASIS_SCORE_UMAX ? U0 : OASIS_SCORE_UMAX;  // summaries in flight per unit
     constexpr int SUBT = OASIS_SCORE_TILE / NSUB;    // entries per unit
 
     const int lane = threadIdx.x & 31;
@@ -183,12 +205,13 @@ __device__ void score_blocks_vec(
             }
             part[u] = acc;
         }
-        if constexpr (LPU == 32 && U == 16) {
+        if constexpr (LPU == 32 && U >= 2) {
             // Reduce-scatter over the warp: each xor step halves the summaries a lane carries, so
-            // 16 summaries cost 16 shuffles instead of 5 each. Lanes l and l ^ 1 end with the
-            // score of summary (l >> 1) & 15.
+            // U summaries cost about U shuffles instead of 5 each. After log2(U) steps lane l
+            // carries summary (l >> (5 - log2 U)) & (U - 1); the lanes sharing it then sum.
+            constexpr int LOGU = U >= 16 ? 4 : U >= 8 ? 3 : U >= 4 ? 2 : 1;
 #pragma unroll
-            for (int o = 16, n = 8; o >= 2; o >>= 1, n >>= 1) {
+            for (int o = 16, n = U / 2; n >= 1; o >>= 1, n >>= 1) {
                 const bool upper = (lane & o) != 0;
 #pragma unroll
                 for (int i = 0; i < n; ++i) {
@@ -197,10 +220,12 @@ __device__ void score_blocks_vec(
                     part[i] = keep + __shfl_xor_sync(0xffffffffu, send, o);
                 }
             }
-            const float acc = part[0] + __shfl_xor_sync(0xffffffffu, part[0], 1);
-            const int u = (lane >> 1) & 15;
+            float acc = part[0];
+#pragma unroll
+            for (int o = 1; o < (32 >> LOGU); o <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
+            const int u = (lane >> (5 - LOGU)) & (U - 1);
             const int b = __shfl_sync(0xffffffffu, tile_idx, (j - t0 + u) & 31);
-            if ((lane & 1) == 0 && u < cnt) {
+            if ((lane & ((32 >> LOGU) - 1)) == 0 && u < cnt) {
                 const bool ok = b >= 0 && b < num_host_blocks;
                 scores[(i64)(j + u) * num_kv_heads + h] = ok ? acc : neg_inf();
             }
@@ -261,7 +286,7 @@ __device__ void score_blocks_scalar(
     }
 }
 
-// grid: ceil(ceil(nnz / OASIS_SCORE_TILE) * num_kv_heads * 32 / OASIS_SCORE_THREADS) blocks.
+// grid: see OASIS_SCORE_HEAD_MAJOR (tiles = ceil(nnz / OASIS_SCORE_TILE)).
 // Entry (j, h) = sum over query heads g of KV head h, over d, of
 //   max(q[s,g,d] * min[b,h,d], q[s,g,d] * max[b,h,d])
 // with b = blk_indices[j] and s the sequence whose CSR range holds j. An out-of-range block id
@@ -274,12 +299,18 @@ __device__ void score_blocks_impl(
     const int* __restrict__ blk_indices, // [nnz] host block of each logical block, logical order
     float* __restrict__ scores,          // [nnz, num_kv_heads]
     int num_seqs, int nnz, int num_qo_heads, int num_kv_heads, int head_dim, int num_host_blocks) {
-    const i64 w = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     const i64 num_tiles = ((i64)nnz + OASIS_SCORE_TILE - 1) / OASIS_SCORE_TILE;
+#if OASIS_SCORE_HEAD_MAJOR
+    const int h = (int)(blockIdx.x % (unsigned)num_kv_heads);
+    const i64 tile_l = (i64)(blockIdx.x / (unsigned)num_kv_heads) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (tile_l >= num_tiles) return;  // warp-uniform
+    const int tile = (int)tile_l;
+#else
+    const i64 w = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     if (w >= num_tiles * num_kv_heads) return;  // warp-uniform
     const int tile = (int)(w / num_kv_heads);
     const int h = (int)(w - (i64)tile * num_kv_heads);
-    const int group = num_qo_heads / num_kv_heads;
+#endif
     const int bytes = head_dim * (int)sizeof(T);
     const int v = bytes % 16 == 0 ? bytes / 16 : 0;
     const bool aligned = ((u64)summaries & 15) == 0;
@@ -430,7 +461,7 @@ __device__ void topk_blocks_impl(
 }  // namespace oasis
 
 #define OASIS_SCORE_BLOCKS(NAME, T)                                                                   \
-    extern "C" __global__ void __launch_bounds__(OASIS_SCORE_THREADS, 2)                                 \
+    extern "C" __global__ void __launch_bounds__(OASIS_SCORE_THREADS, OASIS_SCORE_MIN_BLOCKS)                                 \
         NAME(const T* q, const T* summaries, const int* blk_indptr, const int* blk_indices, float* scores, \
              int num_seqs, int nnz, int num_qo_heads, int num_kv_heads, int head_dim, int num_host_blocks) { \
         oasis::score_blocks_impl<T>(q, summaries, blk_indptr, blk_indices, scores, num_seqs, nnz,    \

@@ -679,9 +679,9 @@ impl Gpu {
                 .i32(int("num_kv_heads", h)?)
                 .i32(int("head_dim", d)?)
                 .i32(int("num_host_blocks", num_host)?);
-            // One warp per (tile of SCORE_TILE entries, KV head).
-            let warps = nnz.div_ceil(SCORE_TILE) * h;
-            let blocks = warps.div_ceil((SCORE_THREADS / 32) as usize);
+            // One warp per (tile of SCORE_TILE entries, KV head); a thread block holds
+            // consecutive tiles of one head (OASIS_SCORE_HEAD_MAJOR).
+            let blocks = nnz.div_ceil(SCORE_TILE).div_ceil((SCORE_THREADS / 32) as usize) * h;
             let grid = (grid_dim("score blocks", blocks, GRID_X_MAX)?, 1, 1);
             // SAFETY: `args` follows score_blocks_* in cuda/score_blocks.cu (5 pointers, 6 i32).
             // Lengths checked above; the kernel bounds-checks block ids and needs blk_indptr to

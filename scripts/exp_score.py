@@ -1,0 +1,164 @@
+"""Compile variants of cuda/score_blocks.cu (its #ifndef knobs) with CuPy's NVRTC and time them.
+
+    python3 scripts/exp_score.py [--batch 64] [--ctx 32768] [--k 128]
+
+An experiment tool for the GPU machine (CuPy and torch there, no cargo): it checks each variant's
+scores and top-K against the default build and prints each against the device-to-device copy
+bandwidth measured in the same run (the ratio `python -m oasiskv.bench.kernels` reports).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import cupy as cp
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1] / "cuda"
+
+
+def source() -> str:
+    common = (ROOT / "oasis_common.cuh").read_text()
+    return (ROOT / "score_blocks.cu").read_text().replace('#include "oasis_common.cuh"', common)
+
+
+def module(defs: dict) -> cp.RawModule:
+    opts = ("-std=c++17", "--gpu-architecture=sm_90", "-default-device") + tuple(
+        f"-D{k}={v}" for k, v in defs.items()
+    )
+    return cp.RawModule(code=source(), options=opts)
+
+
+def timed(fn, calls=20, repeat=15) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(repeat):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(calls):
+            fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / calls)
+    return statistics.median(ts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--ctx", type=int, default=32768)
+    ap.add_argument("--k", type=int, default=128)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    dev = "cuda"
+    hq, hk, d, bs = 32, 8, 128, 16
+    nb = args.ctx // bs
+    n_host = args.batch * nb
+    torch.manual_seed(0)
+    summ = torch.randn(n_host, hk, 2, d, device=dev, dtype=torch.bfloat16)
+    q = torch.randn(args.batch, hq, d, device=dev, dtype=torch.bfloat16)
+    indptr = torch.arange(0, n_host + 1, nb, device=dev, dtype=torch.int32)
+    indices = torch.randperm(n_host, device=dev).to(torch.int32)
+    scores = torch.empty(n_host, hk, device=dev, dtype=torch.float32)
+    top = torch.empty(args.batch, hk, args.k, device=dev, dtype=torch.int32)
+    c_summ, c_q = cp.asarray(summ.view(torch.int16)), cp.asarray(q.view(torch.int16))
+    c_ip, c_ix, c_sc, c_top = (cp.asarray(t) for t in (indptr, indices, scores, top))
+    i32 = np.int32
+
+    big = torch.empty(256 << 20, device=dev, dtype=torch.float32)
+    big2 = torch.empty_like(big)
+    copy_ms = timed(lambda: big2.copy_(big), calls=5, repeat=10)
+    copy_bps = 2 * big.numel() * 4 / (copy_ms * 1e-3)
+    sb = n_host * hk * 2 * d * 2
+    print(f"copy {copy_bps / 1e12:.2f} TB/s; summaries {sb / 2**20:.0f} MiB", flush=True)
+
+    ref_scores = ref_top = None
+    rows = []
+    variants = [
+        dict(OASIS_SCORE_THREADS=256, OASIS_SCORE_MIN_BLOCKS=2, OASIS_SCORE_UMAX=16),
+        dict(OASIS_SCORE_THREADS=256, OASIS_SCORE_MIN_BLOCKS=2, OASIS_SCORE_UMAX=16, OASIS_SCORE_HEAD_MAJOR=1),
+        dict(OASIS_SCORE_THREADS=256, OASIS_SCORE_MIN_BLOCKS=3, OASIS_SCORE_UMAX=8),
+        dict(OASIS_SCORE_THREADS=256, OASIS_SCORE_MIN_BLOCKS=4, OASIS_SCORE_UMAX=8),
+        dict(OASIS_SCORE_THREADS=256, OASIS_SCORE_MIN_BLOCKS=4, OASIS_SCORE_UMAX=8, OASIS_SCORE_HEAD_MAJOR=1),
+        dict(OASIS_SCORE_THREADS=256, OASIS_SCORE_MIN_BLOCKS=4, OASIS_SCORE_UMAX=16),
+        dict(OASIS_SCORE_THREADS=256, OASIS_SCORE_MIN_BLOCKS=6, OASIS_SCORE_UMAX=4),
+        dict(OASIS_SCORE_THREADS=256, OASIS_SCORE_MIN_BLOCKS=8, OASIS_SCORE_UMAX=4),
+        dict(OASIS_SCORE_THREADS=256, OASIS_SCORE_MIN_BLOCKS=8, OASIS_SCORE_UMAX=2),
+        dict(OASIS_SCORE_THREADS=128, OASIS_SCORE_MIN_BLOCKS=8, OASIS_SCORE_UMAX=8),
+        dict(OASIS_SCORE_THREADS=512, OASIS_SCORE_MIN_BLOCKS=2, OASIS_SCORE_UMAX=8),
+        dict(OASIS_SCORE_THREADS=512, OASIS_SCORE_MIN_BLOCKS=4, OASIS_SCORE_UMAX=4),
+    ]
+    for v in variants:
+        m = module(v)
+        fn = m.get_function("score_blocks_bf16")
+        threads = v["OASIS_SCORE_THREADS"]
+        wpb = threads // 32
+        tiles = -(-n_host // 32)
+        blocks = -(-tiles // wpb) * hk if v.get("OASIS_SCORE_HEAD_MAJOR") else -(-(tiles * hk) // wpb)
+        sargs = (c_q, c_summ, c_ip, c_ix, c_sc, i32(args.batch), i32(n_host), i32(hq), i32(hk), i32(d), i32(n_host))
+
+        def launch(fn=fn, blocks=blocks, threads=threads, sargs=sargs):
+            fn((blocks,), (threads,), sargs)
+
+        scores.fill_(float("nan"))
+        launch()
+        torch.cuda.synchronize()
+        if ref_scores is None:
+            ref_scores = scores.clone()
+        err = (scores - ref_scores).abs().max().item()
+        ms = timed(launch)
+        row = {"variant": v, "ms": ms, "ratio": sb / (ms * 1e-3) / copy_bps, "max_err_vs_first": err,
+               "regs": fn.num_regs}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    best = min(rows, key=lambda r: r["ms"])
+    mb = module(best["variant"])
+    sfn = mb.get_function("score_blocks_bf16")
+    threads = best["variant"]["OASIS_SCORE_THREADS"]
+    wpb = threads // 32
+    tiles = -(-n_host // 32)
+    blocks = -(-tiles // wpb) * hk if best["variant"].get("OASIS_SCORE_HEAD_MAJOR") else -(-(tiles * hk) // wpb)
+    sargs = (c_q, c_summ, c_ip, c_ix, c_sc, i32(args.batch), i32(n_host), i32(hq), i32(hk), i32(d), i32(n_host))
+    for tv in [
+        dict(OASIS_TOPK_THREADS=512, OASIS_TOPK_AGG=0),
+        dict(OASIS_TOPK_THREADS=512, OASIS_TOPK_AGG=1),
+        dict(OASIS_TOPK_THREADS=256, OASIS_TOPK_AGG=1),
+        dict(OASIS_TOPK_THREADS=1024, OASIS_TOPK_AGG=1),
+        dict(OASIS_TOPK_THREADS=256, OASIS_TOPK_AGG=0),
+    ]:
+        tfn = module(tv).get_function("topk_blocks_f32")
+        targs = (c_sc, c_ip, c_top, i32(hk), i32(args.k))
+        tt = tv["OASIS_TOPK_THREADS"]
+
+        def topk(tfn=tfn, tt=tt, targs=targs):
+            tfn((args.batch, hk), (tt,), targs)
+
+        def both(tfn=tfn, tt=tt, targs=targs):
+            sfn((blocks,), (threads,), sargs)
+            tfn((args.batch, hk), (tt,), targs)
+
+        top.fill_(-7)
+        both()
+        torch.cuda.synchronize()
+        if ref_top is None:
+            ref_top = top.clone()
+        same = bool(torch.equal(top, ref_top))
+        ms_t = timed(topk)
+        ms_b = timed(both)
+        row = {"topk": tv, "topk_ms": ms_t, "both_ms": ms_b, "ratio_both": sb / (ms_b * 1e-3) / copy_bps,
+               "same_as_first": same}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"copy_Bps": copy_bps, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
