@@ -61,7 +61,7 @@ PRESETS: dict[str, dict] = {
         "batch_size": 8,
         "budgets": "1/16,1/8,1/4",
         "caps": "0.05,none",
-        "drafters": "eagle3,eagle3-prefill,ngram,oracle,previous-query",
+        "drafters": "eagle3,eagle3-noprefill,ngram,oracle,previous-query",
         "retrieval_trials": 200,
         "depths": "0.1,0.3,0.5,0.7,0.9",
         "retrieval_budgets": "1/16,1/8,1/4",
@@ -479,11 +479,7 @@ def run_retrieval(args, model, tok, head, results: Results, files, progress: boo
             frac = k_blocks * b / context if frac is None else frac
             kv = KvConfig(block_size=b, top_k_blocks=k_blocks, fetch_cap=cap)
             if drafter_name.startswith("eagle3"):
-                from .teacher import PrefilledEagle3Drafter
-
-                drafter = (PrefilledEagle3Drafter if drafter_name == "eagle3-prefill" else Eagle3Drafter)(
-                    head, model
-                )
+                drafter = Eagle3Drafter(head, model, prefill=drafter_name != "eagle3-noprefill")
             else:
                 drafter = drafter_name
             cfg = {"budget": label, "budget_frac": frac, "top_k_blocks": k_blocks}

@@ -34,13 +34,9 @@ from ..drafters import Eagle3Drafter, NgramDrafter, OracleDrafter, PreviousQuery
 from ..engine import Engine, PrefillCache, _recall, _Request
 from .policies import QuestModel
 
-#: ``eagle3-prefill`` is a deprecated alias of ``eagle3`` (the library drafter now prefills its head
-#: from the engine's prefill); kept until the harness's ``full`` preset stops naming it.
-DRAFTERS = ("eagle3", "eagle3-noprefill", "ngram", "oracle", "previous-query", "eagle3-prefill")
-
-#: Deprecated alias (the harness's retrieval section still imports it): ``Eagle3Drafter`` itself
-#: now runs its head over the prompt, from the features of the engine's own prefill.
-PrefilledEagle3Drafter = Eagle3Drafter
+#: ``eagle3`` is the library's drafter (its head first runs over the prompt's features from the
+#: engine's own prefill); ``eagle3-noprefill`` starts the head with an empty cache.
+DRAFTERS = ("eagle3", "eagle3-noprefill", "ngram", "oracle", "previous-query")
 
 
 @dataclass(frozen=True)
@@ -203,7 +199,7 @@ class TeacherForcing:
             raise ValueError(f"the {name} drafter needs an EAGLE-3 head (pass --eagle3 PATH)")
         if name == "eagle3-noprefill":
             return Eagle3Drafter(self.head, self.model, prefill=False)
-        return Eagle3Drafter(self.head, self.model)  # eagle3 (and its deprecated alias eagle3-prefill)
+        return Eagle3Drafter(self.head, self.model)
 
     def _engine(self, policy: Policy, drafter) -> Engine:
         b = self.block_size
