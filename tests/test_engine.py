@@ -170,6 +170,12 @@ def test_prompt_longer_than_context_is_a_typed_error(qwen3):
     with pytest.raises(errors.ContextLengthError, match="exceeds the model's context"):
         llm.generate([[1] * 2040], max_new_tokens=16)
     assert len(llm.generate([[1, 2, 3]], max_new_tokens=2, ignore_eos=True)[0].tokens) == 2
+    # The last new token is never fed: a prompt filling the context still gets one token, and
+    # prompt + max_new_tokens - 1 positions fit exactly.
+    ctx = qwen3.config.max_position_embeddings
+    assert len(llm.generate([[1] * ctx], max_new_tokens=1, ignore_eos=True)[0].tokens) == 1
+    with pytest.raises(errors.ContextLengthError, match="exceeds the model's context"):
+        llm.generate([[1] * ctx], max_new_tokens=2)
 
 
 def test_budget_larger_than_pools_is_a_typed_error(qwen3):

@@ -14,10 +14,10 @@ import torch
 from oasiskv import ops
 from oasiskv.eval import corpus, harness, report, retrieval
 from oasiskv.eval.policies import QuestModel
-from oasiskv.eval.teacher import Policy, TeacherForcing, summarize
+from oasiskv.eval.teacher import Policy, TeacherForcing, greedy_continuations, summarize
 from oasiskv.models.config import ModelConfig
 from oasiskv.models.eagle3 import Eagle3Head
-from oasiskv.models.transformer import CausalLM
+from oasiskv.models.transformer import CausalLM, greedy_generate
 
 torch.set_num_threads(2)
 
@@ -368,6 +368,40 @@ def _args(tmp_path, *extra):
     )
     harness._fill_preset(args)
     return args
+
+
+def test_greedy_continuation_is_what_dense_greedy_decoding_feeds(tiny):
+    texts = [repetitive(161, seed=s) for s in range(2)]
+    steps = 12
+    cont = greedy_continuations(tiny, texts, steps, block_size=BLOCK, batch_size=2)
+    prefix = 160 - steps
+    for t, c in zip(texts, cont, strict=True):
+        assert len(c) == len(t) and c[:prefix] == t[:prefix]
+        assert c[prefix:] == greedy_generate(tiny, t[:prefix], steps + 1)
+    # Teacher-forcing the continuation: dense's argmax at every step is the token fed next, so the
+    # oracle draft is the model's own choice and dense's top-1 agrees with the text everywhere.
+    tf = TeacherForcing(tiny, cont, steps, block_size=BLOCK, batch_size=2, progress=False)
+    dense = tf.run(Policy("dense"))
+    fed_next = torch.tensor([c[prefix + 1 :] for c in cont]).T  # [S, n]
+    assert torch.equal(dense.top1.cpu(), fed_next)
+    assert tf.run(Policy("oasis", "oracle", 4, None)).matched.all()
+
+
+def test_harness_greedy_continuation_records_and_report(tiny, tmp_path):
+    tok = ByteTokenizer()
+    args = _args(
+        tmp_path, "--continuation", "greedy", "--drafters", "oracle", "--budgets", "1/4", "--no-quest"
+    )
+    files = corpus.list_files(source="stdlib")
+    res = harness.Results(tmp_path)
+    res.add_run({"argv": ["oasis", "eval", "--continuation", "greedy"], "model": "tiny"})
+    harness.run_teacher(args, tiny, tok, None, res, files, progress=False)
+    data = json.loads((tmp_path / "results.json").read_text())
+    teacher = [r for r in data["records"] if r["section"] == "teacher"]
+    assert len(teacher) == 1 + 2 and all(r["continuation"] == "greedy" for r in teacher)
+    assert all(r["lookahead"]["draft_accept"] == 1.0 for r in teacher if r["policy"] == "oasis")
+    md = report.render_markdown(data)
+    assert "### Context 192, greedy continuation" in md
 
 
 def test_harness_end_to_end_results_schema(tiny, head, tmp_path):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -112,8 +112,13 @@ class LLM:
         seed: int = 0,
         ignore_eos: bool = False,
         progress: bool = False,
+        stop: Callable[[int, list[int]], bool] | None = None,
     ) -> list[GenerationResult]:
         """Generate for one prompt or a list of prompts (text or token ids).
+
+        ``stop(i, generated)``, if given, is called after every token generated for prompt ``i``
+        with that prompt's generated token ids so far; True ends the request there (finish reason
+        ``"stop"``, the token kept), e.g. once an answer is complete.
 
         Returns one :class:`GenerationResult` per prompt, in order, each with its tokens, text and
         :class:`~oasiskv.engine.RequestMetrics`.
@@ -125,11 +130,12 @@ class LLM:
         token_lists = self._tokenize(prompts)
         ctx = self.model.config.max_position_embeddings
         for i, ids in enumerate(token_lists):
-            if len(ids) + max_new_tokens > ctx:
+            # The last new token is sampled, never fed: positions 0 .. len + max_new - 2 are used.
+            if len(ids) + max_new_tokens - 1 > ctx:
                 raise ContextLengthError(
                     f"prompt {i} has {len(ids)} tokens and max_new_tokens={max_new_tokens}: "
-                    f"{len(ids) + max_new_tokens} exceeds the model's context of {ctx} tokens; "
-                    "shorten the prompt or lower max_new_tokens"
+                    f"{len(ids) + max_new_tokens - 1} positions exceeds the model's context of {ctx} "
+                    "tokens; shorten the prompt or lower max_new_tokens"
                 )
         eng = self.engine
         reqs = [
@@ -148,7 +154,7 @@ class LLM:
             while waiting or running:
                 while waiting and len(running) < self.max_batch_size:
                     r = waiting.pop(0)
-                    self._admit(r, temperature, top_p, gen, ignore_eos)
+                    self._admit(r, temperature, top_p, gen, ignore_eos, stop)
                     if bar:
                         bar.update(1)
                     if r.finish_reason is None:
@@ -159,10 +165,12 @@ class LLM:
                 logits = eng.decode_step(running)
                 dt = time.perf_counter() - t0
                 still = []
+                # Greedy: one argmax and one host read for the whole batch.
+                greedy = logits.argmax(dim=-1).tolist() if temperature <= 0.0 else None
                 for i, r in enumerate(running):
                     r.metrics.decode_s += dt / len(running)
-                    tok = self._sample(logits[i], temperature, top_p, gen)
-                    self._accept(r, tok, ignore_eos)
+                    tok = greedy[i] if greedy is not None else self._sample(logits[i], temperature, top_p, gen)
+                    self._accept(r, tok, ignore_eos, stop)
                     if bar:
                         bar.update(1)
                     if r.finish_reason is None:
@@ -178,7 +186,7 @@ class LLM:
                 eng.release(r)
         return [self._result(r) for r in reqs]
 
-    def _admit(self, r: _Request, temperature, top_p, gen, ignore_eos) -> None:
+    def _admit(self, r: _Request, temperature, top_p, gen, ignore_eos, stop=None) -> None:
         eng = self.engine
         if self.drafter is not None:
             self.drafter.begin(r.id, r.prompt)
@@ -187,18 +195,20 @@ class LLM:
         logits = eng.prefill(r)
         r.metrics.prompt_tokens = len(r.prompt)
         r.metrics.prefill_s = time.perf_counter() - t0
-        self._accept(r, self._sample(logits, temperature, top_p, gen), ignore_eos)
+        self._accept(r, self._sample(logits, temperature, top_p, gen), ignore_eos, stop)
         if r.finish_reason is not None:
             eng.finalize_metrics(r)
             eng.release(r)
 
-    def _accept(self, r: _Request, tok: int, ignore_eos: bool) -> None:
+    def _accept(self, r: _Request, tok: int, ignore_eos: bool, stop=None) -> None:
         """Append a sampled token, check the stop conditions, draft the next lookahead token and
         turn the request sparse once its context passes the threshold."""
         eng = self.engine
         r.tokens.append(tok)
         r.metrics.generated_tokens += 1
         if not ignore_eos and tok in eng.eos:
+            r.finish_reason = "stop"
+        elif stop is not None and stop(r.id, r.tokens[len(r.prompt) :]):
             r.finish_reason = "stop"
         elif r.metrics.generated_tokens >= r.max_new_tokens:
             r.finish_reason = "length"

@@ -34,7 +34,7 @@ import torch
 
 from ..config import KvConfig
 from . import corpus, report, retrieval
-from .teacher import DRAFTERS, Policy, TeacherForcing, summarize
+from .teacher import DRAFTERS, Policy, TeacherForcing, greedy_continuations, summarize
 
 SCHEMA = "oasiskv-eval/1"
 
@@ -91,6 +91,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--source", default="stdlib", choices=["stdlib", "all"], help="held-out corpus source")
     p.add_argument("--contexts", default=None, help="teacher-forced context lengths, e.g. 4096,8192")
     p.add_argument("--steps", type=int, default=None, help="teacher-forced decode steps per text")
+    p.add_argument(
+        "--continuation",
+        default="text",
+        choices=["text", "greedy"],
+        help="what the teacher-forced steps feed: the held-out text (default) or the tokens dense greedy "
+        "decoding generates after the text's prefix (drafts then match when they agree with the model)",
+    )
     p.add_argument("--texts", type=int, default=None, help="held-out texts per context")
     p.add_argument("--batch-size", type=int, default=None, help="requests decoded together")
     p.add_argument(
@@ -236,12 +243,13 @@ class Results:
         self.data["runs"].append(meta)
         self.save()
 
-    def add(self, rec: dict) -> None:
+    def add(self, rec: dict, save: bool = True) -> None:
         k = self.key(rec)
         recs = [r for r in self.data["records"] if self.key(r) != k]
         recs.append(rec)
         self.data["records"] = recs
-        self.save()
+        if save:
+            self.save()
 
     def save(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)
@@ -337,9 +345,15 @@ def run_teacher(args, model, tok, head, results: Results, files, progress: bool)
         texts = corpus.heldout_texts(
             tok, context + 1, args.texts, source=args.source, seed=args.seed, files=files
         )
+        token_lists = [t["tokens"] for t in texts]
+        greedy = getattr(args, "continuation", "text") == "greedy"
+        if greedy:
+            token_lists = greedy_continuations(
+                model, token_lists, steps, block_size=b, batch_size=args.batch_size, progress=progress
+            )
         runner = TeacherForcing(
             model,
-            [t["tokens"] for t in texts],
+            token_lists,
             steps,
             block_size=b,
             batch_size=args.batch_size,
@@ -353,6 +367,7 @@ def run_teacher(args, model, tok, head, results: Results, files, progress: bool)
             "texts": len(texts),
             "text_ids": [f"{t['package']}#{t['window']}" for t in texts],
             "block_size": b,
+            **({"continuation": "greedy"} if greedy else {}),
         }
         # The plan: (policy, budget label, fraction, cap, drafter); skip what --resume finds done.
         plan = []
@@ -425,6 +440,14 @@ def _f(x, nd: int = 3) -> str:
 
 
 def run_retrieval(args, model, tok, head, results: Results, files, progress: bool) -> None:
+    """The retrieval section: per context, every task's trials in batches of ``--batch-size``;
+    each batch runs through every variant (dense, then per budget OasisKV and the Quest-like
+    reference) before the next, so a prompt is prefilled once (``PrefillCache``) for all of them.
+
+    Each (task, variant) record is rewritten after every batch: ``partial`` (with the trials so
+    far) until all ``--retrieval-trials`` ran. ``--time-limit-min`` stops between batches;
+    ``--resume`` skips complete records and continues partial ones from their next trial (trials
+    are a pure function of their index, so the resumed record equals an uninterrupted one)."""
     from tqdm import tqdm
 
     from ..drafters import Eagle3Drafter
@@ -442,6 +465,9 @@ def run_retrieval(args, model, tok, head, results: Results, files, progress: boo
     b = args.block_size
     batch = args.batch_size
     for context in _ints(args.retrieval_contexts):
+        if deadline.passed():
+            print(f"oasis eval: --time-limit-min reached before retrieval C={context} (use --resume)")
+            return
         hay = corpus.heldout_texts(
             tok,
             min(context, 4096) + 1,
@@ -456,28 +482,35 @@ def run_retrieval(args, model, tok, head, results: Results, files, progress: boo
         trials = retrieval.make_trials(
             tok, tasks, context, args.retrieval_trials, depths, haystack_lines=lines, seed=args.seed
         )
-        cache = PrefillCache(capacity=3 * batch)  # dense, lookahead drafter, Quest keys
+        # One set of pools for every variant, sized once for a full batch at this context (a
+        # prompt plus its answer fits in ceil((C + 1) / b) + 1 pages; a sparse one needs K + 2).
+        k_max = max([budget_blocks(context, f, b, lab) for lab, f in budgets], default=1)
+        pages = batch * max(-(-(context + 1) // b) + 1, k_max + 2)
+        pool_kw = {"block_size": b, "num_gpu_pages": pages, "num_host_blocks": pages}
+        # Every variant runs the batch's prompts before the next batch: `batch` entries suffice.
+        cache = PrefillCache(capacity=batch)
         qm = QuestModel(model)  # one wrapper for every Quest budget: its prefills are shared
         variants: list[tuple[dict, LLM]] = []
-        dense_kv = KvConfig(block_size=b, top_k_blocks=1, fetch_cap=None, measure_recall=False)
-        variants.append(
-            (
-                {"policy": "dense", "drafter": None, "budget": None, "fetch_cap": None},
-                LLM(
-                    model,
-                    tokenizer=tok,
-                    kv=dense_kv,
-                    backend="dense",
-                    drafter=None,
-                    max_batch_size=batch,
-                    prefill_cache=cache,
-                ),
+        dense_kv = KvConfig(top_k_blocks=1, fetch_cap=None, measure_recall=False, **pool_kw)
+
+        def make_llm(m, kv, backend, drafter):
+            return LLM(
+                m,
+                tokenizer=tok,
+                kv=kv,
+                backend=backend,
+                drafter=drafter,
+                max_batch_size=batch,
+                prefill_cache=cache,
             )
-        )
+
+        dense_cfg = {"policy": "dense", "drafter": None, "budget": None, "fetch_cap": None}
+        variants.append((dense_cfg, make_llm(model, dense_kv, "dense", None)))
         for label, frac in budgets:
             k_blocks = budget_blocks(context, frac, b, label)
             frac = k_blocks * b / context if frac is None else frac
-            kv = KvConfig(block_size=b, top_k_blocks=k_blocks, fetch_cap=cap)
+            # Recall is not reported here: skip its extra scoring pass.
+            kv = KvConfig(top_k_blocks=k_blocks, fetch_cap=cap, measure_recall=False, **pool_kw)
             if drafter_name.startswith("eagle3"):
                 drafter = Eagle3Drafter(head, model, prefill=drafter_name != "eagle3-noprefill")
             else:
@@ -486,96 +519,135 @@ def run_retrieval(args, model, tok, head, results: Results, files, progress: boo
             variants.append(
                 (
                     {"policy": "oasis", "drafter": drafter_name, "fetch_cap": cap, **cfg},
-                    LLM(
-                        model,
-                        tokenizer=tok,
-                        kv=kv,
-                        backend="oasis",
-                        drafter=drafter,
-                        max_batch_size=batch,
-                        prefill_cache=cache,
-                    ),
+                    make_llm(model, kv, "oasis", drafter),
                 )
             )
             if not args.no_quest:
-                llm = LLM(
-                    qm,
-                    tokenizer=tok,
-                    kv=dense_kv,
-                    backend="dense",
-                    drafter=None,
-                    max_batch_size=batch,
-                    prefill_cache=cache,
-                )
+                llm = make_llm(qm, dense_kv, "dense", None)
                 qm.attach(llm.engine, k_blocks)
                 variants.append(({"policy": "quest", "drafter": None, "fetch_cap": None, **cfg}, llm))
-        groups = {t: [x for x in trials if x["task"] == t] for t in tasks}
+        pools = None
+        # Within a batch, variants whose engine captures drafter features prefill first: their
+        # cache entries serve the others too (not the other way round).
+        order = sorted(range(len(variants)), key=lambda vi: not variants[vi][1].engine.capture)
+        prompt_ids = [tok.encode(x["prompt"]) for x in trials]
 
         def rec_base(cfg: dict, task: str, context=context) -> dict:
             return {"section": "retrieval", "context": context, "task": task, "block_size": b, **cfg}
 
-        todo = {
-            t: [
-                vi
-                for vi, (cfg, _) in enumerate(variants)
-                if not (args.resume and results.find(rec_base(cfg, t)))
-            ]
-            for t in tasks
-        }
-        n_gen = sum(-(-len(groups[t]) // batch) * len(todo[t]) for t in tasks)
+        # Per task: vi -> what ran so far (from a partial record when resuming).
+        state: dict[str, dict[int, dict]] = {}
+        for task in tasks:
+            n_task = sum(x["task"] == task for x in trials)
+            st: dict[int, dict] = {}
+            for vi, (cfg, _) in enumerate(variants):
+                old = results.find(rec_base(cfg, task)) if args.resume else None
+                if old is not None and not old.get("partial"):
+                    continue  # done
+                s = {"outcomes": [], "examples": [], "wall_s": 0.0, "wall_s_task": 0.0, "gen_tokens": 0}
+                if (
+                    old is not None
+                    and old.get("seed") == args.seed
+                    and old.get("depths") == depths
+                    and len(old.get("outcomes", "")) <= n_task
+                ):
+                    s["outcomes"] = [int(c) for c in old["outcomes"]]
+                    s["examples"] = list(old.get("examples", []))
+                    s["wall_s"] = old.get("wall_s", 0.0)
+                    s["wall_s_task"] = old.get("wall_s_task", 0.0)
+                    s["gen_tokens"] = round(old.get("generated_tokens_mean", 0.0) * len(s["outcomes"]))
+                st[vi] = s
+            state[task] = st
+        n_gen = 0
+        for task in tasks:
+            if state[task]:
+                start = min(len(s["outcomes"]) for s in state[task].values())
+                n_task = sum(x["task"] == task for x in trials)
+                n_gen += -(-(n_task - start) // batch) * len(state[task])
         bar = tqdm(total=n_gen, desc=f"retrieval C={context}", unit="gen", disable=not progress)
-        pools = None
-        for task, group in groups.items():
-            if not todo[task]:
+        for task in tasks:
+            st = state[task]
+            if not st:
                 continue
-            if deadline.passed():
-                bar.write(f"oasis eval: --time-limit-min reached before retrieval task {task} (use --resume)")
-                break
-            t0 = time.perf_counter()
-            outcomes: dict[int, list[int]] = {vi: [] for vi in todo[task]}
-            texts: dict[int, list[str]] = {vi: [] for vi in todo[task]}
-            for s in range(0, len(group), batch):
-                chunk = group[s : s + batch]
-                for vi in todo[task]:
+            members = [i for i, x in enumerate(trials) if x["task"] == task]
+            group = [trials[i] for i in members]
+            ids = [prompt_ids[i] for i in members]
+            n_task = len(group)
+            start = min(len(s["outcomes"]) for s in st.values())
+            for c0 in range(start, n_task, batch):
+                if deadline.passed():
+                    bar.write(
+                        f"oasis eval: --time-limit-min reached: retrieval C={context} {task} stopped "
+                        f"after {c0}/{n_task} trials (records marked partial; --resume continues)"
+                    )
+                    bar.close()
+                    return
+                t_chunk = time.perf_counter()
+                ran = []
+                for vi in order:
+                    if vi not in st:
+                        continue
+                    s = st[vi]
+                    idx = [i for i in range(c0, min(c0 + batch, n_task)) if i >= len(s["outcomes"])]
+                    if not idx:
+                        continue
                     llm = variants[vi][1]
                     if pools is not None:
                         llm.engine.pools = pools  # one set of pools for all variants
+                    answers = [group[i]["answer"] for i in idx]
+
+                    def stop(j, gen, task=task, answers=answers):
+                        return retrieval.decided(task, answers[j], tok.decode(gen))
+
+                    t0 = time.perf_counter()
                     res = llm.generate(
-                        [x["prompt"] for x in chunk],
-                        max_new_tokens=chunk[0]["max_new_tokens"],
+                        [ids[i] for i in idx],
+                        max_new_tokens=group[idx[0]]["max_new_tokens"],
                         temperature=0.0,
+                        stop=stop,
                     )
+                    s["wall_s"] += time.perf_counter() - t0
                     pools = llm.engine.pools
-                    for x, r in zip(chunk, res, strict=True):
-                        outcomes[vi].append(int(retrieval.score(task, x["answer"], r.text)))
-                        texts[vi].append(r.text)
+                    for i, r in zip(idx, res, strict=True):
+                        s["outcomes"].append(int(retrieval.score(task, group[i]["answer"], r.text)))
+                        s["gen_tokens"] += len(r.tokens)
+                        if len(s["examples"]) < 3:
+                            s["examples"].append({"answer": group[i]["answer"], "generated": r.text})
+                    ran.append(vi)
                     bar.update(1)
-            wall = time.perf_counter() - t0
-            for vi in todo[task]:
-                cfg = variants[vi][0]
-                oc = outcomes[vi]
-                per_depth: dict[str, list[int]] = {}
-                for x, o in zip(group, oc, strict=True):
-                    per_depth.setdefault(f"{x['depth']:g}", []).append(o)
-                rec = {
-                    **rec_base(cfg, task),
-                    "trials": len(oc),
-                    "accuracy": sum(oc) / len(oc),
-                    "per_depth": {k: sum(v) / len(v) for k, v in per_depth.items()},
-                    "outcomes": "".join(map(str, oc)),
-                    "examples": [
-                        {"answer": x["answer"], "generated": t}
-                        for x, t in list(zip(group, texts[vi], strict=True))[:3]
-                    ],
-                    "prompt_tokens_mean": sum(len(tok.encode(x["prompt"])) for x in group) / len(group),
-                    "wall_s_task": wall,
-                }
-                results.add(rec)
-                if progress:
-                    bar.write(
-                        f"C={context} {task:8s} {cfg['policy']:6s} {cfg.get('budget') or '':5s} "
-                        f"acc={rec['accuracy']:.3f} ({len(oc)} trials)"
-                    )
+                wall = time.perf_counter() - t_chunk
+                for vi in ran:
+                    s = st[vi]
+                    s["wall_s_task"] += wall
+                    oc = s["outcomes"]
+                    done = group[: len(oc)]
+                    per_depth: dict[str, list[int]] = {}
+                    for x, o in zip(done, oc, strict=True):
+                        per_depth.setdefault(f"{x['depth']:g}", []).append(o)
+                    rec = {
+                        **rec_base(variants[vi][0], task),
+                        "trials": len(oc),
+                        "trials_planned": n_task,
+                        "partial": len(oc) < n_task,
+                        "seed": args.seed,
+                        "depths": depths,
+                        "accuracy": sum(oc) / len(oc),
+                        "per_depth": {k: sum(v) / len(v) for k, v in per_depth.items()},
+                        "outcomes": "".join(map(str, oc)),
+                        "examples": s["examples"],
+                        "prompt_tokens_mean": sum(len(ids[i]) for i in range(len(oc))) / len(oc),
+                        "generated_tokens_mean": s["gen_tokens"] / len(oc),
+                        "wall_s": s["wall_s"],
+                        "wall_s_task": s["wall_s_task"],
+                    }
+                    results.add(rec, save=False)
+                    if progress and not rec["partial"]:
+                        cfg = variants[vi][0]
+                        bar.write(
+                            f"C={context} {task:8s} {cfg['policy']:6s} {cfg.get('budget') or '':5s} "
+                            f"acc={rec['accuracy']:.3f} ({len(oc)} trials, {s['wall_s']:.1f} s)"
+                        )
+                results.save()
         bar.close()
 
 

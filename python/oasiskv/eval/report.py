@@ -66,6 +66,22 @@ def _by(recs, field) -> dict:
     return out
 
 
+def _by_setting(recs) -> list[tuple[str, str, list[dict]]]:
+    """Teacher-forced records grouped by (context, continuation), in order: (title, file tag,
+    records). ``continuation`` is absent for held-out text (the default) and "greedy" when the
+    texts continue with dense greedy decoding (``oasis eval --continuation greedy``)."""
+    groups: dict = {}
+    for r in recs:
+        groups.setdefault((r.get("context"), r.get("continuation") or "text"), []).append(r)
+    out = []
+    for ctx, cont in sorted(groups, key=lambda k: (k[0], k[1] != "text", k[1])):
+        if cont == "text":
+            out.append((f"{ctx}", f"C{ctx}", groups[(ctx, cont)]))
+        else:
+            out.append((f"{ctx}, {cont} continuation", f"C{ctx}-{cont}", groups[(ctx, cont)]))
+    return out
+
+
 # ------------------------------------------------------------------------------------------ markdown
 def render_markdown(data: dict) -> str:
     lines: list[str] = ["# OasisKV accuracy evaluation", ""]
@@ -110,7 +126,7 @@ def _lookahead_md(recs: list[dict]) -> list[str]:
         "were actually resident (what the fetch cap let in).",
         "",
     ]
-    for ctx, rs in sorted(_by([r for r in recs if r.get("policy") == "oasis"], "context").items()):
+    for ctx, _, rs in _by_setting([r for r in recs if r.get("policy") == "oasis"]):
         drafters = sorted({r["drafter"] for r in rs}, key=_drafter_key)
         r0 = rs[0]
         out += [f"### Context {ctx} ({r0.get('steps')} steps x {r0.get('texts')} texts)", ""]
@@ -161,7 +177,7 @@ def _fidelity_md(recs: list[dict]) -> list[str]:
         "would fetch, uncapped).",
         "",
     ]
-    for ctx, rs in sorted(_by(recs, "context").items()):
+    for ctx, _, rs in _by_setting(recs):
         dense = [r for r in rs if r.get("policy") == "dense"]
         r0 = rs[0]
         out.append(f"### Context {ctx} ({r0.get('steps')} steps x {r0.get('texts')} texts)")
@@ -208,7 +224,8 @@ def _retrieval_md(recs: list[dict]) -> list[str]:
         "## Retrieval accuracy (greedy; passkey, needle, key-value)",
         "",
         "Accuracy over all trials of a task (depths cycle through the listed ones); `overall` is the "
-        "mean over tasks. Dense and sparse runs decode the same prompts.",
+        "mean over tasks. Dense and sparse runs decode the same prompts. A cell marked (k/n) is "
+        "partial: a time limit stopped it after k of n trials (`--resume` continues it).",
         "",
     ]
     for ctx, rs in sorted(_by(recs, "context").items()):
@@ -236,8 +253,9 @@ def _retrieval_md(recs: list[dict]) -> list[str]:
                 ]
                 if m:
                     accs.setdefault(c, []).append(m[0]["accuracy"])
-                    n = m[0]["trials"]
-                    cells.append(_f(m[0]["accuracy"]))
+                    n = max(n or 0, m[0]["trials"])
+                    part = f" ({m[0]['trials']}/{m[0].get('trials_planned')})" if m[0].get("partial") else ""
+                    cells.append(_f(m[0]["accuracy"]) + part)
                 else:
                     cells.append("-")
             out.append(f"| {t} | {n} | " + " | ".join(cells) + " |")
@@ -279,7 +297,7 @@ def plots(data: dict, out: Path) -> list[Path]:
     written: list[Path] = []
     teacher = _records(data, "teacher")
     oasis = [r for r in teacher if r.get("policy") == "oasis" and r.get("lookahead")]
-    for ctx, rs in sorted(_by(oasis, "context").items()):
+    for ctx, tag, rs in _by_setting(oasis):
         budgets = sorted(_by(rs, "budget"), key=_budget_key)
         caps = sorted({r.get("fetch_cap") for r in rs}, key=_cap_key)
         fig, axes = plt.subplots(1, len(budgets), figsize=(5 * len(budgets), 4), squeeze=False, sharey=True)
@@ -302,7 +320,7 @@ def plots(data: dict, out: Path) -> list[Path]:
         axes[0][-1].legend(fontsize=7)
         fig.suptitle(f"Lookahead accuracy per layer, context {ctx}")
         fig.tight_layout()
-        written.append(_save(fig, out / f"lookahead_per_layer_C{ctx}.png", plt))
+        written.append(_save(fig, out / f"lookahead_per_layer_{tag}.png", plt))
 
         fig, ax = plt.subplots(figsize=(8, 4))
         drafted = [r for r in rs if r.get("fetch_cap") == caps[0] and r["drafter"] != "previous-query"]
@@ -330,9 +348,9 @@ def plots(data: dict, out: Path) -> list[Path]:
         ax.legend(["draft = next token", "draft != next token"], fontsize=8)
         ax.set_title(f"Overlap split by draft match, context {ctx}, cap {_cap(caps[0])}")
         fig.tight_layout()
-        written.append(_save(fig, out / f"lookahead_matched_C{ctx}.png", plt))
+        written.append(_save(fig, out / f"lookahead_matched_{tag}.png", plt))
 
-    for ctx, rs in sorted(_by([r for r in teacher if r.get("policy") != "dense"], "context").items()):
+    for ctx, tag, rs in _by_setting([r for r in teacher if r.get("policy") != "dense"]):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         budgets = sorted(_by(rs, "budget"), key=_budget_key)
         markers = {
@@ -378,7 +396,7 @@ def plots(data: dict, out: Path) -> list[Path]:
         ax.set_title(f"Fidelity vs traffic, context {ctx}")
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        written.append(_save(fig, out / f"fidelity_vs_bytes_C{ctx}.png", plt))
+        written.append(_save(fig, out / f"fidelity_vs_bytes_{tag}.png", plt))
 
     ret = _records(data, "retrieval")
     for ctx, rs in sorted(_by(ret, "context").items()):

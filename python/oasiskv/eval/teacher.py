@@ -375,6 +375,39 @@ def _mean(x: torch.Tensor, mask: torch.Tensor | None = None) -> float | None:
     return float(x.float().mean()) if x.numel() else None
 
 
+def greedy_continuations(
+    model,
+    texts: list[list[int]],
+    steps: int,
+    *,
+    block_size: int = 16,
+    batch_size: int = 8,
+    progress: bool = False,
+) -> list[list[int]]:
+    """Each text's first ``C - S`` tokens followed by the ``S + 1`` tokens that dense greedy decoding
+    generates after them (``C + 1`` tokens, like the input).
+
+    Teacher-forcing these makes every step's next token the model's own choice, as in real
+    decoding: a draft then counts as matched when it agrees with the target (the acceptance EAGLE
+    reports), not with a held-out text the target itself would not have predicted.
+    """
+    from ..llm import LLM  # local: llm imports the engine, as this module does
+
+    context = len(texts[0]) - 1
+    prefix = context - steps
+    llm = LLM(
+        model,
+        kv=KvConfig(block_size=block_size),
+        backend="dense",
+        drafter=None,
+        max_batch_size=max(1, batch_size),
+    )
+    outs = llm.generate(
+        [list(t[:prefix]) for t in texts], steps + 1, temperature=0.0, ignore_eos=True, progress=progress
+    )
+    return [list(t[:prefix]) + list(o.tokens) for t, o in zip(texts, outs, strict=True)]
+
+
 def summarize(res: RunResult, dense: RunResult | None) -> dict:
     """The JSON record of one run (see docs/EVAL.md for every field)."""
     p = res.policy
