@@ -14,24 +14,10 @@ use half::bf16;
 use oasis_core::kernels::{decode_attention, delta_select, topk_blocks, ExtraKv, PagedKv};
 use oasis_core::{KvElem, KvGeometry};
 
-/// SplitMix64, so the benches need no RNG crate.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-    fn f32(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-    }
-}
+// The tests' SplitMix64 `Rng`, so the benches need no RNG crate (and no test-support feature).
+#[path = "../crates/oasis-core/tests/common/mod.rs"]
+mod common;
+use common::Rng;
 
 // Selection preset: a batch of 64 sparse requests, 8 KV heads, 128 budget slots, 8K context.
 const SEL_SEQS: usize = 64;

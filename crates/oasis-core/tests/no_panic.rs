@@ -9,25 +9,14 @@ use oasis_core::kernels::{
 use oasis_core::KvGeometry;
 use proptest::prelude::*;
 
-struct Rng(u64);
+mod common;
+use common::Rng;
 
+/// The draws of the robustness cases: mostly valid values, sometimes corrupted.
 impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
     /// True with probability 1/n.
     fn one_in(&mut self, n: usize) -> bool {
         self.below(n) == 0
-    }
-    fn f32(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
     }
     /// A table entry: usually in `0..bound`, sometimes just outside, negative or extreme.
     fn entry(&mut self, bound: usize) -> i32 {

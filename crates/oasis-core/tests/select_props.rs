@@ -12,29 +12,8 @@ use oasis_core::kernels::{
 use oasis_core::{BlockPool, KvGeometry, Tier};
 use proptest::prelude::*;
 
-/// SplitMix64: the data inside a case comes from one proptest-chosen seed.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-    fn f32(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-    }
-    fn shuffle<T>(&mut self, v: &mut [T]) {
-        for i in (1..v.len()).rev() {
-            v.swap(i, self.below(i + 1));
-        }
-    }
-}
+mod common;
+use common::Rng;
 
 /// A random selection state: `num_seqs` sequences of `nblocks[s]` logical blocks, `budget` slots
 /// each in distinct, scrambled pages; each (seq, head) holds a random set of distinct blocks.

@@ -5,7 +5,7 @@
 use crate::dtype::KvElem;
 use crate::error::{check_len, Result};
 use crate::geometry::KvGeometry;
-use crate::kernels::validate::{all_indices, csr, csr_range, index, leading_rows};
+use crate::kernels::validate::{all_indices, csr, csr_range, index, leading_rows, plan_shape};
 
 /// Execute a selection plan: for every plan entry (s, h, i) with `plan_slots >= 0`, copy the
 /// block-head entry (host block `host_indices[host_indptr[s] + plan_blocks[s,h,i]]`, head h) of
@@ -47,11 +47,10 @@ pub fn gather_blocks<T: KvElem>(
         "host_indices",
         host_indices.len(),
     )?;
-    check_len("plan_slots", plan_slots.len(), &[num_seqs, h_kv, fetch_cap])?;
-    check_len(
-        "plan_blocks",
+    plan_shape(
+        plan_slots.len(),
         plan_blocks.len(),
-        &[num_seqs, h_kv, fetch_cap],
+        [num_seqs, h_kv, fetch_cap],
     )?;
     check_len("slot_pages", slot_pages.len(), &[num_seqs, budget])?;
     let num_host = leading_rows("host_k", host_k.len(), &[h_kv, bs, d])?;

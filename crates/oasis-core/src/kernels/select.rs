@@ -14,7 +14,7 @@
 
 use crate::ensure;
 use crate::error::{check_len, OasisError, Result};
-use crate::kernels::validate::{index, leading_rows};
+use crate::kernels::validate::{index, leading_rows, plan_shape};
 
 /// Traffic statistics of one [`delta_select`] call, summed over sequences and KV heads.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -90,11 +90,10 @@ pub fn delta_select(
     };
     check_len("predicted", predicted.len(), &[num_seqs, h_kv, num_pred])?;
     check_len("slot_pages", slot_pages.len(), &[num_seqs, budget])?;
-    check_len("plan_slots", plan_slots.len(), &[num_seqs, h_kv, fetch_cap])?;
-    check_len(
-        "plan_blocks",
+    plan_shape(
+        plan_slots.len(),
         plan_blocks.len(),
-        &[num_seqs, h_kv, fetch_cap],
+        [num_seqs, h_kv, fetch_cap],
     )?;
     let num_pages = leading_rows("page_map", page_map.len(), &[h_kv])?;
     check_len(

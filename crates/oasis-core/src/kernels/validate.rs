@@ -1,7 +1,7 @@
 //! Shared argument checks. Every kernel runs all of its checks before its first write, so these
 //! helpers only read; they turn every bad size or table entry into an [`OasisError`].
 
-use crate::error::{OasisError, Result};
+use crate::error::{check_len, OasisError, Result};
 
 /// Number of leading rows of a buffer shaped `[rows, row_shape...]`: `len` must be a whole
 /// multiple of the row size. Used for pools whose row count is implied by the buffer.
@@ -34,6 +34,13 @@ fn join(shape: &[usize]) -> String {
 
 fn fmt_opt(x: Option<usize>) -> String {
     x.map_or_else(|| "overflowing".to_string(), |x| x.to_string())
+}
+
+/// The two tables of a selection plan, given by their lengths: `plan_slots` and `plan_blocks`,
+/// both of `shape` `[num_seqs, num_kv_heads, fetch_cap]`.
+pub(crate) fn plan_shape(plan_slots: usize, plan_blocks: usize, shape: [usize; 3]) -> Result<()> {
+    check_len("plan_slots", plan_slots, &shape)?;
+    check_len("plan_blocks", plan_blocks, &shape)
 }
 
 /// A table entry that must index `0..bound`.
