@@ -296,6 +296,48 @@ fn row_threads(head_dim: usize) -> u32 {
     (head_dim.div_ceil(32) * 32).clamp(32, ROW_THREADS as usize) as u32
 }
 
+/// A one-dimensional grid of `n` blocks.
+fn grid_x(what: &str, n: usize) -> Result<(u32, u32, u32)> {
+    Ok((grid_dim(what, n, GRID_X_MAX)?, 1, 1))
+}
+
+/// A grid of one block per (row, KV head): `n` rows (`what`) by `num_kv_heads`.
+fn grid_rows_heads(what: &str, n: usize, num_kv_heads: usize) -> Result<(u32, u32, u32)> {
+    Ok((
+        grid_dim(what, n, GRID_X_MAX)?,
+        grid_dim("num_kv_heads", num_kv_heads, GRID_YZ_MAX)?,
+        1,
+    ))
+}
+
+/// The shape of one page of `geo` after validating it, `[num_kv_heads, block_size, head_dim]`:
+/// one row of every K/V pool.
+fn page_shape(geo: &KvGeometry) -> Result<[usize; 3]> {
+    geo.validate()?;
+    Ok([geo.num_kv_heads, geo.block_size, geo.head_dim])
+}
+
+/// Rows of a K/V pool pair shaped `[n, page...]` (GPU pages or host blocks): `n` from the K
+/// buffer, the V buffer checked against it.
+fn pool_rows<T>(
+    page: [usize; 3],
+    (k_what, k): (&'static str, DevSlice<T>),
+    (v_what, v): (&'static str, DevSlice<T>),
+) -> Result<usize> {
+    let n = rows(k_what, k.len(), &page)?;
+    let [h, bs, d] = page;
+    check_len(v_what, v.len(), &[n, h, bs, d])?;
+    Ok(n)
+}
+
+/// `num_kv_heads` of a wrapper that takes it without a geometry.
+fn positive_heads(num_kv_heads: usize) -> Result<()> {
+    if num_kv_heads == 0 {
+        return Err(OasisError::Config("num_kv_heads must be positive".into()).into());
+    }
+    Ok(())
+}
+
 /// The kernel of family `$family` for storage type `$t`.
 /// The tensor-core decode attention entry point for `T` and `head_dim`, with its pipeline
 /// depth; None for f32 storage or a head_dim it has no variant for.
@@ -324,6 +366,25 @@ macro_rules! entry {
 }
 
 impl Gpu {
+    /// [`Gpu::launch`] of `name` on `grid` with `block` threads and `smem` bytes of dynamic
+    /// shared memory per block, queued on `stream`.
+    ///
+    /// # Safety
+    /// [`Gpu::launch`]'s obligations 1 and 2 for `args`; its obligation 3 holds by [`Stream`]'s
+    /// contract.
+    unsafe fn queue(
+        &self,
+        name: &'static str,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: usize,
+        stream: Stream,
+        args: &Args,
+    ) -> Result<()> {
+        // SAFETY: the caller's obligations 1 and 2; 3 by Stream's contract.
+        unsafe { self.launch(name, LaunchCfg { grid, block, smem }, stream.handle(), args) }
+    }
+
     /// GPU twin of `oasis_core::kernels::append_kv`: append one token per sequence, with
     /// write-through to the host pool and the summary update for sparse sequences
     /// (`host_block_ids[s] >= 0`). `host_k`, `host_v` may be empty when every sequence is dense.
@@ -347,17 +408,15 @@ impl Gpu {
         stream: Stream,
     ) -> Result<()> {
         guard("append_kv", || {
-            geo.validate()?;
-            let (h, bs, d) = (geo.num_kv_heads, geo.block_size, geo.head_dim);
+            let page = page_shape(geo)?;
+            let [h, bs, d] = page;
             let num_seqs = page_ids.len();
             check_len("k_new", k_new.len(), &[num_seqs, h, d])?;
             check_len("v_new", v_new.len(), &[num_seqs, h, d])?;
             check_len("page_offsets", page_offsets.len(), &[num_seqs])?;
             check_len("host_block_ids", host_block_ids.len(), &[num_seqs])?;
-            let num_pages = rows("k_pages", k_pages.len(), &[h, bs, d])?;
-            check_len("v_pages", v_pages.len(), &[num_pages, h, bs, d])?;
-            let num_host = rows("host_k", host_k.len(), &[h, bs, d])?;
-            check_len("host_v", host_v.len(), &[num_host, h, bs, d])?;
+            let num_pages = pool_rows(page, ("k_pages", k_pages), ("v_pages", v_pages))?;
+            let num_host = pool_rows(page, ("host_k", host_k), ("host_v", host_v))?;
             check_len("summaries", summaries.len(), &[num_host, h, 2, d])?;
 
             let name = entry!(T, "append_kv");
@@ -377,28 +436,13 @@ impl Gpu {
                 .i32(int("block_size", bs)?)
                 .i32(int("num_pages", num_pages)?)
                 .i32(int("num_host_blocks", num_host)?);
-            let grid = (
-                grid_dim("num_seqs", num_seqs, GRID_X_MAX)?,
-                grid_dim("num_kv_heads", h, GRID_YZ_MAX)?,
-                1,
-            );
+            let grid = grid_rows_heads("num_seqs", num_seqs, h)?;
             // SAFETY: `args` follows append_kv_* in cuda/append_kv.cu (10 pointers, 5 i32) in
             // order and width. Every buffer has the length its shape needs (checked above) and,
             // by DevSlice's contract, is reachable by this device until the stream runs the
             // kernel; table entries are bounds-checked by the kernel; the stream is valid by
             // Stream's contract.
-            unsafe {
-                self.launch(
-                    name,
-                    LaunchCfg {
-                        grid,
-                        block: row_threads(d),
-                        smem: 0,
-                    },
-                    stream.handle(),
-                    &args,
-                )
-            }
+            unsafe { self.queue(name, grid, row_threads(d), 0, stream, &args) }
         })
     }
 
@@ -417,9 +461,9 @@ impl Gpu {
         stream: Stream,
     ) -> Result<()> {
         guard("build_summaries", || {
-            geo.validate()?;
-            let (h, bs, d) = (geo.num_kv_heads, geo.block_size, geo.head_dim);
-            let num_host = rows("host_k", host_k.len(), &[h, bs, d])?;
+            let page = page_shape(geo)?;
+            let [h, bs, d] = page;
+            let num_host = rows("host_k", host_k.len(), &page)?;
             check_len("summaries", summaries.len(), &[num_host, h, 2, d])?;
             check_len("block_lens", block_lens.len(), &[block_ids.len()])?;
 
@@ -433,26 +477,11 @@ impl Gpu {
                 .i32(int("head_dim", d)?)
                 .i32(int("block_size", bs)?)
                 .i32(int("num_host_blocks", num_host)?);
-            let grid = (
-                grid_dim("n", block_ids.len(), GRID_X_MAX)?,
-                grid_dim("num_kv_heads", h, GRID_YZ_MAX)?,
-                1,
-            );
+            let grid = grid_rows_heads("n", block_ids.len(), h)?;
             // SAFETY: `args` follows build_summaries_* in cuda/append_kv.cu (4 pointers, 4 i32).
             // Buffer lengths checked above; reachability and lifetime by DevSlice's contract;
             // table entries bounds-checked by the kernel; the stream by Stream's contract.
-            unsafe {
-                self.launch(
-                    name,
-                    LaunchCfg {
-                        grid,
-                        block: row_threads(d),
-                        smem: 0,
-                    },
-                    stream.handle(),
-                    &args,
-                )
-            }
+            unsafe { self.queue(name, grid, row_threads(d), 0, stream, &args) }
         })
     }
 
@@ -479,13 +508,9 @@ impl Gpu {
         stream: Stream,
     ) -> Result<()> {
         guard("decode_attention", || {
-            geo.validate()?;
-            let (qh, h, bs, d) = (
-                geo.num_qo_heads,
-                geo.num_kv_heads,
-                geo.block_size,
-                geo.head_dim,
-            );
+            let page = page_shape(geo)?;
+            let [h, bs, d] = page;
+            let qh = geo.num_qo_heads;
             if num_rows == 0 {
                 return Err(OasisError::Invalid("num_rows must be at least 1".into()).into());
             }
@@ -493,8 +518,7 @@ impl Gpu {
             check_len("q", q.len(), &[num_seqs, num_rows, qh, d])?;
             check_len("out", out.len(), &[num_seqs, num_rows, qh, d])?;
             check_len("kv_last_page_len", kv.kv_last_page_len.len(), &[num_seqs])?;
-            let num_pages = rows("k_pages", kv.k_pages.len(), &[h, bs, d])?;
-            check_len("v_pages", kv.v_pages.len(), &[num_pages, h, bs, d])?;
+            let num_pages = pool_rows(page, ("k_pages", kv.k_pages), ("v_pages", kv.v_pages))?;
             if let Some(pm) = &kv.page_map {
                 check_len("page_map", pm.len(), &[num_pages, h])?;
             }
@@ -596,18 +620,7 @@ impl Gpu {
             // (page ids), the CSR itself must be consistent with kv_indices (DevSlice contract:
             // the kernel reads kv_indices[kv_indptr[s]..kv_indptr[s+1]]). Reachability and
             // lifetime by DevSlice's contract, the stream by Stream's.
-            unsafe {
-                self.launch(
-                    name,
-                    LaunchCfg {
-                        grid,
-                        block: DECODE_THREADS,
-                        smem,
-                    },
-                    stream.handle(),
-                    &args,
-                )?
-            };
+            unsafe { self.queue(name, grid, DECODE_THREADS, smem, stream, &args)? };
             if num_splits == 1 {
                 return Ok(());
             }
@@ -618,26 +631,11 @@ impl Gpu {
                 .ptr(out.ptr())
                 .i32(int("num_splits", num_splits)?)
                 .i32(int("head_dim", d)?);
-            let grid = (
-                grid_dim("num_seqs * num_rows * num_qo_heads", heads, GRID_X_MAX)?,
-                1,
-                1,
-            );
+            let grid = grid_x("num_seqs * num_rows * num_qo_heads", heads)?;
             // SAFETY: `args` follows merge_attn_states_* (3 pointers, 2 i32); the workspace
             // holds heads * num_splits * (d + 1) f32 (checked above) written by the launch just
             // queued on the same stream; `out` has heads * d elements.
-            unsafe {
-                self.launch(
-                    name,
-                    LaunchCfg {
-                        grid,
-                        block: row_threads(d),
-                        smem: 0,
-                    },
-                    stream.handle(),
-                    &args,
-                )
-            }
+            unsafe { self.queue(name, grid, row_threads(d), 0, stream, &args) }
         })
     }
 
@@ -658,8 +656,8 @@ impl Gpu {
         stream: Stream,
     ) -> Result<()> {
         guard("score_blocks", || {
-            geo.validate()?;
-            let (qh, h, d) = (geo.num_qo_heads, geo.num_kv_heads, geo.head_dim);
+            let [h, _, d] = page_shape(geo)?;
+            let qh = geo.num_qo_heads;
             let num_seqs = csr_rows("blk_indptr", blk_indptr.len())?;
             check_len("q", q.len(), &[num_seqs, qh, d])?;
             let num_host = rows("summaries", summaries.len(), &[h, 2, d])?;
@@ -681,24 +679,16 @@ impl Gpu {
                 .i32(int("num_host_blocks", num_host)?);
             // One warp per (tile of SCORE_TILE entries, KV head); a thread block holds
             // consecutive tiles of one head (OASIS_SCORE_HEAD_MAJOR).
-            let blocks = nnz.div_ceil(SCORE_TILE).div_ceil((SCORE_THREADS / 32) as usize) * h;
-            let grid = (grid_dim("score blocks", blocks, GRID_X_MAX)?, 1, 1);
+            let blocks = nnz
+                .div_ceil(SCORE_TILE)
+                .div_ceil((SCORE_THREADS / 32) as usize)
+                * h;
+            let grid = grid_x("score blocks", blocks)?;
             // SAFETY: `args` follows score_blocks_* in cuda/score_blocks.cu (5 pointers, 6 i32).
             // Lengths checked above; the kernel bounds-checks block ids and needs blk_indptr to
             // be a CSR over nnz (DevSlice contract: valid values); reachability and lifetime by
             // DevSlice's contract, the stream by Stream's.
-            unsafe {
-                self.launch(
-                    name,
-                    LaunchCfg {
-                        grid,
-                        block: SCORE_THREADS,
-                        smem: 0,
-                    },
-                    stream.handle(),
-                    &args,
-                )
-            }
+            unsafe { self.queue(name, grid, SCORE_THREADS, 0, stream, &args) }
         })
     }
 
@@ -718,9 +708,7 @@ impl Gpu {
         stream: Stream,
     ) -> Result<()> {
         guard("topk_blocks", || {
-            if num_kv_heads == 0 {
-                return Err(OasisError::Config("num_kv_heads must be positive".into()).into());
-            }
+            positive_heads(num_kv_heads)?;
             if k > MAX_TOPK {
                 return Err(CudaError::Unsupported(format!(
                     "k = {k} exceeds the top-k kernel's maximum {MAX_TOPK}"
@@ -739,27 +727,12 @@ impl Gpu {
                 .ptr(out.ptr())
                 .i32(int("num_kv_heads", num_kv_heads)?)
                 .i32(int("k", k)?);
-            let grid = (
-                grid_dim("num_seqs", num_seqs, GRID_X_MAX)?,
-                grid_dim("num_kv_heads", num_kv_heads, GRID_YZ_MAX)?,
-                1,
-            );
+            let grid = grid_rows_heads("num_seqs", num_seqs, num_kv_heads)?;
             // SAFETY: `args` follows topk_blocks_f32 in cuda/score_blocks.cu (3 pointers, 2 i32);
             // k <= OASIS_MAX_TOPK (its static sort buffer). Lengths checked above; blk_indptr
             // must be a CSR over the scores' rows (DevSlice contract: valid values);
             // reachability and lifetime by DevSlice's contract, the stream by Stream's.
-            unsafe {
-                self.launch(
-                    name,
-                    LaunchCfg {
-                        grid,
-                        block: TOPK_THREADS,
-                        smem: 0,
-                    },
-                    stream.handle(),
-                    &args,
-                )
-            }
+            unsafe { self.queue(name, grid, TOPK_THREADS, 0, stream, &args) }
         })
     }
 
@@ -793,9 +766,7 @@ impl Gpu {
         stream: Stream,
     ) -> Result<()> {
         guard("delta_select", || {
-            if num_kv_heads == 0 {
-                return Err(OasisError::Config("num_kv_heads must be positive".into()).into());
-            }
+            positive_heads(num_kv_heads)?;
             if num_pred > budget {
                 return Err(OasisError::Invalid(format!(
                     "num_pred ({num_pred}) must not exceed budget ({budget})"
@@ -830,48 +801,7 @@ impl Gpu {
                 check_len("stats", st.len(), &[num_seqs, h, 3])?;
             }
 
-            if budget <= SELECT_WARP_MAX {
-                let name = "delta_select_warp_i32";
-                let args = Args::default()
-                    .ptr(predicted.ptr())
-                    .ptr(slot_pages.ptr())
-                    .ptr(page_map.ptr())
-                    .ptr(page_last_selected.ptr())
-                    .ptr(plan_slots.ptr())
-                    .ptr(plan_blocks.ptr())
-                    .ptr(stats.map_or(0, |s| s.ptr()))
-                    .i32(int("num_kv_heads", h)?)
-                    .i32(int("num_pred", num_pred)?)
-                    .i32(int("budget", budget)?)
-                    .i32(int("num_pages", num_pages)?)
-                    .i32(step)
-                    .i32(int("fetch_cap", fetch_cap)?)
-                    .i32(int("num_seqs", num_seqs)?);
-                // One warp per (sequence, KV head).
-                let warps = num_seqs.checked_mul(h).ok_or_else(|| {
-                    CudaError::Unsupported("num_seqs * num_kv_heads overflows".into())
-                })?;
-                let blocks = warps.div_ceil((SELECT_WARP_THREADS / 32) as usize);
-                let grid = (grid_dim("selection blocks", blocks, GRID_X_MAX)?, 1, 1);
-                // SAFETY: `args` follows delta_select_warp_i32 in cuda/delta_select.cu (7 pointers,
-                // 7 i32); stats may be null (the kernel tests it). num_pred <= budget <=
-                // OASIS_SELECT_WARP_MAX (its register and static shared-memory layout). Lengths
-                // checked above; page ids are bounds-checked by the kernel; reachability and
-                // lifetime by DevSlice's contract, the stream by Stream's.
-                return unsafe {
-                    self.launch(
-                        name,
-                        LaunchCfg {
-                            grid,
-                            block: SELECT_WARP_THREADS,
-                            smem: 0,
-                        },
-                        stream.handle(),
-                        &args,
-                    )
-                };
-            }
-            let name = "delta_select_i32";
+            // The arguments of both kernels; the warp kernel takes num_seqs after them.
             let args = Args::default()
                 .ptr(predicted.ptr())
                 .ptr(slot_pages.ptr())
@@ -886,29 +816,31 @@ impl Gpu {
                 .i32(int("num_pages", num_pages)?)
                 .i32(step)
                 .i32(int("fetch_cap", fetch_cap)?);
-            let grid = (
-                grid_dim("num_seqs", num_seqs, GRID_X_MAX)?,
-                grid_dim("num_kv_heads", h, GRID_YZ_MAX)?,
-                1,
-            );
+            if budget <= SELECT_WARP_MAX {
+                let name = "delta_select_warp_i32";
+                let args = args.i32(int("num_seqs", num_seqs)?);
+                // One warp per (sequence, KV head).
+                let warps = num_seqs.checked_mul(h).ok_or_else(|| {
+                    CudaError::Unsupported("num_seqs * num_kv_heads overflows".into())
+                })?;
+                let blocks = warps.div_ceil((SELECT_WARP_THREADS / 32) as usize);
+                let grid = grid_x("selection blocks", blocks)?;
+                // SAFETY: `args` follows delta_select_warp_i32 in cuda/delta_select.cu (7 pointers,
+                // 7 i32); stats may be null (the kernel tests it). num_pred <= budget <=
+                // OASIS_SELECT_WARP_MAX (its register and static shared-memory layout). Lengths
+                // checked above; page ids are bounds-checked by the kernel; reachability and
+                // lifetime by DevSlice's contract, the stream by Stream's.
+                return unsafe { self.queue(name, grid, SELECT_WARP_THREADS, 0, stream, &args) };
+            }
+            let name = "delta_select_i32";
+            let grid = grid_rows_heads("num_seqs", num_seqs, h)?;
             let smem = delta_select_smem_bytes(budget, num_pred);
             // SAFETY: `args` follows delta_select_i32 in cuda/delta_select.cu (7 pointers, 6 i32);
             // stats may be null (the kernel tests it). budget <= OASIS_MAX_SELECT_BUDGET, `smem`
             // is the kernel's layout and launch() checks it against the device limit. Lengths
             // checked above; page ids are bounds-checked by the kernel; reachability and
             // lifetime by DevSlice's contract, the stream by Stream's.
-            unsafe {
-                self.launch(
-                    name,
-                    LaunchCfg {
-                        grid,
-                        block: SELECT_THREADS,
-                        smem,
-                    },
-                    stream.handle(),
-                    &args,
-                )
-            }
+            unsafe { self.queue(name, grid, SELECT_THREADS, smem, stream, &args) }
         })
     }
 
@@ -935,16 +867,14 @@ impl Gpu {
         stream: Stream,
     ) -> Result<()> {
         guard("gather_blocks", || {
-            geo.validate()?;
-            let (h, bs, d) = (geo.num_kv_heads, geo.block_size, geo.head_dim);
+            let page = page_shape(geo)?;
+            let [h, bs, d] = page;
             let num_seqs = csr_rows("host_indptr", host_indptr.len())?;
             check_len("plan_slots", plan_slots.len(), &[num_seqs, h, fetch_cap])?;
             check_len("plan_blocks", plan_blocks.len(), &[num_seqs, h, fetch_cap])?;
             check_len("slot_pages", slot_pages.len(), &[num_seqs, budget])?;
-            let num_host = rows("host_k", host_k.len(), &[h, bs, d])?;
-            check_len("host_v", host_v.len(), &[num_host, h, bs, d])?;
-            let num_pages = rows("k_pages", k_pages.len(), &[h, bs, d])?;
-            check_len("v_pages", v_pages.len(), &[num_pages, h, bs, d])?;
+            let num_host = pool_rows(page, ("host_k", host_k), ("host_v", host_v))?;
+            let num_pages = pool_rows(page, ("k_pages", k_pages), ("v_pages", v_pages))?;
 
             let name = entry!(T, "gather_blocks");
             let args = Args::default()
@@ -964,29 +894,14 @@ impl Gpu {
                 .i32(int("head_dim", d)?)
                 .i32(int("num_pages", num_pages)?)
                 .i32(int("num_host_blocks", num_host)?);
-            let grid = (
-                grid_dim("plan entries", num_seqs * h * fetch_cap, GRID_X_MAX)?,
-                1,
-                1,
-            );
+            let grid = grid_x("plan entries", num_seqs * h * fetch_cap)?;
             // SAFETY: `args` follows gather_blocks_* in cuda/gather_blocks.cu (9 pointers, 7 i32).
             // Lengths checked above; slots, pages, logical and host block ids are all
             // bounds-checked by the kernel, which needs host_indptr to be a CSR over
             // host_indices (DevSlice contract: valid values). host_k/host_v are pinned host
             // memory at the same address on the device (DevSlice contract; Gpu::check_uva tests
             // it); lifetime by DevSlice's contract, the stream by Stream's.
-            unsafe {
-                self.launch(
-                    name,
-                    LaunchCfg {
-                        grid,
-                        block: COPY_THREADS,
-                        smem: 0,
-                    },
-                    stream.handle(),
-                    &args,
-                )
-            }
+            unsafe { self.queue(name, grid, COPY_THREADS, 0, stream, &args) }
         })
     }
 
@@ -1008,14 +923,11 @@ impl Gpu {
         stream: Stream,
     ) -> Result<()> {
         guard("copy_pages", || {
-            geo.validate()?;
-            let (h, bs, d) = (geo.num_kv_heads, geo.block_size, geo.head_dim);
+            let page = page_shape(geo)?;
             let n = src_ids.len();
             check_len("dst_ids", dst_ids.len(), &[n])?;
-            let num_src = rows("src_k", src_k.len(), &[h, bs, d])?;
-            check_len("src_v", src_v.len(), &[num_src, h, bs, d])?;
-            let num_dst = rows("dst_k", dst_k.len(), &[h, bs, d])?;
-            check_len("dst_v", dst_v.len(), &[num_dst, h, bs, d])?;
+            let num_src = pool_rows(page, ("src_k", src_k), ("src_v", src_v))?;
+            let num_dst = pool_rows(page, ("dst_k", dst_k), ("dst_v", dst_v))?;
 
             let name = entry!(T, "copy_pages");
             let page_elems = i64::try_from(geo.page_elems())
@@ -1030,23 +942,12 @@ impl Gpu {
                 .i64(page_elems)
                 .i32(int("num_src_pages", num_src)?)
                 .i32(int("num_dst_pages", num_dst)?);
-            let grid = (grid_dim("n", n, GRID_X_MAX)?, 1, 1);
+            let grid = grid_x("n", n)?;
             // SAFETY: `args` follows copy_pages_* in cuda/gather_blocks.cu (6 pointers, 1 i64,
             // 2 i32). Lengths checked above; page ids bounds-checked by the kernel; reachability
             // (UVA for a pinned side) and lifetime by DevSlice's contract, the stream by
             // Stream's.
-            unsafe {
-                self.launch(
-                    name,
-                    LaunchCfg {
-                        grid,
-                        block: COPY_THREADS,
-                        smem: 0,
-                    },
-                    stream.handle(),
-                    &args,
-                )
-            }
+            unsafe { self.queue(name, grid, COPY_THREADS, 0, stream, &args) }
         })
     }
 }
