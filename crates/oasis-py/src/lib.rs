@@ -263,6 +263,17 @@ fn kv_dtype(py: Python<'_>, named: &[(&str, &TensorArg)]) -> PyResult<DType> {
     Ok(dt)
 }
 
+/// Rows of the K/V pool tensors of `pool` (the first gives the count), all shaped
+/// `[n, num_kv_heads, block_size, head_dim]`: GPU pages, or host blocks under [`Cx::host`].
+fn pool_rows(cx: &Cx<'_>, g: &KvGeometry, pool: &[(&str, &TensorArg)]) -> PyResult<usize> {
+    let (first_name, first) = pool[0];
+    let n = first.dim(cx, first_name, 4, 0)?;
+    for (name, t) in pool {
+        t.expect_shape(cx, name, &[n, g.num_kv_heads, g.block_size, g.head_dim])?;
+    }
+    Ok(n)
+}
+
 /// Outputs must not share memory with each other nor with any input of the same call.
 fn check_outputs(
     py: Python<'_>,
@@ -311,83 +322,32 @@ fn append_kv(
 ) -> PyResult<()> {
     entry(py, "append_kv", || {
         let g = geo.inner;
-        let host = [("host_k", &host_k), ("host_v", &host_v)];
-        let cx = Cx::new(
-            py,
-            &[
-                ("k_new", &k_new),
-                ("v_new", &v_new),
-                ("page_ids", &page_ids),
-                ("page_offsets", &page_offsets),
-                ("host_block_ids", &host_block_ids),
-                ("k_pages", &k_pages),
-                ("v_pages", &v_pages),
-                ("summaries", &summaries),
-            ],
-            &host,
-        )?;
-        let n = k_new.dim(&cx, "k_new", 3, 0)?;
-        k_new.expect_shape(&cx, "k_new", &[n, g.num_kv_heads, g.head_dim])?;
-        v_new.expect_shape(&cx, "v_new", &[n, g.num_kv_heads, g.head_dim])?;
-        for (name, t) in [
+        let new = [("k_new", &k_new), ("v_new", &v_new)];
+        let tables = [
             ("page_ids", &page_ids),
             ("page_offsets", &page_offsets),
             ("host_block_ids", &host_block_ids),
-        ] {
+        ];
+        let pages = [("k_pages", &k_pages), ("v_pages", &v_pages)];
+        let host = [("host_k", &host_k), ("host_v", &host_v)];
+        let sums = [("summaries", &summaries)];
+        let cx = Cx::new(py, &[&new[..], &tables, &pages, &sums].concat(), &host)?;
+        let n = k_new.dim(&cx, "k_new", 3, 0)?;
+        for (name, t) in new {
+            t.expect_shape(&cx, name, &[n, g.num_kv_heads, g.head_dim])?;
+        }
+        for (name, t) in tables {
             t.expect_i32(py, name)?;
             t.expect_shape(&cx, name, &[n])?;
         }
-        let np = k_pages.dim(&cx, "k_pages", 4, 0)?;
-        k_pages.expect_shape(
-            &cx,
-            "k_pages",
-            &[np, g.num_kv_heads, g.block_size, g.head_dim],
-        )?;
-        v_pages.expect_shape(
-            &cx,
-            "v_pages",
-            &[np, g.num_kv_heads, g.block_size, g.head_dim],
-        )?;
-        let nh = host_k.dim(&cx.host(), "host_k", 4, 0)?;
-        host_k.expect_shape(
-            &cx.host(),
-            "host_k",
-            &[nh, g.num_kv_heads, g.block_size, g.head_dim],
-        )?;
-        host_v.expect_shape(
-            &cx.host(),
-            "host_v",
-            &[nh, g.num_kv_heads, g.block_size, g.head_dim],
-        )?;
+        pool_rows(&cx, &g, &pages)?;
+        let nh = pool_rows(&cx.host(), &g, &host)?;
         summaries.expect_shape(&cx, "summaries", &[nh, g.num_kv_heads, 2, g.head_dim])?;
-        let dt = kv_dtype(
-            py,
-            &[
-                ("k_pages", &k_pages),
-                ("v_pages", &v_pages),
-                ("k_new", &k_new),
-                ("v_new", &v_new),
-                ("host_k", &host_k),
-                ("host_v", &host_v),
-                ("summaries", &summaries),
-            ],
-        )?;
+        let dt = kv_dtype(py, &[&pages[..], &new, &host, &sums].concat())?;
         check_outputs(
             py,
-            &[
-                ("k_pages", &k_pages),
-                ("v_pages", &v_pages),
-                ("host_k", &host_k),
-                ("host_v", &host_v),
-                ("summaries", &summaries),
-            ],
-            &[
-                ("k_new", &k_new),
-                ("v_new", &v_new),
-                ("page_ids", &page_ids),
-                ("page_offsets", &page_offsets),
-                ("host_block_ids", &host_block_ids),
-            ],
+            &[&pages[..], &host, &sums].concat(),
+            &[&new[..], &tables].concat(),
         )?;
         match cx.place {
             Place::Cpu => with_dtype!(dt, T => {
@@ -475,17 +435,7 @@ fn decode_attention(
         let rows = q.dim(&cx, "q", 4, 1)?;
         q.expect_shape(&cx, "q", &[ns, rows, g.num_qo_heads, g.head_dim])?;
         out.expect_shape(&cx, "out", &[ns, rows, g.num_qo_heads, g.head_dim])?;
-        let np = k_pages.dim(&cx, "k_pages", 4, 0)?;
-        k_pages.expect_shape(
-            &cx,
-            "k_pages",
-            &[np, g.num_kv_heads, g.block_size, g.head_dim],
-        )?;
-        v_pages.expect_shape(
-            &cx,
-            "v_pages",
-            &[np, g.num_kv_heads, g.block_size, g.head_dim],
-        )?;
+        let np = pool_rows(&cx, &g, &[("k_pages", &k_pages), ("v_pages", &v_pages)])?;
         kv_indptr.expect_i32(py, "kv_indptr")?;
         kv_indptr.expect_shape(&cx, "kv_indptr", &[ns + 1])?;
         kv_indices.expect_i32(py, "kv_indices")?;
@@ -502,14 +452,15 @@ fn decode_attention(
             ("v_pages", &v_pages),
             ("out", &out),
         ];
-        match (&extra_k, &extra_v) {
+        let extra = match (&extra_k, &extra_v) {
             (Some(ek), Some(ev)) => {
                 ek.expect_shape(&cx, "extra_k", &[ns, g.num_kv_heads, g.head_dim])?;
                 ev.expect_shape(&cx, "extra_v", &[ns, g.num_kv_heads, g.head_dim])?;
                 named.push(("extra_k", ek));
                 named.push(("extra_v", ev));
+                Some((ek, ev))
             }
-            (None, None) => {}
+            (None, None) => None,
             _ => {
                 return Err(py_err(
                     py,
@@ -517,7 +468,7 @@ fn decode_attention(
                     "pass extra_k and extra_v together, or neither".into(),
                 ))
             }
-        }
+        };
         let dt = kv_dtype(py, &named)?;
         let inputs: Vec<_> = all
             .iter()
@@ -537,10 +488,7 @@ fn decode_attention(
                     kv_last_page_len: unsafe { kv_last_page_len.ints() },
                     page_map: page_map.as_ref().map(|p| unsafe { p.ints() }),
                 };
-                let extra = match (&extra_k, &extra_v) {
-                    (Some(ek), Some(ev)) => Some(ExtraKv { k: unsafe { ek.slice::<T>() }, v: unsafe { ev.slice::<T>() } }),
-                    _ => None,
-                };
+                let extra = extra.map(|(ek, ev)| ExtraKv { k: unsafe { ek.slice::<T>() }, v: unsafe { ev.slice::<T>() } });
                 guarded(py, "decode_attention", || kernels::decode_attention::<T>(&g, qs, rows, &kv, extra.as_ref(), sm_scale, o))
             }),
             Place::Cuda(dev) => {
@@ -581,10 +529,7 @@ fn decode_attention(
                             page_map: page_map.as_ref().map(|p| p.dev::<i32>()),
                         }
                     };
-                    let extra = match (&extra_k, &extra_v) {
-                        (Some(ek), Some(ev)) => Some(unsafe { ExtraKvDev { k: ek.dev::<T>(), v: ev.dev::<T>() } }),
-                        _ => None,
-                    };
+                    let extra = extra.map(|(ek, ev)| unsafe { ExtraKvDev { k: ek.dev::<T>(), v: ev.dev::<T>() } });
                     on_gpu(py, "decode_attention", dev, stream, &[], move |gpu, st| {
                         let splits = if num_splits > 0 { num_splits } else { plan_splits(gpu.num_sms(), ns, h, max_pages) };
                         let split = match ws {
@@ -641,12 +586,7 @@ fn build_summaries(
             ],
             &host,
         )?;
-        let nh = host_k.dim(&cx.host(), "host_k", 4, 0)?;
-        host_k.expect_shape(
-            &cx.host(),
-            "host_k",
-            &[nh, g.num_kv_heads, g.block_size, g.head_dim],
-        )?;
+        let nh = pool_rows(&cx.host(), &g, &host)?;
         summaries.expect_shape(&cx, "summaries", &[nh, g.num_kv_heads, 2, g.head_dim])?;
         let n = block_ids.dim(&cx, "block_ids", 1, 0)?;
         block_ids.expect_i32(py, "block_ids")?;
@@ -706,17 +646,7 @@ fn score_blocks(
             ("blk_indptr", &blk_indptr),
             ("blk_indices", &blk_indices),
         ];
-        let cx = Cx::new(
-            py,
-            &[
-                inputs[0],
-                inputs[1],
-                inputs[2],
-                inputs[3],
-                ("scores", &scores),
-            ],
-            &[],
-        )?;
+        let cx = Cx::new(py, &[&inputs[..], &[("scores", &scores)]].concat(), &[])?;
         let ns = q.dim(&cx, "q", 3, 0)?;
         q.expect_shape(&cx, "q", &[ns, g.num_qo_heads, g.head_dim])?;
         let nh = summaries.dim(&cx, "summaries", 4, 0)?;
@@ -979,20 +909,14 @@ fn gather_blocks(
             ("host_indptr", &host_indptr),
             ("host_indices", &host_indices),
         ];
-        let host = [("host_k", &host_k), ("host_v", &host_v)];
-        let cx = Cx::new(
-            py,
-            &[
-                tables[0],
-                tables[1],
-                tables[2],
-                tables[3],
-                tables[4],
-                ("k_pages", &k_pages),
-                ("v_pages", &v_pages),
-            ],
-            &host,
-        )?;
+        let pools = [
+            ("host_k", &host_k),
+            ("host_v", &host_v),
+            ("k_pages", &k_pages),
+            ("v_pages", &v_pages),
+        ];
+        let (host, pages) = pools.split_at(2);
+        let cx = Cx::new(py, &[&tables[..], pages].concat(), host)?;
         let ns = plan_slots.dim(&cx, "plan_slots", 3, 0)?;
         let cap = plan_slots.dim(&cx, "plan_slots", 3, 2)?;
         for (name, t) in tables {
@@ -1004,47 +928,11 @@ fn gather_blocks(
         slot_pages.expect_shape(&cx, "slot_pages", &[ns, budget])?;
         host_indptr.expect_shape(&cx, "host_indptr", &[ns + 1])?;
         host_indices.dim(&cx, "host_indices", 1, 0)?;
-        let nh = host_k.dim(&cx.host(), "host_k", 4, 0)?;
-        host_k.expect_shape(
-            &cx.host(),
-            "host_k",
-            &[nh, g.num_kv_heads, g.block_size, g.head_dim],
-        )?;
-        host_v.expect_shape(
-            &cx.host(),
-            "host_v",
-            &[nh, g.num_kv_heads, g.block_size, g.head_dim],
-        )?;
-        let np = k_pages.dim(&cx, "k_pages", 4, 0)?;
-        k_pages.expect_shape(
-            &cx,
-            "k_pages",
-            &[np, g.num_kv_heads, g.block_size, g.head_dim],
-        )?;
-        v_pages.expect_shape(
-            &cx,
-            "v_pages",
-            &[np, g.num_kv_heads, g.block_size, g.head_dim],
-        )?;
-        let dt = kv_dtype(
-            py,
-            &[
-                ("host_k", &host_k),
-                ("host_v", &host_v),
-                ("k_pages", &k_pages),
-                ("v_pages", &v_pages),
-            ],
-        )?;
-        check_disjoint(
-            py,
-            &[
-                ("host_k", &host_k),
-                ("host_v", &host_v),
-                ("k_pages", &k_pages),
-                ("v_pages", &v_pages),
-            ],
-        )?;
-        check_outputs(py, &[("k_pages", &k_pages), ("v_pages", &v_pages)], &tables)?;
+        pool_rows(&cx.host(), &g, host)?;
+        pool_rows(&cx, &g, pages)?;
+        let dt = kv_dtype(py, &pools)?;
+        check_disjoint(py, &pools)?;
+        check_outputs(py, pages, &tables)?;
         match cx.place {
             Place::Cpu => with_dtype!(dt, T => {
                 // SAFETY: checked above; the page pools are disjoint from each other and from every input.
@@ -1057,7 +945,7 @@ fn gather_blocks(
                 // on_gpu); the page pools are disjoint from each other and from every input.
                 let (ps, pb, sp, hi, hx) = unsafe { (plan_slots.dev::<i32>(), plan_blocks.dev::<i32>(), slot_pages.dev::<i32>(), host_indptr.dev::<i32>(), host_indices.dev::<i32>()) };
                 let (hk, hv, kp, vp) = unsafe { (host_k.dev::<T>(), host_v.dev::<T>(), k_pages.dev::<T>(), v_pages.dev::<T>()) };
-                on_gpu(py, "gather_blocks", dev, stream, &host, move |gpu, st| gpu.gather_blocks::<T>(&g, ps, pb, cap, sp, budget, hi, hx, hk, hv, kp, vp, st))?;
+                on_gpu(py, "gather_blocks", dev, stream, host, move |gpu, st| gpu.gather_blocks::<T>(&g, ps, pb, cap, sp, budget, hi, hx, hk, hv, kp, vp, st))?;
                 Ok(None)
             }),
         }
@@ -1094,40 +982,18 @@ fn copy_pages(
             ("dst_k", &dst_k),
             ("dst_v", &dst_v),
         ];
-        let cx = Cx::new(py, &[("src_ids", &src_ids), ("dst_ids", &dst_ids)], &pools)?;
-        let ns = src_k.dim(&cx.host(), "src_k", 4, 0)?;
-        src_k.expect_shape(
-            &cx.host(),
-            "src_k",
-            &[ns, g.num_kv_heads, g.block_size, g.head_dim],
-        )?;
-        src_v.expect_shape(
-            &cx.host(),
-            "src_v",
-            &[ns, g.num_kv_heads, g.block_size, g.head_dim],
-        )?;
-        let nd = dst_k.dim(&cx.host(), "dst_k", 4, 0)?;
-        dst_k.expect_shape(
-            &cx.host(),
-            "dst_k",
-            &[nd, g.num_kv_heads, g.block_size, g.head_dim],
-        )?;
-        dst_v.expect_shape(
-            &cx.host(),
-            "dst_v",
-            &[nd, g.num_kv_heads, g.block_size, g.head_dim],
-        )?;
+        let ids = [("src_ids", &src_ids), ("dst_ids", &dst_ids)];
+        let cx = Cx::new(py, &ids, &pools)?;
+        let (src, dst) = pools.split_at(2);
+        pool_rows(&cx.host(), &g, src)?;
+        pool_rows(&cx.host(), &g, dst)?;
         src_ids.expect_i32(py, "src_ids")?;
         dst_ids.expect_i32(py, "dst_ids")?;
         let n = src_ids.dim(&cx, "src_ids", 1, 0)?;
         dst_ids.expect_shape(&cx, "dst_ids", &[n])?;
         let dt = kv_dtype(py, &pools)?;
         check_disjoint(py, &pools)?;
-        check_outputs(
-            py,
-            &[("dst_k", &dst_k), ("dst_v", &dst_v)],
-            &[("src_ids", &src_ids), ("dst_ids", &dst_ids)],
-        )?;
+        check_outputs(py, dst, &ids)?;
         match cx.place {
             Place::Cpu => with_dtype!(dt, T => {
                 // SAFETY: checked above; destination pools are disjoint from the sources and the ids.

@@ -99,6 +99,11 @@ impl<'py> Cx<'py> {
             .map(|(d, names)| format!("{} on {d}", names.join(", ")))
             .collect::<Vec<_>>()
             .join("; ");
+        let names = host_side
+            .iter()
+            .map(|(n, _)| *n)
+            .collect::<Vec<_>>()
+            .join(", ");
         let msg = if let Some((name, t)) = device_side
             .iter()
             .chain(host_side)
@@ -110,11 +115,6 @@ impl<'py> Cx<'py> {
                 t.device
             )
         } else if device_ok {
-            let names = host_side
-                .iter()
-                .map(|(n, _)| *n)
-                .collect::<Vec<_>>()
-                .join(", ");
             format!(
                 "the call runs on {} ({first_name}'s device) but the host pool is elsewhere: {listing}; pass {names} on {} \
                  or, for a CUDA call, as pinned CPU memory (torch.empty(..., pin_memory=True))",
@@ -124,11 +124,6 @@ impl<'py> Cx<'py> {
             let host = if host_side.is_empty() {
                 String::new()
             } else {
-                let names = host_side
-                    .iter()
-                    .map(|(n, _)| *n)
-                    .collect::<Vec<_>>()
-                    .join(", ");
                 format!(
                     " ({names} may also be pinned CPU memory when the rest is on a CUDA device)"
                 )
@@ -335,26 +330,21 @@ impl TensorArg {
     }
 
     pub fn expect_i32(&self, py: Python<'_>, name: &str) -> PyResult<()> {
-        if self.dtype != "int32" {
-            return Err(py_err(
-                py,
-                "DTypeError",
-                format!(
-                    "{name} must be int32, got {}; pass {name}.to(torch.int32)",
-                    self.dtype
-                ),
-            ));
-        }
-        Ok(())
+        self.expect_dtype(py, name, "int32", ".to(torch.int32)")
     }
 
     pub fn expect_f32(&self, py: Python<'_>, name: &str) -> PyResult<()> {
-        if self.dtype != "float32" {
+        self.expect_dtype(py, name, "float32", ".float()")
+    }
+
+    /// The dtype is `dtype` (torch's name); else a `DTypeError` that tells to pass `{name}{cast}`.
+    fn expect_dtype(&self, py: Python<'_>, name: &str, dtype: &str, cast: &str) -> PyResult<()> {
+        if self.dtype != dtype {
             return Err(py_err(
                 py,
                 "DTypeError",
                 format!(
-                    "{name} must be float32, got {}; pass {name}.float()",
+                    "{name} must be {dtype}, got {}; pass {name}{cast}",
                     self.dtype
                 ),
             ));
