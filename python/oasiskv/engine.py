@@ -110,16 +110,22 @@ class _Prefilled:
     # [n, width] the captured features of EVERY prompt position (the engine's capture layers
     # concatenated), None when the engine captures nothing.
     features: torch.Tensor | None
+    capture: tuple[int, ...] = ()  # the layers ``features`` concatenates
 
 
 class PrefillCache:
     """Prompt -> its prefill results, so several engines (say a dense and an oasis one over the same
     model) prefill a shared prompt once. Holds at most ``capacity`` prompts, least recently used out.
 
-    Entries are keyed by (model, KV dtype, capture layers, prompt). An engine that captures
-    features stores those of every prompt position, whether or not its own drafter wants them, so
-    a hit serves a drafter with ``wants_prompt_features`` exactly as a fresh prefill would (no
-    recompute, and no dependence on which engine filled the entry first).
+    Entries are keyed by (model, KV dtype, prompt); the model is the one that prefills (a wrapper
+    that only changes decode steps, like the evaluation's Quest-like ``QuestModel``, names its inner
+    model as ``prefill_model``). An engine that captures features stores those of every prompt
+    position, whether or not its own drafter wants them, so a hit serves a drafter with
+    ``wants_prompt_features`` exactly as a fresh prefill would (no recompute, and no dependence on
+    which engine filled the entry first). An entry serves an engine that captures nothing whatever
+    it captured (capturing does not change the KV or the logits); an engine that captures layers
+    is served only by an entry with those same layers, else it prefills and replaces the entry. So
+    where engines with and without a drafter share prompts, let one that captures prefill first.
 
     NOTE: an entry holds the prompt's whole KV (and its features: ``3 * hidden`` values per token
     for EAGLE-3) on the model's device; keep ``capacity`` small.
@@ -132,11 +138,13 @@ class PrefillCache:
         self._items: dict = {}
         self.hits = 0
 
-    def get(self, key):
-        item = self._items.pop(key, None)
-        if item is not None:
-            self._items[key] = item
-            self.hits += 1
+    def get(self, key, capture: tuple[int, ...] = ()):
+        """The entry of ``key`` if it holds the features of ``capture`` (any entry when empty)."""
+        item = self._items.get(key)
+        if item is None or (capture and getattr(item, "capture", ()) != tuple(capture)):
+            return None
+        self._items[key] = self._items.pop(key)  # most recently used
+        self.hits += 1
         return item
 
     def put(self, key, item) -> None:
@@ -427,13 +435,13 @@ class Engine:
                 pool[page_idx] = x.view(n_blocks, b, hk, d).transpose(1, 2)
 
         cache = self.prefill_cache
-        key = (id(self.model), self.dtype, self.capture, tuple(r.prompt))
-        hit = cache.get(key) if cache is not None else None
+        key = (id(getattr(self.model, "prefill_model", self.model)), self.dtype, tuple(r.prompt))
+        hit = cache.get(key, self.capture) if cache is not None else None
         if hit is not None:
             for layer in range(layers):
                 store(layer, hit.k[layer], hit.v[layer])
                 self._last_q[layer] = hit.last_q[layer]
-            self._take_features(r, hit.features)
+            self._take_features(r, hit.features if self.capture else None)
             return hit.logits
 
         ks: list[torch.Tensor] = []
@@ -460,7 +468,7 @@ class Engine:
             rows = slice(None) if (self.prompt_features or cache is not None) else slice(-1, None)
             feats = torch.cat([captured[i][rows] for i in self.capture], dim=-1)  # [n or 1, width]
         if cache is not None:
-            cache.put(key, _Prefilled(ks, vs, list(self._last_q), logits[0], feats))
+            cache.put(key, _Prefilled(ks, vs, list(self._last_q), logits[0], feats, self.capture))
         self._take_features(r, feats)
         return logits[0]
 

@@ -169,7 +169,10 @@ class LLM:
                 greedy = logits.argmax(dim=-1).tolist() if temperature <= 0.0 else None
                 for i, r in enumerate(running):
                     r.metrics.decode_s += dt / len(running)
-                    tok = greedy[i] if greedy is not None else self._sample(logits[i], temperature, top_p, gen)
+                    if greedy is not None:
+                        tok = greedy[i]
+                    else:
+                        tok = self._sample(logits[i], temperature, top_p, gen)
                     self._accept(r, tok, ignore_eos, stop)
                     if bar:
                         bar.update(1)

@@ -120,7 +120,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--resume", action="store_true", help="skip configurations already in --out/results.json")
     p.add_argument(
-        "--time-limit-min", type=float, default=None, help="start no new run after this many minutes"
+        "--time-limit-min",
+        type=float,
+        default=None,
+        help="start no new run (retrieval: no new trial batch) after this many minutes",
     )
     p.add_argument(
         "--report-only", action="store_true", help="re-render results.md and plots from results.json"
@@ -493,7 +496,7 @@ def run_retrieval(args, model, tok, head, results: Results, files, progress: boo
         variants: list[tuple[dict, LLM]] = []
         dense_kv = KvConfig(top_k_blocks=1, fetch_cap=None, measure_recall=False, **pool_kw)
 
-        def make_llm(m, kv, backend, drafter):
+        def make_llm(m, kv, backend, drafter, cache=cache):
             return LLM(
                 m,
                 tokenizer=tok,

@@ -62,12 +62,19 @@ class QuestModel(torch.nn.Module):
         # For tests: the (layer, request index) -> number of (page, head) entries attention could read.
         self.last_visible: dict[tuple[int, int], int] = {}
 
+    @property
+    def prefill_model(self) -> torch.nn.Module:
+        """The model whose prefill this wrapper's is (it masks decode steps only): a
+        :class:`~oasiskv.engine.PrefillCache` shares prompts with engines over the bare model."""
+        return self.inner
+
     # -------------------------------------------------------------- binding
     def attach(self, engine, top_k_blocks: int | None = None) -> QuestModel:
         """Bind to ``engine`` (whose ``model`` is this wrapper) and wrap its ``decode_step`` so that
         every step runs with the mask at budget ``top_k_blocks`` (default: the wrapper's), also when
         the engine is driven by :class:`oasiskv.LLM`. One wrapper may serve several engines with
-        different budgets (they then share prefills through a ``PrefillCache``, keyed by model)."""
+        different budgets (they then share prefills through a ``PrefillCache``, also with engines
+        over the bare model)."""
         if engine.model is not self:
             raise ValueError("QuestModel.attach: the engine must run this wrapper as its model")
         if engine.backend != "dense":

@@ -173,6 +173,21 @@ def score(task: str, answer: str, generated: str) -> bool:
     return generated.strip().lstrip("\"' ").startswith(answer)
 
 
+def decided(task: str, answer: str, generated: str) -> bool:
+    """True when no continuation of ``generated`` can change :func:`score` (so generation can stop
+    there with the same outcome): for ``passkey``/``needle`` once the first integer is followed by
+    another character or is no longer a prefix of the answer; for ``kv`` once the stripped text
+    is as long as the answer or no longer a prefix of it. Never while the text ends in U+FFFD: a
+    partial character, which a later token may complete (into whitespace, say)."""
+    if generated.endswith("\ufffd"):
+        return False
+    if task in ("passkey", "needle"):
+        m = re.search(r"\d+", generated)
+        return m is not None and (m.end() < len(generated) or not answer.startswith(m.group(0)))
+    s = generated.strip().lstrip("\"' ")
+    return bool(s) and (len(s) >= len(answer) or not answer.startswith(s))
+
+
 def make_trials(
     tokenizer,
     tasks: Sequence[str],
