@@ -20,7 +20,7 @@ pytestmark = [
 ]
 
 
-def _tiny(dtype=torch.bfloat16):
+def _tiny(dtype=torch.bfloat16, device="cuda", seed=1):
     cfg = ModelConfig(
         family="llama",
         vocab_size=301,
@@ -32,7 +32,7 @@ def _tiny(dtype=torch.bfloat16):
         head_dim=32,
         max_position_embeddings=4096,
     )
-    return CausalLM.random(cfg, seed=1, dtype=dtype, device="cuda")
+    return CausalLM.random(cfg, seed=seed, dtype=dtype, device=device)
 
 
 def _repetitive(n: int, period: int = 37, seed: int = 0) -> list[int]:
@@ -62,21 +62,42 @@ def test_teacher_forcing_on_gpu_full_budget_tracks_dense_and_small_budget_measur
     assert math.isfinite(quest["nll"]) and quest["kl"] >= 0
 
 
-def test_trainer_steps_on_gpu_lower_the_loss():
-    target = _tiny()
+def _trainer_gap_and_top1(device: str, target, steps: int = 30, passes: int = 3, seed: int = 0):
+    """Train a head on 4 repetitive sequences for ``steps`` AdamW steps (bf16 autocast); per step,
+    each pass's loss minus its floor (the target's entropy over the draft vocabulary, so the gap is
+    the KL to the target) and each pass's top-1 agreement with the target's argmax."""
     sel = torch.arange(0, 300, 3)
-    head = tr.new_head(target, sel, seed=0, device="cuda")
+    head = tr.new_head(target, sel, seed=seed, device=device)
     opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
-    tokens = torch.tensor([_repetitive(256, seed=s) for s in range(4)])
-    losses = []
-    for _ in range(30):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+    tokens = torch.tensor([_repetitive(256, seed=s + 10 * seed) for s in range(4)])
+    gaps, top1 = [], []
+    for _ in range(steps):
+        with torch.autocast(device, dtype=torch.bfloat16):
             feats, z, _ = tr.target_pass(target, tokens, sel)
-            outs = tr.ttt_forward(head, feats, tokens, 3)
-            loss, _, _ = tr.ttt_loss(outs, z, 0.8)
+            outs = tr.ttt_forward(head, feats, tokens, passes)
+            loss, per_pass, accs = tr.ttt_loss(outs, z, 0.8)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
-    assert all(math.isfinite(x) for x in losses)
-    assert losses[-1] < 0.7 * losses[0], losses
+        with torch.no_grad():
+            lz = torch.log_softmax(z.float(), dim=-1)
+            plogp = lz.exp() * lz
+            ent = torch.stack([-plogp[:, k + 1 :].sum(-1).mean() for k in range(passes)])
+        gaps.append((per_pass.float() - ent.to(per_pass.device)).tolist())
+        top1.append(accs.tolist())
+    return gaps, top1
+
+
+def test_trainer_steps_on_gpu_close_the_gap_to_the_target():
+    """A random tiny target is nearly uniform over the draft vocabulary: the loss cannot fall far
+    (its floor, the target's entropy, ~ln 100 per pass, is 11.17 of the first 11.29), so the steps
+    must close the gap above the floor (the KL), and the head must come to pick the target's
+    argmax. The same code on the CPU (device "cpu"; target seeds 1, 1, 2, 3 with head seeds 0..3):
+    every pass's gap falls from 0.046-0.054 to 0.0015-0.0018 (x0.03-0.036), top-1 from <= 0.006 to
+    0.53-0.88."""
+    target = _tiny()
+    gaps, top1 = _trainer_gap_and_top1("cuda", target)
+    assert all(math.isfinite(g) for row in gaps for g in row), gaps
+    for k in range(3):
+        assert gaps[0][k] > 0.02 and gaps[-1][k] < 0.2 * gaps[0][k], [row[k] for row in gaps]
+        assert top1[0][k] < 0.1 and top1[-1][k] > 0.3, [row[k] for row in top1]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 import torch
@@ -24,6 +25,9 @@ class ByteTokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
+
+    def token_to_id(self, token: str):
+        return None
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +144,43 @@ def test_draft_vocab_is_the_most_frequent_tokens(tmp_path):
     files = corpus.list_files([("stdlib", root)])
     sel = tr.draft_vocab(ByteTokenizer(), files, sep=0, vocab_size=300, size=3, tokens=100)
     assert sel.tolist() == sorted([ord("a"), ord("b"), ord(" ")])
+    # Counted in chunks, the same vocabulary (the stream wraps around the 140-byte file here).
+    for tokens in (100, 1000):
+        want = tr.draft_vocab(ByteTokenizer(), files, 0, 300, 5, tokens)
+        assert torch.equal(tr.draft_vocab(ByteTokenizer(), files, 0, 300, 5, tokens, chunk=7), want)
+
+
+def test_split_corpus_is_train_files_heldout_and_fingerprint_in_one_walk():
+    train, heldout, fp = tr.split_corpus("stdlib", seed=3)
+    assert train == corpus.train_files(source="stdlib", seed=3)
+    assert heldout == corpus.list_files(source="stdlib", split="heldout")
+    assert fp == corpus.fingerprint(corpus.list_files(source="stdlib"))
+
+
+def _reparse(cmd: str) -> dict:
+    words = shlex.split(cmd)
+    assert words[:3] == ["python", "-m", "oasiskv.train.eagle3"], cmd
+    return vars(tr.build_parser().parse_args(words[3:]))
+
+
+def test_reproduce_command_repeats_every_argument_that_affects_the_result():
+    parser = tr.build_parser()
+    dests = {a.dest for a in parser._actions if a.option_strings and a.dest != "help"}
+    assert tr.NOT_REPRODUCED <= dests
+    run = vars(parser.parse_args(["--out", "x"]))
+    # A value unlike the default for every argument that is repeated.
+    run.update(
+        model="/some dir/with space", device="cuda", steps=1234, seq_len=512, batch_size=3, lr=1e-3,
+        warmup=17, min_lr_ratio=0.05, weight_decay=0.0, grad_clip=0.5, ttt_steps=2, ttt_decay=0.7,
+        draft_vocab=4096, vocab_tokens=2_000_000, eval_seqs=8, source="stdlib", save_dtype="float32",
+        seed=5,
+    )  # fmt: skip
+    defaults = vars(parser.parse_args(["--out", "x"]))
+    assert all(run[d] != defaults[d] for d in dests - tr.NOT_REPRODUCED), "extend the test's values"
+    back = _reparse(tr.reproduce_command(run, parser))
+    for d in dests - tr.NOT_REPRODUCED:
+        assert back[d] == run[d] and type(back[d]) is type(run[d]), d
+    assert back["out"] == "DIR"
 
 
 def test_lr_schedule():
@@ -148,14 +189,71 @@ def test_lr_schedule():
     assert tr.lr_at(100, 100, 1.0, 10, 0.1) == pytest.approx(0.1)
 
 
+@pytest.fixture()
+def tiny_target(monkeypatch):
+    """main() on the tiny random target with a byte tokenizer (the corpus stays the real one)."""
+    import oasiskv.models.loader as loader
+
+    cfg = ModelConfig("llama", 300, 64, 128, 8, 4, 2, max_position_embeddings=512)
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: (CausalLM.random(cfg, seed=1), ByteTokenizer()))
+
+
+def test_minutes_fill_the_budget_and_the_reproduce_command_repeats_the_run(
+    tmp_path, tiny_target, monkeypatch
+):
+    """Without --steps: the total is fixed at step TIME_TO from the time of steps TIME_FROM..TIME_TO
+    (here 2..6, with a wide margin against a contended CPU), the run ends within its budget, near
+    it, with the schedule completed; the reproduce command retrains the same head bit for bit."""
+    monkeypatch.setattr(tr, "TIME_FROM", 2)
+    monkeypatch.setattr(tr, "TIME_TO", 6)
+    monkeypatch.setattr(tr, "MARGIN", 0.8)
+    common = ["--seq-len", "32", "--batch-size", "2", "--source", "stdlib", "--threads", "1"]
+    minutes = 0.1
+    rc = tr.main(
+        ["--out", str(tmp_path / "a"), "--minutes", str(minutes), "--no-progress", "--lr", "2e-3"]
+        + ["--vocab-tokens", "5000", "--eval-seqs", "1", "--ttt-steps", "2", "--draft-vocab", "64"]
+        + ["--warmup", "5", *common]
+    )
+    assert rc == 0
+    a = json.loads((tmp_path / "a" / "training.json").read_text())
+    budget = minutes * 60
+    assert a["reproduce_exact"] and a["steps"] > 6, a["steps"]
+    assert 0.5 * budget < a["train_s"] <= budget + 0.5, a["train_s"]
+    assert a["warmup_steps"] == 5
+    assert set(a["setup_s"]) >= {"load", "corpus_listing", "heldout_windows", "draft_vocab", "total"}
+    log = [json.loads(x) for x in (tmp_path / "a" / "train_log.jsonl").read_text().splitlines()]
+    assert log[-1]["step"] == a["steps"]
+    assert log[-1]["lr"] == pytest.approx(tr.lr_at(a["steps"] - 1, a["steps"], 2e-3, 5, 0.1))
+    # The reproduce command: every result-affecting argument of the run, the exact steps.
+    back = _reparse(a["reproduce"])
+    assert {k: back[k] for k in a["reproduce_args"]} == a["reproduce_args"]
+    assert a["reproduce_args"] == {
+        **{k: v for k, v in a["args"].items() if k not in tr.NOT_REPRODUCED},
+        "steps": a["steps"], "warmup": 5, "device": "cpu",
+    }  # fmt: skip
+    argv = shlex.split(a["reproduce"])[3:]
+    argv[argv.index("DIR")] = str(tmp_path / "b")
+    assert tr.main([*argv, "--no-progress", "--threads", "1"]) == 0
+    b = json.loads((tmp_path / "b" / "training.json").read_text())
+    assert b["steps"] == a["steps"] and b["reproduce"] == a["reproduce"]
+    from safetensors.torch import load_file
+
+    wa, wb = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
 def test_smoke_run_on_smollm2_saves_a_loadable_head_with_lower_loss(tmp_path):
     """The documented CPU smoke configuration: SmolLM2 frozen, 5 steps of 128 tokens (< 60 s)."""
     rc = tr.main(
         ["--out", str(tmp_path), "--steps", "5", "--seq-len", "128", "--threads", "2", "--no-progress"]
+        + ["--lr", "6e-4", "--ttt-steps", "3", "--vocab-tokens", "150000"]
     )
     assert rc == 0
     summary = json.loads((tmp_path / "training.json").read_text())
     assert summary["steps"] == 5 and summary["capture_layers"] == [2, 15, 27]
+    back = _reparse(summary["reproduce"])
+    assert (back["steps"], back["lr"], back["ttt_steps"], back["vocab_tokens"]) == (5, 6e-4, 3, 150000)
+    assert (back["warmup"], back["seq_len"], back["batch_size"], back["eval_seqs"]) == (1, 128, 2, 2)
     assert summary["heldout_after"]["loss"] < summary["heldout_before"]["loss"]
     assert summary["head_file_bytes"] <= 25 * 1024 * 1024 and summary["head_within_25MB"]
     assert 0.0 <= summary["acceptance"] <= 1.0

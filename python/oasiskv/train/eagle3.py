@@ -23,11 +23,20 @@ What it trains (the EAGLE-3 recipe, at this project's conventions, see :mod:`oas
 Data: the train split of :mod:`oasiskv.eval.corpus` (installed Python sources and docs), in a
 seeded order, packed into ``--seq-len`` windows; acceptance is measured on the held-out split.
 
-Determinism: the initialisation, the draft vocabulary and the data order are fixed by ``--seed``
-and ``--steps``. Without ``--steps`` the number of steps is estimated from ``--minutes`` after the
-first steps (machine dependent) and written to ``training.json``; pass that number as ``--steps``
-to repeat the run. A run stopped by ``--stop-after-minutes`` saves ``train_state.pt`` and the same
-command resumes it (so a 15-minute run fits in device calls of at most 10 minutes).
+Time budget: ``--minutes`` counts the training loop only, summed over invocations; the setup
+(loading the target, listing the corpus, cutting the held-out windows, counting the draft
+vocabulary, the held-out evaluation before training) and the evaluation and saving after it come on
+top (the setup's phases are printed and recorded in ``training.json: setup_s``). Without
+``--steps`` the number of steps is fixed once, at step 40 of the run: steps 10..40 are timed (the
+first ten, with the allocator's and the kernels' warm-up, are left out) and the steps that fit the
+rest of the budget, less a 3 % margin, are added. Nothing depends on the total before then: the
+warm-up (``--warmup``, 100 steps) is not capped by it in this mode.
+
+Determinism: the initialisation, the draft vocabulary and the data order are fixed by ``--seed``;
+the learning-rate schedule by ``--steps`` and ``--warmup``. ``training.json: reproduce`` is the
+command that repeats the run (every argument that affects the result, with the exact ``--steps``
+and ``--warmup`` used). A run stopped by ``--stop-after-minutes`` saves ``train_state.pt`` and the
+same command resumes it (so a 15-minute run fits in device calls of at most 10 minutes).
 
 Outputs in ``--out``: ``config.json`` + ``model.safetensors`` (the head, public EAGLE-3 format,
 ``--save-dtype``), ``training.json`` (arguments, command, corpus fingerprint, loss curve,
@@ -37,9 +46,11 @@ held-out acceptance before/after) and ``train_log.jsonl`` (one line per logged s
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -52,6 +63,10 @@ from ..models.eagle3 import Eagle3Head
 from ..models.transformer import apply_rope, dense_causal_attn, rope_cos_sin
 
 MAX_HEAD_BYTES = 25 * 1024 * 1024
+DEFAULT_WARMUP = 100
+# Without --steps: steps [TIME_FROM, TIME_TO) of an invocation are timed, the total is fixed at
+# TIME_TO to fill MARGIN of the budget left.
+TIME_FROM, TIME_TO, MARGIN = 10, 40, 0.97
 
 
 # ------------------------------------------------------------------------------------------ data
@@ -110,14 +125,34 @@ class TokenStream:
         return torch.tensor(self.take(batch * seq_len), dtype=torch.long).view(batch, seq_len)
 
 
-def draft_vocab(tokenizer, files, sep: int, vocab_size: int, size: int, tokens: int) -> torch.Tensor:
+def draft_vocab(
+    tokenizer, files, sep: int, vocab_size: int, size: int, tokens: int, chunk: int = 1 << 20
+) -> torch.Tensor:
     """The ``size`` most frequent token ids in the first ``tokens`` tokens of the stream, sorted."""
     stream = TokenStream(tokenizer, files, sep)
-    counts = torch.bincount(torch.tensor(stream.take(tokens)), minlength=vocab_size)
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    left = tokens
+    while left > 0:  # in chunks: 20M tokens as one list of Python ints would take about 1 GB
+        ids = torch.tensor(stream.take(min(left, chunk)))
+        c = torch.bincount(ids, minlength=vocab_size)
+        if c.numel() > counts.numel():
+            counts = torch.cat([counts, counts.new_zeros(c.numel() - counts.numel())])
+        counts[: c.numel()] += c
+        left -= ids.numel()
     size = min(size, vocab_size)
     # Ties go to the lower id (deterministic).
     top = torch.topk(counts.double() + 1e-6 * (counts.numel() - torch.arange(counts.numel())), size).indices
     return top.sort().values
+
+
+def split_corpus(source: str, seed: int):
+    """``(train files in the order of corpus.train_files, held-out files, fingerprint of all)`` from
+    one walk of the corpus (``corpus.train_files``, ``list_files(split=...)`` and the fingerprint's
+    list would walk it three times)."""
+    every = corpus.list_files(source=source)
+    train = [f for f in every if f.split == "train"]
+    train.sort(key=lambda f: hashlib.sha256(f"{seed}:{f.key}".encode()).hexdigest())  # = train_files
+    return train, [f for f in every if f.split == "heldout"], corpus.fingerprint(every)
 
 
 # ------------------------------------------------------------------------------------------ model
@@ -299,18 +334,34 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default="smollm2", help="target: 'smollm2', a .gguf or a HF directory")
     ap.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda[:N]")
     ap.add_argument(
-        "--minutes", type=float, default=15.0, help="training wall-clock budget (all invocations)"
+        "--minutes",
+        type=float,
+        default=15.0,
+        help="wall-clock budget of the training loop, summed over invocations; the setup (loading, "
+        "corpus listing, draft-vocabulary counting, held-out evaluation) and the final evaluation "
+        "and saving come on top. The step count that fits is fixed at step 40 (steps 10..40 timed)",
     )
     ap.add_argument(
-        "--stop-after-minutes", type=float, default=None, help="save state and stop this invocation"
+        "--stop-after-minutes",
+        type=float,
+        default=None,
+        help="save state and stop this invocation after this much training-loop time",
     )
-    ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default: fit --minutes)")
+    ap.add_argument(
+        "--steps", type=int, default=None, help="optimizer steps (default: what fits --minutes; replaces it)"
+    )
     ap.add_argument(
         "--seq-len", type=int, default=None, help="tokens per sequence (default 2048 GPU, 128 CPU)"
     )
     ap.add_argument("--batch-size", type=int, default=None, help="sequences per step (default 8 GPU, 2 CPU)")
     ap.add_argument("--lr", type=float, default=5e-4)
-    ap.add_argument("--warmup", type=int, default=100, help="warm-up steps (capped at a tenth of the run)")
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help=f"warm-up steps (default {DEFAULT_WARMUP}, capped at a tenth of --steps when --steps is given; "
+        "a value given is used as is)",
+    )
     ap.add_argument("--min-lr-ratio", type=float, default=0.1)
     ap.add_argument("--weight-decay", type=float, default=0.01)
     ap.add_argument("--grad-clip", type=float, default=1.0)
@@ -328,6 +379,33 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fresh", action="store_true", help="ignore an existing train_state.pt")
     ap.add_argument("--no-progress", action="store_true")
     return ap
+
+
+# Arguments that do not change the trained head or the numbers in training.json; every other one
+# is repeated by training.json's "reproduce" command (--minutes because --steps replaces it).
+NOT_REPRODUCED = frozenset(
+    {"out", "minutes", "stop_after_minutes", "threads", "log_every", "checkpoint_minutes"}
+    | {"fresh", "no_progress"}
+)
+
+
+def reproduce_command(run_args: dict, parser: argparse.ArgumentParser | None = None) -> str:
+    """The command that repeats a run: every argument of ``build_parser`` not in
+    :data:`NOT_REPRODUCED`, with its value in ``run_args`` (the effective ones: exact ``--steps``
+    and ``--warmup``, the device type, the device-dependent defaults filled in); ``--out DIR``."""
+    parser = parser or build_parser()
+    parts = ["python -m oasiskv.train.eagle3", "--out DIR"]
+    for a in parser._actions:
+        if not a.option_strings or a.dest in NOT_REPRODUCED or a.dest == "help":
+            continue
+        v = run_args[a.dest]
+        flag = a.option_strings[0]
+        if isinstance(a, argparse._StoreTrueAction):
+            if v:
+                parts.append(flag)
+        elif v is not None:
+            parts.append(f"{flag} {shlex.quote(repr(v) if isinstance(v, float) else str(v))}")
+    return " ".join(parts)
 
 
 def _defaults(args, cuda: bool) -> None:
@@ -368,6 +446,16 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     progress = not args.no_progress
+    setup_s: dict[str, float] = {}  # this invocation's setup, by phase (not counted in --minutes)
+    t_phase = time.perf_counter()
+
+    def phase(name: str) -> None:
+        nonlocal t_phase
+        if cuda:
+            torch.cuda.synchronize(device)
+        now = time.perf_counter()
+        setup_s[name] = round(now - t_phase, 2)
+        t_phase = now
 
     target, tok = load_model(args.model, dtype=torch.float32, device=device)
     target.eval()
@@ -375,9 +463,9 @@ def main(argv: list[str] | None = None) -> int:
     sep = tok.token_to_id("<|endoftext|>")
     if sep is None:
         sep = (tok.eos_token_ids or [0])[0]
-    files = corpus.train_files(source=args.source, seed=args.seed)
-    heldout = corpus.list_files(source=args.source, split="heldout")
-    fp = corpus.fingerprint(corpus.list_files(source=args.source))
+    phase("load")
+    files, heldout, fp = split_corpus(args.source, args.seed)
+    phase("corpus_listing")
     windows = torch.tensor(
         [
             w["tokens"]
@@ -386,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         ]
     )
+    phase("heldout_windows")
 
     state_path = out / "train_state.pt"
     state = None
@@ -396,12 +485,21 @@ def main(argv: list[str] | None = None) -> int:
         sel = state["sel"]
     else:
         sel = draft_vocab(tok, files, sep, target.config.vocab_size, args.draft_vocab, args.vocab_tokens)
+        phase("draft_vocab")
     head = new_head(target, sel, args.seed, device)
     opt = torch.optim.AdamW(
         head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=cuda
     )
     log: list[dict] = []
     step, elapsed, total = 0, 0.0, args.steps
+    # The warm-up is fixed before the first step (the schedule of the steps before the total is
+    # known must not depend on it): a tenth of --steps at most when the default is left to it.
+    if args.warmup is not None:
+        warm = args.warmup
+    elif args.steps is not None:
+        warm = min(DEFAULT_WARMUP, max(1, args.steps // 10))
+    else:
+        warm = DEFAULT_WARMUP
     cursor = (0, 0)
     before = None
     if state is not None:
@@ -409,24 +507,35 @@ def main(argv: list[str] | None = None) -> int:
         opt.load_state_dict(state["opt"])
         step, elapsed, cursor = state["step"], state["elapsed_s"], tuple(state["cursor"])
         total = state["total_steps"] if args.steps is None else args.steps
+        warm = state.get("warmup", warm)
         log, before = state["log"], state["eval_before"]
         torch.set_rng_state(state["rng"])
     else:
         before = evaluate(head, target, windows, sel, args.ttt_steps)
         print(f"held-out before training: {json.dumps(before)}", file=sys.stderr)
+        phase("heldout_eval_before")
+    setup_total = time.perf_counter() - t_start
+    print(
+        f"setup {setup_total:.1f} s ({', '.join(f'{k} {v:.1f} s' for k, v in setup_s.items())}); "
+        "not counted in --minutes",
+        file=sys.stderr,
+    )
     stream = TokenStream(tok, files, sep, cursor=cursor)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
     budget_s = args.minutes * 60.0
     stop_s = args.stop_after_minutes * 60.0 if args.stop_after_minutes else math.inf
     t_inv = time.perf_counter()
     last_ckpt = t_inv
-    timing_steps = 10
+    step_inv = step  # this invocation's first step
+    t_timed = None  # the time at step step_inv + TIME_FROM
+    truncated = False  # the budget ran out mid-schedule (before the total, or before it was fixed)
 
     def save_state() -> None:
         torch.save(
             {
                 "step": step,
                 "total_steps": total,
+                "warmup": warm,
                 "elapsed_s": elapsed + (time.perf_counter() - t_inv),
                 "cursor": list(state_cursor),
                 "sel": sel,
@@ -454,21 +563,32 @@ def main(argv: list[str] | None = None) -> int:
     tokens = stream.batch(args.batch_size, args.seq_len)
     state_cursor = cursor  # the stream position after the last batch trained on
     while total is None or step < total:
+        if total is None and step - step_inv in (TIME_FROM, TIME_TO):
+            if cuda:
+                torch.cuda.synchronize(device)  # time finished steps, not queued ones
+            if step - step_inv == TIME_FROM:
+                t_timed = time.perf_counter()
+            else:
+                now = time.perf_counter()
+                per_step = (now - t_timed) / (TIME_TO - TIME_FROM)
+                left = budget_s - (elapsed + (now - t_inv))
+                total = max(step + 1, step + int(MARGIN * left / per_step))
+                print(
+                    f"{per_step:.3f} s/step over steps {step_inv + TIME_FROM}..{step}: {total} steps in all",
+                    file=sys.stderr,
+                )
+                if bar:
+                    bar.total = total
+                    bar.refresh()
         now = time.perf_counter()
         spent = elapsed + (now - t_inv)
-        if total is None and step >= timing_steps:
-            per_step = (now - t_inv) / max(1, step - (state["step"] if state else 0))
-            total = max(step + 1, int(step + 0.95 * (budget_s - spent) / per_step))
-            if bar:
-                bar.total = total
-                bar.refresh()
         if args.steps is None and spent >= budget_s:
-            total = step  # the time budget is spent (the estimate ran long): stop here
+            truncated = True  # the estimate ran long, or the budget was spent before step TIME_TO
+            total = step
             break
         if now - t_inv >= stop_s:
             stopped = True
             break
-        warm = min(args.warmup, max(1, (total or 10 * args.warmup) // 10))
         lr = lr_at(step, total or 10**9, args.lr, warm, args.min_lr_ratio)
         for g in opt.param_groups:
             g["lr"] = lr
@@ -520,6 +640,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 0
     train_s = elapsed + (time.perf_counter() - t_inv)
+    t_finish = time.perf_counter()
     after = evaluate(head, target, windows, sel, args.ttt_steps)
     size = _save_head(head, out, getattr(torch, args.save_dtype))
     # The saved head, reloaded as users load it, drafts the same tokens (save dtype permitting).
@@ -527,18 +648,26 @@ def main(argv: list[str] | None = None) -> int:
     after_reloaded = evaluate(reloaded, target, windows, sel, 1)
     first = first_losses or [math.nan]
     last = [float(x) for x in recent] or [math.nan]
+    run_args = {**vars(args), "steps": step, "warmup": warm, "device": device.type}
     summary = {
-        "command": "python -m oasiskv.train.eagle3 " + " ".join(argv if argv is not None else sys.argv[1:]),
-        "reproduce": f"python -m oasiskv.train.eagle3 --out DIR --steps {step} --seed {args.seed} "
-        f"--seq-len {args.seq_len} --batch-size {args.batch_size} --device {device.type}",
+        "command": "python -m oasiskv.train.eagle3 "
+        + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+        "reproduce": reproduce_command(run_args),
+        # A run whose budget ran out before the step count it had fixed (or before it fixed one)
+        # stopped mid-schedule: a run with --steps of that count decays its learning rate to the end.
+        "reproduce_exact": not truncated,
         "args": vars(args),
+        "reproduce_args": {k: v for k, v in run_args.items() if k not in NOT_REPRODUCED},
         "target": args.model,
         "capture_layers": list(Eagle3Head.capture_layers(L)),
         "draft_vocab": len(sel),
         "steps": step,
         "tokens_seen": step * args.batch_size * args.seq_len,
         "epochs_started": stream.epoch,
+        "warmup_steps": warm,
         "train_s": train_s,
+        "setup_s": {**setup_s, "total": round(setup_total, 2)},
+        "finish_s": round(time.perf_counter() - t_finish, 2),
         "wall_s_this_invocation": time.perf_counter() - t_start,
         "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if cuda else ""),
         "torch": torch.__version__,
