@@ -57,6 +57,7 @@ lint: $(STAMP) ## cargo fmt --check, clippy -D warnings, ruff
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets --release -- -D warnings
 	$(VENV)/bin/ruff check python tests benches examples
+	$(VENV)/bin/ruff format --check python tests benches examples
 
 fmt: $(STAMP) ## format Rust and Python
 	cargo fmt --all

@@ -73,18 +73,44 @@ def _workspace(device: torch.device, stream: int, numel: int) -> torch.Tensor:
     return ws
 
 
-def append_kv(geo, k_new, v_new, page_ids, page_offsets, host_block_ids, k_pages, v_pages, host_k, host_v,
-              summaries) -> None:
+def append_kv(
+    geo, k_new, v_new, page_ids, page_offsets, host_block_ids, k_pages, v_pages, host_k, host_v, summaries
+) -> None:
     """Append one token per sequence (write-through + summary update for sparse sequences)."""
     dev = _check_device(k_new, k_pages, host_k)
-    _core.append_kv(geo, k_new, v_new, page_ids, page_offsets, host_block_ids, k_pages, v_pages, host_k,
-                    host_v, summaries, stream=_stream(dev))
+    _core.append_kv(
+        geo,
+        k_new,
+        v_new,
+        page_ids,
+        page_offsets,
+        host_block_ids,
+        k_pages,
+        v_pages,
+        host_k,
+        host_v,
+        summaries,
+        stream=_stream(dev),
+    )
 
 
-def decode_attention(geo, q, k_pages, v_pages, kv_indptr, kv_indices, kv_last_page_len, *, page_map=None,
-                     extra_k=None, extra_v=None, sm_scale: float | None = None,
-                     out: torch.Tensor | None = None, max_pages_per_seq: int = 0,
-                     num_splits: int = 0) -> torch.Tensor:
+def decode_attention(
+    geo,
+    q,
+    k_pages,
+    v_pages,
+    kv_indptr,
+    kv_indices,
+    kv_last_page_len,
+    *,
+    page_map=None,
+    extra_k=None,
+    extra_v=None,
+    sm_scale: float | None = None,
+    out: torch.Tensor | None = None,
+    max_pages_per_seq: int = 0,
+    num_splits: int = 0,
+) -> torch.Tensor:
     """Attention of stacked query rows ``q [num_seqs, num_rows, num_qo_heads, head_dim]``.
 
     ``max_pages_per_seq`` (a bound on any sequence's page count; 0 = ``len(kv_indices)``) lets the
@@ -94,10 +120,22 @@ def decode_attention(geo, q, k_pages, v_pages, kv_indptr, kv_indices, kv_last_pa
     if out is None:
         out = torch.empty_like(q)
     if sm_scale is None:
-        sm_scale = geo.head_dim ** -0.5
+        sm_scale = geo.head_dim**-0.5
     if dev.type != "cuda":
-        _core.decode_attention(geo, q, k_pages, v_pages, kv_indptr, kv_indices, kv_last_page_len, page_map,
-                               extra_k, extra_v, float(sm_scale), out)
+        _core.decode_attention(
+            geo,
+            q,
+            k_pages,
+            v_pages,
+            kv_indptr,
+            kv_indices,
+            kv_last_page_len,
+            page_map,
+            extra_k,
+            extra_v,
+            float(sm_scale),
+            out,
+        )
         return out
     stream = _stream(dev)
     splits, workspace = int(num_splits), None
@@ -109,9 +147,24 @@ def decode_attention(geo, q, k_pages, v_pages, kv_indptr, kv_indices, kv_last_pa
         if splits > 1:
             need = _core.decode_attn_workspace_len(num_seqs, num_rows, geo.num_qo_heads, geo.head_dim, splits)
             workspace = _workspace(dev, stream, need)
-    _core.decode_attention(geo, q, k_pages, v_pages, kv_indptr, kv_indices, kv_last_page_len, page_map,
-                           extra_k, extra_v, float(sm_scale), out, num_splits=splits,
-                           max_pages_per_seq=int(max_pages_per_seq), workspace=workspace, stream=stream)
+    _core.decode_attention(
+        geo,
+        q,
+        k_pages,
+        v_pages,
+        kv_indptr,
+        kv_indices,
+        kv_last_page_len,
+        page_map,
+        extra_k,
+        extra_v,
+        float(sm_scale),
+        out,
+        num_splits=splits,
+        max_pages_per_seq=int(max_pages_per_seq),
+        workspace=workspace,
+        stream=stream,
+    )
     return out
 
 
@@ -120,8 +173,9 @@ def build_summaries(geo, host_k, block_ids, block_lens, summaries) -> None:
     _core.build_summaries(geo, host_k, block_ids, block_lens, summaries, stream=_stream(dev))
 
 
-def score_blocks(geo, q, summaries, blk_indptr, blk_indices,
-                 scores: torch.Tensor | None = None) -> torch.Tensor:
+def score_blocks(
+    geo, q, summaries, blk_indptr, blk_indices, scores: torch.Tensor | None = None
+) -> torch.Tensor:
     """Quest scores ``[nnz, num_kv_heads]`` (f32) of lookahead queries ``[num_seqs, num_qo_heads,
     head_dim]``."""
     dev = _check_device(q, summaries)
@@ -131,8 +185,9 @@ def score_blocks(geo, q, summaries, blk_indptr, blk_indices,
     return scores
 
 
-def topk_blocks(num_kv_heads: int, scores, blk_indptr, k: int,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+def topk_blocks(
+    num_kv_heads: int, scores, blk_indptr, k: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Top-k logical blocks per (seq, kv head), best first, -1 padded: ``[num_seqs, num_kv_heads, k]``."""
     dev = _check_device(scores)
     if out is None:
@@ -141,8 +196,19 @@ def topk_blocks(num_kv_heads: int, scores, blk_indptr, k: int,
     return out
 
 
-def delta_select(num_kv_heads: int, predicted, slot_pages, page_map, page_last_selected, step: int,
-                 fetch_cap: int, plan_slots=None, plan_blocks=None, *, stats: torch.Tensor | None = None):
+def delta_select(
+    num_kv_heads: int,
+    predicted,
+    slot_pages,
+    page_map,
+    page_last_selected,
+    step: int,
+    fetch_cap: int,
+    plan_slots=None,
+    plan_blocks=None,
+    *,
+    stats: torch.Tensor | None = None,
+):
     """Delta selection with capped eviction. Returns ``(plan_slots, plan_blocks, stats)``.
 
     ``stats`` is ``(pairs, kept, missing)`` summed over sequences and heads on the CPU. On the GPU it
@@ -154,19 +220,42 @@ def delta_select(num_kv_heads: int, predicted, slot_pages, page_map, page_last_s
         plan_slots = torch.empty(n, num_kv_heads, fetch_cap, dtype=torch.int32, device=dev)
     if plan_blocks is None:
         plan_blocks = torch.empty(n, num_kv_heads, fetch_cap, dtype=torch.int32, device=dev)
-    totals = _core.delta_select(num_kv_heads, predicted, slot_pages, page_map, page_last_selected, int(step),
-                                int(fetch_cap), plan_slots, plan_blocks, stats=stats, stream=_stream(dev))
+    totals = _core.delta_select(
+        num_kv_heads,
+        predicted,
+        slot_pages,
+        page_map,
+        page_last_selected,
+        int(step),
+        int(fetch_cap),
+        plan_slots,
+        plan_blocks,
+        stats=stats,
+        stream=_stream(dev),
+    )
     return plan_slots, plan_blocks, (totals if dev.type != "cuda" else stats)
 
 
-def gather_blocks(geo, plan_slots, plan_blocks, slot_pages, host_indptr, host_indices, host_k, host_v,
-                  k_pages, v_pages) -> int | None:
+def gather_blocks(
+    geo, plan_slots, plan_blocks, slot_pages, host_indptr, host_indices, host_k, host_v, k_pages, v_pages
+) -> int | None:
     """Copy the planned block-head entries from the host pool into GPU slots.
 
     Returns the number of entries copied on the CPU, ``None`` on the GPU (queued, not yet run)."""
     dev = _check_device(plan_slots, k_pages, host_k)
-    return _core.gather_blocks(geo, plan_slots, plan_blocks, slot_pages, host_indptr, host_indices, host_k,
-                               host_v, k_pages, v_pages, stream=_stream(dev))
+    return _core.gather_blocks(
+        geo,
+        plan_slots,
+        plan_blocks,
+        slot_pages,
+        host_indptr,
+        host_indices,
+        host_k,
+        host_v,
+        k_pages,
+        v_pages,
+        stream=_stream(dev),
+    )
 
 
 def copy_pages(geo, src_k, src_v, src_ids, dst_k, dst_v, dst_ids) -> None:
