@@ -4,7 +4,8 @@
 #   bash scripts/device.sh build    # here: build the abi3 wheel into dist/ and fetch pure-Python
 #                                   # wheels the GPU machine lacks into .whl/
 #   then call the device tool with carry=["dist", ".whl"] and the command
-#   bash scripts/device.sh run [pytest args...]
+#   bash scripts/device.sh run [pytest args...]   # there: install into /tmp/site, run the GPU
+#                                                 # tests and the kernel benchmark, logs in $OUT
 #
 # Every call carries the tracked tree (about 21 MB, most of it the bundled EAGLE-3 head) plus the
 # carry list, 64 MiB in all. So the device wheel leaves the head out (`run` links the tree's copy
@@ -14,8 +15,8 @@
 #   device call 2, within the 30 s the machine stays warm: carry [".stage/b"], `... receive b`
 #   device call 3, as quickly: carry [".stage/c", "dist", ".whl"], command
 #   `bash scripts/device.sh run ...`: it joins the parts, checks the hash, installs it.
-#                                   # there: install into /tmp/site, run the GPU tests and the
-#                                   # kernel benchmark, logs under $OUT
+# Later calls of the same warm lease: `bash scripts/device.sh train-head` (MINUTES, STOP,
+# TRAIN_ARGS) and `bash scripts/device.sh eval <oasis eval args>` (see docs/EVAL.md).
 #
 # The GPU machine has torch, transformers, tokenizers, safetensors but no cargo and no network;
 # the wheel is abi3 (cp311) so it loads on its Python 3.12.
@@ -115,8 +116,38 @@ run)
         done
     fi
     ;;
+train-head)
+    # After `run` installed the package and the model in this warm lease: train (or resume) the
+    # EAGLE-3 head in /tmp/eagle3 for at most STOP minutes of this call, MINUTES in all. A finished
+    # head comes back split in four (a call returns at most 8 files of about 5 MB each).
+    : "${OUT:?run this on the device machine, where OUT is set}"
+    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+    cd /tmp
+    python3 -m oasiskv.train.eagle3 --out /tmp/eagle3 --device cuda --no-progress \
+        --minutes "${MINUTES:-15}" --stop-after-minutes "${STOP:-8}" ${TRAIN_ARGS:-} > /tmp/train.log 2>&1 || true
+    tail -n 3 /tmp/train.log
+    if [ -f /tmp/eagle3/model.safetensors ] && [ ! -f /tmp/eagle3/train_state.pt ]; then
+        mkdir -p "$OUT/h"
+        split -n 4 -d /tmp/eagle3/model.safetensors "$OUT/h/part-"
+        (cd /tmp/eagle3 && sha256sum model.safetensors) > "$OUT/h/SHA256"
+        tar czf "$OUT/head-meta.tgz" -C /tmp train.log eagle3/config.json eagle3/training.json eagle3/train_log.jsonl
+    else
+        tar czf "$OUT/train-log.tgz" -C /tmp train.log
+    fi
+    ;;
+eval)
+    # After `run` in this warm lease: one part of the evaluation into /tmp/eval (kept between calls
+    # while the machine stays warm; --resume skips what is done), packed into $OUT/eval.tgz.
+    : "${OUT:?run this on the device machine, where OUT is set}"
+    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+    cd /tmp
+    python3 -m oasiskv.cli eval --preset full --device cuda --dtype bfloat16 --no-progress --out /tmp/eval \
+        --resume "$@" >> /tmp/eval.log 2>&1 || echo "eval rc=$?"
+    tail -n 5 /tmp/eval.log
+    tar czf "$OUT/eval.tgz" -C /tmp eval eval.log
+    ;;
 *)
-    echo "usage: scripts/device.sh build|run|stage-model|receive a|b" >&2
+    echo "usage: scripts/device.sh build|run|stage-model|receive a|b|train-head|eval" >&2
     exit 2
     ;;
 esac
