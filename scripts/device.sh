@@ -123,7 +123,7 @@ train-head)
     : "${OUT:?run this on the device machine, where OUT is set}"
     export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
     cd /tmp
-    python3 -m oasiskv.train.eagle3 --out /tmp/eagle3 --device cuda --no-progress \
+    python3 -m oasiskv.train.eagle3 --out /tmp/eagle3 --device "${DEVICE:-cuda}" --no-progress \
         --minutes "${MINUTES:-15}" --stop-after-minutes "${STOP:-8}" ${TRAIN_ARGS:-} > /tmp/train.log 2>&1 || true
     tail -n 3 /tmp/train.log
     if [ -f /tmp/eagle3/model.safetensors ] && [ ! -f /tmp/eagle3/train_state.pt ]; then
@@ -141,7 +141,7 @@ eval)
     : "${OUT:?run this on the device machine, where OUT is set}"
     export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
     cd /tmp
-    python3 -m oasiskv.cli eval --preset full --device cuda --dtype bfloat16 --no-progress --out /tmp/eval \
+    python3 -m oasiskv.cli eval --preset full --device "${DEVICE:-cuda}" --dtype "${DTYPE:-bfloat16}" --no-progress --out /tmp/eval \
         --resume "$@" >> /tmp/eval.log 2>&1 || echo "eval rc=$?"
     tail -n 5 /tmp/eval.log
     tar czf "$OUT/eval.tgz" -C /tmp eval eval.log
