@@ -1,13 +1,16 @@
 """Time the issue-4 workloads at SmolLM2-135M's shapes with random weights (GPU machine).
 
-    python3 scripts/exp_eval_speed.py
+    python3 scripts/exp_eval_speed.py [--profile OUT.txt] [--no-train]
 
 Per-step seconds of teacher-forced runs (dense, OasisKV, Quest-like) at 8K context and of one
-EAGLE-3 training step, so the device calls with the real model can be planned.
+EAGLE-3 training step, so the device calls with the real model can be planned. ``--profile``
+writes torch.profiler's table (CPU and CUDA time per op, top 60) of one OasisKV run to a file:
+where a decode step's time goes.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 
@@ -31,10 +34,15 @@ cfg = ModelConfig(
     max_position_embeddings=8192,
     tie_word_embeddings=True,
 )
+ap = argparse.ArgumentParser()
+ap.add_argument("--profile", default=None, help="write the profiler table of one OasisKV run here")
+ap.add_argument("--no-train", action="store_true", help="skip the training-step timing")
+ap.add_argument("--steps", type=int, default=32)
+args = ap.parse_args()
 model = CausalLM.random(cfg, seed=1, dtype=torch.bfloat16, device="cuda")
 out = {}
 g = torch.Generator().manual_seed(0)
-C, S = 8192, 32
+C, S = 8192, args.steps
 texts = [torch.randint(0, 49152, (C + 1,), generator=g).tolist() for _ in range(8)]
 tf = TeacherForcing(model, texts, S, block_size=16, batch_size=8, progress=False)
 for pol in (
@@ -50,6 +58,19 @@ for pol in (
     out[pol.label] = round(time.perf_counter() - t, 2)
     print(pol.label, out[pol.label], "s for", S, "steps x 8 texts (incl. prefill)", flush=True)
 
+if args.profile:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        tf.run(Policy("oasis", "previous-query", 128, 0.05))
+    with open(args.profile, "w") as f:
+        f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=60))
+        f.write("\n\n")
+        f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+    print("profile written to", args.profile, flush=True)
+if args.no_train:
+    print(json.dumps(out), flush=True)
+    raise SystemExit(0)
 sel = torch.arange(0, 49152, 6)[:8192]
 head = tr.new_head(model, sel, seed=0, device="cuda")
 opt = torch.optim.AdamW(head.parameters(), lr=1e-4)
