@@ -578,3 +578,51 @@ def test_oasis_eval_cli_on_smollm2(tmp_path):
     assert recs[("retrieval", "dense", None)]["trials"] == 1
     assert data["runs"][-1]["model_config"]["num_hidden_layers"] == 30
     assert (tmp_path / "results.md").is_file()
+
+
+def _byte_tokenizer_json(d: Path) -> None:
+    """A byte-level BPE with no merges (256 tokens + <|endoftext|>), as a HF ``tokenizer.json``."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    from oasiskv.models.tokenizer import bytes_to_unicode
+
+    vocab = {ch: i for i, ch in enumerate(bytes_to_unicode().values())}
+    vocab["<|endoftext|>"] = 256
+    tk = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens(["<|endoftext|>"])
+    tk.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+
+
+def test_oasis_eval_cli_on_a_local_hf_checkpoint_with_an_eagle3_head(tiny, tmp_path):
+    """Build item 3 of the evaluation: any local HF Llama/Qwen3 directory plus an EAGLE-3 head in
+    the public format runs through the same CLI."""
+    from safetensors.torch import save_file
+
+    from oasiskv.cli import main
+
+    model_dir, head_dir, out = tmp_path / "model", tmp_path / "head", tmp_path / "out"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(tiny.config.to_hf_dict()))
+    save_file(tiny.hf_state_dict(), str(model_dir / "model.safetensors"))
+    _byte_tokenizer_json(model_dir)
+    Eagle3Head.random(tiny.config, 64, seed=3).save(head_dir)
+    argv = ["eval", "--model", str(model_dir), "--eagle3", str(head_dir), "--out", str(out)]
+    argv += ["--no-progress", "--threads", "2", "--block-size", str(BLOCK), "--contexts", "192"]
+    argv += ["--steps", "6", "--texts", "1", "--budgets", "1/4", "--caps", "0.05", "--no-quest"]
+    argv += ["--drafters", "eagle3,previous-query", "--retrieval-contexts", "400", "--retrieval-trials", "1"]
+    argv += ["--retrieval-tasks", "passkey", "--depths", "0.5", "--retrieval-budgets", "1/4"]
+    assert main(argv) == 0
+    data = json.loads((out / "results.json").read_text())
+    run = data["runs"][-1]
+    assert run["model_config"]["num_hidden_layers"] == tiny.config.num_hidden_layers
+    assert str(head_dir) in json.dumps(run["eagle3"])
+    recs = {(r["section"], r["policy"], r.get("drafter")): r for r in data["records"]}
+    eagle = recs[("teacher", "oasis", "eagle3")]["lookahead"]
+    assert eagle["draft_accept"] is not None and 0.0 <= eagle["overlap"] <= 1.0
+    assert recs[("retrieval", "dense", None)]["trials"] == 1
+    assert ("retrieval", "oasis", "eagle3") in recs
+    assert (out / "results.md").is_file()
