@@ -370,6 +370,23 @@ def _args(tmp_path, *extra):
     return args
 
 
+def test_lookahead_binned_by_the_heads_confidence(tiny, head):
+    texts = [repetitive(257, seed=s) for s in range(2)]
+    tf = TeacherForcing(tiny, texts, 12, block_size=BLOCK, batch_size=2, eagle3_head=head, progress=False)
+    dense = tf.run(Policy("dense"))
+    la = summarize(tf.run(Policy("oasis", "eagle3", 4, None)), dense)["lookahead"]
+    bins = la["by_confidence"]
+    assert [b["lo"] for b in bins] == [0.0, 0.25, 0.5, 0.75]
+    steps = sum(b["steps"] for b in bins)
+    assert steps == la["n_matched"] + la["n_unmatched"] == 11 * 2
+    assert sum(b["share"] for b in bins if b["share"]) == pytest.approx(1.0)
+    # The bins partition the steps: their acceptances add up to the matched count.
+    assert sum(b["accept"] * b["steps"] for b in bins if b["steps"]) == pytest.approx(la["n_matched"])
+    assert all(0.0 <= b["overlap"] <= 1.0 for b in bins if b["steps"])
+    # Drafters without a confidence get no bins.
+    assert "by_confidence" not in summarize(tf.run(Policy("oasis", "ngram", 4, None)), dense)["lookahead"]
+
+
 def test_greedy_continuation_is_what_dense_greedy_decoding_feeds(tiny):
     texts = [repetitive(161, seed=s) for s in range(2)]
     steps = 12
@@ -460,7 +477,13 @@ def test_harness_end_to_end_results_schema(tiny, head, tmp_path):
         assert r["trials"] == 2 and len(r["outcomes"]) == 2 and 0 <= r["accuracy"] <= 1
         assert set(r["per_depth"]) == {"0.2", "0.8"} and r["context"] == 600
     md = (tmp_path / "results.md").read_text()
-    for heading in ("## Lookahead accuracy", "## Decode fidelity", "## Retrieval accuracy", "Quest-like"):
+    for heading in (
+        "## Lookahead accuracy",
+        "By the head's probability of its draft",
+        "## Decode fidelity",
+        "## Retrieval accuracy",
+        "Quest-like",
+    ):
         assert heading in md
     names = {p.name for p in written}
     try:

@@ -155,6 +155,10 @@ class Eagle3Drafter(Drafter):
         self._states: dict[int, object] = {}
         self.wants_prompt_features = bool(prefill)
         self.name = "eagle3" if prefill else "eagle3-noprefill"
+        #: Set True to keep, per request, the head's probability of its latest draft
+        #: (``last_confidence``); the evaluation bins the lookahead's accuracy by it.
+        self.track_confidence = False
+        self.last_confidence: dict[int, float] = {}
 
     def capture_layers(self, num_layers: int) -> tuple[int, ...]:
         return tuple(self.head.capture_layers(num_layers))
@@ -164,6 +168,7 @@ class Eagle3Drafter(Drafter):
 
     def end(self, req_id) -> None:
         self._states.pop(req_id, None)
+        self.last_confidence.pop(req_id, None)
 
     @torch.no_grad()
     def feed_prompt(self, req_id, prompt, features, start=0) -> None:
@@ -198,7 +203,9 @@ class Eagle3Drafter(Drafter):
         pos = torch.tensor([len(tokens) - 1], device=dev)
         ids = torch.tensor([tokens[-1]], device=dev)
         feats = features.reshape(1, -1).to(next(self.head.parameters()).dtype)
-        draft, _ = self.head.step(state, feats, ids, pos)
+        draft, h = self.head.step(state, feats, ids, pos)
+        if self.track_confidence:
+            self.last_confidence[req_id] = float(torch.softmax(self.head.draft_logits(h).float(), -1).max())
         return int(draft[0])
 
 

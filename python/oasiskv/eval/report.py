@@ -162,6 +162,35 @@ def _lookahead_md(recs: list[dict]) -> list[str]:
                     f"{_f(la.get('overlap_unmatched'))} ({la.get('n_unmatched', 0)}) | "
                     f"{_f(la.get('resident_hit'))} |"
                 )
+        binned = [r for r in rs if r.get("lookahead", {}).get("by_confidence")]
+        if binned:
+            edges = [(b["lo"], b["hi"]) for b in binned[0]["lookahead"]["by_confidence"]]
+            out += [
+                "",
+                "By the head's probability of its draft (share of steps / draft = next token / overlap):",
+                "",
+                "| budget | cap | drafter | "
+                + " | ".join(f"p in [{lo:g}, {hi:g}]" for lo, hi in edges)
+                + " |",
+                "|" + "---|" * (3 + len(edges)),
+            ]
+            for r in sorted(
+                binned,
+                key=lambda r: (
+                    _budget_key(r["budget"]),
+                    _cap_key(r.get("fetch_cap")),
+                    _drafter_key(r["drafter"]),
+                ),
+            ):
+                cells = [
+                    f"{_f(b['share'], 2)} / {_f(b['accept'], 2)} / {_f(b['overlap'])}"
+                    for b in r["lookahead"]["by_confidence"]
+                ]
+                out.append(
+                    f"| {r['budget']} | {_cap(r.get('fetch_cap'))} | {r['drafter']} | "
+                    + " | ".join(cells)
+                    + " |"
+                )
         out.append("")
     return out
 

@@ -130,6 +130,7 @@ class RunResult:
     resident_hit: torch.Tensor | None = None
     valid: torch.Tensor | None = None
     matched: torch.Tensor | None = None  # [S', n] bool; None without a draft
+    confidence: torch.Tensor | None = None  # [S', n] the head's probability of its draft (EAGLE-3)
     measured_steps: list[int] = field(default_factory=list)
     wall_s: float = 0.0
 
@@ -249,6 +250,10 @@ class TeacherForcing:
         if policy.kind == "oasis":
             recorder = eng.recorder = LookaheadRecorder()
         reqs = [_Request(id=i, prompt=t[:P], max_new_tokens=S + 1) for i, t in enumerate(chunk)]
+        # An EAGLE-3 drafter keeps its probability of each draft (from the first one on).
+        track = getattr(drafter, "track_confidence", None) is not None
+        if track:
+            drafter.track_confidence = True
         eng.ensure_pools(reqs)
         self._pools[key] = eng.pools
         for r, t in zip(reqs, chunk, strict=True):
@@ -271,8 +276,10 @@ class TeacherForcing:
             logp_all = torch.empty(S, n, self.model.config.vocab_size, device=dev)
         dense = self._dense[ci] if self._dense is not None and policy.kind != "dense" else None
         matched: list[list[bool]] = []
+        confidence: list[list[float]] = []
         measured: list[int] = []
         prev_draft = [r.draft for r in reqs]
+        prev_conf = [drafter.last_confidence.get(r.id, float("nan")) for r in reqs] if track else []
         bar = None
         if self.progress:
             from tqdm import tqdm
@@ -288,7 +295,11 @@ class TeacherForcing:
                         measured.append(j)
                         if eng.rows == 2:
                             matched.append([prev_draft[i] == chunk[i][P + j] for i in range(n)])
+                            if track:
+                                confidence.append(prev_conf)
                 prev_draft = [r.draft for r in reqs]
+                if track:
+                    prev_conf = [drafter.last_confidence.get(r.id, float("nan")) for r in reqs]
                 logits = eng.decode_step(reqs)
                 lp = torch.log_softmax(logits.float(), dim=-1)
                 nll[j] = -lp.gather(1, targets[j].unsqueeze(1)).squeeze(1)
@@ -341,6 +352,7 @@ class TeacherForcing:
             res.overlap, res.resident_hit, res.valid = ov, hit, valid
             res.measured_steps = measured
             res.matched = torch.tensor(matched, dtype=torch.bool) if matched else None
+            res.confidence = torch.tensor(confidence, dtype=torch.float32) if confidence else None
         return res
 
 
@@ -365,6 +377,7 @@ def _concat(policy: Policy, parts: list[RunResult]) -> RunResult:
     out.resident_hit = cat("resident_hit", 2)
     out.valid = cat("valid", 2)
     out.matched = cat("matched", 1)
+    out.confidence = cat("confidence", 1)
     out.measured_steps = parts[0].measured_steps
     return out
 
@@ -476,5 +489,34 @@ def lookahead_summary(res: RunResult) -> dict:
     else:
         out.update(
             draft_accept=None, overlap_matched=None, overlap_unmatched=None, n_matched=0, n_unmatched=0
+        )
+    if res.confidence is not None and res.matched is not None and res.confidence.shape == res.matched.shape:
+        out["by_confidence"] = confidence_bins(res.confidence, res.matched, ov, valid)
+    return out
+
+
+#: Edges of the draft-confidence bins of :func:`confidence_bins`.
+CONFIDENCE_EDGES = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+def confidence_bins(conf: torch.Tensor, matched: torch.Tensor, ov: torch.Tensor, valid: torch.Tensor) -> list:
+    """Per bin of the head's probability of its draft: the share of steps, the acceptance and the
+    lookahead overlap (mean over layers and heads). Whether a confident draft is a right one is what
+    a confidence-gated selection would rely on. conf, matched: [S', n]; ov, valid: [S', L, n]."""
+    out = []
+    total = int(torch.isfinite(conf).sum())
+    for lo, hi in zip(CONFIDENCE_EDGES, CONFIDENCE_EDGES[1:], strict=False):
+        sel = (conf >= lo) & ((conf < hi) if hi < 1.0 else (conf <= hi))
+        cnt = int(sel.sum())
+        m = sel.unsqueeze(1).expand_as(valid)
+        out.append(
+            {
+                "lo": lo,
+                "hi": hi,
+                "steps": cnt,
+                "share": cnt / total if total else None,
+                "accept": _mean(matched.float(), sel) if cnt else None,
+                "overlap": _mean(ov, valid & m) if cnt else None,
+            }
         )
     return out
