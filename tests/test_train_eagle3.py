@@ -202,11 +202,23 @@ def test_minutes_fill_the_budget_and_the_reproduce_command_repeats_the_run(
     tmp_path, tiny_target, monkeypatch
 ):
     """Without --steps: the total is fixed at step TIME_TO from the time of steps TIME_FROM..TIME_TO
-    (here 2..6, with a wide margin against a contended CPU), the run ends within its budget, near
-    it, with the schedule completed; the reproduce command retrains the same head bit for bit."""
+    (here 2..6, on a deterministic clock), the run ends within its budget, near it, with the
+    schedule completed; the reproduce command retrains the same head bit for bit."""
     monkeypatch.setattr(tr, "TIME_FROM", 2)
     monkeypatch.setattr(tr, "TIME_TO", 6)
     monkeypatch.setattr(tr, "MARGIN", 0.8)
+
+    class Clock:
+        """Advances 10 ms per reading: the planned step count no longer depends on how busy the
+        machine is (a contended CPU once made the real steps outrun the estimate)."""
+
+        t = 0.0
+
+        def perf_counter(self) -> float:
+            self.t += 0.01
+            return self.t
+
+    monkeypatch.setattr(tr, "time", Clock())
     common = ["--seq-len", "32", "--batch-size", "2", "--source", "stdlib", "--threads", "1"]
     minutes = 0.1
     rc = tr.main(
