@@ -21,6 +21,31 @@ import torch
 ROOT = Path(__file__).resolve().parents[1] / "cuda"
 
 
+# The defaults of cuda/score_blocks.cu's knobs (what oasis-cuda builds); each variant overrides some.
+SCORE_DEFAULTS = {
+    "OASIS_SCORE_THREADS": 256,
+    "OASIS_SCORE_MIN_BLOCKS": 4,
+    "OASIS_SCORE_UMAX": 8,
+    "OASIS_SCORE_HEAD_MAJOR": 1,
+}
+VARIANTS = [
+    {"OASIS_SCORE_MIN_BLOCKS": 2, "OASIS_SCORE_UMAX": 16, "OASIS_SCORE_HEAD_MAJOR": 0},  # the first version
+    {"OASIS_SCORE_MIN_BLOCKS": 2, "OASIS_SCORE_UMAX": 16},
+    {"OASIS_SCORE_MIN_BLOCKS": 3, "OASIS_SCORE_HEAD_MAJOR": 0},
+    {"OASIS_SCORE_HEAD_MAJOR": 0},
+    {},  # the defaults
+    {"OASIS_SCORE_UMAX": 16, "OASIS_SCORE_HEAD_MAJOR": 0},
+    {"OASIS_SCORE_MIN_BLOCKS": 6, "OASIS_SCORE_UMAX": 4, "OASIS_SCORE_HEAD_MAJOR": 0},
+    {"OASIS_SCORE_MIN_BLOCKS": 8, "OASIS_SCORE_UMAX": 4, "OASIS_SCORE_HEAD_MAJOR": 0},
+    {"OASIS_SCORE_MIN_BLOCKS": 8, "OASIS_SCORE_UMAX": 2, "OASIS_SCORE_HEAD_MAJOR": 0},
+    {"OASIS_SCORE_THREADS": 128, "OASIS_SCORE_MIN_BLOCKS": 8, "OASIS_SCORE_HEAD_MAJOR": 0},
+    {"OASIS_SCORE_THREADS": 512, "OASIS_SCORE_MIN_BLOCKS": 2, "OASIS_SCORE_HEAD_MAJOR": 0},
+    {"OASIS_SCORE_THREADS": 512, "OASIS_SCORE_UMAX": 4, "OASIS_SCORE_HEAD_MAJOR": 0},
+]
+# Threads per block of topk_blocks_f32 to try (OASIS_TOPK_THREADS; the default is 512).
+TOPK_THREADS = [512, 256, 1024]
+
+
 def source() -> str:
     common = (ROOT / "oasis_common.cuh").read_text()
     return (ROOT / "score_blocks.cu").read_text().replace('#include "oasis_common.cuh"', common)
@@ -78,34 +103,34 @@ def main() -> None:
     sb = n_host * hk * 2 * d * 2
     print(f"copy {copy_bps / 1e12:.2f} TB/s; summaries {sb / 2**20:.0f} MiB", flush=True)
 
-    ref_scores = ref_top = None
-    rows = []
-    variants = [
-        dict(OASIS_SCORE_THREADS=256, OASIS_SCORE_MIN_BLOCKS=2, OASIS_SCORE_UMAX=16),
-        dict(OASIS_SCORE_THREADS=256, OASIS_SCORE_MIN_BLOCKS=2, OASIS_SCORE_UMAX=16, OASIS_SCORE_HEAD_MAJOR=1),
-        dict(OASIS_SCORE_THREADS=256, OASIS_SCORE_MIN_BLOCKS=3, OASIS_SCORE_UMAX=8),
-        dict(OASIS_SCORE_THREADS=256, OASIS_SCORE_MIN_BLOCKS=4, OASIS_SCORE_UMAX=8),
-        dict(OASIS_SCORE_THREADS=256, OASIS_SCORE_MIN_BLOCKS=4, OASIS_SCORE_UMAX=8, OASIS_SCORE_HEAD_MAJOR=1),
-        dict(OASIS_SCORE_THREADS=256, OASIS_SCORE_MIN_BLOCKS=4, OASIS_SCORE_UMAX=16),
-        dict(OASIS_SCORE_THREADS=256, OASIS_SCORE_MIN_BLOCKS=6, OASIS_SCORE_UMAX=4),
-        dict(OASIS_SCORE_THREADS=256, OASIS_SCORE_MIN_BLOCKS=8, OASIS_SCORE_UMAX=4),
-        dict(OASIS_SCORE_THREADS=256, OASIS_SCORE_MIN_BLOCKS=8, OASIS_SCORE_UMAX=2),
-        dict(OASIS_SCORE_THREADS=128, OASIS_SCORE_MIN_BLOCKS=8, OASIS_SCORE_UMAX=8),
-        dict(OASIS_SCORE_THREADS=512, OASIS_SCORE_MIN_BLOCKS=2, OASIS_SCORE_UMAX=8),
-        dict(OASIS_SCORE_THREADS=512, OASIS_SCORE_MIN_BLOCKS=4, OASIS_SCORE_UMAX=4),
-    ]
-    for v in variants:
-        m = module(v)
-        fn = m.get_function("score_blocks_bf16")
+    sargs = (
+        c_q,
+        c_summ,
+        c_ip,
+        c_ix,
+        c_sc,
+        i32(args.batch),
+        i32(n_host),
+        i32(hq),
+        i32(hk),
+        i32(d),
+        i32(n_host),
+    )
+
+    def score_launcher(v: dict):
+        """The compiled variant ``v`` (every knob given) and a closure launching it on the data."""
+        fn = module(v).get_function("score_blocks_bf16")
         threads = v["OASIS_SCORE_THREADS"]
         wpb = threads // 32
         tiles = -(-n_host // 32)
-        blocks = -(-tiles // wpb) * hk if v.get("OASIS_SCORE_HEAD_MAJOR") else -(-(tiles * hk) // wpb)
-        sargs = (c_q, c_summ, c_ip, c_ix, c_sc, i32(args.batch), i32(n_host), i32(hq), i32(hk), i32(d), i32(n_host))
+        blocks = -(-tiles // wpb) * hk if v["OASIS_SCORE_HEAD_MAJOR"] else -(-(tiles * hk) // wpb)
+        return fn, lambda: fn((blocks,), (threads,), sargs)
 
-        def launch(fn=fn, blocks=blocks, threads=threads, sargs=sargs):
-            fn((blocks,), (threads,), sargs)
-
+    ref_scores = ref_top = None
+    rows = []
+    for over in VARIANTS:
+        v = {**SCORE_DEFAULTS, **over}
+        fn, launch = score_launcher(v)
         scores.fill_(float("nan"))
         launch()
         torch.cuda.synchronize()
@@ -113,36 +138,27 @@ def main() -> None:
             ref_scores = scores.clone()
         err = (scores - ref_scores).abs().max().item()
         ms = timed(launch)
-        row = {"variant": v, "ms": ms, "ratio": sb / (ms * 1e-3) / copy_bps, "max_err_vs_first": err,
-               "regs": fn.num_regs}
+        row = {
+            "variant": v,
+            "ms": ms,
+            "ratio": sb / (ms * 1e-3) / copy_bps,
+            "max_err_vs_first": err,
+            "regs": fn.num_regs,
+        }
         rows.append(row)
         print(json.dumps(row), flush=True)
 
-    best = min(rows, key=lambda r: r["ms"])
-    mb = module(best["variant"])
-    sfn = mb.get_function("score_blocks_bf16")
-    threads = best["variant"]["OASIS_SCORE_THREADS"]
-    wpb = threads // 32
-    tiles = -(-n_host // 32)
-    blocks = -(-tiles // wpb) * hk if best["variant"].get("OASIS_SCORE_HEAD_MAJOR") else -(-(tiles * hk) // wpb)
-    sargs = (c_q, c_summ, c_ip, c_ix, c_sc, i32(args.batch), i32(n_host), i32(hq), i32(hk), i32(d), i32(n_host))
-    for tv in [
-        dict(OASIS_TOPK_THREADS=512, OASIS_TOPK_AGG=0),
-        dict(OASIS_TOPK_THREADS=512, OASIS_TOPK_AGG=1),
-        dict(OASIS_TOPK_THREADS=256, OASIS_TOPK_AGG=1),
-        dict(OASIS_TOPK_THREADS=1024, OASIS_TOPK_AGG=1),
-        dict(OASIS_TOPK_THREADS=256, OASIS_TOPK_AGG=0),
-    ]:
-        tfn = module(tv).get_function("topk_blocks_f32")
+    _, score = score_launcher(min(rows, key=lambda r: r["ms"])["variant"])
+    for tt in TOPK_THREADS:
+        tfn = module({"OASIS_TOPK_THREADS": tt}).get_function("topk_blocks_f32")
         targs = (c_sc, c_ip, c_top, i32(hk), i32(args.k))
-        tt = tv["OASIS_TOPK_THREADS"]
 
         def topk(tfn=tfn, tt=tt, targs=targs):
             tfn((args.batch, hk), (tt,), targs)
 
-        def both(tfn=tfn, tt=tt, targs=targs):
-            sfn((blocks,), (threads,), sargs)
-            tfn((args.batch, hk), (tt,), targs)
+        def both(topk=topk):
+            score()
+            topk()
 
         top.fill_(-7)
         both()
@@ -152,8 +168,13 @@ def main() -> None:
         same = bool(torch.equal(top, ref_top))
         ms_t = timed(topk)
         ms_b = timed(both)
-        row = {"topk": tv, "topk_ms": ms_t, "both_ms": ms_b, "ratio_both": sb / (ms_b * 1e-3) / copy_bps,
-               "same_as_first": same}
+        row = {
+            "topk_threads": tt,
+            "topk_ms": ms_t,
+            "both_ms": ms_b,
+            "ratio_both": sb / (ms_b * 1e-3) / copy_bps,
+            "same_as_first": same,
+        }
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.json:
