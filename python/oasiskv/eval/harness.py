@@ -349,7 +349,7 @@ def run_teacher(args, model, tok, head, results: Results, files, progress: bool)
             tok, context + 1, args.texts, source=args.source, seed=args.seed, files=files
         )
         token_lists = [t["tokens"] for t in texts]
-        greedy = getattr(args, "continuation", "text") == "greedy"
+        greedy = args.continuation == "greedy"
         if greedy:
             token_lists = greedy_continuations(
                 model, token_lists, steps, block_size=b, batch_size=args.batch_size, progress=progress

@@ -278,8 +278,13 @@ class TeacherForcing:
         matched: list[list[bool]] = []
         confidence: list[list[float]] = []
         measured: list[int] = []
-        prev_draft = [r.draft for r in reqs]
-        prev_conf = [drafter.last_confidence.get(r.id, float("nan")) for r in reqs] if track else []
+
+        def drafts_now() -> tuple[list[int], list[float]]:
+            """The drafts the next decode step runs, and the head's probability of each."""
+            conf = [drafter.last_confidence.get(r.id, float("nan")) for r in reqs] if track else []
+            return [r.draft for r in reqs], conf
+
+        prev_draft, prev_conf = drafts_now()
         bar = None
         if self.progress:
             from tqdm import tqdm
@@ -297,9 +302,7 @@ class TeacherForcing:
                             matched.append([prev_draft[i] == chunk[i][P + j] for i in range(n)])
                             if track:
                                 confidence.append(prev_conf)
-                prev_draft = [r.draft for r in reqs]
-                if track:
-                    prev_conf = [drafter.last_confidence.get(r.id, float("nan")) for r in reqs]
+                prev_draft, prev_conf = drafts_now()
                 logits = eng.decode_step(reqs)
                 lp = torch.log_softmax(logits.float(), dim=-1)
                 nll[j] = -lp.gather(1, targets[j].unsqueeze(1)).squeeze(1)
