@@ -121,32 +121,23 @@ def decode_attention(
         out = torch.empty_like(q)
     if sm_scale is None:
         sm_scale = geo.head_dim**-0.5
-    if dev.type != "cuda":
-        _core.decode_attention(
-            geo,
-            q,
-            k_pages,
-            v_pages,
-            kv_indptr,
-            kv_indices,
-            kv_last_page_len,
-            page_map,
-            extra_k,
-            extra_v,
-            float(sm_scale),
-            out,
+    gpu = {}  # the CPU path takes none of these
+    if dev.type == "cuda":
+        stream = _stream(dev)
+        splits, workspace = int(num_splits), None
+        if q.dim() == 4:  # else the native module raises the shape error
+            num_seqs, num_rows = q.shape[0], q.shape[1]
+            if splits == 0:
+                max_pages = int(max_pages_per_seq) or kv_indices.numel()
+                splits = _core.plan_num_splits(_num_sms(dev), num_seqs, geo.num_kv_heads, max_pages)
+            if splits > 1:
+                need = _core.decode_attn_workspace_len(
+                    num_seqs, num_rows, geo.num_qo_heads, geo.head_dim, splits
+                )
+                workspace = _workspace(dev, stream, need)
+        gpu = dict(
+            num_splits=splits, max_pages_per_seq=int(max_pages_per_seq), workspace=workspace, stream=stream
         )
-        return out
-    stream = _stream(dev)
-    splits, workspace = int(num_splits), None
-    if q.dim() == 4:  # else the native module raises the shape error
-        num_seqs, num_rows = q.shape[0], q.shape[1]
-        if splits == 0:
-            max_pages = int(max_pages_per_seq) or kv_indices.numel()
-            splits = _core.plan_num_splits(_num_sms(dev), num_seqs, geo.num_kv_heads, max_pages)
-        if splits > 1:
-            need = _core.decode_attn_workspace_len(num_seqs, num_rows, geo.num_qo_heads, geo.head_dim, splits)
-            workspace = _workspace(dev, stream, need)
     _core.decode_attention(
         geo,
         q,
@@ -160,10 +151,7 @@ def decode_attention(
         extra_v,
         float(sm_scale),
         out,
-        num_splits=splits,
-        max_pages_per_seq=int(max_pages_per_seq),
-        workspace=workspace,
-        stream=stream,
+        **gpu,
     )
     return out
 
