@@ -421,6 +421,31 @@ def test_harness_greedy_continuation_records_and_report(tiny, tmp_path):
     assert "### Context 192, greedy continuation" in md
 
 
+def test_results_key_tells_greedy_from_text_records(tmp_path):
+    # A greedy run of the same configuration is a different record: merging or resuming one must
+    # never drop or skip the other (a merge once lost the 8K text records this way).
+    base = {
+        "section": "teacher",
+        "context": 8192,
+        "policy": "oasis",
+        "drafter": "eagle3",
+        "budget": "1/4",
+        "fetch_cap": 0.05,
+        "block_size": 16,
+        "steps": 128,
+        "texts": 8,
+    }
+    text, greedy = dict(base, nll=1.0), dict(base, continuation="greedy", nll=0.3)
+    res = harness.Results(tmp_path / "a")
+    res.add(text)
+    assert res.find(dict(base, continuation="greedy")) is None
+    res.merge({"schema": harness.SCHEMA, "runs": [], "records": [greedy]})
+    assert sorted(r["nll"] for r in res.data["records"]) == [0.3, 1.0]
+    assert res.find(base)["nll"] == 1.0
+    res.add(dict(base, nll=2.0))  # the same configuration still replaces
+    assert sorted(r["nll"] for r in res.data["records"]) == [0.3, 2.0]
+
+
 def test_harness_end_to_end_results_schema(tiny, head, tmp_path):
     tok = ByteTokenizer()
     args = _args(tmp_path)

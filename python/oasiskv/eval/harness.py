@@ -213,6 +213,7 @@ class Results:
         "block_size",
         "steps",
         "texts",
+        "continuation",  # absent for the held-out text; a greedy run must never replace a text run
     )
 
     def __init__(self, out: Path) -> None:
