@@ -200,6 +200,7 @@ def test_budget_larger_than_pools_is_a_typed_error(qwen3):
         ({"block_size": 0}, "block_size"),
         ({"top_k_blocks": -1}, "top_k_blocks"),
         ({"kv_dtype": torch.int8}, "kv_dtype"),
+        ({"select_queries": "current"}, "select_queries"),
     ],
 )
 def test_bad_kv_config(kw, match):
@@ -290,3 +291,43 @@ def test_full_budget_oasis_equals_dense_tokens_smollm2():
     )[0]
     assert oasis.metrics.prompt_tokens > 400 and oasis.metrics.sparse_steps == oasis.metrics.steps
     assert oasis.tokens == dense.tokens
+
+
+def test_select_with_current_query_ranks_by_the_larger_relative_score(qwen3):
+    """KvConfig(select_queries="lookahead+current"): per (request, KV head) the predicted set is the
+    top-K of max(s_lookahead - max s_lookahead, s_current - max s_current) over the candidates,
+    checked against float64 Quest scores; and it is not simply the lookahead's own top-K."""
+    from reference import ref_score_blocks
+
+    kv = KvConfig(
+        block_size=8, top_k_blocks=4, fetch_cap=None, sparse_threshold=50, select_queries="lookahead+current"
+    )
+    llm = oasiskv.LLM(qwen3, kv=kv, backend="oasis", drafter="ngram")
+    eng = llm.engine
+    orig = eng._select_and_fetch
+    seen = {"calls": 0, "differs": 0}
+
+    def checked(layer, q, slot_pages, blk_csr, host_csr, step, cap, k_budget, also=None):
+        summaries = eng.pools.summaries[layer].clone()
+        pred, ps = orig(layer, q, slot_pages, blk_csr, host_csr, step, cap, k_budget, also=also)
+        if also is None:  # make_sparse: the last prompt query alone
+            return pred, ps
+        indptr, indices = blk_csr
+        s_la = ref_score_blocks(q, summaries, indptr, indices)
+        s_cur = ref_score_blocks(also[0], summaries, indptr, indices)
+        for i in range(q.shape[0]):
+            lo, hi = int(indptr[i]), int(indptr[i + 1])
+            la, cur = s_la[lo:hi], s_cur[lo:hi]
+            mixed = torch.maximum(la - la.max(0).values, cur - cur.max(0).values)
+            k = min(k_budget, hi - lo)
+            for h in range(mixed.shape[1]):
+                want = set(mixed[:, h].topk(k).indices.tolist())
+                got = {int(b) for b in pred[i, h] if b >= 0}
+                assert got == want, (layer, i, h)
+                seen["differs"] += want != set(la[:, h].topk(k).indices.tolist())
+        seen["calls"] += 1
+        return pred, ps
+
+    eng._select_and_fetch = checked
+    llm.generate(prompts(qwen3.config.vocab_size, [90, 70], seed=4), 12, ignore_eos=True)
+    assert seen["calls"] > 20 and seen["differs"] > 0

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from oasiskv import ops
-from oasiskv.eval import corpus, harness, report, retrieval
+from oasiskv.eval import corpus, harness, report, retrieval, teacher
 from oasiskv.eval.policies import QuestModel
 from oasiskv.eval.teacher import Policy, TeacherForcing, greedy_continuations, summarize
 from oasiskv.models.config import ModelConfig
@@ -419,6 +419,31 @@ def test_harness_greedy_continuation_records_and_report(tiny, tmp_path):
     assert all(r["lookahead"]["draft_accept"] == 1.0 for r in teacher if r["policy"] == "oasis")
     md = report.render_markdown(data)
     assert "### Context 192, greedy continuation" in md
+
+
+def test_drafter_names_with_current_query():
+    assert teacher.drafter_parts("eagle3") == ("eagle3", "lookahead")
+    assert teacher.drafter_parts("ngram+current") == ("ngram", "lookahead+current")
+    for bad in ("previous-query+current", "eagle3+prev", "medusa"):
+        with pytest.raises(ValueError, match="unknown drafter"):
+            teacher.drafter_parts(bad)
+
+
+def test_harness_runs_a_drafter_with_the_current_query(tiny, tmp_path):
+    tok = ByteTokenizer()
+    args = _args(
+        tmp_path, "--drafters", "ngram,ngram+current", "--budgets", "1/8", "--caps", "none", "--no-quest"
+    )
+    files = corpus.list_files(source="stdlib")
+    res = harness.Results(tmp_path)
+    harness.run_teacher(args, tiny, tok, None, res, files, progress=False)
+    data = json.loads((tmp_path / "results.json").read_text())
+    oasis = {r["drafter"]: r for r in data["records"] if r["policy"] == "oasis"}
+    assert set(oasis) == {"ngram", "ngram+current"}
+    # Same drafts, different selection: the working sets (and so the overlaps) differ.
+    assert oasis["ngram"]["lookahead"]["draft_accept"] == oasis["ngram+current"]["lookahead"]["draft_accept"]
+    assert oasis["ngram"]["lookahead"]["overlap"] != oasis["ngram+current"]["lookahead"]["overlap"]
+    assert "ngram+current" in report.render_markdown(data)
 
 
 def test_results_key_tells_greedy_from_text_records(tmp_path):

@@ -9,6 +9,9 @@ import torch
 
 from .errors import ConfigError
 
+#: The values of :attr:`KvConfig.select_queries`.
+SELECT_QUERIES = ("lookahead", "lookahead+current")
+
 
 @dataclass(frozen=True)
 class KvConfig:
@@ -33,6 +36,12 @@ class KvConfig:
         num_host_blocks: blocks in the host pool; ``None`` sizes it like ``num_gpu_pages``.
         measure_recall: compute lookahead recall (the predicted set against the exact top-K of the
             next step's true query). Costs one extra scoring pass per layer and step.
+        select_queries: which queries choose the next working set. ``"lookahead"`` (the default):
+            the lookahead row's alone, as in the paper. ``"lookahead+current"``: each candidate
+            block's score under the lookahead query and under the current query is taken relative
+            to that query's best block (a log attention-weight bound), and the larger of the two
+            ranks it -- blocks either query leans on stay. Costs one extra scoring pass per layer
+            and step; without a lookahead row it is the same as ``"lookahead"``.
     """
 
     block_size: int = 16
@@ -43,6 +52,7 @@ class KvConfig:
     num_gpu_pages: int | None = None
     num_host_blocks: int | None = None
     measure_recall: bool = True
+    select_queries: str = "lookahead"
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
@@ -64,6 +74,8 @@ class KvConfig:
             not isinstance(self.sparse_threshold, int) or self.sparse_threshold < 1
         ):
             raise ConfigError(f"sparse_threshold must be an int >= 1 or None, got {self.sparse_threshold!r}")
+        if self.select_queries not in SELECT_QUERIES:
+            raise ConfigError(f"select_queries must be one of {SELECT_QUERIES}, got {self.select_queries!r}")
         if self.kv_dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
             raise ConfigError(f"kv_dtype must be float32, float16 or bfloat16, got {self.kv_dtype}")
         for name in ("num_gpu_pages", "num_host_blocks"):

@@ -165,6 +165,7 @@ class _SparsePlan:
     slot_pages: torch.Tensor  # [n_sparse, top_k_blocks] GPU page of each budget slot
     blk_indptr: torch.Tensor  # CSR over blk_indices: the candidates, blocks complete once x_t is appended
     blk_indices: torch.Tensor  # host block of each candidate, logical order
+    blk_seq: torch.Tensor  # [nnz] (long) the sparse request of each candidate, for per-request maxima
     host_indptr: torch.Tensor  # CSR over host_indices: every host block of the request
     host_indices: torch.Tensor
     # Recall is judged over the blocks that were candidates when the last step predicted: those
@@ -176,7 +177,9 @@ class _SparsePlan:
         reqs: list[_Request], rows: list[int], block_size: int, dev, measure_recall: bool
     ) -> _SparsePlan:
         sp_reqs = [reqs[i] for i in rows]
-        blk = _csr([r.host_blocks[: (r.kv_len + 1) // block_size] for r in sp_reqs], dev)
+        cand = [r.host_blocks[: (r.kv_len + 1) // block_size] for r in sp_reqs]
+        blk = _csr(cand, dev)
+        seq = [i for i, c in enumerate(cand) for _ in c]
         host = _csr([r.host_blocks for r in sp_reqs], dev)
         rec = (
             _csr([r.host_blocks[: r.kv_len // block_size] for r in sp_reqs], dev) if measure_recall else None
@@ -188,6 +191,7 @@ class _SparsePlan:
             slot_pages=_i32([r.slot_pages for r in sp_reqs], dev),
             blk_indptr=blk[0],
             blk_indices=blk[1],
+            blk_seq=torch.tensor(seq, dtype=torch.long).to(dev, non_blocking=True),
             host_indptr=host[0],
             host_indices=host[1],
             rec_csr=rec,
@@ -201,6 +205,7 @@ class _SparsePlan:
             self.slot_pages,
             self.blk_indptr,
             self.blk_indices,
+            self.blk_seq,
             self.host_indptr,
             self.host_indices,
             *(self.rec_csr or ()),
@@ -288,6 +293,14 @@ def _recall(actual: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, tor
     counted = denom > 0
     ratio = hit.sum(-1).float() / denom.clamp(min=1).float()
     return (ratio * counted).sum(-1), counted.sum(-1).float()
+
+
+def _relative_to_best(scores: torch.Tensor, seq: torch.Tensor, n: int) -> torch.Tensor:
+    """``scores [nnz, heads]`` minus the best score of the same (request, head): a bound on the
+    log of each block's attention weight relative to the top block's."""
+    best = torch.full((n, scores.shape[1]), -torch.inf, dtype=scores.dtype, device=scores.device)
+    best.scatter_reduce_(0, seq.unsqueeze(1).expand_as(scores), scores, "amax")
+    return scores - best[seq]
 
 
 class Engine:
@@ -685,6 +698,7 @@ class Engine:
             self._acc_recall_n.index_add_(0, sp_ids, counted)
             if self.recorder is not None:
                 self.recorder.on_recall(self, layer, sp_reqs, actual, prev, slot_pages)
+        both = q4.shape[1] == 2 and self.kv.select_queries == "lookahead+current"
         pred, ps = self._select_and_fetch(
             layer,
             q4[sp_idx, -1].contiguous(),
@@ -694,17 +708,27 @@ class Engine:
             step,
             cap,
             k_budget,
+            also=(q4[sp_idx, 0].contiguous(), plan.blk_seq) if both else None,
         )
         self._acc_fetched.index_add_(0, sp_ids, (ps >= 0).sum(dim=(1, 2)))
         for j, r in enumerate(sp_reqs):
             r.pred[layer] = pred[j]
 
-    def _select_and_fetch(self, layer, q, slot_pages, blk_csr, host_csr, step, cap, k_budget):
+    def _select_and_fetch(self, layer, q, slot_pages, blk_csr, host_csr, step, cap, k_budget, also=None):
         """Score the candidate blocks with ``q`` ([n, num_qo_heads, head_dim]), take the top-K per
         KV head, plan with delta selection (at most ``cap`` fetches per head) and gather the plan
-        from the host pool. Returns the prediction and the plan's slots."""
+        from the host pool. Returns the prediction and the plan's slots.
+
+        ``also = (q_current, blk_seq)`` ranks each block by the larger of its two scores, each taken
+        relative to its own query's best block (``KvConfig.select_queries``)."""
         p, g = self.pools, self.geo
         scores = ops.score_blocks(g, q, p.summaries[layer], *blk_csr)
+        if also is not None and scores.shape[0] > 0:
+            q_cur, seq = also
+            other = ops.score_blocks(g, q_cur, p.summaries[layer], *blk_csr)
+            scores = torch.maximum(
+                _relative_to_best(scores, seq, q.shape[0]), _relative_to_best(other, seq, q.shape[0])
+            )
         pred = ops.topk_blocks(g.num_kv_heads, scores, blk_csr[0], k_budget)
         ps, pb, _ = ops.delta_select(
             g.num_kv_heads, pred, slot_pages, p.page_map[layer], p.page_last_selected[layer], step, cap

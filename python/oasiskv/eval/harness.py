@@ -34,7 +34,7 @@ import torch
 
 from ..config import KvConfig
 from . import corpus, report, retrieval
-from .teacher import DRAFTERS, Policy, TeacherForcing, greedy_continuations, summarize
+from .teacher import DRAFTERS, Policy, TeacherForcing, drafter_parts, greedy_continuations, summarize
 
 SCHEMA = "oasiskv-eval/1"
 
@@ -104,7 +104,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--budgets", default=None, help="top-K: fractions of the context (1/16,1/8,1/4) or blocks (20b)"
     )
     p.add_argument("--caps", default=None, help="fetch caps: fractions of K, counts, or 'none' (uncapped)")
-    p.add_argument("--drafters", default=None, help=f"comma list of {', '.join(DRAFTERS)}")
+    p.add_argument(
+        "--drafters",
+        default=None,
+        help=f"comma list of {', '.join(DRAFTERS)}; NAME+current: the current query also chooses "
+        "the working set (KvConfig.select_queries)",
+    )
     p.add_argument("--no-quest", action="store_true", help="skip the Quest-like reference")
     p.add_argument("--retrieval-tasks", default=",".join(retrieval.TASKS))
     p.add_argument("--retrieval-trials", type=int, default=None, help="trials per task and context")
@@ -334,8 +339,7 @@ def run_teacher(args, model, tok, head, results: Results, files, progress: bool)
 
     drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
     for d in drafters:
-        if d not in DRAFTERS:
-            raise ValueError(f"unknown drafter {d!r}; use {DRAFTERS}")
+        drafter_parts(d)  # ValueError naming the valid drafters
     if head is None and any(d.startswith("eagle3") for d in drafters):
         print(
             "oasis eval: no EAGLE-3 head (pass --eagle3 PATH): skipping the eagle3 drafters", file=sys.stderr
@@ -514,11 +518,14 @@ def run_retrieval(args, model, tok, head, results: Results, files, progress: boo
             k_blocks = budget_blocks(context, frac, b, label)
             frac = k_blocks * b / context if frac is None else frac
             # Recall is not reported here: skip its extra scoring pass.
-            kv = KvConfig(top_k_blocks=k_blocks, fetch_cap=cap, measure_recall=False, **pool_kw)
-            if drafter_name.startswith("eagle3"):
-                drafter = Eagle3Drafter(head, model, prefill=drafter_name != "eagle3-noprefill")
+            base, select = drafter_parts(drafter_name)
+            kv = KvConfig(
+                top_k_blocks=k_blocks, fetch_cap=cap, measure_recall=False, select_queries=select, **pool_kw
+            )
+            if base.startswith("eagle3"):
+                drafter = Eagle3Drafter(head, model, prefill=base != "eagle3-noprefill")
             else:
-                drafter = drafter_name
+                drafter = base
             cfg = {"budget": label, "budget_frac": frac, "top_k_blocks": k_blocks}
             variants.append(
                 (

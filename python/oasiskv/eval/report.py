@@ -12,7 +12,15 @@ import sys
 from pathlib import Path
 
 # eagle3-prefill: results written before the library drafter prefilled its head (same as eagle3 now).
-DRAFTER_ORDER = ("eagle3", "eagle3-noprefill", "eagle3-prefill", "ngram", "oracle", "previous-query")
+DRAFTER_ORDER = (
+    "eagle3",
+    "eagle3+current",
+    "eagle3-noprefill",
+    "eagle3-prefill",
+    "ngram",
+    "oracle",
+    "previous-query",
+)
 
 
 def _f(x, nd: int = 3) -> str:
@@ -384,6 +392,7 @@ def plots(data: dict, out: Path) -> list[Path]:
         budgets = sorted(_by(rs, "budget"), key=_budget_key)
         markers = {
             "eagle3": "o",
+            "eagle3+current": "X",
             "eagle3-noprefill": "D",
             "eagle3-prefill": "P",
             "ngram": "s",

@@ -15,6 +15,10 @@ lookahead token of each step comes from the policy's drafter:
 * ``oracle``  — :class:`~oasiskv.drafters.OracleDrafter`: the true next token (known here);
 * ``previous-query`` — no lookahead row: x_t's own query selects the next step (FreeKV-like).
 
+A ``+current`` suffix (``eagle3+current``) runs that drafter with
+``KvConfig(select_queries="lookahead+current")``: the lookahead and the current query choose the
+working set together.
+
 Per step and text the runner keeps the NLL of the true token, the top-1 token and, against a dense
 run of the same texts, KL(dense || policy). A :class:`LookaheadRecorder` on the engine receives,
 per layer and step, the predicted top-K of the previous step, the exact top-K of this step's true
@@ -39,6 +43,18 @@ from .policies import QuestModel
 DRAFTERS = ("eagle3", "eagle3-noprefill", "ngram", "oracle", "previous-query")
 
 
+def drafter_parts(name: str) -> tuple[str, str]:
+    """``"eagle3+current"`` -> ``("eagle3", "lookahead+current")``; ``"eagle3"`` -> ``("eagle3",
+    "lookahead")``. Raises ValueError for a name that is neither (the message lists them)."""
+    base, plus, rest = name.partition("+")
+    if base in DRAFTERS and (not plus or (rest == "current" and base != "previous-query")):
+        return base, "lookahead+current" if plus else "lookahead"
+    raise ValueError(
+        f"unknown drafter {name!r}; use one of {DRAFTERS}, optionally with '+current' "
+        "(not previous-query, which has no lookahead row)"
+    )
+
+
 @dataclass(frozen=True)
 class Policy:
     """One configuration of a teacher-forced run."""
@@ -51,8 +67,8 @@ class Policy:
     def __post_init__(self) -> None:
         if self.kind not in ("dense", "oasis", "quest"):
             raise ValueError(f"policy kind must be dense, oasis or quest, got {self.kind!r}")
-        if self.kind == "oasis" and self.drafter not in DRAFTERS:
-            raise ValueError(f"an oasis policy needs a drafter in {DRAFTERS}, got {self.drafter!r}")
+        if self.kind == "oasis":
+            drafter_parts(self.drafter or "")
         if self.kind != "dense" and (self.top_k_blocks is None or self.top_k_blocks < 1):
             raise ValueError(f"{self.kind} needs top_k_blocks >= 1")
 
@@ -189,7 +205,7 @@ class TeacherForcing:
     def _drafter(self, policy: Policy, chunk: list[list[int]]):
         if policy.kind != "oasis":
             return None
-        name = policy.drafter
+        name, _ = drafter_parts(policy.drafter)
         if name == "ngram":
             return NgramDrafter()
         if name == "oracle":
@@ -211,6 +227,7 @@ class TeacherForcing:
                 fetch_cap=policy.fetch_cap,
                 sparse_threshold=max(1, self.prefix - 1),  # sparse from the first decode step
                 measure_recall=True,
+                select_queries=drafter_parts(policy.drafter)[1],
             )
             return Engine(self.model, kv, "oasis", drafter, (), self.cache)
         kv = KvConfig(block_size=b, top_k_blocks=1, fetch_cap=None, measure_recall=False)
