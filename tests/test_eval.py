@@ -446,6 +446,23 @@ def test_harness_runs_a_drafter_with_the_current_query(tiny, tmp_path):
     assert "ngram+current" in report.render_markdown(data)
 
 
+def test_report_computes_vs_quest_for_runs_merged_beside_the_reference(tiny, tmp_path):
+    # A part run with --no-quest, merged into results that hold the Quest-like record of the same
+    # budget, still gets its "vs Quest" cell.
+    tok = ByteTokenizer()
+    args = _args(tmp_path, "--drafters", "oracle", "--budgets", "1/4", "--caps", "none")
+    res = harness.Results(tmp_path)
+    harness.run_teacher(args, tiny, tok, None, res, corpus.list_files(source="stdlib"), progress=False)
+    data = json.loads((tmp_path / "results.json").read_text())
+    (oasis,) = [r for r in data["records"] if r["policy"] == "oasis"]
+    (quest,) = [r for r in data["records"] if r["policy"] == "quest"]
+    want = report._pct(100.0 * (oasis["nll"] - quest["nll"]) / quest["nll"])
+    assert want == report._pct(oasis["delta_vs_quest_pct"])
+    del oasis["delta_vs_quest_pct"], oasis["nll_quest"]
+    row = next(line for line in report.render_markdown(data).splitlines() if "OasisKV oracle" in line)
+    assert row.split("|")[7].strip() == want
+
+
 def test_results_key_tells_greedy_from_text_records(tmp_path):
     # A greedy run of the same configuration is a different record: merging or resuming one must
     # never drop or skip the other (a merge once lost the 8K text records this way).

@@ -235,7 +235,12 @@ def _fidelity_md(recs: list[dict]) -> list[str]:
                     _drafter_key(r.get("drafter")),
                 ),
             )
+            quest = next((r for r in ordered if r["policy"] == "quest"), None)
             for r in ordered:
+                vs_quest = r.get("delta_vs_quest_pct")
+                if vs_quest is None and quest is not None and r["policy"] == "oasis" and r.get("nll"):
+                    # A run without --no-quest's reference, merged beside one: same texts and budget.
+                    vs_quest = 100.0 * (r["nll"] - quest["nll"]) / quest["nll"]
                 if r["policy"] == "quest":
                     name, cap, fetched = "Quest-like", "-", f"({_mb(r.get('would_fetch_bytes_per_step'))})"
                 else:
@@ -249,7 +254,7 @@ def _fidelity_md(recs: list[dict]) -> list[str]:
                 )
                 out.append(
                     f"| {bud} | {r.get('top_k_blocks')} | {name} | {cap} | {fetched} | {dn} | "
-                    f"{_pct(r.get('delta_vs_quest_pct'))} | {_f(r.get('kl'), 4)} | "
+                    f"{_pct(vs_quest)} | {_f(r.get('kl'), 4)} | "
                     f"{_f(r.get('top1_agree'))} |"
                 )
         out.append("")
