@@ -186,6 +186,73 @@ def test_budget_covering_the_context_is_exact(tiny, head, drafter):
             assert rec["lookahead"]["resident_hit"] == pytest.approx(1.0)
 
 
+def test_attention_mass_matches_a_per_token_reference_and_bounds(tiny):
+    """block_attention_mass against a per-token float64 softmax read position by position from the
+    host pool; shares lie in [0, 1]; the exact top-K covers at least the predicted set's share at
+    full budget (all 1), and sampling follows mass_every."""
+    from oasiskv.eval import teacher as T
+
+    checked = {"n": 0}
+    orig = T.block_attention_mass
+
+    def checking(engine, layer, sp_reqs, q):
+        out = orig(engine, layer, sp_reqs, q)
+        g, b = engine.geo, engine.kv.block_size
+        group = g.num_qo_heads // g.num_kv_heads
+        host_k = engine.pools.host_k[layer]
+        for i, r in enumerate(sp_reqs):
+            for h in range(g.num_qo_heads):
+                kh = h // group
+                logits = []
+                for pos in range(r.kv_len + 1):
+                    key = host_k[r.host_blocks[pos // b], kh, pos % b].double()
+                    logits.append(float(key @ q[i, h].double().cpu()) * g.head_dim**-0.5)
+                top = max(logits)
+                w = [math.exp(x - top) for x in logits]
+                per_block = [0.0] * ((r.kv_len + b) // b)
+                for pos, x in enumerate(w):
+                    per_block[pos // b] += x / sum(w)
+                checked.setdefault("ref", []).append((i, kh, h, per_block))
+            # Average over the group, per KV head.
+            for kh in range(g.num_kv_heads):
+                rows = [pb for (ii, k2, _, pb) in checked["ref"] if ii == i and k2 == kh]
+                want = [sum(col) / len(rows) for col in zip(*rows, strict=True)]
+                assert out[i, kh, : len(want)].tolist() == pytest.approx(want, abs=1e-9)
+                assert float(out[i, kh].sum()) == pytest.approx(1.0, abs=1e-9)
+            checked["ref"].clear()
+        checked["n"] += 1
+        return out
+
+    T.block_attention_mass = checking
+    try:
+        tf = TeacherForcing(
+            tiny, [repetitive(129, seed=7)], 6, block_size=BLOCK, batch_size=1, progress=False, mass_every=2
+        )
+        dense = tf.run(Policy("dense"))
+        small = summarize(tf.run(Policy("oasis", "oracle", 3, None)), dense)["lookahead"]["attn_mass"]
+        full = summarize(tf.run(Policy("oasis", "oracle", 64, None)), dense)["lookahead"]["attn_mass"]
+    finally:
+        T.block_attention_mass = orig
+    L = tiny.config.num_hidden_layers
+    assert checked["n"] == 2 * 2 * L  # measured steps 1..5, sampled at 2 and 4; two runs
+    assert small["cells"] == 2 * L
+    for k in ("exact", "predicted", "resident"):
+        assert 0.0 < small[k] <= 1.0 + 1e-9
+        assert full[k] == pytest.approx(1.0, abs=1e-9)
+    assert small["exact"] < 1.0 and small["predicted_unmatched"] is None  # oracle: every draft matches
+    with pytest.raises(ValueError, match="mass_every"):
+        TeacherForcing(tiny, [[1] * 100], 8, mass_every=-1)
+
+
+def test_covered_mass_counts_each_block_once_with_the_local_block():
+    from oasiskv.eval.teacher import covered_mass
+
+    mass = torch.tensor([[[0.1, 0.2, 0.3, 0.4]], [[0.25, 0.25, 0.25, 0.25]]], dtype=torch.float64)
+    blocks = torch.tensor([[[0, 0, -1]], [[1, 2, -1]]])
+    local = torch.tensor([3, 2])  # request 1's local block is also in its set
+    assert covered_mass(mass, local, blocks).tolist() == pytest.approx([0.5, 0.5])
+
+
 def test_small_budget_changes_the_output(tiny):
     tf = TeacherForcing(tiny, [repetitive(257, seed=5)], 8, block_size=BLOCK, batch_size=1, progress=False)
     dense = tf.run(Policy("dense"))
@@ -295,7 +362,7 @@ def test_engine_recorder_default_is_off_and_cheap(tiny):
     calls = []
 
     class Rec:
-        def on_recall(self, engine, layer, sp_reqs, actual, prev, slot_pages):
+        def on_recall(self, engine, layer, sp_reqs, actual, prev, slot_pages, q=None):
             calls.append((layer, actual.shape, prev.shape, slot_pages.shape))
 
     llm.engine.recorder = Rec()

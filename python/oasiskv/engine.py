@@ -348,9 +348,10 @@ class Engine:
         self._acc_recall = torch.zeros(0)
         self._acc_recall_n = torch.zeros(0)
         # Optional measurement hook (None on the normal path): ``recorder.on_recall(engine, layer,
-        # sp_reqs, actual, prev, slot_pages)`` is called from ``_select`` wherever recall is measured,
-        # before this step's selection changes the mapping. ``oasiskv.eval`` uses it for per-layer,
-        # per-step lookahead accuracy. On a GPU it runs on the background stream: it must not sync.
+        # sp_reqs, actual, prev, slot_pages, q_now)`` is called from ``_select`` wherever recall is
+        # measured, before this step's selection changes the mapping. ``oasiskv.eval`` uses it for
+        # per-layer, per-step lookahead accuracy. On a GPU it runs on the background stream: it must
+        # not sync, except an evaluation recorder that accepts the stall (the attention-mass sample).
         self.recorder = None
 
     # ---------------------------------------------------------------- pools
@@ -697,7 +698,7 @@ class Engine:
             self._acc_recall.index_add_(0, sp_ids, hits)
             self._acc_recall_n.index_add_(0, sp_ids, counted)
             if self.recorder is not None:
-                self.recorder.on_recall(self, layer, sp_reqs, actual, prev, slot_pages)
+                self.recorder.on_recall(self, layer, sp_reqs, actual, prev, slot_pages, q_now)
         both = q4.shape[1] == 2 and self.kv.select_queries == "lookahead+current"
         pred, ps = self._select_and_fetch(
             layer,

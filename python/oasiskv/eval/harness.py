@@ -92,6 +92,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--contexts", default=None, help="teacher-forced context lengths, e.g. 4096,8192")
     p.add_argument("--steps", type=int, default=None, help="teacher-forced decode steps per text")
     p.add_argument(
+        "--attn-mass-every",
+        type=int,
+        default=8,
+        help="every N-th measured step, also the share of the true query's exact attention that each "
+        "block set covers (reads the whole context on the CPU; 0 = off)",
+    )
+    p.add_argument(
         "--continuation",
         default="text",
         choices=["text", "greedy"],
@@ -367,6 +374,7 @@ def run_teacher(args, model, tok, head, results: Results, files, progress: bool)
             batch_size=args.batch_size,
             eagle3_head=head,
             progress=progress,
+            mass_every=args.attn_mass_every,
         )
         base = {
             "section": "teacher",

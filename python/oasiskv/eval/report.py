@@ -170,6 +170,32 @@ def _lookahead_md(recs: list[dict]) -> list[str]:
                     f"{_f(la.get('overlap_unmatched'))} ({la.get('n_unmatched', 0)}) | "
                     f"{_f(la.get('resident_hit'))} |"
                 )
+        massed = [r for r in rs if r.get("lookahead", {}).get("attn_mass")]
+        if massed:
+            out += [
+                "",
+                "Share of the true query's exact softmax attention (whole context, mean over heads) that "
+                "falls in each block set, local block included; sampled steps (`--attn-mass-every`). "
+                "Exact top-K is what the Quest-like ideal reads; resident is what this step attended over.",
+                "",
+                "| budget | cap | drafter | exact top-K | predicted | predicted, matched | "
+                "predicted, not matched | resident | cells |",
+                "|---|---|---|---|---|---|---|---|---|",
+            ]
+            for r in sorted(
+                massed,
+                key=lambda r: (
+                    _budget_key(r["budget"]),
+                    _cap_key(r.get("fetch_cap")),
+                    _drafter_key(r["drafter"]),
+                ),
+            ):
+                m = r["lookahead"]["attn_mass"]
+                out.append(
+                    f"| {r['budget']} | {_cap(r.get('fetch_cap'))} | {r['drafter']} | {_f(m.get('exact'))} | "
+                    f"{_f(m.get('predicted'))} | {_f(m.get('predicted_matched'))} | "
+                    f"{_f(m.get('predicted_unmatched'))} | {_f(m.get('resident'))} | {m.get('cells')} |"
+                )
         binned = [r for r in rs if r.get("lookahead", {}).get("by_confidence")]
         if binned:
             edges = [(b["lo"], b["hi"]) for b in binned[0]["lookahead"]["by_confidence"]]

@@ -82,6 +82,46 @@ class Policy:
         return f"oasis/{self.drafter} K={self.top_k_blocks} {cap}"
 
 
+def block_attention_mass(engine, layer: int, sp_reqs, q: torch.Tensor) -> torch.Tensor:
+    """The softmax attention of each request's true query ``q [n, num_qo_heads, head_dim]`` over
+    its whole context (every token up to and including x_t, read from the host pool, which holds
+    all of it), summed per block and averaged over the query heads of each KV head:
+    ``[n, num_kv_heads, max_blocks]`` float64 on the CPU, zero past a request's last block.
+
+    The exact attention a dense engine computes; an evaluation metric only (it reads the whole
+    context per layer, on the CPU)."""
+    g, b = engine.geo, engine.kv.block_size
+    hq, hk, d = g.num_qo_heads, g.num_kv_heads, g.head_dim
+    group = hq // hk
+    lens = [r.kv_len + 1 for r in sp_reqs]  # x_t sits at position kv_len
+    nblk = [(t + b - 1) // b for t in lens]
+    width = max(nblk)
+    host_k = engine.pools.host_k[layer]
+    out = torch.zeros(len(sp_reqs), hk, width, dtype=torch.float64)
+    qc = q.detach().to("cpu", torch.float64)
+    for i, r in enumerate(sp_reqs):
+        idx = torch.tensor(r.host_blocks[: nblk[i]], dtype=torch.long)
+        k = host_k[idx].to(torch.float64)  # [blocks, hk, b, d]
+        k = k.permute(1, 0, 2, 3).reshape(hk, nblk[i] * b, d)[:, : lens[i]]  # [hk, T, d]
+        kq = k.repeat_interleave(group, dim=0)  # [hq, T, d]
+        w = torch.softmax((kq @ qc[i].unsqueeze(-1)).squeeze(-1) * d**-0.5, dim=-1)  # [hq, T]
+        w = torch.nn.functional.pad(w, (0, nblk[i] * b - lens[i])).view(hq, nblk[i], b).sum(-1)
+        out[i, :, : nblk[i]] = w.view(hk, group, nblk[i]).mean(1)
+    return out
+
+
+def covered_mass(mass: torch.Tensor, local: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """The attention share of ``blocks [n, hk, K]`` (logical, -1 = none; duplicates counted once)
+    plus each request's ``local`` block, averaged over KV heads: ``[n]``."""
+    n, hk, width = mass.shape
+    keep = torch.zeros(n, hk, width + 1, dtype=torch.bool)
+    sel = torch.where(blocks >= 0, blocks.long(), width).clamp(max=width)
+    keep.scatter_(2, sel, True)
+    keep = keep[..., :width]
+    keep[torch.arange(n), :, local.clamp(max=width - 1)] = True
+    return (mass * keep).sum(-1).mean(-1)
+
+
 class LookaheadRecorder:
     """``Engine.recorder``: per (step, layer, request) lookahead overlap and working-set hit.
 
@@ -96,22 +136,47 @@ class LookaheadRecorder:
     device until :meth:`tensors` (no host sync inside the engine's background chain).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, mass_every: int = 0) -> None:
         self.enabled = False
         self.step = -1
+        self.mass_every = int(mass_every)
         self._rows: list[tuple[int, int, list[int], torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._mass: list[tuple[int, int, list[int], torch.Tensor]] = []
 
-    def on_recall(self, engine, layer, sp_reqs, actual, prev, slot_pages) -> None:
+    def on_recall(self, engine, layer, sp_reqs, actual, prev, slot_pages, q=None) -> None:
         if not self.enabled:
             return
         ov, n = _recall(actual, prev)
         resident = engine.pools.page_map[layer][slot_pages.long()].transpose(1, 2)  # [n, hk, K]
         hit, _ = _recall(actual, resident)
         denom = n.clamp(min=1)
-        self._rows.append((self.step, layer, [r.id for r in sp_reqs], ov / denom, hit / denom, n > 0))
+        ids = [r.id for r in sp_reqs]
+        self._rows.append((self.step, layer, ids, ov / denom, hit / denom, n > 0))
+        if q is not None and self.mass_every > 0 and self.step % self.mass_every == 0:
+            mass = block_attention_mass(engine, layer, sp_reqs, q)  # [n, hk, blocks] (CPU)
+            local = torch.tensor([r.kv_len // engine.kv.block_size for r in sp_reqs])
+            cov = [covered_mass(mass, local, s.cpu()) for s in (actual, prev, resident)]
+            self._mass.append((self.step, layer, ids, torch.stack(cov, dim=-1)))  # [n, 3]
 
     def clear(self) -> None:
         self._rows.clear()
+        self._mass.clear()
+
+    def mass_tensors(self, num_layers: int, req_ids: list[int], steps: list[int]):
+        """(mass, valid): the share of the true query's attention that falls in the exact top-K,
+        the predicted set and the resident set (each with the local block), ``[len(steps),
+        num_layers, len(req_ids), 3]``; valid marks the sampled (step, layer, request) cells."""
+        s_idx = {s: i for i, s in enumerate(steps)}
+        r_idx = {r: i for i, r in enumerate(req_ids)}
+        mass = torch.zeros(len(steps), num_layers, len(req_ids), 3, dtype=torch.float64)
+        valid = torch.zeros(len(steps), num_layers, len(req_ids), dtype=torch.bool)
+        for step, layer, ids, m in self._mass:
+            if step not in s_idx:
+                continue
+            cols = torch.tensor([r_idx[i] for i in ids])
+            mass[s_idx[step], layer, cols] = m
+            valid[s_idx[step], layer, cols] = True
+        return mass, valid
 
     def tensors(self, num_layers: int, req_ids: list[int], steps: list[int]):
         """(overlap, resident_hit, valid) as float/bool CPU tensors [len(steps), num_layers, len(req_ids)]."""
@@ -147,6 +212,8 @@ class RunResult:
     valid: torch.Tensor | None = None
     matched: torch.Tensor | None = None  # [S', n] bool; None without a draft
     confidence: torch.Tensor | None = None  # [S', n] the head's probability of its draft (EAGLE-3)
+    mass: torch.Tensor | None = None  # [S', L, n, 3] attention share of exact / predicted / resident
+    mass_valid: torch.Tensor | None = None  # [S', L, n] the sampled cells
     measured_steps: list[int] = field(default_factory=list)
     wall_s: float = 0.0
 
@@ -163,6 +230,10 @@ class TeacherForcing:
         eagle3_head: an :class:`~oasiskv.models.eagle3.Eagle3Head` attached to ``model`` (for the
             ``eagle3`` drafter).
         progress: tqdm bars over the steps of each run.
+        mass_every: every how many measured steps the recorder also computes the true query's
+            exact attention over the whole context and the share of it each block set covers
+            (``attn_mass`` in the lookahead summary; 0 = never). It reads the whole context per
+            layer on the CPU, so sample.
     """
 
     def __init__(
@@ -175,6 +246,7 @@ class TeacherForcing:
         batch_size: int = 8,
         eagle3_head=None,
         progress: bool = True,
+        mass_every: int = 0,
     ) -> None:
         lens = {len(t) for t in texts}
         if not texts or len(lens) != 1:
@@ -191,6 +263,9 @@ class TeacherForcing:
         self.batch_size = max(1, batch_size)
         self.head = eagle3_head
         self.progress = progress
+        if mass_every < 0:
+            raise ValueError(f"mass_every must be >= 0, got {mass_every}")
+        self.mass_every = mass_every
         self.device = next(model.parameters()).device
         self.cache = PrefillCache(capacity=3 * min(self.batch_size, len(texts)))
         self.quest_model = QuestModel(model)
@@ -265,7 +340,7 @@ class TeacherForcing:
             eng.pools = self._pools[key]
         recorder = None
         if policy.kind == "oasis":
-            recorder = eng.recorder = LookaheadRecorder()
+            recorder = eng.recorder = LookaheadRecorder(self.mass_every)
         reqs = [_Request(id=i, prompt=t[:P], max_new_tokens=S + 1) for i, t in enumerate(chunk)]
         # An EAGLE-3 drafter keeps its probability of each draft (from the first one on).
         track = getattr(drafter, "track_confidence", None) is not None
@@ -370,6 +445,10 @@ class TeacherForcing:
                 self.model.config.num_hidden_layers, [r.id for r in reqs], measured
             )
             res.overlap, res.resident_hit, res.valid = ov, hit, valid
+            if self.mass_every:
+                res.mass, res.mass_valid = recorder.mass_tensors(
+                    self.model.config.num_hidden_layers, [r.id for r in reqs], measured
+                )
             res.measured_steps = measured
             res.matched = torch.tensor(matched, dtype=torch.bool) if matched else None
             res.confidence = torch.tensor(confidence, dtype=torch.float32) if confidence else None
@@ -398,6 +477,8 @@ def _concat(policy: Policy, parts: list[RunResult]) -> RunResult:
     out.valid = cat("valid", 2)
     out.matched = cat("matched", 1)
     out.confidence = cat("confidence", 1)
+    out.mass = cat("mass", 2)
+    out.mass_valid = cat("mass_valid", 2)
     out.measured_steps = parts[0].measured_steps
     return out
 
@@ -510,8 +591,31 @@ def lookahead_summary(res: RunResult) -> dict:
         out.update(
             draft_accept=None, overlap_matched=None, overlap_unmatched=None, n_matched=0, n_unmatched=0
         )
+    if res.mass is not None and res.mass_valid is not None and bool(res.mass_valid.any()):
+        out["attn_mass"] = attention_mass_summary(res)
     if res.confidence is not None and res.matched is not None and res.confidence.shape == res.matched.shape:
         out["by_confidence"] = confidence_bins(res.confidence, res.matched, ov, valid)
+    return out
+
+
+def attention_mass_summary(res: RunResult) -> dict:
+    """Means over the sampled (step, layer, request) cells of the true query's attention share in
+    the exact top-K (what the Quest-like ideal reads), the predicted set and the resident set, each
+    with the local block; the predicted share split by draft match when there is a draft."""
+    mass, valid = res.mass, res.mass_valid  # [S', L, n, 3], [S', L, n]
+    out = {
+        "exact": _mean(mass[..., 0], valid),
+        "predicted": _mean(mass[..., 1], valid),
+        "resident": _mean(mass[..., 2], valid),
+        "cells": int(valid.sum()),
+        "resident_per_layer": [
+            _mean(mass[:, layer, :, 2], valid[:, layer]) for layer in range(mass.shape[1])
+        ],
+    }
+    if res.matched is not None and res.matched.shape == (mass.shape[0], mass.shape[2]):
+        m = res.matched.unsqueeze(1).expand_as(valid)
+        out["predicted_matched"] = _mean(mass[..., 1], valid & m)
+        out["predicted_unmatched"] = _mean(mass[..., 1], valid & ~m)
     return out
 
 
