@@ -236,9 +236,11 @@ def test_attention_mass_matches_a_per_token_reference_and_bounds(tiny):
     L = tiny.config.num_hidden_layers
     assert checked["n"] == 2 * 2 * L  # measured steps 1..5, sampled at 2 and 4; two runs
     assert small["cells"] == 2 * L
-    for k in ("exact", "predicted", "resident"):
+    for k in ("exact", "predicted", "resident", "best"):
         assert 0.0 < small[k] <= 1.0 + 1e-9
         assert full[k] == pytest.approx(1.0, abs=1e-9)
+    # No K blocks hold more attention than the K blocks of most attention.
+    assert small["best"] >= max(small["exact"], small["predicted"], small["resident"]) - 1e-12
     assert small["exact"] < 1.0 and small["predicted_unmatched"] is None  # oracle: every draft matches
     with pytest.raises(ValueError, match="mass_every"):
         TeacherForcing(tiny, [[1] * 100], 8, mass_every=-1)
@@ -251,6 +253,15 @@ def test_covered_mass_counts_each_block_once_with_the_local_block():
     blocks = torch.tensor([[[0, 0, -1]], [[1, 2, -1]]])
     local = torch.tensor([3, 2])  # request 1's local block is also in its set
     assert covered_mass(mass, local, blocks).tolist() == pytest.approx([0.5, 0.5])
+
+
+def test_best_mass_blocks_ranks_complete_blocks_only():
+    from oasiskv.eval.teacher import best_mass_blocks
+
+    mass = torch.tensor([[[0.1, 0.2, 0.3, 0.4]], [[0.5, 0.1, 0.4, 0.0]]], dtype=torch.float64)
+    local = torch.tensor([3, 1])  # request 0: blocks 0..2 are candidates; request 1: block 0 only
+    assert best_mass_blocks(mass, local, 2).tolist() == [[[2, 1]], [[0, -1]]]
+    assert best_mass_blocks(mass, local, 6).shape == (2, 1, 6)
 
 
 def test_small_budget_changes_the_output(tiny):

@@ -176,11 +176,12 @@ def _lookahead_md(recs: list[dict]) -> list[str]:
                 "",
                 "Share of the true query's exact softmax attention (whole context, mean over heads) that "
                 "falls in each block set, local block included; sampled steps (`--attn-mass-every`). "
-                "Exact top-K is what the Quest-like ideal reads; resident is what this step attended over.",
+                "Exact top-K is what the Quest-like ideal reads; resident is what this step attended over; "
+                "best is the K blocks of most attention (the ceiling of any block scoring at this budget).",
                 "",
                 "| budget | cap | drafter | exact top-K | predicted | predicted, matched | "
-                "predicted, not matched | resident | cells |",
-                "|---|---|---|---|---|---|---|---|---|",
+                "predicted, not matched | resident | best | cells |",
+                "|---|---|---|---|---|---|---|---|---|---|",
             ]
             for r in sorted(
                 massed,
@@ -194,7 +195,8 @@ def _lookahead_md(recs: list[dict]) -> list[str]:
                 out.append(
                     f"| {r['budget']} | {_cap(r.get('fetch_cap'))} | {r['drafter']} | {_f(m.get('exact'))} | "
                     f"{_f(m.get('predicted'))} | {_f(m.get('predicted_matched'))} | "
-                    f"{_f(m.get('predicted_unmatched'))} | {_f(m.get('resident'))} | {m.get('cells')} |"
+                    f"{_f(m.get('predicted_unmatched'))} | {_f(m.get('resident'))} | {_f(m.get('best'))} | "
+                    f"{m.get('cells')} |"
                 )
         binned = [r for r in rs if r.get("lookahead", {}).get("by_confidence")]
         if binned:

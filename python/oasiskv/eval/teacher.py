@@ -122,6 +122,17 @@ def covered_mass(mass: torch.Tensor, local: torch.Tensor, blocks: torch.Tensor) 
     return (mass * keep).sum(-1).mean(-1)
 
 
+def best_mass_blocks(mass: torch.Tensor, local: torch.Tensor, k: int) -> torch.Tensor:
+    """The ``k`` complete blocks (before each request's ``local`` block) of most attention per KV
+    head, -1 padded: ``[n, hk, k]``. What a selection that knew the true attention would keep."""
+    n, hk, width = mass.shape
+    cand = torch.arange(width).view(1, 1, width) < local.view(n, 1, 1)
+    ranked = torch.where(cand, mass, torch.full_like(mass, -1.0))
+    vals, idx = ranked.topk(min(k, width), dim=-1)
+    idx = torch.where(vals >= 0, idx, torch.full_like(idx, -1))
+    return torch.nn.functional.pad(idx, (0, k - idx.shape[-1]), value=-1)
+
+
 class LookaheadRecorder:
     """``Engine.recorder``: per (step, layer, request) lookahead overlap and working-set hit.
 
@@ -155,8 +166,9 @@ class LookaheadRecorder:
         if q is not None and self.mass_every > 0 and self.step % self.mass_every == 0:
             mass = block_attention_mass(engine, layer, sp_reqs, q)  # [n, hk, blocks] (CPU)
             local = torch.tensor([r.kv_len // engine.kv.block_size for r in sp_reqs])
-            cov = [covered_mass(mass, local, s.cpu()) for s in (actual, prev, resident)]
-            self._mass.append((self.step, layer, ids, torch.stack(cov, dim=-1)))  # [n, 3]
+            best = best_mass_blocks(mass, local, actual.shape[-1])
+            cov = [covered_mass(mass, local, s.cpu()) for s in (actual, prev, resident, best)]
+            self._mass.append((self.step, layer, ids, torch.stack(cov, dim=-1)))  # [n, 4]
 
     def clear(self) -> None:
         self._rows.clear()
@@ -164,11 +176,11 @@ class LookaheadRecorder:
 
     def mass_tensors(self, num_layers: int, req_ids: list[int], steps: list[int]):
         """(mass, valid): the share of the true query's attention that falls in the exact top-K,
-        the predicted set and the resident set (each with the local block), ``[len(steps),
-        num_layers, len(req_ids), 3]``; valid marks the sampled (step, layer, request) cells."""
+        the predicted set, the resident set and the K blocks of most attention (each with the local
+        block), ``[len(steps), num_layers, len(req_ids), 4]``; valid marks the sampled cells."""
         s_idx = {s: i for i, s in enumerate(steps)}
         r_idx = {r: i for i, r in enumerate(req_ids)}
-        mass = torch.zeros(len(steps), num_layers, len(req_ids), 3, dtype=torch.float64)
+        mass = torch.zeros(len(steps), num_layers, len(req_ids), 4, dtype=torch.float64)
         valid = torch.zeros(len(steps), num_layers, len(req_ids), dtype=torch.bool)
         for step, layer, ids, m in self._mass:
             if step not in s_idx:
@@ -212,7 +224,7 @@ class RunResult:
     valid: torch.Tensor | None = None
     matched: torch.Tensor | None = None  # [S', n] bool; None without a draft
     confidence: torch.Tensor | None = None  # [S', n] the head's probability of its draft (EAGLE-3)
-    mass: torch.Tensor | None = None  # [S', L, n, 3] attention share of exact / predicted / resident
+    mass: torch.Tensor | None = None  # [S', L, n, 4] attention share: exact / predicted / resident / best
     mass_valid: torch.Tensor | None = None  # [S', L, n] the sampled cells
     measured_steps: list[int] = field(default_factory=list)
     wall_s: float = 0.0
@@ -600,13 +612,15 @@ def lookahead_summary(res: RunResult) -> dict:
 
 def attention_mass_summary(res: RunResult) -> dict:
     """Means over the sampled (step, layer, request) cells of the true query's attention share in
-    the exact top-K (what the Quest-like ideal reads), the predicted set and the resident set, each
+    the exact top-K (what the Quest-like ideal reads), the predicted set, the resident set and the
+    K blocks of most attention (``best``: the ceiling of any block scoring at this budget), each
     with the local block; the predicted share split by draft match when there is a draft."""
     mass, valid = res.mass, res.mass_valid  # [S', L, n, 3], [S', L, n]
     out = {
         "exact": _mean(mass[..., 0], valid),
         "predicted": _mean(mass[..., 1], valid),
         "resident": _mean(mass[..., 2], valid),
+        "best": _mean(mass[..., 3], valid),
         "cells": int(valid.sum()),
         "resident_per_layer": [
             _mean(mass[:, layer, :, 2], valid[:, layer]) for layer in range(mass.shape[1])
