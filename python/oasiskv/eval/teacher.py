@@ -98,15 +98,16 @@ def block_attention_mass(engine, layer: int, sp_reqs, q: torch.Tensor) -> torch.
     width = max(nblk)
     host_k = engine.pools.host_k[layer]
     out = torch.zeros(len(sp_reqs), hk, width, dtype=torch.float64)
-    qc = q.detach().to("cpu", torch.float64)
+    # Dot products in float32 (the gather and matmul dominate), softmax and sums in float64.
+    qc = q.detach().to("cpu", torch.float32).view(-1, hk, group, d)  # query head h reads KV head h // group
     for i, r in enumerate(sp_reqs):
         idx = torch.tensor(r.host_blocks[: nblk[i]], dtype=torch.long)
-        k = host_k[idx].to(torch.float64)  # [blocks, hk, b, d]
+        k = host_k.index_select(0, idx).to(torch.float32)  # [blocks, hk, b, d]
         k = k.permute(1, 0, 2, 3).reshape(hk, nblk[i] * b, d)[:, : lens[i]]  # [hk, T, d]
-        kq = k.repeat_interleave(group, dim=0)  # [hq, T, d]
-        w = torch.softmax((kq @ qc[i].unsqueeze(-1)).squeeze(-1) * d**-0.5, dim=-1)  # [hq, T]
-        w = torch.nn.functional.pad(w, (0, nblk[i] * b - lens[i])).view(hq, nblk[i], b).sum(-1)
-        out[i, :, : nblk[i]] = w.view(hk, group, nblk[i]).mean(1)
+        logits = torch.matmul(qc[i], k.transpose(1, 2)).double() * d**-0.5  # [hk, group, T]
+        w = torch.softmax(logits, dim=-1)
+        w = torch.nn.functional.pad(w, (0, nblk[i] * b - lens[i])).view(hk, group, nblk[i], b).sum(-1)
+        out[i, :, : nblk[i]] = w.mean(1)
     return out
 
 
