@@ -165,7 +165,7 @@ class _SparsePlan:
     slot_pages: torch.Tensor  # [n_sparse, top_k_blocks] GPU page of each budget slot
     blk_indptr: torch.Tensor  # CSR over blk_indices: the candidates, blocks complete once x_t is appended
     blk_indices: torch.Tensor  # host block of each candidate, logical order
-    blk_seq: torch.Tensor  # [nnz] (long) the sparse request of each candidate, for per-request maxima
+    blk_seq: torch.Tensor | None  # [nnz] (long) each candidate's sparse request; None unless needed
     host_indptr: torch.Tensor  # CSR over host_indices: every host block of the request
     host_indices: torch.Tensor
     # Recall is judged over the blocks that were candidates when the last step predicted: those
@@ -174,12 +174,16 @@ class _SparsePlan:
 
     @staticmethod
     def build(
-        reqs: list[_Request], rows: list[int], block_size: int, dev, measure_recall: bool
+        reqs: list[_Request],
+        rows: list[int],
+        block_size: int,
+        dev,
+        measure_recall: bool,
+        with_seq: bool = False,
     ) -> _SparsePlan:
         sp_reqs = [reqs[i] for i in rows]
         cand = [r.host_blocks[: (r.kv_len + 1) // block_size] for r in sp_reqs]
         blk = _csr(cand, dev)
-        seq = [i for i, c in enumerate(cand) for _ in c]
         host = _csr([r.host_blocks for r in sp_reqs], dev)
         rec = (
             _csr([r.host_blocks[: r.kv_len // block_size] for r in sp_reqs], dev) if measure_recall else None
@@ -191,7 +195,13 @@ class _SparsePlan:
             slot_pages=_i32([r.slot_pages for r in sp_reqs], dev),
             blk_indptr=blk[0],
             blk_indices=blk[1],
-            blk_seq=torch.tensor(seq, dtype=torch.long).to(dev, non_blocking=True),
+            blk_seq=(
+                torch.tensor([i for i, c in enumerate(cand) for _ in c], dtype=torch.long).to(
+                    dev, non_blocking=True
+                )
+                if with_seq
+                else None
+            ),
             host_indptr=host[0],
             host_indices=host[1],
             rec_csr=rec,
@@ -205,10 +215,10 @@ class _SparsePlan:
             self.slot_pages,
             self.blk_indptr,
             self.blk_indices,
-            self.blk_seq,
             self.host_indptr,
             self.host_indices,
             *(self.rec_csr or ()),
+            *((self.blk_seq,) if self.blk_seq is not None else ()),
         ):
             t.record_stream(stream)
 
@@ -598,7 +608,8 @@ class Engine:
         max_pages = max(len(x) for x in kv_lists)
 
         sp = [i for i, r in enumerate(reqs) if r.sparse]
-        plan = _SparsePlan.build(reqs, sp, b, dev, kv.measure_recall) if sp else None
+        both = rows == 2 and kv.select_queries == "lookahead+current"
+        plan = _SparsePlan.build(reqs, sp, b, dev, kv.measure_recall, with_seq=both) if sp else None
         if plan is not None and self.cuda:
             plan.keep_for(self._side)
         step = self.step_no
@@ -699,7 +710,7 @@ class Engine:
             self._acc_recall_n.index_add_(0, sp_ids, counted)
             if self.recorder is not None:
                 self.recorder.on_recall(self, layer, sp_reqs, actual, prev, slot_pages, q_now)
-        both = q4.shape[1] == 2 and self.kv.select_queries == "lookahead+current"
+        both = plan.blk_seq is not None  # KvConfig.select_queries == "lookahead+current" with a lookahead row
         pred, ps = self._select_and_fetch(
             layer,
             q4[sp_idx, -1].contiguous(),
