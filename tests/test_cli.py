@@ -40,6 +40,20 @@ def test_bad_input_is_a_message_not_a_traceback(tmp_path):
     assert p.returncode == 2 and "top_k_blocks" in p.stderr
 
 
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--drafters", "previous-query+current"], "unknown drafter"),
+        (["--attn-mass-every", "-1"], "--attn-mass-every"),
+        (["--sections", "teacher,speed"], "unknown section"),
+    ],
+)
+def test_eval_bad_arguments_are_a_message_not_a_traceback(tmp_path, args, says):
+    p = oasis("eval", "--out", str(tmp_path), "--contexts", "256", *args)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "oasis eval: error:" in p.stderr and says in p.stderr and "Traceback" not in p.stderr
+
+
 @pytest.mark.slow
 def test_demo_json_end_to_end():
     p = oasis("demo", "--json", "--prompt-tokens", "6144", "--max-new-tokens", "16", timeout=900)

@@ -197,7 +197,11 @@ def cmd_generate(args) -> int:
 def cmd_eval(args) -> int:
     from .eval.harness import main as eval_main
 
-    return eval_main(args)
+    try:
+        return eval_main(args)
+    except ValueError as e:  # bad arguments or inputs; the message says which and how to fix them
+        print(f"oasis eval: error: {e}", file=sys.stderr)
+        return 2
 
 
 def _kv_flags(p: argparse.ArgumentParser, top_k: int) -> None:

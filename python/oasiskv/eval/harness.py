@@ -692,6 +692,11 @@ def main(args) -> int:
     bad = [s for s in sections if s not in ("teacher", "retrieval")]
     if bad:
         raise ValueError(f"unknown section(s) {bad}; use teacher, retrieval")
+    # Bad arguments fail before the model loads.
+    for d in [d.strip() for d in (args.drafters or "").split(",") if d.strip()]:
+        drafter_parts(d)
+    if args.attn_mass_every < 0:
+        raise ValueError(f"--attn-mass-every must be >= 0 (0 = off), got {args.attn_mass_every}")
     deadline = Deadline(args.time_limit_min)
     device = pick_device(args.device)
     progress = not args.no_progress
