@@ -481,16 +481,26 @@ def test_greedy_continuation_is_what_dense_greedy_decoding_feeds(tiny):
     assert tf.run(Policy("oasis", "oracle", 4, None)).matched.all()
 
 
-def test_harness_greedy_continuation_records_and_report(tiny, tmp_path):
-    tok = ByteTokenizer()
-    args = _args(
-        tmp_path, "--continuation", "greedy", "--drafters", "oracle", "--budgets", "1/4", "--no-quest"
-    )
-    files = corpus.list_files(source="stdlib")
+def _teacher_results(tiny, tmp_path, *extra) -> dict:
+    """Run the teacher section with `_args(tmp_path, *extra)` on the tiny model; the results.json."""
     res = harness.Results(tmp_path)
-    res.add_run({"argv": ["oasis", "eval", "--continuation", "greedy"], "model": "tiny"})
-    harness.run_teacher(args, tiny, tok, None, res, files, progress=False)
-    data = json.loads((tmp_path / "results.json").read_text())
+    res.add_run({"argv": ["oasis", "eval", *extra], "model": "tiny"})
+    harness.run_teacher(
+        _args(tmp_path, *extra),
+        tiny,
+        ByteTokenizer(),
+        None,
+        res,
+        corpus.list_files(source="stdlib"),
+        progress=False,
+    )
+    return json.loads((tmp_path / "results.json").read_text())
+
+
+def test_harness_greedy_continuation_records_and_report(tiny, tmp_path):
+    data = _teacher_results(
+        tiny, tmp_path, "--continuation", "greedy", "--drafters", "oracle", "--budgets", "1/4", "--no-quest"
+    )
     teacher = [r for r in data["records"] if r["section"] == "teacher"]
     assert len(teacher) == 1 + 2 and all(r["continuation"] == "greedy" for r in teacher)
     assert all(r["lookahead"]["draft_accept"] == 1.0 for r in teacher if r["policy"] == "oasis")
@@ -507,14 +517,17 @@ def test_drafter_names_with_current_query():
 
 
 def test_harness_runs_a_drafter_with_the_current_query(tiny, tmp_path):
-    tok = ByteTokenizer()
-    args = _args(
-        tmp_path, "--drafters", "ngram,ngram+current", "--budgets", "1/8", "--caps", "none", "--no-quest"
+    data = _teacher_results(
+        tiny,
+        tmp_path,
+        "--drafters",
+        "ngram,ngram+current",
+        "--budgets",
+        "1/8",
+        "--caps",
+        "none",
+        "--no-quest",
     )
-    files = corpus.list_files(source="stdlib")
-    res = harness.Results(tmp_path)
-    harness.run_teacher(args, tiny, tok, None, res, files, progress=False)
-    data = json.loads((tmp_path / "results.json").read_text())
     oasis = {r["drafter"]: r for r in data["records"] if r["policy"] == "oasis"}
     assert set(oasis) == {"ngram", "ngram+current"}
     # Same drafts, different selection: the working sets (and so the overlaps) differ.
@@ -526,11 +539,7 @@ def test_harness_runs_a_drafter_with_the_current_query(tiny, tmp_path):
 def test_report_computes_vs_quest_for_runs_merged_beside_the_reference(tiny, tmp_path):
     # A part run with --no-quest, merged into results that hold the Quest-like record of the same
     # budget, still gets its "vs Quest" cell.
-    tok = ByteTokenizer()
-    args = _args(tmp_path, "--drafters", "oracle", "--budgets", "1/4", "--caps", "none")
-    res = harness.Results(tmp_path)
-    harness.run_teacher(args, tiny, tok, None, res, corpus.list_files(source="stdlib"), progress=False)
-    data = json.loads((tmp_path / "results.json").read_text())
+    data = _teacher_results(tiny, tmp_path, "--drafters", "oracle", "--budgets", "1/4", "--caps", "none")
     (oasis,) = [r for r in data["records"] if r["policy"] == "oasis"]
     (quest,) = [r for r in data["records"] if r["policy"] == "quest"]
     want = report._pct(100.0 * (oasis["nll"] - quest["nll"]) / quest["nll"])

@@ -63,6 +63,11 @@ def _drafter_key(d) -> int:
     return DRAFTER_ORDER.index(d) if d in DRAFTER_ORDER else len(DRAFTER_ORDER)
 
 
+def _config_order(r: dict) -> tuple:
+    """Budget, then cap, then drafter: the row order of the per-configuration tables."""
+    return (_budget_key(r["budget"]), _cap_key(r.get("fetch_cap")), _drafter_key(r["drafter"]))
+
+
 def _records(data: dict, section: str) -> list[dict]:
     return [r for r in data.get("records", []) if r.get("section") == section]
 
@@ -183,14 +188,7 @@ def _lookahead_md(recs: list[dict]) -> list[str]:
                 "predicted, not matched | resident | best | cells |",
                 "|---|---|---|---|---|---|---|---|---|---|",
             ]
-            for r in sorted(
-                massed,
-                key=lambda r: (
-                    _budget_key(r["budget"]),
-                    _cap_key(r.get("fetch_cap")),
-                    _drafter_key(r["drafter"]),
-                ),
-            ):
+            for r in sorted(massed, key=_config_order):
                 m = r["lookahead"]["attn_mass"]
                 out.append(
                     f"| {r['budget']} | {_cap(r.get('fetch_cap'))} | {r['drafter']} | {_f(m.get('exact'))} | "
@@ -210,14 +208,7 @@ def _lookahead_md(recs: list[dict]) -> list[str]:
                 + " |",
                 "|" + "---|" * (3 + len(edges)),
             ]
-            for r in sorted(
-                binned,
-                key=lambda r: (
-                    _budget_key(r["budget"]),
-                    _cap_key(r.get("fetch_cap")),
-                    _drafter_key(r["drafter"]),
-                ),
-            ):
+            for r in sorted(binned, key=_config_order):
                 cells = [
                     f"{_f(b['share'], 2)} / {_f(b['accept'], 2)} / {_f(b['overlap'])}"
                     for b in r["lookahead"]["by_confidence"]
