@@ -46,12 +46,23 @@ def test_teacher_forcing_on_gpu_full_budget_tracks_dense_and_small_budget_measur
     head = Eagle3Head.random(model.config, 64, seed=2, dtype=torch.bfloat16, device="cuda")
     head.attach_target(model)
     texts = [_repetitive(513, seed=s) for s in range(2)]
-    tf = TeacherForcing(model, texts, 24, block_size=16, batch_size=2, eagle3_head=head, progress=False)
+    tf = TeacherForcing(
+        model, texts, 24, block_size=16, batch_size=2, eagle3_head=head, progress=False, mass_every=4
+    )
     dense = tf.run(Policy("dense"))
     full = summarize(tf.run(Policy("oasis", "eagle3", 32, None)), dense)
     # The whole context fits the budget: the same attention up to bf16 summation order.
     assert abs(full["delta_nll_pct"]) < 1.0 and full["top1_agree"] > 0.95, full
-    recs = {d: summarize(tf.run(Policy("oasis", d, 4, 0.25)), dense) for d in ("oracle", "previous-query")}
+    # ... and every block set holds all of the attention (read from the host pool after the sync).
+    mass = full["lookahead"]["attn_mass"]
+    assert all(abs(mass[k] - 1.0) < 1e-6 for k in ("exact", "predicted", "resident", "best")), mass
+    recs = {
+        d: summarize(tf.run(Policy("oasis", d, 4, 0.25)), dense)
+        for d in ("oracle", "oracle+current", "previous-query")
+    }
+    m = recs["oracle"]["lookahead"]["attn_mass"]
+    assert m["cells"] == 5 * model.config.num_hidden_layers * 2  # measured steps 4, 8, ..., 20
+    assert 0.0 < m["resident"] <= m["best"] + 1e-9 <= 1.0 + 1e-9, m
     o, p = recs["oracle"]["lookahead"], recs["previous-query"]["lookahead"]
     assert o["steps_measured"] == 23 and len(o["overlap_per_layer"]) == model.config.num_hidden_layers
     assert o["overlap"] >= p["overlap"], (o["overlap"], p["overlap"])
