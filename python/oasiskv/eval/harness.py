@@ -341,13 +341,19 @@ def load(args, device: torch.device):
     return model, tok, head, head_path
 
 
+def _drafters(args) -> list[str]:
+    """``--drafters`` as a list; ValueError naming the valid drafters for a bad one."""
+    drafters = [d.strip() for d in (args.drafters or "").split(",") if d.strip()]
+    for d in drafters:
+        drafter_parts(d)
+    return drafters
+
+
 # ------------------------------------------------------------------------------------------ sections
 def run_teacher(args, model, tok, head, results: Results, files, progress: bool) -> None:
     from tqdm import tqdm
 
-    drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
-    for d in drafters:
-        drafter_parts(d)  # ValueError naming the valid drafters
+    drafters = _drafters(args)
     if head is None and any(d.startswith("eagle3") for d in drafters):
         print(
             "oasis eval: no EAGLE-3 head (pass --eagle3 PATH): skipping the eagle3 drafters", file=sys.stderr
@@ -692,9 +698,7 @@ def main(args) -> int:
     bad = [s for s in sections if s not in ("teacher", "retrieval")]
     if bad:
         raise ValueError(f"unknown section(s) {bad}; use teacher, retrieval")
-    # Bad arguments fail before the model loads.
-    for d in [d.strip() for d in (args.drafters or "").split(",") if d.strip()]:
-        drafter_parts(d)
+    _drafters(args)  # bad arguments fail before the model loads
     if args.attn_mass_every < 0:
         raise ValueError(f"--attn-mass-every must be >= 0 (0 = off), got {args.attn_mass_every}")
     deadline = Deadline(args.time_limit_min)
