@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fakes import ByteTokenizer
 from oasiskv import ops
 from oasiskv.eval import corpus, harness, report, retrieval, teacher
 from oasiskv.eval.policies import QuestModel
@@ -22,18 +23,6 @@ from oasiskv.models.transformer import CausalLM, greedy_generate
 torch.set_num_threads(2)
 
 BLOCK = 8
-
-
-class ByteTokenizer:
-    """UTF-8 bytes as token ids (fits the tiny model's vocabulary of 301)."""
-
-    eos_token_ids: list[int] = []
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
 
 
 @pytest.fixture(scope="module")

@@ -12,25 +12,13 @@ import pytest
 import torch
 
 import oasiskv.llm as llm_mod
+from fakes import AsciiTokenizer
 from oasiskv.eval import corpus, harness, report, retrieval
 from oasiskv.models.config import ModelConfig
 from oasiskv.models.eagle3 import Eagle3Head
 from oasiskv.models.transformer import CausalLM
 
 torch.set_num_threads(2)
-
-
-class AsciiTokenizer:
-    """Prompts as UTF-8 bytes (fits the tiny model's vocabulary of 301); every generated id decodes
-    to one printable ASCII character, so answers are decided (and generation stops) early."""
-
-    eos_token_ids: list[int] = []
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        return "".join(chr(32 + int(i) % 95) for i in ids)
 
 
 @pytest.fixture(scope="module")

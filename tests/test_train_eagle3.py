@@ -8,6 +8,7 @@ import shlex
 import pytest
 import torch
 
+from fakes import ByteTokenizer
 from oasiskv.eval import corpus
 from oasiskv.models.config import ModelConfig
 from oasiskv.models.eagle3 import Eagle3Head
@@ -15,19 +16,6 @@ from oasiskv.models.transformer import CausalLM
 from oasiskv.train import eagle3 as tr
 
 torch.set_num_threads(2)
-
-
-class ByteTokenizer:
-    eos_token_ids: list[int] = []
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
-
-    def token_to_id(self, token: str):
-        return None
 
 
 @pytest.fixture(scope="module")
