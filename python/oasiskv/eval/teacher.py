@@ -134,6 +134,22 @@ def best_mass_blocks(mass: torch.Tensor, local: torch.Tensor, k: int) -> torch.T
     return torch.nn.functional.pad(idx, (0, k - idx.shape[-1]), value=-1)
 
 
+def _grid(rows, num_layers: int, req_ids: list[int], steps: list[int], fields) -> list[torch.Tensor]:
+    """Rows ``(step, layer, request ids, *values)``, each value ``[n, *tail]``, laid out as one CPU
+    tensor per value ``[len(steps), num_layers, len(req_ids), *tail]`` (``fields``: its ``(tail,
+    dtype)``); rows of steps not listed are skipped, cells without a row stay zero."""
+    s_idx = {s: i for i, s in enumerate(steps)}
+    r_idx = {r: i for i, r in enumerate(req_ids)}
+    out = [torch.zeros(len(steps), num_layers, len(req_ids), *tail, dtype=dt) for tail, dt in fields]
+    for step, layer, ids, *values in rows:
+        if step not in s_idx:
+            continue
+        cols = torch.tensor([r_idx[i] for i in ids])
+        for grid, v in zip(out, values, strict=True):
+            grid[s_idx[step], layer, cols] = v.cpu().to(grid.dtype)
+    return out
+
+
 class LookaheadRecorder:
     """``Engine.recorder``: per (step, layer, request) lookahead overlap and working-set hit.
 
@@ -153,7 +169,7 @@ class LookaheadRecorder:
         self.step = -1
         self.mass_every = int(mass_every)
         self._rows: list[tuple[int, int, list[int], torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self._mass: list[tuple[int, int, list[int], torch.Tensor]] = []
+        self._mass: list[tuple[int, int, list[int], torch.Tensor, torch.Tensor]] = []
 
     def on_recall(self, engine, layer, sp_reqs, actual, prev, slot_pages, q=None) -> None:
         if not self.enabled:
@@ -169,7 +185,8 @@ class LookaheadRecorder:
             local = torch.tensor([r.kv_len // engine.kv.block_size for r in sp_reqs])
             best = best_mass_blocks(mass, local, actual.shape[-1])
             cov = [covered_mass(mass, local, s.cpu()) for s in (actual, prev, resident, best)]
-            self._mass.append((self.step, layer, ids, torch.stack(cov, dim=-1)))  # [n, 4]
+            cells = torch.ones(len(ids), dtype=torch.bool)
+            self._mass.append((self.step, layer, ids, torch.stack(cov, dim=-1), cells))  # [n, 4], [n]
 
     def clear(self) -> None:
         self._rows.clear()
@@ -179,34 +196,13 @@ class LookaheadRecorder:
         """(mass, valid): the share of the true query's attention that falls in the exact top-K,
         the predicted set, the resident set and the K blocks of most attention (each with the local
         block), ``[len(steps), num_layers, len(req_ids), 4]``; valid marks the sampled cells."""
-        s_idx = {s: i for i, s in enumerate(steps)}
-        r_idx = {r: i for i, r in enumerate(req_ids)}
-        mass = torch.zeros(len(steps), num_layers, len(req_ids), 4, dtype=torch.float64)
-        valid = torch.zeros(len(steps), num_layers, len(req_ids), dtype=torch.bool)
-        for step, layer, ids, m in self._mass:
-            if step not in s_idx:
-                continue
-            cols = torch.tensor([r_idx[i] for i in ids])
-            mass[s_idx[step], layer, cols] = m
-            valid[s_idx[step], layer, cols] = True
+        mass, valid = _grid(self._mass, num_layers, req_ids, steps, (((4,), torch.float64), ((), torch.bool)))
         return mass, valid
 
     def tensors(self, num_layers: int, req_ids: list[int], steps: list[int]):
         """(overlap, resident_hit, valid) as float/bool CPU tensors [len(steps), num_layers, len(req_ids)]."""
-        s_idx = {s: i for i, s in enumerate(steps)}
-        r_idx = {r: i for i, r in enumerate(req_ids)}
-        shape = (len(steps), num_layers, len(req_ids))
-        ov = torch.zeros(shape)
-        hit = torch.zeros(shape)
-        valid = torch.zeros(shape, dtype=torch.bool)
-        for step, layer, ids, o, h, v in self._rows:
-            if step not in s_idx:
-                continue
-            cols = torch.tensor([r_idx[i] for i in ids])
-            ov[s_idx[step], layer, cols] = o.float().cpu()
-            hit[s_idx[step], layer, cols] = h.float().cpu()
-            valid[s_idx[step], layer, cols] = v.cpu()
-        return ov, hit, valid
+        f32, flag = ((), torch.float32), ((), torch.bool)
+        return tuple(_grid(self._rows, num_layers, req_ids, steps, (f32, f32, flag)))
 
 
 @dataclass
