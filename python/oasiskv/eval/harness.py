@@ -96,8 +96,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=16,
         help="every N-th measured step, also the share of the true query's exact attention that each "
-        "block set covers (reads the whole context on the CPU: about 20 ms per layer for 8 requests "
-        "at 8K on 2 cores; 0 = off)",
+        "block set covers (reads the whole context per layer on the CPU; 0 = off)",
     )
     p.add_argument(
         "--continuation",
