@@ -11,6 +11,29 @@ from .errors import ConfigError
 
 #: The values of :attr:`KvConfig.select_queries`.
 SELECT_QUERIES = ("lookahead", "lookahead+current")
+#: Largest ``block_size``. Arbitrary.
+MAX_BLOCK_SIZE = 1024
+#: Largest ``top_k_blocks``: the most the GPU top-K kernel selects per KV head. Must match
+#: OASIS_MAX_TOPK in cuda/score_blocks.cu (``MAX_TOPK`` in crates/oasis-cuda/src/ops.rs).
+MAX_TOP_K_BLOCKS = 512
+#: Largest pool (``num_gpu_pages``, ``num_host_blocks``): page and block ids are i32 on the GPU.
+MAX_POOL_BLOCKS = (1 << 31) - 1
+#: Largest ``sparse_threshold`` in tokens: positions are i32 on the GPU.
+MAX_TOKENS = (1 << 31) - 1
+
+
+def _check_int(name: str, v: object, lo: int, hi: int, fix: str, optional: bool = False) -> None:
+    """``v`` must be an int in ``lo..=hi`` (or None when ``optional``); bools are refused (``True`` is
+    an int subclass, and a flag passed in the wrong position would otherwise be a size of 1)."""
+    if optional and v is None:
+        return
+    kind = f"an int in {lo}..={hi}" + (" or None" if optional else "")
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise ConfigError(f"{name} must be {kind}, got {v!r} of type {type(v).__name__}")
+    if v < lo:
+        raise ConfigError(f"{name} must be {kind}, got {v}")
+    if v > hi:
+        raise ConfigError(f"{name}={v} is above {hi}, the largest allowed; {fix}")
 
 
 @dataclass(frozen=True)
@@ -55,10 +78,17 @@ class KvConfig:
     select_queries: str = "lookahead"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
-            raise ConfigError(f"block_size must be an int in 1..=1024, got {self.block_size!r}")
-        if not isinstance(self.top_k_blocks, int) or self.top_k_blocks < 1:
-            raise ConfigError(f"top_k_blocks must be an int >= 1, got {self.top_k_blocks!r}")
+        _check_int(
+            "block_size", self.block_size, 1, MAX_BLOCK_SIZE, "use a smaller block_size (16 to 64 is usual)"
+        )
+        _check_int(
+            "top_k_blocks",
+            self.top_k_blocks,
+            1,
+            MAX_TOP_K_BLOCKS,
+            "the GPU top-K kernel selects at most that many blocks per KV head; lower top_k_blocks, "
+            "or raise block_size to keep the same budget in tokens",
+        )
         cap = self.fetch_cap
         if cap is not None:
             if isinstance(cap, bool) or not isinstance(cap, int | float):
@@ -70,18 +100,29 @@ class KvConfig:
                 )
             if isinstance(cap, int) and cap < 1:
                 raise ConfigError(f"fetch_cap={cap}: an absolute cap must be >= 1 (use None for uncapped)")
-        if self.sparse_threshold is not None and (
-            not isinstance(self.sparse_threshold, int) or self.sparse_threshold < 1
-        ):
-            raise ConfigError(f"sparse_threshold must be an int >= 1 or None, got {self.sparse_threshold!r}")
+        _check_int(
+            "sparse_threshold",
+            self.sparse_threshold,
+            1,
+            MAX_TOKENS,
+            "positions are i32 on the GPU; pass a smaller threshold, or None for the default",
+            optional=True,
+        )
         if self.select_queries not in SELECT_QUERIES:
             raise ConfigError(f"select_queries must be one of {SELECT_QUERIES}, got {self.select_queries!r}")
         if self.kv_dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
             raise ConfigError(f"kv_dtype must be float32, float16 or bfloat16, got {self.kv_dtype}")
         for name in ("num_gpu_pages", "num_host_blocks"):
-            v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 1):
-                raise ConfigError(f"{name} must be an int >= 1 or None, got {v!r}")
+            _check_int(
+                name,
+                getattr(self, name),
+                1,
+                MAX_POOL_BLOCKS,
+                f"block ids are i32 on the GPU; pass a smaller {name} or None (sized for the batch)",
+                optional=True,
+            )
+        if not isinstance(self.measure_recall, bool):
+            raise ConfigError(f"measure_recall must be True or False, got {self.measure_recall!r}")
         if self.num_gpu_pages is not None and self.num_gpu_pages < self.top_k_blocks + 1:
             raise ConfigError(
                 f"the budget needs top_k_blocks + 1 = {self.top_k_blocks + 1} GPU pages per sparse request "
