@@ -6,7 +6,7 @@ ids = torch.tensor(tok.encode("The capital of France is"))
 logits, captured = model(ids, torch.arange(len(ids)), dense_causal_attn(), capture_layers=(2, 15, 27))
 """
 
-from oasiskv.models.config import ModelConfig
+from oasiskv.models.config import ModelConfig, estimate_model_bytes
 from oasiskv.models.eagle3 import Eagle3Head, Eagle3State, eagle3_capture_layers
 from oasiskv.models.loader import load_gguf, load_hf_dir, load_model, smollm2_gguf_path
 from oasiskv.models.tokenizer import Tokenizer
@@ -31,6 +31,7 @@ __all__ = [
     "causal_attention",
     "dense_causal_attn",
     "eagle3_capture_layers",
+    "estimate_model_bytes",
     "greedy_generate",
     "load_gguf",
     "load_hf_dir",

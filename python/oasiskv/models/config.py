@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
+
+import torch
 
 from oasiskv.errors import ConfigError
 
@@ -21,6 +24,20 @@ from oasiskv.errors import ConfigError
 SUPPORTED_MODEL_TYPES: dict[str, str] = {"llama": "llama", "qwen3": "qwen3"}
 #: RoPE scaling kinds implemented (``None`` = plain RoPE).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+#: Upper bounds on the sizes a config may give. Arbitrary: 8x to 64x past the largest released
+#: dense models, so that a typo (an extra zero, 10**11) fails here, naming its field, instead of in the
+#: allocator. Positions are i32 on the GPU, hence the context bound.
+SIZE_BOUNDS: dict[str, int] = {
+    "vocab_size": 1 << 24,
+    "hidden_size": 1 << 17,
+    "intermediate_size": 1 << 20,
+    "num_hidden_layers": 1024,
+    "num_attention_heads": 1024,
+    "num_key_value_heads": 1024,
+    "head_dim": 1024,
+    "max_position_embeddings": (1 << 31) - 1,
+}
 
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -73,6 +90,22 @@ def _normalize_rope_scaling(rs: Any) -> dict[str, Any] | None:
     return out
 
 
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _check_size(name: str, v: Any) -> None:
+    # bool is an int subclass: `true` in a config.json would otherwise be a size of 1
+    if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        raise ConfigError(f"{name} must be a positive int, got {v!r}; fix it in config.json")
+    bound = SIZE_BOUNDS[name]
+    if v > bound:
+        raise ConfigError(
+            f"{name}={v} is larger than {bound}, the most OasisKV accepts (no released model comes "
+            f"close); fix {name} in config.json"
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """Hyper-parameters of a decoder-only Llama or Qwen3 model.
@@ -113,9 +146,7 @@ class ModelConfig:
             "num_key_value_heads",
             "max_position_embeddings",
         ):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                raise ConfigError(f"{name} must be a positive int, got {v!r}")
+            _check_size(name, getattr(self, name))
         head_dim = self.head_dim
         if head_dim is None:
             if self.hidden_size % self.num_attention_heads:
@@ -125,20 +156,19 @@ class ModelConfig:
                 )
             head_dim = self.hidden_size // self.num_attention_heads
             object.__setattr__(self, "head_dim", head_dim)
-        if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim <= 0 or head_dim % 2:
+        _check_size("head_dim", head_dim)
+        if head_dim % 2:
             raise ConfigError(f"head_dim must be a positive even int (RoPE rotates pairs), got {head_dim!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of num_key_value_heads "
                 f"({self.num_key_value_heads}) for grouped-query attention"
             )
-        if not (isinstance(self.rms_norm_eps, (int, float)) and self.rms_norm_eps > 0):
-            raise ConfigError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
-        if not (
-            isinstance(self.rope_theta, (int, float))
-            and self.rope_theta > 0
-            and math.isfinite(self.rope_theta)
-        ):
+        if not (_is_number(self.rms_norm_eps) and 0 < self.rms_norm_eps < 1):
+            raise ConfigError(
+                f"rms_norm_eps must be a number in (0, 1) (e.g. 1e-6), got {self.rms_norm_eps!r}"
+            )
+        if not (_is_number(self.rope_theta) and self.rope_theta > 0 and math.isfinite(self.rope_theta)):
             raise ConfigError(f"rope_theta must be a positive finite number, got {self.rope_theta!r}")
         object.__setattr__(self, "rms_norm_eps", float(self.rms_norm_eps))
         object.__setattr__(self, "rope_theta", float(self.rope_theta))
@@ -149,11 +179,12 @@ class ModelConfig:
             eos = []
         elif isinstance(eos, int):
             eos = [eos]
-        eos = [int(e) for e in eos]
-        for tid in eos + ([] if self.bos_token_id is None else [self.bos_token_id]):
+        for tid in list(eos) + ([] if self.bos_token_id is None else [self.bos_token_id]):
+            if not isinstance(tid, numbers.Integral) or isinstance(tid, bool):
+                raise ConfigError(f"special token ids (bos_token_id, eos_token_id) must be ints, got {tid!r}")
             if not 0 <= tid < self.vocab_size:
                 raise ConfigError(f"special token id {tid} is outside the vocabulary [0, {self.vocab_size})")
-        object.__setattr__(self, "eos_token_ids", eos)
+        object.__setattr__(self, "eos_token_ids", [int(e) for e in eos])
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -172,6 +203,23 @@ class ModelConfig:
     @property
     def model_type(self) -> str:
         return self.family
+
+    @property
+    def embedding_parameters(self) -> int:
+        """Parameters of the token embeddings plus the LM head (counted once when tied)."""
+        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+
+    @property
+    def layer_parameters(self) -> int:
+        """Parameters of one decoder layer (:class:`~oasiskv.models.transformer.DecoderLayer`)."""
+        h = self.hidden_size
+        qk_norm = 2 * self.head_dim if self.family == "qwen3" else 0  # type: ignore[operator]
+        return 2 * h + (2 * self.q_size + 2 * self.kv_size) * h + 3 * self.intermediate_size * h + qk_norm
+
+    @property
+    def num_parameters(self) -> int:
+        """Parameters of the whole model: embeddings, LM head, layers and the final norm."""
+        return self.embedding_parameters + self.num_hidden_layers * self.layer_parameters + self.hidden_size
 
     def replace(self, **changes: Any) -> ModelConfig:
         """A copy with ``changes`` applied (validated again)."""
@@ -250,7 +298,10 @@ class ModelConfig:
             intermediate_size=d["intermediate_size"],
             num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=d["num_attention_heads"],
-            num_key_value_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+            # an explicit 0 must fail validation, not fall back to multi-head attention
+            num_key_value_heads=d["num_attention_heads"]
+            if d.get("num_key_value_heads") is None
+            else d["num_key_value_heads"],
             head_dim=d.get("head_dim"),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
@@ -299,3 +350,10 @@ class ModelConfig:
         else:
             d["use_sliding_window"] = False
         return d
+
+
+def estimate_model_bytes(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes the weights of ``cfg`` take in ``dtype`` (parameters x element size), computed before
+    allocating anything; :class:`~oasiskv.models.transformer.CausalLM` checks it against the free
+    memory of its device (:func:`oasiskv.memory.ensure_fits`)."""
+    return cfg.num_parameters * dtype.itemsize
