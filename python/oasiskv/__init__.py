@@ -28,6 +28,7 @@ from .errors import (
     InvalidArgumentError,
     OasisError,
     OutOfBlocksError,
+    OutOfMemoryError,
     ShapeError,
     UnsupportedQuantizationError,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "DeviceError",
     "InvalidArgumentError",
     "OutOfBlocksError",
+    "OutOfMemoryError",
     "ContextLengthError",
     "CheckpointError",
     "UnsupportedQuantizationError",

@@ -41,6 +41,14 @@ class OutOfBlocksError(OasisError, MemoryError):
     """A pool (GPU pages or host blocks) has fewer free blocks than requested."""
 
 
+class OutOfMemoryError(OasisError, MemoryError):
+    """What was asked for (a model's weights, the KV pools) would not fit in the device's free memory.
+
+    Raised before allocating, from an estimate (:mod:`oasiskv.memory`), so the process never gets as
+    far as a raw allocator error or the OOM killer.
+    """
+
+
 class ContextLengthError(OasisError, ValueError):
     """A prompt plus the requested new tokens exceeds the model's context window."""
 
@@ -66,6 +74,7 @@ __all__ = [
     "InvalidArgumentError",
     "IndexError_",
     "OutOfBlocksError",
+    "OutOfMemoryError",
     "ContextLengthError",
     "CheckpointError",
     "UnsupportedQuantizationError",

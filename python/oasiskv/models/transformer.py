@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from oasiskv.errors import ConfigError, ContextLengthError, ShapeError
-from oasiskv.models.config import ModelConfig
+from oasiskv.memory import ensure_fits, format_bytes
+from oasiskv.models.config import ModelConfig, estimate_model_bytes
 
 #: ``attn(layer_index, q [n, Hq, D], k [n, Hkv, D], v [n, Hkv, D]) -> o [n, Hq, D]``
 AttnFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
@@ -177,6 +178,33 @@ class DenseKVCache:
 
 
 # ------------------------------------------------------------------------------------------ model
+def check_model_fits(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device) -> None:
+    """Raise :class:`~oasiskv.errors.OutOfMemoryError` when the weights of ``cfg`` in ``dtype`` would
+    not fit in the free memory of ``device``, naming the sizes that make them large.
+
+    Runs before anything is allocated: a config with ``vocab_size=10**11`` otherwise ends in a raw
+    allocator ``RuntimeError``, or an OOM kill while the weights are copied in.
+    """
+    emb = cfg.embedding_parameters * dtype.itemsize
+    layers = cfg.num_hidden_layers * cfg.layer_parameters * dtype.itemsize
+    if emb >= layers:
+        tied = "tied" if cfg.tie_word_embeddings else "untied"
+        sizes = f"{tied} embeddings of vocab_size={cfg.vocab_size} x hidden_size={cfg.hidden_size}"
+    else:
+        sizes = (
+            f"num_hidden_layers={cfg.num_hidden_layers} layers of hidden_size={cfg.hidden_size}, "
+            f"intermediate_size={cfg.intermediate_size}"
+        )
+    ensure_fits(
+        estimate_model_bytes(cfg, dtype),
+        device,
+        what=f"the model weights in {str(dtype).removeprefix('torch.')} ({format_bytes(max(emb, layers))} of "
+        f"them in {sizes})",
+        fix="check those sizes in config.json (or the GGUF metadata), load with a smaller dtype "
+        "(bfloat16) or on a device with more free memory",
+    )
+
+
 class DecoderLayer(nn.Module):
     """One pre-norm block: fused QKV, optional per-head q/k norm (Qwen3), RoPE, SwiGLU MLP."""
 
@@ -243,6 +271,7 @@ class CausalLM(nn.Module):
             raise ConfigError(f"CausalLM needs a ModelConfig, got {type(cfg).__name__}")
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ConfigError(f"compute dtype must be float32, bfloat16 or float16, got {dtype}")
+        check_model_fits(cfg, dtype, device)
         self.config = cfg
         kw = {"dtype": dtype, "device": device}
         self.embed_tokens = nn.Embedding(
