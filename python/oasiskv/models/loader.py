@@ -142,6 +142,25 @@ def _fill(model: CausalLM, name: str, src: Tensor, slots: dict[str, Tensor], ori
         )
     with torch.no_grad():
         dst.copy_(src.to(device=dst.device, dtype=dst.dtype))
+    _check_finite(name, dst, src, origin)
+
+
+def _check_finite(name: str, dst: Tensor, src: Tensor, origin: str) -> None:
+    """NaN or inf weights make NaN logits, which sampling turns into token 0 without a word: refuse them
+    at load. One pass over ``dst`` (already in the compute dtype); ``src`` is only read on failure, to
+    tell corrupt data from values that overflow the compute dtype."""
+    if bool(torch.isfinite(dst).all()):
+        return
+    bad = int((~torch.isfinite(src)).sum())
+    if bad:
+        raise CheckpointError(
+            f"tensor {name} in {origin} holds {bad} NaN/inf value(s) of {src.numel()}; the file is corrupt "
+            "or was saved from a diverged model, re-download or re-convert it"
+        )
+    raise CheckpointError(
+        f"tensor {name} in {origin} has values beyond the range of {dst.dtype} (largest magnitude "
+        f"{float(src.abs().max()):.3g}); load with dtype=torch.float32 or torch.bfloat16"
+    )
 
 
 def load_hf_dir(
@@ -397,7 +416,14 @@ def load_gguf(
             dequantize_gguf_tensor(t)  # raises UnsupportedQuantizationError
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
-            model.set_rope_freq_factors(torch.from_numpy(dequantize_gguf_tensor(t).reshape(-1)))
+            factors = torch.from_numpy(dequantize_gguf_tensor(t).reshape(-1))
+            # RoPE divides by these: zero, negative or non-finite factors give NaN positions
+            if not bool((torch.isfinite(factors) & (factors > 0)).all()):
+                raise CheckpointError(
+                    f"GGUF tensor {t.name} in {path.name} holds zero, negative or NaN/inf RoPE factors; "
+                    "the file is corrupt, re-download or re-convert it"
+                )
+            model.set_rope_freq_factors(factors)
             continue
         hf = gguf_to_hf_name(t.name)
         if hf is None:
