@@ -35,7 +35,7 @@ def test_generate_json_on_smollm2():
 def test_bad_input_is_a_message_not_a_traceback(tmp_path):
     p = oasis("generate", str(tmp_path / "nope"), "--prompt", "hi")
     assert p.returncode == 2
-    assert "oasis: error:" in p.stderr and "Traceback" not in p.stderr
+    assert "oasis generate: error:" in p.stderr and "Traceback" not in p.stderr
     p = oasis("generate", "smollm2", "--prompt", "hi", "--top-k-blocks", "0")
     assert p.returncode == 2 and "top_k_blocks" in p.stderr
 

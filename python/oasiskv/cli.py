@@ -160,6 +160,17 @@ def cmd_demo(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    try:
+        return _generate(args)
+    except (OasisError, MemoryError, torch.OutOfMemoryError) as e:
+        # bad input (a config, a checkpoint, a flag) or too little memory: the message says what to
+        # change, a traceback would only bury it. Other exceptions are bugs and keep theirs.
+        msg = " ".join(str(e).split()) or type(e).__name__
+        print(f"oasis generate: error: {msg}", file=sys.stderr)
+        return 2
+
+
+def _generate(args) -> int:
     from .llm import LLM
 
     kv = KvConfig(
