@@ -47,6 +47,10 @@ pub enum OasisError {
         requested: usize,
         free: usize,
     },
+    /// An allocation failed (or its size overflows): `bytes` of host memory for `what`. Every
+    /// allocation sized by a caller goes through [`try_vec`], so it is this error, never an abort.
+    #[error("out of memory: {what} needs {bytes} bytes")]
+    OutOfMemory { what: &'static str, bytes: u128 },
     /// A configuration value is outside what the geometry allows.
     #[error("invalid config: {0}")]
     Config(String),
@@ -67,6 +71,20 @@ macro_rules! ensure {
     };
 }
 
+/// An empty vector with room for `n` elements of `T`, or [`OasisError::OutOfMemory`] when the
+/// allocator refuses (or `n` elements overflow `isize::MAX` bytes). Use it for every allocation
+/// whose size a caller chooses: `Vec::with_capacity` / `vec![..; n]` abort the process on failure,
+/// which no Python `except` can catch.
+pub fn try_vec<T>(what: &'static str, n: usize) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n)
+        .map_err(|_| OasisError::OutOfMemory {
+            what,
+            bytes: n as u128 * std::mem::size_of::<T>() as u128,
+        })?;
+    Ok(v)
+}
+
 /// Check that a slice has exactly `expected` elements for the named shape.
 pub fn check_len(what: &'static str, len: usize, shape: &[usize]) -> Result<()> {
     // NOTE: checked product: shapes come from user-controlled sizes and must not overflow-panic.
@@ -85,4 +103,28 @@ pub fn check_len(what: &'static str, len: usize, shape: &[usize]) -> Result<()> 
         });
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn try_vec_reports_what_it_could_not_allocate() {
+        let v: Vec<u32> = try_vec("ids", 10).unwrap();
+        assert!(v.is_empty() && v.capacity() >= 10);
+        // More than isize::MAX bytes: a capacity overflow, reported, not a panic or an abort.
+        let err = try_vec::<u64>("ids", usize::MAX / 4).unwrap_err();
+        assert_eq!(
+            err,
+            OasisError::OutOfMemory {
+                what: "ids",
+                bytes: (usize::MAX / 4) as u128 * 8
+            }
+        );
+        // Representable but far beyond any machine: the allocator refuses.
+        let err = try_vec::<u8>("pool", 1 << 62).unwrap_err();
+        assert!(matches!(err, OasisError::OutOfMemory { what: "pool", .. }));
+        assert!(err.to_string().starts_with("out of memory: pool needs"));
+    }
 }

@@ -9,7 +9,7 @@
 //! Freed ids are reused first (LIFO), so a request that finishes and a request that starts touch
 //! the same, recently used memory.
 
-use crate::error::{OasisError, Result, Tier};
+use crate::error::{try_vec, OasisError, Result, Tier};
 
 #[derive(Debug, Clone)]
 pub struct BlockPool {
@@ -20,20 +20,80 @@ pub struct BlockPool {
     is_free: Vec<bool>,
 }
 
+/// Largest pool: ids are `u32` here and `i32` in the GPU tables.
+pub const MAX_BLOCKS: usize = i32::MAX as usize;
+
 impl BlockPool {
     /// A pool of `num_blocks` free blocks with ids `0..num_blocks`; the first allocation returns
-    /// the lowest ids in ascending order.
+    /// the lowest ids in ascending order. The pool's own bookkeeping takes 5 bytes per block.
     ///
-    /// NOTE: ids are `u32` (and GPU tables are `i32`), so `num_blocks` is clamped to
-    /// `i32::MAX`; [`BlockPool::num_blocks`] reports the clamped value.
-    pub fn new(tier: Tier, num_blocks: usize) -> Self {
-        // i32::MAX fits both u32 and every usize this crate builds for.
-        let n = num_blocks.min(i32::MAX as usize) as u32;
-        Self {
-            tier,
-            free: (0..n).rev().collect(),
-            is_free: vec![true; n as usize],
+    /// # Errors
+    /// * [`OasisError::Config`] when `num_blocks` exceeds [`MAX_BLOCKS`];
+    /// * [`OasisError::OutOfMemory`] when the bookkeeping cannot be allocated (never an abort).
+    pub fn try_new(tier: Tier, num_blocks: usize) -> Result<Self> {
+        if num_blocks > MAX_BLOCKS {
+            return Err(OasisError::Config(format!(
+                "a {tier} holds at most {MAX_BLOCKS} blocks (int32 ids), got num_blocks={num_blocks}"
+            )));
         }
+        let mut free = try_vec("the free list of a block pool", num_blocks)?;
+        let mut is_free = try_vec("the free flags of a block pool", num_blocks)?;
+        // Both fit the capacity reserved above: no reallocation.
+        free.extend((0..num_blocks as u32).rev());
+        is_free.resize(num_blocks, true);
+        Ok(Self {
+            tier,
+            free,
+            is_free,
+        })
+    }
+
+    /// [`BlockPool::try_new`] for sizes known to be small (tests, fixed pools).
+    ///
+    /// NOTE: `num_blocks` is clamped to [`MAX_BLOCKS`]; [`BlockPool::num_blocks`] reports the
+    /// clamped value.
+    ///
+    /// # Panics
+    /// When the bookkeeping cannot be allocated. Code that takes the size from a user calls
+    /// [`BlockPool::try_new`].
+    pub fn new(tier: Tier, num_blocks: usize) -> Self {
+        match Self::try_new(tier, num_blocks.min(MAX_BLOCKS)) {
+            Ok(pool) => pool,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// Grow the pool to `num_blocks` blocks (a no-op when it has as many): ids `old..num_blocks`
+    /// become free, handed out after the blocks free now. The engine grows its pool tensors as
+    /// admitted requests need them, so a pool starts small.
+    ///
+    /// # Errors
+    /// [`OasisError::Config`] past [`MAX_BLOCKS`]; [`OasisError::OutOfMemory`] when the
+    /// bookkeeping cannot grow. The pool is unchanged then.
+    pub fn grow(&mut self, num_blocks: usize) -> Result<()> {
+        let old = self.is_free.len();
+        if num_blocks <= old {
+            return Ok(());
+        }
+        if num_blocks > MAX_BLOCKS {
+            return Err(OasisError::Config(format!(
+                "a {} holds at most {MAX_BLOCKS} blocks (int32 ids), got num_blocks={num_blocks}",
+                self.tier
+            )));
+        }
+        let more = num_blocks - old;
+        let mut free: Vec<u32> = try_vec("the free list of a block pool", self.free.len() + more)?;
+        let oom = |_| OasisError::OutOfMemory {
+            what: "the free flags of a block pool",
+            bytes: num_blocks as u128,
+        };
+        self.is_free.try_reserve_exact(more).map_err(oom)?;
+        // New ids go under the free stack: the blocks free now are still reused first.
+        free.extend((old as u32..num_blocks as u32).rev());
+        free.append(&mut self.free);
+        self.free = free;
+        self.is_free.resize(num_blocks, true);
+        Ok(())
     }
 
     /// The tier this pool manages (used in error messages).
@@ -172,6 +232,36 @@ mod tests {
         assert_eq!(pool.num_free(), 8);
         let again: HashSet<u32> = pool.allocate(8).unwrap().into_iter().collect();
         assert_eq!(again.len(), 8);
+    }
+
+    #[test]
+    fn grow_keeps_holdings_and_reuses_freed_first() {
+        let mut pool = BlockPool::try_new(Tier::Gpu, 3).unwrap();
+        let a = pool.allocate(3).unwrap();
+        pool.free(&[1]).unwrap();
+        pool.grow(5).unwrap();
+        assert_eq!(pool.num_blocks(), 5);
+        assert_eq!(pool.num_free(), 3);
+        assert_eq!(pool.allocate(1).unwrap(), vec![1]);
+        assert_eq!(pool.allocate(2).unwrap(), vec![3, 4]);
+        assert!(!pool.is_free(a[0]));
+        pool.grow(2).unwrap(); // never shrinks
+        assert_eq!(pool.num_blocks(), 5);
+        assert!(matches!(
+            BlockPool::try_new(Tier::Host, 1 << 40),
+            Err(OasisError::Config(_))
+        ));
+    }
+
+    #[test]
+    fn oversized_pools_are_errors_not_aborts() {
+        let err = BlockPool::try_new(Tier::Gpu, 1 << 40).unwrap_err();
+        assert!(matches!(err, OasisError::Config(ref m) if m.contains("at most 2147483647")));
+        let err = BlockPool::try_new(Tier::Host, MAX_BLOCKS + 1).unwrap_err();
+        assert!(matches!(err, OasisError::Config(_)));
+        let pool = BlockPool::try_new(Tier::Host, 3).unwrap();
+        assert_eq!((pool.num_blocks(), pool.num_free()), (3, 3));
+        assert_eq!(BlockPool::new(Tier::Gpu, 5).num_blocks(), 5);
     }
 
     #[test]
