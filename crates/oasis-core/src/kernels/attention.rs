@@ -16,6 +16,13 @@
 //!
 //! A `(seq, kv head)` row with nothing to attend to (every slot empty and no extra K,V) yields
 //! zeros.
+//!
+//! ## Non-finite inputs
+//! NaN propagates: a NaN score (a NaN in the query or in a key it attends to, or `inf - inf` from
+//! infinite ones) makes that query vector's output all NaN, and a NaN value makes the outputs
+//! that weigh it NaN. The softmax max is NaN-propagating on purpose: `f32::max` (and CUDA's
+//! `fmaxf`) skip NaN, which used to turn a NaN model into zero attention and a run that ended
+//! with exit code 0. The GPU kernel does the same.
 
 use crate::dtype::KvElem;
 use crate::ensure;
@@ -209,7 +216,7 @@ pub fn decode_attention<T: KvElem>(
                     ntok
                 };
                 let p = &mut scores[qi * ncols..][..n];
-                let m = p.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let m = p.iter().copied().fold(f32::NEG_INFINITY, max_nan);
                 let mut l = 0.0f32;
                 for x in p.iter_mut() {
                     *x = (*x - m).exp();
@@ -245,14 +252,24 @@ pub fn decode_attention<T: KvElem>(
                     let l = sums[qi];
                     let a = &acc[qi * d..][..d];
                     for (o, &x) in out[dst..dst + d].iter_mut().zip(a) {
-                        // Nothing attended: zeros rather than 0/0.
-                        *o = T::from_f32(if l > 0.0 { x / l } else { 0.0 });
+                        // Nothing attended (l == 0): zeros rather than 0/0. A NaN l stays NaN.
+                        *o = T::from_f32(if l != 0.0 { x / l } else { 0.0 });
                     }
                 }
             }
         }
     }
     Ok(())
+}
+
+/// `max` that propagates NaN (`f32::max` returns the other operand).
+#[inline]
+fn max_nan(a: f32, b: f32) -> f32 {
+    if a.is_nan() || b.is_nan() {
+        f32::NAN
+    } else {
+        a.max(b)
+    }
 }
 
 fn too_large(what: &str) -> OasisError {
@@ -602,6 +619,88 @@ mod tests {
         // Row 1, head 1: only its own value.
         assert_eq!(&out[12..16], &ev[4..8]);
         assert_close(&out, &naive(&g, &q, 2, &kv, Some(&extra), 1.0));
+    }
+
+    /// NaN in, NaN out for exactly the outputs that see it; the others stay finite. (The softmax
+    /// max used to skip NaN and the output test `l > 0` turned the NaN sum into zeros.)
+    #[test]
+    fn nan_propagates_to_the_outputs_that_see_it() {
+        // 2 sequences of 2 pages, 4 query heads over 2 KV heads, 2 rows (row 1 sees the extra K,V).
+        let g = KvGeometry::new(4, 2, 4, 2).unwrap();
+        let (hq, d) = (4, 4);
+        let k = rand_vec::<f32>(4 * g.page_elems(), 3);
+        let v = rand_vec::<f32>(4 * g.page_elems(), 4);
+        let q = rand_vec::<f32>(2 * 2 * hq * d, 5);
+        let ek = rand_vec::<f32>(2 * 2 * d, 6);
+        let ev = rand_vec::<f32>(2 * 2 * d, 7);
+        let run = |q: &[f32], k: &[f32], v: &[f32], ek: &[f32]| {
+            let kv = PagedKv {
+                k_pages: k,
+                v_pages: v,
+                kv_indptr: &[0, 2, 4],
+                kv_indices: &[0, 1, 2, 3],
+                kv_last_page_len: &[2, 1],
+                page_map: None,
+            };
+            let extra = ExtraKv { k: ek, v: &ev };
+            let mut out = vec![0.0f32; q.len()];
+            decode_attention(&g, q, 2, &kv, Some(&extra), 0.5, &mut out).unwrap();
+            out
+        };
+        // out[s, r, qh, :] holds NaN exactly for the listed (s, r, qh); `value`: from a NaN value.
+        let check = |out: &[f32], nan: &[(usize, usize, usize)], value: bool| {
+            for s in 0..2 {
+                for r in 0..2 {
+                    for qh in 0..hq {
+                        let at = ((s * 2 + r) * hq + qh) * d;
+                        let row = &out[at..at + d];
+                        if nan.contains(&(s, r, qh)) {
+                            // A NaN score spoils every element; a NaN value its own element.
+                            let n = row.iter().filter(|x| x.is_nan()).count();
+                            assert_eq!(
+                                n,
+                                if value { 1 } else { d },
+                                "out[{s}, {r}, {qh}] = {row:?}"
+                            );
+                        } else {
+                            assert!(
+                                row.iter().all(|x| x.is_finite()),
+                                "out[{s}, {r}, {qh}] = {row:?}"
+                            );
+                        }
+                    }
+                }
+            }
+        };
+        check(&run(&q, &k, &v, &ek), &[], false);
+
+        // A NaN in one query vector (seq 0, row 0, query head 1): only that output.
+        let mut qn = q.clone();
+        qn[d + 2] = f32::NAN;
+        check(&run(&qn, &k, &v, &ek), &[(0, 0, 1)], false);
+
+        // A NaN key in page 3 (seq 1), KV head 1, token 0: every row of query heads 2 and 3.
+        let mut kn = k.clone();
+        kn[3 * g.page_elems() + g.entry_elems()] = f32::NAN;
+        check(
+            &run(&q, &kn, &v, &ek),
+            &[(1, 0, 2), (1, 0, 3), (1, 1, 2), (1, 1, 3)],
+            false,
+        );
+
+        // A NaN value in page 0 (seq 0), KV head 0, token 1.
+        let mut vn = v.clone();
+        vn[d + 1] = f32::NAN;
+        check(
+            &run(&q, &k, &vn, &ek),
+            &[(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)],
+            true,
+        );
+
+        // A NaN in the extra key of seq 0, KV head 1: row 1 only (row 0 does not see it).
+        let mut ekn = ek.clone();
+        ekn[d] = f32::NAN;
+        check(&run(&q, &k, &v, &ekn), &[(0, 1, 2), (0, 1, 3)], false);
     }
 
     #[test]
