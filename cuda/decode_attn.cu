@@ -11,8 +11,12 @@
 //
 // Row 0 is the current token; rows >= 1 are lookahead rows that also attend to the extra K/V
 // (the lookahead token's own key and value), handled as a one-token tile in the last split.
-// A (page, head) entry whose page_map value is negative is skipped. A query with no valid key
-// gets a zero output (and lse = -inf in the split workspace).
+// A (page, head) entry whose page_map value is negative is skipped, and so is a page id outside
+// the pool. A malformed kv_indptr row (start < 0, end < start or end > nnz, the length of
+// kv_indices) is read as a sequence with no pages (oasis::csr_row), never outside kv_indices. A
+// query with no valid key gets a zero output (and lse = -inf in the split workspace). NaN
+// propagates: a NaN score (a NaN in q or K, or an infinite one) makes that query's output NaN
+// (lse NaN in the split workspace, which the merge carries through), never a silent zero.
 //
 // With num_splits == 1 the result is written to `out` directly; otherwise each split writes its
 // normalised partial output and log-sum-exp to the workspace and merge_attn_states_* combines
@@ -100,8 +104,9 @@ __device__ void attend_staged(int nt, int nq, int group, int d, int tt, float sm
         float* srow = sm.s + qi * tt;
         const float sv = lane < nt ? srow[lane] : neg_inf();
         const float m_old = sm.m[qi];
-        const float m_new = fmaxf(m_old, warp_max(sv));
-        if (m_new == neg_inf()) continue;  // nothing visible yet: state stays empty (warp-uniform)
+        const float m_new = fmaxf(m_old, warp_max(sv));  // fmaxf drops NaN: l and acc carry it
+        // Nothing visible yet: the state stays empty (warp-uniform). A NaN score is not nothing.
+        if (m_new == neg_inf() && !__any_sync(0xffffffffu, sv != sv)) continue;
         const float p = (lane < nt && sv != neg_inf()) ? expf(sv - m_new) : 0.f;
         const float alpha = m_old == neg_inf() ? 0.f : expf(m_old - m_new);
         const float psum = warp_sum(p);
@@ -138,7 +143,7 @@ __device__ void decode_attn_impl(
     T* __restrict__ out,                      // [num_seqs, num_rows, num_qo_heads, head_dim] (num_splits == 1)
     float* __restrict__ tmp_out,              // [num_seqs, num_rows, num_qo_heads, num_splits, head_dim] (num_splits > 1)
     float* __restrict__ tmp_lse,              // [num_seqs, num_rows, num_qo_heads, num_splits] (num_splits > 1)
-    int num_rows, int num_qo_heads, int num_kv_heads, int head_dim, int block_size, int num_pages,
+    int num_rows, int num_qo_heads, int num_kv_heads, int head_dim, int block_size, int num_pages, int nnz,
     int num_splits, int tile_tokens, float sm_scale) {
     extern __shared__ float smem[];
     const int s = blockIdx.x;
@@ -172,8 +177,10 @@ __device__ void decode_attn_impl(
     }
     __syncthreads();
 
-    const int p_begin = kv_indptr[s];
-    const int n_pages = kv_indptr[s + 1] - p_begin;
+    int p_begin;
+    int p_end;
+    csr_row(kv_indptr, s, nnz, &p_begin, &p_end);  // a malformed row has no pages
+    const int n_pages = p_end - p_begin;
     const int per_split = (n_pages + num_splits - 1) / num_splits;
     const int p0 = min(n_pages, split * per_split);
     const int p1 = min(n_pages, p0 + per_split);
@@ -212,14 +219,14 @@ __device__ void decode_attn_impl(
         const int x = e - qi * d;
         const int row = qi / group;
         const int g = h * group + (qi - row * group);
-        const float l = sm.l[qi];
-        const float o = l > 0.f ? sm.acc[e] / l : 0.f;
+        const float l = sm.l[qi];  // 0: nothing attended; NaN: a NaN score (kept, not zeroed)
+        const float o = l != 0.f ? sm.acc[e] / l : 0.f;
         const i64 head = ((i64)s * num_rows + row) * num_qo_heads + g;
         if (num_splits == 1) {
             out[head * d + x] = from_f32<T>(o);
         } else {
             tmp_out[(head * num_splits + split) * d + x] = o;
-            if (x == 0) tmp_lse[head * num_splits + split] = l > 0.f ? sm.m[qi] + logf(l) : neg_inf();
+            if (x == 0) tmp_lse[head * num_splits + split] = l != 0.f ? sm.m[qi] + logf(l) : neg_inf();
         }
     }
 }
@@ -234,7 +241,7 @@ __device__ void merge_attn_states_impl(
     const i64 head = blockIdx.x;
     const float* lse = tmp_lse + head * num_splits;
     float m = neg_inf();
-    for (int i = 0; i < num_splits; ++i) m = fmaxf(m, lse[i]);
+    for (int i = 0; i < num_splits; ++i) m = (lse[i] != lse[i] || m != m) ? lse[i] + m : fmaxf(m, lse[i]);  // NaN sticks
     for (int x = threadIdx.x; x < head_dim; x += blockDim.x) {
         float acc = 0.f;
         float wsum = 0.f;
@@ -246,7 +253,7 @@ __device__ void merge_attn_states_impl(
                 acc += w * tmp_out[(head * num_splits + i) * head_dim + x];
             }
         }
-        out[head * head_dim + x] = from_f32<T>(wsum > 0.f ? acc / wsum : 0.f);
+        out[head * head_dim + x] = from_f32<T>(wsum != 0.f ? acc / wsum : 0.f);
     }
 }
 
@@ -354,7 +361,7 @@ __device__ void decode_attn_tc_impl(
     const int* __restrict__ kv_indptr, const int* __restrict__ kv_indices,
     const int* __restrict__ kv_last_page_len, const int* __restrict__ page_map, const T* __restrict__ extra_k,
     const T* __restrict__ extra_v, T* __restrict__ out, float* __restrict__ tmp_out, float* __restrict__ tmp_lse,
-    int num_rows, int num_qo_heads, int num_kv_heads, int block_size, int num_pages, int num_splits,
+    int num_rows, int num_qo_heads, int num_kv_heads, int block_size, int num_pages, int nnz, int num_splits,
     float sm_scale) {
     constexpr int WARPS = OASIS_TC_WARPS;
     constexpr int THREADS = WARPS * 32;
@@ -418,8 +425,10 @@ __device__ void decode_attn_tc_impl(
     float m_r[2] = {neg_inf(), neg_inf()};  // running max (log2 units) of rows g, g + 8
     float l_r[2] = {0.f, 0.f};              // this thread's part of the running sums
 
-    const int p_begin = kv_indptr[s];
-    const int n_pages = kv_indptr[s + 1] - p_begin;
+    int p_begin;
+    int p_end;
+    csr_row(kv_indptr, s, nnz, &p_begin, &p_end);  // a malformed row has no pages
+    const int n_pages = p_end - p_begin;
     const int per_split = (n_pages + num_splits - 1) / num_splits;
     const int p0 = min(n_pages, split * per_split);
     const int p1 = min(n_pages, p0 + per_split);
@@ -636,17 +645,18 @@ __device__ void decode_attn_tc_impl(
             mw[w] = red_m[w * 16 + qi];
             mall = fmaxf(mall, mw[w]);
         }
+        // A warp whose l is 0 saw nothing. One whose l is NaN saw a NaN score (its m may still be
+        // -inf: fmaxf drops NaN); it is merged, so the NaN reaches the output.
         float l = 0.f, acc = 0.f;
-        if (mall != neg_inf()) {
 #pragma unroll
-            for (int w = 0; w < WARPS; ++w) {
-                if (mw[w] == neg_inf()) continue;
-                const float f = exp2f(mw[w] - mall);
-                l += red_l[w * 16 + qi] * f;
-                acc += red_o[(w * 16 + qi) * OSTRIDE + x] * f;
-            }
+        for (int w = 0; w < WARPS; ++w) {
+            const float lw = red_l[w * 16 + qi];
+            if (lw == 0.f) continue;
+            const float f = exp2f(mw[w] - mall);
+            l += lw * f;
+            acc += red_o[(w * 16 + qi) * OSTRIDE + x] * f;
         }
-        const float ov = l > 0.f ? acc / l : 0.f;
+        const float ov = l != 0.f ? acc / l : 0.f;
         const int row = qi / group;
         const int hq = h * group + (qi - row * group);
         const i64 head = ((i64)s * num_rows + row) * num_qo_heads + hq;
@@ -654,7 +664,7 @@ __device__ void decode_attn_tc_impl(
             out[head * D + x] = from_f32<T>(ov);
         } else {
             tmp_out[(head * num_splits + split) * D + x] = ov;
-            if (x == 0) tmp_lse[head * num_splits + split] = l > 0.f ? (mall + log2f(l)) * 0.6931471805599453f : neg_inf();
+            if (x == 0) tmp_lse[head * num_splits + split] = l != 0.f ? (mall + log2f(l)) * 0.6931471805599453f : neg_inf();
         }
     }
 }
@@ -667,10 +677,10 @@ __device__ void decode_attn_tc_impl(
                                     const int* page_map, const T* extra_k, const T* extra_v, T* out,  \
                                     float* tmp_out, float* tmp_lse, int num_rows, int num_qo_heads,   \
                                     int num_kv_heads, int head_dim, int block_size, int num_pages,    \
-                                    int num_splits, int tile_tokens, float sm_scale) {                \
+                                    int nnz, int num_splits, int tile_tokens, float sm_scale) {       \
         oasis::decode_attn_impl<T>(q, k_pages, v_pages, kv_indptr, kv_indices, kv_last_page_len,     \
                                    page_map, extra_k, extra_v, out, tmp_out, tmp_lse, num_rows,       \
-                                   num_qo_heads, num_kv_heads, head_dim, block_size, num_pages,       \
+                                   num_qo_heads, num_kv_heads, head_dim, block_size, num_pages, nnz,  \
                                    num_splits, tile_tokens, sm_scale);                                \
     }
 
@@ -693,13 +703,14 @@ OASIS_MERGE_ATTN_STATES(merge_attn_states_f32, float)
         NAME(const T* q, const T* k_pages, const T* v_pages, const int* kv_indptr, const int* kv_indices, \
              const int* kv_last_page_len, const int* page_map, const T* extra_k, const T* extra_v, T* out, \
              float* tmp_out, float* tmp_lse, int num_rows, int num_qo_heads, int num_kv_heads,           \
-             int head_dim, int block_size, int num_pages, int num_splits, int tile_tokens, float sm_scale) { \
+             int head_dim, int block_size, int num_pages, int nnz, int num_splits, int tile_tokens,          \
+             float sm_scale) {                                                                        \
         (void)head_dim;                                                                               \
         (void)tile_tokens;                                                                            \
         oasis::decode_attn_tc_impl<T, D, STAGES>(q, k_pages, v_pages, kv_indptr, kv_indices,          \
                                                  kv_last_page_len, page_map, extra_k, extra_v, out,   \
                                                  tmp_out, tmp_lse, num_rows, num_qo_heads,           \
-                                                 num_kv_heads, block_size, num_pages, num_splits,    \
+                                                 num_kv_heads, block_size, num_pages, nnz, num_splits, \
                                                  sm_scale);                                          \
     }
 

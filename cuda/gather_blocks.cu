@@ -5,7 +5,9 @@
 //
 // Why a kernel and not cudaMemcpyAsync: the entries are 4-16 KiB and scattered; one memcpy per
 // entry runs at ~0.5 GB/s, a kernel reading pinned host memory with 16-byte loads at ~50 GB/s
-// (numbers in shared/DESIGN.md). A plan entry whose indices are out of range is skipped.
+// (numbers in shared/DESIGN.md). A plan entry whose indices are out of range is skipped, and so
+// is one whose host_indptr row is malformed (start < 0, end < start, end > nnz): the kernel checks
+// the row (oasis::csr_row) and never reads outside host_indices.
 #include "oasis_common.cuh"
 
 // Threads per block of the copy kernels. Tuned for PCIe reads of 4-16 KiB entries.
@@ -20,14 +22,14 @@ __device__ void gather_blocks_impl(
     const int* __restrict__ plan_slots,   // [num_seqs, num_kv_heads, fetch_cap] slot index or < 0
     const int* __restrict__ plan_blocks,  // [num_seqs, num_kv_heads, fetch_cap] logical block
     const int* __restrict__ slot_pages,   // [num_seqs, budget]
-    const int* __restrict__ host_indptr,  // [num_seqs + 1]
+    const int* __restrict__ host_indptr,  // [num_seqs + 1] CSR over host_indices, checked per row
     const int* __restrict__ host_indices, // [nnz] host block of each logical block of each sequence
     const T* __restrict__ host_k,         // [num_host_blocks, num_kv_heads, block_size, head_dim] pinned host, UVA
     const T* __restrict__ host_v,         // [num_host_blocks, num_kv_heads, block_size, head_dim] pinned host, UVA
     T* __restrict__ k_pages,              // [num_pages, num_kv_heads, block_size, head_dim]
     T* __restrict__ v_pages,              // [num_pages, num_kv_heads, block_size, head_dim]
     int num_kv_heads, int fetch_cap, int budget, int block_size, int head_dim, int num_pages,
-    int num_host_blocks) {
+    int num_host_blocks, int nnz) {
     const i64 e = blockIdx.x;
     const int s = (int)(e / ((i64)num_kv_heads * fetch_cap));
     const int h = (int)((e / fetch_cap) % num_kv_heads);
@@ -35,9 +37,11 @@ __device__ void gather_blocks_impl(
     if (slot < 0 || slot >= budget) return;
     const int page = slot_pages[(i64)s * budget + slot];
     const int logical = plan_blocks[e];
-    const int n_logical = host_indptr[s + 1] - host_indptr[s];
-    if (page < 0 || page >= num_pages || logical < 0 || logical >= n_logical) return;
-    const int blk = host_indices[host_indptr[s] + logical];
+    int row_begin;
+    int row_end;
+    csr_row(host_indptr, s, nnz, &row_begin, &row_end);  // a malformed row has no blocks
+    if (page < 0 || page >= num_pages || logical < 0 || logical >= row_end - row_begin) return;
+    const int blk = host_indices[row_begin + logical];
     if (blk < 0 || blk >= num_host_blocks) return;
     const i64 entry = (i64)block_size * head_dim;
     const i64 src = ((i64)blk * num_kv_heads + h) * entry;
@@ -73,10 +77,10 @@ __device__ void copy_pages_impl(
         NAME(const int* plan_slots, const int* plan_blocks, const int* slot_pages, const int* host_indptr, \
              const int* host_indices, const T* host_k, const T* host_v, T* k_pages, T* v_pages,        \
              int num_kv_heads, int fetch_cap, int budget, int block_size, int head_dim, int num_pages,  \
-             int num_host_blocks) {                                                                   \
+             int num_host_blocks, int nnz) {                                                          \
         oasis::gather_blocks_impl<T>(plan_slots, plan_blocks, slot_pages, host_indptr, host_indices,  \
                                      host_k, host_v, k_pages, v_pages, num_kv_heads, fetch_cap, budget, \
-                                     block_size, head_dim, num_pages, num_host_blocks);               \
+                                     block_size, head_dim, num_pages, num_host_blocks, nnz);          \
     }
 
 OASIS_GATHER_BLOCKS(gather_blocks_bf16, oasis::bf16)

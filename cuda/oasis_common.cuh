@@ -61,6 +61,21 @@ __device__ __forceinline__ f16 from_f32<f16>(float x) {
     return r;
 }
 
+// Row `s` of a CSR table over `nnz` indices, checked in the kernel: the table lives on the device
+// and a launch wrapper cannot read it without a host synchronisation. A well-formed row has
+// 0 <= indptr[s] <= indptr[s + 1] <= nnz; it is returned as [*begin, *end) with true. Any other
+// row (start negative, end before start, end past the table) reads as the empty row [0, 0) and
+// returns false, so no malformed table makes a kernel read outside it. Two scalar loads and three
+// compares per row: no extra pass over global memory.
+__device__ __forceinline__ bool csr_row(const int* __restrict__ indptr, int s, int nnz, int* begin, int* end) {
+    const int b = indptr[s];
+    const int e = indptr[s + 1];
+    const bool ok = 0 <= b && b <= e && e <= nnz;
+    *begin = ok ? b : 0;
+    *end = ok ? e : 0;
+    return ok;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

@@ -1,6 +1,11 @@
 // score_blocks.cu — Quest block scores of the lookahead query, and per (sequence, KV head) top-k.
 //
 // CPU twins: oasis_core::kernels::score_blocks and oasis_core::kernels::topk_blocks.
+//
+// blk_indptr is checked row by row in the kernels (the CPU twins reject a malformed table): an
+// entry of score_blocks whose row is malformed (start < 0, end < start, end > nnz) or that lies
+// in no row scores -inf, and a malformed row of topk_blocks has no blocks (all -1). Neither reads
+// outside blk_indices, the scores or q.
 #include "oasis_common.cuh"
 
 // Launch shape of score_blocks_*, chosen by scripts/exp_score.py on the H200 (docs/PERF.md): 8
@@ -152,13 +157,32 @@ __device__ void score_blocks_vec(
             }
         }
     };
-    if (j < jend) {
-        s = score_seq_of(blk_indptr, num_seqs, j);
-        seq_end = blk_indptr[s + 1];
-        load_q();
-    }
+    // Enter row s at entry j, checked: 0 <= blk_indptr[s] <= j < blk_indptr[s + 1] <= nnz. Entries
+    // outside such a row score -inf here, one by one, until one is inside (or the unit's entries
+    // run out), so a malformed table can neither be read outside nor stall the loop below (whose
+    // body is unchanged: the check costs two loads per row). No shuffle here: the units of a warp
+    // may diverge.
+    auto enter_row = [&]() {
+        while (j < jend) {
+            const int b = blk_indptr[s];
+            seq_end = blk_indptr[s + 1];
+            if (0 <= b && b <= j && j < seq_end && seq_end <= nnz) {
+                load_q();
+                return;
+            }
+            if (r == 0) scores[(i64)j * num_kv_heads + h] = neg_inf();
+            ++j;
+            while (s + 1 < num_seqs && blk_indptr[s + 1] <= j) ++s;
+        }
+    };
+    if (j < jend) s = score_seq_of(blk_indptr, num_seqs, j);
+    seq_end = j;  // enter the first row at the top of the loop
 
     while (__any_sync(0xffffffffu, j < jend)) {
+        if (j < jend && j >= seq_end) {  // next non-empty sequence
+            while (s + 1 < num_seqs && blk_indptr[s + 1] <= j) ++s;
+            enter_row();
+        }
         const int cnt = j < jend ? min(U, min(jend, seq_end) - j) : 0;
         int bid[U];
         uint4 raw[U][LOADS];
@@ -242,11 +266,6 @@ __device__ void score_blocks_vec(
             }
         }
         j += cnt;
-        if (j < jend && j >= seq_end) {  // next non-empty sequence
-            while (s + 1 < num_seqs && blk_indptr[s + 1] <= j) ++s;
-            seq_end = blk_indptr[s + 1];
-            load_q();
-        }
     }
 }
 
@@ -264,8 +283,11 @@ __device__ void score_blocks_scalar(
     int s = score_seq_of(blk_indptr, num_seqs, t0);
     for (int j = t0; j < t1; ++j) {
         while (s + 1 < num_seqs && blk_indptr[s + 1] <= j) ++s;
+        const int row_b = blk_indptr[s];
+        const int row_e = blk_indptr[s + 1];
+        const bool row_ok = 0 <= row_b && row_b <= j && j < row_e && row_e <= nnz;  // as in the vector path
         const int b = blk_indices[j];
-        if (b < 0 || b >= num_host_blocks) {
+        if (!row_ok || b < 0 || b >= num_host_blocks) {
             if (lane == 0) scores[(i64)j * num_kv_heads + h] = neg_inf();
             continue;
         }
@@ -289,8 +311,8 @@ __device__ void score_blocks_scalar(
 // grid: see OASIS_SCORE_HEAD_MAJOR (tiles = ceil(nnz / OASIS_SCORE_TILE)).
 // Entry (j, h) = sum over query heads g of KV head h, over d, of
 //   max(q[s,g,d] * min[b,h,d], q[s,g,d] * max[b,h,d])
-// with b = blk_indices[j] and s the sequence whose CSR range holds j. An out-of-range block id
-// scores -inf (never selected).
+// with b = blk_indices[j] and s the sequence whose CSR range holds j. An out-of-range block id,
+// and an entry outside every well-formed row, scores -inf (never selected).
 template <typename T>
 __device__ void score_blocks_impl(
     const T* __restrict__ q,             // [num_seqs, num_qo_heads, head_dim] (the lookahead row)
@@ -311,6 +333,11 @@ __device__ void score_blocks_impl(
     const int tile = (int)(w / num_kv_heads);
     const int h = (int)(w - (i64)tile * num_kv_heads);
 #endif
+    if (num_seqs <= 0) {  // no row at all (blk_indptr = [x]): every entry scores -inf
+        const int j = tile * OASIS_SCORE_TILE + (threadIdx.x & 31);
+        if (j < nnz) scores[(i64)j * num_kv_heads + h] = neg_inf();
+        return;
+    }
     const int bytes = head_dim * (int)sizeof(T);
     const int v = bytes % 16 == 0 ? bytes / 16 : 0;
     const bool aligned = ((u64)summaries & 15) == 0;
@@ -358,9 +385,9 @@ __device__ __forceinline__ u64 rank_key(u32 key, int i) { return ((u64)(~key) <<
 // any order and entries equal to T in index order until k are taken; a bitonic sort orders them.
 __device__ void topk_blocks_impl(
     const float* __restrict__ scores,   // [nnz, num_kv_heads]
-    const int* __restrict__ blk_indptr, // [num_seqs + 1]
+    const int* __restrict__ blk_indptr, // [num_seqs + 1]; a malformed row has no blocks
     int* __restrict__ out,              // [num_seqs, num_kv_heads, k]
-    int num_kv_heads, int k) {
+    int num_kv_heads, int nnz, int k) {
     __shared__ int hist[256];
     __shared__ u64 sel[OASIS_MAX_TOPK];
     __shared__ u32 kcache[OASIS_TOPK_CACHE];
@@ -371,8 +398,10 @@ __device__ void topk_blocks_impl(
 
     const int s = blockIdx.x;
     const int h = blockIdx.y;
-    const int base = blk_indptr[s];
-    const int n = blk_indptr[s + 1] - base;
+    int base;
+    int end;
+    csr_row(blk_indptr, s, nnz, &base, &end);
+    const int n = end - base;
     const float* col = scores + (i64)base * num_kv_heads + h;  // entry i at col[i * num_kv_heads]
     const int take = min(n, k);
     const int sort_n = next_pow2(take < 1 ? 1 : take);
@@ -473,6 +502,6 @@ OASIS_SCORE_BLOCKS(score_blocks_f16, oasis::f16)
 OASIS_SCORE_BLOCKS(score_blocks_f32, float)
 
 extern "C" __global__ void __launch_bounds__(OASIS_TOPK_THREADS)
-    topk_blocks_f32(const float* scores, const int* blk_indptr, int* out, int num_kv_heads, int k) {
-    oasis::topk_blocks_impl(scores, blk_indptr, out, num_kv_heads, k);
+    topk_blocks_f32(const float* scores, const int* blk_indptr, int* out, int num_kv_heads, int nnz, int k) {
+    oasis::topk_blocks_impl(scores, blk_indptr, out, num_kv_heads, nnz, k);
 }

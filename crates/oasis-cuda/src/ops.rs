@@ -4,9 +4,13 @@
 //! before anything is queued; then it launches and returns without synchronising the host.
 //!
 //! What a wrapper cannot check without a host synchronisation is the *contents* of the device
-//! tables (page ids, block ids, CSR pointers). The kernels bounds-check every entry they
-//! dereference and skip an out-of-range one, where the CPU twin returns an error: test a new
-//! caller on the CPU path first.
+//! tables (page ids, block ids, CSR pointers). The kernels check them where they read them, where
+//! the CPU twin returns an error: an out-of-range page, slot or block id is skipped, and a CSR row
+//! that is not `0 <= indptr[s] <= indptr[s + 1] <= nnz` (each wrapper passes `nnz`, the length of
+//! the indices buffer) is read as an empty row (`oasis::csr_row` in cuda/oasis_common.cuh). No
+//! table content makes a kernel read or write outside its buffers; a malformed one gives
+//! results that are only defined row by row (see each kernel). Test a new caller on the CPU path
+//! first: the twins say what is wrong.
 //!
 //! Buffers are [`DevSlice`]s: a raw device address plus its element count (a PyTorch tensor's
 //! `data_ptr()` and `numel()`), made with an `unsafe` constructor whose contract carries what
@@ -174,6 +178,9 @@ pub struct SplitKv {
 /// f32 elements of the split-KV workspace: partial outputs
 /// `[num_seqs, num_rows, num_qo_heads, num_splits, head_dim]` then log-sum-exps
 /// `[num_seqs, num_rows, num_qo_heads, num_splits]`.
+///
+/// Saturates at `usize::MAX` instead of overflowing: no buffer has that many elements, so a
+/// saturated size is always rejected as too small a workspace.
 pub fn decode_attn_workspace_len(
     num_seqs: usize,
     num_rows: usize,
@@ -181,7 +188,14 @@ pub fn decode_attn_workspace_len(
     head_dim: usize,
     num_splits: usize,
 ) -> usize {
-    num_seqs * num_rows * num_qo_heads * num_splits * (head_dim + 1)
+    [
+        num_rows,
+        num_qo_heads,
+        num_splits,
+        head_dim.saturating_add(1),
+    ]
+    .iter()
+    .fold(num_seqs, |acc, &x| acc.saturating_mul(x))
 }
 
 /// A split count for a batch whose longest sequence has `max_pages` pages: the fewest splits
@@ -189,17 +203,24 @@ pub fn decode_attn_workspace_len(
 /// at least 90% over whole waves (no half-empty last wave), else the count that fills them best;
 /// each split keeps at least [`MIN_PAGES_PER_SPLIT`] pages. 1 means no split (and no workspace).
 /// Plan it on the CPU once per step.
+///
+/// Total: any arguments give a count in `1..=MAX_SPLITS` (the arithmetic saturates; huge
+/// arguments never overflow nor divide by zero).
 pub fn plan_num_splits(
     num_sms: usize,
     num_seqs: usize,
     num_kv_heads: usize,
     max_pages: usize,
 ) -> usize {
-    let blocks = (num_seqs * num_kv_heads).max(1);
-    let slots = (DECODE_TC_BLOCKS_PER_SM * num_sms).max(1);
+    let blocks = num_seqs.saturating_mul(num_kv_heads).max(1);
+    let slots = DECODE_TC_BLOCKS_PER_SM.saturating_mul(num_sms).max(1);
     let most = (max_pages / MIN_PAGES_PER_SPLIT).clamp(1, MAX_SPLITS);
-    // Fill of the slots over the waves `n` blocks take, in 1/1000.
-    let fill = |n: usize| n.saturating_mul(1000) / (n.div_ceil(slots) * slots);
+    // Fill of the slots over the waves `n` blocks take, in 1/1000. In u128: `n` rounded up to
+    // whole waves can exceed usize::MAX, and 1000 * n fits.
+    let fill = |n: usize| {
+        let (n, slots) = (n as u128, slots as u128);
+        (n * 1000 / (n.div_ceil(slots) * slots)) as usize
+    };
     let mut best = (1, fill(blocks));
     for splits in 1..=most {
         let f = fill(blocks.saturating_mul(splits));
@@ -600,6 +621,7 @@ impl Gpu {
                 .i32(int("head_dim", d)?)
                 .i32(int("block_size", bs)?)
                 .i32(int("num_pages", num_pages)?)
+                .i32(int("nnz", kv.kv_indices.len())?)
                 .i32(int("num_splits", num_splits)?)
                 .i32(int("tile_tokens", tt)?)
                 .f32(sm_scale);
@@ -609,16 +631,16 @@ impl Gpu {
                 grid_dim("num_splits", num_splits, GRID_YZ_MAX)?,
             );
             // SAFETY: `args` follows decode_attn_* and decode_attn_tc_* in cuda/decode_attn.cu
-            // (12 pointers, 8 i32, 1 f32); null pointers only where the kernel tests for null
+            // (12 pointers, 9 i32, 1 f32); null pointers only where the kernel tests for null
             // (page_map, extra_k, extra_v) or never dereferences them (tmp_* when num_splits ==
             // 1, out when > 1). Buffer lengths checked above, the workspace against
             // decode_attn_workspace_len; the tensor-core kernel only where its shape and
             // alignment conditions hold (checked above; it is instantiated for this head_dim).
             // `smem` is the chosen kernel's layout (for (nq, d, tt), or for (d, stages) of the
             // tensor-core kernel) and launch() checks it against the
-            // device limit. kv_indices and the CSR contents are bounds-checked by the kernel
-            // (page ids), the CSR itself must be consistent with kv_indices (DevSlice contract:
-            // the kernel reads kv_indices[kv_indptr[s]..kv_indptr[s+1]]). Reachability and
+            // device limit. The table contents are checked by the kernel: page ids against
+            // num_pages, each kv_indptr row against nnz = kv_indices.len() (a malformed row reads
+            // as empty), so it reads kv_indices only inside the buffer. Reachability and
             // lifetime by DevSlice's contract, the stream by Stream's.
             unsafe { self.queue(name, grid, DECODE_THREADS, smem, stream, &args)? };
             if num_splits == 1 {
@@ -685,9 +707,10 @@ impl Gpu {
                 * h;
             let grid = grid_x("score blocks", blocks)?;
             // SAFETY: `args` follows score_blocks_* in cuda/score_blocks.cu (5 pointers, 6 i32).
-            // Lengths checked above; the kernel bounds-checks block ids and needs blk_indptr to
-            // be a CSR over nnz (DevSlice contract: valid values); reachability and lifetime by
-            // DevSlice's contract, the stream by Stream's.
+            // Lengths checked above; the kernel bounds-checks block ids and each blk_indptr row
+            // against nnz (an entry outside a well-formed row scores -inf), and only reads
+            // blk_indptr[0..=num_seqs]; reachability and lifetime by DevSlice's contract, the
+            // stream by Stream's.
             unsafe { self.queue(name, grid, SCORE_THREADS, 0, stream, &args) }
         })
     }
@@ -715,7 +738,7 @@ impl Gpu {
                 )));
             }
             let num_seqs = csr_rows("blk_indptr", blk_indptr.len())?;
-            rows("scores", scores.len(), &[num_kv_heads])?;
+            let nnz = rows("scores", scores.len(), &[num_kv_heads])?;
             check_len("out", out.len(), &[num_seqs, num_kv_heads, k])?;
             if k == 0 {
                 return Ok(());
@@ -726,12 +749,13 @@ impl Gpu {
                 .ptr(blk_indptr.ptr())
                 .ptr(out.ptr())
                 .i32(int("num_kv_heads", num_kv_heads)?)
+                .i32(int("nnz", nnz)?)
                 .i32(int("k", k)?);
             let grid = grid_rows_heads("num_seqs", num_seqs, num_kv_heads)?;
-            // SAFETY: `args` follows topk_blocks_f32 in cuda/score_blocks.cu (3 pointers, 2 i32);
-            // k <= OASIS_MAX_TOPK (its static sort buffer). Lengths checked above; blk_indptr
-            // must be a CSR over the scores' rows (DevSlice contract: valid values);
-            // reachability and lifetime by DevSlice's contract, the stream by Stream's.
+            // SAFETY: `args` follows topk_blocks_f32 in cuda/score_blocks.cu (3 pointers, 3 i32);
+            // k <= OASIS_MAX_TOPK (its static sort buffer). Lengths checked above; the kernel
+            // checks each blk_indptr row against nnz, the scores' rows (a malformed row has no
+            // blocks); reachability and lifetime by DevSlice's contract, the stream by Stream's.
             unsafe { self.queue(name, grid, TOPK_THREADS, 0, stream, &args) }
         })
     }
@@ -893,12 +917,13 @@ impl Gpu {
                 .i32(int("block_size", bs)?)
                 .i32(int("head_dim", d)?)
                 .i32(int("num_pages", num_pages)?)
-                .i32(int("num_host_blocks", num_host)?);
+                .i32(int("num_host_blocks", num_host)?)
+                .i32(int("nnz", host_indices.len())?);
             let grid = grid_x("plan entries", num_seqs * h * fetch_cap)?;
-            // SAFETY: `args` follows gather_blocks_* in cuda/gather_blocks.cu (9 pointers, 7 i32).
+            // SAFETY: `args` follows gather_blocks_* in cuda/gather_blocks.cu (9 pointers, 8 i32).
             // Lengths checked above; slots, pages, logical and host block ids are all
-            // bounds-checked by the kernel, which needs host_indptr to be a CSR over
-            // host_indices (DevSlice contract: valid values). host_k/host_v are pinned host
+            // bounds-checked by the kernel, and each host_indptr row against nnz =
+            // host_indices.len() (a malformed row is skipped). host_k/host_v are pinned host
             // memory at the same address on the device (DevSlice contract; Gpu::check_uva tests
             // it); lifetime by DevSlice's contract, the stream by Stream's.
             unsafe { self.queue(name, grid, COPY_THREADS, 0, stream, &args) }
@@ -972,6 +997,73 @@ mod tests {
         // A big batch fills the device alone.
         assert_eq!(plan_num_splits(132, 64, 8, 4096), 1);
         assert!(plan_num_splits(10_000, 1, 1, usize::MAX / 2) <= MAX_SPLITS);
+    }
+
+    /// Any arguments plan a count in 1..=MAX_SPLITS: no overflow, no division by zero (the
+    /// planner is reachable from Python with arbitrary integers).
+    #[test]
+    fn split_planning_is_total() {
+        let big = [
+            0,
+            1,
+            7,
+            132,
+            1 << 40,
+            usize::MAX / 2,
+            usize::MAX - 1,
+            usize::MAX,
+        ];
+        for &sms in &big {
+            for &seqs in &big {
+                for &heads in &[0, 1, 8, usize::MAX] {
+                    for &pages in &big {
+                        let n = plan_num_splits(sms, seqs, heads, pages);
+                        assert!(
+                            (1..=MAX_SPLITS).contains(&n),
+                            "plan_num_splits({sms}, {seqs}, {heads}, {pages}) = {n}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn workspace_len_saturates() {
+        assert_eq!(
+            decode_attn_workspace_len(3, 2, 4, 64, 5),
+            3 * 2 * 4 * 5 * 65
+        );
+        assert_eq!(decode_attn_workspace_len(0, 2, 4, 64, 5), 0);
+        assert_eq!(
+            decode_attn_workspace_len(1 << 40, 1 << 20, 64, 128, 256),
+            usize::MAX
+        );
+        assert_eq!(
+            decode_attn_workspace_len(1, 1, 1, usize::MAX, 2),
+            usize::MAX
+        );
+    }
+
+    /// Every kernel that reads a CSR table checks its rows in the kernel (the wrappers pass the
+    /// indices' length as `nnz`): a malformed table reads as empty rows, never out of bounds.
+    #[test]
+    fn csr_tables_are_checked_in_the_kernels() {
+        let (_, common) = crate::kernels::HEADERS[0];
+        assert!(common.contains("bool csr_row("));
+        for (source, uses) in [
+            ("decode_attn", 2),
+            ("score_blocks", 1),
+            ("gather_blocks", 1),
+        ] {
+            let src = crate::kernels::source(source).unwrap().source;
+            assert_eq!(src.matches("csr_row(").count(), uses, "{source}");
+            assert!(src.contains("int nnz"), "{source} takes no nnz");
+        }
+        // score_blocks checks its rows inline (it walks them rather than indexing one).
+        let src = crate::kernels::source("score_blocks").unwrap().source;
+        assert_eq!(src.matches("seq_end <= nnz").count(), 1);
+        assert_eq!(src.matches("row_e <= nnz").count(), 1);
     }
 
     #[test]
