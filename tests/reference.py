@@ -86,3 +86,35 @@ def ref_score_blocks(q, summaries, blk_indptr, blk_indices):
                     total += torch.maximum(qq * lo, qq * hi).sum().item()
                 out[j, kh] = total
     return out
+
+
+# Malformed CSR tables (issue 9): each case corrupts a well-formed indptr of at least 3 rows. The
+# CPU twins reject every one with a typed error; the GPU kernels read each row on its own and
+# treat a malformed one as empty (docs/CORE_CONTRACT.md, last section).
+MALFORMED_INDPTR = ["past_nnz", "huge", "decreasing", "negative_start", "negative_end", "int_min"]
+
+
+def malformed_indptr(indptr: torch.Tensor, case: str) -> torch.Tensor:
+    p = indptr.clone()
+    if case == "past_nnz":  # the last row ends past the indices
+        p[-1] += 1000
+    elif case == "huge":
+        p[-1] = 2**31 - 1
+    elif case == "decreasing":  # row 1 ends before it starts; row 0 overlaps row 2
+        p[1] = p[2] + 5
+    elif case == "negative_start":
+        p[0] = -1000
+    elif case == "negative_end":  # row 0 ends before it starts, row 1 starts below 0
+        p[1] = -5
+    elif case == "int_min":
+        p[1] = -(2**31)
+    else:
+        raise ValueError(case)
+    return p
+
+
+def csr_rows(indptr: torch.Tensor, nnz: int) -> list[tuple[int, int] | None]:
+    """Each row's ``(begin, end)`` where ``0 <= begin <= end <= nnz`` (how the GPU kernels read a row),
+    else None (read as an empty row)."""
+    p = indptr.tolist()
+    return [(b, e) if 0 <= b <= e <= nnz else None for b, e in zip(p[:-1], p[1:], strict=True)]

@@ -5,8 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oasiskv import errors, ops
-from reference import ATTN_TOL, TOL, ref_decode_attention, ref_score_blocks
+from oasiskv import _core, errors, ops
+from reference import (
+    ATTN_TOL,
+    MALFORMED_INDPTR,
+    TOL,
+    malformed_indptr,
+    ref_decode_attention,
+    ref_score_blocks,
+)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 GROUPS = [1, 3, 4, 8]
@@ -290,3 +297,130 @@ def test_block_pool_errors():
         ops.BlockPool("disk", 4)
     with pytest.raises(errors.ConfigError):
         ops.KvGeometry(6, 4, 64, 16)
+
+
+def test_block_pool_too_large_raises_instead_of_aborting():
+    """BlockPool('gpu', 2**40) used to abort the process (SIGABRT from a huge allocation)."""
+    with pytest.raises(errors.ConfigError, match="at most 2147483647 blocks"):
+        ops.BlockPool("gpu", 2**40)
+    with pytest.raises(ValueError, match="num_blocks=2147483648"):
+        ops.BlockPool("host", 2**31)
+    # An allocation the allocator refuses is an OutOfMemoryError (a MemoryError), tested in Rust
+    # (oasis-core error::tests); here the process survives and the next pool works.
+    assert issubclass(errors.OutOfMemoryError, MemoryError)
+    assert ops.BlockPool("gpu", 3).num_free == 3
+
+
+def test_enormous_geometry_is_a_config_error():
+    with pytest.raises(errors.ConfigError, match="overflow"):
+        ops.KvGeometry(2**62, 2**62, 256, 2**62)
+    with pytest.raises(errors.ConfigError, match="overflow"):
+        ops.KvGeometry(2, 1, 256, 2**63)
+    assert ops.KvGeometry(2, 1, 64, 2**40).block_size == 2**40
+
+
+HUGE = [0, 1, 132, 2**40, 2**63, 2**64 - 1]
+
+
+@pytest.mark.parametrize("num_sms", HUGE)
+@pytest.mark.parametrize("num_seqs", HUGE)
+@pytest.mark.parametrize("max_pages", HUGE)
+def test_plan_num_splits_is_total(num_sms, num_seqs, max_pages):
+    """It divided by zero on huge arguments (reported as 'internal error')."""
+    for heads in (0, 8, 2**64 - 1):
+        assert 1 <= _core.plan_num_splits(num_sms, num_seqs, heads, max_pages) <= 256
+
+
+def test_workspace_len_overflow_is_a_typed_error():
+    assert _core.decode_attn_workspace_len(3, 2, 4, 64, 5) == 3 * 2 * 4 * 5 * 65
+    with pytest.raises(errors.InvalidArgumentError, match="overflows"):
+        _core.decode_attn_workspace_len(2**40, 2**20, 64, 128, 256)
+    with pytest.raises(errors.InvalidArgumentError, match="overflows"):
+        _core.decode_attn_workspace_len(1, 1, 1, 2**64 - 1, 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nan_propagates_through_decode_attention(dtype):
+    """NaN in q, K or V gives NaN in exactly the outputs that see it, never zeros (the softmax max
+    skipped NaN: a NaN model decoded zeros and exited 0)."""
+    gen = torch.Generator().manual_seed(9)
+    geo, q, kp, vp, indptr, indices, last, _, ek, ev = _rand_case(gen, dtype, 2, 16, 4, num_seqs=3)
+    group = geo.num_qo_heads // geo.num_kv_heads
+    clean = ops.decode_attention(geo, q, kp, vp, indptr, indices, last, extra_k=ek, extra_v=ev)
+    assert torch.isfinite(clean).all()
+    q[0, 0, 1, 3] = float("nan")  # seq 0, row 0, query head 1
+    kp[int(indices[int(indptr[1])]), 1, 0, 5] = float("nan")  # seq 1, KV head 1, a full page's token 0
+    vp[int(indices[int(indptr[2])]), 0, 0, 7] = float("nan")  # seq 2, KV head 0, token 0, dim 7
+    out = ops.decode_attention(geo, q, kp, vp, indptr, indices, last, extra_k=ek, extra_v=ev)
+    want = torch.zeros_like(out, dtype=torch.bool)
+    want[0, 0, 1, :] = True
+    want[1, :, group : 2 * group, :] = True
+    want[2, :, :group, 7] = True
+    assert torch.equal(out.isnan(), want)
+    torch.testing.assert_close(out[~want], clean[~want])
+
+
+def _malformed_cases():
+    """The CPU calls of every kernel that takes a CSR table, as (name, table, call(indptr), outputs)."""
+    gen = torch.Generator().manual_seed(4)
+    geo, q, kp, vp, indptr, indices, last, pmap, ek, ev = _rand_case(gen, torch.float32, 2, 16, 4)
+    out = torch.zeros_like(q)
+    yield (
+        "decode_attention",
+        indptr,
+        lambda p: ops.decode_attention(
+            geo, q, kp, vp, p, indices, last, page_map=pmap, extra_k=ek, extra_v=ev, out=out
+        ),
+        [out],
+    )
+    hk, d, n_host = geo.num_kv_heads, geo.head_dim, 20
+    summaries = torch.randn(n_host, hk, 2, d, generator=gen)
+    blk_indptr = i32([0, 5, 6, 11])
+    blk_indices = torch.randperm(n_host, generator=gen)[:11].to(torch.int32)
+    qs = torch.randn(3, geo.num_qo_heads, d, generator=gen)
+    scores = torch.zeros(11, hk)
+    yield (
+        "score_blocks",
+        blk_indptr,
+        lambda p: ops.score_blocks(geo, qs, summaries, p, blk_indices, scores=scores),
+        [scores],
+    )
+    top = torch.zeros(3, hk, 4, dtype=torch.int32)
+    yield (
+        "topk_blocks",
+        blk_indptr,
+        lambda p: ops.topk_blocks(hk, torch.randn(11, hk), p, 4, out=top),
+        [top],
+    )
+    host_k = torch.randn(n_host, hk, 4, d, generator=gen)
+    pages_k, pages_v = torch.zeros(9, hk, 4, d), torch.zeros(9, hk, 4, d)
+    plan_slots = torch.zeros(3, hk, 1, dtype=torch.int32)
+    plan_blocks = torch.zeros(3, hk, 1, dtype=torch.int32)
+    slot_pages = i32([[0, 1], [2, 3], [4, 5]])
+    yield (
+        "gather_blocks",
+        blk_indptr,
+        lambda p: ops.gather_blocks(
+            geo, plan_slots, plan_blocks, slot_pages, p, blk_indices, host_k, host_k.clone(), pages_k, pages_v
+        ),
+        [pages_k, pages_v],
+    )
+
+
+@pytest.mark.parametrize("case", MALFORMED_INDPTR)
+def test_malformed_csr_tables_are_typed_errors_on_the_cpu(case):
+    """Every kernel that takes kv_indptr / blk_indptr / host_indptr rejects a malformed one before
+    writing anything (the GPU reads it row by row instead: test_gpu_kernels.py)."""
+    for name, indptr, call, outputs in _malformed_cases():
+        call(indptr)  # the well-formed table works
+        for o in outputs:
+            o.fill_(7)
+        before = [o.clone() for o in outputs]
+        with pytest.raises(errors.OasisError) as info:
+            call(malformed_indptr(indptr, case))
+        assert isinstance(info.value, ValueError), f"{name}: {info.value!r}"
+        assert "indptr" in str(info.value) or "indices" in str(info.value) or "scores" in str(info.value), (
+            name
+        )
+        for o, b in zip(outputs, before, strict=True):
+            assert torch.equal(o, b), f"{name}: output written on error"

@@ -9,9 +9,10 @@ host pool (``host_k``/``host_v``, one side of :func:`copy_pages`) as pinned CPU 
 
 Validation (shape, dtype, device, contiguity, aliasing; table ranges on the CPU only) happens in
 the native module, which raises the classes of :mod:`oasiskv.errors`; the GIL is released while a
-kernel runs or is launched. On the GPU, table contents are not validated (that would need a host
-synchronisation): the kernels bounds-check every entry and skip a bad one, so test a new caller
-on the CPU first.
+kernel runs or is launched. On the GPU, table contents are not validated up front (that would need
+a host synchronisation): the kernels check ids against their pools and each CSR row against the
+length of its indices, skip a bad id and read a malformed row as empty (``docs/CORE_CONTRACT.md``,
+last section), so test a new caller on the CPU first, where the same tables raise.
 
 Outputs allocated here live on the device of the call's tensors. Results that the CPU returns as
 Python numbers (the selection statistics, the number of gathered entries) are ``None`` on the GPU:

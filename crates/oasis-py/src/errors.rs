@@ -35,6 +35,10 @@ pub fn core_err(py: Python<'_>, e: OasisError) -> PyErr {
             "OutOfBlocksError",
             "raise the pool size in KvConfig or run fewer requests at once",
         ),
+        OasisError::OutOfMemory { .. } => (
+            "OutOfMemoryError",
+            "ask for fewer blocks or a smaller batch (KvConfig num_gpu_pages / num_host_blocks), or free memory first",
+        ),
         OasisError::Config(_) => ("ConfigError", "fix the configuration value named above"),
         OasisError::Invalid(_) => ("InvalidArgumentError", "fix the argument named above"),
     };

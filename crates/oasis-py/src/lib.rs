@@ -15,9 +15,11 @@
 //! Device, dtype, contiguity, shape and aliasing are checked here, the same checks for both
 //! paths; then the GIL is released and the kernel runs (CPU) or is queued (CUDA: the call returns
 //! without synchronising). Table *contents* are not validated on the GPU (that would need a
-//! synchronisation): the kernels bounds-check every entry they dereference and skip a bad one,
-//! where the CPU twins raise. No panic crosses into Python: each entry point runs under
-//! `catch_unwind`, and core and CUDA errors become the classes of `oasiskv.errors`.
+//! synchronisation): the kernels check ids against their pools and every CSR row against the
+//! length of its indices where they read them, skip a bad id and read a malformed row as empty,
+//! where the CPU twins raise (docs/CORE_CONTRACT.md, last section). No panic crosses into
+//! Python: each entry point runs under `catch_unwind`, and core and CUDA errors become the
+//! classes of `oasiskv.errors`.
 //!
 //! Nothing here links against CUDA: the module imports on a machine without a driver or NVRTC,
 //! and only a call on CUDA tensors (or `compile_kernels`, `nvrtc_version`) asks for them.
@@ -204,7 +206,9 @@ struct PyBlockPool {
 
 #[pymethods]
 impl PyBlockPool {
-    /// `tier` is "gpu" or "host"; it only names the pool in errors.
+    /// `tier` is "gpu" or "host"; it only names the pool in errors. Raises ConfigError for more
+    /// than 2**31 - 1 blocks (ids are int32) and OutOfMemoryError when the free list cannot be
+    /// allocated (5 bytes per block), never aborting the process.
     #[new]
     fn new(py: Python<'_>, tier: &str, num_blocks: usize) -> PyResult<Self> {
         let tier = match tier {
@@ -218,9 +222,8 @@ impl PyBlockPool {
                 ))
             }
         };
-        Ok(Self {
-            inner: CorePool::new(tier, num_blocks),
-        })
+        // The GIL is released: a large pool takes a while to fill.
+        guarded(py, "BlockPool", || CorePool::try_new(tier, num_blocks)).map(|inner| Self { inner })
     }
     #[getter]
     fn num_blocks(&self) -> usize {
@@ -388,8 +391,10 @@ fn append_kv(
 /// and `max_pages_per_seq` (a bound on any sequence's page count; 0 = len(kv_indices)). More than
 /// one split needs `workspace`, a float32 tensor on cuda:N of at least
 /// decode_attn_workspace_len(num_seqs, num_rows, num_qo_heads, head_dim, num_splits) elements.
-/// Table entries are not validated on the GPU: out-of-range page ids are skipped. The CPU
-/// ignores num_splits, max_pages_per_seq, workspace and stream.
+/// Table entries are not validated on the GPU: out-of-range page ids are skipped and a malformed
+/// kv_indptr row reads as a sequence with no pages. NaN in q, K or V gives NaN in the outputs
+/// that see it (CPU and GPU). The CPU ignores num_splits, max_pages_per_seq, workspace and
+/// stream.
 fn decode_attention(
     py: Python<'_>,
     geo: &PyGeometry,
@@ -625,8 +630,8 @@ fn build_summaries(
 /// blk_indptr [num_seqs + 1], blk_indices [nnz] int32 (host block of each logical block).
 ///
 /// CUDA: every tensor on one cuda:N, queued on `stream` (raw cudaStream_t, 0 = legacy default),
-/// returns at once. An out-of-range block id scores -inf on the GPU (the CPU raises). `stream`
-/// is ignored on the CPU.
+/// returns at once. An out-of-range block id, or an entry of a malformed blk_indptr row, scores
+/// -inf on the GPU (the CPU raises). `stream` is ignored on the CPU.
 #[allow(clippy::too_many_arguments)]
 fn score_blocks(
     py: Python<'_>,
@@ -682,7 +687,8 @@ fn score_blocks(
 /// logical index.
 ///
 /// CUDA: every tensor on one cuda:N, queued on `stream` (raw cudaStream_t, 0 = legacy default),
-/// returns at once; k is at most 512 there. `stream` is ignored on the CPU.
+/// returns at once; k is at most 512 there, and a malformed blk_indptr row gives all -1 (the CPU
+/// raises). `stream` is ignored on the CPU.
 fn topk_blocks(
     py: Python<'_>,
     num_kv_heads: usize,
@@ -885,7 +891,8 @@ fn delta_select(
 /// CPU: returns the number of block-head entries copied. CUDA: every tensor on one cuda:N except
 /// host_k, host_v, which may be pinned CPU memory (read through unified addressing); queued on
 /// `stream` (raw cudaStream_t, 0 = legacy default); returns None at once. Plan entries out of
-/// range are skipped on the GPU. Keep the host pool alive until the stream has run the copy.
+/// range, and those of a malformed host_indptr row, are skipped on the GPU. Keep the host pool
+/// alive until the stream has run the copy.
 fn gather_blocks(
     py: Python<'_>,
     geo: &PyGeometry,
@@ -1056,13 +1063,9 @@ fn plan_num_splits(
     num_kv_heads: usize,
     max_pages: usize,
 ) -> PyResult<usize> {
+    // Total (saturating) for any sizes: no error case.
     entry(py, "plan_num_splits", || {
-        Ok(plan_splits(
-            num_sms.min(1 << 20),
-            num_seqs,
-            num_kv_heads,
-            max_pages,
-        ))
+        Ok(plan_splits(num_sms, num_seqs, num_kv_heads, max_pages))
     })
 }
 
