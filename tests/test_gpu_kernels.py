@@ -16,7 +16,14 @@ import pytest
 import torch
 
 from oasiskv import _core, errors, ops
-from reference import ATTN_TOL, ref_decode_attention, ref_score_blocks
+from reference import (
+    ATTN_TOL,
+    MALFORMED_INDPTR,
+    csr_rows,
+    malformed_indptr,
+    ref_decode_attention,
+    ref_score_blocks,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -257,6 +264,191 @@ def test_out_of_range_table_entries_are_skipped_on_the_gpu():
         num_splits=3,
     )
     torch.testing.assert_close(back(again), want, atol=ATTN_TOL[dtype][0], rtol=ATTN_TOL[dtype][1])
+
+
+# ---------------------------------------------------------------- malformed CSR tables
+# The kernels check each kv_indptr / blk_indptr / host_indptr row against the length of its
+# indices and read a malformed row as empty (docs/CORE_CONTRACT.md, last section): no read outside
+# the tables (run these under compute-sanitizer memcheck: -k malformed), the well-formed rows as
+# the CPU twin computes them alone, and the device usable afterwards.
+def _attn_malformed_expected(geo, q2, kp, vp, indptr, indices, last, pmap, ek, ev):
+    """Sequence by sequence on the CPU: a well-formed non-empty row is the twin on that row alone;
+    a malformed (or empty) one has no pages: zeros in row 0, the extra value in row 1."""
+    group = geo.num_qo_heads // geo.num_kv_heads
+    want = torch.zeros_like(q2)
+    for s, row in enumerate(csr_rows(indptr, indices.numel())):
+        if row is None or row[0] == row[1]:
+            want[s, 1] = ev[s].repeat_interleave(group, dim=0)
+            continue
+        b, e = row
+        sl = slice(s, s + 1)
+        want[sl] = ops.decode_attention(
+            geo,
+            q2[sl],
+            kp,
+            vp,
+            i32([0, e - b]),
+            indices[b:e],
+            last[sl],
+            page_map=pmap,
+            extra_k=ek[sl],
+            extra_v=ev[sl],
+        )
+    return want
+
+
+@gpu_test
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # tensor-core and generic kernels
+@pytest.mark.parametrize("case", MALFORMED_INDPTR)
+def test_malformed_kv_indptr_reads_as_empty_rows(case, dtype, splits):
+    gen = seeded("malformed-attn", case, dtype, splits)
+    geo, kp, vp, indptr, indices, last, pmap, q2, ek, ev = _attn_case(gen, dtype, 2, 64, 7)
+    bad = malformed_indptr(indptr, case)
+    with pytest.raises(ValueError):  # the CPU twin rejects it
+        ops.decode_attention(geo, q2, kp, vp, bad, indices, last, page_map=pmap, extra_k=ek, extra_v=ev)
+    want = _attn_malformed_expected(geo, q2, kp, vp, bad, indices, last, pmap, ek, ev)
+    out = torch.full_like(dev(q2), POISON)
+    g = [dev(t) for t in (q2, kp, vp, bad, indices, last)]
+    ops.decode_attention(
+        *[geo, *g], page_map=dev(pmap), extra_k=dev(ek), extra_v=dev(ev), out=out, num_splits=splits
+    )
+    torch.testing.assert_close(back(out), want, atol=ATTN_TOL[dtype][0], rtol=ATTN_TOL[dtype][1])
+    # The device is healthy: the well-formed table right after gives the twin's result.
+    good = ops.decode_attention(geo, q2, kp, vp, indptr, indices, last, page_map=pmap, extra_k=ek, extra_v=ev)
+    g[3] = dev(indptr)
+    again = ops.decode_attention(
+        *[geo, *g], page_map=dev(pmap), extra_k=dev(ek), extra_v=dev(ev), num_splits=splits
+    )
+    torch.testing.assert_close(back(again), good, atol=ATTN_TOL[dtype][0], rtol=ATTN_TOL[dtype][1])
+
+
+@gpu_test
+@pytest.mark.parametrize("head_dim", [64, 40])  # the vector and the scalar scoring paths
+@pytest.mark.parametrize("case", MALFORMED_INDPTR)
+def test_malformed_blk_indptr_scores_minus_inf_and_topk_is_empty(case, head_dim):
+    gen = seeded("malformed-score", case, head_dim)
+    dtype, hk, group = torch.bfloat16, 2, 2
+    lens = [40, 9, 37, 30]  # > 32 entries per row: rows span score tiles
+    n_host = sum(lens) + 4
+    geo = ops.KvGeometry(hk * group, hk, head_dim, B)
+    summaries = rand(gen, dtype, n_host, hk, 2, head_dim)
+    blk_indptr = csr(lens)
+    nnz = int(blk_indptr[-1])
+    blk_indices = torch.randperm(n_host, generator=gen)[:nnz].to(torch.int32)
+    q = rand(gen, dtype, len(lens), hk * group, head_dim)
+    bad = malformed_indptr(blk_indptr, case)
+    with pytest.raises(ValueError):
+        ops.score_blocks(geo, q, summaries, bad, blk_indices)
+    # Every sequence's query against every entry, on the CPU: the candidates of entry j are the
+    # sequences whose well-formed row holds j; an entry in none scores -inf.
+    whole = i32([0, nnz])
+    cand = [ops.score_blocks(geo, q[s : s + 1], summaries, whole, blk_indices) for s in range(len(lens))]
+    rows = csr_rows(bad, nnz)
+    scores = torch.full((nnz, hk), POISON, device=DEV)
+    ops.score_blocks(geo, dev(q), dev(summaries), dev(bad), dev(blk_indices), scores=scores)
+    got = back(scores)
+    tol = dict(atol=1e-4 * head_dim * group, rtol=1e-4)
+    for j in range(nnz):
+        owners = [s for s, r in enumerate(rows) if r is not None and r[0] <= j < r[1]]
+        if not owners:
+            assert (got[j] == float("-inf")).all(), f"entry {j} is in no row: {got[j].tolist()}"
+        elif len(owners) == 1:
+            torch.testing.assert_close(got[j], cand[owners[0]][j], **tol)
+        else:  # overlapping rows: the query of one of them, or -inf
+            ok = (got[j] == float("-inf")).all() or any(
+                torch.allclose(got[j], cand[s][j], **tol) for s in owners
+            )
+            assert ok, f"entry {j}: {got[j].tolist()} matches none of rows {owners}"
+    # Top-K over tie-free scores: a malformed row gives -1 everywhere, a well-formed one the twin
+    # on that row alone.
+    k = 16
+    tie_free = torch.randn(nnz, hk, generator=gen)
+    out = torch.full((len(lens), hk, k), INT_POISON, dtype=torch.int32, device=DEV)
+    ops.topk_blocks(hk, dev(tie_free), dev(bad), k, out=out)
+    top = back(out)
+    for s, r in enumerate(rows):
+        if r is None:
+            assert (top[s] == -1).all(), f"seq {s}: malformed row must give -1"
+        else:
+            want = ops.topk_blocks(hk, tie_free[r[0] : r[1]].contiguous(), i32([0, r[1] - r[0]]), k)
+            assert torch.equal(top[s], want[0]), f"seq {s}"
+    # The device is healthy.
+    assert torch.equal(
+        back(ops.topk_blocks(hk, dev(tie_free), dev(blk_indptr), k)),
+        ops.topk_blocks(hk, tie_free, blk_indptr, k),
+    )
+
+
+@gpu_test
+@pytest.mark.parametrize("where", HOSTS)
+@pytest.mark.parametrize("case", MALFORMED_INDPTR)
+def test_malformed_host_indptr_gathers_nothing_for_that_row(case, where):
+    gen = seeded("malformed-gather", case, where)
+    dtype, ns, hk, budget, cap, d = torch.float16, 3, 2, 4, 3, 64
+    n_logical = [12, 7, 9]
+    n_host = sum(n_logical) + 5
+    geo = ops.KvGeometry(2 * hk, hk, d, B)
+    host_k, host_v = rand(gen, dtype, n_host, hk, B, d), rand(gen, dtype, n_host, hk, B, d)
+    num_pages = ns * budget + 2
+    kp = torch.full((num_pages, hk, B, d), POISON, dtype=dtype)
+    vp = torch.full((num_pages, hk, B, d), POISON, dtype=dtype)
+    slot_pages = torch.randperm(num_pages, generator=gen)[: ns * budget].view(ns, budget).to(torch.int32)
+    host_indptr = csr(n_logical)
+    nnz = int(host_indptr[-1])
+    host_indices = torch.randperm(n_host, generator=gen)[:nnz].to(torch.int32)
+    # Every sequence fetches `cap` of its first blocks into its first slots, every head.
+    plan_slots = torch.arange(cap, dtype=torch.int32).expand(ns, hk, cap).contiguous()
+    plan_blocks = (torch.arange(cap, dtype=torch.int32) + 1).expand(ns, hk, cap).contiguous()
+    bad = malformed_indptr(host_indptr, case)
+    with pytest.raises(ValueError):
+        ops.gather_blocks(
+            geo,
+            plan_slots,
+            plan_blocks,
+            slot_pages,
+            bad,
+            host_indices,
+            host_k,
+            host_v,
+            kp.clone(),
+            vp.clone(),
+        )
+    want_k, want_v = kp.clone(), vp.clone()
+    for s, r in enumerate(csr_rows(bad, nnz)):
+        if r is None:  # malformed: nothing is gathered for this sequence
+            continue
+        n = r[1] - r[0]
+        sl = slice(s, s + 1)
+        slots = plan_slots[sl].masked_fill(plan_blocks[sl] >= n, -1)  # past a short row: skipped
+        rows = (i32([0, n]), host_indices[r[0] : r[1]])
+        ops.gather_blocks(geo, slots, plan_blocks[sl], slot_pages[sl], *rows, host_k, host_v, want_k, want_v)
+    g_kp, g_vp = dev(kp), dev(vp)
+    tables = [dev(t) for t in (plan_slots, plan_blocks, slot_pages, bad, host_indices)]
+    ops.gather_blocks(geo, *tables, host(host_k, where), host(host_v, where), g_kp, g_vp)
+    assert_bits_equal(g_kp, want_k, "k_pages")
+    assert_bits_equal(g_vp, want_v, "v_pages")
+
+
+# ---------------------------------------------------------------- NaN
+@gpu_test
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nan_propagates_through_decode_attention_like_the_cpu_twin(dtype, splits):
+    """NaN in q, K or V: NaN in exactly the outputs the CPU twin makes NaN (fmaxf skips NaN; the
+    kernels used to turn it into zeros), split-KV merge included."""
+    gen = seeded("nan", dtype, splits)
+    geo, kp, vp, indptr, indices, last, _, q2, ek, ev = _attn_case(gen, dtype, 2, 64, 7)
+    q2[0, 0, 1, 3] = float("nan")  # seq 0, row 0, query head 1
+    kp[int(indices[int(indptr[1])]), 1, 0, 5] = float("nan")  # seq 1's first (full) page, KV head 1
+    vp[int(indices[int(indptr[2])]), 0, 0, 7] = float("nan")  # seq 2's page, KV head 0, dim 7
+    want = ops.decode_attention(geo, q2, kp, vp, indptr, indices, last, extra_k=ek, extra_v=ev)
+    assert want.isnan().any() and not want.isnan().all()
+    g = [dev(t) for t in (q2, kp, vp, indptr, indices, last)]
+    got = back(ops.decode_attention(geo, *g, extra_k=dev(ek), extra_v=dev(ev), num_splits=splits))
+    assert torch.equal(got.isnan(), want.isnan())
+    ok = ~want.isnan()
+    torch.testing.assert_close(got[ok], want[ok], atol=ATTN_TOL[dtype][0], rtol=ATTN_TOL[dtype][1])
 
 
 # ---------------------------------------------------------------- append and summaries
