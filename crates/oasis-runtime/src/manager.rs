@@ -1,0 +1,635 @@
+//! [`Runtime`]: both pools, every request's tables, admission and the state transitions.
+//!
+//! The runtime hands out ids; the bytes are torch tensors the engine owns. Every change of a
+//! page's owner or logical block is also queued as a head-wise mapping update (`page_map[:, page,
+//! :] = value` in every layer, and `page_last_selected` reset): [`Runtime::take_map_updates`]
+//! drains them, one value per page (the last one), and [`Runtime::plan`] lays out those of the
+//! step in the plan itself, so they reach the device in the plan's one copy.
+
+use std::collections::HashMap;
+
+use oasis_core::{BlockPool, OasisError, Result, Tier};
+
+use crate::config::{RuntimeConfig, MAX_POOL_BLOCKS};
+use crate::plan::StepPlan;
+use crate::table::{RequestTable, Reservation};
+
+/// What the engine must do on the device when a request turns sparse (every layer):
+/// copy `src_pages[i]` (holding `lens[i]` tokens) into host block `host_blocks[i]` and build its
+/// summary; then select the initial working set over the first `n_complete` host blocks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SparseTransition {
+    pub src_pages: Vec<u32>,
+    pub host_blocks: Vec<u32>,
+    pub lens: Vec<u32>,
+    pub slot_pages: Vec<u32>,
+    pub local_page: u32,
+    /// Blocks complete (candidates of selection): `kv_len / block_size`.
+    pub n_complete: usize,
+}
+
+/// The pools, the tables and admission of one engine.
+#[derive(Debug, Clone)]
+pub struct Runtime {
+    cfg: RuntimeConfig,
+    gpu: BlockPool,
+    host: BlockPool,
+    /// The most blocks each pool may grow to (the budget), in blocks.
+    gpu_cap: usize,
+    host_cap: usize,
+    reserved_gpu: usize,
+    reserved_host: usize,
+    reqs: HashMap<u64, RequestTable>,
+    free_slots: Vec<u32>,
+    /// Pending head-wise mapping updates: page -> value, in the order first queued.
+    map_order: Vec<u32>,
+    map_value: HashMap<u32, i32>,
+    plan: StepPlan,
+}
+
+fn to_i32(x: usize) -> i32 {
+    // Ids and lengths stay below i32::MAX by construction (pool caps, block_size <= 1024).
+    i32::try_from(x).unwrap_or(i32::MAX)
+}
+
+impl Runtime {
+    /// A runtime whose pools hold `gpu_pages` / `host_blocks` now and may grow to the caps.
+    ///
+    /// # Errors
+    /// [`OasisError::Config`] for a bad config or a pool larger than its cap or than ids address.
+    pub fn new(
+        cfg: RuntimeConfig,
+        gpu_pages: usize,
+        host_blocks: usize,
+        gpu_cap: usize,
+        host_cap: usize,
+    ) -> Result<Self> {
+        cfg.validate()?;
+        for (what, n, cap) in [("gpu", gpu_pages, gpu_cap), ("host", host_blocks, host_cap)] {
+            if cap > MAX_POOL_BLOCKS {
+                return Err(OasisError::Config(format!(
+                    "the {what} pool cap of {cap} blocks exceeds {MAX_POOL_BLOCKS} (ids are i32)"
+                )));
+            }
+            if n > cap {
+                return Err(OasisError::Config(format!(
+                    "the {what} pool has {n} blocks, more than its cap of {cap}"
+                )));
+            }
+        }
+        let slots = (0..cfg.max_num_seqs as u32).rev().collect();
+        Ok(Self {
+            gpu: BlockPool::try_new(Tier::Gpu, gpu_pages)?,
+            host: BlockPool::try_new(Tier::Host, host_blocks)?,
+            cfg,
+            gpu_cap,
+            host_cap,
+            reserved_gpu: 0,
+            reserved_host: 0,
+            reqs: HashMap::new(),
+            free_slots: slots,
+            map_order: Vec::new(),
+            map_value: HashMap::new(),
+            plan: StepPlan::default(),
+        })
+    }
+
+    pub fn config(&self) -> &RuntimeConfig {
+        &self.cfg
+    }
+
+    /// Blocks in each pool now (the engine's tensors must have at least these many rows).
+    pub fn pool_sizes(&self) -> (usize, usize) {
+        (self.gpu.num_blocks(), self.host.num_blocks())
+    }
+
+    /// Free blocks in each pool now.
+    pub fn num_free(&self) -> (usize, usize) {
+        (self.gpu.num_free(), self.host.num_free())
+    }
+
+    /// Blocks reserved by the admitted requests, per pool.
+    pub fn reserved(&self) -> (usize, usize) {
+        (self.reserved_gpu, self.reserved_host)
+    }
+
+    /// The caps (budgets) in blocks.
+    pub fn caps(&self) -> (usize, usize) {
+        (self.gpu_cap, self.host_cap)
+    }
+
+    pub fn num_requests(&self) -> usize {
+        self.reqs.len()
+    }
+
+    pub fn table(&self, id: u64) -> Option<&RequestTable> {
+        self.reqs.get(&id)
+    }
+
+    fn get(&self, id: u64) -> Result<&RequestTable> {
+        self.reqs
+            .get(&id)
+            .ok_or_else(|| OasisError::Invalid(format!("unknown request {id}")))
+    }
+
+    /// The peak need of a request (see [`Reservation::for_request`]).
+    pub fn reservation(&self, prompt_len: usize, max_new_tokens: usize) -> Reservation {
+        Reservation::for_request(&self.cfg, prompt_len, max_new_tokens)
+    }
+
+    /// Whether a request with this reservation could ever be admitted (alone, at the caps).
+    pub fn fits_ever(&self, r: &Reservation) -> bool {
+        r.gpu_pages <= self.gpu_cap && r.host_blocks <= self.host_cap
+    }
+
+    /// Whether a request with this reservation can be admitted now (a seat and room under the
+    /// caps beside the running requests' reservations). The pools may have to grow first:
+    /// [`Runtime::pool_sizes_needed`].
+    pub fn can_admit(&self, r: &Reservation) -> bool {
+        !self.free_slots.is_empty()
+            && self.reserved_gpu + r.gpu_pages <= self.gpu_cap
+            && self.reserved_host + r.host_blocks <= self.host_cap
+    }
+
+    /// Pool sizes that admitting `r` needs (the reservations, all together).
+    pub fn pool_sizes_needed(&self, r: &Reservation) -> (usize, usize) {
+        (
+            self.reserved_gpu + r.gpu_pages,
+            self.reserved_host + r.host_blocks,
+        )
+    }
+
+    /// Grow the pools to at least these sizes (never shrinks; the engine grows its tensors first).
+    ///
+    /// # Errors
+    /// [`OasisError::Config`] past a cap; [`OasisError::OutOfMemory`] when the free list cannot be
+    /// allocated.
+    pub fn grow(&mut self, gpu_pages: usize, host_blocks: usize) -> Result<()> {
+        if gpu_pages > self.gpu_cap || host_blocks > self.host_cap {
+            return Err(OasisError::Config(format!(
+                "cannot grow the pools to {gpu_pages} gpu pages / {host_blocks} host blocks: the \
+                 caps are {} / {}",
+                self.gpu_cap, self.host_cap
+            )));
+        }
+        self.gpu.grow(gpu_pages)?;
+        self.host.grow(host_blocks)?;
+        Ok(())
+    }
+
+    /// Admit request `id` whose prompt of `prompt_len` tokens is about to be prefilled: reserve
+    /// its peak, take an accumulator slot, and allocate the prompt's pages (logical order, their
+    /// mapping queued). Returns the slot and the pages.
+    ///
+    /// # Errors
+    /// [`OasisError::Invalid`] for a duplicate id or an empty prompt; [`OasisError::OutOfBlocks`]
+    /// when [`Runtime::can_admit`] is false or the pools were not grown to
+    /// [`Runtime::pool_sizes_needed`]. Nothing changes on error.
+    pub fn admit(
+        &mut self,
+        id: u64,
+        prompt_len: usize,
+        max_new_tokens: usize,
+    ) -> Result<(u32, Vec<u32>)> {
+        if self.reqs.contains_key(&id) {
+            return Err(OasisError::Invalid(format!(
+                "request {id} is already admitted"
+            )));
+        }
+        if prompt_len == 0 || max_new_tokens == 0 {
+            return Err(OasisError::Invalid(format!(
+                "request {id}: prompt_len and max_new_tokens must be >= 1, got {prompt_len} and \
+                 {max_new_tokens}"
+            )));
+        }
+        let res = self.reservation(prompt_len, max_new_tokens);
+        let (need_gpu, need_host) = self.pool_sizes_needed(&res);
+        if !self.can_admit(&res)
+            || need_gpu > self.gpu.num_blocks()
+            || need_host > self.host.num_blocks()
+        {
+            let host_room = self.host_cap.min(self.host.num_blocks());
+            let (tier, requested, free) = if need_host > host_room {
+                (
+                    Tier::Host,
+                    res.host_blocks,
+                    host_room.saturating_sub(self.reserved_host),
+                )
+            } else {
+                (
+                    Tier::Gpu,
+                    res.gpu_pages,
+                    self.gpu_cap
+                        .min(self.gpu.num_blocks())
+                        .saturating_sub(self.reserved_gpu),
+                )
+            };
+            return Err(OasisError::OutOfBlocks {
+                tier,
+                requested,
+                free,
+            });
+        }
+        let Some(slot) = self.free_slots.pop() else {
+            return Err(OasisError::Invalid(format!(
+                "all {} request slots are taken (max_num_seqs)",
+                self.cfg.max_num_seqs
+            )));
+        };
+        let n_blocks = prompt_len.div_ceil(self.cfg.block_size);
+        // Cannot fail: the pool holds at least the reservations, and every request holds at most
+        // its own.
+        let pages = self.gpu.allocate(n_blocks)?;
+        for (i, &p) in pages.iter().enumerate() {
+            self.queue_map(p, to_i32(i));
+        }
+        self.reserved_gpu += res.gpu_pages;
+        self.reserved_host += res.host_blocks;
+        self.reqs.insert(
+            id,
+            RequestTable {
+                id,
+                slot,
+                kv_len: prompt_len,
+                sparse: false,
+                pages: pages.clone(),
+                slot_pages: Vec::new(),
+                local_page: None,
+                host_blocks: Vec::new(),
+                reservation: res,
+            },
+        );
+        Ok((slot, pages))
+    }
+
+    /// Whether request `id` should turn sparse now: the sparse backend, still dense, and its
+    /// stored context past the threshold.
+    pub fn wants_sparse(&self, id: u64) -> Result<bool> {
+        let t = self.get(id)?;
+        Ok(self.cfg.sparse && !t.sparse && t.kv_len > self.cfg.sparse_threshold)
+    }
+
+    /// Turn request `id` sparse: its KV goes to fresh host blocks, its dense pages become the
+    /// local page and the working-set slots (more pages allocated if it held fewer than K + 1,
+    /// surplus freed), their mapping queued (slots empty, local page its block).
+    ///
+    /// # Errors
+    /// [`OasisError::Invalid`] for an unknown or already sparse request. Nothing changes on error.
+    pub fn make_sparse(&mut self, id: u64) -> Result<SparseTransition> {
+        let (b, k) = (self.cfg.block_size, self.cfg.top_k_blocks);
+        let t = self.get(id)?;
+        if t.sparse {
+            return Err(OasisError::Invalid(format!(
+                "request {id} is already sparse"
+            )));
+        }
+        let length = t.kv_len;
+        let n_blocks = length.div_ceil(b);
+        let local_block = length / b;
+        let mut spare = t.pages.clone();
+        if spare.len() < n_blocks {
+            return Err(OasisError::Invalid(format!(
+                "request {id} holds {} pages for {length} tokens",
+                spare.len()
+            )));
+        }
+        let src_pages = spare[..n_blocks].to_vec();
+        // The reservation covers host blocks for the whole life and K + 1 pages: cannot fail.
+        let host_blocks = self.host.allocate(n_blocks)?;
+        let local_page = if length % b != 0 {
+            spare.remove(local_block)
+        } else {
+            match spare.pop() {
+                Some(p) => p,
+                None => match self.gpu.allocate(1) {
+                    Ok(p) => p[0],
+                    Err(e) => {
+                        self.host.free(&host_blocks)?;
+                        return Err(e);
+                    }
+                },
+            }
+        };
+        if spare.len() < k {
+            match self.gpu.allocate(k - spare.len()) {
+                Ok(more) => spare.extend(more),
+                Err(e) => {
+                    self.host.free(&host_blocks)?;
+                    return Err(e);
+                }
+            }
+        }
+        let surplus = spare.split_off(k);
+        self.gpu.free(&surplus)?;
+        let slot_pages = spare;
+        let mut lens = vec![b as u32; n_blocks];
+        if let Some(last) = lens.last_mut() {
+            *last = (length - (n_blocks - 1) * b) as u32;
+        }
+        for &p in &slot_pages {
+            self.queue_map(p, -1);
+        }
+        self.queue_map(local_page, to_i32(local_block));
+        let gpu_res = k + 1;
+        let t = self.reqs.get_mut(&id).expect("checked above");
+        self.reserved_gpu -= t.reservation.gpu_pages;
+        t.reservation.gpu_pages = gpu_res;
+        self.reserved_gpu += gpu_res;
+        t.sparse = true;
+        t.pages.clear();
+        t.slot_pages = slot_pages.clone();
+        t.local_page = Some(local_page);
+        t.host_blocks = host_blocks.clone();
+        Ok(SparseTransition {
+            src_pages,
+            host_blocks,
+            lens,
+            slot_pages,
+            local_page,
+            n_complete: length / b,
+        })
+    }
+
+    /// Free everything request `id` holds and its reservation and slot.
+    ///
+    /// # Errors
+    /// [`OasisError::Invalid`] for an unknown request.
+    pub fn release(&mut self, id: u64) -> Result<()> {
+        let t = self
+            .reqs
+            .remove(&id)
+            .ok_or_else(|| OasisError::Invalid(format!("unknown request {id}")))?;
+        let mut pages: Vec<u32> = t.all_pages().collect();
+        pages.sort_unstable();
+        self.gpu.free(&pages)?;
+        self.host.free(&t.host_blocks)?;
+        self.reserved_gpu -= t.reservation.gpu_pages;
+        self.reserved_host -= t.reservation.host_blocks;
+        self.free_slots.push(t.slot);
+        Ok(())
+    }
+
+    /// Tokens stored for request `id` (the position its next token lands at).
+    ///
+    /// # Errors
+    /// [`OasisError::Invalid`] for an unknown request.
+    pub fn kv_len(&self, id: u64) -> Result<usize> {
+        Ok(self.get(id)?.kv_len)
+    }
+
+    fn queue_map(&mut self, page: u32, value: i32) {
+        if self.map_value.insert(page, value).is_none() {
+            self.map_order.push(page);
+        }
+    }
+
+    /// Drain the pending head-wise mapping updates: `(pages, values)`, each page once.
+    pub fn take_map_updates(&mut self) -> (Vec<u32>, Vec<i32>) {
+        let pages = std::mem::take(&mut self.map_order);
+        let values = pages.iter().map(|p| self.map_value[p]).collect();
+        self.map_value.clear();
+        (pages, values)
+    }
+
+    /// Plan one decode step of the requests `ids` (in batch order), whose query rows take the
+    /// tokens `input_ids` (`rows` per request: x_t, then the draft): each request stores its next
+    /// token, so its `kv_len` advances by one. Blocks the step enters are allocated here (within the
+    /// reservation), and the pending mapping updates move into the plan.
+    ///
+    /// # Errors
+    /// [`OasisError::Invalid`] for an unknown or repeated id, or a dense request past the sparse
+    /// threshold (it must turn sparse first: its reservation does not cover more dense pages).
+    /// Nothing changes then.
+    pub fn plan(&mut self, ids: &[u64], input_ids: &[i32]) -> Result<&StepPlan> {
+        let b = self.cfg.block_size;
+        if input_ids.len() != ids.len() * self.cfg.rows {
+            return Err(OasisError::Invalid(format!(
+                "{} input ids for {} requests of {} rows",
+                input_ids.len(),
+                ids.len(),
+                self.cfg.rows
+            )));
+        }
+        let mut seen = std::collections::HashSet::with_capacity(ids.len());
+        for &id in ids {
+            // Admission reserved the working set, not the dense pages past the threshold.
+            if self.wants_sparse(id)? {
+                return Err(OasisError::Invalid(format!(
+                    "request {id} is past the sparse threshold: turn it sparse (make_sparse) \
+                     before it decodes further"
+                )));
+            }
+            if !seen.insert(id) {
+                return Err(OasisError::Invalid(format!(
+                    "request {id} listed twice in one step"
+                )));
+            }
+        }
+        // Allocate the blocks this step's tokens land in.
+        for &id in ids {
+            let t = &self.reqs[&id];
+            let (blk, off) = (t.kv_len / b, t.kv_len % b);
+            let mut new_page = None;
+            let mut new_host = false;
+            if t.sparse {
+                new_host = t.host_blocks.len() <= blk;
+            } else if t.pages.len() <= blk {
+                new_page = Some(());
+            }
+            if new_host {
+                let h = self.host.allocate(1)?;
+                self.reqs
+                    .get_mut(&id)
+                    .expect("checked")
+                    .host_blocks
+                    .extend(h);
+            }
+            if new_page.is_some() {
+                let p = self.gpu.allocate(1)?;
+                self.queue_map(p[0], to_i32(blk));
+                self.reqs.get_mut(&id).expect("checked").pages.extend(p);
+            }
+            let t = &self.reqs[&id];
+            if t.sparse && off == 0 {
+                let local = t.local_page.expect("sparse requests hold a local page");
+                self.queue_map(local, to_i32(blk));
+            }
+        }
+        let (map_pages, map_values) = self.take_map_updates();
+        let tables: Vec<&RequestTable> = ids.iter().map(|id| &self.reqs[id]).collect();
+        self.plan
+            .build(&self.cfg, &tables, input_ids, &map_pages, &map_values);
+        for &id in ids {
+            self.reqs.get_mut(&id).expect("checked").kv_len += 1;
+        }
+        Ok(&self.plan)
+    }
+
+    /// The plan of the last [`Runtime::plan`].
+    pub fn last_plan(&self) -> &StepPlan {
+        &self.plan
+    }
+
+    /// Check every invariant of the tables against the pools (tests and debug builds).
+    ///
+    /// # Errors
+    /// [`OasisError::Invalid`] describing the first violation.
+    pub fn check_invariants(&self) -> Result<()> {
+        let mut owner_gpu = HashMap::new();
+        let mut owner_host = HashMap::new();
+        let (mut res_gpu, mut res_host) = (0, 0);
+        let bad = |m: String| Err(OasisError::Invalid(m));
+        for t in self.reqs.values() {
+            res_gpu += t.reservation.gpu_pages;
+            res_host += t.reservation.host_blocks;
+            for p in t.all_pages() {
+                if self.gpu.is_free(p) || owner_gpu.insert(p, t.id).is_some() {
+                    return bad(format!("page {p} of request {} is free or shared", t.id));
+                }
+            }
+            for &h in &t.host_blocks {
+                if self.host.is_free(h) || owner_host.insert(h, t.id).is_some() {
+                    return bad(format!(
+                        "host block {h} of request {} is free or shared",
+                        t.id
+                    ));
+                }
+            }
+            if t.gpu_pages_held() > t.reservation.gpu_pages
+                || t.host_blocks.len() > t.reservation.host_blocks
+            {
+                return bad(format!("request {} holds more than its reservation", t.id));
+            }
+            let b = self.cfg.block_size;
+            if t.sparse {
+                if !t.pages.is_empty()
+                    || t.slot_pages.len() != self.cfg.top_k_blocks
+                    || t.local_page.is_none()
+                    || t.host_blocks.len() < t.kv_len.div_ceil(b)
+                {
+                    return bad(format!("sparse request {} has malformed tables", t.id));
+                }
+            } else if t.pages.len() < t.kv_len.div_ceil(b)
+                || !t.slot_pages.is_empty()
+                || !t.host_blocks.is_empty()
+            {
+                return bad(format!("dense request {} has malformed tables", t.id));
+            }
+        }
+        if owner_gpu.len() + self.gpu.num_free() != self.gpu.num_blocks()
+            || owner_host.len() + self.host.num_free() != self.host.num_blocks()
+        {
+            return bad("a block is neither free nor held (leak)".into());
+        }
+        if (res_gpu, res_host) != (self.reserved_gpu, self.reserved_host) {
+            return bad("the reservation totals drifted".into());
+        }
+        if self.free_slots.len() + self.reqs.len() != self.cfg.max_num_seqs {
+            return bad("an accumulator slot leaked".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::test_config;
+
+    fn runtime(gpu: usize, host: usize) -> Runtime {
+        Runtime::new(test_config(), gpu, host, gpu, host).unwrap()
+    }
+
+    #[test]
+    fn admit_plan_sparse_release_round_trip() {
+        let mut rt = runtime(64, 64); // b = 4, K = 3, threshold 12
+        let (slot, pages) = rt.admit(7, 10, 20).unwrap();
+        assert_eq!((slot, pages.len()), (0, 3));
+        let (mp, mv) = rt.take_map_updates();
+        assert_eq!(mp, pages);
+        assert_eq!(mv, vec![0, 1, 2]);
+        // Three steps: positions 10, 11, 12 -> block 3 is entered at 12.
+        for _ in 0..3 {
+            rt.plan(&[7], &[0, 0]).unwrap();
+            rt.check_invariants().unwrap();
+        }
+        assert_eq!(rt.kv_len(7).unwrap(), 13);
+        assert!(rt.wants_sparse(7).unwrap());
+        let tr = rt.make_sparse(7).unwrap();
+        assert_eq!(tr.host_blocks.len(), 4);
+        assert_eq!(tr.lens, vec![4, 4, 4, 1]);
+        assert_eq!(tr.n_complete, 3);
+        assert_eq!(tr.slot_pages.len(), 3);
+        rt.check_invariants().unwrap();
+        let t = rt.table(7).unwrap();
+        assert_eq!(t.local_page, Some(tr.src_pages[3]));
+        assert_eq!(rt.reserved().0, 4);
+        let (mp, mv) = rt.take_map_updates();
+        assert_eq!(mp.len(), 4);
+        assert_eq!(mv, vec![-1, -1, -1, 3]);
+        for _ in 0..6 {
+            rt.plan(&[7], &[0, 0]).unwrap();
+            rt.check_invariants().unwrap();
+        }
+        rt.release(7).unwrap();
+        rt.check_invariants().unwrap();
+        assert_eq!(rt.num_free(), (64, 64));
+        assert_eq!(rt.reserved(), (0, 0));
+    }
+
+    #[test]
+    fn admission_is_refused_past_the_caps_and_changes_nothing() {
+        let mut rt = runtime(8, 8);
+        rt.admit(1, 14, 2).unwrap(); // sparse at once: max(4, K + 1) = 4 pages, 4 host blocks
+        assert_eq!(rt.reserved(), (4, 4));
+        let r = rt.reservation(17, 2); // 5 pages
+        assert!(!rt.can_admit(&r));
+        let e = rt.admit(2, 17, 2).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                OasisError::OutOfBlocks {
+                    tier: Tier::Host,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        rt.check_invariants().unwrap();
+        assert!(rt.admit(1, 3, 2).is_err()); // duplicate id
+        assert!(rt.admit(3, 0, 2).is_err()); // empty prompt
+        rt.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn grow_then_admit() {
+        let mut rt = Runtime::new(test_config(), 2, 0, 100, 100).unwrap();
+        let r = rt.reservation(40, 4);
+        assert!(rt.can_admit(&r));
+        assert!(rt.admit(1, 40, 4).is_err()); // the pools are still small
+        let (g, h) = rt.pool_sizes_needed(&r);
+        rt.grow(g, h).unwrap();
+        rt.admit(1, 40, 4).unwrap();
+        assert!(rt.grow(101, 0).is_err());
+        rt.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn unknown_and_repeated_ids_are_errors() {
+        let mut rt = runtime(16, 16);
+        rt.admit(1, 3, 3).unwrap();
+        assert!(rt.plan(&[2], &[0, 0]).is_err());
+        assert!(rt.plan(&[1], &[0]).is_err());
+        assert!(rt.plan(&[1, 1], &[0; 4]).is_err());
+        // Past the threshold a request must turn sparse before it decodes again.
+        rt.admit(5, 13, 4).unwrap();
+        assert!(rt.wants_sparse(5).unwrap());
+        assert!(rt.plan(&[5], &[0, 0]).is_err());
+        rt.make_sparse(5).unwrap();
+        rt.plan(&[5], &[0, 0]).unwrap();
+        rt.check_invariants().unwrap();
+        assert!(rt.release(2).is_err());
+        assert!(rt.make_sparse(2).is_err());
+        assert_eq!(rt.kv_len(1).unwrap(), 3);
+    }
+}

@@ -1,0 +1,344 @@
+//! [`StepPlan`]: the tables of one decode step, for all layers, in one flat `i32` arena.
+//!
+//! Built once per step on the CPU by [`crate::Runtime::plan`]; the engine copies the arena into a
+//! persistent pinned buffer, then to a persistent device buffer with one async copy, and every
+//! layer's kernels read views of it (FlashInfer's plan/run). Each field starts on a 16-byte
+//! boundary. Shapes, for `n` requests of which `s` are sparse, `r` rows each, budget `K`:
+//!
+//! ```text
+//! input_ids     [n * r]   token of each query row (x_t, then the draft), as the engine gave them
+//! positions     [n * r]   position of each query row (x_t at kv_len, the lookahead at kv_len + 1)
+//! page_ids      [n]       page x_t's K/V is appended to
+//! offsets       [n]       its offset in that page
+//! host_ids      [n]       host block of the write-through (sparse), -1 dense
+//! last_len      [n]       tokens of the last page attention reads (offset + 1)
+//! kv_indptr     [n + 1]   CSR over kv_indices: dense page table, or the K slots + local page
+//! kv_indices    [nnz]
+//! map_pages     [m]       head-wise mapping updates of the step: page_map[:, page, :] = value
+//! map_values    [m]       (and page_last_selected reset), applied before the forward
+//! sp_rows       [s]       batch row of each sparse request
+//! sp_slots      [s]       accumulator slot of each sparse request
+//! slot_pages    [s * K]   its budget pages
+//! blk_indptr    [s + 1]   CSR over blk_indices: candidates, the blocks complete once x_t is stored
+//! blk_indices   [nnz_b]   host block of each candidate, logical order
+//! blk_seq       [nnz_b]   each candidate's sparse request (empty unless planned)
+//! host_indptr   [s + 1]   CSR over host_indices: every host block of the request
+//! host_indices  [nnz_h]
+//! rec_indptr    [s + 1]   CSR over rec_indices: the blocks complete before x_t (recall's
+//! rec_indices   [nnz_r]   candidates); empty unless recall is measured
+//! ```
+
+use crate::config::RuntimeConfig;
+use crate::table::RequestTable;
+
+/// The fields of a [`StepPlan`], in arena order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(usize)]
+pub enum PlanField {
+    InputIds,
+    Positions,
+    PageIds,
+    Offsets,
+    HostIds,
+    LastLen,
+    KvIndptr,
+    KvIndices,
+    MapPages,
+    MapValues,
+    SpRows,
+    SpSlots,
+    SlotPages,
+    BlkIndptr,
+    BlkIndices,
+    BlkSeq,
+    HostIndptr,
+    HostIndices,
+    RecIndptr,
+    RecIndices,
+}
+
+impl PlanField {
+    pub const ALL: [PlanField; 20] = [
+        PlanField::InputIds,
+        PlanField::Positions,
+        PlanField::PageIds,
+        PlanField::Offsets,
+        PlanField::HostIds,
+        PlanField::LastLen,
+        PlanField::KvIndptr,
+        PlanField::KvIndices,
+        PlanField::MapPages,
+        PlanField::MapValues,
+        PlanField::SpRows,
+        PlanField::SpSlots,
+        PlanField::SlotPages,
+        PlanField::BlkIndptr,
+        PlanField::BlkIndices,
+        PlanField::BlkSeq,
+        PlanField::HostIndptr,
+        PlanField::HostIndices,
+        PlanField::RecIndptr,
+        PlanField::RecIndices,
+    ];
+
+    /// The field's name, as the Python engine reads it.
+    pub fn name(self) -> &'static str {
+        match self {
+            PlanField::InputIds => "input_ids",
+            PlanField::Positions => "positions",
+            PlanField::PageIds => "page_ids",
+            PlanField::Offsets => "offsets",
+            PlanField::HostIds => "host_ids",
+            PlanField::LastLen => "last_len",
+            PlanField::KvIndptr => "kv_indptr",
+            PlanField::KvIndices => "kv_indices",
+            PlanField::MapPages => "map_pages",
+            PlanField::MapValues => "map_values",
+            PlanField::SpRows => "sp_rows",
+            PlanField::SpSlots => "sp_slots",
+            PlanField::SlotPages => "slot_pages",
+            PlanField::BlkIndptr => "blk_indptr",
+            PlanField::BlkIndices => "blk_indices",
+            PlanField::BlkSeq => "blk_seq",
+            PlanField::HostIndptr => "host_indptr",
+            PlanField::HostIndices => "host_indices",
+            PlanField::RecIndptr => "rec_indptr",
+            PlanField::RecIndices => "rec_indices",
+        }
+    }
+}
+
+/// Where each field lies in the arena: `(start, len)` in elements.
+pub type PlanLayout = [(usize, usize); PlanField::ALL.len()];
+
+/// The sizes of a plan without its arena (what the Python side needs to make views).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlanMeta {
+    pub layout: PlanLayout,
+    /// Elements in the arena.
+    pub len: usize,
+    pub num_seqs: usize,
+    pub num_sparse: usize,
+    pub max_pages: usize,
+}
+
+/// One step's plan. The arena is reused from step to step (no allocation once it is large enough).
+#[derive(Debug, Default, Clone)]
+pub struct StepPlan {
+    arena: Vec<i32>,
+    layout: PlanLayout,
+    /// Requests in the step.
+    pub num_seqs: usize,
+    /// Sparse requests among them.
+    pub num_sparse: usize,
+    /// The most pages any request's attention reads (sizes the split plan).
+    pub max_pages: usize,
+}
+
+/// Elements per alignment unit: 16 bytes.
+const ALIGN: usize = 4;
+
+fn i32_of(x: usize) -> i32 {
+    i32::try_from(x).unwrap_or(i32::MAX)
+}
+
+impl StepPlan {
+    /// The arena, `len()` elements (every field inside it).
+    pub fn arena(&self) -> &[i32] {
+        &self.arena
+    }
+
+    pub fn clone_meta(&self) -> PlanMeta {
+        PlanMeta {
+            layout: self.layout,
+            len: self.arena.len(),
+            num_seqs: self.num_seqs,
+            num_sparse: self.num_sparse,
+            max_pages: self.max_pages,
+        }
+    }
+
+    pub fn layout(&self) -> &PlanLayout {
+        &self.layout
+    }
+
+    /// The elements of one field.
+    pub fn field(&self, f: PlanField) -> &[i32] {
+        let (start, len) = self.layout[f as usize];
+        &self.arena[start..start + len]
+    }
+
+    fn open(&mut self, f: PlanField) {
+        let start = self.arena.len().div_ceil(ALIGN) * ALIGN;
+        self.arena.resize(start, 0);
+        self.layout[f as usize] = (start, 0);
+    }
+
+    fn close(&mut self, f: PlanField) {
+        let start = self.layout[f as usize].0;
+        self.layout[f as usize].1 = self.arena.len() - start;
+    }
+
+    /// Lay out one field from an iterator.
+    fn put(&mut self, f: PlanField, values: impl IntoIterator<Item = i32>) {
+        self.open(f);
+        self.arena.extend(values);
+        self.close(f);
+    }
+
+    /// A CSR pair from per-request lists.
+    fn put_csr<'a>(
+        &mut self,
+        indptr: PlanField,
+        indices: PlanField,
+        lists: impl Iterator<Item = &'a [u32]> + Clone,
+    ) {
+        self.open(indptr);
+        self.arena.push(0);
+        let mut total = 0usize;
+        for l in lists.clone() {
+            total += l.len();
+            self.arena.push(i32_of(total));
+        }
+        self.close(indptr);
+        self.open(indices);
+        for l in lists {
+            self.arena.extend(l.iter().map(|&x| x as i32));
+        }
+        self.close(indices);
+    }
+
+    /// Build the plan of `tables` (batch order), before their `kv_len` advances.
+    pub(crate) fn build(
+        &mut self,
+        cfg: &RuntimeConfig,
+        tables: &[&RequestTable],
+        input_ids: &[i32],
+        map_pages: &[u32],
+        map_values: &[i32],
+    ) {
+        let b = cfg.block_size;
+        self.arena.clear();
+        self.layout = Default::default();
+        self.num_seqs = tables.len();
+        let rows = cfg.rows;
+        self.put(PlanField::InputIds, input_ids.iter().copied());
+        self.put(
+            PlanField::Positions,
+            tables
+                .iter()
+                .flat_map(|t| (0..rows).map(move |r| i32_of(t.kv_len + r))),
+        );
+        // The page each token lands in (allocated by the manager before the plan).
+        let page_of = |t: &RequestTable| -> i32 {
+            if t.sparse {
+                t.local_page.map_or(-1, |p| p as i32)
+            } else {
+                t.pages.get(t.kv_len / b).map_or(-1, |&p| p as i32)
+            }
+        };
+        self.put(PlanField::PageIds, tables.iter().map(|t| page_of(t)));
+        self.put(
+            PlanField::Offsets,
+            tables.iter().map(|t| i32_of(t.kv_len % b)),
+        );
+        self.put(
+            PlanField::HostIds,
+            tables.iter().map(|t| {
+                if t.sparse {
+                    t.host_blocks.get(t.kv_len / b).map_or(-1, |&h| h as i32)
+                } else {
+                    -1
+                }
+            }),
+        );
+        self.put(
+            PlanField::LastLen,
+            tables.iter().map(|t| i32_of(t.kv_len % b + 1)),
+        );
+        // Attention: dense page table, or the K slots then the local page.
+        self.open(PlanField::KvIndptr);
+        self.arena.push(0);
+        let mut total = 0usize;
+        let mut max_pages = 0usize;
+        for t in tables {
+            let n = if t.sparse {
+                t.slot_pages.len() + 1
+            } else {
+                t.pages.len()
+            };
+            max_pages = max_pages.max(n);
+            total += n;
+            self.arena.push(i32_of(total));
+        }
+        self.close(PlanField::KvIndptr);
+        self.max_pages = max_pages;
+        self.open(PlanField::KvIndices);
+        for t in tables {
+            if t.sparse {
+                self.arena.extend(t.slot_pages.iter().map(|&p| p as i32));
+                self.arena.push(t.local_page.map_or(-1, |p| p as i32));
+            } else {
+                self.arena.extend(t.pages.iter().map(|&p| p as i32));
+            }
+        }
+        self.close(PlanField::KvIndices);
+        self.put(PlanField::MapPages, map_pages.iter().map(|&p| p as i32));
+        self.put(PlanField::MapValues, map_values.iter().copied());
+
+        // The sparse requests' selection tables.
+        let sparse: Vec<(usize, &RequestTable)> = tables
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| t.sparse)
+            .map(|(i, t)| (i, *t))
+            .collect();
+        self.num_sparse = sparse.len();
+        self.put(PlanField::SpRows, sparse.iter().map(|&(i, _)| i32_of(i)));
+        self.put(
+            PlanField::SpSlots,
+            sparse.iter().map(|(_, t)| t.slot as i32),
+        );
+        self.put(
+            PlanField::SlotPages,
+            sparse
+                .iter()
+                .flat_map(|(_, t)| t.slot_pages.iter().map(|&p| p as i32)),
+        );
+        let cand = |t: &RequestTable| -> usize { ((t.kv_len + 1) / b).min(t.host_blocks.len()) };
+        self.put_csr(
+            PlanField::BlkIndptr,
+            PlanField::BlkIndices,
+            sparse.iter().map(|(_, t)| &t.host_blocks[..cand(t)]),
+        );
+        if cfg.plan_blk_seq && cfg.rows == 2 {
+            self.put(
+                PlanField::BlkSeq,
+                sparse
+                    .iter()
+                    .enumerate()
+                    .flat_map(|(j, (_, t))| std::iter::repeat(i32_of(j)).take(cand(t))),
+            );
+        } else {
+            self.put(PlanField::BlkSeq, std::iter::empty());
+        }
+        self.put_csr(
+            PlanField::HostIndptr,
+            PlanField::HostIndices,
+            sparse.iter().map(|(_, t)| &t.host_blocks[..]),
+        );
+        if cfg.measure_recall {
+            let rec = |t: &RequestTable| -> usize { (t.kv_len / b).min(t.host_blocks.len()) };
+            self.put_csr(
+                PlanField::RecIndptr,
+                PlanField::RecIndices,
+                sparse.iter().map(|(_, t)| &t.host_blocks[..rec(t)]),
+            );
+        } else {
+            self.put(PlanField::RecIndptr, std::iter::empty());
+            self.put(PlanField::RecIndices, std::iter::empty());
+        }
+        let end = self.arena.len().div_ceil(ALIGN) * ALIGN;
+        self.arena.resize(end, 0);
+    }
+}
