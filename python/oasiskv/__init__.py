@@ -33,11 +33,15 @@ from .errors import (
     UnsupportedQuantizationError,
 )
 from .llm import LLM
+from .llm_engine import LLMEngine, RequestOutput, SamplingParams
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "LLMEngine",
+    "SamplingParams",
+    "RequestOutput",
     "KvConfig",
     "GenerationResult",
     "RequestMetrics",

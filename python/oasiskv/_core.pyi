@@ -43,6 +43,71 @@ class BlockPool:
     def free(self, ids: list[int]) -> None:
         """Return blocks to the pool; raises on a double free or an unknown id."""
 
+class Runtime:
+    """Pools, block tables, admission and the step plan of one engine (``oasis-runtime``)."""
+
+    def __new__(
+        cls,
+        *,
+        block_size: int,
+        top_k_blocks: int,
+        sparse_threshold: int,
+        sparse: bool,
+        rows: int,
+        measure_recall: bool,
+        plan_blk_seq: bool,
+        max_num_seqs: int,
+        gpu_pages: int,
+        host_blocks: int,
+        gpu_cap: int,
+        host_cap: int,
+    ) -> Runtime: ...
+    def reservation(self, prompt_len: int, max_new_tokens: int) -> tuple[int, int, bool]:
+        """``(gpu_pages, host_blocks, turns_sparse)``: the peak a request of this size reserves."""
+    def fits_ever(self, prompt_len: int, max_new_tokens: int) -> bool:
+        """Whether such a request fits the caps at all (alone)."""
+    def can_admit(self, prompt_len: int, max_new_tokens: int) -> bool:
+        """Whether such a request can be admitted now."""
+    def pool_sizes_needed(self, prompt_len: int, max_new_tokens: int) -> tuple[int, int]:
+        """``(gpu_pages, host_blocks)`` the pools must hold to admit such a request now."""
+    def grow(self, gpu_pages: int, host_blocks: int) -> None:
+        """Grow the pools' id ranges (after the engine grew its tensors)."""
+    def admit(self, id: int, prompt_len: int, max_new_tokens: int) -> tuple[int, list[int]]:
+        """Admit a request about to be prefilled: ``(slot, pages)``."""
+    def wants_sparse(self, id: int) -> bool:
+        """Whether the request should turn sparse now."""
+    def make_sparse(self, id: int) -> dict:
+        """Turn a request sparse; what the engine copies and selects on the device."""
+    def release(self, id: int) -> None:
+        """Free everything the request holds."""
+    def kv_len(self, id: int) -> int:
+        """Tokens stored for the request."""
+    def table(self, id: int) -> dict:
+        """The request's tables."""
+    def take_map_updates(self) -> tuple[list[int], list[int]]:
+        """Drain the pending head-wise mapping updates."""
+    def plan(self, ids: list[int], input_ids: list[int]) -> tuple[int, dict[str, tuple[int, int]], int, int]:
+        """Plan one decode step: ``(arena_len, layout, num_sparse, max_pages)``."""
+    def write_plan(self, out: torch.Tensor) -> None:
+        """Copy the last plan's arena into ``out`` (int32, CPU, contiguous)."""
+    def check_invariants(self) -> None:
+        """Check every table invariant against the pools."""
+    @property
+    def pool_sizes(self) -> tuple[int, int]:
+        """``(gpu_pages, host_blocks)`` in the pools now."""
+    @property
+    def num_free(self) -> tuple[int, int]:
+        """Free blocks per pool."""
+    @property
+    def reserved(self) -> tuple[int, int]:
+        """Blocks reserved by the admitted requests, per pool."""
+    @property
+    def caps(self) -> tuple[int, int]:
+        """The pools' caps (budgets) in blocks."""
+    @property
+    def num_requests(self) -> int:
+        """Admitted requests."""
+
 def append_kv(
     geo: KvGeometry,
     k_new: torch.Tensor,

@@ -160,6 +160,19 @@ class Eagle3Drafter(Drafter):
         self.track_confidence = False
         self.last_confidence: dict[int, float] = {}
 
+    @classmethod
+    def from_pretrained(cls, path, model, *, prefill: bool = True) -> Eagle3Drafter:
+        """Load an EAGLE-3 head in the public checkpoint format (``config.json`` +
+        ``model.safetensors``, the EAGLE-3 / SpecForge layout) for the target ``model``, in the
+        model's dtype and on its device."""
+        from .models.eagle3 import Eagle3Head
+
+        p = next(model.parameters())
+        head = Eagle3Head.load(path, model.config, dtype=p.dtype, device=p.device)
+        head.attach_target(model)
+        head.eval()
+        return cls(head, model, prefill=prefill)
+
     def capture_layers(self, num_layers: int) -> tuple[int, ...]:
         return tuple(self.head.capture_layers(num_layers))
 
@@ -209,15 +222,31 @@ class Eagle3Drafter(Drafter):
         return int(draft[0])
 
 
-def make_drafter(spec: str | Drafter | None) -> Drafter | None:
-    """``"ngram"``, ``"previous-query"``, ``None`` or a Drafter instance."""
+#: Heads bundled in the wheel, by the model name that ``LLM`` / ``LLMEngine`` accept.
+BUNDLED_HEADS = {"smollm2": "data/eagle3-smollm2"}
+
+
+def make_drafter(spec: str | Drafter | None, model=None, model_name: str | None = None) -> Drafter | None:
+    """``"ngram"``, ``"previous-query"``, ``"eagle3"`` (the bundled head of the bundled model
+    ``model_name``, for ``model``), ``None`` or a Drafter instance."""
     if spec is None or isinstance(spec, Drafter):
         return spec
     if spec == "ngram":
         return NgramDrafter()
     if spec in ("previous-query", "none"):
         return PreviousQueryDrafter()
+    if spec == "eagle3":
+        from pathlib import Path
+
+        rel = BUNDLED_HEADS.get((model_name or "").lower())
+        if rel is None or model is None:
+            raise ConfigError(
+                "drafter='eagle3' loads the bundled head, which exists for "
+                f"{sorted(BUNDLED_HEADS)} only (got model {model_name!r}); for another model pass "
+                "drafter=Eagle3Drafter.from_pretrained(HEAD_DIR, model)"
+            )
+        return Eagle3Drafter.from_pretrained(Path(__file__).parent / rel, model)
     raise ConfigError(
-        f"unknown drafter {spec!r}; use 'ngram', 'previous-query', or pass a Drafter instance "
-        "(Eagle3Drafter(head, model), OracleDrafter(continuations))"
+        f"unknown drafter {spec!r}; use 'ngram', 'eagle3', 'previous-query', or pass a Drafter "
+        "instance (Eagle3Drafter.from_pretrained(dir, model), OracleDrafter(continuations))"
     )

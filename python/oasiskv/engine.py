@@ -30,10 +30,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import ops
+from . import _core, ops
 from .config import KvConfig
 from .drafters import Drafter
 from .errors import ConfigError, OutOfBlocksError
+from .memory import available_bytes, ensure_fits
 
 BACKENDS = ("dense", "oasis")
 
@@ -80,25 +81,52 @@ class GenerationResult:
 
 @dataclass
 class _Request:
+    """One request's Python side: its tokens, drafter state and metrics. Its block tables live in
+    the engine's :class:`oasiskv._core.Runtime` (``pages``, ``slot_pages``, ``local_page``,
+    ``host_blocks`` read them, for measurement code)."""
+
     id: int
     prompt: list[int]
     max_new_tokens: int
     tokens: list[int] = field(default_factory=list)
-    pages: list[int] = field(default_factory=list)  # dense page table, logical order
-    sparse: bool = False
-    slot_pages: list[int] = field(default_factory=list)  # the budget: K pages (head-wise mapped)
-    local_page: int = -1
-    host_blocks: list[int] = field(default_factory=list)  # host block of each logical block
     draft: int | None = None
     features: torch.Tensor | None = None
     pred: list[torch.Tensor | None] = field(default_factory=list)  # per layer [Hkv, K] last prediction
     finish_reason: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    # Set at admission: the accumulator row on the device, and the runtime holding the tables.
+    slot: int = -1
+    sparse: bool = False
+    runtime: object | None = field(default=None, repr=False)
 
     @property
     def kv_len(self) -> int:
         """Tokens whose KV is stored (every token but the newest)."""
         return len(self.tokens) - 1
+
+    def _table(self) -> dict:
+        if self.runtime is None:
+            return {"pages": [], "slot_pages": [], "local_page": -1, "host_blocks": []}
+        return self.runtime.table(self.id)
+
+    @property
+    def pages(self) -> list[int]:
+        """Dense page table, logical order (empty once sparse)."""
+        return self._table()["pages"]
+
+    @property
+    def slot_pages(self) -> list[int]:
+        """The budget: K pages (head-wise mapped); empty while dense."""
+        return self._table()["slot_pages"]
+
+    @property
+    def local_page(self) -> int:
+        return self._table()["local_page"]
+
+    @property
+    def host_blocks(self) -> list[int]:
+        """Host block of each logical block (sparse only)."""
+        return self._table()["host_blocks"]
 
 
 @dataclass
@@ -173,39 +201,26 @@ class _SparsePlan:
     rec_csr: tuple[torch.Tensor, torch.Tensor] | None
 
     @staticmethod
-    def build(
-        reqs: list[_Request],
-        rows: list[int],
-        block_size: int,
-        dev,
-        measure_recall: bool,
-        with_seq: bool = False,
-    ) -> _SparsePlan:
-        sp_reqs = [reqs[i] for i in rows]
-        cand = [r.host_blocks[: (r.kv_len + 1) // block_size] for r in sp_reqs]
-        blk = _csr(cand, dev)
-        host = _csr([r.host_blocks for r in sp_reqs], dev)
-        rec = (
-            _csr([r.host_blocks[: r.kv_len // block_size] for r in sp_reqs], dev) if measure_recall else None
-        )
+    def from_views(v: dict, reqs: list[_Request], k_budget: int, measure_recall: bool, with_seq: bool):
+        """The sparse tables of one step, as views of the plan on the device."""
+        sp_rows = v["sp_rows"].long()
         return _SparsePlan(
-            idx=torch.tensor(rows, dtype=torch.long).to(dev, non_blocking=True),
-            ids=torch.tensor([r.id for r in sp_reqs], dtype=torch.long).to(dev, non_blocking=True),
-            reqs=sp_reqs,
-            slot_pages=_i32([r.slot_pages for r in sp_reqs], dev),
-            blk_indptr=blk[0],
-            blk_indices=blk[1],
-            blk_seq=(
-                torch.tensor([i for i, c in enumerate(cand) for _ in c], dtype=torch.long).to(
-                    dev, non_blocking=True
-                )
-                if with_seq
-                else None
-            ),
-            host_indptr=host[0],
-            host_indices=host[1],
-            rec_csr=rec,
+            idx=sp_rows,
+            ids=v["sp_slots"].long(),
+            reqs=[reqs[i] for i in _SparsePlan._rows_host(v, reqs)],
+            slot_pages=v["slot_pages"].view(-1, k_budget),
+            blk_indptr=v["blk_indptr"],
+            blk_indices=v["blk_indices"],
+            blk_seq=v["blk_seq"].long() if with_seq else None,
+            host_indptr=v["host_indptr"],
+            host_indices=v["host_indices"],
+            rec_csr=(v["rec_indptr"], v["rec_indices"]) if measure_recall else None,
         )
+
+    @staticmethod
+    def _rows_host(v: dict, reqs: list[_Request]) -> list[int]:
+        # The same order as the runtime's sp_rows (batch order), read from the host side.
+        return [i for i, r in enumerate(reqs) if r.sparse]
 
     def keep_for(self, stream) -> None:
         """These tables are read on ``stream``: keep their memory until it is done with them."""
@@ -224,7 +239,9 @@ class _SparsePlan:
 
 
 class KvPools:
-    """The per-layer pools and their allocators (one page id addresses the same page in every layer)."""
+    """The per-layer pools (one page id addresses the same page in every layer). The ids are
+    handed out by the engine's :class:`oasiskv._core.Runtime`; :meth:`grow` enlarges the tensors
+    as admitted requests need them, keeping every block's contents."""
 
     def __init__(
         self,
@@ -235,36 +252,71 @@ class KvPools:
         num_host_blocks: int,
         device: torch.device,
     ) -> None:
+        self.geo, self.dtype, self.num_layers, self.device = geo, dtype, num_layers, device
+        self.num_pages, self.num_host_blocks = 0, 0
         hk, b, d = geo.num_kv_heads, geo.block_size, geo.head_dim
-        self.geo, self.dtype, self.num_layers = geo, dtype, num_layers
-        self.num_pages, self.num_host_blocks = num_pages, num_host_blocks
-        # [num_pages, num_kv_heads, block_size, head_dim] per layer
-        self.k_pages = [
-            torch.zeros(num_pages, hk, b, d, dtype=dtype, device=device) for _ in range(num_layers)
-        ]
-        self.v_pages = [
-            torch.zeros(num_pages, hk, b, d, dtype=dtype, device=device) for _ in range(num_layers)
-        ]
-        # Head-wise mapping per layer: [num_pages, num_kv_heads], logical block held, -1 empty.
-        self.page_map = torch.full((num_layers, num_pages, hk), -1, dtype=torch.int32, device=device)
-        self.page_last_selected = torch.full(
-            (num_layers, num_pages, hk), -1, dtype=torch.int32, device=device
-        )
-        # Host pool (pinned when a GPU is used) and summaries: [num_host_blocks, ...] per layer.
-        # With a GPU the host pool is pinned: the gather and write-through kernels read and write it
-        # directly through unified virtual addressing.
         pin = device.type == "cuda"
-        self.host_k = [
-            torch.zeros(num_host_blocks, hk, b, d, dtype=dtype, pin_memory=pin) for _ in range(num_layers)
-        ]
-        self.host_v = [
-            torch.zeros(num_host_blocks, hk, b, d, dtype=dtype, pin_memory=pin) for _ in range(num_layers)
-        ]
-        self.summaries = [
-            torch.zeros(num_host_blocks, hk, 2, d, dtype=dtype, device=device) for _ in range(num_layers)
-        ]
-        self.gpu = ops.BlockPool("gpu", num_pages)
-        self.host = ops.BlockPool("host", num_host_blocks)
+        # Empty pools first (every kernel takes a tensor, also of 0 rows); grow() fills them.
+        self.k_pages = [torch.zeros(0, hk, b, d, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_pages = [torch.zeros(0, hk, b, d, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.page_map = torch.full((num_layers, 0, hk), -1, dtype=torch.int32, device=device)
+        self.page_last_selected = torch.full((num_layers, 0, hk), -1, dtype=torch.int32, device=device)
+        self.host_k = [torch.zeros(0, hk, b, d, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
+        self.host_v = [torch.zeros(0, hk, b, d, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
+        self.summaries = [torch.zeros(0, hk, 2, d, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.grow(num_pages, num_host_blocks)
+
+    def grow(self, num_pages: int, num_host_blocks: int) -> None:
+        """Enlarge the pools to at least these sizes (never shrinks). New pages map nowhere."""
+        hk = self.geo.num_kv_heads
+        dtype, device, layers = self.dtype, self.device, self.num_layers
+        if num_pages > self.num_pages:
+            ensure_fits(
+                (num_pages - self.num_pages) * self.page_bytes * layers,
+                device,
+                f"growing the page pool to {num_pages} pages x {layers} layers",
+                "lower gpu_kv_budget_bytes / KvConfig.num_gpu_pages, max_num_seqs or max_tokens",
+            )
+
+            def bigger(old):
+                new = torch.zeros((num_pages, *old.shape[1:]), dtype=old.dtype, device=device)
+                new[: old.shape[0]] = old
+                return new
+
+            self.k_pages = [bigger(t) for t in self.k_pages]
+            self.v_pages = [bigger(t) for t in self.v_pages]
+            # Head-wise mapping per layer: [num_pages, num_kv_heads], logical block held, -1 empty.
+            for name in ("page_map", "page_last_selected"):
+                old = getattr(self, name)
+                new = torch.full((layers, num_pages, hk), -1, dtype=torch.int32, device=device)
+                new[:, : old.shape[1]] = old
+                setattr(self, name, new)
+            self.num_pages = num_pages
+        if num_host_blocks > self.num_host_blocks:
+            ensure_fits(
+                (num_host_blocks - self.num_host_blocks) * self.page_bytes * layers,
+                "cpu",
+                f"growing the host pool to {num_host_blocks} blocks x {layers} layers",
+                "lower host_kv_budget_bytes / KvConfig.num_host_blocks, max_num_seqs or max_tokens",
+            )
+            # With a GPU the host pool is pinned: the gather and write-through kernels read and
+            # write it directly through unified virtual addressing.
+            pin = device.type == "cuda"
+
+            def host(old):
+                new = torch.zeros((num_host_blocks, *old.shape[1:]), dtype=dtype, pin_memory=pin)
+                new[: old.shape[0]] = old
+                return new
+
+            def summ(old):
+                new = torch.zeros((num_host_blocks, *old.shape[1:]), dtype=dtype, device=device)
+                new[: old.shape[0]] = old
+                return new
+
+            self.host_k = [host(t) for t in self.host_k]
+            self.host_v = [host(t) for t in self.host_v]
+            self.summaries = [summ(t) for t in self.summaries]
+            self.num_host_blocks = num_host_blocks
 
     @property
     def page_bytes(self) -> int:
@@ -314,7 +366,14 @@ def _relative_to_best(scores: torch.Tensor, seq: torch.Tensor, n: int) -> torch.
 
 
 class Engine:
-    """Runs requests over one model with one attention backend (``dense`` or ``oasis``)."""
+    """Runs requests over one model with one attention backend (``dense`` or ``oasis``).
+
+    The block tables, pool accounting and admission live in ``self.runtime``
+    (:class:`oasiskv._core.Runtime`, crate ``oasis-runtime``); this class owns the tensors and the
+    model forward. ``max_num_seqs`` bounds the requests held at once; the pools grow as admitted
+    requests need them, up to the budgets ``gpu_kv_budget_bytes`` / ``host_kv_budget_bytes``
+    (``None``: sized from the free memory, see :meth:`default_caps`).
+    """
 
     def __init__(
         self,
@@ -324,6 +383,10 @@ class Engine:
         drafter: Drafter | None,
         eos_token_ids=(),
         prefill_cache: PrefillCache | None = None,
+        *,
+        max_num_seqs: int = 256,
+        gpu_kv_budget_bytes: int | None = None,
+        host_kv_budget_bytes: int | None = None,
     ) -> None:
         if backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -341,7 +404,11 @@ class Engine:
         self.capture = tuple(drafter.capture_layers(c.num_hidden_layers)) if drafter is not None else ()
         # Hand the features of every prompt position to the drafter at prefill (Drafter.feed_prompt).
         self.prompt_features = bool(self.capture) and bool(getattr(drafter, "wants_prompt_features", False))
+        self.max_num_seqs = int(max_num_seqs)
         self.pools: KvPools | None = None
+        self.runtime = None
+        self._runtime_pools: KvPools | None = None
+        self._budgets = (gpu_kv_budget_bytes, host_kv_budget_bytes)
         self.prefill_cache = prefill_cache
         self.step_no = 0
         # Latest lookahead query of every layer ([batch, num_qo_heads, head_dim]) and each request's
@@ -353,10 +420,16 @@ class Engine:
         self.cuda = self.device.type == "cuda"
         self._side = torch.cuda.Stream(self.device) if self.cuda else None
         self._gather_done: list = [None] * c.num_hidden_layers
-        # Per-request accumulators kept on the device (no host sync per step), indexed by request id.
-        self._acc_fetched = torch.zeros(0)
-        self._acc_recall = torch.zeros(0)
-        self._acc_recall_n = torch.zeros(0)
+        # The step plan: persistent buffers (pinned host + device on a GPU, double-buffered so a
+        # step's copy never overwrites tables an earlier step's kernels may still read).
+        self._plan_bufs: list = []
+        self._plan_evt: list = [None, None]
+        self._plan_flip = 0
+        # Per-request accumulators kept on the device (no host sync per step), one row per
+        # runtime slot (reset when a request is admitted there).
+        self._acc_fetched = torch.zeros(self.max_num_seqs, dtype=torch.long, device=self.device)
+        self._acc_recall = torch.zeros(self.max_num_seqs, dtype=torch.float32, device=self.device)
+        self._acc_recall_n = torch.zeros(self.max_num_seqs, dtype=torch.float32, device=self.device)
         # Optional measurement hook (None on the normal path): ``recorder.on_recall(engine, layer,
         # sp_reqs, actual, prev, slot_pages, q_now)`` is called from ``_select`` wherever recall is
         # measured, before this step's selection changes the mapping. ``oasiskv.eval`` uses it for
@@ -365,36 +438,142 @@ class Engine:
         self.recorder = None
 
     # ---------------------------------------------------------------- pools
-    def ensure_pools(self, requests: list[_Request], num_requests: int | None = None) -> None:
-        """Size the pools for this batch unless the config fixes them; reset the accumulators."""
-        n_req = num_requests or len(requests)
-        self._acc_fetched = torch.zeros(n_req, dtype=torch.long, device=self.device)
-        self._acc_recall = torch.zeros(n_req, dtype=torch.float32, device=self.device)
-        self._acc_recall_n = torch.zeros(n_req, dtype=torch.float32, device=self.device)
-        b = self.kv.block_size
-        need = sum(math.ceil((len(r.prompt) + r.max_new_tokens + 1) / b) + 1 for r in requests)
-        need = max(need, len(requests) * (self.kv.top_k_blocks + 2))
-        pages = self.kv.num_gpu_pages or need
-        host = self.kv.num_host_blocks or self.kv.num_gpu_pages or need
-        p = self.pools
-        if (
-            p is not None
-            and p.num_pages >= pages
-            and p.num_host_blocks >= host
-            and p.gpu.num_free == p.num_pages
-        ):
+    @property
+    def page_bytes_all_layers(self) -> int:
+        """Bytes of one page (or host block), K and V, every layer."""
+        g = self.geo
+        per_layer = 2 * g.num_kv_heads * g.block_size * g.head_dim * self.dtype.itemsize
+        return per_layer * self.cfg.num_hidden_layers
+
+    def default_caps(self) -> tuple[int, int]:
+        """The pools' caps in blocks: ``KvConfig.num_gpu_pages`` / ``num_host_blocks`` when set
+        (then the pools are that size from the start), else the constructor's budgets, else 40 % of
+        the free memory of the model's device (pages) and of the host (host blocks; 0 for the
+        dense backend) -- on a CPU-only machine both from the same RAM. Never past 2**31 - 1."""
+        kv, per = self.kv, self.page_bytes_all_layers
+        gpu, host = (None if b is None else b // per for b in self._budgets)
+        if kv.num_gpu_pages is not None:
+            gpu = kv.num_gpu_pages
+        if kv.num_host_blocks is not None:
+            host = kv.num_host_blocks
+        elif kv.num_gpu_pages is not None and host is None:
+            host = kv.num_gpu_pages
+        if gpu is None:
+            free = available_bytes(self.device)
+            gpu = int(0.4 * free) // per if free is not None else 1 << 20
+        if host is None:
+            free = available_bytes("cpu")
+            host = (int(0.4 * free) // per if free is not None else 1 << 20) if self.backend == "oasis" else 0
+        cap = (1 << 31) - 1
+        return max(0, min(int(gpu), cap)), max(0, min(int(host), cap))
+
+    def _new_runtime(self, pages: int, host: int) -> None:
+        from ._core import Runtime
+
+        gcap, hcap = self.default_caps()
+        gcap, hcap = max(gcap, pages), max(hcap, host)
+        kv = self.kv
+        self.runtime = Runtime(
+            block_size=kv.block_size,
+            top_k_blocks=kv.top_k_blocks,
+            sparse_threshold=kv.threshold_tokens,
+            sparse=self.backend == "oasis",
+            rows=self.rows,
+            measure_recall=bool(kv.measure_recall),
+            plan_blk_seq=kv.select_queries == "lookahead+current",
+            max_num_seqs=self.max_num_seqs,
+            gpu_pages=pages,
+            host_blocks=host,
+            gpu_cap=gcap,
+            host_cap=hcap,
+        )
+        self._runtime_pools = self.pools
+
+    def _sync_runtime(self) -> None:
+        """Create the runtime and pools on first use; follow pools swapped in from outside (the
+        evaluation shares one set of pools between engines) while no request is running."""
+        if self.pools is None:
+            kv = self.kv
+            pages = kv.num_gpu_pages or 0
+            host = kv.num_host_blocks or kv.num_gpu_pages or 0
+            self.pools = KvPools(self.geo, self.cfg.num_hidden_layers, self.dtype, pages, host, self.device)
+        if self.runtime is None or self._runtime_pools is not self.pools:
+            if self.runtime is not None and self.runtime.num_requests:
+                raise ConfigError("the engine's pools were replaced while requests are running")
+            self._new_runtime(self.pools.num_pages, self.pools.num_host_blocks)
+
+    def _grow_to(self, pages: int, host: int) -> None:
+        """Grow the pool tensors and the runtime's id ranges to at least these sizes, geometrically
+        (to at most the caps) so that a stream of admissions reallocates O(log n) times."""
+        p, rt = self.pools, self.runtime
+        if pages <= p.num_pages and host <= p.num_host_blocks:
             return
-        self.pools = KvPools(self.geo, self.cfg.num_hidden_layers, self.dtype, pages, host, self.device)
+        gcap, hcap = rt.caps
+        if pages > p.num_pages:
+            pages = min(gcap, max(pages, 2 * p.num_pages))
+        if host > p.num_host_blocks:
+            host = min(hcap, max(host, 2 * p.num_host_blocks))
+        self._join_background()
+        p.grow(pages, host)
+        rt.grow(p.num_pages, p.num_host_blocks)
+
+    def ensure_pools(self, requests: list[_Request], num_requests: int | None = None) -> None:
+        """Make room for admitting ``requests`` together (grow the pools to their reservations).
+
+        ``num_requests`` is accepted for compatibility and ignored: accumulators are per slot."""
+        self._sync_runtime()
+        rt = self.runtime
+        g, h = rt.reserved
+        for r in requests:
+            rg, rh, _ = rt.reservation(len(r.prompt), r.max_new_tokens)
+            g, h = g + rg, h + rh
+        gcap, hcap = rt.caps
+        self._grow_to(min(g, gcap), min(h, hcap))
 
     # ---------------------------------------------------------------- request lifecycle
-    def _alloc(self, pool, n: int, what: str) -> list[int]:
+    def can_admit(self, prompt_len: int, max_new_tokens: int) -> bool:
+        """Whether a request of this size can be admitted now (a seat, and its peak need in both
+        tiers fits beside the running requests' reservations)."""
+        self._sync_runtime()
+        return self.runtime.can_admit(prompt_len, max_new_tokens)
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        """Raise :class:`OutOfBlocksError` when a request of this size could never be admitted,
+        even alone: its peak need passes a pool's cap."""
+        self._sync_runtime()
+        rt = self.runtime
+        if rt.fits_ever(prompt_len, max_new_tokens):
+            return
+        g, h, _ = rt.reservation(prompt_len, max_new_tokens)
+        gcap, hcap = rt.caps
+        per = self.page_bytes_all_layers
+        raise OutOfBlocksError(
+            f"a request of {prompt_len} prompt tokens and max_tokens={max_new_tokens} needs up to "
+            f"{g} GPU pages and {h} host blocks ({g * per} / {h * per} bytes) but the caps are "
+            f"{gcap} / {hcap}; raise gpu_kv_budget_bytes / host_kv_budget_bytes (or KvConfig."
+            "num_gpu_pages / num_host_blocks), lower max_tokens, or lower sparse_threshold so the "
+            "request turns sparse sooner"
+        )
+
+    def admit(self, r: _Request) -> None:
+        """Reserve ``r``'s peak need, take its accumulator slot and the prompt's pages."""
+        self._sync_runtime()
+        rt = self.runtime
+        n, m = len(r.prompt), r.max_new_tokens
+        g, h = rt.pool_sizes_needed(n, m)
+        self._grow_to(g, h)
         try:
-            return pool.allocate(n)
+            slot, _pages = rt.admit(r.id, n, m)
         except OutOfBlocksError as e:
             raise OutOfBlocksError(
-                f"{e} while allocating {what}; raise KvConfig.num_gpu_pages / num_host_blocks, lower "
-                "top_k_blocks, or submit fewer requests at once"
+                f"{e} while admitting request {r.id}; wait for running requests to finish "
+                "(LLMEngine does), raise the pool budgets, or submit fewer requests at once"
             ) from None
+        r.slot, r.sparse, r.runtime = slot, False, rt
+        self._acc_fetched[slot] = 0
+        self._acc_recall[slot] = 0
+        self._acc_recall_n[slot] = 0
+        self._flush_map()
 
     def _join_background(self) -> None:
         """Make the compute stream wait for all background work (before pages change owners)."""
@@ -402,28 +581,22 @@ class Engine:
             torch.cuda.current_stream(self.device).wait_stream(self._side)
 
     def release(self, r: _Request) -> None:
-        p = self.pools
-        if p is None:
-            return
-        self._join_background()
-        pages = r.pages + r.slot_pages + ([r.local_page] if r.local_page >= 0 else [])
-        if pages:
-            p.gpu.free(sorted(set(pages)))
-        if r.host_blocks:
-            p.host.free(r.host_blocks)
-        r.pages, r.slot_pages, r.local_page, r.host_blocks = [], [], -1, []
+        """Return everything ``r`` holds to the pools (safe to call twice)."""
+        if r.runtime is not None and r.runtime is self.runtime:
+            self._join_background()
+            self.runtime.release(r.id)
+        r.runtime = None
         if self.drafter is not None:
             self.drafter.end(r.id)
 
-    def _set_map(self, pages: list[int], value) -> None:
-        """Set the head-wise mapping of whole pages in every layer (value: int or per-page list)."""
-        p = self.pools
-        idx = torch.tensor(pages, dtype=torch.long).to(self.device, non_blocking=True)
-        if isinstance(value, int):
-            p.page_map[:, idx, :] = value
-        else:
-            p.page_map[:, idx, :] = _i32(value, self.device).view(1, -1, 1)
-        p.page_last_selected[:, idx, :] = -1
+    def _flush_map(self) -> None:
+        """Apply the runtime's pending head-wise mapping updates on the device, every layer."""
+        pages, values = self.runtime.take_map_updates()
+        if pages:
+            p = self.pools
+            idx = torch.tensor(pages, dtype=torch.long).to(self.device, non_blocking=True)
+            p.page_map[:, idx, :] = _i32(values, self.device).view(1, -1, 1)
+            p.page_last_selected[:, idx, :] = -1
 
     # ---------------------------------------------------------------- prefill
     @torch.no_grad()
@@ -435,7 +608,19 @@ class Engine:
         features of every prompt position, captured by this same forward (call the drafter's
         ``begin`` first). With a :class:`PrefillCache` the same prompt on the same model is computed
         once: the cached K/V, last queries, logits and features are written back instead.
+
+        Admits ``r`` first (:meth:`admit`) unless it already is; if the prefill fails, everything
+        it took goes back to the pools before the error propagates.
         """
+        if r.runtime is None:
+            self.admit(r)
+        try:
+            return self._prefill(r)
+        except BaseException:
+            self.release(r)
+            raise
+
+    def _prefill(self, r: _Request) -> torch.Tensor:
         from .models.transformer import causal_attention
 
         p = self.pools
@@ -443,8 +628,6 @@ class Engine:
         b = self.kv.block_size
         n = len(r.prompt)
         n_blocks = math.ceil(n / b)
-        r.pages = self._alloc(p.gpu, n_blocks, f"{n_blocks} pages for a {n}-token prompt")
-        self._set_map(r.pages, list(range(n_blocks)))
         page_idx = torch.tensor(r.pages, dtype=torch.long, device=self.device)
         scale = self.geo.head_dim**-0.5
         hk, d = self.geo.num_kv_heads, self.geo.head_dim
@@ -518,36 +701,19 @@ class Engine:
         p, g, kv = self.pools, self.geo, self.kv
         self._join_background()
         dev = self.device
-        b, k_budget = kv.block_size, kv.top_k_blocks
-        length = r.kv_len
-        n_blocks = math.ceil(length / b)
-        r.host_blocks = self._alloc(p.host, n_blocks, f"{n_blocks} host blocks")
-        src, dst = _i32(r.pages[:n_blocks], dev), _i32(r.host_blocks, dev)
-        lens = _i32([b] * (n_blocks - 1) + [length - (n_blocks - 1) * b], dev)
+        k_budget = kv.top_k_blocks
+        tr = self.runtime.make_sparse(r.id)
+        self._flush_map()
+        src, dst, lens = _i32(tr["src_pages"], dev), _i32(tr["host_blocks"], dev), _i32(tr["lens"], dev)
         for layer in range(self.cfg.num_hidden_layers):
             ops.copy_pages(g, p.k_pages[layer], p.v_pages[layer], src, p.host_k[layer], p.host_v[layer], dst)
             ops.build_summaries(g, p.host_k[layer], dst, lens, p.summaries[layer])
-        # The local block is the block the next token lands in.
-        local_block = length // b
-        spare = list(r.pages)
-        if length % b != 0:
-            r.local_page = spare.pop(local_block)
-        else:
-            r.local_page = spare.pop()
-        if len(spare) < k_budget:
-            spare += self._alloc(p.gpu, k_budget - len(spare), f"the {k_budget}-page working set")
-        r.slot_pages, surplus = spare[:k_budget], spare[k_budget:]
-        if surplus:
-            p.gpu.free(surplus)
-        r.pages = []
-        self._set_map(r.slot_pages, -1)
-        self._set_map([r.local_page], local_block)
         r.sparse = True
-        r.metrics.sparse_since_token = length
-        n_complete = length // b
-        slot_pages = _i32([r.slot_pages], dev)
-        blk_indptr, blk_indices = _csr([r.host_blocks[:n_complete]], dev)
-        host_indptr, host_indices = _csr([r.host_blocks], dev)
+        r.metrics.sparse_since_token = r.kv_len
+        n_complete = tr["n_complete"]
+        slot_pages = _i32([tr["slot_pages"]], dev)
+        blk_indptr, blk_indices = _csr([tr["host_blocks"][:n_complete]], dev)
+        host_indptr, host_indices = _csr([tr["host_blocks"]], dev)
         for layer in range(self.cfg.num_hidden_layers):
             row = self._last_row[r.id]
             q = self._last_q[layer][row : row + 1].reshape(1, g.num_qo_heads, g.head_dim).contiguous()
@@ -564,52 +730,69 @@ class Engine:
             r.pred[layer] = pred[0]
 
     # ---------------------------------------------------------------- one decode step
+    def _plan(self, ids: list[int], input_ids: list[int]) -> tuple[dict, int, int]:
+        """Plan the step in the runtime and bring the arena to the device: views by field name,
+        the number of sparse requests and the most pages any request reads."""
+        n, layout, n_sparse, max_pages = self.runtime.plan(ids, input_ids)
+        i = self._plan_flip
+        self._plan_flip ^= 1 if self.cuda else 0
+        bufs = self._plan_bufs
+        if not bufs or bufs[0][0].numel() < n:
+            cap = max(1024, 2 * n)
+            self._join_background()
+            if self.cuda:
+                bufs[:] = [
+                    (
+                        torch.empty(cap, dtype=torch.int32, pin_memory=True),
+                        torch.empty(cap, dtype=torch.int32, device=self.device),
+                    )
+                    for _ in range(2)
+                ]
+            else:
+                host = torch.empty(cap, dtype=torch.int32)
+                bufs[:] = [(host, host)]
+            self._plan_evt = [None, None]
+        host, dev = bufs[i]
+        if self._plan_evt[i] is not None:
+            self._plan_evt[i].synchronize()  # the copy out of this buffer two steps ago is done
+        self.runtime.write_plan(host)
+        if self.cuda:
+            dev[:n].copy_(host[:n], non_blocking=True)
+            evt = torch.cuda.Event()
+            evt.record()
+            self._plan_evt[i] = evt
+        views = {name: dev[start : start + length] for name, (start, length) in layout.items()}
+        return views, n_sparse, max_pages
+
     @torch.no_grad()
     def decode_step(self, reqs: list[_Request]) -> torch.Tensor:
         """Advance every request by one token; returns row-0 logits ``[len(reqs), vocab]``."""
         p, g, kv = self.pools, self.geo, self.kv
-        b, k_budget, cap = kv.block_size, kv.top_k_blocks, kv.cap_blocks
+        k_budget, cap = kv.top_k_blocks, kv.cap_blocks
         rows, n = self.rows, len(reqs)
         hq, hk, d = g.num_qo_heads, g.num_kv_heads, g.head_dim
 
-        # ---- plan (CPU, once per step)
-        ids, pos = [], []
-        page_ids, offsets, host_ids, kv_lists, last_len = [], [], [], [], []
+        # ---- plan (Rust, once per step): every table of every layer in one arena, one copy
+        ids = []
         for r in reqs:
-            t = r.kv_len  # position of x_t
             ids.append(r.tokens[-1])
-            pos.append(t)
             if rows == 2:
                 ids.append(r.draft)
-                pos.append(t + 1)
-            blk, off = divmod(t, b)
-            if r.sparse:
-                if len(r.host_blocks) <= blk:
-                    r.host_blocks += self._alloc(p.host, 1, "a host block")
-                if off == 0:
-                    self._set_map([r.local_page], blk)
-                page_ids.append(r.local_page)
-                host_ids.append(r.host_blocks[blk])
-                kv_lists.append(r.slot_pages + [r.local_page])
-            else:
-                if len(r.pages) <= blk:
-                    new = self._alloc(p.gpu, 1, "a page")
-                    r.pages += new
-                    self._set_map(new, blk)
-                page_ids.append(r.pages[blk])
-                host_ids.append(-1)
-                kv_lists.append(list(r.pages))
-            offsets.append(off)
-            last_len.append(off + 1)
+        v, n_sparse, max_pages = self._plan([r.id for r in reqs], ids)
         dev = self.device
-        page_ids_t, offsets_t, host_ids_t = _i32(page_ids, dev), _i32(offsets, dev), _i32(host_ids, dev)
-        kv_indptr, kv_indices = _csr(kv_lists, dev)
-        last_len_t = _i32(last_len, dev)
-        max_pages = max(len(x) for x in kv_lists)
+        page_ids_t, offsets_t, host_ids_t = v["page_ids"], v["offsets"], v["host_ids"]
+        kv_indptr, kv_indices, last_len_t = v["kv_indptr"], v["kv_indices"], v["last_len"]
+        if v["map_pages"].numel():
+            idx = v["map_pages"].long()
+            p.page_map[:, idx, :] = v["map_values"].view(1, -1, 1)
+            p.page_last_selected[:, idx, :] = -1
+        # The split of long contexts, planned once for all layers (the GPU kernel's).
+        num_splits = 0
+        if self.cuda:
+            num_splits = _core.plan_num_splits(ops._num_sms(dev), n, hk, max_pages)
 
-        sp = [i for i, r in enumerate(reqs) if r.sparse]
         both = rows == 2 and kv.select_queries == "lookahead+current"
-        plan = _SparsePlan.build(reqs, sp, b, dev, kv.measure_recall, with_seq=both) if sp else None
+        plan = _SparsePlan.from_views(v, reqs, k_budget, kv.measure_recall, both) if n_sparse else None
         if plan is not None and self.cuda:
             plan.keep_for(self._side)
         step = self.step_no
@@ -651,6 +834,7 @@ class Engine:
                 extra_v=extra_v,
                 sm_scale=scale,
                 max_pages_per_seq=max_pages,
+                num_splits=num_splits,
             )
             self._last_q[layer] = q4[:, rows - 1]
             if plan is not None:
@@ -670,8 +854,8 @@ class Engine:
             return o.view(n * rows, hq, d).to(out_dtype)
 
         self._last_row = {r.id: i for i, r in enumerate(reqs)}
-        ids_t = torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True)
-        pos_t = torch.tensor(pos, dtype=torch.long).to(dev, non_blocking=True)
+        ids_t = v["input_ids"].long()
+        pos_t = v["positions"].long()
         row0 = torch.arange(0, n * rows, rows, device=dev)
         logits, captured = self.model.forward(
             ids_t, pos_t, attn, logits_rows=row0, capture_layers=self.capture
@@ -768,12 +952,14 @@ class Engine:
         n_blocks = math.ceil(length / self.kv.block_size)
         if r.sparse:
             m.summary_bytes = n_blocks * p.summary_block_bytes * layers
-            m.resident_kv_bytes = (len(r.slot_pages) + 1) * p.page_bytes * layers + m.summary_bytes
+            m.resident_kv_bytes = (self.kv.top_k_blocks + 1) * p.page_bytes * layers + m.summary_bytes
         else:
             m.resident_kv_bytes = n_blocks * p.page_bytes * layers
         self._join_background()
         entry_bytes = 2 * self.kv.block_size * self.geo.head_dim * self.dtype.itemsize  # K+V, one head
-        m.fetched_bytes_total = int(self._acc_fetched[r.id]) * entry_bytes
+        if r.slot < 0:  # never admitted
+            return
+        m.fetched_bytes_total = int(self._acc_fetched[r.slot]) * entry_bytes
         m.fetched_bytes_per_step = m.fetched_bytes_total / m.sparse_steps if m.sparse_steps else 0.0
-        n_rec = float(self._acc_recall_n[r.id])
-        m.lookahead_recall = float(self._acc_recall[r.id]) / n_rec if n_rec else None
+        n_rec = float(self._acc_recall_n[r.slot])
+        m.lookahead_recall = float(self._acc_recall[r.slot]) / n_rec if n_rec else None

@@ -1,0 +1,253 @@
+//! `oasiskv._core.Runtime`: the engine state of `oasis-runtime` (pools, block tables, admission,
+//! the per-step plan) as one small class. Python keeps the tensors; this keeps the ids.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use oasis_core::OasisError;
+use oasis_runtime::{PlanField, Runtime, RuntimeConfig};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::errors::{core_err, py_err};
+use crate::tensor::TensorArg;
+
+/// Run `f`, turning a core error into its Python class and a panic into an `OasisError`.
+fn call<R>(py: Python<'_>, what: &str, f: impl FnOnce() -> Result<R, OasisError>) -> PyResult<R> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(core_err(py, e)),
+        Err(_) => Err(py_err(
+            py,
+            "OasisError",
+            format!(
+                "internal error in Runtime.{what}; please report it with the call that caused it"
+            ),
+        )),
+    }
+}
+
+/// Pools, block tables, admission and the step plan of one engine.
+#[pyclass(name = "Runtime", module = "oasiskv._core")]
+pub struct PyRuntime {
+    inner: Runtime,
+}
+
+#[pymethods]
+impl PyRuntime {
+    #[new]
+    #[pyo3(signature = (*, block_size, top_k_blocks, sparse_threshold, sparse, rows, measure_recall,
+        plan_blk_seq, max_num_seqs, gpu_pages, host_blocks, gpu_cap, host_cap))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        block_size: usize,
+        top_k_blocks: usize,
+        sparse_threshold: usize,
+        sparse: bool,
+        rows: usize,
+        measure_recall: bool,
+        plan_blk_seq: bool,
+        max_num_seqs: usize,
+        gpu_pages: usize,
+        host_blocks: usize,
+        gpu_cap: usize,
+        host_cap: usize,
+    ) -> PyResult<Self> {
+        let cfg = RuntimeConfig {
+            block_size,
+            top_k_blocks,
+            sparse_threshold,
+            sparse,
+            rows,
+            measure_recall,
+            plan_blk_seq,
+            max_num_seqs,
+        };
+        call(py, "__init__", || {
+            Runtime::new(cfg, gpu_pages, host_blocks, gpu_cap, host_cap).map(|inner| Self { inner })
+        })
+    }
+
+    /// `(gpu_pages, host_blocks, turns_sparse)`: the peak a request of this size reserves.
+    fn reservation(&self, prompt_len: usize, max_new_tokens: usize) -> (usize, usize, bool) {
+        let r = self.inner.reservation(prompt_len, max_new_tokens);
+        (r.gpu_pages, r.host_blocks, r.turns_sparse)
+    }
+
+    /// Whether such a request fits the caps at all (alone).
+    fn fits_ever(&self, prompt_len: usize, max_new_tokens: usize) -> bool {
+        self.inner
+            .fits_ever(&self.inner.reservation(prompt_len, max_new_tokens))
+    }
+
+    /// Whether such a request can be admitted now (a free seat and room beside the others).
+    fn can_admit(&self, prompt_len: usize, max_new_tokens: usize) -> bool {
+        self.inner
+            .can_admit(&self.inner.reservation(prompt_len, max_new_tokens))
+    }
+
+    /// `(gpu_pages, host_blocks)` the pools must hold to admit such a request now.
+    fn pool_sizes_needed(&self, prompt_len: usize, max_new_tokens: usize) -> (usize, usize) {
+        self.inner
+            .pool_sizes_needed(&self.inner.reservation(prompt_len, max_new_tokens))
+    }
+
+    /// Grow the pools' id ranges (after the engine grew its tensors).
+    fn grow(&mut self, py: Python<'_>, gpu_pages: usize, host_blocks: usize) -> PyResult<()> {
+        call(py, "grow", || self.inner.grow(gpu_pages, host_blocks))
+    }
+
+    /// Admit a request about to be prefilled: `(slot, pages)`.
+    fn admit(
+        &mut self,
+        py: Python<'_>,
+        id: u64,
+        prompt_len: usize,
+        max_new_tokens: usize,
+    ) -> PyResult<(u32, Vec<u32>)> {
+        call(py, "admit", || {
+            self.inner.admit(id, prompt_len, max_new_tokens)
+        })
+    }
+
+    fn wants_sparse(&self, py: Python<'_>, id: u64) -> PyResult<bool> {
+        call(py, "wants_sparse", || self.inner.wants_sparse(id))
+    }
+
+    /// Turn a request sparse: a dict of `src_pages`, `host_blocks`, `lens`, `slot_pages`,
+    /// `local_page`, `n_complete` (what the engine copies and selects on the device).
+    fn make_sparse<'py>(&mut self, py: Python<'py>, id: u64) -> PyResult<Bound<'py, PyDict>> {
+        let tr = call(py, "make_sparse", || self.inner.make_sparse(id))?;
+        let d = PyDict::new(py);
+        d.set_item("src_pages", tr.src_pages)?;
+        d.set_item("host_blocks", tr.host_blocks)?;
+        d.set_item("lens", tr.lens)?;
+        d.set_item("slot_pages", tr.slot_pages)?;
+        d.set_item("local_page", tr.local_page)?;
+        d.set_item("n_complete", tr.n_complete)?;
+        Ok(d)
+    }
+
+    fn release(&mut self, py: Python<'_>, id: u64) -> PyResult<()> {
+        call(py, "release", || self.inner.release(id))
+    }
+
+    fn kv_len(&self, py: Python<'_>, id: u64) -> PyResult<usize> {
+        call(py, "kv_len", || self.inner.kv_len(id))
+    }
+
+    /// A request's tables: a dict of `slot`, `kv_len`, `sparse`, `pages`, `slot_pages`,
+    /// `local_page` (-1 when dense) and `host_blocks`.
+    fn table<'py>(&self, py: Python<'py>, id: u64) -> PyResult<Bound<'py, PyDict>> {
+        let t = self.inner.table(id).ok_or_else(|| {
+            py_err(
+                py,
+                "InvalidArgumentError",
+                format!("unknown request {id}; admit it first"),
+            )
+        })?;
+        let d = PyDict::new(py);
+        d.set_item("slot", t.slot)?;
+        d.set_item("kv_len", t.kv_len)?;
+        d.set_item("sparse", t.sparse)?;
+        d.set_item("pages", t.pages.clone())?;
+        d.set_item("slot_pages", t.slot_pages.clone())?;
+        d.set_item("local_page", t.local_page.map_or(-1, i64::from))?;
+        d.set_item("host_blocks", t.host_blocks.clone())?;
+        Ok(d)
+    }
+
+    /// Drain the pending head-wise mapping updates: `(pages, values)`, each page once.
+    fn take_map_updates(&mut self) -> (Vec<u32>, Vec<i32>) {
+        self.inner.take_map_updates()
+    }
+
+    /// Plan one decode step of `ids` (batch order) whose query rows take `input_ids` (`rows` per
+    /// request); every request's `kv_len` advances by one.
+    /// Returns `(arena_len, layout, num_sparse, max_pages)`, `layout` a dict name -> (start, len)
+    /// in elements; copy the arena out with [`PyRuntime::write_plan`].
+    fn plan<'py>(
+        &mut self,
+        py: Python<'py>,
+        ids: Vec<u64>,
+        input_ids: Vec<i32>,
+    ) -> PyResult<(usize, Bound<'py, PyDict>, usize, usize)> {
+        let plan = call(py, "plan", || {
+            self.inner.plan(&ids, &input_ids).map(|p| p.clone_meta())
+        })?;
+        let d = PyDict::new(py);
+        for f in PlanField::ALL {
+            d.set_item(f.name(), plan.layout[f as usize])?;
+        }
+        Ok((plan.len, d, plan.num_sparse, plan.max_pages))
+    }
+
+    /// Copy the last plan's arena into `out`, a contiguous int32 CPU tensor (pinned, to copy it
+    /// on to the device asynchronously) of at least `arena_len` elements.
+    fn write_plan(&self, py: Python<'_>, out: TensorArg) -> PyResult<()> {
+        let arena = self.inner.last_plan().arena();
+        if out.dtype != "int32" || out.device != "cpu" || !out.contiguous {
+            return Err(py_err(
+                py,
+                "DTypeError",
+                format!(
+                    "the plan buffer must be a contiguous int32 CPU tensor, got {} on {}",
+                    out.dtype, out.device
+                ),
+            ));
+        }
+        if out.numel() < arena.len() {
+            return Err(py_err(
+                py,
+                "ShapeError",
+                format!(
+                    "the plan buffer holds {} elements but the plan needs {}; grow it",
+                    out.numel(),
+                    arena.len()
+                ),
+            ));
+        }
+        if arena.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: `out` is a live, contiguous int32 CPU tensor (checked above) with at least
+        // `arena.len()` elements, so the destination range is valid for writes and 4-aligned; the
+        // arena is a Rust Vec, so the two ranges cannot overlap. The caller holds `out` across
+        // this call (it is an argument), and the GIL is held, so no Python code frees it.
+        unsafe {
+            std::ptr::copy_nonoverlapping(arena.as_ptr(), out.ptr as *mut i32, arena.len());
+        }
+        Ok(())
+    }
+
+    /// Check every table invariant against the pools (tests).
+    fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
+        call(py, "check_invariants", || self.inner.check_invariants())
+    }
+
+    /// `(gpu_pages, host_blocks)` in the pools now.
+    #[getter]
+    fn pool_sizes(&self) -> (usize, usize) {
+        self.inner.pool_sizes()
+    }
+
+    #[getter]
+    fn num_free(&self) -> (usize, usize) {
+        self.inner.num_free()
+    }
+
+    #[getter]
+    fn reserved(&self) -> (usize, usize) {
+        self.inner.reserved()
+    }
+
+    #[getter]
+    fn caps(&self) -> (usize, usize) {
+        self.inner.caps()
+    }
+
+    #[getter]
+    fn num_requests(&self) -> usize {
+        self.inner.num_requests()
+    }
+}

@@ -1,0 +1,478 @@
+"""The step-level API: :class:`LLMEngine` with continuous batching, for custom serving loops.
+
+Names follow vLLM where they fit::
+
+    eng = oasiskv.LLMEngine("smollm2", kv=oasiskv.KvConfig(top_k_blocks=64))
+    rid = eng.add_request("Why is the sky blue?", oasiskv.SamplingParams(max_tokens=32))
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            print(out.request_id, out.new_token_ids, out.finished)
+
+**Scheduling.** Requests wait in arrival order. At the start of every :meth:`LLMEngine.step`,
+waiting requests are admitted first come, first served while a seat is free (``max_num_seqs``)
+and their *peak* KV need in both tiers fits beside the reservations of the running requests
+(``oasis-runtime``'s admission); a request that does not fit waits, and so do the ones behind it
+(no overtaking, so a long request is never starved). Admitted requests are prefilled (dense, one
+forward per prompt) up to ``max_num_batched_tokens`` prompt tokens per step (at least one prompt),
+so a burst of long prompts does not stall the running decodes for all of their length; then
+every running request decodes one token. Because admission reserves the peak, a running request
+never fails for lack of blocks and nothing is ever preempted; past the budget, requests wait.
+
+**Failures stay per request.** A request whose prefill runs out of memory, or whose logits turn
+non-finite (NaN/inf), finishes with ``finish_reason="error"`` and a message in ``error``; its
+blocks go back to the pools and the others go on. A request that could never fit (its context
+passes the model's, or its peak need passes a pool's cap) is refused at :meth:`add_request`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import KvConfig
+from .drafters import Drafter, make_drafter
+from .engine import Engine, GenerationResult, PrefillCache, RequestMetrics, _Request
+from .errors import ConfigError, ContextLengthError, OasisError
+
+#: Values of :attr:`RequestOutput.finish_reason`.
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request samples and when it stops.
+
+    Attributes:
+        max_tokens: most tokens to generate (>= 1).
+        temperature: 0 is greedy (argmax); > 0 samples from the softmax at this temperature.
+        top_p: nucleus sampling: keep the smallest set of tokens whose probability reaches this.
+        seed: the request's own random seed (reproducible whatever else runs beside it); ``None``
+            draws from the engine's generator.
+        ignore_eos: keep generating past the tokenizer's end-of-sequence tokens.
+        stop_token_ids: more tokens that end the request (kept in the output, like EOS).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ConfigError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
+            raise ConfigError(f"temperature must be a finite number >= 0, got {t!r}")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, int | float) or not 0.0 < p <= 1.0:
+            raise ConfigError(f"top_p must be a number in (0, 1], got {p!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+            raise ConfigError(f"seed must be None or an int in [0, 2**63), got {self.seed!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ConfigError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+        ids = self.stop_token_ids
+        if isinstance(ids, str | bytes) or not isinstance(ids, Sequence | set | frozenset):
+            raise ConfigError(f"stop_token_ids must be a sequence of ints, got {ids!r}")
+        if not all(_is_int(x) and x >= 0 for x in ids):
+            raise ConfigError(f"stop_token_ids must hold ints >= 0, got {list(ids)!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
+
+
+@dataclass
+class RequestOutput:
+    """What one :meth:`LLMEngine.step` did for one request.
+
+    ``new_token_ids`` were made in this step (empty for an abort); ``token_ids`` are all tokens
+    generated so far. ``finish_reason`` is one of :data:`FINISH_REASONS` once ``finished``;
+    ``error`` says what went wrong when it is ``"error"``. ``metrics`` are complete once finished.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    new_token_ids: list[int]
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    metrics: RequestMetrics
+    error: str | None = None
+
+
+@dataclass
+class _Seq:
+    """A request as the scheduler tracks it."""
+
+    request_id: str
+    req: _Request
+    params: SamplingParams
+    gen: torch.Generator | None
+    stop: Callable[[list[int]], bool] | None = None
+    error: str | None = None
+    new: list[int] = field(default_factory=list)
+
+
+def prompt_token_ids(prompt, tokenizer, vocab_size: int, what: str = "prompt") -> list[int]:
+    """A prompt (text, or token ids as a list, tuple, 1-D integer tensor or array) as a list of
+    ints, checked against the vocabulary."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ConfigError(f"{what} is text but there is no tokenizer; pass token ids or a tokenizer")
+        ids = list(tokenizer.encode(prompt))
+    else:
+        if hasattr(prompt, "tolist") and hasattr(prompt, "dtype"):  # torch tensor / numpy array
+            kind = str(prompt.dtype)
+            if "int" not in kind or "bool" in kind:
+                raise ConfigError(f"{what} must hold integer token ids, got dtype {kind}")
+            if getattr(prompt, "ndim", 1) != 1:
+                raise ConfigError(f"{what} must be 1-D, got shape {tuple(prompt.shape)}")
+            prompt = prompt.tolist()
+        if not isinstance(prompt, Sequence) or isinstance(prompt, bytes):
+            raise ConfigError(f"{what} must be text or a sequence of token ids, got {type(prompt).__name__}")
+        bad = [t for t in prompt if not _is_int(t)]
+        if bad:
+            raise ConfigError(f"{what} has token ids that are not ints: {bad[:5]!r}")
+        ids = list(prompt)
+    if not ids:
+        raise ConfigError(f"{what} is empty; pass at least one token")
+    out = [t for t in ids if not 0 <= t < vocab_size]
+    if out:
+        raise ConfigError(f"{what} has token ids outside the vocabulary 0..{vocab_size}: {out[:5]}")
+    return ids
+
+
+class LLMEngine:
+    """A model and its OasisKV engine, driven one step at a time (continuous batching).
+
+    Args:
+        model: ``"smollm2"`` (bundled), a ``.gguf`` path, a local Hugging Face directory, or a
+            ``CausalLM`` instance (then pass ``tokenizer`` for text prompts).
+        kv: the cache configuration (:class:`KvConfig`).
+        backend: ``"oasis"`` (requests turn sparse past ``kv.sparse_threshold``) or ``"dense"``.
+        drafter: the lookahead source: ``"ngram"``, ``"eagle3"`` (the bundled head of the bundled
+            model), ``"previous-query"``, ``None`` or a :class:`~oasiskv.Drafter`.
+        max_num_seqs: most requests running at once.
+        gpu_kv_budget_bytes: the most bytes of GPU KV pages (all layers); emulates a smaller GPU.
+            ``None``: 40 % of the device's free memory when the engine starts.
+        host_kv_budget_bytes: the most bytes of the host pool. ``None``: 40 % of free RAM.
+        max_num_batched_tokens: prompt tokens prefilled per step (at least one prompt).
+        seed: seeds the generator of requests whose :class:`SamplingParams` has no seed.
+    """
+
+    def __init__(
+        self,
+        model,
+        *,
+        tokenizer=None,
+        kv: KvConfig | None = None,
+        backend: str = "oasis",
+        drafter: str | Drafter | None = "ngram",
+        dtype: torch.dtype | None = None,
+        device: str | torch.device = "cpu",
+        max_num_seqs: int = 64,
+        gpu_kv_budget_bytes: int | None = None,
+        host_kv_budget_bytes: int | None = None,
+        max_num_batched_tokens: int = 16384,
+        prefill_cache: PrefillCache | None = None,
+        seed: int = 0,
+    ) -> None:
+        for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
+            if not _is_int(v) or not 1 <= v <= 1 << 20:
+                raise ConfigError(f"{name} must be an int in 1..={1 << 20}, got {v!r}")
+        budgets = {"gpu_kv_budget_bytes": gpu_kv_budget_bytes, "host_kv_budget_bytes": host_kv_budget_bytes}
+        for name, v in budgets.items():
+            if v is not None and (not _is_int(v) or v < 0):
+                raise ConfigError(f"{name} must be None or an int >= 0, got {v!r}")
+        model_name = model if isinstance(model, str) else None
+        if isinstance(model, str):
+            from .models.loader import load_model
+
+            model, loaded_tok = load_model(model, dtype=dtype or torch.float32, device=device)
+            tokenizer = tokenizer or loaded_tok
+        if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+            raise ConfigError(f"model must be a path, 'smollm2' or a CausalLM, got {type(model).__name__}")
+        if backend not in ("oasis", "dense"):
+            raise ConfigError(f"backend must be 'oasis' or 'dense', got {backend!r}")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.kv = kv or KvConfig()
+        if backend == "oasis" and drafter is None:
+            drafter = "previous-query"
+        self.drafter = make_drafter(drafter, model=self.model, model_name=model_name)
+        eos = list(
+            getattr(tokenizer, "eos_token_ids", None) or getattr(model.config, "eos_token_ids", None) or []
+        )
+        self.engine = Engine(
+            self.model,
+            self.kv,
+            backend,
+            self.drafter,
+            eos,
+            prefill_cache,
+            max_num_seqs=max_num_seqs,
+            gpu_kv_budget_bytes=gpu_kv_budget_bytes,
+            host_kv_budget_bytes=host_kv_budget_bytes,
+        )
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self._gen = torch.Generator().manual_seed(int(seed))
+        self._ids = itertools.count()
+        self._waiting: deque[_Seq] = deque()
+        self._running: list[_Seq] = []
+        self._done: list[_Seq] = []  # finished outside step() (aborts), reported by the next step
+        self._by_id: dict[str, _Seq] = {}
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self,
+        prompt,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        stop: Callable[[list[int]], bool] | None = None,
+    ) -> str:
+        """Queue a request; returns its id. ``prompt`` is text or token ids.
+
+        ``stop(generated)``, if given, is called after every token with the token ids generated so
+        far; True ends the request there (finish reason ``"stop"``, the token kept).
+
+        Raises :class:`ContextLengthError` when the prompt plus ``max_tokens`` passes the model's
+        context, :class:`OutOfBlocksError` when the request could never fit the pools' budgets,
+        :class:`ConfigError` for a bad prompt or id. Nothing is queued then.
+        """
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ConfigError(f"params must be a SamplingParams, got {type(params).__name__}")
+        ids = prompt_token_ids(prompt, self.tokenizer, self.model.config.vocab_size)
+        ctx = self.model.config.max_position_embeddings
+        # The last new token is sampled, never fed: positions 0 .. len + max_tokens - 2 are used.
+        if len(ids) + params.max_tokens - 1 > ctx:
+            raise ContextLengthError(
+                f"the prompt has {len(ids)} tokens and max_tokens={params.max_tokens}: "
+                f"{len(ids) + params.max_tokens - 1} positions exceeds the model's context of {ctx} "
+                "tokens; shorten the prompt or lower max_tokens"
+            )
+        self.engine.check_fits(len(ids), params.max_tokens)
+        n = next(self._ids)
+        rid = str(n) if request_id is None else request_id
+        if not isinstance(rid, str) or not rid:
+            raise ConfigError(f"request_id must be a non-empty str, got {rid!r}")
+        if rid in self._by_id:
+            raise ConfigError(f"request_id {rid!r} is already in use; pass a unique id")
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        seq = _Seq(rid, _Request(id=n, prompt=ids, max_new_tokens=params.max_tokens), params, gen, stop)
+        self._waiting.append(seq)
+        self._by_id[rid] = seq
+        return rid
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a waiting or running request and return its blocks to the pools; the next
+        :meth:`step` reports it with ``finish_reason="abort"``. Unknown ids are ignored."""
+        seq = self._by_id.get(request_id)
+        if seq is None or seq.req.finish_reason is not None:
+            return
+        if seq in self._waiting:
+            self._waiting.remove(seq)
+        else:
+            self._running.remove(seq)
+        self._finish(seq, "abort")
+        self._done.append(seq)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._waiting or self._running or self._done)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._waiting) + len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    # ------------------------------------------------------------------ the step
+    def step(self) -> list[RequestOutput]:
+        """Admit and prefill what fits, decode one token for every running request, and report
+        every request that made a token or finished in this step."""
+        touched: list[_Seq] = list(self._done)
+        self._done.clear()
+        self._admit_waiting(touched)
+        if self._running:
+            self._decode(touched)
+        out = []
+        seen = set()
+        for seq in touched:
+            if id(seq) in seen:
+                continue
+            seen.add(id(seq))
+            out.append(self._output(seq))
+            seq.new = []
+            if seq.req.finish_reason is not None:
+                self._by_id.pop(seq.request_id, None)
+        return out
+
+    def _admit_waiting(self, touched: list[_Seq]) -> None:
+        eng = self.engine
+        budget = self.max_num_batched_tokens
+        first = True
+        while self._waiting and len(self._running) < self.max_num_seqs:
+            seq = self._waiting[0]
+            r = seq.req
+            if not first and len(r.prompt) > budget:
+                break
+            if not eng.can_admit(len(r.prompt), r.max_new_tokens):
+                break
+            self._waiting.popleft()
+            first = False
+            budget -= len(r.prompt)
+            touched.append(seq)
+            if self.drafter is not None:
+                self.drafter.begin(r.id, r.prompt)
+            t0 = time.perf_counter()
+            r.tokens = list(r.prompt)
+            try:
+                logits = eng.prefill(r)
+            except (OasisError, torch.OutOfMemoryError) as e:
+                self._finish(seq, "error", f"prefill failed: {e}")
+                continue
+            r.metrics.prompt_tokens = len(r.prompt)
+            r.metrics.prefill_s = time.perf_counter() - t0
+            bad = not bool(torch.isfinite(logits).all())
+            self._accept(seq, None if bad else self._sample(seq, logits.unsqueeze(0))[0])
+            if r.finish_reason is None:
+                self._running.append(seq)
+
+    def _decode(self, touched: list[_Seq]) -> None:
+        eng = self.engine
+        running = self._running
+        reqs = [s.req for s in running]
+        t0 = time.perf_counter()
+        logits = eng.decode_step(reqs)
+        toks = self._sample_batch(running, logits)
+        dt = time.perf_counter() - t0
+        still = []
+        for seq, tok in zip(running, toks, strict=True):
+            seq.req.metrics.decode_s += dt / len(running)
+            self._accept(seq, tok)
+            touched.append(seq)
+            if seq.req.finish_reason is None:
+                still.append(seq)
+        self._running = still
+
+    # ------------------------------------------------------------------ sampling
+    def _sample(self, seq: _Seq, logits: torch.Tensor) -> list[int | None]:
+        return self._sample_batch([seq], logits)
+
+    def _sample_batch(self, seqs: list[_Seq], logits: torch.Tensor) -> list[int | None]:
+        """One token per row, or None where the row's logits are not finite. Greedy rows take
+        one argmax and one host read for the whole batch (with the finiteness check)."""
+        finite = torch.isfinite(logits).all(dim=-1)
+        greedy = torch.stack([logits.argmax(dim=-1), finite.long()]).tolist()
+        out: list[int | None] = []
+        for i, seq in enumerate(seqs):
+            if not greedy[1][i]:
+                out.append(None)
+            elif seq.params.temperature <= 0.0:
+                out.append(greedy[0][i])
+            else:
+                p = seq.params
+                out.append(_sample_row(logits[i], p.temperature, p.top_p, seq.gen or self._gen))
+        return out
+
+    def _accept(self, seq: _Seq, tok: int | None) -> None:
+        """Append a sampled token, check the stop conditions, draft the next lookahead token and
+        turn the request sparse once its context passes the threshold."""
+        eng, r, p = self.engine, seq.req, seq.params
+        if tok is None:
+            self._finish(seq, "error", "the model produced non-finite logits (NaN or inf)")
+            return
+        r.tokens.append(tok)
+        seq.new.append(tok)
+        r.metrics.generated_tokens += 1
+        generated = r.tokens[len(r.prompt) :]
+        if not p.ignore_eos and tok in eng.eos or tok in p.stop_token_ids:
+            reason = "stop"
+        elif seq.stop is not None and seq.stop(generated):
+            reason = "stop"
+        elif r.metrics.generated_tokens >= r.max_new_tokens:
+            reason = "length"
+        else:
+            reason = None
+        if reason is not None:
+            self._finish(seq, reason)
+            return
+        if eng.rows == 2:
+            r.draft = self.drafter.propose(r.id, r.tokens, r.features)
+        if eng.backend == "oasis" and not r.sparse and eng.runtime.wants_sparse(r.id):
+            eng.make_sparse(r)
+
+    def _finish(self, seq: _Seq, reason: str, error: str | None = None) -> None:
+        r = seq.req
+        r.finish_reason = reason
+        seq.error = error
+        if r.runtime is not None:
+            self.engine.finalize_metrics(r)
+        self.engine.release(r)
+
+    def _output(self, seq: _Seq) -> RequestOutput:
+        r = seq.req
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt_token_ids=r.prompt,
+            new_token_ids=list(seq.new),
+            token_ids=r.tokens[len(r.prompt) :] if r.tokens else [],
+            finished=r.finish_reason is not None,
+            finish_reason=r.finish_reason,
+            metrics=r.metrics,
+            error=seq.error,
+        )
+
+    # ------------------------------------------------------------------ batch helper
+    def run_to_completion(self, request_ids: list[str], progress=None) -> dict[str, RequestOutput]:
+        """Step until every one of ``request_ids`` has finished; their last outputs by id. On an
+        exception (or Ctrl-C) every unfinished request is aborted, so nothing stays allocated."""
+        want = set(request_ids)
+        last: dict[str, RequestOutput] = {}
+        try:
+            while want - {k for k, o in last.items() if o.finished}:
+                for o in self.step():
+                    if o.request_id in want:
+                        last[o.request_id] = o
+                        if progress is not None:
+                            progress(len(o.new_token_ids))
+        except BaseException:
+            for rid in want:
+                self.abort_request(rid)
+            self._done.clear()
+            raise
+        return last
+
+    def result(self, out: RequestOutput) -> GenerationResult:
+        """A finished request's :class:`GenerationResult` (tokens, text, metrics)."""
+        text = self.tokenizer.decode(out.token_ids) if self.tokenizer is not None else None
+        seq_id = int(out.request_id) if out.request_id.isdigit() else -1
+        reason = out.finish_reason or "abort"
+        return GenerationResult(
+            seq_id, list(out.prompt_token_ids), list(out.token_ids), text, reason, out.metrics
+        )
+
+
+def _sample_row(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
+    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, idx = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_p, 0) - sorted_p < top_p
+        probs = torch.zeros_like(probs).scatter(0, idx[keep], sorted_p[keep])
+    return int(torch.multinomial(probs, 1, generator=gen))

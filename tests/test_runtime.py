@@ -1,0 +1,249 @@
+"""The Rust runtime (``oasiskv._core.Runtime``) against a plain Python model of the tables.
+
+Randomized request mixes (hypothesis): admissions of random sizes, decode steps over random
+subsets, dense->sparse transitions and releases. After every operation the runtime's tables,
+its step plan and its admission decisions are compared with what the Python model computes from
+first principles: the old engine's CSR construction, the reservation formula, page ownership.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from oasiskv import _core, errors
+
+
+def make_runtime(b, k, threshold, rows, gpu, host, seqs=8, recall=True, seq=True, sparse=True):
+    return _core.Runtime(
+        block_size=b,
+        top_k_blocks=k,
+        sparse_threshold=threshold,
+        sparse=sparse,
+        rows=rows,
+        measure_recall=recall,
+        plan_blk_seq=seq,
+        max_num_seqs=seqs,
+        gpu_pages=gpu,
+        host_blocks=host,
+        gpu_cap=gpu,
+        host_cap=host,
+    )
+
+
+def ref_reservation(b, k, threshold, sparse, prompt, new):
+    """The peak need, derived from the engine's lifecycle: stored tokens grow to prompt + new - 1;
+    a request turns sparse once kv_len > threshold at a non-final token."""
+    stored = prompt + new - 1
+    turns = sparse and any(kv_len > threshold for kv_len in range(prompt, prompt + new - 1))
+    if not turns:
+        return math.ceil(stored / b), 0
+    dense_pages = max(
+        math.ceil(kv / b) for kv in range(prompt, prompt + new) if kv <= max(prompt, threshold + 1)
+    )
+    return max(dense_pages, k + 1), math.ceil(stored / b)
+
+
+def ref_plan(tables, order, b, k, rows, recall, seq, input_ids):
+    """The plan of one step as the pre-runtime engine built it, from the tables before the step."""
+    ts = [tables[i] for i in order]
+    out = {"input_ids": list(input_ids), "positions": [t["kv_len"] + r for t in ts for r in range(rows)]}
+    page_ids, host_ids, kv_lists = [], [], []
+    for t in ts:
+        blk = t["kv_len"] // b
+        if t["sparse"]:
+            page_ids.append(t["local_page"])
+            host_ids.append(t["host_blocks"][blk])
+            kv_lists.append(t["slot_pages"] + [t["local_page"]])
+        else:
+            page_ids.append(t["pages"][blk])
+            host_ids.append(-1)
+            kv_lists.append(list(t["pages"]))
+    out["page_ids"], out["host_ids"] = page_ids, host_ids
+    out["offsets"] = [t["kv_len"] % b for t in ts]
+    out["last_len"] = [t["kv_len"] % b + 1 for t in ts]
+
+    def csr(lists):
+        indptr, flat = [0], []
+        for xs in lists:
+            flat += xs
+            indptr.append(len(flat))
+        return indptr, flat
+
+    out["kv_indptr"], out["kv_indices"] = csr(kv_lists)
+    sp = [(i, t) for i, t in enumerate(ts) if t["sparse"]]
+    out["sp_rows"] = [i for i, _ in sp]
+    out["sp_slots"] = [t["slot"] for _, t in sp]
+    out["slot_pages"] = [p for _, t in sp for p in t["slot_pages"]]
+    cand = [t["host_blocks"][: (t["kv_len"] + 1) // b] for _, t in sp]
+    out["blk_indptr"], out["blk_indices"] = csr(cand)
+    out["blk_seq"] = [j for j, c in enumerate(cand) for _ in c] if seq and rows == 2 else []
+    out["host_indptr"], out["host_indices"] = csr([t["host_blocks"] for _, t in sp])
+    if recall:
+        out["rec_indptr"], out["rec_indices"] = csr([t["host_blocks"][: t["kv_len"] // b] for _, t in sp])
+    else:
+        out["rec_indptr"], out["rec_indices"] = [], []
+    return out, max((len(x) for x in kv_lists), default=0)
+
+
+def read_plan(rt, ids, input_ids):
+    n, layout, n_sparse, max_pages = rt.plan(ids, input_ids)
+    buf = torch.full((n + 8,), -7, dtype=torch.int32)
+    rt.write_plan(buf)
+    fields = {name: buf[s : s + ln].tolist() for name, (s, ln) in layout.items()}
+    for s, _ln in layout.values():
+        assert s % 4 == 0, "fields start on 16-byte boundaries"
+    return fields, n_sparse, max_pages
+
+
+def check_make_sparse(rt, i, b, k):
+    t0 = rt.table(i)
+    tr = rt.make_sparse(i)
+    n_blocks = math.ceil(t0["kv_len"] / b)
+    assert tr["src_pages"] == t0["pages"][:n_blocks]
+    assert len(tr["host_blocks"]) == n_blocks and tr["n_complete"] == t0["kv_len"] // b
+    assert sum(tr["lens"]) == t0["kv_len"]
+    t1 = rt.table(i)
+    assert t1["sparse"] and not t1["pages"] and len(t1["slot_pages"]) == k
+    assert t1["host_blocks"] == tr["host_blocks"]
+    held = set(t1["slot_pages"]) | {t1["local_page"]}
+    assert len(held) == k + 1
+    # The local page is the page of the block the next token lands in when the request held it.
+    if t0["kv_len"] % b:
+        assert t1["local_page"] == t0["pages"][t0["kv_len"] // b]
+    mp, mv = rt.take_map_updates()
+    upd = dict(zip(mp, mv, strict=True))
+    assert upd[t1["local_page"]] == t0["kv_len"] // b
+    assert all(upd[p] == -1 for p in t1["slot_pages"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    b=st.sampled_from([1, 3, 4, 16]),
+    k=st.integers(1, 6),
+    threshold=st.integers(1, 40),
+    rows=st.sampled_from([1, 2]),
+    recall=st.booleans(),
+    sparse=st.booleans(),
+)
+def test_runtime_matches_the_python_model(seed, b, k, threshold, rows, recall, sparse):
+    rnd = random.Random(seed)
+    gpu, host = rnd.randint(k + 1, 60), rnd.randint(0, 60)
+    rt = make_runtime(b, k, threshold, rows, gpu, host, seqs=5, recall=recall, sparse=sparse)
+    live: dict[int, dict] = {}  # id -> the model's state: prompt, new, steps so far
+    next_id = 0
+    for _ in range(rnd.randint(1, 40)):
+        op = rnd.random()
+        if op < 0.35:
+            prompt, new = rnd.randint(1, 50), rnd.randint(1, 12)
+            res = ref_reservation(b, k, threshold, sparse, prompt, new)
+            assert rt.reservation(prompt, new)[:2] == res
+            g_res, h_res = rt.reserved
+            fits = len(live) < 5 and g_res + res[0] <= gpu and h_res + res[1] <= host
+            assert rt.can_admit(prompt, new) == fits
+            if fits:
+                slot, pages = rt.admit(next_id, prompt, new)
+                assert len(pages) == math.ceil(prompt / b)
+                assert slot not in {s["slot"] for s in live.values()}
+                live[next_id] = {"prompt": prompt, "new": new, "made": 1, "slot": slot}
+                # The prefill's pages map to their logical blocks.
+                mp, mv = rt.take_map_updates()
+                assert dict(zip(mp, mv, strict=True)) == {p: i for i, p in enumerate(pages)}
+                # The engine's protocol: past the threshold, a request with tokens left turns
+                # sparse before it decodes (the runtime refuses to plan it otherwise).
+                if rt.wants_sparse(next_id) and new > 1:
+                    with pytest.raises(errors.InvalidArgumentError, match="make_sparse"):
+                        rt.plan([next_id], [0] * rows)
+                    check_make_sparse(rt, next_id, b, k)
+            else:
+                with pytest.raises(errors.OutOfBlocksError if len(live) < 5 else errors.OasisError):
+                    rt.admit(next_id, prompt, new)
+            next_id += 1
+        elif op < 0.75 and live:
+            # A decode step over the requests that still have a token to make.
+            order = [i for i, s in live.items() if s["made"] < s["new"] and rnd.random() < 0.8]
+            rnd.shuffle(order)
+            if not order:
+                continue
+            before = {i: rt.table(i) for i in order}
+            # The blocks this step enters, as the old engine allocated them before planning.
+            ids = [rnd.randint(0, 99) for _ in range(len(order) * rows)]
+            fields, n_sparse, max_pages = read_plan(rt, order, ids)
+            after = {i: rt.table(i) for i in order}
+            for i in order:
+                t0, t1 = before[i], after[i]
+                blk = t0["kv_len"] // b
+                assert t1["kv_len"] == t0["kv_len"] + 1
+                if t0["sparse"]:
+                    assert t1["host_blocks"][: len(t0["host_blocks"])] == t0["host_blocks"]
+                    assert len(t1["host_blocks"]) == max(len(t0["host_blocks"]), blk + 1)
+                else:
+                    assert t1["pages"][: len(t0["pages"])] == t0["pages"]
+                    assert len(t1["pages"]) == max(len(t0["pages"]), blk + 1)
+            # The plan is a function of the tables the step runs with (allocated, not advanced).
+            during = {i: dict(after[i], kv_len=before[i]["kv_len"]) for i in order}
+            want, want_max = ref_plan(during, order, b, k, rows, recall, True, ids)
+            want["map_pages"], want["map_values"] = fields["map_pages"], fields["map_values"]
+            assert {kk: fields[kk] for kk in want} == want
+            assert n_sparse == len(want["sp_rows"]) and max_pages == want_max
+            # Mapping updates: a dense request's new page -> its block; a sparse request entering a
+            # block -> its local page -> that block.
+            upd = dict(zip(fields["map_pages"], fields["map_values"], strict=True))
+            for i in order:
+                t0, t1 = before[i], after[i]
+                blk, off = divmod(t0["kv_len"], b)
+                if t0["sparse"] and off == 0:
+                    assert upd[t0["local_page"]] == blk
+                elif not t0["sparse"] and len(t1["pages"]) > len(t0["pages"]):
+                    assert upd[t1["pages"][blk]] == blk
+            for i in order:
+                live[i]["made"] += 1
+                if rt.wants_sparse(i) and live[i]["made"] < live[i]["new"]:
+                    check_make_sparse(rt, i, b, k)
+        elif live:
+            i = rnd.choice(list(live))
+            rt.release(i)
+            del live[i]
+        rt.check_invariants()
+        # Nobody holds more than admission reserved for it.
+        for i, s in live.items():
+            t = rt.table(i)
+            g_res, h_res = ref_reservation(b, k, threshold, sparse, s["prompt"], s["new"])
+            if t["sparse"]:
+                g_res = k + 1
+            assert len(t["pages"]) + len(t["slot_pages"]) + (t["local_page"] >= 0) <= g_res
+            assert len(t["host_blocks"]) <= h_res
+    for i in list(live):
+        rt.release(i)
+    rt.check_invariants()
+    assert rt.num_free == (gpu, host) and rt.reserved == (0, 0)
+
+
+def test_runtime_errors_are_typed():
+    rt = make_runtime(4, 2, 8, 2, 16, 16)
+    with pytest.raises(errors.InvalidArgumentError, match="unknown request"):
+        rt.release(3)
+    rt.admit(1, 5, 5)
+    with pytest.raises(errors.InvalidArgumentError, match="already admitted"):
+        rt.admit(1, 5, 5)
+    with pytest.raises(errors.InvalidArgumentError, match="input ids"):
+        rt.plan([1], [0])
+    with pytest.raises(errors.InvalidArgumentError, match="twice"):
+        rt.plan([1, 1], [0, 0, 0, 0])
+    n, *_ = rt.plan([1], [0, 0])
+    with pytest.raises(errors.ShapeError, match="grow it"):
+        rt.write_plan(torch.zeros(n - 1, dtype=torch.int32))
+    with pytest.raises(errors.DTypeError):
+        rt.write_plan(torch.zeros(n, dtype=torch.int64))
+    with pytest.raises(errors.ConfigError, match="block_size"):
+        make_runtime(0, 2, 8, 2, 16, 16)
+    with pytest.raises(errors.ConfigError):
+        make_runtime(4, 2, 8, 2, 2**40, 16)
+    with pytest.raises(errors.ConfigError, match="caps"):
+        rt.grow(17, 0)
