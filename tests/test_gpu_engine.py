@@ -140,3 +140,38 @@ def test_gpu_eagle3_prompt_features_stay_on_the_device_and_match_cpu():
     assert out["cuda"][0] == out["cpu"][0]
     torch.testing.assert_close(out["cuda"][2], out["cpu"][2], atol=2e-4, rtol=1e-3)
     assert out["cuda"][1] == out["cpu"][1]
+
+
+def test_gpu_continuous_batching_equals_each_request_alone():
+    """LLMEngine on the GPU (double-buffered plan, pinned host pool, background stream): requests
+    arrive at different steps, one is aborted; each finished request's greedy tokens equal the
+    same request run alone, and the pools are full again."""
+    from oasiskv import LLMEngine, SamplingParams
+
+    model = _model("cuda")
+    kv = KvConfig(block_size=16, top_k_blocks=6, fetch_cap=2, sparse_threshold=64)
+    ps = _prompts(301, [150, 40, 260, 90, 120], seed=5)
+    news = [12, 9, 14, 6, 10]
+    eng = LLMEngine(model, kv=kv, drafter="ngram", max_num_seqs=3)
+    rids: dict[int, str] = {}
+    finals = {}
+    step = 0
+    while step < 6 or eng.has_unfinished_requests():
+        if step < len(ps):
+            rids[step] = eng.add_request(ps[step], SamplingParams(max_tokens=news[step], ignore_eos=True))
+        if step == 4:
+            eng.abort_request(rids[1])
+        for o in eng.step():
+            if o.finished:
+                finals[o.request_id] = o
+        step += 1
+    rt = eng.engine.runtime
+    assert rt.num_requests == 0 and rt.num_free == rt.pool_sizes
+    for i, rid in rids.items():
+        o = finals[rid]
+        if o.finish_reason == "abort":
+            continue
+        alone = LLMEngine(model, kv=kv, drafter="ngram")
+        a = alone.add_request(ps[i], SamplingParams(max_tokens=news[i], ignore_eos=True))
+        assert o.token_ids == alone.run_to_completion([a])[a].token_ids, f"request {i}"
+    assert any(o.metrics.sparse_steps > 0 for o in finals.values())

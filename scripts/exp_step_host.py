@@ -1,0 +1,109 @@
+"""Per-step host time of a decode step: plan plus launches, measured with the GPU idle.
+
+Qwen3-8B attention shapes (36 layers, 32 query / 8 KV heads, head_dim 128; a narrow MLP and
+vocabulary, which change GPU time, not host time), random bf16 weights, ``--requests`` sparse
+requests at ``--context`` tokens, the lookahead row on. Each measured step: synchronize (the GPU
+is idle), then time ``Engine.decode_step`` on the host clock until it returns (``host_ms``: what
+the CPU spends planning and launching), then synchronize again (``step_ms``: the whole step).
+Medians over ``--steps`` after two warm-up steps.
+
+``--engine old`` runs the engine of an earlier tree for the before/after comparison: put its
+``engine.py`` at ``oasiskv/engine_old.py`` in the installed package (see docs/PERF.md).
+
+    python3 scripts/exp_step_host.py --engine new --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import statistics
+import time
+
+import torch
+
+from oasiskv import KvConfig
+from oasiskv.drafters import NgramDrafter
+from oasiskv.models.config import ModelConfig
+from oasiskv.models.transformer import CausalLM
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engine", choices=["new", "old"], default="new")
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=36)
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--top-k-blocks", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    cfg = ModelConfig(
+        family="qwen3",
+        vocab_size=4096,
+        hidden_size=1024,
+        intermediate_size=1024,
+        num_hidden_layers=args.layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=args.context + 64,
+    )
+    model = CausalLM.random(cfg, seed=0, dtype=dtype, device=dev).eval()
+    mod = importlib.import_module("oasiskv.engine" if args.engine == "new" else "oasiskv.engine_old")
+    kv = KvConfig(block_size=16, top_k_blocks=args.top_k_blocks, fetch_cap=0.05)
+    drafter = NgramDrafter()
+    eng = mod.Engine(model, kv, "oasis", drafter)
+    g = torch.Generator().manual_seed(0)
+    reqs = []
+    for i in range(args.requests):
+        ids = torch.randint(0, cfg.vocab_size, (args.context,), generator=g).tolist()
+        reqs.append(mod._Request(id=i, prompt=ids, max_new_tokens=args.steps + 8))
+    eng.ensure_pools(reqs, num_requests=len(reqs))
+    for r in reqs:
+        drafter.begin(r.id, r.prompt)
+        r.tokens = list(r.prompt)
+        logits = eng.prefill(r)
+        r.tokens.append(int(logits.argmax()))
+        r.draft = 1
+        eng.make_sparse(r)
+    host, step = [], []
+    for s in range(args.steps + 2):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        eng.decode_step(reqs)
+        t1 = time.perf_counter()
+        if cuda:
+            torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        if s >= 2:
+            host.append((t1 - t0) * 1e3)
+            step.append((t2 - t0) * 1e3)
+        for r in reqs:
+            r.tokens.append(1)
+            r.draft = 2
+    res = dict(
+        engine=args.engine,
+        requests=args.requests,
+        layers=args.layers,
+        context=args.context,
+        top_k_blocks=args.top_k_blocks,
+        device=str(dev),
+        host_ms=statistics.median(host),
+        step_ms=statistics.median(step),
+        host_ms_all=host,
+    )
+    print(json.dumps({k: v for k, v in res.items() if k != "host_ms_all"}))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
