@@ -336,3 +336,25 @@ def test_dense_greedy_equals_hugging_face_transformers_on_smollm2():
         with torch.no_grad():
             ref = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids) :]
         assert llm.generate(ids, 16, ignore_eos=True)[0].tokens == ref.tolist()
+
+
+def test_forced_tokens_and_the_step_recorder(model):
+    """Teacher forcing through the one lifecycle: forced tokens replace samples, and the recorder
+    sees every forward's logits (the prefill's, then each decode step's) with the drafts used."""
+    eng = LLMEngine(model, kv=KvConfig(**README_KV), drafter="ngram")
+    seen = []
+
+    class Rec:
+        def on_step(self, info):
+            seen.append((info.kind, list(info.request_ids), info.logits.shape[0], list(info.drafts)))
+
+    eng.recorder = Rec()
+    forced = [5, 6, 7, 8]
+    rid = eng.add_request(prompt(90, 3), SamplingParams(max_tokens=4), forced_tokens=forced)
+    out = eng.run_to_completion([rid])[rid]
+    assert out.token_ids == forced
+    assert [k for k, *_ in seen] == ["prefill", "decode", "decode", "decode"]
+    assert all(ids == [rid] and n == 1 for _, ids, n, _ in seen)
+    assert seen[0][3] == [None] and all(isinstance(d[0], int) for *_, d in seen[1:])
+    with pytest.raises(errors.ConfigError, match="forced_tokens"):
+        eng.add_request([1, 2], forced_tokens=[1.5])

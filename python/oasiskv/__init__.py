@@ -33,7 +33,8 @@ from .errors import (
     UnsupportedQuantizationError,
 )
 from .llm import LLM
-from .llm_engine import LLMEngine, RequestOutput, SamplingParams
+from .llm_engine import LLMEngine, RequestOutput, SamplingParams, StepInfo
+from .policy import SelectionPolicy
 
 __version__ = "0.1.0"
 
@@ -42,6 +43,8 @@ __all__ = [
     "LLMEngine",
     "SamplingParams",
     "RequestOutput",
+    "StepInfo",
+    "SelectionPolicy",
     "KvConfig",
     "GenerationResult",
     "RequestMetrics",

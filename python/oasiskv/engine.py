@@ -35,6 +35,7 @@ from .config import KvConfig
 from .drafters import Drafter
 from .errors import ConfigError, OutOfBlocksError
 from .memory import available_bytes, ensure_fits
+from .policy import SelectionPolicy
 
 BACKENDS = ("dense", "oasis")
 
@@ -387,6 +388,7 @@ class Engine:
         max_num_seqs: int = 256,
         gpu_kv_budget_bytes: int | None = None,
         host_kv_budget_bytes: int | None = None,
+        policy: SelectionPolicy | None = None,
     ) -> None:
         if backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -436,6 +438,10 @@ class Engine:
         # per-layer, per-step lookahead accuracy. On a GPU it runs on the background stream: it must
         # not sync, except an evaluation recorder that accepts the stall (the attention-mass sample).
         self.recorder = None
+        #: The selection policy (:mod:`oasiskv.policy`): None runs the engine as it is.
+        self.policy = policy
+        if policy is not None:
+            policy.bind(self)
 
     # ---------------------------------------------------------------- pools
     @property
@@ -853,6 +859,8 @@ class Engine:
                     self._select(*args)
             return o.view(n * rows, hq, d).to(out_dtype)
 
+        if self.policy is not None:
+            attn = self.policy.wrap_attention(self, reqs, attn)
         self._last_row = {r.id: i for i, r in enumerate(reqs)}
         ids_t = v["input_ids"].long()
         pos_t = v["positions"].long()
@@ -864,6 +872,8 @@ class Engine:
             feats = torch.cat([captured[i][row0] for i in self.capture], dim=-1)
             for i, r in enumerate(reqs):
                 r.features = feats[i]
+        if self.policy is not None:
+            self.policy.after_step(self, reqs)
         for r in reqs:
             r.metrics.steps += 1
             if r.sparse:

@@ -110,6 +110,20 @@ class RequestOutput:
 
 
 @dataclass
+class StepInfo:
+    """What an :class:`LLMEngine` recorder sees of one forward (``recorder.on_step(info)``), before
+    sampling: ``kind`` is ``"prefill"`` (one request) or ``"decode"``; ``logits`` the rows that
+    choose each request's next token, ``[len(request_ids), vocab]`` on the model's device;
+    ``drafts`` the lookahead token each request ran with in this decode step (None at prefill or
+    without a lookahead row)."""
+
+    kind: str
+    request_ids: list[str]
+    logits: torch.Tensor
+    drafts: list[int | None]
+
+
+@dataclass
 class _Seq:
     """A request as the scheduler tracks it."""
 
@@ -118,6 +132,7 @@ class _Seq:
     params: SamplingParams
     gen: torch.Generator | None
     stop: Callable[[list[int]], bool] | None = None
+    forced: list[int] | None = None
     error: str | None = None
     new: list[int] = field(default_factory=list)
 
@@ -167,6 +182,7 @@ class LLMEngine:
         host_kv_budget_bytes: the most bytes of the host pool. ``None``: 40 % of free RAM.
         max_num_batched_tokens: prompt tokens prefilled per step (at least one prompt).
         seed: seeds the generator of requests whose :class:`SamplingParams` has no seed.
+        policy: a :class:`~oasiskv.policy.SelectionPolicy` (evaluation: the Quest-like ideal).
     """
 
     def __init__(
@@ -185,6 +201,7 @@ class LLMEngine:
         max_num_batched_tokens: int = 16384,
         prefill_cache: PrefillCache | None = None,
         seed: int = 0,
+        policy=None,
     ) -> None:
         for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not _is_int(v) or not 1 <= v <= 1 << 20:
@@ -222,8 +239,11 @@ class LLMEngine:
             max_num_seqs=max_num_seqs,
             gpu_kv_budget_bytes=gpu_kv_budget_bytes,
             host_kv_budget_bytes=host_kv_budget_bytes,
+            policy=policy,
         )
         self.max_num_seqs = max_num_seqs
+        #: Optional hook: ``recorder.on_step(StepInfo)`` after every forward, before sampling.
+        self.recorder = None
         self.max_num_batched_tokens = max_num_batched_tokens
         self._gen = torch.Generator().manual_seed(int(seed))
         self._ids = itertools.count()
@@ -240,8 +260,13 @@ class LLMEngine:
         request_id: str | None = None,
         *,
         stop: Callable[[list[int]], bool] | None = None,
+        forced_tokens: Sequence[int] | None = None,
     ) -> str:
         """Queue a request; returns its id. ``prompt`` is text or token ids.
+
+        ``forced_tokens`` (teacher forcing, for evaluation): the request's i-th token is
+        ``forced_tokens[i]`` instead of a sample, as long as there are any; the logits are still
+        computed and shown to the recorder.
 
         ``stop(generated)``, if given, is called after every token with the token ids generated so
         far; True ends the request there (finish reason ``"stop"``, the token kept).
@@ -270,7 +295,14 @@ class LLMEngine:
         if rid in self._by_id:
             raise ConfigError(f"request_id {rid!r} is already in use; pass a unique id")
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        seq = _Seq(rid, _Request(id=n, prompt=ids, max_new_tokens=params.max_tokens), params, gen, stop)
+        forced = None
+        if forced_tokens is not None:
+            forced = prompt_token_ids(
+                list(forced_tokens), None, self.model.config.vocab_size, "forced_tokens"
+            )
+        seq = _Seq(
+            rid, _Request(id=n, prompt=ids, max_new_tokens=params.max_tokens), params, gen, stop, forced
+        )
         self._waiting.append(seq)
         self._by_id[rid] = seq
         return rid
@@ -349,8 +381,9 @@ class LLMEngine:
                 continue
             r.metrics.prompt_tokens = len(r.prompt)
             r.metrics.prefill_s = time.perf_counter() - t0
-            bad = not bool(torch.isfinite(logits).all())
-            self._accept(seq, None if bad else self._sample(seq, logits.unsqueeze(0))[0])
+            if self.recorder is not None:
+                self.recorder.on_step(StepInfo("prefill", [seq.request_id], logits.unsqueeze(0), [None]))
+            self._accept(seq, self._sample(seq, logits.unsqueeze(0))[0])
             if r.finish_reason is None:
                 self._running.append(seq)
 
@@ -359,7 +392,10 @@ class LLMEngine:
         running = self._running
         reqs = [s.req for s in running]
         t0 = time.perf_counter()
+        drafts = [r.draft for r in reqs] if eng.rows == 2 else [None] * len(reqs)
         logits = eng.decode_step(reqs)
+        if self.recorder is not None:
+            self.recorder.on_step(StepInfo("decode", [s.request_id for s in running], logits, drafts))
         toks = self._sample_batch(running, logits)
         dt = time.perf_counter() - t0
         still = []
@@ -382,8 +418,11 @@ class LLMEngine:
         greedy = torch.stack([logits.argmax(dim=-1), finite.long()]).tolist()
         out: list[int | None] = []
         for i, seq in enumerate(seqs):
+            made = len(seq.req.tokens) - len(seq.req.prompt)
             if not greedy[1][i]:
                 out.append(None)
+            elif seq.forced is not None and made < len(seq.forced):
+                out.append(seq.forced[made])
             elif seq.params.temperature <= 0.0:
                 out.append(greedy[0][i])
             else:
