@@ -358,3 +358,98 @@ def test_forced_tokens_and_the_step_recorder(model):
     assert seen[0][3] == [None] and all(isinstance(d[0], int) for *_, d in seen[1:])
     with pytest.raises(errors.ConfigError, match="forced_tokens"):
         eng.add_request([1, 2], forced_tokens=[1.5])
+
+
+def test_prefill_in_chunks_equals_one_forward(model):
+    """Engine.prefill_chunk over a prompt in uneven chunks stores the same KV and gives the same
+    last-position logits as one forward over the whole prompt."""
+    from oasiskv.engine import Engine, _Request
+
+    kv = KvConfig(block_size=16, top_k_blocks=4, sparse_threshold=500)
+    ids = prompt(150, 4)
+    one = Engine(model, kv, "dense", None)
+    r1 = _Request(id=0, prompt=ids, max_new_tokens=4)
+    r1.tokens = list(ids)
+    want = one.prefill(r1)
+    chunked = Engine(model, kv, "dense", None)
+    r2 = _Request(id=0, prompt=ids, max_new_tokens=4)
+    r2.tokens = list(ids)
+    cuts = [0, 1, 17, 32, 33, 100, 150]
+    outs = [chunked.prefill_chunk(r2, a, b) for a, b in zip(cuts, cuts[1:], strict=False)]
+    assert all(o is None for o in outs[:-1])
+    torch.testing.assert_close(outs[-1], want, atol=1e-5, rtol=1e-5)
+    for layer in range(model.config.num_hidden_layers):
+        p1, p2 = one.pools, chunked.pools
+        for a, b in ((p1.k_pages, p2.k_pages), (p1.v_pages, p2.v_pages)):
+            torch.testing.assert_close(a[layer][r1.pages], b[layer][r2.pages], atol=1e-5, rtol=1e-5)
+    with pytest.raises(errors.ConfigError, match="chunk"):
+        chunked.prefill_chunk(r2, 10, 5)
+
+
+def test_a_long_prompt_is_prefilled_between_decode_steps(model):
+    """With a budget of 32 prompt tokens per step, a 200-token prompt arriving while another
+    request decodes is prefilled over 7 steps, and the running request gets a token in every one
+    of them (no stall); both equal their runs alone."""
+    kv = KvConfig(**README_KV)
+    eng = LLMEngine(model, kv=kv, drafter="ngram", max_num_batched_tokens=32)
+    a = eng.add_request(prompt(20, 1), SamplingParams(max_tokens=30, ignore_eos=True))
+    eng.step()
+    b = eng.add_request(prompt(200, 2), SamplingParams(max_tokens=5, ignore_eos=True))
+    made_a, steps_b = [], 0
+    outs = {}
+    while eng.has_unfinished_requests():
+        step = {o.request_id: o for o in eng.step()}
+        outs.update({k: o for k, o in step.items() if o.finished})
+        if b not in step and b not in outs:
+            steps_b += 1
+        if a in step:
+            made_a.append(len(step[a].new_token_ids))
+    assert steps_b == 6  # 200 tokens / 32 per step: 6 steps without a token, the 7th gives one
+    assert all(m == 1 for m in made_a)
+    for rid, ids, new in ((a, prompt(20, 1), 30), (b, prompt(200, 2), 5)):
+        assert outs[rid].token_ids == run_alone(model, ids, new, kv=kv, drafter="ngram")
+    assert pools_are_full(eng)
+
+
+def test_abort_while_prefilling(model):
+    eng = LLMEngine(model, kv=KvConfig(**README_KV), max_num_batched_tokens=16)
+    rid = eng.add_request(prompt(100, 1), SamplingParams(max_tokens=5))
+    eng.step()
+    assert eng.num_running == 1 and eng.engine.runtime.num_requests == 1
+    eng.abort_request(rid)
+    (out,) = eng.step()
+    assert out.finish_reason == "abort" and out.token_ids == []
+    assert pools_are_full(eng)
+
+
+def test_eagle3_head_fed_in_chunks_drafts_as_in_one_forward():
+    from oasiskv.models.eagle3 import Eagle3Head
+
+    cfg = ModelConfig(
+        family="llama",
+        vocab_size=257,
+        hidden_size=96,
+        intermediate_size=160,
+        num_hidden_layers=8,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+    )
+    m = CausalLM.random(cfg, seed=4)
+    head = Eagle3Head.random(cfg, draft_vocab_size=64, seed=5)
+    kv = KvConfig(block_size=16, top_k_blocks=32, fetch_cap=4, sparse_threshold=64)
+    ids = prompt(150, 3, vocab=257)
+    toks = []
+    for budget in (8192, 40):
+        eng = LLMEngine(m, kv=kv, drafter=oasiskv.Eagle3Drafter(head, m), max_num_batched_tokens=budget)
+        drafts = []
+
+        class Rec:
+            def on_step(self, info, drafts=drafts):
+                drafts.extend(info.drafts)
+
+        eng.recorder = Rec()
+        rid = eng.add_request(ids, SamplingParams(max_tokens=6, ignore_eos=True))
+        toks.append((eng.run_to_completion([rid])[rid].token_ids, drafts))
+    assert toks[0] == toks[1]

@@ -685,6 +685,73 @@ class Engine:
         self._take_features(r, feats)
         return logits[0]
 
+    @torch.no_grad()
+    def prefill_chunk(self, r: _Request, start: int, end: int) -> torch.Tensor | None:
+        """Prefill prompt positions ``start .. end - 1`` (chunked prefill): the chunk's queries
+        attend to the prompt's KV stored by earlier chunks (read back from its pages) and to the
+        chunk itself, causally; the chunk's KV goes to its pages. Chunks must come in order and
+        cover the prompt. Returns the last prompt position's logits after the final chunk, else
+        None. The first chunk admits ``r`` (:meth:`admit`); a failure releases it. A chunk that is
+        the whole prompt is :meth:`prefill` (which may use the :class:`PrefillCache`)."""
+        n = len(r.prompt)
+        if not 0 <= start < end <= n:
+            raise ConfigError(f"prefill_chunk({start}, {end}) is not a chunk of a {n}-token prompt")
+        if start == 0 and end == n:
+            return self.prefill(r)
+        if start == 0 and r.runtime is None:
+            self.admit(r)
+        try:
+            return self._prefill_chunk(r, start, end)
+        except BaseException:
+            self.release(r)
+            raise
+
+    def _prefill_chunk(self, r: _Request, start: int, end: int) -> torch.Tensor | None:
+        from .models.transformer import causal_attention
+
+        p, dev = self.pools, self.device
+        self._join_background()
+        b, n = self.kv.block_size, len(r.prompt)
+        hk, d = self.geo.num_kv_heads, self.geo.head_dim
+        scale = d**-0.5
+        layers = self.cfg.num_hidden_layers
+        pages = torch.tensor(r.pages, dtype=torch.long, device=dev)
+        pos = torch.arange(start, end, device=dev)
+        page_of, off = pages[pos // b], pos % b
+        prev = math.ceil(start / b)  # pages holding the prefix
+        final = end == n
+        if start == 0:
+            r.pred = [None] * layers
+
+        def attn(layer, q, k, v):
+            k_all, v_all = k, v
+            if start:
+                kp = p.k_pages[layer][pages[:prev]].transpose(1, 2).reshape(prev * b, hk, d)[:start]
+                vp = p.v_pages[layer][pages[:prev]].transpose(1, 2).reshape(prev * b, hk, d)[:start]
+                k_all = torch.cat([kp.to(k.dtype), k])
+                v_all = torch.cat([vp.to(v.dtype), v])
+            o = causal_attention(q, k_all, v_all, scale)
+            p.k_pages[layer][page_of, :, off] = k.to(self.dtype)
+            p.v_pages[layer][page_of, :, off] = v.to(self.dtype)
+            if final:
+                self._last_q[layer] = q[-1:].to(self.dtype)
+            return o
+
+        ids = torch.tensor(r.prompt[start:end], dtype=torch.long, device=dev)
+        last = torch.tensor([end - start - 1], device=dev)
+        logits, captured = self.model.forward(ids, pos, attn, logits_rows=last, capture_layers=self.capture)
+        if self.capture:
+            rows = slice(None) if self.prompt_features else slice(-1, None)
+            feats = torch.cat([captured[i][rows] for i in self.capture], dim=-1)
+            if self.prompt_features:
+                self.drafter.feed_prompt(r.id, r.prompt, feats, start)
+            if final:
+                r.features = feats[-1].clone()
+        if final:
+            self._last_row = {r.id: 0}
+            return logits[0]
+        return None
+
     def _take_features(self, r: _Request, feats: torch.Tensor | None) -> None:
         """``r.features`` := the last prompt position's features; a drafter that wants them gets
         every position's (``feats`` [n, width], or None when nothing is captured)."""

@@ -12,10 +12,11 @@ Names follow vLLM where they fit::
 waiting requests are admitted first come, first served while a seat is free (``max_num_seqs``)
 and their *peak* KV need in both tiers fits beside the reservations of the running requests
 (``oasis-runtime``'s admission); a request that does not fit waits, and so do the ones behind it
-(no overtaking, so a long request is never starved). Admitted requests are prefilled (dense, one
-forward per prompt) up to ``max_num_batched_tokens`` prompt tokens per step (at least one prompt),
-so a burst of long prompts does not stall the running decodes for all of their length; then
-every running request decodes one token. Because admission reserves the peak, a running request
+(no overtaking, so a long request is never starved). Prompts are prefilled densely, in chunks:
+each step spends at most ``max_num_batched_tokens`` prompt tokens, first on the prompts already
+being prefilled, then on newly admitted ones, so a long prompt (or a burst of them) does not stall
+the running decodes for its whole length; then every running request decodes one token. A chunk
+attends to the KV the earlier chunks stored and to itself. Because admission reserves the peak, a running request
 never fails for lack of blocks and nothing is ever preempted; past the budget, requests wait.
 
 **Failures stay per request.** A request whose prefill runs out of memory, or whose logits turn
@@ -134,6 +135,7 @@ class _Seq:
     stop: Callable[[list[int]], bool] | None = None
     forced: list[int] | None = None
     error: str | None = None
+    prefilled: int = 0  # prompt tokens prefilled so far
     new: list[int] = field(default_factory=list)
 
 
@@ -180,7 +182,8 @@ class LLMEngine:
         gpu_kv_budget_bytes: the most bytes of GPU KV pages (all layers); emulates a smaller GPU.
             ``None``: 40 % of the device's free memory when the engine starts.
         host_kv_budget_bytes: the most bytes of the host pool. ``None``: 40 % of free RAM.
-        max_num_batched_tokens: prompt tokens prefilled per step (at least one prompt).
+        max_num_batched_tokens: prompt tokens prefilled per step (chunked prefill); a prompt
+            longer than this takes several steps, interleaved with the decode steps.
         seed: seeds the generator of requests whose :class:`SamplingParams` has no seed.
         policy: a :class:`~oasiskv.policy.SelectionPolicy` (evaluation: the Quest-like ideal).
     """
@@ -198,7 +201,7 @@ class LLMEngine:
         max_num_seqs: int = 64,
         gpu_kv_budget_bytes: int | None = None,
         host_kv_budget_bytes: int | None = None,
-        max_num_batched_tokens: int = 16384,
+        max_num_batched_tokens: int = 8192,
         prefill_cache: PrefillCache | None = None,
         seed: int = 0,
         policy=None,
@@ -248,6 +251,7 @@ class LLMEngine:
         self._gen = torch.Generator().manual_seed(int(seed))
         self._ids = itertools.count()
         self._waiting: deque[_Seq] = deque()
+        self._prefilling: list[_Seq] = []  # admitted, prompt partly prefilled
         self._running: list[_Seq] = []
         self._done: list[_Seq] = []  # finished outside step() (aborts), reported by the next step
         self._by_id: dict[str, _Seq] = {}
@@ -313,26 +317,28 @@ class LLMEngine:
         seq = self._by_id.get(request_id)
         if seq is None or seq.req.finish_reason is not None:
             return
-        if seq in self._waiting:
-            self._waiting.remove(seq)
-        else:
-            self._running.remove(seq)
+        for queue in (self._waiting, self._prefilling, self._running):
+            if seq in queue:
+                queue.remove(seq)
+                break
         self._finish(seq, "abort")
         self._done.append(seq)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._waiting or self._running or self._done)
+        return bool(self._waiting or self._prefilling or self._running or self._done)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._waiting) + len(self._running)
+        return len(self._waiting) + len(self._prefilling) + len(self._running)
 
     @property
     def num_waiting(self) -> int:
+        """Requests not admitted yet."""
         return len(self._waiting)
 
     @property
     def num_running(self) -> int:
-        return len(self._running)
+        """Admitted requests: decoding, or with their prompt partly prefilled."""
+        return len(self._running) + len(self._prefilling)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
@@ -340,7 +346,7 @@ class LLMEngine:
         every request that made a token or finished in this step."""
         touched: list[_Seq] = list(self._done)
         self._done.clear()
-        self._admit_waiting(touched)
+        self._prefill(touched)
         if self._running:
             self._decode(touched)
         out = []
@@ -355,35 +361,50 @@ class LLMEngine:
                 self._by_id.pop(seq.request_id, None)
         return out
 
-    def _admit_waiting(self, touched: list[_Seq]) -> None:
+    def _prefill(self, touched: list[_Seq]) -> None:
+        """Spend this step's prompt-token budget: first on the prompts being prefilled (in
+        admission order), then on waiting requests admitted first come, first served while a seat
+        is free and their peak KV need fits. A prompt longer than what is left of the budget is
+        prefilled in chunks over the next steps, between decode steps."""
         eng = self.engine
         budget = self.max_num_batched_tokens
-        first = True
-        while self._waiting and len(self._running) < self.max_num_seqs:
-            seq = self._waiting[0]
+        queue = list(self._prefilling)
+        while budget > 0:
+            if queue:
+                seq = queue.pop(0)
+            elif self._waiting and len(self._running) + len(self._prefilling) < self.max_num_seqs:
+                seq = self._waiting[0]
+                if not eng.can_admit(len(seq.req.prompt), seq.req.max_new_tokens):
+                    break  # it waits, and so does everyone behind it (no overtaking)
+                self._waiting.popleft()
+                self._prefilling.append(seq)
+                if self.drafter is not None:
+                    self.drafter.begin(seq.req.id, seq.req.prompt)
+                seq.req.tokens = list(seq.req.prompt)
+            else:
+                break
             r = seq.req
-            if not first and len(r.prompt) > budget:
-                break
-            if not eng.can_admit(len(r.prompt), r.max_new_tokens):
-                break
-            self._waiting.popleft()
-            first = False
-            budget -= len(r.prompt)
-            touched.append(seq)
-            if self.drafter is not None:
-                self.drafter.begin(r.id, r.prompt)
+            start = seq.prefilled
+            end = min(len(r.prompt), start + budget)
+            budget -= end - start
             t0 = time.perf_counter()
-            r.tokens = list(r.prompt)
             try:
-                logits = eng.prefill(r)
+                logits = eng.prefill_chunk(r, start, end)
             except (OasisError, torch.OutOfMemoryError) as e:
+                self._prefilling.remove(seq)
                 self._finish(seq, "error", f"prefill failed: {e}")
+                touched.append(seq)
                 continue
+            seq.prefilled = end
+            r.metrics.prefill_s += time.perf_counter() - t0
+            if logits is None:
+                continue  # more of the prompt next step
+            self._prefilling.remove(seq)
             r.metrics.prompt_tokens = len(r.prompt)
-            r.metrics.prefill_s = time.perf_counter() - t0
             if self.recorder is not None:
                 self.recorder.on_step(StepInfo("prefill", [seq.request_id], logits.unsqueeze(0), [None]))
             self._accept(seq, self._sample(seq, logits.unsqueeze(0))[0])
+            touched.append(seq)
             if r.finish_reason is None:
                 self._running.append(seq)
 
