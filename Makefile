@@ -65,6 +65,7 @@ fmt: $(STAMP) ## format Rust and Python
 
 bench: $(BUILD_STAMP) ## criterion benches of the Rust core
 	cargo bench -p oasis-core
+	cargo bench -p oasis-runtime
 
 device: ## build the abi3 wheel and run GPU tests + kernel bench on the device (see scripts/device.sh)
 	bash scripts/device.sh build
