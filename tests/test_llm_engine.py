@@ -453,3 +453,22 @@ def test_eagle3_head_fed_in_chunks_drafts_as_in_one_forward():
         rid = eng.add_request(ids, SamplingParams(max_tokens=6, ignore_eos=True))
         toks.append((eng.run_to_completion([rid])[rid].token_ids, drafts))
     assert toks[0] == toks[1]
+
+
+def test_pool_growth_is_checked_against_free_memory(model, monkeypatch):
+    """Pools grow only after a check of their bytes against the free memory: past it, the request
+    that needed them finishes with an error naming the sizes, and the engine goes on."""
+    import oasiskv.memory as memory
+
+    kv = KvConfig(**README_KV)
+    eng = LLMEngine(model, kv=kv, gpu_kv_budget_bytes=1 << 40, host_kv_budget_bytes=1 << 40)
+    small = eng.add_request([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert eng.run_to_completion([small])[small].finish_reason == "length"
+    monkeypatch.setattr(memory, "available_bytes", lambda device="cpu": 4096)
+    big = eng.add_request(prompt(400, 1), SamplingParams(max_tokens=2, ignore_eos=True))
+    out = eng.run_to_completion([big])[big]
+    assert out.finish_reason == "error" and "page pool" in out.error and "free" in out.error
+    monkeypatch.undo()
+    again = eng.add_request([4, 5, 6], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert eng.run_to_completion([again])[again].finish_reason == "length"
+    assert pools_are_full(eng)
