@@ -3,7 +3,8 @@
 //! must be one of [`HEADERS`]).
 //!
 //! Entry points are `extern "C"` and named `<verb>_<object>_<dtype>`; each kernel family exists
-//! for bf16, f16 and f32 storage (the dtype-free ones carry the dtype of their tables).
+//! for bf16, f16 and f32 storage (the dtype-free ones carry the dtype of their tables). Each takes
+//! one parameter, its struct of `oasis_params.cuh` ([`crate::params`]).
 
 /// One kernel source file and the `extern "C"` kernels it defines.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -19,10 +20,16 @@ pub struct KernelSource {
 }
 
 /// Headers handed to NVRTC with every program: (include name, contents).
-pub const HEADERS: &[(&str, &str)] = &[(
-    "oasis_common.cuh",
-    include_str!("../../../cuda/oasis_common.cuh"),
-)];
+pub const HEADERS: &[(&str, &str)] = &[
+    (
+        "oasis_common.cuh",
+        include_str!("../../../cuda/oasis_common.cuh"),
+    ),
+    (
+        "oasis_params.cuh",
+        include_str!("../../../cuda/oasis_params.cuh"),
+    ),
+];
 
 /// Every kernel source, in dependency-free order.
 pub const SOURCES: &[KernelSource] = &[

@@ -1,9 +1,9 @@
 //! # oasis-cuda
 //!
 //! The GPU side of OasisKV. The kernels live in `cuda/*.cu` as plain CUDA C++ (raw pointers and
-//! ints, no framework headers); this crate embeds them, compiles them with NVRTC for the
-//! device's architecture on first use (cached on disk), and launches them on the caller's
-//! stream, inside the caller's (PyTorch's) context.
+//! ints gathered in one parameter struct per kernel, no framework headers); this crate embeds
+//! them, compiles them with NVRTC for the device's architecture on first use (cached on disk),
+//! and launches them on the caller's stream, inside the caller's (PyTorch's) context.
 //!
 //! ```text
 //! cuda/*.cu ──include_str!──▶ kernels (registry: sources, entry points, headers)
@@ -13,7 +13,13 @@
 //!                                 │
 //!                                 ▼
 //!   driver (libcuda, current context, modules) ──▶ ops (one checked wrapper per kernel)
+//!                                                     │ fills
+//!                                                     ▼
+//!            params (one #[repr(C)] struct per kernel = cuda/oasis_params.cuh)
 //! ```
+//!
+//! Every kernel takes one parameter, a struct of `cuda/oasis_params.cuh` passed by value, which
+//! [`params`] mirrors in Rust; `tests/params_layout.rs` checks that the two layouts agree.
 //!
 //! Every kernel has a CPU twin in `oasis_core::kernels` computing the same function with the
 //! same argument layout; the wrappers in [`ops`] take the twins' arguments as [`DevSlice`]s
@@ -51,6 +57,7 @@ pub mod error;
 pub mod kernels;
 pub mod nvrtc;
 pub mod ops;
+pub mod params;
 
 pub use cache::KernelCache;
 pub use driver::{driver_available, Gpu};

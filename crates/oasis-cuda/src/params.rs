@@ -1,0 +1,532 @@
+//! Kernel launch parameters: one `#[repr(C)]` struct per kernel family, the only parameter of
+//! its kernels, mirrored field for field by the C struct of the same name in
+//! `cuda/oasis_params.cuh`.
+//!
+//! ```text
+//! ops::Gpu::append_kv (checks shapes) ──fills──▶ AppendKvParams ──launch(&p)──▶ cuLaunchKernel
+//!                                                      ║ same layout (tests/params_layout.rs)
+//!  append_kv_bf16(const __grid_constant__ oasis::AppendKvParams<oasis::bf16> p)  (cuda/*.cu)
+//! ```
+//!
+//! A launch passes one pointer to the struct (`kernelParams = {&p}`), and the driver copies its
+//! `size_of::<P>()` bytes into the kernel's parameter space. So the two layouts must agree byte
+//! for byte, which nothing at compile time can check across the two languages; instead:
+//!
+//! - [`KernelParams::LAYOUT`] describes each struct (size, alignment, every field's offset, size
+//!   and [`FieldKind`]) from `size_of` / `offset_of!`, and the integration test
+//!   `tests/params_layout.rs` compiles `cuda/oasis_params.cuh` with NVRTC into a probe whose
+//!   `sizeof` / `alignof` / `offsetof` values it reads back from the PTX and compares, field by
+//!   field, with it; it also checks that every entry point takes exactly its struct;
+//! - [`Gpu::launch`](crate::Gpu) only accepts a struct for the kernels its layout names
+//!   ([`ParamsLayout::kernels`]), so a wrapper cannot hand one kernel another kernel's struct.
+//!
+//! Layout rules (both sides): 8-byte pointers ([`DevPtr`]), `i32`, `i64`, `f32` fields only;
+//! pointers first, then 8-byte scalars, then 4-byte ones; no implicit padding (an explicit
+//! `_pad0: i32` where the size would not be a multiple of 8). A pointer field carries its shape
+//! comment; it may be null only where the comment says so.
+
+use cudarc::driver::DeviceRepr;
+
+use crate::ops::DevSlice;
+
+/// A device-visible address as a kernel parameter (`T*` / `const T*` in the C struct): device
+/// memory, or pinned host memory mapped at the same address (UVA). 0 is the null pointer.
+#[repr(transparent)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct DevPtr(pub u64);
+
+impl DevPtr {
+    /// The null pointer, for the fields that allow it.
+    pub const NULL: DevPtr = DevPtr(0);
+}
+
+impl<T> From<DevSlice<T>> for DevPtr {
+    fn from(s: DevSlice<T>) -> Self {
+        DevPtr(s.ptr())
+    }
+}
+
+impl<T> From<Option<DevSlice<T>>> for DevPtr {
+    /// `None` is the null pointer.
+    fn from(s: Option<DevSlice<T>>) -> Self {
+        s.map_or(DevPtr::NULL, DevPtr::from)
+    }
+}
+
+/// The C type of one parameter field, as the layout test compares it (so that an `int` and a
+/// `float` at the same offset are told apart).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FieldKind {
+    /// A pointer (`T*`, `const T*`), [`DevPtr`] in Rust.
+    Ptr,
+    /// `int`, `i32`.
+    I32,
+    /// `long long`, `i64`.
+    I64,
+    /// `float`, `f32`.
+    F32,
+}
+
+/// A Rust type allowed as a parameter field, with its [`FieldKind`].
+pub trait ParamField {
+    /// Its C counterpart.
+    const KIND: FieldKind;
+}
+
+impl ParamField for DevPtr {
+    const KIND: FieldKind = FieldKind::Ptr;
+}
+impl ParamField for i32 {
+    const KIND: FieldKind = FieldKind::I32;
+}
+impl ParamField for i64 {
+    const KIND: FieldKind = FieldKind::I64;
+}
+impl ParamField for f32 {
+    const KIND: FieldKind = FieldKind::F32;
+}
+
+/// One field of a parameter struct.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FieldLayout {
+    /// Field name, the same in Rust and C.
+    pub name: &'static str,
+    /// `offset_of!` in bytes.
+    pub offset: usize,
+    /// `size_of` of the field's type in bytes.
+    pub size: usize,
+    /// The C type it stands for.
+    pub kind: FieldKind,
+}
+
+/// The layout of a parameter struct, as Rust computes it, and the C type it mirrors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ParamsLayout {
+    /// The Rust type name (`"AppendKvParams"`).
+    pub name: &'static str,
+    /// The C type; `T` stands for the storage type of a kernel family
+    /// (`"oasis::AppendKvParams<T>"`: `oasis::bf16`, `oasis::f16` or `float`).
+    pub c_type: &'static str,
+    /// `size_of` in bytes.
+    pub size: usize,
+    /// `align_of` in bytes.
+    pub align: usize,
+    /// Every field, in declaration order.
+    pub fields: &'static [FieldLayout],
+    /// Every entry point that takes this struct as its only parameter.
+    pub kernels: &'static [&'static str],
+}
+
+impl ParamsLayout {
+    /// The C type for the kernel `entry`, with `T` replaced by the storage type its name carries
+    /// (`_bf16` -> `oasis::bf16`, `_f16` -> `oasis::f16`, `_f32` -> `float`).
+    pub fn c_type_for(&self, entry: &str) -> String {
+        if !self.c_type.contains("<T>") {
+            return self.c_type.to_string();
+        }
+        let t = if entry.contains("_bf16") {
+            "oasis::bf16"
+        } else if entry.contains("_f16") {
+            "oasis::f16"
+        } else {
+            "float"
+        };
+        self.c_type.replace("<T>", &format!("<{t}>"))
+    }
+}
+
+/// A kernel parameter struct: what [`Gpu::launch`](crate::Gpu) passes, by one pointer, as the
+/// only parameter of the kernels in `LAYOUT.kernels`.
+///
+/// # Safety
+/// Implementors promise that
+/// 1. the type is `#[repr(C)]`, with the size, alignment and field offsets that [`Self::LAYOUT`]
+///    states, and has no padding bytes (every byte belongs to a field, so every byte the driver
+///    copies is initialised);
+/// 2. its layout is that of the C struct `LAYOUT.c_type` of `cuda/oasis_params.cuh`, and every
+///    kernel in `LAYOUT.kernels` takes exactly one parameter of that C type (checked by
+///    `tests/params_layout.rs`);
+/// 3. every field is plain data (an address, an integer, a float): any bit pattern is a valid
+///    value, and copying the bytes to the device is all a launch needs.
+pub unsafe trait KernelParams: DeviceRepr + Copy + 'static {
+    /// The layout, from `size_of` / `offset_of!`.
+    const LAYOUT: ParamsLayout;
+}
+
+/// Define a parameter struct, its [`KernelParams`] layout and its [`DeviceRepr`] marker. Fields
+/// are `DevPtr`, `i32`, `i64` or `f32` (the [`ParamField`] bound rejects anything else).
+macro_rules! kernel_params {
+    (
+        $(#[$meta:meta])*
+        pub struct $name:ident => $c_type:literal for [$($kernel:literal),+ $(,)?] {
+            $( $(#[$fmeta:meta])* pub $field:ident: $ty:ty, )+
+        }
+    ) => {
+        $(#[$meta])*
+        #[repr(C)]
+        #[derive(Debug, Clone, Copy, Default, PartialEq)]
+        pub struct $name {
+            $( $(#[$fmeta])* pub $field: $ty, )+
+        }
+
+        // SAFETY: #[repr(C)] plain data (DevPtr / i32 / i64 / f32 fields), no padding (checked by
+        // the unit tests of this module), so its bytes are a valid kernel parameter; the C side
+        // is checked by tests/params_layout.rs.
+        unsafe impl DeviceRepr for $name {}
+
+        // SAFETY: LAYOUT is computed from size_of / align_of / offset_of! of this very type;
+        // obligations 1 (no padding) and 2 (the C mirror, the entry points) are checked by the
+        // unit tests below and by tests/params_layout.rs; 3 by the field types.
+        unsafe impl KernelParams for $name {
+            const LAYOUT: ParamsLayout = ParamsLayout {
+                name: stringify!($name),
+                c_type: $c_type,
+                size: std::mem::size_of::<$name>(),
+                align: std::mem::align_of::<$name>(),
+                fields: &[$(FieldLayout {
+                    name: stringify!($field),
+                    offset: std::mem::offset_of!($name, $field),
+                    size: std::mem::size_of::<$ty>(),
+                    kind: <$ty as ParamField>::KIND,
+                }),+],
+                kernels: &[$($kernel),+],
+            };
+        }
+    };
+}
+
+kernel_params! {
+    /// `append_kv_*` (cuda/append_kv.cu): one token per sequence into its page, written through
+    /// to the host pool and the summaries for sparse sequences.
+    pub struct AppendKvParams => "oasis::AppendKvParams<T>"
+        for ["append_kv_bf16", "append_kv_f16", "append_kv_f32"] {
+        pub k_new: DevPtr,          // [num_seqs, num_kv_heads, head_dim]
+        pub v_new: DevPtr,          // [num_seqs, num_kv_heads, head_dim]
+        pub page_ids: DevPtr,       // [num_seqs]
+        pub page_offsets: DevPtr,   // [num_seqs] 0..block_size
+        pub host_block_ids: DevPtr, // [num_seqs] < 0 = dense (no write-through)
+        pub k_pages: DevPtr,        // [num_pages, num_kv_heads, block_size, head_dim]
+        pub v_pages: DevPtr,        // [num_pages, num_kv_heads, block_size, head_dim]
+        pub host_k: DevPtr,         // [num_host_blocks, num_kv_heads, block_size, head_dim] pinned
+        pub host_v: DevPtr,         // [num_host_blocks, num_kv_heads, block_size, head_dim] pinned
+        pub summaries: DevPtr,      // [num_host_blocks, num_kv_heads, 2, head_dim]
+        pub num_kv_heads: i32,
+        pub head_dim: i32,
+        pub block_size: i32,
+        pub num_pages: i32,
+        pub num_host_blocks: i32,
+        pub _pad0: i32,
+    }
+}
+
+kernel_params! {
+    /// `build_summaries_*` (cuda/append_kv.cu): min/max summaries of whole host blocks.
+    pub struct BuildSummariesParams => "oasis::BuildSummariesParams<T>"
+        for ["build_summaries_bf16", "build_summaries_f16", "build_summaries_f32"] {
+        pub host_k: DevPtr,     // [num_host_blocks, num_kv_heads, block_size, head_dim]
+        pub block_ids: DevPtr,  // [n]
+        pub block_lens: DevPtr, // [n] 1..=block_size
+        pub summaries: DevPtr,  // [num_host_blocks, num_kv_heads, 2, head_dim]
+        pub num_kv_heads: i32,
+        pub head_dim: i32,
+        pub block_size: i32,
+        pub num_host_blocks: i32,
+    }
+}
+
+kernel_params! {
+    /// `decode_attn_*` and `decode_attn_tc_*` (cuda/decode_attn.cu; the tensor-core kernels
+    /// ignore `head_dim`, their template parameter, and `tile_tokens`).
+    pub struct DecodeAttnParams => "oasis::DecodeAttnParams<T>"
+        for [
+            "decode_attn_bf16",
+            "decode_attn_f16",
+            "decode_attn_f32",
+            "decode_attn_tc_bf16_d64",
+            "decode_attn_tc_bf16_d128",
+            "decode_attn_tc_bf16_d256",
+            "decode_attn_tc_f16_d64",
+            "decode_attn_tc_f16_d128",
+            "decode_attn_tc_f16_d256",
+        ] {
+        pub q: DevPtr,                // [num_seqs, num_rows, num_qo_heads, head_dim]
+        pub k_pages: DevPtr,          // [num_pages, num_kv_heads, block_size, head_dim]
+        pub v_pages: DevPtr,          // [num_pages, num_kv_heads, block_size, head_dim]
+        pub kv_indptr: DevPtr,        // [num_seqs + 1] CSR over kv_indices
+        pub kv_indices: DevPtr,       // [nnz] GPU page ids, in sequence order
+        pub kv_last_page_len: DevPtr, // [num_seqs] 1..=block_size
+        pub page_map: DevPtr,         // [num_pages, num_kv_heads] or null (every entry valid)
+        pub extra_k: DevPtr,          // [num_seqs, num_kv_heads, head_dim] or null
+        pub extra_v: DevPtr,          // [num_seqs, num_kv_heads, head_dim] or null
+        pub out: DevPtr,              // [num_seqs, num_rows, num_qo_heads, head_dim]
+        pub tmp_out: DevPtr, // [num_seqs, num_rows, num_qo_heads, num_splits, head_dim] or null
+        pub tmp_lse: DevPtr, // [num_seqs, num_rows, num_qo_heads, num_splits] or null
+        pub num_rows: i32,
+        pub num_qo_heads: i32,
+        pub num_kv_heads: i32,
+        pub head_dim: i32,
+        pub block_size: i32,
+        pub num_pages: i32,
+        pub nnz: i32, // kv_indices' length: every kv_indptr row is checked against it
+        pub num_splits: i32,
+        pub tile_tokens: i32, // 1..=32 (generic kernel); 0 for the tensor-core kernels
+        pub sm_scale: f32,
+    }
+}
+
+kernel_params! {
+    /// `merge_attn_states_*` (cuda/decode_attn.cu): the split-KV merge.
+    pub struct MergeAttnStatesParams => "oasis::MergeAttnStatesParams<T>"
+        for ["merge_attn_states_bf16", "merge_attn_states_f16", "merge_attn_states_f32"] {
+        pub tmp_out: DevPtr, // [num_heads_total, num_splits, head_dim] f32
+        pub tmp_lse: DevPtr, // [num_heads_total, num_splits] f32
+        pub out: DevPtr,     // [num_heads_total, head_dim]
+        pub num_splits: i32,
+        pub head_dim: i32,
+    }
+}
+
+kernel_params! {
+    /// `score_blocks_*` (cuda/score_blocks.cu): Quest scores of every listed block summary.
+    pub struct ScoreBlocksParams => "oasis::ScoreBlocksParams<T>"
+        for ["score_blocks_bf16", "score_blocks_f16", "score_blocks_f32"] {
+        pub q: DevPtr,           // [num_seqs, num_qo_heads, head_dim]
+        pub summaries: DevPtr,   // [num_host_blocks, num_kv_heads, 2, head_dim]
+        pub blk_indptr: DevPtr,  // [num_seqs + 1]
+        pub blk_indices: DevPtr, // [nnz]
+        pub scores: DevPtr,      // [nnz, num_kv_heads] f32
+        pub num_seqs: i32,
+        pub nnz: i32,
+        pub num_qo_heads: i32,
+        pub num_kv_heads: i32,
+        pub head_dim: i32,
+        pub num_host_blocks: i32,
+    }
+}
+
+kernel_params! {
+    /// `topk_blocks_f32` (cuda/score_blocks.cu).
+    pub struct TopkBlocksParams => "oasis::TopkBlocksParams" for ["topk_blocks_f32"] {
+        pub scores: DevPtr,     // [nnz, num_kv_heads] f32
+        pub blk_indptr: DevPtr, // [num_seqs + 1]
+        pub out: DevPtr,        // [num_seqs, num_kv_heads, k]
+        pub num_kv_heads: i32,
+        pub nnz: i32,
+        pub k: i32,
+        pub _pad0: i32,
+    }
+}
+
+kernel_params! {
+    /// `delta_select_i32` and `delta_select_warp_i32` (cuda/delta_select.cu; only the warp
+    /// kernel reads `num_seqs`).
+    pub struct DeltaSelectParams => "oasis::DeltaSelectParams"
+        for ["delta_select_i32", "delta_select_warp_i32"] {
+        pub predicted: DevPtr,          // [num_seqs, num_kv_heads, num_pred]
+        pub slot_pages: DevPtr,         // [num_seqs, budget]
+        pub page_map: DevPtr,           // [num_pages, num_kv_heads]
+        pub page_last_selected: DevPtr, // [num_pages, num_kv_heads]
+        pub plan_slots: DevPtr,         // [num_seqs, num_kv_heads, fetch_cap]
+        pub plan_blocks: DevPtr,        // [num_seqs, num_kv_heads, fetch_cap]
+        pub stats: DevPtr,              // [num_seqs, num_kv_heads, 3] or null
+        pub num_kv_heads: i32,
+        pub num_pred: i32,
+        pub budget: i32,
+        pub num_pages: i32,
+        pub step: i32,
+        pub fetch_cap: i32,
+        pub num_seqs: i32,
+        pub _pad0: i32,
+    }
+}
+
+kernel_params! {
+    /// `gather_blocks_*` (cuda/gather_blocks.cu): a selection plan, host pool -> GPU slots.
+    pub struct GatherBlocksParams => "oasis::GatherBlocksParams<T>"
+        for ["gather_blocks_bf16", "gather_blocks_f16", "gather_blocks_f32"] {
+        pub plan_slots: DevPtr,   // [num_seqs, num_kv_heads, fetch_cap]
+        pub plan_blocks: DevPtr,  // [num_seqs, num_kv_heads, fetch_cap]
+        pub slot_pages: DevPtr,   // [num_seqs, budget]
+        pub host_indptr: DevPtr,  // [num_seqs + 1]
+        pub host_indices: DevPtr, // [nnz]
+        pub host_k: DevPtr,       // [num_host_blocks, num_kv_heads, block_size, head_dim] pinned
+        pub host_v: DevPtr,       // [num_host_blocks, num_kv_heads, block_size, head_dim] pinned
+        pub k_pages: DevPtr,      // [num_pages, num_kv_heads, block_size, head_dim]
+        pub v_pages: DevPtr,      // [num_pages, num_kv_heads, block_size, head_dim]
+        pub num_kv_heads: i32,
+        pub fetch_cap: i32,
+        pub budget: i32,
+        pub block_size: i32,
+        pub head_dim: i32,
+        pub num_pages: i32,
+        pub num_host_blocks: i32,
+        pub nnz: i32,
+    }
+}
+
+kernel_params! {
+    /// `copy_pages_*` (cuda/gather_blocks.cu): whole pages between two pools of one geometry.
+    pub struct CopyPagesParams => "oasis::CopyPagesParams<T>"
+        for ["copy_pages_bf16", "copy_pages_f16", "copy_pages_f32"] {
+        pub src_k: DevPtr,   // [num_src_pages, num_kv_heads, block_size, head_dim]
+        pub src_v: DevPtr,   // [num_src_pages, num_kv_heads, block_size, head_dim]
+        pub src_ids: DevPtr, // [n]
+        pub dst_k: DevPtr,   // [num_dst_pages, num_kv_heads, block_size, head_dim]
+        pub dst_v: DevPtr,   // [num_dst_pages, num_kv_heads, block_size, head_dim]
+        pub dst_ids: DevPtr, // [n]
+        pub page_elems: i64, // num_kv_heads * block_size * head_dim
+        pub num_src_pages: i32,
+        pub num_dst_pages: i32,
+    }
+}
+
+/// The layout of every parameter struct, in `cuda/oasis_params.cuh` order.
+pub const ALL: &[ParamsLayout] = &[
+    AppendKvParams::LAYOUT,
+    BuildSummariesParams::LAYOUT,
+    DecodeAttnParams::LAYOUT,
+    MergeAttnStatesParams::LAYOUT,
+    ScoreBlocksParams::LAYOUT,
+    TopkBlocksParams::LAYOUT,
+    DeltaSelectParams::LAYOUT,
+    GatherBlocksParams::LAYOUT,
+    CopyPagesParams::LAYOUT,
+];
+
+/// The parameter struct layout of kernel `entry`, if it has one.
+pub fn layout_of(entry: &str) -> Option<&'static ParamsLayout> {
+    ALL.iter().find(|l| l.kernels.contains(&entry))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The Rust side alone, for the 64-bit targets the kernels run beside: sizes by hand from
+    /// the field lists (8 per pointer / i64, 4 per i32 / f32), alignment 8.
+    #[cfg(target_pointer_width = "64")]
+    #[test]
+    fn sizes_on_64_bit_targets() {
+        use std::mem::{align_of, size_of};
+        assert_eq!(size_of::<DevPtr>(), 8);
+        assert_eq!(size_of::<AppendKvParams>(), 10 * 8 + 6 * 4);
+        assert_eq!(size_of::<BuildSummariesParams>(), 4 * 8 + 4 * 4);
+        assert_eq!(size_of::<DecodeAttnParams>(), 12 * 8 + 10 * 4);
+        assert_eq!(size_of::<MergeAttnStatesParams>(), 3 * 8 + 2 * 4);
+        assert_eq!(size_of::<ScoreBlocksParams>(), 5 * 8 + 6 * 4);
+        assert_eq!(size_of::<TopkBlocksParams>(), 3 * 8 + 4 * 4);
+        assert_eq!(size_of::<DeltaSelectParams>(), 7 * 8 + 8 * 4);
+        assert_eq!(size_of::<GatherBlocksParams>(), 9 * 8 + 8 * 4);
+        assert_eq!(size_of::<CopyPagesParams>(), 7 * 8 + 2 * 4);
+        assert_eq!(align_of::<DecodeAttnParams>(), 8);
+        assert_eq!(std::mem::offset_of!(DecodeAttnParams, sm_scale), 132);
+        assert_eq!(std::mem::offset_of!(CopyPagesParams, page_elems), 48);
+        for l in ALL {
+            assert_eq!(l.align, 8, "{}", l.name);
+            assert_eq!(l.size % 8, 0, "{}", l.name);
+            // CUDA's limit for kernel parameters is 4 KiB; stay far below it.
+            assert!(l.size <= 256, "{}: {} bytes", l.name, l.size);
+        }
+    }
+
+    /// No implicit padding anywhere: the fields tile the struct exactly, in declaration order,
+    /// each at an offset aligned to its size, and the layout rules (pointers, then 8-byte, then
+    /// 4-byte scalars) hold. Every byte a launch copies is then a field's.
+    #[test]
+    fn fields_tile_each_struct() {
+        for l in ALL {
+            let mut at = 0;
+            let mut last_size = 8;
+            let mut seen_scalar = false;
+            for f in l.fields {
+                assert_eq!(f.offset, at, "{}.{}: padding before it", l.name, f.name);
+                assert_eq!(f.offset % f.size, 0, "{}.{}: misaligned", l.name, f.name);
+                let size = match f.kind {
+                    FieldKind::Ptr | FieldKind::I64 => 8,
+                    FieldKind::I32 | FieldKind::F32 => 4,
+                };
+                assert_eq!(f.size, size, "{}.{}", l.name, f.name);
+                assert!(
+                    size <= last_size,
+                    "{}.{}: 8-byte after 4-byte",
+                    l.name,
+                    f.name
+                );
+                let is_ptr = f.kind == FieldKind::Ptr;
+                assert!(
+                    !(is_ptr && seen_scalar),
+                    "{}.{}: pointer after a scalar",
+                    l.name,
+                    f.name
+                );
+                seen_scalar |= !is_ptr;
+                last_size = size;
+                at += f.size;
+            }
+            assert_eq!(at, l.size, "{}: tail padding", l.name);
+            for f in l.fields.iter().filter(|f| f.name.starts_with("_pad")) {
+                assert_eq!(f.kind, FieldKind::I32, "{}.{}", l.name, f.name);
+            }
+        }
+    }
+
+    /// Every registered entry point has exactly one parameter struct, and every struct names
+    /// only registered entry points.
+    #[test]
+    fn every_kernel_has_one_params_struct() {
+        for src in crate::kernels::SOURCES {
+            for entry in src.entry_points {
+                let n = ALL.iter().filter(|l| l.kernels.contains(entry)).count();
+                assert_eq!(n, 1, "{entry} is named by {n} parameter structs");
+            }
+        }
+        for l in ALL {
+            for k in l.kernels {
+                assert!(
+                    crate::kernels::source_of(k).is_some(),
+                    "{}: {k} is not registered",
+                    l.name
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn c_type_per_entry() {
+        let l = &AppendKvParams::LAYOUT;
+        assert_eq!(
+            l.c_type_for("append_kv_bf16"),
+            "oasis::AppendKvParams<oasis::bf16>"
+        );
+        assert_eq!(
+            l.c_type_for("append_kv_f16"),
+            "oasis::AppendKvParams<oasis::f16>"
+        );
+        assert_eq!(
+            l.c_type_for("append_kv_f32"),
+            "oasis::AppendKvParams<float>"
+        );
+        assert_eq!(
+            DecodeAttnParams::LAYOUT.c_type_for("decode_attn_tc_f16_d128"),
+            "oasis::DecodeAttnParams<oasis::f16>"
+        );
+        assert_eq!(
+            TopkBlocksParams::LAYOUT.c_type_for("topk_blocks_f32"),
+            "oasis::TopkBlocksParams"
+        );
+        assert_eq!(
+            layout_of("delta_select_warp_i32").map(|l| l.name),
+            Some("DeltaSelectParams")
+        );
+        assert!(layout_of("no_such_kernel").is_none());
+    }
+
+    #[test]
+    fn dev_ptrs_from_slices() {
+        // SAFETY: never dereferenced; only the address is read.
+        let s = unsafe { DevSlice::<f32>::from_raw(0x1000, 4) };
+        assert_eq!(DevPtr::from(s), DevPtr(0x1000));
+        assert_eq!(DevPtr::from(Some(s)), DevPtr(0x1000));
+        assert_eq!(DevPtr::from(None::<DevSlice<f32>>), DevPtr::NULL);
+    }
+}

@@ -1,0 +1,188 @@
+// oasis_params.cuh — the launch parameters of every OasisKV kernel: one struct per kernel family,
+// passed by value as the kernel's only parameter:
+//
+//     extern "C" __global__ void k(const __grid_constant__ FooParams<T> p)
+//
+// `__grid_constant__` (sm_70+) lets the kernel read the fields in place from the parameter bank
+// instead of copying the struct to local memory first; the entry points only unpack the fields
+// into the `*_impl` device functions, whose code did not change when the parameters became
+// structs. The launch copies the struct's bytes (at most 4 KiB of kernel parameters).
+//
+// Each struct is mirrored field for field by a `#[repr(C)]` struct of oasis_cuda::params, which
+// the launch wrappers fill. The two must have the same layout: the Rust test
+// crates/oasis-cuda/tests/params_layout.rs compiles this header with NVRTC and compares sizeof,
+// alignof and every field's offsetof, size and kind with std::mem::size_of / offset_of!, and
+// checks that every entry point takes exactly its struct. So: add, remove or reorder a field here
+// and in params.rs together, and run `make test-rust`.
+//
+// Rules that keep the layout the same in both languages:
+// - only 8-byte pointers (`const T*` / `T*`, a u64 `DevPtr` in Rust), `int` (i32), `long long`
+//   (i64) and `float` (f32) fields;
+// - pointers first, then 8-byte scalars, then 4-byte ones;
+// - no implicit padding: a struct whose 4-byte fields leave its size off a multiple of 8 ends
+//   with an explicit `int _pad0` (Rust: `_pad0: i32`, always 0).
+// A pointer field carries its shape; null is allowed only where its comment says so.
+//
+// Plain C++ with no include (the kernels' storage types are template parameters), so that a
+// probe program can include it alone.
+#pragma once
+
+namespace oasis {
+
+// append_kv_* (cuda/append_kv.cu): one token per sequence into its page, written through to the
+// host pool and the summaries for sparse sequences.
+template <typename T>
+struct AppendKvParams {
+    const T* k_new;            // [num_seqs, num_kv_heads, head_dim]
+    const T* v_new;            // [num_seqs, num_kv_heads, head_dim]
+    const int* page_ids;       // [num_seqs]
+    const int* page_offsets;   // [num_seqs] 0..block_size
+    const int* host_block_ids; // [num_seqs] < 0 = dense (no write-through)
+    T* k_pages;                // [num_pages, num_kv_heads, block_size, head_dim]
+    T* v_pages;                // [num_pages, num_kv_heads, block_size, head_dim]
+    T* host_k;                 // [num_host_blocks, num_kv_heads, block_size, head_dim] pinned host, UVA
+    T* host_v;                 // [num_host_blocks, num_kv_heads, block_size, head_dim] pinned host, UVA
+    T* summaries;              // [num_host_blocks, num_kv_heads, 2, head_dim] row 0 min, row 1 max
+    int num_kv_heads;
+    int head_dim;
+    int block_size;
+    int num_pages;
+    int num_host_blocks;
+    int _pad0;
+};
+
+// build_summaries_* (cuda/append_kv.cu): min/max summaries of whole host blocks.
+template <typename T>
+struct BuildSummariesParams {
+    const T* host_k;       // [num_host_blocks, num_kv_heads, block_size, head_dim] pinned host (UVA) or device
+    const int* block_ids;  // [n]
+    const int* block_lens; // [n] 1..=block_size
+    T* summaries;          // [num_host_blocks, num_kv_heads, 2, head_dim]
+    int num_kv_heads;
+    int head_dim;
+    int block_size;
+    int num_host_blocks;
+};
+
+// decode_attn_* and decode_attn_tc_* (cuda/decode_attn.cu; the tensor-core kernels ignore
+// head_dim, a template parameter there, and tile_tokens).
+template <typename T>
+struct DecodeAttnParams {
+    const T* q;                  // [num_seqs, num_rows, num_qo_heads, head_dim]
+    const T* k_pages;            // [num_pages, num_kv_heads, block_size, head_dim]
+    const T* v_pages;            // [num_pages, num_kv_heads, block_size, head_dim]
+    const int* kv_indptr;        // [num_seqs + 1] CSR over kv_indices
+    const int* kv_indices;       // [nnz] GPU page ids, in sequence order
+    const int* kv_last_page_len; // [num_seqs] 1..=block_size valid tokens of the last page
+    const int* page_map;         // [num_pages, num_kv_heads] logical block held, < 0 empty; or null
+    const T* extra_k;            // [num_seqs, num_kv_heads, head_dim] or null
+    const T* extra_v;            // [num_seqs, num_kv_heads, head_dim] or null
+    T* out;                      // [num_seqs, num_rows, num_qo_heads, head_dim] (num_splits == 1)
+    float* tmp_out;              // [num_seqs, num_rows, num_qo_heads, num_splits, head_dim] (num_splits > 1; else null)
+    float* tmp_lse;              // [num_seqs, num_rows, num_qo_heads, num_splits] (num_splits > 1; else null)
+    int num_rows;
+    int num_qo_heads;
+    int num_kv_heads;
+    int head_dim;
+    int block_size;
+    int num_pages;
+    int nnz;                     // kv_indices' length: every kv_indptr row is checked against it
+    int num_splits;
+    int tile_tokens;             // 1..=32 (generic kernel); 0 for the tensor-core kernels
+    float sm_scale;
+};
+
+// merge_attn_states_* (cuda/decode_attn.cu): the split-KV merge.
+template <typename T>
+struct MergeAttnStatesParams {
+    const float* tmp_out; // [num_heads_total, num_splits, head_dim]
+    const float* tmp_lse; // [num_heads_total, num_splits]
+    T* out;               // [num_heads_total, head_dim]
+    int num_splits;
+    int head_dim;
+};
+
+// score_blocks_* (cuda/score_blocks.cu): Quest scores of every listed block summary.
+template <typename T>
+struct ScoreBlocksParams {
+    const T* q;             // [num_seqs, num_qo_heads, head_dim] (the lookahead row)
+    const T* summaries;     // [num_host_blocks, num_kv_heads, 2, head_dim]
+    const int* blk_indptr;  // [num_seqs + 1]
+    const int* blk_indices; // [nnz] host block of each logical block, logical order
+    float* scores;          // [nnz, num_kv_heads]
+    int num_seqs;
+    int nnz;
+    int num_qo_heads;
+    int num_kv_heads;
+    int head_dim;
+    int num_host_blocks;
+};
+
+// topk_blocks_f32 (cuda/score_blocks.cu).
+struct TopkBlocksParams {
+    const float* scores;   // [nnz, num_kv_heads]
+    const int* blk_indptr; // [num_seqs + 1]; a malformed row has no blocks
+    int* out;              // [num_seqs, num_kv_heads, k]
+    int num_kv_heads;
+    int nnz;
+    int k;
+    int _pad0;
+};
+
+// delta_select_i32 and delta_select_warp_i32 (cuda/delta_select.cu; only the warp kernel reads
+// num_seqs, the other has one thread block per (sequence, KV head)).
+struct DeltaSelectParams {
+    const int* predicted;    // [num_seqs, num_kv_heads, num_pred] logical blocks, best first, < 0 = none
+    const int* slot_pages;   // [num_seqs, budget] GPU page of each slot
+    int* page_map;           // [num_pages, num_kv_heads] logical block held, < 0 = empty
+    int* page_last_selected; // [num_pages, num_kv_heads] step last selected
+    int* plan_slots;         // [num_seqs, num_kv_heads, fetch_cap] victim slot or -1
+    int* plan_blocks;        // [num_seqs, num_kv_heads, fetch_cap] missing block or -1
+    int* stats;              // [num_seqs, num_kv_heads, 3] (pairs, kept, missing) or null
+    int num_kv_heads;
+    int num_pred;
+    int budget;
+    int num_pages;
+    int step;
+    int fetch_cap;
+    int num_seqs;
+    int _pad0;
+};
+
+// gather_blocks_* (cuda/gather_blocks.cu): a selection plan, host pool -> GPU slots.
+template <typename T>
+struct GatherBlocksParams {
+    const int* plan_slots;   // [num_seqs, num_kv_heads, fetch_cap] slot index or < 0
+    const int* plan_blocks;  // [num_seqs, num_kv_heads, fetch_cap] logical block
+    const int* slot_pages;   // [num_seqs, budget]
+    const int* host_indptr;  // [num_seqs + 1] CSR over host_indices, checked per row
+    const int* host_indices; // [nnz] host block of each logical block of each sequence
+    const T* host_k;         // [num_host_blocks, num_kv_heads, block_size, head_dim] pinned host, UVA
+    const T* host_v;         // [num_host_blocks, num_kv_heads, block_size, head_dim] pinned host, UVA
+    T* k_pages;              // [num_pages, num_kv_heads, block_size, head_dim]
+    T* v_pages;              // [num_pages, num_kv_heads, block_size, head_dim]
+    int num_kv_heads;
+    int fetch_cap;
+    int budget;
+    int block_size;
+    int head_dim;
+    int num_pages;
+    int num_host_blocks;
+    int nnz;
+};
+
+// copy_pages_* (cuda/gather_blocks.cu): whole pages between two pools of one page geometry.
+template <typename T>
+struct CopyPagesParams {
+    const T* src_k;       // [num_src_pages, num_kv_heads, block_size, head_dim]
+    const T* src_v;       // [num_src_pages, num_kv_heads, block_size, head_dim]
+    const int* src_ids;   // [n]
+    T* dst_k;             // [num_dst_pages, num_kv_heads, block_size, head_dim] (may be pinned host, UVA)
+    T* dst_v;             // [num_dst_pages, num_kv_heads, block_size, head_dim]
+    const int* dst_ids;   // [n]
+    long long page_elems; // num_kv_heads * block_size * head_dim
+    int num_src_pages;
+    int num_dst_pages;
+};
+
+}  // namespace oasis
