@@ -5,6 +5,7 @@
 // Table entries out of range are skipped here (the wrappers cannot read device tables without a
 // host synchronisation); the CPU twins reject them. Two sequences naming the same slot race.
 #include "oasis_common.cuh"
+#include "oasis_params.cuh"
 
 namespace oasis {
 
@@ -85,14 +86,13 @@ __device__ void build_summaries_impl(
 
 }  // namespace oasis
 
+// Entry points: one parameter struct each (cuda/oasis_params.cuh), unpacked into the impls.
 #define OASIS_APPEND_KV(NAME, T)                                                                     \
-    extern "C" __global__ void NAME(const T* k_new, const T* v_new, const int* page_ids,            \
-                                    const int* page_offsets, const int* host_block_ids, T* k_pages, \
-                                    T* v_pages, T* host_k, T* host_v, T* summaries, int num_kv_heads,\
-                                    int head_dim, int block_size, int num_pages, int num_host_blocks) { \
-        oasis::append_kv_impl<T>(k_new, v_new, page_ids, page_offsets, host_block_ids, k_pages,     \
-                                 v_pages, host_k, host_v, summaries, num_kv_heads, head_dim,         \
-                                 block_size, num_pages, num_host_blocks);                            \
+    extern "C" __global__ void NAME(const __grid_constant__ oasis::AppendKvParams<T> p) {            \
+        oasis::append_kv_impl<T>(p.k_new, p.v_new, p.page_ids, p.page_offsets, p.host_block_ids,    \
+                                 p.k_pages, p.v_pages, p.host_k, p.host_v, p.summaries,              \
+                                 p.num_kv_heads, p.head_dim, p.block_size, p.num_pages,              \
+                                 p.num_host_blocks);                                                 \
     }
 
 OASIS_APPEND_KV(append_kv_bf16, oasis::bf16)
@@ -100,11 +100,9 @@ OASIS_APPEND_KV(append_kv_f16, oasis::f16)
 OASIS_APPEND_KV(append_kv_f32, float)
 
 #define OASIS_BUILD_SUMMARIES(NAME, T)                                                               \
-    extern "C" __global__ void NAME(const T* host_k, const int* block_ids, const int* block_lens,   \
-                                    T* summaries, int num_kv_heads, int head_dim, int block_size,    \
-                                    int num_host_blocks) {                                           \
-        oasis::build_summaries_impl<T>(host_k, block_ids, block_lens, summaries, num_kv_heads,      \
-                                       head_dim, block_size, num_host_blocks);                       \
+    extern "C" __global__ void NAME(const __grid_constant__ oasis::BuildSummariesParams<T> p) {      \
+        oasis::build_summaries_impl<T>(p.host_k, p.block_ids, p.block_lens, p.summaries,            \
+                                       p.num_kv_heads, p.head_dim, p.block_size, p.num_host_blocks); \
     }
 
 OASIS_BUILD_SUMMARIES(build_summaries_bf16, oasis::bf16)

@@ -26,6 +26,7 @@
 // of 16 goes to the tensor-core kernels decode_attn_tc_* instead (same contract and arguments,
 // see decode_attn_tc_impl below); this generic kernel serves f32 and every other shape.
 #include "oasis_common.cuh"
+#include "oasis_params.cuh"
 
 namespace oasis {
 
@@ -671,17 +672,14 @@ __device__ void decode_attn_tc_impl(
 
 }  // namespace oasis
 
+// Entry points: one parameter struct each (cuda/oasis_params.cuh), unpacked into the impls.
 #define OASIS_DECODE_ATTN(NAME, T)                                                                    \
-    extern "C" __global__ void NAME(const T* q, const T* k_pages, const T* v_pages, const int* kv_indptr, \
-                                    const int* kv_indices, const int* kv_last_page_len,               \
-                                    const int* page_map, const T* extra_k, const T* extra_v, T* out,  \
-                                    float* tmp_out, float* tmp_lse, int num_rows, int num_qo_heads,   \
-                                    int num_kv_heads, int head_dim, int block_size, int num_pages,    \
-                                    int nnz, int num_splits, int tile_tokens, float sm_scale) {       \
-        oasis::decode_attn_impl<T>(q, k_pages, v_pages, kv_indptr, kv_indices, kv_last_page_len,     \
-                                   page_map, extra_k, extra_v, out, tmp_out, tmp_lse, num_rows,       \
-                                   num_qo_heads, num_kv_heads, head_dim, block_size, num_pages, nnz,  \
-                                   num_splits, tile_tokens, sm_scale);                                \
+    extern "C" __global__ void NAME(const __grid_constant__ oasis::DecodeAttnParams<T> p) {          \
+        oasis::decode_attn_impl<T>(p.q, p.k_pages, p.v_pages, p.kv_indptr, p.kv_indices,              \
+                                   p.kv_last_page_len, p.page_map, p.extra_k, p.extra_v, p.out,       \
+                                   p.tmp_out, p.tmp_lse, p.num_rows, p.num_qo_heads, p.num_kv_heads,  \
+                                   p.head_dim, p.block_size, p.num_pages, p.nnz, p.num_splits,        \
+                                   p.tile_tokens, p.sm_scale);                                        \
     }
 
 OASIS_DECODE_ATTN(decode_attn_bf16, oasis::bf16)
@@ -689,29 +687,24 @@ OASIS_DECODE_ATTN(decode_attn_f16, oasis::f16)
 OASIS_DECODE_ATTN(decode_attn_f32, float)
 
 #define OASIS_MERGE_ATTN_STATES(NAME, T)                                                             \
-    extern "C" __global__ void NAME(const float* tmp_out, const float* tmp_lse, T* out, int num_splits, \
-                                    int head_dim) {                                                  \
-        oasis::merge_attn_states_impl<T>(tmp_out, tmp_lse, out, num_splits, head_dim);              \
+    extern "C" __global__ void NAME(const __grid_constant__ oasis::MergeAttnStatesParams<T> p) {     \
+        oasis::merge_attn_states_impl<T>(p.tmp_out, p.tmp_lse, p.out, p.num_splits, p.head_dim);    \
     }
 
 OASIS_MERGE_ATTN_STATES(merge_attn_states_bf16, oasis::bf16)
 OASIS_MERGE_ATTN_STATES(merge_attn_states_f16, oasis::f16)
 OASIS_MERGE_ATTN_STATES(merge_attn_states_f32, float)
 
+// head_dim is the template parameter D here (the wrapper only picks this kernel when they agree);
+// tile_tokens is the generic kernel's.
 #define OASIS_DECODE_ATTN_TC(NAME, T, D, STAGES)                                                      \
     extern "C" __global__ void __launch_bounds__(OASIS_TC_WARPS * 32)                                 \
-        NAME(const T* q, const T* k_pages, const T* v_pages, const int* kv_indptr, const int* kv_indices, \
-             const int* kv_last_page_len, const int* page_map, const T* extra_k, const T* extra_v, T* out, \
-             float* tmp_out, float* tmp_lse, int num_rows, int num_qo_heads, int num_kv_heads,           \
-             int head_dim, int block_size, int num_pages, int nnz, int num_splits, int tile_tokens,          \
-             float sm_scale) {                                                                        \
-        (void)head_dim;                                                                               \
-        (void)tile_tokens;                                                                            \
-        oasis::decode_attn_tc_impl<T, D, STAGES>(q, k_pages, v_pages, kv_indptr, kv_indices,          \
-                                                 kv_last_page_len, page_map, extra_k, extra_v, out,   \
-                                                 tmp_out, tmp_lse, num_rows, num_qo_heads,           \
-                                                 num_kv_heads, block_size, num_pages, nnz, num_splits, \
-                                                 sm_scale);                                          \
+        NAME(const __grid_constant__ oasis::DecodeAttnParams<T> p) {                                 \
+        oasis::decode_attn_tc_impl<T, D, STAGES>(p.q, p.k_pages, p.v_pages, p.kv_indptr, p.kv_indices, \
+                                                 p.kv_last_page_len, p.page_map, p.extra_k, p.extra_v, \
+                                                 p.out, p.tmp_out, p.tmp_lse, p.num_rows,             \
+                                                 p.num_qo_heads, p.num_kv_heads, p.block_size,        \
+                                                 p.num_pages, p.nnz, p.num_splits, p.sm_scale);       \
     }
 
 // Pipeline depth per head_dim (must match oasis_cuda::ops::decode_attn_tc_stages).

@@ -20,6 +20,7 @@
 // duplicate in `predicted` counts once (its first position); a slot whose page is out of range
 // takes no part (neither kept nor victim).
 #include "oasis_common.cuh"
+#include "oasis_params.cuh"
 
 // Threads per block of delta_select_i32. Arbitrary (a multiple of 32, at most 1024).
 #define OASIS_SELECT_THREADS 256
@@ -380,18 +381,17 @@ __device__ void delta_select_warp_entry(
 
 }  // namespace oasis
 
+// Entry points: one parameter struct for both (cuda/oasis_params.cuh), unpacked into the impls.
 extern "C" __global__ void __launch_bounds__(OASIS_SELECT_THREADS)
-    delta_select_i32(const int* predicted, const int* slot_pages, int* page_map, int* page_last_selected,
-                     int* plan_slots, int* plan_blocks, int* stats, int num_kv_heads, int num_pred, int budget,
-                     int num_pages, int step, int fetch_cap) {
-    oasis::delta_select_impl(predicted, slot_pages, page_map, page_last_selected, plan_slots, plan_blocks, stats,
-                             num_kv_heads, num_pred, budget, num_pages, step, fetch_cap);
+    delta_select_i32(const __grid_constant__ oasis::DeltaSelectParams p) {
+    oasis::delta_select_impl(p.predicted, p.slot_pages, p.page_map, p.page_last_selected, p.plan_slots,
+                             p.plan_blocks, p.stats, p.num_kv_heads, p.num_pred, p.budget, p.num_pages, p.step,
+                             p.fetch_cap);
 }
 
 extern "C" __global__ void __launch_bounds__(OASIS_SELECT_WARP_THREADS)
-    delta_select_warp_i32(const int* predicted, const int* slot_pages, int* page_map, int* page_last_selected,
-                          int* plan_slots, int* plan_blocks, int* stats, int num_kv_heads, int num_pred, int budget,
-                          int num_pages, int step, int fetch_cap, int num_seqs) {
-    oasis::delta_select_warp_entry(predicted, slot_pages, page_map, page_last_selected, plan_slots, plan_blocks,
-                                   stats, num_kv_heads, num_pred, budget, num_pages, step, fetch_cap, num_seqs);
+    delta_select_warp_i32(const __grid_constant__ oasis::DeltaSelectParams p) {
+    oasis::delta_select_warp_entry(p.predicted, p.slot_pages, p.page_map, p.page_last_selected, p.plan_slots,
+                                   p.plan_blocks, p.stats, p.num_kv_heads, p.num_pred, p.budget, p.num_pages,
+                                   p.step, p.fetch_cap, p.num_seqs);
 }

@@ -9,6 +9,7 @@
 // is one whose host_indptr row is malformed (start < 0, end < start, end > nnz): the kernel checks
 // the row (oasis::csr_row) and never reads outside host_indices.
 #include "oasis_common.cuh"
+#include "oasis_params.cuh"
 
 // Threads per block of the copy kernels. Tuned for PCIe reads of 4-16 KiB entries.
 #define OASIS_COPY_THREADS 128
@@ -72,15 +73,14 @@ __device__ void copy_pages_impl(
 
 }  // namespace oasis
 
+// Entry points: one parameter struct each (cuda/oasis_params.cuh), unpacked into the impls.
 #define OASIS_GATHER_BLOCKS(NAME, T)                                                                  \
     extern "C" __global__ void __launch_bounds__(OASIS_COPY_THREADS)                                  \
-        NAME(const int* plan_slots, const int* plan_blocks, const int* slot_pages, const int* host_indptr, \
-             const int* host_indices, const T* host_k, const T* host_v, T* k_pages, T* v_pages,        \
-             int num_kv_heads, int fetch_cap, int budget, int block_size, int head_dim, int num_pages,  \
-             int num_host_blocks, int nnz) {                                                          \
-        oasis::gather_blocks_impl<T>(plan_slots, plan_blocks, slot_pages, host_indptr, host_indices,  \
-                                     host_k, host_v, k_pages, v_pages, num_kv_heads, fetch_cap, budget, \
-                                     block_size, head_dim, num_pages, num_host_blocks, nnz);          \
+        NAME(const __grid_constant__ oasis::GatherBlocksParams<T> p) {                               \
+        oasis::gather_blocks_impl<T>(p.plan_slots, p.plan_blocks, p.slot_pages, p.host_indptr,        \
+                                     p.host_indices, p.host_k, p.host_v, p.k_pages, p.v_pages,        \
+                                     p.num_kv_heads, p.fetch_cap, p.budget, p.block_size, p.head_dim, \
+                                     p.num_pages, p.num_host_blocks, p.nnz);                          \
     }
 
 OASIS_GATHER_BLOCKS(gather_blocks_bf16, oasis::bf16)
@@ -89,10 +89,9 @@ OASIS_GATHER_BLOCKS(gather_blocks_f32, float)
 
 #define OASIS_COPY_PAGES(NAME, T)                                                                     \
     extern "C" __global__ void __launch_bounds__(OASIS_COPY_THREADS)                                  \
-        NAME(const T* src_k, const T* src_v, const int* src_ids, T* dst_k, T* dst_v, const int* dst_ids, \
-             long long page_elems, int num_src_pages, int num_dst_pages) {                            \
-        oasis::copy_pages_impl<T>(src_k, src_v, src_ids, dst_k, dst_v, dst_ids, page_elems,          \
-                                  num_src_pages, num_dst_pages);                                      \
+        NAME(const __grid_constant__ oasis::CopyPagesParams<T> p) {                                  \
+        oasis::copy_pages_impl<T>(p.src_k, p.src_v, p.src_ids, p.dst_k, p.dst_v, p.dst_ids,           \
+                                  p.page_elems, p.num_src_pages, p.num_dst_pages);                    \
     }
 
 OASIS_COPY_PAGES(copy_pages_bf16, oasis::bf16)

@@ -7,6 +7,7 @@
 // in no row scores -inf, and a malformed row of topk_blocks has no blocks (all -1). Neither reads
 // outside blk_indices, the scores or q.
 #include "oasis_common.cuh"
+#include "oasis_params.cuh"
 
 // Launch shape of score_blocks_*, chosen by scripts/exp_score.py on the H200 (docs/PERF.md): 8
 // warps per thread block, 4 blocks per SM (<= 64 registers), 8 summaries in flight per warp, and
@@ -489,12 +490,13 @@ __device__ void topk_blocks_impl(
 
 }  // namespace oasis
 
+// Entry points: one parameter struct each (cuda/oasis_params.cuh), unpacked into the impls.
 #define OASIS_SCORE_BLOCKS(NAME, T)                                                                   \
-    extern "C" __global__ void __launch_bounds__(OASIS_SCORE_THREADS, OASIS_SCORE_MIN_BLOCKS)                                 \
-        NAME(const T* q, const T* summaries, const int* blk_indptr, const int* blk_indices, float* scores, \
-             int num_seqs, int nnz, int num_qo_heads, int num_kv_heads, int head_dim, int num_host_blocks) { \
-        oasis::score_blocks_impl<T>(q, summaries, blk_indptr, blk_indices, scores, num_seqs, nnz,    \
-                                    num_qo_heads, num_kv_heads, head_dim, num_host_blocks);           \
+    extern "C" __global__ void __launch_bounds__(OASIS_SCORE_THREADS, OASIS_SCORE_MIN_BLOCKS)         \
+        NAME(const __grid_constant__ oasis::ScoreBlocksParams<T> p) {                                \
+        oasis::score_blocks_impl<T>(p.q, p.summaries, p.blk_indptr, p.blk_indices, p.scores,          \
+                                    p.num_seqs, p.nnz, p.num_qo_heads, p.num_kv_heads, p.head_dim,    \
+                                    p.num_host_blocks);                                               \
     }
 
 OASIS_SCORE_BLOCKS(score_blocks_bf16, oasis::bf16)
@@ -502,6 +504,6 @@ OASIS_SCORE_BLOCKS(score_blocks_f16, oasis::f16)
 OASIS_SCORE_BLOCKS(score_blocks_f32, float)
 
 extern "C" __global__ void __launch_bounds__(OASIS_TOPK_THREADS)
-    topk_blocks_f32(const float* scores, const int* blk_indptr, int* out, int num_kv_heads, int nnz, int k) {
-    oasis::topk_blocks_impl(scores, blk_indptr, out, num_kv_heads, nnz, k);
+    topk_blocks_f32(const __grid_constant__ oasis::TopkBlocksParams p) {
+    oasis::topk_blocks_impl(p.scores, p.blk_indptr, p.out, p.num_kv_heads, p.nnz, p.k);
 }

@@ -19,6 +19,7 @@ use cudarc::driver::sys::{self, CUdevice_attribute, CUfunction_attribute, CUresu
 use crate::error::{guard, CudaError, Result};
 use crate::kernels;
 use crate::nvrtc;
+use crate::params::KernelParams;
 
 /// Oldest supported compute capability (Ampere): the kernels use bf16 conversions and more
 /// shared memory than older parts offer.
@@ -307,22 +308,36 @@ impl Gpu {
         Ok(out)
     }
 
-    /// Launch kernel `entry` (loading its module on first use) with `args` on `stream`. Returns
-    /// as soon as the launch is queued.
+    /// Launch kernel `entry` (loading its module on first use) with `params`, its one parameter,
+    /// on `stream`. Returns as soon as the launch is queued.
+    ///
+    /// # Errors
+    /// [`CudaError::Unsupported`] when `P` is not the parameter struct of `entry` (its layout
+    /// does not list it) or `smem` exceeds the kernel's limit; loading and driver errors.
     ///
     /// # Safety
-    /// 1. `args` matches the kernel's parameter list exactly, in order and in type;
-    /// 2. every pointer in `args` is valid for the accesses the kernel makes with the sizes in
-    ///    `args`, from this context's device, until the kernel completes;
-    /// 3. `stream` is a stream of this context (or 0, the legacy default stream).
-    pub(crate) unsafe fn launch(
+    /// 1. every pointer field of `params` is valid for the accesses the kernel makes with the
+    ///    sizes in `params`, from this context's device, until the kernel completes (null only
+    ///    where the kernel tests for null);
+    /// 2. `stream` is a stream of this context (or 0, the legacy default stream).
+    ///
+    /// That `params` has the layout of the kernel's parameter is `P`'s [`KernelParams`]
+    /// contract, and that `entry` takes `P` is checked here.
+    pub(crate) unsafe fn launch<P: KernelParams>(
         &self,
         entry: &'static str,
         cfg: LaunchCfg,
         stream: u64,
-        args: &Args,
+        params: &P,
     ) -> Result<()> {
         let LaunchCfg { grid, block, smem } = cfg;
+        if !P::LAYOUT.kernels.contains(&entry) {
+            return Err(CudaError::Unsupported(format!(
+                "internal: {entry} does not take {} (it is the parameter of {:?})",
+                P::LAYOUT.name,
+                P::LAYOUT.kernels
+            )));
+        }
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(()); // nothing to do; a zero grid is an error for the driver
         }
@@ -333,10 +348,13 @@ impl Gpu {
                 f.max_dynamic_smem
             )));
         }
-        let mut ptrs = args.pointers();
+        // The kernel's one parameter: a pointer to the struct, whose size_of::<P>() bytes the
+        // driver copies before cuLaunchKernel returns.
+        let mut ptrs = [(params as *const P).cast_mut().cast::<c_void>()];
         self.with_ctx(|| {
-            // SAFETY: the caller's obligations 1-3; `ptrs` points into `args`, alive for the call
-            // (the driver copies the parameter values before returning).
+            // SAFETY: the caller's obligations 1 and 2; `params` has the layout of `entry`'s
+            // only parameter (P's KernelParams contract, and entry is one of P's kernels, checked
+            // above); `ptrs` holds one pointer to it, alive for the call.
             check(
                 unsafe {
                     sys::cuLaunchKernel(
@@ -397,54 +415,4 @@ pub(crate) struct LaunchCfg {
     pub(crate) grid: (u32, u32, u32),
     pub(crate) block: u32,
     pub(crate) smem: usize,
-}
-
-/// One kernel argument, stored at the width the kernel declares.
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum Arg {
-    Ptr(u64),
-    I32(i32),
-    I64(i64),
-    F32(f32),
-}
-
-/// The argument list of one launch, in the kernel's parameter order.
-#[derive(Debug, Default)]
-pub(crate) struct Args(Vec<Arg>);
-
-impl Args {
-    pub(crate) fn ptr(mut self, p: u64) -> Self {
-        self.0.push(Arg::Ptr(p));
-        self
-    }
-    pub(crate) fn i32(mut self, v: i32) -> Self {
-        self.0.push(Arg::I32(v));
-        self
-    }
-    pub(crate) fn i64(mut self, v: i64) -> Self {
-        self.0.push(Arg::I64(v));
-        self
-    }
-    pub(crate) fn f32(mut self, v: f32) -> Self {
-        self.0.push(Arg::F32(v));
-        self
-    }
-
-    /// `void*` to each value, as `cuLaunchKernel` wants them; valid while `self` is.
-    fn pointers(&self) -> Vec<*mut c_void> {
-        self.0
-            .iter()
-            .map(|a| match a {
-                Arg::Ptr(p) => p as *const u64 as *mut c_void,
-                Arg::I32(v) => v as *const i32 as *mut c_void,
-                Arg::I64(v) => v as *const i64 as *mut c_void,
-                Arg::F32(v) => v as *const f32 as *mut c_void,
-            })
-            .collect()
-    }
-
-    #[cfg(test)]
-    pub(crate) fn len(&self) -> usize {
-        self.0.len()
-    }
 }

@@ -22,8 +22,13 @@ use std::marker::PhantomData;
 use oasis_core::error::check_len;
 use oasis_core::{DType, KvElem, KvGeometry, OasisError};
 
-use crate::driver::{Args, Gpu, LaunchCfg};
+use crate::driver::{Gpu, LaunchCfg};
 use crate::error::{guard, CudaError, Result};
+use crate::params::{
+    AppendKvParams, BuildSummariesParams, CopyPagesParams, DecodeAttnParams, DeltaSelectParams,
+    DevPtr, GatherBlocksParams, KernelParams, MergeAttnStatesParams, ScoreBlocksParams,
+    TopkBlocksParams,
+};
 
 /// Threads per block of the decode attention kernel (a multiple of 32). Arbitrary.
 pub const DECODE_THREADS: u32 = 128;
@@ -387,23 +392,30 @@ macro_rules! entry {
 }
 
 impl Gpu {
-    /// [`Gpu::launch`] of `name` on `grid` with `block` threads and `smem` bytes of dynamic
-    /// shared memory per block, queued on `stream`.
+    /// [`Gpu::launch`] of `name` with `params` on `grid` with `block` threads and `smem` bytes
+    /// of dynamic shared memory per block, queued on `stream`.
     ///
     /// # Safety
-    /// [`Gpu::launch`]'s obligations 1 and 2 for `args`; its obligation 3 holds by [`Stream`]'s
+    /// [`Gpu::launch`]'s obligation 1 for `params`; its obligation 2 holds by [`Stream`]'s
     /// contract.
-    unsafe fn queue(
+    unsafe fn queue<P: KernelParams>(
         &self,
         name: &'static str,
         grid: (u32, u32, u32),
         block: u32,
         smem: usize,
         stream: Stream,
-        args: &Args,
+        params: &P,
     ) -> Result<()> {
-        // SAFETY: the caller's obligations 1 and 2; 3 by Stream's contract.
-        unsafe { self.launch(name, LaunchCfg { grid, block, smem }, stream.handle(), args) }
+        // SAFETY: the caller's obligation 1; 2 by Stream's contract.
+        unsafe {
+            self.launch(
+                name,
+                LaunchCfg { grid, block, smem },
+                stream.handle(),
+                params,
+            )
+        }
     }
 
     /// GPU twin of `oasis_core::kernels::append_kv`: append one token per sequence, with
@@ -441,29 +453,30 @@ impl Gpu {
             check_len("summaries", summaries.len(), &[num_host, h, 2, d])?;
 
             let name = entry!(T, "append_kv");
-            let args = Args::default()
-                .ptr(k_new.ptr())
-                .ptr(v_new.ptr())
-                .ptr(page_ids.ptr())
-                .ptr(page_offsets.ptr())
-                .ptr(host_block_ids.ptr())
-                .ptr(k_pages.ptr())
-                .ptr(v_pages.ptr())
-                .ptr(host_k.ptr())
-                .ptr(host_v.ptr())
-                .ptr(summaries.ptr())
-                .i32(int("num_kv_heads", h)?)
-                .i32(int("head_dim", d)?)
-                .i32(int("block_size", bs)?)
-                .i32(int("num_pages", num_pages)?)
-                .i32(int("num_host_blocks", num_host)?);
+            let params = AppendKvParams {
+                k_new: k_new.into(),
+                v_new: v_new.into(),
+                page_ids: page_ids.into(),
+                page_offsets: page_offsets.into(),
+                host_block_ids: host_block_ids.into(),
+                k_pages: k_pages.into(),
+                v_pages: v_pages.into(),
+                host_k: host_k.into(),
+                host_v: host_v.into(),
+                summaries: summaries.into(),
+                num_kv_heads: int("num_kv_heads", h)?,
+                head_dim: int("head_dim", d)?,
+                block_size: int("block_size", bs)?,
+                num_pages: int("num_pages", num_pages)?,
+                num_host_blocks: int("num_host_blocks", num_host)?,
+                _pad0: 0,
+            };
             let grid = grid_rows_heads("num_seqs", num_seqs, h)?;
-            // SAFETY: `args` follows append_kv_* in cuda/append_kv.cu (10 pointers, 5 i32) in
-            // order and width. Every buffer has the length its shape needs (checked above) and,
-            // by DevSlice's contract, is reachable by this device until the stream runs the
+            // SAFETY: every buffer of `params` has the length its shape needs (checked above)
+            // and, by DevSlice's contract, is reachable by this device until the stream runs the
             // kernel; table entries are bounds-checked by the kernel; the stream is valid by
             // Stream's contract.
-            unsafe { self.queue(name, grid, row_threads(d), 0, stream, &args) }
+            unsafe { self.queue(name, grid, row_threads(d), 0, stream, &params) }
         })
     }
 
@@ -489,20 +502,21 @@ impl Gpu {
             check_len("block_lens", block_lens.len(), &[block_ids.len()])?;
 
             let name = entry!(T, "build_summaries");
-            let args = Args::default()
-                .ptr(host_k.ptr())
-                .ptr(block_ids.ptr())
-                .ptr(block_lens.ptr())
-                .ptr(summaries.ptr())
-                .i32(int("num_kv_heads", h)?)
-                .i32(int("head_dim", d)?)
-                .i32(int("block_size", bs)?)
-                .i32(int("num_host_blocks", num_host)?);
+            let params = BuildSummariesParams {
+                host_k: host_k.into(),
+                block_ids: block_ids.into(),
+                block_lens: block_lens.into(),
+                summaries: summaries.into(),
+                num_kv_heads: int("num_kv_heads", h)?,
+                head_dim: int("head_dim", d)?,
+                block_size: int("block_size", bs)?,
+                num_host_blocks: int("num_host_blocks", num_host)?,
+            };
             let grid = grid_rows_heads("n", block_ids.len(), h)?;
-            // SAFETY: `args` follows build_summaries_* in cuda/append_kv.cu (4 pointers, 4 i32).
-            // Buffer lengths checked above; reachability and lifetime by DevSlice's contract;
-            // table entries bounds-checked by the kernel; the stream by Stream's contract.
-            unsafe { self.queue(name, grid, row_threads(d), 0, stream, &args) }
+            // SAFETY: buffer lengths checked above; reachability and lifetime by DevSlice's
+            // contract; table entries bounds-checked by the kernel; the stream by Stream's
+            // contract.
+            unsafe { self.queue(name, grid, row_threads(d), 0, stream, &params) }
         })
     }
 
@@ -602,36 +616,36 @@ impl Gpu {
                     )
                 }
             };
-            let args = Args::default()
-                .ptr(q.ptr())
-                .ptr(kv.k_pages.ptr())
-                .ptr(kv.v_pages.ptr())
-                .ptr(kv.kv_indptr.ptr())
-                .ptr(kv.kv_indices.ptr())
-                .ptr(kv.kv_last_page_len.ptr())
-                .ptr(pm)
-                .ptr(ek)
-                .ptr(ev)
-                .ptr(out.ptr())
-                .ptr(tmp_out)
-                .ptr(tmp_lse)
-                .i32(int("num_rows", num_rows)?)
-                .i32(int("num_qo_heads", qh)?)
-                .i32(int("num_kv_heads", h)?)
-                .i32(int("head_dim", d)?)
-                .i32(int("block_size", bs)?)
-                .i32(int("num_pages", num_pages)?)
-                .i32(int("nnz", kv.kv_indices.len())?)
-                .i32(int("num_splits", num_splits)?)
-                .i32(int("tile_tokens", tt)?)
-                .f32(sm_scale);
+            let params = DecodeAttnParams {
+                q: q.into(),
+                k_pages: kv.k_pages.into(),
+                v_pages: kv.v_pages.into(),
+                kv_indptr: kv.kv_indptr.into(),
+                kv_indices: kv.kv_indices.into(),
+                kv_last_page_len: kv.kv_last_page_len.into(),
+                page_map: DevPtr(pm),
+                extra_k: DevPtr(ek),
+                extra_v: DevPtr(ev),
+                out: out.into(),
+                tmp_out: DevPtr(tmp_out),
+                tmp_lse: DevPtr(tmp_lse),
+                num_rows: int("num_rows", num_rows)?,
+                num_qo_heads: int("num_qo_heads", qh)?,
+                num_kv_heads: int("num_kv_heads", h)?,
+                head_dim: int("head_dim", d)?,
+                block_size: int("block_size", bs)?,
+                num_pages: int("num_pages", num_pages)?,
+                nnz: int("nnz", kv.kv_indices.len())?,
+                num_splits: int("num_splits", num_splits)?,
+                tile_tokens: int("tile_tokens", tt)?,
+                sm_scale,
+            };
             let grid = (
                 grid_dim("num_seqs", num_seqs, GRID_X_MAX)?,
                 grid_dim("num_kv_heads", h, GRID_YZ_MAX)?,
                 grid_dim("num_splits", num_splits, GRID_YZ_MAX)?,
             );
-            // SAFETY: `args` follows decode_attn_* and decode_attn_tc_* in cuda/decode_attn.cu
-            // (12 pointers, 9 i32, 1 f32); null pointers only where the kernel tests for null
+            // SAFETY: null pointers in `params` only where the kernel tests for null
             // (page_map, extra_k, extra_v) or never dereferences them (tmp_* when num_splits ==
             // 1, out when > 1). Buffer lengths checked above, the workspace against
             // decode_attn_workspace_len; the tensor-core kernel only where its shape and
@@ -642,22 +656,23 @@ impl Gpu {
             // num_pages, each kv_indptr row against nnz = kv_indices.len() (a malformed row reads
             // as empty), so it reads kv_indices only inside the buffer. Reachability and
             // lifetime by DevSlice's contract, the stream by Stream's.
-            unsafe { self.queue(name, grid, DECODE_THREADS, smem, stream, &args)? };
+            unsafe { self.queue(name, grid, DECODE_THREADS, smem, stream, &params)? };
             if num_splits == 1 {
                 return Ok(());
             }
             let name = entry!(T, "merge_attn_states");
-            let args = Args::default()
-                .ptr(tmp_out)
-                .ptr(tmp_lse)
-                .ptr(out.ptr())
-                .i32(int("num_splits", num_splits)?)
-                .i32(int("head_dim", d)?);
+            let params = MergeAttnStatesParams {
+                tmp_out: DevPtr(tmp_out),
+                tmp_lse: DevPtr(tmp_lse),
+                out: out.into(),
+                num_splits: int("num_splits", num_splits)?,
+                head_dim: int("head_dim", d)?,
+            };
             let grid = grid_x("num_seqs * num_rows * num_qo_heads", heads)?;
-            // SAFETY: `args` follows merge_attn_states_* (3 pointers, 2 i32); the workspace
-            // holds heads * num_splits * (d + 1) f32 (checked above) written by the launch just
-            // queued on the same stream; `out` has heads * d elements.
-            unsafe { self.queue(name, grid, row_threads(d), 0, stream, &args) }
+            // SAFETY: the workspace holds heads * num_splits * (d + 1) f32 (checked above)
+            // written by the launch just queued on the same stream; `out` has heads * d
+            // elements.
+            unsafe { self.queue(name, grid, row_threads(d), 0, stream, &params) }
         })
     }
 
@@ -687,18 +702,19 @@ impl Gpu {
             check_len("scores", scores.len(), &[nnz, h])?;
 
             let name = entry!(T, "score_blocks");
-            let args = Args::default()
-                .ptr(q.ptr())
-                .ptr(summaries.ptr())
-                .ptr(blk_indptr.ptr())
-                .ptr(blk_indices.ptr())
-                .ptr(scores.ptr())
-                .i32(int("num_seqs", num_seqs)?)
-                .i32(int("nnz", nnz)?)
-                .i32(int("num_qo_heads", qh)?)
-                .i32(int("num_kv_heads", h)?)
-                .i32(int("head_dim", d)?)
-                .i32(int("num_host_blocks", num_host)?);
+            let params = ScoreBlocksParams {
+                q: q.into(),
+                summaries: summaries.into(),
+                blk_indptr: blk_indptr.into(),
+                blk_indices: blk_indices.into(),
+                scores: scores.into(),
+                num_seqs: int("num_seqs", num_seqs)?,
+                nnz: int("nnz", nnz)?,
+                num_qo_heads: int("num_qo_heads", qh)?,
+                num_kv_heads: int("num_kv_heads", h)?,
+                head_dim: int("head_dim", d)?,
+                num_host_blocks: int("num_host_blocks", num_host)?,
+            };
             // One warp per (tile of SCORE_TILE entries, KV head); a thread block holds
             // consecutive tiles of one head (OASIS_SCORE_HEAD_MAJOR).
             let blocks = nnz
@@ -706,12 +722,11 @@ impl Gpu {
                 .div_ceil((SCORE_THREADS / 32) as usize)
                 * h;
             let grid = grid_x("score blocks", blocks)?;
-            // SAFETY: `args` follows score_blocks_* in cuda/score_blocks.cu (5 pointers, 6 i32).
-            // Lengths checked above; the kernel bounds-checks block ids and each blk_indptr row
-            // against nnz (an entry outside a well-formed row scores -inf), and only reads
-            // blk_indptr[0..=num_seqs]; reachability and lifetime by DevSlice's contract, the
-            // stream by Stream's.
-            unsafe { self.queue(name, grid, SCORE_THREADS, 0, stream, &args) }
+            // SAFETY: lengths checked above; the kernel bounds-checks block ids and each
+            // blk_indptr row against nnz (an entry outside a well-formed row scores -inf), and
+            // only reads blk_indptr[0..=num_seqs]; reachability and lifetime by DevSlice's
+            // contract, the stream by Stream's.
+            unsafe { self.queue(name, grid, SCORE_THREADS, 0, stream, &params) }
         })
     }
 
@@ -744,19 +759,21 @@ impl Gpu {
                 return Ok(());
             }
             let name = "topk_blocks_f32";
-            let args = Args::default()
-                .ptr(scores.ptr())
-                .ptr(blk_indptr.ptr())
-                .ptr(out.ptr())
-                .i32(int("num_kv_heads", num_kv_heads)?)
-                .i32(int("nnz", nnz)?)
-                .i32(int("k", k)?);
+            let params = TopkBlocksParams {
+                scores: scores.into(),
+                blk_indptr: blk_indptr.into(),
+                out: out.into(),
+                num_kv_heads: int("num_kv_heads", num_kv_heads)?,
+                nnz: int("nnz", nnz)?,
+                k: int("k", k)?,
+                _pad0: 0,
+            };
             let grid = grid_rows_heads("num_seqs", num_seqs, num_kv_heads)?;
-            // SAFETY: `args` follows topk_blocks_f32 in cuda/score_blocks.cu (3 pointers, 3 i32);
-            // k <= OASIS_MAX_TOPK (its static sort buffer). Lengths checked above; the kernel
-            // checks each blk_indptr row against nnz, the scores' rows (a malformed row has no
-            // blocks); reachability and lifetime by DevSlice's contract, the stream by Stream's.
-            unsafe { self.queue(name, grid, TOPK_THREADS, 0, stream, &args) }
+            // SAFETY: k <= OASIS_MAX_TOPK (its static sort buffer). Lengths checked above; the
+            // kernel checks each blk_indptr row against nnz, the scores' rows (a malformed row
+            // has no blocks); reachability and lifetime by DevSlice's contract, the stream by
+            // Stream's.
+            unsafe { self.queue(name, grid, TOPK_THREADS, 0, stream, &params) }
         })
     }
 
@@ -825,46 +842,46 @@ impl Gpu {
                 check_len("stats", st.len(), &[num_seqs, h, 3])?;
             }
 
-            // The arguments of both kernels; the warp kernel takes num_seqs after them.
-            let args = Args::default()
-                .ptr(predicted.ptr())
-                .ptr(slot_pages.ptr())
-                .ptr(page_map.ptr())
-                .ptr(page_last_selected.ptr())
-                .ptr(plan_slots.ptr())
-                .ptr(plan_blocks.ptr())
-                .ptr(stats.map_or(0, |s| s.ptr()))
-                .i32(int("num_kv_heads", h)?)
-                .i32(int("num_pred", num_pred)?)
-                .i32(int("budget", budget)?)
-                .i32(int("num_pages", num_pages)?)
-                .i32(step)
-                .i32(int("fetch_cap", fetch_cap)?);
+            // The parameters of both kernels (only the warp kernel reads num_seqs).
+            let params = DeltaSelectParams {
+                predicted: predicted.into(),
+                slot_pages: slot_pages.into(),
+                page_map: page_map.into(),
+                page_last_selected: page_last_selected.into(),
+                plan_slots: plan_slots.into(),
+                plan_blocks: plan_blocks.into(),
+                stats: stats.into(),
+                num_kv_heads: int("num_kv_heads", h)?,
+                num_pred: int("num_pred", num_pred)?,
+                budget: int("budget", budget)?,
+                num_pages: int("num_pages", num_pages)?,
+                step,
+                fetch_cap: int("fetch_cap", fetch_cap)?,
+                num_seqs: int("num_seqs", num_seqs)?,
+                _pad0: 0,
+            };
             if budget <= SELECT_WARP_MAX {
                 let name = "delta_select_warp_i32";
-                let args = args.i32(int("num_seqs", num_seqs)?);
                 // One warp per (sequence, KV head).
                 let warps = num_seqs.checked_mul(h).ok_or_else(|| {
                     CudaError::Unsupported("num_seqs * num_kv_heads overflows".into())
                 })?;
                 let blocks = warps.div_ceil((SELECT_WARP_THREADS / 32) as usize);
                 let grid = grid_x("selection blocks", blocks)?;
-                // SAFETY: `args` follows delta_select_warp_i32 in cuda/delta_select.cu (7 pointers,
-                // 7 i32); stats may be null (the kernel tests it). num_pred <= budget <=
+                // SAFETY: stats may be null (the kernel tests it). num_pred <= budget <=
                 // OASIS_SELECT_WARP_MAX (its register and static shared-memory layout). Lengths
                 // checked above; page ids are bounds-checked by the kernel; reachability and
                 // lifetime by DevSlice's contract, the stream by Stream's.
-                return unsafe { self.queue(name, grid, SELECT_WARP_THREADS, 0, stream, &args) };
+                return unsafe { self.queue(name, grid, SELECT_WARP_THREADS, 0, stream, &params) };
             }
             let name = "delta_select_i32";
             let grid = grid_rows_heads("num_seqs", num_seqs, h)?;
             let smem = delta_select_smem_bytes(budget, num_pred);
-            // SAFETY: `args` follows delta_select_i32 in cuda/delta_select.cu (7 pointers, 6 i32);
-            // stats may be null (the kernel tests it). budget <= OASIS_MAX_SELECT_BUDGET, `smem`
-            // is the kernel's layout and launch() checks it against the device limit. Lengths
-            // checked above; page ids are bounds-checked by the kernel; reachability and
-            // lifetime by DevSlice's contract, the stream by Stream's.
-            unsafe { self.queue(name, grid, SELECT_THREADS, smem, stream, &args) }
+            // SAFETY: stats may be null (the kernel tests it). budget <=
+            // OASIS_MAX_SELECT_BUDGET, `smem` is the kernel's layout and launch() checks it
+            // against the device limit. Lengths checked above; page ids are bounds-checked by the
+            // kernel; reachability and lifetime by DevSlice's contract, the stream by Stream's.
+            unsafe { self.queue(name, grid, SELECT_THREADS, smem, stream, &params) }
         })
     }
 
@@ -901,32 +918,32 @@ impl Gpu {
             let num_pages = pool_rows(page, ("k_pages", k_pages), ("v_pages", v_pages))?;
 
             let name = entry!(T, "gather_blocks");
-            let args = Args::default()
-                .ptr(plan_slots.ptr())
-                .ptr(plan_blocks.ptr())
-                .ptr(slot_pages.ptr())
-                .ptr(host_indptr.ptr())
-                .ptr(host_indices.ptr())
-                .ptr(host_k.ptr())
-                .ptr(host_v.ptr())
-                .ptr(k_pages.ptr())
-                .ptr(v_pages.ptr())
-                .i32(int("num_kv_heads", h)?)
-                .i32(int("fetch_cap", fetch_cap)?)
-                .i32(int("budget", budget)?)
-                .i32(int("block_size", bs)?)
-                .i32(int("head_dim", d)?)
-                .i32(int("num_pages", num_pages)?)
-                .i32(int("num_host_blocks", num_host)?)
-                .i32(int("nnz", host_indices.len())?);
+            let params = GatherBlocksParams {
+                plan_slots: plan_slots.into(),
+                plan_blocks: plan_blocks.into(),
+                slot_pages: slot_pages.into(),
+                host_indptr: host_indptr.into(),
+                host_indices: host_indices.into(),
+                host_k: host_k.into(),
+                host_v: host_v.into(),
+                k_pages: k_pages.into(),
+                v_pages: v_pages.into(),
+                num_kv_heads: int("num_kv_heads", h)?,
+                fetch_cap: int("fetch_cap", fetch_cap)?,
+                budget: int("budget", budget)?,
+                block_size: int("block_size", bs)?,
+                head_dim: int("head_dim", d)?,
+                num_pages: int("num_pages", num_pages)?,
+                num_host_blocks: int("num_host_blocks", num_host)?,
+                nnz: int("nnz", host_indices.len())?,
+            };
             let grid = grid_x("plan entries", num_seqs * h * fetch_cap)?;
-            // SAFETY: `args` follows gather_blocks_* in cuda/gather_blocks.cu (9 pointers, 8 i32).
-            // Lengths checked above; slots, pages, logical and host block ids are all
+            // SAFETY: lengths checked above; slots, pages, logical and host block ids are all
             // bounds-checked by the kernel, and each host_indptr row against nnz =
             // host_indices.len() (a malformed row is skipped). host_k/host_v are pinned host
             // memory at the same address on the device (DevSlice contract; Gpu::check_uva tests
             // it); lifetime by DevSlice's contract, the stream by Stream's.
-            unsafe { self.queue(name, grid, COPY_THREADS, 0, stream, &args) }
+            unsafe { self.queue(name, grid, COPY_THREADS, 0, stream, &params) }
         })
     }
 
@@ -957,22 +974,22 @@ impl Gpu {
             let name = entry!(T, "copy_pages");
             let page_elems = i64::try_from(geo.page_elems())
                 .map_err(|_| CudaError::Unsupported("page size does not fit i64".into()))?;
-            let args = Args::default()
-                .ptr(src_k.ptr())
-                .ptr(src_v.ptr())
-                .ptr(src_ids.ptr())
-                .ptr(dst_k.ptr())
-                .ptr(dst_v.ptr())
-                .ptr(dst_ids.ptr())
-                .i64(page_elems)
-                .i32(int("num_src_pages", num_src)?)
-                .i32(int("num_dst_pages", num_dst)?);
+            let params = CopyPagesParams {
+                src_k: src_k.into(),
+                src_v: src_v.into(),
+                src_ids: src_ids.into(),
+                dst_k: dst_k.into(),
+                dst_v: dst_v.into(),
+                dst_ids: dst_ids.into(),
+                page_elems,
+                num_src_pages: int("num_src_pages", num_src)?,
+                num_dst_pages: int("num_dst_pages", num_dst)?,
+            };
             let grid = grid_x("n", n)?;
-            // SAFETY: `args` follows copy_pages_* in cuda/gather_blocks.cu (6 pointers, 1 i64,
-            // 2 i32). Lengths checked above; page ids bounds-checked by the kernel; reachability
+            // SAFETY: lengths checked above; page ids bounds-checked by the kernel; reachability
             // (UVA for a pinned side) and lifetime by DevSlice's contract, the stream by
             // Stream's.
-            unsafe { self.queue(name, grid, COPY_THREADS, 0, stream, &args) }
+            unsafe { self.queue(name, grid, COPY_THREADS, 0, stream, &params) }
         })
     }
 }
@@ -1197,11 +1214,5 @@ mod tests {
             define("gather_blocks", "OASIS_COPY_THREADS"),
             COPY_THREADS as usize
         );
-    }
-
-    #[test]
-    fn args_keep_their_order() {
-        let a = Args::default().ptr(1).i32(2).i64(3).f32(4.0);
-        assert_eq!(a.len(), 4);
     }
 }

@@ -1,5 +1,5 @@
 //! The kernel parameter structs have the same layout in Rust (`oasis_cuda::params`) and in C
-//! (`cuda/oasis_params.cuh`). Needs libnvrtc only, no
+//! (`cuda/oasis_params.cuh`), and every kernel takes exactly its struct. Needs libnvrtc only, no
 //! GPU (as tests/nvrtc_compile.rs: `make test` sets OASIS_NVRTC_LIB; without it these fail).
 //!
 //! How: a probe program includes the header and defines
@@ -17,7 +17,7 @@
 //! on either side fails here.
 
 use oasis_cuda::params::{self, FieldKind, ParamsLayout};
-use oasis_cuda::{compile_source, nvrtc_info, CudaError};
+use oasis_cuda::{compile_source, kernels, nvrtc_info, CudaError};
 
 /// PTX: the probe's data and the kernels' parameter lists are readable text.
 const PTX_ARCH: &str = "compute_90";
@@ -187,6 +187,51 @@ fn rust_and_c_layouts_agree() {
         got.len(),
         params::ALL.len()
     );
+}
+
+/// Every entry point takes exactly one parameter, of the C type its Rust struct mirrors: a
+/// static_assert on the function type, appended to the real source, and the parameter list of
+/// the compiled `.entry` (one `.param .align 8 .b8 NAME_param_0[size_of::<P>()]`).
+#[test]
+fn every_entry_point_takes_its_params_struct() {
+    require_nvrtc();
+    for src in kernels::SOURCES {
+        let mut text = format!(
+            "{}\n{}",
+            src.source,
+            &PROBE_PRELUDE[PROBE_PRELUDE.find("#define").unwrap()..]
+        );
+        for entry in src.entry_points {
+            let l = params::layout_of(entry)
+                .unwrap_or_else(|| panic!("{entry} has no parameter struct in oasis_cuda::params"));
+            let c = l.c_type_for(entry);
+            text.push_str(&format!(
+                "static_assert(oasis_same<decltype(&{entry}), void (*)({c})>::value, \
+                 \"{entry} must take exactly one {c}\");\n"
+            ));
+        }
+        let ptx = compile_ptx(src.file, &text);
+        for entry in src.entry_points {
+            let l = params::layout_of(entry).unwrap();
+            let head = format!(".entry {entry}(");
+            let at = ptx
+                .find(&head)
+                .unwrap_or_else(|| panic!("{}: no .entry {entry} in the PTX", src.file));
+            let rest = &ptx[at + head.len()..];
+            let params_text = &rest[..rest.find(')').unwrap()];
+            let decls: Vec<&str> = params_text
+                .split(',')
+                .map(str::trim)
+                .filter(|p| !p.is_empty())
+                .collect();
+            let want = format!(".param .align {} .b8 {entry}_param_0[{}]", l.align, l.size);
+            assert_eq!(
+                decls,
+                vec![want.as_str()],
+                "{entry}: parameter list in the PTX"
+            );
+        }
+    }
 }
 
 /// The PTX reader, on the forms NVRTC emits.
