@@ -47,8 +47,23 @@ TOPK_THREADS = [512, 256, 1024]
 
 
 def source() -> str:
-    common = (ROOT / "oasis_common.cuh").read_text()
-    return (ROOT / "score_blocks.cu").read_text().replace('#include "oasis_common.cuh"', common)
+    src = (ROOT / "score_blocks.cu").read_text()
+    for header in ("oasis_common.cuh", "oasis_params.cuh"):
+        src = src.replace(f'#include "{header}"', (ROOT / header).read_text())
+    return src
+
+
+def params(*fields: tuple[str, str, int]) -> np.void:
+    """A kernel's parameter struct (cuda/oasis_params.cuh) as a NumPy structured scalar, which CuPy
+    passes by value: ``(name, "ptr" | "i32", value)`` in the C field order. Pointers first, then
+    4-byte ints, padded to 8 bytes as the header does (``_pad0``)."""
+    fmt = {"ptr": np.uint64, "i32": np.int32}
+    dt = np.dtype({"names": [f[0] for f in fields], "formats": [fmt[f[1]] for f in fields]}, align=True)
+    assert dt.itemsize % 8 == 0, "add the struct's _pad0 field"
+    v = np.zeros((), dtype=dt)
+    for name, _, value in fields:
+        v[name] = value
+    return v[()]
 
 
 def module(defs: dict) -> cp.RawModule:
@@ -94,7 +109,6 @@ def main() -> None:
     top = torch.empty(args.batch, hk, args.k, device=dev, dtype=torch.int32)
     c_summ, c_q = cp.asarray(summ.view(torch.int16)), cp.asarray(q.view(torch.int16))
     c_ip, c_ix, c_sc, c_top = (cp.asarray(t) for t in (indptr, indices, scores, top))
-    i32 = np.int32
 
     big = torch.empty(256 << 20, device=dev, dtype=torch.float32)
     big2 = torch.empty_like(big)
@@ -103,18 +117,21 @@ def main() -> None:
     sb = n_host * hk * 2 * d * 2
     print(f"copy {copy_bps / 1e12:.2f} TB/s; summaries {sb / 2**20:.0f} MiB", flush=True)
 
+    # oasis::ScoreBlocksParams<oasis::bf16>
     sargs = (
-        c_q,
-        c_summ,
-        c_ip,
-        c_ix,
-        c_sc,
-        i32(args.batch),
-        i32(n_host),
-        i32(hq),
-        i32(hk),
-        i32(d),
-        i32(n_host),
+        params(
+            ("q", "ptr", c_q.data.ptr),
+            ("summaries", "ptr", c_summ.data.ptr),
+            ("blk_indptr", "ptr", c_ip.data.ptr),
+            ("blk_indices", "ptr", c_ix.data.ptr),
+            ("scores", "ptr", c_sc.data.ptr),
+            ("num_seqs", "i32", args.batch),
+            ("nnz", "i32", n_host),
+            ("num_qo_heads", "i32", hq),
+            ("num_kv_heads", "i32", hk),
+            ("head_dim", "i32", d),
+            ("num_host_blocks", "i32", n_host),
+        ),
     )
 
     def score_launcher(v: dict):
@@ -151,7 +168,18 @@ def main() -> None:
     _, score = score_launcher(min(rows, key=lambda r: r["ms"])["variant"])
     for tt in TOPK_THREADS:
         tfn = module({"OASIS_TOPK_THREADS": tt}).get_function("topk_blocks_f32")
-        targs = (c_sc, c_ip, c_top, i32(hk), i32(args.k))
+        # oasis::TopkBlocksParams
+        targs = (
+            params(
+                ("scores", "ptr", c_sc.data.ptr),
+                ("blk_indptr", "ptr", c_ip.data.ptr),
+                ("out", "ptr", c_top.data.ptr),
+                ("num_kv_heads", "i32", hk),
+                ("nnz", "i32", n_host),
+                ("k", "i32", args.k),
+                ("_pad0", "i32", 0),
+            ),
+        )
 
         def topk(tfn=tfn, tt=tt, targs=targs):
             tfn((args.batch, hk), (tt,), targs)
