@@ -34,7 +34,21 @@ from oasiskv.eval import corpus
 from oasiskv.models.loader import load_model
 from oasiskv.models.transformer import causal_attention
 
-SCORES = ("quest", "quest/2", "quest/4", "mean", "max", "best")
+SCORES = (
+    "quest",
+    "quest/2",
+    "quest/4",
+    "mean",
+    "c+.5r",
+    "c+.75r",
+    "m+.5r",
+    "m+.75r",
+    "m+r",
+    "int2",
+    "int3",
+    "max",
+    "best",
+)
 
 
 def block_scores(q: torch.Tensor, k: torch.Tensor, b: int, nc: int, group: int) -> dict[str, torch.Tensor]:
@@ -53,7 +67,31 @@ def block_scores(q: torch.Tensor, k: torch.Tensor, b: int, nc: int, group: int) 
 
     mean = torch.einsum("hgd,hnd->hn", qg, kb.mean(2))
     logits = torch.einsum("hgd,hntd->hgnt", qg, kb)
+    lo, hi = kb.amin(2), kb.amax(2)  # [hk, nc, d]
+    center, radius = (lo + hi) / 2, (hi - lo) / 2
+    spread = torch.einsum("hgd,hnd->hn", qg.abs(), radius)  # the box's half-width along |q|
+
+    def around(c: torch.Tensor, beta: float) -> torch.Tensor:
+        # q . c + beta * sum_d |q_d| r_d: beta = 1 with c the box centre is the Quest bound itself.
+        return torch.einsum("hgd,hnd->hn", qg, c) + beta * spread
+
+    def codes(bits: int) -> torch.Tensor:
+        # Keys quantised to `bits` per channel inside the block's own [min, max] (the summary is
+        # the scale): the largest approximate logit of the block.
+        levels = 2**bits - 1
+        width = (hi - lo).clamp(min=1e-12).unsqueeze(2)
+        code = ((kb - lo.unsqueeze(2)) / width * levels).round()
+        approx = lo.unsqueeze(2) + code * width / levels
+        return torch.einsum("hgd,hntd->hgnt", qg, approx).amax(-1).sum(1)
+
     return {
+        "c+.5r": around(center, 0.5),
+        "c+.75r": around(center, 0.75),
+        "m+.5r": around(kb.mean(2), 0.5),
+        "m+.75r": around(kb.mean(2), 0.75),
+        "m+r": around(kb.mean(2), 1.0),
+        "int2": codes(2),
+        "int3": codes(3),
         "quest": quest(1),
         "quest/2": quest(2),
         "quest/4": quest(4),
@@ -131,6 +169,8 @@ def main() -> None:
             "quest/2": 4 * cfg.head_dim,
             "quest/4": 8 * cfg.head_dim,
             "mean": cfg.head_dim,
+            "c+beta*r, m+beta*r": 2 * cfg.head_dim,
+            "int2 / int3": f"2 x head_dim + {2 * args.block_size} / {3 * args.block_size} bits x head_dim",
             "max": "all keys",
         },
     }
