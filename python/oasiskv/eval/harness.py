@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from ..config import KvConfig
+from ..devices import resolve_device
 from . import corpus, report, retrieval
 from .teacher import DRAFTERS, Policy, TeacherForcing, drafter_parts, greedy_continuations, summarize
 
@@ -198,9 +199,7 @@ def _floats(s: str) -> list[float]:
 def pick_device(spec: str) -> torch.device:
     """``auto``: the GPU when torch sees one and the kernels can run there (as ``oasis demo``), else
     the CPU."""
-    from ..cli import _device
-
-    return torch.device(_device(spec))
+    return torch.device(resolve_device(spec))
 
 
 def budget_blocks(context: int, frac: float | None, block_size: int, label: str | None = None) -> int:
