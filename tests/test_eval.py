@@ -14,7 +14,7 @@ import torch
 from fakes import ByteTokenizer
 from oasiskv import ops
 from oasiskv.eval import corpus, harness, report, retrieval, teacher
-from oasiskv.eval.policies import QuestModel
+from oasiskv.eval.policies import QuestPolicy
 from oasiskv.eval.teacher import Policy, TeacherForcing, greedy_continuations, summarize
 from oasiskv.models.config import ModelConfig
 from oasiskv.models.eagle3 import Eagle3Head
@@ -146,6 +146,28 @@ def test_oracle_overlap_at_least_previous_query_on_repetitive_text(tiny):
     for r in recs.values():
         assert 0.0 <= r["lookahead"]["overlap_min_layer"] <= r["lookahead"]["overlap"] <= 1.0
         assert r["fetched_bytes_per_step"] > 0 and r["kl"] >= 0
+
+
+def test_teacher_forcing_scores_each_decode_step_against_the_next_text_token(tiny):
+    """The runner's convention, against one causal forward over each whole text (outside the
+    engine): decode step j feeds text[P + j], and its logits, scored against text[P + j + 1], are
+    the full forward's logits at position P + j. Every request of a batch runs every step."""
+    from oasiskv.models.transformer import dense_causal_attn
+
+    steps = 10
+    texts = [repetitive(129, seed=s) for s in range(3)]
+    tf = TeacherForcing(tiny, texts, steps, block_size=BLOCK, batch_size=2, progress=False)
+    res = tf.run(Policy("dense"))
+    P = 128 - steps
+    assert res.nll.shape == (steps, 3) and res.top1.shape == (steps, 3)
+    for i, t in enumerate(texts):
+        ids = torch.tensor(t[:-1])
+        rows = torch.arange(P, 128)
+        logits, _ = tiny(ids, torch.arange(128), dense_causal_attn(), logits_rows=rows)
+        lp = torch.log_softmax(logits.float(), dim=-1)  # [S, V]: position P + j predicts t[P + j + 1]
+        want = -lp.gather(1, torch.tensor(t[P + 1 :]).unsqueeze(1)).squeeze(1)
+        torch.testing.assert_close(res.nll[:, i], want, atol=1e-4, rtol=1e-4)
+        assert torch.equal(res.top1[:, i], lp.argmax(-1))
 
 
 def test_fetch_cap_bounds_traffic_and_resident_hit(tiny):
@@ -311,7 +333,7 @@ def test_quest_mask_restricts_attention_to_current_query_top_k(tiny, monkeypatch
     monkeypatch.setattr(ops, "decode_attention", spy)
     res = tf.run(Policy("quest", None, K))
     assert len(seen) == 4 * c.num_hidden_layers
-    qm = tf.quest_model
+    qm = tf.quest_policy
     for call in seen:
         pages, pm, q = call["pages"], call["pm"], call["q"][0, 0]  # one request, row 0
         n_blocks = len(pages)
@@ -338,19 +360,30 @@ def test_quest_mask_restricts_attention_to_current_query_top_k(tiny, monkeypatch
     eng_pm = [v for v in qm.last_visible.values()]
     assert eng_pm and all(v == c.num_key_value_heads * (K + 1) for v in eng_pm)
     assert res.would_fetch_bytes_per_step is not None
+    assert qm.churn_steps == {0: 4}  # after_step: once per decode step of the one request
 
 
-def test_quest_model_attach_checks(tiny):
+def test_quest_policy_runs_on_a_dense_engine_only(tiny):
     from oasiskv.config import KvConfig
     from oasiskv.engine import Engine
+    from oasiskv.errors import ConfigError
 
-    qm = QuestModel(tiny, 2)
-    eng = Engine(tiny, KvConfig(top_k_blocks=2), "dense", None)
-    with pytest.raises(ValueError, match="wrapper as its model"):
-        qm.attach(eng)
-    eng = Engine(qm, KvConfig(top_k_blocks=2), "oasis", None)
-    with pytest.raises(ValueError, match="dense engine"):
-        qm.attach(eng)
+    with pytest.raises(ConfigError, match="'dense' engine"):
+        Engine(tiny, KvConfig(top_k_blocks=2), "oasis", None, policy=QuestPolicy(2))
+    with pytest.raises(ValueError, match="top_k_blocks"):
+        QuestPolicy(0)
+    eng = Engine(tiny, KvConfig(top_k_blocks=2), "dense", None, policy=QuestPolicy(2))
+    assert eng.policy.top_k_blocks == 2 and eng.model is tiny  # no wrapper: prefills stay shared
+
+
+def test_eval_harness_does_not_import_the_cli():
+    """The CLI imports the harness; the harness (and the whole eval package) must not import the
+    CLI back (the device helpers live in oasiskv.devices)."""
+    import subprocess
+    import sys
+
+    code = "import sys, oasiskv.eval.harness; assert 'oasiskv.cli' not in sys.modules, 'cycle'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_engine_recorder_default_is_off_and_cheap(tiny):

@@ -69,8 +69,15 @@ def test_teacher_forcing_on_gpu_full_budget_tracks_dense_and_small_budget_measur
     for r in recs.values():
         assert 0.0 <= r["lookahead"]["overlap"] <= 1.0 and math.isfinite(r["nll"]) and r["kl"] >= 0
         assert r["fetched_bytes_per_step"] > 0
+    # The Quest-like reference is a SelectionPolicy of a dense engine (eval.policies.QuestPolicy),
+    # run through LLMEngine like every other policy.
     quest = summarize(tf.run(Policy("quest", top_k_blocks=4)), dense)
     assert math.isfinite(quest["nll"]) and quest["kl"] >= 0
+    assert quest["would_fetch_bytes_per_step"] >= 0
+    assert tf.quest_policy.churn_steps == {0: 24, 1: 24}  # after_step, once per decode step
+    # A budget covering the context masks nothing: exactly dense.
+    full_quest = summarize(tf.run(Policy("quest", top_k_blocks=32)), dense)
+    assert full_quest["kl"] <= 1e-6 and full_quest["top1_agree"] == 1.0, full_quest
 
 
 def _trainer_gap_and_top1(device: str, target, steps: int = 30, passes: int = 3, seed: int = 0):

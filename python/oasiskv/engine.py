@@ -146,9 +146,10 @@ class PrefillCache:
     """Prompt -> its prefill results, so several engines (say a dense and an oasis one over the same
     model) prefill a shared prompt once. Holds at most ``capacity`` prompts, least recently used out.
 
-    Entries are keyed by (model, KV dtype, prompt); the model is the one that prefills (a wrapper
-    that only changes decode steps, like the evaluation's Quest-like ``QuestModel``, names its inner
-    model as ``prefill_model``). An engine that captures features stores those of every prompt
+    Entries are keyed by (model, KV dtype, prompt); the model is the one that prefills (a model
+    wrapper that only changes decode steps names its inner model as ``prefill_model``; a
+    :class:`~oasiskv.policy.SelectionPolicy`, like the evaluation's Quest-like ``QuestPolicy``,
+    needs no wrapper). An engine that captures features stores those of every prompt
     position, whether or not its own drafter wants them, so a hit serves a drafter with
     ``wants_prompt_features`` exactly as a fresh prefill would (no recompute, and no dependence on
     which engine filled the entry first). An entry serves an engine that captures nothing whatever
@@ -345,10 +346,11 @@ def _csr(lists: list[list[int]], device=None) -> tuple[torch.Tensor, torch.Tenso
     return _i32(indptr, device), _i32(flat, device)
 
 
-def _recall(actual: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def recall_overlap(actual: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per sequence: the sum over KV heads of |prev ∩ actual| / |actual|, and the heads counted.
 
-    actual, prev: [num_seqs, num_kv_heads, k] logical blocks, -1 padded.
+    actual, prev: [num_seqs, num_kv_heads, k] logical blocks, -1 padded. The engine's lookahead
+    recall; the evaluation's overlap (``oasiskv.eval.teacher.LookaheadRecorder``) uses it too.
     """
     valid = actual >= 0
     hit = ((actual.unsqueeze(-1) == prev.unsqueeze(-2)) & (prev >= 0).unsqueeze(-2)).any(-1) & valid
@@ -966,7 +968,7 @@ class Engine:
             rec_indptr, rec_indices = rec_csr
             scores_now = ops.score_blocks(g, q_now, summaries, rec_indptr, rec_indices)
             actual = ops.topk_blocks(g.num_kv_heads, scores_now, rec_indptr, k_budget)
-            hits, counted = _recall(actual, prev)
+            hits, counted = recall_overlap(actual, prev)
             self._acc_recall.index_add_(0, sp_ids, hits)
             self._acc_recall_n.index_add_(0, sp_ids, counted)
             if self.recorder is not None:

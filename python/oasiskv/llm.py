@@ -12,6 +12,7 @@ from .drafters import Drafter
 from .engine import GenerationResult, PrefillCache
 from .errors import ConfigError, ContextLengthError
 from .llm_engine import LLMEngine, SamplingParams, prompt_token_ids
+from .policy import SelectionPolicy
 
 
 class LLM:
@@ -32,6 +33,8 @@ class LLM:
         gpu_kv_budget_bytes, host_kv_budget_bytes: the pools' budgets (see :class:`LLMEngine`).
         prefill_cache: share prompt prefills between LLMs over the same model (see
             :class:`~oasiskv.engine.PrefillCache`); the demo uses it so dense and oasis prefill once.
+        policy: a :class:`~oasiskv.policy.SelectionPolicy` (evaluation: the Quest-like ideal,
+            :class:`oasiskv.eval.policies.QuestPolicy`); ``None`` runs the engine as it is.
     """
 
     def __init__(
@@ -48,6 +51,7 @@ class LLM:
         gpu_kv_budget_bytes: int | None = None,
         host_kv_budget_bytes: int | None = None,
         prefill_cache: PrefillCache | None = None,
+        policy: SelectionPolicy | None = None,
     ) -> None:
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ConfigError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
@@ -63,6 +67,7 @@ class LLM:
             gpu_kv_budget_bytes=gpu_kv_budget_bytes,
             host_kv_budget_bytes=host_kv_budget_bytes,
             prefill_cache=prefill_cache,
+            policy=policy,
         )
         le = self.llm_engine
         self.model, self.tokenizer, self.kv, self.drafter = le.model, le.tokenizer, le.kv, le.drafter

@@ -474,7 +474,7 @@ def run_retrieval(args, model, tok, head, results: Results, files, progress: boo
     from ..drafters import Eagle3Drafter
     from ..engine import PrefillCache
     from ..llm import LLM
-    from .policies import QuestModel
+    from .policies import QuestPolicy
 
     tasks = [t.strip() for t in args.retrieval_tasks.split(",") if t.strip()]
     depths = _floats(args.depths)
@@ -510,23 +510,23 @@ def run_retrieval(args, model, tok, head, results: Results, files, progress: boo
         pool_kw = {"block_size": b, "num_gpu_pages": pages, "num_host_blocks": pages}
         # Every variant runs the batch's prompts before the next batch: `batch` entries suffice.
         cache = PrefillCache(capacity=batch)
-        qm = QuestModel(model)  # one wrapper for every Quest budget: its prefills are shared
         variants: list[tuple[dict, LLM]] = []
         dense_kv = KvConfig(top_k_blocks=1, fetch_cap=None, measure_recall=False, **pool_kw)
 
-        def make_llm(m, kv, backend, drafter, cache=cache):
+        def make_llm(kv, backend, drafter, policy=None, cache=cache):
             return LLM(
-                m,
+                model,
                 tokenizer=tok,
                 kv=kv,
                 backend=backend,
                 drafter=drafter,
                 max_batch_size=batch,
                 prefill_cache=cache,
+                policy=policy,
             )
 
         dense_cfg = {"policy": "dense", "drafter": None, "budget": None, "fetch_cap": None}
-        variants.append((dense_cfg, make_llm(model, dense_kv, "dense", None)))
+        variants.append((dense_cfg, make_llm(dense_kv, "dense", None)))
         for label, frac in budgets:
             k_blocks = budget_blocks(context, frac, b, label)
             frac = k_blocks * b / context if frac is None else frac
@@ -543,12 +543,12 @@ def run_retrieval(args, model, tok, head, results: Results, files, progress: boo
             variants.append(
                 (
                     {"policy": "oasis", "drafter": drafter_name, "fetch_cap": cap, **cfg},
-                    make_llm(model, kv, "oasis", drafter),
+                    make_llm(kv, "oasis", drafter),
                 )
             )
             if not args.no_quest:
-                llm = make_llm(qm, dense_kv, "dense", None)
-                qm.attach(llm.engine, k_blocks)
+                # The same model as every variant: the prompt's prefill is shared with them.
+                llm = make_llm(dense_kv, "dense", None, QuestPolicy(k_blocks))
                 variants.append(({"policy": "quest", "drafter": None, "fetch_cap": None, **cfg}, llm))
         pools = None
         # Within a batch, variants whose engine captures drafter features prefill first: their

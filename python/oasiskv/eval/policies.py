@@ -1,17 +1,19 @@
 """Selection policies of the evaluation: OasisKV, and the two reference policies beside it.
 
-* ``oasis`` — the engine as it runs: the lookahead row (or, for ``previous-query``, the current
-  query) predicts the next step's top-K blocks; delta selection with the fetch cap fills the
-  working set from the host pool.
+Each maps onto the engine's public seams (:mod:`oasiskv.policy`):
+
+* ``oasis`` — the engine as it runs (no :class:`~oasiskv.policy.SelectionPolicy`): the lookahead
+  row of a drafter predicts the next step's top-K blocks; delta selection with the fetch cap fills
+  the working set from the host pool.
+* ``freekv`` — FreeKV-like (without its correction step): the same engine with the
+  ``previous-query`` drafter, i.e. step t's own query selects step t+1's blocks.
 * ``quest`` — Quest-like: every block stays resident, and at every layer and step the CURRENT
   query's top-K blocks (same Quest scores over the same min/max summaries, same K, plus the local
   block) are the only ones attention may read. Nothing has to be predicted or fetched, so this is
-  the upper bound of any prediction at budget K. It is implemented here, outside the engine, as an
-  attention mode: :class:`QuestModel` wraps the model of a ``dense`` engine and, inside each
-  layer's attention call, masks the head-wise mapping (``page_map``) of every request to its top-K
-  pages for that call only, then restores it.
-* ``freekv`` — FreeKV-like (without its correction step): OasisKV with the ``previous-query``
-  drafter, i.e. step t's own query selects step t+1's blocks.
+  the upper bound of any prediction at budget K. :class:`QuestPolicy` runs it on a ``dense``
+  engine through :meth:`~oasiskv.policy.SelectionPolicy.wrap_attention`: inside each layer's
+  attention call it masks the head-wise mapping (``page_map``) of every request to its top-K pages
+  for that call only, then restores it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops
+from ..policy import AttnFn, SelectionPolicy
 
 
 def _csr(lists: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,91 +36,44 @@ def _csr(lists: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-class QuestModel(torch.nn.Module):
-    """A model wrapper that turns a ``dense`` :class:`~oasiskv.engine.Engine` into the Quest-like
-    policy at budget ``top_k_blocks``.
+class QuestPolicy(SelectionPolicy):
+    """The Quest-like ideal at budget ``top_k_blocks``, as a selection policy of a ``dense`` engine
+    (``Engine(..., "dense", policy=QuestPolicy(k))`` or ``LLMEngine(..., backend="dense",
+    policy=...)``).
 
-    Use :meth:`attach` to bind it to the engine that runs it (the wrapper must be that engine's
-    ``model``). While :attr:`active` (set around ``decode_step``), each layer's attention callback
-    is wrapped: the current query of every request scores the min/max summaries of its complete
-    blocks (built from the resident pages with the engine's kernels), and only the top-K blocks per
-    KV head plus the local block keep their mapping entries during that call. Prefill passes
-    through unchanged (it is dense in OasisKV as well).
+    At every decode step the current query of every request scores the min/max summaries of its
+    complete blocks (built from the resident pages with the engine's kernels), and only the top-K
+    blocks per KV head plus the local block keep their mapping entries during each layer's
+    attention call. Prefill is unchanged (it is dense in OasisKV as well), so prefills are shared
+    with other engines over the same model through a :class:`~oasiskv.engine.PrefillCache`.
 
-    It also counts, per request, how many (layer, head, block) entries enter the selection each
-    step (``churn``): what a non-resident Quest would have to fetch per step, uncapped.
+    It also counts, per request id, how many (layer, head, block) entries enter the selection
+    each step (``churn``, over ``churn_steps`` steps): what a non-resident Quest would have to
+    fetch per step, uncapped. A step's selection is compared with the previous step's only when
+    the batch holds the same requests in the same order.
     """
 
-    def __init__(self, model: torch.nn.Module, top_k_blocks: int = 1) -> None:
-        super().__init__()
-        self.inner = model
-        self.config = model.config
-        self.top_k_blocks = int(top_k_blocks)
-        self.engine = None
-        self.reqs: list | None = None
+    name = "quest"
+    backend = "dense"
+
+    def __init__(self, top_k_blocks: int) -> None:
+        if isinstance(top_k_blocks, bool) or not isinstance(top_k_blocks, int) or top_k_blocks < 1:
+            raise ValueError(f"QuestPolicy needs top_k_blocks >= 1, got {top_k_blocks!r}")
+        self.top_k_blocks = top_k_blocks
         self._summ: torch.Tensor | None = None
-        self._prev_sel: dict[int, torch.Tensor] = {}
-        self.churn: dict[int, int] = {}
+        # layer -> (request ids of the batch, [n, hk, K] selection) of the last step.
+        self._prev_sel: dict[int, tuple[tuple[int, ...], torch.Tensor]] = {}
+        self.churn: dict[int, torch.Tensor | int] = {}
         self.churn_steps: dict[int, int] = {}
         # For tests: the (layer, request index) -> number of (page, head) entries attention could read.
         self.last_visible: dict[tuple[int, int], int] = {}
 
-    @property
-    def prefill_model(self) -> torch.nn.Module:
-        """The model whose prefill this wrapper's is (it masks decode steps only): a
-        :class:`~oasiskv.engine.PrefillCache` shares prompts with engines over the bare model."""
-        return self.inner
+    def after_step(self, engine, reqs: list) -> None:
+        for r in reqs:
+            self.churn_steps[r.id] = self.churn_steps.get(r.id, 0) + 1
 
-    # -------------------------------------------------------------- binding
-    def attach(self, engine, top_k_blocks: int | None = None) -> QuestModel:
-        """Bind to ``engine`` (whose ``model`` is this wrapper) and wrap its ``decode_step`` so that
-        every step runs with the mask at budget ``top_k_blocks`` (default: the wrapper's), also when
-        the engine is driven by :class:`oasiskv.LLM`. One wrapper may serve several engines with
-        different budgets (they then share prefills through a ``PrefillCache``, also with engines
-        over the bare model)."""
-        if engine.model is not self:
-            raise ValueError("QuestModel.attach: the engine must run this wrapper as its model")
-        if engine.backend != "dense":
-            raise ValueError("the Quest-like policy runs on a dense engine (everything resident)")
-        self.engine = engine
-        k_budget = int(top_k_blocks or self.top_k_blocks)
-        orig = engine.decode_step
-
-        def decode_step(reqs):
-            self.engine, self.top_k_blocks = engine, k_budget
-            self.reqs = reqs
-            try:
-                return orig(reqs)
-            finally:
-                self.reqs = None
-                for r in reqs:
-                    self.churn_steps[r.id] = self.churn_steps.get(r.id, 0) + 1
-
-        engine.decode_step = decode_step
-        return self
-
-    def reset(self, top_k_blocks: int | None = None) -> None:
-        if top_k_blocks is not None:
-            self.top_k_blocks = int(top_k_blocks)
-        self._prev_sel.clear()
-        self.churn.clear()
-        self.churn_steps.clear()
-        self.last_visible.clear()
-
-    @property
-    def active(self) -> bool:
-        return self.reqs is not None
-
-    # -------------------------------------------------------------- forward
-    def forward(self, input_ids, positions, attn, logits_rows=None, capture_layers=()):
-        if self.reqs is not None:
-            attn = self._wrap(attn, self.reqs)
-        return self.inner.forward(
-            input_ids, positions, attn, logits_rows=logits_rows, capture_layers=capture_layers
-        )
-
-    def _wrap(self, attn, reqs):
-        eng = self.engine
+    def wrap_attention(self, engine, reqs: list, attn: AttnFn) -> AttnFn:
+        eng = engine
         g, b = eng.geo, eng.kv.block_size
         hk = g.num_kv_heads
         dev = eng.device
@@ -129,6 +85,7 @@ class QuestModel(torch.nn.Module):
         pages = [list(r.pages) for r in reqs]
         if all(len(c) <= k_budget for c in cand):
             return attn  # the budget covers every block: nothing to mask
+        ids = tuple(r.id for r in reqs)
         blk_indptr, blk_indices = _csr(cand, dev)
         all_pages = torch.tensor(sum(pages, []), dtype=torch.long, device=dev)
         offsets = [0]
@@ -141,7 +98,6 @@ class QuestModel(torch.nn.Module):
         off_t = torch.tensor(offsets[:-1], dtype=torch.long, device=dev).view(n, 1, 1)
         heads = torch.arange(hk, device=dev).view(1, hk, 1)
         lens = torch.full((len(blk_indices),), b, dtype=torch.int32, device=dev)
-        entry_blocks = [len(c) for c in cand]
 
         def wrapped(layer, q, k, v):
             p = eng.pools
@@ -157,7 +113,7 @@ class QuestModel(torch.nn.Module):
             rows = (off_t + sel.clamp(min=0).long()).expand(n, hk, k_budget)[valid]
             cols = heads.expand(n, hk, k_budget)[valid]
             keep[rows, cols] = True
-            self._count_churn(layer, reqs, sel, entry_blocks)
+            self._count_churn(layer, ids, sel)
             pm = p.page_map[layer]
             saved = pm[all_pages].clone()
             pm[all_pages] = torch.where(keep, saved, torch.full_like(saved, -1))
@@ -171,13 +127,14 @@ class QuestModel(torch.nn.Module):
 
         return wrapped
 
-    def _count_churn(self, layer, reqs, sel, entry_blocks) -> None:
+    def _count_churn(self, layer: int, ids: tuple[int, ...], sel: torch.Tensor) -> None:
         prev = self._prev_sel.get(layer)
-        self._prev_sel[layer] = sel
-        if prev is None or prev.shape != sel.shape:
+        self._prev_sel[layer] = (ids, sel)
+        if prev is None or prev[0] != ids or prev[1].shape != sel.shape:
             return
+        prev_sel = prev[1]
         valid = sel >= 0
-        stay = ((sel.unsqueeze(-1) == prev.unsqueeze(-2)) & (prev >= 0).unsqueeze(-2)).any(-1) & valid
+        stay = ((sel.unsqueeze(-1) == prev_sel.unsqueeze(-2)) & (prev_sel >= 0).unsqueeze(-2)).any(-1) & valid
         new = (valid & ~stay).sum(dim=(1, 2))
-        for i, r in enumerate(reqs):
-            self.churn[r.id] = self.churn.get(r.id, 0) + new[i]  # a tensor: no host sync here
+        for i, rid in enumerate(ids):
+            self.churn[rid] = self.churn.get(rid, 0) + new[i]  # a tensor: no host sync here

@@ -1,10 +1,14 @@
-"""Teacher-forced runs over the :class:`~oasiskv.engine.Engine`.
+"""Teacher-forced runs through the library's own request lifecycle (:class:`~oasiskv.LLMEngine`).
 
-A run takes texts of ``C + 1`` tokens, prefills the first ``P = C - S`` of each (dense, as the
-engine always does), turns the request sparse right away (``oasis``), and then steps through the
-remaining ``S`` positions feeding the TRUE token as x_t every step. Step j feeds ``text[P + j]`` and
-its row-0 logits predict ``text[P + j + 1]``; the last step sees a context of ``C`` tokens. The
-lookahead token of each step comes from the policy's drafter:
+A run takes texts of ``C + 1`` tokens and adds, per text, a request whose prompt is the first
+``P = C - S`` tokens and whose generated tokens are forced to be the rest
+(``add_request(..., forced_tokens=text[P:])``, ``max_tokens = S + 1``). The engine prefills the
+prompts (dense, as it always does; the first token, ``text[P]``, replaces the prefill's sample),
+turns the requests sparse right away (``oasis``), and then decodes ``S`` steps feeding the TRUE
+token as x_t every step. Decode step j feeds ``text[P + j]`` and its row-0 logits predict
+``text[P + j + 1]``; the last step sees a context of ``C`` tokens. Only the decode steps' logits
+are scored, read by the engine's step recorder (``LLMEngine.recorder.on_step``). The lookahead
+token of each step comes from the policy's drafter:
 
 * ``eagle3``  — :class:`~oasiskv.drafters.Eagle3Drafter` over the target's captured hidden states,
   as the library runs it: the head's cache is first filled over the prompt's features, which the
@@ -19,10 +23,12 @@ A ``+current`` suffix (``eagle3+current``) runs that drafter with
 ``KvConfig(select_queries="lookahead+current")``: the lookahead and the current query choose the
 working set together.
 
-Per step and text the runner keeps the NLL of the true token, the top-1 token and, against a dense
-run of the same texts, KL(dense || policy). A :class:`LookaheadRecorder` on the engine receives,
-per layer and step, the predicted top-K of the previous step, the exact top-K of this step's true
-query and the working set this step attended over (``Engine.recorder``).
+The Quest-like reference is a :class:`~oasiskv.eval.policies.QuestPolicy` on a dense engine
+(:meth:`Policy.selection_policy`). Per step and text the runner keeps the NLL of the true token,
+the top-1 token and, against a dense run of the same texts, KL(dense || policy). A
+:class:`LookaheadRecorder` on the engine receives, per layer and step, the predicted top-K of the
+previous step, the exact top-K of this step's true query and the working set this step attended
+over (``Engine.recorder``).
 """
 
 from __future__ import annotations
@@ -35,8 +41,10 @@ import torch
 
 from ..config import KvConfig
 from ..drafters import Eagle3Drafter, NgramDrafter, OracleDrafter, PreviousQueryDrafter
-from ..engine import Engine, PrefillCache, _recall, _Request
-from .policies import QuestModel
+from ..engine import PrefillCache, recall_overlap
+from ..llm_engine import LLMEngine, SamplingParams, StepInfo
+from ..policy import SelectionPolicy
+from .policies import QuestPolicy
 
 #: ``eagle3`` is the library's drafter (its head first runs over the prompt's features from the
 #: engine's own prefill); ``eagle3-noprefill`` starts the head with an empty cache.
@@ -57,7 +65,10 @@ def drafter_parts(name: str) -> tuple[str, str]:
 
 @dataclass(frozen=True)
 class Policy:
-    """One configuration of a teacher-forced run."""
+    """One configuration of a teacher-forced run, and how it maps onto the engine: its
+    :attr:`backend`, its drafter (:attr:`drafter`, oasis only: FreeKV-like is ``previous-query``)
+    and its :meth:`selection_policy` (the Quest-like :class:`QuestPolicy`, else the engine as it
+    is)."""
 
     kind: str  # "dense" | "oasis" | "quest"
     drafter: str | None = None  # oasis only: one of DRAFTERS
@@ -71,6 +82,16 @@ class Policy:
             drafter_parts(self.drafter or "")
         if self.kind != "dense" and (self.top_k_blocks is None or self.top_k_blocks < 1):
             raise ValueError(f"{self.kind} needs top_k_blocks >= 1")
+
+    @property
+    def backend(self) -> str:
+        """The engine backend: ``"oasis"`` for OasisKV, ``"dense"`` for dense and Quest-like."""
+        return "oasis" if self.kind == "oasis" else "dense"
+
+    def selection_policy(self) -> SelectionPolicy | None:
+        """A fresh :class:`~oasiskv.policy.SelectionPolicy` for the engine, or None for the engine
+        as it is (dense, and OasisKV with its drafter)."""
+        return QuestPolicy(self.top_k_blocks) if self.kind == "quest" else None
 
     @property
     def label(self) -> str:
@@ -174,9 +195,9 @@ class LookaheadRecorder:
     def on_recall(self, engine, layer, sp_reqs, actual, prev, slot_pages, q=None) -> None:
         if not self.enabled:
             return
-        ov, n = _recall(actual, prev)
+        ov, n = recall_overlap(actual, prev)
         resident = engine.pools.page_map[layer][slot_pages.long()].transpose(1, 2)  # [n, hk, K]
-        hit, _ = _recall(actual, resident)
+        hit, _ = recall_overlap(actual, resident)
         denom = n.clamp(min=1)
         ids = [r.id for r in sp_reqs]
         self._rows.append((self.step, layer, ids, ov / denom, hit / denom, n > 0))
@@ -277,7 +298,8 @@ class TeacherForcing:
         self.mass_every = mass_every
         self.device = next(model.parameters()).device
         self.cache = PrefillCache(capacity=3 * min(self.batch_size, len(texts)))
-        self.quest_model = QuestModel(model)
+        #: The :class:`QuestPolicy` of the latest Quest-like chunk (tests read its counters).
+        self.quest_policy: QuestPolicy | None = None
         self._pools: dict[str, object] = {}
         self._dense: list[dict] | None = None  # per chunk: logp [S, n, V], top1 [S, n]
 
@@ -302,7 +324,10 @@ class TeacherForcing:
             return Eagle3Drafter(self.head, self.model, prefill=False)
         return Eagle3Drafter(self.head, self.model)
 
-    def _engine(self, policy: Policy, drafter) -> Engine:
+    def _engine(self, policy: Policy, drafter, n: int) -> LLMEngine:
+        """The engine of one chunk of ``n`` texts: room for all of them at once, and a prefill
+        budget for all their prompts in one step, so the whole chunk is admitted and prefilled in
+        the first step and every decode step runs the same batch."""
         b = self.block_size
         if policy.kind == "oasis":
             kv = KvConfig(
@@ -313,15 +338,18 @@ class TeacherForcing:
                 measure_recall=True,
                 select_queries=drafter_parts(policy.drafter)[1],
             )
-            return Engine(self.model, kv, "oasis", drafter, (), self.cache)
-        kv = KvConfig(block_size=b, top_k_blocks=1, fetch_cap=None, measure_recall=False)
-        if policy.kind == "quest":
-            qm = self.quest_model
-            qm.reset(policy.top_k_blocks)
-            eng = Engine(qm, kv, "dense", None, (), self.cache)
-            qm.attach(eng)
-            return eng
-        return Engine(self.model, kv, "dense", None, (), self.cache)
+        else:
+            kv = KvConfig(block_size=b, top_k_blocks=1, fetch_cap=None, measure_recall=False)
+        return LLMEngine(
+            self.model,
+            kv=kv,
+            backend=policy.backend,
+            drafter=drafter,
+            max_num_seqs=n,
+            max_num_batched_tokens=min(1 << 20, max(1, n * self.prefix)),
+            prefill_cache=self.cache,
+            policy=policy.selection_policy(),
+        )
 
     # -------------------------------------------------------------- runs
     @torch.no_grad()
@@ -343,125 +371,148 @@ class TeacherForcing:
         S, P, b = self.steps, self.prefix, self.block_size
         n = len(chunk)
         drafter = self._drafter(policy, chunk)
-        eng = self._engine(policy, drafter)
-        key = str(eng.dtype)
-        if key in self._pools:
-            eng.pools = self._pools[key]
-        recorder = None
-        if policy.kind == "oasis":
-            recorder = eng.recorder = LookaheadRecorder(self.mass_every)
-        reqs = [_Request(id=i, prompt=t[:P], max_new_tokens=S + 1) for i, t in enumerate(chunk)]
         # An EAGLE-3 drafter keeps its probability of each draft (from the first one on).
         track = getattr(drafter, "track_confidence", None) is not None
         if track:
             drafter.track_confidence = True
-        eng.ensure_pools(reqs)
-        self._pools[key] = eng.pools
-        for r, t in zip(reqs, chunk, strict=True):
-            if drafter is not None:
-                drafter.begin(r.id, r.prompt)
-            r.tokens = list(r.prompt)
-            eng.prefill(r)
-            r.tokens.append(t[P])
-            if eng.rows == 2:
-                r.draft = drafter.propose(r.id, r.tokens, r.features)
-            if eng.backend == "oasis" and r.kv_len > eng.kv.threshold_tokens:
-                eng.make_sparse(r)
-        dev = self.device
-        targets = torch.tensor([[t[P + j + 1] for t in chunk] for j in range(S)], device=dev)  # [S, n]
-        nll = torch.empty(S, n, device=dev)
-        top1 = torch.empty(S, n, dtype=torch.long, device=dev)
-        kl = torch.empty(S, n, device=dev) if policy.kind != "dense" else None
-        logp_all = None
-        if policy.kind == "dense":
-            logp_all = torch.empty(S, n, self.model.config.vocab_size, device=dev)
+        le = self._engine(policy, drafter, n)
+        eng = le.engine
+        key = str(eng.dtype)
+        if key in self._pools:
+            eng.pools = self._pools[key]  # one set of pools for every run (swapped in while idle)
+        lookahead = None
+        if policy.kind == "oasis":
+            lookahead = eng.recorder = LookaheadRecorder(self.mass_every)
         dense = self._dense[ci] if self._dense is not None and policy.kind != "dense" else None
-        matched: list[list[bool]] = []
-        confidence: list[list[float]] = []
-        measured: list[int] = []
-
-        def drafts_now() -> tuple[list[int], list[float]]:
-            """The drafts the next decode step runs, and the head's probability of each."""
-            conf = [drafter.last_confidence.get(r.id, float("nan")) for r in reqs] if track else []
-            return [r.draft for r in reqs], conf
-
-        prev_draft, prev_conf = drafts_now()
-        bar = None
+        scorer = _ChunkScorer(
+            chunk,
+            P,
+            S,
+            self.device,
+            vocab=self.model.config.vocab_size if policy.kind == "dense" else None,
+            dense=dense,
+            lookahead=lookahead,
+            confidence=drafter if track else None,
+        )
+        le.recorder = scorer
+        params = SamplingParams(max_tokens=S + 1, ignore_eos=True)
+        # A fresh engine numbers its requests 0, 1, ... in the order added, and a request's default
+        # id is that number: int(rid) is the request's id in the engine's hooks (drafter, recorder).
+        rids = [le.add_request(t[:P], params, forced_tokens=t[P : P + S + 1]) for t in chunk]
+        scorer.request_ids = rids
+        ids = [int(rid) for rid in rids]
         if self.progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=S, desc=policy.label, unit="step", leave=False)
+            scorer.bar = tqdm(total=S, desc=policy.label, unit="step", leave=False)
         try:
-            for j in range(S):
-                if recorder is not None:
-                    # Step 0 judges the prompt's last query (make_sparse), not a lookahead: skip it.
-                    recorder.enabled = j > 0
-                    recorder.step = j
-                    if j > 0:
-                        measured.append(j)
-                        if eng.rows == 2:
-                            matched.append([prev_draft[i] == chunk[i][P + j] for i in range(n)])
-                            if track:
-                                confidence.append(prev_conf)
-                prev_draft, prev_conf = drafts_now()
-                logits = eng.decode_step(reqs)
-                lp = torch.log_softmax(logits.float(), dim=-1)
-                nll[j] = -lp.gather(1, targets[j].unsqueeze(1)).squeeze(1)
-                top1[j] = lp.argmax(-1)
-                if logp_all is not None:
-                    logp_all[j] = lp
-                if dense is not None:
-                    d = dense["logp"][j]
-                    kl[j] = (d.exp() * (d - lp)).sum(-1)
-                if j < S - 1:
-                    for i, r in enumerate(reqs):
-                        r.tokens.append(chunk[i][P + j + 1])
-                        if eng.rows == 2:
-                            r.draft = drafter.propose(r.id, r.tokens, r.features)
-                        if eng.backend == "oasis" and not r.sparse and r.kv_len > eng.kv.threshold_tokens:
-                            eng.make_sparse(r)
-                if bar:
-                    bar.update(1)
+            outs = le.run_to_completion(rids)
         finally:
-            if bar:
-                bar.close()
-        for r in reqs:
-            eng.finalize_metrics(r)
-            eng.release(r)
+            if scorer.bar is not None:
+                scorer.bar.close()
+        self._pools[key] = eng.pools
+        bad = [o for o in outs.values() if o.finish_reason != "length"]
+        if bad or scorer.j != S:
+            why = bad[0].error or bad[0].finish_reason if bad else f"{scorer.j} of {S} steps ran"
+            raise RuntimeError(f"teacher forcing of {policy.label} stopped early: {why}")
+        metrics = [outs[rid].metrics for rid in rids]
         if policy.kind == "dense":
-            self._dense.append({"logp": logp_all, "top1": top1})
+            self._dense.append({"logp": scorer.logp_all, "top1": scorer.top1})
         res = RunResult(
             policy,
-            nll.cpu(),
-            top1.cpu(),
-            kl.cpu() if kl is not None else None,
-            (top1 == dense["top1"]).cpu() if dense is not None else None,
-            fetched_bytes_per_step=[r.metrics.fetched_bytes_per_step for r in reqs],
-            full_kv_bytes=[r.metrics.full_kv_bytes for r in reqs],
-            resident_kv_bytes=[r.metrics.resident_kv_bytes for r in reqs],
+            scorer.nll.cpu(),
+            scorer.top1.cpu(),
+            scorer.kl.cpu() if scorer.kl is not None else None,
+            (scorer.top1 == dense["top1"]).cpu() if dense is not None else None,
+            fetched_bytes_per_step=[m.fetched_bytes_per_step for m in metrics],
+            full_kv_bytes=[m.full_kv_bytes for m in metrics],
+            resident_kv_bytes=[m.resident_kv_bytes for m in metrics],
         )
         if policy.kind == "quest":
-            qm = self.quest_model
+            qp = self.quest_policy = eng.policy
             entry = 2 * b * eng.geo.head_dim * eng.dtype.itemsize
-            res.would_fetch_bytes_per_step = [
-                float(qm.churn.get(r.id, 0)) * entry / max(1, S - 1) for r in reqs
-            ]
+            res.would_fetch_bytes_per_step = [float(qp.churn.get(i, 0)) * entry / max(1, S - 1) for i in ids]
             # A dense engine reports its whole KV as resident; so does Quest (everything resident).
-        if recorder is not None:
+        if lookahead is not None:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            ov, hit, valid = recorder.tensors(
-                self.model.config.num_hidden_layers, [r.id for r in reqs], measured
-            )
-            res.overlap, res.resident_hit, res.valid = ov, hit, valid
+            measured = list(range(1, S))  # step 0 judges the prompt's last query (make_sparse)
+            L = self.model.config.num_hidden_layers
+            res.overlap, res.resident_hit, res.valid = lookahead.tensors(L, ids, measured)
             if self.mass_every:
-                res.mass, res.mass_valid = recorder.mass_tensors(
-                    self.model.config.num_hidden_layers, [r.id for r in reqs], measured
-                )
+                res.mass, res.mass_valid = lookahead.mass_tensors(L, ids, measured)
             res.measured_steps = measured
-            res.matched = torch.tensor(matched, dtype=torch.bool) if matched else None
-            res.confidence = torch.tensor(confidence, dtype=torch.float32) if confidence else None
+            m, c = scorer.matched, scorer.confidence
+            res.matched = torch.tensor(m, dtype=torch.bool) if m else None
+            res.confidence = torch.tensor(c, dtype=torch.float32) if c else None
         return res
+
+
+class _ChunkScorer:
+    """The :class:`~oasiskv.LLMEngine` recorder of one teacher-forced chunk (``on_step``).
+
+    Decode step j's logits (row 0 of every request, before the forced token replaces the sample)
+    are scored against ``text[P + j + 1]``: NLL, top-1, and KL against the dense run's log-probs.
+    Step j's drafts (``StepInfo.drafts``) predicted ``text[P + j + 1]``; from step 1 on, the
+    previous step's drafts are checked against this step's input, as the lookahead overlap of this
+    step judges them. The :class:`LookaheadRecorder` keeps step j's rows from step 1 on (step 0's
+    prediction came from the prompt's last query at ``make_sparse``, not from a lookahead row).
+    """
+
+    def __init__(self, chunk, P: int, S: int, device, *, vocab, dense, lookahead, confidence) -> None:
+        n = len(chunk)
+        self.chunk, self.P, self.S = chunk, P, S
+        targets = [[t[P + j + 1] for t in chunk] for j in range(S)]
+        self.targets = torch.tensor(targets, device=device)  # [S, n]
+        self.nll = torch.empty(S, n, device=device)
+        self.top1 = torch.empty(S, n, dtype=torch.long, device=device)
+        self.kl = torch.empty(S, n, device=device) if dense is not None else None
+        self.logp_all = torch.empty(S, n, vocab, device=device) if vocab is not None else None
+        self.dense = dense
+        self.lookahead = lookahead
+        if lookahead is not None:
+            lookahead.enabled, lookahead.step = False, 0
+        self.confidence_of = confidence  # the drafter whose last_confidence to read, or None
+        self.request_ids: list[str] = []
+        self.matched: list[list[bool]] = []
+        self.confidence: list[list[float]] = []
+        self.bar = None
+        self.j = 0
+        self._prev: tuple[list, list] | None = None  # the previous step's drafts and confidences
+
+    def on_step(self, info: StepInfo) -> None:
+        if info.kind != "decode":
+            return
+        j = self.j
+        if info.request_ids != self.request_ids or j >= self.S:
+            raise RuntimeError(
+                f"teacher forcing: decode step {j} ran requests {info.request_ids}, expected "
+                f"{self.request_ids} (every request of a chunk runs every step together)"
+            )
+        lp = torch.log_softmax(info.logits.float(), dim=-1)
+        self.nll[j] = -lp.gather(1, self.targets[j].unsqueeze(1)).squeeze(1)
+        self.top1[j] = lp.argmax(-1)
+        if self.logp_all is not None:
+            self.logp_all[j] = lp
+        if self.dense is not None:
+            d = self.dense["logp"][j]
+            self.kl[j] = (d.exp() * (d - lp)).sum(-1)
+        if self.lookahead is not None:
+            has_draft = info.drafts and info.drafts[0] is not None
+            if j > 0 and has_draft:
+                drafts, conf = self._prev
+                self.matched.append([drafts[i] == t[self.P + j] for i, t in enumerate(self.chunk)])
+                if self.confidence_of is not None:
+                    self.confidence.append(conf)
+            conf = []
+            if self.confidence_of is not None:
+                last = self.confidence_of.last_confidence
+                conf = [last.get(int(rid), float("nan")) for rid in info.request_ids]
+            self._prev = (list(info.drafts), conf)
+            self.lookahead.enabled, self.lookahead.step = True, j + 1  # the next step is measured
+        self.j += 1
+        if self.bar is not None:
+            self.bar.update(1)
 
 
 def _concat(policy: Policy, parts: list[RunResult]) -> RunResult:
