@@ -88,6 +88,8 @@ def ref_plan(tables, order, b, k, rows, recall, seq, input_ids):
         out["rec_indptr"], out["rec_indices"] = csr([t["host_blocks"][: t["kv_len"] // b] for _, t in sp])
     else:
         out["rec_indptr"], out["rec_indices"] = [], []
+    # The blocks x_t completes: it lands at the last offset of its block.
+    out["done_blocks"] = [t["host_blocks"][t["kv_len"] // b] for _, t in sp if t["kv_len"] % b == b - 1]
     return out, max((len(x) for x in kv_lists), default=0)
 
 

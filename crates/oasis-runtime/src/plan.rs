@@ -26,6 +26,8 @@
 //! host_indices  [nnz_h]
 //! rec_indptr    [s + 1]   CSR over rec_indices: the blocks complete before x_t (recall's
 //! rec_indices   [nnz_r]   candidates); empty unless recall is measured
+//! done_blocks   [c]       host blocks of the sparse requests that x_t completes (their block
+//!                         summaries are final now: per-block data such as key codes is built)
 //! ```
 
 use crate::config::RuntimeConfig;
@@ -55,10 +57,11 @@ pub enum PlanField {
     HostIndices,
     RecIndptr,
     RecIndices,
+    DoneBlocks,
 }
 
 impl PlanField {
-    pub const ALL: [PlanField; 20] = [
+    pub const ALL: [PlanField; 21] = [
         PlanField::InputIds,
         PlanField::Positions,
         PlanField::PageIds,
@@ -79,6 +82,7 @@ impl PlanField {
         PlanField::HostIndices,
         PlanField::RecIndptr,
         PlanField::RecIndices,
+        PlanField::DoneBlocks,
     ];
 
     /// The field's name, as the Python engine reads it.
@@ -104,6 +108,7 @@ impl PlanField {
             PlanField::HostIndices => "host_indices",
             PlanField::RecIndptr => "rec_indptr",
             PlanField::RecIndices => "rec_indices",
+            PlanField::DoneBlocks => "done_blocks",
         }
     }
 }
@@ -338,6 +343,13 @@ impl StepPlan {
             self.put(PlanField::RecIndptr, std::iter::empty());
             self.put(PlanField::RecIndices, std::iter::empty());
         }
+        self.put(
+            PlanField::DoneBlocks,
+            sparse
+                .iter()
+                .filter(|(_, t)| t.kv_len % b == b - 1)
+                .filter_map(|(_, t)| t.host_blocks.get(t.kv_len / b).map(|&h| h as i32)),
+        );
         let end = self.arena.len().div_ceil(ALIGN) * ALIGN;
         self.arena.resize(end, 0);
     }
