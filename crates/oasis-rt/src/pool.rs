@@ -1,0 +1,948 @@
+//! The staging pool: every staged request's blocks, summary rows and admission set, in host
+//! memory, under a byte budget.
+//!
+//! # Accounting
+//! `used_bytes` is the sum over requests of their payload bytes plus a fixed overhead per
+//! entry ([`REQUEST_OVERHEAD_BYTES`], [`ENTRY_OVERHEAD_BYTES`]), so that a peer staging many
+//! tiny entries cannot grow the daemon's memory past the budget through metadata. It never
+//! exceeds the budget: a staging either fits (possibly after evicting *expired* requests) or is
+//! refused as a whole, and nothing of it is stored.
+//!
+//! # Lifetimes, eviction
+//! A request is *live* while something touched it (staged or read it) within the lease; it
+//! *expires* when the lease passes untouched (the decode engine died, or forgot to release).
+//! Release frees a request at once. When a staging does not fit, expired requests are evicted,
+//! least recently touched first, and only if that makes it fit. Live data is never evicted: the
+//! staging is refused with [`Error::OutOfMemory`] (it could never fit the budget) or
+//! [`Error::Busy`] (live data fills the budget now; retry after releases). A reader of an
+//! evicted request gets [`Error::UnknownRequest`], never wrong bytes.
+//!
+//! The pool is plain data (no locks, no clock): the daemon wraps it in a mutex and passes `now`,
+//! which keeps every policy testable. Bytes are copied by the caller *before* taking the lock
+//! (stored entries own their memory: a slice of a larger frame would pin the whole frame).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+
+use crate::error::{Error, ErrorCode, Result};
+use crate::protocol::{
+    Admission, BlockKey, Geometry, LayerBlock, Section, StagedBlock, StatsSnapshot, SummaryRun,
+    ALL_HEADS,
+};
+
+/// Accounted per request besides its payload (arbitrary: a map entry and its tables).
+pub const REQUEST_OVERHEAD_BYTES: u64 = 512;
+/// Accounted per stored block, summary row, selected block or section (arbitrary).
+pub const ENTRY_OVERHEAD_BYTES: u64 = 64;
+
+/// Budget and lease.
+#[derive(Clone, Copy, Debug)]
+pub struct PoolConfig {
+    pub budget_bytes: u64,
+    /// A request untouched this long may be evicted; `None`: requests never expire.
+    pub lease: Option<Duration>,
+}
+
+#[derive(Debug)]
+struct AdmissionEntry {
+    selected: Vec<LayerBlock>,
+    sections: Vec<Section>,
+}
+
+impl AdmissionEntry {
+    fn bytes(&self) -> u64 {
+        let sections: u64 = self
+            .sections
+            .iter()
+            .map(|s| ENTRY_OVERHEAD_BYTES + s.name.len() as u64 + s.data.len() as u64)
+            .sum();
+        ENTRY_OVERHEAD_BYTES + 6 * self.selected.len() as u64 + sections
+    }
+}
+
+#[derive(Debug)]
+struct StagedRequest {
+    geometry: Geometry,
+    blocks: HashMap<(u16, u32), Bytes>,
+    summaries: BTreeMap<(u16, u32), Bytes>,
+    admission: Option<AdmissionEntry>,
+    /// Accounted bytes of this request (overheads included).
+    bytes: u64,
+    last_touch: Instant,
+}
+
+impl StagedRequest {
+    fn recount(&self) -> u64 {
+        let block = self.geometry.block_bytes() + ENTRY_OVERHEAD_BYTES;
+        let row = self.geometry.summary_row_bytes() + ENTRY_OVERHEAD_BYTES;
+        REQUEST_OVERHEAD_BYTES
+            + block * self.blocks.len() as u64
+            + row * self.summaries.len() as u64
+            + self.admission.as_ref().map_or(0, AdmissionEntry::bytes)
+    }
+}
+
+/// The reply to a block read: per key, bytes or the code of why that entry failed.
+pub type BlockResults = Vec<std::result::Result<Bytes, ErrorCode>>;
+
+/// Per-request staging storage under a byte budget. See the module docs.
+#[derive(Debug)]
+pub struct StagingPool {
+    config: PoolConfig,
+    used: u64,
+    requests: HashMap<u64, StagedRequest>,
+    evicted_requests: u64,
+    evicted_bytes: u64,
+    refused_stages: u64,
+    bytes_staged: u64,
+}
+
+impl StagingPool {
+    pub fn new(config: PoolConfig) -> Self {
+        StagingPool {
+            config,
+            used: 0,
+            requests: HashMap::new(),
+            evicted_requests: 0,
+            evicted_bytes: 0,
+            refused_stages: 0,
+            bytes_staged: 0,
+        }
+    }
+
+    pub fn budget_bytes(&self) -> u64 {
+        self.config.budget_bytes
+    }
+
+    pub fn used_bytes(&self) -> u64 {
+        self.used
+    }
+
+    pub fn contains(&self, request: u64) -> bool {
+        self.requests.contains_key(&request)
+    }
+
+    fn expired(&self, r: &StagedRequest, now: Instant) -> bool {
+        self.config
+            .lease
+            .is_some_and(|lease| now.saturating_duration_since(r.last_touch) > lease)
+    }
+
+    /// Make room for `delta` more bytes beside request `keep`, evicting expired requests (least
+    /// recently touched first) only if that is enough. All or nothing.
+    fn reserve(&mut self, keep: u64, current: u64, delta: u64, now: Instant) -> Result<()> {
+        let budget = self.config.budget_bytes;
+        if current.saturating_add(delta) > budget {
+            self.refused_stages += 1;
+            return Err(Error::OutOfMemory {
+                requested: delta,
+                budget,
+            });
+        }
+        let free = budget - self.used;
+        if delta <= free {
+            return Ok(());
+        }
+        let mut expired: Vec<(Instant, u64, u64)> = self
+            .requests
+            .iter()
+            .filter(|(id, r)| **id != keep && self.expired(r, now))
+            .map(|(id, r)| (r.last_touch, *id, r.bytes))
+            .collect();
+        let evictable: u64 = expired.iter().map(|e| e.2).sum();
+        if delta > free + evictable {
+            self.refused_stages += 1;
+            return Err(Error::Busy {
+                requested: delta,
+                free: free + evictable,
+            });
+        }
+        expired.sort_unstable();
+        let mut freed = 0;
+        for (_, id, bytes) in expired {
+            if delta <= free + freed {
+                break;
+            }
+            self.requests.remove(&id);
+            self.used -= bytes;
+            freed += bytes;
+            self.evicted_requests += 1;
+            self.evicted_bytes += bytes;
+            tracing::info!(request = id, bytes, "evicted expired request");
+        }
+        Ok(())
+    }
+
+    /// Validate `geometry` against the staged one; true when `request` is new.
+    fn check_geometry(&self, request: u64, geometry: &Geometry) -> Result<bool> {
+        geometry.validate()?;
+        match self.requests.get(&request) {
+            Some(r) if r.geometry != *geometry => Err(Error::GeometryMismatch { request }),
+            Some(_) => Ok(false),
+            None => Ok(true),
+        }
+    }
+
+    fn entry(&mut self, request: u64, geometry: Geometry, now: Instant) -> &mut StagedRequest {
+        self.requests
+            .entry(request)
+            .or_insert_with(|| StagedRequest {
+                geometry,
+                blocks: HashMap::new(),
+                summaries: BTreeMap::new(),
+                admission: None,
+                // `delta` of the staging that creates it includes REQUEST_OVERHEAD_BYTES.
+                bytes: 0,
+                last_touch: now,
+            })
+    }
+
+    fn current_bytes(&self, request: u64) -> u64 {
+        self.requests.get(&request).map_or(0, |r| r.bytes)
+    }
+
+    /// Store `blocks` of `request` (created if new). Restaging a block replaces it. All or
+    /// nothing; returns the bytes added.
+    ///
+    /// # Errors
+    /// Geometry, layer, block or length out of range; [`Error::GeometryMismatch`];
+    /// [`Error::OutOfMemory`] or [`Error::Busy`] past the budget.
+    pub fn stage_blocks(
+        &mut self,
+        request: u64,
+        geometry: Geometry,
+        blocks: Vec<StagedBlock>,
+        now: Instant,
+    ) -> Result<u64> {
+        let is_new = self.check_geometry(request, &geometry)?;
+        let bb = geometry.block_bytes();
+        let mut fresh = HashSet::new();
+        for b in &blocks {
+            geometry.check_layer(b.layer)?;
+            geometry.check_block(b.block)?;
+            if b.data.len() as u64 != bb {
+                return Err(Error::OutOfRange {
+                    field: "block bytes",
+                    value: b.data.len() as u64,
+                    limit: bb,
+                });
+            }
+            let key = (b.layer, b.block);
+            let present = self
+                .requests
+                .get(&request)
+                .is_some_and(|r| r.blocks.contains_key(&key));
+            if !present {
+                fresh.insert(key);
+            }
+        }
+        let delta = fresh.len() as u64 * (bb + ENTRY_OVERHEAD_BYTES)
+            + if is_new { REQUEST_OVERHEAD_BYTES } else { 0 };
+        self.commit(request, geometry, delta, now, |r| {
+            for b in blocks {
+                r.blocks.insert((b.layer, b.block), b.data);
+            }
+        })
+    }
+
+    /// Store summary rows of `request` (created if new), one entry per block row. Restaging a
+    /// row replaces it.
+    ///
+    /// # Errors
+    /// As [`StagingPool::stage_blocks`].
+    pub fn stage_summaries(
+        &mut self,
+        request: u64,
+        geometry: Geometry,
+        runs: Vec<SummaryRun>,
+        now: Instant,
+    ) -> Result<u64> {
+        let is_new = self.check_geometry(request, &geometry)?;
+        let row = geometry.summary_row_bytes();
+        let mut fresh = HashSet::new();
+        let mut rows = Vec::new();
+        for run in &runs {
+            geometry.check_layer(run.layer)?;
+            let len = run.data.len() as u64;
+            if len == 0 || len % row != 0 {
+                return Err(Error::Invalid {
+                    field: "summary run",
+                    reason: "length must be a nonzero multiple of the row size",
+                });
+            }
+            let n = len / row;
+            let end = u64::from(run.first_block) + n;
+            if end > u64::from(geometry.num_blocks) {
+                return Err(Error::OutOfRange {
+                    field: "summary run end",
+                    value: end,
+                    limit: geometry.num_blocks.into(),
+                });
+            }
+            for i in 0..n {
+                // end <= num_blocks <= u32::MAX, so the block id fits.
+                let key = (run.layer, run.first_block + i as u32);
+                let present = self
+                    .requests
+                    .get(&request)
+                    .is_some_and(|r| r.summaries.contains_key(&key));
+                if !present {
+                    fresh.insert(key);
+                }
+                let start = (i * row) as usize;
+                rows.push((key, run.data.slice(start..start + row as usize)));
+            }
+        }
+        let delta = fresh.len() as u64 * (row + ENTRY_OVERHEAD_BYTES)
+            + if is_new { REQUEST_OVERHEAD_BYTES } else { 0 };
+        self.commit(request, geometry, delta, now, |r| {
+            for (key, data) in rows {
+                r.summaries.insert(key, data);
+            }
+        })
+    }
+
+    /// Set the admission set of an already staged request (replaces an earlier one).
+    ///
+    /// # Errors
+    /// [`Error::UnknownRequest`]; a selected block out of range; budget errors.
+    pub fn stage_admission(
+        &mut self,
+        request: u64,
+        selected: Vec<LayerBlock>,
+        sections: Vec<Section>,
+        now: Instant,
+    ) -> Result<u64> {
+        let r = self
+            .requests
+            .get(&request)
+            .ok_or(Error::UnknownRequest(request))?;
+        let geometry = r.geometry;
+        for s in &selected {
+            geometry.check_layer(s.layer)?;
+            geometry.check_block(s.block)?;
+        }
+        let entry = AdmissionEntry { selected, sections };
+        let old = r.admission.as_ref().map_or(0, AdmissionEntry::bytes);
+        let new = entry.bytes();
+        // Replacing a larger admission set frees bytes: account the net change.
+        if new <= old {
+            let r = self
+                .requests
+                .get_mut(&request)
+                .ok_or(Error::UnknownRequest(request))?;
+            r.admission = Some(entry);
+            r.bytes -= old - new;
+            r.last_touch = now;
+            self.used -= old - new;
+            return Ok(0);
+        }
+        self.commit(request, geometry, new - old, now, |r| {
+            r.admission = Some(entry);
+        })
+    }
+
+    fn commit(
+        &mut self,
+        request: u64,
+        geometry: Geometry,
+        delta: u64,
+        now: Instant,
+        apply: impl FnOnce(&mut StagedRequest),
+    ) -> Result<u64> {
+        let current = self.current_bytes(request);
+        self.reserve(request, current, delta, now)?;
+        let r = self.entry(request, geometry, now);
+        apply(r);
+        r.last_touch = now;
+        r.bytes += delta;
+        debug_assert_eq!(r.bytes, r.recount());
+        self.used += delta;
+        self.bytes_staged += delta;
+        Ok(delta)
+    }
+
+    /// The admission set of layers `first_layer..first_layer + num_layers`: every staged summary
+    /// row of those layers (as runs of consecutive blocks), the selected blocks of those layers,
+    /// and the sections if asked. `max_bytes` bounds the reply (the frame limit).
+    ///
+    /// # Errors
+    /// [`Error::UnknownRequest`]; a layer range out of bounds; [`Error::MissingBlock`] for a
+    /// selected block that was never staged; [`Error::FrameTooLarge`] past `max_bytes` (ask
+    /// for fewer layers).
+    pub fn fetch_admission(
+        &mut self,
+        request: u64,
+        first_layer: u16,
+        num_layers: u16,
+        include_sections: bool,
+        max_bytes: u64,
+        now: Instant,
+    ) -> Result<Admission> {
+        let r = self
+            .requests
+            .get_mut(&request)
+            .ok_or(Error::UnknownRequest(request))?;
+        let g = r.geometry;
+        let end = u32::from(first_layer) + u32::from(num_layers);
+        if num_layers == 0 || end > u32::from(g.num_layers) {
+            return Err(Error::OutOfRange {
+                field: "layer range end",
+                value: end.into(),
+                limit: g.num_layers.into(),
+            });
+        }
+        r.last_touch = now;
+        let layers = first_layer..(end as u16);
+        let row = g.summary_row_bytes();
+        let mut total = 64u64;
+        // Runs of consecutive rows; the map is ordered by (layer, block).
+        let mut summaries: Vec<SummaryRun> = Vec::new();
+        let mut run: Option<(u16, u32, u32, BytesMut)> = None;
+        for (&(layer, block), data) in r.summaries.range((first_layer, 0)..(end as u16, 0)) {
+            total += row;
+            if total > max_bytes {
+                return Err(Error::FrameTooLarge {
+                    len: total,
+                    max: max_bytes,
+                });
+            }
+            match &mut run {
+                Some((l, first, n, buf)) if *l == layer && *first + *n == block => {
+                    buf.extend_from_slice(data);
+                    *n += 1;
+                }
+                _ => {
+                    if let Some((l, first, _, buf)) = run.take() {
+                        summaries.push(SummaryRun {
+                            layer: l,
+                            first_block: first,
+                            data: buf.freeze(),
+                        });
+                        total += 10;
+                    }
+                    let mut buf = BytesMut::new();
+                    buf.extend_from_slice(data);
+                    run = Some((layer, block, 1, buf));
+                }
+            }
+        }
+        if let Some((l, first, _, buf)) = run {
+            summaries.push(SummaryRun {
+                layer: l,
+                first_block: first,
+                data: buf.freeze(),
+            });
+        }
+        let mut blocks = Vec::new();
+        let mut sections = Vec::new();
+        if let Some(a) = &r.admission {
+            let mut seen = HashSet::new();
+            for s in a.selected.iter().filter(|s| layers.contains(&s.layer)) {
+                if !seen.insert(*s) {
+                    continue;
+                }
+                let data = r
+                    .blocks
+                    .get(&(s.layer, s.block))
+                    .ok_or(Error::MissingBlock {
+                        request,
+                        layer: s.layer,
+                        block: s.block,
+                    })?;
+                total += 6 + g.block_bytes();
+                if total > max_bytes {
+                    return Err(Error::FrameTooLarge {
+                        len: total,
+                        max: max_bytes,
+                    });
+                }
+                blocks.push(StagedBlock {
+                    layer: s.layer,
+                    block: s.block,
+                    data: data.clone(),
+                });
+            }
+            if include_sections {
+                for s in &a.sections {
+                    total += 5 + s.name.len() as u64 + s.data.len() as u64;
+                    sections.push(s.clone());
+                }
+                if total > max_bytes {
+                    return Err(Error::FrameTooLarge {
+                        len: total,
+                        max: max_bytes,
+                    });
+                }
+            }
+        }
+        Ok(Admission {
+            geometry: g,
+            summaries,
+            blocks,
+            sections,
+        })
+    }
+
+    /// Read a batch of block (or block-head) entries across requests. Each entry succeeds or
+    /// fails on its own (a released request fails only its entries). `max_bytes` bounds the
+    /// reply: past it the whole batch is refused with [`Error::FrameTooLarge`].
+    ///
+    /// # Errors
+    /// [`Error::FrameTooLarge`] only; per-entry failures are codes in the result.
+    pub fn read_blocks(
+        &mut self,
+        keys: &[BlockKey],
+        max_bytes: u64,
+        now: Instant,
+    ) -> Result<BlockResults> {
+        let mut total = 64u64;
+        for k in keys {
+            total += 6 + self
+                .requests
+                .get(&k.request)
+                .map_or(0, |r| r.geometry.read_bytes(k.head));
+        }
+        if total > max_bytes {
+            return Err(Error::FrameTooLarge {
+                len: total,
+                max: max_bytes,
+            });
+        }
+        let mut out = Vec::with_capacity(keys.len());
+        for k in keys {
+            let Some(r) = self.requests.get_mut(&k.request) else {
+                out.push(Err(ErrorCode::UnknownRequest));
+                continue;
+            };
+            r.last_touch = now;
+            let g = r.geometry;
+            if g.check_layer(k.layer).is_err()
+                || g.check_block(k.block).is_err()
+                || g.check_head(k.head).is_err()
+            {
+                out.push(Err(ErrorCode::BadRequest));
+                continue;
+            }
+            let Some(data) = r.blocks.get(&(k.layer, k.block)) else {
+                out.push(Err(ErrorCode::MissingBlock));
+                continue;
+            };
+            if k.head == ALL_HEADS {
+                out.push(Ok(data.clone()));
+            } else {
+                // K rows of head h, then its V rows: [2][num_kv_heads][block_size][head_dim].
+                let hb = g.head_bytes() as usize;
+                let h = usize::from(k.head);
+                let v = usize::from(g.num_kv_heads) + h;
+                let mut buf = BytesMut::with_capacity(2 * hb);
+                buf.extend_from_slice(&data[h * hb..(h + 1) * hb]);
+                buf.extend_from_slice(&data[v * hb..(v + 1) * hb]);
+                out.push(Ok(buf.freeze()));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Free everything of `request`; returns the bytes freed (0 if it was not staged: release
+    /// is idempotent).
+    pub fn release(&mut self, request: u64) -> u64 {
+        match self.requests.remove(&request) {
+            Some(r) => {
+                self.used -= r.bytes;
+                r.bytes
+            }
+            None => 0,
+        }
+    }
+
+    /// Pool counters (the daemon adds its own).
+    pub fn stats(&self, now: Instant) -> StatsSnapshot {
+        let mut s = StatsSnapshot {
+            budget_bytes: self.config.budget_bytes,
+            used_bytes: self.used,
+            evicted_requests: self.evicted_requests,
+            evicted_bytes: self.evicted_bytes,
+            refused_stages: self.refused_stages,
+            bytes_staged: self.bytes_staged,
+            ..Default::default()
+        };
+        for r in self.requests.values() {
+            if self.expired(r, now) {
+                s.expired_requests += 1;
+            } else {
+                s.live_requests += 1;
+            }
+            s.staged_blocks += r.blocks.len() as u64;
+            s.summary_rows += r.summaries.len() as u64;
+        }
+        s
+    }
+
+    /// Check the accounting from scratch: `used` is the sum of every request's recount, and
+    /// within the budget.
+    ///
+    /// # Errors
+    /// A description of the first broken invariant.
+    pub fn audit(&self) -> std::result::Result<(), String> {
+        let mut sum = 0;
+        for (id, r) in &self.requests {
+            let n = r.recount();
+            if n != r.bytes {
+                return Err(format!(
+                    "request {id}: accounted {} != recount {n}",
+                    r.bytes
+                ));
+            }
+            sum += n;
+        }
+        if sum != self.used {
+            return Err(format!("used {} != sum of requests {sum}", self.used));
+        }
+        if self.used > self.config.budget_bytes {
+            return Err(format!(
+                "used {} > budget {}",
+                self.used, self.config.budget_bytes
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn g() -> Geometry {
+        Geometry {
+            num_layers: 2,
+            num_kv_heads: 2,
+            block_size: 2,
+            head_dim: 4,
+            dtype_bytes: 1,
+            num_blocks: 8,
+        }
+    }
+
+    fn blocks(layer: u16, ids: &[u32], fill: u8) -> Vec<StagedBlock> {
+        ids.iter()
+            .map(|&block| StagedBlock {
+                layer,
+                block,
+                data: Bytes::from(vec![fill; g().block_bytes() as usize]),
+            })
+            .collect()
+    }
+
+    fn per_block() -> u64 {
+        g().block_bytes() + ENTRY_OVERHEAD_BYTES
+    }
+
+    fn pool(budget: u64, lease: Option<Duration>) -> StagingPool {
+        StagingPool::new(PoolConfig {
+            budget_bytes: budget,
+            lease,
+        })
+    }
+
+    #[test]
+    fn stage_read_release_accounting() {
+        let t = Instant::now();
+        let mut p = pool(1 << 20, None);
+        let added = p.stage_blocks(1, g(), blocks(0, &[0, 1, 2], 7), t).unwrap();
+        assert_eq!(added, REQUEST_OVERHEAD_BYTES + 3 * per_block());
+        // Restaging a block adds nothing.
+        assert_eq!(p.stage_blocks(1, g(), blocks(0, &[1], 9), t).unwrap(), 0);
+        p.audit().unwrap();
+        let key = |block, head| BlockKey {
+            request: 1,
+            layer: 0,
+            block,
+            head,
+        };
+        let out = p
+            .read_blocks(
+                &[key(1, ALL_HEADS), key(5, ALL_HEADS), key(0, 1)],
+                1 << 20,
+                t,
+            )
+            .unwrap();
+        assert_eq!(out[0].as_ref().unwrap()[0], 9);
+        assert_eq!(out[1], Err(ErrorCode::MissingBlock));
+        assert_eq!(out[2].as_ref().unwrap().len() as u64, 2 * g().head_bytes());
+        assert_eq!(p.release(1), added);
+        assert_eq!(p.used_bytes(), 0);
+        assert_eq!(p.release(1), 0);
+        p.audit().unwrap();
+    }
+
+    #[test]
+    fn head_reads_slice_k_then_v() {
+        let t = Instant::now();
+        let mut p = pool(1 << 20, None);
+        let bb = g().block_bytes() as usize;
+        let data: Vec<u8> = (0..bb).map(|i| i as u8).collect();
+        let b = vec![StagedBlock {
+            layer: 1,
+            block: 3,
+            data: Bytes::from(data.clone()),
+        }];
+        p.stage_blocks(4, g(), b, t).unwrap();
+        let hb = g().head_bytes() as usize; // 8
+        let out = p
+            .read_blocks(
+                &[BlockKey {
+                    request: 4,
+                    layer: 1,
+                    block: 3,
+                    head: 1,
+                }],
+                1 << 20,
+                t,
+            )
+            .unwrap();
+        let got = out[0].as_ref().unwrap();
+        // Head 1 of K is rows [hb, 2hb); head 1 of V is [3hb, 4hb) (2 heads).
+        assert_eq!(&got[..hb], &data[hb..2 * hb]);
+        assert_eq!(&got[hb..], &data[3 * hb..4 * hb]);
+    }
+
+    #[test]
+    fn live_data_is_never_evicted() {
+        let t = Instant::now();
+        let budget = REQUEST_OVERHEAD_BYTES + 4 * per_block();
+        let mut p = pool(budget, Some(Duration::from_secs(60)));
+        p.stage_blocks(1, g(), blocks(0, &[0, 1, 2, 3], 1), t)
+            .unwrap();
+        let err = p
+            .stage_blocks(2, g(), blocks(0, &[0], 2), t + Duration::from_secs(1))
+            .unwrap_err();
+        assert!(matches!(err, Error::Busy { .. }), "{err}");
+        // A request that alone passes the budget can never fit.
+        let err = p
+            .stage_blocks(3, g(), blocks(0, &[0, 1, 2, 3, 4], 2), t)
+            .unwrap_err();
+        assert!(matches!(err, Error::OutOfMemory { .. }), "{err}");
+        // Request 1 still whole.
+        let s = p.stats(t);
+        assert_eq!(
+            (s.live_requests, s.staged_blocks, s.refused_stages),
+            (1, 4, 2)
+        );
+        assert!(!p.contains(2));
+        p.audit().unwrap();
+    }
+
+    #[test]
+    fn expired_requests_are_evicted_oldest_first() {
+        let t = Instant::now();
+        let lease = Duration::from_secs(10);
+        let budget = 2 * (REQUEST_OVERHEAD_BYTES + 2 * per_block());
+        let mut p = pool(budget, Some(lease));
+        p.stage_blocks(1, g(), blocks(0, &[0, 1], 1), t).unwrap();
+        p.stage_blocks(2, g(), blocks(0, &[0, 1], 1), t + Duration::from_secs(5))
+            .unwrap();
+        // At t+12 request 1 expired (12 > 10), request 2 did not (7).
+        let later = t + Duration::from_secs(12);
+        p.stage_blocks(3, g(), blocks(0, &[0, 1], 1), later)
+            .unwrap();
+        assert!(!p.contains(1) && p.contains(2) && p.contains(3));
+        let s = p.stats(later);
+        assert_eq!(s.evicted_requests, 1);
+        // Nothing else expired: the next one is refused, request 2 kept.
+        let err = p
+            .stage_blocks(4, g(), blocks(0, &[0], 1), later)
+            .unwrap_err();
+        assert!(matches!(err, Error::Busy { .. }));
+        assert!(p.contains(2));
+        p.audit().unwrap();
+    }
+
+    #[test]
+    fn a_refusal_evicts_nothing() {
+        let t = Instant::now();
+        let budget = 2 * (REQUEST_OVERHEAD_BYTES + 2 * per_block());
+        let mut p = pool(budget, Some(Duration::from_secs(1)));
+        p.stage_blocks(1, g(), blocks(0, &[0, 1], 1), t).unwrap();
+        p.stage_blocks(2, g(), blocks(0, &[0, 1], 1), t + Duration::from_secs(5))
+            .unwrap();
+        // At t+5.5 request 1 has expired, but freeing it cannot make room for 3 blocks + 2 live.
+        let now = t + Duration::from_millis(5500);
+        let err = p
+            .stage_blocks(3, g(), blocks(0, &[0, 1, 2, 3], 1), now)
+            .unwrap_err();
+        assert!(matches!(err, Error::Busy { .. }), "{err}");
+        assert!(p.contains(1), "evicted for nothing");
+    }
+
+    #[test]
+    fn admission_needs_its_blocks() {
+        let t = Instant::now();
+        let mut p = pool(1 << 20, None);
+        let err = p.stage_admission(1, vec![], vec![], t).unwrap_err();
+        assert!(matches!(err, Error::UnknownRequest(1)));
+        p.stage_blocks(1, g(), blocks(1, &[2], 5), t).unwrap();
+        let row = g().summary_row_bytes() as usize;
+        p.stage_summaries(
+            1,
+            g(),
+            vec![
+                SummaryRun {
+                    layer: 0,
+                    first_block: 0,
+                    data: Bytes::from(vec![1; 3 * row]),
+                },
+                SummaryRun {
+                    layer: 1,
+                    first_block: 5,
+                    data: Bytes::from(vec![2; row]),
+                },
+            ],
+            t,
+        )
+        .unwrap();
+        let sel = vec![
+            LayerBlock { layer: 1, block: 2 },
+            LayerBlock { layer: 1, block: 4 },
+        ];
+        p.stage_admission(1, sel, vec![], t).unwrap();
+        let err = p.fetch_admission(1, 0, 2, true, 1 << 20, t).unwrap_err();
+        assert!(matches!(
+            err,
+            Error::MissingBlock {
+                layer: 1,
+                block: 4,
+                ..
+            }
+        ));
+        p.stage_admission(1, vec![LayerBlock { layer: 1, block: 2 }], vec![], t)
+            .unwrap();
+        let a = p.fetch_admission(1, 0, 2, true, 1 << 20, t).unwrap();
+        assert_eq!(a.summaries.len(), 2);
+        assert_eq!(a.summaries[0].data.len(), 3 * row);
+        assert_eq!(a.blocks.len(), 1);
+        let a = p.fetch_admission(1, 0, 1, false, 1 << 20, t).unwrap();
+        assert_eq!((a.summaries.len(), a.blocks.len()), (1, 0));
+        assert!(p.fetch_admission(1, 1, 2, false, 1 << 20, t).is_err());
+        assert!(matches!(
+            p.fetch_admission(1, 0, 2, false, 100, t),
+            Err(Error::FrameTooLarge { .. })
+        ));
+        p.audit().unwrap();
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Stage {
+            request: u64,
+            layer: u16,
+            ids: Vec<u32>,
+        },
+        Summaries {
+            request: u64,
+            first: u32,
+            n: u32,
+        },
+        Admission {
+            request: u64,
+            n_sel: usize,
+            section: usize,
+        },
+        Release {
+            request: u64,
+        },
+        Advance {
+            secs: u64,
+        },
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => (0u64..5, 0u16..2, proptest::collection::vec(0u32..8, 0..6))
+                .prop_map(|(request, layer, ids)| Op::Stage { request, layer, ids }),
+            2 => (0u64..5, 0u32..8, 1u32..4)
+                .prop_map(|(request, first, n)| Op::Summaries { request, first, n }),
+            1 => (0u64..5, 0usize..4, 0usize..300)
+                .prop_map(|(request, n_sel, section)| Op::Admission { request, n_sel, section }),
+            1 => (0u64..5).prop_map(|request| Op::Release { request }),
+            1 => (0u64..20).prop_map(|secs| Op::Advance { secs }),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// Random operation sequences: the accounting always matches a recount, stays within
+        /// the budget, and a live request is never evicted.
+        #[test]
+        fn accounting_invariants(ops in proptest::collection::vec(op(), 1..60),
+                                 budget_blocks in 2u64..30) {
+            let lease = Duration::from_secs(15);
+            let budget = REQUEST_OVERHEAD_BYTES * 2 + budget_blocks * per_block();
+            let mut p = pool(budget, Some(lease));
+            let start = Instant::now();
+            let mut now = start;
+            // request -> last touch, per the model
+            let mut touched: HashMap<u64, Instant> = HashMap::new();
+            for op in ops {
+                let mut before: Vec<u64> = touched
+                    .iter()
+                    .filter(|(_, t)| now.saturating_duration_since(**t) <= lease)
+                    .map(|(id, _)| *id)
+                    .collect();
+                let (request, res) = match op {
+                    Op::Stage { request, layer, ids } => {
+                        let r = p.stage_blocks(request, g(), blocks(layer, &ids, 1), now);
+                        (Some(request), r.map(|_| ()))
+                    }
+                    Op::Summaries { request, first, n } => {
+                        let n = n.min(8 - first);
+                        let data = Bytes::from(vec![0; (n as u64 * g().summary_row_bytes()) as usize]);
+                        let run = SummaryRun { layer: 0, first_block: first, data };
+                        let r = p.stage_summaries(request, g(), vec![run], now);
+                        (Some(request), r.map(|_| ()))
+                    }
+                    Op::Admission { request, n_sel, section } => {
+                        let sel = (0..n_sel as u32).map(|b| LayerBlock { layer: 0, block: b }).collect();
+                        let sections = vec![Section { name: "draft".into(), data: Bytes::from(vec![0; section]) }];
+                        let r = p.stage_admission(request, sel, sections, now);
+                        (Some(request), r.map(|_| ()))
+                    }
+                    Op::Release { request } => {
+                        p.release(request);
+                        touched.remove(&request);
+                        before.retain(|id| *id != request);
+                        (None, Ok(()))
+                    }
+                    Op::Advance { secs } => {
+                        now += Duration::from_secs(secs);
+                        (None, Ok(()))
+                    }
+                };
+                if let (Some(request), Ok(())) = (request, &res) {
+                    touched.insert(request, now);
+                }
+                if let Err(e) = &res {
+                    prop_assert!(matches!(e, Error::Busy { .. } | Error::OutOfMemory { .. }
+                        | Error::UnknownRequest(_)), "unexpected error {e}");
+                }
+                p.audit().map_err(TestCaseError::fail)?;
+                for id in before {
+                    prop_assert!(p.contains(id), "live request {id} evicted");
+                }
+                touched.retain(|id, _| p.contains(*id));
+            }
+            let ids: Vec<u64> = touched.keys().copied().collect();
+            for id in ids {
+                p.release(id);
+            }
+            for id in 0..5 {
+                p.release(id);
+            }
+            prop_assert_eq!(p.used_bytes(), 0);
+        }
+    }
+}

@@ -1,0 +1,330 @@
+//! Transports: how frames travel. The daemon and the client speak to a [`Connection`] and never
+//! to a socket, so the same protocol code runs over plain TCP ([`TcpTransport`], here) and UCX
+//! (later, behind the `ucx` feature: active messages for frames, RMA `get` of registered
+//! staging memory for block bytes).
+//!
+//! A connection moves whole frames: `send_frame` takes an encoded frame (length prefix
+//! included, see [`crate::protocol`]), `recv_frame` returns one frame's body after checking
+//! the length prefix against the caller's limit *before* reading the body. Every call has a
+//! deadline: `recv_frame` waits up to `idle` for a frame to start and up to the transport's
+//! I/O timeout for the rest of it; `send_frame` up to the I/O timeout.
+//!
+//! # Cancel safety
+//! Neither call is cancel safe: dropping one mid-frame leaves the stream out of step, so the
+//! connection must then be dropped (the daemon and the client both do).
+
+use std::future::Future;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::error::{Error, Result};
+use crate::protocol::{check_frame_len, LEN_PREFIX_BYTES};
+
+/// Default deadline of one frame's I/O once it started (arbitrary).
+pub const DEFAULT_IO_TIMEOUT: Duration = Duration::from_secs(30);
+/// Default deadline of a TCP connect (arbitrary).
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// The body buffer starts at most this large and grows as bytes arrive, so a peer that declares
+/// a large frame and sends little of it costs little memory (tuned for 64 KiB blocks).
+const INITIAL_BODY_CAPACITY: usize = 1 << 20;
+
+/// One established, authenticated-or-not connection carrying frames.
+pub trait Connection: Send + 'static {
+    /// Send one encoded frame (length prefix included) within the I/O timeout.
+    ///
+    /// # Errors
+    /// [`Error::Timeout`], [`Error::Closed`], [`Error::Io`].
+    fn send_frame(&mut self, frame: &[u8]) -> impl Future<Output = Result<()>> + Send;
+
+    /// Receive one frame's body (the bytes after the length prefix). Waits up to `idle` for
+    /// the frame to begin (`None`: no limit), then up to the I/O timeout for the rest.
+    ///
+    /// # Errors
+    /// [`Error::Closed`] when the peer closed between frames; [`Error::Truncated`] when it
+    /// closed inside one; [`Error::FrameTooLarge`] when the prefix passes `max_frame` (nothing
+    /// of the body is read); [`Error::Timeout`]; [`Error::Io`].
+    fn recv_frame(
+        &mut self,
+        max_frame: u32,
+        idle: Option<Duration>,
+    ) -> impl Future<Output = Result<Bytes>> + Send;
+
+    /// The peer's address, for logs.
+    fn peer(&self) -> String;
+}
+
+/// Accepts connections.
+pub trait Listener: Send + 'static {
+    type Conn: Connection;
+
+    /// The next connection.
+    ///
+    /// # Errors
+    /// [`Error::Io`] (the daemon logs it and goes on).
+    fn accept(&mut self) -> impl Future<Output = Result<Self::Conn>> + Send;
+
+    /// The bound address (with the real port when bound to port 0).
+    fn local_addr(&self) -> String;
+}
+
+/// A way to connect and to listen.
+pub trait Transport: Send + Sync + 'static {
+    type Conn: Connection;
+    type Listener: Listener<Conn = Self::Conn>;
+
+    /// Connect to a daemon.
+    ///
+    /// # Errors
+    /// [`Error::Unreachable`], [`Error::Timeout`].
+    fn connect(&self, addr: &str) -> impl Future<Output = Result<Self::Conn>> + Send;
+
+    /// Listen on `addr`.
+    ///
+    /// # Errors
+    /// [`Error::Io`] (address in use, permission).
+    fn bind(&self, addr: &str) -> impl Future<Output = Result<Self::Listener>> + Send;
+}
+
+/// Deadlines of the TCP transport.
+#[derive(Clone, Copy, Debug)]
+pub struct TcpConfig {
+    pub connect_timeout: Duration,
+    pub io_timeout: Duration,
+}
+
+impl Default for TcpConfig {
+    fn default() -> Self {
+        TcpConfig {
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            io_timeout: DEFAULT_IO_TIMEOUT,
+        }
+    }
+}
+
+/// Plain TCP on tokio: frames are the protocol's length-prefixed bytes on the stream.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TcpTransport {
+    pub config: TcpConfig,
+}
+
+/// A TCP connection (`TCP_NODELAY` set).
+#[derive(Debug)]
+pub struct TcpConnection {
+    stream: TcpStream,
+    peer: String,
+    io_timeout: Duration,
+}
+
+impl TcpConnection {
+    fn new(stream: TcpStream, io_timeout: Duration) -> Self {
+        // NOTE: without NODELAY a small request after a large reply waits for Nagle + delayed ACK.
+        let _ = stream.set_nodelay(true);
+        let peer = stream
+            .peer_addr()
+            .map_or_else(|_| "?".to_string(), |a| a.to_string());
+        TcpConnection {
+            stream,
+            peer,
+            io_timeout,
+        }
+    }
+}
+
+impl Connection for TcpConnection {
+    async fn send_frame(&mut self, frame: &[u8]) -> Result<()> {
+        write_frame(&mut self.stream, frame, self.io_timeout).await
+    }
+
+    async fn recv_frame(&mut self, max_frame: u32, idle: Option<Duration>) -> Result<Bytes> {
+        read_frame(&mut self.stream, max_frame, idle, self.io_timeout).await
+    }
+
+    fn peer(&self) -> String {
+        self.peer.clone()
+    }
+}
+
+/// A bound TCP listener.
+#[derive(Debug)]
+pub struct TcpFrameListener {
+    listener: TcpListener,
+    io_timeout: Duration,
+}
+
+impl Listener for TcpFrameListener {
+    type Conn = TcpConnection;
+
+    async fn accept(&mut self) -> Result<TcpConnection> {
+        let (stream, _) = self.listener.accept().await?;
+        Ok(TcpConnection::new(stream, self.io_timeout))
+    }
+
+    fn local_addr(&self) -> String {
+        self.listener
+            .local_addr()
+            .map_or_else(|_| "?".to_string(), |a| a.to_string())
+    }
+}
+
+impl Transport for TcpTransport {
+    type Conn = TcpConnection;
+    type Listener = TcpFrameListener;
+
+    async fn connect(&self, addr: &str) -> Result<TcpConnection> {
+        let after = self.config.connect_timeout;
+        match tokio::time::timeout(after, TcpStream::connect(addr)).await {
+            Err(_) => Err(Error::Timeout {
+                op: "connect",
+                after,
+            }),
+            Ok(Err(source)) => Err(Error::Unreachable {
+                addr: addr.to_string(),
+                source,
+            }),
+            Ok(Ok(stream)) => Ok(TcpConnection::new(stream, self.config.io_timeout)),
+        }
+    }
+
+    async fn bind(&self, addr: &str) -> Result<TcpFrameListener> {
+        Ok(TcpFrameListener {
+            listener: TcpListener::bind(addr).await?,
+            io_timeout: self.config.io_timeout,
+        })
+    }
+}
+
+async fn deadline<T>(
+    op: &'static str,
+    after: Duration,
+    f: impl Future<Output = std::io::Result<T>>,
+) -> Result<T> {
+    match tokio::time::timeout(after, f).await {
+        Err(_) => Err(Error::Timeout { op, after }),
+        Ok(r) => r.map_err(io_error),
+    }
+}
+
+fn io_error(e: std::io::Error) -> Error {
+    use std::io::ErrorKind::*;
+    match e.kind() {
+        BrokenPipe | ConnectionReset | ConnectionAborted | UnexpectedEof => Error::Closed,
+        _ => Error::Io(e),
+    }
+}
+
+/// Write one encoded frame and flush, within `io_timeout`.
+///
+/// # Errors
+/// [`Error::Timeout`], [`Error::Closed`], [`Error::Io`].
+pub async fn write_frame<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    frame: &[u8],
+    io_timeout: Duration,
+) -> Result<()> {
+    deadline("send frame", io_timeout, async {
+        w.write_all(frame).await?;
+        w.flush().await
+    })
+    .await
+}
+
+/// Read one frame from a byte stream: the length prefix (its first byte within `idle`, the
+/// rest within `io_timeout`), the limit check, then the body (within `io_timeout`).
+///
+/// # Errors
+/// As [`Connection::recv_frame`].
+pub async fn read_frame<R: AsyncRead + Unpin>(
+    r: &mut R,
+    max_frame: u32,
+    idle: Option<Duration>,
+    io_timeout: Duration,
+) -> Result<Bytes> {
+    let mut prefix = [0u8; LEN_PREFIX_BYTES];
+    let first = r.read(&mut prefix[..1]);
+    let n = match idle {
+        Some(after) => deadline("wait for a frame", after, first).await?,
+        None => first.await.map_err(io_error)?,
+    };
+    if n == 0 {
+        return Err(Error::Closed);
+    }
+    let truncated = |e: Error, needed: u64, available: u64| match e {
+        Error::Closed => Error::Truncated {
+            field: "frame",
+            needed,
+            available,
+        },
+        e => e,
+    };
+    deadline("read frame", io_timeout, r.read_exact(&mut prefix[1..]))
+        .await
+        .map_err(|e| truncated(e, LEN_PREFIX_BYTES as u64, 1))?;
+    let len = u32::from_le_bytes(prefix);
+    check_frame_len(len, max_frame)?;
+    let len = len as usize;
+    let mut body = Vec::with_capacity(len.min(INITIAL_BODY_CAPACITY));
+    let got = deadline(
+        "read frame",
+        io_timeout,
+        (&mut *r).take(len as u64).read_to_end(&mut body),
+    )
+    .await?;
+    if got < len {
+        return Err(Error::Truncated {
+            field: "frame body",
+            needed: len as u64,
+            available: got as u64,
+        });
+    }
+    Ok(Bytes::from(body))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::{encode_frame, Message};
+
+    fn rt() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .expect("runtime")
+    }
+
+    #[test]
+    fn stream_framing() {
+        rt().block_on(async {
+            let t = Duration::from_secs(1);
+            let f = encode_frame(3, &Message::Stats, 1024).unwrap();
+            let mut two = f.clone();
+            two.extend_from_slice(&f);
+            let mut r = &two[..];
+            for _ in 0..2 {
+                let body = read_frame(&mut r, 1024, Some(t), t).await.unwrap();
+                assert_eq!(&body[..], &f[4..]);
+            }
+            assert!(matches!(
+                read_frame(&mut r, 1024, None, t).await,
+                Err(Error::Closed)
+            ));
+            let mut short = &f[..f.len() - 1];
+            assert!(matches!(
+                read_frame(&mut short, 1024, None, t).await,
+                Err(Error::Truncated { .. })
+            ));
+            let mut half_prefix = &f[..2];
+            assert!(matches!(
+                read_frame(&mut half_prefix, 1024, None, t).await,
+                Err(Error::Truncated { .. })
+            ));
+            let mut big = &u32::MAX.to_le_bytes()[..];
+            assert!(matches!(
+                read_frame(&mut big, 1024, None, t).await,
+                Err(Error::FrameTooLarge { .. })
+            ));
+        });
+    }
+}
