@@ -1,15 +1,36 @@
 //! `oasis-rt`: the KV staging daemon of disaggregated prefill/decode, its protocol, its
 //! transports and its client.
 //!
+//! ```text
+//!  prefill worker                 oasis-rt daemon                      decode engine
+//!  (Client)          frames       (Server, one task per connection)    (Client)
+//!  stage_blocks  ---------------> StagingPool: per request, under  <-- fetch_admission
+//!  stage_summaries                a byte budget: blocks, summary       read_blocks (per layer,
+//!  stage_admission                rows, admission set; leases,         across requests)
+//!                                 eviction of expired data only    <-- release
+//!                  Transport: TcpTransport (tokio) today; UCX (feature `ucx`) later
+//! ```
+//!
 //! - [`protocol`]: versioned, length-prefixed frames; every field bounds-checked on decode.
 //! - [`pool`]: the staging pool and its accounting.
 //! - [`transport`]: the [`transport::Connection`] / [`transport::Listener`] /
 //!   [`transport::Transport`] traits and the TCP implementation.
+//! - [`server`]: the daemon (`oasis-rt serve`), [`metrics`]: its Prometheus endpoint.
+//! - [`client`]: the async client.
+//!
+//! Failure semantics are in [`server`] and `docs/ARCHITECTURE.md`.
 
+pub mod client;
 pub mod error;
+pub mod metrics;
 pub mod pool;
 pub mod protocol;
+pub mod server;
 pub mod transport;
+#[cfg(feature = "ucx")]
+pub mod ucx;
 
+pub use client::{Client, ClientConfig};
 pub use error::{Error, ErrorCode, Result};
 pub use pool::{PoolConfig, StagingPool};
+pub use server::{Server, ServerConfig, ServerHandle};
