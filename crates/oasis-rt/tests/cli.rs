@@ -1,0 +1,123 @@
+//! The `oasis-rt` binary: refusals, `serve` + `stats`, the token, SIGTERM.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_oasis-rt");
+
+#[test]
+fn non_loopback_without_a_token_exits_with_an_error() {
+    for addr in ["0.0.0.0:0", "[::]:0"] {
+        let out = Command::new(BIN)
+            .args(["serve", "--listen", addr, "--memory", "1GiB"])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{addr}: {out:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
+        assert!(err.contains("token") && err.contains(addr), "{err}");
+    }
+}
+
+#[test]
+fn usage_errors_exit_2() {
+    for args in [
+        &["serve", "--memory", "lots"][..],
+        &["serve", "--bogus", "1"],
+        &["stats"],
+        &[],
+        &["frobnicate"],
+    ] {
+        let out = Command::new(BIN).args(args).output().unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {out:?}");
+    }
+    let out = Command::new(BIN)
+        .args(["serve", "--token-file", "/nonexistent/token"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("token file"));
+}
+
+#[test]
+fn serve_stats_token_and_sigterm() {
+    let dir = std::env::temp_dir().join(format!("oasis-rt-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let token = dir.join("token");
+    std::fs::write(&token, "correct horse\n").unwrap();
+    let wrong = dir.join("wrong");
+    std::fs::write(&wrong, "battery staple\n").unwrap();
+
+    let mut child = Command::new(BIN)
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--memory",
+            "64MiB",
+            "--log",
+            "warn",
+        ])
+        .arg("--token-file")
+        .arg(&token)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .trim()
+        .strip_prefix("oasis-rt listening on ")
+        .expect(&line)
+        .to_string();
+
+    let stats = |t: &std::path::Path| {
+        Command::new(BIN)
+            .args([
+                "stats",
+                "--connect",
+                &addr,
+                "--timeout",
+                "5",
+                "--token-file",
+            ])
+            .arg(t)
+            .output()
+            .unwrap()
+    };
+    let out = stats(&token);
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains(&format!("budget_bytes {}", 64u64 << 20)),
+        "{text}"
+    );
+    assert!(text.contains("used_bytes 0"), "{text}");
+    let out = stats(&wrong);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("unauthorized"));
+
+    // SIGTERM: a clean exit, promptly.
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let start = Instant::now();
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            assert!(s.success(), "{s:?}");
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "no exit after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
