@@ -529,11 +529,17 @@ class Engine:
         """Make room for admitting ``requests`` together (grow the pools to their reservations).
 
         ``num_requests`` is accepted for compatibility and ignored: accumulators are per slot."""
+        self.reserve_pools([(len(r.prompt), r.max_new_tokens) for r in requests])
+
+    def reserve_pools(self, sizes: list[tuple[int, int]]) -> None:
+        """Grow the pools now (up to the caps) so that requests of these ``(prompt_len,
+        max_new_tokens)`` fit beside the running ones: one allocation instead of several as a
+        batch is admitted."""
         self._sync_runtime()
         rt = self.runtime
         g, h = rt.reserved
-        for r in requests:
-            rg, rh, _ = rt.reservation(len(r.prompt), r.max_new_tokens)
+        for n, m in sizes:
+            rg, rh, _ = rt.reservation(n, m)
             g, h = g + rg, h + rh
         gcap, hcap = rt.caps
         self._grow_to(min(g, gcap), min(h, hcap))

@@ -143,9 +143,8 @@ class LLM:
             le.step()  # report (and drop) the aborted requests
             raise
         # Size the pools for the first batch at once (they grow geometrically past it).
-        self.engine.ensure_pools(
-            [le._by_id[rid].req for rid in rids[: self.max_batch_size]]  # noqa: SLF001
-        )
+        first = token_lists[: self.max_batch_size]
+        self.engine.reserve_pools([(len(ids), max_new_tokens) for ids in first])
         bar = None
         if progress:
             from tqdm import tqdm

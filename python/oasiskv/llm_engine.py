@@ -16,8 +16,9 @@ and their *peak* KV need in both tiers fits beside the reservations of the runni
 each step spends at most ``max_num_batched_tokens`` prompt tokens, first on the prompts already
 being prefilled, then on newly admitted ones, so a long prompt (or a burst of them) does not stall
 the running decodes for its whole length; then every running request decodes one token. A chunk
-attends to the KV the earlier chunks stored and to itself. Because admission reserves the peak, a running request
-never fails for lack of blocks and nothing is ever preempted; past the budget, requests wait.
+attends to the KV the earlier chunks stored and to itself. Because admission reserves the peak, a
+running request never fails for lack of blocks and nothing is ever preempted; past the budget,
+requests wait.
 
 **Failures stay per request.** A request whose prefill runs out of memory, or whose logits turn
 non-finite (NaN/inf), finishes with ``finish_reason="error"`` and a message in ``error``; its
