@@ -204,6 +204,27 @@ def test_non_finite_logits_and_failed_prefill_finish_one_request(model):
     assert pools_are_full(eng)
 
 
+def test_a_failed_dense_to_sparse_transition_finishes_that_request_only(model, monkeypatch):
+    """The pre-runtime engine lost the whole batch (and leaked pages) when make_sparse raised."""
+    kv = KvConfig(**README_KV)
+    eng = LLMEngine(model, kv=kv, drafter="ngram")
+    orig = eng.engine.make_sparse
+
+    def flaky(r):
+        if len(r.prompt) == 90:
+            orig(r)  # the runtime's tables turn sparse, then the device work fails
+            raise errors.OasisError("injected: the copy to the host pool failed")
+        orig(r)
+
+    monkeypatch.setattr(eng.engine, "make_sparse", flaky)
+    bad = eng.add_request(prompt(90, 1), SamplingParams(max_tokens=6, ignore_eos=True))
+    good = eng.add_request(prompt(100, 2), SamplingParams(max_tokens=6, ignore_eos=True))
+    outs = eng.run_to_completion([bad, good])
+    assert outs[bad].finish_reason == "error" and "injected" in outs[bad].error
+    assert outs[good].finish_reason == "length" and len(outs[good].token_ids) == 6
+    assert pools_are_full(eng)
+
+
 def test_failed_prefill_through_the_engine_does_not_leak(model):
     from oasiskv.engine import _Request
 
@@ -303,6 +324,10 @@ def test_smollm2_continuous_batching_equals_alone_and_eagle3_by_name():
     rids = [eng.add_request(texts[0], SamplingParams(max_tokens=10, ignore_eos=True))]
     eng.step()
     rids += [eng.add_request(t, SamplingParams(max_tokens=10, ignore_eos=True)) for t in texts[1:]]
+    dropped = eng.add_request(texts[0], SamplingParams(max_tokens=30, ignore_eos=True))
+    eng.step()
+    eng.step()
+    eng.abort_request(dropped)  # waiting or running by now: either way its blocks come back
     outs = eng.run_to_completion(rids)
     for t, rid in zip(texts, rids, strict=True):
         alone = LLMEngine(m, tokenizer=tok, kv=kv, drafter="ngram")

@@ -477,7 +477,11 @@ class LLMEngine:
         if eng.rows == 2:
             r.draft = self.drafter.propose(r.id, r.tokens, r.features)
         if eng.backend == "oasis" and not r.sparse and eng.runtime.wants_sparse(r.id):
-            eng.make_sparse(r)
+            try:
+                eng.make_sparse(r)
+            except (OasisError, torch.OutOfMemoryError) as e:
+                # Its blocks go back with it; the others go on.
+                self._finish(seq, "error", f"turning the request sparse failed: {e}")
 
     def _finish(self, seq: _Seq, reason: str, error: str | None = None) -> None:
         r = seq.req
