@@ -10,6 +10,7 @@
 
 pub mod append;
 pub mod attention;
+pub mod codes;
 pub mod gather;
 pub mod score;
 pub mod select;
@@ -18,6 +19,7 @@ mod validate;
 
 pub use append::append_kv;
 pub use attention::{decode_attention, ExtraKv, PagedKv};
+pub use codes::{build_key_codes, score_blocks_codes};
 pub use gather::{copy_pages, gather_blocks};
 pub use score::{score_blocks, topk_blocks};
 pub use select::{delta_select, SelectStats};

@@ -1,0 +1,253 @@
+//! 2-bit key codes: a block score that estimates each block's largest logit.
+//!
+//! Each complete host block keeps, besides its `[min; max]` summary, every key quantised to 2 bits
+//! per channel inside the block's own per-channel range: `c = round(3 (k - min) / (max - min))`,
+//! `k ≈ min + c (max - min) / 3`. The score of a block for KV head `h` is the sum over the group's
+//! query heads `g` of the largest approximate logit `max_t q_g · k̃_t`. On SmolLM2 this ranks
+//! blocks within half a point of the exact max logit (docs/EVAL.md) for twice the summary bytes.
+//!
+//! Layout: `codes [num_host_blocks, num_kv_heads, block_size, head_dim / 4]` bytes; channel
+//! `4 i + j` of a token is bits `2 j .. 2 j + 2` of byte `i`. `head_dim` must be a multiple of 4.
+
+use crate::dtype::KvElem;
+use crate::error::{check_len, OasisError, Result};
+use crate::geometry::KvGeometry;
+use crate::kernels::validate::{all_indices, csr, csr_range, index, leading_rows};
+
+/// Levels of a 2-bit code.
+pub const CODE_LEVELS: f32 = 3.0;
+
+/// Bytes of one token's codes.
+pub fn code_row_bytes(head_dim: usize) -> usize {
+    head_dim / 4
+}
+
+fn check_head_dim(geo: &KvGeometry) -> Result<()> {
+    if geo.head_dim % 4 != 0 {
+        return Err(OasisError::Config(format!(
+            "2-bit key codes need head_dim divisible by 4, got {}",
+            geo.head_dim
+        )));
+    }
+    Ok(())
+}
+
+/// The code of `x` in `[lo, hi]`: 0..=3 (0 when the range is empty or `x` is NaN).
+#[inline]
+pub fn encode(x: f32, lo: f32, hi: f32) -> u8 {
+    let w = hi - lo;
+    if !(w > 0.0) {
+        return 0;
+    }
+    // `as u8` saturates and maps NaN to 0.
+    ((x - lo) / w * CODE_LEVELS).round().clamp(0.0, CODE_LEVELS) as u8
+}
+
+/// Write the codes of complete host blocks `block_ids` (all KV heads) from their keys and their
+/// `[min; max]` summaries (which must be those of the same, complete block).
+///
+/// # Errors
+/// [`OasisError::Shape`] for a buffer of the wrong size, [`OasisError::IndexOutOfRange`] for a
+/// block id outside the host pool, [`OasisError::Config`] for a head_dim not divisible by 4.
+/// Nothing is written when an error is returned.
+pub fn build_key_codes<T: KvElem>(
+    geo: &KvGeometry,
+    host_k: &[T],      // [num_host_blocks, num_kv_heads, block_size, head_dim]
+    summaries: &[T],   // [num_host_blocks, num_kv_heads, 2, head_dim]
+    block_ids: &[i32], // [n]
+    codes: &mut [u8],  // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
+) -> Result<()> {
+    geo.validate()?;
+    check_head_dim(geo)?;
+    let (h_kv, bs, d) = (geo.num_kv_heads, geo.block_size, geo.head_dim);
+    let num_host = leading_rows("host_k", host_k.len(), &[h_kv, bs, d])?;
+    check_len("summaries", summaries.len(), &[num_host, h_kv, 2, d])?;
+    check_len("codes", codes.len(), &[num_host, h_kv, bs, d / 4])?;
+    for &b in block_ids {
+        index("block_ids", b, num_host)?;
+    }
+    let row = d / 4;
+    for &b in block_ids {
+        let b = b as usize; // validated
+        for h in 0..h_kv {
+            let sum = (b * h_kv + h) * 2 * d;
+            let (mins, maxs) = summaries[sum..sum + 2 * d].split_at(d);
+            let keys = &host_k[(b * h_kv + h) * bs * d..][..bs * d];
+            let out = &mut codes[(b * h_kv + h) * bs * row..][..bs * row];
+            for (k, o) in keys.chunks_exact(d).zip(out.chunks_exact_mut(row)) {
+                for (i, byte) in o.iter_mut().enumerate() {
+                    let mut v = 0u8;
+                    for j in 0..4 {
+                        let x = 4 * i + j;
+                        v |= encode(k[x].to_f32(), mins[x].to_f32(), maxs[x].to_f32()) << (2 * j);
+                    }
+                    *byte = v;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Scores from the codes: `scores[j, h]` = sum over query heads g of KV head h of
+/// `max_t sum_d q[s,g,d] * (min[b,h,d] + c[b,h,t,d] * (max[b,h,d] - min[b,h,d]) / 3)`,
+/// `b = blk_indices[j]`, j in seq s's range. f32, d in order for each (g, t).
+///
+/// # Errors
+/// As [`crate::kernels::score_blocks`], plus [`OasisError::Config`] for a head_dim not divisible
+/// by 4. `scores` is untouched when an error is returned.
+pub fn score_blocks_codes<T: KvElem>(
+    geo: &KvGeometry,
+    q: &[T],             // [num_seqs, num_qo_heads, head_dim]
+    summaries: &[T],     // [num_host_blocks, num_kv_heads, 2, head_dim]
+    codes: &[u8],        // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
+    blk_indptr: &[i32],  // [num_seqs + 1]
+    blk_indices: &[i32], // [nnz]
+    scores: &mut [f32],  // [nnz, num_kv_heads]
+) -> Result<()> {
+    geo.validate()?;
+    check_head_dim(geo)?;
+    let (hq, h_kv, bs, d) = (
+        geo.num_qo_heads,
+        geo.num_kv_heads,
+        geo.block_size,
+        geo.head_dim,
+    );
+    let gs = geo.group_size();
+    let num_seqs = csr("blk_indptr", blk_indptr, "blk_indices", blk_indices.len())?;
+    check_len("q", q.len(), &[num_seqs, hq, d])?;
+    let num_host = leading_rows("summaries", summaries.len(), &[h_kv, 2, d])?;
+    check_len("codes", codes.len(), &[num_host, h_kv, bs, d / 4])?;
+    check_len("scores", scores.len(), &[blk_indices.len(), h_kv])?;
+    all_indices("blk_indices", blk_indices, num_host)?;
+    if num_seqs == 0 {
+        return Ok(());
+    }
+    let row = d / 4;
+    let mut qf = vec![0.0f32; hq * d];
+    let mut w = vec![0.0f32; d]; // q_d (max_d - min_d) / 3 for one query head
+    for s in 0..num_seqs {
+        for (x, &v) in qf.iter_mut().zip(&q[s * hq * d..(s + 1) * hq * d]) {
+            *x = v.to_f32();
+        }
+        for j in csr_range(blk_indptr, s) {
+            let b = blk_indices[j] as usize; // validated
+            for h in 0..h_kv {
+                let sum = (b * h_kv + h) * 2 * d;
+                let (mins, maxs) = summaries[sum..sum + 2 * d].split_at(d);
+                let blk = &codes[(b * h_kv + h) * bs * row..][..bs * row];
+                let mut acc = 0.0f32;
+                for g in h * gs..(h + 1) * gs {
+                    let qg = &qf[g * d..(g + 1) * d];
+                    let mut base = 0.0f32;
+                    for x in 0..d {
+                        let lo = mins[x].to_f32();
+                        base += qg[x] * lo;
+                        w[x] = qg[x] * (maxs[x].to_f32() - lo) / CODE_LEVELS;
+                    }
+                    let mut best = f32::NEG_INFINITY;
+                    for t in blk.chunks_exact(row) {
+                        let mut logit = base;
+                        for (i, &byte) in t.iter().enumerate() {
+                            for jj in 0..4 {
+                                let c = ((byte >> (2 * jj)) & 3) as f32;
+                                logit += w[4 * i + jj] * c;
+                            }
+                        }
+                        // NaN propagates: a block whose estimate is NaN ranks last in top-K.
+                        best = if logit.is_nan() || best.is_nan() {
+                            f32::NAN
+                        } else {
+                            best.max(logit)
+                        };
+                    }
+                    acc += best;
+                }
+                scores[j * h_kv + h] = acc;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::build_summaries;
+
+    fn geo() -> KvGeometry {
+        KvGeometry::new(4, 2, 8, 4).unwrap()
+    }
+
+    #[test]
+    fn encode_rounds_into_four_levels() {
+        assert_eq!(encode(0.0, 0.0, 3.0), 0);
+        assert_eq!(encode(1.4, 0.0, 3.0), 1);
+        assert_eq!(encode(1.6, 0.0, 3.0), 2);
+        assert_eq!(encode(3.0, 0.0, 3.0), 3);
+        assert_eq!(encode(9.0, 0.0, 3.0), 3);
+        assert_eq!(encode(5.0, 2.0, 2.0), 0); // empty range
+        assert_eq!(encode(f32::NAN, 0.0, 1.0), 0);
+    }
+
+    #[test]
+    fn codes_score_the_largest_approximate_logit() {
+        let g = geo(); // 4 query heads, 2 kv heads, d 8, block 4
+        let (hk, bs, d) = (2, 4, 8);
+        let n_host = 3;
+        // Keys on the code grid of their block, so the estimate is exact.
+        let mut host_k = vec![0.0f32; n_host * hk * bs * d];
+        for (i, x) in host_k.iter_mut().enumerate() {
+            *x = ((i * 7 + 3) % 4) as f32 * 0.5 - 0.75;
+        }
+        let mut summ = vec![0.0f32; n_host * hk * 2 * d];
+        build_summaries(&g, &host_k, &[0, 1, 2], &[4, 4, 4], &mut summ).unwrap();
+        let mut codes = vec![0u8; n_host * hk * bs * d / 4];
+        build_key_codes(&g, &host_k, &summ, &[0, 1, 2], &mut codes).unwrap();
+        let q: Vec<f32> = (0..2 * 4 * d).map(|i| ((i * 5) % 9) as f32 - 4.0).collect();
+        let (indptr, idx) = ([0, 2, 3], [2, 0, 1]);
+        let mut scores = vec![0.0f32; 3 * hk];
+        score_blocks_codes(&g, &q, &summ, &codes, &indptr, &idx, &mut scores).unwrap();
+        for (j, &b) in idx.iter().enumerate() {
+            let (b, s) = (b as usize, if j < 2 { 0 } else { 1 });
+            for h in 0..hk {
+                let mut want = 0.0f32;
+                for gq in 2 * h..2 * h + 2 {
+                    let qg = &q[(s * 4 + gq) * d..][..d];
+                    let best = (0..bs)
+                        .map(|t| {
+                            let k = &host_k[((b * hk + h) * bs + t) * d..][..d];
+                            qg.iter().zip(k).map(|(a, b)| a * b).sum::<f32>()
+                        })
+                        .fold(f32::NEG_INFINITY, f32::max);
+                    want += best;
+                }
+                let got = scores[j * hk + h];
+                assert!(
+                    (got - want).abs() < 1e-4,
+                    "entry {j} head {h}: {got} vs {want}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn bad_calls_are_errors_and_write_nothing() {
+        let g = geo();
+        let host_k = vec![0.0f32; 2 * 2 * 4 * 8];
+        let summ = vec![0.0f32; 2 * 2 * 2 * 8];
+        let mut codes = vec![7u8; 2 * 2 * 4 * 2];
+        assert!(build_key_codes(&g, &host_k, &summ, &[2], &mut codes).is_err());
+        assert!(codes.iter().all(|&c| c == 7));
+        let odd = KvGeometry::new(2, 1, 6, 4).unwrap();
+        assert!(matches!(
+            build_key_codes(&odd, &[0.0f32; 24], &[0.0f32; 12], &[], &mut []),
+            Err(OasisError::Config(_))
+        ));
+        let mut scores = vec![5.0f32; 2];
+        let q = vec![0.0f32; 4 * 8];
+        assert!(score_blocks_codes(&g, &q, &summ, &codes, &[0, 2], &[0], &mut scores).is_err());
+        assert!(score_blocks_codes(&g, &q, &summ, &codes, &[0, 1], &[5], &mut scores).is_err());
+        assert_eq!(scores, vec![5.0, 5.0]);
+    }
+}
