@@ -36,7 +36,8 @@ fn check_head_dim(geo: &KvGeometry) -> Result<()> {
 #[inline]
 pub fn encode(x: f32, lo: f32, hi: f32) -> u8 {
     let w = hi - lo;
-    if !(w > 0.0) {
+    // Not `!(w > 0.0)`: clippy prefers the NaN case spelled out.
+    if w.is_nan() || w <= 0.0 {
         return 0;
     }
     // `as u8` saturates and maps NaN to 0.
