@@ -118,6 +118,42 @@ struct ScoreBlocksParams {
     int num_host_blocks;
 };
 
+// build_key_codes_* (cuda/key_codes.cu): 2-bit codes of every key of whole host blocks, inside
+// each block's per-channel [min, max].
+template <typename T>
+struct BuildKeyCodesParams {
+    const T* host_k;      // [num_host_blocks, num_kv_heads, block_size, head_dim] pinned host (UVA) or device
+    const T* summaries;   // [num_host_blocks, num_kv_heads, 2, head_dim] row 0 min, row 1 max
+    const int* block_ids; // [n] host blocks to encode (complete blocks)
+    unsigned char* codes; // [num_host_blocks, num_kv_heads, block_size, head_dim / 4] channel 4i+j in bits 2j..2j+2 of byte i
+    int n;
+    int num_kv_heads;
+    int head_dim;         // a multiple of 4
+    int block_size;
+    int num_host_blocks;
+    int _pad0;
+};
+
+// score_blocks_codes_* (cuda/key_codes.cu): the largest approximate logit of each listed block,
+// from its 2-bit key codes, summed over the GQA group.
+template <typename T>
+struct ScoreBlocksCodesParams {
+    const T* q;                 // [num_seqs, num_qo_heads, head_dim] (the lookahead row)
+    const T* summaries;         // [num_host_blocks, num_kv_heads, 2, head_dim]
+    const unsigned char* codes; // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
+    const int* blk_indptr;      // [num_seqs + 1]
+    const int* blk_indices;     // [nnz] host block of each logical block, logical order
+    float* scores;              // [nnz, num_kv_heads]
+    int num_seqs;
+    int nnz;                    // blk_indices' length: every blk_indptr row is checked against it
+    int num_qo_heads;
+    int num_kv_heads;
+    int head_dim;               // a multiple of 4
+    int block_size;
+    int num_host_blocks;
+    int _pad0;
+};
+
 // topk_blocks_f32 (cuda/score_blocks.cu).
 struct TopkBlocksParams {
     const float* scores;   // [nnz, num_kv_heads]

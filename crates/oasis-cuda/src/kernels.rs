@@ -77,6 +77,19 @@ pub const SOURCES: &[KernelSource] = &[
         ],
     },
     KernelSource {
+        name: "key_codes",
+        file: "key_codes.cu",
+        source: include_str!("../../../cuda/key_codes.cu"),
+        entry_points: &[
+            "build_key_codes_bf16",
+            "build_key_codes_f16",
+            "build_key_codes_f32",
+            "score_blocks_codes_bf16",
+            "score_blocks_codes_f16",
+            "score_blocks_codes_f32",
+        ],
+    },
+    KernelSource {
         name: "delta_select",
         file: "delta_select.cu",
         source: include_str!("../../../cuda/delta_select.cu"),

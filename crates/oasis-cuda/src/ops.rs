@@ -25,9 +25,9 @@ use oasis_core::{DType, KvElem, KvGeometry, OasisError};
 use crate::driver::{Gpu, LaunchCfg};
 use crate::error::{guard, CudaError, Result};
 use crate::params::{
-    AppendKvParams, BuildSummariesParams, CopyPagesParams, DecodeAttnParams, DeltaSelectParams,
-    DevPtr, GatherBlocksParams, KernelParams, MergeAttnStatesParams, ScoreBlocksParams,
-    TopkBlocksParams,
+    AppendKvParams, BuildKeyCodesParams, BuildSummariesParams, CopyPagesParams, DecodeAttnParams,
+    DeltaSelectParams, DevPtr, GatherBlocksParams, KernelParams, MergeAttnStatesParams,
+    ScoreBlocksCodesParams, ScoreBlocksParams, TopkBlocksParams,
 };
 
 /// Threads per block of the decode attention kernel (a multiple of 32). Arbitrary.
@@ -42,6 +42,14 @@ pub const SCORE_THREADS: u32 = 256;
 /// Consecutive block-table entries one warp of `score_blocks_*` scores (for one KV head); must
 /// match OASIS_SCORE_TILE.
 pub const SCORE_TILE: usize = 32;
+/// Threads per block of `build_key_codes_*`; must match OASIS_CODES_BUILD_THREADS in
+/// cuda/key_codes.cu.
+pub const CODES_BUILD_THREADS: u32 = 128;
+/// Threads per block of `score_blocks_codes_*`; must match OASIS_CODES_THREADS.
+pub const SCORE_CODES_THREADS: u32 = 128;
+/// Consecutive block-table entries one warp of `score_blocks_codes_*` scores (for one KV head);
+/// must match OASIS_CODES_TILE.
+pub const SCORE_CODES_TILE: usize = 32;
 /// Threads per block of `topk_blocks_f32`; must match OASIS_TOPK_THREADS.
 pub const TOPK_THREADS: u32 = 512;
 /// Largest `k` of [`Gpu::topk_blocks`]; must match OASIS_MAX_TOPK in cuda/score_blocks.cu.
@@ -263,6 +271,25 @@ pub fn decode_attn_tc_stages(head_dim: usize) -> Option<usize> {
 /// item list, the merge's m/l and the scan scratch.
 pub fn decode_attn_tc_smem_bytes(head_dim: usize, stages: usize) -> usize {
     4 * stages * 2 * 16 * head_dim * 2 + 2 * 4 * (DECODE_TC_LIST_CAP + 1) + 2 * 4 * 64 + 4 * 36
+}
+
+/// Shared memory of one `score_blocks_codes_*` block, in bytes (cuda/key_codes.cu,
+/// `codes_scalar_warp_floats` per warp): q and the weights of the group (`group * head_dim` f32
+/// each), the block's min row and the group's bases.
+pub fn score_blocks_codes_smem_bytes(group: usize, head_dim: usize) -> usize {
+    let warp = 2 * group * head_dim + head_dim + group;
+    (SCORE_CODES_THREADS / 32) as usize * warp * 4
+}
+
+/// 2-bit key codes need `head_dim` divisible by 4 (four codes per byte), as the CPU twin.
+fn codes_head_dim(head_dim: usize) -> Result<()> {
+    if !head_dim.is_multiple_of(4) {
+        return Err(OasisError::Config(format!(
+            "2-bit key codes need head_dim divisible by 4, got {head_dim}"
+        ))
+        .into());
+    }
+    Ok(())
 }
 
 /// Shared memory of one delta-selection block, in bytes (cuda/delta_select.cu).
@@ -730,6 +757,120 @@ impl Gpu {
         })
     }
 
+    /// GPU twin of `oasis_core::kernels::build_key_codes`: the 2-bit codes of every key of host
+    /// blocks `block_ids` (all KV heads) inside their `[min; max]` summaries, which must be those
+    /// of the same complete blocks (queue it after the summaries' build on the same stream).
+    /// Bit-exact with the twin. Out-of-range ids are skipped.
+    ///
+    /// # Errors
+    /// [`CudaError::Invalid`] for a buffer whose size does not match its shape or a head_dim not
+    /// divisible by 4.
+    pub fn build_key_codes<T: KvElem>(
+        &self,
+        geo: &KvGeometry,
+        host_k: DevSlice<T>, // [num_host_blocks, num_kv_heads, block_size, head_dim]
+        summaries: DevSlice<T>, // [num_host_blocks, num_kv_heads, 2, head_dim]
+        block_ids: DevSlice<i32>, // [n]
+        codes: DevSlice<u8>, // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
+        stream: Stream,
+    ) -> Result<()> {
+        guard("build_key_codes", || {
+            let page = page_shape(geo)?;
+            let [h, bs, d] = page;
+            codes_head_dim(d)?;
+            let num_host = rows("host_k", host_k.len(), &page)?;
+            check_len("summaries", summaries.len(), &[num_host, h, 2, d])?;
+            check_len("codes", codes.len(), &[num_host, h, bs, d / 4])?;
+            let n = block_ids.len();
+
+            let name = entry!(T, "build_key_codes");
+            let params = BuildKeyCodesParams {
+                host_k: host_k.into(),
+                summaries: summaries.into(),
+                block_ids: block_ids.into(),
+                codes: codes.into(),
+                n: int("n", n)?,
+                num_kv_heads: int("num_kv_heads", h)?,
+                head_dim: int("head_dim", d)?,
+                block_size: int("block_size", bs)?,
+                num_host_blocks: int("num_host_blocks", num_host)?,
+                _pad0: 0,
+            };
+            let grid = grid_rows_heads("n", n, h)?;
+            // SAFETY: lengths checked above (host_k, summaries and codes all have num_host rows);
+            // block ids are bounds-checked by the kernel; host_k may be pinned host memory at the
+            // same address on the device (DevSlice contract; Gpu::check_uva tests it);
+            // reachability and lifetime by DevSlice's contract, the stream by Stream's.
+            unsafe { self.queue(name, grid, CODES_BUILD_THREADS, 0, stream, &params) }
+        })
+    }
+
+    /// GPU twin of `oasis_core::kernels::score_blocks_codes`: per listed block and KV head, the
+    /// sum over the GQA group of the block's largest approximate logit from its 2-bit codes.
+    ///
+    /// # Errors
+    /// [`CudaError::Invalid`] for a buffer whose size does not match its shape or a head_dim not
+    /// divisible by 4; a launch error when the group's shared memory does not fit the device.
+    #[allow(clippy::too_many_arguments)]
+    pub fn score_blocks_codes<T: KvElem>(
+        &self,
+        geo: &KvGeometry,
+        q: DevSlice<T>,             // [num_seqs, num_qo_heads, head_dim]
+        summaries: DevSlice<T>,     // [num_host_blocks, num_kv_heads, 2, head_dim]
+        codes: DevSlice<u8>,        // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
+        blk_indptr: DevSlice<i32>,  // [num_seqs + 1]
+        blk_indices: DevSlice<i32>, // [nnz]
+        scores: DevSlice<f32>,      // [nnz, num_kv_heads]
+        stream: Stream,
+    ) -> Result<()> {
+        guard("score_blocks_codes", || {
+            let [h, bs, d] = page_shape(geo)?;
+            codes_head_dim(d)?;
+            let qh = geo.num_qo_heads;
+            let num_seqs = csr_rows("blk_indptr", blk_indptr.len())?;
+            check_len("q", q.len(), &[num_seqs, qh, d])?;
+            let num_host = rows("summaries", summaries.len(), &[h, 2, d])?;
+            check_len("codes", codes.len(), &[num_host, h, bs, d / 4])?;
+            let nnz = blk_indices.len();
+            check_len("scores", scores.len(), &[nnz, h])?;
+            if nnz == 0 {
+                return Ok(());
+            }
+
+            let name = entry!(T, "score_blocks_codes");
+            let params = ScoreBlocksCodesParams {
+                q: q.into(),
+                summaries: summaries.into(),
+                codes: codes.into(),
+                blk_indptr: blk_indptr.into(),
+                blk_indices: blk_indices.into(),
+                scores: scores.into(),
+                num_seqs: int("num_seqs", num_seqs)?,
+                nnz: int("nnz", nnz)?,
+                num_qo_heads: int("num_qo_heads", qh)?,
+                num_kv_heads: int("num_kv_heads", h)?,
+                head_dim: int("head_dim", d)?,
+                block_size: int("block_size", bs)?,
+                num_host_blocks: int("num_host_blocks", num_host)?,
+                _pad0: 0,
+            };
+            // One warp per (tile of SCORE_CODES_TILE entries, KV head); a thread block holds
+            // consecutive tiles of one head.
+            let blocks = nnz
+                .div_ceil(SCORE_CODES_TILE)
+                .div_ceil((SCORE_CODES_THREADS / 32) as usize)
+                * h;
+            let grid = grid_x("score blocks", blocks)?;
+            let smem = score_blocks_codes_smem_bytes(geo.group_size(), d);
+            // SAFETY: lengths checked above (summaries and codes have num_host rows); the kernel
+            // bounds-checks block ids and each blk_indptr row against nnz (an entry outside a
+            // well-formed row scores -inf) and only reads blk_indptr[0..=num_seqs]; `smem` is the
+            // kernel's layout and launch() checks it against the device limit; reachability and
+            // lifetime by DevSlice's contract, the stream by Stream's.
+            unsafe { self.queue(name, grid, SCORE_CODES_THREADS, smem, stream, &params) }
+        })
+    }
+
     /// GPU twin of `oasis_core::kernels::topk_blocks`: per (sequence, KV head), the `k` best
     /// logical blocks, best first, ties to the lower index, padded with -1.
     ///
@@ -1081,6 +1222,9 @@ mod tests {
         let src = crate::kernels::source("score_blocks").unwrap().source;
         assert_eq!(src.matches("seq_end <= nnz").count(), 1);
         assert_eq!(src.matches("row_e <= nnz").count(), 1);
+        let src = crate::kernels::source("key_codes").unwrap().source;
+        assert!(src.contains("row_e <= nnz"), "key_codes checks its rows");
+        assert!(src.contains("int nnz"), "key_codes takes no nnz");
     }
 
     #[test]
@@ -1202,6 +1346,15 @@ mod tests {
             MAX_SELECT_BUDGET
         );
         assert_eq!(define("score_blocks", "OASIS_SCORE_TILE"), SCORE_TILE);
+        assert_eq!(
+            define("key_codes", "OASIS_CODES_BUILD_THREADS"),
+            CODES_BUILD_THREADS as usize
+        );
+        assert_eq!(
+            define("key_codes", "OASIS_CODES_THREADS"),
+            SCORE_CODES_THREADS as usize
+        );
+        assert_eq!(define("key_codes", "OASIS_CODES_TILE"), SCORE_CODES_TILE);
         assert_eq!(
             define("delta_select", "OASIS_SELECT_WARP_THREADS"),
             SELECT_WARP_THREADS as usize

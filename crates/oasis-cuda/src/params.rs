@@ -305,6 +305,46 @@ kernel_params! {
 }
 
 kernel_params! {
+    /// `build_key_codes_*` (cuda/key_codes.cu): 2-bit codes of every key of whole host blocks,
+    /// inside each block's per-channel `[min, max]`.
+    pub struct BuildKeyCodesParams => "oasis::BuildKeyCodesParams<T>"
+        for ["build_key_codes_bf16", "build_key_codes_f16", "build_key_codes_f32"] {
+        pub host_k: DevPtr,    // [num_host_blocks, num_kv_heads, block_size, head_dim]
+        pub summaries: DevPtr, // [num_host_blocks, num_kv_heads, 2, head_dim]
+        pub block_ids: DevPtr, // [n]
+        pub codes: DevPtr,     // [num_host_blocks, num_kv_heads, block_size, head_dim / 4] u8
+        pub n: i32,
+        pub num_kv_heads: i32,
+        pub head_dim: i32, // a multiple of 4
+        pub block_size: i32,
+        pub num_host_blocks: i32,
+        pub _pad0: i32,
+    }
+}
+
+kernel_params! {
+    /// `score_blocks_codes_*` (cuda/key_codes.cu): the largest approximate logit of each listed
+    /// block from its 2-bit key codes, summed over the GQA group.
+    pub struct ScoreBlocksCodesParams => "oasis::ScoreBlocksCodesParams<T>"
+        for ["score_blocks_codes_bf16", "score_blocks_codes_f16", "score_blocks_codes_f32"] {
+        pub q: DevPtr,           // [num_seqs, num_qo_heads, head_dim]
+        pub summaries: DevPtr,   // [num_host_blocks, num_kv_heads, 2, head_dim]
+        pub codes: DevPtr,       // [num_host_blocks, num_kv_heads, block_size, head_dim / 4] u8
+        pub blk_indptr: DevPtr,  // [num_seqs + 1]
+        pub blk_indices: DevPtr, // [nnz]
+        pub scores: DevPtr,      // [nnz, num_kv_heads] f32
+        pub num_seqs: i32,
+        pub nnz: i32, // blk_indices' length: every blk_indptr row is checked against it
+        pub num_qo_heads: i32,
+        pub num_kv_heads: i32,
+        pub head_dim: i32, // a multiple of 4
+        pub block_size: i32,
+        pub num_host_blocks: i32,
+        pub _pad0: i32,
+    }
+}
+
+kernel_params! {
     /// `topk_blocks_f32` (cuda/score_blocks.cu).
     pub struct TopkBlocksParams => "oasis::TopkBlocksParams" for ["topk_blocks_f32"] {
         pub scores: DevPtr,     // [nnz, num_kv_heads] f32
@@ -387,6 +427,8 @@ pub const ALL: &[ParamsLayout] = &[
     DecodeAttnParams::LAYOUT,
     MergeAttnStatesParams::LAYOUT,
     ScoreBlocksParams::LAYOUT,
+    BuildKeyCodesParams::LAYOUT,
+    ScoreBlocksCodesParams::LAYOUT,
     TopkBlocksParams::LAYOUT,
     DeltaSelectParams::LAYOUT,
     GatherBlocksParams::LAYOUT,
@@ -414,6 +456,8 @@ mod tests {
         assert_eq!(size_of::<DecodeAttnParams>(), 12 * 8 + 10 * 4);
         assert_eq!(size_of::<MergeAttnStatesParams>(), 3 * 8 + 2 * 4);
         assert_eq!(size_of::<ScoreBlocksParams>(), 5 * 8 + 6 * 4);
+        assert_eq!(size_of::<BuildKeyCodesParams>(), 4 * 8 + 6 * 4);
+        assert_eq!(size_of::<ScoreBlocksCodesParams>(), 6 * 8 + 8 * 4);
         assert_eq!(size_of::<TopkBlocksParams>(), 3 * 8 + 4 * 4);
         assert_eq!(size_of::<DeltaSelectParams>(), 7 * 8 + 8 * 4);
         assert_eq!(size_of::<GatherBlocksParams>(), 9 * 8 + 8 * 4);
