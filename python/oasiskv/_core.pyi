@@ -169,6 +169,32 @@ def score_blocks(
 ) -> None:
     """Quest block scores of the lookahead queries, summed over each GQA group, into ``scores``."""
 
+def build_key_codes(
+    geo: KvGeometry,
+    host_k: torch.Tensor,
+    summaries: torch.Tensor,
+    block_ids: torch.Tensor,
+    codes: torch.Tensor,
+    *,
+    stream: int = 0,
+) -> None:
+    """Encode every key of complete host blocks to 2 bits per channel inside the block's ``[min, max]``
+    (``codes [num_host_blocks, num_kv_heads, block_size, head_dim // 4]`` uint8)."""
+
+def score_blocks_codes(
+    geo: KvGeometry,
+    q: torch.Tensor,
+    summaries: torch.Tensor,
+    codes: torch.Tensor,
+    blk_indptr: torch.Tensor,
+    blk_indices: torch.Tensor,
+    scores: torch.Tensor,
+    *,
+    stream: int = 0,
+) -> None:
+    """Block scores from the 2-bit key codes (the group sum of each block's largest approximate logit)
+    into ``scores``."""
+
 def topk_blocks(
     num_kv_heads: int,
     scores: torch.Tensor,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from . import _core
-from .errors import DeviceError
+from .errors import ConfigError, DeviceError
 
 KvGeometry = _core.KvGeometry
 BlockPool = _core.BlockPool
@@ -171,6 +171,38 @@ def score_blocks(
     if scores is None:
         scores = torch.empty(blk_indices.shape[0], geo.num_kv_heads, dtype=torch.float32, device=dev)
     _core.score_blocks(geo, q, summaries, blk_indptr, blk_indices, scores, stream=_stream(dev))
+    return scores
+
+
+def empty_key_codes(geo, num_host_blocks: int, device=None) -> torch.Tensor:
+    """An uninitialised uint8 codes tensor for a host pool of ``num_host_blocks`` blocks:
+    ``[num_host_blocks, num_kv_heads, block_size, head_dim // 4]`` (2 bits per key channel, the same
+    bytes as the pool's summaries in 16-bit storage). Keep it beside the summaries, on their device."""
+    if geo.head_dim % 4:
+        raise ConfigError(f"2-bit key codes need head_dim divisible by 4, got {geo.head_dim}")
+    return torch.empty(
+        num_host_blocks, geo.num_kv_heads, geo.block_size, geo.head_dim // 4, dtype=torch.uint8, device=device
+    )
+
+
+def build_key_codes(geo, host_k, summaries, block_ids, codes) -> None:
+    """Encode every key of the complete host blocks ``block_ids`` to 2 bits per channel inside the
+    block's ``[min, max]`` summary (build the summaries first; on the GPU, on the same stream)."""
+    dev = _check_device(summaries, host_k)
+    _core.build_key_codes(geo, host_k, summaries, block_ids, codes, stream=_stream(dev))
+
+
+def score_blocks_codes(
+    geo, q, summaries, codes, blk_indptr, blk_indices, scores: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Block scores from the 2-bit key codes, ``[nnz, num_kv_heads]`` (f32): for each listed block and
+    KV head, the sum over the GQA group of the block's largest approximate logit of the lookahead
+    queries ``[num_seqs, num_qo_heads, head_dim]``. Feed them to :func:`topk_blocks` like
+    :func:`score_blocks`'s."""
+    dev = _check_device(q, summaries, codes)
+    if scores is None:
+        scores = torch.empty(blk_indices.shape[0], geo.num_kv_heads, dtype=torch.float32, device=dev)
+    _core.score_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices, scores, stream=_stream(dev))
     return scores
 
 

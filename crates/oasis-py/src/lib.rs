@@ -680,6 +680,159 @@ fn score_blocks(
     })
 }
 
+/// 2-bit key codes need head_dim divisible by 4 (checked before any shape, as the CPU twin).
+fn check_codes_head_dim(py: Python<'_>, g: &KvGeometry) -> PyResult<()> {
+    if !g.head_dim.is_multiple_of(4) {
+        return Err(py_err(
+            py,
+            "ConfigError",
+            format!(
+                "2-bit key codes need head_dim divisible by 4, got {}",
+                g.head_dim
+            ),
+        ));
+    }
+    Ok(())
+}
+
+#[pyfunction]
+#[pyo3(signature = (geo, host_k, summaries, block_ids, codes, *, stream = 0))]
+/// Encode every key of complete host blocks to 2 bits per channel inside the block's [min, max].
+///
+/// host_k [num_host_blocks, num_kv_heads, block_size, head_dim]; summaries [num_host_blocks,
+/// num_kv_heads, 2, head_dim] (those of the same complete blocks); block_ids [n] int32; codes
+/// [num_host_blocks, num_kv_heads, block_size, head_dim // 4] uint8 (channel 4i + j in bits
+/// 2j..2j+2 of byte i). head_dim must be divisible by 4 (ConfigError).
+///
+/// CUDA: summaries, block_ids and codes on one cuda:N; host_k there too or in pinned CPU memory;
+/// queued on `stream` (raw cudaStream_t of cuda:N, 0 = legacy default), returns at once.
+/// Out-of-range ids are skipped on the GPU. `stream` is ignored on the CPU.
+fn build_key_codes(
+    py: Python<'_>,
+    geo: &PyGeometry,
+    host_k: TensorArg,
+    summaries: TensorArg,
+    block_ids: TensorArg,
+    codes: TensorArg,
+    stream: u64,
+) -> PyResult<()> {
+    entry(py, "build_key_codes", || {
+        let g = geo.inner;
+        check_codes_head_dim(py, &g)?;
+        let host = [("host_k", &host_k)];
+        let cx = Cx::new(
+            py,
+            &[
+                ("summaries", &summaries),
+                ("block_ids", &block_ids),
+                ("codes", &codes),
+            ],
+            &host,
+        )?;
+        let nh = pool_rows(&cx.host(), &g, &host)?;
+        summaries.expect_shape(&cx, "summaries", &[nh, g.num_kv_heads, 2, g.head_dim])?;
+        block_ids.dim(&cx, "block_ids", 1, 0)?;
+        block_ids.expect_i32(py, "block_ids")?;
+        codes.expect_u8(py, "codes")?;
+        codes.expect_shape(
+            &cx,
+            "codes",
+            &[nh, g.num_kv_heads, g.block_size, g.head_dim / 4],
+        )?;
+        let dt = kv_dtype(py, &[("host_k", &host_k), ("summaries", &summaries)])?;
+        check_outputs(
+            py,
+            &[("codes", &codes)],
+            &[
+                ("host_k", &host_k),
+                ("summaries", &summaries),
+                ("block_ids", &block_ids),
+            ],
+        )?;
+        match cx.place {
+            Place::Cpu => with_dtype!(dt, T => {
+                // SAFETY: checked above; codes is disjoint from the inputs.
+                let (hk, sm, ids, cd) = unsafe { (host_k.slice::<T>(), summaries.slice::<T>(), block_ids.ints(), codes.slice_mut::<u8>()) };
+                guarded(py, "build_key_codes", || kernels::build_key_codes::<T>(&g, hk, sm, ids, cd))
+            }),
+            Place::Cuda(dev) => with_dtype!(dt, T => {
+                // SAFETY: (TensorArg::dev) checked above; codes is disjoint from the inputs.
+                let (hk, sm, ids, cd) = unsafe { (host_k.dev::<T>(), summaries.dev::<T>(), block_ids.dev::<i32>(), codes.dev::<u8>()) };
+                on_gpu(py, "build_key_codes", dev, stream, &host, move |gpu, st| gpu.build_key_codes::<T>(&g, hk, sm, ids, cd, st))
+            }),
+        }
+    })
+}
+
+#[pyfunction]
+#[pyo3(signature = (geo, q, summaries, codes, blk_indptr, blk_indices, scores, *, stream = 0))]
+/// Block scores from the 2-bit key codes: per entry and KV head, the sum over the GQA group of
+/// the block's largest approximate logit, into scores [nnz, num_kv_heads] f32.
+///
+/// q [num_seqs, num_qo_heads, head_dim]; summaries [num_host_blocks, num_kv_heads, 2, head_dim];
+/// codes [num_host_blocks, num_kv_heads, block_size, head_dim // 4] uint8; blk_indptr
+/// [num_seqs + 1], blk_indices [nnz] int32 (host block of each logical block). head_dim must be
+/// divisible by 4 (ConfigError).
+///
+/// CUDA: every tensor on one cuda:N, queued on `stream` (raw cudaStream_t, 0 = legacy default),
+/// returns at once. An out-of-range block id, or an entry of a malformed blk_indptr row, scores
+/// -inf on the GPU (the CPU raises). `stream` is ignored on the CPU.
+#[allow(clippy::too_many_arguments)]
+fn score_blocks_codes(
+    py: Python<'_>,
+    geo: &PyGeometry,
+    q: TensorArg,
+    summaries: TensorArg,
+    codes: TensorArg,
+    blk_indptr: TensorArg,
+    blk_indices: TensorArg,
+    scores: TensorArg,
+    stream: u64,
+) -> PyResult<()> {
+    entry(py, "score_blocks_codes", || {
+        let g = geo.inner;
+        check_codes_head_dim(py, &g)?;
+        let inputs = [
+            ("q", &q),
+            ("summaries", &summaries),
+            ("codes", &codes),
+            ("blk_indptr", &blk_indptr),
+            ("blk_indices", &blk_indices),
+        ];
+        let cx = Cx::new(py, &[&inputs[..], &[("scores", &scores)]].concat(), &[])?;
+        let ns = q.dim(&cx, "q", 3, 0)?;
+        q.expect_shape(&cx, "q", &[ns, g.num_qo_heads, g.head_dim])?;
+        let nh = summaries.dim(&cx, "summaries", 4, 0)?;
+        summaries.expect_shape(&cx, "summaries", &[nh, g.num_kv_heads, 2, g.head_dim])?;
+        codes.expect_u8(py, "codes")?;
+        codes.expect_shape(
+            &cx,
+            "codes",
+            &[nh, g.num_kv_heads, g.block_size, g.head_dim / 4],
+        )?;
+        blk_indptr.expect_i32(py, "blk_indptr")?;
+        blk_indptr.expect_shape(&cx, "blk_indptr", &[ns + 1])?;
+        blk_indices.expect_i32(py, "blk_indices")?;
+        let nnz = blk_indices.dim(&cx, "blk_indices", 1, 0)?;
+        scores.expect_f32(py, "scores")?;
+        scores.expect_shape(&cx, "scores", &[nnz, g.num_kv_heads])?;
+        let dt = kv_dtype(py, &[("q", &q), ("summaries", &summaries)])?;
+        check_outputs(py, &[("scores", &scores)], &inputs)?;
+        match cx.place {
+            Place::Cpu => with_dtype!(dt, T => {
+                // SAFETY: checked above; scores is disjoint from the inputs.
+                let (qs, sm, cd, ip, ix, sc) = unsafe { (q.slice::<T>(), summaries.slice::<T>(), codes.slice::<u8>(), blk_indptr.ints(), blk_indices.ints(), scores.slice_mut::<f32>()) };
+                guarded(py, "score_blocks_codes", || kernels::score_blocks_codes::<T>(&g, qs, sm, cd, ip, ix, sc))
+            }),
+            Place::Cuda(dev) => with_dtype!(dt, T => {
+                // SAFETY: (TensorArg::dev) checked above; scores is disjoint from the inputs.
+                let (qs, sm, cd, ip, ix, sc) = unsafe { (q.dev::<T>(), summaries.dev::<T>(), codes.dev::<u8>(), blk_indptr.dev::<i32>(), blk_indices.dev::<i32>(), scores.dev::<f32>()) };
+                on_gpu(py, "score_blocks_codes", dev, stream, &[], move |gpu, st| gpu.score_blocks_codes::<T>(&g, qs, sm, cd, ip, ix, sc, st))
+            }),
+        }
+    })
+}
+
 #[pyfunction]
 #[pyo3(signature = (num_kv_heads, scores, blk_indptr, k, out, *, stream = 0))]
 /// Per (seq, kv head) top-k logical blocks, best first, -1 padded: out [num_seqs, num_kv_heads, k].
@@ -1128,6 +1281,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(decode_attention, m)?)?;
     m.add_function(wrap_pyfunction!(build_summaries, m)?)?;
     m.add_function(wrap_pyfunction!(score_blocks, m)?)?;
+    m.add_function(wrap_pyfunction!(build_key_codes, m)?)?;
+    m.add_function(wrap_pyfunction!(score_blocks_codes, m)?)?;
     m.add_function(wrap_pyfunction!(topk_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(delta_select, m)?)?;
     m.add_function(wrap_pyfunction!(gather_blocks, m)?)?;

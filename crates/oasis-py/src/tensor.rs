@@ -337,6 +337,10 @@ impl TensorArg {
         self.expect_dtype(py, name, "float32", ".float()")
     }
 
+    pub fn expect_u8(&self, py: Python<'_>, name: &str) -> PyResult<()> {
+        self.expect_dtype(py, name, "uint8", ".to(torch.uint8)")
+    }
+
     /// The dtype is `dtype` (torch's name); else a `DTypeError` that tells to pass `{name}{cast}`.
     fn expect_dtype(&self, py: Python<'_>, name: &str, dtype: &str, cast: &str) -> PyResult<()> {
         if self.dtype != dtype {

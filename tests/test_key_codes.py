@@ -1,0 +1,281 @@
+"""2-bit key codes on the CPU (the Rust twins through oasiskv.ops) against an independent reference.
+
+The reference quantises per the definition (``c = round(3 (k - min) / (max - min))`` in f32, half away
+from zero, clamped to 0..=3, 0 for an empty range or NaN) and scores in float64: dequantise every key
+of the block, take the largest ``q_g . k~`` over its tokens, sum over the GQA group.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from oasiskv import errors, ops
+from reference import MALFORMED_INDPTR, malformed_indptr
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+GROUPS = [1, 3, 4]
+HEAD_DIMS = [64, 36, 4]
+BLOCK_SIZES = [16, 5, 1]
+LENS = [54, 1, 37, 0, 9]  # blocks per sequence: odd, one empty
+
+
+def i32(x) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.int32)
+
+
+def csr(lens: list[int]) -> torch.Tensor:
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return i32(out)
+
+
+def ref_key_codes(
+    host_k: torch.Tensor, summaries: torch.Tensor, block_ids: list[int]
+) -> dict[int, torch.Tensor]:
+    """The codes of each listed block as integers 0..3, [num_kv_heads, block_size, head_dim]."""
+    out = {}
+    for b in block_ids:
+        k = host_k[b].float()  # [H, B, D]
+        lo = summaries[b, :, 0].float()[:, None, :]
+        hi = summaries[b, :, 1].float()[:, None, :]
+        w = hi - lo  # float32 arithmetic, as the definition
+        v = ((k - lo) / w * 3.0).double()
+        c = torch.floor(v + 0.5)  # half away from zero (v >= 0 where it matters)
+        c = torch.where(torch.isnan(c) | (c < 0), torch.zeros_like(c), c).clamp(max=3.0)
+        c = torch.where((w > 0).expand_as(c), c, torch.zeros_like(c))
+        out[b] = c.to(torch.int64)
+    return out
+
+
+def unpack_codes(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., head_dim // 4] -> int64 [..., head_dim]: channel 4i + j is bits 2j..2j+2 of byte i."""
+    c = codes.to(torch.int64)
+    parts = [(c >> (2 * j)) & 3 for j in range(4)]
+    return torch.stack(parts, dim=-1).flatten(-2)
+
+
+def ref_score_blocks_codes(q, summaries, codes, blk_indptr, blk_indices) -> torch.Tensor:
+    """q [S, Hq, D]; summaries [N, Hkv, 2, D]; codes [N, Hkv, B, D // 4]; float64 [nnz, Hkv]."""
+    s_n, hq, _ = q.shape
+    hk = summaries.shape[1]
+    group = hq // hk
+    out = torch.zeros(blk_indices.shape[0], hk, dtype=torch.float64)
+    for s in range(s_n):
+        for j in range(int(blk_indptr[s]), int(blk_indptr[s + 1])):
+            b = int(blk_indices[j])
+            c = unpack_codes(codes[b]).double()  # [Hkv, B, D]
+            for h in range(hk):
+                lo = summaries[b, h, 0].double()
+                hi = summaries[b, h, 1].double()
+                keys = lo + c[h] * (hi - lo) / 3.0  # [B, D]
+                total = 0.0
+                for g in range(h * group, (h + 1) * group):
+                    total += (keys @ q[s, g].double()).max().item()
+                out[j, h] = total
+    return out
+
+
+def magnitude(q, summaries, blk_indptr, blk_indices) -> torch.Tensor:
+    """sum_g sum_d |q_g,d| (|min_d| + |max_d|) per entry and head: the scale of the f32 rounding."""
+    s_n, hq, d = q.shape
+    hk = summaries.shape[1]
+    group = hq // hk
+    seq = torch.repeat_interleave(torch.arange(s_n), torch.diff(blk_indptr).long())
+    qa = q.double().abs().view(s_n, hk, group, d).sum(2)[seq]  # [nnz, Hkv, D]
+    sa = summaries.double().abs()[blk_indices.long()].sum(2)  # [nnz, Hkv, D]
+    return (qa * sa).sum(-1)
+
+
+def _case(gen, dtype, group, head_dim, block_size, hk=2, lens=LENS, extra_host=7):
+    n_host = sum(lens) + extra_host
+    geo = ops.KvGeometry(hk * group, hk, head_dim, block_size)
+    host_k = torch.randn(n_host, hk, block_size, head_dim, generator=gen).to(dtype)
+    summaries = torch.empty(n_host, hk, 2, head_dim, dtype=dtype)
+    ops.build_summaries(geo, host_k, i32(list(range(n_host))), i32([block_size] * n_host), summaries)
+    codes = ops.empty_key_codes(geo, n_host)
+    ops.build_key_codes(geo, host_k, summaries, i32(list(range(n_host))), codes)
+    blk_indptr = csr(lens)
+    blk_indices = torch.randperm(n_host, generator=gen)[: sum(lens)].to(torch.int32)
+    q = torch.randn(len(lens), hk * group, head_dim, generator=gen).to(dtype)
+    return geo, host_k, summaries, codes, q, blk_indptr, blk_indices
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_build_key_codes_matches_the_definition(dtype, head_dim, block_size):
+    gen = torch.Generator().manual_seed(hash((str(dtype), head_dim, block_size)) % 2**31)
+    hk, n_host = 3, 11
+    geo = ops.KvGeometry(hk, hk, head_dim, block_size)
+    host_k = torch.randn(n_host, hk, block_size, head_dim, generator=gen).to(dtype)
+    # Keys on a coarse grid too: exact ties of 3 (k - min) / (max - min) at half-integers.
+    host_k[0] = (torch.randint(0, 7, host_k[0].shape, generator=gen).float() * 0.5).to(dtype)
+    host_k[1, :, :, 0] = 2.0  # a constant channel: empty range, code 0
+    summaries = torch.empty(n_host, hk, 2, head_dim, dtype=dtype)
+    ops.build_summaries(geo, host_k, i32(list(range(n_host))), i32([block_size] * n_host), summaries)
+    codes = torch.full((n_host, hk, block_size, head_dim // 4), 0xAB, dtype=torch.uint8)
+    ids = [9, 0, 1, 4, 10]
+    ops.build_key_codes(geo, host_k, summaries, i32(ids), codes)
+    want = ref_key_codes(host_k, summaries, ids)
+    for b in range(n_host):
+        if b in want:
+            assert torch.equal(unpack_codes(codes[b]), want[b]), f"block {b}"
+        else:
+            assert (codes[b] == 0xAB).all(), f"block {b} is not listed: untouched"
+    assert (unpack_codes(codes[1])[:, :, 0] == 0).all()
+
+
+def test_codes_of_keys_on_the_grid_score_the_exact_max_logit():
+    """Keys on the 4-level grid of their block are decoded exactly: the score is the exact one."""
+    gen = torch.Generator().manual_seed(5)
+    hk, group, d, bs, n_host = 2, 3, 12, 5, 6
+    geo = ops.KvGeometry(hk * group, hk, d, bs)
+    lo = torch.randint(-4, 0, (n_host, hk, 1, d), generator=gen).float()
+    step = torch.randint(1, 3, (n_host, hk, 1, d), generator=gen).float()
+    c = torch.randint(0, 4, (n_host, hk, bs, d), generator=gen)
+    c[:, :, 0], c[:, :, 1] = 0, 3  # both ends present: the block's range is exactly [lo, lo + 3 step]
+    host_k = lo + c.float() * step
+    summaries = torch.empty(n_host, hk, 2, d)
+    ops.build_summaries(geo, host_k, i32(list(range(n_host))), i32([bs] * n_host), summaries)
+    codes = ops.empty_key_codes(geo, n_host)
+    ops.build_key_codes(geo, host_k, summaries, i32(list(range(n_host))), codes)
+    assert torch.equal(unpack_codes(codes), c)
+    q = torch.randint(-3, 4, (2, hk * group, d), generator=gen).float()
+    blk_indptr, blk_indices = i32([0, 4, 6]), i32([5, 0, 2, 3, 1, 4])
+    got = ops.score_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices)
+    for j in range(6):
+        s = 0 if j < 4 else 1
+        b = int(blk_indices[j])
+        for h in range(hk):
+            want = sum((host_k[b, h] @ q[s, g]).max().item() for g in range(h * group, (h + 1) * group))
+            assert got[j, h].item() == want, (j, h)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_score_blocks_codes_matches_float64_reference(dtype, group, head_dim, block_size):
+    gen = torch.Generator().manual_seed(hash(("score", str(dtype), group, head_dim, block_size)) % 2**31)
+    geo, host_k, summaries, codes, q, blk_indptr, blk_indices = _case(gen, dtype, group, head_dim, block_size)
+    scores = ops.score_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices)
+    assert scores.shape == (sum(LENS), 2) and scores.dtype == torch.float32
+    ref = ref_score_blocks_codes(q, summaries, codes, blk_indptr, blk_indices)
+    # NOTE: the twin sums head_dim f32 products per logit: its error is bounded by a few head_dim
+    # ulps of the magnitude sum_g sum_d |q| (|min| + |max|).
+    tol = 2e-7 * head_dim * magnitude(q, summaries, blk_indptr, blk_indices) + 1e-6
+    assert ((scores.double() - ref).abs() <= tol).all(), (scores.double() - ref).abs().max()
+    # The score never exceeds Quest's bound (each decoded key lies inside the block's box).
+    quest = ops.score_blocks(geo, q, summaries, blk_indptr, blk_indices)
+    assert (scores <= quest + tol.float()).all()
+
+
+def test_preallocated_scores_are_filled_and_returned():
+    gen = torch.Generator().manual_seed(8)
+    geo, _, summaries, codes, q, blk_indptr, blk_indices = _case(gen, torch.bfloat16, 4, 64, 16)
+    out = torch.full((blk_indices.numel(), 2), float("nan"))
+    got = ops.score_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices, scores=out)
+    assert got is out and torch.isfinite(out).all()
+    assert torch.equal(out, ops.score_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices))
+    # And into top-K like the Quest scores.
+    top = ops.topk_blocks(2, out, blk_indptr, 8)
+    assert top.shape == (len(LENS), 2, 8)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nan_propagates_like_the_twin(dtype):
+    """A NaN query or summary makes the scores that use it NaN (they rank last in top-K); a NaN key is
+    encoded as 0."""
+    gen = torch.Generator().manual_seed(12)
+    hk, group = 2, 2
+    geo, host_k, summaries, codes, q, blk_indptr, blk_indices = _case(gen, dtype, group, 16, 4, hk=hk)
+    clean = ops.score_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices)
+    assert torch.isfinite(clean).all()
+    q[0, 3, 5] = float("nan")  # seq 0, query head 3 -> KV head 1
+    b = int(blk_indices[int(blk_indptr[2])])  # a block of seq 2
+    summaries[b, 0, 0, 7] = float("nan")  # its min, KV head 0
+    got = ops.score_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices)
+    want = torch.zeros_like(got, dtype=torch.bool)
+    want[int(blk_indptr[0]) : int(blk_indptr[1]), 1] = True
+    want[(blk_indices == b).nonzero().flatten(), 0] = True
+    assert torch.equal(got.isnan(), want)
+    torch.testing.assert_close(got[~want], clean[~want], atol=0, rtol=0)
+    # A NaN key: code 0 (the summaries ignore it).
+    host_k[b, 1, 2, 9] = float("nan")
+    ops.build_summaries(geo, host_k, i32([b]), i32([4]), summaries)
+    ops.build_key_codes(geo, host_k, summaries, i32([b]), codes)
+    assert unpack_codes(codes[b])[1, 2, 9] == 0
+
+
+def test_bad_head_dim_is_a_config_error():
+    geo = ops.KvGeometry(2, 1, 6, 4)
+    host_k = torch.zeros(3, 1, 4, 6)
+    summaries = torch.zeros(3, 1, 2, 6)
+    codes = torch.zeros(3, 1, 4, 1, dtype=torch.uint8)
+    with pytest.raises(errors.ConfigError, match="divisible by 4"):
+        ops.build_key_codes(geo, host_k, summaries, i32([0]), codes)
+    with pytest.raises(errors.ConfigError, match="divisible by 4"):
+        ops.score_blocks_codes(geo, torch.zeros(1, 2, 6), summaries, codes, i32([0, 1]), i32([0]))
+    with pytest.raises(errors.ConfigError, match="divisible by 4"):
+        ops.empty_key_codes(geo, 3)
+    assert isinstance(errors.ConfigError("x"), ValueError)
+
+
+def test_out_of_range_ids_and_bad_shapes_are_typed_errors_and_write_nothing():
+    gen = torch.Generator().manual_seed(2)
+    geo, host_k, summaries, codes, q, blk_indptr, blk_indices = _case(gen, torch.float32, 2, 16, 4)
+    n_host = host_k.shape[0]
+    before = codes.clone()
+    for bad in ([n_host], [-1], [0, n_host + 5]):
+        with pytest.raises(IndexError, match="block_ids"):
+            ops.build_key_codes(geo, host_k, summaries, i32(bad), codes)
+        assert torch.equal(codes, before)
+    scores = torch.full((blk_indices.numel(), 2), 7.0)
+    for v in (n_host, -1):
+        idx = blk_indices.clone()
+        idx[3] = v
+        with pytest.raises(IndexError, match="blk_indices"):
+            ops.score_blocks_codes(geo, q, summaries, codes, blk_indptr, idx, scores=scores)
+        assert (scores == 7.0).all()
+    with pytest.raises(errors.ShapeError, match="codes"):
+        ops.score_blocks_codes(geo, q, summaries, codes[:-1], blk_indptr, blk_indices)
+    with pytest.raises(errors.ShapeError, match="codes"):
+        ops.build_key_codes(geo, host_k, summaries, i32([0]), codes[:, :, :, :-1].contiguous())
+    with pytest.raises(errors.DTypeError, match="uint8"):
+        ops.score_blocks_codes(geo, q, summaries, codes.to(torch.int8), blk_indptr, blk_indices)
+    with pytest.raises(errors.DTypeError, match="one dtype"):
+        ops.score_blocks_codes(geo, q.half(), summaries, codes, blk_indptr, blk_indices)
+    with pytest.raises(errors.InvalidArgumentError, match="share memory"):
+        alias = host_k.view(torch.uint8).flatten()[: codes.numel()].view(codes.shape)
+        ops.build_key_codes(geo, host_k, summaries, i32([0]), alias)
+    # The next valid call works.
+    ops.score_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices, scores=scores)
+    assert torch.isfinite(scores).all()
+
+
+@pytest.mark.parametrize("case", MALFORMED_INDPTR)
+def test_malformed_blk_indptr_is_a_typed_error_on_the_cpu(case):
+    gen = torch.Generator().manual_seed(4)
+    geo, _, summaries, codes, q, blk_indptr, blk_indices = _case(gen, torch.float32, 2, 16, 4, lens=[5, 1, 5])
+    scores = torch.full((11, 2), 7.0)
+    ops.score_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices, scores=scores)
+    scores.fill_(7.0)
+    with pytest.raises(errors.OasisError) as info:
+        ops.score_blocks_codes(
+            geo, q, summaries, codes, malformed_indptr(blk_indptr, case), blk_indices, scores=scores
+        )
+    assert isinstance(info.value, ValueError) and "blk_ind" in str(info.value)
+    assert (scores == 7.0).all(), "output written on error"
+
+
+def test_empty_key_codes_has_the_documented_layout():
+    geo = ops.KvGeometry(32, 8, 128, 16)
+    codes = ops.empty_key_codes(geo, 10)
+    assert codes.shape == (10, 8, 16, 32) and codes.dtype == torch.uint8
+    # 2 x the summary bytes of 16-bit storage, in all: the codes alone equal the summaries.
+    assert codes.numel() == 10 * 8 * 2 * 128 * 2
+    assert math.prod(codes.shape[1:]) * 8 == geo.num_kv_heads * geo.block_size * geo.head_dim * 2
