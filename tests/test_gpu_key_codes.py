@@ -1,0 +1,253 @@
+"""The 2-bit key-code kernels on CUDA (through oasiskv.ops) against their CPU twins.
+
+Codes must match bit for bit (host_k pinned or on the device); scores within the tolerance below;
+malformed blk_indptr rows and out-of-range block ids score -inf and are read safely. Run under
+compute-sanitizer with ``-k key_codes``. Out of GPU memory is a skip.
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+
+import pytest
+import torch
+
+from oasiskv import ops
+from reference import MALFORMED_INDPTR, csr_rows, malformed_indptr
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"
+    ),
+]
+
+DEV = torch.device("cuda", 0)
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+HEAD_DIMS = [128, 64, 36]
+GROUPS = [1, 3, 4, 8]
+BLOCK_SIZES = [16, 5]
+HOSTS = ["pinned", "cuda"]
+LENS = [54, 1, 37, 0, 9]  # blocks per sequence, one empty
+POISON = float("nan")
+
+
+def gpu_test(fn):
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except torch.cuda.OutOfMemoryError as e:
+            torch.cuda.empty_cache()
+            pytest.skip(f"out of GPU memory: {e}")
+
+    return run
+
+
+def seeded(*key) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def i32(x) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.int32)
+
+
+def dev(t: torch.Tensor) -> torch.Tensor:
+    return t.to(DEV, copy=True)
+
+
+def back(t: torch.Tensor) -> torch.Tensor:
+    torch.cuda.synchronize()
+    return t.cpu()
+
+
+def csr(lens: list[int]) -> torch.Tensor:
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return i32(out)
+
+
+def magnitude(q, summaries, blk_indptr, blk_indices) -> torch.Tensor:
+    """sum_g sum_d |q_g,d| (|min_d| + |max_d|) per entry and head (float64): the scale of a logit."""
+    s_n, hq, d = q.shape
+    hk = summaries.shape[1]
+    seq = torch.repeat_interleave(torch.arange(s_n), torch.diff(blk_indptr).long())
+    qa = q.double().abs().view(s_n, hk, hq // hk, d).sum(2)[seq]
+    sa = summaries.double().abs()[blk_indices.long()].sum(2)
+    return (qa * sa).sum(-1)
+
+
+def assert_scores_close(got: torch.Tensor, want: torch.Tensor, mag: torch.Tensor) -> None:
+    # NOTE: the GPU may sum the head_dim products of a logit in another order (and, on its
+    # tensor-core path, round each decoded key and the query to bf16, 2^-9 relative), so the
+    # difference is bounded by a fraction of the magnitude sum_g sum_d |q| (|min| + |max|), not by
+    # the score itself (which cancels).
+    got, want = got.double(), want.double()
+    same_nan = torch.equal(got.isnan(), want.isnan())
+    assert same_nan, "NaN in different entries"
+    ok = ~want.isnan()
+    err = (got[ok] - want[ok]).abs()
+    tol = 4e-3 * mag[ok] + 1e-5
+    assert (err <= tol).all(), f"max error {err.max().item():.3g}, worst ratio {(err / tol).max().item():.3g}"
+
+
+def _case(gen, dtype, group, head_dim, block_size, hk=3, lens=LENS):
+    n_host = sum(lens) + 5
+    geo = ops.KvGeometry(hk * group, hk, head_dim, block_size)
+    host_k = torch.randn(n_host, hk, block_size, head_dim, generator=gen).to(dtype)
+    summaries = torch.empty(n_host, hk, 2, head_dim, dtype=dtype)
+    ops.build_summaries(geo, host_k, i32(list(range(n_host))), i32([block_size] * n_host), summaries)
+    codes = ops.empty_key_codes(geo, n_host)
+    ops.build_key_codes(geo, host_k, summaries, i32(list(range(n_host))), codes)
+    blk_indptr = csr(lens)
+    blk_indices = torch.randperm(n_host, generator=gen)[: sum(lens)].to(torch.int32)
+    q = torch.randn(len(lens), hk * group, head_dim, generator=gen).to(dtype)
+    return geo, host_k, summaries, codes, q, blk_indptr, blk_indices
+
+
+@gpu_test
+@pytest.mark.parametrize("where", HOSTS)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_build_key_codes_bit_exact(dtype, head_dim, block_size, where):
+    gen = seeded("key_codes-build", dtype, head_dim, block_size, where)
+    hk, n_host = 3, 13
+    geo = ops.KvGeometry(hk, hk, head_dim, block_size)
+    keys = torch.randn(n_host, hk, block_size, head_dim, generator=gen).to(dtype)
+    keys[0] = (torch.randint(0, 7, keys[0].shape, generator=gen).float() * 0.5).to(dtype)  # exact ties
+    keys[1, :, :, 3] = 1.0  # an empty range
+    keys[2, 1, 0, 5] = float("nan")
+    summ = torch.empty(n_host, hk, 2, head_dim, dtype=dtype)
+    ops.build_summaries(geo, keys, i32(list(range(n_host))), i32([block_size] * n_host), summ)
+    codes = torch.randint(0, 256, (n_host, hk, block_size, head_dim // 4), generator=gen, dtype=torch.uint8)
+    g_codes = dev(codes)
+    ids = i32([12, 0, 1, 2, 7, 5])
+    ops.build_key_codes(geo, keys, summ, ids, codes)
+    host_k = keys.pin_memory() if where == "pinned" else dev(keys)
+    # Out-of-range ids are skipped on the GPU (the CPU raises).
+    g_ids = dev(torch.cat([ids, i32([n_host, -1, 2**31 - 1])]))
+    ops.build_key_codes(geo, host_k, dev(summ), g_ids, g_codes)
+    assert torch.equal(back(g_codes), codes)
+
+
+@gpu_test
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_score_blocks_codes_matches_cpu_twin_key_codes(dtype, head_dim, group, block_size):
+    gen = seeded("key_codes-score", dtype, head_dim, group, block_size)
+    geo, _, summaries, codes, q, blk_indptr, blk_indices = _case(gen, dtype, group, head_dim, block_size)
+    want = ops.score_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices)
+    scores = torch.full((blk_indices.numel(), geo.num_kv_heads), POISON, device=DEV)
+    g_indptr = dev(blk_indptr)
+    got = ops.score_blocks_codes(
+        geo, dev(q), dev(summaries), dev(codes), g_indptr, dev(blk_indices), scores=scores
+    )
+    assert got is scores
+    assert_scores_close(back(got), want, magnitude(q, summaries, blk_indptr, blk_indices))
+    # Top-K on the GPU's own scores, end to end: threshold property.
+    k = 16
+    top = back(ops.topk_blocks(geo.num_kv_heads, got, g_indptr, k))
+    g = back(got)
+    for s in range(len(LENS)):
+        seg = g[int(blk_indptr[s]) : int(blk_indptr[s + 1])]
+        n = seg.shape[0]
+        for h in range(geo.num_kv_heads):
+            chosen = top[s, h, : min(k, n)]
+            assert (top[s, h, min(k, n) :] == -1).all()
+            if n > k:
+                assert (seg[chosen.long(), h] >= torch.topk(seg[:, h], k).values[-1]).all()
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nan_propagates_like_the_cpu_twin_key_codes(dtype):
+    gen = seeded("key_codes-nan", dtype)
+    geo, _, summaries, codes, q, blk_indptr, blk_indices = _case(gen, dtype, 4, 128, 16, hk=2)
+    q[0, 5, 9] = float("nan")
+    b = int(blk_indices[int(blk_indptr[2])])
+    summaries[b, 0, 1, 3] = float("nan")
+    want = ops.score_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices)
+    assert want.isnan().any()
+    got = ops.score_blocks_codes(geo, dev(q), dev(summaries), dev(codes), dev(blk_indptr), dev(blk_indices))
+    assert_scores_close(back(got), want, magnitude(q, summaries, blk_indptr, blk_indices).nan_to_num(0.0))
+
+
+@gpu_test
+@pytest.mark.parametrize("head_dim", [128, 36])  # the tensor-core and the scalar scoring paths
+@pytest.mark.parametrize("case", MALFORMED_INDPTR)
+def test_malformed_blk_indptr_key_codes_scores_minus_inf(case, head_dim):
+    """Memory safety (run under compute-sanitizer memcheck) and -inf for every entry in no
+    well-formed row or with an out-of-range block id; entries of well-formed rows are scored."""
+    gen = seeded("key_codes-malformed", case, head_dim)
+    lens = [40, 9, 37, 30]  # rows span 32-entry tiles
+    geo, _, summaries, codes, q, blk_indptr, blk_indices = _case(
+        gen, torch.bfloat16, 2, head_dim, 16, hk=2, lens=lens
+    )
+    nnz = int(blk_indptr[-1])
+    bad = malformed_indptr(blk_indptr, case)
+    with pytest.raises(ValueError):
+        ops.score_blocks_codes(geo, q, summaries, codes, bad, blk_indices)
+    idx = blk_indices.clone()
+    idx[3], idx[45] = summaries.shape[0] + 7, -1  # out-of-range ids score -inf
+    whole = i32([0, nnz])
+    ok_idx = torch.where((idx >= 0) & (idx < summaries.shape[0]), idx, torch.zeros_like(idx))
+    cand = [
+        ops.score_blocks_codes(geo, q[s : s + 1].contiguous(), summaries, codes, whole, ok_idx)
+        for s in range(len(lens))
+    ]
+    scores = torch.full((nnz, 2), POISON, device=DEV)
+    ops.score_blocks_codes(geo, dev(q), dev(summaries), dev(codes), dev(bad), dev(idx), scores=scores)
+    got = back(scores)
+    assert not got.isnan().any(), "every entry is written (the poison is NaN)"
+    rows = csr_rows(bad, nnz)
+    for j in range(nnz):
+        owners = [s for s, r in enumerate(rows) if r is not None and r[0] <= j < r[1]]
+        if not owners or j in (3, 45):
+            assert (got[j] == float("-inf")).all(), f"entry {j}: {got[j].tolist()}"
+        else:  # the query of one of its rows (overlapping rows of a malformed table), or -inf
+            ok = (got[j] == float("-inf")).all() or any(
+                torch.allclose(got[j], cand[s][j], atol=0.05 * head_dim, rtol=1e-2) for s in owners
+            )
+            assert ok, f"entry {j}: {got[j].tolist()} matches none of rows {owners}"
+    # The device is healthy: the well-formed table scores like the twin.
+    want = ops.score_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices)
+    again = ops.score_blocks_codes(geo, dev(q), dev(summaries), dev(codes), dev(blk_indptr), dev(blk_indices))
+    assert_scores_close(back(again), want, magnitude(q, summaries, blk_indptr, blk_indices))
+
+
+@gpu_test
+def test_select_loop_with_key_codes_on_a_side_stream():
+    """build_summaries -> build_key_codes (pinned host_k) -> score -> top-K, queued on a side stream."""
+    gen = seeded("key_codes-stream")
+    dtype, hk, group, d, bs = torch.bfloat16, 8, 4, 128, 16
+    lens = [300, 129]
+    n_host = sum(lens)
+    geo = ops.KvGeometry(hk * group, hk, d, bs)
+    keys = torch.randn(n_host, hk, bs, d, generator=gen).to(dtype)
+    ids, lens_t = i32(list(range(n_host))), i32([bs] * n_host)
+    summ, codes = torch.empty(n_host, hk, 2, d, dtype=dtype), ops.empty_key_codes(geo, n_host)
+    ops.build_summaries(geo, keys, ids, lens_t, summ)
+    ops.build_key_codes(geo, keys, summ, ids, codes)
+    q = torch.randn(2, hk * group, d, generator=gen).to(dtype)
+    blk_indptr, blk_indices = csr(lens), torch.randperm(n_host, generator=gen).to(torch.int32)
+    want = ops.score_blocks_codes(geo, q, summ, codes, blk_indptr, blk_indices)
+    side = torch.cuda.Stream()
+    pinned = keys.pin_memory()
+    with torch.cuda.stream(side):
+        g_summ = torch.empty(n_host, hk, 2, d, dtype=dtype, device=DEV)
+        g_codes = ops.empty_key_codes(geo, n_host, device=DEV)
+        g_ids, g_lens = dev(ids), dev(lens_t)
+        ops.build_summaries(geo, pinned, g_ids, g_lens, g_summ)
+        ops.build_key_codes(geo, pinned, g_summ, g_ids, g_codes)
+        g_indptr = dev(blk_indptr)
+        scores = ops.score_blocks_codes(geo, dev(q), g_summ, g_codes, g_indptr, dev(blk_indices))
+        top = ops.topk_blocks(hk, scores, g_indptr, 32)
+    side.synchronize()
+    assert torch.equal(back(g_codes), codes)
+    assert_scores_close(back(scores), want, magnitude(q, summ, blk_indptr, blk_indices))
+    assert back(top).shape == (2, hk, 32)
