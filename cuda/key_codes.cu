@@ -22,12 +22,16 @@
 // Consecutive entries of blk_indices one warp scores for one KV head (one block id per lane).
 // oasis_cuda::ops::SCORE_CODES_TILE must match.
 #define OASIS_CODES_TILE 32
-// Largest GQA group of the tensor-core path (one n8 tile of query heads); larger groups take the
-// scalar path. 1: use the tensor-core path where its conditions hold (see score_blocks_codes_impl).
-#define OASIS_CODES_MMA_MAX_GROUP 8
-#ifndef OASIS_CODES_MMA
-#define OASIS_CODES_MMA 1
-#endif
+// NOTE: performance hazard. score_blocks_codes_* below is the exact path only (each logit the CPU
+// twin's bit for bit): one warp per entry, serial f32 sums per (g, t), half the lanes idle at
+// block_size 16. It is far from the issue-12 target (score + top-K <= 1.5 x score_blocks at 32K,
+// batch 64). That target is bandwidth-bound from below: the codes score reads the summaries AND
+// the codes (2 x the bytes), and at Qwen3-8B shapes it also needs 16 x 128 x group FMAs per
+// (block, head) (8192 for group 4: ~245 us of f32 FMA issue for 1M block-heads on an H200 at
+// 100 % of peak), so the fast path must be a tensor-core one: per (block, head) one
+// mma.m16n8k16 per 16 channels, A = the 16 tokens' keys decoded from the codes, B = the group's
+// query (static per sequence, in registers), C = 16 tokens x up to 8 query heads; see the report
+// of the commit that added this file.
 
 namespace oasis {
 
