@@ -81,7 +81,7 @@ def magnitude(q, summaries, blk_indptr, blk_indices) -> torch.Tensor:
 
 def assert_scores_close(got: torch.Tensor, want: torch.Tensor, mag: torch.Tensor) -> None:
     # NOTE: the GPU may sum the head_dim products of a logit in another order (and, on its
-    # tensor-core path, round each decoded key and the query to bf16, 2^-9 relative), so the
+    # future tensor-core path, round each decoded key and the query to bf16, 2^-9 relative), so the
     # difference is bounded by a fraction of the magnitude sum_g sum_d |q| (|min| + |max|), not by
     # the score itself (which cancels).
     got, want = got.double(), want.double()
@@ -178,7 +178,7 @@ def test_nan_propagates_like_the_cpu_twin_key_codes(dtype):
 
 
 @gpu_test
-@pytest.mark.parametrize("head_dim", [128, 36])  # the tensor-core and the scalar scoring paths
+@pytest.mark.parametrize("head_dim", [128, 36])  # the Qwen3 shape and an odd one
 @pytest.mark.parametrize("case", MALFORMED_INDPTR)
 def test_malformed_blk_indptr_key_codes_scores_minus_inf(case, head_dim):
     """Memory safety (run under compute-sanitizer memcheck) and -inf for every entry in no
