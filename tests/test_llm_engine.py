@@ -497,3 +497,44 @@ def test_pool_growth_is_checked_against_free_memory(model, monkeypatch):
     again = eng.add_request([4, 5, 6], SamplingParams(max_tokens=2, ignore_eos=True))
     assert eng.run_to_completion([again])[again].finish_reason == "length"
     assert pools_are_full(eng)
+
+
+def ref_codes(keys: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor) -> torch.Tensor:
+    """2-bit codes of keys [hk, b, d] inside [min, max] [hk, d], packed 4 channels a byte (float64)."""
+    k, lo, hi = keys.double(), mins.double().unsqueeze(1), maxs.double().unsqueeze(1)
+    w = hi - lo
+    c = torch.where(w > 0, ((k - lo) / torch.where(w > 0, w, 1.0) * 3).round().clamp(0, 3), 0).to(torch.uint8)
+    c = c.view(*c.shape[:-1], -1, 4)
+    return c[..., 0] | (c[..., 1] << 2) | (c[..., 2] << 4) | (c[..., 3] << 6)
+
+
+def test_block_score_codes_keeps_codes_of_every_complete_block(model):
+    """KvConfig(block_score="codes"): after every step each complete host block of a sparse request
+    has the codes of its keys (built at the transition and when a step completes a block), and a
+    budget that covers the context still gives exactly the dense tokens."""
+    kv = KvConfig(**dict(README_KV, top_k_blocks=4, fetch_cap=1), block_score="codes")
+    eng = LLMEngine(model, kv=kv, drafter="ngram")
+    rid = eng.add_request(prompt(75, 1), SamplingParams(max_tokens=40, ignore_eos=True))
+    seq = eng._by_id[rid]  # noqa: SLF001 -- the test reads the engine's tables
+    checked = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        r = seq.req
+        if r.runtime is None or not r.sparse:
+            continue
+        p, b = eng.engine.pools, kv.block_size
+        complete = r.host_blocks[: (r.kv_len) // b]
+        for layer in range(model.config.num_hidden_layers):
+            for hb in complete:
+                want = ref_codes(
+                    p.host_k[layer][hb], p.summaries[layer][hb, :, 0], p.summaries[layer][hb, :, 1]
+                )
+                assert torch.equal(p.codes[layer][hb], want), f"layer {layer} block {hb}"
+                checked += 1
+    assert checked > 100
+    full = KvConfig(block_size=16, top_k_blocks=32, fetch_cap=4, sparse_threshold=64, block_score="codes")
+    ids = prompt(200, 5)
+    dense = run_alone(model, ids, 12, kv=full, backend="dense", drafter="ngram")
+    assert run_alone(model, ids, 12, kv=full, drafter="ngram") == dense
+    with pytest.raises(errors.ConfigError, match="block_score"):
+        KvConfig(block_score="bogus")

@@ -11,6 +11,9 @@ from .errors import ConfigError
 
 #: The values of :attr:`KvConfig.select_queries`.
 SELECT_QUERIES = ("lookahead", "lookahead+current")
+
+#: The values of :attr:`KvConfig.block_score`.
+BLOCK_SCORES = ("quest", "codes")
 #: Largest ``block_size``. Arbitrary.
 MAX_BLOCK_SIZE = 1024
 #: Largest ``top_k_blocks``: the most the GPU top-K kernel selects per KV head. Must match
@@ -54,9 +57,11 @@ class KvConfig:
         sparse_threshold: context length (tokens) past which a request turns sparse. Defaults to
             the budget, ``top_k_blocks * block_size``: below it the budget holds everything anyway.
         kv_dtype: storage dtype of the pools; defaults to the model's dtype.
-        num_gpu_pages: pages in the GPU pool (shared by all requests, per layer). ``None`` sizes the
-            pool for the batch of each ``generate`` call.
-        num_host_blocks: blocks in the host pool; ``None`` sizes it like ``num_gpu_pages``.
+        num_gpu_pages: pages in the GPU pool (shared by all requests, per layer): a fixed pool of
+            this size. ``None`` grows the pool with what admitted requests need, up to the
+            engine's budget (``LLMEngine(gpu_kv_budget_bytes=...)``).
+        num_host_blocks: blocks in the host pool; ``None`` sizes it like ``num_gpu_pages`` (or
+            grows it up to ``host_kv_budget_bytes``).
         measure_recall: compute lookahead recall (the predicted set against the exact top-K of the
             next step's true query). Costs one extra scoring pass per layer and step.
         select_queries: which queries choose the next working set. ``"lookahead"`` (the default):
@@ -65,6 +70,12 @@ class KvConfig:
             to that query's best block (a log attention-weight bound), and the larger of the two
             ranks it -- blocks either query leans on stay. Costs one extra scoring pass per layer
             and step; without a lookahead row it is the same as ``"lookahead"``.
+        block_score: how a query ranks the candidate blocks (one of :data:`BLOCK_SCORES`).
+            ``"quest"`` (the default): the Quest upper bound from each block's per-channel key
+            min/max. ``"codes"``: every key of a complete block is also kept at 2 bits per channel
+            inside that min/max, and a block ranks by its largest approximate logit -- closer to
+            the true attention (docs/EVAL.md) for twice the summary bytes and more scoring work.
+            Needs ``head_dim`` divisible by 4.
     """
 
     block_size: int = 16
@@ -76,6 +87,7 @@ class KvConfig:
     num_host_blocks: int | None = None
     measure_recall: bool = True
     select_queries: str = "lookahead"
+    block_score: str = "quest"
 
     def __post_init__(self) -> None:
         _check_int(
@@ -110,6 +122,8 @@ class KvConfig:
         )
         if self.select_queries not in SELECT_QUERIES:
             raise ConfigError(f"select_queries must be one of {SELECT_QUERIES}, got {self.select_queries!r}")
+        if self.block_score not in BLOCK_SCORES:
+            raise ConfigError(f"block_score must be one of {BLOCK_SCORES}, got {self.block_score!r}")
         if self.kv_dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
             raise ConfigError(f"kv_dtype must be float32, float16 or bfloat16, got {self.kv_dtype}")
         for name in ("num_gpu_pages", "num_host_blocks"):

@@ -253,6 +253,7 @@ class KvPools:
         num_pages: int,
         num_host_blocks: int,
         device: torch.device,
+        key_codes: bool = False,
     ) -> None:
         self.geo, self.dtype, self.num_layers, self.device = geo, dtype, num_layers, device
         self.num_pages, self.num_host_blocks = 0, 0
@@ -266,6 +267,13 @@ class KvPools:
         self.host_k = [torch.zeros(0, hk, b, d, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
         self.host_v = [torch.zeros(0, hk, b, d, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
         self.summaries = [torch.zeros(0, hk, 2, d, dtype=dtype, device=device) for _ in range(num_layers)]
+        # KvConfig(block_score="codes"): every key of a complete block at 2 bits per channel,
+        # [num_host_blocks, num_kv_heads, block_size, head_dim // 4] bytes per layer (GPU).
+        self.codes = (
+            [torch.zeros(0, hk, b, d // 4, dtype=torch.uint8, device=device) for _ in range(num_layers)]
+            if key_codes
+            else None
+        )
         self.grow(num_pages, num_host_blocks)
 
     def grow(self, num_pages: int, num_host_blocks: int) -> None:
@@ -311,13 +319,15 @@ class KvPools:
                 return new
 
             def summ(old):
-                new = torch.zeros((num_host_blocks, *old.shape[1:]), dtype=dtype, device=device)
+                new = torch.zeros((num_host_blocks, *old.shape[1:]), dtype=old.dtype, device=device)
                 new[: old.shape[0]] = old
                 return new
 
             self.host_k = [host(t) for t in self.host_k]
             self.host_v = [host(t) for t in self.host_v]
             self.summaries = [summ(t) for t in self.summaries]
+            if self.codes is not None:
+                self.codes = [summ(t) for t in self.codes]
             self.num_host_blocks = num_host_blocks
 
     @property
@@ -328,8 +338,10 @@ class KvPools:
 
     @property
     def summary_block_bytes(self) -> int:
+        """Bytes of one block's summaries (and key codes, with them), all KV heads, one layer."""
         g = self.geo
-        return 2 * g.num_kv_heads * g.head_dim * self.dtype.itemsize
+        codes = g.num_kv_heads * g.block_size * (g.head_dim // 4) if self.codes is not None else 0
+        return 2 * g.num_kv_heads * g.head_dim * self.dtype.itemsize + codes
 
 
 def _i32(x, device=None) -> torch.Tensor:
@@ -405,6 +417,12 @@ class Engine:
         self.dtype = kv.kv_dtype or next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         self.rows = 2 if (drafter is not None and drafter.uses_lookahead_row) else 1
+        self.key_codes = kv.block_score == "codes"
+        if self.key_codes and c.head_dim % 4:
+            raise ConfigError(
+                f"KvConfig(block_score='codes') needs head_dim divisible by 4, got {c.head_dim}; "
+                "use block_score='quest'"
+            )
         self.capture = tuple(drafter.capture_layers(c.num_hidden_layers)) if drafter is not None else ()
         # Hand the features of every prompt position to the drafter at prefill (Drafter.feed_prompt).
         self.prompt_features = bool(self.capture) and bool(getattr(drafter, "wants_prompt_features", False))
@@ -504,7 +522,9 @@ class Engine:
             kv = self.kv
             pages = kv.num_gpu_pages or 0
             host = kv.num_host_blocks or kv.num_gpu_pages or 0
-            self.pools = KvPools(self.geo, self.cfg.num_hidden_layers, self.dtype, pages, host, self.device)
+            self.pools = KvPools(
+                self.geo, self.cfg.num_hidden_layers, self.dtype, pages, host, self.device, self.key_codes
+            )
         if self.runtime is None or self._runtime_pools is not self.pools:
             if self.runtime is not None and self.runtime.num_requests:
                 raise ConfigError("the engine's pools were replaced while requests are running")
@@ -786,9 +806,12 @@ class Engine:
         tr = self.runtime.make_sparse(r.id)
         self._flush_map()
         src, dst, lens = _i32(tr["src_pages"], dev), _i32(tr["host_blocks"], dev), _i32(tr["lens"], dev)
+        complete = dst[: tr["n_complete"]]
         for layer in range(self.cfg.num_hidden_layers):
             ops.copy_pages(g, p.k_pages[layer], p.v_pages[layer], src, p.host_k[layer], p.host_v[layer], dst)
             ops.build_summaries(g, p.host_k[layer], dst, lens, p.summaries[layer])
+            if p.codes is not None and complete.numel():
+                ops.build_key_codes(g, p.host_k[layer], p.summaries[layer], complete, p.codes[layer])
         r.sparse = True
         r.metrics.sparse_since_token = r.kv_len
         n_complete = tr["n_complete"]
@@ -872,6 +895,7 @@ class Engine:
         if self.cuda:
             num_splits = _core.plan_num_splits(ops._num_sms(dev), n, hk, max_pages)
 
+        done_blocks = v["done_blocks"] if p.codes is not None and v["done_blocks"].numel() else None
         both = rows == 2 and kv.select_queries == "lookahead+current"
         plan = _SparsePlan.from_views(v, reqs, k_budget, kv.measure_recall, both) if n_sparse else None
         if plan is not None and self.cuda:
@@ -900,6 +924,10 @@ class Engine:
                 p.host_v[layer],
                 p.summaries[layer],
             )
+            if done_blocks is not None:
+                # Blocks x_t completed: their summaries are final, so their keys get codes now,
+                # before this layer's selection scores them.
+                ops.build_key_codes(g, p.host_k[layer], p.summaries[layer], done_blocks, p.codes[layer])
             extra_k = k4[:, 1].contiguous() if rows == 2 else None
             extra_v = v4[:, 1].contiguous() if rows == 2 else None
             o = ops.decode_attention(
@@ -963,16 +991,15 @@ class Engine:
 
         On a GPU this runs on the background stream; it never synchronises with the host.
         """
-        p, g = self.pools, self.geo
+        g = self.geo
         sp_idx, sp_ids, sp_reqs, slot_pages = plan.idx, plan.ids, plan.reqs, plan.slot_pages
         rec_csr = plan.rec_csr
-        summaries = p.summaries[layer]
         if rec_csr is not None:
             # Recall of last step's prediction against the exact top-K of this step's true query.
             prev = torch.stack([r.pred[layer] for r in sp_reqs])
             q_now = q4[sp_idx, 0].contiguous()
             rec_indptr, rec_indices = rec_csr
-            scores_now = ops.score_blocks(g, q_now, summaries, rec_indptr, rec_indices)
+            scores_now = self._score(layer, q_now, (rec_indptr, rec_indices))
             actual = ops.topk_blocks(g.num_kv_heads, scores_now, rec_indptr, k_budget)
             hits, counted = recall_overlap(actual, prev)
             self._acc_recall.index_add_(0, sp_ids, hits)
@@ -995,6 +1022,13 @@ class Engine:
         for j, r in enumerate(sp_reqs):
             r.pred[layer] = pred[j]
 
+    def _score(self, layer: int, q: torch.Tensor, csr) -> torch.Tensor:
+        """Block scores ``[nnz, num_kv_heads]`` of queries ``q`` under ``KvConfig.block_score``."""
+        p = self.pools
+        if p.codes is not None:
+            return ops.score_blocks_codes(self.geo, q, p.summaries[layer], p.codes[layer], *csr)
+        return ops.score_blocks(self.geo, q, p.summaries[layer], *csr)
+
     def _select_and_fetch(self, layer, q, slot_pages, blk_csr, host_csr, step, cap, k_budget, also=None):
         """Score the candidate blocks with ``q`` ([n, num_qo_heads, head_dim]), take the top-K per
         KV head, plan with delta selection (at most ``cap`` fetches per head) and gather the plan
@@ -1003,10 +1037,10 @@ class Engine:
         ``also = (q_current, blk_seq)`` ranks each block by the larger of its two scores, each taken
         relative to its own query's best block (``KvConfig.select_queries``)."""
         p, g = self.pools, self.geo
-        scores = ops.score_blocks(g, q, p.summaries[layer], *blk_csr)
+        scores = self._score(layer, q, blk_csr)
         if also is not None and scores.shape[0] > 0:
             q_cur, seq = also
-            other = ops.score_blocks(g, q_cur, p.summaries[layer], *blk_csr)
+            other = self._score(layer, q_cur, blk_csr)
             scores = torch.maximum(
                 _relative_to_best(scores, seq, q.shape[0]), _relative_to_best(other, seq, q.shape[0])
             )
