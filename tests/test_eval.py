@@ -533,7 +533,10 @@ def test_harness_greedy_continuation_records_and_report(tiny, tmp_path):
 def test_drafter_names_with_current_query():
     assert teacher.drafter_parts("eagle3") == ("eagle3", "lookahead")
     assert teacher.drafter_parts("ngram+current") == ("ngram", "lookahead+current")
-    for bad in ("previous-query+current", "eagle3+prev", "medusa"):
+    assert teacher.drafter_parts("ngram+current+codes") == ("ngram", "lookahead+current")
+    assert teacher.block_score_of("oracle+codes") == ("oracle", "codes")
+    assert teacher.block_score_of("oracle") == ("oracle", "quest")
+    for bad in ("previous-query+current", "eagle3+prev", "medusa", "ngram+codes+current"):
         with pytest.raises(ValueError, match="unknown drafter"):
             teacher.drafter_parts(bad)
 
@@ -556,6 +559,16 @@ def test_harness_runs_a_drafter_with_the_current_query(tiny, tmp_path):
     assert oasis["ngram"]["lookahead"]["draft_accept"] == oasis["ngram+current"]["lookahead"]["draft_accept"]
     assert oasis["ngram"]["lookahead"]["overlap"] != oasis["ngram+current"]["lookahead"]["overlap"]
     assert "ngram+current" in report.render_markdown(data)
+
+
+def test_harness_runs_a_drafter_with_key_codes(tiny, tmp_path):
+    extra = ("--drafters", "oracle,oracle+codes", "--budgets", "1/8", "--caps", "none", "--no-quest")
+    data = _teacher_results(tiny, tmp_path, *extra)
+    oasis = {r["drafter"]: r for r in data["records"] if r["policy"] == "oasis"}
+    assert set(oasis) == {"oracle", "oracle+codes"}
+    # Same drafts, another block score: other blocks are read, so the logits differ. (The overlap
+    # is judged under each run's own score, so a perfect draft overlaps alike.)
+    assert oasis["oracle"]["nll"] != oasis["oracle+codes"]["nll"]
 
 
 def test_report_computes_vs_quest_for_runs_merged_beside_the_reference(tiny, tmp_path):

@@ -276,6 +276,17 @@ class KvPools:
         )
         self.grow(num_pages, num_host_blocks)
 
+    def enable_key_codes(self) -> None:
+        """Add (empty) key-code tensors to pools made without them (pools shared, while idle,
+        between engines of different block scores); codes are written as blocks enter the host
+        pool (the transition to sparse, then each completed block)."""
+        if self.codes is None:
+            g = self.geo
+            shape = (self.num_host_blocks, g.num_kv_heads, g.block_size, g.head_dim // 4)
+            self.codes = [
+                torch.zeros(shape, dtype=torch.uint8, device=self.device) for _ in range(self.num_layers)
+            ]
+
     def grow(self, num_pages: int, num_host_blocks: int) -> None:
         """Enlarge the pools to at least these sizes (never shrinks). New pages map nowhere."""
         hk = self.geo.num_kv_heads
@@ -525,6 +536,8 @@ class Engine:
             self.pools = KvPools(
                 self.geo, self.cfg.num_hidden_layers, self.dtype, pages, host, self.device, self.key_codes
             )
+        if self.key_codes:
+            self.pools.enable_key_codes()
         if self.runtime is None or self._runtime_pools is not self.pools:
             if self.runtime is not None and self.runtime.num_requests:
                 raise ConfigError("the engine's pools were replaced while requests are running")
@@ -810,7 +823,7 @@ class Engine:
         for layer in range(self.cfg.num_hidden_layers):
             ops.copy_pages(g, p.k_pages[layer], p.v_pages[layer], src, p.host_k[layer], p.host_v[layer], dst)
             ops.build_summaries(g, p.host_k[layer], dst, lens, p.summaries[layer])
-            if p.codes is not None and complete.numel():
+            if self.key_codes and complete.numel():
                 ops.build_key_codes(g, p.host_k[layer], p.summaries[layer], complete, p.codes[layer])
         r.sparse = True
         r.metrics.sparse_since_token = r.kv_len
@@ -895,7 +908,7 @@ class Engine:
         if self.cuda:
             num_splits = _core.plan_num_splits(ops._num_sms(dev), n, hk, max_pages)
 
-        done_blocks = v["done_blocks"] if p.codes is not None and v["done_blocks"].numel() else None
+        done_blocks = v["done_blocks"] if self.key_codes and v["done_blocks"].numel() else None
         both = rows == 2 and kv.select_queries == "lookahead+current"
         plan = _SparsePlan.from_views(v, reqs, k_budget, kv.measure_recall, both) if n_sparse else None
         if plan is not None and self.cuda:
@@ -1025,7 +1038,7 @@ class Engine:
     def _score(self, layer: int, q: torch.Tensor, csr) -> torch.Tensor:
         """Block scores ``[nnz, num_kv_heads]`` of queries ``q`` under ``KvConfig.block_score``."""
         p = self.pools
-        if p.codes is not None:
+        if self.key_codes:
             return ops.score_blocks_codes(self.geo, q, p.summaries[layer], p.codes[layer], *csr)
         return ops.score_blocks(self.geo, q, p.summaries[layer], *csr)
 

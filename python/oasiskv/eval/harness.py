@@ -35,7 +35,15 @@ import torch
 from ..config import KvConfig
 from ..devices import resolve_device
 from . import corpus, report, retrieval
-from .teacher import DRAFTERS, Policy, TeacherForcing, drafter_parts, greedy_continuations, summarize
+from .teacher import (
+    DRAFTERS,
+    Policy,
+    TeacherForcing,
+    block_score_of,
+    drafter_parts,
+    greedy_continuations,
+    summarize,
+)
 
 SCHEMA = "oasiskv-eval/1"
 
@@ -115,7 +123,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--drafters",
         default=None,
-        help=f"comma list of {', '.join(DRAFTERS)}; NAME+current: the current query also chooses "
+        help=f"comma list of {', '.join(DRAFTERS)}; NAME+codes: blocks ranked by 2-bit key codes; "
+        "NAME+current: the current query also chooses "
         "the working set (KvConfig.select_queries)",
     )
     p.add_argument("--no-quest", action="store_true", help="skip the Quest-like reference")
@@ -533,7 +542,12 @@ def run_retrieval(args, model, tok, head, results: Results, files, progress: boo
             # Recall is not reported here: skip its extra scoring pass.
             base, select = drafter_parts(drafter_name)
             kv = KvConfig(
-                top_k_blocks=k_blocks, fetch_cap=cap, measure_recall=False, select_queries=select, **pool_kw
+                top_k_blocks=k_blocks,
+                fetch_cap=cap,
+                measure_recall=False,
+                select_queries=select,
+                block_score=block_score_of(drafter_name)[1],
+                **pool_kw,
             )
             if base.startswith("eagle3"):
                 drafter = Eagle3Drafter(head, model, prefill=base != "eagle3-noprefill")

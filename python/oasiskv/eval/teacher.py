@@ -19,6 +19,8 @@ token of each step comes from the policy's drafter:
 * ``oracle``  — :class:`~oasiskv.drafters.OracleDrafter`: the true next token (known here);
 * ``previous-query`` — no lookahead row: x_t's own query selects the next step (FreeKV-like).
 
+A ``+codes`` suffix (``eagle3+codes``, ``oracle+current+codes``) ranks blocks by their 2-bit key
+codes (``KvConfig(block_score="codes")``) instead of the Quest bound.
 A ``+current`` suffix (``eagle3+current``) runs that drafter with
 ``KvConfig(select_queries="lookahead+current")``: the lookahead and the current query choose the
 working set together.
@@ -51,15 +53,24 @@ from .policies import QuestPolicy
 DRAFTERS = ("eagle3", "eagle3-noprefill", "ngram", "oracle", "previous-query")
 
 
+def block_score_of(name: str) -> tuple[str, str]:
+    """``"eagle3+codes"`` -> ``("eagle3", "codes")``: a ``+codes`` suffix runs the drafter with
+    ``KvConfig(block_score="codes")`` (2-bit key codes); without it, ``("eagle3", "quest")``."""
+    if name.endswith("+codes"):
+        return name[: -len("+codes")], "codes"
+    return name, "quest"
+
+
 def drafter_parts(name: str) -> tuple[str, str]:
     """``"eagle3+current"`` -> ``("eagle3", "lookahead+current")``; ``"eagle3"`` -> ``("eagle3",
-    "lookahead")``. Raises ValueError for a name that is neither (the message lists them)."""
-    base, plus, rest = name.partition("+")
+    "lookahead")``; a trailing ``+codes`` (see :func:`block_score_of`) is accepted and ignored
+    here. Raises ValueError for a name that is neither (the message lists them)."""
+    base, plus, rest = block_score_of(name)[0].partition("+")
     if base in DRAFTERS and (not plus or (rest == "current" and base != "previous-query")):
         return base, "lookahead+current" if plus else "lookahead"
     raise ValueError(
         f"unknown drafter {name!r}; use one of {DRAFTERS}, optionally with '+current' "
-        "(not previous-query, which has no lookahead row)"
+        "(not previous-query, which has no lookahead row), then optionally '+codes'"
     )
 
 
@@ -337,6 +348,7 @@ class TeacherForcing:
                 sparse_threshold=max(1, self.prefix - 1),  # sparse from the first decode step
                 measure_recall=True,
                 select_queries=drafter_parts(policy.drafter)[1],
+                block_score=block_score_of(policy.drafter)[1],
             )
         else:
             kv = KvConfig(block_size=b, top_k_blocks=1, fetch_cap=None, measure_recall=False)
