@@ -18,7 +18,8 @@ WITH_NVRTC = OASIS_NVRTC_LIB="$${OASIS_NVRTC_LIB:-$$(ls $(VIRTUAL_ENV)/lib/pytho
 RUST_SOURCES := $(shell find crates cuda -type f \( -name '*.rs' -o -name '*.toml' -o -name '*.cu' -o -name '*.cuh' \) 2>/dev/null) Cargo.toml
 
 PY_DEPS := torch numpy safetensors tokenizers "gguf>=0.10" tqdm jinja2 "transformers>=4.51" \
-	pytest hypothesis ruff "maturin>=1.7,<2" nvidia-cuda-nvrtc matplotlib accelerate
+	pytest hypothesis ruff "maturin>=1.7,<2" nvidia-cuda-nvrtc matplotlib accelerate \
+	"fastapi>=0.110" "uvicorn>=0.29" "openai>=1.40" "httpx>=0.27"
 
 .PHONY: help demo test test-rust test-py test-gpu lint fmt bench build clean device
 
