@@ -1,0 +1,130 @@
+"""``oasis serve``'s flags and entry point. Imports nothing heavy at module level, so ``oasis``'s
+parser builds without FastAPI installed; the binding check runs before the model loads."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import sys
+
+#: Default cap on a request body. Arbitrary: a 128K-token prompt is well under 1 MiB of text.
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+DEFAULT_MAX_QUEUE = 128
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names only this machine (``localhost``, 127.0.0.0/8, ``::1``)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # another host name: it may resolve to any interface
+
+
+def _fetch_cap(s: str) -> float | int:
+    return float(s) if "." in s else int(s)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags of ``oasis serve``."""
+    p.add_argument("model", help="'smollm2', a .gguf file or a Hugging Face directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' (default: $OASIS_API_KEY); needed to bind a "
+        "non-loopback address",
+    )
+    p.add_argument("--served-model-name", default=None, help="the model id clients pass (default MODEL)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--top-k-blocks", type=int, default=128, help="working-set budget in blocks per KV head")
+    p.add_argument(
+        "--fetch-cap",
+        type=_fetch_cap,
+        default=0.05,
+        help="new blocks per KV head and step: a fraction of the budget (0.05) or a count (4)",
+    )
+    p.add_argument(
+        "--sparse-threshold", type=int, default=None, help="tokens after which a request turns sparse"
+    )
+    p.add_argument("--drafter", default="ngram", choices=["ngram", "eagle3", "previous-query"])
+    p.add_argument("--backend", default="oasis", choices=["oasis", "dense"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-num-seqs", type=int, default=64, help="most requests decoded together")
+    p.add_argument("--gpu-kv-budget-bytes", type=int, default=None)
+    p.add_argument("--host-kv-budget-bytes", type=int, default=None)
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=DEFAULT_MAX_QUEUE,
+        help="requests that may wait beyond the running ones; past that, 429 with Retry-After",
+    )
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def cmd_serve(args) -> int:
+    """``oasis serve``: check the flags, load the model, serve until interrupted."""
+
+    def fail(msg: str) -> int:
+        print(f"oasis serve: error: {' '.join(msg.split())}", file=sys.stderr)
+        return 2
+
+    key = args.api_key or os.environ.get("OASIS_API_KEY") or None
+    if not is_loopback(args.host) and key is None:
+        return fail(
+            f"binding {args.host} exposes the server beyond this machine: pass --api-key KEY "
+            "(or set OASIS_API_KEY), or bind 127.0.0.1"
+        )
+    if not 0 <= args.port <= 65535:
+        return fail(f"--port must be in 0..65535, got {args.port}")
+    if args.max_queue < 0 or args.max_body_bytes < 1:
+        return fail("--max-queue must be >= 0 and --max-body-bytes >= 1")
+    try:
+        import uvicorn
+
+        from .app import ServeConfig, build_app
+    except ImportError as e:
+        return fail(f"{e}; install the server's dependencies: pip install 'oasiskv[serve]'")
+    import torch
+
+    from ..config import KvConfig
+    from ..devices import compute_dtype, resolve_device
+    from ..errors import OasisError
+    from ..llm_engine import LLMEngine
+
+    try:
+        kv = KvConfig(
+            block_size=args.block_size,
+            top_k_blocks=args.top_k_blocks,
+            fetch_cap=args.fetch_cap,
+            sparse_threshold=args.sparse_threshold,
+        )
+        device = resolve_device(args.device)
+        dtype = compute_dtype(device) if args.dtype == "auto" else getattr(torch, args.dtype)
+        eng = LLMEngine(
+            args.model,
+            kv=kv,
+            backend=args.backend,
+            drafter=None if args.backend == "dense" else args.drafter,
+            device=device,
+            dtype=dtype,
+            max_num_seqs=args.max_num_seqs,
+            gpu_kv_budget_bytes=args.gpu_kv_budget_bytes,
+            host_kv_budget_bytes=args.host_kv_budget_bytes,
+        )
+    except (OasisError, MemoryError, torch.OutOfMemoryError) as e:
+        return fail(str(e) or type(e).__name__)
+    config = ServeConfig(
+        model_name=args.served_model_name or args.model,
+        api_key=key,
+        max_queue=args.max_queue,
+        max_body_bytes=args.max_body_bytes,
+    )
+    app = build_app(eng, config)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0

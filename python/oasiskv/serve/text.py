@@ -1,0 +1,85 @@
+"""Token ids -> response text: incremental detokenisation and stop strings.
+
+The streamed deltas and the non-streamed text come from the same :class:`TextAssembler`, so the
+two agree by construction for the same tokens. A stop string ends the text before it (it is not
+part of the output); while streaming, the last ``len(longest stop) - 1`` characters are held back
+until it is known they do not start a stop string, so no delta ever has to be taken back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+#: Decoding an incomplete UTF-8 sequence yields this; such text waits for the next token.
+_REPLACEMENT = "\ufffd"
+
+
+class TextAssembler:
+    """The text of one request's generated tokens (special tokens skipped), cut at the first stop
+    string. ``push`` the new token ids of every step; ``delta`` hands out what can be sent."""
+
+    def __init__(self, tokenizer, stops: Sequence[str] = ()) -> None:
+        self.tok = tokenizer
+        self.stops = list(stops)
+        self.holdback = max((len(s) for s in self.stops), default=1) - 1
+        self.ids: list[int] = []
+        self.text = ""
+        self.stopped = False  # a stop string was found: ``text`` ends before it, and is final
+        self._prefix = 0  # ids[_prefix:_read] decode to the tail of ``text``
+        self._read = 0
+        self._sent = 0
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def push(self, new_ids: Sequence[int]) -> None:
+        if self.stopped or not new_ids:
+            return
+        self.ids.extend(new_ids)
+        # vLLM's incremental detokenisation: decode a short window and keep only complete text.
+        before = self._decode(self.ids[self._prefix : self._read])
+        after = self._decode(self.ids[self._prefix :])
+        if len(after) > len(before) and not after.endswith(_REPLACEMENT):
+            self._append(after[len(before) :])
+            self._prefix, self._read = self._read, len(self.ids)
+
+    def finish(self) -> None:
+        """The request ended: flush what the window held back (an incomplete last character)."""
+        if self.stopped:
+            return
+        full = self._decode(self.ids)
+        if len(full) > len(self.text) and full.startswith(self.text):
+            self._append(full[len(self.text) :])
+
+    def _append(self, piece: str) -> None:
+        start = max(0, len(self.text) - self.holdback)
+        self.text += piece
+        if not self.stops:
+            return
+        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+
+    def delta(self, final: bool = False) -> str:
+        """Text not handed out yet that can be sent now (all of it once ``final`` or stopped)."""
+        end = len(self.text) if final or self.stopped else max(self._sent, len(self.text) - self.holdback)
+        piece = self.text[self._sent : end]
+        self._sent = end
+        return piece
+
+
+class StopChecker:
+    """The engine-side test for stop strings (``LLMEngine.add_request(stop=...)``): called on the
+    engine thread after every token, it decodes only the tail that could hold a new match. The
+    :class:`TextAssembler` on the HTTP side stays the authority on where the text ends."""
+
+    def __init__(self, tokenizer, stops: Sequence[str]) -> None:
+        self.tok = tokenizer
+        self.stops = list(stops)
+        # A character is at most 4 byte-level tokens; a few more for a leading partial character.
+        self.window = 4 * max(len(s) for s in self.stops) + 8
+
+    def __call__(self, generated: list[int]) -> bool:
+        tail = self.tok.decode(generated[-self.window :], skip_special_tokens=True)
+        return any(s in tail for s in self.stops)
