@@ -3,6 +3,7 @@
 ``oasis demo``      dense vs OasisKV on SmolLM2-135M-Instruct with a real 6K-token prompt.
 ``oasis generate``  generate from any local model (HF directory or GGUF) with either backend.
 ``oasis eval``      accuracy evaluation: lookahead accuracy, decode fidelity, retrieval (docs/EVAL.md).
+``oasis serve``     an OpenAI-compatible HTTP server (oasiskv.serve).
 """
 
 from __future__ import annotations
@@ -245,6 +246,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     eval_arguments(e)
     e.set_defaults(func=cmd_eval)
+    from .serve.cli import add_arguments as serve_arguments
+    from .serve.cli import cmd_serve
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, /metrics)")
+    serve_arguments(s)
+    s.set_defaults(func=cmd_serve)
     return ap
 
 
