@@ -504,3 +504,26 @@ def test_cli_serves_and_stops_on_sigint(tmp_path):
         proc.send_signal(signal.SIGINT)
         rc = proc.wait(30)
     assert rc == 0, proc.stderr.read().decode()
+
+
+# ---------------------------------------------------------------------- the benchmark
+def test_bench_serve_http_and_in_process(server, tmp_path, capsys):
+    """``python -m oasiskv.bench.serve``: the same small sweep in-process and through HTTP, each
+    writing its JSON; the HTTP run's table carries the ratio to the in-process baseline."""
+    from oasiskv.bench import serve as bench
+
+    sweep = ["--concurrency", "1,2", "--requests", "2", "--prompt-tokens", "24", "--max-tokens", "4"]
+    engine = ["--top-k-blocks", "8", "--sparse-threshold", "64", "--fetch-cap", "0.25"]
+    base = tmp_path / "in_process.json"
+    assert bench.main(["--in-process", "smollm2", *sweep, *engine, "--json", str(base)]) == 0
+    http = tmp_path / "http.json"
+    args = ["--endpoint", server.url, "--api-key", KEY, *sweep, "--json", str(http), "--baseline", str(base)]
+    assert bench.main(args) == 0
+    assert "x baseline" in capsys.readouterr().out
+    for path, mode in ((base, "in-process"), (http, "http")):
+        rep = json.loads(path.read_text())
+        assert rep["mode"] == mode and [r["concurrency"] for r in rep["rows"]] == [1, 2]
+        for r in rep["rows"]:
+            assert r["requests"] == 2 and r["output_tokens"] == 8 and r["tokens_per_s"] > 0
+            assert r["ttft_p50_s"] > 0 and r["tpot_p50_s"] > 0
+    wait_pools_full(server)

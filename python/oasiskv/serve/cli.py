@@ -39,6 +39,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "non-loopback address",
     )
     p.add_argument("--served-model-name", default=None, help="the model id clients pass (default MODEL)")
+    add_engine_arguments(p)
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=DEFAULT_MAX_QUEUE,
+        help="requests that may wait beyond the running ones; past that, 429 with Retry-After",
+    )
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The engine's flags (KvConfig, drafter, backend, device, dtype, batch and budgets): shared by
+    ``oasis serve`` and ``python -m oasiskv.bench.serve --in-process`` so both build one engine."""
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--top-k-blocks", type=int, default=128, help="working-set budget in blocks per KV head")
     p.add_argument(
@@ -57,14 +71,36 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="most requests decoded together")
     p.add_argument("--gpu-kv-budget-bytes", type=int, default=None)
     p.add_argument("--host-kv-budget-bytes", type=int, default=None)
-    p.add_argument(
-        "--max-queue",
-        type=int,
-        default=DEFAULT_MAX_QUEUE,
-        help="requests that may wait beyond the running ones; past that, 429 with Retry-After",
+
+
+def engine_from_args(model: str, args):
+    """The :class:`~oasiskv.LLMEngine` the engine flags describe. Raises ``OasisError`` (bad
+    flags, a missing checkpoint), ``MemoryError`` (too little memory)."""
+    import torch
+
+    from ..config import KvConfig
+    from ..devices import compute_dtype, resolve_device
+    from ..llm_engine import LLMEngine
+
+    kv = KvConfig(
+        block_size=args.block_size,
+        top_k_blocks=args.top_k_blocks,
+        fetch_cap=args.fetch_cap,
+        sparse_threshold=args.sparse_threshold,
     )
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    device = resolve_device(args.device)
+    dtype = compute_dtype(device) if args.dtype == "auto" else getattr(torch, args.dtype)
+    return LLMEngine(
+        model,
+        kv=kv,
+        backend=args.backend,
+        drafter=None if args.backend == "dense" else args.drafter,
+        device=device,
+        dtype=dtype,
+        max_num_seqs=args.max_num_seqs,
+        gpu_kv_budget_bytes=args.gpu_kv_budget_bytes,
+        host_kv_budget_bytes=args.host_kv_budget_bytes,
+    )
 
 
 def cmd_serve(args) -> int:
@@ -92,31 +128,10 @@ def cmd_serve(args) -> int:
         return fail(f"{e}; install the server's dependencies: pip install 'oasiskv[serve]'")
     import torch
 
-    from ..config import KvConfig
-    from ..devices import compute_dtype, resolve_device
     from ..errors import OasisError
-    from ..llm_engine import LLMEngine
 
     try:
-        kv = KvConfig(
-            block_size=args.block_size,
-            top_k_blocks=args.top_k_blocks,
-            fetch_cap=args.fetch_cap,
-            sparse_threshold=args.sparse_threshold,
-        )
-        device = resolve_device(args.device)
-        dtype = compute_dtype(device) if args.dtype == "auto" else getattr(torch, args.dtype)
-        eng = LLMEngine(
-            args.model,
-            kv=kv,
-            backend=args.backend,
-            drafter=None if args.backend == "dense" else args.drafter,
-            device=device,
-            dtype=dtype,
-            max_num_seqs=args.max_num_seqs,
-            gpu_kv_budget_bytes=args.gpu_kv_budget_bytes,
-            host_kv_budget_bytes=args.host_kv_budget_bytes,
-        )
+        eng = engine_from_args(args.model, args)
     except (OasisError, MemoryError, torch.OutOfMemoryError) as e:
         return fail(str(e) or type(e).__name__)
     config = ServeConfig(

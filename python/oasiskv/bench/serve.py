@@ -1,0 +1,281 @@
+"""Serving benchmark: one closed-loop sweep, through HTTP or in-process, so the two compare.
+
+    python -m oasiskv.bench.serve --endpoint http://127.0.0.1:8000 [--concurrency 1,4,16]
+        [--prompt-tokens 512] [--max-tokens 64] [--requests 32] [--json out.json]
+    python -m oasiskv.bench.serve --in-process MODEL [engine flags of `oasis serve`] [same sweep]
+    python -m oasiskv.bench.serve --endpoint URL ... --baseline in_process.json   # ratio column
+
+At each concurrency ``C``, ``C`` clients each send their next request as soon as the previous
+one finished, until ``--requests`` have run. Every request is the same size: ``--prompt-tokens``
+token ids (seeded, drawn from ids every real vocabulary has) and exactly ``--max-tokens`` new
+tokens (greedy, ``ignore_eos``). Reported per concurrency: output tokens/s over the wall time of
+the sweep, requests/s, and TTFT and TPOT percentiles (HTTP: measured by the client on the SSE
+stream; in-process: from the step that reports each request's tokens). One unmeasured warm-up
+request runs first (the first forward of a process is slow).
+
+For a fair comparison start the server with the same engine flags as ``--in-process`` and a
+``--max-num-seqs`` of at least the largest concurrency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+
+#: Prompt ids are drawn from [lo, hi): past the special tokens, inside every real vocabulary.
+PROMPT_ID_RANGE = (256, 16000)
+
+
+def make_prompts(n: int, prompt_tokens: int, seed: int) -> list[list[int]]:
+    rnd = random.Random(seed)
+    return [[rnd.randrange(*PROMPT_ID_RANGE) for _ in range(prompt_tokens)] for _ in range(n)]
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def summarize(concurrency: int, records: list[dict], wall_s: float) -> dict:
+    """One row: ``records`` hold each request's ``tokens``, ``ttft_s`` and ``tpot_s``."""
+    ttft = [r["ttft_s"] for r in records if r["ttft_s"] is not None]
+    tpot = [r["tpot_s"] for r in records if r["tpot_s"] is not None]
+    tokens = sum(r["tokens"] for r in records)
+    return {
+        "concurrency": concurrency,
+        "requests": len(records),
+        "output_tokens": tokens,
+        "wall_s": wall_s,
+        "tokens_per_s": tokens / wall_s if wall_s else None,
+        "requests_per_s": len(records) / wall_s if wall_s else None,
+        "ttft_p50_s": _pct(ttft, 0.5),
+        "ttft_p90_s": _pct(ttft, 0.9),
+        "tpot_p50_s": _pct(tpot, 0.5),
+        "tpot_p90_s": _pct(tpot, 0.9),
+        "tpot_mean_s": statistics.fmean(tpot) if tpot else None,
+    }
+
+
+# ---------------------------------------------------------------------- through HTTP
+async def _http_one(client, model: str, prompt: list[int], max_tokens: int) -> dict:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    t0 = time.perf_counter()
+    first = last = None
+    tokens = 0
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:500]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if "error" in ev:
+                raise RuntimeError(f"the server failed the request: {ev['error']}")
+            if ev.get("usage"):
+                tokens = ev["usage"]["completion_tokens"]
+            if ev.get("choices") and ev["choices"][0]["text"]:
+                now = time.perf_counter()
+                first = first if first is not None else now
+                last = now
+    ttft = None if first is None else first - t0
+    tpot = (last - first) / (tokens - 1) if first is not None and tokens > 1 else None
+    return {"tokens": tokens, "ttft_s": ttft, "tpot_s": tpot}
+
+
+async def _http_sweep(args, prompts, concurrency: int) -> dict:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(
+        base_url=args.endpoint, headers=headers, timeout=args.timeout, limits=limits
+    ) as client:
+        if args.model is None:
+            r = await client.get("/v1/models")
+            r.raise_for_status()
+            args.model = r.json()["data"][0]["id"]
+        todo = list(prompts)
+        records: list[dict] = []
+
+        async def worker():
+            while todo:
+                p = todo.pop()
+                records.append(await _http_one(client, args.model, p, args.max_tokens))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        return summarize(concurrency, records, time.perf_counter() - t0)
+
+
+# ---------------------------------------------------------------------- in-process
+def in_process_sweep(eng, prompts: list[list[int]], max_tokens: int, concurrency: int) -> dict:
+    """The same closed loop driven directly on an :class:`~oasiskv.LLMEngine`."""
+    from ..llm_engine import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    todo = list(prompts)
+    live: dict[str, dict] = {}
+    records: list[dict] = []
+
+    def add():
+        p = todo.pop()
+        rid = eng.add_request(p, params)
+        live[rid] = {"t0": time.perf_counter(), "first": None, "last": None}
+
+    t0 = time.perf_counter()
+    while todo and len(live) < concurrency:
+        add()
+    while live:
+        outs = eng.step()
+        now = time.perf_counter()
+        for o in outs:
+            st = live.get(o.request_id)
+            if st is None:
+                continue
+            if o.new_token_ids:
+                st["first"] = st["first"] if st["first"] is not None else now
+                st["last"] = now
+            if o.finished:
+                del live[o.request_id]
+                if o.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(f"request {o.request_id} finished with {o.finish_reason}: {o.error}")
+                n = len(o.token_ids)
+                first = st["first"]
+                records.append(
+                    {
+                        "tokens": n,
+                        "ttft_s": None if first is None else first - st["t0"],
+                        "tpot_s": (st["last"] - first) / (n - 1) if first is not None and n > 1 else None,
+                    }
+                )
+                if todo:
+                    add()
+    return summarize(concurrency, records, time.perf_counter() - t0)
+
+
+# ---------------------------------------------------------------------- the command
+def _fmt(v, scale: float = 1.0, digits: int = 1) -> str:
+    return "-" if v is None else f"{v * scale:.{digits}f}"
+
+
+def print_table(rows: list[dict], baseline: dict[int, dict] | None, file=sys.stdout) -> None:
+    head = ["conc", "reqs", "tok/s", "req/s", "TTFT p50 ms", "TTFT p90 ms", "TPOT p50 ms", "TPOT p90 ms"]
+    if baseline:
+        head.append("x baseline")
+    lines = [head]
+    for r in rows:
+        line = [
+            str(r["concurrency"]),
+            str(r["requests"]),
+            _fmt(r["tokens_per_s"]),
+            _fmt(r["requests_per_s"], digits=2),
+            _fmt(r["ttft_p50_s"], 1e3),
+            _fmt(r["ttft_p90_s"], 1e3),
+            _fmt(r["tpot_p50_s"], 1e3, 2),
+            _fmt(r["tpot_p90_s"], 1e3, 2),
+        ]
+        if baseline:
+            b = baseline.get(r["concurrency"])
+            ok = b and b.get("tokens_per_s") and r["tokens_per_s"]
+            line.append(f"{r['tokens_per_s'] / b['tokens_per_s']:.3f}" if ok else "-")
+        lines.append(line)
+    widths = [max(len(x[i]) for x in lines) for i in range(len(head))]
+    for line in lines:
+        print("  ".join(x.rjust(w) for x, w in zip(line, widths, strict=True)), file=file)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..serve.cli import add_engine_arguments
+
+    ap = argparse.ArgumentParser(
+        prog="python -m oasiskv.bench.serve",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--endpoint", help="a running server, e.g. http://127.0.0.1:8000")
+    where.add_argument("--in-process", metavar="MODEL", help="run the sweep on an LLMEngine in this process")
+    ap.add_argument("--model", default=None, help="the model id to request (default: the server's)")
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--concurrency", default="1,4,16", help="comma-separated client counts")
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds per HTTP request")
+    ap.add_argument("--json", default="bench_serve.json", help="write the results here ('' for none)")
+    ap.add_argument("--baseline", default=None, help="a JSON written by an earlier run: adds a ratio column")
+    add_engine_arguments(ap)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1 or args.prompt_tokens < 1 or args.max_tokens < 1 or args.requests < 1:
+        print(
+            "bench.serve: error: --concurrency (ints >= 1), --prompt-tokens, --max-tokens and "
+            "--requests must be positive",
+            file=sys.stderr,
+        )
+        return 2
+    baseline = None
+    if args.baseline:
+        with open(args.baseline, encoding="utf-8") as f:
+            baseline = {r["concurrency"]: r for r in json.load(f)["rows"]}
+    prompts = make_prompts(args.requests, args.prompt_tokens, args.seed)
+    rows = []
+    if args.endpoint:
+        asyncio.run(_http_sweep(args, prompts[:1], 1))  # warm-up
+        for c in levels:
+            rows.append(asyncio.run(_http_sweep(args, prompts, c)))
+            print(f"concurrency {c}: {rows[-1]['tokens_per_s']:.1f} tok/s", file=sys.stderr)
+        mode = {"mode": "http", "endpoint": args.endpoint, "model": args.model}
+    else:
+        from ..errors import OasisError
+        from ..serve.cli import engine_from_args
+
+        try:
+            eng = engine_from_args(args.in_process, args)
+        except (OasisError, MemoryError) as e:
+            print(f"bench.serve: error: {e}", file=sys.stderr)
+            return 2
+        in_process_sweep(eng, prompts[:1], args.max_tokens, 1)  # warm-up
+        for c in levels:
+            rows.append(in_process_sweep(eng, prompts, args.max_tokens, c))
+            print(f"concurrency {c}: {rows[-1]['tokens_per_s']:.1f} tok/s", file=sys.stderr)
+        mode = {"mode": "in-process", "model": args.in_process}
+    report = {
+        **mode,
+        "prompt_tokens": args.prompt_tokens,
+        "max_tokens": args.max_tokens,
+        "requests": args.requests,
+        "rows": rows,
+    }
+    print_table(rows, baseline)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
