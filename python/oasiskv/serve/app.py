@@ -31,6 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..errors import ConfigError, ContextLengthError, OasisError, OutOfBlocksError
 from ..llm_engine import LLMEngine, SamplingParams, prompt_token_ids
@@ -40,9 +41,6 @@ from .engine_loop import EngineLoop, EngineStopped, Overloaded, RequestHandle
 from .text import StopChecker, TextAssembler
 
 log = logging.getLogger("oasiskv.serve")
-
-#: How often a waiting handler checks whether its client went away (seconds; arbitrary).
-DISCONNECT_POLL_S = 0.1
 
 
 @dataclass
@@ -148,7 +146,11 @@ def build_app(llm_engine: LLMEngine, config: ServeConfig) -> FastAPI:
         finally:
             await asyncio.to_thread(engine_loop.stop)
 
-    app = FastAPI(title="OasisKV", version="0.1.0", lifespan=lifespan)
+    # No /docs or /openapi.json: the handlers parse their bodies themselves (to answer every
+    # mistake with an OpenAI error), so the generated schema would say nothing useful.
+    app = FastAPI(
+        title="OasisKV", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.state.engine_loop = engine_loop
     app.state.config = config
     app.add_middleware(_BearerAuth, api_key=config.api_key, on_reject=metrics.reject)
@@ -156,7 +158,8 @@ def build_app(llm_engine: LLMEngine, config: ServeConfig) -> FastAPI:
     # ------------------------------------------------------------------ errors
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
-        metrics.reject("bad_request" if e.status < 429 else "overload" if e.status == 429 else "error")
+        if e.status < 500:
+            metrics.reject("overload" if e.status == 429 else "bad_request")
         return e.response()
 
     @app.exception_handler(StarletteHTTPException)
@@ -181,11 +184,14 @@ def build_app(llm_engine: LLMEngine, config: ServeConfig) -> FastAPI:
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
             raise too_big if declared.isdigit() else ApiError(400, "bad Content-Length header")
         chunks, total = [], 0
-        async for chunk in request.stream():
-            total += len(chunk)
-            if total > limit:
-                raise too_big
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                total += len(chunk)
+                if total > limit:
+                    raise too_big
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise ApiError(400, "the client disconnected while sending the body") from None
         try:
             obj = json.loads(b"".join(chunks))
         except (ValueError, RecursionError) as e:
@@ -214,9 +220,10 @@ def build_app(llm_engine: LLMEngine, config: ServeConfig) -> FastAPI:
             )
         return req
 
-    def encode(prompt, param: str) -> list[int]:
+    async def encode(prompt, param: str) -> list[int]:
+        # Off the event loop: a prompt near --max-body-bytes takes a while to tokenize.
         try:
-            return prompt_token_ids(prompt, tok, vocab, param)
+            return await asyncio.to_thread(prompt_token_ids, prompt, tok, vocab, param)
         except ConfigError as e:
             raise ApiError(400, str(e), param=param, code="invalid_prompt") from None
 
@@ -269,20 +276,25 @@ def build_app(llm_engine: LLMEngine, config: ServeConfig) -> FastAPI:
 
     # ------------------------------------------------------------------ generation
     async def watch_disconnect(request: Request, rid: str) -> None:
-        while not await request.is_disconnected():
-            await asyncio.sleep(DISCONNECT_POLL_S)
+        # The body is read, so the next ASGI message is http.disconnect: sent when the client
+        # goes away (or the response completes; an abort of a finished request is ignored).
+        # Blocking on it costs nothing per request, unlike polling is_disconnected().
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
         engine_loop.abort(rid)
 
     async def run(request: Request, req, rid: str, handle: RequestHandle, n_prompt: int, chat: bool):
         stops = req.stop_strings()
+        # The watcher starts here, not inside the stream: if the response never starts (the
+        # client left already), nothing would run the stream's cleanup.
+        watcher = asyncio.create_task(watch_disconnect(request, rid))
         if req.stream:
             return StreamingResponse(
-                stream(request, req, rid, handle, n_prompt, chat, stops),
+                stream(req, rid, handle, n_prompt, chat, stops, watcher),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
         asm = TextAssembler(tok, stops)
-        watcher = asyncio.create_task(watch_disconnect(request, rid))
         try:
             while True:
                 out = await handle.queue.get()
@@ -305,12 +317,11 @@ def build_app(llm_engine: LLMEngine, config: ServeConfig) -> FastAPI:
         build = P.chat_response if chat else P.completion_response
         return JSONResponse(build(rid, config.model_name, asm.text, finish, n_prompt, n_out))
 
-    async def stream(request: Request, req, rid, handle: RequestHandle, n_prompt, chat, stops):
+    async def stream(req, rid, handle: RequestHandle, n_prompt, chat, stops, watcher: asyncio.Task):
         """The SSE body. # Cancel safety: cancelled or closed early, it aborts the request."""
         model, t0 = config.model_name, int(time.time())
         asm = TextAssembler(tok, stops)
         done = False
-        watcher = asyncio.create_task(watch_disconnect(request, rid))
 
         def chunk(text: str, finish: str | None, first: bool = False) -> str:
             if chat:
@@ -357,7 +368,7 @@ def build_app(llm_engine: LLMEngine, config: ServeConfig) -> FastAPI:
     async def completions(request: Request):
         arrival = time.monotonic()
         req = validate(P.CompletionRequest, await read_json(request))
-        ids = encode(req.prompt_input(), "prompt")
+        ids = await encode(req.prompt_input(), "prompt")
         params = sampling(req, len(ids), req.max_tokens, "prompt")
         rid = f"cmpl-{uuid.uuid4().hex}"
         handle = await submit(rid, ids, params, req.stop_strings(), arrival, "prompt")
@@ -370,10 +381,10 @@ def build_app(llm_engine: LLMEngine, config: ServeConfig) -> FastAPI:
         if tok is None:
             raise ApiError(400, "this model has no tokenizer, so no chat template; use /v1/completions")
         try:
-            text = tok.apply_chat_template(req.template_messages(), add_generation_prompt=True)
+            text = await asyncio.to_thread(tok.apply_chat_template, req.template_messages())
         except ConfigError as e:
             raise ApiError(400, str(e), param="messages", code="invalid_messages") from None
-        ids = encode(text, "messages")
+        ids = await encode(text, "messages")
         params = sampling(req, len(ids), req.max_new_tokens(), "messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         handle = await submit(rid, ids, params, req.stop_strings(), arrival, "messages")
