@@ -275,6 +275,37 @@ def test_overload_is_a_429_with_retry_after(smollm):
         srv.stop()
 
 
+def test_a_failing_step_fails_its_requests_and_the_server_goes_on(smollm):
+    """An engine step that raises (a bug, a device fault) finishes the running requests with an
+    error -- a 500 body, or an error event in a stream -- frees their blocks, and the next
+    request is served."""
+    srv = make_server(smollm)
+    eng = srv.server.config.app.state.engine_loop.llm_engine
+    real_step, fail = eng.step, {"left": 0}
+
+    def step():
+        if fail["left"]:
+            fail["left"] -= 1
+            raise RuntimeError("injected fault")
+        return real_step()
+
+    eng.step = step  # an instance attribute: only this test's engine, from the engine thread
+    try:
+        c = OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
+        kw = dict(model="smollm2", prompt="Hello", max_tokens=4)
+        fail["left"] = 1
+        with pytest.raises(openai.InternalServerError, match="injected fault"):
+            c.completions.create(**kw)
+        fail["left"] = 1
+        with pytest.raises(openai.APIError, match="injected fault"):
+            list(c.completions.create(stream=True, **kw))
+        wait_pools_full(srv)
+        assert c.completions.create(**kw).usage.completion_tokens >= 1
+        assert health(srv)["step_errors"] == 2
+    finally:
+        srv.stop()
+
+
 # ---------------------------------------------------------------------- refusals
 def _post(server, path: str, body, headers=AUTH) -> httpx.Response:
     content = body if isinstance(body, bytes) else json.dumps(body).encode()
