@@ -169,7 +169,9 @@ def build_app(llm_engine: LLMEngine, config: ServeConfig) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):
-        return ApiError(400, str(e.errors()[:1])).response()
+        errs = e.errors()
+        msg = str(errs[0].get("msg", "invalid request")) if errs else "invalid request"
+        return ApiError(400, msg).response()
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, e: Exception):
@@ -295,21 +297,24 @@ def build_app(llm_engine: LLMEngine, config: ServeConfig) -> FastAPI:
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
         asm = TextAssembler(tok, stops)
+        done = False
         try:
             while True:
                 out = await handle.queue.get()
                 asm.push(out.new_token_ids)
                 n_out = len(out.token_ids)
                 if asm.stopped and not out.finished:
-                    engine_loop.abort(rid)  # the text holds a stop string the engine missed
-                    finish = "stop"
+                    finish = "stop"  # the text holds a stop string the engine missed
                     break
                 if out.finished:
                     finish = out.finish_reason
+                    done = True
                     asm.finish()
                     break
-        finally:
+        finally:  # also when the handler is cancelled (shutdown)
             watcher.cancel()
+            if not done:
+                engine_loop.abort(rid)
         if finish == "error":
             raise ApiError(500, out.error or "the request failed", type_="server_error", code="engine_error")
         if finish == "abort":
@@ -338,8 +343,7 @@ def build_app(llm_engine: LLMEngine, config: ServeConfig) -> FastAPI:
                 asm.push(out.new_token_ids)
                 n_out = len(out.token_ids)
                 if asm.stopped and not out.finished:
-                    engine_loop.abort(rid)
-                    finish = "stop"
+                    finish = "stop"  # aborted below
                     break
                 if out.finished:
                     finish = out.finish_reason

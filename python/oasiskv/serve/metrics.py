@@ -31,8 +31,10 @@ RECALL_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.99,
 
 
 def _fmt(v: float) -> str:
-    if v == math.inf:
-        return "+Inf"
+    if math.isnan(v):
+        return "NaN"
+    if math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
     return repr(float(v)) if not float(v).is_integer() else str(int(v)) if abs(v) < 1e15 else repr(v)
 
 
@@ -44,6 +46,8 @@ class Histogram:
         self.count = 0
 
     def observe(self, v: float) -> None:
+        if math.isnan(v):
+            return
         self.counts[bisect.bisect_left(self.buckets, v)] += 1
         self.sum += v
         self.count += 1
@@ -147,7 +151,7 @@ class ServerMetrics:
             metric(
                 "oasis_prompt_tokens_total",
                 "counter",
-                "Prompt tokens of admitted requests.",
+                "Prompt tokens of requests the engine accepted.",
                 [("", self.prompt_tokens)],
             )
             metric(
