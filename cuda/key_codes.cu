@@ -22,9 +22,9 @@
 // Consecutive entries of blk_indices one warp scores for one KV head (one block id per lane).
 // oasis_cuda::ops::SCORE_CODES_TILE must match.
 #define OASIS_CODES_TILE 32
-// NOTE: performance hazard. score_blocks_codes_* below is the exact path only (each logit the CPU
-// twin's bit for bit): one warp per entry, serial f32 sums per (g, t), half the lanes idle at
-// block_size 16. It is far from the issue-12 target (score + top-K <= 1.5 x score_blocks at 32K,
+// NOTE: performance. score_blocks_codes_* has two paths: the tensor-core one (block_size 16,
+// head_dim a multiple of 16, group <= 8: the engine's shapes) and an exact scalar one for anything
+// else (each logit the CPU twin's bit for bit: one warp per entry, serial f32 sums per (g, t)). It is far from the issue-12 target (score + top-K <= 1.5 x score_blocks at 32K,
 // batch 64). That target is bandwidth-bound from below: the codes score reads the summaries AND
 // the codes (2 x the bytes), and at Qwen3-8B shapes it also needs 16 x 128 x group FMAs per
 // (block, head) (8192 for group 4: ~245 us of f32 FMA issue for 1M block-heads on an H200 at
@@ -164,6 +164,121 @@ __device__ void score_codes_scalar_entry(
     __syncwarp();  // sw / sbase are rewritten by the next entry
 }
 
+// ---- tensor-core path ---------------------------------------------------------------------------
+// For block_size 16, head_dim a multiple of 16 and at most 8 query heads per KV head, one warp
+// scores one (block, head) with mma.m16n8k16: A = the 16 tokens' codes (0..3, exact in bf16), B =
+// w[d][g] = q[g][d] (max[d] - min[d]) / 3 split into a bf16 high part and a bf16 residual (two mma
+// per 16 channels, so w keeps ~16 bits), C = 16 tokens x 8 query heads in f32. Then the
+// NaN-propagating max over the tokens, plus q[g] . min, summed over the group. The sums run in
+// another order than the twin's: scores agree within f32 rounding, not bit for bit.
+
+__device__ __forceinline__ void codes_mma16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two f32 rounded to bf16 (nearest even), `lo` in the low half.
+__device__ __forceinline__ u32 codes_pack_bf16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// A 4-bit nibble of two codes (low 2 bits: the lower channel) as two bf16 in one register.
+__device__ __forceinline__ u32 codes_nibble_bf16x2(u32 n) {
+    // bf16 bits of 0, 1, 2, 3.
+    const unsigned long long lut = 0x404040003F800000ull;
+    const u32 lo = (u32)(lut >> (16 * (n & 3u))) & 0xffffu;
+    const u32 hi = (u32)(lut >> (16 * ((n >> 2) & 3u))) & 0xffffu;
+    return lo | (hi << 16);
+}
+
+// Two consecutive values at an even index (4-byte aligned for 16-bit types): one load.
+template <typename T>
+__device__ __forceinline__ void codes_load2(const T* p, float& a, float& b) {
+    a = to_f32(p[0]);
+    b = to_f32(p[1]);
+}
+template <>
+__device__ __forceinline__ void codes_load2<bf16>(const bf16* p, float& a, float& b) {
+    const u32 v = *reinterpret_cast<const u32*>(p);
+    a = __uint_as_float(v << 16);
+    b = __uint_as_float(v & 0xffff0000u);
+}
+
+// KC: head_dim / 16 when known at compile time (the loop is unrolled so that every load of the
+// block is in flight at once), 0 for a run-time head_dim.
+template <typename T, int KC>
+__device__ void score_codes_mma_entry(
+    const float* __restrict__ sq, const T* __restrict__ summaries, const unsigned char* __restrict__ codes,
+    float* __restrict__ out, int b, int h, int group, int num_kv_heads, int head_dim) {
+    const int lane = threadIdx.x & 31;
+    const int gid = lane >> 2;  // token row of A and C (and gid + 8), query head column of B
+    const int tig = lane & 3;
+    const i64 entry = (i64)b * num_kv_heads + h;
+    const T* mn = summaries + entry * 2 * head_dim;
+    const T* mx = mn + head_dim;
+    const int row = head_dim >> 2;  // code bytes per token
+    const unsigned char* blk = codes + entry * 16 * row;
+    const u32* tok_lo = reinterpret_cast<const u32*>(blk + (i64)gid * row);
+    const u32* tok_hi = reinterpret_cast<const u32*>(blk + (i64)(gid + 8) * row);
+    const bool gvalid = gid < group;
+    const float* qg = sq + (gvalid ? gid : 0) * head_dim;
+    float c[4] = {0.f, 0.f, 0.f, 0.f};
+    float base = 0.f;  // q[gid] . min over this lane's channels
+    const int sh = 8 * (tig >> 1) + 4 * (tig & 1);  // nibble of channels d0, d0 + 1 in the word
+    const int num_kc = KC > 0 ? KC : (head_dim >> 4);
+#pragma unroll
+    for (int kc = 0; kc < num_kc; ++kc) {
+        const int d0 = kc * 16 + tig * 2;  // B rows / A columns: d0, d0 + 1 and d0 + 8, d0 + 9
+        float lo[4], hi[4];
+        codes_load2<T>(mn + d0, lo[0], lo[1]);
+        codes_load2<T>(mn + d0 + 8, lo[2], lo[3]);
+        codes_load2<T>(mx + d0, hi[0], hi[1]);
+        codes_load2<T>(mx + d0 + 8, hi[2], hi[3]);
+        float w[4];
+        const int dd[4] = {d0, d0 + 1, d0 + 8, d0 + 9};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float qv = gvalid ? qg[dd[i]] : 0.f;
+            w[i] = qv * (hi[i] - lo[i]) / 3.f;
+            base = fmaf(qv, lo[i], base);
+        }
+        const u32 b0 = codes_pack_bf16x2(w[0], w[1]);
+        const u32 b1 = codes_pack_bf16x2(w[2], w[3]);
+        const u32 r0 = codes_pack_bf16x2(w[0] - __uint_as_float(b0 << 16), w[1] - __uint_as_float(b0 & 0xffff0000u));
+        const u32 r1 = codes_pack_bf16x2(w[2] - __uint_as_float(b1 << 16), w[3] - __uint_as_float(b1 & 0xffff0000u));
+        // Word kc of a token row holds channels kc*16 .. kc*16 + 15 (bytes 2, 3: the upper 8).
+        const u32 wl = tok_lo[kc];
+        const u32 wh = tok_hi[kc];
+        const u32 a[4] = {codes_nibble_bf16x2(wl >> sh), codes_nibble_bf16x2(wh >> sh),
+                          codes_nibble_bf16x2(wl >> (sh + 16)), codes_nibble_bf16x2(wh >> (sh + 16))};
+        codes_mma16816(c, a, b0, b1);
+        codes_mma16816(c, a, r0, r1);
+    }
+    // q[gid] . min: the four lanes of a row hold a quarter of the channels each.
+    base += __shfl_xor_sync(0xffffffffu, base, 1);
+    base += __shfl_xor_sync(0xffffffffu, base, 2);
+    // Max over the 16 tokens of columns 2 tig and 2 tig + 1: rows gid and gid + 8 here, then over gid.
+    float m0 = nan_max(c[0], c[2]);
+    float m1 = nan_max(c[1], c[3]);
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {
+        m0 = nan_max(m0, __shfl_xor_sync(0xffffffffu, m0, o));
+        m1 = nan_max(m1, __shfl_xor_sync(0xffffffffu, m1, o));
+    }
+    // Query head n = gid: its max sits in lane n >> 1 (slot n & 1); lanes with tig 0 add it to the
+    // base they hold, and the warp sums those terms.
+    const float v0 = __shfl_sync(0xffffffffu, m0, gid >> 1);
+    const float v1 = __shfl_sync(0xffffffffu, m1, gid >> 1);
+    float term = (tig == 0 && gvalid) ? base + ((gid & 1) ? v1 : v0) : 0.f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) term += __shfl_xor_sync(0xffffffffu, term, o);
+    if (lane == 0) *out = term;
+}
+
 // The query of sequence s for KV head h, as f32, into the warp's shared memory (scalar path).
 template <typename T>
 __device__ __forceinline__ void codes_load_q_scalar(float* __restrict__ sq, const T* __restrict__ q, int s, int h, int group,
@@ -206,6 +321,8 @@ __device__ void score_blocks_codes_impl(
     }
     const int group = num_qo_heads / num_kv_heads;
     float* sm = codes_smem + (i64)warp * codes_scalar_warp_floats(group, head_dim);
+    // The tensor-core path's shapes (warp-uniform); anything else takes the exact scalar path.
+    const bool mma = block_size == 16 && (head_dim & 15) == 0 && group <= 8;
     // One block id per lane for the whole tile, handed out with shuffles.
     const int tile_idx = t0 + lane < t1 ? blk_indices[t0 + lane] : -1;
     int s = score_codes_seq_of(blk_indptr, num_seqs, t0);
@@ -225,7 +342,15 @@ __device__ void score_blocks_codes_impl(
             codes_load_q_scalar<T>(sm, q, s, h, group, num_qo_heads, head_dim);
             loaded = s;
         }
-        score_codes_scalar_entry<T>(sm, summaries, codes, out, b, h, group, num_kv_heads, head_dim, block_size);
+        if (mma && head_dim == 128) {
+            score_codes_mma_entry<T, 8>(sm, summaries, codes, out, b, h, group, num_kv_heads, head_dim);
+        } else if (mma && head_dim == 64) {
+            score_codes_mma_entry<T, 4>(sm, summaries, codes, out, b, h, group, num_kv_heads, head_dim);
+        } else if (mma) {
+            score_codes_mma_entry<T, 0>(sm, summaries, codes, out, b, h, group, num_kv_heads, head_dim);
+        } else {
+            score_codes_scalar_entry<T>(sm, summaries, codes, out, b, h, group, num_kv_heads, head_dim, block_size);
+        }
     }
 }
 
