@@ -46,6 +46,8 @@ SCORES = (
     "m+r",
     "int2",
     "int3",
+    "int2/blk",
+    "int2/med",
     "max",
     "best",
 )
@@ -84,7 +86,21 @@ def block_scores(q: torch.Tensor, k: torch.Tensor, b: int, nc: int, group: int) 
         approx = lo.unsqueeze(2) + code * width / levels
         return torch.einsum("hgd,hntd->hgnt", qg, approx).amax(-1).sum(1)
 
+    def codes_step(step: torch.Tensor) -> torch.Tensor:
+        # 2-bit codes above each block's per-channel min with a step that does not vary per channel
+        # within the block (`step` [hk, nc or 1, d]): the score's per-block weights then factor out
+        # of the query (the tensor-core kernel's B would be the query itself).
+        step = step.clamp(min=1e-12).unsqueeze(2)
+        code = ((kb - lo.unsqueeze(2)) / step * 3).round().clamp(0, 3)
+        approx = lo.unsqueeze(2) + code * step / 3
+        return torch.einsum("hgd,hntd->hgnt", qg, approx).amax(-1).sum(1)
+
+    rng = hi - lo  # [hk, nc, d]
     return {
+        # one step per block: its largest channel range
+        "int2/blk": codes_step(rng.amax(-1, keepdim=True).expand_as(rng)),
+        # one step per (head, channel) for the whole context: the median block range
+        "int2/med": codes_step(rng.median(dim=1, keepdim=True).values.expand_as(rng)),
         "c+.5r": around(center, 0.5),
         "c+.75r": around(center, 0.75),
         "m+.5r": around(kb.mean(2), 0.5),
