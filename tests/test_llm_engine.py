@@ -538,3 +538,21 @@ def test_block_score_codes_keeps_codes_of_every_complete_block(model):
     assert run_alone(model, ids, 12, kv=full, drafter="ngram") == dense
     with pytest.raises(errors.ConfigError, match="block_score"):
         KvConfig(block_score="bogus")
+
+
+def test_delta_outputs_carry_the_tokens_once(model):
+    kv = KvConfig(**README_KV)
+    outs = {}
+    for kind in ("cumulative", "delta"):
+        eng = LLMEngine(model, kv=kv, output_kind=kind)
+        eng.add_request(prompt(40, 2), SamplingParams(max_tokens=6, ignore_eos=True))
+        seen = []
+        while eng.has_unfinished_requests():
+            seen += eng.step()
+        outs[kind] = seen
+    cum, delta = outs["cumulative"], outs["delta"]
+    assert [o.new_token_ids for o in cum] == [o.new_token_ids for o in delta]
+    assert all(o.token_ids == [] for o in delta[:-1]) and delta[-1].token_ids == cum[-1].token_ids
+    assert sum((o.new_token_ids for o in delta), []) == delta[-1].token_ids and len(delta[-1].token_ids) == 6
+    with pytest.raises(errors.ConfigError, match="output_kind"):
+        LLMEngine(model, output_kind="final")

@@ -187,6 +187,9 @@ class LLMEngine:
             longer than this takes several steps, interleaved with the decode steps.
         seed: seeds the generator of requests whose :class:`SamplingParams` has no seed.
         policy: a :class:`~oasiskv.policy.SelectionPolicy` (evaluation: the Quest-like ideal).
+        output_kind: ``"cumulative"`` (every :class:`RequestOutput` carries ``token_ids``, all
+            tokens so far: a copy per request and step) or ``"delta"`` (``token_ids`` only in the
+            final output; stream ``new_token_ids`` instead: O(1) per step for long outputs).
     """
 
     def __init__(
@@ -206,6 +209,7 @@ class LLMEngine:
         prefill_cache: PrefillCache | None = None,
         seed: int = 0,
         policy=None,
+        output_kind: str = "cumulative",
     ) -> None:
         for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not _is_int(v) or not 1 <= v <= 1 << 20:
@@ -215,6 +219,9 @@ class LLMEngine:
             if v is not None and (not _is_int(v) or v < 0):
                 raise ConfigError(f"{name} must be None or an int >= 0, got {v!r}")
         model_name = model if isinstance(model, str) else None
+        if output_kind not in ("cumulative", "delta"):
+            raise ConfigError(f"output_kind must be 'cumulative' or 'delta', got {output_kind!r}")
+        self.output_kind = output_kind
         if isinstance(model, str):
             from .models.loader import load_model
 
@@ -497,7 +504,11 @@ class LLMEngine:
             request_id=seq.request_id,
             prompt_token_ids=r.prompt,
             new_token_ids=list(seq.new),
-            token_ids=r.tokens[len(r.prompt) :] if r.tokens else [],
+            token_ids=(
+                r.tokens[len(r.prompt) :]
+                if r.tokens and (self.output_kind == "cumulative" or r.finish_reason is not None)
+                else []
+            ),
             finished=r.finish_reason is not None,
             finish_reason=r.finish_reason,
             metrics=r.metrics,
