@@ -92,7 +92,6 @@ class _Request:
     tokens: list[int] = field(default_factory=list)
     draft: int | None = None
     features: torch.Tensor | None = None
-    pred: list[torch.Tensor | None] = field(default_factory=list)  # per layer [Hkv, K] last prediction
     finish_reason: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     # Set at admission: the accumulator row on the device, and the runtime holding the tables.
@@ -463,6 +462,8 @@ class Engine:
         self._acc_fetched = torch.zeros(self.max_num_seqs, dtype=torch.long, device=self.device)
         self._acc_recall = torch.zeros(self.max_num_seqs, dtype=torch.float32, device=self.device)
         self._acc_recall_n = torch.zeros(self.max_num_seqs, dtype=torch.float32, device=self.device)
+        # Each slot's latest prediction per layer (see _pred_of), made on first use.
+        self._pred: list[torch.Tensor | None] = [None] * c.num_hidden_layers
         # Optional measurement hook (None on the normal path): ``recorder.on_recall(engine, layer,
         # sp_reqs, actual, prev, slot_pages, q_now)`` is called from ``_select`` wherever recall is
         # measured, before this step's selection changes the mapping. ``oasiskv.eval`` uses it for
@@ -680,7 +681,6 @@ class Engine:
         hk, d = self.geo.num_kv_heads, self.geo.head_dim
         layers = self.cfg.num_hidden_layers
         self._last_row = {r.id: 0}
-        r.pred = [None] * layers
 
         def store(layer, k, v):
             pad = n_blocks * b - n
@@ -755,14 +755,11 @@ class Engine:
         b, n = self.kv.block_size, len(r.prompt)
         hk, d = self.geo.num_kv_heads, self.geo.head_dim
         scale = d**-0.5
-        layers = self.cfg.num_hidden_layers
         pages = torch.tensor(r.pages, dtype=torch.long, device=dev)
         pos = torch.arange(start, end, device=dev)
         page_of, off = pages[pos // b], pos % b
         prev = math.ceil(start / b)  # pages holding the prefix
         final = end == n
-        if start == 0:
-            r.pred = [None] * layers
 
         def attn(layer, q, k, v):
             k_all, v_all = k, v
@@ -844,7 +841,7 @@ class Engine:
                 k_budget,
                 k_budget,
             )
-            r.pred[layer] = pred[0]
+            self._pred_of(layer)[r.slot] = pred[0]
 
     # ---------------------------------------------------------------- one decode step
     def _plan(self, ids: list[int], input_ids: list[int]) -> tuple[dict, int, int]:
@@ -1009,7 +1006,7 @@ class Engine:
         rec_csr = plan.rec_csr
         if rec_csr is not None:
             # Recall of last step's prediction against the exact top-K of this step's true query.
-            prev = torch.stack([r.pred[layer] for r in sp_reqs])
+            prev = self._pred_of(layer)[sp_ids]
             q_now = q4[sp_idx, 0].contiguous()
             rec_indptr, rec_indices = rec_csr
             scores_now = self._score(layer, q_now, (rec_indptr, rec_indices))
@@ -1032,8 +1029,16 @@ class Engine:
             also=(q4[sp_idx, 0].contiguous(), plan.blk_seq) if both else None,
         )
         self._acc_fetched.index_add_(0, sp_ids, (ps >= 0).sum(dim=(1, 2)))
-        for j, r in enumerate(sp_reqs):
-            r.pred[layer] = pred[j]
+        self._pred_of(layer)[sp_ids] = pred
+
+    def _pred_of(self, layer: int) -> torch.Tensor:
+        """Each slot's latest prediction of ``layer``, ``[max_num_seqs, num_kv_heads, K]`` logical
+        blocks (-1 padded), on the device: one gather and one scatter per layer and step instead
+        of a tensor per request."""
+        if self._pred[layer] is None:
+            shape = (self.max_num_seqs, self.geo.num_kv_heads, self.kv.top_k_blocks)
+            self._pred[layer] = torch.full(shape, -1, dtype=torch.int32, device=self.device)
+        return self._pred[layer]
 
     def _score(self, layer: int, q: torch.Tensor, csr) -> torch.Tensor:
         """Block scores ``[nnz, num_kv_heads]`` of queries ``q`` under ``KvConfig.block_score``."""
