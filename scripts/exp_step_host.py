@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--top-k-blocks", type=int, default=64)
     ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--no-recall", action="store_true", help="KvConfig(measure_recall=False)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -56,7 +57,9 @@ def main() -> None:
     )
     model = CausalLM.random(cfg, seed=0, dtype=dtype, device=dev).eval()
     mod = importlib.import_module("oasiskv.engine" if args.engine == "new" else "oasiskv.engine_old")
-    kv = KvConfig(block_size=16, top_k_blocks=args.top_k_blocks, fetch_cap=0.05)
+    kv = KvConfig(
+        block_size=16, top_k_blocks=args.top_k_blocks, fetch_cap=0.05, measure_recall=not args.no_recall
+    )
     drafter = NgramDrafter()
     eng = mod.Engine(model, kv, "oasis", drafter)
     g = torch.Generator().manual_seed(0)
@@ -94,6 +97,7 @@ def main() -> None:
         layers=args.layers,
         context=args.context,
         top_k_blocks=args.top_k_blocks,
+        measure_recall=not args.no_recall,
         device=str(dev),
         host_ms=statistics.median(host),
         step_ms=statistics.median(step),
