@@ -76,6 +76,10 @@ class Runtime:
         """Admit a request about to be prefilled: ``(slot, pages)``."""
     def wants_sparse(self, id: int) -> bool:
         """Whether the request should turn sparse now."""
+    def can_append(self, id: int) -> bool:
+        """Whether the request may store one more token (an accepted draft) before its next plan."""
+    def plan_append(self, ids: list[int]) -> tuple[list[int], list[int], list[int]]:
+        """Store one more token of each request: ``(page_ids, offsets, host_ids)``."""
     def make_sparse(self, id: int) -> dict:
         """Turn a request sparse; what the engine copies and selects on the device."""
     def release(self, id: int) -> None:

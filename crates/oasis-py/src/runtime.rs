@@ -114,6 +114,22 @@ impl PyRuntime {
         call(py, "wants_sparse", || self.inner.wants_sparse(id))
     }
 
+    /// Whether the request may store one more token (an accepted draft) before its next plan.
+    fn can_append(&self, py: Python<'_>, id: u64) -> PyResult<bool> {
+        call(py, "can_append", || self.inner.can_append(id))
+    }
+
+    /// Store one more token of each request (the accepted drafts of a speculative step):
+    /// `(page_ids, offsets, host_ids)`, append_kv's targets in batch order.
+    fn plan_append(
+        &mut self,
+        py: Python<'_>,
+        ids: Vec<u64>,
+    ) -> PyResult<(Vec<i32>, Vec<i32>, Vec<i32>)> {
+        let a = call(py, "plan_append", || self.inner.plan_append(&ids))?;
+        Ok((a.page_ids, a.offsets, a.host_ids))
+    }
+
     /// Turn a request sparse: a dict of `src_pages`, `host_blocks`, `lens`, `slot_pages`,
     /// `local_page`, `n_complete` (what the engine copies and selects on the device).
     fn make_sparse<'py>(&mut self, py: Python<'py>, id: u64) -> PyResult<Bound<'py, PyDict>> {

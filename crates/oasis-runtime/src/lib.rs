@@ -30,7 +30,7 @@ pub mod plan;
 pub mod table;
 
 pub use config::RuntimeConfig;
-pub use manager::{Runtime, SparseTransition};
+pub use manager::{AppendPlan, Runtime, SparseTransition};
 pub use oasis_core::{OasisError, Result, Tier};
 pub use plan::{PlanField, PlanLayout, PlanMeta, StepPlan};
 pub use table::{RequestTable, Reservation};

@@ -28,6 +28,16 @@ pub struct SparseTransition {
     pub n_complete: usize,
 }
 
+/// Where [`Runtime::plan_append`] stores one more token per request, batch order: the page
+/// (`page_ids`, the dense page or the sparse request's local page), the offset in it, and the host
+/// block written through (-1 for dense requests): `append_kv`'s targets.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AppendPlan {
+    pub page_ids: Vec<i32>,
+    pub offsets: Vec<i32>,
+    pub host_ids: Vec<i32>,
+}
+
 /// The pools, the tables and admission of one engine.
 #[derive(Debug, Clone)]
 pub struct Runtime {
@@ -465,6 +475,96 @@ impl Runtime {
         Ok(&self.plan)
     }
 
+    /// Whether request `id` may store one more token before its next [`Runtime::plan`]: the
+    /// accepted draft of speculative decoding, whose K/V the step just computed (row 1) and
+    /// which lands at position `kv_len`. False when
+    /// * the request is past the sparse threshold (it must turn sparse first: its reservation
+    ///   does not cover more dense pages);
+    /// * it is sparse and the token would complete its local block: this step's selection did
+    ///   not see that block as a candidate, so the next step would attend to neither it (the
+    ///   local page moves on) nor, unless it is selected, its slot;
+    /// * the block it lands in would pass the reservation.
+    ///
+    /// # Errors
+    /// [`OasisError::Invalid`] for an unknown request.
+    pub fn can_append(&self, id: u64) -> Result<bool> {
+        let b = self.cfg.block_size;
+        if self.wants_sparse(id)? {
+            return Ok(false);
+        }
+        let t = self.get(id)?;
+        let blk = t.kv_len / b;
+        Ok(if t.sparse {
+            t.kv_len % b != b - 1
+                && (blk < t.host_blocks.len() || t.host_blocks.len() < t.reservation.host_blocks)
+        } else {
+            blk < t.pages.len() || t.pages.len() < t.reservation.gpu_pages
+        })
+    }
+
+    /// Plan storing one more token of each request `ids` (the accepted drafts of a speculative
+    /// step, after that step's [`Runtime::plan`]): allocate the block each lands in (within the
+    /// reservation), queue the mapping updates (applied by the next plan), and advance `kv_len`.
+    /// The engine then writes the tokens' K/V with `append_kv` (write-through and summary update
+    /// for sparse requests) at the returned targets.
+    ///
+    /// # Errors
+    /// [`OasisError::Invalid`] for an unknown or repeated id, or one for which
+    /// [`Runtime::can_append`] is false. Nothing changes then.
+    pub fn plan_append(&mut self, ids: &[u64]) -> Result<AppendPlan> {
+        let b = self.cfg.block_size;
+        let mut seen = std::collections::HashSet::with_capacity(ids.len());
+        for &id in ids {
+            if !seen.insert(id) {
+                return Err(OasisError::Invalid(format!(
+                    "request {id} listed twice in one append"
+                )));
+            }
+            if !self.can_append(id)? {
+                return Err(OasisError::Invalid(format!(
+                    "request {id} cannot store another token now (past the sparse threshold, a \
+                     sparse request completing its local block, or past its reservation); check \
+                     can_append first"
+                )));
+            }
+        }
+        let mut out = AppendPlan::default();
+        for &id in ids {
+            let t = &self.reqs[&id];
+            let (blk, off) = (t.kv_len / b, t.kv_len % b);
+            if t.sparse {
+                if t.host_blocks.len() <= blk {
+                    // Within the reservation: checked by can_append.
+                    let h = self.host.allocate(1)?;
+                    self.reqs
+                        .get_mut(&id)
+                        .expect("checked")
+                        .host_blocks
+                        .extend(h);
+                }
+                let t = &self.reqs[&id];
+                let local = t.local_page.expect("sparse requests hold a local page");
+                let host = t.host_blocks[blk];
+                if off == 0 {
+                    self.queue_map(local, to_i32(blk));
+                }
+                out.page_ids.push(local as i32);
+                out.host_ids.push(host as i32);
+            } else {
+                if t.pages.len() <= blk {
+                    let p = self.gpu.allocate(1)?;
+                    self.queue_map(p[0], to_i32(blk));
+                    self.reqs.get_mut(&id).expect("checked").pages.extend(p);
+                }
+                out.page_ids.push(self.reqs[&id].pages[blk] as i32);
+                out.host_ids.push(-1);
+            }
+            out.offsets.push(to_i32(off));
+            self.reqs.get_mut(&id).expect("checked").kv_len += 1;
+        }
+        Ok(out)
+    }
+
     /// The plan of the last [`Runtime::plan`].
     pub fn last_plan(&self) -> &StepPlan {
         &self.plan
@@ -612,6 +712,60 @@ mod tests {
         rt.admit(1, 40, 4).unwrap();
         assert!(rt.grow(101, 0).is_err());
         rt.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn append_stores_accepted_drafts_within_the_reservation() {
+        let mut rt = runtime(64, 64); // b = 4, K = 3, threshold 12
+                                      // Dense: 5 + 4 - 1 = 8 tokens at most -> 2 pages.
+        rt.admit(1, 5, 4).unwrap();
+        rt.plan(&[1], &[0, 0]).unwrap(); // x_t at 5
+        assert!(rt.can_append(1).unwrap());
+        let a = rt.plan_append(&[1]).unwrap(); // the draft at 6
+        let pages = rt.table(1).unwrap().pages.clone();
+        assert_eq!(a.page_ids, vec![pages[1] as i32]);
+        assert_eq!((a.offsets, a.host_ids), (vec![2], vec![-1]));
+        assert_eq!(rt.kv_len(1).unwrap(), 7);
+        rt.plan(&[1], &[0, 0]).unwrap(); // 7: the eighth token, the last stored
+        assert!(
+            !rt.can_append(1).unwrap(),
+            "a third page passes the reservation"
+        );
+        assert!(rt.plan_append(&[1]).is_err());
+        assert_eq!(rt.kv_len(1).unwrap(), 8);
+        rt.check_invariants().unwrap();
+        // A dense request past the threshold must turn sparse before it stores more.
+        rt.admit(2, 12, 10).unwrap();
+        rt.plan(&[2], &[0, 0]).unwrap(); // kv_len 13 > 12
+        assert!(!rt.can_append(2).unwrap());
+        rt.make_sparse(2).unwrap();
+        rt.take_map_updates();
+        // Sparse, kv_len 13 (offset 1): the draft lands at offset 1, written through.
+        assert!(rt.can_append(2).unwrap());
+        let local = rt.table(2).unwrap().local_page.unwrap();
+        let a = rt.plan_append(&[2]).unwrap();
+        let host = rt.table(2).unwrap().host_blocks.clone();
+        assert_eq!(
+            (a.page_ids, a.offsets, a.host_ids),
+            (vec![local as i32], vec![1], vec![host[3] as i32])
+        );
+        rt.plan(&[2], &[0, 0]).unwrap(); // x_t at 14 (offset 2)
+                                         // The draft would complete block 3, which this step's selection did not see.
+        assert!(!rt.can_append(2).unwrap());
+        rt.plan(&[2], &[0, 0]).unwrap(); // 15 completes it
+        assert!(rt.can_append(2).unwrap());
+        let a = rt.plan_append(&[2]).unwrap(); // 16: a new host block, the local page moves on
+        let host = rt.table(2).unwrap().host_blocks.clone();
+        assert_eq!((a.offsets, a.host_ids), (vec![0], vec![host[4] as i32]));
+        assert_eq!(rt.take_map_updates(), (vec![local], vec![4]));
+        rt.check_invariants().unwrap();
+        assert!(rt.plan_append(&[2, 2]).is_err());
+        assert!(rt.plan_append(&[9]).is_err());
+        assert_eq!(rt.kv_len(2).unwrap(), 17);
+        rt.release(1).unwrap();
+        rt.release(2).unwrap();
+        rt.check_invariants().unwrap();
+        assert_eq!(rt.num_free(), (64, 64));
     }
 
     #[test]
