@@ -60,6 +60,13 @@ class RequestMetrics:
     lookahead_recall: float | None = None
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    # Speculative decoding (LLMEngine(speculative=True)): drafts verified and accepted, tokens the
+    # decode steps made, accepted / verified and decode tokens / steps (None when not measured).
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    decode_tokens: int = 0
+    acceptance_rate: float | None = None
+    tokens_per_step: float | None = None
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -92,6 +99,9 @@ class _Request:
     tokens: list[int] = field(default_factory=list)
     draft: int | None = None
     features: torch.Tensor | None = None
+    # Speculative decoding: the captured features of the draft's row (the features of the
+    # position after x_t), set by decode_step(draft_logits=True).
+    draft_features: torch.Tensor | None = None
     finish_reason: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     # Set at admission: the accumulator row on the device, and the runtime holding the tables.
@@ -470,6 +480,9 @@ class Engine:
         # per-layer, per-step lookahead accuracy. On a GPU it runs on the background stream: it must
         # not sync, except an evaluation recorder that accepts the stall (the attention-mass sample).
         self.recorder = None
+        # The last speculative step's (per-layer row-1 K/V, request id -> batch row); see
+        # decode_step(draft_logits=True) and append_drafts.
+        self._spec = None
         #: The selection policy (:mod:`oasiskv.policy`): None runs the engine as it is.
         self.policy = policy
         if policy is not None:
@@ -879,8 +892,16 @@ class Engine:
         return views, n_sparse, max_pages
 
     @torch.no_grad()
-    def decode_step(self, reqs: list[_Request]) -> torch.Tensor:
-        """Advance every request by one token; returns row-0 logits ``[len(reqs), vocab]``."""
+    def decode_step(self, reqs: list[_Request], draft_logits: bool = False):
+        """Advance every request by one token; returns row-0 logits ``[len(reqs), vocab]``.
+
+        ``draft_logits=True`` (speculative decoding, needs the lookahead row) returns ``(logits,
+        draft_logits)``: row 1's logits too, the distribution of the token after the draft, which
+        are the next token's if the draft is accepted. The step then also keeps each layer's row-1
+        K/V and the captured features of row 1 (``_Request.draft_features``), so that
+        :meth:`append_drafts` can store the accepted drafts without recomputing them."""
+        if draft_logits and self.rows != 2:
+            raise ConfigError("draft_logits needs a lookahead drafter (two rows per request)")
         p, g, kv = self.pools, self.geo, self.kv
         k_budget, cap = kv.top_k_blocks, kv.cap_blocks
         rows, n = self.rows, len(reqs)
@@ -912,6 +933,10 @@ class Engine:
             plan.keep_for(self._side)
         step = self.step_no
         scale = d**-0.5
+        # Speculative decoding: each layer's row-1 K/V ([n, num_kv_heads, head_dim] each), kept on
+        # the device for append_drafts (no copy beyond the one the attention takes anyway).
+        spec_kv: list | None = [None] * self.cfg.num_hidden_layers if draft_logits else None
+        self._spec = None
 
         def attn(layer, q, k, v):
             out_dtype = q.dtype
@@ -940,6 +965,8 @@ class Engine:
                 ops.build_key_codes(g, p.host_k[layer], p.summaries[layer], done_blocks, p.codes[layer])
             extra_k = k4[:, 1].contiguous() if rows == 2 else None
             extra_v = v4[:, 1].contiguous() if rows == 2 else None
+            if spec_kv is not None:
+                spec_kv[layer] = (extra_k, extra_v)
             o = ops.decode_attention(
                 g,
                 q4,
@@ -978,13 +1005,26 @@ class Engine:
         ids_t = v["input_ids"].long()
         pos_t = v["positions"].long()
         row0 = torch.arange(0, n * rows, rows, device=dev)
-        logits, captured = self.model.forward(
-            ids_t, pos_t, attn, logits_rows=row0, capture_layers=self.capture
-        )
+        capture = self.capture
+        last = self.cfg.num_hidden_layers
+        if draft_logits and last not in capture:
+            capture = (*capture, last)  # the last layer's output of row 1, for its logits
+        logits, captured = self.model.forward(ids_t, pos_t, attn, logits_rows=row0, capture_layers=capture)
         if self.capture:
             feats = torch.cat([captured[i][row0] for i in self.capture], dim=-1)
             for i, r in enumerate(reqs):
                 r.features = feats[i]
+        logits1 = None
+        if draft_logits:
+            row1 = row0 + 1
+            # The same LM-head shape as row 0's ([n, hidden]): row 1's logits are exactly what the
+            # next step's row 0 would give for the accepted draft.
+            logits1 = self.model.logits(captured[last][row1])
+            if self.capture:
+                feats1 = torch.cat([captured[i][row1] for i in self.capture], dim=-1)
+                for i, r in enumerate(reqs):
+                    r.draft_features = feats1[i]
+            self._spec = (spec_kv, {r.id: i for i, r in enumerate(reqs)})
         if self.policy is not None:
             self.policy.after_step(self, reqs)
         for r in reqs:
@@ -992,7 +1032,47 @@ class Engine:
             if r.sparse:
                 r.metrics.sparse_steps += 1
         self.step_no += 1
-        return logits
+        return (logits, logits1) if draft_logits else logits
+
+    def can_append(self, r: _Request) -> bool:
+        """Whether ``r`` may store its draft after this step (:meth:`append_drafts`): not past the
+        sparse threshold, not a sparse request whose draft would complete its local block, within
+        its reservation (``Runtime.can_append``)."""
+        return self.runtime.can_append(r.id)
+
+    @torch.no_grad()
+    def append_drafts(self, reqs: list[_Request]) -> None:
+        """Store the accepted drafts of the last :meth:`decode_step` (``draft_logits=True``): their
+        K/V, computed by that step's row 1, go to the position after x_t (the runtime allocates the
+        block, ``Runtime.plan_append``), written through to the host pool and into the block summary
+        for sparse requests. A rejected draft is never stored, so no summary sees its key."""
+        if not reqs:
+            return
+        if self._spec is None:
+            raise ConfigError("append_drafts needs a decode_step(draft_logits=True) first")
+        spec_kv, row_of = self._spec
+        p, g, dev = self.pools, self.geo, self.device
+        page_ids, offsets, host_ids = self.runtime.plan_append([r.id for r in reqs])
+        page_ids, offsets, host_ids = (_i32(x, dev) for x in (page_ids, offsets, host_ids))
+        idx = torch.tensor([row_of[r.id] for r in reqs], dtype=torch.long).to(dev, non_blocking=True)
+        for layer, (k1, v1) in enumerate(spec_kv):
+            ops.append_kv(
+                g,
+                k1.index_select(0, idx).contiguous(),
+                v1.index_select(0, idx).contiguous(),
+                page_ids,
+                offsets,
+                host_ids,
+                p.k_pages[layer],
+                p.v_pages[layer],
+                p.host_k[layer],
+                p.host_v[layer],
+                p.summaries[layer],
+            )
+
+    def end_speculation(self) -> None:
+        """Drop the last speculative step's row-1 K/V (after :meth:`append_drafts`)."""
+        self._spec = None
 
     def _select(
         self, layer: int, q4: torch.Tensor, plan: _SparsePlan, step: int, cap: int, k_budget: int

@@ -190,6 +190,14 @@ class LLMEngine:
         output_kind: ``"cumulative"`` (every :class:`RequestOutput` carries ``token_ids``, all
             tokens so far: a copy per request and step) or ``"delta"`` (``token_ids`` only in the
             final output; stream ``new_token_ids`` instead: O(1) per step for long outputs).
+        speculative: accept the lookahead draft as speculative decoding (needs a drafter with a
+            lookahead row): a decode step verifies each request's draft against row 0's logits
+            and, when it is accepted, takes one more token from row 1's logits and stores the
+            draft's K/V computed in that same step. Greedy outputs are those of the
+            non-speculative engine (token for token while attention is exact: the dense backend,
+            or a working set that holds the context); sampling uses the speculative-sampling rule,
+            so the output distribution is unchanged. Off by default. :attr:`spec_stats` and the
+            requests' metrics report the acceptance rate and tokens per step.
     """
 
     def __init__(
@@ -210,6 +218,7 @@ class LLMEngine:
         seed: int = 0,
         policy=None,
         output_kind: str = "cumulative",
+        speculative: bool = False,
     ) -> None:
         for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not _is_int(v) or not 1 <= v <= 1 << 20:
@@ -253,6 +262,17 @@ class LLMEngine:
             policy=policy,
         )
         self.max_num_seqs = max_num_seqs
+        if not isinstance(speculative, bool):
+            raise ConfigError(f"speculative must be a bool, got {speculative!r}")
+        if speculative and self.engine.rows != 2:
+            raise ConfigError(
+                "speculative=True verifies the lookahead draft, so it needs a drafter with a "
+                f"lookahead row ('ngram', 'eagle3', an Eagle3Drafter or OracleDrafter), got {drafter!r}"
+            )
+        self.speculative = speculative
+        # Speculative decoding, over every decode step of every request: request-steps, tokens
+        # they made, drafts verified and accepted (spec_stats).
+        self._spec_counts = [0, 0, 0, 0]
         #: Optional hook: ``recorder.on_step(StepInfo)`` after every forward, before sampling.
         self.recorder = None
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -416,7 +436,26 @@ class LLMEngine:
             if r.finish_reason is None:
                 self._running.append(seq)
 
+    @property
+    def spec_stats(self) -> dict:
+        """Speculative decoding over the engine's life (all requests): ``steps`` (decode steps,
+        counted per request), ``tokens`` (tokens those steps made), ``drafts`` (drafts verified),
+        ``accepted`` (drafts accepted), ``acceptance_rate`` (accepted / drafts, None before any)
+        and ``tokens_per_step`` (tokens / steps, None before any)."""
+        steps, tokens, drafts, accepted = self._spec_counts
+        return {
+            "steps": steps,
+            "tokens": tokens,
+            "drafts": drafts,
+            "accepted": accepted,
+            "acceptance_rate": accepted / drafts if drafts else None,
+            "tokens_per_step": tokens / steps if steps else None,
+        }
+
     def _decode(self, touched: list[_Seq]) -> None:
+        if self.speculative:
+            self._decode_speculative(touched)
+            return
         eng = self.engine
         running = self._running
         reqs = [s.req for s in running]
@@ -435,6 +474,111 @@ class LLMEngine:
             if seq.req.finish_reason is None:
                 still.append(seq)
         self._running = still
+
+    def _decode_speculative(self, touched: list[_Seq]) -> None:
+        """One decode step that verifies each request's draft: every request gains its next token
+        (row 0), and those whose draft is accepted one more (row 1), whose draft's K/V the step
+        computed is then stored (``Engine.append_drafts``). A request tries only if it can take
+        both tokens: no forced tokens, two tokens left under ``max_tokens``, and room in the
+        runtime (``Engine.can_append``: not about to turn sparse, not a sparse request whose draft
+        would complete its local block). One that stops on the first token takes no second."""
+        eng = self.engine
+        running = self._running
+        reqs = [s.req for s in running]
+        t0 = time.perf_counter()
+        drafts = [r.draft for r in reqs]
+        logits, logits1 = eng.decode_step(reqs, draft_logits=True)
+        if self.recorder is not None:
+            self.recorder.on_step(StepInfo("decode", [s.request_id for s in running], logits, drafts))
+        tries = [
+            seq.forced is None
+            and seq.req.metrics.generated_tokens + 2 <= seq.req.max_new_tokens
+            and eng.can_append(seq.req)
+            for seq in running
+        ]
+        firsts, seconds = self._verify_batch(running, logits, logits1, tries)
+        dt = time.perf_counter() - t0
+        counts = self._spec_counts
+        two: list[_Seq] = []
+        for seq, tok, tok2, tried in zip(running, firsts, seconds, tries, strict=True):
+            r, m = seq.req, seq.req.metrics
+            m.decode_s += dt / len(running)
+            counts[0] += 1
+            if tried:
+                m.draft_tokens += 1
+                counts[2] += 1
+                if tok is not None and tok == r.draft:
+                    m.accepted_tokens += 1
+                    counts[3] += 1
+            touched.append(seq)
+            if self._take(seq, tok) and tok2 is not None:
+                two.append((seq, tok2))
+        eng.append_drafts([seq.req for seq, _ in two])
+        eng.end_speculation()
+        for seq, tok2 in two:
+            seq.req.features = seq.req.draft_features  # the features of the accepted draft's row
+            self._take(seq, tok2)
+        still = []
+        took_two = {id(seq) for seq, _ in two}
+        for seq in running:
+            r, m = seq.req, seq.req.metrics
+            made = 2 if id(seq) in took_two else 1
+            m.decode_tokens += made
+            counts[1] += made
+            m.tokens_per_step = m.decode_tokens / m.steps if m.steps else None
+            m.acceptance_rate = m.accepted_tokens / m.draft_tokens if m.draft_tokens else None
+            r.draft_features = None
+            if r.finish_reason is None:
+                self._next_draft(seq)
+            if r.finish_reason is None:
+                still.append(seq)
+        self._running = still
+
+    def _verify_batch(
+        self, seqs: list[_Seq], logits: torch.Tensor, logits1: torch.Tensor, tries: list[bool]
+    ) -> tuple[list[int | None], list[int | None]]:
+        """Each request's next token and, where ``tries`` and its draft is accepted, the token
+        after it (else None). Greedy: the draft is accepted when it is row 0's argmax, and the
+        second token is row 1's argmax. Sampling (a one-token, deterministic draft ``d``): accept
+        with probability ``p(d)`` (``p``: row 0's distribution after temperature / top_p), else
+        sample from ``p`` without ``d``, renormalised; the second token is sampled from row 1's
+        distribution. So every token has the non-speculative sampler's distribution. One host
+        read for the whole batch (argmaxes and finiteness), as the plain sampler."""
+        f0 = torch.isfinite(logits).all(dim=-1)
+        f1 = torch.isfinite(logits1).all(dim=-1)
+        host = torch.stack([logits.argmax(dim=-1), f0.long(), logits1.argmax(dim=-1), f1.long()]).tolist()
+        firsts: list[int | None] = []
+        seconds: list[int | None] = []
+        for i, seq in enumerate(seqs):
+            made = len(seq.req.tokens) - len(seq.req.prompt)
+            d = seq.req.draft
+            second = None
+            if not host[1][i]:
+                first = None
+            elif seq.forced is not None and made < len(seq.forced):
+                first = seq.forced[made]
+            elif seq.params.temperature <= 0.0:
+                first = host[0][i]
+                if tries[i] and first == d and host[3][i]:
+                    second = host[2][i]
+            else:
+                p = seq.params
+                gen = seq.gen or self._gen
+                if not tries[i]:
+                    first = _sample_row(logits[i], p.temperature, p.top_p, gen)
+                else:
+                    probs = _probs_row(logits[i], p.temperature, p.top_p)
+                    probs = probs / probs.sum()
+                    if float(torch.rand((), generator=gen)) < float(probs[d]):
+                        first = d
+                        if host[3][i]:
+                            second = _sample_row(logits1[i], p.temperature, p.top_p, gen)
+                    else:
+                        probs[d] = 0.0  # the residual: p without the draft (multinomial renormalises)
+                        first = int(torch.multinomial(probs, 1, generator=gen))
+            firsts.append(first)
+            seconds.append(second)
+        return firsts, seconds
 
     # ------------------------------------------------------------------ sampling
     def _sample(self, seq: _Seq, logits: torch.Tensor) -> list[int | None]:
@@ -462,10 +606,15 @@ class LLMEngine:
     def _accept(self, seq: _Seq, tok: int | None) -> None:
         """Append a sampled token, check the stop conditions, draft the next lookahead token and
         turn the request sparse once its context passes the threshold."""
+        if self._take(seq, tok):
+            self._next_draft(seq)
+
+    def _take(self, seq: _Seq, tok: int | None) -> bool:
+        """Append a sampled token and check the stop conditions; whether the request goes on."""
         eng, r, p = self.engine, seq.req, seq.params
         if tok is None:
             self._finish(seq, "error", "the model produced non-finite logits (NaN or inf)")
-            return
+            return False
         r.tokens.append(tok)
         seq.new.append(tok)
         r.metrics.generated_tokens += 1
@@ -480,7 +629,13 @@ class LLMEngine:
             reason = None
         if reason is not None:
             self._finish(seq, reason)
-            return
+            return False
+        return True
+
+    def _next_draft(self, seq: _Seq) -> None:
+        """Draft the next lookahead token and turn the request sparse once its context passes the
+        threshold."""
+        eng, r = self.engine, seq.req
         if eng.rows == 2:
             r.draft = self.drafter.propose(r.id, r.tokens, r.features)
         if eng.backend == "oasis" and not r.sparse and eng.runtime.wants_sparse(r.id):
@@ -545,10 +700,16 @@ class LLMEngine:
         )
 
 
-def _sample_row(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
+def _probs_row(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """The sampling distribution of one row (on the host, float32; unnormalised after top_p: the
+    kept tokens' probabilities, the rest 0)."""
     probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
     if top_p < 1.0:
         sorted_p, idx = torch.sort(probs, descending=True)
         keep = torch.cumsum(sorted_p, 0) - sorted_p < top_p
         probs = torch.zeros_like(probs).scatter(0, idx[keep], sorted_p[keep])
-    return int(torch.multinomial(probs, 1, generator=gen))
+    return probs
+
+
+def _sample_row(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
+    return int(torch.multinomial(_probs_row(logits, temperature, top_p), 1, generator=gen))
