@@ -1,0 +1,360 @@
+"""Speculative decoding (``LLMEngine(speculative=True)``): the lookahead draft is verified in the
+step that computes it and, when accepted, the request gains two tokens.
+
+* Lossless: greedy tokens equal the non-speculative engine's, token for token, wherever attention
+  is exact (the dense backend; the oasis backend with a working set that holds the context, so
+  requests run sparse through the host pool, summaries, selection and gather). With a working set
+  smaller than the context the two runs select different blocks (the lookahead queries differ),
+  so only the invariants are checked there.
+* The stored KV (pages, host pool, summaries) of a speculative run equals the non-speculative
+  run's, so a rejected draft leaves nothing behind.
+* Sampling: the distribution of the generated tokens matches the exact distribution of the model
+  (a chi-square test against the enumerated joint distribution, fixed seed).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from oasiskv import KvConfig, LLMEngine, PrefillCache, SamplingParams, errors
+from oasiskv.drafters import Drafter, Eagle3Drafter, OracleDrafter
+from oasiskv.models.config import ModelConfig
+from oasiskv.models.eagle3 import Eagle3Head
+from oasiskv.models.transformer import CausalLM, dense_causal_attn
+
+torch.set_num_threads(2)
+
+DENSE_KV = KvConfig(block_size=16, top_k_blocks=8)
+# Sparse from 24 tokens on, but K x block_size = 512 holds every context here: exact attention.
+SPARSE_EXACT_KV = KvConfig(block_size=8, top_k_blocks=64, sparse_threshold=24, fetch_cap=None)
+# A working set smaller than the context: sparse attention is an approximation.
+SPARSE_LOSSY_KV = KvConfig(block_size=16, top_k_blocks=4, fetch_cap=0.25, sparse_threshold=64)
+EXACT = [("dense", DENSE_KV), ("oasis", SPARSE_EXACT_KV)]
+PROMPT_LENS = (20, 70, 130, 45)
+NEW = 30
+
+
+def tiny(seed: int = 1, layers: int = 2, vocab: int = 301, hidden: int = 64) -> CausalLM:
+    cfg = ModelConfig(
+        family="qwen3",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+    )
+    return CausalLM.random(cfg, seed=seed)
+
+
+def prompt(n: int, seed: int, vocab: int = 301) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randint(0, vocab, (29,), generator=g).tolist()
+    return (base * (n // 29 + 1))[:n]  # repetitive, so the n-gram drafter finds matches
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny()
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """Non-speculative greedy tokens of every prompt, per exact configuration (ngram drafter)."""
+    return {backend: run(model, backend, kv, "ngram", False)[0] for backend, kv in EXACT}
+
+
+def pools_are_full(eng: LLMEngine) -> bool:
+    rt = eng.engine.runtime
+    return rt.num_requests == 0 and rt.num_free == rt.pool_sizes and rt.reserved == (0, 0)
+
+
+def run(model, backend, kv, drafter, speculative, lens=PROMPT_LENS, new=NEW, **params):
+    """Greedy tokens of every prompt (three seats for four requests: one waits), checking the
+    runtime's invariants after every step; returns (tokens per prompt, engine)."""
+    eng = LLMEngine(model, kv=kv, backend=backend, drafter=drafter, speculative=speculative, max_num_seqs=3)
+    sp = SamplingParams(max_tokens=new, ignore_eos=True, **params)
+    rids = [eng.add_request(prompt(n, i), sp) for i, n in enumerate(lens)]
+    final = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                final[out.request_id] = out
+        eng.engine.runtime.check_invariants()
+    assert pools_are_full(eng)
+    eng.metrics_of_run = [final[r].metrics for r in rids]
+    return [final[r].token_ids for r in rids], eng
+
+
+@pytest.fixture(scope="module")
+def model8():
+    return tiny(seed=2, layers=8)  # EAGLE-3 captures three distinct layers: (2, L // 2, L - 3)
+
+
+def eagle3(model, seed: int = 5) -> Eagle3Drafter:
+    head = Eagle3Head.random(model.config, draft_vocab_size=64, seed=seed).attach_target(model)
+    return Eagle3Drafter(head, model)
+
+
+@pytest.mark.parametrize("backend,kv", EXACT, ids=["dense", "oasis-sparse"])
+def test_greedy_speculation_with_an_eagle3_head_is_lossless(model8, backend, kv):
+    lens, new = (20, 45, 70), 16
+    ref, _ = run(model8, backend, kv, eagle3(model8), False, lens=lens, new=new)
+    toks, eng = run(model8, backend, kv, eagle3(model8), True, lens=lens, new=new)
+    assert toks == ref
+    assert eng.spec_stats["drafts"] > 0
+
+
+@pytest.mark.parametrize("backend,kv", EXACT, ids=["dense", "oasis-sparse"])
+@pytest.mark.parametrize("drafter", ["ngram", "oracle"])
+def test_greedy_speculation_is_lossless(model, reference, backend, kv, drafter):
+    ref = reference[backend]
+    d = {"ngram": "ngram", "oracle": OracleDrafter(ref)}[drafter]
+    toks, eng = run(model, backend, kv, d, True)
+    assert toks == ref
+    stats = eng.spec_stats
+    assert stats["tokens"] == sum(NEW - 1 for _ in PROMPT_LENS)  # the first token is the prefill's
+    assert stats["drafts"] > 0 and 0 <= stats["accepted"] <= stats["drafts"]
+    if drafter == "oracle":
+        assert stats["acceptance_rate"] == 1.0 and stats["tokens_per_step"] > 1.8
+    if backend == "oasis":
+        assert all(m.sparse_steps > 0 for m in eng.metrics_of_run)  # the requests ran sparse
+
+
+def test_oracle_drafter_metrics_on_the_dense_backend(model, reference):
+    """Every draft accepted: every decode step makes two tokens (max_tokens = 1 + 2k)."""
+    ref = reference["dense"]
+    new = 21
+    toks, eng = run(model, "dense", DENSE_KV, OracleDrafter(ref), True, new=new)
+    assert toks == [t[:new] for t in ref]
+    s = eng.spec_stats
+    steps = len(PROMPT_LENS) * (new - 1) // 2
+    assert s == {
+        "steps": steps,
+        "tokens": 2 * steps,
+        "drafts": steps,
+        "accepted": steps,
+        "acceptance_rate": 1.0,
+        "tokens_per_step": 2.0,
+    }
+
+
+def test_request_metrics(model, reference):
+    ref = reference["dense"]
+    eng = LLMEngine(model, kv=DENSE_KV, backend="dense", drafter=OracleDrafter(ref), speculative=True)
+    rid = eng.add_request(prompt(PROMPT_LENS[0], 0), SamplingParams(max_tokens=10, ignore_eos=True))
+    m = eng.run_to_completion([rid])[rid].metrics
+    # 9 decode tokens: four steps of two, then one (no room for a second token).
+    assert (m.steps, m.decode_tokens, m.draft_tokens, m.accepted_tokens) == (5, 9, 4, 4)
+    assert m.acceptance_rate == 1.0 and m.tokens_per_step == pytest.approx(9 / 5)
+    assert m.generated_tokens == 10
+    # Off: the fields stay unset.
+    off = LLMEngine(model, kv=DENSE_KV, backend="dense", drafter="ngram")
+    rid = off.add_request(prompt(20, 0), SamplingParams(max_tokens=5, ignore_eos=True))
+    m = off.run_to_completion([rid])[rid].metrics
+    assert (m.draft_tokens, m.acceptance_rate, m.tokens_per_step) == (0, None, None)
+    assert off.spec_stats["steps"] == 0
+
+
+def test_stored_kv_equals_the_non_speculative_runs(model, reference):
+    """Pages, host blocks and summaries hold exactly the non-speculative run's K/V: an accepted
+    draft stores row 1's K/V (the same values the next step would compute), a rejected one
+    nothing (a summary that had seen its key would differ)."""
+    backend, kv = "oasis", SPARSE_EXACT_KV
+    lens, stop_at = (70, 45), 25
+
+    def stored(speculative):
+        eng = LLMEngine(model, kv=kv, backend=backend, drafter="ngram", speculative=speculative)
+        rids = [
+            eng.add_request(prompt(n, i), SamplingParams(max_tokens=40, ignore_eos=True))
+            for i, n in enumerate(lens)
+        ]
+        seqs = [eng._by_id[r] for r in rids]
+        while min(len(s.req.tokens) - len(s.req.prompt) for s in seqs) < stop_at:
+            eng.step()
+        e, p, b = eng.engine, eng.engine.pools, kv.block_size
+        out = []
+        for s in seqs:
+            r = s.req
+            assert r.sparse
+            n_complete = (len(r.prompt) + stop_at - 1) // b  # stored by both runs by now
+            hb = torch.tensor(r.host_blocks[:n_complete])
+            out.append(
+                [torch.stack([p.host_k[l][hb], p.host_v[l][hb]]) for l in range(e.cfg.num_hidden_layers)]
+                + [p.summaries[l][hb] for l in range(e.cfg.num_hidden_layers)]
+            )
+        if speculative:
+            assert eng.spec_stats["accepted"] > 0 and eng.spec_stats["accepted"] < eng.spec_stats["drafts"]
+        for s in seqs:
+            eng.abort_request(s.request_id)
+        eng.step()
+        assert pools_are_full(eng)
+        return out
+
+    for a, b in zip(stored(False), stored(True), strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "oracle"])
+def test_lossy_working_set_keeps_the_tables_consistent(model, reference, drafter):
+    """With K x block_size below the context the selection trajectories differ (the lookahead
+    queries do), so the tokens may too; the runtime's invariants hold every step and every block
+    comes back."""
+    d = OracleDrafter(reference["dense"]) if drafter == "oracle" else drafter
+    toks, eng = run(model, "oasis", SPARSE_LOSSY_KV, d, True)
+    assert [len(t) for t in toks] == [NEW] * len(PROMPT_LENS)
+    assert eng.spec_stats["accepted"] > 0
+
+
+def test_a_request_that_stops_on_the_first_token_takes_no_second(model, reference):
+    """A stop token (and max_tokens) ends the request at the first of the two tokens."""
+    ref = reference["dense"][1]
+    stop = ref[9]
+    want = ref[: ref.index(stop) + 1]
+    eng = LLMEngine(model, kv=DENSE_KV, backend="dense", drafter=OracleDrafter([[], ref]), speculative=True)
+    eng.add_request(prompt(5, 99), SamplingParams(max_tokens=2, ignore_eos=True))  # id 0: unused continuation
+    rid = eng.add_request(prompt(PROMPT_LENS[1], 1), SamplingParams(max_tokens=NEW, stop_token_ids=(stop,)))
+    out = eng.run_to_completion([rid])[rid]
+    assert out.token_ids == want and out.finish_reason == "stop"
+    for new in (2, 3, 4):  # max_tokens: never one token too many
+        toks, _ = run(model, "dense", DENSE_KV, OracleDrafter(reference["dense"]), True, new=new)
+        assert toks == [t[:new] for t in reference["dense"]]
+
+
+def test_speculative_needs_a_lookahead_row(model):
+    with pytest.raises(errors.ConfigError, match="lookahead row"):
+        LLMEngine(model, kv=DENSE_KV, backend="dense", drafter="previous-query", speculative=True)
+    with pytest.raises(errors.ConfigError, match="bool"):
+        LLMEngine(model, kv=DENSE_KV, backend="dense", drafter="ngram", speculative=1)
+
+
+# ---------------------------------------------------------------- sampling
+
+SMALL_VOCAB = 16
+
+
+class ArgmaxDrafter(Drafter):
+    """Drafts the model's most likely next token (computed densely), or on every third position a
+    fixed token: drafts accepted often and rejected often."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self._memo: dict = {}
+
+    @torch.no_grad()
+    def propose(self, req_id, tokens, features=None) -> int:
+        if len(tokens) % 3 == 0:
+            return 3
+        key = tuple(tokens)
+        if key not in self._memo:
+            ids = torch.tensor(tokens)
+            rows = torch.tensor([len(tokens) - 1])
+            logits, _ = self.model.forward(
+                ids, torch.arange(len(tokens)), dense_causal_attn(), logits_rows=rows
+            )
+            self._memo[key] = int(logits[0].argmax())
+        return self._memo[key]
+
+
+def _exact_joint(model, ids, temperature, top_p, n_tokens):
+    """The exact distribution of the first ``n_tokens`` generated tokens: {tuple: probability}."""
+    from oasiskv.llm_engine import _probs_row
+
+    attn = dense_causal_attn()
+    out = {(): 1.0}
+    for _ in range(n_tokens):
+        nxt = {}
+        for seq, pr in out.items():
+            toks = list(ids) + list(seq)
+            logits, _ = model.forward(
+                torch.tensor(toks), torch.arange(len(toks)), attn, logits_rows=torch.tensor([len(toks) - 1])
+            )
+            p = _probs_row(logits[0], temperature, top_p).double()
+            p = p / p.sum()
+            for t in torch.nonzero(p > 0).flatten().tolist():
+                nxt[(*seq, t)] = pr * float(p[t])
+        out = nxt
+    return out
+
+
+def _chi_square_p(counts: dict, probs: dict, n: int) -> float:
+    """Goodness-of-fit p-value, cells with expected count < 5 pooled."""
+    stat, dof, pooled_obs, pooled_exp = 0.0, -1, 0, 0.0
+    for cell, p in probs.items():
+        e, o = n * p, counts.get(cell, 0)
+        if e >= 5:
+            stat += (o - e) ** 2 / e
+            dof += 1
+        else:
+            pooled_obs, pooled_exp = pooled_obs + o, pooled_exp + e
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+        dof += 1
+    assert not set(counts) - set(probs), "a sample outside the support"
+    # Wilson-Hilferty approximation of the chi-square tail.
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_sampling_keeps_the_distribution(temperature, top_p):
+    """2000 requests of 3 tokens each, with and without speculation: the joint distribution of
+    the 2nd and 3rd tokens (the first is the prefill's; the decode step that makes the 2nd
+    verifies a draft and, when accepted, makes the 3rd too) against the exact one, enumerated
+    with the model's dense forward."""
+    m = tiny(seed=3, layers=1, vocab=SMALL_VOCAB, hidden=32)
+    with torch.no_grad():
+        m.lm_head.mul_(8.0)  # a peaked distribution: drafts often accepted, often rejected
+    ids = [1, 5, 2, 7]
+    exact: dict = {}
+    for seq, pr in _exact_joint(m, ids, temperature, top_p, 3).items():
+        exact[seq[1:]] = exact.get(seq[1:], 0.0) + pr
+    n = 2000
+    for speculative in (False, True):
+        eng = LLMEngine(
+            m,
+            kv=DENSE_KV,
+            backend="dense",
+            drafter=ArgmaxDrafter(m),
+            speculative=speculative,
+            max_num_seqs=256,
+            seed=11,
+            prefill_cache=PrefillCache(),
+        )
+        sp = SamplingParams(max_tokens=3, temperature=temperature, top_p=top_p, ignore_eos=True)
+        rids = [eng.add_request(ids, sp) for _ in range(n)]
+        outs = eng.run_to_completion(rids)
+        counts: dict = {}
+        for r in rids:
+            t = tuple(outs[r].token_ids[1:])
+            counts[t] = counts.get(t, 0) + 1
+        assert _chi_square_p(counts, exact, n) > 1e-3, (speculative, eng.spec_stats)
+        if speculative:
+            s = eng.spec_stats
+            assert s["drafts"] == n and 0.1 < s["acceptance_rate"] < 0.95, s
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["ngram", "eagle3"])
+def test_smollm2_greedy_speculation_is_lossless(drafter):
+    texts = [
+        "Paged attention stores the KV cache in fixed-size blocks. " * 4 + "Why?",
+        "Count from one to twenty: one, two, three,",
+    ]
+    kv = KvConfig(block_size=16, top_k_blocks=64, sparse_threshold=48, fetch_cap=None)
+    outs = {}
+    for speculative in (False, True):
+        eng = LLMEngine("smollm2", kv=kv, drafter=drafter, speculative=speculative, max_num_seqs=2)
+        rids = [eng.add_request(t, SamplingParams(max_tokens=24, ignore_eos=True)) for t in texts]
+        res = eng.run_to_completion(rids)
+        outs[speculative] = [res[r].token_ids for r in rids]
+        assert pools_are_full(eng)
+        if speculative:
+            assert eng.spec_stats["accepted"] > 0
+    assert outs[True] == outs[False]
