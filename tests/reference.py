@@ -5,8 +5,11 @@ They share no code with the Rust kernels: plain Python loops over the CSR tables
 
 from __future__ import annotations
 
+import functools
 import math
+import zlib
 
+import pytest
 import torch
 
 # One tolerance table (vLLM's), used by every kernel test: dtype -> (atol, rtol).
@@ -118,3 +121,50 @@ def csr_rows(indptr: torch.Tensor, nnz: int) -> list[tuple[int, int] | None]:
     else None (read as an empty row)."""
     p = indptr.tolist()
     return [(b, e) if 0 <= b <= e <= nnz else None for b, e in zip(p[:-1], p[1:], strict=True)]
+
+
+# ---- helpers of the GPU tests (test_gpu_kernels.py, test_gpu_key_codes.py) ----------------------
+DEV = torch.device("cuda", 0)
+
+
+def gpu_test(fn):
+    """Running out of GPU memory skips the test: never a pass, never a failure."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except torch.cuda.OutOfMemoryError as e:
+            torch.cuda.empty_cache()
+            pytest.skip(f"out of GPU memory: {e}")
+
+    return run
+
+
+def seeded(*key) -> torch.Generator:
+    """A CPU generator seeded from the test parameters (stable across processes, unlike hash())."""
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def i32(x) -> torch.Tensor:
+    return torch.tensor(x, dtype=torch.int32)
+
+
+def dev(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A copy on the GPU."""
+    return None if t is None else t.to(DEV, copy=True)
+
+
+def back(t: torch.Tensor) -> torch.Tensor:
+    """The tensor on the CPU after everything queued has run (pinned host pools are written by the
+    GPU through unified addressing, so reading them needs the synchronisation too)."""
+    torch.cuda.synchronize()
+    return t.cpu()
+
+
+def csr(lens: list[int]) -> torch.Tensor:
+    """The indptr of rows of these lengths."""
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return i32(out)

@@ -9,20 +9,24 @@ the tolerance table. Every test needs a CUDA GPU (`make test-gpu`); out of GPU m
 
 from __future__ import annotations
 
-import functools
-import zlib
-
 import pytest
 import torch
 
 from oasiskv import _core, errors, ops
 from reference import (
     ATTN_TOL,
+    DEV,
     MALFORMED_INDPTR,
+    back,
+    csr,
     csr_rows,
+    dev,
+    gpu_test,
+    i32,
     malformed_indptr,
     ref_decode_attention,
     ref_score_blocks,
+    seeded,
 )
 
 pytestmark = [
@@ -32,7 +36,6 @@ pytestmark = [
     ),
 ]
 
-DEV = torch.device("cuda", 0)
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 HEAD_DIMS = [64, 128]
 GROUPS = [1, 2, 4, 8]
@@ -45,44 +48,9 @@ INT_POISON = 12345
 B = BLOCK_SIZE
 
 
-def gpu_test(fn):
-    """Running out of GPU memory skips the test: never a pass, never a failure."""
-
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except torch.cuda.OutOfMemoryError as e:
-            torch.cuda.empty_cache()
-            pytest.skip(f"out of GPU memory: {e}")
-
-    return run
-
-
-def seeded(*key) -> torch.Generator:
-    """A CPU generator seeded from the test parameters (stable across processes, unlike hash())."""
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
-
-
-def i32(x) -> torch.Tensor:
-    return torch.tensor(x, dtype=torch.int32)
-
-
-def dev(t: torch.Tensor | None) -> torch.Tensor | None:
-    """A copy on the GPU."""
-    return None if t is None else t.to(DEV, copy=True)
-
-
 def host(t: torch.Tensor, where: str) -> torch.Tensor:
     """A copy of a host-pool tensor where a CUDA call may take it: pinned CPU memory or the GPU."""
     return t.pin_memory() if where == "pinned" else t.to(DEV)
-
-
-def back(t: torch.Tensor) -> torch.Tensor:
-    """The tensor on the CPU after everything queued has run (pinned host pools are written by the
-    GPU through unified addressing, so reading them needs the synchronisation too)."""
-    torch.cuda.synchronize()
-    return t.cpu()
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -99,13 +67,6 @@ def assert_bits_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 def rand(gen, dtype, *shape) -> torch.Tensor:
     return torch.randn(*shape, generator=gen).to(dtype)
-
-
-def csr(lens: list[int]) -> torch.Tensor:
-    out = [0]
-    for n in lens:
-        out.append(out[-1] + n)
-    return i32(out)
 
 
 # ---------------------------------------------------------------- decode attention

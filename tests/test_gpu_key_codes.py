@@ -7,14 +7,11 @@ compute-sanitizer with ``-k key_codes``. Out of GPU memory is a skip.
 
 from __future__ import annotations
 
-import functools
-import zlib
-
 import pytest
 import torch
 
 from oasiskv import ops
-from reference import MALFORMED_INDPTR, csr_rows, malformed_indptr
+from reference import DEV, MALFORMED_INDPTR, back, csr, csr_rows, dev, gpu_test, i32, malformed_indptr, seeded
 
 pytestmark = [
     pytest.mark.gpu,
@@ -23,7 +20,6 @@ pytestmark = [
     ),
 ]
 
-DEV = torch.device("cuda", 0)
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 HEAD_DIMS = [128, 64, 36]
 GROUPS = [1, 3, 4, 8]
@@ -31,42 +27,6 @@ BLOCK_SIZES = [16, 5]
 HOSTS = ["pinned", "cuda"]
 LENS = [54, 1, 37, 0, 9]  # blocks per sequence, one empty
 POISON = float("nan")
-
-
-def gpu_test(fn):
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except torch.cuda.OutOfMemoryError as e:
-            torch.cuda.empty_cache()
-            pytest.skip(f"out of GPU memory: {e}")
-
-    return run
-
-
-def seeded(*key) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
-
-
-def i32(x) -> torch.Tensor:
-    return torch.tensor(x, dtype=torch.int32)
-
-
-def dev(t: torch.Tensor) -> torch.Tensor:
-    return t.to(DEV, copy=True)
-
-
-def back(t: torch.Tensor) -> torch.Tensor:
-    torch.cuda.synchronize()
-    return t.cpu()
-
-
-def csr(lens: list[int]) -> torch.Tensor:
-    out = [0]
-    for n in lens:
-        out.append(out[-1] + n)
-    return i32(out)
 
 
 def magnitude(q, summaries, blk_indptr, blk_indices) -> torch.Tensor:
