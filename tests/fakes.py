@@ -1,6 +1,12 @@
-"""Stand-ins shared by the tests: tokenizers over the tiny models' vocabulary of 301 ids."""
+"""Stand-ins shared by the tests: tokenizers over the tiny models' vocabulary of 301 ids, a tiny
+random Qwen3-family model, repetitive prompts, and the engine's "pools are full again" check."""
 
 from __future__ import annotations
+
+import torch
+
+from oasiskv.models.config import ModelConfig
+from oasiskv.models.transformer import CausalLM
 
 
 class ByteTokenizer:
@@ -24,3 +30,32 @@ class AsciiTokenizer(ByteTokenizer):
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return "".join(chr(32 + int(i) % 95) for i in ids)
+
+
+def tiny(seed: int = 1, layers: int = 2, vocab: int = 301, hidden: int = 64) -> CausalLM:
+    """A random Qwen3-family model small enough for many engine runs on 2 cores."""
+    cfg = ModelConfig(
+        family="qwen3",
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=96,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+    )
+    return CausalLM.random(cfg, seed=seed)
+
+
+def prompt(n: int, seed: int, vocab: int = 301) -> list[int]:
+    """``n`` token ids repeating a random 29-token phrase, so the n-gram drafter finds matches."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randint(0, vocab, (29,), generator=g).tolist()
+    return (base * (n // 29 + 1))[:n]
+
+
+def pools_are_full(eng) -> bool:
+    """Every block of an ``LLMEngine``'s pools is free again and nothing is reserved."""
+    rt = eng.engine.runtime
+    return rt.num_requests == 0 and rt.num_free == rt.pool_sizes and rt.reserved == (0, 0)

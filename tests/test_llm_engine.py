@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import oasiskv
+from fakes import pools_are_full, prompt, tiny
 from oasiskv import KvConfig, LLMEngine, SamplingParams, errors
 from oasiskv.models.config import ModelConfig
 from oasiskv.models.transformer import CausalLM
@@ -19,35 +20,9 @@ torch.set_num_threads(2)
 README_KV = dict(block_size=16, top_k_blocks=8, fetch_cap=0.25, sparse_threshold=64)
 
 
-def tiny(seed=1, layers=2) -> CausalLM:
-    cfg = ModelConfig(
-        family="qwen3",
-        vocab_size=301,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=1024,
-    )
-    return CausalLM.random(cfg, seed=seed)
-
-
-def prompt(n: int, seed: int, vocab: int = 301) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    base = torch.randint(0, vocab, (29,), generator=g).tolist()
-    return (base * (n // 29 + 1))[:n]  # repetitive, so the n-gram drafter finds matches
-
-
 @pytest.fixture(scope="module")
 def model():
     return tiny()
-
-
-def pools_are_full(eng: LLMEngine) -> bool:
-    rt = eng.engine.runtime
-    return rt.num_requests == 0 and rt.num_free == rt.pool_sizes and rt.reserved == (0, 0)
 
 
 def run_alone(model, ids, max_tokens, **kw) -> list[int]:

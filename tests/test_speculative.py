@@ -19,11 +19,11 @@ import math
 import pytest
 import torch
 
+from fakes import pools_are_full, prompt, tiny
 from oasiskv import KvConfig, LLMEngine, PrefillCache, SamplingParams, errors
 from oasiskv.drafters import Drafter, Eagle3Drafter, OracleDrafter
-from oasiskv.models.config import ModelConfig
 from oasiskv.models.eagle3 import Eagle3Head
-from oasiskv.models.transformer import CausalLM, dense_causal_attn
+from oasiskv.models.transformer import dense_causal_attn
 
 torch.set_num_threads(2)
 
@@ -37,27 +37,6 @@ PROMPT_LENS = (20, 70, 130, 45)
 NEW = 30
 
 
-def tiny(seed: int = 1, layers: int = 2, vocab: int = 301, hidden: int = 64) -> CausalLM:
-    cfg = ModelConfig(
-        family="qwen3",
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=96,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=1024,
-    )
-    return CausalLM.random(cfg, seed=seed)
-
-
-def prompt(n: int, seed: int, vocab: int = 301) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    base = torch.randint(0, vocab, (29,), generator=g).tolist()
-    return (base * (n // 29 + 1))[:n]  # repetitive, so the n-gram drafter finds matches
-
-
 @pytest.fixture(scope="module")
 def model():
     return tiny()
@@ -67,11 +46,6 @@ def model():
 def reference(model):
     """Non-speculative greedy tokens of every prompt, per exact configuration (ngram drafter)."""
     return {backend: run(model, backend, kv, "ngram", False)[0] for backend, kv in EXACT}
-
-
-def pools_are_full(eng: LLMEngine) -> bool:
-    rt = eng.engine.runtime
-    return rt.num_requests == 0 and rt.num_free == rt.pool_sizes and rt.reserved == (0, 0)
 
 
 def run(model, backend, kv, drafter, speculative, lens=PROMPT_LENS, new=NEW, **params):
