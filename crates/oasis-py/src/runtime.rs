@@ -1,8 +1,6 @@
 //! `oasiskv._core.Runtime`: the engine state of `oasis-runtime` (pools, block tables, admission,
 //! the per-step plan) as one small class. Python keeps the tensors; this keeps the ids.
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
-
 use oasis_core::OasisError;
 use oasis_runtime::{PlanField, Runtime, RuntimeConfig};
 use pyo3::prelude::*;
@@ -11,19 +9,10 @@ use pyo3::types::PyDict;
 use crate::errors::{core_err, py_err};
 use crate::tensor::TensorArg;
 
-/// Run `f`, turning a core error into its Python class and a panic into an `OasisError`.
+/// Run `f` under the module's `entry` guard (a panic becomes an `OasisError`), turning a core
+/// error into its Python class.
 fn call<R>(py: Python<'_>, what: &str, f: impl FnOnce() -> Result<R, OasisError>) -> PyResult<R> {
-    match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => Err(core_err(py, e)),
-        Err(_) => Err(py_err(
-            py,
-            "OasisError",
-            format!(
-                "internal error in Runtime.{what}; please report it with the call that caused it"
-            ),
-        )),
-    }
+    crate::entry(py, what, || f().map_err(|e| core_err(py, e)))
 }
 
 /// Pools, block tables, admission and the step plan of one engine.
@@ -63,7 +52,7 @@ impl PyRuntime {
             plan_blk_seq,
             max_num_seqs,
         };
-        call(py, "__init__", || {
+        call(py, "Runtime.__init__", || {
             Runtime::new(cfg, gpu_pages, host_blocks, gpu_cap, host_cap).map(|inner| Self { inner })
         })
     }
@@ -94,7 +83,9 @@ impl PyRuntime {
 
     /// Grow the pools' id ranges (after the engine grew its tensors).
     fn grow(&mut self, py: Python<'_>, gpu_pages: usize, host_blocks: usize) -> PyResult<()> {
-        call(py, "grow", || self.inner.grow(gpu_pages, host_blocks))
+        call(py, "Runtime.grow", || {
+            self.inner.grow(gpu_pages, host_blocks)
+        })
     }
 
     /// Admit a request about to be prefilled: `(slot, pages)`.
@@ -105,18 +96,18 @@ impl PyRuntime {
         prompt_len: usize,
         max_new_tokens: usize,
     ) -> PyResult<(u32, Vec<u32>)> {
-        call(py, "admit", || {
+        call(py, "Runtime.admit", || {
             self.inner.admit(id, prompt_len, max_new_tokens)
         })
     }
 
     fn wants_sparse(&self, py: Python<'_>, id: u64) -> PyResult<bool> {
-        call(py, "wants_sparse", || self.inner.wants_sparse(id))
+        call(py, "Runtime.wants_sparse", || self.inner.wants_sparse(id))
     }
 
     /// Whether the request may store one more token (an accepted draft) before its next plan.
     fn can_append(&self, py: Python<'_>, id: u64) -> PyResult<bool> {
-        call(py, "can_append", || self.inner.can_append(id))
+        call(py, "Runtime.can_append", || self.inner.can_append(id))
     }
 
     /// Store one more token of each request (the accepted drafts of a speculative step):
@@ -126,14 +117,14 @@ impl PyRuntime {
         py: Python<'_>,
         ids: Vec<u64>,
     ) -> PyResult<(Vec<i32>, Vec<i32>, Vec<i32>)> {
-        let a = call(py, "plan_append", || self.inner.plan_append(&ids))?;
+        let a = call(py, "Runtime.plan_append", || self.inner.plan_append(&ids))?;
         Ok((a.page_ids, a.offsets, a.host_ids))
     }
 
     /// Turn a request sparse: a dict of `src_pages`, `host_blocks`, `lens`, `slot_pages`,
     /// `local_page`, `n_complete` (what the engine copies and selects on the device).
     fn make_sparse<'py>(&mut self, py: Python<'py>, id: u64) -> PyResult<Bound<'py, PyDict>> {
-        let tr = call(py, "make_sparse", || self.inner.make_sparse(id))?;
+        let tr = call(py, "Runtime.make_sparse", || self.inner.make_sparse(id))?;
         let d = PyDict::new(py);
         d.set_item("src_pages", tr.src_pages)?;
         d.set_item("host_blocks", tr.host_blocks)?;
@@ -145,11 +136,11 @@ impl PyRuntime {
     }
 
     fn release(&mut self, py: Python<'_>, id: u64) -> PyResult<()> {
-        call(py, "release", || self.inner.release(id))
+        call(py, "Runtime.release", || self.inner.release(id))
     }
 
     fn kv_len(&self, py: Python<'_>, id: u64) -> PyResult<usize> {
-        call(py, "kv_len", || self.inner.kv_len(id))
+        call(py, "Runtime.kv_len", || self.inner.kv_len(id))
     }
 
     /// A request's tables: a dict of `slot`, `kv_len`, `sparse`, `pages`, `slot_pages`,
@@ -188,7 +179,7 @@ impl PyRuntime {
         ids: Vec<u64>,
         input_ids: Vec<i32>,
     ) -> PyResult<(usize, Bound<'py, PyDict>, usize, usize)> {
-        let plan = call(py, "plan", || {
+        let plan = call(py, "Runtime.plan", || {
             self.inner.plan(&ids, &input_ids).map(|p| p.clone_meta())
         })?;
         let d = PyDict::new(py);
@@ -238,7 +229,9 @@ impl PyRuntime {
 
     /// Check every table invariant against the pools (tests).
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
-        call(py, "check_invariants", || self.inner.check_invariants())
+        call(py, "Runtime.check_invariants", || {
+            self.inner.check_invariants()
+        })
     }
 
     /// `(gpu_pages, host_blocks)` in the pools now.
