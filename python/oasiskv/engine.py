@@ -218,7 +218,7 @@ class _SparsePlan:
         return _SparsePlan(
             idx=sp_rows,
             ids=v["sp_slots"].long(),
-            reqs=[reqs[i] for i in _SparsePlan._rows_host(v, reqs)],
+            reqs=[r for r in reqs if r.sparse],  # batch order, as the runtime's sp_rows
             slot_pages=v["slot_pages"].view(-1, k_budget),
             blk_indptr=v["blk_indptr"],
             blk_indices=v["blk_indices"],
@@ -227,11 +227,6 @@ class _SparsePlan:
             host_indices=v["host_indices"],
             rec_csr=(v["rec_indptr"], v["rec_indices"]) if measure_recall else None,
         )
-
-    @staticmethod
-    def _rows_host(v: dict, reqs: list[_Request]) -> list[int]:
-        # The same order as the runtime's sp_rows (batch order), read from the host side.
-        return [i for i, r in enumerate(reqs) if r.sparse]
 
     def keep_for(self, stream) -> None:
         """These tables are read on ``stream``: keep their memory until it is done with them."""
@@ -298,8 +293,7 @@ class KvPools:
 
     def grow(self, num_pages: int, num_host_blocks: int) -> None:
         """Enlarge the pools to at least these sizes (never shrinks). New pages map nowhere."""
-        hk = self.geo.num_kv_heads
-        dtype, device, layers = self.dtype, self.device, self.num_layers
+        device, layers = self.device, self.num_layers
         if num_pages > self.num_pages:
             ensure_fits(
                 (num_pages - self.num_pages) * self.page_bytes * layers,
@@ -307,20 +301,11 @@ class KvPools:
                 f"growing the page pool to {num_pages} pages x {layers} layers",
                 "lower gpu_kv_budget_bytes / KvConfig.num_gpu_pages, max_num_seqs or max_tokens",
             )
-
-            def bigger(old):
-                new = torch.zeros((num_pages, *old.shape[1:]), dtype=old.dtype, device=device)
-                new[: old.shape[0]] = old
-                return new
-
-            self.k_pages = [bigger(t) for t in self.k_pages]
-            self.v_pages = [bigger(t) for t in self.v_pages]
+            self.k_pages = [_grown(t, num_pages) for t in self.k_pages]
+            self.v_pages = [_grown(t, num_pages) for t in self.v_pages]
             # Head-wise mapping per layer: [num_pages, num_kv_heads], logical block held, -1 empty.
-            for name in ("page_map", "page_last_selected"):
-                old = getattr(self, name)
-                new = torch.full((layers, num_pages, hk), -1, dtype=torch.int32, device=device)
-                new[:, : old.shape[1]] = old
-                setattr(self, name, new)
+            self.page_map = _grown(self.page_map, num_pages, dim=1, fill=-1)
+            self.page_last_selected = _grown(self.page_last_selected, num_pages, dim=1, fill=-1)
             self.num_pages = num_pages
         if num_host_blocks > self.num_host_blocks:
             ensure_fits(
@@ -332,22 +317,11 @@ class KvPools:
             # With a GPU the host pool is pinned: the gather and write-through kernels read and
             # write it directly through unified virtual addressing.
             pin = device.type == "cuda"
-
-            def host(old):
-                new = torch.zeros((num_host_blocks, *old.shape[1:]), dtype=dtype, pin_memory=pin)
-                new[: old.shape[0]] = old
-                return new
-
-            def summ(old):
-                new = torch.zeros((num_host_blocks, *old.shape[1:]), dtype=old.dtype, device=device)
-                new[: old.shape[0]] = old
-                return new
-
-            self.host_k = [host(t) for t in self.host_k]
-            self.host_v = [host(t) for t in self.host_v]
-            self.summaries = [summ(t) for t in self.summaries]
+            self.host_k = [_grown(t, num_host_blocks, pin=pin) for t in self.host_k]
+            self.host_v = [_grown(t, num_host_blocks, pin=pin) for t in self.host_v]
+            self.summaries = [_grown(t, num_host_blocks) for t in self.summaries]
             if self.codes is not None:
-                self.codes = [summ(t) for t in self.codes]
+                self.codes = [_grown(t, num_host_blocks) for t in self.codes]
             self.num_host_blocks = num_host_blocks
 
     @property
@@ -362,6 +336,16 @@ class KvPools:
         g = self.geo
         codes = g.num_kv_heads * g.block_size * (g.head_dim // 4) if self.codes is not None else 0
         return 2 * g.num_kv_heads * g.head_dim * self.dtype.itemsize + codes
+
+
+def _grown(old: torch.Tensor, rows: int, dim: int = 0, fill=0, pin: bool = False) -> torch.Tensor:
+    """``old`` with ``rows`` rows along ``dim``: its rows copied first, then ``fill``; on its own
+    device (in pinned CPU memory with ``pin``)."""
+    shape = list(old.shape)
+    shape[dim] = rows
+    new = torch.full(shape, fill, dtype=old.dtype, device=old.device, pin_memory=pin)
+    new.narrow(dim, 0, old.shape[dim]).copy_(old)
+    return new
 
 
 def _i32(x, device=None) -> torch.Tensor:
