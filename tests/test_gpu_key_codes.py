@@ -12,6 +12,8 @@ import torch
 
 from oasiskv import ops
 from reference import DEV, MALFORMED_INDPTR, back, csr, csr_rows, dev, gpu_test, i32, malformed_indptr, seeded
+from test_key_codes import LENS, magnitude
+from test_key_codes import _case as key_codes_case
 
 pytestmark = [
     pytest.mark.gpu,
@@ -25,23 +27,12 @@ HEAD_DIMS = [128, 64, 36]
 GROUPS = [1, 3, 4, 8]
 BLOCK_SIZES = [16, 5]
 HOSTS = ["pinned", "cuda"]
-LENS = [54, 1, 37, 0, 9]  # blocks per sequence, one empty
 POISON = float("nan")
-
-
-def magnitude(q, summaries, blk_indptr, blk_indices) -> torch.Tensor:
-    """sum_g sum_d |q_g,d| (|min_d| + |max_d|) per entry and head (float64): the scale of a logit."""
-    s_n, hq, d = q.shape
-    hk = summaries.shape[1]
-    seq = torch.repeat_interleave(torch.arange(s_n), torch.diff(blk_indptr).long())
-    qa = q.double().abs().view(s_n, hk, hq // hk, d).sum(2)[seq]
-    sa = summaries.double().abs()[blk_indices.long()].sum(2)
-    return (qa * sa).sum(-1)
 
 
 def assert_scores_close(got: torch.Tensor, want: torch.Tensor, mag: torch.Tensor) -> None:
     # NOTE: the GPU may sum the head_dim products of a logit in another order (and, on its
-    # future tensor-core path, round each decoded key and the query to bf16, 2^-9 relative), so the
+    # tensor-core path, rounds each weight to a bf16 pair, about 2^-17 relative), so the
     # difference is bounded by a fraction of the magnitude sum_g sum_d |q| (|min| + |max|), not by
     # the score itself (which cancels).
     got, want = got.double(), want.double()
@@ -54,17 +45,8 @@ def assert_scores_close(got: torch.Tensor, want: torch.Tensor, mag: torch.Tensor
 
 
 def _case(gen, dtype, group, head_dim, block_size, hk=3, lens=LENS):
-    n_host = sum(lens) + 5
-    geo = ops.KvGeometry(hk * group, hk, head_dim, block_size)
-    host_k = torch.randn(n_host, hk, block_size, head_dim, generator=gen).to(dtype)
-    summaries = torch.empty(n_host, hk, 2, head_dim, dtype=dtype)
-    ops.build_summaries(geo, host_k, i32(list(range(n_host))), i32([block_size] * n_host), summaries)
-    codes = ops.empty_key_codes(geo, n_host)
-    ops.build_key_codes(geo, host_k, summaries, i32(list(range(n_host))), codes)
-    blk_indptr = csr(lens)
-    blk_indices = torch.randperm(n_host, generator=gen)[: sum(lens)].to(torch.int32)
-    q = torch.randn(len(lens), hk * group, head_dim, generator=gen).to(dtype)
-    return geo, host_k, summaries, codes, q, blk_indptr, blk_indices
+    """test_key_codes' case (keys, summaries, codes, queries, tables) with three KV heads."""
+    return key_codes_case(gen, dtype, group, head_dim, block_size, hk=hk, lens=lens, extra_host=5)
 
 
 @gpu_test

@@ -13,24 +13,13 @@ import pytest
 import torch
 
 from oasiskv import errors, ops
-from reference import MALFORMED_INDPTR, malformed_indptr
+from reference import MALFORMED_INDPTR, csr, i32, malformed_indptr
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 GROUPS = [1, 3, 4]
 HEAD_DIMS = [64, 36, 4]
 BLOCK_SIZES = [16, 5, 1]
 LENS = [54, 1, 37, 0, 9]  # blocks per sequence: odd, one empty
-
-
-def i32(x) -> torch.Tensor:
-    return torch.tensor(x, dtype=torch.int32)
-
-
-def csr(lens: list[int]) -> torch.Tensor:
-    out = [0]
-    for n in lens:
-        out.append(out[-1] + n)
-    return i32(out)
 
 
 def ref_key_codes(
