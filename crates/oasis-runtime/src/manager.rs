@@ -401,6 +401,49 @@ impl Runtime {
         (pages, values)
     }
 
+    /// Make the block that request `id`'s next token (at `kv_len`) lands in ready: allocate its
+    /// page (dense) or host block (sparse) when the token enters it, and queue the mapping of the
+    /// page that holds it (a dense request's new page; a sparse request's local page when it moves
+    /// on to a new block). Returns that page, the host block of the write-through (-1 when dense)
+    /// and the token's offset in the block. `kv_len` is not advanced.
+    fn enter_block(&mut self, id: u64) -> Result<(u32, i32, usize)> {
+        let b = self.cfg.block_size;
+        let t = self.get(id)?;
+        let (blk, off) = (t.kv_len / b, t.kv_len % b);
+        let (sparse, need) = if t.sparse {
+            (true, t.host_blocks.len() <= blk)
+        } else {
+            (false, t.pages.len() <= blk)
+        };
+        if need {
+            let pool = if sparse {
+                &mut self.host
+            } else {
+                &mut self.gpu
+            };
+            let new = pool.allocate(1)?;
+            if !sparse {
+                self.queue_map(new[0], to_i32(blk));
+            }
+            let t = self.reqs.get_mut(&id).expect("checked");
+            if sparse {
+                t.host_blocks.extend(new);
+            } else {
+                t.pages.extend(new);
+            }
+        }
+        let t = &self.reqs[&id];
+        if !sparse {
+            return Ok((t.pages[blk], -1, off));
+        }
+        let local = t.local_page.expect("sparse requests hold a local page");
+        let host = t.host_blocks[blk] as i32;
+        if off == 0 {
+            self.queue_map(local, to_i32(blk));
+        }
+        Ok((local, host, off))
+    }
+
     /// Plan one decode step of the requests `ids` (in batch order), whose query rows take the
     /// tokens `input_ids` (`rows` per request: x_t, then the draft): each request stores its next
     /// token, so its `kv_len` advances by one. Blocks the step enters are allocated here (within the
@@ -411,7 +454,6 @@ impl Runtime {
     /// threshold (it must turn sparse first: its reservation does not cover more dense pages).
     /// Nothing changes then.
     pub fn plan(&mut self, ids: &[u64], input_ids: &[i32]) -> Result<&StepPlan> {
-        let b = self.cfg.block_size;
         if input_ids.len() != ids.len() * self.cfg.rows {
             return Err(OasisError::Invalid(format!(
                 "{} input ids for {} requests of {} rows",
@@ -437,33 +479,7 @@ impl Runtime {
         }
         // Allocate the blocks this step's tokens land in.
         for &id in ids {
-            let t = &self.reqs[&id];
-            let (blk, off) = (t.kv_len / b, t.kv_len % b);
-            let mut new_page = None;
-            let mut new_host = false;
-            if t.sparse {
-                new_host = t.host_blocks.len() <= blk;
-            } else if t.pages.len() <= blk {
-                new_page = Some(());
-            }
-            if new_host {
-                let h = self.host.allocate(1)?;
-                self.reqs
-                    .get_mut(&id)
-                    .expect("checked")
-                    .host_blocks
-                    .extend(h);
-            }
-            if new_page.is_some() {
-                let p = self.gpu.allocate(1)?;
-                self.queue_map(p[0], to_i32(blk));
-                self.reqs.get_mut(&id).expect("checked").pages.extend(p);
-            }
-            let t = &self.reqs[&id];
-            if t.sparse && off == 0 {
-                let local = t.local_page.expect("sparse requests hold a local page");
-                self.queue_map(local, to_i32(blk));
-            }
+            self.enter_block(id)?;
         }
         let (map_pages, map_values) = self.take_map_updates();
         let tables: Vec<&RequestTable> = ids.iter().map(|id| &self.reqs[id]).collect();
@@ -512,7 +528,6 @@ impl Runtime {
     /// [`OasisError::Invalid`] for an unknown or repeated id, or one for which
     /// [`Runtime::can_append`] is false. Nothing changes then.
     pub fn plan_append(&mut self, ids: &[u64]) -> Result<AppendPlan> {
-        let b = self.cfg.block_size;
         let mut seen = std::collections::HashSet::with_capacity(ids.len());
         for &id in ids {
             if !seen.insert(id) {
@@ -530,35 +545,10 @@ impl Runtime {
         }
         let mut out = AppendPlan::default();
         for &id in ids {
-            let t = &self.reqs[&id];
-            let (blk, off) = (t.kv_len / b, t.kv_len % b);
-            if t.sparse {
-                if t.host_blocks.len() <= blk {
-                    // Within the reservation: checked by can_append.
-                    let h = self.host.allocate(1)?;
-                    self.reqs
-                        .get_mut(&id)
-                        .expect("checked")
-                        .host_blocks
-                        .extend(h);
-                }
-                let t = &self.reqs[&id];
-                let local = t.local_page.expect("sparse requests hold a local page");
-                let host = t.host_blocks[blk];
-                if off == 0 {
-                    self.queue_map(local, to_i32(blk));
-                }
-                out.page_ids.push(local as i32);
-                out.host_ids.push(host as i32);
-            } else {
-                if t.pages.len() <= blk {
-                    let p = self.gpu.allocate(1)?;
-                    self.queue_map(p[0], to_i32(blk));
-                    self.reqs.get_mut(&id).expect("checked").pages.extend(p);
-                }
-                out.page_ids.push(self.reqs[&id].pages[blk] as i32);
-                out.host_ids.push(-1);
-            }
+            // Within the reservation: checked by can_append.
+            let (page, host, off) = self.enter_block(id)?;
+            out.page_ids.push(page as i32);
+            out.host_ids.push(host);
             out.offsets.push(to_i32(off));
             self.reqs.get_mut(&id).expect("checked").kv_len += 1;
         }
