@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import oasiskv
-from oasiskv import KvConfig, PrefillCache
+from oasiskv import KvConfig, LLMEngine, PrefillCache, SamplingParams
 from oasiskv.drafters import Eagle3Drafter
 from oasiskv.engine import Engine, _Request
 from oasiskv.models.config import ModelConfig
@@ -222,3 +222,24 @@ def test_prefill_cache_gives_the_same_first_draft(model, head, first_filler):
     assert s0.length == s1.length == len(ids)
     assert torch.equal(s1.k[: s1.length], s0.k[: s0.length])
     assert torch.equal(s1.v[: s1.length], s0.v[: s0.length])
+
+
+def test_chunked_prefill_through_llm_engine_drafts_as_one_forward(model, head):
+    """LLMEngine prefilling the prompt in chunks (max_num_batched_tokens=40) feeds the head chunk by
+    chunk: the same drafts and tokens as one prefill forward."""
+    from fakes import prompt as repeated_prompt  # this module's prompt() draws other tokens
+
+    ids = repeated_prompt(150, 3, vocab=CFG.vocab_size)
+    runs = []
+    for budget in (8192, 40):
+        eng = LLMEngine(model, kv=KV_FULL, drafter=Eagle3Drafter(head, model), max_num_batched_tokens=budget)
+        drafts = []
+
+        class Rec:
+            def on_step(self, info, drafts=drafts):
+                drafts.extend(info.drafts)
+
+        eng.recorder = Rec()
+        rid = eng.add_request(ids, SamplingParams(max_tokens=6, ignore_eos=True))
+        runs.append((eng.run_to_completion([rid])[rid].token_ids, drafts))
+    assert runs[0] == runs[1]

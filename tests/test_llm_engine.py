@@ -12,8 +12,6 @@ import torch
 import oasiskv
 from fakes import pools_are_full, prompt, tiny
 from oasiskv import KvConfig, LLMEngine, SamplingParams, errors
-from oasiskv.models.config import ModelConfig
-from oasiskv.models.transformer import CausalLM
 
 torch.set_num_threads(2)
 
@@ -420,39 +418,6 @@ def test_abort_while_prefilling(model):
     (out,) = eng.step()
     assert out.finish_reason == "abort" and out.token_ids == []
     assert pools_are_full(eng)
-
-
-def test_eagle3_head_fed_in_chunks_drafts_as_in_one_forward():
-    from oasiskv.models.eagle3 import Eagle3Head
-
-    cfg = ModelConfig(
-        family="llama",
-        vocab_size=257,
-        hidden_size=96,
-        intermediate_size=160,
-        num_hidden_layers=8,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=1024,
-    )
-    m = CausalLM.random(cfg, seed=4)
-    head = Eagle3Head.random(cfg, draft_vocab_size=64, seed=5)
-    kv = KvConfig(block_size=16, top_k_blocks=32, fetch_cap=4, sparse_threshold=64)
-    ids = prompt(150, 3, vocab=257)
-    toks = []
-    for budget in (8192, 40):
-        eng = LLMEngine(m, kv=kv, drafter=oasiskv.Eagle3Drafter(head, m), max_num_batched_tokens=budget)
-        drafts = []
-
-        class Rec:
-            def on_step(self, info, drafts=drafts):
-                drafts.extend(info.drafts)
-
-        eng.recorder = Rec()
-        rid = eng.add_request(ids, SamplingParams(max_tokens=6, ignore_eos=True))
-        toks.append((eng.run_to_completion([rid])[rid].token_ids, drafts))
-    assert toks[0] == toks[1]
 
 
 def test_pool_growth_is_checked_against_free_memory(model, monkeypatch):
