@@ -67,7 +67,7 @@ def main() -> None:
     for i in range(args.requests):
         ids = torch.randint(0, cfg.vocab_size, (args.context,), generator=g).tolist()
         reqs.append(mod._Request(id=i, prompt=ids, max_new_tokens=args.steps + 8))
-    eng.ensure_pools(reqs, num_requests=len(reqs))
+    eng.ensure_pools(reqs)
     for r in reqs:
         drafter.begin(r.id, r.prompt)
         r.tokens = list(r.prompt)

@@ -353,7 +353,8 @@ def _i32(x, device=None) -> torch.Tensor:
     return t if device is None or device.type == "cpu" else t.to(device, non_blocking=True)
 
 
-def _csr(lists: list[list[int]], device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def csr_tables(lists: list[list[int]], device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(indptr, indices)`` int32 of per-row lists, on ``device`` (CPU when None)."""
     indptr = [0]
     flat: list[int] = []
     for xs in lists:
@@ -556,10 +557,8 @@ class Engine:
         p.grow(pages, host)
         rt.grow(p.num_pages, p.num_host_blocks)
 
-    def ensure_pools(self, requests: list[_Request], num_requests: int | None = None) -> None:
-        """Make room for admitting ``requests`` together (grow the pools to their reservations).
-
-        ``num_requests`` is accepted for compatibility and ignored: accumulators are per slot."""
+    def ensure_pools(self, requests: list[_Request]) -> None:
+        """Make room for admitting ``requests`` together (grow the pools to their reservations)."""
         self.reserve_pools([(len(r.prompt), r.max_new_tokens) for r in requests])
 
     def reserve_pools(self, sizes: list[tuple[int, int]]) -> None:
@@ -823,8 +822,8 @@ class Engine:
         r.metrics.sparse_since_token = r.kv_len
         n_complete = tr["n_complete"]
         slot_pages = _i32([tr["slot_pages"]], dev)
-        blk_indptr, blk_indices = _csr([tr["host_blocks"][:n_complete]], dev)
-        host_indptr, host_indices = _csr([tr["host_blocks"]], dev)
+        blk_indptr, blk_indices = csr_tables([tr["host_blocks"][:n_complete]], dev)
+        host_indptr, host_indices = csr_tables([tr["host_blocks"]], dev)
         for layer in range(self.cfg.num_hidden_layers):
             row = self._last_row[r.id]
             q = self._last_q[layer][row : row + 1].reshape(1, g.num_qo_heads, g.head_dim).contiguous()

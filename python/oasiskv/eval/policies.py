@@ -21,19 +21,8 @@ from __future__ import annotations
 import torch
 
 from .. import ops
+from ..engine import csr_tables
 from ..policy import AttnFn, SelectionPolicy
-
-
-def _csr(lists: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    indptr = [0]
-    flat: list[int] = []
-    for xs in lists:
-        flat.extend(xs)
-        indptr.append(len(flat))
-    return (
-        torch.tensor(indptr, dtype=torch.int32, device=device),
-        torch.tensor(flat, dtype=torch.int32, device=device),
-    )
 
 
 class QuestPolicy(SelectionPolicy):
@@ -86,7 +75,7 @@ class QuestPolicy(SelectionPolicy):
         if all(len(c) <= k_budget for c in cand):
             return attn  # the budget covers every block: nothing to mask
         ids = tuple(r.id for r in reqs)
-        blk_indptr, blk_indices = _csr(cand, dev)
+        blk_indptr, blk_indices = csr_tables(cand, dev)
         all_pages = torch.tensor(sum(pages, []), dtype=torch.long, device=dev)
         offsets = [0]
         for p in pages:
