@@ -90,8 +90,13 @@ class Runtime:
         """The request's tables."""
     def take_map_updates(self) -> tuple[list[int], list[int]]:
         """Drain the pending head-wise mapping updates."""
-    def plan(self, ids: list[int], input_ids: list[int]) -> tuple[int, dict[str, tuple[int, int]], int, int]:
-        """Plan one decode step: ``(arena_len, layout, num_sparse, max_pages)``."""
+    def plan(
+        self, ids: list[int], input_ids: list[int], pad: tuple[int, int, int, int] | None = None
+    ) -> tuple[int, dict[str, tuple[int, int]], int, int]:
+        """Plan one decode step: ``(arena_len, layout, num_sparse, max_pages)``; ``pad = (rows,
+        pages, blocks, dummy_slot)`` lays it out at fixed capacities (mapping updates stay pending)."""
+    def step_needs(self, ids: list[int]) -> tuple[int, int]:
+        """``(pages, blocks)`` a padded plan of ``ids`` must allow per request."""
     def write_plan(self, out: torch.Tensor) -> None:
         """Copy the last plan's arena into ``out`` (int32, CPU, contiguous)."""
     def check_invariants(self) -> None:

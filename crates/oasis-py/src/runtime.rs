@@ -2,7 +2,7 @@
 //! the per-step plan) as one small class. Python keeps the tensors; this keeps the ids.
 
 use oasis_core::OasisError;
-use oasis_runtime::{PlanField, Runtime, RuntimeConfig};
+use oasis_runtime::{PlanField, PlanPad, Runtime, RuntimeConfig};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -173,20 +173,44 @@ impl PyRuntime {
     /// request); every request's `kv_len` advances by one.
     /// Returns `(arena_len, layout, num_sparse, max_pages)`, `layout` a dict name -> (start, len)
     /// in elements; copy the arena out with [`PyRuntime::write_plan`].
+    ///
+    /// `pad = (rows, pages, blocks, dummy_slot)` lays the plan out at fixed capacities (the same
+    /// layout every step, for a captured CUDA graph; see `oasis_runtime::PlanPad`); the mapping
+    /// updates then stay pending for `take_map_updates`. `step_needs(ids)` gives the pages and
+    /// blocks it must allow.
+    #[pyo3(signature = (ids, input_ids, pad = None))]
     fn plan<'py>(
         &mut self,
         py: Python<'py>,
         ids: Vec<u64>,
         input_ids: Vec<i32>,
+        pad: Option<(usize, usize, usize, i32)>,
     ) -> PyResult<(usize, Bound<'py, PyDict>, usize, usize)> {
-        let plan = call(py, "Runtime.plan", || {
-            self.inner.plan(&ids, &input_ids).map(|p| p.clone_meta())
+        let plan = call(py, "Runtime.plan", || match pad {
+            None => self.inner.plan(&ids, &input_ids).map(|p| p.clone_meta()),
+            Some((rows, pages, blocks, dummy_slot)) => {
+                let pad = PlanPad {
+                    rows,
+                    pages,
+                    blocks,
+                    dummy_slot,
+                };
+                self.inner
+                    .plan_padded(&ids, &input_ids, &pad)
+                    .map(|p| p.clone_meta())
+            }
         })?;
         let d = PyDict::new(py);
         for f in PlanField::ALL {
             d.set_item(f.name(), plan.layout[f as usize])?;
         }
         Ok((plan.len, d, plan.num_sparse, plan.max_pages))
+    }
+
+    /// `(pages, blocks)`: the most attention pages and host blocks any of `ids` holds once its
+    /// next token's block is entered (the capacities a padded plan of them needs).
+    fn step_needs(&self, py: Python<'_>, ids: Vec<u64>) -> PyResult<(usize, usize)> {
+        call(py, "Runtime.step_needs", || self.inner.step_needs(&ids))
     }
 
     /// Copy the last plan's arena into `out`, a contiguous int32 CPU tensor (pinned, to copy it

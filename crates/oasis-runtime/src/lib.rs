@@ -32,5 +32,5 @@ pub mod table;
 pub use config::RuntimeConfig;
 pub use manager::{AppendPlan, Runtime, SparseTransition};
 pub use oasis_core::{OasisError, Result, Tier};
-pub use plan::{PlanField, PlanLayout, PlanMeta, StepPlan};
+pub use plan::{PlanField, PlanLayout, PlanMeta, PlanPad, StepPlan};
 pub use table::{RequestTable, Reservation};

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use oasis_core::{BlockPool, OasisError, Result, Tier};
 
 use crate::config::{RuntimeConfig, MAX_POOL_BLOCKS};
-use crate::plan::StepPlan;
+use crate::plan::{PlanPad, StepPlan};
 use crate::table::{RequestTable, Reservation};
 
 /// What the engine must do on the device when a request turns sparse (every layer):
@@ -454,6 +454,71 @@ impl Runtime {
     /// threshold (it must turn sparse first: its reservation does not cover more dense pages).
     /// Nothing changes then.
     pub fn plan(&mut self, ids: &[u64], input_ids: &[i32]) -> Result<&StepPlan> {
+        self.plan_with(ids, input_ids, None)
+    }
+
+    /// The capacities a padded plan of `ids` needs ([`Runtime::plan_padded`]): the most attention
+    /// pages and the most host blocks any of them holds once this step's block is entered.
+    ///
+    /// # Errors
+    /// [`OasisError::Invalid`] for an unknown request.
+    pub fn step_needs(&self, ids: &[u64]) -> Result<(usize, usize)> {
+        let b = self.cfg.block_size;
+        let (mut pages, mut blocks) = (0usize, 0usize);
+        for &id in ids {
+            let t = self.get(id)?;
+            let blk = t.kv_len / b + 1;
+            if t.sparse {
+                pages = pages.max(t.slot_pages.len() + 1);
+                blocks = blocks.max(t.host_blocks.len().max(blk));
+            } else {
+                pages = pages.max(t.pages.len().max(blk));
+            }
+        }
+        Ok((pages, blocks))
+    }
+
+    /// [`Runtime::plan`] at the fixed capacities of `pad` (see [`PlanPad`]): the same layout for
+    /// every step of the same capacities, so a captured CUDA graph can read it. The head-wise
+    /// mapping updates stay pending ([`Runtime::take_map_updates`]).
+    ///
+    /// # Errors
+    /// As [`Runtime::plan`], and [`OasisError::Invalid`] when the requests do not fit `pad` (more
+    /// requests than `rows`, or more than `pages` / `blocks` for one of them:
+    /// [`Runtime::step_needs`] says how many); nothing changes then.
+    pub fn plan_padded(
+        &mut self,
+        ids: &[u64],
+        input_ids: &[i32],
+        pad: &PlanPad,
+    ) -> Result<&StepPlan> {
+        let (pages, blocks) = self.step_needs(ids)?;
+        if ids.len() > pad.rows || pages > pad.pages || blocks > pad.blocks {
+            return Err(OasisError::Invalid(format!(
+                "{} requests needing {pages} pages and {blocks} host blocks each do not fit the \
+                 padded plan of {} rows x {} pages x {} blocks; plan with larger capacities \
+                 (Runtime::step_needs)",
+                ids.len(),
+                pad.rows,
+                pad.pages,
+                pad.blocks
+            )));
+        }
+        if pad.dummy_slot < 0 {
+            return Err(OasisError::Invalid(format!(
+                "the padded plan's dummy accumulator slot must be >= 0, got {}",
+                pad.dummy_slot
+            )));
+        }
+        self.plan_with(ids, input_ids, Some(pad))
+    }
+
+    fn plan_with(
+        &mut self,
+        ids: &[u64],
+        input_ids: &[i32],
+        pad: Option<&PlanPad>,
+    ) -> Result<&StepPlan> {
         if input_ids.len() != ids.len() * self.cfg.rows {
             return Err(OasisError::Invalid(format!(
                 "{} input ids for {} requests of {} rows",
@@ -481,10 +546,15 @@ impl Runtime {
         for &id in ids {
             self.enter_block(id)?;
         }
-        let (map_pages, map_values) = self.take_map_updates();
+        // A padded plan leaves the mapping updates pending (their number varies per step).
+        let (map_pages, map_values) = if pad.is_some() {
+            (Vec::new(), Vec::new())
+        } else {
+            self.take_map_updates()
+        };
         let tables: Vec<&RequestTable> = ids.iter().map(|id| &self.reqs[id]).collect();
         self.plan
-            .build(&self.cfg, &tables, input_ids, &map_pages, &map_values);
+            .build(&self.cfg, &tables, input_ids, &map_pages, &map_values, pad);
         for &id in ids {
             self.reqs.get_mut(&id).expect("checked").kv_len += 1;
         }
@@ -665,6 +735,97 @@ mod tests {
         rt.check_invariants().unwrap();
         assert_eq!(rt.num_free(), (64, 64));
         assert_eq!(rt.reserved(), (0, 0));
+    }
+
+    #[test]
+    fn padded_plan_holds_the_plan_at_fixed_offsets() {
+        use crate::plan::PlanField as F;
+        // b = 4, K = 3, threshold 12: request 1 dense, request 2 sparse.
+        let mut rt = runtime(64, 64);
+        rt.admit(1, 6, 20).unwrap();
+        rt.admit(2, 14, 20).unwrap();
+        rt.make_sparse(2).unwrap();
+        rt.take_map_updates();
+        let pad = PlanPad {
+            rows: 4,
+            pages: 8,
+            blocks: 16,
+            dummy_slot: 7,
+        };
+        let mut layouts = Vec::new();
+        for step in 0..6 {
+            let mut plain = rt.clone();
+            let want = plain.plan(&[1, 2], &[5, 6, 7, 8]).unwrap().clone();
+            let (want_pages, want_values) = (want.field(F::MapPages), want.field(F::MapValues));
+            let got = rt
+                .plan_padded(&[1, 2], &[5, 6, 7, 8], &pad)
+                .unwrap()
+                .clone();
+            assert_eq!(got.num_seqs, 2);
+            assert_eq!(got.num_sparse, 1);
+            assert_eq!(got.max_pages, want.max_pages);
+            layouts.push(*got.layout());
+            // The mapping updates stay pending, and are the plain plan's.
+            assert!(got.field(F::MapPages).is_empty());
+            let (mp, mv) = rt.take_map_updates();
+            assert_eq!(mp.iter().map(|&p| p as i32).collect::<Vec<_>>(), want_pages);
+            assert_eq!(mv, want_values);
+            // Every field: the plain plan's values first, then the padding.
+            let check = |f: F, cap: usize, fill: i32| {
+                let (w, g) = (want.field(f), got.field(f));
+                assert_eq!(g.len(), cap, "{} capacity (step {step})", f.name());
+                assert_eq!(&g[..w.len()], w, "{} values", f.name());
+                assert!(
+                    g[w.len()..].iter().all(|&x| x == fill),
+                    "{} padding",
+                    f.name()
+                );
+            };
+            check(F::InputIds, 8, 0);
+            check(F::Positions, 8, 0);
+            check(F::PageIds, 4, -1);
+            check(F::Offsets, 4, 0);
+            check(F::HostIds, 4, -1);
+            check(F::LastLen, 4, 1);
+            check(F::KvIndices, 32, -1);
+            check(F::SpRows, 4, 0);
+            check(F::SpSlots, 4, 7);
+            check(F::SlotPages, 12, -1);
+            check(F::BlkIndices, 64, -1);
+            check(F::BlkSeq, 64, 0);
+            check(F::HostIndices, 64, -1);
+            check(F::RecIndices, 64, -1);
+            check(F::DoneBlocks, 4, -1);
+            for f in [F::KvIndptr, F::BlkIndptr, F::HostIndptr, F::RecIndptr] {
+                let w = want.field(f);
+                check(f, 5, *w.last().unwrap());
+            }
+            plain.check_invariants().unwrap();
+            rt.check_invariants().unwrap();
+            assert_eq!(plain.table(1), rt.table(1));
+            assert_eq!(plain.table(2), rt.table(2));
+        }
+        assert!(layouts.windows(2).all(|w| w[0] == w[1]), "the layout moved");
+        // Too small: refused, nothing changes.
+        let before = rt.clone().table(1).cloned();
+        let small = PlanPad { pages: 2, ..pad };
+        let e = rt.plan_padded(&[1, 2], &[0; 4], &small).unwrap_err();
+        assert!(e.to_string().contains("step_needs"), "{e}");
+        assert!(rt
+            .plan_padded(&[1, 2], &[0; 4], &PlanPad { rows: 1, ..pad })
+            .is_err());
+        assert!(rt
+            .plan_padded(
+                &[1, 2],
+                &[0; 4],
+                &PlanPad {
+                    dummy_slot: -1,
+                    ..pad
+                }
+            )
+            .is_err());
+        assert_eq!(rt.table(1).cloned(), before);
+        assert_eq!(rt.step_needs(&[1, 2]).unwrap(), (4, 6));
     }
 
     #[test]

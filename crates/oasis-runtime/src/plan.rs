@@ -127,6 +127,23 @@ pub struct PlanMeta {
     pub max_pages: usize,
 }
 
+/// Fixed capacities for a plan whose layout must not change from step to step (a captured CUDA
+/// graph reads every field at a fixed offset): `rows` requests, at most `pages` attention pages
+/// and `blocks` host blocks per request. Padding: per-request fields of the missing requests hold
+/// page -1 / host block -1 (the kernels skip them), `last_len` 1, and token and position 0; every
+/// indptr repeats its total, so a padded request has empty rows; indices past the total hold -1
+/// (`blk_seq`: 0). The sparse section has `rows` entries when the runtime is sparse (none when it
+/// is dense): the padded ones point at batch row 0 with accumulator slot `dummy_slot` and no
+/// candidates, budget pages -1. Head-wise mapping updates are not part of a padded plan: they stay
+/// pending for [`crate::Runtime::take_map_updates`] (their number varies).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlanPad {
+    pub rows: usize,
+    pub pages: usize,
+    pub blocks: usize,
+    pub dummy_slot: i32,
+}
+
 /// One step's plan. The arena is reused from step to step (no allocation once it is large enough).
 #[derive(Debug, Default, Clone)]
 pub struct StepPlan {
@@ -191,12 +208,41 @@ impl StepPlan {
         self.close(f);
     }
 
-    /// A CSR pair from per-request lists.
+    /// Pad the open field `f` with `fill` up to `cap` elements (no-op without a cap).
+    fn pad_to(&mut self, f: PlanField, cap: Option<usize>, fill: i32) {
+        if let Some(cap) = cap {
+            let start = self.layout[f as usize].0;
+            debug_assert!(
+                self.arena.len() - start <= cap,
+                "{} over its capacity",
+                f.name()
+            );
+            self.arena.resize(start + cap, fill);
+        }
+    }
+
+    /// Lay out one field from an iterator, padded with `fill` to `cap` elements when given.
+    fn put_padded(
+        &mut self,
+        f: PlanField,
+        values: impl IntoIterator<Item = i32>,
+        cap: Option<usize>,
+        fill: i32,
+    ) {
+        self.open(f);
+        self.arena.extend(values);
+        self.pad_to(f, cap, fill);
+        self.close(f);
+    }
+
+    /// A CSR pair from per-request lists; with `cap = Some((rows, per_row))` the indptr has
+    /// `rows + 1` entries (the total repeated) and the indices `rows * per_row` (-1 padded).
     fn put_csr<'a>(
         &mut self,
         indptr: PlanField,
         indices: PlanField,
         lists: impl Iterator<Item = &'a [u32]> + Clone,
+        cap: Option<(usize, usize)>,
     ) {
         self.open(indptr);
         self.arena.push(0);
@@ -205,15 +251,18 @@ impl StepPlan {
             total += l.len();
             self.arena.push(i32_of(total));
         }
+        self.pad_to(indptr, cap.map(|(r, _)| r + 1), i32_of(total));
         self.close(indptr);
         self.open(indices);
         for l in lists {
             self.arena.extend(l.iter().map(|&x| x as i32));
         }
+        self.pad_to(indices, cap.map(|(r, p)| r * p), -1);
         self.close(indices);
     }
 
-    /// Build the plan of `tables` (batch order), before their `kv_len` advances.
+    /// Build the plan of `tables` (batch order), before their `kv_len` advances; with `pad`, at
+    /// the fixed capacities of [`PlanPad`] (the caller checked that the tables fit them).
     pub(crate) fn build(
         &mut self,
         cfg: &RuntimeConfig,
@@ -221,18 +270,27 @@ impl StepPlan {
         input_ids: &[i32],
         map_pages: &[u32],
         map_values: &[i32],
+        pad: Option<&PlanPad>,
     ) {
         let b = cfg.block_size;
         self.arena.clear();
         self.layout = Default::default();
         self.num_seqs = tables.len();
         let rows = cfg.rows;
-        self.put(PlanField::InputIds, input_ids.iter().copied());
-        self.put(
+        let seqs = pad.map(|p| p.rows);
+        self.put_padded(
+            PlanField::InputIds,
+            input_ids.iter().copied(),
+            seqs.map(|n| n * rows),
+            0,
+        );
+        self.put_padded(
             PlanField::Positions,
             tables
                 .iter()
                 .flat_map(|t| (0..rows).map(move |r| i32_of(t.kv_len + r))),
+            seqs.map(|n| n * rows),
+            0,
         );
         // The page each token lands in (allocated by the manager before the plan).
         let page_of = |t: &RequestTable| -> i32 {
@@ -242,12 +300,19 @@ impl StepPlan {
                 t.pages.get(t.kv_len / b).map_or(-1, |&p| p as i32)
             }
         };
-        self.put(PlanField::PageIds, tables.iter().map(|t| page_of(t)));
-        self.put(
+        self.put_padded(
+            PlanField::PageIds,
+            tables.iter().map(|t| page_of(t)),
+            seqs,
+            -1,
+        );
+        self.put_padded(
             PlanField::Offsets,
             tables.iter().map(|t| i32_of(t.kv_len % b)),
+            seqs,
+            0,
         );
-        self.put(
+        self.put_padded(
             PlanField::HostIds,
             tables.iter().map(|t| {
                 if t.sparse {
@@ -256,10 +321,14 @@ impl StepPlan {
                     -1
                 }
             }),
+            seqs,
+            -1,
         );
-        self.put(
+        self.put_padded(
             PlanField::LastLen,
             tables.iter().map(|t| i32_of(t.kv_len % b + 1)),
+            seqs,
+            1,
         );
         // Attention: dense page table, or the K slots then the local page.
         self.open(PlanField::KvIndptr);
@@ -267,15 +336,12 @@ impl StepPlan {
         let mut total = 0usize;
         let mut max_pages = 0usize;
         for t in tables {
-            let n = if t.sparse {
-                t.slot_pages.len() + 1
-            } else {
-                t.pages.len()
-            };
+            let n = attention_pages(t);
             max_pages = max_pages.max(n);
             total += n;
             self.arena.push(i32_of(total));
         }
+        self.pad_to(PlanField::KvIndptr, seqs.map(|n| n + 1), i32_of(total));
         self.close(PlanField::KvIndptr);
         self.max_pages = max_pages;
         self.open(PlanField::KvIndices);
@@ -287,11 +353,13 @@ impl StepPlan {
                 self.arena.extend(t.pages.iter().map(|&p| p as i32));
             }
         }
+        self.pad_to(PlanField::KvIndices, pad.map(|p| p.rows * p.pages), -1);
         self.close(PlanField::KvIndices);
         self.put(PlanField::MapPages, map_pages.iter().map(|&p| p as i32));
         self.put(PlanField::MapValues, map_values.iter().copied());
 
-        // The sparse requests' selection tables.
+        // The sparse requests' selection tables: every sparse request, then (padded) empty entries
+        // up to `rows` when the runtime is sparse, or none.
         let sparse: Vec<(usize, &RequestTable)> = tables
             .iter()
             .enumerate()
@@ -299,30 +367,45 @@ impl StepPlan {
             .map(|(i, t)| (i, *t))
             .collect();
         self.num_sparse = sparse.len();
-        self.put(PlanField::SpRows, sparse.iter().map(|&(i, _)| i32_of(i)));
-        self.put(
+        let sp = pad.map(|p| if cfg.sparse { p.rows } else { 0 });
+        let blocks = pad.map_or(0, |p| p.blocks);
+        let csr_cap = sp.map(|s| (s, blocks));
+        self.put_padded(
+            PlanField::SpRows,
+            sparse.iter().map(|&(i, _)| i32_of(i)),
+            sp,
+            0,
+        );
+        self.put_padded(
             PlanField::SpSlots,
             sparse.iter().map(|(_, t)| t.slot as i32),
+            sp,
+            pad.map_or(-1, |p| p.dummy_slot),
         );
-        self.put(
+        self.put_padded(
             PlanField::SlotPages,
             sparse
                 .iter()
                 .flat_map(|(_, t)| t.slot_pages.iter().map(|&p| p as i32)),
+            sp.map(|s| s * cfg.top_k_blocks),
+            -1,
         );
         let cand = |t: &RequestTable| -> usize { ((t.kv_len + 1) / b).min(t.host_blocks.len()) };
         self.put_csr(
             PlanField::BlkIndptr,
             PlanField::BlkIndices,
             sparse.iter().map(|(_, t)| &t.host_blocks[..cand(t)]),
+            csr_cap,
         );
         if cfg.plan_blk_seq && cfg.rows == 2 {
-            self.put(
+            self.put_padded(
                 PlanField::BlkSeq,
                 sparse
                     .iter()
                     .enumerate()
-                    .flat_map(|(j, (_, t))| std::iter::repeat(i32_of(j)).take(cand(t))),
+                    .flat_map(|(j, (_, t))| std::iter::repeat_n(i32_of(j), cand(t))),
+                csr_cap.map(|(s, p)| s * p),
+                0,
             );
         } else {
             self.put(PlanField::BlkSeq, std::iter::empty());
@@ -331,6 +414,7 @@ impl StepPlan {
             PlanField::HostIndptr,
             PlanField::HostIndices,
             sparse.iter().map(|(_, t)| &t.host_blocks[..]),
+            csr_cap,
         );
         if cfg.measure_recall {
             let rec = |t: &RequestTable| -> usize { (t.kv_len / b).min(t.host_blocks.len()) };
@@ -338,19 +422,32 @@ impl StepPlan {
                 PlanField::RecIndptr,
                 PlanField::RecIndices,
                 sparse.iter().map(|(_, t)| &t.host_blocks[..rec(t)]),
+                csr_cap,
             );
         } else {
             self.put(PlanField::RecIndptr, std::iter::empty());
             self.put(PlanField::RecIndices, std::iter::empty());
         }
-        self.put(
+        self.put_padded(
             PlanField::DoneBlocks,
             sparse
                 .iter()
                 .filter(|(_, t)| t.kv_len % b == b - 1)
                 .filter_map(|(_, t)| t.host_blocks.get(t.kv_len / b).map(|&h| h as i32)),
+            sp,
+            -1,
         );
         let end = self.arena.len().div_ceil(ALIGN) * ALIGN;
         self.arena.resize(end, 0);
+    }
+}
+
+/// Pages the attention of request `t` reads this step: its dense page table, or the K slots and
+/// the local page.
+pub(crate) fn attention_pages(t: &RequestTable) -> usize {
+    if t.sparse {
+        t.slot_pages.len() + 1
+    } else {
+        t.pages.len()
     }
 }
