@@ -220,6 +220,40 @@ def test_causal_attention_with_cached_prefix_and_gqa():
     torch.testing.assert_close(two[3:], causal_attention(q[3:], k[3:], v[3:]))
 
 
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+DEVICES = ["cpu", pytest.param("cuda", marks=GPU)]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TOL = {
+    torch.float16: dict(atol=1e-3, rtol=1e-3),
+    torch.bfloat16: dict(atol=1e-3, rtol=1.6e-2),
+    torch.float32: dict(atol=1e-5, rtol=1.3e-6),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("nq, nk, hq, hkv", [(97, 97, 8, 2), (54, 131, 8, 2), (1, 97, 6, 3), (33, 54, 4, 4)])
+def test_causal_attention_against_a_reference(device, dtype, nq, nk, hq, hkv):
+    """Every path of causal_attention (one causal piece, a chunk after a cached prefix -- on a GPU
+    in 16 bits the flash kernel's bottom-right causal mask --, one query, GQA or not) against
+    float32 attention over an explicit mask and KV heads repeated by hand."""
+    g = torch.Generator().manual_seed(nq + nk)
+    q, k, v = (torch.randn(n, h, 64, generator=g) for n, h in ((nq, hq), (nk, hkv), (nk, hkv)))
+    got = causal_attention(*(x.to(device, dtype) for x in (q, k, v)), scale=0.1)
+    q, k, v = (x.to(dtype).float() for x in (q, k, v))  # the inputs as the kernel saw them
+    kr, vr = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, kr) * 0.1
+    seen = torch.arange(nk)[None, :] <= torch.arange(nq)[:, None] + (nk - nq)
+    ref = torch.einsum("hqk,khd->qhd", scores.masked_fill(~seen, float("-inf")).softmax(-1), vr)
+    assert got.shape == (nq, hq, 64) and got.dtype == dtype and got.is_contiguous()
+    tol = TOL[dtype]
+    if dtype == torch.bfloat16:
+        # NOTE: fused kernels round the softmax weights to bf16 before P @ V: an absolute error of
+        # about one bf16 ulp of |v| (2**-8), also on outputs near zero.
+        tol = dict(tol, atol=4e-3)
+    torch.testing.assert_close(got.float().cpu(), ref, **tol)
+
+
 def test_random_is_deterministic_and_meaningful():
     cfg = ModelConfig("llama", 100, 32, 64, 2, 4, 2)
     a, b, c = CausalLM.random(cfg, seed=7), CausalLM.random(cfg, seed=7), CausalLM.random(cfg, seed=8)

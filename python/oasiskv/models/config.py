@@ -357,3 +357,66 @@ def estimate_model_bytes(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -
     allocating anything; :class:`~oasiskv.models.transformer.CausalLM` checks it against the free
     memory of its device (:func:`oasiskv.memory.ensure_fits`)."""
     return cfg.num_parameters * dtype.itemsize
+
+
+#: Model-shaped configurations with no checkpoint behind them (benchmarks run them with random
+#: weights): the published shapes of released models, and ``tiny`` for a CPU smoke run.
+PRESETS: dict[str, ModelConfig] = {
+    # Qwen/Qwen3-8B config.json (36 layers, 32 query / 8 KV heads of 128, untied embeddings).
+    "qwen3-8b": ModelConfig(
+        family="qwen3",
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        eos_token_ids=[151645, 151643],
+    ),
+    # meta-llama/Llama-3.1-8B-Instruct config.json (llama3 RoPE scaling to 128K).
+    "llama3.1-8b": ModelConfig(
+        family="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        max_position_embeddings=131072,
+        bos_token_id=128000,
+        eos_token_ids=[128001, 128008, 128009],
+    ),
+    # Arbitrary: two layers of Qwen3 shape (GQA 4/2, q/k norm), seconds on 2 CPU cores.
+    "tiny": ModelConfig(
+        family="qwen3",
+        vocab_size=301,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=32768,
+    ),
+}
+
+
+def preset_config(name: str) -> ModelConfig:
+    """The :data:`PRESETS` entry ``name`` (a copy)."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name].replace()

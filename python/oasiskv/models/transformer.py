@@ -13,12 +13,19 @@ transformers (RMSNorm in float32, RoPE tables in float32 then cast to the comput
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.torch_version import TorchVersion
+
+try:  # torch >= 2.3
+    from torch.nn.attention.bias import CausalBias, causal_lower_right
+except ImportError:  # pragma: no cover - older torch: the explicit mask
+    CausalBias = causal_lower_right = None
 
 from oasiskv.errors import ConfigError, ContextLengthError, ShapeError
 from oasiskv.memory import ensure_fits, format_bytes
@@ -92,8 +99,32 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 # -------------------------------------------------------------------------------------- attention
+#: torch >= 2.5: SDPA's ``enable_gqa`` lets query head g read KV head g // (Hq // Hkv) in place (the
+#: flash kernel indexes the shared head); older torch repeats the KV heads (a copy of K and V).
+SDPA_GQA = TorchVersion(torch.__version__) >= (2, 5)
+#: Whether SDPA passes ``enable_gqa`` on to a ``CausalBias`` mask (else a GQA chunk takes the
+#: explicit mask).
+_BIAS_GQA = CausalBias is not None and "enable_gqa" in inspect.signature(CausalBias._dispatch).parameters
+
+
+def _chunk_mask(nq: int, nk: int, q: Tensor, gqa: bool):
+    """The causal mask of ``nq`` queries that are the LAST of ``nk`` positions (bottom-right
+    aligned): query i sees keys 0 ..= nk - nq + i.
+
+    On CUDA in 16-bit floats this is torch's ``causal_lower_right`` bias, which SDPA runs as the
+    flash kernel's own causal mask (flash aligns it bottom-right when nq < nk): nothing
+    materialised. Elsewhere (CPU, float32, where no fused kernel takes the bias) an explicit
+    boolean [nq, nk] mask.
+    """
+    fused = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    if causal_lower_right is not None and fused and (_BIAS_GQA or not gqa):
+        return causal_lower_right(nq, nk)
+    rows = torch.arange(nq, device=q.device)[:, None] + (nk - nq)
+    return torch.arange(nk, device=q.device)[None, :] <= rows
+
+
 def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
-    """Causal attention of ONE contiguous sequence (torch SDPA, GQA by repeating KV heads).
+    """Causal attention of ONE contiguous sequence (torch SDPA, GQA without copying KV heads).
 
     q [nq, Hq, D]; k, v [nk, Hkv, D] with nk >= nq. The queries are the LAST nq positions of the
     nk-long sequence (so a chunk can attend to a cached prefix). Query head g uses KV head
@@ -111,17 +142,25 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None
             "causal_attention needs nk >= nq and Hq a multiple "
             f"of Hkv; got nq={nq}, nk={nk}, Hq={hq}, Hkv={hkv}"
         )
+    gqa = {}
     if hq != hkv:
-        k = k.repeat_interleave(hq // hkv, dim=1)
-        v = v.repeat_interleave(hq // hkv, dim=1)
-    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+        if SDPA_GQA:
+            gqa["enable_gqa"] = True
+        else:
+            k = k.repeat_interleave(hq // hkv, dim=1)
+            v = v.repeat_interleave(hq // hkv, dim=1)
+    # NOTE: 4-D [1, heads, n, D] views. On CUDA SDPA picks a fused kernel (flash, memory-efficient)
+    # only for 4-D inputs; 3-D ones run the math backend, which materialises the [Hq, nq, nk]
+    # scores: 17 GB or more a layer for a 16K-token Qwen3-8B prompt, seconds of prefill.
+    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     if nq == nk:
-        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale)
+        out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, **gqa)
+    elif nq == 1:  # the last position sees every key: no mask
+        out = F.scaled_dot_product_attention(qt, kt, vt, scale=scale, **gqa)
     else:
-        rows = torch.arange(nq, device=q.device)[:, None] + (nk - nq)
-        mask = torch.arange(nk, device=q.device)[None, :] <= rows
-        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale)
-    return out.transpose(0, 1).contiguous()
+        mask = _chunk_mask(nq, nk, q, bool(gqa))
+        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, **gqa)
+    return out[0].transpose(0, 1).contiguous()
 
 
 def varlen_causal_attention(
