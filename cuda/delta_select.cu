@@ -384,14 +384,16 @@ __device__ void delta_select_warp_entry(
 // Entry points: one parameter struct for both (cuda/oasis_params.cuh), unpacked into the impls.
 extern "C" __global__ void __launch_bounds__(OASIS_SELECT_THREADS)
     delta_select_i32(const __grid_constant__ oasis::DeltaSelectParams p) {
+    const int step = p.step_now ? *p.step_now : p.step;
     oasis::delta_select_impl(p.predicted, p.slot_pages, p.page_map, p.page_last_selected, p.plan_slots,
-                             p.plan_blocks, p.stats, p.num_kv_heads, p.num_pred, p.budget, p.num_pages, p.step,
+                             p.plan_blocks, p.stats, p.num_kv_heads, p.num_pred, p.budget, p.num_pages, step,
                              p.fetch_cap);
 }
 
 extern "C" __global__ void __launch_bounds__(OASIS_SELECT_WARP_THREADS)
     delta_select_warp_i32(const __grid_constant__ oasis::DeltaSelectParams p) {
+    const int step = p.step_now ? *p.step_now : p.step;
     oasis::delta_select_warp_entry(p.predicted, p.slot_pages, p.page_map, p.page_last_selected, p.plan_slots,
                                    p.plan_blocks, p.stats, p.num_kv_heads, p.num_pred, p.budget, p.num_pages,
-                                   p.step, p.fetch_cap, p.num_seqs);
+                                   step, p.fetch_cap, p.num_seqs);
 }

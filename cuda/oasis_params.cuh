@@ -175,6 +175,7 @@ struct DeltaSelectParams {
     int* plan_slots;         // [num_seqs, num_kv_heads, fetch_cap] victim slot or -1
     int* plan_blocks;        // [num_seqs, num_kv_heads, fetch_cap] missing block or -1
     int* stats;              // [num_seqs, num_kv_heads, 3] (pairs, kept, missing) or null
+    const int* step_now;     // [1] the step, read on the device (a captured CUDA graph), or null: `step`
     int num_kv_heads;
     int num_pred;
     int budget;

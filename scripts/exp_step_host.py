@@ -38,6 +38,9 @@ def main() -> None:
     ap.add_argument("--top-k-blocks", type=int, default=64)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--no-recall", action="store_true", help="KvConfig(measure_recall=False)")
+    ap.add_argument("--cuda-graph", action="store_true", help="Engine(cuda_graph=True): replay captured steps")
+    ap.add_argument("--backend", choices=["oasis", "dense"], default="oasis")
+    ap.add_argument("--full", action="store_true", help="Qwen3-8B's MLP and vocabulary too (GPU time)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -46,9 +49,9 @@ def main() -> None:
     dtype = torch.bfloat16 if cuda else torch.float32
     cfg = ModelConfig(
         family="qwen3",
-        vocab_size=4096,
-        hidden_size=1024,
-        intermediate_size=1024,
+        vocab_size=151936 if args.full else 4096,
+        hidden_size=4096 if args.full else 1024,
+        intermediate_size=12288 if args.full else 1024,
         num_hidden_layers=args.layers,
         num_attention_heads=32,
         num_key_value_heads=8,
@@ -61,7 +64,8 @@ def main() -> None:
         block_size=16, top_k_blocks=args.top_k_blocks, fetch_cap=0.05, measure_recall=not args.no_recall
     )
     drafter = NgramDrafter()
-    eng = mod.Engine(model, kv, "oasis", drafter)
+    extra = {"cuda_graph": True} if args.cuda_graph else {}
+    eng = mod.Engine(model, kv, args.backend, drafter, **extra)
     g = torch.Generator().manual_seed(0)
     reqs = []
     for i in range(args.requests):
@@ -74,7 +78,8 @@ def main() -> None:
         logits = eng.prefill(r)
         r.tokens.append(int(logits.argmax()))
         r.draft = 1
-        eng.make_sparse(r)
+        if args.backend == "oasis":
+            eng.make_sparse(r)
     host, step = [], []
     for s in range(args.steps + 2):
         if cuda:
@@ -93,6 +98,10 @@ def main() -> None:
             r.draft = 2
     res = dict(
         engine=args.engine,
+        backend=args.backend,
+        cuda_graph=args.cuda_graph,
+        full=args.full,
+        graph_stats=getattr(eng, "graph_stats", None),
         requests=args.requests,
         layers=args.layers,
         context=args.context,

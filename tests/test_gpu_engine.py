@@ -41,9 +41,9 @@ def _prompts(vocab, lens, seed=0):
     return out
 
 
-def _teacher_forced_logits(model, kv, backend, prompts, forced, drafter="ngram"):
+def _teacher_forced_logits(model, kv, backend, prompts, forced, drafter="ngram", **engine_kw):
     """Prefill, then decode with the given tokens forced (not sampled); returns [steps, reqs, vocab]."""
-    eng = Engine(model, kv, backend, oasiskv.drafters.make_drafter(drafter))
+    eng = Engine(model, kv, backend, oasiskv.drafters.make_drafter(drafter), **engine_kw)
     reqs = [_Request(id=i, prompt=p, max_new_tokens=len(forced[i]) + 1) for i, p in enumerate(prompts)]
     eng.ensure_pools(reqs)
     for r in reqs:

@@ -249,3 +249,74 @@ def test_runtime_errors_are_typed():
         make_runtime(4, 2, 8, 2, 2**40, 16)
     with pytest.raises(errors.ConfigError, match="caps"):
         rt.grow(17, 0)
+
+
+def test_padded_plan_keeps_its_layout_and_pads_as_documented():
+    """``plan(..., pad)``: the plain plan's values first in every field, then the documented
+    padding, at offsets that do not move from step to step; mapping updates stay pending."""
+    b, k = 4, 2
+    rt = make_runtime(b, k, 8, 2, 64, 64)
+    rt.admit(1, 5, 30)  # dense for a while
+    rt.admit(2, 10, 30)  # past the threshold: sparse at once
+    rt.make_sparse(2)
+    rt.take_map_updates()
+    rows, pages, blocks, dummy = 4, 16, 16, 8
+    layouts = []
+    for step in range(6):
+        if rt.wants_sparse(1):
+            rt.make_sparse(1)
+            rt.take_map_updates()
+        ids = [1, 2]
+        before = {i: rt.table(i) for i in ids}
+        need_pages, need_blocks = rt.step_needs(ids)
+        assert need_pages <= pages and need_blocks <= blocks
+        n, layout, n_sparse, _ = rt.plan(ids, [step] * 4, (rows, pages, blocks, dummy))
+        # The plan is a function of the tables the step runs with (allocated, not advanced).
+        tables = {i: dict(rt.table(i), kv_len=before[i]["kv_len"]) for i in ids}
+        want, _ = ref_plan(tables, ids, b, k, 2, True, True, [step] * 4)
+        assert need_pages == max(len(t["pages"]) or k + 1 for t in tables.values())
+        assert need_blocks == max(len(t["host_blocks"]) for t in tables.values())
+        layouts.append(layout)
+        buf = torch.full((n,), -7, dtype=torch.int32)
+        rt.write_plan(buf)
+        got = {name: buf[s : s + ln].tolist() for name, (s, ln) in layout.items()}
+        assert got["map_pages"] == [] and got["map_values"] == []
+        rt.take_map_updates()
+        caps = {
+            "input_ids": (rows * 2, 0),
+            "positions": (rows * 2, 0),
+            "page_ids": (rows, -1),
+            "offsets": (rows, 0),
+            "host_ids": (rows, -1),
+            "last_len": (rows, 1),
+            "kv_indices": (rows * pages, -1),
+            "sp_rows": (rows, 0),
+            "sp_slots": (rows, dummy),
+            "slot_pages": (rows * k, -1),
+            "blk_indices": (rows * blocks, -1),
+            "blk_seq": (rows * blocks, 0),
+            "host_indices": (rows * blocks, -1),
+            "rec_indices": (rows * blocks, -1),
+            "done_blocks": (rows, -1),
+        }
+        for ptr in ("kv_indptr", "blk_indptr", "host_indptr", "rec_indptr"):
+            caps[ptr] = (rows + 1, want[ptr][-1])
+        for name, (cap, fill) in caps.items():
+            w, g = want[name], got[name]
+            assert len(g) == cap, (step, name)
+            assert g[: len(w)] == w, (step, name)
+            assert all(x == fill for x in g[len(w) :]), (step, name)
+        assert n_sparse == sum(t["sparse"] for t in tables.values())
+    assert all(lay == layouts[0] for lay in layouts)
+    with pytest.raises(errors.InvalidArgumentError, match="step_needs"):
+        rt.plan([1, 2], [0] * 4, (rows, 1, blocks, dummy))
+
+
+def test_capacity_buckets_of_captured_steps():
+    from oasiskv.engine import _bucket, _round_cap
+
+    assert [_bucket(n) for n in (1, 2, 3, 5, 8, 9, 64, 65)] == [1, 2, 4, 8, 8, 16, 64, 128]
+    assert _round_cap(0) == 0
+    for x in (1, 15, 16, 17, 100, 129, 1025, 4097, 70000):
+        c = _round_cap(x)
+        assert x <= c <= max(16, x) * 1.25 and c >= 16, (x, c)

@@ -227,9 +227,11 @@ def delta_select(
     plan_blocks: torch.Tensor,
     *,
     stats: torch.Tensor | None = None,
+    step_now: torch.Tensor | None = None,
     stream: int = 0,
 ) -> tuple[int, int, int] | None:
-    """Delta selection with capped eviction; (pairs, kept, missing) on the CPU, None on the GPU."""
+    """Delta selection with capped eviction; (pairs, kept, missing) on the CPU, None on the GPU.
+    ``step_now`` (GPU only, int32 [1]): the step, read by the kernel when it runs."""
 
 def gather_blocks(
     geo: KvGeometry,

@@ -111,12 +111,15 @@ def decode_attention(
     out: torch.Tensor | None = None,
     max_pages_per_seq: int = 0,
     num_splits: int = 0,
+    workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of stacked query rows ``q [num_seqs, num_rows, num_qo_heads, head_dim]``.
 
     ``max_pages_per_seq`` (a bound on any sequence's page count; 0 = ``len(kv_indices)``) lets the
     GPU path plan its split of long contexts without reading the tables back; ``num_splits`` forces
-    a split count (0 = plan it from the SM count). The CPU ignores both."""
+    a split count (0 = plan it from the SM count). ``workspace`` (float32, at least
+    ``_core.decode_attn_workspace_len`` elements) replaces the per-stream split workspace, for a
+    caller that must own it (a captured CUDA graph). The CPU ignores all three."""
     dev = _check_device(q, k_pages, out)
     if out is None:
         out = torch.empty_like(q)
@@ -125,17 +128,19 @@ def decode_attention(
     gpu = {}  # the CPU path takes none of these
     if dev.type == "cuda":
         stream = _stream(dev)
-        splits, workspace = int(num_splits), None
+        splits = int(num_splits)
         if q.dim() == 4:  # else the native module raises the shape error
             num_seqs, num_rows = q.shape[0], q.shape[1]
             if splits == 0:
                 max_pages = int(max_pages_per_seq) or kv_indices.numel()
                 splits = _core.plan_num_splits(_num_sms(dev), num_seqs, geo.num_kv_heads, max_pages)
-            if splits > 1:
+            if splits > 1 and workspace is None:
                 need = _core.decode_attn_workspace_len(
                     num_seqs, num_rows, geo.num_qo_heads, geo.head_dim, splits
                 )
                 workspace = _workspace(dev, stream, need)
+            elif splits <= 1:
+                workspace = None
         gpu = dict(
             num_splits=splits, max_pages_per_seq=int(max_pages_per_seq), workspace=workspace, stream=stream
         )
@@ -223,7 +228,7 @@ def delta_select(
     slot_pages,
     page_map,
     page_last_selected,
-    step: int,
+    step: int | torch.Tensor,
     fetch_cap: int,
     plan_slots=None,
     plan_blocks=None,
@@ -231,6 +236,9 @@ def delta_select(
     stats: torch.Tensor | None = None,
 ):
     """Delta selection with capped eviction. Returns ``(plan_slots, plan_blocks, stats)``.
+
+    ``step`` may be an int32 tensor of one element on the device of the call: the kernel then
+    reads it when it runs (a captured CUDA graph replays with the step of the replay).
 
     ``stats`` is ``(pairs, kept, missing)`` summed over sequences and heads on the CPU. On the GPU it
     is the ``stats`` tensor passed in (int32 ``[num_seqs, num_kv_heads, 3]``, filled per (seq, head)
@@ -241,6 +249,12 @@ def delta_select(
         plan_slots = torch.empty(n, num_kv_heads, fetch_cap, dtype=torch.int32, device=dev)
     if plan_blocks is None:
         plan_blocks = torch.empty(n, num_kv_heads, fetch_cap, dtype=torch.int32, device=dev)
+    step_now = None
+    if isinstance(step, torch.Tensor):
+        if dev.type == "cuda":
+            step_now, step = step, 0
+        else:
+            step = int(step)
     totals = _core.delta_select(
         num_kv_heads,
         predicted,
@@ -252,6 +266,7 @@ def delta_select(
         plan_slots,
         plan_blocks,
         stats=stats,
+        step_now=step_now,
         stream=_stream(dev),
     )
     return plan_slots, plan_blocks, (totals if dev.type != "cuda" else stats)

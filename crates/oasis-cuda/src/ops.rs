@@ -941,6 +941,7 @@ impl Gpu {
         page_map: DevSlice<i32>,           // [num_pages, num_kv_heads]
         page_last_selected: DevSlice<i32>, // [num_pages, num_kv_heads]
         step: i32,
+        step_now: Option<DevSlice<i32>>, // [1]: the step read on the device, overriding `step`
         fetch_cap: usize,
         plan_slots: DevSlice<i32>,    // [num_seqs, num_kv_heads, fetch_cap]
         plan_blocks: DevSlice<i32>,   // [num_seqs, num_kv_heads, fetch_cap]
@@ -982,6 +983,9 @@ impl Gpu {
             if let Some(st) = &stats {
                 check_len("stats", st.len(), &[num_seqs, h, 3])?;
             }
+            if let Some(sn) = &step_now {
+                check_len("step_now", sn.len(), &[1])?;
+            }
 
             // The parameters of both kernels (only the warp kernel reads num_seqs).
             let params = DeltaSelectParams {
@@ -992,6 +996,7 @@ impl Gpu {
                 plan_slots: plan_slots.into(),
                 plan_blocks: plan_blocks.into(),
                 stats: stats.into(),
+                step_now: step_now.into(),
                 num_kv_heads: int("num_kv_heads", h)?,
                 num_pred: int("num_pred", num_pred)?,
                 budget: int("budget", budget)?,

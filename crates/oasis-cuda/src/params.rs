@@ -369,6 +369,7 @@ kernel_params! {
         pub plan_slots: DevPtr,         // [num_seqs, num_kv_heads, fetch_cap]
         pub plan_blocks: DevPtr,        // [num_seqs, num_kv_heads, fetch_cap]
         pub stats: DevPtr,              // [num_seqs, num_kv_heads, 3] or null
+        pub step_now: DevPtr,           // [1] or null (then `step`)
         pub num_kv_heads: i32,
         pub num_pred: i32,
         pub budget: i32,

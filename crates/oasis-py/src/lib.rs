@@ -901,7 +901,7 @@ fn topk_blocks(
 }
 
 #[pyfunction]
-#[pyo3(signature = (num_kv_heads, predicted, slot_pages, page_map, page_last_selected, step, fetch_cap, plan_slots, plan_blocks, *, stats = None, stream = 0))]
+#[pyo3(signature = (num_kv_heads, predicted, slot_pages, page_map, page_last_selected, step, fetch_cap, plan_slots, plan_blocks, *, stats = None, step_now = None, stream = 0))]
 #[allow(clippy::too_many_arguments)]
 /// Delta selection with capped least-recently-selected eviction. Updates page_map and
 /// page_last_selected in place and writes the plan.
@@ -927,6 +927,7 @@ fn delta_select(
     plan_slots: TensorArg,
     plan_blocks: TensorArg,
     stats: Option<TensorArg>,
+    step_now: Option<TensorArg>,
     stream: u64,
 ) -> PyResult<Option<(usize, usize, usize)>> {
     entry(py, "delta_select", || {
@@ -941,7 +942,13 @@ fn delta_select(
         if let Some(st) = &stats {
             all.push(("stats", st));
         }
+        if let Some(sn) = &step_now {
+            all.push(("step_now", sn));
+        }
         let cx = Cx::new(py, &all, &[])?;
+        if let Some(sn) = &step_now {
+            sn.expect_shape(&cx, "step_now", &[1])?;
+        }
         let ns = predicted.dim(&cx, "predicted", 3, 0)?;
         let np = predicted.dim(&cx, "predicted", 3, 2)?;
         predicted.expect_shape(&cx, "predicted", &[ns, num_kv_heads, np])?;
@@ -966,6 +973,13 @@ fn delta_select(
                         py,
                         "InvalidArgumentError",
                         "stats is filled by the GPU kernel only; on the CPU delta_select returns the totals (pairs, kept, missing): pass stats=None".into(),
+                    ));
+                }
+                if step_now.is_some() {
+                    return Err(py_err(
+                        py,
+                        "InvalidArgumentError",
+                        "step_now is read by the GPU kernel only; on the CPU pass the step as `step` and step_now=None".into(),
                     ));
                 }
                 // SAFETY: all i32 on the CPU with the checked shapes; the four mutable ones are disjoint.
@@ -1009,6 +1023,8 @@ fn delta_select(
                     )
                 };
                 let sd = stats.as_ref().map(|s| unsafe { s.dev::<i32>() });
+                // SAFETY: as above (int32 [1] on cuda:dev, checked; only read).
+                let sn = step_now.as_ref().map(|s| unsafe { s.dev::<i32>() });
                 on_gpu(py, "delta_select", dev, stream, &[], move |gpu, st| {
                     gpu.delta_select(
                         num_kv_heads,
@@ -1019,6 +1035,7 @@ fn delta_select(
                         pm,
                         pls,
                         step,
+                        sn,
                         fetch_cap,
                         ps,
                         pb,
