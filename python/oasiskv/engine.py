@@ -669,20 +669,17 @@ class Engine:
 
         p = self.pools
         self._join_background()
-        b = self.kv.block_size
         n = len(r.prompt)
-        n_blocks = math.ceil(n / b)
-        page_idx = torch.tensor(r.pages, dtype=torch.long, device=self.device)
         scale = self.geo.head_dim**-0.5
-        hk, d = self.geo.num_kv_heads, self.geo.head_dim
+        d = self.geo.head_dim
         layers = self.cfg.num_hidden_layers
         self._last_row = {r.id: 0}
+        rows = self._kv_rows(r, n)
 
         def store(layer, k, v):
-            pad = n_blocks * b - n
-            for src, pool in ((k, p.k_pages[layer]), (v, p.v_pages[layer])):
-                x = torch.nn.functional.pad(src.to(self.dtype), (0, 0, 0, 0, 0, pad))
-                pool[page_idx] = x.view(n_blocks, b, hk, d).transpose(1, 2)
+            # One row copy per tensor straight into the pages: no padded or transposed copy.
+            p.k_pages[layer].view(-1, d).index_copy_(0, rows, k.to(self.dtype).reshape(-1, d))
+            p.v_pages[layer].view(-1, d).index_copy_(0, rows, v.to(self.dtype).reshape(-1, d))
 
         cache = self.prefill_cache
         key = (id(getattr(self.model, "prefill_model", self.model)), self.dtype, tuple(r.prompt))
@@ -703,7 +700,8 @@ class Engine:
             if cache is not None:
                 ks.append(k.to(self.dtype))
                 vs.append(v.to(self.dtype))
-            self._last_q[layer] = q[-1:].to(self.dtype)
+            # A copy: a view would keep the layer's whole [n, Hq, D] queries alive.
+            self._last_q[layer] = q[-1:].to(self.dtype, copy=True)
             return o
 
         ids = torch.tensor(r.prompt, dtype=torch.long, device=self.device)
@@ -748,27 +746,30 @@ class Engine:
 
         p, dev = self.pools, self.device
         self._join_background()
-        b, n = self.kv.block_size, len(r.prompt)
+        n = len(r.prompt)
         hk, d = self.geo.num_kv_heads, self.geo.head_dim
         scale = d**-0.5
-        pages = torch.tensor(r.pages, dtype=torch.long, device=dev)
         pos = torch.arange(start, end, device=dev)
-        page_of, off = pages[pos // b], pos % b
-        prev = math.ceil(start / b)  # pages holding the prefix
         final = end == n
+        rows = self._kv_rows(r, end)  # positions 0 .. end - 1
+        new_rows = rows[start * hk :]
 
         def attn(layer, q, k, v):
-            k_all, v_all = k, v
-            if start:
-                kp = p.k_pages[layer][pages[:prev]].transpose(1, 2).reshape(prev * b, hk, d)[:start]
-                vp = p.v_pages[layer][pages[:prev]].transpose(1, 2).reshape(prev * b, hk, d)[:start]
-                k_all = torch.cat([kp.to(k.dtype), k])
-                v_all = torch.cat([vp.to(v.dtype), v])
+            # Store the chunk first, then read positions 0 .. end - 1 back with ONE gather per
+            # tensor into a contiguous [end, Hkv, D] buffer (the prefix's pages are read once per
+            # layer; earlier this took a page gather, a transposing copy and a concatenation).
+            # NOTE: the prefix is still copied once per layer and chunk, O(layers * n**2 / chunk)
+            # bytes over a prompt; a paged prefill attention kernel would read the pages in place.
+            kp, vp = p.k_pages[layer].view(-1, d), p.v_pages[layer].view(-1, d)
+            kp.index_copy_(0, new_rows, k.to(self.dtype).reshape(-1, d))
+            vp.index_copy_(0, new_rows, v.to(self.dtype).reshape(-1, d))
+            k_all = kp.index_select(0, rows).view(end, hk, d).to(k.dtype)
+            v_all = vp.index_select(0, rows).view(end, hk, d).to(v.dtype)
+            if self.dtype != k.dtype:  # the chunk's own K/V unrounded, as one prefill has them
+                k_all[start:], v_all[start:] = k, v
             o = causal_attention(q, k_all, v_all, scale)
-            p.k_pages[layer][page_of, :, off] = k.to(self.dtype)
-            p.v_pages[layer][page_of, :, off] = v.to(self.dtype)
             if final:
-                self._last_q[layer] = q[-1:].to(self.dtype)
+                self._last_q[layer] = q[-1:].to(self.dtype, copy=True)
             return o
 
         ids = torch.tensor(r.prompt[start:end], dtype=torch.long, device=dev)
@@ -785,6 +786,19 @@ class Engine:
             self._last_row = {r.id: 0}
             return logits[0]
         return None
+
+    def _kv_rows(self, r: _Request, end: int) -> torch.Tensor:
+        """Rows of a layer's page pool viewed as ``[num_pages * num_kv_heads * block_size,
+        head_dim]`` that hold positions ``0 .. end - 1`` of ``r``: ``[end * num_kv_heads]``
+        (int64, on the device), position-major, so a ``[end, num_kv_heads, head_dim]`` tensor
+        viewed as ``[-1, head_dim]`` writes (``index_copy_``) or reads (``index_select``) its
+        K or V with one kernel."""
+        b, hk = self.kv.block_size, self.geo.num_kv_heads
+        dev = self.device
+        pos = torch.arange(end, device=dev)
+        pages = torch.tensor(r.pages[: math.ceil(end / b)], dtype=torch.long, device=dev)
+        heads = torch.arange(hk, device=dev)
+        return ((pages[pos // b, None] * hk + heads) * b + (pos % b)[:, None]).view(-1)
 
     def _take_features(self, r: _Request, feats: torch.Tensor | None) -> None:
         """``r.features`` := the last prompt position's features; a drafter that wants them gets
