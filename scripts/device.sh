@@ -16,7 +16,8 @@
 #   device call 3, as quickly: carry [".stage/c", "dist", ".whl"], command
 #   `bash scripts/device.sh run ...`: it joins the parts, checks the hash, installs it.
 # Later calls of the same warm lease: `bash scripts/device.sh train-head` (MINUTES, STOP,
-# TRAIN_ARGS) and `bash scripts/device.sh eval <oasis eval args>` (see docs/EVAL.md).
+# TRAIN_ARGS), `bash scripts/device.sh eval <oasis eval args>` (see docs/EVAL.md) and
+# `bash scripts/device.sh fig11 <python -m oasiskv.bench.serve --fig11 args>` (oasiskv/bench/fig11.py).
 #
 # The GPU machine has torch, transformers, tokenizers, safetensors but no cargo and no network;
 # the wheel is abi3 (cp311) so it loads on its Python 3.12.
@@ -145,8 +146,19 @@ eval)
     tail -n 5 /tmp/eval.log
     tar czf "$OUT/eval.tgz" -C /tmp eval eval.log
     ;;
+fig11)
+    # After `run` in this warm lease: the serving benchmark's decode sweep (the paper's Fig. 11),
+    # report in $OUT/fig11.{json,md,png}. The JSON and markdown are rewritten after every row, so a
+    # sweep cut short by the time limit (FIG11_SECS) keeps the rows it made.
+    : "${OUT:?run this on the device machine, where OUT is set}"
+    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+    cd /tmp
+    timeout "${FIG11_SECS:-570}" python3 -m oasiskv.bench.serve --fig11 --json "$OUT/fig11.json" \
+        --md "$OUT/fig11.md" --png "$OUT/fig11.png" "$@" > "$OUT/fig11.log" 2>&1 || echo "fig11 rc=$?"
+    tail -n 40 "$OUT/fig11.log"
+    ;;
 *)
-    echo "usage: scripts/device.sh build|run|stage-model|receive a|b|train-head|eval" >&2
+    echo "usage: scripts/device.sh build|run|stage-model|receive a|b|train-head|eval|fig11" >&2
     exit 2
     ;;
 esac

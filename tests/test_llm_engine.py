@@ -496,3 +496,46 @@ def test_delta_outputs_carry_the_tokens_once(model):
     assert sum((o.new_token_ids for o in delta), []) == delta[-1].token_ids and len(delta[-1].token_ids) == 6
     with pytest.raises(errors.ConfigError, match="output_kind"):
         LLMEngine(model, output_kind="final")
+
+
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU)])
+def test_the_device_host_pool_oracle_decodes_as_the_pinned_pool(model, device):
+    """``host_pool="device"`` (the all-resident oracle of the serving benchmark) runs the same
+    selection with the host pool beside the pages on the model's device: the tokens and the bytes
+    fetched are those of the pinned pool (the gather copies the same bytes from elsewhere), the
+    requests do turn sparse, and only the host pool's place differs."""
+    model = model if device == "cpu" else tiny().to(device)  # the fixture's model stays on the CPU
+    kv = KvConfig(**README_KV)
+    runs = {}
+    for where in ("pinned", "device"):
+        eng = LLMEngine(model, kv=kv, drafter="ngram", max_num_seqs=2, host_pool=where)
+        rids = [
+            eng.add_request(prompt(n, n), SamplingParams(max_tokens=12, ignore_eos=True)) for n in (90, 150)
+        ]
+        outs = eng.run_to_completion(rids)
+        pools = eng.engine.pools
+        host = pools.host_k[0]
+        assert pools.num_host_blocks > 0 and all(outs[r].metrics.sparse_steps > 0 for r in rids)
+        if where == "device":
+            assert host.device == pools.k_pages[0].device
+        else:
+            assert host.device.type == "cpu" and host.is_pinned() == (device == "cuda")
+        runs[where] = [(outs[r].token_ids, outs[r].metrics.fetched_bytes_total) for r in rids]
+        assert pools_are_full(eng)
+    assert runs["device"] == runs["pinned"]
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"host_pool": "gpu"}, "host_pool must be one of"),
+        ({"host_pool": None}, "host_pool must be one of"),
+        ({"host_pool": "device", "backend": "dense"}, "has no host pool"),
+    ],
+)
+def test_bad_host_pool(model, kw, match):
+    with pytest.raises(errors.ConfigError, match=match):
+        LLMEngine(model, **kw)

@@ -4,6 +4,7 @@
 ``oasis generate``  generate from any local model (HF directory or GGUF) with either backend.
 ``oasis eval``      accuracy evaluation: lookahead accuracy, decode fidelity, retrieval (docs/EVAL.md).
 ``oasis serve``     an OpenAI-compatible HTTP server (oasiskv.serve).
+``oasis bench``     the benchmarks: ``oasis bench serve ARGS`` is ``python -m oasiskv.bench.serve ARGS``.
 """
 
 from __future__ import annotations
@@ -202,6 +203,16 @@ def cmd_eval(args) -> int:
         return 2
 
 
+#: ``oasis bench NAME``: the modules of :mod:`oasiskv.bench` with a ``main(argv)``.
+BENCHES = ("kernels", "prefill", "serve")
+
+
+def cmd_bench(args) -> int:
+    import importlib
+
+    return importlib.import_module(f"oasiskv.bench.{args.bench}").main(args.args)
+
+
 def _kv_flags(p: argparse.ArgumentParser, top_k: int) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--top-k-blocks", type=int, default=top_k, help="working-set budget in blocks per KV head")
@@ -252,6 +263,16 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, /metrics)")
     serve_arguments(s)
     s.set_defaults(func=cmd_serve)
+    from importlib.util import find_spec
+
+    b = sub.add_parser(
+        "bench", help="benchmarks: oasis bench NAME [ARGS] runs python -m oasiskv.bench.NAME ARGS"
+    )
+    b.add_argument("bench", choices=[n for n in BENCHES if find_spec(f"oasiskv.bench.{n}")])
+    b.add_argument(
+        "args", nargs=argparse.REMAINDER, help="the benchmark's own flags (NAME --help lists them)"
+    )
+    b.set_defaults(func=cmd_bench)
     return ap
 
 

@@ -4,6 +4,9 @@
         [--prompt-tokens 512] [--max-tokens 64] [--requests 32] [--json out.json]
     python -m oasiskv.bench.serve --in-process MODEL [engine flags of `oasis serve`] [same sweep]
     python -m oasiskv.bench.serve --endpoint URL ... --baseline in_process.json   # ratio column
+    python -m oasiskv.bench.serve --fig11 [--preset qwen3-8b | --model DIR] [--contexts 16384,32768]
+        [--concurrency 1,4,16,32,64] [--modes dense,oasis,oracle] [--gpu-kv-budget h100] ...
+        # the paper's Fig. 11: decode throughput vs concurrency (see oasiskv.bench.fig11)
 
 At each concurrency ``C``, ``C`` clients each send their next request as soon as the previous
 one finished, until ``--requests`` have run. Every request is the same size: ``--prompt-tokens``
@@ -15,6 +18,11 @@ request runs first (the first forward of a process is slow).
 
 For a fair comparison start the server with the same engine flags as ``--in-process`` and a
 ``--max-num-seqs`` of at least the largest concurrency.
+
+``--fig11`` is another experiment (``oasiskv.bench.fig11``): all requests of a concurrency level
+arrive at once and decode together, dense vs OasisKV vs the all-resident oracle, over random
+weights of a model-shaped preset; it reports decode throughput, TPOT, memory, bytes fetched,
+kernels per layer and the fraction of the roofline, as JSON, a markdown table and a plot.
 """
 
 from __future__ import annotations
@@ -27,8 +35,19 @@ import statistics
 import sys
 import time
 
+from . import fig11
+
 #: Prompt ids are drawn from [lo, hi): past the special tokens, inside every real vocabulary.
 PROMPT_ID_RANGE = (256, 16000)
+#: Defaults of the flags whose default depends on the experiment.
+SWEEP_DEFAULTS = {"concurrency": "1,4,16", "max_tokens": 64, "json": "bench_serve.json"}
+FIG11_DEFAULTS = {
+    "concurrency": "1,4,16,32,64",
+    "max_tokens": 48,
+    "json": "bench_fig11.json",
+    "md": "bench_fig11.md",
+    "png": "bench_fig11.png",
+}
 
 
 def make_prompts(n: int, prompt_tokens: int, seed: int) -> list[list[int]]:
@@ -173,7 +192,8 @@ def _fmt(v, scale: float = 1.0, digits: int = 1) -> str:
     return "-" if v is None else f"{v * scale:.{digits}f}"
 
 
-def print_table(rows: list[dict], baseline: dict[int, dict] | None, file=sys.stdout) -> None:
+def print_table(rows: list[dict], baseline: dict[int, dict] | None, file=None) -> None:
+    file = file or sys.stdout  # looked up now: a default bound at import misses later redirections
     head = ["conc", "reqs", "tok/s", "req/s", "TTFT p50 ms", "TTFT p90 ms", "TPOT p50 ms", "TPOT p90 ms"]
     if baseline:
         head.append("x baseline")
@@ -210,22 +230,36 @@ def build_parser() -> argparse.ArgumentParser:
     where = ap.add_mutually_exclusive_group(required=True)
     where.add_argument("--endpoint", help="a running server, e.g. http://127.0.0.1:8000")
     where.add_argument("--in-process", metavar="MODEL", help="run the sweep on an LLMEngine in this process")
-    ap.add_argument("--model", default=None, help="the model id to request (default: the server's)")
+    where.add_argument(
+        "--fig11", action="store_true", help="decode throughput vs concurrency (the paper's Fig. 11)"
+    )
+    ap.add_argument(
+        "--model",
+        default=None,
+        help="the model id to request (default: the server's); --fig11: a local model instead of --preset",
+    )
     ap.add_argument("--api-key", default=None)
-    ap.add_argument("--concurrency", default="1,4,16", help="comma-separated client counts")
+    ap.add_argument("--concurrency", default=None, help="comma-separated client counts (default 1,4,16)")
     ap.add_argument("--prompt-tokens", type=int, default=512)
-    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=None, help="new tokens per request (default 64)")
     ap.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per HTTP request")
-    ap.add_argument("--json", default="bench_serve.json", help="write the results here ('' for none)")
+    ap.add_argument(
+        "--json", default=None, help="write the results here (default bench_serve.json; '': none)"
+    )
     ap.add_argument("--baseline", default=None, help="a JSON written by an earlier run: adds a ratio column")
     add_engine_arguments(ap)
+    fig11.add_arguments(ap)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    defaults = (FIG11_DEFAULTS if args.fig11 else SWEEP_DEFAULTS).items()
+    for name, value in defaults:
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     try:
         levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
     except ValueError:
@@ -237,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.fig11:
+        args.concurrency = levels
+        return fig11.main(args)
     baseline = None
     if args.baseline:
         with open(args.baseline, encoding="utf-8") as f:

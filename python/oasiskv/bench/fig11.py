@@ -1,0 +1,759 @@
+"""The paper's Fig. 11 on one machine: decode throughput against concurrency, dense vs OasisKV vs
+the all-resident oracle, one process, one model.
+
+    python -m oasiskv.bench.serve --fig11 [--preset qwen3-8b | --model DIR]
+        [--contexts 16384,32768] [--concurrency 1,4,16,32,64] [--modes dense,oasis,oracle]
+        [--max-tokens 48] [--gpu-kv-budget h100] [--top-k-blocks 128 --fetch-cap 0.05]
+        [--cuda-graph] [--json F --md F --png F]
+
+Modes (each an :class:`~oasiskv.LLMEngine` over the same model):
+
+* ``dense``: the dense backend; its KV must fit the GPU KV budget.
+* ``oasis``: OasisKV, the host pool in pinned CPU memory (gathers over PCIe).
+* ``oracle``: OasisKV with ``host_pool="device"``: the same selection, but the host pool is a
+  copy of the full KV on the GPU, so every gather is device to device. It bounds what the PCIe
+  transfers cost; it needs the whole KV of every request in GPU memory.
+
+Per (context, mode, concurrency ``C``): ``C`` requests of the same context arrive at once; every
+one is prefilled first (the engine's admission and prefill, no decode step), then they decode
+``--max-tokens`` together (greedy, ``ignore_eos``), so the decode phase runs at exactly ``C``. Its
+first step is a warm-up (and on CUDA one more is profiled); the rest are timed. Reported:
+
+* decode tokens/s (``C`` x timed steps / their time) and TPOT p50/p99 (the timed steps' times:
+  every request makes one token per step), TTFT p50/p99 from the common arrival (queueing behind
+  the other prefills included), and per context the cold TTFT of one request alone;
+* peak GPU memory, the host pool's bytes and place, GPU KV bytes (pages and summaries), bytes
+  fetched per request and step (``RequestMetrics.fetched_bytes_per_step``);
+* kernels per layer and step: CUDA kernel launches of one decode step (``torch.profiler``)
+  divided by ``num_hidden_layers`` (CUDA only);
+* the roofline: the bytes one decode step must read (the weights once, and per request what its
+  attention reads: dense, the whole context's K and V; oasis and oracle, ``K + 1`` pages per KV
+  head and layer plus the summaries scored) over the device-to-device copy bandwidth measured in
+  this run (a 1 GiB copy timed with CUDA events), against the measured TPOT p50.
+
+A row whose KV does not fit is skipped, and the table says why: dense past the GPU KV budget
+(the concurrency at which dense fills it is reported per context), oasis past the host pool limit
+or the budget (pages and summaries), the oracle past the device's free memory.
+``--gpu-kv-budget h100`` emulates an 80 GiB H100: 80 GiB minus the weights minus an activation
+reserve. Oasis modes are given exactly the pages they need (at most the budget), so their pools
+are allocated once and the peak memory shows what they use.
+
+``--prompts shared`` (the default) gives every request the same random prompt, prefilled once per
+context and then served from a :class:`~oasiskv.engine.PrefillCache` (its entry, the prompt's KV,
+stays on the device and counts in the peak): decode cost does not depend on the prompt's content,
+and a sweep then takes minutes instead of prefilling every request. ``distinct`` prefills every
+request (real TTFT under load; much slower).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import hashlib
+import inspect
+import json
+import math
+import re
+import sys
+import time
+
+#: Modes: (backend, host_pool) of the engine.
+MODES: dict[str, tuple[str, str]] = {
+    "dense": ("dense", "pinned"),
+    "oasis": ("oasis", "pinned"),
+    "oracle": ("oasis", "device"),
+}
+#: The emulated GPU of ``--gpu-kv-budget h100``. Arbitrary round figure: 80 GiB of HBM3 (torch
+#: reports a little less, 79.2 GiB, as total_memory of an H100 SXM).
+H100_BYTES = 80 * 2**30
+#: Left for activations when the budget is ``h100``. Arbitrary, checked by the peak memory: a 32K
+#: prompt prefilled in one piece on an 8B model takes about 3 GiB beyond weights and KV.
+ACTIVATION_RESERVE_BYTES = 6 * 2**30
+#: The host pool limit without ``--host-kv-budget``: this fraction of the available RAM (arbitrary;
+#: pinned memory is never swapped or reclaimed, so leave the rest to the process and the system).
+HOST_RAM_FRACTION = 0.6
+#: The most concurrent requests the report's "most that fit" looks for (arbitrary).
+MAX_SEARCHED = 1 << 16
+#: The n-gram drafter's search window in this benchmark. NOTE: its Python search costs about 2 ms
+#: per request and step over its default 8192 tokens, which at 64 requests would dominate a step.
+NGRAM_WINDOW = 256
+
+_UNITS = {
+    "": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}  # fmt: skip
+
+
+def parse_bytes(s: str) -> int:
+    """``"80GiB"`` -> 85899345920; plain ints are bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", s)
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"expected a size like 64GiB, 80GB or 1000000, got {s!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _budget(s: str) -> str | int:
+    return "h100" if s.lower() == "h100" else parse_bytes(s)
+
+
+def _int_list(s: str) -> list[int]:
+    try:
+        xs = [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {s!r}") from None
+    if not xs or min(xs) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints >= 1, got {s!r}")
+    return xs
+
+
+def _modes(s: str) -> list[str]:
+    xs = [x.strip() for x in s.split(",") if x.strip()]
+    bad = [x for x in xs if x not in MODES]
+    if not xs or bad:
+        raise argparse.ArgumentTypeError(f"modes are a comma-separated subset of {list(MODES)}, got {s!r}")
+    return xs
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """The ``--fig11`` flags (the engine's KV flags, ``--device``, ``--dtype``, ``--drafter``,
+    ``--concurrency``, ``--max-tokens``, ``--seed`` and ``--json`` are the command's own)."""
+    g = ap.add_argument_group("--fig11 (decode throughput vs concurrency; see oasiskv.bench.fig11)")
+    g.add_argument(
+        "--preset", default="qwen3-8b", help="model shape with random weights (models.config.PRESETS)"
+    )
+    g.add_argument(
+        "--contexts", type=_int_list, default=[16384, 32768], help="prompt tokens, comma-separated"
+    )
+    g.add_argument("--modes", type=_modes, default=list(MODES), help="comma-separated: dense,oasis,oracle")
+    g.add_argument(
+        "--gpu-kv-budget",
+        type=_budget,
+        default="h100",
+        help="a size (64GiB, 60GB, bytes) or 'h100' (80 GiB - weights - activation reserve)",
+    )
+    g.add_argument("--activation-reserve", type=parse_bytes, default=ACTIVATION_RESERVE_BYTES)
+    g.add_argument(
+        "--host-kv-budget",
+        type=parse_bytes,
+        default=None,
+        help=f"the oasis host pool's limit (default {HOST_RAM_FRACTION * 100:.0f}%% of the free RAM)",
+    )
+    g.add_argument("--prompts", choices=["shared", "distinct"], default="shared")
+    g.add_argument(
+        "--ngram-window", type=int, default=NGRAM_WINDOW, help="tokens the n-gram drafter searches"
+    )
+    g.add_argument(
+        "--measure-recall", action="store_true", help="also measure lookahead recall (one more scoring pass)"
+    )
+    g.add_argument(
+        "--cuda-graph",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="pass cuda_graph=True/False to the engines (default: the engine's own default)",
+    )
+    g.add_argument(
+        "--md", default=None, help="write the markdown table here (default bench_fig11.md, '' for none)"
+    )
+    g.add_argument("--png", default=None, help="write the plot here (default bench_fig11.png, '' for none)")
+
+
+# ---------------------------------------------------------------------- helpers
+def _pcts(xs: list[float]) -> tuple[float | None, float | None]:
+    from .serve import _pct
+
+    return _pct(xs, 0.5), _pct(xs, 0.99)
+
+
+def _free_memory(torch, dev) -> None:
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        torch.cuda.empty_cache()
+        empty_host = getattr(torch._C, "_host_emptyCache", None)  # torch's cached pinned blocks
+        if empty_host is not None:
+            empty_host()
+
+
+def _prompts(vocab: int, n_tokens: int, count: int, shared: bool, seed: int) -> list[list[int]]:
+    import random
+
+    from .serve import PROMPT_ID_RANGE
+
+    lo, hi = PROMPT_ID_RANGE if vocab >= PROMPT_ID_RANGE[1] else (0, vocab)
+    rnd = random.Random(f"{seed}-{n_tokens}")
+    one = [rnd.randrange(lo, hi) for _ in range(n_tokens)]
+    if shared:
+        return [one] * count
+    return [one] + [[rnd.randrange(lo, hi) for _ in range(n_tokens)] for _ in range(count - 1)]
+
+
+def _profiled(torch, fn):
+    """``fn()`` under ``torch.profiler``: its result, the CUDA kernels launched and the copies
+    (memcpy / memset) queued."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        out = fn()
+        torch.cuda.synchronize()
+    kernels = copies = 0
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if e.name.startswith(("Memcpy", "Memset", "memcpy", "memset")):
+            copies += 1
+        else:
+            kernels += 1
+    return out, kernels, copies
+
+
+class _DoesNotFit(Exception):
+    pass
+
+
+# ---------------------------------------------------------------------- one run
+def drive(eng, prompts: list[list[int]], max_tokens: int, profile_step: int | None = None) -> dict:
+    """Add every prompt at once, prefill them all (no decode step), then decode them together.
+
+    Returns TTFTs (from the common arrival), the timed decode steps (every step but the first and
+    the profiled one), the kernel counts of the profiled step, and each request's final output.
+    """
+    import torch
+
+    from ..llm_engine import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    rids = [eng.add_request(p, params) for p in prompts]
+    ttft: dict[str, float] = {}
+    touched: list = []
+    # NOTE: LLMEngine._prefill is the admission + prefill half of LLMEngine.step (no decode step),
+    # so that the decode phase starts with every request running. One request per call
+    # (max_num_batched_tokens = the context), so each TTFT is its own.
+    while eng.num_waiting or eng._prefilling:
+        state = (eng.num_waiting, [s.prefilled for s in eng._prefilling], len(eng._running))
+        eng._prefill(touched)
+        now = time.perf_counter()
+        for seq in touched:
+            if seq.req.finish_reason == "error":
+                raise RuntimeError(f"request {seq.request_id} failed: {seq.error}")
+            ttft.setdefault(seq.request_id, now - t0)
+        touched.clear()
+        if state == (eng.num_waiting, [s.prefilled for s in eng._prefilling], len(eng._running)):
+            raise _DoesNotFit(
+                f"only {eng.num_running} of {len(prompts)} requests were admitted (the pools are full)"
+            )
+    cuda = eng.engine.device.type == "cuda"
+    finals: dict = {}
+    times: list[float] = []
+    timed_tokens = 0
+    kernels = copies = None
+    i = 0
+    while eng.has_unfinished_requests():
+        n = eng.num_running
+        t = time.perf_counter()
+        if i == profile_step and cuda:
+            outs, kernels, copies = _profiled(torch, eng.step)
+        else:
+            outs = eng.step()
+        dt = time.perf_counter() - t
+        if i > 0 and i != profile_step:
+            times.append(dt)
+            timed_tokens += n
+        for o in outs:
+            if o.finished:
+                if o.finish_reason != "length":
+                    raise RuntimeError(f"request {o.request_id} finished with {o.finish_reason}: {o.error}")
+                finals[o.request_id] = o
+        i += 1
+    return {
+        "ttft": [ttft[r] for r in rids],
+        "times": times,
+        "timed_tokens": timed_tokens,
+        "kernels": kernels,
+        "copies": copies,
+        "outputs": [finals[r] for r in rids],
+    }
+
+
+# ---------------------------------------------------------------------- the sweep
+class Fig11:
+    """The sweep's state: the model, the measured ceilings and the options."""
+
+    def __init__(self, args) -> None:
+        import torch
+
+        from ..devices import compute_dtype, resolve_device
+        from ..memory import available_bytes
+
+        self.torch, self.args = torch, args
+        device = resolve_device(args.device)
+        self.dev = torch.device(device)
+        self.cuda = self.dev.type == "cuda"
+        if self.cuda and self.dev.index is None:
+            self.dev = torch.device("cuda", torch.cuda.current_device())
+        dtype = compute_dtype(device) if args.dtype == "auto" else getattr(torch, args.dtype)
+        if args.model:
+            from ..models.loader import load_model
+
+            self.model, _ = load_model(args.model, dtype=dtype, device=self.dev)
+            self.model_name = args.model
+        else:
+            from ..models.config import preset_config
+            from .prefill import random_model
+
+            self.model = random_model(preset_config(args.preset), dtype, self.dev, args.seed)
+            self.model_name = f"{args.preset} (random weights)"
+        self.model.eval()
+        self.cfg = self.model.config
+        self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        emb = self.model.embed_tokens.weight
+        # One decode step reads every weight once, but only the batch's rows of the embedding
+        # table (when the LM head is a separate matrix).
+        tied = self.cfg.tie_word_embeddings
+        self.weights_read = self.weights_bytes - (0 if tied else emb.numel() * emb.element_size())
+        if args.gpu_kv_budget == "h100":
+            self.budget = H100_BYTES - self.weights_bytes - args.activation_reserve
+            if self.budget <= 0:
+                raise _usage(
+                    f"the weights ({self.weights_bytes / 2**30:.1f} GiB) leave no KV budget on an H100"
+                )
+        else:
+            self.budget = args.gpu_kv_budget
+        ram = available_bytes("cpu")
+        self.host_limit = args.host_kv_budget or int(HOST_RAM_FRACTION * (ram or 0))
+        self.ceilings = None
+        if self.cuda:
+            from .kernels import ceilings
+
+            self.ceilings = ceilings(self.dev)
+            _free_memory(torch, self.dev)
+
+    # ------------------------------------------------------------------ engines
+    def kv(self):
+        from ..config import KvConfig
+
+        a = self.args
+        return KvConfig(
+            block_size=a.block_size,
+            top_k_blocks=a.top_k_blocks,
+            fetch_cap=a.fetch_cap,
+            sparse_threshold=a.sparse_threshold,
+            measure_recall=a.measure_recall,
+        )
+
+    def engine(self, mode: str, conc: int, ctx: int, gpu_budget: int | None, host_budget: int | None, cache):
+        from ..drafters import NgramDrafter
+        from ..llm_engine import LLMEngine
+
+        backend, host_pool = MODES[mode]
+        a = self.args
+        drafter = None
+        if backend == "oasis":
+            drafter = NgramDrafter(window=a.ngram_window) if a.drafter == "ngram" else a.drafter
+        kw = {}
+        if a.cuda_graph is not None:
+            if "cuda_graph" not in inspect.signature(LLMEngine).parameters:
+                raise _usage(
+                    "this LLMEngine has no cuda_graph keyword yet; drop --cuda-graph/--no-cuda-graph"
+                )
+            kw["cuda_graph"] = a.cuda_graph
+        return LLMEngine(
+            self.model,
+            kv=self.kv(),
+            backend=backend,
+            drafter=drafter,
+            max_num_seqs=conc,
+            gpu_kv_budget_bytes=gpu_budget,
+            host_kv_budget_bytes=host_budget,
+            max_num_batched_tokens=min(ctx, 1 << 20),
+            prefill_cache=cache,
+            output_kind="delta",
+            host_pool=host_pool,
+            **kw,
+        )
+
+    # ------------------------------------------------------------------ what fits
+    def need(self, mode: str, ctx: int) -> dict:
+        """One request's reservation in the engine's runtime: dense-phase peak pages, host
+        blocks, whether it turns sparse; and the bytes of a block (all layers) and its summaries."""
+        probe = self.engine(mode, 1, ctx, None, None, None).engine
+        probe.reserve_pools([])  # makes the runtime, allocates nothing
+        peak, host, sparse = probe.runtime.reservation(ctx, self.args.max_tokens)
+        per = probe.page_bytes_all_layers
+        kv = probe.kv
+        if mode != "dense" and not sparse:
+            raise _usage(
+                f"a {ctx}-token request does not turn sparse (sparse threshold "
+                f"{kv.threshold_tokens} tokens): raise --contexts, or lower --top-k-blocks or "
+                "--sparse-threshold"
+            )
+        return {
+            "peak_pages": peak,
+            "host_blocks": host,
+            "kv_blocks": peak if mode == "dense" else host,  # every block of the request's KV
+            "steady_pages": kv.top_k_blocks + 1,
+            "block_bytes": per,
+            "summary_bytes": per // kv.block_size,  # min and max keys: 2 of block_size rows
+        }
+
+    def fit(
+        self, mode: str, conc: int, n: dict, device_free: int | None
+    ) -> tuple[str | None, int, int | None]:
+        """``(reason it does not fit or None, GPU budget, host budget)`` of ``conc`` requests."""
+        gib = 2**30
+        per = n["block_bytes"]
+        if mode == "dense":
+            need = conc * n["peak_pages"] * per
+            if need > self.budget:
+                return f"dense KV {need / gib:.1f} GiB > GPU KV budget {self.budget / gib:.1f} GiB", 0, None
+            return None, self.budget, None
+        # Admission turns one request sparse before the next is prefilled: (C - 1) working sets
+        # and one dense prompt at the peak; every request's summaries stay on the GPU.
+        pages = (conc - 1) * n["steady_pages"] + n["peak_pages"]
+        summaries = conc * n["host_blocks"] * n["summary_bytes"]
+        host = conc * n["host_blocks"] * per
+        if pages * per + summaries > self.budget:
+            gpu = (pages * per + summaries) / gib
+            return f"pages + summaries {gpu:.1f} GiB > GPU KV budget {self.budget / gib:.1f} GiB", 0, None
+        if mode == "oasis" and host > self.host_limit:
+            return f"host pool {host / gib:.1f} GiB > host limit {self.host_limit / gib:.1f} GiB", 0, None
+        if mode == "oracle" and device_free is not None:
+            room = device_free - self.args.activation_reserve - pages * per - summaries
+            if host > room:
+                return (
+                    f"full KV on the device {host / gib:.1f} GiB > {max(room, 0) / gib:.1f} GiB free",
+                    0,
+                    None,
+                )
+        return None, pages * per, host
+
+    def max_concurrency(
+        self, mode: str, n: dict, device_free: int | None, limit: int = MAX_SEARCHED
+    ) -> int | None:
+        """The largest concurrency that fits (0: not even one request; None: ``limit`` or more)."""
+        lo, hi = 0, limit
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.fit(mode, mid, n, device_free)[0] is None:
+                lo = mid
+            else:
+                hi = mid - 1
+        return None if lo == limit else lo
+
+    # ------------------------------------------------------------------ rows
+    def roofline(self, mode: str, ctx: int, conc: int, n: dict) -> dict:
+        """Bytes one decode step must read, at the middle of the decode phase, and that over the
+        measured device-to-device bandwidth."""
+        b = self.args.block_size
+        tokens = ctx + self.args.max_tokens // 2
+        per = n["block_bytes"]
+        if mode == "dense":
+            kv_read = tokens * (per // b)
+        else:
+            kv_read = min(n["steady_pages"], math.ceil(tokens / b)) * per + (tokens // b) * n["summary_bytes"]
+        total = self.weights_read + conc * kv_read
+        bw = self.ceilings["d2d_copy_Bps"] if self.ceilings else None
+        return {"step_read_bytes": total, "roofline_tpot_s": total / bw if bw else None}
+
+    def row(self, mode: str, ctx: int, conc: int, n: dict, device_free, cache) -> dict:
+        torch, dev, a = self.torch, self.dev, self.args
+        base = {"context": ctx, "mode": mode, "concurrency": conc}
+        reason, gpu_budget, host_budget = self.fit(mode, conc, n, device_free)
+        if reason is not None:
+            return {**base, "status": "skipped", "reason": reason}
+        from ..errors import OutOfMemoryError
+
+        _free_memory(torch, dev)
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(dev)
+        eng = None
+        prompts = _prompts(self.cfg.vocab_size, ctx, conc, a.prompts == "shared", a.seed)
+        profile = 1 if self.cuda and a.max_tokens - 1 >= 3 else None  # leaves a timed step
+        try:
+            eng = self.engine(mode, conc, ctx, gpu_budget, host_budget, cache)
+            eng.engine.reserve_pools([(ctx, a.max_tokens)] * conc)  # one allocation, not log2(C)
+            res = drive(eng, prompts, a.max_tokens, profile)
+        except (_DoesNotFit, OutOfMemoryError, torch.OutOfMemoryError) as e:
+            del eng
+            _free_memory(torch, dev)
+            why = " ".join(str(e).split())
+            return {
+                **base,
+                "status": "skipped",
+                "reason": why if isinstance(e, _DoesNotFit) else f"OOM: {why}",
+            }
+        p = eng.engine.pools
+        layers = self.cfg.num_hidden_layers
+        peak = torch.cuda.max_memory_allocated(dev) if self.cuda else None
+        times, outs = res["times"], res["outputs"]
+        tpot50, tpot99 = _pcts(times)
+        ttft50, ttft99 = _pcts(res["ttft"])
+        tokens = [o.token_ids for o in outs]
+        fetched = [o.metrics.fetched_bytes_per_step for o in outs]
+        host_place = str(p.host_k[0].device) + (" pinned" if p.host_k[0].is_pinned() else "")
+        out = {
+            **base,
+            "status": "ok",
+            "backend": eng.engine.backend,
+            "host_pool": eng.engine.host_pool,
+            "requests": conc,
+            "output_tokens": sum(len(t) for t in tokens),
+            "timed_steps": len(times),
+            "decode_tokens_per_s": res["timed_tokens"] / sum(times) if times else None,
+            "tpot_p50_s": tpot50,
+            "tpot_p99_s": tpot99,
+            "tpot_mean_s": sum(times) / len(times) if times else None,
+            "ttft_p50_s": ttft50,
+            "ttft_p99_s": ttft99,
+            "peak_gpu_bytes": peak,
+            "gpu_kv_bytes": p.num_pages * p.page_bytes * layers
+            + p.num_host_blocks * p.summary_block_bytes * layers,
+            "host_pool_bytes": p.num_host_blocks * p.page_bytes * layers,
+            "host_pool_place": host_place,
+            "fetched_bytes_per_step": sum(fetched) / len(fetched) if eng.engine.backend == "oasis" else None,
+            "kernels_per_layer_step": res["kernels"] / layers if res["kernels"] is not None else None,
+            "copies_per_step": res["copies"],
+            "tokens_digest": hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16],
+            **self.roofline(mode, ctx, conc, n),
+        }
+        rl = out["roofline_tpot_s"]
+        out["roofline_fraction"] = rl / tpot50 if rl and tpot50 else None
+        del eng, p, res
+        _free_memory(torch, dev)
+        return out
+
+    def warm_up(self, mode: str, ctx: int, cache) -> float:
+        """One request alone through ``mode`` (compiles the kernels, fills the prefill cache):
+        its TTFT, a cold prefill when the cache was empty."""
+        eng = self.engine(mode, 1, ctx, None, None, cache)
+        prompt = _prompts(self.cfg.vocab_size, ctx, 1, True, self.args.seed)
+        res = drive(eng, prompt, min(3, self.args.max_tokens))
+        del eng
+        _free_memory(self.torch, self.dev)
+        return res["ttft"][0]
+
+    def run(self, checkpoint=None) -> dict:
+        """The sweep; ``checkpoint(report)`` is called after every row with the report so far."""
+        from ..engine import PrefillCache
+        from ..memory import available_bytes
+
+        torch, a = self.torch, self.args
+        kv = self.kv()
+        rows, contexts = [], {}
+        rep = {
+            "mode": "fig11",
+            "model": self.model_name,
+            "device": torch.cuda.get_device_name(self.dev) if self.cuda else "cpu",
+            "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
+            "num_hidden_layers": self.cfg.num_hidden_layers,
+            "max_tokens": a.max_tokens,
+            "prompts": a.prompts,
+            "cuda_graph": a.cuda_graph,
+            "kv": {
+                "block_size": kv.block_size,
+                "top_k_blocks": kv.top_k_blocks,
+                "fetch_cap_blocks": kv.cap_blocks,
+                "sparse_threshold": kv.threshold_tokens,
+                "drafter": a.drafter,
+                "ngram_window": a.ngram_window if a.drafter == "ngram" else None,
+            },
+            "weights_bytes": self.weights_bytes,
+            "gpu_kv_budget": a.gpu_kv_budget,
+            "gpu_kv_budget_bytes": self.budget,
+            "activation_reserve_bytes": a.activation_reserve,
+            "host_limit_bytes": self.host_limit,
+            "ceilings": self.ceilings,
+            "contexts": contexts,
+            "rows": rows,
+        }
+        # The first forward of a process is slow (allocator, cuBLAS): once, on a short prompt.
+        self.warm_up("dense", min(64, self.cfg.max_position_embeddings - a.max_tokens), None)
+        for ctx in a.contexts:
+            if ctx + a.max_tokens - 1 > self.cfg.max_position_embeddings:
+                raise _usage(
+                    f"--contexts {ctx} + --max-tokens passes the model's context of "
+                    f"{self.cfg.max_position_embeddings} tokens"
+                )
+            cache = PrefillCache() if a.prompts == "shared" else None
+            needs = {m: self.need(m, ctx) for m in a.modes}
+            cold = None
+            for mode in a.modes:
+                t = self.warm_up(mode, ctx, cache)
+                cold = t if cold is None else cold
+            device_free = available_bytes(self.dev)  # beside the weights and the prefill cache
+            info = {
+                "ttft_cold_s": cold,
+                "device_free_bytes": device_free,
+                "prefill_cache_bytes": _cache_bytes(cache),
+                "max_concurrency": {m: self.max_concurrency(m, needs[m], device_free) for m in a.modes},
+                "request_kv_bytes": needs[a.modes[0]]["kv_blocks"] * needs[a.modes[0]]["block_bytes"],
+            }
+            dense_max = info["max_concurrency"].get("dense")
+            info["dense_fills_budget_at"] = None if dense_max is None else dense_max + 1
+            contexts[str(ctx)] = info
+            for mode in a.modes:
+                for conc in a.concurrency:
+                    r = self.row(mode, ctx, conc, needs[mode], device_free, cache)
+                    r["ttft_cold_s"] = cold
+                    rows.append(r)
+                    msg = r.get("reason") or f"{r['decode_tokens_per_s']:.1f} tok/s"
+                    print(f"fig11: ctx {ctx} {mode} C={conc}: {msg}", file=sys.stderr)
+                    if checkpoint is not None:
+                        checkpoint(rep)
+            del cache
+            _free_memory(torch, self.dev)
+        return rep
+
+
+def _cache_bytes(cache) -> int:
+    if cache is None:
+        return 0
+    total = 0
+    for item in cache._items.values():
+        total += sum(t.numel() * t.element_size() for t in (*item.k, *item.v))
+    return total
+
+
+def _usage(msg: str) -> Exception:
+    from ..errors import ConfigError
+
+    return ConfigError(msg)
+
+
+# ---------------------------------------------------------------------- reports
+def _f(v, scale: float = 1.0, digits: int = 1) -> str:
+    return "-" if v is None else f"{v * scale:.{digits}f}"
+
+
+def markdown(rep: dict) -> str:
+    """The report as a markdown table, with a header of what was measured where."""
+    gib = 2**30
+    c = rep["ceilings"]
+    kv = rep["kv"]
+    lines = [
+        f"## Decode throughput vs concurrency (Fig. 11): {rep['model']}, {rep['device']}, {rep['dtype']}",
+        "",
+        f"- GPU KV budget {rep['gpu_kv_budget_bytes'] / gib:.1f} GiB ({rep['gpu_kv_budget']}; "
+        f"weights {rep['weights_bytes'] / gib:.1f} GiB, "
+        f"activation reserve {rep['activation_reserve_bytes'] / gib:.1f} GiB); "
+        f"host pool limit {rep['host_limit_bytes'] / gib:.1f} GiB",
+        f"- K = {kv['top_k_blocks']} blocks of {kv['block_size']}, "
+        f"fetch cap {kv['fetch_cap_blocks']} blocks, "
+        f"drafter {kv['drafter']}, {rep['max_tokens']} new tokens, prompts {rep['prompts']}, "
+        f"CUDA graphs {rep['cuda_graph']}",
+    ]
+    if c:
+        lines.append(
+            f"- measured here: device-to-device copy {c['d2d_copy_Bps'] / 1e9:.0f} GB/s, "
+            f"pinned host-to-device {c['h2d_pinned_Bps'] / 1e9:.1f} GB/s"
+        )
+    for ctx, info in rep["contexts"].items():
+        fills = info.get("dense_fills_budget_at")
+        mc = ", ".join(
+            f"{m} {f'>= {MAX_SEARCHED}' if n is None else n}" for m, n in info["max_concurrency"].items()
+        )
+        lines.append(
+            f"- context {ctx}: {info['request_kv_bytes'] / gib:.2f} GiB of KV per request; most requests "
+            f"that fit: {mc}"
+            + (f"; dense fills its KV budget at concurrency {fills}" if fills else "")
+            + f"; cold TTFT {_f(info['ttft_cold_s'], 1e3)} ms"
+        )
+    head = [
+        "context", "mode", "conc", "tok/s", "TPOT p50 ms", "TPOT p99 ms", "TTFT p50 ms", "peak GPU GiB",
+        "host pool GiB", "fetched/step MiB", "kernels/layer/step", "roofline ms", "of roofline", "note",
+    ]  # fmt: skip
+    lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rep["rows"]:
+        ok = r["status"] == "ok"
+        cells = [str(r["context"]), r["mode"], str(r["concurrency"])]
+        if ok:
+            cells += [
+                _f(r["decode_tokens_per_s"]),
+                _f(r["tpot_p50_s"], 1e3, 2),
+                _f(r["tpot_p99_s"], 1e3, 2),
+                _f(r["ttft_p50_s"], 1e3),
+                _f(r["peak_gpu_bytes"], 1 / gib, 2),
+                _f(r["host_pool_bytes"], 1 / gib, 2),
+                _f(r["fetched_bytes_per_step"], 1 / 2**20, 2),
+                _f(r["kernels_per_layer_step"]),
+                _f(r["roofline_tpot_s"], 1e3, 2),
+                "-" if r["roofline_fraction"] is None else f"{r['roofline_fraction']:.0%}",
+                r["host_pool_place"] if r["mode"] != "dense" else "",
+            ]
+        else:
+            cells += ["-"] * 10 + [f"skipped: {r['reason']}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rep: dict, path: str) -> None:
+    """Decode throughput vs concurrency: one panel per context, one line per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ctxs = list(rep["contexts"])
+    fig, axes = plt.subplots(1, len(ctxs), figsize=(5 * len(ctxs), 4), squeeze=False)
+    for ax, ctx in zip(axes[0], ctxs, strict=True):
+        for mode in MODES:
+            pts = [
+                (r["concurrency"], r["decode_tokens_per_s"])
+                for r in rep["rows"]
+                if str(r["context"]) == ctx and r["mode"] == mode and r["status"] == "ok"
+            ]
+            if pts:
+                xs, ys = zip(*pts, strict=True)
+                ax.plot(xs, ys, marker="o", label=mode)
+        fills = rep["contexts"][ctx].get("dense_fills_budget_at")
+        tested = [r["concurrency"] for r in rep["rows"] if str(r["context"]) == ctx]
+        if fills and fills <= 2 * max(tested):
+            ax.axvline(fills, color="grey", linestyle=":", label="dense fills its budget")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel("decode tokens/s")
+        ax.set_title(f"context {ctx}")
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{rep['model']} on {rep['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(args) -> int:
+    """Run the sweep the parsed ``args`` describe; write the JSON, markdown and plot."""
+    from ..errors import OasisError
+
+    if args.max_tokens < 3:
+        print(
+            "bench.serve: error: --fig11 needs --max-tokens >= 3 (a warm-up step and a timed one)",
+            file=sys.stderr,
+        )
+        return 2
+
+    def write(rep: dict) -> str:
+        md = markdown(rep)
+        for path, text in ((args.json, json.dumps(rep, indent=2)), (args.md, md)):
+            if path:
+                with open(path, "w", encoding="utf-8") as f:
+                    f.write(text)
+        return md
+
+    try:
+        # After every row too: a sweep cut short (a time limit) keeps the rows it made.
+        rep = Fig11(args).run(checkpoint=write)
+    except (OasisError, MemoryError) as e:
+        print(f"bench.serve: error: {e}", file=sys.stderr)
+        return 2
+    print(write(rep))
+    if args.png:
+        try:
+            plot(rep, args.png)
+        except ImportError:  # the GPU machine has no matplotlib: plot the JSON elsewhere
+            print(
+                'bench.serve: matplotlib is not installed, so no plot; later: python -c "import json; '
+                "from oasiskv.bench.fig11 import plot; plot(json.load(open('F.json')), 'F.png')\"",
+                file=sys.stderr,
+            )
+    return 0

@@ -1,0 +1,78 @@
+"""``python -m oasiskv.bench.serve --fig11`` on the tiny preset on the CPU: every mode and
+concurrency runs, the report's numbers are there and positive, the modes make the same number of
+tokens (the oracle the same tokens as oasis), and a budget too small for dense skips that row and
+says where dense fills it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from oasiskv.bench import serve as bench
+from oasiskv.cli import main as oasis_main
+
+torch.set_num_threads(2)
+
+TINY = ["--fig11", "--preset", "tiny", "--contexts", "256", "--max-tokens", "4", "--device", "cpu"]
+KV = ["--top-k-blocks", "4", "--fetch-cap", "0.5"]
+
+
+def _files(tmp_path, name):
+    paths = {ext: tmp_path / f"{name}.{ext}" for ext in ("json", "md", "png")}
+    return paths, [x for ext, p in paths.items() for x in (f"--{ext}", str(p))]
+
+
+def test_fig11_sweep_reports_every_mode_and_concurrency(tmp_path, capsys):
+    paths, out = _files(tmp_path, "fig11")
+    args = [*TINY, *KV, "--concurrency", "1,2", "--modes", "dense,oasis,oracle", *out]
+    assert bench.main(args) == 0
+    assert "| context | mode | conc |" in capsys.readouterr().out
+    assert paths["md"].read_text().count("\n| 256 |") == 6 and paths["png"].stat().st_size > 0
+    rep = json.loads(paths["json"].read_text())
+    assert rep["mode"] == "fig11" and rep["ceilings"] is None  # no CUDA: no copy bandwidth
+    assert rep["contexts"]["256"]["ttft_cold_s"] > 0
+    rows = {(r["mode"], r["concurrency"]): r for r in rep["rows"]}
+    assert sorted(rows) == [(m, c) for m in ("dense", "oasis", "oracle") for c in (1, 2)]
+    for (mode, c), r in rows.items():
+        assert r["status"] == "ok", r
+        assert r["output_tokens"] == 4 * c and r["timed_steps"] >= 1
+        for key in ("decode_tokens_per_s", "tpot_p50_s", "tpot_p99_s", "ttft_p50_s", "gpu_kv_bytes"):
+            assert r[key] > 0, (mode, c, key)
+        assert r["step_read_bytes"] > 0 and r["roofline_fraction"] is None
+        assert (r["host_pool_bytes"] > 0) == (mode != "dense")
+        assert r["fetched_bytes_per_step"] is None if mode == "dense" else r["fetched_bytes_per_step"] > 0
+    for c in (1, 2):
+        assert rows["oracle", c]["tokens_digest"] == rows["oasis", c]["tokens_digest"]
+        assert rows["oracle", c]["fetched_bytes_per_step"] == rows["oasis", c]["fetched_bytes_per_step"]
+        assert rows["oracle", c]["host_pool"] == "device" and rows["oasis", c]["host_pool"] == "pinned"
+
+
+def test_fig11_skips_what_does_not_fit_and_says_where_dense_fills(tmp_path):
+    """Through ``oasis bench serve``: one tiny request's KV is 139264 bytes (17 blocks of 8 KiB),
+    so a 200000-byte budget holds one dense request, not two; oasis (5 + 16 pages and the
+    summaries) still runs two."""
+    paths, out = _files(tmp_path, "small")
+    args = [*TINY, *KV, "--concurrency", "1,2", "--modes", "dense,oasis", "--gpu-kv-budget", "200000", *out]
+    assert oasis_main(["bench", "serve", *args]) == 0
+    rep = json.loads(paths["json"].read_text())
+    info = rep["contexts"]["256"]
+    assert info["request_kv_bytes"] == 139264 and info["dense_fills_budget_at"] == 2
+    status = {(r["mode"], r["concurrency"]): r["status"] for r in rep["rows"]}
+    assert status == {("dense", 1): "ok", ("dense", 2): "skipped", ("oasis", 1): "ok", ("oasis", 2): "ok"}
+    skipped = next(r for r in rep["rows"] if r["status"] == "skipped")
+    assert "GPU KV budget" in skipped["reason"] and "skipped: dense KV" in paths["md"].read_text()
+
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        (["--modes", "oasis", "--top-k-blocks", "64"], "does not turn sparse"),
+        (["--max-tokens", "2"], "--max-tokens >= 3"),
+        (["--preset", "nope"], "unknown model preset"),
+    ],
+)
+def test_fig11_bad_arguments_are_a_message(extra, says, capsys):
+    assert bench.main([*TINY, "--json", "", "--md", "", "--png", "", *extra]) == 2
+    assert says in capsys.readouterr().err
