@@ -38,9 +38,12 @@ def main() -> None:
     ap.add_argument("--top-k-blocks", type=int, default=64)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--no-recall", action="store_true", help="KvConfig(measure_recall=False)")
-    ap.add_argument("--cuda-graph", action="store_true", help="Engine(cuda_graph=True): replay captured steps")
+    ap.add_argument("--cuda-graph", action="store_true", help="Engine(cuda_graph=True)")
     ap.add_argument("--backend", choices=["oasis", "dense"], default="oasis")
     ap.add_argument("--full", action="store_true", help="Qwen3-8B's MLP and vocabulary too (GPU time)")
+    ap.add_argument("--same-prompt", action="store_true", help="one prompt, prefilled once")
+    ap.add_argument("--fetch-cap", type=float, default=0.05)
+    ap.add_argument("--profile", help="kernel table of 3 steps here")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -58,18 +61,28 @@ def main() -> None:
         head_dim=128,
         max_position_embeddings=args.context + 64,
     )
-    model = CausalLM.random(cfg, seed=0, dtype=dtype, device=dev).eval()
+    if cuda:  # weights drawn on the GPU: seconds, where CausalLM.random draws 8B values on the CPU
+        from oasiskv.bench.prefill import random_model
+
+        model = random_model(cfg, dtype, dev).eval()
+    else:
+        model = CausalLM.random(cfg, seed=0, dtype=dtype, device=dev).eval()
     mod = importlib.import_module("oasiskv.engine" if args.engine == "new" else "oasiskv.engine_old")
     kv = KvConfig(
-        block_size=16, top_k_blocks=args.top_k_blocks, fetch_cap=0.05, measure_recall=not args.no_recall
+        block_size=16,
+        top_k_blocks=args.top_k_blocks,
+        fetch_cap=args.fetch_cap,
+        measure_recall=not args.no_recall,
     )
     drafter = NgramDrafter()
     extra = {"cuda_graph": True} if args.cuda_graph else {}
-    eng = mod.Engine(model, kv, args.backend, drafter, **extra)
+    cache = mod.PrefillCache(1) if args.same_prompt else None
+    eng = mod.Engine(model, kv, args.backend, drafter, prefill_cache=cache, **extra)
     g = torch.Generator().manual_seed(0)
     reqs = []
     for i in range(args.requests):
-        ids = torch.randint(0, cfg.vocab_size, (args.context,), generator=g).tolist()
+        if not (args.same_prompt and reqs):
+            ids = torch.randint(0, cfg.vocab_size, (args.context,), generator=g).tolist()
         reqs.append(mod._Request(id=i, prompt=ids, max_new_tokens=args.steps + 8))
     eng.ensure_pools(reqs)
     for r in reqs:
@@ -96,7 +109,26 @@ def main() -> None:
         for r in reqs:
             r.tokens.append(1)
             r.draft = 2
+    kernels_per_step = None
+    if args.profile and cuda:
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            for _ in range(3):
+                eng.decode_step(reqs)
+                for r in reqs:
+                    r.tokens.append(1)
+                    r.draft = 2
+            torch.cuda.synchronize()
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernels_per_step = len(kernels) / 3
+        with open(args.profile, "w") as f:
+            per_layer = kernels_per_step / args.layers
+            f.write(f"kernels per step {kernels_per_step:.0f}, per layer {per_layer:.1f}\n")
+            f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
     res = dict(
+        kernels_per_step=kernels_per_step,
         engine=args.engine,
         backend=args.backend,
         cuda_graph=args.cuda_graph,

@@ -38,6 +38,9 @@ from .memory import available_bytes, ensure_fits
 from .policy import SelectionPolicy
 
 BACKENDS = ("dense", "oasis")
+#: Where the host pool lives (``Engine(host_pool=...)``): pinned CPU memory, or the model's device
+#: (the all-resident oracle: the same selection, but the gather copies device to device).
+HOST_POOLS = ("pinned", "device")
 
 
 @dataclass
@@ -247,7 +250,12 @@ class _SparsePlan:
 class KvPools:
     """The per-layer pools (one page id addresses the same page in every layer). The ids are
     handed out by the engine's :class:`oasiskv._core.Runtime`; :meth:`grow` enlarges the tensors
-    as admitted requests need them, keeping every block's contents."""
+    as admitted requests need them, keeping every block's contents.
+
+    ``host_pool`` places ``host_k``/``host_v``: ``"pinned"`` in CPU memory (pinned with a GPU: the
+    kernels read and write it over PCIe through unified addressing), ``"device"`` on ``device``
+    beside the pages (the all-resident oracle: every kernel that takes the host pool accepts it
+    there, and the gather becomes a device-to-device copy). Without a GPU both are CPU memory."""
 
     def __init__(
         self,
@@ -258,18 +266,26 @@ class KvPools:
         num_host_blocks: int,
         device: torch.device,
         key_codes: bool = False,
+        host_pool: str = "pinned",
     ) -> None:
         self.geo, self.dtype, self.num_layers, self.device = geo, dtype, num_layers, device
         self.num_pages, self.num_host_blocks = 0, 0
         hk, b, d = geo.num_kv_heads, geo.block_size, geo.head_dim
-        pin = device.type == "cuda"
+        self.host_pool = host_pool
+        self.host_device = device if host_pool == "device" else torch.device("cpu")
+        self.host_pin = device.type == "cuda" and host_pool != "device"
+        pin, host_dev = self.host_pin, self.host_device
         # Empty pools first (every kernel takes a tensor, also of 0 rows); grow() fills them.
         self.k_pages = [torch.zeros(0, hk, b, d, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_pages = [torch.zeros(0, hk, b, d, dtype=dtype, device=device) for _ in range(num_layers)]
         self.page_map = torch.full((num_layers, 0, hk), -1, dtype=torch.int32, device=device)
         self.page_last_selected = torch.full((num_layers, 0, hk), -1, dtype=torch.int32, device=device)
-        self.host_k = [torch.zeros(0, hk, b, d, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
-        self.host_v = [torch.zeros(0, hk, b, d, dtype=dtype, pin_memory=pin) for _ in range(num_layers)]
+        self.host_k = [
+            torch.zeros(0, hk, b, d, dtype=dtype, device=host_dev, pin_memory=pin) for _ in range(num_layers)
+        ]
+        self.host_v = [
+            torch.zeros(0, hk, b, d, dtype=dtype, device=host_dev, pin_memory=pin) for _ in range(num_layers)
+        ]
         self.summaries = [torch.zeros(0, hk, 2, d, dtype=dtype, device=device) for _ in range(num_layers)]
         # KvConfig(block_score="codes"): every key of a complete block at 2 bits per channel,
         # [num_host_blocks, num_kv_heads, block_size, head_dim // 4] bytes per layer (GPU).
@@ -310,15 +326,15 @@ class KvPools:
         if num_host_blocks > self.num_host_blocks:
             ensure_fits(
                 (num_host_blocks - self.num_host_blocks) * self.page_bytes * layers,
-                "cpu",
+                self.host_device,
                 f"growing the host pool to {num_host_blocks} blocks x {layers} layers",
                 "lower host_kv_budget_bytes / KvConfig.num_host_blocks, max_num_seqs or max_tokens",
             )
             # With a GPU the host pool is pinned: the gather and write-through kernels read and
-            # write it directly through unified virtual addressing.
-            pin = device.type == "cuda"
-            self.host_k = [_grown(t, num_host_blocks, pin=pin) for t in self.host_k]
-            self.host_v = [_grown(t, num_host_blocks, pin=pin) for t in self.host_v]
+            # write it directly through unified virtual addressing (host_pool="device": it stays
+            # on the GPU, where _grown keeps it).
+            self.host_k = [_grown(t, num_host_blocks, pin=self.host_pin) for t in self.host_k]
+            self.host_v = [_grown(t, num_host_blocks, pin=self.host_pin) for t in self.host_v]
             self.summaries = [_grown(t, num_host_blocks) for t in self.summaries]
             if self.codes is not None:
                 self.codes = [_grown(t, num_host_blocks) for t in self.codes]
@@ -385,6 +401,86 @@ def _relative_to_best(scores: torch.Tensor, seq: torch.Tensor, n: int) -> torch.
     return scores - best[seq]
 
 
+#: Captured decode steps kept per engine (least recently used out).
+_MAX_GRAPHS = 8
+
+
+def _bucket(n: int) -> int:
+    """Requests a captured step is padded to: the next power of two."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def _round_cap(x: int) -> int:
+    """A per-request capacity (pages, host blocks) rounded up to 4, 5, 6 or 7 times a power of two
+    (at most 25 % padding), at least 16; 0 stays 0."""
+    if x <= 0:
+        return 0
+    x = max(x, 16)
+    unit = 1 << (x.bit_length() - 3)
+    return -(-x // unit) * unit
+
+
+@dataclass
+class _StepGraph:
+    """One captured decode step: its capacity key ``(requests, pages, host blocks)``, its own plan
+    buffers (pinned host, device), the split plan and workspace, and the graph with its outputs."""
+
+    key: tuple[int, int, int]
+    layout: dict
+    plan_host: torch.Tensor
+    plan_dev: torch.Tensor
+    num_splits: int
+    workspace: torch.Tensor | None
+    plan_evt: object = None
+    graph: object = None
+    out: dict | None = None
+
+    @staticmethod
+    def new(eng: Engine, key: tuple[int, int, int], arena_len: int, layout: dict) -> _StepGraph:
+        rows_cap, pages_cap, _ = key
+        g = eng.geo
+        dev = eng.device
+        splits = _core.plan_num_splits(ops._num_sms(dev), rows_cap, g.num_kv_heads, pages_cap)
+        ws = None
+        if splits > 1:
+            need = _core.decode_attn_workspace_len(rows_cap, eng.rows, g.num_qo_heads, g.head_dim, splits)
+            ws = torch.empty(need, dtype=torch.float32, device=dev)
+        return _StepGraph(
+            key=key,
+            layout=dict(layout),
+            plan_host=torch.zeros(max(arena_len, 4), dtype=torch.int32, pin_memory=True),
+            plan_dev=torch.zeros(max(arena_len, 4), dtype=torch.int32, device=dev),
+            num_splits=splits,
+            workspace=ws,
+        )
+
+    def _run(self, eng: Engine) -> dict:
+        rows_cap, pages_cap, _ = self.key
+        v = {name: self.plan_dev[s : s + n] for name, (s, n) in self.layout.items()}
+        kv = eng.kv
+        plan = None
+        if eng.backend == "oasis":
+            both = eng.rows == 2 and kv.select_queries == "lookahead+current"
+            plan = _SparsePlan.from_views(v, [], kv.top_k_blocks, kv.measure_recall, both)
+        done = v["done_blocks"] if eng.key_codes else None
+        return eng._run_step(
+            v, rows_cap, plan, done, pages_cap, self.num_splits, static=True, workspace=self.workspace
+        )
+
+    def capture(self, eng: Engine) -> dict:
+        """Run this step eagerly (the real step, which also warms every kernel and allocation up),
+        then capture the same function; returns the eager run's outputs."""
+        out = self._run(eng)
+        if eng._graph_pool is None:
+            eng._graph_pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        # "thread_local": another thread's cudaMalloc (a server's) must not break the capture.
+        with torch.cuda.graph(graph, pool=eng._graph_pool, capture_error_mode="thread_local"):
+            static = self._run(eng)
+        self.graph, self.out = graph, static
+        return out
+
+
 class Engine:
     """Runs requests over one model with one attention backend (``dense`` or ``oasis``).
 
@@ -392,7 +488,10 @@ class Engine:
     (:class:`oasiskv._core.Runtime`, crate ``oasis-runtime``); this class owns the tensors and the
     model forward. ``max_num_seqs`` bounds the requests held at once; the pools grow as admitted
     requests need them, up to the budgets ``gpu_kv_budget_bytes`` / ``host_kv_budget_bytes``
-    (``None``: sized from the free memory, see :meth:`default_caps`).
+    (``None``: sized from the free memory, see :meth:`default_caps`). ``host_pool`` (oasis only)
+    is where the host pool lives, one of :data:`HOST_POOLS`: ``"pinned"`` CPU memory, or
+    ``"device"``, the all-resident oracle (the same selection, the gather device to device), which
+    measures what the PCIe transfers cost.
     """
 
     def __init__(
@@ -408,9 +507,23 @@ class Engine:
         gpu_kv_budget_bytes: int | None = None,
         host_kv_budget_bytes: int | None = None,
         policy: SelectionPolicy | None = None,
+        cuda_graph: bool = False,
+        host_pool: str = "pinned",
     ) -> None:
         if backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if host_pool not in HOST_POOLS:
+            raise ConfigError(
+                f"host_pool must be one of {HOST_POOLS}, got {host_pool!r}; pass 'pinned' (the host "
+                "pool in pinned CPU memory, read over PCIe) or 'device' (the all-resident oracle: the "
+                "host pool on the model's device)"
+            )
+        if host_pool == "device" and backend != "oasis":
+            raise ConfigError(
+                f"host_pool='device' places the oasis backend's host pool on the GPU, but backend="
+                f"{backend!r} has no host pool; pass host_pool='pinned' or backend='oasis'"
+            )
+        self.host_pool = host_pool
         self.model = model
         self.cfg = model.config
         self.kv = kv
@@ -454,9 +567,11 @@ class Engine:
         self._plan_flip = 0
         # Per-request accumulators kept on the device (no host sync per step), one row per
         # runtime slot (reset when a request is admitted there).
-        self._acc_fetched = torch.zeros(self.max_num_seqs, dtype=torch.long, device=self.device)
-        self._acc_recall = torch.zeros(self.max_num_seqs, dtype=torch.float32, device=self.device)
-        self._acc_recall_n = torch.zeros(self.max_num_seqs, dtype=torch.float32, device=self.device)
+        # One row more than slots: the padded entries of a captured step add into that row.
+        acc_rows = self.max_num_seqs + 1
+        self._acc_fetched = torch.zeros(acc_rows, dtype=torch.long, device=self.device)
+        self._acc_recall = torch.zeros(acc_rows, dtype=torch.float32, device=self.device)
+        self._acc_recall_n = torch.zeros(acc_rows, dtype=torch.float32, device=self.device)
         # Each slot's latest prediction per layer (see _pred_of), made on first use.
         self._pred: list[torch.Tensor | None] = [None] * c.num_hidden_layers
         # Optional measurement hook (None on the normal path): ``recorder.on_recall(engine, layer,
@@ -468,6 +583,16 @@ class Engine:
         # The last speculative step's (per-layer row-1 K/V, request id -> batch row); see
         # decode_step(draft_logits=True) and append_drafts.
         self._spec = None
+        #: Replay decode steps as CUDA graphs (:meth:`decode_step`); ignored on the CPU.
+        if not isinstance(cuda_graph, bool):
+            raise ConfigError(f"cuda_graph must be True or False, got {cuda_graph!r}")
+        self.cuda_graph = cuda_graph
+        self._graphs: dict[tuple[int, int, int], _StepGraph] = {}
+        self._graph_pool = None
+        #: Captured decode steps so far, and replays of them.
+        self.graph_stats = {"captures": 0, "replays": 0}
+        # The step number a captured step's selection reads on the device (set before each replay).
+        self._step_now = torch.zeros(1, dtype=torch.int32, device=self.device) if self.cuda else None
         #: The selection policy (:mod:`oasiskv.policy`): None runs the engine as it is.
         self.policy = policy
         if policy is not None:
@@ -485,7 +610,9 @@ class Engine:
         """The pools' caps in blocks: ``KvConfig.num_gpu_pages`` / ``num_host_blocks`` when set
         (then the pools are that size from the start), else the constructor's budgets, else 40 % of
         the free memory of the model's device (pages) and of the host (host blocks; 0 for the
-        dense backend) -- on a CPU-only machine both from the same RAM. Never past 2**31 - 1."""
+        dense backend) -- on a CPU-only machine both from the same RAM. With ``host_pool="device"``
+        the host blocks share the device with the pages: 40 % of its free memory past the pages'
+        cap. Never past 2**31 - 1."""
         kv, per = self.kv, self.page_bytes_all_layers
         gpu, host = (None if b is None else b // per for b in self._budgets)
         if kv.num_gpu_pages is not None:
@@ -497,9 +624,14 @@ class Engine:
         if gpu is None:
             free = available_bytes(self.device)
             gpu = int(0.4 * free) // per if free is not None else 1 << 20
-        if host is None:
-            free = available_bytes("cpu")
-            host = (int(0.4 * free) // per if free is not None else 1 << 20) if self.backend == "oasis" else 0
+        if host is None and self.backend != "oasis":
+            host = 0
+        elif host is None:
+            on_device = self.host_pool == "device"
+            free = available_bytes(self.device if on_device else "cpu")
+            if free is not None and on_device:
+                free = max(0, free - int(gpu) * per)
+            host = int(0.4 * free) // per if free is not None else 1 << 20
         cap = (1 << 31) - 1
         return max(0, min(int(gpu), cap)), max(0, min(int(host), cap))
 
@@ -533,7 +665,14 @@ class Engine:
             pages = kv.num_gpu_pages or 0
             host = kv.num_host_blocks or kv.num_gpu_pages or 0
             self.pools = KvPools(
-                self.geo, self.cfg.num_hidden_layers, self.dtype, pages, host, self.device, self.key_codes
+                self.geo,
+                self.cfg.num_hidden_layers,
+                self.dtype,
+                pages,
+                host,
+                self.device,
+                self.key_codes,
+                host_pool=self.host_pool,
             )
         if self.key_codes:
             self.pools.enable_key_codes()
@@ -554,6 +693,7 @@ class Engine:
         if host > p.num_host_blocks:
             host = min(hcap, max(host, 2 * p.num_host_blocks))
         self._join_background()
+        self.drop_graphs()  # they hold the old pools' addresses
         p.grow(pages, host)
         rt.grow(p.num_pages, p.num_host_blocks)
 
@@ -896,24 +1036,45 @@ class Engine:
         draft_logits)``: row 1's logits too, the distribution of the token after the draft, which
         are the next token's if the draft is accepted. The step then also keeps each layer's row-1
         K/V and the captured features of row 1 (``_Request.draft_features``), so that
-        :meth:`append_drafts` can store the accepted drafts without recomputing them."""
+        :meth:`append_drafts` can store the accepted drafts without recomputing them.
+
+        With ``cuda_graph=True`` on a GPU the step replays a captured CUDA graph (see
+        :meth:`_decode_graph`), except under a selection policy, a recorder or ``draft_logits``,
+        which run eagerly."""
         if draft_logits and self.rows != 2:
             raise ConfigError("draft_logits needs a lookahead drafter (two rows per request)")
-        p, g, kv = self.pools, self.geo, self.kv
-        k_budget, cap = kv.top_k_blocks, kv.cap_blocks
         rows, n = self.rows, len(reqs)
-        hq, hk, d = g.num_qo_heads, g.num_kv_heads, g.head_dim
-
-        # ---- plan (Rust, once per step): every table of every layer in one arena, one copy
         ids = []
         for r in reqs:
             ids.append(r.tokens[-1])
             if rows == 2:
                 ids.append(r.draft)
+        self._spec = None
+        self._last_row = {r.id: i for i, r in enumerate(reqs)}
+        eager = draft_logits or self.policy is not None or self.recorder is not None
+        if self.cuda and self.cuda_graph and not eager:
+            logits, feats = self._decode_graph(reqs, ids)
+            logits1 = None
+        else:
+            logits, feats, logits1 = self._decode_eager(reqs, ids, draft_logits)
+        if feats is not None:
+            for i, r in enumerate(reqs):
+                r.features = feats[i]
+        if self.policy is not None:
+            self.policy.after_step(self, reqs)
+        for r in reqs:
+            r.metrics.steps += 1
+            if r.sparse:
+                r.metrics.sparse_steps += 1
+        self.step_no += 1
+        return (logits[:n], logits1) if draft_logits else logits[:n]
+
+    def _decode_eager(self, reqs: list[_Request], ids: list[int], draft_logits: bool):
+        """One step launched kernel by kernel: ``(logits, features, draft logits)``."""
+        p, kv = self.pools, self.kv
+        n = len(reqs)
+        # ---- plan (Rust, once per step): every table of every layer in one arena, one copy
         v, n_sparse, max_pages = self._plan([r.id for r in reqs], ids)
-        dev = self.device
-        page_ids_t, offsets_t, host_ids_t = v["page_ids"], v["offsets"], v["host_ids"]
-        kv_indptr, kv_indices, last_len_t = v["kv_indptr"], v["kv_indices"], v["last_len"]
         if v["map_pages"].numel():
             idx = v["map_pages"].long()
             p.page_map[:, idx, :] = v["map_values"].view(1, -1, 1)
@@ -921,23 +1082,64 @@ class Engine:
         # The split of long contexts, planned once for all layers (the GPU kernel's).
         num_splits = 0
         if self.cuda:
-            num_splits = _core.plan_num_splits(ops._num_sms(dev), n, hk, max_pages)
-
-        done_blocks = v["done_blocks"] if self.key_codes and v["done_blocks"].numel() else None
-        both = rows == 2 and kv.select_queries == "lookahead+current"
-        plan = _SparsePlan.from_views(v, reqs, k_budget, kv.measure_recall, both) if n_sparse else None
+            num_splits = _core.plan_num_splits(ops._num_sms(self.device), n, self.geo.num_kv_heads, max_pages)
+        both = self.rows == 2 and kv.select_queries == "lookahead+current"
+        plan = _SparsePlan.from_views(v, reqs, kv.top_k_blocks, kv.measure_recall, both) if n_sparse else None
         if plan is not None and self.cuda:
             plan.keep_for(self._side)
-        step = self.step_no
+        done_blocks = v["done_blocks"] if self.key_codes and v["done_blocks"].numel() else None
+        out = self._run_step(v, n, plan, done_blocks, max_pages, num_splits, draft_logits, reqs=reqs)
+        self._last_q = list(out["last_q"])
+        logits1 = None
+        if draft_logits:
+            self._spec = (out["spec_kv"], {r.id: i for i, r in enumerate(reqs)})
+            logits1 = out["logits1"]
+            if out["feats1"] is not None:
+                for i, r in enumerate(reqs):
+                    r.draft_features = out["feats1"][i]
+        return out["logits"], out["feats"], logits1
+
+    def _run_step(
+        self,
+        v: dict,
+        n: int,
+        plan: _SparsePlan | None,
+        done_blocks: torch.Tensor | None,
+        max_pages: int,
+        num_splits: int,
+        draft_logits: bool = False,
+        *,
+        reqs: list[_Request] | None = None,
+        static: bool = False,
+        workspace: torch.Tensor | None = None,
+    ) -> dict:
+        """The forward pass of one decode step over the plan's views ``v`` for ``n`` requests
+        (batch rows): the attention callback appends, attends and starts each layer's selection
+        chain. Changes no engine attribute (a captured step's outputs are static tensors the caller
+        adopts); returns ``logits``, ``feats``, ``last_q`` (per layer) and, with
+        ``draft_logits``, ``logits1``, ``feats1`` and ``spec_kv``.
+
+        ``static`` (the CUDA-graph step): no wait on the previous step's transfer events and no
+        ``record_stream`` (the tensors the background stream reads stay referenced until the step
+        is over); the background stream is joined at the end of the step, inside the capture."""
+        p, g, kv = self.pools, self.geo, self.kv
+        k_budget, cap = kv.top_k_blocks, kv.cap_blocks
+        rows = self.rows
+        hq, hk, d = g.num_qo_heads, g.num_kv_heads, g.head_dim
+        dev = self.device
+        page_ids_t, offsets_t, host_ids_t = v["page_ids"], v["offsets"], v["host_ids"]
+        kv_indptr, kv_indices, last_len_t = v["kv_indptr"], v["kv_indices"], v["last_len"]
+        step = self._step_now if static else self.step_no
         scale = d**-0.5
+        last_q: list = [None] * self.cfg.num_hidden_layers
+        keep: list = []  # static: what the background stream reads, alive until the step is over
         # Speculative decoding: each layer's row-1 K/V ([n, num_kv_heads, head_dim] each), kept on
         # the device for append_drafts (no copy beyond the one the attention takes anyway).
         spec_kv: list | None = [None] * self.cfg.num_hidden_layers if draft_logits else None
-        self._spec = None
 
         def attn(layer, q, k, v):
             out_dtype = q.dtype
-            if self.cuda and self._gather_done[layer] is not None:
+            if self.cuda and not static and self._gather_done[layer] is not None:
                 # The one place the compute stream waits: layer l's transfer of the previous step.
                 torch.cuda.current_stream(dev).wait_event(self._gather_done[layer])
             q4 = q.view(n, rows, hq, d).to(self.dtype).contiguous()
@@ -978,8 +1180,9 @@ class Engine:
                 sm_scale=scale,
                 max_pages_per_seq=max_pages,
                 num_splits=num_splits,
+                workspace=workspace,
             )
-            self._last_q[layer] = q4[:, rows - 1]
+            last_q[layer] = q4[:, rows - 1]
             if plan is not None:
                 args = (layer, q4, plan, step, cap, k_budget)
                 if self.cuda:
@@ -987,18 +1190,20 @@ class Engine:
                     attn_done.record()
                     with torch.cuda.stream(self._side):
                         self._side.wait_event(attn_done)  # selection reads q, gather overwrites slots
-                        q4.record_stream(self._side)
-                        self._select(*args)
-                        done = torch.cuda.Event()
-                        done.record(self._side)
-                    self._gather_done[layer] = done
+                        if static:
+                            keep.append(self._select(*args))  # q4 among them
+                        else:
+                            q4.record_stream(self._side)
+                            self._select(*args)
+                            done = torch.cuda.Event()
+                            done.record(self._side)
+                            self._gather_done[layer] = done
                 else:
                     self._select(*args)
             return o.view(n * rows, hq, d).to(out_dtype)
 
-        if self.policy is not None:
+        if self.policy is not None and not static:
             attn = self.policy.wrap_attention(self, reqs, attn)
-        self._last_row = {r.id: i for i, r in enumerate(reqs)}
         ids_t = v["input_ids"].long()
         pos_t = v["positions"].long()
         row0 = torch.arange(0, n * rows, rows, device=dev)
@@ -1007,29 +1212,75 @@ class Engine:
         if draft_logits and last not in capture:
             capture = (*capture, last)  # the last layer's output of row 1, for its logits
         logits, captured = self.model.forward(ids_t, pos_t, attn, logits_rows=row0, capture_layers=capture)
+        if static and plan is not None:
+            # Join the background stream inside the step: the next step's attention reads the
+            # slots these gathers fill.
+            torch.cuda.current_stream(dev).wait_stream(self._side)
+        out = {"logits": logits, "feats": None, "last_q": last_q, "keep": keep}
         if self.capture:
-            feats = torch.cat([captured[i][row0] for i in self.capture], dim=-1)
-            for i, r in enumerate(reqs):
-                r.features = feats[i]
-        logits1 = None
+            out["feats"] = torch.cat([captured[i][row0] for i in self.capture], dim=-1)
         if draft_logits:
             row1 = row0 + 1
             # The same LM-head shape as row 0's ([n, hidden]): row 1's logits are exactly what the
             # next step's row 0 would give for the accepted draft.
-            logits1 = self.model.logits(captured[last][row1])
-            if self.capture:
-                feats1 = torch.cat([captured[i][row1] for i in self.capture], dim=-1)
-                for i, r in enumerate(reqs):
-                    r.draft_features = feats1[i]
-            self._spec = (spec_kv, {r.id: i for i, r in enumerate(reqs)})
-        if self.policy is not None:
-            self.policy.after_step(self, reqs)
-        for r in reqs:
-            r.metrics.steps += 1
-            if r.sparse:
-                r.metrics.sparse_steps += 1
-        self.step_no += 1
-        return (logits, logits1) if draft_logits else logits
+            out["logits1"] = self.model.logits(captured[last][row1])
+            out["feats1"] = (
+                torch.cat([captured[i][row1] for i in self.capture], dim=-1) if self.capture else None
+            )
+            out["spec_kv"] = spec_kv
+        return out
+
+    # ---------------------------------------------------------------- CUDA-graph decode
+    def _decode_graph(self, reqs: list[_Request], ids: list[int]):
+        """One step as a CUDA-graph replay: ``(logits, features)``, copies of the graph's outputs.
+
+        The runtime plans the step at fixed capacities (``Runtime.plan(..., pad)``: requests
+        padded to a power of two, attention pages and host blocks per request rounded up), so
+        every field of the plan lies at the same offset in the graph's own plan buffers; the
+        padded rows read empty tables and exit early. One graph per capacity key, captured the
+        first time the key is seen: that step runs eagerly with the same static shapes (which
+        also warms every kernel and allocation up), then the same function is captured. The
+        head-wise mapping updates are applied before the replay (their number varies). The pools
+        growing drops every graph (their addresses are baked in)."""
+        rt = self.runtime
+        n = len(reqs)
+        req_ids = [r.id for r in reqs]
+        pages, blocks = rt.step_needs(req_ids)
+        key = (_bucket(n), _round_cap(pages), _round_cap(blocks) if self.backend == "oasis" else 0)
+        pad = (*key, self.max_num_seqs)
+        arena_len, layout, _n_sparse, _ = rt.plan(req_ids, ids, pad)
+        gr = self._graphs.pop(key, None)
+        if gr is None:
+            gr = _StepGraph.new(self, key, arena_len, layout)
+            fresh = True
+        else:
+            fresh = False
+        self._graphs[key] = gr  # most recently used last
+        if gr.plan_evt is not None:
+            gr.plan_evt.synchronize()  # the copy out of the pinned buffer a step ago is done
+        rt.write_plan(gr.plan_host)
+        self._join_background()
+        self._flush_map()
+        gr.plan_dev.copy_(gr.plan_host, non_blocking=True)
+        gr.plan_evt = torch.cuda.Event()
+        gr.plan_evt.record()
+        self._step_now.fill_(self.step_no)
+        if fresh:
+            out = gr.capture(self)
+            self.graph_stats["captures"] += 1
+            while len(self._graphs) > _MAX_GRAPHS:
+                self._graphs.pop(next(iter(self._graphs)))
+        else:
+            gr.graph.replay()
+            self.graph_stats["replays"] += 1
+            out = gr.out
+        self._last_q = list(out["last_q"])  # a copy: prefill writes into the engine's list
+        feats = out["feats"][:n].clone() if out["feats"] is not None else None
+        return out["logits"][:n].clone(), feats
+
+    def drop_graphs(self) -> None:
+        """Forget every captured step (the pools moved, or to free the graphs' memory)."""
+        self._graphs.clear()
 
     def can_append(self, r: _Request) -> bool:
         """Whether ``r`` may store its draft after this step (:meth:`append_drafts`): not past the
@@ -1072,11 +1323,13 @@ class Engine:
         self._spec = None
 
     def _select(
-        self, layer: int, q4: torch.Tensor, plan: _SparsePlan, step: int, cap: int, k_budget: int
-    ) -> None:
+        self, layer: int, q4: torch.Tensor, plan: _SparsePlan, step, cap: int, k_budget: int
+    ) -> tuple:
         """The background chain of one layer: score -> top-K -> delta selection -> gather.
 
-        On a GPU this runs on the background stream; it never synchronises with the host.
+        On a GPU this runs on the background stream; it never synchronises with the host. ``step``
+        is an int, or the int32 device tensor a captured step reads. Returns the tensors it made
+        (a captured step keeps them alive until the capture ends).
         """
         g = self.geo
         sp_idx, sp_ids, sp_reqs, slot_pages = plan.idx, plan.ids, plan.reqs, plan.slot_pages
@@ -1107,13 +1360,14 @@ class Engine:
         )
         self._acc_fetched.index_add_(0, sp_ids, (ps >= 0).sum(dim=(1, 2)))
         self._pred_of(layer)[sp_ids] = pred
+        return q4, pred, ps
 
     def _pred_of(self, layer: int) -> torch.Tensor:
         """Each slot's latest prediction of ``layer``, ``[max_num_seqs, num_kv_heads, K]`` logical
         blocks (-1 padded), on the device: one gather and one scatter per layer and step instead
         of a tensor per request."""
         if self._pred[layer] is None:
-            shape = (self.max_num_seqs, self.geo.num_kv_heads, self.kv.top_k_blocks)
+            shape = (self.max_num_seqs + 1, self.geo.num_kv_heads, self.kv.top_k_blocks)
             self._pred[layer] = torch.full(shape, -1, dtype=torch.int32, device=self.device)
         return self._pred[layer]
 

@@ -198,6 +198,13 @@ class LLMEngine:
             or a working set that holds the context); sampling uses the speculative-sampling rule,
             so the output distribution is unchanged. Off by default. :attr:`spec_stats` and the
             requests' metrics report the acceptance rate and tokens per step.
+        host_pool: where the oasis backend's host pool lives: ``"pinned"`` CPU memory (read over
+            PCIe), or ``"device"``, the all-resident oracle: a copy of the full KV on the GPU, the
+            same selection, the gather device to device (the benchmark's upper bound; it needs the
+            whole KV of every request in GPU memory). Without a GPU both are CPU memory.
+        cuda_graph: replay each decode step as a CUDA graph on a GPU (one capture per batch size
+            bucket and context capacity; ignored on the CPU). Steps under a selection policy, a
+            recall recorder (``engine.recorder``) or ``speculative=True`` run eagerly.
     """
 
     def __init__(
@@ -219,6 +226,8 @@ class LLMEngine:
         policy=None,
         output_kind: str = "cumulative",
         speculative: bool = False,
+        host_pool: str = "pinned",
+        cuda_graph: bool = False,
     ) -> None:
         for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not _is_int(v) or not 1 <= v <= 1 << 20:
@@ -260,6 +269,8 @@ class LLMEngine:
             gpu_kv_budget_bytes=gpu_kv_budget_bytes,
             host_kv_budget_bytes=host_kv_budget_bytes,
             policy=policy,
+            host_pool=host_pool,
+            cuda_graph=cuda_graph,
         )
         self.max_num_seqs = max_num_seqs
         if not isinstance(speculative, bool):
