@@ -222,4 +222,37 @@ struct CopyPagesParams {
     int num_dst_pages;
 };
 
+// rms_norm_* (cuda/norm_rope.cu): HF RMSNorm of rows, with an optional fused residual add.
+template <typename T>
+struct RmsNormParams {
+    const T* x;            // [n, x_stride] rows of hidden elements (x_stride >= hidden)
+    const T* weight;       // [hidden]
+    const T* residual;     // [n, hidden] or null (no residual add)
+    T* residual_out;       // [n, hidden], null exactly when residual is; may be residual itself
+    T* out;                // [n, hidden]
+    long long x_stride;    // elements between rows of x
+    int hidden;
+    float eps;
+};
+
+// qk_norm_rope_* (cuda/norm_rope.cu): q, k, v from the fused QKV projection, with the optional
+// per-head q/k RMSNorm and rotate-half RoPE.
+template <typename T>
+struct QkNormRopeParams {
+    const T* qkv;                  // [n, qkv_stride] rows of (num_heads + 2 * num_kv_heads) * head_dim
+    const long long* positions_i64; // [n] or null (then positions_i32)
+    const int* positions_i32;      // [n] or null (then positions_i64)
+    const float* inv_freq;         // [head_dim / 2]
+    const T* q_norm;               // [head_dim] or null (no q/k norm)
+    const T* k_norm;               // [head_dim], null exactly when q_norm is
+    T* q_out;                      // [n, num_heads, head_dim]
+    T* k_out;                      // [n, num_kv_heads, head_dim]
+    T* v_out;                      // [n, num_kv_heads, head_dim]
+    long long qkv_stride;          // elements between rows of qkv
+    int num_heads;
+    int num_kv_heads;
+    int head_dim;                  // even
+    float eps;                     // of the q/k norm
+};
+
 }  // namespace oasis

@@ -162,7 +162,15 @@ def test_class_matches(name):
 # These run everywhere (CI has no GPU): the native module imports without CUDA, says why the CUDA
 # path cannot run, compiles every kernel with the NVRTC of the virtualenv, and answers a CUDA call
 # it cannot serve with a typed error instead of a crash.
-KERNEL_SOURCES = {"append_kv", "decode_attn", "score_blocks", "key_codes", "delta_select", "gather_blocks"}
+KERNEL_SOURCES = {
+    "append_kv",
+    "decode_attn",
+    "score_blocks",
+    "key_codes",
+    "delta_select",
+    "gather_blocks",
+    "norm_rope",
+}
 # Variables that point oasis-cuda at libnvrtc; cleared to test the search from a bare environment.
 NVRTC_HINTS = ("OASIS_NVRTC_LIB", "OASIS_PYTHON_SITE", "VIRTUAL_ENV", "CONDA_PREFIX")
 

@@ -262,6 +262,40 @@ def copy_pages(
 ) -> None:
     """Whole-page copy between two pools of the same page geometry: src_ids[i] -> dst_ids[i]."""
 
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+    residual: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+    *,
+    stream: int = 0,
+) -> None:
+    """HF RMSNorm of rows ``x [n, hidden]`` (rows may be strided) into ``out``; with ``residual`` and
+    ``residual_out`` (which may be ``residual`` itself), ``h = x + residual`` is stored and normalised."""
+
+def qk_norm_rope(
+    qkv: torch.Tensor,
+    q_size: int,
+    kv_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    q_out: torch.Tensor,
+    k_out: torch.Tensor,
+    v_out: torch.Tensor,
+    *,
+    stream: int = 0,
+) -> None:
+    """q, k, v from the fused QKV projection: optional per-head q/k RMSNorm, rotate-half RoPE at
+    ``positions``, the V copy."""
+
 def decode_attn_workspace_len(
     num_seqs: int, num_rows: int, num_qo_heads: int, head_dim: int, num_splits: int
 ) -> int:

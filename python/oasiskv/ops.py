@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from . import _core
-from .errors import ConfigError, DeviceError
+from .errors import ConfigError, DeviceError, ShapeError
 
 KvGeometry = _core.KvGeometry
 BlockPool = _core.BlockPool
@@ -299,3 +299,128 @@ def copy_pages(geo, src_k, src_v, src_ids, dst_k, dst_v, dst_ids) -> None:
     when the ids are on a CUDA device)."""
     dev = _check_device(src_ids, src_k, dst_k)
     _core.copy_pages(geo, src_k, src_v, src_ids, dst_k, dst_v, dst_ids, stream=_stream(dev))
+
+
+def _as_rows(t: torch.Tensor, hidden: int, name: str) -> torch.Tensor:
+    """``t [..., hidden]`` as a 2-D view ``[rows, hidden]`` (2-D tensors as they are, strided or not)."""
+    if t.dim() == 2:
+        return t
+    if t.dim() == 0 or t.shape[-1] != hidden:
+        raise ShapeError(f"{name} must have shape [..., {hidden}], got {tuple(t.shape)}")
+    try:
+        return t.view(-1, hidden)
+    except RuntimeError:
+        raise ShapeError(
+            f"{name} of shape {tuple(t.shape)} and strides {t.stride()} cannot be seen as rows of {hidden}; "
+            f"pass {name}.contiguous()"
+        ) from None
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+):
+    """Hugging Face RMSNorm of ``x [..., hidden]`` with ``weight [hidden]``, in one kernel (issue 10).
+
+    The same numerics as :func:`oasiskv.models.transformer.rms_norm` (normalise in float32, round to
+    the dtype, scale by the weight, round again); only the order of the sum of squares is the
+    kernels' own, identical on the CPU and the GPU. A 2-D ``x`` may have strided rows (each row
+    contiguous); other ranks are flattened to rows (a copy when they cannot be viewed so).
+
+    With ``residual`` (shaped like ``x``): ``h = residual + x`` (rounded to the dtype, as torch adds)
+    is written to ``residual_out`` and normalised; returns ``(out, residual_out)``, else ``out``.
+    ``residual_out`` defaults to a new tensor; ``residual_out=residual`` updates the residual in place
+    (the only overlap allowed: ``out`` and ``residual_out`` may share memory with no other argument).
+    Outputs are contiguous, shaped like ``x``. On CUDA the kernel is queued on the current stream (no
+    synchronisation, no allocation but the outputs made here: CUDA-graph capturable).
+    """
+    dev = _check_device(x, weight, residual, out, residual_out)
+    if weight.dim() != 1:
+        raise ShapeError(f"weight must have shape [hidden], got {tuple(weight.shape)}")
+    hidden = weight.shape[0]
+    if x.dim() == 2:
+        rows_x = x
+    elif x.dim() >= 1 and x.shape[-1] == hidden:
+        rows_x = x.reshape(-1, hidden)  # a view when the strides allow it, else a copy
+    else:
+        raise ShapeError(f"x must have shape [..., {hidden}] (hidden = len(weight)), got {tuple(x.shape)}")
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=dev)
+    rows = {"out": _as_rows(out, hidden, "out")}
+    if residual is not None:
+        if residual_out is None:
+            residual_out = torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
+        rows["residual"] = _as_rows(residual, hidden, "residual")
+    if residual_out is not None:  # without residual: the native module says to pass both
+        rows["residual_out"] = _as_rows(residual_out, hidden, "residual_out")
+    _core.rms_norm(
+        rows_x,
+        weight,
+        float(eps),
+        rows["out"],
+        rows.get("residual"),
+        rows.get("residual_out"),
+        stream=_stream(dev),
+    )
+    return out if residual is None else (out, residual_out)
+
+
+def qk_norm_rope(
+    qkv: torch.Tensor,
+    q_size: int,
+    kv_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    *,
+    q_out: torch.Tensor | None = None,
+    k_out: torch.Tensor | None = None,
+    v_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The attention prologue of a decoder layer, in one kernel (issue 10): from the fused QKV
+    projection ``qkv [n, q_size + 2 * kv_size]`` (rows may be strided) return contiguous
+    ``(q [n, num_heads, head_dim], k [n, num_kv_heads, head_dim], v [n, num_kv_heads, head_dim])``.
+
+    Query and key heads are RMS-normalised per head with ``q_norm`` / ``k_norm`` ``[head_dim]``
+    (Qwen3; pass neither for Llama), then rotated by rotate-half RoPE at ``positions [n]`` (int64 or
+    int32, read by the kernel) with ``inv_freq [head_dim // 2]`` (float32); values are copied. The
+    numerics are those of ``rms_norm``, ``rope_cos_sin`` and ``apply_rope`` of
+    :mod:`oasiskv.models.transformer`, with cos/sin rounded correctly to float32 (torch's are within
+    1 ulp of them). On CUDA the kernel is queued on the current stream (CUDA-graph capturable).
+    """
+    dev = _check_device(qkv, positions, inv_freq, q_norm, k_norm)
+    n = qkv.shape[0] if qkv.dim() >= 1 else 0
+    if q_out is None:
+        q_out = torch.empty(n, num_heads, head_dim, dtype=qkv.dtype, device=dev)
+    if k_out is None:
+        k_out = torch.empty(n, num_kv_heads, head_dim, dtype=qkv.dtype, device=dev)
+    if v_out is None:
+        v_out = torch.empty(n, num_kv_heads, head_dim, dtype=qkv.dtype, device=dev)
+    _core.qk_norm_rope(
+        qkv,
+        int(q_size),
+        int(kv_size),
+        int(num_heads),
+        int(num_kv_heads),
+        int(head_dim),
+        positions,
+        inv_freq,
+        q_norm,
+        k_norm,
+        float(eps),
+        q_out,
+        k_out,
+        v_out,
+        stream=_stream(dev),
+    )
+    return q_out, k_out, v_out

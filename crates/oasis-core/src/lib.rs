@@ -6,7 +6,8 @@
 //! * [`pool`] — [`pool::BlockPool`], the free list behind the GPU page pool and the host pool;
 //! * [`kernels`] — the CPU twin of every GPU kernel: append with write-through, decode attention
 //!   over head-wise working sets, block summaries, block scoring + per-head top-K, delta selection
-//!   with capped eviction, and the gather from the host pool into GPU slots.
+//!   with capped eviction, and the gather from the host pool into GPU slots; and the decoder's
+//!   fused elementwise work (RMSNorm with the residual add, q/k norm + RoPE from the QKV rows).
 //!
 //! Every kernel takes flat slices plus the geometry, checks every shape and every index first and
 //! returns [`OasisError`] instead of panicking, then computes in f32 whatever the storage dtype.

@@ -4,7 +4,8 @@
 
 use oasis_core::kernels::{
     append_kv, build_summaries, copy_pages, decode_attention, delta_select, gather_blocks,
-    score_blocks, topk_blocks, ExtraKv, PagedKv,
+    qk_norm_rope, rms_norm, score_blocks, topk_blocks, ExtraKv, HeadLayout, PagedKv, Positions,
+    QkNorm, Residual,
 };
 use oasis_core::KvGeometry;
 use proptest::prelude::*;
@@ -293,6 +294,74 @@ fn select_gather_case(rng: &mut Rng) {
     }
 }
 
+fn norm_rope_case(rng: &mut Rng) {
+    let hidden = rng.below(7);
+    let n = rng.below(4);
+    let pad = rng.below(3);
+    let stride = rng.count(hidden + pad);
+    let span = if n == 0 { 0 } else { (n - 1) * stride + hidden };
+    let x = rng.jdata(span);
+    let w = rng.jdata(hidden);
+    let res = rng.jdata(n * hidden);
+    let mut h = rng.jdata(n * hidden);
+    let mut out = rng.jiggle(vec![f32::NAN; n * hidden]);
+    let before = (out.clone(), h.clone());
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let residual = match rng.below(3) {
+        0 => None,
+        1 => Some(Residual::Separate {
+            residual: &res,
+            residual_out: &mut h,
+        }),
+        _ => Some(Residual::InPlace(&mut h)),
+    };
+    if rms_norm(&x, stride, &w, 1e-6, residual, &mut out).is_err() {
+        assert_eq!((bits(&out), bits(&h)), (bits(&before.0), bits(&before.1)));
+    }
+
+    let layout = HeadLayout {
+        num_heads: rng.below(4),
+        num_kv_heads: rng.below(3),
+        head_dim: rng.below(6),
+    };
+    let (hq, hkv, d) = (layout.num_heads, layout.num_kv_heads, layout.head_dim);
+    let width = (hq + 2 * hkv) * d;
+    let n = rng.below(4);
+    let pad = rng.below(3);
+    let stride = rng.count(width + pad);
+    let span = if n == 0 { 0 } else { (n - 1) * stride + width };
+    let qkv = rng.jdata(span);
+    let pos: Vec<i64> = (0..n).map(|_| rng.below(50_000) as i64 - 10).collect();
+    let pos = rng.jiggle(pos);
+    let inv = rng.jdata(d / 2);
+    let (qw, kw) = (rng.jdata(d), rng.jdata(d));
+    let norm = QkNorm {
+        q_weight: &qw,
+        k_weight: &kw,
+        eps: 1e-6,
+    };
+    let mut q = rng.jiggle(vec![f32::NAN; n * hq * d]);
+    let mut k = rng.jiggle(vec![f32::NAN; n * hkv * d]);
+    let mut v = rng.jiggle(vec![f32::NAN; n * hkv * d]);
+    let before = (bits(&q), bits(&k), bits(&v));
+    let norm = rng.one_in(2).then_some(&norm);
+    if qk_norm_rope(
+        &layout,
+        &qkv,
+        stride,
+        Positions::I64(&pos),
+        &inv,
+        norm,
+        &mut q,
+        &mut k,
+        &mut v,
+    )
+    .is_err()
+    {
+        assert_eq!((bits(&q), bits(&k), bits(&v)), before);
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
 
@@ -303,5 +372,6 @@ proptest! {
         append_summary_case(&mut rng);
         score_case(&mut rng);
         select_gather_case(&mut rng);
+        norm_rope_case(&mut rng);
     }
 }

@@ -108,6 +108,19 @@ pub const SOURCES: &[KernelSource] = &[
             "copy_pages_f32",
         ],
     },
+    KernelSource {
+        name: "norm_rope",
+        file: "norm_rope.cu",
+        source: include_str!("../../../cuda/norm_rope.cu"),
+        entry_points: &[
+            "rms_norm_bf16",
+            "rms_norm_f16",
+            "rms_norm_f32",
+            "qk_norm_rope_bf16",
+            "qk_norm_rope_f16",
+            "qk_norm_rope_f32",
+        ],
+    },
 ];
 
 /// The source registered under `name` (file stem, e.g. `"gather_blocks"`).

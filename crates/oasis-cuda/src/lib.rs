@@ -39,6 +39,7 @@
 //! | `score_blocks.cu` | `score_blocks`, `topk_blocks_f32` | `score_blocks`, `topk_blocks` |
 //! | `delta_select.cu` | `delta_select_i32` | `delta_select` |
 //! | `gather_blocks.cu` | `gather_blocks`, `copy_pages` | `gather_blocks`, `copy_pages` |
+//! | `norm_rope.cu` | `rms_norm`, `qk_norm_rope` | `rms_norm`, `qk_norm_rope` |
 //!
 //! ## Examples
 //!

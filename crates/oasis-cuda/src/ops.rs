@@ -20,6 +20,8 @@
 use std::marker::PhantomData;
 
 use oasis_core::error::check_len;
+use oasis_core::kernels::norm::{check_rows, rms_norm_threads};
+use oasis_core::kernels::HeadLayout;
 use oasis_core::{DType, KvElem, KvGeometry, OasisError};
 
 use crate::driver::{Gpu, LaunchCfg};
@@ -27,7 +29,7 @@ use crate::error::{guard, CudaError, Result};
 use crate::params::{
     AppendKvParams, BuildKeyCodesParams, BuildSummariesParams, CopyPagesParams, DecodeAttnParams,
     DeltaSelectParams, DevPtr, GatherBlocksParams, KernelParams, MergeAttnStatesParams,
-    ScoreBlocksCodesParams, ScoreBlocksParams, TopkBlocksParams,
+    QkNormRopeParams, RmsNormParams, ScoreBlocksCodesParams, ScoreBlocksParams, TopkBlocksParams,
 };
 
 /// Threads per block of the decode attention kernel (a multiple of 32). Arbitrary.
@@ -68,6 +70,9 @@ pub const SELECT_WARP_MAX: usize = 256;
 pub const COPY_THREADS: u32 = 128;
 /// Threads per block of append / summary / merge kernels (they stride over head_dim). Arbitrary.
 pub const ROW_THREADS: u32 = 128;
+/// Warps of one `qk_norm_rope_*` block, one head each; must match OASIS_QK_ROPE_WARPS in
+/// cuda/norm_rope.cu. Arbitrary.
+pub const QK_ROPE_WARPS: u32 = 4;
 /// Largest split count of the split-KV attention (grid z). Arbitrary.
 pub const MAX_SPLITS: usize = 256;
 /// Fewest pages a split should get: below this the merge costs more than the split saves.
@@ -177,6 +182,33 @@ pub struct PagedKvDev<T> {
 pub struct ExtraKvDev<T> {
     pub k: DevSlice<T>, // [num_seqs, num_kv_heads, head_dim]
     pub v: DevSlice<T>, // [num_seqs, num_kv_heads, head_dim]
+}
+
+/// The residual stream of a fused [`Gpu::rms_norm`], as `oasis_core::kernels::Residual`: the
+/// kernel reads `residual` and writes `h = x + residual` to `residual_out`. The two may be the
+/// same buffer (an in-place update; an exception to [`DevSlice::from_raw`]'s obligation 4, which
+/// the wrapper checks: the same address and length, or no overlap at all).
+#[derive(Debug, Clone, Copy)]
+pub struct ResidualDev<T> {
+    pub residual: DevSlice<T>,     // [n, hidden]
+    pub residual_out: DevSlice<T>, // [n, hidden]
+}
+
+/// Token positions of [`Gpu::qk_norm_rope`], read by the kernel (int32 or int64, as stored), as
+/// `oasis_core::kernels::Positions`.
+#[derive(Debug, Clone, Copy)]
+pub enum PositionsDev {
+    I32(DevSlice<i32>), // [n]
+    I64(DevSlice<i64>), // [n]
+}
+
+impl PositionsDev {
+    fn len(&self) -> usize {
+        match self {
+            PositionsDev::I32(p) => p.len(),
+            PositionsDev::I64(p) => p.len(),
+        }
+    }
 }
 
 /// Split-KV ("flash-decoding"): each sequence's pages are cut into `num_splits` parts, attended
@@ -290,6 +322,12 @@ fn codes_head_dim(head_dim: usize) -> Result<()> {
         .into());
     }
     Ok(())
+}
+
+/// Shared memory of one `qk_norm_rope_*` block, in bytes (cuda/norm_rope.cu): one head of f32
+/// per warp.
+pub fn qk_norm_rope_smem_bytes(head_dim: usize) -> usize {
+    QK_ROPE_WARPS as usize * head_dim.saturating_mul(4)
 }
 
 /// Shared memory of one delta-selection block, in bytes (cuda/delta_select.cu).
@@ -1138,6 +1176,163 @@ impl Gpu {
             unsafe { self.queue(name, grid, COPY_THREADS, 0, stream, &params) }
         })
     }
+
+    /// GPU twin of `oasis_core::kernels::rms_norm`: HF RMSNorm of `n` rows of `hidden =
+    /// weight.len()` elements (`x` holds them `x_stride` apart: a row-strided view whose slice
+    /// ends with the last row), with the optional fused residual add. Bit-identical to the twin
+    /// (the block's size is `rms_norm_threads(hidden)`, which fixes the order of the sum). One
+    /// block per row.
+    ///
+    /// # Errors
+    /// [`CudaError::Invalid`] for a buffer whose size does not match its shape, an empty weight,
+    /// a row stride below `hidden`, or a residual output that overlaps the residual without
+    /// being the same buffer.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rms_norm<T: KvElem>(
+        &self,
+        x: DevSlice<T>, // [n, x_stride] rows of hidden elements
+        x_stride: usize,
+        weight: DevSlice<T>, // [hidden]
+        eps: f32,
+        residual: Option<ResidualDev<T>>,
+        out: DevSlice<T>, // [n, hidden]
+        stream: Stream,
+    ) -> Result<()> {
+        guard("rms_norm", || {
+            let hidden = weight.len();
+            if hidden == 0 {
+                return Err(OasisError::Config(
+                    "rms_norm needs a non-empty weight (hidden > 0)".into(),
+                )
+                .into());
+            }
+            let n = rows("out", out.len(), &[hidden])?;
+            check_rows("x", x.len(), n, x_stride, hidden)?;
+            let (res, res_out) = match residual {
+                Some(ResidualDev {
+                    residual,
+                    residual_out,
+                }) => {
+                    check_len("residual", residual.len(), &[n, hidden])?;
+                    check_len("residual_out", residual_out.len(), &[n, hidden])?;
+                    let bytes = (n * hidden * std::mem::size_of::<T>()) as u64;
+                    let (a, b) = (residual.ptr(), residual_out.ptr());
+                    if a != b && a < b + bytes && b < a + bytes {
+                        return Err(OasisError::Invalid(
+                            "residual_out overlaps residual without being the same buffer".into(),
+                        )
+                        .into());
+                    }
+                    (residual.into(), residual_out.into())
+                }
+                None => (DevPtr::NULL, DevPtr::NULL),
+            };
+            let name = entry!(T, "rms_norm");
+            let params = RmsNormParams {
+                x: x.into(),
+                weight: weight.into(),
+                residual: res,
+                residual_out: res_out,
+                out: out.into(),
+                x_stride: i64::try_from(x_stride)
+                    .map_err(|_| CudaError::Unsupported("x_stride does not fit i64".into()))?,
+                hidden: int("hidden", hidden)?,
+                eps,
+            };
+            let grid = grid_x("n", n)?;
+            let threads = rms_norm_threads(hidden) as u32;
+            // SAFETY: every buffer has the length its shape needs (checked above: x spans n rows
+            // x_stride apart); by DevSlice's contract they are reachable and alive until the
+            // stream runs the kernel and outputs overlap no other argument, except residual_out,
+            // which may be residual itself (checked: identical or disjoint), which the kernel
+            // handles (each element read before the same thread writes it); the stream by
+            // Stream's contract.
+            unsafe { self.queue(name, grid, threads, 0, stream, &params) }
+        })
+    }
+
+    /// GPU twin of `oasis_core::kernels::qk_norm_rope`: from the fused QKV projection (`n =
+    /// positions.len()` rows of `layout.width()` elements, `qkv_stride` apart), write `q_out`,
+    /// `k_out` (optionally RMS-normalised per head with `norm = (q_weight, k_weight)`, then
+    /// rotate-half RoPE at `positions`, read on the device) and `v_out` (a copy). Bit-identical to
+    /// the twin. One block of [`QK_ROPE_WARPS`] warps per row and group of heads.
+    ///
+    /// # Errors
+    /// [`CudaError::Invalid`] for a layout the twin rejects or a buffer whose size does not match
+    /// its shape; [`CudaError::Unsupported`] for a head_dim whose shared memory does not fit.
+    #[allow(clippy::too_many_arguments)]
+    pub fn qk_norm_rope<T: KvElem>(
+        &self,
+        layout: &HeadLayout,
+        qkv: DevSlice<T>, // [n, qkv_stride] rows of (num_heads + 2 num_kv_heads) head_dim
+        qkv_stride: usize,
+        positions: PositionsDev,                  // [n]
+        inv_freq: DevSlice<f32>,                  // [head_dim / 2]
+        norm: Option<(DevSlice<T>, DevSlice<T>)>, // q_norm, k_norm [head_dim]
+        eps: f32,
+        q_out: DevSlice<T>, // [n, num_heads, head_dim]
+        k_out: DevSlice<T>, // [n, num_kv_heads, head_dim]
+        v_out: DevSlice<T>, // [n, num_kv_heads, head_dim]
+        stream: Stream,
+    ) -> Result<()> {
+        guard("qk_norm_rope", || {
+            layout.validate()?;
+            let HeadLayout {
+                num_heads: hq,
+                num_kv_heads: hkv,
+                head_dim: d,
+            } = *layout;
+            let n = positions.len();
+            check_rows("qkv", qkv.len(), n, qkv_stride, layout.width())?;
+            check_len("inv_freq", inv_freq.len(), &[d / 2])?;
+            if let Some((qw, kw)) = norm {
+                check_len("q_norm", qw.len(), &[d])?;
+                check_len("k_norm", kw.len(), &[d])?;
+            }
+            check_len("q_out", q_out.len(), &[n, hq, d])?;
+            check_len("k_out", k_out.len(), &[n, hkv, d])?;
+            check_len("v_out", v_out.len(), &[n, hkv, d])?;
+
+            let (p64, p32) = match positions {
+                PositionsDev::I64(p) => (p.into(), DevPtr::NULL),
+                PositionsDev::I32(p) => (DevPtr::NULL, p.into()),
+            };
+            let name = entry!(T, "qk_norm_rope");
+            let params = QkNormRopeParams {
+                qkv: qkv.into(),
+                positions_i64: p64,
+                positions_i32: p32,
+                inv_freq: inv_freq.into(),
+                q_norm: norm.map(|(q, _)| q).into(),
+                k_norm: norm.map(|(_, k)| k).into(),
+                q_out: q_out.into(),
+                k_out: k_out.into(),
+                v_out: v_out.into(),
+                qkv_stride: i64::try_from(qkv_stride)
+                    .map_err(|_| CudaError::Unsupported("qkv_stride does not fit i64".into()))?,
+                num_heads: int("num_heads", hq)?,
+                num_kv_heads: int("num_kv_heads", hkv)?,
+                head_dim: int("head_dim", d)?,
+                eps,
+            };
+            let heads = hq + 2 * hkv; // fits i32: HeadLayout::validate
+            let grid = (
+                grid_dim("n", n, GRID_X_MAX)?,
+                grid_dim(
+                    "head groups",
+                    heads.div_ceil(QK_ROPE_WARPS as usize),
+                    GRID_YZ_MAX,
+                )?,
+                1,
+            );
+            let smem = qk_norm_rope_smem_bytes(d);
+            // SAFETY: every buffer has the length its shape needs (checked above); exactly one
+            // positions pointer is set, and the norm weights are both set or both null, as the
+            // kernel expects; reachability, lifetime and disjoint outputs by DevSlice's contract;
+            // the stream by Stream's contract.
+            unsafe { self.queue(name, grid, QK_ROPE_WARPS * 32, smem, stream, &params) }
+        })
+    }
 }
 
 #[cfg(test)]
@@ -1371,6 +1566,10 @@ mod tests {
         assert_eq!(
             define("gather_blocks", "OASIS_COPY_THREADS"),
             COPY_THREADS as usize
+        );
+        assert_eq!(
+            define("norm_rope", "OASIS_QK_ROPE_WARPS"),
+            QK_ROPE_WARPS as usize
         );
     }
 }

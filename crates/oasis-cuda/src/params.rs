@@ -421,6 +421,43 @@ kernel_params! {
     }
 }
 
+kernel_params! {
+    /// `rms_norm_*` (cuda/norm_rope.cu): HF RMSNorm of rows, with an optional fused residual add.
+    pub struct RmsNormParams => "oasis::RmsNormParams<T>"
+        for ["rms_norm_bf16", "rms_norm_f16", "rms_norm_f32"] {
+        pub x: DevPtr,            // [n, x_stride] rows of hidden elements
+        pub weight: DevPtr,       // [hidden]
+        pub residual: DevPtr,     // [n, hidden] or null
+        pub residual_out: DevPtr, // [n, hidden], null exactly when residual is; may be residual
+        pub out: DevPtr,          // [n, hidden]
+        pub x_stride: i64,
+        pub hidden: i32,
+        pub eps: f32,
+    }
+}
+
+kernel_params! {
+    /// `qk_norm_rope_*` (cuda/norm_rope.cu): q, k, v from the fused QKV projection, with the
+    /// optional per-head q/k RMSNorm and rotate-half RoPE.
+    pub struct QkNormRopeParams => "oasis::QkNormRopeParams<T>"
+        for ["qk_norm_rope_bf16", "qk_norm_rope_f16", "qk_norm_rope_f32"] {
+        pub qkv: DevPtr,           // [n, qkv_stride] rows of (num_heads + 2 num_kv_heads) head_dim
+        pub positions_i64: DevPtr, // [n] or null (then positions_i32)
+        pub positions_i32: DevPtr, // [n] or null (then positions_i64)
+        pub inv_freq: DevPtr,      // [head_dim / 2] f32
+        pub q_norm: DevPtr,        // [head_dim] or null (no q/k norm)
+        pub k_norm: DevPtr,        // [head_dim], null exactly when q_norm is
+        pub q_out: DevPtr,         // [n, num_heads, head_dim]
+        pub k_out: DevPtr,         // [n, num_kv_heads, head_dim]
+        pub v_out: DevPtr,         // [n, num_kv_heads, head_dim]
+        pub qkv_stride: i64,
+        pub num_heads: i32,
+        pub num_kv_heads: i32,
+        pub head_dim: i32, // even
+        pub eps: f32,
+    }
+}
+
 /// The layout of every parameter struct, in `cuda/oasis_params.cuh` order.
 pub const ALL: &[ParamsLayout] = &[
     AppendKvParams::LAYOUT,
@@ -434,6 +471,8 @@ pub const ALL: &[ParamsLayout] = &[
     DeltaSelectParams::LAYOUT,
     GatherBlocksParams::LAYOUT,
     CopyPagesParams::LAYOUT,
+    RmsNormParams::LAYOUT,
+    QkNormRopeParams::LAYOUT,
 ];
 
 /// The parameter struct layout of kernel `entry`, if it has one.
@@ -460,9 +499,11 @@ mod tests {
         assert_eq!(size_of::<BuildKeyCodesParams>(), 4 * 8 + 6 * 4);
         assert_eq!(size_of::<ScoreBlocksCodesParams>(), 6 * 8 + 8 * 4);
         assert_eq!(size_of::<TopkBlocksParams>(), 3 * 8 + 4 * 4);
-        assert_eq!(size_of::<DeltaSelectParams>(), 7 * 8 + 8 * 4);
+        assert_eq!(size_of::<DeltaSelectParams>(), 8 * 8 + 8 * 4);
         assert_eq!(size_of::<GatherBlocksParams>(), 9 * 8 + 8 * 4);
         assert_eq!(size_of::<CopyPagesParams>(), 7 * 8 + 2 * 4);
+        assert_eq!(size_of::<RmsNormParams>(), 6 * 8 + 2 * 4);
+        assert_eq!(size_of::<QkNormRopeParams>(), 10 * 8 + 4 * 4);
         assert_eq!(align_of::<DecodeAttnParams>(), 8);
         assert_eq!(std::mem::offset_of!(DecodeAttnParams, sm_scale), 132);
         assert_eq!(std::mem::offset_of!(CopyPagesParams, page_elems), 48);

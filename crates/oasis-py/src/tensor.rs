@@ -244,6 +244,19 @@ impl TensorArg {
 
     /// The tensor lives where the call runs (see [`Cx`]) and is contiguous.
     fn check_place(&self, cx: &Cx<'_>, name: &str) -> PyResult<()> {
+        self.check_device(cx, name)?;
+        if !self.contiguous {
+            return Err(py_err(
+                cx.py,
+                "ShapeError",
+                format!("{name} is not contiguous; pass {name}.contiguous()"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The tensor lives where the call runs (see [`Cx`]).
+    fn check_device(&self, cx: &Cx<'_>, name: &str) -> PyResult<()> {
         let py = cx.py;
         let here = Place::parse(&self.device);
         match (cx.place, here) {
@@ -289,14 +302,87 @@ impl TensorArg {
                 ));
             }
         }
-        if !self.contiguous {
+        Ok(())
+    }
+
+    /// A 2-D tensor read as rows that may be strided (a column slice of a wider tensor, like
+    /// `qkv[:, :q_size]`): its rows are `stride` elements apart and each row is contiguous. Checks
+    /// that it lives where the call runs. `stride` is `cols` for a contiguous tensor and for at
+    /// most one row.
+    ///
+    /// # Errors
+    /// `ShapeError` for a rank other than 2, a row that is not contiguous, or rows that overlap
+    /// (a row stride below the row length, as `expand` makes).
+    pub fn strided_rows(&self, cx: &Cx<'_>, name: &str) -> PyResult<RowsView> {
+        self.check_device(cx, name)?;
+        let py = cx.py;
+        let [rows, cols] = self.shape[..] else {
             return Err(py_err(
                 py,
                 "ShapeError",
-                format!("{name} is not contiguous; pass {name}.contiguous()"),
+                format!(
+                    "{name} must have 2 dimensions [n, cols], got shape {:?}",
+                    self.shape
+                ),
+            ));
+        };
+        if self.contiguous || rows <= 1 {
+            // A single row's stride is irrelevant (torch may report anything for it).
+            let ok = self.contiguous || cols <= 1 || self.strides(py)?.get(1) == Some(&1);
+            if ok {
+                return Ok(RowsView {
+                    rows,
+                    cols,
+                    stride: cols,
+                });
+            }
+        }
+        let strides = self.strides(py)?;
+        let (row_stride, col_stride) = (strides[0], strides[1]);
+        if col_stride != 1 && cols > 1 {
+            return Err(py_err(
+                py,
+                "ShapeError",
+                format!(
+                    "{name} must have contiguous rows (stride 1 along its last dimension), got strides {strides:?}; \
+                     pass {name}.contiguous()"
+                ),
             ));
         }
-        Ok(())
+        match usize::try_from(row_stride) {
+            Ok(stride) if stride >= cols => Ok(RowsView { rows, cols, stride }),
+            _ => Err(py_err(
+                py,
+                "ShapeError",
+                format!(
+                    "{name} has rows of {cols} elements only {row_stride} apart (they overlap); pass {name}.contiguous()"
+                ),
+            )),
+        }
+    }
+
+    /// torch's `stride()`.
+    fn strides(&self, py: Python<'_>) -> PyResult<Vec<isize>> {
+        let strides: Vec<isize> = self
+            .obj
+            .bind(py)
+            .call_method0("stride")
+            .and_then(|s| s.extract())
+            .map_err(|_| {
+                py_err(
+                    py,
+                    "ShapeError",
+                    "expected a torch.Tensor with strides (tensor.stride())".to_string(),
+                )
+            })?;
+        if strides.len() != self.shape.len() {
+            return Err(py_err(
+                py,
+                "ShapeError",
+                format!("stride() {strides:?} does not match shape {:?}", self.shape),
+            ));
+        }
+        Ok(strides)
     }
 
     /// Size of dimension `axis`, checking the rank is `ndim`, the tensor is contiguous and lives
@@ -371,8 +457,36 @@ impl TensorArg {
         }
     }
 
-    fn byte_range(&self) -> (usize, usize) {
-        (self.ptr, self.ptr + self.numel() * self.elem_size)
+    /// The bytes of a contiguous tensor, `[start, end)`.
+    pub fn byte_range(&self) -> (usize, usize) {
+        self.span_bytes(self.numel())
+    }
+
+    /// The bytes of the first `elems` elements from the data pointer, `[start, end)`.
+    pub fn span_bytes(&self, elems: usize) -> (usize, usize) {
+        (self.ptr, self.ptr + elems * self.elem_size)
+    }
+
+    /// # Safety
+    /// As [`Self::slice`], for the `len` elements from the data pointer (a row-strided tensor's
+    /// span, [`RowsView::span`]), which must all lie inside the tensor's storage.
+    pub unsafe fn span_slice<T>(&self, len: usize) -> &[T] {
+        if len == 0 || self.ptr == 0 {
+            return &[];
+        }
+        std::slice::from_raw_parts(self.ptr as *const T, len)
+    }
+
+    /// The `len` elements from the data pointer as a device buffer (a row-strided tensor's span).
+    ///
+    /// # Safety
+    /// As [`Self::dev`], with the tensor's contiguity replaced by: the `len` elements lie inside
+    /// its storage ([`RowsView::span`] of a view checked with [`Self::strided_rows`]).
+    pub unsafe fn span_dev<T>(&self, len: usize) -> DevSlice<T> {
+        if len == 0 {
+            return DevSlice::empty();
+        }
+        DevSlice::from_raw(self.ptr as u64, len)
     }
 
     /// # Safety
@@ -428,14 +542,30 @@ impl TensorArg {
     }
 }
 
-/// Reject calls where two of the named tensors share memory (at least one of them is written).
-/// Device addresses and host addresses share one space under unified addressing, so the test
-/// holds for CUDA calls too.
-pub fn check_disjoint(py: Python<'_>, named: &[(&str, &TensorArg)]) -> PyResult<()> {
-    for (i, (na, a)) in named.iter().enumerate() {
-        for (nb, b) in &named[i + 1..] {
-            let (a0, a1) = a.byte_range();
-            let (b0, b1) = b.byte_range();
+/// A 2-D tensor as rows that may be strided ([`TensorArg::strided_rows`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RowsView {
+    pub rows: usize,
+    pub cols: usize,
+    /// Elements between the starts of two rows, `>= cols`.
+    pub stride: usize,
+}
+
+impl RowsView {
+    /// Elements from the first row's start to the last row's end (0 for no row).
+    pub fn span(&self) -> usize {
+        match self.rows {
+            0 => 0,
+            n => (n - 1) * self.stride + self.cols,
+        }
+    }
+}
+
+/// Reject calls where two of the named byte ranges `[start, end)` overlap (at least one of them
+/// is written).
+pub fn check_disjoint_bytes(py: Python<'_>, named: &[(&str, (usize, usize))]) -> PyResult<()> {
+    for (i, (na, (a0, a1))) in named.iter().enumerate() {
+        for (nb, (b0, b1)) in &named[i + 1..] {
             if a0 < b1 && b0 < a1 {
                 return Err(py_err(
                     py,
@@ -448,4 +578,12 @@ pub fn check_disjoint(py: Python<'_>, named: &[(&str, &TensorArg)]) -> PyResult<
         }
     }
     Ok(())
+}
+
+/// Reject calls where two of the named tensors share memory (at least one of them is written).
+/// Device addresses and host addresses share one space under unified addressing, so the test
+/// holds for CUDA calls too.
+pub fn check_disjoint(py: Python<'_>, named: &[(&str, &TensorArg)]) -> PyResult<()> {
+    let ranges: Vec<_> = named.iter().map(|(n, t)| (*n, t.byte_range())).collect();
+    check_disjoint_bytes(py, &ranges)
 }

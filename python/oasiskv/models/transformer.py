@@ -9,6 +9,13 @@ or the dense helpers below).
 Tokens are a flat varlen batch (vLLM style): the rows of several requests are concatenated and
 ``positions`` gives each row's position inside its own request. Numerics follow Hugging Face
 transformers (RMSNorm in float32, RoPE tables in float32 then cast to the compute dtype).
+
+On CUDA tensors the elementwise work of a layer runs in fused kernels of :mod:`oasiskv.ops`
+(issue 10; :data:`FUSED_KERNELS`): each RMSNorm is one kernel that also adds the residual (the
+attention output into the post-attention norm, the MLP output into the next layer's input norm),
+and q/k norm + RoPE + the V copy are one kernel straight from the QKV projection. They round as
+the torch code does (only the sum of squares of a norm and cos/sin may differ from torch's in the
+last float32 bit); the torch code below stays the reference, and runs on the CPU.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +35,7 @@ try:  # torch >= 2.3
 except ImportError:  # pragma: no cover - older torch: the explicit mask
     CausalBias = causal_lower_right = None
 
+from oasiskv import ops
 from oasiskv.errors import ConfigError, ContextLengthError, ShapeError
 from oasiskv.memory import ensure_fits, format_bytes
 from oasiskv.models.config import ModelConfig, estimate_model_bytes
@@ -36,8 +45,37 @@ AttnFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
 
 # ---------------------------------------------------------------------------------------- numerics
+#: Where the decoder runs the fused kernels of :mod:`oasiskv.ops` (``rms_norm``, ``qk_norm_rope``)
+#: instead of its torch expressions: ``"cuda"`` (on CUDA tensors: the default), ``"always"`` (the CPU
+#: twins too; for tests of the fused path without a GPU) or ``"never"`` (the torch code everywhere).
+#: Read at every call (RMSNorm) and once per :meth:`CausalLM.forward` (the layers).
+FUSED_KERNELS = "cuda"
+_FUSED_MODES = ("cuda", "always", "never")
+_FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def use_fused(x: Tensor, *weights: Tensor) -> bool:
+    """Whether an op on ``x`` (with ``weights``) runs as a fused kernel: as :data:`FUSED_KERNELS`
+    says, for a dtype the kernels take (the weights in ``x``'s), and never where autograd needs
+    the graph (the kernels have no backward: training the EAGLE-3 head keeps the torch code)."""
+    mode = FUSED_KERNELS
+    if mode not in _FUSED_MODES:
+        raise ConfigError(f"FUSED_KERNELS must be one of {_FUSED_MODES}, got {mode!r}")
+    if mode == "never" or (mode == "cuda" and not x.is_cuda):
+        return False
+    if x.dtype not in _FUSED_DTYPES or any(w.dtype != x.dtype for w in weights):
+        return False
+    return not (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)))
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """HF-style RMSNorm: normalise in float32, cast back, then scale by ``weight``."""
+    """HF-style RMSNorm: normalise in float32, cast back, then scale by ``weight``.
+
+    Where :func:`use_fused` says so (CUDA), one kernel (:func:`oasiskv.ops.rms_norm`) with the same
+    rounding; its sum of squares takes its own order (the last bit of float32 results may differ).
+    """
+    if use_fused(x, weight):
+        return ops.rms_norm(x, weight, eps)
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
@@ -86,6 +124,21 @@ def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tup
     freqs = positions.to(torch.float32)[:, None] * inv_freq.to(device=positions.device)[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+class Rope(NamedTuple):
+    """The RoPE inputs of one forward (:meth:`CausalLM.rope`): ``positions`` [n] and ``inv_freq``
+    [head_dim // 2] (float32), which the fused kernel reads, and the torch path's ``cos``/``sin``
+    tables [n, 1, head_dim] (``None`` on the fused path, which needs no tables)."""
+
+    positions: Tensor
+    inv_freq: Tensor
+    cos: Tensor | None
+    sin: Tensor | None
+
+    @property
+    def fused(self) -> bool:
+        return self.cos is None
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -269,30 +322,62 @@ class DecoderLayer(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(h, cfg.intermediate_size, **kw))
         self.eps = cfg.rms_norm_eps
 
-    def forward(self, layer_idx: int, h: Tensor, cos: Tensor, sin: Tensor, attn: AttnFn) -> Tensor:
+    def forward(
+        self, layer_idx: int, h: Tensor, rope: Rope, attn: AttnFn, delta: Tensor | None = None
+    ) -> tuple[Tensor, Tensor | None]:
+        """The layer over rows ``h`` [n, hidden] of the residual stream; returns ``(h, delta)``.
+
+        The stream entering (and leaving) the layer is ``h + delta``: on the fused path
+        (``rope.fused``) a residual add is left to the norm that follows it, so ``delta`` is the
+        previous layer's MLP output, added inside this layer's input norm, and the layer returns its
+        own MLP output as the next ``delta``. The torch path takes and returns ``delta = None``.
+        """
         n = h.shape[0]
-        x = self.input_layernorm(h)
-        qkv = F.linear(x, self.qkv_proj)
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q = qkv[:, : self.q_size].view(n, hq, d)
-        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(n, hkv, d)
-        v = qkv[:, self.q_size + self.kv_size :].contiguous().view(n, hkv, d)
-        if self.qk_norm:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = apply_rope(q, cos, sin).contiguous()
-        k = apply_rope(k, cos, sin).contiguous()
+        fused = rope.fused
+        if delta is not None:
+            x, h = ops.rms_norm(delta, self.input_layernorm.weight, self.input_layernorm.eps, residual=h)
+        else:
+            x = self.input_layernorm(h)
+        qkv = F.linear(x, self.qkv_proj)
+        if fused:
+            # q/k norm, RoPE at rope.positions and the copies into contiguous q, k, v: one kernel.
+            norms = (
+                (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+                if self.qk_norm
+                else (None, None, 0.0)
+            )
+            q, k, v = ops.qk_norm_rope(
+                qkv, self.q_size, self.kv_size, hq, hkv, d, rope.positions, rope.inv_freq, *norms
+            )
+        else:
+            q = qkv[:, : self.q_size].view(n, hq, d)
+            k = qkv[:, self.q_size : self.q_size + self.kv_size].view(n, hkv, d)
+            v = qkv[:, self.q_size + self.kv_size :].contiguous().view(n, hkv, d)
+            if self.qk_norm:
+                q = self.q_norm(q)
+                k = self.k_norm(k)
+            q = apply_rope(q, rope.cos, rope.sin).contiguous()
+            k = apply_rope(k, rope.cos, rope.sin).contiguous()
         o = attn(layer_idx, q, k, v)
         if o.shape != q.shape:
             raise ShapeError(
                 f"attn(layer={layer_idx}) returned shape {tuple(o.shape)}, expected {tuple(q.shape)} "
                 "([n_tok, num_heads, head_dim], same as q)"
             )
-        h = h + F.linear(o.reshape(n, self.q_size).to(h.dtype), self.o_proj)
-        x = self.post_attention_layernorm(h)
+        attn_out = F.linear(o.reshape(n, self.q_size).to(h.dtype), self.o_proj)
+        if fused:
+            norm = self.post_attention_layernorm
+            x, h = ops.rms_norm(attn_out, norm.weight, norm.eps, residual=h)
+        else:
+            h = h + attn_out
+            x = self.post_attention_layernorm(h)
         gu = F.linear(x, self.gate_up_proj)
         g, u = gu[:, : self.intermediate_size], gu[:, self.intermediate_size :]
-        return h + F.linear(F.silu(g) * u, self.down_proj)
+        mlp_out = F.linear(F.silu(g) * u, self.down_proj)
+        if fused:
+            return h, mlp_out
+        return h + mlp_out, None
 
 
 class CausalLM(nn.Module):
@@ -383,6 +468,18 @@ class CausalLM(nn.Module):
         self.inv_freq = (base / factors.float().cpu()).to(self.inv_freq.device)
 
     # ------------------------------------------------------------------ forward
+    def rope(self, positions: Tensor, like: Tensor) -> Rope:
+        """The RoPE inputs of a forward over ``positions`` [n] with activations like ``like``: the
+        positions and inverse frequencies on ``like``'s device for the fused kernel (where
+        :func:`use_fused` says so; the final norm's weight stands for the model's, whose dtype and
+        ``requires_grad`` they share), else also the cos/sin tables in ``like``'s dtype."""
+        if use_fused(like, self.norm.weight):
+            if positions.dtype not in (torch.int64, torch.int32):
+                positions = positions.long()
+            return Rope(positions.to(like.device).contiguous(), self.inv_freq, None, None)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, like.dtype)
+        return Rope(positions, self.inv_freq, cos, sin)
+
     def embed(self, ids: Tensor) -> Tensor:
         """Token embeddings [n, hidden] in the compute dtype."""
         return F.embedding(ids, self.embed_tokens.weight)
@@ -424,11 +521,18 @@ class CausalLM(nn.Module):
             want.add(int(i))
         captured: dict[int, Tensor] = {}
         h = self.embed(input_ids)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, h.dtype)
+        rope = self.rope(positions, h)
+        # The residual stream is h + delta: on the fused path each layer leaves its MLP output
+        # for the next layer's input norm to add (one kernel instead of an add and a norm).
+        delta = None
         for i, layer in enumerate(self.layers):
+            if i in want and delta is not None:
+                h, delta = h + delta, None
             if i in want:
                 captured[i] = h
-            h = layer(i, h, cos, sin, attn)
+            h, delta = layer(i, h, rope, attn, delta)
+        if delta is not None:
+            h = h + delta
         if self.num_layers in want:
             captured[self.num_layers] = h
         if logits_rows is not None:
