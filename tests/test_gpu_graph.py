@@ -117,4 +117,3 @@ def test_graph_greedy_tokens_equal_eager(backend):
     graph, eng = _greedy(model, backend, True, prompts, max_tokens, late)
     assert eng.graph_stats["captures"] >= 3 and eng.graph_stats["replays"] > 0, eng.graph_stats
     assert graph == eager
-

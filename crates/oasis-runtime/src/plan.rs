@@ -403,7 +403,7 @@ impl StepPlan {
                 sparse
                     .iter()
                     .enumerate()
-                    .flat_map(|(j, (_, t))| std::iter::repeat_n(i32_of(j), cand(t))),
+                    .flat_map(|(j, (_, t))| std::iter::repeat(i32_of(j)).take(cand(t))),
                 csr_cap.map(|(s, p)| s * p),
                 0,
             );
