@@ -359,3 +359,34 @@ def test_chunked_prefill_equals_one_shot(qwen3, chunk, kv_dtype):
         torch.testing.assert_close(p2.v_pages[layer][r2.pages], p1.v_pages[layer][r1.pages], **tol)
         torch.testing.assert_close(chunked._last_q[layer], one._last_q[layer], **tol)
         assert one._last_q[layer]._base is None  # a copy, not a view of the layer's queries
+
+
+def test_a_large_pinned_host_pool_growth_is_announced(monkeypatch, caplog):
+    """Pinning is slow (about 0.6 s per GiB): a large growth of the pinned host pool logs what it
+    pins and keeps every block's contents (simulated on the CPU: pinning itself needs a GPU)."""
+    import logging
+
+    from oasiskv import engine as eng_mod
+
+    real_grown = eng_mod._grown
+    pinned = []
+
+    def fake_grown(old, rows, dim=0, fill=0, pin=False):
+        pinned.append(pin)
+        return real_grown(old, rows, dim=dim, fill=fill, pin=False)
+
+    monkeypatch.setattr(eng_mod, "_grown", fake_grown)
+    monkeypatch.setattr(eng_mod, "PIN_NOTICE_BYTES", 1 << 20)
+    geo = oasiskv.ops.KvGeometry(8, 2, 64, 16)
+    pools = eng_mod.KvPools(geo, 2, torch.float32, 4, 4, torch.device("cpu"))
+    pools.host_pin = True  # as on a GPU machine
+    pools.host_k[0][1] = 7.0
+    pinned.clear()
+    with caplog.at_level(logging.INFO, logger="oasiskv.engine"):
+        pools.grow(4, 8)  # 8 blocks x 2 layers x 16 KiB: under the notice, silent
+        assert not caplog.records
+        pools.grow(4, 64)  # 64 x 2 x 16 KiB = 2 MiB
+    (record,) = caplog.records
+    assert "pinning" in record.getMessage() and "64 blocks x 2 layers" in record.getMessage()
+    assert all(pinned[:4]) and pools.num_host_blocks == 64
+    assert (pools.host_k[0][1] == 7.0).all() and (pools.host_k[0][2:] == 0).all()

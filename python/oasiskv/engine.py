@@ -25,6 +25,7 @@ moves them onto their own streams without changing this structure.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -36,6 +37,12 @@ from .drafters import Drafter
 from .errors import ConfigError, OutOfBlocksError
 from .memory import available_bytes, ensure_fits
 from .policy import SelectionPolicy
+
+log = logging.getLogger("oasiskv.engine")
+
+#: A pinned host-pool growth at least this large is announced (log line and a progress bar on a
+#: terminal): pinning costs about 0.6 s per GiB, so a 100 GiB pool takes a minute.
+PIN_NOTICE_BYTES = 1 << 30
 
 BACKENDS = ("dense", "oasis")
 #: Where the host pool lives (``Engine(host_pool=...)``): pinned CPU memory, or the model's device
@@ -332,9 +339,38 @@ class KvPools:
             )
             # With a GPU the host pool is pinned: the gather and write-through kernels read and
             # write it directly through unified virtual addressing (host_pool="device": it stays
-            # on the GPU, where _grown keeps it).
-            self.host_k = [_grown(t, num_host_blocks, pin=self.host_pin) for t in self.host_k]
-            self.host_v = [_grown(t, num_host_blocks, pin=self.host_pin) for t in self.host_v]
+            # on the GPU, where _grown keeps it). The pool grows geometrically with what admitted
+            # requests need (Engine._grow_to), so it is pinned in chunks, never all up front;
+            # a large growth says so, since pinning is slow.
+            pin_bytes = num_host_blocks * self.page_bytes * layers
+            bar = None
+            if self.host_pin and pin_bytes >= PIN_NOTICE_BYTES:
+                log.info(
+                    "pinning %.1f GiB of host memory for the KV host pool (%d blocks x %d layers); "
+                    "about 0.6 s per GiB",
+                    pin_bytes / (1 << 30),
+                    num_host_blocks,
+                    layers,
+                )
+                from tqdm import tqdm
+
+                # disable=None: a bar on a terminal only (logs and CI stay clean).
+                bar = tqdm(total=2 * layers, desc="pinning host KV pool", unit="tensor", disable=None)
+
+            def grown_host(tensors):
+                out = []
+                for t in tensors:
+                    out.append(_grown(t, num_host_blocks, pin=self.host_pin))
+                    if bar is not None:
+                        bar.update()
+                return out
+
+            try:
+                self.host_k = grown_host(self.host_k)
+                self.host_v = grown_host(self.host_v)
+            finally:
+                if bar is not None:
+                    bar.close()
             self.summaries = [_grown(t, num_host_blocks) for t in self.summaries]
             if self.codes is not None:
                 self.codes = [_grown(t, num_host_blocks) for t in self.codes]
