@@ -25,6 +25,7 @@ def test_generate_json_on_smollm2():
         "4",
         "--backend",
         "dense",
+        "--cuda-graph",  # ignored on the CPU, but it must reach the engine
         "--json",
     )
     assert p.returncode == 0, p.stderr[-2000:]

@@ -390,3 +390,17 @@ def test_a_large_pinned_host_pool_growth_is_announced(monkeypatch, caplog):
     assert "pinning" in record.getMessage() and "64 blocks x 2 layers" in record.getMessage()
     assert all(pinned[:4]) and pools.num_host_blocks == 64
     assert (pools.host_k[0][1] == 7.0).all() and (pools.host_k[0][2:] == 0).all()
+
+
+def test_cuda_graph_flag_is_checked_and_ignored_on_the_cpu(qwen3):
+    """``cuda_graph=True`` replays captured steps on a GPU only; on the CPU the eager step runs (same
+    tokens, nothing captured). A non-bool is refused."""
+    ps = prompts(qwen3.config.vocab_size, [90, 40])
+    kv = KvConfig(block_size=16, top_k_blocks=4, fetch_cap=2, sparse_threshold=32)
+    plain = oasiskv.LLM(qwen3, kv=kv, backend="oasis", drafter="ngram").generate(ps, 8, ignore_eos=True)
+    llm = oasiskv.LLM(qwen3, kv=kv, backend="oasis", drafter="ngram", cuda_graph=True)
+    graphed = llm.generate(ps, 8, ignore_eos=True)
+    assert [g.tokens for g in graphed] == [p.tokens for p in plain]
+    assert llm.engine.cuda_graph and llm.engine.graph_stats == {"captures": 0, "replays": 0}
+    with pytest.raises(errors.ConfigError, match="cuda_graph"):
+        oasiskv.LLM(qwen3, kv=kv, backend="oasis", cuda_graph="yes")

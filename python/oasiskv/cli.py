@@ -75,10 +75,29 @@ def cmd_demo(args) -> int:
     runs = {}
     shared = PrefillCache()  # both runs decode the same prompt: prefill it once
     for name, llm in (
-        ("dense", LLM(model, tokenizer=tok, kv=kv, backend="dense", drafter=None, prefill_cache=shared)),
+        (
+            "dense",
+            LLM(
+                model,
+                tokenizer=tok,
+                kv=kv,
+                backend="dense",
+                drafter=None,
+                prefill_cache=shared,
+                cuda_graph=args.cuda_graph,
+            ),
+        ),
         (
             "oasis",
-            LLM(model, tokenizer=tok, kv=kv, backend="oasis", drafter=args.drafter, prefill_cache=shared),
+            LLM(
+                model,
+                tokenizer=tok,
+                kv=kv,
+                backend="oasis",
+                drafter=args.drafter,
+                prefill_cache=shared,
+                cuda_graph=args.cuda_graph,
+            ),
         ),
     ):
         if not args.json:
@@ -175,6 +194,7 @@ def _generate(args) -> int:
         drafter=None if args.backend == "dense" else args.drafter,
         device=device,
         dtype=compute_dtype(device),
+        cuda_graph=args.cuda_graph,
     )
     if args.prompt_file:
         with open(args.prompt_file, encoding="utf-8") as f:
@@ -227,6 +247,7 @@ def _kv_flags(p: argparse.ArgumentParser, top_k: int) -> None:
     )
     p.add_argument("--drafter", default="ngram", choices=["ngram", "previous-query"])
     p.add_argument("--device", default="auto")
+    p.add_argument("--cuda-graph", action="store_true", help="replay decode steps as CUDA graphs (GPU)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -35,6 +35,7 @@ class LLM:
             :class:`~oasiskv.engine.PrefillCache`); the demo uses it so dense and oasis prefill once.
         policy: a :class:`~oasiskv.policy.SelectionPolicy` (evaluation: the Quest-like ideal,
             :class:`oasiskv.eval.policies.QuestPolicy`); ``None`` runs the engine as it is.
+        cuda_graph: replay decode steps as CUDA graphs on a GPU (see :class:`LLMEngine`).
     """
 
     def __init__(
@@ -52,6 +53,7 @@ class LLM:
         host_kv_budget_bytes: int | None = None,
         prefill_cache: PrefillCache | None = None,
         policy: SelectionPolicy | None = None,
+        cuda_graph: bool = False,
     ) -> None:
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ConfigError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
@@ -68,6 +70,7 @@ class LLM:
             host_kv_budget_bytes=host_kv_budget_bytes,
             prefill_cache=prefill_cache,
             policy=policy,
+            cuda_graph=cuda_graph,
         )
         le = self.llm_engine
         self.model, self.tokenizer, self.kv, self.drafter = le.model, le.tokenizer, le.kv, le.drafter

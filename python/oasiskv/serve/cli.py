@@ -71,6 +71,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="most requests decoded together")
     p.add_argument("--gpu-kv-budget-bytes", type=int, default=None)
     p.add_argument("--host-kv-budget-bytes", type=int, default=None)
+    p.add_argument("--cuda-graph", action="store_true", help="replay decode steps as CUDA graphs (GPU)")
 
 
 def engine_from_args(model: str, args):
@@ -100,6 +101,7 @@ def engine_from_args(model: str, args):
         max_num_seqs=args.max_num_seqs,
         gpu_kv_budget_bytes=args.gpu_kv_budget_bytes,
         host_kv_budget_bytes=args.host_kv_budget_bytes,
+        cuda_graph=args.cuda_graph,
     )
 
 
