@@ -409,7 +409,7 @@ def test_retrieval_trials_fit_the_context_and_score():
     tok = ByteTokenizer()
     lines = [f"line {i} of some held-out text\n" for i in range(400)]
     trials = retrieval.make_trials(tok, retrieval.TASKS, 600, 4, [0.1, 0.9], haystack_lines=lines, seed=1)
-    assert len(trials) == 12
+    assert len(trials) == 4 * len(retrieval.TASKS)
     for t in trials:
         n = len(tok.encode(t["prompt"]))
         assert 600 - t["max_new_tokens"] - 40 <= n <= 600 - t["max_new_tokens"]
@@ -428,6 +428,32 @@ def test_retrieval_trials_fit_the_context_and_score():
     assert not retrieval.score("passkey", "12345", " 123456")
     assert retrieval.score("kv", "0a1b2c3d", '0a1b2c3d"\n')
     assert not retrieval.score("kv", "0a1b2c3d", "0a1b")
+
+
+def test_copy_trials_ask_for_one_exact_line_among_near_distractors():
+    """The exact-copy set: the asked line is in the prompt once, with its code once; the other
+    token lines have the same shape and other codes; only an exact copy scores."""
+    import re
+
+    tok = ByteTokenizer()
+    for i, depth in enumerate([0.0, 0.3, 0.7, 1.0]):
+        t = retrieval.make_trial("copy", tok, 3000, i, depth, seed=4)
+        prompt, code = t["prompt"], t["answer"]
+        assert re.fullmatch(r"[a-z0-9]{5}-[a-z0-9]{5}", code)
+        name = re.search(r"value of (TOKEN_[A-Z]+) in", prompt).group(1)
+        assert prompt.count(f'{name} = "{code}"\n') == 1
+        assert prompt.count(code) == 1
+        assert prompt.endswith(f'# Answer: {name} = "')
+        others = re.findall(r'TOKEN_[A-Z]+_\d+ = "([a-z0-9]{5}-[a-z0-9]{5})"', prompt)
+        assert len(others) >= 20 and code not in others
+        assert abs(t["actual_depth"] - depth) < 0.05
+        assert retrieval.score("copy", code, f'{code}"\n')
+        assert not retrieval.score("copy", code, code[:-1] + ("a" if code[-1] != "a" else "b"))
+        assert not retrieval.decided("copy", code, code[:4])
+        assert retrieval.decided("copy", code, code)
+    assert "copy" not in retrieval.DEFAULT_TASKS
+    with pytest.raises(ValueError, match="unknown retrieval task"):
+        retrieval.score("cpy", "a", "a")
 
 
 # ------------------------------------------------------------------------------------------ harness

@@ -128,7 +128,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "the working set (KvConfig.select_queries)",
     )
     p.add_argument("--no-quest", action="store_true", help="skip the Quest-like reference")
-    p.add_argument("--retrieval-tasks", default=",".join(retrieval.TASKS))
+    p.add_argument(
+        "--retrieval-tasks",
+        default=",".join(retrieval.DEFAULT_TASKS),
+        help=f"comma list of: {', '.join(retrieval.TASKS)} (copy: exact copy out of a long source file)",
+    )
     p.add_argument("--retrieval-trials", type=int, default=None, help="trials per task and context")
     p.add_argument("--retrieval-contexts", default=None, help="defaults to --contexts")
     p.add_argument("--retrieval-budgets", default=None, help="budgets of the retrieval runs")

@@ -12,9 +12,15 @@ cycle through ``depths``.
   is 1234567." inside; the answer is the 7-digit number.
 * ``kv`` — a JSON object of random 8-hex-digit keys and values; the question names one key
   (placed at the depth); the answer is its value.
+* ``copy`` — exact copy out of a long source file: generated Python (functions, constants, and
+  ``TOKEN_<WORD> = "<code>"`` lines, each with its own random code) where one line, at the depth,
+  holds the code the question asks for; the answer is that 11-character code (``xxxxx-xxxxx``,
+  lower-case letters and digits). Every other token line is a near-distractor: same shape, other
+  word, other code, so only an exact read of the right line scores. Not in the default task list
+  (``--retrieval-tasks copy``).
 
 Scoring: ``passkey``/``needle`` — the first integer in the generated text equals the answer;
-``kv`` — the generated text, stripped of spaces and quotes, starts with the value.
+``kv``/``copy`` — the generated text, stripped of spaces and quotes, starts with the value.
 """
 
 from __future__ import annotations
@@ -23,8 +29,11 @@ import random
 import re
 from collections.abc import Sequence
 
-TASKS = ("passkey", "needle", "kv")
-MAX_NEW_TOKENS = {"passkey": 10, "needle": 12, "kv": 14}
+TASKS = ("passkey", "needle", "kv", "copy")
+#: The tasks ``oasis eval`` runs unless ``--retrieval-tasks`` says otherwise.
+DEFAULT_TASKS = ("passkey", "needle", "kv")
+MAX_NEW_TOKENS = {"passkey": 10, "needle": 12, "kv": 14, "copy": 16}
+_CODE_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789"
 
 _PASSKEY_HEAD = (
     "There is an important piece of information hidden inside a lot of irrelevant text. "
@@ -105,6 +114,35 @@ def _assemble(
     return render(best)
 
 
+def _code(rng: random.Random) -> str:
+    return (
+        "".join(rng.choice(_CODE_CHARS) for _ in range(5))
+        + "-"
+        + "".join(rng.choice(_CODE_CHARS) for _ in range(5))
+    )
+
+
+def _source_units(rng: random.Random, word: str) -> list[str]:
+    """Filler of the ``copy`` task: a few hundred small Python units (functions, constants and
+    distractor token lines), none naming ``word``'s token."""
+    others = [w for w in _WORDS if w != word]
+    units = []
+    for i in range(600):
+        a, b = rng.choice(others), rng.choice(others)
+        kind = i % 6
+        if kind == 0:
+            units.append(
+                f"\ndef {a}_{b}_{i}(x):\n    return x * {rng.randint(2, 97)} + {rng.randint(100, 9999)}\n"
+            )
+        elif kind == 2:
+            units.append(f"{a.upper()}_{b.upper()}_LIMIT = {rng.randint(1, 65535)}\n")
+        elif kind == 4:
+            units.append(f"# {a} before {b}\n")
+        else:
+            units.append(f'TOKEN_{a.upper()}_{i} = "{_code(rng)}"\n')
+    return units
+
+
 def make_trial(
     task: str,
     tokenizer,
@@ -141,7 +179,7 @@ def make_trial(
         lines = list(haystack_lines[start:]) + list(haystack_lines[:start])
         text, d = _assemble(lengths, head, lines, needle, depth, tail, n_tokens)
         answer = num
-    else:
+    elif task == "kv":
         n_pairs = max(4, n_tokens // 6)
         pairs = [(f"{rng.getrandbits(32):08x}", f"{rng.getrandbits(32):08x}") for _ in range(n_pairs + 1)]
         qkey, qval = pairs[-1]
@@ -151,6 +189,15 @@ def make_trial(
         tail = f'}}\n\nKey: "{qkey}"\nThe value associated with the specified key is: "'
         text, d = _assemble(lengths, head, units, needle, depth, tail, n_tokens)
         answer = qval
+    elif task == "copy":
+        word = rng.choice(_WORDS)
+        name = f"TOKEN_{word.upper()}"
+        code = _code(rng)
+        head = '"""Service configuration and helpers (generated)."""\n\nimport os\n\n'
+        needle = f'{name} = "{code}"\n'
+        tail = f'\n\n# Question: what is the exact value of {name} in the file above?\n# Answer: {name} = "'
+        text, d = _assemble(lengths, head, _source_units(rng, word), needle, depth, tail, n_tokens)
+        answer = code
     if len(tokenizer.encode(text)) > n_tokens:
         raise ValueError(
             f"a {context}-token context is too small for the {task} task (its instructions alone do not fit)"
@@ -167,6 +214,8 @@ def make_trial(
 
 
 def score(task: str, answer: str, generated: str) -> bool:
+    if task not in TASKS:
+        raise ValueError(f"unknown retrieval task {task!r}; use one of {TASKS}")
     if task in ("passkey", "needle"):
         m = re.search(r"\d+", generated)
         return m is not None and m.group(0) == answer
