@@ -182,6 +182,12 @@ def test_load_errors(head, tmp_path):
     with pytest.raises(CheckpointError, match=r"fc\.weight.*\(64, 128\), expected \(64, 192\)"):
         Eagle3Head.load(tmp_path / "h", TARGET)
 
+    nan = sd["fc.weight"].clone()
+    nan[3, 5] = float("nan")
+    save_file(dict(sd, **{"fc.weight": nan}), str(tmp_path / "h" / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"fc\.weight \(EAGLE-3 head\).*1 NaN/inf"):
+        Eagle3Head.load(tmp_path / "h", TARGET)
+
     (tmp_path / "h" / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="model.safetensors or pytorch_model.bin"):
         Eagle3Head.load(tmp_path / "h", TARGET)

@@ -476,6 +476,12 @@ class Eagle3Head(nn.Module):
                         "from its config.json and the target config"
                     )
                 dst.copy_(src.to(dst.dtype))
+                if dst.is_floating_point():
+                    # NaN/inf weights make NaN drafts without a word: refuse them, as the target
+                    # model's loader does.
+                    from oasiskv.models.loader import _check_finite
+
+                    _check_finite(f"{k} (EAGLE-3 head)", dst, src, str(path))
             if "t2d" not in tensors:
                 head.t2d.fill_(True)
         return head
