@@ -117,6 +117,77 @@ class Runtime:
     def num_requests(self) -> int:
         """Admitted requests."""
 
+class RtClient:
+    """A blocking client of one ``oasis-rt`` staging daemon: its own TCP connection and tokio
+    runtime; every call releases the GIL and finishes within ``timeout_s``; errors are the
+    ``oasiskv.errors.Remote*`` classes (with ``.code``). Staging takes CPU tensors or bytes-like
+    objects (one copy into the frame); replies come back as bytearrays (``torch.frombuffer``)."""
+
+    def __new__(
+        cls,
+        addr: str,
+        token: str | bytes | None = None,
+        timeout_s: float = 30.0,
+        connect_timeout_s: float = 5.0,
+        max_frame: int | None = None,
+    ) -> RtClient: ...
+    def stage_blocks(
+        self,
+        request: int,
+        geometry: tuple[int, int, int, int, int, int],
+        keys: list[tuple[int, int]],
+        data: torch.Tensor | bytes | bytearray | memoryview,
+    ) -> tuple[int, int]:
+        """Stage whole blocks ``(layer, block)``, ``geometry.block_bytes`` of ``data`` each:
+        ``(stored_bytes, used_bytes)``."""
+    def stage_summaries(
+        self,
+        request: int,
+        geometry: tuple[int, int, int, int, int, int],
+        runs: list[tuple[int, int, int]],
+        data: torch.Tensor | bytes | bytearray | memoryview,
+    ) -> tuple[int, int]:
+        """Stage summary rows, runs of ``(layer, first_block, num_blocks)``: ``(stored_bytes,
+        used_bytes)``."""
+    def stage_admission(
+        self,
+        request: int,
+        selected: list[tuple[int, int]],
+        sections: dict[str, torch.Tensor | bytes | bytearray | memoryview] | None = None,
+    ) -> tuple[int, int]:
+        """Set the admission set: selected ``(layer, block)`` and named sections."""
+    def fetch_admission(
+        self, request: int, first_layer: int, num_layers: int, include_sections: bool = True
+    ) -> dict:
+        """The admission set of a layer range: ``geometry``, ``summary_runs``, ``summaries``,
+        ``block_keys``, ``blocks``, ``sections``, ``wire_bytes``."""
+    def read_blocks(
+        self, keys: list[tuple[int, int, int, int]]
+    ) -> tuple[bytearray, list[int], list[str | None]]:
+        """Read ``(request, layer, block, head)`` entries (head -1: the whole block): ``(data, lens,
+        errors)``."""
+    def release(self, request: int) -> int:
+        """Release a request in the daemon; the bytes freed."""
+    def stats(self) -> dict[str, int]:
+        """The daemon's counters and gauges."""
+    def close(self) -> None:
+        """Drop the connection (idempotent)."""
+    @property
+    def connected(self) -> bool:
+        """Whether the connection is still usable."""
+    @property
+    def wire_bytes(self) -> tuple[int, int]:
+        """``(sent, received)`` bytes of every frame exchanged."""
+    @property
+    def max_frame(self) -> int:
+        """The largest frame this client sends."""
+    @property
+    def addr(self) -> str:
+        """The daemon's address."""
+    @property
+    def timeout_s(self) -> float:
+        """The deadline of every call, in seconds."""
+
 def append_kv(
     geo: KvGeometry,
     k_new: torch.Tensor,

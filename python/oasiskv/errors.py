@@ -65,6 +65,40 @@ class CudaUnavailableError(OasisError, RuntimeError):
     """A GPU path was requested but the CUDA driver, NVRTC or a supported GPU is missing."""
 
 
+class RemoteError(OasisError):
+    """The KV staging daemon (``oasis-rt``) refused a call, or talking to it failed.
+
+    ``code`` is the protocol's error name (``"busy"``, ``"unknown_request"``, ``"unauthorized"``,
+    ...) or, for a failure on this side of the wire, ``"unreachable"``, ``"closed"`` or
+    ``"timeout"``; the subclasses group what a caller does about it.
+    """
+
+    code: str = "internal"
+
+
+class RemoteUnavailableError(RemoteError, ConnectionError):
+    """The daemon cannot be reached, or closed the connection (it exited or was killed). The
+    client is unusable afterwards: make a new one once the daemon is back."""
+
+
+class RemoteTimeoutError(RemoteError, TimeoutError):
+    """The daemon did not answer within the client's ``timeout_s``. The client is closed."""
+
+
+class RemoteAuthError(RemoteError, PermissionError):
+    """The daemon refused the handshake: missing or wrong token (its ``--token-file``)."""
+
+
+class RemoteBusyError(RemoteError, MemoryError):
+    """The daemon's staging memory (``--memory``) cannot take the staging now (``busy``: live
+    data fills it, retry after releases) or ever (``out_of_memory``)."""
+
+
+class RemoteNotFoundError(RemoteError, LookupError):
+    """The daemon holds no such request or block: never staged, released, or evicted after its
+    lease."""
+
+
 __all__ = [
     "OasisError",
     "ConfigError",
@@ -79,4 +113,10 @@ __all__ = [
     "CheckpointError",
     "UnsupportedQuantizationError",
     "CudaUnavailableError",
+    "RemoteError",
+    "RemoteUnavailableError",
+    "RemoteTimeoutError",
+    "RemoteAuthError",
+    "RemoteBusyError",
+    "RemoteNotFoundError",
 ]

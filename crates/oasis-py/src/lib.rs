@@ -25,6 +25,7 @@
 //! and only a call on CUDA tensors (or `compile_kernels`, `nvrtc_version`) asks for them.
 
 mod errors;
+mod rt;
 mod runtime;
 mod tensor;
 
@@ -1586,6 +1587,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyGeometry>()?;
     m.add_class::<PyBlockPool>()?;
     m.add_class::<runtime::PyRuntime>()?;
+    m.add_class::<rt::PyRtClient>()?;
     m.add_function(wrap_pyfunction!(append_kv, m)?)?;
     m.add_function(wrap_pyfunction!(decode_attention, m)?)?;
     m.add_function(wrap_pyfunction!(build_summaries, m)?)?;

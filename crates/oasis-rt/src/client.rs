@@ -20,7 +20,7 @@ use crate::protocol::{
     decode_body, encode_frame, Admission, BlockKey, FetchAdmission, Frame, Geometry, Hello,
     LayerBlock, Message, ReadBlocks, Section, StageAdmission, StageBlocks, StageSummaries, Staged,
     StagedBlock, StatsSnapshot, SummaryRun, DEFAULT_MAX_FRAME_BYTES, HARD_MAX_FRAME_BYTES,
-    PROTOCOL_VERSION,
+    LEN_PREFIX_BYTES, PROTOCOL_VERSION,
 };
 use crate::transport::{Connection, TcpConfig, TcpConnection, TcpTransport, Transport};
 
@@ -54,6 +54,9 @@ pub struct Client<C: Connection = TcpConnection> {
     /// Largest frame we send: the smaller of ours and the daemon's.
     send_max: u32,
     recv_max: u32,
+    /// Bytes of every frame sent and received (length prefixes included): what crossed the wire.
+    bytes_sent: u64,
+    bytes_received: u64,
 }
 
 impl Client<TcpConnection> {
@@ -86,6 +89,8 @@ impl<C: Connection> Client<C> {
             timeout: config.request_timeout,
             send_max: config.max_frame.min(HARD_MAX_FRAME_BYTES),
             recv_max: config.max_frame.min(HARD_MAX_FRAME_BYTES),
+            bytes_sent: 0,
+            bytes_received: 0,
         };
         let hello = Message::Hello(Hello {
             version: PROTOCOL_VERSION.into(),
@@ -105,6 +110,18 @@ impl<C: Connection> Client<C> {
         self.conn.is_some()
     }
 
+    /// The largest frame this client sends: the smaller of its own limit and the daemon's.
+    /// A caller that batches (stagings, reads) sizes its batches under it.
+    pub fn max_frame(&self) -> u32 {
+        self.send_max
+    }
+
+    /// `(sent, received)`: bytes of every frame so far, length prefixes included (the
+    /// handshake too). What crossed the wire, as the protocol counts it.
+    pub fn wire_bytes(&self) -> (u64, u64) {
+        (self.bytes_sent, self.bytes_received)
+    }
+
     fn unexpected(&mut self, expected: &'static str, got: &Message) -> Error {
         self.conn = None;
         Error::UnexpectedReply {
@@ -120,9 +137,12 @@ impl<C: Connection> Client<C> {
         let frame = encode_frame(seq, message, self.send_max)?;
         let conn = self.conn.as_mut().ok_or(Error::Closed)?;
         let (timeout, recv_max) = (self.timeout, self.recv_max);
+        let (sent, received) = (&mut self.bytes_sent, &mut self.bytes_received);
         let exchange = async {
             conn.send_frame(&frame).await?;
+            *sent += frame.len() as u64;
             let body = conn.recv_frame(recv_max, Some(timeout)).await?;
+            *received += (LEN_PREFIX_BYTES + body.len()) as u64;
             decode_body(body, recv_max)
         };
         let result = match tokio::time::timeout(timeout, exchange).await {

@@ -366,7 +366,8 @@ impl StagingPool {
 
     /// The admission set of layers `first_layer..first_layer + num_layers`: every staged summary
     /// row of those layers (as runs of consecutive blocks), the selected blocks of those layers,
-    /// and the sections if asked. `max_bytes` bounds the reply (the frame limit).
+    /// and the sections if asked. `num_layers = 0` asks for the sections alone (a full transfer
+    /// reads every block and needs no summaries). `max_bytes` bounds the reply (the frame limit).
     ///
     /// # Errors
     /// [`Error::UnknownRequest`]; a layer range out of bounds; [`Error::MissingBlock`] for a
@@ -387,7 +388,7 @@ impl StagingPool {
             .ok_or(Error::UnknownRequest(request))?;
         let g = r.geometry;
         let end = u32::from(first_layer) + u32::from(num_layers);
-        if num_layers == 0 || end > u32::from(g.num_layers) {
+        if end > u32::from(g.num_layers) {
             return Err(Error::OutOfRange {
                 field: "layer range end",
                 value: end.into(),
@@ -826,6 +827,23 @@ mod tests {
         assert_eq!(a.blocks.len(), 1);
         let a = p.fetch_admission(1, 0, 1, false, 1 << 20, t).unwrap();
         assert_eq!((a.summaries.len(), a.blocks.len()), (1, 0));
+        // No layers: the sections alone.
+        p.stage_admission(
+            1,
+            vec![LayerBlock { layer: 1, block: 2 }],
+            vec![Section {
+                name: "meta".into(),
+                data: Bytes::from_static(b"{}"),
+            }],
+            t,
+        )
+        .unwrap();
+        let a = p.fetch_admission(1, 1, 0, true, 1 << 20, t).unwrap();
+        assert_eq!(
+            (a.summaries.len(), a.blocks.len(), a.sections.len()),
+            (0, 0, 1)
+        );
+        assert!(p.fetch_admission(1, 3, 0, true, 1 << 20, t).is_err());
         assert!(p.fetch_admission(1, 1, 2, false, 1 << 20, t).is_err());
         assert!(matches!(
             p.fetch_admission(1, 0, 2, false, 100, t),

@@ -39,6 +39,7 @@
 //! | `0x88` | `StatsReply` | `n u8 (>= 14), n x u64` |
 //! | `0xff` | `Error` | `code u16, len u16, message (UTF-8)` |
 //!
+//! A `FetchAdmission` with `num_layers = 0` asks for the sections alone.
 //! `geometry` is `num_layers u16, num_kv_heads u16, block_size u16, head_dim u16, dtype_bytes u8,
 //! num_blocks u32` (13 bytes); `sections` is `n u8, n x (name_len u8, name, len u32, bytes)`.
 //! A block is `[2 (K, V)][num_kv_heads][block_size][head_dim]` elements of `dtype_bytes` (the

@@ -1,0 +1,742 @@
+//! `oasiskv._core.RtClient`: a blocking client of the `oasis-rt` staging daemon, for the prefill
+//! worker and the decode engine (`oasiskv.disagg`).
+//!
+//! ```text
+//! Python thread ── RtClient.method(...) ──▶ GIL released ──▶ Mutex<Client> ──▶ tokio
+//!                                                                (current-thread runtime owned
+//!                                                                 by this object; block_on)
+//! ```
+//!
+//! Each object owns one TCP connection (`oasis_rt::Client`, one call in flight) and a
+//! current-thread tokio runtime that only drives that connection, so the object needs no
+//! background thread and no global runtime; calls from several Python threads take turns on the
+//! mutex. Every call releases the GIL, is bounded by the client's `timeout_s` (send and whole
+//! reply), and runs under `catch_unwind`: no panic crosses into Python. Errors become the
+//! `oasiskv.errors.Remote*` classes (each carries `.code`, the protocol's error name).
+//!
+//! **Bytes.** Staging takes a contiguous CPU torch tensor (read in place through its data
+//! pointer) or any C-contiguous buffer (`bytes`, `bytearray`, `memoryview`, numpy): one copy
+//! into a frame-sized buffer per call, sliced per block without further copies, then the
+//! protocol's encoder writes the frame (a second copy). Replies come back as one `bytearray`
+//! per call (`blocks`, `summaries`, read data): one copy out of the received frame, made with
+//! the GIL released; `torch.frombuffer(data, dtype=...)` views it without copying.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use bytes::Bytes;
+use oasis_rt::protocol::{
+    BlockKey, Geometry, LayerBlock, Section, StagedBlock, SummaryRun, ALL_HEADS,
+    DEFAULT_MAX_FRAME_BYTES, HARD_MAX_FRAME_BYTES, MAX_ENTRIES,
+};
+use oasis_rt::{Client, ClientConfig, Error as RtError, ErrorCode};
+use pyo3::buffer::PyBuffer;
+use pyo3::prelude::*;
+use pyo3::types::{PyByteArray, PyBytes, PyDict};
+
+use crate::errors::py_err;
+use crate::tensor::TensorArg;
+
+/// Frame bytes a staging spends besides its blocks (header, request, geometry, count), rounded
+/// up. Arbitrary margin.
+const STAGE_OVERHEAD: u64 = 64;
+
+/// `read_blocks`' answer: the entries' bytes, their lengths, their error codes.
+type ReadReply<'py> = (
+    Bound<'py, PyByteArray>,
+    Vec<usize>,
+    Vec<Option<&'static str>>,
+);
+
+/// `(num_layers, num_kv_heads, block_size, head_dim, dtype_bytes, num_blocks)`.
+type GeometryTuple = (u16, u16, u16, u16, u8, u32);
+
+fn geometry(g: GeometryTuple) -> Geometry {
+    Geometry {
+        num_layers: g.0,
+        num_kv_heads: g.1,
+        block_size: g.2,
+        head_dim: g.3,
+        dtype_bytes: g.4,
+        num_blocks: g.5,
+    }
+}
+
+fn geometry_tuple(g: &Geometry) -> GeometryTuple {
+    (
+        g.num_layers,
+        g.num_kv_heads,
+        g.block_size,
+        g.head_dim,
+        g.dtype_bytes,
+        g.num_blocks,
+    )
+}
+
+/// The error's Python class (in `oasiskv.errors`) and how to fix the call.
+fn class_and_hint(e: &RtError, addr: &str) -> (&'static str, String) {
+    let code = e.code();
+    let remote = matches!(e, RtError::Remote { .. });
+    match e {
+        RtError::Unreachable { .. } => (
+            "RemoteUnavailableError",
+            format!("start the daemon (`oasis-rt serve --listen {addr}`) or check the address"),
+        ),
+        RtError::Closed | RtError::Truncated { .. } | RtError::Io(_) => (
+            "RemoteUnavailableError",
+            "the daemon closed the connection (it exited or was killed, or an earlier error \
+             dropped it); make a new RtClient once the daemon is back"
+                .into(),
+        ),
+        RtError::Timeout { .. } => (
+            "RemoteTimeoutError",
+            "the daemon did not answer in time; check that it is alive, or raise timeout_s. \
+             This client is closed now: make a new one"
+                .into(),
+        ),
+        _ => match code {
+            ErrorCode::Unauthorized => (
+                "RemoteAuthError",
+                "pass the daemon's shared token (token=..., the contents of its --token-file)"
+                    .into(),
+            ),
+            ErrorCode::Busy => (
+                "RemoteBusyError",
+                "the daemon's staging memory is full of live requests; release finished \
+                 requests, retry later, or raise its --memory"
+                    .into(),
+            ),
+            ErrorCode::OutOfMemory => (
+                "RemoteBusyError",
+                "this staging alone passes the daemon's --memory; raise it".into(),
+            ),
+            ErrorCode::UnknownRequest | ErrorCode::MissingBlock => (
+                "RemoteNotFoundError",
+                "the request was never staged, was released, or was evicted after its lease; \
+                 stage it again"
+                    .into(),
+            ),
+            ErrorCode::ShuttingDown => (
+                "RemoteUnavailableError",
+                "the daemon is shutting down; make a new RtClient once it is back".into(),
+            ),
+            ErrorCode::TooLarge => (
+                "InvalidArgumentError",
+                "ask for fewer layers or keys per call (the reply passes the frame limit)".into(),
+            ),
+            ErrorCode::GeometryMismatch => (
+                "InvalidArgumentError",
+                "stage every part of a request with the same geometry".into(),
+            ),
+            ErrorCode::BadVersion => (
+                "RemoteError",
+                "the daemon speaks another protocol version; use matching oasiskv and oasis-rt \
+                 builds"
+                    .into(),
+            ),
+            ErrorCode::BadRequest if !remote => (
+                "InvalidArgumentError",
+                "fix the argument named above".into(),
+            ),
+            ErrorCode::BadFrame if !remote => (
+                "InvalidArgumentError",
+                "fix the argument named above".into(),
+            ),
+            _ => (
+                "RemoteError",
+                "see the daemon's log for the request's details".into(),
+            ),
+        },
+    }
+}
+
+/// `oasis_rt::Error` -> its `oasiskv.errors` class, with `.code` set to the protocol's name.
+/// `dropped`: the error cost the connection (said in the message unless the class says it).
+fn rt_err(py: Python<'_>, e: RtError, addr: &str, dropped: bool) -> PyErr {
+    let (class, mut hint) = class_and_hint(&e, addr);
+    if dropped && !matches!(class, "RemoteUnavailableError" | "RemoteTimeoutError") {
+        hint.push_str("; the connection is closed now: make a new RtClient");
+    }
+    let err = py_err(py, class, format!("oasis-rt {addr}: {e}; {hint}"));
+    // The protocol's code name; transport failures on this side (all `internal` on the wire)
+    // get their own. Best effort: the attribute only adds detail to the class.
+    let code = match &e {
+        RtError::Unreachable { .. } => "unreachable",
+        RtError::Closed | RtError::Truncated { .. } | RtError::Io(_) => "closed",
+        RtError::Timeout { .. } => "timeout",
+        _ => e.code().name(),
+    };
+    let _ = err.value(py).setattr("code", code);
+    err
+}
+
+fn internal(py: Python<'_>, what: &str) -> PyErr {
+    py_err(
+        py,
+        "OasisError",
+        format!("internal error in RtClient.{what}; please report it"),
+    )
+}
+
+fn bad_arg(py: Python<'_>, msg: String) -> PyErr {
+    py_err(py, "InvalidArgumentError", msg)
+}
+
+/// Bytes of a staging argument: a contiguous CPU tensor or a C-contiguous buffer, copied once
+/// with the GIL released.
+fn payload(py: Python<'_>, name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Bytes> {
+    if obj.hasattr("data_ptr")? {
+        let t: TensorArg = obj.extract()?;
+        if t.device != "cpu" || !t.contiguous {
+            return Err(py_err(
+                py,
+                "DeviceError",
+                format!(
+                    "{name} must be a contiguous CPU tensor, got one on {} (contiguous: {}); pass \
+                     {name}.contiguous().cpu()",
+                    t.device, t.contiguous
+                ),
+            ));
+        }
+        let (ptr, len) = (t.ptr, t.numel() * t.elem_size);
+        if len == 0 {
+            return Ok(Bytes::new());
+        }
+        // SAFETY: `t` holds a reference to the tensor for this whole call, so its storage
+        // (contiguous, on the CPU, `len` bytes from `ptr`: checked above) stays allocated while
+        // the GIL is released; the bytes are only read.
+        let v = py.detach(|| unsafe { std::slice::from_raw_parts(ptr as *const u8, len).to_vec() });
+        return Ok(Bytes::from(v));
+    }
+    let buf = PyBuffer::<u8>::get(obj).map_err(|_| {
+        let ty = obj
+            .get_type()
+            .name()
+            .map(|n| n.to_string())
+            .unwrap_or_default();
+        py_err(
+            py,
+            "DTypeError",
+            format!("{name} must be a CPU tensor or a bytes-like object, got {ty}"),
+        )
+    })?;
+    if !buf.is_c_contiguous() {
+        return Err(bad_arg(
+            py,
+            format!("{name} is not C-contiguous; pass bytes(...) or a contiguous array"),
+        ));
+    }
+    let (ptr, len) = (buf.buf_ptr() as usize, buf.len_bytes());
+    // SAFETY: `buf` keeps the exporter's buffer (C-contiguous, `len` bytes) alive and unmoved
+    // until it is released below, after the copy; the bytes are only read.
+    let v = py.detach(|| unsafe { std::slice::from_raw_parts(ptr as *const u8, len).to_vec() });
+    buf.release(py);
+    Ok(Bytes::from(v))
+}
+
+/// One `bytearray` holding `parts` back to back; the copy runs with the GIL released.
+fn bytearray_of<'py>(py: Python<'py>, parts: &[Bytes]) -> PyResult<Bound<'py, PyByteArray>> {
+    let total: usize = parts.iter().map(Bytes::len).sum();
+    let out = PyByteArray::new_with(py, total, |_| Ok(()))?;
+    let dst = out.data() as usize;
+    py.detach(|| {
+        let mut at = 0;
+        for p in parts {
+            // SAFETY: `out` was just created here and is referenced nowhere else, so nothing can
+            // resize or free it while the GIL is released; it holds `total` bytes, the sum of
+            // the parts' lengths, so every write stays inside it; the parts are Rust buffers
+            // and cannot overlap it.
+            unsafe {
+                std::ptr::copy_nonoverlapping(p.as_ptr(), (dst as *mut u8).add(at), p.len());
+            }
+            at += p.len();
+        }
+    });
+    Ok(out)
+}
+
+struct Conn {
+    client: Option<Client>,
+    /// Wire bytes of clients this object held before (none today: kept for `close`).
+    sent: u64,
+    received: u64,
+}
+
+/// A blocking client of one `oasis-rt` daemon (see the module docs).
+///
+/// `max_frame` bounds the frames it sends and the replies it accepts: a reply past it (a read
+/// of too many keys) is refused as `too_large` and costs the connection, since the daemon does
+/// not know the client's limit. Batch reads under [`PyRtClient::max_frame`].
+#[pyclass(name = "RtClient", module = "oasiskv._core")]
+pub struct PyRtClient {
+    rt: tokio::runtime::Runtime,
+    conn: Mutex<Conn>,
+    addr: String,
+    timeout: Duration,
+}
+
+impl PyRtClient {
+    fn lock(&self) -> MutexGuard<'_, Conn> {
+        self.conn.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Run `f` on the connection with the GIL released and no panic escaping.
+    fn call<R: Send>(
+        &self,
+        py: Python<'_>,
+        what: &str,
+        f: impl FnOnce(&tokio::runtime::Runtime, &mut Client) -> Result<R, RtError> + Send,
+    ) -> PyResult<R> {
+        let res = py.detach(|| {
+            catch_unwind(AssertUnwindSafe(|| {
+                let mut conn = self.lock();
+                let client = conn.client.as_mut().ok_or((RtError::Closed, true))?;
+                f(&self.rt, client).map_err(|e| (e, !client.is_connected()))
+            }))
+        });
+        match res {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err((e, dropped))) => Err(rt_err(py, e, &self.addr, dropped)),
+            Err(_) => Err(internal(py, what)),
+        }
+    }
+
+    fn max_frame_now(&self) -> u64 {
+        self.lock()
+            .client
+            .as_ref()
+            .map_or(DEFAULT_MAX_FRAME_BYTES, Client::max_frame)
+            .into()
+    }
+}
+
+fn check_timeout(py: Python<'_>, name: &str, s: f64) -> PyResult<Duration> {
+    if !(s.is_finite() && s > 0.0 && s <= 86_400.0) {
+        return Err(py_err(
+            py,
+            "ConfigError",
+            format!("{name} must be a number of seconds in (0, 86400], got {s}"),
+        ));
+    }
+    Ok(Duration::from_secs_f64(s))
+}
+
+#[pymethods]
+impl PyRtClient {
+    /// Connect to the daemon at `addr` (`HOST:PORT`) and authenticate with `token` (str or
+    /// bytes; the contents of the daemon's `--token-file`, surrounding whitespace ignored as
+    /// the daemon does). Every later call must finish within `timeout_s`.
+    ///
+    /// Raises `RemoteUnavailableError` (nothing listens there), `RemoteTimeoutError`,
+    /// `RemoteAuthError` (missing or wrong token), `ConfigError` (bad timeouts).
+    #[new]
+    #[pyo3(signature = (addr, token = None, timeout_s = 30.0, connect_timeout_s = 5.0, max_frame = None))]
+    fn new(
+        py: Python<'_>,
+        addr: String,
+        token: Option<&Bound<'_, PyAny>>,
+        timeout_s: f64,
+        connect_timeout_s: f64,
+        max_frame: Option<u32>,
+    ) -> PyResult<Self> {
+        let timeout = check_timeout(py, "timeout_s", timeout_s)?;
+        let connect_timeout = check_timeout(py, "connect_timeout_s", connect_timeout_s)?;
+        let token = match token {
+            None => None,
+            Some(t) => {
+                let raw: Vec<u8> = if let Ok(s) = t.extract::<String>() {
+                    s.into_bytes()
+                } else if let Ok(b) = t.cast::<PyBytes>() {
+                    b.as_bytes().to_vec()
+                } else {
+                    return Err(py_err(
+                        py,
+                        "ConfigError",
+                        "token must be str or bytes".into(),
+                    ));
+                };
+                Some(raw.trim_ascii().to_vec())
+            }
+        };
+        let max_frame = max_frame.unwrap_or(DEFAULT_MAX_FRAME_BYTES);
+        if !(4096..=HARD_MAX_FRAME_BYTES).contains(&max_frame) {
+            return Err(py_err(
+                py,
+                "ConfigError",
+                format!("max_frame must be in 4096..={HARD_MAX_FRAME_BYTES}, got {max_frame}"),
+            ));
+        }
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| py_err(py, "OasisError", format!("cannot start tokio: {e}")))?;
+        let config = ClientConfig {
+            token,
+            connect_timeout,
+            request_timeout: timeout,
+            max_frame,
+        };
+        let a = addr.clone();
+        let res = py.detach(|| {
+            catch_unwind(AssertUnwindSafe(|| {
+                rt.block_on(Client::connect(&a, config))
+            }))
+        });
+        let client = match res {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => return Err(rt_err(py, e, &addr, true)),
+            Err(_) => return Err(internal(py, "__init__")),
+        };
+        Ok(Self {
+            rt,
+            conn: Mutex::new(Conn {
+                client: Some(client),
+                sent: 0,
+                received: 0,
+            }),
+            addr,
+            timeout,
+        })
+    }
+
+    /// Stage whole blocks of `request`: `keys[i] = (layer, block)` takes the i-th
+    /// `geometry.block_bytes` of `data` (`[2 (K, V)][num_kv_heads][block_size][head_dim]` each).
+    /// `geometry = (num_layers, num_kv_heads, block_size, head_dim, dtype_bytes, num_blocks)`.
+    /// Split into as many frames as the frame limit needs. Returns `(stored_bytes, used_bytes)`.
+    ///
+    /// Raises `RemoteBusyError` past the daemon's budget, `InvalidArgumentError` for keys or
+    /// lengths that do not fit the geometry.
+    fn stage_blocks(
+        &self,
+        py: Python<'_>,
+        request: u64,
+        geometry: GeometryTuple,
+        keys: Vec<(u16, u32)>,
+        data: &Bound<'_, PyAny>,
+    ) -> PyResult<(u64, u64)> {
+        let g = self::geometry(geometry);
+        g.validate().map_err(|e| rt_err(py, e, &self.addr, false))?;
+        let data = payload(py, "data", data)?;
+        let bb = g.block_bytes();
+        if data.len() as u64 != keys.len() as u64 * bb {
+            return Err(bad_arg(
+                py,
+                format!(
+                    "data holds {} bytes but {} blocks of {bb} bytes need {}; pass one block per key",
+                    data.len(),
+                    keys.len(),
+                    keys.len() as u64 * bb
+                ),
+            ));
+        }
+        let per_frame = ((self.max_frame_now().saturating_sub(STAGE_OVERHEAD)) / (6 + bb))
+            .clamp(1, MAX_ENTRIES as u64) as usize;
+        let bb = bb as usize;
+        self.call(py, "stage_blocks", move |rt, c| {
+            let (mut stored, mut used) = (0, 0);
+            for (n, chunk) in keys.chunks(per_frame).enumerate() {
+                let first = n * per_frame;
+                let blocks = chunk
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &(layer, block))| StagedBlock {
+                        layer,
+                        block,
+                        data: data.slice((first + i) * bb..(first + i + 1) * bb),
+                    })
+                    .collect();
+                let s = rt.block_on(c.stage_blocks(request, g, blocks))?;
+                stored += s.stored_bytes;
+                used = s.used_bytes;
+            }
+            Ok((stored, used))
+        })
+    }
+
+    /// Stage summary rows: `runs[i] = (layer, first_block, num_blocks)` takes the next
+    /// `num_blocks * geometry.summary_row_bytes` of `data` (`[num_kv_heads][2 (min, max)]
+    /// [head_dim]` per block). One frame per run group under the frame limit. Returns
+    /// `(stored_bytes, used_bytes)`.
+    fn stage_summaries(
+        &self,
+        py: Python<'_>,
+        request: u64,
+        geometry: GeometryTuple,
+        runs: Vec<(u16, u32, u32)>,
+        data: &Bound<'_, PyAny>,
+    ) -> PyResult<(u64, u64)> {
+        let g = self::geometry(geometry);
+        g.validate().map_err(|e| rt_err(py, e, &self.addr, false))?;
+        let data = payload(py, "data", data)?;
+        let row = g.summary_row_bytes();
+        let rows: u64 = runs.iter().map(|r| u64::from(r.2)).sum();
+        if data.len() as u64 != rows * row {
+            return Err(bad_arg(
+                py,
+                format!(
+                    "data holds {} bytes but {rows} summary rows of {row} bytes need {}",
+                    data.len(),
+                    rows * row
+                ),
+            ));
+        }
+        let limit = self.max_frame_now().saturating_sub(STAGE_OVERHEAD);
+        self.call(py, "stage_summaries", move |rt, c| {
+            let (mut stored, mut used) = (0, 0);
+            let mut at = 0usize;
+            let mut batch: Vec<SummaryRun> = Vec::new();
+            let mut batch_bytes = 0u64;
+            let mut flush = |batch: &mut Vec<SummaryRun>, c: &mut Client| -> Result<(), RtError> {
+                if !batch.is_empty() {
+                    let s = rt.block_on(c.stage_summaries(request, g, std::mem::take(batch)))?;
+                    stored += s.stored_bytes;
+                    used = s.used_bytes;
+                }
+                Ok(())
+            };
+            for (layer, first_block, num_blocks) in runs {
+                // Long runs are cut so that each piece fits a frame.
+                let max_rows = (limit.saturating_sub(10) / row).max(1);
+                let mut done = 0u64;
+                while done < u64::from(num_blocks) {
+                    let n = (u64::from(num_blocks) - done).min(max_rows);
+                    let len = (n * row) as usize;
+                    if batch_bytes + 10 + n * row > limit {
+                        flush(&mut batch, c)?;
+                        batch_bytes = 0;
+                    }
+                    batch.push(SummaryRun {
+                        layer,
+                        first_block: first_block + done as u32,
+                        data: data.slice(at..at + len),
+                    });
+                    batch_bytes += 10 + n * row;
+                    at += len;
+                    done += n;
+                }
+            }
+            flush(&mut batch, c)?;
+            Ok((stored, used))
+        })
+    }
+
+    /// Set the admission set of a staged request: `selected` `(layer, block)` pairs (the blocks
+    /// its first decode step needs) and named `sections` (name -> tensor or bytes-like; names of
+    /// 1-64 characters from `[a-z0-9_.:/-]`). Returns `(stored_bytes, used_bytes)`.
+    ///
+    /// Raises `RemoteNotFoundError` when nothing of the request was staged.
+    #[pyo3(signature = (request, selected, sections = None))]
+    fn stage_admission(
+        &self,
+        py: Python<'_>,
+        request: u64,
+        selected: Vec<(u16, u32)>,
+        sections: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<(u64, u64)> {
+        let mut secs = Vec::new();
+        if let Some(d) = sections {
+            for (k, v) in d.iter() {
+                let name: String = k
+                    .extract()
+                    .map_err(|_| bad_arg(py, "section names must be str".into()))?;
+                let data = payload(py, &format!("section {name:?}"), &v)?;
+                secs.push(Section { name, data });
+            }
+        }
+        let selected = selected
+            .into_iter()
+            .map(|(layer, block)| LayerBlock { layer, block })
+            .collect();
+        self.call(py, "stage_admission", move |rt, c| {
+            let s = rt.block_on(c.stage_admission(request, selected, secs))?;
+            Ok((s.stored_bytes, s.used_bytes))
+        })
+    }
+
+    /// The admission set of layers `first_layer .. first_layer + num_layers` as a dict:
+    /// `geometry` (the staged 6-tuple), `summary_runs` (`(layer, first_block, num_blocks)`) with
+    /// their rows back to back in `summaries` (a bytearray), `block_keys` (`(layer, block)`) with
+    /// the blocks back to back in `blocks` (a bytearray), `sections` (name -> bytes, when
+    /// `include_sections`) and `wire_bytes` (the reply frame's bytes).
+    ///
+    /// Raises `RemoteNotFoundError` (unknown request, or a selected block not staged);
+    /// `InvalidArgumentError` when the reply would pass the frame limit (ask for fewer layers).
+    #[pyo3(signature = (request, first_layer, num_layers, include_sections = true))]
+    fn fetch_admission<'py>(
+        &self,
+        py: Python<'py>,
+        request: u64,
+        first_layer: u16,
+        num_layers: u16,
+        include_sections: bool,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let (a, wire) = self.call(py, "fetch_admission", move |rt, c| {
+            let before = c.wire_bytes().1;
+            let a =
+                rt.block_on(c.fetch_admission(request, first_layer, num_layers, include_sections))?;
+            Ok((a, c.wire_bytes().1 - before))
+        })?;
+        let d = PyDict::new(py);
+        d.set_item("geometry", geometry_tuple(&a.geometry))?;
+        let row = a.geometry.summary_row_bytes().max(1);
+        let runs: Vec<(u16, u32, u64)> = a
+            .summaries
+            .iter()
+            .map(|r| (r.layer, r.first_block, r.data.len() as u64 / row))
+            .collect();
+        d.set_item("summary_runs", runs)?;
+        let rows: Vec<Bytes> = a.summaries.iter().map(|r| r.data.clone()).collect();
+        d.set_item("summaries", bytearray_of(py, &rows)?)?;
+        let keys: Vec<(u16, u32)> = a.blocks.iter().map(|b| (b.layer, b.block)).collect();
+        d.set_item("block_keys", keys)?;
+        let blocks: Vec<Bytes> = a.blocks.iter().map(|b| b.data.clone()).collect();
+        d.set_item("blocks", bytearray_of(py, &blocks)?)?;
+        let sections = PyDict::new(py);
+        for s in &a.sections {
+            sections.set_item(&s.name, PyBytes::new(py, &s.data))?;
+        }
+        d.set_item("sections", sections)?;
+        d.set_item("wire_bytes", wire)?;
+        Ok(d)
+    }
+
+    /// Read a batch of blocks, possibly across requests: `keys[i] = (request, layer, block,
+    /// head)`, `head = -1` for the whole block, else that KV head's K rows then its V rows.
+    /// Returns `(data, lens, errors)`: the entries' bytes back to back in one bytearray, each
+    /// entry's length (0 when it failed), and per entry `None` or the error's code name
+    /// (`"unknown_request"`, `"missing_block"`, ...): entries fail one by one.
+    ///
+    /// Raises `InvalidArgumentError` when the reply would pass the frame limit (fewer keys).
+    fn read_blocks<'py>(
+        &self,
+        py: Python<'py>,
+        keys: Vec<(u64, u16, u32, i32)>,
+    ) -> PyResult<ReadReply<'py>> {
+        let mut ks = Vec::with_capacity(keys.len());
+        for (request, layer, block, head) in keys {
+            let head = match head {
+                -1 => ALL_HEADS,
+                h if (0..i32::from(ALL_HEADS)).contains(&h) => h as u16,
+                h => {
+                    return Err(bad_arg(
+                        py,
+                        format!("head {h} is neither -1 (every head) nor a KV head index"),
+                    ))
+                }
+            };
+            ks.push(BlockKey {
+                request,
+                layer,
+                block,
+                head,
+            });
+        }
+        let entries = self.call(py, "read_blocks", move |rt, c| {
+            rt.block_on(c.read_blocks(ks))
+        })?;
+        let mut parts = Vec::with_capacity(entries.len());
+        let mut lens = Vec::with_capacity(entries.len());
+        let mut errors = Vec::with_capacity(entries.len());
+        for e in entries {
+            match e {
+                Ok(b) => {
+                    lens.push(b.len());
+                    errors.push(None);
+                    parts.push(b);
+                }
+                Err(code) => {
+                    lens.push(0);
+                    errors.push(Some(code.name()));
+                }
+            }
+        }
+        Ok((bytearray_of(py, &parts)?, lens, errors))
+    }
+
+    /// Release a request in the daemon; returns the bytes it freed (0 when it held nothing).
+    fn release(&self, py: Python<'_>, request: u64) -> PyResult<u64> {
+        self.call(py, "release", move |rt, c| rt.block_on(c.release(request)))
+    }
+
+    /// The daemon's counters and gauges, name -> int.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.call(py, "stats", |rt, c| rt.block_on(c.stats()))?;
+        let d = PyDict::new(py);
+        for (name, v) in s.fields() {
+            d.set_item(name, v)?;
+        }
+        Ok(d)
+    }
+
+    /// Drop the connection (later calls raise `RemoteUnavailableError`). Idempotent.
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| {
+            let mut conn = self.lock();
+            if let Some(c) = conn.client.take() {
+                let (s, r) = c.wire_bytes();
+                conn.sent += s;
+                conn.received += r;
+            }
+        });
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        _ty: Option<&Bound<'_, PyAny>>,
+        _value: Option<&Bound<'_, PyAny>>,
+        _tb: Option<&Bound<'_, PyAny>>,
+    ) -> bool {
+        self.close(py);
+        false
+    }
+
+    /// Whether the connection is usable (a timeout, a closed socket or a malformed reply drop
+    /// it for good).
+    #[getter]
+    fn connected(&self) -> bool {
+        self.lock()
+            .client
+            .as_ref()
+            .is_some_and(Client::is_connected)
+    }
+
+    /// `(sent, received)`: bytes of every frame this object exchanged, length prefixes
+    /// included (the protocol's count of what crossed the wire).
+    #[getter]
+    fn wire_bytes(&self) -> (u64, u64) {
+        let conn = self.lock();
+        let (s, r) = conn.client.as_ref().map_or((0, 0), Client::wire_bytes);
+        (conn.sent + s, conn.received + r)
+    }
+
+    /// The largest frame this client sends (its own limit and the daemon's, the smaller).
+    #[getter]
+    fn max_frame(&self) -> u64 {
+        self.max_frame_now()
+    }
+
+    #[getter]
+    fn addr(&self) -> String {
+        self.addr.clone()
+    }
+
+    #[getter]
+    fn timeout_s(&self) -> f64 {
+        self.timeout.as_secs_f64()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "RtClient(addr={:?}, timeout_s={}, connected={})",
+            self.addr,
+            self.timeout.as_secs_f64(),
+            self.connected()
+        )
+    }
+}

@@ -1,0 +1,112 @@
+"""The ``oasis-rt`` staging daemon for the tests: the cargo-built binary, as its own process on a
+free loopback port (``Daemon``), and the binary's path (``rt_binary``)."""
+
+from __future__ import annotations
+
+import os
+import select
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+#: How long the daemon may take to print its address (arbitrary, generous for a loaded CI box).
+START_TIMEOUT_S = 30.0
+
+
+@cache
+def rt_binary() -> str | None:
+    """``$OASIS_RT_BIN``, else ``target/release/oasis-rt``, built (or brought up to date: a no-op
+    when fresh) with cargo when cargo is here; None when there is neither binary nor cargo."""
+    env = os.environ.get("OASIS_RT_BIN")
+    if env:
+        return env
+    path = ROOT / "target" / "release" / "oasis-rt"
+    cargo = shutil.which("cargo")
+    if cargo is not None:
+        subprocess.run(
+            [cargo, "build", "--release", "--quiet", "-p", "oasis-rt", "--bin", "oasis-rt"],
+            cwd=ROOT,
+            check=True,
+        )
+    return str(path) if path.exists() else None
+
+
+def need_binary() -> str:
+    b = rt_binary()
+    if b is None:
+        pytest.skip("no oasis-rt binary and no cargo: cargo build --release -p oasis-rt, or set OASIS_RT_BIN")
+    return b
+
+
+class Daemon:
+    """``oasis-rt serve`` on ``127.0.0.1:0``; ``addr`` is where it listens. ``token``: a shared
+    token (written to a private file). Use as a context manager; :meth:`kill`, :meth:`stop` and
+    :meth:`cont` send SIGKILL, SIGSTOP and SIGCONT."""
+
+    def __init__(self, memory: str = "256MiB", token: str | None = None, lease_s: int | None = None):
+        args = [need_binary(), "serve", "--listen", "127.0.0.1:0", "--memory", memory, "--log", "warn"]
+        self._dir = tempfile.TemporaryDirectory(prefix="oasis-rt-test-")
+        if token is not None:
+            path = Path(self._dir.name) / "token"
+            path.write_text(token + "\n")
+            path.chmod(0o600)
+            args += ["--token-file", str(path)]
+        if lease_s is not None:
+            args += ["--lease", str(lease_s)]
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        ready, _, _ = select.select([self.proc.stdout], [], [], START_TIMEOUT_S)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line.startswith("oasis-rt listening on "):
+            self.close()
+            raise RuntimeError(f"oasis-rt did not start: {line!r}")
+        self.addr = line.strip().rsplit(" ", 1)[1]
+        self.url = f"oasis-rt://{self.addr}"
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        """SIGSTOP, and wait until the process is stopped (delivery is asynchronous)."""
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        stat = Path(f"/proc/{self.proc.pid}/stat")
+        if stat.exists():
+            assert wait_until(lambda: stat.read_text().rsplit(")", 1)[1].split()[0] in "Tt"), "not stopped"
+
+    def cont(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.cont()
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self._dir.cleanup()
+
+    def __enter__(self) -> Daemon:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def wait_until(cond, timeout_s: float = 10.0) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()

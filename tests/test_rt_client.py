@@ -1,0 +1,198 @@
+"""``oasiskv._core.RtClient`` against the real ``oasis-rt`` daemon (its own process): bytes in and
+out bit-exact, the protocol's byte counts, typed errors with a code, deadlines, the token."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from oasiskv import errors
+from oasiskv._core import RtClient
+from rtd import Daemon
+
+# (num_layers, num_kv_heads, block_size, head_dim, dtype_bytes, num_blocks); odd sizes.
+GEO = (3, 2, 5, 6, 4, 7)
+BLOCK = 2 * 2 * 5 * 6 * 4
+ROW = 2 * 2 * 6 * 4
+
+
+@pytest.fixture(scope="module")
+def daemon():
+    with Daemon() as d:
+        yield d
+
+
+def _blocks(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, BLOCK // 4, generator=g)
+
+
+def test_roundtrip_is_bit_exact_and_counted(daemon):
+    c = RtClient(daemon.addr, timeout_s=5)
+    keys = [(layer, b) for layer in range(3) for b in range(7)]
+    data = _blocks(len(keys), 0)
+    stored, used = c.stage_blocks(11, GEO, keys, data)
+    assert stored >= data.numel() * 4 and used >= stored
+    rows = torch.randn(3 * 7, ROW // 4)
+    c.stage_summaries(11, GEO, [(layer, 0, 7) for layer in range(3)], rows.numpy().tobytes())
+    query = torch.randn(3, 4, 6, dtype=torch.bfloat16)
+    c.stage_admission(11, [(0, 6), (2, 1), (2, 3)], {"oasis/meta": b'{"x": 1}', "oasis/query": query})
+
+    before = c.wire_bytes
+    a = c.fetch_admission(11, 0, 3)
+    after = c.wire_bytes
+    assert a["geometry"] == GEO
+    assert a["summary_runs"] == [(layer, 0, 7) for layer in range(3)]
+    assert torch.equal(torch.frombuffer(a["summaries"], dtype=torch.float32).view(21, -1), rows)
+    assert a["block_keys"] == [(0, 6), (2, 1), (2, 3)]
+    got = torch.frombuffer(a["blocks"], dtype=torch.float32).view(3, -1)
+    assert torch.equal(got, data[[6, 14 + 1, 14 + 3]])
+    q = torch.frombuffer(bytearray(a["sections"]["oasis/query"]), dtype=torch.bfloat16)
+    assert torch.equal(q, query.view(-1))
+    # The reply's bytes as the protocol lays them out: prefix + header, geometry, runs, blocks,
+    # sections.
+    runs = 4 + 3 * (10 + 7 * ROW)
+    blocks = 4 + 3 * (6 + BLOCK)
+    sections = 1 + (1 + 10 + 4 + 8) + (1 + 11 + 4 + query.numel() * 2)
+    assert a["wire_bytes"] == 12 + 13 + runs + blocks + sections
+    assert after[1] - before[1] == a["wire_bytes"] and after[0] - before[0] == 12 + 13
+
+    # No layers: the sections alone.
+    only = c.fetch_admission(11, 0, 0)
+    assert only["summary_runs"] == [] and only["block_keys"] == [] and len(only["blocks"]) == 0
+    assert set(only["sections"]) == {"oasis/meta", "oasis/query"}
+
+    # Reads: whole blocks, one head (K rows then V rows), per-entry failures.
+    d, lens, errs = c.read_blocks([(11, 1, 2, -1), (11, 2, 4, 1), (12, 0, 0, -1), (11, 0, 0, 0)])
+    assert errs == [None, None, "unknown_request", None]
+    assert lens == [BLOCK, BLOCK // 2, 0, BLOCK // 2]
+    x = torch.frombuffer(d, dtype=torch.float32)
+    assert torch.equal(x[: BLOCK // 4], data[7 + 2])
+    blk = data[14 + 4].view(2, 2, -1)  # [K|V][head][rows]
+    assert torch.equal(x[BLOCK // 4 : BLOCK // 4 + BLOCK // 8], torch.cat([blk[0, 1], blk[1, 1]]))
+
+    s = c.stats()
+    assert s["live_requests"] >= 1 and s["used_bytes"] >= used
+    assert c.release(11) >= used
+    assert c.release(11) == 0  # idempotent
+    c.close()
+    assert not c.connected
+
+
+def test_large_stagings_are_split_into_frames(daemon):
+    c = RtClient(daemon.addr, timeout_s=10, max_frame=64 << 10)
+    assert c.max_frame == 64 << 10
+    geo = (1, 2, 16, 64, 2, 300)  # 8 KiB blocks: 7 per 64 KiB frame
+    bb = 2 * 2 * 16 * 64 * 2
+    data = torch.randint(0, 255, (300, bb), dtype=torch.uint8)
+    c.stage_blocks(21, geo, [(0, i) for i in range(300)], data)
+    c.stage_summaries(21, geo, [(0, 0, 300)], torch.zeros(300, 2 * 2 * 64 * 2, dtype=torch.uint8))
+    d, lens, errs = c.read_blocks([(21, 0, i, -1) for i in (0, 150, 299)])
+    assert errs == [None] * 3
+    assert torch.equal(torch.frombuffer(d, dtype=torch.uint8).view(3, bb), data[[0, 150, 299]])
+    # A reply past the client's frame limit: refused, and the connection with it (the daemon
+    # does not know the client's limit; readers batch under max_frame).
+    with pytest.raises(errors.InvalidArgumentError) as e:
+        c.read_blocks([(21, 0, i, -1) for i in range(20)])
+    assert e.value.code == "too_large" and "make a new RtClient" in str(e.value)
+    assert not c.connected
+    assert RtClient(daemon.addr).release(21) > 300 * bb
+
+
+def test_mistakes_are_typed_and_keep_the_connection(daemon):
+    c = RtClient(daemon.addr, timeout_s=5)
+    with pytest.raises(errors.RemoteNotFoundError) as e:
+        c.fetch_admission(999, 0, 1)
+    assert e.value.code == "unknown_request" and "stage it again" in str(e.value)
+    with pytest.raises(errors.InvalidArgumentError, match="one block per key"):
+        c.stage_blocks(5, GEO, [(0, 0)], b"\0" * 3)
+    with pytest.raises(errors.InvalidArgumentError):
+        c.stage_blocks(5, (0, 2, 5, 6, 4, 7), [], b"")  # zero layers
+    with pytest.raises(errors.InvalidArgumentError):
+        c.stage_blocks(5, GEO, [(9, 0)], _blocks(1, 1))  # layer out of range
+    with pytest.raises(errors.InvalidArgumentError, match="neither -1"):
+        c.read_blocks([(5, 0, 0, -2)])
+    with pytest.raises(errors.DTypeError):
+        c.stage_blocks(5, GEO, [(0, 0)], 3.5)
+    with pytest.raises(errors.ConfigError):
+        RtClient(daemon.addr, timeout_s=0)
+    assert c.connected  # none of these broke it
+    c.close()
+    with pytest.raises(errors.RemoteUnavailableError):
+        c.stats()
+
+
+def test_unreachable_daemon():
+    with Daemon() as d:
+        addr = d.addr
+    t = time.monotonic()
+    with pytest.raises(errors.RemoteUnavailableError) as e:
+        RtClient(addr, timeout_s=2, connect_timeout_s=2)
+    assert e.value.code == "unreachable" and "oasis-rt serve" in str(e.value)
+    assert isinstance(e.value, ConnectionError) and time.monotonic() - t < 5
+
+
+def test_a_client_without_the_token_is_refused():
+    with Daemon(token="correct horse") as d:
+        for token in (None, "battery staple"):
+            with pytest.raises(errors.RemoteAuthError) as e:
+                RtClient(d.addr, token=token, timeout_s=5)
+            assert e.value.code == "unauthorized" and "token" in str(e.value)
+            assert isinstance(e.value, PermissionError)
+        c = RtClient(d.addr, token=b"correct horse\n", timeout_s=5)
+        assert c.stats()["live_requests"] == 0
+
+
+def test_a_stalled_daemon_times_out():
+    with Daemon() as d:
+        c = RtClient(d.addr, timeout_s=1)
+        d.stop()
+        t = time.monotonic()
+        with pytest.raises(errors.RemoteTimeoutError) as e:
+            c.stats()
+        took = time.monotonic() - t
+        assert e.value.code == "timeout" and isinstance(e.value, TimeoutError)
+        assert 0.9 < took < 3, took
+        assert not c.connected
+        with pytest.raises(errors.RemoteUnavailableError):  # fails at once afterwards
+            c.stats()
+        d.cont()
+
+
+def test_killing_the_daemon_mid_transfer_gives_a_typed_error_in_time():
+    with Daemon(memory="1GiB") as d:
+        c = RtClient(d.addr, timeout_s=5)
+        geo = (1, 8, 64, 128, 2, 512)  # 256 KiB blocks, 128 MiB staged
+        bb = 2 * 8 * 64 * 128 * 2
+        for lo in range(0, 512, 128):
+            zeros = torch.zeros(128, bb, dtype=torch.uint8)
+            c.stage_blocks(3, geo, [(0, i) for i in range(lo, lo + 128)], zeros)
+        reader = RtClient(d.addr, timeout_s=5)
+        keys = [(3, 0, i, -1) for i in range(200)]  # ~50 MiB replies
+        caught: list = []
+        calls = [0]
+
+        def read_forever():
+            try:
+                while True:
+                    reader.read_blocks(keys)
+                    calls[0] += 1
+            except errors.OasisError as e:
+                caught.append((e, time.monotonic()))
+
+        th = threading.Thread(target=read_forever, daemon=True)
+        th.start()
+        while calls[0] == 0:  # at least one whole reply, so the next ones are mid-transfer
+            time.sleep(0.005)
+        time.sleep(0.03)
+        killed = time.monotonic()
+        d.kill()
+        th.join(timeout=10)
+        assert not th.is_alive(), "the reader hangs"
+        ((err, when),) = caught
+        assert isinstance(err, errors.RemoteUnavailableError), err
+        assert err.code in ("closed", "unreachable")
+        assert when - killed < 5
