@@ -65,6 +65,30 @@ class CudaUnavailableError(OasisError, RuntimeError):
     """A GPU path was requested but the CUDA driver, NVRTC or a supported GPU is missing."""
 
 
+class TensorParallelError(OasisError, RuntimeError):
+    """A tensor-parallel group (:mod:`oasiskv.parallel`) cannot go on: a collective failed because
+    a rank died or did not answer within the group's timeout. Fatal for the group: every later
+    collective of this rank raises it again."""
+
+
+class RankFailedError(TensorParallelError):
+    """A rank process of :func:`oasiskv.parallel.run_tp` died or raised.
+
+    ``rank`` is the first rank that failed, ``exitcode`` its process's exit code (``None`` while
+    it was still running), ``errors`` maps every rank that raised to its traceback text (the
+    others' view of the failure: a rank that died reports nothing).
+    """
+
+    def __init__(self, message: str, rank: int, exitcode: int | None = None, errors: dict | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.exitcode = exitcode
+        self.errors = dict(errors or {})
+
+    def __reduce__(self):
+        return (type(self), (self.args[0], self.rank, self.exitcode, self.errors))
+
+
 class RemoteError(OasisError):
     """The KV staging daemon (``oasis-rt``) refused a call, or talking to it failed.
 
@@ -113,6 +137,8 @@ __all__ = [
     "CheckpointError",
     "UnsupportedQuantizationError",
     "CudaUnavailableError",
+    "TensorParallelError",
+    "RankFailedError",
     "RemoteError",
     "RemoteUnavailableError",
     "RemoteTimeoutError",

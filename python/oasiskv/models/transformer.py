@@ -321,6 +321,9 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(2 * cfg.intermediate_size, h, **kw))
         self.down_proj = nn.Parameter(torch.empty(h, cfg.intermediate_size, **kw))
         self.eps = cfg.rms_norm_eps
+        #: Tensor parallelism (:mod:`oasiskv.models.tp`): the sum over the ranks of a row-parallel
+        #: projection's partial output (o_proj, down_proj), or None in one process.
+        self.all_reduce: Callable[[Tensor], Tensor] | None = None
 
     def forward(
         self, layer_idx: int, h: Tensor, rope: Rope, attn: AttnFn, delta: Tensor | None = None
@@ -366,6 +369,8 @@ class DecoderLayer(nn.Module):
                 "([n_tok, num_heads, head_dim], same as q)"
             )
         attn_out = F.linear(o.reshape(n, self.q_size).to(h.dtype), self.o_proj)
+        if self.all_reduce is not None:
+            attn_out = self.all_reduce(attn_out)
         if fused:
             norm = self.post_attention_layernorm
             x, h = ops.rms_norm(attn_out, norm.weight, norm.eps, residual=h)
@@ -375,6 +380,8 @@ class DecoderLayer(nn.Module):
         gu = F.linear(x, self.gate_up_proj)
         g, u = gu[:, : self.intermediate_size], gu[:, self.intermediate_size :]
         mlp_out = F.linear(F.silu(g) * u, self.down_proj)
+        if self.all_reduce is not None:
+            mlp_out = self.all_reduce(mlp_out)
         if fused:
             return h, mlp_out
         return h + mlp_out, None

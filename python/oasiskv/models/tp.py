@@ -1,0 +1,245 @@
+"""Tensor-parallel Llama / Qwen3: one rank's shard of a :class:`~oasiskv.models.CausalLM`.
+
+Megatron's split, as vLLM does it, over a :class:`~oasiskv.parallel.TPGroup` of ``tp`` ranks:
+
+==============================  ===============================  ================================
+weight                          shard of rank ``r``              after it
+==============================  ===============================  ================================
+``embed_tokens`` [V, h]         vocabulary rows ``r*Vs ..``      masked lookup, all-reduce
+fused QKV [(Hq + 2 Hkv) D, h]   its ``Hq/tp`` query heads and    attention over its own heads
+                                ``Hkv/tp`` KV heads (column)
+``o_proj`` [h, Hq D]            its query heads' columns (row)   all-reduce
+``gate_up`` [2 I, h]            ``I/tp`` rows of each half       SwiGLU on its own columns
+``down_proj`` [h, I]            its ``I/tp`` columns (row)       all-reduce
+``lm_head`` [V, h]              vocabulary rows ``r*Vs ..``      all-gather of the logits
+norms, RoPE                     replicated                       -
+==============================  ===============================  ================================
+
+``Vs = ceil(V / tp)``; the last shard is padded with zero rows, whose logits are dropped after
+the gather. Query head ``g`` of a rank uses its KV head ``g // (Hq / Hkv)``, as in one process,
+because each rank holds whole GQA groups. Every rank therefore holds the full residual stream
+[n, h] (replicated) and the K/V of only its KV heads: the engine of a rank
+(:class:`~oasiskv.parallel.TPLLMEngine`) sees a model whose ``config`` has ``Hq/tp`` query
+heads, ``Hkv/tp`` KV heads and ``I/tp`` MLP columns, and sizes its pools, summaries and selection
+by that. ``config.vocab_size`` stays the full vocabulary (logits are gathered);
+``full_config`` is the model's own.
+
+Two all-reduces per layer and one all-gather per forward; numerics: a row-parallel projection
+sums ``tp`` partial products, so hidden states differ from one process in the last bits (greedy
+tokens agree except at near ties); the embedding sum and the logit gather are exact.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from oasiskv.errors import ConfigError, ShapeError
+from oasiskv.models.config import ModelConfig
+from oasiskv.models.transformer import CausalLM
+
+
+def _divisors(*xs: int) -> list[int]:
+    g = math.gcd(*xs)
+    return [d for d in range(1, g + 1) if g % d == 0]
+
+
+def tp_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The config one rank's shard runs with: ``num_attention_heads``, ``num_key_value_heads`` and
+    ``intermediate_size`` divided by ``tp``; the vocabulary, head_dim and the rest unchanged.
+
+    Raises :class:`ConfigError` when ``tp`` does not divide the query heads, the KV heads and the
+    MLP width (each rank owns whole KV heads and the query heads that read them; KV heads are
+    never replicated), naming the sizes that work.
+    """
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ConfigError(f"tp must be an int >= 1, got {tp!r}")
+    sizes = {
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "intermediate_size": cfg.intermediate_size,
+    }
+    bad = [f"{k}={v}" for k, v in sizes.items() if v % tp]
+    if bad:
+        raise ConfigError(
+            f"tensor parallelism gives each rank whole KV heads, its query heads and a slice of the MLP: "
+            f"{', '.join(bad)} not divisible by tp={tp}; use tp in {_divisors(*sizes.values())}"
+        )
+    if tp == 1:
+        return cfg
+    return cfg.replace(
+        num_attention_heads=cfg.num_attention_heads // tp,
+        num_key_value_heads=cfg.num_key_value_heads // tp,
+        intermediate_size=cfg.intermediate_size // tp,
+        head_dim=cfg.head_dim,
+    )
+
+
+def vocab_shard(vocab_size: int, tp: int, rank: int) -> tuple[int, int, int]:
+    """``(start, end, rows)``: rank ``rank`` holds vocabulary ids ``start .. end - 1`` in a shard of
+    ``rows = ceil(vocab_size / tp)`` rows (the last shard padded with zero rows)."""
+    rows = -(-vocab_size // tp)
+    start = min(vocab_size, rank * rows)
+    return start, min(vocab_size, start + rows), rows
+
+
+#: How each Hugging Face tensor is split: by rows (dim 0, column-parallel), by columns (dim 1,
+#: row-parallel), by vocabulary rows (padded), or replicated (every name not listed).
+_ROWS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
+_ROWS += ("mlp.gate_proj.weight", "mlp.up_proj.weight")
+_COLS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+_VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def shard_hf_tensor(name: str, full: Tensor, tp: int, rank: int) -> Tensor:
+    """Rank ``rank``'s part of the full Hugging Face tensor ``name`` (a view where it can be one; the
+    vocabulary shards of the last rank are a padded copy). Query, key and value rows are
+    head-major, so a row range is a range of heads."""
+    if tp == 1:
+        return full
+    if name in _VOCAB:
+        start, end, rows = vocab_shard(full.shape[0], tp, rank)
+        part = full[start:end]
+        if end - start < rows:
+            part = torch.cat([part, part.new_zeros(rows - (end - start), *part.shape[1:])])
+        return part
+    dim = 0 if name.endswith(_ROWS) else 1 if name.endswith(_COLS) else None
+    if dim is None:
+        return full
+    n = full.shape[dim]
+    if n % tp:
+        raise ShapeError(f"tensor {name} has {n} rows/columns along dim {dim}, not divisible by tp={tp}")
+    return full.narrow(dim, rank * (n // tp), n // tp)
+
+
+class TPCausalLM(CausalLM):
+    """One rank's shard of a Llama / Qwen3 model (see the module docstring), with the collectives
+    of its :class:`~oasiskv.parallel.TPGroup`. ``forward``, ``rope`` and the layer code are
+    :class:`CausalLM`'s; the layers sum their row-parallel outputs over the group, :meth:`embed`
+    and :meth:`logits` are the vocabulary-parallel ones. With ``group=None`` (one process) it
+    is a plain :class:`CausalLM`.
+
+    ``TPCausalLM(cfg, ...)`` allocates UNINITIALISED weights; build one with :meth:`from_full`
+    (shard a full model), :meth:`random` (the same seed on every rank gives the shards of one
+    model) or :meth:`load_hf_state_dict` with full-size Hugging Face tensors.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device | None = None,
+        group=None,
+    ) -> None:
+        if group is None:
+            from oasiskv.parallel import TPGroup
+
+            group = TPGroup.single(device or "cpu")
+        if device is None:
+            device = group.device
+        local = tp_config(cfg, group.size)
+        # NOTE: CausalLM allocates a full-vocabulary embedding (and LM head), replaced by the shards
+        # right below; torch.empty, so it costs an allocation, not a fill.
+        super().__init__(local, dtype=dtype, device=device)
+        self.full_config = cfg
+        self.group = group
+        self.tp_rank, self.tp_size = group.rank, group.size
+        self.vocab_start, self.vocab_end, rows = vocab_shard(cfg.vocab_size, group.size, group.rank)
+        if group.size > 1:
+            kw = {"dtype": dtype, "device": device}
+            self.embed_tokens = nn.Embedding(
+                rows, cfg.hidden_size, _weight=torch.zeros(rows, cfg.hidden_size, **kw)
+            )
+            if cfg.tie_word_embeddings:
+                self.lm_head = self.embed_tokens.weight
+            else:
+                self.lm_head = nn.Parameter(torch.zeros(rows, cfg.hidden_size, **kw))
+            for layer in self.layers:
+                layer.all_reduce = group.all_reduce
+        self.requires_grad_(False)
+
+    # ------------------------------------------------------------------ vocabulary-parallel ends
+    def embed(self, ids: Tensor) -> Tensor:
+        """Token embeddings [n, hidden]: each rank looks up the ids in its vocabulary rows (zeros
+        elsewhere) and the group sums them, exactly (one nonzero term per row)."""
+        if self.tp_size == 1:
+            return super().embed(ids)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_end - self.vocab_start)
+        out = F.embedding(local.masked_fill(outside, 0), self.embed_tokens.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0)
+        return self.group.all_reduce(out)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Final norm + this rank's LM-head rows, gathered over the group: float32 [n, vocab],
+        the same on every rank."""
+        local = F.linear(self.norm(hidden), self.lm_head).float()
+        if self.tp_size == 1:
+            return local
+        return self.group.all_gather(local.contiguous(), dim=-1)[..., : self.full_config.vocab_size]
+
+    # ------------------------------------------------------------------ weights
+    def load_hf_state_dict(self, tensors: dict[str, Tensor], strict: bool = True) -> None:
+        """Copy this rank's shard of FULL-size Hugging Face-named tensors into the model (the names
+        of :meth:`CausalLM.hf_tensor_slots`, whose views here are the shard's)."""
+        slots = self.hf_tensor_slots()
+        missing = [n for n in slots if n not in tensors]
+        if strict and missing:
+            raise ShapeError(f"missing tensors: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        with torch.no_grad():
+            for name, dst in slots.items():
+                t = tensors.get(name)
+                if t is None:
+                    continue
+                part = shard_hf_tensor(name, t, self.tp_size, self.tp_rank)
+                if tuple(part.shape) != tuple(dst.shape):
+                    raise ShapeError(
+                        f"tensor {name} has shape {tuple(t.shape)}: its shard {tuple(part.shape)} does not "
+                        f"fit rank {self.tp_rank}'s {tuple(dst.shape)} (tp={self.tp_size})"
+                    )
+                dst.copy_(part)
+
+    @classmethod
+    def from_full(cls, model: CausalLM, group=None, device: str | torch.device | None = None) -> TPCausalLM:
+        """This rank's shard of ``model`` (a full :class:`CausalLM`, e.g. from the loaders), on
+        ``device`` (default: the group's). RoPE frequencies (GGUF ``rope_freqs`` too) are copied."""
+        out = cls(model.config, dtype=model.dtype, device=device, group=group)
+        out.load_hf_state_dict(model.hf_tensor_slots())
+        out.inv_freq = model.inv_freq.to(out.device)
+        return out
+
+    @classmethod
+    def random(
+        cls,
+        cfg: ModelConfig,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device | None = None,
+        std: float = 0.02,
+        group=None,
+    ) -> TPCausalLM:
+        """This rank's shard of ``CausalLM.random(cfg, seed, dtype, std=std)``: the same draws, one
+        full tensor at a time on the CPU (never the whole model), each cut to this rank's shard.
+
+        NOTE: every rank draws every tensor (the generator's sequence runs over all of them), so
+        the time is that of the whole model's draws; memory is the largest tensor's."""
+        model = cls(cfg, dtype=dtype, device=device, group=group)
+        shapes = {n: t.shape for n, t in CausalLM(cfg, dtype=dtype, device="meta").hf_tensor_slots().items()}
+        slots = model.hf_tensor_slots()
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name in sorted(shapes):  # CausalLM.random's order
+                if name.endswith("norm.weight"):
+                    vals = 1.0 + 0.1 * torch.randn(shapes[name], generator=gen)
+                else:
+                    vals = std * torch.randn(shapes[name], generator=gen)
+                slots[name].copy_(shard_hf_tensor(name, vals, model.tp_size, model.tp_rank))
+        return model
+
+    def extra_repr(self) -> str:
+        return f"tp_rank={self.tp_rank}/{self.tp_size}, vocab=[{self.vocab_start}, {self.vocab_end}), " + (
+            super().extra_repr()
+        )

@@ -1,0 +1,289 @@
+"""Tensor parallelism on the CPU (gloo, 2 processes): TP=2 greedy tokens equal one process's,
+dense, OasisKV and OasisKV speculative; a rank that dies mid-run ends the run with an error naming it, not a hang;
+a failure on a worker alone becomes that request's error on the driver. Plus the shard rules
+and the option checks, in process."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from fakes import pools_are_full, prompt
+from oasiskv import KvConfig, LLMEngine, SamplingParams
+from oasiskv.errors import ConfigError, OutOfBlocksError, RankFailedError
+from oasiskv.models.config import ModelConfig
+from oasiskv.models.tp import TPCausalLM, shard_hf_tensor, tp_config, vocab_shard
+from oasiskv.models.transformer import CausalLM, dense_causal_attn
+from oasiskv.parallel import TPGroup, TPLLMEngine, run_tp
+
+torch.set_num_threads(2)
+
+#: The issue's small model: Qwen3 family (q/k norm), 4 layers, 8 query heads, 4 KV heads, head_dim
+#: 32; the vocabulary odd, so the last vocabulary shard is padded.
+CFG = ModelConfig(
+    family="qwen3",
+    vocab_size=301,
+    hidden_size=128,
+    intermediate_size=192,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=32,
+    max_position_embeddings=1024,
+)
+SEED = 3
+#: Budget of 4 blocks of 16 and a threshold of 64 tokens: the long prompts turn sparse.
+KV = dict(block_size=16, top_k_blocks=4, fetch_cap=0.25, sparse_threshold=64)
+#: (prompt tokens, new tokens): three requests, two seats, so one waits for a seat.
+SPECS = [(150, 10), (40, 14), (200, 8)]
+ENGINE = dict(drafter="ngram", max_num_seqs=2, max_num_batched_tokens=96)
+#: Seconds within which the survivors of a dead rank must fail (the issue's "not a hang").
+DEAD_RANK_LIMIT_S = 30.0
+
+
+def _requests():
+    return [(prompt(n, i), SamplingParams(max_tokens=m, ignore_eos=True)) for i, (n, m) in enumerate(SPECS)]
+
+
+def _drive(eng) -> dict:
+    ids = [eng.add_request(p, sp) for p, sp in _requests()]
+    outs = eng.run_to_completion(ids)
+    return {rid: (o.token_ids, o.finish_reason, o.error, o.metrics.sparse_steps) for rid, o in outs.items()}
+
+
+# ------------------------------------------------------------------------- jobs of the ranks
+def _log_steps(engine) -> list:
+    """Record what every decode step of ``engine`` runs: per request its id, position, current
+    token, draft and whether it is sparse."""
+    log, real = [], engine.decode_step
+
+    def decode_step(reqs, *args, **kwargs):
+        log.append([(r.id, len(r.tokens), r.tokens[-1], r.draft, r.sparse) for r in reqs])
+        return real(reqs, *args, **kwargs)
+
+    engine.decode_step = decode_step
+    return log
+
+
+#: The engines compared: name -> LLMEngine options.
+MODES = {
+    "dense": dict(backend="dense"),
+    "oasis": dict(backend="oasis"),
+    "oasis-speculative": dict(backend="oasis", speculative=True),
+}
+
+
+def _generate_job(group, modes):
+    """Every mode's outputs on the driver; every rank reports what it owns and ran."""
+    model = TPCausalLM.random(CFG, seed=SEED, group=group)
+    out = {}
+    for mode in modes:
+        eng = TPLLMEngine(model, kv=KvConfig(**KV), **MODES[mode], **ENGINE)
+        steps = _log_steps(eng.engine)
+        if eng.is_driver:
+            try:
+                got = _drive(eng)
+            finally:
+                eng.shutdown()
+        else:
+            eng.worker_loop()
+            got = None
+        out[mode] = {
+            "outputs": got,
+            "kv_heads": eng.engine.geo.num_kv_heads,
+            "qo_heads": eng.engine.geo.num_qo_heads,
+            "pools_full": pools_are_full(eng),
+            "caps": eng.engine.runtime.caps,
+            "steps": steps,
+        }
+    return out
+
+
+def _dying_job(group, steps):
+    """Rank 1 exits (``os._exit``, no exception, no cleanup) inside its ``steps + 1``-th decode
+    step; rank 0 drives until it fails."""
+    model = TPCausalLM.random(CFG, seed=SEED, group=group)
+    eng = TPLLMEngine(model, backend="oasis", kv=KvConfig(**KV), **ENGINE)
+    if not eng.is_driver:
+        real, seen = eng.engine.decode_step, [0]
+
+        def decode_step(*args, **kwargs):
+            seen[0] += 1
+            if seen[0] > steps:
+                os._exit(17)
+            return real(*args, **kwargs)
+
+        eng.engine.decode_step = decode_step
+        eng.worker_loop()
+        return None
+    _drive(eng)
+    return "rank 0 finished although rank 1 died"
+
+
+def _worker_fails_job(group):
+    """Rank 1's first dense -> sparse transition fails (as if its pools were full); the driver
+    must finish that request with an error and the others normally, every pool full again."""
+    model = TPCausalLM.random(CFG, seed=SEED, group=group)
+    eng = TPLLMEngine(model, backend="oasis", kv=KvConfig(**KV), **ENGINE)
+    if not eng.is_driver:
+        real, failed = eng.engine.make_sparse, []
+
+        def make_sparse(r):
+            if not failed:
+                failed.append(r.id)
+                raise OutOfBlocksError("injected: no host blocks left")
+            return real(r)
+
+        eng.engine.make_sparse = make_sparse
+        eng.worker_loop()
+        return {"failed": failed, "pools_full": pools_are_full(eng)}
+    try:
+        got = _drive(eng)
+    finally:
+        eng.shutdown()
+    return {"outputs": got, "pools_full": pools_are_full(eng)}
+
+
+# ----------------------------------------------------------------------------------- tests
+def _reference(mode: str) -> dict:
+    """One process, the unsharded model, the plain LLMEngine."""
+    model = CausalLM.random(CFG, seed=SEED)
+    return _drive(LLMEngine(model, kv=KvConfig(**KV), **MODES[mode], **ENGINE))
+
+
+def test_tp2_greedy_tokens_equal_tp1_dense_and_oasis():
+    """TP=2 over gloo: each rank owns 2 of the 4 KV heads (and 4 of the 8 query heads); the greedy
+    tokens of three continuously batched requests equal the single-process engine's, token for
+    token, with the dense backend, with OasisKV (the long requests turn sparse) and with OasisKV
+    accepting drafts (speculative); both ranks ran the same decode steps (requests, tokens,
+    drafts, sparse or not)."""
+    ranks = run_tp(_generate_job, tp=2, args=(tuple(MODES),), timeout_s=120)
+    for mode in MODES:
+        want = _reference(mode)
+        got = ranks[0][mode]["outputs"]
+        assert got == want, mode
+        assert ranks[0][mode]["steps"] == ranks[1][mode]["steps"], mode
+        assert ranks[0][mode]["caps"] == ranks[1][mode]["caps"], mode  # agreed budgets
+        for rank in ranks:
+            info = rank[mode]
+            assert (info["kv_heads"], info["qo_heads"]) == (2, 4)
+            assert info["pools_full"], mode
+    assert len(ranks[0]["oasis"]["steps"]) >= max(m for _, m in SPECS) - 1
+    sparse = [steps for _, _, _, steps in ranks[0]["oasis"]["outputs"].values()]
+    assert sum(s > 0 for s in sparse) == 2, sparse  # the 150- and 200-token requests
+
+
+def test_rank_killed_mid_run_fails_the_others_not_a_hang():
+    """Rank 1 dies in its third decode step: rank 0's next collective fails at once, it raises
+    TensorParallelError from run_to_completion, and run_tp raises RankFailedError naming rank 1
+    with its exit code, well within the limit."""
+    t0 = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        run_tp(_dying_job, tp=2, args=(2,), timeout_s=DEAD_RANK_LIMIT_S)
+    elapsed = time.monotonic() - t0
+    err = info.value
+    assert err.rank == 1 and err.exitcode == 17, str(err)
+    assert "rank 1 of 2 died" in str(err)
+    assert list(err.errors) == [0], "rank 0 must raise on its own, not be terminated"
+    assert "TensorParallelError" in err.errors[0]
+    assert elapsed < DEAD_RANK_LIMIT_S, elapsed
+
+
+def test_a_failure_on_one_worker_becomes_that_requests_error():
+    """A transition that fails on rank 1 only fails on the driver too (the same error class),
+    so its LLMEngine finishes that request with an error naming rank 1 and goes on; the other
+    requests' tokens are the single-process ones; every rank's pools are full again."""
+    driver, worker = run_tp(_worker_fails_job, tp=2, timeout_s=120)
+    want = _reference("oasis")
+    got = driver["outputs"]
+    errored = [rid for rid, (_, reason, _, _) in got.items() if reason == "error"]
+    assert len(errored) == 1 and len(worker["failed"]) == 1
+    assert "rank 1" in got[errored[0]][2] and "injected" in got[errored[0]][2]
+    for rid in got:
+        if rid not in errored:
+            assert got[rid] == want[rid]
+    assert driver["pools_full"] and worker["pools_full"]
+
+
+def _raising_job(group):
+    if group.rank == 1:
+        raise ValueError("boom on rank 1")
+    return group.all_gather_object(group.rank)  # fails: rank 1 is gone
+
+
+def test_run_tp_returns_in_rank_order_and_names_a_raising_rank():
+    assert run_tp(_ranks_job, tp=2) == [(0, 2, [0, 1]), (1, 2, [0, 1])]
+    with pytest.raises(RankFailedError) as info:
+        run_tp(_raising_job, tp=2, timeout_s=DEAD_RANK_LIMIT_S)
+    assert info.value.rank == 1 and "ValueError: boom on rank 1" in str(info.value)
+
+
+def _ranks_job(group):
+    return (group.rank, group.size, group.all_gather_object(group.rank))
+
+
+# -------------------------------------------------------------------------- in one process
+def test_tp_config_needs_whole_kv_heads_per_rank():
+    assert tp_config(CFG, 2).num_key_value_heads == 2
+    assert tp_config(CFG, 4).num_attention_heads == 2
+    with pytest.raises(ConfigError, match="num_key_value_heads=4") as info:
+        tp_config(CFG, 8)
+    assert "use tp in [1, 2, 4]" in str(info.value)
+    with pytest.raises(ConfigError, match="num_attention_heads=8, num_key_value_heads=4"):
+        tp_config(CFG, 3)
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_shards_put_back_together_are_the_full_tensors(tp):
+    """Rows of QKV and gate/up, columns of o/down, padded vocabulary rows: concatenated in rank
+    order (padding dropped) they are the full tensors; norms are replicated."""
+    full = CausalLM.random(CFG.replace(intermediate_size=192, num_attention_heads=12, num_key_value_heads=6))
+    for name, t in full.hf_tensor_slots().items():
+        parts = [shard_hf_tensor(name, t, tp, r) for r in range(tp)]
+        if "embed_tokens" in name or name == "lm_head.weight":
+            start, end, rows = vocab_shard(t.shape[0], tp, tp - 1)
+            assert all(p.shape[0] == rows for p in parts)
+            back = torch.cat(parts)[: t.shape[0]]
+            assert not parts[-1][end - start :].any()
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            back = torch.cat(parts, dim=1)
+        elif "norm" in name:
+            assert all(p is t for p in parts)
+            back = t
+        else:
+            back = torch.cat(parts)
+        assert torch.equal(back, t), name
+    # TPCausalLM.random draws the shards of CausalLM.random's model
+    for r in range(tp):
+        group = TPGroup(r, tp, torch.device("cpu"))
+        want = TPCausalLM.from_full(full, group=group).state_dict()
+        got = TPCausalLM.random(full.config, group=group).state_dict()
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_tp1_model_is_the_causal_lm():
+    """Without a group the shard is the whole model: the same logits, bit for bit."""
+    ids = torch.tensor(prompt(40, 0))
+    pos = torch.arange(len(ids))
+    want, _ = CausalLM.random(CFG, seed=SEED)(ids, pos, dense_causal_attn())
+    got, _ = TPCausalLM.random(CFG, seed=SEED)(ids, pos, dense_causal_attn())
+    assert torch.equal(got, want)
+
+
+def test_tp_engine_refuses_what_it_cannot_split_yet():
+    """EAGLE-3, a prefill cache and captured steps are refused with tp > 1 before any collective;
+    a model sharded for another rank is refused too."""
+    model = TPCausalLM(CFG, group=TPGroup(0, 2, torch.device("cpu")))  # no collective is run
+    with pytest.raises(NotImplementedError, match="EAGLE-3"):
+        TPLLMEngine(model, drafter="eagle3")
+    from oasiskv import PrefillCache
+
+    with pytest.raises(ConfigError, match="prefill_cache"):
+        TPLLMEngine(model, prefill_cache=PrefillCache())
+    with pytest.raises(ConfigError, match="cuda_graph"):
+        TPLLMEngine(model, cuda_graph=True)
+    with pytest.raises(ConfigError, match="shard 0 of 2 but this is rank 1 of 2"):
+        TPLLMEngine(model, group=TPGroup(1, 2, torch.device("cpu")))
