@@ -77,6 +77,10 @@ class RequestMetrics:
     decode_tokens: int = 0
     acceptance_rate: float | None = None
     tokens_per_step: float | None = None
+    # Disaggregated decode (LLMEngine(kv_source=...)): wire bytes of the admission from the
+    # staging daemon, and of the block-heads read from it during decode.
+    network_admission_bytes: int = 0
+    network_fetched_bytes: int = 0
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -633,6 +637,11 @@ class Engine:
         self.policy = policy
         if policy is not None:
             policy.bind(self)
+        #: Disaggregated decode (:class:`oasiskv.disagg.RemoteKvSource`, None otherwise):
+        #: ``block_source.before_gather(layer, plan_slots, plan_blocks, host_indptr, host_indices)``
+        #: runs between each layer's delta selection and its gather and fills the host pool with
+        #: planned blocks still held by the staging daemon.
+        self.block_source = None
 
     # ---------------------------------------------------------------- pools
     @property
@@ -1433,6 +1442,8 @@ class Engine:
         ps, pb, _ = ops.delta_select(
             g.num_kv_heads, pred, slot_pages, p.page_map[layer], p.page_last_selected[layer], step, cap
         )
+        if self.block_source is not None:
+            self.block_source.before_gather(layer, ps, pb, *host_csr)
         ops.gather_blocks(
             g,
             ps,

@@ -138,6 +138,7 @@ class _Seq:
     error: str | None = None
     prefilled: int = 0  # prompt tokens prefilled so far
     new: list[int] = field(default_factory=list)
+    staged: object | None = None  # a disagg.StagedRequest: admitted from the staging daemon
 
 
 def prompt_token_ids(prompt, tokenizer, vocab_size: int, what: str = "prompt") -> list[int]:
@@ -205,6 +206,16 @@ class LLMEngine:
         cuda_graph: replay each decode step as a CUDA graph on a GPU (one capture per batch size
             bucket and context capacity; ignored on the CPU). Steps under a selection policy, a
             recall recorder (``engine.recorder``) or ``speculative=True`` run eagerly.
+        kv_source: ``"oasis-rt://HOST:PORT"``, the staging daemon of disaggregated prefill
+            (:mod:`oasiskv.disagg`): :meth:`add_staged_request` then admits requests a
+            :class:`~oasiskv.disagg.PrefillWorker` prefilled. None: no daemon.
+        kv_transfer: how a staged request's KV comes over: ``"partial"`` (the summaries and the
+            blocks of the first step at admission, every later miss on demand, each block-head at
+            most once) or ``"full"`` (every block at admission, the baseline).
+        kv_token: the daemon's shared token (its ``--token-file`` contents), if it has one.
+        kv_timeout_s: the deadline of every daemon call; a daemon that dies or stalls fails the
+            requests whose KV it holds (``finish_reason="error"``) within it, the others go on.
+        kv_retries: reconnect and retry a failed daemon read this many times first.
     """
 
     def __init__(
@@ -228,6 +239,11 @@ class LLMEngine:
         speculative: bool = False,
         host_pool: str = "pinned",
         cuda_graph: bool = False,
+        kv_source: str | None = None,
+        kv_transfer: str = "partial",
+        kv_token: str | bytes | None = None,
+        kv_timeout_s: float = 30.0,
+        kv_retries: int = 0,
     ) -> None:
         for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not _is_int(v) or not 1 <= v <= 1 << 20:
@@ -294,6 +310,12 @@ class LLMEngine:
         self._running: list[_Seq] = []
         self._done: list[_Seq] = []  # finished outside step() (aborts), reported by the next step
         self._by_id: dict[str, _Seq] = {}
+        #: The staging daemon's client (``kv_source``), or None.
+        self.kv_source = None
+        if kv_source is not None:
+            self.kv_source = self._connect_kv_source(
+                kv_source, kv_transfer, kv_token, kv_timeout_s, kv_retries, cuda_graph
+            )
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -349,6 +371,66 @@ class LLMEngine:
         self._waiting.append(seq)
         self._by_id[rid] = seq
         return rid
+
+    def _connect_kv_source(self, src, transfer, token, timeout_s, retries, cuda_graph):
+        from .disagg import RemoteKvSource
+
+        if self.speculative:
+            raise ConfigError("kv_source with speculative=True is not supported yet; pass speculative=False")
+        if transfer == "partial" and cuda_graph:
+            raise ConfigError(
+                "kv_transfer='partial' reads missing blocks on the host between selection and gather, "
+                "which a captured CUDA graph cannot do; pass cuda_graph=False or kv_transfer='full'"
+            )
+        if self.drafter is not None and self.drafter.wants_prompt_features:
+            raise ConfigError(
+                "a staged request has no prompt features for this drafter (EAGLE-3); pass drafter='ngram'"
+            )
+        return RemoteKvSource(self.engine, src, transfer, token=token, timeout_s=timeout_s, retries=retries)
+
+    def add_staged_request(
+        self,
+        handle,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        stop: Callable[[list[int]], bool] | None = None,
+    ) -> str:
+        """Queue a request whose prompt a :class:`~oasiskv.disagg.PrefillWorker` prefilled into
+        the staging daemon (``handle``: its :class:`~oasiskv.disagg.StagedRequest`, or that
+        object's JSON). It waits for admission like any request; admitted, its KV comes from the
+        daemon (``kv_transfer``) instead of a prefill, its first token is the handle's, and it
+        decodes sparsely from its first step. Needs ``kv_source``. Raises as
+        :meth:`add_request`."""
+        from .disagg import StagedRequest
+
+        if self.kv_source is None:
+            raise ConfigError("add_staged_request needs LLMEngine(kv_source='oasis-rt://HOST:PORT')")
+        if not isinstance(handle, StagedRequest):
+            handle = StagedRequest.from_json(handle)
+        rid = self.add_request(list(handle.prompt), params, request_id, stop=stop)
+        self._by_id[rid].staged = handle
+        return rid
+
+    def _admit_staged(self, seq: _Seq, touched: list[_Seq]) -> None:
+        """Admit a staged request from the daemon (in place of its prefill) and take its first
+        token; a failure finishes it with an error and the others go on."""
+        r = seq.req
+        if self.drafter is not None:
+            self.drafter.begin(r.id, r.prompt)
+        r.tokens = list(r.prompt)
+        t0 = time.perf_counter()
+        touched.append(seq)
+        try:
+            self.kv_source.admit(r, seq.staged)
+        except (OasisError, torch.OutOfMemoryError) as e:
+            self._finish(seq, "error", f"admission from the staging daemon failed: {e}")
+            return
+        r.metrics.prefill_s += time.perf_counter() - t0
+        r.metrics.prompt_tokens = len(r.prompt)
+        self._accept(seq, seq.staged.first_token)
+        if r.finish_reason is None:
+            self._running.append(seq)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a waiting or running request and return its blocks to the pools; the next
@@ -416,6 +498,9 @@ class LLMEngine:
                 if not eng.can_admit(len(seq.req.prompt), seq.req.max_new_tokens):
                     break  # it waits, and so does everyone behind it (no overtaking)
                 self._waiting.popleft()
+                if seq.staged is not None:
+                    self._admit_staged(seq, touched)
+                    continue
                 self._prefilling.append(seq)
                 if self.drafter is not None:
                     self.drafter.begin(seq.req.id, seq.req.prompt)
@@ -477,10 +562,15 @@ class LLMEngine:
             self.recorder.on_step(StepInfo("decode", [s.request_id for s in running], logits, drafts))
         toks = self._sample_batch(running, logits)
         dt = time.perf_counter() - t0
+        # Requests whose KV the staging daemon failed to serve in this step: their logits are void.
+        failed = self.kv_source.take_failed() if self.kv_source is not None else {}
         still = []
         for seq, tok in zip(running, toks, strict=True):
             seq.req.metrics.decode_s += dt / len(running)
-            self._accept(seq, tok)
+            if seq.req.id in failed:
+                self._finish(seq, "error", failed[seq.req.id])
+            else:
+                self._accept(seq, tok)
             touched.append(seq)
             if seq.req.finish_reason is None:
                 still.append(seq)
@@ -662,6 +752,8 @@ class LLMEngine:
         seq.error = error
         if r.runtime is not None:
             self.engine.finalize_metrics(r)
+        if self.kv_source is not None:
+            self.kv_source.end(r)
         self.engine.release(r)
 
     def _output(self, seq: _Seq) -> RequestOutput:

@@ -1,0 +1,877 @@
+"""Prefill-decode disaggregation through the ``oasis-rt`` staging daemon (paper §4.4).
+
+::
+
+    prefill node                         oasis-rt daemon                 decode node
+    PrefillWorker.prefill(prompt)        (host memory, per request)      LLMEngine(kv_source=
+      dense prefill, first token           every block  [2][Hkv][b][D]     "oasis-rt://HOST:PORT")
+      one extra decode step (t0's query)   every summary row [Hkv][2][D]  add_staged_request(handle)
+      per layer: the union of the          admission set: selected         admission: summaries +
+        per-head top-K blocks                blocks + sections (meta,        the admission set ->
+      stage_blocks / summaries /             query)                          host pool, working set
+        admission, then free its pages  <-- read_blocks (misses, per     <-- decode: a block-head
+      return StagedRequest(handle)          layer, batched)                  missing from the host
+                                          release (request ends)            pool is read first
+
+**Prefill side.** :class:`PrefillWorker` prefills densely on its own :class:`~oasiskv.engine.Engine`
+(the same ``Engine.prefill`` the single-process engine runs, so the staged KV is bit-identical to
+what that engine stores), takes the first token (greedy), and picks the query that selects the
+first decode step's working set (``first_query``):
+
+- ``"first_token"`` (the paper's §4.4.1, the default): one extra dense decode step runs the first
+  token through the model; its own query at every layer selects. This is the query of the step
+  the decode node runs first, so the initial working set is exact for that query.
+- ``"prompt"``: the last prompt position's query, the one the single-process engine selects with
+  when a request turns sparse right after its prefill (``Engine.make_sparse``). Greedy tokens of
+  the decode node then equal the single-process OasisKV engine's token for token, whatever the
+  budget (``tests/test_disagg.py``); with ``"first_token"`` they equal them (and dense) only when
+  the budget holds the whole context.
+
+Per layer it scores the block summaries (``ops.build_summaries`` / ``score_blocks`` /
+``topk_blocks`` on a copy of the request's pages) and stages the union of the per-head top-K sets
+plus the partial last block (the decode side's local block) as the admission set, with two
+sections: ``oasis/meta`` (JSON: geometry, first token, draft) and ``oasis/query`` (the selecting
+query, ``[num_layers, num_qo_heads, head_dim]`` in the KV dtype: the decode side recomputes the
+same per-head top-K from it and the summaries, so the head-wise mapping needs no index transfer).
+Then it frees its pages: the daemon holds the KV until the decode side releases it.
+
+**Decode side.** :class:`RemoteKvSource` (built by ``LLMEngine(kv_source=...)``) admits a staged
+request directly as a sparse request: the runtime reserves and hands out its K working-set pages,
+local page and host blocks (``Runtime.admit`` + ``Runtime.make_sparse``), the admission's summary
+rows and blocks are written into the host pool and summaries, the partial last block into the local
+page, and the initial working set is selected with the staged query (``Engine._select_and_fetch``,
+as ``Engine.make_sparse`` does). Then it is an ordinary sparse request. ``kv_transfer``:
+
+- ``"full"`` (the baseline): the admission reads every block (and the sections), so the host pool
+  holds the whole context before the first step; the summaries are built locally from it, as a
+  local transition to sparse builds them, and the daemon's copy is released at once.
+- ``"partial"``: only the summaries and the admission set cross at admission. The host pool is a
+  cache of the staged blocks: during decode, the engine calls :meth:`RemoteKvSource.before_gather`
+  between each layer's delta selection and its gather, and the block-heads that selection brings
+  into the working set and that are not in the host pool yet are read from the daemon, batched per
+  layer across requests, into the host pool. A block-head crosses the network at most once per
+  request. Blocks the request writes itself (the local block, the blocks decode completes) are
+  local.
+
+The fetch runs on the CPU, inline, before the gather: a host sync per layer that has misses. On a
+GPU this belongs in the background chain (docs/ARCHITECTURE.md, "Disaggregated prefill and
+decode"). A daemon that dies or stalls fails the requests whose blocks it holds (``finish_reason=
+"error"``, within the client's timeout); the engine and its other requests go on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from . import ops
+from .config import KvConfig
+from .drafters import Drafter, make_drafter
+from .engine import Engine, _Request
+from .errors import ConfigError, InvalidArgumentError, RemoteError
+
+log = logging.getLogger("oasiskv.disagg")
+
+#: The URL scheme of ``LLMEngine(kv_source=...)``.
+SCHEME = "oasis-rt://"
+#: The values of ``PrefillWorker(first_query=...)``.
+FIRST_QUERIES = ("first_token", "prompt")
+#: The values of ``LLMEngine(kv_transfer=...)``.
+KV_TRANSFERS = ("full", "partial")
+#: Section names of the admission set (the protocol allows ``[a-z0-9_.:/-]``).
+META_SECTION = "oasis/meta"
+QUERY_SECTION = "oasis/query"
+#: Version of the ``oasis/meta`` layout.
+META_FORMAT = 1
+#: Bytes of a frame besides its entries (length prefix, header, counts), rounded up; per-entry
+#: wire overheads of ``ReadBlocks``: the key (16) and the reply's code and length (6).
+FRAME_OVERHEAD = 64
+READ_KEY_BYTES = 16
+READ_REPLY_ENTRY_BYTES = 6
+#: Fraction of the frame limit a batch aims for (arbitrary margin under the hard limit).
+FRAME_FILL = 0.9
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def parse_kv_source(src: str) -> str:
+    """``"oasis-rt://HOST:PORT"`` (or a bare ``"HOST:PORT"``) -> ``"HOST:PORT"``."""
+    if not isinstance(src, str):
+        raise ConfigError(f"kv_source must be a str like 'oasis-rt://127.0.0.1:7470', got {src!r}")
+    addr = src[len(SCHEME) :] if src.startswith(SCHEME) else src
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in addr:
+        raise ConfigError(
+            f"kv_source {src!r} is not {SCHEME}HOST:PORT; pass e.g. 'oasis-rt://127.0.0.1:7470' "
+            "(the --listen address of `oasis-rt serve`)"
+        )
+    return addr
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class StagedRequest:
+    """What a :class:`PrefillWorker` hands the decode side for one prompt (JSON-able: pass it
+    between processes with :meth:`to_json` / :meth:`from_json`).
+
+    ``request_id`` is the daemon's id of the staged KV; ``prompt`` the prompt's token ids (the
+    decode engine's drafter and outputs need them); ``first_token`` the token sampled from the
+    prefill's logits (greedy); ``draft`` what the worker's drafter proposes after it (None without
+    a drafter; informational: the decode engine's own drafter proposes the first draft from the
+    same tokens). ``admission_blocks`` counts the admission set's blocks over all layers,
+    ``staged_bytes`` what the daemon stored, ``kv_bytes`` the request's KV (every block, every
+    layer: what a full transfer moves), ``geometry`` the daemon's 6-tuple
+    ``(num_layers, num_kv_heads, block_size, head_dim, dtype_bytes, num_blocks)``.
+    """
+
+    request_id: int
+    prompt: tuple[int, ...]
+    first_token: int
+    draft: int | None
+    first_query: str
+    geometry: tuple[int, int, int, int, int, int]
+    admission_blocks: int
+    staged_bytes: int
+    kv_bytes: int
+    prefill_s: float = 0.0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @staticmethod
+    def from_json(text: str | bytes | dict) -> StagedRequest:
+        d = text if isinstance(text, dict) else json.loads(text)
+        try:
+            return StagedRequest(
+                request_id=int(d["request_id"]),
+                prompt=tuple(int(t) for t in d["prompt"]),
+                first_token=int(d["first_token"]),
+                draft=None if d.get("draft") is None else int(d["draft"]),
+                first_query=str(d["first_query"]),
+                geometry=tuple(int(x) for x in d["geometry"]),  # type: ignore[arg-type]
+                admission_blocks=int(d["admission_blocks"]),
+                staged_bytes=int(d["staged_bytes"]),
+                kv_bytes=int(d["kv_bytes"]),
+                prefill_s=float(d.get("prefill_s", 0.0)),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(
+                f"not a StagedRequest: {e!r}; pass what StagedRequest.to_json() wrote"
+            ) from None
+
+
+def _client(addr: str, token, timeout_s: float):
+    from ._core import RtClient
+
+    return RtClient(parse_kv_source(addr), token=token, timeout_s=float(timeout_s))
+
+
+class PrefillWorker:
+    """The prefill side of disaggregation: prefill a prompt, stage its KV in the daemon.
+
+    Args:
+        model: a ``CausalLM`` (the decode side must run the same weights).
+        kv: the cache configuration; ``block_size`` and ``top_k_blocks`` shape what is staged and
+            selected (use the decode engine's). ``block_score="codes"`` is not supported.
+        addr: the daemon, ``"HOST:PORT"`` or ``"oasis-rt://HOST:PORT"``.
+        token: the daemon's shared token (its ``--token-file`` contents), if it has one.
+        timeout_s: the deadline of every daemon call.
+        drafter: proposes :attr:`StagedRequest.draft` (``"ngram"``, None, or a Drafter without
+            prompt features).
+        first_query: which query selects the admission set, one of :data:`FIRST_QUERIES`.
+        max_num_batched_tokens: prompt tokens per prefill chunk (the ``LLMEngine`` default, so
+            the staged KV equals what a single-process engine with that default computes).
+    """
+
+    def __init__(
+        self,
+        model,
+        kv: KvConfig,
+        addr: str,
+        *,
+        token: str | bytes | None = None,
+        timeout_s: float = 30.0,
+        drafter: str | Drafter | None = "ngram",
+        first_query: str = "first_token",
+        max_num_batched_tokens: int = 8192,
+        gpu_kv_budget_bytes: int | None = None,
+    ) -> None:
+        if not isinstance(kv, KvConfig):
+            raise ConfigError(f"kv must be a KvConfig, got {type(kv).__name__}")
+        if kv.block_score != "quest":
+            raise ConfigError(
+                "PrefillWorker stages min/max summaries only; pass KvConfig(block_score='quest') "
+                "(key codes are not transferred yet)"
+            )
+        if first_query not in FIRST_QUERIES:
+            raise ConfigError(f"first_query must be one of {FIRST_QUERIES}, got {first_query!r}")
+        self.drafter = make_drafter(drafter, model=model)
+        if self.drafter is not None and self.drafter.wants_prompt_features:
+            raise ConfigError(
+                "the worker's drafter would need the prompt's features (EAGLE-3); pass drafter='ngram' "
+                "or None (the draft model's state is not transferred yet)"
+            )
+        self.model = model.eval()
+        self.kv = kv
+        self.first_query = first_query
+        self.max_num_batched_tokens = int(max_num_batched_tokens)
+        # A dense engine with one row per request: its decode step's query is the token's own.
+        self.engine = Engine(
+            self.model, kv, "dense", None, max_num_seqs=1, gpu_kv_budget_bytes=gpu_kv_budget_bytes
+        )
+        self.client = _client(addr, token, timeout_s)
+        self._next = 0
+
+    def close(self) -> None:
+        self.client.close()
+
+    def release(self, request_id: int) -> int:
+        """Release a staged request in the daemon (when no decode engine will): bytes freed."""
+        return self.client.release(int(request_id))
+
+    @torch.no_grad()
+    def prefill(
+        self, prompt: Sequence[int], request_id: int | None = None, first_token: int | None = None
+    ) -> StagedRequest:
+        """Prefill ``prompt`` (token ids), stage its KV, summaries and admission set in the
+        daemon, free the pages, and return the handle for the decode side.
+
+        ``request_id``: the daemon's id (default: a random 63-bit id); ``first_token``: the first
+        generated token if the caller sampled it (default: greedy from the prefill's logits).
+
+        Raises :class:`~oasiskv.errors.RemoteError` subclasses when the daemon refuses or fails
+        (nothing of the request stays staged then), ``ConfigError`` for a bad prompt.
+        """
+        eng = self.engine
+        ids = [int(t) for t in prompt]
+        vocab = self.model.config.vocab_size
+        if not ids or any(not 0 <= t < vocab for t in ids):
+            raise ConfigError(f"prompt must be non-empty token ids in 0..{vocab}")
+        n = len(ids)
+        if n + 1 > self.model.config.max_position_embeddings:
+            raise ConfigError(
+                f"a {n}-token prompt and its first token pass the model's context of "
+                f"{self.model.config.max_position_embeddings}; shorten the prompt"
+            )
+        rid = secrets.randbits(63) if request_id is None else int(request_id)
+        if not 0 <= rid < 1 << 64:
+            raise ConfigError(f"request_id must be an int in [0, 2**64), got {request_id!r}")
+        self._next += 1
+        r = _Request(id=self._next, prompt=ids, max_new_tokens=2)
+        if self.drafter is not None:
+            self.drafter.begin(r.id, ids)
+        t_start = time.perf_counter()
+        staged = False
+        try:
+            logits = None
+            step = self.max_num_batched_tokens
+            for start in range(0, n, step):
+                logits = eng.prefill_chunk(r, start, min(n, start + step))
+            t0 = int(logits.argmax()) if first_token is None else int(first_token)
+            if not 0 <= t0 < vocab:
+                raise ConfigError(f"first_token must be a token id in 0..{vocab}, got {first_token!r}")
+            r.tokens = ids + [t0]
+            draft = None
+            if self.drafter is not None and self.drafter.uses_lookahead_row:
+                draft = int(self.drafter.propose(r.id, r.tokens, None))
+            if self.first_query == "first_token":
+                # The paper's extra decode step: t0 through the model, densely; its query (the
+                # engine keeps each layer's last query row) selects the first step's blocks.
+                eng.decode_step([r])
+            query = torch.stack([q[0] for q in eng._last_q]).to(eng.dtype)  # [layers, Hq, D]
+            prefill_s = time.perf_counter() - t_start
+            geometry, admission, staged_bytes = self._stage(rid, r, n, query)
+            staged = True
+            return StagedRequest(
+                request_id=rid,
+                prompt=tuple(ids),
+                first_token=t0,
+                draft=draft,
+                first_query=self.first_query,
+                geometry=geometry,
+                admission_blocks=admission,
+                staged_bytes=staged_bytes,
+                kv_bytes=geometry[0] * geometry[5] * _block_bytes(geometry),
+                prefill_s=prefill_s,
+            )
+        finally:
+            eng.release(r)
+            if self.drafter is not None:
+                self.drafter.end(r.id)
+            if not staged:
+                try:
+                    self.client.release(rid)
+                except RemoteError:
+                    pass  # the daemon is gone or never had it
+
+    def _stage(self, rid: int, r: _Request, n: int, query: torch.Tensor):
+        eng, kv, g = self.engine, self.kv, self.engine.geo
+        p, dev = eng.pools, eng.device
+        b, hk, d = g.block_size, g.num_kv_heads, g.head_dim
+        layers = self.model.config.num_hidden_layers
+        nb = math.ceil(n / b)
+        n_complete = n // b
+        geometry = (layers, hk, b, d, eng.dtype.itemsize, nb)
+        pages = torch.tensor(r.pages[:nb], dtype=torch.long, device=dev)
+        lens = [b] * nb
+        lens[-1] = n - (nb - 1) * b
+        lens_t = torch.tensor(lens, dtype=torch.int32, device=dev)
+        all_blocks = torch.arange(nb, dtype=torch.int32, device=dev)
+        blk_indptr = torch.tensor([0, n_complete], dtype=torch.int32, device=dev)
+        blk_indices = torch.arange(n_complete, dtype=torch.int32, device=dev)
+        selected: list[tuple[int, int]] = []
+        union_sizes = []
+        stored = 0
+        for layer in range(layers):
+            k = p.k_pages[layer].index_select(0, pages)  # [nb, Hkv, b, D]
+            v = p.v_pages[layer].index_select(0, pages)
+            if lens[-1] < b:
+                # Positions past the prompt (stale pool memory, or the extra step's token).
+                k[-1, :, lens[-1] :] = 0
+                v[-1, :, lens[-1] :] = 0
+            summaries = torch.empty(nb, hk, 2, d, dtype=eng.dtype, device=dev)
+            ops.build_summaries(g, k, all_blocks, lens_t, summaries)
+            union: set[int] = set()
+            if n_complete:
+                q = query[layer].view(1, g.num_qo_heads, d).contiguous()
+                scores = ops.score_blocks(g, q, summaries, blk_indptr, blk_indices)
+                pred = ops.topk_blocks(hk, scores, blk_indptr, kv.top_k_blocks)
+                union = set(pred[pred >= 0].tolist())
+            if lens[-1] < b:
+                union.add(nb - 1)  # the decode side's local block
+            union_sizes.append(len(union))
+            selected.extend((layer, blk) for blk in sorted(union))
+            blocks = torch.stack([k, v], dim=1).cpu()  # [nb, 2, Hkv, b, D]: the wire's block layout
+            stored += self.client.stage_blocks(rid, geometry, [(layer, i) for i in range(nb)], blocks)[0]
+            stored += self.client.stage_summaries(rid, geometry, [(layer, 0, nb)], summaries.cpu())[0]
+        meta = {
+            "format": META_FORMAT,
+            "prompt_len": n,
+            "first_token": r.tokens[n],
+            "first_query": self.first_query,
+            "num_layers": layers,
+            "num_qo_heads": g.num_qo_heads,
+            "num_kv_heads": hk,
+            "head_dim": d,
+            "block_size": b,
+            "top_k_blocks": kv.top_k_blocks,
+            "dtype": _dtype_name(eng.dtype),
+            "union_blocks": union_sizes,
+        }
+        sections = {
+            META_SECTION: json.dumps(meta).encode(),
+            QUERY_SECTION: query.contiguous().cpu(),
+        }
+        stored += self.client.stage_admission(rid, selected, sections)[0]
+        return geometry, len(selected), stored
+
+
+def _block_bytes(geometry) -> int:
+    _, hk, b, d, elem, _ = geometry
+    return 2 * hk * b * d * elem
+
+
+@dataclass
+class TransferStats:
+    """Network traffic of a decode engine's staged requests (all of them, since it started)."""
+
+    requests: int = 0
+    #: Wire bytes of the admissions (sent + received frames).
+    admission_bytes: int = 0
+    #: Wire bytes of the decode-time reads of missing block-heads.
+    fetched_bytes: int = 0
+    #: Block-heads read during decode.
+    fetched_entries: int = 0
+    #: Bytes of every staged request's whole KV (what a full transfer moves, payload only).
+    kv_bytes: int = 0
+    #: Block-heads in the host pool that came from the daemon, now and at most.
+    cached_bytes: int = 0
+    peak_cached_bytes: int = 0
+    failures: int = 0
+
+
+@dataclass
+class _Remote:
+    """A staged request on the decode side."""
+
+    daemon_id: int
+    req: _Request
+    host_blocks: list[int]
+    admission_bytes: int = 0
+    fetched_bytes: int = 0
+    cached_entries: int = 0
+    alive: bool = True
+    errors: list[str] = field(default_factory=list)
+
+
+class RemoteKvSource:
+    """The decode side of disaggregation for one :class:`~oasiskv.engine.Engine` (built by
+    ``LLMEngine(kv_source=...)``; see the module docs). Installs itself as the engine's
+    ``block_source``.
+
+    ``transfer`` is one of :data:`KV_TRANSFERS`; ``retries``: how many times a read that failed
+    in transport (daemon gone or stalled) reconnects and tries again before the requests whose
+    blocks it carried fail.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        addr: str,
+        transfer: str = "partial",
+        *,
+        token: str | bytes | None = None,
+        timeout_s: float = 30.0,
+        retries: int = 0,
+    ) -> None:
+        if transfer not in KV_TRANSFERS:
+            raise ConfigError(
+                f"kv_transfer must be one of {KV_TRANSFERS}, got {transfer!r}: 'partial' fetches the "
+                "summaries and the first step's blocks, then misses on demand; 'full' fetches every block"
+            )
+        if engine.backend != "oasis":
+            raise ConfigError("kv_source needs backend='oasis' (a staged request decodes sparsely)")
+        if engine.key_codes:
+            raise ConfigError(
+                "kv_source stages min/max summaries only; pass KvConfig(block_score='quest') "
+                "(key codes are not transferred yet)"
+            )
+        if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
+            raise ConfigError(f"kv_retries must be an int >= 0, got {retries!r}")
+        self.engine = engine
+        self.addr = parse_kv_source(addr)
+        self.transfer = transfer
+        self.retries = retries
+        self._token, self._timeout_s = token, float(timeout_s)
+        self.client = _client(self.addr, token, timeout_s)
+        self.stats = TransferStats()
+        self._by_req: dict[int, _Remote] = {}  # engine request id -> its staged state
+        # Per host block: the owning staged request (engine request id, -1: local) and its
+        # logical block; per layer, which (host block, KV head) entries hold their bytes.
+        self._owner = torch.full((0,), -1, dtype=torch.long)
+        self._logical = torch.zeros(0, dtype=torch.long)
+        self._present: list[torch.Tensor] = []
+        self._missing = 0  # owned entries not in the host pool, all layers
+        self._failed: dict[int, str] = {}
+        engine.block_source = self
+
+    # ---------------------------------------------------------------- maps
+    def _grow_maps(self) -> None:
+        n = self.engine.pools.num_host_blocks
+        old = self._owner.shape[0]
+        if n <= old and self._present:
+            return
+        hk = self.engine.geo.num_kv_heads
+        extra = max(0, n - old)
+        self._owner = torch.cat([self._owner, torch.full((extra,), -1, dtype=torch.long)])
+        self._logical = torch.cat([self._logical, torch.zeros(extra, dtype=torch.long)])
+        if not self._present:
+            self._present = [
+                torch.ones(n, hk, dtype=torch.bool) for _ in range(self.engine.cfg.num_hidden_layers)
+            ]
+        else:
+            self._present = [torch.cat([t, torch.ones(extra, hk, dtype=torch.bool)]) for t in self._present]
+
+    def _entry_bytes(self) -> int:
+        """Bytes of one block-head, K and V."""
+        g = self.engine.geo
+        return 2 * g.block_size * g.head_dim * self.engine.dtype.itemsize
+
+    def _reconnect(self) -> bool:
+        try:
+            self.client.close()
+            self.client = _client(self.addr, self._token, self._timeout_s)
+            return True
+        except RemoteError as e:
+            log.warning("reconnecting to the staging daemon %s failed: %s", self.addr, e)
+            return False
+
+    def _call(self, fn, *args):
+        """A client call, retried after a reconnect on a transport failure (``retries`` times)."""
+        from .errors import RemoteTimeoutError, RemoteUnavailableError
+
+        for attempt in range(self.retries + 1):
+            try:
+                return fn(self.client, *args)
+            except (RemoteUnavailableError, RemoteTimeoutError):
+                if attempt == self.retries or not self._reconnect():
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    # ---------------------------------------------------------------- admission
+    @torch.no_grad()
+    def admit(self, r: _Request, handle: StagedRequest) -> None:
+        """Admit ``r`` (its prompt already set) from the daemon's staged KV of ``handle``: reserve,
+        turn it sparse, fill the host pool with the admission (or everything, ``transfer="full"``)
+        and select the initial working set. On failure everything it took goes back and the error
+        propagates (a :class:`~oasiskv.errors.RemoteError`, or ``ConfigError`` when the staged
+        geometry does not match this engine)."""
+        try:
+            self._admit(r, handle)
+        except BaseException:
+            # A staged request handed to the engine is the engine's: it ends here, so does the
+            # daemon's copy (best effort), however the admission failed.
+            self.end(r)
+            self._release_daemon_copy(handle.request_id)
+            raise
+
+    def _admit(self, r: _Request, handle: StagedRequest) -> None:
+        eng = self.engine
+        g = eng.geo
+        layers = eng.cfg.num_hidden_layers
+        n, b = len(r.prompt), g.block_size
+        nb = math.ceil(n / b)
+        expect = (layers, g.num_kv_heads, b, g.head_dim, eng.dtype.itemsize, nb)
+        if tuple(handle.geometry) != expect:
+            raise ConfigError(
+                f"the staged request has geometry {tuple(handle.geometry)} (layers, kv heads, block "
+                f"size, head dim, dtype bytes, blocks) but this engine needs {expect}; prefill with the "
+                "same model, KvConfig.block_size and kv dtype"
+            )
+        if not eng.runtime.reservation(n, r.max_new_tokens)[2]:
+            raise ConfigError(
+                f"a staged request decodes sparsely from its first step, but a {n}-token prompt with "
+                f"max_tokens={r.max_new_tokens} never passes sparse_threshold={eng.kv.threshold_tokens}; "
+                "lower KvConfig.sparse_threshold or raise max_tokens"
+            )
+        sent0, recv0 = self.client.wire_bytes
+        eng.admit(r)
+        st = None
+        try:
+            tr = eng.runtime.make_sparse(r.id)
+            eng._flush_map()
+            p = eng.pools
+            host_blocks = list(tr["host_blocks"])
+            st = _Remote(handle.request_id, r, host_blocks)
+            self._by_req[r.id] = st
+            self._grow_maps()
+            hb = torch.tensor(host_blocks, dtype=torch.long)
+            self._owner[hb] = r.id
+            self._logical[hb] = torch.arange(nb)
+            for t in self._present:
+                t[hb] = False
+            self._missing += nb * g.num_kv_heads * layers
+            if self.transfer == "full":
+                # The baseline: every block crosses; the summaries are built here, as a local
+                # transition to sparse builds them.
+                sections = self._fetch_sections(st)
+                self._fetch_rest(st, layers)
+                self._build_summaries(tr)
+            else:
+                sections = self._fetch_admission(st, layers)
+            meta = json.loads(sections[META_SECTION])
+            if meta.get("format") != META_FORMAT or meta.get("prompt_len") != n:
+                raise ConfigError(
+                    f"the staged request's meta {meta!r} does not match a {n}-token prompt; pass the "
+                    "handle its PrefillWorker returned"
+                )
+            if _DTYPES.get(meta.get("dtype")) != eng.dtype:
+                raise ConfigError(
+                    f"staged KV dtype {meta.get('dtype')!r} differs from this engine's {eng.dtype}"
+                )
+            query = torch.frombuffer(bytearray(sections[QUERY_SECTION]), dtype=eng.dtype)
+            query = query.view(layers, g.num_qo_heads, g.head_dim)
+            if n % b:
+                # The partial last block is the local block: its tokens go to the local page.
+                last = torch.tensor([host_blocks[-1]], dtype=torch.long)
+                heads = torch.arange(g.num_kv_heads)
+                for layer in range(layers):
+                    self._ensure(layer, last.expand(g.num_kv_heads), heads)
+                    p.k_pages[layer][tr["local_page"]] = p.host_k[layer][host_blocks[-1]].to(p.k_pages[layer])
+                    p.v_pages[layer][tr["local_page"]] = p.host_v[layer][host_blocks[-1]].to(p.v_pages[layer])
+            r.sparse = True
+            r.metrics.sparse_since_token = r.kv_len
+            self._select_initial(r, tr, query)
+            if self._failed.pop(r.id, None) is not None:
+                raise RemoteError(st.errors[-1] if st.errors else "admission fetch failed")
+            sent1, recv1 = self.client.wire_bytes
+            st.admission_bytes = (sent1 - sent0) + (recv1 - recv0)
+            r.metrics.network_admission_bytes = st.admission_bytes
+            self.stats.requests += 1
+            self.stats.admission_bytes += st.admission_bytes
+            self.stats.kv_bytes += handle.kv_bytes
+            if self.transfer == "full":
+                # Everything is local now: the daemon's copy is not needed any more.
+                self._release_remote(st)
+        except BaseException:
+            self.end(r)
+            eng.release(r)
+            raise
+
+    def _release_daemon_copy(self, daemon_id: int) -> None:
+        try:
+            self.client.release(daemon_id)
+        except RemoteError as e:
+            log.warning("releasing staged request %s in the daemon failed: %s", daemon_id, e)
+
+    def _fetch_admission(self, st: _Remote, layers: int) -> dict:
+        """Read the admission set of every layer (in as many calls as the frame limit needs)
+        into the host pool and summaries; returns the sections."""
+        sections: dict = {}
+        pending = [(0, layers)]
+        first = True
+        while pending:
+            lo, cnt = pending.pop(0)
+            try:
+                adm = self._call(
+                    lambda c, lo=lo, cnt=cnt, s=first: c.fetch_admission(st.daemon_id, lo, cnt, s)
+                )
+            except InvalidArgumentError as e:
+                if getattr(e, "code", None) != "too_large" or cnt == 1:
+                    raise
+                half = cnt // 2
+                pending[:0] = [(lo, half), (lo + half, cnt - half)]
+                continue
+            if first:
+                sections = dict(adm["sections"])
+                first = False
+            self._write_admission(st, adm)
+        missing = [s for s in (META_SECTION, QUERY_SECTION) if s not in sections]
+        if missing:
+            raise ConfigError(
+                f"staged request {st.daemon_id} has no {missing} section(s); stage it with "
+                "oasiskv.disagg.PrefillWorker"
+            )
+        return sections
+
+    def _fetch_sections(self, st: _Remote) -> dict:
+        """The admission's sections alone (no layers)."""
+        adm = self._call(lambda c: c.fetch_admission(st.daemon_id, 0, 0, True))
+        sections = dict(adm["sections"])
+        missing = [s for s in (META_SECTION, QUERY_SECTION) if s not in sections]
+        if missing:
+            raise ConfigError(
+                f"staged request {st.daemon_id} has no {missing} section(s); stage it with "
+                "oasiskv.disagg.PrefillWorker"
+            )
+        return sections
+
+    def _build_summaries(self, tr: dict) -> None:
+        """Summaries of every block from the host pool (``transfer="full"``)."""
+        from .engine import _i32
+
+        eng = self.engine
+        p, dev = eng.pools, eng.device
+        dst, lens = _i32(tr["host_blocks"], dev), _i32(tr["lens"], dev)
+        for layer in range(eng.cfg.num_hidden_layers):
+            ops.build_summaries(eng.geo, p.host_k[layer], dst, lens, p.summaries[layer])
+
+    def _write_admission(self, st: _Remote, adm: dict) -> None:
+        eng = self.engine
+        p, g, dt = eng.pools, eng.geo, eng.dtype
+        hk, b, d = g.num_kv_heads, g.block_size, g.head_dim
+        hb = st.host_blocks
+        if adm["summary_runs"]:
+            rows = torch.frombuffer(adm["summaries"], dtype=dt).view(-1, hk, 2, d)
+            at = 0
+            for layer, first, num in adm["summary_runs"]:
+                idx = torch.tensor(hb[first : first + num], dtype=torch.long, device=eng.device)
+                p.summaries[layer][idx] = rows[at : at + num].to(eng.device)
+                at += num
+        if adm["block_keys"]:
+            blocks = torch.frombuffer(adm["blocks"], dtype=dt).view(-1, 2, hk, b, d)
+            by_layer: dict[int, list[int]] = {}
+            for i, (layer, _) in enumerate(adm["block_keys"]):
+                by_layer.setdefault(layer, []).append(i)
+            for layer, rows_i in by_layer.items():
+                sel = torch.tensor(rows_i, dtype=torch.long)
+                blk = torch.tensor([hb[adm["block_keys"][i][1]] for i in rows_i], dtype=torch.long)
+                self._store_blocks(st, layer, blk, blocks.index_select(0, sel))
+
+    def _store_blocks(self, st: _Remote, layer: int, hb: torch.Tensor, blocks: torch.Tensor) -> None:
+        """Whole blocks ``[n, 2, Hkv, b, D]`` into host blocks ``hb``; marks every head present."""
+        p = self.engine.pools
+        dev = p.host_device
+        idx = hb.to(dev)
+        p.host_k[layer][idx] = blocks[:, 0].to(dev)
+        p.host_v[layer][idx] = blocks[:, 1].to(dev)
+        present = self._present[layer]
+        new = int((~present[hb]).sum())
+        present[hb] = True
+        self._count_cached(st, new)
+
+    def _count_cached(self, st: _Remote, entries: int) -> None:
+        st.cached_entries += entries
+        self._missing -= entries
+        s = self.stats
+        s.cached_bytes += entries * self._entry_bytes()
+        s.peak_cached_bytes = max(s.peak_cached_bytes, s.cached_bytes)
+
+    def _fetch_rest(self, st: _Remote, layers: int) -> None:
+        """``transfer="full"``: read every block the admission did not bring, whole."""
+        hb = torch.tensor(st.host_blocks, dtype=torch.long)
+        for layer in range(layers):
+            absent = hb[~self._present[layer][hb].all(dim=1)]
+            if absent.numel():
+                heads = torch.full((absent.numel(),), -1, dtype=torch.long)
+                self._read(layer, absent, heads, whole=True)
+
+    def _select_initial(self, r: _Request, tr: dict, query: torch.Tensor) -> None:
+        """The initial working set, selected with the staged query without the cap (as
+        ``Engine.make_sparse`` does with the latest lookahead query)."""
+        from .engine import _i32, csr_tables
+
+        eng = self.engine
+        g, dev, k = eng.geo, eng.device, eng.kv.top_k_blocks
+        n_complete = tr["n_complete"]
+        slot_pages = _i32([tr["slot_pages"]], dev)
+        blk = csr_tables([tr["host_blocks"][:n_complete]], dev)
+        host = csr_tables([tr["host_blocks"]], dev)
+        for layer in range(eng.cfg.num_hidden_layers):
+            q = query[layer].view(1, g.num_qo_heads, g.head_dim).to(dev).contiguous()
+            pred, _ = eng._select_and_fetch(layer, q, slot_pages, blk, host, eng.step_no, k, k)
+            eng._pred_of(layer)[r.slot] = pred[0]
+
+    # ---------------------------------------------------------------- decode-time misses
+    def before_gather(self, layer: int, plan_slots, plan_blocks, host_indptr, host_indices) -> None:
+        """Called by the engine between a layer's delta selection and its gather: read the
+        planned block-heads that are still only in the daemon into the host pool (one batched
+        read per layer, across requests). A failed read marks the requests it carried failed
+        (:meth:`take_failed`); the gather then copies stale bytes for them, and their step's
+        output is discarded."""
+        if self._missing == 0:
+            return
+        ps, pb = plan_slots.cpu(), plan_blocks.cpu()
+        sel = ps >= 0
+        if not bool(sel.any()):
+            return
+        seq, head, _ = sel.nonzero(as_tuple=True)
+        indptr, indices = host_indptr.cpu().long(), host_indices.cpu().long()
+        hb = indices[indptr[seq] + pb[sel].long()]
+        self._ensure(layer, hb, head)
+
+    def _ensure(self, layer: int, hb: torch.Tensor, head: torch.Tensor) -> None:
+        """Make the block-heads ``(hb[i], head[i])`` present, reading the absent ones."""
+        self._grow_maps()  # the pools may have grown for other requests (theirs are local)
+        absent = ~self._present[layer][hb, head]
+        if not bool(absent.any()):
+            return
+        hb, head = hb[absent], head[absent]
+        owners = self._owner[hb]
+        ok = torch.tensor([int(o) not in self._failed for o in owners.tolist()], dtype=torch.bool)
+        if not bool(ok.all()):
+            hb, head = hb[ok], head[ok]
+        if hb.numel():
+            # One key per (block, head), each once.
+            pairs = torch.unique(torch.stack([hb, head], dim=1), dim=0)
+            self._read(layer, pairs[:, 0], pairs[:, 1], whole=False)
+
+    def _read(self, layer: int, hb: torch.Tensor, head: torch.Tensor, whole: bool) -> None:
+        """Read ``(hb[i], head[i])`` (``whole``: every head of ``hb[i]``) from the daemon into the
+        host pool, in frames under the limit."""
+        eng = self.engine
+        g, p, dt = eng.geo, eng.pools, eng.dtype
+        hk, b, d = g.num_kv_heads, g.block_size, g.head_dim
+        entry = self._entry_bytes() * (hk if whole else 1)
+        per_frame = max(1, int((self.client.max_frame * FRAME_FILL - FRAME_OVERHEAD) // (entry + 6)))
+        owners = self._owner[hb].tolist()
+        logical = self._logical[hb].tolist()
+        heads = head.tolist()
+        for lo in range(0, len(owners), per_frame):
+            hi = min(len(owners), lo + per_frame)
+            keys = [
+                (self._by_req[owners[i]].daemon_id, layer, logical[i], -1 if whole else heads[i])
+                for i in range(lo, hi)
+            ]
+            sent0, recv0 = self.client.wire_bytes
+            try:
+                data, lens, errors = self._call(lambda c, keys=keys: c.read_blocks(keys))
+            except RemoteError as e:
+                for i in range(lo, hi):
+                    self._fail(owners[i], f"reading KV from the staging daemon failed: {e}")
+                continue
+            sent1, recv1 = self.client.wire_bytes
+            wire = (sent1 - sent0) + (recv1 - recv0)
+            good = [i for i, err in enumerate(errors) if err is None]
+            for i, err in enumerate(errors):
+                if err is not None:
+                    self._fail(
+                        owners[lo + i],
+                        f"the staging daemon has no block {logical[lo + i]} of layer {layer} ({err}); "
+                        "was the request released or evicted after its lease (oasis-rt serve --lease)?",
+                    )
+            if good:
+                x = torch.frombuffer(data, dtype=dt)
+                idx = torch.tensor([hb[lo + i] for i in good], dtype=torch.long)
+                dev = p.host_device
+                present = self._present[layer]
+                if whole:
+                    x = x.view(len(good), 2, hk, b, d)
+                    p.host_k[layer][idx.to(dev)] = x[:, 0].to(dev)
+                    p.host_v[layer][idx.to(dev)] = x[:, 1].to(dev)
+                    new = (~present[idx]).sum(dim=1).tolist()
+                    present[idx] = True
+                else:
+                    x = x.view(len(good), 2, b, d)
+                    hs = torch.tensor([heads[lo + i] for i in good], dtype=torch.long)
+                    p.host_k[layer][idx.to(dev), hs.to(dev)] = x[:, 0].to(dev)
+                    p.host_v[layer][idx.to(dev), hs.to(dev)] = x[:, 1].to(dev)
+                    new = (~present[idx, hs]).long().tolist()
+                    present[idx, hs] = True
+                for i, cnt in zip(good, new, strict=True):
+                    self._count_cached(self._by_req[owners[lo + i]], int(cnt))
+            if not whole:
+                # Decode-time traffic; the frame's bytes are shared among its requests by entries.
+                self.stats.fetched_bytes += wire
+                self.stats.fetched_entries += len(good)
+                share = wire / (hi - lo)
+                for i in range(lo, hi):
+                    self._by_req[owners[i]].fetched_bytes += share
+                for i in set(owners[lo:hi]):
+                    s = self._by_req[i]
+                    s.req.metrics.network_fetched_bytes = round(s.fetched_bytes)
+
+    def _fail(self, owner: int, message: str) -> None:
+        st = self._by_req.get(owner)
+        if owner not in self._failed:
+            self._failed[owner] = message
+            self.stats.failures += 1
+            log.warning("request %s: %s", owner, message)
+        if st is not None:
+            st.errors.append(message)
+
+    def take_failed(self) -> dict[int, str]:
+        """Engine request ids whose KV could not be read since the last call -> why; the engine
+        finishes them with ``finish_reason="error"``."""
+        out, self._failed = self._failed, {}
+        return out
+
+    # ---------------------------------------------------------------- end
+    def _release_remote(self, st: _Remote) -> None:
+        if st.alive:
+            st.alive = False
+            self._release_daemon_copy(st.daemon_id)
+
+    def end(self, r: _Request) -> None:
+        """``r`` ends (finished, aborted, failed): forget its staged blocks and release the
+        daemon's copy (best effort). Call before the engine frees its host blocks."""
+        st = self._by_req.pop(r.id, None)
+        if st is None:
+            return
+        hb = torch.tensor(st.host_blocks, dtype=torch.long)
+        if hb.numel() and self._present:
+            absent = sum(int((~t[hb]).sum()) for t in self._present)
+            self._missing -= absent
+            for t in self._present:
+                t[hb] = True
+            self._owner[hb] = -1
+        self.stats.cached_bytes -= st.cached_entries * self._entry_bytes()
+        self._failed.pop(r.id, None)
+        self._release_remote(st)
+
+    def close(self) -> None:
+        self.client.close()

@@ -1,0 +1,355 @@
+"""Disaggregated prefill and decode through the ``oasis-rt`` daemon (``oasiskv.disagg``).
+
+The loopback test runs three processes: the daemon (the cargo-built binary), the prefill worker
+(``tests/disagg_worker.py``) and the decode engine (this one). Greedy tokens through the daemon
+equal dense when the budget covers the context, and the single-process OasisKV engine's with a
+small budget; bytes at admission are counted from the protocol's frames. Faults: a daemon killed
+or stalled mid-decode fails only the requests whose KV it holds, within the timeout; a released
+request fails alone; a client without the token is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fakes import pools_are_full, prompt, tiny
+from oasiskv import KvConfig, LLMEngine, SamplingParams, errors
+from oasiskv.disagg import PrefillWorker, StagedRequest, parse_kv_source
+from oasiskv.models.config import ModelConfig
+from oasiskv.models.transformer import CausalLM
+from rtd import Daemon
+
+WORKER = Path(__file__).resolve().parent / "disagg_worker.py"
+P, M = 300, 24  # prompt and new tokens of the loopback requests
+#: The budget covers the context (32 blocks of 16 > 300 + 24 tokens); the request still turns
+#: sparse at once (threshold 64), so its whole KV goes through the daemon.
+BIG = {"block_size": 16, "top_k_blocks": 32, "sparse_threshold": 64}
+#: A small budget: 4 blocks per KV head, at most one new block per head and step.
+SMALL = {"block_size": 16, "top_k_blocks": 4, "sparse_threshold": 64}
+SEEDS = (3, 5)  # the small-budget prompts, decoded in one batch
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny()
+
+
+def _params(n: int = M) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def _run(eng: LLMEngine, adds) -> dict:
+    """Add every request at once (one batch), step to the end; outputs in add order."""
+    ids = [add(eng) for add in adds]
+    out = eng.run_to_completion(ids)
+    return [out[i] for i in ids]
+
+
+def _reference(model, kv: KvConfig, backend: str, prompts) -> list:
+    eng = LLMEngine(model, kv=kv, backend=backend, drafter="ngram")
+    return _run(eng, [lambda e, p=p: e.add_request(p, _params()) for p in prompts])
+
+
+class Recorder:
+    """The decode engine's daemon client, with every read key recorded."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.keys = inner, []
+
+    def read_blocks(self, keys):
+        self.keys.extend(keys)
+        return self.inner.read_blocks(keys)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _stage_in_worker_process(addr: str, jobs: list[dict], token: str | None = None) -> list[StagedRequest]:
+    args = [sys.executable, str(WORKER), addr, json.dumps(jobs)] + ([token] if token else [])
+    out = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=WORKER.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [StagedRequest.from_json(line) for line in out.stdout.splitlines()]
+
+
+@pytest.mark.parametrize("transfer", ["partial", "full"])
+def test_loopback_three_processes(model, transfer):
+    with Daemon() as d:
+        jobs = [{"prompt_len": P, "prompt_seed": 7, "first_query": "first_token", **BIG}]
+        jobs += [{"prompt_len": P, "prompt_seed": s, "first_query": "prompt", **SMALL} for s in SEEDS]
+        big, *small = _stage_in_worker_process(d.addr, jobs)
+        assert big.prompt_len == P and big.first_query == "first_token" and big.draft is not None
+        assert all(h.request_id != big.request_id for h in small)
+
+        # Budget covering the context: the daemon's tokens are dense's.
+        eng = LLMEngine(model, kv=KvConfig(**BIG), drafter="ngram", kv_source=d.url, kv_transfer=transfer)
+        (got,) = _run(eng, [lambda e: e.add_staged_request(big.to_json(), _params())])
+        (dense,) = _reference(model, KvConfig(**BIG), "dense", [big.prompt])
+        assert got.finish_reason == "length", got.error
+        assert got.token_ids == dense.token_ids
+        assert got.metrics.network_admission_bytes > 0 and got.metrics.network_fetched_bytes == 0
+        assert pools_are_full(eng)
+
+        # A small budget: the single-process OasisKV engine's tokens, two requests in one batch.
+        eng = LLMEngine(model, kv=KvConfig(**SMALL), drafter="ngram", kv_source=d.url, kv_transfer=transfer)
+        rec = eng.kv_source.client = Recorder(eng.kv_source.client)
+        outs = _run(eng, [lambda e, h=h: e.add_staged_request(h, _params()) for h in small])
+        refs = _reference(model, KvConfig(**SMALL), "oasis", [h.prompt for h in small])
+        for o, ref, h in zip(outs, refs, small, strict=True):
+            assert o.finish_reason == "length", o.error
+            assert o.token_ids == ref.token_ids
+            assert o.metrics.lookahead_recall == ref.metrics.lookahead_recall
+            assert o.metrics.fetched_bytes_total == ref.metrics.fetched_bytes_total  # PCIe gathers
+            m = o.metrics
+            if transfer == "partial":
+                assert 0 < m.network_admission_bytes < h.kv_bytes
+                assert m.network_fetched_bytes > 0  # the selection drifted to blocks not sent yet
+            else:
+                assert m.network_admission_bytes > h.kv_bytes and m.network_fetched_bytes == 0
+        st = eng.kv_source.stats
+        if transfer == "partial":
+            # Misses aggregated per layer across requests, each block-head read once.
+            assert len(rec.keys) == len(set(rec.keys)) == st.fetched_entries > 0
+            assert all(head >= 0 for *_, head in rec.keys)
+            assert st.peak_cached_bytes < sum(h.kv_bytes for h in small)
+        else:
+            assert rec.keys == [] or all(head == -1 for *_, head in rec.keys)
+            assert st.peak_cached_bytes == sum(h.kv_bytes for h in small)
+        assert st.cached_bytes == 0 and st.failures == 0
+        assert pools_are_full(eng)
+        s = eng.kv_source.client.stats()
+        assert s["live_requests"] == 0 and s["used_bytes"] == 0  # every request released
+
+
+def _model_16k(num_kv_heads: int, context: int) -> CausalLM:
+    cfg = ModelConfig(
+        family="qwen3",
+        vocab_size=301,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=num_kv_heads,
+        head_dim=16,
+        max_position_embeddings=context + 64,
+    )
+    return CausalLM.random(cfg, seed=1)
+
+
+def _admission_vs_full(context: int, num_kv_heads: int) -> dict:
+    """Stage one ``context``-token prompt twice at K = 128 blocks of 16 tokens; admit one copy
+    partially and one fully; the wire bytes of each admission and the protocol's own accounting."""
+    model = _model_16k(num_kv_heads, context)
+    kv = KvConfig(block_size=16, top_k_blocks=128)
+    chunk = 2048  # prefill chunks (an 8K chunk's causal scores would take GBs)
+    ids = torch.randint(0, 301, (context,), generator=torch.Generator().manual_seed(0)).tolist()
+    out = {}
+    with Daemon(memory="1GiB") as d:
+        worker = PrefillWorker(model, kv, d.addr, max_num_batched_tokens=chunk)
+        for transfer in ("partial", "full"):
+            h = worker.prefill(ids)
+            eng = LLMEngine(model, kv=kv, kv_source=d.url, kv_transfer=transfer, max_num_batched_tokens=chunk)
+            (o,) = _run(eng, [lambda e, h=h: e.add_staged_request(h, _params(2))])
+            assert o.finish_reason == "length", o.error
+            out[transfer] = o.metrics.network_admission_bytes
+            out["handle"] = h
+    h = out["handle"]
+    layers, hk, b, dim, elem, nb = h.geometry
+    block, row = 2 * hk * b * dim * elem, hk * 2 * dim * elem
+    sections = 1 + (1 + 10 + 4 + 0) + (1 + 11 + 4 + layers * 4 * dim * elem)  # meta length below
+    # FetchAdmission: request frame 4 + 8 + 13; reply 4 + 8 + geometry 13 + one run of every
+    # block's summary per layer + the union's blocks + the sections.
+    partial = 25 + 12 + 13 + (4 + layers * (10 + nb * row)) + (4 + h.admission_blocks * (6 + block))
+    meta = out["partial"] - partial - sections
+    assert 50 < meta < 600, meta  # the JSON meta section's length: everything else is accounted
+    out["ratio"] = out["full"] / out["partial"]
+    out["kv_bytes"] = h.kv_bytes
+    # A full transfer moves every block: the KV, plus its key and reply entry (16 + 6 bytes per
+    # block), the frames' headers and the sections.
+    assert h.kv_bytes < out["full"] < h.kv_bytes + layers * nb * 22 + 65536
+    # The bound: the union holds at least K blocks per layer and every summary row crosses.
+    union = h.admission_blocks / layers
+    assert union >= 128
+    bound = (nb * block) / (union * block + nb * row)
+    assert out["ratio"] == pytest.approx(bound, rel=0.02)
+    return out
+
+
+def test_bytes_at_admission_16k(model):
+    """16K context, K = 128 blocks of 16, one KV head (a random model's heads pick unrelated
+    blocks; with one head the union is exactly K, as when a real model's heads agree). The
+    union (K of 1024 blocks: 1/8 of the KV) plus every summary row (1/16) bound the reduction
+    at 1 / (1/8 + 1/16) = 5.3x: >= 6x is out of reach at 16K (it needs >= 24K: test below)."""
+    out = _admission_vs_full(16384, num_kv_heads=1)
+    print(f"16K: admission {out['partial']} B, full {out['full']} B, {out['ratio']:.2f}x")
+    assert out["ratio"] > 5.0
+
+
+@pytest.mark.slow
+def test_bytes_at_admission_32k_are_6x_below_full():
+    out = _admission_vs_full(32768, num_kv_heads=1)
+    print(f"32K: admission {out['partial']} B, full {out['full']} B, {out['ratio']:.2f}x")
+    assert out["ratio"] >= 6.0
+
+
+def _staged_small(model, d: Daemon, seeds=SEEDS) -> list[StagedRequest]:
+    worker = PrefillWorker(model, KvConfig(**SMALL), d.addr, first_query="prompt")
+    try:
+        return [worker.prefill(prompt(P, s)) for s in seeds]
+    finally:
+        worker.close()
+
+
+def _fetch_steps(model, d: Daemon, handles: list[StagedRequest], local: list | None, n: int) -> list[int]:
+    """The steps (1-based) in which the first of these staged requests, decoded in a batch with
+    the others (and a local prompt), reads misses from the daemon: a dry run of the same batch,
+    so that a fault test can strike before a read (greedy decoding is deterministic)."""
+    eng = LLMEngine(model, kv=KvConfig(**SMALL), drafter="ngram", kv_source=d.url)
+    rec = eng.kv_source.client = Recorder(eng.kv_source.client)
+    for h in handles:
+        eng.add_staged_request(h, _params(n))
+    if local is not None:
+        eng.add_request(local, _params(n))
+    steps, k = [], 0
+    first = handles[0].request_id
+    while eng.has_unfinished_requests():
+        before = len(rec.keys)
+        eng.step()
+        k += 1
+        if any(key[0] == first for key in rec.keys[before:]):
+            steps.append(k)
+    return steps
+
+
+@pytest.mark.parametrize("fault", ["kill", "stall"])
+def test_a_dead_daemon_fails_only_its_requests(model, fault):
+    with Daemon() as d:
+        dry, h = _staged_small(model, d, seeds=(3, 3))
+        steps = _fetch_steps(model, d, [dry], prompt(P, 11), n=40)
+        assert len(steps) >= 2, steps
+        timeout = 1.0
+        eng = LLMEngine(model, kv=KvConfig(**SMALL), drafter="ngram", kv_source=d.url, kv_timeout_s=timeout)
+        staged = eng.add_staged_request(h, _params(40))
+        local = eng.add_request(prompt(P, 11), _params(40))
+        last = {}
+        for _ in range(steps[-1] - 1):  # up to the step before the last miss
+            for o in eng.step():
+                last[o.request_id] = o
+        (d.kill if fault == "kill" else d.stop)()
+        t = time.monotonic()
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                last[o.request_id] = o
+                if o.request_id == staged and o.finished:
+                    failed_after = time.monotonic() - t
+        assert last[staged].finish_reason == "error"
+        assert "staging daemon" in last[staged].error
+        assert failed_after < timeout + 2.0
+        assert last[local].finish_reason == "length", last[local].error  # the engine went on
+        assert len(last[local].token_ids) == 40
+        assert pools_are_full(eng)
+        assert eng.kv_source.stats.failures == 1
+        if fault == "stall":
+            d.cont()
+
+
+def test_a_released_request_fails_alone(model):
+    """An entry the daemon no longer holds (released, or evicted after its lease) fails that
+    request only: per-entry errors of a batched read."""
+    with Daemon() as d:
+        d1, d2, h1, h2 = _staged_small(model, d, seeds=(3, 5, 3, 5))
+        steps = _fetch_steps(model, d, [d1, d2], None, n=40)
+        eng = LLMEngine(model, kv=KvConfig(**SMALL), drafter="ngram", kv_source=d.url)
+        a = eng.add_staged_request(h1, _params(40))
+        b = eng.add_staged_request(h2, _params(40))
+        last = {}
+        for _ in range(steps[-1] - 1):
+            for o in eng.step():
+                last[o.request_id] = o
+        assert eng.kv_source.client.release(h1.request_id) > 0
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                last[o.request_id] = o
+        assert last[a].finish_reason == "error" and "unknown_request" in last[a].error
+        assert last[b].finish_reason == "length", last[b].error
+        assert pools_are_full(eng)
+
+
+def test_a_client_without_the_token_is_refused(model):
+    with Daemon(token="s3cret") as d:
+        with pytest.raises(errors.RemoteAuthError):
+            LLMEngine(model, kv=KvConfig(**SMALL), kv_source=d.url)
+        with pytest.raises(errors.RemoteAuthError):
+            PrefillWorker(model, KvConfig(**SMALL), d.addr, token="wrong")
+        worker = PrefillWorker(model, KvConfig(**SMALL), d.addr, token="s3cret")
+        h = worker.prefill(prompt(P, 3))
+        eng = LLMEngine(model, kv=KvConfig(**SMALL), kv_source=d.url, kv_token="s3cret")
+        (o,) = _run(eng, [lambda e: e.add_staged_request(h, _params(4))])
+        assert o.finish_reason == "length"
+
+
+def test_refusals(model):
+    with Daemon() as d:
+        for bad in ("http://x:1", "oasis-rt://nohost", "oasis-rt://h:99999", 7):
+            with pytest.raises(errors.ConfigError):
+                LLMEngine(model, kv=KvConfig(**SMALL), kv_source=bad)
+        with pytest.raises(errors.ConfigError, match="backend='oasis'"):
+            LLMEngine(model, kv=KvConfig(**SMALL), backend="dense", kv_source=d.url)
+        with pytest.raises(errors.ConfigError, match="cuda_graph"):
+            LLMEngine(model, kv=KvConfig(**SMALL), kv_source=d.url, cuda_graph=True)
+        with pytest.raises(errors.ConfigError, match="kv_transfer"):
+            LLMEngine(model, kv=KvConfig(**SMALL), kv_source=d.url, kv_transfer="some")
+        with pytest.raises(errors.ConfigError, match="kv_source"):
+            LLMEngine(model, kv=KvConfig(**SMALL)).add_staged_request("{}")
+        eng = LLMEngine(model, kv=KvConfig(**SMALL), kv_source=d.url)
+        with pytest.raises(errors.ConfigError, match="StagedRequest"):
+            eng.add_staged_request('{"request_id": 1}')
+        # A handle staged with another block size: the request fails, the engine goes on.
+        worker = PrefillWorker(model, KvConfig(block_size=8, top_k_blocks=4), d.addr)
+        h = worker.prefill(prompt(P, 3))
+        (o,) = _run(eng, [lambda e: e.add_staged_request(h, _params(4))])
+        assert o.finish_reason == "error" and "geometry" in o.error
+        assert pools_are_full(eng)
+        # Too short to turn sparse: refused at admission, with the fix.
+        worker = PrefillWorker(model, KvConfig(**SMALL), d.addr)
+        h = worker.prefill(prompt(40, 3))
+        (o,) = _run(eng, [lambda e: e.add_staged_request(h, _params(4))])
+        assert o.finish_reason == "error" and "sparse_threshold" in o.error
+        # An unknown request id.
+        h = worker.prefill(prompt(P, 3))
+        assert worker.release(h.request_id) > 0
+        bogus = StagedRequest.from_json(h.to_json())
+        (o,) = _run(eng, [lambda e: e.add_staged_request(bogus, _params(4))])
+        assert o.finish_reason == "error" and "unknown_request" in o.error
+        assert pools_are_full(eng)
+    assert parse_kv_source("oasis-rt://127.0.0.1:7470") == "127.0.0.1:7470"
+    assert parse_kv_source("[::1]:7470") == "[::1]:7470"
+
+
+def test_the_worker_frees_its_pages_and_stages_the_union(model):
+    with Daemon() as d:
+        kv = KvConfig(**SMALL)
+        worker = PrefillWorker(model, kv, d.addr, first_query="prompt")
+        h = worker.prefill(prompt(P, 3))
+        rt = worker.engine.runtime
+        assert rt.num_requests == 0 and rt.num_free == rt.pool_sizes  # its pages are back
+        layers, hk, b, dim, elem, nb = h.geometry
+        assert (layers, hk, b, nb) == (2, 2, 16, math.ceil(P / 16))
+        # Per layer: the union of two heads' top-4 (4..8 blocks) and the partial last block.
+        assert layers * 5 <= h.admission_blocks <= layers * 9
+        s = worker.client.stats()
+        assert s["staged_blocks"] == layers * nb and s["summary_rows"] == layers * nb
+        assert h.staged_bytes == s["used_bytes"] > h.kv_bytes
+        assert worker.release(h.request_id) == s["used_bytes"]
+        assert StagedRequest.from_json(h.to_json()) == h
+        with pytest.raises(errors.ConfigError, match="first_query"):
+            PrefillWorker(model, kv, d.addr, first_query="draft")
+        with pytest.raises(errors.ConfigError, match="block_score"):
+            PrefillWorker(model, KvConfig(block_score="codes"), d.addr)
