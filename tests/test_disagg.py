@@ -353,3 +353,22 @@ def test_the_worker_frees_its_pages_and_stages_the_union(model):
             PrefillWorker(model, kv, d.addr, first_query="draft")
         with pytest.raises(errors.ConfigError, match="block_score"):
             PrefillWorker(model, KvConfig(block_score="codes"), d.addr)
+
+
+def test_a_failed_read_is_retried_after_reconnecting(model):
+    """``kv_retries``: a read that fails in transport reconnects and tries again; the request
+    goes on with the same tokens."""
+    with Daemon() as d:
+        (h,) = _staged_small(model, d, seeds=(3,))
+
+        class Flaky(Recorder):
+            def read_blocks(self, keys):
+                raise errors.RemoteUnavailableError("connection closed (injected)")
+
+        eng = LLMEngine(model, kv=KvConfig(**SMALL), drafter="ngram", kv_source=d.url, kv_retries=1)
+        eng.kv_source.client = Flaky(eng.kv_source.client)
+        (o,) = _run(eng, [lambda e: e.add_staged_request(h, _params())])
+        (ref,) = _reference(model, KvConfig(**SMALL), "oasis", [h.prompt])
+        assert o.finish_reason == "length", o.error
+        assert o.token_ids == ref.token_ids and o.metrics.network_fetched_bytes > 0
+        assert not isinstance(eng.kv_source.client, Flaky)  # replaced by a fresh connection

@@ -467,6 +467,7 @@ class RemoteKvSource:
         self._present: list[torch.Tensor] = []
         self._missing = 0  # owned entries not in the host pool, all layers
         self._failed: dict[int, str] = {}
+        self._wire_base = 0  # wire bytes of the connections before the current one
         engine.block_source = self
 
     # ---------------------------------------------------------------- maps
@@ -491,14 +492,21 @@ class RemoteKvSource:
         g = self.engine.geo
         return 2 * g.block_size * g.head_dim * self.engine.dtype.itemsize
 
+    def _wire(self) -> int:
+        """Bytes of every frame sent and received so far, over every connection."""
+        sent, received = self.client.wire_bytes
+        return self._wire_base + sent + received
+
     def _reconnect(self) -> bool:
         try:
-            self.client.close()
-            self.client = _client(self.addr, self._token, self._timeout_s)
-            return True
+            fresh = _client(self.addr, self._token, self._timeout_s)
         except RemoteError as e:
             log.warning("reconnecting to the staging daemon %s failed: %s", self.addr, e)
             return False
+        self._wire_base += sum(self.client.wire_bytes)
+        self.client.close()
+        self.client = fresh
+        return True
 
     def _call(self, fn, *args):
         """A client call, retried after a reconnect on a transport failure (``retries`` times)."""
@@ -548,7 +556,7 @@ class RemoteKvSource:
                 f"max_tokens={r.max_new_tokens} never passes sparse_threshold={eng.kv.threshold_tokens}; "
                 "lower KvConfig.sparse_threshold or raise max_tokens"
             )
-        sent0, recv0 = self.client.wire_bytes
+        wire0 = self._wire()
         eng.admit(r)
         st = None
         try:
@@ -598,8 +606,7 @@ class RemoteKvSource:
             self._select_initial(r, tr, query)
             if self._failed.pop(r.id, None) is not None:
                 raise RemoteError(st.errors[-1] if st.errors else "admission fetch failed")
-            sent1, recv1 = self.client.wire_bytes
-            st.admission_bytes = (sent1 - sent0) + (recv1 - recv0)
+            st.admission_bytes = self._wire() - wire0
             r.metrics.network_admission_bytes = st.admission_bytes
             self.stats.requests += 1
             self.stats.admission_bytes += st.admission_bytes
@@ -787,15 +794,14 @@ class RemoteKvSource:
                 (self._by_req[owners[i]].daemon_id, layer, logical[i], -1 if whole else heads[i])
                 for i in range(lo, hi)
             ]
-            sent0, recv0 = self.client.wire_bytes
+            wire0 = self._wire()
             try:
                 data, lens, errors = self._call(lambda c, keys=keys: c.read_blocks(keys))
             except RemoteError as e:
                 for i in range(lo, hi):
                     self._fail(owners[i], f"reading KV from the staging daemon failed: {e}")
                 continue
-            sent1, recv1 = self.client.wire_bytes
-            wire = (sent1 - sent0) + (recv1 - recv0)
+            wire = self._wire() - wire0
             good = [i for i, err in enumerate(errors) if err is None]
             for i, err in enumerate(errors):
                 if err is not None:
