@@ -1,7 +1,7 @@
 """Tensor parallelism on the CPU (gloo, 2 processes): TP=2 greedy tokens equal one process's,
-dense, OasisKV and OasisKV speculative; a rank that dies mid-run ends the run with an error naming it, not a hang;
-a failure on a worker alone becomes that request's error on the driver. Plus the shard rules
-and the option checks, in process."""
+dense, OasisKV and OasisKV speculative; a rank that dies mid-run ends the run with an error
+naming it, not a hang; a failure on a worker alone becomes that request's error on the driver.
+Plus the shard rules and the option checks, in process."""
 
 from __future__ import annotations
 

@@ -50,7 +50,6 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
-import inspect
 import json
 import math
 import re
@@ -145,12 +144,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--measure-recall", action="store_true", help="also measure lookahead recall (one more scoring pass)"
     )
-    g.add_argument(
-        "--cuda-graph",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="pass cuda_graph=True/False to the engines (default: the engine's own default)",
-    )
+    # --cuda-graph comes with the engine flags of `oasis serve` (bench.serve adds them).
     g.add_argument(
         "--md", default=None, help="write the markdown table here (default bench_fig11.md, '' for none)"
     )
@@ -350,13 +344,7 @@ class Fig11:
         drafter = None
         if backend == "oasis":
             drafter = NgramDrafter(window=a.ngram_window) if a.drafter == "ngram" else a.drafter
-        kw = {}
-        if a.cuda_graph is not None:
-            if "cuda_graph" not in inspect.signature(LLMEngine).parameters:
-                raise _usage(
-                    "this LLMEngine has no cuda_graph keyword yet; drop --cuda-graph/--no-cuda-graph"
-                )
-            kw["cuda_graph"] = a.cuda_graph
+        kw = {"cuda_graph": bool(getattr(a, "cuda_graph", False))}
         return LLMEngine(
             self.model,
             kv=self.kv(),
