@@ -1084,8 +1084,8 @@ class Engine:
         :meth:`append_drafts` can store the accepted drafts without recomputing them.
 
         With ``cuda_graph=True`` on a GPU the step replays a captured CUDA graph (see
-        :meth:`_decode_graph`), except under a selection policy, a recorder or ``draft_logits``,
-        which run eagerly."""
+        :meth:`_decode_graph`), except under a selection policy, a recorder, a ``block_source``
+        or ``draft_logits``, which run eagerly."""
         if draft_logits and self.rows != 2:
             raise ConfigError("draft_logits needs a lookahead drafter (two rows per request)")
         rows, n = self.rows, len(reqs)
@@ -1096,7 +1096,14 @@ class Engine:
                 ids.append(r.draft)
         self._spec = None
         self._last_row = {r.id: i for i, r in enumerate(reqs)}
-        eager = draft_logits or self.policy is not None or self.recorder is not None
+        # Host-side work inside the step (a policy, a recall recorder, speculative logits, reads
+        # from a staging daemon before a gather) keeps the step eager.
+        eager = (
+            draft_logits
+            or self.policy is not None
+            or self.recorder is not None
+            or self.block_source is not None
+        )
         if self.cuda and self.cuda_graph and not eager:
             logits, feats = self._decode_graph(reqs, ids)
             logits1 = None
