@@ -295,6 +295,34 @@ def test_a_client_without_the_token_is_refused(model):
         assert o.finish_reason == "length"
 
 
+def test_a_staged_request_takes_only_its_working_set_on_the_gpu(model):
+    """Admitted sparse (``Runtime.admit_sparse``): K + 1 pages, never the prompt's dense ones, so
+    two 300-token requests decode together in a GPU pool of two working sets."""
+    k = SMALL["top_k_blocks"]
+    with Daemon() as d:
+        handles = _staged_small(model, d, seeds=(3, 5, 3, 5))
+        free = LLMEngine(model, kv=KvConfig(**SMALL), drafter="ngram", kv_source=d.url)
+        want = _run(free, [lambda e, h=h: e.add_staged_request(h, _params()) for h in handles[:2]])
+        tight = LLMEngine(
+            model,
+            kv=KvConfig(**SMALL, num_gpu_pages=2 * (k + 1), num_host_blocks=64),
+            drafter="ngram",
+            kv_source=d.url,
+        )
+        with pytest.raises(errors.OutOfBlocksError):
+            tight.add_request(prompt(P, 3), _params())  # dense, it needs the prompt's pages
+        ids = [tight.add_staged_request(h, _params()) for h in handles[2:]]
+        tight.step()
+        assert tight.num_running == 2
+        assert tight.engine.runtime.reserved[0] == 2 * (k + 1)
+        assert tight.engine.runtime.pool_sizes[0] == 2 * (k + 1)
+        tight.engine.runtime.check_invariants()
+        out = tight.run_to_completion(ids)
+        assert [out[i].token_ids for i in ids] == [o.token_ids for o in want]
+        assert all(out[i].finish_reason == "length" for i in ids)
+        assert pools_are_full(tight)
+
+
 def test_refusals(model):
     with Daemon() as d:
         for bad in ("http://x:1", "oasis-rt://nohost", "oasis-rt://h:99999", 7):

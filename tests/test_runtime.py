@@ -251,6 +251,45 @@ def test_runtime_errors_are_typed():
         rt.grow(17, 0)
 
 
+def test_admit_sparse_reserves_and_takes_only_the_working_set():
+    b, k = 4, 3
+    rt = make_runtime(b, k, 12, 2, k + 1, 64)  # room for the working set, not a 40-token prompt
+    assert rt.reservation(40, 5, sparse=True) == (k + 1, math.ceil(44 / b), True)
+    assert not rt.can_admit(40, 5) and rt.can_admit(40, 5, sparse=True)
+    assert rt.fits_ever(40, 5, sparse=True) and not rt.fits_ever(40, 5)
+    assert rt.pool_sizes_needed(40, 5, sparse=True) == (k + 1, 11)
+    with pytest.raises(errors.OutOfBlocksError):
+        rt.admit(1, 40, 5)
+    tr = rt.admit_sparse(1, 42, 3)
+    assert tr["slot"] == 0 and tr["src_pages"] == []
+    assert len(tr["slot_pages"]) == k and tr["n_complete"] == 10
+    assert tr["lens"] == [b] * 10 + [2]
+    t = rt.table(1)
+    assert t["sparse"] and t["pages"] == [] and t["kv_len"] == 42
+    assert (t["slot_pages"], t["local_page"], t["host_blocks"]) == (
+        tr["slot_pages"],
+        tr["local_page"],
+        tr["host_blocks"],
+    )
+    assert rt.take_map_updates() == (tr["slot_pages"] + [tr["local_page"]], [-1] * k + [10])
+    rt.check_invariants()
+    assert rt.num_free == (0, 64 - 11)
+    with pytest.raises(errors.InvalidArgumentError, match="already admitted"):
+        rt.admit_sparse(1, 4, 1)
+    with pytest.raises(errors.OutOfBlocksError):
+        rt.admit_sparse(2, 4, 1)  # the GPU pool is the first request's working set
+    rt.check_invariants()
+    for _ in range(2):
+        read_plan(rt, [1], [0, 0])
+        rt.check_invariants()
+    rt.release(1)
+    rt.check_invariants()
+    assert rt.num_free == (k + 1, 64) and rt.reserved == (0, 0)
+    dense = make_runtime(b, k, 12, 2, 16, 16, sparse=False)
+    with pytest.raises(errors.InvalidArgumentError, match="sparse backend"):
+        dense.admit_sparse(1, 20, 2)
+
+
 def test_padded_plan_keeps_its_layout_and_pads_as_documented():
     """``plan(..., pad)``: the plain plan's values first in every field, then the documented
     padding, at offsets that do not move from step to step; mapping updates stay pending."""

@@ -62,18 +62,27 @@ class Runtime:
         gpu_cap: int,
         host_cap: int,
     ) -> Runtime: ...
-    def reservation(self, prompt_len: int, max_new_tokens: int) -> tuple[int, int, bool]:
-        """``(gpu_pages, host_blocks, turns_sparse)``: the peak a request of this size reserves."""
-    def fits_ever(self, prompt_len: int, max_new_tokens: int) -> bool:
+    def reservation(
+        self, prompt_len: int, max_new_tokens: int, *, sparse: bool = False
+    ) -> tuple[int, int, bool]:
+        """``(gpu_pages, host_blocks, turns_sparse)``: the peak a request of this size reserves
+        (``sparse=True``: admitted with :meth:`admit_sparse`)."""
+    def fits_ever(self, prompt_len: int, max_new_tokens: int, *, sparse: bool = False) -> bool:
         """Whether such a request fits the caps at all (alone)."""
-    def can_admit(self, prompt_len: int, max_new_tokens: int) -> bool:
+    def can_admit(self, prompt_len: int, max_new_tokens: int, *, sparse: bool = False) -> bool:
         """Whether such a request can be admitted now."""
-    def pool_sizes_needed(self, prompt_len: int, max_new_tokens: int) -> tuple[int, int]:
+    def pool_sizes_needed(
+        self, prompt_len: int, max_new_tokens: int, *, sparse: bool = False
+    ) -> tuple[int, int]:
         """``(gpu_pages, host_blocks)`` the pools must hold to admit such a request now."""
     def grow(self, gpu_pages: int, host_blocks: int) -> None:
         """Grow the pools' id ranges (after the engine grew its tensors)."""
     def admit(self, id: int, prompt_len: int, max_new_tokens: int) -> tuple[int, list[int]]:
         """Admit a request about to be prefilled: ``(slot, pages)``."""
+    def admit_sparse(self, id: int, prompt_len: int, max_new_tokens: int) -> dict:
+        """Admit a request whose prompt's KV is stored elsewhere (staged) directly sparse: only
+        the working set and the prompt's host blocks. ``slot`` plus :meth:`make_sparse`'s keys
+        (``src_pages`` empty)."""
     def wants_sparse(self, id: int) -> bool:
         """Whether the request should turn sparse now."""
     def can_append(self, id: int) -> bool:

@@ -37,7 +37,8 @@ Then it frees its pages: the daemon holds the KV until the decode side releases 
 
 **Decode side.** :class:`RemoteKvSource` (built by ``LLMEngine(kv_source=...)``) admits a staged
 request directly as a sparse request: the runtime reserves and hands out its K working-set pages,
-local page and host blocks (``Runtime.admit`` + ``Runtime.make_sparse``), the admission's summary
+local page and host blocks and never the prompt's dense pages (``Engine.admit_sparse``, so it
+reserves K + 1 GPU pages, not the prompt's), the admission's summary
 rows and blocks are written into the host pool and summaries, the partial last block into the local
 page, and the initial working set is selected with the staged query (``Engine._select_and_fetch``,
 as ``Engine.make_sparse`` does). Then it is an ordinary sparse request. ``kv_transfer``:
@@ -557,11 +558,9 @@ class RemoteKvSource:
                 "lower KvConfig.sparse_threshold or raise max_tokens"
             )
         wire0 = self._wire()
-        eng.admit(r)
+        tr = eng.admit_sparse(r)
         st = None
         try:
-            tr = eng.runtime.make_sparse(r.id)
-            eng._flush_map()
             p = eng.pools
             host_blocks = list(tr["host_blocks"])
             st = _Remote(handle.request_id, r, host_blocks)

@@ -760,20 +760,21 @@ class Engine:
         self._grow_to(min(g, gcap), min(h, hcap))
 
     # ---------------------------------------------------------------- request lifecycle
-    def can_admit(self, prompt_len: int, max_new_tokens: int) -> bool:
+    def can_admit(self, prompt_len: int, max_new_tokens: int, *, sparse: bool = False) -> bool:
         """Whether a request of this size can be admitted now (a seat, and its peak need in both
-        tiers fits beside the running requests' reservations)."""
+        tiers fits beside the running requests' reservations). ``sparse=True``: admitted with
+        :meth:`admit_sparse` (the working set only on the GPU)."""
         self._sync_runtime()
-        return self.runtime.can_admit(prompt_len, max_new_tokens)
+        return self.runtime.can_admit(prompt_len, max_new_tokens, sparse=sparse)
 
-    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+    def check_fits(self, prompt_len: int, max_new_tokens: int, *, sparse: bool = False) -> None:
         """Raise :class:`OutOfBlocksError` when a request of this size could never be admitted,
-        even alone: its peak need passes a pool's cap."""
+        even alone: its peak need passes a pool's cap (``sparse``: as :meth:`can_admit`)."""
         self._sync_runtime()
         rt = self.runtime
-        if rt.fits_ever(prompt_len, max_new_tokens):
+        if rt.fits_ever(prompt_len, max_new_tokens, sparse=sparse):
             return
-        g, h, _ = rt.reservation(prompt_len, max_new_tokens)
+        g, h, _ = rt.reservation(prompt_len, max_new_tokens, sparse=sparse)
         gcap, hcap = rt.caps
         per = self.page_bytes_all_layers
         raise OutOfBlocksError(
@@ -798,7 +799,32 @@ class Engine:
                 f"{e} while admitting request {r.id}; wait for running requests to finish "
                 "(LLMEngine does), raise the pool budgets, or submit fewer requests at once"
             ) from None
-        r.slot, r.sparse, r.runtime = slot, False, rt
+        self._seat(r, slot, False)
+
+    def admit_sparse(self, r: _Request) -> dict:
+        """Admit ``r``, whose prompt's KV is stored elsewhere (a staging daemon), directly sparse:
+        reserve and take only its working set (K slot pages, the local page) and the prompt's host
+        blocks, never the prompt's dense pages. Returns ``Runtime.admit_sparse``'s dict (the slot
+        pages, local page, host blocks, their lens and ``n_complete``); the caller fills the host
+        blocks, summaries and local page and selects the initial working set."""
+        self._sync_runtime()
+        rt = self.runtime
+        n, m = len(r.prompt), r.max_new_tokens
+        g, h = rt.pool_sizes_needed(n, m, sparse=True)
+        self._grow_to(g, h)
+        try:
+            tr = rt.admit_sparse(r.id, n, m)
+        except OutOfBlocksError as e:
+            raise OutOfBlocksError(
+                f"{e} while admitting request {r.id}; wait for running requests to finish "
+                "(LLMEngine does), raise the pool budgets, or submit fewer requests at once"
+            ) from None
+        self._seat(r, tr["slot"], True)
+        return tr
+
+    def _seat(self, r: _Request, slot: int, sparse: bool) -> None:
+        """``r`` was admitted at accumulator ``slot``: reset the slot, apply the new mapping."""
+        r.slot, r.sparse, r.runtime = slot, sparse, self.runtime
         self._acc_fetched[slot] = 0
         self._acc_recall[slot] = 0
         self._acc_recall_n[slot] = 0

@@ -340,6 +340,10 @@ class LLMEngine:
         context, :class:`OutOfBlocksError` when the request could never fit the pools' budgets,
         :class:`ConfigError` for a bad prompt or id. Nothing is queued then.
         """
+        return self._add(prompt, params, request_id, stop, forced_tokens, None)
+
+    def _add(self, prompt, params, request_id, stop, forced_tokens, staged) -> str:
+        """Queue a request (``staged``: a StagedRequest, admitted sparse from the daemon)."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ConfigError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -352,7 +356,7 @@ class LLMEngine:
                 f"{len(ids) + params.max_tokens - 1} positions exceeds the model's context of {ctx} "
                 "tokens; shorten the prompt or lower max_tokens"
             )
-        self.engine.check_fits(len(ids), params.max_tokens)
+        self.engine.check_fits(len(ids), params.max_tokens, sparse=staged is not None)
         n = next(self._ids)
         rid = str(n) if request_id is None else request_id
         if not isinstance(rid, str) or not rid:
@@ -368,6 +372,7 @@ class LLMEngine:
         seq = _Seq(
             rid, _Request(id=n, prompt=ids, max_new_tokens=params.max_tokens), params, gen, stop, forced
         )
+        seq.staged = staged
         self._waiting.append(seq)
         self._by_id[rid] = seq
         return rid
@@ -408,9 +413,7 @@ class LLMEngine:
             raise ConfigError("add_staged_request needs LLMEngine(kv_source='oasis-rt://HOST:PORT')")
         if not isinstance(handle, StagedRequest):
             handle = StagedRequest.from_json(handle)
-        rid = self.add_request(list(handle.prompt), params, request_id, stop=stop)
-        self._by_id[rid].staged = handle
-        return rid
+        return self._add(list(handle.prompt), params, request_id, stop, None, handle)
 
     def _admit_staged(self, seq: _Seq, touched: list[_Seq]) -> None:
         """Admit a staged request from the daemon (in place of its prefill) and take its first
@@ -495,7 +498,10 @@ class LLMEngine:
                 seq = queue.pop(0)
             elif self._waiting and len(self._running) + len(self._prefilling) < self.max_num_seqs:
                 seq = self._waiting[0]
-                if not eng.can_admit(len(seq.req.prompt), seq.req.max_new_tokens):
+                # A staged request reserves its working set only (Engine.admit_sparse).
+                if not eng.can_admit(
+                    len(seq.req.prompt), seq.req.max_new_tokens, sparse=seq.staged is not None
+                ):
                     break  # it waits, and so does everyone behind it (no overtaking)
                 self._waiting.popleft()
                 if seq.staged is not None:

@@ -2,7 +2,7 @@
 //! the per-step plan) as one small class. Python keeps the tensors; this keeps the ids.
 
 use oasis_core::OasisError;
-use oasis_runtime::{PlanField, PlanPad, Runtime, RuntimeConfig};
+use oasis_runtime::{PlanField, PlanPad, Reservation, Runtime, RuntimeConfig, SparseTransition};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -19,6 +19,27 @@ fn call<R>(py: Python<'_>, what: &str, f: impl FnOnce() -> Result<R, OasisError>
 #[pyclass(name = "Runtime", module = "oasiskv._core")]
 pub struct PyRuntime {
     inner: Runtime,
+}
+
+fn transition_dict(py: Python<'_>, tr: SparseTransition) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("src_pages", tr.src_pages)?;
+    d.set_item("host_blocks", tr.host_blocks)?;
+    d.set_item("lens", tr.lens)?;
+    d.set_item("slot_pages", tr.slot_pages)?;
+    d.set_item("local_page", tr.local_page)?;
+    d.set_item("n_complete", tr.n_complete)?;
+    Ok(d)
+}
+
+impl PyRuntime {
+    fn res(&self, prompt_len: usize, max_new_tokens: usize, sparse: bool) -> Reservation {
+        if sparse {
+            self.inner.sparse_reservation(prompt_len, max_new_tokens)
+        } else {
+            self.inner.reservation(prompt_len, max_new_tokens)
+        }
+    }
 }
 
 #[pymethods]
@@ -57,28 +78,43 @@ impl PyRuntime {
         })
     }
 
-    /// `(gpu_pages, host_blocks, turns_sparse)`: the peak a request of this size reserves.
-    fn reservation(&self, prompt_len: usize, max_new_tokens: usize) -> (usize, usize, bool) {
-        let r = self.inner.reservation(prompt_len, max_new_tokens);
+    /// `(gpu_pages, host_blocks, turns_sparse)`: the peak a request of this size reserves
+    /// (`sparse=True`: admitted with `admit_sparse`).
+    #[pyo3(signature = (prompt_len, max_new_tokens, *, sparse = false))]
+    fn reservation(
+        &self,
+        prompt_len: usize,
+        max_new_tokens: usize,
+        sparse: bool,
+    ) -> (usize, usize, bool) {
+        let r = self.res(prompt_len, max_new_tokens, sparse);
         (r.gpu_pages, r.host_blocks, r.turns_sparse)
     }
 
     /// Whether such a request fits the caps at all (alone).
-    fn fits_ever(&self, prompt_len: usize, max_new_tokens: usize) -> bool {
+    #[pyo3(signature = (prompt_len, max_new_tokens, *, sparse = false))]
+    fn fits_ever(&self, prompt_len: usize, max_new_tokens: usize, sparse: bool) -> bool {
         self.inner
-            .fits_ever(&self.inner.reservation(prompt_len, max_new_tokens))
+            .fits_ever(&self.res(prompt_len, max_new_tokens, sparse))
     }
 
     /// Whether such a request can be admitted now (a free seat and room beside the others).
-    fn can_admit(&self, prompt_len: usize, max_new_tokens: usize) -> bool {
+    #[pyo3(signature = (prompt_len, max_new_tokens, *, sparse = false))]
+    fn can_admit(&self, prompt_len: usize, max_new_tokens: usize, sparse: bool) -> bool {
         self.inner
-            .can_admit(&self.inner.reservation(prompt_len, max_new_tokens))
+            .can_admit(&self.res(prompt_len, max_new_tokens, sparse))
     }
 
     /// `(gpu_pages, host_blocks)` the pools must hold to admit such a request now.
-    fn pool_sizes_needed(&self, prompt_len: usize, max_new_tokens: usize) -> (usize, usize) {
+    #[pyo3(signature = (prompt_len, max_new_tokens, *, sparse = false))]
+    fn pool_sizes_needed(
+        &self,
+        prompt_len: usize,
+        max_new_tokens: usize,
+        sparse: bool,
+    ) -> (usize, usize) {
         self.inner
-            .pool_sizes_needed(&self.inner.reservation(prompt_len, max_new_tokens))
+            .pool_sizes_needed(&self.res(prompt_len, max_new_tokens, sparse))
     }
 
     /// Grow the pools' id ranges (after the engine grew its tensors).
@@ -99,6 +135,26 @@ impl PyRuntime {
         call(py, "Runtime.admit", || {
             self.inner.admit(id, prompt_len, max_new_tokens)
         })
+    }
+
+    /// Admit a request whose prompt's KV is already stored elsewhere (staged by a prefill
+    /// worker) directly sparse: only the working set (K slot pages, the local page) and the
+    /// prompt's host blocks, never its dense pages. A dict of `slot` and, as `make_sparse`'s,
+    /// `src_pages` (empty: nothing to copy), `host_blocks`, `lens`, `slot_pages`, `local_page`,
+    /// `n_complete`.
+    fn admit_sparse<'py>(
+        &mut self,
+        py: Python<'py>,
+        id: u64,
+        prompt_len: usize,
+        max_new_tokens: usize,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let (slot, tr) = call(py, "Runtime.admit_sparse", || {
+            self.inner.admit_sparse(id, prompt_len, max_new_tokens)
+        })?;
+        let d = transition_dict(py, tr)?;
+        d.set_item("slot", slot)?;
+        Ok(d)
     }
 
     fn wants_sparse(&self, py: Python<'_>, id: u64) -> PyResult<bool> {
@@ -125,14 +181,7 @@ impl PyRuntime {
     /// `local_page`, `n_complete` (what the engine copies and selects on the device).
     fn make_sparse<'py>(&mut self, py: Python<'py>, id: u64) -> PyResult<Bound<'py, PyDict>> {
         let tr = call(py, "Runtime.make_sparse", || self.inner.make_sparse(id))?;
-        let d = PyDict::new(py);
-        d.set_item("src_pages", tr.src_pages)?;
-        d.set_item("host_blocks", tr.host_blocks)?;
-        d.set_item("lens", tr.lens)?;
-        d.set_item("slot_pages", tr.slot_pages)?;
-        d.set_item("local_page", tr.local_page)?;
-        d.set_item("n_complete", tr.n_complete)?;
-        Ok(d)
+        transition_dict(py, tr)
     }
 
     fn release(&mut self, py: Python<'_>, id: u64) -> PyResult<()> {

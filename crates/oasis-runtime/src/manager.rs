@@ -201,6 +201,131 @@ impl Runtime {
         prompt_len: usize,
         max_new_tokens: usize,
     ) -> Result<(u32, Vec<u32>)> {
+        let res = self.reservation(prompt_len, max_new_tokens);
+        self.check_admission(id, prompt_len, max_new_tokens, &res)?;
+        let n_blocks = prompt_len.div_ceil(self.cfg.block_size);
+        // Cannot fail: the pool holds at least the reservations, and every request holds at most
+        // its own.
+        let pages = self.gpu.allocate(n_blocks)?;
+        let slot = self.free_slots.pop().expect("checked by check_admission");
+        for (i, &p) in pages.iter().enumerate() {
+            self.queue_map(p, to_i32(i));
+        }
+        self.reserved_gpu += res.gpu_pages;
+        self.reserved_host += res.host_blocks;
+        self.reqs.insert(
+            id,
+            RequestTable {
+                id,
+                slot,
+                kv_len: prompt_len,
+                sparse: false,
+                pages: pages.clone(),
+                slot_pages: Vec::new(),
+                local_page: None,
+                host_blocks: Vec::new(),
+                reservation: res,
+            },
+        );
+        Ok((slot, pages))
+    }
+
+    /// The peak need of a request admitted sparse (see [`Reservation::for_sparse_request`]).
+    pub fn sparse_reservation(&self, prompt_len: usize, max_new_tokens: usize) -> Reservation {
+        Reservation::for_sparse_request(&self.cfg, prompt_len, max_new_tokens)
+    }
+
+    /// Admit request `id`, whose prompt of `prompt_len` tokens is already stored elsewhere (a
+    /// prefill worker staged it), directly sparse: reserve and allocate only the working set, `K`
+    /// slot pages (mapping queued empty) and the local page (mapped to block `prompt_len / b`),
+    /// plus the prompt's `ceil(prompt_len / b)` host blocks; never the prompt's dense pages, so
+    /// the GPU peak is `K + 1` pages (admitting dense and then [`Runtime::make_sparse`] briefly
+    /// needs `ceil(prompt_len / b)`). The engine fills the host blocks, the summaries and the
+    /// local page (the partial last block) itself, then selects the initial working set over
+    /// the first `n_complete` host blocks.
+    ///
+    /// Returns the slot and a [`SparseTransition`] with no `src_pages` (nothing to copy on the
+    /// device); `lens` are the tokens of each host block.
+    ///
+    /// # Errors
+    /// [`OasisError::Invalid`] for a duplicate id, an empty prompt, or the dense backend;
+    /// [`OasisError::OutOfBlocks`] when the [`Runtime::sparse_reservation`] does not fit now or
+    /// the pools were not grown to it. Nothing changes on error.
+    pub fn admit_sparse(
+        &mut self,
+        id: u64,
+        prompt_len: usize,
+        max_new_tokens: usize,
+    ) -> Result<(u32, SparseTransition)> {
+        let (b, k) = (self.cfg.block_size, self.cfg.top_k_blocks);
+        if !self.cfg.sparse {
+            return Err(OasisError::Invalid(format!(
+                "request {id}: admit_sparse needs the sparse backend"
+            )));
+        }
+        let res = self.sparse_reservation(prompt_len, max_new_tokens);
+        self.check_admission(id, prompt_len, max_new_tokens, &res)?;
+        let n_blocks = prompt_len.div_ceil(b);
+        // Cannot fail (checked: the pools hold the reservations); undone anyway if it does.
+        let mut pages = self.gpu.allocate(k + 1)?;
+        let host_blocks = match self.host.allocate(n_blocks) {
+            Ok(h) => h,
+            Err(e) => {
+                self.gpu.free(&pages)?;
+                return Err(e);
+            }
+        };
+        let slot = self.free_slots.pop().expect("checked by check_admission");
+        let local_page = pages.pop().expect("k + 1 >= 1 pages");
+        let slot_pages = pages;
+        for &p in &slot_pages {
+            self.queue_map(p, -1);
+        }
+        let local_block = prompt_len / b;
+        self.queue_map(local_page, to_i32(local_block));
+        let mut lens = vec![b as u32; n_blocks];
+        if let Some(last) = lens.last_mut() {
+            *last = (prompt_len - (n_blocks - 1) * b) as u32;
+        }
+        self.reserved_gpu += res.gpu_pages;
+        self.reserved_host += res.host_blocks;
+        self.reqs.insert(
+            id,
+            RequestTable {
+                id,
+                slot,
+                kv_len: prompt_len,
+                sparse: true,
+                pages: Vec::new(),
+                slot_pages: slot_pages.clone(),
+                local_page: Some(local_page),
+                host_blocks: host_blocks.clone(),
+                reservation: res,
+            },
+        );
+        Ok((
+            slot,
+            SparseTransition {
+                src_pages: Vec::new(),
+                host_blocks,
+                lens,
+                slot_pages,
+                local_page,
+                n_complete: local_block,
+            },
+        ))
+    }
+
+    /// Refuse an admission of `res` for request `id` unless the id is new, the sizes non-zero, a
+    /// seat is free and the pools (grown, under the caps) hold `res` beside the reservations (no
+    /// seat is reported as [`OasisError::OutOfBlocks`] too, as [`Runtime::can_admit`] folds it in).
+    fn check_admission(
+        &self,
+        id: u64,
+        prompt_len: usize,
+        max_new_tokens: usize,
+        res: &Reservation,
+    ) -> Result<()> {
         if self.reqs.contains_key(&id) {
             return Err(OasisError::Invalid(format!(
                 "request {id} is already admitted"
@@ -212,9 +337,8 @@ impl Runtime {
                  {max_new_tokens}"
             )));
         }
-        let res = self.reservation(prompt_len, max_new_tokens);
-        let (need_gpu, need_host) = self.pool_sizes_needed(&res);
-        if !self.can_admit(&res)
+        let (need_gpu, need_host) = self.pool_sizes_needed(res);
+        if !self.can_admit(res)
             || need_gpu > self.gpu.num_blocks()
             || need_host > self.host.num_blocks()
         {
@@ -240,36 +364,7 @@ impl Runtime {
                 free,
             });
         }
-        let Some(slot) = self.free_slots.pop() else {
-            return Err(OasisError::Invalid(format!(
-                "all {} request slots are taken (max_num_seqs)",
-                self.cfg.max_num_seqs
-            )));
-        };
-        let n_blocks = prompt_len.div_ceil(self.cfg.block_size);
-        // Cannot fail: the pool holds at least the reservations, and every request holds at most
-        // its own.
-        let pages = self.gpu.allocate(n_blocks)?;
-        for (i, &p) in pages.iter().enumerate() {
-            self.queue_map(p, to_i32(i));
-        }
-        self.reserved_gpu += res.gpu_pages;
-        self.reserved_host += res.host_blocks;
-        self.reqs.insert(
-            id,
-            RequestTable {
-                id,
-                slot,
-                kv_len: prompt_len,
-                sparse: false,
-                pages: pages.clone(),
-                slot_pages: Vec::new(),
-                local_page: None,
-                host_blocks: Vec::new(),
-                reservation: res,
-            },
-        );
-        Ok((slot, pages))
+        Ok(())
     }
 
     /// Whether request `id` should turn sparse now: the sparse backend, still dense, and its
@@ -917,6 +1012,184 @@ mod tests {
         rt.release(2).unwrap();
         rt.check_invariants().unwrap();
         assert_eq!(rt.num_free(), (64, 64));
+    }
+
+    /// Everything a refused call must leave alone.
+    fn snapshot(rt: &Runtime) -> impl PartialEq + std::fmt::Debug {
+        let mut tables: Vec<_> = rt.reqs.values().cloned().collect();
+        tables.sort_by_key(|t| t.id);
+        (
+            rt.num_free(),
+            rt.reserved(),
+            rt.pool_sizes(),
+            rt.free_slots.clone(),
+            rt.map_order.clone(),
+            tables,
+        )
+    }
+
+    #[test]
+    fn admit_sparse_takes_only_the_working_set() {
+        // b = 4, K = 3: 10 prompt tokens, 20 new -> 29 stored, 8 host blocks; K + 1 = 4 pages.
+        let mut rt = runtime(4, 64);
+        let (slot, tr) = rt.admit_sparse(7, 10, 20).unwrap();
+        assert_eq!(slot, 0);
+        assert!(tr.src_pages.is_empty());
+        assert_eq!(tr.host_blocks.len(), 3);
+        assert_eq!(tr.lens, vec![4, 4, 2]);
+        assert_eq!(tr.n_complete, 2);
+        assert_eq!(tr.slot_pages.len(), 3);
+        rt.check_invariants().unwrap();
+        assert_eq!(rt.reserved(), (4, 8));
+        assert_eq!(rt.num_free(), (0, 61));
+        let t = rt.table(7).unwrap();
+        assert!(t.sparse && t.pages.is_empty());
+        assert_eq!(t.kv_len, 10);
+        assert_eq!(t.local_page, Some(tr.local_page));
+        assert_eq!(
+            (&t.slot_pages, &t.host_blocks),
+            (&tr.slot_pages, &tr.host_blocks)
+        );
+        // The slots' mapping empty, the local page on block 10 / 4 = 2.
+        let (mp, mv) = rt.take_map_updates();
+        let mut want = tr.slot_pages.clone();
+        want.push(tr.local_page);
+        assert_eq!((mp, mv), (want, vec![-1, -1, -1, 2]));
+        // In a pool of K + 1 pages a 40-token prompt cannot be admitted dense (10 pages), but
+        // sparse it can.
+        let mut small = runtime(4, 64);
+        assert!(small.admit(1, 40, 2).is_err()); // 10 dense pages
+        small.admit_sparse(1, 40, 2).unwrap();
+        small.check_invariants().unwrap();
+        // Decode: it enters blocks within its reservation, as a request that turned sparse.
+        for _ in 0..19 {
+            rt.plan(&[7], &[0, 0]).unwrap();
+            rt.check_invariants().unwrap();
+        }
+        assert_eq!(rt.kv_len(7).unwrap(), 29);
+        assert_eq!(rt.table(7).unwrap().host_blocks.len(), 8);
+        rt.release(7).unwrap();
+        rt.check_invariants().unwrap();
+        assert_eq!(rt.num_free(), (4, 64));
+        assert_eq!(rt.reserved(), (0, 0));
+        assert_eq!(rt.num_requests(), 0);
+    }
+
+    #[test]
+    fn admit_sparse_matches_admit_then_make_sparse() {
+        // Prompts that turn sparse (P + 9 - 2 > 12), of every offset in a block.
+        for prompt_len in [6, 8, 13, 16, 17] {
+            let mut dense = runtime(64, 64);
+            dense.admit(1, prompt_len, 9).unwrap();
+            let want = dense.make_sparse(1).unwrap();
+            let mut rt = runtime(64, 64);
+            let (_, got) = rt.admit_sparse(1, prompt_len, 9).unwrap();
+            assert_eq!(
+                got.host_blocks.len(),
+                want.host_blocks.len(),
+                "{prompt_len}"
+            );
+            assert_eq!(got.lens, want.lens, "{prompt_len}");
+            assert_eq!(got.n_complete, want.n_complete, "{prompt_len}");
+            assert_eq!(got.slot_pages.len(), 3);
+            let (t, u) = (rt.table(1).unwrap(), dense.table(1).unwrap());
+            assert_eq!((t.kv_len, t.sparse), (u.kv_len, u.sparse));
+            assert_eq!(t.reservation.host_blocks, u.reservation.host_blocks);
+            assert_eq!(t.reservation.gpu_pages, 4);
+            rt.check_invariants().unwrap();
+            // Both decode alike from here.
+            for _ in 0..8 {
+                let a = rt.plan(&[1], &[0, 0]).unwrap().clone();
+                let b = dense.plan(&[1], &[0, 0]).unwrap().clone();
+                assert_eq!(a.num_sparse, b.num_sparse);
+                assert_eq!(rt.kv_len(1).unwrap(), dense.kv_len(1).unwrap());
+                assert_eq!(
+                    rt.table(1).unwrap().host_blocks.len(),
+                    dense.table(1).unwrap().host_blocks.len()
+                );
+                rt.check_invariants().unwrap();
+            }
+            rt.release(1).unwrap();
+            assert_eq!(rt.num_free(), (64, 64));
+            rt.check_invariants().unwrap();
+        }
+    }
+
+    #[test]
+    fn admit_sparse_refusals_change_nothing() {
+        let mut rt = runtime(8, 8); // b = 4, K = 3
+        rt.admit_sparse(1, 14, 2).unwrap(); // 4 pages, 4 host blocks
+        rt.take_map_updates();
+        let before = snapshot(&rt);
+        // Duplicate id, empty prompt, no new token.
+        for (id, n, m) in [(1, 3, 2), (2, 0, 2), (2, 3, 0)] {
+            let e = rt.admit_sparse(id, n, m).unwrap_err();
+            assert!(matches!(e, OasisError::Invalid(_)), "{e}");
+            assert_eq!(snapshot(&rt), before);
+        }
+        // Past the host cap: 17 + 2 - 1 = 18 tokens -> 5 blocks beside 4 of 8.
+        let e = rt.admit_sparse(2, 17, 2).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                OasisError::OutOfBlocks {
+                    tier: Tier::Host,
+                    requested: 5,
+                    free: 4
+                }
+            ),
+            "{e}"
+        );
+        assert_eq!(snapshot(&rt), before);
+        // Host fits but not the working set beside the first one (GPU 4 of 8 free, needs 4: fits);
+        // a third one does not.
+        rt.admit_sparse(2, 3, 2).unwrap();
+        let before = snapshot(&rt);
+        let e = rt.admit_sparse(3, 1, 1).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                OasisError::OutOfBlocks {
+                    tier: Tier::Gpu,
+                    requested: 4,
+                    free: 0
+                }
+            ),
+            "{e}"
+        );
+        assert_eq!(snapshot(&rt), before);
+        rt.check_invariants().unwrap();
+        // Pools not grown to the reservation yet.
+        let mut rt = Runtime::new(test_config(), 2, 0, 100, 100).unwrap();
+        let before = snapshot(&rt);
+        assert!(rt.admit_sparse(1, 40, 4).is_err());
+        assert_eq!(snapshot(&rt), before);
+        let r = rt.sparse_reservation(40, 4);
+        let (g, h) = rt.pool_sizes_needed(&r);
+        assert_eq!((g, h), (4, 11));
+        rt.grow(g, h).unwrap();
+        rt.admit_sparse(1, 40, 4).unwrap();
+        rt.check_invariants().unwrap();
+        // No seat left.
+        let cfg = RuntimeConfig {
+            max_num_seqs: 1,
+            ..test_config()
+        };
+        let mut rt = Runtime::new(cfg, 64, 64, 64, 64).unwrap();
+        rt.admit_sparse(1, 5, 5).unwrap();
+        let before = snapshot(&rt);
+        assert!(rt.admit_sparse(2, 5, 5).is_err());
+        assert_eq!(snapshot(&rt), before);
+        // The dense backend has no working set.
+        let cfg = RuntimeConfig {
+            sparse: false,
+            ..test_config()
+        };
+        let mut rt = Runtime::new(cfg, 64, 64, 64, 64).unwrap();
+        let before = snapshot(&rt);
+        let e = rt.admit_sparse(1, 20, 5).unwrap_err();
+        assert!(e.to_string().contains("sparse backend"), "{e}");
+        assert_eq!(snapshot(&rt), before);
     }
 
     #[test]

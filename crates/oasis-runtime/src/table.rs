@@ -44,6 +44,23 @@ impl Reservation {
             turns_sparse,
         }
     }
+
+    /// The peak need of a request admitted sparse from its first step (its prompt's KV comes
+    /// from elsewhere, a staging daemon): never a dense page, only the working set (`K` slot pages
+    /// and the local page) on the GPU; its host table grows to `ceil(L / b)` blocks,
+    /// `L = prompt_len + max_new_tokens - 1`, as for a request that turns sparse.
+    pub fn for_sparse_request(
+        cfg: &RuntimeConfig,
+        prompt_len: usize,
+        max_new_tokens: usize,
+    ) -> Self {
+        let stored = prompt_len.saturating_add(max_new_tokens.max(1) - 1);
+        Self {
+            gpu_pages: cfg.top_k_blocks + 1,
+            host_blocks: stored.div_ceil(cfg.block_size),
+            turns_sparse: true,
+        }
+    }
 }
 
 /// The block tables of one admitted request.
@@ -123,5 +140,18 @@ mod tests {
         };
         let r = Reservation::for_request(&dense, 100, 50);
         assert_eq!((r.gpu_pages, r.host_blocks, r.turns_sparse), (38, 0, false));
+    }
+
+    #[test]
+    fn reservation_of_a_request_admitted_sparse() {
+        let cfg = test_config(); // b = 4, K = 3
+                                 // 40 + 2 - 1 = 41 tokens stored: 11 host blocks, K + 1 = 4 pages (not the prompt's 10).
+        let r = Reservation::for_sparse_request(&cfg, 40, 2);
+        assert_eq!((r.gpu_pages, r.host_blocks, r.turns_sparse), (4, 11, true));
+        // Short prompts too: the working set, whatever the threshold.
+        let r = Reservation::for_sparse_request(&cfg, 3, 1);
+        assert_eq!((r.gpu_pages, r.host_blocks), (4, 1));
+        let r = Reservation::for_sparse_request(&cfg, 8, 1);
+        assert_eq!((r.gpu_pages, r.host_blocks), (4, 2));
     }
 }
