@@ -507,10 +507,13 @@ class _StepGraph:
             v, rows_cap, plan, done, pages_cap, self.num_splits, static=True, workspace=self.workspace
         )
 
-    def capture(self, eng: Engine) -> dict:
-        """Run this step eagerly (the real step, which also warms every kernel and allocation up),
-        then capture the same function; returns the eager run's outputs."""
-        out = self._run(eng)
+    def run_eager(self, eng: Engine) -> dict:
+        """This step, eagerly over the padded views: the real step of a key seen for the first
+        time, which also warms every kernel and allocation up before :meth:`capture`."""
+        return self._run(eng)
+
+    def capture(self, eng: Engine) -> None:
+        """Capture the step function into this graph (nothing runs)."""
         if eng._graph_pool is None:
             eng._graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
@@ -518,7 +521,6 @@ class _StepGraph:
         with torch.cuda.graph(graph, pool=eng._graph_pool, capture_error_mode="thread_local"):
             static = self._run(eng)
         self.graph, self.out = graph, static
-        return out
 
 
 class Engine:
@@ -631,6 +633,8 @@ class Engine:
         self._graph_pool = None
         #: Captured decode steps so far, and replays of them.
         self.graph_stats = {"captures": 0, "replays": 0}
+        #: Why capturing failed (graphs are off since), else None.
+        self.graph_error: str | None = None
         # The step number a captured step's selection reads on the device (set before each replay).
         self._step_now = torch.zeros(1, dtype=torch.int32, device=self.device) if self.cuda else None
         #: The selection policy (:mod:`oasiskv.policy`): None runs the engine as it is.
@@ -1344,8 +1348,22 @@ class Engine:
         gr.plan_evt.record()
         self._step_now.fill_(self.step_no)
         if fresh:
-            out = gr.capture(self)
-            self.graph_stats["captures"] += 1
+            try:
+                out = gr.run_eager(self)
+            except BaseException:
+                self._graphs.pop(key, None)
+                raise
+            try:
+                gr.capture(self)
+            except Exception as e:  # noqa: BLE001 - the step ran; later steps stay eager
+                # The step itself ran eagerly and its outputs stand; a capture that fails (a
+                # driver or allocator refusal) turns graphs off for this engine, with a word.
+                self._graphs.pop(key, None)
+                self.cuda_graph = False
+                self.graph_error = f"{type(e).__name__}: {e}"
+                log.warning("CUDA-graph capture failed (%s); this engine decodes eagerly from now on", e)
+            else:
+                self.graph_stats["captures"] += 1
             while len(self._graphs) > _MAX_GRAPHS:
                 self._graphs.pop(next(iter(self._graphs)))
         else:
