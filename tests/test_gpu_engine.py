@@ -42,20 +42,28 @@ def _prompts(vocab, lens, seed=0):
 
 
 def _teacher_forced_logits(model, kv, backend, prompts, forced, drafter="ngram", **engine_kw):
-    """Prefill, then decode with the given tokens forced (not sampled); returns [steps, reqs, vocab]."""
+    """Prefill, then decode with the given tokens forced (not sampled); a request turns sparse
+    right after its prefill or before the step it passes the threshold at. Returns the logits
+    [steps, reqs, vocab], the requests and the engine (``engine_kw``: more Engine arguments)."""
     eng = Engine(model, kv, backend, oasiskv.drafters.make_drafter(drafter), **engine_kw)
     reqs = [_Request(id=i, prompt=p, max_new_tokens=len(forced[i]) + 1) for i, p in enumerate(prompts)]
     eng.ensure_pools(reqs)
+
+    def turn_sparse(rs):
+        for r in rs:
+            if backend == "oasis" and not r.sparse and eng.runtime.wants_sparse(r.id):
+                eng.make_sparse(r)
+
     for r in reqs:
         eng.drafter.begin(r.id, r.prompt)
         r.tokens = list(r.prompt)
         eng.prefill(r)
         r.tokens.append(forced[r.id][0])
         r.draft = eng.drafter.propose(r.id, r.tokens) if eng.rows == 2 else None
-        if backend == "oasis" and r.kv_len > kv.threshold_tokens:
-            eng.make_sparse(r)
+        turn_sparse([r])  # right after its prefill, whose last query picks the first working set
     out = []
     for t in range(1, len(forced[0])):
+        turn_sparse(reqs)
         logits = eng.decode_step(reqs)
         out.append(logits.float().cpu())
         for r in reqs:
@@ -64,7 +72,7 @@ def _teacher_forced_logits(model, kv, backend, prompts, forced, drafter="ngram",
                 r.draft = eng.drafter.propose(r.id, r.tokens)
     for r in reqs:
         eng.finalize_metrics(r)
-    return torch.stack(out), reqs
+    return torch.stack(out), reqs, eng
 
 
 def test_gpu_oasis_full_budget_matches_gpu_dense_and_cpu():
@@ -73,11 +81,11 @@ def test_gpu_oasis_full_budget_matches_gpu_dense_and_cpu():
     forced = [_prompts(301, [20], seed=9 + i)[0] for i in range(3)]
     kv = KvConfig(block_size=16, top_k_blocks=32, fetch_cap=4, sparse_threshold=64)
     gpu_model = _model(dev)
-    dense, _ = _teacher_forced_logits(gpu_model, kv, "dense", prompts, forced)
-    oasis, reqs = _teacher_forced_logits(gpu_model, kv, "oasis", prompts, forced)
+    dense, _, _ = _teacher_forced_logits(gpu_model, kv, "dense", prompts, forced)
+    oasis, reqs, _ = _teacher_forced_logits(gpu_model, kv, "oasis", prompts, forced)
     assert all(r.sparse for r in reqs[:2])
     torch.testing.assert_close(oasis, dense, atol=2e-4, rtol=1e-3)
-    cpu, _ = _teacher_forced_logits(_model("cpu"), kv, "oasis", prompts, forced)
+    cpu, _, _ = _teacher_forced_logits(_model("cpu"), kv, "oasis", prompts, forced)
     torch.testing.assert_close(oasis, cpu, atol=2e-4, rtol=1e-3)
 
 
@@ -89,8 +97,8 @@ def test_gpu_small_budget_matches_cpu_engine_selection(block_score):
     prompts = _prompts(301, [700, 400])
     forced = [_prompts(301, [24], seed=3 + i)[0] for i in range(2)]
     kv = KvConfig(block_size=16, top_k_blocks=6, fetch_cap=2, sparse_threshold=128, block_score=block_score)
-    gpu, greqs = _teacher_forced_logits(_model(dev), kv, "oasis", prompts, forced)
-    cpu, creqs = _teacher_forced_logits(_model("cpu"), kv, "oasis", prompts, forced)
+    gpu, greqs, _ = _teacher_forced_logits(_model(dev), kv, "oasis", prompts, forced)
+    cpu, creqs, _ = _teacher_forced_logits(_model("cpu"), kv, "oasis", prompts, forced)
     torch.testing.assert_close(gpu, cpu, atol=2e-3, rtol=1e-2)
     for g, c in zip(greqs, creqs, strict=True):
         assert g.metrics.fetched_bytes_total == c.metrics.fetched_bytes_total

@@ -11,43 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-import oasiskv
 from oasiskv import KvConfig, LLMEngine, SamplingParams
-from oasiskv.engine import Engine, _Request
-from test_gpu_engine import _model, _prompts
+from test_gpu_engine import _model, _prompts, _teacher_forced_logits
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
-
-
-def _forced_run(model, kv, backend, prompts, forced, drafter, cuda_graph):
-    eng = Engine(model, kv, backend, oasiskv.drafters.make_drafter(drafter), cuda_graph=cuda_graph)
-    reqs = [_Request(id=i, prompt=p, max_new_tokens=len(forced[i]) + 1) for i, p in enumerate(prompts)]
-    eng.ensure_pools(reqs)
-    for r in reqs:
-        eng.drafter.begin(r.id, r.prompt)
-        r.tokens = list(r.prompt)
-        eng.prefill(r)
-        r.tokens.append(forced[r.id][0])
-        r.draft = eng.drafter.propose(r.id, r.tokens) if eng.rows == 2 else None
-        if backend == "oasis" and eng.runtime.wants_sparse(r.id):
-            eng.make_sparse(r)  # right after its prefill, whose last query picks the first set
-    out = []
-    for t in range(1, len(forced[0])):
-        for r in reqs:
-            if backend == "oasis" and not r.sparse and eng.runtime.wants_sparse(r.id):
-                eng.make_sparse(r)
-        logits = eng.decode_step(reqs)
-        out.append(logits.float().cpu())
-        for r in reqs:
-            r.tokens.append(forced[r.id][t])
-            if eng.rows == 2:
-                r.draft = eng.drafter.propose(r.id, r.tokens)
-    for r in reqs:
-        eng.finalize_metrics(r)
-    return torch.stack(out), reqs, eng
 
 
 @pytest.mark.parametrize(
@@ -67,8 +37,8 @@ def test_graph_replay_matches_the_eager_step(backend, drafter, block_score):
     prompts = _prompts(301, [333, 150, 60])
     forced = [_prompts(301, [40], seed=9 + i)[0] for i in range(3)]
     kv = KvConfig(block_size=16, top_k_blocks=4, fetch_cap=2, sparse_threshold=64, block_score=block_score)
-    eager, er, _ = _forced_run(model, kv, backend, prompts, forced, drafter, cuda_graph=False)
-    graph, gr, eng = _forced_run(model, kv, backend, prompts, forced, drafter, cuda_graph=True)
+    eager, er, _ = _teacher_forced_logits(model, kv, backend, prompts, forced, drafter, cuda_graph=False)
+    graph, gr, eng = _teacher_forced_logits(model, kv, backend, prompts, forced, drafter, cuda_graph=True)
     assert eng.graph_stats["captures"] >= 1
     assert eng.graph_stats["replays"] >= 20, eng.graph_stats
     torch.testing.assert_close(graph, eager, atol=2e-4, rtol=1e-3)
