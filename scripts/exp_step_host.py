@@ -25,7 +25,7 @@ import torch
 
 from oasiskv import KvConfig
 from oasiskv.drafters import NgramDrafter
-from oasiskv.models.config import ModelConfig
+from oasiskv.models.config import preset_config
 from oasiskv.models.transformer import CausalLM
 
 
@@ -50,16 +50,14 @@ def main() -> None:
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    cfg = ModelConfig(
-        family="qwen3",
-        vocab_size=151936 if args.full else 4096,
-        hidden_size=4096 if args.full else 1024,
-        intermediate_size=12288 if args.full else 1024,
-        num_hidden_layers=args.layers,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=args.context + 64,
+    # Qwen3-8B's shapes (models.config preset); without --full a narrow MLP and vocabulary.
+    narrow = (
+        {}
+        if args.full
+        else {"vocab_size": 4096, "hidden_size": 1024, "intermediate_size": 1024, "eos_token_ids": []}
+    )
+    cfg = preset_config("qwen3-8b").replace(
+        num_hidden_layers=args.layers, max_position_embeddings=args.context + 64, **narrow
     )
     if cuda:  # weights drawn on the GPU: seconds, where CausalLM.random draws 8B values on the CPU
         from oasiskv.bench.prefill import random_model
