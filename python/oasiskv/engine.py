@@ -497,11 +497,7 @@ class _StepGraph:
     def _run(self, eng: Engine) -> dict:
         rows_cap, pages_cap, _ = self.key
         v = {name: self.plan_dev[s : s + n] for name, (s, n) in self.layout.items()}
-        kv = eng.kv
-        plan = None
-        if eng.backend == "oasis":
-            both = eng.rows == 2 and kv.select_queries == "lookahead+current"
-            plan = _SparsePlan.from_views(v, [], kv.top_k_blocks, kv.measure_recall, both)
+        plan = eng._sparse_plan(v, []) if eng.backend == "oasis" else None
         done = v["done_blocks"] if eng.key_codes else None
         return eng._run_step(
             v, rows_cap, plan, done, pages_cap, self.num_splits, static=True, workspace=self.workspace
@@ -852,10 +848,21 @@ class Engine:
         """Apply the runtime's pending head-wise mapping updates on the device, every layer."""
         pages, values = self.runtime.take_map_updates()
         if pages:
-            p = self.pools
             idx = torch.tensor(pages, dtype=torch.long).to(self.device, non_blocking=True)
-            p.page_map[:, idx, :] = _i32(values, self.device).view(1, -1, 1)
-            p.page_last_selected[:, idx, :] = -1
+            self._apply_map(idx, _i32(values, self.device))
+
+    def _apply_map(self, pages: torch.Tensor, values: torch.Tensor) -> None:
+        """``page_map[:, pages, :] = values`` in every layer (and those pages' last-selected
+        steps reset): device tensors, long page ids and int32 logical blocks."""
+        p = self.pools
+        p.page_map[:, pages, :] = values.view(1, -1, 1)
+        p.page_last_selected[:, pages, :] = -1
+
+    def _sparse_plan(self, v: dict, reqs: list[_Request]) -> _SparsePlan:
+        """The selection tables of a step, from the plan's views ``v``."""
+        kv = self.kv
+        both = self.rows == 2 and kv.select_queries == "lookahead+current"
+        return _SparsePlan.from_views(v, reqs, kv.top_k_blocks, kv.measure_recall, both)
 
     # ---------------------------------------------------------------- prefill
     @torch.no_grad()
@@ -1153,20 +1160,16 @@ class Engine:
 
     def _decode_eager(self, reqs: list[_Request], ids: list[int], draft_logits: bool):
         """One step launched kernel by kernel: ``(logits, features, draft logits)``."""
-        p, kv = self.pools, self.kv
         n = len(reqs)
         # ---- plan (Rust, once per step): every table of every layer in one arena, one copy
         v, n_sparse, max_pages = self._plan([r.id for r in reqs], ids)
         if v["map_pages"].numel():
-            idx = v["map_pages"].long()
-            p.page_map[:, idx, :] = v["map_values"].view(1, -1, 1)
-            p.page_last_selected[:, idx, :] = -1
+            self._apply_map(v["map_pages"].long(), v["map_values"])
         # The split of long contexts, planned once for all layers (the GPU kernel's).
         num_splits = 0
         if self.cuda:
             num_splits = _core.plan_num_splits(ops._num_sms(self.device), n, self.geo.num_kv_heads, max_pages)
-        both = self.rows == 2 and kv.select_queries == "lookahead+current"
-        plan = _SparsePlan.from_views(v, reqs, kv.top_k_blocks, kv.measure_recall, both) if n_sparse else None
+        plan = self._sparse_plan(v, reqs) if n_sparse else None
         if plan is not None and self.cuda:
             plan.keep_for(self._side)
         done_blocks = v["done_blocks"] if self.key_codes and v["done_blocks"].numel() else None
