@@ -344,7 +344,7 @@ class Fig11:
         drafter = None
         if backend == "oasis":
             drafter = NgramDrafter(window=a.ngram_window) if a.drafter == "ngram" else a.drafter
-        kw = {"cuda_graph": bool(getattr(a, "cuda_graph", False))}
+        kw = {"cuda_graph": a.cuda_graph}
         return LLMEngine(
             self.model,
             kv=self.kv(),
