@@ -78,6 +78,19 @@ impl Client<TcpConnection> {
 }
 
 impl<C: Connection> Client<C> {
+    /// Connect through `transport` (its deadlines bound the connect) and authenticate.
+    ///
+    /// # Errors
+    /// As [`Client::connect`].
+    pub async fn connect_with<T: Transport<Conn = C>>(
+        transport: &T,
+        addr: &str,
+        config: ClientConfig,
+    ) -> Result<Self> {
+        let conn = transport.connect(addr).await?;
+        Self::handshake(conn, &config).await
+    }
+
     /// Authenticate on an established connection (any transport).
     ///
     /// # Errors

@@ -8,13 +8,15 @@
 //!  stage_summaries                a byte budget: blocks, summary       read_blocks (per layer,
 //!  stage_admission                rows, admission set; leases,         across requests)
 //!                                 eviction of expired data only    <-- release
-//!                  Transport: TcpTransport (tokio) today; UCX (feature `ucx`) later
+//!                  Transport: TcpTransport (tokio); UcxTransport (feature `ucx`, libucp
+//!                  loaded at run time, frames as active messages)
 //! ```
 //!
 //! - [`protocol`]: versioned, length-prefixed frames; every field bounds-checked on decode.
 //! - [`pool`]: the staging pool and its accounting.
 //! - [`transport`]: the [`transport::Connection`] / [`transport::Listener`] /
-//!   [`transport::Transport`] traits and the TCP implementation.
+//!   [`transport::Transport`] traits and the TCP implementation; `ucx` (feature `ucx`) the UCX
+//!   one.
 //! - [`server`]: the daemon (`oasis-rt serve`), [`metrics`]: its Prometheus endpoint.
 //! - [`client`]: the async client.
 //!
@@ -29,6 +31,8 @@ pub mod server;
 pub mod transport;
 #[cfg(feature = "ucx")]
 pub mod ucx;
+#[cfg(feature = "ucx")]
+pub use ucx::{UcxConfig, UcxTransport};
 
 pub use client::{Client, ClientConfig};
 pub use error::{Error, ErrorCode, Result};

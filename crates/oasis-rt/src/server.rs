@@ -42,7 +42,7 @@ use crate::protocol::{
     PREAUTH_MAX_FRAME_BYTES, PROTOCOL_VERSION,
 };
 use crate::transport::{
-    Connection, Listener, TcpConfig, TcpTransport, Transport, DEFAULT_IO_TIMEOUT,
+    Connection, Listener, TcpConfig, TcpFrameListener, TcpTransport, Transport, DEFAULT_IO_TIMEOUT,
 };
 
 /// Where the daemon listens unless told otherwise (loopback; the port is arbitrary).
@@ -158,20 +158,41 @@ pub async fn check_exposure(addr: &str, what: &str, has_token: bool) -> Result<S
     Ok(first)
 }
 
-/// A bound daemon, ready to [`run`](Server::run).
-pub struct Server {
-    listener: <TcpTransport as Transport>::Listener,
+/// A bound daemon, ready to [`run`](Server::run), listening through any [`Transport`]'s
+/// listener (TCP unless built with [`Server::bind_with`]).
+pub struct Server<L: Listener = TcpFrameListener> {
+    listener: L,
     metrics: Option<tokio::net::TcpListener>,
     shared: Arc<Shared>,
 }
 
 impl Server {
-    /// Validate the configuration and bind the listeners.
+    /// Validate the configuration and bind the listeners, over TCP.
     ///
     /// # Errors
     /// [`Error::Config`] (non-loopback without a token, bad limits, unresolvable address),
     /// [`Error::Io`] (address in use).
     pub async fn bind(config: ServerConfig) -> Result<Server> {
+        let transport = TcpTransport {
+            config: TcpConfig {
+                io_timeout: config.io_timeout,
+                ..TcpConfig::default()
+            },
+        };
+        Server::bind_with(&transport, config).await
+    }
+}
+
+impl<L: Listener> Server<L> {
+    /// As [`Server::bind`], listening on `config.listen` through `transport` (its own deadlines
+    /// apply to frame I/O; the metrics endpoint is always TCP).
+    ///
+    /// # Errors
+    /// As [`Server::bind`].
+    pub async fn bind_with<T: Transport<Listener = L>>(
+        transport: &T,
+        config: ServerConfig,
+    ) -> Result<Server<L>> {
         if config.max_frame < PREAUTH_MAX_FRAME_BYTES || config.max_frame > HARD_MAX_FRAME_BYTES {
             return Err(Error::Config(format!(
                 "max frame must be within {PREAUTH_MAX_FRAME_BYTES}..={HARD_MAX_FRAME_BYTES} bytes"
@@ -193,12 +214,6 @@ impl Server {
                 Some(tokio::net::TcpListener::bind(addr).await?)
             }
             None => None,
-        };
-        let transport = TcpTransport {
-            config: TcpConfig {
-                io_timeout: config.io_timeout,
-                ..TcpConfig::default()
-            },
         };
         let listener = transport.bind(&listen.to_string()).await?;
         let shared = Arc::new(Shared {

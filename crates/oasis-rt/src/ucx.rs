@@ -1,19 +1,50 @@
-//! UCX, runtime-loaded (feature `ucx`). This session: only a probe of the system `libucp`.
+//! The UCX transport (feature `ucx`): `libucp` loaded at run time, frames as active messages.
 //!
 //! Neither published binding builds against the system UCX (see `docs/ARCHITECTURE.md`,
-//! "Choosing the UCX bindings"): `ucx-sys` 0.1.3 compiles its own UCX and rdma-core with musl
-//! cross tools, `ucx1-sys` 0.1.0 its own UCX with autotools and bindgen. So the UCX transport
-//! will declare the few `ucp_*` entry points it needs by hand and load `libucp.so.0` at run
-//! time (`libloading`), as `oasis-cuda` does with the CUDA driver: the binary then runs, and
-//! says what is missing, on a machine without UCX. Its progress loop will own the UCX worker
-//! on a thread of its own and feed tokio tasks through channels.
+//! "Choosing the UCX bindings"), so [`sys`] declares the few `ucp_*` entry points used by hand
+//! and loads `libucp.so.0` with `libloading`, as `oasis-cuda` does with the CUDA driver: the
+//! binary runs on a machine without UCX and says what is missing when UCX is asked for.
+//!
+//! ```text
+//!  Client / Server (tokio)                       oasis-ucx thread ([`worker`])
+//!  UcxConnection::send_frame ── Cmd::Send ──▶ ucp_am_send_nbx (rendezvous from 64 KiB:
+//!                            ◀── oneshot ───    the receiver RMA-reads the sender's buffer)
+//!  UcxConnection::recv_frame ◀── Incoming ───  AM callback: eager bytes, or a rendezvous
+//!     check the length against max_frame       descriptor with only the length
+//!     ── Cmd::Pull / Cmd::Discard ──────────▶  ucp_am_recv_data_nbx / ucp_am_data_release
+//!  UcxListener::accept      ◀── ConnParts ──   listener conn request -> ucp_ep_create
+//!  UcxTransport::connect    ── Cmd::Connect ▶  ucp_ep_create(sockaddr) + ucp_ep_flush_nbx
+//! ```
+//!
+//! Addresses are `HOST:PORT` socket addresses, as for TCP: UCX's connection manager connects
+//! over TCP/IP and then picks its transports (`UCX_TLS`: shared memory, TCP, RDMA verbs...).
+//! The protocol, its limits and its failure semantics are the TCP transport's: same frames, same
+//! length check before a frame's body is received (a rendezvous frame's bytes stay at the
+//! sender until the reader accepts its length), same deadlines.
+//!
+//! Not done yet (see `docs/ARCHITECTURE.md`): block reads by RMA `get` of a registered staging
+//! pool (the replies' bytes travel inside the reply frame; frames from 64 KiB move by UCX's
+//! rendezvous, itself a zero-copy RMA read of the sender's buffer).
 
-use std::os::raw::c_uint;
+pub mod sys;
+pub mod worker;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use tokio::sync::{mpsc, oneshot};
 
 use crate::error::{Error, Result};
+use crate::protocol::{check_frame_len, DEFAULT_MAX_FRAME_BYTES, LEN_PREFIX_BYTES};
+use crate::transport::{
+    Connection, Listener, Transport, DEFAULT_CONNECT_TIMEOUT, DEFAULT_IO_TIMEOUT,
+};
+use worker::{Cmd, ConnParts, Incoming, Worker};
 
-/// Library names tried in order (override with `OASIS_UCP_LIB`).
-pub const LIBUCP_NAMES: [&str; 2] = ["libucp.so.0", "libucp.so"];
+pub use sys::LIBUCP_NAMES;
 
 /// The version `ucp_get_version` reports.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -26,56 +57,362 @@ pub struct UcxVersion {
 /// Load `libucp` and ask its version.
 ///
 /// # Errors
-/// [`Error::Unavailable`] when the library or the symbol cannot be loaded.
+/// [`Error::Unavailable`] when the library or one of the symbols used cannot be loaded.
 pub fn probe() -> Result<UcxVersion> {
-    let names: Vec<String> = match std::env::var("OASIS_UCP_LIB") {
-        Ok(p) => vec![p],
-        Err(_) => LIBUCP_NAMES.iter().map(|s| s.to_string()).collect(),
-    };
-    let mut last = String::new();
-    for name in &names {
-        // SAFETY: (1) loading libucp runs its initialisers, which only set up UCX's own
-        // global state; (2) `ucp_get_version(unsigned*, unsigned*, unsigned*)` is its C
-        // signature in every UCX 1.x (ucp/api/ucp.h), and it writes the three out-pointers,
-        // which point at live locals.
-        unsafe {
-            let lib = match libloading::Library::new(name) {
-                Ok(l) => l,
-                Err(e) => {
-                    last = e.to_string();
-                    continue;
-                }
-            };
-            let get: libloading::Symbol<
-                unsafe extern "C" fn(*mut c_uint, *mut c_uint, *mut c_uint),
-            > = lib
-                .get(b"ucp_get_version\0")
-                .map_err(|e| Error::Unavailable(format!("{name} has no ucp_get_version: {e}")))?;
-            let (mut major, mut minor, mut release) = (0, 0, 0);
-            get(&mut major, &mut minor, &mut release);
-            return Ok(UcxVersion {
-                major,
-                minor,
-                release,
-            });
+    let api =
+        sys::api().map_err(|e| Error::Unavailable(format!("ucx transport unavailable: {e}")))?;
+    let (major, minor, release) = api.version;
+    Ok(UcxVersion {
+        major,
+        minor,
+        release,
+    })
+}
+
+/// Deadlines and limits of the UCX transport.
+#[derive(Clone, Copy, Debug)]
+pub struct UcxConfig {
+    pub connect_timeout: Duration,
+    pub io_timeout: Duration,
+    /// Eager frames longer than this (plus the prefix) are dropped unread by the progress
+    /// thread; each reader still checks its own, smaller, limit.
+    pub max_frame: u32,
+}
+
+impl Default for UcxConfig {
+    fn default() -> Self {
+        UcxConfig {
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            io_timeout: DEFAULT_IO_TIMEOUT,
+            max_frame: DEFAULT_MAX_FRAME_BYTES,
         }
     }
-    Err(Error::Unavailable(format!(
-        "ucx transport unavailable: cannot load libucp ({last}); install libucx0 or set OASIS_UCP_LIB"
-    )))
+}
+
+/// UCX: one context, one worker and one progress thread per transport (and its clones); every
+/// connection and listener made through it shares them, and keeps them alive.
+#[derive(Clone, Debug)]
+pub struct UcxTransport {
+    worker: Arc<Worker>,
+    pub config: UcxConfig,
+}
+
+impl UcxTransport {
+    /// Load libucp and start the progress thread.
+    ///
+    /// NOTE: blocks for UCX's initialisation (tens of milliseconds); create one transport and
+    /// clone it.
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] when libucp cannot be loaded; [`Error::Io`] when UCX fails to
+    /// initialise.
+    pub fn new(config: UcxConfig) -> Result<UcxTransport> {
+        Ok(UcxTransport {
+            worker: Arc::new(Worker::start(config.max_frame)?),
+            config,
+        })
+    }
+
+    /// The loaded libucp's version.
+    pub fn version(&self) -> UcxVersion {
+        let (major, minor, release) = self.worker.version;
+        UcxVersion {
+            major,
+            minor,
+            release,
+        }
+    }
+
+    /// Whether the progress thread sleeps on UCX's event fd (false: it polls).
+    pub fn has_wakeup(&self) -> bool {
+        self.worker.wakeup
+    }
+}
+
+async fn resolve(addr: &str) -> std::io::Result<SocketAddr> {
+    tokio::net::lookup_host(addr).await?.next().ok_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            format!("{addr} resolves to nothing"),
+        )
+    })
+}
+
+async fn answer<T>(
+    rx: oneshot::Receiver<Result<T>>,
+    op: &'static str,
+    after: Duration,
+) -> Result<T> {
+    match tokio::time::timeout(after, rx).await {
+        Err(_) => Err(Error::Timeout { op, after }),
+        // The thread dropped the request: it is shutting down.
+        Ok(Err(_)) => Err(Error::Closed),
+        Ok(Ok(r)) => r,
+    }
+}
+
+impl Transport for UcxTransport {
+    type Conn = UcxConnection;
+    type Listener = UcxListener;
+
+    async fn connect(&self, addr: &str) -> Result<UcxConnection> {
+        let to = resolve(addr).await.map_err(|source| Error::Unreachable {
+            addr: addr.to_string(),
+            source,
+        })?;
+        let (reply, rx) = oneshot::channel();
+        self.worker.submit(Cmd::Connect { addr: to, reply })?;
+        let parts = answer(rx, "connect", self.config.connect_timeout).await?;
+        Ok(UcxConnection::new(
+            self.worker.clone(),
+            parts,
+            self.config.io_timeout,
+        ))
+    }
+
+    async fn bind(&self, addr: &str) -> Result<UcxListener> {
+        let at = resolve(addr).await?;
+        let (reply, rx) = oneshot::channel();
+        self.worker.submit(Cmd::Listen { addr: at, reply })?;
+        let parts = answer(rx, "listen", self.config.io_timeout).await?;
+        Ok(UcxListener {
+            worker: self.worker.clone(),
+            id: parts.id,
+            addr: parts.addr,
+            accepted: parts.accepted,
+            io_timeout: self.config.io_timeout,
+        })
+    }
+}
+
+/// A bound UCX listener (a `ucp_listener` on a socket address).
+#[derive(Debug)]
+pub struct UcxListener {
+    worker: Arc<Worker>,
+    id: u64,
+    addr: SocketAddr,
+    accepted: mpsc::UnboundedReceiver<ConnParts>,
+    io_timeout: Duration,
+}
+
+impl Listener for UcxListener {
+    type Conn = UcxConnection;
+
+    async fn accept(&mut self) -> Result<UcxConnection> {
+        match self.accepted.recv().await {
+            Some(parts) => Ok(UcxConnection::new(
+                self.worker.clone(),
+                parts,
+                self.io_timeout,
+            )),
+            None => Err(Error::Io(std::io::Error::other(
+                "ucx progress thread stopped",
+            ))),
+        }
+    }
+
+    fn local_addr(&self) -> String {
+        self.addr.to_string()
+    }
+}
+
+impl Drop for UcxListener {
+    fn drop(&mut self) {
+        let _ = self.worker.submit(Cmd::CloseListener(self.id));
+    }
+}
+
+/// A UCX endpoint carrying frames as active messages.
+#[derive(Debug)]
+pub struct UcxConnection {
+    worker: Arc<Worker>,
+    id: worker::ConnId,
+    peer: String,
+    incoming: mpsc::UnboundedReceiver<Incoming>,
+    queued: Arc<AtomicUsize>,
+    io_timeout: Duration,
+    closed: bool,
+}
+
+impl UcxConnection {
+    fn new(worker: Arc<Worker>, parts: ConnParts, io_timeout: Duration) -> UcxConnection {
+        UcxConnection {
+            worker,
+            id: parts.id,
+            peer: parts.peer,
+            incoming: parts.incoming,
+            queued: parts.queued,
+            io_timeout,
+            closed: false,
+        }
+    }
+
+    /// Check a whole received frame (prefix included) and return its body.
+    fn body(frame: Bytes, max_frame: u32) -> Result<Bytes> {
+        if frame.len() < LEN_PREFIX_BYTES {
+            return Err(Error::Truncated {
+                field: "frame",
+                needed: LEN_PREFIX_BYTES as u64,
+                available: frame.len() as u64,
+            });
+        }
+        let len = u32::from_le_bytes([frame[0], frame[1], frame[2], frame[3]]);
+        check_frame_len(len, max_frame)?;
+        if len as usize != frame.len() - LEN_PREFIX_BYTES {
+            return Err(Error::Invalid {
+                field: "length prefix",
+                reason: "differs from the message's length",
+            });
+        }
+        Ok(frame.slice(LEN_PREFIX_BYTES..))
+    }
+
+    /// The length a message of `len` bytes declares for its body, checked against `max_frame`.
+    fn check_message_len(len: usize, max_frame: u32) -> Result<()> {
+        let body = len.checked_sub(LEN_PREFIX_BYTES).ok_or(Error::Truncated {
+            field: "frame",
+            needed: LEN_PREFIX_BYTES as u64,
+            available: len as u64,
+        })?;
+        let body = u32::try_from(body).map_err(|_| Error::FrameTooLarge {
+            len: body as u64,
+            max: max_frame.into(),
+        })?;
+        check_frame_len(body, max_frame)
+    }
+
+    async fn receive(&mut self, max_frame: u32, idle: Option<Duration>) -> Result<Bytes> {
+        if self.closed {
+            return Err(Error::Closed);
+        }
+        let next = self.incoming.recv();
+        let item = match idle {
+            Some(after) => tokio::time::timeout(after, next)
+                .await
+                .map_err(|_| Error::Timeout {
+                    op: "wait for a frame",
+                    after,
+                })?,
+            None => next.await,
+        };
+        let Some(item) = item else {
+            return Err(Error::Closed);
+        };
+        if !matches!(item, Incoming::Closed(_)) {
+            // A frame left the queue (the thread counts frames, not the close).
+            self.queued.fetch_sub(1, Ordering::AcqRel);
+        }
+        match item {
+            Incoming::Closed(why) => {
+                self.closed = true;
+                match why {
+                    None => Err(Error::Closed),
+                    Some(why) => Err(Error::Io(std::io::Error::other(why))),
+                }
+            }
+            Incoming::Oversized(len) => Err(Error::FrameTooLarge {
+                len: len.saturating_sub(LEN_PREFIX_BYTES) as u64,
+                max: max_frame.into(),
+            }),
+            Incoming::Eager(frame) => Self::body(frame, max_frame),
+            Incoming::Rndv { desc, len } => {
+                if let Err(e) = Self::check_message_len(len, max_frame) {
+                    // The bytes never leave the sender.
+                    let _ = self.worker.submit(Cmd::Discard {
+                        conn: self.id,
+                        desc,
+                    });
+                    return Err(e);
+                }
+                let (reply, rx) = oneshot::channel();
+                self.worker.submit(Cmd::Pull {
+                    conn: self.id,
+                    desc,
+                    reply,
+                })?;
+                let frame = answer(rx, "read frame", self.io_timeout).await?;
+                Self::body(frame, max_frame)
+            }
+        }
+    }
+}
+
+impl Connection for UcxConnection {
+    async fn send_frame(&mut self, frame: &[u8]) -> Result<()> {
+        if self.closed {
+            return Err(Error::Closed);
+        }
+        // NOTE: one copy per frame: the bytes must outlive this future (UCX may still read them
+        // after a timeout drops it).
+        let (reply, rx) = oneshot::channel();
+        self.worker.submit(Cmd::Send {
+            conn: self.id,
+            frame: frame.to_vec(),
+            reply,
+        })?;
+        answer(rx, "send frame", self.io_timeout).await
+    }
+
+    async fn recv_frame(&mut self, max_frame: u32, idle: Option<Duration>) -> Result<Bytes> {
+        self.receive(max_frame, idle).await
+    }
+
+    fn peer(&self) -> String {
+        self.peer.clone()
+    }
+}
+
+impl Drop for UcxConnection {
+    fn drop(&mut self) {
+        let _ = self.worker.submit(Cmd::Close(self.id));
+    }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     #[test]
     fn probe_is_total() {
         // Here or not, the probe answers without panicking.
-        match super::probe() {
+        match probe() {
             Ok(v) => {
                 eprintln!("libucp {}.{}.{}", v.major, v.minor, v.release);
                 assert!(v.major >= 1, "{v:?}");
             }
             Err(e) => assert!(e.to_string().contains("libucp"), "{e}"),
         }
+    }
+
+    #[test]
+    fn frame_checks() {
+        let f = crate::protocol::encode_frame(3, &crate::protocol::Message::Stats, 1024).unwrap();
+        let body = UcxConnection::body(Bytes::from(f.clone()), 1024).unwrap();
+        assert_eq!(&body[..], &f[4..]);
+        // A prefix that disagrees with the message length.
+        let mut longer = f.clone();
+        longer.push(0);
+        assert!(matches!(
+            UcxConnection::body(Bytes::from(longer), 1024),
+            Err(Error::Invalid { .. })
+        ));
+        assert!(matches!(
+            UcxConnection::body(Bytes::from(f.clone()), 8 - 1),
+            Err(Error::FrameTooLarge { .. })
+        ));
+        assert!(matches!(
+            UcxConnection::body(Bytes::from_static(&[1, 0]), 1024),
+            Err(Error::Truncated { .. })
+        ));
+        assert!(UcxConnection::check_message_len(4 + 4096, 4096).is_ok());
+        assert!(matches!(
+            UcxConnection::check_message_len(4 + 4097, 4096),
+            Err(Error::FrameTooLarge { .. })
+        ));
+        assert!(matches!(
+            UcxConnection::check_message_len(usize::MAX, u32::MAX),
+            Err(Error::FrameTooLarge { .. })
+        ));
+        assert!(UcxConnection::check_message_len(2, 4096).is_err());
     }
 }
