@@ -251,7 +251,7 @@ def test_hf_dir_errors(tiny_llama, tmp_path):
     d = write_hf_dir(tiny_llama, tmp_path / "gpt2")
     cfg = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
-    with pytest.raises(ConfigError, match=r"'gpt2' is not supported.*\['llama', 'qwen3'\]"):
+    with pytest.raises(ConfigError, match=r"'gpt2' is not supported.*\['llama', 'qwen3', 'qwen3_moe'\]"):
         load_hf_dir(d)
 
     with pytest.raises(CheckpointError, match="neither 'smollm2'"):

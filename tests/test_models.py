@@ -342,7 +342,7 @@ def test_config_from_hf_dict_variants():
     v5 = {k: v for k, v in d.items() if k not in ("rope_theta", "rope_scaling")}
     v5["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, **d["rope_scaling"]}
     assert ModelConfig.from_hf_dict(v5) == cfg
-    with pytest.raises(ConfigError, match=r"supported model types: \['llama', 'qwen3'\]"):
+    with pytest.raises(ConfigError, match=r"supported model types: \['llama', 'qwen3', 'qwen3_moe'\]"):
         ModelConfig.from_hf_dict({**d, "model_type": "gpt2"})
     with pytest.raises(ConfigError, match="attention_bias"):
         ModelConfig.from_hf_dict({**d, "attention_bias": True})

@@ -34,6 +34,11 @@ CFG = ModelConfig(
     head_dim=32,
     max_position_embeddings=1024,
 )
+#: The same with Qwen3-MoE layers (issue 14): 8 tensor-parallel experts of 64 columns, 2 a token,
+#: layer 1 dense; each rank holds 32 columns of every expert.
+MOE_CFG = CFG.replace(
+    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=(1,)
+)
 SEED = 3
 #: Budget of 4 blocks of 16 and a threshold of 64 tokens: the long prompts turn sparse.
 KV = dict(block_size=16, top_k_blocks=4, fetch_cap=0.25, sparse_threshold=64)
@@ -76,9 +81,9 @@ MODES = {
 }
 
 
-def _generate_job(group, modes):
+def _generate_job(group, modes, cfg=CFG):
     """Every mode's outputs on the driver; every rank reports what it owns and ran."""
-    model = TPCausalLM.random(CFG, seed=SEED, group=group)
+    model = TPCausalLM.random(cfg, seed=SEED, group=group)
     out = {}
     for mode in modes:
         eng = TPLLMEngine(model, kv=KvConfig(**KV), **MODES[mode], **ENGINE)
@@ -98,6 +103,7 @@ def _generate_job(group, modes):
             "pools_full": pools_are_full(eng),
             "caps": eng.engine.runtime.caps,
             "steps": steps,
+            "moe_width": [layer.moe.intermediate_size for layer in model.layers if layer.moe is not None],
         }
     return out
 
@@ -148,9 +154,9 @@ def _worker_fails_job(group):
 
 
 # ----------------------------------------------------------------------------------- tests
-def _reference(mode: str) -> dict:
+def _reference(mode: str, cfg=CFG) -> dict:
     """One process, the unsharded model, the plain LLMEngine."""
-    model = CausalLM.random(CFG, seed=SEED)
+    model = CausalLM.random(cfg, seed=SEED)
     return _drive(LLMEngine(model, kv=KvConfig(**KV), **MODES[mode], **ENGINE))
 
 
@@ -174,6 +180,22 @@ def test_tp2_greedy_tokens_equal_tp1_dense_and_oasis():
     assert len(ranks[0]["oasis"]["steps"]) >= max(m for _, m in SPECS) - 1
     sparse = [steps for _, _, _, steps in ranks[0]["oasis"]["outputs"].values()]
     assert sum(s > 0 for s in sparse) == 2, sparse  # the 150- and 200-token requests
+
+
+def test_moe_tp2_greedy_tokens_equal_tp1_dense_and_oasis():
+    """A Qwen3-MoE model (layers 0, 2, 3 mixtures of experts) over gloo: each rank holds half of
+    every expert and routes its (replicated) rows itself; the greedy tokens equal the
+    single-process engine's, dense and OasisKV (the long requests turn sparse), and both ranks
+    ran the same decode steps."""
+    modes = ("dense", "oasis")
+    ranks = run_tp(_generate_job, tp=2, args=(modes, MOE_CFG), timeout_s=120)
+    for mode in modes:
+        assert ranks[0][mode]["outputs"] == _reference(mode, MOE_CFG), mode
+        assert ranks[0][mode]["steps"] == ranks[1][mode]["steps"], mode
+        for rank in ranks:
+            assert rank[mode]["moe_width"] == [32, 32, 32] and rank[mode]["pools_full"], mode
+    sparse = [steps for _, _, _, steps in ranks[0]["oasis"]["outputs"].values()]
+    assert sum(s > 0 for s in sparse) == 2, sparse
 
 
 def test_rank_killed_mid_run_fails_the_others_not_a_hang():

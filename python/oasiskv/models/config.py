@@ -5,7 +5,7 @@
 (:meth:`ModelConfig.from_hf_dict`, both the transformers 4.x ``rope_theta``/``rope_scaling`` and the
 5.x ``rope_parameters`` spellings) or from GGUF metadata (see :mod:`oasiskv.models.loader`), and
 written back with :meth:`ModelConfig.to_hf_dict`, which ``transformers.LlamaConfig`` /
-``Qwen3Config`` accept.
+``Qwen3Config`` / ``Qwen3MoeConfig`` accept.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from oasiskv.errors import ConfigError
 
 #: ``config.json`` ``model_type`` values this package implements, mapped to :attr:`ModelConfig.family`.
-SUPPORTED_MODEL_TYPES: dict[str, str] = {"llama": "llama", "qwen3": "qwen3"}
+SUPPORTED_MODEL_TYPES: dict[str, str] = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3"}
 #: RoPE scaling kinds implemented (``None`` = plain RoPE).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -38,6 +38,9 @@ SIZE_BOUNDS: dict[str, int] = {
     "head_dim": 1024,
     "max_position_embeddings": (1 << 31) - 1,
 }
+#: The same for a mixture-of-experts config (checked when ``num_experts > 0``). Arbitrary too:
+#: Qwen3-235B-A22B has 128 experts of 1536 columns, DeepSeek-V3 256 of 2048.
+MOE_SIZE_BOUNDS: dict[str, int] = {"num_experts": 1 << 12, "moe_intermediate_size": 1 << 20}
 
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
@@ -98,7 +101,7 @@ def _check_size(name: str, v: Any) -> None:
     # bool is an int subclass: `true` in a config.json would otherwise be a size of 1
     if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
         raise ConfigError(f"{name} must be a positive int, got {v!r}; fix it in config.json")
-    bound = SIZE_BOUNDS[name]
+    bound = SIZE_BOUNDS[name] if name in SIZE_BOUNDS else MOE_SIZE_BOUNDS[name]
     if v > bound:
         raise ConfigError(
             f"{name}={v} is larger than {bound}, the most OasisKV accepts (no released model comes "
@@ -114,6 +117,14 @@ class ModelConfig:
     dict ``{"rope_type": "llama3"|"linear", ...}`` (normalised on construction). ``eos_token_ids`` lists
     every id that ends generation. Construction validates everything and raises
     :class:`~oasiskv.errors.ConfigError` with a fix-it message.
+
+    **Mixture of experts** (Qwen3-MoE, ``model_type`` ``qwen3_moe``; family ``qwen3``): with
+    ``num_experts > 0`` a layer's MLP is a router (a linear map to ``num_experts`` logits,
+    softmax, top ``num_experts_per_tok``, renormalised when ``norm_topk_prob``) over
+    ``num_experts`` SwiGLU experts of width ``moe_intermediate_size``, on every layer ``i`` with
+    ``(i + 1) % decoder_sparse_step == 0`` that is not in ``mlp_only_layers``
+    (:meth:`is_moe_layer`); the other layers keep a dense MLP of ``intermediate_size``. With
+    ``num_experts = 0`` (the default) the model is dense and the other MoE fields are unused.
     """
 
     family: str
@@ -131,6 +142,12 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_ids: list[int] = dataclasses.field(default_factory=list)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.family not in SUPPORTED_MODEL_TYPES.values():
@@ -185,6 +202,59 @@ class ModelConfig:
             if not 0 <= tid < self.vocab_size:
                 raise ConfigError(f"special token id {tid} is outside the vocabulary [0, {self.vocab_size})")
         object.__setattr__(self, "eos_token_ids", [int(e) for e in eos])
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        e = self.num_experts
+        if not isinstance(e, int) or isinstance(e, bool) or e < 0:
+            raise ConfigError(f"num_experts must be an int >= 0 (0: a dense model), got {e!r}")
+        if e == 0:
+            return
+        _check_size("num_experts", e)
+        if self.family != "qwen3":
+            raise ConfigError(
+                f"mixture-of-experts layers are implemented for the qwen3 family (Qwen3-MoE) only, "
+                f"got family={self.family!r} with num_experts={self.num_experts}"
+            )
+        _check_size("moe_intermediate_size", self.moe_intermediate_size)
+        k = self.num_experts_per_tok
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= self.num_experts:
+            raise ConfigError(
+                f"num_experts_per_tok must be an int in 1..={self.num_experts} (num_experts), got {k!r}"
+            )
+        step = self.decoder_sparse_step
+        if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+            raise ConfigError(f"decoder_sparse_step must be an int >= 1, got {step!r}")
+        only = self.mlp_only_layers
+        if only is None:
+            only = ()
+        if isinstance(only, (str, bytes)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in only
+        ):
+            raise ConfigError(f"mlp_only_layers must be a list of layer indices, got {only!r}")
+        bad = [i for i in only if not 0 <= i < self.num_hidden_layers]
+        if bad:
+            raise ConfigError(
+                f"mlp_only_layers {bad} are outside the model's layers [0, {self.num_hidden_layers})"
+            )
+        object.__setattr__(self, "mlp_only_layers", tuple(sorted(set(only))))
+        object.__setattr__(self, "norm_topk_prob", bool(self.norm_topk_prob))
+
+    # ------------------------------------------------------------------ mixture of experts
+    @property
+    def is_moe(self) -> bool:
+        """Whether any layer is a mixture of experts."""
+        return any(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer``'s MLP is the sparse mixture of experts (Hugging Face's rule:
+        ``num_experts > 0``, ``(layer + 1) % decoder_sparse_step == 0``, not in
+        ``mlp_only_layers``)."""
+        return (
+            self.num_experts > 0
+            and (layer + 1) % self.decoder_sparse_step == 0
+            and layer not in self.mlp_only_layers
+        )
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -202,7 +272,7 @@ class ModelConfig:
 
     @property
     def model_type(self) -> str:
-        return self.family
+        return "qwen3_moe" if self.num_experts else self.family
 
     @property
     def embedding_parameters(self) -> int:
@@ -211,15 +281,43 @@ class ModelConfig:
 
     @property
     def layer_parameters(self) -> int:
-        """Parameters of one decoder layer (:class:`~oasiskv.models.transformer.DecoderLayer`)."""
+        """Parameters of one dense decoder layer (:class:`~oasiskv.models.transformer.DecoderLayer`
+        with the SwiGLU MLP of ``intermediate_size``); :meth:`layer_parameters_of` counts a
+        mixture-of-experts layer's router and experts instead."""
+        return self._attention_parameters + 3 * self.intermediate_size * self.hidden_size
+
+    @property
+    def _attention_parameters(self) -> int:
+        """A layer's two norms, QKV, q/k norms (Qwen3) and o_proj."""
         h = self.hidden_size
         qk_norm = 2 * self.head_dim if self.family == "qwen3" else 0  # type: ignore[operator]
-        return 2 * h + (2 * self.q_size + 2 * self.kv_size) * h + 3 * self.intermediate_size * h + qk_norm
+        return 2 * h + (2 * self.q_size + 2 * self.kv_size) * h + qk_norm
+
+    def layer_parameters_of(self, layer: int) -> int:
+        """Parameters of decoder layer ``layer``: a dense one's, or (:meth:`is_moe_layer`) the
+        attention's plus the router [num_experts, h] and every expert's gate, up and down."""
+        if not self.is_moe_layer(layer):
+            return self.layer_parameters
+        h = self.hidden_size
+        return self._attention_parameters + self.num_experts * (h + 3 * self.moe_intermediate_size * h)
+
+    @property
+    def decoder_parameters(self) -> int:
+        """Parameters of all decoder layers."""
+        return sum(self.layer_parameters_of(i) for i in range(self.num_hidden_layers))
+
+    @property
+    def active_parameters(self) -> int:
+        """Parameters one token reads: the experts it is routed to (``num_experts_per_tok`` of
+        them) instead of all (Qwen3-235B-A22B: 22e9 of 235e9); ``num_parameters`` when dense."""
+        unused = self.num_experts - self.num_experts_per_tok
+        moe_layers = sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+        return self.num_parameters - moe_layers * unused * 3 * self.moe_intermediate_size * self.hidden_size
 
     @property
     def num_parameters(self) -> int:
         """Parameters of the whole model: embeddings, LM head, layers and the final norm."""
-        return self.embedding_parameters + self.num_hidden_layers * self.layer_parameters + self.hidden_size
+        return self.embedding_parameters + self.decoder_parameters + self.hidden_size
 
     def replace(self, **changes: Any) -> ModelConfig:
         """A copy with ``changes`` applied (validated again)."""
@@ -291,6 +389,24 @@ class ModelConfig:
 
         eos = d.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        moe = {}
+        if model_type == "qwen3_moe":
+            # transformers 5 writes num_local_experts; released config.json files num_experts
+            experts = d.get("num_experts", d.get("num_local_experts"))
+            missing = [k for k in ("num_experts_per_tok", "moe_intermediate_size") if k not in d]
+            if experts is None or missing:
+                missing = (["num_experts"] if experts is None else []) + missing
+                raise ConfigError(f"config.json of a qwen3_moe model is missing keys {missing}")
+            moe = dict(
+                num_experts=experts,
+                num_experts_per_tok=d["num_experts_per_tok"],
+                moe_intermediate_size=d["moe_intermediate_size"],
+                norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+                decoder_sparse_step=d.get("decoder_sparse_step", 1),
+                mlp_only_layers=tuple(d.get("mlp_only_layers") or ()),
+            )
+            if experts == 0:
+                raise ConfigError("config.json of a qwen3_moe model has num_experts=0; use model_type qwen3")
         return cls(
             family=family,
             vocab_size=d["vocab_size"],
@@ -310,6 +426,7 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **moe,
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -317,10 +434,10 @@ class ModelConfig:
         rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.rope_scaling is not None:
             rope_parameters.update(self.rope_scaling)
-        arch = "LlamaForCausalLM" if self.family == "llama" else "Qwen3ForCausalLM"
+        arch = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
         d: dict[str, Any] = {
-            "architectures": [arch],
-            "model_type": self.family,
+            "architectures": [arch[self.model_type]],
+            "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -349,6 +466,15 @@ class ModelConfig:
             d["mlp_bias"] = False
         else:
             d["use_sliding_window"] = False
+        if self.num_experts:
+            d.update(
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=self.decoder_sparse_step,
+                mlp_only_layers=list(self.mlp_only_layers),
+            )
         return d
 
 
@@ -400,6 +526,61 @@ PRESETS: dict[str, ModelConfig] = {
         bos_token_id=128000,
         eos_token_ids=[128001, 128008, 128009],
     ),
+    # Qwen/Qwen3-32B config.json (64 layers, 64 query / 8 KV heads of 128, untied embeddings).
+    "qwen3-32b": ModelConfig(
+        family="qwen3",
+        vocab_size=151936,
+        hidden_size=5120,
+        intermediate_size=25600,
+        num_hidden_layers=64,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        eos_token_ids=[151645, 151643],
+    ),
+    # Qwen/Qwen3-235B-A22B config.json: 94 MoE layers, 64 query / 4 KV heads of 128, 128 experts
+    # of 1536 columns, 8 per token (renormalised); 235e9 parameters, 22e9 active.
+    "qwen3-235b-a22b": ModelConfig(
+        family="qwen3",
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=94,
+        num_attention_heads=64,
+        num_key_value_heads=4,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        eos_token_ids=[151645, 151643],
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=1536,
+        norm_topk_prob=True,
+    ),
+    # Qwen/Qwen3-30B-A3B config.json: 48 MoE layers, 32 query / 4 KV heads of 128, 128 experts of
+    # 768 columns, 8 per token; 30.5e9 parameters, 3.3e9 active.
+    "qwen3-30b-a3b": ModelConfig(
+        family="qwen3",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        max_position_embeddings=40960,
+        eos_token_ids=[151645, 151643],
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+    ),
     # Arbitrary: two layers of Qwen3 shape (GQA 4/2, q/k norm), seconds on 2 CPU cores.
     "tiny": ModelConfig(
         family="qwen3",
@@ -411,6 +592,24 @@ PRESETS: dict[str, ModelConfig] = {
         num_key_value_heads=2,
         head_dim=16,
         max_position_embeddings=32768,
+    ),
+    # Arbitrary: "tiny" with Qwen3-MoE layers: 8 experts of 32 columns, 2 per token
+    # (renormalised); layer 1 dense (mlp_only_layers) so both MLP kinds run.
+    "tiny-moe": ModelConfig(
+        family="qwen3",
+        vocab_size=301,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=32768,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=(1,),
     ),
 }
 

@@ -11,6 +11,9 @@ fused QKV [(Hq + 2 Hkv) D, h]   its ``Hq/tp`` query heads and    attention over 
 ``o_proj`` [h, Hq D]            its query heads' columns (row)   all-reduce
 ``gate_up`` [2 I, h]            ``I/tp`` rows of each half       SwiGLU on its own columns
 ``down_proj`` [h, I]            its ``I/tp`` columns (row)       all-reduce
+MoE router ``gate`` [E, h]      replicated                       the same routing on every rank
+expert ``e``'s gate/up [I', h]  ``I'/tp`` rows of each           SwiGLU on its own columns
+expert ``e``'s down [h, I']     its ``I'/tp`` columns (row)      all-reduce (one for all experts)
 ``lm_head`` [V, h]              vocabulary rows ``r*Vs ..``      all-gather of the logits
 norms, RoPE                     replicated                       -
 ==============================  ===============================  ================================
@@ -20,9 +23,16 @@ the gather. Query head ``g`` of a rank uses its KV head ``g // (Hq / Hkv)``, as 
 because each rank holds whole GQA groups. Every rank therefore holds the full residual stream
 [n, h] (replicated) and the K/V of only its KV heads: the engine of a rank
 (:class:`~oasiskv.parallel.TPLLMEngine`) sees a model whose ``config`` has ``Hq/tp`` query
-heads, ``Hkv/tp`` KV heads and ``I/tp`` MLP columns, and sizes its pools, summaries and selection
-by that. ``config.vocab_size`` stays the full vocabulary (logits are gathered);
-``full_config`` is the model's own.
+heads, ``Hkv/tp`` KV heads and ``I/tp`` MLP columns (``I'/tp`` per expert), and sizes its
+pools, summaries and selection by that. ``config.vocab_size`` stays the full vocabulary (logits
+are gathered); ``full_config`` is the model's own.
+
+**Mixture of experts** (Qwen3-MoE, ``I' = moe_intermediate_size``): the experts are
+tensor-parallel, every rank holding a slice of every expert, not expert-parallel (whole experts
+per rank). The residual stream is replicated, so each rank routes its rows itself (the same
+experts everywhere, with no all-to-all) and sums its slices' partial products into the MLP's one
+all-reduce, as a dense MLP does; every rank reads ``1/tp`` of each expert a step chose, so the
+ranks stay balanced whatever the routing.
 
 Two all-reduces per layer and one all-gather per forward; numerics: a row-parallel projection
 sums ``tp`` partial products, so hidden states differ from one process in the last bits (greedy
@@ -48,20 +58,27 @@ def _divisors(*xs: int) -> list[int]:
 
 
 def tp_config(cfg: ModelConfig, tp: int) -> ModelConfig:
-    """The config one rank's shard runs with: ``num_attention_heads``, ``num_key_value_heads`` and
-    ``intermediate_size`` divided by ``tp``; the vocabulary, head_dim and the rest unchanged.
+    """The config one rank's shard runs with: ``num_attention_heads``, ``num_key_value_heads``,
+    ``intermediate_size`` and (mixture of experts) ``moe_intermediate_size`` divided by ``tp``; the
+    vocabulary, head_dim, the number of experts and the rest unchanged.
 
     Raises :class:`ConfigError` when ``tp`` does not divide the query heads, the KV heads and the
-    MLP width (each rank owns whole KV heads and the query heads that read them; KV heads are
-    never replicated), naming the sizes that work.
+    MLP widths (each rank owns whole KV heads and the query heads that read them; KV heads are
+    never replicated), naming the sizes that work. A model whose every layer is a mixture of
+    experts has no dense MLP: its ``intermediate_size`` is not checked (and kept when ``tp`` does
+    not divide it).
     """
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ConfigError(f"tp must be an int >= 1, got {tp!r}")
     sizes = {
         "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_key_value_heads,
-        "intermediate_size": cfg.intermediate_size,
     }
+    dense_mlp = not all(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    if dense_mlp:
+        sizes["intermediate_size"] = cfg.intermediate_size
+    if cfg.is_moe:
+        sizes["moe_intermediate_size"] = cfg.moe_intermediate_size
     bad = [f"{k}={v}" for k, v in sizes.items() if v % tp]
     if bad:
         raise ConfigError(
@@ -70,10 +87,12 @@ def tp_config(cfg: ModelConfig, tp: int) -> ModelConfig:
         )
     if tp == 1:
         return cfg
+    inter = cfg.intermediate_size
     return cfg.replace(
         num_attention_heads=cfg.num_attention_heads // tp,
         num_key_value_heads=cfg.num_key_value_heads // tp,
-        intermediate_size=cfg.intermediate_size // tp,
+        intermediate_size=inter // tp if inter % tp == 0 else inter,
+        moe_intermediate_size=cfg.moe_intermediate_size // tp,
         head_dim=cfg.head_dim,
     )
 
@@ -87,11 +106,18 @@ def vocab_shard(vocab_size: int, tp: int, rank: int) -> tuple[int, int, int]:
 
 
 #: How each Hugging Face tensor is split: by rows (dim 0, column-parallel), by columns (dim 1,
-#: row-parallel), by vocabulary rows (padded), or replicated (every name not listed).
+#: row-parallel), by vocabulary rows (padded), or replicated (every name not listed: the norms and
+#: the MoE router ``mlp.gate.weight``). The MLP suffixes match the dense MLP's
+#: ``mlp.gate_proj.weight`` and every expert's ``mlp.experts.E.gate_proj.weight`` alike.
 _ROWS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")
-_ROWS += ("mlp.gate_proj.weight", "mlp.up_proj.weight")
-_COLS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+_ROWS += (".gate_proj.weight", ".up_proj.weight")
+_COLS = ("self_attn.o_proj.weight", ".down_proj.weight")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def is_replicated(name: str) -> bool:
+    """Whether every rank holds the whole Hugging Face tensor ``name`` (norms, the MoE router)."""
+    return name not in _VOCAB and not name.endswith(_ROWS + _COLS)
 
 
 def shard_hf_tensor(name: str, full: Tensor, tp: int, rank: int) -> Tensor:
@@ -237,6 +263,37 @@ class TPCausalLM(CausalLM):
                 else:
                     vals = std * torch.randn(shapes[name], generator=gen)
                 slots[name].copy_(shard_hf_tensor(name, vals, model.tp_size, model.tp_rank))
+        return model
+
+    @classmethod
+    def random_shards(
+        cls,
+        cfg: ModelConfig,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device | None = None,
+        std: float = 0.02,
+        group=None,
+    ) -> TPCausalLM:
+        """Random weights of ``cfg``'s shape drawn by each rank for its own shards, on its device:
+        matrices ~ N(0, std), norm weights 1 (bench.prefill's ``random_model``, sharded).
+
+        For benchmarks of large shapes: seconds for Qwen3-235B-A22B over 8 GPUs, where
+        :meth:`random` draws every full tensor on the CPU on every rank (hours). The sharded
+        tensors come from a generator of this rank's own; the replicated ones (norms, the MoE
+        router) from one seeded alike on every rank, so that they agree. The model is NOT
+        ``CausalLM.random``'s, nor the same at another ``tp``: use :meth:`random` or
+        :meth:`from_full` where tokens are compared."""
+        model = cls(cfg, dtype=dtype, device=device, group=group)
+        dev = model.device
+        shared = torch.Generator(device=dev).manual_seed(seed)
+        own = torch.Generator(device=dev).manual_seed(seed + 7919 * (model.tp_rank + 1))
+        with torch.no_grad():
+            for name, t in sorted(model.hf_tensor_slots().items()):
+                if name.endswith("norm.weight"):
+                    t.fill_(1.0)
+                else:
+                    t.normal_(0.0, std, generator=shared if is_replicated(name) else own)
         return model
 
     def extra_repr(self) -> str:

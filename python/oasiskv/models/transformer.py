@@ -2,7 +2,8 @@
 
 :class:`CausalLM` computes everything of a decoder step except attention itself: embeddings,
 RMSNorm pre-norms, the fused QKV projection, Qwen3's per-head q/k RMSNorm, rotate-half RoPE (with
-llama3 or linear scaling), the SwiGLU MLP, the final norm and the LM head. At layer ``i`` it calls
+llama3 or linear scaling), the SwiGLU MLP (or Qwen3-MoE's mixture of SwiGLU experts,
+:mod:`oasiskv.models.moe`), the final norm and the LM head. At layer ``i`` it calls
 ``attn(i, q, k, v)`` and the caller decides where K/V live (a paged GPU pool, a host block store,
 or the dense helpers below).
 
@@ -39,6 +40,7 @@ from oasiskv import ops
 from oasiskv.errors import ConfigError, ContextLengthError, ShapeError
 from oasiskv.memory import ensure_fits, format_bytes
 from oasiskv.models.config import ModelConfig, estimate_model_bytes
+from oasiskv.models.moe import SparseMoE
 
 #: ``attn(layer_index, q [n, Hq, D], k [n, Hkv, D], v [n, Hkv, D]) -> o [n, Hq, D]``
 AttnFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
@@ -278,10 +280,15 @@ def check_model_fits(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.d
     allocator ``RuntimeError``, or an OOM kill while the weights are copied in.
     """
     emb = cfg.embedding_parameters * dtype.itemsize
-    layers = cfg.num_hidden_layers * cfg.layer_parameters * dtype.itemsize
+    layers = cfg.decoder_parameters * dtype.itemsize
     if emb >= layers:
         tied = "tied" if cfg.tie_word_embeddings else "untied"
         sizes = f"{tied} embeddings of vocab_size={cfg.vocab_size} x hidden_size={cfg.hidden_size}"
+    elif cfg.is_moe:
+        sizes = (
+            f"num_hidden_layers={cfg.num_hidden_layers} layers of hidden_size={cfg.hidden_size}, "
+            f"num_experts={cfg.num_experts} x moe_intermediate_size={cfg.moe_intermediate_size}"
+        )
     else:
         sizes = (
             f"num_hidden_layers={cfg.num_hidden_layers} layers of hidden_size={cfg.hidden_size}, "
@@ -298,9 +305,11 @@ def check_model_fits(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.d
 
 
 class DecoderLayer(nn.Module):
-    """One pre-norm block: fused QKV, optional per-head q/k norm (Qwen3), RoPE, SwiGLU MLP."""
+    """One pre-norm block: fused QKV, optional per-head q/k norm (Qwen3), RoPE, and a SwiGLU MLP
+    (``gate_up_proj``, ``down_proj``) or, where ``cfg.is_moe_layer(layer_idx)``, a mixture of
+    SwiGLU experts (``moe``, :class:`~oasiskv.models.moe.SparseMoE`)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, layer_idx: int = 0) -> None:
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
         assert d is not None
@@ -318,8 +327,19 @@ class DecoderLayer(nn.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps, **kw)
         self.o_proj = nn.Parameter(torch.empty(h, self.q_size, **kw))
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, **kw)
-        self.gate_up_proj = nn.Parameter(torch.empty(2 * cfg.intermediate_size, h, **kw))
-        self.down_proj = nn.Parameter(torch.empty(h, cfg.intermediate_size, **kw))
+        self.moe: SparseMoE | None = None
+        if cfg.is_moe_layer(layer_idx):
+            self.moe = SparseMoE(
+                h,
+                cfg.num_experts,
+                cfg.moe_intermediate_size,
+                cfg.num_experts_per_tok,
+                cfg.norm_topk_prob,
+                **kw,
+            )
+        else:
+            self.gate_up_proj = nn.Parameter(torch.empty(2 * cfg.intermediate_size, h, **kw))
+            self.down_proj = nn.Parameter(torch.empty(h, cfg.intermediate_size, **kw))
         self.eps = cfg.rms_norm_eps
         #: Tensor parallelism (:mod:`oasiskv.models.tp`): the sum over the ranks of a row-parallel
         #: projection's partial output (o_proj, down_proj), or None in one process.
@@ -377,9 +397,12 @@ class DecoderLayer(nn.Module):
         else:
             h = h + attn_out
             x = self.post_attention_layernorm(h)
-        gu = F.linear(x, self.gate_up_proj)
-        g, u = gu[:, : self.intermediate_size], gu[:, self.intermediate_size :]
-        mlp_out = F.linear(F.silu(g) * u, self.down_proj)
+        if self.moe is not None:
+            mlp_out = self.moe(x)
+        else:
+            gu = F.linear(x, self.gate_up_proj)
+            g, u = gu[:, : self.intermediate_size], gu[:, self.intermediate_size :]
+            mlp_out = F.linear(F.silu(g) * u, self.down_proj)
         if self.all_reduce is not None:
             mlp_out = self.all_reduce(mlp_out)
         if fused:
@@ -408,7 +431,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(
             cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, **kw)
         )
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         if cfg.tie_word_embeddings:
             self.lm_head = self.embed_tokens.weight
@@ -550,7 +573,8 @@ class CausalLM(nn.Module):
     def hf_tensor_slots(self) -> dict[str, Tensor]:
         """Hugging Face tensor name -> the view of our (fused) parameter it fills.
 
-        Names follow ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` (``model.layers.N.self_attn.q_proj.weight``
+        Names follow ``LlamaForCausalLM`` / ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM``
+        (``model.layers.N.self_attn.q_proj.weight``, ``model.layers.N.mlp.experts.E.up_proj.weight``
         ...); ``lm_head.weight`` is absent when the embeddings are tied.
         """
         cfg = self.config
@@ -568,6 +592,9 @@ class CausalLM(nn.Module):
                 slots[p + "self_attn.q_norm.weight"] = layer.q_norm.weight.data
                 slots[p + "self_attn.k_norm.weight"] = layer.k_norm.weight.data
             slots[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight.data
+            if layer.moe is not None:
+                slots.update(layer.moe.hf_tensor_slots(p))
+                continue
             slots[p + "mlp.gate_proj.weight"] = layer.gate_up_proj.data[:inter]
             slots[p + "mlp.up_proj.weight"] = layer.gate_up_proj.data[inter:]
             slots[p + "mlp.down_proj.weight"] = layer.down_proj.data
@@ -618,8 +645,9 @@ class CausalLM(nn.Module):
 
     def extra_repr(self) -> str:
         c = self.config
+        moe = f", experts={c.num_experts}/top{c.num_experts_per_tok}" if c.num_experts else ""
         return (
-            f"family={c.family}, layers={c.num_hidden_layers}, "
+            f"family={c.family}{moe}, layers={c.num_hidden_layers}, "
             f"hidden={c.hidden_size}, heads={c.num_attention_heads}"
             f"/{c.num_key_value_heads}, head_dim={c.head_dim}, vocab={c.vocab_size}, dtype={self.dtype}"
         )
