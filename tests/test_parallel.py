@@ -5,6 +5,7 @@ Plus the shard rules and the option checks, in process."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -245,6 +246,36 @@ def test_run_tp_returns_in_rank_order_and_names_a_raising_rank():
 
 def _ranks_job(group):
     return (group.rank, group.size, group.all_gather_object(group.rank))
+
+
+def test_bench_serve_tp2_sweeps_on_the_cpu(tmp_path, capsys):
+    """``python -m oasiskv.bench.serve --in-process tiny-moe --tp 2 --device cpu``: two gloo
+    ranks, each with one of the preset's two KV heads and half of every expert; rank 0 runs the
+    closed-loop sweep (the 80-token prompts turn sparse) and the command prints and writes its
+    rows. A tp that does not divide the heads, and --tp without --in-process, are messages."""
+    from oasiskv.bench import serve as bench
+
+    out = tmp_path / "tp2.json"
+    sweep = ["--concurrency", "1,2", "--requests", "3", "--prompt-tokens", "80", "--max-tokens", "5"]
+    engine = ["--device", "cpu", "--top-k-blocks", "4", "--fetch-cap", "0.5", "--sparse-threshold", "64"]
+    assert bench.main(["--in-process", "tiny-moe", "--tp", "2", *sweep, *engine, "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert table.splitlines()[0].split()[:3] == ["conc", "reqs", "tok/s"] and len(table.splitlines()) == 3
+    rep = json.loads(out.read_text())
+    assert (rep["mode"], rep["tp"], rep["kv_heads_per_rank"], rep["random_weights"]) == (
+        "in-process",
+        2,
+        1,
+        True,
+    )
+    assert [r["concurrency"] for r in rep["rows"]] == [1, 2]
+    for r in rep["rows"]:
+        assert r["requests"] == 3 and r["output_tokens"] == 15 and r["tokens_per_s"] > 0
+        assert r["ttft_p50_s"] > 0 and r["tpot_p50_s"] > 0
+    assert bench.main(["--in-process", "tiny-moe", "--tp", "4", *sweep, *engine, "--json", ""]) == 2
+    assert "num_key_value_heads=2 not divisible by tp=4" in capsys.readouterr().err
+    assert bench.main(["--endpoint", "http://127.0.0.1:1", "--tp", "2", *sweep]) == 2
+    assert "use it with --in-process" in capsys.readouterr().err
 
 
 # -------------------------------------------------------------------------- in one process

@@ -3,6 +3,7 @@
     python -m oasiskv.bench.serve --endpoint http://127.0.0.1:8000 [--concurrency 1,4,16]
         [--prompt-tokens 512] [--max-tokens 64] [--requests 32] [--json out.json]
     python -m oasiskv.bench.serve --in-process MODEL [engine flags of `oasis serve`] [same sweep]
+    python -m oasiskv.bench.serve --in-process qwen3-32b --tp 8 ...     # tensor-parallel, 8 ranks
     python -m oasiskv.bench.serve --endpoint URL ... --baseline in_process.json   # ratio column
     python -m oasiskv.bench.serve --fig11 [--preset qwen3-8b | --model DIR] [--contexts 16384,32768]
         [--concurrency 1,4,16,32,64] [--modes dense,oasis,oracle] [--gpu-kv-budget h100] ...
@@ -18,6 +19,15 @@ request runs first (the first forward of a process is slow).
 
 For a fair comparison start the server with the same engine flags as ``--in-process`` and a
 ``--max-num-seqs`` of at least the largest concurrency.
+
+``--in-process`` takes what ``oasis serve`` takes (``smollm2``, a ``.gguf`` file, a Hugging Face
+directory) or the name of a model-shaped preset (``oasiskv.models.config.PRESETS``: ``qwen3-8b``,
+``qwen3-32b``, ``qwen3-235b-a22b``, ``tiny``, ...) for random weights (``--seed``). ``--tp N``
+runs the same sweep on a :class:`~oasiskv.parallel.TPLLMEngine` over ``N`` ranks spawned by
+:func:`~oasiskv.parallel.run_tp` (NCCL with a GPU per rank, gloo on the CPU with
+``--device cpu``); rank 0 drives the sweep and reports it. A preset's ranks draw their own
+shards on their device (``TPCausalLM.random_shards``: seconds, not the full model's draws); a
+checkpoint is loaded on every rank and sharded. Budgets are per rank.
 
 ``--fig11`` is another experiment (``oasiskv.bench.fig11``): all requests of a concurrency level
 arrive at once and decode together, dense vs OasisKV vs the all-resident oracle, over random
@@ -50,9 +60,14 @@ FIG11_DEFAULTS = {
 }
 
 
-def make_prompts(n: int, prompt_tokens: int, seed: int) -> list[list[int]]:
+def make_prompts(n: int, prompt_tokens: int, seed: int, vocab_size: int | None = None) -> list[list[int]]:
+    """``n`` prompts of ``prompt_tokens`` ids from :data:`PROMPT_ID_RANGE` (all of a preset's
+    vocabulary when it is smaller, e.g. ``tiny``'s)."""
+    lo, hi = PROMPT_ID_RANGE
+    if vocab_size is not None and vocab_size < hi:
+        lo, hi = 0, vocab_size
     rnd = random.Random(seed)
-    return [[rnd.randrange(*PROMPT_ID_RANGE) for _ in range(prompt_tokens)] for _ in range(n)]
+    return [[rnd.randrange(lo, hi) for _ in range(prompt_tokens)] for _ in range(n)]
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -187,6 +202,77 @@ def in_process_sweep(eng, prompts: list[list[int]], max_tokens: int, concurrency
     return summarize(concurrency, records, time.perf_counter() - t0)
 
 
+# ---------------------------------------------------------------------- tensor parallel
+def _preset(name: str):
+    """The preset ``name`` when no file or directory of that name exists, else None."""
+    import os
+
+    from ..models.config import PRESETS, preset_config
+
+    return preset_config(name) if name in PRESETS and not os.path.exists(name) else None
+
+
+def load_in_process_model(args, device, group=None):
+    """The model of ``--in-process`` on ``device`` in the ``--dtype``: a checkpoint (loaded, and
+    this rank's shard of it under ``group``) or a preset's random weights."""
+    import torch
+
+    from ..devices import compute_dtype
+
+    dtype = compute_dtype(str(device)) if args.dtype == "auto" else getattr(torch, args.dtype)
+    cfg = _preset(args.in_process)
+    if group is None or group.size == 1:
+        if cfg is None:
+            from ..models.loader import load_model
+
+            return load_model(args.in_process, dtype=dtype, device=device)[0]
+        from .prefill import random_model
+
+        return random_model(cfg, dtype, str(device), args.seed)
+    from ..models.tp import TPCausalLM
+
+    if cfg is not None:
+        return TPCausalLM.random_shards(cfg, seed=args.seed, dtype=dtype, device=device, group=group)
+    from ..models.loader import load_model
+
+    full, _ = load_model(args.in_process, dtype=dtype, device="cpu")
+    return TPCausalLM.from_full(full, group=group, device=device)
+
+
+def _tp_sweep_job(group, args, prompts: list[list[int]], levels: list[int]):
+    """One rank of ``--tp``: its shard and engine; rank 0 runs the sweep and returns its rows,
+    the others follow it (:meth:`~oasiskv.parallel.TPLLMEngine.worker_loop`)."""
+    from ..parallel import TPLLMEngine
+    from ..serve.cli import engine_kwargs
+
+    model = load_in_process_model(args, group.device, group)
+    eng = TPLLMEngine(model, group=group, **engine_kwargs(args, device=str(group.device)))
+    if not eng.is_driver:
+        eng.worker_loop()
+        return None
+    try:
+        in_process_sweep(eng, prompts[:1], args.max_tokens, 1)  # warm-up
+        rows = []
+        for c in levels:
+            rows.append(in_process_sweep(eng, prompts, args.max_tokens, c))
+            print(f"concurrency {c}: {rows[-1]['tokens_per_s']:.1f} tok/s (tp={group.size})", file=sys.stderr)
+    finally:
+        eng.shutdown()
+    return {"rows": rows, "device": str(group.device), "kv_heads_per_rank": eng.engine.geo.num_kv_heads}
+
+
+def tp_sweep(args, prompts: list[list[int]], levels: list[int]) -> dict:
+    """The sweep over ``args.tp`` spawned ranks: rank 0's rows and what each rank held."""
+    from ..models.tp import tp_config
+    from ..parallel import run_tp
+
+    preset = _preset(args.in_process)
+    if preset is not None:
+        tp_config(preset, args.tp)  # a tp that does not divide the heads fails here, not on the ranks
+    backend = "gloo" if args.device == "cpu" else None
+    return run_tp(_tp_sweep_job, tp=args.tp, args=(args, prompts, levels), backend=backend)[0]
+
+
 # ---------------------------------------------------------------------- the command
 def _fmt(v, scale: float = 1.0, digits: int = 1) -> str:
     return "-" if v is None else f"{v * scale:.{digits}f}"
@@ -249,6 +335,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--json", default=None, help="write the results here (default bench_serve.json; '': none)"
     )
     ap.add_argument("--baseline", default=None, help="a JSON written by an earlier run: adds a ratio column")
+    ap.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="--in-process: tensor-parallel ranks, one process each (NCCL with a GPU per rank, gloo "
+        "with --device cpu)",
+    )
     add_engine_arguments(ap)
     fig11.add_arguments(ap)
     return ap
@@ -264,10 +357,25 @@ def main(argv: list[str] | None = None) -> int:
         levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
     except ValueError:
         levels = []
-    if not levels or min(levels) < 1 or args.prompt_tokens < 1 or args.max_tokens < 1 or args.requests < 1:
+    if (
+        not levels
+        or min(levels) < 1
+        or args.prompt_tokens < 1
+        or args.max_tokens < 1
+        or args.requests < 1
+        or args.tp < 1
+    ):
         print(
-            "bench.serve: error: --concurrency (ints >= 1), --prompt-tokens, --max-tokens and "
-            "--requests must be positive",
+            "bench.serve: error: --concurrency (ints >= 1), --prompt-tokens, --max-tokens, "
+            "--requests and --tp must be positive",
+            file=sys.stderr,
+        )
+        return 2
+    if args.tp > 1 and not args.in_process:
+        print(
+            "bench.serve: error: --tp runs the engine in this command's processes: use it with "
+            "--in-process (a server takes its own flags)"
+            + ("; --fig11 with --tp is not done yet" if args.fig11 else ""),
             file=sys.stderr,
         )
         return 2
@@ -278,7 +386,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.baseline:
         with open(args.baseline, encoding="utf-8") as f:
             baseline = {r["concurrency"]: r for r in json.load(f)["rows"]}
-    prompts = make_prompts(args.requests, args.prompt_tokens, args.seed)
+    preset = _preset(args.in_process) if args.in_process else None
+    vocab = preset.vocab_size if preset is not None else None
+    prompts = make_prompts(args.requests, args.prompt_tokens, args.seed, vocab)
     rows = []
     if args.endpoint:
         asyncio.run(_http_sweep(args, prompts[:1], 1))  # warm-up
@@ -286,12 +396,34 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(asyncio.run(_http_sweep(args, prompts, c)))
             print(f"concurrency {c}: {rows[-1]['tokens_per_s']:.1f} tok/s", file=sys.stderr)
         mode = {"mode": "http", "endpoint": args.endpoint, "model": args.model}
+    elif args.tp > 1:
+        from ..errors import OasisError, RankFailedError
+
+        try:
+            out = tp_sweep(args, prompts, levels)
+        except (OasisError, RankFailedError) as e:
+            print(f"bench.serve: error: {str(e).split(chr(10))[0]}", file=sys.stderr)
+            return 2
+        rows = out["rows"]
+        mode = {
+            "mode": "in-process",
+            "model": args.in_process,
+            "random_weights": _preset(args.in_process) is not None,
+            "tp": args.tp,
+            "device": out["device"],
+            "kv_heads_per_rank": out["kv_heads_per_rank"],
+        }
     else:
         from ..errors import OasisError
         from ..serve.cli import engine_from_args
 
         try:
-            eng = engine_from_args(args.in_process, args)
+            model = args.in_process
+            if _preset(model) is not None:
+                from ..devices import resolve_device
+
+                model = load_in_process_model(args, resolve_device(args.device))
+            eng = engine_from_args(model, args)
         except (OasisError, MemoryError) as e:
             print(f"bench.serve: error: {e}", file=sys.stderr)
             return 2
@@ -299,7 +431,12 @@ def main(argv: list[str] | None = None) -> int:
         for c in levels:
             rows.append(in_process_sweep(eng, prompts, args.max_tokens, c))
             print(f"concurrency {c}: {rows[-1]['tokens_per_s']:.1f} tok/s", file=sys.stderr)
-        mode = {"mode": "in-process", "model": args.in_process}
+        mode = {
+            "mode": "in-process",
+            "model": args.in_process,
+            "random_weights": _preset(args.in_process) is not None,
+            "tp": 1,
+        }
     report = {
         **mode,
         "prompt_tokens": args.prompt_tokens,

@@ -74,14 +74,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graph", action="store_true", help="replay decode steps as CUDA graphs (GPU)")
 
 
-def engine_from_args(model: str, args):
-    """The :class:`~oasiskv.LLMEngine` the engine flags describe. Raises ``OasisError`` (bad
-    flags, a missing checkpoint), ``MemoryError`` (too little memory)."""
+def engine_kwargs(args, device: str | None = None) -> dict:
+    """The :class:`~oasiskv.LLMEngine` keyword arguments the engine flags describe (``device``:
+    this one instead of ``--device``, e.g. a tensor-parallel rank's GPU)."""
     import torch
 
     from ..config import KvConfig
     from ..devices import compute_dtype, resolve_device
-    from ..llm_engine import LLMEngine
 
     kv = KvConfig(
         block_size=args.block_size,
@@ -89,10 +88,9 @@ def engine_from_args(model: str, args):
         fetch_cap=args.fetch_cap,
         sparse_threshold=args.sparse_threshold,
     )
-    device = resolve_device(args.device)
+    device = resolve_device(args.device) if device is None else str(device)
     dtype = compute_dtype(device) if args.dtype == "auto" else getattr(torch, args.dtype)
-    return LLMEngine(
-        model,
+    return dict(
         kv=kv,
         backend=args.backend,
         drafter=None if args.backend == "dense" else args.drafter,
@@ -103,6 +101,15 @@ def engine_from_args(model: str, args):
         host_kv_budget_bytes=args.host_kv_budget_bytes,
         cuda_graph=args.cuda_graph,
     )
+
+
+def engine_from_args(model, args):
+    """The :class:`~oasiskv.LLMEngine` the engine flags describe, over ``model`` (a name or path
+    as :class:`~oasiskv.LLMEngine` takes it, or a loaded model). Raises ``OasisError`` (bad
+    flags, a missing checkpoint), ``MemoryError`` (too little memory)."""
+    from ..llm_engine import LLMEngine
+
+    return LLMEngine(model, **engine_kwargs(args))
 
 
 def cmd_serve(args) -> int:
