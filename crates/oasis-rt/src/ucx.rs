@@ -123,6 +123,16 @@ impl UcxTransport {
         }
     }
 
+    /// Close every connection and listener of this transport, destroy its UCX worker and
+    /// context, and wait for the progress thread to end. Dropping the last clone does the same
+    /// without waiting; a process should call this before it exits (UCX's own teardown at exit
+    /// must not race the thread).
+    ///
+    /// NOTE: blocks (up to about half a second): not on a runtime thread.
+    pub fn shutdown_blocking(&self) {
+        self.worker.shutdown_blocking();
+    }
+
     /// Whether the progress thread sleeps on UCX's event fd (false: it polls).
     pub fn has_wakeup(&self) -> bool {
         self.worker.wakeup

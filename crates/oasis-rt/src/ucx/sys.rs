@@ -377,6 +377,7 @@ api! {
     ucp_am_data_release: fn(ucp_worker_h, *mut c_void);
     ucp_request_check_status: fn(*mut c_void) -> ucs_status_t;
     ucp_request_free: fn(*mut c_void);
+    ucp_request_cancel: fn(ucp_worker_h, *mut c_void);
     ucp_mem_map: fn(ucp_context_h, *const ucp_mem_map_params_t, *mut *mut c_void) -> ucs_status_t;
     ucp_mem_unmap: fn(ucp_context_h, *mut c_void) -> ucs_status_t;
     ucp_rkey_pack: fn(ucp_context_h, *mut c_void, *mut *mut c_void, *mut usize) -> ucs_status_t;
@@ -430,4 +431,151 @@ pub fn api() -> Result<&'static Api, String> {
     })
     .as_ref()
     .map_err(Clone::clone)
+}
+
+macro_rules! size {
+    ($t:ident) => {
+        (
+            concat!("sizeof(", stringify!($t), ")"),
+            size_of::<$t>() as i64,
+        )
+    };
+}
+macro_rules! off {
+    ($t:ident, $f:ident) => {
+        (
+            concat!("offsetof(", stringify!($t), ", ", stringify!($f), ")"),
+            offset_of!($t, $f) as i64,
+        )
+    };
+}
+macro_rules! konst {
+    ($($c:ident),*) => {
+        [$((stringify!($c), $c as i64)),*]
+    };
+}
+
+/// Every size, offset and constant this module copies from the headers, keyed by the C
+/// expression that computes it (`tests/ucx.rs` compiles [`layout_c`] and compares).
+pub fn layout() -> Vec<(&'static str, i64)> {
+    let mut v = vec![
+        size!(ucs_status_t),
+        size!(ucp_params_t),
+        off!(ucp_params_t, features),
+        off!(ucp_params_t, mt_workers_shared),
+        off!(ucp_params_t, name),
+        size!(ucp_worker_params_t),
+        off!(ucp_worker_params_t, thread_mode),
+        off!(ucp_worker_params_t, cpu_mask),
+        off!(ucp_worker_params_t, events),
+        off!(ucp_worker_params_t, user_data),
+        off!(ucp_worker_params_t, event_fd),
+        off!(ucp_worker_params_t, flags),
+        off!(ucp_worker_params_t, name),
+        off!(ucp_worker_params_t, client_id),
+        size!(ucs_sock_addr_t),
+        off!(ucs_sock_addr_t, addrlen),
+        size!(ucp_listener_params_t),
+        off!(ucp_listener_params_t, sockaddr),
+        off!(ucp_listener_params_t, accept_handler),
+        off!(ucp_listener_params_t, conn_handler),
+        size!(ucp_listener_conn_handler_t),
+        size!(ucp_listener_attr_t),
+        off!(ucp_listener_attr_t, sockaddr),
+        size!(ucp_conn_request_attr_t),
+        off!(ucp_conn_request_attr_t, client_address),
+        off!(ucp_conn_request_attr_t, client_id),
+        size!(ucp_err_handler_t),
+        size!(ucp_ep_params_t),
+        off!(ucp_ep_params_t, address),
+        off!(ucp_ep_params_t, err_mode),
+        off!(ucp_ep_params_t, err_handler),
+        off!(ucp_ep_params_t, user_data),
+        off!(ucp_ep_params_t, flags),
+        off!(ucp_ep_params_t, sockaddr),
+        off!(ucp_ep_params_t, conn_request),
+        off!(ucp_ep_params_t, name),
+        off!(ucp_ep_params_t, local_sockaddr),
+        size!(ucp_request_param_t),
+        off!(ucp_request_param_t, flags),
+        off!(ucp_request_param_t, request),
+        off!(ucp_request_param_t, cb),
+        off!(ucp_request_param_t, datatype),
+        off!(ucp_request_param_t, user_data),
+        off!(ucp_request_param_t, reply_buffer),
+        off!(ucp_request_param_t, memory_type),
+        off!(ucp_request_param_t, recv_info),
+        off!(ucp_request_param_t, memh),
+        size!(ucp_am_recv_param_t),
+        off!(ucp_am_recv_param_t, reply_ep),
+        size!(ucp_am_handler_param_t),
+        off!(ucp_am_handler_param_t, id),
+        off!(ucp_am_handler_param_t, flags),
+        off!(ucp_am_handler_param_t, cb),
+        off!(ucp_am_handler_param_t, arg),
+        size!(ucp_mem_map_params_t),
+        off!(ucp_mem_map_params_t, length),
+        off!(ucp_mem_map_params_t, flags),
+        off!(ucp_mem_map_params_t, prot),
+        off!(ucp_mem_map_params_t, memory_type),
+    ];
+    v.extend(konst!(
+        UCS_OK,
+        UCS_INPROGRESS,
+        UCS_ERR_BUSY,
+        UCS_ERR_LAST,
+        UCP_API_MAJOR,
+        UCP_API_MINOR,
+        UCP_PARAM_FIELD_FEATURES,
+        UCP_PARAM_FIELD_NAME,
+        UCP_FEATURE_RMA,
+        UCP_FEATURE_WAKEUP,
+        UCP_FEATURE_AM,
+        UCP_WORKER_PARAM_FIELD_THREAD_MODE,
+        UCS_THREAD_MODE_SINGLE,
+        UCP_LISTENER_PARAM_FIELD_SOCK_ADDR,
+        UCP_LISTENER_PARAM_FIELD_CONN_HANDLER,
+        UCP_LISTENER_ATTR_FIELD_SOCKADDR,
+        UCP_CONN_REQUEST_ATTR_FIELD_CLIENT_ADDR,
+        UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE,
+        UCP_EP_PARAM_FIELD_ERR_HANDLER,
+        UCP_EP_PARAM_FIELD_SOCK_ADDR,
+        UCP_EP_PARAM_FIELD_FLAGS,
+        UCP_EP_PARAM_FIELD_CONN_REQUEST,
+        UCP_EP_PARAMS_FLAGS_CLIENT_SERVER,
+        UCP_ERR_HANDLING_MODE_PEER,
+        UCP_EP_CLOSE_FLAG_FORCE,
+        UCP_OP_ATTR_FIELD_CALLBACK,
+        UCP_OP_ATTR_FIELD_USER_DATA,
+        UCP_OP_ATTR_FIELD_FLAGS,
+        UCP_AM_SEND_FLAG_REPLY,
+        UCP_AM_SEND_FLAG_RNDV,
+        UCP_AM_RECV_ATTR_FIELD_REPLY_EP,
+        UCP_AM_RECV_ATTR_FLAG_RNDV,
+        UCP_AM_HANDLER_PARAM_FIELD_ID,
+        UCP_AM_HANDLER_PARAM_FIELD_FLAGS,
+        UCP_AM_HANDLER_PARAM_FIELD_CB,
+        UCP_AM_HANDLER_PARAM_FIELD_ARG,
+        UCP_AM_FLAG_WHOLE_MSG,
+        UCP_MEM_MAP_PARAM_FIELD_ADDRESS,
+        UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+        AF_INET,
+        AF_INET6
+    ));
+    v
+}
+
+/// A C program that prints, for every key of [`layout`], `key value` as the system headers
+/// compute it.
+pub fn layout_c() -> String {
+    let mut c = String::from(
+        "#include <ucp/api/ucp.h>\n#include <stdio.h>\n#include <stddef.h>\n#include <sys/socket.h>\nint main(void) {\n",
+    );
+    for (key, _) in layout() {
+        c.push_str(&format!(
+            "    printf(\"%s %lld\\n\", \"{key}\", (long long)({key}));\n"
+        ));
+    }
+    c.push_str("    return 0;\n}\n");
+    c
 }

@@ -25,7 +25,7 @@
 //! buffer), or to drop them. At most [`MAX_QUEUED_FRAMES`] frames wait per connection: the
 //! protocol has one call in flight, so a peer past that is misbehaving and is disconnected.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::ffi::{c_int, c_void};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -124,6 +124,7 @@ struct Submit {
 /// A running progress thread. Dropping the last handle shuts it down.
 pub struct Worker {
     submit: Arc<Submit>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
     /// `(major, minor, release)` of the loaded libucp.
     pub version: (u32, u32, u32),
     /// False when the worker could not get an event fd and polls (with short sleeps).
@@ -155,7 +156,7 @@ impl Worker {
         });
         let thread_submit = submit.clone();
         let max_eager = max_frame as usize + crate::protocol::LEN_PREFIX_BYTES;
-        std::thread::Builder::new()
+        let thread = std::thread::Builder::new()
             .name("oasis-ucx".into())
             .spawn(move || {
                 // SAFETY: this thread creates the context and the worker and is the only one
@@ -177,6 +178,7 @@ impl Worker {
         *submit.tx.lock().unwrap_or_else(PoisonError::into_inner) = Some((tx, worker));
         Ok(Worker {
             submit,
+            thread: Mutex::new(Some(thread)),
             version: api.version,
             wakeup,
         })
@@ -202,6 +204,26 @@ impl Worker {
             unsafe { (api.ucp_worker_signal)(*worker as sys::ucp_worker_h) };
         }
         Ok(())
+    }
+}
+
+impl Worker {
+    /// Close every endpoint and listener, destroy the worker and wait for the thread to end
+    /// (at most about [`SHUTDOWN_WAIT`] plus what UCX takes). Later commands fail with
+    /// [`Error::Closed`].
+    ///
+    /// NOTE: blocks: call it outside the runtime (or in `spawn_blocking`), e.g. before the
+    /// process exits, so that UCX is not torn down by the exit under a running thread.
+    pub fn shutdown_blocking(&self) {
+        let _ = self.submit(Cmd::Shutdown);
+        let handle = self
+            .thread
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(h) = handle {
+            let _ = h.join();
+        }
     }
 }
 
@@ -236,6 +258,11 @@ enum Event {
         conn: ConnId,
         status: sys::ucs_status_t,
     },
+    /// A send or rendezvous receive of `conn` completed (its request is freed).
+    Done {
+        conn: ConnId,
+        request: usize,
+    },
 }
 
 /// Written by UCX callbacks (on this thread, inside `ucp_worker_progress`), read after it.
@@ -264,7 +291,16 @@ struct ConnState {
     queued: Arc<AtomicUsize>,
     /// Rendezvous frames waiting for the reader: id -> (UCX descriptor, length).
     rndv: HashMap<u64, (usize, usize)>,
+    /// No more frames either way (peer failed, flooded, or closed).
     broken: bool,
+    /// UCX reported the endpoint failed: it is closed with `UCP_EP_CLOSE_FLAG_FORCE` (a healthy
+    /// one is closed gracefully, which flushes it and tells the peer).
+    failed: bool,
+    /// Sends and rendezvous receives UCX has not completed yet (request pointers): the
+    /// endpoint is closed only once they are done (closing it under them trips UCX).
+    reqs: HashSet<usize>,
+    /// The owner dropped the connection: close the endpoint once `reqs` is empty.
+    closing: bool,
     /// A connect waiting for its flush (client side).
     connecting: Option<(oneshot::Sender<Result<ConnParts>>, ConnParts, SocketAddr)>,
 }
@@ -454,6 +490,9 @@ impl State {
                 queued: queued.clone(),
                 rndv: HashMap::new(),
                 broken: false,
+                failed: false,
+                reqs: HashSet::new(),
+                closing: false,
                 connecting: None,
             },
         );
@@ -646,7 +685,8 @@ impl State {
         }
         let (ptr, len) = (frame.as_ptr(), frame.len());
         let ctx = Box::into_raw(Box::new(SendCtx {
-            api: self.api,
+            inbox: self.inbox,
+            conn,
             _frame: frame,
             reply,
         }));
@@ -666,6 +706,8 @@ impl State {
                 Err(send_error(self.api, sys::ptr_status(r)))
             };
             let _ = ctx.reply.send(result);
+        } else if let Some(c) = self.conns.get_mut(&conn) {
+            c.reqs.insert(r as usize);
         }
     }
 
@@ -688,6 +730,8 @@ impl State {
         let ptr = buf.as_mut_ptr();
         let ctx = Box::into_raw(Box::new(PullCtx {
             api: self.api,
+            inbox: self.inbox,
+            conn,
             buf,
             len,
             reply,
@@ -708,23 +752,53 @@ impl State {
                 sys::ptr_status(r)
             };
             ctx.finish(status, len);
+        } else if let Some(c) = self.conns.get_mut(&conn) {
+            c.reqs.insert(r as usize);
         }
     }
 
     fn close(&mut self, id: ConnId) {
-        let Some(c) = self.conns.remove(&id) else {
+        let Some(c) = self.conns.get_mut(&id) else {
             return;
         };
-        self.by_ep.remove(&(c.ep as usize));
-        for (d, _) in c.rndv.into_values() {
-            // SAFETY: unreleased descriptors of this connection.
-            unsafe { (self.api.ucp_am_data_release)(self.worker, d as *mut c_void) };
+        if c.closing {
+            return;
         }
-        if let Some((reply, _, addr)) = c.connecting {
+        c.closing = true;
+        c.broken = true;
+        let ep = c.ep;
+        let rndv: Vec<usize> = c.rndv.drain().map(|(_, (d, _))| d).collect();
+        let reqs: Vec<usize> = c.reqs.iter().copied().collect();
+        if let Some((reply, _, addr)) = c.connecting.take() {
             let _ = reply.send(Err(unreachable(addr, "connection closed")));
         }
         let _ = c.incoming.send(Incoming::Closed(None));
-        self.close_ep(c.ep, c.broken);
+        // No more arrivals for it.
+        self.by_ep.remove(&(ep as usize));
+        for d in rndv {
+            // SAFETY: unreleased descriptors of this connection.
+            unsafe { (self.api.ucp_am_data_release)(self.worker, d as *mut c_void) };
+        }
+        for r in reqs {
+            // SAFETY: requests in `reqs` are outstanding: their callbacks have not run (a
+            // completion is removed from `reqs` before any command or close runs).
+            unsafe { (self.api.ucp_request_cancel)(self.worker, r as *mut c_void) };
+        }
+        self.reap(id);
+    }
+
+    /// Close the endpoint of a closing connection once nothing is outstanding on it.
+    fn reap(&mut self, id: ConnId) {
+        let ready = self
+            .conns
+            .get(&id)
+            .is_some_and(|c| c.closing && c.reqs.is_empty());
+        if !ready {
+            return;
+        }
+        if let Some(c) = self.conns.remove(&id) {
+            self.close_ep(c.ep, c.failed);
+        }
     }
 
     fn close_ep(&mut self, ep: sys::ucp_ep_h, force: bool) {
@@ -749,10 +823,27 @@ impl State {
 
     /// Handle what the callbacks reported. True if there was anything.
     fn events(&mut self) -> bool {
-        let events = std::mem::take(&mut self.inbox().events);
+        let mut events = std::mem::take(&mut self.inbox().events);
         let any = !events.is_empty();
+        // Completions first: a request they name is freed and must leave `reqs` before any
+        // close below could cancel it.
+        let mut reaped = Vec::new();
+        events.retain(|e| match e {
+            Event::Done { conn, request } => {
+                if let Some(c) = self.conns.get_mut(conn) {
+                    c.reqs.remove(request);
+                    reaped.push(*conn);
+                }
+                false
+            }
+            _ => true,
+        });
+        for id in reaped {
+            self.reap(id);
+        }
         for e in events {
             match e {
+                Event::Done { .. } => {}
                 Event::ConnRequest { listener, request } => self.accept(listener, request),
                 Event::EpError { ep, status } => {
                     let Some(&id) = self.by_ep.get(&ep) else {
@@ -762,6 +853,7 @@ impl State {
                     debug!(conn = id, error = %why, "ucx endpoint failed");
                     if let Some(c) = self.conns.get_mut(&id) {
                         c.broken = true;
+                        c.failed = true;
                         let _ = c.incoming.send(Incoming::Closed(None));
                     }
                 }
@@ -865,9 +957,6 @@ impl State {
     fn shutdown(mut self) {
         let ids: Vec<ConnId> = self.conns.keys().copied().collect();
         for id in ids {
-            if let Some(c) = self.conns.get_mut(&id) {
-                c.broken = true;
-            }
             self.close(id);
         }
         let lids: Vec<u64> = self.listeners.keys().copied().collect();
@@ -875,10 +964,18 @@ impl State {
             self.close_listener(id);
         }
         let start = Instant::now();
-        while self.inbox().closing > 0 && start.elapsed() < SHUTDOWN_WAIT {
+        while (self.inbox().closing > 0 || !self.conns.is_empty())
+            && start.elapsed() < SHUTDOWN_WAIT
+        {
             // SAFETY: our worker.
             unsafe { (self.api.ucp_worker_progress)(self.worker) };
-            let _ = std::mem::take(&mut self.inbox().events);
+            self.events();
+        }
+        if !self.conns.is_empty() {
+            warn!(
+                left = self.conns.len(),
+                "ucx requests still outstanding at shutdown"
+            );
         }
         // SAFETY: every endpoint and listener is closed; nothing uses the worker after this.
         unsafe {
@@ -905,13 +1002,16 @@ fn send_error(api: &Api, s: sys::ucs_status_t) -> Error {
 // ---- callbacks (all run on the progress thread, inside UCX calls) ----
 
 struct SendCtx {
-    api: &'static Api,
+    inbox: *mut Inbox,
+    conn: ConnId,
     _frame: Vec<u8>,
     reply: oneshot::Sender<Result<()>>,
 }
 
 struct PullCtx {
     api: &'static Api,
+    inbox: *mut Inbox,
+    conn: ConnId,
     buf: Vec<u8>,
     len: usize,
     reply: oneshot::Sender<Result<Bytes>>,
@@ -944,12 +1044,17 @@ struct FlushCtx {
 
 unsafe extern "C" fn on_sent(request: *mut c_void, status: sys::ucs_status_t, user: *mut c_void) {
     let ctx = Box::from_raw(user.cast::<SendCtx>());
+    let inbox = &mut *ctx.inbox;
     let result = if status == sys::UCS_OK {
         Ok(())
     } else {
-        Err(send_error(ctx.api, status))
+        Err(send_error(inbox.api, status))
     };
-    (ctx.api.ucp_request_free)(request);
+    (inbox.api.ucp_request_free)(request);
+    inbox.events.push(Event::Done {
+        conn: ctx.conn,
+        request: request as usize,
+    });
     let _ = ctx.reply.send(result);
 }
 
@@ -961,6 +1066,10 @@ unsafe extern "C" fn on_pulled(
 ) {
     let ctx = Box::from_raw(user.cast::<PullCtx>());
     (ctx.api.ucp_request_free)(request);
+    (*ctx.inbox).events.push(Event::Done {
+        conn: ctx.conn,
+        request: request as usize,
+    });
     ctx.finish(status, length);
 }
 

@@ -1,0 +1,287 @@
+//! The daemon over UCX on loopback (feature `ucx`): the shared bodies of `common` that
+//! `daemon.rs` runs over TCP, plus what is UCX's own (struct layouts against the system headers,
+//! rendezvous frames refused before their bytes move, a peer that floods a connection).
+//!
+//! Without libucp these tests print `SKIPPED (no UCX)` and pass, unless `OASIS_REQUIRE_UCX=1`
+//! (what `make test-ucx` sets), which turns a missing libucp into a failure. UCX picks its
+//! transports itself (`UCX_TLS` to choose: `tcp`, `sm`, `self`... all work on loopback).
+
+#![cfg(feature = "ucx")]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use common::*;
+use oasis_rt::protocol::{encode_frame, Hello, Message, PREAUTH_MAX_FRAME_BYTES};
+use oasis_rt::transport::{Connection, Listener, Transport};
+use oasis_rt::ucx::worker::MAX_QUEUED_FRAMES;
+use oasis_rt::{Error, ErrorCode, ServerConfig, UcxConfig, UcxTransport};
+
+fn required() -> bool {
+    std::env::var("OASIS_REQUIRE_UCX").is_ok_and(|v| v == "1")
+}
+
+/// Two UCX transports (two workers, two progress threads), or `None` when libucp is absent and
+/// not required.
+fn ucx() -> Option<Net<UcxTransport>> {
+    let make = || UcxTransport::new(UcxConfig::default());
+    match (make(), make()) {
+        (Ok(server), Ok(client)) => Some(Net { server, client }),
+        (Err(e), _) | (_, Err(e)) => {
+            assert!(
+                !required(),
+                "OASIS_REQUIRE_UCX=1 but the UCX transport cannot start: {e}"
+            );
+            eprintln!("SKIPPED (no UCX): {e}; set OASIS_REQUIRE_UCX=1 to make this a failure");
+            None
+        }
+    }
+}
+
+/// Stop both progress threads before the test returns (not at process exit).
+async fn shutdown(net: Net<UcxTransport>) {
+    tokio::task::spawn_blocking(move || {
+        net.client.shutdown_blocking();
+        net.server.shutdown_blocking();
+    })
+    .await
+    .unwrap();
+}
+
+macro_rules! over_ucx {
+    ($($name:ident),* $(,)?) => {$(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $name() {
+            if let Some(net) = ucx() {
+                common::$name(&net).await;
+                shutdown(net).await;
+            }
+        }
+    )*};
+}
+
+over_ucx!(
+    round_trip_stage_fetch_read_release,
+    many_clients_at_once,
+    staging_past_the_budget_is_refused_and_live_data_kept,
+    killed_daemon_mid_transfer_gives_a_typed_error_in_time,
+    bad_frames_are_rejected_and_the_daemon_goes_on,
+    the_token_is_required_when_configured,
+    non_loopback_needs_a_token,
+    metrics_endpoint_and_graceful_shutdown,
+    oversized_requests_and_replies_are_refused_cleanly,
+);
+
+#[test]
+fn the_library_reports_a_version() {
+    match oasis_rt::ucx::probe() {
+        Ok(v) => assert!(v.major >= 1 && (v.major, v.minor) >= (1, 10), "{v:?}"),
+        Err(e) => {
+            assert!(!required(), "OASIS_REQUIRE_UCX=1: {e}");
+            assert!(e.to_string().contains("libucp"), "{e}");
+        }
+    }
+}
+
+/// A pre-authentication frame of 1 MiB, sent rendezvous: refused on its length alone (its
+/// bytes never cross), the connection closed, the daemon unaffected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_frame_is_refused_before_its_bytes_move() {
+    let Some(net) = ucx() else { return };
+    let d = net.start(ServerConfig::default()).await;
+    let mut good = d.client().await;
+    stage_request(&mut good, 1, 4).await;
+    let mut big = vec![0u8; 1 << 20];
+    const { assert!(PREAUTH_MAX_FRAME_BYTES < (1 << 20)) };
+    big[..4].copy_from_slice(&((1u32 << 20) - 4).to_le_bytes());
+    for _ in 0..3 {
+        let mut s = net.client.connect(&d.addr).await.unwrap();
+        s.send_frame(&big).await.unwrap();
+        expect_refused(s, ErrorCode::Unauthorized, "1 MiB before hello").await;
+    }
+    // After the handshake, a frame past the daemon's limit: too_large.
+    let d2 = net
+        .start(ServerConfig {
+            max_frame: 256 << 10,
+            ..ServerConfig::default()
+        })
+        .await;
+    let mut s = raw(&net, &d2.addr, b"").await;
+    s.send_frame(&big).await.unwrap();
+    expect_refused(s, ErrorCode::TooLarge, "1 MiB past a 256 KiB limit").await;
+    d2.settle(0).await;
+    let st = good.stats().await.unwrap();
+    assert!(st.live_requests == 1 && st.used_bytes > 0, "{st:?}");
+    assert_eq!(d.handle.stats().connections_active, 1);
+    // The served bytes are what crossed: nothing of the refused frames reached the pool.
+    d.handle.audit().unwrap();
+    shutdown(net).await;
+}
+
+/// Frames of every size around the rendezvous switch arrive whole and in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frames_of_every_size_arrive_whole() {
+    let Some(net) = ucx() else { return };
+    let mut l = net.server.bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr();
+    let mut tx = net.client.connect(&addr).await.unwrap();
+    let mut rx = tokio::time::timeout(T, l.accept()).await.unwrap().unwrap();
+    let rndv = oasis_rt::ucx::worker::RNDV_FRAME_BYTES;
+    let sizes = [8, 9, 100, 4095, rndv - 1, rndv, rndv + 1, 3 << 20, 8];
+    for (i, &n) in sizes.iter().enumerate() {
+        let mut f: Vec<u8> = (0..n + 4).map(|j| (i * 31 + j * 7) as u8).collect();
+        f[..4].copy_from_slice(&(n as u32).to_le_bytes());
+        // A rendezvous send completes once the reader pulled it: both at once.
+        let (sent, body) = tokio::join!(tx.send_frame(&f), rx.recv_frame(4 << 20, Some(T)));
+        sent.unwrap();
+        assert_eq!(&body.unwrap()[..], &f[4..], "frame {i} of {n} bytes");
+    }
+    // Both directions.
+    let f = encode_frame(9, &Message::Stats, 1024).unwrap();
+    rx.send_frame(&f).await.unwrap();
+    assert_eq!(&tx.recv_frame(1024, Some(T)).await.unwrap()[..], &f[4..]);
+    // A reader's limit applies to each frame, eager or rendezvous, and breaks nothing else.
+    for n in [1000, rndv + 10] {
+        let mut f = vec![0u8; n + 4];
+        f[..4].copy_from_slice(&(n as u32).to_le_bytes());
+        // Refused on its length: a rendezvous send completes without its bytes being pulled.
+        let (sent, got) = tokio::join!(tx.send_frame(&f), rx.recv_frame(999, Some(T)));
+        sent.unwrap();
+        let err = got.unwrap_err();
+        assert!(matches!(err, Error::FrameTooLarge { .. }), "{n}: {err:?}");
+    }
+    // Idle: a timeout, on time.
+    let start = Instant::now();
+    let err = rx
+        .recv_frame(1024, Some(Duration::from_millis(100)))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Timeout { .. }), "{err:?}");
+    assert!(start.elapsed() < Duration::from_millis(1000));
+    // The peer goes: the reader sees Closed, and so does a sender.
+    drop(tx);
+    let err = rx.recv_frame(1024, Some(T)).await.unwrap_err();
+    assert!(matches!(err, Error::Closed), "{err:?}");
+    assert!(rx.send_frame(&f).await.is_err());
+    shutdown(net).await;
+}
+
+/// A peer that sends frame after frame without waiting for replies is cut off after
+/// `MAX_QUEUED_FRAMES` unread ones: its frames do not pile up in memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flooding_peer_is_disconnected() {
+    let Some(net) = ucx() else { return };
+    let mut l = net.server.bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr();
+    let mut tx = net.client.connect(&addr).await.unwrap();
+    let mut rx = tokio::time::timeout(T, l.accept()).await.unwrap().unwrap();
+    let hello = encode_frame(
+        1,
+        &Message::Hello(Hello {
+            version: 1,
+            token: Bytes::new(),
+        }),
+        4096,
+    )
+    .unwrap();
+    let n = MAX_QUEUED_FRAMES * 4;
+    for _ in 0..n {
+        if tx.send_frame(&hello).await.is_err() {
+            break;
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let mut frames = 0;
+    let err = loop {
+        match rx.recv_frame(4096, Some(T)).await {
+            Ok(_) => frames += 1,
+            Err(e) => break e,
+        }
+    };
+    assert!(
+        frames <= MAX_QUEUED_FRAMES,
+        "{frames} frames queued, limit {MAX_QUEUED_FRAMES}"
+    );
+    assert!(
+        err.to_string().contains("queued more than"),
+        "{err:?} after {frames} frames"
+    );
+    shutdown(net).await;
+}
+
+/// An address nobody listens on: `Unreachable`, quickly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_absent_daemon_is_unreachable() {
+    let Some(net) = ucx() else { return };
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    drop(l);
+    let start = Instant::now();
+    let err = net.connect(&addr, cfg(None)).await.err().unwrap();
+    assert!(matches!(err, Error::Unreachable { .. }), "{err:?}");
+    assert!(start.elapsed() < T, "{:?}", start.elapsed());
+    shutdown(net).await;
+}
+
+/// The `repr(C)` declarations against the installed `ucp.h`: a C program prints every size
+/// and offset the Rust side pins. Needs a C compiler and `libucx-dev`; without them the test
+/// says so (and fails under `OASIS_REQUIRE_UCX=1`).
+#[test]
+fn struct_layouts_match_the_system_headers() {
+    let header = std::path::Path::new("/usr/include/ucp/api/ucp.h");
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    if !header.exists() {
+        assert!(
+            !required(),
+            "OASIS_REQUIRE_UCX=1 but {header:?} is missing (libucx-dev)"
+        );
+        eprintln!("SKIPPED: {header:?} missing (install libucx-dev)");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("oasis-ucx-layout-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let src = dir.join("layout.c");
+    std::fs::write(&src, oasis_rt::ucx::sys::layout_c()).unwrap();
+    let exe = dir.join("layout");
+    let out = std::process::Command::new(&cc)
+        .arg(&src)
+        .arg("-o")
+        .arg(&exe)
+        .output();
+    let out = match out {
+        Ok(o) if o.status.success() => o,
+        other => {
+            assert!(
+                !required(),
+                "OASIS_REQUIRE_UCX=1 but `{cc}` failed: {other:?}"
+            );
+            eprintln!("SKIPPED: cannot compile against ucp.h with `{cc}`: {other:?}");
+            return;
+        }
+    };
+    drop(out);
+    let run = std::process::Command::new(&exe).output().unwrap();
+    assert!(run.status.success());
+    let c: Vec<(String, i64)> = String::from_utf8(run.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let (k, v) = l.rsplit_once(' ').unwrap();
+            (k.to_string(), v.parse().unwrap())
+        })
+        .collect();
+    let rust = oasis_rt::ucx::sys::layout();
+    assert_eq!(
+        c.len(),
+        rust.len(),
+        "the C program and the Rust table differ in length"
+    );
+    for ((ck, cv), (rk, rv)) in c.iter().zip(&rust) {
+        assert_eq!(ck, rk);
+        eprintln!("{ck} = {cv}");
+        assert_eq!(cv, rv, "{ck}: C says {cv}, Rust has {rv}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
