@@ -18,8 +18,9 @@ router ``mlp.gate.weight``.
 Work: one [n, E] router product, then per expert that got rows two matmuls over those rows only,
 so a step reads the experts its tokens chose, never all of them (decode reads k experts a row).
 NOTE: the loop asks the host which experts got rows (one device-to-host copy of E counts per
-layer): on CUDA a synchronisation per MoE layer, and a CUDA-graph capture of such a step fails
-(the engine then runs it eagerly and says why in ``graph_error``).
+layer): on CUDA a synchronisation per MoE layer. A CUDA-graph capture of such a step raises
+before that copy (the engine then runs the step eagerly and says why in ``graph_error``; not
+run on a GPU yet).
 
 Tensor parallelism (:mod:`oasiskv.models.tp`) splits every expert like the dense MLP:
 ``I / tp`` rows of each expert's gate and up, those columns of its down projection; the router is
@@ -50,6 +51,11 @@ def run_experts(x: Tensor, weights: Tensor, experts: Tensor, gate_up: Tensor, do
     rows runs once, over its rows (gathered with ``index_select``, scattered back with
     ``index_add_``). ``gate_up`` [E, 2 I, h], ``down`` [E, h, I]; returns [n, h] in x's dtype."""
     n, k = experts.shape
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "a mixture-of-experts layer cannot be captured in a CUDA graph (its expert loop reads "
+            "the routing on the host); run it eagerly (cuda_graph=False)"
+        )
     inter = down.shape[-1]
     out = torch.zeros_like(x)
     if n == 0:
