@@ -21,7 +21,7 @@ PY_DEPS := torch numpy safetensors tokenizers "gguf>=0.10" tqdm jinja2 "transfor
 	pytest hypothesis ruff "maturin>=1.7,<2" nvidia-cuda-nvrtc matplotlib accelerate \
 	"fastapi>=0.110" "uvicorn>=0.29" "openai>=1.40" "httpx>=0.27"
 
-.PHONY: help demo test test-rust test-py test-gpu lint fmt bench build clean device
+.PHONY: help demo test test-rust test-py test-gpu test-ucx lint fmt bench build clean device
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -51,12 +51,16 @@ test-rust: $(STAMP)
 test-py: $(BUILD_STAMP)
 	$(WITH_NVRTC) $(PY) -m pytest -q -m "not gpu and not benchmark and not ucx"
 
+test-ucx: ## oasis-rt over UCX on loopback (needs libucp: apt-get install libucx-dev; fails without it)
+	OASIS_REQUIRE_UCX=1 cargo test -p oasis-rt --features ucx --release
+
 test-gpu: $(BUILD_STAMP) ## GPU tests (on a machine with a CUDA GPU)
 	$(PY) -m pytest -q -m gpu
 
 lint: $(STAMP) ## cargo fmt --check, clippy -D warnings, ruff
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets --release -- -D warnings
+	cargo clippy -p oasis-rt --all-features --all-targets --release -- -D warnings
 	$(VENV)/bin/ruff check python tests benches examples
 	$(VENV)/bin/ruff format --check python tests benches examples
 

@@ -10,8 +10,8 @@ use oasis_rt::{Client, ClientConfig, Error, Server, ServerConfig};
 const USAGE: &str = "\
 usage:
   oasis-rt serve [--listen ADDR] [--memory SIZE] [--token-file FILE] [--metrics ADDR]
-                 [--lease SECS] [--max-frame SIZE] [--log LEVEL]
-  oasis-rt stats --connect HOST:PORT [--token-file FILE] [--timeout SECS]
+                 [--lease SECS] [--max-frame SIZE] [--log LEVEL] [--transport tcp|ucx]
+  oasis-rt stats --connect HOST:PORT [--token-file FILE] [--timeout SECS] [--transport tcp|ucx]
 
 serve   run the KV staging daemon. --listen defaults to 127.0.0.1:7470; a non-loopback
         address requires --token-file (a shared secret every client presents).
@@ -19,7 +19,41 @@ serve   run the KV staging daemon. --listen defaults to 127.0.0.1:7470; a non-lo
         Prometheus text at http://ADDR/metrics. --lease: seconds after which an untouched
         request may be evicted under memory pressure (0: never; default 600).
         --log: error, warn, info (default), debug, trace. Stops on SIGINT/SIGTERM.
+        --transport ucx: frames over UCX (libucp loaded at run time; builds with feature
+        `ucx`; UCX_TLS etc. choose UCX's transports). Default tcp.
 stats   print a running daemon's counters, one `name value` per line.";
+
+/// Which transport `--transport` names.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum TransportKind {
+    Tcp,
+    Ucx,
+}
+
+fn transport_kind(flags: &Flags) -> Result<TransportKind, Failure> {
+    match flags.get("--transport").unwrap_or("tcp") {
+        "tcp" => Ok(TransportKind::Tcp),
+        "ucx" if cfg!(feature = "ucx") => Ok(TransportKind::Ucx),
+        "ucx" => Err(Failure::Config(
+            "this oasis-rt was built without UCX: rebuild with `cargo build --features ucx`".into(),
+        )),
+        other => Err(Usage(format!("--transport must be tcp or ucx, got '{other}'")).into()),
+    }
+}
+
+#[cfg(feature = "ucx")]
+fn ucx_transport(
+    io_timeout: Duration,
+    connect_timeout: Duration,
+    max_frame: u32,
+) -> Result<oasis_rt::UcxTransport, Failure> {
+    oasis_rt::UcxTransport::new(oasis_rt::UcxConfig {
+        io_timeout,
+        connect_timeout,
+        max_frame,
+    })
+    .map_err(|e| Failure::Runtime(e.to_string()))
+}
 
 /// A command-line mistake: usage and exit code 2.
 struct Usage(String);
@@ -207,8 +241,10 @@ fn serve(args: &[String]) -> Result<(), Failure> {
             "--lease",
             "--max-frame",
             "--log",
+            "--transport",
         ],
     )?;
+    let kind = transport_kind(&flags)?;
     init_logs(flags.get("--log").unwrap_or("info"))?;
     let mut config = ServerConfig {
         listen: flags.get("--listen").unwrap_or(DEFAULT_LISTEN).to_string(),
@@ -235,16 +271,44 @@ fn serve(args: &[String]) -> Result<(), Failure> {
         config.token = Some(read_token(path)?);
     }
     let rt = runtime()?;
-    rt.block_on(async move {
-        let server = Server::bind(config).await?;
-        // One line on stdout for scripts (the port is real when --listen asked for port 0).
-        println!("oasis-rt listening on {}", server.local_addr());
-        if let Some(m) = server.metrics_addr() {
-            println!("oasis-rt metrics on http://{m}/metrics");
+    match kind {
+        TransportKind::Tcp => rt.block_on(async move {
+            let server = Server::bind(config).await?;
+            run_server(server, "tcp").await
+        })?,
+        #[cfg(feature = "ucx")]
+        TransportKind::Ucx => {
+            let transport = ucx_transport(
+                config.io_timeout,
+                oasis_rt::transport::DEFAULT_CONNECT_TIMEOUT,
+                config.max_frame,
+            )?;
+            let served = rt.block_on(async {
+                let server = Server::bind_with(&transport, config).await?;
+                run_server(server, "ucx").await
+            });
+            // UCX goes down before the process exits (not under its running thread).
+            drop(rt);
+            transport.shutdown_blocking();
+            served?
         }
-        server.run(shutdown_signal()).await
-    })?;
+        #[cfg(not(feature = "ucx"))]
+        TransportKind::Ucx => unreachable!("refused by transport_kind"),
+    }
     Ok(())
+}
+
+async fn run_server<L: oasis_rt::transport::Listener>(
+    server: Server<L>,
+    transport: &str,
+) -> oasis_rt::Result<()> {
+    // One line on stdout for scripts (the port is real when --listen asked for port 0).
+    println!("oasis-rt listening on {}", server.local_addr());
+    tracing::info!(transport, "transport");
+    if let Some(m) = server.metrics_addr() {
+        println!("oasis-rt metrics on http://{m}/metrics");
+    }
+    server.run(shutdown_signal()).await
 }
 
 async fn shutdown_signal() {
@@ -272,7 +336,11 @@ async fn shutdown_signal() {
 }
 
 fn stats(args: &[String]) -> Result<(), Failure> {
-    let flags = Flags::parse(args, &["--connect", "--token-file", "--timeout"])?;
+    let flags = Flags::parse(
+        args,
+        &["--connect", "--token-file", "--timeout", "--transport"],
+    )?;
+    let kind = transport_kind(&flags)?;
     let addr = flags
         .get("--connect")
         .ok_or_else(|| Usage("stats needs --connect HOST:PORT".into()))?
@@ -287,10 +355,29 @@ fn stats(args: &[String]) -> Result<(), Failure> {
         config.token = Some(read_token(path)?);
     }
     let rt = runtime()?;
-    let s = rt.block_on(async move {
-        let mut client = Client::connect(&addr, config).await?;
-        client.stats().await
-    })?;
+    let s = match kind {
+        TransportKind::Tcp => rt.block_on(async move {
+            let mut client = Client::connect(&addr, config).await?;
+            client.stats().await
+        })?,
+        #[cfg(feature = "ucx")]
+        TransportKind::Ucx => {
+            let transport = ucx_transport(
+                config.request_timeout,
+                config.connect_timeout,
+                config.max_frame,
+            )?;
+            let s = rt.block_on(async {
+                let mut client = Client::connect_with(&transport, &addr, config).await?;
+                client.stats().await
+            });
+            drop(rt);
+            transport.shutdown_blocking();
+            s?
+        }
+        #[cfg(not(feature = "ucx"))]
+        TransportKind::Ucx => unreachable!("refused by transport_kind"),
+    };
     for (name, value) in s.fields() {
         println!("{name} {value}");
     }

@@ -42,7 +42,38 @@ fn usage_errors_exit_2() {
 
 #[test]
 fn serve_stats_token_and_sigterm() {
-    let dir = std::env::temp_dir().join(format!("oasis-rt-cli-{}", std::process::id()));
+    serve_stats_token_and_sigterm_over("tcp");
+}
+
+/// The same over UCX (feature `ucx`); without libucp it says so and passes, unless
+/// `OASIS_REQUIRE_UCX=1`.
+#[cfg(feature = "ucx")]
+#[test]
+fn serve_stats_token_and_sigterm_over_ucx() {
+    if let Err(e) = oasis_rt::ucx::probe() {
+        let required = std::env::var("OASIS_REQUIRE_UCX").is_ok_and(|v| v == "1");
+        assert!(!required, "OASIS_REQUIRE_UCX=1: {e}");
+        eprintln!("SKIPPED (no UCX): {e}");
+        return;
+    }
+    serve_stats_token_and_sigterm_over("ucx");
+}
+
+/// Without the feature, `--transport ucx` is refused with a line saying how to get it.
+#[cfg(not(feature = "ucx"))]
+#[test]
+fn ucx_needs_the_feature() {
+    let out = Command::new(BIN)
+        .args(["serve", "--listen", "127.0.0.1:0", "--transport", "ucx"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--features ucx"), "{err}");
+}
+
+fn serve_stats_token_and_sigterm_over(transport: &str) {
+    let dir = std::env::temp_dir().join(format!("oasis-rt-cli-{transport}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let token = dir.join("token");
     std::fs::write(&token, "correct horse\n").unwrap();
@@ -58,6 +89,8 @@ fn serve_stats_token_and_sigterm() {
             "64MiB",
             "--log",
             "warn",
+            "--transport",
+            transport,
         ])
         .arg("--token-file")
         .arg(&token)
@@ -75,6 +108,7 @@ fn serve_stats_token_and_sigterm() {
         .expect(&line)
         .to_string();
 
+    assert!(addr.starts_with("127.0.0.1:"), "{addr}");
     let stats = |t: &std::path::Path| {
         Command::new(BIN)
             .args([
@@ -83,6 +117,8 @@ fn serve_stats_token_and_sigterm() {
                 &addr,
                 "--timeout",
                 "5",
+                "--transport",
+                transport,
                 "--token-file",
             ])
             .arg(t)
@@ -91,6 +127,14 @@ fn serve_stats_token_and_sigterm() {
     };
     let out = stats(&token);
     assert!(out.status.success(), "{out:?}");
+    if transport == "ucx" {
+        // The other transport does not reach a UCX daemon.
+        let out = Command::new(BIN)
+            .args(["stats", "--connect", &addr, "--timeout", "2"])
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(1), "{out:?}");
+    }
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         text.contains(&format!("budget_bytes {}", 64u64 << 20)),

@@ -23,6 +23,15 @@ fn required() -> bool {
     std::env::var("OASIS_REQUIRE_UCX").is_ok_and(|v| v == "1")
 }
 
+/// Say so on the real stderr (the harness captures `eprintln!` of passing tests).
+fn skipped(why: &str) {
+    use std::io::Write;
+    let _ = writeln!(
+        std::io::stderr(),
+        "SKIPPED (no UCX): {why}; set OASIS_REQUIRE_UCX=1 to make this a failure"
+    );
+}
+
 /// Two UCX transports (two workers, two progress threads), or `None` when libucp is absent and
 /// not required.
 fn ucx() -> Option<Net<UcxTransport>> {
@@ -34,7 +43,7 @@ fn ucx() -> Option<Net<UcxTransport>> {
                 !required(),
                 "OASIS_REQUIRE_UCX=1 but the UCX transport cannot start: {e}"
             );
-            eprintln!("SKIPPED (no UCX): {e}; set OASIS_REQUIRE_UCX=1 to make this a failure");
+            skipped(&e.to_string());
             None
         }
     }
@@ -237,7 +246,7 @@ fn struct_layouts_match_the_system_headers() {
             !required(),
             "OASIS_REQUIRE_UCX=1 but {header:?} is missing (libucx-dev)"
         );
-        eprintln!("SKIPPED: {header:?} missing (install libucx-dev)");
+        skipped(&format!("{header:?} missing (install libucx-dev)"));
         return;
     }
     let dir = std::env::temp_dir().join(format!("oasis-ucx-layout-{}", std::process::id()));
@@ -257,7 +266,9 @@ fn struct_layouts_match_the_system_headers() {
                 !required(),
                 "OASIS_REQUIRE_UCX=1 but `{cc}` failed: {other:?}"
             );
-            eprintln!("SKIPPED: cannot compile against ucp.h with `{cc}`: {other:?}");
+            skipped(&format!(
+                "cannot compile against ucp.h with `{cc}`: {other:?}"
+            ));
             return;
         }
     };

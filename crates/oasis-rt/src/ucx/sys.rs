@@ -422,7 +422,7 @@ pub fn api() -> Result<&'static Api, String> {
             // global state; `Api::load` gives each symbol its C signature from ucp.h.
             match unsafe { Library::new(name) } {
                 Ok(lib) => return unsafe { Api::load(lib, name) },
-                Err(e) => last = e.to_string(),
+                Err(e) => last = format!("{name}: {e}"),
             }
         }
         Err(format!(
