@@ -16,8 +16,61 @@
 
 namespace oasis {
 
-// grid (num_seqs * num_kv_heads * fetch_cap), OASIS_COPY_THREADS threads; block e handles plan
-// entry (s, h, i) = (e / (H * C), (e / C) % H, e % C).
+// Loads in flight per lane and array in warp_copy_kv: with K and V together a lane keeps
+// 2 * OASIS_GATHER_UNROLL 16-byte loads outstanding, so one warp moves a whole 4 KiB + 4 KiB
+// entry in one PCIe round trip.
+#define OASIS_GATHER_UNROLL 8
+
+// One warp copies `n` bytes of K and `n` of V (an entry of the host pool) with every load of an
+// iteration issued before the first store. 16-byte accesses when all four pointers and `n`
+// allow it, else 4-byte or byte ones.
+__device__ __forceinline__ void warp_copy_kv(void* __restrict__ dk, const void* __restrict__ sk, void* __restrict__ dv,
+                                             const void* __restrict__ sv, u64 n, int lane) {
+    const u64 align = (u64)dk | (u64)sk | (u64)dv | (u64)sv | n;
+    if ((align & 15) == 0) {
+        const uint4* k = (const uint4*)sk;
+        const uint4* v = (const uint4*)sv;
+        uint4* ok = (uint4*)dk;
+        uint4* ov = (uint4*)dv;
+        const u64 n16 = n >> 4;
+        for (u64 base = 0; base < n16; base += 32 * OASIS_GATHER_UNROLL) {
+            uint4 rk[OASIS_GATHER_UNROLL];
+            uint4 rv[OASIS_GATHER_UNROLL];
+#pragma unroll
+            for (int u = 0; u < OASIS_GATHER_UNROLL; ++u) {
+                const u64 i = base + (u64)u * 32 + lane;
+                if (i < n16) {
+                    rk[u] = k[i];
+                    rv[u] = v[i];
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < OASIS_GATHER_UNROLL; ++u) {
+                const u64 i = base + (u64)u * 32 + lane;
+                if (i < n16) {
+                    ok[i] = rk[u];
+                    ov[i] = rv[u];
+                }
+            }
+        }
+    } else if ((align & 3) == 0) {
+        for (u64 i = lane; i < (n >> 2); i += 32) {
+            ((u32*)dk)[i] = ((const u32*)sk)[i];
+            ((u32*)dv)[i] = ((const u32*)sv)[i];
+        }
+    } else {
+        for (u64 i = lane; i < n; i += 32) {
+            ((unsigned char*)dk)[i] = ((const unsigned char*)sk)[i];
+            ((unsigned char*)dv)[i] = ((const unsigned char*)sv)[i];
+        }
+    }
+}
+
+// Any grid of blocks of whole warps, at most OASIS_COPY_THREADS threads (the launcher sizes it):
+// the warps stride over the plan's entries (s, h, i) = (e / (H * C), (e / C) % H, e % C),
+// `entries_per_warp` (1-32) at a time. Each of that many lanes checks one entry; the warp then
+// copies the valid ones one after another, the whole warp on each. Each block stays resident for
+// its PCIe round trips, next to the compute stream's kernels: the launcher keeps them small.
 template <typename T>
 __device__ void gather_blocks_impl(
     const int* __restrict__ plan_slots,   // [num_seqs, num_kv_heads, fetch_cap] slot index or < 0
@@ -25,31 +78,51 @@ __device__ void gather_blocks_impl(
     const int* __restrict__ slot_pages,   // [num_seqs, budget]
     const int* __restrict__ host_indptr,  // [num_seqs + 1] CSR over host_indices, checked per row
     const int* __restrict__ host_indices, // [nnz] host block of each logical block of each sequence
-    const T* __restrict__ host_k,         // [num_host_blocks, num_kv_heads, block_size, head_dim] pinned host, UVA
-    const T* __restrict__ host_v,         // [num_host_blocks, num_kv_heads, block_size, head_dim] pinned host, UVA
+    const T* __restrict__ host_k,         // [num_host_blocks, num_kv_heads, block_size, head_dim] host pool (UVA)
+    const T* __restrict__ host_v,         // [num_host_blocks, num_kv_heads, block_size, head_dim] host pool (UVA)
     T* __restrict__ k_pages,              // [num_pages, num_kv_heads, block_size, head_dim]
     T* __restrict__ v_pages,              // [num_pages, num_kv_heads, block_size, head_dim]
-    int num_kv_heads, int fetch_cap, int budget, int block_size, int head_dim, int num_pages,
-    int num_host_blocks, int nnz) {
-    const i64 e = blockIdx.x;
-    const int s = (int)(e / ((i64)num_kv_heads * fetch_cap));
-    const int h = (int)((e / fetch_cap) % num_kv_heads);
-    const int slot = plan_slots[e];
-    if (slot < 0 || slot >= budget) return;
-    const int page = slot_pages[(i64)s * budget + slot];
-    const int logical = plan_blocks[e];
-    int row_begin;
-    int row_end;
-    csr_row(host_indptr, s, nnz, &row_begin, &row_end);  // a malformed row has no blocks
-    if (page < 0 || page >= num_pages || logical < 0 || logical >= row_end - row_begin) return;
-    const int blk = host_indices[row_begin + logical];
-    if (blk < 0 || blk >= num_host_blocks) return;
+    int num_seqs, int num_kv_heads, int fetch_cap, int budget, int block_size, int head_dim, int num_pages,
+    int num_host_blocks, int nnz, int entries_per_warp) {
+    const int lane = threadIdx.x & 31;
+    const int per = entries_per_warp < 1 ? 1 : (entries_per_warp > 32 ? 32 : entries_per_warp);
+    const i64 warp = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const i64 num_warps = (i64)gridDim.x * (blockDim.x >> 5);
+    const i64 total = (i64)num_seqs * num_kv_heads * fetch_cap;
     const i64 entry = (i64)block_size * head_dim;
-    const i64 src = ((i64)blk * num_kv_heads + h) * entry;
-    const i64 dst = ((i64)page * num_kv_heads + h) * entry;
     const u64 bytes = (u64)entry * sizeof(T);
-    block_copy_bytes(k_pages + dst, host_k + src, bytes);
-    block_copy_bytes(v_pages + dst, host_v + src, bytes);
+    for (i64 base = warp * per; base < total; base += num_warps * per) {
+        const i64 e = base + lane;
+        i64 src = -1;
+        i64 dst = -1;
+        if (lane < per && e < total) {
+            const int s = (int)(e / ((i64)num_kv_heads * fetch_cap));
+            const int h = (int)((e / fetch_cap) % num_kv_heads);
+            const int slot = plan_slots[e];
+            if (slot >= 0 && slot < budget) {
+                const int page = slot_pages[(i64)s * budget + slot];
+                const int logical = plan_blocks[e];
+                int row_begin;
+                int row_end;
+                csr_row(host_indptr, s, nnz, &row_begin, &row_end);  // a malformed row has no blocks
+                if (page >= 0 && page < num_pages && logical >= 0 && logical < row_end - row_begin) {
+                    const int blk = host_indices[row_begin + logical];
+                    if (blk >= 0 && blk < num_host_blocks) {
+                        src = ((i64)blk * num_kv_heads + h) * entry;
+                        dst = ((i64)page * num_kv_heads + h) * entry;
+                    }
+                }
+            }
+        }
+        unsigned todo = __ballot_sync(0xffffffffu, src >= 0);
+        while (todo) {
+            const int j = __ffs(todo) - 1;
+            todo &= todo - 1;
+            const i64 sj = __shfl_sync(0xffffffffu, src, j);
+            const i64 dj = __shfl_sync(0xffffffffu, dst, j);
+            warp_copy_kv(k_pages + dj, host_k + sj, v_pages + dj, host_v + sj, bytes, lane);
+        }
+    }
 }
 
 // grid (n), OASIS_COPY_THREADS threads; block i copies page src_ids[i] -> dst_ids[i], all heads.
@@ -79,8 +152,9 @@ __device__ void copy_pages_impl(
         NAME(const __grid_constant__ oasis::GatherBlocksParams<T> p) {                               \
         oasis::gather_blocks_impl<T>(p.plan_slots, p.plan_blocks, p.slot_pages, p.host_indptr,        \
                                      p.host_indices, p.host_k, p.host_v, p.k_pages, p.v_pages,        \
-                                     p.num_kv_heads, p.fetch_cap, p.budget, p.block_size, p.head_dim, \
-                                     p.num_pages, p.num_host_blocks, p.nnz);                          \
+                                     p.num_seqs, p.num_kv_heads, p.fetch_cap, p.budget, p.block_size, \
+                                     p.head_dim, p.num_pages, p.num_host_blocks, p.nnz,               \
+                                     p.entries_per_warp);                                             \
     }
 
 OASIS_GATHER_BLOCKS(gather_blocks_bf16, oasis::bf16)

@@ -206,6 +206,8 @@ struct GatherBlocksParams {
     int num_pages;
     int num_host_blocks;
     int nnz;
+    int num_seqs;
+    int entries_per_warp;  // plan entries one warp checks per pass, 1-32
 };
 
 // copy_pages_* (cuda/gather_blocks.cu): whole pages between two pools of one page geometry.

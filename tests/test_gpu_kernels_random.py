@@ -846,7 +846,20 @@ def test_gather_blocks(device, seed):
     else:
         got_k, got_v = put(c.k_pages, device), put(c.v_pages, device)
         pools = (host(c.host_k, c.where), host(c.host_v, c.where))
-        assert ops.gather_blocks(c.g.kv(), *(put(t, device) for t in tables), *pools, got_k, got_v) is None
+        # Every launch shape copies the same entries (the warps stride over the plan): a random one
+        # per seed, the default for a third of them.
+        lg = torch.Generator().manual_seed(seed)
+        launch = (pick(lg, [0, 1, 2, 5]), randint(lg, 1, 4), pick(lg, [1, 2, 3, 7, 16, 31, 32]))
+        if seed % 3 == 0:
+            launch = (0, 4, 8)
+        ops.set_gather_launch(*launch)
+        try:
+            dev_tables = [put(t, device) for t in tables]
+            assert ops.gather_blocks(c.g.kv(), *dev_tables, *pools, got_k, got_v) is None
+            torch.cuda.synchronize()
+        finally:
+            ops.set_gather_launch()
+        c.desc = f"{c.desc} gather launch {launch}"
     assert_same(got_k, want_k, f"{c}: k_pages")
     assert_same(got_v, want_v, f"{c}: v_pages")
 

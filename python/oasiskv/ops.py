@@ -294,6 +294,21 @@ def gather_blocks(
     )
 
 
+def set_gather_launch(max_blocks: int = 0, warps_per_block: int = 4, entries_per_warp: int = 8) -> None:
+    """Launch shape of the GPU gather: at most ``max_blocks`` thread blocks (0: no cap) of
+    ``warps_per_block`` warps (1-4), each warp checking ``entries_per_warp`` plan entries (1-32)
+    per pass. The defaults are the measured best on the H200 (docs/PERF.md).
+
+    Process-wide, for tuning: every shape copies the same bytes; they trade PCIe reads in flight
+    against SM slots held beside the compute stream. A captured CUDA graph keeps its launch."""
+    _core.set_gather_launch(max_blocks, warps_per_block, entries_per_warp)
+
+
+def gather_launch() -> tuple[int, int, int]:
+    """``(max_blocks, warps_per_block, entries_per_warp)`` of :func:`set_gather_launch`."""
+    return _core.gather_launch()
+
+
 def copy_pages(geo, src_k, src_v, src_ids, dst_k, dst_v, dst_ids) -> None:
     """Whole-page copy between pools of the same page geometry (either pool may be pinned host memory
     when the ids are on a CUDA device)."""

@@ -18,6 +18,7 @@
 //! kernels read and write them through unified virtual addressing ([`Gpu::check_uva`]).
 
 use std::marker::PhantomData;
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 
 use oasis_core::error::check_len;
 use oasis_core::kernels::norm::{check_rows, rms_norm_threads};
@@ -68,6 +69,72 @@ pub const SELECT_WARP_THREADS: u32 = 128;
 pub const SELECT_WARP_MAX: usize = 256;
 /// Threads per block of the copy kernels; must match OASIS_COPY_THREADS in cuda/gather_blocks.cu.
 pub const COPY_THREADS: u32 = 128;
+/// How `gather_blocks_*` is launched: at most `max_blocks` blocks (0: no cap) of
+/// `warps_per_block` warps, each warp checking `entries_per_warp` plan entries per pass. Any
+/// values are correct (the warps stride over the plan); they trade how many PCIe reads are in
+/// flight against how many SM slots wait on them beside the compute stream's kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GatherLaunch {
+    pub max_blocks: usize,
+    pub warps_per_block: u32,
+    pub entries_per_warp: u32,
+}
+
+impl GatherLaunch {
+    /// Measured on the H200 (docs/PERF.md, "the gather").
+    pub const DEFAULT: Self = Self {
+        max_blocks: 0,
+        warps_per_block: 4,
+        entries_per_warp: 8,
+    };
+}
+
+static GATHER_MAX_BLOCKS: AtomicUsize = AtomicUsize::new(GatherLaunch::DEFAULT.max_blocks);
+static GATHER_WARPS: AtomicU32 = AtomicU32::new(GatherLaunch::DEFAULT.warps_per_block);
+static GATHER_PER_WARP: AtomicU32 = AtomicU32::new(GatherLaunch::DEFAULT.entries_per_warp);
+
+/// Set the process-wide [`GatherLaunch`]; takes effect at the next launch (a captured graph
+/// keeps the launch it was captured with).
+///
+/// # Errors
+/// [`CudaError::Invalid`] unless 1 <= warps_per_block <= COPY_THREADS / 32 and
+/// 1 <= entries_per_warp <= 32.
+pub fn set_gather_launch(l: GatherLaunch) -> Result<()> {
+    if !(1..=COPY_THREADS / 32).contains(&l.warps_per_block)
+        || !(1..=32).contains(&l.entries_per_warp)
+    {
+        return Err(CudaError::Invalid(OasisError::Invalid(format!(
+            "gather launch: warps_per_block must be 1..={} and entries_per_warp 1..=32, got {} and {}",
+            COPY_THREADS / 32,
+            l.warps_per_block,
+            l.entries_per_warp
+        ))));
+    }
+    GATHER_MAX_BLOCKS.store(l.max_blocks, Ordering::Relaxed);
+    GATHER_WARPS.store(l.warps_per_block, Ordering::Relaxed);
+    GATHER_PER_WARP.store(l.entries_per_warp, Ordering::Relaxed);
+    Ok(())
+}
+
+/// The current [`GatherLaunch`].
+pub fn gather_launch() -> GatherLaunch {
+    GatherLaunch {
+        max_blocks: GATHER_MAX_BLOCKS.load(Ordering::Relaxed),
+        warps_per_block: GATHER_WARPS.load(Ordering::Relaxed),
+        entries_per_warp: GATHER_PER_WARP.load(Ordering::Relaxed),
+    }
+}
+
+/// Blocks of a gather over `entries` plan entries under `l`: one warp per `entries_per_warp`
+/// entries, at most `max_blocks` (unless 0), at least one.
+fn gather_grid(entries: usize, l: GatherLaunch) -> usize {
+    let per_block = (l.warps_per_block * l.entries_per_warp) as usize;
+    let natural = entries.div_ceil(per_block).max(1);
+    match l.max_blocks {
+        0 => natural,
+        n => natural.min(n),
+    }
+}
 /// Threads per block of append / summary / merge kernels (they stride over head_dim). Arbitrary.
 pub const ROW_THREADS: u32 = 128;
 /// Warps of one `qk_norm_rope_*` block, one head each; must match OASIS_QK_ROPE_WARPS in
@@ -1102,6 +1169,7 @@ impl Gpu {
             let num_pages = pool_rows(page, ("k_pages", k_pages), ("v_pages", v_pages))?;
 
             let name = entry!(T, "gather_blocks");
+            let launch = gather_launch();
             let params = GatherBlocksParams {
                 plan_slots: plan_slots.into(),
                 plan_blocks: plan_blocks.into(),
@@ -1120,14 +1188,20 @@ impl Gpu {
                 num_pages: int("num_pages", num_pages)?,
                 num_host_blocks: int("num_host_blocks", num_host)?,
                 nnz: int("nnz", host_indices.len())?,
+                num_seqs: int("num_seqs", num_seqs)?,
+                entries_per_warp: launch.entries_per_warp as i32,
             };
-            let grid = grid_x("plan entries", num_seqs * h * fetch_cap)?;
+            let grid = grid_x(
+                "gather blocks",
+                gather_grid(num_seqs * h * fetch_cap, launch),
+            )?;
             // SAFETY: lengths checked above; slots, pages, logical and host block ids are all
             // bounds-checked by the kernel, and each host_indptr row against nnz =
             // host_indices.len() (a malformed row is skipped). host_k/host_v are pinned host
             // memory at the same address on the device (DevSlice contract; Gpu::check_uva tests
-            // it); lifetime by DevSlice's contract, the stream by Stream's.
-            unsafe { self.queue(name, grid, COPY_THREADS, 0, stream, &params) }
+            // it); lifetime by DevSlice's contract, the stream by Stream's. The block is whole
+            // warps, at most OASIS_COPY_THREADS (set_gather_launch checks it).
+            unsafe { self.queue(name, grid, 32 * launch.warps_per_block, 0, stream, &params) }
         })
     }
 

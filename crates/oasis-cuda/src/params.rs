@@ -402,6 +402,8 @@ kernel_params! {
         pub num_pages: i32,
         pub num_host_blocks: i32,
         pub nnz: i32,
+        pub num_seqs: i32,
+        pub entries_per_warp: i32, // 1-32
     }
 }
 
@@ -500,7 +502,7 @@ mod tests {
         assert_eq!(size_of::<ScoreBlocksCodesParams>(), 6 * 8 + 8 * 4);
         assert_eq!(size_of::<TopkBlocksParams>(), 3 * 8 + 4 * 4);
         assert_eq!(size_of::<DeltaSelectParams>(), 8 * 8 + 8 * 4);
-        assert_eq!(size_of::<GatherBlocksParams>(), 9 * 8 + 8 * 4);
+        assert_eq!(size_of::<GatherBlocksParams>(), 9 * 8 + 10 * 4);
         assert_eq!(size_of::<CopyPagesParams>(), 7 * 8 + 2 * 4);
         assert_eq!(size_of::<RmsNormParams>(), 6 * 8 + 2 * 4);
         assert_eq!(size_of::<QkNormRopeParams>(), 10 * 8 + 4 * 4);

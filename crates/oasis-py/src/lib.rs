@@ -296,6 +296,31 @@ fn check_outputs(
 }
 
 #[pyfunction]
+#[pyo3(signature = (max_blocks = 0, warps_per_block = 4, entries_per_warp = 8))]
+/// Launch shape of the GPU gather (`gather_blocks`): at most `max_blocks` blocks (0: no cap) of
+/// `warps_per_block` warps (1-4), each checking `entries_per_warp` plan entries (1-32) per pass.
+/// Process-wide, for tuning; a captured CUDA graph keeps the launch it was captured with.
+fn set_gather_launch(
+    max_blocks: usize,
+    warps_per_block: u32,
+    entries_per_warp: u32,
+) -> PyResult<()> {
+    oasis_cuda::ops::set_gather_launch(oasis_cuda::ops::GatherLaunch {
+        max_blocks,
+        warps_per_block,
+        entries_per_warp,
+    })
+    .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))
+}
+
+#[pyfunction]
+/// The launch shape of `set_gather_launch`: `(max_blocks, warps_per_block, entries_per_warp)`.
+fn gather_launch() -> (usize, u32, u32) {
+    let l = oasis_cuda::ops::gather_launch();
+    (l.max_blocks, l.warps_per_block, l.entries_per_warp)
+}
+
+#[pyfunction]
 #[pyo3(signature = (geo, k_new, v_new, page_ids, page_offsets, host_block_ids, k_pages, v_pages, host_k, host_v, summaries, *, stream = 0))]
 #[allow(clippy::too_many_arguments)]
 /// Append one token per sequence into its page slot, with write-through and summary update for
@@ -1597,6 +1622,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(topk_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(delta_select, m)?)?;
     m.add_function(wrap_pyfunction!(gather_blocks, m)?)?;
+    m.add_function(wrap_pyfunction!(set_gather_launch, m)?)?;
+    m.add_function(wrap_pyfunction!(gather_launch, m)?)?;
     m.add_function(wrap_pyfunction!(copy_pages, m)?)?;
     m.add_function(wrap_pyfunction!(rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(qk_norm_rope, m)?)?;

@@ -1,0 +1,32 @@
+"""The GPU gather's launch shape (``ops.set_gather_launch``): validated, process-wide, restorable.
+Every shape copies the same entries; the GPU tests (test_gpu_kernels_random.py::test_gather_blocks)
+check random shapes against the CPU twin."""
+
+from __future__ import annotations
+
+import pytest
+
+from oasiskv import ops
+
+
+def test_the_default_shape_and_a_round_trip():
+    assert ops.gather_launch() == (0, 4, 8)
+    try:
+        ops.set_gather_launch(5, 1, 32)
+        assert ops.gather_launch() == (5, 1, 32)
+    finally:
+        ops.set_gather_launch()
+    assert ops.gather_launch() == (0, 4, 8)
+
+
+@pytest.mark.parametrize("shape", [(0, 0, 8), (0, 5, 8), (0, 4, 0), (0, 4, 33)])
+def test_a_bad_shape_is_refused_and_changes_nothing(shape):
+    with pytest.raises(ValueError, match="warps_per_block must be 1..=4 and entries_per_warp 1..=32"):
+        ops.set_gather_launch(*shape)
+    assert ops.gather_launch() == (0, 4, 8)
+
+
+def test_a_negative_cap_is_refused():
+    with pytest.raises((ValueError, OverflowError, TypeError)):
+        ops.set_gather_launch(-1, 4, 8)
+    assert ops.gather_launch() == (0, 4, 8)
