@@ -51,7 +51,7 @@ def test_graph_replay_matches_the_eager_step(backend, drafter, block_score):
             assert a.metrics.lookahead_recall == pytest.approx(b.metrics.lookahead_recall, abs=1e-6)
 
 
-def _greedy(model, backend, cuda_graph, prompts, max_tokens, late=()):
+def _greedy(model, backend, cuda_graph, prompts, max_tokens, late=(), drop_at=()):
     eng = LLMEngine(
         model,
         kv=KvConfig(block_size=16, top_k_blocks=8, fetch_cap=2, sparse_threshold=128),
@@ -69,6 +69,8 @@ def _greedy(model, backend, cuda_graph, prompts, max_tokens, late=()):
             if out.finished:
                 done[out.request_id] = list(out.token_ids)
         steps += 1
+        if steps in drop_at:
+            eng.engine.drop_graphs()  # as a pool growth does
         for j, (p, m) in enumerate(late):
             if steps == 5 + 3 * j:  # requests arriving while others decode
                 params = SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
@@ -106,3 +108,17 @@ def test_a_failed_capture_falls_back_to_eager_steps(monkeypatch):
     assert graph == eager
     assert not eng.cuda_graph and "capture refused" in eng.graph_error
     assert eng.graph_stats == {"captures": 0, "replays": 0}
+
+
+def test_graphs_dropped_mid_run_are_captured_again():
+    """Dropping every graph (what a pool growth does) frees their memory pool; the next steps
+    capture into a new one and replay, and the tokens stay the eager engine's."""
+    dev = torch.device("cuda")
+    model = _model(dev)
+    prompts = _prompts(301, [300, 170, 90])
+    max_tokens = [20, 16, 12]
+    eager, _ = _greedy(model, "oasis", False, prompts, max_tokens)
+    graph, eng = _greedy(model, "oasis", True, prompts, max_tokens, drop_at=(4, 9))
+    assert graph == eager
+    assert eng.cuda_graph and eng.graph_error is None, eng.graph_error
+    assert eng.graph_stats["captures"] >= 3 and eng.graph_stats["replays"] > 0, eng.graph_stats

@@ -1362,6 +1362,8 @@ class Engine:
                 # The step itself ran eagerly and its outputs stand; a capture that fails (a
                 # driver or allocator refusal) turns graphs off for this engine, with a word.
                 self._graphs.pop(key, None)
+                if not self._graphs:
+                    self._graph_pool = None
                 self.cuda_graph = False
                 self.graph_error = f"{type(e).__name__}: {e}"
                 log.warning("CUDA-graph capture failed (%s); this engine decodes eagerly from now on", e)
@@ -1380,6 +1382,9 @@ class Engine:
     def drop_graphs(self) -> None:
         """Forget every captured step (the pools moved, or to free the graphs' memory)."""
         self._graphs.clear()
+        # The last graph gone, torch frees the shared memory pool; capturing into its old handle
+        # again trips the allocator's assert (use_count > 0), so the next capture takes a new one.
+        self._graph_pool = None
 
     def can_append(self, r: _Request) -> bool:
         """Whether ``r`` may store its draft after this step (:meth:`append_drafts`): not past the
