@@ -44,6 +44,18 @@ def main() -> None:
     ap.add_argument("--same-prompt", action="store_true", help="one prompt, prefilled once")
     ap.add_argument("--fetch-cap", type=float, default=0.05)
     ap.add_argument("--profile", help="kernel table of 3 steps here")
+    ap.add_argument(
+        "--gather-blocks",
+        default="",
+        help="comma list of GPU gather launches MAX_BLOCKS:WARPS:ENTRIES_PER_WARP to sweep in the same "
+        "process (ops.set_gather_launch); each drops the graphs and times --steps steps again",
+    )
+    ap.add_argument(
+        "--high-priority",
+        action="store_true",
+        help="also time every sweep point with the step issued on a high-priority stream",
+    )
+    ap.add_argument("--host-pool", choices=["pinned", "device"], default="pinned")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -75,13 +87,23 @@ def main() -> None:
     drafter = NgramDrafter()
     extra = {"cuda_graph": True} if args.cuda_graph else {}
     cache = mod.PrefillCache(1) if args.same_prompt else None
-    eng = mod.Engine(model, kv, args.backend, drafter, prefill_cache=cache, **extra)
+    if args.host_pool == "device":  # the oracle: the whole KV in the device "host" pool
+        extra["host_kv_budget_bytes"] = (
+            2
+            * args.requests
+            * (args.context + 1024)
+            * cfg.num_hidden_layers
+            * (cfg.num_key_value_heads * cfg.head_dim * 2 * dtype.itemsize)
+        )
+    eng = mod.Engine(model, kv, args.backend, drafter, prefill_cache=cache, host_pool=args.host_pool, **extra)
     g = torch.Generator().manual_seed(0)
+    sweep_points = len(args.gather_blocks.split(",")) if args.gather_blocks else 0
+    steps_all = (args.steps + 2) * (1 + sweep_points * (2 if args.high_priority else 1)) + 3
     reqs = []
     for i in range(args.requests):
         if not (args.same_prompt and reqs):
             ids = torch.randint(0, cfg.vocab_size, (args.context,), generator=g).tolist()
-        reqs.append(mod._Request(id=i, prompt=ids, max_new_tokens=args.steps + 8))
+        reqs.append(mod._Request(id=i, prompt=ids, max_new_tokens=steps_all + 8))
     eng.ensure_pools(reqs)
     for r in reqs:
         drafter.begin(r.id, r.prompt)
@@ -91,22 +113,50 @@ def main() -> None:
         r.draft = 1
         if args.backend == "oasis":
             eng.make_sparse(r)
-    host, step = [], []
-    for s in range(args.steps + 2):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        eng.decode_step(reqs)
-        t1 = time.perf_counter()
-        if cuda:
-            torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        if s >= 2:
-            host.append((t1 - t0) * 1e3)
-            step.append((t2 - t0) * 1e3)
-        for r in reqs:
-            r.tokens.append(1)
-            r.draft = 2
+
+    def timed(n: int) -> tuple[list[float], list[float]]:
+        host, step = [], []
+        for s in range(n + 2):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            eng.decode_step(reqs)
+            t1 = time.perf_counter()
+            if cuda:
+                torch.cuda.synchronize()
+            t2 = time.perf_counter()
+            if s >= 2:
+                host.append((t1 - t0) * 1e3)
+                step.append((t2 - t0) * 1e3)
+            for r in reqs:
+                r.tokens.append(1)
+                r.draft = 2
+        return host, step
+
+    host, step = timed(args.steps)
+    sweep = []
+    if args.gather_blocks and cuda:
+        from oasiskv import ops
+
+        for prio in [False, True] if args.high_priority else [False]:
+            for spec in args.gather_blocks.split(","):
+                n = tuple(int(x) for x in spec.split(":"))
+                ops.set_gather_launch(*n)
+                if hasattr(eng, "drop_graphs"):
+                    eng.drop_graphs()
+                if prio:
+                    with torch.cuda.stream(torch.cuda.Stream(dev, priority=-5)):
+                        h, st = timed(args.steps)
+                else:
+                    h, st = timed(args.steps)
+                row = dict(
+                    gather_blocks=n,
+                    high_priority=prio,
+                    host_ms=statistics.median(h),
+                    step_ms=statistics.median(st),
+                )
+                print(json.dumps(row), flush=True)
+                sweep.append(row)
     kernels_per_step = None
     if args.profile and cuda:
         from torch.profiler import ProfilerActivity, profile
@@ -141,6 +191,8 @@ def main() -> None:
         host_ms=statistics.median(host),
         step_ms=statistics.median(step),
         host_ms_all=host,
+        host_pool=args.host_pool,
+        sweep=sweep,
     )
     print(json.dumps({k: v for k, v in res.items() if k != "host_ms_all"}))
     if args.json:
