@@ -275,7 +275,26 @@ def test_bench_serve_tp2_sweeps_on_the_cpu(tmp_path, capsys):
     assert bench.main(["--in-process", "tiny-moe", "--tp", "4", *sweep, *engine, "--json", ""]) == 2
     assert "num_key_value_heads=2 not divisible by tp=4" in capsys.readouterr().err
     assert bench.main(["--endpoint", "http://127.0.0.1:1", "--tp", "2", *sweep]) == 2
-    assert "use it with --in-process" in capsys.readouterr().err
+    assert "use it with --in-process or --fig11" in capsys.readouterr().err
+
+
+def test_bench_fig11_tp2_on_the_cpu(tmp_path):
+    """``--fig11 --tp 2``: rank 0 runs the sweep, the other rank builds each engine it is sent
+    and follows it; the rows are rank 0's (one KV head of tiny-moe's two), dense and OasisKV make
+    every token, and OasisKV fetched blocks (the 128-token prompts turn sparse)."""
+    from oasiskv.bench import serve as bench
+
+    out = tmp_path / "fig11.json"
+    args = ["--fig11", "--preset", "tiny-moe", "--tp", "2", "--device", "cpu", "--contexts", "128"]
+    args += ["--max-tokens", "3", "--concurrency", "2", "--modes", "dense,oasis", "--top-k-blocks", "4"]
+    assert bench.main([*args, "--fetch-cap", "0.5", "--json", str(out), "--md", "", "--png", ""]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["tp"] == 2 and rep["contexts"]["128"]["ttft_cold_s"] > 0
+    rows = {r["mode"]: r for r in rep["rows"]}
+    assert sorted(rows) == ["dense", "oasis"]
+    for mode, r in rows.items():
+        assert r["status"] == "ok" and r["output_tokens"] == 6 and r["decode_tokens_per_s"] > 0, mode
+    assert rows["oasis"]["fetched_bytes_per_step"] > 0 and rows["dense"]["fetched_bytes_per_step"] is None
 
 
 # -------------------------------------------------------------------------- in one process

@@ -43,6 +43,15 @@ context and then served from a :class:`~oasiskv.engine.PrefillCache` (its entry,
 stays on the device and counts in the peak): decode cost does not depend on the prompt's content,
 and a sweep then takes minutes instead of prefilling every request. ``distinct`` prefills every
 request (real TTFT under load; much slower).
+
+``--tp N`` runs the sweep on ``N`` tensor-parallel ranks (:func:`~oasiskv.parallel.run_tp`: NCCL
+with a GPU each, gloo with ``--device cpu``): rank 0 runs this sweep on a
+:class:`~oasiskv.parallel.TPLLMEngine` and writes the report; before every engine it makes, it
+sends the engine's options to the other ranks, which build theirs and follow it
+(``worker_loop``). A preset's ranks draw their own shards (``TPCausalLM.random_shards``). Every
+byte count, budget, peak and roofline is rank 0's, i.e. per rank (its KV heads, its shard of the
+weights, its device's bandwidth). Not with ``--tp`` yet: the prefill cache (``shared`` prompts are
+then prefilled once per request) and ``--cuda-graph``.
 """
 
 from __future__ import annotations
@@ -216,6 +225,7 @@ def drive(eng, prompts: list[list[int]], max_tokens: int, profile_step: int | No
     from ..llm_engine import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    llm = getattr(eng, "_llm", eng)  # a TPLLMEngine's driver LLMEngine (its private half-step)
     t0 = time.perf_counter()
     rids = [eng.add_request(p, params) for p in prompts]
     ttft: dict[str, float] = {}
@@ -223,18 +233,18 @@ def drive(eng, prompts: list[list[int]], max_tokens: int, profile_step: int | No
     # NOTE: LLMEngine._prefill is the admission + prefill half of LLMEngine.step (no decode step),
     # so that the decode phase starts with every request running. One request per call
     # (max_num_batched_tokens = the context), so each TTFT is its own.
-    while eng.num_waiting or eng._prefilling:
-        state = (eng.num_waiting, [s.prefilled for s in eng._prefilling], len(eng._running))
-        eng._prefill(touched)
+    while llm.num_waiting or llm._prefilling:
+        state = (llm.num_waiting, [s.prefilled for s in llm._prefilling], len(llm._running))
+        llm._prefill(touched)
         now = time.perf_counter()
         for seq in touched:
             if seq.req.finish_reason == "error":
                 raise RuntimeError(f"request {seq.request_id} failed: {seq.error}")
             ttft.setdefault(seq.request_id, now - t0)
         touched.clear()
-        if state == (eng.num_waiting, [s.prefilled for s in eng._prefilling], len(eng._running)):
+        if state == (llm.num_waiting, [s.prefilled for s in llm._prefilling], len(llm._running)):
             raise _DoesNotFit(
-                f"only {eng.num_running} of {len(prompts)} requests were admitted (the pools are full)"
+                f"only {llm.num_running} of {len(prompts)} requests were admitted (the pools are full)"
             )
     cuda = eng.engine.device.type == "cuda"
     finals: dict = {}
@@ -243,7 +253,7 @@ def drive(eng, prompts: list[list[int]], max_tokens: int, profile_step: int | No
     kernels = copies = None
     i = 0
     while eng.has_unfinished_requests():
-        n = eng.num_running
+        n = llm.num_running
         t = time.perf_counter()
         if i == profile_step and cuda:
             outs, kernels, copies = _profiled(torch, eng.step)
@@ -270,34 +280,60 @@ def drive(eng, prompts: list[list[int]], max_tokens: int, profile_step: int | No
 
 
 # ---------------------------------------------------------------------- the sweep
-class Fig11:
-    """The sweep's state: the model, the measured ceilings and the options."""
+def build_model(args, group=None):
+    """``(model, name, device)``: ``--model`` (loaded; this rank's shard of it under ``group``)
+    or ``--preset``'s random weights, on ``--device`` (a rank: the group's device)."""
+    import torch
 
-    def __init__(self, args) -> None:
+    from ..devices import compute_dtype, resolve_device
+
+    tp = group.size if group is not None else 1
+    dev = torch.device(resolve_device(args.device)) if tp == 1 else group.device
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    dtype = compute_dtype(dev.type) if args.dtype == "auto" else getattr(torch, args.dtype)
+    if args.model:
+        from ..models.loader import load_model
+
+        model, _ = load_model(args.model, dtype=dtype, device=dev if tp == 1 else "cpu")
+        name = args.model
+        if tp > 1:
+            from ..models.tp import TPCausalLM
+
+            model = TPCausalLM.from_full(model, group=group, device=dev)
+    else:
+        from ..models.config import preset_config
+
+        cfg = preset_config(args.preset)
+        name = f"{args.preset} (random weights)"
+        if tp > 1:
+            from ..models.tp import TPCausalLM
+
+            model = TPCausalLM.random_shards(cfg, seed=args.seed, dtype=dtype, device=dev, group=group)
+        else:
+            from .prefill import random_model
+
+            model = random_model(cfg, dtype, dev, args.seed)
+    return model.eval(), name, dev
+
+
+class Fig11:
+    """The sweep's state: the model, the measured ceilings and the options. With ``group`` (a
+    :class:`~oasiskv.parallel.TPGroup` of more than one rank) this is rank 0's side of ``--tp``:
+    every engine is a :class:`~oasiskv.parallel.TPLLMEngine` whose options go to the other
+    ranks first (:func:`_tp_worker`)."""
+
+    def __init__(self, args, group=None) -> None:
         import torch
 
-        from ..devices import compute_dtype, resolve_device
         from ..memory import available_bytes
 
         self.torch, self.args = torch, args
-        device = resolve_device(args.device)
-        self.dev = torch.device(device)
+        self.group = group if group is not None and group.size > 1 else None
+        self.tp = group.size if self.group is not None else 1
+        self._live = None  # the TPLLMEngine the workers follow now
+        self.model, self.model_name, self.dev = build_model(args, self.group)
         self.cuda = self.dev.type == "cuda"
-        if self.cuda and self.dev.index is None:
-            self.dev = torch.device("cuda", torch.cuda.current_device())
-        dtype = compute_dtype(device) if args.dtype == "auto" else getattr(torch, args.dtype)
-        if args.model:
-            from ..models.loader import load_model
-
-            self.model, _ = load_model(args.model, dtype=dtype, device=self.dev)
-            self.model_name = args.model
-        else:
-            from ..models.config import preset_config
-            from .prefill import random_model
-
-            self.model = random_model(preset_config(args.preset), dtype, self.dev, args.seed)
-            self.model_name = f"{args.preset} (random weights)"
-        self.model.eval()
         self.cfg = self.model.config
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         emb = self.model.embed_tokens.weight
@@ -322,6 +358,21 @@ class Fig11:
             self.ceilings = ceilings(self.dev)
             _free_memory(torch, self.dev)
 
+    def weights_read_at(self, conc: int) -> int:
+        """Weight bytes one decode step of ``conc`` requests reads: :attr:`weights_read`, less,
+        in a mixture of experts, the experts no row chose: ``E (1 - (1 - k/E)^conc)`` of the
+        ``E`` are chosen per layer in expectation, for one row per request routed uniformly
+        (an estimate: real routers are not uniform, and lookahead rows route too)."""
+        cfg = self.cfg
+        if not cfg.is_moe:
+            return self.weights_read
+        e, k = cfg.num_experts, cfg.num_experts_per_tok
+        unused = e * (1 - k / e) ** conc
+        layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+        itemsize = self.model.embed_tokens.weight.element_size()
+        expert = 3 * cfg.moe_intermediate_size * cfg.hidden_size * itemsize
+        return int(self.weights_read - layers * unused * expert)
+
     # ------------------------------------------------------------------ engines
     def kv(self):
         from ..config import KvConfig
@@ -344,9 +395,7 @@ class Fig11:
         drafter = None
         if backend == "oasis":
             drafter = NgramDrafter(window=a.ngram_window) if a.drafter == "ngram" else a.drafter
-        kw = {"cuda_graph": a.cuda_graph}
-        return LLMEngine(
-            self.model,
+        kw = dict(
             kv=self.kv(),
             backend=backend,
             drafter=drafter,
@@ -357,16 +406,37 @@ class Fig11:
             prefill_cache=cache,
             output_kind="delta",
             host_pool=host_pool,
-            **kw,
+            cuda_graph=a.cuda_graph,
         )
+        if self.group is None:
+            return LLMEngine(self.model, **kw)
+        from ..parallel import TPLLMEngine
+
+        self.close(self._live)
+        self.group.broadcast_object(("engine", kw))
+        self._live = TPLLMEngine(self.model, group=self.group, **kw)
+        return self._live
+
+    def close(self, eng) -> None:
+        """Let the workers following ``eng`` (a TPLLMEngine) go; nothing in one process."""
+        if eng is not None and self.group is not None and eng is self._live:
+            self._live = None
+            if self.group.broken is None:
+                eng.shutdown()
+
+    def _driver(self, eng):
+        """The LLMEngine whose private admission and prefill :func:`drive` calls."""
+        return getattr(eng, "_llm", eng)
 
     # ------------------------------------------------------------------ what fits
     def need(self, mode: str, ctx: int) -> dict:
         """One request's reservation in the engine's runtime: dense-phase peak pages, host
         blocks, whether it turns sparse; and the bytes of a block (all layers) and its summaries."""
-        probe = self.engine(mode, 1, ctx, None, None, None).engine
+        llm = self.engine(mode, 1, ctx, None, None, None)
+        probe = llm.engine
         probe.reserve_pools([])  # makes the runtime, allocates nothing
         peak, host, sparse = probe.runtime.reservation(ctx, self.args.max_tokens)
+        self.close(llm)
         per = probe.page_bytes_all_layers
         kv = probe.kv
         if mode != "dense" and not sparse:
@@ -439,7 +509,7 @@ class Fig11:
             kv_read = tokens * (per // b)
         else:
             kv_read = min(n["steady_pages"], math.ceil(tokens / b)) * per + (tokens // b) * n["summary_bytes"]
-        total = self.weights_read + conc * kv_read
+        total = self.weights_read_at(conc) + conc * kv_read
         bw = self.ceilings["d2d_copy_Bps"] if self.ceilings else None
         return {"step_read_bytes": total, "roofline_tpot_s": total / bw if bw else None}
 
@@ -459,9 +529,11 @@ class Fig11:
         profile = 1 if self.cuda and a.max_tokens - 1 >= 3 else None  # leaves a timed step
         try:
             eng = self.engine(mode, conc, ctx, gpu_budget, host_budget, cache)
-            eng.engine.reserve_pools([(ctx, a.max_tokens)] * conc)  # one allocation, not log2(C)
+            # one allocation, not log2(C); through the driver's proxy under --tp (every rank)
+            self._driver(eng).engine.reserve_pools([(ctx, a.max_tokens)] * conc)
             res = drive(eng, prompts, a.max_tokens, profile)
         except (_DoesNotFit, OutOfMemoryError, torch.OutOfMemoryError) as e:
+            self.close(eng)
             del eng
             _free_memory(torch, dev)
             why = " ".join(str(e).split())
@@ -506,6 +578,7 @@ class Fig11:
         }
         rl = out["roofline_tpot_s"]
         out["roofline_fraction"] = rl / tpot50 if rl and tpot50 else None
+        self.close(eng)
         del eng, p, res
         _free_memory(torch, dev)
         return out
@@ -516,6 +589,7 @@ class Fig11:
         eng = self.engine(mode, 1, ctx, None, None, cache)
         prompt = _prompts(self.cfg.vocab_size, ctx, 1, True, self.args.seed)
         res = drive(eng, prompt, min(3, self.args.max_tokens))
+        self.close(eng)
         del eng
         _free_memory(self.torch, self.dev)
         return res["ttft"][0]
@@ -535,6 +609,7 @@ class Fig11:
             "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
             "num_hidden_layers": self.cfg.num_hidden_layers,
             "max_tokens": a.max_tokens,
+            "tp": self.tp,
             "prompts": a.prompts,
             "cuda_graph": a.cuda_graph,
             "kv": {
@@ -562,7 +637,7 @@ class Fig11:
                     f"--contexts {ctx} + --max-tokens passes the model's context of "
                     f"{self.cfg.max_position_embeddings} tokens"
                 )
-            cache = PrefillCache() if a.prompts == "shared" else None
+            cache = PrefillCache() if a.prompts == "shared" and self.group is None else None
             needs = {m: self.need(m, ctx) for m in a.modes}
             cold = None
             for mode in a.modes:
@@ -619,7 +694,8 @@ def markdown(rep: dict) -> str:
     c = rep["ceilings"]
     kv = rep["kv"]
     lines = [
-        f"## Decode throughput vs concurrency (Fig. 11): {rep['model']}, {rep['device']}, {rep['dtype']}",
+        f"## Decode throughput vs concurrency (Fig. 11): {rep['model']}, {rep['device']}, {rep['dtype']}"
+        + (f", TP={rep['tp']} (bytes, budgets and rooflines per rank)" if rep.get("tp", 1) > 1 else ""),
         "",
         f"- GPU KV budget {rep['gpu_kv_budget_bytes'] / gib:.1f} GiB ({rep['gpu_kv_budget']}; "
         f"weights {rep['weights_bytes'] / gib:.1f} GiB, "
@@ -721,20 +797,31 @@ def main(args) -> int:
         return 2
 
     def write(rep: dict) -> str:
-        md = markdown(rep)
-        for path, text in ((args.json, json.dumps(rep, indent=2)), (args.md, md)):
-            if path:
-                with open(path, "w", encoding="utf-8") as f:
-                    f.write(text)
-        return md
+        return _write(args, rep)
 
-    try:
-        # After every row too: a sweep cut short (a time limit) keeps the rows it made.
-        rep = Fig11(args).run(checkpoint=write)
-    except (OasisError, MemoryError) as e:
-        print(f"bench.serve: error: {e}", file=sys.stderr)
-        return 2
-    print(write(rep))
+    if getattr(args, "tp", 1) > 1:
+        if args.cuda_graph:
+            print("bench.serve: error: --fig11 --tp does not take --cuda-graph yet", file=sys.stderr)
+            return 2
+        from ..errors import RankFailedError
+        from ..parallel import run_tp
+
+        try:
+            rep = run_tp(_tp_job, tp=args.tp, args=(args,), backend="gloo" if args.device == "cpu" else None)[
+                0
+            ]
+        except (OasisError, RankFailedError) as e:
+            print(f"bench.serve: error: {str(e).splitlines()[0]}", file=sys.stderr)
+            return 2
+        print(write(rep))
+    else:
+        try:
+            # After every row too: a sweep cut short (a time limit) keeps the rows it made.
+            rep = Fig11(args).run(checkpoint=write)
+        except (OasisError, MemoryError) as e:
+            print(f"bench.serve: error: {e}", file=sys.stderr)
+            return 2
+        print(write(rep))
     if args.png:
         try:
             plot(rep, args.png)
@@ -745,3 +832,46 @@ def main(args) -> int:
                 file=sys.stderr,
             )
     return 0
+
+
+def _write(args, rep: dict) -> str:
+    """Write the JSON and markdown reports where ``args`` say; returns the markdown."""
+    md = markdown(rep)
+    for path, text in ((args.json, json.dumps(rep, indent=2)), (args.md, md)):
+        if path:
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(text)
+    return md
+
+
+def _tp_job(group, args):
+    """One rank of ``--fig11 --tp``: rank 0 runs the sweep (writing the report after every row)
+    and returns it; the others build an engine for each set of options rank 0 sends and follow
+    it, until rank 0 says it is done."""
+    if group.rank != 0:
+        return _tp_worker(group, args)
+    fig = None
+    try:
+        fig = Fig11(args, group)
+        return fig.run(checkpoint=lambda rep: _write(args, rep))
+    finally:
+        if group.broken is None:
+            if fig is not None:
+                fig.close(fig._live)
+            group.broadcast_object(("done", None))
+
+
+def _tp_worker(group, args) -> None:
+    from ..parallel import TPLLMEngine
+
+    model, _, dev = build_model(args, group)
+    import torch
+
+    while True:
+        kind, kw = group.broadcast_object(None)
+        if kind == "done":
+            return None
+        eng = TPLLMEngine(model, group=group, **kw)
+        eng.worker_loop()
+        del eng
+        _free_memory(torch, dev)

@@ -339,8 +339,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--tp",
         type=int,
         default=1,
-        help="--in-process: tensor-parallel ranks, one process each (NCCL with a GPU per rank, gloo "
-        "with --device cpu)",
+        help="--in-process and --fig11: tensor-parallel ranks, one process each (NCCL with a GPU per "
+        "rank, gloo with --device cpu)",
     )
     add_engine_arguments(ap)
     fig11.add_arguments(ap)
@@ -371,11 +371,10 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.tp > 1 and not args.in_process:
+    if args.tp > 1 and args.endpoint:
         print(
             "bench.serve: error: --tp runs the engine in this command's processes: use it with "
-            "--in-process (a server takes its own flags)"
-            + ("; --fig11 with --tp is not done yet" if args.fig11 else ""),
+            "--in-process or --fig11 (a server takes its own flags)",
             file=sys.stderr,
         )
         return 2
