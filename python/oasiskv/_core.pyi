@@ -329,6 +329,13 @@ def gather_blocks(
 ) -> int | None:
     """Execute a selection plan (host pool -> GPU slots); entries copied on the CPU, None on the GPU."""
 
+def set_gather_launch(max_blocks: int = 0, warps_per_block: int = 4, entries_per_warp: int = 8) -> None:
+    """Launch shape of the GPU gather (process-wide; a captured graph keeps its own). ValueError
+    unless 1 <= warps_per_block <= 4 and 1 <= entries_per_warp <= 32."""
+
+def gather_launch() -> tuple[int, int, int]:
+    """``(max_blocks, warps_per_block, entries_per_warp)`` of :func:`set_gather_launch`."""
+
 def copy_pages(
     geo: KvGeometry,
     src_k: torch.Tensor,
