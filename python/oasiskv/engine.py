@@ -35,7 +35,7 @@ from . import _core, ops
 from .config import KvConfig
 from .drafters import Drafter
 from .errors import ConfigError, OutOfBlocksError
-from .memory import available_bytes, ensure_fits
+from .memory import available_bytes, ensure_fits, pinned_full
 from .policy import SelectionPolicy
 
 log = logging.getLogger("oasiskv.engine")
@@ -361,13 +361,19 @@ class KvPools:
                 # disable=None: a bar on a terminal only (logs and CI stay clean).
                 bar = tqdm(total=2 * layers, desc="pinning host KV pool", unit="tensor", disable=None)
 
+            if self.host_pin and device.type == "cuda":
+                # Kernels read the old pool through UVA; its pages are unpinned when it is freed.
+                torch.cuda.synchronize(device)
+
             def grown_host(tensors):
-                out = []
-                for t in tensors:
-                    out.append(_grown(t, num_host_blocks, pin=self.host_pin))
+                # In place, one layer at a time: the old layer is freed as soon as it is copied,
+                # so the growth peaks at the new pool plus one old layer.
+                for i, t in enumerate(tensors):
+                    tensors[i] = _grown(t, num_host_blocks, pin=self.host_pin)
+                    del t
                     if bar is not None:
                         bar.update()
-                return out
+                return tensors
 
             try:
                 self.host_k = grown_host(self.host_k)
@@ -399,7 +405,10 @@ def _grown(old: torch.Tensor, rows: int, dim: int = 0, fill=0, pin: bool = False
     device (in pinned CPU memory with ``pin``)."""
     shape = list(old.shape)
     shape[dim] = rows
-    new = torch.full(shape, fill, dtype=old.dtype, device=old.device, pin_memory=pin)
+    if pin:  # exactly its size: torch's pin_memory rounds up to a power of two
+        new = pinned_full(shape, fill, old.dtype)
+    else:
+        new = torch.full(shape, fill, dtype=old.dtype, device=old.device)
     new.narrow(dim, 0, old.shape[dim]).copy_(old)
     return new
 

@@ -16,6 +16,7 @@ Set ``OASIS_MEMORY_CHECK=0`` to skip the check (an estimate can be wrong, e.g. w
 from __future__ import annotations
 
 import os
+import weakref
 from pathlib import Path
 
 import torch
@@ -138,3 +139,51 @@ def ensure_fits(nbytes: int, device: str | torch.device, what: str, fix: str) ->
 
 
 __all__ = ["MEMORY_CHECK_ENV", "available_bytes", "ensure_fits", "format_bytes"]
+
+
+# ---------------------------------------------------------------- page-locked host tensors
+_PAGE = 4096
+_HOST_REGISTER_PORTABLE_MAPPED = 0x01 | 0x02  # cudaHostRegisterPortable | cudaHostRegisterMapped
+
+
+def _unregister(ptr: int) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # noqa: BLE001 - at interpreter exit CUDA may be gone; the OS frees the pages
+        pass
+
+
+def pinned_full(shape, fill, dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of ``shape`` filled with ``fill``, in page-locked memory of exactly its size
+    (rounded to whole pages), mapped for every device (UVA).
+
+    Why not ``pin_memory=True``: torch's caching host allocator rounds every block up to a power
+    of two, so a 1.03 GiB layer of the host pool took 2 GiB of pinned RAM and the KV host pool
+    could use up to twice what it holds. Here the bytes come from a plain allocation, page-aligned
+    so that no page is shared with another registration, and ``cudaHostRegister`` pins them; they
+    are unregistered when the last tensor viewing them is freed. The caller must not free it while
+    the GPU may still read it (the engine synchronizes before it replaces a pool)."""
+    import numpy as np
+
+    numel = 1
+    for s in shape:
+        numel *= int(s)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    span = -(-nbytes // _PAGE) * _PAGE
+    raw = np.empty(span + _PAGE, dtype=np.uint8)  # the array owns the bytes; tensors keep it alive
+    off = (-raw.ctypes.data) % _PAGE
+    buf = raw[off : off + span]
+    ptr = buf.ctypes.data
+    err = torch.cuda.cudart().cudaHostRegister(ptr, span, _HOST_REGISTER_PORTABLE_MAPPED)
+    if int(err) != 0:
+        raise OutOfMemoryError(
+            f"cannot pin {format_bytes(span)} of host memory for the KV host pool (cudaHostRegister "
+            f"error {int(err)}); lower host_kv_budget_bytes / KvConfig.num_host_blocks or max_num_seqs, "
+            "or raise the memlock limit (ulimit -l)"
+        )
+    weakref.finalize(raw, _unregister, ptr)  # runs before numpy frees the bytes
+    t = torch.from_numpy(buf[:nbytes]).view(dtype).view(shape)
+    t.fill_(fill)
+    return t
