@@ -56,6 +56,13 @@ def main() -> None:
         help="also time every sweep point with the step issued on a high-priority stream",
     )
     ap.add_argument("--host-pool", choices=["pinned", "device"], default="pinned")
+    ap.add_argument("--background-streams", type=int, default=2, help="Engine(background_streams=N)")
+    ap.add_argument(
+        "--streams-sweep",
+        default="",
+        help="comma list of background stream counts to time in the same process",
+    )
+    ap.add_argument("--trace", help="with --profile: the Chrome trace of the profiled steps here")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -95,9 +102,19 @@ def main() -> None:
             * cfg.num_hidden_layers
             * (cfg.num_key_value_heads * cfg.head_dim * 2 * dtype.itemsize)
         )
-    eng = mod.Engine(model, kv, args.backend, drafter, prefill_cache=cache, host_pool=args.host_pool, **extra)
+    eng = mod.Engine(
+        model,
+        kv,
+        args.backend,
+        drafter,
+        prefill_cache=cache,
+        host_pool=args.host_pool,
+        background_streams=args.background_streams,
+        **extra,
+    )
     g = torch.Generator().manual_seed(0)
     sweep_points = len(args.gather_blocks.split(",")) if args.gather_blocks else 0
+    sweep_points += len(args.streams_sweep.split(",")) if args.streams_sweep else 0
     steps_all = (args.steps + 2) * (1 + sweep_points * (2 if args.high_priority else 1)) + 3
     reqs = []
     for i in range(args.requests):
@@ -157,6 +174,15 @@ def main() -> None:
                 )
                 print(json.dumps(row), flush=True)
                 sweep.append(row)
+    if args.streams_sweep and cuda:
+        for k in [int(x) for x in args.streams_sweep.split(",")]:
+            eng._join_background()
+            eng._sides = [torch.cuda.Stream(dev) for _ in range(k)]  # as Engine(background_streams=k)
+            eng.drop_graphs()
+            h, st = timed(args.steps)
+            row = dict(background_streams=k, host_ms=statistics.median(h), step_ms=statistics.median(st))
+            print(json.dumps(row), flush=True)
+            sweep.append(row)
     kernels_per_step = None
     if args.profile and cuda:
         from torch.profiler import ProfilerActivity, profile
@@ -169,6 +195,8 @@ def main() -> None:
                     r.tokens.append(1)
                     r.draft = 2
             torch.cuda.synchronize()
+        if args.trace:
+            prof.export_chrome_trace(args.trace)
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         kernels_per_step = len(kernels) / 3
         with open(args.profile, "w") as f:

@@ -8,6 +8,7 @@ import torch
 import oasiskv
 from oasiskv import KvConfig, errors
 from oasiskv.drafters import NgramDrafter, OracleDrafter, PreviousQueryDrafter
+from oasiskv.engine import Engine
 from oasiskv.models.config import ModelConfig
 from oasiskv.models.transformer import CausalLM
 
@@ -206,6 +207,12 @@ def test_budget_larger_than_pools_is_a_typed_error(qwen3):
 def test_bad_kv_config(kw, match):
     with pytest.raises(errors.ConfigError, match=match):
         KvConfig(**kw)
+
+
+@pytest.mark.parametrize("n", [0, 9, 1.5, "2"])
+def test_bad_background_streams(qwen3, n):
+    with pytest.raises(errors.ConfigError, match="background_streams must be an int in 1..8"):
+        Engine(qwen3, KvConfig(), "oasis", None, background_streams=n)
 
 
 def test_bad_generate_arguments(qwen3):

@@ -556,6 +556,7 @@ class Engine:
         policy: SelectionPolicy | None = None,
         cuda_graph: bool = False,
         host_pool: str = "pinned",
+        background_streams: int = 2,
     ) -> None:
         if backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -602,10 +603,15 @@ class Engine:
         # row in it: the initial selection of a request that turns sparse uses them.
         self._last_q: list[torch.Tensor | None] = [None] * c.num_hidden_layers
         self._last_row: dict[int, int] = {}
-        # The background chain (score -> select -> gather) runs on its own stream on a GPU; the
-        # attention of layer l waits only for layer l's transfer event of the previous step.
+        # The background chain (score -> select -> gather) runs on streams of its own on a GPU;
+        # the attention of layer l waits only for layer l's transfer event of the previous step.
+        # Layer l's chain goes to stream l % background_streams: the layers' chains are
+        # independent, and at small batches each is a string of tiny latency-bound kernels
+        # longer than the layer's own compute, so one stream would serialise them all.
+        if not isinstance(background_streams, int) or not 1 <= background_streams <= 8:
+            raise ConfigError(f"background_streams must be an int in 1..8, got {background_streams!r}")
         self.cuda = self.device.type == "cuda"
-        self._side = torch.cuda.Stream(self.device) if self.cuda else None
+        self._sides = [torch.cuda.Stream(self.device) for _ in range(background_streams)] if self.cuda else []
         self._gather_done: list = [None] * c.num_hidden_layers
         # The step plan: persistent buffers (pinned host + device on a GPU, double-buffered so a
         # step's copy never overwrites tables an earlier step's kernels may still read).
@@ -839,10 +845,16 @@ class Engine:
         self._acc_recall_n[slot] = 0
         self._flush_map()
 
+    def _side(self, layer: int):
+        """The background stream of ``layer``'s chain."""
+        return self._sides[layer % len(self._sides)]
+
     def _join_background(self) -> None:
         """Make the compute stream wait for all background work (before pages change owners)."""
         if self.cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self._side)
+            cur = torch.cuda.current_stream(self.device)
+            for side in self._sides:
+                cur.wait_stream(side)
 
     def release(self, r: _Request) -> None:
         """Return everything ``r`` holds to the pools (safe to call twice)."""
@@ -1180,7 +1192,8 @@ class Engine:
             num_splits = _core.plan_num_splits(ops._num_sms(self.device), n, self.geo.num_kv_heads, max_pages)
         plan = self._sparse_plan(v, reqs) if n_sparse else None
         if plan is not None and self.cuda:
-            plan.keep_for(self._side)
+            for side in self._sides:
+                plan.keep_for(side)
         done_blocks = v["done_blocks"] if self.key_codes and v["done_blocks"].numel() else None
         out = self._run_step(v, n, plan, done_blocks, max_pages, num_splits, draft_logits, reqs=reqs)
         self._last_q = list(out["last_q"])
@@ -1226,7 +1239,8 @@ class Engine:
         step = self._step_now if static else self.step_no
         scale = d**-0.5
         last_q: list = [None] * self.cfg.num_hidden_layers
-        keep: list = []  # static: what the background stream reads, alive until the step is over
+        keep: list = []  # static: what the background streams read, alive until the step is over
+        forked: set = set()  # the background streams this step forked
         # Speculative decoding: each layer's row-1 K/V ([n, num_kv_heads, head_dim] each), kept on
         # the device for append_drafts (no copy beyond the one the attention takes anyway).
         spec_kv: list | None = [None] * self.cfg.num_hidden_layers if draft_logits else None
@@ -1282,15 +1296,17 @@ class Engine:
                 if self.cuda:
                     attn_done = torch.cuda.Event()
                     attn_done.record()
-                    with torch.cuda.stream(self._side):
-                        self._side.wait_event(attn_done)  # selection reads q, gather overwrites slots
+                    side = self._side(layer)
+                    forked.add(side)
+                    with torch.cuda.stream(side):
+                        side.wait_event(attn_done)  # selection reads q, gather overwrites slots
                         if static:
                             keep.append(self._select(*args))  # q4 among them
                         else:
-                            q4.record_stream(self._side)
+                            q4.record_stream(side)
                             self._select(*args)
                             done = torch.cuda.Event()
-                            done.record(self._side)
+                            done.record(side)
                             self._gather_done[layer] = done
                 else:
                     self._select(*args)
@@ -1307,9 +1323,11 @@ class Engine:
             capture = (*capture, last)  # the last layer's output of row 1, for its logits
         logits, captured = self.model.forward(ids_t, pos_t, attn, logits_rows=row0, capture_layers=capture)
         if static and plan is not None:
-            # Join the background stream inside the step: the next step's attention reads the
-            # slots these gathers fill.
-            torch.cuda.current_stream(dev).wait_stream(self._side)
+            # Join the background streams inside the step: the next step's attention reads the
+            # slots these gathers fill. Only those forked in it: waiting on a stream the capture
+            # never forked would wait on work recorded before it (invalid in a capture).
+            for side in forked:
+                torch.cuda.current_stream(dev).wait_stream(side)
         out = {"logits": logits, "feats": None, "last_q": last_q, "keep": keep}
         if self.capture:
             out["feats"] = torch.cat([captured[i][row0] for i in self.capture], dim=-1)
