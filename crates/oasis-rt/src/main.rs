@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use oasis_rt::protocol::{DEFAULT_MAX_FRAME_BYTES, MAX_TOKEN_BYTES};
 use oasis_rt::server::{DEFAULT_LEASE, DEFAULT_LISTEN};
+use oasis_rt::transport::TransportKind;
 use oasis_rt::{Client, ClientConfig, Error, Server, ServerConfig};
 
 const USAGE: &str = "\
@@ -22,13 +23,6 @@ serve   run the KV staging daemon. --listen defaults to 127.0.0.1:7470; a non-lo
         --transport ucx: frames over UCX (libucp loaded at run time; builds with feature
         `ucx`; UCX_TLS etc. choose UCX's transports). Default tcp.
 stats   print a running daemon's counters, one `name value` per line.";
-
-/// Which transport `--transport` names.
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum TransportKind {
-    Tcp,
-    Ucx,
-}
 
 fn transport_kind(flags: &Flags) -> Result<TransportKind, Failure> {
     match flags.get("--transport").unwrap_or("tcp") {

@@ -1,7 +1,8 @@
 //! Transports: how frames travel. The daemon and the client speak to a [`Connection`] and never
 //! to a socket, so the same protocol code runs over plain TCP ([`TcpTransport`], here) and UCX
-//! (later, behind the `ucx` feature: active messages for frames, RMA `get` of registered
-//! staging memory for block bytes).
+//! (`crate::ucx::UcxTransport`, feature `ucx`: active messages for frames). A daemon's URL
+//! ([`Endpoint`]: `oasis-rt://HOST:PORT` or `oasis-rt+ucx://HOST:PORT`) names the transport;
+//! [`AnyConnection`] carries frames over either.
 //!
 //! A connection moves whole frames: `send_frame` takes an encoded frame (length prefix
 //! included, see [`crate::protocol`]), `recv_frame` returns one frame's body after checking
@@ -196,6 +197,142 @@ impl Transport for TcpTransport {
     }
 }
 
+/// The URL scheme of a daemon reached over TCP (`oasis-rt://HOST:PORT`; a bare `HOST:PORT`
+/// means the same).
+pub const TCP_SCHEME: &str = "oasis-rt://";
+/// The URL scheme of a daemon reached over UCX (`oasis-rt+ucx://HOST:PORT`, feature `ucx`).
+pub const UCX_SCHEME: &str = "oasis-rt+ucx://";
+
+/// Which transport a daemon's URL names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TransportKind {
+    Tcp,
+    Ucx,
+}
+
+impl TransportKind {
+    /// `"tcp"` or `"ucx"`, as `--transport` spells them.
+    pub fn name(self) -> &'static str {
+        match self {
+            TransportKind::Tcp => "tcp",
+            TransportKind::Ucx => "ucx",
+        }
+    }
+
+    /// The URL scheme of this transport.
+    pub fn scheme(self) -> &'static str {
+        match self {
+            TransportKind::Tcp => TCP_SCHEME,
+            TransportKind::Ucx => UCX_SCHEME,
+        }
+    }
+}
+
+/// A daemon's address with its transport: `oasis-rt://HOST:PORT`, `oasis-rt+ucx://HOST:PORT`,
+/// or a bare `HOST:PORT` (TCP). `HOST` is a name, an IPv4 address or a bracketed IPv6 one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Endpoint {
+    pub kind: TransportKind,
+    /// `HOST:PORT`.
+    pub addr: String,
+}
+
+impl Endpoint {
+    /// Parse a daemon URL (the checks are syntactic: the name is resolved on connect).
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the expected forms.
+    pub fn parse(url: &str) -> Result<Endpoint> {
+        let bad = || {
+            Error::Config(format!(
+                "'{url}' is not {TCP_SCHEME}HOST:PORT, {UCX_SCHEME}HOST:PORT or HOST:PORT"
+            ))
+        };
+        let (kind, addr) = if let Some(a) = url.strip_prefix(UCX_SCHEME) {
+            (TransportKind::Ucx, a)
+        } else if let Some(a) = url.strip_prefix(TCP_SCHEME) {
+            (TransportKind::Tcp, a)
+        } else if url.contains("://") {
+            return Err(bad());
+        } else {
+            (TransportKind::Tcp, url)
+        };
+        let (host, port) = addr.rsplit_once(':').ok_or_else(bad)?;
+        let port_ok = !port.is_empty()
+            && port.len() <= 5
+            && port.bytes().all(|b| b.is_ascii_digit())
+            && (1..=65535).contains(&port.parse::<u32>().unwrap_or(0));
+        let host_ok = !host.is_empty()
+            && !host.contains('/')
+            && !host.bytes().any(|b| b.is_ascii_whitespace())
+            && (host.starts_with('[') == host.ends_with(']'));
+        if !port_ok || !host_ok {
+            return Err(bad());
+        }
+        Ok(Endpoint {
+            kind,
+            addr: addr.to_string(),
+        })
+    }
+
+    /// The canonical URL (`scheme` + `HOST:PORT`).
+    pub fn url(&self) -> String {
+        format!("{}{}", self.kind.scheme(), self.addr)
+    }
+}
+
+impl std::fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.url())
+    }
+}
+
+/// A connection over either transport, so one [`crate::Client`] type serves both (the Python
+/// client holds a `Client<AnyConnection>`).
+#[derive(Debug)]
+pub enum AnyConnection {
+    Tcp(TcpConnection),
+    #[cfg(feature = "ucx")]
+    Ucx(crate::ucx::UcxConnection),
+}
+
+impl AnyConnection {
+    /// Which transport carries it.
+    pub fn kind(&self) -> TransportKind {
+        match self {
+            AnyConnection::Tcp(_) => TransportKind::Tcp,
+            #[cfg(feature = "ucx")]
+            AnyConnection::Ucx(_) => TransportKind::Ucx,
+        }
+    }
+}
+
+impl Connection for AnyConnection {
+    async fn send_frame(&mut self, frame: &[u8]) -> Result<()> {
+        match self {
+            AnyConnection::Tcp(c) => c.send_frame(frame).await,
+            #[cfg(feature = "ucx")]
+            AnyConnection::Ucx(c) => c.send_frame(frame).await,
+        }
+    }
+
+    async fn recv_frame(&mut self, max_frame: u32, idle: Option<Duration>) -> Result<Bytes> {
+        match self {
+            AnyConnection::Tcp(c) => c.recv_frame(max_frame, idle).await,
+            #[cfg(feature = "ucx")]
+            AnyConnection::Ucx(c) => c.recv_frame(max_frame, idle).await,
+        }
+    }
+
+    fn peer(&self) -> String {
+        match self {
+            AnyConnection::Tcp(c) => c.peer(),
+            #[cfg(feature = "ucx")]
+            AnyConnection::Ucx(c) => c.peer(),
+        }
+    }
+}
+
 async fn deadline<T>(
     op: &'static str,
     after: Duration,
@@ -292,6 +429,41 @@ mod tests {
             .enable_time()
             .build()
             .expect("runtime")
+    }
+
+    #[test]
+    fn endpoints() {
+        let e = Endpoint::parse("oasis-rt+ucx://127.0.0.1:7470").unwrap();
+        assert_eq!(
+            (e.kind, e.addr.as_str()),
+            (TransportKind::Ucx, "127.0.0.1:7470")
+        );
+        assert_eq!(e.url(), "oasis-rt+ucx://127.0.0.1:7470");
+        let e = Endpoint::parse("oasis-rt://[::1]:1").unwrap();
+        assert_eq!((e.kind, e.addr.as_str()), (TransportKind::Tcp, "[::1]:1"));
+        assert_eq!(
+            Endpoint::parse("host:65535").unwrap().kind,
+            TransportKind::Tcp
+        );
+        for bad in [
+            "",
+            "http://h:1",
+            "oasis-rt://h",
+            "oasis-rt://h:0",
+            "oasis-rt://h:65536",
+            "oasis-rt://:7",
+            "oasis-rt+ucx://h:7/x",
+            "oasis-rt+ucx://h/x:7",
+            "h:+7",
+            "[::1:7",
+            "h: 7",
+            "oasis-rt+tcp://h:7",
+        ] {
+            assert!(
+                matches!(Endpoint::parse(bad), Err(Error::Config(_))),
+                "{bad}"
+            );
+        }
     }
 
     #[test]
