@@ -51,8 +51,9 @@ test-rust: $(STAMP)
 test-py: $(BUILD_STAMP)
 	$(WITH_NVRTC) $(PY) -m pytest -q -m "not gpu and not benchmark and not ucx"
 
-test-ucx: ## oasis-rt over UCX on loopback (needs libucp: apt-get install libucx-dev; fails without it)
+test-ucx: $(BUILD_STAMP) ## oasis-rt and the Python client over UCX on loopback (needs libucp: apt-get install libucx-dev; fails without it)
 	OASIS_REQUIRE_UCX=1 cargo test -p oasis-rt --features ucx --release
+	$(PY) -m pytest -q -m ucx
 
 test-gpu: $(BUILD_STAMP) ## GPU tests (on a machine with a CUDA GPU)
 	$(PY) -m pytest -q -m gpu

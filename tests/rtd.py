@@ -1,5 +1,9 @@
 """The ``oasis-rt`` staging daemon for the tests: the cargo-built binary, as its own process on a
-free loopback port (``Daemon``), and the binary's path (``rt_binary``)."""
+free loopback port (``Daemon``, over TCP or UCX), and the binary's path (``rt_binary``).
+
+``TRANSPORTS`` parametrizes a test over both transports: the UCX case carries the ``ucx`` marker,
+so ``make test`` (no UCX needed) deselects it and ``make test-ucx`` runs it, where a missing libucp
+is a failure, never a skip."""
 
 from __future__ import annotations
 
@@ -15,6 +19,9 @@ from pathlib import Path
 
 import pytest
 
+#: ``@pytest.mark.parametrize("transport", TRANSPORTS)``: TCP, and UCX under the ``ucx`` marker.
+TRANSPORTS = ["tcp", pytest.param("ucx", marks=pytest.mark.ucx)]
+
 ROOT = Path(__file__).resolve().parents[1]
 #: How long the daemon may take to print its address (arbitrary, generous for a loaded CI box).
 START_TIMEOUT_S = 30.0
@@ -23,7 +30,9 @@ START_TIMEOUT_S = 30.0
 @cache
 def rt_binary() -> str | None:
     """``$OASIS_RT_BIN``, else ``target/release/oasis-rt``, built (or brought up to date: a no-op
-    when fresh) with cargo when cargo is here; None when there is neither binary nor cargo."""
+    when fresh) with cargo when cargo is here; None when there is neither binary nor cargo. Built
+    with the ``ucx`` feature (libucp is loaded at run time, so it also serves TCP where UCX is
+    absent)."""
     env = os.environ.get("OASIS_RT_BIN")
     if env:
         return env
@@ -31,7 +40,8 @@ def rt_binary() -> str | None:
     cargo = shutil.which("cargo")
     if cargo is not None:
         subprocess.run(
-            [cargo, "build", "--release", "--quiet", "-p", "oasis-rt", "--bin", "oasis-rt"],
+            [cargo, "build", "--release", "--quiet", "-p", "oasis-rt", "--features", "ucx"]
+            + ["--bin", "oasis-rt"],
             cwd=ROOT,
             check=True,
         )
@@ -46,12 +56,20 @@ def need_binary() -> str:
 
 
 class Daemon:
-    """``oasis-rt serve`` on ``127.0.0.1:0``; ``addr`` is where it listens. ``token``: a shared
-    token (written to a private file). Use as a context manager; :meth:`kill`, :meth:`stop` and
-    :meth:`cont` send SIGKILL, SIGSTOP and SIGCONT."""
+    """``oasis-rt serve`` on ``127.0.0.1:0`` over ``transport`` (``"tcp"`` or ``"ucx"``); ``addr``
+    is where it listens, ``url`` the client's URL for it (``oasis-rt://`` or ``oasis-rt+ucx://``).
+    ``token``: a shared token (written to a private file). Use as a context manager; :meth:`kill`,
+    :meth:`stop` and :meth:`cont` send SIGKILL, SIGSTOP and SIGCONT."""
 
-    def __init__(self, memory: str = "256MiB", token: str | None = None, lease_s: int | None = None):
+    def __init__(
+        self,
+        memory: str = "256MiB",
+        token: str | None = None,
+        lease_s: int | None = None,
+        transport: str = "tcp",
+    ):
         args = [need_binary(), "serve", "--listen", "127.0.0.1:0", "--memory", memory, "--log", "warn"]
+        args += ["--transport", transport]
         self._dir = tempfile.TemporaryDirectory(prefix="oasis-rt-test-")
         if token is not None:
             path = Path(self._dir.name) / "token"
@@ -60,14 +78,22 @@ class Daemon:
             args += ["--token-file", str(path)]
         if lease_s is not None:
             args += ["--lease", str(lease_s)]
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        # Its log goes to a file (a pipe nobody drains could stall it), read back if it fails to start.
+        log = Path(self._dir.name) / "log"
+        with log.open("w") as err:
+            self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True)
         ready, _, _ = select.select([self.proc.stdout], [], [], START_TIMEOUT_S)
         line = self.proc.stdout.readline() if ready else ""
         if not line.startswith("oasis-rt listening on "):
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait()
+            why = log.read_text()[-2000:]
             self.close()
-            raise RuntimeError(f"oasis-rt did not start: {line!r}")
+            raise RuntimeError(f"oasis-rt --transport {transport} did not start: {line!r} {why}")
+        self.transport = transport
         self.addr = line.strip().rsplit(" ", 1)[1]
-        self.url = f"oasis-rt://{self.addr}"
+        self.url = f"oasis-rt+ucx://{self.addr}" if transport == "ucx" else f"oasis-rt://{self.addr}"
 
     def kill(self) -> None:
         if self.proc.poll() is None:

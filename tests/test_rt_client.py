@@ -1,8 +1,15 @@
 """``oasiskv._core.RtClient`` against the real ``oasis-rt`` daemon (its own process): bytes in and
-out bit-exact, the protocol's byte counts, typed errors with a code, deadlines, the token."""
+out bit-exact, the protocol's byte counts, typed errors with a code, deadlines, the token.
+
+Every daemon test runs over TCP (``oasis-rt://``) and UCX (``oasis-rt+ucx://``, marker ``ucx``:
+``make test-ucx``, where a missing libucp fails). A UCX address where libucp cannot be loaded
+raises a typed error, tested everywhere (a child process pointed at no library)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -10,8 +17,8 @@ import pytest
 import torch
 
 from oasiskv import errors
-from oasiskv._core import RtClient
-from rtd import Daemon
+from oasiskv._core import RtClient, ucx_version
+from rtd import TRANSPORTS, Daemon
 
 # (num_layers, num_kv_heads, block_size, head_dim, dtype_bytes, num_blocks); odd sizes.
 GEO = (3, 2, 5, 6, 4, 7)
@@ -19,9 +26,9 @@ BLOCK = 2 * 2 * 5 * 6 * 4
 ROW = 2 * 2 * 6 * 4
 
 
-@pytest.fixture(scope="module")
-def daemon():
-    with Daemon() as d:
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def daemon(request):
+    with Daemon(transport=request.param) as d:
         yield d
 
 
@@ -31,7 +38,8 @@ def _blocks(n: int, seed: int) -> torch.Tensor:
 
 
 def test_roundtrip_is_bit_exact_and_counted(daemon):
-    c = RtClient(daemon.addr, timeout_s=5)
+    c = RtClient(daemon.url, timeout_s=5)
+    assert (c.transport, c.url, c.addr) == (daemon.transport, daemon.url, daemon.addr)
     keys = [(layer, b) for layer in range(3) for b in range(7)]
     data = _blocks(len(keys), 0)
     stored, used = c.stage_blocks(11, GEO, keys, data)
@@ -83,7 +91,7 @@ def test_roundtrip_is_bit_exact_and_counted(daemon):
 
 
 def test_large_stagings_are_split_into_frames(daemon):
-    c = RtClient(daemon.addr, timeout_s=10, max_frame=64 << 10)
+    c = RtClient(daemon.url, timeout_s=10, max_frame=64 << 10)
     assert c.max_frame == 64 << 10
     geo = (1, 2, 16, 64, 2, 300)  # 8 KiB blocks: 7 per 64 KiB frame
     bb = 2 * 2 * 16 * 64 * 2
@@ -99,11 +107,11 @@ def test_large_stagings_are_split_into_frames(daemon):
         c.read_blocks([(21, 0, i, -1) for i in range(20)])
     assert e.value.code == "too_large" and "make a new RtClient" in str(e.value)
     assert not c.connected
-    assert RtClient(daemon.addr).release(21) > 300 * bb
+    assert RtClient(daemon.url).release(21) > 300 * bb
 
 
 def test_mistakes_are_typed_and_keep_the_connection(daemon):
-    c = RtClient(daemon.addr, timeout_s=5)
+    c = RtClient(daemon.url, timeout_s=5)
     with pytest.raises(errors.RemoteNotFoundError) as e:
         c.fetch_admission(999, 0, 1)
     assert e.value.code == "unknown_request" and "stage it again" in str(e.value)
@@ -118,37 +126,41 @@ def test_mistakes_are_typed_and_keep_the_connection(daemon):
     with pytest.raises(errors.DTypeError):
         c.stage_blocks(5, GEO, [(0, 0)], 3.5)
     with pytest.raises(errors.ConfigError):
-        RtClient(daemon.addr, timeout_s=0)
+        RtClient(daemon.url, timeout_s=0)
     assert c.connected  # none of these broke it
     c.close()
     with pytest.raises(errors.RemoteUnavailableError):
         c.stats()
 
 
-def test_unreachable_daemon():
-    with Daemon() as d:
-        addr = d.addr
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_unreachable_daemon(transport):
+    with Daemon(transport=transport) as d:
+        url = d.url
     t = time.monotonic()
     with pytest.raises(errors.RemoteUnavailableError) as e:
-        RtClient(addr, timeout_s=2, connect_timeout_s=2)
+        RtClient(url, timeout_s=2, connect_timeout_s=2)
     assert e.value.code == "unreachable" and "oasis-rt serve" in str(e.value)
+    assert ("--transport ucx" in str(e.value)) == (transport == "ucx")
     assert isinstance(e.value, ConnectionError) and time.monotonic() - t < 5
 
 
-def test_a_client_without_the_token_is_refused():
-    with Daemon(token="correct horse") as d:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_client_without_the_token_is_refused(transport):
+    with Daemon(token="correct horse", transport=transport) as d:
         for token in (None, "battery staple"):
             with pytest.raises(errors.RemoteAuthError) as e:
-                RtClient(d.addr, token=token, timeout_s=5)
+                RtClient(d.url, token=token, timeout_s=5)
             assert e.value.code == "unauthorized" and "token" in str(e.value)
             assert isinstance(e.value, PermissionError)
-        c = RtClient(d.addr, token=b"correct horse\n", timeout_s=5)
+        c = RtClient(d.url, token=b"correct horse\n", timeout_s=5)
         assert c.stats()["live_requests"] == 0
 
 
-def test_a_stalled_daemon_times_out():
-    with Daemon() as d:
-        c = RtClient(d.addr, timeout_s=1)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_stalled_daemon_times_out(transport):
+    with Daemon(transport=transport) as d:
+        c = RtClient(d.url, timeout_s=1)
         d.stop()
         t = time.monotonic()
         with pytest.raises(errors.RemoteTimeoutError) as e:
@@ -162,15 +174,16 @@ def test_a_stalled_daemon_times_out():
         d.cont()
 
 
-def test_killing_the_daemon_mid_transfer_gives_a_typed_error_in_time():
-    with Daemon(memory="1GiB") as d:
-        c = RtClient(d.addr, timeout_s=5)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_killing_the_daemon_mid_transfer_gives_a_typed_error_in_time(transport):
+    with Daemon(memory="1GiB", transport=transport) as d:
+        c = RtClient(d.url, timeout_s=5)
         geo = (1, 8, 64, 128, 2, 512)  # 256 KiB blocks, 128 MiB staged
         bb = 2 * 8 * 64 * 128 * 2
         for lo in range(0, 512, 128):
             zeros = torch.zeros(128, bb, dtype=torch.uint8)
             c.stage_blocks(3, geo, [(0, i) for i in range(lo, lo + 128)], zeros)
-        reader = RtClient(d.addr, timeout_s=5)
+        reader = RtClient(d.url, timeout_s=5)
         keys = [(3, 0, i, -1) for i in range(200)]  # ~50 MiB replies
         caught: list = []
         calls = [0]
@@ -196,3 +209,60 @@ def test_killing_the_daemon_mid_transfer_gives_a_typed_error_in_time():
         assert isinstance(err, errors.RemoteUnavailableError), err
         assert err.code in ("closed", "unreachable")
         assert when - killed < 5
+
+
+def test_addresses_name_the_transport(daemon):
+    # The same daemon by its bare address and by its URL (TCP), refused schemes typed.
+    if daemon.transport == "tcp":
+        for addr in (daemon.addr, daemon.url):
+            c = RtClient(addr, timeout_s=5)
+            assert c.transport == "tcp" and c.url == daemon.url and c.stats()["live_requests"] >= 0
+    for bad in ("oasis-rt+tcp://" + daemon.addr, "http://" + daemon.addr, "oasis-rt://nohost"):
+        with pytest.raises(errors.ConfigError) as e:
+            RtClient(bad)
+        assert e.value.code == "bad_address" and "oasis-rt+ucx://" in str(e.value)
+
+
+@pytest.mark.ucx
+@pytest.mark.parametrize("transport", ["tcp", "ucx"])
+def test_a_transport_mismatch_fails_in_time(transport):
+    # A client of the other transport: refused or timed out within its deadline, typed. (Either
+    # way one side needs UCX: the marker is on both.)
+    other = "oasis-rt://" if transport == "ucx" else "oasis-rt+ucx://"
+    with Daemon(transport=transport) as d:
+        t = time.monotonic()
+        with pytest.raises(errors.RemoteError):
+            RtClient(other + d.addr, timeout_s=2, connect_timeout_s=2)
+        assert time.monotonic() - t < 5
+        assert RtClient(d.url, timeout_s=5).stats()["live_requests"] == 0  # it still serves
+
+
+def test_ucx_without_libucp_is_a_typed_error():
+    # In a child process pointed at no library (libucp is loaded once per process).
+    code = """
+from oasiskv import errors
+from oasiskv._core import RtClient, ucx_version
+for f in (ucx_version, lambda: RtClient("oasis-rt+ucx://127.0.0.1:9")):
+    try:
+        f()
+    except errors.ConfigError as e:
+        print(e.code, "|", e)
+c = RtClient.__name__  # the module imported and TCP clients are unaffected
+"""
+    env = dict(os.environ, OASIS_UCP_LIB="/nonexistent/libucp.so.0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert len(lines) == 2, out.stdout
+    for line in lines:
+        code_name, msg = line.split(" | ", 1)
+        assert code_name == "ucx_unavailable"
+        assert "cannot load libucp" in msg and "apt-get install libucx0" in msg and "OASIS_UCP_LIB" in msg
+        assert "oasis-rt://" in msg  # the TCP way out
+
+
+@pytest.mark.ucx
+def test_libucp_loads():
+    # Under make test-ucx a machine without UCX fails here first, with the reason.
+    major, minor, _ = ucx_version()
+    assert (major, minor) >= (1, 10)

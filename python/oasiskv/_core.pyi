@@ -127,10 +127,12 @@ class Runtime:
         """Admitted requests."""
 
 class RtClient:
-    """A blocking client of one ``oasis-rt`` staging daemon: its own TCP connection and tokio
+    """A blocking client of one ``oasis-rt`` staging daemon: its own connection and tokio
     runtime; every call releases the GIL and finishes within ``timeout_s``; errors are the
     ``oasiskv.errors.Remote*`` classes (with ``.code``). Staging takes CPU tensors or bytes-like
-    objects (one copy into the frame); replies come back as bytearrays (``torch.frombuffer``)."""
+    objects (one copy into the frame); replies come back as bytearrays (``torch.frombuffer``).
+    ``addr``: ``HOST:PORT`` or ``oasis-rt://HOST:PORT`` (TCP), ``oasis-rt+ucx://HOST:PORT`` (UCX;
+    ``ConfigError`` with ``.code == "ucx_unavailable"`` where libucp cannot be loaded)."""
 
     def __new__(
         cls,
@@ -192,10 +194,20 @@ class RtClient:
         """The largest frame this client sends."""
     @property
     def addr(self) -> str:
-        """The daemon's address."""
+        """The daemon's ``HOST:PORT``."""
+    @property
+    def url(self) -> str:
+        """The daemon's URL, ``oasis-rt://HOST:PORT`` or ``oasis-rt+ucx://HOST:PORT``."""
+    @property
+    def transport(self) -> str:
+        """``"tcp"`` or ``"ucx"``."""
     @property
     def timeout_s(self) -> float:
         """The deadline of every call, in seconds."""
+
+def ucx_version() -> tuple[int, int, int]:
+    """The loaded libucp's ``(major, minor, release)``; ``ConfigError`` (``.code ==
+    "ucx_unavailable"``) when it cannot be loaded."""
 
 def append_kv(
     geo: KvGeometry,

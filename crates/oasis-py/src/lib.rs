@@ -1613,6 +1613,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyBlockPool>()?;
     m.add_class::<runtime::PyRuntime>()?;
     m.add_class::<rt::PyRtClient>()?;
+    m.add_function(wrap_pyfunction!(rt::ucx_version, m)?)?;
     m.add_function(wrap_pyfunction!(append_kv, m)?)?;
     m.add_function(wrap_pyfunction!(decode_attention, m)?)?;
     m.add_function(wrap_pyfunction!(build_summaries, m)?)?;

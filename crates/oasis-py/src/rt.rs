@@ -7,10 +7,18 @@
 //!                                                                 by this object; block_on)
 //! ```
 //!
-//! Each object owns one TCP connection (`oasis_rt::Client`, one call in flight) and a
+//! Each object owns one connection (`oasis_rt::Client`, one call in flight) and a
 //! current-thread tokio runtime that only drives that connection, so the object needs no
-//! background thread and no global runtime; calls from several Python threads take turns on the
-//! mutex. Every call releases the GIL, is bounded by the client's `timeout_s` (send and whole
+//! background tokio thread and no global runtime; calls from several Python threads take turns
+//! on the mutex.
+//!
+//! **Transports.** The address names one: `HOST:PORT` or `oasis-rt://HOST:PORT` is TCP,
+//! `oasis-rt+ucx://HOST:PORT` is UCX (the daemon runs `oasis-rt serve --transport ucx`). Every
+//! UCX client of the process shares one [`UcxTransport`] (one UCX context, worker and progress
+//! thread), started by the first and shut down by an `atexit` hook: UCX must not be torn down by
+//! the process exit under its running thread. libucp is loaded then, not at import, so the
+//! module imports where UCX is absent; there a UCX address raises `ConfigError` (`.code`
+//! `"ucx_unavailable"`) saying what to install. [`ucx_version`] asks without connecting. Every call releases the GIL, is bounded by the client's `timeout_s` (send and whole
 //! reply), and runs under `catch_unwind`: no panic crosses into Python. Errors become the
 //! `oasiskv.errors.Remote*` classes (each carries `.code`, the protocol's error name).
 //!
@@ -22,7 +30,8 @@
 //! the GIL released; `torch.frombuffer(data, dtype=...)` views it without copying.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -30,13 +39,19 @@ use oasis_rt::protocol::{
     BlockKey, Geometry, LayerBlock, Section, StagedBlock, SummaryRun, ALL_HEADS,
     DEFAULT_MAX_FRAME_BYTES, HARD_MAX_FRAME_BYTES, MAX_ENTRIES,
 };
-use oasis_rt::{Client, ClientConfig, Error as RtError, ErrorCode};
+use oasis_rt::transport::{
+    AnyConnection, Endpoint, TcpConfig, TcpTransport, Transport, TransportKind, UCX_SCHEME,
+};
+use oasis_rt::{ClientConfig, Error as RtError, ErrorCode, UcxConfig, UcxTransport};
 use pyo3::buffer::PyBuffer;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyDict};
 
 use crate::errors::py_err;
 use crate::tensor::TensorArg;
+
+/// A client over either transport.
+type Client = oasis_rt::Client<AnyConnection>;
 
 /// Frame bytes a staging spends besides its blocks (header, request, geometry, count), rounded
 /// up. Arbitrary margin.
@@ -79,10 +94,31 @@ fn class_and_hint(e: &RtError, addr: &str) -> (&'static str, String) {
     let code = e.code();
     let remote = matches!(e, RtError::Remote { .. });
     match e {
-        RtError::Unreachable { .. } => (
-            "RemoteUnavailableError",
-            format!("start the daemon (`oasis-rt serve --listen {addr}`) or check the address"),
+        RtError::Unavailable(_) => (
+            "ConfigError",
+            "OASIS_UCP_LIB names the library's path; or connect over TCP instead \
+             (oasis-rt://HOST:PORT, the daemon on --transport tcp)"
+                .into(),
         ),
+        RtError::Config(_) => (
+            "ConfigError",
+            "pass the daemon's --listen address, e.g. 'oasis-rt://127.0.0.1:7470' (TCP) or \
+             'oasis-rt+ucx://127.0.0.1:7470' (UCX)"
+                .into(),
+        ),
+        RtError::Unreachable { .. } => {
+            let (listen, flag) = match addr.strip_prefix(UCX_SCHEME) {
+                Some(a) => (a, " --transport ucx"),
+                None => (addr, ""),
+            };
+            (
+                "RemoteUnavailableError",
+                format!(
+                    "start the daemon (`oasis-rt serve --listen {listen}{flag}`) or check the \
+                     address"
+                ),
+            )
+        }
         RtError::Closed | RtError::Truncated { .. } | RtError::Io(_) => (
             "RemoteUnavailableError",
             "the daemon closed the connection (it exited or was killed, or an earlier error \
@@ -163,6 +199,8 @@ fn rt_err(py: Python<'_>, e: RtError, addr: &str, dropped: bool) -> PyErr {
     // get their own. Best effort: the attribute only adds detail to the class.
     let code = match &e {
         RtError::Unreachable { .. } => "unreachable",
+        RtError::Unavailable(_) => "ucx_unavailable",
+        RtError::Config(_) => "bad_address",
         RtError::Closed | RtError::Truncated { .. } | RtError::Io(_) => "closed",
         RtError::Timeout { .. } => "timeout",
         _ => e.code().name(),
@@ -256,6 +294,92 @@ fn bytearray_of<'py>(py: Python<'py>, parts: &[Bytes]) -> PyResult<Bound<'py, Py
     Ok(out)
 }
 
+/// The process's UCX transport, shared by every UCX client (see the module docs).
+static UCX: Mutex<Option<UcxTransport>> = Mutex::new(None);
+/// Whether the `atexit` hook that shuts [`UCX`] down is registered.
+static UCX_ATEXIT: AtomicBool = AtomicBool::new(false);
+
+/// The shared UCX transport, started (libucp loaded, progress thread running) on first use.
+/// Blocks for UCX's initialisation: call it with the GIL released.
+fn shared_ucx() -> Result<UcxTransport, RtError> {
+    let mut slot = UCX.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(t) = slot.as_ref() {
+        return Ok(t.clone());
+    }
+    // Eager frames past the hard limit are dropped by the thread; each client checks its own,
+    // smaller, max_frame.
+    let t = UcxTransport::new(UcxConfig {
+        max_frame: HARD_MAX_FRAME_BYTES,
+        ..UcxConfig::default()
+    })?;
+    *slot = Some(t.clone());
+    Ok(t)
+}
+
+/// Register [`ucx_shutdown`] with `atexit`, once.
+fn ucx_atexit(py: Python<'_>) -> PyResult<()> {
+    if UCX_ATEXIT.swap(true, Ordering::AcqRel) {
+        return Ok(());
+    }
+    let hook = wrap_pyfunction!(ucx_shutdown, py)?;
+    py.import("atexit")?.call_method1("register", (hook,))?;
+    Ok(())
+}
+
+/// Shut the shared UCX transport down (its connections close, its progress thread ends); a
+/// later UCX client starts a new one. Registered with `atexit` by the first UCX client.
+#[pyfunction]
+#[pyo3(name = "_ucx_shutdown")]
+fn ucx_shutdown(py: Python<'_>) {
+    let t = UCX.lock().unwrap_or_else(PoisonError::into_inner).take();
+    if let Some(t) = t {
+        py.detach(|| {
+            let _ = catch_unwind(AssertUnwindSafe(|| t.shutdown_blocking()));
+        });
+    }
+}
+
+/// The version of the libucp the UCX transport loads, `(major, minor, release)`, without
+/// connecting anywhere.
+///
+/// Raises `ConfigError` (`.code == "ucx_unavailable"`) when libucp cannot be loaded, saying how
+/// to install it.
+#[pyfunction]
+pub fn ucx_version(py: Python<'_>) -> PyResult<(u32, u32, u32)> {
+    match py.detach(oasis_rt::ucx::probe) {
+        Ok(v) => Ok((v.major, v.minor, v.release)),
+        Err(e) => Err(rt_err(py, e, "(ucx)", false)),
+    }
+}
+
+/// Connect to `endpoint` over its transport and authenticate. Runs with the GIL released.
+fn connect(
+    rt: &tokio::runtime::Runtime,
+    endpoint: &Endpoint,
+    config: &ClientConfig,
+) -> Result<Client, RtError> {
+    let (connect_timeout, io_timeout) = (config.connect_timeout, config.request_timeout);
+    let conn = match endpoint.kind {
+        TransportKind::Tcp => {
+            let t = TcpTransport {
+                config: TcpConfig {
+                    connect_timeout,
+                    io_timeout,
+                },
+            };
+            AnyConnection::Tcp(rt.block_on(t.connect(&endpoint.addr))?)
+        }
+        TransportKind::Ucx => {
+            // This client's deadlines on the shared worker.
+            let mut t = shared_ucx()?;
+            t.config.connect_timeout = connect_timeout;
+            t.config.io_timeout = io_timeout;
+            AnyConnection::Ucx(rt.block_on(t.connect(&endpoint.addr))?)
+        }
+    };
+    rt.block_on(Client::handshake(conn, config))
+}
+
 struct Conn {
     client: Option<Client>,
     /// Wire bytes of clients this object held before (none today: kept for `close`).
@@ -272,7 +396,11 @@ struct Conn {
 pub struct PyRtClient {
     rt: tokio::runtime::Runtime,
     conn: Mutex<Conn>,
+    /// `HOST:PORT`.
     addr: String,
+    /// The daemon in error messages: `HOST:PORT` over TCP, the URL over UCX.
+    label: String,
+    endpoint: Endpoint,
     timeout: Duration,
 }
 
@@ -297,7 +425,7 @@ impl PyRtClient {
         });
         match res {
             Ok(Ok(v)) => Ok(v),
-            Ok(Err((e, dropped))) => Err(rt_err(py, e, &self.addr, dropped)),
+            Ok(Err((e, dropped))) => Err(rt_err(py, e, &self.label, dropped)),
             Err(_) => Err(internal(py, what)),
         }
     }
@@ -324,12 +452,15 @@ fn check_timeout(py: Python<'_>, name: &str, s: f64) -> PyResult<Duration> {
 
 #[pymethods]
 impl PyRtClient {
-    /// Connect to the daemon at `addr` (`HOST:PORT`) and authenticate with `token` (str or
-    /// bytes; the contents of the daemon's `--token-file`, surrounding whitespace ignored as
-    /// the daemon does). Every later call must finish within `timeout_s`.
+    /// Connect to the daemon at `addr` and authenticate with `token` (str or bytes; the
+    /// contents of the daemon's `--token-file`, surrounding whitespace ignored as the daemon
+    /// does). `addr` names the transport: `HOST:PORT` or `oasis-rt://HOST:PORT` (TCP),
+    /// `oasis-rt+ucx://HOST:PORT` (UCX; the daemon runs `--transport ucx`). Every later call
+    /// must finish within `timeout_s`.
     ///
     /// Raises `RemoteUnavailableError` (nothing listens there), `RemoteTimeoutError`,
-    /// `RemoteAuthError` (missing or wrong token), `ConfigError` (bad timeouts).
+    /// `RemoteAuthError` (missing or wrong token), `ConfigError` (bad timeouts or address; a
+    /// UCX address where libucp cannot be loaded, `.code == "ucx_unavailable"`).
     #[new]
     #[pyo3(signature = (addr, token = None, timeout_s = 30.0, connect_timeout_s = 5.0, max_frame = None))]
     fn new(
@@ -367,6 +498,7 @@ impl PyRtClient {
                 format!("max_frame must be in 4096..={HARD_MAX_FRAME_BYTES}, got {max_frame}"),
             ));
         }
+        let endpoint = Endpoint::parse(&addr).map_err(|e| rt_err(py, e, "address", false))?;
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -377,15 +509,25 @@ impl PyRtClient {
             request_timeout: timeout,
             max_frame,
         };
-        let a = addr.clone();
-        let res = py.detach(|| {
-            catch_unwind(AssertUnwindSafe(|| {
-                rt.block_on(Client::connect(&a, config))
-            }))
-        });
+        let res = py.detach(|| catch_unwind(AssertUnwindSafe(|| connect(&rt, &endpoint, &config))));
+        if endpoint.kind == TransportKind::Ucx && !UCX_ATEXIT.load(Ordering::Acquire) {
+            // Whether or not this connect succeeded, the shared transport may be running now.
+            if UCX.lock().unwrap_or_else(PoisonError::into_inner).is_some() {
+                ucx_atexit(py)?;
+            }
+        }
+        let addr = endpoint.addr.clone();
+        let label = match endpoint.kind {
+            TransportKind::Tcp => addr.clone(),
+            TransportKind::Ucx => endpoint.url(),
+        };
         let client = match res {
             Ok(Ok(c)) => c,
-            Ok(Err(e)) => return Err(rt_err(py, e, &addr, true)),
+            Ok(Err(e)) => {
+                // Nothing was connected when the transport itself is missing.
+                let dropped = !matches!(e, RtError::Unavailable(_));
+                return Err(rt_err(py, e, &label, dropped));
+            }
             Err(_) => return Err(internal(py, "__init__")),
         };
         Ok(Self {
@@ -396,6 +538,8 @@ impl PyRtClient {
                 received: 0,
             }),
             addr,
+            label,
+            endpoint,
             timeout,
         })
     }
@@ -416,7 +560,8 @@ impl PyRtClient {
         data: &Bound<'_, PyAny>,
     ) -> PyResult<(u64, u64)> {
         let g = self::geometry(geometry);
-        g.validate().map_err(|e| rt_err(py, e, &self.addr, false))?;
+        g.validate()
+            .map_err(|e| rt_err(py, e, &self.label, false))?;
         let data = payload(py, "data", data)?;
         let bb = g.block_bytes();
         if data.len() as u64 != keys.len() as u64 * bb {
@@ -467,7 +612,8 @@ impl PyRtClient {
         data: &Bound<'_, PyAny>,
     ) -> PyResult<(u64, u64)> {
         let g = self::geometry(geometry);
-        g.validate().map_err(|e| rt_err(py, e, &self.addr, false))?;
+        g.validate()
+            .map_err(|e| rt_err(py, e, &self.label, false))?;
         let data = payload(py, "data", data)?;
         let row = g.summary_row_bytes();
         let rows: u64 = runs.iter().map(|r| u64::from(r.2)).sum();
@@ -721,9 +867,22 @@ impl PyRtClient {
         self.max_frame_now()
     }
 
+    /// `HOST:PORT` of the daemon.
     #[getter]
     fn addr(&self) -> String {
         self.addr.clone()
+    }
+
+    /// The daemon's URL, `oasis-rt://HOST:PORT` or `oasis-rt+ucx://HOST:PORT`.
+    #[getter]
+    fn url(&self) -> String {
+        self.endpoint.url()
+    }
+
+    /// `"tcp"` or `"ucx"`.
+    #[getter]
+    fn transport(&self) -> &'static str {
+        self.endpoint.kind.name()
     }
 
     #[getter]
@@ -733,8 +892,8 @@ impl PyRtClient {
 
     fn __repr__(&self) -> String {
         format!(
-            "RtClient(addr={:?}, timeout_s={}, connected={})",
-            self.addr,
+            "RtClient(url={:?}, timeout_s={}, connected={})",
+            self.endpoint.url(),
             self.timeout.as_secs_f64(),
             self.connected()
         )
