@@ -22,10 +22,10 @@ import torch
 
 from fakes import pools_are_full, prompt, tiny
 from oasiskv import KvConfig, LLMEngine, SamplingParams, errors
-from oasiskv.disagg import PrefillWorker, StagedRequest, parse_kv_source
+from oasiskv.disagg import PrefillWorker, StagedRequest, kv_source_url, parse_kv_source, split_kv_source
 from oasiskv.models.config import ModelConfig
 from oasiskv.models.transformer import CausalLM
-from rtd import Daemon
+from rtd import TRANSPORTS, Daemon
 
 WORKER = Path(__file__).resolve().parent / "disagg_worker.py"
 P, M = 300, 24  # prompt and new tokens of the loopback requests
@@ -79,17 +79,19 @@ def _stage_in_worker_process(addr: str, jobs: list[dict], token: str | None = No
     return [StagedRequest.from_json(line) for line in out.stdout.splitlines()]
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("transfer", ["partial", "full"])
-def test_loopback_three_processes(model, transfer):
-    with Daemon() as d:
+def test_loopback_three_processes(model, transfer, transport):
+    with Daemon(transport=transport) as d:
         jobs = [{"prompt_len": P, "prompt_seed": 7, "first_query": "first_token", **BIG}]
         jobs += [{"prompt_len": P, "prompt_seed": s, "first_query": "prompt", **SMALL} for s in SEEDS]
-        big, *small = _stage_in_worker_process(d.addr, jobs)
+        big, *small = _stage_in_worker_process(d.url, jobs)
         assert big.prompt_len == P and big.first_query == "first_token" and big.draft is not None
         assert all(h.request_id != big.request_id for h in small)
 
         # Budget covering the context: the daemon's tokens are dense's.
         eng = LLMEngine(model, kv=KvConfig(**BIG), drafter="ngram", kv_source=d.url, kv_transfer=transfer)
+        assert eng.kv_source.transport == eng.kv_source.client.transport == transport
         (got,) = _run(eng, [lambda e: e.add_staged_request(big.to_json(), _params())])
         (dense,) = _reference(model, KvConfig(**BIG), "dense", [big.prompt])
         assert got.finish_reason == "length", got.error
@@ -200,7 +202,7 @@ def test_bytes_at_admission_32k_are_6x_below_full():
 
 
 def _staged_small(model, d: Daemon, seeds=SEEDS) -> list[StagedRequest]:
-    worker = PrefillWorker(model, KvConfig(**SMALL), d.addr, first_query="prompt")
+    worker = PrefillWorker(model, KvConfig(**SMALL), d.url, first_query="prompt")
     try:
         return [worker.prefill(prompt(P, s)) for s in seeds]
     finally:
@@ -228,9 +230,10 @@ def _fetch_steps(model, d: Daemon, handles: list[StagedRequest], local: list | N
     return steps
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("fault", ["kill", "stall"])
-def test_a_dead_daemon_fails_only_its_requests(model, fault):
-    with Daemon() as d:
+def test_a_dead_daemon_fails_only_its_requests(model, fault, transport):
+    with Daemon(transport=transport) as d:
         dry, h = _staged_small(model, d, seeds=(3, 3))
         steps = _fetch_steps(model, d, [dry], prompt(P, 11), n=40)
         assert len(steps) >= 2, steps
@@ -325,7 +328,7 @@ def test_a_staged_request_takes_only_its_working_set_on_the_gpu(model):
 
 def test_refusals(model):
     with Daemon() as d:
-        for bad in ("http://x:1", "oasis-rt://nohost", "oasis-rt://h:99999", 7):
+        for bad in ("http://x:1", "oasis-rt://nohost", "oasis-rt://h:99999", "oasis-rt+ucx://nohost", 7):
             with pytest.raises(errors.ConfigError):
                 LLMEngine(model, kv=KvConfig(**SMALL), kv_source=bad)
         with pytest.raises(errors.ConfigError, match="backend='oasis'"):
@@ -359,6 +362,9 @@ def test_refusals(model):
         assert pools_are_full(eng)
     assert parse_kv_source("oasis-rt://127.0.0.1:7470") == "127.0.0.1:7470"
     assert parse_kv_source("[::1]:7470") == "[::1]:7470"
+    assert split_kv_source("oasis-rt+ucx://127.0.0.1:7470") == ("ucx", "127.0.0.1:7470")
+    assert split_kv_source("h:1") == ("tcp", "h:1") and kv_source_url("h:1") == "oasis-rt://h:1"
+    assert kv_source_url("oasis-rt+ucx://h:1") == "oasis-rt+ucx://h:1"
 
 
 def test_the_worker_frees_its_pages_and_stages_the_union(model):

@@ -54,6 +54,12 @@ as ``Engine.make_sparse`` does). Then it is an ordinary sparse request. ``kv_tra
   request. Blocks the request writes itself (the local block, the blocks decode completes) are
   local.
 
+**Transports.** The URL names one: ``oasis-rt://HOST:PORT`` (or a bare ``HOST:PORT``) is plain TCP,
+``oasis-rt+ucx://HOST:PORT`` is UCX, for a daemon started with ``oasis-rt serve --transport ucx``
+(same frames as active messages; UCX picks shared memory, TCP or RDMA itself, ``UCX_TLS`` to
+choose). The extension loads libucp only when a UCX client connects; where it is missing that
+raises ``ConfigError`` (``.code == "ucx_unavailable"``) saying what to install.
+
 The fetch runs on the CPU, inline, before the gather: a host sync per layer that has misses. On a
 GPU this belongs in the background chain (docs/ARCHITECTURE.md, "Disaggregated prefill and
 decode"). A daemon that dies or stalls fails the requests whose blocks it holds (``finish_reason=
@@ -80,8 +86,13 @@ from .errors import ConfigError, InvalidArgumentError, RemoteError
 
 log = logging.getLogger("oasiskv.disagg")
 
-#: The URL scheme of ``LLMEngine(kv_source=...)``.
+#: The URL schemes of ``LLMEngine(kv_source=...)`` and ``PrefillWorker(addr=...)``: the daemon over
+#: TCP (``oasis-rt serve``; a bare ``HOST:PORT`` means the same), and over UCX (``oasis-rt serve
+#: --transport ucx``; libucp is loaded when such a client connects).
 SCHEME = "oasis-rt://"
+UCX_SCHEME = "oasis-rt+ucx://"
+#: Transport name per scheme (``RtClient.transport``).
+TRANSPORTS = {SCHEME: "tcp", UCX_SCHEME: "ucx"}
 #: The values of ``PrefillWorker(first_query=...)``.
 FIRST_QUERIES = ("first_token", "prompt")
 #: The values of ``LLMEngine(kv_transfer=...)``.
@@ -102,18 +113,34 @@ FRAME_FILL = 0.9
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def parse_kv_source(src: str) -> str:
-    """``"oasis-rt://HOST:PORT"`` (or a bare ``"HOST:PORT"``) -> ``"HOST:PORT"``."""
+def split_kv_source(src: str) -> tuple[str, str]:
+    """``"oasis-rt://HOST:PORT"`` (or a bare ``"HOST:PORT"``) -> ``("tcp", "HOST:PORT")``;
+    ``"oasis-rt+ucx://HOST:PORT"`` -> ``("ucx", "HOST:PORT")``."""
     if not isinstance(src, str):
         raise ConfigError(f"kv_source must be a str like 'oasis-rt://127.0.0.1:7470', got {src!r}")
-    addr = src[len(SCHEME) :] if src.startswith(SCHEME) else src
+    transport, addr = "tcp", src
+    for scheme, name in TRANSPORTS.items():
+        if src.startswith(scheme):
+            transport, addr = name, src[len(scheme) :]
     host, sep, port = addr.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in addr:
         raise ConfigError(
-            f"kv_source {src!r} is not {SCHEME}HOST:PORT; pass e.g. 'oasis-rt://127.0.0.1:7470' "
-            "(the --listen address of `oasis-rt serve`)"
+            f"kv_source {src!r} is not {SCHEME}HOST:PORT or {UCX_SCHEME}HOST:PORT; pass e.g. "
+            "'oasis-rt://127.0.0.1:7470' (the --listen address of `oasis-rt serve`; "
+            "'oasis-rt+ucx://...' when it runs --transport ucx)"
         )
-    return addr
+    return transport, addr
+
+
+def parse_kv_source(src: str) -> str:
+    """The daemon's ``"HOST:PORT"`` in a ``kv_source`` (see :func:`split_kv_source`)."""
+    return split_kv_source(src)[1]
+
+
+def kv_source_url(src: str) -> str:
+    """The canonical URL of a ``kv_source``: ``oasis-rt://HOST:PORT`` or ``oasis-rt+ucx://HOST:PORT``."""
+    transport, addr = split_kv_source(src)
+    return (UCX_SCHEME if transport == "ucx" else SCHEME) + addr
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -175,10 +202,10 @@ class StagedRequest:
             ) from None
 
 
-def _client(addr: str, token, timeout_s: float):
+def _client(src: str, token, timeout_s: float):
     from ._core import RtClient
 
-    return RtClient(parse_kv_source(addr), token=token, timeout_s=float(timeout_s))
+    return RtClient(kv_source_url(src), token=token, timeout_s=float(timeout_s))
 
 
 class PrefillWorker:
@@ -188,7 +215,9 @@ class PrefillWorker:
         model: a ``CausalLM`` (the decode side must run the same weights).
         kv: the cache configuration; ``block_size`` and ``top_k_blocks`` shape what is staged and
             selected (use the decode engine's). ``block_score="codes"`` is not supported.
-        addr: the daemon, ``"HOST:PORT"`` or ``"oasis-rt://HOST:PORT"``.
+        addr: the daemon, ``"HOST:PORT"`` or ``"oasis-rt://HOST:PORT"`` (TCP), or
+            ``"oasis-rt+ucx://HOST:PORT"`` (UCX: a daemon on ``--transport ucx``; where libucp is
+            missing this raises ``ConfigError``).
         token: the daemon's shared token (its ``--token-file`` contents), if it has one.
         timeout_s: the deadline of every daemon call.
         drafter: proposes :attr:`StagedRequest.draft` (``"ngram"``, None, or a Drafter without
@@ -454,11 +483,13 @@ class RemoteKvSource:
         if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
             raise ConfigError(f"kv_retries must be an int >= 0, got {retries!r}")
         self.engine = engine
-        self.addr = parse_kv_source(addr)
+        #: The daemon's ``HOST:PORT``, its URL (the scheme names the transport) and transport.
+        self.url = kv_source_url(addr)
+        self.transport, self.addr = split_kv_source(self.url)
         self.transfer = transfer
         self.retries = retries
         self._token, self._timeout_s = token, float(timeout_s)
-        self.client = _client(self.addr, token, timeout_s)
+        self.client = _client(self.url, token, timeout_s)
         self.stats = TransferStats()
         self._by_req: dict[int, _Remote] = {}  # engine request id -> its staged state
         # Per host block: the owning staged request (engine request id, -1: local) and its
@@ -500,9 +531,9 @@ class RemoteKvSource:
 
     def _reconnect(self) -> bool:
         try:
-            fresh = _client(self.addr, self._token, self._timeout_s)
+            fresh = _client(self.url, self._token, self._timeout_s)
         except RemoteError as e:
-            log.warning("reconnecting to the staging daemon %s failed: %s", self.addr, e)
+            log.warning("reconnecting to the staging daemon %s failed: %s", self.url, e)
             return False
         self._wire_base += sum(self.client.wire_bytes)
         self.client.close()
