@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import oasiskv
 from oasiskv import KvConfig, errors
@@ -61,11 +63,12 @@ def qwen3():
     return qwen3_like()
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "previous-query"])
-def test_full_budget_oasis_equals_dense_tokens_qwen3(qwen3, drafter):
-    """Budget >= context: greedy tokens identical to dense, while the requests really run sparse."""
+@pytest.mark.parametrize("drafter,sinks", [("ngram", 0), ("previous-query", 0), ("ngram", 3)])
+def test_full_budget_oasis_equals_dense_tokens_qwen3(qwen3, drafter, sinks):
+    """Budget >= context: greedy tokens identical to dense, while the requests really run sparse
+    (with sink blocks too: they take slots the budget has to spare)."""
     ps = prompts(qwen3.config.vocab_size, [211, 97, 150])
-    kv = KvConfig(block_size=16, top_k_blocks=32, fetch_cap=4, sparse_threshold=64)
+    kv = KvConfig(block_size=16, top_k_blocks=32, fetch_cap=4, sparse_threshold=64, sink_blocks=sinks)
     dense = oasiskv.LLM(qwen3, kv=kv, backend="dense", drafter=drafter).generate(ps, 24, ignore_eos=True)
     oasis = oasiskv.LLM(qwen3, kv=kv, backend="oasis", drafter=drafter).generate(ps, 24, ignore_eos=True)
     for d, o in zip(dense, oasis, strict=True):
@@ -202,6 +205,9 @@ def test_budget_larger_than_pools_is_a_typed_error(qwen3):
         ({"top_k_blocks": -1}, "top_k_blocks"),
         ({"kv_dtype": torch.int8}, "kv_dtype"),
         ({"select_queries": "current"}, "select_queries"),
+        ({"sink_blocks": -1}, "sink_blocks"),
+        ({"sink_blocks": True}, "sink_blocks"),
+        ({"top_k_blocks": 4, "sink_blocks": 4}, "sink_blocks=4 is above 3"),
     ],
 )
 def test_bad_kv_config(kw, match):
@@ -338,6 +344,110 @@ def test_select_with_current_query_ranks_by_the_larger_relative_score(qwen3):
     eng._select_and_fetch = checked
     llm.generate(prompts(qwen3.config.vocab_size, [90, 70], seed=4), 12, ignore_eos=True)
     assert seen["calls"] > 20 and seen["differs"] > 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lens=st.lists(st.integers(0, 12), min_size=1, max_size=5),
+    n_sink=st.integers(0, 5),
+    k=st.integers(1, 8),
+    seed=st.integers(0, 2**16),
+)
+def test_keep_sinks_then_topk_takes_the_sinks_then_the_best_of_the_rest(lens, n_sink, k, seed):
+    """Per (request, head), top-K after keep_sinks = the row's first min(n_sink, k, len) blocks plus
+    the best of the others by score (tie-free random scores, rows of any length, empty ones too);
+    n_sink = 0 returns the scores themselves."""
+    from oasiskv import ops
+    from oasiskv.engine import csr_tables, keep_sinks
+
+    hk = 2
+    indptr, _ = csr_tables([list(range(n)) for n in lens])
+    scores = torch.rand(sum(lens), hk, generator=torch.Generator().manual_seed(seed))
+    kept = keep_sinks(scores, indptr, n_sink)
+    if n_sink == 0:
+        assert kept is scores
+    pred = ops.topk_blocks(hk, kept, indptr, k)
+    for i, n in enumerate(lens):
+        row = scores[int(indptr[i]) : int(indptr[i + 1])]
+        sinks = list(range(min(n_sink, k, n)))
+        for h in range(hk):
+            rest = [j for j in row[:, h].argsort(descending=True).tolist() if j >= n_sink]
+            want = sinks + rest[: min(k, n) - len(sinks)]
+            assert pred[i, h].tolist() == want + [-1] * (k - len(want)), (lens, i, h)
+
+
+class _SinkCheck:
+    """Engine recorder and _select_and_fetch wrapper: every exact top-K (recall) and every
+    prediction of a request with at least N candidates holds its blocks 0..N-1, and no slot is
+    lost (min(K, candidates) blocks selected)."""
+
+    def __init__(self, eng, n_sink: int) -> None:
+        self.n, self.calls, self.recalls = n_sink, 0, 0
+        orig = eng._select_and_fetch
+
+        def checked(layer, q, slot_pages, blk_csr, host_csr, step, cap, k_budget, also=None):
+            pred, ps = orig(layer, q, slot_pages, blk_csr, host_csr, step, cap, k_budget, also=also)
+            self.check(pred, blk_csr[0])
+            self.calls += 1
+            return pred, ps
+
+        eng._select_and_fetch = checked
+        self.rec_indptr = None
+        orig_score = eng._score
+
+        def score(layer, q, csr):
+            self.rec_indptr = csr[0]
+            return orig_score(layer, q, csr)
+
+        eng._score = score
+
+    def check(self, pred, indptr) -> None:
+        lens = (indptr[1:] - indptr[:-1]).tolist()
+        for i, n in enumerate(lens):
+            for h in range(pred.shape[1]):
+                got = [int(b) for b in pred[i, h] if b >= 0]
+                assert len(got) == min(n, pred.shape[2]) and len(set(got)) == len(got)
+                assert set(range(min(self.n, n))) <= set(got), (i, h, got)
+
+    def on_recall(self, engine, layer, sp_reqs, actual, prev, slot_pages, q=None) -> None:
+        self.check(actual, self.rec_indptr)  # the recall's own scoring ran last
+        self.recalls += 1
+
+
+@pytest.mark.parametrize("select", ["lookahead", "lookahead+current"])
+def test_sink_blocks_are_always_selected(qwen3, select):
+    """KvConfig(sink_blocks=N): blocks 0..N-1 are in every prediction (make_sparse's included)
+    and in every exact top-K of the recall, with either select_queries."""
+    kv = KvConfig(
+        block_size=8, top_k_blocks=4, fetch_cap=1, sparse_threshold=50, select_queries=select, sink_blocks=2
+    )
+    llm = oasiskv.LLM(qwen3, kv=kv, backend="oasis", drafter="ngram")
+    check = _SinkCheck(llm.engine, 2)
+    llm.engine.recorder = check
+    outs = llm.generate(prompts(qwen3.config.vocab_size, [90, 70], seed=4), 12, ignore_eos=True)
+    assert check.calls > 20 and check.recalls > 20
+    assert all(o.metrics.sparse_steps > 0 for o in outs)
+
+
+def test_sink_blocks_zero_is_the_default_selection(qwen3):
+    """sink_blocks=0 selects exactly as before (same tokens, traffic and recall), and sinks change
+    the selection at a small budget (the sinks are not among the top blocks by score alone)."""
+    ps = prompts(qwen3.config.vocab_size, [150, 97], seed=5)
+    base = dict(block_size=8, top_k_blocks=3, fetch_cap=1, sparse_threshold=40)
+    runs = [
+        oasiskv.LLM(qwen3, kv=KvConfig(**base, **kw), backend="oasis", drafter="ngram").generate(
+            ps, 16, ignore_eos=True
+        )
+        for kw in ({}, {"sink_blocks": 0}, {"sink_blocks": 2})
+    ]
+    for a, b in zip(runs[0], runs[1], strict=True):
+        assert a.tokens == b.tokens
+        assert a.metrics.fetched_bytes_total == b.metrics.fetched_bytes_total
+        assert a.metrics.lookahead_recall == b.metrics.lookahead_recall
+    assert any(
+        a.metrics.lookahead_recall != c.metrics.lookahead_recall
+        for a, c in zip(runs[0], runs[2], strict=True)
+    )
 
 
 @pytest.mark.parametrize("kv_dtype", [None, torch.bfloat16])

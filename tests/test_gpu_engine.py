@@ -89,14 +89,15 @@ def test_gpu_oasis_full_budget_matches_gpu_dense_and_cpu():
     torch.testing.assert_close(oasis, cpu, atol=2e-4, rtol=1e-3)
 
 
-@pytest.mark.parametrize("block_score", ["quest", "codes"])
-def test_gpu_small_budget_matches_cpu_engine_selection(block_score):
+@pytest.mark.parametrize("kv_kw", [{}, {"block_score": "codes"}, {"sink_blocks": 2}])
+def test_gpu_small_budget_matches_cpu_engine_selection(kv_kw):
     """A budget far below the context: the GPU engine (background stream, capped fetches) makes the
-    same selections as the CPU engine, so logits agree step by step (with either block score)."""
+    same selections as the CPU engine, so logits agree step by step (with either block score, and
+    with sink blocks)."""
     dev = torch.device("cuda")
     prompts = _prompts(301, [700, 400])
     forced = [_prompts(301, [24], seed=3 + i)[0] for i in range(2)]
-    kv = KvConfig(block_size=16, top_k_blocks=6, fetch_cap=2, sparse_threshold=128, block_score=block_score)
+    kv = KvConfig(block_size=16, top_k_blocks=6, fetch_cap=2, sparse_threshold=128, **kv_kw)
     gpu, greqs, _ = _teacher_forced_logits(_model(dev), kv, "oasis", prompts, forced)
     cpu, creqs, _ = _teacher_forced_logits(_model("cpu"), kv, "oasis", prompts, forced)
     torch.testing.assert_close(gpu, cpu, atol=2e-3, rtol=1e-2)

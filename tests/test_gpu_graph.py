@@ -21,22 +21,25 @@ pytestmark = [
 
 
 @pytest.mark.parametrize(
-    "backend,drafter,block_score",
+    "backend,drafter,kv_kw",
     [
-        ("dense", "ngram", "quest"),
-        ("oasis", "ngram", "quest"),
-        ("oasis", "previous-query", "quest"),
-        ("oasis", "ngram", "codes"),
+        ("dense", "ngram", {}),
+        ("oasis", "ngram", {}),
+        ("oasis", "previous-query", {}),
+        ("oasis", "ngram", {"block_score": "codes"}),
+        # Sink blocks are marked by device ops indexed by the plan's CSR (no host sync).
+        ("oasis", "ngram", {"sink_blocks": 2}),
+        ("oasis", "ngram", {"sink_blocks": 1, "select_queries": "lookahead+current"}),
     ],
 )
-def test_graph_replay_matches_the_eager_step(backend, drafter, block_score):
+def test_graph_replay_matches_the_eager_step(backend, drafter, kv_kw):
     dev = torch.device("cuda")
     model = _model(dev)
     # Three requests: two sparse from the start, one that turns sparse during the run (so the
     # capacity key changes and a second graph is captured); small budget and cap, recall on.
     prompts = _prompts(301, [333, 150, 60])
     forced = [_prompts(301, [40], seed=9 + i)[0] for i in range(3)]
-    kv = KvConfig(block_size=16, top_k_blocks=4, fetch_cap=2, sparse_threshold=64, block_score=block_score)
+    kv = KvConfig(block_size=16, top_k_blocks=4, fetch_cap=2, sparse_threshold=64, **kv_kw)
     eager, er, _ = _teacher_forced_logits(model, kv, backend, prompts, forced, drafter, cuda_graph=False)
     graph, gr, eng = _teacher_forced_logits(model, kv, backend, prompts, forced, drafter, cuda_graph=True)
     assert eng.graph_stats["captures"] >= 1

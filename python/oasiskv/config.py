@@ -76,6 +76,10 @@ class KvConfig:
             inside that min/max, and a block ranks by its largest approximate logit -- closer to
             the true attention (docs/EVAL.md) for twice the summary bytes and more scoring work.
             Needs ``head_dim`` divisible by 4.
+        sink_blocks: the first ``sink_blocks`` logical blocks of every sparse request are always in
+            the predicted set (StreamingLLM's attention sinks); they take that many of the
+            ``top_k_blocks`` slots, and the other slots go to the best-scored of the remaining
+            blocks. 0 (the default) selects by score alone. Must be below ``top_k_blocks``.
     """
 
     block_size: int = 16
@@ -88,6 +92,7 @@ class KvConfig:
     measure_recall: bool = True
     select_queries: str = "lookahead"
     block_score: str = "quest"
+    sink_blocks: int = 0
 
     def __post_init__(self) -> None:
         _check_int(
@@ -119,6 +124,14 @@ class KvConfig:
             MAX_TOKENS,
             "positions are i32 on the GPU; pass a smaller threshold, or None for the default",
             optional=True,
+        )
+        _check_int(
+            "sink_blocks",
+            self.sink_blocks,
+            0,
+            self.top_k_blocks - 1,
+            "sink blocks take slots of the budget and at least one must stay for the selection; "
+            "lower sink_blocks or raise top_k_blocks",
         )
         if self.select_queries not in SELECT_QUERIES:
             raise ConfigError(f"select_queries must be one of {SELECT_QUERIES}, got {self.select_queries!r}")

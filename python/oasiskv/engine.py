@@ -450,6 +450,26 @@ def _relative_to_best(scores: torch.Tensor, seq: torch.Tensor, n: int) -> torch.
     return scores - best[seq]
 
 
+def keep_sinks(scores: torch.Tensor, blk_indptr: torch.Tensor, n_sink: int) -> torch.Tensor:
+    """``scores [nnz, heads]`` with the first ``n_sink`` entries of every CSR row (each request's
+    logical blocks ``0 .. n_sink - 1``: candidates are in logical order) set to +inf, so that every
+    top-K of ``k > n_sink`` takes them (``KvConfig.sink_blocks``). Device-side ops indexed by
+    ``blk_indptr`` only: no host sync and no branch on device values (a captured step replays it);
+    rows shorter than ``n_sink`` mark what they have. Apply it after any combination of scores
+    (``_relative_to_best`` of +inf would be NaN)."""
+    nnz = scores.shape[0]
+    if n_sink <= 0 or nnz == 0:
+        return scores
+    start = blk_indptr[:-1].long()
+    lens = blk_indptr[1:].long() - start
+    j = torch.arange(n_sink, device=scores.device)
+    # Entries past a row's end go to a spare slot nnz, dropped below.
+    idx = torch.where(j < lens.unsqueeze(1), start.unsqueeze(1) + j, nnz).clamp_(0, nnz)
+    mark = torch.zeros(nnz + 1, dtype=torch.bool, device=scores.device)
+    mark.scatter_(0, idx.view(-1), True)
+    return scores.masked_fill(mark[:nnz].unsqueeze(1), torch.inf)
+
+
 #: Captured decode steps kept per engine (least recently used out).
 _MAX_GRAPHS = 8
 
@@ -1470,7 +1490,9 @@ class Engine:
             prev = self._pred_of(layer)[sp_ids]
             q_now = q4[sp_idx, 0].contiguous()
             rec_indptr, rec_indices = rec_csr
-            scores_now = self._score(layer, q_now, (rec_indptr, rec_indices))
+            scores_now = keep_sinks(
+                self._score(layer, q_now, (rec_indptr, rec_indices)), rec_indptr, self.kv.sink_blocks
+            )
             actual = ops.topk_blocks(g.num_kv_heads, scores_now, rec_indptr, k_budget)
             hits, counted = recall_overlap(actual, prev)
             self._acc_recall.index_add_(0, sp_ids, hits)
@@ -1515,7 +1537,8 @@ class Engine:
         from the host pool. Returns the prediction and the plan's slots.
 
         ``also = (q_current, blk_seq)`` ranks each block by the larger of its two scores, each taken
-        relative to its own query's best block (``KvConfig.select_queries``)."""
+        relative to its own query's best block (``KvConfig.select_queries``). Each request's first
+        ``KvConfig.sink_blocks`` candidates are always taken (:func:`keep_sinks`)."""
         p, g = self.pools, self.geo
         scores = self._score(layer, q, blk_csr)
         if also is not None and scores.shape[0] > 0:
@@ -1524,6 +1547,7 @@ class Engine:
             scores = torch.maximum(
                 _relative_to_best(scores, seq, q.shape[0]), _relative_to_best(other, seq, q.shape[0])
             )
+        scores = keep_sinks(scores, blk_csr[0], self.kv.sink_blocks)
         pred = ops.topk_blocks(g.num_kv_heads, scores, blk_csr[0], k_budget)
         ps, pb, _ = ops.delta_select(
             g.num_kv_heads, pred, slot_pages, p.page_map[layer], p.page_last_selected[layer], step, cap
