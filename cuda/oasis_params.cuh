@@ -257,4 +257,11 @@ struct QkNormRopeParams {
     float eps;                     // of the q/k norm
 };
 
+// wait_stamp (cuda/wait_stamp.cu): the compute stream's waits on background work, timed.
+struct WaitStampParams {
+    unsigned long long* stamps;  // [3]: start of the current wait (ns), total waited (ns), waits
+    int mode;                    // 0: a wait starts; else it ended
+    int _pad0;
+};
+
 }  // namespace oasis

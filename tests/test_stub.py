@@ -170,6 +170,7 @@ KERNEL_SOURCES = {
     "delta_select",
     "gather_blocks",
     "norm_rope",
+    "wait_stamp",
 }
 # Variables that point oasis-cuda at libnvrtc; cleared to test the search from a bare environment.
 NVRTC_HINTS = ("OASIS_NVRTC_LIB", "OASIS_PYTHON_SITE", "VIRTUAL_ENV", "CONDA_PREFIX")

@@ -633,6 +633,9 @@ class Engine:
         self.cuda = self.device.type == "cuda"
         self._sides = [torch.cuda.Stream(self.device) for _ in range(background_streams)] if self.cuda else []
         self._gather_done: list = [None] * c.num_hidden_layers
+        # The compute stream's waits on the background streams, timed on the device (ops.wait_stamp:
+        # start, total ns, waits); read by transfer_wait().
+        self._wait_stamps = torch.zeros(3, dtype=torch.int64, device=self.device) if self.cuda else None
         # The step plan: persistent buffers (pinned host + device on a GPU, double-buffered so a
         # step's copy never overwrites tables an earlier step's kernels may still read).
         self._plan_bufs: list = []
@@ -864,6 +867,17 @@ class Engine:
         self._acc_recall[slot] = 0
         self._acc_recall_n[slot] = 0
         self._flush_map()
+
+    def transfer_wait(self) -> tuple[float, int]:
+        """``(seconds, waits)``: how long the compute stream has waited on background work (the
+        selection chain and its transfers) since the engine was made, and how many waits: at each
+        layer's transfer event in eager steps, at the end-of-step join in CUDA-graph steps. Each
+        wait includes a kernel launch gap (about a microsecond). ``(0.0, 0)`` on the CPU, where
+        the chain runs inline. Reads device counters: synchronises with the current stream."""
+        if self._wait_stamps is None:
+            return 0.0, 0
+        _, total_ns, waits = self._wait_stamps.tolist()
+        return total_ns / 1e9, int(waits)
 
     def _side(self, layer: int):
         """The background stream of ``layer``'s chain."""
@@ -1269,7 +1283,9 @@ class Engine:
             out_dtype = q.dtype
             if self.cuda and not static and self._gather_done[layer] is not None:
                 # The one place the compute stream waits: layer l's transfer of the previous step.
+                ops.wait_stamp(self._wait_stamps, 0)
                 torch.cuda.current_stream(dev).wait_event(self._gather_done[layer])
+                ops.wait_stamp(self._wait_stamps, 1)
             q4 = q.view(n, rows, hq, d).to(self.dtype).contiguous()
             k4 = k.view(n, rows, hk, d).to(self.dtype)
             v4 = v.view(n, rows, hk, d).to(self.dtype)
@@ -1346,8 +1362,10 @@ class Engine:
             # Join the background streams inside the step: the next step's attention reads the
             # slots these gathers fill. Only those forked in it: waiting on a stream the capture
             # never forked would wait on work recorded before it (invalid in a capture).
+            ops.wait_stamp(self._wait_stamps, 0)
             for side in forked:
                 torch.cuda.current_stream(dev).wait_stream(side)
+            ops.wait_stamp(self._wait_stamps, 1)
         out = {"logits": logits, "feats": None, "last_q": last_q, "keep": keep}
         if self.capture:
             out["feats"] = torch.cat([captured[i][row0] for i in self.capture], dim=-1)
@@ -1512,7 +1530,8 @@ class Engine:
             also=(q4[sp_idx, 0].contiguous(), plan.blk_seq) if both else None,
         )
         self._acc_fetched.index_add_(0, sp_ids, (ps >= 0).sum(dim=(1, 2)))
-        self._pred_of(layer)[sp_ids] = pred
+        if self.kv.measure_recall:
+            self._pred_of(layer)[sp_ids] = pred  # only the recall of the next step reads it
         return q4, pred, ps
 
     def _pred_of(self, layer: int) -> torch.Tensor:

@@ -294,6 +294,16 @@ def gather_blocks(
     )
 
 
+def wait_stamp(stamps: torch.Tensor, mode: int) -> None:
+    """Time a wait of the current stream on background work: ``stamps`` int64 ``[3]`` = (start of
+    the current wait, total waited, waits), nanoseconds. ``mode`` 0 marks the start, 1 the end
+    (``stamps[1] += now - stamps[0]``, ``stamps[2] += 1``). On a GPU a one-thread kernel on the
+    current stream reads the device clock when the stream reaches it (captured into CUDA graphs);
+    on the CPU a monotonic clock, at once."""
+    dev = stamps.device
+    _core.wait_stamp(stamps, mode, stream=_stream(dev))
+
+
 def set_gather_launch(max_blocks: int = 0, warps_per_block: int = 4, entries_per_warp: int = 8) -> None:
     """Launch shape of the GPU gather: at most ``max_blocks`` thread blocks (0: no cap) of
     ``warps_per_block`` warps (1-4), each warp checking ``entries_per_warp`` plan entries (1-32)

@@ -121,6 +121,12 @@ pub const SOURCES: &[KernelSource] = &[
             "qk_norm_rope_f32",
         ],
     },
+    KernelSource {
+        name: "wait_stamp",
+        file: "wait_stamp.cu",
+        source: include_str!("../../../cuda/wait_stamp.cu"),
+        entry_points: &["wait_stamp"],
+    },
 ];
 
 /// The source registered under `name` (file stem, e.g. `"gather_blocks"`).

@@ -40,6 +40,7 @@
 //! | `delta_select.cu` | `delta_select_i32` | `delta_select` |
 //! | `gather_blocks.cu` | `gather_blocks`, `copy_pages` | `gather_blocks`, `copy_pages` |
 //! | `norm_rope.cu` | `rms_norm`, `qk_norm_rope` | `rms_norm`, `qk_norm_rope` |
+//! | `wait_stamp.cu` | `wait_stamp` | `wait_stamp` |
 //!
 //! ## Examples
 //!

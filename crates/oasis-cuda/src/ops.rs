@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 
 use oasis_core::error::check_len;
 use oasis_core::kernels::norm::{check_rows, rms_norm_threads};
-use oasis_core::kernels::HeadLayout;
+use oasis_core::kernels::{HeadLayout, WaitStamp};
 use oasis_core::{DType, KvElem, KvGeometry, OasisError};
 
 use crate::driver::{Gpu, LaunchCfg};
@@ -31,6 +31,7 @@ use crate::params::{
     AppendKvParams, BuildKeyCodesParams, BuildSummariesParams, CopyPagesParams, DecodeAttnParams,
     DeltaSelectParams, DevPtr, GatherBlocksParams, KernelParams, MergeAttnStatesParams,
     QkNormRopeParams, RmsNormParams, ScoreBlocksCodesParams, ScoreBlocksParams, TopkBlocksParams,
+    WaitStampParams,
 };
 
 /// Threads per block of the decode attention kernel (a multiple of 32). Arbitrary.
@@ -1322,6 +1323,31 @@ impl Gpu {
             // handles (each element read before the same thread writes it); the stream by
             // Stream's contract.
             unsafe { self.queue(name, grid, threads, 0, stream, &params) }
+        })
+    }
+
+    /// GPU twin of `oasis_core::kernels::wait_stamp`: one thread stamps the device's global
+    /// nanosecond timer into `stamps` (`[start, total waited, waits]`, u64) when the stream
+    /// reaches it. Queued just before and just after a wait on background work, the pair times it.
+    ///
+    /// # Errors
+    /// [`CudaError::Invalid`] unless `stamps` has 3 elements.
+    pub fn wait_stamp(
+        &self,
+        stamps: DevSlice<u64>,
+        stamp: WaitStamp,
+        stream: Stream,
+    ) -> Result<()> {
+        guard("wait_stamp", || {
+            check_len("stamps", stamps.len(), &[3])?;
+            let params = WaitStampParams {
+                stamps: stamps.into(),
+                mode: stamp.mode(),
+                _pad0: 0,
+            };
+            // SAFETY: stamps holds the 3 u64 the kernel reads and writes (checked above), reachable
+            // and alive until the stream runs it by DevSlice's contract; the stream by Stream's.
+            unsafe { self.queue("wait_stamp", (1, 1, 1), 32, 0, stream, &params) }
         })
     }
 

@@ -439,6 +439,15 @@ kernel_params! {
 }
 
 kernel_params! {
+    /// `wait_stamp` (cuda/wait_stamp.cu): the compute stream's waits on background work, timed.
+    pub struct WaitStampParams => "oasis::WaitStampParams" for ["wait_stamp"] {
+        pub stamps: DevPtr, // [3] u64: start of the current wait (ns), total waited (ns), waits
+        pub mode: i32,      // 0: a wait starts; else it ended
+        pub _pad0: i32,
+    }
+}
+
+kernel_params! {
     /// `qk_norm_rope_*` (cuda/norm_rope.cu): q, k, v from the fused QKV projection, with the
     /// optional per-head q/k RMSNorm and rotate-half RoPE.
     pub struct QkNormRopeParams => "oasis::QkNormRopeParams<T>"
@@ -475,6 +484,7 @@ pub const ALL: &[ParamsLayout] = &[
     CopyPagesParams::LAYOUT,
     RmsNormParams::LAYOUT,
     QkNormRopeParams::LAYOUT,
+    WaitStampParams::LAYOUT,
 ];
 
 /// The parameter struct layout of kernel `entry`, if it has one.
@@ -506,6 +516,7 @@ mod tests {
         assert_eq!(size_of::<CopyPagesParams>(), 7 * 8 + 2 * 4);
         assert_eq!(size_of::<RmsNormParams>(), 6 * 8 + 2 * 4);
         assert_eq!(size_of::<QkNormRopeParams>(), 10 * 8 + 4 * 4);
+        assert_eq!(size_of::<WaitStampParams>(), 8 + 2 * 4);
         assert_eq!(align_of::<DecodeAttnParams>(), 8);
         assert_eq!(std::mem::offset_of!(DecodeAttnParams, sm_scale), 132);
         assert_eq!(std::mem::offset_of!(CopyPagesParams, page_elems), 48);

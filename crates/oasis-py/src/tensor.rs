@@ -423,6 +423,10 @@ impl TensorArg {
         self.expect_dtype(py, name, "float32", ".float()")
     }
 
+    pub fn expect_i64(&self, py: Python<'_>, name: &str) -> PyResult<()> {
+        self.expect_dtype(py, name, "int64", ".to(torch.int64)")
+    }
+
     pub fn expect_u8(&self, py: Python<'_>, name: &str) -> PyResult<()> {
         self.expect_dtype(py, name, "uint8", ".to(torch.uint8)")
     }

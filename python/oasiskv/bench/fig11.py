@@ -23,7 +23,9 @@ first step is a warm-up (and on CUDA one more is profiled); the rest are timed. 
   every request makes one token per step), TTFT p50/p99 from the common arrival (queueing behind
   the other prefills included), and per context the cold TTFT of one request alone;
 * peak GPU memory, the host pool's bytes and place, GPU KV bytes (pages and summaries), bytes
-  fetched per request and step (``RequestMetrics.fetched_bytes_per_step``);
+  fetched per request and step (``RequestMetrics.fetched_bytes_per_step``), and the time per
+  timed step the compute stream waited on the background chain and its transfers
+  (``Engine.transfer_wait``: device clocks around each wait; 0 on the CPU);
 * kernels per layer and step: CUDA kernel launches of one decode step (``torch.profiler``)
   divided by ``num_hidden_layers`` (CUDA only);
 * the roofline: the bytes one decode step must read (the weights once, and per request what its
@@ -251,9 +253,12 @@ def drive(eng, prompts: list[list[int]], max_tokens: int, profile_step: int | No
     times: list[float] = []
     timed_tokens = 0
     kernels = copies = None
+    waited = 0.0  # seconds the compute stream waited on transfers, over the timed steps
+    wait_of = getattr(eng.engine, "transfer_wait", None)
     i = 0
     while eng.has_unfinished_requests():
         n = llm.num_running
+        w0 = wait_of()[0] if wait_of is not None else 0.0
         t = time.perf_counter()
         if i == profile_step and cuda:
             outs, kernels, copies = _profiled(torch, eng.step)
@@ -263,6 +268,8 @@ def drive(eng, prompts: list[list[int]], max_tokens: int, profile_step: int | No
         if i > 0 and i != profile_step:
             times.append(dt)
             timed_tokens += n
+            if wait_of is not None:
+                waited += wait_of()[0] - w0
         for o in outs:
             if o.finished:
                 if o.finish_reason != "length":
@@ -273,6 +280,7 @@ def drive(eng, prompts: list[list[int]], max_tokens: int, profile_step: int | No
         "ttft": [ttft[r] for r in rids],
         "times": times,
         "timed_tokens": timed_tokens,
+        "transfer_wait_s": waited,
         "kernels": kernels,
         "copies": copies,
         "outputs": [finals[r] for r in rids],
@@ -572,6 +580,7 @@ class Fig11:
             "host_pool_place": host_place,
             "fetched_bytes_per_step": sum(fetched) / len(fetched) if eng.engine.backend == "oasis" else None,
             "kernels_per_layer_step": res["kernels"] / layers if res["kernels"] is not None else None,
+            "transfer_wait_per_step_s": res["transfer_wait_s"] / len(times) if times else None,
             "copies_per_step": res["copies"],
             "tokens_digest": hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16],
             **self.roofline(mode, ctx, conc, n),
@@ -724,7 +733,8 @@ def markdown(rep: dict) -> str:
         )
     head = [
         "context", "mode", "conc", "tok/s", "TPOT p50 ms", "TPOT p99 ms", "TTFT p50 ms", "peak GPU GiB",
-        "host pool GiB", "fetched/step MiB", "kernels/layer/step", "roofline ms", "of roofline", "note",
+        "host pool GiB", "fetched/step MiB", "transfer wait/step ms", "kernels/layer/step", "roofline ms",
+        "of roofline", "note",
     ]  # fmt: skip
     lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rep["rows"]:
@@ -739,13 +749,14 @@ def markdown(rep: dict) -> str:
                 _f(r["peak_gpu_bytes"], 1 / gib, 2),
                 _f(r["host_pool_bytes"], 1 / gib, 2),
                 _f(r["fetched_bytes_per_step"], 1 / 2**20, 2),
+                _f(r.get("transfer_wait_per_step_s") if r["mode"] != "dense" else None, 1e3, 3),
                 _f(r["kernels_per_layer_step"]),
                 _f(r["roofline_tpot_s"], 1e3, 2),
                 "-" if r["roofline_fraction"] is None else f"{r['roofline_fraction']:.0%}",
                 r["host_pool_place"] if r["mode"] != "dense" else "",
             ]
         else:
-            cells += ["-"] * 10 + [f"skipped: {r['reason']}"]
+            cells += ["-"] * 11 + [f"skipped: {r['reason']}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

@@ -64,6 +64,7 @@ class EngineSnapshot:
     page_bytes: int = 0  # bytes of one page / host block, K and V, every layer
     steps: int = 0
     step_errors: int = 0
+    transfer_wait_s: float = 0.0  # Engine.transfer_wait: the compute stream's waits on transfers
 
     @property
     def pools_full(self) -> bool:
@@ -150,6 +151,8 @@ class EngineLoop:
         self._steps = 0
         self._step_errors = 0
         self.snapshot = EngineSnapshot(page_bytes=llm_engine.engine.page_bytes_all_layers)
+        self._wait_read_at = float("-inf")
+        self._transfer_wait_s = 0.0
         self._thread = threading.Thread(target=self._run, name="oasis-engine", daemon=True)
         self._stopped = False
 
@@ -313,6 +316,13 @@ class EngineLoop:
         eng = self.llm_engine
         rt = eng.engine.runtime
         kw = {}
+        # The transfer-wait counters live on the device: read them at most twice a second (each
+        # read is a small synchronous copy), between steps.
+        now = time.monotonic()
+        wait_of = getattr(eng.engine, "transfer_wait", None)
+        if wait_of is not None and now - self._wait_read_at >= 0.5:
+            self._wait_read_at = now
+            self._transfer_wait_s = wait_of()[0]
         if rt is not None:
             (gp, hb), (gf, hf), (gr, hr) = rt.pool_sizes, rt.num_free, rt.reserved
             kw = dict(
@@ -330,6 +340,7 @@ class EngineLoop:
             page_bytes=eng.engine.page_bytes_all_layers,
             steps=self._steps,
             step_errors=self._step_errors,
+            transfer_wait_s=self._transfer_wait_s,
             **kw,
         )
 

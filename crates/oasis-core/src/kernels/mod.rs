@@ -17,6 +17,7 @@ pub mod score;
 pub mod select;
 pub mod summary;
 mod validate;
+pub mod wait;
 
 pub use append::append_kv;
 pub use attention::{decode_attention, ExtraKv, PagedKv};
@@ -26,3 +27,4 @@ pub use norm::{qk_norm_rope, rms_norm, HeadLayout, Positions, QkNorm, Residual};
 pub use score::{score_blocks, topk_blocks};
 pub use select::{delta_select, SelectStats};
 pub use summary::build_summaries;
+pub use wait::{wait_stamp, WaitStamp};
