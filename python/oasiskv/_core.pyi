@@ -341,6 +341,9 @@ def gather_blocks(
 ) -> int | None:
     """Execute a selection plan (host pool -> GPU slots); entries copied on the CPU, None on the GPU."""
 
+def wait_stamp(stamps: torch.Tensor, mode: int, *, stream: int = 0) -> None:
+    """Time a wait: stamps int64 [3] = (start, total waited, waits) in ns; mode 0 starts, else ends."""
+
 def set_gather_launch(max_blocks: int = 0, warps_per_block: int = 4, entries_per_warp: int = 8) -> None:
     """Launch shape of the GPU gather (process-wide; a captured graph keeps its own). ValueError
     unless 1 <= warps_per_block <= 4 and 1 <= entries_per_warp <= 32."""

@@ -296,6 +296,47 @@ fn check_outputs(
 }
 
 #[pyfunction]
+#[pyo3(signature = (stamps, mode, *, stream = 0))]
+/// Time a wait of a stream on background work: stamps int64 [3] = (start of the current wait,
+/// total waited, waits), nanoseconds. mode 0 marks the start (stamps[0] = now), any other mode
+/// the end (stamps[1] += now - stamps[0], stamps[2] += 1). Queue mode 0 just before a wait on
+/// another stream's event and mode 1 just after it.
+///
+/// CUDA: the device's global timer, queued on `stream` (raw cudaStream_t; 0 = the legacy default
+/// stream) and captured into a CUDA graph like any kernel. CPU: a monotonic clock, at once.
+fn wait_stamp(py: Python<'_>, stamps: TensorArg, mode: i32, stream: u64) -> PyResult<()> {
+    entry(py, "wait_stamp", || {
+        let cx = Cx::new(py, &[("stamps", &stamps)], &[])?;
+        stamps.expect_i64(py, "stamps")?;
+        stamps.expect_shape(&cx, "stamps", &[3])?;
+        let stamp = kernels::WaitStamp::from_mode(mode);
+        match cx.place {
+            Place::Cpu => {
+                let now = monotonic_ns();
+                // SAFETY: a CPU tensor of 3 int64 (checked above), read as u64 (same size and
+                // alignment); no other argument aliases it.
+                let s = unsafe { stamps.slice_mut::<u64>() };
+                guarded(py, "wait_stamp", || kernels::wait_stamp(s, stamp, now))
+            }
+            Place::Cuda(dev) => {
+                // SAFETY: (TensorArg::dev) 3 int64 on cuda:dev, read as u64 by the kernel.
+                let s = unsafe { stamps.dev::<u64>() };
+                on_gpu(py, "wait_stamp", dev, stream, &[], move |gpu, st| {
+                    gpu.wait_stamp(s, stamp, st)
+                })
+            }
+        }
+    })
+}
+
+/// Nanoseconds of a monotonic clock (from the first call in this process).
+fn monotonic_ns() -> u64 {
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    let start = START.get_or_init(std::time::Instant::now);
+    u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX)
+}
+
+#[pyfunction]
 #[pyo3(signature = (max_blocks = 0, warps_per_block = 4, entries_per_warp = 8))]
 /// Launch shape of the GPU gather (`gather_blocks`): at most `max_blocks` blocks (0: no cap) of
 /// `warps_per_block` warps (1-4), each checking `entries_per_warp` plan entries (1-32) per pass.
@@ -1624,6 +1665,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(delta_select, m)?)?;
     m.add_function(wrap_pyfunction!(gather_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(set_gather_launch, m)?)?;
+    m.add_function(wrap_pyfunction!(wait_stamp, m)?)?;
     m.add_function(wrap_pyfunction!(gather_launch, m)?)?;
     m.add_function(wrap_pyfunction!(copy_pages, m)?)?;
     m.add_function(wrap_pyfunction!(rms_norm, m)?)?;
