@@ -863,3 +863,73 @@ def test_oasis_eval_cli_on_a_local_hf_checkpoint_with_an_eagle3_head(tiny, tmp_p
     assert recs[("retrieval", "dense", None)]["trials"] == 1
     assert ("retrieval", "oasis", "eagle3") in recs
     assert (out / "results.md").is_file()
+
+
+# ------------------------------------------------------------------------------------------ top-2 drafts
+def test_drafter_names_with_sinks_and_top2():
+    spec = teacher.parse_drafter("eagle3+current+codes+sink4+top2")
+    assert spec == teacher.DrafterSpec("eagle3", "lookahead+current", "codes", 4, True)
+    assert teacher.parse_drafter("ngram+sink2").sink_blocks == 2
+    assert teacher.drafter_parts("oracle+codes+sink1") == ("oracle", "lookahead")
+    assert teacher.block_score_of("oracle+codes+sink1") == ("oracle+sink1", "codes")
+    for bad in ("ngram+top2", "eagle3+sink", "eagle3+sinkx", "eagle3+sink2+codes", "eagle3+top2+top2"):
+        with pytest.raises(ValueError, match="unknown drafter"):
+            teacher.parse_drafter(bad)
+
+
+def test_union_by_rank_alternates_and_skips_repeats():
+    a = torch.tensor([[[5, 1, 2, 3]], [[0, -1, -1, -1]]])
+    b = torch.tensor([[[1, 7, 5, 9]], [[0, -1, -1, -1]]])
+    got = teacher.union_by_rank(a, b, 4)
+    assert got.tolist() == [[[5, 1, 7, 2]], [[0, -1, -1, -1]]]
+
+
+class _ShadowCheck(teacher.LookaheadRecorder):
+    """A recorder that rebuilds each step's true query with shadow_queries (x_t as the token)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enabled, self.layers = True, 0
+
+    def on_recall(self, engine, layer, sp_reqs, actual, prev, slot_pages, q=None) -> None:
+        if layer == 0:
+            toks = torch.tensor([[r.tokens[-1], 7] for r in sp_reqs])
+            self.shadow = teacher.shadow_queries(engine, sp_reqs, toks)
+        torch.testing.assert_close(self.shadow[layer][:, 0], q, atol=1e-5, rtol=1.3e-6)
+        assert not torch.equal(self.shadow[layer][:, 1], q)  # another token: another query
+        self.layers += 1
+
+
+def test_shadow_queries_rebuild_the_true_query_under_a_full_budget(tiny):
+    """With a budget covering the context, attention is dense, so the shadow query of x_t at its
+    own position (context before it, plus itself) is the engine's query of this step."""
+    import oasiskv
+
+    kv = oasiskv.KvConfig(block_size=BLOCK, top_k_blocks=64, fetch_cap=None, sparse_threshold=40)
+    llm = oasiskv.LLM(tiny, kv=kv, backend="oasis", drafter="ngram")
+    rec = llm.engine.recorder = _ShadowCheck()
+    llm.generate([repetitive(90, seed=1), repetitive(61, seed=2)], 3, ignore_eos=True)
+    assert rec.layers >= 2 * tiny.config.num_hidden_layers
+
+
+def test_top2_measurement_and_sinks_through_the_teacher(tiny, head):
+    """eagle3+top2: the top-2 sets are measured beside the engine's own (all of the context under a
+    full budget); +sink2 changes the exact top-K (blocks 0 and 1 in it, tested in test_engine)."""
+    texts = [repetitive(161, seed=s) for s in range(2)]
+    tf = TeacherForcing(
+        tiny, texts, 9, block_size=BLOCK, batch_size=2, eagle3_head=head, progress=False, mass_every=4
+    )
+    dense = tf.run(Policy("dense"))
+    full = summarize(tf.run(Policy("oasis", "eagle3+top2", 64, None)), dense)["lookahead"]
+    assert full["top2"]["overlap"] == {"top1": 1.0, "union_rank": 1.0, "union_max": 1.0}
+    small = summarize(tf.run(Policy("oasis", "eagle3+top2", 4, 0.5)), dense)["lookahead"]
+    top2 = small["top2"]
+    assert set(top2["attn_mass"]) == set(teacher.TOP2_SETS) and top2["mass_cells"] > 0
+    assert all(0.0 < v <= 1.0 for v in top2["overlap"].values())
+    assert 0.0 <= top2["runner_up_accept"] <= 1.0
+    rec = {"section": "teacher", "context": 160, "policy": "oasis", "drafter": "eagle3+top2", "budget": "4b"}
+    md = report.render_markdown({"records": [{**rec, "fetch_cap": 0.5, "lookahead": small}]})
+    assert "| 4b | 0.5 | eagle3+top2 |" in md and "union by rank" in md
+    sink = summarize(tf.run(Policy("oasis", "eagle3+sink2", 4, 0.5)), dense)["lookahead"]
+    assert "top2" not in sink  # opt-in
+    assert sink["attn_mass"]["exact"] != small["attn_mass"]["exact"]

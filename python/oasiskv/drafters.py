@@ -121,7 +121,12 @@ class NgramDrafter(Drafter):
         n_tok = len(tokens)
         lo = max(0, n_tok - self.window)  # earliest start the window allows
         ix = self._index.get(req_id)
-        if ix is None or ix.src is not tokens or ix.seen > n_tok or (ix.seen and tokens[ix.seen - 1] != ix.last):
+        if (
+            ix is None
+            or ix.src is not tokens
+            or ix.seen > n_tok
+            or (ix.seen and tokens[ix.seen - 1] != ix.last)
+        ):
             # A new request, or a list that is not the one indexed (or changed other than by
             # appending): index it afresh, from the window's start.
             ix = self._index[req_id] = _NgramIndex(tokens, self.max_n)
@@ -204,6 +209,11 @@ class Eagle3Drafter(Drafter):
         #: (``last_confidence``); the evaluation bins the lookahead's accuracy by it.
         self.track_confidence = False
         self.last_confidence: dict[int, float] = {}
+        #: Set True to keep, per request, the head's second-best token of its latest draft, in the
+        #: target vocabulary (``last_runner_up``); the evaluation measures lookahead from the two
+        #: best drafts with it.
+        self.track_runner_up = False
+        self.last_runner_up: dict[int, int] = {}
 
     @classmethod
     def from_pretrained(cls, path, model, *, prefill: bool = True) -> Eagle3Drafter:
@@ -227,6 +237,7 @@ class Eagle3Drafter(Drafter):
     def end(self, req_id) -> None:
         self._states.pop(req_id, None)
         self.last_confidence.pop(req_id, None)
+        self.last_runner_up.pop(req_id, None)
 
     @torch.no_grad()
     def feed_prompt(self, req_id, prompt, features, start=0) -> None:
@@ -264,6 +275,9 @@ class Eagle3Drafter(Drafter):
         draft, h = self.head.step(state, feats, ids, pos)
         if self.track_confidence:
             self.last_confidence[req_id] = float(torch.softmax(self.head.draft_logits(h).float(), -1).max())
+        if self.track_runner_up:
+            second = self.head.draft_logits(h)[0].topk(2).indices[1:]
+            self.last_runner_up[req_id] = int(self.head.to_target_ids(second)[0])
         return int(draft[0])
 
 

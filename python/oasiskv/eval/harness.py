@@ -39,9 +39,9 @@ from .teacher import (
     DRAFTERS,
     Policy,
     TeacherForcing,
-    block_score_of,
     drafter_parts,
     greedy_continuations,
+    parse_drafter,
     summarize,
 )
 
@@ -123,9 +123,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--drafters",
         default=None,
-        help=f"comma list of {', '.join(DRAFTERS)}; NAME+codes: blocks ranked by 2-bit key codes; "
-        "NAME+current: the current query also chooses "
-        "the working set (KvConfig.select_queries)",
+        help=f"comma list of {', '.join(DRAFTERS)}, each optionally followed by, in this order: "
+        "+current (the current query also chooses the working set, KvConfig.select_queries), "
+        "+codes (blocks ranked by 2-bit key codes), +sinkN (KvConfig(sink_blocks=N): blocks 0..N-1 "
+        "always selected), +top2 (eagle3: also measure lookahead from the head's two best drafts)",
     )
     p.add_argument("--no-quest", action="store_true", help="skip the Quest-like reference")
     p.add_argument(
@@ -544,13 +545,15 @@ def run_retrieval(args, model, tok, head, results: Results, files, progress: boo
             k_blocks = budget_blocks(context, frac, b, label)
             frac = k_blocks * b / context if frac is None else frac
             # Recall is not reported here: skip its extra scoring pass.
-            base, select = drafter_parts(drafter_name)
+            spec = parse_drafter(drafter_name)
+            base = spec.base
             kv = KvConfig(
                 top_k_blocks=k_blocks,
                 fetch_cap=cap,
                 measure_recall=False,
-                select_queries=select,
-                block_score=block_score_of(drafter_name)[1],
+                select_queries=spec.select_queries,
+                block_score=spec.block_score,
+                sink_blocks=spec.sink_blocks,
                 **pool_kw,
             )
             if base.startswith("eagle3"):

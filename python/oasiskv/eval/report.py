@@ -196,6 +196,27 @@ def _lookahead_md(recs: list[dict]) -> list[str]:
                     f"{_f(m.get('predicted_unmatched'))} | {_f(m.get('resident'))} | {_f(m.get('best'))} | "
                     f"{m.get('cells')} |"
                 )
+        top2 = [r for r in rs if r.get("lookahead", {}).get("top2")]
+        if top2:
+            out += [
+                "",
+                "Lookahead from the head's two best drafts (`+top2`, a measurement: the engine ran the best "
+                "draft). Each draft's query is rebuilt one step late with dense attention; top-1 is the best "
+                "draft's set (the control), union by rank alternates the two drafts' top-K lists, union by "
+                "max ranks each block by the larger of its two scores relative to each query's best block. "
+                "Overlap with the exact top-K / attention share:",
+                "",
+                "| budget | cap | drafter | runner-up = next token | top-1 | union by rank | union by max |",
+                "|---|---|---|---|---|---|---|",
+            ]
+            for r in sorted(top2, key=_config_order):
+                t = r["lookahead"]["top2"]
+                ov, am = t["overlap"], t.get("attn_mass", {})
+                cells = [f"{_f(ov.get(k))} / {_f(am.get(k))}" for k in ("top1", "union_rank", "union_max")]
+                out.append(
+                    f"| {r['budget']} | {_cap(r.get('fetch_cap'))} | {r['drafter']} | "
+                    f"{_f(t.get('runner_up_accept'))} | " + " | ".join(cells) + " |"
+                )
         binned = [r for r in rs if r.get("lookahead", {}).get("by_confidence")]
         if binned:
             edges = [(b["lo"], b["hi"]) for b in binned[0]["lookahead"]["by_confidence"]]

@@ -41,9 +41,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .. import ops
 from ..config import KvConfig
 from ..drafters import Eagle3Drafter, NgramDrafter, OracleDrafter, PreviousQueryDrafter
-from ..engine import PrefillCache, recall_overlap
+from ..engine import PrefillCache, _relative_to_best, csr_tables, keep_sinks, recall_overlap
 from ..llm_engine import LLMEngine, SamplingParams, StepInfo
 from ..policy import SelectionPolicy
 from .policies import QuestPolicy
@@ -53,25 +54,66 @@ from .policies import QuestPolicy
 DRAFTERS = ("eagle3", "eagle3-noprefill", "ngram", "oracle", "previous-query")
 
 
+@dataclass(frozen=True)
+class DrafterSpec:
+    """A drafter name of the evaluation, ``BASE[+current][+codes][+sinkN][+top2]``, and what each
+    part sets: ``+current`` ``KvConfig(select_queries="lookahead+current")``, ``+codes``
+    ``KvConfig(block_score="codes")``, ``+sinkN`` ``KvConfig(sink_blocks=N)``; ``+top2`` (EAGLE-3
+    only) changes nothing in the engine and also measures lookahead from the head's two best drafts
+    (:class:`LookaheadRecorder`)."""
+
+    base: str
+    select_queries: str = "lookahead"
+    block_score: str = "quest"
+    sink_blocks: int = 0
+    top2: bool = False
+
+
+def parse_drafter(name: str) -> DrafterSpec:
+    """The :class:`DrafterSpec` of ``name``; ValueError for an unknown one (the message lists the
+    grammar). The suffixes come in the order given, each at most once."""
+    base, *mods = str(name).split("+")
+    kw: dict = {}
+    order = ("current", "codes", "sink", "top2")
+    last = -1
+    ok = base in DRAFTERS
+    for m in mods:
+        key = "sink" if m.startswith("sink") and m[4:].isdigit() else ("" if m == "sink" else m)
+        if not ok or key not in order or order.index(key) <= last:
+            ok = False
+            break
+        last = order.index(key)
+        if key == "current":
+            ok = base != "previous-query"  # no lookahead row to combine with
+            kw["select_queries"] = "lookahead+current"
+        elif key == "codes":
+            kw["block_score"] = "codes"
+        elif key == "sink":
+            kw["sink_blocks"] = int(m[4:])
+        else:
+            ok = base.startswith("eagle3")  # the runner-up needs a head that ranks drafts
+            kw["top2"] = True
+    if not ok:
+        raise ValueError(
+            f"unknown drafter {name!r}; use one of {DRAFTERS}, then optionally '+current' (not "
+            "previous-query, which has no lookahead row), '+codes', '+sinkN' (N sink blocks) and "
+            "'+top2' (eagle3 only), in that order"
+        )
+    return DrafterSpec(base, **kw)
+
+
 def block_score_of(name: str) -> tuple[str, str]:
     """``"eagle3+codes"`` -> ``("eagle3", "codes")``: a ``+codes`` suffix runs the drafter with
     ``KvConfig(block_score="codes")`` (2-bit key codes); without it, ``("eagle3", "quest")``."""
-    if name.endswith("+codes"):
-        return name[: -len("+codes")], "codes"
-    return name, "quest"
+    return name.replace("+codes", ""), parse_drafter(name).block_score
 
 
 def drafter_parts(name: str) -> tuple[str, str]:
     """``"eagle3+current"`` -> ``("eagle3", "lookahead+current")``; ``"eagle3"`` -> ``("eagle3",
-    "lookahead")``; a trailing ``+codes`` (see :func:`block_score_of`) is accepted and ignored
-    here. Raises ValueError for a name that is neither (the message lists them)."""
-    base, plus, rest = block_score_of(name)[0].partition("+")
-    if base in DRAFTERS and (not plus or (rest == "current" and base != "previous-query")):
-        return base, "lookahead+current" if plus else "lookahead"
-    raise ValueError(
-        f"unknown drafter {name!r}; use one of {DRAFTERS}, optionally with '+current' "
-        "(not previous-query, which has no lookahead row), then optionally '+codes'"
-    )
+    "lookahead")``; the other suffixes (:func:`parse_drafter`) are accepted and ignored here.
+    Raises ValueError for an unknown name (the message lists the grammar)."""
+    spec = parse_drafter(name)
+    return spec.base, spec.select_queries
 
 
 @dataclass(frozen=True)
@@ -166,6 +208,77 @@ def best_mass_blocks(mass: torch.Tensor, local: torch.Tensor, k: int) -> torch.T
     return torch.nn.functional.pad(idx, (0, k - idx.shape[-1]), value=-1)
 
 
+def shadow_queries(engine, sp_reqs, tokens: torch.Tensor) -> list[torch.Tensor]:
+    """Every layer's query ``[n, m, num_qo_heads, head_dim]`` of ``m`` alternative tokens per request
+    (``tokens [n, m]``) at the position x_t holds now (``kv_len``), each attending to the request's
+    context before x_t (read from the host pool, which holds all of it) and to itself: the queries
+    the lookahead row would have had with each token as its draft, one step late. An evaluation
+    measurement (one extra forward of ``n * m`` rows with dense attention, on the engine's model)."""
+    g, b = engine.geo, engine.kv.block_size
+    n, m = tokens.shape
+    hq, hk, d = g.num_qo_heads, g.num_kv_heads, g.head_dim
+    group = hq // hk
+    dev = engine.device
+    lens = [r.kv_len for r in sp_reqs]
+    blocks = [
+        torch.tensor(r.host_blocks[: -(-t // b)], dtype=torch.long, device=dev)
+        for r, t in zip(sp_reqs, lens, strict=True)
+    ]
+    out: list = [None] * engine.cfg.num_hidden_layers
+
+    def attn(layer, q, k, v):
+        out[layer] = q.view(n, m, hq, d).clone()
+        qf = q.float().view(n, m, hk, group, d)
+        kf, vf = k.float().view(n, m, hk, d), v.float().view(n, m, hk, d)
+        o = torch.empty(n, m, hk, group, d, dtype=torch.float32, device=q.device)
+        p = engine.pools
+        for i, t in enumerate(lens):
+            kc = (
+                p.host_k[layer]
+                .index_select(0, blocks[i])
+                .float()
+                .permute(1, 0, 2, 3)
+                .reshape(hk, -1, d)[:, :t]
+            )
+            vc = (
+                p.host_v[layer]
+                .index_select(0, blocks[i])
+                .float()
+                .permute(1, 0, 2, 3)
+                .reshape(hk, -1, d)[:, :t]
+            )
+            ctx = torch.einsum("mhgd,htd->mhgt", qf[i], kc)
+            own = torch.einsum("mhgd,mhd->mhg", qf[i], kf[i]).unsqueeze(-1)
+            w = torch.softmax(torch.cat([ctx, own], dim=-1) * d**-0.5, dim=-1)
+            o[i] = torch.einsum("mhgt,htd->mhgd", w[..., :t], vc) + w[..., t:] * vf[i].unsqueeze(2)
+        return o.view(n * m, hq, d).to(q.dtype)
+
+    pos = torch.tensor(lens, device=dev).repeat_interleave(m)
+    engine.model.forward(tokens.reshape(-1).to(dev), pos, attn, logits_rows=pos[:0])
+    return out
+
+
+def union_by_rank(a: torch.Tensor, b: torch.Tensor, k: int) -> torch.Tensor:
+    """The first ``k`` distinct blocks of ``a[0], b[0], a[1], b[1], ...`` per (request, head): the
+    union of two best-first top-K lists ``[n, hk, K]`` (-1 padded) within ``k``, alternating from
+    ``a``. ``[n, hk, k]``, -1 padded."""
+    seq = torch.stack([a, b], dim=-1).flatten(-2)  # [n, hk, 2K]
+    w = seq.shape[-1]
+    earlier = torch.ones(w, w, dtype=torch.bool, device=seq.device).tril(-1)
+    dup = ((seq.unsqueeze(-1) == seq.unsqueeze(-2)) & earlier).any(-1)
+    keep = (seq >= 0) & ~dup
+    rank = keep.long().cumsum(-1) - 1
+    keep &= rank < k
+    out = torch.full((*seq.shape[:-1], k + 1), -1, dtype=seq.dtype, device=seq.device)
+    out.scatter_(-1, torch.where(keep, rank, k), seq)
+    return out[..., :k]
+
+
+#: The block sets of the top-2 measurement: the best draft's shadow query alone (the control),
+#: the two drafts' top-K merged by rank, and by the larger relative score (as lookahead+current).
+TOP2_SETS = ("top1", "union_rank", "union_max")
+
+
 def _grid(rows, num_layers: int, req_ids: list[int], steps: list[int], fields) -> list[torch.Tensor]:
     """Rows ``(step, layer, request ids, *values)``, each value ``[n, *tail]``, laid out as one CPU
     tensor per value ``[len(steps), num_layers, len(req_ids), *tail]`` (``fields``: its ``(tail,
@@ -202,6 +315,12 @@ class LookaheadRecorder:
         self.mass_every = int(mass_every)
         self._rows: list[tuple[int, int, list[int], torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._mass: list[tuple[int, int, list[int], torch.Tensor, torch.Tensor]] = []
+        #: Top-2 drafts (``+top2``): request id -> (best draft, runner-up) of the step before
+        #: :attr:`step`, set by the chunk scorer; their shadow queries are computed at layer 0.
+        self.top2_drafts: dict[int, tuple[int, int]] | None = None
+        self._shadow: list[torch.Tensor] | None = None
+        self._top2: list[tuple[int, int, list[int], torch.Tensor, torch.Tensor]] = []
+        self._top2_mass: list[tuple[int, int, list[int], torch.Tensor, torch.Tensor]] = []
 
     def on_recall(self, engine, layer, sp_reqs, actual, prev, slot_pages, q=None) -> None:
         if not self.enabled:
@@ -212,17 +331,63 @@ class LookaheadRecorder:
         denom = n.clamp(min=1)
         ids = [r.id for r in sp_reqs]
         self._rows.append((self.step, layer, ids, ov / denom, hit / denom, n > 0))
+        top2 = self._top2_sets(engine, layer, sp_reqs, actual.shape[-1])
+        cells = torch.ones(len(ids), dtype=torch.bool)
+        if top2 is not None:
+            ov2 = torch.stack([recall_overlap(actual, x)[0] / denom for x in top2], dim=-1)
+            self._top2.append((self.step, layer, ids, ov2, n > 0))  # [n, 3]
         if q is not None and self.mass_every > 0 and self.step % self.mass_every == 0:
             mass = block_attention_mass(engine, layer, sp_reqs, q)  # [n, hk, blocks] (CPU)
             local = torch.tensor([r.kv_len // engine.kv.block_size for r in sp_reqs])
             best = best_mass_blocks(mass, local, actual.shape[-1])
             cov = [covered_mass(mass, local, s.cpu()) for s in (actual, prev, resident, best)]
-            cells = torch.ones(len(ids), dtype=torch.bool)
             self._mass.append((self.step, layer, ids, torch.stack(cov, dim=-1), cells))  # [n, 4], [n]
+            if top2 is not None:
+                cov2 = [covered_mass(mass, local, x.cpu()) for x in top2]
+                self._top2_mass.append((self.step, layer, ids, torch.stack(cov2, dim=-1), cells))
+
+    def _top2_sets(self, engine, layer: int, sp_reqs, k: int) -> list[torch.Tensor] | None:
+        """The :data:`TOP2_SETS` of this step and layer (``[n, hk, k]`` each), predicted from the
+        shadow queries of the previous step's two best drafts over the blocks complete then (those
+        before x_t's own block, as the recall's exact top-K), with the engine's block score and
+        sink blocks; None without drafts for every request."""
+        drafts = self.top2_drafts
+        if drafts is None or any(r.id not in drafts for r in sp_reqs):
+            return None
+        if layer == 0 or self._shadow is None:
+            toks = torch.tensor([drafts[r.id] for r in sp_reqs], dtype=torch.long)
+            self._shadow = shadow_queries(engine, sp_reqs, toks)
+        b, n_sink = engine.kv.block_size, engine.kv.sink_blocks
+        cand = [r.host_blocks[: r.kv_len // b] for r in sp_reqs]
+        indptr, indices = csr_tables(cand, engine.device)
+        qs = self._shadow[layer].to(engine.dtype)
+        s1 = engine._score(layer, qs[:, 0].contiguous(), (indptr, indices))
+        s2 = engine._score(layer, qs[:, 1].contiguous(), (indptr, indices))
+        hk = engine.geo.num_kv_heads
+        top = [ops.topk_blocks(hk, keep_sinks(x, indptr, n_sink), indptr, k) for x in (s1, s2)]
+        seq = torch.repeat_interleave(
+            torch.arange(len(cand), device=engine.device),
+            torch.tensor([len(c) for c in cand], device=engine.device),
+        )
+        if s1.shape[0]:
+            s1, s2 = _relative_to_best(s1, seq, len(cand)), _relative_to_best(s2, seq, len(cand))
+        both = keep_sinks(torch.maximum(s1, s2), indptr, n_sink)
+        return [top[0], union_by_rank(top[0], top[1], k), ops.topk_blocks(hk, both, indptr, k)]
 
     def clear(self) -> None:
         self._rows.clear()
         self._mass.clear()
+        self._top2.clear()
+        self._top2_mass.clear()
+
+    def top2_tensors(self, num_layers: int, req_ids: list[int], steps: list[int]):
+        """(overlap, valid, mass, mass_valid) of the :data:`TOP2_SETS`: overlap with the exact top-K
+        ``[len(steps), num_layers, len(req_ids), 3]`` and the attention share (sampled cells)."""
+        n = len(TOP2_SETS)
+        ov, valid = _grid(self._top2, num_layers, req_ids, steps, (((n,), torch.float32), ((), torch.bool)))
+        fields = (((n,), torch.float64), ((), torch.bool))
+        mass, mass_valid = _grid(self._top2_mass, num_layers, req_ids, steps, fields)
+        return ov, valid, mass, mass_valid
 
     def mass_tensors(self, num_layers: int, req_ids: list[int], steps: list[int]):
         """(mass, valid): the share of the true query's attention that falls in the exact top-K,
@@ -255,6 +420,13 @@ class RunResult:
     confidence: torch.Tensor | None = None  # [S', n] the head's probability of its draft (EAGLE-3)
     mass: torch.Tensor | None = None  # [S', L, n, 4] attention share: exact / predicted / resident / best
     mass_valid: torch.Tensor | None = None  # [S', L, n] the sampled cells
+    # +top2: the TOP2_SETS' overlap [S', L, n, 3] and attention share, and whether the runner-up
+    # draft was the next token [S', n].
+    top2_overlap: torch.Tensor | None = None
+    top2_valid: torch.Tensor | None = None
+    top2_mass: torch.Tensor | None = None
+    top2_mass_valid: torch.Tensor | None = None
+    matched2: torch.Tensor | None = None
     measured_steps: list[int] = field(default_factory=list)
     wall_s: float = 0.0
 
@@ -341,14 +513,16 @@ class TeacherForcing:
         the first step and every decode step runs the same batch."""
         b = self.block_size
         if policy.kind == "oasis":
+            spec = parse_drafter(policy.drafter)
             kv = KvConfig(
                 block_size=b,
                 top_k_blocks=policy.top_k_blocks,
                 fetch_cap=policy.fetch_cap,
                 sparse_threshold=max(1, self.prefix - 1),  # sparse from the first decode step
                 measure_recall=True,
-                select_queries=drafter_parts(policy.drafter)[1],
-                block_score=block_score_of(policy.drafter)[1],
+                select_queries=spec.select_queries,
+                block_score=spec.block_score,
+                sink_blocks=spec.sink_blocks,
             )
         else:
             kv = KvConfig(block_size=b, top_k_blocks=1, fetch_cap=None, measure_recall=False)
@@ -387,6 +561,9 @@ class TeacherForcing:
         track = getattr(drafter, "track_confidence", None) is not None
         if track:
             drafter.track_confidence = True
+        top2 = policy.kind == "oasis" and parse_drafter(policy.drafter).top2
+        if top2:
+            drafter.track_runner_up = True
         le = self._engine(policy, drafter, n)
         eng = le.engine
         key = str(eng.dtype)
@@ -405,6 +582,7 @@ class TeacherForcing:
             dense=dense,
             lookahead=lookahead,
             confidence=drafter if track else None,
+            runner_up=drafter if top2 else None,
         )
         le.recorder = scorer
         params = SamplingParams(max_tokens=S + 1, ignore_eos=True)
@@ -457,6 +635,11 @@ class TeacherForcing:
             m, c = scorer.matched, scorer.confidence
             res.matched = torch.tensor(m, dtype=torch.bool) if m else None
             res.confidence = torch.tensor(c, dtype=torch.float32) if c else None
+            if top2:
+                res.top2_overlap, res.top2_valid, res.top2_mass, res.top2_mass_valid = lookahead.top2_tensors(
+                    L, ids, measured
+                )
+                res.matched2 = torch.tensor(scorer.matched2, dtype=torch.bool) if scorer.matched2 else None
         return res
 
 
@@ -471,7 +654,9 @@ class _ChunkScorer:
     prediction came from the prompt's last query at ``make_sparse``, not from a lookahead row).
     """
 
-    def __init__(self, chunk, P: int, S: int, device, *, vocab, dense, lookahead, confidence) -> None:
+    def __init__(
+        self, chunk, P: int, S: int, device, *, vocab, dense, lookahead, confidence, runner_up=None
+    ) -> None:
         n = len(chunk)
         self.chunk, self.P, self.S = chunk, P, S
         targets = [[t[P + j + 1] for t in chunk] for j in range(S)]
@@ -488,6 +673,9 @@ class _ChunkScorer:
         self.request_ids: list[str] = []
         self.matched: list[list[bool]] = []
         self.confidence: list[list[float]] = []
+        self.runner_up_of = runner_up  # the drafter whose last_runner_up to read (+top2), or None
+        self.matched2: list[list[bool]] = []
+        self._prev2: list[int] | None = None
         self.bar = None
         self.j = 0
         self._prev: tuple[list, list] | None = None  # the previous step's drafts and confidences
@@ -521,6 +709,19 @@ class _ChunkScorer:
                 last = self.confidence_of.last_confidence
                 conf = [last.get(int(rid), float("nan")) for rid in info.request_ids]
             self._prev = (list(info.drafts), conf)
+            if self.runner_up_of is not None and has_draft:
+                # The two best drafts of this step, whose queries the next step's recorder rebuilds.
+                if j > 0 and self._prev2 is not None:
+                    self.matched2.append(
+                        [d == t[self.P + j] for d, t in zip(self._prev2, self.chunk, strict=True)]
+                    )
+                ru = self.runner_up_of.last_runner_up
+                self._prev2 = [ru.get(int(rid), -1) for rid in info.request_ids]
+                self.lookahead.top2_drafts = {
+                    int(rid): (d, r2)
+                    for rid, d, r2 in zip(info.request_ids, info.drafts, self._prev2, strict=True)
+                    if r2 >= 0
+                }
             self.lookahead.enabled, self.lookahead.step = True, j + 1  # the next step is measured
         self.j += 1
         if self.bar is not None:
@@ -551,6 +752,9 @@ def _concat(policy: Policy, parts: list[RunResult]) -> RunResult:
     out.confidence = cat("confidence", 1)
     out.mass = cat("mass", 2)
     out.mass_valid = cat("mass_valid", 2)
+    for name in ("top2_overlap", "top2_valid", "top2_mass", "top2_mass_valid"):
+        setattr(out, name, cat(name, 2))
+    out.matched2 = cat("matched2", 1)
     out.measured_steps = parts[0].measured_steps
     return out
 
@@ -665,6 +869,8 @@ def lookahead_summary(res: RunResult) -> dict:
         )
     if res.mass is not None and res.mass_valid is not None and bool(res.mass_valid.any()):
         out["attn_mass"] = attention_mass_summary(res)
+    if res.top2_overlap is not None:
+        out["top2"] = top2_summary(res)
     if res.confidence is not None and res.matched is not None and res.confidence.shape == res.matched.shape:
         out["by_confidence"] = confidence_bins(res.confidence, res.matched, ov, valid)
     return out
@@ -690,6 +896,20 @@ def attention_mass_summary(res: RunResult) -> dict:
         m = res.matched.unsqueeze(1).expand_as(valid)
         out["predicted_matched"] = _mean(mass[..., 1], valid & m)
         out["predicted_unmatched"] = _mean(mass[..., 1], valid & ~m)
+    return out
+
+
+def top2_summary(res: RunResult) -> dict:
+    """Lookahead from the two best drafts (``+top2``): per set of :data:`TOP2_SETS`, the overlap with
+    the exact top-K and the attention share (sampled cells); and how often the runner-up draft was
+    the next token (``runner_up_accept``; the best draft's is ``draft_accept``)."""
+    ov, valid = res.top2_overlap, res.top2_valid
+    out: dict = {"overlap": {name: _mean(ov[..., i], valid) for i, name in enumerate(TOP2_SETS)}}
+    mass, mv = res.top2_mass, res.top2_mass_valid
+    if mass is not None and mv is not None and bool(mv.any()):
+        out["attn_mass"] = {name: _mean(mass[..., i], mv) for i, name in enumerate(TOP2_SETS)}
+        out["mass_cells"] = int(mv.sum())
+    out["runner_up_accept"] = _mean(res.matched2.float()) if res.matched2 is not None else None
     return out
 
 
