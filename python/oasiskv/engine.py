@@ -434,12 +434,14 @@ def recall_overlap(actual: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tens
     actual, prev: [num_seqs, num_kv_heads, k] logical blocks, -1 padded. The engine's lookahead
     recall; the evaluation's overlap (``oasiskv.eval.teacher.LookaheadRecorder``) uses it too.
     """
+    # Few kernels: it runs per layer and step on the background stream, where at batch 1 each
+    # tiny kernel is latency. A padded -1 of prev only ever equals a padded -1 of actual, which
+    # `valid` masks; a head with no valid entry has 0 hits, so its ratio is 0 without a mask.
     valid = actual >= 0
-    hit = ((actual.unsqueeze(-1) == prev.unsqueeze(-2)) & (prev >= 0).unsqueeze(-2)).any(-1) & valid
+    hits = ((actual.unsqueeze(-1) == prev.unsqueeze(-2)).any(-1) & valid).sum(-1)
     denom = valid.sum(-1)
-    counted = denom > 0
-    ratio = hit.sum(-1).float() / denom.clamp(min=1).float()
-    return (ratio * counted).sum(-1), counted.sum(-1).float()
+    ratio = hits / denom.clamp(min=1)  # true division: float32
+    return ratio.sum(-1), (denom > 0).sum(-1, dtype=torch.float32)
 
 
 def _relative_to_best(scores: torch.Tensor, seq: torch.Tensor, n: int) -> torch.Tensor:
