@@ -296,3 +296,81 @@ fn struct_layouts_match_the_system_headers() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// RMA: a registered region is read back by ranges with `get`, bit-exact (8 KiB and 64 KiB
+/// blocks, the odd tail, the whole region); ranges outside what the region advertises are
+/// refused before UCX sees them and leave the connection usable; two regions (two rkeys) at
+/// once; frames still flow on the same connection; the peer gone, a get fails typed and fast.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rma_get_reads_a_registered_region() {
+    let Some(net) = ucx() else { return };
+    let mut l = net.server.bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr();
+    let mut c = net.client.connect(&addr).await.unwrap();
+    let mut s = tokio::time::timeout(T, l.accept()).await.unwrap().unwrap();
+    let n = (3 << 20) + 97;
+    let data = Bytes::from((0..n).map(|i| (i * 131 % 251) as u8).collect::<Vec<u8>>());
+    let region = net.server.register(data.clone()).await.unwrap();
+    let remote = region.remote().clone();
+    assert_eq!(remote.len, n as u64);
+    assert!(!remote.rkey.is_empty() && remote.rkey.len() <= oasis_rt::ucx::MAX_RKEY_BYTES);
+    let ranges = [
+        (0, 8 << 10),
+        (5 * (8 << 10), 64 << 10),
+        (n - 97, 97),
+        (12345, 1),
+        (0, n),
+        (n, 0),
+    ];
+    for (off, len) in ranges {
+        let got = c.get(&remote, off as u64, len as u64).await.unwrap();
+        assert_eq!(&got[..], &data[off..off + len], "get {len} at {off}");
+    }
+    for (off, len) in [
+        (n as u64, 1),
+        (0, n as u64 + 1),
+        (u64::MAX, 2),
+        (1, u64::MAX),
+    ] {
+        let err = c.get(&remote, off, len).await.unwrap_err();
+        assert!(
+            matches!(err, Error::OutOfRange { .. }),
+            "{off} {len}: {err:?}"
+        );
+    }
+    let forged = oasis_rt::ucx::RemoteRegion {
+        rkey: Bytes::new(),
+        ..remote.clone()
+    };
+    assert!(matches!(
+        c.get(&forged, 0, 1).await,
+        Err(Error::Invalid { .. })
+    ));
+    // A second region beside the first: both rkeys live on the connection.
+    let small = Bytes::from_static(b"a second, small region");
+    let region2 = net.server.register(small.clone()).await.unwrap();
+    let got = c
+        .get(region2.remote(), 0, small.len() as u64)
+        .await
+        .unwrap();
+    assert_eq!(got, small);
+    assert_eq!(&c.get(&remote, 7, 9).await.unwrap()[..], &data[7..16]);
+    // Frames still flow both ways.
+    let f = encode_frame(9, &Message::Stats, 1024).unwrap();
+    c.send_frame(&f).await.unwrap();
+    assert_eq!(&s.recv_frame(1024, Some(T)).await.unwrap()[..], &f[4..]);
+    assert!(matches!(
+        net.server.register(Bytes::new()).await,
+        Err(Error::Invalid { .. })
+    ));
+    drop(region2);
+    // The peer closes: the client sees it, and a get fails at once.
+    drop(s);
+    let err = c.recv_frame(1024, Some(T)).await.unwrap_err();
+    assert!(matches!(err, Error::Closed), "{err:?}");
+    let start = Instant::now();
+    assert!(c.get(&remote, 0, 8).await.is_err());
+    assert!(start.elapsed() < T);
+    drop(region);
+    shutdown(net).await;
+}

@@ -82,6 +82,10 @@ pub const UCP_AM_FLAG_WHOLE_MSG: u32 = 1 << 0;
 
 pub const UCP_MEM_MAP_PARAM_FIELD_ADDRESS: u64 = 1 << 0;
 pub const UCP_MEM_MAP_PARAM_FIELD_LENGTH: u64 = 1 << 1;
+pub const UCP_MEM_MAP_PARAM_FIELD_PROT: u64 = 1 << 3;
+pub const UCP_MEM_MAP_PROT_LOCAL_READ: c_uint = 1 << 0;
+pub const UCP_MEM_MAP_PROT_LOCAL_WRITE: c_uint = 1 << 1;
+pub const UCP_MEM_MAP_PROT_REMOTE_READ: c_uint = 1 << 8;
 
 pub const AF_INET: u16 = 2;
 pub const AF_INET6: u16 = 10;
@@ -559,6 +563,10 @@ pub fn layout() -> Vec<(&'static str, i64)> {
         UCP_AM_FLAG_WHOLE_MSG,
         UCP_MEM_MAP_PARAM_FIELD_ADDRESS,
         UCP_MEM_MAP_PARAM_FIELD_LENGTH,
+        UCP_MEM_MAP_PARAM_FIELD_PROT,
+        UCP_MEM_MAP_PROT_LOCAL_READ,
+        UCP_MEM_MAP_PROT_LOCAL_WRITE,
+        UCP_MEM_MAP_PROT_REMOTE_READ,
         AF_INET,
         AF_INET6
     ));

@@ -24,6 +24,13 @@
 //! thread to pull the bytes (`ucp_am_recv_data_nbx`, an RMA read of the sender's registered
 //! buffer), or to drop them. At most [`MAX_QUEUED_FRAMES`] frames wait per connection: the
 //! protocol has one call in flight, so a peer past that is misbehaving and is disconnected.
+//!
+//! **Registered regions and RMA get.** `Cmd::MemMap` registers a buffer (`ucp_mem_map`, remote
+//! *read* only) and packs its rkey; the region keeps the buffer alive until `Cmd::MemUnmap`.
+//! `Cmd::Get` reads a range of a peer's region (`ucp_get_nbx`) into a new buffer; the
+//! connection caches the unpacked rkeys (at most [`MAX_RKEYS_PER_CONN`]) and destroys them
+//! before its endpoint closes. The ranges are checked on the tokio side
+//! (`ucx::RemoteRegion::check`) before a command is queued.
 
 use std::collections::{HashMap, HashSet};
 use std::ffi::{c_int, c_void};
@@ -47,6 +54,9 @@ pub const RNDV_FRAME_BYTES: usize = 64 << 10;
 /// Frames that may wait unread on one connection before the peer is cut off (arbitrary; a
 /// well-behaved peer has one).
 pub const MAX_QUEUED_FRAMES: usize = 16;
+/// Unpacked rkeys cached per connection; past it the cache starts over (arbitrary: a daemon
+/// advertises one region per pool or per request).
+pub const MAX_RKEYS_PER_CONN: usize = 1024;
 /// How long the idle thread sleeps on the worker's event fd before progressing anyway (UCX's
 /// own timers, e.g. keepalive, need progress; arbitrary).
 const IDLE_POLL: Duration = Duration::from_millis(100);
@@ -77,6 +87,16 @@ pub struct ConnParts {
     pub incoming: mpsc::UnboundedReceiver<Incoming>,
     /// Frames pushed and not yet taken (the reader decrements it).
     pub queued: Arc<AtomicUsize>,
+}
+
+/// A registered region, handed to the tokio side.
+#[derive(Debug)]
+pub struct RegionParts {
+    pub id: u64,
+    /// The buffer's address in this process (what a peer's get names).
+    pub base: u64,
+    /// The packed rkey (`ucp_rkey_pack`).
+    pub rkey: Vec<u8>,
 }
 
 /// A bound listener, handed to the tokio side.
@@ -112,6 +132,21 @@ pub enum Cmd {
         desc: u64,
     },
     Close(ConnId),
+    /// Register `data` for remote reads.
+    MemMap {
+        data: Bytes,
+        reply: oneshot::Sender<Result<RegionParts>>,
+    },
+    /// Deregister a region (and let its buffer go).
+    MemUnmap(u64),
+    /// Read `len` bytes at `addr` of the peer's region named by the packed `rkey`.
+    Get {
+        conn: ConnId,
+        rkey: Bytes,
+        addr: u64,
+        len: usize,
+        reply: oneshot::Sender<Result<Bytes>>,
+    },
     Shutdown,
 }
 
@@ -303,6 +338,9 @@ struct ConnState {
     closing: bool,
     /// A connect waiting for its flush (client side).
     connecting: Option<(oneshot::Sender<Result<ConnParts>>, ConnParts, SocketAddr)>,
+    /// Unpacked rkeys of the peer's regions, by their packed bytes (destroyed before the
+    /// endpoint closes).
+    rkeys: HashMap<Bytes, usize>,
 }
 
 struct State {
@@ -314,6 +352,8 @@ struct State {
     conns: HashMap<ConnId, ConnState>,
     by_ep: HashMap<usize, ConnId>,
     listeners: HashMap<u64, ListenerState>,
+    /// Registered regions: id -> (memory handle, the buffer it keeps alive).
+    regions: HashMap<u64, (usize, Bytes)>,
     next_id: u64,
 }
 
@@ -411,6 +451,7 @@ impl State {
             conns: HashMap::new(),
             by_ep: HashMap::new(),
             listeners: HashMap::new(),
+            regions: HashMap::new(),
             next_id: 1,
         })
     }
@@ -494,6 +535,7 @@ impl State {
                 reqs: HashSet::new(),
                 closing: false,
                 connecting: None,
+                rkeys: HashMap::new(),
             },
         );
         self.by_ep.insert(ep as usize, id);
@@ -546,6 +588,20 @@ impl State {
                 }
             }
             Cmd::Close(id) => self.close(id),
+            Cmd::MemMap { data, reply } => {
+                if let Err(Ok(parts)) = reply.send(self.mem_map(data)) {
+                    // The caller gave up (timeout): nobody would unmap it.
+                    self.mem_unmap(parts.id);
+                }
+            }
+            Cmd::MemUnmap(id) => self.mem_unmap(id),
+            Cmd::Get {
+                conn,
+                rkey,
+                addr,
+                len,
+                reply,
+            } => self.get(conn, &rkey, addr, len, reply),
             Cmd::Shutdown => {}
         }
     }
@@ -757,6 +813,139 @@ impl State {
         }
     }
 
+    fn mem_map(&mut self, data: Bytes) -> Result<RegionParts> {
+        if data.is_empty() {
+            return Err(Error::Invalid {
+                field: "region",
+                reason: "is empty",
+            });
+        }
+        // Peers may read it; nobody may write it remotely.
+        let params = sys::ucp_mem_map_params_t {
+            field_mask: sys::UCP_MEM_MAP_PARAM_FIELD_ADDRESS
+                | sys::UCP_MEM_MAP_PARAM_FIELD_LENGTH
+                | sys::UCP_MEM_MAP_PARAM_FIELD_PROT,
+            address: data.as_ptr() as *mut c_void,
+            length: data.len(),
+            flags: 0,
+            prot: sys::UCP_MEM_MAP_PROT_LOCAL_READ
+                | sys::UCP_MEM_MAP_PROT_LOCAL_WRITE
+                | sys::UCP_MEM_MAP_PROT_REMOTE_READ,
+            memory_type: 0,
+        };
+        let mut memh: *mut c_void = std::ptr::null_mut();
+        // SAFETY: `data` (`length` bytes at `address`) stays alive and unmoved while mapped: the
+        // region keeps it until ucp_mem_unmap.
+        let s = unsafe { (self.api.ucp_mem_map)(self.context, &params, &mut memh) };
+        if s != sys::UCS_OK {
+            return Err(status_error(self.api, "mem map", s));
+        }
+        let mut buf: *mut c_void = std::ptr::null_mut();
+        let mut size = 0usize;
+        // SAFETY: a live memory handle of our context.
+        let s = unsafe { (self.api.ucp_rkey_pack)(self.context, memh, &mut buf, &mut size) };
+        if s != sys::UCS_OK || buf.is_null() {
+            // SAFETY: mapped above, unmapped once.
+            unsafe { (self.api.ucp_mem_unmap)(self.context, memh) };
+            return Err(status_error(self.api, "rkey pack", s));
+        }
+        // SAFETY: UCX packed `size` bytes at `buf`, released right after the copy.
+        let rkey = unsafe {
+            let v = std::slice::from_raw_parts(buf.cast::<u8>(), size).to_vec();
+            (self.api.ucp_rkey_buffer_release)(buf);
+            v
+        };
+        let id = self.new_id();
+        let base = data.as_ptr() as u64;
+        self.regions.insert(id, (memh as usize, data));
+        Ok(RegionParts { id, base, rkey })
+    }
+
+    fn mem_unmap(&mut self, id: u64) {
+        if let Some((memh, data)) = self.regions.remove(&id) {
+            // SAFETY: a handle mapped by `mem_map`, unmapped once; the buffer goes after it.
+            unsafe { (self.api.ucp_mem_unmap)(self.context, memh as *mut c_void) };
+            drop(data);
+        }
+    }
+
+    fn get(
+        &mut self,
+        conn: ConnId,
+        rkey: &Bytes,
+        addr: u64,
+        len: usize,
+        reply: oneshot::Sender<Result<Bytes>>,
+    ) {
+        let api = self.api;
+        let Some(c) = self.conns.get_mut(&conn).filter(|c| !c.broken) else {
+            let _ = reply.send(Err(Error::Closed));
+            return;
+        };
+        let handle = match c.rkeys.get(rkey) {
+            Some(&h) => h,
+            None => {
+                if c.rkeys.len() >= MAX_RKEYS_PER_CONN {
+                    if !c.reqs.is_empty() {
+                        // A get in flight may use any of them: none can go now.
+                        let _ = reply.send(Err(Error::OutOfRange {
+                            field: "distinct rkeys of one connection",
+                            value: c.rkeys.len() as u64 + 1,
+                            limit: MAX_RKEYS_PER_CONN as u64,
+                        }));
+                        return;
+                    }
+                    for (_, h) in c.rkeys.drain() {
+                        // SAFETY: unpacked on this endpoint, destroyed once, and nothing is
+                        // outstanding on the endpoint (`reqs` is empty).
+                        unsafe { (api.ucp_rkey_destroy)(h as *mut c_void) };
+                    }
+                }
+                let mut h: *mut c_void = std::ptr::null_mut();
+                // SAFETY: a live endpoint; UCX parses `rkey.len()` bytes (bounded by the tokio
+                // side) that the authenticated peer packed.
+                let s = unsafe { (api.ucp_ep_rkey_unpack)(c.ep, rkey.as_ptr().cast(), &mut h) };
+                if s != sys::UCS_OK {
+                    let _ = reply.send(Err(Error::Invalid {
+                        field: "rkey",
+                        reason: "ucx cannot unpack it",
+                    }));
+                    return;
+                }
+                c.rkeys.insert(rkey.clone(), h as usize);
+                h as usize
+            }
+        };
+        let ep = c.ep;
+        let mut buf: Vec<u8> = Vec::with_capacity(len);
+        let ptr = buf.as_mut_ptr();
+        let ctx = Box::into_raw(Box::new(GetCtx {
+            api,
+            inbox: self.inbox,
+            conn,
+            buf,
+            len,
+            reply,
+        }));
+        let param = sys::ucp_request_param_t::with_callback(on_got as *const c_void, ctx.cast(), 0);
+        // SAFETY: `buf` has `len` bytes of capacity and lives in `ctx` until completion; the
+        // rkey was unpacked on this endpoint and lives until the endpoint closes.
+        let r =
+            unsafe { (api.ucp_get_nbx)(ep, ptr.cast(), len, addr, handle as *mut c_void, &param) };
+        if r.is_null() || sys::ptr_is_err(r) {
+            // SAFETY: no callback will run.
+            let ctx = unsafe { Box::from_raw(ctx) };
+            let status = if r.is_null() {
+                sys::UCS_OK
+            } else {
+                sys::ptr_status(r)
+            };
+            ctx.finish(status);
+        } else if let Some(c) = self.conns.get_mut(&conn) {
+            c.reqs.insert(r as usize);
+        }
+    }
+
     fn close(&mut self, id: ConnId) {
         let Some(c) = self.conns.get_mut(&id) else {
             return;
@@ -797,6 +986,11 @@ impl State {
             return;
         }
         if let Some(c) = self.conns.remove(&id) {
+            for (_, h) in c.rkeys {
+                // SAFETY: unpacked on this endpoint, no get outstanding (`reqs` is empty);
+                // destroyed before the endpoint, as UCX requires.
+                unsafe { (self.api.ucp_rkey_destroy)(h as *mut c_void) };
+            }
             self.close_ep(c.ep, c.failed);
         }
     }
@@ -977,6 +1171,10 @@ impl State {
                 "ucx requests still outstanding at shutdown"
             );
         }
+        let regions: Vec<u64> = self.regions.keys().copied().collect();
+        for id in regions {
+            self.mem_unmap(id);
+        }
         // SAFETY: every endpoint and listener is closed; nothing uses the worker after this.
         unsafe {
             (self.api.ucp_worker_destroy)(self.worker);
@@ -1035,6 +1233,42 @@ impl PullCtx {
         };
         let _ = self.reply.send(result);
     }
+}
+
+struct GetCtx {
+    api: &'static Api,
+    inbox: *mut Inbox,
+    conn: ConnId,
+    buf: Vec<u8>,
+    len: usize,
+    reply: oneshot::Sender<Result<Bytes>>,
+}
+
+impl GetCtx {
+    fn finish(mut self, status: sys::ucs_status_t) {
+        let result = if status == sys::UCS_OK {
+            // SAFETY: a completed get wrote all `len` bytes into the buffer's capacity.
+            unsafe { self.buf.set_len(self.len) };
+            Ok(Bytes::from(self.buf))
+        } else {
+            debug!(error = %self.api.status_string(status), "ucx get failed");
+            Err(Error::Io(std::io::Error::other(format!(
+                "ucx get: {}",
+                self.api.status_string(status)
+            ))))
+        };
+        let _ = self.reply.send(result);
+    }
+}
+
+unsafe extern "C" fn on_got(request: *mut c_void, status: sys::ucs_status_t, user: *mut c_void) {
+    let ctx = Box::from_raw(user.cast::<GetCtx>());
+    (ctx.api.ucp_request_free)(request);
+    (*ctx.inbox).events.push(Event::Done {
+        conn: ctx.conn,
+        request: request as usize,
+    });
+    ctx.finish(status);
 }
 
 struct FlushCtx {
