@@ -262,6 +262,35 @@ c = RtClient.__name__  # the module imported and TCP clients are unaffected
 
 
 @pytest.mark.ucx
+def test_a_forked_child_is_refused_ucx_and_keeps_tcp():
+    # UCX is not fork-safe (a forked child's connections hang, its teardown aborts): a child
+    # forked after the parent's first UCX client gets the typed error, and TCP still works.
+    with Daemon(transport="ucx") as u, Daemon() as t:
+        code = f"""
+import os, sys
+from oasiskv import errors
+from oasiskv._core import RtClient
+c = RtClient("{u.url}", timeout_s=5)
+c.stats()
+pid = os.fork()
+if pid == 0:
+    try:
+        RtClient("{u.url}", timeout_s=5)
+        os._exit(3)
+    except errors.ConfigError as e:
+        assert e.code == "ucx_unavailable" and "fork" in str(e), e
+    RtClient("{t.url}", timeout_s=5).stats()
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+assert os.waitstatus_to_exitcode(status) == 0, status
+c.stats()
+print("ok")
+"""
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+@pytest.mark.ucx
 def test_libucp_loads():
     # Under make test-ucx a machine without UCX fails here first, with the reason.
     major, minor, _ = ucx_version()

@@ -18,7 +18,9 @@
 //! thread), started by the first and shut down by an `atexit` hook: UCX must not be torn down by
 //! the process exit under its running thread. libucp is loaded then, not at import, so the
 //! module imports where UCX is absent; there a UCX address raises `ConfigError` (`.code`
-//! `"ucx_unavailable"`) saying what to install. [`ucx_version`] asks without connecting. Every call releases the GIL, is bounded by the client's `timeout_s` (send and whole
+//! `"ucx_unavailable"`) saying what to install. [`ucx_version`] asks without connecting. UCX
+//! is not fork-safe: a child forked after the first UCX client gets the same error for UCX
+//! addresses (TCP clients work there). Every call releases the GIL, is bounded by the client's `timeout_s` (send and whole
 //! reply), and runs under `catch_unwind`: no panic crosses into Python. Errors become the
 //! `oasiskv.errors.Remote*` classes (each carries `.code`, the protocol's error name).
 //!
@@ -96,8 +98,7 @@ fn class_and_hint(e: &RtError, addr: &str) -> (&'static str, String) {
     match e {
         RtError::Unavailable(_) => (
             "ConfigError",
-            "OASIS_UCP_LIB names the library's path; or connect over TCP instead \
-             (oasis-rt://HOST:PORT, the daemon on --transport tcp)"
+            "or connect over TCP instead (oasis-rt://HOST:PORT, the daemon on --transport tcp)"
                 .into(),
         ),
         RtError::Config(_) => (
@@ -294,8 +295,9 @@ fn bytearray_of<'py>(py: Python<'py>, parts: &[Bytes]) -> PyResult<Bound<'py, Py
     Ok(out)
 }
 
-/// The process's UCX transport, shared by every UCX client (see the module docs).
-static UCX: Mutex<Option<UcxTransport>> = Mutex::new(None);
+/// The process's UCX transport, shared by every UCX client (see the module docs), with the id
+/// of the process that started it.
+static UCX: Mutex<Option<(u32, UcxTransport)>> = Mutex::new(None);
 /// Whether the `atexit` hook that shuts [`UCX`] down is registered.
 static UCX_ATEXIT: AtomicBool = AtomicBool::new(false);
 
@@ -303,8 +305,20 @@ static UCX_ATEXIT: AtomicBool = AtomicBool::new(false);
 /// Blocks for UCX's initialisation: call it with the GIL released.
 fn shared_ucx() -> Result<UcxTransport, RtError> {
     let mut slot = UCX.lock().unwrap_or_else(PoisonError::into_inner);
-    if let Some(t) = slot.as_ref() {
-        return Ok(t.clone());
+    let pid = std::process::id();
+    match slot.as_ref() {
+        Some((owner, t)) if *owner == pid => return Ok(t.clone()),
+        // UCX is not fork-safe: in a child forked after UCX started, a new context's
+        // connections hang and its teardown aborts (seen with UCX 1.13).
+        Some(_) => {
+            return Err(RtError::Unavailable(
+                "ucx transport: this process was forked after UCX started in its parent, and \
+                 UCX cannot be used after a fork; start the process with multiprocessing's \
+                 'spawn' method"
+                    .into(),
+            ))
+        }
+        None => {}
     }
     // Eager frames past the hard limit are dropped by the thread; each client checks its own,
     // smaller, max_frame.
@@ -312,7 +326,7 @@ fn shared_ucx() -> Result<UcxTransport, RtError> {
         max_frame: HARD_MAX_FRAME_BYTES,
         ..UcxConfig::default()
     })?;
-    *slot = Some(t.clone());
+    *slot = Some((pid, t.clone()));
     Ok(t)
 }
 
@@ -332,7 +346,12 @@ fn ucx_atexit(py: Python<'_>) -> PyResult<()> {
 #[pyo3(name = "_ucx_shutdown")]
 fn ucx_shutdown(py: Python<'_>) {
     let t = UCX.lock().unwrap_or_else(PoisonError::into_inner).take();
-    if let Some(t) = t {
+    if let Some((owner, t)) = t {
+        if owner != std::process::id() {
+            // A forked child's copy of its parent's transport: UCX must not be touched here.
+            std::mem::forget(t);
+            return;
+        }
         py.detach(|| {
             let _ = catch_unwind(AssertUnwindSafe(|| t.shutdown_blocking()));
         });
