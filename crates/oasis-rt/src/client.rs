@@ -17,12 +17,14 @@ use bytes::Bytes;
 
 use crate::error::{Error, ErrorCode, Result};
 use crate::protocol::{
-    decode_body, encode_frame, Admission, BlockKey, FetchAdmission, Frame, Geometry, Hello,
-    LayerBlock, Message, ReadBlocks, Section, StageAdmission, StageBlocks, StageSummaries, Staged,
-    StagedBlock, StatsSnapshot, SummaryRun, DEFAULT_MAX_FRAME_BYTES, HARD_MAX_FRAME_BYTES,
-    LEN_PREFIX_BYTES, PROTOCOL_VERSION,
+    decode_body, encode_frame, Admission, BlockKey, BlocksRma, FetchAdmission, Frame, Geometry,
+    Hello, LayerBlock, Message, ReadBlocks, ReadBlocksRma, Section, StageAdmission, StageBlocks,
+    StageSummaries, Staged, StagedBlock, StatsSnapshot, SummaryRun, DEFAULT_MAX_FRAME_BYTES,
+    HARD_MAX_FRAME_BYTES, LEN_PREFIX_BYTES, PROTOCOL_VERSION,
 };
-use crate::transport::{Connection, TcpConfig, TcpConnection, TcpTransport, Transport};
+use crate::transport::{
+    Connection, RmaConnection, TcpConfig, TcpConnection, TcpTransport, Transport,
+};
 
 /// Client settings.
 #[derive(Clone, Debug)]
@@ -54,9 +56,14 @@ pub struct Client<C: Connection = TcpConnection> {
     /// Largest frame we send: the smaller of ours and the daemon's.
     send_max: u32,
     recv_max: u32,
-    /// Bytes of every frame sent and received (length prefixes included): what crossed the wire.
+    /// Bytes of every frame sent and received (length prefixes included) and of every RMA
+    /// read: what crossed the wire.
     bytes_sent: u64,
     bytes_received: u64,
+    /// The daemon serves `ReadBlocksRma` on this connection.
+    daemon_rma: bool,
+    /// The next RMA lease number.
+    lease: u32,
 }
 
 impl Client<TcpConnection> {
@@ -104,6 +111,8 @@ impl<C: Connection> Client<C> {
             recv_max: config.max_frame.min(HARD_MAX_FRAME_BYTES),
             bytes_sent: 0,
             bytes_received: 0,
+            daemon_rma: false,
+            lease: 0,
         };
         let hello = Message::Hello(Hello {
             version: PROTOCOL_VERSION.into(),
@@ -112,6 +121,7 @@ impl<C: Connection> Client<C> {
         match client.call(&hello).await? {
             Message::HelloOk(ok) => {
                 client.send_max = client.send_max.min(ok.max_frame);
+                client.daemon_rma = ok.rma;
                 Ok(client)
             }
             other => Err(client.unexpected("hello_ok", &other)),
@@ -315,5 +325,106 @@ impl<C: Connection> Client<C> {
             Message::StatsReply(s) => Ok(s),
             other => Err(self.unexpected("stats_reply", &other)),
         }
+    }
+}
+
+impl<C: RmaConnection> Client<C> {
+    /// Whether [`Client::read_blocks_rma`] works here: the daemon's pool is registered with the
+    /// transport, and the connection can read it (UCX).
+    pub fn rma(&self) -> bool {
+        self.daemon_rma && self.conn.as_ref().is_some_and(C::can_rma)
+    }
+
+    /// As [`Client::read_blocks`], with the block bytes read by RMA from the daemon's
+    /// registered memory instead of inside the reply frame: the reply names ranges (checked
+    /// against the regions it advertises when decoded), this client reads them, then
+    /// acknowledges the lease so that the daemon lets them go. Within the request timeout.
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] unless [`Client::rma`]; [`Error::FrameTooLarge`] when the entries
+    /// pass this client's frame limit (the lease is acknowledged, the connection kept);
+    /// transport errors (the connection is dropped).
+    pub async fn read_blocks_rma(
+        &mut self,
+        keys: Vec<BlockKey>,
+    ) -> Result<Vec<std::result::Result<Bytes, ErrorCode>>> {
+        if !self.rma() {
+            return Err(Error::Unavailable(
+                "rma reads need a ucx connection to a daemon that offers them (hello_ok.rma)"
+                    .into(),
+            ));
+        }
+        let n = keys.len();
+        self.lease = self.lease.wrapping_add(1);
+        let lease = self.lease;
+        let reply = match self
+            .call(&Message::ReadBlocksRma(ReadBlocksRma { lease, keys }))
+            .await?
+        {
+            Message::BlocksRma(b) if b.lease == lease && b.entries.len() == n => b,
+            other => return Err(self.unexpected("blocks_rma of the lease, one per key", &other)),
+        };
+        let total: u64 = reply
+            .entries
+            .iter()
+            .flat_map(|e| e.iter().flatten())
+            .map(|r| u64::from(r.len))
+            .sum();
+        let read = if total > u64::from(self.recv_max) {
+            Err(Error::FrameTooLarge {
+                len: total,
+                max: self.recv_max.into(),
+            })
+        } else {
+            let timeout = self.timeout;
+            match tokio::time::timeout(timeout, self.get_all(&reply)).await {
+                Err(_) => Err(Error::Timeout {
+                    op: "rma read",
+                    after: timeout,
+                }),
+                Ok(r) => r,
+            }
+        };
+        if let Err(e) = &read {
+            if !matches!(e, Error::FrameTooLarge { .. }) {
+                // A failed or late get: the connection's state is unknown.
+                self.conn = None;
+                return read;
+            }
+        }
+        match self.call(&Message::Ack { lease }).await? {
+            Message::Acked { lease: got } if got == lease => {}
+            other => return Err(self.unexpected("acked of the lease", &other)),
+        }
+        read
+    }
+
+    async fn get_all(
+        &mut self,
+        reply: &BlocksRma,
+    ) -> Result<Vec<std::result::Result<Bytes, ErrorCode>>> {
+        let conn = self.conn.as_mut().ok_or(Error::Closed)?;
+        let mut out = Vec::with_capacity(reply.entries.len());
+        for e in &reply.entries {
+            match e {
+                Err(code) => out.push(Err(*code)),
+                Ok(ranges) => {
+                    let mut parts = Vec::with_capacity(ranges.len());
+                    for r in ranges {
+                        // The decoder checked the range against its region; `get` checks it
+                        // again before UCX sees it.
+                        let region = &reply.regions[r.region as usize];
+                        parts.push(conn.get(region, r.offset, r.len.into()).await?);
+                        self.bytes_received += u64::from(r.len);
+                    }
+                    out.push(Ok(match parts.len() {
+                        1 => parts.pop().unwrap_or_default(),
+                        // A head's K rows then its V rows, as ReadBlocks returns them.
+                        _ => Bytes::from(parts.concat()),
+                    }));
+                }
+            }
+        }
+        Ok(out)
     }
 }

@@ -9,7 +9,8 @@
 //!  stage_admission                rows, admission set; leases,         across requests)
 //!                                 eviction of expired data only    <-- release
 //!                  Transport: TcpTransport (tokio); UcxTransport (feature `ucx`, libucp
-//!                  loaded at run time, frames as active messages)
+//!                  loaded at run time, frames as active messages, block reads by RMA get
+//!                  of the daemon's registered staging memory: ReadBlocksRma / Ack)
 //! ```
 //!
 //! - [`protocol`]: versioned, length-prefixed frames; every field bounds-checked on decode.

@@ -15,7 +15,7 @@ use crate::error::ErrorCode;
 use crate::protocol::StatsSnapshot;
 
 /// Request kinds the daemon serves, in metric label order.
-pub const REQUEST_KINDS: [&str; 8] = [
+pub const REQUEST_KINDS: [&str; 10] = [
     "hello",
     "stage_blocks",
     "stage_summaries",
@@ -24,6 +24,8 @@ pub const REQUEST_KINDS: [&str; 8] = [
     "read_blocks",
     "release",
     "stats",
+    "read_blocks_rma",
+    "ack",
 ];
 
 /// Upper bounds of the latency histogram buckets, in seconds (arbitrary, 50 µs to 2.5 s).

@@ -20,6 +20,16 @@
 //! The pool is plain data (no locks, no clock): the daemon wraps it in a mutex and passes `now`,
 //! which keeps every policy testable. Bytes are copied by the caller *before* taking the lock
 //! (stored entries own their memory: a slice of a larger frame would pin the whole frame).
+//!
+//! # Registered memory (RMA reads)
+//! Over a transport that reads memory remotely (UCX), the daemon copies each `StageBlocks`
+//! frame's blocks into one allocation, registers it ([`Registered`]), and stages slices of it
+//! ([`StagingPool::attach_region`] keeps the region with the request). [`StagingPool::
+//! read_blocks_rma`] answers with ranges of those regions instead of bytes, and hands back what
+//! keeps them alive (the blocks and their regions) for the daemon's lease.
+//! NOTE: a block staged again from a later frame leaves the earlier frame's allocation alive
+//! (its other blocks still use it) until the request goes; the accounting counts blocks, so
+//! that memory is not counted. The prefill worker stages each block once.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -27,10 +37,29 @@ use std::time::{Duration, Instant};
 use bytes::{Bytes, BytesMut};
 
 use crate::error::{Error, ErrorCode, Result};
+use std::sync::Arc;
+
 use crate::protocol::{
-    Admission, BlockKey, Geometry, LayerBlock, Section, StagedBlock, StatsSnapshot, SummaryRun,
-    ALL_HEADS,
+    Admission, BlockKey, Geometry, LayerBlock, RemoteRegion, RmaRange, Section, StagedBlock,
+    StatsSnapshot, SummaryRun, ALL_HEADS,
 };
+
+/// Memory registered with a transport for remote reads, kept alive as long as this value (the
+/// UCX transport's `UcxRegion`). `remote().base` is the memory's address in this process.
+pub trait Registered: Send + Sync + std::fmt::Debug {
+    fn remote(&self) -> &RemoteRegion;
+}
+
+/// [`StagingPool::read_blocks_rma`]'s answer: the regions the ranges name, the entries, and
+/// what keeps their bytes alive until the client acknowledges (the daemon's lease).
+#[derive(Debug, Default)]
+pub struct RmaRead {
+    pub regions: Vec<Arc<dyn Registered>>,
+    pub entries: Vec<std::result::Result<Vec<RmaRange>, ErrorCode>>,
+    pub pins: Vec<Bytes>,
+    /// Bytes the ranges cover.
+    pub bytes: u64,
+}
 
 /// Accounted per request besides its payload (arbitrary: a map entry and its tables).
 pub const REQUEST_OVERHEAD_BYTES: u64 = 512;
@@ -68,6 +97,8 @@ struct StagedRequest {
     blocks: HashMap<(u16, u32), Bytes>,
     summaries: BTreeMap<(u16, u32), Bytes>,
     admission: Option<AdmissionEntry>,
+    /// Registered allocations its blocks are slices of (RMA); not accounted (see module docs).
+    regions: Vec<Arc<dyn Registered>>,
     /// Accounted bytes of this request (overheads included).
     bytes: u64,
     last_touch: Instant,
@@ -193,6 +224,7 @@ impl StagingPool {
                 blocks: HashMap::new(),
                 summaries: BTreeMap::new(),
                 admission: None,
+                regions: Vec::new(),
                 // `delta` of the staging that creates it includes REQUEST_OVERHEAD_BYTES.
                 bytes: 0,
                 last_touch: now,
@@ -547,6 +579,107 @@ impl StagingPool {
         Ok(out)
     }
 
+    /// Keep `region` (the registered allocation the blocks just staged for `request` are slices
+    /// of) with the request, so that RMA reads can name it. Call under the same lock as the
+    /// staging; a no-op when the request is gone.
+    pub fn attach_region(&mut self, request: u64, region: Arc<dyn Registered>) {
+        if let Some(r) = self.requests.get_mut(&request) {
+            r.regions.push(region);
+        }
+    }
+
+    /// As [`StagingPool::read_blocks`], answered with ranges of registered regions: per key one
+    /// range (a whole block) or two (a head's K rows, then its V rows). `max_bytes` bounds the
+    /// bytes the ranges cover (what the lease pins). A block whose memory is in no registered
+    /// region (staged without one) fails with `internal`.
+    ///
+    /// # Errors
+    /// [`Error::FrameTooLarge`] only; per-entry failures are codes in the result.
+    pub fn read_blocks_rma(
+        &mut self,
+        keys: &[BlockKey],
+        max_bytes: u64,
+        now: Instant,
+    ) -> Result<RmaRead> {
+        let mut total = 0u64;
+        for k in keys {
+            total += self
+                .requests
+                .get(&k.request)
+                .map_or(0, |r| r.geometry.read_bytes(k.head));
+        }
+        if total > max_bytes {
+            return Err(Error::FrameTooLarge {
+                len: total,
+                max: max_bytes,
+            });
+        }
+        let mut out = RmaRead::default();
+        let mut index: HashMap<*const (), u32> = HashMap::new();
+        for k in keys {
+            let Some(r) = self.requests.get_mut(&k.request) else {
+                out.entries.push(Err(ErrorCode::UnknownRequest));
+                continue;
+            };
+            r.last_touch = now;
+            let g = r.geometry;
+            if g.check_layer(k.layer).is_err()
+                || g.check_block(k.block).is_err()
+                || g.check_head(k.head).is_err()
+            {
+                out.entries.push(Err(ErrorCode::BadRequest));
+                continue;
+            }
+            let Some(data) = r.blocks.get(&(k.layer, k.block)) else {
+                out.entries.push(Err(ErrorCode::MissingBlock));
+                continue;
+            };
+            let at = data.as_ptr() as u64;
+            let len = data.len() as u64;
+            let Some(region) = r.regions.iter().find(|g| {
+                let rr = g.remote();
+                at >= rr.base && at - rr.base + len <= rr.len
+            }) else {
+                out.entries.push(Err(ErrorCode::Internal));
+                continue;
+            };
+            let key = Arc::as_ptr(region).cast::<()>();
+            let idx = *index.entry(key).or_insert_with(|| {
+                out.regions.push(region.clone());
+                (out.regions.len() - 1) as u32
+            });
+            let offset = at - region.remote().base;
+            let ranges = if k.head == ALL_HEADS {
+                vec![RmaRange {
+                    region: idx,
+                    offset,
+                    len: len as u32,
+                }]
+            } else {
+                // K rows of head h, then its V rows: [2][num_kv_heads][block_size][head_dim].
+                let hb = g.head_bytes();
+                let h = u64::from(k.head);
+                let v = u64::from(g.num_kv_heads) + h;
+                vec![
+                    RmaRange {
+                        region: idx,
+                        offset: offset + h * hb,
+                        len: hb as u32,
+                    },
+                    RmaRange {
+                        region: idx,
+                        offset: offset + v * hb,
+                        len: hb as u32,
+                    },
+                ]
+            };
+            out.bytes += ranges.iter().map(|r| u64::from(r.len)).sum::<u64>();
+            out.pins.push(data.clone());
+            out.entries.push(Ok(ranges));
+        }
+        Ok(out)
+    }
+
     /// Free everything of `request`; returns the bytes freed (0 if it was not staged: release
     /// is idempotent).
     pub fn release(&mut self, request: u64) -> u64 {
@@ -777,6 +910,102 @@ mod tests {
             .unwrap_err();
         assert!(matches!(err, Error::Busy { .. }), "{err}");
         assert!(p.contains(1), "evicted for nothing");
+    }
+
+    /// A region as the daemon's transport would make it: this process's memory (kept alive).
+    #[derive(Debug)]
+    struct Local(RemoteRegion, #[allow(dead_code)] Bytes);
+
+    impl Registered for Local {
+        fn remote(&self) -> &RemoteRegion {
+            &self.0
+        }
+    }
+
+    /// Stage `blocks` the way the daemon does over RMA: copied into one arena, registered.
+    fn stage_registered(p: &mut StagingPool, request: u64, mut blocks: Vec<StagedBlock>) {
+        let arena = Bytes::from(
+            blocks
+                .iter()
+                .flat_map(|b| b.data.to_vec())
+                .collect::<Vec<_>>(),
+        );
+        let mut at = 0;
+        for b in &mut blocks {
+            b.data = arena.slice(at..at + b.data.len());
+            at += b.data.len();
+        }
+        let region = RemoteRegion {
+            base: arena.as_ptr() as u64,
+            len: arena.len() as u64,
+            rkey: Bytes::from_static(b"k"),
+        };
+        p.stage_blocks(request, g(), blocks, Instant::now())
+            .unwrap();
+        p.attach_region(request, Arc::new(Local(region, arena)));
+    }
+
+    /// RMA reads name ranges of the registered arenas that hold exactly what `read_blocks`
+    /// returns; the pins outlive a release; a block staged without a region fails `internal`;
+    /// the batch is bounded.
+    #[test]
+    fn rma_reads_name_the_registered_bytes() {
+        let t = Instant::now();
+        let mut p = pool(1 << 20, None);
+        let mut b = blocks(0, &[0, 1], 0);
+        for (i, x) in b.iter_mut().enumerate() {
+            x.data = Bytes::from(
+                (0..x.data.len())
+                    .map(|j| (i * 50 + j) as u8)
+                    .collect::<Vec<_>>(),
+            );
+        }
+        stage_registered(&mut p, 1, b);
+        stage_registered(&mut p, 1, blocks(1, &[3], 9));
+        p.stage_blocks(2, g(), blocks(0, &[0], 5), t).unwrap();
+        let key = |request, layer, block, head| BlockKey {
+            request,
+            layer,
+            block,
+            head,
+        };
+        let keys = [
+            key(1, 0, 1, ALL_HEADS),
+            key(1, 0, 0, 1),
+            key(1, 1, 3, 0),
+            key(1, 1, 4, ALL_HEADS),
+            key(2, 0, 0, ALL_HEADS),
+            key(3, 0, 0, ALL_HEADS),
+        ];
+        let frames = p.read_blocks(&keys, 1 << 20, t).unwrap();
+        let read = p.read_blocks_rma(&keys, 1 << 20, t).unwrap();
+        assert_eq!(read.regions.len(), 2);
+        assert_eq!(read.pins.len(), 3);
+        p.release(1);
+        p.audit().unwrap();
+        for (i, (e, f)) in read.entries.iter().zip(&frames).enumerate() {
+            match (e, f) {
+                (Ok(ranges), Ok(bytes)) => {
+                    let mut got = Vec::new();
+                    for r in ranges {
+                        let rr = read.regions[r.region as usize].remote();
+                        let addr = rr.check(r.offset, r.len.into()).unwrap();
+                        // SAFETY: the range is inside a region whose arena `read` pins.
+                        got.extend_from_slice(unsafe {
+                            std::slice::from_raw_parts(addr as *const u8, r.len as usize)
+                        });
+                    }
+                    assert_eq!(&got[..], &bytes[..], "entry {i}");
+                }
+                (Err(code), _) if i == 4 => assert_eq!(*code, ErrorCode::Internal),
+                (Err(a), Err(b)) => assert_eq!(a, b, "entry {i}"),
+                other => panic!("entry {i}: {other:?}"),
+            }
+        }
+        assert!(matches!(
+            p.read_blocks_rma(&[key(2, 0, 0, ALL_HEADS)], 10, t),
+            Err(Error::FrameTooLarge { .. })
+        ));
     }
 
     #[test]

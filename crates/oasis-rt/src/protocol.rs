@@ -31,12 +31,16 @@
 //! | `0x06` | `ReadBlocks` | `n u32, n x (request u64, layer u16, block u32, head u16)` |
 //! | `0x07` | `Release` | `request u64` |
 //! | `0x08` | `Stats` | empty |
-//! | `0x81` | `HelloOk` | `version u16, max_frame u32` |
+//! | `0x09` | `ReadBlocksRma` | `lease u32, n u32, n x (request u64, layer u16, block u32, head u16)` |
+//! | `0x0a` | `Ack` | `lease u32` |
+//! | `0x81` | `HelloOk` | `version u16, max_frame u32, rma u8` |
 //! | `0x82` | `Staged` | `stored_bytes u64, used_bytes u64` |
 //! | `0x85` | `Admission` | `geometry, summary runs (as 0x03), blocks (as 0x02), sections` |
 //! | `0x86` | `Blocks` | `n u32, n x (code u16, if 0: len u32, bytes)` |
 //! | `0x87` | `Released` | `freed_bytes u64` |
 //! | `0x88` | `StatsReply` | `n u8 (>= 14), n x u64` |
+//! | `0x89` | `BlocksRma` | `lease u32, m u32, m x region, n u32, n x (code u16, if 0: r u8 (1 or 2), r x (region u32, offset u64, len u32))` |
+//! | `0x8a` | `Acked` | `lease u32` |
 //! | `0xff` | `Error` | `code u16, len u16, message (UTF-8)` |
 //!
 //! A `FetchAdmission` with `num_layers = 0` asks for the sections alone.
@@ -46,13 +50,23 @@
 //! host pool's layout, the K page then the V page); a summary row is one block's
 //! `[num_kv_heads][2 (min, max)][head_dim]`. A `ReadBlocks` key with `head = 0xffff`
 //! ([`ALL_HEADS`]) reads the whole block, otherwise head `h`'s K rows then its V rows.
+//!
+//! **Block reads by RMA** (version 2; `HelloOk.rma = 1` on a connection whose transport can
+//! read the daemon's registered memory, UCX). `ReadBlocksRma` names the same keys as
+//! `ReadBlocks`; `BlocksRma` answers with the registered regions the entries lie in (`region`
+//! is `base u64, len u64, rkey_len u16, rkey`: a [`RemoteRegion`]) and per key either a code or
+//! one range (a whole block) or two (a head's K rows, then its V rows) of those regions. The
+//! decoder checks every range against its region ([`RemoteRegion::check`]): a reply that names
+//! bytes outside what it advertises is malformed. The daemon keeps the ranges alive and
+//! registered until the client's `Ack` of the same `lease` (or the connection's end), even if
+//! the request is released or evicted meanwhile. Version 1 peers are refused (`bad_version`).
 
 use bytes::Bytes;
 
 use crate::error::{Error, ErrorCode, Result};
 
 /// The protocol version this build speaks (header byte and `Hello`).
-pub const PROTOCOL_VERSION: u8 = 1;
+pub const PROTOCOL_VERSION: u8 = 2;
 /// Bytes of the length prefix.
 pub const LEN_PREFIX_BYTES: usize = 4;
 /// Bytes of the header after the length prefix (version, kind, reserved, seq).
@@ -75,6 +89,80 @@ pub const MAX_ENTRIES: usize = 1 << 16;
 pub const MAX_SECTIONS: usize = 64;
 /// `head` value of a [`BlockKey`] that reads every head of the block.
 pub const ALL_HEADS: u16 = u16::MAX;
+/// Most regions one `BlocksRma` names (arbitrary: a layer's batch across requests names one per
+/// staged frame it touches).
+pub const MAX_REGIONS: usize = 1024;
+/// Longest packed rkey accepted from a peer (arbitrary: UCX 1.13 packs tens to a few hundred
+/// bytes per memory domain).
+pub const MAX_RKEY_BYTES: usize = 4096;
+/// Longest single range of a registered region read at once (the hard frame limit: a read is
+/// never larger than the frame that would have carried it).
+pub const MAX_GET_BYTES: u64 = HARD_MAX_FRAME_BYTES as u64;
+
+/// What a peer needs to read a registered region by RMA: its address in the owner's process,
+/// its length, and the transport's packed remote key. Received from a peer it is untrusted:
+/// [`RemoteRegion::check`] bounds every range before a transport sees it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct RemoteRegion {
+    pub base: u64,
+    pub len: u64,
+    pub rkey: Bytes,
+}
+
+impl RemoteRegion {
+    /// Check the region itself: a nonempty rkey of at most [`MAX_RKEY_BYTES`], a base other than
+    /// 0, and no wrap of the address space.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`], [`Error::OutOfRange`].
+    pub fn validate(&self) -> Result<()> {
+        if self.rkey.is_empty() {
+            return Err(Error::Invalid {
+                field: "rkey",
+                reason: "is empty",
+            });
+        }
+        if self.rkey.len() > MAX_RKEY_BYTES {
+            return Err(Error::OutOfRange {
+                field: "rkey length",
+                value: self.rkey.len() as u64,
+                limit: MAX_RKEY_BYTES as u64,
+            });
+        }
+        if self.base == 0 || self.base.checked_add(self.len).is_none() {
+            return Err(Error::Invalid {
+                field: "region",
+                reason: "starts at 0 or wraps the address space",
+            });
+        }
+        Ok(())
+    }
+
+    /// The remote address of `len` bytes at `offset`, or why the range is refused: the region
+    /// is malformed ([`RemoteRegion::validate`]), `len` passes [`MAX_GET_BYTES`], or
+    /// `offset + len` passes the region's end (or overflows).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] for a malformed region, [`Error::OutOfRange`] for a range outside it.
+    pub fn check(&self, offset: u64, len: u64) -> Result<u64> {
+        self.validate()?;
+        if len > MAX_GET_BYTES {
+            return Err(Error::OutOfRange {
+                field: "get length",
+                value: len,
+                limit: MAX_GET_BYTES,
+            });
+        }
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(self.base + offset),
+            end => Err(Error::OutOfRange {
+                field: "get end",
+                value: end.unwrap_or(u64::MAX),
+                limit: self.len,
+            }),
+        }
+    }
+}
 
 /// Bounds of [`Geometry`] (arbitrary, generous: today's models are far below).
 pub const MAX_LAYERS: u16 = 1024;
@@ -263,6 +351,9 @@ pub struct HelloOk {
     pub version: u16,
     /// The daemon's frame limit; a client sends no larger frame.
     pub max_frame: u32,
+    /// The daemon serves `ReadBlocksRma` on this connection (its pool is registered with the
+    /// connection's transport).
+    pub rma: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -320,6 +411,32 @@ pub struct ReadBlocks {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Blocks {
     pub entries: Vec<std::result::Result<Bytes, ErrorCode>>,
+}
+
+/// `ReadBlocks` answered by RMA: the client reads the ranges itself, then acknowledges `lease`
+/// (a number of its choosing, echoed).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReadBlocksRma {
+    pub lease: u32,
+    pub keys: Vec<BlockKey>,
+}
+
+/// One range of a [`BlocksRma`] region.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RmaRange {
+    /// Index into [`BlocksRma::regions`].
+    pub region: u32,
+    pub offset: u64,
+    pub len: u32,
+}
+
+/// The reply to [`ReadBlocksRma`]: per key its ranges (one: a whole block; two: a head's K rows
+/// then its V rows), or why it failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlocksRma {
+    pub lease: u32,
+    pub regions: Vec<RemoteRegion>,
+    pub entries: Vec<std::result::Result<Vec<RmaRange>, ErrorCode>>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -407,12 +524,16 @@ pub enum Message {
     ReadBlocks(ReadBlocks),
     Release { request: u64 },
     Stats,
+    ReadBlocksRma(ReadBlocksRma),
+    Ack { lease: u32 },
     HelloOk(HelloOk),
     Staged(Staged),
     Admission(Admission),
     Blocks(Blocks),
     Released(Released),
     StatsReply(StatsSnapshot),
+    BlocksRma(BlocksRma),
+    Acked { lease: u32 },
     Error(ErrorReply),
 }
 
@@ -432,12 +553,16 @@ mod kind {
     pub const READ_BLOCKS: u8 = 0x06;
     pub const RELEASE: u8 = 0x07;
     pub const STATS: u8 = 0x08;
+    pub const READ_BLOCKS_RMA: u8 = 0x09;
+    pub const ACK: u8 = 0x0a;
     pub const HELLO_OK: u8 = 0x81;
     pub const STAGED: u8 = 0x82;
     pub const ADMISSION: u8 = 0x85;
     pub const BLOCKS: u8 = 0x86;
     pub const RELEASED: u8 = 0x87;
     pub const STATS_REPLY: u8 = 0x88;
+    pub const BLOCKS_RMA: u8 = 0x89;
+    pub const ACKED: u8 = 0x8a;
     pub const ERROR: u8 = 0xff;
 }
 
@@ -453,12 +578,16 @@ impl Message {
             Message::ReadBlocks(_) => kind::READ_BLOCKS,
             Message::Release { .. } => kind::RELEASE,
             Message::Stats => kind::STATS,
+            Message::ReadBlocksRma(_) => kind::READ_BLOCKS_RMA,
+            Message::Ack { .. } => kind::ACK,
             Message::HelloOk(_) => kind::HELLO_OK,
             Message::Staged(_) => kind::STAGED,
             Message::Admission(_) => kind::ADMISSION,
             Message::Blocks(_) => kind::BLOCKS,
             Message::Released(_) => kind::RELEASED,
             Message::StatsReply(_) => kind::STATS_REPLY,
+            Message::BlocksRma(_) => kind::BLOCKS_RMA,
+            Message::Acked { .. } => kind::ACKED,
             Message::Error(_) => kind::ERROR,
         }
     }
@@ -474,12 +603,16 @@ impl Message {
             Message::ReadBlocks(_) => "read_blocks",
             Message::Release { .. } => "release",
             Message::Stats => "stats",
+            Message::ReadBlocksRma(_) => "read_blocks_rma",
+            Message::Ack { .. } => "ack",
             Message::HelloOk(_) => "hello_ok",
             Message::Staged(_) => "staged",
             Message::Admission(_) => "admission",
             Message::Blocks(_) => "blocks",
             Message::Released(_) => "released",
             Message::StatsReply(_) => "stats_reply",
+            Message::BlocksRma(_) => "blocks_rma",
+            Message::Acked { .. } => "acked",
             Message::Error(_) => "error",
         }
     }
@@ -667,6 +800,54 @@ fn check_sections(sections: &[Section]) -> Result<u64> {
     Ok(n)
 }
 
+/// Validate a `BlocksRma` as the decoder would and return its payload length.
+fn check_blocks_rma(m: &BlocksRma) -> Result<u64> {
+    check_count("region count", m.regions.len(), MAX_REGIONS)?;
+    check_count("entry count", m.entries.len(), MAX_ENTRIES)?;
+    let mut n = 4 + 4 + 4u64;
+    for r in &m.regions {
+        r.validate()?;
+        n += 8 + 8 + 2 + r.rkey.len() as u64;
+    }
+    for e in &m.entries {
+        n += 2;
+        match e {
+            Ok(ranges) => {
+                check_ranges(&m.regions, ranges)?;
+                n += 1 + 16 * ranges.len() as u64;
+            }
+            Err(ErrorCode::Unknown(0)) => {
+                return Err(Error::Invalid {
+                    field: "entry code",
+                    reason: "code 0 means success",
+                })
+            }
+            Err(_) => {}
+        }
+    }
+    Ok(n)
+}
+
+/// One entry's ranges: one or two, each inside the region it names.
+fn check_ranges(regions: &[RemoteRegion], ranges: &[RmaRange]) -> Result<()> {
+    if !(1..=2).contains(&ranges.len()) {
+        return Err(Error::OutOfRange {
+            field: "ranges per entry",
+            value: ranges.len() as u64,
+            limit: 2,
+        });
+    }
+    for r in ranges {
+        let region = regions.get(r.region as usize).ok_or(Error::OutOfRange {
+            field: "region index",
+            value: r.region.into(),
+            limit: regions.len() as u64,
+        })?;
+        region.check(r.offset, r.len.into())?;
+    }
+    Ok(())
+}
+
 /// Validate `message` and return its payload length.
 fn encoded_payload_len(message: &Message) -> Result<u64> {
     Ok(match message {
@@ -699,7 +880,13 @@ fn encoded_payload_len(message: &Message) -> Result<u64> {
         }
         Message::Release { .. } => 8,
         Message::Stats => 0,
-        Message::HelloOk(_) => 6,
+        Message::ReadBlocksRma(m) => {
+            check_count("key count", m.keys.len(), MAX_ENTRIES)?;
+            4 + 4 + 16 * m.keys.len() as u64
+        }
+        Message::Ack { .. } | Message::Acked { .. } => 4,
+        Message::BlocksRma(m) => check_blocks_rma(m)?,
+        Message::HelloOk(_) => 7,
         Message::Staged(_) => 16,
         Message::Admission(m) => {
             m.geometry.validate()?;
@@ -787,9 +974,46 @@ fn write_payload(w: &mut Writer, message: &Message) {
         }
         Message::Release { request } => w.u64(*request),
         Message::Stats => {}
+        Message::ReadBlocksRma(m) => {
+            w.u32(m.lease);
+            w.u32(m.keys.len() as u32);
+            for k in &m.keys {
+                w.u64(k.request);
+                w.u16(k.layer);
+                w.u32(k.block);
+                w.u16(k.head);
+            }
+        }
+        Message::Ack { lease } | Message::Acked { lease } => w.u32(*lease),
+        Message::BlocksRma(m) => {
+            w.u32(m.lease);
+            w.u32(m.regions.len() as u32);
+            for r in &m.regions {
+                w.u64(r.base);
+                w.u64(r.len);
+                w.u16(r.rkey.len() as u16);
+                w.raw(&r.rkey);
+            }
+            w.u32(m.entries.len() as u32);
+            for e in &m.entries {
+                match e {
+                    Ok(ranges) => {
+                        w.u16(0);
+                        w.u8(ranges.len() as u8);
+                        for r in ranges {
+                            w.u32(r.region);
+                            w.u64(r.offset);
+                            w.u32(r.len);
+                        }
+                    }
+                    Err(code) => w.u16(code.as_u16()),
+                }
+            }
+        }
         Message::HelloOk(m) => {
             w.u16(m.version);
             w.u32(m.max_frame);
+            w.u8(m.rma.into());
         }
         Message::Staged(m) => {
             w.u64(m.stored_bytes);
@@ -1172,9 +1396,89 @@ fn decode_payload(kind: u8, r: &mut Reader) -> Result<Message> {
             request: r.u64("request")?,
         },
         kind::STATS => Message::Stats,
+        kind::READ_BLOCKS_RMA => {
+            let lease = r.u32("lease")?;
+            let n = r.count("key count", MAX_ENTRIES, 16)?;
+            let mut keys = Vec::with_capacity(n);
+            for _ in 0..n {
+                keys.push(BlockKey {
+                    request: r.u64("request")?,
+                    layer: r.u16("layer")?,
+                    block: r.u32("block")?,
+                    head: r.u16("head")?,
+                });
+            }
+            Message::ReadBlocksRma(ReadBlocksRma { lease, keys })
+        }
+        kind::ACK => Message::Ack {
+            lease: r.u32("lease")?,
+        },
+        kind::ACKED => Message::Acked {
+            lease: r.u32("lease")?,
+        },
+        kind::BLOCKS_RMA => {
+            let lease = r.u32("lease")?;
+            let m = r.count("region count", MAX_REGIONS, 19)?;
+            let mut regions = Vec::with_capacity(m);
+            for _ in 0..m {
+                let base = r.u64("region base")?;
+                let len = r.u64("region length")?;
+                let k = r.u16("rkey length")?;
+                if usize::from(k) > MAX_RKEY_BYTES {
+                    return Err(Error::OutOfRange {
+                        field: "rkey length",
+                        value: k.into(),
+                        limit: MAX_RKEY_BYTES as u64,
+                    });
+                }
+                let region = RemoteRegion {
+                    base,
+                    len,
+                    rkey: r.take("rkey", k.into())?,
+                };
+                region.validate()?;
+                regions.push(region);
+            }
+            let n = r.count("entry count", MAX_ENTRIES, 2)?;
+            let mut entries = Vec::with_capacity(n);
+            for _ in 0..n {
+                let code = r.u16("entry code")?;
+                if code != 0 {
+                    entries.push(Err(ErrorCode::from_u16(code)));
+                    continue;
+                }
+                let k = r.u8("ranges per entry")?;
+                let k = r.bound_count("ranges per entry", k.into(), 2, 16)?;
+                let mut ranges = Vec::with_capacity(k);
+                for _ in 0..k {
+                    ranges.push(RmaRange {
+                        region: r.u32("range region")?,
+                        offset: r.u64("range offset")?,
+                        len: r.u32("range length")?,
+                    });
+                }
+                check_ranges(&regions, &ranges)?;
+                entries.push(Ok(ranges));
+            }
+            Message::BlocksRma(BlocksRma {
+                lease,
+                regions,
+                entries,
+            })
+        }
         kind::HELLO_OK => Message::HelloOk(HelloOk {
             version: r.u16("version")?,
             max_frame: r.u32("max_frame")?,
+            rma: match r.u8("rma")? {
+                0 => false,
+                1 => true,
+                _ => {
+                    return Err(Error::Invalid {
+                        field: "rma",
+                        reason: "must be 0 or 1",
+                    })
+                }
+            },
         }),
         kind::STAGED => Message::Staged(Staged {
             stored_bytes: r.u64("stored_bytes")?,
@@ -1268,6 +1572,76 @@ mod tests {
     }
 
     #[test]
+    fn region_ranges() {
+        let r = RemoteRegion {
+            base: 0x1000,
+            len: 100,
+            rkey: Bytes::from_static(b"k"),
+        };
+        assert_eq!(r.check(0, 100).unwrap(), 0x1000);
+        assert_eq!(r.check(99, 1).unwrap(), 0x1000 + 99);
+        assert_eq!(r.check(100, 0).unwrap(), 0x1000 + 100);
+        for (off, len) in [(0, 101), (100, 1), (u64::MAX, 2), (1, u64::MAX)] {
+            assert!(
+                matches!(r.check(off, len), Err(Error::OutOfRange { .. })),
+                "{off} {len}"
+            );
+        }
+        let bad = |base, len, rkey: &'static [u8]| RemoteRegion {
+            base,
+            len,
+            rkey: Bytes::from_static(rkey),
+        };
+        assert!(bad(0x1000, 10, b"").check(0, 1).is_err());
+        assert!(bad(0, 10, b"k").check(0, 1).is_err());
+        assert!(bad(u64::MAX - 5, 10, b"k").check(0, 1).is_err());
+        let long = RemoteRegion {
+            rkey: Bytes::from(vec![0; MAX_RKEY_BYTES + 1]),
+            ..r.clone()
+        };
+        assert!(long.check(0, 1).is_err());
+        let huge = RemoteRegion {
+            len: u64::MAX / 2,
+            ..r
+        };
+        assert!(huge.check(0, MAX_GET_BYTES + 1).is_err());
+        assert!(huge.check(0, MAX_GET_BYTES).is_ok());
+    }
+
+    proptest::proptest! {
+        /// Whatever a peer advertises and whatever range is asked, a range passes only if it
+        /// lies inside the advertised region, and the address is inside it too.
+        #[test]
+        fn region_checks_are_total(
+            base in proptest::prelude::any::<u64>(),
+            len in proptest::prelude::any::<u64>(),
+            rkey_len in 0usize..(MAX_RKEY_BYTES + 8),
+            offset in proptest::prelude::any::<u64>(),
+            get in proptest::prelude::any::<u64>(),
+            small in proptest::prelude::any::<bool>(),
+        ) {
+            // Half the cases near the edges of small regions.
+            let (len, offset, get) = if small { (len % 4096, offset % 4200, get % 4200) } else { (len, offset, get) };
+            let r = RemoteRegion { base, len, rkey: Bytes::from(vec![7; rkey_len]) };
+            match r.check(offset, get) {
+                Ok(addr) => {
+                    proptest::prop_assert!(rkey_len > 0 && rkey_len <= MAX_RKEY_BYTES && base != 0);
+                    proptest::prop_assert!(get <= MAX_GET_BYTES);
+                    proptest::prop_assert!(offset as u128 + get as u128 <= len as u128);
+                    proptest::prop_assert_eq!(addr as u128, base as u128 + offset as u128);
+                    proptest::prop_assert!(addr as u128 + get as u128 <= base as u128 + len as u128);
+                }
+                Err(_) => {
+                    let inside = offset as u128 + get as u128 <= len as u128;
+                    let well_formed = rkey_len > 0 && rkey_len <= MAX_RKEY_BYTES && base != 0
+                        && (base as u128 + len as u128) <= u64::MAX as u128;
+                    proptest::prop_assert!(!(inside && well_formed && get <= MAX_GET_BYTES));
+                }
+            }
+        }
+    }
+
+    #[test]
     fn every_message_round_trips() {
         let g = geometry();
         let block = |layer, block| StagedBlock {
@@ -1321,9 +1695,22 @@ mod tests {
             Message::Release { request: 9 },
             Message::Stats,
             Message::HelloOk(HelloOk {
-                version: 1,
+                version: 2,
                 max_frame: 100,
+                rma: true,
             }),
+            Message::ReadBlocksRma(ReadBlocksRma {
+                lease: 7,
+                keys: vec![BlockKey {
+                    request: 3,
+                    layer: 1,
+                    block: 2,
+                    head: 0,
+                }],
+            }),
+            Message::Ack { lease: 7 },
+            Message::Acked { lease: 7 },
+            rma_reply(),
             Message::Staged(Staged {
                 stored_bytes: 1,
                 used_bytes: 2,
@@ -1349,6 +1736,123 @@ mod tests {
         ] {
             roundtrip(m);
         }
+    }
+
+    fn rma_reply() -> Message {
+        Message::BlocksRma(BlocksRma {
+            lease: 7,
+            regions: vec![
+                RemoteRegion {
+                    base: 0x7f00_0000_0000,
+                    len: 4096,
+                    rkey: Bytes::from_static(b"rkey-0"),
+                },
+                RemoteRegion {
+                    base: 0x10,
+                    len: 64,
+                    rkey: Bytes::from_static(b"k"),
+                },
+            ],
+            entries: vec![
+                Ok(vec![RmaRange {
+                    region: 0,
+                    offset: 0,
+                    len: 4096,
+                }]),
+                Err(ErrorCode::UnknownRequest),
+                Ok(vec![
+                    RmaRange {
+                        region: 1,
+                        offset: 0,
+                        len: 32,
+                    },
+                    RmaRange {
+                        region: 1,
+                        offset: 32,
+                        len: 32,
+                    },
+                ]),
+            ],
+        })
+    }
+
+    /// A `BlocksRma` naming bytes outside what it advertises, or malformed regions, is refused
+    /// by the encoder and, written by hand, by the decoder.
+    #[test]
+    fn rma_replies_are_checked_against_their_regions() {
+        let Message::BlocksRma(good) = rma_reply() else {
+            unreachable!()
+        };
+        let mut frame = encode_frame(1, &Message::BlocksRma(good.clone()), 1 << 20).unwrap();
+        // The first entry's range length (after lease, region count, the two regions, the
+        // entry count, code and range count, region index and offset): one past its region.
+        let at = 4 + 8 + 4 + 4 + (8 + 8 + 2 + 6) + (8 + 8 + 2 + 1) + 4 + 2 + 1 + 4 + 8;
+        assert_eq!(
+            u32::from_le_bytes(frame[at..at + 4].try_into().unwrap()),
+            4096
+        );
+        frame[at..at + 4].copy_from_slice(&4097u32.to_le_bytes());
+        assert!(matches!(
+            decode_frame(Bytes::from(frame), 1 << 20),
+            Err(Error::OutOfRange {
+                field: "get end",
+                ..
+            })
+        ));
+        type Edit = Box<dyn Fn(&mut BlocksRma)>;
+        let cases: Vec<Edit> = vec![
+            Box::new(|b| b.entries[0] = Ok(vec![])),
+            Box::new(|b| {
+                b.entries[0] = Ok(vec![
+                    RmaRange {
+                        region: 1,
+                        offset: 0,
+                        len: 1
+                    };
+                    3
+                ])
+            }),
+            Box::new(|b| {
+                b.entries[0] = Ok(vec![RmaRange {
+                    region: 2,
+                    offset: 0,
+                    len: 1,
+                }])
+            }),
+            Box::new(|b| {
+                b.entries[0] = Ok(vec![RmaRange {
+                    region: 1,
+                    offset: u64::MAX,
+                    len: 2,
+                }])
+            }),
+            Box::new(|b| b.regions[0].rkey = Bytes::new()),
+            Box::new(|b| b.regions[0].rkey = Bytes::from(vec![1; MAX_RKEY_BYTES + 1])),
+            Box::new(|b| b.regions[1].base = 0),
+            Box::new(|b| b.regions[0].len = u64::MAX),
+            Box::new(|b| b.entries[1] = Err(ErrorCode::Unknown(0))),
+        ];
+        for (i, f) in cases.iter().enumerate() {
+            let mut b = good.clone();
+            f(&mut b);
+            assert!(
+                encode_frame(1, &Message::BlocksRma(b), 1 << 20).is_err(),
+                "case {i}"
+            );
+        }
+        // HelloOk's rma flag is 0 or 1.
+        let mut f = encode_frame(
+            1,
+            &Message::HelloOk(HelloOk {
+                version: 2,
+                max_frame: 9,
+                rma: true,
+            }),
+            64,
+        )
+        .unwrap();
+        *f.last_mut().unwrap() = 2;
+        assert!(decode_frame(Bytes::from(f), 64).is_err());
     }
 
     #[test]

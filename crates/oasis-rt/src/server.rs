@@ -17,6 +17,13 @@
 //! - A connection idle past `idle_timeout`, or stalled inside a frame past `io_timeout`, is
 //!   closed. Staged data is never tied to a connection: it lives until released or, once its
 //!   lease expired, evicted under memory pressure.
+//! - Over a transport with RMA (UCX), each `StageBlocks` frame's blocks are copied into one
+//!   allocation registered for remote reads, and `ReadBlocksRma` answers with ranges of it.
+//!   The ranges stay alive and registered until the client's `Ack` of that lease, the
+//!   connection's end, or the I/O timeout (checked at each request), whatever happens to the
+//!   request meanwhile; at most [`MAX_LEASES`] per connection (`busy` past it). Leased bytes of
+//!   a released request are no longer counted by the pool (at most [`MAX_LEASES`] frames' worth
+//!   per connection).
 //! - Shutdown (SIGINT/SIGTERM in the binary, or the future given to [`Server::run`]) stops
 //!   accepting, lets each connection finish the request it is serving (up to
 //!   [`SHUTDOWN_GRACE`]), then closes everything. Dropping the `run` future closes everything
@@ -35,14 +42,15 @@ use tracing::{debug, info, warn, Instrument};
 
 use crate::error::{Error, ErrorCode, Result};
 use crate::metrics::{run_http, Metrics, REQUEST_KINDS};
-use crate::pool::{PoolConfig, StagingPool};
+use crate::pool::{PoolConfig, Registered, StagingPool};
 use crate::protocol::{
-    decode_body, encode_frame, Blocks, ErrorReply, HelloOk, Message, Released, Staged,
+    decode_body, encode_frame, Blocks, BlocksRma, ErrorReply, HelloOk, Message, Released, Staged,
     StatsSnapshot, DEFAULT_MAX_FRAME_BYTES, HARD_MAX_FRAME_BYTES, HEADER_BYTES,
     PREAUTH_MAX_FRAME_BYTES, PROTOCOL_VERSION,
 };
 use crate::transport::{
-    Connection, Listener, TcpConfig, TcpFrameListener, TcpTransport, Transport, DEFAULT_IO_TIMEOUT,
+    Connection, Listener, Registrar, TcpConfig, TcpFrameListener, TcpTransport, Transport,
+    DEFAULT_IO_TIMEOUT,
 };
 
 /// Where the daemon listens unless told otherwise (loopback; the port is arbitrary).
@@ -55,6 +63,9 @@ pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(3600);
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(600);
 /// Default connection limit (arbitrary).
 pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
+/// Unacknowledged RMA leases one connection may hold (arbitrary: a client reads one layer's
+/// batch at a time and acknowledges it before the next).
+pub const MAX_LEASES: usize = 16;
 
 /// Everything the daemon is configured with.
 #[derive(Clone, Debug)]
@@ -93,7 +104,20 @@ struct Shared {
     metrics: Metrics,
     config: ServerConfig,
     connections: Arc<Semaphore>,
+    /// Registers staged blocks for RMA reads (a transport with RMA), or none.
+    registrar: Option<Arc<dyn Registrar>>,
 }
+
+/// What one RMA read keeps alive until its `Ack`: the blocks and their registered regions.
+struct Lease {
+    _pins: Vec<Bytes>,
+    _regions: Vec<Arc<dyn Registered>>,
+    at: Instant,
+}
+
+/// A connection's unacknowledged RMA leases.
+#[derive(Default)]
+struct Leases(std::collections::HashMap<u32, Lease>);
 
 impl Shared {
     fn pool(&self) -> std::sync::MutexGuard<'_, StagingPool> {
@@ -223,6 +247,7 @@ impl<L: Listener> Server<L> {
             })),
             metrics: Metrics::default(),
             connections: Arc::new(Semaphore::new(config.max_connections)),
+            registrar: transport.registrar(),
             config,
         });
         Ok(Server {
@@ -395,6 +420,7 @@ async fn serve_connection<C: Connection>(
             let ok = Message::HelloOk(HelloOk {
                 version: PROTOCOL_VERSION.into(),
                 max_frame,
+                rma: shared.registrar.is_some(),
             });
             match encode_frame(seq, &ok, max_frame) {
                 Ok(f) if conn.send_frame(&f).await.is_ok() => debug!("connected"),
@@ -416,6 +442,7 @@ async fn serve_connection<C: Connection>(
             return;
         }
     }
+    let mut leases = Leases::default();
     loop {
         let received = tokio::select! {
             biased;
@@ -447,7 +474,19 @@ async fn serve_connection<C: Connection>(
         };
         let start = Instant::now();
         let seq = frame.seq;
-        let (kind, reply) = match dispatch(&shared, frame.message) {
+        let mut message = frame.message;
+        let region = match register_blocks(&shared, &mut message).await {
+            Ok(r) => r,
+            Err(e) => {
+                warn!(error = %e, "registering staged blocks failed");
+                let r = error_message(&e);
+                match encode_frame(seq, &r, max_frame) {
+                    Ok(f) if conn.send_frame(&f).await.is_ok() => continue,
+                    _ => break,
+                }
+            }
+        };
+        let (kind, reply) = match dispatch(&shared, message, region, &mut leases) {
             Ok(r) => r,
             Err(e) => {
                 // Not a request kind (a reply, or Hello again): a confused peer; close.
@@ -496,8 +535,43 @@ fn served_bytes(reply: &Message) -> u64 {
             .iter()
             .map(|e| e.as_ref().map_or(0, |d| d.len() as u64))
             .sum(),
+        // The bytes the client reads by RMA.
+        Message::BlocksRma(b) => b
+            .entries
+            .iter()
+            .flat_map(|e| e.iter().flatten())
+            .map(|r| u64::from(r.len))
+            .sum(),
         _ => 0,
     }
+}
+
+/// Over a transport with RMA: copy a `StageBlocks` frame's blocks into one allocation, register
+/// it, and make the blocks slices of it. `None` for any other message or transport.
+async fn register_blocks(
+    shared: &Shared,
+    message: &mut Message,
+) -> Result<Option<Arc<dyn Registered>>> {
+    let (Some(registrar), Message::StageBlocks(m)) = (&shared.registrar, message) else {
+        return Ok(None);
+    };
+    if m.blocks.is_empty() {
+        return Ok(None);
+    }
+    // NOTE: copies up to a frame's bytes on a runtime thread (as the per-block copy does).
+    let total: usize = m.blocks.iter().map(|b| b.data.len()).sum();
+    let mut arena = Vec::with_capacity(total);
+    for b in &m.blocks {
+        arena.extend_from_slice(&b.data);
+    }
+    let arena = Bytes::from(arena);
+    let mut at = 0;
+    for b in &mut m.blocks {
+        let n = b.data.len();
+        b.data = arena.slice(at..at + n);
+        at += n;
+    }
+    Ok(Some(registrar.register(arena).await?))
 }
 
 fn copy(data: &Bytes) -> Bytes {
@@ -505,21 +579,36 @@ fn copy(data: &Bytes) -> Bytes {
     Bytes::copy_from_slice(data)
 }
 
-/// Serve one request. `Err` only for messages that are not requests.
-fn dispatch(shared: &Shared, message: Message) -> Result<(usize, Message)> {
+/// Serve one request. `Err` only for messages that are not requests. `region`: the
+/// registered allocation a `StageBlocks`' blocks were copied into ([`register_blocks`]).
+fn dispatch(
+    shared: &Shared,
+    message: Message,
+    region: Option<Arc<dyn Registered>>,
+    leases: &mut Leases,
+) -> Result<(usize, Message)> {
     let kind = message.name();
     let index = REQUEST_KINDS.iter().position(|k| *k == kind);
     let now = Instant::now();
     let max_reply = u64::from(shared.config.max_frame) - HEADER_BYTES as u64;
+    // Leases past the I/O timeout are the client's loss (it stalled mid-read).
+    let io = shared.config.io_timeout;
+    leases
+        .0
+        .retain(|_, l| now.saturating_duration_since(l.at) <= io);
     let result = match message {
         Message::StageBlocks(mut m) => {
-            // NOTE: copies up to a frame's bytes on a runtime thread (~10 ms for 64 MiB).
-            for b in &mut m.blocks {
-                b.data = copy(&b.data);
+            if region.is_none() {
+                // NOTE: copies up to a frame's bytes on a runtime thread (~10 ms for 64 MiB).
+                for b in &mut m.blocks {
+                    b.data = copy(&b.data);
+                }
             }
-            let r = shared
-                .pool()
-                .stage_blocks(m.request, m.geometry, m.blocks, now);
+            let mut pool = shared.pool();
+            let r = pool.stage_blocks(m.request, m.geometry, m.blocks, now);
+            if let (Ok(_), Some(region)) = (&r, region) {
+                pool.attach_region(m.request, region);
+            }
             r.map(|stored| (m.request, stored))
         }
         Message::StageSummaries(mut m) => {
@@ -577,6 +666,50 @@ fn dispatch(shared: &Shared, message: Message) -> Result<(usize, Message)> {
         }
         Message::Stats => {
             return Ok((index.unwrap_or(0), Message::StatsReply(shared.stats())));
+        }
+        Message::ReadBlocksRma(m) => {
+            let refuse = |code, message: String| Message::Error(ErrorReply { code, message });
+            let reply = if shared.registrar.is_none() {
+                refuse(
+                    ErrorCode::BadRequest,
+                    "no rma reads on this transport (hello_ok.rma = 0): use read_blocks".into(),
+                )
+            } else if leases.0.contains_key(&m.lease) {
+                refuse(
+                    ErrorCode::BadRequest,
+                    format!("lease {} is held: acknowledge it first", m.lease),
+                )
+            } else if leases.0.len() >= MAX_LEASES {
+                refuse(
+                    ErrorCode::Busy,
+                    format!("{MAX_LEASES} rma leases of this connection are unacknowledged"),
+                )
+            } else {
+                match shared.pool().read_blocks_rma(&m.keys, max_reply, now) {
+                    Ok(read) => {
+                        let regions = read.regions.iter().map(|r| r.remote().clone()).collect();
+                        leases.0.insert(
+                            m.lease,
+                            Lease {
+                                _pins: read.pins,
+                                _regions: read.regions,
+                                at: now,
+                            },
+                        );
+                        Message::BlocksRma(BlocksRma {
+                            lease: m.lease,
+                            regions,
+                            entries: read.entries,
+                        })
+                    }
+                    Err(e) => error_message(&e),
+                }
+            };
+            return Ok((index.unwrap_or(0), reply));
+        }
+        Message::Ack { lease } => {
+            leases.0.remove(&lease);
+            return Ok((index.unwrap_or(0), Message::Acked { lease }));
         }
         other => {
             return Err(Error::UnexpectedReply {

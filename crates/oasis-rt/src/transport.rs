@@ -15,6 +15,8 @@
 //! connection must then be dropped (the daemon and the client both do).
 
 use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -22,7 +24,8 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::error::{Error, Result};
-use crate::protocol::{check_frame_len, LEN_PREFIX_BYTES};
+use crate::pool::Registered;
+use crate::protocol::{check_frame_len, RemoteRegion, LEN_PREFIX_BYTES};
 
 /// Default deadline of one frame's I/O once it started (arbitrary).
 pub const DEFAULT_IO_TIMEOUT: Duration = Duration::from_secs(30);
@@ -57,6 +60,33 @@ pub trait Connection: Send + 'static {
     fn peer(&self) -> String;
 }
 
+/// A connection that may read a peer's registered memory (RMA), for `ReadBlocksRma`.
+pub trait RmaConnection: Connection {
+    /// Whether [`RmaConnection::get`] can work on this connection (false over TCP).
+    fn can_rma(&self) -> bool;
+
+    /// Read `len` bytes at `offset` of the peer's `region`, after checking the range against
+    /// it ([`RemoteRegion::check`]).
+    ///
+    /// # Errors
+    /// [`Error::Unavailable`] where the transport cannot; the range checks; transport errors.
+    fn get(
+        &mut self,
+        region: &RemoteRegion,
+        offset: u64,
+        len: u64,
+    ) -> impl Future<Output = Result<Bytes>> + Send;
+}
+
+/// A registration's eventual answer.
+pub type Registering = Pin<Box<dyn Future<Output = Result<Arc<dyn Registered>>> + Send>>;
+
+/// Registers memory for remote reads by the transport's peers (the daemon's staged blocks).
+pub trait Registrar: Send + Sync + 'static {
+    /// Register `data`; it stays registered and alive while the returned value lives.
+    fn register(&self, data: Bytes) -> Registering;
+}
+
 /// Accepts connections.
 pub trait Listener: Send + 'static {
     type Conn: Connection;
@@ -87,6 +117,11 @@ pub trait Transport: Send + Sync + 'static {
     /// # Errors
     /// [`Error::Io`] (address in use, permission).
     fn bind(&self, addr: &str) -> impl Future<Output = Result<Self::Listener>> + Send;
+
+    /// What registers memory for its peers' RMA reads, if this transport has RMA.
+    fn registrar(&self) -> Option<Arc<dyn Registrar>> {
+        None
+    }
 }
 
 /// Deadlines of the TCP transport.
@@ -303,6 +338,36 @@ impl AnyConnection {
             AnyConnection::Tcp(_) => TransportKind::Tcp,
             #[cfg(feature = "ucx")]
             AnyConnection::Ucx(_) => TransportKind::Ucx,
+        }
+    }
+}
+
+impl RmaConnection for TcpConnection {
+    fn can_rma(&self) -> bool {
+        false
+    }
+
+    async fn get(&mut self, _: &RemoteRegion, _: u64, _: u64) -> Result<Bytes> {
+        Err(Error::Unavailable(
+            "rma reads need the ucx transport".into(),
+        ))
+    }
+}
+
+impl RmaConnection for AnyConnection {
+    fn can_rma(&self) -> bool {
+        match self {
+            AnyConnection::Tcp(c) => c.can_rma(),
+            #[cfg(feature = "ucx")]
+            AnyConnection::Ucx(c) => c.can_rma(),
+        }
+    }
+
+    async fn get(&mut self, region: &RemoteRegion, offset: u64, len: u64) -> Result<Bytes> {
+        match self {
+            AnyConnection::Tcp(c) => c.get(region, offset, len).await,
+            #[cfg(feature = "ucx")]
+            AnyConnection::Ucx(c) => RmaConnection::get(c, region, offset, len).await,
         }
     }
 }

@@ -25,11 +25,9 @@
 //! **RMA.** [`UcxTransport::register`] registers a buffer for remote reads ([`UcxRegion`]; its
 //! [`RemoteRegion`] is what a peer needs: base address, length, packed rkey), and
 //! [`UcxConnection::get`] reads a range of a peer's region by `ucp_get_nbx`, after checking the
-//! range against the region the peer advertised ([`RemoteRegion::check`]). These are the
-//! data path of block reads by RMA; the protocol does not use them yet (the daemon's pool is not
-//! one registered region, and there is no lease/acknowledge message): see `docs/ARCHITECTURE.md`.
-//! Until then block bytes travel inside the reply frame (from 64 KiB by UCX's rendezvous, itself
-//! a zero-copy RMA read of the sender's buffer).
+//! range against the region the peer advertised ([`RemoteRegion::check`]). The daemon registers
+//! its staged blocks through [`Transport::registrar`] and answers `ReadBlocksRma` with ranges of
+//! them; the client reads them with `get` (see `crate::protocol`, `crate::server`).
 
 pub mod sys;
 pub mod worker;
@@ -43,78 +41,17 @@ use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::error::{Error, Result};
-use crate::protocol::{
-    check_frame_len, DEFAULT_MAX_FRAME_BYTES, HARD_MAX_FRAME_BYTES, LEN_PREFIX_BYTES,
-};
+use crate::pool::Registered;
+use crate::protocol::{check_frame_len, DEFAULT_MAX_FRAME_BYTES, LEN_PREFIX_BYTES};
 use crate::transport::{
-    Connection, Listener, Transport, DEFAULT_CONNECT_TIMEOUT, DEFAULT_IO_TIMEOUT,
+    Connection, Listener, Registering, Registrar, RmaConnection, Transport,
+    DEFAULT_CONNECT_TIMEOUT, DEFAULT_IO_TIMEOUT,
 };
 use worker::{Cmd, ConnParts, Incoming, RegionParts, Worker};
 
 pub use sys::LIBUCP_NAMES;
 
-/// Longest packed rkey accepted from a peer (arbitrary: UCX 1.13 packs tens to a few hundred
-/// bytes per memory domain).
-pub const MAX_RKEY_BYTES: usize = 4096;
-/// Longest single RMA get (the protocol's hard frame limit: a read is never larger than the
-/// frame that would have carried it).
-pub const MAX_GET_BYTES: u64 = HARD_MAX_FRAME_BYTES as u64;
-
-/// What a peer needs to read a registered region: its address in the owner's process, its
-/// length, and the packed rkey. Received from a peer it is untrusted: [`RemoteRegion::check`]
-/// bounds every range before UCX sees it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct RemoteRegion {
-    pub base: u64,
-    pub len: u64,
-    pub rkey: Bytes,
-}
-
-impl RemoteRegion {
-    /// The remote address of `len` bytes at `offset`, or why the range is refused: the rkey is
-    /// empty or longer than [`MAX_RKEY_BYTES`], the region wraps the address space or starts at
-    /// 0, `len` passes [`MAX_GET_BYTES`], or `offset + len` passes the region's end (or
-    /// overflows).
-    ///
-    /// # Errors
-    /// [`Error::Invalid`] for a malformed region, [`Error::OutOfRange`] for a range outside it.
-    pub fn check(&self, offset: u64, len: u64) -> Result<u64> {
-        if self.rkey.is_empty() {
-            return Err(Error::Invalid {
-                field: "rkey",
-                reason: "is empty",
-            });
-        }
-        if self.rkey.len() > MAX_RKEY_BYTES {
-            return Err(Error::OutOfRange {
-                field: "rkey length",
-                value: self.rkey.len() as u64,
-                limit: MAX_RKEY_BYTES as u64,
-            });
-        }
-        if self.base == 0 || self.base.checked_add(self.len).is_none() {
-            return Err(Error::Invalid {
-                field: "region",
-                reason: "starts at 0 or wraps the address space",
-            });
-        }
-        if len > MAX_GET_BYTES {
-            return Err(Error::OutOfRange {
-                field: "get length",
-                value: len,
-                limit: MAX_GET_BYTES,
-            });
-        }
-        match offset.checked_add(len) {
-            Some(end) if end <= self.len => Ok(self.base + offset),
-            end => Err(Error::OutOfRange {
-                field: "get end",
-                value: end.unwrap_or(u64::MAX),
-                limit: self.len,
-            }),
-        }
-    }
-}
+pub use crate::protocol::{RemoteRegion, MAX_GET_BYTES, MAX_RKEY_BYTES};
 
 /// A buffer registered with a transport's UCX context for remote reads (`ucp_mem_map`, remote
 /// read only). The buffer stays registered and alive until the region is dropped.
@@ -133,6 +70,22 @@ impl UcxRegion {
     /// What a peer needs to read it.
     pub fn remote(&self) -> &RemoteRegion {
         &self.remote
+    }
+}
+
+impl Registered for UcxRegion {
+    fn remote(&self) -> &RemoteRegion {
+        &self.remote
+    }
+}
+
+impl Registrar for UcxTransport {
+    fn register(&self, data: Bytes) -> Registering {
+        let t = self.clone();
+        Box::pin(async move {
+            let r: Arc<dyn Registered> = Arc::new(t.register(data).await?);
+            Ok(r)
+        })
     }
 }
 
@@ -282,6 +235,10 @@ async fn answer<T>(
 impl Transport for UcxTransport {
     type Conn = UcxConnection;
     type Listener = UcxListener;
+
+    fn registrar(&self) -> Option<Arc<dyn Registrar>> {
+        Some(Arc::new(self.clone()))
+    }
 
     async fn connect(&self, addr: &str) -> Result<UcxConnection> {
         let to = resolve(addr).await.map_err(|source| Error::Unreachable {
@@ -493,6 +450,16 @@ impl UcxConnection {
     }
 }
 
+impl RmaConnection for UcxConnection {
+    fn can_rma(&self) -> bool {
+        true
+    }
+
+    async fn get(&mut self, region: &RemoteRegion, offset: u64, len: u64) -> Result<Bytes> {
+        UcxConnection::get(self, region, offset, len).await
+    }
+}
+
 impl Connection for UcxConnection {
     async fn send_frame(&mut self, frame: &[u8]) -> Result<()> {
         if self.closed {
@@ -537,76 +504,6 @@ mod tests {
                 assert!(v.major >= 1, "{v:?}");
             }
             Err(e) => assert!(e.to_string().contains("libucp"), "{e}"),
-        }
-    }
-
-    #[test]
-    fn region_ranges() {
-        let r = RemoteRegion {
-            base: 0x1000,
-            len: 100,
-            rkey: Bytes::from_static(b"k"),
-        };
-        assert_eq!(r.check(0, 100).unwrap(), 0x1000);
-        assert_eq!(r.check(99, 1).unwrap(), 0x1000 + 99);
-        assert_eq!(r.check(100, 0).unwrap(), 0x1000 + 100);
-        for (off, len) in [(0, 101), (100, 1), (u64::MAX, 2), (1, u64::MAX)] {
-            assert!(
-                matches!(r.check(off, len), Err(Error::OutOfRange { .. })),
-                "{off} {len}"
-            );
-        }
-        let bad = |base, len, rkey: &'static [u8]| RemoteRegion {
-            base,
-            len,
-            rkey: Bytes::from_static(rkey),
-        };
-        assert!(bad(0x1000, 10, b"").check(0, 1).is_err());
-        assert!(bad(0, 10, b"k").check(0, 1).is_err());
-        assert!(bad(u64::MAX - 5, 10, b"k").check(0, 1).is_err());
-        let long = RemoteRegion {
-            rkey: Bytes::from(vec![0; MAX_RKEY_BYTES + 1]),
-            ..r.clone()
-        };
-        assert!(long.check(0, 1).is_err());
-        let huge = RemoteRegion {
-            len: u64::MAX / 2,
-            ..r
-        };
-        assert!(huge.check(0, MAX_GET_BYTES + 1).is_err());
-        assert!(huge.check(0, MAX_GET_BYTES).is_ok());
-    }
-
-    proptest::proptest! {
-        /// Whatever a peer advertises and whatever range is asked, a range passes only if it
-        /// lies inside the advertised region, and the address is inside it too.
-        #[test]
-        fn region_checks_are_total(
-            base in proptest::prelude::any::<u64>(),
-            len in proptest::prelude::any::<u64>(),
-            rkey_len in 0usize..(MAX_RKEY_BYTES + 8),
-            offset in proptest::prelude::any::<u64>(),
-            get in proptest::prelude::any::<u64>(),
-            small in proptest::prelude::any::<bool>(),
-        ) {
-            // Half the cases near the edges of small regions.
-            let (len, offset, get) = if small { (len % 4096, offset % 4200, get % 4200) } else { (len, offset, get) };
-            let r = RemoteRegion { base, len, rkey: Bytes::from(vec![7; rkey_len]) };
-            match r.check(offset, get) {
-                Ok(addr) => {
-                    proptest::prop_assert!(rkey_len > 0 && rkey_len <= MAX_RKEY_BYTES && base != 0);
-                    proptest::prop_assert!(get <= MAX_GET_BYTES);
-                    proptest::prop_assert!(offset as u128 + get as u128 <= len as u128);
-                    proptest::prop_assert_eq!(addr as u128, base as u128 + offset as u128);
-                    proptest::prop_assert!(addr as u128 + get as u128 <= base as u128 + len as u128);
-                }
-                Err(_) => {
-                    let inside = offset as u128 + get as u128 <= len as u128;
-                    let well_formed = rkey_len > 0 && rkey_len <= MAX_RKEY_BYTES && base != 0
-                        && (base as u128 + len as u128) <= u64::MAX as u128;
-                    proptest::prop_assert!(!(inside && well_formed && get <= MAX_GET_BYTES));
-                }
-            }
         }
     }
 

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use oasis_rt::protocol::{encode_frame, HelloOk, Message};
-use oasis_rt::transport::{read_frame, TcpConfig, TcpTransport};
+use oasis_rt::transport::{read_frame, Connection, TcpConfig, TcpTransport};
 use oasis_rt::{Client, ClientConfig, Error, ErrorCode, ServerConfig};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -55,8 +55,9 @@ where
         let body = read_frame(&mut s, 4096, Some(T), T).await.unwrap();
         let hello = oasis_rt::protocol::decode_body(body, 4096).unwrap();
         let ok = Message::HelloOk(HelloOk {
-            version: 1,
+            version: oasis_rt::protocol::PROTOCOL_VERSION.into(),
             max_frame: 1 << 20,
+            rma: false,
         });
         s.write_all(&encode_frame(hello.seq, &ok, 1 << 20).unwrap())
             .await
@@ -162,7 +163,7 @@ async fn frames_cut_on_the_stream() {
     for close in [true, false] {
         let mut s = TcpStream::connect(&d.addr).await.unwrap();
         let hello = Message::Hello(oasis_rt::protocol::Hello {
-            version: 1,
+            version: oasis_rt::protocol::PROTOCOL_VERSION.into(),
             token: bytes::Bytes::new(),
         });
         s.write_all(&encode_frame(1, &hello, 4096).unwrap())
@@ -206,4 +207,42 @@ async fn frames_cut_on_the_stream() {
         .await
         .unwrap();
     assert_eq!(got[0].as_ref().unwrap(), &block(1, 2, 3).data);
+}
+
+/// Over TCP the daemon offers no RMA reads: `hello_ok.rma` is 0, the client says so without
+/// asking, and a `ReadBlocksRma` sent anyway is refused while the connection goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rma_reads_are_refused_over_tcp() {
+    use oasis_rt::protocol::{BlockKey, ReadBlocksRma, ALL_HEADS};
+    let net = tcp();
+    let d = net.start(ServerConfig::default()).await;
+    let mut c = d.client().await;
+    assert!(!c.rma());
+    stage_request(&mut c, 1, 2).await;
+    let key = BlockKey {
+        request: 1,
+        layer: 0,
+        block: 0,
+        head: ALL_HEADS,
+    };
+    let err = c.read_blocks_rma(vec![key]).await.unwrap_err();
+    assert!(matches!(err, Error::Unavailable(_)), "{err:?}");
+    let mut s = raw(&net, &d.addr, b"").await;
+    let m = Message::ReadBlocksRma(ReadBlocksRma {
+        lease: 1,
+        keys: vec![key],
+    });
+    s.send_frame(&encode_frame(2, &m, 4096).unwrap())
+        .await
+        .unwrap();
+    let reply = recv(&mut s).await.unwrap().message;
+    assert!(
+        matches!(&reply, Message::Error(e) if e.code == ErrorCode::BadRequest),
+        "{reply:?}"
+    );
+    assert_eq!(
+        c.read_blocks(vec![key]).await.unwrap()[0],
+        Ok(block(1, 0, 0).data)
+    );
+    d.handle.audit().unwrap();
 }

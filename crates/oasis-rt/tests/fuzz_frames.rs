@@ -12,9 +12,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use oasis_rt::protocol::{
-    decode_body, decode_frame, encode_frame, Admission, BlockKey, Blocks, ErrorReply,
-    FetchAdmission, Geometry, Hello, LayerBlock, Message, ReadBlocks, Section, StageAdmission,
-    StageBlocks, StageSummaries, StagedBlock, StatsSnapshot, SummaryRun,
+    decode_body, decode_frame, encode_frame, Admission, BlockKey, Blocks, BlocksRma, ErrorReply,
+    FetchAdmission, Geometry, Hello, HelloOk, LayerBlock, Message, ReadBlocks, ReadBlocksRma,
+    RemoteRegion, RmaRange, Section, StageAdmission, StageBlocks, StageSummaries, StagedBlock,
+    StatsSnapshot, SummaryRun,
 };
 use oasis_rt::transport::read_frame;
 use oasis_rt::ErrorCode;
@@ -200,8 +201,94 @@ fn runs(g: Geometry) -> impl Strategy<Value = Vec<SummaryRun>> {
     })
 }
 
+/// A valid `BlocksRma`: regions anywhere in the address space, entries inside them.
+fn blocks_rma() -> impl Strategy<Value = Message> {
+    (
+        any::<u32>(),
+        proptest::collection::vec(
+            (
+                1u64..(1 << 47),
+                1u64..(1 << 20),
+                bytes(24).prop_filter("rkey", |k| !k.is_empty()),
+            ),
+            1..4,
+        ),
+        proptest::collection::vec(
+            (
+                any::<bool>(),
+                any::<u8>(),
+                any::<u64>(),
+                any::<u64>(),
+                any::<bool>(),
+            ),
+            0..6,
+        ),
+    )
+        .prop_map(|(lease, regions, entries)| {
+            let regions: Vec<RemoteRegion> = regions
+                .into_iter()
+                .map(|(base, len, rkey)| RemoteRegion { base, len, rkey })
+                .collect();
+            let entries = entries
+                .into_iter()
+                .map(|(ok, region, a, b, two)| {
+                    if !ok {
+                        return Err(ErrorCode::UnknownRequest);
+                    }
+                    let region = u32::from(region) % regions.len() as u32;
+                    let len = regions[region as usize].len;
+                    let range = |x: u64, y: u64| {
+                        let offset = x % len;
+                        let n = (y % (len - offset + 1)).min(u64::from(u32::MAX)) as u32;
+                        RmaRange {
+                            region,
+                            offset,
+                            len: n,
+                        }
+                    };
+                    let mut v = vec![range(a, b)];
+                    if two {
+                        v.push(range(b, a));
+                    }
+                    Ok(v)
+                })
+                .collect();
+            Message::BlocksRma(BlocksRma {
+                lease,
+                regions,
+                entries,
+            })
+        })
+}
+
 fn message() -> impl Strategy<Value = Message> {
     prop_oneof![
+        blocks_rma(),
+        (
+            any::<u32>(),
+            proptest::collection::vec(any::<(u64, u16, u32, u16)>(), 0..6)
+        )
+            .prop_map(|(lease, v)| Message::ReadBlocksRma(ReadBlocksRma {
+                lease,
+                keys: v
+                    .into_iter()
+                    .map(|(request, layer, block, head)| BlockKey {
+                        request,
+                        layer,
+                        block,
+                        head,
+                    })
+                    .collect(),
+            })),
+        any::<u32>().prop_map(|lease| Message::Ack { lease }),
+        any::<u32>().prop_map(|lease| Message::Acked { lease }),
+        (any::<u16>(), any::<u32>(), any::<bool>()).prop_map(|(version, max_frame, rma)| {
+            Message::HelloOk(HelloOk {
+                version,
+                max_frame,
+                rma,
+            })
+        }),
         (any::<u16>(), bytes(40))
             .prop_map(|(version, token)| Message::Hello(Hello { version, token })),
         (any::<u64>(), geometry()).prop_flat_map(|(r, g)| staged_blocks(g).prop_map(

@@ -189,7 +189,7 @@ async fn a_flooding_peer_is_disconnected() {
     let hello = encode_frame(
         1,
         &Message::Hello(Hello {
-            version: 1,
+            version: oasis_rt::protocol::PROTOCOL_VERSION.into(),
             token: Bytes::new(),
         }),
         4096,
@@ -372,5 +372,158 @@ async fn rma_get_reads_a_registered_region() {
     assert!(c.get(&remote, 0, 8).await.is_err());
     assert!(start.elapsed() < T);
     drop(region);
+    shutdown(net).await;
+}
+
+/// The keys of a mixed read: whole blocks and heads of two requests, an unknown request, a
+/// block never staged, a head past the geometry.
+fn mixed_keys() -> Vec<oasis_rt::protocol::BlockKey> {
+    use oasis_rt::protocol::{BlockKey, ALL_HEADS};
+    let k = |request, layer, block, head| BlockKey {
+        request,
+        layer,
+        block,
+        head,
+    };
+    vec![
+        k(1, 0, 0, ALL_HEADS),
+        k(1, 3, 9, 1),
+        k(2, 2, 4, 0),
+        k(2, 1, 4, ALL_HEADS),
+        k(9, 0, 0, ALL_HEADS),
+        k(1, 0, 12, ALL_HEADS),
+        k(1, 0, 1, 7),
+        k(1, 3, 9, 0),
+    ]
+}
+
+/// Block reads by RMA through the daemon: the daemon's staged blocks are registered, the
+/// reply names ranges of them, the client reads them and acknowledges; the entries equal what
+/// frame reads return, failures included; many reads in a row (past the lease limit: each is
+/// acknowledged); the bytes count as received; nothing leaks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rma_reads_through_the_daemon_equal_frame_reads() {
+    let Some(net) = ucx() else { return };
+    let d = net.start(ServerConfig::default()).await;
+    let mut c = d.client().await;
+    assert!(c.rma());
+    stage_request(&mut c, 1, 10).await;
+    stage_request(&mut c, 2, 5).await;
+    let keys = mixed_keys();
+    let by_frame = c.read_blocks(keys.clone()).await.unwrap();
+    let before = c.wire_bytes().1;
+    let by_rma = c.read_blocks_rma(keys.clone()).await.unwrap();
+    assert_eq!(by_rma, by_frame);
+    let data: u64 = by_rma.iter().flatten().map(|b| b.len() as u64).sum();
+    assert!(c.wire_bytes().1 - before > data);
+    assert!(by_rma[0].is_ok() && by_rma[4] == Err(ErrorCode::UnknownRequest));
+    assert_eq!(by_rma[5], Err(ErrorCode::MissingBlock));
+    assert_eq!(by_rma[6], Err(ErrorCode::BadRequest));
+    for _ in 0..2 * oasis_rt::server::MAX_LEASES {
+        assert_eq!(c.read_blocks_rma(keys.clone()).await.unwrap(), by_frame);
+    }
+    // Past this client's frame limit: refused, the lease acknowledged, the connection kept.
+    let mut small = net
+        .connect(
+            &d.addr,
+            oasis_rt::ClientConfig {
+                max_frame: 4096,
+                ..cfg(None)
+            },
+        )
+        .await
+        .unwrap();
+    let err = small.read_blocks_rma(keys.clone()).await.unwrap_err();
+    assert!(matches!(err, Error::FrameTooLarge { .. }), "{err:?}");
+    assert!(small.is_connected());
+    small.stats().await.unwrap();
+    assert!(c.release(1).await.unwrap() > 0 && c.release(2).await.unwrap() > 0);
+    assert_eq!(d.handle.stats().used_bytes, 0);
+    d.handle.audit().unwrap();
+    drop((c, small));
+    shutdown(net).await;
+}
+
+/// A lease keeps the ranges alive and registered until it is acknowledged, even when the
+/// request is released in between; a lease number in use and too many unacknowledged leases
+/// are refused (the connection goes on).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_rma_lease_outlives_a_release_until_acked() {
+    use oasis_rt::protocol::{BlocksRma, Frame, ReadBlocksRma};
+    let Some(net) = ucx() else { return };
+    let d = net.start(ServerConfig::default()).await;
+    let mut c = d.client().await;
+    stage_request(&mut c, 1, 10).await;
+    let mut s = raw(&net, &d.addr, b"").await;
+    let keys = mixed_keys()[..2].to_vec();
+    let read = |lease| {
+        encode_frame(
+            lease,
+            &Message::ReadBlocksRma(ReadBlocksRma {
+                lease,
+                keys: keys.clone(),
+            }),
+            1 << 20,
+        )
+        .unwrap()
+    };
+    s.send_frame(&read(5)).await.unwrap();
+    let Some(Frame {
+        message:
+            Message::BlocksRma(BlocksRma {
+                lease: 5,
+                regions,
+                entries,
+            }),
+        ..
+    }) = recv(&mut s).await
+    else {
+        panic!("no blocks_rma reply");
+    };
+    // Released: the pool forgets it, the lease still holds its bytes.
+    assert!(c.release(1).await.unwrap() > 0);
+    assert_eq!(d.handle.stats().used_bytes, 0);
+    let mut got = Vec::new();
+    for e in &entries {
+        let mut entry = Vec::new();
+        for r in e.as_ref().unwrap() {
+            let region = &regions[r.region as usize];
+            entry.extend_from_slice(&s.get(region, r.offset, r.len.into()).await.unwrap());
+        }
+        got.push(entry);
+    }
+    assert_eq!(got[0], block(1, 0, 0).data);
+    assert_eq!(got[1], head_slice(&block(1, 3, 9).data, 1));
+    // The same lease number again while held: refused, the connection stays.
+    s.send_frame(&read(5)).await.unwrap();
+    let reply = recv(&mut s).await.unwrap().message;
+    assert!(
+        matches!(&reply, Message::Error(e) if e.code == ErrorCode::BadRequest),
+        "{reply:?}"
+    );
+    s.send_frame(&encode_frame(6, &Message::Ack { lease: 5 }, 64).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(
+        recv(&mut s).await.unwrap().message,
+        Message::Acked { lease: 5 }
+    );
+    // Leases past the limit are refused `busy`.
+    let max = oasis_rt::server::MAX_LEASES as u32;
+    for lease in 100..100 + max {
+        s.send_frame(&read(lease)).await.unwrap();
+        let m = recv(&mut s).await.unwrap().message;
+        assert!(matches!(m, Message::BlocksRma(_)), "{m:?}");
+    }
+    s.send_frame(&read(100 + max)).await.unwrap();
+    let reply = recv(&mut s).await.unwrap().message;
+    assert!(
+        matches!(&reply, Message::Error(e) if e.code == ErrorCode::Busy),
+        "{reply:?}"
+    );
+    drop(s);
+    d.settle(1).await;
+    d.handle.audit().unwrap();
+    drop(c);
     shutdown(net).await;
 }

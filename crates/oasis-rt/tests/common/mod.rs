@@ -196,7 +196,7 @@ pub fn head_slice(data: &[u8], head: usize) -> Vec<u8> {
 pub async fn raw<T: Transport + Clone>(net: &Net<T>, addr: &str, token: &[u8]) -> T::Conn {
     let mut s = net.client.connect(addr).await.unwrap();
     let hello = Message::Hello(Hello {
-        version: 1,
+        version: PROTOCOL_VERSION.into(),
         token: Bytes::copy_from_slice(token),
     });
     s.send_frame(&encode_frame(1, &hello, 4096).unwrap())
@@ -638,7 +638,7 @@ pub async fn bad_frames_are_rejected_and_the_daemon_goes_on<T: Transport + Clone
             encode_frame(
                 1,
                 &Message::Hello(Hello {
-                    version: 1,
+                    version: PROTOCOL_VERSION.into(),
                     token: Bytes::new(),
                 }),
                 1024,
@@ -739,19 +739,22 @@ pub async fn the_token_is_required_when_configured<T: Transport + Clone>(net: &N
         .await
         .expect("right token");
     c.stats().await.unwrap();
-    // A wrong-version hello is refused too.
-    let mut s = net.client.connect(&d.addr).await.unwrap();
-    let hello = Message::Hello(Hello {
-        version: 2,
-        token: Bytes::from_static(b"s3cret-token"),
-    });
-    s.send_frame(&encode_frame(1, &hello, 4096).unwrap())
-        .await
-        .unwrap();
-    expect_refused(s, ErrorCode::BadVersion, "hello version 2").await;
+    // A wrong-version hello is refused too: a version 1 client (before RMA reads, with the
+    // right token; its header says 1 as well), and a newer one.
+    for (version, header) in [(1u16, 1u8), (1, PROTOCOL_VERSION), (3, PROTOCOL_VERSION)] {
+        let mut s = net.client.connect(&d.addr).await.unwrap();
+        let hello = Message::Hello(Hello {
+            version,
+            token: Bytes::from_static(b"s3cret-token"),
+        });
+        let mut f = encode_frame(1, &hello, 4096).unwrap();
+        f[4] = header;
+        s.send_frame(&f).await.unwrap();
+        expect_refused(s, ErrorCode::BadVersion, "an old or newer hello").await;
+    }
     d.settle(1).await;
     assert_eq!(d.handle.stats().connections_active, 1);
-    assert_eq!(PROTOCOL_VERSION, 1);
+    assert_eq!(PROTOCOL_VERSION, 2);
 }
 
 pub async fn non_loopback_needs_a_token<T: Transport + Clone>(net: &Net<T>) {
