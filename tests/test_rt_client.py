@@ -40,6 +40,7 @@ def _blocks(n: int, seed: int) -> torch.Tensor:
 def test_roundtrip_is_bit_exact_and_counted(daemon):
     c = RtClient(daemon.url, timeout_s=5)
     assert (c.transport, c.url, c.addr) == (daemon.transport, daemon.url, daemon.addr)
+    assert c.rma == (daemon.transport == "ucx")  # block reads by RMA over UCX
     keys = [(layer, b) for layer in range(3) for b in range(7)]
     data = _blocks(len(keys), 0)
     stored, used = c.stage_blocks(11, GEO, keys, data)
@@ -82,6 +83,13 @@ def test_roundtrip_is_bit_exact_and_counted(daemon):
     blk = data[14 + 4].view(2, 2, -1)  # [K|V][head][rows]
     assert torch.equal(x[BLOCK // 4 : BLOCK // 4 + BLOCK // 8], torch.cat([blk[0, 1], blk[1, 1]]))
 
+    # Over UCX the reads above went by RMA; by frames the answer is the same.
+    frames = RtClient(daemon.url, timeout_s=5, rma=False)
+    assert not frames.rma
+    keys = [(11, 1, 2, -1), (11, 2, 4, 1), (12, 0, 0, -1), (11, 0, 0, 0), (11, 0, 99, -1)]
+    assert frames.read_blocks(keys) == c.read_blocks(keys)
+    frames.close()
+
     s = c.stats()
     assert s["live_requests"] >= 1 and s["used_bytes"] >= used
     assert c.release(11) >= used
@@ -101,12 +109,14 @@ def test_large_stagings_are_split_into_frames(daemon):
     d, lens, errs = c.read_blocks([(21, 0, i, -1) for i in (0, 150, 299)])
     assert errs == [None] * 3
     assert torch.equal(torch.frombuffer(d, dtype=torch.uint8).view(3, bb), data[[0, 150, 299]])
-    # A reply past the client's frame limit: refused, and the connection with it (the daemon
-    # does not know the client's limit; readers batch under max_frame).
+    # A reply past the client's frame limit: refused, and over TCP the connection with it (the
+    # daemon does not know the client's limit; readers batch under max_frame). By RMA the
+    # client sees the sizes before any byte moves: it acknowledges and keeps the connection.
     with pytest.raises(errors.InvalidArgumentError) as e:
         c.read_blocks([(21, 0, i, -1) for i in range(20)])
-    assert e.value.code == "too_large" and "make a new RtClient" in str(e.value)
-    assert not c.connected
+    assert e.value.code == "too_large"
+    assert c.connected == c.rma == (daemon.transport == "ucx")
+    assert ("make a new RtClient" in str(e.value)) != c.connected
     assert RtClient(daemon.url).release(21) > 300 * bb
 
 

@@ -132,7 +132,8 @@ class RtClient:
     ``oasiskv.errors.Remote*`` classes (with ``.code``). Staging takes CPU tensors or bytes-like
     objects (one copy into the frame); replies come back as bytearrays (``torch.frombuffer``).
     ``addr``: ``HOST:PORT`` or ``oasis-rt://HOST:PORT`` (TCP), ``oasis-rt+ucx://HOST:PORT`` (UCX;
-    ``ConfigError`` with ``.code == "ucx_unavailable"`` where libucp cannot be loaded)."""
+    ``ConfigError`` with ``.code == "ucx_unavailable"`` where libucp cannot be loaded). Over UCX
+    ``read_blocks`` reads the block bytes from the daemon's registered memory by RMA (``rma``)."""
 
     def __new__(
         cls,
@@ -141,6 +142,7 @@ class RtClient:
         timeout_s: float = 30.0,
         connect_timeout_s: float = 5.0,
         max_frame: int | None = None,
+        rma: bool = True,
     ) -> RtClient: ...
     def stage_blocks(
         self,
@@ -201,6 +203,9 @@ class RtClient:
     @property
     def transport(self) -> str:
         """``"tcp"`` or ``"ucx"``."""
+    @property
+    def rma(self) -> bool:
+        """Whether ``read_blocks`` reads the bytes by RMA (UCX, and ``rma=True``)."""
     @property
     def timeout_s(self) -> float:
         """The deadline of every call, in seconds."""

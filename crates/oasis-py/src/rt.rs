@@ -24,6 +24,10 @@
 //! reply), and runs under `catch_unwind`: no panic crosses into Python. Errors become the
 //! `oasiskv.errors.Remote*` classes (each carries `.code`, the protocol's error name).
 //!
+//! **RMA.** Over UCX, `read_blocks` reads the block bytes straight from the daemon's registered
+//! memory (`ReadBlocksRma`: the reply names ranges, this client `get`s them and acknowledges)
+//! unless the client was made with `rma=False`; the result is the same.
+//!
 //! **Bytes.** Staging takes a contiguous CPU torch tensor (read in place through its data
 //! pointer) or any C-contiguous buffer (`bytes`, `bytearray`, `memoryview`, numpy): one copy
 //! into a frame-sized buffer per call, sliced per block without further copies, then the
@@ -421,6 +425,8 @@ pub struct PyRtClient {
     label: String,
     endpoint: Endpoint,
     timeout: Duration,
+    /// Read blocks by RMA when the connection offers it.
+    use_rma: bool,
 }
 
 impl PyRtClient {
@@ -481,7 +487,7 @@ impl PyRtClient {
     /// `RemoteAuthError` (missing or wrong token), `ConfigError` (bad timeouts or address; a
     /// UCX address where libucp cannot be loaded, `.code == "ucx_unavailable"`).
     #[new]
-    #[pyo3(signature = (addr, token = None, timeout_s = 30.0, connect_timeout_s = 5.0, max_frame = None))]
+    #[pyo3(signature = (addr, token = None, timeout_s = 30.0, connect_timeout_s = 5.0, max_frame = None, rma = true))]
     fn new(
         py: Python<'_>,
         addr: String,
@@ -489,6 +495,7 @@ impl PyRtClient {
         timeout_s: f64,
         connect_timeout_s: f64,
         max_frame: Option<u32>,
+        rma: bool,
     ) -> PyResult<Self> {
         let timeout = check_timeout(py, "timeout_s", timeout_s)?;
         let connect_timeout = check_timeout(py, "connect_timeout_s", connect_timeout_s)?;
@@ -560,6 +567,7 @@ impl PyRtClient {
             label,
             endpoint,
             timeout,
+            use_rma: rma,
         })
     }
 
@@ -772,6 +780,8 @@ impl PyRtClient {
     /// entry's length (0 when it failed), and per entry `None` or the error's code name
     /// (`"unknown_request"`, `"missing_block"`, ...): entries fail one by one.
     ///
+    /// Over UCX the bytes are read by RMA (see [`PyRtClient::rma`]); the answer is the same.
+    ///
     /// Raises `InvalidArgumentError` when the reply would pass the frame limit (fewer keys).
     fn read_blocks<'py>(
         &self,
@@ -797,8 +807,13 @@ impl PyRtClient {
                 head,
             });
         }
+        let use_rma = self.use_rma;
         let entries = self.call(py, "read_blocks", move |rt, c| {
-            rt.block_on(c.read_blocks(ks))
+            if use_rma && c.rma() {
+                rt.block_on(c.read_blocks_rma(ks))
+            } else {
+                rt.block_on(c.read_blocks(ks))
+            }
         })?;
         let mut parts = Vec::with_capacity(entries.len());
         let mut lens = Vec::with_capacity(entries.len());
@@ -902,6 +917,13 @@ impl PyRtClient {
     #[getter]
     fn transport(&self) -> &'static str {
         self.endpoint.kind.name()
+    }
+
+    /// Whether `read_blocks` reads by RMA (a UCX connection to a daemon that offers it, and
+    /// `rma=True`).
+    #[getter]
+    fn rma(&self) -> bool {
+        self.use_rma && self.lock().client.as_ref().is_some_and(Client::rma)
     }
 
     #[getter]
