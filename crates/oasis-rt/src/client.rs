@@ -404,21 +404,30 @@ impl<C: RmaConnection> Client<C> {
         reply: &BlocksRma,
     ) -> Result<Vec<std::result::Result<Bytes, ErrorCode>>> {
         let conn = self.conn.as_mut().ok_or(Error::Closed)?;
+        // The decoder checked every range against its region; the connection checks them
+        // again before the transport sees them. All in flight together.
+        let ranges: Vec<_> = reply
+            .entries
+            .iter()
+            .flat_map(|e| e.iter().flatten())
+            .map(|r| {
+                (
+                    reply.regions[r.region as usize].clone(),
+                    r.offset,
+                    u64::from(r.len),
+                )
+            })
+            .collect();
+        let mut got = conn.get_many(ranges).await?.into_iter();
         let mut out = Vec::with_capacity(reply.entries.len());
         for e in &reply.entries {
             match e {
                 Err(code) => out.push(Err(*code)),
                 Ok(ranges) => {
-                    let mut parts = Vec::with_capacity(ranges.len());
-                    for r in ranges {
-                        // The decoder checked the range against its region; `get` checks it
-                        // again before UCX sees it.
-                        let region = &reply.regions[r.region as usize];
-                        parts.push(conn.get(region, r.offset, r.len.into()).await?);
-                        self.bytes_received += u64::from(r.len);
-                    }
+                    let parts: Vec<Bytes> = got.by_ref().take(ranges.len()).collect();
+                    self.bytes_received += parts.iter().map(|p| p.len() as u64).sum::<u64>();
                     out.push(Ok(match parts.len() {
-                        1 => parts.pop().unwrap_or_default(),
+                        1 => parts.into_iter().next().unwrap_or_default(),
                         // A head's K rows then its V rows, as ReadBlocks returns them.
                         _ => Bytes::from(parts.concat()),
                     }));

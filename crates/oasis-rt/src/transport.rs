@@ -65,17 +65,15 @@ pub trait RmaConnection: Connection {
     /// Whether [`RmaConnection::get`] can work on this connection (false over TCP).
     fn can_rma(&self) -> bool;
 
-    /// Read `len` bytes at `offset` of the peer's `region`, after checking the range against
-    /// it ([`RemoteRegion::check`]).
+    /// Read each `(region, offset, len)` of the peer's memory, all in flight together, after
+    /// checking every range against its region ([`RemoteRegion::check`]); one buffer each.
     ///
     /// # Errors
     /// [`Error::Unavailable`] where the transport cannot; the range checks; transport errors.
-    fn get(
+    fn get_many(
         &mut self,
-        region: &RemoteRegion,
-        offset: u64,
-        len: u64,
-    ) -> impl Future<Output = Result<Bytes>> + Send;
+        ranges: Vec<(RemoteRegion, u64, u64)>,
+    ) -> impl Future<Output = Result<Vec<Bytes>>> + Send;
 }
 
 /// A registration's eventual answer.
@@ -347,7 +345,7 @@ impl RmaConnection for TcpConnection {
         false
     }
 
-    async fn get(&mut self, _: &RemoteRegion, _: u64, _: u64) -> Result<Bytes> {
+    async fn get_many(&mut self, _: Vec<(RemoteRegion, u64, u64)>) -> Result<Vec<Bytes>> {
         Err(Error::Unavailable(
             "rma reads need the ucx transport".into(),
         ))
@@ -363,11 +361,11 @@ impl RmaConnection for AnyConnection {
         }
     }
 
-    async fn get(&mut self, region: &RemoteRegion, offset: u64, len: u64) -> Result<Bytes> {
+    async fn get_many(&mut self, ranges: Vec<(RemoteRegion, u64, u64)>) -> Result<Vec<Bytes>> {
         match self {
-            AnyConnection::Tcp(c) => c.get(region, offset, len).await,
+            AnyConnection::Tcp(c) => c.get_many(ranges).await,
             #[cfg(feature = "ucx")]
-            AnyConnection::Ucx(c) => RmaConnection::get(c, region, offset, len).await,
+            AnyConnection::Ucx(c) => RmaConnection::get_many(c, ranges).await,
         }
     }
 }

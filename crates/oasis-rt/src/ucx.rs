@@ -455,8 +455,53 @@ impl RmaConnection for UcxConnection {
         true
     }
 
-    async fn get(&mut self, region: &RemoteRegion, offset: u64, len: u64) -> Result<Bytes> {
-        UcxConnection::get(self, region, offset, len).await
+    async fn get_many(&mut self, ranges: Vec<(RemoteRegion, u64, u64)>) -> Result<Vec<Bytes>> {
+        if self.closed {
+            return Err(Error::Closed);
+        }
+        // Check every range before the first get is queued.
+        let mut addrs = Vec::with_capacity(ranges.len());
+        for (region, offset, len) in &ranges {
+            addrs.push(region.check(*offset, *len)?);
+        }
+        let mut pending = Vec::with_capacity(ranges.len());
+        for ((region, _, len), addr) in ranges.into_iter().zip(addrs) {
+            if len == 0 {
+                pending.push(None);
+                continue;
+            }
+            let (reply, rx) = oneshot::channel();
+            self.worker.submit(Cmd::Get {
+                conn: self.id,
+                rkey: region.rkey,
+                addr,
+                len: len as usize,
+                reply,
+            })?;
+            pending.push(Some(rx));
+        }
+        // One deadline for the batch (the gets overlap). A get left behind completes into its
+        // own buffer, which the thread frees.
+        let after = self.io_timeout;
+        let deadline = tokio::time::Instant::now() + after;
+        let mut out = Vec::with_capacity(pending.len());
+        for rx in pending {
+            let Some(rx) = rx else {
+                out.push(Bytes::new());
+                continue;
+            };
+            match tokio::time::timeout_at(deadline, rx).await {
+                Err(_) => {
+                    return Err(Error::Timeout {
+                        op: "rma get",
+                        after,
+                    })
+                }
+                Ok(Err(_)) => return Err(Error::Closed),
+                Ok(Ok(r)) => out.push(r?),
+            }
+        }
+        Ok(out)
     }
 }
 
