@@ -165,11 +165,13 @@ def test_presets_carry_the_published_sizes():
     assert round(dense.num_parameters / 1e9, 1) == 32.8 and not dense.is_moe
     assert dense.active_parameters == dense.num_parameters
     assert preset_config("tiny-moe").is_moe and "tiny-moe" in PRESETS
-    # tp divides the 235B's heads and expert width up to its 4 KV heads (KV heads are never
-    # replicated): TP8 needs KV-head replication, not done yet
+    # tp divides the 235B's heads and expert width; past its 4 KV heads they are replicated: at
+    # the paper's TP8 each rank holds one KV head (of two ranks) and 8 query heads
     assert tp_config(big, 4).moe_intermediate_size == 384
-    with pytest.raises(ConfigError, match="num_key_value_heads=4 not divisible by tp=8"):
-        tp_config(big, 8)
+    tp8 = tp_config(big, 8)
+    assert (tp8.num_key_value_heads, tp8.num_attention_heads, tp8.moe_intermediate_size) == (1, 8, 192)
+    with pytest.raises(ConfigError, match="num_key_value_heads=4"):
+        tp_config(big, 6)
 
 
 transformers = pytest.importorskip("transformers")

@@ -14,9 +14,9 @@ import torch
 
 from fakes import pools_are_full, prompt
 from oasiskv import KvConfig, LLMEngine, SamplingParams
-from oasiskv.errors import ConfigError, OutOfBlocksError, RankFailedError
+from oasiskv.errors import ConfigError, OutOfBlocksError, RankFailedError, TensorParallelError
 from oasiskv.models.config import ModelConfig
-from oasiskv.models.tp import TPCausalLM, shard_hf_tensor, tp_config, vocab_shard
+from oasiskv.models.tp import TPCausalLM, kv_replicas, shard_hf_tensor, tp_config, valid_tp_sizes, vocab_shard
 from oasiskv.models.transformer import CausalLM, dense_causal_attn
 from oasiskv.parallel import TPGroup, TPLLMEngine, run_tp
 
@@ -272,8 +272,8 @@ def test_bench_serve_tp2_sweeps_on_the_cpu(tmp_path, capsys):
     for r in rep["rows"]:
         assert r["requests"] == 3 and r["output_tokens"] == 15 and r["tokens_per_s"] > 0
         assert r["ttft_p50_s"] > 0 and r["tpot_p50_s"] > 0
-    assert bench.main(["--in-process", "tiny-moe", "--tp", "4", *sweep, *engine, "--json", ""]) == 2
-    assert "num_key_value_heads=2 not divisible by tp=4" in capsys.readouterr().err
+    assert bench.main(["--in-process", "tiny-moe", "--tp", "3", *sweep, *engine, "--json", ""]) == 2
+    assert "num_attention_heads=4" in capsys.readouterr().err
     assert bench.main(["--endpoint", "http://127.0.0.1:1", "--tp", "2", *sweep]) == 2
     assert "use it with --in-process or --fig11" in capsys.readouterr().err
 
@@ -297,15 +297,237 @@ def test_bench_fig11_tp2_on_the_cpu(tmp_path):
     assert rows["oasis"]["fetched_bytes_per_step"] > 0 and rows["dense"]["fetched_bytes_per_step"] is None
 
 
+# ------------------------------------------------------------------ KV-head replication (TP=4)
+#: Two KV heads at TP=4 (the 235B's 4 at TP8, halved twice): each KV head on two ranks, each of
+#: those with 2 of its 4 query heads; the MoE twin's experts 16 columns a rank.
+REP_CFG = CFG.replace(num_key_value_heads=2)
+REP_MOE_CFG = MOE_CFG.replace(num_key_value_heads=2)
+#: The OasisKV engines compared under replication: the default selection, and the current
+#: query's scores beside the lookahead's on the 2-bit key codes (both score paths reduced).
+REP_MODES = {
+    "dense": dict(backend="dense"),
+    "oasis": dict(backend="oasis"),
+    "oasis-current-codes": dict(backend="oasis", select_queries="lookahead+current", block_score="codes"),
+}
+
+
+def _rep_engine(model, mode: str, cls=LLMEngine):
+    opts = dict(REP_MODES[mode])
+    backend = opts.pop("backend")
+    return cls(model, backend=backend, kv=KvConfig(**KV, **opts), **ENGINE)
+
+
+def _rep_drive(eng) -> dict:
+    """Tokens, finish reason, sparse steps, bytes fetched and lookahead recall of every request
+    (the last two of the driver's KV heads under TP)."""
+    ids = [eng.add_request(p, sp) for p, sp in _requests()]
+    outs = eng.run_to_completion(ids)
+    return {
+        rid: (
+            o.token_ids,
+            o.finish_reason,
+            o.metrics.sparse_steps,
+            o.metrics.fetched_bytes_total,
+            o.metrics.lookahead_recall,
+        )
+        for rid, o in outs.items()
+    }
+
+
+#: (config, mode) of the engines run at TP=4, and the blocks the score test scores.
+REP_RUNS = [("dense", mode) for mode in REP_MODES] + [("moe", "oasis")]
+SCORE_BLOCKS = 23
+
+
+def _replicated_job(group):
+    """The driver's outputs of each of ``REP_RUNS``, what every rank held, and the scores of
+    :func:`_score_job` (one spawn of 4 ranks for both tests: starting them is most of the time)."""
+    return {"runs": _replicated_runs(group, REP_RUNS), "scores": _score_job(group, SCORE_BLOCKS)}
+
+
+@pytest.fixture(scope="module")
+def replicated():
+    return run_tp(_replicated_job, tp=4, timeout_s=120)
+
+
+def _replicated_runs(group, runs):
+    """``runs``: (config name, mode) pairs; the driver's outputs of each, every rank's shape."""
+    cfgs = {"dense": REP_CFG, "moe": REP_MOE_CFG}
+    models, out = {}, {}
+    for name, mode in runs:
+        if name not in models:
+            models[name] = TPCausalLM.random(cfgs[name], seed=SEED, group=group)
+        eng = _rep_engine(models[name], mode, TPLLMEngine)
+        if eng.is_driver:
+            try:
+                got = _rep_drive(eng)
+            finally:
+                eng.shutdown()
+        else:
+            eng.worker_loop()
+            got = None
+        e = eng.engine
+        out[name, mode] = (
+            got,
+            e.geo.num_kv_heads,
+            e.geo.num_qo_heads,
+            e.score_reduce is not None,
+            pools_are_full(eng),
+        )
+    return out
+
+
+def test_kv_head_replication_tp4_tokens_equal_tp1(replicated):
+    """2 KV heads over 4 gloo ranks: each KV head on two ranks, each with half of its query heads.
+    The greedy tokens equal one process's with the dense backend, with OasisKV (the long requests
+    turn sparse and fetch blocks under a budget of 4 of their 10-13 blocks) and with OasisKV
+    choosing by the lookahead and current queries on key codes; and the same for OasisKV on a
+    Qwen3-MoE model. Every rank reduces its scores (lookahead, current, and the recall's exact
+    top-K); the driver's metrics are of its own KV head."""
+    ranks = [rank["runs"] for rank in replicated]
+    full = {"dense": CausalLM.random(REP_CFG, seed=SEED), "moe": CausalLM.random(REP_MOE_CFG, seed=SEED)}
+    for name, mode in REP_RUNS:
+        want = _rep_drive(_rep_engine(full[name], mode))
+        got = ranks[0][name, mode][0]
+        assert got.keys() == want.keys()
+        for rid in want:
+            tokens, reason, sparse, fetched, recall = got[rid]
+            assert (tokens, reason) == want[rid][:2], (name, mode, rid)
+            assert sparse == want[rid][2], (name, mode, rid)
+            if mode != "dense":  # the driver fetches for its one KV head, one process for both
+                assert fetched <= want[rid][3] and (fetched > 0) == (sparse > 0), (name, mode, rid)
+                assert (recall is None) == (want[rid][4] is None), (name, mode, rid)  # its head's only
+        for rank in ranks:
+            _, kv_heads, qo_heads, reduces, full_again = rank[name, mode]
+            assert (kv_heads, qo_heads, reduces, full_again) == (1, 2, True, True), (name, mode)
+        if mode != "dense":
+            stats = list(got.values())
+            assert sum(s[2] > 0 for s in stats) == 2 and all(s[3] > 0 for s in stats if s[2] > 0), stats
+
+
+def _score_job(group, n_blocks):
+    """This rank's partial scores of the blocks for its KV head's replica group (Quest and key
+    codes), reduced over the replicas; the summaries, codes and queries drawn alike everywhere."""
+    from oasiskv import ops
+
+    hq, hkv, d, bs = 8, 2, 32, 16
+    rep, per = group.size // hkv, hq // group.size
+    gen = torch.Generator().manual_seed(5)
+    k = torch.randn(n_blocks, hkv, bs, d, generator=gen)
+    q = torch.randn(3, hq, d, generator=gen)
+    head, qs = group.rank // rep, slice(group.rank * per, (group.rank + 1) * per)
+    geo = ops.KvGeometry(per, 1, d, bs)
+    k_mine = k[:, head : head + 1].contiguous()
+    summaries = torch.stack([k_mine.amin(2), k_mine.amax(2)], dim=2).contiguous()
+    codes = ops.empty_key_codes(geo, n_blocks)
+    ops.build_key_codes(geo, k_mine, summaries, torch.arange(n_blocks, dtype=torch.int32), codes)
+    indptr = torch.tensor([0, 10, 10, n_blocks], dtype=torch.int32)
+    indices = torch.arange(n_blocks, dtype=torch.int32).flip(0).contiguous()
+    q_mine = q[:, qs].contiguous()
+    reduce = group.replica_sum(rep)
+    out = {}
+    for name, partial in (
+        ("quest", ops.score_blocks(geo, q_mine, summaries, indptr, indices)),
+        ("codes", ops.score_blocks_codes(geo, q_mine, summaries, codes, indptr, indices)),
+    ):
+        out[name] = (partial, reduce(partial))
+    return out
+
+
+def test_replica_score_sum_equals_tp1_scores(replicated):
+    """Each of 4 ranks scores the blocks of its KV head (of 2) with its 2 of the head's 4 query
+    heads; summed over the head's two ranks the scores are one process's (f32 tolerance: the sum
+    is split in two), bit-identical on both replicas, and their top-K is one process's; the
+    partial scores alone would pick other blocks."""
+    from oasiskv import ops
+
+    n_blocks = SCORE_BLOCKS
+    ranks = [rank["scores"] for rank in replicated]
+    hq, hkv, d, bs = 8, 2, 32, 16
+    gen = torch.Generator().manual_seed(5)
+    k = torch.randn(n_blocks, hkv, bs, d, generator=gen)
+    q = torch.randn(3, hq, d, generator=gen)
+    geo = ops.KvGeometry(hq, hkv, d, bs)
+    summaries = torch.stack([k.amin(2), k.amax(2)], dim=2).contiguous()
+    codes = ops.empty_key_codes(geo, n_blocks)
+    ops.build_key_codes(geo, k, summaries, torch.arange(n_blocks, dtype=torch.int32), codes)
+    indptr = torch.tensor([0, 10, 10, n_blocks], dtype=torch.int32)
+    indices = torch.arange(n_blocks, dtype=torch.int32).flip(0).contiguous()
+    want = {
+        "quest": ops.score_blocks(geo, q, summaries, indptr, indices),
+        "codes": ops.score_blocks_codes(geo, q, summaries, codes, indptr, indices),
+    }
+    top = 4
+    for name, full in want.items():
+        full_top = ops.topk_blocks(hkv, full, indptr, top)
+        partial_differs = False
+        for rank, got in enumerate(ranks):
+            partial, reduced = got[name]
+            head = rank // 2
+            assert torch.equal(reduced, ranks[rank ^ 1][name][1]), (name, rank)  # same bits on both
+            torch.testing.assert_close(reduced[:, 0], full[:, head], atol=1e-5, rtol=1.3e-6)
+            assert torch.equal(ops.topk_blocks(1, reduced, indptr, top)[:, 0], full_top[:, head]), (
+                name,
+                rank,
+            )
+            own = ops.topk_blocks(1, partial, indptr, top)[:, 0]
+            partial_differs |= not torch.equal(own, full_top[:, head])
+        assert partial_differs, name
+
+
 # -------------------------------------------------------------------------- in one process
-def test_tp_config_needs_whole_kv_heads_per_rank():
+def test_tp_config_splits_or_replicates_kv_heads():
+    """tp divides the KV heads (whole heads a rank) or is a multiple of them (each head on
+    tp / Hkv ranks, one KV head a rank); it must divide the query heads and the MLP."""
     assert tp_config(CFG, 2).num_key_value_heads == 2
     assert tp_config(CFG, 4).num_attention_heads == 2
-    with pytest.raises(ConfigError, match="num_key_value_heads=4") as info:
-        tp_config(CFG, 8)
-    assert "use tp in [1, 2, 4]" in str(info.value)
+    wide = CFG.replace(num_attention_heads=16, intermediate_size=256)
+    assert (tp_config(wide, 8).num_key_value_heads, tp_config(wide, 8).num_attention_heads) == (1, 2)
+    assert (kv_replicas(wide, 8), kv_replicas(wide, 4), kv_replicas(wide, 2)) == (2, 1, 1)
+    assert valid_tp_sizes(wide) == [1, 2, 4, 8, 16]
+    assert (tp_config(CFG, 8).num_key_value_heads, kv_replicas(CFG, 8)) == (1, 2)
+    with pytest.raises(ConfigError, match="num_attention_heads=8") as info:
+        tp_config(CFG, 16)
+    assert "use tp in [1, 2, 4, 8]" in str(info.value)
     with pytest.raises(ConfigError, match="num_attention_heads=8, num_key_value_heads=4"):
         tp_config(CFG, 3)
+    six = CFG.replace(num_attention_heads=12, num_key_value_heads=4, intermediate_size=192)
+    with pytest.raises(ConfigError, match="num_key_value_heads=4") as info:
+        tp_config(six, 6)  # divides the query heads and the MLP, but 4 KV heads on 6 ranks?
+    assert "use tp in [1, 2, 4, 12]" in str(info.value)
+
+
+def test_replicated_kv_shards_are_whole_kv_heads():
+    """At tp=4 over 2 KV heads, ranks 0 and 1 hold KV head 0's K and V rows, ranks 2 and 3 head
+    1's, and each a different quarter of the query heads; TPCausalLM.random draws them."""
+    full = CausalLM.random(REP_CFG)
+    d = REP_CFG.head_dim
+    slots = full.hf_tensor_slots()
+    for r in range(4):
+        for name in ("self_attn.k_proj.weight", "self_attn.v_proj.weight"):
+            t = slots["model.layers.0." + name]
+            got = shard_hf_tensor(name, t, 4, r, num_kv_heads=2)
+            assert torch.equal(got, t[(r // 2) * d : (r // 2 + 1) * d]), (name, r)
+        q = slots["model.layers.0.self_attn.q_proj.weight"]
+        assert torch.equal(
+            shard_hf_tensor("self_attn.q_proj.weight", q, 4, r, 2), q[r * 2 * d : (r + 1) * 2 * d]
+        )
+        group = TPGroup(r, 4, torch.device("cpu"))  # no collective: no process group
+        want = TPCausalLM.from_full(full, group=group).state_dict()
+        got = TPCausalLM.random(REP_CFG, group=group).state_dict()
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    # The benchmark's per-rank init gives the replicas of a KV head the same K and V rows.
+    shards = [TPCausalLM.random_shards(REP_CFG, group=TPGroup(r, 4, torch.device("cpu"))) for r in range(4)]
+    kv = [
+        [s.hf_tensor_slots()["model.layers.1.self_attn." + n] for n in ("k_proj.weight", "v_proj.weight")]
+        for s in shards
+    ]
+    assert all(torch.equal(a, b) for a, b in zip(kv[0] + kv[2], kv[1] + kv[3], strict=True))
+    assert not torch.equal(kv[0][0], kv[2][0])
+    model = shards[1]
+    assert model.kv_replicas == 2 and model.score_reduce is not None
+    with pytest.raises(TensorParallelError, match="no process group"):
+        model.score_reduce(torch.zeros(3, 1))
 
 
 @pytest.mark.parametrize("tp", [2, 3])

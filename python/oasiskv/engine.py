@@ -682,6 +682,11 @@ class Engine:
         #: runs between each layer's delta selection and its gather and fills the host pool with
         #: planned blocks still held by the staging daemon.
         self.block_source = None
+        #: KV-head replication under tensor parallelism (:mod:`oasiskv.models.tp`): the model
+        #: shard's ``score_reduce`` sums each block's partial score ``[nnz, num_kv_heads]`` (this
+        #: rank's query heads of the KV head) over the ranks sharing the head, before every top-K,
+        #: so that they select the same blocks; None otherwise.
+        self.score_reduce = getattr(model, "score_reduce", None)
 
     # ---------------------------------------------------------------- pools
     @property
@@ -1546,11 +1551,14 @@ class Engine:
         return self._pred[layer]
 
     def _score(self, layer: int, q: torch.Tensor, csr) -> torch.Tensor:
-        """Block scores ``[nnz, num_kv_heads]`` of queries ``q`` under ``KvConfig.block_score``."""
+        """Block scores ``[nnz, num_kv_heads]`` of queries ``q`` under ``KvConfig.block_score``
+        (summed over the KV heads' replicas with :attr:`score_reduce`)."""
         p = self.pools
         if self.key_codes:
-            return ops.score_blocks_codes(self.geo, q, p.summaries[layer], p.codes[layer], *csr)
-        return ops.score_blocks(self.geo, q, p.summaries[layer], *csr)
+            scores = ops.score_blocks_codes(self.geo, q, p.summaries[layer], p.codes[layer], *csr)
+        else:
+            scores = ops.score_blocks(self.geo, q, p.summaries[layer], *csr)
+        return scores if self.score_reduce is None else self.score_reduce(scores)
 
     def _select_and_fetch(self, layer, q, slot_pages, blk_csr, host_csr, step, cap, k_budget, also=None):
         """Score the candidate blocks with ``q`` ([n, num_qo_heads, head_dim]), take the top-K per

@@ -4,6 +4,9 @@ OasisKV is head-parallel by construction: each rank of a tensor-parallel group h
 ``num_key_value_heads / tp`` heads, and with them their pools, tables, summaries and selection.
 No KV crosses ranks; the model's usual collectives (:mod:`oasiskv.models.tp`: two all-reduces a
 layer, one for the embedding, an all-gather of the logits) are the only traffic of a forward.
+With ``tp`` a multiple of the KV heads each KV head is held by ``tp / num_key_value_heads``
+ranks (replication), which also sum their block scores before each top-K
+(:meth:`TPGroup.replica_sum`) so that they select the same blocks.
 
 Three pieces:
 
@@ -129,6 +132,46 @@ class TPGroup:
         parts = [torch.empty_like(t) for _ in range(self.size)]
         self._run("all_gather", lambda: dist.all_gather(parts, t, group=self.group))
         return torch.cat(parts, dim=dim)
+
+    def replica_sum(self, replicas: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A function summing a tensor over this rank's *replicas*: the ``replicas`` consecutive
+        ranks ``r - r % replicas ..`` that hold the same KV head (KV-head replication, ``tp`` a
+        multiple of the KV heads). It all-gathers the members' tensors (same shape everywhere) on
+        a process group of the replicas and adds them in rank order, so every member gets the same
+        bits (an all-reduce may not promise that, and the replicas must select the same blocks).
+        A tensor with no elements is returned as it is.
+
+        Collective: every rank of the group calls it, in the same order (it creates a process
+        group per set of replicas, with the group's backend: NCCL for scores on the GPU)."""
+        if not isinstance(replicas, int) or replicas < 1 or self.size % replicas:
+            raise ConfigError(f"replicas must divide the group's {self.size} ranks, got {replicas!r}")
+        if replicas == 1:
+            return lambda t: t
+        sub = None
+        if self.group is not None:
+            timeout = datetime.timedelta(seconds=self.timeout_s)
+            for first in range(0, self.size, replicas):
+                ranks = list(range(first, first + replicas))
+                pg = self._run("new_group", lambda ranks=ranks: dist.new_group(ranks, timeout=timeout))
+                if self.rank in ranks:
+                    sub = pg
+
+        def reduce(t: torch.Tensor) -> torch.Tensor:
+            if t.numel() == 0:
+                return t
+            if sub is None:
+                raise TensorParallelError(
+                    f"rank {self.rank}: this TPGroup has no process group (made without torch.distributed); "
+                    "join one with init_tp or run_tp"
+                )
+            parts = [torch.empty_like(t) for _ in range(replicas)]
+            self._run("all_gather of block scores", lambda: dist.all_gather(parts, t.contiguous(), group=sub))
+            out = parts[0]
+            for part in parts[1:]:
+                out = out + part
+            return out
+
+        return reduce
 
     # ---------------------------------------------------------------- the control plane (gloo)
     def broadcast_object(self, obj=None, src: int = 0):
@@ -602,8 +645,10 @@ class TPLLMEngine:
     per group at a time (the ranks' commands share the group's control channel).
 
     **What each rank owns.** Its engine (:attr:`engine`) holds the pools, block tables,
-    summaries, head-wise mapping and selection of its ``num_key_value_heads / tp`` KV heads;
-    the runtime of every rank plans the same steps (same geometry, same caps).
+    summaries, head-wise mapping and selection of its ``num_key_value_heads / tp`` KV heads (one,
+    shared with the other replicas of that head, when ``tp`` exceeds them: the engine then sums its
+    block scores over the replicas, ``Engine.score_reduce``); the runtime of every rank plans the
+    same steps (same geometry, same caps).
 
     **What is decided once.** Admission, which requests prefill and decode in a step, sampling,
     the drafter's lookahead tokens and the dense -> sparse transitions are the driver's

@@ -20,12 +20,25 @@ norms, RoPE                     replicated                       -
 
 ``Vs = ceil(V / tp)``; the last shard is padded with zero rows, whose logits are dropped after
 the gather. Query head ``g`` of a rank uses its KV head ``g // (Hq / Hkv)``, as in one process,
-because each rank holds whole GQA groups. Every rank therefore holds the full residual stream
-[n, h] (replicated) and the K/V of only its KV heads: the engine of a rank
+because each rank holds whole GQA groups.
+
+**KV-head replication** (``tp > Hkv``, ``tp`` a multiple of ``Hkv``; Qwen3-235B-A22B's 4 KV heads
+at TP8), as vLLM does it: each KV head lives on ``R = tp / Hkv`` consecutive ranks (its
+*replicas*), rank ``r`` holding KV head ``r // R`` (the K and V rows of that head, copied) and its
+own ``Hq / tp`` query heads, a different slice of that head's GQA group on each replica. The dense
+attention needs nothing more. OasisKV scores each block per KV head as a sum over the group's
+query heads (``ops.score_blocks``, ``score_blocks_codes``), so a replica's score is a partial sum:
+:attr:`TPCausalLM.score_reduce` sums the ``[nnz, 1]`` scores over the replicas (an all-gather on
+a process group of the replicas, added in rank order, so that every replica gets the same bits)
+and the engine applies it before top-K (:attr:`oasiskv.engine.Engine.score_reduce`): the replicas
+select the same blocks, the ones one process selects.
+
+Every rank holds the full residual stream [n, h] (replicated) and the K/V of only its KV heads
+(a replicated head's in full on each of its replicas): the engine of a rank
 (:class:`~oasiskv.parallel.TPLLMEngine`) sees a model whose ``config`` has ``Hq/tp`` query
-heads, ``Hkv/tp`` KV heads and ``I/tp`` MLP columns (``I'/tp`` per expert), and sizes its
-pools, summaries and selection by that. ``config.vocab_size`` stays the full vocabulary (logits
-are gathered); ``full_config`` is the model's own.
+heads, ``Hkv/tp`` KV heads (1 under replication) and ``I/tp`` MLP columns (``I'/tp`` per
+expert), and sizes its pools, summaries and selection by that. ``config.vocab_size`` stays the
+full vocabulary (logits are gathered); ``full_config`` is the model's own.
 
 **Mixture of experts** (Qwen3-MoE, ``I' = moe_intermediate_size``): the experts are
 tensor-parallel, every rank holding a slice of every expert, not expert-parallel (whole experts
@@ -52,45 +65,65 @@ from oasiskv.models.config import ModelConfig
 from oasiskv.models.transformer import CausalLM
 
 
-def _divisors(*xs: int) -> list[int]:
-    g = math.gcd(*xs)
-    return [d for d in range(1, g + 1) if g % d == 0]
-
-
-def tp_config(cfg: ModelConfig, tp: int) -> ModelConfig:
-    """The config one rank's shard runs with: ``num_attention_heads``, ``num_key_value_heads``,
-    ``intermediate_size`` and (mixture of experts) ``moe_intermediate_size`` divided by ``tp``; the
-    vocabulary, head_dim, the number of experts and the rest unchanged.
-
-    Raises :class:`ConfigError` when ``tp`` does not divide the query heads, the KV heads and the
-    MLP widths (each rank owns whole KV heads and the query heads that read them; KV heads are
-    never replicated), naming the sizes that work. A model whose every layer is a mixture of
-    experts has no dense MLP: its ``intermediate_size`` is not checked (and kept when ``tp`` does
-    not divide it).
-    """
-    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-        raise ConfigError(f"tp must be an int >= 1, got {tp!r}")
-    sizes = {
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-    }
-    dense_mlp = not all(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-    if dense_mlp:
+def _split_sizes(cfg: ModelConfig) -> dict[str, int]:
+    """The sizes ``tp`` must divide: the query heads and the MLP widths (the dense one only where
+    a dense layer exists)."""
+    sizes = {"num_attention_heads": cfg.num_attention_heads}
+    if not all(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers)):
         sizes["intermediate_size"] = cfg.intermediate_size
     if cfg.is_moe:
         sizes["moe_intermediate_size"] = cfg.moe_intermediate_size
-    bad = [f"{k}={v}" for k, v in sizes.items() if v % tp]
+    return sizes
+
+
+def _kv_heads_split(hkv: int, tp: int) -> bool:
+    """Whether ``tp`` ranks can share ``hkv`` KV heads: whole heads each (``tp`` divides ``hkv``)
+    or each head on ``tp / hkv`` replicas (``hkv`` divides ``tp``)."""
+    return hkv % tp == 0 or tp % hkv == 0
+
+
+def valid_tp_sizes(cfg: ModelConfig) -> list[int]:
+    """Every ``tp`` :func:`tp_config` accepts for ``cfg``, ascending."""
+    g = math.gcd(*_split_sizes(cfg).values())
+    return [t for t in range(1, g + 1) if g % t == 0 and _kv_heads_split(cfg.num_key_value_heads, t)]
+
+
+def kv_replicas(cfg: ModelConfig, tp: int) -> int:
+    """How many ranks hold each KV head at ``tp``: ``tp / num_key_value_heads`` when ``tp`` exceeds
+    the KV heads (replication), else 1."""
+    return max(1, tp // cfg.num_key_value_heads)
+
+
+def tp_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The config one rank's shard runs with: ``num_attention_heads``, ``intermediate_size`` and
+    (mixture of experts) ``moe_intermediate_size`` divided by ``tp``, ``num_key_value_heads`` by
+    ``tp`` too, or 1 when ``tp`` exceeds it (each KV head then on ``tp / num_key_value_heads``
+    ranks, :func:`kv_replicas`); the vocabulary, head_dim, the number of experts and the rest
+    unchanged.
+
+    Raises :class:`ConfigError` when ``tp`` does not divide the query heads and the MLP widths, or
+    neither divides nor is a multiple of the KV heads, naming the sizes that work. A model whose
+    every layer is a mixture of experts has no dense MLP: its ``intermediate_size`` is not
+    checked (and kept when ``tp`` does not divide it).
+    """
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ConfigError(f"tp must be an int >= 1, got {tp!r}")
+    hkv = cfg.num_key_value_heads
+    bad = [f"{k}={v}" for k, v in _split_sizes(cfg).items() if v % tp]
+    if not _kv_heads_split(hkv, tp):
+        bad.append(f"num_key_value_heads={hkv}")
     if bad:
         raise ConfigError(
-            f"tensor parallelism gives each rank whole KV heads, its query heads and a slice of the MLP: "
-            f"{', '.join(bad)} not divisible by tp={tp}; use tp in {_divisors(*sizes.values())}"
+            f"tensor parallelism gives each rank its query heads, whole KV heads (or one KV head shared "
+            f"by tp / num_key_value_heads ranks) and a slice of the MLP: {', '.join(bad)} not divisible "
+            f"by tp={tp} (nor the KV heads a divisor of it); use tp in {valid_tp_sizes(cfg)}"
         )
     if tp == 1:
         return cfg
     inter = cfg.intermediate_size
     return cfg.replace(
         num_attention_heads=cfg.num_attention_heads // tp,
-        num_key_value_heads=cfg.num_key_value_heads // tp,
+        num_key_value_heads=max(1, hkv // tp),
         intermediate_size=inter // tp if inter % tp == 0 else inter,
         moe_intermediate_size=cfg.moe_intermediate_size // tp,
         head_dim=cfg.head_dim,
@@ -113,6 +146,8 @@ _ROWS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj
 _ROWS += (".gate_proj.weight", ".up_proj.weight")
 _COLS = ("self_attn.o_proj.weight", ".down_proj.weight")
 _VOCAB = ("model.embed_tokens.weight", "lm_head.weight")
+#: The key and value projections: whole KV heads per rank, replicated when tp exceeds them.
+_KV_ROWS = ("self_attn.k_proj.weight", "self_attn.v_proj.weight")
 
 
 def is_replicated(name: str) -> bool:
@@ -120,12 +155,23 @@ def is_replicated(name: str) -> bool:
     return name not in _VOCAB and not name.endswith(_ROWS + _COLS)
 
 
-def shard_hf_tensor(name: str, full: Tensor, tp: int, rank: int) -> Tensor:
+def shard_hf_tensor(name: str, full: Tensor, tp: int, rank: int, num_kv_heads: int | None = None) -> Tensor:
     """Rank ``rank``'s part of the full Hugging Face tensor ``name`` (a view where it can be one; the
     vocabulary shards of the last rank are a padded copy). Query, key and value rows are
-    head-major, so a row range is a range of heads."""
+    head-major, so a row range is a range of heads.
+
+    ``num_kv_heads`` (the model's) is needed for the key and value projections when ``tp``
+    exceeds it: rank ``r`` then gets the whole KV head ``r // (tp / num_kv_heads)``."""
     if tp == 1:
         return full
+    if num_kv_heads is not None and tp > num_kv_heads and name.endswith(_KV_ROWS):
+        n = full.shape[0]
+        if tp % num_kv_heads or n % num_kv_heads:
+            raise ShapeError(
+                f"tensor {name} has {n} rows: cannot give its {num_kv_heads} KV heads to tp={tp} ranks"
+            )
+        rows = n // num_kv_heads
+        return full.narrow(0, (rank // (tp // num_kv_heads)) * rows, rows)
     if name in _VOCAB:
         start, end, rows = vocab_shard(full.shape[0], tp, rank)
         part = full[start:end]
@@ -173,6 +219,12 @@ class TPCausalLM(CausalLM):
         self.full_config = cfg
         self.group = group
         self.tp_rank, self.tp_size = group.rank, group.size
+        #: Ranks holding each of this rank's KV heads (> 1: KV-head replication, tp > Hkv).
+        self.kv_replicas = kv_replicas(cfg, group.size)
+        #: Sums this rank's partial block scores ``[nnz, num_kv_heads]`` over the replicas of its KV
+        #: head (None without replication); the engine applies it before top-K.
+        #: NOTE: made here because it creates process groups, a collective of every rank.
+        self.score_reduce = group.replica_sum(self.kv_replicas) if self.kv_replicas > 1 else None
         self.vocab_start, self.vocab_end, rows = vocab_shard(cfg.vocab_size, group.size, group.rank)
         if group.size > 1:
             kw = {"dtype": dtype, "device": device}
@@ -220,7 +272,9 @@ class TPCausalLM(CausalLM):
                 t = tensors.get(name)
                 if t is None:
                     continue
-                part = shard_hf_tensor(name, t, self.tp_size, self.tp_rank)
+                part = shard_hf_tensor(
+                    name, t, self.tp_size, self.tp_rank, self.full_config.num_key_value_heads
+                )
                 if tuple(part.shape) != tuple(dst.shape):
                     raise ShapeError(
                         f"tensor {name} has shape {tuple(t.shape)}: its shard {tuple(part.shape)} does not "
@@ -256,13 +310,14 @@ class TPCausalLM(CausalLM):
         shapes = {n: t.shape for n, t in CausalLM(cfg, dtype=dtype, device="meta").hf_tensor_slots().items()}
         slots = model.hf_tensor_slots()
         gen = torch.Generator().manual_seed(seed)
+        hkv = cfg.num_key_value_heads
         with torch.no_grad():
             for name in sorted(shapes):  # CausalLM.random's order
                 if name.endswith("norm.weight"):
                     vals = 1.0 + 0.1 * torch.randn(shapes[name], generator=gen)
                 else:
                     vals = std * torch.randn(shapes[name], generator=gen)
-                slots[name].copy_(shard_hf_tensor(name, vals, model.tp_size, model.tp_rank))
+                slots[name].copy_(shard_hf_tensor(name, vals, model.tp_size, model.tp_rank, hkv))
         return model
 
     @classmethod
@@ -281,22 +336,29 @@ class TPCausalLM(CausalLM):
         For benchmarks of large shapes: seconds for Qwen3-235B-A22B over 8 GPUs, where
         :meth:`random` draws every full tensor on the CPU on every rank (hours). The sharded
         tensors come from a generator of this rank's own; the replicated ones (norms, the MoE
-        router) from one seeded alike on every rank, so that they agree. The model is NOT
+        router) from one seeded alike on every rank, so that they agree, and a replicated KV head's
+        key and value rows from one seeded by the head, alike on its replicas. The model is NOT
         ``CausalLM.random``'s, nor the same at another ``tp``: use :meth:`random` or
         :meth:`from_full` where tokens are compared."""
         model = cls(cfg, dtype=dtype, device=device, group=group)
         dev = model.device
         shared = torch.Generator(device=dev).manual_seed(seed)
         own = torch.Generator(device=dev).manual_seed(seed + 7919 * (model.tp_rank + 1))
+        rep = model.kv_replicas
+        head = torch.Generator(device=dev).manual_seed(seed + 104729 * (model.tp_rank // rep + 1))
         with torch.no_grad():
             for name, t in sorted(model.hf_tensor_slots().items()):
                 if name.endswith("norm.weight"):
                     t.fill_(1.0)
+                elif rep > 1 and name.endswith(_KV_ROWS):
+                    t.normal_(0.0, std, generator=head)
                 else:
                     t.normal_(0.0, std, generator=shared if is_replicated(name) else own)
         return model
 
     def extra_repr(self) -> str:
-        return f"tp_rank={self.tp_rank}/{self.tp_size}, vocab=[{self.vocab_start}, {self.vocab_end}), " + (
-            super().extra_repr()
+        rep = f"kv_replicas={self.kv_replicas}, " if self.kv_replicas > 1 else ""
+        return (
+            f"tp_rank={self.tp_rank}/{self.tp_size}, {rep}vocab=[{self.vocab_start}, {self.vocab_end}), "
+            + (super().extra_repr())
         )
