@@ -488,7 +488,7 @@ def test_a_large_pinned_host_pool_growth_is_announced(monkeypatch, caplog):
     real_grown = eng_mod._grown
     pinned = []
 
-    def fake_grown(old, rows, dim=0, fill=0, pin=False):
+    def fake_grown(old, rows, dim=0, fill=0, pin=False, numa_node=None):
         pinned.append(pin)
         return real_grown(old, rows, dim=dim, fill=fill, pin=False)
 

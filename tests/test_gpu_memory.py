@@ -54,3 +54,18 @@ def test_many_pools_back_to_back_register_and_release():
 def test_an_empty_tensor_needs_no_pages():
     t = pinned_full((0, 4), 0, torch.float16)
     assert t.shape == (0, 4)
+
+
+def test_pinned_full_on_the_gpus_numa_node():
+    """Where the machine shows the GPU's NUMA node, the pinned pages are on it (or, where mbind
+    is not allowed, wherever the kernel put them: still pinned and filled)."""
+    from oasiskv import memory
+
+    node = memory.device_numa_node("cuda")
+    if node is None:
+        pytest.skip("this machine shows no NUMA node for the GPU")
+    t = pinned_full((256, 1024), 3, torch.float32, numa_node=node)
+    assert t.is_pinned() and (t == 3).all()
+    _, probe = memory._page_aligned(1 << 20)
+    if memory.bind_to_numa_node(probe.ctypes.data, probe.nbytes, node):  # mbind allowed here
+        assert memory.numa_node_of_page(t.data_ptr()) == node

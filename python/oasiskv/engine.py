@@ -35,7 +35,7 @@ from . import _core, ops
 from .config import KvConfig
 from .drafters import Drafter
 from .errors import ConfigError, OutOfBlocksError
-from .memory import available_bytes, ensure_fits, pinned_full
+from .memory import available_bytes, device_numa_node, ensure_fits, pinned_full
 from .policy import SelectionPolicy
 
 log = logging.getLogger("oasiskv.engine")
@@ -285,6 +285,9 @@ class KvPools:
         self.host_pool = host_pool
         self.host_device = device if host_pool == "device" else torch.device("cpu")
         self.host_pin = device.type == "cuda" and host_pool != "device"
+        #: The NUMA node the pinned host pool's pages are placed on: the GPU's, where the machine
+        #: shows one (None: the kernel's default placement).
+        self.numa_node = device_numa_node(device) if self.host_pin else None
         pin, host_dev = self.host_pin, self.host_device
         # Empty pools first (every kernel takes a tensor, also of 0 rows); grow() fills them.
         self.k_pages = [torch.zeros(0, hk, b, d, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -369,7 +372,7 @@ class KvPools:
                 # In place, one layer at a time: the old layer is freed as soon as it is copied,
                 # so the growth peaks at the new pool plus one old layer.
                 for i, t in enumerate(tensors):
-                    tensors[i] = _grown(t, num_host_blocks, pin=self.host_pin)
+                    tensors[i] = _grown(t, num_host_blocks, pin=self.host_pin, numa_node=self.numa_node)
                     del t
                     if bar is not None:
                         bar.update()
@@ -400,13 +403,15 @@ class KvPools:
         return 2 * g.num_kv_heads * g.head_dim * self.dtype.itemsize + codes
 
 
-def _grown(old: torch.Tensor, rows: int, dim: int = 0, fill=0, pin: bool = False) -> torch.Tensor:
+def _grown(
+    old: torch.Tensor, rows: int, dim: int = 0, fill=0, pin: bool = False, numa_node: int | None = None
+) -> torch.Tensor:
     """``old`` with ``rows`` rows along ``dim``: its rows copied first, then ``fill``; on its own
-    device (in pinned CPU memory with ``pin``)."""
+    device (in pinned CPU memory with ``pin``, on NUMA node ``numa_node`` when given)."""
     shape = list(old.shape)
     shape[dim] = rows
     if pin:  # exactly its size: torch's pin_memory rounds up to a power of two
-        new = pinned_full(shape, fill, old.dtype)
+        new = pinned_full(shape, fill, old.dtype, numa_node=numa_node)
     else:
         new = torch.full(shape, fill, dtype=old.dtype, device=old.device)
     new.narrow(dim, 0, old.shape[dim]).copy_(old)
