@@ -43,8 +43,14 @@ def test_the_cpu_engine_never_waits():
     from oasiskv.models.transformer import CausalLM
 
     cfg = ModelConfig(
-        family="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=128,
-    )  # fmt: skip
+        family="llama",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+    )
     eng = Engine(CausalLM.random(cfg, seed=0), KvConfig(), "oasis", None)
     assert eng.transfer_wait() == (0.0, 0)
