@@ -16,6 +16,9 @@ local block, t's own, always counts), and the share of the attention they hold i
 * ``max``    -- sum over the group of the block's largest exact logit (needs every key);
 * ``best``   -- the K blocks of most attention (the ceiling of any score).
 
+``--sinks 1,2,4`` adds ``quest+sN`` and ``int2+sN``: the same scores with the first N blocks always
+taken (``KvConfig(sink_blocks=N)``: they take N of the K slots).
+
 Budgets are fractions of the context (``--budgets``). This is the question behind "better block
 scoring": on SmolLM2 the Quest-score top-K leaves 3-6.5 points of attention that the best K blocks
 hold (docs/EVAL.md, attention mass).
@@ -127,7 +130,10 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--sinks", default="", help="sink block counts N: also quest+sN and int2+sN")
     args = ap.parse_args()
+    sinks = [int(x) for x in args.sinks.split(",") if x.strip()]
+    names = list(SCORES) + [f"{base}+s{n}" for n in sinks for base in ("quest", "int2")]
     if args.threads:
         torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
@@ -139,7 +145,8 @@ def main() -> None:
     texts = corpus.heldout_texts(tok, args.context, args.texts, source="stdlib")
     span = args.context // 4
     positions = [args.context - 1 - (i * span) // args.queries for i in range(args.queries)]
-    held = {lab: {s: [] for s in SCORES} for lab in budgets}
+    held = {lab: {s: [] for s in names} for lab in budgets}
+    sink_mass: dict[int, list[float]] = {n: [] for n in sinks}  # attention on blocks 0..N-1 alone
     for text in texts:
         qs, ks = [], []
 
@@ -168,9 +175,15 @@ def main() -> None:
                 local = mass[:, nc:].sum(-1)  # t's own block
                 scores = block_scores(q, k[:, : nc * b], b, nc, group)
                 scores["best"] = mass[:, :nc]
+                for n in sinks:
+                    sink_mass[n].append(float(mass[:, : min(n, nc)].sum(-1).mean()))
+                    for base in ("quest", "int2"):
+                        forced = scores[base].clone()
+                        forced[:, :n] = math.inf  # the sinks, whatever their score
+                        scores[f"{base}+s{n}"] = forced
                 for lab, kk in budgets.items():
                     kk = min(kk, nc)
-                    for s in SCORES:
+                    for s in names:
                         top = scores[s].topk(kk, dim=-1).indices
                         held[lab][s].append(float((mass[:, :nc].gather(1, top).sum(-1) + local).mean()))
     out = {
@@ -180,6 +193,7 @@ def main() -> None:
         "queries_per_text": args.queries,
         "layers": cfg.num_hidden_layers,
         "held": {lab: {s: sum(v) / len(v) for s, v in d.items()} for lab, d in held.items()},
+        "sink_mass": {n: sum(v) / len(v) for n, v in sink_mass.items()},
         "summary_values_per_block_head": {
             "quest": 2 * cfg.head_dim,
             "quest/2": 4 * cfg.head_dim,
@@ -194,9 +208,11 @@ def main() -> None:
         f"share of the true attention held by each score's top-K ({args.model}, C={args.context}, "
         f"{len(texts)} texts x {args.queries} queries x {cfg.num_hidden_layers} layers):"
     )
-    print("budget  K     " + "  ".join(f"{s:>7s}" for s in SCORES))
+    print("budget  K     " + "  ".join(f"{s:>7s}" for s in names))
     for lab, d in out["held"].items():
-        print(f"{lab:6s}  {budgets[lab]:<4d}  " + "  ".join(f"{d[s]:7.3f}" for s in SCORES))
+        print(f"{lab:6s}  {budgets[lab]:<4d}  " + "  ".join(f"{d[s]:7.3f}" for s in names))
+    for n, m in out["sink_mass"].items():
+        print(f"attention on blocks 0..{n - 1} alone: {m:.3f}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=1)
