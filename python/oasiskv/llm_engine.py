@@ -206,9 +206,10 @@ class LLMEngine:
         cuda_graph: replay each decode step as a CUDA graph on a GPU (one capture per batch size
             bucket and context capacity; ignored on the CPU). Steps under a selection policy, a
             recall recorder (``engine.recorder``) or ``speculative=True`` run eagerly.
-        kv_source: ``"oasis-rt://HOST:PORT"``, the staging daemon of disaggregated prefill
-            (:mod:`oasiskv.disagg`): :meth:`add_staged_request` then admits requests a
-            :class:`~oasiskv.disagg.PrefillWorker` prefilled. None: no daemon.
+        kv_source: ``"oasis-rt://HOST:PORT"`` (TCP) or ``"oasis-rt+ucx://HOST:PORT"`` (UCX, block
+            reads by RMA), the staging daemon of disaggregated prefill (:mod:`oasiskv.disagg`):
+            :meth:`add_staged_request` then admits requests a :class:`~oasiskv.disagg.PrefillWorker`
+            prefilled. None: no daemon.
         kv_transfer: how a staged request's KV comes over: ``"partial"`` (the summaries and the
             blocks of the first step at admission, every later miss on demand, each block-head at
             most once) or ``"full"`` (every block at admission, the baseline).
