@@ -373,7 +373,6 @@ class KvPools:
                 # so the growth peaks at the new pool plus one old layer.
                 for i, t in enumerate(tensors):
                     tensors[i] = _grown(t, num_host_blocks, pin=self.host_pin, numa_node=self.numa_node)
-                    del t
                     if bar is not None:
                         bar.update()
                 return tensors

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import platform
 import re
@@ -335,10 +336,7 @@ def pinned_full(shape, fill, dtype: torch.dtype, numa_node: int | None = None) -
     so that no page is shared with another registration, and ``cudaHostRegister`` pins them; they
     are unregistered when the last tensor viewing them is freed. The caller must not free it while
     the GPU may still read it (the engine synchronizes before it replaces a pool)."""
-    numel = 1
-    for s in shape:
-        numel *= int(s)
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(int(s) for s in shape) * dtype.itemsize
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     # The array owns the bytes; tensors keep it alive. Placed before cudaHostRegister, which

@@ -18,7 +18,7 @@
 //! kernels read and write them through unified virtual addressing ([`Gpu::check_uva`]).
 
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Mutex, PoisonError};
 
 use oasis_core::error::check_len;
 use oasis_core::kernels::norm::{check_rows, rms_norm_threads};
@@ -82,7 +82,7 @@ pub struct GatherLaunch {
 }
 
 impl GatherLaunch {
-    /// Measured on the H200 (docs/PERF.md, "the gather").
+    /// The best of the shapes swept on the H200 (docs/PERF.md, "Hiding the transfer").
     pub const DEFAULT: Self = Self {
         max_blocks: 0,
         warps_per_block: 4,
@@ -90,9 +90,8 @@ impl GatherLaunch {
     };
 }
 
-static GATHER_MAX_BLOCKS: AtomicUsize = AtomicUsize::new(GatherLaunch::DEFAULT.max_blocks);
-static GATHER_WARPS: AtomicU32 = AtomicU32::new(GatherLaunch::DEFAULT.warps_per_block);
-static GATHER_PER_WARP: AtomicU32 = AtomicU32::new(GatherLaunch::DEFAULT.entries_per_warp);
+/// One lock for the three fields, so a launch never reads half of a concurrent setting.
+static GATHER_LAUNCH: Mutex<GatherLaunch> = Mutex::new(GatherLaunch::DEFAULT);
 
 /// Set the process-wide [`GatherLaunch`]; takes effect at the next launch (a captured graph
 /// keeps the launch it was captured with).
@@ -111,19 +110,13 @@ pub fn set_gather_launch(l: GatherLaunch) -> Result<()> {
             l.entries_per_warp
         ))));
     }
-    GATHER_MAX_BLOCKS.store(l.max_blocks, Ordering::Relaxed);
-    GATHER_WARPS.store(l.warps_per_block, Ordering::Relaxed);
-    GATHER_PER_WARP.store(l.entries_per_warp, Ordering::Relaxed);
+    *GATHER_LAUNCH.lock().unwrap_or_else(PoisonError::into_inner) = l;
     Ok(())
 }
 
 /// The current [`GatherLaunch`].
 pub fn gather_launch() -> GatherLaunch {
-    GatherLaunch {
-        max_blocks: GATHER_MAX_BLOCKS.load(Ordering::Relaxed),
-        warps_per_block: GATHER_WARPS.load(Ordering::Relaxed),
-        entries_per_warp: GATHER_PER_WARP.load(Ordering::Relaxed),
-    }
+    *GATHER_LAUNCH.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// Blocks of a gather over `entries` plan entries under `l`: one warp per `entries_per_warp`

@@ -331,7 +331,7 @@ fn wait_stamp(py: Python<'_>, stamps: TensorArg, mode: i32, stream: u64) -> PyRe
 
 /// Nanoseconds of a monotonic clock (from the first call in this process).
 fn monotonic_ns() -> u64 {
-    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    static START: OnceLock<std::time::Instant> = OnceLock::new();
     let start = START.get_or_init(std::time::Instant::now);
     u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX)
 }

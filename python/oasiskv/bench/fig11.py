@@ -255,10 +255,10 @@ def drive(eng, prompts: list[list[int]], max_tokens: int, profile_step: int | No
     kernels = copies = None
     waited = 0.0  # seconds the compute stream waited on transfers, over the timed steps
     wait_of = getattr(eng.engine, "transfer_wait", None)
+    wait_seen = wait_of()[0] if wait_of is not None else 0.0  # the counter after the last step
     i = 0
     while eng.has_unfinished_requests():
         n = llm.num_running
-        w0 = wait_of()[0] if wait_of is not None else 0.0
         t = time.perf_counter()
         if i == profile_step and cuda:
             outs, kernels, copies = _profiled(torch, eng.step)
@@ -268,8 +268,11 @@ def drive(eng, prompts: list[list[int]], max_tokens: int, profile_step: int | No
         if i > 0 and i != profile_step:
             times.append(dt)
             timed_tokens += n
-            if wait_of is not None:
-                waited += wait_of()[0] - w0
+        if wait_of is not None:  # one read per step, outside its timing
+            wait_now = wait_of()[0]
+            if i > 0 and i != profile_step:
+                waited += wait_now - wait_seen
+            wait_seen = wait_now
         for o in outs:
             if o.finished:
                 if o.finish_reason != "length":
