@@ -354,7 +354,23 @@ def test_padded_plan_keeps_its_layout_and_pads_as_documented():
 def test_capacity_buckets_of_captured_steps():
     from oasiskv.engine import _bucket, _round_cap
 
-    assert [_bucket(n) for n in (1, 2, 3, 5, 8, 9, 64, 65)] == [1, 2, 4, 8, 8, 16, 64, 128]
+    assert [_bucket(n) for n in (1, 2, 3, 5, 8, 9, 16, 17, 26, 33, 64, 65)] == [
+        1,
+        2,
+        4,
+        8,
+        8,
+        16,
+        16,
+        20,
+        28,
+        40,
+        64,
+        80,
+    ]
+    # every bucket holds its n, with at most 25 % padding above 16
+    for n in range(1, 300):
+        assert n <= _bucket(n) and (n <= 16 or _bucket(n) <= 1.25 * n)
     assert _round_cap(0) == 0
     for x in (1, 15, 16, 17, 100, 129, 1025, 4097, 70000):
         c = _round_cap(x)

@@ -481,8 +481,14 @@ _MAX_GRAPHS = 8
 
 
 def _bucket(n: int) -> int:
-    """Requests a captured step is padded to: the next power of two."""
-    return 1 << max(0, n - 1).bit_length()
+    """Requests a captured step is padded to: the next power of two up to 16, then 4, 5, 6 or 7
+    times a power of two (at most 25 % padding). Padded rows still cost their share of every GEMM
+    and of the drafter's work, so a power of two above 16 wasted up to half the step (33 requests
+    ran as 64; docs/PERF.md)."""
+    if n <= 16:
+        return 1 << max(0, n - 1).bit_length()
+    unit = 1 << (n.bit_length() - 3)
+    return -(-n // unit) * unit
 
 
 def _round_cap(x: int) -> int:
@@ -1396,7 +1402,7 @@ class Engine:
         """One step as a CUDA-graph replay: ``(logits, features)``, copies of the graph's outputs.
 
         The runtime plans the step at fixed capacities (``Runtime.plan(..., pad)``: requests
-        padded to a power of two, attention pages and host blocks per request rounded up), so
+        padded to a bucket (``_bucket``), attention pages and host blocks per request rounded up), so
         every field of the plan lies at the same offset in the graph's own plan buffers; the
         padded rows read empty tables and exit early. One graph per capacity key, captured the
         first time the key is seen: that step runs eagerly with the same static shapes (which
