@@ -11,7 +11,9 @@
 // As in score_blocks.cu, blk_indptr is checked row by row in the kernel (the CPU twin rejects a
 // malformed table): an entry whose row is malformed (start < 0, end < start, end > nnz) or that
 // lies in no row scores -inf, and so does an out-of-range block id. Nothing is read outside
-// blk_indices, q, the summaries or the codes. Out-of-range ids of build_key_codes are skipped.
+// blk_indices, q, the summaries or the codes. Out-of-range ids (or rows) of build_key_codes are
+// skipped. build_key_codes reads host_k by host row (block_rows; null: the id) and the summaries
+// and codes by block id.
 #include "oasis_common.cuh"
 #include "oasis_params.cuh"
 
@@ -51,17 +53,19 @@ __device__ __forceinline__ u32 encode_code(float x, float lo, float hi) {
 // consecutive keys (a warp reads consecutive bytes of host_k: coalesced over UVA too).
 template <typename T>
 __device__ void build_key_codes_impl(
-    const T* __restrict__ host_k,        // [num_host_blocks, num_kv_heads, block_size, head_dim] pinned host (UVA) or device
+    const T* __restrict__ host_k,        // [num_host_rows, num_kv_heads, block_size, head_dim] pinned host (UVA) or device
     const T* __restrict__ summaries,     // [num_host_blocks, num_kv_heads, 2, head_dim]
     const int* __restrict__ block_ids,   // [n]
+    const int* __restrict__ block_rows,  // [n] host row of each block; null: the id
     unsigned char* __restrict__ codes,   // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
-    int num_kv_heads, int head_dim, int block_size, int num_host_blocks) {
+    int num_kv_heads, int head_dim, int block_size, int num_host_blocks, int num_host_rows) {
     const int blk = block_ids[blockIdx.x];
+    const int hrow = block_rows != nullptr ? block_rows[blockIdx.x] : blk;
     const int h = blockIdx.y;
-    if (blk < 0 || blk >= num_host_blocks) return;
+    if (blk < 0 || blk >= num_host_blocks || hrow < 0 || hrow >= num_host_rows) return;
     const i64 entry = (i64)blk * num_kv_heads + h;
     const int row = head_dim >> 2;  // bytes per token
-    const T* keys = host_k + entry * block_size * head_dim;
+    const T* keys = host_k + ((i64)hrow * num_kv_heads + h) * block_size * head_dim;
     const T* mn = summaries + entry * 2 * head_dim;
     const T* mx = mn + head_dim;
     unsigned char* out = codes + entry * block_size * row;
@@ -360,8 +364,9 @@ __device__ void score_blocks_codes_impl(
 #define OASIS_BUILD_KEY_CODES(NAME, T)                                                               \
     extern "C" __global__ void __launch_bounds__(OASIS_CODES_BUILD_THREADS)                          \
         NAME(const __grid_constant__ oasis::BuildKeyCodesParams<T> p) {                              \
-        oasis::build_key_codes_impl<T>(p.host_k, p.summaries, p.block_ids, p.codes, p.num_kv_heads,  \
-                                       p.head_dim, p.block_size, p.num_host_blocks);                 \
+        oasis::build_key_codes_impl<T>(p.host_k, p.summaries, p.block_ids, p.block_rows, p.codes,    \
+                                       p.num_kv_heads, p.head_dim, p.block_size, p.num_host_blocks,  \
+                                       p.num_host_rows);                                             \
     }
 
 OASIS_BUILD_KEY_CODES(build_key_codes_bf16, oasis::bf16)

@@ -38,30 +38,34 @@ struct AppendKvParams {
     const int* page_ids;       // [num_seqs]
     const int* page_offsets;   // [num_seqs] 0..block_size
     const int* host_block_ids; // [num_seqs] < 0 = dense (no write-through)
+    const int* host_rows;      // [num_seqs] host row of the write-through, or null (row = id)
     T* k_pages;                // [num_pages, num_kv_heads, block_size, head_dim]
     T* v_pages;                // [num_pages, num_kv_heads, block_size, head_dim]
-    T* host_k;                 // [num_host_blocks, num_kv_heads, block_size, head_dim] pinned host, UVA
-    T* host_v;                 // [num_host_blocks, num_kv_heads, block_size, head_dim] pinned host, UVA
+    T* host_k;                 // [num_host_rows, num_kv_heads, block_size, head_dim] pinned host, UVA
+    T* host_v;                 // [num_host_rows, num_kv_heads, block_size, head_dim] pinned host, UVA
     T* summaries;              // [num_host_blocks, num_kv_heads, 2, head_dim] row 0 min, row 1 max
     int num_kv_heads;
     int head_dim;
     int block_size;
     int num_pages;
     int num_host_blocks;
-    int _pad0;
+    int num_host_rows;
 };
 
 // build_summaries_* (cuda/append_kv.cu): min/max summaries of whole host blocks.
 template <typename T>
 struct BuildSummariesParams {
-    const T* host_k;       // [num_host_blocks, num_kv_heads, block_size, head_dim] pinned host (UVA) or device
+    const T* host_k;       // [num_host_rows, num_kv_heads, block_size, head_dim] pinned host (UVA) or device
     const int* block_ids;  // [n]
+    const int* block_rows; // [n] host row of each block, or null (row = id)
     const int* block_lens; // [n] 1..=block_size
     T* summaries;          // [num_host_blocks, num_kv_heads, 2, head_dim]
     int num_kv_heads;
     int head_dim;
     int block_size;
     int num_host_blocks;
+    int num_host_rows;
+    int _pad0;
 };
 
 // decode_attn_* and decode_attn_tc_* (cuda/decode_attn.cu; the tensor-core kernels ignore
@@ -122,16 +126,17 @@ struct ScoreBlocksParams {
 // each block's per-channel [min, max].
 template <typename T>
 struct BuildKeyCodesParams {
-    const T* host_k;      // [num_host_blocks, num_kv_heads, block_size, head_dim] pinned host (UVA) or device
-    const T* summaries;   // [num_host_blocks, num_kv_heads, 2, head_dim] row 0 min, row 1 max
-    const int* block_ids; // [n] host blocks to encode (complete blocks)
-    unsigned char* codes; // [num_host_blocks, num_kv_heads, block_size, head_dim / 4] channel 4i+j in bits 2j..2j+2 of byte i
+    const T* host_k;       // [num_host_rows, num_kv_heads, block_size, head_dim] pinned host (UVA) or device
+    const T* summaries;    // [num_host_blocks, num_kv_heads, 2, head_dim] row 0 min, row 1 max
+    const int* block_ids;  // [n] host blocks to encode (complete blocks)
+    const int* block_rows; // [n] host row of each block, or null (row = id)
+    unsigned char* codes;  // [num_host_blocks, num_kv_heads, block_size, head_dim / 4] channel 4i+j in bits 2j..2j+2 of byte i
     int n;
     int num_kv_heads;
-    int head_dim;         // a multiple of 4
+    int head_dim;          // a multiple of 4
     int block_size;
     int num_host_blocks;
-    int _pad0;
+    int num_host_rows;
 };
 
 // score_blocks_codes_* (cuda/key_codes.cu): the largest approximate logit of each listed block,

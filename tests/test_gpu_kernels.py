@@ -474,6 +474,58 @@ def test_build_summaries_bit_exact(dtype, head_dim, where):
     assert_bits_equal(g_summ, summ, "summaries")
 
 
+@gpu_test
+@pytest.mark.parametrize("where", HOSTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_host_rows_apart_from_block_ids_bit_exact(dtype, where):
+    """append_kv / build_summaries / build_key_codes with host rows (host_k) apart from block ids
+    (summaries, codes): the kernels equal the CPU twins bit for bit; garbage rows and ids not listed
+    are untouched; out-of-range rows are skipped on the GPU."""
+    gen = seeded("rows", dtype, where)
+    hk, d, n_rows, n_ids = 2, 64, 5, 13
+    geo = ops.KvGeometry(2 * hk, hk, d, B)
+    kp, vp = rand(gen, dtype, 4, hk, B, d), rand(gen, dtype, 4, hk, B, d)
+    hkp, hvp = rand(gen, dtype, n_rows, hk, B, d), rand(gen, dtype, n_rows, hk, B, d)
+    summ = rand(gen, dtype, n_ids, hk, 2, d)
+    g_kp, g_vp, g_summ, g_hk, g_hv = dev(kp), dev(vp), dev(summ), host(hkp, where), host(hvp, where)
+    page_ids, ids, rows = i32([0, 2, 3]), i32([12, -1, 3]), i32([4, 0, 1])
+    for step in range(B):
+        offs = i32([step, step, (step + 5) % B])
+        k_new, v_new = rand(gen, dtype, 3, hk, d), rand(gen, dtype, 3, hk, d)
+        ops.append_kv(geo, k_new, v_new, page_ids, offs, ids, kp, vp, hkp, hvp, summ, host_rows=rows)
+        ops.append_kv(
+            geo,
+            dev(k_new),
+            dev(v_new),
+            dev(page_ids),
+            dev(offs),
+            dev(ids),
+            g_kp,
+            g_vp,
+            g_hk,
+            g_hv,
+            g_summ,
+            host_rows=dev(rows),
+        )
+    for name, got, want in [
+        ("k_pages", g_kp, kp),
+        ("host_k", g_hk, hkp),
+        ("host_v", g_hv, hvp),
+        ("summaries", g_summ, summ),
+    ]:
+        assert_bits_equal(got, want, name)
+    b_ids, b_rows, lens = i32([12, 3, 7]), i32([4, 1, 2]), i32([16, 9, 1])
+    ops.build_summaries(geo, hkp, b_ids, lens, summ, block_rows=b_rows)
+    ops.build_summaries(geo, g_hk, dev(b_ids), dev(lens), g_summ, block_rows=dev(b_rows))
+    assert_bits_equal(g_summ, summ, "summaries (rows)")
+    codes = torch.randint(0, 256, (n_ids, hk, B, d // 4), generator=gen, dtype=torch.uint8)
+    g_codes = dev(codes)
+    ops.build_key_codes(geo, hkp, summ, b_ids, codes, block_rows=b_rows)
+    g_ids, g_rows = dev(torch.cat([b_ids, i32([5, 6])])), dev(torch.cat([b_rows, i32([n_rows, -1])]))
+    ops.build_key_codes(geo, g_hk, g_summ, g_ids, g_codes, block_rows=g_rows)
+    assert torch.equal(back(g_codes), codes)
+
+
 # ---------------------------------------------------------------- scores and top-k
 SCORE_LENS = [54, 1, 37, 0, 9]  # blocks per sequence, one empty
 TOPK_LENS = [1100, 54, 1, 37, 0, 16]  # 1100 > the kernel's 512 threads: several compaction chunks

@@ -192,6 +192,85 @@ def test_append_writes_through_and_updates_summary(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_host_rows_apart_from_block_ids(dtype):
+    """Host rows (host_k/host_v) and block ids (summaries, codes) as separate pools: append_kv writes
+    K/V to ``host_rows[s]`` and the summary to ``host_block_ids[s]``; build_summaries and
+    build_key_codes read the keys of block ``ids[i]`` from row ``rows[i]``. Checked against a
+    reference that walks the rows token by token, and against rows = ids after moving the rows."""
+    gen = torch.Generator().manual_seed(11)
+    hk, d, b, n_rows, n_ids = 2, 8, 5, 3, 7
+    geo = ops.KvGeometry(4, hk, d, b)
+    kp = torch.zeros(2, hk, b, d, dtype=dtype)
+    vp = torch.zeros_like(kp)
+    hkp = torch.zeros(n_rows, hk, b, d, dtype=dtype)
+    hvp = torch.zeros_like(hkp)
+    summ = torch.zeros(n_ids, hk, 2, d, dtype=dtype)
+    # seq 0: block 6 in row 1, seq 1: block 4 in row 0.
+    ids, rows = [6, 4], [1, 0]
+    toks = []
+    for off in range(b):
+        k_new = torch.randn(2, hk, d, generator=gen).to(dtype)
+        toks.append(k_new)
+        ops.append_kv(
+            geo,
+            k_new,
+            -k_new,
+            i32([0, 1]),
+            i32([off] * 2),
+            i32(ids),
+            kp,
+            vp,
+            hkp,
+            hvp,
+            summ,
+            host_rows=i32(rows),
+        )
+    ks = torch.stack(toks)  # [b, seqs, hk, d]
+    for s, (blk, row) in enumerate(zip(ids, rows, strict=True)):
+        assert torch.equal(hkp[row], ks[:, s].transpose(0, 1)) and torch.equal(hvp[row], -hkp[row])
+        assert torch.equal(summ[blk, :, 0], ks[:, s].amin(0)) and torch.equal(
+            summ[blk, :, 1], ks[:, s].amax(0)
+        )
+    assert not hkp[2].any() and not summ[[0, 1, 2, 3, 5]].any()
+    # Rebuild the summaries from the rows: the same bits; then the codes.
+    again = torch.zeros_like(summ)
+    ops.build_summaries(geo, hkp, i32(ids), i32([b, 3]), again, block_rows=i32(rows))
+    assert torch.equal(again[6], summ[6])
+    for t in range(3):  # block 4 over its first 3 tokens, walked by hand
+        assert (again[4, :, 0] <= hkp[0, :, t]).all() and (again[4, :, 1] >= hkp[0, :, t]).all()
+    assert torch.equal(again[4, :, 0], hkp[0, :, :3].amin(1))
+    codes = torch.full((n_ids, hk, b, d // 4), 0xAB, dtype=torch.uint8)
+    ops.build_key_codes(geo, hkp, summ, i32(ids), codes, block_rows=i32(rows))
+    moved = torch.zeros(n_ids, hk, b, d, dtype=dtype)
+    moved[ids] = hkp[rows]
+    want = torch.full_like(codes, 0xAB)
+    ops.build_key_codes(geo, moved, summ, i32(ids), want)
+    assert torch.equal(codes, want)
+    # A row past the host pool is a typed error, though the id is in range; nothing is written.
+    before = summ.clone()
+    with pytest.raises(errors.IndexError_, match="host_rows"):
+        ops.append_kv(
+            geo,
+            ks[0],
+            ks[0],
+            i32([0, 1]),
+            i32([0, 0]),
+            i32(ids),
+            kp,
+            vp,
+            hkp,
+            hvp,
+            summ,
+            host_rows=i32([1, 3]),
+        )
+    with pytest.raises(errors.IndexError_, match="block_rows"):
+        ops.build_summaries(geo, hkp, i32([6]), i32([1]), summ, block_rows=i32([n_rows]))
+    with pytest.raises(errors.ShapeError, match="block_rows"):
+        ops.build_key_codes(geo, hkp, summ, i32([6]), codes, block_rows=i32([0, 1]))
+    assert torch.equal(summ, before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_select_and_gather_bit_exact(dtype):
     gen = torch.Generator().manual_seed(5)
     hk, d, b, cap = 2, 16, 4, 3

@@ -86,9 +86,11 @@ class Runtime:
     def wants_sparse(self, id: int) -> bool:
         """Whether the request should turn sparse now."""
     def can_append(self, id: int) -> bool:
-        """Whether the request may store one more token (an accepted draft) before its next plan."""
-    def plan_append(self, ids: list[int]) -> tuple[list[int], list[int], list[int]]:
-        """Store one more token of each request: ``(page_ids, offsets, host_ids)``."""
+        """Whether the request's draft may take the position after its last planned token."""
+    def pending_drafts(self) -> list[int]:
+        """The requests whose drafts hold a tentative slot (the last speculative plan)."""
+    def commit_drafts(self, accepted: list[int]) -> None:
+        """Store the drafts of ``accepted`` (tentative slots kept), give every other slot back."""
     def make_sparse(self, id: int) -> dict:
         """Turn a request sparse; what the engine copies and selects on the device."""
     def release(self, id: int) -> None:
@@ -100,10 +102,15 @@ class Runtime:
     def take_map_updates(self) -> tuple[list[int], list[int]]:
         """Drain the pending head-wise mapping updates."""
     def plan(
-        self, ids: list[int], input_ids: list[int], pad: tuple[int, int, int, int] | None = None
+        self,
+        ids: list[int],
+        input_ids: list[int],
+        pad: tuple[int, int, int, int] | None = None,
+        tries: list[bool] | None = None,
     ) -> tuple[int, dict[str, tuple[int, int]], int, int]:
         """Plan one decode step: ``(arena_len, layout, num_sparse, max_pages)``; ``pad = (rows,
-        pages, blocks, dummy_slot)`` lays it out at fixed capacities (mapping updates stay pending)."""
+        pages, blocks, dummy_slot)`` lays it out at fixed capacities (mapping updates stay pending);
+        ``tries`` (per request) reserves tentative draft slots (``spec_*`` fields, ``commit_drafts``)."""
     def step_needs(self, ids: list[int]) -> tuple[int, int]:
         """``(pages, blocks)`` a padded plan of ``ids`` must allow per request."""
     def write_plan(self, out: torch.Tensor) -> None:
@@ -227,6 +234,7 @@ def append_kv(
     host_v: torch.Tensor,
     summaries: torch.Tensor,
     *,
+    host_rows: torch.Tensor | None = None,
     stream: int = 0,
 ) -> None:
     """Append one token per sequence, with write-through and summary update for sparse sequences."""
@@ -259,9 +267,11 @@ def build_summaries(
     block_lens: torch.Tensor,
     summaries: torch.Tensor,
     *,
+    block_rows: torch.Tensor | None = None,
     stream: int = 0,
 ) -> None:
-    """Recompute the min/max summaries of host blocks over their first ``block_lens`` tokens."""
+    """Recompute the min/max summaries of host blocks over their first ``block_lens`` tokens (keys
+    in host rows ``block_rows``; ``None``: the row is the block id)."""
 
 def score_blocks(
     geo: KvGeometry,
@@ -282,6 +292,7 @@ def build_key_codes(
     block_ids: torch.Tensor,
     codes: torch.Tensor,
     *,
+    block_rows: torch.Tensor | None = None,
     stream: int = 0,
 ) -> None:
     """Encode every key of complete host blocks to 2 bits per channel inside the block's ``[min, max]``

@@ -75,9 +75,21 @@ def _workspace(device: torch.device, stream: int, numel: int) -> torch.Tensor:
 
 
 def append_kv(
-    geo, k_new, v_new, page_ids, page_offsets, host_block_ids, k_pages, v_pages, host_k, host_v, summaries
+    geo,
+    k_new,
+    v_new,
+    page_ids,
+    page_offsets,
+    host_block_ids,
+    k_pages,
+    v_pages,
+    host_k,
+    host_v,
+    summaries,
+    host_rows=None,
 ) -> None:
-    """Append one token per sequence (write-through + summary update for sparse sequences)."""
+    """Append one token per sequence (write-through + summary update for sparse sequences): K/V to
+    host row ``host_rows[s]`` (``None``: the block id), the summary to block ``host_block_ids[s]``."""
     dev = _check_device(k_new, k_pages, host_k)
     _core.append_kv(
         geo,
@@ -91,6 +103,7 @@ def append_kv(
         host_k,
         host_v,
         summaries,
+        host_rows=host_rows,
         stream=_stream(dev),
     )
 
@@ -162,9 +175,13 @@ def decode_attention(
     return out
 
 
-def build_summaries(geo, host_k, block_ids, block_lens, summaries) -> None:
+def build_summaries(geo, host_k, block_ids, block_lens, summaries, block_rows=None) -> None:
+    """Summaries of blocks ``block_ids`` from the keys in host rows ``block_rows`` (``None``: the
+    row is the block id)."""
     dev = _check_device(summaries, host_k)
-    _core.build_summaries(geo, host_k, block_ids, block_lens, summaries, stream=_stream(dev))
+    _core.build_summaries(
+        geo, host_k, block_ids, block_lens, summaries, block_rows=block_rows, stream=_stream(dev)
+    )
 
 
 def score_blocks(
@@ -190,11 +207,14 @@ def empty_key_codes(geo, num_host_blocks: int, device=None) -> torch.Tensor:
     )
 
 
-def build_key_codes(geo, host_k, summaries, block_ids, codes) -> None:
-    """Encode every key of the complete host blocks ``block_ids`` to 2 bits per channel inside the
-    block's ``[min, max]`` summary (build the summaries first; on the GPU, on the same stream)."""
+def build_key_codes(geo, host_k, summaries, block_ids, codes, block_rows=None) -> None:
+    """Encode every key of the complete host blocks ``block_ids`` (keys in host rows ``block_rows``;
+    ``None``: the row is the block id) to 2 bits per channel inside the block's ``[min, max]``
+    summary (build the summaries first; on the GPU, on the same stream)."""
     dev = _check_device(summaries, host_k)
-    _core.build_key_codes(geo, host_k, summaries, block_ids, codes, stream=_stream(dev))
+    _core.build_key_codes(
+        geo, host_k, summaries, block_ids, codes, block_rows=block_rows, stream=_stream(dev)
+    )
 
 
 def score_blocks_codes(

@@ -161,14 +161,23 @@ fn append_summary_case(rng: &mut Rng) {
     let pid = rng.jtable(num_seqs, num_pages);
     let off = rng.jtable(num_seqs, bs);
     let hb = rng.jtable(num_seqs, num_host);
+    // Rows apart from ids half the time (a pool of other size).
+    let num_rows = 1 + rng.below(5);
+    let rows = rng.jtable(num_seqs, num_rows);
+    let split = rng.below(2) == 1;
+    let (rows, num_rows) = if split {
+        (Some(&rows[..]), num_rows)
+    } else {
+        (None, num_host)
+    };
     let mut kp = rng.jdata(num_pages * h_kv * bs * d);
     let mut vp = rng.jdata(num_pages * h_kv * bs * d);
-    let mut hk = rng.jdata(num_host * h_kv * bs * d);
-    let mut hv = rng.jdata(num_host * h_kv * bs * d);
+    let mut hk = rng.jdata(num_rows * h_kv * bs * d);
+    let mut hv = rng.jdata(num_rows * h_kv * bs * d);
     let mut sm = rng.jdata(num_host * h_kv * 2 * d);
     let before = (kp.clone(), vp.clone(), hk.clone(), hv.clone(), sm.clone());
     if append_kv(
-        &g, &k, &v, &pid, &off, &hb, &mut kp, &mut vp, &mut hk, &mut hv, &mut sm,
+        &g, &k, &v, &pid, &off, &hb, rows, &mut kp, &mut vp, &mut hk, &mut hv, &mut sm,
     )
     .is_err()
     {
@@ -177,10 +186,12 @@ fn append_summary_case(rng: &mut Rng) {
 
     let n = rng.below(4);
     let ids = rng.jtable(n, num_host);
+    let id_rows = rng.jtable(n, num_rows);
     let lens: Vec<i32> = (0..n).map(|_| rng.entry(bs).wrapping_add(1)).collect();
     let lens = rng.jiggle(lens);
     let before = sm.clone();
-    if build_summaries(&g, &hk, &ids, &lens, &mut sm).is_err() {
+    let id_rows = rows.map(|_| &id_rows[..]);
+    if build_summaries(&g, &hk, &ids, id_rows, &lens, &mut sm).is_err() {
         assert_eq!(sm, before);
     }
 }

@@ -432,7 +432,7 @@ fn simulate(
                     }
                 }
             }
-            build_summaries(&g, &host_k, &[hb], &[n as i32], &mut summaries).unwrap();
+            build_summaries(&g, &host_k, &[hb], None, &[n as i32], &mut summaries).unwrap();
         }
         let pages: Vec<i32> = gpu_pool
             .allocate(budget + 1)
@@ -486,6 +486,7 @@ fn simulate(
             &page_ids,
             &offsets,
             &hbs,
+            None,
             &mut k_pages,
             &mut v_pages,
             &mut host_k,
@@ -496,7 +497,7 @@ fn simulate(
         // The incremental summary equals a full recompute.
         let mut fresh = summaries.clone();
         let lens: Vec<i32> = offsets.iter().map(|o| o + 1).collect();
-        build_summaries(&g, &host_k, &hbs, &lens, &mut fresh).unwrap();
+        build_summaries(&g, &host_k, &hbs, None, &lens, &mut fresh).unwrap();
         prop_assert_eq!(&fresh, &summaries);
 
         // 2. Attention of [current; lookahead] rows over the working set + local page.

@@ -545,8 +545,9 @@ impl Gpu {
     }
 
     /// GPU twin of `oasis_core::kernels::append_kv`: append one token per sequence, with
-    /// write-through to the host pool and the summary update for sparse sequences
-    /// (`host_block_ids[s] >= 0`). `host_k`, `host_v` may be empty when every sequence is dense.
+    /// write-through to host row `host_rows[s]` (`None`: the id) and the summary update of host
+    /// block `host_block_ids[s]` for sparse sequences (`host_block_ids[s] >= 0`). `host_k`,
+    /// `host_v` may be empty when every sequence is dense.
     ///
     /// # Errors
     /// [`CudaError::Invalid`] for a buffer whose size does not match its shape.
@@ -554,15 +555,16 @@ impl Gpu {
     pub fn append_kv<T: KvElem>(
         &self,
         geo: &KvGeometry,
-        k_new: DevSlice<T>,            // [num_seqs, num_kv_heads, head_dim]
-        v_new: DevSlice<T>,            // [num_seqs, num_kv_heads, head_dim]
-        page_ids: DevSlice<i32>,       // [num_seqs]
-        page_offsets: DevSlice<i32>,   // [num_seqs] 0..block_size
-        host_block_ids: DevSlice<i32>, // [num_seqs] -1 = dense
-        k_pages: DevSlice<T>,          // [num_pages, num_kv_heads, block_size, head_dim]
-        v_pages: DevSlice<T>,          // [num_pages, num_kv_heads, block_size, head_dim]
-        host_k: DevSlice<T>, // [num_host_blocks, num_kv_heads, block_size, head_dim] pinned host
-        host_v: DevSlice<T>, // [num_host_blocks, num_kv_heads, block_size, head_dim] pinned host
+        k_new: DevSlice<T>,               // [num_seqs, num_kv_heads, head_dim]
+        v_new: DevSlice<T>,               // [num_seqs, num_kv_heads, head_dim]
+        page_ids: DevSlice<i32>,          // [num_seqs]
+        page_offsets: DevSlice<i32>,      // [num_seqs] 0..block_size
+        host_block_ids: DevSlice<i32>,    // [num_seqs] -1 = dense
+        host_rows: Option<DevSlice<i32>>, // [num_seqs] host row of the write-through; None: the id
+        k_pages: DevSlice<T>,             // [num_pages, num_kv_heads, block_size, head_dim]
+        v_pages: DevSlice<T>,             // [num_pages, num_kv_heads, block_size, head_dim]
+        host_k: DevSlice<T>, // [num_host_rows, num_kv_heads, block_size, head_dim] pinned host
+        host_v: DevSlice<T>, // [num_host_rows, num_kv_heads, block_size, head_dim] pinned host
         summaries: DevSlice<T>, // [num_host_blocks, num_kv_heads, 2, head_dim]
         stream: Stream,
     ) -> Result<()> {
@@ -574,9 +576,12 @@ impl Gpu {
             check_len("v_new", v_new.len(), &[num_seqs, h, d])?;
             check_len("page_offsets", page_offsets.len(), &[num_seqs])?;
             check_len("host_block_ids", host_block_ids.len(), &[num_seqs])?;
+            if let Some(r) = host_rows {
+                check_len("host_rows", r.len(), &[num_seqs])?;
+            }
             let num_pages = pool_rows(page, ("k_pages", k_pages), ("v_pages", v_pages))?;
-            let num_host = pool_rows(page, ("host_k", host_k), ("host_v", host_v))?;
-            check_len("summaries", summaries.len(), &[num_host, h, 2, d])?;
+            let num_rows = pool_rows(page, ("host_k", host_k), ("host_v", host_v))?;
+            let num_host = rows("summaries", summaries.len(), &[h, 2, d])?;
 
             let name = entry!(T, "append_kv");
             let params = AppendKvParams {
@@ -585,6 +590,7 @@ impl Gpu {
                 page_ids: page_ids.into(),
                 page_offsets: page_offsets.into(),
                 host_block_ids: host_block_ids.into(),
+                host_rows: host_rows.into(),
                 k_pages: k_pages.into(),
                 v_pages: v_pages.into(),
                 host_k: host_k.into(),
@@ -595,7 +601,7 @@ impl Gpu {
                 block_size: int("block_size", bs)?,
                 num_pages: int("num_pages", num_pages)?,
                 num_host_blocks: int("num_host_blocks", num_host)?,
-                _pad0: 0,
+                num_host_rows: int("num_host_rows", num_rows)?,
             };
             let grid = grid_rows_heads("num_seqs", num_seqs, h)?;
             // SAFETY: every buffer of `params` has the length its shape needs (checked above)
@@ -607,15 +613,18 @@ impl Gpu {
     }
 
     /// GPU twin of `oasis_core::kernels::build_summaries`: recompute the summaries of host
-    /// blocks `block_ids[i]` over their first `block_lens[i]` tokens.
+    /// blocks `block_ids[i]` over the first `block_lens[i]` tokens of host row `block_rows[i]`
+    /// (`None`: the id).
     ///
     /// # Errors
     /// [`CudaError::Invalid`] for a buffer whose size does not match its shape.
+    #[allow(clippy::too_many_arguments)]
     pub fn build_summaries<T: KvElem>(
         &self,
         geo: &KvGeometry,
-        host_k: DevSlice<T>, // [num_host_blocks, num_kv_heads, block_size, head_dim]
+        host_k: DevSlice<T>, // [num_host_rows, num_kv_heads, block_size, head_dim]
         block_ids: DevSlice<i32>, // [n]
+        block_rows: Option<DevSlice<i32>>, // [n] host row of each block; None: the id
         block_lens: DevSlice<i32>, // [n] 1..=block_size
         summaries: DevSlice<T>, // [num_host_blocks, num_kv_heads, 2, head_dim]
         stream: Stream,
@@ -623,20 +632,26 @@ impl Gpu {
         guard("build_summaries", || {
             let page = page_shape(geo)?;
             let [h, bs, d] = page;
-            let num_host = rows("host_k", host_k.len(), &page)?;
-            check_len("summaries", summaries.len(), &[num_host, h, 2, d])?;
+            let num_rows = rows("host_k", host_k.len(), &page)?;
+            let num_host = rows("summaries", summaries.len(), &[h, 2, d])?;
             check_len("block_lens", block_lens.len(), &[block_ids.len()])?;
+            if let Some(r) = block_rows {
+                check_len("block_rows", r.len(), &[block_ids.len()])?;
+            }
 
             let name = entry!(T, "build_summaries");
             let params = BuildSummariesParams {
                 host_k: host_k.into(),
                 block_ids: block_ids.into(),
+                block_rows: block_rows.into(),
                 block_lens: block_lens.into(),
                 summaries: summaries.into(),
                 num_kv_heads: int("num_kv_heads", h)?,
                 head_dim: int("head_dim", d)?,
                 block_size: int("block_size", bs)?,
                 num_host_blocks: int("num_host_blocks", num_host)?,
+                num_host_rows: int("num_host_rows", num_rows)?,
+                _pad0: 0,
             };
             let grid = grid_rows_heads("n", block_ids.len(), h)?;
             // SAFETY: buffer lengths checked above; reachability and lifetime by DevSlice's
@@ -857,19 +872,22 @@ impl Gpu {
     }
 
     /// GPU twin of `oasis_core::kernels::build_key_codes`: the 2-bit codes of every key of host
-    /// blocks `block_ids` (all KV heads) inside their `[min; max]` summaries, which must be those
-    /// of the same complete blocks (queue it after the summaries' build on the same stream).
-    /// Bit-exact with the twin. Out-of-range ids are skipped.
+    /// blocks `block_ids` (all KV heads; keys in host rows `block_rows`, `None`: the id) inside
+    /// their `[min; max]` summaries, which must be those of the same complete blocks (queue it
+    /// after the summaries' build on the same stream). Bit-exact with the twin. Out-of-range ids
+    /// and rows are skipped.
     ///
     /// # Errors
     /// [`CudaError::Invalid`] for a buffer whose size does not match its shape or a head_dim not
     /// divisible by 4.
+    #[allow(clippy::too_many_arguments)]
     pub fn build_key_codes<T: KvElem>(
         &self,
         geo: &KvGeometry,
-        host_k: DevSlice<T>, // [num_host_blocks, num_kv_heads, block_size, head_dim]
+        host_k: DevSlice<T>, // [num_host_rows, num_kv_heads, block_size, head_dim]
         summaries: DevSlice<T>, // [num_host_blocks, num_kv_heads, 2, head_dim]
         block_ids: DevSlice<i32>, // [n]
+        block_rows: Option<DevSlice<i32>>, // [n] host row of each block; None: the id
         codes: DevSlice<u8>, // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
         stream: Stream,
     ) -> Result<()> {
@@ -877,27 +895,31 @@ impl Gpu {
             let page = page_shape(geo)?;
             let [h, bs, d] = page;
             codes_head_dim(d)?;
-            let num_host = rows("host_k", host_k.len(), &page)?;
-            check_len("summaries", summaries.len(), &[num_host, h, 2, d])?;
+            let num_rows = rows("host_k", host_k.len(), &page)?;
+            let num_host = rows("summaries", summaries.len(), &[h, 2, d])?;
             check_len("codes", codes.len(), &[num_host, h, bs, d / 4])?;
             let n = block_ids.len();
+            if let Some(r) = block_rows {
+                check_len("block_rows", r.len(), &[n])?;
+            }
 
             let name = entry!(T, "build_key_codes");
             let params = BuildKeyCodesParams {
                 host_k: host_k.into(),
                 summaries: summaries.into(),
                 block_ids: block_ids.into(),
+                block_rows: block_rows.into(),
                 codes: codes.into(),
                 n: int("n", n)?,
                 num_kv_heads: int("num_kv_heads", h)?,
                 head_dim: int("head_dim", d)?,
                 block_size: int("block_size", bs)?,
                 num_host_blocks: int("num_host_blocks", num_host)?,
-                _pad0: 0,
+                num_host_rows: int("num_host_rows", num_rows)?,
             };
             let grid = grid_rows_heads("n", n, h)?;
-            // SAFETY: lengths checked above (host_k, summaries and codes all have num_host rows);
-            // block ids are bounds-checked by the kernel; host_k may be pinned host memory at the
+            // SAFETY: lengths checked above (summaries and codes have num_host rows, host_k
+            // num_rows); block ids and rows are bounds-checked by the kernel; host_k may be pinned host memory at the
             // same address on the device (DevSlice contract; Gpu::check_uva tests it);
             // reachability and lifetime by DevSlice's contract, the stream by Stream's.
             unsafe { self.queue(name, grid, CODES_BUILD_THREADS, 0, stream, &params) }

@@ -205,17 +205,18 @@ kernel_params! {
         pub page_ids: DevPtr,       // [num_seqs]
         pub page_offsets: DevPtr,   // [num_seqs] 0..block_size
         pub host_block_ids: DevPtr, // [num_seqs] < 0 = dense (no write-through)
+        pub host_rows: DevPtr,      // [num_seqs] host row of the write-through, or null (the id)
         pub k_pages: DevPtr,        // [num_pages, num_kv_heads, block_size, head_dim]
         pub v_pages: DevPtr,        // [num_pages, num_kv_heads, block_size, head_dim]
-        pub host_k: DevPtr,         // [num_host_blocks, num_kv_heads, block_size, head_dim] pinned
-        pub host_v: DevPtr,         // [num_host_blocks, num_kv_heads, block_size, head_dim] pinned
+        pub host_k: DevPtr,         // [num_host_rows, num_kv_heads, block_size, head_dim] pinned
+        pub host_v: DevPtr,         // [num_host_rows, num_kv_heads, block_size, head_dim] pinned
         pub summaries: DevPtr,      // [num_host_blocks, num_kv_heads, 2, head_dim]
         pub num_kv_heads: i32,
         pub head_dim: i32,
         pub block_size: i32,
         pub num_pages: i32,
         pub num_host_blocks: i32,
-        pub _pad0: i32,
+        pub num_host_rows: i32,
     }
 }
 
@@ -223,14 +224,17 @@ kernel_params! {
     /// `build_summaries_*` (cuda/append_kv.cu): min/max summaries of whole host blocks.
     pub struct BuildSummariesParams => "oasis::BuildSummariesParams<T>"
         for ["build_summaries_bf16", "build_summaries_f16", "build_summaries_f32"] {
-        pub host_k: DevPtr,     // [num_host_blocks, num_kv_heads, block_size, head_dim]
+        pub host_k: DevPtr,     // [num_host_rows, num_kv_heads, block_size, head_dim]
         pub block_ids: DevPtr,  // [n]
+        pub block_rows: DevPtr, // [n] host row of each block, or null (the id)
         pub block_lens: DevPtr, // [n] 1..=block_size
         pub summaries: DevPtr,  // [num_host_blocks, num_kv_heads, 2, head_dim]
         pub num_kv_heads: i32,
         pub head_dim: i32,
         pub block_size: i32,
         pub num_host_blocks: i32,
+        pub num_host_rows: i32,
+        pub _pad0: i32,
     }
 }
 
@@ -309,16 +313,17 @@ kernel_params! {
     /// inside each block's per-channel `[min, max]`.
     pub struct BuildKeyCodesParams => "oasis::BuildKeyCodesParams<T>"
         for ["build_key_codes_bf16", "build_key_codes_f16", "build_key_codes_f32"] {
-        pub host_k: DevPtr,    // [num_host_blocks, num_kv_heads, block_size, head_dim]
-        pub summaries: DevPtr, // [num_host_blocks, num_kv_heads, 2, head_dim]
-        pub block_ids: DevPtr, // [n]
-        pub codes: DevPtr,     // [num_host_blocks, num_kv_heads, block_size, head_dim / 4] u8
+        pub host_k: DevPtr,     // [num_host_rows, num_kv_heads, block_size, head_dim]
+        pub summaries: DevPtr,  // [num_host_blocks, num_kv_heads, 2, head_dim]
+        pub block_ids: DevPtr,  // [n]
+        pub block_rows: DevPtr, // [n] host row of each block, or null (the id)
+        pub codes: DevPtr,      // [num_host_blocks, num_kv_heads, block_size, head_dim / 4] u8
         pub n: i32,
         pub num_kv_heads: i32,
         pub head_dim: i32, // a multiple of 4
         pub block_size: i32,
         pub num_host_blocks: i32,
-        pub _pad0: i32,
+        pub num_host_rows: i32,
     }
 }
 
@@ -503,12 +508,12 @@ mod tests {
     fn sizes_on_64_bit_targets() {
         use std::mem::{align_of, size_of};
         assert_eq!(size_of::<DevPtr>(), 8);
-        assert_eq!(size_of::<AppendKvParams>(), 10 * 8 + 6 * 4);
-        assert_eq!(size_of::<BuildSummariesParams>(), 4 * 8 + 4 * 4);
+        assert_eq!(size_of::<AppendKvParams>(), 11 * 8 + 6 * 4);
+        assert_eq!(size_of::<BuildSummariesParams>(), 5 * 8 + 6 * 4);
         assert_eq!(size_of::<DecodeAttnParams>(), 12 * 8 + 10 * 4);
         assert_eq!(size_of::<MergeAttnStatesParams>(), 3 * 8 + 2 * 4);
         assert_eq!(size_of::<ScoreBlocksParams>(), 5 * 8 + 6 * 4);
-        assert_eq!(size_of::<BuildKeyCodesParams>(), 4 * 8 + 6 * 4);
+        assert_eq!(size_of::<BuildKeyCodesParams>(), 5 * 8 + 6 * 4);
         assert_eq!(size_of::<ScoreBlocksCodesParams>(), 6 * 8 + 8 * 4);
         assert_eq!(size_of::<TopkBlocksParams>(), 3 * 8 + 4 * 4);
         assert_eq!(size_of::<DeltaSelectParams>(), 8 * 8 + 8 * 4);

@@ -362,15 +362,17 @@ fn gather_launch() -> (usize, u32, u32) {
 }
 
 #[pyfunction]
-#[pyo3(signature = (geo, k_new, v_new, page_ids, page_offsets, host_block_ids, k_pages, v_pages, host_k, host_v, summaries, *, stream = 0))]
+#[pyo3(signature = (geo, k_new, v_new, page_ids, page_offsets, host_block_ids, k_pages, v_pages, host_k, host_v, summaries, *, host_rows = None, stream = 0))]
 #[allow(clippy::too_many_arguments)]
 /// Append one token per sequence into its page slot, with write-through and summary update for
 /// sparse sequences (host_block_ids >= 0).
 ///
 /// k_new, v_new [num_seqs, num_kv_heads, head_dim]; page_ids, page_offsets, host_block_ids
 /// [num_seqs] int32; k_pages, v_pages [num_pages, num_kv_heads, block_size, head_dim]; host_k,
-/// host_v [num_host_blocks, num_kv_heads, block_size, head_dim] (may be empty when every sequence
-/// is dense); summaries [num_host_blocks, num_kv_heads, 2, head_dim].
+/// host_v [num_host_rows, num_kv_heads, block_size, head_dim] (may be empty when every sequence
+/// is dense); summaries [num_host_blocks, num_kv_heads, 2, head_dim]; host_rows [num_seqs] int32
+/// or None: the host row the token is written through to (None: the row is the block id; the
+/// summary is always host_block_ids').
 ///
 /// CUDA: every tensor on one cuda:N except the host pool (host_k, host_v), which may also be
 /// pinned CPU memory; queued on `stream` (the raw cudaStream_t of a live stream of cuda:N,
@@ -390,16 +392,20 @@ fn append_kv(
     host_k: TensorArg,
     host_v: TensorArg,
     summaries: TensorArg,
+    host_rows: Option<TensorArg>,
     stream: u64,
 ) -> PyResult<()> {
     entry(py, "append_kv", || {
         let g = geo.inner;
         let new = [("k_new", &k_new), ("v_new", &v_new)];
-        let tables = [
+        let mut tables = vec![
             ("page_ids", &page_ids),
             ("page_offsets", &page_offsets),
             ("host_block_ids", &host_block_ids),
         ];
+        if let Some(r) = &host_rows {
+            tables.push(("host_rows", r));
+        }
         let pages = [("k_pages", &k_pages), ("v_pages", &v_pages)];
         let host = [("host_k", &host_k), ("host_v", &host_v)];
         let sums = [("summaries", &summaries)];
@@ -408,13 +414,14 @@ fn append_kv(
         for (name, t) in new {
             t.expect_shape(&cx, name, &[n, g.num_kv_heads, g.head_dim])?;
         }
-        for (name, t) in tables {
+        for &(name, t) in &tables {
             t.expect_i32(py, name)?;
             t.expect_shape(&cx, name, &[n])?;
         }
         pool_rows(&cx, &g, &pages)?;
-        let nh = pool_rows(&cx.host(), &g, &host)?;
-        summaries.expect_shape(&cx, "summaries", &[nh, g.num_kv_heads, 2, g.head_dim])?;
+        pool_rows(&cx.host(), &g, &host)?;
+        let nb = summaries.dim(&cx, "summaries", 4, 0)?;
+        summaries.expect_shape(&cx, "summaries", &[nb, g.num_kv_heads, 2, g.head_dim])?;
         let dt = kv_dtype(py, &[&pages[..], &new, &host, &sums].concat())?;
         check_outputs(
             py,
@@ -429,7 +436,8 @@ fn append_kv(
                 let (kn, vn) = unsafe { (k_new.slice::<T>(), v_new.slice::<T>()) };
                 let (kp, vp, hk, hv, sm) = unsafe { (k_pages.slice_mut::<T>(), v_pages.slice_mut::<T>(), host_k.slice_mut::<T>(), host_v.slice_mut::<T>(), summaries.slice_mut::<T>()) };
                 let (pi, po, hb) = unsafe { (page_ids.ints(), page_offsets.ints(), host_block_ids.ints()) };
-                guarded(py, "append_kv", || kernels::append_kv::<T>(&g, kn, vn, pi, po, hb, kp, vp, hk, hv, sm))
+                let hr = host_rows.as_ref().map(|r| unsafe { r.ints() });
+                guarded(py, "append_kv", || kernels::append_kv::<T>(&g, kn, vn, pi, po, hb, hr, kp, vp, hk, hv, sm))
             }),
             Place::Cuda(dev) => with_dtype!(dt, T => {
                 // SAFETY: (TensorArg::dev) shapes, dtypes, contiguity and residence on cuda:dev
@@ -437,7 +445,8 @@ fn append_kv(
                 // are disjoint from every other argument.
                 let (kn, vn, kp, vp, hk, hv, sm) = unsafe { (k_new.dev::<T>(), v_new.dev::<T>(), k_pages.dev::<T>(), v_pages.dev::<T>(), host_k.dev::<T>(), host_v.dev::<T>(), summaries.dev::<T>()) };
                 let (pi, po, hb) = unsafe { (page_ids.dev::<i32>(), page_offsets.dev::<i32>(), host_block_ids.dev::<i32>()) };
-                on_gpu(py, "append_kv", dev, stream, &host, move |gpu, st| gpu.append_kv::<T>(&g, kn, vn, pi, po, hb, kp, vp, hk, hv, sm, st))
+                let hr = host_rows.as_ref().map(|r| unsafe { r.dev::<i32>() });
+                on_gpu(py, "append_kv", dev, stream, &host, move |gpu, st| gpu.append_kv::<T>(&g, kn, vn, pi, po, hb, hr, kp, vp, hk, hv, sm, st))
             }),
         }
     })
@@ -630,11 +639,13 @@ fn decode_attention(
 }
 
 #[pyfunction]
-#[pyo3(signature = (geo, host_k, block_ids, block_lens, summaries, *, stream = 0))]
+#[pyo3(signature = (geo, host_k, block_ids, block_lens, summaries, *, block_rows = None, stream = 0))]
+#[allow(clippy::too_many_arguments)]
 /// Recompute the min/max summaries of the given host blocks over their first `block_lens` tokens.
 ///
-/// host_k [num_host_blocks, num_kv_heads, block_size, head_dim]; block_ids, block_lens [n] int32;
-/// summaries [num_host_blocks, num_kv_heads, 2, head_dim].
+/// host_k [num_host_rows, num_kv_heads, block_size, head_dim]; block_ids, block_lens [n] int32;
+/// summaries [num_host_blocks, num_kv_heads, 2, head_dim]; block_rows [n] int32 or None: the host
+/// row holding each block's keys (None: the row is the block id).
 ///
 /// CUDA: block_ids, block_lens and summaries on one cuda:N; host_k there too or in pinned CPU
 /// memory; queued on `stream` (raw cudaStream_t of cuda:N, 0 = legacy default), returns at once.
@@ -646,46 +657,47 @@ fn build_summaries(
     block_ids: TensorArg,
     block_lens: TensorArg,
     summaries: TensorArg,
+    block_rows: Option<TensorArg>,
     stream: u64,
 ) -> PyResult<()> {
     entry(py, "build_summaries", || {
         let g = geo.inner;
         let host = [("host_k", &host_k)];
+        let mut tables = vec![("block_ids", &block_ids), ("block_lens", &block_lens)];
+        if let Some(r) = &block_rows {
+            tables.push(("block_rows", r));
+        }
         let cx = Cx::new(
             py,
-            &[
-                ("summaries", &summaries),
-                ("block_ids", &block_ids),
-                ("block_lens", &block_lens),
-            ],
+            &[&[("summaries", &summaries)][..], &tables].concat(),
             &host,
         )?;
-        let nh = pool_rows(&cx.host(), &g, &host)?;
-        summaries.expect_shape(&cx, "summaries", &[nh, g.num_kv_heads, 2, g.head_dim])?;
+        pool_rows(&cx.host(), &g, &host)?;
+        let nb = summaries.dim(&cx, "summaries", 4, 0)?;
+        summaries.expect_shape(&cx, "summaries", &[nb, g.num_kv_heads, 2, g.head_dim])?;
         let n = block_ids.dim(&cx, "block_ids", 1, 0)?;
-        block_ids.expect_i32(py, "block_ids")?;
-        block_lens.expect_i32(py, "block_lens")?;
-        block_lens.expect_shape(&cx, "block_lens", &[n])?;
+        for &(name, t) in &tables {
+            t.expect_i32(py, name)?;
+            t.expect_shape(&cx, name, &[n])?;
+        }
         let dt = kv_dtype(py, &[("host_k", &host_k), ("summaries", &summaries)])?;
         check_outputs(
             py,
             &[("summaries", &summaries)],
-            &[
-                ("host_k", &host_k),
-                ("block_ids", &block_ids),
-                ("block_lens", &block_lens),
-            ],
+            &[&[("host_k", &host_k)][..], &tables].concat(),
         )?;
         match cx.place {
             Place::Cpu => with_dtype!(dt, T => {
                 // SAFETY: checked above; summaries is disjoint from the inputs.
                 let (hk, sm, ids, lens) = unsafe { (host_k.slice::<T>(), summaries.slice_mut::<T>(), block_ids.ints(), block_lens.ints()) };
-                guarded(py, "build_summaries", || kernels::build_summaries::<T>(&g, hk, ids, lens, sm))
+                let rows = block_rows.as_ref().map(|r| unsafe { r.ints() });
+                guarded(py, "build_summaries", || kernels::build_summaries::<T>(&g, hk, ids, rows, lens, sm))
             }),
             Place::Cuda(dev) => with_dtype!(dt, T => {
                 // SAFETY: (TensorArg::dev) checked above; summaries is disjoint from the inputs.
                 let (hk, sm, ids, lens) = unsafe { (host_k.dev::<T>(), summaries.dev::<T>(), block_ids.dev::<i32>(), block_lens.dev::<i32>()) };
-                on_gpu(py, "build_summaries", dev, stream, &host, move |gpu, st| gpu.build_summaries::<T>(&g, hk, ids, lens, sm, st))
+                let rows = block_rows.as_ref().map(|r| unsafe { r.dev::<i32>() });
+                on_gpu(py, "build_summaries", dev, stream, &host, move |gpu, st| gpu.build_summaries::<T>(&g, hk, ids, rows, lens, sm, st))
             }),
         }
     })
@@ -764,13 +776,15 @@ fn check_codes_head_dim(py: Python<'_>, g: &KvGeometry) -> PyResult<()> {
 }
 
 #[pyfunction]
-#[pyo3(signature = (geo, host_k, summaries, block_ids, codes, *, stream = 0))]
+#[pyo3(signature = (geo, host_k, summaries, block_ids, codes, *, block_rows = None, stream = 0))]
+#[allow(clippy::too_many_arguments)]
 /// Encode every key of complete host blocks to 2 bits per channel inside the block's [min, max].
 ///
-/// host_k [num_host_blocks, num_kv_heads, block_size, head_dim]; summaries [num_host_blocks,
+/// host_k [num_host_rows, num_kv_heads, block_size, head_dim]; summaries [num_host_blocks,
 /// num_kv_heads, 2, head_dim] (those of the same complete blocks); block_ids [n] int32; codes
 /// [num_host_blocks, num_kv_heads, block_size, head_dim // 4] uint8 (channel 4i + j in bits
-/// 2j..2j+2 of byte i). head_dim must be divisible by 4 (ConfigError).
+/// 2j..2j+2 of byte i); block_rows [n] int32 or None: the host row holding each block's keys
+/// (None: the row is the block id). head_dim must be divisible by 4 (ConfigError).
 ///
 /// CUDA: summaries, block_ids and codes on one cuda:N; host_k there too or in pinned CPU memory;
 /// queued on `stream` (raw cudaStream_t of cuda:N, 0 = legacy default), returns at once.
@@ -782,51 +796,58 @@ fn build_key_codes(
     summaries: TensorArg,
     block_ids: TensorArg,
     codes: TensorArg,
+    block_rows: Option<TensorArg>,
     stream: u64,
 ) -> PyResult<()> {
     entry(py, "build_key_codes", || {
         let g = geo.inner;
         check_codes_head_dim(py, &g)?;
         let host = [("host_k", &host_k)];
+        let mut tables = vec![("block_ids", &block_ids)];
+        if let Some(r) = &block_rows {
+            tables.push(("block_rows", r));
+        }
         let cx = Cx::new(
             py,
-            &[
-                ("summaries", &summaries),
-                ("block_ids", &block_ids),
-                ("codes", &codes),
-            ],
+            &[&[("summaries", &summaries), ("codes", &codes)][..], &tables].concat(),
             &host,
         )?;
-        let nh = pool_rows(&cx.host(), &g, &host)?;
-        summaries.expect_shape(&cx, "summaries", &[nh, g.num_kv_heads, 2, g.head_dim])?;
-        block_ids.dim(&cx, "block_ids", 1, 0)?;
-        block_ids.expect_i32(py, "block_ids")?;
+        pool_rows(&cx.host(), &g, &host)?;
+        let nb = summaries.dim(&cx, "summaries", 4, 0)?;
+        summaries.expect_shape(&cx, "summaries", &[nb, g.num_kv_heads, 2, g.head_dim])?;
+        let n = block_ids.dim(&cx, "block_ids", 1, 0)?;
+        for &(name, t) in &tables {
+            t.expect_i32(py, name)?;
+            t.expect_shape(&cx, name, &[n])?;
+        }
         codes.expect_u8(py, "codes")?;
         codes.expect_shape(
             &cx,
             "codes",
-            &[nh, g.num_kv_heads, g.block_size, g.head_dim / 4],
+            &[nb, g.num_kv_heads, g.block_size, g.head_dim / 4],
         )?;
         let dt = kv_dtype(py, &[("host_k", &host_k), ("summaries", &summaries)])?;
         check_outputs(
             py,
             &[("codes", &codes)],
             &[
-                ("host_k", &host_k),
-                ("summaries", &summaries),
-                ("block_ids", &block_ids),
-            ],
+                &[("host_k", &host_k), ("summaries", &summaries)][..],
+                &tables,
+            ]
+            .concat(),
         )?;
         match cx.place {
             Place::Cpu => with_dtype!(dt, T => {
                 // SAFETY: checked above; codes is disjoint from the inputs.
                 let (hk, sm, ids, cd) = unsafe { (host_k.slice::<T>(), summaries.slice::<T>(), block_ids.ints(), codes.slice_mut::<u8>()) };
-                guarded(py, "build_key_codes", || kernels::build_key_codes::<T>(&g, hk, sm, ids, cd))
+                let rows = block_rows.as_ref().map(|r| unsafe { r.ints() });
+                guarded(py, "build_key_codes", || kernels::build_key_codes::<T>(&g, hk, sm, ids, rows, cd))
             }),
             Place::Cuda(dev) => with_dtype!(dt, T => {
                 // SAFETY: (TensorArg::dev) checked above; codes is disjoint from the inputs.
                 let (hk, sm, ids, cd) = unsafe { (host_k.dev::<T>(), summaries.dev::<T>(), block_ids.dev::<i32>(), codes.dev::<u8>()) };
-                on_gpu(py, "build_key_codes", dev, stream, &host, move |gpu, st| gpu.build_key_codes::<T>(&g, hk, sm, ids, cd, st))
+                let rows = block_rows.as_ref().map(|r| unsafe { r.dev::<i32>() });
+                on_gpu(py, "build_key_codes", dev, stream, &host, move |gpu, st| gpu.build_key_codes::<T>(&g, hk, sm, ids, rows, cd, st))
             }),
         }
     })

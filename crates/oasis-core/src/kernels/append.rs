@@ -6,32 +6,41 @@ use crate::error::{check_len, Result};
 use crate::geometry::KvGeometry;
 use crate::kernels::validate::{index, leading_rows};
 
+/// A sequence whose page id is this stores nothing (a padded row of a captured step, a draft the
+/// step rejected): no page, host row or summary is touched, and its other entries are not read.
+pub const NO_PAGE: i32 = -1;
+
 /// Append one new token per sequence: write its K,V into `(page_ids[s], page_offsets[s])` of the
-/// GPU pool; when `host_block_ids[s] >= 0` also write it through to the same offset of that host
-/// block and update that host block's summary (offset 0 resets `min = max = k`, else elementwise
-/// min/max). Dense sequences pass `host_block_ids[s] = -1` (no write-through, no summary).
+/// GPU pool; when `host_block_ids[s] >= 0` also write it through to the same offset of host row
+/// `host_rows[s]` (`None`: the row is the block id) and update host block `host_block_ids[s]`'s
+/// summary (offset 0 resets `min = max = k`, else elementwise min/max). Dense sequences pass
+/// `host_block_ids[s] = -1` (no write-through, no summary; their row is not read).
 ///
-/// The number of pages and of host blocks is implied by the pool buffers. When two sequences
-/// name the same slot, the later one wins (the GPU kernel leaves that undefined).
+/// Host rows (`host_k`/`host_v`) and host block ids (`summaries`) are separate pools: a block of a
+/// staged request has an id (its summary) but a row only while its bytes are cached. The number
+/// of pages, of host rows and of host blocks is implied by the buffers. When two sequences name
+/// the same slot, the later one wins (the GPU kernel leaves that undefined).
 ///
 /// # Errors
 /// * [`OasisError::Shape`](crate::OasisError::Shape) when a buffer does not match its shape;
-/// * [`OasisError::IndexOutOfRange`](crate::OasisError::IndexOutOfRange) when a page id, an offset
-///   or a host block id is out of range (any negative host block id means dense).
+/// * [`OasisError::IndexOutOfRange`](crate::OasisError::IndexOutOfRange) when a page id, an offset,
+///   a host block id or the host row of a write-through is out of range (any negative host block
+///   id means dense).
 ///
 /// Nothing is written when an error is returned.
 #[allow(clippy::too_many_arguments)]
 pub fn append_kv<T: KvElem>(
     geo: &KvGeometry,
     k_new: &[T],
-    v_new: &[T],            // [num_seqs, num_kv_heads, head_dim]
-    page_ids: &[i32],       // [num_seqs]
-    page_offsets: &[i32],   // [num_seqs] 0..block_size
-    host_block_ids: &[i32], // [num_seqs] -1 = dense
+    v_new: &[T],               // [num_seqs, num_kv_heads, head_dim]
+    page_ids: &[i32],          // [num_seqs]
+    page_offsets: &[i32],      // [num_seqs] 0..block_size
+    host_block_ids: &[i32],    // [num_seqs] -1 = dense
+    host_rows: Option<&[i32]>, // [num_seqs] host row of the write-through; None: the id
     k_pages: &mut [T],
     v_pages: &mut [T], // [num_pages, num_kv_heads, block_size, head_dim]
     host_k: &mut [T],
-    host_v: &mut [T],    // [num_host_blocks, num_kv_heads, block_size, head_dim]
+    host_v: &mut [T],    // [num_host_rows, num_kv_heads, block_size, head_dim]
     summaries: &mut [T], // [num_host_blocks, num_kv_heads, 2, head_dim]
 ) -> Result<()> {
     geo.validate()?;
@@ -43,20 +52,31 @@ pub fn append_kv<T: KvElem>(
     check_len("host_block_ids", host_block_ids.len(), &[num_seqs])?;
     let num_pages = leading_rows("k_pages", k_pages.len(), &[h_kv, bs, d])?;
     check_len("v_pages", v_pages.len(), &[num_pages, h_kv, bs, d])?;
-    let num_host = leading_rows("host_k", host_k.len(), &[h_kv, bs, d])?;
-    check_len("host_v", host_v.len(), &[num_host, h_kv, bs, d])?;
-    check_len("summaries", summaries.len(), &[num_host, h_kv, 2, d])?;
+    let num_rows = leading_rows("host_k", host_k.len(), &[h_kv, bs, d])?;
+    check_len("host_v", host_v.len(), &[num_rows, h_kv, bs, d])?;
+    let num_host = leading_rows("summaries", summaries.len(), &[h_kv, 2, d])?;
+    if let Some(rows) = host_rows {
+        check_len("host_rows", rows.len(), &[num_seqs])?;
+    }
+    let row_of = |s: usize| host_rows.map_or(host_block_ids[s], |r| r[s]);
     for s in 0..num_seqs {
+        if page_ids[s] == NO_PAGE {
+            continue;
+        }
         index("page_ids", page_ids[s], num_pages)?;
         index("page_offsets", page_offsets[s], bs)?;
         if host_block_ids[s] >= 0 {
             index("host_block_ids", host_block_ids[s], num_host)?;
+            index("host_rows", row_of(s), num_rows)?;
         }
     }
 
     let page_elems = geo.page_elems();
     let entry_elems = geo.entry_elems();
     for s in 0..num_seqs {
+        if page_ids[s] == NO_PAGE {
+            continue;
+        }
         // Validated above: these casts are of in-range, non-negative values.
         let page = page_ids[s] as usize;
         let off = page_offsets[s] as usize;
@@ -69,7 +89,8 @@ pub fn append_kv<T: KvElem>(
                 continue;
             }
             let blk = host_block_ids[s] as usize;
-            let dst = blk * page_elems + h * entry_elems + off * d;
+            let row = row_of(s) as usize;
+            let dst = row * page_elems + h * entry_elems + off * d;
             host_k[dst..dst + d].copy_from_slice(&k_new[src.clone()]);
             host_v[dst..dst + d].copy_from_slice(&v_new[src.clone()]);
             let sum = (blk * h_kv + h) * 2 * d;
@@ -124,7 +145,7 @@ mod tests {
         hb: &[i32],
     ) -> Result<()> {
         append_kv(
-            g, k, v, p, o, hb, &mut b.kp, &mut b.vp, &mut b.hk, &mut b.hv, &mut b.sm,
+            g, k, v, p, o, hb, None, &mut b.kp, &mut b.vp, &mut b.hk, &mut b.hv, &mut b.sm,
         )
     }
 
@@ -181,6 +202,63 @@ mod tests {
     }
 
     #[test]
+    fn rows_apart_from_ids() {
+        // Host pool of 1 row, summaries of 3 blocks: block 2 written through to row 0.
+        let g = geo();
+        let (h_kv, d) = (g.num_kv_heads, g.head_dim);
+        let mut b = bufs(&g, 1, 1);
+        b.sm = vec![0.0f32; 3 * h_kv * 2 * d];
+        let k: Vec<f32> = (0..h_kv * d).map(|i| i as f32 + 1.0).collect();
+        let v: Vec<f32> = k.iter().map(|x| -x).collect();
+        let call = |b: &mut Bufs, rows: &[i32]| {
+            append_kv(
+                &g,
+                &k,
+                &v,
+                &[0],
+                &[0],
+                &[2],
+                Some(rows),
+                &mut b.kp,
+                &mut b.vp,
+                &mut b.hk,
+                &mut b.hv,
+                &mut b.sm,
+            )
+        };
+        call(&mut b, &[0]).unwrap();
+        assert_eq!(b.hk, b.kp);
+        assert_eq!(b.hv, b.vp);
+        let blk2 = 2 * h_kv * 2 * d;
+        assert!(b.sm[..blk2].iter().all(|&x| x == 0.0));
+        for h in 0..h_kv {
+            for x in 0..d {
+                assert_eq!(b.sm[blk2 + (h * 2) * d + x], k[h * d + x]);
+                assert_eq!(b.sm[blk2 + (h * 2 + 1) * d + x], k[h * d + x]);
+            }
+        }
+        // Row 1 is past the pool; the wrong number of rows is a shape error; nothing written.
+        let mut b = bufs(&g, 1, 1);
+        b.sm = vec![0.0f32; 3 * h_kv * 2 * d];
+        assert!(matches!(
+            call(&mut b, &[1]),
+            Err(OasisError::IndexOutOfRange {
+                what: "host_rows",
+                index: 1,
+                ..
+            })
+        ));
+        assert!(matches!(
+            call(&mut b, &[]),
+            Err(OasisError::Shape {
+                what: "host_rows",
+                ..
+            })
+        ));
+        assert!(b.sm.iter().chain(&b.hk).chain(&b.kp).all(|&x| x == 0.0));
+    }
+
+    #[test]
     fn bf16_is_bit_exact() {
         let g = geo();
         let n = g.page_elems();
@@ -199,6 +277,7 @@ mod tests {
             &[0],
             &[3],
             &[0],
+            None,
             &mut kp,
             &mut vp,
             &mut hk,
@@ -236,7 +315,7 @@ mod tests {
         );
         shape(run(&g, &mut b, &k1, &k1, &[0], &[0], &[]), "host_block_ids");
         oob(run(&g, &mut b, &k1, &k1, &[2], &[0], &[0]), "page_ids", 2);
-        oob(run(&g, &mut b, &k1, &k1, &[-1], &[0], &[0]), "page_ids", -1);
+        oob(run(&g, &mut b, &k1, &k1, &[-2], &[0], &[0]), "page_ids", -2);
         oob(
             run(&g, &mut b, &k1, &k1, &[0], &[4], &[0]),
             "page_offsets",
@@ -304,6 +383,7 @@ mod tests {
             &[],
             &[],
             &[],
+            None,
             &mut b.kp,
             &mut b.vp,
             &mut b.hk,
@@ -311,5 +391,27 @@ mod tests {
             &mut b.sm,
         );
         assert!(matches!(r, Err(OasisError::Config(_))));
+    }
+
+    #[test]
+    fn no_page_stores_nothing() {
+        // Seq 0 has no page (a rejected draft: its other entries name a real slot, even one out
+        // of range), seq 1 is sparse: only seq 1 is written, as the GPU kernel skips page < 0.
+        let g = geo();
+        let (h_kv, bs, d) = (g.num_kv_heads, g.block_size, g.head_dim);
+        let mut b = bufs(&g, 2, 2);
+        let k: Vec<f32> = (0..2 * h_kv * d).map(|i| i as f32 + 1.0).collect();
+        run(&g, &mut b, &k, &k, &[NO_PAGE, 1], &[9, 1], &[0, 1]).unwrap();
+        for h in 0..h_kv {
+            let at = ((h_kv + h) * bs + 1) * d;
+            assert_eq!(&b.kp[at..at + d], &k[(h_kv + h) * d..(h_kv + h + 1) * d]);
+            assert_eq!(&b.hk[at..at + d], &k[(h_kv + h) * d..(h_kv + h + 1) * d]);
+        }
+        let n = g.page_elems();
+        assert!(b.kp[..n].iter().chain(&b.hk[..n]).all(|&x| x == 0.0));
+        assert!(
+            b.sm[..h_kv * 2 * d].iter().all(|&x| x == 0.0),
+            "no summary touched"
+        );
     }
 }

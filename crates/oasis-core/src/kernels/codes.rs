@@ -44,36 +44,48 @@ pub fn encode(x: f32, lo: f32, hi: f32) -> u8 {
     ((x - lo) / w * CODE_LEVELS).round().clamp(0.0, CODE_LEVELS) as u8
 }
 
-/// Write the codes of complete host blocks `block_ids` (all KV heads) from their keys and their
-/// `[min; max]` summaries (which must be those of the same, complete block).
+/// Write the codes of complete host blocks `block_ids` (all KV heads) from their keys, in host
+/// rows `block_rows` (`None`: the row is the block id), and their `[min; max]` summaries (which
+/// must be those of the same, complete block). Summaries and codes are indexed by block id.
 ///
 /// # Errors
 /// [`OasisError::Shape`] for a buffer of the wrong size, [`OasisError::IndexOutOfRange`] for a
-/// block id outside the host pool, [`OasisError::Config`] for a head_dim not divisible by 4.
-/// Nothing is written when an error is returned.
+/// block id outside the summaries or a row outside the host pool, [`OasisError::Config`] for a
+/// head_dim not divisible by 4. Nothing is written when an error is returned.
 pub fn build_key_codes<T: KvElem>(
     geo: &KvGeometry,
-    host_k: &[T],      // [num_host_blocks, num_kv_heads, block_size, head_dim]
-    summaries: &[T],   // [num_host_blocks, num_kv_heads, 2, head_dim]
-    block_ids: &[i32], // [n]
-    codes: &mut [u8],  // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
+    host_k: &[T],               // [num_host_rows, num_kv_heads, block_size, head_dim]
+    summaries: &[T],            // [num_host_blocks, num_kv_heads, 2, head_dim]
+    block_ids: &[i32],          // [n]
+    block_rows: Option<&[i32]>, // [n] host row of each block; None: the id
+    codes: &mut [u8],           // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
 ) -> Result<()> {
     geo.validate()?;
     check_head_dim(geo)?;
     let (h_kv, bs, d) = (geo.num_kv_heads, geo.block_size, geo.head_dim);
-    let num_host = leading_rows("host_k", host_k.len(), &[h_kv, bs, d])?;
-    check_len("summaries", summaries.len(), &[num_host, h_kv, 2, d])?;
+    let num_rows = leading_rows("host_k", host_k.len(), &[h_kv, bs, d])?;
+    let num_host = leading_rows("summaries", summaries.len(), &[h_kv, 2, d])?;
     check_len("codes", codes.len(), &[num_host, h_kv, bs, d / 4])?;
-    for &b in block_ids {
+    if let Some(rows) = block_rows {
+        check_len("block_rows", rows.len(), &[block_ids.len()])?;
+    }
+    let row_of = |i: usize| block_rows.map_or(block_ids[i], |r| r[i]);
+    for (i, &b) in block_ids.iter().enumerate() {
         index("block_ids", b, num_host)?;
+        let what = if block_rows.is_some() {
+            "block_rows"
+        } else {
+            "block_ids"
+        };
+        index(what, row_of(i), num_rows)?;
     }
     let row = d / 4;
-    for &b in block_ids {
-        let b = b as usize; // validated
+    for (i, &b) in block_ids.iter().enumerate() {
+        let (b, r) = (b as usize, row_of(i) as usize); // validated
         for h in 0..h_kv {
             let sum = (b * h_kv + h) * 2 * d;
             let (mins, maxs) = summaries[sum..sum + 2 * d].split_at(d);
-            let keys = &host_k[(b * h_kv + h) * bs * d..][..bs * d];
+            let keys = &host_k[(r * h_kv + h) * bs * d..][..bs * d];
             let out = &mut codes[(b * h_kv + h) * bs * row..][..bs * row];
             for (k, o) in keys.chunks_exact(d).zip(out.chunks_exact_mut(row)) {
                 for (i, byte) in o.iter_mut().enumerate() {
@@ -202,9 +214,9 @@ mod tests {
             *x = ((i * 7 + 3) % 4) as f32 * 0.5 - 0.75;
         }
         let mut summ = vec![0.0f32; n_host * hk * 2 * d];
-        build_summaries(&g, &host_k, &[0, 1, 2], &[4, 4, 4], &mut summ).unwrap();
+        build_summaries(&g, &host_k, &[0, 1, 2], None, &[4, 4, 4], &mut summ).unwrap();
         let mut codes = vec![0u8; n_host * hk * bs * d / 4];
-        build_key_codes(&g, &host_k, &summ, &[0, 1, 2], &mut codes).unwrap();
+        build_key_codes(&g, &host_k, &summ, &[0, 1, 2], None, &mut codes).unwrap();
         let q: Vec<f32> = (0..2 * 4 * d).map(|i| ((i * 5) % 9) as f32 - 4.0).collect();
         let (indptr, idx) = ([0, 2, 3], [2, 0, 1]);
         let mut scores = vec![0.0f32; 3 * hk];
@@ -233,16 +245,41 @@ mod tests {
     }
 
     #[test]
+    fn codes_read_keys_by_row_and_write_by_id() {
+        // Block ids 0..3 whose keys sit in rows 2, 0, 1 of a 3-row pool give the codes of the
+        // pool with the keys moved to rows = ids.
+        let g = geo();
+        let (hk, bs, d) = (2, 4, 8);
+        let pe = hk * bs * d;
+        let host_k: Vec<f32> = (0..3 * pe).map(|i| ((i * 37) % 23) as f32 - 11.0).collect();
+        let rows = [2, 0, 1];
+        let mut moved = vec![0.0f32; 3 * pe];
+        for (id, &r) in rows.iter().enumerate() {
+            moved[id * pe..][..pe].copy_from_slice(&host_k[r as usize * pe..][..pe]);
+        }
+        let mut summ = vec![0.0f32; 3 * hk * 2 * d];
+        build_summaries(&g, &moved, &[0, 1, 2], None, &[4, 4, 4], &mut summ).unwrap();
+        let mut want = vec![0u8; 3 * pe / 4];
+        build_key_codes(&g, &moved, &summ, &[0, 1, 2], None, &mut want).unwrap();
+        let mut got = vec![0u8; 3 * pe / 4];
+        build_key_codes(&g, &host_k, &summ, &[0, 1, 2], Some(&rows), &mut got).unwrap();
+        assert_eq!(got, want);
+        // A one-row pool: ids up to 2 with row 0 are fine, row 1 is not.
+        build_key_codes(&g, &host_k[..pe], &summ, &[2], Some(&[0]), &mut got).unwrap();
+        assert!(build_key_codes(&g, &host_k[..pe], &summ, &[2], Some(&[1]), &mut got).is_err());
+    }
+
+    #[test]
     fn bad_calls_are_errors_and_write_nothing() {
         let g = geo();
         let host_k = vec![0.0f32; 2 * 2 * 4 * 8];
         let summ = vec![0.0f32; 2 * 2 * 2 * 8];
         let mut codes = vec![7u8; 2 * 2 * 4 * 2];
-        assert!(build_key_codes(&g, &host_k, &summ, &[2], &mut codes).is_err());
+        assert!(build_key_codes(&g, &host_k, &summ, &[2], None, &mut codes).is_err());
         assert!(codes.iter().all(|&c| c == 7));
         let odd = KvGeometry::new(2, 1, 6, 4).unwrap();
         assert!(matches!(
-            build_key_codes(&odd, &[0.0f32; 24], &[0.0f32; 12], &[], &mut []),
+            build_key_codes(&odd, &[0.0f32; 24], &[0.0f32; 12], &[], None, &mut []),
             Err(OasisError::Config(_))
         ));
         let mut scores = vec![5.0f32; 2];

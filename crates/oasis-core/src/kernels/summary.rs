@@ -20,39 +20,52 @@ pub(crate) fn fold_min_max<T: KvElem>(mins: &mut [T], maxs: &mut [T], k: &[T]) {
 }
 
 /// Recompute summaries (min/max over the first `block_lens[i]` tokens) of host blocks
-/// `block_ids[i]`, all KV heads. Listing a block twice recomputes it twice (the later length
-/// wins).
+/// `block_ids[i]`, all KV heads, from the keys in host row `block_rows[i]` (`None`: the row is the
+/// block id; host rows and host block ids are separate pools, see
+/// [`append_kv`](crate::kernels::append_kv)). Listing a block twice recomputes it twice (the later
+/// length wins).
 ///
 /// # Errors
 /// * [`OasisError::Shape`](crate::OasisError::Shape) for a buffer of the wrong size;
 /// * [`OasisError::IndexOutOfRange`](crate::OasisError::IndexOutOfRange) for a block id outside
-///   the host pool;
+///   the summaries or a row outside the host pool;
 /// * [`OasisError::Invalid`](crate::OasisError::Invalid) for a length outside `1..=block_size`.
 ///
 /// Nothing is written when an error is returned.
 pub fn build_summaries<T: KvElem>(
     geo: &KvGeometry,
-    host_k: &[T],        // [num_host_blocks, num_kv_heads, block_size, head_dim]
-    block_ids: &[i32],   // [n]
-    block_lens: &[i32],  // [n] 1..=block_size
-    summaries: &mut [T], // [num_host_blocks, num_kv_heads, 2, head_dim]
+    host_k: &[T],               // [num_host_rows, num_kv_heads, block_size, head_dim]
+    block_ids: &[i32],          // [n]
+    block_rows: Option<&[i32]>, // [n] host row of each block; None: the id
+    block_lens: &[i32],         // [n] 1..=block_size
+    summaries: &mut [T],        // [num_host_blocks, num_kv_heads, 2, head_dim]
 ) -> Result<()> {
     geo.validate()?;
     let (h_kv, bs, d) = (geo.num_kv_heads, geo.block_size, geo.head_dim);
-    let num_host = leading_rows("host_k", host_k.len(), &[h_kv, bs, d])?;
-    check_len("summaries", summaries.len(), &[num_host, h_kv, 2, d])?;
+    let num_rows = leading_rows("host_k", host_k.len(), &[h_kv, bs, d])?;
+    let num_host = leading_rows("summaries", summaries.len(), &[h_kv, 2, d])?;
     check_len("block_lens", block_lens.len(), &[block_ids.len()])?;
+    if let Some(rows) = block_rows {
+        check_len("block_rows", rows.len(), &[block_ids.len()])?;
+    }
+    let row_of = |i: usize| block_rows.map_or(block_ids[i], |r| r[i]);
     for (i, (&b, &n)) in block_ids.iter().zip(block_lens).enumerate() {
         index("block_ids", b, num_host)?;
+        let what = if block_rows.is_some() {
+            "block_rows"
+        } else {
+            "block_ids"
+        };
+        index(what, row_of(i), num_rows)?;
         length("block_lens", i, n, bs)?;
     }
 
     let entry = geo.entry_elems();
-    for (&b, &n) in block_ids.iter().zip(block_lens) {
+    for (i, (&b, &n)) in block_ids.iter().zip(block_lens).enumerate() {
         // Validated above.
-        let (b, n) = (b as usize, n as usize);
+        let (b, n, r) = (b as usize, n as usize, row_of(i) as usize);
         for h in 0..h_kv {
-            let keys = &host_k[(b * h_kv + h) * entry..][..n * d];
+            let keys = &host_k[(r * h_kv + h) * entry..][..n * d];
             let sum = (b * h_kv + h) * 2 * d;
             let (mins, maxs) = summaries[sum..sum + 2 * d].split_at_mut(d);
             mins.copy_from_slice(&keys[..d]);
@@ -96,7 +109,7 @@ mod tests {
             .map(|i| T::from_f32(((i * 2654435761usize) % 1000) as f32 / 37.0 - 13.0))
             .collect();
         let mut sm = vec![T::from_f32(-99.0); num_host * g.num_kv_heads * 2 * g.head_dim];
-        build_summaries(&g, &host_k, &[3, 0, 1], &[7, 1, 4], &mut sm).unwrap();
+        build_summaries(&g, &host_k, &[3, 0, 1], None, &[7, 1, 4], &mut sm).unwrap();
         for (b, n) in [(3, 7), (0, 1), (1, 4)] {
             for h in 0..g.num_kv_heads {
                 for x in 0..g.head_dim {
@@ -122,11 +135,49 @@ mod tests {
     }
 
     #[test]
+    fn rows_apart_from_ids() {
+        // Keys in host rows 2 and 0, summaries of blocks 0 and 3: the same as rows = ids after
+        // moving the keys.
+        let g = KvGeometry::new(4, 2, 3, 4).unwrap();
+        let host_k: Vec<f32> = (0..3 * g.page_elems())
+            .map(|i| ((i * 7919) % 113) as f32 - 50.0)
+            .collect();
+        let per = g.num_kv_heads * 2 * g.head_dim;
+        let mut sm = vec![0.0f32; 4 * per];
+        build_summaries(&g, &host_k, &[0, 3], Some(&[2, 0]), &[4, 3], &mut sm).unwrap();
+        let mut moved = vec![0.0f32; 4 * g.page_elems()];
+        let pe = g.page_elems();
+        moved[..pe].copy_from_slice(&host_k[2 * pe..3 * pe]);
+        moved[3 * pe..].copy_from_slice(&host_k[..pe]);
+        let mut want = vec![0.0f32; 4 * per];
+        build_summaries(&g, &moved, &[0, 3], None, &[4, 3], &mut want).unwrap();
+        assert_eq!(sm, want);
+        // A row past the host pool (3 rows) is an error though the id is in range.
+        let r = build_summaries(&g, &host_k, &[3], Some(&[3]), &[1], &mut sm);
+        assert!(matches!(
+            r,
+            Err(OasisError::IndexOutOfRange {
+                what: "block_rows",
+                index: 3,
+                bound: 3
+            })
+        ));
+        let r = build_summaries(&g, &host_k, &[3], Some(&[]), &[1], &mut sm);
+        assert!(matches!(
+            r,
+            Err(OasisError::Shape {
+                what: "block_rows",
+                ..
+            })
+        ));
+    }
+
+    #[test]
     fn validation_errors() {
         let g = KvGeometry::new(2, 1, 2, 4).unwrap();
         let host_k = vec![1.0f32; 2 * g.page_elems()];
         let mut sm = vec![0.0f32; 2 * 2 * 2];
-        let r = build_summaries(&g, &host_k, &[2], &[1], &mut sm);
+        let r = build_summaries(&g, &host_k, &[2], None, &[1], &mut sm);
         assert!(matches!(
             r,
             Err(OasisError::IndexOutOfRange {
@@ -135,7 +186,7 @@ mod tests {
                 bound: 2
             })
         ));
-        let r = build_summaries(&g, &host_k, &[-1], &[1], &mut sm);
+        let r = build_summaries(&g, &host_k, &[-1], None, &[1], &mut sm);
         assert!(matches!(
             r,
             Err(OasisError::IndexOutOfRange {
@@ -145,14 +196,14 @@ mod tests {
             })
         ));
         assert!(matches!(
-            build_summaries(&g, &host_k, &[0], &[0], &mut sm),
+            build_summaries(&g, &host_k, &[0], None, &[0], &mut sm),
             Err(OasisError::Invalid(_))
         ));
         assert!(matches!(
-            build_summaries(&g, &host_k, &[0], &[5], &mut sm),
+            build_summaries(&g, &host_k, &[0], None, &[5], &mut sm),
             Err(OasisError::Invalid(_))
         ));
-        let r = build_summaries(&g, &host_k, &[0, 1], &[1], &mut sm);
+        let r = build_summaries(&g, &host_k, &[0, 1], None, &[1], &mut sm);
         assert!(matches!(
             r,
             Err(OasisError::Shape {
@@ -160,9 +211,9 @@ mod tests {
                 ..
             })
         ));
-        let r = build_summaries(&g, &host_k[1..], &[0], &[1], &mut sm);
+        let r = build_summaries(&g, &host_k[1..], &[0], None, &[1], &mut sm);
         assert!(matches!(r, Err(OasisError::Shape { what: "host_k", .. })));
-        let r = build_summaries(&g, &host_k, &[0], &[1], &mut sm[1..]);
+        let r = build_summaries(&g, &host_k, &[0], None, &[1], &mut sm[1..]);
         assert!(matches!(
             r,
             Err(OasisError::Shape {
@@ -171,7 +222,7 @@ mod tests {
             })
         ));
         // A good entry before a bad one is not written either.
-        let r = build_summaries(&g, &host_k, &[0, 1], &[4, 9], &mut sm);
+        let r = build_summaries(&g, &host_k, &[0, 1], None, &[4, 9], &mut sm);
         assert!(matches!(r, Err(OasisError::Invalid(_))));
         assert!(sm.iter().all(|&x| x == 0.0));
     }
