@@ -7,6 +7,8 @@
 //! owns, addressed by the ids handed out here.
 //!
 //! * [`config`] — [`RuntimeConfig`]: block size, budget K, threshold, rows per request.
+//! * [`cache`] — [`RowCache`]: the host rows of a staged request's cached blocks, LRU eviction
+//!   that never touches the blocks a gather reads (the bounded decode-side host pool).
 //! * [`table`] — [`RequestTable`]: one request's pages, working-set slots, local page and host
 //!   blocks, and the [`Reservation`] that admission charged for it.
 //! * [`manager`] — [`Runtime`]: the pools, the tables, admission and the state transitions.
@@ -24,11 +26,13 @@
 
 #![forbid(unsafe_code)]
 
+pub mod cache;
 pub mod config;
 pub mod manager;
 pub mod plan;
 pub mod table;
 
+pub use cache::{Cached, RowCache};
 pub use config::RuntimeConfig;
 pub use manager::{AppendPlan, Runtime, SparseTransition};
 pub use oasis_core::{OasisError, Result, Tier};
