@@ -114,7 +114,7 @@ class _Request:
     draft: int | None = None
     features: torch.Tensor | None = None
     # Speculative decoding: the captured features of the draft's row (the features of the
-    # position after x_t), set by decode_step(draft_logits=True).
+    # position after x_t), set by decode_step(speculate=...).
     draft_features: torch.Tensor | None = None
     finish_reason: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
@@ -502,11 +502,47 @@ def _round_cap(x: int) -> int:
 
 
 @dataclass
-class _StepGraph:
-    """One captured decode step: its capacity key ``(requests, pages, host blocks)``, its own plan
-    buffers (pinned host, device), the split plan and workspace, and the graph with its outputs."""
+class SpecStep:
+    """What a speculative decode step (:meth:`Engine.decode_step` with ``speculate``) gives back:
+    per request (batch order) the host copies of its one device-to-host read, and both rows'
+    logits.
 
-    key: tuple[int, int, int]
+    ``tried``: its draft held a tentative slot (the runtime allowed the position after x_t).
+    ``token`` / ``finite``: row 0's argmax and whether row 0's logits are finite; ``token2`` /
+    ``finite2`` the same for row 1 (the token after the draft). ``accepted``: the step verified
+    the draft itself (greedy: ``token == draft``, both rows finite) and stored its K/V."""
+
+    logits: torch.Tensor  # [n, vocab] row 0
+    draft_logits: torch.Tensor  # [n, vocab] row 1
+    tried: list[bool]
+    token: list[int]
+    finite: list[bool]
+    token2: list[int]
+    finite2: list[bool]
+    accepted: list[bool]
+
+
+@dataclass
+class _SpecState:
+    """The last speculative step, until :meth:`Engine.commit_drafts`: each layer's row-1 K/V
+    (``[rows, num_kv_heads, head_dim]`` each, rows as in the plan), the plan's draft targets, the
+    batch row of each request, and the requests whose drafts the step verified (``in_step``) and
+    stored (``stored``)."""
+
+    spec_kv: list
+    targets: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # spec_page_ids, spec_offsets, spec_host_ids
+    row_of: dict[int, int]
+    in_step: set[int]
+    stored: set[int]
+
+
+@dataclass
+class _StepGraph:
+    """One captured decode step: its key ``(requests, pages, host blocks, speculative)``, its own
+    plan buffers (pinned host, device), the split plan and workspace, and the graph with its
+    outputs. A speculative step's graph also verifies the drafts and stores the accepted ones."""
+
+    key: tuple[int, int, int, bool]
     layout: dict
     plan_host: torch.Tensor
     plan_dev: torch.Tensor
@@ -517,8 +553,8 @@ class _StepGraph:
     out: dict | None = None
 
     @staticmethod
-    def new(eng: Engine, key: tuple[int, int, int], arena_len: int, layout: dict) -> _StepGraph:
-        rows_cap, pages_cap, _ = key
+    def new(eng: Engine, key: tuple[int, int, int, bool], arena_len: int, layout: dict) -> _StepGraph:
+        rows_cap, pages_cap = key[:2]
         g = eng.geo
         dev = eng.device
         splits = _core.plan_num_splits(ops._num_sms(dev), rows_cap, g.num_kv_heads, pages_cap)
@@ -535,13 +571,16 @@ class _StepGraph:
             workspace=ws,
         )
 
+    def views(self) -> dict:
+        return {name: self.plan_dev[s : s + n] for name, (s, n) in self.layout.items()}
+
     def _run(self, eng: Engine) -> dict:
-        rows_cap, pages_cap, _ = self.key
-        v = {name: self.plan_dev[s : s + n] for name, (s, n) in self.layout.items()}
+        rows_cap, pages_cap, _, spec = self.key
+        v = self.views()
         plan = eng._sparse_plan(v, []) if eng.backend == "oasis" else None
         done = v["done_blocks"] if eng.key_codes else None
         return eng._run_step(
-            v, rows_cap, plan, done, pages_cap, self.num_splits, static=True, workspace=self.workspace
+            v, rows_cap, plan, done, pages_cap, self.num_splits, spec, static=True, workspace=self.workspace
         )
 
     def run_eager(self, eng: Engine) -> dict:
@@ -668,14 +707,16 @@ class Engine:
         # per-layer, per-step lookahead accuracy. On a GPU it runs on the background stream: it must
         # not sync, except an evaluation recorder that accepts the stall (the attention-mass sample).
         self.recorder = None
-        # The last speculative step's (per-layer row-1 K/V, request id -> batch row); see
-        # decode_step(draft_logits=True) and append_drafts.
+        # The last speculative step (_SpecState) until commit_drafts; see decode_step(speculate=...).
         self._spec = None
+        #: Speculative steps of a ``cuda_graph`` engine that ran eagerly: a request that samples
+        #: (temperature > 0) tried a draft, and its acceptance rule runs on the host.
+        self.spec_eager_steps = 0
         #: Replay decode steps as CUDA graphs (:meth:`decode_step`); ignored on the CPU.
         if not isinstance(cuda_graph, bool):
             raise ConfigError(f"cuda_graph must be True or False, got {cuda_graph!r}")
         self.cuda_graph = cuda_graph
-        self._graphs: dict[tuple[int, int, int], _StepGraph] = {}
+        self._graphs: dict[tuple[int, int, int, bool], _StepGraph] = {}
         self._graph_pool = None
         #: Captured decode steps so far, and replays of them.
         self.graph_stats = {"captures": 0, "replays": 0}
@@ -1148,10 +1189,16 @@ class Engine:
             self._pred_of(layer)[r.slot] = pred[0]
 
     # ---------------------------------------------------------------- one decode step
-    def _plan(self, ids: list[int], input_ids: list[int]) -> tuple[dict, int, int]:
+    def _plan(
+        self, ids: list[int], input_ids: list[int], tries: list[bool] | None = None
+    ) -> tuple[dict, int, int]:
         """Plan the step in the runtime and bring the arena to the device: views by field name,
-        the number of sparse requests and the most pages any request reads."""
-        n, layout, n_sparse, max_pages = self.runtime.plan(ids, input_ids)
+        the number of sparse requests and the most pages any request reads. ``tries``: a
+        speculative plan (tentative draft slots)."""
+        if tries is None:
+            n, layout, n_sparse, max_pages = self.runtime.plan(ids, input_ids)
+        else:
+            n, layout, n_sparse, max_pages = self.runtime.plan(ids, input_ids, None, tries)
         i = self._plan_flip
         self._plan_flip ^= 1 if self.cuda else 0
         bufs = self._plan_bufs
@@ -1183,41 +1230,74 @@ class Engine:
         return views, n_sparse, max_pages
 
     @torch.no_grad()
-    def decode_step(self, reqs: list[_Request], draft_logits: bool = False):
+    def decode_step(
+        self,
+        reqs: list[_Request],
+        *,
+        speculate: list[bool] | None = None,
+        verify_in_step: list[bool] | None = None,
+    ):
         """Advance every request by one token; returns row-0 logits ``[len(reqs), vocab]``.
 
-        ``draft_logits=True`` (speculative decoding, needs the lookahead row) returns ``(logits,
-        draft_logits)``: row 1's logits too, the distribution of the token after the draft, which
-        are the next token's if the draft is accepted. The step then also keeps each layer's row-1
-        K/V and the captured features of row 1 (``_Request.draft_features``), so that
-        :meth:`append_drafts` can store the accepted drafts without recomputing them.
+        ``speculate`` (one flag per request; speculative decoding, needs the lookahead row) makes
+        it a speculative step and returns a :class:`SpecStep`. Each request that tries and may
+        (``Runtime.can_append``) gets a tentative slot for its draft at plan time; inside the step
+        the rows of ``verify_in_step`` (default: all; greedy requests) verify their draft on the
+        device (row 0's argmax equals the draft, both rows finite: a per-row flag) and store the
+        accepted draft's K/V, computed by row 1, into that slot (write-through and summary update
+        for sparse requests; a rejected draft's row is masked and stores nothing). The step keeps
+        each layer's row-1 K/V and the captured features of row 1 (``_Request.draft_features``)
+        for :meth:`commit_drafts`, which must follow: it stores the drafts the caller accepted
+        itself (the others: sampling) and advances the tables by one or two tokens.
 
         With ``cuda_graph=True`` on a GPU the step replays a captured CUDA graph (see
-        :meth:`_decode_graph`), except under a selection policy, a recorder, a ``block_source``
-        or ``draft_logits``, which run eagerly."""
-        if draft_logits and self.rows != 2:
-            raise ConfigError("draft_logits needs a lookahead drafter (two rows per request)")
+        :meth:`_decode_graph`), speculative or not, except under a selection policy, a recorder,
+        a ``block_source``, or a speculative step where a row verified on the host tries a draft
+        (``spec_eager_steps`` counts those), which run eagerly."""
         rows, n = self.rows, len(reqs)
+        if speculate is not None:
+            if rows != 2:
+                raise ConfigError("speculate needs a lookahead drafter (two rows per request)")
+            if len(speculate) != n or (verify_in_step is not None and len(verify_in_step) != n):
+                raise ConfigError(
+                    f"speculate and verify_in_step need one flag per request ({n}), got "
+                    f"{len(speculate)} and {None if verify_in_step is None else len(verify_in_step)}"
+                )
+            if self._spec is not None:
+                raise ConfigError("commit_drafts must resolve the last speculative step first")
         ids = []
         for r in reqs:
             ids.append(r.tokens[-1])
             if rows == 2:
                 ids.append(r.draft)
-        self._spec = None
         self._last_row = {r.id: i for i, r in enumerate(reqs)}
-        # Host-side work inside the step (a policy, a recall recorder, speculative logits, reads
-        # from a staging daemon before a gather) keeps the step eager.
-        eager = (
-            draft_logits
-            or self.policy is not None
-            or self.recorder is not None
-            or self.block_source is not None
+        # Rows that try a draft verified on the host (sampling) need the eager step: their
+        # verification mask is an input the graph does not have.
+        host_rows = (
+            speculate is not None
+            and verify_in_step is not None
+            and any(t and not d for t, d in zip(speculate, verify_in_step, strict=True))
         )
-        if self.cuda and self.cuda_graph and not eager:
-            logits, feats = self._decode_graph(reqs, ids)
-            logits1 = None
-        else:
-            logits, feats, logits1 = self._decode_eager(reqs, ids, draft_logits)
+        # Host-side work inside the step (a policy, a recall recorder, reads from a staging daemon
+        # before a gather) keeps the step eager.
+        eager = self.policy is not None or self.recorder is not None or self.block_source is not None
+        graph = self.cuda and self.cuda_graph and not eager
+        if graph and host_rows:
+            graph = False
+            self.spec_eager_steps += 1
+        spec_out = None
+        try:
+            if graph:
+                logits, feats, spec_out = self._decode_graph(reqs, ids, speculate)
+            else:
+                logits, feats, spec_out = self._decode_eager(
+                    reqs, ids, speculate, verify_in_step if host_rows else None
+                )
+        except BaseException:
+            if speculate is not None:
+                self._spec = None
+                self.runtime.commit_drafts([])  # give the tentative slots back
+            raise
         if feats is not None:
             for i, r in enumerate(reqs):
                 r.features = feats[i]
@@ -1228,13 +1308,53 @@ class Engine:
             if r.sparse:
                 r.metrics.sparse_steps += 1
         self.step_no += 1
-        return (logits[:n], logits1) if draft_logits else logits[:n]
+        if speculate is None:
+            return logits[:n]
+        return self._spec_result(reqs, logits[:n], spec_out, verify_in_step if host_rows else None)
 
-    def _decode_eager(self, reqs: list[_Request], ids: list[int], draft_logits: bool):
-        """One step launched kernel by kernel: ``(logits, features, draft logits)``."""
+    def _spec_result(self, reqs, logits, out: dict, verify_in_step) -> SpecStep:
+        """Adopt a speculative step's outputs (``out`` of :meth:`_run_step`, or copies of a
+        graph's): the one host read of its verdict, row 1's features, the state
+        :meth:`commit_drafts` needs."""
+        n = len(reqs)
+        verdict, targets = out["verdict"], out["targets"]
+        # The step's only device-to-host copy: both rows' argmax and finiteness, the accept flags,
+        # and which rows held a tentative slot.
+        host = torch.cat([verdict[:, :n], (targets[0][:n] >= 0).long().unsqueeze(0)]).tolist()
+        tok, fin, tok2, fin2, acc, tried = host
+        if out["feats1"] is not None:
+            for i, r in enumerate(reqs):
+                r.draft_features = out["feats1"][i]
+        in_step = {r.id for i, r in enumerate(reqs) if verify_in_step is None or verify_in_step[i]}
+        self._spec = _SpecState(
+            spec_kv=out["spec_kv"],
+            targets=targets,
+            row_of={r.id: i for i, r in enumerate(reqs)},
+            in_step=in_step,
+            stored={r.id for i, r in enumerate(reqs) if acc[i]},
+        )
+        return SpecStep(
+            logits=logits,
+            draft_logits=out["logits1"][:n],
+            tried=[bool(x) for x in tried],
+            token=tok,
+            finite=[bool(x) for x in fin],
+            token2=tok2,
+            finite2=[bool(x) for x in fin2],
+            accepted=[bool(x) for x in acc],
+        )
+
+    def _decode_eager(
+        self,
+        reqs: list[_Request],
+        ids: list[int],
+        speculate: list[bool] | None = None,
+        verify_in_step: list[bool] | None = None,
+    ):
+        """One step launched kernel by kernel: ``(logits, features, speculative outputs)``."""
         n = len(reqs)
         # ---- plan (Rust, once per step): every table of every layer in one arena, one copy
-        v, n_sparse, max_pages = self._plan([r.id for r in reqs], ids)
+        v, n_sparse, max_pages = self._plan([r.id for r in reqs], ids, speculate)
         if v["map_pages"].numel():
             self._apply_map(v["map_pages"].long(), v["map_values"])
         # The split of long contexts, planned once for all layers (the GPU kernel's).
@@ -1246,16 +1366,13 @@ class Engine:
             for side in self._sides:
                 plan.keep_for(side)
         done_blocks = v["done_blocks"] if self.key_codes and v["done_blocks"].numel() else None
-        out = self._run_step(v, n, plan, done_blocks, max_pages, num_splits, draft_logits, reqs=reqs)
+        verify = None
+        if verify_in_step is not None:
+            verify = torch.tensor(verify_in_step, dtype=torch.bool).to(self.device, non_blocking=True)
+        spec = speculate is not None
+        out = self._run_step(v, n, plan, done_blocks, max_pages, num_splits, spec, reqs=reqs, verify=verify)
         self._last_q = list(out["last_q"])
-        logits1 = None
-        if draft_logits:
-            self._spec = (out["spec_kv"], {r.id: i for i, r in enumerate(reqs)})
-            logits1 = out["logits1"]
-            if out["feats1"] is not None:
-                for i, r in enumerate(reqs):
-                    r.draft_features = out["feats1"][i]
-        return out["logits"], out["feats"], logits1
+        return out["logits"], out["feats"], (out if spec else None)
 
     def _run_step(
         self,
@@ -1270,12 +1387,15 @@ class Engine:
         reqs: list[_Request] | None = None,
         static: bool = False,
         workspace: torch.Tensor | None = None,
+        verify: torch.Tensor | None = None,
     ) -> dict:
         """The forward pass of one decode step over the plan's views ``v`` for ``n`` requests
         (batch rows): the attention callback appends, attends and starts each layer's selection
         chain. Changes no engine attribute (a captured step's outputs are static tensors the caller
         adopts); returns ``logits``, ``feats``, ``last_q`` (per layer) and, with
-        ``draft_logits``, ``logits1``, ``feats1`` and ``spec_kv``.
+        ``draft_logits`` (a speculative step), ``logits1``, ``feats1``, ``spec_kv``, ``targets``
+        and ``verdict`` (:meth:`_verify_drafts`: the drafts verified and the accepted ones stored
+        inside the step; ``verify``, a bool per row, limits that to some rows).
 
         ``static`` (the CUDA-graph step): no wait on the previous step's transfer events and no
         ``record_stream`` (the tensors the background stream reads stay referenced until the step
@@ -1293,7 +1413,7 @@ class Engine:
         keep: list = []  # static: what the background streams read, alive until the step is over
         forked: set = set()  # the background streams this step forked
         # Speculative decoding: each layer's row-1 K/V ([n, num_kv_heads, head_dim] each), kept on
-        # the device for append_drafts (no copy beyond the one the attention takes anyway).
+        # the device for the draft stores (no copy beyond the one the attention takes anyway).
         spec_kv: list | None = [None] * self.cfg.num_hidden_layers if draft_logits else None
 
         def attn(layer, q, k, v):
@@ -1375,14 +1495,6 @@ class Engine:
         if draft_logits and last not in capture:
             capture = (*capture, last)  # the last layer's output of row 1, for its logits
         logits, captured = self.model.forward(ids_t, pos_t, attn, logits_rows=row0, capture_layers=capture)
-        if static and plan is not None:
-            # Join the background streams inside the step: the next step's attention reads the
-            # slots these gathers fill. Only those forked in it: waiting on a stream the capture
-            # never forked would wait on work recorded before it (invalid in a capture).
-            ops.wait_stamp(self._wait_stamps, 0)
-            for side in forked:
-                torch.cuda.current_stream(dev).wait_stream(side)
-            ops.wait_stamp(self._wait_stamps, 1)
         out = {"logits": logits, "feats": None, "last_q": last_q, "keep": keep}
         if self.capture:
             out["feats"] = torch.cat([captured[i][row0] for i in self.capture], dim=-1)
@@ -1395,11 +1507,73 @@ class Engine:
                 torch.cat([captured[i][row1] for i in self.capture], dim=-1) if self.capture else None
             )
             out["spec_kv"] = spec_kv
+            out["targets"] = (v["spec_page_ids"], v["spec_offsets"], v["spec_host_ids"])
+            # Before the join below: the draft stores touch no page, host row or summary the
+            # background chains read (the draft's block is never a candidate of this step).
+            out["verdict"] = self._verify_drafts(v, n, logits, out["logits1"], spec_kv, verify)
+        if static and plan is not None:
+            # Join the background streams inside the step: the next step's attention reads the
+            # slots these gathers fill. Only those forked in it: waiting on a stream the capture
+            # never forked would wait on work recorded before it (invalid in a capture).
+            ops.wait_stamp(self._wait_stamps, 0)
+            for side in forked:
+                torch.cuda.current_stream(dev).wait_stream(side)
+            ops.wait_stamp(self._wait_stamps, 1)
         return out
 
+    def _verify_drafts(
+        self,
+        v: dict,
+        n: int,
+        logits: torch.Tensor,
+        logits1: torch.Tensor,
+        spec_kv: list,
+        verify: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Greedy verification inside the step, on the device (no host branch, graph safe): a row
+        accepts its draft when it holds a tentative slot (``spec_page_ids >= 0``), row 0's argmax
+        equals the draft (its input id) and both rows' logits are finite (and ``verify`` allows
+        it). The accepted drafts' K/V (``spec_kv``, row 1 of every layer) is stored into their
+        slots; every other row's page is masked to -1, which ``append_kv`` skips entirely (no page,
+        host row or summary touched). Returns ``[5, n]`` int64: row 0's argmax, its finiteness,
+        row 1's argmax, its finiteness, the accept flag."""
+        tok = logits.argmax(dim=-1)
+        tok2 = logits1.argmax(dim=-1)
+        fin = torch.isfinite(logits).all(dim=-1)
+        fin2 = torch.isfinite(logits1).all(dim=-1)
+        draft = v["input_ids"].view(n, 2)[:, 1]
+        page = v["spec_page_ids"]
+        accept = (page >= 0) & (tok == draft) & fin & fin2
+        if verify is not None:
+            accept &= verify
+        self._store_drafts(spec_kv, page.masked_fill(~accept, -1), v["spec_offsets"], v["spec_host_ids"])
+        return torch.stack([tok, fin.long(), tok2, fin2.long(), accept.long()])
+
+    def _store_drafts(
+        self, spec_kv: list, page_ids: torch.Tensor, offsets: torch.Tensor, host_ids: torch.Tensor
+    ) -> None:
+        """Store row 1's K/V of every layer where ``page_ids >= 0`` (one ``append_kv`` per layer:
+        write-through and summary update for sparse requests)."""
+        p, g = self.pools, self.geo
+        for layer, (k1, v1) in enumerate(spec_kv):
+            ops.append_kv(
+                g,
+                k1,
+                v1,
+                page_ids,
+                offsets,
+                host_ids,
+                p.k_pages[layer],
+                p.v_pages[layer],
+                p.host_k[layer],
+                p.host_v[layer],
+                p.summaries[layer],
+            )
+
     # ---------------------------------------------------------------- CUDA-graph decode
-    def _decode_graph(self, reqs: list[_Request], ids: list[int]):
-        """One step as a CUDA-graph replay: ``(logits, features)``, copies of the graph's outputs.
+    def _decode_graph(self, reqs: list[_Request], ids: list[int], speculate: list[bool] | None = None):
+        """One step as a CUDA-graph replay: ``(logits, features, speculative outputs)``, copies of
+        the graph's outputs (the speculative ones, for :meth:`_spec_result`, the graph's own).
 
         The runtime plans the step at fixed capacities (``Runtime.plan(..., pad)``: requests
         padded to a bucket (``_bucket``), attention pages and host blocks per request rounded up), so
@@ -1408,14 +1582,23 @@ class Engine:
         first time the key is seen: that step runs eagerly with the same static shapes (which
         also warms every kernel and allocation up), then the same function is captured. The
         head-wise mapping updates are applied before the replay (their number varies). The pools
-        growing drops every graph (their addresses are baked in)."""
+        growing drops every graph (their addresses are baked in).
+
+        A speculative step (``speculate``) is its own graph: the plan carries each draft's
+        tentative slot (``spec_*``, at fixed offsets), and the graph verifies every draft and
+        stores the accepted ones' K/V (:meth:`_verify_drafts`); the caller reads the verdict once
+        after the replay."""
         rt = self.runtime
         n = len(reqs)
         req_ids = [r.id for r in reqs]
         pages, blocks = rt.step_needs(req_ids)
-        key = (_bucket(n), _round_cap(pages), _round_cap(blocks) if self.backend == "oasis" else 0)
-        pad = (*key, self.max_num_seqs)
-        arena_len, layout, _n_sparse, _ = rt.plan(req_ids, ids, pad)
+        spec = speculate is not None
+        key = (_bucket(n), _round_cap(pages), _round_cap(blocks) if self.backend == "oasis" else 0, spec)
+        pad = (*key[:3], self.max_num_seqs)
+        if spec:
+            arena_len, layout, _n_sparse, _ = rt.plan(req_ids, ids, pad, speculate)
+        else:
+            arena_len, layout, _n_sparse, _ = rt.plan(req_ids, ids, pad)
         gr = self._graphs.pop(key, None)
         if gr is None:
             gr = _StepGraph.new(self, key, arena_len, layout)
@@ -1459,7 +1642,15 @@ class Engine:
             out = gr.out
         self._last_q = list(out["last_q"])  # a copy: prefill writes into the engine's list
         feats = out["feats"][:n].clone() if out["feats"] is not None else None
-        return out["logits"][:n].clone(), feats
+        spec_out = None
+        if spec:
+            # The verdict is read at once (_spec_result); the K/V and targets stay the graph's
+            # until commit_drafts, before the next replay.
+            spec_out = dict(out)
+            spec_out["logits1"] = out["logits1"][:n].clone()
+            if out["feats1"] is not None:
+                spec_out["feats1"] = out["feats1"][:n].clone()
+        return out["logits"][:n].clone(), feats, spec_out
 
     def drop_graphs(self) -> None:
         """Forget every captured step (the pools moved, or to free the graphs' memory)."""
@@ -1468,45 +1659,37 @@ class Engine:
         # again trips the allocator's assert (use_count > 0), so the next capture takes a new one.
         self._graph_pool = None
 
-    def can_append(self, r: _Request) -> bool:
-        """Whether ``r`` may store its draft after this step (:meth:`append_drafts`): not past the
-        sparse threshold, not a sparse request whose draft would complete its local block, within
-        its reservation (``Runtime.can_append``)."""
-        return self.runtime.can_append(r.id)
-
     @torch.no_grad()
-    def append_drafts(self, reqs: list[_Request]) -> None:
-        """Store the accepted drafts of the last :meth:`decode_step` (``draft_logits=True``): their
-        K/V, computed by that step's row 1, go to the position after x_t (the runtime allocates the
-        block, ``Runtime.plan_append``), written through to the host pool and into the block summary
-        for sparse requests. A rejected draft is never stored, so no summary sees its key."""
-        if not reqs:
-            return
-        if self._spec is None:
-            raise ConfigError("append_drafts needs a decode_step(draft_logits=True) first")
-        spec_kv, row_of = self._spec
-        p, g, dev = self.pools, self.geo, self.device
-        page_ids, offsets, host_ids = self.runtime.plan_append([r.id for r in reqs])
-        page_ids, offsets, host_ids = (_i32(x, dev) for x in (page_ids, offsets, host_ids))
-        idx = torch.tensor([row_of[r.id] for r in reqs], dtype=torch.long).to(dev, non_blocking=True)
-        for layer, (k1, v1) in enumerate(spec_kv):
-            ops.append_kv(
-                g,
-                k1.index_select(0, idx).contiguous(),
-                v1.index_select(0, idx).contiguous(),
-                page_ids,
-                offsets,
-                host_ids,
-                p.k_pages[layer],
-                p.v_pages[layer],
-                p.host_k[layer],
-                p.host_v[layer],
-                p.summaries[layer],
-            )
+    def commit_drafts(self, host_accepted: list[_Request] = ()) -> None:
+        """Resolve the last speculative :meth:`decode_step`: the drafts the step accepted itself
+        are kept, those of ``host_accepted`` (rows the caller verified: sampling) are stored now
+        (their K/V computed by that step's row 1, into their tentative slots: write-through and
+        summary update for sparse requests), and every other tentative slot goes back. So each
+        request's tables advance by one or two tokens. A request released since the step (it
+        stopped on its first token) has no slot left.
 
-    def end_speculation(self) -> None:
-        """Drop the last speculative step's row-1 K/V (after :meth:`append_drafts`)."""
+        Raises:
+            ConfigError: without a speculative step first, or for a request of ``host_accepted``
+                that holds no slot or whose draft the step verified itself."""
+        st = self._spec
+        if st is None:
+            raise ConfigError("commit_drafts needs a decode_step(speculate=...) first")
+        pending = set(self.runtime.pending_drafts())
+        for r in host_accepted:
+            if r.id not in pending or r.id in st.in_step:
+                raise ConfigError(
+                    f"request {r.id} holds no draft slot verified on the host (not tried, "
+                    "released, or verified in the step)"
+                )
         self._spec = None
+        if host_accepted:
+            page, offsets, host_ids = st.targets
+            keep = torch.zeros(page.numel(), dtype=torch.bool)
+            keep[[st.row_of[r.id] for r in host_accepted]] = True
+            keep = keep.to(page.device, non_blocking=True)
+            self._store_drafts(st.spec_kv, page.masked_fill(~keep, -1), offsets, host_ids)
+        accepted = [rid for rid in st.stored if rid in pending] + [r.id for r in host_accepted]
+        self.runtime.commit_drafts(accepted)
 
     def _select(
         self, layer: int, q4: torch.Tensor, plan: _SparsePlan, step, cap: int, k_budget: int

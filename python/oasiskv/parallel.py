@@ -517,21 +517,26 @@ class _Driver:
     def prefill(self, r: _Request):
         return self.prefill_chunk(r, 0, len(r.prompt))
 
-    def decode_step(self, reqs: list[_Request], draft_logits: bool = False):
+    def decode_step(self, reqs: list[_Request], *, speculate=None, verify_in_step=None):
         states = [(r.id, self._tokens(r), r.draft) for r in reqs]
+        spec = (speculate, verify_in_step)
         return self._call(
-            ("decode", states, draft_logits),
-            lambda: self._engine.decode_step(reqs, draft_logits=draft_logits),
+            ("decode", states, spec),
+            lambda: self._engine.decode_step(reqs, speculate=speculate, verify_in_step=verify_in_step),
         )
 
     def make_sparse(self, r: _Request) -> None:
         self._call(("sparse", r.id, self._tokens(r)), lambda: self._engine.make_sparse(r))
 
-    def append_drafts(self, reqs: list[_Request]) -> None:
-        if not reqs:
-            return self._engine.append_drafts(reqs)
-        states = [(r.id, self._tokens(r)) for r in reqs]
-        return self._call(("append", states), lambda: self._engine.append_drafts(reqs))
+    def commit_drafts(self, host_accepted=()) -> None:
+        # Every rank verified the same drafts in the step (the logits are all-gathered: the same
+        # bits); only the host-verified ones travel, with the next command when there are none.
+        if not host_accepted:
+            self._engine.commit_drafts()
+            self._deferred.append(("commit", []))
+            return None
+        states = [(r.id, self._tokens(r)) for r in host_accepted]
+        return self._call(("commit", states), lambda: self._engine.commit_drafts(host_accepted))
 
     def reserve_pools(self, sizes) -> None:
         sizes = [(int(n), int(m)) for n, m in sizes]
@@ -539,10 +544,6 @@ class _Driver:
 
     def ensure_pools(self, requests: list[_Request]) -> None:
         self.reserve_pools([(len(r.prompt), r.max_new_tokens) for r in requests])
-
-    def end_speculation(self) -> None:
-        self._engine.end_speculation()
-        self._deferred.append(("end_spec",))
 
     def release(self, r: _Request) -> None:
         self._engine.release(r)
@@ -586,17 +587,17 @@ class _Worker:
             _, rid, tokens, start, end = cmd
             eng.prefill_chunk(self._sync(rid, tokens), start, end)
         elif kind == "decode":
-            _, states, draft_logits = cmd
-            eng.decode_step([self._sync(*s) for s in states], draft_logits=draft_logits)
+            _, states, (speculate, verify_in_step) = cmd
+            eng.decode_step(
+                [self._sync(*s) for s in states], speculate=speculate, verify_in_step=verify_in_step
+            )
         elif kind == "sparse":
             _, rid, tokens = cmd
             eng.make_sparse(self._sync(rid, tokens))
-        elif kind == "append":
-            eng.append_drafts([self._sync(rid, tokens) for rid, tokens in cmd[1]])
+        elif kind == "commit":
+            eng.commit_drafts([self._sync(rid, tokens) for rid, tokens in cmd[1]])
         elif kind == "reserve":
             eng.reserve_pools(cmd[1])
-        elif kind == "end_spec":
-            eng.end_speculation()
         elif kind == "release":
             r = self.reqs.pop(cmd[1], None)
             if r is not None:

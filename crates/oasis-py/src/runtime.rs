@@ -161,20 +161,23 @@ impl PyRuntime {
         call(py, "Runtime.wants_sparse", || self.inner.wants_sparse(id))
     }
 
-    /// Whether the request may store one more token (an accepted draft) before its next plan.
+    /// Whether the request's draft may take the position after its last planned token (a
+    /// speculative plan reserves a tentative slot only then).
     fn can_append(&self, py: Python<'_>, id: u64) -> PyResult<bool> {
         call(py, "Runtime.can_append", || self.inner.can_append(id))
     }
 
-    /// Store one more token of each request (the accepted drafts of a speculative step):
-    /// `(page_ids, offsets, host_ids)`, append_kv's targets in batch order.
-    fn plan_append(
-        &mut self,
-        py: Python<'_>,
-        ids: Vec<u64>,
-    ) -> PyResult<(Vec<i32>, Vec<i32>, Vec<i32>)> {
-        let a = call(py, "Runtime.plan_append", || self.inner.plan_append(&ids))?;
-        Ok((a.page_ids, a.offsets, a.host_ids))
+    /// The requests whose drafts hold a tentative slot (the last speculative plan), batch order.
+    fn pending_drafts(&self) -> Vec<u64> {
+        self.inner.pending_drafts()
+    }
+
+    /// Resolve the last speculative plan's tentative slots: the drafts of `accepted` are stored
+    /// (their `kv_len` advances, their mapping update is queued), every other slot is given back.
+    fn commit_drafts(&mut self, py: Python<'_>, accepted: Vec<u64>) -> PyResult<()> {
+        call(py, "Runtime.commit_drafts", || {
+            self.inner.commit_drafts(&accepted)
+        })
     }
 
     /// Turn a request sparse: a dict of `src_pages`, `host_blocks`, `lens`, `slot_pages`,
@@ -227,27 +230,35 @@ impl PyRuntime {
     /// layout every step, for a captured CUDA graph; see `oasis_runtime::PlanPad`); the mapping
     /// updates then stay pending for `take_map_updates`. `step_needs(ids)` gives the pages and
     /// blocks it must allow.
-    #[pyo3(signature = (ids, input_ids, pad = None))]
+    ///
+    /// `tries` (one flag per request) makes it a speculative plan: each request that tries and
+    /// may ([`PyRuntime::can_append`]) gets a tentative slot for its draft, in the `spec_*` fields;
+    /// `commit_drafts` resolves them before the next plan.
+    #[pyo3(signature = (ids, input_ids, pad = None, tries = None))]
     fn plan<'py>(
         &mut self,
         py: Python<'py>,
         ids: Vec<u64>,
         input_ids: Vec<i32>,
         pad: Option<(usize, usize, usize, i32)>,
+        tries: Option<Vec<bool>>,
     ) -> PyResult<(usize, Bound<'py, PyDict>, usize, usize)> {
-        let plan = call(py, "Runtime.plan", || match pad {
-            None => self.inner.plan(&ids, &input_ids).map(|p| p.clone_meta()),
-            Some((rows, pages, blocks, dummy_slot)) => {
-                let pad = PlanPad {
-                    rows,
-                    pages,
-                    blocks,
-                    dummy_slot,
-                };
-                self.inner
-                    .plan_padded(&ids, &input_ids, &pad)
-                    .map(|p| p.clone_meta())
-            }
+        let pad = pad.map(|(rows, pages, blocks, dummy_slot)| PlanPad {
+            rows,
+            pages,
+            blocks,
+            dummy_slot,
+        });
+        let plan = call(py, "Runtime.plan", || match (&pad, &tries) {
+            (_, Some(tries)) => self
+                .inner
+                .plan_speculative(&ids, &input_ids, pad.as_ref(), tries)
+                .map(|p| p.clone_meta()),
+            (None, None) => self.inner.plan(&ids, &input_ids).map(|p| p.clone_meta()),
+            (Some(pad), None) => self
+                .inner
+                .plan_padded(&ids, &input_ids, pad)
+                .map(|p| p.clone_meta()),
         })?;
         let d = PyDict::new(py);
         for f in PlanField::ALL {

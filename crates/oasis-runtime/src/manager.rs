@@ -28,14 +28,28 @@ pub struct SparseTransition {
     pub n_complete: usize,
 }
 
-/// Where [`Runtime::plan_append`] stores one more token per request, batch order: the page
-/// (`page_ids`, the dense page or the sparse request's local page), the offset in it, and the host
-/// block written through (-1 for dense requests): `append_kv`'s targets.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct AppendPlan {
-    pub page_ids: Vec<i32>,
-    pub offsets: Vec<i32>,
-    pub host_ids: Vec<i32>,
+/// A draft's tentative slot, reserved by [`Runtime::plan_speculative`] until
+/// [`Runtime::commit_drafts`] keeps it (the draft was accepted) or gives it back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Draft {
+    id: u64,
+    /// The block entered for the draft (a dense page or a sparse request's host block), freed if
+    /// it is rejected.
+    entered: Option<u32>,
+    /// The mapping update entering its block needs, queued only when it is accepted (a sparse
+    /// request's local page keeps mapping x_t's block until then).
+    map: Option<(u32, i32)>,
+}
+
+/// Where a token lands once its block is entered ([`Runtime::enter_block`]).
+struct Entered {
+    page: u32,
+    host: i32,
+    offset: usize,
+    /// The block allocated for it, if any.
+    entered: Option<u32>,
+    /// The mapping update that entering the block needs, if any.
+    map: Option<(u32, i32)>,
 }
 
 /// The pools, the tables and admission of one engine.
@@ -55,6 +69,8 @@ pub struct Runtime {
     map_order: Vec<u32>,
     map_value: HashMap<u32, i32>,
     plan: StepPlan,
+    /// Tentative draft slots of the last speculative plan, batch order, until committed.
+    drafts: Vec<Draft>,
 }
 
 fn to_i32(x: usize) -> i32 {
@@ -101,6 +117,7 @@ impl Runtime {
             map_order: Vec::new(),
             map_value: HashMap::new(),
             plan: StepPlan::default(),
+            drafts: Vec::new(),
         })
     }
 
@@ -464,6 +481,8 @@ impl Runtime {
             .reqs
             .remove(&id)
             .ok_or_else(|| OasisError::Invalid(format!("unknown request {id}")))?;
+        // A tentative draft slot's block is in the table: freed with it.
+        self.drafts.retain(|d| d.id != id);
         let mut pages: Vec<u32> = t.all_pages().collect();
         pages.sort_unstable();
         self.gpu.free(&pages)?;
@@ -502,6 +521,16 @@ impl Runtime {
     /// on to a new block). Returns that page, the host block of the write-through (-1 when dense)
     /// and the token's offset in the block. `kv_len` is not advanced.
     fn enter_block(&mut self, id: u64) -> Result<(u32, i32, usize)> {
+        let e = self.enter_block_unmapped(id)?;
+        if let Some((page, value)) = e.map {
+            self.queue_map(page, value);
+        }
+        Ok((e.page, e.host, e.offset))
+    }
+
+    /// [`Runtime::enter_block`] without queueing the mapping update: returned instead, with the
+    /// block allocated, if any.
+    fn enter_block_unmapped(&mut self, id: u64) -> Result<Entered> {
         let b = self.cfg.block_size;
         let t = self.get(id)?;
         let (blk, off) = (t.kv_len / b, t.kv_len % b);
@@ -510,33 +539,45 @@ impl Runtime {
         } else {
             (false, t.pages.len() <= blk)
         };
+        let mut entered = None;
+        let mut map = None;
         if need {
             let pool = if sparse {
                 &mut self.host
             } else {
                 &mut self.gpu
             };
-            let new = pool.allocate(1)?;
-            if !sparse {
-                self.queue_map(new[0], to_i32(blk));
-            }
+            let new = pool.allocate(1)?[0];
+            entered = Some(new);
             let t = self.reqs.get_mut(&id).expect("checked");
             if sparse {
-                t.host_blocks.extend(new);
+                t.host_blocks.push(new);
             } else {
-                t.pages.extend(new);
+                t.pages.push(new);
+                map = Some((new, to_i32(blk)));
             }
         }
         let t = &self.reqs[&id];
         if !sparse {
-            return Ok((t.pages[blk], -1, off));
+            return Ok(Entered {
+                page: t.pages[blk],
+                host: -1,
+                offset: off,
+                entered,
+                map,
+            });
         }
         let local = t.local_page.expect("sparse requests hold a local page");
-        let host = t.host_blocks[blk] as i32;
         if off == 0 {
-            self.queue_map(local, to_i32(blk));
+            map = Some((local, to_i32(blk)));
         }
-        Ok((local, host, off))
+        Ok(Entered {
+            page: local,
+            host: t.host_blocks[blk] as i32,
+            offset: off,
+            entered,
+            map,
+        })
     }
 
     /// Plan one decode step of the requests `ids` (in batch order), whose query rows take the
@@ -549,7 +590,7 @@ impl Runtime {
     /// threshold (it must turn sparse first: its reservation does not cover more dense pages).
     /// Nothing changes then.
     pub fn plan(&mut self, ids: &[u64], input_ids: &[i32]) -> Result<&StepPlan> {
-        self.plan_with(ids, input_ids, None)
+        self.plan_with(ids, input_ids, None, None)
     }
 
     /// The capacities a padded plan of `ids` needs ([`Runtime::plan_padded`]): the most attention
@@ -587,6 +628,44 @@ impl Runtime {
         input_ids: &[i32],
         pad: &PlanPad,
     ) -> Result<&StepPlan> {
+        self.check_pad(ids, pad)?;
+        self.plan_with(ids, input_ids, Some(pad), None)
+    }
+
+    /// [`Runtime::plan`] (or [`Runtime::plan_padded`] with `pad`) of a speculative step: besides
+    /// storing x_t, every request `i` with `tries[i]` that [`Runtime::can_append`] allows after x_t
+    /// gets a *tentative slot* for its draft (row 1), the position after x_t: its block is entered
+    /// (allocated within the reservation) and its page, offset and host block are written to the
+    /// plan's `spec_*` fields (-1 where the request does not try), so the step can store the
+    /// draft's K/V there where it accepts it, without a host round trip. Its `kv_len` does not
+    /// advance and the mapping update stays back until [`Runtime::commit_drafts`], which must come
+    /// before the next plan. [`Runtime::pending_drafts`] lists the requests that got a slot.
+    ///
+    /// # Errors
+    /// As [`Runtime::plan`] / [`Runtime::plan_padded`], and [`OasisError::Invalid`] when `tries`
+    /// does not have one entry per request or the last speculative plan's drafts are not committed
+    /// yet. Nothing changes then.
+    pub fn plan_speculative(
+        &mut self,
+        ids: &[u64],
+        input_ids: &[i32],
+        pad: Option<&PlanPad>,
+        tries: &[bool],
+    ) -> Result<&StepPlan> {
+        if tries.len() != ids.len() {
+            return Err(OasisError::Invalid(format!(
+                "{} draft flags for {} requests",
+                tries.len(),
+                ids.len()
+            )));
+        }
+        if let Some(pad) = pad {
+            self.check_pad(ids, pad)?;
+        }
+        self.plan_with(ids, input_ids, pad, Some(tries))
+    }
+
+    fn check_pad(&self, ids: &[u64], pad: &PlanPad) -> Result<()> {
         let (pages, blocks) = self.step_needs(ids)?;
         if ids.len() > pad.rows || pages > pad.pages || blocks > pad.blocks {
             return Err(OasisError::Invalid(format!(
@@ -605,7 +684,7 @@ impl Runtime {
                 pad.dummy_slot
             )));
         }
-        self.plan_with(ids, input_ids, Some(pad))
+        Ok(())
     }
 
     fn plan_with(
@@ -613,7 +692,15 @@ impl Runtime {
         ids: &[u64],
         input_ids: &[i32],
         pad: Option<&PlanPad>,
+        tries: Option<&[bool]>,
     ) -> Result<&StepPlan> {
+        if !self.drafts.is_empty() {
+            return Err(OasisError::Invalid(format!(
+                "the drafts of the last speculative step ({} tentative slots) are not resolved: \
+                 call commit_drafts before the next plan",
+                self.drafts.len()
+            )));
+        }
         if input_ids.len() != ids.len() * self.cfg.rows {
             return Err(OasisError::Invalid(format!(
                 "{} input ids for {} requests of {} rows",
@@ -648,17 +735,42 @@ impl Runtime {
             self.take_map_updates()
         };
         let tables: Vec<&RequestTable> = ids.iter().map(|id| &self.reqs[id]).collect();
-        self.plan
-            .build(&self.cfg, &tables, input_ids, &map_pages, &map_values, pad);
+        self.plan.build(
+            &self.cfg,
+            &tables,
+            input_ids,
+            &map_pages,
+            &map_values,
+            pad,
+            tries.is_some(),
+        );
         for &id in ids {
             self.reqs.get_mut(&id).expect("checked").kv_len += 1;
+        }
+        // The drafts' tentative slots, after x_t: not in this step's attention tables.
+        for (i, (&id, &t)) in ids.iter().zip(tries.unwrap_or(&[])).enumerate() {
+            if !t || !self.can_append(id)? {
+                continue;
+            }
+            // Within the reservation (can_append), so the pool has the block; a draft is optional
+            // anyway, so a refusal only means this one does not try.
+            let Ok(e) = self.enter_block_unmapped(id) else {
+                continue;
+            };
+            self.plan
+                .set_draft(i, e.page as i32, to_i32(e.offset), e.host);
+            self.drafts.push(Draft {
+                id,
+                entered: e.entered,
+                map: e.map,
+            });
         }
         Ok(&self.plan)
     }
 
-    /// Whether request `id` may store one more token before its next [`Runtime::plan`]: the
-    /// accepted draft of speculative decoding, whose K/V the step just computed (row 1) and
-    /// which lands at position `kv_len`. False when
+    /// Whether request `id`'s draft may take position `kv_len`, after the token its last plan
+    /// stored (speculative decoding: [`Runtime::plan_speculative`] reserves a tentative slot
+    /// there only then; the step computed the draft's K/V in row 1). False when
     /// * the request is past the sparse threshold (it must turn sparse first: its reservation
     ///   does not cover more dense pages);
     /// * it is sparse and the token would complete its local block: this step's selection did
@@ -683,41 +795,57 @@ impl Runtime {
         })
     }
 
-    /// Plan storing one more token of each request `ids` (the accepted drafts of a speculative
-    /// step, after that step's [`Runtime::plan`]): allocate the block each lands in (within the
-    /// reservation), queue the mapping updates (applied by the next plan), and advance `kv_len`.
-    /// The engine then writes the tokens' K/V with `append_kv` (write-through and summary update
-    /// for sparse requests) at the returned targets.
+    /// The requests whose drafts hold a tentative slot ([`Runtime::plan_speculative`]), batch
+    /// order.
+    pub fn pending_drafts(&self) -> Vec<u64> {
+        self.drafts.iter().map(|d| d.id).collect()
+    }
+
+    /// Resolve the tentative slots of the last [`Runtime::plan_speculative`]: the drafts of
+    /// `accepted` are stored (the step wrote their K/V into the slot): their mapping update is
+    /// queued (applied by the next plan) and `kv_len` advances, so those tables moved by two
+    /// tokens in the step. Every other slot is given back (the block entered for it freed), so a
+    /// rejected draft leaves nothing: the next token lands where it would have.
     ///
     /// # Errors
-    /// [`OasisError::Invalid`] for an unknown or repeated id, or one for which
-    /// [`Runtime::can_append`] is false. Nothing changes then.
-    pub fn plan_append(&mut self, ids: &[u64]) -> Result<AppendPlan> {
-        let mut seen = std::collections::HashSet::with_capacity(ids.len());
-        for &id in ids {
+    /// [`OasisError::Invalid`] for an id listed twice or without a tentative slot. Nothing changes
+    /// then.
+    pub fn commit_drafts(&mut self, accepted: &[u64]) -> Result<()> {
+        let mut seen = std::collections::HashSet::with_capacity(accepted.len());
+        for &id in accepted {
             if !seen.insert(id) {
                 return Err(OasisError::Invalid(format!(
-                    "request {id} listed twice in one append"
+                    "request {id} listed twice among the accepted drafts"
                 )));
             }
-            if !self.can_append(id)? {
+            if !self.drafts.iter().any(|d| d.id == id) {
                 return Err(OasisError::Invalid(format!(
-                    "request {id} cannot store another token now (past the sparse threshold, a \
-                     sparse request completing its local block, or past its reservation); check \
-                     can_append first"
+                    "request {id} holds no tentative draft slot (plan_speculative reserves them; \
+                     pending_drafts lists them)"
                 )));
             }
         }
-        let mut out = AppendPlan::default();
-        for &id in ids {
-            // Within the reservation: checked by can_append.
-            let (page, host, off) = self.enter_block(id)?;
-            out.page_ids.push(page as i32);
-            out.host_ids.push(host);
-            out.offsets.push(to_i32(off));
-            self.reqs.get_mut(&id).expect("checked").kv_len += 1;
+        for d in std::mem::take(&mut self.drafts) {
+            let t = self.reqs.get_mut(&d.id).expect("release drops its drafts");
+            if seen.contains(&d.id) {
+                t.kv_len += 1;
+                if let Some((page, value)) = d.map {
+                    self.queue_map(page, value);
+                }
+            } else if let Some(block) = d.entered {
+                // The block entered for the draft is the table's last one.
+                if t.sparse {
+                    debug_assert_eq!(t.host_blocks.last(), Some(&block));
+                    t.host_blocks.pop();
+                    self.host.free(&[block])?;
+                } else {
+                    debug_assert_eq!(t.pages.last(), Some(&block));
+                    t.pages.pop();
+                    self.gpu.free(&[block])?;
+                }
+            }
         }
-        Ok(out)
+        Ok(())
     }
 
     /// The plan of the last [`Runtime::plan`].
@@ -790,6 +918,7 @@ impl Runtime {
 mod tests {
     use super::*;
     use crate::config::test_config;
+    use crate::plan::PlanField;
 
     fn runtime(gpu: usize, host: usize) -> Runtime {
         Runtime::new(test_config(), gpu, host, gpu, host).unwrap()
@@ -960,56 +1089,111 @@ mod tests {
         rt.check_invariants().unwrap();
     }
 
+    /// The `spec_*` fields of the last plan: (page, offset, host) per batch row.
+    fn drafts_of(rt: &Runtime) -> Vec<(i32, i32, i32)> {
+        let p = rt.last_plan();
+        let f = |x| p.field(x).to_vec();
+        let (a, b, c) = (
+            f(PlanField::SpecPageIds),
+            f(PlanField::SpecOffsets),
+            f(PlanField::SpecHostIds),
+        );
+        (0..a.len()).map(|i| (a[i], b[i], c[i])).collect()
+    }
+
     #[test]
-    fn append_stores_accepted_drafts_within_the_reservation() {
+    fn speculative_plans_reserve_draft_slots_within_the_reservation() {
         let mut rt = runtime(64, 64); // b = 4, K = 3, threshold 12
                                       // Dense: 5 + 4 - 1 = 8 tokens at most -> 2 pages.
         rt.admit(1, 5, 4).unwrap();
-        rt.plan(&[1], &[0, 0]).unwrap(); // x_t at 5
-        assert!(rt.can_append(1).unwrap());
-        let a = rt.plan_append(&[1]).unwrap(); // the draft at 6
+        rt.take_map_updates();
+        rt.plan_speculative(&[1], &[0, 0], None, &[true]).unwrap(); // x_t at 5, the draft at 6
         let pages = rt.table(1).unwrap().pages.clone();
-        assert_eq!(a.page_ids, vec![pages[1] as i32]);
-        assert_eq!((a.offsets, a.host_ids), (vec![2], vec![-1]));
-        assert_eq!(rt.kv_len(1).unwrap(), 7);
-        rt.plan(&[1], &[0, 0]).unwrap(); // 7: the eighth token, the last stored
-        assert!(
-            !rt.can_append(1).unwrap(),
-            "a third page passes the reservation"
+        assert_eq!(drafts_of(&rt), vec![(pages[1] as i32, 2, -1)]);
+        assert_eq!(rt.pending_drafts(), vec![1]);
+        assert_eq!(
+            rt.kv_len(1).unwrap(),
+            6,
+            "a tentative slot does not advance kv_len"
         );
-        assert!(rt.plan_append(&[1]).is_err());
+        assert!(rt.plan(&[1], &[0, 0]).is_err(), "drafts first");
+        assert!(rt.commit_drafts(&[1, 1]).is_err());
+        assert!(rt.commit_drafts(&[9]).is_err());
+        rt.commit_drafts(&[1]).unwrap();
+        assert_eq!(rt.kv_len(1).unwrap(), 7);
+        assert!(rt.pending_drafts().is_empty());
+        // 7: the eighth token, the last stored; a third page passes the reservation.
+        rt.plan_speculative(&[1], &[0, 0], None, &[true]).unwrap();
+        assert_eq!(drafts_of(&rt), vec![(-1, 0, -1)]);
+        assert!(rt.pending_drafts().is_empty());
+        rt.commit_drafts(&[]).unwrap();
         assert_eq!(rt.kv_len(1).unwrap(), 8);
         rt.check_invariants().unwrap();
         // A dense request past the threshold must turn sparse before it stores more.
         rt.admit(2, 12, 10).unwrap();
-        rt.plan(&[2], &[0, 0]).unwrap(); // kv_len 13 > 12
-        assert!(!rt.can_append(2).unwrap());
+        rt.plan_speculative(&[2], &[0, 0], None, &[true]).unwrap(); // kv_len 13 > 12
+        assert!(rt.pending_drafts().is_empty());
+        rt.commit_drafts(&[]).unwrap();
         rt.make_sparse(2).unwrap();
         rt.take_map_updates();
-        // Sparse, kv_len 13 (offset 1): the draft lands at offset 1, written through.
-        assert!(rt.can_append(2).unwrap());
         let local = rt.table(2).unwrap().local_page.unwrap();
-        let a = rt.plan_append(&[2]).unwrap();
         let host = rt.table(2).unwrap().host_blocks.clone();
+        // Sparse, x_t at 13: the draft lands at 14 (offset 2), written through. A request that
+        // does not try gets no slot.
+        rt.admit(3, 3, 3).unwrap();
+        rt.take_map_updates();
+        rt.plan_speculative(&[3, 2], &[0, 0, 0, 0], None, &[false, true])
+            .unwrap();
         assert_eq!(
-            (a.page_ids, a.offsets, a.host_ids),
-            (vec![local as i32], vec![1], vec![host[3] as i32])
+            drafts_of(&rt),
+            vec![(-1, 0, -1), (local as i32, 2, host[3] as i32)]
         );
-        rt.plan(&[2], &[0, 0]).unwrap(); // x_t at 14 (offset 2)
-                                         // The draft would complete block 3, which this step's selection did not see.
-        assert!(!rt.can_append(2).unwrap());
-        rt.plan(&[2], &[0, 0]).unwrap(); // 15 completes it
-        assert!(rt.can_append(2).unwrap());
-        let a = rt.plan_append(&[2]).unwrap(); // 16: a new host block, the local page moves on
+        assert_eq!(rt.pending_drafts(), vec![2]);
+        rt.commit_drafts(&[]).unwrap(); // rejected: nothing changes, the next token lands there
+        assert_eq!(rt.kv_len(2).unwrap(), 14);
+        assert_eq!(rt.take_map_updates(), (vec![], vec![]));
+        // x_t at 14: the draft would complete block 3, which this step's selection did not see.
+        rt.plan_speculative(&[2], &[0, 0], None, &[true]).unwrap();
+        assert!(rt.pending_drafts().is_empty());
+        rt.commit_drafts(&[]).unwrap();
+        // x_t at 15 completes it; the draft at 16 enters a new host block: rejected, the block
+        // goes back and the local page keeps its mapping.
+        let free = rt.num_free();
+        rt.plan_speculative(&[2], &[0, 0], None, &[true]).unwrap();
         let host = rt.table(2).unwrap().host_blocks.clone();
-        assert_eq!((a.offsets, a.host_ids), (vec![0], vec![host[4] as i32]));
-        assert_eq!(rt.take_map_updates(), (vec![local], vec![4]));
+        assert_eq!(host.len(), 5);
+        assert_eq!(drafts_of(&rt), vec![(local as i32, 0, host[4] as i32)]);
+        assert_eq!(rt.num_free().1, free.1 - 1);
+        rt.commit_drafts(&[]).unwrap();
+        assert_eq!(rt.num_free(), free);
+        assert_eq!(rt.table(2).unwrap().host_blocks.len(), 4);
+        assert_eq!(rt.take_map_updates(), (vec![], vec![]));
         rt.check_invariants().unwrap();
-        assert!(rt.plan_append(&[2, 2]).is_err());
-        assert!(rt.plan_append(&[9]).is_err());
-        assert_eq!(rt.kv_len(2).unwrap(), 17);
-        rt.release(1).unwrap();
+        // Again: x_t at 16 enters block 4 itself; its draft at 17, accepted, advances kv_len.
+        rt.plan_speculative(&[2], &[0, 0], None, &[true]).unwrap(); // x_t at 16 (new block)
+        rt.commit_drafts(&[2]).unwrap(); // the draft at 17
+        assert_eq!(rt.kv_len(2).unwrap(), 18);
+        rt.check_invariants().unwrap();
+        // A padded speculative plan has one draft entry per padded row.
+        let pad = PlanPad {
+            rows: 4,
+            pages: 8,
+            blocks: 8,
+            dummy_slot: 7,
+        };
+        rt.plan_speculative(&[2], &[0, 0], Some(&pad), &[true])
+            .unwrap();
+        assert_eq!(drafts_of(&rt), vec![(-1, 0, -1); 4]); // x_t at 18: the draft would complete block 4
+        rt.commit_drafts(&[]).unwrap();
+        assert!(rt.plan_speculative(&[2], &[0, 0], None, &[]).is_err());
+        rt.plan_speculative(&[2], &[0, 0], None, &[true]).unwrap(); // x_t at 19, the draft at 20
+        assert_eq!(rt.pending_drafts(), vec![2]);
+        // Releasing a request drops its tentative slot with its blocks.
         rt.release(2).unwrap();
+        assert!(rt.pending_drafts().is_empty());
+        rt.commit_drafts(&[]).unwrap();
+        rt.release(1).unwrap();
+        rt.release(3).unwrap();
         rt.check_invariants().unwrap();
         assert_eq!(rt.num_free(), (64, 64));
     }

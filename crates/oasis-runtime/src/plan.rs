@@ -28,6 +28,10 @@
 //! rec_indices   [nnz_r]   candidates); empty unless recall is measured
 //! done_blocks   [c]       host blocks of the sparse requests that x_t completes (their block
 //!                         summaries are final now: per-block data such as key codes is built)
+//! spec_page_ids [n]       speculative plans: the page the draft's K/V goes to if it is accepted
+//!                         (its tentative slot), -1 where the request does not try; else empty
+//! spec_offsets  [n]       the draft's offset in that page
+//! spec_host_ids [n]       host block of the draft's write-through (sparse), -1 dense
 //! ```
 
 use crate::config::RuntimeConfig;
@@ -58,10 +62,13 @@ pub enum PlanField {
     RecIndptr,
     RecIndices,
     DoneBlocks,
+    SpecPageIds,
+    SpecOffsets,
+    SpecHostIds,
 }
 
 impl PlanField {
-    pub const ALL: [PlanField; 21] = [
+    pub const ALL: [PlanField; 24] = [
         PlanField::InputIds,
         PlanField::Positions,
         PlanField::PageIds,
@@ -83,6 +90,9 @@ impl PlanField {
         PlanField::RecIndptr,
         PlanField::RecIndices,
         PlanField::DoneBlocks,
+        PlanField::SpecPageIds,
+        PlanField::SpecOffsets,
+        PlanField::SpecHostIds,
     ];
 
     /// The field's name, as the Python engine reads it.
@@ -109,6 +119,9 @@ impl PlanField {
             PlanField::RecIndptr => "rec_indptr",
             PlanField::RecIndices => "rec_indices",
             PlanField::DoneBlocks => "done_blocks",
+            PlanField::SpecPageIds => "spec_page_ids",
+            PlanField::SpecOffsets => "spec_offsets",
+            PlanField::SpecHostIds => "spec_host_ids",
         }
     }
 }
@@ -262,7 +275,10 @@ impl StepPlan {
     }
 
     /// Build the plan of `tables` (batch order), before their `kv_len` advances; with `pad`, at
-    /// the fixed capacities of [`PlanPad`] (the caller checked that the tables fit them).
+    /// the fixed capacities of [`PlanPad`] (the caller checked that the tables fit them). With
+    /// `spec` the draft fields have one entry per request (padded), none trying yet
+    /// ([`StepPlan::set_draft`] fills them once the tentative slots are reserved).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn build(
         &mut self,
         cfg: &RuntimeConfig,
@@ -271,6 +287,7 @@ impl StepPlan {
         map_pages: &[u32],
         map_values: &[i32],
         pad: Option<&PlanPad>,
+        spec: bool,
     ) {
         let b = cfg.block_size;
         self.arena.clear();
@@ -437,8 +454,34 @@ impl StepPlan {
             sp,
             -1,
         );
+        let drafts = if spec {
+            seqs.unwrap_or(tables.len())
+        } else {
+            0
+        };
+        for (f, fill) in [
+            (PlanField::SpecPageIds, -1),
+            (PlanField::SpecOffsets, 0),
+            (PlanField::SpecHostIds, -1),
+        ] {
+            self.put(f, std::iter::repeat(fill).take(drafts));
+        }
         let end = self.arena.len().div_ceil(ALIGN) * ALIGN;
         self.arena.resize(end, 0);
+    }
+
+    /// Set request `i`'s (batch row) draft target: the tentative slot its draft's K/V is written
+    /// to if the step accepts it.
+    pub(crate) fn set_draft(&mut self, i: usize, page: i32, offset: i32, host: i32) {
+        for (f, x) in [
+            (PlanField::SpecPageIds, page),
+            (PlanField::SpecOffsets, offset),
+            (PlanField::SpecHostIds, host),
+        ] {
+            let (start, len) = self.layout[f as usize];
+            debug_assert!(i < len, "{} has no row {i}", f.name());
+            self.arena[start + i] = x;
+        }
     }
 }
 
