@@ -34,7 +34,7 @@ pub mod table;
 
 pub use cache::{Cached, RowCache};
 pub use config::RuntimeConfig;
-pub use manager::{AppendPlan, Runtime, SparseTransition};
+pub use manager::{Runtime, SparseTransition};
 pub use oasis_core::{OasisError, Result, Tier};
 pub use plan::{PlanField, PlanLayout, PlanMeta, PlanPad, StepPlan};
 pub use table::{RequestTable, Reservation};
