@@ -38,9 +38,18 @@ def _wait_on_sleep(stamps, side):
     ops.wait_stamp(stamps, 1)
 
 
+def _warm(stamps):
+    """Load the stamp kernel first: its first launch compiles it on the host, and the side
+    stream's sleep would run out meanwhile (the wait then measures almost nothing)."""
+    ops.wait_stamp(stamps, 0)
+    torch.cuda.synchronize()
+    stamps.zero_()
+
+
 def test_a_wait_on_a_sleeping_stream_is_timed():
     sleep = _sleep_ns()
     stamps = torch.zeros(3, dtype=torch.int64, device="cuda")
+    _warm(stamps)
     side = torch.cuda.Stream()
     _wait_on_sleep(stamps, side)
     torch.cuda.synchronize()
@@ -58,7 +67,7 @@ def test_the_stamps_are_captured_into_a_graph():
     sleep = _sleep_ns()
     stamps = torch.zeros(3, dtype=torch.int64, device="cuda")
     side = torch.cuda.Stream()
-    torch.cuda.synchronize()
+    _warm(stamps)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g, capture_error_mode="thread_local"):
         _wait_on_sleep(stamps, side)

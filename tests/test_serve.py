@@ -564,3 +564,33 @@ def test_bench_serve_http_and_in_process(server, tmp_path, capsys):
             assert r["requests"] == 2 and r["output_tokens"] == 8 and r["tokens_per_s"] > 0
             assert r["ttft_p50_s"] > 0 and r["tpot_p50_s"] > 0
     wait_pools_full(server)
+
+
+def test_a_preset_is_served_with_random_weights_to_token_id_prompts(capsys):
+    """``oasis serve qwen3-8b`` (the benchmark's server): a preset name loads that shape with
+    random weights and no tokenizer; token-id prompts complete, text prompts get a 400."""
+    import argparse
+
+    from oasiskv.serve.cli import add_arguments, engine_from_args, served_model
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    args = ap.parse_args(["tiny", "--device", "cpu", "--top-k-blocks", "4", "--sparse-threshold", "32"])
+    model = served_model(args)
+    assert "preset" in capsys.readouterr().err
+    assert isinstance(model, torch.nn.Module) and model.config.num_hidden_layers == 2
+    # A real path or 'smollm2' passes through untouched (the engine loads it).
+    assert served_model(ap.parse_args(["smollm2"])) == "smollm2"
+    srv = ServerThread(build_app(engine_from_args(model, args), ServeConfig("tiny"))).start()
+    try:
+        c = OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        out = c.completions.create(
+            model="tiny", prompt=list(range(3, 60)), max_tokens=5, extra_body={"ignore_eos": True}
+        )
+        assert out.usage.prompt_tokens == 57 and out.usage.completion_tokens == 5
+        ids = [int(x) for x in out.choices[0].text.split()]  # no tokenizer: the ids as text
+        assert len(ids) == 5 and all(0 <= i < model.config.vocab_size for i in ids)
+        r = httpx.post(f"{srv.url}/v1/completions", json={"model": "tiny", "prompt": "text", "max_tokens": 2})
+        assert r.status_code == 400 and "tokenizer" in r.json()["error"]["message"]
+    finally:
+        srv.stop()

@@ -29,7 +29,11 @@ def _fetch_cap(s: str) -> float | int:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``oasis serve``."""
-    p.add_argument("model", help="'smollm2', a .gguf file or a Hugging Face directory")
+    p.add_argument(
+        "model",
+        help="'smollm2', a .gguf file, a Hugging Face directory, or a model-shaped preset "
+        "(qwen3-8b, ...: random weights and no tokenizer, for benchmarks; prompts as token ids)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
@@ -112,6 +116,26 @@ def engine_from_args(model, args):
     return LLMEngine(model, **engine_kwargs(args))
 
 
+def served_model(args):
+    """What ``oasis serve`` loads: ``args.model`` itself (a name or path the engine loads), or,
+    for the name of a model-shaped preset with no file of that name, that preset with random
+    weights on the engine's device (benchmarks: the server then has no tokenizer)."""
+    import os
+
+    from ..models.config import PRESETS, preset_config
+
+    if args.model not in PRESETS or os.path.exists(args.model):
+        return args.model
+    from ..bench.prefill import random_model
+
+    kw = engine_kwargs(args)
+    print(
+        f"oasis serve: {args.model} is a preset: random weights, no tokenizer (send token ids)",
+        file=sys.stderr,
+    )
+    return random_model(preset_config(args.model), kw["dtype"], kw["device"])
+
+
 def cmd_serve(args) -> int:
     """``oasis serve``: check the flags, load the model, serve until interrupted."""
 
@@ -140,7 +164,7 @@ def cmd_serve(args) -> int:
     from ..errors import OasisError
 
     try:
-        eng = engine_from_args(args.model, args)
+        eng = engine_from_args(served_model(args), args)
     except (OasisError, MemoryError, torch.OutOfMemoryError) as e:
         return fail(str(e) or type(e).__name__)
     config = ServeConfig(

@@ -15,8 +15,9 @@ _REPLACEMENT = "\ufffd"
 
 
 class TextAssembler:
-    """The text of one request's generated tokens (special tokens skipped), cut at the first stop
-    string. ``push`` the new token ids of every step; ``delta`` hands out what can be sent."""
+    """The text of one request's generated tokens (special tokens skipped; with no tokenizer, the
+    ids in decimal, each followed by a space), cut at the first stop string. ``push`` the new
+    token ids of every step; ``delta`` hands out what can be sent."""
 
     def __init__(self, tokenizer, stops: Sequence[str] = ()) -> None:
         self.tok = tokenizer
@@ -30,6 +31,10 @@ class TextAssembler:
         self._sent = 0
 
     def _decode(self, ids: Sequence[int]) -> str:
+        if self.tok is None:
+            # A model without a tokenizer (``oasis serve`` of a random-weight preset): each token
+            # reads as its id and a space, so streams still carry one piece per token.
+            return "".join(f"{i} " for i in ids)
         return self.tok.decode(ids, skip_special_tokens=True)
 
     def push(self, new_ids: Sequence[int]) -> None:
