@@ -10,6 +10,10 @@ step that computes it and, when accepted, the request gains two tokens.
   run's, so a rejected draft leaves nothing behind.
 * Sampling: the distribution of the generated tokens matches the exact distribution of the model
   (a chi-square test against the enumerated joint distribution, fixed seed).
+* Verification inside the step: greedy drafts are accepted by a per-row device flag and stored by
+  the step itself into the tentative slot the plan reserved; the tables move on at
+  ``commit_drafts`` (a rejected draft's slot goes back); greedy and sampling requests share a
+  step. The same step function runs in the CUDA-graph path (``tests/test_gpu_speculative.py``).
 """
 
 from __future__ import annotations
@@ -331,3 +335,102 @@ def test_smollm2_greedy_speculation_is_lossless(drafter):
         if speculative:
             assert eng.spec_stats["accepted"] > 0
     assert outs[True] == outs[False]
+
+
+# ---------------------------------------------------------------- verification inside the step
+
+
+def test_the_step_verifies_greedy_drafts_and_holds_their_slots_until_commit(model, reference):
+    """``Engine.decode_step(speculate=...)``: each trying request's draft gets a tentative slot at
+    plan time; the step accepts a draft equal to row 0's argmax (a device flag) and stores it;
+    the tables advance only at ``commit_drafts``: by two tokens where accepted, one elsewhere."""
+    ref = reference["dense"]
+    llm = LLMEngine(model, kv=DENSE_KV, backend="dense", drafter=OracleDrafter(ref), speculative=True)
+    for i in range(3):
+        llm.add_request(prompt(PROMPT_LENS[i], i), SamplingParams(max_tokens=NEW, ignore_eos=True))
+    while len(llm._running) < 3:
+        llm.step()
+    eng, rt = llm.engine, llm.engine.runtime
+    reqs = [s.req for s in llm._running]
+    reqs[1].draft = (reqs[1].draft + 1) % model.config.vocab_size  # a wrong draft: rejected
+    before = [rt.kv_len(r.id) for r in reqs]
+    free = rt.num_free
+    res = eng.decode_step(reqs, speculate=[True, True, False])
+    assert res.tried == [True, True, False]
+    assert res.accepted == [True, False, False]
+    assert res.token[0] == reqs[0].draft and res.token[1] != reqs[1].draft
+    assert res.token == res.logits.argmax(dim=-1).tolist()
+    assert res.token2 == res.draft_logits.argmax(dim=-1).tolist()
+    assert all(res.finite) and all(res.finite2)
+    assert rt.pending_drafts() == [reqs[0].id, reqs[1].id]
+    assert [rt.kv_len(r.id) for r in reqs] == [n + 1 for n in before]  # slots held back
+    with pytest.raises(errors.ConfigError, match="commit_drafts"):
+        eng.decode_step(reqs, speculate=[True] * 3)
+    with pytest.raises(errors.ConfigError, match="verified in the step"):
+        eng.commit_drafts([reqs[0]])  # verified (and stored) by the step itself
+    with pytest.raises(errors.ConfigError, match="holds no draft slot"):
+        eng.commit_drafts([reqs[2]])  # did not try
+    eng.commit_drafts()
+    assert rt.pending_drafts() == []
+    assert [rt.kv_len(r.id) for r in reqs] == [before[0] + 2, before[1] + 1, before[2] + 1]
+    rt.check_invariants()
+    assert rt.num_free[0] <= free[0]
+    with pytest.raises(errors.ConfigError, match="decode_step"):
+        eng.commit_drafts()
+    for s in list(llm._running):
+        llm.abort_request(s.request_id)
+    llm.step()
+    assert pools_are_full(llm)
+
+
+def test_a_rejected_draft_entering_a_new_block_gives_it_back(model):
+    """A draft at the first position of a new block enters it (a new page) at plan time; rejected,
+    the page goes back and the next token takes the position (and a page) as without speculation."""
+    llm = LLMEngine(model, kv=DENSE_KV, backend="dense", drafter="ngram", speculative=True)
+    b = DENSE_KV.block_size
+    llm.add_request(prompt(b + 5, 0), SamplingParams(max_tokens=3 * b, ignore_eos=True))
+    eng, rt = llm.engine, llm.engine.runtime
+    # Until x_t lands at the last position of a block: the draft would take the next block's first.
+    while not llm._running or rt.kv_len(llm._running[0].req.id) % b != b - 1:
+        llm.step()
+    r = llm._running[0].req
+    pages = list(r.pages)
+    r.draft = -1 % model.config.vocab_size
+    res = eng.decode_step([r], speculate=[True])
+    if res.accepted[0]:  # pragma: no cover - the model's argmax happens to be the last token
+        pytest.skip("the forced-wrong draft is the argmax")
+    assert len(r.pages) == len(pages) + 1, "the slot entered block 2"
+    free = rt.num_free
+    eng.commit_drafts()
+    assert r.pages == pages and rt.num_free[0] == free[0] + 1
+    assert rt.take_map_updates() == ([], [])  # the new page's mapping was never queued
+    rt.check_invariants()
+
+
+@pytest.mark.parametrize("backend,kv", EXACT, ids=["dense", "oasis-sparse"])
+def test_greedy_and_sampling_requests_in_one_batch(model, reference, backend, kv):
+    """Greedy requests verified in the step beside sampling ones verified on the host (and stored
+    by commit_drafts): the greedy tokens are the non-speculative engine's, the sampling requests
+    run to their length, and every block comes back."""
+    ref = reference[backend]
+    eng = LLMEngine(model, kv=kv, backend=backend, drafter="ngram", speculative=True, max_num_seqs=4, seed=5)
+    temps = [0.0, 0.9, 0.0, 0.7]
+    rids = [
+        eng.add_request(prompt(n, i), SamplingParams(max_tokens=NEW, temperature=t, ignore_eos=True))
+        for i, (n, t) in enumerate(zip(PROMPT_LENS, temps, strict=True))
+    ]
+    final = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                final[out.request_id] = out
+        eng.engine.runtime.check_invariants()
+    assert pools_are_full(eng)
+    for i, (rid, t) in enumerate(zip(rids, temps, strict=True)):
+        if t == 0.0:
+            assert final[rid].token_ids == ref[i], i
+        else:
+            assert len(final[rid].token_ids) == NEW and final[rid].metrics.draft_tokens > 0
+    s = eng.spec_stats
+    assert s["accepted"] > 0 and s["tokens"] == len(PROMPT_LENS) * (NEW - 1)
+    assert eng.engine.spec_eager_steps == 0  # no graphs on the CPU
