@@ -94,10 +94,9 @@ def main() -> None:
     drafter = NgramDrafter()
     extra = {"cuda_graph": True} if args.cuda_graph else {}
     cache = mod.PrefillCache(1) if args.same_prompt else None
-    if args.host_pool == "device":  # the oracle: the whole KV in the device "host" pool
+    if args.backend == "oasis":  # every request's whole KV in the host pool (on the device: the oracle)
         extra["host_kv_budget_bytes"] = (
-            2
-            * args.requests
+            args.requests
             * (args.context + 1024)
             * cfg.num_hidden_layers
             * (cfg.num_key_value_heads * cfg.head_dim * 2 * dtype.itemsize)

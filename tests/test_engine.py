@@ -521,3 +521,35 @@ def test_cuda_graph_flag_is_checked_and_ignored_on_the_cpu(qwen3):
     assert llm.engine.cuda_graph and llm.engine.graph_stats == {"captures": 0, "replays": 0}
     with pytest.raises(errors.ConfigError, match="cuda_graph"):
         oasiskv.LLM(qwen3, kv=kv, backend="oasis", cuda_graph="yes")
+
+
+def test_recall_is_measured_on_one_step_in_recall_every(qwen3):
+    """``KvConfig(recall_every=N)``: the same tokens, recall counted on about 1/N of the steps
+    (the engine's step count), and on every step at N=1 and under a recorder."""
+    ps = prompts(qwen3.config.vocab_size, [300, 180], seed=5)
+    out, counted = {}, {}
+    for every in (1, 4):
+        kv = KvConfig(block_size=8, top_k_blocks=6, fetch_cap=2, sparse_threshold=100, recall_every=every)
+        llm = oasiskv.LLM(qwen3, kv=kv, backend="oasis", drafter="ngram")
+        eng = llm.engine
+        seen = []
+        orig = eng._recall_phase
+
+        def phase(orig=orig, seen=seen):
+            now = orig()
+            seen.append(now)
+            return now
+
+        eng._recall_phase = phase  # observe the per-step decision (test-only instrumentation)
+        out[every] = llm.generate(ps, 20, ignore_eos=True)
+        counted[every] = seen
+        for r in out[every]:
+            assert r.metrics.lookahead_recall is not None and 0.0 <= r.metrics.lookahead_recall <= 1.0
+    assert [r.tokens for r in out[1]] == [r.tokens for r in out[4]]
+    assert all(now == (True, True) for now in counted[1])
+    flags = counted[4]
+    assert sum(m for m, _ in flags) == sum(1 for i in range(len(flags)) if i % 4 == 0)
+    # the step before each measured one keeps its predictions, and no other step does
+    assert [k for _, k in flags] == [i % 4 == 3 for i in range(len(flags))]
+    with pytest.raises(oasiskv.errors.ConfigError, match="recall_every"):
+        KvConfig(recall_every=0)

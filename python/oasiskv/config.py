@@ -63,7 +63,12 @@ class KvConfig:
         num_host_blocks: blocks in the host pool; ``None`` sizes it like ``num_gpu_pages`` (or
             grows it up to ``host_kv_budget_bytes``).
         measure_recall: compute lookahead recall (the predicted set against the exact top-K of the
-            next step's true query). Costs one extra scoring pass per layer and step.
+            next step's true query). Costs one extra scoring pass, top-K and overlap per layer on
+            the steps that measure it.
+        recall_every: measure recall on one decode step in this many (the engine's step count;
+            the step before keeps its predictions for it). 1 measures every step, as an
+            evaluation recorder always does; at the default 8 the cost is an eighth (every step
+            cost about a fifth of SmolLM2's batch-1 step on the H200, docs/PERF.md).
         select_queries: which queries choose the next working set. ``"lookahead"`` (the default):
             the lookahead row's alone, as in the paper. ``"lookahead+current"``: each candidate
             block's score under the lookahead query and under the current query is taken relative
@@ -90,6 +95,7 @@ class KvConfig:
     num_gpu_pages: int | None = None
     num_host_blocks: int | None = None
     measure_recall: bool = True
+    recall_every: int = 8
     select_queries: str = "lookahead"
     block_score: str = "quest"
     sink_blocks: int = 0
@@ -150,6 +156,7 @@ class KvConfig:
             )
         if not isinstance(self.measure_recall, bool):
             raise ConfigError(f"measure_recall must be True or False, got {self.measure_recall!r}")
+        _check_int("recall_every", self.recall_every, 1, 1 << 20, "1 measures recall every step")
         if self.num_gpu_pages is not None and self.num_gpu_pages < self.top_k_blocks + 1:
             raise ConfigError(
                 f"the budget needs top_k_blocks + 1 = {self.top_k_blocks + 1} GPU pages per sparse request "

@@ -476,8 +476,9 @@ def keep_sinks(scores: torch.Tensor, blk_indptr: torch.Tensor, n_sink: int) -> t
     return scores.masked_fill(mark[:nnz].unsqueeze(1), torch.inf)
 
 
-#: Captured decode steps kept per engine (least recently used out).
-_MAX_GRAPHS = 8
+#: Captured decode steps kept per engine (least recently used out): a batch size has up to
+#: three (plain, keeping predictions, measuring recall), and speculative steps their own.
+_MAX_GRAPHS = 16
 
 
 def _bucket(n: int) -> int:
@@ -538,11 +539,12 @@ class _SpecState:
 
 @dataclass
 class _StepGraph:
-    """One captured decode step: its key ``(requests, pages, host blocks, speculative)``, its own
-    plan buffers (pinned host, device), the split plan and workspace, and the graph with its
-    outputs. A speculative step's graph also verifies the drafts and stores the accepted ones."""
+    """One captured decode step: its key ``(requests, pages, host blocks, speculative, measures
+    recall, keeps predictions)``, its own plan buffers (pinned host, device), the split plan and
+    workspace, and the graph with its outputs. A speculative step's graph also verifies the
+    drafts and stores the accepted ones."""
 
-    key: tuple[int, int, int, bool]
+    key: tuple[int, int, int, bool, bool, bool]
     layout: dict
     plan_host: torch.Tensor
     plan_dev: torch.Tensor
@@ -553,7 +555,7 @@ class _StepGraph:
     out: dict | None = None
 
     @staticmethod
-    def new(eng: Engine, key: tuple[int, int, int, bool], arena_len: int, layout: dict) -> _StepGraph:
+    def new(eng: Engine, key: tuple, arena_len: int, layout: dict) -> _StepGraph:
         rows_cap, pages_cap = key[:2]
         g = eng.geo
         dev = eng.device
@@ -707,6 +709,7 @@ class Engine:
         # per-layer, per-step lookahead accuracy. On a GPU it runs on the background stream: it must
         # not sync, except an evaluation recorder that accepts the stall (the attention-mass sample).
         self.recorder = None
+        self._recall_now = self._store_pred = bool(kv.measure_recall)  # set per step (_recall_phase)
         # The last speculative step (_SpecState) until commit_drafts; see decode_step(speculate=...).
         self._spec = None
         #: Speculative steps of a ``cuda_graph`` engine that ran eagerly: a request that samples
@@ -975,7 +978,7 @@ class Engine:
         """The selection tables of a step, from the plan's views ``v``."""
         kv = self.kv
         both = self.rows == 2 and kv.select_queries == "lookahead+current"
-        return _SparsePlan.from_views(v, reqs, kv.top_k_blocks, kv.measure_recall, both)
+        return _SparsePlan.from_views(v, reqs, kv.top_k_blocks, self._recall_now, both)
 
     # ---------------------------------------------------------------- prefill
     @torch.no_grad()
@@ -1282,6 +1285,7 @@ class Engine:
         # before a gather) keeps the step eager.
         eager = self.policy is not None or self.recorder is not None or self.block_source is not None
         graph = self.cuda and self.cuda_graph and not eager
+        self._recall_now, self._store_pred = self._recall_phase()
         if graph and host_rows:
             graph = False
             self.spec_eager_steps += 1
@@ -1311,6 +1315,19 @@ class Engine:
         if speculate is None:
             return logits[:n]
         return self._spec_result(reqs, logits[:n], spec_out, verify_in_step if host_rows else None)
+
+    def _recall_phase(self) -> tuple[bool, bool]:
+        """``(measure recall in this step, keep this step's predictions for the next one's)``.
+        Recall runs on one step in ``KvConfig.recall_every`` (and predictions are kept the step
+        before): each measurement costs a scoring pass, top-K and overlap kernels per layer,
+        about a fifth of a small model's step at batch 1. A recorder sees every step."""
+        kv = self.kv
+        if not kv.measure_recall:
+            return False, False
+        every = kv.recall_every
+        if every == 1 or self.recorder is not None:
+            return True, True
+        return self.step_no % every == 0, (self.step_no + 1) % every == 0
 
     def _spec_result(self, reqs, logits, out: dict, verify_in_step) -> SpecStep:
         """Adopt a speculative step's outputs (``out`` of :meth:`_run_step`, or copies of a
@@ -1593,7 +1610,9 @@ class Engine:
         req_ids = [r.id for r in reqs]
         pages, blocks = rt.step_needs(req_ids)
         spec = speculate is not None
-        key = (_bucket(n), _round_cap(pages), _round_cap(blocks) if self.backend == "oasis" else 0, spec)
+        blk_cap = _round_cap(blocks) if self.backend == "oasis" else 0
+        # Steps that measure recall, or keep predictions for it, are graphs of their own.
+        key = (_bucket(n), _round_cap(pages), blk_cap, spec, self._recall_now, self._store_pred)
         pad = (*key[:3], self.max_num_seqs)
         if spec:
             arena_len, layout, _n_sparse, _ = rt.plan(req_ids, ids, pad, speculate)
@@ -1730,7 +1749,7 @@ class Engine:
             also=(q4[sp_idx, 0].contiguous(), plan.blk_seq) if both else None,
         )
         self._acc_fetched.index_add_(0, sp_ids, (ps >= 0).sum(dim=(1, 2)))
-        if self.kv.measure_recall:
+        if self._store_pred:
             self._pred_of(layer)[sp_ids] = pred  # only the recall of the next step reads it
         return q4, pred, ps
 
