@@ -577,7 +577,7 @@ class _StepGraph:
         return {name: self.plan_dev[s : s + n] for name, (s, n) in self.layout.items()}
 
     def _run(self, eng: Engine) -> dict:
-        rows_cap, pages_cap, _, spec = self.key
+        rows_cap, pages_cap, _, spec = self.key[:4]
         v = self.views()
         plan = eng._sparse_plan(v, []) if eng.backend == "oasis" else None
         done = v["done_blocks"] if eng.key_codes else None
