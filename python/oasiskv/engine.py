@@ -1441,12 +1441,14 @@ class Engine:
                 torch.cuda.current_stream(dev).wait_event(self._gather_done[layer])
                 ops.wait_stamp(self._wait_stamps, 1)
             q4 = q.view(n, rows, hq, d).to(self.dtype).contiguous()
-            k4 = k.view(n, rows, hk, d).to(self.dtype)
-            v4 = v.view(n, rows, hk, d).to(self.dtype)
+            # Row-major by row: kt[0] (x_t's K) and kt[1] (the draft's) are contiguous views, one
+            # copy per tensor where slicing rows out of [n, rows, ...] took two.
+            kt = k.view(n, rows, hk, d).to(self.dtype).transpose(0, 1).contiguous()
+            vt = v.view(n, rows, hk, d).to(self.dtype).transpose(0, 1).contiguous()
             ops.append_kv(
                 g,
-                k4[:, 0].contiguous(),
-                v4[:, 0].contiguous(),
+                kt[0],
+                vt[0],
                 page_ids_t,
                 offsets_t,
                 host_ids_t,
@@ -1460,8 +1462,8 @@ class Engine:
                 # Blocks x_t completed: their summaries are final, so their keys get codes now,
                 # before this layer's selection scores them.
                 ops.build_key_codes(g, p.host_k[layer], p.summaries[layer], done_blocks, p.codes[layer])
-            extra_k = k4[:, 1].contiguous() if rows == 2 else None
-            extra_v = v4[:, 1].contiguous() if rows == 2 else None
+            extra_k = kt[1] if rows == 2 else None
+            extra_v = vt[1] if rows == 2 else None
             if spec_kv is not None:
                 spec_kv[layer] = (extra_k, extra_v)
             o = ops.decode_attention(
