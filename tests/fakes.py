@@ -58,4 +58,4 @@ def prompt(n: int, seed: int, vocab: int = 301) -> list[int]:
 def pools_are_full(eng) -> bool:
     """Every block of an ``LLMEngine``'s pools is free again and nothing is reserved."""
     rt = eng.engine.runtime
-    return rt.num_requests == 0 and rt.num_free == rt.pool_sizes and rt.reserved == (0, 0)
+    return rt.num_requests == 0 and rt.num_free == rt.pool_sizes and rt.reserved == (0, 0, 0)

@@ -326,6 +326,86 @@ def test_a_staged_request_takes_only_its_working_set_on_the_gpu(model):
         assert pools_are_full(tight)
 
 
+def test_a_bounded_host_pool_decodes_as_the_unbounded_one(model):
+    """``kv_cache_blocks=C`` below the context: the same greedy tokens as the unbounded partial
+    run, at most ``C`` cached blocks (plus the partial last block, which the request writes) per
+    request and layer in the host pool, no eviction of a block the layer being gathered reads, and
+    a block-head read over the wire again only after its eviction."""
+    g = model.config
+    hk, layers = g.num_key_value_heads, g.num_hidden_layers
+    c = hk * SMALL["top_k_blocks"]  # the floor: 8 cached blocks of the 19 staged
+    b = SMALL["block_size"]
+    with Daemon() as d:
+        both = _staged_small(model, d, seeds=(3, 5, 3, 5))  # a run releases what it decoded
+        free = LLMEngine(model, kv=KvConfig(**SMALL), drafter="ngram", kv_source=d.url)
+        want = _run(free, [lambda e, h=h: e.add_staged_request(h, _params()) for h in both[:2]])
+        handles = both[2:]
+        # Host rows for two bounded requests (C + ceil(L / b) - floor(P / b) each); the
+        # unbounded reservation (ceil(L / b) = 21 rows each) would not fit both.
+        rows = c + math.ceil((P + M - 1) / b) - P // b
+        eng = LLMEngine(
+            model,
+            kv=KvConfig(**SMALL, num_host_blocks=2 * rows),
+            drafter="ngram",
+            kv_source=d.url,
+            kv_cache_blocks=c,
+        )
+        src = eng.kv_source
+        rec = src.client = Recorder(src.client)
+        events: list = []  # ("read", key) and ("evict", daemon id, logical), in order
+        planned: set = set()
+        rows_for, forget = src._rows_for, src._forget_row
+
+        def rows_for_logged(st, logicals, pinned):
+            planned.clear()
+            planned.update(pinned)
+            return rows_for(st, logicals, pinned)
+
+        def forget_logged(st, row):
+            logical = int(src._logical[row])
+            assert logical not in planned, "evicted a block the gather reads"
+            events.append(("evict", st.daemon_id, logical))
+            forget(st, row)
+
+        def read_logged(keys):
+            events.extend(("read", k) for k in keys)
+            return Recorder.read_blocks(rec, keys)
+
+        src._rows_for, src._forget_row, rec.read_blocks = rows_for_logged, forget_logged, read_logged
+        ids = [eng.add_staged_request(h, _params()) for h in handles]
+        eng.step()
+        assert eng.num_running == 2  # both admitted at once within the bounded host budget
+        rt = eng.engine.runtime
+        assert rt.reservation(P, M, sparse=True, cache_blocks=c)[1] == rows
+        assert rt.reservation(P, M, sparse=True)[1] == 21 and 2 * 21 > 2 * rows
+        out = eng.run_to_completion(ids)
+        got = [out[i] for i in ids]
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert all(o.finish_reason == "length" for o in got), [o.error for o in got]
+        st, unbounded = src.stats, free.kv_source.stats
+        entry = 2 * b * g.head_dim * eng.engine.dtype.itemsize
+        assert st.evicted_blocks > 0 and st.failures == 0
+        assert st.peak_cached_bytes <= len(handles) * (c + 1) * entry * hk * layers
+        assert st.peak_cached_bytes < unbounded.peak_cached_bytes
+        assert st.fetched_entries > unbounded.fetched_entries  # evicted blocks come back
+        # Wire counts: a block-head is read again only after its block was evicted.
+        reads: dict = {}
+        evictions: dict = {}
+        for ev in events:
+            if ev[0] == "evict":
+                evictions[ev[1:]] = evictions.get(ev[1:], 0) + 1
+                continue
+            rid, layer, logical, head = ev[1]
+            n = reads.get(ev[1], 0)
+            assert n <= evictions.get((rid, logical), 0), f"block-head {ev[1]} read twice while cached"
+            reads[ev[1]] = n + 1
+        assert any(n > 1 for n in reads.values())
+        assert st.cached_bytes == 0
+        assert pools_are_full(eng)
+        rt.check_invariants()
+        assert src.client.stats()["live_requests"] == 0  # every request released
+
+
 def test_refusals(model):
     with Daemon() as d:
         for bad in ("http://x:1", "oasis-rt://nohost", "oasis-rt://h:99999", "oasis-rt+ucx://nohost", 7):
@@ -339,6 +419,12 @@ def test_refusals(model):
             LLMEngine(model, kv=KvConfig(**SMALL), kv_source=d.url, kv_transfer="some")
         with pytest.raises(errors.ConfigError, match="kv_source"):
             LLMEngine(model, kv=KvConfig(**SMALL)).add_staged_request("{}")
+        with pytest.raises(errors.ConfigError, match="kv_cache_blocks"):
+            LLMEngine(model, kv=KvConfig(**SMALL), kv_source=d.url, kv_cache_blocks=7)  # < 2 heads x K 4
+        with pytest.raises(errors.ConfigError, match="kv_transfer='partial'"):
+            LLMEngine(model, kv=KvConfig(**SMALL), kv_source=d.url, kv_transfer="full", kv_cache_blocks=8)
+        with pytest.raises(errors.ConfigError, match="needs kv_source"):
+            LLMEngine(model, kv=KvConfig(**SMALL), kv_cache_blocks=8)
         eng = LLMEngine(model, kv=KvConfig(**SMALL), kv_source=d.url)
         with pytest.raises(errors.ConfigError, match="StagedRequest"):
             eng.add_staged_request('{"request_id": 1}')

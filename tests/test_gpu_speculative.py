@@ -129,10 +129,11 @@ def test_rejected_drafts_leave_nothing_in_the_graph_path():
         for s in seqs:
             r = s.req
             assert r.sparse
-            hb = torch.tensor(r.host_blocks[: (len(r.prompt) + stop_at - 1) // b])
+            hb = torch.tensor(r.host_blocks[: (len(r.prompt) + stop_at - 1) // b])  # summaries by id
+            hr = torch.tensor(r.host_rows[: len(hb)])  # K/V by host row
             for layer in range(e.cfg.num_hidden_layers):
-                out.append(p.host_k[layer][hb].to("cuda").float())
-                out.append(p.host_v[layer][hb].to("cuda").float())
+                out.append(p.host_k[layer][hr].to("cuda").float())
+                out.append(p.host_v[layer][hr].to("cuda").float())
                 out.append(p.summaries[layer][hb.to(p.summaries[layer].device)].float())
         if speculative:
             s = eng.spec_stats

@@ -106,7 +106,7 @@ def test_pools_grow_with_need_not_with_the_budget(model):
     eng = LLMEngine(model, kv=KvConfig(top_k_blocks=128))
     rid = eng.add_request([5], SamplingParams(max_tokens=2, ignore_eos=True))
     eng.run_to_completion([rid])
-    assert eng.engine.runtime.pool_sizes == (1, 0)
+    assert eng.engine.runtime.pool_sizes == (1, 0, 0)
 
 
 def test_refused_requests_leave_the_engine_running(model):

@@ -53,18 +53,20 @@ def ref_plan(tables, order, b, k, rows, recall, seq, input_ids):
     """The plan of one step as the pre-runtime engine built it, from the tables before the step."""
     ts = [tables[i] for i in order]
     out = {"input_ids": list(input_ids), "positions": [t["kv_len"] + r for t in ts for r in range(rows)]}
-    page_ids, host_ids, kv_lists = [], [], []
+    page_ids, host_ids, host_rows, kv_lists = [], [], [], []
     for t in ts:
         blk = t["kv_len"] // b
         if t["sparse"]:
             page_ids.append(t["local_page"])
             host_ids.append(t["host_blocks"][blk])
+            host_rows.append(t["host_rows"][blk])
             kv_lists.append(t["slot_pages"] + [t["local_page"]])
         else:
             page_ids.append(t["pages"][blk])
             host_ids.append(-1)
+            host_rows.append(-1)
             kv_lists.append(list(t["pages"]))
-    out["page_ids"], out["host_ids"] = page_ids, host_ids
+    out["page_ids"], out["host_ids"], out["host_rows"] = page_ids, host_ids, host_rows
     out["offsets"] = [t["kv_len"] % b for t in ts]
     out["last_len"] = [t["kv_len"] % b + 1 for t in ts]
 
@@ -83,13 +85,15 @@ def ref_plan(tables, order, b, k, rows, recall, seq, input_ids):
     cand = [t["host_blocks"][: (t["kv_len"] + 1) // b] for _, t in sp]
     out["blk_indptr"], out["blk_indices"] = csr(cand)
     out["blk_seq"] = [j for j, c in enumerate(cand) for _ in c] if seq and rows == 2 else []
-    out["host_indptr"], out["host_indices"] = csr([t["host_blocks"] for _, t in sp])
+    # The gather reads host rows (the K/V); selection scores block ids (the summaries).
+    out["host_indptr"], out["host_indices"] = csr([t["host_rows"] for _, t in sp])
     if recall:
         out["rec_indptr"], out["rec_indices"] = csr([t["host_blocks"][: t["kv_len"] // b] for _, t in sp])
     else:
         out["rec_indptr"], out["rec_indices"] = [], []
     # The blocks x_t completes: it lands at the last offset of its block.
     out["done_blocks"] = [t["host_blocks"][t["kv_len"] // b] for _, t in sp if t["kv_len"] % b == b - 1]
+    out["done_rows"] = [t["host_rows"][t["kv_len"] // b] for _, t in sp if t["kv_len"] % b == b - 1]
     return out, max((len(x) for x in kv_lists), default=0)
 
 
@@ -112,7 +116,8 @@ def check_make_sparse(rt, i, b, k):
     assert sum(tr["lens"]) == t0["kv_len"]
     t1 = rt.table(i)
     assert t1["sparse"] and not t1["pages"] and len(t1["slot_pages"]) == k
-    assert t1["host_blocks"] == tr["host_blocks"]
+    assert t1["host_blocks"] == tr["host_blocks"] and t1["host_rows"] == tr["host_rows"]
+    assert len(set(tr["host_rows"])) == n_blocks and t1["cache_blocks"] is None
     held = set(t1["slot_pages"]) | {t1["local_page"]}
     assert len(held) == k + 1
     # The local page is the page of the block the next token lands in when the request held it.
@@ -146,7 +151,7 @@ def test_runtime_matches_the_python_model(seed, b, k, threshold, rows, recall, s
             prompt, new = rnd.randint(1, 50), rnd.randint(1, 12)
             res = ref_reservation(b, k, threshold, sparse, prompt, new)
             assert rt.reservation(prompt, new)[:2] == res
-            g_res, h_res = rt.reserved
+            g_res, _, h_res = rt.reserved
             fits = len(live) < 5 and g_res + res[0] <= gpu and h_res + res[1] <= host
             assert rt.can_admit(prompt, new) == fits
             if fits:
@@ -220,11 +225,11 @@ def test_runtime_matches_the_python_model(seed, b, k, threshold, rows, recall, s
             if t["sparse"]:
                 g_res = k + 1
             assert len(t["pages"]) + len(t["slot_pages"]) + (t["local_page"] >= 0) <= g_res
-            assert len(t["host_blocks"]) <= h_res
+            assert len(t["host_blocks"]) <= h_res and len(t["host_rows"]) == len(t["host_blocks"])
     for i in list(live):
         rt.release(i)
     rt.check_invariants()
-    assert rt.num_free == (gpu, host) and rt.reserved == (0, 0)
+    assert rt.num_free == (gpu, host, host) and rt.reserved == (0, 0, 0)
 
 
 def test_runtime_errors_are_typed():
@@ -248,7 +253,9 @@ def test_runtime_errors_are_typed():
     with pytest.raises(errors.ConfigError):
         make_runtime(4, 2, 8, 2, 2**40, 16)
     with pytest.raises(errors.ConfigError, match="caps"):
-        rt.grow(17, 0)
+        rt.grow(17, 0, 0)
+    with pytest.raises(errors.ConfigError, match="caps"):
+        rt.grow(0, 0, 17)
 
 
 def test_admit_sparse_reserves_and_takes_only_the_working_set():
@@ -257,7 +264,7 @@ def test_admit_sparse_reserves_and_takes_only_the_working_set():
     assert rt.reservation(40, 5, sparse=True) == (k + 1, math.ceil(44 / b), True)
     assert not rt.can_admit(40, 5) and rt.can_admit(40, 5, sparse=True)
     assert rt.fits_ever(40, 5, sparse=True) and not rt.fits_ever(40, 5)
-    assert rt.pool_sizes_needed(40, 5, sparse=True) == (k + 1, 11)
+    assert rt.pool_sizes_needed(40, 5, sparse=True) == (k + 1, 11, 11)
     with pytest.raises(errors.OutOfBlocksError):
         rt.admit(1, 40, 5)
     tr = rt.admit_sparse(1, 42, 3)
@@ -273,7 +280,7 @@ def test_admit_sparse_reserves_and_takes_only_the_working_set():
     )
     assert rt.take_map_updates() == (tr["slot_pages"] + [tr["local_page"]], [-1] * k + [10])
     rt.check_invariants()
-    assert rt.num_free == (0, 64 - 11)
+    assert rt.num_free == (0, 64 - 11, 64 - 11)
     with pytest.raises(errors.InvalidArgumentError, match="already admitted"):
         rt.admit_sparse(1, 4, 1)
     with pytest.raises(errors.OutOfBlocksError):
@@ -284,10 +291,46 @@ def test_admit_sparse_reserves_and_takes_only_the_working_set():
         rt.check_invariants()
     rt.release(1)
     rt.check_invariants()
-    assert rt.num_free == (k + 1, 64) and rt.reserved == (0, 0)
+    assert rt.num_free == (k + 1, 64, 64) and rt.reserved == (0, 0, 0)
     dense = make_runtime(b, k, 12, 2, 16, 16, sparse=False)
     with pytest.raises(errors.InvalidArgumentError, match="sparse backend"):
         dense.admit_sparse(1, 20, 2)
+
+
+def test_bounded_cache_rows_through_the_binding():
+    """``admit_sparse(..., cache_blocks=C)``: ids for every block, rows for the written blocks
+    plus ``C``; ``cache_blocks`` hands rows out (LRU, pinned kept) and the next plan's
+    ``host_indices`` read them."""
+    b, k = 4, 3
+    rt = make_runtime(b, k, 12, 2, 8, 6)  # 6 host rows: a 40-token prompt needs 11 unbounded
+    assert not rt.fits_ever(40, 5, sparse=True)
+    assert rt.reservation(40, 5, sparse=True, cache_blocks=2) == (k + 1, 2 + 11 - 10, True)
+    assert rt.fits_ever(40, 5, sparse=True, cache_blocks=2)
+    assert rt.can_admit(40, 5, sparse=True, cache_blocks=2)
+    need = rt.pool_sizes_needed(40, 5, sparse=True, cache_blocks=2)
+    assert need == (k + 1, 11, 3)
+    rt.grow(*need)
+    assert rt.pool_sizes == (8, 11, 6) and rt.caps[2] == 6
+    tr = rt.admit_sparse(1, 40, 5, cache_blocks=2)
+    assert len(tr["host_blocks"]) == 10 and len(set(tr["host_rows"])) == 1  # all fillers
+    t = rt.table(1)
+    assert t["cache_blocks"] == 2 and t["host_rows"] == tr["host_rows"]
+    rows, given, evicted = rt.cache_blocks(1, [3, 7], [3, 7])
+    assert given == [3, 7] and evicted == [] and len(set(rows)) == 2
+    rows2, given, evicted = rt.cache_blocks(1, [5], [7, 5])
+    assert evicted == [(3, rows[0])] and given == [5] and rows2 == [rows[0]]
+    with pytest.raises(errors.OutOfBlocksError):
+        rt.cache_blocks(1, [1], [5, 7])
+    rt.check_invariants()
+    fields, _, _ = read_plan(rt, [1], [0, 0])
+    t = rt.table(1)
+    assert fields["host_indices"][7] == rows[1] and fields["host_indices"][5] == rows[0]
+    assert fields["host_indices"] == t["host_rows"][:10] + t["host_rows"][10:]
+    assert fields["host_rows"] == [t["host_rows"][10]]
+    assert fields["host_ids"] == [t["host_blocks"][10]]
+    rt.release(1)
+    rt.check_invariants()
+    assert rt.num_free == (8, 11, 6) and rt.reserved == (0, 0, 0)
 
 
 def test_padded_plan_keeps_its_layout_and_pads_as_documented():
@@ -327,6 +370,7 @@ def test_padded_plan_keeps_its_layout_and_pads_as_documented():
             "page_ids": (rows, -1),
             "offsets": (rows, 0),
             "host_ids": (rows, -1),
+            "host_rows": (rows, -1),
             "last_len": (rows, 1),
             "kv_indices": (rows * pages, -1),
             "sp_rows": (rows, 0),
@@ -337,6 +381,7 @@ def test_padded_plan_keeps_its_layout_and_pads_as_documented():
             "host_indices": (rows * blocks, -1),
             "rec_indices": (rows * blocks, -1),
             "done_blocks": (rows, -1),
+            "done_rows": (rows, -1),
         }
         for ptr in ("kv_indptr", "blk_indptr", "host_indptr", "rec_indptr"):
             caps[ptr] = (rows + 1, want[ptr][-1])

@@ -161,9 +161,10 @@ def test_stored_kv_equals_the_non_speculative_runs(model, reference):
             r = s.req
             assert r.sparse
             n_complete = (len(r.prompt) + stop_at - 1) // b  # stored by both runs by now
-            hb = torch.tensor(r.host_blocks[:n_complete])
+            hb = torch.tensor(r.host_blocks[:n_complete])  # summaries by block id
+            hr = torch.tensor(r.host_rows[:n_complete])  # K/V by host row
             out.append(
-                [torch.stack([p.host_k[l][hb], p.host_v[l][hb]]) for l in range(e.cfg.num_hidden_layers)]
+                [torch.stack([p.host_k[l][hr], p.host_v[l][hr]]) for l in range(e.cfg.num_hidden_layers)]
                 + [p.summaries[l][hb] for l in range(e.cfg.num_hidden_layers)]
             )
         if speculative:

@@ -63,26 +63,41 @@ class Runtime:
         host_cap: int,
     ) -> Runtime: ...
     def reservation(
-        self, prompt_len: int, max_new_tokens: int, *, sparse: bool = False
+        self, prompt_len: int, max_new_tokens: int, *, sparse: bool = False, cache_blocks: int | None = None
     ) -> tuple[int, int, bool]:
-        """``(gpu_pages, host_blocks, turns_sparse)``: the peak a request of this size reserves
-        (``sparse=True``: admitted with :meth:`admit_sparse`)."""
-    def fits_ever(self, prompt_len: int, max_new_tokens: int, *, sparse: bool = False) -> bool:
+        """``(gpu_pages, host_rows, turns_sparse)``: the peak a request of this size reserves
+        (``sparse=True``: admitted with :meth:`admit_sparse`, ``cache_blocks`` as there). A local
+        request takes one host row with every host block id."""
+    def fits_ever(
+        self, prompt_len: int, max_new_tokens: int, *, sparse: bool = False, cache_blocks: int | None = None
+    ) -> bool:
         """Whether such a request fits the caps at all (alone)."""
-    def can_admit(self, prompt_len: int, max_new_tokens: int, *, sparse: bool = False) -> bool:
+    def can_admit(
+        self, prompt_len: int, max_new_tokens: int, *, sparse: bool = False, cache_blocks: int | None = None
+    ) -> bool:
         """Whether such a request can be admitted now."""
     def pool_sizes_needed(
-        self, prompt_len: int, max_new_tokens: int, *, sparse: bool = False
-    ) -> tuple[int, int]:
-        """``(gpu_pages, host_blocks)`` the pools must hold to admit such a request now."""
-    def grow(self, gpu_pages: int, host_blocks: int) -> None:
-        """Grow the pools' id ranges (after the engine grew its tensors)."""
+        self, prompt_len: int, max_new_tokens: int, *, sparse: bool = False, cache_blocks: int | None = None
+    ) -> tuple[int, int, int]:
+        """``(gpu_pages, host_blocks, host_rows)`` the pools must hold to admit such a request now."""
+    def grow(self, gpu_pages: int, host_blocks: int, host_rows: int) -> None:
+        """Grow the pools' id ranges (after the engine grew its tensors): pages, host block ids
+        (summaries, codes), host rows (``host_k``/``host_v``)."""
     def admit(self, id: int, prompt_len: int, max_new_tokens: int) -> tuple[int, list[int]]:
         """Admit a request about to be prefilled: ``(slot, pages)``."""
-    def admit_sparse(self, id: int, prompt_len: int, max_new_tokens: int) -> dict:
+    def admit_sparse(
+        self, id: int, prompt_len: int, max_new_tokens: int, cache_blocks: int | None = None
+    ) -> dict:
         """Admit a request whose prompt's KV is stored elsewhere (staged) directly sparse: only
         the working set and the prompt's host blocks. ``slot`` plus :meth:`make_sparse`'s keys
-        (``src_pages`` empty)."""
+        (``src_pages`` empty). ``cache_blocks=C``: host rows only for the blocks it writes plus
+        ``C`` cache rows (:meth:`cache_blocks`)."""
+    def cache_blocks(
+        self, id: int, logicals: list[int], pinned: list[int]
+    ) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+        """Give host rows to the request's logical blocks before a gather reads them: ``(rows,
+        given, evicted)`` (the LRU cached blocks outside ``pinned`` and ``logicals`` evicted);
+        OutOfBlocksError, nothing changed, when every cache row is pinned."""
     def wants_sparse(self, id: int) -> bool:
         """Whether the request should turn sparse now."""
     def can_append(self, id: int) -> bool:
@@ -118,16 +133,16 @@ class Runtime:
     def check_invariants(self) -> None:
         """Check every table invariant against the pools."""
     @property
-    def pool_sizes(self) -> tuple[int, int]:
-        """``(gpu_pages, host_blocks)`` in the pools now."""
+    def pool_sizes(self) -> tuple[int, int, int]:
+        """``(gpu_pages, host_blocks, host_rows)`` in the pools now."""
     @property
-    def num_free(self) -> tuple[int, int]:
-        """Free blocks per pool."""
+    def num_free(self) -> tuple[int, int, int]:
+        """Free entries per pool."""
     @property
-    def reserved(self) -> tuple[int, int]:
-        """Blocks reserved by the admitted requests, per pool."""
+    def reserved(self) -> tuple[int, int, int]:
+        """Entries reserved by the admitted requests, per pool."""
     @property
-    def caps(self) -> tuple[int, int]:
+    def caps(self) -> tuple[int, int, int]:
         """The pools' caps (budgets) in blocks."""
     @property
     def num_requests(self) -> int:

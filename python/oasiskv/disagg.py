@@ -82,7 +82,7 @@ from . import ops
 from .config import KvConfig
 from .drafters import Drafter, make_drafter
 from .engine import Engine, _Request
-from .errors import ConfigError, InvalidArgumentError, RemoteError
+from .errors import ConfigError, InvalidArgumentError, OutOfBlocksError, RemoteError
 
 log = logging.getLogger("oasiskv.disagg")
 
@@ -431,16 +431,25 @@ class TransferStats:
     #: Block-heads in the host pool that came from the daemon, now and at most.
     cached_bytes: int = 0
     peak_cached_bytes: int = 0
+    #: Cached blocks evicted from a bounded host pool (``kv_cache_blocks``): their rows went to
+    #: other blocks, so a later read of them crosses the network again.
+    evicted_blocks: int = 0
     failures: int = 0
 
 
 @dataclass
 class _Remote:
-    """A staged request on the decode side."""
+    """A staged request on the decode side: its host block ids (summaries), the row of each
+    logical block at admission (``host_rows``; with a bounded cache, a filler for the blocks not
+    cached), every host row it ever held (``rows``: cleared at its end) and whether its rows are a
+    bounded cache (``Runtime.cache_blocks`` hands them out)."""
 
     daemon_id: int
     req: _Request
     host_blocks: list[int]
+    host_rows: list[int]
+    bounded: bool = False
+    rows: set[int] = field(default_factory=set)
     admission_bytes: int = 0
     fetched_bytes: int = 0
     cached_entries: int = 0
@@ -456,6 +465,12 @@ class RemoteKvSource:
     ``transfer`` is one of :data:`KV_TRANSFERS`; ``retries``: how many times a read that failed
     in transport (daemon gone or stalled) reconnects and tries again before the requests whose
     blocks it carried fail.
+
+    ``cache_blocks=C`` bounds the host pool of each staged request (the bounded decode-side host
+    pool): host rows only for the blocks it writes itself plus ``C`` cache rows; before each
+    layer's gather the planned blocks without a row get one (``Runtime.cache_blocks``, evicting
+    the least recently used cached blocks the layer does not read), and a block evicted is read
+    again if it is planned later. ``None``: a row for every block (the whole context).
     """
 
     def __init__(
@@ -467,6 +482,7 @@ class RemoteKvSource:
         token: str | bytes | None = None,
         timeout_s: float = 30.0,
         retries: int = 0,
+        cache_blocks: int | None = None,
     ) -> None:
         if transfer not in KV_TRANSFERS:
             raise ConfigError(
@@ -482,6 +498,20 @@ class RemoteKvSource:
             )
         if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
             raise ConfigError(f"kv_retries must be an int >= 0, got {retries!r}")
+        if cache_blocks is not None:
+            floor = engine.geo.num_kv_heads * engine.kv.top_k_blocks
+            if not isinstance(cache_blocks, int) or isinstance(cache_blocks, bool) or cache_blocks < floor:
+                raise ConfigError(
+                    f"kv_cache_blocks must be an int >= num_kv_heads * top_k_blocks = {floor} (the "
+                    f"first selection may plan that many distinct blocks in one layer), got {cache_blocks!r}"
+                )
+            if transfer == "full":
+                raise ConfigError(
+                    "kv_cache_blocks bounds the host pool of a partial transfer; kv_transfer='full' "
+                    "brings every block: pass kv_transfer='partial' or kv_cache_blocks=None"
+                )
+        #: Host rows per staged request's cache (None: a row for every block).
+        self.cache_blocks = cache_blocks
         self.engine = engine
         #: The daemon's ``HOST:PORT``, its URL (the scheme names the transport) and transport.
         self.url = kv_source_url(addr)
@@ -492,19 +522,21 @@ class RemoteKvSource:
         self.client = _client(self.url, token, timeout_s)
         self.stats = TransferStats()
         self._by_req: dict[int, _Remote] = {}  # engine request id -> its staged state
-        # Per host block: the owning staged request (engine request id, -1: local) and its
-        # logical block; per layer, which (host block, KV head) entries hold their bytes.
+        # Per host row: the owning staged request (engine request id, -1: local) and the logical
+        # block it holds; per layer, which (host row, KV head) entries hold their bytes (a row
+        # holding no staged block counts as present: nothing to read).
         self._owner = torch.full((0,), -1, dtype=torch.long)
         self._logical = torch.zeros(0, dtype=torch.long)
         self._present: list[torch.Tensor] = []
-        self._missing = 0  # owned entries not in the host pool, all layers
+        self._missing = 0  # entries of rows holding a staged block, not read yet, all layers
+        self._bounded = 0  # live staged requests with a bounded cache
         self._failed: dict[int, str] = {}
         self._wire_base = 0  # wire bytes of the connections before the current one
         engine.block_source = self
 
     # ---------------------------------------------------------------- maps
     def _grow_maps(self) -> None:
-        n = self.engine.pools.num_host_blocks
+        n = self.engine.pools.num_host_rows
         old = self._owner.shape[0]
         if n <= old and self._present:
             return
@@ -589,20 +621,23 @@ class RemoteKvSource:
                 "lower KvConfig.sparse_threshold or raise max_tokens"
             )
         wire0 = self._wire()
-        tr = eng.admit_sparse(r)
+        tr = eng.admit_sparse(r, self.cache_blocks)
         st = None
         try:
             p = eng.pools
-            host_blocks = list(tr["host_blocks"])
-            st = _Remote(handle.request_id, r, host_blocks)
+            host_rows = list(tr["host_rows"])
+            bounded = self.cache_blocks is not None
+            st = _Remote(handle.request_id, r, list(tr["host_blocks"]), host_rows, bounded, set(host_rows))
             self._by_req[r.id] = st
+            self._bounded += bounded
             self._grow_maps()
-            hb = torch.tensor(host_blocks, dtype=torch.long)
-            self._owner[hb] = r.id
-            self._logical[hb] = torch.arange(nb)
-            for t in self._present:
-                t[hb] = False
-            self._missing += nb * g.num_kv_heads * layers
+            # The rows that hold a staged block now: every block's, or (bounded) the partial last
+            # block's alone (the cache rows are empty; the filler only names the owner).
+            first = n // b if bounded else 0
+            if bounded:
+                self._owner[host_rows[0]] = r.id
+            for logical in range(first, nb):
+                self._take_row(st, host_rows[logical], logical)
             if self.transfer == "full":
                 # The baseline: every block crosses; the summaries are built here, as a local
                 # transition to sparse builds them.
@@ -625,12 +660,12 @@ class RemoteKvSource:
             query = query.view(layers, g.num_qo_heads, g.head_dim)
             if n % b:
                 # The partial last block is the local block: its tokens go to the local page.
-                last = torch.tensor([host_blocks[-1]], dtype=torch.long)
+                last = torch.tensor([host_rows[-1]], dtype=torch.long)
                 heads = torch.arange(g.num_kv_heads)
                 for layer in range(layers):
                     self._ensure(layer, last.expand(g.num_kv_heads), heads)
-                    p.k_pages[layer][tr["local_page"]] = p.host_k[layer][host_blocks[-1]].to(p.k_pages[layer])
-                    p.v_pages[layer][tr["local_page"]] = p.host_v[layer][host_blocks[-1]].to(p.v_pages[layer])
+                    p.k_pages[layer][tr["local_page"]] = p.host_k[layer][host_rows[-1]].to(p.k_pages[layer])
+                    p.v_pages[layer][tr["local_page"]] = p.host_v[layer][host_rows[-1]].to(p.v_pages[layer])
             r.sparse = True
             r.metrics.sparse_since_token = r.kv_len
             self._select_initial(r, tr, query)
@@ -704,8 +739,9 @@ class RemoteKvSource:
         eng = self.engine
         p, dev = eng.pools, eng.device
         dst, lens = _i32(tr["host_blocks"], dev), _i32(tr["lens"], dev)
+        rows = _i32(tr["host_rows"], dev)
         for layer in range(eng.cfg.num_hidden_layers):
-            ops.build_summaries(eng.geo, p.host_k[layer], dst, lens, p.summaries[layer])
+            ops.build_summaries(eng.geo, p.host_k[layer], dst, lens, p.summaries[layer], block_rows=rows)
 
     def _write_admission(self, st: _Remote, adm: dict) -> None:
         eng = self.engine
@@ -725,12 +761,57 @@ class RemoteKvSource:
             for i, (layer, _) in enumerate(adm["block_keys"]):
                 by_layer.setdefault(layer, []).append(i)
             for layer, rows_i in by_layer.items():
+                logicals = [adm["block_keys"][i][1] for i in rows_i]
+                if st.bounded:
+                    # A layer's admission set gets cache rows (evicting other layers' blocks
+                    # if it must); past C blocks (a worker with a larger K) the rest is read
+                    # on demand.
+                    keep = list(dict.fromkeys(logicals))[: self.cache_blocks]
+                    rows_i = [i for i, lg in zip(rows_i, logicals, strict=True) if lg in set(keep)]
+                    logicals = [adm["block_keys"][i][1] for i in rows_i]
+                rows = self._rows_for(st, logicals, logicals)
                 sel = torch.tensor(rows_i, dtype=torch.long)
-                blk = torch.tensor([hb[adm["block_keys"][i][1]] for i in rows_i], dtype=torch.long)
-                self._store_blocks(st, layer, blk, blocks.index_select(0, sel))
+                self._store_blocks(
+                    st, layer, torch.tensor(rows, dtype=torch.long), blocks.index_select(0, sel)
+                )
+
+    def _take_row(self, st: _Remote, row: int, logical: int) -> None:
+        """Host row ``row`` now holds staged block ``logical`` of ``st``: nothing of it read yet."""
+        self._owner[row] = st.req.id
+        self._logical[row] = logical
+        st.rows.add(row)
+        for t in self._present:
+            t[row] = False
+        self._missing += len(self._present) * self.engine.geo.num_kv_heads
+
+    def _forget_row(self, st: _Remote, row: int) -> None:
+        """The block cached in ``row`` was evicted: its bytes are gone (read again if planned)."""
+        hk = self.engine.geo.num_kv_heads
+        had = sum(int(t[row].sum()) for t in self._present)
+        st.cached_entries -= had
+        self.stats.cached_bytes -= had * self._entry_bytes()
+        self._missing -= len(self._present) * hk - had
+        self.stats.evicted_blocks += 1
+        for t in self._present:
+            t[row] = True
+
+    def _rows_for(self, st: _Remote, logicals: list[int], pinned: list[int]) -> list[int]:
+        """The host rows of ``st``'s logical blocks ``logicals``: with a bounded cache the
+        uncached ones get rows (``Runtime.cache_blocks``; evicting the least recently used blocks
+        outside ``pinned``), the evicted rows' bytes are forgotten and the new ones are absent
+        until read."""
+        rows, given, evicted = self.engine.runtime.cache_blocks(st.req.id, logicals, pinned)
+        if not st.bounded:
+            return rows
+        for _, row in evicted:
+            self._forget_row(st, row)
+        row_of = dict(zip(logicals, rows, strict=True))
+        for logical in given:
+            self._take_row(st, row_of[logical], logical)
+        return rows
 
     def _store_blocks(self, st: _Remote, layer: int, hb: torch.Tensor, blocks: torch.Tensor) -> None:
-        """Whole blocks ``[n, 2, Hkv, b, D]`` into host blocks ``hb``; marks every head present."""
+        """Whole blocks ``[n, 2, Hkv, b, D]`` into host rows ``hb``; marks every head present."""
         p = self.engine.pools
         dev = p.host_device
         idx = hb.to(dev)
@@ -750,7 +831,7 @@ class RemoteKvSource:
 
     def _fetch_rest(self, st: _Remote, layers: int) -> None:
         """``transfer="full"``: read every block the admission did not bring, whole."""
-        hb = torch.tensor(st.host_blocks, dtype=torch.long)
+        hb = torch.tensor(st.host_rows, dtype=torch.long)
         for layer in range(layers):
             absent = hb[~self._present[layer][hb].all(dim=1)]
             if absent.numel():
@@ -767,7 +848,7 @@ class RemoteKvSource:
         n_complete = tr["n_complete"]
         slot_pages = _i32([tr["slot_pages"]], dev)
         blk = csr_tables([tr["host_blocks"][:n_complete]], dev)
-        host = csr_tables([tr["host_blocks"]], dev)
+        host = csr_tables([tr["host_rows"]], dev)  # patched by before_gather (bounded cache)
         for layer in range(eng.cfg.num_hidden_layers):
             q = query[layer].view(1, g.num_qo_heads, g.head_dim).to(dev).contiguous()
             pred, _ = eng._select_and_fetch(layer, q, slot_pages, blk, host, eng.step_no, k, k)
@@ -779,16 +860,45 @@ class RemoteKvSource:
         planned block-heads that are still only in the daemon into the host pool (one batched
         read per layer, across requests). A failed read marks the requests it carried failed
         (:meth:`take_failed`); the gather then copies stale bytes for them, and their step's
-        output is discarded."""
-        if self._missing == 0:
+        output is discarded.
+
+        With a bounded cache the layer's planned blocks of each such request first get host rows
+        (``Runtime.cache_blocks``, pinned = this layer's planned blocks of the request: an
+        eviction never takes a row this gather reads; earlier layers' gathers are done, since
+        reading ``plan_slots`` here waited for the work that made it), and ``host_indices`` (the
+        step's, on the device) is patched at ``indptr[seq] + logical`` with them; the next plan
+        reads the runtime's rows."""
+        if self._missing == 0 and self._bounded == 0:
             return
         ps, pb = plan_slots.cpu(), plan_blocks.cpu()
         sel = ps >= 0
         if not bool(sel.any()):
             return
         seq, head, _ = sel.nonzero(as_tuple=True)
+        logical = pb[sel].long()
         indptr, indices = host_indptr.cpu().long(), host_indices.cpu().long()
-        hb = indices[indptr[seq] + pb[sel].long()]
+        pos = indptr[seq] + logical
+        hb = indices[pos]
+        if self._bounded:
+            # A request's first row (logical block 0's: the filler or its own) names its owner.
+            owner = self._owner[indices[indptr[seq]]]
+            for o in torch.unique(owner).tolist():
+                st = self._by_req.get(o)
+                if st is None or not st.bounded or o in self._failed:
+                    continue
+                mine = owner == o
+                wanted = torch.unique(logical[mine]).tolist()
+                try:
+                    rows = self._rows_for(st, wanted, wanted)
+                except OutOfBlocksError as e:
+                    self._fail(o, f"its bounded host pool cannot hold one layer's planned blocks: {e}")
+                    continue
+                row_of = torch.full((max(wanted) + 1,), -1, dtype=torch.long)
+                row_of[torch.tensor(wanted, dtype=torch.long)] = torch.tensor(rows, dtype=torch.long)
+                new = row_of[logical[mine]]
+                hb[mine] = new
+                dev = host_indices.device
+                host_indices[pos[mine].to(dev)] = new.to(dev, host_indices.dtype)
         self._ensure(layer, hb, head)
 
     def _ensure(self, layer: int, hb: torch.Tensor, head: torch.Tensor) -> None:
@@ -898,7 +1008,8 @@ class RemoteKvSource:
         st = self._by_req.pop(r.id, None)
         if st is None:
             return
-        hb = torch.tensor(st.host_blocks, dtype=torch.long)
+        self._bounded -= st.bounded
+        hb = torch.tensor(sorted(st.rows), dtype=torch.long)
         if hb.numel() and self._present:
             absent = sum(int((~t[hb]).sum()) for t in self._present)
             self._missing -= absent

@@ -130,7 +130,7 @@ class _Request:
 
     def _table(self) -> dict:
         if self.runtime is None:
-            return {"pages": [], "slot_pages": [], "local_page": -1, "host_blocks": []}
+            return {"pages": [], "slot_pages": [], "local_page": -1, "host_blocks": [], "host_rows": []}
         return self.runtime.table(self.id)
 
     @property
@@ -149,8 +149,14 @@ class _Request:
 
     @property
     def host_blocks(self) -> list[int]:
-        """Host block of each logical block (sparse only)."""
+        """Host block id of each logical block (sparse only): its summary and codes."""
         return self._table()["host_blocks"]
+
+    @property
+    def host_rows(self) -> list[int]:
+        """Host row of each logical block (sparse only): its K/V in ``host_k``/``host_v`` (a
+        staged request with ``kv_cache_blocks``: a filler row for the blocks not cached)."""
+        return self._table()["host_rows"]
 
 
 @dataclass
@@ -278,9 +284,10 @@ class KvPools:
         device: torch.device,
         key_codes: bool = False,
         host_pool: str = "pinned",
+        num_host_rows: int | None = None,
     ) -> None:
         self.geo, self.dtype, self.num_layers, self.device = geo, dtype, num_layers, device
-        self.num_pages, self.num_host_blocks = 0, 0
+        self.num_pages, self.num_host_blocks, self.num_host_rows = 0, 0, 0
         hk, b, d = geo.num_kv_heads, geo.block_size, geo.head_dim
         self.host_pool = host_pool
         self.host_device = device if host_pool == "device" else torch.device("cpu")
@@ -308,7 +315,7 @@ class KvPools:
             if key_codes
             else None
         )
-        self.grow(num_pages, num_host_blocks)
+        self.grow(num_pages, num_host_blocks, num_host_rows)
 
     def enable_key_codes(self) -> None:
         """Add (empty) key-code tensors to pools made without them (pools shared, while idle,
@@ -321,9 +328,15 @@ class KvPools:
                 torch.zeros(shape, dtype=torch.uint8, device=self.device) for _ in range(self.num_layers)
             ]
 
-    def grow(self, num_pages: int, num_host_blocks: int) -> None:
-        """Enlarge the pools to at least these sizes (never shrinks). New pages map nowhere."""
+    def grow(self, num_pages: int, num_host_blocks: int, num_host_rows: int | None = None) -> None:
+        """Enlarge the pools to at least these sizes (never shrinks). New pages map nowhere.
+
+        ``num_host_blocks`` sizes what is indexed by host block id (the summaries and key codes,
+        on the GPU), ``num_host_rows`` (None: as many) the host pool itself (``host_k``/``host_v``,
+        indexed by host row): a local request holds a row with every id, a staged request with a
+        bounded cache (``LLMEngine(kv_cache_blocks=)``) fewer rows than ids."""
         device, layers = self.device, self.num_layers
+        num_host_rows = num_host_blocks if num_host_rows is None else num_host_rows
         if num_pages > self.num_pages:
             ensure_fits(
                 (num_pages - self.num_pages) * self.page_bytes * layers,
@@ -337,11 +350,11 @@ class KvPools:
             self.page_map = _grown(self.page_map, num_pages, dim=1, fill=-1)
             self.page_last_selected = _grown(self.page_last_selected, num_pages, dim=1, fill=-1)
             self.num_pages = num_pages
-        if num_host_blocks > self.num_host_blocks:
+        if num_host_rows > self.num_host_rows:
             ensure_fits(
-                (num_host_blocks - self.num_host_blocks) * self.page_bytes * layers,
+                (num_host_rows - self.num_host_rows) * self.page_bytes * layers,
                 self.host_device,
-                f"growing the host pool to {num_host_blocks} blocks x {layers} layers",
+                f"growing the host pool to {num_host_rows} blocks x {layers} layers",
                 "lower host_kv_budget_bytes / KvConfig.num_host_blocks, max_num_seqs or max_tokens",
             )
             # With a GPU the host pool is pinned: the gather and write-through kernels read and
@@ -349,14 +362,14 @@ class KvPools:
             # on the GPU, where _grown keeps it). The pool grows geometrically with what admitted
             # requests need (Engine._grow_to), so it is pinned in chunks, never all up front;
             # a large growth says so, since pinning is slow.
-            pin_bytes = num_host_blocks * self.page_bytes * layers
+            pin_bytes = num_host_rows * self.page_bytes * layers
             bar = None
             if self.host_pin and pin_bytes >= PIN_NOTICE_BYTES:
                 log.info(
                     "pinning %.1f GiB of host memory for the KV host pool (%d blocks x %d layers); "
                     "about 0.6 s per GiB",
                     pin_bytes / (1 << 30),
-                    num_host_blocks,
+                    num_host_rows,
                     layers,
                 )
                 from tqdm import tqdm
@@ -372,7 +385,7 @@ class KvPools:
                 # In place, one layer at a time: the old layer is freed as soon as it is copied,
                 # so the growth peaks at the new pool plus one old layer.
                 for i, t in enumerate(tensors):
-                    tensors[i] = _grown(t, num_host_blocks, pin=self.host_pin, numa_node=self.numa_node)
+                    tensors[i] = _grown(t, num_host_rows, pin=self.host_pin, numa_node=self.numa_node)
                     if bar is not None:
                         bar.update()
                 return tensors
@@ -383,6 +396,8 @@ class KvPools:
             finally:
                 if bar is not None:
                     bar.close()
+            self.num_host_rows = num_host_rows
+        if num_host_blocks > self.num_host_blocks:
             self.summaries = [_grown(t, num_host_blocks) for t in self.summaries]
             if self.codes is not None:
                 self.codes = [_grown(t, num_host_blocks) for t in self.codes]
@@ -531,7 +546,7 @@ class _SpecState:
     stored (``stored``)."""
 
     spec_kv: list
-    targets: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # spec_page_ids, spec_offsets, spec_host_ids
+    targets: tuple  # spec_page_ids, spec_offsets, spec_host_ids, spec_host_rows
     row_of: dict[int, int]
     in_step: set[int]
     stored: set[int]
@@ -779,11 +794,11 @@ class Engine:
         cap = (1 << 31) - 1
         return max(0, min(int(gpu), cap)), max(0, min(int(host), cap))
 
-    def _new_runtime(self, pages: int, host: int) -> None:
+    def _new_runtime(self, pages: int, host: int, rows: int) -> None:
         from ._core import Runtime
 
         gcap, hcap = self.default_caps()
-        gcap, hcap = max(gcap, pages), max(hcap, host)
+        gcap, hcap = max(gcap, pages), max(hcap, rows)
         kv = self.kv
         self.runtime = Runtime(
             block_size=kv.block_size,
@@ -795,10 +810,12 @@ class Engine:
             plan_blk_seq=kv.select_queries == "lookahead+current",
             max_num_seqs=self.max_num_seqs,
             gpu_pages=pages,
-            host_blocks=host,
+            host_blocks=min(host, rows),
             gpu_cap=gcap,
             host_cap=hcap,
         )
+        # The host cap bounds the rows; ids (summaries) grow with the reservations.
+        self.runtime.grow(pages, host, rows)
         self._runtime_pools = self.pools
 
     def _sync_runtime(self) -> None:
@@ -823,23 +840,28 @@ class Engine:
         if self.runtime is None or self._runtime_pools is not self.pools:
             if self.runtime is not None and self.runtime.num_requests:
                 raise ConfigError("the engine's pools were replaced while requests are running")
-            self._new_runtime(self.pools.num_pages, self.pools.num_host_blocks)
+            p = self.pools
+            self._new_runtime(p.num_pages, p.num_host_blocks, p.num_host_rows)
 
-    def _grow_to(self, pages: int, host: int) -> None:
-        """Grow the pool tensors and the runtime's id ranges to at least these sizes, geometrically
-        (to at most the caps) so that a stream of admissions reallocates O(log n) times."""
+    def _grow_to(self, pages: int, host: int, rows: int | None = None) -> None:
+        """Grow the pool tensors and the runtime's id ranges to at least these sizes (pages, host
+        block ids, host rows; None: as many rows as ids), geometrically (to at most the caps) so
+        that a stream of admissions reallocates O(log n) times."""
         p, rt = self.pools, self.runtime
-        if pages <= p.num_pages and host <= p.num_host_blocks:
+        rows = host if rows is None else rows
+        if pages <= p.num_pages and host <= p.num_host_blocks and rows <= p.num_host_rows:
             return
-        gcap, hcap = rt.caps
+        gcap, icap, hcap = rt.caps
         if pages > p.num_pages:
             pages = min(gcap, max(pages, 2 * p.num_pages))
         if host > p.num_host_blocks:
-            host = min(hcap, max(host, 2 * p.num_host_blocks))
+            host = min(icap, max(host, 2 * p.num_host_blocks))
+        if rows > p.num_host_rows:
+            rows = min(hcap, max(rows, 2 * p.num_host_rows))
         self._join_background()
         self.drop_graphs()  # they hold the old pools' addresses
-        p.grow(pages, host)
-        rt.grow(p.num_pages, p.num_host_blocks)
+        p.grow(pages, host, rows)
+        rt.grow(p.num_pages, p.num_host_blocks, p.num_host_rows)
 
     def ensure_pools(self, requests: list[_Request]) -> None:
         """Make room for admitting ``requests`` together (grow the pools to their reservations)."""
@@ -851,30 +873,35 @@ class Engine:
         batch is admitted."""
         self._sync_runtime()
         rt = self.runtime
-        g, h = rt.reserved
+        g, h, w = rt.reserved
         for n, m in sizes:
-            rg, rh, _ = rt.reservation(n, m)
-            g, h = g + rg, h + rh
-        gcap, hcap = rt.caps
-        self._grow_to(min(g, gcap), min(h, hcap))
+            rg, rh, _ = rt.reservation(n, m)  # a local request: a host row with every id
+            g, h, w = g + rg, h + rh, w + rh
+        gcap, _, hcap = rt.caps
+        self._grow_to(min(g, gcap), h, min(w, hcap))
 
     # ---------------------------------------------------------------- request lifecycle
-    def can_admit(self, prompt_len: int, max_new_tokens: int, *, sparse: bool = False) -> bool:
+    def can_admit(
+        self, prompt_len: int, max_new_tokens: int, *, sparse: bool = False, cache_blocks: int | None = None
+    ) -> bool:
         """Whether a request of this size can be admitted now (a seat, and its peak need in both
         tiers fits beside the running requests' reservations). ``sparse=True``: admitted with
-        :meth:`admit_sparse` (the working set only on the GPU)."""
+        :meth:`admit_sparse` (the working set only on the GPU; ``cache_blocks`` as there)."""
         self._sync_runtime()
-        return self.runtime.can_admit(prompt_len, max_new_tokens, sparse=sparse)
+        return self.runtime.can_admit(prompt_len, max_new_tokens, sparse=sparse, cache_blocks=cache_blocks)
 
-    def check_fits(self, prompt_len: int, max_new_tokens: int, *, sparse: bool = False) -> None:
+    def check_fits(
+        self, prompt_len: int, max_new_tokens: int, *, sparse: bool = False, cache_blocks: int | None = None
+    ) -> None:
         """Raise :class:`OutOfBlocksError` when a request of this size could never be admitted,
-        even alone: its peak need passes a pool's cap (``sparse``: as :meth:`can_admit`)."""
+        even alone: its peak need passes a pool's cap (``sparse``, ``cache_blocks``: as
+        :meth:`can_admit`)."""
         self._sync_runtime()
         rt = self.runtime
-        if rt.fits_ever(prompt_len, max_new_tokens, sparse=sparse):
+        if rt.fits_ever(prompt_len, max_new_tokens, sparse=sparse, cache_blocks=cache_blocks):
             return
-        g, h, _ = rt.reservation(prompt_len, max_new_tokens, sparse=sparse)
-        gcap, hcap = rt.caps
+        g, h, _ = rt.reservation(prompt_len, max_new_tokens, sparse=sparse, cache_blocks=cache_blocks)
+        gcap, _, hcap = rt.caps
         per = self.page_bytes_all_layers
         raise OutOfBlocksError(
             f"a request of {prompt_len} prompt tokens and max_tokens={max_new_tokens} needs up to "
@@ -889,8 +916,7 @@ class Engine:
         self._sync_runtime()
         rt = self.runtime
         n, m = len(r.prompt), r.max_new_tokens
-        g, h = rt.pool_sizes_needed(n, m)
-        self._grow_to(g, h)
+        self._grow_to(*rt.pool_sizes_needed(n, m))
         try:
             slot, _pages = rt.admit(r.id, n, m)
         except OutOfBlocksError as e:
@@ -900,19 +926,20 @@ class Engine:
             ) from None
         self._seat(r, slot, False)
 
-    def admit_sparse(self, r: _Request) -> dict:
+    def admit_sparse(self, r: _Request, cache_blocks: int | None = None) -> dict:
         """Admit ``r``, whose prompt's KV is stored elsewhere (a staging daemon), directly sparse:
         reserve and take only its working set (K slot pages, the local page) and the prompt's host
         blocks, never the prompt's dense pages. Returns ``Runtime.admit_sparse``'s dict (the slot
-        pages, local page, host blocks, their lens and ``n_complete``); the caller fills the host
-        blocks, summaries and local page and selects the initial working set."""
+        pages, local page, host block ids and rows, their lens and ``n_complete``); the caller
+        fills the host rows, summaries and local page and selects the initial working set.
+        ``cache_blocks=C``: host rows only for the blocks it writes plus ``C`` cache rows
+        (``Runtime.cache_blocks`` hands them out)."""
         self._sync_runtime()
         rt = self.runtime
         n, m = len(r.prompt), r.max_new_tokens
-        g, h = rt.pool_sizes_needed(n, m, sparse=True)
-        self._grow_to(g, h)
+        self._grow_to(*rt.pool_sizes_needed(n, m, sparse=True, cache_blocks=cache_blocks))
         try:
-            tr = rt.admit_sparse(r.id, n, m)
+            tr = rt.admit_sparse(r.id, n, m, cache_blocks)
         except OutOfBlocksError as e:
             raise OutOfBlocksError(
                 f"{e} while admitting request {r.id}; wait for running requests to finish "
@@ -1164,18 +1191,22 @@ class Engine:
         tr = self.runtime.make_sparse(r.id)
         self._flush_map()
         src, dst, lens = _i32(tr["src_pages"], dev), _i32(tr["host_blocks"], dev), _i32(tr["lens"], dev)
-        complete = dst[: tr["n_complete"]]
+        rows = _i32(tr["host_rows"], dev)
+        complete, complete_rows = dst[: tr["n_complete"]], rows[: tr["n_complete"]]
         for layer in range(self.cfg.num_hidden_layers):
-            ops.copy_pages(g, p.k_pages[layer], p.v_pages[layer], src, p.host_k[layer], p.host_v[layer], dst)
-            ops.build_summaries(g, p.host_k[layer], dst, lens, p.summaries[layer])
+            # Pages into host rows; summaries (and codes) of the block ids, from those rows.
+            ops.copy_pages(g, p.k_pages[layer], p.v_pages[layer], src, p.host_k[layer], p.host_v[layer], rows)
+            ops.build_summaries(g, p.host_k[layer], dst, lens, p.summaries[layer], block_rows=rows)
             if self.key_codes and complete.numel():
-                ops.build_key_codes(g, p.host_k[layer], p.summaries[layer], complete, p.codes[layer])
+                ops.build_key_codes(
+                    g, p.host_k[layer], p.summaries[layer], complete, p.codes[layer], block_rows=complete_rows
+                )
         r.sparse = True
         r.metrics.sparse_since_token = r.kv_len
         n_complete = tr["n_complete"]
         slot_pages = _i32([tr["slot_pages"]], dev)
         blk_indptr, blk_indices = csr_tables([tr["host_blocks"][:n_complete]], dev)
-        host_indptr, host_indices = csr_tables([tr["host_blocks"]], dev)
+        host_indptr, host_indices = csr_tables([tr["host_rows"]], dev)
         for layer in range(self.cfg.num_hidden_layers):
             row = self._last_row[r.id]
             q = self._last_q[layer][row : row + 1].reshape(1, g.num_qo_heads, g.head_dim).contiguous()
@@ -1423,6 +1454,7 @@ class Engine:
         hq, hk, d = g.num_qo_heads, g.num_kv_heads, g.head_dim
         dev = self.device
         page_ids_t, offsets_t, host_ids_t = v["page_ids"], v["offsets"], v["host_ids"]
+        host_rows_t, done_rows = v["host_rows"], v["done_rows"]
         kv_indptr, kv_indices, last_len_t = v["kv_indptr"], v["kv_indices"], v["last_len"]
         step = self._step_now if static else self.step_no
         scale = d**-0.5
@@ -1457,11 +1489,14 @@ class Engine:
                 p.host_k[layer],
                 p.host_v[layer],
                 p.summaries[layer],
+                host_rows=host_rows_t,
             )
             if done_blocks is not None:
                 # Blocks x_t completed: their summaries are final, so their keys get codes now,
                 # before this layer's selection scores them.
-                ops.build_key_codes(g, p.host_k[layer], p.summaries[layer], done_blocks, p.codes[layer])
+                ops.build_key_codes(
+                    g, p.host_k[layer], p.summaries[layer], done_blocks, p.codes[layer], block_rows=done_rows
+                )
             extra_k = kt[1] if rows == 2 else None
             extra_v = vt[1] if rows == 2 else None
             if spec_kv is not None:
@@ -1526,7 +1561,7 @@ class Engine:
                 torch.cat([captured[i][row1] for i in self.capture], dim=-1) if self.capture else None
             )
             out["spec_kv"] = spec_kv
-            out["targets"] = (v["spec_page_ids"], v["spec_offsets"], v["spec_host_ids"])
+            out["targets"] = (v["spec_page_ids"], v["spec_offsets"], v["spec_host_ids"], v["spec_host_rows"])
             # Before the join below: the draft stores touch no page, host row or summary the
             # background chains read (the draft's block is never a candidate of this step).
             out["verdict"] = self._verify_drafts(v, n, logits, out["logits1"], spec_kv, verify)
@@ -1565,14 +1600,22 @@ class Engine:
         accept = (page >= 0) & (tok == draft) & fin & fin2
         if verify is not None:
             accept &= verify
-        self._store_drafts(spec_kv, page.masked_fill(~accept, -1), v["spec_offsets"], v["spec_host_ids"])
+        self._store_drafts(
+            spec_kv, page.masked_fill(~accept, -1), v["spec_offsets"], v["spec_host_ids"], v["spec_host_rows"]
+        )
         return torch.stack([tok, fin.long(), tok2, fin2.long(), accept.long()])
 
     def _store_drafts(
-        self, spec_kv: list, page_ids: torch.Tensor, offsets: torch.Tensor, host_ids: torch.Tensor
+        self,
+        spec_kv: list,
+        page_ids: torch.Tensor,
+        offsets: torch.Tensor,
+        host_ids: torch.Tensor,
+        host_rows: torch.Tensor,
     ) -> None:
         """Store row 1's K/V of every layer where ``page_ids >= 0`` (one ``append_kv`` per layer:
-        write-through and summary update for sparse requests)."""
+        write-through to host row ``host_rows`` and summary update of block ``host_ids`` for
+        sparse requests)."""
         p, g = self.pools, self.geo
         for layer, (k1, v1) in enumerate(spec_kv):
             ops.append_kv(
@@ -1587,6 +1630,7 @@ class Engine:
                 p.host_k[layer],
                 p.host_v[layer],
                 p.summaries[layer],
+                host_rows=host_rows,
             )
 
     # ---------------------------------------------------------------- CUDA-graph decode
@@ -1704,11 +1748,11 @@ class Engine:
                 )
         self._spec = None
         if host_accepted:
-            page, offsets, host_ids = st.targets
+            page, offsets, host_ids, host_rows = st.targets
             keep = torch.zeros(page.numel(), dtype=torch.bool)
             keep[[st.row_of[r.id] for r in host_accepted]] = True
             keep = keep.to(page.device, non_blocking=True)
-            self._store_drafts(st.spec_kv, page.masked_fill(~keep, -1), offsets, host_ids)
+            self._store_drafts(st.spec_kv, page.masked_fill(~keep, -1), offsets, host_ids, host_rows)
         accepted = [rid for rid in st.stored if rid in pending] + [r.id for r in host_accepted]
         self.runtime.commit_drafts(accepted)
 

@@ -222,6 +222,12 @@ class LLMEngine:
         kv_timeout_s: the deadline of every daemon call; a daemon that dies or stalls fails the
             requests whose KV it holds (``finish_reason="error"``) within it, the others go on.
         kv_retries: reconnect and retry a failed daemon read this many times first.
+        kv_cache_blocks: bound each staged request's host pool to this many cached blocks (plus
+            the blocks it writes itself): planned blocks without a row evict the least recently
+            used ones this layer does not read, and an evicted block is read again when it is
+            planned again. At least ``num_kv_heads * top_k_blocks``; needs
+            ``kv_transfer="partial"``. None: room for the whole context (each block-head crosses
+            the network at most once).
     """
 
     def __init__(
@@ -250,6 +256,7 @@ class LLMEngine:
         kv_token: str | bytes | None = None,
         kv_timeout_s: float = 30.0,
         kv_retries: int = 0,
+        kv_cache_blocks: int | None = None,
     ) -> None:
         for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not _is_int(v) or not 1 <= v <= 1 << 20:
@@ -320,8 +327,10 @@ class LLMEngine:
         self.kv_source = None
         if kv_source is not None:
             self.kv_source = self._connect_kv_source(
-                kv_source, kv_transfer, kv_token, kv_timeout_s, kv_retries, cuda_graph
+                kv_source, kv_transfer, kv_token, kv_timeout_s, kv_retries, cuda_graph, kv_cache_blocks
             )
+        elif kv_cache_blocks is not None:
+            raise ConfigError("kv_cache_blocks bounds the host pool of staged requests; it needs kv_source")
 
     # ------------------------------------------------------------------ requests
     def add_request(
@@ -362,7 +371,9 @@ class LLMEngine:
                 f"{len(ids) + params.max_tokens - 1} positions exceeds the model's context of {ctx} "
                 "tokens; shorten the prompt or lower max_tokens"
             )
-        self.engine.check_fits(len(ids), params.max_tokens, sparse=staged is not None)
+        self.engine.check_fits(
+            len(ids), params.max_tokens, sparse=staged is not None, cache_blocks=self._cache_of(staged)
+        )
         n = next(self._ids)
         rid = str(n) if request_id is None else request_id
         if not isinstance(rid, str) or not rid:
@@ -383,7 +394,7 @@ class LLMEngine:
         self._by_id[rid] = seq
         return rid
 
-    def _connect_kv_source(self, src, transfer, token, timeout_s, retries, cuda_graph):
+    def _connect_kv_source(self, src, transfer, token, timeout_s, retries, cuda_graph, cache_blocks=None):
         from .disagg import RemoteKvSource
 
         if self.speculative:
@@ -397,7 +408,19 @@ class LLMEngine:
             raise ConfigError(
                 "a staged request has no prompt features for this drafter (EAGLE-3); pass drafter='ngram'"
             )
-        return RemoteKvSource(self.engine, src, transfer, token=token, timeout_s=timeout_s, retries=retries)
+        return RemoteKvSource(
+            self.engine,
+            src,
+            transfer,
+            token=token,
+            timeout_s=timeout_s,
+            retries=retries,
+            cache_blocks=cache_blocks,
+        )
+
+    def _cache_of(self, staged) -> int | None:
+        """The host cache (``kv_cache_blocks``) of a staged request; None for a local one."""
+        return self.kv_source.cache_blocks if staged is not None and self.kv_source is not None else None
 
     def add_staged_request(
         self,
@@ -506,7 +529,10 @@ class LLMEngine:
                 seq = self._waiting[0]
                 # A staged request reserves its working set only (Engine.admit_sparse).
                 if not eng.can_admit(
-                    len(seq.req.prompt), seq.req.max_new_tokens, sparse=seq.staged is not None
+                    len(seq.req.prompt),
+                    seq.req.max_new_tokens,
+                    sparse=seq.staged is not None,
+                    cache_blocks=self._cache_of(seq.staged),
                 ):
                     break  # it waits, and so does everyone behind it (no overtaking)
                 self._waiting.popleft()

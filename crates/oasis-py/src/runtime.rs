@@ -25,6 +25,7 @@ fn transition_dict(py: Python<'_>, tr: SparseTransition) -> PyResult<Bound<'_, P
     let d = PyDict::new(py);
     d.set_item("src_pages", tr.src_pages)?;
     d.set_item("host_blocks", tr.host_blocks)?;
+    d.set_item("host_rows", tr.host_rows)?;
     d.set_item("lens", tr.lens)?;
     d.set_item("slot_pages", tr.slot_pages)?;
     d.set_item("local_page", tr.local_page)?;
@@ -33,9 +34,16 @@ fn transition_dict(py: Python<'_>, tr: SparseTransition) -> PyResult<Bound<'_, P
 }
 
 impl PyRuntime {
-    fn res(&self, prompt_len: usize, max_new_tokens: usize, sparse: bool) -> Reservation {
+    fn res(
+        &self,
+        prompt_len: usize,
+        max_new_tokens: usize,
+        sparse: bool,
+        cache_blocks: Option<usize>,
+    ) -> Reservation {
         if sparse {
-            self.inner.sparse_reservation(prompt_len, max_new_tokens)
+            self.inner
+                .sparse_reservation(prompt_len, max_new_tokens, cache_blocks)
         } else {
             self.inner.reservation(prompt_len, max_new_tokens)
         }
@@ -78,49 +86,71 @@ impl PyRuntime {
         })
     }
 
-    /// `(gpu_pages, host_blocks, turns_sparse)`: the peak a request of this size reserves
-    /// (`sparse=True`: admitted with `admit_sparse`).
-    #[pyo3(signature = (prompt_len, max_new_tokens, *, sparse = false))]
+    /// `(gpu_pages, host_rows, turns_sparse)`: the peak a request of this size reserves in the
+    /// two budgets (`sparse=True`: admitted with `admit_sparse`, `cache_blocks` as there). Host
+    /// rows are the host budget's unit; a local request takes one with every host block id.
+    #[pyo3(signature = (prompt_len, max_new_tokens, *, sparse = false, cache_blocks = None))]
     fn reservation(
         &self,
         prompt_len: usize,
         max_new_tokens: usize,
         sparse: bool,
+        cache_blocks: Option<usize>,
     ) -> (usize, usize, bool) {
-        let r = self.res(prompt_len, max_new_tokens, sparse);
-        (r.gpu_pages, r.host_blocks, r.turns_sparse)
+        let r = self.res(prompt_len, max_new_tokens, sparse, cache_blocks);
+        (r.gpu_pages, r.host_rows, r.turns_sparse)
     }
 
     /// Whether such a request fits the caps at all (alone).
-    #[pyo3(signature = (prompt_len, max_new_tokens, *, sparse = false))]
-    fn fits_ever(&self, prompt_len: usize, max_new_tokens: usize, sparse: bool) -> bool {
+    #[pyo3(signature = (prompt_len, max_new_tokens, *, sparse = false, cache_blocks = None))]
+    fn fits_ever(
+        &self,
+        prompt_len: usize,
+        max_new_tokens: usize,
+        sparse: bool,
+        cache_blocks: Option<usize>,
+    ) -> bool {
         self.inner
-            .fits_ever(&self.res(prompt_len, max_new_tokens, sparse))
+            .fits_ever(&self.res(prompt_len, max_new_tokens, sparse, cache_blocks))
     }
 
     /// Whether such a request can be admitted now (a free seat and room beside the others).
-    #[pyo3(signature = (prompt_len, max_new_tokens, *, sparse = false))]
-    fn can_admit(&self, prompt_len: usize, max_new_tokens: usize, sparse: bool) -> bool {
+    #[pyo3(signature = (prompt_len, max_new_tokens, *, sparse = false, cache_blocks = None))]
+    fn can_admit(
+        &self,
+        prompt_len: usize,
+        max_new_tokens: usize,
+        sparse: bool,
+        cache_blocks: Option<usize>,
+    ) -> bool {
         self.inner
-            .can_admit(&self.res(prompt_len, max_new_tokens, sparse))
+            .can_admit(&self.res(prompt_len, max_new_tokens, sparse, cache_blocks))
     }
 
-    /// `(gpu_pages, host_blocks)` the pools must hold to admit such a request now.
-    #[pyo3(signature = (prompt_len, max_new_tokens, *, sparse = false))]
+    /// `(gpu_pages, host_blocks, host_rows)` the pools must hold to admit such a request now.
+    #[pyo3(signature = (prompt_len, max_new_tokens, *, sparse = false, cache_blocks = None))]
     fn pool_sizes_needed(
         &self,
         prompt_len: usize,
         max_new_tokens: usize,
         sparse: bool,
-    ) -> (usize, usize) {
+        cache_blocks: Option<usize>,
+    ) -> (usize, usize, usize) {
         self.inner
-            .pool_sizes_needed(&self.res(prompt_len, max_new_tokens, sparse))
+            .pool_sizes_needed(&self.res(prompt_len, max_new_tokens, sparse, cache_blocks))
     }
 
-    /// Grow the pools' id ranges (after the engine grew its tensors).
-    fn grow(&mut self, py: Python<'_>, gpu_pages: usize, host_blocks: usize) -> PyResult<()> {
+    /// Grow the pools' id ranges (after the engine grew its tensors): GPU pages, host block ids
+    /// (summaries, codes), host rows (`host_k`/`host_v`).
+    fn grow(
+        &mut self,
+        py: Python<'_>,
+        gpu_pages: usize,
+        host_blocks: usize,
+        host_rows: usize,
+    ) -> PyResult<()> {
         call(py, "Runtime.grow", || {
-            self.inner.grow(gpu_pages, host_blocks)
+            self.inner.grow(gpu_pages, host_blocks, host_rows)
         })
     }
 
@@ -140,21 +170,47 @@ impl PyRuntime {
     /// Admit a request whose prompt's KV is already stored elsewhere (staged by a prefill
     /// worker) directly sparse: only the working set (K slot pages, the local page) and the
     /// prompt's host blocks, never its dense pages. A dict of `slot` and, as `make_sparse`'s,
-    /// `src_pages` (empty: nothing to copy), `host_blocks`, `lens`, `slot_pages`, `local_page`,
-    /// `n_complete`.
+    /// `src_pages` (empty: nothing to copy), `host_blocks`, `host_rows`, `lens`, `slot_pages`,
+    /// `local_page`, `n_complete`.
+    ///
+    /// `cache_blocks=C` bounds its host rows: rows of its own only for the blocks it writes
+    /// (from `prompt_len // block_size` on) plus `C` cache rows that `cache_blocks(id, ...)`
+    /// hands to the staged blocks a gather needs (`host_rows` holds a filler for the others).
+    #[pyo3(signature = (id, prompt_len, max_new_tokens, cache_blocks = None))]
     fn admit_sparse<'py>(
         &mut self,
         py: Python<'py>,
         id: u64,
         prompt_len: usize,
         max_new_tokens: usize,
+        cache_blocks: Option<usize>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let (slot, tr) = call(py, "Runtime.admit_sparse", || {
-            self.inner.admit_sparse(id, prompt_len, max_new_tokens)
+            self.inner
+                .admit_sparse(id, prompt_len, max_new_tokens, cache_blocks)
         })?;
         let d = transition_dict(py, tr)?;
         d.set_item("slot", slot)?;
         Ok(d)
+    }
+
+    /// Give host rows to the request's logical blocks `logicals` before a gather reads them
+    /// (a bounded staged request's cache; the blocks it writes and every block of any other
+    /// request have theirs already): `(rows, given, evicted)`, `rows` in the order asked,
+    /// `given` the logical blocks whose rows the caller must fill, `evicted` `(logical, row)`
+    /// pairs whose bytes are gone. The least recently used cached blocks outside `pinned` and
+    /// `logicals` are evicted; `OutOfBlocksError` (nothing changed) when every row is pinned.
+    fn cache_blocks(
+        &mut self,
+        py: Python<'_>,
+        id: u64,
+        logicals: Vec<usize>,
+        pinned: Vec<usize>,
+    ) -> PyResult<(Vec<u32>, Vec<usize>, Vec<(usize, u32)>)> {
+        let c = call(py, "Runtime.cache_blocks", || {
+            self.inner.cache_blocks(id, &logicals, &pinned)
+        })?;
+        Ok((c.rows, c.given, c.evicted))
     }
 
     fn wants_sparse(&self, py: Python<'_>, id: u64) -> PyResult<bool> {
@@ -180,8 +236,9 @@ impl PyRuntime {
         })
     }
 
-    /// Turn a request sparse: a dict of `src_pages`, `host_blocks`, `lens`, `slot_pages`,
-    /// `local_page`, `n_complete` (what the engine copies and selects on the device).
+    /// Turn a request sparse: a dict of `src_pages`, `host_blocks`, `host_rows`, `lens`,
+    /// `slot_pages`, `local_page`, `n_complete` (what the engine copies and selects on the
+    /// device: pages into the rows, summaries of the ids).
     fn make_sparse<'py>(&mut self, py: Python<'py>, id: u64) -> PyResult<Bound<'py, PyDict>> {
         let tr = call(py, "Runtime.make_sparse", || self.inner.make_sparse(id))?;
         transition_dict(py, tr)
@@ -196,7 +253,8 @@ impl PyRuntime {
     }
 
     /// A request's tables: a dict of `slot`, `kv_len`, `sparse`, `pages`, `slot_pages`,
-    /// `local_page` (-1 when dense) and `host_blocks`.
+    /// `local_page` (-1 when dense), `host_blocks` (ids), `host_rows` (their rows; a bounded
+    /// staged request's uncached blocks: a filler) and `cache_blocks` (its `C`, or None).
     fn table<'py>(&self, py: Python<'py>, id: u64) -> PyResult<Bound<'py, PyDict>> {
         let t = self.inner.table(id).ok_or_else(|| {
             py_err(
@@ -213,6 +271,8 @@ impl PyRuntime {
         d.set_item("slot_pages", t.slot_pages.clone())?;
         d.set_item("local_page", t.local_page.map_or(-1, i64::from))?;
         d.set_item("host_blocks", t.host_blocks.clone())?;
+        d.set_item("host_rows", t.host_rows.clone())?;
+        d.set_item("cache_blocks", t.cache.as_ref().map(|c| c.capacity()))?;
         Ok(d)
     }
 
@@ -318,24 +378,28 @@ impl PyRuntime {
         })
     }
 
-    /// `(gpu_pages, host_blocks)` in the pools now.
+    /// `(gpu_pages, host_blocks, host_rows)` in the pools now (pages; summary/code ids;
+    /// `host_k`/`host_v` rows).
     #[getter]
-    fn pool_sizes(&self) -> (usize, usize) {
+    fn pool_sizes(&self) -> (usize, usize, usize) {
         self.inner.pool_sizes()
     }
 
+    /// Free entries per pool, as `pool_sizes`.
     #[getter]
-    fn num_free(&self) -> (usize, usize) {
+    fn num_free(&self) -> (usize, usize, usize) {
         self.inner.num_free()
     }
 
+    /// Entries reserved by the admitted requests per pool, as `pool_sizes`.
     #[getter]
-    fn reserved(&self) -> (usize, usize) {
+    fn reserved(&self) -> (usize, usize, usize) {
         self.inner.reserved()
     }
 
+    /// The caps per pool, as `pool_sizes` (the ids': 2**31 - 1, what int32 addresses).
     #[getter]
-    fn caps(&self) -> (usize, usize) {
+    fn caps(&self) -> (usize, usize, usize) {
         self.inner.caps()
     }
 

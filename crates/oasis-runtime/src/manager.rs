@@ -10,17 +10,22 @@ use std::collections::HashMap;
 
 use oasis_core::{BlockPool, OasisError, Result, Tier};
 
+use crate::cache::{Cached, RowCache};
 use crate::config::{RuntimeConfig, MAX_POOL_BLOCKS};
 use crate::plan::{PlanPad, StepPlan};
 use crate::table::{RequestTable, Reservation};
 
 /// What the engine must do on the device when a request turns sparse (every layer):
-/// copy `src_pages[i]` (holding `lens[i]` tokens) into host block `host_blocks[i]` and build its
-/// summary; then select the initial working set over the first `n_complete` host blocks.
+/// copy `src_pages[i]` (holding `lens[i]` tokens) into host row `host_rows[i]` and build the
+/// summary of block id `host_blocks[i]` from it; then select the initial working set over the
+/// first `n_complete` host blocks.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SparseTransition {
     pub src_pages: Vec<u32>,
     pub host_blocks: Vec<u32>,
+    /// The host row of each block (a bounded staged request: the filler row for the blocks
+    /// before `written_from`, which hold no row until [`Runtime::cache_blocks`] gives them one).
+    pub host_rows: Vec<u32>,
     pub lens: Vec<u32>,
     pub slot_pages: Vec<u32>,
     pub local_page: u32,
@@ -36,6 +41,8 @@ struct Draft {
     /// The block entered for the draft (a dense page or a sparse request's host block), freed if
     /// it is rejected.
     entered: Option<u32>,
+    /// The host row entered with it (sparse), freed with it.
+    entered_row: Option<u32>,
     /// The mapping update entering its block needs, queued only when it is accepted (a sparse
     /// request's local page keeps mapping x_t's block until then).
     map: Option<(u32, i32)>,
@@ -48,6 +55,10 @@ struct Entered {
     offset: usize,
     /// The block allocated for it, if any.
     entered: Option<u32>,
+    /// The host row allocated with a sparse request's new block.
+    entered_row: Option<u32>,
+    /// The host row of the write-through (-1 when dense).
+    row: i32,
     /// The mapping update that entering the block needs, if any.
     map: Option<(u32, i32)>,
 }
@@ -57,12 +68,17 @@ struct Entered {
 pub struct Runtime {
     cfg: RuntimeConfig,
     gpu: BlockPool,
+    /// Host block ids (summaries, codes, the scoring tables): capped only by what ids address,
+    /// bounded in practice by the admitted requests' reservations.
     host: BlockPool,
+    /// Host rows (`host_k`/`host_v`): the host budget.
+    rows: BlockPool,
     /// The most blocks each pool may grow to (the budget), in blocks.
     gpu_cap: usize,
-    host_cap: usize,
+    rows_cap: usize,
     reserved_gpu: usize,
     reserved_host: usize,
+    reserved_rows: usize,
     reqs: HashMap<u64, RequestTable>,
     free_slots: Vec<u32>,
     /// Pending head-wise mapping updates: page -> value, in the order first queued.
@@ -79,7 +95,9 @@ fn to_i32(x: usize) -> i32 {
 }
 
 impl Runtime {
-    /// A runtime whose pools hold `gpu_pages` / `host_blocks` now and may grow to the caps.
+    /// A runtime whose pools hold `gpu_pages` / `host_blocks` now and may grow to the caps
+    /// (`host_blocks` ids and as many host rows; `host_cap` caps the rows, the ids grow with the
+    /// reservations up to [`MAX_POOL_BLOCKS`]).
     ///
     /// # Errors
     /// [`OasisError::Config`] for a bad config or a pool larger than its cap or than ids address.
@@ -107,11 +125,13 @@ impl Runtime {
         Ok(Self {
             gpu: BlockPool::try_new(Tier::Gpu, gpu_pages)?,
             host: BlockPool::try_new(Tier::Host, host_blocks)?,
+            rows: BlockPool::try_new(Tier::Host, host_blocks)?,
             cfg,
             gpu_cap,
-            host_cap,
+            rows_cap: host_cap,
             reserved_gpu: 0,
             reserved_host: 0,
+            reserved_rows: 0,
             reqs: HashMap::new(),
             free_slots: slots,
             map_order: Vec::new(),
@@ -125,24 +145,33 @@ impl Runtime {
         &self.cfg
     }
 
-    /// Blocks in each pool now (the engine's tensors must have at least these many rows).
-    pub fn pool_sizes(&self) -> (usize, usize) {
-        (self.gpu.num_blocks(), self.host.num_blocks())
+    /// `(gpu pages, host block ids, host rows)` in the pools now (the engine's tensors must have
+    /// at least these many rows: pages; summaries and codes; `host_k`/`host_v`).
+    pub fn pool_sizes(&self) -> (usize, usize, usize) {
+        (
+            self.gpu.num_blocks(),
+            self.host.num_blocks(),
+            self.rows.num_blocks(),
+        )
     }
 
-    /// Free blocks in each pool now.
-    pub fn num_free(&self) -> (usize, usize) {
-        (self.gpu.num_free(), self.host.num_free())
+    /// Free entries in each pool now, as [`Runtime::pool_sizes`].
+    pub fn num_free(&self) -> (usize, usize, usize) {
+        (
+            self.gpu.num_free(),
+            self.host.num_free(),
+            self.rows.num_free(),
+        )
     }
 
-    /// Blocks reserved by the admitted requests, per pool.
-    pub fn reserved(&self) -> (usize, usize) {
-        (self.reserved_gpu, self.reserved_host)
+    /// Entries reserved by the admitted requests, per pool, as [`Runtime::pool_sizes`].
+    pub fn reserved(&self) -> (usize, usize, usize) {
+        (self.reserved_gpu, self.reserved_host, self.reserved_rows)
     }
 
-    /// The caps (budgets) in blocks.
-    pub fn caps(&self) -> (usize, usize) {
-        (self.gpu_cap, self.host_cap)
+    /// The caps (budgets), as [`Runtime::pool_sizes`]; the ids' is [`MAX_POOL_BLOCKS`].
+    pub fn caps(&self) -> (usize, usize, usize) {
+        (self.gpu_cap, MAX_POOL_BLOCKS, self.rows_cap)
     }
 
     pub fn num_requests(&self) -> usize {
@@ -166,7 +195,7 @@ impl Runtime {
 
     /// Whether a request with this reservation could ever be admitted (alone, at the caps).
     pub fn fits_ever(&self, r: &Reservation) -> bool {
-        r.gpu_pages <= self.gpu_cap && r.host_blocks <= self.host_cap
+        r.gpu_pages <= self.gpu_cap && r.host_rows <= self.rows_cap
     }
 
     /// Whether a request with this reservation can be admitted now (a seat and room under the
@@ -175,14 +204,17 @@ impl Runtime {
     pub fn can_admit(&self, r: &Reservation) -> bool {
         !self.free_slots.is_empty()
             && self.reserved_gpu + r.gpu_pages <= self.gpu_cap
-            && self.reserved_host + r.host_blocks <= self.host_cap
+            && self.reserved_rows + r.host_rows <= self.rows_cap
+            && self.reserved_host + r.host_blocks <= MAX_POOL_BLOCKS
     }
 
-    /// Pool sizes that admitting `r` needs (the reservations, all together).
-    pub fn pool_sizes_needed(&self, r: &Reservation) -> (usize, usize) {
+    /// Pool sizes that admitting `r` needs (the reservations, all together), as
+    /// [`Runtime::pool_sizes`].
+    pub fn pool_sizes_needed(&self, r: &Reservation) -> (usize, usize, usize) {
         (
             self.reserved_gpu + r.gpu_pages,
             self.reserved_host + r.host_blocks,
+            self.reserved_rows + r.host_rows,
         )
     }
 
@@ -191,16 +223,17 @@ impl Runtime {
     /// # Errors
     /// [`OasisError::Config`] past a cap; [`OasisError::OutOfMemory`] when the free list cannot be
     /// allocated.
-    pub fn grow(&mut self, gpu_pages: usize, host_blocks: usize) -> Result<()> {
-        if gpu_pages > self.gpu_cap || host_blocks > self.host_cap {
+    pub fn grow(&mut self, gpu_pages: usize, host_blocks: usize, host_rows: usize) -> Result<()> {
+        if gpu_pages > self.gpu_cap || host_rows > self.rows_cap || host_blocks > MAX_POOL_BLOCKS {
             return Err(OasisError::Config(format!(
-                "cannot grow the pools to {gpu_pages} gpu pages / {host_blocks} host blocks: the \
-                 caps are {} / {}",
-                self.gpu_cap, self.host_cap
+                "cannot grow the pools to {gpu_pages} gpu pages / {host_blocks} host blocks / \
+                 {host_rows} host rows: the caps are {} / {MAX_POOL_BLOCKS} / {}",
+                self.gpu_cap, self.rows_cap
             )));
         }
         self.gpu.grow(gpu_pages)?;
         self.host.grow(host_blocks)?;
+        self.rows.grow(host_rows)?;
         Ok(())
     }
 
@@ -230,6 +263,7 @@ impl Runtime {
         }
         self.reserved_gpu += res.gpu_pages;
         self.reserved_host += res.host_blocks;
+        self.reserved_rows += res.host_rows;
         self.reqs.insert(
             id,
             RequestTable {
@@ -241,6 +275,9 @@ impl Runtime {
                 slot_pages: Vec::new(),
                 local_page: None,
                 host_blocks: Vec::new(),
+                host_rows: Vec::new(),
+                cache: None,
+                written_from: 0,
                 reservation: res,
             },
         );
@@ -248,8 +285,13 @@ impl Runtime {
     }
 
     /// The peak need of a request admitted sparse (see [`Reservation::for_sparse_request`]).
-    pub fn sparse_reservation(&self, prompt_len: usize, max_new_tokens: usize) -> Reservation {
-        Reservation::for_sparse_request(&self.cfg, prompt_len, max_new_tokens)
+    pub fn sparse_reservation(
+        &self,
+        prompt_len: usize,
+        max_new_tokens: usize,
+        cache_blocks: Option<usize>,
+    ) -> Reservation {
+        Reservation::for_sparse_request(&self.cfg, prompt_len, max_new_tokens, cache_blocks)
     }
 
     /// Admit request `id`, whose prompt of `prompt_len` tokens is already stored elsewhere (a
@@ -264,15 +306,24 @@ impl Runtime {
     /// Returns the slot and a [`SparseTransition`] with no `src_pages` (nothing to copy on the
     /// device); `lens` are the tokens of each host block.
     ///
+    /// `cache_blocks = Some(C)` bounds its host rows (the bounded decode-side host pool): rows of
+    /// its own only for the blocks it writes itself (logicals `>= floor(P / b)`: the partial last
+    /// block and the ones decode enters), and `C` cache rows that [`Runtime::cache_blocks`] hands
+    /// to the daemon's blocks as the gathers need them (the others' `host_rows` entry is the
+    /// first cache row, a filler no plan reads). `None`: a row for every block, as a local
+    /// request.
+    ///
     /// # Errors
-    /// [`OasisError::Invalid`] for a duplicate id, an empty prompt, or the dense backend;
-    /// [`OasisError::OutOfBlocks`] when the [`Runtime::sparse_reservation`] does not fit now or
-    /// the pools were not grown to it. Nothing changes on error.
+    /// [`OasisError::Invalid`] for a duplicate id, an empty prompt, the dense backend or
+    /// `cache_blocks = Some(0)`; [`OasisError::OutOfBlocks`] when the
+    /// [`Runtime::sparse_reservation`] does not fit now or the pools were not grown to it.
+    /// Nothing changes on error.
     pub fn admit_sparse(
         &mut self,
         id: u64,
         prompt_len: usize,
         max_new_tokens: usize,
+        cache_blocks: Option<usize>,
     ) -> Result<(u32, SparseTransition)> {
         let (b, k) = (self.cfg.block_size, self.cfg.top_k_blocks);
         if !self.cfg.sparse {
@@ -280,9 +331,20 @@ impl Runtime {
                 "request {id}: admit_sparse needs the sparse backend"
             )));
         }
-        let res = self.sparse_reservation(prompt_len, max_new_tokens);
+        if cache_blocks == Some(0) {
+            return Err(OasisError::Invalid(format!(
+                "request {id}: cache_blocks must be >= 1 (None: a row for every block)"
+            )));
+        }
+        let res = self.sparse_reservation(prompt_len, max_new_tokens, cache_blocks);
         self.check_admission(id, prompt_len, max_new_tokens, &res)?;
         let n_blocks = prompt_len.div_ceil(b);
+        let written_from = if cache_blocks.is_some() {
+            prompt_len / b
+        } else {
+            0
+        };
+        let n_rows = cache_blocks.unwrap_or(0) + n_blocks - written_from;
         // Cannot fail (checked: the pools hold the reservations); undone anyway if it does.
         let mut pages = self.gpu.allocate(k + 1)?;
         let host_blocks = match self.host.allocate(n_blocks) {
@@ -290,6 +352,23 @@ impl Runtime {
             Err(e) => {
                 self.gpu.free(&pages)?;
                 return Err(e);
+            }
+        };
+        let mut rows = match self.rows.allocate(n_rows) {
+            Ok(r) => r,
+            Err(e) => {
+                self.gpu.free(&pages)?;
+                self.host.free(&host_blocks)?;
+                return Err(e);
+            }
+        };
+        let (host_rows, cache) = match cache_blocks {
+            None => (rows, None),
+            Some(c) => {
+                let own = rows.split_off(c);
+                let mut host_rows = vec![rows[0]; written_from];
+                host_rows.extend(own);
+                (host_rows, Some(RowCache::new(rows)))
             }
         };
         let slot = self.free_slots.pop().expect("checked by check_admission");
@@ -306,6 +385,7 @@ impl Runtime {
         }
         self.reserved_gpu += res.gpu_pages;
         self.reserved_host += res.host_blocks;
+        self.reserved_rows += res.host_rows;
         self.reqs.insert(
             id,
             RequestTable {
@@ -317,6 +397,9 @@ impl Runtime {
                 slot_pages: slot_pages.clone(),
                 local_page: Some(local_page),
                 host_blocks: host_blocks.clone(),
+                host_rows: host_rows.clone(),
+                cache,
+                written_from,
                 reservation: res,
             },
         );
@@ -325,6 +408,7 @@ impl Runtime {
             SparseTransition {
                 src_pages: Vec::new(),
                 host_blocks,
+                host_rows,
                 lens,
                 slot_pages,
                 local_page,
@@ -354,17 +438,24 @@ impl Runtime {
                  {max_new_tokens}"
             )));
         }
-        let (need_gpu, need_host) = self.pool_sizes_needed(res);
+        let (need_gpu, need_host, need_rows) = self.pool_sizes_needed(res);
         if !self.can_admit(res)
             || need_gpu > self.gpu.num_blocks()
             || need_host > self.host.num_blocks()
+            || need_rows > self.rows.num_blocks()
         {
-            let host_room = self.host_cap.min(self.host.num_blocks());
-            let (tier, requested, free) = if need_host > host_room {
+            let rows_room = self.rows_cap.min(self.rows.num_blocks());
+            let (tier, requested, free) = if need_rows > rows_room {
+                (
+                    Tier::Host,
+                    res.host_rows,
+                    rows_room.saturating_sub(self.reserved_rows),
+                )
+            } else if need_host > self.host.num_blocks() {
                 (
                     Tier::Host,
                     res.host_blocks,
-                    host_room.saturating_sub(self.reserved_host),
+                    self.host.num_blocks().saturating_sub(self.reserved_host),
                 )
             } else {
                 (
@@ -416,8 +507,16 @@ impl Runtime {
             )));
         }
         let src_pages = spare[..n_blocks].to_vec();
-        // The reservation covers host blocks for the whole life and K + 1 pages: cannot fail.
+        // The reservation covers host blocks and rows for the whole life and K + 1 pages:
+        // cannot fail.
         let host_blocks = self.host.allocate(n_blocks)?;
+        let host_rows = match self.rows.allocate(n_blocks) {
+            Ok(r) => r,
+            Err(e) => {
+                self.host.free(&host_blocks)?;
+                return Err(e);
+            }
+        };
         let local_page = if length % b != 0 {
             spare.remove(local_block)
         } else {
@@ -427,6 +526,7 @@ impl Runtime {
                     Ok(p) => p[0],
                     Err(e) => {
                         self.host.free(&host_blocks)?;
+                        self.rows.free(&host_rows)?;
                         return Err(e);
                     }
                 },
@@ -437,6 +537,7 @@ impl Runtime {
                 Ok(more) => spare.extend(more),
                 Err(e) => {
                     self.host.free(&host_blocks)?;
+                    self.rows.free(&host_rows)?;
                     return Err(e);
                 }
             }
@@ -462,9 +563,11 @@ impl Runtime {
         t.slot_pages = slot_pages.clone();
         t.local_page = Some(local_page);
         t.host_blocks = host_blocks.clone();
+        t.host_rows = host_rows.clone();
         Ok(SparseTransition {
             src_pages,
             host_blocks,
+            host_rows,
             lens,
             slot_pages,
             local_page,
@@ -487,8 +590,10 @@ impl Runtime {
         pages.sort_unstable();
         self.gpu.free(&pages)?;
         self.host.free(&t.host_blocks)?;
+        self.rows.free(&t.all_rows())?;
         self.reserved_gpu -= t.reservation.gpu_pages;
         self.reserved_host -= t.reservation.host_blocks;
+        self.reserved_rows -= t.reservation.host_rows;
         self.free_slots.push(t.slot);
         Ok(())
     }
@@ -528,6 +633,19 @@ impl Runtime {
         Ok((e.page, e.host, e.offset))
     }
 
+    /// Give back a sparse request's last host block and its row (a rejected draft's).
+    fn pop_host_block(&mut self, id: u64, block: u32) -> Result<()> {
+        let t = self.reqs.get_mut(&id).expect("checked by the caller");
+        debug_assert_eq!(t.host_blocks.last(), Some(&block));
+        t.host_blocks.pop();
+        let row = t
+            .host_rows
+            .pop()
+            .expect("host_rows parallel to host_blocks");
+        self.host.free(&[block])?;
+        self.rows.free(&[row])
+    }
+
     /// [`Runtime::enter_block`] without queueing the mapping update: returned instead, with the
     /// block allocated, if any.
     fn enter_block_unmapped(&mut self, id: u64) -> Result<Entered> {
@@ -540,18 +658,30 @@ impl Runtime {
             (false, t.pages.len() <= blk)
         };
         let mut entered = None;
+        let mut entered_row = None;
         let mut map = None;
         if need {
-            let pool = if sparse {
-                &mut self.host
+            let new = if sparse {
+                // A block the request writes: an id and a row of its own (within the
+                // reservation of both).
+                let id_new = self.host.allocate(1)?[0];
+                let row = match self.rows.allocate(1) {
+                    Ok(r) => r[0],
+                    Err(e) => {
+                        self.host.free(&[id_new])?;
+                        return Err(e);
+                    }
+                };
+                entered_row = Some(row);
+                id_new
             } else {
-                &mut self.gpu
+                self.gpu.allocate(1)?[0]
             };
-            let new = pool.allocate(1)?[0];
             entered = Some(new);
             let t = self.reqs.get_mut(&id).expect("checked");
             if sparse {
                 t.host_blocks.push(new);
+                t.host_rows.push(entered_row.expect("set above"));
             } else {
                 t.pages.push(new);
                 map = Some((new, to_i32(blk)));
@@ -562,8 +692,10 @@ impl Runtime {
             return Ok(Entered {
                 page: t.pages[blk],
                 host: -1,
+                row: -1,
                 offset: off,
                 entered,
+                entered_row,
                 map,
             });
         }
@@ -574,8 +706,10 @@ impl Runtime {
         Ok(Entered {
             page: local,
             host: t.host_blocks[blk] as i32,
+            row: t.host_rows[blk] as i32,
             offset: off,
             entered,
+            entered_row,
             map,
         })
     }
@@ -758,10 +892,11 @@ impl Runtime {
                 continue;
             };
             self.plan
-                .set_draft(i, e.page as i32, to_i32(e.offset), e.host);
+                .set_draft(i, e.page as i32, to_i32(e.offset), e.host, e.row);
             self.drafts.push(Draft {
                 id,
                 entered: e.entered,
+                entered_row: e.entered_row,
                 map: e.map,
             });
         }
@@ -833,11 +968,10 @@ impl Runtime {
                     self.queue_map(page, value);
                 }
             } else if let Some(block) = d.entered {
-                // The block entered for the draft is the table's last one.
+                // The block entered for the draft is the table's last one (with its row).
                 if t.sparse {
-                    debug_assert_eq!(t.host_blocks.last(), Some(&block));
-                    t.host_blocks.pop();
-                    self.host.free(&[block])?;
+                    debug_assert_eq!(t.host_rows.last().copied(), d.entered_row);
+                    self.pop_host_block(d.id, block)?;
                 } else {
                     debug_assert_eq!(t.pages.last(), Some(&block));
                     t.pages.pop();
@@ -846,6 +980,59 @@ impl Runtime {
             }
         }
         Ok(())
+    }
+
+    /// Give host rows to request `id`'s logical blocks `logicals` (repeats allowed) before a
+    /// gather reads them: the blocks it writes itself (and every block of a request without a
+    /// bounded cache) have their rows already; the daemon's blocks of a bounded staged request
+    /// go through its [`RowCache`] (see [`RowCache::cache_blocks`]): uncached ones get rows,
+    /// evicting the least recently used cached blocks outside `pinned` and `logicals`, and its
+    /// `host_rows` follow (a row given: that row; evicted: the filler). The next plan's
+    /// `host_indices` read the new rows; the caller patches the current step's own.
+    ///
+    /// Returns [`Cached`]: `rows` in the order asked, `given` (the caller reads their bytes),
+    /// `evicted` (`(logical, row)`: their bytes are gone).
+    ///
+    /// # Errors
+    /// [`OasisError::Invalid`] for an unknown request or a logical block past its table;
+    /// [`OasisError::OutOfBlocks`] (host tier) when every cache row is pinned. Nothing changes on
+    /// error.
+    pub fn cache_blocks(
+        &mut self,
+        id: u64,
+        logicals: &[usize],
+        pinned: &[usize],
+    ) -> Result<Cached> {
+        let t = self.get(id)?;
+        if let Some(&l) = logicals.iter().find(|&&l| l >= t.host_rows.len()) {
+            return Err(OasisError::Invalid(format!(
+                "request {id} has {} host blocks, no logical block {l}",
+                t.host_rows.len()
+            )));
+        }
+        let from = t.written_from;
+        let t = self.reqs.get_mut(&id).expect("checked above");
+        let Some(cache) = t.cache.as_mut() else {
+            return Ok(Cached {
+                rows: logicals.iter().map(|&l| t.host_rows[l]).collect(),
+                ..Cached::default()
+            });
+        };
+        let theirs: Vec<usize> = logicals.iter().copied().filter(|&l| l < from).collect();
+        let pin: Vec<usize> = pinned.iter().copied().filter(|&l| l < from).collect();
+        let got = cache.cache_blocks(&theirs, &pin)?;
+        let filler = cache.rows()[0];
+        for &(l, _) in &got.evicted {
+            t.host_rows[l] = filler;
+        }
+        for (&l, &row) in theirs.iter().zip(&got.rows) {
+            t.host_rows[l] = row;
+        }
+        Ok(Cached {
+            rows: logicals.iter().map(|&l| t.host_rows[l]).collect(),
+            given: got.given,
+            evicted: got.evicted,
+        })
     }
 
     /// The plan of the last [`Runtime::plan`].
@@ -860,11 +1047,52 @@ impl Runtime {
     pub fn check_invariants(&self) -> Result<()> {
         let mut owner_gpu = HashMap::new();
         let mut owner_host = HashMap::new();
-        let (mut res_gpu, mut res_host) = (0, 0);
+        let mut owner_row = HashMap::new();
+        let (mut res_gpu, mut res_host, mut res_rows) = (0, 0, 0);
         let bad = |m: String| Err(OasisError::Invalid(m));
         for t in self.reqs.values() {
             res_gpu += t.reservation.gpu_pages;
             res_host += t.reservation.host_blocks;
+            res_rows += t.reservation.host_rows;
+            for r in t.all_rows() {
+                if self.rows.is_free(r) || owner_row.insert(r, t.id).is_some() {
+                    return bad(format!(
+                        "host row {r} of request {} is free or shared",
+                        t.id
+                    ));
+                }
+            }
+            if t.host_rows.len() != t.host_blocks.len() {
+                return bad(format!(
+                    "request {} has {} host rows for {} host blocks",
+                    t.id,
+                    t.host_rows.len(),
+                    t.host_blocks.len()
+                ));
+            }
+            if let Some(c) = &t.cache {
+                c.check_invariants()?;
+                let filler = c.rows()[0];
+                for (l, &r) in t.host_rows.iter().enumerate().take(t.written_from) {
+                    if c.row_of(l).unwrap_or(filler) != r {
+                        return bad(format!(
+                            "request {}: block {l}'s host row {r} is not its cache row",
+                            t.id
+                        ));
+                    }
+                }
+                if c.cached().any(|(l, _)| l >= t.written_from) {
+                    return bad(format!("request {}: a written block is cached", t.id));
+                }
+                if c.capacity() == 0 {
+                    return bad(format!("request {}: an empty row cache", t.id));
+                }
+            } else if t.written_from != 0 {
+                return bad(format!("request {}: written_from without a cache", t.id));
+            }
+            if t.host_rows_held() > t.reservation.host_rows {
+                return bad(format!("request {} holds more rows than reserved", t.id));
+            }
             for p in t.all_pages() {
                 if self.gpu.is_free(p) || owner_gpu.insert(p, t.id).is_some() {
                     return bad(format!("page {p} of request {} is free or shared", t.id));
@@ -901,10 +1129,13 @@ impl Runtime {
         }
         if owner_gpu.len() + self.gpu.num_free() != self.gpu.num_blocks()
             || owner_host.len() + self.host.num_free() != self.host.num_blocks()
+            || owner_row.len() + self.rows.num_free() != self.rows.num_blocks()
         {
             return bad("a block is neither free nor held (leak)".into());
         }
-        if (res_gpu, res_host) != (self.reserved_gpu, self.reserved_host) {
+        if (res_gpu, res_host, res_rows)
+            != (self.reserved_gpu, self.reserved_host, self.reserved_rows)
+        {
             return bad("the reservation totals drifted".into());
         }
         if self.free_slots.len() + self.reqs.len() != self.cfg.max_num_seqs {
@@ -957,8 +1188,8 @@ mod tests {
         }
         rt.release(7).unwrap();
         rt.check_invariants().unwrap();
-        assert_eq!(rt.num_free(), (64, 64));
-        assert_eq!(rt.reserved(), (0, 0));
+        assert_eq!(rt.num_free(), (64, 64, 64));
+        assert_eq!(rt.reserved(), (0, 0, 0));
     }
 
     #[test]
@@ -1010,6 +1241,7 @@ mod tests {
             check(F::PageIds, 4, -1);
             check(F::Offsets, 4, 0);
             check(F::HostIds, 4, -1);
+            check(F::HostRows, 4, -1);
             check(F::LastLen, 4, 1);
             check(F::KvIndices, 32, -1);
             check(F::SpRows, 4, 0);
@@ -1020,6 +1252,7 @@ mod tests {
             check(F::HostIndices, 64, -1);
             check(F::RecIndices, 64, -1);
             check(F::DoneBlocks, 4, -1);
+            check(F::DoneRows, 4, -1);
             for f in [F::KvIndptr, F::BlkIndptr, F::HostIndptr, F::RecIndptr] {
                 let w = want.field(f);
                 check(f, 5, *w.last().unwrap());
@@ -1056,7 +1289,7 @@ mod tests {
     fn admission_is_refused_past_the_caps_and_changes_nothing() {
         let mut rt = runtime(8, 8);
         rt.admit(1, 14, 2).unwrap(); // sparse at once: max(4, K + 1) = 4 pages, 4 host blocks
-        assert_eq!(rt.reserved(), (4, 4));
+        assert_eq!(rt.reserved(), (4, 4, 4));
         let r = rt.reservation(17, 2); // 5 pages
         assert!(!rt.can_admit(&r));
         let e = rt.admit(2, 17, 2).unwrap_err();
@@ -1082,22 +1315,40 @@ mod tests {
         let r = rt.reservation(40, 4);
         assert!(rt.can_admit(&r));
         assert!(rt.admit(1, 40, 4).is_err()); // the pools are still small
-        let (g, h) = rt.pool_sizes_needed(&r);
-        rt.grow(g, h).unwrap();
+        let (g, h, w) = rt.pool_sizes_needed(&r);
+        assert_eq!(h, w, "a local request takes a row with every id");
+        rt.grow(g, h, w).unwrap();
         rt.admit(1, 40, 4).unwrap();
-        assert!(rt.grow(101, 0).is_err());
+        assert!(rt.grow(101, 0, 0).is_err());
+        assert!(rt.grow(0, 0, 101).is_err());
         rt.check_invariants().unwrap();
     }
 
     /// The `spec_*` fields of the last plan: (page, offset, host) per batch row.
+    /// (The host row, `spec_host_rows`, is checked against the table's row of the same block.)
     fn drafts_of(rt: &Runtime) -> Vec<(i32, i32, i32)> {
         let p = rt.last_plan();
         let f = |x| p.field(x).to_vec();
-        let (a, b, c) = (
+        let (a, b, c, d) = (
             f(PlanField::SpecPageIds),
             f(PlanField::SpecOffsets),
             f(PlanField::SpecHostIds),
+            f(PlanField::SpecHostRows),
         );
+        assert_eq!(c.len(), d.len());
+        for (&id, &row) in c.iter().zip(&d) {
+            if id < 0 {
+                assert_eq!(row, -1);
+                continue;
+            }
+            let owner = rt
+                .reqs
+                .values()
+                .find(|t| t.host_blocks.contains(&(id as u32)));
+            let t = owner.expect("a draft's host block is held");
+            let l = t.host_blocks.iter().position(|&h| h == id as u32).unwrap();
+            assert_eq!(t.host_rows[l] as i32, row, "the draft's row is its block's");
+        }
         (0..a.len()).map(|i| (a[i], b[i], c[i])).collect()
     }
 
@@ -1164,6 +1415,7 @@ mod tests {
         assert_eq!(host.len(), 5);
         assert_eq!(drafts_of(&rt), vec![(local as i32, 0, host[4] as i32)]);
         assert_eq!(rt.num_free().1, free.1 - 1);
+        assert_eq!(rt.num_free().2, free.2 - 1);
         rt.commit_drafts(&[]).unwrap();
         assert_eq!(rt.num_free(), free);
         assert_eq!(rt.table(2).unwrap().host_blocks.len(), 4);
@@ -1195,7 +1447,7 @@ mod tests {
         rt.release(1).unwrap();
         rt.release(3).unwrap();
         rt.check_invariants().unwrap();
-        assert_eq!(rt.num_free(), (64, 64));
+        assert_eq!(rt.num_free(), (64, 64, 64));
     }
 
     /// Everything a refused call must leave alone.
@@ -1216,7 +1468,7 @@ mod tests {
     fn admit_sparse_takes_only_the_working_set() {
         // b = 4, K = 3: 10 prompt tokens, 20 new -> 29 stored, 8 host blocks; K + 1 = 4 pages.
         let mut rt = runtime(4, 64);
-        let (slot, tr) = rt.admit_sparse(7, 10, 20).unwrap();
+        let (slot, tr) = rt.admit_sparse(7, 10, 20, None).unwrap();
         assert_eq!(slot, 0);
         assert!(tr.src_pages.is_empty());
         assert_eq!(tr.host_blocks.len(), 3);
@@ -1224,8 +1476,8 @@ mod tests {
         assert_eq!(tr.n_complete, 2);
         assert_eq!(tr.slot_pages.len(), 3);
         rt.check_invariants().unwrap();
-        assert_eq!(rt.reserved(), (4, 8));
-        assert_eq!(rt.num_free(), (0, 61));
+        assert_eq!(rt.reserved(), (4, 8, 8));
+        assert_eq!(rt.num_free(), (0, 61, 61));
         let t = rt.table(7).unwrap();
         assert!(t.sparse && t.pages.is_empty());
         assert_eq!(t.kv_len, 10);
@@ -1243,7 +1495,7 @@ mod tests {
         // sparse it can.
         let mut small = runtime(4, 64);
         assert!(small.admit(1, 40, 2).is_err()); // 10 dense pages
-        small.admit_sparse(1, 40, 2).unwrap();
+        small.admit_sparse(1, 40, 2, None).unwrap();
         small.check_invariants().unwrap();
         // Decode: it enters blocks within its reservation, as a request that turned sparse.
         for _ in 0..19 {
@@ -1254,8 +1506,8 @@ mod tests {
         assert_eq!(rt.table(7).unwrap().host_blocks.len(), 8);
         rt.release(7).unwrap();
         rt.check_invariants().unwrap();
-        assert_eq!(rt.num_free(), (4, 64));
-        assert_eq!(rt.reserved(), (0, 0));
+        assert_eq!(rt.num_free(), (4, 64, 64));
+        assert_eq!(rt.reserved(), (0, 0, 0));
         assert_eq!(rt.num_requests(), 0);
     }
 
@@ -1267,7 +1519,7 @@ mod tests {
             dense.admit(1, prompt_len, 9).unwrap();
             let want = dense.make_sparse(1).unwrap();
             let mut rt = runtime(64, 64);
-            let (_, got) = rt.admit_sparse(1, prompt_len, 9).unwrap();
+            let (_, got) = rt.admit_sparse(1, prompt_len, 9, None).unwrap();
             assert_eq!(
                 got.host_blocks.len(),
                 want.host_blocks.len(),
@@ -1294,7 +1546,7 @@ mod tests {
                 rt.check_invariants().unwrap();
             }
             rt.release(1).unwrap();
-            assert_eq!(rt.num_free(), (64, 64));
+            assert_eq!(rt.num_free(), (64, 64, 64));
             rt.check_invariants().unwrap();
         }
     }
@@ -1302,17 +1554,17 @@ mod tests {
     #[test]
     fn admit_sparse_refusals_change_nothing() {
         let mut rt = runtime(8, 8); // b = 4, K = 3
-        rt.admit_sparse(1, 14, 2).unwrap(); // 4 pages, 4 host blocks
+        rt.admit_sparse(1, 14, 2, None).unwrap(); // 4 pages, 4 host blocks
         rt.take_map_updates();
         let before = snapshot(&rt);
         // Duplicate id, empty prompt, no new token.
         for (id, n, m) in [(1, 3, 2), (2, 0, 2), (2, 3, 0)] {
-            let e = rt.admit_sparse(id, n, m).unwrap_err();
+            let e = rt.admit_sparse(id, n, m, None).unwrap_err();
             assert!(matches!(e, OasisError::Invalid(_)), "{e}");
             assert_eq!(snapshot(&rt), before);
         }
         // Past the host cap: 17 + 2 - 1 = 18 tokens -> 5 blocks beside 4 of 8.
-        let e = rt.admit_sparse(2, 17, 2).unwrap_err();
+        let e = rt.admit_sparse(2, 17, 2, None).unwrap_err();
         assert!(
             matches!(
                 e,
@@ -1327,9 +1579,9 @@ mod tests {
         assert_eq!(snapshot(&rt), before);
         // Host fits but not the working set beside the first one (GPU 4 of 8 free, needs 4: fits);
         // a third one does not.
-        rt.admit_sparse(2, 3, 2).unwrap();
+        rt.admit_sparse(2, 3, 2, None).unwrap();
         let before = snapshot(&rt);
-        let e = rt.admit_sparse(3, 1, 1).unwrap_err();
+        let e = rt.admit_sparse(3, 1, 1, None).unwrap_err();
         assert!(
             matches!(
                 e,
@@ -1346,13 +1598,13 @@ mod tests {
         // Pools not grown to the reservation yet.
         let mut rt = Runtime::new(test_config(), 2, 0, 100, 100).unwrap();
         let before = snapshot(&rt);
-        assert!(rt.admit_sparse(1, 40, 4).is_err());
+        assert!(rt.admit_sparse(1, 40, 4, None).is_err());
         assert_eq!(snapshot(&rt), before);
-        let r = rt.sparse_reservation(40, 4);
-        let (g, h) = rt.pool_sizes_needed(&r);
-        assert_eq!((g, h), (4, 11));
-        rt.grow(g, h).unwrap();
-        rt.admit_sparse(1, 40, 4).unwrap();
+        let r = rt.sparse_reservation(40, 4, None);
+        let (g, h, w) = rt.pool_sizes_needed(&r);
+        assert_eq!((g, h, w), (4, 11, 11));
+        rt.grow(g, h, w).unwrap();
+        rt.admit_sparse(1, 40, 4, None).unwrap();
         rt.check_invariants().unwrap();
         // No seat left.
         let cfg = RuntimeConfig {
@@ -1360,9 +1612,9 @@ mod tests {
             ..test_config()
         };
         let mut rt = Runtime::new(cfg, 64, 64, 64, 64).unwrap();
-        rt.admit_sparse(1, 5, 5).unwrap();
+        rt.admit_sparse(1, 5, 5, None).unwrap();
         let before = snapshot(&rt);
-        assert!(rt.admit_sparse(2, 5, 5).is_err());
+        assert!(rt.admit_sparse(2, 5, 5, None).is_err());
         assert_eq!(snapshot(&rt), before);
         // The dense backend has no working set.
         let cfg = RuntimeConfig {
@@ -1371,9 +1623,122 @@ mod tests {
         };
         let mut rt = Runtime::new(cfg, 64, 64, 64, 64).unwrap();
         let before = snapshot(&rt);
-        let e = rt.admit_sparse(1, 20, 5).unwrap_err();
+        let e = rt.admit_sparse(1, 20, 5, None).unwrap_err();
         assert!(e.to_string().contains("sparse backend"), "{e}");
         assert_eq!(snapshot(&rt), before);
+    }
+
+    #[test]
+    fn admit_sparse_with_a_bounded_cache_holds_c_rows_plus_its_own() {
+        // b = 4, K = 3: 18 prompt tokens (blocks 0..3 complete, block 4 partial), 10 new -> 27
+        // stored, 7 blocks; C = 2: rows for 2 + 7 - 18 / 4 = 5.
+        let mut rt = runtime(8, 64);
+        let r = rt.sparse_reservation(18, 10, Some(2));
+        assert_eq!((r.host_blocks, r.host_rows), (7, 5));
+        let (_, tr) = rt.admit_sparse(1, 18, 10, Some(2)).unwrap();
+        rt.check_invariants().unwrap();
+        assert_eq!(rt.reserved(), (4, 7, 5));
+        assert_eq!(
+            rt.num_free(),
+            (4, 64 - 5, 64 - 3),
+            "two cache rows and block 4's"
+        );
+        let filler = tr.host_rows[0];
+        assert_eq!(tr.host_rows[..4], [filler; 4]);
+        assert_ne!(tr.host_rows[4], filler);
+        let own = tr.host_rows[4];
+        // Blocks 0 and 2 get the two cache rows (nothing evicted), block 4 keeps its own row.
+        let got = rt.cache_blocks(1, &[0, 2, 4], &[0, 2, 4]).unwrap();
+        assert_eq!(got.given, vec![0, 2]);
+        assert!(got.evicted.is_empty());
+        assert_eq!(got.rows[2], own);
+        let t = rt.table(1).unwrap();
+        assert_eq!((t.host_rows[0], t.host_rows[2]), (got.rows[0], got.rows[1]));
+        rt.check_invariants().unwrap();
+        // Every cache row pinned: refused, nothing changes.
+        let before = snapshot(&rt);
+        let e = rt.cache_blocks(1, &[3], &[0, 2]).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                OasisError::OutOfBlocks {
+                    tier: Tier::Host,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(rt.cache_blocks(1, &[7], &[]).is_err(), "past the table");
+        assert!(rt.cache_blocks(2, &[0], &[]).is_err(), "unknown request");
+        assert_eq!(snapshot(&rt), before);
+        // Block 3 evicts the least recently used unpinned block (0, pinned 2); 0 -> the filler.
+        let row0 = got.rows[0];
+        let got = rt.cache_blocks(1, &[3], &[2, 3]).unwrap();
+        assert_eq!(got.evicted, vec![(0, row0)]);
+        assert_eq!(got.rows, vec![row0]);
+        assert_eq!(rt.table(1).unwrap().host_rows[3], row0);
+        rt.check_invariants().unwrap();
+        // Decode: the blocks it enters get ids and rows of their own; the plan's host_indices
+        // are the table's rows, host_rows the write-through's row.
+        for _ in 0..9 {
+            let plan = rt.plan(&[1], &[0, 0]).unwrap().clone();
+            let t = rt.table(1).unwrap();
+            let rows: Vec<i32> = t.host_rows.iter().map(|&r| r as i32).collect();
+            assert_eq!(plan.field(PlanField::HostIndices), &rows[..]);
+            let blk = (t.kv_len - 1) / 4;
+            assert_eq!(plan.field(PlanField::HostRows), &[rows[blk]]);
+            if let [done] = plan.field(PlanField::DoneRows) {
+                assert_eq!(*done, rows[blk]);
+            }
+            rt.check_invariants().unwrap();
+        }
+        assert_eq!(rt.table(1).unwrap().host_rows.len(), 7);
+        assert_eq!(rt.num_free().2, 64 - 5, "held rows reach the reservation");
+        // A written block never goes through the cache.
+        let got = rt.cache_blocks(1, &[5, 6], &[]).unwrap();
+        assert!(got.given.is_empty() && got.evicted.is_empty());
+        rt.release(1).unwrap();
+        rt.check_invariants().unwrap();
+        assert_eq!(rt.num_free(), (8, 64, 64));
+        assert_eq!(rt.reserved(), (0, 0, 0));
+        // C = 0 is refused; a local request's rows are fixed (nothing given).
+        assert!(rt.admit_sparse(2, 18, 10, Some(0)).is_err());
+        rt.admit_sparse(2, 18, 10, None).unwrap();
+        let got = rt.cache_blocks(2, &[0, 1], &[]).unwrap();
+        assert_eq!(got.rows, rt.table(2).unwrap().host_rows[..2]);
+        assert!(got.given.is_empty());
+        rt.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_bounded_cache_fits_where_the_whole_context_does_not() {
+        // 40 prompt tokens, 2 new: 11 blocks. Rows capped at 4: unbounded needs 11 rows, C = 2
+        // needs 2 + 11 - 10 = 3; the ids grow past the row cap.
+        let mut rt = Runtime::new(test_config(), 8, 4, 8, 4).unwrap();
+        let e = rt.admit_sparse(1, 40, 2, None).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                OasisError::OutOfBlocks {
+                    tier: Tier::Host,
+                    requested: 11,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let r = rt.sparse_reservation(40, 2, Some(2));
+        assert!(rt.fits_ever(&r) && rt.can_admit(&r));
+        assert!(
+            rt.admit_sparse(1, 40, 2, Some(2)).is_err(),
+            "the ids are not grown yet"
+        );
+        let (g, h, w) = rt.pool_sizes_needed(&r);
+        assert_eq!((g, h, w), (4, 11, 3));
+        rt.grow(g, h, w).unwrap();
+        rt.admit_sparse(1, 40, 2, Some(2)).unwrap();
+        rt.check_invariants().unwrap();
+        assert_eq!(rt.pool_sizes(), (8, 11, 4));
     }
 
     #[test]

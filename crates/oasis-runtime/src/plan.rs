@@ -10,7 +10,8 @@
 //! positions     [n * r]   position of each query row (x_t at kv_len, the lookahead at kv_len + 1)
 //! page_ids      [n]       page x_t's K/V is appended to
 //! offsets       [n]       its offset in that page
-//! host_ids      [n]       host block of the write-through (sparse), -1 dense
+//! host_ids      [n]       host block of the write-through (sparse), -1 dense: its summary
+//! host_rows     [n]       host row of the write-through (sparse), -1 dense: its K/V
 //! last_len      [n]       tokens of the last page attention reads (offset + 1)
 //! kv_indptr     [n + 1]   CSR over kv_indices: dense page table, or the K slots + local page
 //! kv_indices    [nnz]
@@ -22,16 +23,19 @@
 //! blk_indptr    [s + 1]   CSR over blk_indices: candidates, the blocks complete once x_t is stored
 //! blk_indices   [nnz_b]   host block of each candidate, logical order
 //! blk_seq       [nnz_b]   each candidate's sparse request (empty unless planned)
-//! host_indptr   [s + 1]   CSR over host_indices: every host block of the request
-//! host_indices  [nnz_h]
+//! host_indptr   [s + 1]   CSR over host_indices: every logical block of the request
+//! host_indices  [nnz_h]   its host row (what the gather reads; a bounded staged request's
+//!                         uncached blocks hold a filler row until `cache_blocks` gives one)
 //! rec_indptr    [s + 1]   CSR over rec_indices: the blocks complete before x_t (recall's
 //! rec_indices   [nnz_r]   candidates); empty unless recall is measured
 //! done_blocks   [c]       host blocks of the sparse requests that x_t completes (their block
 //!                         summaries are final now: per-block data such as key codes is built)
+//! done_rows     [c]       their host rows (the keys the codes are built from)
 //! spec_page_ids [n]       speculative plans: the page the draft's K/V goes to if it is accepted
 //!                         (its tentative slot), -1 where the request does not try; else empty
 //! spec_offsets  [n]       the draft's offset in that page
 //! spec_host_ids [n]       host block of the draft's write-through (sparse), -1 dense
+//! spec_host_rows [n]      its host row (sparse), -1 dense
 //! ```
 
 use crate::config::RuntimeConfig;
@@ -46,6 +50,7 @@ pub enum PlanField {
     PageIds,
     Offsets,
     HostIds,
+    HostRows,
     LastLen,
     KvIndptr,
     KvIndices,
@@ -62,18 +67,21 @@ pub enum PlanField {
     RecIndptr,
     RecIndices,
     DoneBlocks,
+    DoneRows,
     SpecPageIds,
     SpecOffsets,
     SpecHostIds,
+    SpecHostRows,
 }
 
 impl PlanField {
-    pub const ALL: [PlanField; 24] = [
+    pub const ALL: [PlanField; 27] = [
         PlanField::InputIds,
         PlanField::Positions,
         PlanField::PageIds,
         PlanField::Offsets,
         PlanField::HostIds,
+        PlanField::HostRows,
         PlanField::LastLen,
         PlanField::KvIndptr,
         PlanField::KvIndices,
@@ -90,9 +98,11 @@ impl PlanField {
         PlanField::RecIndptr,
         PlanField::RecIndices,
         PlanField::DoneBlocks,
+        PlanField::DoneRows,
         PlanField::SpecPageIds,
         PlanField::SpecOffsets,
         PlanField::SpecHostIds,
+        PlanField::SpecHostRows,
     ];
 
     /// The field's name, as the Python engine reads it.
@@ -103,6 +113,7 @@ impl PlanField {
             PlanField::PageIds => "page_ids",
             PlanField::Offsets => "offsets",
             PlanField::HostIds => "host_ids",
+            PlanField::HostRows => "host_rows",
             PlanField::LastLen => "last_len",
             PlanField::KvIndptr => "kv_indptr",
             PlanField::KvIndices => "kv_indices",
@@ -119,9 +130,11 @@ impl PlanField {
             PlanField::RecIndptr => "rec_indptr",
             PlanField::RecIndices => "rec_indices",
             PlanField::DoneBlocks => "done_blocks",
+            PlanField::DoneRows => "done_rows",
             PlanField::SpecPageIds => "spec_page_ids",
             PlanField::SpecOffsets => "spec_offsets",
             PlanField::SpecHostIds => "spec_host_ids",
+            PlanField::SpecHostRows => "spec_host_rows",
         }
     }
 }
@@ -342,6 +355,18 @@ impl StepPlan {
             -1,
         );
         self.put_padded(
+            PlanField::HostRows,
+            tables.iter().map(|t| {
+                if t.sparse {
+                    t.host_rows.get(t.kv_len / b).map_or(-1, |&h| h as i32)
+                } else {
+                    -1
+                }
+            }),
+            seqs,
+            -1,
+        );
+        self.put_padded(
             PlanField::LastLen,
             tables.iter().map(|t| i32_of(t.kv_len % b + 1)),
             seqs,
@@ -430,7 +455,7 @@ impl StepPlan {
         self.put_csr(
             PlanField::HostIndptr,
             PlanField::HostIndices,
-            sparse.iter().map(|(_, t)| &t.host_blocks[..]),
+            sparse.iter().map(|(_, t)| &t.host_rows[..]),
             csr_cap,
         );
         if cfg.measure_recall {
@@ -445,15 +470,20 @@ impl StepPlan {
             self.put(PlanField::RecIndptr, std::iter::empty());
             self.put(PlanField::RecIndices, std::iter::empty());
         }
-        self.put_padded(
-            PlanField::DoneBlocks,
-            sparse
-                .iter()
-                .filter(|(_, t)| t.kv_len % b == b - 1)
-                .filter_map(|(_, t)| t.host_blocks.get(t.kv_len / b).map(|&h| h as i32)),
-            sp,
-            -1,
-        );
+        for (f, rows) in [(PlanField::DoneBlocks, false), (PlanField::DoneRows, true)] {
+            self.put_padded(
+                f,
+                sparse
+                    .iter()
+                    .filter(|(_, t)| t.kv_len % b == b - 1)
+                    .filter_map(|(_, t)| {
+                        let of = if rows { &t.host_rows } else { &t.host_blocks };
+                        of.get(t.kv_len / b).map(|&h| h as i32)
+                    }),
+                sp,
+                -1,
+            );
+        }
         let drafts = if spec {
             seqs.unwrap_or(tables.len())
         } else {
@@ -463,6 +493,7 @@ impl StepPlan {
             (PlanField::SpecPageIds, -1),
             (PlanField::SpecOffsets, 0),
             (PlanField::SpecHostIds, -1),
+            (PlanField::SpecHostRows, -1),
         ] {
             self.put(f, std::iter::repeat(fill).take(drafts));
         }
@@ -472,11 +503,12 @@ impl StepPlan {
 
     /// Set request `i`'s (batch row) draft target: the tentative slot its draft's K/V is written
     /// to if the step accepts it.
-    pub(crate) fn set_draft(&mut self, i: usize, page: i32, offset: i32, host: i32) {
+    pub(crate) fn set_draft(&mut self, i: usize, page: i32, offset: i32, host: i32, row: i32) {
         for (f, x) in [
             (PlanField::SpecPageIds, page),
             (PlanField::SpecOffsets, offset),
             (PlanField::SpecHostIds, host),
+            (PlanField::SpecHostRows, row),
         ] {
             let (start, len) = self.layout[f as usize];
             debug_assert!(i < len, "{} has no row {i}", f.name());

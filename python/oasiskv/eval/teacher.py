@@ -156,6 +156,19 @@ class Policy:
         return f"oasis/{self.drafter} K={self.top_k_blocks} {cap}"
 
 
+def _rows(r) -> list[int]:
+    """The host rows of ``r``'s blocks (its K/V in ``host_k``/``host_v``). A staged request with a
+    bounded cache (``LLMEngine(kv_cache_blocks=)``) has no row for its uncached blocks: the
+    teacher reads the whole context, so it refuses it."""
+    t = r.runtime.table(r.id)
+    if t.get("cache_blocks") is not None:
+        raise ValueError(
+            f"request {r.id} holds only a bounded cache of its staged blocks (kv_cache_blocks); the "
+            "exact-attention teacher needs every block on the host: run it without kv_cache_blocks"
+        )
+    return t["host_rows"]
+
+
 def block_attention_mass(engine, layer: int, sp_reqs, q: torch.Tensor) -> torch.Tensor:
     """The softmax attention of each request's true query ``q [n, num_qo_heads, head_dim]`` over
     its whole context (every token up to and including x_t, read from the host pool, which holds
@@ -175,7 +188,7 @@ def block_attention_mass(engine, layer: int, sp_reqs, q: torch.Tensor) -> torch.
     # Dot products in float32 (the gather and matmul dominate), softmax and sums in float64.
     qc = q.detach().to("cpu", torch.float32).view(-1, hk, group, d)  # query head h reads KV head h // group
     for i, r in enumerate(sp_reqs):
-        idx = torch.tensor(r.host_blocks[: nblk[i]], dtype=torch.long)
+        idx = torch.tensor(_rows(r)[: nblk[i]], dtype=torch.long)
         k = host_k.index_select(0, idx).to(torch.float32)  # [blocks, hk, b, d]
         k = k.permute(1, 0, 2, 3).reshape(hk, nblk[i] * b, d)[:, : lens[i]]  # [hk, T, d]
         logits = torch.matmul(qc[i], k.transpose(1, 2)).double() * d**-0.5  # [hk, group, T]
@@ -221,7 +234,7 @@ def shadow_queries(engine, sp_reqs, tokens: torch.Tensor) -> list[torch.Tensor]:
     dev = engine.device
     lens = [r.kv_len for r in sp_reqs]
     blocks = [
-        torch.tensor(r.host_blocks[: -(-t // b)], dtype=torch.long, device=dev)
+        torch.tensor(_rows(r)[: -(-t // b)], dtype=torch.long, device=dev)
         for r, t in zip(sp_reqs, lens, strict=True)
     ]
     out: list = [None] * engine.cfg.num_hidden_layers

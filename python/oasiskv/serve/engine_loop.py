@@ -324,7 +324,8 @@ class EngineLoop:
             self._wait_read_at = now
             self._transfer_wait_s = wait_of()[0]
         if rt is not None:
-            (gp, hb), (gf, hf), (gr, hr) = rt.pool_sizes, rt.num_free, rt.reserved
+            # The host gauges count host rows (the host KV bytes); block ids are GPU summaries.
+            (gp, _, hb), (gf, _, hf), (gr, _, hr) = rt.pool_sizes, rt.num_free, rt.reserved
             kw = dict(
                 gpu_pages=gp,
                 gpu_free=gf,
