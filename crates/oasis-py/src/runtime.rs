@@ -15,6 +15,9 @@ fn call<R>(py: Python<'_>, what: &str, f: impl FnOnce() -> Result<R, OasisError>
     crate::entry(py, what, || f().map_err(|e| core_err(py, e)))
 }
 
+/// `cache_blocks`' answer: `(rows, given, evicted)`.
+type CachedRows = (Vec<u32>, Vec<usize>, Vec<(usize, u32)>);
+
 /// Pools, block tables, admission and the step plan of one engine.
 #[pyclass(name = "Runtime", module = "oasiskv._core")]
 pub struct PyRuntime {
@@ -206,7 +209,7 @@ impl PyRuntime {
         id: u64,
         logicals: Vec<usize>,
         pinned: Vec<usize>,
-    ) -> PyResult<(Vec<u32>, Vec<usize>, Vec<(usize, u32)>)> {
+    ) -> PyResult<CachedRows> {
         let c = call(py, "Runtime.cache_blocks", || {
             self.inner.cache_blocks(id, &logicals, &pinned)
         })?;
