@@ -1,10 +1,12 @@
 """Speculative decoding in the CUDA-graph path (``LLMEngine(speculative=True, cuda_graph=True)``).
 
-A greedy draft is verified inside the step on the device (row 0's argmax against the draft: a
-per-row flag) and the accepted drafts' K/V is stored by the same captured step, so the graph path
-speculates. The tokens equal the non-speculative engine's (attention exact here: the dense backend,
-or a working set holding every context) and the eager speculative engine's, the graphs really
-replayed, and the stored KV is the non-speculative run's (a rejected draft leaves nothing).
+A draft is verified inside the step on the device (greedy: row 0's argmax against the draft;
+sampling: the speculative-sampling rule with the row's temperature, top_p and uniforms read as
+step inputs; a per-row flag either way) and the accepted drafts' K/V is stored by the same captured
+step, so the graph path speculates. The greedy tokens equal the non-speculative engine's (attention
+exact here: the dense backend, or a working set holding every context) and the eager speculative
+engine's, the graphs really replayed, and the stored KV is the non-speculative run's (a rejected
+draft leaves nothing). Steps with sampling rows replay graphs too, and keep the distribution.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oasiskv import KvConfig, LLMEngine, SamplingParams
+from oasiskv import KvConfig, LLMEngine, PrefillCache, SamplingParams
 from oasiskv.drafters import Eagle3Drafter, OracleDrafter
 from oasiskv.models.eagle3 import Eagle3Head
 from test_gpu_engine import _model, _prompts
@@ -40,9 +42,9 @@ def _drafter(kind, model, ref):
     return kind
 
 
-def _run(model, backend, kv, drafter, *, speculative, cuda_graph, temperatures=None):
+def _run(model, backend, kv, drafter, *, speculative, cuda_graph, temperatures=None, hook=None):
     """Tokens of every prompt (request order) and the LLMEngine; ``eng.metrics_of_run``: each
-    request's final metrics."""
+    request's final metrics; ``hook(eng)`` runs before the requests are added."""
     eng = LLMEngine(
         model,
         kv=kv,
@@ -54,6 +56,8 @@ def _run(model, backend, kv, drafter, *, speculative, cuda_graph, temperatures=N
         speculative=speculative,
         seed=3,
     )
+    if hook is not None:
+        hook(eng)
     temps = temperatures or [0.0] * len(PROMPT_LENS)
     for i, (p, m, t) in enumerate(zip(_prompts(301, PROMPT_LENS), MAX_TOKENS, temps, strict=True)):
         sp = SamplingParams(max_tokens=m, temperature=t, ignore_eos=True)
@@ -154,20 +158,92 @@ def test_rejected_drafts_leave_nothing_in_the_graph_path():
         torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-3)
 
 
-def test_a_sampling_request_that_tries_runs_the_step_eagerly():
-    """Sampling acceptance stays on the host: a step where a sampling request tries a draft runs
-    eagerly (counted in ``spec_eager_steps``); the greedy requests' tokens are unchanged."""
+def _spy_graph_steps(eng, steps: list) -> None:
+    """Record every graph step of ``eng``: ``(it had sampling rows, it replayed a graph)``."""
+    e = eng.engine
+    real = e._decode_graph
+
+    def decode_graph(reqs, ids, speculate=None, samp=None):
+        before = e.graph_stats["replays"]
+        out = real(reqs, ids, speculate, samp)
+        steps.append((samp is not None, e.graph_stats["replays"] > before))
+        return out
+
+    e._decode_graph = decode_graph
+
+
+def test_sampling_requests_verify_in_the_graph():
+    """Sampling acceptance is a device flag too: steps where a sampling request tries a draft are
+    graphs of their own (the key's last element) and replay them, none runs eagerly, and the
+    greedy requests beside it keep their tokens (argmax, as in the greedy graph)."""
     model = _model(torch.device("cuda"))
     backend, kv = EXACT[1]
     ref, _ = _run(model, backend, kv, "ngram", speculative=False, cuda_graph=False)
-    temps = [0.0, 0.8, 0.0, 0.0, 0.0]
-    toks, eng = _run(model, backend, kv, "ngram", speculative=True, cuda_graph=True, temperatures=temps)
-    assert eng.engine.spec_eager_steps > 0
-    # once the sampling request is done, steps go through the graph path (captured; replays
-    # depend on how often a key repeats in so short a run)
-    assert eng.engine.graph_stats["captures"] > 0
+    temps = [0.8, 0.0, 0.0, 0.0, 0.0]  # the longest request samples: most steps hold it
+    steps: list = []
+    toks, eng = _run(
+        model,
+        backend,
+        kv,
+        "ngram",
+        speculative=True,
+        cuda_graph=True,
+        temperatures=temps,
+        hook=lambda e: _spy_graph_steps(e, steps),
+    )
+    e = eng.engine
+    assert e.cuda_graph and e.graph_error is None, e.graph_error
+    assert e.spec_eager_steps == 0
+    sampled = [replayed for samp, replayed in steps if samp]
+    assert len(sampled) >= 8 and sum(sampled) >= 3, (steps, e.graph_stats)
+    assert eng.metrics_of_run[0].draft_tokens > 0
     for i, t in enumerate(temps):
         if t == 0.0:
             assert toks[i] == ref[i], i
         else:
             assert len(toks[i]) == MAX_TOKENS[i]
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_graph_sampling_keeps_the_distribution(temperature, top_p):
+    """``tests/test_speculative.py``'s distribution test in the graph path: 2000 requests of 3
+    tokens on a peaked 16-token model, the 2nd and 3rd tokens' joint distribution against the
+    exact one (chi-square), the sampling steps replayed as graphs."""
+    import copy
+
+    from test_speculative import ArgmaxDrafter, _chi_square_p, _exact_joint, _peaked_model
+
+    cpu = _peaked_model()
+    ids = [1, 5, 2, 7]
+    exact: dict = {}
+    for seq, pr in _exact_joint(cpu, ids, temperature, top_p, 3).items():
+        exact[seq[1:]] = exact.get(seq[1:], 0.0) + pr
+    m = copy.deepcopy(cpu).to("cuda")
+    eng = LLMEngine(
+        m,
+        kv=KvConfig(block_size=16, top_k_blocks=8, measure_recall=False),  # fewer graph keys
+        backend="dense",
+        drafter=ArgmaxDrafter(cpu),  # drafts from the CPU copy: the same argmax tokens
+        device="cuda",
+        speculative=True,
+        cuda_graph=True,
+        max_num_seqs=256,
+        seed=11,
+        prefill_cache=PrefillCache(),
+    )
+    steps: list = []
+    _spy_graph_steps(eng, steps)
+    n = 2000
+    sp = SamplingParams(max_tokens=3, temperature=temperature, top_p=top_p, ignore_eos=True)
+    rids = [eng.add_request(ids, sp) for _ in range(n)]
+    outs = eng.run_to_completion(rids)
+    counts: dict = {}
+    for r in rids:
+        t = tuple(outs[r].token_ids[1:])
+        counts[t] = counts.get(t, 0) + 1
+    assert _chi_square_p(counts, exact, n) > 1e-3, eng.spec_stats
+    s = eng.spec_stats
+    assert s["drafts"] == n and 0.1 < s["acceptance_rate"] < 0.95, s
+    e = eng.engine
+    assert e.graph_error is None and e.spec_eager_steps == 0, e.graph_error
+    assert all(samp for samp, _ in steps) and sum(r for _, r in steps) >= 1, steps

@@ -9,11 +9,14 @@ step that computes it and, when accepted, the request gains two tokens.
 * The stored KV (pages, host pool, summaries) of a speculative run equals the non-speculative
   run's, so a rejected draft leaves nothing behind.
 * Sampling: the distribution of the generated tokens matches the exact distribution of the model
-  (a chi-square test against the enumerated joint distribution, fixed seed).
-* Verification inside the step: greedy drafts are accepted by a per-row device flag and stored by
-  the step itself into the tentative slot the plan reserved; the tables move on at
-  ``commit_drafts`` (a rejected draft's slot goes back); greedy and sampling requests share a
-  step. The same step function runs in the CUDA-graph path (``tests/test_gpu_speculative.py``).
+  (a chi-square test against the enumerated joint distribution, fixed seed); the device rule
+  (``verify_sampled_drafts``) on its own, over many uniforms; a seeded request's tokens do not
+  depend on what runs beside it.
+* Verification inside the step: greedy and sampled drafts are accepted by a per-row device flag
+  and stored by the step itself into the tentative slot the plan reserved (no host sampling in a
+  speculative decode step); the tables move on at ``commit_drafts`` (a rejected draft's slot goes
+  back); greedy and sampling requests share a step. The same step function runs in the
+  CUDA-graph path (``tests/test_gpu_speculative.py``).
 """
 
 from __future__ import annotations
@@ -241,6 +244,13 @@ class ArgmaxDrafter(Drafter):
         return self._memo[key]
 
 
+def _peaked_model():
+    m = tiny(seed=3, layers=1, vocab=SMALL_VOCAB, hidden=32)
+    with torch.no_grad():
+        m.lm_head.mul_(8.0)  # a peaked distribution: drafts often accepted, often rejected
+    return m
+
+
 def _exact_joint(model, ids, temperature, top_p, n_tokens):
     """The exact distribution of the first ``n_tokens`` generated tokens: {tuple: probability}."""
     from oasiskv.llm_engine import _probs_row
@@ -287,9 +297,7 @@ def test_sampling_keeps_the_distribution(temperature, top_p):
     the 2nd and 3rd tokens (the first is the prefill's; the decode step that makes the 2nd
     verifies a draft and, when accepted, makes the 3rd too) against the exact one, enumerated
     with the model's dense forward."""
-    m = tiny(seed=3, layers=1, vocab=SMALL_VOCAB, hidden=32)
-    with torch.no_grad():
-        m.lm_head.mul_(8.0)  # a peaked distribution: drafts often accepted, often rejected
+    m = _peaked_model()
     ids = [1, 5, 2, 7]
     exact: dict = {}
     for seq, pr in _exact_joint(m, ids, temperature, top_p, 3).items():
@@ -367,10 +375,6 @@ def test_the_step_verifies_greedy_drafts_and_holds_their_slots_until_commit(mode
     assert [rt.kv_len(r.id) for r in reqs] == [n + 1 for n in before]  # slots held back
     with pytest.raises(errors.ConfigError, match="commit_drafts"):
         eng.decode_step(reqs, speculate=[True] * 3)
-    with pytest.raises(errors.ConfigError, match="verified in the step"):
-        eng.commit_drafts([reqs[0]])  # verified (and stored) by the step itself
-    with pytest.raises(errors.ConfigError, match="holds no draft slot"):
-        eng.commit_drafts([reqs[2]])  # did not try
     eng.commit_drafts()
     assert rt.pending_drafts() == []
     assert [rt.kv_len(r.id) for r in reqs] == [before[0] + 2, before[1] + 1, before[2] + 1]
@@ -410,9 +414,9 @@ def test_a_rejected_draft_entering_a_new_block_gives_it_back(model):
 
 @pytest.mark.parametrize("backend,kv", EXACT, ids=["dense", "oasis-sparse"])
 def test_greedy_and_sampling_requests_in_one_batch(model, reference, backend, kv):
-    """Greedy requests verified in the step beside sampling ones verified on the host (and stored
-    by commit_drafts): the greedy tokens are the non-speculative engine's, the sampling requests
-    run to their length, and every block comes back."""
+    """Greedy and sampling requests verified in the same step: the greedy tokens are the
+    non-speculative engine's, the sampling requests run to their length, and every block comes
+    back."""
     ref = reference[backend]
     eng = LLMEngine(model, kv=kv, backend=backend, drafter="ngram", speculative=True, max_num_seqs=4, seed=5)
     temps = [0.0, 0.9, 0.0, 0.7]
@@ -435,3 +439,165 @@ def test_greedy_and_sampling_requests_in_one_batch(model, reference, backend, kv
     s = eng.spec_stats
     assert s["accepted"] > 0 and s["tokens"] == len(PROMPT_LENS) * (NEW - 1)
     assert eng.engine.spec_eager_steps == 0  # no graphs on the CPU
+
+
+# ---------------------------------------------------------------- sampling inside the step
+
+
+def _rule_inputs(n, temperature, top_p, seed):
+    """The sampling inputs of ``n`` rows with one temperature and top_p and fresh uniforms
+    (``[SAMPLING_FIELDS, n]``), and the uniforms."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.rand(3, n, generator=g, dtype=torch.float64)
+    samp = torch.cat(
+        [
+            torch.full((1, n), temperature, dtype=torch.float64),
+            torch.full((1, n), top_p, dtype=torch.float64),
+            u,
+        ]
+    )
+    return samp, u
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.8, 0.7)])
+def test_the_device_rule_keeps_the_distribution(temperature, top_p):
+    """``verify_sampled_drafts`` over 40000 uniforms of one row: the first token has distribution
+    ``p`` (chi-square), the draft is taken with probability ``p(d)`` and, when taken, the second
+    token has row 1's distribution; a token cut by top-p is never drawn, and a rejection never
+    draws the draft. Rows that do not try sample ``p`` itself."""
+    from oasiskv.engine import sampling_probs, verify_sampled_drafts
+    from oasiskv.llm_engine import _probs_row
+
+    g = torch.Generator().manual_seed(4)
+    logits0, logits1 = torch.randn(2, SMALL_VOCAB, generator=g) * 2.0
+    p = _probs_row(logits0, temperature, top_p).double()
+    p1 = _probs_row(logits1, temperature, top_p).double()
+    p, p1 = p / p.sum(), p1 / p1.sum()
+    d = int(torch.argsort(p, descending=True)[1])  # the second most likely: p(d) well inside (0, 1)
+    n = 40000
+    samp, u = _rule_inputs(n, temperature, top_p, seed=9)
+    t = torch.full((n,), temperature, dtype=torch.float64)
+    torch.testing.assert_close(
+        sampling_probs(logits0.expand(n, -1), t, samp[1]).double()[0], p, atol=1e-6, rtol=1e-5
+    )
+    for tried in (True, False):
+        first, taken, second = verify_sampled_drafts(
+            logits0.expand(n, -1), logits1.expand(n, -1), torch.full((n,), d), torch.full((n,), tried), samp
+        )
+        assert torch.equal(taken, tried & (u[0] < p[d]))
+        assert torch.equal(first[taken], torch.full_like(first[taken], d))
+        if tried:
+            assert not (first[~taken] == d).any(), "the residual drew the draft"
+        assert (p[first] > 0).all() and (p1[second] > 0).all(), "a token outside top-p"
+        counts = torch.bincount(first, minlength=SMALL_VOCAB).tolist()
+        assert _chi_square_p(dict(enumerate(counts)), dict(enumerate(p.tolist())), n) > 1e-3, tried
+        if tried:
+            assert abs(taken.double().mean() - p[d]) < 4 * math.sqrt(p[d] * (1 - p[d]) / n)
+            k = int(taken.sum())
+            counts2 = torch.bincount(second[taken], minlength=SMALL_VOCAB).tolist()
+            assert _chi_square_p(dict(enumerate(counts2)), dict(enumerate(p1.tolist())), k) > 1e-3
+
+
+def test_the_device_rule_at_its_edges():
+    """``u_accept`` just under ``p(d)`` takes the draft, at it not; a draft holding all the mass
+    (top-p keeps only it) is always taken; the inverse CDF never lands on a token without mass,
+    even at ``u`` next to 1."""
+    from oasiskv.engine import sample_inverse_cdf, sampling_probs, verify_sampled_drafts
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    one = torch.ones(1, dtype=torch.float64)
+    p = sampling_probs(logits, one, one)[0].double()
+    for u, want in ((p[1] - 1e-9, True), (p[1], False)):
+        samp = torch.tensor([[1.0], [1.0], [float(u)], [0.5], [0.5]], dtype=torch.float64)
+        _, taken, _ = verify_sampled_drafts(logits, logits, torch.tensor([1]), torch.tensor([True]), samp)
+        assert bool(taken[0]) == want, u
+    # top_p = 0.1 keeps the most likely token alone: a draft of it is always taken.
+    samp = torch.tensor([[1.0], [0.1], [0.999999], [0.999999], [0.5]], dtype=torch.float64)
+    first, taken, _ = verify_sampled_drafts(logits, logits, torch.tensor([0]), torch.tensor([True]), samp)
+    assert bool(taken[0]) and int(first[0]) == 0
+    q = torch.tensor([[0.0, 0.3, 0.0, 0.7, 0.0, 0.0]])
+    for u in (0.0, 0.3, 0.5, 1.0 - 2**-52):
+        assert int(sample_inverse_cdf(q, torch.tensor([u], dtype=torch.float64))[0]) in (1, 3), u
+    assert int(sample_inverse_cdf(q, torch.tensor([0.29], dtype=torch.float64))[0]) == 1
+    assert int(sample_inverse_cdf(q, torch.tensor([0.31], dtype=torch.float64))[0]) == 3
+
+
+def test_sampling_rows_are_verified_in_the_step(monkeypatch):
+    """A speculative decode step samples nothing on the host: every step hands the sampling rows'
+    temperature, top_p and uniforms to the step function (the inputs a CUDA graph reads), the
+    step accepts sampled drafts itself (its flags, ``SpecStep.accepted``) and the host sampler
+    only draws the prefills' first tokens. So a sampling step is the same step a graph captures
+    (``spec_eager_steps`` stays 0; ``tests/test_gpu_speculative.py`` replays it)."""
+    import oasiskv.llm_engine as llm_mod
+
+    host_samples = [0]
+    real_sample_row = llm_mod._sample_row
+
+    def count(*args):
+        host_samples[0] += 1
+        return real_sample_row(*args)
+
+    monkeypatch.setattr(llm_mod, "_sample_row", count)
+    m = _peaked_model()
+    llm = LLMEngine(
+        m, kv=DENSE_KV, backend="dense", drafter=ArgmaxDrafter(m), speculative=True, max_num_seqs=4, seed=5
+    )
+    eng = llm.engine
+    seen = []
+    real_step, real_run = eng.decode_step, eng._run_step
+
+    def decode_step(reqs, **kw):
+        res = real_step(reqs, **kw)
+        seen.append((kw["sampling"], res))
+        return res
+
+    samp_inputs = []
+
+    def run_step(*args, **kw):
+        samp_inputs.append(kw.get("samp"))
+        return real_run(*args, **kw)
+
+    eng.decode_step, eng._run_step = decode_step, run_step
+    temps = [0.0, 0.9, 0.0, 0.7]
+    for i, t in enumerate(temps):
+        llm.add_request(
+            [1, 5, 2, 7, i], SamplingParams(max_tokens=16, temperature=t, top_p=0.95, ignore_eos=True)
+        )
+    while llm.has_unfinished_requests():
+        llm.step()
+    assert host_samples[0] == 2, "only the prefills of the two sampling requests sample on the host"
+    assert seen and len(samp_inputs) == len(seen)
+    accepted_sampled = 0
+    for (sampling, res), samp in zip(seen, samp_inputs, strict=True):
+        rows = [i for i, s in enumerate(sampling) if s is not None]
+        assert isinstance(samp, torch.Tensor) == bool(rows)
+        for i in rows:
+            assert sampling[i].temperature in (0.9, 0.7) and sampling[i].top_p == 0.95
+            assert samp[:, i].tolist() == list(sampling[i])
+            accepted_sampled += res.accepted[i]
+    assert accepted_sampled > 0
+    assert eng.spec_eager_steps == 0
+    assert pools_are_full(llm)
+
+
+def test_a_seeded_sampling_request_does_not_depend_on_its_neighbours(model):
+    """A seeded request draws its uniforms from its own generator: its tokens are the same alone
+    and beside other (seeded and unseeded) requests, and differ with another seed."""
+
+    def tokens(seed, others):
+        llm = LLMEngine(model, kv=DENSE_KV, backend="dense", drafter="ngram", speculative=True, seed=3)
+        sp = SamplingParams(max_tokens=20, temperature=0.8, seed=seed, ignore_eos=True)
+        for j in range(others):
+            llm.add_request(
+                prompt(30 + j, 10 + j), SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+            )
+        rid = llm.add_request([7, 8, 9] * 8, sp)
+        out = llm.run_to_completion([rid])[rid]
+        while llm.has_unfinished_requests():
+            llm.step()
+        assert out.metrics.draft_tokens > 0
+        return out.token_ids
+
+    alone = tokens(1234, 0)
+    assert tokens(1234, 2) == alone
+    assert tokens(99, 0) != alone

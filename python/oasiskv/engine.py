@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -517,6 +518,138 @@ def _round_cap(x: int) -> int:
     return -(-x // unit) * unit
 
 
+class RowSampling(NamedTuple):
+    """How one request of a speculative step samples (:meth:`Engine.decode_step`'s ``sampling``):
+    its ``temperature`` (> 0) and ``top_p`` (in (0, 1]), and three uniforms in [0, 1) the caller
+    drew from the request's own generator (``u_accept`` decides the draft, ``u_token`` samples
+    the first token where the draft is rejected or not tried, ``u_bonus`` the token after an
+    accepted draft). Plain numbers, so that they travel as step inputs (a CUDA graph reads them
+    at fixed offsets) and to tensor-parallel workers."""
+
+    temperature: float
+    top_p: float
+    u_accept: float
+    u_token: float
+    u_bonus: float
+
+
+#: Rows of the per-step sampling inputs (``[SAMPLING_FIELDS, rows]`` float64, one column per
+#: batch row): :class:`RowSampling`'s fields in order. A greedy (or padded) row is all zeros
+#: but ``top_p`` (1).
+SAMPLING_FIELDS = len(RowSampling._fields)
+_GREEDY_ROW = (0.0, 1.0, 0.0, 0.0, 0.0)
+
+
+def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Each row's sampling distribution ``[n, vocab]`` float32, normalised: the softmax at its
+    ``temperature`` (``[n]``, > 0), then nucleus sampling at its ``top_p`` (``[n]``): the smallest
+    set of most likely tokens whose probability reaches ``top_p``, renormalised. Row for row what
+    the non-speculative sampler draws from (``llm_engine._probs_row``), batched and on the logits'
+    device.
+
+    NOTE: the top-p cut sorts every row of the vocabulary (even where ``top_p`` is 1: a captured
+    step cannot branch on it); only steps that hold a sampling row pay for it."""
+    probs = torch.softmax(logits.float() / temperature.float().unsqueeze(1), dim=-1)
+    sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
+    keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < top_p.float().unsqueeze(1)
+    probs = torch.zeros_like(probs).scatter_(1, idx, sorted_p * keep)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def sample_inverse_cdf(q: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``q`` (``[n, vocab]``, non-negative, not necessarily normalised)
+    with probability ``q[i] / q.sum()``, by inverting the CDF at the uniform ``u`` (``[n]``, in
+    [0, 1)): the first token whose cumulative mass passes ``u * total``. Only tokens with mass are
+    ever taken (a parallel scan's cumulative sums may dip by an ulp over zero entries, and
+    ``u * total`` may round up to the total: the last token with mass then); a row without mass
+    gives 0. The sums are float64, so a token's probability is resolved to ~1e-16, not to
+    float32's 6e-8."""
+    cdf = torch.cumsum(q.double(), dim=-1)
+    target = u.double().unsqueeze(1) * cdf[:, -1:]
+    vocab = q.shape[-1]
+    has_mass = q > 0
+    idx = torch.arange(vocab, device=q.device)
+    first = torch.where((cdf > target) & has_mass, idx, vocab).amin(dim=-1)
+    last = torch.where(has_mass, idx, -1).amax(dim=-1)
+    return torch.where(first < vocab, first, last).clamp_(min=0)
+
+
+def verify_sampled_drafts(
+    logits: torch.Tensor,
+    logits1: torch.Tensor,
+    draft: torch.Tensor,
+    tried: torch.Tensor,
+    samp: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Speculative sampling of a one-token deterministic draft, per row, on the device (no host
+    branch, graph safe): ``(first token, draft taken, second token)``, each ``[n]``.
+
+    ``logits`` / ``logits1``: rows 0 and 1 (``[n, vocab]``: the token after x_t, and the token
+    after the draft); ``draft`` ``[n]``; ``tried`` ``[n]`` bool: the draft is verified (it holds a
+    tentative slot and row 0 is finite); ``samp``: the step's sampling inputs
+    (``[SAMPLING_FIELDS, >= n]``: temperature, top_p, u_accept, u_token, u_bonus per row). Rows
+    with temperature 0 are greedy and take no part (the caller keeps their argmax).
+
+    **The rule.** The standard speculative-sampling rule (Leviathan et al. 2023, Chen et al. 2023)
+    with a draft distribution ``q`` and the target's ``p`` (row 0's, after temperature and top-p):
+    accept the draft ``d`` with probability ``min(1, p(d) / q(d))``; on rejection sample from
+    ``norm(max(0, p - q))``; after an acceptance the token that follows is sampled from the
+    target's distribution at the next position. Every drafter here is deterministic (n-gram, an
+    EAGLE-3 head's argmax, an oracle), so ``q`` is a point mass at ``d`` (``q(d) = 1``, else 0):
+
+    * accept with probability ``min(1, p(d) / 1) = p(d)``: ``u_accept < p(d)``;
+    * the residual: ``max(0, p(x) - q(x))`` is ``p(x)`` for ``x != d`` and ``max(0, p(d) - 1) =
+      0`` at ``d``: ``p`` with ``d`` removed, renormalised (by ``1 - p(d)``), sampled with
+      ``u_token``;
+    * after an acceptance, the token after ``d`` is sampled from row 1's distribution (same
+      temperature and top-p) with ``u_bonus``: row 1 is the forward with ``d`` as input, exactly
+      the next step's row 0 had ``d`` been sampled.
+
+    Lossless: ``P(first = d) = p(d)`` and, for ``x != d``, ``P(first = x) = (1 - p(d)) * p(x) /
+    (1 - p(d)) = p(x)``: the first token has distribution ``p``, and given ``first = d`` the
+    second has the target's next-position distribution, so the pair is distributed as two steps
+    of the non-speculative sampler. Where ``p(d) = 1`` the residual is empty and the draft is
+    always taken (also where rounding left ``u_accept >= p(d)``). A row that did not try samples
+    its first token from ``p`` itself with ``u_token``."""
+    n = logits.shape[0]
+    temp, top_p = samp[0, :n], samp[1, :n]
+    u_accept, u_token, u_bonus = samp[2, :n], samp[3, :n], samp[4, :n]
+    # Greedy rows divide by 1 (their results are not used); every row runs the same kernels.
+    temp = torch.where(temp > 0, temp, torch.ones_like(temp))
+    p = sampling_probs(logits, temp, top_p)
+    d = draft.long().unsqueeze(1)
+    p_d = p.gather(1, d).squeeze(1).double()
+    resid = torch.where(tried.unsqueeze(1), p.scatter(1, d, 0.0), p)
+    empty = resid.sum(dim=-1) <= 0
+    taken = tried & ((u_accept < p_d) | empty)
+    first = torch.where(taken, draft.long(), sample_inverse_cdf(resid, u_token))
+    second = sample_inverse_cdf(sampling_probs(logits1, temp, top_p), u_bonus)
+    return first, taken, second
+
+
+def _sampling_inputs(sampling: list[RowSampling | None] | None) -> torch.Tensor | None:
+    """A speculative step's sampling inputs on the host, ``[SAMPLING_FIELDS, n]`` float64 (a
+    greedy row: ``_GREEDY_ROW``), or None where every row is greedy (the step then runs no
+    sampling kernel, and its graph is the greedy one)."""
+    if sampling is None or all(s is None for s in sampling):
+        return None
+    cols = []
+    for i, s in enumerate(sampling):
+        if s is None:
+            cols.append(_GREEDY_ROW)
+            continue
+        if not isinstance(s, RowSampling):
+            raise ConfigError(f"sampling[{i}] must be a RowSampling or None, got {type(s).__name__}")
+        t, p, *us = s
+        if not (math.isfinite(t) and t > 0 and 0 < p <= 1 and all(0 <= u < 1 for u in us)):
+            raise ConfigError(
+                f"sampling[{i}] = {s!r}: temperature must be > 0, top_p in (0, 1] and the uniforms in "
+                "[0, 1); pass None for a greedy request"
+            )
+        cols.append(tuple(float(x) for x in s))
+    return torch.tensor(cols, dtype=torch.float64).T.contiguous()
+
+
 @dataclass
 class SpecStep:
     """What a speculative decode step (:meth:`Engine.decode_step` with ``speculate``) gives back:
@@ -524,9 +657,13 @@ class SpecStep:
     logits.
 
     ``tried``: its draft held a tentative slot (the runtime allowed the position after x_t).
-    ``token`` / ``finite``: row 0's argmax and whether row 0's logits are finite; ``token2`` /
-    ``finite2`` the same for row 1 (the token after the draft). ``accepted``: the step verified
-    the draft itself (greedy: ``token == draft``, both rows finite) and stored its K/V."""
+    ``token``: the request's next token as the step chose it (a greedy row: row 0's argmax; a
+    sampling row: the draft where accepted, else a sample of the residual, or of row 0's
+    distribution where it did not try: :func:`verify_sampled_drafts`); ``finite``: whether row
+    0's logits are finite. ``token2`` / ``finite2`` the same for row 1 (the token after the
+    draft). ``accepted``: the step accepted the draft (a per-row device flag: greedy, ``token ==
+    draft``; sampling, the speculative-sampling rule; both rows finite) and stored its K/V; only
+    then is ``token2`` the request's."""
 
     logits: torch.Tensor  # [n, vocab] row 0
     draft_logits: torch.Tensor  # [n, vocab] row 1
@@ -540,31 +677,29 @@ class SpecStep:
 
 @dataclass
 class _SpecState:
-    """The last speculative step, until :meth:`Engine.commit_drafts`: each layer's row-1 K/V
-    (``[rows, num_kv_heads, head_dim]`` each, rows as in the plan), the plan's draft targets, the
-    batch row of each request, and the requests whose drafts the step verified (``in_step``) and
-    stored (``stored``)."""
+    """The last speculative step, until :meth:`Engine.commit_drafts`: the requests whose drafts
+    it accepted and stored."""
 
-    spec_kv: list
-    targets: tuple  # spec_page_ids, spec_offsets, spec_host_ids, spec_host_rows
-    row_of: dict[int, int]
-    in_step: set[int]
     stored: set[int]
 
 
 @dataclass
 class _StepGraph:
     """One captured decode step: its key ``(requests, pages, host blocks, speculative, measures
-    recall, keeps predictions)``, its own plan buffers (pinned host, device), the split plan and
-    workspace, and the graph with its outputs. A speculative step's graph also verifies the
-    drafts and stores the accepted ones."""
+    recall, keeps predictions, samples)``, its own plan buffers (pinned host, device), the split
+    plan and workspace, and the graph with its outputs. A speculative step's graph also verifies
+    the drafts and stores the accepted ones; one that samples (a row with temperature > 0) reads
+    the sampling inputs from its own buffers too (``samp_host`` pinned, ``samp_dev``:
+    ``[SAMPLING_FIELDS, requests]`` float64, written before every replay like the plan)."""
 
-    key: tuple[int, int, int, bool, bool, bool]
+    key: tuple[int, int, int, bool, bool, bool, bool]
     layout: dict
     plan_host: torch.Tensor
     plan_dev: torch.Tensor
     num_splits: int
     workspace: torch.Tensor | None
+    samp_host: torch.Tensor | None = None
+    samp_dev: torch.Tensor | None = None
     plan_evt: object = None
     graph: object = None
     out: dict | None = None
@@ -579,6 +714,10 @@ class _StepGraph:
         if splits > 1:
             need = _core.decode_attn_workspace_len(rows_cap, eng.rows, g.num_qo_heads, g.head_dim, splits)
             ws = torch.empty(need, dtype=torch.float32, device=dev)
+        samp_host = samp_dev = None
+        if key[6]:
+            samp_host = torch.zeros(SAMPLING_FIELDS, rows_cap, dtype=torch.float64, pin_memory=True)
+            samp_dev = torch.zeros(SAMPLING_FIELDS, rows_cap, dtype=torch.float64, device=dev)
         return _StepGraph(
             key=key,
             layout=dict(layout),
@@ -586,6 +725,8 @@ class _StepGraph:
             plan_dev=torch.zeros(max(arena_len, 4), dtype=torch.int32, device=dev),
             num_splits=splits,
             workspace=ws,
+            samp_host=samp_host,
+            samp_dev=samp_dev,
         )
 
     def views(self) -> dict:
@@ -597,7 +738,16 @@ class _StepGraph:
         plan = eng._sparse_plan(v, []) if eng.backend == "oasis" else None
         done = v["done_blocks"] if eng.key_codes else None
         return eng._run_step(
-            v, rows_cap, plan, done, pages_cap, self.num_splits, spec, static=True, workspace=self.workspace
+            v,
+            rows_cap,
+            plan,
+            done,
+            pages_cap,
+            self.num_splits,
+            spec,
+            static=True,
+            workspace=self.workspace,
+            samp=self.samp_dev,
         )
 
     def run_eager(self, eng: Engine) -> dict:
@@ -727,14 +877,15 @@ class Engine:
         self._recall_now = self._store_pred = bool(kv.measure_recall)  # set per step (_recall_phase)
         # The last speculative step (_SpecState) until commit_drafts; see decode_step(speculate=...).
         self._spec = None
-        #: Speculative steps of a ``cuda_graph`` engine that ran eagerly: a request that samples
-        #: (temperature > 0) tried a draft, and its acceptance rule runs on the host.
+        #: Speculative steps of a ``cuda_graph`` engine on a GPU that ran eagerly (a selection
+        #: policy, a recorder). Sampling requests do not count: their acceptance rule runs inside
+        #: the step (:func:`verify_sampled_drafts`), captured like the greedy one.
         self.spec_eager_steps = 0
         #: Replay decode steps as CUDA graphs (:meth:`decode_step`); ignored on the CPU.
         if not isinstance(cuda_graph, bool):
             raise ConfigError(f"cuda_graph must be True or False, got {cuda_graph!r}")
         self.cuda_graph = cuda_graph
-        self._graphs: dict[tuple[int, int, int, bool], _StepGraph] = {}
+        self._graphs: dict[tuple, _StepGraph] = {}
         self._graph_pool = None
         #: Captured decode steps so far, and replays of them.
         self.graph_stats = {"captures": 0, "replays": 0}
@@ -1269,65 +1420,62 @@ class Engine:
         reqs: list[_Request],
         *,
         speculate: list[bool] | None = None,
-        verify_in_step: list[bool] | None = None,
+        sampling: list[RowSampling | None] | None = None,
     ):
         """Advance every request by one token; returns row-0 logits ``[len(reqs), vocab]``.
 
         ``speculate`` (one flag per request; speculative decoding, needs the lookahead row) makes
         it a speculative step and returns a :class:`SpecStep`. Each request that tries and may
-        (``Runtime.can_append``) gets a tentative slot for its draft at plan time; inside the step
-        the rows of ``verify_in_step`` (default: all; greedy requests) verify their draft on the
-        device (row 0's argmax equals the draft, both rows finite: a per-row flag) and store the
-        accepted draft's K/V, computed by row 1, into that slot (write-through and summary update
-        for sparse requests; a rejected draft's row is masked and stores nothing). The step keeps
-        each layer's row-1 K/V and the captured features of row 1 (``_Request.draft_features``)
-        for :meth:`commit_drafts`, which must follow: it stores the drafts the caller accepted
-        itself (the others: sampling) and advances the tables by one or two tokens.
+        (``Runtime.can_append``) gets a tentative slot for its draft at plan time; inside the step,
+        on the device, every row verifies its draft (a per-row flag, no host branch) and the
+        accepted drafts' K/V, computed by row 1, is stored into their slots (write-through and
+        summary update for sparse requests; a rejected draft's row is masked and stores nothing).
+        A greedy row accepts when row 0's argmax is the draft; a row of ``sampling`` (one
+        :class:`RowSampling` or None, greedy, per request) by the speculative-sampling rule
+        (:func:`verify_sampled_drafts`) with its temperature, top_p and uniforms, which the step
+        reads as device inputs. The step keeps the captured features of row 1
+        (``_Request.draft_features``); :meth:`commit_drafts` must follow, and advances the tables
+        by one or two tokens.
 
         With ``cuda_graph=True`` on a GPU the step replays a captured CUDA graph (see
-        :meth:`_decode_graph`), speculative or not, except under a selection policy, a recorder,
-        a ``block_source``, or a speculative step where a row verified on the host tries a draft
-        (``spec_eager_steps`` counts those), which run eagerly."""
+        :meth:`_decode_graph`), speculative or not, sampling or not, except under a selection
+        policy, a recorder or a ``block_source``, which run eagerly."""
         rows, n = self.rows, len(reqs)
+        samp = None
         if speculate is not None:
             if rows != 2:
                 raise ConfigError("speculate needs a lookahead drafter (two rows per request)")
-            if len(speculate) != n or (verify_in_step is not None and len(verify_in_step) != n):
+            if len(speculate) != n or (sampling is not None and len(sampling) != n):
                 raise ConfigError(
-                    f"speculate and verify_in_step need one flag per request ({n}), got "
-                    f"{len(speculate)} and {None if verify_in_step is None else len(verify_in_step)}"
+                    f"speculate and sampling need one entry per request ({n}), got "
+                    f"{len(speculate)} and {None if sampling is None else len(sampling)}"
                 )
             if self._spec is not None:
                 raise ConfigError("commit_drafts must resolve the last speculative step first")
+            samp = _sampling_inputs(sampling)
+        elif sampling is not None:
+            raise ConfigError(
+                "sampling is for speculative steps (pass speculate); sample row 0's logits instead"
+            )
         ids = []
         for r in reqs:
             ids.append(r.tokens[-1])
             if rows == 2:
                 ids.append(r.draft)
         self._last_row = {r.id: i for i, r in enumerate(reqs)}
-        # Rows that try a draft verified on the host (sampling) need the eager step: their
-        # verification mask is an input the graph does not have.
-        host_rows = (
-            speculate is not None
-            and verify_in_step is not None
-            and any(t and not d for t, d in zip(speculate, verify_in_step, strict=True))
-        )
         # Host-side work inside the step (a policy, a recall recorder, reads from a staging daemon
         # before a gather) keeps the step eager.
         eager = self.policy is not None or self.recorder is not None or self.block_source is not None
         graph = self.cuda and self.cuda_graph and not eager
         self._recall_now, self._store_pred = self._recall_phase()
-        if graph and host_rows:
-            graph = False
+        if speculate is not None and eager and self.cuda and self.cuda_graph:
             self.spec_eager_steps += 1
         spec_out = None
         try:
             if graph:
-                logits, feats, spec_out = self._decode_graph(reqs, ids, speculate)
+                logits, feats, spec_out = self._decode_graph(reqs, ids, speculate, samp)
             else:
-                logits, feats, spec_out = self._decode_eager(
-                    reqs, ids, speculate, verify_in_step if host_rows else None
-                )
+                logits, feats, spec_out = self._decode_eager(reqs, ids, speculate, samp)
         except BaseException:
             if speculate is not None:
                 self._spec = None
@@ -1345,7 +1493,7 @@ class Engine:
         self.step_no += 1
         if speculate is None:
             return logits[:n]
-        return self._spec_result(reqs, logits[:n], spec_out, verify_in_step if host_rows else None)
+        return self._spec_result(reqs, logits[:n], spec_out)
 
     def _recall_phase(self) -> tuple[bool, bool]:
         """``(measure recall in this step, keep this step's predictions for the next one's)``.
@@ -1360,27 +1508,20 @@ class Engine:
             return True, True
         return self.step_no % every == 0, (self.step_no + 1) % every == 0
 
-    def _spec_result(self, reqs, logits, out: dict, verify_in_step) -> SpecStep:
+    def _spec_result(self, reqs, logits, out: dict) -> SpecStep:
         """Adopt a speculative step's outputs (``out`` of :meth:`_run_step`, or copies of a
         graph's): the one host read of its verdict, row 1's features, the state
         :meth:`commit_drafts` needs."""
         n = len(reqs)
         verdict, targets = out["verdict"], out["targets"]
-        # The step's only device-to-host copy: both rows' argmax and finiteness, the accept flags,
+        # The step's only device-to-host copy: both rows' tokens and finiteness, the accept flags,
         # and which rows held a tentative slot.
         host = torch.cat([verdict[:, :n], (targets[0][:n] >= 0).long().unsqueeze(0)]).tolist()
         tok, fin, tok2, fin2, acc, tried = host
         if out["feats1"] is not None:
             for i, r in enumerate(reqs):
                 r.draft_features = out["feats1"][i]
-        in_step = {r.id for i, r in enumerate(reqs) if verify_in_step is None or verify_in_step[i]}
-        self._spec = _SpecState(
-            spec_kv=out["spec_kv"],
-            targets=targets,
-            row_of={r.id: i for i, r in enumerate(reqs)},
-            in_step=in_step,
-            stored={r.id for i, r in enumerate(reqs) if acc[i]},
-        )
+        self._spec = _SpecState(stored={r.id for i, r in enumerate(reqs) if acc[i]})
         return SpecStep(
             logits=logits,
             draft_logits=out["logits1"][:n],
@@ -1397,9 +1538,10 @@ class Engine:
         reqs: list[_Request],
         ids: list[int],
         speculate: list[bool] | None = None,
-        verify_in_step: list[bool] | None = None,
+        samp: torch.Tensor | None = None,
     ):
-        """One step launched kernel by kernel: ``(logits, features, speculative outputs)``."""
+        """One step launched kernel by kernel: ``(logits, features, speculative outputs)``;
+        ``samp``: the sampling inputs (:func:`_sampling_inputs`, on the host), or None."""
         n = len(reqs)
         # ---- plan (Rust, once per step): every table of every layer in one arena, one copy
         v, n_sparse, max_pages = self._plan([r.id for r in reqs], ids, speculate)
@@ -1414,11 +1556,10 @@ class Engine:
             for side in self._sides:
                 plan.keep_for(side)
         done_blocks = v["done_blocks"] if self.key_codes and v["done_blocks"].numel() else None
-        verify = None
-        if verify_in_step is not None:
-            verify = torch.tensor(verify_in_step, dtype=torch.bool).to(self.device, non_blocking=True)
+        if samp is not None:
+            samp = samp.to(self.device, non_blocking=True)
         spec = speculate is not None
-        out = self._run_step(v, n, plan, done_blocks, max_pages, num_splits, spec, reqs=reqs, verify=verify)
+        out = self._run_step(v, n, plan, done_blocks, max_pages, num_splits, spec, reqs=reqs, samp=samp)
         self._last_q = list(out["last_q"])
         return out["logits"], out["feats"], (out if spec else None)
 
@@ -1435,15 +1576,16 @@ class Engine:
         reqs: list[_Request] | None = None,
         static: bool = False,
         workspace: torch.Tensor | None = None,
-        verify: torch.Tensor | None = None,
+        samp: torch.Tensor | None = None,
     ) -> dict:
         """The forward pass of one decode step over the plan's views ``v`` for ``n`` requests
         (batch rows): the attention callback appends, attends and starts each layer's selection
         chain. Changes no engine attribute (a captured step's outputs are static tensors the caller
         adopts); returns ``logits``, ``feats``, ``last_q`` (per layer) and, with
-        ``draft_logits`` (a speculative step), ``logits1``, ``feats1``, ``spec_kv``, ``targets``
-        and ``verdict`` (:meth:`_verify_drafts`: the drafts verified and the accepted ones stored
-        inside the step; ``verify``, a bool per row, limits that to some rows).
+        ``draft_logits`` (a speculative step), ``logits1``, ``feats1``, ``targets`` and
+        ``verdict`` (:meth:`_verify_drafts`: the drafts verified and the accepted ones stored
+        inside the step; ``samp``, the sampling inputs on the device, ``[SAMPLING_FIELDS, >= n]``,
+        or None where every row is greedy).
 
         ``static`` (the CUDA-graph step): no wait on the previous step's transfer events and no
         ``record_stream`` (the tensors the background stream reads stay referenced until the step
@@ -1560,11 +1702,10 @@ class Engine:
             out["feats1"] = (
                 torch.cat([captured[i][row1] for i in self.capture], dim=-1) if self.capture else None
             )
-            out["spec_kv"] = spec_kv
             out["targets"] = (v["spec_page_ids"], v["spec_offsets"], v["spec_host_ids"], v["spec_host_rows"])
             # Before the join below: the draft stores touch no page, host row or summary the
             # background chains read (the draft's block is never a candidate of this step).
-            out["verdict"] = self._verify_drafts(v, n, logits, out["logits1"], spec_kv, verify)
+            out["verdict"] = self._verify_drafts(v, n, logits, out["logits1"], spec_kv, samp)
         if static and plan is not None:
             # Join the background streams inside the step: the next step's attention reads the
             # slots these gathers fill. Only those forked in it: waiting on a stream the capture
@@ -1582,24 +1723,34 @@ class Engine:
         logits: torch.Tensor,
         logits1: torch.Tensor,
         spec_kv: list,
-        verify: torch.Tensor | None,
+        samp: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Greedy verification inside the step, on the device (no host branch, graph safe): a row
-        accepts its draft when it holds a tentative slot (``spec_page_ids >= 0``), row 0's argmax
-        equals the draft (its input id) and both rows' logits are finite (and ``verify`` allows
-        it). The accepted drafts' K/V (``spec_kv``, row 1 of every layer) is stored into their
-        slots; every other row's page is masked to -1, which ``append_kv`` skips entirely (no page,
-        host row or summary touched). Returns ``[5, n]`` int64: row 0's argmax, its finiteness,
-        row 1's argmax, its finiteness, the accept flag."""
+        """Verification inside the step, on the device (no host branch, graph safe): a row
+        verifies its draft when it holds a tentative slot (``spec_page_ids >= 0``) and row 0's
+        logits are finite. A greedy row takes the draft when it is row 0's argmax; a sampling row
+        (temperature > 0 in ``samp``) by the speculative-sampling rule
+        (:func:`verify_sampled_drafts`), which also samples its tokens. A taken draft is accepted
+        when row 1's logits are finite too: its K/V (``spec_kv``, row 1 of every layer) is stored
+        into its slot; every other row's page is masked to -1, which ``append_kv`` skips entirely
+        (no page, host row or summary touched). Returns ``[5, n]`` int64: row 0's token (argmax,
+        or sampled), its finiteness, row 1's token, its finiteness, the accept flag. Without
+        ``samp`` (every row greedy) none of the sampling kernels run."""
         tok = logits.argmax(dim=-1)
         tok2 = logits1.argmax(dim=-1)
         fin = torch.isfinite(logits).all(dim=-1)
         fin2 = torch.isfinite(logits1).all(dim=-1)
         draft = v["input_ids"].view(n, 2)[:, 1]
         page = v["spec_page_ids"]
-        accept = (page >= 0) & (tok == draft) & fin & fin2
-        if verify is not None:
-            accept &= verify
+        if samp is None:
+            accept = (page >= 0) & (tok == draft) & fin & fin2
+        else:
+            tried = (page >= 0) & fin
+            first, taken, second = verify_sampled_drafts(logits, logits1, draft, tried, samp)
+            greedy = samp[0, :n] <= 0
+            taken = torch.where(greedy, tried & (tok == draft), taken)
+            tok = torch.where(greedy, tok, first)
+            tok2 = torch.where(greedy, tok2, second)
+            accept = taken & fin2
         self._store_drafts(
             spec_kv, page.masked_fill(~accept, -1), v["spec_offsets"], v["spec_host_ids"], v["spec_host_rows"]
         )
@@ -1634,7 +1785,13 @@ class Engine:
             )
 
     # ---------------------------------------------------------------- CUDA-graph decode
-    def _decode_graph(self, reqs: list[_Request], ids: list[int], speculate: list[bool] | None = None):
+    def _decode_graph(
+        self,
+        reqs: list[_Request],
+        ids: list[int],
+        speculate: list[bool] | None = None,
+        samp: torch.Tensor | None = None,
+    ):
         """One step as a CUDA-graph replay: ``(logits, features, speculative outputs)``, copies of
         the graph's outputs (the speculative ones, for :meth:`_spec_result`, the graph's own).
 
@@ -1650,7 +1807,10 @@ class Engine:
         A speculative step (``speculate``) is its own graph: the plan carries each draft's
         tentative slot (``spec_*``, at fixed offsets), and the graph verifies every draft and
         stores the accepted ones' K/V (:meth:`_verify_drafts`); the caller reads the verdict once
-        after the replay."""
+        after the replay. A speculative step with sampling rows (``samp``, on the host) is a graph
+        of its own again (the key's last element), which reads each row's temperature, top_p and
+        uniforms from its sampling buffers, written before every replay like the plan: nothing of
+        a request's sampling is baked into the graph."""
         rt = self.runtime
         n = len(reqs)
         req_ids = [r.id for r in reqs]
@@ -1658,7 +1818,15 @@ class Engine:
         spec = speculate is not None
         blk_cap = _round_cap(blocks) if self.backend == "oasis" else 0
         # Steps that measure recall, or keep predictions for it, are graphs of their own.
-        key = (_bucket(n), _round_cap(pages), blk_cap, spec, self._recall_now, self._store_pred)
+        key = (
+            _bucket(n),
+            _round_cap(pages),
+            blk_cap,
+            spec,
+            self._recall_now,
+            self._store_pred,
+            samp is not None,
+        )
         pad = (*key[:3], self.max_num_seqs)
         if spec:
             arena_len, layout, _n_sparse, _ = rt.plan(req_ids, ids, pad, speculate)
@@ -1677,6 +1845,11 @@ class Engine:
         self._join_background()
         self._flush_map()
         gr.plan_dev.copy_(gr.plan_host, non_blocking=True)
+        if samp is not None:
+            # Padded rows are greedy (and hold no draft slot).
+            gr.samp_host[:] = torch.tensor(_GREEDY_ROW, dtype=torch.float64).unsqueeze(1)
+            gr.samp_host[:, :n] = samp
+            gr.samp_dev.copy_(gr.samp_host, non_blocking=True)
         gr.plan_evt = torch.cuda.Event()
         gr.plan_evt.record()
         self._step_now.fill_(self.step_no)
@@ -1709,8 +1882,7 @@ class Engine:
         feats = out["feats"][:n].clone() if out["feats"] is not None else None
         spec_out = None
         if spec:
-            # The verdict is read at once (_spec_result); the K/V and targets stay the graph's
-            # until commit_drafts, before the next replay.
+            # The verdict is read at once (_spec_result), before the next replay.
             spec_out = dict(out)
             spec_out["logits1"] = out["logits1"][:n].clone()
             if out["feats1"] is not None:
@@ -1725,36 +1897,20 @@ class Engine:
         self._graph_pool = None
 
     @torch.no_grad()
-    def commit_drafts(self, host_accepted: list[_Request] = ()) -> None:
-        """Resolve the last speculative :meth:`decode_step`: the drafts the step accepted itself
-        are kept, those of ``host_accepted`` (rows the caller verified: sampling) are stored now
-        (their K/V computed by that step's row 1, into their tentative slots: write-through and
-        summary update for sparse requests), and every other tentative slot goes back. So each
-        request's tables advance by one or two tokens. A request released since the step (it
-        stopped on its first token) has no slot left.
+    def commit_drafts(self) -> None:
+        """Resolve the last speculative :meth:`decode_step`: the drafts the step accepted (and
+        stored) are kept, every other tentative slot goes back. So each request's tables advance
+        by one or two tokens. A request released since the step (it stopped on its first token)
+        has no slot left.
 
         Raises:
-            ConfigError: without a speculative step first, or for a request of ``host_accepted``
-                that holds no slot or whose draft the step verified itself."""
+            ConfigError: without a speculative step first."""
         st = self._spec
         if st is None:
             raise ConfigError("commit_drafts needs a decode_step(speculate=...) first")
         pending = set(self.runtime.pending_drafts())
-        for r in host_accepted:
-            if r.id not in pending or r.id in st.in_step:
-                raise ConfigError(
-                    f"request {r.id} holds no draft slot verified on the host (not tried, "
-                    "released, or verified in the step)"
-                )
         self._spec = None
-        if host_accepted:
-            page, offsets, host_ids, host_rows = st.targets
-            keep = torch.zeros(page.numel(), dtype=torch.bool)
-            keep[[st.row_of[r.id] for r in host_accepted]] = True
-            keep = keep.to(page.device, non_blocking=True)
-            self._store_drafts(st.spec_kv, page.masked_fill(~keep, -1), offsets, host_ids, host_rows)
-        accepted = [rid for rid in st.stored if rid in pending] + [r.id for r in host_accepted]
-        self.runtime.commit_drafts(accepted)
+        self.runtime.commit_drafts([rid for rid in st.stored if rid in pending])
 
     def _select(
         self, layer: int, q4: torch.Tensor, plan: _SparsePlan, step, cap: int, k_budget: int

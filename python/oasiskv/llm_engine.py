@@ -39,7 +39,7 @@ import torch
 
 from .config import KvConfig
 from .drafters import Drafter, make_drafter
-from .engine import Engine, GenerationResult, PrefillCache, RequestMetrics, _Request
+from .engine import Engine, GenerationResult, PrefillCache, RequestMetrics, RowSampling, _Request
 from .errors import ConfigError, ContextLengthError, OasisError
 
 #: Values of :attr:`RequestOutput.finish_reason`.
@@ -197,20 +197,19 @@ class LLMEngine:
             draft's K/V computed in that same step. Greedy outputs are those of the
             non-speculative engine (token for token while attention is exact: the dense backend,
             or a working set that holds the context); sampling uses the speculative-sampling rule,
-            so the output distribution is unchanged. Greedy drafts are verified inside the step on
-            the device, so speculative steps replay as CUDA graphs too (``cuda_graph=True``); a
-            step where a sampling request (temperature > 0) tries a draft runs eagerly, its
-            acceptance rule being on the host (``engine.spec_eager_steps`` counts them). Off by
-            default. :attr:`spec_stats` and the requests' metrics report the acceptance rate and
-            tokens per step.
+            so the output distribution is unchanged. Every draft, greedy or sampled, is verified
+            inside the step on the device (a per-row flag), so speculative steps replay as CUDA
+            graphs too (``cuda_graph=True``). A seeded request's tokens depend on its seed alone,
+            whatever runs beside it, eager or graph (they differ from the non-speculative run's:
+            the acceptance draws from the same generator). Off by default. :attr:`spec_stats` and
+            the requests' metrics report the acceptance rate and tokens per step.
         host_pool: where the oasis backend's host pool lives: ``"pinned"`` CPU memory (read over
             PCIe), or ``"device"``, the all-resident oracle: a copy of the full KV on the GPU, the
             same selection, the gather device to device (the benchmark's upper bound; it needs the
             whole KV of every request in GPU memory). Without a GPU both are CPU memory.
         cuda_graph: replay each decode step as a CUDA graph on a GPU (one capture per batch size
             bucket and context capacity; ignored on the CPU). Steps under a selection policy or a
-            recall recorder (``engine.recorder``), and speculative steps where a sampling request
-            tries a draft, run eagerly.
+            recall recorder (``engine.recorder``) run eagerly.
         kv_source: ``"oasis-rt://HOST:PORT"`` (TCP) or ``"oasis-rt+ucx://HOST:PORT"`` (UCX, block
             reads by RMA), the staging daemon of disaggregated prefill (:mod:`oasiskv.disagg`):
             :meth:`add_staged_request` then admits requests a :class:`~oasiskv.disagg.PrefillWorker`
@@ -617,13 +616,15 @@ class LLMEngine:
     def _decode_speculative(self, touched: list[_Seq]) -> None:
         """One decode step that verifies each request's draft: every request gains its next token
         (row 0), and those whose draft is accepted one more (row 1), whose draft's K/V the step
-        computed is stored in a slot the plan reserved for it. Greedy requests are verified inside
-        the step, on the device (``Engine.decode_step(speculate=...)``, the same code eager and in
-        a CUDA graph); sampling ones on the host, then stored by ``Engine.commit_drafts``, which
-        also moves the tables on by one or two tokens. A request tries only if it can take both
-        tokens: no forced tokens, two tokens left under ``max_tokens``, and room in the runtime
-        (``Runtime.can_append``: not about to turn sparse, not a sparse request whose draft would
-        complete its local block). One that stops on the first token takes no second."""
+        computed is stored in a slot the plan reserved for it. Every request is verified inside
+        the step, on the device (``Engine.decode_step(speculate=..., sampling=...)``, the same
+        code eager and in a CUDA graph): greedy ones against row 0's argmax, sampling ones by the
+        speculative-sampling rule with three uniforms drawn here from the request's generator
+        (:meth:`_row_sampling`); ``Engine.commit_drafts`` then moves the tables on by one or two
+        tokens. A request tries only if it can take both tokens: no forced tokens, two tokens left
+        under ``max_tokens``, and room in the runtime (``Runtime.can_append``: not about to turn
+        sparse, not a sparse request whose draft would complete its local block). One that stops
+        on the first token takes no second."""
         eng = self.engine
         running = self._running
         reqs = [s.req for s in running]
@@ -633,14 +634,14 @@ class LLMEngine:
             seq.forced is None and seq.req.metrics.generated_tokens + 2 <= seq.req.max_new_tokens
             for seq in running
         ]
-        greedy = [seq.params.temperature <= 0.0 for seq in running]
-        res = eng.decode_step(reqs, speculate=tries, verify_in_step=greedy)
+        sampling = [self._row_sampling(seq) for seq in running]
+        res = eng.decode_step(reqs, speculate=tries, sampling=sampling)
         try:
             if self.recorder is not None:
                 self.recorder.on_step(StepInfo("decode", [s.request_id for s in running], res.logits, drafts))
             firsts, seconds = self._verify_batch(running, res)
         except BaseException:
-            eng.commit_drafts()  # the step's own verdicts stand; nothing else is stored
+            eng.commit_drafts()  # the step's verdicts stand
             raise
         dt = time.perf_counter() - t0
         counts = self._spec_counts
@@ -659,8 +660,7 @@ class LLMEngine:
             # A request that stops here is released, and its draft slot with it.
             if self._take(seq, tok) and tok2 is not None:
                 two.append((seq, tok2))
-        on_host = {id(seq) for seq, g in zip(running, greedy, strict=True) if not g}
-        eng.commit_drafts([seq.req for seq, _ in two if id(seq) in on_host])
+        eng.commit_drafts()
         for seq, tok2 in two:
             seq.req.features = seq.req.draft_features  # the features of the accepted draft's row
             self._take(seq, tok2)
@@ -680,44 +680,37 @@ class LLMEngine:
                 still.append(seq)
         self._running = still
 
+    def _row_sampling(self, seq: _Seq) -> RowSampling | None:
+        """What a speculative step needs to sample for this request: None where it is greedy (or
+        its token is forced), else its temperature, top_p and three uniforms drawn from its own
+        generator (the engine's where it has no seed), three every step whether or not its draft
+        is tried, so a seeded request's stream depends on nothing else in the batch."""
+        p = seq.params
+        made = len(seq.req.tokens) - len(seq.req.prompt)
+        if p.temperature <= 0.0 or (seq.forced is not None and made < len(seq.forced)):
+            return None
+        u = torch.rand(3, generator=seq.gen or self._gen, dtype=torch.float64).tolist()
+        return RowSampling(float(p.temperature), float(p.top_p), *u)
+
     def _verify_batch(self, seqs: list[_Seq], res) -> tuple[list[int | None], list[int | None]]:
-        """Each request's next token and, where its draft is accepted, the token after it (else
-        None). Greedy: the step verified the draft on the device (``res.accepted``: row 0's argmax
-        equals it, both rows finite) and the second token is row 1's argmax. Sampling (a
-        one-token, deterministic draft ``d``; where ``res.tried``): accept with probability
-        ``p(d)`` (``p``: row 0's distribution after temperature / top_p), else sample from ``p``
-        without ``d``, renormalised; the second token is sampled from row 1's distribution. So
-        every token has the non-speculative sampler's distribution. The step's one host read
-        (``res``) carries the argmaxes and finiteness."""
+        """Each request's next token and, where the step accepted its draft, the token after it
+        (else None), from the step's one host read (``res``). The step chose them on the device
+        (``Engine._verify_drafts``): greedy rows by argmax, sampling rows by the speculative-
+        sampling rule (``engine.verify_sampled_drafts``), so every token has the non-speculative
+        sampler's distribution. Non-finite logits give None; forced tokens win."""
         firsts: list[int | None] = []
         seconds: list[int | None] = []
         for i, seq in enumerate(seqs):
             made = len(seq.req.tokens) - len(seq.req.prompt)
-            d = seq.req.draft
             second = None
             if not res.finite[i]:
                 first = None
             elif seq.forced is not None and made < len(seq.forced):
                 first = seq.forced[made]
-            elif seq.params.temperature <= 0.0:
+            else:
                 first = res.token[i]
                 if res.accepted[i]:
                     second = res.token2[i]
-            else:
-                p = seq.params
-                gen = seq.gen or self._gen
-                if not res.tried[i]:
-                    first = _sample_row(res.logits[i], p.temperature, p.top_p, gen)
-                else:
-                    probs = _probs_row(res.logits[i], p.temperature, p.top_p)
-                    probs = probs / probs.sum()
-                    if float(torch.rand((), generator=gen)) < float(probs[d]):
-                        first = d
-                        if res.finite2[i]:
-                            second = _sample_row(res.draft_logits[i], p.temperature, p.top_p, gen)
-                    else:
-                        probs[d] = 0.0  # the residual: p without the draft (multinomial renormalises)
-                        first = int(torch.multinomial(probs, 1, generator=gen))
             firsts.append(first)
             seconds.append(second)
         return firsts, seconds

@@ -517,26 +517,23 @@ class _Driver:
     def prefill(self, r: _Request):
         return self.prefill_chunk(r, 0, len(r.prompt))
 
-    def decode_step(self, reqs: list[_Request], *, speculate=None, verify_in_step=None):
+    def decode_step(self, reqs: list[_Request], *, speculate=None, sampling=None):
+        # The sampling rows' uniforms travel with the step: every rank draws the same tokens.
         states = [(r.id, self._tokens(r), r.draft) for r in reqs]
-        spec = (speculate, verify_in_step)
+        spec = (speculate, sampling)
         return self._call(
             ("decode", states, spec),
-            lambda: self._engine.decode_step(reqs, speculate=speculate, verify_in_step=verify_in_step),
+            lambda: self._engine.decode_step(reqs, speculate=speculate, sampling=sampling),
         )
 
     def make_sparse(self, r: _Request) -> None:
         self._call(("sparse", r.id, self._tokens(r)), lambda: self._engine.make_sparse(r))
 
-    def commit_drafts(self, host_accepted=()) -> None:
+    def commit_drafts(self) -> None:
         # Every rank verified the same drafts in the step (the logits are all-gathered: the same
-        # bits); only the host-verified ones travel, with the next command when there are none.
-        if not host_accepted:
-            self._engine.commit_drafts()
-            self._deferred.append(("commit", []))
-            return None
-        states = [(r.id, self._tokens(r)) for r in host_accepted]
-        return self._call(("commit", states), lambda: self._engine.commit_drafts(host_accepted))
+        # bits, and the same uniforms), so the commit rides with the next command.
+        self._engine.commit_drafts()
+        self._deferred.append(("commit",))
 
     def reserve_pools(self, sizes) -> None:
         sizes = [(int(n), int(m)) for n, m in sizes]
@@ -587,15 +584,13 @@ class _Worker:
             _, rid, tokens, start, end = cmd
             eng.prefill_chunk(self._sync(rid, tokens), start, end)
         elif kind == "decode":
-            _, states, (speculate, verify_in_step) = cmd
-            eng.decode_step(
-                [self._sync(*s) for s in states], speculate=speculate, verify_in_step=verify_in_step
-            )
+            _, states, (speculate, sampling) = cmd
+            eng.decode_step([self._sync(*s) for s in states], speculate=speculate, sampling=sampling)
         elif kind == "sparse":
             _, rid, tokens = cmd
             eng.make_sparse(self._sync(rid, tokens))
         elif kind == "commit":
-            eng.commit_drafts([self._sync(rid, tokens) for rid, tokens in cmd[1]])
+            eng.commit_drafts()
         elif kind == "reserve":
             eng.reserve_pools(cmd[1])
         elif kind == "release":
