@@ -17,7 +17,8 @@
 #   `bash scripts/device.sh run ...`: it joins the parts, checks the hash, installs it.
 # Later calls of the same warm lease: `bash scripts/device.sh train-head` (MINUTES, STOP,
 # TRAIN_ARGS), `bash scripts/device.sh eval <oasis eval args>` (see docs/EVAL.md) and
-# `bash scripts/device.sh fig11 <python -m oasiskv.bench.serve --fig11 args>` (oasiskv/bench/fig11.py).
+# `bash scripts/device.sh fig11 <python -m oasiskv.bench.serve --fig11 args>` (oasiskv/bench/fig11.py)
+# and `bash scripts/device.sh bench-serve NAME <python -m oasiskv.bench.serve args>` (the sweep).
 #
 # The GPU machine has torch, transformers, tokenizers, safetensors but no cargo and no network;
 # the wheel is abi3 (cp311) so it loads on its Python 3.12.
@@ -162,8 +163,22 @@ fig11)
         --md "$OUT/fig11.md" --png "$OUT/fig11.png" "$@" > "$OUT/fig11.log" 2>&1 || echo "fig11 rc=$?"
     tail -n 40 "$OUT/fig11.log"
     ;;
+bench-serve)
+    # After `run` in this warm lease: `bash scripts/device.sh bench-serve NAME <python -m
+    # oasiskv.bench.serve args>`, the closed-loop sweep (e.g. --in-process smollm2 ...), its JSON
+    # in $OUT/NAME.json (pass --baseline "$OUT/OTHER.json" for a ratio column) and log in
+    # $OUT/NAME.log.
+    : "${OUT:?run this on the device machine, where OUT is set}"
+    name="${1:?bench-serve NAME ARGS}"
+    shift
+    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+    cd /tmp
+    timeout "${SERVE_SECS:-280}" python3 -m oasiskv.bench.serve --json "$OUT/$name.json" "$@" \
+        > "$OUT/$name.log" 2>&1 || echo "bench-serve $name rc=$?"
+    tail -n 8 "$OUT/$name.log"
+    ;;
 *)
-    echo "usage: scripts/device.sh build|run|stage-model|receive a|b|train-head|eval|fig11" >&2
+    echo "usage: scripts/device.sh build|run|stage-model|receive a|b|train-head|eval|fig11|bench-serve" >&2
     exit 2
     ;;
 esac

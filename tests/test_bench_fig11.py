@@ -76,3 +76,54 @@ def test_fig11_skips_what_does_not_fit_and_says_where_dense_fills(tmp_path):
 def test_fig11_bad_arguments_are_a_message(extra, says, capsys):
     assert bench.main([*TINY, "--json", "", "--md", "", "--png", "", *extra]) == 2
     assert says in capsys.readouterr().err
+
+
+def test_fig11_speculative_rows_at_set_acceptance(tmp_path, capsys):
+    """``--speculative --draft-acceptance``: after the oasis row, one oracle row per rate in the
+    same table and JSON, with tokens per step, the measured acceptance, the fraction of tokens
+    equal to the oasis row and how the reference iteration ended."""
+    paths, out = _files(tmp_path, "spec")
+    spec = ["--speculative", "--draft-acceptance", "0.5,1", "--draft-cost", "none"]
+    args = [*TINY, *KV, "--max-tokens", "6", "--concurrency", "2", "--modes", "oasis", *spec, *out]
+    assert bench.main(args) == 0
+    md = paths["md"].read_text()
+    assert "| tok/step | accept | same tokens |" in md and "| oasis+spec@0.5 | 2 |" in md
+    rep = json.loads(paths["json"].read_text())
+    assert rep["speculative"]["modes"] == ["oasis+spec@0.5", "oasis+spec@1"]
+    rows = {r["mode"]: r for r in rep["rows"]}
+    assert list(rows) == ["oasis", "oasis+spec@0.5", "oasis+spec@1"]
+    assert rows["oasis"]["speculative"] is False and "acceptance_rate" not in rows["oasis"]
+    for mode in ("oasis+spec@0.5", "oasis+spec@1"):
+        r = rows[mode]
+        assert r["status"] == "ok" and r["speculative"] and r["drafter"] == "oracle", r
+        assert r["output_tokens"] == 12 and r["decode_tokens_per_s"] > 0 and r["tpot_p50_s"] > 0
+        assert r["draft_cost"] == "none" and 1 <= r["reference_rounds"] <= 16
+        assert 0 <= r["acceptance_rate"] <= 1 and 1 <= r["tokens_per_step"] <= 2
+        assert 0 <= r["tokens_match_base"] <= 1
+        if r["reference_converged"]:
+            assert r["off_reference_requests"] == 0
+    r = rows["oasis+spec@1"]
+    if r["reference_converged"]:  # every draft right: every verified draft accepted
+        assert r["acceptance_rate"] == 1.0 and r["tokens_per_step"] > 1.5
+
+
+@pytest.mark.parametrize(
+    "extra, says",
+    [
+        (["--speculative", "--draft-acceptance", "0.4", "--modes", "dense"], "add oasis to --modes"),
+        (["--draft-acceptance", "0.4", "--modes", "oasis"], "add --speculative"),
+        (["--speculative", "--draft-acceptance", "0.4", "--modes", "oasis"], "pass --draft-cost none"),
+        (["--speculative", "--modes", "oasis", "--oracle-rounds", "0"], "--oracle-rounds must be >= 1"),
+    ],
+)
+def test_fig11_bad_speculative_arguments_are_a_message(extra, says, capsys):
+    assert bench.main([*TINY, *KV, "--json", "", "--md", "", "--png", "", *extra]) == 2
+    assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("value", ["1.5", "-0.1", "x", ""])
+def test_fig11_draft_acceptance_outside_0_1_is_refused(value, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main([*TINY, "--speculative", "--draft-acceptance", value])
+    assert e.value.code == 2
+    assert "acceptance rates in [0, 1]" in capsys.readouterr().err

@@ -566,6 +566,54 @@ def test_bench_serve_http_and_in_process(server, tmp_path, capsys):
     wait_pools_full(server)
 
 
+def test_bench_serve_in_process_speculative_reports_acceptance(tmp_path, capsys):
+    """``--in-process smollm2 --drafter eagle3 --speculative``: the bundled EAGLE-3 head drafts,
+    and every row carries tokens per step and the acceptance rate (the engine's spec_stats over
+    that concurrency level); ``--backend dense --speculative`` keeps the drafter's lookahead row."""
+    from oasiskv.bench import serve as bench
+
+    sweep = ["--concurrency", "2", "--requests", "2", "--prompt-tokens", "24", "--max-tokens", "4"]
+    engine = ["--top-k-blocks", "8", "--sparse-threshold", "64", "--fetch-cap", "0.25", "--device", "cpu"]
+    path = tmp_path / "spec.json"
+    spec = ["--drafter", "eagle3", "--speculative", "--json", str(path)]
+    assert bench.main(["--in-process", "smollm2", *sweep, *engine, *spec]) == 0
+    assert "tok/step  accept" in capsys.readouterr().out
+    rep = json.loads(path.read_text())
+    assert rep["speculative"] is True and rep["drafter"] == "eagle3"
+    for r in rep["rows"]:
+        assert r["output_tokens"] == 8 and r["drafts"] > 0
+        assert 1.0 <= r["tokens_per_step"] <= 2.0 and 0.0 <= r["acceptance_rate"] <= 1.0
+    args = [
+        "--in-process",
+        "tiny",
+        *sweep,
+        *engine,
+        "--backend",
+        "dense",
+        "--speculative",
+        "--json",
+        str(path),
+    ]
+    assert bench.main(args) == 0
+    rep = json.loads(path.read_text())
+    assert rep["backend"] == "dense" and rep["drafter"] == "ngram" and rep["rows"][0]["drafts"] > 0
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--endpoint", "http://127.0.0.1:9", "--speculative"], "oasis serve ... --speculative"),
+        (["--in-process", "tiny", "--speculative", "--draft-acceptance", "0.4"], "--fig11"),
+        (["--in-process", "tiny", "--speculative", "--drafter", "previous-query"], "lookahead row"),
+    ],
+)
+def test_bench_serve_speculative_flags_misused_are_a_message(args, says, capsys):
+    from oasiskv.bench import serve as bench
+
+    assert bench.main([*args, "--device", "cpu", "--json", ""]) == 2
+    assert says in capsys.readouterr().err
+
+
 def test_a_preset_is_served_with_random_weights_to_token_id_prompts(capsys):
     """``oasis serve qwen3-8b`` (the benchmark's server): a preset name loads that shape with
     random weights and no tokenizer; token-id prompts complete, text prompts get a 400."""

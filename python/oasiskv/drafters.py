@@ -144,28 +144,142 @@ class NgramDrafter(Drafter):
         return tokens[-1]
 
 
+#: splitmix64's constants (Steele, Lea, Flood 2014): a fast, well-mixed 64-bit hash.
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's step: a 64-bit hash of ``x`` whose bits look independent."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
 class OracleDrafter(Drafter):
     """The true next token, read from reference continuations (one list of generated tokens per
-    prompt, e.g. from a dense greedy run). For measuring the lookahead mechanism only."""
+    prompt, e.g. from a greedy run); measurement only. Continuation ``k`` belongs to request
+    ``first_id + k`` (the engine numbers its requests 0, 1, ... in the order they were added).
+
+    ``accept`` (default 1) sets how often the draft is right: at each position the drafter drafts
+    the reference token with probability ``accept``, otherwise a wrong token (uniform over the
+    vocabulary without the reference token when ``vocab_size`` is given, else the reference token
+    plus or minus one). The draw is a hash of ``(seed, k, position)``, so it does not depend on
+    the batch, on the order of calls or on how many tokens a step made. With speculative decoding
+    a greedy target then accepts a fraction ``accept`` of its drafts -- the curve a real head of
+    that acceptance rate would follow, on random weights where no real head exists -- as long as
+    the request's tokens follow the reference. A request that leaves it has no right drafts from
+    there on; :attr:`off_reference` counts those. NOTE: with a working set smaller than the
+    context the drafts steer the selection (the lookahead query, and the positions a step skips
+    after an acceptance), so the tokens depend on them: a reference from a run without speculation
+    or with another drafter is left within a few tokens. ``oasiskv.bench.fig11`` iterates to a
+    reference the run reproduces (:meth:`set_reference` between rounds).
+
+    ``shadow``: a drafter (an :class:`Eagle3Drafter` of the target's shape) run beside the oracle
+    at every hook -- its features captured, its prompt prefilled, one draft per step -- whose
+    drafts are thrown away. The oracle then costs what that drafter costs, so a speedup measured
+    with it is not flattered by a draft that costs nothing.
+    """
 
     name = "oracle"
 
-    def __init__(self, continuations: Sequence[Sequence[int]]) -> None:
-        self.continuations = [list(c) for c in continuations]
+    def __init__(
+        self,
+        continuations: Sequence[Sequence[int]],
+        *,
+        accept: float = 1.0,
+        seed: int = 0,
+        vocab_size: int | None = None,
+        shadow: Drafter | None = None,
+        first_id: int = 0,
+    ) -> None:
+        if isinstance(accept, bool) or not isinstance(accept, int | float) or not 0.0 <= accept <= 1.0:
+            raise ConfigError(f"accept must be a number in [0, 1], got {accept!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ConfigError(f"seed must be an int, got {seed!r}")
+        if vocab_size is not None and (
+            isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2
+        ):
+            raise ConfigError(f"vocab_size must be None or an int >= 2, got {vocab_size!r}")
+        if shadow is not None and (not isinstance(shadow, Drafter) or not shadow.uses_lookahead_row):
+            raise ConfigError(
+                f"shadow must be a Drafter with a lookahead row (e.g. an Eagle3Drafter), got {shadow!r}"
+            )
+        self.accept = float(accept)
+        self.seed = seed
+        self.vocab_size = vocab_size
+        self.shadow = shadow
+        self.wants_prompt_features = bool(shadow is not None and shadow.wants_prompt_features)
         self._prompt_len: dict[int, int] = {}
+        self._checked: dict[int, int] = {}  # generated tokens compared with the reference so far
+        self.set_reference(continuations, first_id)
+
+    def set_reference(self, continuations: Sequence[Sequence[int]], first_id: int = 0) -> None:
+        """Draft from these continuations for requests ``first_id, first_id + 1, ...`` from now
+        on; the counters start again."""
+        if isinstance(first_id, bool) or not isinstance(first_id, int) or first_id < 0:
+            raise ConfigError(f"first_id must be an int >= 0, got {first_id!r}")
+        self.continuations = [list(c) for c in continuations]
+        self.first_id = first_id
+        #: Drafts proposed from the reference, and how many of them were the reference token.
+        self.drafts = 0
+        self.reference_drafts = 0
+        #: Requests whose generated tokens left their reference continuation.
+        self.off_reference: set[int] = set()
+
+    def capture_layers(self, num_layers: int) -> tuple[int, ...]:
+        return self.shadow.capture_layers(num_layers) if self.shadow is not None else ()
 
     def begin(self, req_id, prompt) -> None:
-        if req_id >= len(self.continuations):
+        k = req_id - self.first_id
+        if not 0 <= k < len(self.continuations):
             raise ConfigError(
-                f"OracleDrafter has {len(self.continuations)} continuations but request {req_id} started; "
-                "pass one continuation per prompt"
+                f"OracleDrafter has continuations for requests {self.first_id}.."
+                f"{self.first_id + len(self.continuations) - 1} but request {req_id} started; "
+                "pass one continuation per prompt (set_reference(continuations, first_id) for later ones)"
             )
         self._prompt_len[req_id] = len(prompt)
+        self._checked[req_id] = 0
+        if self.shadow is not None:
+            self.shadow.begin(req_id, prompt)
+
+    def feed_prompt(self, req_id, prompt, features, start=0) -> None:
+        if self.shadow is not None:
+            self.shadow.feed_prompt(req_id, prompt, features, start)
+
+    def end(self, req_id) -> None:
+        self._prompt_len.pop(req_id, None)
+        self._checked.pop(req_id, None)
+        if self.shadow is not None:
+            self.shadow.end(req_id)
 
     def propose(self, req_id, tokens, features=None) -> int:
-        cont = self.continuations[req_id]
+        if self.shadow is not None:
+            self.shadow.propose(req_id, tokens, features)  # its cost, not its draft
+        k = req_id - self.first_id
+        cont = self.continuations[k]
         i = len(tokens) - self._prompt_len[req_id]  # index of the next generated token
-        return cont[i] if 0 <= i < len(cont) else tokens[-1]
+        if req_id not in self.off_reference:
+            # The tokens generated since the last call (one, or two after an accepted draft).
+            start, stop, p0 = self._checked.get(req_id, 0), min(i, len(cont)), len(tokens) - i
+            if start < stop and list(tokens[p0 + start : p0 + stop]) != cont[start:stop]:
+                self.off_reference.add(req_id)
+            self._checked[req_id] = max(start, stop)
+        if not 0 <= i < len(cont):
+            return tokens[-1]
+        truth = cont[i]
+        self.drafts += 1
+        if self.accept >= 1.0:
+            self.reference_drafts += 1
+            return truth
+        h = _mix64(_mix64(_mix64(self.seed & _MASK64) ^ k) ^ i)
+        if (h >> 11) * 2.0**-53 < self.accept:
+            self.reference_drafts += 1
+            return truth
+        if self.vocab_size is not None:
+            w = _mix64(h) % (self.vocab_size - 1)
+            return w if w < truth else w + 1
+        return truth - 1 if truth > 0 else truth + 1
 
 
 class PreviousQueryDrafter(Drafter):

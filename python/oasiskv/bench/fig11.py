@@ -4,7 +4,7 @@ the all-resident oracle, one process, one model.
     python -m oasiskv.bench.serve --fig11 [--preset qwen3-8b | --model DIR]
         [--contexts 16384,32768] [--concurrency 1,4,16,32,64] [--modes dense,oasis,oracle]
         [--max-tokens 48] [--gpu-kv-budget h100] [--top-k-blocks 128 --fetch-cap 0.05]
-        [--cuda-graph] [--json F --md F --png F]
+        [--cuda-graph] [--speculative [--draft-acceptance 0.4,0.7]] [--json F --md F --png F]
 
 Modes (each an :class:`~oasiskv.LLMEngine` over the same model):
 
@@ -33,6 +33,38 @@ first step is a warm-up (and on CUDA one more is profiled); the rest are timed. 
   head and layer plus the summaries scored) over the device-to-device copy bandwidth measured in
   this run (a 1 GiB copy timed with CUDA events), against the measured TPOT p50.
 
+**Speculative decoding** (``--speculative``): after the modes' rows, each oasis-backend mode
+(``oasis``, ``oracle``) runs again with ``LLMEngine(speculative=True)``, one row per setting: with
+``--drafter`` (mode ``oasis+spec``), or, with ``--draft-acceptance 0.4,0.7``, with an
+:class:`~oasiskv.drafters.OracleDrafter` that drafts the reference token with that probability
+and a wrong one otherwise (modes ``oasis+spec@0.4``, ``oasis+spec@0.7``): the speedup curve a real
+head of that acceptance rate would follow, on random weights where no real head exists. What
+keeps it honest:
+
+* Cost: ``--draft-cost eagle3`` (the default) runs a random EAGLE-3 head of the target's shape
+  beside the oracle -- the target's three layers captured, the head prefilled over the prompt,
+  one head step per request and decode step, as :class:`~oasiskv.drafters.Eagle3Drafter` runs a
+  real one -- and throws its drafts away, so the oracle costs what a real head costs here.
+  ``none``: drafts cost nothing (an upper bound).
+* Acceptance: the engine's own greedy verification decides (the oracle only chooses what to
+  draft); the rows report the measured acceptance rate and tokens per request-step from the
+  requests' metrics. With a working set smaller than the context the drafts steer the selection
+  (the lookahead query, and the position a step moves to after an acceptance), so the tokens
+  depend on them and a reference from the run without speculation is left within a few tokens.
+  The reference is therefore iterated: round 1 drafts from the base mode's tokens, each later
+  round from the previous round's, until a round makes exactly its reference (it then accepts
+  the set fraction of its drafts), at most ``--oracle-rounds``; the row is the last round, with
+  ``reference_rounds``, ``reference_converged`` and the requests that left the reference.
+* Lossless: ``tokens_match_base`` is the fraction of tokens equal to the base mode's row.
+  Greedy speculation is lossless where attention is exact (``tests/test_speculative.py``); with a
+  lossy working set the two runs select different blocks, so this fraction says how far apart
+  the two trajectories went, not whether verification is correct.
+
+Timing is unchanged for rows without speculation. With it a step makes one or two tokens per
+request: decode tokens/s counts the tokens the timed steps made, TPOT is a step's time over the
+tokens it made per request, and only steps with all ``C`` requests running are timed (requests
+finish at different steps).
+
 A row whose KV does not fit is skipped, and the table says why: dense past the GPU KV budget
 (the concurrency at which dense fills it is reported per context), oasis past the host pool limit
 or the budget (pages and summaries), the oracle past the device's free memory.
@@ -53,7 +85,7 @@ sends the engine's options to the other ranks, which build theirs and follow it
 (``worker_loop``). A preset's ranks draw their own shards (``TPCausalLM.random_shards``). Every
 byte count, budget, peak and roofline is rank 0's, i.e. per rank (its KV heads, its shard of the
 weights, its device's bandwidth). Not with ``--tp`` yet: the prefill cache (``shared`` prompts are
-then prefilled once per request) and ``--cuda-graph``.
+then prefilled once per request), ``--cuda-graph`` and ``--speculative``.
 """
 
 from __future__ import annotations
@@ -87,6 +119,14 @@ MAX_SEARCHED = 1 << 16
 #: The n-gram drafter's search window in this benchmark. NOTE: its Python search costs about 2 ms
 #: per request and step over its default 8192 tokens, which at 64 requests would dominate a step.
 NGRAM_WINDOW = 256
+
+#: The draft vocabulary of the random EAGLE-3 head that ``--draft-cost eagle3`` runs: the size
+#: published EAGLE-3 heads of 8B targets use (32000 tokens).
+EAGLE3_DRAFT_VOCAB = 32000
+#: Most rounds ``--draft-acceptance`` spends to reach a reference its run reproduces. Arbitrary:
+#: each round adds at least one token to the agreeing prefix; on the tiny preset 24 tokens took 6
+#: to 9 rounds.
+ORACLE_ROUNDS = 16
 
 _UNITS = {
     "": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -124,6 +164,38 @@ def _modes(s: str) -> list[str]:
     return xs
 
 
+def _acceptances(s: str) -> list[float]:
+    try:
+        xs = [float(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        xs = []
+    if not xs or not all(0.0 <= x <= 1.0 for x in xs):
+        raise argparse.ArgumentTypeError(f"expected comma-separated acceptance rates in [0, 1], got {s!r}")
+    return xs
+
+
+def mode_parts(mode: str) -> tuple[str, bool, float | None]:
+    """``"oasis+spec@0.4"`` -> ``("oasis", True, 0.4)``; ``"oracle"`` -> ``("oracle", False, None)``."""
+    base, plus, spec = mode.partition("+")
+    if not plus:
+        return mode, False, None
+    _, at, acc = spec.partition("@")
+    return base, True, float(acc) if at else None
+
+
+def spec_modes(args) -> list[str]:
+    """The speculative rows' modes of ``args`` (none without ``--speculative``)."""
+    if not getattr(args, "speculative", False):
+        return []
+    accepts = args.draft_acceptance or [None]
+    return [
+        f"{m}+spec" + ("" if a is None else f"@{a:g}")
+        for m in args.modes
+        if MODES[m][0] == "oasis"
+        for a in accepts
+    ]
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     """The ``--fig11`` flags (the engine's KV flags, ``--device``, ``--dtype``, ``--drafter``,
     ``--concurrency``, ``--max-tokens``, ``--seed`` and ``--json`` are the command's own)."""
@@ -155,7 +227,28 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--measure-recall", action="store_true", help="also measure lookahead recall (one more scoring pass)"
     )
-    # --cuda-graph comes with the engine flags of `oasis serve` (bench.serve adds them).
+    # --cuda-graph and --speculative come with the engine flags of `oasis serve` (bench.serve
+    # adds them).
+    g.add_argument(
+        "--draft-acceptance",
+        type=_acceptances,
+        default=None,
+        help="with --speculative: one row per rate (comma-separated, in [0, 1]) with an oracle drafter "
+        "right that often, instead of --drafter",
+    )
+    g.add_argument(
+        "--draft-cost",
+        choices=["eagle3", "none"],
+        default="eagle3",
+        help="what the oracle's draft costs: a random EAGLE-3 head of the target's shape runs beside it "
+        "(default), or nothing",
+    )
+    g.add_argument(
+        "--oracle-rounds",
+        type=int,
+        default=ORACLE_ROUNDS,
+        help="most runs per row to reach a reference the speculative run reproduces",
+    )
     g.add_argument(
         "--md", default=None, help="write the markdown table here (default bench_fig11.md, '' for none)"
     )
@@ -220,7 +313,10 @@ def drive(eng, prompts: list[list[int]], max_tokens: int, profile_step: int | No
     """Add every prompt at once, prefill them all (no decode step), then decode them together.
 
     Returns TTFTs (from the common arrival), the timed decode steps (every step but the first and
-    the profiled one), the kernel counts of the profiled step, and each request's final output.
+    the profiled one, and, where requests finish apart -- speculative decoding --, those that
+    began with fewer than all of them running), the tokens those steps made, each one's time per
+    output token (its time over the tokens it made per request), the kernel counts of the
+    profiled step, and each request's final output.
     """
     import torch
 
@@ -251,6 +347,7 @@ def drive(eng, prompts: list[list[int]], max_tokens: int, profile_step: int | No
     cuda = eng.engine.device.type == "cuda"
     finals: dict = {}
     times: list[float] = []
+    tpots: list[float] = []
     timed_tokens = 0
     kernels = copies = None
     waited = 0.0  # seconds the compute stream waited on transfers, over the timed steps
@@ -265,12 +362,15 @@ def drive(eng, prompts: list[list[int]], max_tokens: int, profile_step: int | No
         else:
             outs = eng.step()
         dt = time.perf_counter() - t
-        if i > 0 and i != profile_step:
+        timed = i > 0 and i != profile_step and n == len(prompts)
+        if timed:
+            made = sum(len(o.new_token_ids) for o in outs)
             times.append(dt)
-            timed_tokens += n
+            tpots.append(dt * n / made if made else dt)
+            timed_tokens += made
         if wait_of is not None:  # one read per step, outside its timing
             wait_now = wait_of()[0]
-            if i > 0 and i != profile_step:
+            if timed:
                 waited += wait_now - wait_seen
             wait_seen = wait_now
         for o in outs:
@@ -282,6 +382,7 @@ def drive(eng, prompts: list[list[int]], max_tokens: int, profile_step: int | No
     return {
         "ttft": [ttft[r] for r in rids],
         "times": times,
+        "tpots": tpots,
         "timed_tokens": timed_tokens,
         "transfer_wait_s": waited,
         "kernels": kernels,
@@ -362,6 +463,23 @@ class Fig11:
             self.budget = args.gpu_kv_budget
         ram = available_bytes("cpu")
         self.host_limit = args.host_kv_budget or int(HOST_RAM_FRACTION * (ram or 0))
+        self.spec_modes = spec_modes(args)
+        if getattr(args, "draft_acceptance", None) and not getattr(args, "speculative", False):
+            raise _usage("--draft-acceptance sets the drafter of the speculative rows: add --speculative")
+        if getattr(args, "speculative", False) and not self.spec_modes:
+            raise _usage(
+                "--speculative adds rows to the oasis-backend modes (oasis, oracle), and --modes has "
+                "none; add oasis to --modes"
+            )
+        if args.oracle_rounds < 1:
+            raise _usage(f"--oracle-rounds must be >= 1, got {args.oracle_rounds}")
+        #: The random EAGLE-3 head whose cost the oracle drafter pays (``--draft-cost eagle3``).
+        self.head = None
+        self.head_bytes = 0
+        if args.draft_acceptance and args.draft_cost == "eagle3":
+            self.head = self._cost_head()
+            self.head_bytes = sum(p.numel() * p.element_size() for p in self.head.parameters())
+        self._tokens: dict = {}  # (context, mode, concurrency) -> the row's tokens per request
         self.ceilings = None
         if self.cuda:
             from .kernels import ceilings
@@ -384,6 +502,38 @@ class Fig11:
         expert = 3 * cfg.moe_intermediate_size * cfg.hidden_size * itemsize
         return int(self.weights_read - layers * unused * expert)
 
+    def _cost_head(self):
+        """A random EAGLE-3 head of the target's shape (one decoder layer, ``fc`` over three
+        captured layers, a draft LM head of :data:`EAGLE3_DRAFT_VOCAB` tokens) in the model's
+        dtype, on its device."""
+        from ..errors import ConfigError
+        from ..models.eagle3 import Eagle3Head
+
+        p = next(self.model.parameters())
+        try:
+            Eagle3Head.capture_layers(self.cfg.num_hidden_layers)
+        except ConfigError as e:
+            raise _usage(f"--draft-cost eagle3: {e}; pass --draft-cost none") from None
+        head = Eagle3Head.random(
+            self.cfg,
+            draft_vocab_size=min(EAGLE3_DRAFT_VOCAB, self.cfg.vocab_size),
+            seed=self.args.seed,
+            dtype=p.dtype,
+            device=p.device,
+        )
+        return head.attach_target(self.model).eval()
+
+    def oracle(self, conc: int, accept: float):
+        """The drafter of a ``--draft-acceptance`` row: an oracle right with probability
+        ``accept``, with no reference yet (:meth:`row` sets it), paying for the head of
+        ``--draft-cost``."""
+        from ..drafters import Eagle3Drafter, OracleDrafter
+
+        shadow = Eagle3Drafter(self.head, self.model) if self.head is not None else None
+        return OracleDrafter(
+            [[]] * conc, accept=accept, seed=self.args.seed, vocab_size=self.cfg.vocab_size, shadow=shadow
+        )
+
     # ------------------------------------------------------------------ engines
     def kv(self):
         from ..config import KvConfig
@@ -401,10 +551,13 @@ class Fig11:
         from ..drafters import NgramDrafter
         from ..llm_engine import LLMEngine
 
-        backend, host_pool = MODES[mode]
+        base, spec, accept = mode_parts(mode)
+        backend, host_pool = MODES[base]
         a = self.args
         drafter = None
-        if backend == "oasis":
+        if accept is not None:
+            drafter = self.oracle(conc, accept)
+        elif backend == "oasis":
             drafter = NgramDrafter(window=a.ngram_window) if a.drafter == "ngram" else a.drafter
         kw = dict(
             kv=self.kv(),
@@ -418,6 +571,7 @@ class Fig11:
             output_kind="delta",
             host_pool=host_pool,
             cuda_graph=a.cuda_graph,
+            speculative=spec,
         )
         if self.group is None:
             return LLMEngine(self.model, **kw)
@@ -469,6 +623,7 @@ class Fig11:
         self, mode: str, conc: int, n: dict, device_free: int | None
     ) -> tuple[str | None, int, int | None]:
         """``(reason it does not fit or None, GPU budget, host budget)`` of ``conc`` requests."""
+        mode = mode_parts(mode)[0]  # a speculative row fits where its base mode does
         gib = 2**30
         per = n["block_bytes"]
         if mode == "dense":
@@ -538,11 +693,15 @@ class Fig11:
         eng = None
         prompts = _prompts(self.cfg.vocab_size, ctx, conc, a.prompts == "shared", a.seed)
         profile = 1 if self.cuda and a.max_tokens - 1 >= 3 else None  # leaves a timed step
+        base_mode, spec, accept = mode_parts(mode)
         try:
             eng = self.engine(mode, conc, ctx, gpu_budget, host_budget, cache)
             # one allocation, not log2(C); through the driver's proxy under --tp (every rank)
             self._driver(eng).engine.reserve_pools([(ctx, a.max_tokens)] * conc)
-            res = drive(eng, prompts, a.max_tokens, profile)
+            if accept is None:
+                res = drive(eng, prompts, a.max_tokens, profile)
+            else:
+                res = self.oracle_rounds(eng, prompts, self._tokens.get((ctx, base_mode, conc)), profile)
         except (_DoesNotFit, OutOfMemoryError, torch.OutOfMemoryError) as e:
             self.close(eng)
             del eng
@@ -557,9 +716,12 @@ class Fig11:
         layers = self.cfg.num_hidden_layers
         peak = torch.cuda.max_memory_allocated(dev) if self.cuda else None
         times, outs = res["times"], res["outputs"]
-        tpot50, tpot99 = _pcts(times)
+        tpot50, tpot99 = _pcts(res["tpots"])
+        step50 = _pcts(times)[0]
         ttft50, ttft99 = _pcts(res["ttft"])
         tokens = [o.token_ids for o in outs]
+        if not spec and any(m.startswith(f"{mode}+") for m in self.spec_modes):
+            self._tokens[(ctx, mode, conc)] = tokens
         fetched = [o.metrics.fetched_bytes_per_step for o in outs]
         host_place = str(p.host_k[0].device) + (" pinned" if p.host_k[0].is_pinned() else "")
         out = {
@@ -573,7 +735,8 @@ class Fig11:
             "decode_tokens_per_s": res["timed_tokens"] / sum(times) if times else None,
             "tpot_p50_s": tpot50,
             "tpot_p99_s": tpot99,
-            "tpot_mean_s": sum(times) / len(times) if times else None,
+            "tpot_mean_s": sum(res["tpots"]) / len(times) if times else None,
+            "step_p50_s": step50,
             "ttft_p50_s": ttft50,
             "ttft_p99_s": ttft99,
             "peak_gpu_bytes": peak,
@@ -586,13 +749,80 @@ class Fig11:
             "transfer_wait_per_step_s": res["transfer_wait_s"] / len(times) if times else None,
             "copies_per_step": res["copies"],
             "tokens_digest": hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16],
+            **(self.spec_columns(eng, ctx, base_mode, conc, accept, res) if spec else {"speculative": False}),
             **self.roofline(mode, ctx, conc, n),
         }
         rl = out["roofline_tpot_s"]
-        out["roofline_fraction"] = rl / tpot50 if rl and tpot50 else None
+        # Against the step: a speculative step reads the same bytes but makes more tokens.
+        out["roofline_fraction"] = rl / step50 if rl and step50 else None
         self.close(eng)
         del eng, p, res
         _free_memory(torch, dev)
+        return out
+
+    def oracle_rounds(self, eng, prompts: list[list[int]], start, profile) -> dict:
+        """:func:`drive` a ``--draft-acceptance`` row until a round makes exactly the tokens its
+        oracle drafted from (then the oracle is right as often as it is set to be), at most
+        ``--oracle-rounds`` times; round 1 drafts from ``start`` (the base mode's tokens, when
+        that row ran), each later round from the previous round's tokens. The last round's
+        :func:`drive` result, with ``rounds``, ``converged`` and the oracle's counters."""
+        d = eng.drafter
+        conc = len(prompts)
+        ref = [list(t) for t in start] if start is not None else [[] for _ in prompts]
+        kernels = copies = None
+        converged = False
+        for k in range(self.args.oracle_rounds):
+            d.set_reference(ref, first_id=k * conc)  # the engine numbers requests 0, 1, ...
+            res = drive(eng, prompts, self.args.max_tokens, profile if k == 0 else None)
+            if k == 0:
+                kernels, copies = res["kernels"], res["copies"]
+            tokens = [o.token_ids for o in res["outputs"]]
+            converged = tokens == ref
+            if converged:
+                break
+            ref = tokens
+        res.update(kernels=kernels, copies=copies)
+        return {
+            **res,
+            "rounds": k + 1,
+            "converged": converged,
+            "off_reference": len(d.off_reference),
+            "reference_drafts": d.reference_drafts / d.drafts if d.drafts else None,
+        }
+
+    def spec_columns(self, eng, ctx: int, base_mode: str, conc: int, accept, res) -> dict:
+        """A speculative row's own columns: tokens per request-step and the acceptance rate the
+        engine measured (the requests' metrics), how many tokens equal the base mode's row, and
+        for an oracle row its reference rounds and draft cost."""
+        ms = [o.metrics for o in res["outputs"]]
+        steps, made = sum(m.steps for m in ms), sum(m.decode_tokens for m in ms)
+        drafts, accepted = sum(m.draft_tokens for m in ms), sum(m.accepted_tokens for m in ms)
+        base = self._tokens.get((ctx, base_mode, conc))
+        match = None
+        if base is not None:
+            pairs = [
+                (x, y)
+                for o, b in zip(res["outputs"], base, strict=True)
+                for x, y in zip(o.token_ids, b, strict=True)
+            ]
+            match = sum(x == y for x, y in pairs) / len(pairs) if pairs else None
+        out = {
+            "speculative": True,
+            "drafter": eng.drafter.name,
+            "tokens_per_step": made / steps if steps else None,
+            "acceptance_rate": accepted / drafts if drafts else None,
+            "drafts": drafts,
+            "tokens_match_base": match,
+            "draft_acceptance_set": accept,
+        }
+        if accept is not None:
+            out.update(
+                draft_cost=self.args.draft_cost,
+                reference_rounds=res["rounds"],
+                reference_converged=res["converged"],
+                off_reference_requests=res["off_reference"],
+                reference_draft_fraction=res["reference_drafts"],
+            )
         return out
 
     def warm_up(self, mode: str, ctx: int, cache) -> float:
@@ -638,6 +868,15 @@ class Fig11:
             "activation_reserve_bytes": a.activation_reserve,
             "host_limit_bytes": self.host_limit,
             "ceilings": self.ceilings,
+            "speculative": None
+            if not self.spec_modes
+            else {
+                "modes": self.spec_modes,
+                "draft_acceptance": a.draft_acceptance,
+                "draft_cost": a.draft_cost if a.draft_acceptance else None,
+                "draft_head_bytes": self.head_bytes,
+                "oracle_rounds": a.oracle_rounds if a.draft_acceptance else None,
+            },
             "contexts": contexts,
             "rows": rows,
         }
@@ -650,9 +889,10 @@ class Fig11:
                     f"{self.cfg.max_position_embeddings} tokens"
                 )
             cache = PrefillCache() if a.prompts == "shared" and self.group is None else None
-            needs = {m: self.need(m, ctx) for m in a.modes}
+            modes = [*a.modes, *self.spec_modes]  # speculative rows draft from their base rows' tokens
+            needs = {m: self.need(m, ctx) for m in modes}
             cold = None
-            for mode in a.modes:
+            for mode in modes:
                 t = self.warm_up(mode, ctx, cache)
                 cold = t if cold is None else cold
             device_free = available_bytes(self.dev)  # beside the weights and the prefill cache
@@ -666,7 +906,7 @@ class Fig11:
             dense_max = info["max_concurrency"].get("dense")
             info["dense_fills_budget_at"] = None if dense_max is None else dense_max + 1
             contexts[str(ctx)] = info
-            for mode in a.modes:
+            for mode in modes:
                 for conc in a.concurrency:
                     r = self.row(mode, ctx, conc, needs[mode], device_free, cache)
                     r["ttft_cold_s"] = cold
@@ -718,6 +958,26 @@ def markdown(rep: dict) -> str:
         f"drafter {kv['drafter']}, {rep['max_tokens']} new tokens, prompts {rep['prompts']}, "
         f"CUDA graphs {rep['cuda_graph']}",
     ]
+    sp = rep.get("speculative")
+    if sp:
+        if sp["draft_acceptance"]:
+            cost = (
+                f"a random EAGLE-3 head of the target's shape ({sp['draft_head_bytes'] / gib:.2f} GiB) "
+                "runs beside it every step, its drafts discarded"
+                if sp["draft_cost"] == "eagle3"
+                else "nothing (no head runs: an upper bound)"
+            )
+            lines.append(
+                "- speculative rows (`+spec@a`): an oracle drafter right with probability a, verified "
+                f"by the engine; its draft costs {cost}; reference iterated until a round reproduces "
+                f"it, at most {sp['oracle_rounds']} rounds"
+            )
+        else:
+            lines.append(f"- speculative rows (`+spec`): drafter {kv['drafter']}, verified by the engine")
+        lines.append(
+            "- TPOT is step time over tokens made per request; roofline against the step time; "
+            "same tokens: the fraction equal to the base mode's row"
+        )
     if c:
         lines.append(
             f"- measured here: device-to-device copy {c['d2d_copy_Bps'] / 1e9:.0f} GB/s, "
@@ -737,7 +997,7 @@ def markdown(rep: dict) -> str:
     head = [
         "context", "mode", "conc", "tok/s", "TPOT p50 ms", "TPOT p99 ms", "TTFT p50 ms", "peak GPU GiB",
         "host pool GiB", "fetched/step MiB", "transfer wait/step ms", "kernels/layer/step", "roofline ms",
-        "of roofline", "note",
+        "of roofline", "tok/step", "accept", "same tokens", "note",
     ]  # fmt: skip
     lines += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rep["rows"]:
@@ -756,12 +1016,29 @@ def markdown(rep: dict) -> str:
                 _f(r["kernels_per_layer_step"]),
                 _f(r["roofline_tpot_s"], 1e3, 2),
                 "-" if r["roofline_fraction"] is None else f"{r['roofline_fraction']:.0%}",
-                r["host_pool_place"] if r["mode"] != "dense" else "",
+                _f(r.get("tokens_per_step"), digits=2),
+                _f(r.get("acceptance_rate"), digits=3),
+                "-" if r.get("tokens_match_base") is None else f"{r['tokens_match_base']:.0%}",
+                "; ".join(
+                    x for x in (r["host_pool_place"] if r["mode"] != "dense" else "", _ref_note(r)) if x
+                ),
             ]
         else:
-            cells += ["-"] * 11 + [f"skipped: {r['reason']}"]
+            cells += ["-"] * 14 + [f"skipped: {r['reason']}"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _ref_note(r: dict) -> str:
+    """How an oracle row's reference ended (empty for other rows)."""
+    if r.get("reference_rounds") is None:
+        return ""
+    if r["reference_converged"]:
+        return f"reference in {r['reference_rounds']} rounds"
+    return (
+        f"reference NOT reached in {r['reference_rounds']} rounds "
+        f"({r['off_reference_requests']} requests left it)"
+    )
 
 
 def plot(rep: dict, path: str) -> None:
@@ -774,7 +1051,7 @@ def plot(rep: dict, path: str) -> None:
     ctxs = list(rep["contexts"])
     fig, axes = plt.subplots(1, len(ctxs), figsize=(5 * len(ctxs), 4), squeeze=False)
     for ax, ctx in zip(axes[0], ctxs, strict=True):
-        for mode in MODES:
+        for mode in dict.fromkeys(r["mode"] for r in rep["rows"]):
             pts = [
                 (r["concurrency"], r["decode_tokens_per_s"])
                 for r in rep["rows"]
@@ -814,8 +1091,9 @@ def main(args) -> int:
         return _write(args, rep)
 
     if getattr(args, "tp", 1) > 1:
-        if args.cuda_graph:
-            print("bench.serve: error: --fig11 --tp does not take --cuda-graph yet", file=sys.stderr)
+        if args.cuda_graph or args.speculative:
+            flag = "--cuda-graph" if args.cuda_graph else "--speculative"
+            print(f"bench.serve: error: --fig11 --tp does not take {flag} yet", file=sys.stderr)
             return 2
         from ..errors import RankFailedError
         from ..parallel import run_tp

@@ -20,6 +20,13 @@ request runs first (the first forward of a process is slow).
 For a fair comparison start the server with the same engine flags as ``--in-process`` and a
 ``--max-num-seqs`` of at least the largest concurrency.
 
+``--speculative`` (an engine flag, so ``oasis serve`` takes it too) verifies and accepts the
+lookahead draft (``LLMEngine(speculative=True)``); ``--in-process`` rows then add tokens per
+request-step and the acceptance rate over that concurrency level (``LLMEngine.spec_stats``), e.g.
+``--in-process smollm2 --drafter eagle3 --speculative`` with the bundled EAGLE-3 head. Run the
+same command without ``--speculative`` first and pass its JSON as ``--baseline`` for the ratio.
+The set-acceptance oracle (``--draft-acceptance``) is ``--fig11``'s: it needs reference tokens.
+
 ``--in-process`` takes what ``oasis serve`` takes (``smollm2``, a ``.gguf`` file, a Hugging Face
 directory) or the name of a model-shaped preset (``oasiskv.models.config.PRESETS``: ``qwen3-8b``,
 ``qwen3-32b``, ``qwen3-235b-a22b``, ``tiny``, ...) for random weights (``--seed``). ``--tp N``
@@ -157,8 +164,20 @@ async def _http_sweep(args, prompts, concurrency: int) -> dict:
 
 
 # ---------------------------------------------------------------------- in-process
+def spec_delta(before: dict, after: dict) -> dict:
+    """Speculative decoding between two readings of ``LLMEngine.spec_stats``: tokens per
+    request-step, the acceptance rate, the drafts verified (None where nothing was)."""
+    d = {k: after[k] - before[k] for k in ("steps", "tokens", "drafts", "accepted")}
+    return {
+        "tokens_per_step": d["tokens"] / d["steps"] if d["steps"] else None,
+        "acceptance_rate": d["accepted"] / d["drafts"] if d["drafts"] else None,
+        "drafts": d["drafts"],
+    }
+
+
 def in_process_sweep(eng, prompts: list[list[int]], max_tokens: int, concurrency: int) -> dict:
-    """The same closed loop driven directly on an :class:`~oasiskv.LLMEngine`."""
+    """The same closed loop driven directly on an :class:`~oasiskv.LLMEngine`; with
+    ``speculative=True`` the row adds tokens per step and the acceptance rate (:func:`spec_delta`)."""
     from ..llm_engine import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -171,6 +190,7 @@ def in_process_sweep(eng, prompts: list[list[int]], max_tokens: int, concurrency
         rid = eng.add_request(p, params)
         live[rid] = {"t0": time.perf_counter(), "first": None, "last": None}
 
+    spec0 = dict(eng.spec_stats) if eng.speculative else None
     t0 = time.perf_counter()
     while todo and len(live) < concurrency:
         add()
@@ -199,7 +219,10 @@ def in_process_sweep(eng, prompts: list[list[int]], max_tokens: int, concurrency
                 )
                 if todo:
                     add()
-    return summarize(concurrency, records, time.perf_counter() - t0)
+    row = summarize(concurrency, records, time.perf_counter() - t0)
+    if spec0 is not None:
+        row.update(spec_delta(spec0, eng.spec_stats))
+    return row
 
 
 # ---------------------------------------------------------------------- tensor parallel
@@ -281,6 +304,9 @@ def _fmt(v, scale: float = 1.0, digits: int = 1) -> str:
 def print_table(rows: list[dict], baseline: dict[int, dict] | None, file=None) -> None:
     file = file or sys.stdout  # looked up now: a default bound at import misses later redirections
     head = ["conc", "reqs", "tok/s", "req/s", "TTFT p50 ms", "TTFT p90 ms", "TPOT p50 ms", "TPOT p90 ms"]
+    spec = any("tokens_per_step" in r for r in rows)
+    if spec:
+        head += ["tok/step", "accept"]
     if baseline:
         head.append("x baseline")
     lines = [head]
@@ -295,6 +321,8 @@ def print_table(rows: list[dict], baseline: dict[int, dict] | None, file=None) -
             _fmt(r["tpot_p50_s"], 1e3, 2),
             _fmt(r["tpot_p90_s"], 1e3, 2),
         ]
+        if spec:
+            line += [_fmt(r.get("tokens_per_step"), digits=3), _fmt(r.get("acceptance_rate"), digits=3)]
         if baseline:
             b = baseline.get(r["concurrency"])
             ok = b and b.get("tokens_per_s") and r["tokens_per_s"]
@@ -371,6 +399,20 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.draft_acceptance is not None and not args.fig11:
+        print(
+            "bench.serve: error: --draft-acceptance sets the oracle drafter of --fig11's speculative "
+            "rows (it needs reference tokens); the sweep speculates with --drafter ngram or eagle3",
+            file=sys.stderr,
+        )
+        return 2
+    if args.speculative and args.endpoint:
+        print(
+            "bench.serve: error: --speculative configures an engine in this process; start the "
+            "server with 'oasis serve ... --speculative' instead",
+            file=sys.stderr,
+        )
+        return 2
     if args.tp > 1 and args.endpoint:
         print(
             "bench.serve: error: --tp runs the engine in this command's processes: use it with "
@@ -409,6 +451,8 @@ def main(argv: list[str] | None = None) -> int:
             "model": args.in_process,
             "random_weights": _preset(args.in_process) is not None,
             "tp": args.tp,
+            "backend": args.backend,
+            "speculative": args.speculative,
             "device": out["device"],
             "kv_heads_per_rank": out["kv_heads_per_rank"],
         }
@@ -435,6 +479,9 @@ def main(argv: list[str] | None = None) -> int:
             "model": args.in_process,
             "random_weights": _preset(args.in_process) is not None,
             "tp": 1,
+            "backend": args.backend,
+            "drafter": eng.drafter.name if eng.drafter is not None else None,
+            "speculative": args.speculative,
         }
     report = {
         **mode,

@@ -76,6 +76,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-kv-budget-bytes", type=int, default=None)
     p.add_argument("--host-kv-budget-bytes", type=int, default=None)
     p.add_argument("--cuda-graph", action="store_true", help="replay decode steps as CUDA graphs (GPU)")
+    p.add_argument(
+        "--speculative",
+        action="store_true",
+        help="verify and accept the lookahead draft (speculative decoding; --drafter ngram or eagle3, "
+        "also with --backend dense)",
+    )
 
 
 def engine_kwargs(args, device: str | None = None) -> dict:
@@ -94,16 +100,19 @@ def engine_kwargs(args, device: str | None = None) -> dict:
     )
     device = resolve_device(args.device) if device is None else str(device)
     dtype = compute_dtype(device) if args.dtype == "auto" else getattr(torch, args.dtype)
+    spec = bool(getattr(args, "speculative", False))
     return dict(
         kv=kv,
         backend=args.backend,
-        drafter=None if args.backend == "dense" else args.drafter,
+        # The dense backend has no lookahead row unless it speculates (then it verifies the draft).
+        drafter=None if args.backend == "dense" and not spec else args.drafter,
         device=device,
         dtype=dtype,
         max_num_seqs=args.max_num_seqs,
         gpu_kv_budget_bytes=args.gpu_kv_budget_bytes,
         host_kv_budget_bytes=args.host_kv_budget_bytes,
         cuda_graph=args.cuda_graph,
+        speculative=spec,
     )
 
 

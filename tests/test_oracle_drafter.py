@@ -1,0 +1,193 @@
+"""``OracleDrafter(accept=a)``: the reference token with probability ``a``, a wrong one otherwise.
+
+* The drafter alone: over thousands of positions (walked as speculative decoding walks them, one
+  or two tokens a step) the fraction of reference drafts is ``a``; wrong drafts are never the
+  reference token and lie in the vocabulary; the draws depend on (seed, request, position) only.
+* In the engine, on exact attention: greedy tokens with speculation equal those without, and the
+  engine accepts exactly the drafts that were the reference token (so its acceptance rate is the
+  setting, up to sampling noise).
+* ``shadow``: a drafter run beside the oracle for its cost (an EAGLE-3 head); its drafts are
+  thrown away and the tokens stay lossless.
+* Bad arguments are a :class:`~oasiskv.errors.ConfigError` that says what to pass.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from fakes import prompt, tiny
+from oasiskv import KvConfig, LLMEngine, SamplingParams, errors
+from oasiskv.drafters import Eagle3Drafter, OracleDrafter, PreviousQueryDrafter
+from oasiskv.models.eagle3 import Eagle3Head
+
+torch.set_num_threads(2)
+
+VOCAB = 301
+ACCEPTS = [0.0, 0.4, 0.7, 1.0]
+DENSE_KV = KvConfig(block_size=16, top_k_blocks=8)
+# Sparse from 24 tokens on, K x block_size holds every context here: exact attention.
+SPARSE_EXACT_KV = KvConfig(block_size=8, top_k_blocks=64, sparse_threshold=24, fetch_cap=None)
+
+
+def walk(d: OracleDrafter, refs: list[list[int]], prompt_len: int = 5) -> tuple[int, int, list[int]]:
+    """Draft every request to the end of its reference as greedy speculation would (two tokens
+    after a reference draft, one after a wrong one); (reference drafts, drafts, wrong drafts)."""
+    hits = n = 0
+    wrong = []
+    for k, ref in enumerate(refs):
+        rid = d.first_id + k
+        d.begin(rid, [0] * prompt_len)
+        toks = [0] * prompt_len + ref[:1]
+        while len(toks) - prompt_len < len(ref):
+            i = len(toks) - prompt_len
+            x = d.propose(rid, toks)
+            n += 1
+            if x == ref[i]:
+                hits += 1
+                toks += ref[i : i + 2]
+            else:
+                wrong.append(x)
+                toks.append(ref[i])
+        d.end(rid)
+    return hits, n, wrong
+
+
+@pytest.mark.parametrize("accept", ACCEPTS)
+def test_the_reference_is_drafted_at_the_set_rate(accept):
+    rnd = random.Random(7)
+    refs = [[rnd.randrange(VOCAB) for _ in range(1500)] for _ in range(4)]
+    d = OracleDrafter(refs, accept=accept, seed=11, vocab_size=VOCAB)
+    hits, n, wrong = walk(d, refs)
+    sigma = math.sqrt(accept * (1 - accept) / n)
+    assert n >= 3000 and abs(hits / n - accept) <= 4 * sigma + 1e-12, (hits / n, accept)
+    assert (d.drafts, d.reference_drafts, d.off_reference) == (n, hits, set())
+    assert all(0 <= x < VOCAB for x in wrong)  # and never the reference token (walk's else branch)
+
+
+def test_draws_depend_on_seed_request_and_position_only():
+    rnd = random.Random(3)
+    refs = [[rnd.randrange(VOCAB) for _ in range(200)] for _ in range(3)]
+
+    def drafts(seed, order):
+        d = OracleDrafter(refs, accept=0.5, seed=seed, vocab_size=VOCAB)
+        out = {}
+        for k in order:
+            d.begin(k, [1, 2])
+        for i in range(1, 200):  # every position, requests interleaved in ``order``
+            for k in order:
+                out[k, i] = d.propose(k, [1, 2, *refs[k][:i]])
+        return out
+
+    assert drafts(1, [0, 1, 2]) == drafts(1, [2, 0, 1])
+    assert drafts(1, [0, 1, 2]) != drafts(2, [0, 1, 2])
+    # set_reference(first_id=...): continuation k is request first_id + k, with k's draws.
+    d = OracleDrafter(refs, accept=0.5, seed=1, vocab_size=VOCAB)
+    d.set_reference(refs, first_id=30)
+    d.begin(31, [1, 2])
+    assert [d.propose(31, [1, 2, *refs[1][:i]]) for i in range(1, 200)] == [
+        drafts(1, [0, 1, 2])[1, i] for i in range(1, 200)
+    ]
+
+
+def test_leaving_the_reference_is_counted():
+    ref = [5, 6, 7, 8, 9]
+    d = OracleDrafter([ref], accept=1.0)
+    d.begin(0, [1, 2])
+    assert d.propose(0, [1, 2, 5]) == 6
+    assert d.propose(0, [1, 2, 5, 6, 7]) == 8 and d.off_reference == set()
+    assert d.propose(0, [1, 2, 5, 6, 7, 4]) == 9 and d.off_reference == {0}
+    assert d.propose(0, [1, 2, 5, 6, 7, 4, 9, 3]) == 3  # past the reference: the last token again
+
+
+@pytest.mark.parametrize(
+    "kwargs, says",
+    [
+        ({"accept": 1.5}, "accept must be a number in [0, 1]"),
+        ({"accept": -0.1}, "accept must be a number in [0, 1]"),
+        ({"accept": True}, "accept must be a number in [0, 1]"),
+        ({"accept": "0.5"}, "accept must be a number in [0, 1]"),
+        ({"vocab_size": 1}, "vocab_size must be None or an int >= 2"),
+        ({"seed": 0.5}, "seed must be an int"),
+        ({"first_id": -1}, "first_id must be an int >= 0"),
+        ({"shadow": PreviousQueryDrafter()}, "shadow must be a Drafter with a lookahead row"),
+    ],
+)
+def test_bad_arguments_say_what_to_pass(kwargs, says):
+    with pytest.raises(errors.ConfigError, match=says.replace("[", r"\[").replace("]", r"\]")):
+        OracleDrafter([[1]], **kwargs)
+
+
+def test_a_request_without_a_continuation_is_refused():
+    d = OracleDrafter([[1], [2]], first_id=4)
+    with pytest.raises(errors.ConfigError, match=r"requests 4\.\.5 but request 6 started.*set_reference"):
+        d.begin(6, [1])
+
+
+# ---------------------------------------------------------------------- in the engine
+@pytest.fixture(scope="module")
+def model():
+    return tiny()
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """Greedy tokens without speculation, per backend."""
+    return {
+        b: run(model, b, kv, "ngram", False)[0] for b, kv in (("dense", DENSE_KV), ("oasis", SPARSE_EXACT_KV))
+    }
+
+
+def run(model, backend, kv, drafter, speculative, lens=(20, 70, 45), new=40):
+    eng = LLMEngine(model, kv=kv, backend=backend, drafter=drafter, speculative=speculative, max_num_seqs=3)
+    sp = SamplingParams(max_tokens=new, ignore_eos=True)
+    rids = [eng.add_request(prompt(n, i), sp) for i, n in enumerate(lens)]
+    out = eng.run_to_completion(rids)
+    return [out[r].token_ids for r in rids], eng
+
+
+@pytest.mark.parametrize(
+    "backend,kv", [("dense", DENSE_KV), ("oasis", SPARSE_EXACT_KV)], ids=["dense", "oasis"]
+)
+@pytest.mark.parametrize("accept", [0.4, 0.7])
+def test_speculation_at_a_set_acceptance_is_lossless(model, reference, backend, kv, accept):
+    ref = reference[backend]
+    d = OracleDrafter(ref, accept=accept, seed=5, vocab_size=VOCAB)
+    toks, eng = run(model, backend, kv, d, True)
+    assert toks == ref and d.off_reference == set()
+    s = eng.spec_stats
+    # The engine accepts exactly the reference drafts it verified: every draft it did not verify
+    # (a request's last token; a sparse request whose draft would complete its local block) is one
+    # the drafter made, and wrong drafts are all rejected.
+    assert s["accepted"] <= d.reference_drafts <= s["accepted"] + (d.drafts - s["drafts"])
+    sigma = math.sqrt(accept * (1 - accept) / s["drafts"])
+    assert abs(s["acceptance_rate"] - accept) <= 4 * sigma, s
+    assert s["tokens_per_step"] > 1.0
+
+
+def test_a_shadow_head_costs_but_does_not_draft():
+    """An EAGLE-3 head as the shadow: the engine captures its layers and feeds it the prompt, it
+    runs once per draft, and the tokens are the reference's (its drafts thrown away)."""
+    model8 = tiny(seed=2, layers=8)
+    ref, _ = run(model8, "dense", DENSE_KV, "ngram", False, lens=(20, 45), new=8)
+
+    class Counting(Eagle3Drafter):
+        calls = 0
+
+        def propose(self, req_id, tokens, features=None):
+            Counting.calls += 1
+            assert features is not None  # the engine captured the head's layers
+            return super().propose(req_id, tokens, features)
+
+    head = Eagle3Head.random(model8.config, draft_vocab_size=64, seed=5).attach_target(model8)
+    shadow = Counting(head, model8)
+    d = OracleDrafter(ref, accept=0.5, seed=1, vocab_size=VOCAB, shadow=shadow)
+    assert d.wants_prompt_features and d.capture_layers(8) == shadow.capture_layers(8)
+    toks, eng = run(model8, "dense", DENSE_KV, d, True, lens=(20, 45), new=8)
+    assert toks == ref and eng.spec_stats["drafts"] > 0
+    # One after each prefill and one after each decode step but a request's last.
+    assert Counting.calls == eng.spec_stats["steps"]
+    assert shadow._states == {}  # every request ended
