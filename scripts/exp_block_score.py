@@ -1,6 +1,7 @@
 """How much of the true attention each block score's top-K holds (CPU or GPU, any size).
 
     python3 scripts/exp_block_score.py [--model smollm2] [--context 2048] [--texts 4] [--queries 16]
+        [--scores int2/blk,hc/mse,...] [--sinks 1,2,4]
 
 One dense forward per held-out text records every layer's post-RoPE queries and keys. For the
 last ``--queries`` positions t (spread over the last quarter of the text) and every layer, the
@@ -14,7 +15,18 @@ local block, t's own, always counts), and the share of the attention they hold i
   the summary bytes; the engine's blocks, finer summaries);
 * ``mean``   -- sum over the group of q . mean(k) (head_dim values);
 * ``max``    -- sum over the group of the block's largest exact logit (needs every key);
-* ``best``   -- the K blocks of most attention (the ceiling of any score).
+* ``best``   -- the K blocks of most attention (the ceiling of any score);
+* ``int2``   -- today's ``KvConfig(block_score="codes")``: 2-bit codes inside each channel's block
+  [min, max], the block's largest approximate logit;
+* scalar-scale candidates (one step ``s`` per (block, head), so a tensor-core kernel's B could be
+  the query itself; docs/EVAL.md "Scalar-scale candidates"): ``int2/blk`` (min + the largest range
+  / 3), ``s/pP`` (min + the P-th percentile range / 3, codes clamped), ``s/mse`` / ``sc/mse`` (min
+  or box centre + the step of least squared key error among ``MSE_FRACTIONS``), ``sg/mse`` (times
+  a context-wide per-channel factor), ``hs/*`` and ``hc/*`` (after a Walsh-Hadamard rotation: above
+  the rotated block min, or around the unrotated box centre).
+
+``--scores a,b`` computes only those (plus quest, int2 and best); the paired difference of every
+score to ``int2`` per text (mean +- standard error over texts) follows the table.
 
 ``--sinks 1,2,4`` adds ``quest+sN`` and ``int2+sN``: the same scores with the first N blocks always
 taken (``KvConfig(sink_blocks=N)``: they take N of the K slots).
@@ -51,13 +63,37 @@ SCORES = (
     "int3",
     "int2/blk",
     "int2/med",
+    "s/p50",
+    "s/p75",
+    "s/p90",
+    "s/mse",
+    "sc/mse",
+    "sg/mse",
+    "hs/max",
+    "hs/mse",
+    "hc/max",
+    "hc/mse",
     "max",
     "best",
 )
 
 
-def block_scores(q: torch.Tensor, k: torch.Tensor, b: int, nc: int, group: int) -> dict[str, torch.Tensor]:
-    """q [hq, d] (one position), k [hk, nc * b, d] (its complete blocks): scores [hk, nc] each."""
+MSE_FRACTIONS = (1.0, 0.85, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2)  # arbitrary grid of step / largest range
+
+
+def hadamard(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The orthonormal n x n Walsh-Hadamard matrix (n a power of two)."""
+    h = torch.ones(1, 1, dtype=dtype, device=device)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(n)
+
+
+def block_scores(
+    q: torch.Tensor, k: torch.Tensor, b: int, nc: int, group: int, wanted: list[str]
+) -> dict[str, torch.Tensor]:
+    """q [hq, d] (one position), k [hk, nc * b, d] (its complete blocks): scores [hk, nc] each
+    for the names in `wanted` (only those are computed)."""
     hk, _, d = k.shape
     kb = k.view(hk, nc, b, d)
     qg = q.view(hk, group, d)
@@ -99,24 +135,98 @@ def block_scores(q: torch.Tensor, k: torch.Tensor, b: int, nc: int, group: int) 
         return torch.einsum("hgd,hntd->hgnt", qg, approx).amax(-1).sum(1)
 
     rng = hi - lo  # [hk, nc, d]
-    return {
+    fracs = torch.tensor(MSE_FRACTIONS, dtype=kb.dtype, device=kb.device)
+
+    def scalar_mse(x: torch.Tensor, off: torch.Tensor, scale: torch.Tensor, centred: bool) -> torch.Tensor:
+        # One step per (block, head) s = f * (largest channel range) / 3, the fraction f in
+        # MSE_FRACTIONS minimising the block's squared key error (codes clamped to 0..3), over
+        # each channel's offset `off` [hk, nc, d] (the block min, or the centre with codes
+        # -1.5..1.5) and a per-(head, channel) context-wide factor `scale` [hk, 1, d] (ones: none):
+        # k^ = off + s * scale * code. The score's B operand is then q * scale, constant per
+        # sequence (the per-block part is the scalar s and the offset's dot product).
+        y = (x - off.unsqueeze(2)) / scale.unsqueeze(2)  # [hk, nc, b, d]
+        top = (rng / scale).amax(-1)  # [hk, nc]
+        step = (fracs.view(-1, 1, 1) * top / 3).clamp(min=1e-12)  # [F, hk, nc]
+        st = step[..., None, None]
+        shift = 1.5 if centred else 0.0
+        code = (y.unsqueeze(0) / st + shift).round().clamp(0, 3)
+        err = ((code - shift) * st - y.unsqueeze(0)).square().mul(scale.square().unsqueeze(2)).sum((-1, -2))
+        best = err.argmin(0)  # [hk, nc]
+        s = step.gather(0, best.unsqueeze(0)).squeeze(0)[..., None, None]
+        c = (y / s + shift).round().clamp(0, 3)
+        approx = off.unsqueeze(2) + (c - shift) * s * scale.unsqueeze(2)
+        return torch.einsum("hgd,hntd->hgnt", qg, approx).amax(-1).sum(1)
+
+    ones = torch.ones_like(rng[:, :1])
+    # Walsh-Hadamard rotation (orthonormal; q.k = (Hq).(Hk)): spreads the outlier channels so that
+    # one scale per block fits every rotated channel; offsets are the rotated keys' block min.
+    had = hadamard(d, kb.dtype, kb.device)
+    kh = kb @ had
+    qh = qg @ had
+    lo_h = kh.amin(2)
+
+    def rotated(search: bool) -> torch.Tensor:
+        y = kh - lo_h.unsqueeze(2)
+        top = (kh.amax(2) - lo_h).amax(-1)
+        fr = fracs if search else fracs[:1]
+        step = (fr.view(-1, 1, 1) * top / 3).clamp(min=1e-12)[..., None, None]
+        code = (y.unsqueeze(0) / step).round().clamp(0, 3)
+        err = (code * step - y.unsqueeze(0)).square().sum((-1, -2))
+        best = err.argmin(0)
+        s = step.squeeze(-1).squeeze(-1).gather(0, best.unsqueeze(0)).squeeze(0)[..., None, None]
+        approx = lo_h.unsqueeze(2) + (y / s).round().clamp(0, 3) * s
+        return torch.einsum("hgd,hntd->hgnt", qh, approx).amax(-1).sum(1)
+
+    def rotated_centre(search: bool) -> torch.Tensor:
+        # Offset: the block's per-channel box centre from the min/max summary (q . centre needs no
+        # rotation); the rotated residual H(k - centre) in 2-bit codes -1.5..1.5 times one step per
+        # (block, head): its largest |value| / 1.5, or the MSE_FRACTIONS one of least squared error.
+        y = (kb - center.unsqueeze(2)) @ had  # [hk, nc, b, d]
+        top = y.abs().amax((-1, -2)) / 1.5  # [hk, nc]: no code clamps
+        fr = fracs if search else fracs[:1]
+        step = (fr.view(-1, 1, 1) * top).clamp(min=1e-12)[..., None, None]
+        code = (y.unsqueeze(0) / step + 1.5).floor().clamp(0, 3)
+        err = ((code - 1.5) * step - y.unsqueeze(0)).square().sum((-1, -2))
+        best = err.argmin(0)
+        s = step.squeeze(-1).squeeze(-1).gather(0, best.unsqueeze(0)).squeeze(0)[..., None, None]
+        c = (y / s + 1.5).floor().clamp(0, 3)
+        dot = torch.einsum("hgd,hntd->hgnt", qh, (c - 1.5) * s)
+        return (dot + torch.einsum("hgd,hnd->hgn", qg, center).unsqueeze(-1)).amax(-1).sum(1)
+
+    def pct(p: float) -> torch.Tensor:
+        return rng.quantile(p, dim=-1, keepdim=True).expand_as(rng)
+
+    fns = {
+        # min + one step per block, the P-th percentile of its channel ranges (codes clamped)
+        "s/p50": lambda: codes_step(pct(0.5)),
+        "s/p75": lambda: codes_step(pct(0.75)),
+        "s/p90": lambda: codes_step(pct(0.9)),
+        "s/mse": lambda: scalar_mse(kb, lo, ones, centred=False),
+        "sc/mse": lambda: scalar_mse(kb, center, ones, centred=True),
+        # x a per-(head, channel) factor for the whole context: the median block range
+        "sg/mse": lambda: scalar_mse(kb, lo, rng.median(dim=1, keepdim=True).values.clamp(min=1e-6), False),
+        "hs/max": lambda: rotated(False),
+        "hs/mse": lambda: rotated(True),
+        "hc/max": lambda: rotated_centre(False),
+        "hc/mse": lambda: rotated_centre(True),
         # one step per block: its largest channel range
-        "int2/blk": codes_step(rng.amax(-1, keepdim=True).expand_as(rng)),
+        "int2/blk": lambda: codes_step(rng.amax(-1, keepdim=True).expand_as(rng)),
         # one step per (head, channel) for the whole context: the median block range
-        "int2/med": codes_step(rng.median(dim=1, keepdim=True).values.expand_as(rng)),
-        "c+.5r": around(center, 0.5),
-        "c+.75r": around(center, 0.75),
-        "m+.5r": around(kb.mean(2), 0.5),
-        "m+.75r": around(kb.mean(2), 0.75),
-        "m+r": around(kb.mean(2), 1.0),
-        "int2": codes(2),
-        "int3": codes(3),
-        "quest": quest(1),
-        "quest/2": quest(2),
-        "quest/4": quest(4),
-        "mean": mean,
-        "max": logits.amax(-1).sum(1),
+        "int2/med": lambda: codes_step(rng.median(dim=1, keepdim=True).values.expand_as(rng)),
+        "c+.5r": lambda: around(center, 0.5),
+        "c+.75r": lambda: around(center, 0.75),
+        "m+.5r": lambda: around(kb.mean(2), 0.5),
+        "m+.75r": lambda: around(kb.mean(2), 0.75),
+        "m+r": lambda: around(kb.mean(2), 1.0),
+        "int2": lambda: codes(2),
+        "int3": lambda: codes(3),
+        "quest": lambda: quest(1),
+        "quest/2": lambda: quest(2),
+        "quest/4": lambda: quest(4),
+        "mean": lambda: mean,
+        "max": lambda: logits.amax(-1).sum(1),
     }
+    return {name: fns[name]() for name in wanted}
 
 
 def main() -> None:
@@ -131,9 +241,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--sinks", default="", help="sink block counts N: also quest+sN and int2+sN")
+    ap.add_argument("--scores", default="", help="comma-separated subset of the scores (default: all)")
     args = ap.parse_args()
     sinks = [int(x) for x in args.sinks.split(",") if x.strip()]
-    names = list(SCORES) + [f"{base}+s{n}" for n in sinks for base in ("quest", "int2")]
+    base_names = [x for x in args.scores.split(",") if x] or list(SCORES)
+    for x in ("quest", "int2", "best"):  # sinks and the paired differences need these
+        if x not in base_names:
+            base_names.append(x)
+    names = base_names + [f"{base}+s{n}" for n in sinks for base in ("quest", "int2")]
     if args.threads:
         torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
@@ -173,7 +288,7 @@ def main() -> None:
                 w = torch.nn.functional.pad(w, (0, nb * b - (t + 1)))
                 mass = w.view(hk, group, nb, b).sum(-1).mean(1)  # [hk, nb]
                 local = mass[:, nc:].sum(-1)  # t's own block
-                scores = block_scores(q, k[:, : nc * b], b, nc, group)
+                scores = block_scores(q, k[:, : nc * b], b, nc, group, [x for x in base_names if x != "best"])
                 scores["best"] = mass[:, :nc]
                 for n in sinks:
                     sink_mass[n].append(float(mass[:, : min(n, nc)].sum(-1).mean()))
@@ -211,6 +326,23 @@ def main() -> None:
     print("budget  K     " + "  ".join(f"{s:>7s}" for s in names))
     for lab, d in out["held"].items():
         print(f"{lab:6s}  {budgets[lab]:<4d}  " + "  ".join(f"{d[s]:7.3f}" for s in names))
+    # Noise: each score minus int2 (the per-channel codes), per text, as mean +- standard error
+    # over texts (the queries and layers of one text are not independent).
+    per_text = cfg.num_hidden_layers * len(positions)
+    out["vs_int2"] = {}
+    print(f"paired difference to int2 over {len(texts)} texts (mean +- s.e., points):")
+    for lab, d in held.items():
+        row = {}
+        for s in names:
+            diffs = [
+                100 * (sum(d[s][i : i + per_text]) - sum(d["int2"][i : i + per_text])) / per_text
+                for i in range(0, len(d[s]), per_text)
+            ]
+            m = sum(diffs) / len(diffs)
+            se = (sum((x - m) ** 2 for x in diffs) / max(1, len(diffs) - 1) / len(diffs)) ** 0.5
+            row[s] = (m, se)
+        out["vs_int2"][lab] = row
+        print(f"{lab:6s}  {budgets[lab]:<4d}  " + "  ".join(f"{m:+4.1f}±{se:3.1f}" for m, se in row.values()))
     for n, m in out["sink_mass"].items():
         print(f"attention on blocks 0..{n - 1} alone: {m:.3f}")
     if args.json:
