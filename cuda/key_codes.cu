@@ -170,11 +170,42 @@ __device__ void score_codes_scalar_entry(
 
 // ---- tensor-core path ---------------------------------------------------------------------------
 // For block_size 16, head_dim a multiple of 16 and at most 8 query heads per KV head, one warp
-// scores one (block, head) with mma.m16n8k16: A = the 16 tokens' codes (0..3, exact in bf16), B =
-// w[d][g] = q[g][d] (max[d] - min[d]) / 3 split into a bf16 high part and a bf16 residual (two mma
-// per 16 channels, so w keeps ~16 bits), C = 16 tokens x 8 query heads in f32. Then the
-// NaN-propagating max over the tokens, plus q[g] . min, summed over the group. The sums run in
-// another order than the twin's: scores agree within f32 rounding, not bit for bit.
+// scores one (block, head) with mma.m16n8k16. Two versions, chosen per launch by
+// ScoreBlocksCodesParams::a_scale (oasis_cuda::ops reads OASIS_CODES_KERNEL: "weights-b", the
+// default, or "scale-a") until the second is measured on a GPU (docs/PERF.md):
+//
+// weights in B (score_codes_mma_w_entry, below): see its comment.
+//
+// scale in A (score_codes_mma_entry), in f16: the block's per-channel scale goes into A,
+// not B: A[t][d] = c[t][d] (max[d] - min[d]) (the 16 tokens' codes times their channel's range),
+// B[d][g] = q[g][d] / 3, the same for every block of a sequence (built once per sequence, in
+// registers), C = 16 tokens x 8 query heads in f32. Both are split into an f16 high part and an
+// f16 residual: the range's high part is rounded to bf16 precision first (8 significant bits), so
+// that c x it (c <= 3) is exact in f16, and three MMAs (hi x hi, hi x lo, lo x hi) keep ~20 bits.
+// Per block and lane that is two code words, four summary words, the range split and eight f16x2
+// multiplies per 16 channels: no per-block weights (docs/PERF.md, "2-bit key codes"). Then the
+// NaN-propagating max over the tokens, plus q[g] . min in f32, summed over the group. The sums
+// run in another order than the twin's: scores agree within f32-level rounding of
+// sum_g sum_d |q| (|min| + |max|), not bit for bit (tests/test_key_codes.py emulates it).
+//
+// A block whose range does not fit f16 (|max - min| > OASIS_CODES_F16_RANGE, or NaN / inf), and a
+// sequence whose q / 3 does not (|q| / 3 > OASIS_CODES_F16_RANGE), take the exact scalar path
+// instead (warp-uniform votes), so non-finite inputs give the twin's NaN / inf semantics.
+
+// ---- weights in B (the first tensor-core path) ----
+
+// Two consecutive values at an even index (4-byte aligned for 16-bit types): one load.
+template <typename T>
+__device__ __forceinline__ void codes_load2(const T* p, float& a, float& b) {
+    a = to_f32(p[0]);
+    b = to_f32(p[1]);
+}
+template <>
+__device__ __forceinline__ void codes_load2<bf16>(const bf16* p, float& a, float& b) {
+    const u32 v = *reinterpret_cast<const u32*>(p);
+    a = __uint_as_float(v << 16);
+    b = __uint_as_float(v & 0xffff0000u);
+}
 
 __device__ __forceinline__ void codes_mma16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -199,23 +230,13 @@ __device__ __forceinline__ u32 codes_nibble_bf16x2(u32 n) {
     return lo | (hi << 16);
 }
 
-// Two consecutive values at an even index (4-byte aligned for 16-bit types): one load.
-template <typename T>
-__device__ __forceinline__ void codes_load2(const T* p, float& a, float& b) {
-    a = to_f32(p[0]);
-    b = to_f32(p[1]);
-}
-template <>
-__device__ __forceinline__ void codes_load2<bf16>(const bf16* p, float& a, float& b) {
-    const u32 v = *reinterpret_cast<const u32*>(p);
-    a = __uint_as_float(v << 16);
-    b = __uint_as_float(v & 0xffff0000u);
-}
-
-// KC: head_dim / 16 when known at compile time (the loop is unrolled so that every load of the
-// block is in flight at once), 0 for a run-time head_dim.
+// The weights-in-B path (OASIS_CODES_KERNEL unset or "weights-b"): B = w[d][g] = q[g][d]
+// (max[d] - min[d]) / 3, rebuilt per block, split into a bf16 high part and a bf16 residual (two
+// MMAs per 16 channels), A = the codes 0..3. KC: head_dim / 16 when known at compile time (the
+// loop is unrolled so that every load of the block is in flight at once), 0 for a run-time
+// head_dim.
 template <typename T, int KC>
-__device__ void score_codes_mma_entry(
+__device__ void score_codes_mma_w_entry(
     const float* __restrict__ sq, const T* __restrict__ summaries, const unsigned char* __restrict__ codes,
     float* __restrict__ out, int b, int h, int group, int num_kv_heads, int head_dim) {
     const int lane = threadIdx.x & 31;
@@ -283,6 +304,175 @@ __device__ void score_codes_mma_entry(
     if (lane == 0) *out = term;
 }
 
+// ---- scale in A ----
+
+// Largest |max - min| and |q| / 3 the f16 path takes: 3 x this (a code of 3 times the range) must
+// stay below f16's largest finite value, 65504. Arbitrary below that bound.
+#define OASIS_CODES_F16_RANGE 16384.0f
+
+__device__ __forceinline__ void codes_mma16816_f16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two f32 rounded to f16 (nearest even), `lo` in the low half.
+__device__ __forceinline__ u32 codes_pack_f16x2(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// The two f16 of an f16x2 as f32 (exact).
+__device__ __forceinline__ void codes_unpack_f16x2(u32 v, float& lo, float& hi) {
+    asm("{\n .reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;\n}\n"
+        : "=f"(lo), "=f"(hi)
+        : "r"(v));
+}
+
+// The two codes in the low nibble of n (low 2 bits: the lower channel) as f16x2 (the lower
+// channel low): 1024 + c is exact in f16 (bits 0x6400 | c), so one subtraction gives c exactly.
+__device__ __forceinline__ u32 codes_f16x2(u32 n) {
+    const u32 x = (n & 3u) | ((n << 14) & 0x30000u) | 0x64006400u;
+    u32 c;
+    asm("sub.rn.f16x2 %0, %1, %2;\n" : "=r"(c) : "r"(x), "r"(0x64006400u));
+    return c;
+}
+
+__device__ __forceinline__ u32 codes_mul_f16x2(u32 a, u32 b) {
+    u32 r;
+    asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+
+// x rounded to bf16 precision (8 significant bits, nearest even), as an f32.
+__device__ __forceinline__ float codes_round8(float x) {
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(h) : "f"(x));
+    return __uint_as_float(((u32)h) << 16);
+}
+
+// Lane (gid, tig)'s part of the sequence's query for 16 channels kc * 16 ..: q[gid][d] for
+// d = d0, d0 + 1, d0 + 8, d0 + 9 (d0 = kc * 16 + 2 tig; 0 for a column beyond the group) and the
+// B fragments of q / 3: b[0], b[1] its f16 high part, b[2], b[3] the f16 residual. `fits`: every
+// |q| / 3 is within OASIS_CODES_F16_RANGE (false for NaN / inf).
+__device__ __forceinline__ void codes_q_fragment(const float* __restrict__ sq, int kc, int gid, int tig, int group,
+                                                 int head_dim, float (&qv)[4], u32 (&b)[4], bool& fits) {
+    const int d0 = kc * 16 + tig * 2;
+    const int dd[4] = {d0, d0 + 1, d0 + 8, d0 + 9};
+    const float third = 1.f / 3.f;
+    float w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        qv[i] = gid < group ? sq[gid * head_dim + dd[i]] : 0.f;
+        w[i] = qv[i] * third;
+        fits = fits && fabsf(w[i]) <= OASIS_CODES_F16_RANGE;
+    }
+    b[0] = codes_pack_f16x2(w[0], w[1]);
+    b[1] = codes_pack_f16x2(w[2], w[3]);
+    float hi[4];
+    codes_unpack_f16x2(b[0], hi[0], hi[1]);
+    codes_unpack_f16x2(b[1], hi[2], hi[3]);
+    b[2] = codes_pack_f16x2(w[0] - hi[0], w[1] - hi[1]);
+    b[3] = codes_pack_f16x2(w[2] - hi[2], w[3] - hi[3]);
+}
+
+// One (block, head) on the tensor cores. KC: head_dim / 16 when known at compile time (the query
+// fragments qv / bq are registers held across the sequence's blocks, and every load of the block
+// is in flight at once); 0 for a run-time head_dim (fragments rebuilt from shared memory per
+// block). Returns false, writing nothing, when a channel range does not fit f16 (the caller takes
+// the scalar path); warp-uniform.
+template <typename T, int KC>
+__device__ bool score_codes_mma_entry(
+    const float* __restrict__ sq, const float (&qv)[KC > 0 ? KC : 1][4], const u32 (&bq)[KC > 0 ? KC : 1][4],
+    const T* __restrict__ summaries, const unsigned char* __restrict__ codes, float* __restrict__ out, int b, int h,
+    int group, int num_kv_heads, int head_dim) {
+    const int lane = threadIdx.x & 31;
+    const int gid = lane >> 2;  // token row of A and C (and gid + 8), query head column of B
+    const int tig = lane & 3;
+    const i64 entry = (i64)b * num_kv_heads + h;
+    const T* mn = summaries + entry * 2 * head_dim;
+    const T* mx = mn + head_dim;
+    const int row = head_dim >> 2;  // code bytes per token
+    const unsigned char* blk = codes + entry * 16 * row;
+    const u32* tok_lo = reinterpret_cast<const u32*>(blk + (i64)gid * row);
+    const u32* tok_hi = reinterpret_cast<const u32*>(blk + (i64)(gid + 8) * row);
+    const bool gvalid = gid < group;
+    float c[4] = {0.f, 0.f, 0.f, 0.f};
+    float base = 0.f;  // q[gid] . min over this lane's channels
+    bool fits = true;
+    const int sh = 8 * (tig >> 1) + 4 * (tig & 1);  // nibble of channels d0, d0 + 1 in the word
+    const int num_kc = KC > 0 ? KC : (head_dim >> 4);
+#pragma unroll
+    for (int kc = 0; kc < num_kc; ++kc) {
+        const int d0 = kc * 16 + tig * 2;  // B rows / A columns: d0, d0 + 1 and d0 + 8, d0 + 9
+        float lo[4], hi[4];
+        codes_load2<T>(mn + d0, lo[0], lo[1]);
+        codes_load2<T>(mn + d0 + 8, lo[2], lo[3]);
+        codes_load2<T>(mx + d0, hi[0], hi[1]);
+        codes_load2<T>(mx + d0 + 8, hi[2], hi[3]);
+        float q4[4];
+        u32 bb[4];
+        if (KC > 0) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                q4[i] = qv[KC > 0 ? kc : 0][i];
+                bb[i] = bq[KC > 0 ? kc : 0][i];
+            }
+        } else {
+            bool unused = true;
+            codes_q_fragment(sq, kc, gid, tig, group, head_dim, q4, bb, unused);
+        }
+        float rh[4], rl[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float r = hi[i] - lo[i];
+            fits = fits && fabsf(r) <= OASIS_CODES_F16_RANGE;  // false for NaN / inf
+            rh[i] = codes_round8(r);  // c x rh is exact in f16 (10 significant bits at most)
+            rl[i] = r - rh[i];        // exact in f32
+            base = fmaf(q4[i], lo[i], base);
+        }
+        const u32 rh01 = codes_pack_f16x2(rh[0], rh[1]);
+        const u32 rh89 = codes_pack_f16x2(rh[2], rh[3]);
+        const u32 rl01 = codes_pack_f16x2(rl[0], rl[1]);
+        const u32 rl89 = codes_pack_f16x2(rl[2], rl[3]);
+        // Word kc of a token row holds channels kc*16 .. kc*16 + 15 (bytes 2, 3: the upper 8).
+        const u32 wl = tok_lo[kc];
+        const u32 wh = tok_hi[kc];
+        const u32 cc[4] = {codes_f16x2(wl >> sh), codes_f16x2(wh >> sh), codes_f16x2(wl >> (sh + 16)),
+                           codes_f16x2(wh >> (sh + 16))};
+        const u32 ah[4] = {codes_mul_f16x2(cc[0], rh01), codes_mul_f16x2(cc[1], rh01), codes_mul_f16x2(cc[2], rh89),
+                           codes_mul_f16x2(cc[3], rh89)};
+        const u32 al[4] = {codes_mul_f16x2(cc[0], rl01), codes_mul_f16x2(cc[1], rl01), codes_mul_f16x2(cc[2], rl89),
+                           codes_mul_f16x2(cc[3], rl89)};
+        codes_mma16816_f16(c, ah, bb[0], bb[1]);
+        codes_mma16816_f16(c, ah, bb[2], bb[3]);
+        codes_mma16816_f16(c, al, bb[0], bb[1]);
+    }
+    if (!__all_sync(0xffffffffu, fits)) return false;
+    // q[gid] . min: the four lanes of a row hold a quarter of the channels each.
+    base += __shfl_xor_sync(0xffffffffu, base, 1);
+    base += __shfl_xor_sync(0xffffffffu, base, 2);
+    // Max over the 16 tokens of columns 2 tig and 2 tig + 1: rows gid and gid + 8 here, then over gid.
+    float m0 = nan_max(c[0], c[2]);
+    float m1 = nan_max(c[1], c[3]);
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {
+        m0 = nan_max(m0, __shfl_xor_sync(0xffffffffu, m0, o));
+        m1 = nan_max(m1, __shfl_xor_sync(0xffffffffu, m1, o));
+    }
+    // Query head n = gid: its max sits in lane n >> 1 (slot n & 1); lanes with tig 0 add it to the
+    // base they hold, and the warp sums those terms.
+    const float v0 = __shfl_sync(0xffffffffu, m0, gid >> 1);
+    const float v1 = __shfl_sync(0xffffffffu, m1, gid >> 1);
+    float term = (tig == 0 && gvalid) ? base + ((gid & 1) ? v1 : v0) : 0.f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) term += __shfl_xor_sync(0xffffffffu, term, o);
+    if (lane == 0) *out = term;
+    return true;
+}
+
 // The query of sequence s for KV head h, as f32, into the warp's shared memory (scalar path).
 template <typename T>
 __device__ __forceinline__ void codes_load_q_scalar(float* __restrict__ sq, const T* __restrict__ q, int s, int h, int group,
@@ -292,6 +482,63 @@ __device__ __forceinline__ void codes_load_q_scalar(float* __restrict__ sq, cons
     __syncwarp();
     for (int x = lane; x < group * head_dim; x += 32) sq[x] = to_f32(qs[x]);
     __syncwarp();
+}
+
+// One warp's tile of entries t0 .. t1 for KV head h, starting in sequence s. KC: as
+// score_codes_mma_entry for the tensor-core path; -1: the exact scalar path only. a_scale: the
+// scale-in-A version of the tensor-core path, else weights in B.
+template <typename T, int KC>
+__device__ void score_codes_tile(
+    float* __restrict__ sm, const T* __restrict__ q, const T* __restrict__ summaries, const unsigned char* __restrict__ codes,
+    const int* __restrict__ blk_indptr, float* __restrict__ scores, int tile_idx, int t0, int t1, int s, int h,
+    int num_seqs, int nnz, int num_qo_heads, int num_kv_heads, int head_dim, int block_size, int num_host_blocks,
+    bool a_scale) {
+    constexpr int NR = KC > 0 ? KC : 1;
+    const int lane = threadIdx.x & 31;
+    const int gid = lane >> 2;
+    const int tig = lane & 3;
+    const int group = num_qo_heads / num_kv_heads;
+    float qv[NR][4];
+    u32 bq[NR][4];
+    bool q_fits = false;  // the held sequence's q / 3 fits f16 (warp-uniform)
+    int loaded = -1;      // sequence whose query the warp holds
+    for (int j = t0; j < t1; ++j) {
+        while (s + 1 < num_seqs && blk_indptr[s + 1] <= j) ++s;
+        const int row_b = blk_indptr[s];
+        const int row_e = blk_indptr[s + 1];
+        const bool row_ok = 0 <= row_b && row_b <= j && j < row_e && row_e <= nnz;
+        const int b = __shfl_sync(0xffffffffu, tile_idx, j - t0);
+        float* out = scores + (i64)j * num_kv_heads + h;
+        if (!row_ok || b < 0 || b >= num_host_blocks) {
+            if (lane == 0) *out = neg_inf();
+            continue;
+        }
+        if (s != loaded) {
+            codes_load_q_scalar<T>(sm, q, s, h, group, num_qo_heads, head_dim);
+            loaded = s;
+            bool fits = a_scale;
+            if (!a_scale) {
+            } else if (KC > 0) {
+#pragma unroll
+                for (int kc = 0; kc < NR; ++kc) codes_q_fragment(sm, kc, gid, tig, group, head_dim, qv[kc], bq[kc], fits);
+            } else if (KC == 0) {
+                float unused_q[4];
+                u32 unused_b[4];
+                for (int kc = 0; kc < (head_dim >> 4); ++kc)
+                    codes_q_fragment(sm, kc, gid, tig, group, head_dim, unused_q, unused_b, fits);
+            }
+            q_fits = __all_sync(0xffffffffu, fits);
+        }
+        if (KC >= 0 && !a_scale) {
+            score_codes_mma_w_entry<T, KC < 0 ? 0 : KC>(sm, summaries, codes, out, b, h, group, num_kv_heads, head_dim);
+            continue;
+        }
+        if (KC >= 0 && q_fits &&
+            score_codes_mma_entry<T, KC < 0 ? 0 : KC>(sm, qv, bq, summaries, codes, out, b, h, group, num_kv_heads, head_dim)) {
+            continue;
+        }
+        score_codes_scalar_entry<T>(sm, summaries, codes, out, b, h, group, num_kv_heads, head_dim, block_size);
+    }
 }
 
 // grid: thread block c scores OASIS_CODES_THREADS / 32 consecutive tiles of OASIS_CODES_TILE
@@ -309,7 +556,8 @@ __device__ void score_blocks_codes_impl(
     const int* __restrict__ blk_indptr,      // [num_seqs + 1]
     const int* __restrict__ blk_indices,     // [nnz] host block of each logical block, logical order
     float* __restrict__ scores,              // [nnz, num_kv_heads]
-    int num_seqs, int nnz, int num_qo_heads, int num_kv_heads, int head_dim, int block_size, int num_host_blocks) {
+    int num_seqs, int nnz, int num_qo_heads, int num_kv_heads, int head_dim, int block_size, int num_host_blocks,
+    bool a_scale) {
     extern __shared__ float codes_smem[];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -329,33 +577,20 @@ __device__ void score_blocks_codes_impl(
     const bool mma = block_size == 16 && (head_dim & 15) == 0 && group <= 8;
     // One block id per lane for the whole tile, handed out with shuffles.
     const int tile_idx = t0 + lane < t1 ? blk_indices[t0 + lane] : -1;
-    int s = score_codes_seq_of(blk_indptr, num_seqs, t0);
-    int loaded = -1;  // sequence whose query the warp holds
-    for (int j = t0; j < t1; ++j) {
-        while (s + 1 < num_seqs && blk_indptr[s + 1] <= j) ++s;
-        const int row_b = blk_indptr[s];
-        const int row_e = blk_indptr[s + 1];
-        const bool row_ok = 0 <= row_b && row_b <= j && j < row_e && row_e <= nnz;
-        const int b = __shfl_sync(0xffffffffu, tile_idx, j - t0);
-        float* out = scores + (i64)j * num_kv_heads + h;
-        if (!row_ok || b < 0 || b >= num_host_blocks) {
-            if (lane == 0) *out = neg_inf();
-            continue;
-        }
-        if (s != loaded) {
-            codes_load_q_scalar<T>(sm, q, s, h, group, num_qo_heads, head_dim);
-            loaded = s;
-        }
-        if (mma && head_dim == 128) {
-            score_codes_mma_entry<T, 8>(sm, summaries, codes, out, b, h, group, num_kv_heads, head_dim);
-        } else if (mma && head_dim == 64) {
-            score_codes_mma_entry<T, 4>(sm, summaries, codes, out, b, h, group, num_kv_heads, head_dim);
-        } else if (mma) {
-            score_codes_mma_entry<T, 0>(sm, summaries, codes, out, b, h, group, num_kv_heads, head_dim);
-        } else {
-            score_codes_scalar_entry<T>(sm, summaries, codes, out, b, h, group, num_kv_heads, head_dim, block_size);
-        }
+    const int s = score_codes_seq_of(blk_indptr, num_seqs, t0);
+#define OASIS_CODES_TILE_ARGS                                                                         \
+    sm, q, summaries, codes, blk_indptr, scores, tile_idx, t0, t1, s, h, num_seqs, nnz, num_qo_heads, \
+        num_kv_heads, head_dim, block_size, num_host_blocks, a_scale
+    if (mma && head_dim == 128) {
+        score_codes_tile<T, 8>(OASIS_CODES_TILE_ARGS);
+    } else if (mma && head_dim == 64) {
+        score_codes_tile<T, 4>(OASIS_CODES_TILE_ARGS);
+    } else if (mma) {
+        score_codes_tile<T, 0>(OASIS_CODES_TILE_ARGS);
+    } else {
+        score_codes_tile<T, -1>(OASIS_CODES_TILE_ARGS);
     }
+#undef OASIS_CODES_TILE_ARGS
 }
 
 }  // namespace oasis
@@ -379,7 +614,7 @@ OASIS_BUILD_KEY_CODES(build_key_codes_f32, float)
         oasis::score_blocks_codes_impl<T>(p.q, p.summaries, p.codes, p.blk_indptr, p.blk_indices,    \
                                           p.scores, p.num_seqs, p.nnz, p.num_qo_heads,               \
                                           p.num_kv_heads, p.head_dim, p.block_size,                  \
-                                          p.num_host_blocks);                                        \
+                                          p.num_host_blocks, p.a_scale != 0);                        \
     }
 
 OASIS_SCORE_BLOCKS_CODES(score_blocks_codes_bf16, oasis::bf16)

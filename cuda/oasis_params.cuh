@@ -156,7 +156,7 @@ struct ScoreBlocksCodesParams {
     int head_dim;               // a multiple of 4
     int block_size;
     int num_host_blocks;
-    int _pad0;
+    int a_scale;                // tensor-core path: 1 scale in A (B = q / 3 per sequence), 0 weights in B
 };
 
 // topk_blocks_f32 (cuda/score_blocks.cu).

@@ -28,6 +28,14 @@ GROUPS = [1, 3, 4, 8]
 BLOCK_SIZES = [16, 5]
 HOSTS = ["pinned", "cuda"]
 POISON = float("nan")
+# The tensor-core path of score_blocks_codes_* (OASIS_CODES_KERNEL, read at every launch).
+CODES_KERNELS = ["weights-b", "scale-a"]
+
+
+@pytest.fixture(params=CODES_KERNELS)
+def codes_kernel(request, monkeypatch):
+    monkeypatch.setenv("OASIS_CODES_KERNEL", request.param)
+    return request.param
 
 
 def assert_scores_close(got: torch.Tensor, want: torch.Tensor, mag: torch.Tensor) -> None:
@@ -80,7 +88,7 @@ def test_build_key_codes_bit_exact(dtype, head_dim, block_size, where):
 @pytest.mark.parametrize("group", GROUPS)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_score_blocks_codes_matches_cpu_twin_key_codes(dtype, head_dim, group, block_size):
+def test_score_blocks_codes_matches_cpu_twin_key_codes(dtype, head_dim, group, block_size, codes_kernel):
     gen = seeded("key_codes-score", dtype, head_dim, group, block_size)
     geo, _, summaries, codes, q, blk_indptr, blk_indices = _case(gen, dtype, group, head_dim, block_size)
     want = ops.score_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices)
@@ -107,7 +115,7 @@ def test_score_blocks_codes_matches_cpu_twin_key_codes(dtype, head_dim, group, b
 
 @gpu_test
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_nan_propagates_like_the_cpu_twin_key_codes(dtype):
+def test_nan_propagates_like_the_cpu_twin_key_codes(dtype, codes_kernel):
     gen = seeded("key_codes-nan", dtype)
     geo, _, summaries, codes, q, blk_indptr, blk_indices = _case(gen, dtype, 4, 128, 16, hk=2)
     q[0, 5, 9] = float("nan")
@@ -122,7 +130,7 @@ def test_nan_propagates_like_the_cpu_twin_key_codes(dtype):
 @gpu_test
 @pytest.mark.parametrize("head_dim", [128, 36])  # the Qwen3 shape and an odd one
 @pytest.mark.parametrize("case", MALFORMED_INDPTR)
-def test_malformed_blk_indptr_key_codes_scores_minus_inf(case, head_dim):
+def test_malformed_blk_indptr_key_codes_scores_minus_inf(case, head_dim, codes_kernel):
     """Memory safety (run under compute-sanitizer memcheck) and -inf for every entry in no
     well-formed row or with an out-of-range block id; entries of well-formed rows are scored."""
     gen = seeded("key_codes-malformed", case, head_dim)
@@ -163,7 +171,7 @@ def test_malformed_blk_indptr_key_codes_scores_minus_inf(case, head_dim):
 
 
 @gpu_test
-def test_select_loop_with_key_codes_on_a_side_stream():
+def test_select_loop_with_key_codes_on_a_side_stream(codes_kernel):
     """build_summaries -> build_key_codes (pinned host_k) -> score -> top-K, queued on a side stream."""
     gen = seeded("key_codes-stream")
     dtype, hk, group, d, bs = torch.bfloat16, 8, 4, 128, 16
@@ -193,3 +201,29 @@ def test_select_loop_with_key_codes_on_a_side_stream():
     assert torch.equal(back(g_codes), codes)
     assert_scores_close(back(scores), want, magnitude(q, summ, blk_indptr, blk_indices))
     assert back(top).shape == (2, hk, 32)
+
+
+@gpu_test
+@pytest.mark.parametrize("head_dim", [128, 64, 48])  # both unrolled shapes and a run-time one
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_scale_a_is_as_close_as_f32_and_falls_back_exactly(dtype, head_dim, monkeypatch):
+    """The scale-in-A path splits A and B into f16 pairs (~2^-20 relative): its scores stay within
+    1e-5 of the magnitude of the twin's (tests/test_key_codes.py emulates its arithmetic: ~1e-7),
+    so it selects what the CPU engine selects. A block whose channel range does not fit f16, and
+    every block of a sequence whose q / 3 does not, take the exact scalar path: the twin's bits."""
+    monkeypatch.setenv("OASIS_CODES_KERNEL", "scale-a")
+    gen = seeded("key_codes-scale-a", dtype, head_dim)
+    geo, _, summaries, codes, q, blk_indptr, blk_indices = _case(gen, dtype, 4, head_dim, 16)
+    big = 3e4 if dtype != torch.float16 else 2e4  # > OASIS_CODES_F16_RANGE (16384), finite in f16
+    b_wide = int(blk_indices[1])  # sequence 0: one block with a huge range
+    summaries[b_wide, 1, 1, 5] = big
+    q[2, 0, 7] = 3 * big  # sequence 2: q / 3 beyond the f16 range
+    want = ops.score_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices)
+    args = (dev(q), dev(summaries), dev(codes), dev(blk_indptr), dev(blk_indices))
+    got = back(ops.score_blocks_codes(geo, *args))
+    mag = magnitude(q, summaries, blk_indptr, blk_indices)
+    err = (got.double() - want.double()).abs()
+    assert (err <= 1e-5 * mag + 1e-6).all(), f"worst ratio {(err / mag).max().item():.3g}"
+    assert torch.equal(got[1, 1], want[1, 1]), "a block beyond the f16 range is scored exactly"
+    seq2 = slice(int(blk_indptr[2]), int(blk_indptr[3]))
+    assert torch.equal(got[seq2], want[seq2]), "a sequence beyond the f16 range is scored exactly"

@@ -268,3 +268,53 @@ def test_empty_key_codes_has_the_documented_layout():
     # 2 x the summary bytes of 16-bit storage, in all: the codes alone equal the summaries.
     assert codes.numel() == 10 * 8 * 2 * 128 * 2
     assert math.prod(codes.shape[1:]) * 8 == geo.num_kv_heads * geo.block_size * geo.head_dim * 2
+
+
+def emulate_codes_mma(q, summaries, codes, blk_indptr, blk_indices) -> torch.Tensor:
+    """The tensor-core path's arithmetic (cuda/key_codes.cu) in float64 with its f16 roundings:
+    r = max - min split into rh (bf16 precision, so c * rh is exact in f16) and rl = f16(r - rh);
+    A = c * rh and f16(c * rl); B = q / 3 as f16 high part and f16 residual; the three products
+    hi x hi, hi x lo, lo x hi summed exactly (the MMA's f32 sums round far less), plus q . min;
+    max over tokens, sum over the group. [nnz, Hkv] float64."""
+    s_n, hq, _ = q.shape
+    hk = summaries.shape[1]
+    group = hq // hk
+    f16 = torch.float16
+    out = torch.zeros(blk_indices.shape[0], hk, dtype=torch.float64)
+    for s in range(s_n):
+        w = q[s].float() * (1.0 / 3.0)
+        bh = w.to(f16)
+        bl = (w - bh.float()).to(f16)
+        bh, bl = bh.double(), bl.double()  # [Hq, D]
+        for j in range(int(blk_indptr[s]), int(blk_indptr[s + 1])):
+            b = int(blk_indices[j])
+            c = unpack_codes(codes[b]).to(f16)  # [Hkv, B, D], exact
+            lo, hi = summaries[b, :, 0].float(), summaries[b, :, 1].float()
+            r = hi - lo
+            rh = r.to(torch.bfloat16).float()
+            rl = (r - rh).to(f16)
+            ah = (c * rh.to(f16)[:, None, :]).double()  # exact
+            al = (c * rl[:, None, :]).double()  # f16 multiply: one rounding
+            for h in range(hk):
+                total = 0.0
+                for g in range(h * group, (h + 1) * group):
+                    base = float(q[s, g].double() @ lo[h].double())
+                    logits = ah[h] @ bh[g] + ah[h] @ bl[g] + al[h] @ bh[g]
+                    total += base + float(logits.max())
+                out[j, h] = total
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_tensor_core_f16_numerics_stay_within_the_gpu_tolerance(dtype, head_dim):
+    """The GPU's tensor-core path rounds A = c (max - min) and B = q / 3 to f16 pairs (high part
+    and residual): emulated here, its scores stay far within test_gpu_key_codes' bound, 4e-3 of
+    the magnitude sum_g sum_d |q| (|min| + |max|) (measured: about 1e-7 of it, f32 territory, so
+    the GPU engine selects what the CPU engine does)."""
+    gen = torch.Generator().manual_seed(head_dim + len(str(dtype)))
+    geo, _, summaries, codes, q, blk_indptr, blk_indices = _case(gen, dtype, 4, head_dim, 16, lens=[23, 9])
+    want = ref_score_blocks_codes(q, summaries, codes, blk_indptr, blk_indices)
+    got = emulate_codes_mma(q, summaries, codes, blk_indptr, blk_indices)
+    mag = magnitude(q, summaries, blk_indptr, blk_indices)
+    assert ((got - want).abs() / mag).max() < 1e-5

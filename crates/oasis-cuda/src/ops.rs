@@ -54,6 +54,28 @@ pub const SCORE_CODES_THREADS: u32 = 128;
 /// Consecutive block-table entries one warp of `score_blocks_codes_*` scores (for one KV head);
 /// must match OASIS_CODES_TILE.
 pub const SCORE_CODES_TILE: usize = 32;
+/// Environment variable choosing the tensor-core path of `score_blocks_codes_*`:
+/// `"weights-b"` (unset: the default, measured on the H200) rebuilds the MMA's B operand
+/// `q (max - min) / 3` for every block; `"scale-a"` puts the per-channel range into A (the codes
+/// times the range) so that B is `q / 3`, built once per sequence (cuda/key_codes.cu). Read at
+/// every launch (a captured graph keeps the value it was captured with). The default moves to
+/// `scale-a` once it is measured faster and its GPU tests pass (docs/PERF.md, "2-bit key codes").
+pub const CODES_KERNEL_ENV: &str = "OASIS_CODES_KERNEL";
+
+/// Whether [`CODES_KERNEL_ENV`] asks for the scale-in-A path.
+///
+/// # Errors
+/// [`CudaError::Invalid`] for a value other than `weights-b` or `scale-a`.
+fn codes_scale_in_a() -> Result<bool> {
+    match std::env::var(CODES_KERNEL_ENV).as_deref() {
+        Err(_) | Ok("") | Ok("weights-b") => Ok(false),
+        Ok("scale-a") => Ok(true),
+        Ok(other) => Err(CudaError::Invalid(OasisError::Invalid(format!(
+            "{CODES_KERNEL_ENV} must be weights-b or scale-a, got {other:?}"
+        )))),
+    }
+}
+
 /// Threads per block of `topk_blocks_f32`; must match OASIS_TOPK_THREADS.
 pub const TOPK_THREADS: u32 = 512;
 /// Largest `k` of [`Gpu::topk_blocks`]; must match OASIS_MAX_TOPK in cuda/score_blocks.cu.
@@ -973,7 +995,7 @@ impl Gpu {
                 head_dim: int("head_dim", d)?,
                 block_size: int("block_size", bs)?,
                 num_host_blocks: int("num_host_blocks", num_host)?,
-                _pad0: 0,
+                a_scale: i32::from(codes_scale_in_a()?),
             };
             // One warp per (tile of SCORE_CODES_TILE entries, KV head); a thread block holds
             // consecutive tiles of one head.

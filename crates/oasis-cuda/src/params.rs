@@ -345,7 +345,7 @@ kernel_params! {
         pub head_dim: i32, // a multiple of 4
         pub block_size: i32,
         pub num_host_blocks: i32,
-        pub _pad0: i32,
+        pub a_scale: i32, // tensor-core path: 1 scale in A (B = q / 3 per sequence), 0 weights in B
     }
 }
 

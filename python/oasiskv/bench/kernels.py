@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 
@@ -273,9 +274,12 @@ def bench_score(ops, geo, dev, dtype, batch: int, ctx: int, k: int) -> dict:
     }
 
 
-def bench_score_codes(ops, geo, dev, dtype, batch: int, ctx: int, k: int) -> dict:
+def bench_score_codes(ops, geo, dev, dtype, batch: int, ctx: int, k: int, kernel: str = "weights-b") -> dict:
     """The 2-bit key-code score (issue 12) + top-K at the shapes of :func:`bench_score`: it reads the
-    summaries and the codes (2 x the summary bytes)."""
+    summaries and the codes (2 x the summary bytes). ``kernel``: the tensor-core path
+    (``OASIS_CODES_KERNEL``, set around every call: ``weights-b`` rebuilds the MMA's B per block,
+    ``scale-a`` keeps B = q / 3 per sequence and scales A); ``max_rel_diff`` compares its scores
+    with ``weights-b``'s on the same inputs (relative to the largest |score|)."""
     hq, hk, d, b = geo.num_qo_heads, geo.num_kv_heads, geo.head_dim, geo.block_size
     nb = ctx // b
     n_host = batch * nb
@@ -295,12 +299,28 @@ def bench_score_codes(ops, geo, dev, dtype, batch: int, ctx: int, k: int) -> dic
         score()
         ops.topk_blocks(hk, scores, blk_indptr, k, top)
 
-    ms_s, _ = time_both(score)
-    ms, eager = time_both(both)
+    old = os.environ.get("OASIS_CODES_KERNEL")
+    try:
+        os.environ["OASIS_CODES_KERNEL"] = "weights-b"
+        score()
+        ref = scores.clone()
+        os.environ["OASIS_CODES_KERNEL"] = kernel
+        ms_s, _ = time_both(score)
+        ms, eager = time_both(both)
+        score()
+        diff = float((scores - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
+    finally:
+        if old is None:
+            os.environ.pop("OASIS_CODES_KERNEL", None)
+        else:
+            os.environ["OASIS_CODES_KERNEL"] = old
     sb = n_host * hk * 2 * d * dtype.itemsize
     cb = codes.numel()
+    suffix = "" if kernel == "weights-b" else f" ({kernel})"
     return {
-        "label": f"codes score+top-{k}, {ctx} ctx, batch {batch}",
+        "label": f"codes score+top-{k}, {ctx} ctx, batch {batch}{suffix}",
+        "kernel": kernel,
+        "max_rel_diff": diff,
         "ms": ms,
         "eager_ms": eager,
         "score_only_ms": ms_s,
@@ -409,6 +429,11 @@ def main(argv=None) -> int:
     c["ratio_to_quest"] = c["ms"] / s["ms"]  # time ratio: issue 12 asks <= 1.5
     c["target"] = "<= 1.5 x the Quest row's time"
     res["kernels"].append(c)
+    ca = bench_score_codes(ops, geo, dev, dtype, 16 if args.quick else 64, 32768, 128, kernel="scale-a")
+    ca["ratio_to_d2d"] = ca["Bps"] / d2d
+    ca["ratio_to_quest"] = ca["ms"] / s["ms"]
+    ca["target"] = "<= 1.5 x the Quest row's time; max_rel_diff <= 1e-5"
+    res["kernels"].append(ca)
     sel = bench_select(ops, geo, dev, 64 if args.quick else 256, 128, 7)
     sel["target"] = "<= 20 us per layer"
     res["kernels"].append(sel)
@@ -425,6 +450,8 @@ def main(argv=None) -> int:
                 parts.append(f"{key[9:]} {r[key]:.2f}")
         if "refcheck_max_abs_err" in r:
             parts.append(f"err {r['refcheck_max_abs_err']:.1e}")
+        if "max_rel_diff" in r:
+            parts.append(f"vs weights-b {r['max_rel_diff']:.1e}")
         parts.append(f"[target {r['target']}]")
         print("  ".join(parts))
         if "splits_ms" in r:
