@@ -492,3 +492,34 @@ def test_a_failed_read_is_retried_after_reconnecting(model):
         assert o.finish_reason == "length", o.error
         assert o.token_ids == ref.token_ids and o.metrics.network_fetched_bytes > 0
         assert not isinstance(eng.kv_source.client, Flaky)  # replaced by a fresh connection
+
+
+@pytest.mark.parametrize("transfer", ["partial", "full"])
+def test_staged_requests_speculate_losslessly(model, transfer):
+    """``kv_source`` with ``speculative=True``: accepted drafts are stored in the request's own
+    blocks (rows it writes itself, never the daemon's). With a budget covering the context the
+    tokens are dense's; with a small one the single-process speculative engine's, which equal
+    its non-speculative tokens' only where attention is exact, so that is not asserted."""
+    with Daemon() as d:
+        jobs = [{"prompt_len": P, "prompt_seed": 7, "first_query": "first_token", **BIG}]
+        jobs += [{"prompt_len": P, "prompt_seed": s, "first_query": "prompt", **SMALL} for s in SEEDS]
+        big, *small = _stage_in_worker_process(d.url, jobs)
+        remote = {"kv_source": d.url, "kv_transfer": transfer}
+        eng = LLMEngine(model, kv=KvConfig(**BIG), drafter="ngram", speculative=True, **remote)
+        (got,) = _run(eng, [lambda e: e.add_staged_request(big.to_json(), _params())])
+        (dense,) = _reference(model, KvConfig(**BIG), "dense", [big.prompt])
+        assert got.finish_reason == "length", got.error
+        assert got.token_ids == dense.token_ids
+        assert eng.spec_stats["accepted"] > 0, eng.spec_stats  # the n-gram drafts the repeats
+        assert pools_are_full(eng)
+
+        eng = LLMEngine(model, kv=KvConfig(**SMALL), drafter="ngram", speculative=True, **remote)
+        outs = _run(eng, [lambda e, h=h: e.add_staged_request(h, _params()) for h in small])
+        local = LLMEngine(model, kv=KvConfig(**SMALL), backend="oasis", drafter="ngram", speculative=True)
+        refs = _run(local, [lambda e, h=h: e.add_request(h.prompt, _params()) for h in small])
+        for o, ref in zip(outs, refs, strict=True):
+            assert o.finish_reason == "length", o.error
+            assert o.token_ids == ref.token_ids
+        assert eng.spec_stats == local.spec_stats
+        assert pools_are_full(eng)
+        assert eng.kv_source.client.stats()["live_requests"] == 0

@@ -396,8 +396,6 @@ class LLMEngine:
     def _connect_kv_source(self, src, transfer, token, timeout_s, retries, cuda_graph, cache_blocks=None):
         from .disagg import RemoteKvSource
 
-        if self.speculative:
-            raise ConfigError("kv_source with speculative=True is not supported yet; pass speculative=False")
         if transfer == "partial" and cuda_graph:
             raise ConfigError(
                 "kv_transfer='partial' reads missing blocks on the host between selection and gather, "
