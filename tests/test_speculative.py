@@ -601,3 +601,20 @@ def test_a_seeded_sampling_request_does_not_depend_on_its_neighbours(model):
     alone = tokens(1234, 0)
     assert tokens(1234, 2) == alone
     assert tokens(99, 0) != alone
+
+
+def test_top_p_one_keeps_the_tail_of_a_large_vocabulary():
+    """``sampling_probs`` at top_p = 1 keeps every token, as the host sampler does: where the
+    float32 running sum reaches 1 before the tail, a bare ``< top_p`` cut dropped the tail."""
+    from oasiskv.engine import sampling_probs
+
+    logits = torch.full((1, 200_000), -30.0)
+    logits[0, 0] = 0.0  # the head's probability rounds to 1.0 in float32; the tail's are ~1e-13
+    assert float(torch.softmax(logits, dim=-1)[0, 0]) == 1.0
+    got = sampling_probs(logits, torch.tensor([1.0]), torch.tensor([1.0]))
+    assert (got > 0).all()
+    want = torch.softmax(logits.double(), dim=-1).float()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+    # below 1 the cut still applies
+    cut = sampling_probs(logits, torch.tensor([1.0]), torch.tensor([0.9]))
+    assert int((cut > 0).sum()) == 1 and float(cut[0, 0]) == 1.0

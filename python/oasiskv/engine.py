@@ -551,7 +551,10 @@ def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch
     step cannot branch on it); only steps that hold a sampling row pay for it."""
     probs = torch.softmax(logits.float() / temperature.float().unsqueeze(1), dim=-1)
     sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
-    keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < top_p.float().unsqueeze(1)
+    tp = top_p.float().unsqueeze(1)
+    # top_p >= 1 keeps every token, as the host sampler does: float32 running sums reach 1 before
+    # the tail, and "< 1" alone would drop the tail's tokens.
+    keep = (torch.cumsum(sorted_p, dim=-1) - sorted_p < tp) | (tp >= 1.0)
     probs = torch.zeros_like(probs).scatter_(1, idx, sorted_p * keep)
     return probs / probs.sum(dim=-1, keepdim=True)
 
