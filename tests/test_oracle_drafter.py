@@ -170,7 +170,8 @@ def test_speculation_at_a_set_acceptance_is_lossless(model, reference, backend, 
 
 def test_a_shadow_head_costs_but_does_not_draft():
     """An EAGLE-3 head as the shadow: the engine captures its layers and feeds it the prompt, it
-    runs once per draft, and the tokens are the reference's (its drafts thrown away)."""
+    runs once per draft (batched across the step's requests), and the tokens are the reference's
+    (its drafts thrown away)."""
     model8 = tiny(seed=2, layers=8)
     ref, _ = run(model8, "dense", DENSE_KV, "ngram", False, lens=(20, 45), new=8)
 
@@ -181,6 +182,11 @@ def test_a_shadow_head_costs_but_does_not_draft():
             Counting.calls += 1
             assert features is not None  # the engine captured the head's layers
             return super().propose(req_id, tokens, features)
+
+        def propose_batch(self, req_ids, tokens_list, features_list):
+            Counting.calls += len(req_ids)  # one head row per request, in one step for all
+            assert all(f is not None for f in features_list)
+            return super().propose_batch(req_ids, tokens_list, features_list)
 
     head = Eagle3Head.random(model8.config, draft_vocab_size=64, seed=5).attach_target(model8)
     shadow = Counting(head, model8)

@@ -28,6 +28,8 @@ class Drafter:
 
     Lifecycle of a request: :meth:`begin`, then (only when :attr:`wants_prompt_features`) one
     :meth:`feed_prompt` per prefill chunk, then one :meth:`propose` per decode step, then :meth:`end`.
+    The engine asks for a step's drafts of all its requests at once (:meth:`propose_batch`, which
+    calls :meth:`propose` for each unless overridden).
     """
 
     name = "drafter"
@@ -64,6 +66,16 @@ class Drafter:
         (``[3 * hidden]``), for drafters that ask for them.
         """
         raise NotImplementedError
+
+    def propose_batch(
+        self,
+        req_ids: Sequence[int],
+        tokens_list: Sequence[Sequence[int]],
+        features_list: Sequence[torch.Tensor | None],
+    ) -> list[int]:
+        """One decode step's drafts for several requests: ``propose`` of each, in order (the
+        default). A drafter with a model overrides it to run that model once for all of them."""
+        return [self.propose(i, t, f) for i, t, f in zip(req_ids, tokens_list, features_list, strict=True)]
 
 
 class _NgramIndex:
@@ -256,6 +268,14 @@ class OracleDrafter(Drafter):
     def propose(self, req_id, tokens, features=None) -> int:
         if self.shadow is not None:
             self.shadow.propose(req_id, tokens, features)  # its cost, not its draft
+        return self._oracle(req_id, tokens)
+
+    def propose_batch(self, req_ids, tokens_list, features_list) -> list[int]:
+        if self.shadow is not None:
+            self.shadow.propose_batch(req_ids, tokens_list, features_list)  # its cost, not its drafts
+        return [self._oracle(i, t) for i, t in zip(req_ids, tokens_list, strict=True)]
+
+    def _oracle(self, req_id, tokens) -> int:
         k = req_id - self.first_id
         cont = self.continuations[k]
         i = len(tokens) - self._prompt_len[req_id]  # index of the next generated token
@@ -393,6 +413,35 @@ class Eagle3Drafter(Drafter):
             second = self.head.draft_logits(h)[0].topk(2).indices[1:]
             self.last_runner_up[req_id] = int(self.head.to_target_ids(second)[0])
         return int(draft[0])
+
+    @torch.no_grad()
+    def propose_batch(self, req_ids, tokens_list, features_list) -> list[int]:
+        """Every request's draft from ONE head step (:meth:`Eagle3Head.step_batch`): the head's
+        weights are read once per decode step instead of once per request. Each request's head
+        state grows exactly as with :meth:`propose`; requests without features draft their
+        current token, as there."""
+        out = [int(t[-1]) if f is None else 0 for t, f in zip(tokens_list, features_list, strict=True)]
+        rows = [i for i, f in enumerate(features_list) if f is not None]
+        if not rows:
+            return out
+        dev = features_list[rows[0]].device
+        dt = next(self.head.parameters()).dtype
+        states = [self._states[req_ids[i]] for i in rows]
+        feats = torch.stack([features_list[i].reshape(-1).to(device=dev, dtype=dt) for i in rows])
+        ids = torch.tensor([tokens_list[i][-1] for i in rows], device=dev)
+        pos = torch.tensor([len(tokens_list[i]) - 1 for i in rows], device=dev)
+        draft, _, logits = self.head.step_batch(states, feats, ids, pos)
+        if self.track_confidence:
+            conf = torch.softmax(logits, -1).max(dim=-1).values.tolist()
+            for i, c in zip(rows, conf, strict=True):
+                self.last_confidence[req_ids[i]] = float(c)
+        if self.track_runner_up:
+            second = self.head.to_target_ids(logits.topk(2, dim=-1).indices[:, 1]).tolist()
+            for i, s in zip(rows, second, strict=True):
+                self.last_runner_up[req_ids[i]] = int(s)
+        for i, d in zip(rows, draft.tolist(), strict=True):
+            out[i] = int(d)
+        return out
 
 
 #: Heads bundled in the wheel, by the model name that ``LLM`` / ``LLMEngine`` accept.

@@ -599,17 +599,16 @@ class LLMEngine:
         dt = time.perf_counter() - t0
         # Requests whose KV the staging daemon failed to serve in this step: their logits are void.
         failed = self.kv_source.take_failed() if self.kv_source is not None else {}
-        still = []
+        going = []
         for seq, tok in zip(running, toks, strict=True):
             seq.req.metrics.decode_s += dt / len(running)
             if seq.req.id in failed:
                 self._finish(seq, "error", failed[seq.req.id])
-            else:
-                self._accept(seq, tok)
+            elif self._take(seq, tok):
+                going.append(seq)
             touched.append(seq)
-            if seq.req.finish_reason is None:
-                still.append(seq)
-        self._running = still
+        self._next_drafts(going)
+        self._running = [seq for seq in running if seq.req.finish_reason is None]
 
     def _decode_speculative(self, touched: list[_Seq]) -> None:
         """One decode step that verifies each request's draft: every request gains its next token
@@ -662,7 +661,6 @@ class LLMEngine:
         for seq, tok2 in two:
             seq.req.features = seq.req.draft_features  # the features of the accepted draft's row
             self._take(seq, tok2)
-        still = []
         took_two = {id(seq) for seq, _ in two}
         for seq in running:
             r, m = seq.req, seq.req.metrics
@@ -672,11 +670,8 @@ class LLMEngine:
             m.tokens_per_step = m.decode_tokens / m.steps if m.steps else None
             m.acceptance_rate = m.accepted_tokens / m.draft_tokens if m.draft_tokens else None
             r.draft_features = None
-            if r.finish_reason is None:
-                self._next_draft(seq)
-            if r.finish_reason is None:
-                still.append(seq)
-        self._running = still
+        self._next_drafts([seq for seq in running if seq.req.finish_reason is None])
+        self._running = [seq for seq in running if seq.req.finish_reason is None]
 
     def _row_sampling(self, seq: _Seq) -> RowSampling | None:
         """What a speculative step needs to sample for this request: None where it is greedy (or
@@ -740,7 +735,7 @@ class LLMEngine:
         """Append a sampled token, check the stop conditions, draft the next lookahead token and
         turn the request sparse once its context passes the threshold."""
         if self._take(seq, tok):
-            self._next_draft(seq)
+            self._next_drafts([seq])
 
     def _take(self, seq: _Seq, tok: int | None) -> bool:
         """Append a sampled token and check the stop conditions; whether the request goes on."""
@@ -765,18 +760,26 @@ class LLMEngine:
             return False
         return True
 
-    def _next_draft(self, seq: _Seq) -> None:
-        """Draft the next lookahead token and turn the request sparse once its context passes the
-        threshold."""
-        eng, r = self.engine, seq.req
-        if eng.rows == 2:
-            r.draft = self.drafter.propose(r.id, r.tokens, r.features)
-        if eng.backend == "oasis" and not r.sparse and eng.runtime.wants_sparse(r.id):
-            try:
-                eng.make_sparse(r)
-            except (OasisError, torch.OutOfMemoryError) as e:
-                # Its blocks go back with it; the others go on.
-                self._finish(seq, "error", f"turning the request sparse failed: {e}")
+    def _next_drafts(self, seqs: list[_Seq]) -> None:
+        """Draft the next lookahead token of every request in ``seqs`` -- one
+        ``Drafter.propose_batch`` call, so a model drafter runs once per step, not once per
+        request -- and turn each request sparse once its context passes the threshold."""
+        eng = self.engine
+        if eng.rows == 2 and seqs:
+            reqs = [s.req for s in seqs]
+            drafts = self.drafter.propose_batch(
+                [r.id for r in reqs], [r.tokens for r in reqs], [r.features for r in reqs]
+            )
+            for r, d in zip(reqs, drafts, strict=True):
+                r.draft = d
+        for seq in seqs:
+            r = seq.req
+            if eng.backend == "oasis" and not r.sparse and eng.runtime.wants_sparse(r.id):
+                try:
+                    eng.make_sparse(r)
+                except (OasisError, torch.OutOfMemoryError) as e:
+                    # Its blocks go back with it; the others go on.
+                    self._finish(seq, "error", f"turning the request sparse failed: {e}")
 
     def _finish(self, seq: _Seq, reason: str, error: str | None = None) -> None:
         r = seq.req

@@ -53,7 +53,14 @@ from torch import Tensor, nn
 
 from oasiskv.errors import CheckpointError, ConfigError, ShapeError
 from oasiskv.models.config import ModelConfig
-from oasiskv.models.transformer import RMSNorm, apply_rope, causal_attention, rope_cos_sin, rope_inv_freq
+from oasiskv.models.transformer import (
+    SDPA_GQA,
+    RMSNorm,
+    apply_rope,
+    causal_attention,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 
 
 def eagle3_capture_layers(num_layers: int) -> tuple[int, int, int]:
@@ -254,6 +261,14 @@ class Eagle3Head(nn.Module):
     def _layer(
         self, features: Tensor, token_ids: Tensor, positions: Tensor, state: Eagle3State | None
     ) -> Tensor:
+        h, q, k, v = self._qkv(features, token_ids, positions)
+        if state is not None:
+            k, v = state.append(k, v)
+        o = causal_attention(q, k, v, self.config.head_dim**-0.5)
+        return self._out(h, o)
+
+    def _qkv(self, features: Tensor, token_ids: Tensor, positions: Tensor) -> tuple[Tensor, ...]:
+        """The layer up to attention: (residual h [n, H], q [n, Hq, D], k, v [n, Hkv, D]), RoPE'd."""
         n = token_ids.shape[0]
         if (
             token_ids.dim() != 1
@@ -287,11 +302,12 @@ class Eagle3Head(nn.Module):
         k = at.k_proj(x).view(n, cfg.num_key_value_heads, d)  # type: ignore[arg-type]
         v = at.v_proj(x).view(n, cfg.num_key_value_heads, d)  # type: ignore[arg-type]
         cos, sin = rope_cos_sin(self.inv_freq, positions.to(self.inv_freq.device), dt)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if state is not None:
-            k, v = state.append(k, v)
-        o = causal_attention(q, k, v, d**-0.5)  # type: ignore[operator]
-        h = h + at.o_proj(o.reshape(n, -1))
+        return h, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _out(self, h: Tensor, o: Tensor) -> Tensor:
+        """The layer after attention: o_proj of the attention output o [n, Hq, D], residual, MLP."""
+        ml = self.midlayer
+        h = h + ml.self_attn.o_proj(o.reshape(o.shape[0], -1))
         return h + ml.mlp(ml.post_attention_layernorm(h))
 
     def draft_logits(self, hidden: Tensor) -> Tensor:
@@ -325,6 +341,52 @@ class Eagle3Head(nn.Module):
         h = self.extend(state, features, token_ids, positions)
         draft = self.draft_logits(h).argmax(dim=-1)
         return self.to_target_ids(draft), h
+
+    @torch.no_grad()
+    def step_batch(
+        self, states: Sequence[Eagle3State], features: Tensor, token_ids: Tensor, positions: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Draft ONE position for each of B requests in one pass over the head's weights.
+
+        Row i is request i's :meth:`step` of one row: features [B, 3*Ht] (or [B, H]), token_ids
+        [B], positions [B]; row i's K/V are appended to ``states[i]`` exactly as :meth:`step`
+        appends them, and row i attends to everything in ``states[i]`` (its own head KV, of its
+        own length). The projections, MLP and LM head run batched (the head's weights are read
+        once, not B times); the attention is one SDPA call over the B caches padded to the
+        longest, the padding masked out. Returns (draft token ids [B] in the TARGET vocabulary,
+        draft hidden [B, H], draft logits [B, draft_vocab] float32).
+
+        NOTE: the padded copy reads and writes each cache once more per step (B * max_len *
+        Hkv * D * 2 elements); next to the head's ~400M weights at Qwen3-8B shapes that is small
+        until the caches reach several thousand positions each.
+        """
+        b = len(states)
+        if token_ids.dim() != 1 or token_ids.shape[0] != b:
+            raise ShapeError(
+                f"step_batch takes one row per state: {b} states but token_ids {tuple(token_ids.shape)}"
+            )
+        if len(set(map(id, states))) != b:
+            raise ShapeError("step_batch got the same Eagle3State twice; pass one state per request")
+        h, q, k, v = self._qkv(features, token_ids, positions)
+        if b == 1:
+            kk, vv = states[0].append(k, v)
+            o = causal_attention(q, kk, vv, self.config.head_dim**-0.5)
+        else:
+            caches = [st.append(k[i : i + 1], v[i : i + 1]) for i, st in enumerate(states)]
+            lens = [c[0].shape[0] for c in caches]
+            lmax = max(lens)
+            hkv, d = k.shape[1], k.shape[2]
+            kp = k.new_zeros((b, lmax, hkv, d))  # [B, max_len, Hkv, D]
+            vp = v.new_zeros((b, lmax, hkv, d))
+            for i, (ck, cv) in enumerate(caches):
+                kp[i, : lens[i]] = ck
+                vp[i, : lens[i]] = cv
+            lens_t = torch.tensor(lens, device=k.device)
+            mask = torch.arange(lmax, device=k.device)[None, :] < lens_t[:, None]  # [B, max_len]
+            o = _padded_attention(q, kp, vp, mask, d**-0.5)
+        hidden = self._out(h, o)
+        logits = self.draft_logits(hidden)
+        return self.to_target_ids(logits.argmax(dim=-1)), hidden, logits
 
     def forward_train(self, features: Tensor, tokens: Tensor, positions: Tensor | None = None) -> Tensor:
         """Teacher-forced draft logits [T, draft_vocab] (float32) over one sequence, causal.
@@ -485,6 +547,23 @@ class Eagle3Head(nn.Module):
             if "t2d" not in tensors:
                 head.t2d.fill_(True)
         return head
+
+
+def _padded_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """One query per sequence over padded keys: q [B, Hq, D]; k, v [B, L, Hkv, D]; mask [B, L]
+    (True = a real key). Query head g uses KV head g // (Hq // Hkv). Returns [B, Hq, D]."""
+    hq, hkv = q.shape[1], k.shape[2]
+    qt = q.unsqueeze(2)  # [B, Hq, 1, D]
+    kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, L, D]
+    gqa = {}
+    if hq != hkv:
+        if SDPA_GQA:
+            gqa["enable_gqa"] = True
+        else:
+            kt = kt.repeat_interleave(hq // hkv, dim=1)
+            vt = vt.repeat_interleave(hq // hkv, dim=1)
+    out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask[:, None, None, :], scale=scale, **gqa)
+    return out[:, :, 0]
 
 
 def _read_weights(path: Path) -> dict[str, Tensor]:
