@@ -502,10 +502,7 @@ def _bucket(n: int) -> int:
     times a power of two (at most 25 % padding). Padded rows still cost their share of every GEMM
     and of the drafter's work, so a power of two above 16 wasted up to half the step (33 requests
     ran as 64; docs/PERF.md)."""
-    if n <= 16:
-        return 1 << max(0, n - 1).bit_length()
-    unit = 1 << (n.bit_length() - 3)
-    return -(-n // unit) * unit
+    return 1 << max(0, n - 1).bit_length() if n <= 16 else _round_cap(n)
 
 
 def _round_cap(x: int) -> int:

@@ -227,12 +227,11 @@ def in_process_sweep(eng, prompts: list[list[int]], max_tokens: int, concurrency
 
 # ---------------------------------------------------------------------- tensor parallel
 def _preset(name: str):
-    """The preset ``name`` when no file or directory of that name exists, else None."""
-    import os
+    """:func:`~oasiskv.models.config.preset_unless_path`, imported when needed (this module
+    stays light to import)."""
+    from ..models.config import preset_unless_path
 
-    from ..models.config import PRESETS, preset_config
-
-    return preset_config(name) if name in PRESETS and not os.path.exists(name) else None
+    return preset_unless_path(name)
 
 
 def load_in_process_model(args, device, group=None):

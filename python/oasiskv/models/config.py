@@ -614,6 +614,14 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
+def preset_unless_path(name: str) -> ModelConfig | None:
+    """The :data:`PRESETS` entry ``name`` (a copy) when no file or directory of that name exists,
+    else None: where a model argument may be a checkpoint path or a preset, a path wins."""
+    import os
+
+    return preset_config(name) if name in PRESETS and not os.path.exists(name) else None
+
+
 def preset_config(name: str) -> ModelConfig:
     """The :data:`PRESETS` entry ``name`` (a copy)."""
     if name not in PRESETS:

@@ -129,11 +129,10 @@ def served_model(args):
     """What ``oasis serve`` loads: ``args.model`` itself (a name or path the engine loads), or,
     for the name of a model-shaped preset with no file of that name, that preset with random
     weights on the engine's device (benchmarks: the server then has no tokenizer)."""
-    import os
+    from ..models.config import preset_unless_path
 
-    from ..models.config import PRESETS, preset_config
-
-    if args.model not in PRESETS or os.path.exists(args.model):
+    cfg = preset_unless_path(args.model)
+    if cfg is None:
         return args.model
     from ..bench.prefill import random_model
 
@@ -142,7 +141,7 @@ def served_model(args):
         f"oasis serve: {args.model} is a preset: random weights, no tokenizer (send token ids)",
         file=sys.stderr,
     )
-    return random_model(preset_config(args.model), kw["dtype"], kw["device"])
+    return random_model(cfg, kw["dtype"], kw["device"])
 
 
 def cmd_serve(args) -> int:
