@@ -531,48 +531,25 @@ impl StagingPool {
         max_bytes: u64,
         now: Instant,
     ) -> Result<BlockResults> {
-        let mut total = 64u64;
-        for k in keys {
-            total += 6 + self
-                .requests
-                .get(&k.request)
-                .map_or(0, |r| r.geometry.read_bytes(k.head));
-        }
-        if total > max_bytes {
-            return Err(Error::FrameTooLarge {
-                len: total,
-                max: max_bytes,
-            });
-        }
+        self.check_read(keys, 64, 6, max_bytes)?;
         let mut out = Vec::with_capacity(keys.len());
         for k in keys {
-            let Some(r) = self.requests.get_mut(&k.request) else {
-                out.push(Err(ErrorCode::UnknownRequest));
-                continue;
-            };
-            r.last_touch = now;
-            let g = r.geometry;
-            if g.check_layer(k.layer).is_err()
-                || g.check_block(k.block).is_err()
-                || g.check_head(k.head).is_err()
-            {
-                out.push(Err(ErrorCode::BadRequest));
-                continue;
-            }
-            let Some(data) = r.blocks.get(&(k.layer, k.block)) else {
-                out.push(Err(ErrorCode::MissingBlock));
-                continue;
+            let (r, data) = match self.block_of(k, now) {
+                Ok(found) => found,
+                Err(code) => {
+                    out.push(Err(code));
+                    continue;
+                }
             };
             if k.head == ALL_HEADS {
                 out.push(Ok(data.clone()));
             } else {
-                // K rows of head h, then its V rows: [2][num_kv_heads][block_size][head_dim].
-                let hb = g.head_bytes() as usize;
-                let h = usize::from(k.head);
-                let v = usize::from(g.num_kv_heads) + h;
+                // K rows of the head, then its V rows.
+                let hb = r.geometry.head_bytes() as usize;
                 let mut buf = BytesMut::with_capacity(2 * hb);
-                buf.extend_from_slice(&data[h * hb..(h + 1) * hb]);
-                buf.extend_from_slice(&data[v * hb..(v + 1) * hb]);
+                for at in r.geometry.head_offsets(k.head) {
+                    buf.extend_from_slice(&data[at as usize..at as usize + hb]);
+                }
                 out.push(Ok(buf.freeze()));
             }
         }
@@ -601,38 +578,16 @@ impl StagingPool {
         max_bytes: u64,
         now: Instant,
     ) -> Result<RmaRead> {
-        let mut total = 0u64;
-        for k in keys {
-            total += self
-                .requests
-                .get(&k.request)
-                .map_or(0, |r| r.geometry.read_bytes(k.head));
-        }
-        if total > max_bytes {
-            return Err(Error::FrameTooLarge {
-                len: total,
-                max: max_bytes,
-            });
-        }
+        self.check_read(keys, 0, 0, max_bytes)?;
         let mut out = RmaRead::default();
         let mut index: HashMap<*const (), u32> = HashMap::new();
         for k in keys {
-            let Some(r) = self.requests.get_mut(&k.request) else {
-                out.entries.push(Err(ErrorCode::UnknownRequest));
-                continue;
-            };
-            r.last_touch = now;
-            let g = r.geometry;
-            if g.check_layer(k.layer).is_err()
-                || g.check_block(k.block).is_err()
-                || g.check_head(k.head).is_err()
-            {
-                out.entries.push(Err(ErrorCode::BadRequest));
-                continue;
-            }
-            let Some(data) = r.blocks.get(&(k.layer, k.block)) else {
-                out.entries.push(Err(ErrorCode::MissingBlock));
-                continue;
+            let (r, data) = match self.block_of(k, now) {
+                Ok(found) => found,
+                Err(code) => {
+                    out.entries.push(Err(code));
+                    continue;
+                }
             };
             let at = data.as_ptr() as u64;
             let len = data.len() as u64;
@@ -656,28 +611,69 @@ impl StagingPool {
                     len: len as u32,
                 }]
             } else {
-                // K rows of head h, then its V rows: [2][num_kv_heads][block_size][head_dim].
-                let hb = g.head_bytes();
-                let h = u64::from(k.head);
-                let v = u64::from(g.num_kv_heads) + h;
-                vec![
-                    RmaRange {
+                // K rows of the head, then its V rows.
+                let hb = r.geometry.head_bytes();
+                r.geometry
+                    .head_offsets(k.head)
+                    .iter()
+                    .map(|at| RmaRange {
                         region: idx,
-                        offset: offset + h * hb,
+                        offset: offset + at,
                         len: hb as u32,
-                    },
-                    RmaRange {
-                        region: idx,
-                        offset: offset + v * hb,
-                        len: hb as u32,
-                    },
-                ]
+                    })
+                    .collect()
             };
             out.bytes += ranges.iter().map(|r| u64::from(r.len)).sum::<u64>();
             out.pins.push(data.clone());
             out.entries.push(Ok(ranges));
         }
         Ok(out)
+    }
+
+    /// Refuse a read whose reply would pass `max_bytes`: `base` bytes, plus per key `per_key`
+    /// and the bytes it reads (0 for an unknown request).
+    fn check_read(&self, keys: &[BlockKey], base: u64, per_key: u64, max_bytes: u64) -> Result<()> {
+        let mut total = base;
+        for k in keys {
+            total += per_key
+                + self
+                    .requests
+                    .get(&k.request)
+                    .map_or(0, |r| r.geometry.read_bytes(k.head));
+        }
+        if total > max_bytes {
+            return Err(Error::FrameTooLarge {
+                len: total,
+                max: max_bytes,
+            });
+        }
+        Ok(())
+    }
+
+    /// The staged request and block `k` names (the request touched at `now`), or the entry's
+    /// error: an unknown request, a key outside its geometry, a block not staged.
+    fn block_of(
+        &mut self,
+        k: &BlockKey,
+        now: Instant,
+    ) -> std::result::Result<(&StagedRequest, &Bytes), ErrorCode> {
+        let r = self
+            .requests
+            .get_mut(&k.request)
+            .ok_or(ErrorCode::UnknownRequest)?;
+        r.last_touch = now;
+        let g = r.geometry;
+        if g.check_layer(k.layer).is_err()
+            || g.check_block(k.block).is_err()
+            || g.check_head(k.head).is_err()
+        {
+            return Err(ErrorCode::BadRequest);
+        }
+        let data = r
+            .blocks
+            .get(&(k.layer, k.block))
+            .ok_or(ErrorCode::MissingBlock)?;
+        Ok((r, data))
     }
 
     /// Free everything of `request`; returns the bytes freed (0 if it was not staged: release

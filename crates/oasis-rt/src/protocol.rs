@@ -228,6 +228,14 @@ impl Geometry {
         u64::from(self.block_size) * u64::from(self.head_dim) * u64::from(self.dtype_bytes)
     }
 
+    /// Offsets in a block of head `head`'s K rows and of its V rows (each [`Self::head_bytes`]
+    /// long): the block is `[2][num_kv_heads][block_size][head_dim]`.
+    pub fn head_offsets(&self, head: u16) -> [u64; 2] {
+        let hb = self.head_bytes();
+        let h = u64::from(head);
+        [h * hb, (u64::from(self.num_kv_heads) + h) * hb]
+    }
+
     /// Bytes of one block, K and V of every head.
     pub fn block_bytes(&self) -> u64 {
         2 * u64::from(self.num_kv_heads) * self.head_bytes()
@@ -693,6 +701,15 @@ impl Writer {
             self.raw(&r.data);
         }
     }
+    fn keys(&mut self, keys: &[BlockKey]) {
+        self.u32(keys.len() as u32);
+        for k in keys {
+            self.u64(k.request);
+            self.u16(k.layer);
+            self.u32(k.block);
+            self.u16(k.head);
+        }
+    }
     fn sections(&mut self, sections: &[Section]) {
         self.u8(sections.len() as u8);
         for s in sections {
@@ -702,6 +719,12 @@ impl Writer {
             self.raw(&s.data);
         }
     }
+}
+
+/// Wire bytes of a key list (count, then 16 bytes a key), within [`MAX_ENTRIES`].
+fn check_keys(keys: &[BlockKey]) -> Result<u64> {
+    check_count("key count", keys.len(), MAX_ENTRIES)?;
+    Ok(4 + 16 * keys.len() as u64)
 }
 
 fn check_count(field: &'static str, n: usize, max: usize) -> Result<()> {
@@ -874,16 +897,10 @@ fn encoded_payload_len(message: &Message) -> Result<u64> {
             8 + 4 + 6 * m.selected.len() as u64 + check_sections(&m.sections)?
         }
         Message::FetchAdmission(_) => 8 + 2 + 2 + 1,
-        Message::ReadBlocks(m) => {
-            check_count("key count", m.keys.len(), MAX_ENTRIES)?;
-            4 + 16 * m.keys.len() as u64
-        }
+        Message::ReadBlocks(m) => check_keys(&m.keys)?,
         Message::Release { .. } => 8,
         Message::Stats => 0,
-        Message::ReadBlocksRma(m) => {
-            check_count("key count", m.keys.len(), MAX_ENTRIES)?;
-            4 + 4 + 16 * m.keys.len() as u64
-        }
+        Message::ReadBlocksRma(m) => 4 + check_keys(&m.keys)?,
         Message::Ack { .. } | Message::Acked { .. } => 4,
         Message::BlocksRma(m) => check_blocks_rma(m)?,
         Message::HelloOk(_) => 7,
@@ -963,26 +980,12 @@ fn write_payload(w: &mut Writer, message: &Message) {
             w.u16(m.num_layers);
             w.u8(m.include_sections.into());
         }
-        Message::ReadBlocks(m) => {
-            w.u32(m.keys.len() as u32);
-            for k in &m.keys {
-                w.u64(k.request);
-                w.u16(k.layer);
-                w.u32(k.block);
-                w.u16(k.head);
-            }
-        }
+        Message::ReadBlocks(m) => w.keys(&m.keys),
         Message::Release { request } => w.u64(*request),
         Message::Stats => {}
         Message::ReadBlocksRma(m) => {
             w.u32(m.lease);
-            w.u32(m.keys.len() as u32);
-            for k in &m.keys {
-                w.u64(k.request);
-                w.u16(k.layer);
-                w.u32(k.block);
-                w.u16(k.head);
-            }
+            w.keys(&m.keys);
         }
         Message::Ack { lease } | Message::Acked { lease } => w.u32(*lease),
         Message::BlocksRma(m) => {
@@ -1272,6 +1275,20 @@ impl Reader {
         Ok(runs)
     }
 
+    fn keys(&mut self) -> Result<Vec<BlockKey>> {
+        let n = self.count("key count", MAX_ENTRIES, 16)?;
+        let mut keys = Vec::with_capacity(n);
+        for _ in 0..n {
+            keys.push(BlockKey {
+                request: self.u64("request")?,
+                layer: self.u16("layer")?,
+                block: self.u32("block")?,
+                head: self.u16("head")?,
+            });
+        }
+        Ok(keys)
+    }
+
     fn sections(&mut self) -> Result<Vec<Section>> {
         let n = self.u8("section count")?;
         let n = self.bound_count("section count", n.into(), MAX_SECTIONS, 6)?;
@@ -1379,36 +1396,17 @@ fn decode_payload(kind: u8, r: &mut Reader) -> Result<Message> {
                 include_sections,
             })
         }
-        kind::READ_BLOCKS => {
-            let n = r.count("key count", MAX_ENTRIES, 16)?;
-            let mut keys = Vec::with_capacity(n);
-            for _ in 0..n {
-                keys.push(BlockKey {
-                    request: r.u64("request")?,
-                    layer: r.u16("layer")?,
-                    block: r.u32("block")?,
-                    head: r.u16("head")?,
-                });
-            }
-            Message::ReadBlocks(ReadBlocks { keys })
-        }
+        kind::READ_BLOCKS => Message::ReadBlocks(ReadBlocks { keys: r.keys()? }),
         kind::RELEASE => Message::Release {
             request: r.u64("request")?,
         },
         kind::STATS => Message::Stats,
         kind::READ_BLOCKS_RMA => {
             let lease = r.u32("lease")?;
-            let n = r.count("key count", MAX_ENTRIES, 16)?;
-            let mut keys = Vec::with_capacity(n);
-            for _ in 0..n {
-                keys.push(BlockKey {
-                    request: r.u64("request")?,
-                    layer: r.u16("layer")?,
-                    block: r.u32("block")?,
-                    head: r.u16("head")?,
-                });
-            }
-            Message::ReadBlocksRma(ReadBlocksRma { lease, keys })
+            Message::ReadBlocksRma(ReadBlocksRma {
+                lease,
+                keys: r.keys()?,
+            })
         }
         kind::ACK => Message::Ack {
             lease: r.u32("lease")?,

@@ -153,6 +153,19 @@ fn bytes(max: usize) -> impl Strategy<Value = Bytes> {
     proptest::collection::vec(any::<u8>(), 0..max).prop_map(Bytes::from)
 }
 
+fn block_keys() -> impl Strategy<Value = Vec<BlockKey>> {
+    proptest::collection::vec(any::<(u64, u16, u32, u16)>(), 0..6).prop_map(|v| {
+        v.into_iter()
+            .map(|(request, layer, block, head)| BlockKey {
+                request,
+                layer,
+                block,
+                head,
+            })
+            .collect()
+    })
+}
+
 fn sections() -> impl Strategy<Value = Vec<Section>> {
     proptest::collection::vec(
         ("[a-z0-9_./:-]{1,12}", bytes(40)).prop_map(|(name, data)| Section { name, data }),
@@ -264,22 +277,8 @@ fn blocks_rma() -> impl Strategy<Value = Message> {
 fn message() -> impl Strategy<Value = Message> {
     prop_oneof![
         blocks_rma(),
-        (
-            any::<u32>(),
-            proptest::collection::vec(any::<(u64, u16, u32, u16)>(), 0..6)
-        )
-            .prop_map(|(lease, v)| Message::ReadBlocksRma(ReadBlocksRma {
-                lease,
-                keys: v
-                    .into_iter()
-                    .map(|(request, layer, block, head)| BlockKey {
-                        request,
-                        layer,
-                        block,
-                        head,
-                    })
-                    .collect(),
-            })),
+        (any::<u32>(), block_keys())
+            .prop_map(|(lease, keys)| Message::ReadBlocksRma(ReadBlocksRma { lease, keys })),
         any::<u32>().prop_map(|lease| Message::Ack { lease }),
         any::<u32>().prop_map(|lease| Message::Acked { lease }),
         (any::<u16>(), any::<u32>(), any::<bool>()).prop_map(|(version, max_frame, rma)| {
@@ -330,23 +329,7 @@ fn message() -> impl Strategy<Value = Message> {
                 })
             }
         ),
-        proptest::collection::vec(
-            (any::<u64>(), any::<u16>(), any::<u32>(), any::<u16>()),
-            0..6
-        )
-        .prop_map(|v| {
-            Message::ReadBlocks(ReadBlocks {
-                keys: v
-                    .into_iter()
-                    .map(|(request, layer, block, head)| BlockKey {
-                        request,
-                        layer,
-                        block,
-                        head,
-                    })
-                    .collect(),
-            })
-        }),
+        block_keys().prop_map(|keys| Message::ReadBlocks(ReadBlocks { keys })),
         any::<u64>().prop_map(|request| Message::Release { request }),
         Just(Message::Stats),
         geometry().prop_flat_map(|g| (runs(g), staged_blocks(g), sections()).prop_map(
