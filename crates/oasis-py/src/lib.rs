@@ -280,6 +280,29 @@ fn pool_rows(cx: &Cx<'_>, g: &KvGeometry, pool: &[(&str, &TensorArg)]) -> PyResu
     Ok(n)
 }
 
+/// The shapes shared by the kernels that read host K rows into per-block summary data:
+/// `host` the host pool, `summaries [nb, num_kv_heads, 2, head_dim]`, and int32 `tables`
+/// (`block_ids` first) of one length. Returns `nb`.
+fn check_block_tables(
+    py: Python<'_>,
+    cx: &Cx<'_>,
+    g: &KvGeometry,
+    host: &[(&str, &TensorArg)],
+    summaries: &TensorArg,
+    tables: &[(&str, &TensorArg)],
+) -> PyResult<usize> {
+    pool_rows(&cx.host(), g, host)?;
+    let nb = summaries.dim(cx, "summaries", 4, 0)?;
+    summaries.expect_shape(cx, "summaries", &[nb, g.num_kv_heads, 2, g.head_dim])?;
+    let (first_name, first) = tables[0];
+    let n = first.dim(cx, first_name, 1, 0)?;
+    for &(name, t) in tables {
+        t.expect_i32(py, name)?;
+        t.expect_shape(cx, name, &[n])?;
+    }
+    Ok(nb)
+}
+
 /// Outputs must not share memory with each other nor with any input of the same call.
 fn check_outputs(
     py: Python<'_>,
@@ -672,14 +695,7 @@ fn build_summaries(
             &[&[("summaries", &summaries)][..], &tables].concat(),
             &host,
         )?;
-        pool_rows(&cx.host(), &g, &host)?;
-        let nb = summaries.dim(&cx, "summaries", 4, 0)?;
-        summaries.expect_shape(&cx, "summaries", &[nb, g.num_kv_heads, 2, g.head_dim])?;
-        let n = block_ids.dim(&cx, "block_ids", 1, 0)?;
-        for &(name, t) in &tables {
-            t.expect_i32(py, name)?;
-            t.expect_shape(&cx, name, &[n])?;
-        }
+        check_block_tables(py, &cx, &g, &host, &summaries, &tables)?;
         let dt = kv_dtype(py, &[("host_k", &host_k), ("summaries", &summaries)])?;
         check_outputs(
             py,
@@ -812,14 +828,7 @@ fn build_key_codes(
             &[&[("summaries", &summaries), ("codes", &codes)][..], &tables].concat(),
             &host,
         )?;
-        pool_rows(&cx.host(), &g, &host)?;
-        let nb = summaries.dim(&cx, "summaries", 4, 0)?;
-        summaries.expect_shape(&cx, "summaries", &[nb, g.num_kv_heads, 2, g.head_dim])?;
-        let n = block_ids.dim(&cx, "block_ids", 1, 0)?;
-        for &(name, t) in &tables {
-            t.expect_i32(py, name)?;
-            t.expect_shape(&cx, name, &[n])?;
-        }
+        let nb = check_block_tables(py, &cx, &g, &host, &summaries, &tables)?;
         codes.expect_u8(py, "codes")?;
         codes.expect_shape(
             &cx,
