@@ -10,26 +10,14 @@ import torch
 from oasiskv import KvConfig, LLMEngine, SamplingParams
 from oasiskv.drafters import Drafter, Eagle3Drafter, NgramDrafter
 from oasiskv.errors import ShapeError
-from oasiskv.models.config import ModelConfig
 from oasiskv.models.eagle3 import Eagle3Head, Eagle3State
 from oasiskv.models.transformer import CausalLM, dense_causal_attn
+from test_eagle3_prefill import ATOL, CFG, RTOL
 
 torch.set_num_threads(2)
 
-# f32 tolerance (tests/reference.py). NOTE: the batched path computes the same sums with other
-# shapes (B rows per matmul, padded keys), so results agree to rounding, not bit for bit.
-ATOL, RTOL = 1e-5, 1.3e-6
-CFG = ModelConfig(
-    family="llama",
-    vocab_size=257,
-    hidden_size=96,
-    intermediate_size=160,
-    num_hidden_layers=8,  # capture layers (2, 4, 5)
-    num_attention_heads=6,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=1024,
-)
+# NOTE: the batched path computes the same sums with other shapes (B rows per matmul, padded
+# keys), so results agree to the f32 tolerance, not bit for bit.
 PROMPT_LENS = (97, 54, 1, 13, 2)  # odd lengths, a one-token prompt (no prompt rows), unequal caches
 STEPS = 6
 
