@@ -210,7 +210,7 @@ def test_scale_a_is_as_close_as_f32_and_falls_back_exactly(dtype, head_dim, monk
     """The scale-in-A path splits A and B into f16 pairs (~2^-20 relative): its scores stay within
     1e-5 of the magnitude of the twin's (tests/test_key_codes.py emulates its arithmetic: ~1e-7),
     so it selects what the CPU engine selects. A block whose channel range does not fit f16, and
-    every block of a sequence whose q / 3 does not, take the exact scalar path: the twin's bits."""
+    every block of a (sequence, KV head) whose q / 3 does not, take the exact scalar path: the twin's bits."""
     monkeypatch.setenv("OASIS_CODES_KERNEL", "scale-a")
     gen = seeded("key_codes-scale-a", dtype, head_dim)
     geo, _, summaries, codes, q, blk_indptr, blk_indices = _case(gen, dtype, 4, head_dim, 16)
@@ -225,5 +225,6 @@ def test_scale_a_is_as_close_as_f32_and_falls_back_exactly(dtype, head_dim, monk
     err = (got.double() - want.double()).abs()
     assert (err <= 1e-5 * mag + 1e-6).all(), f"worst ratio {(err / mag).max().item():.3g}"
     assert torch.equal(got[1, 1], want[1, 1]), "a block beyond the f16 range is scored exactly"
+    # q[2, 0] belongs to KV head 0: that (sequence, head) falls back; its other heads need not.
     seq2 = slice(int(blk_indptr[2]), int(blk_indptr[3]))
-    assert torch.equal(got[seq2], want[seq2]), "a sequence beyond the f16 range is scored exactly"
+    assert torch.equal(got[seq2, 0], want[seq2, 0]), "a sequence beyond the f16 range is scored exactly"
