@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 import json
 import statistics
 import time
@@ -61,6 +62,17 @@ def main() -> None:
         "--streams-sweep",
         default="",
         help="comma list of background stream counts to time in the same process",
+    )
+    ap.add_argument(
+        "--priority-sweep",
+        default="",
+        help="comma list of capture-stream priorities (0: the background streams' own, -1: high) to "
+        "time in the same process; with --requests-sweep, every pair",
+    )
+    ap.add_argument(
+        "--requests-sweep",
+        default="",
+        help="comma list of batch sizes (<= --requests) to time in the same process: the first N requests",
     )
     ap.add_argument("--trace", help="with --profile: the Chrome trace of the profiled steps here")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -114,6 +126,10 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     sweep_points = len(args.gather_blocks.split(",")) if args.gather_blocks else 0
     sweep_points += len(args.streams_sweep.split(",")) if args.streams_sweep else 0
+    prios = [int(x) for x in args.priority_sweep.split(",")] if args.priority_sweep else [None]
+    sizes = [int(x) for x in args.requests_sweep.split(",")] if args.requests_sweep else [None]
+    if args.priority_sweep or args.requests_sweep:
+        sweep_points += len(prios) * len(sizes)
     steps_all = (args.steps + 2) * (1 + sweep_points * (2 if args.high_priority else 1)) + 3
     reqs = []
     for i in range(args.requests):
@@ -130,13 +146,14 @@ def main() -> None:
         if args.backend == "oasis":
             eng.make_sparse(r)
 
-    def timed(n: int) -> tuple[list[float], list[float]]:
+    def timed(n: int, batch: list | None = None) -> tuple[list[float], list[float]]:
+        batch = reqs if batch is None else batch
         host, step = [], []
         for s in range(n + 2):
             if cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            eng.decode_step(reqs)
+            eng.decode_step(batch)
             t1 = time.perf_counter()
             if cuda:
                 torch.cuda.synchronize()
@@ -144,7 +161,7 @@ def main() -> None:
             if s >= 2:
                 host.append((t1 - t0) * 1e3)
                 step.append((t2 - t0) * 1e3)
-            for r in reqs:
+            for r in batch:
                 r.tokens.append(1)
                 r.draft = 2
         return host, step
@@ -180,6 +197,21 @@ def main() -> None:
             eng.drop_graphs()
             h, st = timed(args.steps)
             row = dict(background_streams=k, host_ms=statistics.median(h), step_ms=statistics.median(st))
+            print(json.dumps(row), flush=True)
+            sweep.append(row)
+    if (args.priority_sweep or args.requests_sweep) and cuda:
+        for size, prio in itertools.product(sizes, prios):
+            eng._join_background()
+            if prio is not None:
+                eng._capture_stream = torch.cuda.Stream(dev, priority=prio)
+            eng.drop_graphs()
+            h, st = timed(args.steps, reqs[:size] if size else None)
+            row = dict(
+                capture_priority=prio,
+                requests=size or len(reqs),
+                host_ms=statistics.median(h),
+                step_ms=statistics.median(st),
+            )
             print(json.dumps(row), flush=True)
             sweep.append(row)
     kernels_per_step = None

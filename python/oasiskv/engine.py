@@ -761,7 +761,9 @@ class _StepGraph:
             eng._graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         # "thread_local": another thread's cudaMalloc (a server's) must not break the capture.
-        with torch.cuda.graph(graph, pool=eng._graph_pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(
+            graph, pool=eng._graph_pool, stream=eng._capture_stream, capture_error_mode="thread_local"
+        ):
             static = self._run(eng)
         self.graph, self.out = graph, static
 
@@ -850,6 +852,11 @@ class Engine:
             raise ConfigError(f"background_streams must be an int in 1..8, got {background_streams!r}")
         self.cuda = self.device.type == "cuda"
         self._sides = [torch.cuda.Stream(self.device) for _ in range(background_streams)] if self.cuda else []
+        # The stream steps are captured on. torch instantiates graphs with per-node priorities,
+        # copied from the stream at capture, so this (not the replay stream) sets the compute
+        # nodes' priority against the background streams'. Same priority as theirs: a high one
+        # measured 0.91x the step time at 20 x 32K but 1.11-1.25x at 32-40 x 16K (docs/PERF.md).
+        self._capture_stream = torch.cuda.Stream(self.device, priority=0) if self.cuda else None
         self._gather_done: list = [None] * c.num_hidden_layers
         # The compute stream's waits on the background streams, timed on the device (ops.wait_stamp:
         # start, total ns, waits); read by transfer_wait().
