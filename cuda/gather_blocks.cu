@@ -66,11 +66,59 @@ __device__ __forceinline__ void warp_copy_kv(void* __restrict__ dk, const void* 
     }
 }
 
+// Where plan entry e = (s, h, i) = (e / (H * C), (e / C) % H, e % C) copies from and to, in
+// elements of the host pool and of the pages; false (nothing to copy) for an empty or
+// out-of-range entry, or one of a malformed host_indptr row.
+__device__ __forceinline__ bool gather_entry(
+    const int* __restrict__ plan_slots, const int* __restrict__ plan_blocks, const int* __restrict__ slot_pages,
+    const int* __restrict__ host_indptr, const int* __restrict__ host_indices, i64 e, int num_kv_heads,
+    int fetch_cap, int budget, i64 entry, int num_pages, int num_host_blocks, int nnz, i64* src, i64* dst) {
+    const int s = (int)(e / ((i64)num_kv_heads * fetch_cap));
+    const int h = (int)((e / fetch_cap) % num_kv_heads);
+    const int slot = plan_slots[e];
+    if (slot < 0 || slot >= budget) return false;
+    const int page = slot_pages[(i64)s * budget + slot];
+    const int logical = plan_blocks[e];
+    int row_begin;
+    int row_end;
+    csr_row(host_indptr, s, nnz, &row_begin, &row_end);  // a malformed row has no blocks
+    if (page < 0 || page >= num_pages || logical < 0 || logical >= row_end - row_begin) return false;
+    const int blk = host_indices[row_begin + logical];
+    if (blk < 0 || blk >= num_host_blocks) return false;
+    *src = ((i64)blk * num_kv_heads + h) * entry;
+    *dst = ((i64)page * num_kv_heads + h) * entry;
+    return true;
+}
+
+// 16 bytes global -> shared without a register (cp.async, sm_80+): the load stays in flight while
+// the warp issues the next ones, and a thread block holds as many as its shared memory has room for.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+#if __CUDA_ARCH__ >= 800
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem) : "memory");
+#else
+    *(uint4*)smem = *(const uint4*)gmem;
+#endif
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+#endif
+}
+
 // Any grid of blocks of whole warps, at most OASIS_COPY_THREADS threads (the launcher sizes it):
-// the warps stride over the plan's entries (s, h, i) = (e / (H * C), (e / C) % H, e % C),
-// `entries_per_warp` (1-32) at a time. Each of that many lanes checks one entry; the warp then
-// copies the valid ones one after another, the whole warp on each. Each block stays resident for
-// its PCIe round trips, next to the compute stream's kernels: the launcher keeps them small.
+// the warps stride over the plan's entries, `entries_per_warp` (1-32) at a time. Each of that many
+// lanes checks one entry; the warp then copies the valid ones, the whole warp on each.
+//
+// stage == 0: one entry after another through registers (one PCIe round trip each). Each block
+// stays resident for its round trips, and a block resident on an SM keeps a GEMM's whole-SM
+// block off it, so this path needs many small blocks and spreads over the GPU.
+// stage > 0: `stage` entries at once per warp, K and V staged in the block's dynamic shared memory
+// (blockDim / 32 * stage * 2 * entry bytes, 16-byte aligned; the launcher sizes it): one round
+// trip for `stage` entries, few registers, so a handful of blocks keep PCIe busy. Falls back to
+// the register path when a pointer or the entry size is not a multiple of 16 bytes.
 template <typename T>
 __device__ void gather_blocks_impl(
     const int* __restrict__ plan_slots,   // [num_seqs, num_kv_heads, fetch_cap] slot index or < 0
@@ -83,7 +131,8 @@ __device__ void gather_blocks_impl(
     T* __restrict__ k_pages,              // [num_pages, num_kv_heads, block_size, head_dim]
     T* __restrict__ v_pages,              // [num_pages, num_kv_heads, block_size, head_dim]
     int num_seqs, int num_kv_heads, int fetch_cap, int budget, int block_size, int head_dim, int num_pages,
-    int num_host_blocks, int nnz, int entries_per_warp) {
+    int num_host_blocks, int nnz, int entries_per_warp, int stage) {
+    extern __shared__ uint4 gather_stage[];
     const int lane = threadIdx.x & 31;
     const int per = entries_per_warp < 1 ? 1 : (entries_per_warp > 32 ? 32 : entries_per_warp);
     const i64 warp = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -91,36 +140,62 @@ __device__ void gather_blocks_impl(
     const i64 total = (i64)num_seqs * num_kv_heads * fetch_cap;
     const i64 entry = (i64)block_size * head_dim;
     const u64 bytes = (u64)entry * sizeof(T);
+    const u64 align = (u64)host_k | (u64)host_v | (u64)k_pages | (u64)v_pages | bytes;
+    const bool staged = stage > 0 && (align & 15) == 0;
+    const u64 n16 = bytes >> 4;
+    // This warp's stage: [stage][K, V][n16].
+    uint4* buf = gather_stage + (u64)(threadIdx.x >> 5) * (u64)(stage > 0 ? stage : 0) * 2 * n16;
     for (i64 base = warp * per; base < total; base += num_warps * per) {
         const i64 e = base + lane;
         i64 src = -1;
         i64 dst = -1;
-        if (lane < per && e < total) {
-            const int s = (int)(e / ((i64)num_kv_heads * fetch_cap));
-            const int h = (int)((e / fetch_cap) % num_kv_heads);
-            const int slot = plan_slots[e];
-            if (slot >= 0 && slot < budget) {
-                const int page = slot_pages[(i64)s * budget + slot];
-                const int logical = plan_blocks[e];
-                int row_begin;
-                int row_end;
-                csr_row(host_indptr, s, nnz, &row_begin, &row_end);  // a malformed row has no blocks
-                if (page >= 0 && page < num_pages && logical >= 0 && logical < row_end - row_begin) {
-                    const int blk = host_indices[row_begin + logical];
-                    if (blk >= 0 && blk < num_host_blocks) {
-                        src = ((i64)blk * num_kv_heads + h) * entry;
-                        dst = ((i64)page * num_kv_heads + h) * entry;
-                    }
-                }
-            }
+        if (lane < per && e < total &&
+            !gather_entry(plan_slots, plan_blocks, slot_pages, host_indptr, host_indices, e, num_kv_heads, fetch_cap,
+                          budget, entry, num_pages, num_host_blocks, nnz, &src, &dst)) {
+            src = dst = -1;
         }
         unsigned todo = __ballot_sync(0xffffffffu, src >= 0);
+        if (!staged) {
+            while (todo) {
+                const int j = __ffs(todo) - 1;
+                todo &= todo - 1;
+                const i64 sj = __shfl_sync(0xffffffffu, src, j);
+                const i64 dj = __shfl_sync(0xffffffffu, dst, j);
+                warp_copy_kv(k_pages + dj, host_k + sj, v_pages + dj, host_v + sj, bytes, lane);
+            }
+            continue;
+        }
         while (todo) {
-            const int j = __ffs(todo) - 1;
-            todo &= todo - 1;
-            const i64 sj = __shfl_sync(0xffffffffu, src, j);
-            const i64 dj = __shfl_sync(0xffffffffu, dst, j);
-            warp_copy_kv(k_pages + dj, host_k + sj, v_pages + dj, host_v + sj, bytes, lane);
+            // The next `stage` valid entries: every load in flight, one wait, then the stores.
+            unsigned batch = 0;
+            for (int i = 0; i < stage && todo; ++i) {
+                const int j = __ffs(todo) - 1;
+                todo &= todo - 1;
+                batch |= 1u << j;
+                const i64 sj = __shfl_sync(0xffffffffu, src, j);
+                const uint4* k = (const uint4*)(host_k + sj);
+                const uint4* v = (const uint4*)(host_v + sj);
+                uint4* bk = buf + (u64)i * 2 * n16;
+                for (u64 c = lane; c < n16; c += 32) {
+                    cp_async16(bk + c, k + c);
+                    cp_async16(bk + n16 + c, v + c);
+                }
+            }
+            cp_async_wait_all();
+            __syncwarp();
+            for (int i = 0; batch; ++i) {
+                const int j = __ffs(batch) - 1;
+                batch &= batch - 1;
+                const i64 dj = __shfl_sync(0xffffffffu, dst, j);
+                uint4* ok = (uint4*)(k_pages + dj);
+                uint4* ov = (uint4*)(v_pages + dj);
+                const uint4* bk = buf + (u64)i * 2 * n16;
+                for (u64 c = lane; c < n16; c += 32) {
+                    ok[c] = bk[c];
+                    ov[c] = bk[n16 + c];
+                }
+            }
+            __syncwarp();  // the stage is reused by the next batch
         }
     }
 }
@@ -154,7 +229,7 @@ __device__ void copy_pages_impl(
                                      p.host_indices, p.host_k, p.host_v, p.k_pages, p.v_pages,        \
                                      p.num_seqs, p.num_kv_heads, p.fetch_cap, p.budget, p.block_size, \
                                      p.head_dim, p.num_pages, p.num_host_blocks, p.nnz,               \
-                                     p.entries_per_warp);                                             \
+                                     p.entries_per_warp, p.stage_entries);                            \
     }
 
 OASIS_GATHER_BLOCKS(gather_blocks_bf16, oasis::bf16)

@@ -213,6 +213,8 @@ struct GatherBlocksParams {
     int nnz;
     int num_seqs;
     int entries_per_warp;  // plan entries one warp checks per pass, 1-32
+    int stage_entries;     // entries a warp stages in shared memory at once; 0: through registers
+    int _pad0;
 };
 
 // copy_pages_* (cuda/gather_blocks.cu): whole pages between two pools of one page geometry.

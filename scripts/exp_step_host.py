@@ -48,8 +48,9 @@ def main() -> None:
     ap.add_argument(
         "--gather-blocks",
         default="",
-        help="comma list of GPU gather launches MAX_BLOCKS:WARPS:ENTRIES_PER_WARP to sweep in the same "
-        "process (ops.set_gather_launch); each drops the graphs and times --steps steps again",
+        help="comma list of GPU gather launches MAX_BLOCKS:WARPS:ENTRIES_PER_WARP[:STAGE_ENTRIES] to sweep "
+        "in the same process (ops.set_gather_launch), for each --requests-sweep size; each drops the "
+        "graphs and times --steps steps again",
     )
     ap.add_argument(
         "--high-priority",
@@ -124,10 +125,10 @@ def main() -> None:
         **extra,
     )
     g = torch.Generator().manual_seed(0)
-    sweep_points = len(args.gather_blocks.split(",")) if args.gather_blocks else 0
-    sweep_points += len(args.streams_sweep.split(",")) if args.streams_sweep else 0
     prios = [int(x) for x in args.priority_sweep.split(",")] if args.priority_sweep else [None]
     sizes = [int(x) for x in args.requests_sweep.split(",")] if args.requests_sweep else [None]
+    sweep_points = len(args.gather_blocks.split(",")) * len(sizes) if args.gather_blocks else 0
+    sweep_points += len(args.streams_sweep.split(",")) if args.streams_sweep else 0
     if args.priority_sweep or args.requests_sweep:
         sweep_points += len(prios) * len(sizes)
     steps_all = (args.steps + 2) * (1 + sweep_points * (2 if args.high_priority else 1)) + 3
@@ -171,25 +172,31 @@ def main() -> None:
     if args.gather_blocks and cuda:
         from oasiskv import ops
 
-        for prio in [False, True] if args.high_priority else [False]:
-            for spec in args.gather_blocks.split(","):
-                n = tuple(int(x) for x in spec.split(":"))
-                ops.set_gather_launch(*n)
-                if hasattr(eng, "drop_graphs"):
-                    eng.drop_graphs()
-                if prio:
-                    with torch.cuda.stream(torch.cuda.Stream(dev, priority=-5)):
-                        h, st = timed(args.steps)
-                else:
-                    h, st = timed(args.steps)
-                row = dict(
-                    gather_blocks=n,
-                    high_priority=prio,
-                    host_ms=statistics.median(h),
-                    step_ms=statistics.median(st),
-                )
-                print(json.dumps(row), flush=True)
-                sweep.append(row)
+        default_launch = ops.gather_launch()
+        for size, prio, spec in itertools.product(
+            sizes, [False, True] if args.high_priority else [False], args.gather_blocks.split(",")
+        ):
+            n = tuple(int(x) for x in spec.split(":"))
+            ops.set_gather_launch(*n)
+            if hasattr(eng, "drop_graphs"):
+                eng.drop_graphs()
+            batch = reqs[:size] if size else None
+            if prio:
+                with torch.cuda.stream(torch.cuda.Stream(dev, priority=-5)):
+                    h, st = timed(args.steps, batch)
+            else:
+                h, st = timed(args.steps, batch)
+            row = dict(
+                gather_blocks=n,
+                requests=size or len(reqs),
+                high_priority=prio,
+                host_ms=statistics.median(h),
+                step_ms=statistics.median(st),
+            )
+            print(json.dumps(row), flush=True)
+            sweep.append(row)
+        ops.set_gather_launch(*default_launch)
+        eng.drop_graphs()
     if args.streams_sweep and cuda:
         for k in [int(x) for x in args.streams_sweep.split(",")]:
             eng._join_background()

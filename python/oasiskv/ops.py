@@ -324,18 +324,23 @@ def wait_stamp(stamps: torch.Tensor, mode: int) -> None:
     _core.wait_stamp(stamps, mode, stream=_stream(dev))
 
 
-def set_gather_launch(max_blocks: int = 0, warps_per_block: int = 4, entries_per_warp: int = 8) -> None:
+def set_gather_launch(
+    max_blocks: int = 0, warps_per_block: int = 4, entries_per_warp: int = 8, stage_entries: int = 0
+) -> None:
     """Launch shape of the GPU gather: at most ``max_blocks`` thread blocks (0: no cap) of
     ``warps_per_block`` warps (1-4), each warp checking ``entries_per_warp`` plan entries (1-32)
-    per pass. The defaults are the measured best on the H200 (docs/PERF.md).
+    per pass and copying ``stage_entries`` (0-32) of them at once through shared memory (0: one
+    at a time through registers; lowered to what fits the device's shared memory). The defaults
+    are the measured best on the H200 (docs/PERF.md).
 
     Process-wide, for tuning: every shape copies the same bytes; they trade PCIe reads in flight
-    against SM slots held beside the compute stream. A captured CUDA graph keeps its launch."""
-    _core.set_gather_launch(max_blocks, warps_per_block, entries_per_warp)
+    against SMs held beside the compute stream. A captured CUDA graph keeps its launch."""
+    _core.set_gather_launch(max_blocks, warps_per_block, entries_per_warp, stage_entries)
 
 
-def gather_launch() -> tuple[int, int, int]:
-    """``(max_blocks, warps_per_block, entries_per_warp)`` of :func:`set_gather_launch`."""
+def gather_launch() -> tuple[int, int, int, int]:
+    """``(max_blocks, warps_per_block, entries_per_warp, stage_entries)`` of
+    :func:`set_gather_launch`."""
     return _core.gather_launch()
 
 

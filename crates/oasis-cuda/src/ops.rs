@@ -93,14 +93,17 @@ pub const SELECT_WARP_MAX: usize = 256;
 /// Threads per block of the copy kernels; must match OASIS_COPY_THREADS in cuda/gather_blocks.cu.
 pub const COPY_THREADS: u32 = 128;
 /// How `gather_blocks_*` is launched: at most `max_blocks` blocks (0: no cap) of
-/// `warps_per_block` warps, each warp checking `entries_per_warp` plan entries per pass. Any
-/// values are correct (the warps stride over the plan); they trade how many PCIe reads are in
-/// flight against how many SM slots wait on them beside the compute stream's kernels.
+/// `warps_per_block` warps, each warp checking `entries_per_warp` plan entries per pass and
+/// copying `stage_entries` of them at once through shared memory (0: one at a time through
+/// registers). Any values are correct (the warps stride over the plan); they trade how many PCIe
+/// reads are in flight against how many SMs hold blocks waiting on them beside the compute
+/// stream's kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct GatherLaunch {
     pub max_blocks: usize,
     pub warps_per_block: u32,
     pub entries_per_warp: u32,
+    pub stage_entries: u32,
 }
 
 impl GatherLaunch {
@@ -109,8 +112,24 @@ impl GatherLaunch {
         max_blocks: 0,
         warps_per_block: 4,
         entries_per_warp: 8,
+        stage_entries: 0,
     };
+
+    /// Entries a warp stages at once for entries of `entry_bytes` (K or V of one block-head),
+    /// within `max_smem` bytes of shared memory per block: `stage_entries`, lowered to what fits;
+    /// 0 (the register path) when none fits or the entry is not a multiple of 16 bytes.
+    pub fn stage_for(&self, entry_bytes: usize, max_smem: usize) -> u32 {
+        if self.stage_entries == 0 || entry_bytes == 0 || !entry_bytes.is_multiple_of(16) {
+            return 0;
+        }
+        let per_entry = 2 * entry_bytes * self.warps_per_block as usize;
+        let fits = (max_smem / per_entry).min(u32::MAX as usize) as u32;
+        self.stage_entries.min(fits)
+    }
 }
+
+/// Largest `stage_entries` of a [`GatherLaunch`] (a warp's batch is a 32-bit lane mask).
+pub const MAX_STAGE_ENTRIES: u32 = 32;
 
 /// One lock for the three fields, so a launch never reads half of a concurrent setting.
 static GATHER_LAUNCH: Mutex<GatherLaunch> = Mutex::new(GatherLaunch::DEFAULT);
@@ -119,17 +138,20 @@ static GATHER_LAUNCH: Mutex<GatherLaunch> = Mutex::new(GatherLaunch::DEFAULT);
 /// keeps the launch it was captured with).
 ///
 /// # Errors
-/// [`CudaError::Invalid`] unless 1 <= warps_per_block <= COPY_THREADS / 32 and
-/// 1 <= entries_per_warp <= 32.
+/// [`CudaError::Invalid`] unless 1 <= warps_per_block <= COPY_THREADS / 32,
+/// 1 <= entries_per_warp <= 32 and stage_entries <= MAX_STAGE_ENTRIES.
 pub fn set_gather_launch(l: GatherLaunch) -> Result<()> {
     if !(1..=COPY_THREADS / 32).contains(&l.warps_per_block)
         || !(1..=32).contains(&l.entries_per_warp)
+        || l.stage_entries > MAX_STAGE_ENTRIES
     {
         return Err(CudaError::Invalid(OasisError::Invalid(format!(
-            "gather launch: warps_per_block must be 1..={} and entries_per_warp 1..=32, got {} and {}",
+            "gather launch: warps_per_block must be 1..={} and entries_per_warp 1..=32, got {} and {}; \
+             stage_entries 0..={MAX_STAGE_ENTRIES}, got {}",
             COPY_THREADS / 32,
             l.warps_per_block,
-            l.entries_per_warp
+            l.entries_per_warp,
+            l.stage_entries
         ))));
     }
     *GATHER_LAUNCH.lock().unwrap_or_else(PoisonError::into_inner) = l;
@@ -1208,6 +1230,9 @@ impl Gpu {
 
             let name = entry!(T, "gather_blocks");
             let launch = gather_launch();
+            let entry_bytes = bs * d * std::mem::size_of::<T>();
+            let stage = launch.stage_for(entry_bytes, self.max_shared_mem_per_block());
+            let smem = 2 * entry_bytes * (stage * launch.warps_per_block) as usize;
             let params = GatherBlocksParams {
                 plan_slots: plan_slots.into(),
                 plan_blocks: plan_blocks.into(),
@@ -1228,6 +1253,8 @@ impl Gpu {
                 nnz: int("nnz", host_indices.len())?,
                 num_seqs: int("num_seqs", num_seqs)?,
                 entries_per_warp: launch.entries_per_warp as i32,
+                stage_entries: stage as i32,
+                _pad0: 0,
             };
             let grid = grid_x(
                 "gather blocks",
@@ -1238,8 +1265,18 @@ impl Gpu {
             // host_indices.len() (a malformed row is skipped). host_k/host_v are pinned host
             // memory at the same address on the device (DevSlice contract; Gpu::check_uva tests
             // it); lifetime by DevSlice's contract, the stream by Stream's. The block is whole
-            // warps, at most OASIS_COPY_THREADS (set_gather_launch checks it).
-            unsafe { self.queue(name, grid, 32 * launch.warps_per_block, 0, stream, &params) }
+            // warps, at most OASIS_COPY_THREADS (set_gather_launch checks it); its shared memory
+            // holds stage entries of K and V per warp (stage_for fits it under the device limit).
+            unsafe {
+                self.queue(
+                    name,
+                    grid,
+                    32 * launch.warps_per_block,
+                    smem,
+                    stream,
+                    &params,
+                )
+            }
         })
     }
 
@@ -1475,6 +1512,28 @@ impl Gpu {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gather_stage_fits_shared_memory() {
+        let l = GatherLaunch {
+            max_blocks: 4,
+            warps_per_block: 4,
+            entries_per_warp: 32,
+            stage_entries: 6,
+        };
+        // bf16 blocks of 16 x 128: 4 KiB of K per entry; 6 x 2 x 4 KiB x 4 warps = 192 KiB fits
+        // the H200's 227 KiB.
+        assert_eq!(l.stage_for(4096, 227 * 1024), 6);
+        // f32 blocks of 32 x 128 (16 KiB of K, 32 KiB with V): one entry per warp fits.
+        assert_eq!(l.stage_for(16384, 227 * 1024), 1);
+        // Nothing fits, or an entry not a multiple of 16 bytes: the register path.
+        assert_eq!(l.stage_for(64 * 1024, 227 * 1024), 0);
+        assert_eq!(l.stage_for(4104, 227 * 1024), 0);
+        assert_eq!(GatherLaunch::DEFAULT.stage_for(4096, 227 * 1024), 0);
+        let mut bad = l;
+        bad.stage_entries = MAX_STAGE_ENTRIES + 1;
+        assert!(set_gather_launch(bad).is_err());
+    }
 
     #[test]
     fn split_planning() {

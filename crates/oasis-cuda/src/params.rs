@@ -409,6 +409,8 @@ kernel_params! {
         pub nnz: i32,
         pub num_seqs: i32,
         pub entries_per_warp: i32, // 1-32
+        pub stage_entries: i32,    // 0: through registers
+        pub _pad0: i32,
     }
 }
 
@@ -517,7 +519,7 @@ mod tests {
         assert_eq!(size_of::<ScoreBlocksCodesParams>(), 6 * 8 + 8 * 4);
         assert_eq!(size_of::<TopkBlocksParams>(), 3 * 8 + 4 * 4);
         assert_eq!(size_of::<DeltaSelectParams>(), 8 * 8 + 8 * 4);
-        assert_eq!(size_of::<GatherBlocksParams>(), 9 * 8 + 10 * 4);
+        assert_eq!(size_of::<GatherBlocksParams>(), 9 * 8 + 12 * 4);
         assert_eq!(size_of::<CopyPagesParams>(), 7 * 8 + 2 * 4);
         assert_eq!(size_of::<RmsNormParams>(), 6 * 8 + 2 * 4);
         assert_eq!(size_of::<QkNormRopeParams>(), 10 * 8 + 4 * 4);

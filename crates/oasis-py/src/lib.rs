@@ -360,28 +360,38 @@ fn monotonic_ns() -> u64 {
 }
 
 #[pyfunction]
-#[pyo3(signature = (max_blocks = 0, warps_per_block = 4, entries_per_warp = 8))]
+#[pyo3(signature = (max_blocks = 0, warps_per_block = 4, entries_per_warp = 8, stage_entries = 0))]
 /// Launch shape of the GPU gather (`gather_blocks`): at most `max_blocks` blocks (0: no cap) of
-/// `warps_per_block` warps (1-4), each checking `entries_per_warp` plan entries (1-32) per pass.
-/// Process-wide, for tuning; a captured CUDA graph keeps the launch it was captured with.
+/// `warps_per_block` warps (1-4), each checking `entries_per_warp` plan entries (1-32) per pass
+/// and copying `stage_entries` (0-32) of them at once through shared memory (0: through
+/// registers). Process-wide, for tuning; a captured CUDA graph keeps the launch it was captured
+/// with.
 fn set_gather_launch(
     max_blocks: usize,
     warps_per_block: u32,
     entries_per_warp: u32,
+    stage_entries: u32,
 ) -> PyResult<()> {
     oasis_cuda::ops::set_gather_launch(oasis_cuda::ops::GatherLaunch {
         max_blocks,
         warps_per_block,
         entries_per_warp,
+        stage_entries,
     })
     .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))
 }
 
 #[pyfunction]
-/// The launch shape of `set_gather_launch`: `(max_blocks, warps_per_block, entries_per_warp)`.
-fn gather_launch() -> (usize, u32, u32) {
+/// The launch shape of `set_gather_launch`: `(max_blocks, warps_per_block, entries_per_warp,
+/// stage_entries)`.
+fn gather_launch() -> (usize, u32, u32, u32) {
     let l = oasis_cuda::ops::gather_launch();
-    (l.max_blocks, l.warps_per_block, l.entries_per_warp)
+    (
+        l.max_blocks,
+        l.warps_per_block,
+        l.entries_per_warp,
+        l.stage_entries,
+    )
 }
 
 #[pyfunction]
