@@ -10,15 +10,15 @@ from oasiskv import ops
 
 
 def test_the_default_shape_and_a_round_trip():
-    assert ops.gather_launch() == (0, 4, 8, 0)
+    assert ops.gather_launch() == (4, 4, 32, 6)
     try:
         ops.set_gather_launch(5, 1, 32)
-        assert ops.gather_launch() == (5, 1, 32, 0)
-        ops.set_gather_launch(4, 4, 32, 6)
-        assert ops.gather_launch() == (4, 4, 32, 6)
+        assert ops.gather_launch() == (5, 1, 32, 6)
+        ops.set_gather_launch(0, 4, 8, 0)
+        assert ops.gather_launch() == (0, 4, 8, 0)
     finally:
         ops.set_gather_launch()
-    assert ops.gather_launch() == (0, 4, 8, 0)
+    assert ops.gather_launch() == (4, 4, 32, 6)
 
 
 @pytest.mark.parametrize("shape", [(0, 0, 8), (0, 5, 8), (0, 4, 0), (0, 4, 33), (0, 4, 8, 33)])
@@ -26,10 +26,10 @@ def test_a_bad_shape_is_refused_and_changes_nothing(shape):
     pattern = "warps_per_block must be 1..=4 and entries_per_warp 1..=32.*stage_entries 0..=32"
     with pytest.raises(ValueError, match=pattern):
         ops.set_gather_launch(*shape)
-    assert ops.gather_launch() == (0, 4, 8, 0)
+    assert ops.gather_launch() == (4, 4, 32, 6)
 
 
 def test_a_negative_cap_is_refused():
     with pytest.raises((ValueError, OverflowError, TypeError)):
         ops.set_gather_launch(-1, 4, 8)
-    assert ops.gather_launch() == (0, 4, 8, 0)
+    assert ops.gather_launch() == (4, 4, 32, 6)

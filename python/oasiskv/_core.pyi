@@ -376,7 +376,7 @@ def wait_stamp(stamps: torch.Tensor, mode: int, *, stream: int = 0) -> None:
     """Time a wait: stamps int64 [3] = (start, total waited, waits) in ns; mode 0 starts, else ends."""
 
 def set_gather_launch(
-    max_blocks: int = 0, warps_per_block: int = 4, entries_per_warp: int = 8, stage_entries: int = 0
+    max_blocks: int = 4, warps_per_block: int = 4, entries_per_warp: int = 32, stage_entries: int = 6
 ) -> None:
     """Launch shape of the GPU gather (process-wide; a captured graph keeps its own). ValueError
     unless 1 <= warps_per_block <= 4, 1 <= entries_per_warp <= 32 and 0 <= stage_entries <= 32."""

@@ -325,7 +325,7 @@ def wait_stamp(stamps: torch.Tensor, mode: int) -> None:
 
 
 def set_gather_launch(
-    max_blocks: int = 0, warps_per_block: int = 4, entries_per_warp: int = 8, stage_entries: int = 0
+    max_blocks: int = 4, warps_per_block: int = 4, entries_per_warp: int = 32, stage_entries: int = 6
 ) -> None:
     """Launch shape of the GPU gather: at most ``max_blocks`` thread blocks (0: no cap) of
     ``warps_per_block`` warps (1-4), each warp checking ``entries_per_warp`` plan entries (1-32)

@@ -360,7 +360,7 @@ fn monotonic_ns() -> u64 {
 }
 
 #[pyfunction]
-#[pyo3(signature = (max_blocks = 0, warps_per_block = 4, entries_per_warp = 8, stage_entries = 0))]
+#[pyo3(signature = (max_blocks = 4, warps_per_block = 4, entries_per_warp = 32, stage_entries = 6))]
 /// Launch shape of the GPU gather (`gather_blocks`): at most `max_blocks` blocks (0: no cap) of
 /// `warps_per_block` warps (1-4), each checking `entries_per_warp` plan entries (1-32) per pass
 /// and copying `stage_entries` (0-32) of them at once through shared memory (0: through
