@@ -54,7 +54,6 @@ from torch import Tensor, nn
 from oasiskv.errors import CheckpointError, ConfigError, ShapeError
 from oasiskv.models.config import ModelConfig
 from oasiskv.models.transformer import (
-    SDPA_GQA,
     RMSNorm,
     apply_rope,
     causal_attention,
@@ -352,13 +351,15 @@ class Eagle3Head(nn.Module):
         [B], positions [B]; row i's K/V are appended to ``states[i]`` exactly as :meth:`step`
         appends them, and row i attends to everything in ``states[i]`` (its own head KV, of its
         own length). The projections, MLP and LM head run batched (the head's weights are read
-        once, not B times); the attention is one SDPA call over the B caches padded to the
-        longest, the padding masked out. Returns (draft token ids [B] in the TARGET vocabulary,
-        draft hidden [B, H], draft logits [B, draft_vocab] float32).
+        once, not B times); the attention runs per request over its own cache, in place (one
+        SDPA call each). Returns
+        (draft token ids [B] in the TARGET vocabulary, draft hidden [B, H], draft logits [B,
+        draft_vocab] float32).
 
-        NOTE: the padded copy reads and writes each cache once more per step (B * max_len *
-        Hkv * D * 2 elements); next to the head's ~400M weights at Qwen3-8B shapes that is small
-        until the caches reach several thousand positions each.
+        Not one SDPA call over the caches padded to the longest: the padded copy read and wrote
+        every cache once more per step, 1 GiB per step at 16 requests x 16K positions of a
+        Qwen3-8B-shaped head (H200: the head cost 3.7 ms per step, docs/PERF.md), against 16
+        launches of a few microseconds.
         """
         b = len(states)
         if token_ids.dim() != 1 or token_ids.shape[0] != b:
@@ -368,22 +369,16 @@ class Eagle3Head(nn.Module):
         if len(set(map(id, states))) != b:
             raise ShapeError("step_batch got the same Eagle3State twice; pass one state per request")
         h, q, k, v = self._qkv(features, token_ids, positions)
+        scale = self.config.head_dim**-0.5
         if b == 1:
             kk, vv = states[0].append(k, v)
-            o = causal_attention(q, kk, vv, self.config.head_dim**-0.5)
+            o = causal_attention(q, kk, vv, scale)
         else:
-            caches = [st.append(k[i : i + 1], v[i : i + 1]) for i, st in enumerate(states)]
-            lens = [c[0].shape[0] for c in caches]
-            lmax = max(lens)
-            hkv, d = k.shape[1], k.shape[2]
-            kp = k.new_zeros((b, lmax, hkv, d))  # [B, max_len, Hkv, D]
-            vp = v.new_zeros((b, lmax, hkv, d))
-            for i, (ck, cv) in enumerate(caches):
-                kp[i, : lens[i]] = ck
-                vp[i, : lens[i]] = cv
-            lens_t = torch.tensor(lens, device=k.device)
-            mask = torch.arange(lmax, device=k.device)[None, :] < lens_t[:, None]  # [B, max_len]
-            o = _padded_attention(q, kp, vp, mask, d**-0.5)
+            outs = []
+            for i, st in enumerate(states):
+                kk, vv = st.append(k[i : i + 1], v[i : i + 1])
+                outs.append(causal_attention(q[i : i + 1], kk, vv, scale))
+            o = torch.cat(outs)
         hidden = self._out(h, o)
         logits = self.draft_logits(hidden)
         return self.to_target_ids(logits.argmax(dim=-1)), hidden, logits
@@ -547,23 +542,6 @@ class Eagle3Head(nn.Module):
             if "t2d" not in tensors:
                 head.t2d.fill_(True)
         return head
-
-
-def _padded_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """One query per sequence over padded keys: q [B, Hq, D]; k, v [B, L, Hkv, D]; mask [B, L]
-    (True = a real key). Query head g uses KV head g // (Hq // Hkv). Returns [B, Hq, D]."""
-    hq, hkv = q.shape[1], k.shape[2]
-    qt = q.unsqueeze(2)  # [B, Hq, 1, D]
-    kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, L, D]
-    gqa = {}
-    if hq != hkv:
-        if SDPA_GQA:
-            gqa["enable_gqa"] = True
-        else:
-            kt = kt.repeat_interleave(hq // hkv, dim=1)
-            vt = vt.repeat_interleave(hq // hkv, dim=1)
-    out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask[:, None, None, :], scale=scale, **gqa)
-    return out[:, :, 0]
 
 
 def _read_weights(path: Path) -> dict[str, Tensor]:
