@@ -1,11 +1,14 @@
 """``python -m oasiskv.bench.serve --fig11`` on the tiny preset on the CPU: every mode and
 concurrency runs, the report's numbers are there and positive, the modes make the same number of
 tokens (the oracle the same tokens as oasis), and a budget too small for dense skips that row and
-says where dense fills it."""
+says where dense fills it. Speculative rows at a set acceptance: with forced verdicts (the
+default) the accept column is the set rate in one round, and the report says the tokens are not
+the model's; with ``--draft-verdicts reference`` the reference is iterated."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -79,11 +82,19 @@ def test_fig11_bad_arguments_are_a_message(extra, says, capsys):
 
 
 def test_fig11_speculative_rows_at_set_acceptance(tmp_path, capsys):
-    """``--speculative --draft-acceptance``: after the oasis row, one oracle row per rate in the
-    same table and JSON, with tokens per step, the measured acceptance, the fraction of tokens
-    equal to the oasis row and how the reference iteration ended."""
+    """``--speculative --draft-acceptance --draft-verdicts reference``: after the oasis row, one
+    oracle row per rate in the same table and JSON, with tokens per step, the measured acceptance,
+    the fraction of tokens equal to the oasis row and how the reference iteration ended."""
     paths, out = _files(tmp_path, "spec")
-    spec = ["--speculative", "--draft-acceptance", "0.5,1", "--draft-cost", "none"]
+    spec = [
+        "--speculative",
+        "--draft-acceptance",
+        "0.5,1",
+        "--draft-cost",
+        "none",
+        "--draft-verdicts",
+        "reference",
+    ]
     args = [*TINY, *KV, "--max-tokens", "6", "--concurrency", "2", "--modes", "oasis", *spec, *out]
     assert bench.main(args) == 0
     md = paths["md"].read_text()
@@ -98,6 +109,7 @@ def test_fig11_speculative_rows_at_set_acceptance(tmp_path, capsys):
         assert r["status"] == "ok" and r["speculative"] and r["drafter"] == "oracle", r
         assert r["output_tokens"] == 12 and r["decode_tokens_per_s"] > 0 and r["tpot_p50_s"] > 0
         assert r["draft_cost"] == "none" and 1 <= r["reference_rounds"] <= 16
+        assert r["draft_verdicts"] == "reference" and "verdicts forced" not in md
         assert 0 <= r["acceptance_rate"] <= 1 and 1 <= r["tokens_per_step"] <= 2
         assert 0 <= r["tokens_match_base"] <= 1
         if r["reference_converged"]:
@@ -105,6 +117,38 @@ def test_fig11_speculative_rows_at_set_acceptance(tmp_path, capsys):
     r = rows["oasis+spec@1"]
     if r["reference_converged"]:  # every draft right: every verified draft accepted
         assert r["acceptance_rate"] == 1.0 and r["tokens_per_step"] > 1.5
+
+
+def test_fig11_forced_verdicts_read_the_set_acceptance(tmp_path):
+    """``--speculative --draft-acceptance 0,0.4,1`` (forced verdicts, the default) on a lossy
+    working set (K = 4 blocks of 16, 256-token prompts), where verification against a reference
+    accepted 0 of 84 drafts at 0.4 before the reference iteration: one round per row, and the
+    accept column reads the set rate -- exactly at 0 and 1, within sampling error at 0.4 -- with
+    tokens per step 1 + accepted / steps; the table and JSON say the tokens are forced."""
+    paths, out = _files(tmp_path, "forced")
+    spec = ["--speculative", "--draft-acceptance", "0,0.4,1", "--draft-cost", "none"]
+    args = [*TINY, *KV, "--max-tokens", "48", "--concurrency", "4", "--modes", "oasis", *spec, *out]
+    assert bench.main(args) == 0
+    md = paths["md"].read_text()
+    assert "verdicts are FORCED" in md and "NOT the model's greedy outputs" in md
+    assert md.count("verdicts forced: tokens are not the model's") == 3
+    rep = json.loads(paths["json"].read_text())
+    assert rep["speculative"]["draft_verdicts"] == "forced" and rep["speculative"]["oracle_rounds"] is None
+    rows = {r["mode"]: r for r in rep["rows"]}
+    assert list(rows) == ["oasis", "oasis+spec@0", "oasis+spec@0.4", "oasis+spec@1"]
+    for a in (0.0, 0.4, 1.0):
+        r = rows[f"oasis+spec@{a:g}"]
+        assert r["status"] == "ok" and r["draft_verdicts"] == "forced", r
+        assert r["reference_rounds"] == 1 and r["reference_converged"] is None
+        assert r["output_tokens"] == 4 * 48 and r["drafts"] >= 4 * 20
+        n, acc = r["drafts"], r["acceptance_rate"]
+        if a in (0.0, 1.0):
+            assert acc == a, r
+        else:
+            assert abs(acc - a) <= 3 * math.sqrt(a * (1 - a) / n), r
+        # Each request-step makes one token, two where its draft was accepted.
+        assert r["tokens_per_step"] == pytest.approx(1 + acc * n / (4 * 47 - acc * n), rel=1e-9), r
+    assert rows["oasis+spec@1"]["tokens_per_step"] > 1.9
 
 
 @pytest.mark.parametrize(

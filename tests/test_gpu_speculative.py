@@ -7,6 +7,8 @@ step, so the graph path speculates. The greedy tokens equal the non-speculative 
 exact here: the dense backend, or a working set holding every context) and the eager speculative
 engine's, the graphs really replayed, and the stored KV is the non-speculative run's (a rejected
 draft leaves nothing). Steps with sampling rows replay graphs too, and keep the distribution.
+Forced verdicts (``OracleDrafter(force=True)``, measurement only) reach the captured step as a
+per-row device input too: the acceptance is exactly the drafter's hits, in replayed graphs.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ DENSE_KV = KvConfig(block_size=16, top_k_blocks=8)
 # through the host pool, summaries, selection and gather.
 SPARSE_EXACT_KV = KvConfig(block_size=16, top_k_blocks=64, sparse_threshold=64, fetch_cap=None)
 EXACT = [("dense", DENSE_KV), ("oasis", SPARSE_EXACT_KV)]
+# A working set smaller than the context (K x block_size = 64 tokens): lossy sparse attention.
+SPARSE_LOSSY_KV = KvConfig(block_size=16, top_k_blocks=4, fetch_cap=0.25, sparse_threshold=64)
 PROMPT_LENS = [300, 170, 90, 40, 260]
 MAX_TOKENS = [30, 22, 14, 8, 26]  # the batch shrinks through the buckets 8, 4, 2, 1
 
@@ -159,14 +163,15 @@ def test_rejected_drafts_leave_nothing_in_the_graph_path():
 
 
 def _spy_graph_steps(eng, steps: list) -> None:
-    """Record every graph step of ``eng``: ``(it had sampling rows, it replayed a graph)``."""
+    """Record every graph step of ``eng``: ``(it had sampling rows, it replayed a graph, it had
+    forced verdicts)``."""
     e = eng.engine
     real = e._decode_graph
 
-    def decode_graph(reqs, ids, speculate=None, samp=None):
+    def decode_graph(reqs, ids, speculate=None, samp=None, verdicts=None):
         before = e.graph_stats["replays"]
-        out = real(reqs, ids, speculate, samp)
-        steps.append((samp is not None, e.graph_stats["replays"] > before))
+        out = real(reqs, ids, speculate, samp, verdicts)
+        steps.append((samp is not None, e.graph_stats["replays"] > before, verdicts is not None))
         return out
 
     e._decode_graph = decode_graph
@@ -194,7 +199,7 @@ def test_sampling_requests_verify_in_the_graph():
     e = eng.engine
     assert e.cuda_graph and e.graph_error is None, e.graph_error
     assert e.spec_eager_steps == 0
-    sampled = [replayed for samp, replayed in steps if samp]
+    sampled = [replayed for samp, replayed, _ in steps if samp]
     assert len(sampled) >= 8 and sum(sampled) >= 3, (steps, e.graph_stats)
     assert eng.metrics_of_run[0].draft_tokens > 0
     for i, t in enumerate(temps):
@@ -246,4 +251,68 @@ def test_graph_sampling_keeps_the_distribution(temperature, top_p):
     assert s["drafts"] == n and 0.1 < s["acceptance_rate"] < 0.95, s
     e = eng.engine
     assert e.graph_error is None and e.spec_eager_steps == 0, e.graph_error
-    assert all(samp for samp, _ in steps) and sum(r for _, r in steps) >= 1, steps
+    assert all(samp for samp, _, _ in steps) and sum(r for _, r, _ in steps) >= 1, steps
+
+
+def _spy_spec_steps(eng, steps: list) -> None:
+    """Record every speculative decode step of ``eng``: per request (id, index of its next
+    generated token), and the step's ``SpecStep``."""
+    e = eng.engine
+    real = e.decode_step
+
+    def decode_step(reqs, **kw):
+        rows = [(r.id, len(r.tokens) - len(r.prompt)) for r in reqs]
+        res = real(reqs, **kw)
+        steps.append((rows, res))
+        return res
+
+    e.decode_step = decode_step
+
+
+@pytest.mark.parametrize(
+    "backend,kv", [*EXACT, ("oasis", SPARSE_LOSSY_KV)], ids=["dense", "oasis-sparse", "oasis-lossy"]
+)
+def test_graph_forced_verdicts_set_the_acceptance_exactly(backend, kv):
+    """``OracleDrafter(force=True)`` in the graph path: the forced verdicts are a graph input (the
+    step's verdict buffer, written before every replay like the plan), so forced steps replay
+    graphs and none runs eagerly; every verified draft is accepted exactly where the drafter's
+    draw for its position is a hit (a lossy working set included), each step makes 1 + its
+    accepted drafts tokens, and with exact attention the graph run's tokens and metrics are the
+    eager run's."""
+    model = _model(torch.device("cuda"))
+    ref, _ = _run(model, backend, kv, "ngram", speculative=False, cuda_graph=False)
+
+    def run(cuda_graph):
+        d = OracleDrafter(ref, accept=0.4, seed=5, vocab_size=301, force=True)
+        spec_steps, graph_steps = [], []
+
+        def hook(e):
+            _spy_spec_steps(e, spec_steps)
+            if cuda_graph:
+                _spy_graph_steps(e, graph_steps)
+
+        toks, eng = _run(model, backend, kv, d, speculative=True, cuda_graph=cuda_graph, hook=hook)
+        verified = hits = 0
+        for rows, res in spec_steps:
+            for j, (rid, i) in enumerate(rows):
+                if res.tried[j]:
+                    verified += 1
+                    hits += d.hit(rid, i)
+                    assert res.accepted[j] == d.hit(rid, i), (cuda_graph, rid, i)
+                else:
+                    assert not res.accepted[j]
+        s = eng.spec_stats
+        assert (s["drafts"], s["accepted"]) == (verified, hits) and 0 < hits < verified, s
+        assert s["tokens"] == s["steps"] + s["accepted"] == sum(m - 1 for m in MAX_TOKENS), s
+        return toks, eng, graph_steps
+
+    eager, e_eng, _ = run(False)
+    graph, g_eng, graph_steps = run(True)
+    e = g_eng.engine
+    assert e.cuda_graph and e.graph_error is None, e.graph_error
+    assert e.spec_eager_steps == 0
+    forced = [replayed for _, replayed, has_verdicts in graph_steps if has_verdicts]
+    assert len(forced) >= 8 and sum(forced) >= 3, (graph_steps, e.graph_stats)
+    if kv is not SPARSE_LOSSY_KV:
+        assert graph == eager
+        assert g_eng.spec_stats == e_eng.spec_stats

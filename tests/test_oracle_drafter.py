@@ -9,6 +9,11 @@
 * ``shadow``: a drafter run beside the oracle for its cost (an EAGLE-3 head); its drafts are
   thrown away and the tokens stay lossless.
 * Bad arguments are a :class:`~oasiskv.errors.ConfigError` that says what to pass.
+* ``force=True`` (measurement only): the verdicts are the drafter's draws, forced. The engine's
+  acceptance is the fraction of hits among the drafts it verified, exactly (dense, sparse exact
+  and a lossy working set, where an unforced oracle leaves its reference), each step makes one
+  token plus its accepted draft, and a forced hit stores the draft's K/V: the stored K/V and
+  summaries equal those of a non-speculative run fed the same tokens.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import random
 import pytest
 import torch
 
-from fakes import prompt, tiny
+from fakes import pools_are_full, prompt, tiny
 from oasiskv import KvConfig, LLMEngine, SamplingParams, errors
 from oasiskv.drafters import Eagle3Drafter, OracleDrafter, PreviousQueryDrafter
 from oasiskv.models.eagle3 import Eagle3Head
@@ -197,3 +202,187 @@ def test_a_shadow_head_costs_but_does_not_draft():
     # One after each prefill and one after each decode step but a request's last.
     assert Counting.calls == eng.spec_stats["steps"]
     assert shadow._states == {}  # every request ended
+
+
+# ---------------------------------------------------------------------- forced verdicts
+# A working set smaller than the context: the drafts steer the selection, so an unforced oracle
+# leaves its reference within a few tokens (the case forced verdicts are for).
+SPARSE_LOSSY_KV = KvConfig(block_size=16, top_k_blocks=4, fetch_cap=0.25, sparse_threshold=64)
+FORCED_CONFIGS = [("dense", DENSE_KV), ("oasis", SPARSE_EXACT_KV), ("oasis", SPARSE_LOSSY_KV)]
+FORCED_IDS = ["dense", "oasis-exact", "oasis-lossy"]
+FORCED_LENS = (20, 70, 130)
+
+
+def test_forced_verdicts_are_the_draws():
+    """``forced_verdicts``: None without ``force`` (and for every other drafter); with it, per
+    request, :meth:`OracleDrafter.hit` of the next generated token's index -- the same draw that
+    decides whether the reference token is drafted there."""
+    rnd = random.Random(5)
+    refs = [[rnd.randrange(VOCAB) for _ in range(60)] for _ in range(2)]
+    assert PreviousQueryDrafter().forced_verdicts([0], [[1, 2]]) is None
+    assert OracleDrafter(refs, accept=0.5).forced_verdicts([0], [[1, 2]]) is None
+    d = OracleDrafter(refs, accept=0.5, seed=3, vocab_size=VOCAB, force=True)
+    for k in range(2):
+        d.begin(k, [7, 8, 9])
+    seen = set()
+    for i in range(1, 60):
+        toks = [[7, 8, 9, *refs[k][:i]] for k in range(2)]
+        verdicts = d.forced_verdicts([0, 1], toks)
+        assert verdicts == [d.hit(0, i), d.hit(1, i)]
+        for k in range(2):
+            assert (d.propose(k, toks[k]) == refs[k][i]) == verdicts[k]
+        seen.update(verdicts)
+    assert seen == {True, False}
+    assert all(OracleDrafter(refs, accept=1.0, force=True).hit(0, i) for i in range(50))
+    assert not any(OracleDrafter(refs, accept=0.0, force=True).hit(0, i) for i in range(50))
+    with pytest.raises(errors.ConfigError, match="force must be True or False"):
+        OracleDrafter(refs, force=1)
+
+
+def run_forced(model, backend, kv, d, lens=FORCED_LENS, new=40):
+    """A speculative run with drafter ``d``, checking the runtime's invariants every step and
+    recording every decode step: per request (id, index of its next generated token, draft) and
+    the step's :class:`~oasiskv.engine.SpecStep`. Returns (tokens per prompt, engine, steps)."""
+    eng = LLMEngine(model, kv=kv, backend=backend, drafter=d, speculative=True, max_num_seqs=3)
+    steps = []
+    real = eng.engine.decode_step
+
+    def decode_step(reqs, **kw):
+        rows = [(r.id, len(r.tokens) - len(r.prompt), r.draft) for r in reqs]
+        res = real(reqs, **kw)
+        steps.append((rows, res))
+        return res
+
+    eng.engine.decode_step = decode_step
+    sp = SamplingParams(max_tokens=new, ignore_eos=True)
+    rids = [eng.add_request(prompt(n, i), sp) for i, n in enumerate(lens)]
+    final = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                final[out.request_id] = out
+        eng.engine.runtime.check_invariants()
+    assert pools_are_full(eng)
+    return [final[r].token_ids for r in rids], eng, steps
+
+
+@pytest.mark.parametrize("backend,kv", FORCED_CONFIGS, ids=FORCED_IDS)
+@pytest.mark.parametrize("accept", ACCEPTS)
+def test_forced_verdicts_set_the_acceptance_exactly(model, reference, backend, kv, accept):
+    """``OracleDrafter(force=True)``: every verified draft is accepted exactly when the drafter's
+    draw for its position is a hit, whatever the logits say and whatever the working set does to
+    the tokens; so the engine's acceptance rate is the fraction of hits among the verified drafts,
+    exactly, and each step makes 1 + its accepted drafts tokens. A hit emits the draft and then
+    row 1's token; a miss emits row 0's argmax."""
+    ref = reference["dense"]
+    d = OracleDrafter(ref, accept=accept, seed=5, vocab_size=VOCAB, force=True)
+    toks, eng, steps = run_forced(model, backend, kv, d)
+    assert [len(t) for t in toks] == [40] * len(FORCED_LENS)
+    by_id = {i: t for i, t in enumerate(toks)}
+    verified = hits = 0
+    for rows, res in steps:
+        for j, (rid, i, draft) in enumerate(rows):
+            if not res.tried[j]:
+                assert not res.accepted[j]
+                continue
+            verified += 1
+            hit = d.hit(rid, i)
+            hits += hit
+            assert res.accepted[j] == hit, (rid, i)
+            if hit:  # the draft is token i, row 1's argmax token i + 1
+                assert by_id[rid][i : i + 2] == [draft, res.token2[j]]
+                assert res.token2[j] == int(res.draft_logits[j].argmax())
+            else:  # row 0's argmax, even where it is the draft
+                assert by_id[rid][i] == res.token[j] == int(res.logits[j].argmax())
+    s = eng.spec_stats
+    assert (s["drafts"], s["accepted"]) == (verified, hits) and verified > 50
+    assert s["acceptance_rate"] == hits / verified
+    assert s["tokens"] == s["steps"] + s["accepted"]  # tokens per step = 1 + accepted / steps
+    assert s["tokens_per_step"] == pytest.approx(1 + s["accepted"] / s["steps"])
+    if accept in (0.0, 1.0):
+        assert s["acceptance_rate"] == accept
+    else:
+        sigma = math.sqrt(accept * (1 - accept) / verified)
+        assert abs(s["acceptance_rate"] - accept) <= 4 * sigma, s
+
+
+def stored_kv(llm, seq, n_pos: int) -> list[torch.Tensor]:
+    """The K and V a request stored at positions ``0 .. n_pos - 1`` (its pages while dense, its
+    host rows once sparse: written through), every layer; once sparse also the summaries of its
+    blocks complete by then."""
+    p, r, b = llm.engine.pools, seq.req, llm.kv.block_size
+    pos = torch.arange(n_pos)
+    table, ks, vs = (r.host_rows, p.host_k, p.host_v) if r.sparse else (r.pages, p.k_pages, p.v_pages)
+    rows = torch.tensor(table)[pos // b]
+    out = [torch.stack([k[rows, :, pos % b], v[rows, :, pos % b]]) for k, v in zip(ks, vs, strict=True)]
+    if r.sparse:
+        blocks = torch.tensor(r.host_blocks[: n_pos // b])
+        out += [s[blocks] for s in p.summaries]
+    return out
+
+
+@pytest.mark.parametrize("backend,kv", FORCED_CONFIGS[:2], ids=FORCED_IDS[:2])
+def test_forced_hits_store_the_drafts_kv(model, reference, backend, kv):
+    """A forced hit does the work of an acceptance: the draft's K/V (computed by row 1) is stored
+    and the tables move on by two tokens. With exact attention, the forced run's stored K/V (and
+    summaries) equal those of a non-speculative run fed the same tokens (teacher forcing), and
+    every token that is not a forced hit's draft is that run's argmax: a hit that stored nothing,
+    or moved the tables by the wrong number of tokens, would shift or corrupt every later
+    position."""
+    lens, stop_at = (70, 45), 24
+    d = OracleDrafter(reference["dense"], accept=0.5, seed=7, vocab_size=VOCAB, force=True)
+    eng = LLMEngine(model, kv=kv, backend=backend, drafter=d, speculative=True)
+    sp = SamplingParams(max_tokens=60, ignore_eos=True)
+    seqs = [eng._by_id[eng.add_request(prompt(n, i), sp)] for i, n in enumerate(lens)]
+    drafted: set = set()  # (request, index) of the tokens a forced hit emitted as the draft
+    real = eng.engine.decode_step
+
+    def decode_step(reqs, **kw):
+        res = real(reqs, **kw)
+        drafted.update(
+            (r.id, len(r.tokens) - len(r.prompt)) for r, a in zip(reqs, res.accepted, strict=True) if a
+        )
+        return res
+
+    eng.engine.decode_step = decode_step
+    while min(len(s.req.tokens) - len(s.req.prompt) for s in seqs) < stop_at:
+        eng.step()
+    s = eng.spec_stats
+    assert 0 < s["accepted"] < s["drafts"], s
+    made = [s.req.tokens[len(s.req.prompt) :] for s in seqs]
+    got = [stored_kv(eng, s, s.req.kv_len) for s in seqs]
+    assert all(s.req.sparse for s in seqs) == (backend == "oasis")
+
+    # The same tokens, one per step, without speculation.
+    teacher = LLMEngine(model, kv=kv, backend=backend, drafter="ngram")
+    argmax: dict = {}
+
+    class Recorder:
+        def on_step(self, info):
+            for rid, row in zip(info.request_ids, info.logits.argmax(dim=-1).tolist(), strict=True):
+                r = teacher._by_id[rid].req
+                argmax[r.id, len(r.tokens) - len(r.prompt)] = row
+
+    teacher.recorder = Recorder()
+    tseqs = [
+        teacher._by_id[teacher.add_request(prompt(n, i), sp, forced_tokens=m)]
+        for i, (n, m) in enumerate(zip(lens, made, strict=True))
+    ]
+    while any(len(t.req.tokens) - len(t.req.prompt) < len(m) for t, m in zip(tseqs, made, strict=True)):
+        teacher.step()
+    for t, s, g in zip(tseqs, seqs, got, strict=True):
+        assert t.req.tokens[: len(s.req.tokens)] == s.req.tokens
+        for x, y in zip(stored_kv(teacher, t, s.req.kv_len), g, strict=True):
+            assert torch.equal(x, y)
+    for k, (s, m) in enumerate(zip(seqs, made, strict=True)):
+        for i, tok in enumerate(m):
+            if (s.req.id, i) not in drafted:
+                assert tok == argmax[k, i], (k, i)
+    assert any(m[i] != argmax[k, i] for k, m in enumerate(made) for i in range(len(m))), (
+        "no forced hit emitted a token the model would not have: the test checks nothing"
+    )
+    for e in (eng, teacher):
+        for q in list(e._running):
+            e.abort_request(q.request_id)
+        e.step()
+        assert pools_are_full(e)

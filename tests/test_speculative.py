@@ -17,6 +17,9 @@ step that computes it and, when accepted, the request gains two tokens.
   speculative decode step); the tables move on at ``commit_drafts`` (a rejected draft's slot goes
   back); greedy and sampling requests share a step. The same step function runs in the
   CUDA-graph path (``tests/test_gpu_speculative.py``).
+* Forced verdicts (measurement only, ``decode_step(verdicts=...)``): they override the argmax
+  test both ways, and the metrics count the step's flag (``tests/test_oracle_drafter.py`` runs
+  ``OracleDrafter(force=True)`` end to end).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 from fakes import pools_are_full, prompt, tiny
 from oasiskv import KvConfig, LLMEngine, PrefillCache, SamplingParams, errors
 from oasiskv.drafters import Drafter, Eagle3Drafter, OracleDrafter
+from oasiskv.engine import RowSampling
 from oasiskv.models.eagle3 import Eagle3Head
 from oasiskv.models.transformer import dense_causal_attn
 
@@ -386,6 +390,68 @@ def test_the_step_verifies_greedy_drafts_and_holds_their_slots_until_commit(mode
         llm.abort_request(s.request_id)
     llm.step()
     assert pools_are_full(llm)
+
+
+def test_forced_verdicts_override_the_argmax_test(model, reference):
+    """``Engine.decode_step(verdicts=...)`` (measurement only): True accepts a draft that is not
+    row 0's argmax (the draft is the first token, row 1's argmax the second, its slot kept),
+    False rejects one that is (the argmax is the token, the slot goes back), None verifies as
+    usual; rows that do not try are untouched. Bad verdicts are a ConfigError."""
+    ref = reference["dense"]
+    llm = LLMEngine(model, kv=DENSE_KV, backend="dense", drafter=OracleDrafter(ref), speculative=True)
+    for i in range(4):
+        llm.add_request(prompt(PROMPT_LENS[i], i), SamplingParams(max_tokens=NEW, ignore_eos=True))
+    while len(llm._running) < 4:
+        llm.step()
+    eng, rt = llm.engine, llm.engine.runtime
+    reqs = [s.req for s in llm._running]
+    reqs[1].draft = (reqs[1].draft + 1) % model.config.vocab_size  # wrong: forced in below
+    drafts = [r.draft for r in reqs]
+    before = [rt.kv_len(r.id) for r in reqs]
+    greedy = [None] * 4
+    for bad, says in (
+        ([True], "one entry per request"),
+        ([1, None, None, None], "must be True, False or None"),
+    ):
+        with pytest.raises(errors.ConfigError, match=says):
+            eng.decode_step(reqs, speculate=[True] * 4, sampling=greedy, verdicts=bad)
+    sampled = [RowSampling(1.0, 1.0, 0.5, 0.5, 0.5), None, None, None]
+    with pytest.raises(errors.ConfigError, match="sampling row"):
+        eng.decode_step(reqs, speculate=[True] * 4, sampling=sampled, verdicts=[True, None, None, None])
+    with pytest.raises(errors.ConfigError, match="speculative steps"):
+        eng.decode_step(reqs, verdicts=[None] * 4)
+    assert rt.pending_drafts() == []  # the refused calls reserved nothing
+    res = eng.decode_step(reqs, speculate=[True, True, True, False], verdicts=[False, True, None, True])
+    assert res.tried == [True, True, True, False]
+    argmax = res.logits.argmax(dim=-1).tolist()
+    assert argmax[0] == drafts[0] and argmax[1] != drafts[1] and argmax[2] == drafts[2]
+    assert res.accepted == [False, True, True, False]
+    assert res.token == [argmax[0], drafts[1], argmax[2], argmax[3]]
+    assert res.token2[1] == int(res.draft_logits[1].argmax())
+    eng.commit_drafts()
+    assert [rt.kv_len(r.id) for r in reqs] == [before[0] + 1, before[1] + 2, before[2] + 2, before[3] + 1]
+    rt.check_invariants()
+    for s in list(llm._running):
+        llm.abort_request(s.request_id)
+    llm.step()
+    assert pools_are_full(llm)
+
+
+def test_forced_rejections_of_right_drafts_count_nothing(model, reference):
+    """A drafter that drafts the model's own next token (the reference) but forces every verdict
+    to False: no draft is accepted (the metrics count the step's flag, not ``token == draft``),
+    every step makes one token, and the tokens are the model's."""
+
+    class RejectAll(OracleDrafter):
+        def forced_verdicts(self, req_ids, tokens_list):
+            return [False] * len(req_ids)
+
+    ref = reference["dense"]
+    toks, eng = run(model, "dense", DENSE_KV, RejectAll(ref), True)
+    assert toks == ref
+    s = eng.spec_stats
+    assert s["drafts"] > 0 and s["accepted"] == 0 and s["tokens_per_step"] == 1.0, s
+    assert all(m.accepted_tokens == 0 and m.acceptance_rate == 0.0 for m in eng.metrics_of_run)
 
 
 def test_a_rejected_draft_entering_a_new_block_gives_it_back(model):

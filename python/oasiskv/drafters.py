@@ -10,6 +10,8 @@ so far (ending with x_t), which token is at p+1?
 * :class:`Eagle3Drafter` — an EAGLE-3 head over the target's captured hidden states; by default
   its head first runs over the prompt's features, which the engine captures during the prefill.
 * :class:`OracleDrafter` — the true next token (known from a reference run); measurement only.
+  With ``force=True`` it also forces the speculative verdicts (:meth:`Drafter.forced_verdicts`):
+  a benchmark mode whose tokens are not the model's.
 * :class:`PreviousQueryDrafter` — no lookahead row at all: the current query predicts the next
   step (the FreeKV-like baseline the paper compares against).
 """
@@ -29,7 +31,9 @@ class Drafter:
     Lifecycle of a request: :meth:`begin`, then (only when :attr:`wants_prompt_features`) one
     :meth:`feed_prompt` per prefill chunk, then one :meth:`propose` per decode step, then :meth:`end`.
     The engine asks for a step's drafts of all its requests at once (:meth:`propose_batch`, which
-    calls :meth:`propose` for each unless overridden).
+    calls :meth:`propose` for each unless overridden). A speculative engine also asks, before each
+    decode step, whether the drafter forces the verdicts of its drafts (:meth:`forced_verdicts`;
+    none do but a measurement oracle).
     """
 
     name = "drafter"
@@ -76,6 +80,25 @@ class Drafter:
         """One decode step's drafts for several requests: ``propose`` of each, in order (the
         default). A drafter with a model overrides it to run that model once for all of them."""
         return [self.propose(i, t, f) for i, t, f in zip(req_ids, tokens_list, features_list, strict=True)]
+
+    def forced_verdicts(
+        self, req_ids: Sequence[int], tokens_list: Sequence[Sequence[int]]
+    ) -> list[bool | None] | None:
+        """Measurement only: the verdicts a speculative step must give the current drafts (those
+        proposed after ``tokens_list[j][-1]``), one per request: True accepts the draft whatever
+        the target's logits say (the draft is emitted as the first token and row 1's token as the
+        second, the draft's K/V stored as for a genuine acceptance), False rejects it (row 0's
+        token is emitted, nothing of the draft kept, even where the draft equals it), None leaves
+        it to the engine's verification. ``None`` (the default, every real drafter): the engine
+        verifies every draft itself.
+
+        The engine asks once per speculative decode step (``LLMEngine(speculative=True)``), after
+        the drafts and before the step, and applies a verdict to greedy rows that verify their
+        draft only; it reaches the step as a per-row device input (eager and CUDA graph alike).
+        Outputs under forced verdicts are NOT the model's greedy outputs: use it to measure what
+        an acceptance rate buys (:class:`OracleDrafter` with ``force=True``), never to serve.
+        """
+        return None
 
 
 class _NgramIndex:
@@ -184,8 +207,22 @@ class OracleDrafter(Drafter):
     there on; :attr:`off_reference` counts those. NOTE: with a working set smaller than the
     context the drafts steer the selection (the lookahead query, and the positions a step skips
     after an acceptance), so the tokens depend on them: a reference from a run without speculation
-    or with another drafter is left within a few tokens. ``oasiskv.bench.fig11`` iterates to a
-    reference the run reproduces (:meth:`set_reference` between rounds).
+    or with another drafter is left within a few tokens, and the engine then accepts far fewer
+    drafts than ``accept``. Two ways out: iterate to a reference the run reproduces
+    (:meth:`set_reference` between rounds), or force the verdicts.
+
+    ``force=True`` (measurement only) forces the verdicts (:meth:`forced_verdicts`): the draft of
+    generated token ``i`` of request ``k`` is accepted exactly when the same draw says "reference"
+    (:meth:`hit`), whatever the target's logits say, and rejected otherwise. So a fraction
+    ``accept`` of the verified drafts is accepted, exactly, independent of the model: a hit does
+    the work of a genuine acceptance (the draft's K/V stored with write-through and summary
+    update, the tables advanced by two tokens, row 1's token emitted after the draft), a miss that
+    of a rejection. The tokens are then NOT the model's greedy outputs (a hit emits the drafted
+    reference token, which need not be the argmax); on random weights, where tokens mean nothing,
+    this measures the throughput at a set acceptance rate. The draw decides past the reference
+    too (where the draft is the current token again). Sampling rows keep the engine's
+    speculative-sampling rule. ``oasiskv.bench.fig11`` uses it by default
+    (``--draft-verdicts forced``).
 
     ``shadow``: a drafter (an :class:`Eagle3Drafter` of the target's shape) run beside the oracle
     at every hook -- its features captured, its prompt prefilled, one draft per step -- whose
@@ -204,6 +241,7 @@ class OracleDrafter(Drafter):
         vocab_size: int | None = None,
         shadow: Drafter | None = None,
         first_id: int = 0,
+        force: bool = False,
     ) -> None:
         if isinstance(accept, bool) or not isinstance(accept, int | float) or not 0.0 <= accept <= 1.0:
             raise ConfigError(f"accept must be a number in [0, 1], got {accept!r}")
@@ -217,7 +255,11 @@ class OracleDrafter(Drafter):
             raise ConfigError(
                 f"shadow must be a Drafter with a lookahead row (e.g. an Eagle3Drafter), got {shadow!r}"
             )
+        if not isinstance(force, bool):
+            raise ConfigError(f"force must be True or False, got {force!r}")
         self.accept = float(accept)
+        #: Force the speculative verdicts (:meth:`forced_verdicts`); measurement only.
+        self.force = force
         self.seed = seed
         self.vocab_size = vocab_size
         self.shadow = shadow
@@ -275,6 +317,28 @@ class OracleDrafter(Drafter):
             self.shadow.propose_batch(req_ids, tokens_list, features_list)  # its cost, not its drafts
         return [self._oracle(i, t) for i, t in zip(req_ids, tokens_list, strict=True)]
 
+    def forced_verdicts(self, req_ids, tokens_list) -> list[bool | None] | None:
+        """With ``force``: per request, :meth:`hit` of the token its current draft is for (the
+        next generated one); None without ``force`` (the engine verifies)."""
+        if not self.force:
+            return None
+        return [
+            self.hit(rid, len(toks) - self._prompt_len[rid])
+            for rid, toks in zip(req_ids, tokens_list, strict=True)
+        ]
+
+    def hit(self, req_id: int, index: int) -> bool:
+        """The draw of generated token ``index`` (0: the first after the prompt) of request
+        ``req_id``: True (probability ``accept``) when the drafter drafts the reference token there
+        and, with ``force``, the engine accepts the draft. A hash of ``(seed, req_id - first_id,
+        index)``: it depends on nothing else."""
+        return (
+            self.accept >= 1.0 or (self._hash(req_id - self.first_id, index) >> 11) * 2.0**-53 < self.accept
+        )
+
+    def _hash(self, k: int, i: int) -> int:
+        return _mix64(_mix64(_mix64(self.seed & _MASK64) ^ k) ^ i)
+
     def _oracle(self, req_id, tokens) -> int:
         k = req_id - self.first_id
         cont = self.continuations[k]
@@ -289,13 +353,10 @@ class OracleDrafter(Drafter):
             return tokens[-1]
         truth = cont[i]
         self.drafts += 1
-        if self.accept >= 1.0:
+        if self.hit(req_id, i):
             self.reference_drafts += 1
             return truth
-        h = _mix64(_mix64(_mix64(self.seed & _MASK64) ^ k) ^ i)
-        if (h >> 11) * 2.0**-53 < self.accept:
-            self.reference_drafts += 1
-            return truth
+        h = self._hash(k, i)
         if self.vocab_size is not None:
             w = _mix64(h) % (self.vocab_size - 1)
             return w if w < truth else w + 1

@@ -650,6 +650,36 @@ def _sampling_inputs(sampling: list[RowSampling | None] | None) -> torch.Tensor 
     return torch.tensor(cols, dtype=torch.float64).T.contiguous()
 
 
+#: A row's forced verdict as a step input (``Engine.decode_step(verdicts=...)``): none (the engine
+#: verifies), a forced rejection, a forced acceptance.
+VERDICT_NONE, VERDICT_REJECT, VERDICT_ACCEPT = -1, 0, 1
+
+
+def _verdict_inputs(
+    verdicts: list[bool | None] | None, sampling: list[RowSampling | None] | None, n: int
+) -> torch.Tensor | None:
+    """A speculative step's forced verdicts on the host, ``[n]`` int32 (:data:`VERDICT_NONE`,
+    :data:`VERDICT_REJECT` or :data:`VERDICT_ACCEPT` per row), or None where no row has one (the
+    step then runs none of their kernels, and its graph is the unforced one)."""
+    if verdicts is None:
+        return None
+    if len(verdicts) != n:
+        raise ConfigError(f"verdicts needs one entry per request ({n}), got {len(verdicts)}")
+    out = []
+    for i, x in enumerate(verdicts):
+        if x is not None and not isinstance(x, bool):
+            raise ConfigError(f"verdicts[{i}] must be True, False or None, got {x!r}")
+        if x is not None and sampling is not None and sampling[i] is not None:
+            raise ConfigError(
+                f"verdicts[{i}] forces the verdict of a sampling row; forced verdicts are for greedy rows "
+                "(pass None there: the speculative-sampling rule decides)"
+            )
+        out.append(VERDICT_NONE if x is None else VERDICT_ACCEPT if x else VERDICT_REJECT)
+    if all(x == VERDICT_NONE for x in out):
+        return None
+    return torch.tensor(out, dtype=torch.int32)
+
+
 @dataclass
 class SpecStep:
     """What a speculative decode step (:meth:`Engine.decode_step` with ``speculate``) gives back:
@@ -662,8 +692,8 @@ class SpecStep:
     distribution where it did not try: :func:`verify_sampled_drafts`); ``finite``: whether row
     0's logits are finite. ``token2`` / ``finite2`` the same for row 1 (the token after the
     draft). ``accepted``: the step accepted the draft (a per-row device flag: greedy, ``token ==
-    draft``; sampling, the speculative-sampling rule; both rows finite) and stored its K/V; only
-    then is ``token2`` the request's."""
+    draft``, or its forced verdict; sampling, the speculative-sampling rule; both rows finite)
+    and stored its K/V; only then is ``token2`` the request's."""
 
     logits: torch.Tensor  # [n, vocab] row 0
     draft_logits: torch.Tensor  # [n, vocab] row 1
@@ -686,13 +716,16 @@ class _SpecState:
 @dataclass
 class _StepGraph:
     """One captured decode step: its key ``(requests, pages, host blocks, speculative, measures
-    recall, keeps predictions, samples)``, its own plan buffers (pinned host, device), the split
-    plan and workspace, and the graph with its outputs. A speculative step's graph also verifies
-    the drafts and stores the accepted ones; one that samples (a row with temperature > 0) reads
-    the sampling inputs from its own buffers too (``samp_host`` pinned, ``samp_dev``:
-    ``[SAMPLING_FIELDS, requests]`` float64, written before every replay like the plan)."""
+    recall, keeps predictions, samples, forces verdicts)``, its own plan buffers (pinned host,
+    device), the split plan and workspace, and the graph with its outputs. A speculative step's
+    graph also verifies the drafts and stores the accepted ones; one that samples (a row with
+    temperature > 0) reads the sampling inputs from its own buffers too (``samp_host`` pinned,
+    ``samp_dev``: ``[SAMPLING_FIELDS, requests]`` float64, written before every replay like the
+    plan), and one with forced verdicts (``Drafter.forced_verdicts``, measurement only) reads them
+    from ``verdict_host`` / ``verdict_dev`` (``[requests]`` int32, the same way; padded rows
+    :data:`VERDICT_NONE`)."""
 
-    key: tuple[int, int, int, bool, bool, bool, bool]
+    key: tuple[int, int, int, bool, bool, bool, bool, bool]
     layout: dict
     plan_host: torch.Tensor
     plan_dev: torch.Tensor
@@ -700,6 +733,8 @@ class _StepGraph:
     workspace: torch.Tensor | None
     samp_host: torch.Tensor | None = None
     samp_dev: torch.Tensor | None = None
+    verdict_host: torch.Tensor | None = None
+    verdict_dev: torch.Tensor | None = None
     plan_evt: object = None
     graph: object = None
     out: dict | None = None
@@ -718,6 +753,10 @@ class _StepGraph:
         if key[6]:
             samp_host = torch.zeros(SAMPLING_FIELDS, rows_cap, dtype=torch.float64, pin_memory=True)
             samp_dev = torch.zeros(SAMPLING_FIELDS, rows_cap, dtype=torch.float64, device=dev)
+        verdict_host = verdict_dev = None
+        if key[7]:
+            verdict_host = torch.full((rows_cap,), VERDICT_NONE, dtype=torch.int32, pin_memory=True)
+            verdict_dev = torch.full((rows_cap,), VERDICT_NONE, dtype=torch.int32, device=dev)
         return _StepGraph(
             key=key,
             layout=dict(layout),
@@ -727,6 +766,8 @@ class _StepGraph:
             workspace=ws,
             samp_host=samp_host,
             samp_dev=samp_dev,
+            verdict_host=verdict_host,
+            verdict_dev=verdict_dev,
         )
 
     def views(self) -> dict:
@@ -748,6 +789,7 @@ class _StepGraph:
             static=True,
             workspace=self.workspace,
             samp=self.samp_dev,
+            verdicts=self.verdict_dev,
         )
 
     def run_eager(self, eng: Engine) -> dict:
@@ -1428,6 +1470,7 @@ class Engine:
         *,
         speculate: list[bool] | None = None,
         sampling: list[RowSampling | None] | None = None,
+        verdicts: list[bool | None] | None = None,
     ):
         """Advance every request by one token; returns row-0 logits ``[len(reqs), vocab]``.
 
@@ -1443,6 +1486,13 @@ class Engine:
         reads as device inputs. The step keeps the captured features of row 1
         (``_Request.draft_features``); :meth:`commit_drafts` must follow, and advances the tables
         by one or two tokens.
+
+        ``verdicts`` (measurement only; one True, False or None per request, None for a sampling
+        row): forced verdicts (``Drafter.forced_verdicts``). A greedy row that verifies its draft
+        accepts it where True, as if row 0's token were the draft (the draft is its token, row
+        1's argmax the second, the draft's K/V stored), and rejects it where False (row 0's
+        argmax, nothing stored), whatever the logits; None verifies as above. They reach the step
+        as a per-row device input, like ``sampling``. The tokens are then not the model's.
 
         With ``cuda_graph=True`` on a GPU the step replays a captured CUDA graph (see
         :meth:`_decode_graph`), speculative or not, sampling or not, except under a selection
@@ -1460,10 +1510,14 @@ class Engine:
             if self._spec is not None:
                 raise ConfigError("commit_drafts must resolve the last speculative step first")
             samp = _sampling_inputs(sampling)
-        elif sampling is not None:
+            forced = _verdict_inputs(verdicts, sampling, n)
+        elif sampling is not None or verdicts is not None:
             raise ConfigError(
-                "sampling is for speculative steps (pass speculate); sample row 0's logits instead"
+                "sampling and verdicts are for speculative steps (pass speculate); sample row 0's "
+                "logits instead"
             )
+        else:
+            forced = None
         ids = []
         for r in reqs:
             ids.append(r.tokens[-1])
@@ -1480,9 +1534,9 @@ class Engine:
         spec_out = None
         try:
             if graph:
-                logits, feats, spec_out = self._decode_graph(reqs, ids, speculate, samp)
+                logits, feats, spec_out = self._decode_graph(reqs, ids, speculate, samp, forced)
             else:
-                logits, feats, spec_out = self._decode_eager(reqs, ids, speculate, samp)
+                logits, feats, spec_out = self._decode_eager(reqs, ids, speculate, samp, forced)
         except BaseException:
             if speculate is not None:
                 self._spec = None
@@ -1546,9 +1600,11 @@ class Engine:
         ids: list[int],
         speculate: list[bool] | None = None,
         samp: torch.Tensor | None = None,
+        verdicts: torch.Tensor | None = None,
     ):
         """One step launched kernel by kernel: ``(logits, features, speculative outputs)``;
-        ``samp``: the sampling inputs (:func:`_sampling_inputs`, on the host), or None."""
+        ``samp``: the sampling inputs (:func:`_sampling_inputs`, on the host), or None;
+        ``verdicts``: the forced verdicts (:func:`_verdict_inputs`, on the host), or None."""
         n = len(reqs)
         # ---- plan (Rust, once per step): every table of every layer in one arena, one copy
         v, n_sparse, max_pages = self._plan([r.id for r in reqs], ids, speculate)
@@ -1565,8 +1621,12 @@ class Engine:
         done_blocks = v["done_blocks"] if self.key_codes and v["done_blocks"].numel() else None
         if samp is not None:
             samp = samp.to(self.device, non_blocking=True)
+        if verdicts is not None:
+            verdicts = verdicts.to(self.device, non_blocking=True)
         spec = speculate is not None
-        out = self._run_step(v, n, plan, done_blocks, max_pages, num_splits, spec, reqs=reqs, samp=samp)
+        out = self._run_step(
+            v, n, plan, done_blocks, max_pages, num_splits, spec, reqs=reqs, samp=samp, verdicts=verdicts
+        )
         self._last_q = list(out["last_q"])
         return out["logits"], out["feats"], (out if spec else None)
 
@@ -1584,6 +1644,7 @@ class Engine:
         static: bool = False,
         workspace: torch.Tensor | None = None,
         samp: torch.Tensor | None = None,
+        verdicts: torch.Tensor | None = None,
     ) -> dict:
         """The forward pass of one decode step over the plan's views ``v`` for ``n`` requests
         (batch rows): the attention callback appends, attends and starts each layer's selection
@@ -1592,7 +1653,8 @@ class Engine:
         ``draft_logits`` (a speculative step), ``logits1``, ``feats1``, ``targets`` and
         ``verdict`` (:meth:`_verify_drafts`: the drafts verified and the accepted ones stored
         inside the step; ``samp``, the sampling inputs on the device, ``[SAMPLING_FIELDS, >= n]``,
-        or None where every row is greedy).
+        or None where every row is greedy; ``verdicts``, the forced verdicts on the device,
+        ``[>= n]`` int32, or None where no row has one).
 
         ``static`` (the CUDA-graph step): no wait on the previous step's transfer events and no
         ``record_stream`` (the tensors the background stream reads stay referenced until the step
@@ -1712,7 +1774,7 @@ class Engine:
             out["targets"] = (v["spec_page_ids"], v["spec_offsets"], v["spec_host_ids"], v["spec_host_rows"])
             # Before the join below: the draft stores touch no page, host row or summary the
             # background chains read (the draft's block is never a candidate of this step).
-            out["verdict"] = self._verify_drafts(v, n, logits, out["logits1"], spec_kv, samp)
+            out["verdict"] = self._verify_drafts(v, n, logits, out["logits1"], spec_kv, samp, verdicts)
         if static and plan is not None:
             # Join the background streams inside the step: the next step's attention reads the
             # slots these gathers fill. Only those forked in it: waiting on a stream the capture
@@ -1731,6 +1793,7 @@ class Engine:
         logits1: torch.Tensor,
         spec_kv: list,
         samp: torch.Tensor | None,
+        verdicts: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Verification inside the step, on the device (no host branch, graph safe): a row
         verifies its draft when it holds a tentative slot (``spec_page_ids >= 0``) and row 0's
@@ -1741,20 +1804,33 @@ class Engine:
         into its slot; every other row's page is masked to -1, which ``append_kv`` skips entirely
         (no page, host row or summary touched). Returns ``[5, n]`` int64: row 0's token (argmax,
         or sampled), its finiteness, row 1's token, its finiteness, the accept flag. Without
-        ``samp`` (every row greedy) none of the sampling kernels run."""
+        ``samp`` (every row greedy) none of the sampling kernels run.
+
+        ``verdicts`` (``[>= n]`` int32 on the device, or None; measurement only): a greedy row's
+        forced verdict replaces the argmax test. :data:`VERDICT_ACCEPT` takes the draft as if row
+        0's argmax were the draft (its token is the draft; accepted and stored when row 1 is
+        finite, exactly as a genuine acceptance), :data:`VERDICT_REJECT` rejects it (its token
+        stays the argmax, even where that is the draft), :data:`VERDICT_NONE` verifies as above.
+        Elementwise selects on device values: no branch, no host read, nothing baked into a
+        graph."""
         tok = logits.argmax(dim=-1)
         tok2 = logits1.argmax(dim=-1)
         fin = torch.isfinite(logits).all(dim=-1)
         fin2 = torch.isfinite(logits1).all(dim=-1)
         draft = v["input_ids"].view(n, 2)[:, 1]
         page = v["spec_page_ids"]
+        match = tok == draft  # a greedy row takes its draft
+        if verdicts is not None:
+            f = verdicts[:n]
+            match = torch.where(f == VERDICT_NONE, match, f == VERDICT_ACCEPT)
+            tok = torch.where((f == VERDICT_ACCEPT) & (page >= 0) & fin, draft.long(), tok)
         if samp is None:
-            accept = (page >= 0) & (tok == draft) & fin & fin2
+            accept = (page >= 0) & match & fin & fin2
         else:
             tried = (page >= 0) & fin
             first, taken, second = verify_sampled_drafts(logits, logits1, draft, tried, samp)
             greedy = samp[0, :n] <= 0
-            taken = torch.where(greedy, tried & (tok == draft), taken)
+            taken = torch.where(greedy, tried & match, taken)
             tok = torch.where(greedy, tok, first)
             tok2 = torch.where(greedy, tok2, second)
             accept = taken & fin2
@@ -1798,6 +1874,7 @@ class Engine:
         ids: list[int],
         speculate: list[bool] | None = None,
         samp: torch.Tensor | None = None,
+        verdicts: torch.Tensor | None = None,
     ):
         """One step as a CUDA-graph replay: ``(logits, features, speculative outputs)``, copies of
         the graph's outputs (the speculative ones, for :meth:`_spec_result`, the graph's own).
@@ -1817,7 +1894,9 @@ class Engine:
         after the replay. A speculative step with sampling rows (``samp``, on the host) is a graph
         of its own again (the key's last element), which reads each row's temperature, top_p and
         uniforms from its sampling buffers, written before every replay like the plan: nothing of
-        a request's sampling is baked into the graph."""
+        a request's sampling is baked into the graph. Forced verdicts (``verdicts``, on the host;
+        measurement only) likewise: a graph of their own (the key's last element) that reads them
+        from its verdict buffers."""
         rt = self.runtime
         n = len(reqs)
         req_ids = [r.id for r in reqs]
@@ -1833,6 +1912,7 @@ class Engine:
             self._recall_now,
             self._store_pred,
             samp is not None,
+            verdicts is not None,
         )
         pad = (*key[:3], self.max_num_seqs)
         if spec:
@@ -1857,6 +1937,11 @@ class Engine:
             gr.samp_host[:] = torch.tensor(_GREEDY_ROW, dtype=torch.float64).unsqueeze(1)
             gr.samp_host[:, :n] = samp
             gr.samp_dev.copy_(gr.samp_host, non_blocking=True)
+        if verdicts is not None:
+            # Padded rows hold no draft slot; VERDICT_NONE all the same.
+            gr.verdict_host.fill_(VERDICT_NONE)
+            gr.verdict_host[:n] = verdicts
+            gr.verdict_dev.copy_(gr.verdict_host, non_blocking=True)
         gr.plan_evt = torch.cuda.Event()
         gr.plan_evt.record()
         self._step_now.fill_(self.step_no)

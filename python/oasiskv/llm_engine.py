@@ -202,7 +202,10 @@ class LLMEngine:
             graphs too (``cuda_graph=True``). A seeded request's tokens depend on its seed alone,
             whatever runs beside it, eager or graph (they differ from the non-speculative run's:
             the acceptance draws from the same generator). Off by default. :attr:`spec_stats` and
-            the requests' metrics report the acceptance rate and tokens per step.
+            the requests' metrics report the acceptance rate and tokens per step. A measurement
+            drafter may force the verdicts of greedy drafts (``Drafter.forced_verdicts``:
+            ``OracleDrafter(force=True)``): the step then does the work of an acceptance or a
+            rejection at a set rate, and the outputs are NOT the model's greedy outputs.
         host_pool: where the oasis backend's host pool lives: ``"pinned"`` CPU memory (read over
             PCIe), or ``"device"``, the all-resident oracle: a copy of the full KV on the GPU, the
             same selection, the gather device to device (the benchmark's upper bound; it needs the
@@ -621,7 +624,9 @@ class LLMEngine:
         tokens. A request tries only if it can take both tokens: no forced tokens, two tokens left
         under ``max_tokens``, and room in the runtime (``Runtime.can_append``: not about to turn
         sparse, not a sparse request whose draft would complete its local block). One that stops
-        on the first token takes no second."""
+        on the first token takes no second. A drafter that forces verdicts
+        (``Drafter.forced_verdicts``, measurement only) has them applied to its greedy rows
+        (:meth:`_forced_verdicts`), as step inputs too."""
         eng = self.engine
         running = self._running
         reqs = [s.req for s in running]
@@ -632,7 +637,8 @@ class LLMEngine:
             for seq in running
         ]
         sampling = [self._row_sampling(seq) for seq in running]
-        res = eng.decode_step(reqs, speculate=tries, sampling=sampling)
+        verdicts = self._forced_verdicts(running, tries, sampling)
+        res = eng.decode_step(reqs, speculate=tries, sampling=sampling, verdicts=verdicts)
         try:
             if self.recorder is not None:
                 self.recorder.on_step(StepInfo("decode", [s.request_id for s in running], res.logits, drafts))
@@ -650,7 +656,8 @@ class LLMEngine:
             if res.tried[i]:
                 m.draft_tokens += 1
                 counts[2] += 1
-                if tok is not None and tok == r.draft:
+                # The step's flag (a forced rejection may leave the draft as row 0's token).
+                if tok is not None and res.accepted[i]:
                     m.accepted_tokens += 1
                     counts[3] += 1
             touched.append(seq)
@@ -673,6 +680,24 @@ class LLMEngine:
         self._next_drafts([seq for seq in running if seq.req.finish_reason is None])
         self._running = [seq for seq in running if seq.req.finish_reason is None]
 
+    def _forced_verdicts(
+        self, seqs: list[_Seq], tries: list[bool], sampling: list[RowSampling | None]
+    ) -> list[bool | None] | None:
+        """The drafter's forced verdicts of this step's drafts (``Drafter.forced_verdicts``;
+        measurement only), kept for the greedy rows that try (None elsewhere: sampling rows keep
+        the speculative-sampling rule); None when it forces none (every real drafter)."""
+        reqs = [s.req for s in seqs]
+        got = self.drafter.forced_verdicts([r.id for r in reqs], [r.tokens for r in reqs])
+        if got is None:
+            return None
+        if len(got) != len(reqs):
+            raise ConfigError(
+                f"{type(self.drafter).__name__}.forced_verdicts returned {len(got)} verdicts for "
+                f"{len(reqs)} requests; return one per request (None where it forces none)"
+            )
+        out = [v if t and s is None else None for v, t, s in zip(got, tries, sampling, strict=True)]
+        return out if any(v is not None for v in out) else None
+
     def _row_sampling(self, seq: _Seq) -> RowSampling | None:
         """What a speculative step needs to sample for this request: None where it is greedy (or
         its token is forced), else its temperature, top_p and three uniforms drawn from its own
@@ -690,7 +715,8 @@ class LLMEngine:
         (else None), from the step's one host read (``res``). The step chose them on the device
         (``Engine._verify_drafts``): greedy rows by argmax, sampling rows by the speculative-
         sampling rule (``engine.verify_sampled_drafts``), so every token has the non-speculative
-        sampler's distribution. Non-finite logits give None; forced tokens win."""
+        sampler's distribution; a forced verdict's hit has the draft as its first token. Non-finite
+        logits give None; forced tokens win."""
         firsts: list[int | None] = []
         seconds: list[int | None] = []
         for i, seq in enumerate(seqs):

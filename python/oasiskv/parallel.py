@@ -517,13 +517,14 @@ class _Driver:
     def prefill(self, r: _Request):
         return self.prefill_chunk(r, 0, len(r.prompt))
 
-    def decode_step(self, reqs: list[_Request], *, speculate=None, sampling=None):
-        # The sampling rows' uniforms travel with the step: every rank draws the same tokens.
+    def decode_step(self, reqs: list[_Request], *, speculate=None, sampling=None, verdicts=None):
+        # The sampling rows' uniforms (and forced verdicts) travel with the step: every rank draws
+        # the same tokens.
         states = [(r.id, self._tokens(r), r.draft) for r in reqs]
-        spec = (speculate, sampling)
+        spec = (speculate, sampling, verdicts)
         return self._call(
             ("decode", states, spec),
-            lambda: self._engine.decode_step(reqs, speculate=speculate, sampling=sampling),
+            lambda: self._engine.decode_step(reqs, speculate=speculate, sampling=sampling, verdicts=verdicts),
         )
 
     def make_sparse(self, r: _Request) -> None:
@@ -584,8 +585,9 @@ class _Worker:
             _, rid, tokens, start, end = cmd
             eng.prefill_chunk(self._sync(rid, tokens), start, end)
         elif kind == "decode":
-            _, states, (speculate, sampling) = cmd
-            eng.decode_step([self._sync(*s) for s in states], speculate=speculate, sampling=sampling)
+            _, states, (speculate, sampling, verdicts) = cmd
+            reqs = [self._sync(*s) for s in states]
+            eng.decode_step(reqs, speculate=speculate, sampling=sampling, verdicts=verdicts)
         elif kind == "sparse":
             _, rid, tokens = cmd
             eng.make_sparse(self._sync(rid, tokens))
