@@ -297,7 +297,10 @@ def gather_blocks(
 ) -> int | None:
     """Copy the planned block-head entries from the host pool into GPU slots.
 
-    Returns the number of entries copied on the CPU, ``None`` on the GPU (queued, not yet run)."""
+    Returns the number of entries copied on the CPU, ``None`` on the GPU (queued, not yet run).
+    On a GPU, a pinned pool is read with :func:`set_gather_launch`'s launch; a pool in device
+    memory (``Engine(host_pool="device")``, the all-resident oracle) with the many-block launch
+    that device reads need."""
     dev = _check_device(plan_slots, k_pages, host_k)
     return _core.gather_blocks(
         geo,
@@ -334,7 +337,9 @@ def set_gather_launch(
     are the measured best on the H200 (docs/PERF.md).
 
     Process-wide, for tuning: every shape copies the same bytes; they trade PCIe reads in flight
-    against SMs held beside the compute stream. A captured CUDA graph keeps its launch."""
+    against SMs held beside the compute stream. A captured CUDA graph keeps its launch. Gathers
+    from a pool in device memory (the all-resident oracle) keep the many-block register launch
+    ``(0, 4, 8, 0)`` whatever is set here."""
     _core.set_gather_launch(max_blocks, warps_per_block, entries_per_warp, stage_entries)
 
 

@@ -118,6 +118,16 @@ impl GatherLaunch {
         stage_entries: 6,
     };
 
+    /// The launch of a gather whose source pool is in device memory (the all-resident oracle,
+    /// `Engine(host_pool="device")`): HBM reads need many blocks, not a few with deep queues, and
+    /// this is the launch the oracle was measured with before the staged path.
+    pub const DEVICE_SOURCE: Self = Self {
+        max_blocks: 0,
+        warps_per_block: 4,
+        entries_per_warp: 8,
+        stage_entries: 0,
+    };
+
     /// Entries a warp stages at once for entries of `entry_bytes` (K or V of one block-head),
     /// within `max_smem` bytes of shared memory per block: `stage_entries`, lowered to what fits;
     /// 0 (the register path) when none fits or the entry is not a multiple of 16 bytes.
@@ -1200,7 +1210,9 @@ impl Gpu {
     }
 
     /// GPU twin of `oasis_core::kernels::gather_blocks`: copy every planned block-head entry
-    /// from the host pool (pinned, read through UVA) into its GPU slot. Bit-exact.
+    /// from the host pool (pinned, read through UVA) into its GPU slot. Bit-exact. Launched as
+    /// [`gather_launch`] says, or as [`GatherLaunch::DEVICE_SOURCE`] when `device_source` (the
+    /// pool is in device memory).
     ///
     /// # Errors
     /// [`CudaError::Invalid`] for a buffer whose size does not match its shape.
@@ -1219,6 +1231,7 @@ impl Gpu {
         host_v: DevSlice<T>, // [num_host_blocks, num_kv_heads, block_size, head_dim] pinned host
         k_pages: DevSlice<T>, // [num_pages, num_kv_heads, block_size, head_dim]
         v_pages: DevSlice<T>, // [num_pages, num_kv_heads, block_size, head_dim]
+        device_source: bool,
         stream: Stream,
     ) -> Result<()> {
         guard("gather_blocks", || {
@@ -1232,7 +1245,11 @@ impl Gpu {
             let num_pages = pool_rows(page, ("k_pages", k_pages), ("v_pages", v_pages))?;
 
             let name = entry!(T, "gather_blocks");
-            let launch = gather_launch();
+            let launch = if device_source {
+                GatherLaunch::DEVICE_SOURCE
+            } else {
+                gather_launch()
+            };
             let entry_bytes = bs * d * std::mem::size_of::<T>();
             let stage = launch.stage_for(entry_bytes, self.max_shared_mem_per_block());
             let smem = 2 * entry_bytes * (stage * launch.warps_per_block) as usize;

@@ -1171,7 +1171,8 @@ fn delta_select(
 /// host_k, host_v, which may be pinned CPU memory (read through unified addressing); queued on
 /// `stream` (raw cudaStream_t, 0 = legacy default); returns None at once. Plan entries out of
 /// range, and those of a malformed host_indptr row, are skipped on the GPU. Keep the host pool
-/// alive until the stream has run the copy.
+/// alive until the stream has run the copy. Launched as `set_gather_launch` says for a pinned
+/// pool; a pool on the device takes the many-block launch that device memory needs.
 fn gather_blocks(
     py: Python<'_>,
     geo: &PyGeometry,
@@ -1231,7 +1232,9 @@ fn gather_blocks(
                 // on_gpu); the page pools are disjoint from each other and from every input.
                 let (ps, pb, sp, hi, hx) = unsafe { (plan_slots.dev::<i32>(), plan_blocks.dev::<i32>(), slot_pages.dev::<i32>(), host_indptr.dev::<i32>(), host_indices.dev::<i32>()) };
                 let (hk, hv, kp, vp) = unsafe { (host_k.dev::<T>(), host_v.dev::<T>(), k_pages.dev::<T>(), v_pages.dev::<T>()) };
-                on_gpu(py, "gather_blocks", dev, stream, host, move |gpu, st| gpu.gather_blocks::<T>(&g, ps, pb, cap, sp, budget, hi, hx, hk, hv, kp, vp, st))?;
+                // A pool in device memory (the all-resident oracle) takes the launch HBM reads need.
+                let device_source = !host_k.is_host_mapped();
+                on_gpu(py, "gather_blocks", dev, stream, host, move |gpu, st| gpu.gather_blocks::<T>(&g, ps, pb, cap, sp, budget, hi, hx, hk, hv, kp, vp, device_source, st))?;
                 Ok(None)
             }),
         }
