@@ -82,6 +82,9 @@ __device__ void rms_norm_impl(
 // of 32 threads, OASIS_QK_ROPE_WARPS * head_dim floats of dynamic shared memory. Warp w of block
 // (t, b) takes head j = b * WARPS + w of row t: a query head (j < num_heads), a key head, or a
 // value head (copied). Only warp-level synchronisation, so a warp past the last head just leaves.
+// With kv_groups = G > 1 the n rows are n / G groups of G (row t = s * G + r), and row t's key and
+// value heads go to row r * (n / G) + s of k_out, v_out: each of a decode step's rows (the token,
+// the lookahead draft) contiguous for the attention, without a copy; q_out keeps row t.
 template <typename T>
 __device__ void qk_norm_rope_impl(
     const T* __restrict__ qkv,             // [n, qkv_stride] rows of (num_heads + 2 * num_kv_heads) * head_dim
@@ -93,23 +96,24 @@ __device__ void qk_norm_rope_impl(
     T* __restrict__ q_out,                 // [n, num_heads, head_dim]
     T* __restrict__ k_out,                 // [n, num_kv_heads, head_dim]
     T* __restrict__ v_out,                 // [n, num_kv_heads, head_dim]
-    i64 qkv_stride, int num_heads, int num_kv_heads, int head_dim, float eps) {
+    i64 qkv_stride, int num_heads, int num_kv_heads, int head_dim, float eps, int kv_groups, int num_rows) {
     extern __shared__ float qk_smem[];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int j = blockIdx.y * OASIS_QK_ROPE_WARPS + warp;
     if (j >= num_heads + 2 * num_kv_heads) return;
     const i64 t = blockIdx.x;
+    const i64 t_kv = kv_groups > 1 ? (t % kv_groups) * (num_rows / kv_groups) + t / kv_groups : t;
     const T* src = qkv + t * qkv_stride + (i64)j * head_dim;
     if (j >= num_heads + num_kv_heads) {
         const int hv = j - num_heads - num_kv_heads;
-        T* dst = v_out + (t * num_kv_heads + hv) * head_dim;
+        T* dst = v_out + (t_kv * num_kv_heads + hv) * head_dim;
         for (int d = lane; d < head_dim; d += 32) dst[d] = src[d];
         return;
     }
     const bool is_q = j < num_heads;
     T* dst = is_q ? q_out + (t * num_heads + j) * head_dim
-                  : k_out + (t * num_kv_heads + (j - num_heads)) * head_dim;
+                  : k_out + (t_kv * num_kv_heads + (j - num_heads)) * head_dim;
     const T* w = is_q ? q_norm : k_norm;
 
     // The head in f32 (normalised and rounded to T when there is a norm), for the partner reads.
@@ -163,7 +167,7 @@ OASIS_RMS_NORM(rms_norm_f32, float)
     extern "C" __global__ void NAME(const __grid_constant__ oasis::QkNormRopeParams<T> p) {         \
         oasis::qk_norm_rope_impl<T>(p.qkv, p.positions_i64, p.positions_i32, p.inv_freq, p.q_norm,  \
                                     p.k_norm, p.q_out, p.k_out, p.v_out, p.qkv_stride, p.num_heads, \
-                                    p.num_kv_heads, p.head_dim, p.eps);                             \
+                                    p.num_kv_heads, p.head_dim, p.eps, p.kv_groups, p.num_rows);    \
     }
 
 OASIS_QK_NORM_ROPE(qk_norm_rope_bf16, oasis::bf16)

@@ -262,6 +262,8 @@ struct QkNormRopeParams {
     int num_kv_heads;
     int head_dim;                  // even
     float eps;                     // of the q/k norm
+    int kv_groups;                 // >= 1: k_out, v_out rows grouped by row within groups of this many
+    int num_rows;                  // n, a multiple of kv_groups
 };
 
 // wait_stamp (cuda/wait_stamp.cu): the compute stream's waits on background work, timed.

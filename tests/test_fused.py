@@ -262,6 +262,27 @@ def test_qk_norm_rope_positions_and_gqa():
     assert all(g is o for g, o in zip(got, outs, strict=True))
 
 
+@pytest.mark.parametrize("groups", [2, 3])
+def test_qk_norm_rope_groups_key_and_value_rows_by_row(groups):
+    """kv_groups = G: k and v rows move to row r * (n / G) + s for token s * G + r (what the engine's
+    decode step reads without a copy); q stays; each moved row holds the token-order call's bits."""
+    gen = seeded("qk groups", groups)
+    dtype, hq, hkv, d, n = torch.bfloat16, 4, 2, 64, 12
+    qkv, pos, inv, qn, kn = _qk_case(gen, dtype, hq, hkv, d, n, 0, True)
+    args = (qkv, hq * d, hkv * d, hq, hkv, d, pos, inv, qn, kn, EPS)
+    q1, k1, v1 = ops.qk_norm_rope(*args)
+    q, k, v = ops.qk_norm_rope(*args, kv_groups=groups)
+    assert_bits_equal(q, q1, "q keeps the token order")
+    want_k = k1.view(n // groups, groups, hkv, d).transpose(0, 1).reshape(n, hkv, d)
+    want_v = v1.view(n // groups, groups, hkv, d).transpose(0, 1).reshape(n, hkv, d)
+    assert_bits_equal(k, want_k, f"k grouped by {groups}")
+    assert_bits_equal(v, want_v, f"v grouped by {groups}")
+    assert not torch.equal(k, k1)  # the order did change
+    for bad in (0, 5):
+        with pytest.raises(errors.InvalidArgumentError, match="kv_groups"):
+            ops.qk_norm_rope(*args, kv_groups=bad)
+
+
 def test_qk_norm_rope_argument_errors():
     d, hq, hkv, n = 8, 2, 1, 3
     qkv = torch.randn(n, (hq + 2 * hkv) * d)
@@ -345,6 +366,43 @@ def test_fused_decoder_matches_the_torch_path(family, dtype, monkeypatch):
     for i in ca:
         torch.testing.assert_close(cb[i].float(), ca[i].float(), atol=atol, rtol=rtol)
     assert_bits_equal(cb[0], ca[0], "captured[0] (the embeddings)")
+
+
+@pytest.mark.parametrize("mode", ["never", "always"])
+def test_decoder_hands_kv_grouped_by_row(mode, monkeypatch):
+    """CausalLM.forward(kv_groups=2): attn sees q in token order and k, v grouped by row, on the
+    torch path (regrouped) and the fused path (written so by the kernel): the same bits as the
+    token-order forward's k, v regrouped, and the same logits."""
+    monkeypatch.setattr(transformer, "FUSED_KERNELS", mode)
+    model = _model("qwen3", torch.bfloat16)
+    n = 10
+    ids = torch.randint(0, 257, (n,), generator=seeded("kv groups", mode))
+    pos = torch.arange(n) + 40
+    seen: dict = {}
+
+    def record(tag):
+        inner = dense_causal_attn()
+
+        def attn(layer, q, k, v):
+            seen[(tag, layer)] = (q.clone(), k.clone(), v.clone())
+            if tag == "grouped":  # give the inner attention the token order back
+                k = k.view(2, n // 2, *k.shape[1:]).transpose(0, 1).reshape(k.shape)
+                v = v.view(2, n // 2, *v.shape[1:]).transpose(0, 1).reshape(v.shape)
+            return inner(layer, q, k, v)
+
+        return attn
+
+    la, _ = model(ids, pos, record("tokens"))
+    lb, _ = model(ids, pos, record("grouped"), kv_groups=2)
+    assert_bits_equal(lb, la, "logits")
+    for layer in range(model.num_layers):
+        qa, ka, va = seen[("tokens", layer)]
+        qb, kb, vb = seen[("grouped", layer)]
+        assert_bits_equal(qb, qa, f"layer {layer} q")
+        assert_bits_equal(kb, ka.view(n // 2, 2, *ka.shape[1:]).transpose(0, 1).reshape(ka.shape), "k")
+        assert_bits_equal(vb, va.view(n // 2, 2, *va.shape[1:]).transpose(0, 1).reshape(va.shape), "v")
+    with pytest.raises(errors.ShapeError, match="kv_groups"):
+        model(ids, pos, record("bad"), kv_groups=3)
 
 
 def test_fused_decoder_matches_transformers(fused, tmp_path):

@@ -173,6 +173,17 @@ def test_qk_norm_rope_random(device, seed):
     torch.cuda.synchronize()
     for g, w, name in zip(got_d, got, "qkv", strict=True):
         assert_bits_equal(g.cpu(), w, f"gpu {name}: {desc}")
+    # kv_groups (a divisor of n, as a decode step's rows per request): the same bits, k and v
+    # rows grouped by row on the device exactly as the twin groups them.
+    groups = max(x for x in (1, 2, 3) if n % x == 0)
+    if groups > 1:
+        want_g = ops.qk_norm_rope(qkv_v, *sizes, pos, inv, qn, kn, eps, kv_groups=groups)
+        outs = dict(q_out=poisoned(got[0]), k_out=poisoned(got[1]), v_out=poisoned(got[2]), kv_groups=groups)
+        inputs = (on_dev(wide, qkv.shape[1]), *sizes, dev(pos), dev(inv), dev(qn), dev(kn), eps)
+        got_g = ops.qk_norm_rope(*inputs, **outs)
+        torch.cuda.synchronize()
+        for g, w, name in zip(got_g, want_g, "qkv", strict=True):
+            assert_bits_equal(g.cpu(), w, f"gpu {name}, kv_groups {groups}: {desc}")
 
 
 # ---------------------------------------------------------------- CUDA graphs

@@ -427,10 +427,11 @@ def qk_norm_rope(
     k_out: torch.Tensor,
     v_out: torch.Tensor,
     *,
+    kv_groups: int = 1,
     stream: int = 0,
 ) -> None:
     """q, k, v from the fused QKV projection: optional per-head q/k RMSNorm, rotate-half RoPE at
-    ``positions``, the V copy."""
+    ``positions``, the V copy; ``kv_groups`` > 1 orders the k and v rows by row within groups."""
 
 def decode_attn_workspace_len(
     num_seqs: int, num_rows: int, num_qo_heads: int, head_dim: int, num_splits: int

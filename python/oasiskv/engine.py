@@ -25,6 +25,7 @@ moves them onto their own streams without changing this structure.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from dataclasses import dataclass, field
@@ -855,6 +856,11 @@ class Engine:
             )
         self.host_pool = host_pool
         self.model = model
+        # A model whose forward takes kv_groups (CausalLM) hands a decode step's K/V grouped by
+        # row (each request's token row, then each lookahead row: contiguous for the append and
+        # the attention's extra row), written so by the QKV prologue kernel; any other model's
+        # K/V is regrouped here with one copy per tensor.
+        self._kv_grouped = "kv_groups" in inspect.signature(model.forward).parameters
         self.cfg = model.config
         self.kv = kv
         self.backend = backend
@@ -1671,6 +1677,7 @@ class Engine:
         scale = d**-0.5
         last_q: list = [None] * self.cfg.num_hidden_layers
         keep: list = []  # static: what the background streams read, alive until the step is over
+        kv_grouped = self._kv_grouped and rows > 1  # the model hands k, v grouped by row
         forked: set = set()  # the background streams this step forked
         # Speculative decoding: each layer's row-1 K/V ([n, num_kv_heads, head_dim] each), kept on
         # the device for the draft stores (no copy beyond the one the attention takes anyway).
@@ -1684,10 +1691,13 @@ class Engine:
                 torch.cuda.current_stream(dev).wait_event(self._gather_done[layer])
                 ops.wait_stamp(self._wait_stamps, 1)
             q4 = q.view(n, rows, hq, d).to(self.dtype).contiguous()
-            # Row-major by row: kt[0] (x_t's K) and kt[1] (the draft's) are contiguous views, one
-            # copy per tensor where slicing rows out of [n, rows, ...] took two.
-            kt = k.view(n, rows, hk, d).to(self.dtype).transpose(0, 1).contiguous()
-            vt = v.view(n, rows, hk, d).to(self.dtype).transpose(0, 1).contiguous()
+            # Row-major by row: kt[0] (x_t's K) and kt[1] (the draft's) are contiguous views.
+            if kv_grouped:  # as the model's prologue kernel wrote them: no copy
+                kt = k.view(rows, n, hk, d).to(self.dtype)
+                vt = v.view(rows, n, hk, d).to(self.dtype)
+            else:
+                kt = k.view(n, rows, hk, d).to(self.dtype).transpose(0, 1).contiguous()
+                vt = v.view(n, rows, hk, d).to(self.dtype).transpose(0, 1).contiguous()
             ops.append_kv(
                 g,
                 kt[0],
@@ -1759,7 +1769,10 @@ class Engine:
         last = self.cfg.num_hidden_layers
         if draft_logits and last not in capture:
             capture = (*capture, last)  # the last layer's output of row 1, for its logits
-        logits, captured = self.model.forward(ids_t, pos_t, attn, logits_rows=row0, capture_layers=capture)
+        grouped = {"kv_groups": rows} if kv_grouped else {}
+        logits, captured = self.model.forward(
+            ids_t, pos_t, attn, logits_rows=row0, capture_layers=capture, **grouped
+        )
         out = {"logits": logits, "feats": None, "last_q": last_q, "keep": keep}
         if self.capture:
             out["feats"] = torch.cat([captured[i][row0] for i in self.capture], dim=-1)

@@ -441,6 +441,7 @@ def qk_norm_rope(
     q_out: torch.Tensor | None = None,
     k_out: torch.Tensor | None = None,
     v_out: torch.Tensor | None = None,
+    kv_groups: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The attention prologue of a decoder layer, in one kernel (issue 10): from the fused QKV
     projection ``qkv [n, q_size + 2 * kv_size]`` (rows may be strided) return contiguous
@@ -452,6 +453,11 @@ def qk_norm_rope(
     numerics are those of ``rms_norm``, ``rope_cos_sin`` and ``apply_rope`` of
     :mod:`oasiskv.models.transformer`, with cos/sin rounded correctly to float32 (torch's are within
     1 ulp of them). On CUDA the kernel is queued on the current stream (CUDA-graph capturable).
+
+    ``kv_groups`` = G > 1 (dividing n): the rows are n / G groups of G consecutive rows (row
+    ``t = s * G + r``, a decode step's rows of request s), and row t's key and value heads go to
+    row ``r * (n / G) + s`` of k and v: each row index r of every request contiguous (the engine's
+    append and the attention's lookahead row read them without a copy). q keeps the token order.
     """
     dev = _check_device(qkv, positions, inv_freq, q_norm, k_norm)
     n = qkv.shape[0] if qkv.dim() >= 1 else 0
@@ -476,6 +482,7 @@ def qk_norm_rope(
         q_out,
         k_out,
         v_out,
+        kv_groups=int(kv_groups),
         stream=_stream(dev),
     )
     return q_out, k_out, v_out

@@ -356,6 +356,7 @@ fn norm_rope_case(rng: &mut Rng) {
     let mut v = rng.jiggle(vec![f32::NAN; n * hkv * d]);
     let before = (bits(&q), bits(&k), bits(&v));
     let norm = rng.one_in(2).then_some(&norm);
+    let kv_groups = rng.below(4); // 0 and non-divisors are errors
     if qk_norm_rope(
         &layout,
         &qkv,
@@ -366,6 +367,7 @@ fn norm_rope_case(rng: &mut Rng) {
         &mut q,
         &mut k,
         &mut v,
+        kv_groups,
     )
     .is_err()
     {

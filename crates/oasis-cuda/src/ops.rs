@@ -21,7 +21,7 @@ use std::marker::PhantomData;
 use std::sync::{Mutex, PoisonError};
 
 use oasis_core::error::check_len;
-use oasis_core::kernels::norm::{check_rows, rms_norm_threads};
+use oasis_core::kernels::norm::{check_kv_groups, check_rows, rms_norm_threads};
 use oasis_core::kernels::{HeadLayout, WaitStamp};
 use oasis_core::{DType, KvElem, KvGeometry, OasisError};
 
@@ -1449,7 +1449,8 @@ impl Gpu {
     /// positions.len()` rows of `layout.width()` elements, `qkv_stride` apart), write `q_out`,
     /// `k_out` (optionally RMS-normalised per head with `norm = (q_weight, k_weight)`, then
     /// rotate-half RoPE at `positions`, read on the device) and `v_out` (a copy). Bit-identical to
-    /// the twin. One block of [`QK_ROPE_WARPS`] warps per row and group of heads.
+    /// the twin, including its `kv_groups` row order of `k_out` / `v_out`. One block of
+    /// [`QK_ROPE_WARPS`] warps per row and group of heads.
     ///
     /// # Errors
     /// [`CudaError::Invalid`] for a layout the twin rejects or a buffer whose size does not match
@@ -1467,6 +1468,7 @@ impl Gpu {
         q_out: DevSlice<T>, // [n, num_heads, head_dim]
         k_out: DevSlice<T>, // [n, num_kv_heads, head_dim]
         v_out: DevSlice<T>, // [n, num_kv_heads, head_dim]
+        kv_groups: usize,
         stream: Stream,
     ) -> Result<()> {
         guard("qk_norm_rope", || {
@@ -1486,6 +1488,7 @@ impl Gpu {
             check_len("q_out", q_out.len(), &[n, hq, d])?;
             check_len("k_out", k_out.len(), &[n, hkv, d])?;
             check_len("v_out", v_out.len(), &[n, hkv, d])?;
+            check_kv_groups(n, kv_groups)?;
 
             let (p64, p32) = match positions {
                 PositionsDev::I64(p) => (p.into(), DevPtr::NULL),
@@ -1508,6 +1511,8 @@ impl Gpu {
                 num_kv_heads: int("num_kv_heads", hkv)?,
                 head_dim: int("head_dim", d)?,
                 eps,
+                kv_groups: int("kv_groups", kv_groups)?,
+                num_rows: int("n", n)?,
             };
             let heads = hq + 2 * hkv; // fits i32: HeadLayout::validate
             let grid = (

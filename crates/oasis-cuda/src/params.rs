@@ -473,6 +473,8 @@ kernel_params! {
         pub num_kv_heads: i32,
         pub head_dim: i32, // even
         pub eps: f32,
+        pub kv_groups: i32, // >= 1: k_out, v_out grouped by row within groups of this many rows
+        pub num_rows: i32,  // n
     }
 }
 
@@ -522,7 +524,7 @@ mod tests {
         assert_eq!(size_of::<GatherBlocksParams>(), 9 * 8 + 12 * 4);
         assert_eq!(size_of::<CopyPagesParams>(), 7 * 8 + 2 * 4);
         assert_eq!(size_of::<RmsNormParams>(), 6 * 8 + 2 * 4);
-        assert_eq!(size_of::<QkNormRopeParams>(), 10 * 8 + 4 * 4);
+        assert_eq!(size_of::<QkNormRopeParams>(), 10 * 8 + 6 * 4);
         assert_eq!(size_of::<WaitStampParams>(), 8 + 2 * 4);
         assert_eq!(align_of::<DecodeAttnParams>(), 8);
         assert_eq!(std::mem::offset_of!(DecodeAttnParams, sm_scale), 132);

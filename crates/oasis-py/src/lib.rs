@@ -1437,7 +1437,7 @@ fn rms_norm(
 }
 
 #[pyfunction]
-#[pyo3(signature = (qkv, q_size, kv_size, num_heads, num_kv_heads, head_dim, positions, inv_freq, q_norm, k_norm, eps, q_out, k_out, v_out, *, stream = 0))]
+#[pyo3(signature = (qkv, q_size, kv_size, num_heads, num_kv_heads, head_dim, positions, inv_freq, q_norm, k_norm, eps, q_out, k_out, v_out, *, kv_groups = 1, stream = 0))]
 #[allow(clippy::too_many_arguments)]
 /// The attention prologue of a decoder layer from its fused QKV projection: per-head q/k RMSNorm
 /// (Qwen3; skipped when q_norm and k_norm are None), rotate-half RoPE, and the V copy.
@@ -1453,6 +1453,9 @@ fn rms_norm(
 /// oasiskv.models.transformer): cos and sin of float32(pos) * inv_freq rounded to float32 then to
 /// the dtype, and out = dtype(dtype(x * cos) + dtype(rotate_half(x) * sin)). The CPU and the GPU
 /// compute the same bits.
+///
+/// kv_groups = G > 1 (dividing n): the rows are n / G groups of G (row t = s * G + r), and row t's
+/// key and value heads go to row r * (n / G) + s of k_out and v_out; q_out keeps row t.
 ///
 /// CUDA: every tensor on one cuda:N, queued on `stream`, returns at once; `stream` is ignored on
 /// the CPU.
@@ -1472,6 +1475,7 @@ fn qk_norm_rope(
     q_out: TensorArg,
     k_out: TensorArg,
     v_out: TensorArg,
+    kv_groups: usize,
     stream: u64,
 ) -> PyResult<()> {
     entry(py, "qk_norm_rope", || {
@@ -1575,7 +1579,7 @@ fn qk_norm_rope(
                 let weights = norm.map(|(qn, kn)| unsafe { (qn.slice::<T>(), kn.slice::<T>()) });
                 guarded(py, "qk_norm_rope", || {
                     let qk = weights.map(|(q_weight, k_weight)| QkNorm { q_weight, k_weight, eps });
-                    kernels::qk_norm_rope::<T>(&layout, x, qv.stride, pos, inv, qk.as_ref(), qo, ko, vo)
+                    kernels::qk_norm_rope::<T>(&layout, x, qv.stride, pos, inv, qk.as_ref(), qo, ko, vo, kv_groups)
                 })
             }),
             Place::Cuda(dev) => with_dtype!(dt, T => {
@@ -1584,7 +1588,7 @@ fn qk_norm_rope(
                 let (x, inv, qo, ko, vo) = unsafe { (qkv.span_dev::<T>(span), inv_freq.dev::<f32>(), q_out.dev::<T>(), k_out.dev::<T>(), v_out.dev::<T>()) };
                 let pos = if pos64 { PositionsDev::I64(unsafe { positions.dev::<i64>() }) } else { PositionsDev::I32(unsafe { positions.dev::<i32>() }) };
                 let weights = norm.map(|(qn, kn)| unsafe { (qn.dev::<T>(), kn.dev::<T>()) });
-                on_gpu(py, "qk_norm_rope", dev, stream, &[], move |gpu, st| gpu.qk_norm_rope::<T>(&layout, x, qv.stride, pos, inv, weights, eps, qo, ko, vo, st))
+                on_gpu(py, "qk_norm_rope", dev, stream, &[], move |gpu, st| gpu.qk_norm_rope::<T>(&layout, x, qv.stride, pos, inv, weights, eps, qo, ko, vo, kv_groups, st))
             }),
         }
     })

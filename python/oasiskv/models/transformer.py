@@ -131,12 +131,14 @@ def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tup
 class Rope(NamedTuple):
     """The RoPE inputs of one forward (:meth:`CausalLM.rope`): ``positions`` [n] and ``inv_freq``
     [head_dim // 2] (float32), which the fused kernel reads, and the torch path's ``cos``/``sin``
-    tables [n, 1, head_dim] (``None`` on the fused path, which needs no tables)."""
+    tables [n, 1, head_dim] (``None`` on the fused path, which needs no tables). ``kv_groups``: the
+    row order of the k and v each layer hands to ``attn`` (see :meth:`CausalLM.forward`)."""
 
     positions: Tensor
     inv_freq: Tensor
     cos: Tensor | None
     sin: Tensor | None
+    kv_groups: int = 1
 
     @property
     def fused(self) -> bool:
@@ -371,7 +373,16 @@ class DecoderLayer(nn.Module):
                 else (None, None, 0.0)
             )
             q, k, v = ops.qk_norm_rope(
-                qkv, self.q_size, self.kv_size, hq, hkv, d, rope.positions, rope.inv_freq, *norms
+                qkv,
+                self.q_size,
+                self.kv_size,
+                hq,
+                hkv,
+                d,
+                rope.positions,
+                rope.inv_freq,
+                *norms,
+                kv_groups=rope.kv_groups,
             )
         else:
             q = qkv[:, : self.q_size].view(n, hq, d)
@@ -382,6 +393,10 @@ class DecoderLayer(nn.Module):
                 k = self.k_norm(k)
             q = apply_rope(q, rope.cos, rope.sin).contiguous()
             k = apply_rope(k, rope.cos, rope.sin).contiguous()
+            if rope.kv_groups > 1:  # what the fused kernel writes directly
+                g = rope.kv_groups
+                k = k.view(n // g, g, hkv, d).transpose(0, 1).reshape(n, hkv, d)
+                v = v.view(n // g, g, hkv, d).transpose(0, 1).reshape(n, hkv, d)
         o = attn(layer_idx, q, k, v)
         if o.shape != q.shape:
             raise ShapeError(
@@ -525,12 +540,18 @@ class CausalLM(nn.Module):
         attn: AttnFn,
         logits_rows: Tensor | None = None,
         capture_layers: Sequence[int] = (),
+        kv_groups: int = 1,
     ) -> tuple[Tensor, dict[int, Tensor]]:
         """Run the decoder over a flat varlen batch.
 
         input_ids, positions: LongTensor [n_tok]. ``attn(i, q, k, v)`` is called at layer i with
         contiguous q [n_tok, num_heads, head_dim] and k, v [n_tok, num_kv_heads, head_dim] (after q/k
         norm and RoPE at ``positions``) and must return o [n_tok, num_heads, head_dim].
+
+        ``kv_groups`` = G > 1 (dividing n_tok; a decode step's G rows per request): k and v come
+        grouped by row, token ``s * G + r`` at row ``r * (n_tok / G) + s`` (each row index of every
+        request contiguous, as the fused kernel writes them without a copy); q and o keep the
+        token order.
 
         Returns ``(logits, captured)``: float32 logits [len(logits_rows), vocab] (all rows when
         ``logits_rows`` is None) and ``captured[i]`` = the residual stream ENTERING layer i
@@ -549,9 +570,15 @@ class CausalLM(nn.Module):
             if not 0 <= int(i) <= self.num_layers:
                 raise ShapeError(f"capture layer {i} is outside [0, {self.num_layers}]")
             want.add(int(i))
+        if not isinstance(kv_groups, int) or kv_groups < 1 or input_ids.shape[0] % kv_groups:
+            raise ShapeError(
+                f"kv_groups must be an int >= 1 dividing n_tok = {input_ids.shape[0]}, got {kv_groups!r}"
+            )
         captured: dict[int, Tensor] = {}
         h = self.embed(input_ids)
         rope = self.rope(positions, h)
+        if kv_groups > 1:
+            rope = rope._replace(kv_groups=kv_groups)
         # The residual stream is h + delta: on the fused path each layer leaves its MLP output
         # for the next layer's input norm to add (one kernel instead of an add and a norm).
         delta = None

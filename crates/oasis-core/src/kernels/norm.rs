@@ -329,6 +329,29 @@ pub struct QkNorm<'a, T> {
     pub eps: f32,
 }
 
+/// `kv_groups` of [`qk_norm_rope`] for `n` rows: at least 1, and dividing `n`.
+///
+/// # Errors
+/// [`OasisError::Invalid`] otherwise.
+pub fn check_kv_groups(n: usize, kv_groups: usize) -> Result<()> {
+    if kv_groups == 0 || n % kv_groups != 0 {
+        return Err(OasisError::Invalid(format!(
+            "qk_norm_rope: kv_groups must be >= 1 and divide the {n} rows, got {kv_groups}"
+        )));
+    }
+    Ok(())
+}
+
+/// The row of `k_out` / `v_out` that row `t` of `n` goes to under `kv_groups` = G (see
+/// [`qk_norm_rope`]): `t` itself for G = 1, else `(t % G) * (n / G) + t / G`.
+pub fn kv_group_row(t: usize, n: usize, kv_groups: usize) -> usize {
+    if kv_groups <= 1 {
+        t
+    } else {
+        (t % kv_groups) * (n / kv_groups) + t / kv_groups
+    }
+}
+
 /// Rotate-half RoPE of one head in place (`x` holds f32 values of T), with the row's tables.
 fn rope_head<T: KvElem>(x: &[f32], cos: &[f32], sin: &[f32], out: &mut [T]) {
     let half = cos.len();
@@ -353,6 +376,12 @@ fn rope_head<T: KvElem>(x: &[f32], cos: &[f32], sin: &[f32], out: &mut [T]) {
 /// * `k_out` [n, num_kv_heads, head_dim]: the same for the key heads with `norm.k_weight`;
 /// * `v_out` [n, num_kv_heads, head_dim]: a copy of the value heads.
 ///
+/// With `kv_groups` = G > 1 the `n` rows are `n / G` groups of `G` consecutive rows (row
+/// `t = s * G + r`: a decode step's rows of request `s`), and row `t`'s key and value heads go to
+/// row `r * (n / G) + s` of `k_out` and `v_out` ([`kv_group_row`]): row `r` of every request
+/// contiguous, which the paged append and the attention's extra rows read without a copy.
+/// `q_out` keeps row `t`.
+///
 /// RoPE is the rotate-half form with tables `concat(freqs, freqs)`, `freqs[i] = f32(pos) *
 /// inv_freq[i]` (see the module doc for the rounding). Positions may be any integers.
 ///
@@ -373,6 +402,7 @@ pub fn qk_norm_rope<T: KvElem>(
     q_out: &mut [T], // [n, num_heads, head_dim]
     k_out: &mut [T], // [n, num_kv_heads, head_dim]
     v_out: &mut [T], // [n, num_kv_heads, head_dim]
+    kv_groups: usize,
 ) -> Result<()> {
     layout.validate()?;
     let HeadLayout {
@@ -390,6 +420,7 @@ pub fn qk_norm_rope<T: KvElem>(
     check_len("q_out", q_out.len(), &[n, hq, d])?;
     check_len("k_out", k_out.len(), &[n, hkv, d])?;
     check_len("v_out", v_out.len(), &[n, hkv, d])?;
+    check_kv_groups(n, kv_groups)?;
 
     if n == 0 {
         return Ok(());
@@ -410,6 +441,7 @@ pub fn qk_norm_rope<T: KvElem>(
             sin[i] = T::from_f32(s as f32).to_f32();
         }
         let row = &qkv[t * qkv_stride..t * qkv_stride + layout.width()];
+        let t_kv = kv_group_row(t, n, kv_groups);
         let (qs, rest) = row.split_at(q_size);
         let (ks, vs) = rest.split_at(kv_size);
         for (src, dst, weight) in [
@@ -420,7 +452,7 @@ pub fn qk_norm_rope<T: KvElem>(
             ),
             (
                 ks,
-                &mut k_out[t * kv_size..(t + 1) * kv_size],
+                &mut k_out[t_kv * kv_size..(t_kv + 1) * kv_size],
                 norm.map(|nw| nw.k_weight),
             ),
         ] {
@@ -453,7 +485,7 @@ pub fn qk_norm_rope<T: KvElem>(
                 rope_head(&head, &cos, &sin, o);
             }
         }
-        v_out[t * kv_size..(t + 1) * kv_size].copy_from_slice(vs);
+        v_out[t_kv * kv_size..(t_kv + 1) * kv_size].copy_from_slice(vs);
     }
     Ok(())
 }
@@ -619,6 +651,7 @@ mod tests {
             &mut q,
             &mut k,
             &mut v,
+            1,
         )
         .unwrap();
         let (c, s) = ((1.0f64).cos() as f32, (1.0f64).sin() as f32);
@@ -636,6 +669,7 @@ mod tests {
             &mut q,
             &mut k,
             &mut v,
+            1,
         )
         .unwrap();
         assert_eq!(q, [1.0, 2.0, 3.0, 4.0]);
@@ -678,6 +712,7 @@ mod tests {
             &mut q,
             &mut k,
             &mut v,
+            1,
         )
         .unwrap();
         for t in 0..n {
@@ -721,8 +756,72 @@ mod tests {
                 &mut o,
                 &mut o2,
                 &mut o3,
+                1,
             );
             assert!(matches!(r, Err(OasisError::Config(_))), "{layout:?}");
+        }
+    }
+
+    /// kv_groups reorders the key and value rows, and only them: each row of a group-ordered
+    /// call equals the token-ordered call's row it maps to, bit for bit; q is unchanged; bad
+    /// group counts are refused before anything is written.
+    #[test]
+    fn kv_groups_move_key_and_value_rows_only() {
+        let layout = HeadLayout {
+            num_heads: 4,
+            num_kv_heads: 2,
+            head_dim: 8,
+        };
+        let n = 6;
+        let w = layout.width();
+        let qkv: Vec<bf16> = (0..n * w)
+            .map(|i| bf16::from_f32((i as f32 * 0.37).sin() * 3.0))
+            .collect();
+        let pos: Vec<i64> = (0..n as i64).map(|t| 100 + 7 * t).collect();
+        let inv = [1.0f32, 0.1, 0.01, 0.001];
+        let run = |g: usize| {
+            let mut q = vec![bf16::ZERO; n * 32];
+            let mut k = vec![bf16::ZERO; n * 16];
+            let mut v = vec![bf16::ZERO; n * 16];
+            let r = qk_norm_rope(
+                &layout,
+                &qkv,
+                w,
+                Positions::I64(&pos),
+                &inv,
+                None,
+                &mut q,
+                &mut k,
+                &mut v,
+                g,
+            );
+            (r, q, k, v)
+        };
+        let (r1, q1, k1, v1) = run(1);
+        r1.unwrap();
+        for g in [2, 3] {
+            let (r, q, k, v) = run(g);
+            r.unwrap();
+            assert_eq!(q, q1, "q keeps the token order");
+            for t in 0..n {
+                let to = kv_group_row(t, n, g);
+                assert_eq!(to, (t % g) * (n / g) + t / g);
+                assert_eq!(
+                    &k[to * 16..(to + 1) * 16],
+                    &k1[t * 16..(t + 1) * 16],
+                    "g {g} row {t}"
+                );
+                assert_eq!(
+                    &v[to * 16..(to + 1) * 16],
+                    &v1[t * 16..(t + 1) * 16],
+                    "g {g} row {t}"
+                );
+            }
+        }
+        for g in [0, 4, 5] {
+            let (r, q, k, v) = run(g);
+            assert!(matches!(r, Err(OasisError::Invalid(_))), "kv_groups {g}");
+            assert!(q.iter().chain(&k).chain(&v).all(|x| *x == bf16::ZERO));
         }
     }
 }
