@@ -55,6 +55,18 @@ def prompt(n: int, seed: int, vocab: int = 301) -> list[int]:
     return (base * (n // 29 + 1))[:n]
 
 
+def drain(eng) -> dict:
+    """Step an ``LLMEngine`` until every request finished, checking the runtime's invariants after
+    every step; returns each request's final output by request id."""
+    final = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                final[out.request_id] = out
+        eng.engine.runtime.check_invariants()
+    return final
+
+
 def pools_are_full(eng) -> bool:
     """Every block of an ``LLMEngine``'s pools is free again and nothing is reserved."""
     rt = eng.engine.runtime

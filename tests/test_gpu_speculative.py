@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fakes import drain
 from oasiskv import KvConfig, LLMEngine, PrefillCache, SamplingParams
 from oasiskv.drafters import Eagle3Drafter, OracleDrafter
 from oasiskv.models.eagle3 import Eagle3Head
@@ -66,12 +67,7 @@ def _run(model, backend, kv, drafter, *, speculative, cuda_graph, temperatures=N
     for i, (p, m, t) in enumerate(zip(_prompts(301, PROMPT_LENS), MAX_TOKENS, temps, strict=True)):
         sp = SamplingParams(max_tokens=m, temperature=t, ignore_eos=True)
         eng.add_request(p, sp, request_id=str(i))
-    done = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                done[out.request_id] = out
-        eng.engine.runtime.check_invariants()
+    done = drain(eng)
     outs = [done[str(i)] for i in range(len(PROMPT_LENS))]
     eng.metrics_of_run = [o.metrics for o in outs]
     return [list(o.token_ids) for o in outs], eng

@@ -24,7 +24,7 @@ import random
 import pytest
 import torch
 
-from fakes import pools_are_full, prompt, tiny
+from fakes import drain, pools_are_full, prompt, tiny
 from oasiskv import KvConfig, LLMEngine, SamplingParams, errors
 from oasiskv.drafters import Eagle3Drafter, OracleDrafter, PreviousQueryDrafter
 from oasiskv.models.eagle3 import Eagle3Head
@@ -256,12 +256,7 @@ def run_forced(model, backend, kv, d, lens=FORCED_LENS, new=40):
     eng.engine.decode_step = decode_step
     sp = SamplingParams(max_tokens=new, ignore_eos=True)
     rids = [eng.add_request(prompt(n, i), sp) for i, n in enumerate(lens)]
-    final = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                final[out.request_id] = out
-        eng.engine.runtime.check_invariants()
+    final = drain(eng)
     assert pools_are_full(eng)
     return [final[r].token_ids for r in rids], eng, steps
 

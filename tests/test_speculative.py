@@ -29,7 +29,7 @@ import math
 import pytest
 import torch
 
-from fakes import pools_are_full, prompt, tiny
+from fakes import drain, pools_are_full, prompt, tiny
 from oasiskv import KvConfig, LLMEngine, PrefillCache, SamplingParams, errors
 from oasiskv.drafters import Drafter, Eagle3Drafter, OracleDrafter
 from oasiskv.engine import RowSampling
@@ -65,12 +65,7 @@ def run(model, backend, kv, drafter, speculative, lens=PROMPT_LENS, new=NEW, **p
     eng = LLMEngine(model, kv=kv, backend=backend, drafter=drafter, speculative=speculative, max_num_seqs=3)
     sp = SamplingParams(max_tokens=new, ignore_eos=True, **params)
     rids = [eng.add_request(prompt(n, i), sp) for i, n in enumerate(lens)]
-    final = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                final[out.request_id] = out
-        eng.engine.runtime.check_invariants()
+    final = drain(eng)
     assert pools_are_full(eng)
     eng.metrics_of_run = [final[r].metrics for r in rids]
     return [final[r].token_ids for r in rids], eng
@@ -353,16 +348,23 @@ def test_smollm2_greedy_speculation_is_lossless(drafter):
 # ---------------------------------------------------------------- verification inside the step
 
 
+def _running_oracle_engine(model, ref, n: int) -> LLMEngine:
+    """A dense speculative engine with the oracle drafter over ``ref``, stepped until its first
+    ``n`` prompts are all running (decoded by hand from there)."""
+    llm = LLMEngine(model, kv=DENSE_KV, backend="dense", drafter=OracleDrafter(ref), speculative=True)
+    for i in range(n):
+        llm.add_request(prompt(PROMPT_LENS[i], i), SamplingParams(max_tokens=NEW, ignore_eos=True))
+    while len(llm._running) < n:
+        llm.step()
+    return llm
+
+
 def test_the_step_verifies_greedy_drafts_and_holds_their_slots_until_commit(model, reference):
     """``Engine.decode_step(speculate=...)``: each trying request's draft gets a tentative slot at
     plan time; the step accepts a draft equal to row 0's argmax (a device flag) and stores it;
     the tables advance only at ``commit_drafts``: by two tokens where accepted, one elsewhere."""
     ref = reference["dense"]
-    llm = LLMEngine(model, kv=DENSE_KV, backend="dense", drafter=OracleDrafter(ref), speculative=True)
-    for i in range(3):
-        llm.add_request(prompt(PROMPT_LENS[i], i), SamplingParams(max_tokens=NEW, ignore_eos=True))
-    while len(llm._running) < 3:
-        llm.step()
+    llm = _running_oracle_engine(model, ref, 3)
     eng, rt = llm.engine, llm.engine.runtime
     reqs = [s.req for s in llm._running]
     reqs[1].draft = (reqs[1].draft + 1) % model.config.vocab_size  # a wrong draft: rejected
@@ -398,11 +400,7 @@ def test_forced_verdicts_override_the_argmax_test(model, reference):
     False rejects one that is (the argmax is the token, the slot goes back), None verifies as
     usual; rows that do not try are untouched. Bad verdicts are a ConfigError."""
     ref = reference["dense"]
-    llm = LLMEngine(model, kv=DENSE_KV, backend="dense", drafter=OracleDrafter(ref), speculative=True)
-    for i in range(4):
-        llm.add_request(prompt(PROMPT_LENS[i], i), SamplingParams(max_tokens=NEW, ignore_eos=True))
-    while len(llm._running) < 4:
-        llm.step()
+    llm = _running_oracle_engine(model, ref, 4)
     eng, rt = llm.engine, llm.engine.runtime
     reqs = [s.req for s in llm._running]
     reqs[1].draft = (reqs[1].draft + 1) % model.config.vocab_size  # wrong: forced in below
@@ -490,12 +488,7 @@ def test_greedy_and_sampling_requests_in_one_batch(model, reference, backend, kv
         eng.add_request(prompt(n, i), SamplingParams(max_tokens=NEW, temperature=t, ignore_eos=True))
         for i, (n, t) in enumerate(zip(PROMPT_LENS, temps, strict=True))
     ]
-    final = {}
-    while eng.has_unfinished_requests():
-        for out in eng.step():
-            if out.finished:
-                final[out.request_id] = out
-        eng.engine.runtime.check_invariants()
+    final = drain(eng)
     assert pools_are_full(eng)
     for i, (rid, t) in enumerate(zip(rids, temps, strict=True)):
         if t == 0.0:
