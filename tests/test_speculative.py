@@ -250,9 +250,19 @@ def _peaked_model():
     return m
 
 
+def _probs_row(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """The sampling distribution of one row, computed independently of the engine's sampler on the
+    host (float32; unnormalised after top_p: the kept tokens' probabilities, the rest 0)."""
+    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, idx = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_p, 0) - sorted_p < top_p
+        probs = torch.zeros_like(probs).scatter(0, idx[keep], sorted_p[keep])
+    return probs
+
+
 def _exact_joint(model, ids, temperature, top_p, n_tokens):
     """The exact distribution of the first ``n_tokens`` generated tokens: {tuple: probability}."""
-    from oasiskv.llm_engine import _probs_row
 
     attn = dense_causal_attn()
     out = {(): 1.0}
@@ -525,7 +535,6 @@ def test_the_device_rule_keeps_the_distribution(temperature, top_p):
     token has row 1's distribution; a token cut by top-p is never drawn, and a rejection never
     draws the draft. Rows that do not try sample ``p`` itself."""
     from oasiskv.engine import sampling_probs, verify_sampled_drafts
-    from oasiskv.llm_engine import _probs_row
 
     g = torch.Generator().manual_seed(4)
     logits0, logits1 = torch.randn(2, SMALL_VOCAB, generator=g) * 2.0
@@ -590,13 +599,13 @@ def test_sampling_rows_are_verified_in_the_step(monkeypatch):
     import oasiskv.llm_engine as llm_mod
 
     host_samples = [0]
-    real_sample_row = llm_mod._sample_row
+    real_sample_rows = llm_mod._sample_rows
 
-    def count(*args):
-        host_samples[0] += 1
-        return real_sample_row(*args)
+    def count(logits, rows, *args):
+        host_samples[0] += len(rows)
+        return real_sample_rows(logits, rows, *args)
 
-    monkeypatch.setattr(llm_mod, "_sample_row", count)
+    monkeypatch.setattr(llm_mod, "_sample_rows", count)
     m = _peaked_model()
     llm = LLMEngine(
         m, kv=DENSE_KV, backend="dense", drafter=ArgmaxDrafter(m), speculative=True, max_num_seqs=4, seed=5
@@ -624,7 +633,7 @@ def test_sampling_rows_are_verified_in_the_step(monkeypatch):
         )
     while llm.has_unfinished_requests():
         llm.step()
-    assert host_samples[0] == 2, "only the prefills of the two sampling requests sample on the host"
+    assert host_samples[0] == 2, "only the prefills of the two sampling requests sample outside the step"
     assert seen and len(samp_inputs) == len(seen)
     accepted_sampled = 0
     for (sampling, res), samp in zip(seen, samp_inputs, strict=True):

@@ -538,19 +538,24 @@ SAMPLING_FIELDS = len(RowSampling._fields)
 _GREEDY_ROW = (0.0, 1.0, 0.0, 0.0, 0.0)
 
 
-def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def sampling_probs(
+    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, nucleus: bool = True
+) -> torch.Tensor:
     """Each row's sampling distribution ``[n, vocab]`` float32, normalised: the softmax at its
     ``temperature`` (``[n]``, > 0), then nucleus sampling at its ``top_p`` (``[n]``): the smallest
-    set of most likely tokens whose probability reaches ``top_p``, renormalised. Row for row what
-    the non-speculative sampler draws from (``llm_engine._probs_row``), batched and on the logits'
-    device.
+    set of most likely tokens whose probability reaches ``top_p``, renormalised. The one sampling
+    distribution of the engine: the non-speculative sampler (``LLMEngine``) and the in-step
+    speculative verification both draw from it.
 
-    NOTE: the top-p cut sorts every row of the vocabulary (even where ``top_p`` is 1: a captured
-    step cannot branch on it); only steps that hold a sampling row pay for it."""
+    ``nucleus=False`` skips the top-p cut, for callers that know every ``top_p`` is >= 1 (a host
+    decision). NOTE: with the cut every row of the vocabulary is sorted, even where ``top_p`` is
+    1 (a captured step cannot branch on device values); only steps that hold a sampling row pay."""
     probs = torch.softmax(logits.float() / temperature.float().unsqueeze(1), dim=-1)
+    if not nucleus:
+        return probs / probs.sum(dim=-1, keepdim=True)
     sorted_p, idx = torch.sort(probs, dim=-1, descending=True)
     tp = top_p.float().unsqueeze(1)
-    # top_p >= 1 keeps every token, as the host sampler does: float32 running sums reach 1 before
+    # top_p >= 1 keeps every token, as the reference does: float32 running sums reach 1 before
     # the tail, and "< 1" alone would drop the tail's tokens.
     keep = (torch.cumsum(sorted_p, dim=-1) - sorted_p < tp) | (tp >= 1.0)
     probs = torch.zeros_like(probs).scatter_(1, idx, sorted_p * keep)

@@ -39,7 +39,16 @@ import torch
 
 from .config import KvConfig
 from .drafters import Drafter, make_drafter
-from .engine import Engine, GenerationResult, PrefillCache, RequestMetrics, RowSampling, _Request
+from .engine import (
+    Engine,
+    GenerationResult,
+    PrefillCache,
+    RequestMetrics,
+    RowSampling,
+    _Request,
+    sample_inverse_cdf,
+    sampling_probs,
+)
 from .errors import ConfigError, ContextLengthError, OasisError
 
 #: Values of :attr:`RequestOutput.finish_reason`.
@@ -739,22 +748,35 @@ class LLMEngine:
         return self._sample_batch([seq], logits)
 
     def _sample_batch(self, seqs: list[_Seq], logits: torch.Tensor) -> list[int | None]:
-        """One token per row, or None where the row's logits are not finite. Greedy rows take
-        one argmax and one host read for the whole batch (with the finiteness check)."""
+        """One token per row, or None where the row's logits are not finite. Every row is
+        decided on the logits' device and the batch takes one host read: greedy rows their
+        argmax, sampling rows a draw from :func:`~oasiskv.engine.sampling_probs` (temperature,
+        then top_p) by :func:`~oasiskv.engine.sample_inverse_cdf` at a uniform from the request's
+        own generator (the engine's when unseeded), drawn on the host in row order."""
         finite = torch.isfinite(logits).all(dim=-1)
-        greedy = torch.stack([logits.argmax(dim=-1), finite.long()]).tolist()
+        made = [len(seq.req.tokens) - len(seq.req.prompt) for seq in seqs]
+        forced = [seq.forced is not None and m < len(seq.forced) for seq, m in zip(seqs, made, strict=True)]
+        rows = [i for i, seq in enumerate(seqs) if seq.params.temperature > 0.0 and not forced[i]]
+        cols = [logits.argmax(dim=-1), finite.long()]
+        if rows:
+            params = [seqs[i].params for i in rows]
+            gens = [seqs[i].gen or self._gen for i in rows]
+            uniforms = [float(torch.rand((), generator=g, dtype=torch.float64)) for g in gens]
+            temps, top_ps = [p.temperature for p in params], [p.top_p for p in params]
+            drawn = _sample_rows(logits, rows, temps, top_ps, uniforms)
+            at = torch.tensor(rows, device=logits.device)
+            cols.append(torch.zeros_like(cols[0]).index_copy_(0, at, drawn))
+        host = torch.stack(cols).tolist()
         out: list[int | None] = []
         for i, seq in enumerate(seqs):
-            made = len(seq.req.tokens) - len(seq.req.prompt)
-            if not greedy[1][i]:
+            if not host[1][i]:
                 out.append(None)
-            elif seq.forced is not None and made < len(seq.forced):
-                out.append(seq.forced[made])
+            elif forced[i]:
+                out.append(seq.forced[made[i]])
             elif seq.params.temperature <= 0.0:
-                out.append(greedy[0][i])
+                out.append(host[0][i])
             else:
-                p = seq.params
-                out.append(_sample_row(logits[i], p.temperature, p.top_p, seq.gen or self._gen))
+                out.append(host[2][i])
         return out
 
     def _accept(self, seq: _Seq, tok: int | None) -> None:
@@ -864,16 +886,22 @@ class LLMEngine:
         )
 
 
-def _probs_row(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
-    """The sampling distribution of one row (on the host, float32; unnormalised after top_p: the
-    kept tokens' probabilities, the rest 0)."""
-    probs = torch.softmax(logits.float().cpu() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_p, idx = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_p, 0) - sorted_p < top_p
-        probs = torch.zeros_like(probs).scatter(0, idx[keep], sorted_p[keep])
-    return probs
-
-
-def _sample_row(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
-    return int(torch.multinomial(_probs_row(logits, temperature, top_p), 1, generator=gen))
+def _sample_rows(
+    logits: torch.Tensor,
+    rows: list[int],
+    temperatures: list[float],
+    top_ps: list[float],
+    uniforms: list[float],
+) -> torch.Tensor:
+    """A token for each of ``rows`` of ``logits`` ``[n, vocab]``, on its device: the row's
+    sampling distribution at its temperature and top_p (:func:`~oasiskv.engine.sampling_probs`;
+    the top-p sort only where some row cuts, top_p < 1) inverted at its uniform. Returns
+    ``[len(rows)]`` int64 token ids. One batched pass: no per-row copy of the vocabulary to the
+    host (at 151K tokens and 32 sampling rows that was a host copy, softmax and multinomial per
+    row and step)."""
+    dev = logits.device
+    sub = logits.index_select(0, torch.tensor(rows, device=dev))
+    temp = torch.tensor(temperatures, dtype=torch.float32).to(dev, non_blocking=True)
+    top_p = torch.tensor(top_ps, dtype=torch.float32).to(dev, non_blocking=True)
+    probs = sampling_probs(sub, temp, top_p, nucleus=any(p < 1.0 for p in top_ps))
+    return sample_inverse_cdf(probs, torch.tensor(uniforms, dtype=torch.float64).to(dev, non_blocking=True))
