@@ -586,6 +586,7 @@ def verify_sampled_drafts(
     draft: torch.Tensor,
     tried: torch.Tensor,
     samp: torch.Tensor,
+    nucleus: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Speculative sampling of a one-token deterministic draft, per row, on the device (no host
     branch, graph safe): ``(first token, draft taken, second token)``, each ``[n]``.
@@ -616,20 +617,21 @@ def verify_sampled_drafts(
     second has the target's next-position distribution, so the pair is distributed as two steps
     of the non-speculative sampler. Where ``p(d) = 1`` the residual is empty and the draft is
     always taken (also where rounding left ``u_accept >= p(d)``). A row that did not try samples
-    its first token from ``p`` itself with ``u_token``."""
+    its first token from ``p`` itself with ``u_token``. ``nucleus=False`` (every row's top_p is
+    1, a host decision the caller makes per step) skips the top-p sort (:func:`sampling_probs`)."""
     n = logits.shape[0]
     temp, top_p = samp[0, :n], samp[1, :n]
     u_accept, u_token, u_bonus = samp[2, :n], samp[3, :n], samp[4, :n]
     # Greedy rows divide by 1 (their results are not used); every row runs the same kernels.
     temp = torch.where(temp > 0, temp, torch.ones_like(temp))
-    p = sampling_probs(logits, temp, top_p)
+    p = sampling_probs(logits, temp, top_p, nucleus)
     d = draft.long().unsqueeze(1)
     p_d = p.gather(1, d).squeeze(1).double()
     resid = torch.where(tried.unsqueeze(1), p.scatter(1, d, 0.0), p)
     empty = resid.sum(dim=-1) <= 0
     taken = tried & ((u_accept < p_d) | empty)
     first = torch.where(taken, draft.long(), sample_inverse_cdf(resid, u_token))
-    second = sample_inverse_cdf(sampling_probs(logits1, temp, top_p), u_bonus)
+    second = sample_inverse_cdf(sampling_probs(logits1, temp, top_p, nucleus), u_bonus)
     return first, taken, second
 
 
@@ -722,7 +724,8 @@ class _SpecState:
 @dataclass
 class _StepGraph:
     """One captured decode step: its key ``(requests, pages, host blocks, speculative, measures
-    recall, keeps predictions, samples, forces verdicts)``, its own plan buffers (pinned host,
+    recall, keeps predictions, samples (0: no; 1: yes; 2: with a top-p cut), forces verdicts)``,
+    its own plan buffers (pinned host,
     device), the split plan and workspace, and the graph with its outputs. A speculative step's
     graph also verifies the drafts and stores the accepted ones; one that samples (a row with
     temperature > 0) reads the sampling inputs from its own buffers too (``samp_host`` pinned,
@@ -731,7 +734,7 @@ class _StepGraph:
     from ``verdict_host`` / ``verdict_dev`` (``[requests]`` int32, the same way; padded rows
     :data:`VERDICT_NONE`)."""
 
-    key: tuple[int, int, int, bool, bool, bool, bool, bool]
+    key: tuple[int, int, int, bool, bool, bool, int, bool]
     layout: dict
     plan_host: torch.Tensor
     plan_dev: torch.Tensor
@@ -935,6 +938,9 @@ class Engine:
         # not sync, except an evaluation recorder that accepts the stall (the attention-mass sample).
         self.recorder = None
         self._recall_now = self._store_pred = bool(kv.measure_recall)  # set per step (_recall_phase)
+        # Whether this step's sampling rows cut at top_p < 1 (set per step; a graph key element):
+        # without a cut the verification skips sorting the vocabulary.
+        self._nucleus_now = False
         # The last speculative step (_SpecState) until commit_drafts; see decode_step(speculate=...).
         self._spec = None
         #: Speculative steps of a ``cuda_graph`` engine on a GPU that ran eagerly (a selection
@@ -1540,6 +1546,7 @@ class Engine:
         eager = self.policy is not None or self.recorder is not None or self.block_source is not None
         graph = self.cuda and self.cuda_graph and not eager
         self._recall_now, self._store_pred = self._recall_phase()
+        self._nucleus_now = samp is not None and bool((samp[1] < 1.0).any())
         if speculate is not None and eager and self.cuda and self.cuda_graph:
             self.spec_eager_steps += 1
         spec_out = None
@@ -1846,7 +1853,9 @@ class Engine:
             accept = (page >= 0) & match & fin & fin2
         else:
             tried = (page >= 0) & fin
-            first, taken, second = verify_sampled_drafts(logits, logits1, draft, tried, samp)
+            first, taken, second = verify_sampled_drafts(
+                logits, logits1, draft, tried, samp, nucleus=self._nucleus_now
+            )
             greedy = samp[0, :n] <= 0
             taken = torch.where(greedy, tried & match, taken)
             tok = torch.where(greedy, tok, first)
@@ -1929,7 +1938,7 @@ class Engine:
             spec,
             self._recall_now,
             self._store_pred,
-            samp is not None,
+            0 if samp is None else 2 if self._nucleus_now else 1,
             verdicts is not None,
         )
         pad = (*key[:3], self.max_num_seqs)
