@@ -230,6 +230,33 @@ __device__ __forceinline__ u32 codes_nibble_bf16x2(u32 n) {
     return lo | (hi << 16);
 }
 
+// The epilogue of both tensor-core paths: C holds q . (c x range) for tokens (rows gid, gid + 8)
+// and query heads (columns 2 tig, 2 tig + 1); `base` this lane's share of q[gid] . min. Writes the
+// entry's score (sum over the group's query heads of base + the max over the block's tokens) from
+// lane 0.
+__device__ __forceinline__ void codes_mma_epilogue(const float (&c)[4], float base, int gid, int tig, int lane,
+                                                   bool gvalid, float* __restrict__ out) {
+    // q[gid] . min: the four lanes of a row hold a quarter of the channels each.
+    base += __shfl_xor_sync(0xffffffffu, base, 1);
+    base += __shfl_xor_sync(0xffffffffu, base, 2);
+    // Max over the 16 tokens of columns 2 tig and 2 tig + 1: rows gid and gid + 8 here, then over gid.
+    float m0 = nan_max(c[0], c[2]);
+    float m1 = nan_max(c[1], c[3]);
+#pragma unroll
+    for (int o = 4; o < 32; o <<= 1) {
+        m0 = nan_max(m0, __shfl_xor_sync(0xffffffffu, m0, o));
+        m1 = nan_max(m1, __shfl_xor_sync(0xffffffffu, m1, o));
+    }
+    // Query head n = gid: its max sits in lane n >> 1 (slot n & 1); lanes with tig 0 add it to the
+    // base they hold, and the warp sums those terms.
+    const float v0 = __shfl_sync(0xffffffffu, m0, gid >> 1);
+    const float v1 = __shfl_sync(0xffffffffu, m1, gid >> 1);
+    float term = (tig == 0 && gvalid) ? base + ((gid & 1) ? v1 : v0) : 0.f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) term += __shfl_xor_sync(0xffffffffu, term, o);
+    if (lane == 0) *out = term;
+}
+
 // The weights-in-B path (OASIS_CODES_KERNEL unset or "weights-b"): B = w[d][g] = q[g][d]
 // (max[d] - min[d]) / 3, rebuilt per block, split into a bf16 high part and a bf16 residual (two
 // MMAs per 16 channels), A = the codes 0..3. KC: head_dim / 16 when known at compile time (the
@@ -283,25 +310,7 @@ __device__ void score_codes_mma_w_entry(
         codes_mma16816(c, a, b0, b1);
         codes_mma16816(c, a, r0, r1);
     }
-    // q[gid] . min: the four lanes of a row hold a quarter of the channels each.
-    base += __shfl_xor_sync(0xffffffffu, base, 1);
-    base += __shfl_xor_sync(0xffffffffu, base, 2);
-    // Max over the 16 tokens of columns 2 tig and 2 tig + 1: rows gid and gid + 8 here, then over gid.
-    float m0 = nan_max(c[0], c[2]);
-    float m1 = nan_max(c[1], c[3]);
-#pragma unroll
-    for (int o = 4; o < 32; o <<= 1) {
-        m0 = nan_max(m0, __shfl_xor_sync(0xffffffffu, m0, o));
-        m1 = nan_max(m1, __shfl_xor_sync(0xffffffffu, m1, o));
-    }
-    // Query head n = gid: its max sits in lane n >> 1 (slot n & 1); lanes with tig 0 add it to the
-    // base they hold, and the warp sums those terms.
-    const float v0 = __shfl_sync(0xffffffffu, m0, gid >> 1);
-    const float v1 = __shfl_sync(0xffffffffu, m1, gid >> 1);
-    float term = (tig == 0 && gvalid) ? base + ((gid & 1) ? v1 : v0) : 0.f;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) term += __shfl_xor_sync(0xffffffffu, term, o);
-    if (lane == 0) *out = term;
+    codes_mma_epilogue(c, base, gid, tig, lane, gvalid, out);
 }
 
 // ---- scale in A ----
@@ -451,25 +460,7 @@ __device__ bool score_codes_mma_entry(
         codes_mma16816_f16(c, al, bb[0], bb[1]);
     }
     if (!__all_sync(0xffffffffu, fits)) return false;
-    // q[gid] . min: the four lanes of a row hold a quarter of the channels each.
-    base += __shfl_xor_sync(0xffffffffu, base, 1);
-    base += __shfl_xor_sync(0xffffffffu, base, 2);
-    // Max over the 16 tokens of columns 2 tig and 2 tig + 1: rows gid and gid + 8 here, then over gid.
-    float m0 = nan_max(c[0], c[2]);
-    float m1 = nan_max(c[1], c[3]);
-#pragma unroll
-    for (int o = 4; o < 32; o <<= 1) {
-        m0 = nan_max(m0, __shfl_xor_sync(0xffffffffu, m0, o));
-        m1 = nan_max(m1, __shfl_xor_sync(0xffffffffu, m1, o));
-    }
-    // Query head n = gid: its max sits in lane n >> 1 (slot n & 1); lanes with tig 0 add it to the
-    // base they hold, and the warp sums those terms.
-    const float v0 = __shfl_sync(0xffffffffu, m0, gid >> 1);
-    const float v1 = __shfl_sync(0xffffffffu, m1, gid >> 1);
-    float term = (tig == 0 && gvalid) ? base + ((gid & 1) ? v1 : v0) : 0.f;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) term += __shfl_xor_sync(0xffffffffu, term, o);
-    if (lane == 0) *out = term;
+    codes_mma_epilogue(c, base, gid, tig, lane, gvalid, out);
     return true;
 }
 
