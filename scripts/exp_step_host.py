@@ -52,11 +52,6 @@ def main() -> None:
         "in the same process (ops.set_gather_launch), for each --requests-sweep size; each drops the "
         "graphs and times --steps steps again",
     )
-    ap.add_argument(
-        "--high-priority",
-        action="store_true",
-        help="also time every sweep point with the step issued on a high-priority stream",
-    )
     ap.add_argument("--host-pool", choices=["pinned", "device"], default="pinned")
     ap.add_argument("--background-streams", type=int, default=2, help="Engine(background_streams=N)")
     ap.add_argument(
@@ -131,7 +126,7 @@ def main() -> None:
     sweep_points += len(args.streams_sweep.split(",")) if args.streams_sweep else 0
     if args.priority_sweep or args.requests_sweep:
         sweep_points += len(prios) * len(sizes)
-    steps_all = (args.steps + 2) * (1 + sweep_points * (2 if args.high_priority else 1)) + 3
+    steps_all = (args.steps + 2) * (1 + sweep_points) + 3
     reqs = []
     for i in range(args.requests):
         if not (args.same_prompt and reqs):
@@ -173,23 +168,15 @@ def main() -> None:
         from oasiskv import ops
 
         default_launch = ops.gather_launch()
-        for size, prio, spec in itertools.product(
-            sizes, [False, True] if args.high_priority else [False], args.gather_blocks.split(",")
-        ):
+        for size, spec in itertools.product(sizes, args.gather_blocks.split(",")):
             n = tuple(int(x) for x in spec.split(":"))
             ops.set_gather_launch(*n)
             if hasattr(eng, "drop_graphs"):
                 eng.drop_graphs()
-            batch = reqs[:size] if size else None
-            if prio:
-                with torch.cuda.stream(torch.cuda.Stream(dev, priority=-5)):
-                    h, st = timed(args.steps, batch)
-            else:
-                h, st = timed(args.steps, batch)
+            h, st = timed(args.steps, reqs[:size] if size else None)
             row = dict(
                 gather_blocks=n,
                 requests=size or len(reqs),
-                high_priority=prio,
                 host_ms=statistics.median(h),
                 step_ms=statistics.median(st),
             )
