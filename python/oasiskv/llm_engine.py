@@ -763,8 +763,8 @@ class LLMEngine:
             gens = [seqs[i].gen or self._gen for i in rows]
             uniforms = [float(torch.rand((), generator=g, dtype=torch.float64)) for g in gens]
             temps, top_ps = [p.temperature for p in params], [p.top_p for p in params]
-            drawn = _sample_rows(logits, rows, temps, top_ps, uniforms)
-            at = torch.tensor(rows, device=logits.device)
+            at = torch.tensor(rows).to(logits.device, non_blocking=True)
+            drawn = _sample_rows(logits, at, temps, top_ps, uniforms)
             cols.append(torch.zeros_like(cols[0]).index_copy_(0, at, drawn))
         host = torch.stack(cols).tolist()
         out: list[int | None] = []
@@ -888,20 +888,19 @@ class LLMEngine:
 
 def _sample_rows(
     logits: torch.Tensor,
-    rows: list[int],
+    rows: torch.Tensor,
     temperatures: list[float],
     top_ps: list[float],
     uniforms: list[float],
 ) -> torch.Tensor:
-    """A token for each of ``rows`` of ``logits`` ``[n, vocab]``, on its device: the row's
-    sampling distribution at its temperature and top_p (:func:`~oasiskv.engine.sampling_probs`;
+    """A token for each of ``rows`` (int64, on the logits' device) of ``logits`` ``[n, vocab]``:
+    the row's sampling distribution at its temperature and top_p (:func:`~oasiskv.engine.sampling_probs`;
     the top-p sort only where some row cuts, top_p < 1) inverted at its uniform. Returns
     ``[len(rows)]`` int64 token ids. One batched pass: no per-row copy of the vocabulary to the
     host (at 151K tokens and 32 sampling rows that was a host copy, softmax and multinomial per
     row and step)."""
-    dev = logits.device
-    sub = logits.index_select(0, torch.tensor(rows, device=dev))
-    temp = torch.tensor(temperatures, dtype=torch.float32).to(dev, non_blocking=True)
-    top_p = torch.tensor(top_ps, dtype=torch.float32).to(dev, non_blocking=True)
-    probs = sampling_probs(sub, temp, top_p, nucleus=any(p < 1.0 for p in top_ps))
-    return sample_inverse_cdf(probs, torch.tensor(uniforms, dtype=torch.float64).to(dev, non_blocking=True))
+    # One host-to-device copy for the three per-row inputs.
+    inputs = torch.tensor([temperatures, top_ps, uniforms], dtype=torch.float64)
+    temp, top_p, u = inputs.to(logits.device, non_blocking=True)
+    probs = sampling_probs(logits.index_select(0, rows), temp, top_p, nucleus=any(p < 1.0 for p in top_ps))
+    return sample_inverse_cdf(probs, u)
