@@ -12,12 +12,12 @@ from oasiskv.drafters import Drafter, Eagle3Drafter, NgramDrafter
 from oasiskv.errors import ShapeError
 from oasiskv.models.eagle3 import Eagle3Head, Eagle3State
 from oasiskv.models.transformer import CausalLM, dense_causal_attn
-from test_eagle3_prefill import ATOL, CFG, RTOL
+from test_eagle3_prefill import ATOL, CFG, RTOL, prompt
 
 torch.set_num_threads(2)
 
-# NOTE: the batched path computes the same sums with other shapes (B rows per matmul, padded
-# keys), so results agree to the f32 tolerance, not bit for bit.
+# NOTE: the batched path computes the same sums with other shapes (B rows per matmul), so results
+# agree to the f32 tolerance, not bit for bit.
 PROMPT_LENS = (97, 54, 1, 13, 2)  # odd lengths, a one-token prompt (no prompt rows), unequal caches
 STEPS = 6
 
@@ -30,11 +30,6 @@ def model():
 @pytest.fixture(scope="module")
 def head(model):
     return Eagle3Head.random(CFG, draft_vocab_size=64, seed=5).attach_target(model)
-
-
-def prompt(n: int, seed: int = 0) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, CFG.vocab_size, (n,), generator=g).tolist()
 
 
 def dense_features(model, ids: list[int]) -> torch.Tensor:

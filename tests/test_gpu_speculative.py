@@ -212,7 +212,13 @@ def test_graph_sampling_keeps_the_distribution(temperature, top_p):
     exact one (chi-square), the sampling steps replayed as graphs."""
     import copy
 
-    from test_speculative import ArgmaxDrafter, _chi_square_p, _exact_joint, _peaked_model
+    from test_speculative import (
+        ArgmaxDrafter,
+        _chi_square_p,
+        _exact_joint,
+        _peaked_model,
+        _second_and_third_tokens,
+    )
 
     cpu = _peaked_model()
     ids = [1, 5, 2, 7]
@@ -235,13 +241,7 @@ def test_graph_sampling_keeps_the_distribution(temperature, top_p):
     steps: list = []
     _spy_graph_steps(eng, steps)
     n = 2000
-    sp = SamplingParams(max_tokens=3, temperature=temperature, top_p=top_p, ignore_eos=True)
-    rids = [eng.add_request(ids, sp) for _ in range(n)]
-    outs = eng.run_to_completion(rids)
-    counts: dict = {}
-    for r in rids:
-        t = tuple(outs[r].token_ids[1:])
-        counts[t] = counts.get(t, 0) + 1
+    counts = _second_and_third_tokens(eng, ids, n, temperature, top_p)
     assert _chi_square_p(counts, exact, n) > 1e-3, eng.spec_stats
     s = eng.spec_stats
     assert s["drafts"] == n and 0.1 < s["acceptance_rate"] < 0.95, s

@@ -300,6 +300,19 @@ def _chi_square_p(counts: dict, probs: dict, n: int) -> float:
     return 0.5 * math.erfc(z / math.sqrt(2))
 
 
+def _second_and_third_tokens(eng, ids, n: int, temperature: float, top_p: float) -> dict:
+    """``n`` requests of 3 sampled tokens from ``ids`` through ``eng``: how often each pair of
+    2nd and 3rd tokens came out."""
+    sp = SamplingParams(max_tokens=3, temperature=temperature, top_p=top_p, ignore_eos=True)
+    rids = [eng.add_request(ids, sp) for _ in range(n)]
+    outs = eng.run_to_completion(rids)
+    counts: dict = {}
+    for r in rids:
+        t = tuple(outs[r].token_ids[1:])
+        counts[t] = counts.get(t, 0) + 1
+    return counts
+
+
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
 def test_sampling_keeps_the_distribution(temperature, top_p):
     """2000 requests of 3 tokens each, with and without speculation: the joint distribution of
@@ -323,13 +336,7 @@ def test_sampling_keeps_the_distribution(temperature, top_p):
             seed=11,
             prefill_cache=PrefillCache(),
         )
-        sp = SamplingParams(max_tokens=3, temperature=temperature, top_p=top_p, ignore_eos=True)
-        rids = [eng.add_request(ids, sp) for _ in range(n)]
-        outs = eng.run_to_completion(rids)
-        counts: dict = {}
-        for r in rids:
-            t = tuple(outs[r].token_ids[1:])
-            counts[t] = counts.get(t, 0) + 1
+        counts = _second_and_third_tokens(eng, ids, n, temperature, top_p)
         assert _chi_square_p(counts, exact, n) > 1e-3, (speculative, eng.spec_stats)
         if speculative:
             s = eng.spec_stats
