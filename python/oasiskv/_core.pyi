@@ -376,9 +376,13 @@ def wait_stamp(stamps: torch.Tensor, mode: int, *, stream: int = 0) -> None:
     """Time a wait: stamps int64 [3] = (start, total waited, waits) in ns; mode 0 starts, else ends."""
 
 def set_gather_launch(
-    max_blocks: int = 4, warps_per_block: int = 4, entries_per_warp: int = 32, stage_entries: int = 6
+    max_blocks: int | None = None,
+    warps_per_block: int | None = None,
+    entries_per_warp: int | None = None,
+    stage_entries: int | None = None,
 ) -> None:
-    """Launch shape of the GPU gather (process-wide; a captured graph keeps its own). ValueError
+    """Launch shape of the GPU gather (process-wide; a captured graph keeps its own; None: the
+    default launch's field). ValueError
     unless 1 <= warps_per_block <= 4, 1 <= entries_per_warp <= 32 and 0 <= stage_entries <= 32."""
 
 def gather_launch() -> tuple[int, int, int, int]:

@@ -328,13 +328,17 @@ def wait_stamp(stamps: torch.Tensor, mode: int) -> None:
 
 
 def set_gather_launch(
-    max_blocks: int = 4, warps_per_block: int = 4, entries_per_warp: int = 32, stage_entries: int = 6
+    max_blocks: int | None = None,
+    warps_per_block: int | None = None,
+    entries_per_warp: int | None = None,
+    stage_entries: int | None = None,
 ) -> None:
     """Launch shape of the GPU gather: at most ``max_blocks`` thread blocks (0: no cap) of
     ``warps_per_block`` warps (1-4), each warp checking ``entries_per_warp`` plan entries (1-32)
     per pass and copying ``stage_entries`` (0-32) of them at once through shared memory (0: one
-    at a time through registers; lowered to what fits the device's shared memory). The defaults
-    are the measured best on the H200 (docs/PERF.md).
+    at a time through registers; lowered to what fits the device's shared memory). A field left
+    out (None) takes the default launch's, the measured best on the H200 (docs/PERF.md):
+    ``(4, 4, 32, 6)``.
 
     Process-wide, for tuning: every shape copies the same bytes; they trade PCIe reads in flight
     against SMs held beside the compute stream. A captured CUDA graph keeps its launch. Gathers

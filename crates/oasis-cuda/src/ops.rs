@@ -135,9 +135,14 @@ impl GatherLaunch {
         if self.stage_entries == 0 || entry_bytes == 0 || !entry_bytes.is_multiple_of(16) {
             return 0;
         }
-        let per_entry = 2 * entry_bytes * self.warps_per_block as usize;
-        let fits = (max_smem / per_entry).min(u32::MAX as usize) as u32;
+        let fits = (max_smem / self.stage_smem_bytes(1, entry_bytes)).min(u32::MAX as usize) as u32;
         self.stage_entries.min(fits)
+    }
+
+    /// Shared memory of one block staging `stage` entries per warp: K and V of each, for every
+    /// warp (the kernel's layout, cuda/gather_blocks.cu).
+    pub fn stage_smem_bytes(&self, stage: u32, entry_bytes: usize) -> usize {
+        2 * entry_bytes * stage as usize * self.warps_per_block as usize
     }
 }
 
@@ -1252,7 +1257,7 @@ impl Gpu {
             };
             let entry_bytes = bs * d * std::mem::size_of::<T>();
             let stage = launch.stage_for(entry_bytes, self.max_shared_mem_per_block());
-            let smem = 2 * entry_bytes * (stage * launch.warps_per_block) as usize;
+            let smem = launch.stage_smem_bytes(stage, entry_bytes);
             let params = GatherBlocksParams {
                 plan_slots: plan_slots.into(),
                 plan_blocks: plan_blocks.into(),

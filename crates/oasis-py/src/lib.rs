@@ -360,23 +360,25 @@ fn monotonic_ns() -> u64 {
 }
 
 #[pyfunction]
-#[pyo3(signature = (max_blocks = 4, warps_per_block = 4, entries_per_warp = 32, stage_entries = 6))]
+#[pyo3(signature = (max_blocks = None, warps_per_block = None, entries_per_warp = None, stage_entries = None))]
 /// Launch shape of the GPU gather (`gather_blocks`): at most `max_blocks` blocks (0: no cap) of
 /// `warps_per_block` warps (1-4), each checking `entries_per_warp` plan entries (1-32) per pass
 /// and copying `stage_entries` (0-32) of them at once through shared memory (0: through
-/// registers). Process-wide, for tuning; a captured CUDA graph keeps the launch it was captured
-/// with.
+/// registers). A field left out (None) takes the default launch's. Process-wide, for tuning; a
+/// captured CUDA graph keeps the launch it was captured with.
 fn set_gather_launch(
-    max_blocks: usize,
-    warps_per_block: u32,
-    entries_per_warp: u32,
-    stage_entries: u32,
+    max_blocks: Option<usize>,
+    warps_per_block: Option<u32>,
+    entries_per_warp: Option<u32>,
+    stage_entries: Option<u32>,
 ) -> PyResult<()> {
+    // A field left out takes the default launch's (one place holds the measured best).
+    let d = oasis_cuda::ops::GatherLaunch::DEFAULT;
     oasis_cuda::ops::set_gather_launch(oasis_cuda::ops::GatherLaunch {
-        max_blocks,
-        warps_per_block,
-        entries_per_warp,
-        stage_entries,
+        max_blocks: max_blocks.unwrap_or(d.max_blocks),
+        warps_per_block: warps_per_block.unwrap_or(d.warps_per_block),
+        entries_per_warp: entries_per_warp.unwrap_or(d.entries_per_warp),
+        stage_entries: stage_entries.unwrap_or(d.stage_entries),
     })
     .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))
 }
