@@ -254,6 +254,44 @@ def test_causal_attention_against_a_reference(device, dtype, nq, nk, hq, hkv):
     torch.testing.assert_close(got.float().cpu(), ref, **tol)
 
 
+def test_queries_against_a_longer_cache_never_take_cudnn():
+    """cuDNN's SDPA builds a plan per new shape (40-70 ms on the H200), and a decoding cache has
+    a new length every step: causal_attention keeps it for full causal pieces only."""
+    from types import SimpleNamespace
+
+    from oasiskv.models import transformer
+
+    if transformer.sdpa_kernel is None:  # pragma: no cover - torch < 2.3
+        pytest.skip("torch has no sdpa_kernel")
+    with transformer._no_cudnn(SimpleNamespace(is_cuda=True)):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.math_sdp_enabled()
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    with transformer._no_cudnn(torch.zeros(1)):  # a CPU query: nothing changes
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cudnn_only_for_full_causal_pieces_on_cuda(monkeypatch):
+    real = torch.nn.functional.scaled_dot_product_attention
+    seen = []
+
+    def spy(*a, **kw):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return real(*a, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    default = torch.backends.cuda.cudnn_sdp_enabled()
+    q = torch.randn(64, 8, 64, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(64, 2, 64, device="cuda", dtype=torch.bfloat16)
+    causal_attention(q, k, k)  # prefill: nq == nk
+    causal_attention(q[-1:], k, k)  # one decode query
+    causal_attention(q[-16:], k, k)  # a chunk after a cached prefix
+    assert seen == [default, False, False]
+
+
 def test_random_is_deterministic_and_meaningful():
     cfg = ModelConfig("llama", 100, 32, 64, 2, 4, 2)
     a, b, c = CausalLM.random(cfg, seed=7), CausalLM.random(cfg, seed=7), CausalLM.random(cfg, seed=8)

@@ -21,6 +21,7 @@ last float32 bit); the torch code below stays the reference, and runs on the CPU
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 from collections.abc import Callable, Sequence
@@ -35,6 +36,10 @@ try:  # torch >= 2.3
     from torch.nn.attention.bias import CausalBias, causal_lower_right
 except ImportError:  # pragma: no cover - older torch: the explicit mask
     CausalBias = causal_lower_right = None
+try:  # torch >= 2.3
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+except ImportError:  # pragma: no cover - older torch: its default backends
+    SDPBackend = sdpa_kernel = None
 
 from oasiskv import ops
 from oasiskv.errors import ConfigError, ContextLengthError, ShapeError
@@ -212,12 +217,32 @@ def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None
     qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     if nq == nk:
         out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, **gqa)
-    elif nq == 1:  # the last position sees every key: no mask
-        out = F.scaled_dot_product_attention(qt, kt, vt, scale=scale, **gqa)
     else:
-        mask = _chunk_mask(nq, nk, q, bool(gqa))
-        out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, **gqa)
+        with _no_cudnn(q):
+            if nq == 1:  # the last position sees every key: no mask
+                out = F.scaled_dot_product_attention(qt, kt, vt, scale=scale, **gqa)
+            else:
+                mask = _chunk_mask(nq, nk, q, bool(gqa))
+                out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, **gqa)
     return out[0].transpose(0, 1).contiguous()
+
+
+#: The SDPA backends a query against a longer cache may use on CUDA: all but cuDNN's. cuDNN
+#: builds an execution plan per new shape, 40-70 ms on the H200 (torch 2.11), and a decoding
+#: cache has a new length every step: an EAGLE-3 head's per-request attention cost 4 ms a call
+#: until every length had been seen once (docs/PERF.md). Full causal prefill (nq == nk) keeps
+#: cuDNN: one plan per prompt length serves every layer, and it runs there at twice flash's speed.
+_NO_CUDNN = (
+    None
+    if sdpa_kernel is None
+    else [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+)
+
+
+def _no_cudnn(q: Tensor):
+    if _NO_CUDNN is None or not q.is_cuda:
+        return contextlib.nullcontext()
+    return sdpa_kernel(_NO_CUDNN)
 
 
 def varlen_causal_attention(
