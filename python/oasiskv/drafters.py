@@ -385,11 +385,16 @@ class Eagle3Drafter(Drafter):
     ``P``) then attends over the whole prompt, exactly like row ``P - 1`` of
     :func:`oasiskv.train.eagle3.ttt_forward`'s first pass. ``prefill=False`` keeps the head's
     cache empty until decoding starts (it sees only positions drafted since then).
+
+    ``paged`` (default: on a GPU): the requests' head caches share one
+    :class:`~oasiskv.models.eagle3.Eagle3PagedKV`, so a batched step attends over all of them in
+    one decode-attention call instead of one SDPA call per request; False keeps a contiguous
+    cache per request (the CPU default: there the per-request attention is as fast).
     """
 
     name = "eagle3"
 
-    def __init__(self, head, target, *, prefill: bool = True) -> None:
+    def __init__(self, head, target, *, prefill: bool = True, paged: bool | None = None) -> None:
         from .models.eagle3 import Eagle3State  # local: keeps `import oasiskv` light
 
         self.head = head
@@ -398,6 +403,9 @@ class Eagle3Drafter(Drafter):
             head.attach_target(target)  # the public format shares the target's token embedding
         self._state_cls = Eagle3State
         self._states: dict[int, object] = {}
+        p = next(head.parameters())
+        self.paged = p.device.type == "cuda" if paged is None else bool(paged)
+        self._pool = None  # the Eagle3PagedKV, made with the first paged state
         self.wants_prompt_features = bool(prefill)
         self.name = "eagle3" if prefill else "eagle3-noprefill"
         #: Set True to keep, per request, the head's probability of its latest draft
@@ -411,7 +419,9 @@ class Eagle3Drafter(Drafter):
         self.last_runner_up: dict[int, int] = {}
 
     @classmethod
-    def from_pretrained(cls, path, model, *, prefill: bool = True) -> Eagle3Drafter:
+    def from_pretrained(
+        cls, path, model, *, prefill: bool = True, paged: bool | None = None
+    ) -> Eagle3Drafter:
         """Load an EAGLE-3 head in the public checkpoint format (``config.json`` +
         ``model.safetensors``, the EAGLE-3 / SpecForge layout) for the target ``model``, in the
         model's dtype and on its device."""
@@ -421,16 +431,36 @@ class Eagle3Drafter(Drafter):
         head = Eagle3Head.load(path, model.config, dtype=p.dtype, device=p.device)
         head.attach_target(model)
         head.eval()
-        return cls(head, model, prefill=prefill)
+        return cls(head, model, prefill=prefill, paged=paged)
 
     def capture_layers(self, num_layers: int) -> tuple[int, ...]:
         return tuple(self.head.capture_layers(num_layers))
 
     def begin(self, req_id, prompt) -> None:
-        self._states[req_id] = self._state_cls()
+        self.end(req_id)  # a request begun again starts empty (its pages back first)
+        self._states[req_id] = self._state_cls(paged=self.pool if self.paged else None)
+
+    @property
+    def pool(self):
+        """The paged pool of every request's head cache (made at first use), or None when not
+        ``paged``."""
+        if self.paged and self._pool is None:
+            from .models.eagle3 import Eagle3PagedKV
+
+            cfg, p = self.head.config, next(self.head.parameters())
+            self._pool = Eagle3PagedKV(
+                cfg.num_attention_heads,
+                cfg.num_key_value_heads,
+                cfg.head_dim,
+                dtype=p.dtype,
+                device=p.device,
+            )
+        return self._pool
 
     def end(self, req_id) -> None:
-        self._states.pop(req_id, None)
+        state = self._states.pop(req_id, None)
+        if state is not None:
+            state.release()
         self.last_confidence.pop(req_id, None)
         self.last_runner_up.pop(req_id, None)
 

@@ -7,7 +7,7 @@ logits, captured = model(ids, torch.arange(len(ids)), dense_causal_attn(), captu
 """
 
 from oasiskv.models.config import ModelConfig, estimate_model_bytes
-from oasiskv.models.eagle3 import Eagle3Head, Eagle3State, eagle3_capture_layers
+from oasiskv.models.eagle3 import Eagle3Head, Eagle3PagedKV, Eagle3State, eagle3_capture_layers
 from oasiskv.models.loader import load_gguf, load_hf_dir, load_model, smollm2_gguf_path
 from oasiskv.models.tokenizer import Tokenizer
 from oasiskv.models.transformer import (
@@ -25,6 +25,7 @@ __all__ = [
     "CausalLM",
     "DenseKVCache",
     "Eagle3Head",
+    "Eagle3PagedKV",
     "Eagle3State",
     "ModelConfig",
     "Tokenizer",

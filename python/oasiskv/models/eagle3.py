@@ -78,17 +78,27 @@ class Eagle3State:
     """Per-request KV cache of the head's single decoder layer (grows as tokens are stepped).
 
     ``Eagle3State()`` needs no arguments: storage is allocated on the first :meth:`Eagle3Head.step`
-    with that call's dtype and device.
+    with that call's dtype and device. ``Eagle3State(paged=pool)`` keeps its rows in the pages
+    of an :class:`Eagle3PagedKV` shared by many requests instead, so that a batched step attends
+    over all of them in one kernel call (:meth:`Eagle3Head.step_batch`); :meth:`release` gives
+    its pages back.
     """
 
-    def __init__(self, capacity: int = 256) -> None:
+    def __init__(self, capacity: int = 256, *, paged: Eagle3PagedKV | None = None) -> None:
         self.k: Tensor | None = None  # [capacity, Hkv, D]
         self.v: Tensor | None = None
         self.length = 0
         self._initial_capacity = max(1, int(capacity))
+        self.paged = paged
+        #: The pool pages holding rows ``i * block_size ..`` (paged states only).
+        self.pages: list[int] = []
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store n new rows; return views of ALL cached K and V ([length, Hkv, D])."""
+        """Store n new rows; return ALL cached K and V ([length, Hkv, D]): views, or for a paged
+        state a copy gathered from its pages."""
+        if self.paged is not None:
+            self.paged.write(self, k, v)
+            return self.paged.gather(self)
         n = k.shape[0]
         need = self.length + n
         if (
@@ -126,8 +136,153 @@ class Eagle3State:
     def reset(self) -> None:
         self.length = 0
 
+    def release(self) -> None:
+        """Empty the state; a paged one gives its pages back to the pool."""
+        if self.paged is not None:
+            self.paged.free(self.pages)
+            self.pages = []
+        self.k = self.v = None
+        self.length = 0
+
     def __repr__(self) -> str:
-        return f"Eagle3State(length={self.length})"
+        return f"Eagle3State(length={self.length}{', paged' if self.paged is not None else ''})"
+
+
+class Eagle3PagedKV:
+    """The head KV of many requests in one paged pool, ``[num_pages, Hkv, block_size, D]`` for K
+    and for V, the engine's page layout.
+
+    Why: a batched head step (:meth:`Eagle3Head.step_batch`) over contiguous per-request caches
+    attends with one SDPA call per request (16 calls and 32 slices a step at 16 requests; on the
+    H200 the head of a Qwen3-8B-shaped target cost 5.4 ms per step, docs/PERF.md). Over pages it
+    is one :func:`oasiskv.ops.decode_attention` call, the engine's split-KV decode kernel (its CPU
+    twin on the CPU), with the step's page tables built on the host and copied once.
+
+    Pages are taken as states grow and given back by :meth:`Eagle3State.release`; the pool
+    doubles when it runs out (a copy of the pool, as a contiguous cache's growth copies it).
+    """
+
+    def __init__(
+        self,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype,
+        device: str | torch.device,
+        block_size: int = 16,
+        num_pages: int = 64,
+    ) -> None:
+        from oasiskv import ops  # local: the native module loads with the first pool
+
+        self.geo = ops.KvGeometry(num_qo_heads, num_kv_heads, head_dim, block_size)
+        self.block_size = block_size
+        shape = (max(1, int(num_pages)), num_kv_heads, block_size, head_dim)
+        self.k_pages = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_pages = torch.zeros(shape, dtype=dtype, device=device)
+        self._free = list(range(shape[0] - 1, -1, -1))  # popped from the end: low ids first
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_pages.shape[0]
+
+    @property
+    def pages_in_use(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def free(self, pages: Sequence[int]) -> None:
+        self._free.extend(reversed(pages))
+
+    def _reserve(self, state: Eagle3State, length: int) -> None:
+        """Give ``state`` pages for ``length`` rows."""
+        need = -(-length // self.block_size) - len(state.pages)
+        if need <= 0:
+            return
+        if need > len(self._free):
+            old = self.num_pages
+            new = max(2 * old, old + need - len(self._free))
+            grow = (new - old, *self.k_pages.shape[1:])
+            self.k_pages = torch.cat((self.k_pages, self.k_pages.new_zeros(grow)))
+            self.v_pages = torch.cat((self.v_pages, self.v_pages.new_zeros(grow)))
+            self._free[:0] = range(new - 1, old - 1, -1)
+        state.pages.extend(self._free.pop() for _ in range(need))
+
+    def _check(self, k: Tensor, v: Tensor) -> None:
+        g = self.geo
+        if k.dim() != 3 or k.shape[1:] != (g.num_kv_heads, g.head_dim) or v.shape != k.shape:
+            raise ShapeError(
+                f"Eagle3PagedKV stores k, v [n, {g.num_kv_heads}, {g.head_dim}]; got {tuple(k.shape)}, "
+                f"{tuple(v.shape)}"
+            )
+
+    def write(self, state: Eagle3State, k: Tensor, v: Tensor) -> None:
+        """Append n rows of one state (positions ``state.length ..``)."""
+        self._check(k, v)
+        n, start = k.shape[0], state.length
+        self._reserve(state, start + n)
+        pos = torch.arange(start, start + n)
+        pages = torch.tensor(state.pages, dtype=torch.long)[pos // self.block_size]
+        idx = torch.stack((pages, pos % self.block_size)).to(self.k_pages.device, non_blocking=True)
+        self.k_pages[idx[0], :, idx[1]] = k.to(self.k_pages.dtype)
+        self.v_pages[idx[0], :, idx[1]] = v.to(self.v_pages.dtype)
+        state.length = start + n
+
+    def write_rows(self, states: Sequence[Eagle3State], k: Tensor, v: Tensor) -> None:
+        """Append one row to each state: row i of k, v [B, Hkv, D] to ``states[i]``."""
+        self._check(k, v)
+        if k.shape[0] != len(states):
+            raise ShapeError(f"write_rows got {k.shape[0]} rows for {len(states)} states")
+        bs, pages, slots = self.block_size, [], []
+        for st in states:
+            self._reserve(st, st.length + 1)
+            pages.append(st.pages[st.length // bs])
+            slots.append(st.length % bs)
+            st.length += 1
+        idx = torch.tensor([pages, slots], dtype=torch.long).to(self.k_pages.device, non_blocking=True)
+        self.k_pages[idx[0], :, idx[1]] = k.to(self.k_pages.dtype)
+        self.v_pages[idx[0], :, idx[1]] = v.to(self.v_pages.dtype)
+
+    def gather(self, state: Eagle3State) -> tuple[Tensor, Tensor]:
+        """A state's K and V, contiguous copies ``[length, Hkv, D]`` (for a prompt chunk's causal
+        attention)."""
+        ids = torch.tensor(state.pages, dtype=torch.long, device=self.k_pages.device)
+        n = state.length
+
+        def flat(pool: Tensor) -> Tensor:
+            x = pool.index_select(0, ids)  # [pages, Hkv, bs, D]
+            return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3])[:n]
+
+        return flat(self.k_pages), flat(self.v_pages)
+
+    def attend(self, states: Sequence[Eagle3State], q: Tensor, scale: float) -> Tensor:
+        """Row i of q [B, Hq, D] over everything in ``states[i]`` (each state's rows 0 ..
+        length - 1), in one decode-attention call; [B, Hq, D]."""
+        from oasiskv import ops
+
+        b, bs = len(states), self.block_size
+        if any(st.length < 1 for st in states):
+            raise ShapeError("Eagle3PagedKV.attend needs at least one cached row per state")
+        counts = [-(-st.length // bs) for st in states]
+        indptr = [0]
+        for c in counts:
+            indptr.append(indptr[-1] + c)
+        indices = [p for st, c in zip(states, counts, strict=True) for p in st.pages[:c]]
+        last = [st.length - (c - 1) * bs for st, c in zip(states, counts, strict=True)]
+        # One host-to-device copy for the three tables.
+        tables = torch.tensor(indptr + indices + last, dtype=torch.int32).to(q.device, non_blocking=True)
+        kv_indptr, kv_indices, kv_last = tables.split([b + 1, len(indices), b])
+        out = ops.decode_attention(
+            self.geo,
+            q.to(self.k_pages.dtype).reshape(b, 1, *q.shape[1:]).contiguous(),
+            self.k_pages,
+            self.v_pages,
+            kv_indptr,
+            kv_indices,
+            kv_last,
+            sm_scale=scale,
+            max_pages_per_seq=max(counts),
+        )
+        return out.reshape(b, *q.shape[1:]).to(q.dtype)
 
 
 class _Attention(nn.Module):
@@ -261,9 +416,13 @@ class Eagle3Head(nn.Module):
         self, features: Tensor, token_ids: Tensor, positions: Tensor, state: Eagle3State | None
     ) -> Tensor:
         h, q, k, v = self._qkv(features, token_ids, positions)
+        scale = self.config.head_dim**-0.5
+        if state is not None and state.paged is not None and token_ids.shape[0] == 1:
+            state.paged.write_rows([state], k, v)  # one row: attend over the pages, no gather
+            return self._out(h, state.paged.attend([state], q, scale))
         if state is not None:
             k, v = state.append(k, v)
-        o = causal_attention(q, k, v, self.config.head_dim**-0.5)
+        o = causal_attention(q, k, v, scale)
         return self._out(h, o)
 
     def _qkv(self, features: Tensor, token_ids: Tensor, positions: Tensor) -> tuple[Tensor, ...]:
@@ -351,8 +510,9 @@ class Eagle3Head(nn.Module):
         [B], positions [B]; row i's K/V are appended to ``states[i]`` exactly as :meth:`step`
         appends them, and row i attends to everything in ``states[i]`` (its own head KV, of its
         own length). The projections, MLP and LM head run batched (the head's weights are read
-        once, not B times); the attention runs per request over its own cache, in place (one
-        SDPA call each). Returns
+        once, not B times). The attention is one decode-attention call when the states share an
+        :class:`Eagle3PagedKV` (what :class:`~oasiskv.drafters.Eagle3Drafter` makes on a GPU),
+        else one SDPA call per request over its own cache, in place. Returns
         (draft token ids [B] in the TARGET vocabulary, draft hidden [B, H], draft logits [B,
         draft_vocab] float32).
 
@@ -370,7 +530,11 @@ class Eagle3Head(nn.Module):
             raise ShapeError("step_batch got the same Eagle3State twice; pass one state per request")
         h, q, k, v = self._qkv(features, token_ids, positions)
         scale = self.config.head_dim**-0.5
-        if b == 1:
+        paged = states[0].paged
+        if paged is not None and all(st.paged is paged for st in states):
+            paged.write_rows(states, k, v)
+            o = paged.attend(states, q, scale)
+        elif b == 1:
             kk, vv = states[0].append(k, v)
             o = causal_attention(q, kk, vv, scale)
         else:
