@@ -284,8 +284,10 @@ def test_cudnn_only_for_full_causal_pieces_on_cuda(monkeypatch):
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
     default = torch.backends.cuda.cudnn_sdp_enabled()
-    q = torch.randn(64, 8, 64, device="cuda", dtype=torch.bfloat16)
-    k = torch.randn(64, 2, 64, device="cuda", dtype=torch.bfloat16)
+    # NOTE: float32, so the chunk takes an explicit mask: the spy in place of SDPA would break
+    # the dispatch of the 16-bit path's CausalBias mask (it matches SDPA by identity).
+    q = torch.randn(64, 8, 64, device="cuda")
+    k = torch.randn(64, 2, 64, device="cuda")
     causal_attention(q, k, k)  # prefill: nq == nk
     causal_attention(q[-1:], k, k)  # one decode query
     causal_attention(q[-16:], k, k)  # a chunk after a cached prefix
