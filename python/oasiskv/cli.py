@@ -231,7 +231,7 @@ def cmd_eval(args) -> int:
 
 
 #: ``oasis bench NAME``: the modules of :mod:`oasiskv.bench` with a ``main(argv)``.
-BENCHES = ("kernels", "prefill", "serve")
+BENCHES = ("disagg", "kernels", "prefill", "serve")
 
 
 def cmd_bench(args) -> int:

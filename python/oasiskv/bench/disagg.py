@@ -1,0 +1,464 @@
+"""The paper's Fig. 12: disaggregated prefill and decode through the ``oasis-rt`` daemon, the full
+KV transfer against partial fetching, over a request-rate sweep.
+
+::
+
+    python -m oasiskv.bench.disagg [--preset qwen3-8b | --model DIR] [--device cuda]
+        [--kv-source oasis-rt://HOST:PORT | --daemon PATH [--transport tcp|ucx]]
+        [--prompt-tokens 16384] [--max-tokens 64] [--requests 16] [--rates 0.5,1,2]
+        [--transfers full,partial] [--top-k-blocks 128] [--fetch-cap 0.05]
+        [--json F] [--md F]
+
+Three processes: the daemon (``--kv-source`` names a running one; else ``--daemon`` starts that
+binary, or ``$OASIS_RT_BIN``, ``target/release/oasis-rt``, ``oasis-rt`` on the PATH, on a free
+loopback port), a prefill process and this one, the decode node. The prefill process
+(:class:`~oasiskv.disagg.PrefillWorker`, its own copy of the model) prefills each request at its
+arrival time -- Poisson arrivals at ``rate`` requests per second, the same seeded schedule for
+every transfer mode -- stages it in the daemon and hands the :class:`~oasiskv.disagg.StagedRequest`
+over a pipe; this process adds it to an ``LLMEngine(kv_source=..., kv_transfer=...)`` between
+decode steps. Greedy decoding, ``ignore_eos``.
+
+Reported per (transfer, rate):
+
+- throughput: output tokens over the time from the first arrival to the last token;
+- TTFT (arrival to the decode engine's first token: prefill, staging, the wait for admission,
+  the admission's transfer) p50/p99, and its part after staging (``admit``: waiting plus the
+  transfer) p50;
+- TPOT p50 (per request: decode time over its tokens after the first);
+- bytes at admission and fetched during decode per request, and the peak of the decode side's
+  host memory for KV (``TransferStats.peak_cached_bytes``: the staged bytes the host pool held
+  at once; the paper: 2.2-2.6x less with partial fetching);
+- whether each request's tokens equal the first transfer mode's (partial fetching is exact:
+  it reads the blocks the selection wants before they are gathered).
+
+A warm-up request (not reported) runs first in every mode. Output: a markdown table (stdout and
+``--md``) and JSON (``--json``). Prefill and decode share one GPU here; on two nodes the prefill
+time would not slow the decode steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import random
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+#: The transfer modes, in report order (``LLMEngine(kv_transfer=...)``).
+TRANSFERS = ("full", "partial")
+#: How long a started daemon may take to print its address, and a pipe read may wait for the
+#: prefill process (arbitrary, generous: the prefill process loads the model first).
+START_TIMEOUT_S = 30.0
+READY_TIMEOUT_S = 600.0
+
+
+# ---------------------------------------------------------------------- arguments
+def _floats(s: str) -> list[float]:
+    try:
+        out = [float(x) for x in s.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {s!r}") from None
+    if not out or any(not (x > 0 and math.isfinite(x)) for x in out):
+        raise argparse.ArgumentTypeError(f"rates must be positive numbers (requests per second), got {s!r}")
+    return out
+
+
+def _transfers(s: str) -> list[str]:
+    out = [x for x in s.split(",") if x]
+    bad = [x for x in out if x not in TRANSFERS]
+    if not out or bad or len(set(out)) != len(out):
+        raise argparse.ArgumentTypeError(f"--transfers takes distinct values of {TRANSFERS}, got {s!r}")
+    return out
+
+
+def _positive(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {s!r}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m oasiskv.bench.disagg",
+        description="Disaggregated prefill/decode through oasis-rt: full KV transfer against partial "
+        "fetching over a request-rate sweep (the paper's Fig. 12).",
+    )
+    m = ap.add_argument_group("model")
+    m.add_argument("--preset", default="qwen3-8b", help="random weights of this shape (PRESETS)")
+    m.add_argument("--model", default=None, help="a local checkpoint directory instead of --preset")
+    m.add_argument("--device", default="auto", help="cuda, cpu or auto")
+    m.add_argument("--dtype", default="auto", help="bfloat16, float16, float32 or auto")
+    m.add_argument("--seed", type=int, default=0, help="random weights, prompts and arrivals")
+    d = ap.add_argument_group("daemon")
+    d.add_argument("--kv-source", default=None, help="a running daemon, oasis-rt[+ucx]://HOST:PORT")
+    d.add_argument("--daemon", default=None, help="the oasis-rt binary to start on a loopback port")
+    d.add_argument("--transport", choices=["tcp", "ucx"], default="tcp", help="of a started daemon")
+    d.add_argument("--daemon-memory", default="64GiB", help="a started daemon's --memory")
+    d.add_argument("--timeout", type=float, default=60.0, help="deadline of every daemon call, seconds")
+    w = ap.add_argument_group("workload")
+    w.add_argument("--prompt-tokens", type=_positive, default=16384)
+    w.add_argument("--max-tokens", type=_positive, default=64)
+    w.add_argument("--requests", type=_positive, default=16, help="requests per rate")
+    w.add_argument("--rates", type=_floats, default=[0.5, 1.0, 2.0], help="requests per second")
+    w.add_argument("--transfers", type=_transfers, default=list(TRANSFERS))
+    w.add_argument("--max-num-seqs", type=_positive, default=None, help="default: --requests")
+    k = ap.add_argument_group("KV")
+    k.add_argument("--block-size", type=_positive, default=16)
+    k.add_argument("--top-k-blocks", type=_positive, default=128)
+    k.add_argument("--fetch-cap", type=float, default=0.05)
+    k.add_argument("--sparse-threshold", type=_positive, default=None, help="default: the KvConfig's")
+    k.add_argument("--host-kv-budget", default=None, help="the decode engine's host pool, e.g. 64GiB")
+    o = ap.add_argument_group("output")
+    o.add_argument("--json", default=None)
+    o.add_argument("--md", default=None)
+    return ap
+
+
+def _kv(args):
+    from ..config import KvConfig
+
+    kw = dict(block_size=args.block_size, top_k_blocks=args.top_k_blocks, fetch_cap=args.fetch_cap)
+    if args.sparse_threshold is not None:
+        kw["sparse_threshold"] = args.sparse_threshold
+    return KvConfig(**kw)
+
+
+# ---------------------------------------------------------------------- the daemon
+def find_daemon(path: str | None) -> str:
+    """``path``, else ``$OASIS_RT_BIN``, ``target/release/oasis-rt`` of this checkout, or
+    ``oasis-rt`` on the PATH."""
+    from ..errors import ConfigError
+
+    cands = [path] if path else []
+    if not path:
+        if os.environ.get("OASIS_RT_BIN"):
+            cands.append(os.environ["OASIS_RT_BIN"])
+        cands.append(str(Path(__file__).resolve().parents[3] / "target" / "release" / "oasis-rt"))
+        cands.append(shutil.which("oasis-rt") or "")
+    for c in cands:
+        if c and os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    raise ConfigError(
+        f"no oasis-rt binary ({path or 'searched $OASIS_RT_BIN, target/release/oasis-rt, PATH'}): "
+        "build it with cargo build --release -p oasis-rt --features ucx, or pass --kv-source"
+    )
+
+
+class _Daemon:
+    """``oasis-rt serve`` on a free loopback port, stopped on :meth:`close`."""
+
+    def __init__(self, binary: str, transport: str, memory: str) -> None:
+        from ..errors import ConfigError
+
+        cmd = [binary, "serve", "--listen", "127.0.0.1:0", "--memory", memory, "--log", "warn"]
+        cmd += ["--transport", transport]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        line = ""
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()  # type: ignore[union-attr]
+            if line.startswith("oasis-rt listening on ") or not line:
+                break
+        if not line.startswith("oasis-rt listening on "):
+            self.close()
+            err = self.proc.stderr.read() if self.proc.stderr else ""  # type: ignore[union-attr]
+            raise ConfigError(f"the daemon did not start ({' '.join(cmd)}): {err.strip()[-500:]}")
+        addr = line.split()[-1]
+        self.url = ("oasis-rt+ucx://" if transport == "ucx" else "oasis-rt://") + addr
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+# ---------------------------------------------------------------------- the prefill process
+def _prefill_main(conn, args, url: str) -> None:
+    """The prefill node: for each ``("row", jobs)`` message, prefill every job at its arrival
+    time (``start + offset``, wall clock) and send ``("staged", i, handle_json, arrival,
+    staged_at)``; ``("row_done",)`` after the last; ``("stop",)`` ends. Errors go back as
+    ``("error", text)``."""
+    try:
+        from ..disagg import PrefillWorker
+        from .fig11 import build_model
+
+        model, _, _ = build_model(args)
+        worker = PrefillWorker(model, _kv(args), url, timeout_s=args.timeout)
+        conn.send(("ready",))
+        while True:
+            msg = conn.recv()
+            if msg[0] == "stop":
+                break
+            _, start, jobs = msg
+            for i, (offset, prompt) in enumerate(jobs):
+                arrival = start + offset
+                delay = arrival - time.time()
+                if delay > 0:
+                    time.sleep(delay)
+                h = worker.prefill(prompt)
+                conn.send(("staged", i, h.to_json(), arrival, time.time()))
+            conn.send(("row_done",))
+        worker.close()
+    except BaseException as e:  # the parent reports it; a traceback here would be lost
+        import traceback
+
+        conn.send(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()[-2000:]}"))
+
+
+def _recv(conn, timeout: float):
+    if not conn.poll(timeout):
+        raise TimeoutError(f"the prefill process sent nothing for {timeout:.0f} s")
+    msg = conn.recv()
+    if msg[0] == "error":
+        raise RuntimeError(f"the prefill process failed: {msg[1]}")
+    return msg
+
+
+# ---------------------------------------------------------------------- one row
+def _prompts(vocab: int, n_tokens: int, count: int, seed: int) -> list[list[int]]:
+    g = random.Random(seed)
+    return [[g.randrange(vocab) for _ in range(n_tokens)] for _ in range(count)]
+
+
+def arrivals(rate: float, count: int, seed: int) -> list[float]:
+    """Poisson arrival offsets in seconds (the first at 0), seeded by ``seed`` alone."""
+    g = random.Random(seed)
+    t, out = 0.0, []
+    for _ in range(count):
+        out.append(t)
+        t += g.expovariate(rate)
+    return out
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def run_row(model, args, url: str, conn, transfer: str, rate: float, prompts) -> dict:
+    """One (transfer, rate) point: a fresh decode engine, the prefill process's schedule."""
+    from ..llm_engine import LLMEngine, SamplingParams
+
+    n = len(prompts)
+    eng = LLMEngine(
+        model,
+        kv=_kv(args),
+        backend="oasis",
+        drafter="ngram",
+        kv_source=url,
+        kv_transfer=transfer,
+        kv_timeout_s=args.timeout,
+        max_num_seqs=args.max_num_seqs or n,
+        host_kv_budget_bytes=_bytes(args.host_kv_budget),
+        output_kind="delta",
+    )
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    offsets = arrivals(rate, n, args.seed)
+    start = time.time() + 0.5  # time for the prefill process to read the jobs
+    conn.send(("row", start, list(zip(offsets, prompts, strict=True))))
+    arrival: dict[str, float] = {}
+    staged_at: dict[str, float] = {}
+    order: list[str] = []
+    first: dict[str, float] = {}
+    done: dict[str, float] = {}
+    tokens: dict[str, list[int]] = {}
+    prefill_done = False
+    try:
+        while not (prefill_done and len(done) == n):
+            while conn.poll(0):
+                msg = _recv(conn, 0)
+                if msg[0] == "row_done":
+                    prefill_done = True
+                    continue
+                _, i, handle, arr, st = msg
+                rid = eng.add_staged_request(handle, params, request_id=f"r{i}")
+                arrival[rid], staged_at[rid] = arr, st
+                order.append(rid)
+            if eng.has_unfinished_requests():
+                for o in eng.step():
+                    now = time.time()
+                    if o.new_token_ids:
+                        first.setdefault(o.request_id, now)
+                        tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+                    if o.finished:
+                        if o.finish_reason != "length":
+                            why = f"{o.finish_reason}: {o.error}"
+                            raise RuntimeError(f"request {o.request_id} ended with {why}")
+                        done[o.request_id] = now
+            elif not prefill_done or len(done) < n:
+                conn.poll(0.005)  # idle until the next staged request
+        stats = eng.kv_source.stats
+        t0 = min(arrival.values())
+        span = max(done.values()) - t0
+        made = sum(len(tokens[r]) for r in order)
+        ttft = [first[r] - arrival[r] for r in order]
+        admit = [first[r] - staged_at[r] for r in order]
+        tpot = [(done[r] - first[r]) / (len(tokens[r]) - 1) for r in order if len(tokens[r]) > 1]
+        return {
+            "transfer": transfer,
+            "rate": rate,
+            "requests": n,
+            "output_tokens": made,
+            "tokens_per_s": made / span if span > 0 else None,
+            "ttft_p50_s": _pct(ttft, 0.5),
+            "ttft_p99_s": _pct(ttft, 0.99),
+            "admit_p50_s": _pct(admit, 0.5),
+            "tpot_p50_s": _pct(tpot, 0.5),
+            "admission_bytes_per_request": stats.admission_bytes / max(1, stats.requests),
+            "fetched_bytes_per_request": stats.fetched_bytes / max(1, stats.requests),
+            "kv_bytes_per_request": stats.kv_bytes / max(1, stats.requests),
+            "peak_host_kv_bytes": stats.peak_cached_bytes,
+            "failures": stats.failures,
+            "tokens": [tokens[f"r{i}"] for i in range(n)],
+        }
+    finally:
+        eng.kv_source.close()  # its daemon connection; the engine's pools go with it
+
+
+def _bytes(s: str | None) -> int | None:
+    if s is None:
+        return None
+    from .fig11 import parse_bytes
+
+    return parse_bytes(s)
+
+
+# ---------------------------------------------------------------------- the sweep
+def run(args) -> dict:
+    from .fig11 import build_model
+
+    daemon = None
+    url = args.kv_source
+    if url is None:
+        daemon = _Daemon(find_daemon(args.daemon), args.transport, args.daemon_memory)
+        url = daemon.url
+    ctx = mp.get_context("spawn")  # CUDA in the child: never fork a process that holds it
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_prefill_main, args=(child, args, url), daemon=True)
+    proc.start()
+    try:
+        model, name, dev = build_model(args)
+        _recv(parent, READY_TIMEOUT_S)
+        vocab = model.config.vocab_size
+        rows = []
+        for transfer in args.transfers:
+            # Warm-up: one request through this mode (kernels, allocator); not reported.
+            warm = _prompts(vocab, args.prompt_tokens, 1, args.seed + 1)
+            run_row(model, args, url, parent, transfer, 1.0, warm)
+            for rate in args.rates:
+                prompts = _prompts(vocab, args.prompt_tokens, args.requests, args.seed)
+                r = run_row(model, args, url, parent, transfer, rate, prompts)
+                print(
+                    f"disagg: {transfer} at {rate:g} req/s: {r['tokens_per_s']:.1f} tok/s, "
+                    f"TTFT p50 {r['ttft_p50_s'] * 1e3:.1f} ms, peak host KV "
+                    f"{r['peak_host_kv_bytes'] / 2**20:.1f} MiB",
+                    file=sys.stderr,
+                )
+                rows.append(r)
+        # Tokens of every row against the first mode's row at the same rate.
+        for r in rows:
+            ref = next(x for x in rows if x["rate"] == r["rate"])
+            same = sum(a == b for a, b in zip(r["tokens"], ref["tokens"], strict=True))
+            r["same_tokens"] = same / len(r["tokens"])
+        for r in rows:
+            del r["tokens"]
+        base = [r for r in rows if r["transfer"] == args.transfers[0]]
+        for r in rows:
+            b = next(x for x in base if x["rate"] == r["rate"])
+            r["peak_host_kv_vs_first"] = (
+                r["peak_host_kv_bytes"] / b["peak_host_kv_bytes"] if b["peak_host_kv_bytes"] else None
+            )
+        return {
+            "bench": "disagg",
+            "model": name,
+            "device": str(dev),
+            "kv_source": url,
+            "transport": "ucx" if url.startswith("oasis-rt+ucx://") else "tcp",
+            "prompt_tokens": args.prompt_tokens,
+            "max_tokens": args.max_tokens,
+            "requests": args.requests,
+            "kv": {
+                "block_size": args.block_size,
+                "top_k_blocks": args.top_k_blocks,
+                "fetch_cap": args.fetch_cap,
+            },
+            "rows": rows,
+        }
+    finally:
+        try:
+            parent.send(("stop",))
+        except (BrokenPipeError, OSError):
+            pass
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+        if daemon is not None:
+            daemon.close()
+
+
+def markdown(rep: dict) -> str:
+    mib = 2**20
+
+    def f(v, scale=1.0, d=1):
+        return "-" if v is None else f"{v * scale:.{d}f}"
+
+    lines = [
+        f"## Disaggregated prefill/decode (Fig. 12): {rep['model']}, {rep['device']}, "
+        f"over {rep['transport']}",
+        "",
+        f"- {rep['requests']} requests of {rep['prompt_tokens']} prompt tokens and {rep['max_tokens']} new "
+        f"tokens per rate; K = {rep['kv']['top_k_blocks']} blocks of {rep['kv']['block_size']}, fetch cap "
+        f"{rep['kv']['fetch_cap']}; daemon {rep['kv_source']}",
+        "",
+        "| transfer | req/s | tok/s | TTFT p50 ms | TTFT p99 ms | admit p50 ms | TPOT p50 ms | "
+        "admission MiB/req | fetched MiB/req | peak host KV MiB | vs first | same tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rep["rows"]:
+        lines.append(
+            f"| {r['transfer']} | {r['rate']:g} | {f(r['tokens_per_s'])} | {f(r['ttft_p50_s'], 1e3)} | "
+            f"{f(r['ttft_p99_s'], 1e3)} | {f(r['admit_p50_s'], 1e3)} | {f(r['tpot_p50_s'], 1e3, 2)} | "
+            f"{f(r['admission_bytes_per_request'], 1 / mib, 2)} | "
+            f"{f(r['fetched_bytes_per_request'], 1 / mib, 2)} | "
+            f"{f(r['peak_host_kv_bytes'], 1 / mib)} | {f(r['peak_host_kv_vs_first'], 1, 3)} | "
+            f"{r['same_tokens']:.0%} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..errors import OasisError
+
+    args = build_parser().parse_args(argv)
+    try:
+        rep = run(args)
+    except (OasisError, ValueError) as e:
+        print(f"bench.disagg: error: {e}", file=sys.stderr)
+        return 2
+    md = markdown(rep)
+    print(md)
+    if args.md:
+        Path(args.md).write_text(md)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rep, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
