@@ -72,6 +72,15 @@ pub enum Error {
     /// A request was staged again with a different geometry.
     #[error("request {request}: geometry differs from the staged one")]
     GeometryMismatch { request: u64 },
+    /// A block read back is not the one staged (its length or its bytes): a daemon or
+    /// transport fault, caught by `oasis-rt bench`'s check.
+    #[error("request {request}: block {block} of layer {layer} read back wrong: {reason}")]
+    ReadMismatch {
+        request: u64,
+        layer: u16,
+        block: u32,
+        reason: String,
+    },
 
     // ---- connections ----
     /// Missing or wrong token (or a first frame that is not Hello).
@@ -128,6 +137,7 @@ impl Error {
             | Error::Unreachable { .. }
             | Error::Config(_)
             | Error::Unavailable(_)
+            | Error::ReadMismatch { .. }
             | Error::Io(_) => ErrorCode::Internal,
         }
     }
@@ -148,6 +158,7 @@ impl Error {
             | Error::UnknownRequest(_)
             | Error::MissingBlock { .. }
             | Error::GeometryMismatch { .. }
+            | Error::ReadMismatch { .. }
             | Error::OutOfRange { .. }
             | Error::Config(_)
             | Error::Unavailable(_) => false,

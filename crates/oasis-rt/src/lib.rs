@@ -20,9 +20,11 @@
 //!   one.
 //! - [`server`]: the daemon (`oasis-rt serve`), [`metrics`]: its Prometheus endpoint.
 //! - [`client`]: the async client.
+//! - [`bench`]: block-read throughput against a host memcpy (`oasis-rt bench`).
 //!
 //! Failure semantics are in [`server`] and `docs/ARCHITECTURE.md`.
 
+pub mod bench;
 pub mod client;
 pub mod error;
 pub mod metrics;

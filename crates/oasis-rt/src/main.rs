@@ -1,18 +1,23 @@
-//! The `oasis-rt` binary: `serve` runs the staging daemon, `stats` asks a running one.
+//! The `oasis-rt` binary: `serve` runs the staging daemon, `stats` asks a running one, `bench`
+//! measures its block reads against a host memcpy (the logic is `oasis_rt::bench`).
 
 use std::process::ExitCode;
 use std::time::Duration;
 
+use oasis_rt::bench::{self, BenchConfig};
 use oasis_rt::protocol::{DEFAULT_MAX_FRAME_BYTES, MAX_TOKEN_BYTES};
 use oasis_rt::server::{DEFAULT_LEASE, DEFAULT_LISTEN};
 use oasis_rt::transport::TransportKind;
-use oasis_rt::{Client, ClientConfig, Error, Server, ServerConfig};
+use oasis_rt::{Client, ClientConfig, Error, ErrorCode, Server, ServerConfig};
 
 const USAGE: &str = "\
 usage:
   oasis-rt serve [--listen ADDR] [--memory SIZE] [--token-file FILE] [--metrics ADDR]
                  [--lease SECS] [--max-frame SIZE] [--log LEVEL] [--transport tcp|ucx]
   oasis-rt stats --connect HOST:PORT [--token-file FILE] [--timeout SECS] [--transport tcp|ucx]
+  oasis-rt bench --connect HOST:PORT [--token-file FILE] [--timeout SECS] [--transport tcp|ucx]
+                 [--block-bytes 8KiB,64KiB] [--total 256MiB] [--batch 64] [--repeats 5]
+                 [--json PATH]
 
 serve   run the KV staging daemon. --listen defaults to 127.0.0.1:7470; a non-loopback
         address requires --token-file (a shared secret every client presents).
@@ -22,7 +27,13 @@ serve   run the KV staging daemon. --listen defaults to 127.0.0.1:7470; a non-lo
         --log: error, warn, info (default), debug, trace. Stops on SIGINT/SIGTERM.
         --transport ucx: frames over UCX (libucp loaded at run time; builds with feature
         `ucx`; UCX_TLS etc. choose UCX's transports). Default tcp.
-stats   print a running daemon's counters, one `name value` per line.";
+stats   print a running daemon's counters, one `name value` per line.
+bench   stage --total bytes of each --block-bytes size (multiples of 8KiB: one KV head of a
+        16-token block, head_dim 128, bf16) on a running daemon, read them back --repeats
+        times in batches of --batch blocks (by RMA over ucx where the daemon offers it,
+        in reply frames otherwise), and copy the same bytes host to host in the same run;
+        prints the median GB/s of each and their ratio, releases what it staged. --json
+        writes every pass too.";
 
 fn transport_kind(flags: &Flags) -> Result<TransportKind, Failure> {
     match flags.get("--transport").unwrap_or("tcp") {
@@ -201,6 +212,7 @@ fn run(args: &[String]) -> Result<(), Failure> {
     match cmd.as_str() {
         "serve" => serve(rest),
         "stats" => stats(rest),
+        "bench" => bench(rest),
         "-h" | "--help" | "help" => {
             println!("{USAGE}");
             Ok(())
@@ -329,6 +341,20 @@ async fn shutdown_signal() {
     }
 }
 
+/// `--timeout` and `--token-file` of `stats` and `bench`.
+fn client_config(flags: &Flags) -> Result<ClientConfig, Failure> {
+    let mut config = ClientConfig::default();
+    if let Some(t) = flags.get("--timeout") {
+        let secs = parse_secs(t, "--timeout")?.max(1);
+        config.request_timeout = Duration::from_secs(secs);
+        config.connect_timeout = Duration::from_secs(secs);
+    }
+    if let Some(path) = flags.get("--token-file") {
+        config.token = Some(read_token(path)?);
+    }
+    Ok(config)
+}
+
 fn stats(args: &[String]) -> Result<(), Failure> {
     let flags = Flags::parse(
         args,
@@ -339,15 +365,7 @@ fn stats(args: &[String]) -> Result<(), Failure> {
         .get("--connect")
         .ok_or_else(|| Usage("stats needs --connect HOST:PORT".into()))?
         .to_string();
-    let mut config = ClientConfig::default();
-    if let Some(t) = flags.get("--timeout") {
-        let secs = parse_secs(t, "--timeout")?.max(1);
-        config.request_timeout = Duration::from_secs(secs);
-        config.connect_timeout = Duration::from_secs(secs);
-    }
-    if let Some(path) = flags.get("--token-file") {
-        config.token = Some(read_token(path)?);
-    }
+    let config = client_config(&flags)?;
     let rt = runtime()?;
     let s = match kind {
         TransportKind::Tcp => rt.block_on(async move {
@@ -374,6 +392,106 @@ fn stats(args: &[String]) -> Result<(), Failure> {
     };
     for (name, value) in s.fields() {
         println!("{name} {value}");
+    }
+    Ok(())
+}
+
+fn parse_count(s: &str, what: &str) -> Result<usize, Usage> {
+    match s.parse::<usize>() {
+        Ok(n) if n > 0 => Ok(n),
+        _ => Err(Usage(format!(
+            "{what} must be a positive whole number, got '{s}'"
+        ))),
+    }
+}
+
+fn bench(args: &[String]) -> Result<(), Failure> {
+    let flags = Flags::parse(
+        args,
+        &[
+            "--connect",
+            "--token-file",
+            "--timeout",
+            "--transport",
+            "--block-bytes",
+            "--total",
+            "--batch",
+            "--repeats",
+            "--json",
+        ],
+    )?;
+    let kind = transport_kind(&flags)?;
+    let addr = flags
+        .get("--connect")
+        .ok_or_else(|| Usage("bench needs --connect HOST:PORT".into()))?
+        .to_string();
+    let mut plan = BenchConfig::default();
+    if let Some(list) = flags.get("--block-bytes") {
+        plan.block_bytes = list
+            .split(',')
+            .map(|s| parse_size(s.trim()))
+            .collect::<Result<_, _>>()?;
+    }
+    if let Some(t) = flags.get("--total") {
+        plan.total_bytes = parse_size(t)?;
+    }
+    if let Some(b) = flags.get("--batch") {
+        plan.batch = parse_count(b, "--batch")?;
+    }
+    if let Some(r) = flags.get("--repeats") {
+        plan.repeats = parse_count(r, "--repeats")?;
+    }
+    // Refuse a bad plan before connecting to anything.
+    plan.plan().map_err(|e| match e {
+        Error::Config(m) => Failure::Usage(m),
+        e => Failure::from(e),
+    })?;
+    let json = flags.get("--json").map(str::to_string);
+    let config = client_config(&flags)?;
+    let rt = runtime()?;
+    let report = match kind {
+        TransportKind::Tcp => rt.block_on(async {
+            let mut client = Client::connect(&addr, config).await?;
+            bench::run(&mut client, &plan).await
+        }),
+        #[cfg(feature = "ucx")]
+        TransportKind::Ucx => {
+            let transport = ucx_transport(
+                config.request_timeout,
+                config.connect_timeout,
+                config.max_frame,
+            )?;
+            let report = rt.block_on(async {
+                let mut client = Client::connect_with(&transport, &addr, config).await?;
+                bench::run(&mut client, &plan).await
+            });
+            drop(rt);
+            transport.shutdown_blocking();
+            report
+        }
+        #[cfg(not(feature = "ucx"))]
+        TransportKind::Ucx => unreachable!("refused by transport_kind"),
+    }
+    .map_err(|e| match e.code() {
+        ErrorCode::Busy | ErrorCode::OutOfMemory => Failure::Runtime(format!(
+            "{e}: lower --total, or give the daemon more --memory"
+        )),
+        _ => Failure::from(e),
+    })?;
+    println!(
+        "# {} ({}), {} timed passes per size; GB/s = 1e9 payload bytes per second, medians",
+        kind.name(),
+        if report.rma {
+            "block bytes by rma"
+        } else {
+            "block bytes in reply frames"
+        },
+        plan.repeats
+    );
+    print!("{}", report.table());
+    if let Some(path) = json {
+        std::fs::write(&path, report.json(kind))
+            .map_err(|e| Failure::Runtime(format!("cannot write {path}: {e}")))?;
     }
     Ok(())
 }

@@ -1,7 +1,8 @@
-//! The `oasis-rt` binary: refusals, `serve` + `stats`, the token, SIGTERM.
+//! The `oasis-rt` binary: refusals, `serve` + `stats`, the token, SIGTERM, `bench`.
 
+use std::ffi::OsStr;
 use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 const BIN: &str = env!("CARGO_BIN_EXE_oasis-rt");
@@ -26,6 +27,9 @@ fn usage_errors_exit_2() {
         &["serve", "--memory", "lots"][..],
         &["serve", "--bogus", "1"],
         &["stats"],
+        &["bench"],
+        &["bench", "--connect", "127.0.0.1:1", "--batch", "0"],
+        &["bench", "--connect", "127.0.0.1:1", "--total", "0"],
         &[],
         &["frobnicate"],
     ] {
@@ -80,34 +84,7 @@ fn serve_stats_token_and_sigterm_over(transport: &str) {
     let wrong = dir.join("wrong");
     std::fs::write(&wrong, "battery staple\n").unwrap();
 
-    let mut child = Command::new(BIN)
-        .args([
-            "serve",
-            "--listen",
-            "127.0.0.1:0",
-            "--memory",
-            "64MiB",
-            "--log",
-            "warn",
-            "--transport",
-            transport,
-        ])
-        .arg("--token-file")
-        .arg(&token)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let addr = line
-        .trim()
-        .strip_prefix("oasis-rt listening on ")
-        .expect(&line)
-        .to_string();
-
+    let (child, addr) = spawn_serve(transport, &["--token-file".as_ref(), token.as_ref()]);
     assert!(addr.starts_with("127.0.0.1:"), "{addr}");
     let stats = |t: &std::path::Path| {
         Command::new(BIN)
@@ -146,6 +123,44 @@ fn serve_stats_token_and_sigterm_over(transport: &str) {
     assert!(String::from_utf8_lossy(&out.stderr).contains("unauthorized"));
 
     // SIGTERM: a clean exit, promptly.
+    terminate(child);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `oasis-rt serve` on a loopback port of its choosing with a 64 MiB budget, and the address it
+/// printed.
+fn spawn_serve(transport: &str, extra: &[&OsStr]) -> (Child, String) {
+    let mut child = Command::new(BIN)
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--memory",
+            "64MiB",
+            "--log",
+            "warn",
+            "--transport",
+            transport,
+        ])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let addr = line
+        .trim()
+        .strip_prefix("oasis-rt listening on ")
+        .expect(&line)
+        .to_string();
+    (child, addr)
+}
+
+/// SIGTERM, then a clean exit within 10 s.
+fn terminate(mut child: Child) {
     let status = Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status()
@@ -163,5 +178,99 @@ fn serve_stats_token_and_sigterm_over(transport: &str) {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bench_prints_a_table_and_writes_json() {
+    bench_over("tcp");
+}
+
+/// The same over UCX, where the blocks come by RMA (feature `ucx`; skipped without libucp
+/// unless `OASIS_REQUIRE_UCX=1`).
+#[cfg(feature = "ucx")]
+#[test]
+fn bench_over_ucx_reads_by_rma() {
+    if let Err(e) = oasis_rt::ucx::probe() {
+        let required = std::env::var("OASIS_REQUIRE_UCX").is_ok_and(|v| v == "1");
+        assert!(!required, "OASIS_REQUIRE_UCX=1: {e}");
+        eprintln!("SKIPPED (no UCX): {e}");
+        return;
+    }
+    bench_over("ucx");
+}
+
+fn bench_over(transport: &str) {
+    let (child, addr) = spawn_serve(transport, &[]);
+    let json = std::env::temp_dir().join(format!(
+        "oasis-rt-bench-{transport}-{}.json",
+        std::process::id()
+    ));
+    let out = Command::new(BIN)
+        .args([
+            "bench",
+            "--connect",
+            &addr,
+            "--transport",
+            transport,
+            "--timeout",
+            "10",
+            "--block-bytes",
+            "8KiB,64KiB",
+            "--total",
+            "2MiB",
+            "--batch",
+            "16",
+            "--repeats",
+            "2",
+            "--json",
+        ])
+        .arg(&json)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let path = if transport == "ucx" { "rma" } else { "frames" };
+    let rows: Vec<Vec<&str>> = text
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.contains("block_bytes"))
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(rows.len(), 2, "{text}");
+    for (row, (bytes, blocks)) in rows.iter().zip([("8192", "256"), ("65536", "32")]) {
+        assert_eq!(row.len(), 7, "{text}");
+        assert_eq!(&row[..3], [bytes, blocks, path], "{text}");
+        for v in &row[3..] {
+            assert!(v.parse::<f64>().is_ok_and(|v| v > 0.0), "{text}");
+        }
+    }
+    let j = std::fs::read_to_string(&json).unwrap();
+    for needle in [
+        format!("\"transport\": \"{transport}\""),
+        format!("\"rma\": {}", transport == "ucx"),
+        "\"block_bytes\": 8192, \"blocks\": 256, \"batch\": 16, \"repeats\": 2".into(),
+        "\"block_bytes\": 65536, \"blocks\": 32".into(),
+        "\"read_gbps_median\": ".into(),
+        "\"memcpy_one_copy_gbps\": ".into(),
+    ] {
+        assert!(j.contains(&needle), "{needle} in {j}");
+    }
+    assert!(!j.contains("null"), "{j}");
+    // Nothing left on the daemon.
+    let out = Command::new(BIN)
+        .args(["stats", "--connect", &addr, "--transport", transport])
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("used_bytes 0"),
+        "{out:?}"
+    );
+    // A block size that is no multiple of 8 KiB: a usage error, before any connection.
+    let out = Command::new(BIN)
+        .args(["bench", "--connect", &addr, "--block-bytes", "8KiB,12345"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("multiple of 8192"));
+    terminate(child);
+    let _ = std::fs::remove_file(&json);
 }

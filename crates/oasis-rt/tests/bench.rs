@@ -1,0 +1,133 @@
+//! `oasis_rt::bench` against an in-process daemon over loopback TCP: rows for 8 KiB and 64 KiB
+//! blocks with every byte checked, refusals before anything is staged, nothing left staged.
+
+mod common;
+
+use common::*;
+use oasis_rt::bench::{self, BenchConfig};
+use oasis_rt::transport::TcpTransport;
+use oasis_rt::{Error, ServerConfig};
+
+fn tcp() -> Net<TcpTransport> {
+    Net {
+        server: TcpTransport::default(),
+        client: TcpTransport::default(),
+    }
+}
+
+/// 2 MiB per size: 256 blocks of 8 KiB, 32 of 64 KiB.
+fn small() -> BenchConfig {
+    BenchConfig {
+        total_bytes: 2 << 20,
+        batch: 16,
+        repeats: 3,
+        ..BenchConfig::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_for_8_and_64_kib_blocks_over_frames() {
+    let d = tcp().start(ServerConfig::default()).await;
+    let mut c = d.client().await;
+    let report = bench::run(&mut c, &small()).await.expect("bench");
+    assert!(!report.rma, "tcp has no rma");
+    let sizes: Vec<(u64, u32)> = report
+        .rows
+        .iter()
+        .map(|r| (r.block_bytes, r.blocks))
+        .collect();
+    assert_eq!(sizes, [(8192, 256), (65536, 32)]);
+    for r in &report.rows {
+        assert_eq!((r.batch, r.repeats, r.path()), (16, 3, "frames"));
+        assert_eq!(r.read_gbps.len(), 3);
+        assert_eq!(r.memcpy_gbps.len(), 3);
+        assert!(r.read_gbps.iter().all(|v| v.is_finite() && *v > 0.0));
+        assert!(r.read_gbps_median() > 0.0 && r.memcpy_gbps_median() > 0.0);
+        assert!(r.memcpy_one_copy_gbps > 0.0 && r.ratio() > 0.0);
+        // A block in a frame costs its bytes plus a little (entry, key, amortised headers).
+        let extra = r.wire_bytes_per_block - r.block_bytes as f64;
+        assert!(extra > 0.0 && extra < 64.0, "{r:?}");
+    }
+    let json = report.json(oasis_rt::transport::TransportKind::Tcp);
+    assert!(json.contains("\"block_bytes\": 65536"), "{json}");
+    // Released: the daemon holds nothing, the connection is usable.
+    let s = c.stats().await.unwrap();
+    assert_eq!((s.used_bytes, s.live_requests), (0, 0));
+    assert!(s.bytes_served >= 2 * 4 * (2 << 20), "{s:?}");
+    d.handle.audit().unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_block_size_is_refused_before_staging() {
+    let d = tcp().start(ServerConfig::default()).await;
+    let mut c = d.client().await;
+    for sizes in [vec![8192, 12345], vec![0], vec![4096]] {
+        let err = bench::run(
+            &mut c,
+            &BenchConfig {
+                block_bytes: sizes.clone(),
+                ..small()
+            },
+        )
+        .await
+        .unwrap_err();
+        assert!(
+            matches!(&err, Error::Config(m) if m.contains("multiple of 8192")),
+            "{sizes:?}: {err}"
+        );
+    }
+    let s = c.stats().await.unwrap();
+    assert_eq!((s.bytes_staged, s.live_requests), (0, 0));
+}
+
+/// A batch whose reply passes the daemon's frame limit is refused (naming --batch) before
+/// anything is staged; a staging
+/// past the budget comes back as the daemon's refusal, and what was staged is released.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frame_and_budget_limits_are_errors_and_nothing_stays_staged() {
+    let d = tcp()
+        .start(ServerConfig {
+            max_frame: 256 << 10,
+            budget_bytes: 1 << 20,
+            ..ServerConfig::default()
+        })
+        .await;
+    let mut c = d.client().await;
+    // 8 KiB blocks would fit; 64 KiB ones not: refused before the 8 KiB ones are staged.
+    let err = bench::run(
+        &mut c,
+        &BenchConfig {
+            total_bytes: 512 << 10,
+            batch: 8,
+            ..small()
+        },
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(&err, Error::Config(m) if m.contains("lower --batch")),
+        "{err}"
+    );
+    assert_eq!(c.stats().await.unwrap().bytes_staged, 0);
+    // 2 MiB into a 1 MiB budget, staged in 256 KiB frames: refused part-way.
+    let err = bench::run(
+        &mut c,
+        &BenchConfig {
+            block_bytes: vec![8 << 10],
+            ..small()
+        },
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(
+            err.code(),
+            oasis_rt::ErrorCode::Busy | oasis_rt::ErrorCode::OutOfMemory
+        ),
+        "{err}"
+    );
+    assert!(c.is_connected());
+    let s = c.stats().await.unwrap();
+    assert_eq!((s.used_bytes, s.live_requests), (0, 0), "{s:?}");
+    d.handle.audit().unwrap();
+}
