@@ -186,7 +186,8 @@ bench-serve)
 rt-bench)
     # After `run` in this warm lease: block reads from an oasis-rt daemon in another process over
     # UCX (RMA) and over TCP, against a host memcpy of the same bytes in the same run
-    # (`oasis-rt bench`), JSON in $OUT/rt-bench-{ucx,tcp}.json. Extra args go to `bench`.
+    # (`oasis-rt bench`), JSON in $OUT/rt-bench-{ucx,tcp}.json. RT_TOTAL: bytes per size (1GiB);
+    # extra args go to `bench` (e.g. --batch 256).
     : "${OUT:?run this on the device machine, where OUT is set}"
     for transport in ucx tcp; do
         log="$OUT/rt-serve-$transport.log"
@@ -196,7 +197,7 @@ rt-bench)
         addr=$(awk '/listening on/ {print $NF; exit}' "$log")
         if [ -z "$addr" ]; then echo "the $transport daemon did not start:"; cat "$log"; kill "$pid" 2>/dev/null; continue; fi
         timeout 240 dist/oasis-rt bench --transport "$transport" --connect "$addr" \
-            --block-bytes 8KiB,64KiB --total 1GiB --json "$OUT/rt-bench-$transport.json" "$@" \
+            --block-bytes 8KiB,64KiB --total "${RT_TOTAL:-1GiB}" --json "$OUT/rt-bench-$transport.json" "$@" \
             || echo "rt-bench $transport rc=$?"
         kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null || true
     done
