@@ -196,9 +196,11 @@ rt-bench)
         for _ in $(seq 100); do grep -q "listening on" "$log" && break; sleep 0.1; done
         addr=$(awk '/listening on/ {print $NF; exit}' "$log")
         if [ -z "$addr" ]; then echo "the $transport daemon did not start:"; cat "$log"; kill "$pid" 2>/dev/null; continue; fi
-        timeout 240 dist/oasis-rt bench --transport "$transport" --connect "$addr" \
+        # UCX's info log names the lanes it picked (e.g. rma_am(tcp/lo): gets emulated over TCP).
+        UCX_LOG_LEVEL=info timeout 240 dist/oasis-rt bench --transport "$transport" --connect "$addr" \
             --block-bytes 8KiB,64KiB --total "${RT_TOTAL:-1GiB}" --json "$OUT/rt-bench-$transport.json" "$@" \
-            || echo "rt-bench $transport rc=$?"
+            2> "$OUT/rt-bench-$transport.log" || echo "rt-bench $transport rc=$?"
+        grep -m3 "ep_cfg" "$OUT/rt-bench-$transport.log" || true
         kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null || true
     done
     ;;
