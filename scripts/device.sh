@@ -94,6 +94,8 @@ run)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site dist/*.whl .whl/*.whl "${extra[@]}" 2>&1 | tail -3
     export PYTHONPATH=/tmp/site
+    # The staging daemon `build` carried: the disaggregation tests (tests/rtd.py) start it.
+    [ -x dist/oasis-rt ] && export OASIS_RT_BIN="$PWD/dist/oasis-rt"
     [ -e /tmp/site/oasiskv/data/eagle3-smollm2 ] || ln -s "$PWD/python/oasiskv/data/eagle3-smollm2" /tmp/site/oasiskv/data/
     if [ -n "${OVERLAY_PY:-}" ]; then
         # Python-only change since the wheel was built: use the tree's .py files over the wheel's.

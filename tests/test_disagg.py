@@ -523,3 +523,49 @@ def test_staged_requests_speculate_losslessly(model, transfer):
         assert eng.spec_stats == local.spec_stats
         assert pools_are_full(eng)
         assert eng.kv_source.client.stats()["live_requests"] == 0
+
+
+def test_misses_are_fetched_after_the_step_s_compute_is_queued(model):
+    """A decode step with a block source reads each layer's plan and fetches its misses once
+    every layer's forward is queued (``Engine._flush_deferred``), in layer order, so that on a GPU
+    the compute runs while the host waits for the daemon; the tokens stay the single-process
+    engine's (``test_loopback_three_processes``)."""
+    with Daemon() as d:
+        (h,) = _stage_in_worker_process(
+            d.url, [{"prompt_len": P, "prompt_seed": 3, "first_query": "prompt", **SMALL}]
+        )
+        eng = LLMEngine(model, kv=KvConfig(**SMALL), drafter="ngram", kv_source=d.url, kv_transfer="partial")
+        inner = eng.engine
+        events: list = []
+        forward = inner.model.forward
+
+        def logged_forward(*a, **kw):
+            events.append("forward")
+            out = forward(*a, **kw)
+            events.append("forward done")
+            return out
+
+        src = inner.block_source
+        before = src.before_gather
+
+        def logged_before(layer, *a):
+            events.append(("fetch", layer))
+            return before(layer, *a)
+
+        inner.model.forward = logged_forward
+        src.before_gather = logged_before
+        try:
+            (o,) = _run(eng, [lambda e: e.add_staged_request(h, _params(8))])
+        finally:
+            inner.model.forward = forward
+        (ref,) = _reference(model, KvConfig(**SMALL), "oasis", [h.prompt])
+        assert o.finish_reason == "length", o.error
+        assert o.token_ids == ref.token_ids[:8]
+        layers = model.config.num_hidden_layers
+        done = [i for i, e in enumerate(events) if e == "forward done"]
+        assert len(done) >= 7  # decode steps (the admission's selection fetches before them)
+        for i in done[:-1]:
+            # No fetch inside a forward; after each, every layer's, in order, before the next.
+            assert events[i - 1] == "forward"
+            assert events[i + 1 : i + 1 + layers] == [("fetch", layer) for layer in range(layers)]
+            assert events[i + 1 + layers] == "forward"

@@ -60,9 +60,10 @@ as ``Engine.make_sparse`` does). Then it is an ordinary sparse request. ``kv_tra
 choose). The extension loads libucp only when a UCX client connects; where it is missing that
 raises ``ConfigError`` (``.code == "ucx_unavailable"``) saying what to install.
 
-The fetch runs on the CPU, inline, before the gather: a host sync per layer that has misses. On a
-GPU this belongs in the background chain (docs/ARCHITECTURE.md, "Disaggregated prefill and
-decode"). A daemon that dies or stalls fails the requests whose blocks it holds (``finish_reason=
+The fetch runs on the host, layer by layer before each gather, once the whole step's compute is
+queued (``Engine._flush_deferred``): a host sync per layer that has misses, while the GPU computes
+the step. On a GPU it belongs in the background chain (docs/ARCHITECTURE.md, "Disaggregated
+prefill and decode"). A daemon that dies or stalls fails the requests whose blocks it holds (``finish_reason=
 "error"``, within the client's timeout); the engine and its other requests go on.
 """
 

@@ -968,6 +968,9 @@ class Engine:
         #: runs between each layer's delta selection and its gather and fills the host pool with
         #: planned blocks still held by the staging daemon.
         self.block_source = None
+        # The eager step's deferred (fetch, gather) of each layer while a block_source is set
+        # (_run_step, _select_and_fetch); None outside such a step.
+        self._deferred: list | None = None
         #: KV-head replication under tensor parallelism (:mod:`oasiskv.models.tp`): the model
         #: shard's ``score_reduce`` sums each block's partial score ``[nnz, num_kv_heads]`` (this
         #: rank's query heads of the KV head) over the ranks sharing the head, before every top-K,
@@ -1782,9 +1785,16 @@ class Engine:
         if draft_logits and last not in capture:
             capture = (*capture, last)  # the last layer's output of row 1, for its logits
         grouped = {"kv_groups": rows} if kv_grouped else {}
-        logits, captured = self.model.forward(
-            ids_t, pos_t, attn, logits_rows=row0, capture_layers=capture, **grouped
-        )
+        defer = self.block_source is not None and plan is not None and not static
+        self._deferred = [] if defer else None
+        try:
+            logits, captured = self.model.forward(
+                ids_t, pos_t, attn, logits_rows=row0, capture_layers=capture, **grouped
+            )
+            if defer:
+                self._flush_deferred()
+        finally:
+            self._deferred = None
         out = {"logits": logits, "feats": None, "last_q": last_q, "keep": keep}
         if self.capture:
             out["feats"] = torch.cat([captured[i][row0] for i in self.capture], dim=-1)
@@ -2114,6 +2124,18 @@ class Engine:
         ps, pb, _ = ops.delta_select(
             g.num_kv_heads, pred, slot_pages, p.page_map[layer], p.page_last_selected[layer], step, cap
         )
+        if self._deferred is not None:
+            # A decode step with a block source: the host reads this plan and fetches its misses
+            # after every layer's compute is queued (_flush_deferred), not here between layers.
+            self._deferred.append((layer, ps, pb, slot_pages, host_csr))
+            return pred, ps
+        self._fetch_and_gather(layer, ps, pb, slot_pages, host_csr)
+        return pred, ps
+
+    def _fetch_and_gather(self, layer, ps, pb, slot_pages, host_csr) -> None:
+        """Gather a layer's plan from the host pool, after the block source (if any) has brought
+        the planned blocks it lacked."""
+        p, g = self.pools, self.geo
         if self.block_source is not None:
             self.block_source.before_gather(layer, ps, pb, *host_csr)
         ops.gather_blocks(
@@ -2127,7 +2149,24 @@ class Engine:
             p.k_pages[layer],
             p.v_pages[layer],
         )
-        return pred, ps
+
+    def _flush_deferred(self) -> None:
+        """The deferred fetches and gathers of this step, in layer order, each on its layer's
+        background stream (after its selection), whose event the next step's attention waits on.
+        The host blocks on each layer's plan (and the daemon) only once the whole step's compute
+        is queued, so the GPU computes while the misses come over the network; the order of the
+        block source's calls and of the gathers is the inline one."""
+        work, self._deferred = self._deferred or [], None
+        for layer, ps, pb, slot_pages, host_csr in work:
+            if not self.cuda:
+                self._fetch_and_gather(layer, ps, pb, slot_pages, host_csr)
+                continue
+            side = self._side(layer)
+            with torch.cuda.stream(side):
+                self._fetch_and_gather(layer, ps, pb, slot_pages, host_csr)
+                done = torch.cuda.Event()
+                done.record(side)
+                self._gather_done[layer] = done
 
     # ---------------------------------------------------------------- metrics
     def finalize_metrics(self, r: _Request) -> None:
