@@ -127,9 +127,11 @@ def test_default_propose_batch_loops_over_propose():
 
 
 class PerRequest(Eagle3Drafter):
-    """The per-request path (``Drafter.propose_batch``: one ``propose`` per request)."""
+    """The per-request path (``Drafter.propose_batch``: one ``propose`` per request, nothing
+    launched ahead)."""
 
     propose_batch = Drafter.propose_batch
+    launch_batch = Drafter.launch_batch
 
 
 class Logged:

@@ -81,6 +81,26 @@ class Drafter:
         default). A drafter with a model overrides it to run that model once for all of them."""
         return [self.propose(i, t, f) for i, t, f in zip(req_ids, tokens_list, features_list, strict=True)]
 
+    def launch_batch(
+        self,
+        req_ids: Sequence[int],
+        positions: Sequence[int],
+        token_ids: torch.Tensor,
+        features: torch.Tensor,
+    ) -> bool:
+        """Start the next drafts on the device before the host has read the step's tokens: for
+        request ``req_ids[j]``, its new token is ``token_ids[j]`` (a device tensor ``[n]``, the
+        step's own output), at position ``positions[j]``, after the captured ``features[j]``
+        (``[n, width]``). True when the drafter queued its work: the engine's
+        :meth:`propose_batch` of this step (for these requests, with the same tokens once read, or
+        fewer requests where some finished) then only reads the drafts back. False (the default):
+        nothing queued, :meth:`propose_batch` does the work.
+
+        Why: a model drafter (EAGLE-3) launched this way queues its kernels behind the step's own
+        while the GPU still runs it, instead of between the step's host read and the next step,
+        where the GPU waits for it."""
+        return False
+
     def forced_verdicts(
         self, req_ids: Sequence[int], tokens_list: Sequence[Sequence[int]]
     ) -> list[bool | None] | None:
@@ -317,6 +337,10 @@ class OracleDrafter(Drafter):
             self.shadow.propose_batch(req_ids, tokens_list, features_list)  # its cost, not its drafts
         return [self._oracle(i, t) for i, t in zip(req_ids, tokens_list, strict=True)]
 
+    def launch_batch(self, req_ids, positions, token_ids, features) -> bool:
+        # The shadow's cost, launched as it would be (its drafts are read back and discarded).
+        return self.shadow is not None and self.shadow.launch_batch(req_ids, positions, token_ids, features)
+
     def forced_verdicts(self, req_ids, tokens_list) -> list[bool | None] | None:
         """With ``force``: per request, :meth:`hit` of the token its current draft is for (the
         next generated one); None without ``force`` (the engine verifies)."""
@@ -406,6 +430,8 @@ class Eagle3Drafter(Drafter):
         p = next(head.parameters())
         self.paged = p.device.type == "cuda" if paged is None else bool(paged)
         self._pool = None  # the Eagle3PagedKV, made with the first paged state
+        # (request -> row, drafts, logits) of the head step launch_batch queued, until read.
+        self._launched = None
         self.wants_prompt_features = bool(prefill)
         self.name = "eagle3" if prefill else "eagle3-noprefill"
         #: Set True to keep, per request, the head's probability of its latest draft
@@ -506,13 +532,38 @@ class Eagle3Drafter(Drafter):
         return int(draft[0])
 
     @torch.no_grad()
+    def launch_batch(self, req_ids, positions, token_ids, features) -> bool:
+        """One head step for these requests, queued now (:meth:`Drafter.launch_batch`); its
+        drafts (and logits, for the trackers) stay on the device until :meth:`propose_batch`."""
+        if not req_ids or any(r not in self._states for r in req_ids):
+            return False
+        dev = features.device
+        states = [self._states[r] for r in req_ids]
+        feats = features.to(next(self.head.parameters()).dtype)
+        pos = torch.tensor(list(positions)).to(dev, non_blocking=True)
+        draft, _, logits = self.head.step_batch(states, feats, token_ids.to(dev).long(), pos)
+        self._launched = {r: i for i, r in enumerate(req_ids)}, draft, logits
+        return True
+
+    @torch.no_grad()
     def propose_batch(self, req_ids, tokens_list, features_list) -> list[int]:
         """Every request's draft from ONE head step (:meth:`Eagle3Head.step_batch`): the head's
         weights are read once per decode step instead of once per request. Each request's head
         state grows exactly as with :meth:`propose`; requests without features draft their
-        current token, as there."""
+        current token, as there. Requests whose head step :meth:`launch_batch` queued this step
+        take its drafts (one host read); the others step here."""
+        launched, self._launched = self._launched, None
         out = [int(t[-1]) if f is None else 0 for t, f in zip(tokens_list, features_list, strict=True)]
         rows = [i for i, f in enumerate(features_list) if f is not None]
+        if launched is not None:
+            where, draft, logits = launched
+            done = [i for i in rows if req_ids[i] in where]
+            if done:
+                at = torch.tensor([where[req_ids[i]] for i in done]).to(draft.device, non_blocking=True)
+                self._track([req_ids[i] for i in done], logits.index_select(0, at))
+                for i, d in zip(done, draft.index_select(0, at).tolist(), strict=True):
+                    out[i] = int(d)
+            rows = [i for i in rows if req_ids[i] not in where]
         if not rows:
             return out
         dev = features_list[rows[0]].device
@@ -522,17 +573,21 @@ class Eagle3Drafter(Drafter):
         ids = torch.tensor([tokens_list[i][-1] for i in rows], device=dev)
         pos = torch.tensor([len(tokens_list[i]) - 1 for i in rows], device=dev)
         draft, _, logits = self.head.step_batch(states, feats, ids, pos)
-        if self.track_confidence:
-            conf = torch.softmax(logits, -1).max(dim=-1).values.tolist()
-            for i, c in zip(rows, conf, strict=True):
-                self.last_confidence[req_ids[i]] = float(c)
-        if self.track_runner_up:
-            second = self.head.to_target_ids(logits.topk(2, dim=-1).indices[:, 1]).tolist()
-            for i, s in zip(rows, second, strict=True):
-                self.last_runner_up[req_ids[i]] = int(s)
+        self._track([req_ids[i] for i in rows], logits)
         for i, d in zip(rows, draft.tolist(), strict=True):
             out[i] = int(d)
         return out
+
+    def _track(self, req_ids, logits) -> None:
+        """The draft's probability and runner-up per request, where asked (the evaluation's)."""
+        if self.track_confidence:
+            conf = torch.softmax(logits, -1).max(dim=-1).values.tolist()
+            for r, c in zip(req_ids, conf, strict=True):
+                self.last_confidence[r] = float(c)
+        if self.track_runner_up:
+            second = self.head.to_target_ids(logits.topk(2, dim=-1).indices[:, 1]).tolist()
+            for r, x in zip(req_ids, second, strict=True):
+                self.last_runner_up[r] = int(x)
 
 
 #: Heads bundled in the wheel, by the model name that ``LLM`` / ``LLMEngine`` accept.

@@ -607,7 +607,7 @@ class LLMEngine:
         logits = eng.decode_step(reqs)
         if self.recorder is not None:
             self.recorder.on_step(StepInfo("decode", [s.request_id for s in running], logits, drafts))
-        toks = self._sample_batch(running, logits)
+        toks = self._sample_batch(running, logits, launch=self._launcher(running))
         dt = time.perf_counter() - t0
         # Requests whose KV the staging daemon failed to serve in this step: their logits are void.
         failed = self.kv_source.take_failed() if self.kv_source is not None else {}
@@ -747,12 +747,36 @@ class LLMEngine:
     def _sample(self, seq: _Seq, logits: torch.Tensor) -> list[int | None]:
         return self._sample_batch([seq], logits)
 
-    def _sample_batch(self, seqs: list[_Seq], logits: torch.Tensor) -> list[int | None]:
+    def _launcher(self, seqs: list[_Seq]):
+        """What starts the next drafts from the step's tokens still on the device
+        (:meth:`Drafter.launch_batch`), or None where the drafter would see other tokens or
+        inputs than the step's own: no lookahead row, a forced token, a request without
+        captured features."""
+        if self.engine.rows != 2 or not seqs:
+            return None
+        if any(s.forced is not None or s.req.features is None for s in seqs):
+            return None
+        # Not those whose token is their last (max_tokens): no draft follows it.
+        rows = [i for i, s in enumerate(seqs) if s.req.metrics.generated_tokens + 1 < s.req.max_new_tokens]
+        if not rows:
+            return None
+        reqs = [seqs[i].req for i in rows]
+
+        def launch(tokens: torch.Tensor) -> None:
+            feats = torch.stack([r.features for r in reqs])
+            if len(rows) < len(seqs):
+                tokens = tokens.index_select(0, torch.tensor(rows).to(tokens.device, non_blocking=True))
+            self.drafter.launch_batch([r.id for r in reqs], [len(r.tokens) for r in reqs], tokens, feats)
+
+        return launch
+
+    def _sample_batch(self, seqs: list[_Seq], logits: torch.Tensor, launch=None) -> list[int | None]:
         """One token per row, or None where the row's logits are not finite. Every row is
         decided on the logits' device and the batch takes one host read: greedy rows their
         argmax, sampling rows a draw from :func:`~oasiskv.engine.sampling_probs` (temperature,
         then top_p) by :func:`~oasiskv.engine.sample_inverse_cdf` at a uniform from the request's
-        own generator (the engine's when unseeded), drawn on the host in row order."""
+        own generator (the engine's when unseeded), drawn on the host in row order. ``launch``
+        (:meth:`_launcher`) gets the rows' tokens on the device before that read."""
         finite = torch.isfinite(logits).all(dim=-1)
         made = [len(seq.req.tokens) - len(seq.req.prompt) for seq in seqs]
         forced = [seq.forced is not None and m < len(seq.forced) for seq, m in zip(seqs, made, strict=True)]
@@ -766,6 +790,8 @@ class LLMEngine:
             at = torch.tensor(rows).to(logits.device, non_blocking=True)
             drawn = _sample_rows(logits, at, temps, top_ps, uniforms)
             cols.append(torch.zeros_like(cols[0]).index_copy_(0, at, drawn))
+        if launch is not None:
+            launch(cols[0] if not rows else cols[0].index_copy(0, at, drawn))
         host = torch.stack(cols).tolist()
         out: list[int | None] = []
         for i, seq in enumerate(seqs):
