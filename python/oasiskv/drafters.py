@@ -84,17 +84,18 @@ class Drafter:
     def launch_batch(
         self,
         req_ids: Sequence[int],
-        positions: Sequence[int],
+        positions: Sequence[int] | torch.Tensor,
         token_ids: torch.Tensor,
         features: torch.Tensor,
     ) -> bool:
         """Start the next drafts on the device before the host has read the step's tokens: for
         request ``req_ids[j]``, its new token is ``token_ids[j]`` (a device tensor ``[n]``, the
-        step's own output), at position ``positions[j]``, after the captured ``features[j]``
-        (``[n, width]``). True when the drafter queued its work: the engine's
-        :meth:`propose_batch` of this step (for these requests, with the same tokens once read, or
-        fewer requests where some finished) then only reads the drafts back. False (the default):
-        nothing queued, :meth:`propose_batch` does the work.
+        step's own output), at position ``positions[j]`` (a list, or a device tensor where a
+        speculative step decides it), after the captured ``features[j]`` (``[n, width]``). True
+        when the drafter queued its work: the engine's :meth:`propose_batch` of this step (for
+        these requests, with the same tokens once read, or fewer requests where some finished)
+        then only reads the drafts back. False (the default): nothing queued,
+        :meth:`propose_batch` does the work.
 
         Why: a model drafter (EAGLE-3) launched this way queues its kernels behind the step's own
         while the GPU still runs it, instead of between the step's host read and the next step,
@@ -540,7 +541,10 @@ class Eagle3Drafter(Drafter):
         dev = features.device
         states = [self._states[r] for r in req_ids]
         feats = features.to(next(self.head.parameters()).dtype)
-        pos = torch.tensor(list(positions)).to(dev, non_blocking=True)
+        if torch.is_tensor(positions):  # a speculative step's: one on where a draft was accepted
+            pos = positions.to(dev).long()
+        else:
+            pos = torch.tensor(list(positions)).to(dev, non_blocking=True)
         draft, _, logits = self.head.step_batch(states, feats, token_ids.to(dev).long(), pos)
         self._launched = {r: i for i, r in enumerate(req_ids)}, draft, logits
         return True

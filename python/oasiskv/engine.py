@@ -1491,6 +1491,7 @@ class Engine:
         speculate: list[bool] | None = None,
         sampling: list[RowSampling | None] | None = None,
         verdicts: list[bool | None] | None = None,
+        before_read=None,
     ):
         """Advance every request by one token; returns row-0 logits ``[len(reqs), vocab]``.
 
@@ -1513,6 +1514,11 @@ class Engine:
         1's argmax the second, the draft's K/V stored), and rejects it where False (row 0's
         argmax, nothing stored), whatever the logits; None verifies as above. They reach the step
         as a per-row device input, like ``sampling``. The tokens are then not the model's.
+
+        ``before_read`` (a speculative step): called with the step's device outputs
+        ``(verdict [5, >= n], features [n, width] or None, draft_features [n, width] or None)``
+        before the step's one host read, to queue work that depends on them (the next drafts,
+        :meth:`Drafter.launch_batch`).
 
         With ``cuda_graph=True`` on a GPU the step replays a captured CUDA graph (see
         :meth:`_decode_graph`), speculative or not, sampling or not, except under a selection
@@ -1566,6 +1572,9 @@ class Engine:
         if feats is not None:
             for i, r in enumerate(reqs):
                 r.features = feats[i]
+        if before_read is not None and spec_out is not None:
+            f0, f1 = feats, spec_out["feats1"]
+            before_read(spec_out["verdict"], None if f0 is None else f0[:n], None if f1 is None else f1[:n])
         if self.policy is not None:
             self.policy.after_step(self, reqs)
         for r in reqs:

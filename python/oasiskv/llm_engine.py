@@ -647,7 +647,8 @@ class LLMEngine:
         ]
         sampling = [self._row_sampling(seq) for seq in running]
         verdicts = self._forced_verdicts(running, tries, sampling)
-        res = eng.decode_step(reqs, speculate=tries, sampling=sampling, verdicts=verdicts)
+        launch = self._spec_launcher(running)
+        res = eng.decode_step(reqs, speculate=tries, sampling=sampling, verdicts=verdicts, before_read=launch)
         try:
             if self.recorder is not None:
                 self.recorder.on_step(StepInfo("decode", [s.request_id for s in running], res.logits, drafts))
@@ -767,6 +768,32 @@ class LLMEngine:
             if len(rows) < len(seqs):
                 tokens = tokens.index_select(0, torch.tensor(rows).to(tokens.device, non_blocking=True))
             self.drafter.launch_batch([r.id for r in reqs], [len(r.tokens) for r in reqs], tokens, feats)
+
+        return launch
+
+    def _spec_launcher(self, seqs: list[_Seq]):
+        """As :meth:`_launcher`, for a speculative step: each request's next draft follows its
+        last token of the step, row 0's or, where the draft was accepted, row 1's (its token,
+        the draft row's features, one position on), chosen on the device from the step's
+        verdict. Not for requests that may take their last token in this step."""
+        if self.engine.rows != 2 or not seqs or any(s.forced is not None for s in seqs):
+            return None
+        rows = [i for i, s in enumerate(seqs) if s.req.metrics.generated_tokens + 2 < s.req.max_new_tokens]
+        if not rows:
+            return None
+        reqs = [seqs[i].req for i in rows]
+
+        def launch(verdict: torch.Tensor, feats0, feats1) -> None:
+            if feats0 is None or feats1 is None:
+                return
+            dev = verdict.device
+            at = torch.tensor(rows).to(dev, non_blocking=True)
+            v = verdict.index_select(1, at)
+            acc = v[4].bool()
+            tokens = torch.where(acc, v[2], v[0])
+            feats = torch.where(acc[:, None], feats1.index_select(0, at), feats0.index_select(0, at))
+            pos = torch.tensor([len(r.tokens) for r in reqs]).to(dev, non_blocking=True) + acc.long()
+            self.drafter.launch_batch([r.id for r in reqs], pos, tokens, feats)
 
         return launch
 
