@@ -314,3 +314,37 @@ def test_speculative_launch_follows_the_accepted_row(model, paged):
         assert n == n0
         torch.testing.assert_close(k, k0, atol=ATOL, rtol=RTOL)
         torch.testing.assert_close(v, v0, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("speculative", [False, True])
+def test_launched_drafts_on_cuda_graphs_equal_drafting_after_the_read(speculative):
+    """The launch path where it matters: CUDA-graph steps, the head's pages on the GPU."""
+    from oasiskv.drafters import OracleDrafter
+
+    model = CausalLM.random(CFG, seed=4, device="cuda")
+    sharp = Eagle3Head.random(CFG, draft_vocab_size=64, seed=5, std=0.2, device="cuda").attach_target(model)
+    kv = KvConfig(block_size=16, top_k_blocks=4, fetch_cap=0.25, sparse_threshold=64)
+    prompts = [prompt(n, i) for i, n in enumerate((20, 97, 45))]
+    refs = [prompt(16, 50 + i) for i in range(3)]
+    res = {}
+    for cls in (NotLaunched, Eagle3Drafter):
+        shadow = Snapshots.wrap(cls)(sharp, model)
+        assert shadow.paged
+        d = OracleDrafter(refs, accept=0.5, seed=2, vocab_size=CFG.vocab_size, force=True, shadow=shadow)
+        eng = LLMEngine(
+            model, kv=kv, backend="oasis", drafter=d, max_num_seqs=3, speculative=speculative, cuda_graph=True
+        )
+        rids = [eng.add_request(p, SamplingParams(max_tokens=14, ignore_eos=True)) for p in prompts]
+        outs = eng.run_to_completion(rids)
+        res[cls] = ([outs[r].token_ids for r in rids], shadow.log, shadow.final, shadow.launched)
+    toks, log, final, launched = res[Eagle3Drafter]
+    toks0, log0, final0, launched0 = res[NotLaunched]
+    assert launched0 == 0 and launched > 5
+    assert toks == toks0 and log == log0
+    for r, (n, k, v) in final.items():
+        n0, k0, v0 = final0[r]
+        assert n == n0
+        torch.testing.assert_close(k, k0, atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(v, v0, atol=ATOL, rtol=RTOL)
