@@ -1572,9 +1572,6 @@ class Engine:
         if feats is not None:
             for i, r in enumerate(reqs):
                 r.features = feats[i]
-        if before_read is not None and spec_out is not None:
-            f0, f1 = feats, spec_out["feats1"]
-            before_read(spec_out["verdict"], None if f0 is None else f0[:n], None if f1 is None else f1[:n])
         if self.policy is not None:
             self.policy.after_step(self, reqs)
         for r in reqs:
@@ -1584,7 +1581,15 @@ class Engine:
         self.step_no += 1
         if speculate is None:
             return logits[:n]
-        return self._spec_result(reqs, logits[:n], spec_out)
+        launch = None
+        if before_read is not None:
+            f0 = None if feats is None else feats[:n]
+            f1 = None if spec_out["feats1"] is None else spec_out["feats1"][:n]
+
+            def launch():
+                before_read(spec_out["verdict"], f0, f1)
+
+        return self._spec_result(reqs, logits[:n], spec_out, launch)
 
     def _recall_phase(self) -> tuple[bool, bool]:
         """``(measure recall in this step, keep this step's predictions for the next one's)``.
@@ -1599,7 +1604,7 @@ class Engine:
             return True, True
         return self.step_no % every == 0, (self.step_no + 1) % every == 0
 
-    def _spec_result(self, reqs, logits, out: dict) -> SpecStep:
+    def _spec_result(self, reqs, logits, out: dict, launch=None) -> SpecStep:
         """Adopt a speculative step's outputs (``out`` of :meth:`_run_step`, or copies of a
         graph's): the one host read of its verdict, row 1's features, the state
         :meth:`commit_drafts` needs."""
@@ -1607,7 +1612,21 @@ class Engine:
         verdict, targets = out["verdict"], out["targets"]
         # The step's only device-to-host copy: both rows' tokens and finiteness, the accept flags,
         # and which rows held a tentative slot.
-        host = torch.cat([verdict[:, :n], (targets[0][:n] >= 0).long().unsqueeze(0)]).tolist()
+        both = torch.cat([verdict[:, :n], (targets[0][:n] >= 0).long().unsqueeze(0)])
+        if launch is None:
+            host = both.tolist()
+        elif not both.is_cuda:
+            launch()
+            host = both.tolist()
+        else:
+            # Queued before the launched work, so the read waits for the step alone.
+            host_t = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+            host_t.copy_(both, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            launch()
+            ready.synchronize()
+            host = host_t.tolist()
         tok, fin, tok2, fin2, acc, tried = host
         if out["feats1"] is not None:
             for i, r in enumerate(reqs):

@@ -179,6 +179,18 @@ def prompt_token_ids(prompt, tokenizer, vocab_size: int, what: str = "prompt") -
     return ids
 
 
+def _copy_to_host(t: torch.Tensor):
+    """``(host copy, event)``: on a GPU an asynchronous copy into pinned memory and the event
+    that marks it done (wait on it before reading); on the CPU the tensor itself and None."""
+    if not t.is_cuda:
+        return t, None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
+
+
 class LLMEngine:
     """A model and its OasisKV engine, driven one step at a time (continuous batching).
 
@@ -817,9 +829,17 @@ class LLMEngine:
             at = torch.tensor(rows).to(logits.device, non_blocking=True)
             drawn = _sample_rows(logits, at, temps, top_ps, uniforms)
             cols.append(torch.zeros_like(cols[0]).index_copy_(0, at, drawn))
-        if launch is not None:
+        stacked = torch.stack(cols)
+        if launch is None:
+            host = stacked.tolist()
+        else:
+            # The tokens' copy is queued before the drafts, so the host reads them as soon as
+            # the step is done, while the GPU runs the drafter.
+            host_t, ready = _copy_to_host(stacked)
             launch(cols[0] if not rows else cols[0].index_copy(0, at, drawn))
-        host = torch.stack(cols).tolist()
+            if ready is not None:
+                ready.synchronize()
+            host = host_t.tolist()
         out: list[int | None] = []
         for i, seq in enumerate(seqs):
             if not host[1][i]:
