@@ -434,6 +434,18 @@ def _grown(
     return new
 
 
+def copy_to_host(t: torch.Tensor):
+    """``(host copy, event)``: on a GPU an asynchronous copy into pinned memory and the event
+    that marks it done (wait on it before reading); on the CPU the tensor itself and None."""
+    if not t.is_cuda:
+        return t, None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
+
+
 def _i32(x, device=None) -> torch.Tensor:
     t = torch.tensor(x, dtype=torch.int32)
     return t if device is None or device.type == "cpu" else t.to(device, non_blocking=True)
@@ -1615,17 +1627,12 @@ class Engine:
         both = torch.cat([verdict[:, :n], (targets[0][:n] >= 0).long().unsqueeze(0)])
         if launch is None:
             host = both.tolist()
-        elif not both.is_cuda:
-            launch()
-            host = both.tolist()
         else:
             # Queued before the launched work, so the read waits for the step alone.
-            host_t = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
-            host_t.copy_(both, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
+            host_t, ready = copy_to_host(both)
             launch()
-            ready.synchronize()
+            if ready is not None:
+                ready.synchronize()
             host = host_t.tolist()
         tok, fin, tok2, fin2, acc, tried = host
         if out["feats1"] is not None:

@@ -46,6 +46,7 @@ from .engine import (
     RequestMetrics,
     RowSampling,
     _Request,
+    copy_to_host,
     sample_inverse_cdf,
     sampling_probs,
 )
@@ -177,18 +178,6 @@ def prompt_token_ids(prompt, tokenizer, vocab_size: int, what: str = "prompt") -
     if out:
         raise ConfigError(f"{what} has token ids outside the vocabulary 0..{vocab_size}: {out[:5]}")
     return ids
-
-
-def _copy_to_host(t: torch.Tensor):
-    """``(host copy, event)``: on a GPU an asynchronous copy into pinned memory and the event
-    that marks it done (wait on it before reading); on the CPU the tensor itself and None."""
-    if not t.is_cuda:
-        return t, None
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record()
-    return host, ready
 
 
 class LLMEngine:
@@ -835,7 +824,7 @@ class LLMEngine:
         else:
             # The tokens' copy is queued before the drafts, so the host reads them as soon as
             # the step is done, while the GPU runs the drafter.
-            host_t, ready = _copy_to_host(stacked)
+            host_t, ready = copy_to_host(stacked)
             launch(cols[0] if not rows else cols[0].index_copy(0, at, drawn))
             if ready is not None:
                 ready.synchronize()
