@@ -517,14 +517,18 @@ class _Driver:
     def prefill(self, r: _Request):
         return self.prefill_chunk(r, 0, len(r.prompt))
 
-    def decode_step(self, reqs: list[_Request], *, speculate=None, sampling=None, verdicts=None):
+    def decode_step(
+        self, reqs: list[_Request], *, speculate=None, sampling=None, verdicts=None, before_read=None
+    ):
         # The sampling rows' uniforms (and forced verdicts) travel with the step: every rank draws
-        # the same tokens.
+        # the same tokens. The drafter runs here alone, so `before_read` (its launch) stays here.
         states = [(r.id, self._tokens(r), r.draft) for r in reqs]
         spec = (speculate, sampling, verdicts)
         return self._call(
             ("decode", states, spec),
-            lambda: self._engine.decode_step(reqs, speculate=speculate, sampling=sampling, verdicts=verdicts),
+            lambda: self._engine.decode_step(
+                reqs, speculate=speculate, sampling=sampling, verdicts=verdicts, before_read=before_read
+            ),
         )
 
     def make_sparse(self, r: _Request) -> None:
