@@ -112,6 +112,7 @@ import gc
 import hashlib
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -280,6 +281,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "run reproduces",
     )
     g.add_argument(
+        "--trace-dir",
+        default=None,
+        help="on a GPU: the Chrome trace of each row's profiled step here (CONTEXT-MODE-CONC.json)",
+    )
+    g.add_argument(
         "--md", default=None, help="write the markdown table here (default bench_fig11.md, '' for none)"
     )
     g.add_argument("--png", default=None, help="write the plot here (default bench_fig11.png, '' for none)")
@@ -315,14 +321,17 @@ def _prompts(vocab: int, n_tokens: int, count: int, shared: bool, seed: int) -> 
     return [one] + [[rnd.randrange(lo, hi) for _ in range(n_tokens)] for _ in range(count - 1)]
 
 
-def _profiled(torch, fn):
+def _profiled(torch, fn, trace: str | None = None):
     """``fn()`` under ``torch.profiler``: its result, the CUDA kernels launched and the copies
-    (memcpy / memset) queued."""
+    (memcpy / memset) queued; with ``trace``, the Chrome trace of it written there (host and
+    streams: where a step's time goes, e.g. a drafter between two steps)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         out = fn()
         torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
     kernels = copies = 0
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
@@ -339,7 +348,9 @@ class _DoesNotFit(Exception):
 
 
 # ---------------------------------------------------------------------- one run
-def drive(eng, prompts: list[list[int]], max_tokens: int, profile_step: int | None = None) -> dict:
+def drive(
+    eng, prompts: list[list[int]], max_tokens: int, profile_step: int | None = None, trace: str | None = None
+) -> dict:
     """Add every prompt at once, prefill them all (no decode step), then decode them together.
 
     Returns TTFTs (from the common arrival), the timed decode steps (every step but the first and
@@ -388,7 +399,7 @@ def drive(eng, prompts: list[list[int]], max_tokens: int, profile_step: int | No
         n = llm.num_running
         t = time.perf_counter()
         if i == profile_step and cuda:
-            outs, kernels, copies = _profiled(torch, eng.step)
+            outs, kernels, copies = _profiled(torch, eng.step, trace)
         else:
             outs = eng.step()
         dt = time.perf_counter() - t
@@ -738,10 +749,15 @@ class Fig11:
             eng = self.engine(mode, conc, ctx, gpu_budget, host_budget, cache)
             # one allocation, not log2(C); through the driver's proxy under --tp (every rank)
             self._driver(eng).engine.reserve_pools([(ctx, a.max_tokens)] * conc)
+            trace = None
+            if a.trace_dir and profile is not None:
+                os.makedirs(a.trace_dir, exist_ok=True)
+                trace = os.path.join(a.trace_dir, f"{ctx}-{mode}-{conc}.json")
             if accept is None:
-                res = drive(eng, prompts, a.max_tokens, profile)
+                res = drive(eng, prompts, a.max_tokens, profile, trace)
             else:
-                res = self.oracle_rounds(eng, prompts, self._tokens.get((ctx, base_mode, conc)), profile)
+                start = self._tokens.get((ctx, base_mode, conc))
+                res = self.oracle_rounds(eng, prompts, start, profile, trace)
         except (_DoesNotFit, OutOfMemoryError, torch.OutOfMemoryError) as e:
             self.close(eng)
             del eng
@@ -800,7 +816,7 @@ class Fig11:
         _free_memory(torch, dev)
         return out
 
-    def oracle_rounds(self, eng, prompts: list[list[int]], start, profile) -> dict:
+    def oracle_rounds(self, eng, prompts: list[list[int]], start, profile, trace=None) -> dict:
         """:func:`drive` a ``--draft-acceptance`` row. Forced verdicts: once, drafting from
         ``start`` (the base mode's tokens, when that row ran); ``converged`` is None (there is
         nothing to reach). Else until a round makes exactly the tokens its oracle drafted from
@@ -815,7 +831,8 @@ class Fig11:
         converged = False
         for k in range(1 if self.forced else self.args.oracle_rounds):
             d.set_reference(ref, first_id=k * conc)  # the engine numbers requests 0, 1, ...
-            res = drive(eng, prompts, self.args.max_tokens, profile if k == 0 else None)
+            prof, tr = (profile, trace) if k == 0 else (None, None)
+            res = drive(eng, prompts, self.args.max_tokens, prof, tr)
             if k == 0:
                 kernels, copies = res["kernels"], res["copies"]
             if self.forced:
