@@ -46,8 +46,14 @@ def _prompt(n: int, seed: int) -> list[int]:
     return (base * (n // 41 + 1))[:n]
 
 
-@pytest.mark.parametrize("transfer", ["partial", "full"])
-def test_staged_requests_decode_as_the_single_process_engine(transfer):
+@pytest.mark.parametrize(
+    "transfer, cache_blocks",
+    [("partial", None), ("full", None), ("partial", 10)],
+    ids=["partial", "full", "partial-bounded"],
+)
+def test_staged_requests_decode_as_the_single_process_engine(transfer, cache_blocks):
+    """``cache_blocks``: a bounded host cache (``kv_cache_blocks``), small enough to evict, so
+    the deferred fetches wait for the previous layer's gather before a row changes hands."""
     model = _model()
     prompts = [_prompt(600, s) for s in (3, 5)]
     params = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -55,7 +61,8 @@ def test_staged_requests_decode_as_the_single_process_engine(transfer):
         worker = PrefillWorker(model, SMALL, d.url, first_query="prompt")
         handles = [worker.prefill(p) for p in prompts]
         worker.close()
-        eng = LLMEngine(model, kv=SMALL, drafter="ngram", kv_source=d.url, kv_transfer=transfer)
+        kw = dict(kv_source=d.url, kv_transfer=transfer, kv_cache_blocks=cache_blocks)
+        eng = LLMEngine(model, kv=SMALL, drafter="ngram", **kw)
         ids = [eng.add_staged_request(h, params) for h in handles]
         outs = eng.run_to_completion(ids)
         ref = LLMEngine(model, kv=SMALL, backend="oasis", drafter="ngram")
@@ -68,5 +75,7 @@ def test_staged_requests_decode_as_the_single_process_engine(transfer):
         assert st.failures == 0 and st.cached_bytes == 0
         if transfer == "partial":
             assert st.fetched_entries > 0  # misses came over the network during decode
+        if cache_blocks is not None:
+            assert st.evicted_blocks > 0
         s = eng.kv_source.client.stats()
         assert s["live_requests"] == 0 and s["used_bytes"] == 0

@@ -856,6 +856,13 @@ class RemoteKvSource:
             eng._pred_of(layer)[r.slot] = pred[0]
 
     # ---------------------------------------------------------------- decode-time misses
+    @property
+    def may_evict(self) -> bool:
+        """Whether :meth:`before_gather` may give a cached block's host row to another block (a
+        staged request with a bounded cache is running): the engine then lets the previous
+        layer's gather finish before calling it."""
+        return self._bounded > 0
+
     def before_gather(self, layer: int, plan_slots, plan_blocks, host_indptr, host_indices) -> None:
         """Called by the engine between a layer's delta selection and its gather: read the
         planned block-heads that are still only in the daemon into the host pool (one batched
@@ -865,8 +872,8 @@ class RemoteKvSource:
 
         With a bounded cache the layer's planned blocks of each such request first get host rows
         (``Runtime.cache_blocks``, pinned = this layer's planned blocks of the request: an
-        eviction never takes a row this gather reads; earlier layers' gathers are done, since
-        reading ``plan_slots`` here waited for the work that made it), and ``host_indices`` (the
+        eviction never takes a row this gather reads; earlier layers' gathers are done: the
+        engine waits for them while :attr:`may_evict`), and ``host_indices`` (the
         step's, on the device) is patched at ``indptr[seq] + logical`` with them; the next plan
         reads the runtime's rows."""
         if self._missing == 0 and self._bounded == 0:

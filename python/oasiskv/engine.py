@@ -2192,16 +2192,23 @@ class Engine:
         is queued, so the GPU computes while the misses come over the network; the order of the
         block source's calls and of the gathers is the inline one."""
         work, self._deferred = self._deferred or [], None
+        # A block source that evicts host rows (a bounded cache) may hand a row the previous
+        # layer's gather still reads (another stream) to another block: wait for that gather.
+        evicts = getattr(self.block_source, "may_evict", True)
+        prev = None
         for layer, ps, pb, slot_pages, host_csr in work:
             if not self.cuda:
                 self._fetch_and_gather(layer, ps, pb, slot_pages, host_csr)
                 continue
+            if prev is not None and evicts:
+                prev.synchronize()
             side = self._side(layer)
             with torch.cuda.stream(side):
                 self._fetch_and_gather(layer, ps, pb, slot_pages, host_csr)
                 done = torch.cuda.Event()
                 done.record(side)
                 self._gather_done[layer] = done
+            prev = done
 
     # ---------------------------------------------------------------- metrics
     def finalize_metrics(self, r: _Request) -> None:
