@@ -222,7 +222,10 @@ def _prefill_main(conn, args, url: str) -> None:
 def _recv(conn, timeout: float):
     if not conn.poll(timeout):
         raise TimeoutError(f"the prefill process sent nothing for {timeout:.0f} s")
-    msg = conn.recv()
+    try:
+        msg = conn.recv()
+    except EOFError:
+        raise RuntimeError("the prefill process exited without a word (killed? out of memory?)") from None
     if msg[0] == "error":
         raise RuntimeError(f"the prefill process failed: {msg[1]}")
     return msg
@@ -451,6 +454,9 @@ def main(argv: list[str] | None = None) -> int:
     except (OasisError, ValueError) as e:
         print(f"bench.disagg: error: {e}", file=sys.stderr)
         return 2
+    except (RuntimeError, TimeoutError, EOFError) as e:  # the prefill process failed or died
+        print(f"bench.disagg: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     md = markdown(rep)
     print(md)
     if args.md:
