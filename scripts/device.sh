@@ -188,7 +188,7 @@ bench-serve)
 rt-bench)
     # After `run` in this warm lease: block reads from an oasis-rt daemon in another process over
     # UCX (RMA) and over TCP, against a host memcpy of the same bytes in the same run
-    # (`oasis-rt bench`), JSON in $OUT/rt-bench-{ucx,tcp}.json. RT_TOTAL: bytes per size (1GiB);
+    # (`oasis-rt bench`), JSON in $OUT/rt-bench-*.json. RT_TOTAL: bytes per size (1GiB);
     # extra args go to `bench` (e.g. --batch 256).
     : "${OUT:?run this on the device machine, where OUT is set}"
     for transport in ucx tcp; do
@@ -199,10 +199,15 @@ rt-bench)
         addr=$(awk '/listening on/ {print $NF; exit}' "$log")
         if [ -z "$addr" ]; then echo "the $transport daemon did not start:"; cat "$log"; kill "$pid" 2>/dev/null; continue; fi
         # UCX's info log names the lanes it picked (e.g. rma_am(tcp/lo): gets emulated over TCP).
-        UCX_LOG_LEVEL=info timeout 240 dist/oasis-rt bench --transport "$transport" --connect "$addr" \
-            --block-bytes 8KiB,64KiB --total "${RT_TOTAL:-1GiB}" --json "$OUT/rt-bench-$transport.json" "$@" \
-            2> "$OUT/rt-bench-$transport.log" || echo "rt-bench $transport rc=$?"
-        grep -m3 "ep_cfg" "$OUT/rt-bench-$transport.log" || true
+        # Over UCX both paths: RMA gets, and blocks inside active-message frames.
+        paths="auto"; [ "$transport" = ucx ] && paths="rma frames"
+        for path in $paths; do
+            name="rt-bench-$transport-$path"
+            UCX_LOG_LEVEL=info timeout 240 dist/oasis-rt bench --transport "$transport" --connect "$addr" \
+                --block-bytes 8KiB,64KiB --total "${RT_TOTAL:-1GiB}" --path "$path" --json "$OUT/$name.json" "$@" \
+                2> "$OUT/$name.log" || echo "rt-bench $transport $path rc=$?"
+            grep -m3 "ep_cfg" "$OUT/$name.log" || true
+        done
         kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null || true
     done
     ;;

@@ -61,6 +61,10 @@ pub struct BenchConfig {
     pub batch: usize,
     /// Timed passes (reads and memcpy each).
     pub repeats: usize,
+    /// How the blocks come back: by RMA where offered (`None`), or as asked (`Some(true)`: by
+    /// RMA, refused where unavailable; `Some(false)`: inside reply frames even over UCX, to
+    /// compare the two on one transport).
+    pub rma: Option<bool>,
 }
 
 impl Default for BenchConfig {
@@ -70,6 +74,7 @@ impl Default for BenchConfig {
             total_bytes: 256 << 20,
             batch: 64,
             repeats: 5,
+            rma: None,
         }
     }
 }
@@ -299,7 +304,16 @@ pub async fn run<C: RmaConnection>(
         .iter()
         .map(|g| fit(g, config.batch, client.max_frame()))
         .collect::<Result<Vec<_>>>()?;
-    let rma = client.rma();
+    let rma = match config.rma {
+        None => client.rma(),
+        Some(false) => false,
+        Some(true) if client.rma() => true,
+        Some(true) => {
+            return Err(Error::Unavailable(
+                "--path rma needs a ucx connection to a daemon that offers rma reads".into(),
+            ))
+        }
+    };
     let mut rows = Vec::with_capacity(geometries.len());
     for (g, fit) in geometries.into_iter().zip(fits) {
         rows.push(run_one(client, config, g, fit, rma).await?);

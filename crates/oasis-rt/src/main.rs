@@ -17,7 +17,7 @@ usage:
   oasis-rt stats --connect HOST:PORT [--token-file FILE] [--timeout SECS] [--transport tcp|ucx]
   oasis-rt bench --connect HOST:PORT [--token-file FILE] [--timeout SECS] [--transport tcp|ucx]
                  [--block-bytes 8KiB,64KiB] [--total 256MiB] [--batch 64] [--repeats 5]
-                 [--json PATH]
+                 [--path auto|rma|frames] [--json PATH]
 
 serve   run the KV staging daemon. --listen defaults to 127.0.0.1:7470; a non-loopback
         address requires --token-file (a shared secret every client presents).
@@ -31,7 +31,8 @@ stats   print a running daemon's counters, one `name value` per line.
 bench   stage --total bytes of each --block-bytes size (multiples of 8KiB: one KV head of a
         16-token block, head_dim 128, bf16) on a running daemon, read them back --repeats
         times in batches of --batch blocks (by RMA over ucx where the daemon offers it,
-        in reply frames otherwise), and copy the same bytes host to host in the same run;
+        in reply frames otherwise; --path rma|frames forces one), and copy the same bytes
+        host to host in the same run;
         prints the median GB/s of each and their ratio, releases what it staged. --json
         writes every pass too.";
 
@@ -417,6 +418,7 @@ fn bench(args: &[String]) -> Result<(), Failure> {
             "--total",
             "--batch",
             "--repeats",
+            "--path",
             "--json",
         ],
     )?;
@@ -441,6 +443,14 @@ fn bench(args: &[String]) -> Result<(), Failure> {
     if let Some(r) = flags.get("--repeats") {
         plan.repeats = parse_count(r, "--repeats")?;
     }
+    plan.rma = match flags.get("--path").unwrap_or("auto") {
+        "auto" => None,
+        "rma" => Some(true),
+        "frames" => Some(false),
+        other => {
+            return Err(Usage(format!("--path must be auto, rma or frames, got '{other}'")).into())
+        }
+    };
     // Refuse a bad plan before connecting to anything.
     plan.plan().map_err(|e| match e {
         Error::Config(m) => Failure::Usage(m),

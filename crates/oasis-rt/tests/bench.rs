@@ -131,3 +131,37 @@ async fn frame_and_budget_limits_are_errors_and_nothing_stays_staged() {
     assert_eq!((s.used_bytes, s.live_requests), (0, 0), "{s:?}");
     d.handle.audit().unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forced_path_is_taken_or_refused() {
+    let d = tcp().start(ServerConfig::default()).await;
+    let mut c = d.client().await;
+    // Frames asked for: what tcp does anyway.
+    let report = bench::run(
+        &mut c,
+        &BenchConfig {
+            rma: Some(false),
+            ..small()
+        },
+    )
+    .await
+    .expect("bench");
+    assert!(!report.rma && report.rows.iter().all(|r| r.path() == "frames"));
+    // RMA asked for where there is none: refused, nothing staged.
+    let err = bench::run(
+        &mut c,
+        &BenchConfig {
+            rma: Some(true),
+            ..small()
+        },
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        matches!(&err, Error::Unavailable(m) if m.contains("--path rma")),
+        "{err}"
+    );
+    let s = c.stats().await.unwrap();
+    assert_eq!((s.used_bytes, s.live_requests), (0, 0));
+    d.handle.audit().unwrap();
+}
