@@ -171,3 +171,22 @@ def test_fig11_draft_acceptance_outside_0_1_is_refused(value, capsys):
         bench.main([*TINY, "--speculative", "--draft-acceptance", value])
     assert e.value.code == 2
     assert "acceptance rates in [0, 1]" in capsys.readouterr().err
+
+
+def test_fig11_eagle3_drafter_on_random_weights_is_a_random_head(tmp_path, capsys):
+    """``--drafter eagle3`` on a preset: the oasis rows draft with a random EAGLE-3 head of the
+    target's shape (its cost), said in the report; a preset too shallow for one is a message."""
+    out = tmp_path / "f.json"
+    args = [
+        "--fig11", "--preset", "tiny-deep", "--contexts", "256", "--max-tokens", "4", "--device", "cpu",
+        "--concurrency", "2", "--modes", "oasis", "--drafter", "eagle3", *KV,
+        "--json", str(out), "--md", "", "--png", "",
+    ]  # fmt: skip
+    assert bench.main(args) == 0
+    rep = json.loads(out.read_text())
+    assert rep["kv"]["drafter"].startswith("eagle3 (a random head")
+    assert rep["kv"]["drafter_head_bytes"] > 0
+    (row,) = rep["rows"]
+    assert row["status"] == "ok" and row["output_tokens"] == 2 * 4
+    assert bench.main([*TINY, *KV, "--drafter", "eagle3", "--json", "", "--md", "", "--png", ""]) == 2
+    assert "--drafter eagle3" in capsys.readouterr().err

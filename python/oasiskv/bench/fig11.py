@@ -34,6 +34,11 @@ first step is a warm-up (and on CUDA one more is profiled); the rest are timed. 
   head and layer plus the summaries scored) over the device-to-device copy bandwidth measured in
   this run (a 1 GiB copy timed with CUDA events), against the measured TPOT p50.
 
+**The lookahead's drafter** (``--drafter``): ``ngram`` (the default; drafting costs next to
+nothing), ``previous-query``, or ``eagle3``: on random weights (a ``--preset``) a random EAGLE-3
+head of the target's shape, run as :class:`~oasiskv.drafters.Eagle3Drafter` runs a real one (its
+drafts are as random as the weights, its cost is the paper's drafter's), said in the report.
+
 **Speculative decoding** (``--speculative``): after the modes' rows, each oasis-backend mode
 (``oasis``, ``oracle``) runs again with ``LLMEngine(speculative=True)``, one row per setting: with
 ``--drafter`` (mode ``oasis+spec``), or, with ``--draft-acceptance 0.4,0.7``, with an
@@ -138,6 +143,8 @@ MAX_SEARCHED = 1 << 16
 #: per request and step over its default 8192 tokens, which at 64 requests would dominate a step.
 NGRAM_WINDOW = 256
 
+#: The drafter the report names for ``--drafter eagle3`` on random weights.
+RANDOM_HEAD = "eagle3 (a random head of the target's shape)"
 #: The draft vocabulary of the random EAGLE-3 head that ``--draft-cost eagle3`` runs: the size
 #: published EAGLE-3 heads of 8B targets use (32000 tokens).
 EAGLE3_DRAFT_VOCAB = 32000
@@ -517,7 +524,11 @@ class Fig11:
         #: The random EAGLE-3 head whose cost the oracle drafter pays (``--draft-cost eagle3``).
         self.head = None
         self.head_bytes = 0
-        if args.draft_acceptance and args.draft_cost == "eagle3":
+        #: ``--drafter eagle3`` on random weights (a preset): the oasis rows' lookahead comes
+        #: from a random EAGLE-3 head of the target's shape, the cost of the paper's drafter
+        #: (its drafts are as random as the weights).
+        self.random_head_drafter = getattr(args, "drafter", None) == "eagle3" and not args.model
+        if (args.draft_acceptance and args.draft_cost == "eagle3") or self.random_head_drafter:
             self.head = self._cost_head()
             self.head_bytes = sum(p.numel() * p.element_size() for p in self.head.parameters())
         self._tokens: dict = {}  # (context, mode, concurrency) -> the row's tokens per request
@@ -554,6 +565,8 @@ class Fig11:
         try:
             Eagle3Head.capture_layers(self.cfg.num_hidden_layers)
         except ConfigError as e:
+            if self.random_head_drafter:
+                raise _usage(f"--drafter eagle3: {e}; pass --drafter ngram") from None
             raise _usage(f"--draft-cost eagle3: {e}; pass --draft-cost none") from None
         head = Eagle3Head.random(
             self.cfg,
@@ -609,7 +622,12 @@ class Fig11:
         if accept is not None:
             drafter = self.oracle(conc, accept)
         elif backend == "oasis":
-            drafter = NgramDrafter(window=a.ngram_window) if a.drafter == "ngram" else a.drafter
+            if self.random_head_drafter:
+                from ..drafters import Eagle3Drafter
+
+                drafter = Eagle3Drafter(self.head, self.model)
+            else:
+                drafter = NgramDrafter(window=a.ngram_window) if a.drafter == "ngram" else a.drafter
         kw = dict(
             kv=self.kv(),
             backend=backend,
@@ -922,8 +940,9 @@ class Fig11:
                 "top_k_blocks": kv.top_k_blocks,
                 "fetch_cap_blocks": kv.cap_blocks,
                 "sparse_threshold": kv.threshold_tokens,
-                "drafter": a.drafter,
+                "drafter": RANDOM_HEAD if self.random_head_drafter else a.drafter,
                 "ngram_window": a.ngram_window if a.drafter == "ngram" else None,
+                "drafter_head_bytes": self.head_bytes if self.random_head_drafter else None,
             },
             "weights_bytes": self.weights_bytes,
             "gpu_kv_budget": a.gpu_kv_budget,

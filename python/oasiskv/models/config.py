@@ -593,6 +593,19 @@ PRESETS: dict[str, ModelConfig] = {
         head_dim=16,
         max_position_embeddings=32768,
     ),
+    # Arbitrary: "tiny" with eight layers, the fewest an EAGLE-3 head's three capture layers
+    # (2, L // 2, L - 3) need to be distinct with room: for CPU tests of EAGLE-3 shaped costs.
+    "tiny-deep": ModelConfig(
+        family="qwen3",
+        vocab_size=301,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=32768,
+    ),
     # Arbitrary: "tiny" with Qwen3-MoE layers: 8 experts of 32 columns, 2 per token
     # (renormalised); layer 1 dense (mlp_only_layers) so both MLP kinds run.
     "tiny-moe": ModelConfig(
