@@ -563,9 +563,14 @@ class Eagle3Drafter(Drafter):
             where, draft, logits = launched
             done = [i for i in rows if req_ids[i] in where]
             if done:
-                at = torch.tensor([where[req_ids[i]] for i in done]).to(draft.device, non_blocking=True)
-                self._track([req_ids[i] for i in done], logits.index_select(0, at))
-                for i, d in zip(done, draft.index_select(0, at).tolist(), strict=True):
+                pick = [where[req_ids[i]] for i in done]
+                if pick == list(range(draft.shape[0])):  # every launched row, in order: no gather
+                    got, lg = draft, logits
+                else:
+                    at = torch.tensor(pick).to(draft.device, non_blocking=True)
+                    got, lg = draft.index_select(0, at), logits.index_select(0, at)
+                self._track([req_ids[i] for i in done], lg)
+                for i, d in zip(done, got.tolist(), strict=True):
                     out[i] = int(d)
             rows = [i for i in rows if req_ids[i] not in where]
         if not rows:
