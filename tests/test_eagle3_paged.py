@@ -250,6 +250,58 @@ class Snapshots:
         return S
 
 
+#: The lossy working set of the launch tests: the drafts steer the selection.
+LAUNCH_KV = KvConfig(block_size=16, top_k_blocks=4, fetch_cap=0.25, sparse_threshold=64)
+
+
+def _sharp_head(model, device="cpu"):
+    """A random head whose drafts vary (std 0.2), so that a wrong launch input shows."""
+    return Eagle3Head.random(CFG, draft_vocab_size=64, seed=5, std=0.2, device=device).attach_target(model)
+
+
+def _launch_run(model, drafter, snap, requests, **engine_kw):
+    """One engine run; ``(tokens, drafts, final head caches, launches)`` of ``snap`` (the
+    drafter's Snapshots instance, or its shadow's)."""
+    eng = LLMEngine(model, kv=LAUNCH_KV, backend="oasis", drafter=drafter, max_num_seqs=3, **engine_kw)
+    rids = [eng.add_request(p, sp) for p, sp in requests]
+    outs = eng.run_to_completion(rids)
+    return eng, ([outs[r].token_ids for r in rids], snap.log, snap.final, snap.launched)
+
+
+def _oracle_launch_run(model, head, cls, paged=None, **engine_kw):
+    """An oracle forcing half of its verdicts, with a Snapshots(cls) EAGLE-3 shadow."""
+    from oasiskv.drafters import OracleDrafter
+
+    shadow = Snapshots.wrap(cls)(head, model, paged=paged)
+    d = OracleDrafter(
+        [prompt(16, 50 + i) for i in range(3)],
+        accept=0.5,
+        seed=2,
+        vocab_size=CFG.vocab_size,
+        force=True,
+        shadow=shadow,
+    )
+    sp = SamplingParams(max_tokens=14, ignore_eos=True)
+    requests = [(prompt(n, i), sp) for i, n in enumerate((20, 97, 45))]
+    eng, res = _launch_run(model, d, shadow, requests, **engine_kw)
+    return eng, shadow, res
+
+
+def _assert_launch_changes_nothing(launched_run, plain_run, least: int) -> None:
+    """The launched run against the one drafting after the host read: launches happened (only
+    there), the same tokens and drafts, and head caches of the same rows."""
+    toks, log, final, launched = launched_run
+    toks0, log0, final0, launched0 = plain_run
+    assert launched0 == 0 and launched > least
+    assert toks == toks0 and log == log0
+    assert final.keys() == final0.keys()
+    for r, (n, k, v) in final.items():
+        n0, k0, v0 = final0[r]
+        assert n == n0
+        torch.testing.assert_close(k, k0, atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(v, v0, atol=ATOL, rtol=RTOL)
+
+
 @pytest.mark.parametrize("speculative", [False, True])
 @pytest.mark.parametrize("paged", [False, True])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
@@ -259,29 +311,19 @@ def test_drafts_launched_before_the_host_read_equal_drafting_after_it(model, pag
     tokens and head caches (each row appended once), greedy and sampled, with requests finishing
     at different steps; speculative steps launch from the accepted draft's row where one was
     accepted."""
-    sharp = Eagle3Head.random(CFG, draft_vocab_size=64, seed=5, std=0.2).attach_target(model)
-    kv = KvConfig(block_size=16, top_k_blocks=4, fetch_cap=0.25, sparse_threshold=64)
+    sharp = _sharp_head(model)
+    requests = [
+        (prompt(n, i), SamplingParams(max_tokens=m, temperature=temperature, seed=i))
+        for i, (n, m) in enumerate(((20, 9), (97, 14), (45, 5), (70, 11)))
+    ]
     res = {}
     for cls in (NotLaunched, Eagle3Drafter):
         d = Snapshots.wrap(cls)(sharp, model, paged=paged)
-        eng = LLMEngine(model, kv=kv, backend="oasis", drafter=d, max_num_seqs=3, speculative=speculative)
-        rids = [
-            eng.add_request(prompt(n, i), SamplingParams(max_tokens=m, temperature=temperature, seed=i))
-            for i, (n, m) in enumerate(((20, 9), (97, 14), (45, 5), (70, 11)))
-        ]
-        outs = eng.run_to_completion(rids)
-        res[cls] = ([outs[r].token_ids for r in rids], d.log, d.final, d.launched)
-    toks, log, final, launched = res[Eagle3Drafter]
-    toks0, log0, final0, launched0 = res[NotLaunched]
-    assert launched0 == 0 and launched > 8
+        _, res[cls] = _launch_run(model, d, d, requests, speculative=speculative)
+    _assert_launch_changes_nothing(res[Eagle3Drafter], res[NotLaunched], least=8)
+    log, final = res[Eagle3Drafter][1], res[Eagle3Drafter][2]
     assert len({x for v in log.values() for x in v}) > 8  # drafts that vary: the check can fail
-    assert toks == toks0 and log == log0
-    assert final.keys() == final0.keys() and len(final) == 4
-    for r, (n, k, v) in final.items():
-        n0, k0, v0 = final0[r]
-        assert n == n0
-        torch.testing.assert_close(k, k0, atol=ATOL, rtol=RTOL)
-        torch.testing.assert_close(v, v0, atol=ATOL, rtol=RTOL)
+    assert len(final) == 4
 
 
 @pytest.mark.parametrize("paged", [False, True])
@@ -290,30 +332,12 @@ def test_speculative_launch_follows_the_accepted_row(model, paged):
     head as its shadow, launched or not): the shadow's next step takes row 1's token, features
     and position where the step accepted, row 0's elsewhere, exactly as drafting after the host
     read does (same shadow drafts and head caches; same tokens)."""
-    from oasiskv.drafters import OracleDrafter
-
-    sharp = Eagle3Head.random(CFG, draft_vocab_size=64, seed=5, std=0.2).attach_target(model)
-    kv = KvConfig(block_size=16, top_k_blocks=4, fetch_cap=0.25, sparse_threshold=64)
-    prompts = [prompt(n, i) for i, n in enumerate((20, 97, 45))]
-    refs = [prompt(16, 50 + i) for i in range(3)]
+    sharp = _sharp_head(model)
     res = {}
     for cls in (NotLaunched, Eagle3Drafter):
-        shadow = Snapshots.wrap(cls)(sharp, model, paged=paged)
-        d = OracleDrafter(refs, accept=0.5, seed=2, vocab_size=CFG.vocab_size, force=True, shadow=shadow)
-        eng = LLMEngine(model, kv=kv, backend="oasis", drafter=d, max_num_seqs=3, speculative=True)
-        rids = [eng.add_request(p, SamplingParams(max_tokens=14, ignore_eos=True)) for p in prompts]
-        outs = eng.run_to_completion(rids)
-        res[cls] = ([outs[r].token_ids for r in rids], shadow.log, shadow.final, shadow.launched)
+        eng, _, res[cls] = _oracle_launch_run(model, sharp, cls, paged=paged, speculative=True)
         assert eng.spec_stats["accepted"] > 3
-    toks, log, final, launched = res[Eagle3Drafter]
-    toks0, log0, final0, launched0 = res[NotLaunched]
-    assert launched0 == 0 and launched > 5
-    assert toks == toks0 and log == log0
-    for r, (n, k, v) in final.items():
-        n0, k0, v0 = final0[r]
-        assert n == n0
-        torch.testing.assert_close(k, k0, atol=ATOL, rtol=RTOL)
-        torch.testing.assert_close(v, v0, atol=ATOL, rtol=RTOL)
+    _assert_launch_changes_nothing(res[Eagle3Drafter], res[NotLaunched], least=5)
 
 
 @pytest.mark.gpu
@@ -321,30 +345,10 @@ def test_speculative_launch_follows_the_accepted_row(model, paged):
 @pytest.mark.parametrize("speculative", [False, True])
 def test_launched_drafts_on_cuda_graphs_equal_drafting_after_the_read(speculative):
     """The launch path where it matters: CUDA-graph steps, the head's pages on the GPU."""
-    from oasiskv.drafters import OracleDrafter
-
     model = CausalLM.random(CFG, seed=4, device="cuda")
-    sharp = Eagle3Head.random(CFG, draft_vocab_size=64, seed=5, std=0.2, device="cuda").attach_target(model)
-    kv = KvConfig(block_size=16, top_k_blocks=4, fetch_cap=0.25, sparse_threshold=64)
-    prompts = [prompt(n, i) for i, n in enumerate((20, 97, 45))]
-    refs = [prompt(16, 50 + i) for i in range(3)]
+    sharp = _sharp_head(model, device="cuda")
     res = {}
     for cls in (NotLaunched, Eagle3Drafter):
-        shadow = Snapshots.wrap(cls)(sharp, model)
+        _, shadow, res[cls] = _oracle_launch_run(model, sharp, cls, speculative=speculative, cuda_graph=True)
         assert shadow.paged
-        d = OracleDrafter(refs, accept=0.5, seed=2, vocab_size=CFG.vocab_size, force=True, shadow=shadow)
-        eng = LLMEngine(
-            model, kv=kv, backend="oasis", drafter=d, max_num_seqs=3, speculative=speculative, cuda_graph=True
-        )
-        rids = [eng.add_request(p, SamplingParams(max_tokens=14, ignore_eos=True)) for p in prompts]
-        outs = eng.run_to_completion(rids)
-        res[cls] = ([outs[r].token_ids for r in rids], shadow.log, shadow.final, shadow.launched)
-    toks, log, final, launched = res[Eagle3Drafter]
-    toks0, log0, final0, launched0 = res[NotLaunched]
-    assert launched0 == 0 and launched > 5
-    assert toks == toks0 and log == log0
-    for r, (n, k, v) in final.items():
-        n0, k0, v0 = final0[r]
-        assert n == n0
-        torch.testing.assert_close(k, k0, atol=ATOL, rtol=RTOL)
-        torch.testing.assert_close(v, v0, atol=ATOL, rtol=RTOL)
+    _assert_launch_changes_nothing(res[Eagle3Drafter], res[NotLaunched], least=5)
