@@ -31,6 +31,7 @@ def test_fig12_sweep_on_the_cpu(tmp_path):
         assert r["tokens_per_s"] > 0 and 0 < r["ttft_p50_s"] <= r["ttft_p99_s"]
         assert r["same_tokens"] == 1.0  # partial fetching reads what the selection gathers
         assert r["peak_host_kv_bytes"] > 0
+        assert r["prefill_p50_s"] > 0 and r["stage_p50_s"] > 0 and r["add_staged_p50_s"] >= 0
     for rate in (40.0, 200.0):
         full, part = rows[("full", rate)], rows[("partial", rate)]
         # The full transfer moves every block at admission (300 tokens: 19 blocks of 16), the
@@ -39,6 +40,12 @@ def test_fig12_sweep_on_the_cpu(tmp_path):
         assert part["admission_bytes_per_request"] < 0.75 * full["admission_bytes_per_request"]
         assert full["fetched_bytes_per_request"] == 0
     assert "| partial | 200 |" in md.read_text()
+
+
+def test_admission_choices_are_the_workers():
+    from oasiskv.disagg import ADMISSIONS
+
+    assert disagg.ADMISSIONS == ADMISSIONS
 
 
 def test_arrivals_are_seeded_poisson():

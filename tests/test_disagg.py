@@ -22,7 +22,14 @@ import torch
 
 from fakes import pools_are_full, prompt, tiny
 from oasiskv import KvConfig, LLMEngine, SamplingParams, errors
-from oasiskv.disagg import PrefillWorker, StagedRequest, kv_source_url, parse_kv_source, split_kv_source
+from oasiskv.disagg import (
+    ADMISSIONS,
+    PrefillWorker,
+    StagedRequest,
+    kv_source_url,
+    parse_kv_source,
+    split_kv_source,
+)
 from oasiskv.models.config import ModelConfig
 from oasiskv.models.transformer import CausalLM
 from rtd import TRANSPORTS, Daemon
@@ -117,8 +124,9 @@ def test_loopback_three_processes(model, transfer, transport):
                 assert m.network_admission_bytes > h.kv_bytes and m.network_fetched_bytes == 0
         st = eng.kv_source.stats
         if transfer == "partial":
-            # Misses aggregated per layer across requests, each block-head read once.
-            assert len(rec.keys) == len(set(rec.keys)) == st.fetched_entries > 0
+            # Misses aggregated per layer across requests, each block-head read once: at admission
+            # (each head's first working set) and after it (fetched_entries).
+            assert len(rec.keys) == len(set(rec.keys)) > st.fetched_entries > 0
             assert all(head >= 0 for *_, head in rec.keys)
             assert st.peak_cached_bytes < sum(h.kv_bytes for h in small)
         else:
@@ -146,15 +154,16 @@ def _model_16k(num_kv_heads: int, context: int) -> CausalLM:
 
 
 def _admission_vs_full(context: int, num_kv_heads: int) -> dict:
-    """Stage one ``context``-token prompt twice at K = 128 blocks of 16 tokens; admit one copy
-    partially and one fully; the wire bytes of each admission and the protocol's own accounting."""
+    """Stage one ``context``-token prompt twice at K = 128 blocks of 16 tokens with the union
+    admission set (whole blocks); admit one copy partially and one fully; the wire bytes of each
+    admission and the protocol's own accounting."""
     model = _model_16k(num_kv_heads, context)
     kv = KvConfig(block_size=16, top_k_blocks=128)
     chunk = 2048  # prefill chunks (an 8K chunk's causal scores would take GBs)
     ids = torch.randint(0, 301, (context,), generator=torch.Generator().manual_seed(0)).tolist()
     out = {}
     with Daemon(memory="1GiB") as d:
-        worker = PrefillWorker(model, kv, d.addr, max_num_batched_tokens=chunk)
+        worker = PrefillWorker(model, kv, d.addr, admission="union", max_num_batched_tokens=chunk)
         for transfer in ("partial", "full"):
             h = worker.prefill(ids)
             eng = LLMEngine(model, kv=kv, kv_source=d.url, kv_transfer=transfer, max_num_batched_tokens=chunk)
@@ -192,6 +201,39 @@ def test_bytes_at_admission_16k(model):
     out = _admission_vs_full(16384, num_kv_heads=1)
     print(f"16K: admission {out['partial']} B, full {out['full']} B, {out['ratio']:.2f}x")
     assert out["ratio"] > 5.0
+
+
+def test_per_head_admission_reads_only_each_heads_blocks():
+    """With 4 KV heads a random model's heads pick unrelated blocks, so the union admission set
+    moves most of the KV. The default admission (``"heads"``) stages no blocks: the decode side
+    reads each head's top-K block-heads when it selects, so admission stays near the one-head
+    bound 1 / (1/8 + 1/16) = 5.3x below a full transfer, with the same tokens as the union's."""
+    model = _model_16k(4, 16384)
+    kv = KvConfig(block_size=16, top_k_blocks=128)
+    chunk = 2048
+    ids = torch.randint(0, 301, (16384,), generator=torch.Generator().manual_seed(0)).tolist()
+    out = {}
+    with Daemon(memory="1GiB") as d:
+        for admission in ADMISSIONS:
+            worker = PrefillWorker(model, kv, d.addr, admission=admission, max_num_batched_tokens=chunk)
+            h = worker.prefill(ids)
+            eng = LLMEngine(
+                model, kv=kv, kv_source=d.url, kv_transfer="partial", max_num_batched_tokens=chunk
+            )
+            (o,) = _run(eng, [lambda e, h=h: e.add_staged_request(h, _params(3))])
+            assert o.finish_reason == "length", o.error
+            out[admission] = (o.metrics.network_admission_bytes, list(o.token_ids), h)
+            worker.close()
+    heads_bytes, heads_tokens, h = out["heads"]
+    union_bytes, union_tokens, hu = out["union"]
+    layers = h.geometry[0]
+    assert h.admission_blocks == 0  # 16384 tokens fill their blocks: no local block to stage
+    assert hu.admission_blocks > 2 * 128 * layers  # the heads' sets differ: the union is large
+    ratio = h.kv_bytes / heads_bytes
+    print(f"admission: heads {heads_bytes} B ({ratio:.2f}x below full), union {union_bytes} B")
+    assert 5.0 < ratio < 5.34
+    assert union_bytes > 1.8 * heads_bytes
+    assert heads_tokens == union_tokens
 
 
 @pytest.mark.slow
@@ -456,7 +498,13 @@ def test_refusals(model):
 def test_the_worker_frees_its_pages_and_stages_the_union(model):
     with Daemon() as d:
         kv = KvConfig(**SMALL)
-        worker = PrefillWorker(model, kv, d.addr, first_query="prompt")
+        # The default admission set holds the partial last block alone (the local block).
+        hw = PrefillWorker(model, kv, d.addr, first_query="prompt")
+        heads = hw.prefill(prompt(P, 3))
+        assert heads.admission_blocks == heads.geometry[0] and P % 16
+        hw.release(heads.request_id)
+        hw.close()
+        worker = PrefillWorker(model, kv, d.addr, first_query="prompt", admission="union")
         h = worker.prefill(prompt(P, 3))
         rt = worker.engine.runtime
         assert rt.num_requests == 0 and rt.num_free == rt.pool_sizes  # its pages are back
@@ -471,6 +519,8 @@ def test_the_worker_frees_its_pages_and_stages_the_union(model):
         assert StagedRequest.from_json(h.to_json()) == h
         with pytest.raises(errors.ConfigError, match="first_query"):
             PrefillWorker(model, kv, d.addr, first_query="draft")
+        with pytest.raises(errors.ConfigError, match="admission"):
+            PrefillWorker(model, kv, d.addr, admission="all")
         with pytest.raises(errors.ConfigError, match="block_score"):
             PrefillWorker(model, KvConfig(block_score="codes"), d.addr)
 

@@ -146,7 +146,9 @@ def test_gpu_eagle3_prompt_features_stay_on_the_device_and_match_cpu():
         assert drafter.seen == (model.device, model.dtype, (len(prompt), 3 * model.config.hidden_size))
         assert r.features.device == model.device
         state = drafter._states[0]
-        out[dev.type] = (r.tokens[-1], draft, state.k[: state.length].float().cpu())
+        # On the GPU the head's cache is paged by default: read its rows back through the pool.
+        keys = state.paged.gather(state)[0] if state.paged is not None else state.k[: state.length]
+        out[dev.type] = (r.tokens[-1], draft, keys.float().cpu())
     assert out["cuda"][0] == out["cpu"][0]
     torch.testing.assert_close(out["cuda"][2], out["cpu"][2], atol=2e-4, rtol=1e-3)
     assert out["cuda"][1] == out["cpu"][1]

@@ -6,8 +6,8 @@
     PrefillWorker.prefill(prompt)        (host memory, per request)      LLMEngine(kv_source=
       dense prefill, first token           every block  [2][Hkv][b][D]     "oasis-rt://HOST:PORT")
       one extra decode step (t0's query)   every summary row [Hkv][2][D]  add_staged_request(handle)
-      per layer: the union of the          admission set: selected         admission: summaries +
-        per-head top-K blocks                blocks + sections (meta,        the admission set ->
+      per layer: summaries (and, with      admission set: local block,     admission: summaries +
+        "union", the top-K union)            + union + sections (meta,       the admission set ->
       stage_blocks / summaries /             query)                          host pool, working set
         admission, then free its pages  <-- read_blocks (misses, per     <-- decode: a block-head
       return StagedRequest(handle)          layer, batched)                  missing from the host
@@ -27,10 +27,14 @@ first decode step's working set (``first_query``):
   budget (``tests/test_disagg.py``); with ``"first_token"`` they equal them (and dense) only when
   the budget holds the whole context.
 
-Per layer it scores the block summaries (``ops.build_summaries`` / ``score_blocks`` /
-``topk_blocks`` on a copy of the request's pages) and stages the union of the per-head top-K sets
-plus the partial last block (the decode side's local block) as the admission set, with two
-sections: ``oasis/meta`` (JSON: geometry, first token, draft) and ``oasis/query`` (the selecting
+Per layer it builds the block summaries (``ops.build_summaries`` on a copy of the request's
+pages) and stages every block and summary row (each layer's device-to-host copy overlapped with
+the previous layer's frames, in frames of a few MiB). The admission set (``admission``) holds the
+partial last block (the decode side's local block) and, with ``"union"``, the union of the
+per-head top-K sets (``score_blocks`` / ``topk_blocks``) as whole blocks; with ``"heads"`` (the
+default) nothing more: the decode side reads exactly each KV head's top-K block-heads when it
+selects its first working set, which with GQA is up to Hkv x fewer bytes than the union (random
+weights, 8 KV heads, 16K: 1.6 GB of 2.4 GB for the union). It has two sections: ``oasis/meta`` (JSON: geometry, first token, draft) and ``oasis/query`` (the selecting
 query, ``[num_layers, num_qo_heads, head_dim]`` in the KV dtype: the decode side recomputes the
 same per-head top-K from it and the summaries, so the head-wise mapping needs no index transfer).
 Then it frees its pages: the daemon holds the KV until the decode side releases it.
@@ -98,6 +102,11 @@ TRANSPORTS = {SCHEME: "tcp", UCX_SCHEME: "ucx"}
 FIRST_QUERIES = ("first_token", "prompt")
 #: The values of ``LLMEngine(kv_transfer=...)``.
 KV_TRANSFERS = ("full", "partial")
+#: What a :class:`PrefillWorker` puts in the admission set besides the local block:
+#: ``"heads"`` nothing (the decode side reads exactly each KV head's top-K block-heads when it
+#: selects its first working set), ``"union"`` every layer's union of the per-head top-K blocks,
+#: whole (fewer frames; with GQA the heads' sets differ and the union moves up to Hkv x the bytes).
+ADMISSIONS = ("heads", "union")
 #: Section names of the admission set (the protocol allows ``[a-z0-9_.:/-]``).
 META_SECTION = "oasis/meta"
 QUERY_SECTION = "oasis/query"
@@ -110,6 +119,10 @@ READ_KEY_BYTES = 16
 READ_REPLY_ENTRY_BYTES = 6
 #: Fraction of the frame limit a batch aims for (arbitrary margin under the hard limit).
 FRAME_FILL = 0.9
+#: Bulk reads aim for frames this large even when the limit allows more: buffers of a few MiB
+#: are reused by the allocator, 64 MiB ones are fresh mappings whose page faults cost more than
+#: the copy (the Rust client stages in frames of the same size).
+BULK_FRAME_BYTES = 4 << 20
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -172,7 +185,9 @@ class StagedRequest:
     admission_blocks: int
     staged_bytes: int
     kv_bytes: int
+    #: Seconds of the worker's prefill (with the extra decode step) and of the staging after it.
     prefill_s: float = 0.0
+    stage_s: float = 0.0
 
     @property
     def prompt_len(self) -> int:
@@ -196,6 +211,7 @@ class StagedRequest:
                 staged_bytes=int(d["staged_bytes"]),
                 kv_bytes=int(d["kv_bytes"]),
                 prefill_s=float(d.get("prefill_s", 0.0)),
+                stage_s=float(d.get("stage_s", 0.0)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(
@@ -224,6 +240,9 @@ class PrefillWorker:
         drafter: proposes :attr:`StagedRequest.draft` (``"ngram"``, None, or a Drafter without
             prompt features).
         first_query: which query selects the admission set, one of :data:`FIRST_QUERIES`.
+        admission: what the admission set holds besides the summaries, the sections and the
+            local block, one of :data:`ADMISSIONS` (default ``"heads"``: the decode side reads
+            the first step's block-heads itself, per head).
         max_num_batched_tokens: prompt tokens per prefill chunk (the ``LLMEngine`` default, so
             the staged KV equals what a single-process engine with that default computes).
     """
@@ -238,6 +257,7 @@ class PrefillWorker:
         timeout_s: float = 30.0,
         drafter: str | Drafter | None = "ngram",
         first_query: str = "first_token",
+        admission: str = "heads",
         max_num_batched_tokens: int = 8192,
         gpu_kv_budget_bytes: int | None = None,
     ) -> None:
@@ -250,6 +270,9 @@ class PrefillWorker:
             )
         if first_query not in FIRST_QUERIES:
             raise ConfigError(f"first_query must be one of {FIRST_QUERIES}, got {first_query!r}")
+        if admission not in ADMISSIONS:
+            raise ConfigError(f"admission must be one of {ADMISSIONS}, got {admission!r}")
+        self.admission = admission
         self.drafter = make_drafter(drafter, model=model)
         if self.drafter is not None and self.drafter.wants_prompt_features:
             raise ConfigError(
@@ -266,6 +289,9 @@ class PrefillWorker:
         )
         self.client = _client(addr, token, timeout_s)
         self._next = 0
+        #: Two host buffers of one layer's blocks and summaries (pinned on a GPU): the next
+        #: layer's device-to-host copy runs while this one's frames are sent.
+        self._bufs: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def close(self) -> None:
         self.client.close()
@@ -324,9 +350,11 @@ class PrefillWorker:
                 # engine keeps each layer's last query row) selects the first step's blocks.
                 eng.decode_step([r])
             query = torch.stack([q[0] for q in eng._last_q]).to(eng.dtype)  # [layers, Hq, D]
-            prefill_s = time.perf_counter() - t_start
+            t_stage = time.perf_counter()
+            prefill_s = t_stage - t_start
             geometry, admission, staged_bytes = self._stage(rid, r, n, query)
             staged = True
+            stage_s = time.perf_counter() - t_stage
             return StagedRequest(
                 request_id=rid,
                 prompt=tuple(ids),
@@ -338,6 +366,7 @@ class PrefillWorker:
                 staged_bytes=staged_bytes,
                 kv_bytes=geometry[0] * geometry[5] * _block_bytes(geometry),
                 prefill_s=prefill_s,
+                stage_s=stage_s,
             )
         finally:
             eng.release(r)
@@ -348,6 +377,20 @@ class PrefillWorker:
                     self.client.release(rid)
                 except RemoteError:
                     pass  # the daemon is gone or never had it
+
+    def _buffers(self, nb: int, block_shape: tuple, summary_shape: tuple):
+        """Two (blocks, summaries) host buffers of at least ``nb`` blocks, kept between calls."""
+        eng = self.engine
+        if not self._bufs or self._bufs[0][0].shape[0] < nb or self._bufs[0][0].shape[1:] != block_shape:
+            pin = eng.device.type == "cuda"
+            self._bufs = [
+                (
+                    torch.empty((nb, *block_shape), dtype=eng.dtype, pin_memory=pin),
+                    torch.empty((nb, *summary_shape), dtype=eng.dtype, pin_memory=pin),
+                )
+                for _ in range(2)
+            ]
+        return self._bufs
 
     def _stage(self, rid: int, r: _Request, n: int, query: torch.Tensor):
         eng, kv, g = self.engine, self.kv, self.engine.geo
@@ -367,6 +410,16 @@ class PrefillWorker:
         selected: list[tuple[int, int]] = []
         union_sizes = []
         stored = 0
+        bufs = self._buffers(nb, (2, hk, b, d), (hk, 2, d))
+        cuda = dev.type == "cuda"
+        pending = None  # (layer, blocks, summaries, event) copied to the host, not yet sent
+
+        def send(layer, blocks, summaries, event) -> int:
+            if event is not None:
+                event.synchronize()
+            n_stored = self.client.stage_blocks(rid, geometry, [(layer, i) for i in range(nb)], blocks)[0]
+            return n_stored + self.client.stage_summaries(rid, geometry, [(layer, 0, nb)], summaries)[0]
+
         for layer in range(layers):
             k = p.k_pages[layer].index_select(0, pages)  # [nb, Hkv, b, D]
             v = p.v_pages[layer].index_select(0, pages)
@@ -377,7 +430,7 @@ class PrefillWorker:
             summaries = torch.empty(nb, hk, 2, d, dtype=eng.dtype, device=dev)
             ops.build_summaries(g, k, all_blocks, lens_t, summaries)
             union: set[int] = set()
-            if n_complete:
+            if n_complete and self.admission == "union":
                 q = query[layer].view(1, g.num_qo_heads, d).contiguous()
                 scores = ops.score_blocks(g, q, summaries, blk_indptr, blk_indices)
                 pred = ops.topk_blocks(hk, scores, blk_indptr, kv.top_k_blocks)
@@ -386,9 +439,18 @@ class PrefillWorker:
                 union.add(nb - 1)  # the decode side's local block
             union_sizes.append(len(union))
             selected.extend((layer, blk) for blk in sorted(union))
-            blocks = torch.stack([k, v], dim=1).cpu()  # [nb, 2, Hkv, b, D]: the wire's block layout
-            stored += self.client.stage_blocks(rid, geometry, [(layer, i) for i in range(nb)], blocks)[0]
-            stored += self.client.stage_summaries(rid, geometry, [(layer, 0, nb)], summaries.cpu())[0]
+            host_blocks, host_summaries = bufs[layer % 2]
+            # [nb, 2, Hkv, b, D]: the wire's block layout.
+            host_blocks[:nb].copy_(torch.stack([k, v], dim=1), non_blocking=cuda)
+            host_summaries[:nb].copy_(summaries, non_blocking=cuda)
+            event = torch.cuda.Event() if cuda else None
+            if event is not None:
+                event.record()
+            if pending is not None:
+                stored += send(*pending)  # while this layer's copy runs
+            pending = (layer, host_blocks[:nb], host_summaries[:nb], event)
+        if pending is not None:
+            stored += send(*pending)
         meta = {
             "format": META_FORMAT,
             "prompt_len": n,
@@ -401,6 +463,7 @@ class PrefillWorker:
             "block_size": b,
             "top_k_blocks": kv.top_k_blocks,
             "dtype": _dtype_name(eng.dtype),
+            "admission": self.admission,
             "union_blocks": union_sizes,
         }
         sections = {
@@ -531,6 +594,7 @@ class RemoteKvSource:
         self._present: list[torch.Tensor] = []
         self._missing = 0  # entries of rows holding a staged block, not read yet, all layers
         self._bounded = 0  # live staged requests with a bounded cache
+        self._admitting = False  # reads now are an admission's (its first working set)
         self._failed: dict[int, str] = {}
         self._wire_base = 0  # wire bytes of the connections before the current one
         engine.block_source = self
@@ -622,6 +686,18 @@ class RemoteKvSource:
                 "lower KvConfig.sparse_threshold or raise max_tokens"
             )
         wire0 = self._wire()
+        self._admitting = True
+        try:
+            self._admit_staged(r, handle, wire0)
+        finally:
+            self._admitting = False
+
+    def _admit_staged(self, r: _Request, handle: StagedRequest, wire0: int) -> None:
+        eng = self.engine
+        g = eng.geo
+        layers = eng.cfg.num_hidden_layers
+        n, b = len(r.prompt), eng.geo.block_size
+        nb = math.ceil(n / b)
         tr = eng.admit_sparse(r, self.cache_blocks)
         st = None
         try:
@@ -932,7 +1008,8 @@ class RemoteKvSource:
         g, p, dt = eng.geo, eng.pools, eng.dtype
         hk, b, d = g.num_kv_heads, g.block_size, g.head_dim
         entry = self._entry_bytes() * (hk if whole else 1)
-        per_frame = max(1, int((self.client.max_frame * FRAME_FILL - FRAME_OVERHEAD) // (entry + 6)))
+        frame = min(self.client.max_frame * FRAME_FILL, BULK_FRAME_BYTES)
+        per_frame = max(1, int((frame - FRAME_OVERHEAD) // (entry + 6)))
         owners = self._owner[hb].tolist()
         logical = self._logical[hb].tolist()
         heads = head.tolist()
@@ -978,8 +1055,9 @@ class RemoteKvSource:
                     present[idx, hs] = True
                 for i, cnt in zip(good, new, strict=True):
                     self._count_cached(self._by_req[owners[lo + i]], int(cnt))
-            if not whole:
-                # Decode-time traffic; the frame's bytes are shared among its requests by entries.
+            if not whole and not self._admitting:
+                # Decode-time traffic (reads while a request is admitted count as its admission:
+                # the first working set's block-heads); shared among a frame's requests by entries.
                 self.stats.fetched_bytes += wire
                 self.stats.fetched_entries += len(good)
                 share = wire / (hi - lo)

@@ -32,8 +32,9 @@ pub const DEFAULT_IO_TIMEOUT: Duration = Duration::from_secs(30);
 /// Default deadline of a TCP connect (arbitrary).
 pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// The body buffer starts at most this large and grows as bytes arrive, so a peer that declares
-/// a large frame and sends little of it costs little memory (tuned for 64 KiB blocks).
-const INITIAL_BODY_CAPACITY: usize = 1 << 20;
+/// a large frame and sends little of it costs little memory. It holds the clients' bulk frames
+/// (4 MiB of blocks) whole: growing a buffer copies what it holds.
+const INITIAL_BODY_CAPACITY: usize = 8 << 20;
 
 /// One established, authenticated-or-not connection carrying frames.
 pub trait Connection: Send + 'static {

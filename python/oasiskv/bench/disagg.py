@@ -52,6 +52,9 @@ from pathlib import Path
 
 #: The transfer modes, in report order (``LLMEngine(kv_transfer=...)``).
 TRANSFERS = ("full", "partial")
+#: ``oasiskv.disagg.ADMISSIONS``, spelled out so that ``--help`` needs no torch import (a test
+#: checks that they agree).
+ADMISSIONS = ("heads", "union")
 #: How long a started daemon may take to print its address, and a pipe read may wait for the
 #: prefill process (arbitrary, generous: the prefill process loads the model first).
 START_TIMEOUT_S = 30.0
@@ -112,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--rates", type=_floats, default=[0.5, 1.0, 2.0], help="requests per second")
     w.add_argument("--transfers", type=_transfers, default=list(TRANSFERS))
     w.add_argument("--max-num-seqs", type=_positive, default=None, help="default: --requests")
+    w.add_argument(
+        "--admission", choices=list(ADMISSIONS), default="heads", help="the prefill worker's admission set"
+    )
     k = ap.add_argument_group("KV")
     k.add_argument("--block-size", type=_positive, default=16)
     k.add_argument("--top-k-blocks", type=_positive, default=128)
@@ -197,7 +203,7 @@ def _prefill_main(conn, args, url: str) -> None:
         from .fig11 import build_model
 
         model, _, _ = build_model(args)
-        worker = PrefillWorker(model, _kv(args), url, timeout_s=args.timeout)
+        worker = PrefillWorker(model, _kv(args), url, timeout_s=args.timeout, admission=args.admission)
         conn.send(("ready",))
         while True:
             msg = conn.recv()
@@ -247,6 +253,11 @@ def arrivals(rate: float, count: int, seed: int) -> list[float]:
     return out
 
 
+def _log(line: str) -> None:
+    """Progress on stderr, flushed: a row can take minutes and a killed run keeps its log."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def _pct(xs: list[float], q: float) -> float | None:
     if not xs:
         return None
@@ -256,6 +267,7 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 def run_row(model, args, url: str, conn, transfer: str, rate: float, prompts) -> dict:
     """One (transfer, rate) point: a fresh decode engine, the prefill process's schedule."""
+    from ..disagg import StagedRequest
     from ..llm_engine import LLMEngine, SamplingParams
 
     n = len(prompts)
@@ -274,10 +286,13 @@ def run_row(model, args, url: str, conn, transfer: str, rate: float, prompts) ->
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     offsets = arrivals(rate, n, args.seed)
     start = time.time() + 0.5  # time for the prefill process to read the jobs
+    _log(f"disagg: {transfer} at {rate:g} req/s, {n} requests of {len(prompts[0])} tokens")
     conn.send(("row", start, list(zip(offsets, prompts, strict=True))))
     arrival: dict[str, float] = {}
     staged_at: dict[str, float] = {}
     order: list[str] = []
+    add_s: dict[str, float] = {}
+    node_s: dict[str, tuple[float, float]] = {}
     first: dict[str, float] = {}
     done: dict[str, float] = {}
     tokens: dict[str, list[int]] = {}
@@ -290,16 +305,28 @@ def run_row(model, args, url: str, conn, transfer: str, rate: float, prompts) ->
                     prefill_done = True
                     continue
                 _, i, handle, arr, st = msg
-                rid = eng.add_staged_request(handle, params, request_id=f"r{i}")
+                h = StagedRequest.from_json(handle)
+                t_add = time.time()
+                rid = eng.add_staged_request(h, params, request_id=f"r{i}")
+                add_s[rid] = time.time() - t_add
                 arrival[rid], staged_at[rid] = arr, st
+                node_s[rid] = (h.prefill_s, h.stage_s)
                 order.append(rid)
+                _log(
+                    f"  {rid}: arrived at +{arr - start:.2f} s, prefill {h.prefill_s:.2f} s + stage "
+                    f"{h.stage_s:.2f} s, handed over after {st - arr:.2f} s; add_staged_request "
+                    f"{add_s[rid]:.2f} s"
+                )
             if eng.has_unfinished_requests():
                 for o in eng.step():
                     now = time.time()
                     if o.new_token_ids:
-                        first.setdefault(o.request_id, now)
+                        if o.request_id not in first:
+                            first[o.request_id] = now
+                            _log(f"  {o.request_id}: first token at +{now - start:.2f} s")
                         tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
                     if o.finished:
+                        _log(f"  {o.request_id}: done at +{now - start:.2f} s ({len(done) + 1}/{n})")
                         if o.finish_reason != "length":
                             why = f"{o.finish_reason}: {o.error}"
                             raise RuntimeError(f"request {o.request_id} ended with {why}")
@@ -323,6 +350,11 @@ def run_row(model, args, url: str, conn, transfer: str, rate: float, prompts) ->
             "ttft_p99_s": _pct(ttft, 0.99),
             "admit_p50_s": _pct(admit, 0.5),
             "tpot_p50_s": _pct(tpot, 0.5),
+            # The prefill node's service time per request (its capacity is about 1 / the sum)
+            # and how long handing a request to the decode engine blocked its loop.
+            "prefill_p50_s": _pct([node_s[r][0] for r in order], 0.5),
+            "stage_p50_s": _pct([node_s[r][1] for r in order], 0.5),
+            "add_staged_p50_s": _pct([add_s[r] for r in order], 0.5),
             "admission_bytes_per_request": stats.admission_bytes / max(1, stats.requests),
             "fetched_bytes_per_request": stats.fetched_bytes / max(1, stats.requests),
             "kv_bytes_per_request": stats.kv_bytes / max(1, stats.requests),
@@ -430,8 +462,9 @@ def markdown(rep: dict) -> str:
         f"{rep['kv']['fetch_cap']}; daemon {rep['kv_source']}",
         "",
         "| transfer | req/s | tok/s | TTFT p50 ms | TTFT p99 ms | admit p50 ms | TPOT p50 ms | "
-        "admission MiB/req | fetched MiB/req | peak host KV MiB | vs first | same tokens |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "admission MiB/req | fetched MiB/req | peak host KV MiB | vs first | same tokens | "
+        "prefill + stage s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rep["rows"]:
         lines.append(
@@ -440,8 +473,15 @@ def markdown(rep: dict) -> str:
             f"{f(r['admission_bytes_per_request'], 1 / mib, 2)} | "
             f"{f(r['fetched_bytes_per_request'], 1 / mib, 2)} | "
             f"{f(r['peak_host_kv_bytes'], 1 / mib)} | {f(r['peak_host_kv_vs_first'], 1, 3)} | "
-            f"{r['same_tokens']:.0%} |"
+            f"{r['same_tokens']:.0%} | {f(r['prefill_p50_s'], 1, 2)} + {f(r['stage_p50_s'], 1, 2)} |"
         )
+    lines += [
+        "",
+        "- admit: from the prefill node's hand-over to the first token; prefill + stage: the prefill "
+        "node's service time per request (p50), so it keeps up with about 1 / their sum requests/s.",
+        "- same tokens: requests whose whole output equals the first mode's at the same rate. Each row "
+        "batches requests differently, so with random bf16 weights near-tied logits may flip.",
+    ]
     return "\n".join(lines) + "\n"
 
 
