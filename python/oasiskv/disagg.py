@@ -34,7 +34,8 @@ partial last block (the decode side's local block) and, with ``"union"``, the un
 per-head top-K sets (``score_blocks`` / ``topk_blocks``) as whole blocks; with ``"heads"`` (the
 default) nothing more: the decode side reads exactly each KV head's top-K block-heads when it
 selects its first working set, which with GQA is up to Hkv x fewer bytes than the union (random
-weights, 8 KV heads, 16K: 1.6 GB of 2.4 GB for the union). It has two sections: ``oasis/meta`` (JSON: geometry, first token, draft) and ``oasis/query`` (the selecting
+weights, 8 KV heads, 16K: 1.6 GB of 2.4 GB for the union). It has two sections: ``oasis/meta``
+(JSON: geometry, first token, draft) and ``oasis/query`` (the selecting
 query, ``[num_layers, num_qo_heads, head_dim]`` in the KV dtype: the decode side recomputes the
 same per-head top-K from it and the summaries, so the head-wise mapping needs no index transfer).
 Then it frees its pages: the daemon holds the KV until the decode side releases it.
@@ -771,7 +772,12 @@ class RemoteKvSource:
         """Read the admission set of every layer (in as many calls as the frame limit needs)
         into the host pool and summaries; returns the sections."""
         sections: dict = {}
-        pending = [(0, layers)]
+        # Layer ranges whose summaries fill about one bulk frame (a larger one is split again
+        # if the admission blocks push it past the limit).
+        g = self.engine.geo
+        row = g.num_kv_heads * 2 * g.head_dim * self.engine.dtype.itemsize
+        per_call = max(1, BULK_FRAME_BYTES // max(1, len(st.host_blocks) * row))
+        pending = [(lo, min(per_call, layers - lo)) for lo in range(0, layers, per_call)]
         first = True
         while pending:
             lo, cnt = pending.pop(0)
@@ -1037,7 +1043,8 @@ class RemoteKvSource:
                     )
             if good:
                 x = torch.frombuffer(data, dtype=dt)
-                idx = torch.tensor([hb[lo + i] for i in good], dtype=torch.long)
+                sel = torch.tensor(good, dtype=torch.long) + lo
+                idx = hb[sel]
                 dev = p.host_device
                 present = self._present[layer]
                 if whole:
@@ -1048,13 +1055,16 @@ class RemoteKvSource:
                     present[idx] = True
                 else:
                     x = x.view(len(good), 2, b, d)
-                    hs = torch.tensor([heads[lo + i] for i in good], dtype=torch.long)
+                    hs = head[sel]
                     p.host_k[layer][idx.to(dev), hs.to(dev)] = x[:, 0].to(dev)
                     p.host_v[layer][idx.to(dev), hs.to(dev)] = x[:, 1].to(dev)
                     new = (~present[idx, hs]).long().tolist()
                     present[idx, hs] = True
+                per_owner: dict[int, int] = {}
                 for i, cnt in zip(good, new, strict=True):
-                    self._count_cached(self._by_req[owners[lo + i]], int(cnt))
+                    per_owner[owners[lo + i]] = per_owner.get(owners[lo + i], 0) + int(cnt)
+                for owner, cnt in per_owner.items():
+                    self._count_cached(self._by_req[owner], cnt)
             if not whole and not self._admitting:
                 # Decode-time traffic (reads while a request is admitted count as its admission:
                 # the first working set's block-heads); shared among a frame's requests by entries.
