@@ -7,7 +7,7 @@ use std::time::Duration;
 use oasis_rt::bench::{self, BenchConfig};
 use oasis_rt::protocol::{DEFAULT_MAX_FRAME_BYTES, MAX_TOKEN_BYTES};
 use oasis_rt::server::{DEFAULT_LEASE, DEFAULT_LISTEN};
-use oasis_rt::transport::TransportKind;
+use oasis_rt::transport::{RmaConnection, TransportKind};
 use oasis_rt::{Client, ClientConfig, Error, ErrorCode, Server, ServerConfig};
 
 const USAGE: &str = "\
@@ -356,6 +356,64 @@ fn client_config(flags: &Flags) -> Result<ClientConfig, Failure> {
     Ok(config)
 }
 
+/// What a client command does once connected, over whichever transport it connected with.
+trait Session {
+    type Out;
+    async fn run<C: RmaConnection>(self, client: &mut Client<C>) -> Result<Self::Out, Error>;
+}
+
+/// Connect to `addr` over `kind`, run `session`, and shut the transport down (UCX's progress
+/// thread) after the runtime is gone. The outer error is the set-up's, the inner the session's.
+fn connect_and_run<S: Session>(
+    kind: TransportKind,
+    addr: &str,
+    config: ClientConfig,
+    session: S,
+) -> Result<Result<S::Out, Error>, Failure> {
+    let rt = runtime()?;
+    Ok(match kind {
+        TransportKind::Tcp => rt.block_on(async {
+            let mut client = Client::connect(addr, config).await?;
+            session.run(&mut client).await
+        }),
+        #[cfg(feature = "ucx")]
+        TransportKind::Ucx => {
+            let transport = ucx_transport(
+                config.request_timeout,
+                config.connect_timeout,
+                config.max_frame,
+            )?;
+            let out = rt.block_on(async {
+                let mut client = Client::connect_with(&transport, addr, config).await?;
+                session.run(&mut client).await
+            });
+            drop(rt);
+            transport.shutdown_blocking();
+            out
+        }
+        #[cfg(not(feature = "ucx"))]
+        TransportKind::Ucx => unreachable!("refused by transport_kind"),
+    })
+}
+
+struct StatsSession;
+
+impl Session for StatsSession {
+    type Out = oasis_rt::protocol::StatsSnapshot;
+    async fn run<C: RmaConnection>(self, client: &mut Client<C>) -> Result<Self::Out, Error> {
+        client.stats().await
+    }
+}
+
+struct BenchSession<'a>(&'a BenchConfig);
+
+impl Session for BenchSession<'_> {
+    type Out = bench::BenchReport;
+    async fn run<C: RmaConnection>(self, client: &mut Client<C>) -> Result<Self::Out, Error> {
+        bench::run(client, self.0).await
+    }
+}
+
 fn stats(args: &[String]) -> Result<(), Failure> {
     let flags = Flags::parse(
         args,
@@ -367,30 +425,7 @@ fn stats(args: &[String]) -> Result<(), Failure> {
         .ok_or_else(|| Usage("stats needs --connect HOST:PORT".into()))?
         .to_string();
     let config = client_config(&flags)?;
-    let rt = runtime()?;
-    let s = match kind {
-        TransportKind::Tcp => rt.block_on(async move {
-            let mut client = Client::connect(&addr, config).await?;
-            client.stats().await
-        })?,
-        #[cfg(feature = "ucx")]
-        TransportKind::Ucx => {
-            let transport = ucx_transport(
-                config.request_timeout,
-                config.connect_timeout,
-                config.max_frame,
-            )?;
-            let s = rt.block_on(async {
-                let mut client = Client::connect_with(&transport, &addr, config).await?;
-                client.stats().await
-            });
-            drop(rt);
-            transport.shutdown_blocking();
-            s?
-        }
-        #[cfg(not(feature = "ucx"))]
-        TransportKind::Ucx => unreachable!("refused by transport_kind"),
-    };
+    let s = connect_and_run(kind, &addr, config, StatsSession)??;
     for (name, value) in s.fields() {
         println!("{name} {value}");
     }
@@ -458,31 +493,7 @@ fn bench(args: &[String]) -> Result<(), Failure> {
     })?;
     let json = flags.get("--json").map(str::to_string);
     let config = client_config(&flags)?;
-    let rt = runtime()?;
-    let report = match kind {
-        TransportKind::Tcp => rt.block_on(async {
-            let mut client = Client::connect(&addr, config).await?;
-            bench::run(&mut client, &plan).await
-        }),
-        #[cfg(feature = "ucx")]
-        TransportKind::Ucx => {
-            let transport = ucx_transport(
-                config.request_timeout,
-                config.connect_timeout,
-                config.max_frame,
-            )?;
-            let report = rt.block_on(async {
-                let mut client = Client::connect_with(&transport, &addr, config).await?;
-                bench::run(&mut client, &plan).await
-            });
-            drop(rt);
-            transport.shutdown_blocking();
-            report
-        }
-        #[cfg(not(feature = "ucx"))]
-        TransportKind::Ucx => unreachable!("refused by transport_kind"),
-    }
-    .map_err(|e| match e.code() {
+    let report = connect_and_run(kind, &addr, config, BenchSession(&plan))?.map_err(|e| match e.code() {
         ErrorCode::Busy | ErrorCode::OutOfMemory => Failure::Runtime(format!(
             "{e}: lower --total, or give the daemon more --memory"
         )),
