@@ -8,16 +8,16 @@ is a failure, never a skip."""
 from __future__ import annotations
 
 import os
-import select
 import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from functools import cache
 from pathlib import Path
 
 import pytest
+
+from oasiskv.staging_daemon import StagingDaemon
 
 #: ``@pytest.mark.parametrize("transport", TRANSPORTS)``: TCP, and UCX under the ``ucx`` marker.
 TRANSPORTS = ["tcp", pytest.param("ucx", marks=pytest.mark.ucx)]
@@ -55,11 +55,11 @@ def need_binary() -> str:
     return b
 
 
-class Daemon:
-    """``oasis-rt serve`` on ``127.0.0.1:0`` over ``transport`` (``"tcp"`` or ``"ucx"``); ``addr``
-    is where it listens, ``url`` the client's URL for it (``oasis-rt://`` or ``oasis-rt+ucx://``).
-    ``token``: a shared token (written to a private file). Use as a context manager; :meth:`kill`,
-    :meth:`stop` and :meth:`cont` send SIGKILL, SIGSTOP and SIGCONT."""
+class Daemon(StagingDaemon):
+    """``oasis-rt serve`` on ``127.0.0.1:0`` over ``transport`` (``"tcp"`` or ``"ucx"``), from the
+    cargo-built binary (``oasiskv.staging_daemon.StagingDaemon``, the library's launcher); ``addr``
+    is where it listens, ``url`` the client's URL for it. Adds the signals the fault tests send:
+    :meth:`kill`, :meth:`stop` and :meth:`cont` (SIGKILL, SIGSTOP, SIGCONT)."""
 
     def __init__(
         self,
@@ -68,32 +68,10 @@ class Daemon:
         lease_s: int | None = None,
         transport: str = "tcp",
     ):
-        args = [need_binary(), "serve", "--listen", "127.0.0.1:0", "--memory", memory, "--log", "warn"]
-        args += ["--transport", transport]
-        self._dir = tempfile.TemporaryDirectory(prefix="oasis-rt-test-")
-        if token is not None:
-            path = Path(self._dir.name) / "token"
-            path.write_text(token + "\n")
-            path.chmod(0o600)
-            args += ["--token-file", str(path)]
-        if lease_s is not None:
-            args += ["--lease", str(lease_s)]
-        # Its log goes to a file (a pipe nobody drains could stall it), read back if it fails to start.
-        log = Path(self._dir.name) / "log"
-        with log.open("w") as err:
-            self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True)
-        ready, _, _ = select.select([self.proc.stdout], [], [], START_TIMEOUT_S)
-        line = self.proc.stdout.readline() if ready else ""
-        if not line.startswith("oasis-rt listening on "):
-            if self.proc.poll() is None:
-                self.proc.kill()
-            self.proc.wait()
-            why = log.read_text()[-2000:]
-            self.close()
-            raise RuntimeError(f"oasis-rt --transport {transport} did not start: {line!r} {why}")
-        self.transport = transport
-        self.addr = line.strip().rsplit(" ", 1)[1]
-        self.url = f"oasis-rt+ucx://{self.addr}" if transport == "ucx" else f"oasis-rt://{self.addr}"
+        super().__init__(
+            need_binary(), memory=memory, transport=transport, token=token, lease_s=lease_s,
+            start_timeout_s=START_TIMEOUT_S,
+        )  # fmt: skip
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -112,21 +90,8 @@ class Daemon:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            self.cont()
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        self._dir.cleanup()
-
-    def __enter__(self) -> Daemon:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+            self.cont()  # a stopped daemon would ignore SIGTERM until continued
+        super().close()
 
 
 def wait_until(cond, timeout_s: float = 10.0) -> bool:

@@ -71,8 +71,7 @@ def test_bad_flags_are_refused(flags, says, capsys):
     assert e.value.code == 2 and says in capsys.readouterr().err
 
 
-def test_a_missing_daemon_binary_says_what_to_do(tmp_path):
-    from oasiskv.errors import ConfigError
-
-    with pytest.raises(ConfigError, match="cargo build --release -p oasis-rt"):
-        disagg.find_daemon(str(tmp_path / "nope"))
+def test_a_missing_daemon_binary_says_what_to_do(tmp_path, capsys):
+    argv = ["--daemon", str(tmp_path / "nope"), "--preset", "tiny", "--device", "cpu"]
+    assert disagg.main(argv) == 2
+    assert "cargo build --release -p oasis-rt" in capsys.readouterr().err

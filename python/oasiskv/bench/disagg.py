@@ -42,10 +42,7 @@ import argparse
 import json
 import math
 import multiprocessing as mp
-import os
 import random
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -55,9 +52,8 @@ TRANSFERS = ("full", "partial")
 #: ``oasiskv.disagg.ADMISSIONS``, spelled out so that ``--help`` needs no torch import (a test
 #: checks that they agree).
 ADMISSIONS = ("heads", "union")
-#: How long a started daemon may take to print its address, and a pipe read may wait for the
-#: prefill process (arbitrary, generous: the prefill process loads the model first).
-START_TIMEOUT_S = 30.0
+#: How long a pipe read may wait for the prefill process (arbitrary, generous: it loads the
+#: model first).
 READY_TIMEOUT_S = 600.0
 
 
@@ -137,59 +133,6 @@ def _kv(args):
     if args.sparse_threshold is not None:
         kw["sparse_threshold"] = args.sparse_threshold
     return KvConfig(**kw)
-
-
-# ---------------------------------------------------------------------- the daemon
-def find_daemon(path: str | None) -> str:
-    """``path``, else ``$OASIS_RT_BIN``, ``target/release/oasis-rt`` of this checkout, or
-    ``oasis-rt`` on the PATH."""
-    from ..errors import ConfigError
-
-    cands = [path] if path else []
-    if not path:
-        if os.environ.get("OASIS_RT_BIN"):
-            cands.append(os.environ["OASIS_RT_BIN"])
-        cands.append(str(Path(__file__).resolve().parents[3] / "target" / "release" / "oasis-rt"))
-        cands.append(shutil.which("oasis-rt") or "")
-    for c in cands:
-        if c and os.path.isfile(c) and os.access(c, os.X_OK):
-            return c
-    raise ConfigError(
-        f"no oasis-rt binary ({path or 'searched $OASIS_RT_BIN, target/release/oasis-rt, PATH'}): "
-        "build it with cargo build --release -p oasis-rt --features ucx, or pass --kv-source"
-    )
-
-
-class _Daemon:
-    """``oasis-rt serve`` on a free loopback port, stopped on :meth:`close`."""
-
-    def __init__(self, binary: str, transport: str, memory: str) -> None:
-        from ..errors import ConfigError
-
-        cmd = [binary, "serve", "--listen", "127.0.0.1:0", "--memory", memory, "--log", "warn"]
-        cmd += ["--transport", transport]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        line = ""
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()  # type: ignore[union-attr]
-            if line.startswith("oasis-rt listening on ") or not line:
-                break
-        if not line.startswith("oasis-rt listening on "):
-            self.close()
-            err = self.proc.stderr.read() if self.proc.stderr else ""  # type: ignore[union-attr]
-            raise ConfigError(f"the daemon did not start ({' '.join(cmd)}): {err.strip()[-500:]}")
-        addr = line.split()[-1]
-        self.url = ("oasis-rt+ucx://" if transport == "ucx" else "oasis-rt://") + addr
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 # ---------------------------------------------------------------------- the prefill process
@@ -376,12 +319,13 @@ def _bytes(s: str | None) -> int | None:
 
 # ---------------------------------------------------------------------- the sweep
 def run(args) -> dict:
+    from ..staging_daemon import StagingDaemon
     from .fig11 import build_model
 
     daemon = None
     url = args.kv_source
     if url is None:
-        daemon = _Daemon(find_daemon(args.daemon), args.transport, args.daemon_memory)
+        daemon = StagingDaemon(args.daemon, transport=args.transport, memory=args.daemon_memory)
         url = daemon.url
     ctx = mp.get_context("spawn")  # CUDA in the child: never fork a process that holds it
     parent, child = ctx.Pipe()
