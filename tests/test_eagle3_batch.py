@@ -7,29 +7,23 @@ from __future__ import annotations
 import pytest
 import torch
 
+import test_eagle3_prefill
 from oasiskv import KvConfig, LLMEngine, SamplingParams
 from oasiskv.drafters import Drafter, Eagle3Drafter, NgramDrafter
 from oasiskv.errors import ShapeError
 from oasiskv.models.eagle3 import Eagle3Head, Eagle3State
-from oasiskv.models.transformer import CausalLM, dense_causal_attn
+from oasiskv.models.transformer import dense_causal_attn
 from test_eagle3_prefill import ATOL, CFG, RTOL, prompt
 
 torch.set_num_threads(2)
+
+# The same target and head as test_eagle3_prefill's (its fixtures, shared).
+model, head = test_eagle3_prefill.model, test_eagle3_prefill.head
 
 # NOTE: the batched path computes the same sums with other shapes (B rows per matmul), so results
 # agree to the f32 tolerance, not bit for bit.
 PROMPT_LENS = (97, 54, 1, 13, 2)  # odd lengths, a one-token prompt (no prompt rows), unequal caches
 STEPS = 6
-
-
-@pytest.fixture(scope="module")
-def model():
-    return CausalLM.random(CFG, seed=4)
-
-
-@pytest.fixture(scope="module")
-def head(model):
-    return Eagle3Head.random(CFG, draft_vocab_size=64, seed=5).attach_target(model)
 
 
 def dense_features(model, ids: list[int]) -> torch.Tensor:

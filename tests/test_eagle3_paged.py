@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import test_eagle3_prefill
 from oasiskv import KvConfig, LLMEngine, SamplingParams
 from oasiskv.drafters import Eagle3Drafter
 from oasiskv.errors import ShapeError
@@ -18,17 +19,10 @@ from test_eagle3_prefill import ATOL, CFG, RTOL, prompt
 
 torch.set_num_threads(2)
 
+# The same target and head as test_eagle3_prefill's (its fixtures, shared).
+model, head = test_eagle3_prefill.model, test_eagle3_prefill.head
+
 HKV, HQ, D = CFG.num_key_value_heads, CFG.num_attention_heads, CFG.head_dim
-
-
-@pytest.fixture(scope="module")
-def model():
-    return CausalLM.random(CFG, seed=4)
-
-
-@pytest.fixture(scope="module")
-def head(model):
-    return Eagle3Head.random(CFG, draft_vocab_size=64, seed=5).attach_target(model)
 
 
 def pool(num_pages: int = 1, block_size: int = 8, dtype=torch.float32, device="cpu") -> Eagle3PagedKV:
