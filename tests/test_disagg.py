@@ -525,6 +525,51 @@ def test_the_worker_frees_its_pages_and_stages_the_union(model):
             PrefillWorker(model, KvConfig(block_score="codes"), d.addr)
 
 
+class Counting(Recorder):
+    """A Recorder that also counts ``fetch_admission`` calls."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self.admissions = 0
+
+    def fetch_admission(self, *args):
+        self.admissions += 1
+        return self.inner.fetch_admission(*args)
+
+
+@pytest.mark.parametrize("transfer", ["partial", "full"])
+def test_staged_data_is_read_ahead_off_the_decode_loop(model, transfer):
+    """While a local request decodes, the waiting staged requests' admission data (summaries and
+    sections; with ``"full"`` every block) is read in a background thread on its own connection,
+    so the decode loop's connection reads none of it. Tokens and admission bytes equal those of
+    an engine that reads at admission (``prefetch_depth = 0``)."""
+    with Daemon() as d:
+        handles = _staged_small(model, d) + _staged_small(model, d)  # the same prompts twice
+        runs = {}
+        for depth, hs in ((0, handles[:2]), (2, handles[2:])):
+            eng = LLMEngine(
+                model, kv=KvConfig(**SMALL), drafter="ngram", kv_source=d.url, kv_transfer=transfer
+            )
+            eng.kv_source.prefetch_depth = depth
+            rec = eng.kv_source.client = Counting(eng.kv_source.client)
+            local = eng.add_request(prompt(P, 11), _params())  # running while the staged ones wait
+            eng.step()
+            ids = [eng.add_staged_request(h, _params()) for h in hs]
+            out = eng.run_to_completion([local, *ids])
+            runs[depth] = ([out[i] for i in [local, *ids]], rec)
+            assert not eng.kv_source._prefetch  # every read ahead was taken (or dropped)
+            eng.kv_source.close()
+        (plain, rec0), (ahead, rec2) = runs[0], runs[2]
+        for a, b in zip(plain, ahead, strict=True):
+            assert a.finish_reason == b.finish_reason == "length", (a.error, b.error)
+            assert a.token_ids == b.token_ids
+        for a, b in zip(plain[1:], ahead[1:], strict=True):
+            assert a.metrics.network_admission_bytes == b.metrics.network_admission_bytes > 0
+        assert rec0.admissions > 0 and rec2.admissions == 0
+        if transfer == "full":
+            assert any(head == -1 for *_, head in rec0.keys) and rec2.keys == []
+
+
 def test_a_failed_read_is_retried_after_reconnecting(model):
     """``kv_retries``: a read that fails in transport reconnects and tries again; the request
     goes on with the same tokens."""

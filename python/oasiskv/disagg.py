@@ -79,7 +79,8 @@ import logging
 import math
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -124,6 +125,9 @@ FRAME_FILL = 0.9
 #: are reused by the allocator, 64 MiB ones are fresh mappings whose page faults cost more than
 #: the copy (the Rust client stages in frames of the same size).
 BULK_FRAME_BYTES = 4 << 20
+#: Staged requests whose admission data a :class:`RemoteKvSource` reads ahead in the background
+#: (``RemoteKvSource.prefetch_depth``): each holds its reply bytes in host memory until admitted.
+PREFETCH_DEPTH = 2
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -522,6 +526,40 @@ class _Remote:
     errors: list[str] = field(default_factory=list)
 
 
+@dataclass
+class _Prefetched:
+    """What the background read brought for a staged request before its admission: the sections,
+    the admission replies (``"partial"``: summaries and the admission set, per layer range) or
+    every block (``"full"``: ``(layer, logical blocks, their bytes)`` per frame), and the wire
+    bytes it took."""
+
+    sections: dict = field(default_factory=dict)
+    adms: list = field(default_factory=list)
+    frames: list = field(default_factory=list)
+    wire_bytes: int = 0
+
+
+def _admission_replies(call: Callable, daemon_id: int, layers: int, layer_bytes: int) -> Iterator[dict]:
+    """``fetch_admission`` replies covering every layer, the sections in the first: layer ranges
+    whose summaries (``layer_bytes`` each) fill about one bulk frame, a range split again when the
+    admission blocks push its reply past the frame limit. ``call(fn)`` runs ``fn(client)``."""
+    per_call = max(1, BULK_FRAME_BYTES // max(1, layer_bytes))
+    pending = [(lo, min(per_call, layers - lo)) for lo in range(0, layers, per_call)]
+    first = True
+    while pending:
+        lo, cnt = pending.pop(0)
+        try:
+            adm = call(lambda c, lo=lo, cnt=cnt, s=first: c.fetch_admission(daemon_id, lo, cnt, s))
+        except InvalidArgumentError as e:
+            if getattr(e, "code", None) != "too_large" or cnt == 1:
+                raise
+            half = cnt // 2
+            pending[:0] = [(lo, half), (lo + half, cnt - half)]
+            continue
+        first = False
+        yield adm
+
+
 class RemoteKvSource:
     """The decode side of disaggregation for one :class:`~oasiskv.engine.Engine` (built by
     ``LLMEngine(kv_source=...)``; see the module docs). Installs itself as the engine's
@@ -598,6 +636,12 @@ class RemoteKvSource:
         self._admitting = False  # reads now are an admission's (its first working set)
         self._failed: dict[int, str] = {}
         self._wire_base = 0  # wire bytes of the connections before the current one
+        #: How many waiting staged requests :meth:`prefetch` reads ahead (0: none; each admission
+        #: then reads in the decode loop).
+        self.prefetch_depth = PREFETCH_DEPTH
+        self._prefetch: dict[int, Future] = {}  # daemon id -> the background read of its data
+        self._prefetcher: ThreadPoolExecutor | None = None
+        self._prefetch_client = None  # the background reads' own connection
         engine.block_source = self
 
     # ---------------------------------------------------------------- maps
@@ -716,14 +760,20 @@ class RemoteKvSource:
                 self._owner[host_rows[0]] = r.id
             for logical in range(first, nb):
                 self._take_row(st, host_rows[logical], logical)
+            pf = self._take_prefetch(handle.request_id)
             if self.transfer == "full":
                 # The baseline: every block crosses; the summaries are built here, as a local
                 # transition to sparse builds them.
-                sections = self._fetch_sections(st)
-                self._fetch_rest(st, layers)
+                if pf is not None:
+                    sections = pf.sections
+                    for layer, logicals, data in pf.frames:
+                        self._install_whole(st, layer, logicals, data)
+                else:
+                    sections = self._fetch_sections(st)
+                self._fetch_rest(st, layers)  # whatever the read ahead did not bring
                 self._build_summaries(tr)
             else:
-                sections = self._fetch_admission(st, layers)
+                sections = self._fetch_admission(st, layers, pf)
             meta = json.loads(sections[META_SECTION])
             if meta.get("format") != META_FORMAT or meta.get("prompt_len") != n:
                 raise ConfigError(
@@ -749,7 +799,7 @@ class RemoteKvSource:
             self._select_initial(r, tr, query)
             if self._failed.pop(r.id, None) is not None:
                 raise RemoteError(st.errors[-1] if st.errors else "admission fetch failed")
-            st.admission_bytes = self._wire() - wire0
+            st.admission_bytes = self._wire() - wire0 + (pf.wire_bytes if pf is not None else 0)
             r.metrics.network_admission_bytes = st.admission_bytes
             self.stats.requests += 1
             self.stats.admission_bytes += st.admission_bytes
@@ -768,32 +818,108 @@ class RemoteKvSource:
         except RemoteError as e:
             log.warning("releasing staged request %s in the daemon failed: %s", daemon_id, e)
 
-    def _fetch_admission(self, st: _Remote, layers: int) -> dict:
-        """Read the admission set of every layer (in as many calls as the frame limit needs)
-        into the host pool and summaries; returns the sections."""
-        sections: dict = {}
-        # Layer ranges whose summaries fill about one bulk frame (a larger one is split again
-        # if the admission blocks push it past the limit).
+    # ---------------------------------------------------------------- reading ahead
+    def prefetch(self, handle: StagedRequest) -> None:
+        """Start reading ``handle``'s admission data in a background thread, on a connection of
+        its own: the summaries and admission set (``"partial"``), or every block (``"full"``).
+        Its admission then copies from host memory instead of stalling the decode loop on the
+        network. At most :attr:`prefetch_depth` requests are read ahead (``LLMEngine`` asks for
+        the first waiting ones every step); a failed read only means the admission reads in the
+        loop, as without it (and reports the error there)."""
+        rid = handle.request_id
+        if rid in self._prefetch or len(self._prefetch) >= self.prefetch_depth:
+            return
+        g, eng = self.engine.geo, self.engine
+        expect = (eng.cfg.num_hidden_layers, g.num_kv_heads, g.block_size, g.head_dim, eng.dtype.itemsize)
+        if tuple(handle.geometry[:5]) != expect:
+            return  # the admission refuses it, with the reason
+        if self._prefetcher is None:
+            self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oasis-prefetch")
+        self._prefetch[rid] = self._prefetcher.submit(self._read_ahead, handle)
+
+    def ready(self, handle: StagedRequest) -> bool:
+        """Whether admitting ``handle`` now would not wait for its read ahead."""
+        f = self._prefetch.get(handle.request_id)
+        return f is None or f.done()
+
+    def drop_prefetch(self, daemon_id: int) -> None:
+        """Forget a read ahead (its request ended before admission)."""
+        f = self._prefetch.pop(daemon_id, None)
+        if f is not None:
+            f.cancel()
+
+    def _take_prefetch(self, daemon_id: int) -> _Prefetched | None:
+        f = self._prefetch.pop(daemon_id, None)
+        if f is None:
+            return None
+        try:
+            return f.result()
+        except Exception as e:  # noqa: BLE001  the admission reads in the loop and reports it
+            log.info("reading staged request %s ahead failed (%s); reading it at admission", daemon_id, e)
+            return None
+
+    def _read_ahead(self, h: StagedRequest) -> _Prefetched:
+        """The background thread's read (its own client; nothing of the engine is touched)."""
+        try:
+            if self._prefetch_client is None:
+                self._prefetch_client = _client(self.url, self._token, self._timeout_s)
+            c = self._prefetch_client
+            wire0 = sum(c.wire_bytes)
+            layers, hk, b, d, elem, nb = h.geometry
+            pf = _Prefetched()
+            if self.transfer == "full":
+                pf.sections = dict(c.fetch_admission(h.request_id, 0, 0, True)["sections"])
+                entry = 2 * hk * b * d * elem
+                per_frame = max(1, int((BULK_FRAME_BYTES - FRAME_OVERHEAD) // (entry + 6)))
+                for layer in range(layers):
+                    for lo in range(0, nb, per_frame):
+                        logicals = list(range(lo, min(nb, lo + per_frame)))
+                        data, _, errors = c.read_blocks([(h.request_id, layer, i, -1) for i in logicals])
+                        bad = next((e for e in errors if e is not None), None)
+                        if bad is not None:
+                            raise RemoteError(f"block of layer {layer}: {bad}")
+                        pf.frames.append((layer, logicals, data))
+            else:
+                row = hk * 2 * d * elem
+                pf.adms = list(_admission_replies(lambda fn: fn(c), h.request_id, layers, nb * row))
+            pf.wire_bytes = sum(c.wire_bytes) - wire0
+            return pf
+        except BaseException:
+            if self._prefetch_client is not None:
+                self._prefetch_client.close()
+            self._prefetch_client = None  # a fresh connection for the next read
+            raise
+
+    def _install_whole(self, st: _Remote, layer: int, logicals: list[int], data) -> None:
+        """Whole blocks read ahead (``logicals`` of ``st``, in order) into their host rows."""
+        eng = self.engine
+        p, g = eng.pools, eng.geo
+        rows = torch.tensor([st.host_rows[i] for i in logicals], dtype=torch.long)
+        x = torch.frombuffer(data, dtype=eng.dtype).view(
+            len(logicals), 2, g.num_kv_heads, g.block_size, g.head_dim
+        )
+        dev = p.host_device
+        p.host_k[layer][rows.to(dev)] = x[:, 0].to(dev)
+        p.host_v[layer][rows.to(dev)] = x[:, 1].to(dev)
+        present = self._present[layer]
+        new = int((~present[rows]).sum())
+        present[rows] = True
+        self._count_cached(st, new)
+
+    def _fetch_admission(self, st: _Remote, layers: int, pf: _Prefetched | None = None) -> dict:
+        """Read the admission set of every layer (in as many calls as the frame limit needs), or
+        take what ``pf`` read ahead, into the host pool and summaries; returns the sections."""
         g = self.engine.geo
         row = g.num_kv_heads * 2 * g.head_dim * self.engine.dtype.itemsize
-        per_call = max(1, BULK_FRAME_BYTES // max(1, len(st.host_blocks) * row))
-        pending = [(lo, min(per_call, layers - lo)) for lo in range(0, layers, per_call)]
-        first = True
-        while pending:
-            lo, cnt = pending.pop(0)
-            try:
-                adm = self._call(
-                    lambda c, lo=lo, cnt=cnt, s=first: c.fetch_admission(st.daemon_id, lo, cnt, s)
-                )
-            except InvalidArgumentError as e:
-                if getattr(e, "code", None) != "too_large" or cnt == 1:
-                    raise
-                half = cnt // 2
-                pending[:0] = [(lo, half), (lo + half, cnt - half)]
-                continue
-            if first:
+        replies = (
+            pf.adms
+            if pf is not None
+            else _admission_replies(self._call, st.daemon_id, layers, len(st.host_blocks) * row)
+        )
+        sections: dict = {}
+        for i, adm in enumerate(replies):
+            if i == 0:
                 sections = dict(adm["sections"])
-                first = False
             self._write_admission(st, adm)
         missing = [s for s in (META_SECTION, QUERY_SECTION) if s not in sections]
         if missing:
@@ -1117,4 +1243,11 @@ class RemoteKvSource:
         self._release_remote(st)
 
     def close(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown(wait=True, cancel_futures=True)
+            self._prefetcher = None
+        self._prefetch.clear()
+        if self._prefetch_client is not None:
+            self._prefetch_client.close()
+            self._prefetch_client = None
         self.client.close()

@@ -532,6 +532,12 @@ class LLMEngine:
         eng = self.engine
         budget = self.max_num_batched_tokens
         queue = list(self._prefilling)
+        src = self.kv_source
+        if src is not None:
+            # The first waiting staged requests' data is read in the background meanwhile.
+            ahead = [s.staged for s in self._waiting if s.staged is not None][: src.prefetch_depth]
+            for handle in ahead:
+                src.prefetch(handle)
         while budget > 0:
             if queue:
                 seq = queue.pop(0)
@@ -545,6 +551,8 @@ class LLMEngine:
                     cache_blocks=self._cache_of(seq.staged),
                 ):
                     break  # it waits, and so does everyone behind it (no overtaking)
+                if seq.staged is not None and self._running and not src.ready(seq.staged):
+                    break  # its data is still being read ahead: decode the others meanwhile
                 self._waiting.popleft()
                 if seq.staged is not None:
                     self._admit_staged(seq, touched)
@@ -899,6 +907,8 @@ class LLMEngine:
             self.engine.finalize_metrics(r)
         if self.kv_source is not None:
             self.kv_source.end(r)
+            if seq.staged is not None:
+                self.kv_source.drop_prefetch(seq.staged.request_id)
         self.engine.release(r)
 
     def _output(self, seq: _Seq) -> RequestOutput:
