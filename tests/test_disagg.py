@@ -521,6 +521,18 @@ def test_the_worker_frees_its_pages_and_stages_the_union(model):
             PrefillWorker(model, kv, d.addr, first_query="draft")
         with pytest.raises(errors.ConfigError, match="admission"):
             PrefillWorker(model, kv, d.addr, admission="all")
+        with pytest.raises(errors.ConfigError, match="stage_connections"):
+            PrefillWorker(model, kv, d.addr, stage_connections=0)
+        # One connection or three sending the layers: the same bytes staged.
+        for conns in (1, 3):
+            w = PrefillWorker(
+                model, kv, d.addr, first_query="prompt", admission="union", stage_connections=conns
+            )
+            h2 = w.prefill(prompt(P, 3))
+            assert (h2.staged_bytes, h2.admission_blocks) == (h.staged_bytes, h.admission_blocks)
+            assert w.client.stats()["staged_blocks"] == layers * nb
+            w.release(h2.request_id)
+            w.close()
         with pytest.raises(errors.ConfigError, match="block_score"):
             PrefillWorker(model, KvConfig(block_score="codes"), d.addr)
 
@@ -568,6 +580,20 @@ def test_staged_data_is_read_ahead_off_the_decode_loop(model, transfer):
         assert rec0.admissions > 0 and rec2.admissions == 0
         if transfer == "full":
             assert any(head == -1 for *_, head in rec0.keys) and rec2.keys == []
+
+
+@pytest.mark.parametrize("conns", [1, 2])
+def test_a_daemon_out_of_budget_refuses_and_keeps_nothing(model, conns):
+    """A daemon whose budget cannot hold the prompt's KV: the worker's staging (over one or two
+    connections, from threads) raises the daemon's typed refusal, and nothing of it stays."""
+    with Daemon(memory="64KiB") as d:
+        w = PrefillWorker(model, KvConfig(**SMALL), d.addr, stage_connections=conns)
+        with pytest.raises(errors.RemoteError) as e:
+            w.prefill(prompt(P, 3))
+        assert e.value.code in ("busy", "out_of_memory")
+        s = w.client.stats()
+        assert s["live_requests"] == 0 and s["used_bytes"] == 0
+        w.close()
 
 
 def test_a_failed_read_is_retried_after_reconnecting(model):

@@ -28,8 +28,9 @@ first decode step's working set (``first_query``):
   the budget holds the whole context.
 
 Per layer it builds the block summaries (``ops.build_summaries`` on a copy of the request's
-pages) and stages every block and summary row (each layer's device-to-host copy overlapped with
-the previous layer's frames, in frames of a few MiB). The admission set (``admission``) holds the
+pages) and stages every block and summary row (in frames of a few MiB, over
+``stage_connections`` connections from as many threads, each layer's device-to-host copy
+overlapped with the other layers' frames). The admission set (``admission``) holds the
 partial last block (the decode side's local block) and, with ``"union"``, the union of the
 per-head top-K sets (``score_blocks`` / ``topk_blocks``) as whole blocks; with ``"heads"`` (the
 default) nothing more: the decode side reads exactly each KV head's top-K block-heads when it
@@ -248,6 +249,8 @@ class PrefillWorker:
         admission: what the admission set holds besides the summaries, the sections and the
             local block, one of :data:`ADMISSIONS` (default ``"heads"``: the decode side reads
             the first step's block-heads itself, per head).
+        stage_connections: connections to the daemon that send the layers in parallel (each
+            from its own thread; copies and socket work spread over cores on both sides).
         max_num_batched_tokens: prompt tokens per prefill chunk (the ``LLMEngine`` default, so
             the staged KV equals what a single-process engine with that default computes).
     """
@@ -263,6 +266,7 @@ class PrefillWorker:
         drafter: str | Drafter | None = "ngram",
         first_query: str = "first_token",
         admission: str = "heads",
+        stage_connections: int = 2,
         max_num_batched_tokens: int = 8192,
         gpu_kv_budget_bytes: int | None = None,
     ) -> None:
@@ -278,6 +282,13 @@ class PrefillWorker:
         if admission not in ADMISSIONS:
             raise ConfigError(f"admission must be one of {ADMISSIONS}, got {admission!r}")
         self.admission = admission
+        if (
+            not isinstance(stage_connections, int)
+            or isinstance(stage_connections, bool)
+            or stage_connections < 1
+        ):
+            raise ConfigError(f"stage_connections must be an int >= 1, got {stage_connections!r}")
+        self.stage_connections = stage_connections
         self.drafter = make_drafter(drafter, model=model)
         if self.drafter is not None and self.drafter.wants_prompt_features:
             raise ConfigError(
@@ -293,12 +304,21 @@ class PrefillWorker:
             self.model, kv, "dense", None, max_num_seqs=1, gpu_kv_budget_bytes=gpu_kv_budget_bytes
         )
         self.client = _client(addr, token, timeout_s)
+        self.url, self._token, self._timeout_s = self.client.url, token, timeout_s
+        self._extra_clients: list = []
+        self._stage_pool: ThreadPoolExecutor | None = None
         self._next = 0
         #: Two host buffers of one layer's blocks and summaries (pinned on a GPU): the next
         #: layer's device-to-host copy runs while this one's frames are sent.
         self._bufs: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def close(self) -> None:
+        if self._stage_pool is not None:
+            self._stage_pool.shutdown(wait=True)
+            self._stage_pool = None
+        for c in self._extra_clients:
+            c.close()
+        self._extra_clients = []
         self.client.close()
 
     def release(self, request_id: int) -> int:
@@ -383,19 +403,32 @@ class PrefillWorker:
                 except RemoteError:
                     pass  # the daemon is gone or never had it
 
-    def _buffers(self, nb: int, block_shape: tuple, summary_shape: tuple):
-        """Two (blocks, summaries) host buffers of at least ``nb`` blocks, kept between calls."""
+    def _buffers(self, nb: int, block_shape: tuple, summary_shape: tuple, count: int):
+        """``count`` (blocks, summaries) host buffers of at least ``nb`` blocks, kept between calls
+        (pinned on a GPU, so that the device-to-host copies are asynchronous)."""
         eng = self.engine
-        if not self._bufs or self._bufs[0][0].shape[0] < nb or self._bufs[0][0].shape[1:] != block_shape:
+        b = self._bufs
+        if len(b) != count or b[0][0].shape[0] < nb or b[0][0].shape[1:] != block_shape:
             pin = eng.device.type == "cuda"
             self._bufs = [
                 (
                     torch.empty((nb, *block_shape), dtype=eng.dtype, pin_memory=pin),
                     torch.empty((nb, *summary_shape), dtype=eng.dtype, pin_memory=pin),
                 )
-                for _ in range(2)
+                for _ in range(count)
             ]
         return self._bufs
+
+    def _stage_clients(self) -> list:
+        """The staging connections: the worker's own and ``stage_connections - 1`` more (opened
+        on first use), each sending a share of the layers from its own thread."""
+        while len(self._extra_clients) < self.stage_connections - 1:
+            self._extra_clients.append(_client(self.url, self._token, self._timeout_s))
+        if self._stage_pool is None:
+            self._stage_pool = ThreadPoolExecutor(
+                max_workers=self.stage_connections, thread_name_prefix="oasis-stage"
+            )
+        return [self.client, *self._extra_clients]
 
     def _stage(self, rid: int, r: _Request, n: int, query: torch.Tensor):
         eng, kv, g = self.engine, self.kv, self.engine.geo
@@ -415,47 +448,68 @@ class PrefillWorker:
         selected: list[tuple[int, int]] = []
         union_sizes = []
         stored = 0
-        bufs = self._buffers(nb, (2, hk, b, d), (hk, 2, d))
+        clients = self._stage_clients()
+        # One buffer more than connections: the next layer's copy lands while the others send.
+        bufs = self._buffers(nb, (2, hk, b, d), (hk, 2, d), len(clients) + 1)
         cuda = dev.type == "cuda"
-        pending = None  # (layer, blocks, summaries, event) copied to the host, not yet sent
+        inflight: list[Future | None] = [None] * len(bufs)
+        failed: list[BaseException] = []
 
-        def send(layer, blocks, summaries, event) -> int:
+        def send(client, layer, blocks, summaries, event) -> int:
             if event is not None:
                 event.synchronize()
-            n_stored = self.client.stage_blocks(rid, geometry, [(layer, i) for i in range(nb)], blocks)[0]
-            return n_stored + self.client.stage_summaries(rid, geometry, [(layer, 0, nb)], summaries)[0]
+            n_stored = client.stage_blocks(rid, geometry, [(layer, i) for i in range(nb)], blocks)[0]
+            return n_stored + client.stage_summaries(rid, geometry, [(layer, 0, nb)], summaries)[0]
 
-        for layer in range(layers):
-            k = p.k_pages[layer].index_select(0, pages)  # [nb, Hkv, b, D]
-            v = p.v_pages[layer].index_select(0, pages)
-            if lens[-1] < b:
-                # Positions past the prompt (stale pool memory, or the extra step's token).
-                k[-1, :, lens[-1] :] = 0
-                v[-1, :, lens[-1] :] = 0
-            summaries = torch.empty(nb, hk, 2, d, dtype=eng.dtype, device=dev)
-            ops.build_summaries(g, k, all_blocks, lens_t, summaries)
-            union: set[int] = set()
-            if n_complete and self.admission == "union":
-                q = query[layer].view(1, g.num_qo_heads, d).contiguous()
-                scores = ops.score_blocks(g, q, summaries, blk_indptr, blk_indices)
-                pred = ops.topk_blocks(hk, scores, blk_indptr, kv.top_k_blocks)
-                union = set(pred[pred >= 0].tolist())
-            if lens[-1] < b:
-                union.add(nb - 1)  # the decode side's local block
-            union_sizes.append(len(union))
-            selected.extend((layer, blk) for blk in sorted(union))
-            host_blocks, host_summaries = bufs[layer % 2]
-            # [nb, 2, Hkv, b, D]: the wire's block layout.
-            host_blocks[:nb].copy_(torch.stack([k, v], dim=1), non_blocking=cuda)
-            host_summaries[:nb].copy_(summaries, non_blocking=cuda)
-            event = torch.cuda.Event() if cuda else None
-            if event is not None:
-                event.record()
-            if pending is not None:
-                stored += send(*pending)  # while this layer's copy runs
-            pending = (layer, host_blocks[:nb], host_summaries[:nb], event)
-        if pending is not None:
-            stored += send(*pending)
+        def drain(i: int) -> None:
+            nonlocal stored
+            f, inflight[i] = inflight[i], None
+            if f is not None:
+                try:
+                    stored += f.result()
+                except BaseException as e:  # noqa: BLE001  re-raised once every send is done
+                    failed.append(e)
+
+        try:
+            for layer in range(layers):
+                k = p.k_pages[layer].index_select(0, pages)  # [nb, Hkv, b, D]
+                v = p.v_pages[layer].index_select(0, pages)
+                if lens[-1] < b:
+                    # Positions past the prompt (stale pool memory, or the extra step's token).
+                    k[-1, :, lens[-1] :] = 0
+                    v[-1, :, lens[-1] :] = 0
+                summaries = torch.empty(nb, hk, 2, d, dtype=eng.dtype, device=dev)
+                ops.build_summaries(g, k, all_blocks, lens_t, summaries)
+                union: set[int] = set()
+                if n_complete and self.admission == "union":
+                    q = query[layer].view(1, g.num_qo_heads, d).contiguous()
+                    scores = ops.score_blocks(g, q, summaries, blk_indptr, blk_indices)
+                    pred = ops.topk_blocks(hk, scores, blk_indptr, kv.top_k_blocks)
+                    union = set(pred[pred >= 0].tolist())
+                if lens[-1] < b:
+                    union.add(nb - 1)  # the decode side's local block
+                union_sizes.append(len(union))
+                selected.extend((layer, blk) for blk in sorted(union))
+                i = layer % len(bufs)
+                drain(i)  # the send that last read this buffer
+                if failed:
+                    raise failed[0]
+                host_blocks, host_summaries = bufs[i]
+                # [nb, 2, Hkv, b, D]: the wire's block layout.
+                host_blocks[:nb].copy_(torch.stack([k, v], dim=1), non_blocking=cuda)
+                host_summaries[:nb].copy_(summaries, non_blocking=cuda)
+                event = torch.cuda.Event() if cuda else None
+                if event is not None:
+                    event.record()
+                client = clients[layer % len(clients)]
+                inflight[i] = self._stage_pool.submit(
+                    send, client, layer, host_blocks[:nb], host_summaries[:nb], event
+                )
+        finally:
+            for i in range(len(inflight)):
+                drain(i)
+        if failed:
+            raise failed[0]
         meta = {
             "format": META_FORMAT,
             "prompt_len": n,
