@@ -123,6 +123,8 @@ def test_loopback_three_processes(model, transfer, transport):
             else:
                 assert m.network_admission_bytes > h.kv_bytes and m.network_fetched_bytes == 0
         st = eng.kv_source.stats
+        # After the requests end nothing is left to read; a full transfer never had anything.
+        assert eng.kv_source.idle
         if transfer == "partial":
             # Misses aggregated per layer across requests, each block-head read once: at admission
             # (each head's first working set) and after it (fetched_entries).
@@ -594,6 +596,21 @@ def test_a_daemon_out_of_budget_refuses_and_keeps_nothing(model, conns):
         s = w.client.stats()
         assert s["live_requests"] == 0 and s["used_bytes"] == 0
         w.close()
+
+
+@pytest.mark.parametrize("transfer", ["partial", "full"])
+def test_the_source_is_idle_once_nothing_is_left_to_read(model, transfer):
+    """``RemoteKvSource.idle`` (the engine may then capture CUDA graphs): a running partial
+    transfer still has block-heads in the daemon; a full one has none after its admission."""
+    with Daemon() as d:
+        (h,) = _staged_small(model, d, seeds=(3,))
+        eng = LLMEngine(model, kv=KvConfig(**SMALL), drafter="ngram", kv_source=d.url, kv_transfer=transfer)
+        assert eng.kv_source.idle  # nothing staged is live yet
+        rid = eng.add_staged_request(h, _params())
+        eng.step()  # admitted, first token
+        assert eng.kv_source.idle == (transfer == "full")
+        eng.run_to_completion([rid])
+        assert eng.kv_source.idle
 
 
 def test_a_failed_read_is_retried_after_reconnecting(model):

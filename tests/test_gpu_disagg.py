@@ -79,3 +79,27 @@ def test_staged_requests_decode_as_the_single_process_engine(transfer, cache_blo
             assert st.evicted_blocks > 0
         s = eng.kv_source.client.stats()
         assert s["live_requests"] == 0 and s["used_bytes"] == 0
+
+
+def test_a_full_transfer_decodes_in_cuda_graphs():
+    """After a full transfer's admission the source has nothing left to read (``idle``), so the
+    engine replays captured CUDA graphs: the same tokens as the eager single-process engine's."""
+    model = _model()
+    prompts = [_prompt(600, s) for s in (3, 5)]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    with Daemon(memory="1GiB") as d:
+        worker = PrefillWorker(model, SMALL, d.url, first_query="prompt")
+        handles = [worker.prefill(p) for p in prompts]
+        worker.close()
+        eng = LLMEngine(
+            model, kv=SMALL, drafter="ngram", kv_source=d.url, kv_transfer="full", cuda_graph=True
+        )
+        ids = [eng.add_staged_request(h, params) for h in handles]
+        outs = eng.run_to_completion(ids)
+        ref = LLMEngine(model, kv=SMALL, backend="oasis", drafter="ngram")
+        rids = [ref.add_request(p, params) for p in prompts]
+        refs = ref.run_to_completion(rids)
+        for i, r in zip(ids, rids, strict=True):
+            assert outs[i].finish_reason == "length", outs[i].error
+            assert outs[i].token_ids == refs[r].token_ids
+        assert eng.kv_source.idle and eng.engine.graph_stats["replays"] > 0

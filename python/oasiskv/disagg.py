@@ -1119,6 +1119,14 @@ class RemoteKvSource:
 
     # ---------------------------------------------------------------- decode-time misses
     @property
+    def idle(self) -> bool:
+        """Whether :meth:`before_gather` has nothing to do: every staged block-head of the live
+        requests is in the host pool and none has a bounded cache (a full transfer after its
+        admission). The engine then runs its steps as it would without a source (captured
+        CUDA graphs included)."""
+        return self._missing == 0 and self._bounded == 0
+
+    @property
     def may_evict(self) -> bool:
         """Whether :meth:`before_gather` may give a cached block's host row to another block (a
         staged request with a bounded cache is running): the engine then lets the previous

@@ -1534,7 +1534,7 @@ class Engine:
 
         With ``cuda_graph=True`` on a GPU the step replays a captured CUDA graph (see
         :meth:`_decode_graph`), speculative or not, sampling or not, except under a selection
-        policy, a recorder or a ``block_source``, which run eagerly."""
+        policy, a recorder or a ``block_source`` with blocks left to read, which run eagerly."""
         rows, n = self.rows, len(reqs)
         samp = None
         if speculate is not None:
@@ -1563,8 +1563,10 @@ class Engine:
                 ids.append(r.draft)
         self._last_row = {r.id: i for i, r in enumerate(reqs)}
         # Host-side work inside the step (a policy, a recall recorder, reads from a staging daemon
-        # before a gather) keeps the step eager.
-        eager = self.policy is not None or self.recorder is not None or self.block_source is not None
+        # before a gather) keeps the step eager; a source with nothing left to read does not.
+        src = self.block_source
+        reads = src is not None and not getattr(src, "idle", False)
+        eager = self.policy is not None or self.recorder is not None or reads
         graph = self.cuda and self.cuda_graph and not eager
         self._recall_now, self._store_pred = self._recall_phase()
         self._nucleus_now = samp is not None and bool((samp[1] < 1.0).any())
