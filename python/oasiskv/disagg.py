@@ -590,6 +590,9 @@ class _Prefetched:
     sections: dict = field(default_factory=dict)
     adms: list = field(default_factory=list)
     frames: list = field(default_factory=list)
+    #: ``"partial"``: each KV head's first-step blocks, ``(layer, [(logical, head)], bytes)``
+    #: per frame, selected on the CPU from the staged summaries and query.
+    heads: list = field(default_factory=list)
     wire_bytes: int = 0
 
 
@@ -828,6 +831,9 @@ class RemoteKvSource:
                 self._build_summaries(tr)
             else:
                 sections = self._fetch_admission(st, layers, pf)
+                if pf is not None:
+                    for layer, pairs, data in pf.heads:
+                        self._install_heads(st, layer, pairs, data)
             meta = json.loads(sections[META_SECTION])
             if meta.get("format") != META_FORMAT or meta.get("prompt_len") != n:
                 raise ConfigError(
@@ -936,6 +942,8 @@ class RemoteKvSource:
             else:
                 row = hk * 2 * d * elem
                 pf.adms = list(_admission_replies(lambda fn: fn(c), h.request_id, layers, nb * row))
+                if self.cache_blocks is None:
+                    self._read_first_heads_ahead(c, h, pf)
             pf.wire_bytes = sum(c.wire_bytes) - wire0
             return pf
         except BaseException:
@@ -943,6 +951,66 @@ class RemoteKvSource:
                 self._prefetch_client.close()
             self._prefetch_client = None  # a fresh connection for the next read
             raise
+
+    def _read_first_heads_ahead(self, c, h: StagedRequest, pf: _Prefetched) -> None:
+        """The block-heads the admission's first selection will read (each KV head's top-K from
+        the staged query, scored here by the CPU twins), read into ``pf.heads``. A GPU's scores
+        may break a near-tie otherwise: the admission reads what this missed, in the loop."""
+        eng, g = self.engine, self.engine.geo
+        layers, hk, b, d, _, nb = h.geometry
+        n_complete = len(h.prompt) // b
+        if n_complete == 0:
+            return
+        dt = eng.dtype
+        query = torch.frombuffer(bytearray(pf.adms[0]["sections"][QUERY_SECTION]), dtype=dt)
+        query = query.view(layers, g.num_qo_heads, d)
+        summaries = torch.zeros(layers, nb, hk, 2, d, dtype=dt)
+        for adm in pf.adms:
+            rows = torch.frombuffer(bytearray(adm["summaries"]), dtype=dt).view(-1, hk, 2, d)
+            at = 0
+            for layer, first, num in adm["summary_runs"]:
+                summaries[layer, first : first + num] = rows[at : at + num]
+                at += num
+        # Whole blocks of the admission set ("union") come with it.
+        whole = {(layer, blk) for adm in pf.adms for layer, blk in adm["block_keys"]}
+        indptr = torch.tensor([0, n_complete], dtype=torch.int32)
+        indices = torch.arange(n_complete, dtype=torch.int32)
+        k = eng.kv.top_k_blocks
+        sinks = min(getattr(eng.kv, "sink_blocks", 0), n_complete)
+        entry = 2 * b * d * dt.itemsize
+        per_frame = max(1, int((BULK_FRAME_BYTES - FRAME_OVERHEAD) // (entry + 6)))
+        for layer in range(layers):
+            q = query[layer].view(1, g.num_qo_heads, d).contiguous()
+            scores = ops.score_blocks(g, q, summaries[layer].contiguous(), indptr, indices)
+            pred = ops.topk_blocks(hk, scores, indptr, min(k, n_complete))[0]  # [hk, k]
+            pairs = sorted(
+                (blk, head)
+                for blk, head in {(int(x), hd) for hd in range(hk) for x in pred[hd].tolist() if x >= 0}
+                | {(x, hd) for hd in range(hk) for x in range(sinks)}
+                if (layer, blk) not in whole
+            )
+            for lo in range(0, len(pairs), per_frame):
+                part = pairs[lo : lo + per_frame]
+                data, _, errors = c.read_blocks([(h.request_id, layer, blk, head) for blk, head in part])
+                bad = next((e for e in errors if e is not None), None)
+                if bad is not None:
+                    raise RemoteError(f"block-head of layer {layer}: {bad}")
+                pf.heads.append((layer, part, data))
+
+    def _install_heads(self, st: _Remote, layer: int, pairs: list[tuple[int, int]], data) -> None:
+        """Block-heads read ahead (``(logical, head)`` of ``st``, in order) into their host rows."""
+        eng = self.engine
+        p, g = eng.pools, eng.geo
+        rows = torch.tensor([st.host_rows[blk] for blk, _ in pairs], dtype=torch.long)
+        heads = torch.tensor([head for _, head in pairs], dtype=torch.long)
+        x = torch.frombuffer(data, dtype=eng.dtype).view(len(pairs), 2, g.block_size, g.head_dim)
+        dev = p.host_device
+        p.host_k[layer][rows.to(dev), heads.to(dev)] = x[:, 0].to(dev)
+        p.host_v[layer][rows.to(dev), heads.to(dev)] = x[:, 1].to(dev)
+        present = self._present[layer]
+        new = int((~present[rows, heads]).sum())
+        present[rows, heads] = True
+        self._count_cached(st, new)
 
     def _install_whole(self, st: _Remote, layer: int, logicals: list[int], data) -> None:
         """Whole blocks read ahead (``logicals`` of ``st``, in order) into their host rows."""

@@ -533,6 +533,7 @@ class LLMEngine:
         budget = self.max_num_batched_tokens
         queue = list(self._prefilling)
         src = self.kv_source
+        busy = bool(self._running)  # others decode this step: a staged admission must not stall them
         if src is not None:
             # The first waiting staged requests' data is read in the background meanwhile.
             ahead = [s.staged for s in self._waiting if s.staged is not None][: src.prefetch_depth]
@@ -551,7 +552,7 @@ class LLMEngine:
                     cache_blocks=self._cache_of(seq.staged),
                 ):
                     break  # it waits, and so does everyone behind it (no overtaking)
-                if seq.staged is not None and self._running and not src.ready(seq.staged):
+                if seq.staged is not None and busy and not src.ready(seq.staged):
                     break  # its data is still being read ahead: decode the others meanwhile
                 self._waiting.popleft()
                 if seq.staged is not None:
