@@ -244,14 +244,19 @@ impl Payload {
     /// A copy of bytes `range` (callable with the GIL released). Bulk staging copies frame-sized
     /// pieces, never the whole argument at once: a large fresh buffer costs its page faults.
     fn copy(&self, range: std::ops::Range<usize>) -> Bytes {
-        assert!(range.start <= range.end && range.end <= self.len, "payload range");
+        assert!(
+            range.start <= range.end && range.end <= self.len,
+            "payload range"
+        );
         if range.is_empty() {
             return Bytes::new();
         }
         // SAFETY: `ptr..ptr + len` is the argument's memory (a contiguous CPU tensor's storage or
         // a C-contiguous buffer, checked in `payload_view`), kept alive and unmoved by the
         // caller's reference (and `buf`) until `release`; `range` lies inside it; only read.
-        let s = unsafe { std::slice::from_raw_parts((self.ptr + range.start) as *const u8, range.len()) };
+        let s = unsafe {
+            std::slice::from_raw_parts((self.ptr + range.start) as *const u8, range.len())
+        };
         Bytes::copy_from_slice(s)
     }
 

@@ -493,12 +493,13 @@ fn bench(args: &[String]) -> Result<(), Failure> {
     })?;
     let json = flags.get("--json").map(str::to_string);
     let config = client_config(&flags)?;
-    let report = connect_and_run(kind, &addr, config, BenchSession(&plan))?.map_err(|e| match e.code() {
-        ErrorCode::Busy | ErrorCode::OutOfMemory => Failure::Runtime(format!(
-            "{e}: lower --total, or give the daemon more --memory"
-        )),
-        _ => Failure::from(e),
-    })?;
+    let report =
+        connect_and_run(kind, &addr, config, BenchSession(&plan))?.map_err(|e| match e.code() {
+            ErrorCode::Busy | ErrorCode::OutOfMemory => Failure::Runtime(format!(
+                "{e}: lower --total, or give the daemon more --memory"
+            )),
+            _ => Failure::from(e),
+        })?;
     println!(
         "# {} ({}), {} timed passes per size; GB/s = 1e9 payload bytes per second, medians",
         kind.name(),
