@@ -19,7 +19,7 @@ def test_fig12_sweep_on_the_cpu(tmp_path):
     argv = [
         "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--daemon", binary,
         "--prompt-tokens", "300", "--max-tokens", "6", "--requests", "3", "--rates", "40,200",
-        "--block-size", "16", "--top-k-blocks", "4", "--sparse-threshold", "64",
+        "--block-size", "16", "--top-k-blocks", "4", "--sparse-threshold", "64", "--kv-cache-blocks", "8",
         "--json", str(out), "--md", str(md),
     ]  # fmt: skip
     assert disagg.main(argv) == 0
@@ -39,6 +39,8 @@ def test_fig12_sweep_on_the_cpu(tmp_path):
         assert full["admission_bytes_per_request"] >= full["kv_bytes_per_request"]
         assert part["admission_bytes_per_request"] < 0.75 * full["admission_bytes_per_request"]
         assert full["fetched_bytes_per_request"] == 0
+        # The partial rows' host caches are bounded (8 of 19 blocks per request): a smaller pool.
+        assert 0 < part["host_reserved_peak_bytes"] < full["host_reserved_peak_bytes"]
     assert "| partial | 200 |" in md.read_text()
 
 

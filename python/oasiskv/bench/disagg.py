@@ -120,6 +120,13 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--fetch-cap", type=float, default=0.05)
     k.add_argument("--sparse-threshold", type=_positive, default=None, help="default: the KvConfig's")
     k.add_argument("--host-kv-budget", default=None, help="the decode engine's host pool, e.g. 64GiB")
+    k.add_argument(
+        "--kv-cache-blocks",
+        type=_positive,
+        default=None,
+        help="partial rows: bound each staged request's host cache (LLMEngine(kv_cache_blocks=)), "
+        "so that the host pool holds what was fetched, not a row for every block",
+    )
     o = ap.add_argument_group("output")
     o.add_argument("--json", default=None)
     o.add_argument("--md", default=None)
@@ -224,6 +231,7 @@ def run_row(model, args, url: str, conn, transfer: str, rate: float, prompts) ->
         kv_timeout_s=args.timeout,
         max_num_seqs=args.max_num_seqs or n,
         host_kv_budget_bytes=_bytes(args.host_kv_budget),
+        kv_cache_blocks=args.kv_cache_blocks if transfer == "partial" else None,
         output_kind="delta",
     )
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
@@ -240,6 +248,7 @@ def run_row(model, args, url: str, conn, transfer: str, rate: float, prompts) ->
     done: dict[str, float] = {}
     tokens: dict[str, list[int]] = {}
     prefill_done = False
+    peak_rows = 0
     try:
         while not (prefill_done and len(done) == n):
             while conn.poll(0):
@@ -261,7 +270,9 @@ def run_row(model, args, url: str, conn, transfer: str, rate: float, prompts) ->
                     f"{add_s[rid]:.2f} s"
                 )
             if eng.has_unfinished_requests():
-                for o in eng.step():
+                outs = eng.step()
+                peak_rows = max(peak_rows, eng.engine.runtime.reserved[2])
+                for o in outs:
                     now = time.time()
                     if o.new_token_ids:
                         if o.request_id not in first:
@@ -302,6 +313,12 @@ def run_row(model, args, url: str, conn, transfer: str, rate: float, prompts) ->
             "fetched_bytes_per_request": stats.fetched_bytes / max(1, stats.requests),
             "kv_bytes_per_request": stats.kv_bytes / max(1, stats.requests),
             "peak_host_kv_bytes": stats.peak_cached_bytes,
+            # Host pool rows the admitted requests reserved at most (what the pinned pool must
+            # hold): rows a partial transfer reserves but never fills count, unless
+            # --kv-cache-blocks bounds them.
+            "host_reserved_peak_bytes": peak_rows
+            * eng.engine.pools.page_bytes
+            * model.config.num_hidden_layers,
             "failures": stats.failures,
             "tokens": [tokens[f"r{i}"] for i in range(n)],
         }
@@ -376,6 +393,7 @@ def run(args) -> dict:
                 "block_size": args.block_size,
                 "top_k_blocks": args.top_k_blocks,
                 "fetch_cap": args.fetch_cap,
+                "kv_cache_blocks": args.kv_cache_blocks,
             },
             "rows": rows,
         }
@@ -406,9 +424,9 @@ def markdown(rep: dict) -> str:
         f"{rep['kv']['fetch_cap']}; daemon {rep['kv_source']}",
         "",
         "| transfer | req/s | tok/s | TTFT p50 ms | TTFT p99 ms | admit p50 ms | TPOT p50 ms | "
-        "admission MiB/req | fetched MiB/req | peak host KV MiB | vs first | same tokens | "
-        "prefill + stage s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "admission MiB/req | fetched MiB/req | peak host KV MiB | vs first | host rows MiB | "
+        "same tokens | prefill + stage s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rep["rows"]:
         lines.append(
@@ -417,10 +435,14 @@ def markdown(rep: dict) -> str:
             f"{f(r['admission_bytes_per_request'], 1 / mib, 2)} | "
             f"{f(r['fetched_bytes_per_request'], 1 / mib, 2)} | "
             f"{f(r['peak_host_kv_bytes'], 1 / mib)} | {f(r['peak_host_kv_vs_first'], 1, 3)} | "
+            f"{f(r['host_reserved_peak_bytes'], 1 / mib)} | "
             f"{r['same_tokens']:.0%} | {f(r['prefill_p50_s'], 1, 2)} + {f(r['stage_p50_s'], 1, 2)} |"
         )
     lines += [
         "",
+        "- peak host KV: the bytes of staged KV the decode side held at most (filled rows); host rows: "
+        "the host pool rows its admitted requests reserved at most (with a partial transfer, a row "
+        "for every block unless --kv-cache-blocks bounds them).",
         "- admit: from the prefill node's hand-over to the first token; prefill + stage: the prefill "
         "node's service time per request (p50), so it keeps up with about 1 / their sum requests/s.",
         "- same tokens: requests whose whole output equals the first mode's at the same rate. Each row "
