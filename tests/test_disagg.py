@@ -458,7 +458,7 @@ def test_refusals(model):
         with pytest.raises(errors.ConfigError, match="backend='oasis'"):
             LLMEngine(model, kv=KvConfig(**SMALL), backend="dense", kv_source=d.url)
         with pytest.raises(errors.ConfigError, match="cuda_graph"):
-            LLMEngine(model, kv=KvConfig(**SMALL), kv_source=d.url, cuda_graph=True)
+            LLMEngine(model, kv=KvConfig(**SMALL), kv_source=d.url, cuda_graph=True, kv_cache_blocks=64)
         with pytest.raises(errors.ConfigError, match="kv_transfer"):
             LLMEngine(model, kv=KvConfig(**SMALL), kv_source=d.url, kv_transfer="some")
         with pytest.raises(errors.ConfigError, match="kv_source"):

@@ -103,3 +103,31 @@ def test_a_full_transfer_decodes_in_cuda_graphs():
             assert outs[i].finish_reason == "length", outs[i].error
             assert outs[i].token_ids == refs[r].token_ids
         assert eng.kv_source.idle and eng.engine.graph_stats["replays"] > 0
+
+
+def test_a_partial_transfer_decodes_in_cuda_graphs_fixed_up_after_each_step():
+    """``kv_transfer="partial"`` with ``cuda_graph=True``: each step replays a graph whose gathers
+    copy whatever the host rows hold; then the engine hands every layer's plan to the source,
+    which reads the missing block-heads, and gathers those layers again before the next step.
+    The tokens are the eager single-process engine's, and misses did come over the network."""
+    model = _model()
+    prompts = [_prompt(600, s) for s in (3, 5)]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    with Daemon(memory="1GiB") as d:
+        worker = PrefillWorker(model, SMALL, d.url, first_query="prompt")
+        handles = [worker.prefill(p) for p in prompts]
+        worker.close()
+        eng = LLMEngine(
+            model, kv=SMALL, drafter="ngram", kv_source=d.url, kv_transfer="partial", cuda_graph=True
+        )
+        ids = [eng.add_staged_request(h, params) for h in handles]
+        outs = eng.run_to_completion(ids)
+        ref = LLMEngine(model, kv=SMALL, backend="oasis", drafter="ngram")
+        rids = [ref.add_request(p, params) for p in prompts]
+        refs = ref.run_to_completion(rids)
+        for i, r in zip(ids, rids, strict=True):
+            assert outs[i].finish_reason == "length", outs[i].error
+            assert outs[i].token_ids == refs[r].token_ids
+        st = eng.kv_source.stats
+        assert st.failures == 0 and st.fetched_entries > 0
+        assert eng.engine.graph_stats["replays"] > 0

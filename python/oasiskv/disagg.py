@@ -1195,13 +1195,22 @@ class RemoteKvSource:
         return self._missing == 0 and self._bounded == 0
 
     @property
+    def fixes_up_graph_steps(self) -> bool:
+        """Whether the engine may replay captured CUDA graphs while blocks are left to read: the
+        graph's gathers copy whatever the host rows hold, then the engine calls
+        :meth:`before_gather` for each layer's plan and gathers again where it read anything,
+        before the next step reads those slots. Not with a bounded cache, whose rows change
+        hands between the layers of a step."""
+        return self._bounded == 0
+
+    @property
     def may_evict(self) -> bool:
         """Whether :meth:`before_gather` may give a cached block's host row to another block (a
         staged request with a bounded cache is running): the engine then lets the previous
         layer's gather finish before calling it."""
         return self._bounded > 0
 
-    def before_gather(self, layer: int, plan_slots, plan_blocks, host_indptr, host_indices) -> None:
+    def before_gather(self, layer: int, plan_slots, plan_blocks, host_indptr, host_indices) -> bool:
         """Called by the engine between a layer's delta selection and its gather: read the
         planned block-heads that are still only in the daemon into the host pool (one batched
         read per layer, across requests). A failed read marks the requests it carried failed
@@ -1213,18 +1222,22 @@ class RemoteKvSource:
         eviction never takes a row this gather reads; earlier layers' gathers are done: the
         engine waits for them while :attr:`may_evict`), and ``host_indices`` (the
         step's, on the device) is patched at ``indptr[seq] + logical`` with them; the next plan
-        reads the runtime's rows."""
+        reads the runtime's rows.
+
+        Returns whether the gather's inputs changed (block-heads read, rows patched): a CUDA-graph
+        step, whose gather ran before this, gathers the layer again then."""
         if self._missing == 0 and self._bounded == 0:
-            return
+            return False
         ps, pb = plan_slots.cpu(), plan_blocks.cpu()
         sel = ps >= 0
         if not bool(sel.any()):
-            return
+            return False
         seq, head, _ = sel.nonzero(as_tuple=True)
         logical = pb[sel].long()
         indptr, indices = host_indptr.cpu().long(), host_indices.cpu().long()
         pos = indptr[seq] + logical
         hb = indices[pos]
+        patched = False
         if self._bounded:
             # A request's first row (logical block 0's: the filler or its own) names its owner.
             owner = self._owner[indices[indptr[seq]]]
@@ -1245,23 +1258,27 @@ class RemoteKvSource:
                 hb[mine] = new
                 dev = host_indices.device
                 host_indices[pos[mine].to(dev)] = new.to(dev, host_indices.dtype)
-        self._ensure(layer, hb, head)
+                patched = True
+        return self._ensure(layer, hb, head) or patched
 
-    def _ensure(self, layer: int, hb: torch.Tensor, head: torch.Tensor) -> None:
-        """Make the block-heads ``(hb[i], head[i])`` present, reading the absent ones."""
+    def _ensure(self, layer: int, hb: torch.Tensor, head: torch.Tensor) -> bool:
+        """Make the block-heads ``(hb[i], head[i])`` present, reading the absent ones; whether
+        any was read."""
         self._grow_maps()  # the pools may have grown for other requests (theirs are local)
         absent = ~self._present[layer][hb, head]
         if not bool(absent.any()):
-            return
+            return False
         hb, head = hb[absent], head[absent]
         owners = self._owner[hb]
         ok = torch.tensor([int(o) not in self._failed for o in owners.tolist()], dtype=torch.bool)
         if not bool(ok.all()):
             hb, head = hb[ok], head[ok]
-        if hb.numel():
-            # One key per (block, head), each once.
-            pairs = torch.unique(torch.stack([hb, head], dim=1), dim=0)
-            self._read(layer, pairs[:, 0], pairs[:, 1], whole=False)
+        if not hb.numel():
+            return False
+        # One key per (block, head), each once.
+        pairs = torch.unique(torch.stack([hb, head], dim=1), dim=0)
+        self._read(layer, pairs[:, 0], pairs[:, 1], whole=False)
+        return True
 
     def _read(self, layer: int, hb: torch.Tensor, head: torch.Tensor, whole: bool) -> None:
         """Read ``(hb[i], head[i])`` (``whole``: every head of ``hb[i]``) from the daemon into the

@@ -983,6 +983,9 @@ class Engine:
         # The eager step's deferred (fetch, gather) of each layer while a block_source is set
         # (_run_step, _select_and_fetch); None outside such a step.
         self._deferred: list | None = None
+        # A CUDA-graph step's kept plans per layer while a block_source is set (_run_step,
+        # _fix_up_gathers); None outside such a step.
+        self._plans: list | None = None
         #: KV-head replication under tensor parallelism (:mod:`oasiskv.models.tp`): the model
         #: shard's ``score_reduce`` sums each block's partial score ``[nnz, num_kv_heads]`` (this
         #: rank's query heads of the KV head) over the ranks sharing the head, before every top-K,
@@ -1566,7 +1569,9 @@ class Engine:
         # before a gather) keeps the step eager; a source with nothing left to read does not.
         src = self.block_source
         reads = src is not None and not getattr(src, "idle", False)
-        eager = self.policy is not None or self.recorder is not None or reads
+        # A source that fixes up graph steps (_fix_up_gathers) keeps the graphs.
+        reads_eagerly = reads and not getattr(src, "fixes_up_graph_steps", False)
+        eager = self.policy is not None or self.recorder is not None or reads_eagerly
         graph = self.cuda and self.cuda_graph and not eager
         self._recall_now, self._store_pred = self._recall_phase()
         self._nucleus_now = samp is not None and bool((samp[1] < 1.0).any())
@@ -1824,6 +1829,9 @@ class Engine:
         grouped = {"kv_groups": rows} if kv_grouped else {}
         defer = self.block_source is not None and plan is not None and not static
         self._deferred = [] if defer else None
+        # A static (CUDA-graph) step with a block source: the gathers run as planned and each
+        # layer's plan is kept for the host to fix up after the step (_fix_up_gathers).
+        self._plans = [] if self.block_source is not None and plan is not None and static else None
         try:
             logits, captured = self.model.forward(
                 ids_t, pos_t, attn, logits_rows=row0, capture_layers=capture, **grouped
@@ -1832,7 +1840,8 @@ class Engine:
                 self._flush_deferred()
         finally:
             self._deferred = None
-        out = {"logits": logits, "feats": None, "last_q": last_q, "keep": keep}
+            plans, self._plans = self._plans, None
+        out = {"logits": logits, "feats": None, "last_q": last_q, "keep": keep, "plans": plans}
         if self.capture:
             out["feats"] = torch.cat([captured[i][row0] for i in self.capture], dim=-1)
         if draft_logits:
@@ -2044,6 +2053,8 @@ class Engine:
             gr.graph.replay()
             self.graph_stats["replays"] += 1
             out = gr.out
+        if out.get("plans"):
+            self._fix_up_gathers(out["plans"])
         self._last_q = list(out["last_q"])  # a copy: prefill writes into the engine's list
         feats = out["feats"][:n].clone() if out["feats"] is not None else None
         spec_out = None
@@ -2054,6 +2065,29 @@ class Engine:
             if out["feats1"] is not None:
                 spec_out["feats1"] = out["feats1"][:n].clone()
         return out["logits"][:n].clone(), feats, spec_out
+
+    def _fix_up_gathers(self, plans: list) -> None:
+        """After a graph step with a block source: each layer's plan goes to the source, which
+        reads the planned block-heads the host pool lacked; where it read any, the layer is
+        gathered again (on the current stream, after the graph and before the next step, whose
+        attention reads those slots). The graph's own gather copied stale rows for them."""
+        src = self.block_source
+        if src is None or getattr(src, "idle", True):
+            return
+        p, g = self.pools, self.geo
+        for layer, ps, pb, slot_pages, host_csr in plans:
+            if src.before_gather(layer, ps, pb, *host_csr):
+                ops.gather_blocks(
+                    g,
+                    ps,
+                    pb,
+                    slot_pages,
+                    *host_csr,
+                    p.host_k[layer],
+                    p.host_v[layer],
+                    p.k_pages[layer],
+                    p.v_pages[layer],
+                )
 
     def drop_graphs(self) -> None:
         """Forget every captured step (the pools moved, or to free the graphs' memory)."""
@@ -2173,7 +2207,9 @@ class Engine:
         """Gather a layer's plan from the host pool, after the block source (if any) has brought
         the planned blocks it lacked."""
         p, g = self.pools, self.geo
-        if self.block_source is not None:
+        if self._plans is not None:
+            self._plans.append((layer, ps, pb, slot_pages, host_csr))  # read after the step
+        elif self.block_source is not None:
             self.block_source.before_gather(layer, ps, pb, *host_csr)
         ops.gather_blocks(
             g,

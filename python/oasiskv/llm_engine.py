@@ -238,8 +238,10 @@ class LLMEngine:
             the blocks it writes itself): planned blocks without a row evict the least recently
             used ones this layer does not read, and an evicted block is read again when it is
             planned again. At least ``num_kv_heads * top_k_blocks``; needs
-            ``kv_transfer="partial"``. None: room for the whole context (each block-head crosses
-            the network at most once).
+            ``kv_transfer="partial"`` and ``cuda_graph=False``. None: room for the whole context
+            (each block-head crosses the network at most once). With ``cuda_graph=True`` a
+            partial transfer's misses are read after each replayed step and their layers
+            gathered again before the next one.
     """
 
     def __init__(
@@ -409,10 +411,10 @@ class LLMEngine:
     def _connect_kv_source(self, src, transfer, token, timeout_s, retries, cuda_graph, cache_blocks=None):
         from .disagg import RemoteKvSource
 
-        if transfer == "partial" and cuda_graph:
+        if transfer == "partial" and cuda_graph and cache_blocks is not None:
             raise ConfigError(
-                "kv_transfer='partial' reads missing blocks on the host between selection and gather, "
-                "which a captured CUDA graph cannot do; pass cuda_graph=False or kv_transfer='full'"
+                "kv_cache_blocks moves host rows between a step's layers, which a captured CUDA graph "
+                "cannot follow; pass cuda_graph=False or kv_cache_blocks=None"
             )
         if self.drafter is not None and self.drafter.wants_prompt_features:
             raise ConfigError(
