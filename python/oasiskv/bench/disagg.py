@@ -112,6 +112,11 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--transfers", type=_transfers, default=list(TRANSFERS))
     w.add_argument("--max-num-seqs", type=_positive, default=None, help="default: --requests")
     w.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="decode in CUDA graphs (a partial transfer's misses are read after each replay)",
+    )
+    w.add_argument(
         "--admission", choices=list(ADMISSIONS), default="heads", help="the prefill worker's admission set"
     )
     k = ap.add_argument_group("KV")
@@ -232,6 +237,7 @@ def run_row(model, args, url: str, conn, transfer: str, rate: float, prompts) ->
         max_num_seqs=args.max_num_seqs or n,
         host_kv_budget_bytes=_bytes(args.host_kv_budget),
         kv_cache_blocks=args.kv_cache_blocks if transfer == "partial" else None,
+        cuda_graph=args.cuda_graph,
         output_kind="delta",
     )
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
@@ -395,6 +401,7 @@ def run(args) -> dict:
                 "fetch_cap": args.fetch_cap,
                 "kv_cache_blocks": args.kv_cache_blocks,
             },
+            "cuda_graph": args.cuda_graph,
             "rows": rows,
         }
     finally:
