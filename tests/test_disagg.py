@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from fakes import pools_are_full, prompt, tiny
-from oasiskv import KvConfig, LLMEngine, SamplingParams, errors
+from oasiskv import KvConfig, LLMEngine, SamplingParams, disagg, errors
 from oasiskv.disagg import (
     ADMISSIONS,
     PrefillWorker,
@@ -551,13 +551,17 @@ class Counting(Recorder):
         return self.inner.fetch_admission(*args)
 
 
+@pytest.mark.parametrize("small_frames", [False, True], ids=["frames", "small-frames"])
 @pytest.mark.parametrize("transfer", ["partial", "full"])
-def test_staged_data_is_read_ahead_off_the_decode_loop(model, transfer):
+def test_staged_data_is_read_ahead_off_the_decode_loop(model, transfer, small_frames, monkeypatch):
     """While a local request decodes, the waiting staged requests' admission data (summaries,
     sections and each KV head's first working set; with ``"full"`` every block) is read in a
     background thread on its own connection, so the decode loop's connection reads none of it.
     Tokens and admission bytes equal those of an engine that reads at admission
-    (``prefetch_depth = 0``)."""
+    (``prefetch_depth = 0``). ``small_frames``: one layer per admission reply and one entry per
+    read, so that the read ahead spreads a request's units over its two connections."""
+    if small_frames:
+        monkeypatch.setattr(disagg, "BULK_FRAME_BYTES", 1)
     with Daemon() as d:
         handles = _staged_small(model, d) + _staged_small(model, d)  # the same prompts twice
         runs = {}

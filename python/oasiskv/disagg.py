@@ -129,6 +129,8 @@ BULK_FRAME_BYTES = 4 << 20
 #: Staged requests whose admission data a :class:`RemoteKvSource` reads ahead in the background
 #: (``RemoteKvSource.prefetch_depth``): each holds its reply bytes in host memory until admitted.
 PREFETCH_DEPTH = 2
+#: Connections the read ahead of one staged request spreads over (each with its own thread).
+PREFETCH_CONNECTIONS = 2
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -596,13 +598,21 @@ class _Prefetched:
     wire_bytes: int = 0
 
 
-def _admission_replies(call: Callable, daemon_id: int, layers: int, layer_bytes: int) -> Iterator[dict]:
-    """``fetch_admission`` replies covering every layer, the sections in the first: layer ranges
-    whose summaries (``layer_bytes`` each) fill about one bulk frame, a range split again when the
-    admission blocks push its reply past the frame limit. ``call(fn)`` runs ``fn(client)``."""
+def _admission_chunks(layers: int, layer_bytes: int) -> list[tuple[int, int]]:
+    """Layer ranges ``(first, count)`` whose summaries (``layer_bytes`` a layer) fill about one
+    bulk frame."""
     per_call = max(1, BULK_FRAME_BYTES // max(1, layer_bytes))
-    pending = [(lo, min(per_call, layers - lo)) for lo in range(0, layers, per_call)]
-    first = True
+    return [(lo, min(per_call, layers - lo)) for lo in range(0, layers, per_call)]
+
+
+def _admission_replies(
+    call: Callable, daemon_id: int, chunks: list[tuple[int, int]], sections: bool = True
+) -> Iterator[dict]:
+    """``fetch_admission`` replies covering the layer ranges ``chunks``, the sections in the
+    first (``sections``); a range is split again when the admission blocks push its reply past
+    the frame limit. ``call(fn)`` runs ``fn(client)``."""
+    pending = list(chunks)
+    first = sections
     while pending:
         lo, cnt = pending.pop(0)
         try:
@@ -697,8 +707,11 @@ class RemoteKvSource:
         #: then reads in the decode loop).
         self.prefetch_depth = PREFETCH_DEPTH
         self._prefetch: dict[int, Future] = {}  # daemon id -> the background read of its data
+        #: Connections (and threads) the read ahead spreads one request's reads over.
+        self.prefetch_connections = PREFETCH_CONNECTIONS
         self._prefetcher: ThreadPoolExecutor | None = None
-        self._prefetch_client = None  # the background reads' own connection
+        self._ahead_helpers: ThreadPoolExecutor | None = None
+        self._prefetch_clients: list = []  # the background reads' own connections
         engine.block_source = self
 
     # ---------------------------------------------------------------- maps
@@ -919,69 +932,121 @@ class RemoteKvSource:
             return None
 
     def _read_ahead(self, h: StagedRequest) -> _Prefetched:
-        """The background thread's read (its own client; nothing of the engine is touched)."""
+        """The background read (nothing of the engine is touched): its units of work (a layer's
+        blocks; a layer range's admission reply and first working set) spread round-robin over
+        :attr:`prefetch_connections` connections of its own, one thread each, merged in layer
+        order (so the frames are those the loop would read)."""
+        layers, hk, b, d, elem, nb = h.geometry
+        rid = h.request_id
         try:
-            if self._prefetch_client is None:
-                self._prefetch_client = _client(self.url, self._token, self._timeout_s)
-            c = self._prefetch_client
-            wire0 = sum(c.wire_bytes)
-            layers, hk, b, d, elem, nb = h.geometry
+            clients = self._ahead_clients()
+            wire0 = [sum(c.wire_bytes) for c in clients]
             pf = _Prefetched()
             if self.transfer == "full":
-                pf.sections = dict(c.fetch_admission(h.request_id, 0, 0, True)["sections"])
-                entry = 2 * hk * b * d * elem
-                per_frame = max(1, int((BULK_FRAME_BYTES - FRAME_OVERHEAD) // (entry + 6)))
-                for layer in range(layers):
-                    for lo in range(0, nb, per_frame):
-                        logicals = list(range(lo, min(nb, lo + per_frame)))
-                        data, _, errors = c.read_blocks([(h.request_id, layer, i, -1) for i in logicals])
-                        bad = next((e for e in errors if e is not None), None)
-                        if bad is not None:
-                            raise RemoteError(f"block of layer {layer}: {bad}")
-                        pf.frames.append((layer, logicals, data))
+                pf.sections = dict(clients[0].fetch_admission(rid, 0, 0, True)["sections"])
+                units: list = list(range(layers))
+
+                def work(c, layer):
+                    return [], self._read_whole_ahead(c, h, layer), []
+
             else:
-                row = hk * 2 * d * elem
-                pf.adms = list(_admission_replies(lambda fn: fn(c), h.request_id, layers, nb * row))
-                if self.cache_blocks is None:
-                    self._read_first_heads_ahead(c, h, pf)
-            pf.wire_bytes = sum(c.wire_bytes) - wire0
+                chunks = _admission_chunks(layers, nb * hk * 2 * d * elem)
+                first = list(_admission_replies(lambda fn: fn(clients[0]), rid, chunks[:1]))
+                pf.sections = dict(first[0]["sections"])
+                query = torch.frombuffer(bytearray(pf.sections[QUERY_SECTION]), dtype=self.engine.dtype)
+                query = query.view(layers, -1, d)
+                pf.adms = first
+                pf.heads = self._read_first_heads_ahead(clients[0], h, first, query)
+                units = chunks[1:]
+
+                def work(c, chunk):
+                    adms = list(_admission_replies(lambda fn: fn(c), rid, [chunk], sections=False))
+                    return adms, [], self._read_first_heads_ahead(c, h, adms, query)
+
+            # Unit i goes to connection (i + skew) % n: the first connection already read the
+            # first admission chunk.
+            n, skew = len(clients), 0 if self.transfer == "full" else 1
+            owner = [(i + skew) % n for i in range(len(units))]
+            helpers = {
+                j: self._ahead_helpers.submit(
+                    lambda j=j: [work(clients[j], u) for u, o in zip(units, owner, strict=True) if o == j]
+                )
+                for j in set(owner) - {0}
+            }
+            results = {0: [work(clients[0], u) for u, o in zip(units, owner, strict=True) if o == 0]}
+            results.update({j: f.result() for j, f in helpers.items()})
+            taken = dict.fromkeys(results, 0)
+            for o in owner:  # merged in unit (layer) order
+                adms, frames, heads = results[o][taken[o]]
+                taken[o] += 1
+                pf.adms += adms
+                pf.frames += frames
+                pf.heads += heads
+            pf.wire_bytes = sum(sum(c.wire_bytes) - w for c, w in zip(clients, wire0, strict=True))
             return pf
         except BaseException:
-            if self._prefetch_client is not None:
-                self._prefetch_client.close()
-            self._prefetch_client = None  # a fresh connection for the next read
+            for c in self._prefetch_clients:
+                c.close()
+            self._prefetch_clients = []  # fresh connections for the next read
             raise
 
-    def _read_first_heads_ahead(self, c, h: StagedRequest, pf: _Prefetched) -> None:
-        """The block-heads the admission's first selection will read (each KV head's top-K from
-        the staged query, scored here by the CPU twins), read into ``pf.heads``. A GPU's scores
-        may break a near-tie otherwise: the admission reads what this missed, in the loop."""
+    def _ahead_clients(self) -> list:
+        """The read ahead's connections (opened on first use), and the threads of all but the
+        first."""
+        while len(self._prefetch_clients) < self.prefetch_connections:
+            self._prefetch_clients.append(_client(self.url, self._token, self._timeout_s))
+        if self._ahead_helpers is None and self.prefetch_connections > 1:
+            self._ahead_helpers = ThreadPoolExecutor(
+                max_workers=self.prefetch_connections - 1, thread_name_prefix="oasis-prefetch"
+            )
+        return self._prefetch_clients
+
+    def _read_whole_ahead(self, c, h: StagedRequest, layer: int) -> list:
+        """Every block of ``layer``, whole: ``(layer, logicals, bytes)`` per frame."""
+        _, hk, b, d, elem, nb = h.geometry
+        per_frame = max(1, int((BULK_FRAME_BYTES - FRAME_OVERHEAD) // (2 * hk * b * d * elem + 6)))
+        frames = []
+        for lo in range(0, nb, per_frame):
+            logicals = list(range(lo, min(nb, lo + per_frame)))
+            data, _, errors = c.read_blocks([(h.request_id, layer, i, -1) for i in logicals])
+            bad = next((e for e in errors if e is not None), None)
+            if bad is not None:
+                raise RemoteError(f"block of layer {layer}: {bad}")
+            frames.append((layer, logicals, data))
+        return frames
+
+    def _read_first_heads_ahead(self, c, h: StagedRequest, adms: list, query: torch.Tensor) -> list:
+        """The block-heads the admission's first selection will read for the layers of ``adms``
+        (each KV head's top-K from the staged query, scored here by the CPU twins), as
+        ``(layer, [(logical, head)], bytes)`` per frame. A GPU's scores may break a near-tie
+        otherwise: the admission reads what this missed, in the loop. Nothing with a bounded
+        cache (its rows are handed out at admission)."""
         eng, g = self.engine, self.engine.geo
-        layers, hk, b, d, _, nb = h.geometry
+        _, hk, b, d, _, nb = h.geometry
         n_complete = len(h.prompt) // b
-        if n_complete == 0:
-            return
+        if n_complete == 0 or self.cache_blocks is not None:
+            return []
         dt = eng.dtype
-        query = torch.frombuffer(bytearray(pf.adms[0]["sections"][QUERY_SECTION]), dtype=dt)
-        query = query.view(layers, g.num_qo_heads, d)
-        summaries = torch.zeros(layers, nb, hk, 2, d, dtype=dt)
-        for adm in pf.adms:
+        summaries: dict[int, torch.Tensor] = {}
+        for adm in adms:
             rows = torch.frombuffer(bytearray(adm["summaries"]), dtype=dt).view(-1, hk, 2, d)
             at = 0
             for layer, first, num in adm["summary_runs"]:
-                summaries[layer, first : first + num] = rows[at : at + num]
+                if layer not in summaries:
+                    summaries[layer] = torch.zeros(nb, hk, 2, d, dtype=dt)
+                summaries[layer][first : first + num] = rows[at : at + num]
                 at += num
         # Whole blocks of the admission set ("union") come with it.
-        whole = {(layer, blk) for adm in pf.adms for layer, blk in adm["block_keys"]}
+        whole = {(layer, blk) for adm in adms for layer, blk in adm["block_keys"]}
         indptr = torch.tensor([0, n_complete], dtype=torch.int32)
         indices = torch.arange(n_complete, dtype=torch.int32)
         k = eng.kv.top_k_blocks
         sinks = min(getattr(eng.kv, "sink_blocks", 0), n_complete)
-        entry = 2 * b * d * dt.itemsize
-        per_frame = max(1, int((BULK_FRAME_BYTES - FRAME_OVERHEAD) // (entry + 6)))
-        for layer in range(layers):
+        per_frame = max(1, int((BULK_FRAME_BYTES - FRAME_OVERHEAD) // (2 * b * d * dt.itemsize + 6)))
+        out = []
+        for layer in sorted(summaries):
             q = query[layer].view(1, g.num_qo_heads, d).contiguous()
-            scores = ops.score_blocks(g, q, summaries[layer].contiguous(), indptr, indices)
+            scores = ops.score_blocks(g, q, summaries[layer], indptr, indices)
             pred = ops.topk_blocks(hk, scores, indptr, min(k, n_complete))[0]  # [hk, k]
             pairs = sorted(
                 (blk, head)
@@ -995,7 +1060,8 @@ class RemoteKvSource:
                 bad = next((e for e in errors if e is not None), None)
                 if bad is not None:
                     raise RemoteError(f"block-head of layer {layer}: {bad}")
-                pf.heads.append((layer, part, data))
+                out.append((layer, part, data))
+        return out
 
     def _install_heads(self, st: _Remote, layer: int, pairs: list[tuple[int, int]], data) -> None:
         """Block-heads read ahead (``(logical, head)`` of ``st``, in order) into their host rows."""
@@ -1036,7 +1102,9 @@ class RemoteKvSource:
         replies = (
             pf.adms
             if pf is not None
-            else _admission_replies(self._call, st.daemon_id, layers, len(st.host_blocks) * row)
+            else _admission_replies(
+                self._call, st.daemon_id, _admission_chunks(layers, len(st.host_blocks) * row)
+            )
         )
         sections: dict = {}
         for i, adm in enumerate(replies):
@@ -1393,8 +1461,11 @@ class RemoteKvSource:
         if self._prefetcher is not None:
             self._prefetcher.shutdown(wait=True, cancel_futures=True)
             self._prefetcher = None
+        if self._ahead_helpers is not None:
+            self._ahead_helpers.shutdown(wait=True)
+            self._ahead_helpers = None
         self._prefetch.clear()
-        if self._prefetch_client is not None:
-            self._prefetch_client.close()
-            self._prefetch_client = None
+        for c in self._prefetch_clients:
+            c.close()
+        self._prefetch_clients = []
         self.client.close()
