@@ -538,8 +538,8 @@ class LLMEngine:
         busy = bool(self._running)  # others decode this step: a staged admission must not stall them
         if src is not None:
             # The first waiting staged requests' data is read in the background meanwhile.
-            ahead = [s.staged for s in self._waiting if s.staged is not None][: src.prefetch_depth]
-            for handle in ahead:
+            staged = (s.staged for s in self._waiting if s.staged is not None)
+            for handle in itertools.islice(staged, src.prefetch_depth):
                 src.prefetch(handle)
         while budget > 0:
             if queue:
