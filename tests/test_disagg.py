@@ -22,6 +22,7 @@ import torch
 
 from fakes import pools_are_full, prompt, tiny
 from oasiskv import KvConfig, LLMEngine, SamplingParams, disagg, errors
+from oasiskv._core import RtClient
 from oasiskv.disagg import (
     ADMISSIONS,
     PrefillWorker,
@@ -622,6 +623,27 @@ def test_the_source_is_idle_once_nothing_is_left_to_read(model, transfer):
         assert eng.kv_source.idle == (transfer == "full")
         eng.run_to_completion([rid])
         assert eng.kv_source.idle
+
+
+@pytest.mark.parametrize("transfer", ["partial", "full"])
+def test_corrupt_sections_fail_the_request_not_the_engine(model, transfer):
+    """A daemon that hands back an unreadable meta section or a query section of the wrong size
+    (a bad or hostile peer): the request fails with a ConfigError's message, the engine goes on."""
+    with Daemon() as d:
+        bad_meta, bad_query, good = _staged_small(model, d, seeds=(3, 5, 7))
+        c = RtClient(d.url)
+        meta = json.dumps({"format": 1, "prompt_len": len(bad_query.prompt), "dtype": "float32"}).encode()
+        c.stage_admission(bad_meta.request_id, [], {"oasis/meta": b"{not json", "oasis/query": b""})
+        c.stage_admission(bad_query.request_id, [], {"oasis/meta": meta, "oasis/query": b"\0" * 12})
+        c.close()
+        eng = LLMEngine(model, kv=KvConfig(**SMALL), drafter="ngram", kv_source=d.url, kv_transfer=transfer)
+        outs = _run(
+            eng, [lambda e, h=h: e.add_staged_request(h, _params()) for h in (bad_meta, bad_query, good)]
+        )
+        assert outs[0].finish_reason == "error" and "meta" in outs[0].error
+        assert outs[1].finish_reason == "error" and "query section" in outs[1].error
+        assert outs[2].finish_reason == "length", outs[2].error
+        assert pools_are_full(eng)
 
 
 def test_a_failed_read_is_retried_after_reconnecting(model):

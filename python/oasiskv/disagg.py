@@ -835,7 +835,7 @@ class RemoteKvSource:
                 # The baseline: every block crosses; the summaries are built here, as a local
                 # transition to sparse builds them.
                 if pf is not None:
-                    sections = pf.sections
+                    sections = self._checked_sections(st, pf.sections)
                     for layer, logicals, data in pf.frames:
                         self._install_whole(st, layer, logicals, data)
                 else:
@@ -847,8 +847,11 @@ class RemoteKvSource:
                 if pf is not None:
                     for layer, pairs, data in pf.heads:
                         self._install_heads(st, layer, pairs, data)
-            meta = json.loads(sections[META_SECTION])
-            if meta.get("format") != META_FORMAT or meta.get("prompt_len") != n:
+            try:
+                meta = json.loads(sections[META_SECTION])
+            except (ValueError, UnicodeDecodeError):
+                meta = None
+            if not isinstance(meta, dict) or meta.get("format") != META_FORMAT or meta.get("prompt_len") != n:
                 raise ConfigError(
                     f"the staged request's meta {meta!r} does not match a {n}-token prompt; pass the "
                     "handle its PrefillWorker returned"
@@ -857,7 +860,14 @@ class RemoteKvSource:
                 raise ConfigError(
                     f"staged KV dtype {meta.get('dtype')!r} differs from this engine's {eng.dtype}"
                 )
-            query = torch.frombuffer(bytearray(sections[QUERY_SECTION]), dtype=eng.dtype)
+            raw = sections[QUERY_SECTION]
+            want = layers * g.num_qo_heads * g.head_dim * eng.dtype.itemsize
+            if len(raw) != want:
+                raise ConfigError(
+                    f"the staged query section holds {len(raw)} bytes, this engine needs {want} "
+                    "(layers x query heads x head dim); prefill with the same model"
+                )
+            query = torch.frombuffer(bytearray(raw), dtype=eng.dtype)
             query = query.view(layers, g.num_qo_heads, g.head_dim)
             if n % b:
                 # The partial last block is the local block: its tokens go to the local page.
@@ -1122,7 +1132,9 @@ class RemoteKvSource:
     def _fetch_sections(self, st: _Remote) -> dict:
         """The admission's sections alone (no layers)."""
         adm = self._call(lambda c: c.fetch_admission(st.daemon_id, 0, 0, True))
-        sections = dict(adm["sections"])
+        return self._checked_sections(st, dict(adm["sections"]))
+
+    def _checked_sections(self, st: _Remote, sections: dict) -> dict:
         missing = [s for s in (META_SECTION, QUERY_SECTION) if s not in sections]
         if missing:
             raise ConfigError(
