@@ -40,6 +40,8 @@ async fn rows_for_8_and_64_kib_blocks_over_frames() {
     for r in &report.rows {
         assert_eq!((r.batch, r.repeats, r.path()), (16, 3, "frames"));
         assert_eq!(r.read_gbps.len(), 3);
+        assert_eq!(r.stage_gbps.len(), 3);
+        assert!(r.stage_gbps.iter().all(|v| v.is_finite() && *v > 0.0));
         assert_eq!(r.memcpy_gbps.len(), 3);
         assert!(r.read_gbps.iter().all(|v| v.is_finite() && *v > 0.0));
         assert!(r.read_gbps_median() > 0.0 && r.memcpy_gbps_median() > 0.0);

@@ -237,7 +237,7 @@ fn bench_over(transport: &str) {
         .collect();
     assert_eq!(rows.len(), 2, "{text}");
     for (row, (bytes, blocks)) in rows.iter().zip([("8192", "256"), ("65536", "32")]) {
-        assert_eq!(row.len(), 7, "{text}");
+        assert_eq!(row.len(), 8, "{text}");
         assert_eq!(&row[..3], [bytes, blocks, path], "{text}");
         for v in &row[3..] {
             assert!(v.parse::<f64>().is_ok_and(|v| v > 0.0), "{text}");
@@ -250,6 +250,7 @@ fn bench_over(transport: &str) {
         "\"block_bytes\": 8192, \"blocks\": 256, \"batch\": 16, \"repeats\": 2".into(),
         "\"block_bytes\": 65536, \"blocks\": 32".into(),
         "\"read_gbps_median\": ".into(),
+        "\"stage_gbps_median\": ".into(),
         "\"memcpy_one_copy_gbps\": ".into(),
     ] {
         assert!(j.contains(&needle), "{needle} in {j}");
