@@ -39,8 +39,12 @@ def test_fig12_sweep_on_the_cpu(tmp_path):
         assert full["admission_bytes_per_request"] >= full["kv_bytes_per_request"]
         assert part["admission_bytes_per_request"] < 0.75 * full["admission_bytes_per_request"]
         assert full["fetched_bytes_per_request"] == 0
-        # The partial rows' host caches are bounded (8 of 19 blocks per request): a smaller pool.
-        assert 0 < part["host_reserved_peak_bytes"] < full["host_reserved_peak_bytes"]
+        # Host rows reserved at most (how many requests overlap depends on timing): a full
+        # transfer's request reserves a row for each of its 19 blocks; a partial one's bounded
+        # cache 8 plus the blocks it writes itself (at most 2 here), for each of 3 requests.
+        row = full["kv_bytes_per_request"] / 19
+        assert full["host_reserved_peak_bytes"] >= 19 * row
+        assert 0 < part["host_reserved_peak_bytes"] <= 3 * 10 * row
     assert "| partial | 200 |" in md.read_text()
 
 
