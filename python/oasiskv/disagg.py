@@ -484,9 +484,7 @@ class PrefillWorker:
                 ops.build_summaries(g, k, all_blocks, lens_t, summaries)
                 union: set[int] = set()
                 if n_complete and self.admission == "union":
-                    q = query[layer].view(1, g.num_qo_heads, d).contiguous()
-                    scores = ops.score_blocks(g, q, summaries, blk_indptr, blk_indices)
-                    pred = ops.topk_blocks(hk, scores, blk_indptr, kv.top_k_blocks)
+                    pred = _first_top_k(g, query[layer], summaries, blk_indptr, blk_indices, kv.top_k_blocks)
                     union = set(pred[pred >= 0].tolist())
                 if lens[-1] < b:
                     union.add(nb - 1)  # the decode side's local block
@@ -625,6 +623,31 @@ def _admission_replies(
             continue
         first = False
         yield adm
+
+
+def _first_top_k(geo, q: torch.Tensor, summaries: torch.Tensor, indptr, indices, k: int) -> torch.Tensor:
+    """Each KV head's top-``k`` blocks of one request under the query ``q`` (``[num_qo_heads,
+    head_dim]``): the admission's first selection, ``[num_kv_heads, k]``, -1 padded."""
+    q = q.view(1, geo.num_qo_heads, geo.head_dim).contiguous()
+    scores = ops.score_blocks(geo, q, summaries, indptr, indices)
+    return ops.topk_blocks(geo.num_kv_heads, scores, indptr, k)[0]
+
+
+def _entries_per_frame(entry_bytes: int, frame_bytes: float | None = None) -> int:
+    """Read entries of ``entry_bytes`` that fill a reply frame of ``frame_bytes`` (default:
+    :data:`BULK_FRAME_BYTES`), at least one."""
+    frame = BULK_FRAME_BYTES if frame_bytes is None else frame_bytes
+    return max(1, int((frame - FRAME_OVERHEAD) // (entry_bytes + READ_REPLY_ENTRY_BYTES)))
+
+
+def _read_all(client, keys: list, what: str):
+    """``client.read_blocks(keys)``'s bytes, every entry present (a read ahead takes all of its
+    frame or nothing); ``RemoteError`` naming ``what`` otherwise."""
+    data, _, errors = client.read_blocks(keys)
+    bad = next((e for e in errors if e is not None), None)
+    if bad is not None:
+        raise RemoteError(f"{what}: {bad}")
+    return data
 
 
 class RemoteKvSource:
@@ -781,13 +804,16 @@ class RemoteKvSource:
             self._release_daemon_copy(handle.request_id)
             raise
 
+    def _geometry(self, prompt_len: int) -> tuple[int, int, int, int, int, int]:
+        """The daemon geometry a staged ``prompt_len``-token request must have for this engine."""
+        eng, g = self.engine, self.engine.geo
+        nb = math.ceil(prompt_len / g.block_size)
+        return (eng.cfg.num_hidden_layers, g.num_kv_heads, g.block_size, g.head_dim, eng.dtype.itemsize, nb)
+
     def _admit(self, r: _Request, handle: StagedRequest) -> None:
         eng = self.engine
-        g = eng.geo
-        layers = eng.cfg.num_hidden_layers
-        n, b = len(r.prompt), g.block_size
-        nb = math.ceil(n / b)
-        expect = (layers, g.num_kv_heads, b, g.head_dim, eng.dtype.itemsize, nb)
+        n = len(r.prompt)
+        expect = self._geometry(n)
         if tuple(handle.geometry) != expect:
             raise ConfigError(
                 f"the staged request has geometry {tuple(handle.geometry)} (layers, kv heads, block "
@@ -837,7 +863,7 @@ class RemoteKvSource:
                 if pf is not None:
                     sections = self._checked_sections(st, pf.sections)
                     for layer, logicals, data in pf.frames:
-                        self._install_whole(st, layer, logicals, data)
+                        self._install(st, layer, logicals, None, data)
                 else:
                     sections = self._fetch_sections(st)
                 self._fetch_rest(st, layers)  # whatever the read ahead did not bring
@@ -846,7 +872,8 @@ class RemoteKvSource:
                 sections = self._fetch_admission(st, layers, pf)
                 if pf is not None:
                     for layer, pairs, data in pf.heads:
-                        self._install_heads(st, layer, pairs, data)
+                        blocks, heads = zip(*pairs, strict=True)
+                        self._install(st, layer, blocks, heads, data)
             try:
                 meta = json.loads(sections[META_SECTION])
             except (ValueError, UnicodeDecodeError):
@@ -912,9 +939,7 @@ class RemoteKvSource:
         rid = handle.request_id
         if rid in self._prefetch or len(self._prefetch) >= self.prefetch_depth:
             return
-        g, eng = self.engine.geo, self.engine
-        expect = (eng.cfg.num_hidden_layers, g.num_kv_heads, g.block_size, g.head_dim, eng.dtype.itemsize)
-        if tuple(handle.geometry[:5]) != expect:
+        if tuple(handle.geometry) != self._geometry(len(handle.prompt)):
             return  # the admission refuses it, with the reason
         if self._prefetcher is None:
             self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="oasis-prefetch")
@@ -1013,16 +1038,13 @@ class RemoteKvSource:
 
     def _read_whole_ahead(self, c, h: StagedRequest, layer: int) -> list:
         """Every block of ``layer``, whole: ``(layer, logicals, bytes)`` per frame."""
-        _, hk, b, d, elem, nb = h.geometry
-        per_frame = max(1, int((BULK_FRAME_BYTES - FRAME_OVERHEAD) // (2 * hk * b * d * elem + 6)))
+        _, hk, _, _, _, nb = h.geometry
+        per_frame = _entries_per_frame(self._entry_bytes() * hk)
         frames = []
         for lo in range(0, nb, per_frame):
             logicals = list(range(lo, min(nb, lo + per_frame)))
-            data, _, errors = c.read_blocks([(h.request_id, layer, i, -1) for i in logicals])
-            bad = next((e for e in errors if e is not None), None)
-            if bad is not None:
-                raise RemoteError(f"block of layer {layer}: {bad}")
-            frames.append((layer, logicals, data))
+            keys = [(h.request_id, layer, i, -1) for i in logicals]
+            frames.append((layer, logicals, _read_all(c, keys, f"block of layer {layer}")))
         return frames
 
     def _read_first_heads_ahead(self, c, h: StagedRequest, adms: list, query: torch.Tensor) -> list:
@@ -1052,12 +1074,10 @@ class RemoteKvSource:
         indices = torch.arange(n_complete, dtype=torch.int32)
         k = eng.kv.top_k_blocks
         sinks = min(getattr(eng.kv, "sink_blocks", 0), n_complete)
-        per_frame = max(1, int((BULK_FRAME_BYTES - FRAME_OVERHEAD) // (2 * b * d * dt.itemsize + 6)))
+        per_frame = _entries_per_frame(self._entry_bytes())
         out = []
         for layer in sorted(summaries):
-            q = query[layer].view(1, g.num_qo_heads, d).contiguous()
-            scores = ops.score_blocks(g, q, summaries[layer], indptr, indices)
-            pred = ops.topk_blocks(hk, scores, indptr, min(k, n_complete))[0]  # [hk, k]
+            pred = _first_top_k(g, query[layer], summaries[layer], indptr, indices, k)  # [hk, k]
             pairs = sorted(
                 (blk, head)
                 for blk, head in {(int(x), hd) for hd in range(hk) for x in pred[hd].tolist() if x >= 0}
@@ -1066,43 +1086,39 @@ class RemoteKvSource:
             )
             for lo in range(0, len(pairs), per_frame):
                 part = pairs[lo : lo + per_frame]
-                data, _, errors = c.read_blocks([(h.request_id, layer, blk, head) for blk, head in part])
-                bad = next((e for e in errors if e is not None), None)
-                if bad is not None:
-                    raise RemoteError(f"block-head of layer {layer}: {bad}")
-                out.append((layer, part, data))
+                keys = [(h.request_id, layer, blk, head) for blk, head in part]
+                out.append((layer, part, _read_all(c, keys, f"block-head of layer {layer}")))
         return out
 
-    def _install_heads(self, st: _Remote, layer: int, pairs: list[tuple[int, int]], data) -> None:
-        """Block-heads read ahead (``(logical, head)`` of ``st``, in order) into their host rows."""
-        eng = self.engine
-        p, g = eng.pools, eng.geo
-        rows = torch.tensor([st.host_rows[blk] for blk, _ in pairs], dtype=torch.long)
-        heads = torch.tensor([head for _, head in pairs], dtype=torch.long)
-        x = torch.frombuffer(data, dtype=eng.dtype).view(len(pairs), 2, g.block_size, g.head_dim)
-        dev = p.host_device
-        p.host_k[layer][rows.to(dev), heads.to(dev)] = x[:, 0].to(dev)
-        p.host_v[layer][rows.to(dev), heads.to(dev)] = x[:, 1].to(dev)
-        present = self._present[layer]
-        new = int((~present[rows, heads]).sum())
-        present[rows, heads] = True
-        self._count_cached(st, new)
-
-    def _install_whole(self, st: _Remote, layer: int, logicals: list[int], data) -> None:
-        """Whole blocks read ahead (``logicals`` of ``st``, in order) into their host rows."""
-        eng = self.engine
-        p, g = eng.pools, eng.geo
+    def _install(self, st: _Remote, layer: int, logicals, heads, data) -> None:
+        """Blocks (``heads`` None) or block-heads read ahead, ``logicals`` of ``st`` in order, into
+        their host rows."""
         rows = torch.tensor([st.host_rows[i] for i in logicals], dtype=torch.long)
-        x = torch.frombuffer(data, dtype=eng.dtype).view(
-            len(logicals), 2, g.num_kv_heads, g.block_size, g.head_dim
-        )
+        heads_t = None if heads is None else torch.tensor(heads, dtype=torch.long)
+        self._count_cached(st, int(self._store(layer, rows, heads_t, data).sum()))
+
+    def _store(self, layer: int, rows: torch.Tensor, heads: torch.Tensor | None, data) -> torch.Tensor:
+        """Write read bytes into the host pool: block-heads ``(rows[i], heads[i])``, or with
+        ``heads`` None every head of ``rows[i]``; mark them present. Returns how many of each
+        entry's block-heads were absent before."""
+        eng = self.engine
+        p, g = eng.pools, eng.geo
         dev = p.host_device
-        p.host_k[layer][rows.to(dev)] = x[:, 0].to(dev)
-        p.host_v[layer][rows.to(dev)] = x[:, 1].to(dev)
         present = self._present[layer]
-        new = int((~present[rows]).sum())
-        present[rows] = True
-        self._count_cached(st, new)
+        x = torch.frombuffer(data, dtype=eng.dtype)
+        if heads is None:
+            x = x.view(len(rows), 2, g.num_kv_heads, g.block_size, g.head_dim)
+            at = (rows.to(dev),)
+            new = (~present[rows]).sum(dim=1)
+            present[rows] = True
+        else:
+            x = x.view(len(rows), 2, g.block_size, g.head_dim)
+            at = (rows.to(dev), heads.to(dev))
+            new = (~present[rows, heads]).long()
+            present[rows, heads] = True
+        p.host_k[layer][at] = x[:, 0].to(dev)
+        p.host_v[layer][at] = x[:, 1].to(dev)
+        return new
 
     def _fetch_admission(self, st: _Remote, layers: int, pf: _Prefetched | None = None) -> dict:
         """Read the admission set of every layer (in as many calls as the frame limit needs), or
@@ -1121,13 +1137,7 @@ class RemoteKvSource:
             if i == 0:
                 sections = dict(adm["sections"])
             self._write_admission(st, adm)
-        missing = [s for s in (META_SECTION, QUERY_SECTION) if s not in sections]
-        if missing:
-            raise ConfigError(
-                f"staged request {st.daemon_id} has no {missing} section(s); stage it with "
-                "oasiskv.disagg.PrefillWorker"
-            )
-        return sections
+        return self._checked_sections(st, sections)
 
     def _fetch_sections(self, st: _Remote) -> dict:
         """The admission's sections alone (no layers)."""
@@ -1363,12 +1373,8 @@ class RemoteKvSource:
     def _read(self, layer: int, hb: torch.Tensor, head: torch.Tensor, whole: bool) -> None:
         """Read ``(hb[i], head[i])`` (``whole``: every head of ``hb[i]``) from the daemon into the
         host pool, in frames under the limit."""
-        eng = self.engine
-        g, p, dt = eng.geo, eng.pools, eng.dtype
-        hk, b, d = g.num_kv_heads, g.block_size, g.head_dim
-        entry = self._entry_bytes() * (hk if whole else 1)
-        frame = min(self.client.max_frame * FRAME_FILL, BULK_FRAME_BYTES)
-        per_frame = max(1, int((frame - FRAME_OVERHEAD) // (entry + 6)))
+        entry = self._entry_bytes() * (self.engine.geo.num_kv_heads if whole else 1)
+        per_frame = _entries_per_frame(entry, min(self.client.max_frame * FRAME_FILL, BULK_FRAME_BYTES))
         owners = self._owner[hb].tolist()
         logical = self._logical[hb].tolist()
         heads = head.tolist()
@@ -1395,24 +1401,8 @@ class RemoteKvSource:
                         "was the request released or evicted after its lease (oasis-rt serve --lease)?",
                     )
             if good:
-                x = torch.frombuffer(data, dtype=dt)
                 sel = torch.tensor(good, dtype=torch.long) + lo
-                idx = hb[sel]
-                dev = p.host_device
-                present = self._present[layer]
-                if whole:
-                    x = x.view(len(good), 2, hk, b, d)
-                    p.host_k[layer][idx.to(dev)] = x[:, 0].to(dev)
-                    p.host_v[layer][idx.to(dev)] = x[:, 1].to(dev)
-                    new = (~present[idx]).sum(dim=1).tolist()
-                    present[idx] = True
-                else:
-                    x = x.view(len(good), 2, b, d)
-                    hs = head[sel]
-                    p.host_k[layer][idx.to(dev), hs.to(dev)] = x[:, 0].to(dev)
-                    p.host_v[layer][idx.to(dev), hs.to(dev)] = x[:, 1].to(dev)
-                    new = (~present[idx, hs]).long().tolist()
-                    present[idx, hs] = True
+                new = self._store(layer, hb[sel], None if whole else head[sel], data).tolist()
                 per_owner: dict[int, int] = {}
                 for i, cnt in zip(good, new, strict=True):
                     per_owner[owners[lo + i]] = per_owner.get(owners[lo + i], 0) + int(cnt)

@@ -2074,20 +2074,9 @@ class Engine:
         src = self.block_source
         if src is None or getattr(src, "idle", True):
             return
-        p, g = self.pools, self.geo
         for layer, ps, pb, slot_pages, host_csr in plans:
             if src.before_gather(layer, ps, pb, *host_csr):
-                ops.gather_blocks(
-                    g,
-                    ps,
-                    pb,
-                    slot_pages,
-                    *host_csr,
-                    p.host_k[layer],
-                    p.host_v[layer],
-                    p.k_pages[layer],
-                    p.v_pages[layer],
-                )
+                self._gather(layer, ps, pb, slot_pages, host_csr)
 
     def drop_graphs(self) -> None:
         """Forget every captured step (the pools moved, or to free the graphs' memory)."""
@@ -2206,11 +2195,15 @@ class Engine:
     def _fetch_and_gather(self, layer, ps, pb, slot_pages, host_csr) -> None:
         """Gather a layer's plan from the host pool, after the block source (if any) has brought
         the planned blocks it lacked."""
-        p, g = self.pools, self.geo
         if self._plans is not None:
             self._plans.append((layer, ps, pb, slot_pages, host_csr))  # read after the step
         elif self.block_source is not None:
             self.block_source.before_gather(layer, ps, pb, *host_csr)
+        self._gather(layer, ps, pb, slot_pages, host_csr)
+
+    def _gather(self, layer, ps, pb, slot_pages, host_csr) -> None:
+        """One layer's plan from the host pool into its working-set pages."""
+        p, g = self.pools, self.geo
         ops.gather_blocks(
             g,
             ps,
