@@ -46,6 +46,28 @@ def _prompt(n: int, seed: int) -> list[int]:
     return (base * (n // 41 + 1))[:n]
 
 
+def _decode_staged(d: Daemon, **engine_kw) -> LLMEngine:
+    """Two 600-token prompts prefilled into daemon ``d`` (``first_query="prompt"``) and decoded
+    by an ``LLMEngine(kv_source=d, **engine_kw)``: greedy tokens equal the eager single-process
+    OasisKV engine's on the same device. Returns the decode engine."""
+    model = _model()
+    prompts = [_prompt(600, s) for s in (3, 5)]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    worker = PrefillWorker(model, SMALL, d.url, first_query="prompt")
+    handles = [worker.prefill(p) for p in prompts]
+    worker.close()
+    eng = LLMEngine(model, kv=SMALL, drafter="ngram", kv_source=d.url, **engine_kw)
+    ids = [eng.add_staged_request(h, params) for h in handles]
+    outs = eng.run_to_completion(ids)
+    ref = LLMEngine(model, kv=SMALL, backend="oasis", drafter="ngram")
+    rids = [ref.add_request(p, params) for p in prompts]
+    refs = ref.run_to_completion(rids)
+    for i, r in zip(ids, rids, strict=True):
+        assert outs[i].finish_reason == "length", outs[i].error
+        assert outs[i].token_ids == refs[r].token_ids
+    return eng
+
+
 @pytest.mark.parametrize(
     "transfer, cache_blocks",
     [("partial", None), ("full", None), ("partial", 10)],
@@ -54,23 +76,8 @@ def _prompt(n: int, seed: int) -> list[int]:
 def test_staged_requests_decode_as_the_single_process_engine(transfer, cache_blocks):
     """``cache_blocks``: a bounded host cache (``kv_cache_blocks``), small enough to evict, so
     the deferred fetches wait for the previous layer's gather before a row changes hands."""
-    model = _model()
-    prompts = [_prompt(600, s) for s in (3, 5)]
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
     with Daemon(memory="1GiB") as d:
-        worker = PrefillWorker(model, SMALL, d.url, first_query="prompt")
-        handles = [worker.prefill(p) for p in prompts]
-        worker.close()
-        kw = dict(kv_source=d.url, kv_transfer=transfer, kv_cache_blocks=cache_blocks)
-        eng = LLMEngine(model, kv=SMALL, drafter="ngram", **kw)
-        ids = [eng.add_staged_request(h, params) for h in handles]
-        outs = eng.run_to_completion(ids)
-        ref = LLMEngine(model, kv=SMALL, backend="oasis", drafter="ngram")
-        rids = [ref.add_request(p, params) for p in prompts]
-        refs = ref.run_to_completion(rids)
-        for i, r in zip(ids, rids, strict=True):
-            assert outs[i].finish_reason == "length", outs[i].error
-            assert outs[i].token_ids == refs[r].token_ids
+        eng = _decode_staged(d, kv_transfer=transfer, kv_cache_blocks=cache_blocks)
         st = eng.kv_source.stats
         assert st.failures == 0 and st.cached_bytes == 0
         if transfer == "partial":
@@ -84,24 +91,8 @@ def test_staged_requests_decode_as_the_single_process_engine(transfer, cache_blo
 def test_a_full_transfer_decodes_in_cuda_graphs():
     """After a full transfer's admission the source has nothing left to read (``idle``), so the
     engine replays captured CUDA graphs: the same tokens as the eager single-process engine's."""
-    model = _model()
-    prompts = [_prompt(600, s) for s in (3, 5)]
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
     with Daemon(memory="1GiB") as d:
-        worker = PrefillWorker(model, SMALL, d.url, first_query="prompt")
-        handles = [worker.prefill(p) for p in prompts]
-        worker.close()
-        eng = LLMEngine(
-            model, kv=SMALL, drafter="ngram", kv_source=d.url, kv_transfer="full", cuda_graph=True
-        )
-        ids = [eng.add_staged_request(h, params) for h in handles]
-        outs = eng.run_to_completion(ids)
-        ref = LLMEngine(model, kv=SMALL, backend="oasis", drafter="ngram")
-        rids = [ref.add_request(p, params) for p in prompts]
-        refs = ref.run_to_completion(rids)
-        for i, r in zip(ids, rids, strict=True):
-            assert outs[i].finish_reason == "length", outs[i].error
-            assert outs[i].token_ids == refs[r].token_ids
+        eng = _decode_staged(d, kv_transfer="full", cuda_graph=True)
         assert eng.kv_source.idle and eng.engine.graph_stats["replays"] > 0
 
 
@@ -110,24 +101,8 @@ def test_a_partial_transfer_decodes_in_cuda_graphs_fixed_up_after_each_step():
     copy whatever the host rows hold; then the engine hands every layer's plan to the source,
     which reads the missing block-heads, and gathers those layers again before the next step.
     The tokens are the eager single-process engine's, and misses did come over the network."""
-    model = _model()
-    prompts = [_prompt(600, s) for s in (3, 5)]
-    params = SamplingParams(max_tokens=16, ignore_eos=True)
     with Daemon(memory="1GiB") as d:
-        worker = PrefillWorker(model, SMALL, d.url, first_query="prompt")
-        handles = [worker.prefill(p) for p in prompts]
-        worker.close()
-        eng = LLMEngine(
-            model, kv=SMALL, drafter="ngram", kv_source=d.url, kv_transfer="partial", cuda_graph=True
-        )
-        ids = [eng.add_staged_request(h, params) for h in handles]
-        outs = eng.run_to_completion(ids)
-        ref = LLMEngine(model, kv=SMALL, backend="oasis", drafter="ngram")
-        rids = [ref.add_request(p, params) for p in prompts]
-        refs = ref.run_to_completion(rids)
-        for i, r in zip(ids, rids, strict=True):
-            assert outs[i].finish_reason == "length", outs[i].error
-            assert outs[i].token_ids == refs[r].token_ids
+        eng = _decode_staged(d, kv_transfer="partial", cuda_graph=True)
         st = eng.kv_source.stats
         assert st.failures == 0 and st.fetched_entries > 0
         assert eng.engine.graph_stats["replays"] > 0
