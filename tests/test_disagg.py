@@ -717,14 +717,14 @@ def test_misses_are_fetched_after_the_step_s_compute_is_queued(model):
             return out
 
         src = inner.block_source
-        before = src.before_gather
+        before = src.before_gathers
 
-        def logged_before(layer, *a):
-            events.append(("fetch", layer))
-            return before(layer, *a)
+        def logged_before(plans):
+            events.append(("fetch", tuple(p[0] for p in plans)))
+            return before(plans)
 
         inner.model.forward = logged_forward
-        src.before_gather = logged_before
+        src.before_gathers = logged_before
         try:
             (o,) = _run(eng, [lambda e: e.add_staged_request(h, _params(8))])
         finally:
@@ -736,7 +736,8 @@ def test_misses_are_fetched_after_the_step_s_compute_is_queued(model):
         done = [i for i, e in enumerate(events) if e == "forward done"]
         assert len(done) >= 7  # decode steps (the admission's selection fetches before them)
         for i in done[:-1]:
-            # No fetch inside a forward; after each, every layer's, in order, before the next.
+            # No fetch inside a forward; after each, one batched read of every layer's plan, in
+            # order, before the next.
             assert events[i - 1] == "forward"
-            assert events[i + 1 : i + 1 + layers] == [("fetch", layer) for layer in range(layers)]
-            assert events[i + 1 + layers] == "forward"
+            assert events[i + 1] == ("fetch", tuple(range(layers)))
+            assert events[i + 2] == "forward"

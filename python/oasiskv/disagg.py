@@ -1257,7 +1257,7 @@ class RemoteKvSource:
             absent = hb[~self._present[layer][hb].all(dim=1)]
             if absent.numel():
                 heads = torch.full((absent.numel(),), -1, dtype=torch.long)
-                self._read(layer, absent, heads, whole=True)
+                self._read(torch.full_like(absent, layer), absent, heads, whole=True)
 
     def _select_initial(self, r: _Request, tr: dict, query: torch.Tensor) -> None:
         """The initial working set, selected with the staged query without the cap (as
@@ -1351,37 +1351,77 @@ class RemoteKvSource:
                 patched = True
         return self._ensure(layer, hb, head) or patched
 
-    def _ensure(self, layer: int, hb: torch.Tensor, head: torch.Tensor) -> bool:
-        """Make the block-heads ``(hb[i], head[i])`` present, reading the absent ones; whether
-        any was read."""
-        self._grow_maps()  # the pools may have grown for other requests (theirs are local)
+    def before_gathers(self, plans: list) -> list[bool]:
+        """:meth:`before_gather` for every layer of a step at once, ``plans`` a list of
+        ``(layer, plan_slots, plan_blocks, host_indptr, host_indices)`` in layer order: the
+        absent block-heads of all the layers go to the daemon in one batched read (frames carry
+        entries of several layers), not one round trip per layer. Returns, per plan, whether
+        its gather's inputs changed. With a bounded cache, layer by layer (rows change hands
+        between the layers of a step)."""
+        if self._missing == 0 and self._bounded == 0:
+            return [False] * len(plans)
+        if self._bounded:
+            return [self.before_gather(*p) for p in plans]
+        self._grow_maps()
+        parts = []
+        for layer, plan_slots, plan_blocks, host_indptr, host_indices in plans:
+            ps = plan_slots.cpu()
+            sel = ps >= 0
+            if not bool(sel.any()):
+                continue
+            seq, head, _ = sel.nonzero(as_tuple=True)
+            indptr, indices = host_indptr.cpu().long(), host_indices.cpu().long()
+            hb = indices[indptr[seq] + plan_blocks.cpu()[sel].long()]
+            got = self._absent(layer, hb, head)
+            if got is not None:
+                parts.append((layer, *got))
+        if not parts:
+            return [False] * len(plans)
+        layers = torch.cat([torch.full_like(hb, layer) for layer, hb, _ in parts])
+        hbs, heads = torch.cat([hb for _, hb, _ in parts]), torch.cat([h for _, _, h in parts])
+        self._read(layers, hbs, heads, whole=False)
+        read = {layer for layer, _, _ in parts}
+        return [p[0] in read for p in plans]
+
+    def _absent(self, layer: int, hb: torch.Tensor, head: torch.Tensor):
+        """The block-heads ``(hb[i], head[i])`` of ``layer`` not in the host pool, each once and
+        none of a failed request, as ``(hb, head)``; None when there are none."""
         absent = ~self._present[layer][hb, head]
         if not bool(absent.any()):
-            return False
+            return None
         hb, head = hb[absent], head[absent]
         owners = self._owner[hb]
         ok = torch.tensor([int(o) not in self._failed for o in owners.tolist()], dtype=torch.bool)
         if not bool(ok.all()):
             hb, head = hb[ok], head[ok]
         if not hb.numel():
+            return None
+        pairs = torch.unique(torch.stack([hb, head], dim=1), dim=0)  # one key per (block, head)
+        return pairs[:, 0], pairs[:, 1]
+
+    def _ensure(self, layer: int, hb: torch.Tensor, head: torch.Tensor) -> bool:
+        """Make the block-heads ``(hb[i], head[i])`` present, reading the absent ones; whether
+        any was read."""
+        self._grow_maps()  # the pools may have grown for other requests (theirs are local)
+        got = self._absent(layer, hb, head)
+        if got is None:
             return False
-        # One key per (block, head), each once.
-        pairs = torch.unique(torch.stack([hb, head], dim=1), dim=0)
-        self._read(layer, pairs[:, 0], pairs[:, 1], whole=False)
+        self._read(torch.full_like(got[0], layer), *got, whole=False)
         return True
 
-    def _read(self, layer: int, hb: torch.Tensor, head: torch.Tensor, whole: bool) -> None:
-        """Read ``(hb[i], head[i])`` (``whole``: every head of ``hb[i]``) from the daemon into the
-        host pool, in frames under the limit."""
+    def _read(self, layers: torch.Tensor, hb: torch.Tensor, head: torch.Tensor, whole: bool) -> None:
+        """Read ``(layers[i], hb[i], head[i])`` (``whole``: every head of ``hb[i]``) from the
+        daemon into the host pool, in frames under the limit; ``layers`` in ascending order."""
         entry = self._entry_bytes() * (self.engine.geo.num_kv_heads if whole else 1)
         per_frame = _entries_per_frame(entry, min(self.client.max_frame * FRAME_FILL, BULK_FRAME_BYTES))
         owners = self._owner[hb].tolist()
         logical = self._logical[hb].tolist()
         heads = head.tolist()
+        lay = layers.tolist()
         for lo in range(0, len(owners), per_frame):
             hi = min(len(owners), lo + per_frame)
             keys = [
-                (self._by_req[owners[i]].daemon_id, layer, logical[i], -1 if whole else heads[i])
+                (self._by_req[owners[i]].daemon_id, lay[i], logical[i], -1 if whole else heads[i])
                 for i in range(lo, hi)
             ]
             wire0 = self._wire()
@@ -1397,17 +1437,24 @@ class RemoteKvSource:
                 if err is not None:
                     self._fail(
                         owners[lo + i],
-                        f"the staging daemon has no block {logical[lo + i]} of layer {layer} ({err}); "
+                        f"the staging daemon has no block {logical[lo + i]} of layer {lay[lo + i]} ({err}); "
                         "was the request released or evicted after its lease (oasis-rt serve --lease)?",
                     )
-            if good:
-                sel = torch.tensor(good, dtype=torch.long) + lo
-                new = self._store(layer, hb[sel], None if whole else head[sel], data).tolist()
-                per_owner: dict[int, int] = {}
-                for i, cnt in zip(good, new, strict=True):
+            view = memoryview(data)
+            per_owner: dict[int, int] = {}
+            a = 0
+            while a < len(good):  # the good entries of one layer at a time: data holds them in order
+                b = a
+                while b < len(good) and lay[lo + good[b]] == lay[lo + good[a]]:
+                    b += 1
+                sel = torch.tensor(good[a:b], dtype=torch.long) + lo
+                part = view[a * entry : b * entry]
+                new = self._store(lay[lo + good[a]], hb[sel], None if whole else head[sel], part).tolist()
+                for i, cnt in zip(good[a:b], new, strict=True):
                     per_owner[owners[lo + i]] = per_owner.get(owners[lo + i], 0) + int(cnt)
-                for owner, cnt in per_owner.items():
-                    self._count_cached(self._by_req[owner], cnt)
+                a = b
+            for owner, cnt in per_owner.items():
+                self._count_cached(self._by_req[owner], cnt)
             if not whole and not self._admitting:
                 # Decode-time traffic (reads while a request is admitted count as its admission:
                 # the first working set's block-heads); shared among a frame's requests by entries.

@@ -831,6 +831,15 @@ class _StepGraph:
         self.graph, self.out = graph, static
 
 
+def _before_gathers(src, plans: list) -> list[bool]:
+    """A block source's reads for several layers' plans ``(layer, plan_slots, plan_blocks,
+    slot_pages, host_csr)``: batched when it offers ``before_gathers``, else layer by layer.
+    Per plan, whether its gather's inputs changed."""
+    if hasattr(src, "before_gathers"):
+        return src.before_gathers([(layer, ps, pb, *csr) for layer, ps, pb, _, csr in plans])
+    return [src.before_gather(layer, ps, pb, *csr) for layer, ps, pb, _, csr in plans]
+
+
 class Engine:
     """Runs requests over one model with one attention backend (``dense`` or ``oasis``).
 
@@ -2074,8 +2083,9 @@ class Engine:
         src = self.block_source
         if src is None or getattr(src, "idle", True):
             return
-        for layer, ps, pb, slot_pages, host_csr in plans:
-            if src.before_gather(layer, ps, pb, *host_csr):
+        changed = _before_gathers(src, plans)
+        for (layer, ps, pb, slot_pages, host_csr), again in zip(plans, changed, strict=True):
+            if again:
                 self._gather(layer, ps, pb, slot_pages, host_csr)
 
     def drop_graphs(self) -> None:
@@ -2226,16 +2236,30 @@ class Engine:
         # A block source that evicts host rows (a bounded cache) may hand a row the previous
         # layer's gather still reads (another stream) to another block: wait for that gather.
         evicts = getattr(self.block_source, "may_evict", True)
+        batched = not evicts and hasattr(self.block_source, "before_gathers")
+        if batched and work:
+            # One read for the whole step's misses (not a daemon round trip per layer), once
+            # every layer's selection is done: the plans are read on the host.
+            if self.cuda:
+                for side in {id(s): s for s in (self._side(w[0]) for w in work)}.values():
+                    side.synchronize()
+            _before_gathers(self.block_source, work)
         prev = None
         for layer, ps, pb, slot_pages, host_csr in work:
             if not self.cuda:
-                self._fetch_and_gather(layer, ps, pb, slot_pages, host_csr)
+                if batched:
+                    self._gather(layer, ps, pb, slot_pages, host_csr)
+                else:
+                    self._fetch_and_gather(layer, ps, pb, slot_pages, host_csr)
                 continue
             if prev is not None and evicts:
                 prev.synchronize()
             side = self._side(layer)
             with torch.cuda.stream(side):
-                self._fetch_and_gather(layer, ps, pb, slot_pages, host_csr)
+                if batched:
+                    self._gather(layer, ps, pb, slot_pages, host_csr)
+                else:
+                    self._fetch_and_gather(layer, ps, pb, slot_pages, host_csr)
                 done = torch.cuda.Event()
                 done.record(side)
                 self._gather_done[layer] = done

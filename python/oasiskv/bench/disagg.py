@@ -39,6 +39,7 @@ time would not slow the decode steps.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import multiprocessing as mp
@@ -220,12 +221,14 @@ def _pct(xs: list[float], q: float) -> float | None:
     return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
-def run_row(model, args, url: str, conn, transfer: str, rate: float, prompts) -> dict:
-    """One (transfer, rate) point: a fresh decode engine, the prefill process's schedule."""
-    from ..disagg import StagedRequest
-    from ..llm_engine import LLMEngine, SamplingParams
+def decode_engine(model, args, url: str, transfer: str):
+    """The decode node's engine for every row of one transfer mode, its pools reserved up front
+    for ``max_num_seqs`` requests: growing a pinned host pool mid-row stalls the loop (about
+    0.6 s per GiB pinned, and the captured graphs are dropped with the old pools), which a
+    serving engine pays once, not per row."""
+    from ..llm_engine import LLMEngine
 
-    n = len(prompts)
+    n = args.max_num_seqs or args.requests
     eng = LLMEngine(
         model,
         kv=_kv(args),
@@ -234,12 +237,25 @@ def run_row(model, args, url: str, conn, transfer: str, rate: float, prompts) ->
         kv_source=url,
         kv_transfer=transfer,
         kv_timeout_s=args.timeout,
-        max_num_seqs=args.max_num_seqs or n,
+        max_num_seqs=n,
         host_kv_budget_bytes=_bytes(args.host_kv_budget),
         kv_cache_blocks=args.kv_cache_blocks if transfer == "partial" else None,
         cuda_graph=args.cuda_graph,
         output_kind="delta",
     )
+    eng.engine.reserve_pools([(args.prompt_tokens, args.max_tokens)] * n)
+    return eng
+
+
+def run_row(eng, args, conn, transfer: str, rate: float, prompts) -> dict:
+    """One (transfer, rate) point through ``eng`` (idle): the prefill process's schedule. The
+    source's traffic counters are reported as this row's deltas, its peak from this row on."""
+    from ..disagg import StagedRequest
+    from ..llm_engine import SamplingParams
+
+    n = len(prompts)
+    stats0 = dataclasses.replace(eng.kv_source.stats)
+    eng.kv_source.stats.peak_cached_bytes = eng.kv_source.stats.cached_bytes
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     offsets = arrivals(rate, n, args.seed)
     start = time.time() + 0.5  # time for the prefill process to read the jobs
@@ -255,81 +271,85 @@ def run_row(model, args, url: str, conn, transfer: str, rate: float, prompts) ->
     tokens: dict[str, list[int]] = {}
     prefill_done = False
     peak_rows = 0
-    try:
-        while not (prefill_done and len(done) == n):
-            while conn.poll(0):
-                msg = _recv(conn, 0)
-                if msg[0] == "row_done":
-                    prefill_done = True
-                    continue
-                _, i, handle, arr, st = msg
-                h = StagedRequest.from_json(handle)
-                t_add = time.time()
-                rid = eng.add_staged_request(h, params, request_id=f"r{i}")
-                add_s[rid] = time.time() - t_add
-                arrival[rid], staged_at[rid] = arr, st
-                node_s[rid] = (h.prefill_s, h.stage_s)
-                order.append(rid)
-                _log(
-                    f"  {rid}: arrived at +{arr - start:.2f} s, prefill {h.prefill_s:.2f} s + stage "
-                    f"{h.stage_s:.2f} s, handed over after {st - arr:.2f} s; add_staged_request "
-                    f"{add_s[rid]:.2f} s"
-                )
-            if eng.has_unfinished_requests():
-                outs = eng.step()
-                peak_rows = max(peak_rows, eng.engine.runtime.reserved[2])
-                for o in outs:
-                    now = time.time()
-                    if o.new_token_ids:
-                        if o.request_id not in first:
-                            first[o.request_id] = now
-                            _log(f"  {o.request_id}: first token at +{now - start:.2f} s")
-                        tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
-                    if o.finished:
-                        _log(f"  {o.request_id}: done at +{now - start:.2f} s ({len(done) + 1}/{n})")
-                        if o.finish_reason != "length":
-                            why = f"{o.finish_reason}: {o.error}"
-                            raise RuntimeError(f"request {o.request_id} ended with {why}")
-                        done[o.request_id] = now
-            elif not prefill_done or len(done) < n:
-                conn.poll(0.005)  # idle until the next staged request
-        stats = eng.kv_source.stats
-        t0 = min(arrival.values())
-        span = max(done.values()) - t0
-        made = sum(len(tokens[r]) for r in order)
-        ttft = [first[r] - arrival[r] for r in order]
-        admit = [first[r] - staged_at[r] for r in order]
-        tpot = [(done[r] - first[r]) / (len(tokens[r]) - 1) for r in order if len(tokens[r]) > 1]
-        return {
-            "transfer": transfer,
-            "rate": rate,
-            "requests": n,
-            "output_tokens": made,
-            "tokens_per_s": made / span if span > 0 else None,
-            "ttft_p50_s": _pct(ttft, 0.5),
-            "ttft_p99_s": _pct(ttft, 0.99),
-            "admit_p50_s": _pct(admit, 0.5),
-            "tpot_p50_s": _pct(tpot, 0.5),
-            # The prefill node's service time per request (its capacity is about 1 / the sum)
-            # and how long handing a request to the decode engine blocked its loop.
-            "prefill_p50_s": _pct([node_s[r][0] for r in order], 0.5),
-            "stage_p50_s": _pct([node_s[r][1] for r in order], 0.5),
-            "add_staged_p50_s": _pct([add_s[r] for r in order], 0.5),
-            "admission_bytes_per_request": stats.admission_bytes / max(1, stats.requests),
-            "fetched_bytes_per_request": stats.fetched_bytes / max(1, stats.requests),
-            "kv_bytes_per_request": stats.kv_bytes / max(1, stats.requests),
-            "peak_host_kv_bytes": stats.peak_cached_bytes,
-            # Host pool rows the admitted requests reserved at most (what the pinned pool must
-            # hold): rows a partial transfer reserves but never fills count, unless
-            # --kv-cache-blocks bounds them.
-            "host_reserved_peak_bytes": peak_rows
-            * eng.engine.pools.page_bytes
-            * model.config.num_hidden_layers,
-            "failures": stats.failures,
-            "tokens": [tokens[f"r{i}"] for i in range(n)],
-        }
-    finally:
-        eng.kv_source.close()  # its daemon connection; the engine's pools go with it
+    while not (prefill_done and len(done) == n):
+        while conn.poll(0):
+            msg = _recv(conn, 0)
+            if msg[0] == "row_done":
+                prefill_done = True
+                continue
+            _, i, handle, arr, st = msg
+            h = StagedRequest.from_json(handle)
+            t_add = time.time()
+            rid = eng.add_staged_request(h, params, request_id=f"r{i}")
+            add_s[rid] = time.time() - t_add
+            arrival[rid], staged_at[rid] = arr, st
+            node_s[rid] = (h.prefill_s, h.stage_s)
+            order.append(rid)
+            _log(
+                f"  {rid}: arrived at +{arr - start:.2f} s, prefill {h.prefill_s:.2f} s + stage "
+                f"{h.stage_s:.2f} s, handed over after {st - arr:.2f} s; add_staged_request "
+                f"{add_s[rid]:.2f} s"
+            )
+        if eng.has_unfinished_requests():
+            outs = eng.step()
+            peak_rows = max(peak_rows, eng.engine.runtime.reserved[2])
+            for o in outs:
+                now = time.time()
+                if o.new_token_ids:
+                    if o.request_id not in first:
+                        first[o.request_id] = now
+                        _log(f"  {o.request_id}: first token at +{now - start:.2f} s")
+                    tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finished:
+                    _log(f"  {o.request_id}: done at +{now - start:.2f} s ({len(done) + 1}/{n})")
+                    if o.finish_reason != "length":
+                        why = f"{o.finish_reason}: {o.error}"
+                        raise RuntimeError(f"request {o.request_id} ended with {why}")
+                    done[o.request_id] = now
+        elif not prefill_done or len(done) < n:
+            conn.poll(0.005)  # idle until the next staged request
+    now_stats = eng.kv_source.stats
+    stats = dataclasses.replace(
+        now_stats,
+        **{
+            f: getattr(now_stats, f) - getattr(stats0, f)
+            for f in ("requests", "admission_bytes", "fetched_bytes", "kv_bytes", "failures")
+        },
+    )
+    t0 = min(arrival.values())
+    span = max(done.values()) - t0
+    made = sum(len(tokens[r]) for r in order)
+    ttft = [first[r] - arrival[r] for r in order]
+    admit = [first[r] - staged_at[r] for r in order]
+    tpot = [(done[r] - first[r]) / (len(tokens[r]) - 1) for r in order if len(tokens[r]) > 1]
+    return {
+        "transfer": transfer,
+        "rate": rate,
+        "requests": n,
+        "output_tokens": made,
+        "tokens_per_s": made / span if span > 0 else None,
+        "ttft_p50_s": _pct(ttft, 0.5),
+        "ttft_p99_s": _pct(ttft, 0.99),
+        "admit_p50_s": _pct(admit, 0.5),
+        "tpot_p50_s": _pct(tpot, 0.5),
+        # The prefill node's service time per request (its capacity is about 1 / the sum)
+        # and how long handing a request to the decode engine blocked its loop.
+        "prefill_p50_s": _pct([node_s[r][0] for r in order], 0.5),
+        "stage_p50_s": _pct([node_s[r][1] for r in order], 0.5),
+        "add_staged_p50_s": _pct([add_s[r] for r in order], 0.5),
+        "admission_bytes_per_request": stats.admission_bytes / max(1, stats.requests),
+        "fetched_bytes_per_request": stats.fetched_bytes / max(1, stats.requests),
+        "kv_bytes_per_request": stats.kv_bytes / max(1, stats.requests),
+        "peak_host_kv_bytes": stats.peak_cached_bytes,
+        # Host pool rows the admitted requests reserved at most (what the pinned pool must
+        # hold): rows a partial transfer reserves but never fills count, unless
+        # --kv-cache-blocks bounds them.
+        "host_reserved_peak_bytes": peak_rows
+        * eng.engine.pools.page_bytes
+        * eng.engine.cfg.num_hidden_layers,
+        "failures": stats.failures,
+        "tokens": [tokens[f"r{i}"] for i in range(n)],
+    }
 
 
 def _bytes(s: str | None) -> int | None:
@@ -341,7 +361,7 @@ def _bytes(s: str | None) -> int | None:
 
 
 # ---------------------------------------------------------------------- the sweep
-def run(args) -> dict:
+def run(args, on_row=None) -> dict:
     from ..staging_daemon import StagingDaemon
     from .fig11 import build_model
 
@@ -360,50 +380,26 @@ def run(args) -> dict:
         vocab = model.config.vocab_size
         rows = []
         for transfer in args.transfers:
-            # Warm-up: one request through this mode (kernels, allocator); not reported.
-            warm = _prompts(vocab, args.prompt_tokens, 1, args.seed + 1)
-            run_row(model, args, url, parent, transfer, 1.0, warm)
-            for rate in args.rates:
-                prompts = _prompts(vocab, args.prompt_tokens, args.requests, args.seed)
-                r = run_row(model, args, url, parent, transfer, rate, prompts)
-                print(
-                    f"disagg: {transfer} at {rate:g} req/s: {r['tokens_per_s']:.1f} tok/s, "
-                    f"TTFT p50 {r['ttft_p50_s'] * 1e3:.1f} ms, peak host KV "
-                    f"{r['peak_host_kv_bytes'] / 2**20:.1f} MiB",
-                    file=sys.stderr,
-                )
-                rows.append(r)
-        # Tokens of every row against the first mode's row at the same rate.
-        for r in rows:
-            ref = next(x for x in rows if x["rate"] == r["rate"])
-            same = sum(a == b for a, b in zip(r["tokens"], ref["tokens"], strict=True))
-            r["same_tokens"] = same / len(r["tokens"])
-        for r in rows:
-            del r["tokens"]
-        base = [r for r in rows if r["transfer"] == args.transfers[0]]
-        for r in rows:
-            b = next(x for x in base if x["rate"] == r["rate"])
-            r["peak_host_kv_vs_first"] = (
-                r["peak_host_kv_bytes"] / b["peak_host_kv_bytes"] if b["peak_host_kv_bytes"] else None
-            )
-        return {
-            "bench": "disagg",
-            "model": name,
-            "device": str(dev),
-            "kv_source": url,
-            "transport": "ucx" if url.startswith("oasis-rt+ucx://") else "tcp",
-            "prompt_tokens": args.prompt_tokens,
-            "max_tokens": args.max_tokens,
-            "requests": args.requests,
-            "kv": {
-                "block_size": args.block_size,
-                "top_k_blocks": args.top_k_blocks,
-                "fetch_cap": args.fetch_cap,
-                "kv_cache_blocks": args.kv_cache_blocks,
-            },
-            "cuda_graph": args.cuda_graph,
-            "rows": rows,
-        }
+            eng = decode_engine(model, args, url, transfer)
+            try:
+                # Warm-up: one request through this mode (kernels, allocator); not reported.
+                warm = _prompts(vocab, args.prompt_tokens, 1, args.seed + 1)
+                run_row(eng, args, parent, transfer, 1.0, warm)
+                for rate in args.rates:
+                    prompts = _prompts(vocab, args.prompt_tokens, args.requests, args.seed)
+                    r = run_row(eng, args, parent, transfer, rate, prompts)
+                    print(
+                        f"disagg: {transfer} at {rate:g} req/s: {r['tokens_per_s']:.1f} tok/s, "
+                        f"TTFT p50 {r['ttft_p50_s'] * 1e3:.1f} ms, peak host KV "
+                        f"{r['peak_host_kv_bytes'] / 2**20:.1f} MiB",
+                        file=sys.stderr,
+                    )
+                    rows.append(r)
+                    if on_row is not None:  # a sweep cut short by a time limit keeps its rows
+                        on_row(_report(args, url, name, dev, rows))
+            finally:
+                eng.kv_source.close()  # its daemon connection; the engine's pools go with it
+        return _report(args, url, name, dev, rows)
     finally:
         try:
             parent.send(("stop",))
@@ -414,6 +410,38 @@ def run(args) -> dict:
             proc.kill()
         if daemon is not None:
             daemon.close()
+
+
+def _report(args, url: str, name: str, dev, rows: list[dict]) -> dict:
+    """The report of the rows made so far; the rows keep their tokens for later comparisons."""
+    out = []
+    for r in rows:
+        ref = next(x for x in rows if x["rate"] == r["rate"])  # the first mode's row at this rate
+        same = sum(a == b for a, b in zip(r["tokens"], ref["tokens"], strict=True))
+        out.append({k: v for k, v in r.items() if k != "tokens"} | {"same_tokens": same / len(r["tokens"])})
+    for r in out:
+        b = next((x for x in out if x["transfer"] == args.transfers[0] and x["rate"] == r["rate"]), None)
+        r["peak_host_kv_vs_first"] = (
+            r["peak_host_kv_bytes"] / b["peak_host_kv_bytes"] if b and b["peak_host_kv_bytes"] else None
+        )
+    return {
+        "bench": "disagg",
+        "model": name,
+        "device": str(dev),
+        "kv_source": url,
+        "transport": "ucx" if url.startswith("oasis-rt+ucx://") else "tcp",
+        "prompt_tokens": args.prompt_tokens,
+        "max_tokens": args.max_tokens,
+        "requests": args.requests,
+        "kv": {
+            "block_size": args.block_size,
+            "top_k_blocks": args.top_k_blocks,
+            "fetch_cap": args.fetch_cap,
+            "kv_cache_blocks": args.kv_cache_blocks,
+        },
+        "cuda_graph": args.cuda_graph,
+        "rows": out,
+    }
 
 
 def markdown(rep: dict) -> str:
@@ -462,20 +490,23 @@ def main(argv: list[str] | None = None) -> int:
     from ..errors import OasisError
 
     args = build_parser().parse_args(argv)
+
+    def write(rep: dict) -> None:
+        if args.md:
+            Path(args.md).write_text(markdown(rep))
+        if args.json:
+            Path(args.json).write_text(json.dumps(rep, indent=2))
+
     try:
-        rep = run(args)
+        rep = run(args, on_row=write)
     except (OasisError, ValueError) as e:
         print(f"bench.disagg: error: {e}", file=sys.stderr)
         return 2
     except (RuntimeError, TimeoutError, EOFError) as e:  # the prefill process failed or died
         print(f"bench.disagg: error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
-    md = markdown(rep)
-    print(md)
-    if args.md:
-        Path(args.md).write_text(md)
-    if args.json:
-        Path(args.json).write_text(json.dumps(rep, indent=2))
+    print(markdown(rep))
+    write(rep)
     return 0
 
 
