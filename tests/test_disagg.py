@@ -67,14 +67,22 @@ def _reference(model, kv: KvConfig, backend: str, prompts) -> list:
 
 
 class Recorder:
-    """The decode engine's daemon client, with every read key recorded."""
+    """The decode engine's daemon client, with every read key recorded (``on_read``, which a
+    test may replace to log or to fail reads)."""
 
     def __init__(self, inner) -> None:
         self.inner, self.keys = inner, []
 
-    def read_blocks(self, keys):
+    def on_read(self, keys) -> None:
         self.keys.extend(keys)
+
+    def read_blocks(self, keys):
+        self.on_read(keys)
         return self.inner.read_blocks(keys)
+
+    def read_blocks_into(self, keys, rows, host_k, host_v):
+        self.on_read(keys)
+        return self.inner.read_blocks_into(keys, rows, host_k, host_v)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -414,9 +422,9 @@ def test_a_bounded_host_pool_decodes_as_the_unbounded_one(model):
 
         def read_logged(keys):
             events.extend(("read", k) for k in keys)
-            return Recorder.read_blocks(rec, keys)
+            Recorder.on_read(rec, keys)
 
-        src._rows_for, src._forget_row, rec.read_blocks = rows_for_logged, forget_logged, read_logged
+        src._rows_for, src._forget_row, rec.on_read = rows_for_logged, forget_logged, read_logged
         ids = [eng.add_staged_request(h, _params()) for h in handles]
         eng.step()
         assert eng.num_running == 2  # both admitted at once within the bounded host budget
@@ -653,7 +661,7 @@ def test_a_failed_read_is_retried_after_reconnecting(model):
         (h,) = _staged_small(model, d, seeds=(3,))
 
         class Flaky(Recorder):
-            def read_blocks(self, keys):
+            def on_read(self, keys):
                 raise errors.RemoteUnavailableError("connection closed (injected)")
 
         eng = LLMEngine(model, kv=KvConfig(**SMALL), drafter="ngram", kv_source=d.url, kv_retries=1)

@@ -37,6 +37,57 @@ def _blocks(n: int, seed: int) -> torch.Tensor:
     return torch.randn(n, BLOCK // 4, generator=g)
 
 
+def _reads_into_pools(c, data: torch.Tensor) -> None:
+    """``read_blocks_into`` (request 11 of GEO staged with ``data``): each entry lands in its row
+    (and head) of its layer's pools, bit-exact; nothing else is written; failures write nothing."""
+    layers, heads, bs, hd = GEO[:4]
+    pools_k = [torch.full((4, heads, bs, hd), -1.0) for _ in range(layers)]
+    pools_v = [torch.full((4, heads, bs, hd), -1.0) for _ in range(layers)]
+    keys = [(11, 1, 2, -1), (11, 2, 4, 1), (12, 0, 0, -1), (11, 0, 5, 0), (11, 0, 99, 1)]
+    rows = [3, 0, 1, 0, 2]
+    lens, errs = c.read_blocks_into(keys, rows, pools_k, pools_v)
+    assert errs == [None, None, "unknown_request", None, "bad_request"]  # block 99 of 7
+    assert lens == [BLOCK, BLOCK // 2, 0, BLOCK // 2, 0]
+    want_k = [torch.full((4, heads, bs, hd), -1.0) for _ in range(layers)]
+    want_v = [torch.full((4, heads, bs, hd), -1.0) for _ in range(layers)]
+    blk = data[7 + 2].view(2, heads, bs, hd)  # layer 1, block 2, whole: [K|V][head]
+    want_k[1][3], want_v[1][3] = blk[0], blk[1]
+    blk = data[14 + 4].view(2, heads, bs, hd)  # layer 2, block 4, head 1
+    want_k[2][0, 1], want_v[2][0, 1] = blk[0, 1], blk[1, 1]
+    blk = data[5].view(2, heads, bs, hd)  # layer 0, block 5, head 0
+    want_k[0][0, 0], want_v[0][0, 0] = blk[0, 0], blk[1, 0]
+    for got, want in zip(pools_k + pools_v, want_k + want_v, strict=True):
+        assert torch.equal(got, want)
+
+    # Pools of another geometry: the entries do not fit, so they fail and write nothing.
+    small = [torch.zeros(4, heads, bs, hd - 1) for _ in range(layers)]
+    _, errs = c.read_blocks_into([(11, 0, 0, 0)], [0], small, small)
+    assert errs == ["size_mismatch"] and all(not t.any() for t in small)
+    # Bad arguments are refused before anything is read.
+    for call, exc in [
+        (lambda: c.read_blocks_into([(11, 0, 0, 0)], [4], pools_k, pools_v), errors.InvalidArgumentError),
+        (lambda: c.read_blocks_into([(11, 0, 0, 0)], [-1], pools_k, pools_v), errors.InvalidArgumentError),
+        (lambda: c.read_blocks_into([(11, 0, 0, 2)], [0], pools_k, pools_v), errors.InvalidArgumentError),
+        (lambda: c.read_blocks_into([(11, 3, 0, 0)], [0], pools_k, pools_v), errors.InvalidArgumentError),
+        (lambda: c.read_blocks_into([(11, 0, 0, 0)], [0, 1], pools_k, pools_v), errors.InvalidArgumentError),
+        (lambda: c.read_blocks_into([(11, 0, 0, 0)], [0], pools_k, pools_v[:1]), errors.InvalidArgumentError),
+        (
+            lambda: c.read_blocks_into([(11, 0, 0, 0)], [0], [p.transpose(1, 2) for p in pools_k], pools_v),
+            errors.ShapeError,
+        ),
+        (
+            lambda: c.read_blocks_into([(11, 0, 0, 0)], [0], [p[:, :1] for p in pools_k], pools_v),
+            errors.ShapeError,
+        ),
+        (
+            lambda: c.read_blocks_into([(11, 0, 0, 0)], [0], [p.double() for p in pools_k], pools_v),
+            errors.DTypeError,
+        ),
+    ]:
+        with pytest.raises(exc):
+            call()
+
+
 def test_roundtrip_is_bit_exact_and_counted(daemon):
     c = RtClient(daemon.url, timeout_s=5)
     assert (c.transport, c.url, c.addr) == (daemon.transport, daemon.url, daemon.addr)
@@ -89,6 +140,8 @@ def test_roundtrip_is_bit_exact_and_counted(daemon):
     keys = [(11, 1, 2, -1), (11, 2, 4, 1), (12, 0, 0, -1), (11, 0, 0, 0), (11, 0, 99, -1)]
     assert frames.read_blocks(keys) == c.read_blocks(keys)
     frames.close()
+
+    _reads_into_pools(c, data)
 
     s = c.stats()
     assert s["live_requests"] >= 1 and s["used_bytes"] >= used

@@ -201,6 +201,16 @@ class RtClient:
     ) -> tuple[bytearray, list[int], list[str | None]]:
         """Read ``(request, layer, block, head)`` entries (head -1: the whole block): ``(data, lens,
         errors)``."""
+    def read_blocks_into(
+        self,
+        keys: list[tuple[int, int, int, int]],
+        rows: list[int],
+        host_k: list[torch.Tensor],
+        host_v: list[torch.Tensor],
+    ) -> tuple[list[int], list[str | None]]:
+        """``read_blocks`` written straight into row ``rows[i]`` (that head, or every head) of the
+        key's layer's pools ``[rows, num_kv_heads, block_size, head_dim]`` (CPU, contiguous):
+        ``(lens, errors)``; an entry of another size fails with ``"size_mismatch"``."""
     def release(self, request: int) -> int:
         """Release a request in the daemon; the bytes freed."""
     def stats(self) -> dict[str, int]:

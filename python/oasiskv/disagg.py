@@ -558,6 +558,9 @@ class TransferStats:
     #: other blocks, so a later read of them crosses the network again.
     evicted_blocks: int = 0
     failures: int = 0
+    #: Seconds the decode loop spent in decode-time reads (``before_gather[s]``: the plans'
+    #: copies to the host, the daemon calls and the host pool stores).
+    read_seconds: float = 0.0
 
 
 @dataclass
@@ -716,11 +719,11 @@ class RemoteKvSource:
         self.stats = TransferStats()
         self._by_req: dict[int, _Remote] = {}  # engine request id -> its staged state
         # Per host row: the owning staged request (engine request id, -1: local) and the logical
-        # block it holds; per layer, which (host row, KV head) entries hold their bytes (a row
-        # holding no staged block counts as present: nothing to read).
+        # block it holds; which (layer, host row, KV head) entries hold their bytes (a row
+        # holding no staged block counts as present: nothing to read), [layers, rows, heads].
         self._owner = torch.full((0,), -1, dtype=torch.long)
         self._logical = torch.zeros(0, dtype=torch.long)
-        self._present: list[torch.Tensor] = []
+        self._present = torch.ones(0, 0, 0, dtype=torch.bool)
         self._missing = 0  # entries of rows holding a staged block, not read yet, all layers
         self._bounded = 0  # live staged requests with a bounded cache
         self._admitting = False  # reads now are an admission's (its first working set)
@@ -741,18 +744,17 @@ class RemoteKvSource:
     def _grow_maps(self) -> None:
         n = self.engine.pools.num_host_rows
         old = self._owner.shape[0]
-        if n <= old and self._present:
+        if n <= old and self._present.numel():
             return
         hk = self.engine.geo.num_kv_heads
         extra = max(0, n - old)
         self._owner = torch.cat([self._owner, torch.full((extra,), -1, dtype=torch.long)])
         self._logical = torch.cat([self._logical, torch.zeros(extra, dtype=torch.long)])
-        if not self._present:
-            self._present = [
-                torch.ones(n, hk, dtype=torch.bool) for _ in range(self.engine.cfg.num_hidden_layers)
-            ]
+        layers = self.engine.cfg.num_hidden_layers
+        if not self._present.numel():
+            self._present = torch.ones(layers, n, hk, dtype=torch.bool)
         else:
-            self._present = [torch.cat([t, torch.ones(extra, hk, dtype=torch.bool)]) for t in self._present]
+            self._present = torch.cat([self._present, torch.ones(layers, extra, hk, dtype=torch.bool)], dim=1)
 
     def _entry_bytes(self) -> int:
         """Bytes of one block-head, K and V."""
@@ -1201,20 +1203,18 @@ class RemoteKvSource:
         self._owner[row] = st.req.id
         self._logical[row] = logical
         st.rows.add(row)
-        for t in self._present:
-            t[row] = False
+        self._present[:, row] = False
         self._missing += len(self._present) * self.engine.geo.num_kv_heads
 
     def _forget_row(self, st: _Remote, row: int) -> None:
         """The block cached in ``row`` was evicted: its bytes are gone (read again if planned)."""
         hk = self.engine.geo.num_kv_heads
-        had = sum(int(t[row].sum()) for t in self._present)
+        had = int(self._present[:, row].sum())
         st.cached_entries -= had
         self.stats.cached_bytes -= had * self._entry_bytes()
         self._missing -= len(self._present) * hk - had
         self.stats.evicted_blocks += 1
-        for t in self._present:
-            t[row] = True
+        self._present[:, row] = True
 
     def _rows_for(self, st: _Remote, logicals: list[int], pinned: list[int]) -> list[int]:
         """The host rows of ``st``'s logical blocks ``logicals``: with a bounded cache the
@@ -1316,6 +1316,13 @@ class RemoteKvSource:
 
         Returns whether the gather's inputs changed (block-heads read, rows patched): a CUDA-graph
         step, whose gather ran before this, gathers the layer again then."""
+        t0 = time.perf_counter()
+        try:
+            return self._before_gather(layer, plan_slots, plan_blocks, host_indptr, host_indices)
+        finally:
+            self.stats.read_seconds += time.perf_counter() - t0
+
+    def _before_gather(self, layer: int, plan_slots, plan_blocks, host_indptr, host_indices) -> bool:
         if self._missing == 0 and self._bounded == 0:
             return False
         ps, pb = plan_slots.cpu(), plan_blocks.cpu()
@@ -1358,46 +1365,66 @@ class RemoteKvSource:
         entries of several layers), not one round trip per layer. Returns, per plan, whether
         its gather's inputs changed. With a bounded cache, layer by layer (rows change hands
         between the layers of a step)."""
-        if self._missing == 0 and self._bounded == 0:
+        t0 = time.perf_counter()
+        try:
+            return self._before_gathers(plans)
+        finally:
+            self.stats.read_seconds += time.perf_counter() - t0
+
+    def _before_gathers(self, plans: list) -> list[bool]:
+        if self._missing == 0 and self._bounded == 0 or not plans:
             return [False] * len(plans)
-        if self._bounded:
-            return [self.before_gather(*p) for p in plans]
+        shared = len({(id(p[3]), id(p[4])) for p in plans}) == 1 and len({p[1].shape for p in plans}) == 1
+        if self._bounded or not shared:
+            # Layer by layer: a bounded cache's rows change hands between layers; plans of
+            # other tables or shapes than one step's.
+            return [self._before_gather(*p) for p in plans]
         self._grow_maps()
-        parts = []
-        for layer, plan_slots, plan_blocks, host_indptr, host_indices in plans:
-            ps = plan_slots.cpu()
-            sel = ps >= 0
-            if not bool(sel.any()):
-                continue
-            seq, head, _ = sel.nonzero(as_tuple=True)
-            indptr, indices = host_indptr.cpu().long(), host_indices.cpu().long()
-            hb = indices[indptr[seq] + plan_blocks.cpu()[sel].long()]
-            got = self._absent(layer, hb, head)
-            if got is not None:
-                parts.append((layer, *got))
-        if not parts:
+        # Every layer's plan in one copy to the host (a copy per layer and tensor is a device
+        # sync each); the step's host tables are shared by its layers.
+        ps = torch.stack([p[1] for p in plans]).cpu()  # [layers, seqs, heads, cap]
+        pb = torch.stack([p[2] for p in plans]).cpu()
+        indptr, indices = plans[0][3].cpu().long(), plans[0][4].cpu().long()
+        sel = ps >= 0
+        li, seq, head, _ = sel.nonzero(as_tuple=True)
+        if not li.numel():
             return [False] * len(plans)
-        layers = torch.cat([torch.full_like(hb, layer) for layer, hb, _ in parts])
-        hbs, heads = torch.cat([hb for _, hb, _ in parts]), torch.cat([h for _, _, h in parts])
-        self._read(layers, hbs, heads, whole=False)
-        read = {layer for layer, _, _ in parts}
+        layer_of = torch.tensor([p[0] for p in plans], dtype=torch.long)
+        layers = layer_of[li]
+        hb = indices[indptr[seq] + pb[sel].long()]
+        absent = ~self._present[layers, hb, head]
+        if not bool(absent.any()):
+            return [False] * len(plans)
+        layers, hb, head = layers[absent], hb[absent], head[absent]
+        if self._failed:
+            ok = ~torch.isin(self._owner[hb], torch.tensor(list(self._failed), dtype=torch.long))
+            layers, hb, head = layers[ok], hb[ok], head[ok]
+            if not hb.numel():
+                return [False] * len(plans)
+        # One key per (layer, row, head), sorted: layer by layer, as _read wants.
+        rows, hk = self._present.shape[1], self.engine.geo.num_kv_heads
+        key = torch.unique((layers * rows + hb) * hk + head)
+        layers, rest = key // (rows * hk), key % (rows * hk)
+        self._read(layers, rest // hk, rest % hk, whole=False)
+        read = set(layers.unique().tolist())
         return [p[0] in read for p in plans]
 
     def _absent(self, layer: int, hb: torch.Tensor, head: torch.Tensor):
         """The block-heads ``(hb[i], head[i])`` of ``layer`` not in the host pool, each once and
-        none of a failed request, as ``(hb, head)``; None when there are none."""
+        none of a failed request, as ``(hb, head)`` ordered by (row, head); None when there are
+        none."""
         absent = ~self._present[layer][hb, head]
         if not bool(absent.any()):
             return None
         hb, head = hb[absent], head[absent]
-        owners = self._owner[hb]
-        ok = torch.tensor([int(o) not in self._failed for o in owners.tolist()], dtype=torch.bool)
-        if not bool(ok.all()):
+        if self._failed:
+            ok = ~torch.isin(self._owner[hb], torch.tensor(list(self._failed), dtype=torch.long))
             hb, head = hb[ok], head[ok]
-        if not hb.numel():
-            return None
-        pairs = torch.unique(torch.stack([hb, head], dim=1), dim=0)  # one key per (block, head)
-        return pairs[:, 0], pairs[:, 1]
+            if not hb.numel():
+                return None
+        hk = self.engine.geo.num_kv_heads
+        key = torch.unique(hb * hk + head)  # one key per (row, head), sorted
+        return key // hk, key % hk
 
     def _ensure(self, layer: int, hb: torch.Tensor, head: torch.Tensor) -> bool:
         """Make the block-heads ``(hb[i], head[i])`` present, reading the absent ones; whether
@@ -1411,22 +1438,29 @@ class RemoteKvSource:
 
     def _read(self, layers: torch.Tensor, hb: torch.Tensor, head: torch.Tensor, whole: bool) -> None:
         """Read ``(layers[i], hb[i], head[i])`` (``whole``: every head of ``hb[i]``) from the
-        daemon into the host pool, in frames under the limit; ``layers`` in ascending order."""
+        daemon into the host pool, in frames under the limit. A pool in CPU memory (pinned with
+        a GPU) is written by the client itself (``RtClient.read_blocks_into``: one copy per entry
+        from the received frame); another (``host_pool="device"``) through :meth:`_store`."""
+        p = self.engine.pools
+        into = p.host_device.type == "cpu"
         entry = self._entry_bytes() * (self.engine.geo.num_kv_heads if whole else 1)
         per_frame = _entries_per_frame(entry, min(self.client.max_frame * FRAME_FILL, BULK_FRAME_BYTES))
         owners = self._owner[hb].tolist()
         logical = self._logical[hb].tolist()
-        heads = head.tolist()
+        heads = [-1] * len(owners) if whole else head.tolist()
         lay = layers.tolist()
+        rows = hb.tolist()
         for lo in range(0, len(owners), per_frame):
             hi = min(len(owners), lo + per_frame)
-            keys = [
-                (self._by_req[owners[i]].daemon_id, lay[i], logical[i], -1 if whole else heads[i])
-                for i in range(lo, hi)
-            ]
+            keys = [(self._by_req[owners[i]].daemon_id, lay[i], logical[i], heads[i]) for i in range(lo, hi)]
             wire0 = self._wire()
             try:
-                data, lens, errors = self._call(lambda c, keys=keys: c.read_blocks(keys))
+                if into:
+                    errors = self._call(
+                        lambda c, keys=keys, r=rows[lo:hi]: c.read_blocks_into(keys, r, p.host_k, p.host_v)
+                    )[1]
+                else:
+                    data, _, errors = self._call(lambda c, keys=keys: c.read_blocks(keys))
             except RemoteError as e:
                 for i in range(lo, hi):
                     self._fail(owners[i], f"reading KV from the staging daemon failed: {e}")
@@ -1437,24 +1471,21 @@ class RemoteKvSource:
                 if err is not None:
                     self._fail(
                         owners[lo + i],
-                        f"the staging daemon has no block {logical[lo + i]} of layer {lay[lo + i]} ({err}); "
-                        "was the request released or evicted after its lease (oasis-rt serve --lease)?",
+                        f"reading block {logical[lo + i]} of layer {lay[lo + i]} from the staging daemon "
+                        f"failed ({err}); was the request released or evicted after its lease "
+                        "(oasis-rt serve --lease)?",
                     )
-            view = memoryview(data)
-            per_owner: dict[int, int] = {}
-            a = 0
-            while a < len(good):  # the good entries of one layer at a time: data holds them in order
-                b = a
-                while b < len(good) and lay[lo + good[b]] == lay[lo + good[a]]:
-                    b += 1
-                sel = torch.tensor(good[a:b], dtype=torch.long) + lo
-                part = view[a * entry : b * entry]
-                new = self._store(lay[lo + good[a]], hb[sel], None if whole else head[sel], part).tolist()
-                for i, cnt in zip(good[a:b], new, strict=True):
+            if good:
+                sel = torch.tensor(good, dtype=torch.long) + lo
+                if into:
+                    new = self._mark_present(layers[sel], hb[sel], None if whole else head[sel])
+                else:
+                    new = self._store_frame(data, entry, lay, good, lo, hb, None if whole else head)
+                per_owner: dict[int, int] = {}
+                for i, cnt in zip(good, new.tolist(), strict=True):
                     per_owner[owners[lo + i]] = per_owner.get(owners[lo + i], 0) + int(cnt)
-                a = b
-            for owner, cnt in per_owner.items():
-                self._count_cached(self._by_req[owner], cnt)
+                for owner, cnt in per_owner.items():
+                    self._count_cached(self._by_req[owner], cnt)
             if not whole and not self._admitting:
                 # Decode-time traffic (reads while a request is admitted count as its admission:
                 # the first working set's block-heads); shared among a frame's requests by entries.
@@ -1464,8 +1495,35 @@ class RemoteKvSource:
                 for i in range(lo, hi):
                     self._by_req[owners[i]].fetched_bytes += share
                 for i in set(owners[lo:hi]):
-                    s = self._by_req[i]
-                    s.req.metrics.network_fetched_bytes = round(s.fetched_bytes)
+                    st = self._by_req[i]
+                    st.req.metrics.network_fetched_bytes = round(st.fetched_bytes)
+
+    def _mark_present(self, layers: torch.Tensor, rows: torch.Tensor, heads: torch.Tensor | None):
+        """Entries now in the host pool: block-heads ``(layers[i], rows[i], heads[i])``, or with
+        ``heads`` None every head of the row. How many of each entry's were absent before."""
+        if heads is None:
+            new = (~self._present[layers, rows]).sum(dim=1)
+            self._present[layers, rows] = True
+        else:
+            new = (~self._present[layers, rows, heads]).long()
+            self._present[layers, rows, heads] = True
+        return new
+
+    def _store_frame(self, data, entry: int, lay: list, good: list, lo: int, hb, head) -> torch.Tensor:
+        """:meth:`_store` for one frame's good entries (``lo + good[j]``), one layer at a time:
+        ``data`` holds them back to back."""
+        view = memoryview(data)
+        out = []
+        a = 0
+        while a < len(good):
+            b = a
+            while b < len(good) and lay[lo + good[b]] == lay[lo + good[a]]:
+                b += 1
+            sel = torch.tensor(good[a:b], dtype=torch.long) + lo
+            part = view[a * entry : b * entry]
+            out.append(self._store(lay[lo + good[a]], hb[sel], None if head is None else head[sel], part))
+            a = b
+        return torch.cat(out)
 
     def _fail(self, owner: int, message: str) -> None:
         st = self._by_req.get(owner)
@@ -1496,11 +1554,9 @@ class RemoteKvSource:
             return
         self._bounded -= st.bounded
         hb = torch.tensor(sorted(st.rows), dtype=torch.long)
-        if hb.numel() and self._present:
-            absent = sum(int((~t[hb]).sum()) for t in self._present)
-            self._missing -= absent
-            for t in self._present:
-                t[hb] = True
+        if hb.numel() and self._present.numel():
+            self._missing -= int((~self._present[:, hb]).sum())
+            self._present[:, hb] = True
             self._owner[hb] = -1
         self.stats.cached_bytes -= st.cached_entries * self._entry_bytes()
         self._failed.pop(r.id, None)

@@ -975,7 +975,7 @@ class Engine:
         self._graphs: dict[tuple, _StepGraph] = {}
         self._graph_pool = None
         #: Captured decode steps so far, and replays of them.
-        self.graph_stats = {"captures": 0, "replays": 0}
+        self.graph_stats = {"captures": 0, "replays": 0, "eager": 0}
         #: Why capturing failed (graphs are off since), else None.
         self.graph_error: str | None = None
         # The step number a captured step's selection reads on the device (set before each replay).
@@ -1591,6 +1591,7 @@ class Engine:
             if graph:
                 logits, feats, spec_out = self._decode_graph(reqs, ids, speculate, samp, forced)
             else:
+                self.graph_stats["eager"] += 1
                 logits, feats, spec_out = self._decode_eager(reqs, ids, speculate, samp, forced)
         except BaseException:
             if speculate is not None:

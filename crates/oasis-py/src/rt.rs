@@ -34,6 +34,8 @@
 //! protocol's encoder writes the frame (a second copy). Replies come back as one `bytearray`
 //! per call (`blocks`, `summaries`, read data): one copy out of the received frame, made with
 //! the GIL released; `torch.frombuffer(data, dtype=...)` views it without copying.
+//! `read_blocks_into` skips that buffer: each entry is copied from the received frame straight
+//! into its row of the caller's host pools (the decode loop's reads of missing blocks).
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -322,6 +324,128 @@ fn payload(py: Python<'_>, name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Bytes
 }
 
 /// One `bytearray` holding `parts` back to back; the copy runs with the GIL released.
+/// Where `read_blocks_into` writes entry `i`: its K half at `k`, its V half at `v`, `half`
+/// bytes each.
+struct Dest {
+    k: usize,
+    v: usize,
+    half: usize,
+}
+
+/// Check the pools and every `(key, row)` against them; the destinations in key order.
+fn pool_dests(
+    py: Python<'_>,
+    keys: &[(u64, u16, u32, i32)],
+    rows: &[i64],
+    host_k: &[TensorArg],
+    host_v: &[TensorArg],
+) -> PyResult<Vec<Dest>> {
+    if rows.len() != keys.len() {
+        return Err(bad_arg(
+            py,
+            format!(
+                "rows has {} entries for {} keys; pass one host row per key",
+                rows.len(),
+                keys.len()
+            ),
+        ));
+    }
+    if host_k.len() != host_v.len() || host_k.is_empty() {
+        return Err(bad_arg(
+            py,
+            format!(
+                "host_k and host_v are lists of one pool per layer, of equal length (got {} and {})",
+                host_k.len(),
+                host_v.len()
+            ),
+        ));
+    }
+    let first = &host_k[0];
+    for (name, t) in host_k
+        .iter()
+        .map(|t| ("host_k", t))
+        .chain(host_v.iter().map(|t| ("host_v", t)))
+    {
+        if t.device != "cpu" {
+            return Err(py_err(
+                py,
+                "DeviceError",
+                format!("{name} pools must be CPU tensors, got one on {}", t.device),
+            ));
+        }
+        if !t.contiguous {
+            return Err(py_err(
+                py,
+                "ShapeError",
+                format!("{name} pools must be contiguous"),
+            ));
+        }
+        if t.shape.len() != 4 || t.shape != first.shape {
+            return Err(py_err(
+                py,
+                "ShapeError",
+                format!(
+                    "every host pool must be [rows, num_kv_heads, block_size, head_dim] of one shape; got {:?} and {:?}",
+                    first.shape, t.shape
+                ),
+            ));
+        }
+        if t.dtype != first.dtype {
+            return Err(py_err(
+                py,
+                "DTypeError",
+                format!(
+                    "host pools of mixed dtypes ({} and {})",
+                    first.dtype, t.dtype
+                ),
+            ));
+        }
+    }
+    let (nrows, heads) = (first.shape[0], first.shape[1]);
+    let head_bytes = first.shape[2] * first.shape[3] * first.elem_size;
+    let mut out = Vec::with_capacity(keys.len());
+    for (&(_, layer, block, head), &row) in keys.iter().zip(rows) {
+        let l = usize::from(layer);
+        if l >= host_k.len() {
+            return Err(bad_arg(
+                py,
+                format!(
+                    "block {block} of layer {layer}: the pools have {} layers",
+                    host_k.len()
+                ),
+            ));
+        }
+        let row = usize::try_from(row)
+            .ok()
+            .filter(|&r| r < nrows)
+            .ok_or_else(|| {
+                bad_arg(
+                    py,
+                    format!("host row {row} is outside the pools' {nrows} rows"),
+                )
+            })?;
+        let (at, half) =
+            match head {
+                -1 => (row * heads * head_bytes, heads * head_bytes),
+                h if h >= 0 && (h as usize) < heads => {
+                    ((row * heads + h as usize) * head_bytes, head_bytes)
+                }
+                h => return Err(bad_arg(
+                    py,
+                    format!(
+                        "head {h} is neither -1 (every head) nor one of the pools' {heads} heads"
+                    ),
+                )),
+            };
+        out.push(Dest {
+            k: host_k[l].ptr + at,
+            v: host_v[l].ptr + at,
+            half,
+        });
+    }
+    Ok(out)
+}
+
 fn bytearray_of<'py>(py: Python<'py>, parts: &[Bytes]) -> PyResult<Bound<'py, PyByteArray>> {
     let total: usize = parts.iter().map(Bytes::len).sum();
     let out = PyByteArray::new_with(py, total, |_| Ok(()))?;
@@ -496,6 +620,42 @@ impl PyRtClient {
             Ok(Err((e, dropped))) => Err(rt_err(py, e, &self.label, dropped)),
             Err(_) => Err(internal(py, what)),
         }
+    }
+
+    /// The daemon's answer to `keys` (`(request, layer, block, head)`, head -1 = every head),
+    /// by RMA where the connection offers it.
+    fn read_entries(
+        &self,
+        py: Python<'_>,
+        keys: Vec<(u64, u16, u32, i32)>,
+    ) -> PyResult<Vec<Result<Bytes, ErrorCode>>> {
+        let mut ks = Vec::with_capacity(keys.len());
+        for (request, layer, block, head) in keys {
+            let head = match head {
+                -1 => ALL_HEADS,
+                h if (0..i32::from(ALL_HEADS)).contains(&h) => h as u16,
+                h => {
+                    return Err(bad_arg(
+                        py,
+                        format!("head {h} is neither -1 (every head) nor a KV head index"),
+                    ))
+                }
+            };
+            ks.push(BlockKey {
+                request,
+                layer,
+                block,
+                head,
+            });
+        }
+        let use_rma = self.use_rma;
+        self.call(py, "read_blocks", move |rt, c| {
+            if use_rma && c.rma() {
+                rt.block_on(c.read_blocks_rma(ks))
+            } else {
+                rt.block_on(c.read_blocks(ks))
+            }
+        })
     }
 
     fn max_frame_now(&self) -> u64 {
@@ -837,33 +997,7 @@ impl PyRtClient {
         py: Python<'py>,
         keys: Vec<(u64, u16, u32, i32)>,
     ) -> PyResult<ReadReply<'py>> {
-        let mut ks = Vec::with_capacity(keys.len());
-        for (request, layer, block, head) in keys {
-            let head = match head {
-                -1 => ALL_HEADS,
-                h if (0..i32::from(ALL_HEADS)).contains(&h) => h as u16,
-                h => {
-                    return Err(bad_arg(
-                        py,
-                        format!("head {h} is neither -1 (every head) nor a KV head index"),
-                    ))
-                }
-            };
-            ks.push(BlockKey {
-                request,
-                layer,
-                block,
-                head,
-            });
-        }
-        let use_rma = self.use_rma;
-        let entries = self.call(py, "read_blocks", move |rt, c| {
-            if use_rma && c.rma() {
-                rt.block_on(c.read_blocks_rma(ks))
-            } else {
-                rt.block_on(c.read_blocks(ks))
-            }
-        })?;
+        let entries = self.read_entries(py, keys)?;
         let mut parts = Vec::with_capacity(entries.len());
         let mut lens = Vec::with_capacity(entries.len());
         let mut errors = Vec::with_capacity(entries.len());
@@ -881,6 +1015,62 @@ impl PyRtClient {
             }
         }
         Ok((bytearray_of(py, &parts)?, lens, errors))
+    }
+
+    /// `read_blocks`, written straight into host pools instead of returned: entry `i` goes to
+    /// row `rows[i]` of `host_k[layer]` / `host_v[layer]` (`layer` the key's): with `head = -1`
+    /// the whole row (every head), else that head's `[block_size, head_dim]`. Each pool is a
+    /// contiguous CPU tensor `[rows, num_kv_heads, block_size, head_dim]`, all of one shape and
+    /// dtype. Returns `(lens, errors)` as `read_blocks`; an entry whose length is not the
+    /// destination's fails with `"size_mismatch"` and writes nothing.
+    ///
+    /// One copy per entry, from the received frame into the pool, with the GIL released: no
+    /// bytearray and no tensor ops in between (the decode loop's reads of missing blocks).
+    ///
+    /// Raises `InvalidArgumentError` for a key or row outside the pools, `ShapeError` /
+    /// `DTypeError` / `DeviceError` for pools that are not as above.
+    fn read_blocks_into(
+        &self,
+        py: Python<'_>,
+        keys: Vec<(u64, u16, u32, i32)>,
+        rows: Vec<i64>,
+        host_k: Vec<TensorArg>,
+        host_v: Vec<TensorArg>,
+    ) -> PyResult<(Vec<usize>, Vec<Option<&'static str>>)> {
+        let dests = pool_dests(py, &keys, &rows, &host_k, &host_v)?;
+        let entries = self.read_entries(py, keys)?;
+        py.detach(|| {
+            let mut lens = Vec::with_capacity(entries.len());
+            let mut errors = Vec::with_capacity(entries.len());
+            for (e, d) in entries.iter().zip(&dests) {
+                match e {
+                    Ok(b) if b.len() == 2 * d.half => {
+                        // SAFETY: pool_dests checked that [k, k + half) and [v, v + half) lie
+                        // inside host_k[layer] / host_v[layer], live CPU tensors the caller
+                        // holds for the whole call; the frame's bytes are a separate buffer.
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(b.as_ptr(), d.k as *mut u8, d.half);
+                            std::ptr::copy_nonoverlapping(
+                                b.as_ptr().add(d.half),
+                                d.v as *mut u8,
+                                d.half,
+                            );
+                        }
+                        lens.push(b.len());
+                        errors.push(None);
+                    }
+                    Ok(_) => {
+                        lens.push(0);
+                        errors.push(Some("size_mismatch"));
+                    }
+                    Err(code) => {
+                        lens.push(0);
+                        errors.push(Some(code.name()));
+                    }
+                }
+            }
+            Ok((lens, errors))
+        })
     }
 
     /// Release a request in the daemon; returns the bytes it freed (0 when it held nothing).

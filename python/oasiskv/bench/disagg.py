@@ -255,6 +255,7 @@ def run_row(eng, args, conn, transfer: str, rate: float, prompts) -> dict:
 
     n = len(prompts)
     stats0 = dataclasses.replace(eng.kv_source.stats)
+    graphs0 = dict(eng.engine.graph_stats)
     eng.kv_source.stats.peak_cached_bytes = eng.kv_source.stats.cached_bytes
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     offsets = arrivals(rate, n, args.seed)
@@ -313,9 +314,12 @@ def run_row(eng, args, conn, transfer: str, rate: float, prompts) -> dict:
         now_stats,
         **{
             f: getattr(now_stats, f) - getattr(stats0, f)
-            for f in ("requests", "admission_bytes", "fetched_bytes", "kv_bytes", "failures")
+            for f in ("requests", "admission_bytes", "fetched_bytes", "kv_bytes", "failures", "read_seconds")
         },
     )
+    replays = eng.engine.graph_stats["replays"] - graphs0["replays"]
+    eager = eng.engine.graph_stats["eager"] - graphs0["eager"]
+    steps = replays + eager
     t0 = min(arrival.values())
     span = max(done.values()) - t0
     made = sum(len(tokens[r]) for r in order)
@@ -348,6 +352,12 @@ def run_row(eng, args, conn, transfer: str, rate: float, prompts) -> dict:
         * eng.engine.pools.page_bytes
         * eng.engine.cfg.num_hidden_layers,
         "failures": stats.failures,
+        # Decode steps replayed from captured graphs, and run eagerly; the decode loop's seconds
+        # in decode-time reads per step.
+        "graph_replays": replays,
+        "eager_steps": eager,
+        "graph_error": eng.engine.graph_error,
+        "read_ms_per_step": stats.read_seconds / steps * 1e3 if steps else None,
         "tokens": [tokens[f"r{i}"] for i in range(n)],
     }
 
@@ -460,8 +470,8 @@ def markdown(rep: dict) -> str:
         "",
         "| transfer | req/s | tok/s | TTFT p50 ms | TTFT p99 ms | admit p50 ms | TPOT p50 ms | "
         "admission MiB/req | fetched MiB/req | peak host KV MiB | vs first | host rows MiB | "
-        "same tokens | prefill + stage s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "same tokens | prefill + stage s | read ms/step | graph / eager steps |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rep["rows"]:
         lines.append(
@@ -471,7 +481,9 @@ def markdown(rep: dict) -> str:
             f"{f(r['fetched_bytes_per_request'], 1 / mib, 2)} | "
             f"{f(r['peak_host_kv_bytes'], 1 / mib)} | {f(r['peak_host_kv_vs_first'], 1, 3)} | "
             f"{f(r['host_reserved_peak_bytes'], 1 / mib)} | "
-            f"{r['same_tokens']:.0%} | {f(r['prefill_p50_s'], 1, 2)} + {f(r['stage_p50_s'], 1, 2)} |"
+            f"{r['same_tokens']:.0%} | {f(r['prefill_p50_s'], 1, 2)} + {f(r['stage_p50_s'], 1, 2)} | "
+            f"{f(r.get('read_ms_per_step'), 1, 2)} | "
+            f"{r.get('graph_replays', '-')} / {r.get('eager_steps', '-')} |"
         )
     lines += [
         "",
@@ -480,6 +492,9 @@ def markdown(rep: dict) -> str:
         "for every block unless --kv-cache-blocks bounds them).",
         "- admit: from the prefill node's hand-over to the first token; prefill + stage: the prefill "
         "node's service time per request (p50), so it keeps up with about 1 / their sum requests/s.",
+        "- read ms/step: the decode loop's time in decode-time reads from the daemon per step (plans "
+        "copied to the host, daemon calls, host pool stores); graph / eager: decode steps replayed "
+        "from captured CUDA graphs and run eagerly.",
         "- same tokens: requests whose whole output equals the first mode's at the same rate. Each row "
         "batches requests differently, so with random bf16 weights near-tied logits may flip.",
     ]
