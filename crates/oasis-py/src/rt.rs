@@ -424,19 +424,20 @@ fn pool_dests(
                     format!("host row {row} is outside the pools' {nrows} rows"),
                 )
             })?;
-        let (at, half) =
-            match head {
-                -1 => (row * heads * head_bytes, heads * head_bytes),
-                h if h >= 0 && (h as usize) < heads => {
-                    ((row * heads + h as usize) * head_bytes, head_bytes)
-                }
-                h => return Err(bad_arg(
+        let (at, half) = match head {
+            -1 => (row * heads * head_bytes, heads * head_bytes),
+            h if h >= 0 && (h as usize) < heads => {
+                ((row * heads + h as usize) * head_bytes, head_bytes)
+            }
+            h => {
+                return Err(bad_arg(
                     py,
                     format!(
                         "head {h} is neither -1 (every head) nor one of the pools' {heads} heads"
                     ),
-                )),
-            };
+                ))
+            }
+        };
         out.push(Dest {
             k: host_k[l].ptr + at,
             v: host_v[l].ptr + at,
