@@ -10,6 +10,7 @@ request fails alone; a client without the token is refused.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -749,3 +750,38 @@ def test_misses_are_fetched_after_the_step_s_compute_is_queued(model):
             assert events[i - 1] == "forward"
             assert events[i + 1] == ("fetch", tuple(range(layers)))
             assert events[i + 2] == "forward"
+
+
+@pytest.mark.parametrize("transfer", ["partial", "full"])
+def test_large_reads_spread_over_several_connections(model, transfer, monkeypatch):
+    """A read of many entries (a full transfer's blocks, a step's misses) is split into frames
+    read on ``read_connections`` connections at once, each writing its entries into the host
+    pool: tokens, admission traffic (in entries) and decode-time entries equal those of one
+    connection, and the extra connections carried part of it."""
+    monkeypatch.setattr(disagg, "READ_SPLIT_MIN_ENTRIES", 1)  # split even the small model's reads
+    runs = {}
+    with Daemon() as d:
+        for conns in (1, 3):
+            handles = _staged_small(model, d)
+            eng = LLMEngine(
+                model, kv=KvConfig(**SMALL), drafter="ngram", kv_source=d.url, kv_transfer=transfer
+            )
+            src = eng.kv_source
+            src.read_connections = conns
+            src.prefetch_depth = 0  # the admissions read in the loop too, through the same reads
+            outs = _run(eng, [lambda e, h=h: e.add_staged_request(h, _params()) for h in handles])
+            extra = [sum(c.wire_bytes) for c in src._read_clients]
+            runs[conns] = (outs, dataclasses.replace(src.stats), extra)
+            src.close()
+            assert RtClient(d.url).stats()["live_requests"] == 0  # every request released
+    (one, s1, extra1), (three, s3, extra3) = runs[1], runs[3]
+    assert extra1 == [] and len(extra3) == 2 and all(w > 0 for w in extra3)
+    for a, b in zip(one, three, strict=True):
+        assert a.finish_reason == b.finish_reason == "length", (a.error, b.error)
+        assert a.token_ids == b.token_ids
+    assert s1.fetched_entries == s3.fetched_entries and s1.cached_bytes == s3.cached_bytes
+    assert s1.peak_cached_bytes == s3.peak_cached_bytes and s3.failures == 0
+    if transfer == "partial":
+        assert s3.fetched_entries > 0
+    # More frames, so more frame headers: the payload is the same.
+    assert s3.admission_bytes + s3.fetched_bytes >= s1.admission_bytes + s1.fetched_bytes

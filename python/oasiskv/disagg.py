@@ -131,6 +131,12 @@ BULK_FRAME_BYTES = 4 << 20
 PREFETCH_DEPTH = 2
 #: Connections the read ahead of one staged request spreads over (each with its own thread).
 PREFETCH_CONNECTIONS = 2
+#: Connections a large read in the decode loop (a step's misses, a full transfer's blocks)
+#: spreads its frames over, each with its own thread: over TCP one connection moves a few GB/s
+#: at most, several in parallel more (``RemoteKvSource.read_connections``).
+READ_CONNECTIONS = 3
+#: A read is split across connections only into frames of at least this many entries.
+READ_SPLIT_MIN_ENTRIES = 256
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -738,6 +744,11 @@ class RemoteKvSource:
         self._prefetcher: ThreadPoolExecutor | None = None
         self._ahead_helpers: ThreadPoolExecutor | None = None
         self._prefetch_clients: list = []  # the background reads' own connections
+        #: Connections a large read in the decode loop spreads its frames over (1: the loop's
+        #: own connection alone).
+        self.read_connections = READ_CONNECTIONS
+        self._read_helpers: ThreadPoolExecutor | None = None
+        self._read_clients: list = []  # the extra connections of those reads
         engine.block_source = self
 
     # ---------------------------------------------------------------- maps
@@ -1450,53 +1461,124 @@ class RemoteKvSource:
         heads = [-1] * len(owners) if whole else head.tolist()
         lay = layers.tolist()
         rows = hb.tolist()
-        for lo in range(0, len(owners), per_frame):
-            hi = min(len(owners), lo + per_frame)
-            keys = [(self._by_req[owners[i]].daemon_id, lay[i], logical[i], heads[i]) for i in range(lo, hi)]
-            wire0 = self._wire()
-            try:
-                if into:
-                    errors = self._call(
-                        lambda c, keys=keys, r=rows[lo:hi]: c.read_blocks_into(keys, r, p.host_k, p.host_v)
-                    )[1]
-                else:
-                    data, _, errors = self._call(lambda c, keys=keys: c.read_blocks(keys))
-            except RemoteError as e:
-                for i in range(lo, hi):
-                    self._fail(owners[i], f"reading KV from the staging daemon failed: {e}")
-                continue
-            wire = self._wire() - wire0
-            good = [i for i, err in enumerate(errors) if err is None]
-            for i, err in enumerate(errors):
-                if err is not None:
-                    self._fail(
-                        owners[lo + i],
-                        f"reading block {logical[lo + i]} of layer {lay[lo + i]} from the staging daemon "
-                        f"failed ({err}); was the request released or evicted after its lease "
-                        "(oasis-rt serve --lease)?",
-                    )
-            if good:
-                sel = torch.tensor(good, dtype=torch.long) + lo
-                if into:
-                    new = self._mark_present(layers[sel], hb[sel], None if whole else head[sel])
-                else:
-                    new = self._store_frame(data, entry, lay, good, lo, hb, None if whole else head)
-                per_owner: dict[int, int] = {}
-                for i, cnt in zip(good, new.tolist(), strict=True):
-                    per_owner[owners[lo + i]] = per_owner.get(owners[lo + i], 0) + int(cnt)
-                for owner, cnt in per_owner.items():
-                    self._count_cached(self._by_req[owner], cnt)
-            if not whole and not self._admitting:
-                # Decode-time traffic (reads while a request is admitted count as its admission:
-                # the first working set's block-heads); shared among a frame's requests by entries.
-                self.stats.fetched_bytes += wire
-                self.stats.fetched_entries += len(good)
-                share = wire / (hi - lo)
-                for i in range(lo, hi):
-                    self._by_req[owners[i]].fetched_bytes += share
-                for i in set(owners[lo:hi]):
-                    st = self._by_req[i]
-                    st.req.metrics.network_fetched_bytes = round(st.fetched_bytes)
+        n = len(owners)
+        conns = self.read_connections if into and n >= 2 * READ_SPLIT_MIN_ENTRIES else 1
+        count = max(math.ceil(n / per_frame), min(conns, n // READ_SPLIT_MIN_ENTRIES))
+        size = math.ceil(n / count) if n else 1
+        bounds = [(lo, min(n, lo + size)) for lo in range(0, n, size)]
+
+        def keys_of(lo: int, hi: int) -> list:
+            return [(self._by_req[owners[i]].daemon_id, lay[i], logical[i], heads[i]) for i in range(lo, hi)]
+
+        k, wait = (
+            self._start_parallel_reads(bounds, keys_of, rows) if conns > 1 and len(bounds) > 1 else (1, None)
+        )
+        try:
+            for j, (lo, hi) in enumerate(bounds):
+                data = None
+                got = wait(j) if j % k else None
+                try:
+                    if got is not None:
+                        errors, wire = got
+                    else:
+                        keys = keys_of(lo, hi)
+                        wire0 = self._wire()
+                        if into:
+                            errors = self._call(
+                                lambda c, keys=keys, r=rows[lo:hi]: c.read_blocks_into(
+                                    keys, r, p.host_k, p.host_v
+                                )
+                            )[1]
+                        else:
+                            data, _, errors = self._call(lambda c, keys=keys: c.read_blocks(keys))
+                        wire = self._wire() - wire0
+                except RemoteError as e:
+                    for i in range(lo, hi):
+                        self._fail(owners[i], f"reading KV from the staging daemon failed: {e}")
+                    continue
+                good = [i for i, err in enumerate(errors) if err is None]
+                for i, err in enumerate(errors):
+                    if err is not None:
+                        self._fail(
+                            owners[lo + i],
+                            f"reading block {logical[lo + i]} of layer {lay[lo + i]} from the staging daemon "
+                            f"failed ({err}); was the request released or evicted after its lease "
+                            "(oasis-rt serve --lease)?",
+                        )
+                if good:
+                    sel = torch.tensor(good, dtype=torch.long) + lo
+                    if into:
+                        new = self._mark_present(layers[sel], hb[sel], None if whole else head[sel])
+                    else:
+                        new = self._store_frame(data, entry, lay, good, lo, hb, None if whole else head)
+                    per_owner: dict[int, int] = {}
+                    for i, cnt in zip(good, new.tolist(), strict=True):
+                        per_owner[owners[lo + i]] = per_owner.get(owners[lo + i], 0) + int(cnt)
+                    for owner, cnt in per_owner.items():
+                        self._count_cached(self._by_req[owner], cnt)
+                if not whole and not self._admitting:
+                    # Decode-time traffic (reads while a request is admitted count as its admission:
+                    # the first working set's block-heads); shared among a frame's requests by entries.
+                    self.stats.fetched_bytes += wire
+                    self.stats.fetched_entries += len(good)
+                    share = wire / (hi - lo)
+                    for i in range(lo, hi):
+                        self._by_req[owners[i]].fetched_bytes += share
+                    for i in set(owners[lo:hi]):
+                        st = self._by_req[i]
+                        st.req.metrics.network_fetched_bytes = round(st.fetched_bytes)
+        finally:
+            for j in range(1, min(k, len(bounds))):  # no thread writes into the pool after this
+                wait(j)
+
+    def _start_parallel_reads(self, bounds: list, keys_of, rows: list):
+        """Read the frames ``bounds[j] = (lo, hi)`` with ``j % k != 0`` into the host pool on
+        ``k - 1`` extra connections, one thread each (``k = read_connections``); the caller reads
+        the others on the loop's own connection meanwhile. Returns ``(k, wait)``: ``wait(j)``
+        blocks until frame ``j``'s connection is done and gives ``(errors, wire bytes)``, or None
+        when that connection failed first (the caller reads the frame again on its own
+        connection, with retries; the failed connection is dropped, a fresh one opened next
+        time)."""
+        p = self.engine.pools
+        k = min(self.read_connections, len(bounds))
+        while len(self._read_clients) < k - 1:
+            self._read_clients.append(_client(self.url, self._token, self._timeout_s))
+        if self._read_helpers is None:
+            self._read_helpers = ThreadPoolExecutor(
+                max_workers=self.read_connections - 1, thread_name_prefix="oasis-read"
+            )
+
+        def work(c, mine: list) -> dict:
+            out = {}
+            for lo, hi in mine:
+                w0 = sum(c.wire_bytes)
+                try:
+                    errors = c.read_blocks_into(keys_of(lo, hi), rows[lo:hi], p.host_k, p.host_v)[1]
+                except RemoteError as e:
+                    log.warning("a parallel read from the staging daemon failed: %s", e)
+                    break  # the caller reads the rest of this connection's frames
+                out[lo] = (errors, sum(c.wire_bytes) - w0)
+            return out
+
+        clients = self._read_clients[: k - 1]
+        futures = [self._read_helpers.submit(work, c, bounds[j::k]) for j, c in enumerate(clients, start=1)]
+        results: dict = {}
+
+        def wait(j: int):
+            i = j % k - 1
+            if futures[i] is not None:
+                got = futures[i].result()
+                futures[i] = None
+                results.update(got)
+                # Their traffic counts in _wire (every connection), as the loop connection's does.
+                self._wire_base += sum(w for _, w in got.values())
+                c = clients[i]
+                if not c.connected:
+                    self._read_clients.remove(c)
+                    c.close()
+            return results.get(bounds[j][0])
+
+        return k, wait
 
     def _mark_present(self, layers: torch.Tensor, rows: torch.Tensor, heads: torch.Tensor | None):
         """Entries now in the host pool: block-heads ``(layers[i], rows[i], heads[i])``, or with
@@ -1573,4 +1655,10 @@ class RemoteKvSource:
         for c in self._prefetch_clients:
             c.close()
         self._prefetch_clients = []
+        if self._read_helpers is not None:
+            self._read_helpers.shutdown(wait=True)
+            self._read_helpers = None
+        for c in self._read_clients:
+            c.close()
+        self._read_clients = []
         self.client.close()
