@@ -518,7 +518,8 @@ def test_cuda_graph_flag_is_checked_and_ignored_on_the_cpu(qwen3):
     llm = oasiskv.LLM(qwen3, kv=kv, backend="oasis", drafter="ngram", cuda_graph=True)
     graphed = llm.generate(ps, 8, ignore_eos=True)
     assert [g.tokens for g in graphed] == [p.tokens for p in plain]
-    assert llm.engine.cuda_graph and llm.engine.graph_stats == {"captures": 0, "replays": 0}
+    stats = llm.engine.graph_stats
+    assert llm.engine.cuda_graph and stats["captures"] == stats["replays"] == 0 and stats["eager"] >= 7
     with pytest.raises(errors.ConfigError, match="cuda_graph"):
         oasiskv.LLM(qwen3, kv=kv, backend="oasis", cuda_graph="yes")
 

@@ -110,7 +110,8 @@ def test_a_failed_capture_falls_back_to_eager_steps(monkeypatch):
     graph, eng = _greedy(model, "oasis", True, prompts, [12, 9])
     assert graph == eager
     assert not eng.cuda_graph and "capture refused" in eng.graph_error
-    assert eng.graph_stats == {"captures": 0, "replays": 0}
+    stats = eng.graph_stats
+    assert stats["captures"] == stats["replays"] == 0 and stats["eager"] >= 8  # the steps ran eagerly
 
 
 def test_graphs_dropped_mid_run_are_captured_again():
