@@ -20,6 +20,7 @@ def test_fig12_sweep_on_the_cpu(tmp_path):
         "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--daemon", binary,
         "--prompt-tokens", "300", "--max-tokens", "6", "--requests", "3", "--rates", "40,200",
         "--block-size", "16", "--top-k-blocks", "4", "--sparse-threshold", "64", "--kv-cache-blocks", "8",
+        "--read-connections", "2",
         "--json", str(out), "--md", str(md),
     ]  # fmt: skip
     assert disagg.main(argv) == 0
@@ -69,6 +70,7 @@ def test_arrivals_are_seeded_poisson():
         (["--rates", "x"], "comma-separated numbers"),
         (["--transfers", "full,bogus"], "--transfers takes"),
         (["--requests", "0"], "integer >= 1"),
+        (["--read-connections", "0"], "integer >= 1"),
     ],
 )
 def test_bad_flags_are_refused(flags, says, capsys):

@@ -132,9 +132,10 @@ PREFETCH_DEPTH = 2
 #: Connections the read ahead of one staged request spreads over (each with its own thread).
 PREFETCH_CONNECTIONS = 2
 #: Connections a large read in the decode loop (a step's misses, a full transfer's blocks)
-#: spreads its frames over, each with its own thread: over TCP one connection moves a few GB/s
-#: at most, several in parallel more (``RemoteKvSource.read_connections``).
-READ_CONNECTIONS = 3
+#: spreads its frames over, each with its own thread (``RemoteKvSource.read_connections``). One
+#: until measured on a many-core machine: on the 2-core build machine, with the daemon on the
+#: same cores, 2 and 3 connections read no faster than one (1.26-1.35 GB/s).
+READ_CONNECTIONS = 1
 #: A read is split across connections only into frames of at least this many entries.
 READ_SPLIT_MIN_ENTRIES = 256
 

@@ -127,6 +127,12 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--sparse-threshold", type=_positive, default=None, help="default: the KvConfig's")
     k.add_argument("--host-kv-budget", default=None, help="the decode engine's host pool, e.g. 64GiB")
     k.add_argument(
+        "--read-connections",
+        type=_positive,
+        default=None,
+        help="connections the decode engine spreads a large read over (RemoteKvSource.read_connections)",
+    )
+    k.add_argument(
         "--kv-cache-blocks",
         type=_positive,
         default=None,
@@ -244,6 +250,8 @@ def decode_engine(model, args, url: str, transfer: str):
         output_kind="delta",
     )
     eng.engine.reserve_pools([(args.prompt_tokens, args.max_tokens)] * n)
+    if args.read_connections is not None:
+        eng.kv_source.read_connections = args.read_connections
     return eng
 
 
