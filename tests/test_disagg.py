@@ -785,3 +785,35 @@ def test_large_reads_spread_over_several_connections(model, transfer, monkeypatc
         assert s3.fetched_entries > 0
     # More frames, so more frame headers: the payload is the same.
     assert s3.admission_bytes + s3.fetched_bytes >= s1.admission_bytes + s1.fetched_bytes
+
+
+def test_a_failed_extra_connection_is_read_again_on_the_loop_s_own(model, monkeypatch):
+    """``read_connections``: a frame whose extra connection fails in transport is read again on
+    the decode loop's connection (with its retries); the request goes on with the same tokens,
+    and the broken connection is dropped (a fresh one is opened for the next large read)."""
+    monkeypatch.setattr(disagg, "READ_SPLIT_MIN_ENTRIES", 1)
+
+    class Broken:
+        connected = True
+        wire_bytes = (0, 0)
+
+        def read_blocks_into(self, *args):
+            self.connected = False
+            raise errors.RemoteUnavailableError("connection closed (injected)")
+
+        def close(self):
+            pass
+
+    with Daemon() as d:
+        (h,) = _staged_small(model, d, seeds=(3,))
+        eng = LLMEngine(model, kv=KvConfig(**SMALL), drafter="ngram", kv_source=d.url, kv_transfer="full")
+        src = eng.kv_source
+        src.read_connections, src.prefetch_depth = 2, 0
+        broken = Broken()
+        src._read_clients = [broken]
+        (o,) = _run(eng, [lambda e: e.add_staged_request(h, _params())])
+        (ref,) = _reference(model, KvConfig(**SMALL), "oasis", [h.prompt])
+        assert o.finish_reason == "length", o.error
+        assert o.token_ids == ref.token_ids and src.stats.failures == 0
+        assert broken not in src._read_clients and not broken.connected
+        src.close()

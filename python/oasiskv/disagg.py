@@ -1530,7 +1530,10 @@ class RemoteKvSource:
                         st.req.metrics.network_fetched_bytes = round(st.fetched_bytes)
         finally:
             for j in range(1, min(k, len(bounds))):  # no thread writes into the pool after this
-                wait(j)
+                try:
+                    wait(j)
+                except Exception:  # noqa: BLE001, S110  the loop's own error is on its way out
+                    pass
 
     def _start_parallel_reads(self, bounds: list, keys_of, rows: list):
         """Read the frames ``bounds[j] = (lo, hi)`` with ``j % k != 0`` into the host pool on
@@ -1567,9 +1570,9 @@ class RemoteKvSource:
 
         def wait(j: int):
             i = j % k - 1
-            if futures[i] is not None:
-                got = futures[i].result()
-                futures[i] = None
+            f, futures[i] = futures[i], None
+            if f is not None:
+                got = f.result()
                 results.update(got)
                 # Their traffic counts in _wire (every connection), as the loop connection's does.
                 self._wire_base += sum(w for _, w in got.values())
