@@ -974,7 +974,7 @@ class Engine:
         self.cuda_graph = cuda_graph
         self._graphs: dict[tuple, _StepGraph] = {}
         self._graph_pool = None
-        #: Captured decode steps so far, and replays of them.
+        #: Captured decode steps so far, replays of them, and decode steps run eagerly.
         self.graph_stats = {"captures": 0, "replays": 0, "eager": 0}
         #: Why capturing failed (graphs are off since), else None.
         self.graph_error: str | None = None
@@ -2228,11 +2228,12 @@ class Engine:
         )
 
     def _flush_deferred(self) -> None:
-        """The deferred fetches and gathers of this step, in layer order, each on its layer's
-        background stream (after its selection), whose event the next step's attention waits on.
-        The host blocks on each layer's plan (and the daemon) only once the whole step's compute
-        is queued, so the GPU computes while the misses come over the network; the order of the
-        block source's calls and of the gathers is the inline one."""
+        """The deferred fetches and gathers of this step, in layer order, each gather on its
+        layer's background stream (after its selection), whose event the next step's attention
+        waits on. The host blocks on the plans (and the daemon) only once the whole step's compute
+        is queued. A source with ``before_gathers`` (and no evicting cache) reads every layer's
+        misses in one call once the selections are done; otherwise each layer's fetch precedes
+        its gather, in the inline order."""
         work, self._deferred = self._deferred or [], None
         # A block source that evicts host rows (a bounded cache) may hand a row the previous
         # layer's gather still reads (another stream) to another block: wait for that gather.
