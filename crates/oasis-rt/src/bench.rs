@@ -9,8 +9,10 @@
 //!  stage   total / B blocks of B deterministic bytes under a fresh request id, in frames
 //!          under the client's frame limit
 //!  verify  read every block once (untimed), compare with what was staged
-//!  time    `repeats` passes reading every block, `batch` keys per call (head = ALL_HEADS):
-//!          ReadBlocksRma where the connection offers it (UCX), ReadBlocks frames otherwise
+//!  time    `repeats` passes reading every block, `batch` keys per call (head = ALL_HEADS, or
+//!          with `per_head` each KV head of each block as its own entry, as the decode side
+//!          reads its misses): ReadBlocksRma where the connection offers it (UCX), ReadBlocks
+//!          frames otherwise
 //!  memcpy  `repeats` passes copying the same bytes between two host buffers in chunks of B,
 //!          and one big copy
 //!  release the request (on error too, while the connection lives)
@@ -68,6 +70,9 @@ pub struct BenchConfig {
     /// RMA, refused where unavailable; `Some(false)`: inside reply frames even over UCX, to
     /// compare the two on one transport).
     pub rma: Option<bool>,
+    /// Read each KV head of a block as its own entry (K rows then V rows, as the decode side
+    /// reads its misses; the daemon copies the two halves together) instead of whole blocks.
+    pub per_head: bool,
 }
 
 impl Default for BenchConfig {
@@ -78,6 +83,7 @@ impl Default for BenchConfig {
             batch: 64,
             repeats: 5,
             rma: None,
+            per_head: false,
         }
     }
 }
@@ -158,6 +164,8 @@ pub struct BenchRow {
     pub repeats: usize,
     /// Reads went by RMA (`ReadBlocksRma`), not inside reply frames.
     pub rma: bool,
+    /// One entry per KV head of a block (see [`BenchConfig::per_head`]), not per block.
+    pub per_head: bool,
     /// GB/s of each timed read pass.
     pub read_gbps: Vec<f64>,
     /// GB/s of each staging pass (every block sent again; the daemon replaces them).
@@ -196,6 +204,15 @@ impl BenchRow {
             "frames"
         }
     }
+
+    /// What one read entry is: `"block"` or `"head"`.
+    pub fn entry(&self) -> &'static str {
+        if self.per_head {
+            "head"
+        } else {
+            "block"
+        }
+    }
 }
 
 /// Every row of one run.
@@ -210,10 +227,11 @@ impl BenchReport {
     /// A table, one line per block size, with a header line.
     pub fn table(&self) -> String {
         let mut out = format!(
-            "{:>11} {:>8} {:>6} {:>10} {:>12} {:>12} {:>13} {:>11}\n",
+            "{:>11} {:>8} {:>6} {:>5} {:>10} {:>12} {:>12} {:>13} {:>11}\n",
             "block_bytes",
             "blocks",
             "path",
+            "entry",
             "read_GB/s",
             "memcpy_GB/s",
             "read/memcpy",
@@ -222,10 +240,11 @@ impl BenchReport {
         );
         for r in &self.rows {
             out.push_str(&format!(
-                "{:>11} {:>8} {:>6} {:>10.3} {:>12.3} {:>12.3} {:>13.0} {:>11.3}\n",
+                "{:>11} {:>8} {:>6} {:>5} {:>10.3} {:>12.3} {:>12.3} {:>13.0} {:>11.3}\n",
                 r.block_bytes,
                 r.blocks,
                 r.path(),
+                r.entry(),
                 r.read_gbps_median(),
                 r.memcpy_gbps_median(),
                 r.ratio(),
@@ -247,7 +266,7 @@ impl BenchReport {
                 let stages: Vec<String> = r.stage_gbps.iter().map(|&v| number(v)).collect();
                 format!(
                     "    {{\"block_bytes\": {}, \"blocks\": {}, \"batch\": {}, \"repeats\": {}, \
-                     \"path\": \"{}\", \"read_gbps\": [{}], \"read_gbps_median\": {}, \
+                     \"path\": \"{}\", \"entry\": \"{}\", \"read_gbps\": [{}], \"read_gbps_median\": {}, \
                      \"memcpy_gbps_median\": {}, \"memcpy_one_copy_gbps\": {}, \"ratio\": {}, \
                      \"wire_bytes_per_block\": {}, \"stage_gbps\": [{}], \"stage_gbps_median\": {}}}",
                     r.block_bytes,
@@ -255,6 +274,7 @@ impl BenchReport {
                     r.batch,
                     r.repeats,
                     r.path(),
+                    r.entry(),
                     passes.join(", "),
                     number(r.read_gbps_median()),
                     number(r.memcpy_gbps_median()),
@@ -433,21 +453,47 @@ async fn measure<C: RmaConnection>(
         }
     }
 
+    // Whole blocks, or each head of each block (K rows, then V rows: [2][heads][rows] staged).
+    let heads: Vec<u16> = if config.per_head {
+        (0..g.num_kv_heads).collect()
+    } else {
+        vec![ALL_HEADS]
+    };
     let keys: Vec<BlockKey> = (0..blocks)
-        .map(|block| BlockKey {
-            request,
-            layer: 0,
-            block,
-            head: ALL_HEADS,
+        .flat_map(|block| {
+            heads.iter().map(move |&head| BlockKey {
+                request,
+                layer: 0,
+                block,
+                head,
+            })
         })
         .collect();
     let batches: Vec<&[BlockKey]> = keys.chunks(batch).collect();
+    let entry_bytes = if config.per_head {
+        HEAD_BLOCK_BYTES
+    } else {
+        block_bytes
+    };
+    let expected = |key: &BlockKey| -> Vec<u8> {
+        let block = slice(key.block);
+        if key.head == ALL_HEADS {
+            return block.to_vec();
+        }
+        let half = (HEAD_BLOCK_BYTES / 2) as usize;
+        let (h, n) = (usize::from(key.head), usize::from(g.num_kv_heads));
+        [
+            &block[h * half..(h + 1) * half],
+            &block[(n + h) * half..(n + h + 1) * half],
+        ]
+        .concat()
+    };
 
     // The untimed pass: every byte against the staging (and a warm connection for the rest).
     for keys in &batches {
         let got = read(client, rma, keys).await?;
         for (key, entry) in keys.iter().zip(&got) {
-            check_entry(key, entry, block_bytes, Some(&slice(key.block)))?;
+            check_entry(key, entry, entry_bytes, Some(&expected(key)))?;
         }
     }
 
@@ -458,7 +504,7 @@ async fn measure<C: RmaConnection>(
         for keys in &batches {
             let got = read(client, rma, keys).await?;
             for (key, entry) in keys.iter().zip(&got) {
-                check_entry(key, entry, block_bytes, None)?;
+                check_entry(key, entry, entry_bytes, None)?;
             }
         }
         read_gbps.push(gbps(payload_bytes, start.elapsed()));
@@ -475,6 +521,7 @@ async fn measure<C: RmaConnection>(
         batch,
         repeats: config.repeats,
         rma,
+        per_head: config.per_head,
         read_gbps,
         stage_gbps,
         memcpy_gbps,
@@ -711,6 +758,7 @@ mod tests {
                 batch: 2,
                 repeats: 2,
                 rma: false,
+                per_head: true,
                 read_gbps: vec![1.0, 3.0],
                 stage_gbps: vec![2.0, 4.0, 9.0],
                 memcpy_gbps: vec![10.0, 10.0],
@@ -727,11 +775,13 @@ mod tests {
             "\"ratio\": 0.2000",
             "\"memcpy_one_copy_gbps\": null",
             "\"stage_gbps_median\": 4.0000",
+            "\"entry\": \"head\"",
         ] {
             assert!(j.contains(needle), "{needle} in {j}");
         }
         let t = report.table();
         assert_eq!(t.lines().count(), 2);
         assert!(t.lines().nth(1).unwrap().contains("frames"), "{t}");
+        assert!(t.lines().nth(1).unwrap().contains("head"), "{t}");
     }
 }

@@ -17,7 +17,7 @@ usage:
   oasis-rt stats --connect HOST:PORT [--token-file FILE] [--timeout SECS] [--transport tcp|ucx]
   oasis-rt bench --connect HOST:PORT [--token-file FILE] [--timeout SECS] [--transport tcp|ucx]
                  [--block-bytes 8KiB,64KiB] [--total 256MiB] [--batch 64] [--repeats 5]
-                 [--path auto|rma|frames] [--json PATH]
+                 [--path auto|rma|frames] [--entries block|head] [--json PATH]
 
 serve   run the KV staging daemon. --listen defaults to 127.0.0.1:7470; a non-loopback
         address requires --token-file (a shared secret every client presents).
@@ -31,8 +31,9 @@ stats   print a running daemon's counters, one `name value` per line.
 bench   stage --total bytes of each --block-bytes size (multiples of 8KiB: one KV head of a
         16-token block, head_dim 128, bf16) on a running daemon, read them back --repeats
         times in batches of --batch blocks (by RMA over ucx where the daemon offers it,
-        in reply frames otherwise; --path rma|frames forces one), and copy the same bytes
-        host to host in the same run;
+        in reply frames otherwise; --path rma|frames forces one; --entries head reads
+        each KV head of a block as its own entry, as a decode engine reads its misses),
+        and copy the same bytes host to host in the same run;
         prints the median GB/s of each and their ratio, releases what it staged. --json
         writes every pass too.";
 
@@ -454,6 +455,7 @@ fn bench(args: &[String]) -> Result<(), Failure> {
             "--batch",
             "--repeats",
             "--path",
+            "--entries",
             "--json",
         ],
     )?;
@@ -484,6 +486,13 @@ fn bench(args: &[String]) -> Result<(), Failure> {
         "frames" => Some(false),
         other => {
             return Err(Usage(format!("--path must be auto, rma or frames, got '{other}'")).into())
+        }
+    };
+    plan.per_head = match flags.get("--entries").unwrap_or("block") {
+        "block" => false,
+        "head" => true,
+        other => {
+            return Err(Usage(format!("--entries must be block or head, got '{other}'")).into())
         }
     };
     // Refuse a bad plan before connecting to anything.

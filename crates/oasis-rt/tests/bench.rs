@@ -167,3 +167,24 @@ async fn a_forced_path_is_taken_or_refused() {
     assert_eq!((s.used_bytes, s.live_requests), (0, 0));
     d.handle.audit().unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_head_entries_are_each_head_s_k_then_v_rows() {
+    let d = tcp().start(ServerConfig::default()).await;
+    let mut c = d.client().await;
+    let config = BenchConfig {
+        block_bytes: vec![64 << 10],
+        per_head: true,
+        ..small()
+    };
+    // Every byte of every head's entry is checked against the staged block in the untimed pass.
+    let report = bench::run(&mut c, &config).await.expect("bench");
+    let r = &report.rows[0];
+    assert!(r.per_head && r.entry() == "head" && r.blocks == 32);
+    // Eight entries per block: each with its entry overhead and its share of the keys.
+    let extra = r.wire_bytes_per_block - r.block_bytes as f64;
+    assert!(extra > 8.0 * 6.0 && extra < 8.0 * 64.0, "{r:?}");
+    let s = c.stats().await.unwrap();
+    assert_eq!((s.used_bytes, s.live_requests), (0, 0));
+    d.handle.audit().unwrap();
+}

@@ -30,6 +30,7 @@ fn usage_errors_exit_2() {
         &["bench"],
         &["bench", "--connect", "127.0.0.1:1", "--batch", "0"],
         &["bench", "--connect", "127.0.0.1:1", "--total", "0"],
+        &["bench", "--connect", "127.0.0.1:1", "--entries", "rows"],
         &[],
         &["frobnicate"],
     ] {
@@ -237,9 +238,9 @@ fn bench_over(transport: &str) {
         .collect();
     assert_eq!(rows.len(), 2, "{text}");
     for (row, (bytes, blocks)) in rows.iter().zip([("8192", "256"), ("65536", "32")]) {
-        assert_eq!(row.len(), 8, "{text}");
-        assert_eq!(&row[..3], [bytes, blocks, path], "{text}");
-        for v in &row[3..] {
+        assert_eq!(row.len(), 9, "{text}");
+        assert_eq!(&row[..4], [bytes, blocks, path, "block"], "{text}");
+        for v in &row[4..] {
             assert!(v.parse::<f64>().is_ok_and(|v| v > 0.0), "{text}");
         }
     }
