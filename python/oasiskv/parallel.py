@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import socket
 import sys
 import time
@@ -268,6 +269,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _send(conn, msg) -> None:
+    """``msg`` to the parent as plain pickle bytes: ``Connection.send`` would pickle tensors with
+    torch's sharing reductions, whose storage the parent fetches from this process after it has
+    exited (``os._exit`` below), so the result would be lost (seen as a rank that "died with exit
+    code 0")."""
+    conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+
 def _tp_child(fn, rank, tp, init_method, backend, timeout_s, threads, args, conn) -> None:
     """One rank of :func:`run_tp`: join the group, run ``fn(group, *args)``, send back
     ``("ok", result)`` or ``("error", (type, message, traceback))``."""
@@ -277,11 +286,11 @@ def _tp_child(fn, rank, tp, init_method, backend, timeout_s, threads, args, conn
             torch.set_num_threads(threads)
         group = init_tp(rank, tp, init_method=init_method, backend=backend, timeout_s=timeout_s)
         out = fn(group, *args)
-        conn.send(("ok", out))
+        _send(conn, ("ok", out))
         ok = True
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises
         try:
-            conn.send(("error", (type(e).__name__, str(e), traceback.format_exc())))
+            _send(conn, ("error", (type(e).__name__, str(e), traceback.format_exc())))
         except Exception:  # noqa: BLE001 - the parent still sees the exit code
             pass
     finally:
@@ -366,7 +375,7 @@ def _watch(procs: list, conns: dict, grace_s: float) -> list:
     def read(rank: int) -> None:
         c = conns[rank]
         try:
-            kind, payload = c.recv()
+            kind, payload = pickle.loads(c.recv_bytes())  # _send's bytes
         except (EOFError, OSError):
             del conns[rank]
             return
