@@ -1118,21 +1118,16 @@ class RemoteKvSource:
         eng = self.engine
         p, g = eng.pools, eng.geo
         dev = p.host_device
-        present = self._present[layer]
         x = torch.frombuffer(data, dtype=eng.dtype)
         if heads is None:
             x = x.view(len(rows), 2, g.num_kv_heads, g.block_size, g.head_dim)
             at = (rows.to(dev),)
-            new = (~present[rows]).sum(dim=1)
-            present[rows] = True
         else:
             x = x.view(len(rows), 2, g.block_size, g.head_dim)
             at = (rows.to(dev), heads.to(dev))
-            new = (~present[rows, heads]).long()
-            present[rows, heads] = True
         p.host_k[layer][at] = x[:, 0].to(dev)
         p.host_v[layer][at] = x[:, 1].to(dev)
-        return new
+        return self._mark_present(torch.full_like(rows, layer), rows, heads)
 
     def _fetch_admission(self, st: _Remote, layers: int, pf: _Prefetched | None = None) -> dict:
         """Read the admission set of every layer (in as many calls as the frame limit needs), or
@@ -1402,50 +1397,39 @@ class RemoteKvSource:
         if not li.numel():
             return [False] * len(plans)
         layer_of = torch.tensor([p[0] for p in plans], dtype=torch.long)
-        layers = layer_of[li]
-        hb = indices[indptr[seq] + pb[sel].long()]
+        got = self._absent(layer_of[li], indices[indptr[seq] + pb[sel].long()], head)
+        if got is None:
+            return [False] * len(plans)
+        self._read(*got, whole=False)
+        read = set(got[0].unique().tolist())
+        return [p[0] in read for p in plans]
+
+    def _absent(self, layers: torch.Tensor, hb: torch.Tensor, head: torch.Tensor):
+        """The block-heads ``(layers[i], hb[i], head[i])`` not in the host pool, each once and
+        none of a failed request, as ``(layers, hb, head)`` ordered by (layer, row, head), as
+        :meth:`_read` wants them; None when there are none."""
         absent = ~self._present[layers, hb, head]
         if not bool(absent.any()):
-            return [False] * len(plans)
+            return None
         layers, hb, head = layers[absent], hb[absent], head[absent]
         if self._failed:
             ok = ~torch.isin(self._owner[hb], torch.tensor(list(self._failed), dtype=torch.long))
             layers, hb, head = layers[ok], hb[ok], head[ok]
             if not hb.numel():
-                return [False] * len(plans)
-        # One key per (layer, row, head), sorted: layer by layer, as _read wants.
-        rows, hk = self._present.shape[1], self.engine.geo.num_kv_heads
-        key = torch.unique((layers * rows + hb) * hk + head)
-        layers, rest = key // (rows * hk), key % (rows * hk)
-        self._read(layers, rest // hk, rest % hk, whole=False)
-        read = set(layers.unique().tolist())
-        return [p[0] in read for p in plans]
-
-    def _absent(self, layer: int, hb: torch.Tensor, head: torch.Tensor):
-        """The block-heads ``(hb[i], head[i])`` of ``layer`` not in the host pool, each once and
-        none of a failed request, as ``(hb, head)`` ordered by (row, head); None when there are
-        none."""
-        absent = ~self._present[layer][hb, head]
-        if not bool(absent.any()):
-            return None
-        hb, head = hb[absent], head[absent]
-        if self._failed:
-            ok = ~torch.isin(self._owner[hb], torch.tensor(list(self._failed), dtype=torch.long))
-            hb, head = hb[ok], head[ok]
-            if not hb.numel():
                 return None
-        hk = self.engine.geo.num_kv_heads
-        key = torch.unique(hb * hk + head)  # one key per (row, head), sorted
-        return key // hk, key % hk
+        rows, hk = self._present.shape[1], self.engine.geo.num_kv_heads
+        key = torch.unique((layers * rows + hb) * hk + head)  # one key per (layer, row, head), sorted
+        layers, rest = key // (rows * hk), key % (rows * hk)
+        return layers, rest // hk, rest % hk
 
     def _ensure(self, layer: int, hb: torch.Tensor, head: torch.Tensor) -> bool:
         """Make the block-heads ``(hb[i], head[i])`` present, reading the absent ones; whether
         any was read."""
         self._grow_maps()  # the pools may have grown for other requests (theirs are local)
-        got = self._absent(layer, hb, head)
+        got = self._absent(torch.full_like(hb, layer), hb, head)
         if got is None:
             return False
-        self._read(torch.full_like(got[0], layer), *got, whole=False)
+        self._read(*got, whole=False)
         return True
 
     def _read(self, layers: torch.Tensor, hb: torch.Tensor, head: torch.Tensor, whole: bool) -> None:
@@ -1471,8 +1455,12 @@ class RemoteKvSource:
         def keys_of(lo: int, hi: int) -> list:
             return [(self._by_req[owners[i]].daemon_id, lay[i], logical[i], heads[i]) for i in range(lo, hi)]
 
+        def read_into(c, lo: int, hi: int) -> list:
+            """One frame's entries written into the pool by ``c``; their errors."""
+            return c.read_blocks_into(keys_of(lo, hi), rows[lo:hi], p.host_k, p.host_v)[1]
+
         k, wait = (
-            self._start_parallel_reads(bounds, keys_of, rows) if conns > 1 and len(bounds) > 1 else (1, None)
+            self._start_parallel_reads(bounds, read_into) if conns > 1 and len(bounds) > 1 else (1, None)
         )
         try:
             for j, (lo, hi) in enumerate(bounds):
@@ -1482,15 +1470,11 @@ class RemoteKvSource:
                     if got is not None:
                         errors, wire = got
                     else:
-                        keys = keys_of(lo, hi)
                         wire0 = self._wire()
                         if into:
-                            errors = self._call(
-                                lambda c, keys=keys, r=rows[lo:hi]: c.read_blocks_into(
-                                    keys, r, p.host_k, p.host_v
-                                )
-                            )[1]
+                            errors = self._call(read_into, lo, hi)
                         else:
+                            keys = keys_of(lo, hi)
                             data, _, errors = self._call(lambda c, keys=keys: c.read_blocks(keys))
                         wire = self._wire() - wire0
                 except RemoteError as e:
@@ -1535,15 +1519,15 @@ class RemoteKvSource:
                 except Exception:  # noqa: BLE001, S110  the loop's own error is on its way out
                     pass
 
-    def _start_parallel_reads(self, bounds: list, keys_of, rows: list):
-        """Read the frames ``bounds[j] = (lo, hi)`` with ``j % k != 0`` into the host pool on
-        ``k - 1`` extra connections, one thread each (``k = read_connections``); the caller reads
+    def _start_parallel_reads(self, bounds: list, read_into):
+        """Read the frames ``bounds[j] = (lo, hi)`` with ``j % k != 0`` into the host pool
+        (``read_into(client, lo, hi)``, returning the entries' errors) on ``k - 1`` extra
+        connections, one thread each (``k = read_connections``); the caller reads
         the others on the loop's own connection meanwhile. Returns ``(k, wait)``: ``wait(j)``
         blocks until frame ``j``'s connection is done and gives ``(errors, wire bytes)``, or None
         when that connection failed first (the caller reads the frame again on its own
         connection, with retries; the failed connection is dropped, a fresh one opened next
         time)."""
-        p = self.engine.pools
         k = min(self.read_connections, len(bounds))
         while len(self._read_clients) < k - 1:
             self._read_clients.append(_client(self.url, self._token, self._timeout_s))
@@ -1557,7 +1541,7 @@ class RemoteKvSource:
             for lo, hi in mine:
                 w0 = sum(c.wire_bytes)
                 try:
-                    errors = c.read_blocks_into(keys_of(lo, hi), rows[lo:hi], p.host_k, p.host_v)[1]
+                    errors = read_into(c, lo, hi)
                 except RemoteError as e:
                     log.warning("a parallel read from the staging daemon failed: %s", e)
                     break  # the caller reads the rest of this connection's frames

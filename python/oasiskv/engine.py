@@ -832,12 +832,9 @@ class _StepGraph:
 
 
 def _before_gathers(src, plans: list) -> list[bool]:
-    """A block source's reads for several layers' plans ``(layer, plan_slots, plan_blocks,
-    slot_pages, host_csr)``: batched when it offers ``before_gathers``, else layer by layer.
-    Per plan, whether its gather's inputs changed."""
-    if hasattr(src, "before_gathers"):
-        return src.before_gathers([(layer, ps, pb, *csr) for layer, ps, pb, _, csr in plans])
-    return [src.before_gather(layer, ps, pb, *csr) for layer, ps, pb, _, csr in plans]
+    """``src.before_gathers`` over the engine's kept plans ``(layer, plan_slots, plan_blocks,
+    slot_pages, host_csr)``: per plan, whether its gather's inputs changed."""
+    return src.before_gathers([(layer, ps, pb, *csr) for layer, ps, pb, _, csr in plans])
 
 
 class Engine:
@@ -987,7 +984,8 @@ class Engine:
         #: Disaggregated decode (:class:`oasiskv.disagg.RemoteKvSource`, None otherwise):
         #: ``block_source.before_gather(layer, plan_slots, plan_blocks, host_indptr, host_indices)``
         #: runs between each layer's delta selection and its gather and fills the host pool with
-        #: planned blocks still held by the staging daemon.
+        #: planned blocks still held by the staging daemon; ``before_gathers`` does it for a
+        #: step's layers at once (deferred and CUDA-graph steps).
         self.block_source = None
         # The eager step's deferred (fetch, gather) of each layer while a block_source is set
         # (_run_step, _select_and_fetch); None outside such a step.
@@ -2238,7 +2236,7 @@ class Engine:
         # A block source that evicts host rows (a bounded cache) may hand a row the previous
         # layer's gather still reads (another stream) to another block: wait for that gather.
         evicts = getattr(self.block_source, "may_evict", True)
-        batched = not evicts and hasattr(self.block_source, "before_gathers")
+        batched = not evicts
         if batched and work:
             # One read for the whole step's misses (not a daemon round trip per layer), once
             # every layer's selection is done: the plans are read on the host.
@@ -2246,22 +2244,17 @@ class Engine:
                 for side in {id(s): s for s in (self._side(w[0]) for w in work)}.values():
                     side.synchronize()
             _before_gathers(self.block_source, work)
+        gather = self._gather if batched else self._fetch_and_gather
         prev = None
         for layer, ps, pb, slot_pages, host_csr in work:
             if not self.cuda:
-                if batched:
-                    self._gather(layer, ps, pb, slot_pages, host_csr)
-                else:
-                    self._fetch_and_gather(layer, ps, pb, slot_pages, host_csr)
+                gather(layer, ps, pb, slot_pages, host_csr)
                 continue
             if prev is not None and evicts:
                 prev.synchronize()
             side = self._side(layer)
             with torch.cuda.stream(side):
-                if batched:
-                    self._gather(layer, ps, pb, slot_pages, host_csr)
-                else:
-                    self._fetch_and_gather(layer, ps, pb, slot_pages, host_csr)
+                gather(layer, ps, pb, slot_pages, host_csr)
                 done = torch.cuda.Event()
                 done.record(side)
                 self._gather_done[layer] = done
