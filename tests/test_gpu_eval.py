@@ -119,3 +119,32 @@ def test_trainer_steps_on_gpu_close_the_gap_to_the_target():
     for k in range(3):
         assert gaps[0][k] > 0.02 and gaps[-1][k] < 0.2 * gaps[0][k], [row[k] for row in gaps]
         assert top1[0][k] < 0.1 and top1[-1][k] > 0.3, [row[k] for row in top1]
+
+
+def test_trainer_main_on_gpu_runs_its_target_passes_in_bf16(tmp_path, monkeypatch):
+    """``python -m oasiskv.train.eagle3 --device cuda`` end to end on a tiny random target (the
+    real corpus, a byte tokenizer): the target loads in f32 for the held-out evaluation and in
+    bf16 for the training passes, since the fused kernels refuse an f32 target under autocast
+    (a session's 16-minute H200 run died at its first step on that)."""
+    import json
+
+    import oasiskv.models.loader as loader
+    from fakes import ByteTokenizer
+
+    cfg = ModelConfig("llama", 300, 64, 128, 8, 4, 2, max_position_embeddings=512)
+    loaded = []
+
+    def load(*_a, dtype=torch.float32, device="cpu", **_k):
+        loaded.append(dtype)
+        return CausalLM.random(cfg, seed=1, dtype=dtype, device=device), ByteTokenizer()
+
+    monkeypatch.setattr(loader, "load_model", load)
+    rc = tr.main(
+        ["--out", str(tmp_path), "--device", "cuda", "--steps", "4", "--seq-len", "32", "--batch-size", "2"]
+        + ["--source", "stdlib", "--vocab-tokens", "5000", "--eval-seqs", "1", "--draft-vocab", "64"]
+        + ["--warmup", "1", "--no-progress"]
+    )
+    assert rc == 0
+    assert loaded == [torch.float32, torch.bfloat16]
+    summary = json.loads((tmp_path / "training.json").read_text())
+    assert summary["steps"] == 4 and math.isfinite(summary["heldout_after"]["loss"])

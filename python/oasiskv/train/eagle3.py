@@ -18,7 +18,8 @@ What it trains (the EAGLE-3 recipe, at this project's conventions, see :mod:`oas
   at pass k reads the token at r + 1 + k at RoPE position r + 1 + k and attends to the first
   pass's keys of positions <= r + 1 plus its own row's keys of passes 1..k, as drafting k tokens
   ahead would); pass k's loss is weighted by ``--ttt-decay ** k``;
-* AdamW, linear warm-up then cosine decay, gradient clipping; bf16 autocast on a GPU.
+* AdamW, linear warm-up then cosine decay, gradient clipping; on a GPU the target runs in bf16
+  and the head under bf16 autocast.
 
 Data: the train split of :mod:`oasiskv.eval.corpus` (installed Python sources and docs), in a
 seeded order, packed into ``--seq-len`` windows; acceptance is measured on the held-out split.
@@ -459,6 +460,9 @@ def main(argv: list[str] | None = None) -> int:
 
     target, tok = load_model(args.model, dtype=torch.float32, device=device)
     target.eval()
+    # On a GPU the training passes read a bf16 copy of the target (as the engine serves it there):
+    # the project's fused kernels take one dtype, so an f32 target under autocast is refused.
+    train_target = load_model(args.model, dtype=torch.bfloat16, device=device)[0].eval() if cuda else target
     L = target.config.num_hidden_layers
     sep = tok.token_to_id("<|endoftext|>")
     if sep is None:
@@ -592,8 +596,8 @@ def main(argv: list[str] | None = None) -> int:
         lr = lr_at(step, total or 10**9, args.lr, warm, args.min_lr_ratio)
         for g in opt.param_groups:
             g["lr"] = lr
+        feats, z, _ = target_pass(train_target, tokens, sel)
         with autocast:
-            feats, z, _ = target_pass(target, tokens, sel)
             outs = ttt_forward(head, feats, tokens, args.ttt_steps)
             loss, losses, accs = ttt_loss(outs, z, args.ttt_decay)
         opt.zero_grad(set_to_none=True)
