@@ -483,7 +483,7 @@ __device__ void score_codes_tile(
     float* __restrict__ sm, const T* __restrict__ q, const T* __restrict__ summaries, const unsigned char* __restrict__ codes,
     const int* __restrict__ blk_indptr, float* __restrict__ scores, int tile_idx, int t0, int t1, int s, int h,
     int num_seqs, int nnz, int num_qo_heads, int num_kv_heads, int head_dim, int block_size, int num_host_blocks,
-    bool a_scale) {
+    bool a_scale, int stride) {
     constexpr int NR = KC > 0 ? KC : 1;
     const int lane = threadIdx.x & 31;
     const int gid = lane >> 2;
@@ -494,10 +494,17 @@ __device__ void score_codes_tile(
     bool q_fits = false;  // the held sequence's q / 3 fits f16 (warp-uniform)
     int loaded = -1;      // sequence whose query the warp holds
     for (int j = t0; j < t1; ++j) {
-        while (s + 1 < num_seqs && blk_indptr[s + 1] <= j) ++s;
-        const int row_b = blk_indptr[s];
-        const int row_e = blk_indptr[s + 1];
-        const bool row_ok = 0 <= row_b && row_b <= j && j < row_e && row_e <= nnz;
+        // stride > 0: entries of candidates, stride per sequence (tile_idx already checked them
+        // against the sequence's row); else j is an entry of the blk_indptr CSR.
+        bool row_ok = true;
+        if (stride > 0) {
+            s = j / stride;
+        } else {
+            while (s + 1 < num_seqs && blk_indptr[s + 1] <= j) ++s;
+            const int row_b = blk_indptr[s];
+            const int row_e = blk_indptr[s + 1];
+            row_ok = 0 <= row_b && row_b <= j && j < row_e && row_e <= nnz;
+        }
         const int b = __shfl_sync(0xffffffffu, tile_idx, j - t0);
         float* out = scores + (i64)j * num_kv_heads + h;
         if (!row_ok || b < 0 || b >= num_host_blocks) {
@@ -538,7 +545,10 @@ __device__ void score_codes_tile(
 // Entry (j, h) = sum over query heads g of KV head h of max over tokens t of
 //   sum_d q[s,g,d] (min[b,h,d] + c[b,h,t,d] (max[b,h,d] - min[b,h,d]) / 3)
 // with b = blk_indices[j] and s the sequence whose CSR range holds j. An out-of-range block id,
-// and an entry outside every well-formed row, scores -inf (never selected).
+// and an entry outside every well-formed row, scores -inf (never selected). With cand (the second
+// stage of KvConfig(score_candidates)): entry (s cand_m + i, h) scores the logical block
+// cand[s, h, i] of sequence s for head h alone, -inf for a negative candidate or one outside s's
+// row (CPU twin: oasis_core::kernels::rescore_blocks_codes).
 template <typename T>
 __device__ void score_blocks_codes_impl(
     const T* __restrict__ q,                 // [num_seqs, num_qo_heads, head_dim] (the lookahead row)
@@ -546,18 +556,22 @@ __device__ void score_blocks_codes_impl(
     const unsigned char* __restrict__ codes, // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
     const int* __restrict__ blk_indptr,      // [num_seqs + 1]
     const int* __restrict__ blk_indices,     // [nnz] host block of each logical block, logical order
-    float* __restrict__ scores,              // [nnz, num_kv_heads]
+    float* __restrict__ scores,              // [nnz, num_kv_heads]; with cand [num_seqs * cand_m, num_kv_heads]
+    const int* __restrict__ cand,            // [num_seqs, num_kv_heads, cand_m] logical blocks, or null
     int num_seqs, int nnz, int num_qo_heads, int num_kv_heads, int head_dim, int block_size, int num_host_blocks,
-    bool a_scale) {
+    bool a_scale, int cand_m) {
     extern __shared__ float codes_smem[];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
-    const i64 num_tiles = ((i64)nnz + OASIS_CODES_TILE - 1) / OASIS_CODES_TILE;
+    // With candidates, entry j = s cand_m + i is candidate i of sequence s for this head.
+    const bool staged = cand != nullptr && cand_m > 0;
+    const int n_out = staged ? num_seqs * cand_m : nnz;
+    const i64 num_tiles = ((i64)n_out + OASIS_CODES_TILE - 1) / OASIS_CODES_TILE;
     const int h = (int)(blockIdx.x % (unsigned)num_kv_heads);
     const i64 tile_l = (i64)(blockIdx.x / (unsigned)num_kv_heads) * (blockDim.x >> 5) + warp;
     if (tile_l >= num_tiles) return;  // warp-uniform
     const int t0 = (int)tile_l * OASIS_CODES_TILE;
-    const int t1 = min(nnz, t0 + OASIS_CODES_TILE);
+    const int t1 = min(n_out, t0 + OASIS_CODES_TILE);
     if (num_seqs <= 0) {  // no row at all (blk_indptr = [x]): every entry scores -inf
         if (t0 + lane < t1) scores[(i64)(t0 + lane) * num_kv_heads + h] = neg_inf();
         return;
@@ -566,12 +580,24 @@ __device__ void score_blocks_codes_impl(
     float* sm = codes_smem + (i64)warp * codes_scalar_warp_floats(group, head_dim);
     // The tensor-core path's shapes (warp-uniform); anything else takes the exact scalar path.
     const bool mma = block_size == 16 && (head_dim & 15) == 0 && group <= 8;
-    // One block id per lane for the whole tile, handed out with shuffles.
-    const int tile_idx = t0 + lane < t1 ? blk_indices[t0 + lane] : -1;
-    const int s = score_codes_seq_of(blk_indptr, num_seqs, t0);
+    // One block id per lane for the whole tile, handed out with shuffles. A candidate outside
+    // its sequence's well-formed row (or negative) gets -1: it scores -inf.
+    int tile_idx = -1;
+    const int jl = t0 + lane;
+    if (jl < t1 && !staged) {
+        tile_idx = blk_indices[jl];
+    } else if (jl < t1) {
+        const int sl = jl / cand_m;
+        const int c = cand[((i64)sl * num_kv_heads + h) * cand_m + (jl - sl * cand_m)];
+        const int row_b = blk_indptr[sl];
+        const int row_e = blk_indptr[sl + 1];
+        if (c >= 0 && 0 <= row_b && row_b <= row_e && row_e <= nnz && c < row_e - row_b) tile_idx = blk_indices[row_b + c];
+    }
+    const int s = staged ? t0 / cand_m : score_codes_seq_of(blk_indptr, num_seqs, t0);
+    const int stride = staged ? cand_m : 0;
 #define OASIS_CODES_TILE_ARGS                                                                         \
     sm, q, summaries, codes, blk_indptr, scores, tile_idx, t0, t1, s, h, num_seqs, nnz, num_qo_heads, \
-        num_kv_heads, head_dim, block_size, num_host_blocks, a_scale
+        num_kv_heads, head_dim, block_size, num_host_blocks, a_scale, stride
     if (mma && head_dim == 128) {
         score_codes_tile<T, 8>(OASIS_CODES_TILE_ARGS);
     } else if (mma && head_dim == 64) {
@@ -603,9 +629,9 @@ OASIS_BUILD_KEY_CODES(build_key_codes_f32, float)
     extern "C" __global__ void __launch_bounds__(OASIS_CODES_THREADS)                                \
         NAME(const __grid_constant__ oasis::ScoreBlocksCodesParams<T> p) {                           \
         oasis::score_blocks_codes_impl<T>(p.q, p.summaries, p.codes, p.blk_indptr, p.blk_indices,    \
-                                          p.scores, p.num_seqs, p.nnz, p.num_qo_heads,               \
+                                          p.scores, p.cand, p.num_seqs, p.nnz, p.num_qo_heads,       \
                                           p.num_kv_heads, p.head_dim, p.block_size,                  \
-                                          p.num_host_blocks, p.a_scale != 0);                        \
+                                          p.num_host_blocks, p.a_scale != 0, p.cand_m);              \
     }
 
 OASIS_SCORE_BLOCKS_CODES(score_blocks_codes_bf16, oasis::bf16)

@@ -148,7 +148,8 @@ struct ScoreBlocksCodesParams {
     const unsigned char* codes; // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
     const int* blk_indptr;      // [num_seqs + 1]
     const int* blk_indices;     // [nnz] host block of each logical block, logical order
-    float* scores;              // [nnz, num_kv_heads]
+    float* scores;              // [nnz, num_kv_heads]; with cand: [num_seqs * cand_m, num_kv_heads]
+    const int* cand;            // [num_seqs, num_kv_heads, cand_m] logical blocks (< 0: none), or null
     int num_seqs;
     int nnz;                    // blk_indices' length: every blk_indptr row is checked against it
     int num_qo_heads;
@@ -157,6 +158,8 @@ struct ScoreBlocksCodesParams {
     int block_size;
     int num_host_blocks;
     int a_scale;                // tensor-core path: 1 scale in A (B = q / 3 per sequence), 0 weights in B
+    int cand_m;                 // candidates per (sequence, KV head) with cand; 0 without
+    int _pad0;
 };
 
 // topk_blocks_f32 (cuda/score_blocks.cu).

@@ -28,6 +28,13 @@ local block, t's own, always counts), and the share of the attention they hold i
 ``--scores a,b`` computes only those (plus quest, int2 and best); the paired difference of every
 score to ``int2`` per text (mean +- standard error over texts) follows the table.
 
+``--staged 1.5,2,3`` adds ``int2@qF``: two stages, the Quest bound's top-(F x K) blocks rescored with
+the 2-bit codes, their top-K taken. Since a block's codes score never exceeds its Quest bound
+(every approximate key lies inside the block's box), the staged set is certainly the full codes
+top-K whenever the K-th codes score among the candidates is at least the best bound left out;
+the share of (query, head) rows so certified and the share whose set equals the full codes top-K
+are printed beside.
+
 ``--sinks 1,2,4`` adds ``quest+sN`` and ``int2+sN``: the same scores with the first N blocks always
 taken (``KvConfig(sink_blocks=N)``: they take N of the K slots).
 
@@ -242,13 +249,16 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--sinks", default="", help="sink block counts N: also quest+sN and int2+sN")
     ap.add_argument("--scores", default="", help="comma-separated subset of the scores (default: all)")
+    ap.add_argument("--staged", default="", help="factors F: also int2@qF (Quest top-F*K, then codes)")
     args = ap.parse_args()
+    staged = [float(x) for x in args.staged.split(",") if x.strip()]
     sinks = [int(x) for x in args.sinks.split(",") if x.strip()]
     base_names = [x for x in args.scores.split(",") if x] or list(SCORES)
     for x in ("quest", "int2", "best"):  # sinks and the paired differences need these
         if x not in base_names:
             base_names.append(x)
     names = base_names + [f"{base}+s{n}" for n in sinks for base in ("quest", "int2")]
+    names += [f"int2@q{f:g}" for f in staged]
     if args.threads:
         torch.set_num_threads(args.threads)
     dev = torch.device(args.device)
@@ -261,6 +271,8 @@ def main() -> None:
     span = args.context // 4
     positions = [args.context - 1 - (i * span) // args.queries for i in range(args.queries)]
     held = {lab: {s: [] for s in names} for lab in budgets}
+    # Per budget and factor: rows certified to hold the full codes top-K, rows whose set equals it.
+    certified = {lab: {f: [0, 0, 0] for f in staged} for lab in budgets}
     sink_mass: dict[int, list[float]] = {n: [] for n in sinks}  # attention on blocks 0..N-1 alone
     for text in texts:
         qs, ks = [], []
@@ -298,6 +310,22 @@ def main() -> None:
                         scores[f"{base}+s{n}"] = forced
                 for lab, kk in budgets.items():
                     kk = min(kk, nc)
+                    if staged:
+                        full = scores["int2"].topk(kk, dim=-1).indices.sort(-1).values
+                        order = scores["quest"].sort(-1, descending=True)
+                    for f in staged:
+                        kc = min(nc, math.ceil(f * kk))
+                        cand = order.indices[:, :kc]
+                        sub = scores["int2"].gather(1, cand).topk(kk, dim=-1)
+                        pick = cand.gather(1, sub.indices)
+                        sc = torch.full_like(scores["int2"], -math.inf)
+                        sc.scatter_(1, pick, sub.values)
+                        scores[f"int2@q{f:g}"] = sc
+                        left = order.values[:, kc] if kc < nc else torch.full((hk,), -math.inf)
+                        c = certified[lab][f]
+                        c[0] += int((sub.values[:, -1] >= left).sum())
+                        c[1] += int((pick.sort(-1).values == full).all(-1).sum())
+                        c[2] += hk
                     for s in names:
                         top = scores[s].topk(kk, dim=-1).indices
                         held[lab][s].append(float((mass[:, :nc].gather(1, top).sum(-1) + local).mean()))
@@ -343,6 +371,16 @@ def main() -> None:
             row[s] = (m, se)
         out["vs_int2"][lab] = row
         print(f"{lab:6s}  {budgets[lab]:<4d}  " + "  ".join(f"{m:+4.1f}±{se:3.1f}" for m, se in row.values()))
+    out["staged"] = {
+        lab: {f"{f:g}": {"certified": c[0] / c[2], "equal": c[1] / c[2]} for f, c in d.items()}
+        for lab, d in certified.items()
+    }
+    for lab, d in out["staged"].items():
+        for f, c in d.items():
+            print(
+                f"{lab:6s}  int2@q{f}: rows certified to hold the full codes top-K {c['certified']:.3f}, "
+                f"equal to it {c['equal']:.3f}"
+            )
     for n, m in out["sink_mass"].items():
         print(f"attention on blocks 0..{n - 1} alone: {m:.3f}")
     if args.json:

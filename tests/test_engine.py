@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import oasiskv
-from oasiskv import KvConfig, errors
+from oasiskv import KvConfig, errors, ops
 from oasiskv.drafters import NgramDrafter, OracleDrafter, PreviousQueryDrafter
 from oasiskv.engine import Engine
 from oasiskv.models.config import ModelConfig
@@ -554,3 +554,118 @@ def test_recall_is_measured_on_one_step_in_recall_every(qwen3):
     assert [k for _, k in flags] == [i % 4 == 3 for i in range(len(flags))]
     with pytest.raises(oasiskv.errors.ConfigError, match="recall_every"):
         KvConfig(recall_every=0)
+
+
+class _StagedCheck:
+    """Wraps Engine._top_k: each two-stage selection (KvConfig.score_candidates) equals its
+    definition composed from the one-stage ops -- the Quest bound's top-m (sinks first) as
+    candidates, ranked by the full codes scores of those blocks (ties to the earlier candidate),
+    the sinks ahead of them."""
+
+    def __init__(self, eng) -> None:
+        self.eng, self.calls, self.staged = eng, 0, 0
+        orig = eng._top_k
+
+        def checked(layer, q, csr, k):
+            got = orig(layer, q, csr, k)
+            self.check(layer, q, csr, k, got)
+            return got
+
+        eng._top_k = checked
+
+    def check(self, layer, q, csr, k, got) -> None:
+        from oasiskv.engine import keep_sinks
+
+        eng, g = self.eng, self.eng.geo
+        p, kv = eng.pools, eng.kv
+        indptr = csr[0]
+        m = kv.candidate_blocks(k)
+        bound = keep_sinks(ops.score_blocks(g, q, p.summaries[layer], *csr), indptr, kv.sink_blocks)
+        cand = ops.topk_blocks(g.num_kv_heads, bound, indptr, m)
+        full = ops.score_blocks_codes(g, q, p.summaries[layer], p.codes[layer], *csr)
+        for s in range(indptr.numel() - 1):
+            base = int(indptr[s])
+            for h in range(g.num_kv_heads):
+                cs = [int(c) for c in cand[s, h] if c >= 0]
+
+                def key(i, cs=cs, base=base, h=h):
+                    c = cs[i]
+                    sink = c < kv.sink_blocks
+                    return (not sink, -float(full[base + c, h]), i)
+
+                order = sorted(range(len(cs)), key=key)[:k]
+                want = [cs[i] for i in order]
+                assert got[s, h].tolist() == want + [-1] * (k - len(want)), (layer, s, h)
+                self.staged += len(cs) < int(indptr[s + 1]) - base
+        self.calls += 1
+
+
+@pytest.mark.parametrize("sinks", [0, 1])
+def test_two_stage_codes_score_selects_its_definition(qwen3, sinks):
+    """KvConfig(score_candidates=F): every prediction and every recall top-K equals the Quest
+    bound's candidates ranked by their codes scores (checked against the one-stage ops at each
+    call), with fewer candidates than blocks on most calls; the requests decode sparse."""
+    kv = KvConfig(
+        block_size=8,
+        top_k_blocks=3,
+        fetch_cap=1,
+        sparse_threshold=40,
+        block_score="codes",
+        score_candidates=2,
+        sink_blocks=sinks,
+    )
+    assert kv.candidate_blocks(3) == 6
+    llm = oasiskv.LLM(qwen3, kv=kv, backend="oasis", drafter="ngram")
+    check = _StagedCheck(llm.engine)
+    outs = llm.generate(prompts(qwen3.config.vocab_size, [150, 97], seed=6), 10, ignore_eos=True)
+    assert check.calls > 20 and check.staged > 20
+    assert all(o.metrics.sparse_steps > 0 for o in outs)
+
+
+def test_two_stage_codes_score_with_every_block_a_candidate_is_the_codes_score(qwen3):
+    """When the candidates cover every block (m = 512 here), the two stages select exactly what the
+    one-stage codes score does: same tokens, traffic and recall. And a budget that covers the
+    context gives the dense tokens."""
+    ps = prompts(qwen3.config.vocab_size, [150, 97], seed=7)
+    base = dict(block_size=8, top_k_blocks=3, fetch_cap=1, sparse_threshold=40, block_score="codes")
+    runs = [
+        oasiskv.LLM(qwen3, kv=KvConfig(**base, **kw), backend="oasis", drafter="ngram").generate(
+            ps, 12, ignore_eos=True
+        )
+        for kw in ({}, {"score_candidates": 200})
+    ]
+    for a, b in zip(*runs, strict=True):
+        assert a.tokens == b.tokens and a.metrics.sparse_steps > 0
+        assert a.metrics.fetched_bytes_total == b.metrics.fetched_bytes_total
+        assert a.metrics.lookahead_recall == b.metrics.lookahead_recall
+    full = dict(block_size=16, top_k_blocks=32, fetch_cap=4, sparse_threshold=64, block_score="codes")
+    ids = prompts(qwen3.config.vocab_size, [200], seed=8)
+    dense = oasiskv.LLM(qwen3, kv=KvConfig(**full), backend="dense").generate(ids, 8, ignore_eos=True)
+    staged = oasiskv.LLM(qwen3, kv=KvConfig(**full, score_candidates=1.5), backend="oasis", drafter="ngram")
+    got = staged.generate(ids, 8, ignore_eos=True)
+    assert got[0].tokens == dense[0].tokens and got[0].metrics.sparse_steps > 0
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"score_candidates": 2}, "needs block_score='codes'"),
+        ({"block_score": "codes", "score_candidates": 0.5}, "number >= 1"),
+        ({"block_score": "codes", "score_candidates": True}, "number >= 1"),
+        ({"block_score": "codes", "score_candidates": float("inf")}, "number >= 1"),
+        ({"block_score": "codes", "score_candidates": "3"}, "number >= 1"),
+        (
+            {"block_score": "codes", "score_candidates": 3, "select_queries": "lookahead+current"},
+            "select_queries='lookahead' only",
+        ),
+    ],
+)
+def test_bad_score_candidates(kw, match):
+    with pytest.raises(errors.ConfigError, match=match):
+        KvConfig(**kw)
+
+
+def test_candidate_blocks_are_bounded_by_the_top_k_kernel():
+    kv = KvConfig(block_score="codes", score_candidates=3, top_k_blocks=256)
+    assert kv.candidate_blocks(128) == 384 and kv.candidate_blocks(256) == 512
+    assert kv.candidate_blocks(512) == 512 and KvConfig().candidate_blocks(128) is None

@@ -228,3 +228,46 @@ def test_scale_a_is_as_close_as_f32_and_falls_back_exactly(dtype, head_dim, monk
     # q[2, 0] belongs to KV head 0: that (sequence, head) falls back; its other heads need not.
     seq2 = slice(int(blk_indptr[2]), int(blk_indptr[3]))
     assert torch.equal(got[seq2, 0], want[seq2, 0]), "a sequence beyond the f16 range is scored exactly"
+
+
+@gpu_test
+@pytest.mark.parametrize("head_dim", [128, 36])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rescore_blocks_codes_matches_cpu_twin_key_codes(dtype, head_dim, codes_kernel):
+    """The second stage of KvConfig(score_candidates): each candidate's GPU score is the twin's
+    (within the tensor-core tolerance), -1 and a candidate past its sequence's row score -inf
+    (the twin refuses the latter), every entry is written, and top-K over the candidates' CSR
+    picks the same positions where scores are apart."""
+    from test_key_codes import _candidates
+
+    gen = seeded("key_codes-rescore", dtype, head_dim)
+    geo, _, summaries, codes, q, blk_indptr, blk_indices = _case(gen, dtype, 4, head_dim, 16)
+    m = 40  # spans 32-entry tiles; sequences of 1 and 0 blocks get -1 padding
+    cand = _candidates(gen, blk_indptr, geo.num_kv_heads, m)
+    want = ops.rescore_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices, cand)
+    out = torch.full((len(LENS) * m, geo.num_kv_heads), POISON, device=DEV)
+    got = ops.rescore_blocks_codes(
+        geo, dev(q), dev(summaries), dev(codes), dev(blk_indptr), dev(blk_indices), dev(cand), scores=out
+    )
+    assert got is out
+    got = back(got)
+    assert torch.equal(got == float("-inf"), want == float("-inf")) and (cand < 0).any()
+    # The magnitude of each candidate's block, in the candidates' layout.
+    mag = magnitude(q, summaries, blk_indptr, blk_indices)
+    j = (blk_indptr[:-1].view(-1, 1, 1) + cand.clamp(min=0)).long()  # [S, H, m]
+    mag_c = (
+        mag[j, torch.arange(geo.num_kv_heads).view(1, -1, 1)].permute(0, 2, 1).reshape(-1, geo.num_kv_heads)
+    )
+    fin = want != float("-inf")
+    assert_scores_close(got[fin], want[fin], mag_c[fin])
+    # A candidate past its row: the GPU scores it -inf (the CPU raises).
+    past = cand.clone()
+    past[0, 1, 0] = LENS[0]
+    with pytest.raises(IndexError):
+        ops.rescore_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices, past)
+    g2 = back(
+        ops.rescore_blocks_codes(
+            geo, dev(q), dev(summaries), dev(codes), dev(blk_indptr), dev(blk_indices), dev(past)
+        )
+    )
+    assert g2[0, 1] == float("-inf") and torch.equal(g2[1:], got[1:])

@@ -318,3 +318,77 @@ def test_tensor_core_f16_numerics_stay_within_the_gpu_tolerance(dtype, head_dim)
     got = emulate_codes_mma(q, summaries, codes, blk_indptr, blk_indices)
     mag = magnitude(q, summaries, blk_indptr, blk_indices)
     assert ((got - want).abs() / mag).max() < 1e-5
+
+
+def _candidates(gen, blk_indptr, hk: int, m: int) -> torch.Tensor:
+    """[S, hk, m] int32: per (sequence, head) distinct logical blocks of the sequence in random
+    order, then -1 padding where the sequence has fewer than m blocks."""
+    out = torch.full((blk_indptr.numel() - 1, hk, m), -1, dtype=torch.int32)
+    for s in range(blk_indptr.numel() - 1):
+        n = int(blk_indptr[s + 1] - blk_indptr[s])
+        for h in range(hk):
+            pick = torch.randperm(n, generator=gen)[:m]
+            out[s, h, : pick.numel()] = pick.to(torch.int32)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("head_dim", [64, 36])
+def test_rescore_blocks_codes_matches_float64_reference(dtype, group, head_dim):
+    """Each candidate scores the float64 codes score of its block for its head; -1 scores -inf; the
+    layout is a CSR of m entries per sequence, so top-K over it picks positions of cand."""
+    gen = torch.Generator().manual_seed(hash(("rescore", str(dtype), group, head_dim)) % 2**31)
+    geo, _, summaries, codes, q, blk_indptr, blk_indices = _case(gen, dtype, group, head_dim, 16)
+    m = 12
+    cand = _candidates(gen, blk_indptr, 2, m)
+    got = ops.rescore_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices, cand)
+    assert got.shape == (len(LENS) * m, 2) and got.dtype == torch.float32
+    ref = ref_score_blocks_codes(q, summaries, codes, blk_indptr, blk_indices)  # [nnz, 2]
+    mag = magnitude(q, summaries, blk_indptr, blk_indices)
+    for s in range(len(LENS)):
+        for h in range(2):
+            for i in range(m):
+                c = int(cand[s, h, i])
+                v = float(got[s * m + i, h])
+                if c < 0:
+                    assert v == -math.inf
+                    continue
+                j = int(blk_indptr[s]) + c
+                tol = 2e-7 * head_dim * float(mag[j, h]) + 1e-6
+                assert abs(v - float(ref[j, h])) <= tol, (s, h, i, v, float(ref[j, h]))
+    # Bit for bit the one-stage scores of the same blocks.
+    full = ops.score_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices)
+    ok = cand >= 0
+    j = (blk_indptr[:-1].view(-1, 1, 1) + cand.clamp(min=0)).long()  # [S, 2, m]
+    same = full[j, torch.arange(2).view(1, 2, 1)]  # [S, 2, m]
+    assert torch.equal(got.view(len(LENS), m, 2).permute(0, 2, 1)[ok], same[ok])
+    # Top-K over the candidates' CSR: positions of the best candidates, -inf last.
+    rows = torch.arange(0, (len(LENS) + 1) * m, m, dtype=torch.int32)
+    pos = ops.topk_blocks(2, got, rows, 4)
+    for s in range(len(LENS)):
+        for h in range(2):
+            col = got[s * m : (s + 1) * m, h]
+            want = sorted(range(m), key=lambda i: (-float(col[i]), i))[:4]
+            assert pos[s, h].tolist() == want
+
+
+def test_rescore_blocks_codes_bad_calls_are_typed_errors_and_write_nothing():
+    gen = torch.Generator().manual_seed(11)
+    geo, _, summaries, codes, q, blk_indptr, blk_indices = _case(gen, torch.float32, 2, 36, 5)
+    m = 3
+    cand = _candidates(gen, blk_indptr, 2, m)
+    out = torch.full((len(LENS) * m, 2), 7.0)
+    past = cand.clone()
+    past[0, 1, 0] = LENS[0]  # one past sequence 0's last block
+    with pytest.raises(errors.IndexError_):
+        ops.rescore_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices, past, scores=out)
+    with pytest.raises(errors.ShapeError):
+        ops.rescore_blocks_codes(
+            geo, q, summaries, codes, blk_indptr, blk_indices, cand[:, :1].contiguous(), scores=out
+        )
+    with pytest.raises(errors.ShapeError):
+        ops.rescore_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices, cand, scores=out[:-1])
+    with pytest.raises(errors.DTypeError):
+        ops.rescore_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices, cand.long(), scores=out)
+    assert (out == 7.0).all()

@@ -337,6 +337,21 @@ def score_blocks_codes(
     """Block scores from the 2-bit key codes (the group sum of each block's largest approximate logit)
     into ``scores``."""
 
+def rescore_blocks_codes(
+    geo: KvGeometry,
+    q: torch.Tensor,
+    summaries: torch.Tensor,
+    codes: torch.Tensor,
+    blk_indptr: torch.Tensor,
+    blk_indices: torch.Tensor,
+    cand: torch.Tensor,
+    scores: torch.Tensor,
+    *,
+    stream: int = 0,
+) -> None:
+    """The codes score of the candidate logical blocks ``cand [num_seqs, num_kv_heads, m]`` into
+    ``scores [num_seqs * m, num_kv_heads]`` (-inf for a negative candidate)."""
+
 def topk_blocks(
     num_kv_heads: int,
     scores: torch.Tensor,

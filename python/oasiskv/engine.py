@@ -2119,7 +2119,6 @@ class Engine:
         is an int, or the int32 device tensor a captured step reads. Returns the tensors it made
         (a captured step keeps them alive until the capture ends).
         """
-        g = self.geo
         sp_idx, sp_ids, sp_reqs, slot_pages = plan.idx, plan.ids, plan.reqs, plan.slot_pages
         rec_csr = plan.rec_csr
         if rec_csr is not None:
@@ -2127,10 +2126,7 @@ class Engine:
             prev = self._pred_of(layer)[sp_ids]
             q_now = q4[sp_idx, 0].contiguous()
             rec_indptr, rec_indices = rec_csr
-            scores_now = keep_sinks(
-                self._score(layer, q_now, (rec_indptr, rec_indices)), rec_indptr, self.kv.sink_blocks
-            )
-            actual = ops.topk_blocks(g.num_kv_heads, scores_now, rec_indptr, k_budget)
+            actual = self._top_k(layer, q_now, (rec_indptr, rec_indices), k_budget)
             hits, counted = recall_overlap(actual, prev)
             self._acc_recall.index_add_(0, sp_ids, hits)
             self._acc_recall_n.index_add_(0, sp_ids, counted)
@@ -2172,6 +2168,32 @@ class Engine:
             scores = ops.score_blocks(self.geo, q, p.summaries[layer], *csr)
         return scores if self.score_reduce is None else self.score_reduce(scores)
 
+    def _top_k(self, layer: int, q: torch.Tensor, csr, k: int) -> torch.Tensor:
+        """The best ``k`` logical blocks per (sequence, KV head) for queries ``q`` under
+        ``KvConfig.block_score``, each request's sink blocks first: ``[n, num_kv_heads, k]``, -1
+        padded. With ``KvConfig.score_candidates`` in two stages: the Quest bound's top ``m`` are
+        the candidates, their codes scores rank them (device ops only: a captured step replays
+        it)."""
+        g, p = self.geo, self.pools
+        indptr = csr[0]
+        m = self.kv.candidate_blocks(k)
+        if m is None or indptr.shape[0] <= 1:
+            scores = keep_sinks(self._score(layer, q, csr), indptr, self.kv.sink_blocks)
+            return ops.topk_blocks(g.num_kv_heads, scores, indptr, k)
+        reduce = self.score_reduce or (lambda x: x)
+        bound = reduce(ops.score_blocks(g, q, p.summaries[layer], *csr))
+        bound = keep_sinks(bound, indptr, self.kv.sink_blocks)
+        cand = ops.topk_blocks(g.num_kv_heads, bound, indptr, m)  # [n, H, m] logical, -1 padded
+        scores = reduce(ops.rescore_blocks_codes(g, q, p.summaries[layer], p.codes[layer], *csr, cand))
+        n = cand.shape[0]
+        if self.kv.sink_blocks:
+            # The sinks are candidates (+inf bounds); they stay ahead of every codes score.
+            sink = (cand >= 0) & (cand < self.kv.sink_blocks)  # [n, H, m]
+            scores = scores.masked_fill(sink.permute(0, 2, 1).reshape(n * m, -1), torch.inf)
+        rows = torch.arange(0, (n + 1) * m, m, dtype=torch.int32, device=q.device)
+        pos = ops.topk_blocks(g.num_kv_heads, scores, rows, k)  # [n, H, k] positions in 0..m
+        return cand.gather(2, pos.clamp(min=0).long()).masked_fill_(pos < 0, -1)
+
     def _select_and_fetch(self, layer, q, slot_pages, blk_csr, host_csr, step, cap, k_budget, also=None):
         """Score the candidate blocks with ``q`` ([n, num_qo_heads, head_dim]), take the top-K per
         KV head, plan with delta selection (at most ``cap`` fetches per head) and gather the plan
@@ -2181,15 +2203,18 @@ class Engine:
         relative to its own query's best block (``KvConfig.select_queries``). Each request's first
         ``KvConfig.sink_blocks`` candidates are always taken (:func:`keep_sinks`)."""
         p, g = self.pools, self.geo
-        scores = self._score(layer, q, blk_csr)
-        if also is not None and scores.shape[0] > 0:
-            q_cur, seq = also
-            other = self._score(layer, q_cur, blk_csr)
-            scores = torch.maximum(
-                _relative_to_best(scores, seq, q.shape[0]), _relative_to_best(other, seq, q.shape[0])
-            )
-        scores = keep_sinks(scores, blk_csr[0], self.kv.sink_blocks)
-        pred = ops.topk_blocks(g.num_kv_heads, scores, blk_csr[0], k_budget)
+        if also is None:
+            pred = self._top_k(layer, q, blk_csr, k_budget)
+        else:
+            scores = self._score(layer, q, blk_csr)
+            if scores.shape[0] > 0:
+                q_cur, seq = also
+                other = self._score(layer, q_cur, blk_csr)
+                scores = torch.maximum(
+                    _relative_to_best(scores, seq, q.shape[0]), _relative_to_best(other, seq, q.shape[0])
+                )
+            scores = keep_sinks(scores, blk_csr[0], self.kv.sink_blocks)
+            pred = ops.topk_blocks(g.num_kv_heads, scores, blk_csr[0], k_budget)
         ps, pb, _ = ops.delta_select(
             g.num_kv_heads, pred, slot_pages, p.page_map[layer], p.page_last_selected[layer], step, cap
         )

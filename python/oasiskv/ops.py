@@ -231,6 +231,24 @@ def score_blocks_codes(
     return scores
 
 
+def rescore_blocks_codes(
+    geo, q, summaries, codes, blk_indptr, blk_indices, cand, scores: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The codes score of candidate logical blocks ``cand [num_seqs, num_kv_heads, m]`` (int32,
+    negative: none), as :func:`score_blocks_codes` gives each for its head:
+    ``[num_seqs * m, num_kv_heads]`` f32, -inf for a negative candidate. It is a CSR of ``m``
+    entries per sequence: :func:`topk_blocks` over it (``blk_indptr = [0, m, 2 m, ...]``) gives
+    positions into ``cand``. The second stage of ``KvConfig(score_candidates=...)``."""
+    dev = _check_device(q, summaries, codes)
+    if scores is None:
+        n, h, m = cand.shape
+        scores = torch.empty(n * m, h, dtype=torch.float32, device=dev)
+    _core.rescore_blocks_codes(
+        geo, q, summaries, codes, blk_indptr, blk_indices, cand, scores, stream=_stream(dev)
+    )
+    return scores
+
+
 def topk_blocks(
     num_kv_heads: int, scores, blk_indptr, k: int, out: torch.Tensor | None = None
 ) -> torch.Tensor:

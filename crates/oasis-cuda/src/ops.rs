@@ -1006,7 +1006,73 @@ impl Gpu {
         scores: DevSlice<f32>,      // [nnz, num_kv_heads]
         stream: Stream,
     ) -> Result<()> {
-        guard("score_blocks_codes", || {
+        self.launch_codes(
+            "score_blocks_codes",
+            geo,
+            q,
+            summaries,
+            codes,
+            blk_indptr,
+            blk_indices,
+            scores,
+            None,
+            stream,
+        )
+    }
+
+    /// GPU twin of `oasis_core::kernels::rescore_blocks_codes`: the codes score of `m` candidate
+    /// logical blocks per (sequence, KV head), `cand [num_seqs, num_kv_heads, m]` (negative: none,
+    /// -inf), into `scores [num_seqs * m, num_kv_heads]`, a CSR of `m` entries per sequence for
+    /// [`Self::topk_blocks`]. A candidate outside its sequence's row scores -inf (the CPU twin
+    /// refuses it).
+    ///
+    /// # Errors
+    /// As [`Self::score_blocks_codes`], for `cand` and `scores` of other shapes too.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rescore_blocks_codes<T: KvElem>(
+        &self,
+        geo: &KvGeometry,
+        q: DevSlice<T>,             // [num_seqs, num_qo_heads, head_dim]
+        summaries: DevSlice<T>,     // [num_host_blocks, num_kv_heads, 2, head_dim]
+        codes: DevSlice<u8>,        // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
+        blk_indptr: DevSlice<i32>,  // [num_seqs + 1]
+        blk_indices: DevSlice<i32>, // [nnz]
+        cand: DevSlice<i32>,        // [num_seqs, num_kv_heads, m]
+        m: usize,
+        scores: DevSlice<f32>, // [num_seqs * m, num_kv_heads]
+        stream: Stream,
+    ) -> Result<()> {
+        self.launch_codes(
+            "rescore_blocks_codes",
+            geo,
+            q,
+            summaries,
+            codes,
+            blk_indptr,
+            blk_indices,
+            scores,
+            Some((cand, m)),
+            stream,
+        )
+    }
+
+    /// The launch of `score_blocks_codes_*`: every listed block, or with `cand = (cand, m)` the
+    /// candidates of each (sequence, KV head).
+    #[allow(clippy::too_many_arguments)]
+    fn launch_codes<T: KvElem>(
+        &self,
+        what: &'static str,
+        geo: &KvGeometry,
+        q: DevSlice<T>,
+        summaries: DevSlice<T>,
+        codes: DevSlice<u8>,
+        blk_indptr: DevSlice<i32>,
+        blk_indices: DevSlice<i32>,
+        scores: DevSlice<f32>,
+        cand: Option<(DevSlice<i32>, usize)>,
+        stream: Stream,
+    ) -> Result<()> {
+        guard(what, || {
             let [h, bs, d] = page_shape(geo)?;
             codes_head_dim(d)?;
             let qh = geo.num_qo_heads;
@@ -1015,8 +1081,16 @@ impl Gpu {
             let num_host = rows("summaries", summaries.len(), &[h, 2, d])?;
             check_len("codes", codes.len(), &[num_host, h, bs, d / 4])?;
             let nnz = blk_indices.len();
-            check_len("scores", scores.len(), &[nnz, h])?;
-            if nnz == 0 {
+            // Entries scored: every listed block, or m candidates per sequence.
+            let n_out = match cand {
+                None => nnz,
+                Some((c, m)) => {
+                    check_len("cand", c.len(), &[num_seqs, h, m])?;
+                    num_seqs * m
+                }
+            };
+            check_len("scores", scores.len(), &[n_out, h])?;
+            if n_out == 0 {
                 return Ok(());
             }
 
@@ -1036,10 +1110,14 @@ impl Gpu {
                 block_size: int("block_size", bs)?,
                 num_host_blocks: int("num_host_blocks", num_host)?,
                 a_scale: i32::from(codes_scale_in_a()?),
+                cand: DevPtr::from(cand.map(|(c, _)| c)),
+                cand_m: int("m", cand.map_or(0, |(_, m)| m))?,
+                _pad0: 0,
             };
+            int("num_seqs * m", n_out)?;
             // One warp per (tile of SCORE_CODES_TILE entries, KV head); a thread block holds
             // consecutive tiles of one head.
-            let blocks = nnz
+            let blocks = n_out
                 .div_ceil(SCORE_CODES_TILE)
                 .div_ceil((SCORE_CODES_THREADS / 32) as usize)
                 * h;

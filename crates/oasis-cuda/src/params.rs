@@ -337,7 +337,8 @@ kernel_params! {
         pub codes: DevPtr,       // [num_host_blocks, num_kv_heads, block_size, head_dim / 4] u8
         pub blk_indptr: DevPtr,  // [num_seqs + 1]
         pub blk_indices: DevPtr, // [nnz]
-        pub scores: DevPtr,      // [nnz, num_kv_heads] f32
+        pub scores: DevPtr,      // [nnz, num_kv_heads] f32; with cand [num_seqs * cand_m, num_kv_heads]
+        pub cand: DevPtr,        // [num_seqs, num_kv_heads, cand_m] i32 (< 0: none), or null
         pub num_seqs: i32,
         pub nnz: i32, // blk_indices' length: every blk_indptr row is checked against it
         pub num_qo_heads: i32,
@@ -346,6 +347,8 @@ kernel_params! {
         pub block_size: i32,
         pub num_host_blocks: i32,
         pub a_scale: i32, // tensor-core path: 1 scale in A (B = q / 3 per sequence), 0 weights in B
+        pub cand_m: i32,  // candidates per (sequence, KV head) with cand; 0 without
+        pub _pad0: i32,
     }
 }
 
@@ -518,7 +521,7 @@ mod tests {
         assert_eq!(size_of::<MergeAttnStatesParams>(), 3 * 8 + 2 * 4);
         assert_eq!(size_of::<ScoreBlocksParams>(), 5 * 8 + 6 * 4);
         assert_eq!(size_of::<BuildKeyCodesParams>(), 5 * 8 + 6 * 4);
-        assert_eq!(size_of::<ScoreBlocksCodesParams>(), 6 * 8 + 8 * 4);
+        assert_eq!(size_of::<ScoreBlocksCodesParams>(), 7 * 8 + 10 * 4);
         assert_eq!(size_of::<TopkBlocksParams>(), 3 * 8 + 4 * 4);
         assert_eq!(size_of::<DeltaSelectParams>(), 8 * 8 + 8 * 4);
         assert_eq!(size_of::<GatherBlocksParams>(), 9 * 8 + 12 * 4);

@@ -944,6 +944,75 @@ fn score_blocks_codes(
 }
 
 #[pyfunction]
+#[pyo3(signature = (geo, q, summaries, codes, blk_indptr, blk_indices, cand, scores, *, stream = 0))]
+/// The codes score of candidate logical blocks per (seq, kv head): the second stage of
+/// KvConfig(score_candidates). cand [num_seqs, num_kv_heads, m] int32 (negative: none, -inf);
+/// scores [num_seqs * m, num_kv_heads] f32, a CSR of m entries per sequence for topk_blocks,
+/// whose positions index cand. Other arguments as score_blocks_codes.
+///
+/// A candidate outside its sequence's row raises on the CPU and scores -inf on the GPU.
+#[allow(clippy::too_many_arguments)]
+fn rescore_blocks_codes(
+    py: Python<'_>,
+    geo: &PyGeometry,
+    q: TensorArg,
+    summaries: TensorArg,
+    codes: TensorArg,
+    blk_indptr: TensorArg,
+    blk_indices: TensorArg,
+    cand: TensorArg,
+    scores: TensorArg,
+    stream: u64,
+) -> PyResult<()> {
+    entry(py, "rescore_blocks_codes", || {
+        let g = geo.inner;
+        check_codes_head_dim(py, &g)?;
+        let inputs = [
+            ("q", &q),
+            ("summaries", &summaries),
+            ("codes", &codes),
+            ("blk_indptr", &blk_indptr),
+            ("blk_indices", &blk_indices),
+            ("cand", &cand),
+        ];
+        let cx = Cx::new(py, &[&inputs[..], &[("scores", &scores)]].concat(), &[])?;
+        let ns = q.dim(&cx, "q", 3, 0)?;
+        q.expect_shape(&cx, "q", &[ns, g.num_qo_heads, g.head_dim])?;
+        let nh = summaries.dim(&cx, "summaries", 4, 0)?;
+        summaries.expect_shape(&cx, "summaries", &[nh, g.num_kv_heads, 2, g.head_dim])?;
+        codes.expect_u8(py, "codes")?;
+        codes.expect_shape(
+            &cx,
+            "codes",
+            &[nh, g.num_kv_heads, g.block_size, g.head_dim / 4],
+        )?;
+        blk_indptr.expect_i32(py, "blk_indptr")?;
+        blk_indptr.expect_shape(&cx, "blk_indptr", &[ns + 1])?;
+        blk_indices.expect_i32(py, "blk_indices")?;
+        blk_indices.dim(&cx, "blk_indices", 1, 0)?;
+        cand.expect_i32(py, "cand")?;
+        let m = cand.dim(&cx, "cand", 3, 2)?;
+        cand.expect_shape(&cx, "cand", &[ns, g.num_kv_heads, m])?;
+        scores.expect_f32(py, "scores")?;
+        scores.expect_shape(&cx, "scores", &[ns * m, g.num_kv_heads])?;
+        let dt = kv_dtype(py, &[("q", &q), ("summaries", &summaries)])?;
+        check_outputs(py, &[("scores", &scores)], &inputs)?;
+        match cx.place {
+            Place::Cpu => with_dtype!(dt, T => {
+                // SAFETY: checked above; scores is disjoint from the inputs.
+                let (qs, sm, cd, ip, ix, cn, sc) = unsafe { (q.slice::<T>(), summaries.slice::<T>(), codes.slice::<u8>(), blk_indptr.ints(), blk_indices.ints(), cand.ints(), scores.slice_mut::<f32>()) };
+                guarded(py, "rescore_blocks_codes", || kernels::rescore_blocks_codes::<T>(&g, qs, sm, cd, ip, ix, cn, m, sc))
+            }),
+            Place::Cuda(dev) => with_dtype!(dt, T => {
+                // SAFETY: (TensorArg::dev) checked above; scores is disjoint from the inputs.
+                let (qs, sm, cd, ip, ix, cn, sc) = unsafe { (q.dev::<T>(), summaries.dev::<T>(), codes.dev::<u8>(), blk_indptr.dev::<i32>(), blk_indices.dev::<i32>(), cand.dev::<i32>(), scores.dev::<f32>()) };
+                on_gpu(py, "rescore_blocks_codes", dev, stream, &[], move |gpu, st| gpu.rescore_blocks_codes::<T>(&g, qs, sm, cd, ip, ix, cn, m, sc, st))
+            }),
+        }
+    })
+}
+
+#[pyfunction]
 #[pyo3(signature = (num_kv_heads, scores, blk_indptr, k, out, *, stream = 0))]
 /// Per (seq, kv head) top-k logical blocks, best first, -1 padded: out [num_seqs, num_kv_heads, k].
 ///
@@ -1710,6 +1779,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(score_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(build_key_codes, m)?)?;
     m.add_function(wrap_pyfunction!(score_blocks_codes, m)?)?;
+    m.add_function(wrap_pyfunction!(rescore_blocks_codes, m)?)?;
     m.add_function(wrap_pyfunction!(topk_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(delta_select, m)?)?;
     m.add_function(wrap_pyfunction!(gather_blocks, m)?)?;

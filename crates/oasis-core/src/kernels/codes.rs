@@ -126,7 +126,6 @@ pub fn score_blocks_codes<T: KvElem>(
         geo.block_size,
         geo.head_dim,
     );
-    let gs = geo.group_size();
     let num_seqs = csr("blk_indptr", blk_indptr, "blk_indices", blk_indices.len())?;
     check_len("q", q.len(), &[num_seqs, hq, d])?;
     let num_host = leading_rows("summaries", summaries.len(), &[h_kv, 2, d])?;
@@ -136,7 +135,6 @@ pub fn score_blocks_codes<T: KvElem>(
     if num_seqs == 0 {
         return Ok(());
     }
-    let row = d / 4;
     let mut qf = vec![0.0f32; hq * d];
     let mut w = vec![0.0f32; d]; // q_d (max_d - min_d) / 3 for one query head
     for s in 0..num_seqs {
@@ -146,37 +144,127 @@ pub fn score_blocks_codes<T: KvElem>(
         for j in csr_range(blk_indptr, s) {
             let b = blk_indices[j] as usize; // validated
             for h in 0..h_kv {
-                let sum = (b * h_kv + h) * 2 * d;
-                let (mins, maxs) = summaries[sum..sum + 2 * d].split_at(d);
-                let blk = &codes[(b * h_kv + h) * bs * row..][..bs * row];
-                let mut acc = 0.0f32;
-                for g in h * gs..(h + 1) * gs {
-                    let qg = &qf[g * d..(g + 1) * d];
-                    let mut base = 0.0f32;
-                    for x in 0..d {
-                        let lo = mins[x].to_f32();
-                        base += qg[x] * lo;
-                        w[x] = qg[x] * (maxs[x].to_f32() - lo) / CODE_LEVELS;
-                    }
-                    let mut best = f32::NEG_INFINITY;
-                    for t in blk.chunks_exact(row) {
-                        let mut logit = base;
-                        for (i, &byte) in t.iter().enumerate() {
-                            for jj in 0..4 {
-                                let c = ((byte >> (2 * jj)) & 3) as f32;
-                                logit += w[4 * i + jj] * c;
-                            }
-                        }
-                        // NaN propagates: a block whose estimate is NaN ranks last in top-K.
-                        best = if logit.is_nan() || best.is_nan() {
-                            f32::NAN
-                        } else {
-                            best.max(logit)
-                        };
-                    }
-                    acc += best;
+                scores[j * h_kv + h] = entry_score(geo, &qf, summaries, codes, b, h, &mut w);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The codes score of host block `b` for KV head `h` (the sum over the group of the block's
+/// largest approximate logit), from the sequence's queries `qf` `[num_qo_heads, head_dim]` (f32).
+/// `w` is scratch of `head_dim` values. Shapes and `b` are the caller's to check.
+fn entry_score<T: KvElem>(
+    geo: &KvGeometry,
+    qf: &[f32],
+    summaries: &[T],
+    codes: &[u8],
+    b: usize,
+    h: usize,
+    w: &mut [f32],
+) -> f32 {
+    let (h_kv, bs, d, gs) = (
+        geo.num_kv_heads,
+        geo.block_size,
+        geo.head_dim,
+        geo.group_size(),
+    );
+    let row = d / 4;
+    let sum = (b * h_kv + h) * 2 * d;
+    let (mins, maxs) = summaries[sum..sum + 2 * d].split_at(d);
+    let blk = &codes[(b * h_kv + h) * bs * row..][..bs * row];
+    let mut acc = 0.0f32;
+    for g in h * gs..(h + 1) * gs {
+        let qg = &qf[g * d..(g + 1) * d];
+        let mut base = 0.0f32;
+        for x in 0..d {
+            let lo = mins[x].to_f32();
+            base += qg[x] * lo;
+            w[x] = qg[x] * (maxs[x].to_f32() - lo) / CODE_LEVELS;
+        }
+        let mut best = f32::NEG_INFINITY;
+        for t in blk.chunks_exact(row) {
+            let mut logit = base;
+            for (i, &byte) in t.iter().enumerate() {
+                for jj in 0..4 {
+                    let c = ((byte >> (2 * jj)) & 3) as f32;
+                    logit += w[4 * i + jj] * c;
                 }
-                scores[j * h_kv + h] = acc;
+            }
+            // NaN propagates: a block whose estimate is NaN ranks last in top-K.
+            best = if logit.is_nan() || best.is_nan() {
+                f32::NAN
+            } else {
+                best.max(logit)
+            };
+        }
+        acc += best;
+    }
+    acc
+}
+
+/// The codes score of a few candidate blocks per (sequence, KV head): the second stage of
+/// `KvConfig(score_candidates=F)`, after the Quest bound's top-`m` per head.
+/// `scores[(s m + i), h]` is [`score_blocks_codes`]'s value of the logical block `cand[s, h, i]`
+/// of sequence `s` (its host block `blk_indices[blk_indptr[s] + cand[s, h, i]]`) for head `h`,
+/// and -inf for a negative candidate (top-K padding). The layout is a CSR of `m` entries per
+/// sequence, so `topk_blocks(num_kv_heads, scores, [0, m, 2 m, ..], k)` ranks them; its
+/// positions index `cand`.
+///
+/// # Errors
+/// As [`score_blocks_codes`], plus [`OasisError::IndexOutOfRange`] for a candidate outside its
+/// sequence's row. `scores` is untouched when an error is returned.
+#[allow(clippy::too_many_arguments)]
+pub fn rescore_blocks_codes<T: KvElem>(
+    geo: &KvGeometry,
+    q: &[T],             // [num_seqs, num_qo_heads, head_dim]
+    summaries: &[T],     // [num_host_blocks, num_kv_heads, 2, head_dim]
+    codes: &[u8],        // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
+    blk_indptr: &[i32],  // [num_seqs + 1]
+    blk_indices: &[i32], // [nnz]
+    cand: &[i32],        // [num_seqs, num_kv_heads, m] logical blocks, negative = none
+    m: usize,
+    scores: &mut [f32], // [num_seqs * m, num_kv_heads]
+) -> Result<()> {
+    geo.validate()?;
+    check_head_dim(geo)?;
+    let (hq, h_kv, bs, d) = (
+        geo.num_qo_heads,
+        geo.num_kv_heads,
+        geo.block_size,
+        geo.head_dim,
+    );
+    let num_seqs = csr("blk_indptr", blk_indptr, "blk_indices", blk_indices.len())?;
+    check_len("q", q.len(), &[num_seqs, hq, d])?;
+    let num_host = leading_rows("summaries", summaries.len(), &[h_kv, 2, d])?;
+    check_len("codes", codes.len(), &[num_host, h_kv, bs, d / 4])?;
+    check_len("cand", cand.len(), &[num_seqs, h_kv, m])?;
+    check_len("scores", scores.len(), &[num_seqs * m, h_kv])?;
+    all_indices("blk_indices", blk_indices, num_host)?;
+    for s in 0..num_seqs {
+        let n = csr_range(blk_indptr, s).len();
+        for &c in &cand[s * h_kv * m..(s + 1) * h_kv * m] {
+            if c >= 0 {
+                index("cand", c, n)?;
+            }
+        }
+    }
+    let mut qf = vec![0.0f32; hq * d];
+    let mut w = vec![0.0f32; d];
+    for s in 0..num_seqs {
+        for (x, &v) in qf.iter_mut().zip(&q[s * hq * d..(s + 1) * hq * d]) {
+            *x = v.to_f32();
+        }
+        let row0 = csr_range(blk_indptr, s).start;
+        for h in 0..h_kv {
+            for i in 0..m {
+                let c = cand[(s * h_kv + h) * m + i];
+                scores[(s * m + i) * h_kv + h] = if c < 0 {
+                    f32::NEG_INFINITY
+                } else {
+                    let b = blk_indices[row0 + c as usize] as usize; // validated
+                    entry_score(geo, &qf, summaries, codes, b, h, &mut w)
+                };
             }
         }
     }
@@ -267,6 +355,76 @@ mod tests {
         // A one-row pool: ids up to 2 with row 0 are fine, row 1 is not.
         build_key_codes(&g, &host_k[..pe], &summ, &[2], Some(&[0]), &mut got).unwrap();
         assert!(build_key_codes(&g, &host_k[..pe], &summ, &[2], Some(&[1]), &mut got).is_err());
+    }
+
+    #[test]
+    fn rescoring_candidates_matches_the_full_scores_and_pads_with_neg_inf() {
+        let g = geo(); // 4 query heads, 2 kv heads, d 8, block 4
+        let (hk, bs, d) = (2, 4, 8);
+        let n_host = 5;
+        let host_k: Vec<f32> = (0..n_host * hk * bs * d)
+            .map(|i| ((i * 37) % 23) as f32 * 0.25 - 2.5)
+            .collect();
+        let ids: Vec<i32> = (0..n_host as i32).collect();
+        let mut summ = vec![0.0f32; n_host * hk * 2 * d];
+        build_summaries(&g, &host_k, &ids, None, &[4; 5], &mut summ).unwrap();
+        let mut codes = vec![0u8; n_host * hk * bs * d / 4];
+        build_key_codes(&g, &host_k, &summ, &ids, None, &mut codes).unwrap();
+        let q: Vec<f32> = (0..2 * 4 * d).map(|i| ((i * 5) % 9) as f32 - 4.0).collect();
+        // Sequence 0: logical blocks 0..3 (host 4, 2, 0); sequence 1: 0..2 (host 1, 3).
+        let (indptr, idx) = ([0, 3, 5], [4, 2, 0, 1, 3]);
+        let mut full = vec![0.0f32; 5 * hk];
+        score_blocks_codes(&g, &q, &summ, &codes, &indptr, &idx, &mut full).unwrap();
+        let m = 2;
+        // [seq, head, m]: per-head candidates, -1 padding.
+        let cand = [2, 0, 1, -1, 1, 0, -1, -1];
+        let mut got = vec![7.0f32; 2 * m * hk];
+        rescore_blocks_codes(&g, &q, &summ, &codes, &indptr, &idx, &cand, m, &mut got).unwrap();
+        for s in 0..2 {
+            for h in 0..hk {
+                for i in 0..m {
+                    let c = cand[(s * hk + h) * m + i];
+                    let v = got[(s * m + i) * hk + h];
+                    if c < 0 {
+                        assert_eq!(v, f32::NEG_INFINITY);
+                    } else {
+                        let j = indptr[s] as usize + c as usize;
+                        assert_eq!(v.to_bits(), full[j * hk + h].to_bits(), "s {s} h {h} i {i}");
+                    }
+                }
+            }
+        }
+        // A candidate past its sequence's row (sequence 1 has 2 blocks) is an error; nothing written.
+        let mut untouched = vec![7.0f32; 2 * m * hk];
+        let bad = [2, 0, 1, -1, 1, 2, -1, -1];
+        let r = rescore_blocks_codes(
+            &g,
+            &q,
+            &summ,
+            &codes,
+            &indptr,
+            &idx,
+            &bad,
+            m,
+            &mut untouched,
+        );
+        assert!(
+            matches!(r, Err(OasisError::IndexOutOfRange { .. })),
+            "{r:?}"
+        );
+        assert!(untouched.iter().all(|&x| x == 7.0));
+        assert!(rescore_blocks_codes(
+            &g,
+            &q,
+            &summ,
+            &codes,
+            &indptr,
+            &idx,
+            &cand[..7],
+            m,
+            &mut got
+        )
+        .is_err());
     }
 
     #[test]

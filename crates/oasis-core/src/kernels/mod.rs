@@ -21,7 +21,7 @@ pub mod wait;
 
 pub use append::append_kv;
 pub use attention::{decode_attention, ExtraKv, PagedKv};
-pub use codes::{build_key_codes, score_blocks_codes};
+pub use codes::{build_key_codes, rescore_blocks_codes, score_blocks_codes};
 pub use gather::{copy_pages, gather_blocks};
 pub use norm::{qk_norm_rope, rms_norm, HeadLayout, Positions, QkNorm, Residual};
 pub use score::{score_blocks, topk_blocks};
