@@ -588,13 +588,17 @@ def test_harness_runs_a_drafter_with_the_current_query(tiny, tmp_path):
 
 
 def test_harness_runs_a_drafter_with_key_codes(tiny, tmp_path):
-    extra = ("--drafters", "oracle,oracle+codes", "--budgets", "1/8", "--caps", "none", "--no-quest")
+    drafters = "oracle,oracle+codes,oracle+codes1"
+    extra = ("--drafters", drafters, "--budgets", "1/8", "--caps", "none", "--no-quest")
     data = _teacher_results(tiny, tmp_path, *extra)
     oasis = {r["drafter"]: r for r in data["records"] if r["policy"] == "oasis"}
-    assert set(oasis) == {"oracle", "oracle+codes"}
+    assert set(oasis) == {"oracle", "oracle+codes", "oracle+codes1"}
     # Same drafts, another block score: other blocks are read, so the logits differ. (The overlap
     # is judged under each run's own score, so a perfect draft overlaps alike.)
     assert oasis["oracle"]["nll"] != oasis["oracle+codes"]["nll"]
+    # Two stages with F = 1: the codes only reorder the Quest bound's own top-K, so the blocks
+    # read are Quest's, and the logits are the Quest-scored run's.
+    assert oasis["oracle+codes1"]["nll"] == pytest.approx(oasis["oracle"]["nll"], rel=1e-9)
 
 
 def test_report_computes_vs_quest_for_runs_merged_beside_the_reference(tiny, tmp_path):
@@ -873,6 +877,18 @@ def test_drafter_names_with_sinks_and_top2():
     assert teacher.drafter_parts("oracle+codes+sink1") == ("oracle", "lookahead")
     assert teacher.block_score_of("oracle+codes+sink1") == ("oracle+sink1", "codes")
     for bad in ("ngram+top2", "eagle3+sink", "eagle3+sinkx", "eagle3+sink2+codes", "eagle3+top2+top2"):
+        with pytest.raises(ValueError, match="unknown drafter"):
+            teacher.parse_drafter(bad)
+
+
+def test_drafter_names_with_a_two_stage_codes_score():
+    """``+codesF``: the codes rank the Quest bound's best F x K blocks (KvConfig.score_candidates)."""
+    spec = teacher.parse_drafter("eagle3+codes3+sink1")
+    assert (spec.block_score, spec.score_candidates, spec.sink_blocks) == ("codes", 3.0, 1)
+    assert teacher.parse_drafter("oracle+codes1.5").score_candidates == 1.5
+    assert teacher.parse_drafter("oracle+codes").score_candidates is None
+    assert teacher.block_score_of("eagle3+codes3+sink1") == ("eagle3+sink1", "codes")
+    for bad in ("eagle3+codes0.5", "eagle3+codesx", "eagle3+codes3+codes", "eagle3+codes-2", "ngram+codes1."):
         with pytest.raises(ValueError, match="unknown drafter"):
             teacher.parse_drafter(bad)
 

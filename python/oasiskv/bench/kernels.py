@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -331,6 +332,54 @@ def bench_score_codes(ops, geo, dev, dtype, batch: int, ctx: int, k: int, kernel
     }
 
 
+def bench_score_codes_staged(
+    ops, geo, dev, dtype, batch: int, ctx: int, k: int, factor: float, kernel: str = "scale-a"
+) -> dict:
+    """The two-stage codes score (``KvConfig(score_candidates=factor)``) at :func:`bench_score`'s
+    shapes: the Quest bound and its top-``m`` (``m = ceil(factor k)``) per KV head, the codes
+    score of those candidates, top-``k`` among them and the map back to logical blocks -- the
+    engine's ``_top_k``, in one CUDA graph."""
+    hq, hk, d, b = geo.num_qo_heads, geo.num_kv_heads, geo.head_dim, geo.block_size
+    nb = ctx // b
+    n_host = batch * nb
+    m = min(512, math.ceil(factor * k))
+    summaries = torch.randn(n_host, hk, 2, d, device=dev, dtype=dtype)
+    summaries = torch.stack([summaries.amin(2), summaries.amax(2)], dim=2)
+    codes = torch.randint(0, 256, (n_host, hk, b, d // 4), device=dev, dtype=torch.uint8)
+    q = torch.randn(batch, hq, d, device=dev, dtype=dtype)
+    blk_indptr = i32(list(range(0, n_host + 1, nb)), dev)
+    blk_indices = torch.randperm(n_host, device=dev).to(torch.int32)
+    bound = torch.empty(n_host, hk, device=dev, dtype=torch.float32)
+    cand = torch.empty(batch, hk, m, device=dev, dtype=torch.int32)
+    rescored = torch.empty(batch * m, hk, device=dev, dtype=torch.float32)
+    rows = i32(list(range(0, batch * m + 1, m)), dev)
+    pos = torch.empty(batch, hk, k, device=dev, dtype=torch.int32)
+
+    def staged():
+        ops.score_blocks(geo, q, summaries, blk_indptr, blk_indices, bound)
+        ops.topk_blocks(hk, bound, blk_indptr, m, cand)
+        ops.rescore_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices, cand, rescored)
+        ops.topk_blocks(hk, rescored, rows, k, pos)
+        return cand.gather(2, pos.long())
+
+    old = os.environ.get("OASIS_CODES_KERNEL")
+    try:
+        os.environ["OASIS_CODES_KERNEL"] = kernel
+        ms, eager = time_both(staged)
+    finally:
+        if old is None:
+            os.environ.pop("OASIS_CODES_KERNEL", None)
+        else:
+            os.environ["OASIS_CODES_KERNEL"] = old
+    return {
+        "label": f"codes x{factor:g} staged+top-{k}, {ctx} ctx, b {batch}",
+        "kernel": kernel,
+        "candidates": m,
+        "ms": ms,
+        "eager_ms": eager,
+    }
+
+
 def bench_select(ops, geo, dev, batch: int, budget: int, cap: int) -> dict:
     hk = geo.num_kv_heads
     num_pages = batch * budget
@@ -434,6 +483,11 @@ def main(argv=None) -> int:
     ca["ratio_to_quest"] = ca["ms"] / s["ms"]
     ca["target"] = "<= 1.5 x the Quest row's time; vs weights-b <= 1e-4"
     res["kernels"].append(ca)
+    for factor in (2, 3):
+        st = bench_score_codes_staged(ops, geo, dev, dtype, 16 if args.quick else 64, 32768, 128, factor)
+        st["ratio_to_quest"] = st["ms"] / s["ms"]
+        st["target"] = "<= 1.5 x the Quest row's time"
+        res["kernels"].append(st)
     sel = bench_select(ops, geo, dev, 64 if args.quick else 256, 128, 7)
     sel["target"] = "<= 20 us per layer"
     res["kernels"].append(sel)

@@ -20,7 +20,8 @@ token of each step comes from the policy's drafter:
 * ``previous-query`` — no lookahead row: x_t's own query selects the next step (FreeKV-like).
 
 A ``+codes`` suffix (``eagle3+codes``, ``oracle+current+codes``) ranks blocks by their 2-bit key
-codes (``KvConfig(block_score="codes")``) instead of the Quest bound.
+codes (``KvConfig(block_score="codes")``) instead of the Quest bound; ``+codesF`` (``eagle3+codes3``)
+ranks only the Quest bound's best ``F x K`` blocks by them (``KvConfig(score_candidates=F)``).
 A ``+current`` suffix (``eagle3+current``) runs that drafter with
 ``KvConfig(select_queries="lookahead+current")``: the lookahead and the current query choose the
 working set together.
@@ -36,6 +37,7 @@ over (``Engine.recorder``).
 from __future__ import annotations
 
 import math
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -56,9 +58,10 @@ DRAFTERS = ("eagle3", "eagle3-noprefill", "ngram", "oracle", "previous-query")
 
 @dataclass(frozen=True)
 class DrafterSpec:
-    """A drafter name of the evaluation, ``BASE[+current][+codes][+sinkN][+top2]``, and what each
-    part sets: ``+current`` ``KvConfig(select_queries="lookahead+current")``, ``+codes``
-    ``KvConfig(block_score="codes")``, ``+sinkN`` ``KvConfig(sink_blocks=N)``; ``+top2`` (EAGLE-3
+    """A drafter name of the evaluation, ``BASE[+current][+codes[F]][+sinkN][+top2]``, and what
+    each part sets: ``+current`` ``KvConfig(select_queries="lookahead+current")``, ``+codes``
+    ``KvConfig(block_score="codes")`` (``+codesF``: and ``score_candidates=F``), ``+sinkN``
+    ``KvConfig(sink_blocks=N)``; ``+top2`` (EAGLE-3
     only) changes nothing in the engine and also measures lookahead from the head's two best drafts
     (:class:`LookaheadRecorder`)."""
 
@@ -67,6 +70,10 @@ class DrafterSpec:
     block_score: str = "quest"
     sink_blocks: int = 0
     top2: bool = False
+    score_candidates: float | None = None
+
+
+_CODES_F = re.compile(r"(\d+(\.\d+)?)?")  # the F of "+codesF"
 
 
 def parse_drafter(name: str) -> DrafterSpec:
@@ -79,6 +86,8 @@ def parse_drafter(name: str) -> DrafterSpec:
     ok = base in DRAFTERS
     for m in mods:
         key = "sink" if m.startswith("sink") and m[4:].isdigit() else ("" if m == "sink" else m)
+        if m.startswith("codes") and _CODES_F.fullmatch(m[5:]):
+            key = "codes"
         if not ok or key not in order or order.index(key) <= last:
             ok = False
             break
@@ -88,6 +97,9 @@ def parse_drafter(name: str) -> DrafterSpec:
             kw["select_queries"] = "lookahead+current"
         elif key == "codes":
             kw["block_score"] = "codes"
+            if m[5:]:
+                kw["score_candidates"] = float(m[5:])
+                ok = kw["score_candidates"] >= 1
         elif key == "sink":
             kw["sink_blocks"] = int(m[4:])
         else:
@@ -96,16 +108,19 @@ def parse_drafter(name: str) -> DrafterSpec:
     if not ok:
         raise ValueError(
             f"unknown drafter {name!r}; use one of {DRAFTERS}, then optionally '+current' (not "
-            "previous-query, which has no lookahead row), '+codes', '+sinkN' (N sink blocks) and "
+            "previous-query, which has no lookahead row), '+codes' or '+codesF' (F >= 1: the "
+            "Quest bound's best F x K blocks ranked by the codes), '+sinkN' (N sink blocks) and "
             "'+top2' (eagle3 only), in that order"
         )
     return DrafterSpec(base, **kw)
 
 
 def block_score_of(name: str) -> tuple[str, str]:
-    """``"eagle3+codes"`` -> ``("eagle3", "codes")``: a ``+codes`` suffix runs the drafter with
-    ``KvConfig(block_score="codes")`` (2-bit key codes); without it, ``("eagle3", "quest")``."""
-    return name.replace("+codes", ""), parse_drafter(name).block_score
+    """``"eagle3+codes"`` -> ``("eagle3", "codes")``: a ``+codes`` (or ``+codesF``) suffix runs the
+    drafter with ``KvConfig(block_score="codes")`` (2-bit key codes); without it, ``("eagle3",
+    "quest")``."""
+    spec = parse_drafter(name)
+    return "+".join(x for x in name.split("+") if not x.startswith("codes")), spec.block_score
 
 
 def drafter_parts(name: str) -> tuple[str, str]:
@@ -536,6 +551,7 @@ class TeacherForcing:
                 select_queries=spec.select_queries,
                 block_score=spec.block_score,
                 sink_blocks=spec.sink_blocks,
+                score_candidates=spec.score_candidates,
             )
         else:
             kv = KvConfig(block_size=b, top_k_blocks=1, fetch_cap=None, measure_recall=False)
