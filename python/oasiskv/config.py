@@ -90,8 +90,8 @@ class KvConfig:
             :data:`MAX_TOP_K_BLOCKS`) are the candidates, and the codes rank only those. The
             codes work then scales with the budget instead of the context (at 32K and K = 128,
             3 x K is 19 % of the blocks). ``None`` (the default) ranks every block by its codes.
-            On SmolLM2 (docs/EVAL.md) 3 keeps the codes' selection within 0.4 points of
-            attention at 1/16 of the context and within 0.1 at 1/8 and 1/4. A number >= 1; not
+            On SmolLM2 (docs/EVAL.md) 3 keeps the codes' selection within 0.4-0.6 points of
+            attention at 1/16 of the context, 0.1-0.2 at 1/8 and 0.0 at 1/4. A number >= 1; not
             with ``select_queries="lookahead+current"``.
     """
 
