@@ -393,13 +393,13 @@ class _SinkCheck:
 
         eng._select_and_fetch = checked
         self.rec_indptr = None
-        orig_score = eng._score
+        orig_score = eng.block_scores
 
         def score(layer, q, csr):
             self.rec_indptr = csr[0]
             return orig_score(layer, q, csr)
 
-        eng._score = score
+        eng.block_scores = score
 
     def check(self, pred, indptr) -> None:
         lens = (indptr[1:] - indptr[:-1]).tolist()
@@ -557,21 +557,21 @@ def test_recall_is_measured_on_one_step_in_recall_every(qwen3):
 
 
 class _StagedCheck:
-    """Wraps Engine._top_k: each two-stage selection (KvConfig.score_candidates) equals its
+    """Wraps Engine.top_k_blocks: each two-stage selection (KvConfig.score_candidates) equals its
     definition composed from the one-stage ops -- the Quest bound's top-m (sinks first) as
     candidates, ranked by the full codes scores of those blocks (ties to the earlier candidate),
     the sinks ahead of them."""
 
     def __init__(self, eng) -> None:
         self.eng, self.calls, self.staged = eng, 0, 0
-        orig = eng._top_k
+        orig = eng.top_k_blocks
 
         def checked(layer, q, csr, k):
             got = orig(layer, q, csr, k)
             self.check(layer, q, csr, k, got)
             return got
 
-        eng._top_k = checked
+        eng.top_k_blocks = checked
 
     def check(self, layer, q, csr, k, got) -> None:
         from oasiskv.engine import keep_sinks

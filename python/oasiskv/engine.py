@@ -2126,7 +2126,7 @@ class Engine:
             prev = self._pred_of(layer)[sp_ids]
             q_now = q4[sp_idx, 0].contiguous()
             rec_indptr, rec_indices = rec_csr
-            actual = self._top_k(layer, q_now, (rec_indptr, rec_indices), k_budget)
+            actual = self.top_k_blocks(layer, q_now, (rec_indptr, rec_indices), k_budget)
             hits, counted = recall_overlap(actual, prev)
             self._acc_recall.index_add_(0, sp_ids, hits)
             self._acc_recall_n.index_add_(0, sp_ids, counted)
@@ -2158,9 +2158,13 @@ class Engine:
             self._pred[layer] = torch.full(shape, -1, dtype=torch.int32, device=self.device)
         return self._pred[layer]
 
-    def _score(self, layer: int, q: torch.Tensor, csr) -> torch.Tensor:
-        """Block scores ``[nnz, num_kv_heads]`` of queries ``q`` under ``KvConfig.block_score``
-        (summed over the KV heads' replicas with :attr:`score_reduce`)."""
+    def block_scores(self, layer: int, q: torch.Tensor, csr) -> torch.Tensor:
+        """Block scores ``[nnz, num_kv_heads]`` of queries ``q`` ``[n, num_qo_heads, head_dim]``
+        under ``KvConfig.block_score`` for every candidate of ``csr = (blk_indptr, blk_indices)``
+        (host block ids of each request's logical blocks), on ``layer``'s summaries (summed over
+        the KV heads' replicas with :attr:`score_reduce`). One stage: every block is scored,
+        whatever ``KvConfig.score_candidates`` says. A public seam for evaluation; the engine
+        ranks through :meth:`top_k_blocks`."""
         p = self.pools
         if self.key_codes:
             scores = ops.score_blocks_codes(self.geo, q, p.summaries[layer], p.codes[layer], *csr)
@@ -2168,17 +2172,17 @@ class Engine:
             scores = ops.score_blocks(self.geo, q, p.summaries[layer], *csr)
         return scores if self.score_reduce is None else self.score_reduce(scores)
 
-    def _top_k(self, layer: int, q: torch.Tensor, csr, k: int) -> torch.Tensor:
+    def top_k_blocks(self, layer: int, q: torch.Tensor, csr, k: int) -> torch.Tensor:
         """The best ``k`` logical blocks per (sequence, KV head) for queries ``q`` under
         ``KvConfig.block_score``, each request's sink blocks first: ``[n, num_kv_heads, k]``, -1
         padded. With ``KvConfig.score_candidates`` in two stages: the Quest bound's top ``m`` are
         the candidates, their codes scores rank them (device ops only: a captured step replays
-        it)."""
+        it). The ranking of every prediction and recall; arguments as :meth:`block_scores`."""
         g, p = self.geo, self.pools
         indptr = csr[0]
         m = self.kv.candidate_blocks(k)
         if m is None or indptr.shape[0] <= 1:
-            scores = keep_sinks(self._score(layer, q, csr), indptr, self.kv.sink_blocks)
+            scores = keep_sinks(self.block_scores(layer, q, csr), indptr, self.kv.sink_blocks)
             return ops.topk_blocks(g.num_kv_heads, scores, indptr, k)
         reduce = self.score_reduce or (lambda x: x)
         bound = reduce(ops.score_blocks(g, q, p.summaries[layer], *csr))
@@ -2204,12 +2208,12 @@ class Engine:
         ``KvConfig.sink_blocks`` candidates are always taken (:func:`keep_sinks`)."""
         p, g = self.pools, self.geo
         if also is None:
-            pred = self._top_k(layer, q, blk_csr, k_budget)
+            pred = self.top_k_blocks(layer, q, blk_csr, k_budget)
         else:
-            scores = self._score(layer, q, blk_csr)
+            scores = self.block_scores(layer, q, blk_csr)
             if scores.shape[0] > 0:
                 q_cur, seq = also
-                other = self._score(layer, q_cur, blk_csr)
+                other = self.block_scores(layer, q_cur, blk_csr)
                 scores = torch.maximum(
                     _relative_to_best(scores, seq, q.shape[0]), _relative_to_best(other, seq, q.shape[0])
                 )

@@ -338,7 +338,7 @@ def bench_score_codes_staged(
     """The two-stage codes score (``KvConfig(score_candidates=factor)``) at :func:`bench_score`'s
     shapes: the Quest bound and its top-``m`` (``m = ceil(factor k)``) per KV head, the codes
     score of those candidates, top-``k`` among them and the map back to logical blocks -- the
-    engine's ``_top_k``, in one CUDA graph."""
+    engine's ``top_k_blocks``, in one CUDA graph."""
     hq, hk, d, b = geo.num_qo_heads, geo.num_kv_heads, geo.head_dim, geo.block_size
     nb = ctx // b
     n_host = batch * nb

@@ -389,10 +389,13 @@ class LookaheadRecorder:
         cand = [r.host_blocks[: r.kv_len // b] for r in sp_reqs]
         indptr, indices = csr_tables(cand, engine.device)
         qs = self._shadow[layer].to(engine.dtype)
-        s1 = engine._score(layer, qs[:, 0].contiguous(), (indptr, indices))
-        s2 = engine._score(layer, qs[:, 1].contiguous(), (indptr, indices))
+        q1, q2 = qs[:, 0].contiguous(), qs[:, 1].contiguous()
+        # Each draft's own set as the engine ranks it (two stages with KvConfig.score_candidates);
+        # the max-score union compares one-stage scores of every block.
+        top = [engine.top_k_blocks(layer, x, (indptr, indices), k) for x in (q1, q2)]
+        s1 = engine.block_scores(layer, q1, (indptr, indices))
+        s2 = engine.block_scores(layer, q2, (indptr, indices))
         hk = engine.geo.num_kv_heads
-        top = [ops.topk_blocks(hk, keep_sinks(x, indptr, n_sink), indptr, k) for x in (s1, s2)]
         seq = torch.repeat_interleave(
             torch.arange(len(cand), device=engine.device),
             torch.tensor([len(c) for c in cand], device=engine.device),
