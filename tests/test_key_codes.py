@@ -391,4 +391,6 @@ def test_rescore_blocks_codes_bad_calls_are_typed_errors_and_write_nothing():
         ops.rescore_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices, cand, scores=out[:-1])
     with pytest.raises(errors.DTypeError):
         ops.rescore_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices, cand.long(), scores=out)
+    with pytest.raises(errors.ShapeError, match="cand must be"):
+        ops.rescore_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices, cand.flatten())
     assert (out == 7.0).all()

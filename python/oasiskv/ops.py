@@ -241,6 +241,8 @@ def rescore_blocks_codes(
     positions into ``cand``. The second stage of ``KvConfig(score_candidates=...)``."""
     dev = _check_device(q, summaries, codes)
     if scores is None:
+        if cand.dim() != 3:
+            raise ShapeError(f"cand must be [num_seqs, num_kv_heads, m], got shape {tuple(cand.shape)}")
         n, h, m = cand.shape
         scores = torch.empty(n * m, h, dtype=torch.float32, device=dev)
     _core.rescore_blocks_codes(
