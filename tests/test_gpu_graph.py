@@ -27,6 +27,8 @@ pytestmark = [
         ("oasis", "ngram", {}),
         ("oasis", "previous-query", {}),
         ("oasis", "ngram", {"block_score": "codes"}),
+        # Two stages: top-K of the Quest bound, codes of the candidates, top-K, gather back.
+        ("oasis", "ngram", {"block_score": "codes", "score_candidates": 2, "sink_blocks": 1}),
         # Sink blocks are marked by device ops indexed by the plan's CSR (no host sync).
         ("oasis", "ngram", {"sink_blocks": 2}),
         ("oasis", "ngram", {"sink_blocks": 1, "select_queries": "lookahead+current"}),
