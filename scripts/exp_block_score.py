@@ -18,6 +18,9 @@ local block, t's own, always counts), and the share of the attention they hold i
 * ``best``   -- the K blocks of most attention (the ceiling of any score);
 * ``int2``   -- today's ``KvConfig(block_score="codes")``: 2-bit codes inside each channel's block
   [min, max], the block's largest approximate logit;
+* ``int2/w8``, ``int2/w4`` -- the same with the per-block weights ``q (max - min) / 3`` rounded to
+  8-bit (4-bit) signed integers with one scale per (block, query head): what an integer
+  tensor-core product of codes and weights would compute;
 * scalar-scale candidates (one step ``s`` per (block, head), so a tensor-core kernel's B could be
   the query itself; docs/EVAL.md "Scalar-scale candidates"): ``int2/blk`` (min + the largest range
   / 3), ``s/pP`` (min + the P-th percentile range / 3, codes clamped), ``s/mse`` / ``sc/mse`` (min
@@ -68,6 +71,8 @@ SCORES = (
     "m+r",
     "int2",
     "int3",
+    "int2/w8",
+    "int2/w4",
     "int2/blk",
     "int2/med",
     "s/p50",
@@ -131,6 +136,18 @@ def block_scores(
         code = ((kb - lo.unsqueeze(2)) / width * levels).round()
         approx = lo.unsqueeze(2) + code * width / levels
         return torch.einsum("hgd,hntd->hgnt", qg, approx).amax(-1).sum(1)
+
+    def codes_w8(levels_w: int) -> torch.Tensor:
+        # The per-block weights w_gd = q_gd (max_d - min_d) / 3 of the 2-bit codes rounded to
+        # signed integers of `levels_w` levels each side, one scale per (block, query head): the
+        # score of an integer tensor-core product (codes x int8 weights, exact integer sums).
+        width = (hi - lo).clamp(min=1e-12)  # [hk, nc, d]
+        code = ((kb - lo.unsqueeze(2)) / width.unsqueeze(2) * 3).round()  # [hk, nc, b, d]
+        w = qg.unsqueeze(2) * width.unsqueeze(1) / 3  # [hk, g, nc, d]
+        scale = w.abs().amax(-1, keepdim=True).clamp(min=1e-30) / levels_w
+        wq = (w / scale).round() * scale
+        base = torch.einsum("hgd,hnd->hgn", qg, lo)
+        return (base.unsqueeze(-1) + torch.einsum("hgnd,hntd->hgnt", wq, code)).amax(-1).sum(1)
 
     def codes_step(step: torch.Tensor) -> torch.Tensor:
         # 2-bit codes above each block's per-channel min with a step that does not vary per channel
@@ -226,6 +243,8 @@ def block_scores(
         "m+.75r": lambda: around(kb.mean(2), 0.75),
         "m+r": lambda: around(kb.mean(2), 1.0),
         "int2": lambda: codes(2),
+        "int2/w8": lambda: codes_w8(127),
+        "int2/w4": lambda: codes_w8(7),
         "int3": lambda: codes(3),
         "quest": lambda: quest(1),
         "quest/2": lambda: quest(2),
