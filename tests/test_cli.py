@@ -41,6 +41,19 @@ def test_bad_input_is_a_message_not_a_traceback(tmp_path):
     assert p.returncode == 2 and "top_k_blocks" in p.stderr
 
 
+def test_generate_takes_the_selection_flags():
+    """--block-score, --score-candidates and --sink-blocks reach KvConfig: a sparse run with the
+    two-stage codes score, and a bad combination is a message."""
+    common = ["generate", "smollm2", "--prompt", "The capital of France is the city of", "--json"]
+    sparse = ["--block-size", "4", "--top-k-blocks", "2", "--sparse-threshold", "8", "--max-new-tokens", "4"]
+    p = oasis(*common, *sparse, "--block-score", "codes", "--score-candidates", "2", "--sink-blocks", "1")
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(p.stdout)
+    assert out["metrics"]["generated_tokens"] <= 4 and out["metrics"]["sparse_steps"] > 0
+    p = oasis(*common, "--score-candidates", "2")
+    assert p.returncode == 2 and "block_score='codes'" in p.stderr and "Traceback" not in p.stderr
+
+
 @pytest.mark.parametrize(
     "args, says",
     [

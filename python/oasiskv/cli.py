@@ -20,6 +20,7 @@ import torch
 from .config import KvConfig
 from .devices import compute_dtype, resolve_device
 from .errors import OasisError
+from .serve.cli import add_selection_arguments, selection_kwargs
 
 DEMO_QUESTION = (
     "\n\nIn two sentences: what must a person do when they convey a modified version of the program?"
@@ -71,6 +72,7 @@ def cmd_demo(args) -> int:
         top_k_blocks=args.top_k_blocks,
         fetch_cap=args.fetch_cap,
         sparse_threshold=args.sparse_threshold,
+        **selection_kwargs(args),
     )
     runs = {}
     shared = PrefillCache()  # both runs decode the same prompt: prefill it once
@@ -192,6 +194,7 @@ def _generate(args) -> int:
         top_k_blocks=args.top_k_blocks,
         fetch_cap=args.fetch_cap,
         sparse_threshold=args.sparse_threshold,
+        **selection_kwargs(args),
     )
     device = resolve_device(args.device)
     llm = LLM(
@@ -252,6 +255,7 @@ def _kv_flags(p: argparse.ArgumentParser, top_k: int) -> None:
     p.add_argument(
         "--sparse-threshold", type=int, default=None, help="tokens after which a request turns sparse"
     )
+    add_selection_arguments(p)
     p.add_argument("--drafter", default="ngram", choices=["ngram", "previous-query"])
     p.add_argument("--device", default="auto")
     p.add_argument(

@@ -1,5 +1,5 @@
-"""``oasis serve``'s flags and entry point. Imports nothing heavy at module level, so ``oasis``'s
-parser builds without FastAPI installed; the binding check runs before the model loads."""
+"""``oasis serve``'s flags and entry point. Imports no FastAPI at module level, so ``oasis``'s
+parser builds without it installed; the binding check runs before the model loads."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import argparse
 import ipaddress
 import os
 import sys
+
+from ..config import BLOCK_SCORES
 
 #: Default cap on a request body. Arbitrary: a 128K-token prompt is well under 1 MiB of text.
 DEFAULT_MAX_BODY_BYTES = 8 << 20
@@ -54,6 +56,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
 
 
+def add_selection_arguments(p: argparse.ArgumentParser) -> None:
+    """How the working set is chosen (``KvConfig.block_score``, ``score_candidates``,
+    ``sink_blocks``): shared by ``oasis serve``, ``oasis generate``, ``oasis demo`` and the
+    serving benchmark."""
+    p.add_argument(
+        "--block-score",
+        default="quest",
+        choices=list(BLOCK_SCORES),
+        help="how blocks are ranked: the Quest min/max bound, or 2-bit key codes (closer to the "
+        "true attention, more scoring work)",
+    )
+    p.add_argument(
+        "--score-candidates",
+        type=float,
+        default=None,
+        metavar="F",
+        help="with --block-score codes: rank only the Quest bound's best F x top-k blocks by "
+        "their codes (3 keeps nearly all of the codes' gain)",
+    )
+    p.add_argument(
+        "--sink-blocks", type=int, default=0, help="the first N blocks of every request are always selected"
+    )
+
+
+def selection_kwargs(args) -> dict:
+    """The :class:`~oasiskv.KvConfig` keyword arguments of :func:`add_selection_arguments`."""
+    return dict(
+        block_score=args.block_score, score_candidates=args.score_candidates, sink_blocks=args.sink_blocks
+    )
+
+
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """The engine's flags (KvConfig, drafter, backend, device, dtype, batch and budgets): shared by
     ``oasis serve`` and ``python -m oasiskv.bench.serve --in-process`` so both build one engine."""
@@ -68,6 +101,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--sparse-threshold", type=int, default=None, help="tokens after which a request turns sparse"
     )
+    add_selection_arguments(p)
     p.add_argument("--drafter", default="ngram", choices=["ngram", "eagle3", "previous-query"])
     p.add_argument("--backend", default="oasis", choices=["oasis", "dense"])
     p.add_argument("--device", default="auto")
@@ -97,6 +131,7 @@ def engine_kwargs(args, device: str | None = None) -> dict:
         top_k_blocks=args.top_k_blocks,
         fetch_cap=args.fetch_cap,
         sparse_threshold=args.sparse_threshold,
+        **selection_kwargs(args),
     )
     device = resolve_device(args.device) if device is None else str(device)
     dtype = compute_dtype(device) if args.dtype == "auto" else getattr(torch, args.dtype)
