@@ -302,12 +302,15 @@ def test_bench_fig11_tp2_on_the_cpu(tmp_path):
 #: those with 2 of its 4 query heads; the MoE twin's experts 16 columns a rank.
 REP_CFG = CFG.replace(num_key_value_heads=2)
 REP_MOE_CFG = MOE_CFG.replace(num_key_value_heads=2)
-#: The OasisKV engines compared under replication: the default selection, and the current
-#: query's scores beside the lookahead's on the 2-bit key codes (both score paths reduced).
+#: The OasisKV engines compared under replication: the default selection, the current query's
+#: scores beside the lookahead's on the 2-bit key codes (both score paths reduced), and the
+#: two-stage codes score.
 REP_MODES = {
     "dense": dict(backend="dense"),
     "oasis": dict(backend="oasis"),
     "oasis-current-codes": dict(backend="oasis", select_queries="lookahead+current", block_score="codes"),
+    # Two stages: the candidates and their codes scores are both reduced over the replicas.
+    "oasis-codes-staged": dict(backend="oasis", block_score="codes", score_candidates=2, sink_blocks=1),
 }
 
 
