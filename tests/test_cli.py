@@ -43,10 +43,20 @@ def test_bad_input_is_a_message_not_a_traceback(tmp_path):
 
 def test_generate_takes_the_selection_flags():
     """--block-score, --score-candidates and --sink-blocks reach KvConfig: a sparse run with the
-    two-stage codes score, and a bad combination is a message."""
+    two-stage codes score and the bundled EAGLE-3 head, and a bad combination is a message."""
     common = ["generate", "smollm2", "--prompt", "The capital of France is the city of", "--json"]
     sparse = ["--block-size", "4", "--top-k-blocks", "2", "--sparse-threshold", "8", "--max-new-tokens", "4"]
-    p = oasis(*common, *sparse, "--block-score", "codes", "--score-candidates", "2", "--sink-blocks", "1")
+    staged = [
+        "--block-score",
+        "codes",
+        "--score-candidates",
+        "2",
+        "--sink-blocks",
+        "1",
+        "--drafter",
+        "eagle3",
+    ]
+    p = oasis(*common, *sparse, *staged)
     assert p.returncode == 0, p.stderr[-2000:]
     out = json.loads(p.stdout)
     assert out["metrics"]["generated_tokens"] <= 4 and out["metrics"]["sparse_steps"] > 0

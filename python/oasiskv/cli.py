@@ -256,7 +256,7 @@ def _kv_flags(p: argparse.ArgumentParser, top_k: int) -> None:
         "--sparse-threshold", type=int, default=None, help="tokens after which a request turns sparse"
     )
     add_selection_arguments(p)
-    p.add_argument("--drafter", default="ngram", choices=["ngram", "previous-query"])
+    p.add_argument("--drafter", default="ngram", choices=["ngram", "eagle3", "previous-query"])
     p.add_argument("--device", default="auto")
     p.add_argument(
         "--cuda-graph",
