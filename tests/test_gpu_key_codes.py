@@ -271,3 +271,34 @@ def test_rescore_blocks_codes_matches_cpu_twin_key_codes(dtype, head_dim, codes_
         )
     )
     assert g2[0, 1] == float("-inf") and torch.equal(g2[1:], got[1:])
+
+
+@gpu_test
+@pytest.mark.parametrize("case", MALFORMED_INDPTR)
+def test_rescore_blocks_codes_with_a_malformed_blk_indptr_scores_minus_inf(case):
+    """Memory safety of the two-stage path (run under compute-sanitizer memcheck): a candidate of
+    a malformed row scores -inf, every entry is written, and candidates of the well-formed rows
+    score as with the table intact."""
+    from test_key_codes import _candidates
+
+    gen = seeded("key_codes-rescore-malformed", case)
+    lens = [40, 9, 37, 30]
+    geo, _, summaries, codes, q, blk_indptr, blk_indices = _case(
+        gen, torch.bfloat16, 2, 128, 16, hk=2, lens=lens
+    )
+    m = 12
+    cand = _candidates(gen, blk_indptr, 2, m)
+    bad = malformed_indptr(blk_indptr, case)
+    args = (geo, dev(q), dev(summaries), dev(codes))
+    good = back(ops.rescore_blocks_codes(*args, dev(blk_indptr), dev(blk_indices), dev(cand)))
+    out = torch.full((len(lens) * m, 2), POISON, device=DEV)
+    got = back(ops.rescore_blocks_codes(*args, dev(bad), dev(blk_indices), dev(cand), scores=out))
+    assert not got.isnan().any(), "every entry is written (the poison is NaN)"
+    rows = csr_rows(bad, int(blk_indptr[-1]))
+    for s in range(len(lens)):
+        block = got[s * m : (s + 1) * m]
+        r = rows[s]
+        if r is None:
+            assert (block == float("-inf")).all(), (case, s)
+        elif r == (int(blk_indptr[s]), int(blk_indptr[s + 1])):
+            assert torch.equal(block, good[s * m : (s + 1) * m]), (case, s)
