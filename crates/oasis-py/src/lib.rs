@@ -899,48 +899,19 @@ fn score_blocks_codes(
     scores: TensorArg,
     stream: u64,
 ) -> PyResult<()> {
-    entry(py, "score_blocks_codes", || {
-        let g = geo.inner;
-        check_codes_head_dim(py, &g)?;
-        let inputs = [
-            ("q", &q),
-            ("summaries", &summaries),
-            ("codes", &codes),
-            ("blk_indptr", &blk_indptr),
-            ("blk_indices", &blk_indices),
-        ];
-        let cx = Cx::new(py, &[&inputs[..], &[("scores", &scores)]].concat(), &[])?;
-        let ns = q.dim(&cx, "q", 3, 0)?;
-        q.expect_shape(&cx, "q", &[ns, g.num_qo_heads, g.head_dim])?;
-        let nh = summaries.dim(&cx, "summaries", 4, 0)?;
-        summaries.expect_shape(&cx, "summaries", &[nh, g.num_kv_heads, 2, g.head_dim])?;
-        codes.expect_u8(py, "codes")?;
-        codes.expect_shape(
-            &cx,
-            "codes",
-            &[nh, g.num_kv_heads, g.block_size, g.head_dim / 4],
-        )?;
-        blk_indptr.expect_i32(py, "blk_indptr")?;
-        blk_indptr.expect_shape(&cx, "blk_indptr", &[ns + 1])?;
-        blk_indices.expect_i32(py, "blk_indices")?;
-        let nnz = blk_indices.dim(&cx, "blk_indices", 1, 0)?;
-        scores.expect_f32(py, "scores")?;
-        scores.expect_shape(&cx, "scores", &[nnz, g.num_kv_heads])?;
-        let dt = kv_dtype(py, &[("q", &q), ("summaries", &summaries)])?;
-        check_outputs(py, &[("scores", &scores)], &inputs)?;
-        match cx.place {
-            Place::Cpu => with_dtype!(dt, T => {
-                // SAFETY: checked above; scores is disjoint from the inputs.
-                let (qs, sm, cd, ip, ix, sc) = unsafe { (q.slice::<T>(), summaries.slice::<T>(), codes.slice::<u8>(), blk_indptr.ints(), blk_indices.ints(), scores.slice_mut::<f32>()) };
-                guarded(py, "score_blocks_codes", || kernels::score_blocks_codes::<T>(&g, qs, sm, cd, ip, ix, sc))
-            }),
-            Place::Cuda(dev) => with_dtype!(dt, T => {
-                // SAFETY: (TensorArg::dev) checked above; scores is disjoint from the inputs.
-                let (qs, sm, cd, ip, ix, sc) = unsafe { (q.dev::<T>(), summaries.dev::<T>(), codes.dev::<u8>(), blk_indptr.dev::<i32>(), blk_indices.dev::<i32>(), scores.dev::<f32>()) };
-                on_gpu(py, "score_blocks_codes", dev, stream, &[], move |gpu, st| gpu.score_blocks_codes::<T>(&g, qs, sm, cd, ip, ix, sc, st))
-            }),
-        }
-    })
+    codes_scores(
+        py,
+        "score_blocks_codes",
+        geo,
+        q,
+        summaries,
+        codes,
+        blk_indptr,
+        blk_indices,
+        None,
+        scores,
+        stream,
+    )
 }
 
 #[pyfunction]
@@ -964,17 +935,50 @@ fn rescore_blocks_codes(
     scores: TensorArg,
     stream: u64,
 ) -> PyResult<()> {
-    entry(py, "rescore_blocks_codes", || {
+    codes_scores(
+        py,
+        "rescore_blocks_codes",
+        geo,
+        q,
+        summaries,
+        codes,
+        blk_indptr,
+        blk_indices,
+        Some(cand),
+        scores,
+        stream,
+    )
+}
+
+/// [`score_blocks_codes`] (every listed block) and, with `cand`, [`rescore_blocks_codes`] (the
+/// candidates of each sequence and KV head): the shared checks and the dispatch to the twins.
+#[allow(clippy::too_many_arguments)]
+fn codes_scores(
+    py: Python<'_>,
+    what: &'static str,
+    geo: &PyGeometry,
+    q: TensorArg,
+    summaries: TensorArg,
+    codes: TensorArg,
+    blk_indptr: TensorArg,
+    blk_indices: TensorArg,
+    cand: Option<TensorArg>,
+    scores: TensorArg,
+    stream: u64,
+) -> PyResult<()> {
+    entry(py, what, || {
         let g = geo.inner;
         check_codes_head_dim(py, &g)?;
-        let inputs = [
+        let mut inputs = vec![
             ("q", &q),
             ("summaries", &summaries),
             ("codes", &codes),
             ("blk_indptr", &blk_indptr),
             ("blk_indices", &blk_indices),
-            ("cand", &cand),
         ];
+        if let Some(c) = &cand {
+            inputs.push(("cand", c));
+        }
         let cx = Cx::new(py, &[&inputs[..], &[("scores", &scores)]].concat(), &[])?;
         let ns = q.dim(&cx, "q", 3, 0)?;
         q.expect_shape(&cx, "q", &[ns, g.num_qo_heads, g.head_dim])?;
@@ -989,24 +993,43 @@ fn rescore_blocks_codes(
         blk_indptr.expect_i32(py, "blk_indptr")?;
         blk_indptr.expect_shape(&cx, "blk_indptr", &[ns + 1])?;
         blk_indices.expect_i32(py, "blk_indices")?;
-        blk_indices.dim(&cx, "blk_indices", 1, 0)?;
-        cand.expect_i32(py, "cand")?;
-        let m = cand.dim(&cx, "cand", 3, 2)?;
-        cand.expect_shape(&cx, "cand", &[ns, g.num_kv_heads, m])?;
+        let nnz = blk_indices.dim(&cx, "blk_indices", 1, 0)?;
+        // Entries scored: every listed block, or m candidates per sequence.
+        let (rows, m) = match &cand {
+            None => (nnz, 0),
+            Some(c) => {
+                c.expect_i32(py, "cand")?;
+                let m = c.dim(&cx, "cand", 3, 2)?;
+                c.expect_shape(&cx, "cand", &[ns, g.num_kv_heads, m])?;
+                (ns * m, m)
+            }
+        };
         scores.expect_f32(py, "scores")?;
-        scores.expect_shape(&cx, "scores", &[ns * m, g.num_kv_heads])?;
+        scores.expect_shape(&cx, "scores", &[rows, g.num_kv_heads])?;
         let dt = kv_dtype(py, &[("q", &q), ("summaries", &summaries)])?;
         check_outputs(py, &[("scores", &scores)], &inputs)?;
         match cx.place {
             Place::Cpu => with_dtype!(dt, T => {
                 // SAFETY: checked above; scores is disjoint from the inputs.
-                let (qs, sm, cd, ip, ix, cn, sc) = unsafe { (q.slice::<T>(), summaries.slice::<T>(), codes.slice::<u8>(), blk_indptr.ints(), blk_indices.ints(), cand.ints(), scores.slice_mut::<f32>()) };
-                guarded(py, "rescore_blocks_codes", || kernels::rescore_blocks_codes::<T>(&g, qs, sm, cd, ip, ix, cn, m, sc))
+                let (qs, sm, cd, ip, ix, sc) = unsafe { (q.slice::<T>(), summaries.slice::<T>(), codes.slice::<u8>(), blk_indptr.ints(), blk_indices.ints(), scores.slice_mut::<f32>()) };
+                match &cand {
+                    None => guarded(py, what, || kernels::score_blocks_codes::<T>(&g, qs, sm, cd, ip, ix, sc)),
+                    // SAFETY: checked above (an int32 input).
+                    Some(c) => {
+                        let cn = unsafe { c.ints() };
+                        guarded(py, what, || kernels::rescore_blocks_codes::<T>(&g, qs, sm, cd, ip, ix, cn, m, sc))
+                    }
+                }
             }),
             Place::Cuda(dev) => with_dtype!(dt, T => {
                 // SAFETY: (TensorArg::dev) checked above; scores is disjoint from the inputs.
-                let (qs, sm, cd, ip, ix, cn, sc) = unsafe { (q.dev::<T>(), summaries.dev::<T>(), codes.dev::<u8>(), blk_indptr.dev::<i32>(), blk_indices.dev::<i32>(), cand.dev::<i32>(), scores.dev::<f32>()) };
-                on_gpu(py, "rescore_blocks_codes", dev, stream, &[], move |gpu, st| gpu.rescore_blocks_codes::<T>(&g, qs, sm, cd, ip, ix, cn, m, sc, st))
+                let (qs, sm, cd, ip, ix, sc) = unsafe { (q.dev::<T>(), summaries.dev::<T>(), codes.dev::<u8>(), blk_indptr.dev::<i32>(), blk_indices.dev::<i32>(), scores.dev::<f32>()) };
+                // SAFETY: as above (an int32 input on the same device).
+                let cn = cand.as_ref().map(|c| unsafe { c.dev::<i32>() });
+                on_gpu(py, what, dev, stream, &[], move |gpu, st| match cn {
+                    None => gpu.score_blocks_codes::<T>(&g, qs, sm, cd, ip, ix, sc, st),
+                    Some(cn) => gpu.rescore_blocks_codes::<T>(&g, qs, sm, cd, ip, ix, cn, m, sc, st),
+                })
             }),
         }
     })

@@ -118,6 +118,33 @@ pub fn score_blocks_codes<T: KvElem>(
     blk_indices: &[i32], // [nnz]
     scores: &mut [f32],  // [nnz, num_kv_heads]
 ) -> Result<()> {
+    let (_, num_host) = check_inputs(geo, q, summaries, codes, blk_indptr, blk_indices)?;
+    let h_kv = geo.num_kv_heads;
+    check_len("scores", scores.len(), &[blk_indices.len(), h_kv])?;
+    all_indices("blk_indices", blk_indices, num_host)?;
+    let mut w = vec![0.0f32; geo.head_dim]; // q_d (max_d - min_d) / 3 for one query head
+    for_each_query(geo, q, |s, qf| {
+        for j in csr_range(blk_indptr, s) {
+            let b = blk_indices[j] as usize; // validated
+            for h in 0..h_kv {
+                scores[j * h_kv + h] = entry_score(geo, qf, summaries, codes, b, h, &mut w);
+            }
+        }
+    });
+    Ok(())
+}
+
+/// The checks [`score_blocks_codes`] and [`rescore_blocks_codes`] share, before the scores':
+/// geometry, head_dim, the CSR, and the shapes of `q`, `summaries` and `codes`. Returns
+/// `(num_seqs, num_host_blocks)`.
+fn check_inputs<T: KvElem>(
+    geo: &KvGeometry,
+    q: &[T],
+    summaries: &[T],
+    codes: &[u8],
+    blk_indptr: &[i32],
+    blk_indices: &[i32],
+) -> Result<(usize, usize)> {
     geo.validate()?;
     check_head_dim(geo)?;
     let (hq, h_kv, bs, d) = (
@@ -130,25 +157,20 @@ pub fn score_blocks_codes<T: KvElem>(
     check_len("q", q.len(), &[num_seqs, hq, d])?;
     let num_host = leading_rows("summaries", summaries.len(), &[h_kv, 2, d])?;
     check_len("codes", codes.len(), &[num_host, h_kv, bs, d / 4])?;
-    check_len("scores", scores.len(), &[blk_indices.len(), h_kv])?;
-    all_indices("blk_indices", blk_indices, num_host)?;
-    if num_seqs == 0 {
-        return Ok(());
-    }
-    let mut qf = vec![0.0f32; hq * d];
-    let mut w = vec![0.0f32; d]; // q_d (max_d - min_d) / 3 for one query head
-    for s in 0..num_seqs {
-        for (x, &v) in qf.iter_mut().zip(&q[s * hq * d..(s + 1) * hq * d]) {
+    Ok((num_seqs, num_host))
+}
+
+/// `f(s, q_s)` for every sequence `s` of `q` `[num_seqs, num_qo_heads, head_dim]`, with its
+/// queries as f32 (one buffer, refilled per sequence).
+fn for_each_query<T: KvElem>(geo: &KvGeometry, q: &[T], mut f: impl FnMut(usize, &[f32])) {
+    let row = geo.num_qo_heads * geo.head_dim;
+    let mut qf = vec![0.0f32; row];
+    for (s, qs) in q.chunks_exact(row).enumerate() {
+        for (x, &v) in qf.iter_mut().zip(qs) {
             *x = v.to_f32();
         }
-        for j in csr_range(blk_indptr, s) {
-            let b = blk_indices[j] as usize; // validated
-            for h in 0..h_kv {
-                scores[j * h_kv + h] = entry_score(geo, &qf, summaries, codes, b, h, &mut w);
-            }
-        }
+        f(s, &qf);
     }
-    Ok(())
 }
 
 /// The codes score of host block `b` for KV head `h` (the sum over the group of the block's
@@ -226,18 +248,8 @@ pub fn rescore_blocks_codes<T: KvElem>(
     m: usize,
     scores: &mut [f32], // [num_seqs * m, num_kv_heads]
 ) -> Result<()> {
-    geo.validate()?;
-    check_head_dim(geo)?;
-    let (hq, h_kv, bs, d) = (
-        geo.num_qo_heads,
-        geo.num_kv_heads,
-        geo.block_size,
-        geo.head_dim,
-    );
-    let num_seqs = csr("blk_indptr", blk_indptr, "blk_indices", blk_indices.len())?;
-    check_len("q", q.len(), &[num_seqs, hq, d])?;
-    let num_host = leading_rows("summaries", summaries.len(), &[h_kv, 2, d])?;
-    check_len("codes", codes.len(), &[num_host, h_kv, bs, d / 4])?;
+    let (num_seqs, num_host) = check_inputs(geo, q, summaries, codes, blk_indptr, blk_indices)?;
+    let h_kv = geo.num_kv_heads;
     check_len("cand", cand.len(), &[num_seqs, h_kv, m])?;
     check_len("scores", scores.len(), &[num_seqs * m, h_kv])?;
     all_indices("blk_indices", blk_indices, num_host)?;
@@ -249,12 +261,8 @@ pub fn rescore_blocks_codes<T: KvElem>(
             }
         }
     }
-    let mut qf = vec![0.0f32; hq * d];
-    let mut w = vec![0.0f32; d];
-    for s in 0..num_seqs {
-        for (x, &v) in qf.iter_mut().zip(&q[s * hq * d..(s + 1) * hq * d]) {
-            *x = v.to_f32();
-        }
+    let mut w = vec![0.0f32; geo.head_dim];
+    for_each_query(geo, q, |s, qf| {
         let row0 = csr_range(blk_indptr, s).start;
         for h in 0..h_kv {
             for i in 0..m {
@@ -263,11 +271,11 @@ pub fn rescore_blocks_codes<T: KvElem>(
                     f32::NEG_INFINITY
                 } else {
                     let b = blk_indices[row0 + c as usize] as usize; // validated
-                    entry_score(geo, &qf, summaries, codes, b, h, &mut w)
+                    entry_score(geo, qf, summaries, codes, b, h, &mut w)
                 };
             }
         }
-    }
+    });
     Ok(())
 }
 
