@@ -11,6 +11,7 @@ reported, with the ratio to its ceiling and the target the GPU issue sets.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -275,12 +276,24 @@ def bench_score(ops, geo, dev, dtype, batch: int, ctx: int, k: int) -> dict:
     }
 
 
-def bench_score_codes(ops, geo, dev, dtype, batch: int, ctx: int, k: int, kernel: str = "weights-b") -> dict:
-    """The 2-bit key-code score (issue 12) + top-K at the shapes of :func:`bench_score`: it reads the
-    summaries and the codes (2 x the summary bytes). ``kernel``: the tensor-core path
-    (``OASIS_CODES_KERNEL``, set around every call: ``weights-b`` rebuilds the MMA's B per block,
-    ``scale-a`` keeps B = q / 3 per sequence and scales A); ``max_rel_diff`` compares its scores
-    with ``weights-b``'s on the same inputs (relative to the largest |score|)."""
+@contextlib.contextmanager
+def codes_kernel(kernel: str):
+    """``OASIS_CODES_KERNEL`` set to ``kernel`` inside the block (the codes kernels read it at
+    every launch), restored after."""
+    old = os.environ.get("OASIS_CODES_KERNEL")
+    os.environ["OASIS_CODES_KERNEL"] = kernel
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("OASIS_CODES_KERNEL", None)
+        else:
+            os.environ["OASIS_CODES_KERNEL"] = old
+
+
+def codes_inputs(geo, dev, dtype, batch: int, ctx: int) -> tuple:
+    """Random inputs of the codes scores at :func:`bench_score`'s shapes: ``(q, summaries (min <=
+    max), codes, blk_indptr, blk_indices)``, ``batch`` sequences of ``ctx // block_size`` blocks."""
     hq, hk, d, b = geo.num_qo_heads, geo.num_kv_heads, geo.head_dim, geo.block_size
     nb = ctx // b
     n_host = batch * nb
@@ -290,6 +303,18 @@ def bench_score_codes(ops, geo, dev, dtype, batch: int, ctx: int, k: int, kernel
     q = torch.randn(batch, hq, d, device=dev, dtype=dtype)
     blk_indptr = i32(list(range(0, n_host + 1, nb)), dev)
     blk_indices = torch.randperm(n_host, device=dev).to(torch.int32)
+    return q, summaries, codes, blk_indptr, blk_indices
+
+
+def bench_score_codes(ops, geo, dev, dtype, batch: int, ctx: int, k: int, kernel: str = "weights-b") -> dict:
+    """The 2-bit key-code score (issue 12) + top-K at the shapes of :func:`bench_score`: it reads the
+    summaries and the codes (2 x the summary bytes). ``kernel``: the tensor-core path
+    (``OASIS_CODES_KERNEL``, set around every call: ``weights-b`` rebuilds the MMA's B per block,
+    ``scale-a`` keeps B = q / 3 per sequence and scales A); ``max_rel_diff`` compares its scores
+    with ``weights-b``'s on the same inputs (relative to the largest |score|)."""
+    hk, d = geo.num_kv_heads, geo.head_dim
+    q, summaries, codes, blk_indptr, blk_indices = codes_inputs(geo, dev, dtype, batch, ctx)
+    n_host = blk_indices.numel()
     scores = torch.empty(n_host, hk, device=dev, dtype=torch.float32)
     top = torch.empty(batch, hk, k, device=dev, dtype=torch.int32)
 
@@ -300,21 +325,14 @@ def bench_score_codes(ops, geo, dev, dtype, batch: int, ctx: int, k: int, kernel
         score()
         ops.topk_blocks(hk, scores, blk_indptr, k, top)
 
-    old = os.environ.get("OASIS_CODES_KERNEL")
-    try:
-        os.environ["OASIS_CODES_KERNEL"] = "weights-b"
+    with codes_kernel("weights-b"):
         score()
         ref = scores.clone()
-        os.environ["OASIS_CODES_KERNEL"] = kernel
+    with codes_kernel(kernel):
         ms_s, _ = time_both(score)
         ms, eager = time_both(both)
         score()
-        diff = float((scores - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
-    finally:
-        if old is None:
-            os.environ.pop("OASIS_CODES_KERNEL", None)
-        else:
-            os.environ["OASIS_CODES_KERNEL"] = old
+    diff = float((scores - ref).abs().max() / ref.abs().max().clamp(min=1e-30))
     sb = n_host * hk * 2 * d * dtype.itemsize
     cb = codes.numel()
     suffix = "" if kernel == "weights-b" else f" ({kernel})"
@@ -339,16 +357,10 @@ def bench_score_codes_staged(
     shapes: the Quest bound and its top-``m`` (``m = ceil(factor k)``) per KV head, the codes
     score of those candidates, top-``k`` among them and the map back to logical blocks -- the
     engine's ``top_k_blocks``, in one CUDA graph."""
-    hq, hk, d, b = geo.num_qo_heads, geo.num_kv_heads, geo.head_dim, geo.block_size
-    nb = ctx // b
-    n_host = batch * nb
+    hk = geo.num_kv_heads
     m = min(512, math.ceil(factor * k))
-    summaries = torch.randn(n_host, hk, 2, d, device=dev, dtype=dtype)
-    summaries = torch.stack([summaries.amin(2), summaries.amax(2)], dim=2)
-    codes = torch.randint(0, 256, (n_host, hk, b, d // 4), device=dev, dtype=torch.uint8)
-    q = torch.randn(batch, hq, d, device=dev, dtype=dtype)
-    blk_indptr = i32(list(range(0, n_host + 1, nb)), dev)
-    blk_indices = torch.randperm(n_host, device=dev).to(torch.int32)
+    q, summaries, codes, blk_indptr, blk_indices = codes_inputs(geo, dev, dtype, batch, ctx)
+    n_host = blk_indices.numel()
     bound = torch.empty(n_host, hk, device=dev, dtype=torch.float32)
     cand = torch.empty(batch, hk, m, device=dev, dtype=torch.int32)
     rescored = torch.empty(batch * m, hk, device=dev, dtype=torch.float32)
@@ -362,15 +374,8 @@ def bench_score_codes_staged(
         ops.topk_blocks(hk, rescored, rows, k, pos)
         return cand.gather(2, pos.long())
 
-    old = os.environ.get("OASIS_CODES_KERNEL")
-    try:
-        os.environ["OASIS_CODES_KERNEL"] = kernel
+    with codes_kernel(kernel):
         ms, eager = time_both(staged)
-    finally:
-        if old is None:
-            os.environ.pop("OASIS_CODES_KERNEL", None)
-        else:
-            os.environ["OASIS_CODES_KERNEL"] = old
     return {
         "label": f"codes x{factor:g} staged+top-{k}, {ctx} ctx, b {batch}",
         "kernel": kernel,
