@@ -255,6 +255,45 @@ def block_scores(
     return {name: fns[name]() for name in wanted}
 
 
+def queries_and_keys(model, tokens, dev) -> tuple[list, list]:
+    """One dense forward of ``tokens``: every layer's post-RoPE queries ``[T, hq, d]`` and keys
+    ``[T, hk, d]`` (float32)."""
+    qs, ks = [], []
+    scale = model.config.head_dim**-0.5
+
+    def attn(layer, q, k, v):
+        qs.append(q.float())
+        ks.append(k.float())
+        return causal_attention(q, k, v, scale)
+
+    ids = torch.tensor(tokens, dtype=torch.long, device=dev)
+    with torch.no_grad():
+        model.forward(
+            ids, torch.arange(len(ids), device=dev), attn, logits_rows=torch.tensor([0], device=dev)
+        )
+    return qs, ks
+
+
+def block_mass(
+    q: torch.Tensor, k: torch.Tensor, b: int, group: int
+) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """The exact softmax attention of query ``q`` ``[hq, d]`` (position t) over keys ``k``
+    ``[hk, t + 1, d]``, summed per block of ``b`` and averaged over each KV head's query heads:
+    ``(mass [hk, blocks], nc, local)`` where ``nc`` counts the complete blocks before t's own and
+    ``local`` ``[hk]`` is the share of t's own block (always resident)."""
+    hk, n, d = k.shape
+    t = n - 1
+    w = torch.softmax(
+        (q.view(hk, group, 1, -1) @ k.unsqueeze(1).transpose(-1, -2)).squeeze(2).double() * d**-0.5,
+        dim=-1,
+    )  # [hk, group, t+1]
+    nc = t // b  # the blocks before t's own (the local block, always resident)
+    nb = math.ceil((t + 1) / b)
+    w = torch.nn.functional.pad(w, (0, nb * b - (t + 1)))
+    mass = w.view(hk, group, nb, b).sum(-1).mean(1)  # [hk, nb]
+    return mass, nc, mass[:, nc:].sum(-1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2")
@@ -294,31 +333,11 @@ def main() -> None:
     certified = {lab: {f: [0, 0, 0] for f in staged} for lab in budgets}
     sink_mass: dict[int, list[float]] = {n: [] for n in sinks}  # attention on blocks 0..N-1 alone
     for text in texts:
-        qs, ks = [], []
-
-        def attn(layer, q, k, v, qs=qs, ks=ks):
-            qs.append(q.float())
-            ks.append(k.float())
-            return causal_attention(q, k, v, cfg.head_dim**-0.5)
-
-        ids = torch.tensor(text["tokens"], dtype=torch.long, device=dev)
-        with torch.no_grad():
-            model.forward(
-                ids, torch.arange(len(ids), device=dev), attn, logits_rows=torch.tensor([0], device=dev)
-            )
+        qs, ks = queries_and_keys(model, text["tokens"], dev)
         for layer in range(cfg.num_hidden_layers):
             for t in positions:
                 q, k = qs[layer][t], ks[layer][: t + 1].transpose(0, 1)  # [hq, d], [hk, t+1, d]
-                w = torch.softmax(
-                    (q.view(hk, group, 1, -1) @ k.unsqueeze(1).transpose(-1, -2)).squeeze(2).double()
-                    * cfg.head_dim**-0.5,
-                    dim=-1,
-                )  # [hk, group, t+1]
-                nc = t // b  # the blocks before t's own (the local block, always resident)
-                nb = math.ceil((t + 1) / b)
-                w = torch.nn.functional.pad(w, (0, nb * b - (t + 1)))
-                mass = w.view(hk, group, nb, b).sum(-1).mean(1)  # [hk, nb]
-                local = mass[:, nc:].sum(-1)  # t's own block
+                mass, nc, local = block_mass(q, k, b, group)
                 scores = block_scores(q, k[:, : nc * b], b, nc, group, [x for x in base_names if x != "best"])
                 scores["best"] = mass[:, :nc]
                 for n in sinks:

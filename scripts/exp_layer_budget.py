@@ -16,15 +16,13 @@ in-sample.
 from __future__ import annotations
 
 import argparse
-import math
 from fractions import Fraction
 
 import torch
-from exp_block_score import block_scores  # scripts/ is on sys.path when this runs
+from exp_block_score import block_mass, block_scores, queries_and_keys  # scripts/ is on sys.path
 
 from oasiskv.eval import corpus
 from oasiskv.models.loader import load_model
-from oasiskv.models.transformer import causal_attention
 
 
 def main() -> None:
@@ -56,29 +54,11 @@ def main() -> None:
     # held[t][layer][k]: mean share over heads and positions of text t
     held = [[[0.0] * len(ladder) for _ in range(L)] for _ in texts]
     for ti, text in enumerate(texts):
-        qs, ks = [], []
-
-        def attn(layer, q, k, v, qs=qs, ks=ks):
-            qs.append(q.float())
-            ks.append(k.float())
-            return causal_attention(q, k, v, cfg.head_dim**-0.5)
-
-        ids = torch.tensor(text["tokens"], dtype=torch.long)
-        with torch.no_grad():
-            model.forward(ids, torch.arange(len(ids)), attn, logits_rows=torch.tensor([0]))
+        qs, ks = queries_and_keys(model, text["tokens"], "cpu")
         for layer in range(L):
             for t in positions:
                 q, k = qs[layer][t], ks[layer][: t + 1].transpose(0, 1)
-                w = torch.softmax(
-                    (q.view(hk, group, 1, -1) @ k.unsqueeze(1).transpose(-1, -2)).squeeze(2).double()
-                    * cfg.head_dim**-0.5,
-                    dim=-1,
-                )
-                nc = t // b
-                nb = math.ceil((t + 1) / b)
-                w = torch.nn.functional.pad(w, (0, nb * b - (t + 1)))
-                mass = w.view(hk, group, nb, b).sum(-1).mean(1)
-                local = mass[:, nc:].sum(-1)
+                mass, nc, local = block_mass(q, k, b, group)
                 score = block_scores(q, k[:, : nc * b], b, nc, group, [args.score])[args.score]
                 order = score.argsort(dim=-1, descending=True)
                 for i, kk in enumerate(ladder):
