@@ -362,14 +362,12 @@ __device__ __forceinline__ float codes_round8(float x) {
     return __uint_as_float(((u32)h) << 16);
 }
 
-// Lane (gid, tig)'s part of the sequence's query for 16 channels kc * 16 ..: q[gid][d] for
-// d = d0, d0 + 1, d0 + 8, d0 + 9 (d0 = kc * 16 + 2 tig; 0 for a column beyond the group) and the
-// B fragments of q / 3: b[0], b[1] its f16 high part, b[2], b[3] the f16 residual. `fits`: every
-// |q| / 3 is within OASIS_CODES_F16_RANGE (false for NaN / inf).
-__device__ __forceinline__ void codes_q_fragment(const float* __restrict__ sq, int kc, int gid, int tig, int group,
-                                                 int head_dim, float (&qv)[4], u32 (&b)[4], bool& fits) {
-    const int d0 = kc * 16 + tig * 2;
-    const int dd[4] = {d0, d0 + 1, d0 + 8, d0 + 9};
+// Lane (gid, tig)'s part of the sequence's query at four channels dd (the B rows 2 tig, 2 tig + 1,
+// 2 tig + 8, 2 tig + 9 of one k-step): q[gid][dd[i]] (0 for a column beyond the group) and the
+// B fragments of q / 3: b[0] = (dd[0], dd[1]), b[1] = (dd[2], dd[3]) its f16 high part, b[2], b[3]
+// the f16 residual. `fits`: every |q| / 3 is within OASIS_CODES_F16_RANGE (false for NaN / inf).
+__device__ __forceinline__ void codes_q_fragment_at(const float* __restrict__ sq, const int (&dd)[4], int gid, int group,
+                                                    int head_dim, float (&qv)[4], u32 (&b)[4], bool& fits) {
     const float third = 1.f / 3.f;
     float w[4];
 #pragma unroll
@@ -385,6 +383,15 @@ __device__ __forceinline__ void codes_q_fragment(const float* __restrict__ sq, i
     codes_unpack_f16x2(b[1], hi[2], hi[3]);
     b[2] = codes_pack_f16x2(w[0] - hi[0], w[1] - hi[1]);
     b[3] = codes_pack_f16x2(w[2] - hi[2], w[3] - hi[3]);
+}
+
+// The MMA's k positions of 16 channels in the direct path: A/B rows 2 tig, 2 tig + 1 are channels
+// d0, d0 + 1 and rows 2 tig + 8, 2 tig + 9 are d0 + 8, d0 + 9 (d0 = kc * 16 + 2 tig).
+__device__ __forceinline__ void codes_q_fragment(const float* __restrict__ sq, int kc, int gid, int tig, int group,
+                                                 int head_dim, float (&qv)[4], u32 (&b)[4], bool& fits) {
+    const int d0 = kc * 16 + tig * 2;
+    const int dd[4] = {d0, d0 + 1, d0 + 8, d0 + 9};
+    codes_q_fragment_at(sq, dd, gid, group, head_dim, qv, b, fits);
 }
 
 // One (block, head) on the tensor cores. KC: head_dim / 16 when known at compile time (the query
@@ -464,6 +471,151 @@ __device__ bool score_codes_mma_entry(
     return true;
 }
 
+// ---- scale in A, staged through shared memory (a_scale == 2, the default) ----
+// The same arithmetic as score_codes_mma_entry (so the same scores up to the order of the f32
+// sums), with two changes that cut the memory stalls and the instruction count per entry:
+//
+// * The warp copies the next entry's summaries and codes into shared memory with cp.async while
+//   it computes the current one (two buffers per warp), so a block's DRAM latency overlaps the
+//   previous block's math instead of stalling the warp.
+// * The MMA's k positions are permuted so that each lane reads contiguous bytes: lane tig covers
+//   channels tig * 4 KC .. tig * 4 KC + 4 KC - 1 (one word of codes per 16 channels), and the
+//   two channels of an f16x2 register sit at bits (s, s + 16) of a code word: channel p and p + 8 of the word's 16 are bits 2p and 2p + 16, so
+//   one shift, one lop3 and one subtraction give a register of two codes. k-step kc, word u =
+//   kc / 4, m = kc % 4: A/B rows 2 tig, 2 tig + 1 are channels c + 2m, c + 2m + 8 and rows
+//   2 tig + 8, 2 tig + 9 are c + 2m + 1, c + 2m + 9 (c = tig * 4 KC + 16 u); B = q / 3 is built
+//   with the same permutation (codes_q_fragment_staged).
+//
+// Only for KC = 4 or 8 (head_dim 64 or 128) with 16-byte aligned summaries and codes; the host
+// sizes the shared memory for it (oasis_cuda::ops::score_blocks_codes_smem_bytes).
+
+// Bytes of one entry (a (block, head)'s min and max rows, then its 16 tokens' codes) in a buffer.
+__host__ __device__ __forceinline__ int codes_stage_bytes(int head_dim, int elem_bytes) {
+    return 2 * head_dim * elem_bytes + 4 * head_dim;
+}
+
+__device__ __forceinline__ void codes_cp_async16(void* smem, const void* gmem) {
+    const u32 dst = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem));
+}
+__device__ __forceinline__ void codes_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void codes_cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// The warp copies entry (b, h) into `buf` (16-byte chunks, lanes round-robin) and commits a group.
+template <typename T>
+__device__ __forceinline__ void codes_stage_entry(unsigned char* __restrict__ buf, const T* __restrict__ summaries,
+                                                  const unsigned char* __restrict__ codes, int b, int h,
+                                                  int num_kv_heads, int head_dim) {
+    const int lane = threadIdx.x & 31;
+    const i64 entry = (i64)b * num_kv_heads + h;
+    const int sum_chunks = (2 * head_dim * (int)sizeof(T)) >> 4;
+    const int all_chunks = sum_chunks + (head_dim >> 2);  // 16 tokens x head_dim / 4 bytes / 16
+    const unsigned char* src_s = reinterpret_cast<const unsigned char*>(summaries + entry * 2 * head_dim);
+    const unsigned char* src_c = codes + entry * 4 * head_dim;
+    for (int c = lane; c < all_chunks; c += 32) {
+        const unsigned char* src = c < sum_chunks ? src_s + 16 * c : src_c + 16 * (c - sum_chunks);
+        codes_cp_async16(buf + 16 * c, src);
+    }
+    codes_cp_async_commit();
+}
+
+// Channels of lane tig's k-step kc in the staged path (see above), in codes_q_fragment_at's order.
+template <int KC>
+__device__ __forceinline__ void codes_staged_channels(int kc, int tig, int (&dd)[4]) {
+    const int c = tig * 4 * KC + 16 * (kc >> 2);
+    const int m = kc & 3;
+    dd[0] = c + 2 * m;
+    dd[1] = c + 2 * m + 8;
+    dd[2] = c + 2 * m + 1;
+    dd[3] = c + 2 * m + 9;
+}
+
+template <int KC>
+__device__ __forceinline__ void codes_q_fragment_staged(const float* __restrict__ sq, int kc, int gid, int tig, int group,
+                                                        int head_dim, float (&qv)[4], u32 (&b)[4], bool& fits) {
+    int dd[4];
+    codes_staged_channels<KC>(kc, tig, dd);
+    codes_q_fragment_at(sq, dd, gid, group, head_dim, qv, b, fits);
+}
+
+// Two codes at bits s and s + 16 of w as f16x2 (bit s low): 1024 + c is exact in f16.
+__device__ __forceinline__ u32 codes_f16x2_at(u32 w, int s) {
+    const u32 x = ((w >> s) & 0x00030003u) | 0x64006400u;
+    u32 c;
+    asm("sub.rn.f16x2 %0, %1, %2;\n" : "=r"(c) : "r"(x), "r"(0x64006400u));
+    return c;
+}
+
+// One (block, head) from its staged copy `buf`; as score_codes_mma_entry otherwise (returns false,
+// writing nothing, when a channel range does not fit f16).
+template <typename T, int KC>
+__device__ bool score_codes_mma_staged_entry(const unsigned char* __restrict__ buf, const float (&qv)[KC][4],
+                                             const u32 (&bq)[KC][4], float* __restrict__ out, int group, int head_dim) {
+    const int lane = threadIdx.x & 31;
+    const int gid = lane >> 2;
+    const int tig = lane & 3;
+    const int eb = (int)sizeof(T);
+    const unsigned char* mn = buf + tig * 4 * KC * eb;  // this lane's 4 KC channels of the min row
+    const unsigned char* mx = mn + head_dim * eb;
+    // Codes: token t's row of head_dim / 4 bytes; this lane's KC bytes (KC / 4 words) of rows gid, gid + 8.
+    const unsigned char* cb = buf + 2 * head_dim * eb + tig * KC;
+    u32 wl[KC / 4], wh[KC / 4];
+#pragma unroll
+    for (int u = 0; u < KC / 4; ++u) {
+        wl[u] = *reinterpret_cast<const u32*>(cb + gid * (head_dim >> 2) + 4 * u);
+        wh[u] = *reinterpret_cast<const u32*>(cb + (gid + 8) * (head_dim >> 2) + 4 * u);
+    }
+    const bool gvalid = gid < group;
+    float c[4] = {0.f, 0.f, 0.f, 0.f};
+    float base = 0.f;
+    bool finite = true;  // every |max - min| within OASIS_CODES_F16_RANGE (false for NaN / inf)
+#pragma unroll
+    for (int kc = 0; kc < KC; ++kc) {
+        const int u = kc >> 2;
+        const int m = kc & 3;
+        {
+            // Channels 2m, 2m + 1 and 2m + 8, 2m + 9 of the word's 16 (two pairs of adjacent elements).
+            const int e0 = 16 * u + 2 * m;
+            float lo[4], hi[4], lp[4], hp[4];
+            codes_load2<T>(reinterpret_cast<const T*>(mn) + e0, lp[0], lp[1]);
+            codes_load2<T>(reinterpret_cast<const T*>(mn) + e0 + 8, lp[2], lp[3]);
+            codes_load2<T>(reinterpret_cast<const T*>(mx) + e0, hp[0], hp[1]);
+            codes_load2<T>(reinterpret_cast<const T*>(mx) + e0 + 8, hp[2], hp[3]);
+            // In codes_staged_channels' order: 2m, 2m + 8, 2m + 1, 2m + 9.
+            lo[0] = lp[0]; lo[1] = lp[2]; lo[2] = lp[1]; lo[3] = lp[3];
+            hi[0] = hp[0]; hi[1] = hp[2]; hi[2] = hp[1]; hi[3] = hp[3];
+            float rh[4], rl[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const float r = hi[i] - lo[i];
+                finite = finite && fabsf(r) <= OASIS_CODES_F16_RANGE;
+                rh[i] = codes_round8(r);
+                rl[i] = r - rh[i];
+                base = fmaf(qv[kc][i], lo[i], base);
+            }
+            const u32 rh0 = codes_pack_f16x2(rh[0], rh[1]);
+            const u32 rh1 = codes_pack_f16x2(rh[2], rh[3]);
+            const u32 rl0 = codes_pack_f16x2(rl[0], rl[1]);
+            const u32 rl1 = codes_pack_f16x2(rl[2], rl[3]);
+            const u32 cc[4] = {codes_f16x2_at(wl[u], 4 * m), codes_f16x2_at(wh[u], 4 * m),
+                               codes_f16x2_at(wl[u], 4 * m + 2), codes_f16x2_at(wh[u], 4 * m + 2)};
+            const u32 ah[4] = {codes_mul_f16x2(cc[0], rh0), codes_mul_f16x2(cc[1], rh0), codes_mul_f16x2(cc[2], rh1),
+                               codes_mul_f16x2(cc[3], rh1)};
+            const u32 al[4] = {codes_mul_f16x2(cc[0], rl0), codes_mul_f16x2(cc[1], rl0), codes_mul_f16x2(cc[2], rl1),
+                               codes_mul_f16x2(cc[3], rl1)};
+            codes_mma16816_f16(c, ah, bq[kc][0], bq[kc][1]);
+            codes_mma16816_f16(c, ah, bq[kc][2], bq[kc][3]);
+            codes_mma16816_f16(c, al, bq[kc][0], bq[kc][1]);
+        }
+    }
+    if (!__all_sync(0xffffffffu, finite)) return false;
+    codes_mma_epilogue(c, base, gid, tig, lane, gvalid, out);
+    return true;
+}
+
 // The query of sequence s for KV head h, as f32, into the warp's shared memory (scalar path).
 template <typename T>
 __device__ __forceinline__ void codes_load_q_scalar(float* __restrict__ sq, const T* __restrict__ q, int s, int h, int group,
@@ -539,6 +691,62 @@ __device__ void score_codes_tile(
     }
 }
 
+// One warp's tile of entries t0 .. t1 for KV head h through the staged path (a_scale == 2, KC 4
+// or 8): lane i holds entry t0 + i's block id (tile_idx, -1 when the entry scores -inf: a bad id,
+// a malformed row or an invalid candidate) and sequence (tile_seq). The warp walks the valid
+// entries in order, copying the next one into the other buffer before computing the current.
+template <typename T, int KC>
+__device__ void score_codes_tile_staged(
+    float* __restrict__ sm, unsigned char* __restrict__ stage, const T* __restrict__ q, const T* __restrict__ summaries,
+    const unsigned char* __restrict__ codes, float* __restrict__ scores, int tile_idx, int tile_seq, int t0, int t1,
+    int h, int num_qo_heads, int num_kv_heads, int head_dim, int block_size) {
+    const int lane = threadIdx.x & 31;
+    const int gid = lane >> 2;
+    const int tig = lane & 3;
+    const int group = num_qo_heads / num_kv_heads;
+    const int sb = codes_stage_bytes(head_dim, (int)sizeof(T));
+    const bool mine = lane < t1 - t0;
+    if (mine && tile_idx < 0) scores[(i64)(t0 + lane) * num_kv_heads + h] = neg_inf();
+    const u32 valid = __ballot_sync(0xffffffffu, mine && tile_idx >= 0);
+    if (valid == 0u) return;
+    float qv[KC][4];
+    u32 bq[KC][4];
+    bool q_fits = false;
+    int loaded = -1;
+    int cur = __ffs(valid) - 1;
+    int buf = 0;
+    codes_stage_entry<T>(stage, summaries, codes, __shfl_sync(0xffffffffu, tile_idx, cur), h, num_kv_heads, head_dim);
+    while (cur >= 0) {  // warp-uniform
+        const u32 rest = cur == 31 ? 0u : valid & ~((2u << cur) - 1u);
+        const int next = rest != 0u ? __ffs(rest) - 1 : -1;
+        if (next >= 0) {
+            codes_stage_entry<T>(stage + (buf ^ 1) * sb, summaries, codes, __shfl_sync(0xffffffffu, tile_idx, next), h,
+                                 num_kv_heads, head_dim);
+            codes_cp_async_wait<1>();
+        } else {
+            codes_cp_async_wait<0>();
+        }
+        __syncwarp();
+        const int b = __shfl_sync(0xffffffffu, tile_idx, cur);
+        const int s = __shfl_sync(0xffffffffu, tile_seq, cur);
+        float* out = scores + (i64)(t0 + cur) * num_kv_heads + h;
+        if (s != loaded) {
+            codes_load_q_scalar<T>(sm, q, s, h, group, num_qo_heads, head_dim);
+            loaded = s;
+            bool fits = true;
+#pragma unroll
+            for (int kc = 0; kc < KC; ++kc) codes_q_fragment_staged<KC>(sm, kc, gid, tig, group, head_dim, qv[kc], bq[kc], fits);
+            q_fits = __all_sync(0xffffffffu, fits);
+        }
+        if (!(q_fits && score_codes_mma_staged_entry<T, KC>(stage + buf * sb, qv, bq, out, group, head_dim))) {
+            score_codes_scalar_entry<T>(sm, summaries, codes, out, b, h, group, num_kv_heads, head_dim, block_size);
+        }
+        __syncwarp();  // every lane is done with `buf` before the next copy into it
+        buf ^= 1;
+        cur = next;
+    }
+}
+
 // grid: thread block c scores OASIS_CODES_THREADS / 32 consecutive tiles of OASIS_CODES_TILE
 // entries for head c % num_kv_heads (as score_blocks_* with OASIS_SCORE_HEAD_MAJOR); dynamic
 // shared memory: codes_scalar_warp_floats(group, head_dim) floats per warp.
@@ -559,8 +767,8 @@ __device__ void score_blocks_codes_impl(
     float* __restrict__ scores,              // [nnz, num_kv_heads]; with cand [num_seqs * cand_m, num_kv_heads]
     const int* __restrict__ cand,            // [num_seqs, num_kv_heads, cand_m] logical blocks, or null
     int num_seqs, int nnz, int num_qo_heads, int num_kv_heads, int head_dim, int block_size, int num_host_blocks,
-    bool a_scale, int cand_m) {
-    extern __shared__ float codes_smem[];
+    int a_mode, int cand_m) {
+    extern __shared__ __align__(16) float codes_smem[];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     // With candidates, entry j = s cand_m + i is candidate i of sequence s for this head.
@@ -577,9 +785,16 @@ __device__ void score_blocks_codes_impl(
         return;
     }
     const int group = num_qo_heads / num_kv_heads;
-    float* sm = codes_smem + (i64)warp * codes_scalar_warp_floats(group, head_dim);
+    // a_mode 2: each warp's two staging buffers come first (oasis_cuda::ops::score_blocks_codes_smem_bytes).
+    const int sb = codes_stage_bytes(head_dim, (int)sizeof(T));
+    unsigned char* smem_bytes = reinterpret_cast<unsigned char*>(codes_smem);
+    unsigned char* stage = smem_bytes + (i64)warp * 2 * sb;
+    float* sm = reinterpret_cast<float*>(smem_bytes + (a_mode == 2 ? (i64)(blockDim.x >> 5) * 2 * sb : 0)) +
+                (i64)warp * codes_scalar_warp_floats(group, head_dim);
     // The tensor-core path's shapes (warp-uniform); anything else takes the exact scalar path.
     const bool mma = block_size == 16 && (head_dim & 15) == 0 && group <= 8;
+    const bool pipelined = a_mode == 2 && mma && (head_dim == 128 || head_dim == 64) &&
+                           ((reinterpret_cast<unsigned long long>(summaries) | reinterpret_cast<unsigned long long>(codes)) & 15ull) == 0ull;
     // One block id per lane for the whole tile, handed out with shuffles. A candidate outside
     // its sequence's well-formed row (or negative) gets -1: it scores -inf.
     int tile_idx = -1;
@@ -593,6 +808,28 @@ __device__ void score_blocks_codes_impl(
         const int row_e = blk_indptr[sl + 1];
         if (c >= 0 && 0 <= row_b && row_b <= row_e && row_e <= nnz && c < row_e - row_b) tile_idx = blk_indices[row_b + c];
     }
+    if (pipelined) {
+        // Each lane resolves its own entry: sequence, row check and block id (-1: scores -inf).
+        int tile_seq = 0;
+        if (jl < t1 && staged) {
+            tile_seq = jl / cand_m;
+        } else if (jl < t1) {
+            tile_seq = score_codes_seq_of(blk_indptr, num_seqs, jl);
+            const int row_b = blk_indptr[tile_seq];
+            const int row_e = blk_indptr[tile_seq + 1];
+            if (!(0 <= row_b && row_b <= jl && jl < row_e && row_e <= nnz)) tile_idx = -1;
+        }
+        if (tile_idx >= num_host_blocks) tile_idx = -1;
+        if (head_dim == 128) {
+            score_codes_tile_staged<T, 8>(sm, stage, q, summaries, codes, scores, tile_idx, tile_seq, t0, t1, h,
+                                          num_qo_heads, num_kv_heads, head_dim, block_size);
+        } else {
+            score_codes_tile_staged<T, 4>(sm, stage, q, summaries, codes, scores, tile_idx, tile_seq, t0, t1, h,
+                                          num_qo_heads, num_kv_heads, head_dim, block_size);
+        }
+        return;
+    }
+    const bool a_scale = a_mode != 0;
     const int s = staged ? t0 / cand_m : score_codes_seq_of(blk_indptr, num_seqs, t0);
     const int stride = staged ? cand_m : 0;
 #define OASIS_CODES_TILE_ARGS                                                                         \
@@ -625,13 +862,14 @@ OASIS_BUILD_KEY_CODES(build_key_codes_bf16, oasis::bf16)
 OASIS_BUILD_KEY_CODES(build_key_codes_f16, oasis::f16)
 OASIS_BUILD_KEY_CODES(build_key_codes_f32, float)
 
+// At least 4 blocks per SM: 128 registers (the staged path alone would take ~168 and drop to 3).
 #define OASIS_SCORE_BLOCKS_CODES(NAME, T)                                                            \
-    extern "C" __global__ void __launch_bounds__(OASIS_CODES_THREADS)                                \
+    extern "C" __global__ void __launch_bounds__(OASIS_CODES_THREADS, 4)                             \
         NAME(const __grid_constant__ oasis::ScoreBlocksCodesParams<T> p) {                           \
         oasis::score_blocks_codes_impl<T>(p.q, p.summaries, p.codes, p.blk_indptr, p.blk_indices,    \
                                           p.scores, p.cand, p.num_seqs, p.nnz, p.num_qo_heads,       \
                                           p.num_kv_heads, p.head_dim, p.block_size,                  \
-                                          p.num_host_blocks, p.a_scale != 0, p.cand_m);              \
+                                          p.num_host_blocks, p.a_scale, p.cand_m);              \
     }
 
 OASIS_SCORE_BLOCKS_CODES(score_blocks_codes_bf16, oasis::bf16)

@@ -29,7 +29,7 @@ BLOCK_SIZES = [16, 5]
 HOSTS = ["pinned", "cuda"]
 POISON = float("nan")
 # The tensor-core path of score_blocks_codes_* (OASIS_CODES_KERNEL, read at every launch).
-CODES_KERNELS = ["weights-b", "scale-a"]
+CODES_KERNELS = ["weights-b", "scale-a-direct", "scale-a"]
 
 
 @pytest.fixture(params=CODES_KERNELS)
@@ -204,14 +204,16 @@ def test_select_loop_with_key_codes_on_a_side_stream(codes_kernel):
 
 
 @gpu_test
+@pytest.mark.parametrize("kernel", ["scale-a", "scale-a-direct"])
 @pytest.mark.parametrize("head_dim", [128, 64, 48])  # both unrolled shapes and a run-time one
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_scale_a_is_as_close_as_f32_and_falls_back_exactly(dtype, head_dim, monkeypatch):
+def test_scale_a_is_as_close_as_f32_and_falls_back_exactly(dtype, head_dim, kernel, monkeypatch):
     """The scale-in-A path splits A and B into f16 pairs (~2^-20 relative): its scores stay within
     1e-5 of the magnitude of the twin's (tests/test_key_codes.py emulates its arithmetic: ~1e-7),
     so it selects what the CPU engine selects. A block whose channel range does not fit f16, and
-    every block of a (sequence, KV head) whose q / 3 does not, take the exact scalar path: the twin's bits."""
-    monkeypatch.setenv("OASIS_CODES_KERNEL", "scale-a")
+    every block of a (sequence, KV head) whose q / 3 does not, take the exact scalar path: the twin's
+    bits. Both versions: staged through shared memory (the default) and with direct loads."""
+    monkeypatch.setenv("OASIS_CODES_KERNEL", kernel)
     gen = seeded("key_codes-scale-a", dtype, head_dim)
     geo, _, summaries, codes, q, blk_indptr, blk_indices = _case(gen, dtype, 4, head_dim, 16)
     big = 3e4 if dtype != torch.float16 else 2e4  # > OASIS_CODES_F16_RANGE (16384), finite in f16
@@ -302,3 +304,47 @@ def test_rescore_blocks_codes_with_a_malformed_blk_indptr_scores_minus_inf(case)
             assert (block == float("-inf")).all(), (case, s)
         elif r == (int(blk_indptr[s]), int(blk_indptr[s + 1])):
             assert torch.equal(block, good[s * m : (s + 1) * m]), (case, s)
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_scale_a_staged_falls_back_to_direct_loads_when_unaligned(dtype, monkeypatch):
+    """The staged path copies 16-byte chunks: summaries (or codes) 4- but not 16-byte aligned take
+    the direct loads instead, bit for bit what OASIS_CODES_KERNEL=scale-a-direct computes; aligned,
+    the two versions agree within the tensor-core tolerance (they sum in another order). Below
+    4-byte alignment (the direct loads' 32-bit words) the call is a typed error."""
+    gen = seeded("key_codes-staged-unaligned", dtype)
+    geo, _, summaries, codes, q, blk_indptr, blk_indices = _case(gen, dtype, 4, 128, 16)
+
+    def shifted(t: torch.Tensor, nbytes: int) -> torch.Tensor:  # the same values nbytes past an aligned base
+        n = nbytes // t.element_size()
+        flat = torch.empty(t.numel() + n, dtype=t.dtype, device=DEV)
+        out = flat[n:].view(t.shape)
+        out.copy_(dev(t))
+        return out
+
+    def run(kernel, summ, cod):
+        monkeypatch.setenv("OASIS_CODES_KERNEL", kernel)
+        return back(ops.score_blocks_codes(geo, dev(q), summ, cod, dev(blk_indptr), dev(blk_indices)))
+
+    direct = run("scale-a-direct", dev(summaries), dev(codes))
+    assert shifted(summaries, 4).data_ptr() % 16 == 4 and shifted(codes, 4).data_ptr() % 16 == 4
+    assert torch.equal(run("scale-a", shifted(summaries, 4), dev(codes)), direct)
+    assert torch.equal(run("scale-a", dev(summaries), shifted(codes, 4)), direct)
+    staged = run("scale-a", dev(summaries), dev(codes))
+    mag = magnitude(q, summaries, blk_indptr, blk_indices)
+    assert ((staged.double() - direct.double()).abs() <= 1e-5 * mag + 1e-6).all()
+    with pytest.raises(ValueError, match="4-byte aligned"):
+        run("scale-a", dev(summaries), shifted(codes, 1))
+    if dtype == torch.bfloat16:
+        with pytest.raises(ValueError, match="4-byte aligned"):
+            run("scale-a", shifted(summaries, 2), dev(codes))
+
+
+@gpu_test
+def test_bad_codes_kernel_setting_is_a_typed_error(monkeypatch):
+    gen = seeded("key_codes-bad-env")
+    geo, _, summaries, codes, q, blk_indptr, blk_indices = _case(gen, torch.bfloat16, 4, 128, 16)
+    monkeypatch.setenv("OASIS_CODES_KERNEL", "scale-b")
+    with pytest.raises(ValueError, match="scale-a, scale-a-direct or weights-b"):
+        ops.score_blocks_codes(geo, dev(q), dev(summaries), dev(codes), dev(blk_indptr), dev(blk_indices))

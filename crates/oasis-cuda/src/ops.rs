@@ -55,23 +55,27 @@ pub const SCORE_CODES_THREADS: u32 = 128;
 /// must match OASIS_CODES_TILE.
 pub const SCORE_CODES_TILE: usize = 32;
 /// Environment variable choosing the tensor-core path of `score_blocks_codes_*`:
-/// `"weights-b"` (unset: the default, measured on the H200) rebuilds the MMA's B operand
-/// `q (max - min) / 3` for every block; `"scale-a"` puts the per-channel range into A (the codes
-/// times the range) so that B is `q / 3`, built once per sequence (cuda/key_codes.cu). Read at
-/// every launch (a captured graph keeps the value it was captured with). The default moves to
-/// `scale-a` once it is measured faster and its GPU tests pass (docs/PERF.md, "2-bit key codes").
+/// `"scale-a"` (unset: the default) puts the per-channel range into A (the codes times the range)
+/// so that B is `q / 3`, built once per sequence, and copies the next block's summaries and codes
+/// into shared memory while it scores the current one (head_dim 64 or 128; other shapes take the
+/// direct loads); `"scale-a-direct"` is the same arithmetic with direct loads; `"weights-b"`
+/// rebuilds the MMA's B operand `q (max - min) / 3` for every block (cuda/key_codes.cu). Read at
+/// every launch (a captured graph keeps the value it was captured with); docs/PERF.md, "2-bit key
+/// codes", has the three measured.
 pub const CODES_KERNEL_ENV: &str = "OASIS_CODES_KERNEL";
 
-/// Whether [`CODES_KERNEL_ENV`] asks for the scale-in-A path.
+/// `ScoreBlocksCodesParams::a_scale` for [`CODES_KERNEL_ENV`]: 0 weights in B, 1 scale in A with
+/// direct loads, 2 scale in A staged through shared memory.
 ///
 /// # Errors
-/// [`CudaError::Invalid`] for a value other than `weights-b` or `scale-a`.
-fn codes_scale_in_a() -> Result<bool> {
+/// [`CudaError::Invalid`] for a value other than `scale-a`, `scale-a-direct` or `weights-b`.
+fn codes_kernel_mode() -> Result<i32> {
     match std::env::var(CODES_KERNEL_ENV).as_deref() {
-        Err(_) | Ok("") | Ok("weights-b") => Ok(false),
-        Ok("scale-a") => Ok(true),
+        Err(_) | Ok("") | Ok("scale-a") => Ok(2),
+        Ok("scale-a-direct") => Ok(1),
+        Ok("weights-b") => Ok(0),
         Ok(other) => Err(CudaError::Invalid(OasisError::Invalid(format!(
-            "{CODES_KERNEL_ENV} must be weights-b or scale-a, got {other:?}"
+            "{CODES_KERNEL_ENV} must be scale-a, scale-a-direct or weights-b, got {other:?}"
         )))),
     }
 }
@@ -428,12 +432,25 @@ pub fn decode_attn_tc_smem_bytes(head_dim: usize, stages: usize) -> usize {
     4 * stages * 2 * 16 * head_dim * 2 + 2 * 4 * (DECODE_TC_LIST_CAP + 1) + 2 * 4 * 64 + 4 * 36
 }
 
-/// Shared memory of one `score_blocks_codes_*` block, in bytes (cuda/key_codes.cu,
-/// `codes_scalar_warp_floats` per warp): q and the weights of the group (`group * head_dim` f32
-/// each), the block's min row and the group's bases.
-pub fn score_blocks_codes_smem_bytes(group: usize, head_dim: usize) -> usize {
-    let warp = 2 * group * head_dim + head_dim + group;
-    (SCORE_CODES_THREADS / 32) as usize * warp * 4
+/// Shared memory of one `score_blocks_codes_*` block, in bytes (cuda/key_codes.cu): per warp,
+/// with `mode` 2 ([`CODES_KERNEL_ENV`] `scale-a`) first two staging buffers of one entry each
+/// (`codes_stage_bytes`: the min and max rows in `elem_bytes`-byte elements, then 16 tokens'
+/// codes), then `codes_scalar_warp_floats`: q and the weights of the group (`group * head_dim`
+/// f32 each), the block's min row and the group's bases.
+pub fn score_blocks_codes_smem_bytes(
+    group: usize,
+    head_dim: usize,
+    elem_bytes: usize,
+    mode: i32,
+) -> usize {
+    let warps = (SCORE_CODES_THREADS / 32) as usize;
+    let scalar = (2 * group * head_dim + head_dim + group) * 4;
+    let stage = if mode == 2 {
+        2 * (2 * head_dim * elem_bytes + 4 * head_dim)
+    } else {
+        0
+    };
+    warps * (stage + scalar)
 }
 
 /// 2-bit key codes need `head_dim` divisible by 4 (four codes per byte), as the CPU twin.
@@ -1080,6 +1097,15 @@ impl Gpu {
             check_len("q", q.len(), &[num_seqs, qh, d])?;
             let num_host = rows("summaries", summaries.len(), &[h, 2, d])?;
             check_len("codes", codes.len(), &[num_host, h, bs, d / 4])?;
+            // The kernel reads pairs of summary elements and words of codes as 32-bit loads.
+            for (what, ptr) in [("summaries", summaries.ptr()), ("codes", codes.ptr())] {
+                if ptr % 4 != 0 {
+                    return Err(CudaError::Invalid(OasisError::Invalid(format!(
+                        "{what} must start at a 4-byte aligned address (got {ptr:#x}); pass a \
+                         tensor that starts its own storage, or a .clone() of this view"
+                    ))));
+                }
+            }
             let nnz = blk_indices.len();
             // Entries scored: every listed block, or m candidates per sequence.
             let n_out = match cand {
@@ -1095,6 +1121,7 @@ impl Gpu {
             }
 
             let name = entry!(T, "score_blocks_codes");
+            let mode = codes_kernel_mode()?;
             let params = ScoreBlocksCodesParams {
                 q: q.into(),
                 summaries: summaries.into(),
@@ -1109,7 +1136,7 @@ impl Gpu {
                 head_dim: int("head_dim", d)?,
                 block_size: int("block_size", bs)?,
                 num_host_blocks: int("num_host_blocks", num_host)?,
-                a_scale: i32::from(codes_scale_in_a()?),
+                a_scale: mode,
                 cand: DevPtr::from(cand.map(|(c, _)| c)),
                 cand_m: int("m", cand.map_or(0, |(_, m)| m))?,
                 _pad0: 0,
@@ -1122,7 +1149,8 @@ impl Gpu {
                 .div_ceil((SCORE_CODES_THREADS / 32) as usize)
                 * h;
             let grid = grid_x("score blocks", blocks)?;
-            let smem = score_blocks_codes_smem_bytes(geo.group_size(), d);
+            let smem =
+                score_blocks_codes_smem_bytes(geo.group_size(), d, std::mem::size_of::<T>(), mode);
             // SAFETY: lengths checked above (summaries and codes have num_host rows); the kernel
             // bounds-checks block ids and each blk_indptr row against nnz (an entry outside a
             // well-formed row scores -inf) and only reads blk_indptr[0..=num_seqs]; `smem` is the

@@ -346,7 +346,7 @@ kernel_params! {
         pub head_dim: i32, // a multiple of 4
         pub block_size: i32,
         pub num_host_blocks: i32,
-        pub a_scale: i32, // tensor-core path: 1 scale in A (B = q / 3 per sequence), 0 weights in B
+        pub a_scale: i32, // tensor-core path: 2 scale in A staged in shared memory, 1 direct, 0 weights in B
         pub cand_m: i32,  // candidates per (sequence, KV head) with cand; 0 without
         pub _pad0: i32,
     }
