@@ -168,10 +168,11 @@ struct TopkBlocksParams {
     const float* scores;   // [nnz, num_kv_heads]
     const int* blk_indptr; // [num_seqs + 1]; a malformed row has no blocks
     int* out;              // [num_seqs, num_kv_heads, k]
+    const int* index_map;  // [num_seqs, num_kv_heads, map_m]: out holds index_map[s, h, i]; or null
     int num_kv_heads;
     int nnz;
     int k;
-    int _pad0;
+    int map_m;             // index_map's last dimension; a position at or past it gives -1
 };
 
 // delta_select_i32 and delta_select_warp_i32 (cuda/delta_select.cu; only the warp kernel reads

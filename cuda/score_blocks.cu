@@ -381,14 +381,16 @@ __device__ __forceinline__ u32 score_key(float f) {
 __device__ __forceinline__ u64 rank_key(u32 key, int i) { return ((u64)(~key) << 32) | (u32)i; }
 
 // grid (num_seqs, num_kv_heads), OASIS_TOPK_THREADS threads. For each (s, h): the k best logical
-// blocks of s (0-based within s) by score, best first, ties to the lower index, -1 padding.
+// blocks of s (0-based within s) by score, best first, ties to the lower index, -1 padding; with
+// index_map, each through index_map[s, h, .] (CPU twin: oasis_core::kernels::topk_blocks_mapped).
 // Radix select (4 passes of 8 bits) finds the k-th largest key T; entries above T are taken in
 // any order and entries equal to T in index order until k are taken; a bitonic sort orders them.
 __device__ void topk_blocks_impl(
     const float* __restrict__ scores,   // [nnz, num_kv_heads]
     const int* __restrict__ blk_indptr, // [num_seqs + 1]; a malformed row has no blocks
     int* __restrict__ out,              // [num_seqs, num_kv_heads, k]
-    int num_kv_heads, int nnz, int k) {
+    const int* __restrict__ index_map,  // [num_seqs, num_kv_heads, map_m], or null
+    int num_kv_heads, int nnz, int k, int map_m) {
     __shared__ int hist[256];
     __shared__ u64 sel[OASIS_MAX_TOPK];
     __shared__ u32 kcache[OASIS_TOPK_CACHE];
@@ -485,7 +487,14 @@ __device__ void topk_blocks_impl(
     __syncthreads();
     block_bitonic_sort(sel, sort_n);
     int* dst = out + ((i64)s * num_kv_heads + h) * k;
-    for (int i = threadIdx.x; i < k; i += blockDim.x) dst[i] = i < take ? (int)(u32)(sel[i] & 0xffffffffull) : -1;
+    // With index_map, position i of this row stands for index_map[s, h, i] (the two-stage codes
+    // score: candidates' logical blocks); past the map it is -1.
+    const int* map = index_map != nullptr ? index_map + ((i64)s * num_kv_heads + h) * map_m : nullptr;
+    for (int i = threadIdx.x; i < k; i += blockDim.x) {
+        int v = i < take ? (int)(u32)(sel[i] & 0xffffffffull) : -1;
+        if (map != nullptr && v >= 0) v = v < map_m ? map[v] : -1;
+        dst[i] = v;
+    }
 }
 
 }  // namespace oasis
@@ -505,5 +514,5 @@ OASIS_SCORE_BLOCKS(score_blocks_f32, float)
 
 extern "C" __global__ void __launch_bounds__(OASIS_TOPK_THREADS)
     topk_blocks_f32(const __grid_constant__ oasis::TopkBlocksParams p) {
-    oasis::topk_blocks_impl(p.scores, p.blk_indptr, p.out, p.num_kv_heads, p.nnz, p.k);
+    oasis::topk_blocks_impl(p.scores, p.blk_indptr, p.out, p.index_map, p.num_kv_heads, p.nnz, p.k, p.map_m);
 }

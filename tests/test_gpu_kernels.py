@@ -633,6 +633,24 @@ def test_topk_ties_go_to_the_lower_index_like_the_twin(k):
     assert torch.equal(back(ops.topk_blocks(hk, dev(scores), dev(blk_indptr), k)), want)
 
 
+@gpu_test
+@pytest.mark.parametrize("k", [1, 16, 128])
+def test_topk_index_map_matches_the_twin(k):
+    """topk_blocks with index_map (the two-stage codes score's map back to logical blocks, in the
+    top-K launch): the twin's output exactly, a position past the map's width gives -1."""
+    gen = seeded("topk-map", k)
+    hk = 3
+    blk_indptr = csr(TOPK_LENS)
+    scores = _tied_scores(gen, int(blk_indptr[-1]), hk)
+    for width in (max(TOPK_LENS), 40):
+        index_map = torch.randint(-1, 10_000, (len(TOPK_LENS), hk, width), generator=gen, dtype=torch.int32)
+        want = ops.topk_blocks(hk, scores, blk_indptr, k, index_map=index_map)
+        out = torch.full((len(TOPK_LENS), hk, k), INT_POISON, dtype=torch.int32, device=DEV)
+        got = ops.topk_blocks(hk, dev(scores), dev(blk_indptr), k, out=out, index_map=dev(index_map))
+        assert got is out
+        assert torch.equal(back(got), want)
+
+
 # ---------------------------------------------------------------- delta selection
 def _select_state(gen, ns, hk, budget, num_pred):
     """A valid random state: distinct slot pages, per (seq, head) distinct resident blocks with about

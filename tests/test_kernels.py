@@ -503,3 +503,28 @@ def test_malformed_csr_tables_are_typed_errors_on_the_cpu(case):
         )
         for o, b in zip(outputs, before, strict=True):
             assert torch.equal(o, b), f"{name}: output written on error"
+
+
+def test_topk_index_map_is_topk_then_a_gather():
+    """``topk_blocks(..., index_map=m)`` answers each chosen position ``i`` as ``m[s, h, i]``: the
+    same as taking the positions and gathering them (the two-stage codes score's last step), with
+    the -1 padding kept and a position past the map's width as -1; a map of the wrong shape raises."""
+    gen = torch.Generator().manual_seed(7)
+    hk, k = 3, 6
+    lens = [9, 4, 0, 6]
+    blk_indptr = i32([0, 9, 13, 13, 19])
+    scores = torch.randn(19, hk, generator=gen)
+    width = 9
+    index_map = torch.randint(-1, 500, (len(lens), hk, width), generator=gen, dtype=torch.int32)
+    pos = ops.topk_blocks(hk, scores, blk_indptr, k)
+    got = ops.topk_blocks(hk, scores, blk_indptr, k, index_map=index_map)
+    want = index_map.gather(2, pos.clamp(min=0).long()).masked_fill_(pos < 0, -1)
+    assert torch.equal(got, want) and (got[2] == -1).all() and (got[1, :, 4:] == -1).all()
+    narrow = index_map[:, :, :5].contiguous()  # sequence 0 has 9 entries: positions 5.. map to -1
+    got5 = ops.topk_blocks(hk, scores, blk_indptr, k, index_map=narrow)
+    want5 = torch.where((pos >= 0) & (pos < 5), narrow.gather(2, pos.clamp(0, 4).long()), torch.tensor(-1))
+    assert torch.equal(got5, want5) and (pos[0] >= 5).any()
+    with pytest.raises(ValueError):
+        ops.topk_blocks(hk, scores, blk_indptr, k, index_map=index_map[:3])
+    with pytest.raises(TypeError):
+        ops.topk_blocks(hk, scores, blk_indptr, k, index_map=index_map.long())

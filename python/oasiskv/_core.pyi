@@ -359,9 +359,11 @@ def topk_blocks(
     k: int,
     out: torch.Tensor,
     *,
+    index_map: torch.Tensor | None = None,
     stream: int = 0,
 ) -> None:
-    """Per (seq, kv head) top-k logical blocks, best first, ties to the lower index, -1 padded."""
+    """Per (seq, kv head) top-k logical blocks, best first, ties to the lower index, -1 padded;
+    with index_map [num_seqs, num_kv_heads, m], each chosen position i as index_map[s, h, i]."""
 
 def delta_select(
     num_kv_heads: int,

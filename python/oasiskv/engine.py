@@ -2195,8 +2195,8 @@ class Engine:
             sink = (cand >= 0) & (cand < self.kv.sink_blocks)  # [n, H, m]
             scores = scores.masked_fill(sink.permute(0, 2, 1).reshape(n * m, -1), torch.inf)
         rows = torch.arange(0, (n + 1) * m, m, dtype=torch.int32, device=q.device)
-        pos = ops.topk_blocks(g.num_kv_heads, scores, rows, k)  # [n, H, k] positions in 0..m
-        return cand.gather(2, pos.clamp(min=0).long()).masked_fill_(pos < 0, -1)
+        # The top-k positions in 0..m, written as the candidates' logical blocks (one launch).
+        return ops.topk_blocks(g.num_kv_heads, scores, rows, k, index_map=cand)
 
     def _select_and_fetch(self, layer, q, slot_pages, blk_csr, host_csr, step, cap, k_budget, also=None):
         """Score the candidate blocks with ``q`` ([n, num_qo_heads, head_dim]), take the top-K per

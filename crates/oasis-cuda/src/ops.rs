@@ -1175,7 +1175,62 @@ impl Gpu {
         out: DevSlice<i32>, // [num_seqs, num_kv_heads, k]
         stream: Stream,
     ) -> Result<()> {
-        guard("topk_blocks", || {
+        self.launch_topk(
+            "topk_blocks",
+            num_kv_heads,
+            scores,
+            blk_indptr,
+            k,
+            out,
+            None,
+            stream,
+        )
+    }
+
+    /// GPU twin of `oasis_core::kernels::topk_blocks_mapped`: [`Gpu::topk_blocks`] with each
+    /// chosen position `i` of (sequence `s`, head `h`) written as `index_map[s, h, i]` (-1 past
+    /// `map_m` and for the padding), in the same launch.
+    ///
+    /// # Errors
+    /// As [`Gpu::topk_blocks`], and [`CudaError::Invalid`] when `index_map` is not
+    /// `[num_seqs, num_kv_heads, map_m]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn topk_blocks_mapped(
+        &self,
+        num_kv_heads: usize,
+        scores: DevSlice<f32>,     // [nnz, num_kv_heads]
+        blk_indptr: DevSlice<i32>, // [num_seqs + 1]
+        k: usize,
+        index_map: DevSlice<i32>, // [num_seqs, num_kv_heads, map_m]
+        map_m: usize,
+        out: DevSlice<i32>, // [num_seqs, num_kv_heads, k]
+        stream: Stream,
+    ) -> Result<()> {
+        self.launch_topk(
+            "topk_blocks_mapped",
+            num_kv_heads,
+            scores,
+            blk_indptr,
+            k,
+            out,
+            Some((index_map, map_m)),
+            stream,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn launch_topk(
+        &self,
+        what: &'static str,
+        num_kv_heads: usize,
+        scores: DevSlice<f32>,
+        blk_indptr: DevSlice<i32>,
+        k: usize,
+        out: DevSlice<i32>,
+        index_map: Option<(DevSlice<i32>, usize)>,
+        stream: Stream,
+    ) -> Result<()> {
+        guard(what, || {
             positive_heads(num_kv_heads)?;
             if k > MAX_TOPK {
                 return Err(CudaError::Unsupported(format!(
@@ -1185,6 +1240,9 @@ impl Gpu {
             let num_seqs = csr_rows("blk_indptr", blk_indptr.len())?;
             let nnz = rows("scores", scores.len(), &[num_kv_heads])?;
             check_len("out", out.len(), &[num_seqs, num_kv_heads, k])?;
+            if let Some((m, map_m)) = index_map {
+                check_len("index_map", m.len(), &[num_seqs, num_kv_heads, map_m])?;
+            }
             if k == 0 {
                 return Ok(());
             }
@@ -1193,16 +1251,18 @@ impl Gpu {
                 scores: scores.into(),
                 blk_indptr: blk_indptr.into(),
                 out: out.into(),
+                index_map: DevPtr::from(index_map.map(|(m, _)| m)),
                 num_kv_heads: int("num_kv_heads", num_kv_heads)?,
                 nnz: int("nnz", nnz)?,
                 k: int("k", k)?,
-                _pad0: 0,
+                map_m: int("map_m", index_map.map_or(0, |(_, m)| m))?,
             };
             let grid = grid_rows_heads("num_seqs", num_seqs, num_kv_heads)?;
-            // SAFETY: k <= OASIS_MAX_TOPK (its static sort buffer). Lengths checked above; the
-            // kernel checks each blk_indptr row against nnz, the scores' rows (a malformed row
-            // has no blocks); reachability and lifetime by DevSlice's contract, the stream by
-            // Stream's.
+            // SAFETY: k <= OASIS_MAX_TOPK (its static sort buffer). Lengths checked above
+            // (index_map has map_m entries per (sequence, head), and the kernel reads it only
+            // below map_m); the kernel checks each blk_indptr row against nnz, the scores' rows
+            // (a malformed row has no blocks); reachability and lifetime by DevSlice's contract,
+            // the stream by Stream's.
             unsafe { self.queue(name, grid, TOPK_THREADS, 0, stream, &params) }
         })
     }

@@ -358,10 +358,11 @@ kernel_params! {
         pub scores: DevPtr,     // [nnz, num_kv_heads] f32
         pub blk_indptr: DevPtr, // [num_seqs + 1]
         pub out: DevPtr,        // [num_seqs, num_kv_heads, k]
+        pub index_map: DevPtr,  // [num_seqs, num_kv_heads, map_m] i32, or null
         pub num_kv_heads: i32,
         pub nnz: i32,
         pub k: i32,
-        pub _pad0: i32,
+        pub map_m: i32,
     }
 }
 

@@ -1036,15 +1036,17 @@ fn codes_scores(
 }
 
 #[pyfunction]
-#[pyo3(signature = (num_kv_heads, scores, blk_indptr, k, out, *, stream = 0))]
+#[pyo3(signature = (num_kv_heads, scores, blk_indptr, k, out, *, index_map = None, stream = 0))]
 /// Per (seq, kv head) top-k logical blocks, best first, -1 padded: out [num_seqs, num_kv_heads, k].
 ///
 /// scores [nnz, num_kv_heads] float32; blk_indptr [num_seqs + 1] int32. Ties go to the lower
-/// logical index.
+/// logical index. index_map [num_seqs, num_kv_heads, m] int32: out holds index_map[s, h, i] for
+/// each chosen position i (-1 past m and for the padding), in the same launch.
 ///
 /// CUDA: every tensor on one cuda:N, queued on `stream` (raw cudaStream_t, 0 = legacy default),
 /// returns at once; k is at most 512 there, and a malformed blk_indptr row gives all -1 (the CPU
 /// raises). `stream` is ignored on the CPU.
+#[allow(clippy::too_many_arguments)]
 fn topk_blocks(
     py: Python<'_>,
     num_kv_heads: usize,
@@ -1052,18 +1054,18 @@ fn topk_blocks(
     blk_indptr: TensorArg,
     k: usize,
     out: TensorArg,
+    index_map: Option<TensorArg>,
     stream: u64,
 ) -> PyResult<()> {
     entry(py, "topk_blocks", || {
-        let cx = Cx::new(
-            py,
-            &[
-                ("scores", &scores),
-                ("blk_indptr", &blk_indptr),
-                ("out", &out),
-            ],
-            &[],
-        )?;
+        let mut inputs: Vec<(&str, &TensorArg)> =
+            vec![("scores", &scores), ("blk_indptr", &blk_indptr)];
+        if let Some(m) = &index_map {
+            inputs.push(("index_map", m));
+        }
+        let mut all = inputs.clone();
+        all.push(("out", &out));
+        let cx = Cx::new(py, &all, &[])?;
         scores.expect_f32(py, "scores")?;
         let nnz = scores.dim(&cx, "scores", 2, 0)?;
         scores.expect_shape(&cx, "scores", &[nnz, num_kv_heads])?;
@@ -1071,19 +1073,33 @@ fn topk_blocks(
         let ns = blk_indptr.dim(&cx, "blk_indptr", 1, 0)?.saturating_sub(1);
         out.expect_i32(py, "out")?;
         out.expect_shape(&cx, "out", &[ns, num_kv_heads, k])?;
-        check_outputs(
-            py,
-            &[("out", &out)],
-            &[("scores", &scores), ("blk_indptr", &blk_indptr)],
-        )?;
+        let map_m = match &index_map {
+            None => 0,
+            Some(m) => {
+                m.expect_i32(py, "index_map")?;
+                let mm = m.dim(&cx, "index_map", 3, 2)?;
+                m.expect_shape(&cx, "index_map", &[ns, num_kv_heads, mm])?;
+                mm
+            }
+        };
+        check_outputs(py, &[("out", &out)], &inputs)?;
         match cx.place {
             Place::Cpu => {
                 // SAFETY: checked above; out is disjoint from the inputs.
                 let (sc, ip, o) =
                     unsafe { (scores.slice::<f32>(), blk_indptr.ints(), out.ints_mut()) };
-                guarded(py, "topk_blocks", || {
-                    kernels::topk_blocks(num_kv_heads, sc, ip, k, o)
-                })
+                match &index_map {
+                    None => guarded(py, "topk_blocks", || {
+                        kernels::topk_blocks(num_kv_heads, sc, ip, k, o)
+                    }),
+                    Some(m) => {
+                        // SAFETY: checked above (an int32 input).
+                        let mp = unsafe { m.ints() };
+                        guarded(py, "topk_blocks", || {
+                            kernels::topk_blocks_mapped(num_kv_heads, sc, ip, k, mp, map_m, o)
+                        })
+                    }
+                }
             }
             Place::Cuda(dev) => {
                 // SAFETY: (TensorArg::dev) checked above; out is disjoint from the inputs.
@@ -1094,9 +1110,21 @@ fn topk_blocks(
                         out.dev::<i32>(),
                     )
                 };
-                on_gpu(py, "topk_blocks", dev, stream, &[], move |gpu, st| {
-                    gpu.topk_blocks(num_kv_heads, sc, ip, k, o, st)
-                })
+                // SAFETY: as above (an int32 input on the same device).
+                let mp = index_map.as_ref().map(|m| unsafe { m.dev::<i32>() });
+                on_gpu(
+                    py,
+                    "topk_blocks",
+                    dev,
+                    stream,
+                    &[],
+                    move |gpu, st| match mp {
+                        None => gpu.topk_blocks(num_kv_heads, sc, ip, k, o, st),
+                        Some(mp) => {
+                            gpu.topk_blocks_mapped(num_kv_heads, sc, ip, k, mp, map_m, o, st)
+                        }
+                    },
+                )
             }
         }
     })

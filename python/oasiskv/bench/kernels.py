@@ -367,14 +367,13 @@ def bench_score_codes_staged(
     cand = torch.empty(batch, hk, m, device=dev, dtype=torch.int32)
     rescored = torch.empty(batch * m, hk, device=dev, dtype=torch.float32)
     rows = i32(list(range(0, batch * m + 1, m)), dev)
-    pos = torch.empty(batch, hk, k, device=dev, dtype=torch.int32)
+    top = torch.empty(batch, hk, k, device=dev, dtype=torch.int32)
 
     def staged():
         ops.score_blocks(geo, q, summaries, blk_indptr, blk_indices, bound)
         ops.topk_blocks(hk, bound, blk_indptr, m, cand)
         ops.rescore_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices, cand, rescored)
-        ops.topk_blocks(hk, rescored, rows, k, pos)
-        return cand.gather(2, pos.long())
+        return ops.topk_blocks(hk, rescored, rows, k, top, index_map=cand)
 
     with codes_kernel(kernel):
         ms, eager = time_both(staged)

@@ -148,6 +148,47 @@ pub fn topk_blocks(
     Ok(())
 }
 
+/// [`topk_blocks`], then each chosen position `i` of sequence `s`, head `h` replaced by
+/// `index_map[s, h, i]` (`index_map`: `[num_seqs, num_kv_heads, map_m]`); a position at or past
+/// `map_m` and the -1 padding give -1. The two-stage codes score's last step: the top-K over a
+/// (sequence, head)'s `map_m` candidates, answered as the candidates' logical blocks.
+///
+/// # Errors
+/// Those of [`topk_blocks`], and [`OasisError::Shape`] when `index_map` is not
+/// `[num_seqs, num_kv_heads, map_m]`. `out` is untouched when an error is returned.
+pub fn topk_blocks_mapped(
+    num_kv_heads: usize,
+    scores: &[f32],     // [nnz, num_kv_heads]
+    blk_indptr: &[i32], // [num_seqs + 1]
+    k: usize,
+    index_map: &[i32], // [num_seqs, num_kv_heads, map_m]
+    map_m: usize,
+    out: &mut [i32], // [num_seqs, num_kv_heads, k]
+) -> Result<()> {
+    let num_seqs = blk_indptr.len().saturating_sub(1);
+    check_len(
+        "index_map",
+        index_map.len(),
+        &[num_seqs, num_kv_heads, map_m],
+    )?;
+    let mut pos = vec![-1i32; out.len()];
+    topk_blocks(num_kv_heads, scores, blk_indptr, k, &mut pos)?;
+    for (row, (o, p)) in out
+        .chunks_mut(k.max(1))
+        .zip(pos.chunks(k.max(1)))
+        .enumerate()
+    {
+        let map = &index_map[row * map_m..][..map_m];
+        for (o, &p) in o.iter_mut().zip(p) {
+            *o = usize::try_from(p)
+                .ok()
+                .and_then(|i| map.get(i).copied())
+                .unwrap_or(-1);
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -329,5 +370,39 @@ mod tests {
             Err(OasisError::Shape { .. })
         ));
         assert_eq!(out, [5; 4]);
+    }
+
+    #[test]
+    fn topk_mapped_is_topk_then_the_map() {
+        // Two sequences of 3 and 5 candidates (map_m 5), two heads; k 4 pads the first.
+        let h = 2;
+        let indptr = [0, 3, 8];
+        let scores: Vec<f32> = (0..8 * h).map(|i| ((i * 7 + 3) % 11) as f32).collect();
+        let map: Vec<i32> = (0..2 * h * 5).map(|i| 100 + i as i32).collect();
+        let k = 4;
+        let mut pos = vec![0; 2 * h * k];
+        topk_blocks(h, &scores, &indptr, k, &mut pos).unwrap();
+        let mut out = vec![0; 2 * h * k];
+        topk_blocks_mapped(h, &scores, &indptr, k, &map, 5, &mut out).unwrap();
+        for (row, (o, p)) in out.chunks(k).zip(pos.chunks(k)).enumerate() {
+            for (&o, &p) in o.iter().zip(p) {
+                let want = if p < 0 { -1 } else { map[row * 5 + p as usize] };
+                assert_eq!(o, want);
+            }
+        }
+        assert!(out[..k].contains(&-1), "3 candidates, k 4: padded");
+        // A row longer than the map: positions past it give -1.
+        let mut short = vec![0; 2 * h * k];
+        topk_blocks_mapped(h, &scores, &indptr, k, &map[..2 * h * 3], 3, &mut short).unwrap();
+        for (o, p) in short.iter().zip(&pos) {
+            assert!(*p >= 3 || *p < 0 || *o >= 100);
+            if *p >= 3 {
+                assert_eq!(*o, -1);
+            }
+        }
+        // A map of the wrong shape is an error and leaves out untouched.
+        let mut keep = vec![7; 2 * h * k];
+        assert!(topk_blocks_mapped(h, &scores, &indptr, k, &map[..5], 5, &mut keep).is_err());
+        assert!(keep.iter().all(|&v| v == 7));
     }
 }
