@@ -456,6 +456,32 @@ def test_copy_trials_ask_for_one_exact_line_among_near_distractors():
         retrieval.score("cpy", "a", "a")
 
 
+def test_copy_digits_trials_are_the_copy_file_with_digit_codes():
+    """copy-digits: the copy task's file and question, 7-digit codes on the asked line and on every
+    distractor token line; scored by the first integer (a longer number or a near miss fails)."""
+    import re
+
+    tok = ByteTokenizer()
+    for i, depth in enumerate([0.0, 0.5, 1.0]):
+        t = retrieval.make_trial("copy-digits", tok, 3000, i, depth, seed=4)
+        prompt, code = t["prompt"], t["answer"]
+        assert re.fullmatch(r"[1-9]\d{6}", code)
+        name = re.search(r"value of (TOKEN_[A-Z]+) in", prompt).group(1)
+        assert prompt.count(f'{name} = "{code}"\n') == 1
+        assert prompt.endswith(f'# Answer: {name} = "')
+        others = re.findall(r'TOKEN_[A-Z]+_\d+ = "(\d{7})"', prompt)
+        assert len(others) >= 20 and code not in others
+        assert not re.search(r'TOKEN_[A-Z]+_\d+ = "[a-z]', prompt), "no letter codes left"
+        assert abs(t["actual_depth"] - depth) < 0.05
+        assert t["max_new_tokens"] == retrieval.MAX_NEW_TOKENS["copy-digits"]
+        assert retrieval.score("copy-digits", code, f'{code}"\n')
+        assert not retrieval.score("copy-digits", code, f'{code}1"')
+        assert not retrieval.score("copy-digits", code, code[:-1])
+        assert not retrieval.decided("copy-digits", code, code[:4])
+        assert retrieval.decided("copy-digits", code, f'{code}"')
+    assert "copy-digits" not in retrieval.DEFAULT_TASKS
+
+
 # ------------------------------------------------------------------------------------------ harness
 def _args(tmp_path, *extra):
     args = harness.build_parser().parse_args(

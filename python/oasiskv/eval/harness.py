@@ -133,7 +133,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--retrieval-tasks",
         default=",".join(retrieval.DEFAULT_TASKS),
-        help=f"comma list of: {', '.join(retrieval.TASKS)} (copy: exact copy out of a long source file)",
+        help=f"comma list of: {', '.join(retrieval.TASKS)} (copy*: exact copy out of a source file)",
     )
     p.add_argument("--retrieval-trials", type=int, default=None, help="trials per task and context")
     p.add_argument("--retrieval-contexts", default=None, help="defaults to --contexts")

@@ -18,8 +18,12 @@ cycle through ``depths``.
   lower-case letters and digits). Every other token line is a near-distractor: same shape, other
   word, other code, so only an exact read of the right line scores. Not in the default task list
   (``--retrieval-tasks copy``).
+* ``copy-digits`` — the same file with 7-digit codes (``TOKEN_<WORD> = "4829137"``) on the
+  asked line and on every distractor token line: SmolLM2-135M answers the ``copy`` question with
+  a digit whatever the code, so at its size only digit codes tell selections apart.
 
-Scoring: ``passkey``/``needle`` — the first integer in the generated text equals the answer;
+Scoring: ``passkey``/``needle``/``copy-digits`` — the first integer in the generated text equals
+the answer;
 ``kv``/``copy`` — the generated text, stripped of spaces and quotes, starts with the value.
 """
 
@@ -29,10 +33,12 @@ import random
 import re
 from collections.abc import Sequence
 
-TASKS = ("passkey", "needle", "kv", "copy")
+TASKS = ("passkey", "needle", "kv", "copy", "copy-digits")
 #: The tasks ``oasis eval`` runs unless ``--retrieval-tasks`` says otherwise.
 DEFAULT_TASKS = ("passkey", "needle", "kv")
-MAX_NEW_TOKENS = {"passkey": 10, "needle": 12, "kv": 14, "copy": 16}
+MAX_NEW_TOKENS = {"passkey": 10, "needle": 12, "kv": 14, "copy": 16, "copy-digits": 12}
+#: Tasks scored by the first integer of the answer.
+_INTEGER_TASKS = ("passkey", "needle", "copy-digits")
 _CODE_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789"
 
 _PASSKEY_HEAD = (
@@ -122,9 +128,13 @@ def _code(rng: random.Random) -> str:
     )
 
 
-def _source_units(rng: random.Random, word: str) -> list[str]:
-    """Filler of the ``copy`` task: a few hundred small Python units (functions, constants and
-    distractor token lines), none naming ``word``'s token."""
+def _digit_code(rng: random.Random) -> str:
+    return str(rng.randint(1000000, 9999999))
+
+
+def _source_units(rng: random.Random, word: str, code=_code) -> list[str]:
+    """Filler of the ``copy`` tasks: a few hundred small Python units (functions, constants and
+    distractor token lines with ``code(rng)`` codes), none naming ``word``'s token."""
     others = [w for w in _WORDS if w != word]
     units = []
     for i in range(600):
@@ -139,7 +149,7 @@ def _source_units(rng: random.Random, word: str) -> list[str]:
         elif kind == 4:
             units.append(f"# {a} before {b}\n")
         else:
-            units.append(f'TOKEN_{a.upper()}_{i} = "{_code(rng)}"\n')
+            units.append(f'TOKEN_{a.upper()}_{i} = "{code(rng)}"\n')
     return units
 
 
@@ -189,14 +199,15 @@ def make_trial(
         tail = f'}}\n\nKey: "{qkey}"\nThe value associated with the specified key is: "'
         text, d = _assemble(lengths, head, units, needle, depth, tail, n_tokens)
         answer = qval
-    elif task == "copy":
+    elif task in ("copy", "copy-digits"):
         word = rng.choice(_WORDS)
         name = f"TOKEN_{word.upper()}"
-        code = _code(rng)
+        make_code = _code if task == "copy" else _digit_code
+        code = make_code(rng)
         head = '"""Service configuration and helpers (generated)."""\n\nimport os\n\n'
         needle = f'{name} = "{code}"\n'
         tail = f'\n\n# Question: what is the exact value of {name} in the file above?\n# Answer: {name} = "'
-        text, d = _assemble(lengths, head, _source_units(rng, word), needle, depth, tail, n_tokens)
+        text, d = _assemble(lengths, head, _source_units(rng, word, make_code), needle, depth, tail, n_tokens)
         answer = code
     if len(tokenizer.encode(text)) > n_tokens:
         raise ValueError(
@@ -216,7 +227,7 @@ def make_trial(
 def score(task: str, answer: str, generated: str) -> bool:
     if task not in TASKS:
         raise ValueError(f"unknown retrieval task {task!r}; use one of {TASKS}")
-    if task in ("passkey", "needle"):
+    if task in _INTEGER_TASKS:
         m = re.search(r"\d+", generated)
         return m is not None and m.group(0) == answer
     return generated.strip().lstrip("\"' ").startswith(answer)
@@ -230,7 +241,7 @@ def decided(task: str, answer: str, generated: str) -> bool:
     partial character, which a later token may complete (into whitespace, say)."""
     if generated.endswith("\ufffd"):
         return False
-    if task in ("passkey", "needle"):
+    if task in _INTEGER_TASKS:
         m = re.search(r"\d+", generated)
         return m is not None and (m.end() < len(generated) or not answer.startswith(m.group(0)))
     s = generated.strip().lstrip("\"' ")
