@@ -208,6 +208,9 @@ def test_budget_larger_than_pools_is_a_typed_error(qwen3):
         ({"sink_blocks": -1}, "sink_blocks"),
         ({"sink_blocks": True}, "sink_blocks"),
         ({"top_k_blocks": 4, "sink_blocks": 4}, "sink_blocks=4 is above 3"),
+        ({"pin_blocks": -1}, "pin_blocks"),
+        ({"pin_blocks": 1.0}, "pin_blocks"),
+        ({"top_k_blocks": 4, "sink_blocks": 2, "pin_blocks": 2}, "pin_blocks=2 is above 1"),
     ],
 )
 def test_bad_kv_config(kw, match):
@@ -320,9 +323,9 @@ def test_select_with_current_query_ranks_by_the_larger_relative_score(qwen3):
     orig = eng._select_and_fetch
     seen = {"calls": 0, "differs": 0}
 
-    def checked(layer, q, slot_pages, blk_csr, host_csr, step, cap, k_budget, also=None):
+    def checked(layer, q, slot_pages, blk_csr, host_csr, step, cap, k_budget, also=None, slots=None):
         summaries = eng.pools.summaries[layer].clone()
-        pred, ps = orig(layer, q, slot_pages, blk_csr, host_csr, step, cap, k_budget, also=also)
+        pred, ps = orig(layer, q, slot_pages, blk_csr, host_csr, step, cap, k_budget, also=also, slots=slots)
         if also is None:  # make_sparse: the last prompt query alone
             return pred, ps
         indptr, indices = blk_csr
@@ -385,8 +388,10 @@ class _SinkCheck:
         self.n, self.calls, self.recalls = n_sink, 0, 0
         orig = eng._select_and_fetch
 
-        def checked(layer, q, slot_pages, blk_csr, host_csr, step, cap, k_budget, also=None):
-            pred, ps = orig(layer, q, slot_pages, blk_csr, host_csr, step, cap, k_budget, also=also)
+        def checked(layer, q, slot_pages, blk_csr, host_csr, step, cap, k_budget, also=None, slots=None):
+            pred, ps = orig(
+                layer, q, slot_pages, blk_csr, host_csr, step, cap, k_budget, also=also, slots=slots
+            )
             self.check(pred, blk_csr[0])
             self.calls += 1
             return pred, ps
@@ -669,3 +674,83 @@ def test_candidate_blocks_are_bounded_by_the_top_k_kernel():
     kv = KvConfig(block_score="codes", score_candidates=3, top_k_blocks=256)
     assert kv.candidate_blocks(128) == 384 and kv.candidate_blocks(256) == 512
     assert kv.candidate_blocks(512) == 512 and KvConfig().candidate_blocks(128) is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lens=st.lists(st.integers(0, 12), min_size=1, max_size=4),
+    n_pin=st.integers(0, 4),
+    k=st.integers(1, 8),
+    seed=st.integers(0, 2**16),
+)
+def test_keep_pins_then_topk_takes_the_pins_then_the_best_of_the_rest(lens, n_pin, k, seed):
+    """Per (request, head), top-K after keep_pins holds the row's valid pinned blocks (-1 and
+    positions past the row ignored, repeats counted once) and fills the rest by score; no pins
+    return the scores themselves."""
+    from oasiskv import ops
+    from oasiskv.engine import csr_tables, keep_pins
+
+    hk = 2
+    gen = torch.Generator().manual_seed(seed)
+    indptr, _ = csr_tables([list(range(n)) for n in lens])
+    scores = torch.rand(sum(lens), hk, generator=gen)
+    pins = torch.randint(-1, 14, (len(lens), hk, n_pin), generator=gen, dtype=torch.int32)
+    kept = keep_pins(scores, indptr, pins)
+    if n_pin == 0:
+        assert kept is scores
+    pred = ops.topk_blocks(hk, kept, indptr, max(k, n_pin))
+    kk = max(k, n_pin)
+    for i, n in enumerate(lens):
+        row = scores[int(indptr[i]) : int(indptr[i + 1])]
+        for h in range(hk):
+            valid = sorted({int(p) for p in pins[i, h] if 0 <= p < n})
+            got = [int(b) for b in pred[i, h] if b >= 0]
+            assert set(valid) <= set(got), (lens, i, h)
+            rest = [j for j in row[:, h].argsort(descending=True).tolist() if j not in valid]
+            assert sorted(got) == sorted(valid + rest[: min(kk, n) - len(valid)])
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"sink_blocks": 1},
+        {"block_score": "codes", "score_candidates": 2},
+        {"select_queries": "lookahead+current"},
+    ],
+)
+def test_pinned_blocks_stay_in_every_prediction(qwen3, kw):
+    """KvConfig(pin_blocks=N): the best N blocks (after the sinks) of a request's initial
+    selection, per layer and KV head, are in every later prediction and exact top-K of that
+    request, whichever score, two stages and query combination; and they change the selection
+    at a small budget."""
+    kv = KvConfig(block_size=8, top_k_blocks=4, fetch_cap=1, sparse_threshold=50, pin_blocks=2, **kw)
+    llm = oasiskv.LLM(qwen3, kv=kv, backend="oasis", drafter="ngram")
+    eng = llm.engine
+    orig = eng._select_and_fetch
+    seen = {"checked": 0, "pinned": 0}
+
+    def checked(layer, q, slot_pages, blk_csr, host_csr, step, cap, k_budget, also=None, slots=None):
+        pred, ps = orig(layer, q, slot_pages, blk_csr, host_csr, step, cap, k_budget, also=also, slots=slots)
+        if slots is not None:  # a decode step (make_sparse chooses the pins)
+            pins = eng._pins_of(layer)[slots]
+            for i in range(pred.shape[0]):
+                for h in range(pred.shape[1]):
+                    want = {int(b) for b in pins[i, h] if b >= 0}
+                    assert want <= {int(b) for b in pred[i, h]}, (layer, i, h)
+                    seen["pinned"] += len(want)
+            seen["checked"] += 1
+        return pred, ps
+
+    eng._select_and_fetch = checked
+    ps = prompts(qwen3.config.vocab_size, [90, 70], seed=4)
+    outs = llm.generate(ps, 12, ignore_eos=True)
+    assert seen["checked"] > 20 and seen["pinned"] > 0
+    assert all(o.metrics.sparse_steps > 0 for o in outs)
+    no_pins = KvConfig(**{**kv.__dict__, "pin_blocks": 0})
+    unpinned = oasiskv.LLM(qwen3, kv=no_pins, backend="oasis", drafter="ngram")
+    plain = unpinned.generate(ps, 12, ignore_eos=True)
+    assert any(
+        a.metrics.lookahead_recall != b.metrics.lookahead_recall or a.tokens != b.tokens
+        for a, b in zip(outs, plain, strict=True)
+    )

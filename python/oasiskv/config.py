@@ -85,6 +85,11 @@ class KvConfig:
             the predicted set (StreamingLLM's attention sinks); they take that many of the
             ``top_k_blocks`` slots, and the other slots go to the best-scored of the remaining
             blocks. 0 (the default) selects by score alone. Must be below ``top_k_blocks``.
+        pin_blocks: per layer and KV head, the ``pin_blocks`` best blocks of a request's initial
+            selection (the last prompt token's query, right after prefill: what the prompt's
+            question reads) stay in every later predicted set, as SnapKV keeps what the prompt's
+            end attends to. They take that many of the ``top_k_blocks`` slots; 0 (the default)
+            pins nothing. ``sink_blocks + pin_blocks`` must be below ``top_k_blocks``.
         score_candidates: with ``block_score="codes"``, score in two stages: the Quest bound's
             best ``ceil(score_candidates x top_k_blocks)`` blocks per KV head (at most
             :data:`MAX_TOP_K_BLOCKS`) are the candidates, and the codes rank only those. The
@@ -107,6 +112,7 @@ class KvConfig:
     select_queries: str = "lookahead"
     block_score: str = "quest"
     sink_blocks: int = 0
+    pin_blocks: int = 0
     score_candidates: float | None = None
 
     def __post_init__(self) -> None:
@@ -147,6 +153,14 @@ class KvConfig:
             self.top_k_blocks - 1,
             "sink blocks take slots of the budget and at least one must stay for the selection; "
             "lower sink_blocks or raise top_k_blocks",
+        )
+        _check_int(
+            "pin_blocks",
+            self.pin_blocks,
+            0,
+            self.top_k_blocks - 1 - self.sink_blocks,
+            "pinned blocks take slots of the budget beside the sink blocks, and at least one must stay "
+            "for the selection; lower pin_blocks (or sink_blocks) or raise top_k_blocks",
         )
         if self.select_queries not in SELECT_QUERIES:
             raise ConfigError(f"select_queries must be one of {SELECT_QUERIES}, got {self.select_queries!r}")

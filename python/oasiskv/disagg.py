@@ -1280,7 +1280,7 @@ class RemoteKvSource:
         for layer in range(eng.cfg.num_hidden_layers):
             q = query[layer].view(1, g.num_qo_heads, g.head_dim).to(dev).contiguous()
             pred, _ = eng._select_and_fetch(layer, q, slot_pages, blk, host, eng.step_no, k, k)
-            eng._pred_of(layer)[r.slot] = pred[0]
+            eng._initial_selection(layer, r.slot, pred[0])
 
     # ---------------------------------------------------------------- decode-time misses
     @property

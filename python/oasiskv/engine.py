@@ -505,6 +505,26 @@ def keep_sinks(scores: torch.Tensor, blk_indptr: torch.Tensor, n_sink: int) -> t
     return scores.masked_fill(mark[:nnz].unsqueeze(1), torch.inf)
 
 
+def keep_pins(scores: torch.Tensor, blk_indptr: torch.Tensor, pins: torch.Tensor | None) -> torch.Tensor:
+    """``scores [nnz, heads]`` with each request's pinned blocks set to +inf (``KvConfig.pin_blocks``):
+    ``pins [n, heads, P]`` holds, per CSR row and head, logical blocks (positions within the row)
+    that every top-K of ``k > P`` (plus sinks) takes; -1 and positions past the row are ignored.
+    Device-side ops only (a captured step replays it)."""
+    nnz = scores.shape[0]
+    if pins is None or pins.shape[-1] == 0 or nnz == 0:
+        return scores
+    n, heads, _ = pins.shape
+    start = blk_indptr[:-1].long().view(n, 1, 1)
+    lens = blk_indptr[1:].long().view(n, 1, 1) - start
+    p = pins.long()
+    # Entries outside a row go to a spare row nnz, dropped below.
+    entry = torch.where((p >= 0) & (p < lens), start + p, nnz)
+    flat = entry * heads + torch.arange(heads, device=scores.device).view(1, heads, 1)
+    mark = torch.zeros((nnz + 1) * heads, dtype=torch.bool, device=scores.device)
+    mark.scatter_(0, flat.view(-1), True)
+    return scores.masked_fill(mark[: nnz * heads].view(nnz, heads), torch.inf)
+
+
 #: Captured decode steps kept per engine (least recently used out): a batch size has up to
 #: three (plain, keeping predictions, measuring recall), and speculative steps their own.
 _MAX_GRAPHS = 16
@@ -949,6 +969,8 @@ class Engine:
         self._acc_recall_n = torch.zeros(acc_rows, dtype=torch.float32, device=self.device)
         # Each slot's latest prediction per layer (see _pred_of), made on first use.
         self._pred: list[torch.Tensor | None] = [None] * c.num_hidden_layers
+        # Each slot's pinned blocks per layer (KvConfig.pin_blocks; see _pins_of), made on first use.
+        self._pins: list[torch.Tensor | None] = [None] * c.num_hidden_layers
         # Optional measurement hook (None on the normal path): ``recorder.on_recall(engine, layer,
         # sp_reqs, actual, prev, slot_pages, q_now)`` is called from ``_select`` wherever recall is
         # measured, before this step's selection changes the mapping. ``oasiskv.eval`` uses it for
@@ -1462,7 +1484,7 @@ class Engine:
                 k_budget,
                 k_budget,
             )
-            self._pred_of(layer)[r.slot] = pred[0]
+            self._initial_selection(layer, r.slot, pred[0])
 
     # ---------------------------------------------------------------- one decode step
     def _plan(
@@ -2126,7 +2148,7 @@ class Engine:
             prev = self._pred_of(layer)[sp_ids]
             q_now = q4[sp_idx, 0].contiguous()
             rec_indptr, rec_indices = rec_csr
-            actual = self.top_k_blocks(layer, q_now, (rec_indptr, rec_indices), k_budget)
+            actual = self.top_k_blocks(layer, q_now, (rec_indptr, rec_indices), k_budget, sp_ids)
             hits, counted = recall_overlap(actual, prev)
             self._acc_recall.index_add_(0, sp_ids, hits)
             self._acc_recall_n.index_add_(0, sp_ids, counted)
@@ -2143,6 +2165,7 @@ class Engine:
             cap,
             k_budget,
             also=(q4[sp_idx, 0].contiguous(), plan.blk_seq) if both else None,
+            slots=sp_ids,
         )
         self._acc_fetched.index_add_(0, sp_ids, (ps >= 0).sum(dim=(1, 2)))
         if self._store_pred:
@@ -2158,6 +2181,23 @@ class Engine:
             self._pred[layer] = torch.full(shape, -1, dtype=torch.int32, device=self.device)
         return self._pred[layer]
 
+    def _pins_of(self, layer: int) -> torch.Tensor:
+        """Each slot's pinned blocks of ``layer`` (``KvConfig.pin_blocks``), ``[max_num_seqs + 1,
+        num_kv_heads, pin_blocks]`` logical blocks (-1: none), on the device."""
+        if self._pins[layer] is None:
+            shape = (self.max_num_seqs + 1, self.geo.num_kv_heads, self.kv.pin_blocks)
+            self._pins[layer] = torch.full(shape, -1, dtype=torch.int32, device=self.device)
+        return self._pins[layer]
+
+    def _initial_selection(self, layer: int, slot: int, pred: torch.Tensor) -> None:
+        """Record a request's initial selection ``pred [num_kv_heads, K]`` (best first, sinks first)
+        of ``layer``: the prediction the next step's recall measures, and the pinned blocks
+        (``KvConfig.pin_blocks``: the best ``pin_blocks`` after the sinks)."""
+        self._pred_of(layer)[slot] = pred
+        if self.kv.pin_blocks:
+            s = self.kv.sink_blocks
+            self._pins_of(layer)[slot] = pred[:, s : s + self.kv.pin_blocks]
+
     def block_scores(self, layer: int, q: torch.Tensor, csr) -> torch.Tensor:
         """Block scores ``[nnz, num_kv_heads]`` of queries ``q`` ``[n, num_qo_heads, head_dim]``
         under ``KvConfig.block_score`` for every candidate of ``csr = (blk_indptr, blk_indices)``
@@ -2172,43 +2212,53 @@ class Engine:
             scores = ops.score_blocks(self.geo, q, p.summaries[layer], *csr)
         return scores if self.score_reduce is None else self.score_reduce(scores)
 
-    def top_k_blocks(self, layer: int, q: torch.Tensor, csr, k: int) -> torch.Tensor:
+    def top_k_blocks(
+        self, layer: int, q: torch.Tensor, csr, k: int, slots: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The best ``k`` logical blocks per (sequence, KV head) for queries ``q`` under
         ``KvConfig.block_score``, each request's sink blocks first: ``[n, num_kv_heads, k]``, -1
         padded. With ``KvConfig.score_candidates`` in two stages: the Quest bound's top ``m`` are
         the candidates, their codes scores rank them (device ops only: a captured step replays
-        it). The ranking of every prediction and recall; arguments as :meth:`block_scores`."""
+        it). ``slots`` (int64 ``[n]``, the requests' runtime slots): their pinned blocks
+        (``KvConfig.pin_blocks``) are taken too; None pins nothing. The ranking of every
+        prediction and recall; other arguments as :meth:`block_scores`."""
         g, p = self.geo, self.pools
         indptr = csr[0]
+        pins = self._pins_of(layer)[slots] if self.kv.pin_blocks and slots is not None else None
         m = self.kv.candidate_blocks(k)
         if m is None or indptr.shape[0] <= 1:
             scores = keep_sinks(self.block_scores(layer, q, csr), indptr, self.kv.sink_blocks)
-            return ops.topk_blocks(g.num_kv_heads, scores, indptr, k)
+            return ops.topk_blocks(g.num_kv_heads, keep_pins(scores, indptr, pins), indptr, k)
         reduce = self.score_reduce or (lambda x: x)
         bound = reduce(ops.score_blocks(g, q, p.summaries[layer], *csr))
-        bound = keep_sinks(bound, indptr, self.kv.sink_blocks)
+        bound = keep_pins(keep_sinks(bound, indptr, self.kv.sink_blocks), indptr, pins)
         cand = ops.topk_blocks(g.num_kv_heads, bound, indptr, m)  # [n, H, m] logical, -1 padded
         scores = reduce(ops.rescore_blocks_codes(g, q, p.summaries[layer], p.codes[layer], *csr, cand))
         n = cand.shape[0]
-        if self.kv.sink_blocks:
-            # The sinks are candidates (+inf bounds); they stay ahead of every codes score.
-            sink = (cand >= 0) & (cand < self.kv.sink_blocks)  # [n, H, m]
-            scores = scores.masked_fill(sink.permute(0, 2, 1).reshape(n * m, -1), torch.inf)
+        if self.kv.sink_blocks or pins is not None:
+            # The sinks and pins are candidates (+inf bounds); they stay ahead of every codes score.
+            keep = (cand >= 0) & (cand < self.kv.sink_blocks)  # [n, H, m]
+            if pins is not None:
+                keep |= ((cand.unsqueeze(-1) == pins.unsqueeze(2)) & (cand >= 0).unsqueeze(-1)).any(-1)
+            scores = scores.masked_fill(keep.permute(0, 2, 1).reshape(n * m, -1), torch.inf)
         rows = torch.arange(0, (n + 1) * m, m, dtype=torch.int32, device=q.device)
         # The top-k positions in 0..m, written as the candidates' logical blocks (one launch).
         return ops.topk_blocks(g.num_kv_heads, scores, rows, k, index_map=cand)
 
-    def _select_and_fetch(self, layer, q, slot_pages, blk_csr, host_csr, step, cap, k_budget, also=None):
+    def _select_and_fetch(
+        self, layer, q, slot_pages, blk_csr, host_csr, step, cap, k_budget, also=None, slots=None
+    ):
         """Score the candidate blocks with ``q`` ([n, num_qo_heads, head_dim]), take the top-K per
         KV head, plan with delta selection (at most ``cap`` fetches per head) and gather the plan
         from the host pool. Returns the prediction and the plan's slots.
 
         ``also = (q_current, blk_seq)`` ranks each block by the larger of its two scores, each taken
         relative to its own query's best block (``KvConfig.select_queries``). Each request's first
-        ``KvConfig.sink_blocks`` candidates are always taken (:func:`keep_sinks`)."""
+        ``KvConfig.sink_blocks`` candidates are always taken (:func:`keep_sinks`), and the pinned
+        blocks of the requests in runtime ``slots`` (:meth:`top_k_blocks`)."""
         p, g = self.pools, self.geo
         if also is None:
-            pred = self.top_k_blocks(layer, q, blk_csr, k_budget)
+            pred = self.top_k_blocks(layer, q, blk_csr, k_budget, slots)
         else:
             scores = self.block_scores(layer, q, blk_csr)
             if scores.shape[0] > 0:
@@ -2218,6 +2268,8 @@ class Engine:
                     _relative_to_best(scores, seq, q.shape[0]), _relative_to_best(other, seq, q.shape[0])
                 )
             scores = keep_sinks(scores, blk_csr[0], self.kv.sink_blocks)
+            if self.kv.pin_blocks and slots is not None:
+                scores = keep_pins(scores, blk_csr[0], self._pins_of(layer)[slots])
             pred = ops.topk_blocks(g.num_kv_heads, scores, blk_csr[0], k_budget)
         ps, pb, _ = ops.delta_select(
             g.num_kv_heads, pred, slot_pages, p.page_map[layer], p.page_last_selected[layer], step, cap

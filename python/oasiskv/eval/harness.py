@@ -127,6 +127,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "+current (the current query also chooses the working set, KvConfig.select_queries), "
         "+codes (blocks ranked by 2-bit key codes; +codesF: the Quest bound's best F x K of them), "
         "+sinkN (KvConfig(sink_blocks=N): blocks 0..N-1 always selected), "
+        "+pinN (KvConfig(pin_blocks=N): the initial selection's best N kept), "
         "+top2 (eagle3: also measure lookahead from the head's two best drafts)",
     )
     p.add_argument("--no-quest", action="store_true", help="skip the Quest-like reference")
@@ -555,6 +556,7 @@ def run_retrieval(args, model, tok, head, results: Results, files, progress: boo
                 select_queries=spec.select_queries,
                 block_score=spec.block_score,
                 sink_blocks=spec.sink_blocks,
+                pin_blocks=spec.pin_blocks,
                 score_candidates=spec.score_candidates,
                 **pool_kw,
             )

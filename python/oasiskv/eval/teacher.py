@@ -58,10 +58,10 @@ DRAFTERS = ("eagle3", "eagle3-noprefill", "ngram", "oracle", "previous-query")
 
 @dataclass(frozen=True)
 class DrafterSpec:
-    """A drafter name of the evaluation, ``BASE[+current][+codes[F]][+sinkN][+top2]``, and what
-    each part sets: ``+current`` ``KvConfig(select_queries="lookahead+current")``, ``+codes``
+    """A drafter name of the evaluation, ``BASE[+current][+codes[F]][+sinkN][+pinN][+top2]``, and
+    what each part sets: ``+current`` ``KvConfig(select_queries="lookahead+current")``, ``+codes``
     ``KvConfig(block_score="codes")`` (``+codesF``: and ``score_candidates=F``), ``+sinkN``
-    ``KvConfig(sink_blocks=N)``; ``+top2`` (EAGLE-3
+    ``KvConfig(sink_blocks=N)``, ``+pinN`` ``KvConfig(pin_blocks=N)``; ``+top2`` (EAGLE-3
     only) changes nothing in the engine and also measures lookahead from the head's two best drafts
     (:class:`LookaheadRecorder`)."""
 
@@ -71,6 +71,7 @@ class DrafterSpec:
     sink_blocks: int = 0
     top2: bool = False
     score_candidates: float | None = None
+    pin_blocks: int = 0
 
 
 _CODES_F = re.compile(r"(\d+(\.\d+)?)?")  # the F of "+codesF"
@@ -81,11 +82,14 @@ def parse_drafter(name: str) -> DrafterSpec:
     grammar). The suffixes come in the order given, each at most once."""
     base, *mods = str(name).split("+")
     kw: dict = {}
-    order = ("current", "codes", "sink", "top2")
+    order = ("current", "codes", "sink", "pin", "top2")
     last = -1
     ok = base in DRAFTERS
     for m in mods:
-        key = "sink" if m.startswith("sink") and m[4:].isdigit() else ("" if m == "sink" else m)
+        key = m
+        for prefix in ("sink", "pin"):
+            if m.startswith(prefix):
+                key = prefix if m[len(prefix) :].isdigit() else ""
         if m.startswith("codes") and _CODES_F.fullmatch(m[5:]):
             key = "codes"
         if not ok or key not in order or order.index(key) <= last:
@@ -102,6 +106,8 @@ def parse_drafter(name: str) -> DrafterSpec:
                 ok = kw["score_candidates"] >= 1
         elif key == "sink":
             kw["sink_blocks"] = int(m[4:])
+        elif key == "pin":
+            kw["pin_blocks"] = int(m[3:])
         else:
             ok = base.startswith("eagle3")  # the runner-up needs a head that ranks drafts
             kw["top2"] = True
@@ -109,8 +115,8 @@ def parse_drafter(name: str) -> DrafterSpec:
         raise ValueError(
             f"unknown drafter {name!r}; use one of {DRAFTERS}, then optionally '+current' (not "
             "previous-query, which has no lookahead row), '+codes' or '+codesF' (F >= 1: the "
-            "Quest bound's best F x K blocks ranked by the codes), '+sinkN' (N sink blocks) and "
-            "'+top2' (eagle3 only), in that order"
+            "Quest bound's best F x K blocks ranked by the codes), '+sinkN' (N sink blocks), '+pinN' "
+            "(N pinned blocks per layer and KV head) and '+top2' (eagle3 only), in that order"
         )
     return DrafterSpec(base, **kw)
 
@@ -554,6 +560,7 @@ class TeacherForcing:
                 select_queries=spec.select_queries,
                 block_score=spec.block_score,
                 sink_blocks=spec.sink_blocks,
+                pin_blocks=spec.pin_blocks,
                 score_candidates=spec.score_candidates,
             )
         else:

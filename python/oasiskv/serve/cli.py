@@ -58,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_selection_arguments(p: argparse.ArgumentParser) -> None:
     """How the working set is chosen (``KvConfig.block_score``, ``score_candidates``,
-    ``sink_blocks``): shared by ``oasis serve``, ``oasis generate``, ``oasis demo`` and the
+    ``sink_blocks``, ``pin_blocks``): shared by ``oasis serve``, ``oasis generate``, ``oasis demo`` and the
     serving benchmark."""
     p.add_argument(
         "--block-score",
@@ -78,12 +78,21 @@ def add_selection_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--sink-blocks", type=int, default=0, help="the first N blocks of every request are always selected"
     )
+    p.add_argument(
+        "--pin-blocks",
+        type=int,
+        default=0,
+        help="per layer and KV head, the N best blocks for the prompt's last token stay selected",
+    )
 
 
 def selection_kwargs(args) -> dict:
     """The :class:`~oasiskv.KvConfig` keyword arguments of :func:`add_selection_arguments`."""
     return dict(
-        block_score=args.block_score, score_candidates=args.score_candidates, sink_blocks=args.sink_blocks
+        block_score=args.block_score,
+        score_candidates=args.score_candidates,
+        sink_blocks=args.sink_blocks,
+        pin_blocks=args.pin_blocks,
     )
 
 
