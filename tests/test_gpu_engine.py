@@ -96,12 +96,13 @@ def test_gpu_oasis_full_budget_matches_gpu_dense_and_cpu():
         {"block_score": "codes"},
         {"sink_blocks": 2},
         {"block_score": "codes", "score_candidates": 2, "sink_blocks": 1},
+        {"block_score": "codes", "score_candidates": 2, "pin_blocks": 2},
     ],
 )
 def test_gpu_small_budget_matches_cpu_engine_selection(kv_kw):
     """A budget far below the context: the GPU engine (background stream, capped fetches) makes the
     same selections as the CPU engine, so logits agree step by step (with either block score, the
-    two-stage codes score, and sink blocks)."""
+    two-stage codes score, sink blocks and pinned blocks)."""
     dev = torch.device("cuda")
     prompts = _prompts(301, [700, 400])
     forced = [_prompts(301, [24], seed=3 + i)[0] for i in range(2)]

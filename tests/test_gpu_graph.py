@@ -27,8 +27,11 @@ pytestmark = [
         ("oasis", "ngram", {}),
         ("oasis", "previous-query", {}),
         ("oasis", "ngram", {"block_score": "codes"}),
-        # Two stages: top-K of the Quest bound, codes of the candidates, top-K, gather back.
+        # Two stages: top-K of the Quest bound, codes of the candidates, top-K mapped back.
         ("oasis", "ngram", {"block_score": "codes", "score_candidates": 2, "sink_blocks": 1}),
+        # Pinned blocks: a per-slot table indexed by the plan's slots (no host sync).
+        ("oasis", "ngram", {"block_score": "codes", "score_candidates": 2, "pin_blocks": 1}),
+        ("oasis", "ngram", {"pin_blocks": 2}),
         # Sink blocks are marked by device ops indexed by the plan's CSR (no host sync).
         ("oasis", "ngram", {"sink_blocks": 2}),
         ("oasis", "ngram", {"sink_blocks": 1, "select_queries": "lookahead+current"}),
