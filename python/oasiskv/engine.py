@@ -1218,6 +1218,9 @@ class Engine:
         self._acc_fetched[slot] = 0
         self._acc_recall[slot] = 0
         self._acc_recall_n[slot] = 0
+        for pins in self._pins:  # a previous occupant's pins (the initial selection sets new ones)
+            if pins is not None:
+                pins[slot] = -1
         self._flush_map()
 
     def transfer_wait(self) -> tuple[float, int]:

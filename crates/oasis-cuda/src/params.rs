@@ -523,7 +523,7 @@ mod tests {
         assert_eq!(size_of::<ScoreBlocksParams>(), 5 * 8 + 6 * 4);
         assert_eq!(size_of::<BuildKeyCodesParams>(), 5 * 8 + 6 * 4);
         assert_eq!(size_of::<ScoreBlocksCodesParams>(), 7 * 8 + 10 * 4);
-        assert_eq!(size_of::<TopkBlocksParams>(), 3 * 8 + 4 * 4);
+        assert_eq!(size_of::<TopkBlocksParams>(), 4 * 8 + 4 * 4);
         assert_eq!(size_of::<DeltaSelectParams>(), 8 * 8 + 8 * 4);
         assert_eq!(size_of::<GatherBlocksParams>(), 9 * 8 + 12 * 4);
         assert_eq!(size_of::<CopyPagesParams>(), 7 * 8 + 2 * 4);
