@@ -571,8 +571,8 @@ class _StagedCheck:
         self.eng, self.calls, self.staged = eng, 0, 0
         orig = eng.top_k_blocks
 
-        def checked(layer, q, csr, k):
-            got = orig(layer, q, csr, k)
+        def checked(layer, q, csr, k, slots=None):
+            got = orig(layer, q, csr, k, slots)
             self.check(layer, q, csr, k, got)
             return got
 
