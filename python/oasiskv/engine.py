@@ -488,21 +488,16 @@ def _relative_to_best(scores: torch.Tensor, seq: torch.Tensor, n: int) -> torch.
 def keep_sinks(scores: torch.Tensor, blk_indptr: torch.Tensor, n_sink: int) -> torch.Tensor:
     """``scores [nnz, heads]`` with the first ``n_sink`` entries of every CSR row (each request's
     logical blocks ``0 .. n_sink - 1``: candidates are in logical order) set to +inf, so that every
-    top-K of ``k > n_sink`` takes them (``KvConfig.sink_blocks``). Device-side ops indexed by
+    top-K of ``k > n_sink`` takes them (``KvConfig.sink_blocks``): :func:`keep_pins` with blocks
+    ``0 .. n_sink - 1`` pinned for every request and head. Device-side ops indexed by
     ``blk_indptr`` only: no host sync and no branch on device values (a captured step replays it);
     rows shorter than ``n_sink`` mark what they have. Apply it after any combination of scores
     (``_relative_to_best`` of +inf would be NaN)."""
-    nnz = scores.shape[0]
-    if n_sink <= 0 or nnz == 0:
+    if n_sink <= 0:
         return scores
-    start = blk_indptr[:-1].long()
-    lens = blk_indptr[1:].long() - start
-    j = torch.arange(n_sink, device=scores.device)
-    # Entries past a row's end go to a spare slot nnz, dropped below.
-    idx = torch.where(j < lens.unsqueeze(1), start.unsqueeze(1) + j, nnz).clamp_(0, nnz)
-    mark = torch.zeros(nnz + 1, dtype=torch.bool, device=scores.device)
-    mark.scatter_(0, idx.view(-1), True)
-    return scores.masked_fill(mark[:nnz].unsqueeze(1), torch.inf)
+    n, heads = blk_indptr.shape[0] - 1, scores.shape[1]
+    sinks = torch.arange(n_sink, dtype=torch.int32, device=scores.device).expand(n, heads, n_sink)
+    return keep_pins(scores, blk_indptr, sinks)
 
 
 def keep_pins(scores: torch.Tensor, blk_indptr: torch.Tensor, pins: torch.Tensor | None) -> torch.Tensor:
@@ -2215,6 +2210,16 @@ class Engine:
             scores = ops.score_blocks(self.geo, q, p.summaries[layer], *csr)
         return scores if self.score_reduce is None else self.score_reduce(scores)
 
+    def _pinned(self, layer: int, slots: torch.Tensor | None) -> torch.Tensor | None:
+        """The pinned blocks of ``layer`` for the requests in runtime ``slots``
+        (``KvConfig.pin_blocks``), ``[n, num_kv_heads, pin_blocks]``; None without pins or slots."""
+        return self._pins_of(layer)[slots] if self.kv.pin_blocks and slots is not None else None
+
+    def _keep_forced(self, scores: torch.Tensor, indptr: torch.Tensor, pins) -> torch.Tensor:
+        """``scores`` with each request's sink blocks and ``pins`` (:meth:`_pinned`) set to +inf:
+        what every top-K of the selection must take."""
+        return keep_pins(keep_sinks(scores, indptr, self.kv.sink_blocks), indptr, pins)
+
     def top_k_blocks(
         self, layer: int, q: torch.Tensor, csr, k: int, slots: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -2227,14 +2232,13 @@ class Engine:
         prediction and recall; other arguments as :meth:`block_scores`."""
         g, p = self.geo, self.pools
         indptr = csr[0]
-        pins = self._pins_of(layer)[slots] if self.kv.pin_blocks and slots is not None else None
+        pins = self._pinned(layer, slots)
         m = self.kv.candidate_blocks(k)
         if m is None or indptr.shape[0] <= 1:
-            scores = keep_sinks(self.block_scores(layer, q, csr), indptr, self.kv.sink_blocks)
-            return ops.topk_blocks(g.num_kv_heads, keep_pins(scores, indptr, pins), indptr, k)
+            scores = self._keep_forced(self.block_scores(layer, q, csr), indptr, pins)
+            return ops.topk_blocks(g.num_kv_heads, scores, indptr, k)
         reduce = self.score_reduce or (lambda x: x)
-        bound = reduce(ops.score_blocks(g, q, p.summaries[layer], *csr))
-        bound = keep_pins(keep_sinks(bound, indptr, self.kv.sink_blocks), indptr, pins)
+        bound = self._keep_forced(reduce(ops.score_blocks(g, q, p.summaries[layer], *csr)), indptr, pins)
         cand = ops.topk_blocks(g.num_kv_heads, bound, indptr, m)  # [n, H, m] logical, -1 padded
         scores = reduce(ops.rescore_blocks_codes(g, q, p.summaries[layer], p.codes[layer], *csr, cand))
         n = cand.shape[0]
@@ -2270,9 +2274,7 @@ class Engine:
                 scores = torch.maximum(
                     _relative_to_best(scores, seq, q.shape[0]), _relative_to_best(other, seq, q.shape[0])
                 )
-            scores = keep_sinks(scores, blk_csr[0], self.kv.sink_blocks)
-            if self.kv.pin_blocks and slots is not None:
-                scores = keep_pins(scores, blk_csr[0], self._pins_of(layer)[slots])
+            scores = self._keep_forced(scores, blk_csr[0], self._pinned(layer, slots))
             pred = ops.topk_blocks(g.num_kv_heads, scores, blk_csr[0], k_budget)
         ps, pb, _ = ops.delta_select(
             g.num_kv_heads, pred, slot_pages, p.page_map[layer], p.page_last_selected[layer], step, cap
