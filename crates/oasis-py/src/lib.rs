@@ -1063,9 +1063,7 @@ fn topk_blocks(
         if let Some(m) = &index_map {
             inputs.push(("index_map", m));
         }
-        let mut all = inputs.clone();
-        all.push(("out", &out));
-        let cx = Cx::new(py, &all, &[])?;
+        let cx = Cx::new(py, &[&inputs[..], &[("out", &out)]].concat(), &[])?;
         scores.expect_f32(py, "scores")?;
         let nnz = scores.dim(&cx, "scores", 2, 0)?;
         scores.expect_shape(&cx, "scores", &[nnz, num_kv_heads])?;

@@ -171,16 +171,12 @@ pub fn topk_blocks_mapped(
         index_map.len(),
         &[num_seqs, num_kv_heads, map_m],
     )?;
-    let mut pos = vec![-1i32; out.len()];
-    topk_blocks(num_kv_heads, scores, blk_indptr, k, &mut pos)?;
-    for (row, (o, p)) in out
-        .chunks_mut(k.max(1))
-        .zip(pos.chunks(k.max(1)))
-        .enumerate()
-    {
+    topk_blocks(num_kv_heads, scores, blk_indptr, k, out)?;
+    // Each position maps on its own, so in place.
+    for (row, o) in out.chunks_mut(k.max(1)).enumerate() {
         let map = &index_map[row * map_m..][..map_m];
-        for (o, &p) in o.iter_mut().zip(p) {
-            *o = usize::try_from(p)
+        for o in o {
+            *o = usize::try_from(*o)
                 .ok()
                 .and_then(|i| map.get(i).copied())
                 .unwrap_or(-1);
