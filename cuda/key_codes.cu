@@ -25,15 +25,10 @@
 // oasis_cuda::ops::SCORE_CODES_TILE must match.
 #define OASIS_CODES_TILE 32
 // NOTE: performance. score_blocks_codes_* has two paths: the tensor-core one (block_size 16,
-// head_dim a multiple of 16, group <= 8: the engine's shapes) and an exact scalar one for anything
-// else (each logit the CPU twin's bit for bit: one warp per entry, serial f32 sums per (g, t)). It is far from the issue-12 target (score + top-K <= 1.5 x score_blocks at 32K,
-// batch 64). That target is bandwidth-bound from below: the codes score reads the summaries AND
-// the codes (2 x the bytes), and at Qwen3-8B shapes it also needs 16 x 128 x group FMAs per
-// (block, head) (8192 for group 4: ~245 us of f32 FMA issue for 1M block-heads on an H200 at
-// 100 % of peak), so the fast path must be a tensor-core one: per (block, head) one
-// mma.m16n8k16 per 16 channels, A = the 16 tokens' keys decoded from the codes, B = the group's
-// query (static per sequence, in registers), C = 16 tokens x up to 8 query heads; see the report
-// of the commit that added this file.
+// head_dim 64 or 128, group <= 8, 16-byte aligned buffers: the engine's shapes; one
+// mma.m16n8k16 per 16 channels, the codes as A and the f16 code weights as B) and an exact scalar
+// one for anything else (each logit the CPU twin's bit for bit: one warp per entry, serial f32
+// sums per (g, t)). Timings against the Quest score: docs/PERF.md, "2-bit key codes".
 
 namespace oasis {
 
@@ -109,17 +104,34 @@ __device__ __forceinline__ float warp_nan_max(float v) {
 }
 
 // Shared memory of one warp of the scalar path, in floats: q of the current sequence and the
-// weights w[g][d] = q[g][d] (max[d] - min[d]) / 3 of the current block (group * head_dim each),
-// the block's min row (head_dim) and the base q[g] . min (group).
+// weights w[g][d] (code_weight) of the current block (group * head_dim each), the block's min
+// row (head_dim) and the base q[g] . min (group).
 __host__ __device__ __forceinline__ int codes_scalar_warp_floats(int group, int head_dim) {
     return 2 * group * head_dim + head_dim + group;
 }
 
-// Scalar path (any head_dim divisible by 4, any block size and group), the same f32 operations
-// in the same order as the CPU twin for each (g, t), so each logit is the twin's bit for bit:
-// the warp stages q (per sequence) and w, min (per block) in shared memory; lane g computes the
-// base of query head g in d order; lane t walks token t's codes for every g; NaN-propagating max
-// over the tokens, then the sum over g in order.
+// x rounded to f16 (nearest even, subnormals kept; +-inf past f16's range), as an f32.
+__device__ __forceinline__ float codes_round_f16(float x) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;\n" : "=h"(h) : "f"(x));
+    float r;
+    asm("cvt.f32.f16 %0, %1;\n" : "=f"(r) : "h"(h));
+    return r;
+}
+
+// The weight of a code, exactly as oasis_core::kernels::codes::code_weight:
+// f16(f16(q / 3) x f16(hi - lo)) (the product of two f16 is exact in f32).
+__device__ __forceinline__ float codes_weight(float q, float lo, float hi) {
+    const float q3 = codes_round_f16(__fdiv_rn(q, 3.f));
+    const float r = codes_round_f16(__fsub_rn(hi, lo));
+    return codes_round_f16(__fmul_rn(q3, r));
+}
+
+// Scalar path (any head_dim divisible by 4, any block size and group, and any block whose weights
+// do not all fit f16), the same f32 operations in the same order as the CPU twin for each (g, t),
+// so each logit is the twin's bit for bit: the warp stages q (per sequence) and w, min (per block)
+// in shared memory; lane g computes the base of query head g in d order; lane t walks token t's
+// codes for every g; NaN-propagating max over the tokens, then the sum over g in order.
 template <typename T>
 __device__ void score_codes_scalar_entry(
     float* __restrict__ sm, const T* __restrict__ summaries, const unsigned char* __restrict__ codes, float* __restrict__ out,
@@ -135,9 +147,9 @@ __device__ void score_codes_scalar_entry(
     const T* mx = mn + head_dim;
     for (int d = lane; d < head_dim; d += 32) {
         const float lo = to_f32(mn[d]);
-        const float r = __fsub_rn(to_f32(mx[d]), lo);
+        const float hi = to_f32(mx[d]);
         slo[d] = lo;
-        for (int g = 0; g < group; ++g) sw[g * head_dim + d] = __fdiv_rn(__fmul_rn(sq[g * head_dim + d], r), 3.f);
+        for (int g = 0; g < group; ++g) sw[g * head_dim + d] = codes_weight(sq[g * head_dim + d], lo, hi);
     }
     __syncwarp();
     for (int g = lane; g < group; g += 32) {
@@ -169,30 +181,34 @@ __device__ void score_codes_scalar_entry(
 }
 
 // ---- tensor-core path ---------------------------------------------------------------------------
-// For block_size 16, head_dim a multiple of 16 and at most 8 query heads per KV head, one warp
-// scores one (block, head) with mma.m16n8k16. Two versions, chosen per launch by
-// ScoreBlocksCodesParams::a_scale (oasis_cuda::ops reads OASIS_CODES_KERNEL: "weights-b", the
-// default, or "scale-a") until the second is measured on a GPU (docs/PERF.md):
+// For block_size 16, head_dim 64 or 128, at most 8 query heads per KV head and 16-byte aligned
+// summaries and codes (the engine's shapes), one warp scores one (block, head) with one
+// mma.m16n8k16 per 16 channels: A = the 16 tokens' codes 0..3 (exact in f16), B[d][g] = the code
+// weights w[g][d] = f16(q3[g][d] x rho[d]) with q3 = f16(q / 3) built once per sequence (in
+// registers) and rho = f16(max - min) per block (one cvt and one f16x2 multiply per two channels
+// of B), C = 16 tokens x 8 query heads in f32. Every product c x w is exact in f32, so the
+// logits are the CPU twin's up to the order (and the tensor core's handling) of the f32 sums.
+// Then the NaN-propagating max over the tokens, plus q[g] . min in f32, summed over the group.
 //
-// weights in B (score_codes_mma_w_entry, below): see its comment.
+// The warp copies the next entries' summaries and codes into shared memory with cp.async while it
+// computes the current one (OASIS_CODES_STAGES buffers per warp). The MMA's k positions are
+// permuted so that each lane reads contiguous bytes: lane tig covers channels tig * 4 KC ..
+// tig * 4 KC + 4 KC - 1 (one word of codes per 16 channels), and the two channels of an f16x2
+// register sit at bits (s, s + 16) of a code word: channel p and p + 8 of the word's 16 are bits
+// 2p and 2p + 16, so one shift, one lop3 and one subtraction give a register of two codes. k-step
+// kc, word u = kc / 4, m = kc % 4: A/B rows 2 tig, 2 tig + 1 are channels c + 2m, c + 2m + 8 and
+// rows 2 tig + 8, 2 tig + 9 are c + 2m + 1, c + 2m + 9 (c = tig * 4 KC + 16 u).
 //
-// scale in A (score_codes_mma_entry), in f16: the block's per-channel scale goes into A,
-// not B: A[t][d] = c[t][d] (max[d] - min[d]) (the 16 tokens' codes times their channel's range),
-// B[d][g] = q[g][d] / 3, the same for every block of a sequence (built once per sequence, in
-// registers), C = 16 tokens x 8 query heads in f32. Both are split into an f16 high part and an
-// f16 residual: the range's high part is rounded to bf16 precision first (8 significant bits), so
-// that c x it (c <= 3) is exact in f16, and three MMAs (hi x hi, hi x lo, lo x hi) keep ~20 bits.
-// Per block and lane that is two code words, four summary words, the range split and eight f16x2
-// multiplies per 16 channels: no per-block weights (docs/PERF.md, "2-bit key codes"). Then the
-// NaN-propagating max over the tokens, plus q[g] . min in f32, summed over the group. The sums
-// run in another order than the twin's: scores agree within f32-level rounding of
-// sum_g sum_d |q| (|min| + |max|), not bit for bit (tests/test_key_codes.py emulates it).
-//
-// A block whose range does not fit f16 (|max - min| > OASIS_CODES_F16_RANGE, or NaN / inf), and a
-// sequence whose q / 3 does not (|q| / 3 > OASIS_CODES_F16_RANGE), take the exact scalar path
-// instead (warp-uniform votes), so non-finite inputs give the twin's NaN / inf semantics.
+// A block with a weight that may not fit f16 (|max - min| > OASIS_CODES_F16_SAFE / max(1, max |q3|),
+// or NaN / inf), and a sequence with a q3 that does not (|q3| > 65504 or NaN), take the exact
+// scalar path instead (warp-uniform votes): the definition is the same, so only speed differs.
 
-// ---- weights in B (the first tensor-core path) ----
+// Buffers per warp of the tensor-core path (oasis_cuda::ops::SCORE_CODES_STAGES must match): the
+// warp has OASIS_CODES_STAGES - 1 entries in flight while it computes one.
+#define OASIS_CODES_STAGES 3
+// Bound on max |q3| x |max - min| under which every weight is a finite f16 (65504 less the
+// rounding of rho and of the product).
+#define OASIS_CODES_F16_SAFE 65000.0f
 
 // Two consecutive values at an even index (4-byte aligned for 16-bit types): one load.
 template <typename T>
@@ -207,33 +223,37 @@ __device__ __forceinline__ void codes_load2<bf16>(const bf16* p, float& a, float
     b = __uint_as_float(v & 0xffff0000u);
 }
 
-__device__ __forceinline__ void codes_mma16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+__device__ __forceinline__ void codes_mma16816_f16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
         "{%0, %1, %2, %3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Two f32 rounded to bf16 (nearest even), `lo` in the low half.
-__device__ __forceinline__ u32 codes_pack_bf16x2(float lo, float hi) {
+// Two f32 rounded to f16 (nearest even), `lo` in the low half.
+__device__ __forceinline__ u32 codes_pack_f16x2(float lo, float hi) {
     u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
 }
 
-// A 4-bit nibble of two codes (low 2 bits: the lower channel) as two bf16 in one register.
-__device__ __forceinline__ u32 codes_nibble_bf16x2(u32 n) {
-    // bf16 bits of 0, 1, 2, 3.
-    const unsigned long long lut = 0x404040003F800000ull;
-    const u32 lo = (u32)(lut >> (16 * (n & 3u))) & 0xffffu;
-    const u32 hi = (u32)(lut >> (16 * ((n >> 2) & 3u))) & 0xffffu;
-    return lo | (hi << 16);
+__device__ __forceinline__ u32 codes_mul_f16x2(u32 a, u32 b) {
+    u32 r;
+    asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
+    return r;
 }
 
-// The epilogue of both tensor-core paths: C holds q . (c x range) for tokens (rows gid, gid + 8)
-// and query heads (columns 2 tig, 2 tig + 1); `base` this lane's share of q[gid] . min. Writes the
-// entry's score (sum over the group's query heads of base + the max over the block's tokens) from
-// lane 0.
+// Two codes at bits s and s + 16 of w as f16x2 (bit s low): 1024 + c is exact in f16.
+__device__ __forceinline__ u32 codes_f16x2_at(u32 w, int s) {
+    const u32 x = ((w >> s) & 0x00030003u) | 0x64006400u;
+    u32 c;
+    asm("sub.rn.f16x2 %0, %1, %2;\n" : "=r"(c) : "r"(x), "r"(0x64006400u));
+    return c;
+}
+
+// The epilogue: C holds sum_d c x w for tokens (rows gid, gid + 8) and query heads (columns
+// 2 tig, 2 tig + 1); `base` this lane's share of q[gid] . min. Writes the entry's score (sum over
+// the group's query heads of base + the max over the block's tokens) from lane 0.
 __device__ __forceinline__ void codes_mma_epilogue(const float (&c)[4], float base, int gid, int tig, int lane,
                                                    bool gvalid, float* __restrict__ out) {
     // q[gid] . min: the four lanes of a row hold a quarter of the channels each.
@@ -256,238 +276,6 @@ __device__ __forceinline__ void codes_mma_epilogue(const float (&c)[4], float ba
     for (int o = 16; o > 0; o >>= 1) term += __shfl_xor_sync(0xffffffffu, term, o);
     if (lane == 0) *out = term;
 }
-
-// The weights-in-B path (OASIS_CODES_KERNEL unset or "weights-b"): B = w[d][g] = q[g][d]
-// (max[d] - min[d]) / 3, rebuilt per block, split into a bf16 high part and a bf16 residual (two
-// MMAs per 16 channels), A = the codes 0..3. KC: head_dim / 16 when known at compile time (the
-// loop is unrolled so that every load of the block is in flight at once), 0 for a run-time
-// head_dim.
-template <typename T, int KC>
-__device__ void score_codes_mma_w_entry(
-    const float* __restrict__ sq, const T* __restrict__ summaries, const unsigned char* __restrict__ codes,
-    float* __restrict__ out, int b, int h, int group, int num_kv_heads, int head_dim) {
-    const int lane = threadIdx.x & 31;
-    const int gid = lane >> 2;  // token row of A and C (and gid + 8), query head column of B
-    const int tig = lane & 3;
-    const i64 entry = (i64)b * num_kv_heads + h;
-    const T* mn = summaries + entry * 2 * head_dim;
-    const T* mx = mn + head_dim;
-    const int row = head_dim >> 2;  // code bytes per token
-    const unsigned char* blk = codes + entry * 16 * row;
-    const u32* tok_lo = reinterpret_cast<const u32*>(blk + (i64)gid * row);
-    const u32* tok_hi = reinterpret_cast<const u32*>(blk + (i64)(gid + 8) * row);
-    const bool gvalid = gid < group;
-    const float* qg = sq + (gvalid ? gid : 0) * head_dim;
-    float c[4] = {0.f, 0.f, 0.f, 0.f};
-    float base = 0.f;  // q[gid] . min over this lane's channels
-    const int sh = 8 * (tig >> 1) + 4 * (tig & 1);  // nibble of channels d0, d0 + 1 in the word
-    const int num_kc = KC > 0 ? KC : (head_dim >> 4);
-#pragma unroll
-    for (int kc = 0; kc < num_kc; ++kc) {
-        const int d0 = kc * 16 + tig * 2;  // B rows / A columns: d0, d0 + 1 and d0 + 8, d0 + 9
-        float lo[4], hi[4];
-        codes_load2<T>(mn + d0, lo[0], lo[1]);
-        codes_load2<T>(mn + d0 + 8, lo[2], lo[3]);
-        codes_load2<T>(mx + d0, hi[0], hi[1]);
-        codes_load2<T>(mx + d0 + 8, hi[2], hi[3]);
-        float w[4];
-        const int dd[4] = {d0, d0 + 1, d0 + 8, d0 + 9};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const float qv = gvalid ? qg[dd[i]] : 0.f;
-            w[i] = qv * (hi[i] - lo[i]) / 3.f;
-            base = fmaf(qv, lo[i], base);
-        }
-        const u32 b0 = codes_pack_bf16x2(w[0], w[1]);
-        const u32 b1 = codes_pack_bf16x2(w[2], w[3]);
-        const u32 r0 = codes_pack_bf16x2(w[0] - __uint_as_float(b0 << 16), w[1] - __uint_as_float(b0 & 0xffff0000u));
-        const u32 r1 = codes_pack_bf16x2(w[2] - __uint_as_float(b1 << 16), w[3] - __uint_as_float(b1 & 0xffff0000u));
-        // Word kc of a token row holds channels kc*16 .. kc*16 + 15 (bytes 2, 3: the upper 8).
-        const u32 wl = tok_lo[kc];
-        const u32 wh = tok_hi[kc];
-        const u32 a[4] = {codes_nibble_bf16x2(wl >> sh), codes_nibble_bf16x2(wh >> sh),
-                          codes_nibble_bf16x2(wl >> (sh + 16)), codes_nibble_bf16x2(wh >> (sh + 16))};
-        codes_mma16816(c, a, b0, b1);
-        codes_mma16816(c, a, r0, r1);
-    }
-    codes_mma_epilogue(c, base, gid, tig, lane, gvalid, out);
-}
-
-// ---- scale in A ----
-
-// Largest |max - min| and |q| / 3 the f16 path takes: 3 x this (a code of 3 times the range) must
-// stay below f16's largest finite value, 65504. Arbitrary below that bound.
-#define OASIS_CODES_F16_RANGE 16384.0f
-
-__device__ __forceinline__ void codes_mma16816_f16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Two f32 rounded to f16 (nearest even), `lo` in the low half.
-__device__ __forceinline__ u32 codes_pack_f16x2(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-
-// The two f16 of an f16x2 as f32 (exact).
-__device__ __forceinline__ void codes_unpack_f16x2(u32 v, float& lo, float& hi) {
-    asm("{\n .reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;\n}\n"
-        : "=f"(lo), "=f"(hi)
-        : "r"(v));
-}
-
-// The two codes in the low nibble of n (low 2 bits: the lower channel) as f16x2 (the lower
-// channel low): 1024 + c is exact in f16 (bits 0x6400 | c), so one subtraction gives c exactly.
-__device__ __forceinline__ u32 codes_f16x2(u32 n) {
-    const u32 x = (n & 3u) | ((n << 14) & 0x30000u) | 0x64006400u;
-    u32 c;
-    asm("sub.rn.f16x2 %0, %1, %2;\n" : "=r"(c) : "r"(x), "r"(0x64006400u));
-    return c;
-}
-
-__device__ __forceinline__ u32 codes_mul_f16x2(u32 a, u32 b) {
-    u32 r;
-    asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-}
-
-// x rounded to bf16 precision (8 significant bits, nearest even), as an f32.
-__device__ __forceinline__ float codes_round8(float x) {
-    unsigned short h;
-    asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(h) : "f"(x));
-    return __uint_as_float(((u32)h) << 16);
-}
-
-// Lane (gid, tig)'s part of the sequence's query at four channels dd (the B rows 2 tig, 2 tig + 1,
-// 2 tig + 8, 2 tig + 9 of one k-step): q[gid][dd[i]] (0 for a column beyond the group) and the
-// B fragments of q / 3: b[0] = (dd[0], dd[1]), b[1] = (dd[2], dd[3]) its f16 high part, b[2], b[3]
-// the f16 residual. `fits`: every |q| / 3 is within OASIS_CODES_F16_RANGE (false for NaN / inf).
-__device__ __forceinline__ void codes_q_fragment_at(const float* __restrict__ sq, const int (&dd)[4], int gid, int group,
-                                                    int head_dim, float (&qv)[4], u32 (&b)[4], bool& fits) {
-    const float third = 1.f / 3.f;
-    float w[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        qv[i] = gid < group ? sq[gid * head_dim + dd[i]] : 0.f;
-        w[i] = qv[i] * third;
-        fits = fits && fabsf(w[i]) <= OASIS_CODES_F16_RANGE;
-    }
-    b[0] = codes_pack_f16x2(w[0], w[1]);
-    b[1] = codes_pack_f16x2(w[2], w[3]);
-    float hi[4];
-    codes_unpack_f16x2(b[0], hi[0], hi[1]);
-    codes_unpack_f16x2(b[1], hi[2], hi[3]);
-    b[2] = codes_pack_f16x2(w[0] - hi[0], w[1] - hi[1]);
-    b[3] = codes_pack_f16x2(w[2] - hi[2], w[3] - hi[3]);
-}
-
-// The MMA's k positions of 16 channels in the direct path: A/B rows 2 tig, 2 tig + 1 are channels
-// d0, d0 + 1 and rows 2 tig + 8, 2 tig + 9 are d0 + 8, d0 + 9 (d0 = kc * 16 + 2 tig).
-__device__ __forceinline__ void codes_q_fragment(const float* __restrict__ sq, int kc, int gid, int tig, int group,
-                                                 int head_dim, float (&qv)[4], u32 (&b)[4], bool& fits) {
-    const int d0 = kc * 16 + tig * 2;
-    const int dd[4] = {d0, d0 + 1, d0 + 8, d0 + 9};
-    codes_q_fragment_at(sq, dd, gid, group, head_dim, qv, b, fits);
-}
-
-// One (block, head) on the tensor cores. KC: head_dim / 16 when known at compile time (the query
-// fragments qv / bq are registers held across the sequence's blocks, and every load of the block
-// is in flight at once); 0 for a run-time head_dim (fragments rebuilt from shared memory per
-// block). Returns false, writing nothing, when a channel range does not fit f16 (the caller takes
-// the scalar path); warp-uniform.
-template <typename T, int KC>
-__device__ bool score_codes_mma_entry(
-    const float* __restrict__ sq, const float (&qv)[KC > 0 ? KC : 1][4], const u32 (&bq)[KC > 0 ? KC : 1][4],
-    const T* __restrict__ summaries, const unsigned char* __restrict__ codes, float* __restrict__ out, int b, int h,
-    int group, int num_kv_heads, int head_dim) {
-    const int lane = threadIdx.x & 31;
-    const int gid = lane >> 2;  // token row of A and C (and gid + 8), query head column of B
-    const int tig = lane & 3;
-    const i64 entry = (i64)b * num_kv_heads + h;
-    const T* mn = summaries + entry * 2 * head_dim;
-    const T* mx = mn + head_dim;
-    const int row = head_dim >> 2;  // code bytes per token
-    const unsigned char* blk = codes + entry * 16 * row;
-    const u32* tok_lo = reinterpret_cast<const u32*>(blk + (i64)gid * row);
-    const u32* tok_hi = reinterpret_cast<const u32*>(blk + (i64)(gid + 8) * row);
-    const bool gvalid = gid < group;
-    float c[4] = {0.f, 0.f, 0.f, 0.f};
-    float base = 0.f;  // q[gid] . min over this lane's channels
-    bool fits = true;
-    const int sh = 8 * (tig >> 1) + 4 * (tig & 1);  // nibble of channels d0, d0 + 1 in the word
-    const int num_kc = KC > 0 ? KC : (head_dim >> 4);
-#pragma unroll
-    for (int kc = 0; kc < num_kc; ++kc) {
-        const int d0 = kc * 16 + tig * 2;  // B rows / A columns: d0, d0 + 1 and d0 + 8, d0 + 9
-        float lo[4], hi[4];
-        codes_load2<T>(mn + d0, lo[0], lo[1]);
-        codes_load2<T>(mn + d0 + 8, lo[2], lo[3]);
-        codes_load2<T>(mx + d0, hi[0], hi[1]);
-        codes_load2<T>(mx + d0 + 8, hi[2], hi[3]);
-        float q4[4];
-        u32 bb[4];
-        if (KC > 0) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                q4[i] = qv[KC > 0 ? kc : 0][i];
-                bb[i] = bq[KC > 0 ? kc : 0][i];
-            }
-        } else {
-            bool unused = true;
-            codes_q_fragment(sq, kc, gid, tig, group, head_dim, q4, bb, unused);
-        }
-        float rh[4], rl[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const float r = hi[i] - lo[i];
-            fits = fits && fabsf(r) <= OASIS_CODES_F16_RANGE;  // false for NaN / inf
-            rh[i] = codes_round8(r);  // c x rh is exact in f16 (10 significant bits at most)
-            rl[i] = r - rh[i];        // exact in f32
-            base = fmaf(q4[i], lo[i], base);
-        }
-        const u32 rh01 = codes_pack_f16x2(rh[0], rh[1]);
-        const u32 rh89 = codes_pack_f16x2(rh[2], rh[3]);
-        const u32 rl01 = codes_pack_f16x2(rl[0], rl[1]);
-        const u32 rl89 = codes_pack_f16x2(rl[2], rl[3]);
-        // Word kc of a token row holds channels kc*16 .. kc*16 + 15 (bytes 2, 3: the upper 8).
-        const u32 wl = tok_lo[kc];
-        const u32 wh = tok_hi[kc];
-        const u32 cc[4] = {codes_f16x2(wl >> sh), codes_f16x2(wh >> sh), codes_f16x2(wl >> (sh + 16)),
-                           codes_f16x2(wh >> (sh + 16))};
-        const u32 ah[4] = {codes_mul_f16x2(cc[0], rh01), codes_mul_f16x2(cc[1], rh01), codes_mul_f16x2(cc[2], rh89),
-                           codes_mul_f16x2(cc[3], rh89)};
-        const u32 al[4] = {codes_mul_f16x2(cc[0], rl01), codes_mul_f16x2(cc[1], rl01), codes_mul_f16x2(cc[2], rl89),
-                           codes_mul_f16x2(cc[3], rl89)};
-        codes_mma16816_f16(c, ah, bb[0], bb[1]);
-        codes_mma16816_f16(c, ah, bb[2], bb[3]);
-        codes_mma16816_f16(c, al, bb[0], bb[1]);
-    }
-    if (!__all_sync(0xffffffffu, fits)) return false;
-    codes_mma_epilogue(c, base, gid, tig, lane, gvalid, out);
-    return true;
-}
-
-// ---- scale in A, staged through shared memory (a_scale == 2, the default) ----
-// The same arithmetic as score_codes_mma_entry (so the same scores up to the order of the f32
-// sums), with two changes that cut the memory stalls and the instruction count per entry:
-//
-// * The warp copies the next entry's summaries and codes into shared memory with cp.async while
-//   it computes the current one (two buffers per warp), so a block's DRAM latency overlaps the
-//   previous block's math instead of stalling the warp.
-// * The MMA's k positions are permuted so that each lane reads contiguous bytes: lane tig covers
-//   channels tig * 4 KC .. tig * 4 KC + 4 KC - 1 (one word of codes per 16 channels), and the
-//   two channels of an f16x2 register sit at bits (s, s + 16) of a code word: channel p and p + 8 of the word's 16 are bits 2p and 2p + 16, so
-//   one shift, one lop3 and one subtraction give a register of two codes. k-step kc, word u =
-//   kc / 4, m = kc % 4: A/B rows 2 tig, 2 tig + 1 are channels c + 2m, c + 2m + 8 and rows
-//   2 tig + 8, 2 tig + 9 are c + 2m + 1, c + 2m + 9 (c = tig * 4 KC + 16 u); B = q / 3 is built
-//   with the same permutation (codes_q_fragment_staged).
-//
-// Only for KC = 4 or 8 (head_dim 64 or 128) with 16-byte aligned summaries and codes; the host
-// sizes the shared memory for it (oasis_cuda::ops::score_blocks_codes_smem_bytes).
 
 // Bytes of one entry (a (block, head)'s min and max rows, then its 16 tokens' codes) in a buffer.
 __host__ __device__ __forceinline__ int codes_stage_bytes(int head_dim, int elem_bytes) {
@@ -522,38 +310,34 @@ __device__ __forceinline__ void codes_stage_entry(unsigned char* __restrict__ bu
     codes_cp_async_commit();
 }
 
-// Channels of lane tig's k-step kc in the staged path (see above), in codes_q_fragment_at's order.
+// Lane (gid, tig)'s part of the sequence's query at k-step kc (the B rows 2 tig, 2 tig + 1,
+// 2 tig + 8, 2 tig + 9, channels as described above): qv[i] = q[gid][dd[i]] (0 for a column
+// beyond the group) and q3[0] = f16x2 of q / 3 at (dd[0], dd[1]), q3[1] at (dd[2], dd[3]).
+// `q3max`: the largest |q / 3| so far, NaN-propagating through `fits` (false for |q3| > 65504).
 template <int KC>
-__device__ __forceinline__ void codes_staged_channels(int kc, int tig, int (&dd)[4]) {
+__device__ __forceinline__ void codes_q_fragment(const float* __restrict__ sq, int kc, int gid, int tig, int group,
+                                                 int head_dim, float (&qv)[4], u32 (&q3)[2], float& q3max, bool& fits) {
     const int c = tig * 4 * KC + 16 * (kc >> 2);
     const int m = kc & 3;
-    dd[0] = c + 2 * m;
-    dd[1] = c + 2 * m + 8;
-    dd[2] = c + 2 * m + 1;
-    dd[3] = c + 2 * m + 9;
+    const int dd[4] = {c + 2 * m, c + 2 * m + 8, c + 2 * m + 1, c + 2 * m + 9};
+    float w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        qv[i] = gid < group ? sq[gid * head_dim + dd[i]] : 0.f;
+        w[i] = codes_round_f16(__fdiv_rn(qv[i], 3.f));
+        fits = fits && fabsf(w[i]) <= 65504.f;  // false for NaN / inf
+        q3max = fmaxf(q3max, fabsf(w[i]));
+    }
+    q3[0] = codes_pack_f16x2(w[0], w[1]);  // exact: w is an f16 already
+    q3[1] = codes_pack_f16x2(w[2], w[3]);
 }
 
-template <int KC>
-__device__ __forceinline__ void codes_q_fragment_staged(const float* __restrict__ sq, int kc, int gid, int tig, int group,
-                                                        int head_dim, float (&qv)[4], u32 (&b)[4], bool& fits) {
-    int dd[4];
-    codes_staged_channels<KC>(kc, tig, dd);
-    codes_q_fragment_at(sq, dd, gid, group, head_dim, qv, b, fits);
-}
-
-// Two codes at bits s and s + 16 of w as f16x2 (bit s low): 1024 + c is exact in f16.
-__device__ __forceinline__ u32 codes_f16x2_at(u32 w, int s) {
-    const u32 x = ((w >> s) & 0x00030003u) | 0x64006400u;
-    u32 c;
-    asm("sub.rn.f16x2 %0, %1, %2;\n" : "=r"(c) : "r"(x), "r"(0x64006400u));
-    return c;
-}
-
-// One (block, head) from its staged copy `buf`; as score_codes_mma_entry otherwise (returns false,
-// writing nothing, when a channel range does not fit f16).
+// One (block, head) from its staged copy `buf` (returns false, writing nothing, when a channel's
+// range may give a weight outside f16: |max - min| > lim, or NaN / inf).
 template <typename T, int KC>
-__device__ bool score_codes_mma_staged_entry(const unsigned char* __restrict__ buf, const float (&qv)[KC][4],
-                                             const u32 (&bq)[KC][4], float* __restrict__ out, int group, int head_dim) {
+__device__ bool score_codes_mma_entry(const unsigned char* __restrict__ buf, const float (&qv)[KC][4],
+                                      const u32 (&q3)[KC][2], float lim, float* __restrict__ out, int group,
+                                      int head_dim) {
     const int lane = threadIdx.x & 31;
     const int gid = lane >> 2;
     const int tig = lane & 3;
@@ -568,58 +352,45 @@ __device__ bool score_codes_mma_staged_entry(const unsigned char* __restrict__ b
         wl[u] = *reinterpret_cast<const u32*>(cb + gid * (head_dim >> 2) + 4 * u);
         wh[u] = *reinterpret_cast<const u32*>(cb + (gid + 8) * (head_dim >> 2) + 4 * u);
     }
-    const bool gvalid = gid < group;
     float c[4] = {0.f, 0.f, 0.f, 0.f};
     float base = 0.f;
-    bool finite = true;  // every |max - min| within OASIS_CODES_F16_RANGE (false for NaN / inf)
+    bool fits = true;
 #pragma unroll
     for (int kc = 0; kc < KC; ++kc) {
         const int u = kc >> 2;
         const int m = kc & 3;
-        {
-            // Channels 2m, 2m + 1 and 2m + 8, 2m + 9 of the word's 16 (two pairs of adjacent elements).
-            const int e0 = 16 * u + 2 * m;
-            float lo[4], hi[4], lp[4], hp[4];
-            codes_load2<T>(reinterpret_cast<const T*>(mn) + e0, lp[0], lp[1]);
-            codes_load2<T>(reinterpret_cast<const T*>(mn) + e0 + 8, lp[2], lp[3]);
-            codes_load2<T>(reinterpret_cast<const T*>(mx) + e0, hp[0], hp[1]);
-            codes_load2<T>(reinterpret_cast<const T*>(mx) + e0 + 8, hp[2], hp[3]);
-            // In codes_staged_channels' order: 2m, 2m + 8, 2m + 1, 2m + 9.
-            lo[0] = lp[0]; lo[1] = lp[2]; lo[2] = lp[1]; lo[3] = lp[3];
-            hi[0] = hp[0]; hi[1] = hp[2]; hi[2] = hp[1]; hi[3] = hp[3];
-            float rh[4], rl[4];
+        // Channels 2m, 2m + 1 and 2m + 8, 2m + 9 of the word's 16 (two pairs of adjacent elements).
+        const int e0 = 16 * u + 2 * m;
+        float lp[4], hp[4];
+        codes_load2<T>(reinterpret_cast<const T*>(mn) + e0, lp[0], lp[1]);
+        codes_load2<T>(reinterpret_cast<const T*>(mn) + e0 + 8, lp[2], lp[3]);
+        codes_load2<T>(reinterpret_cast<const T*>(mx) + e0, hp[0], hp[1]);
+        codes_load2<T>(reinterpret_cast<const T*>(mx) + e0 + 8, hp[2], hp[3]);
+        // In codes_q_fragment's order: 2m, 2m + 8, 2m + 1, 2m + 9.
+        const float lo[4] = {lp[0], lp[2], lp[1], lp[3]};
+        const float hi[4] = {hp[0], hp[2], hp[1], hp[3]};
+        float r[4];
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const float r = hi[i] - lo[i];
-                finite = finite && fabsf(r) <= OASIS_CODES_F16_RANGE;
-                rh[i] = codes_round8(r);
-                rl[i] = r - rh[i];
-                base = fmaf(qv[kc][i], lo[i], base);
-            }
-            const u32 rh0 = codes_pack_f16x2(rh[0], rh[1]);
-            const u32 rh1 = codes_pack_f16x2(rh[2], rh[3]);
-            const u32 rl0 = codes_pack_f16x2(rl[0], rl[1]);
-            const u32 rl1 = codes_pack_f16x2(rl[2], rl[3]);
-            const u32 cc[4] = {codes_f16x2_at(wl[u], 4 * m), codes_f16x2_at(wh[u], 4 * m),
-                               codes_f16x2_at(wl[u], 4 * m + 2), codes_f16x2_at(wh[u], 4 * m + 2)};
-            const u32 ah[4] = {codes_mul_f16x2(cc[0], rh0), codes_mul_f16x2(cc[1], rh0), codes_mul_f16x2(cc[2], rh1),
-                               codes_mul_f16x2(cc[3], rh1)};
-            const u32 al[4] = {codes_mul_f16x2(cc[0], rl0), codes_mul_f16x2(cc[1], rl0), codes_mul_f16x2(cc[2], rl1),
-                               codes_mul_f16x2(cc[3], rl1)};
-            codes_mma16816_f16(c, ah, bq[kc][0], bq[kc][1]);
-            codes_mma16816_f16(c, ah, bq[kc][2], bq[kc][3]);
-            codes_mma16816_f16(c, al, bq[kc][0], bq[kc][1]);
+        for (int i = 0; i < 4; ++i) {
+            r[i] = __fsub_rn(hi[i], lo[i]);
+            fits = fits && fabsf(r[i]) <= lim;  // false for NaN / inf
+            base = fmaf(qv[kc][i], lo[i], base);
         }
+        const u32 b0 = codes_mul_f16x2(q3[kc][0], codes_pack_f16x2(r[0], r[1]));
+        const u32 b1 = codes_mul_f16x2(q3[kc][1], codes_pack_f16x2(r[2], r[3]));
+        const u32 a[4] = {codes_f16x2_at(wl[u], 4 * m), codes_f16x2_at(wh[u], 4 * m), codes_f16x2_at(wl[u], 4 * m + 2),
+                          codes_f16x2_at(wh[u], 4 * m + 2)};
+        codes_mma16816_f16(c, a, b0, b1);
     }
-    if (!__all_sync(0xffffffffu, finite)) return false;
-    codes_mma_epilogue(c, base, gid, tig, lane, gvalid, out);
+    if (!__all_sync(0xffffffffu, fits)) return false;
+    codes_mma_epilogue(c, base, gid, tig, lane, gid < group, out);
     return true;
 }
 
-// The query of sequence s for KV head h, as f32, into the warp's shared memory (scalar path).
+// The query of sequence s for KV head h, as f32, into the warp's shared memory.
 template <typename T>
-__device__ __forceinline__ void codes_load_q_scalar(float* __restrict__ sq, const T* __restrict__ q, int s, int h, int group,
-                                                    int num_qo_heads, int head_dim) {
+__device__ __forceinline__ void codes_load_q(float* __restrict__ sq, const T* __restrict__ q, int s, int h, int group,
+                                             int num_qo_heads, int head_dim) {
     const int lane = threadIdx.x & 31;
     const T* qs = q + ((i64)s * num_qo_heads + (i64)h * group) * head_dim;
     __syncwarp();
@@ -627,79 +398,17 @@ __device__ __forceinline__ void codes_load_q_scalar(float* __restrict__ sq, cons
     __syncwarp();
 }
 
-// One warp's tile of entries t0 .. t1 for KV head h, starting in sequence s. KC: as
-// score_codes_mma_entry for the tensor-core path; -1: the exact scalar path only. a_scale: the
-// scale-in-A version of the tensor-core path, else weights in B.
+// One warp's tile of entries t0 .. t1 for KV head h: lane i holds entry t0 + i's block id
+// (tile_idx, -1 when the entry scores -inf: a bad id, a malformed row or an invalid candidate) and
+// sequence (tile_seq). KC 4 or 8: the tensor-core path (head_dim 64 or 128), with the entries'
+// copies OASIS_CODES_STAGES - 1 ahead; 0: the scalar path only.
 template <typename T, int KC>
-__device__ void score_codes_tile(
-    float* __restrict__ sm, const T* __restrict__ q, const T* __restrict__ summaries, const unsigned char* __restrict__ codes,
-    const int* __restrict__ blk_indptr, float* __restrict__ scores, int tile_idx, int t0, int t1, int s, int h,
-    int num_seqs, int nnz, int num_qo_heads, int num_kv_heads, int head_dim, int block_size, int num_host_blocks,
-    bool a_scale, int stride) {
-    constexpr int NR = KC > 0 ? KC : 1;
-    const int lane = threadIdx.x & 31;
-    const int gid = lane >> 2;
-    const int tig = lane & 3;
-    const int group = num_qo_heads / num_kv_heads;
-    float qv[NR][4];
-    u32 bq[NR][4];
-    bool q_fits = false;  // the held sequence's q / 3 fits f16 (warp-uniform)
-    int loaded = -1;      // sequence whose query the warp holds
-    for (int j = t0; j < t1; ++j) {
-        // stride > 0: entries of candidates, stride per sequence (tile_idx already checked them
-        // against the sequence's row); else j is an entry of the blk_indptr CSR.
-        bool row_ok = true;
-        if (stride > 0) {
-            s = j / stride;
-        } else {
-            while (s + 1 < num_seqs && blk_indptr[s + 1] <= j) ++s;
-            const int row_b = blk_indptr[s];
-            const int row_e = blk_indptr[s + 1];
-            row_ok = 0 <= row_b && row_b <= j && j < row_e && row_e <= nnz;
-        }
-        const int b = __shfl_sync(0xffffffffu, tile_idx, j - t0);
-        float* out = scores + (i64)j * num_kv_heads + h;
-        if (!row_ok || b < 0 || b >= num_host_blocks) {
-            if (lane == 0) *out = neg_inf();
-            continue;
-        }
-        if (s != loaded) {
-            codes_load_q_scalar<T>(sm, q, s, h, group, num_qo_heads, head_dim);
-            loaded = s;
-            bool fits = a_scale;
-            if (!a_scale) {
-            } else if (KC > 0) {
-#pragma unroll
-                for (int kc = 0; kc < NR; ++kc) codes_q_fragment(sm, kc, gid, tig, group, head_dim, qv[kc], bq[kc], fits);
-            } else if (KC == 0) {
-                float unused_q[4];
-                u32 unused_b[4];
-                for (int kc = 0; kc < (head_dim >> 4); ++kc)
-                    codes_q_fragment(sm, kc, gid, tig, group, head_dim, unused_q, unused_b, fits);
-            }
-            q_fits = __all_sync(0xffffffffu, fits);
-        }
-        if (KC >= 0 && !a_scale) {
-            score_codes_mma_w_entry<T, KC < 0 ? 0 : KC>(sm, summaries, codes, out, b, h, group, num_kv_heads, head_dim);
-            continue;
-        }
-        if (KC >= 0 && q_fits &&
-            score_codes_mma_entry<T, KC < 0 ? 0 : KC>(sm, qv, bq, summaries, codes, out, b, h, group, num_kv_heads, head_dim)) {
-            continue;
-        }
-        score_codes_scalar_entry<T>(sm, summaries, codes, out, b, h, group, num_kv_heads, head_dim, block_size);
-    }
-}
-
-// One warp's tile of entries t0 .. t1 for KV head h through the staged path (a_scale == 2, KC 4
-// or 8): lane i holds entry t0 + i's block id (tile_idx, -1 when the entry scores -inf: a bad id,
-// a malformed row or an invalid candidate) and sequence (tile_seq). The warp walks the valid
-// entries in order, copying the next one into the other buffer before computing the current.
-template <typename T, int KC>
-__device__ void score_codes_tile_staged(
-    float* __restrict__ sm, unsigned char* __restrict__ stage, const T* __restrict__ q, const T* __restrict__ summaries,
-    const unsigned char* __restrict__ codes, float* __restrict__ scores, int tile_idx, int tile_seq, int t0, int t1,
-    int h, int num_qo_heads, int num_kv_heads, int head_dim, int block_size) {
+__device__ void score_codes_tile(float* __restrict__ sm, unsigned char* __restrict__ stage, const T* __restrict__ q,
+                                 const T* __restrict__ summaries, const unsigned char* __restrict__ codes,
+                                 float* __restrict__ scores, int tile_idx, int tile_seq, int t0, int t1, int h,
+                                 int num_qo_heads, int num_kv_heads, int head_dim, int block_size) {
+    constexpr int S = OASIS_CODES_STAGES;
+    constexpr int NR = KC > 0 ? KC : 4;  // the scalar-only instance never runs the MMA code
     const int lane = threadIdx.x & 31;
     const int gid = lane >> 2;
     const int tig = lane & 3;
@@ -709,49 +418,77 @@ __device__ void score_codes_tile_staged(
     if (mine && tile_idx < 0) scores[(i64)(t0 + lane) * num_kv_heads + h] = neg_inf();
     const u32 valid = __ballot_sync(0xffffffffu, mine && tile_idx >= 0);
     if (valid == 0u) return;
-    float qv[KC][4];
-    u32 bq[KC][4];
-    bool q_fits = false;
-    int loaded = -1;
-    int cur = __ffs(valid) - 1;
-    int buf = 0;
-    codes_stage_entry<T>(stage, summaries, codes, __shfl_sync(0xffffffffu, tile_idx, cur), h, num_kv_heads, head_dim);
-    while (cur >= 0) {  // warp-uniform
-        const u32 rest = cur == 31 ? 0u : valid & ~((2u << cur) - 1u);
-        const int next = rest != 0u ? __ffs(rest) - 1 : -1;
-        if (next >= 0) {
-            codes_stage_entry<T>(stage + (buf ^ 1) * sb, summaries, codes, __shfl_sync(0xffffffffu, tile_idx, next), h,
-                                 num_kv_heads, head_dim);
-            codes_cp_async_wait<1>();
-        } else {
-            codes_cp_async_wait<0>();
+    float qv[NR][4];
+    u32 q3[NR][2];
+    bool q_fits = false;  // the held sequence's q3 fit f16 (warp-uniform)
+    float lim = 0.f;      // the largest |max - min| the tensor-core path takes for that sequence
+    int loaded = -1;      // sequence whose query the warp holds
+    u32 pending = valid;  // entries not yet copied (warp-uniform)
+    if (KC > 0) {
+#pragma unroll
+        for (int i = 0; i < S - 1; ++i) {
+            if (pending != 0u) {
+                const int e = __ffs(pending) - 1;
+                pending &= pending - 1u;
+                codes_stage_entry<T>(stage + i * sb, summaries, codes, __shfl_sync(0xffffffffu, tile_idx, e), h,
+                                     num_kv_heads, head_dim);
+            } else {
+                codes_cp_async_commit();  // an empty group keeps the count per entry
+            }
         }
-        __syncwarp();
+    }
+    int slot = 0;
+    for (u32 todo = valid; todo != 0u; todo &= todo - 1u) {  // warp-uniform
+        const int cur = __ffs(todo) - 1;
+        if (KC > 0) {
+            // Entry S - 1 ahead into the buffer the previous entry used.
+            const int ahead = slot == 0 ? S - 1 : slot - 1;
+            if (pending != 0u) {
+                const int e = __ffs(pending) - 1;
+                pending &= pending - 1u;
+                codes_stage_entry<T>(stage + ahead * sb, summaries, codes, __shfl_sync(0xffffffffu, tile_idx, e), h,
+                                     num_kv_heads, head_dim);
+            } else {
+                codes_cp_async_commit();
+            }
+            codes_cp_async_wait<S - 1>();  // this entry's group is complete
+            __syncwarp();
+        }
         const int b = __shfl_sync(0xffffffffu, tile_idx, cur);
         const int s = __shfl_sync(0xffffffffu, tile_seq, cur);
         float* out = scores + (i64)(t0 + cur) * num_kv_heads + h;
         if (s != loaded) {
-            codes_load_q_scalar<T>(sm, q, s, h, group, num_qo_heads, head_dim);
+            codes_load_q<T>(sm, q, s, h, group, num_qo_heads, head_dim);
             loaded = s;
-            bool fits = true;
+            if (KC > 0) {
+                bool fits = true;
+                float q3max = 0.f;
 #pragma unroll
-            for (int kc = 0; kc < KC; ++kc) codes_q_fragment_staged<KC>(sm, kc, gid, tig, group, head_dim, qv[kc], bq[kc], fits);
-            q_fits = __all_sync(0xffffffffu, fits);
+                for (int kc = 0; kc < NR; ++kc)
+                    codes_q_fragment<NR>(sm, kc, gid, tig, group, head_dim, qv[kc], q3[kc], q3max, fits);
+                q_fits = __all_sync(0xffffffffu, fits);
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) q3max = fmaxf(q3max, __shfl_xor_sync(0xffffffffu, q3max, o));
+                lim = OASIS_CODES_F16_SAFE / fmaxf(q3max, 1.f);
+            }
         }
-        if (!(q_fits && score_codes_mma_staged_entry<T, KC>(stage + buf * sb, qv, bq, out, group, head_dim))) {
+        if (!(KC > 0 && q_fits &&
+              score_codes_mma_entry<T, NR>(stage + slot * sb, qv, q3, lim, out, group, head_dim))) {
             score_codes_scalar_entry<T>(sm, summaries, codes, out, b, h, group, num_kv_heads, head_dim, block_size);
         }
-        __syncwarp();  // every lane is done with `buf` before the next copy into it
-        buf ^= 1;
-        cur = next;
+        if (KC > 0) {
+            __syncwarp();  // every lane is done with this buffer before a copy into it
+            slot = slot == S - 1 ? 0 : slot + 1;
+        }
     }
 }
 
 // grid: thread block c scores OASIS_CODES_THREADS / 32 consecutive tiles of OASIS_CODES_TILE
 // entries for head c % num_kv_heads (as score_blocks_* with OASIS_SCORE_HEAD_MAJOR); dynamic
-// shared memory: codes_scalar_warp_floats(group, head_dim) floats per warp.
-// Entry (j, h) = sum over query heads g of KV head h of max over tokens t of
-//   sum_d q[s,g,d] (min[b,h,d] + c[b,h,t,d] (max[b,h,d] - min[b,h,d]) / 3)
+// shared memory (oasis_cuda::ops::score_blocks_codes_smem_bytes): each warp's
+// OASIS_CODES_STAGES staging buffers, then codes_scalar_warp_floats(group, head_dim) floats per
+// warp. Entry (j, h) = sum over query heads g of KV head h of max over tokens t of
+//   sum_d q[s,g,d] min[b,h,d] + sum_d c[b,h,t,d] w[g,d],  w = codes_weight(q[s,g,d], min, max)
 // with b = blk_indices[j] and s the sequence whose CSR range holds j. An out-of-range block id,
 // and an entry outside every well-formed row, scores -inf (never selected). With cand (the second
 // stage of KvConfig(score_candidates)): entry (s cand_m + i, h) scores the logical block
@@ -767,7 +504,7 @@ __device__ void score_blocks_codes_impl(
     float* __restrict__ scores,              // [nnz, num_kv_heads]; with cand [num_seqs * cand_m, num_kv_heads]
     const int* __restrict__ cand,            // [num_seqs, num_kv_heads, cand_m] logical blocks, or null
     int num_seqs, int nnz, int num_qo_heads, int num_kv_heads, int head_dim, int block_size, int num_host_blocks,
-    int a_mode, int cand_m) {
+    int cand_m) {
     extern __shared__ __align__(16) float codes_smem[];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -785,64 +522,41 @@ __device__ void score_blocks_codes_impl(
         return;
     }
     const int group = num_qo_heads / num_kv_heads;
-    // a_mode 2: each warp's two staging buffers come first (oasis_cuda::ops::score_blocks_codes_smem_bytes).
     const int sb = codes_stage_bytes(head_dim, (int)sizeof(T));
     unsigned char* smem_bytes = reinterpret_cast<unsigned char*>(codes_smem);
-    unsigned char* stage = smem_bytes + (i64)warp * 2 * sb;
-    float* sm = reinterpret_cast<float*>(smem_bytes + (a_mode == 2 ? (i64)(blockDim.x >> 5) * 2 * sb : 0)) +
+    unsigned char* stage = smem_bytes + (i64)warp * OASIS_CODES_STAGES * sb;
+    float* sm = reinterpret_cast<float*>(smem_bytes + (i64)(blockDim.x >> 5) * OASIS_CODES_STAGES * sb) +
                 (i64)warp * codes_scalar_warp_floats(group, head_dim);
     // The tensor-core path's shapes (warp-uniform); anything else takes the exact scalar path.
-    const bool mma = block_size == 16 && (head_dim & 15) == 0 && group <= 8;
-    const bool pipelined = a_mode == 2 && mma && (head_dim == 128 || head_dim == 64) &&
-                           ((reinterpret_cast<unsigned long long>(summaries) | reinterpret_cast<unsigned long long>(codes)) & 15ull) == 0ull;
-    // One block id per lane for the whole tile, handed out with shuffles. A candidate outside
-    // its sequence's well-formed row (or negative) gets -1: it scores -inf.
+    const bool mma = block_size == 16 && (head_dim == 128 || head_dim == 64) && group <= 8 &&
+                     ((reinterpret_cast<unsigned long long>(summaries) | reinterpret_cast<unsigned long long>(codes)) & 15ull) == 0ull;
+    // Each lane resolves its own entry: sequence, row check and block id (-1: scores -inf). A
+    // candidate outside its sequence's well-formed row (or negative) gets -1.
     int tile_idx = -1;
+    int tile_seq = 0;
     const int jl = t0 + lane;
-    if (jl < t1 && !staged) {
-        tile_idx = blk_indices[jl];
-    } else if (jl < t1) {
-        const int sl = jl / cand_m;
-        const int c = cand[((i64)sl * num_kv_heads + h) * cand_m + (jl - sl * cand_m)];
-        const int row_b = blk_indptr[sl];
-        const int row_e = blk_indptr[sl + 1];
+    if (jl < t1 && staged) {
+        tile_seq = jl / cand_m;
+        const int c = cand[((i64)tile_seq * num_kv_heads + h) * cand_m + (jl - tile_seq * cand_m)];
+        const int row_b = blk_indptr[tile_seq];
+        const int row_e = blk_indptr[tile_seq + 1];
         if (c >= 0 && 0 <= row_b && row_b <= row_e && row_e <= nnz && c < row_e - row_b) tile_idx = blk_indices[row_b + c];
+    } else if (jl < t1) {
+        tile_seq = score_codes_seq_of(blk_indptr, num_seqs, jl);
+        const int row_b = blk_indptr[tile_seq];
+        const int row_e = blk_indptr[tile_seq + 1];
+        if (0 <= row_b && row_b <= jl && jl < row_e && row_e <= nnz) tile_idx = blk_indices[jl];
     }
-    if (pipelined) {
-        // Each lane resolves its own entry: sequence, row check and block id (-1: scores -inf).
-        int tile_seq = 0;
-        if (jl < t1 && staged) {
-            tile_seq = jl / cand_m;
-        } else if (jl < t1) {
-            tile_seq = score_codes_seq_of(blk_indptr, num_seqs, jl);
-            const int row_b = blk_indptr[tile_seq];
-            const int row_e = blk_indptr[tile_seq + 1];
-            if (!(0 <= row_b && row_b <= jl && jl < row_e && row_e <= nnz)) tile_idx = -1;
-        }
-        if (tile_idx >= num_host_blocks) tile_idx = -1;
-        if (head_dim == 128) {
-            score_codes_tile_staged<T, 8>(sm, stage, q, summaries, codes, scores, tile_idx, tile_seq, t0, t1, h,
-                                          num_qo_heads, num_kv_heads, head_dim, block_size);
-        } else {
-            score_codes_tile_staged<T, 4>(sm, stage, q, summaries, codes, scores, tile_idx, tile_seq, t0, t1, h,
-                                          num_qo_heads, num_kv_heads, head_dim, block_size);
-        }
-        return;
-    }
-    const bool a_scale = a_mode != 0;
-    const int s = staged ? t0 / cand_m : score_codes_seq_of(blk_indptr, num_seqs, t0);
-    const int stride = staged ? cand_m : 0;
-#define OASIS_CODES_TILE_ARGS                                                                         \
-    sm, q, summaries, codes, blk_indptr, scores, tile_idx, t0, t1, s, h, num_seqs, nnz, num_qo_heads, \
-        num_kv_heads, head_dim, block_size, num_host_blocks, a_scale, stride
+    if (tile_idx >= num_host_blocks) tile_idx = -1;
+#define OASIS_CODES_TILE_ARGS                                                                                  \
+    sm, stage, q, summaries, codes, scores, tile_idx, tile_seq, t0, t1, h, num_qo_heads, num_kv_heads, head_dim, \
+        block_size
     if (mma && head_dim == 128) {
         score_codes_tile<T, 8>(OASIS_CODES_TILE_ARGS);
-    } else if (mma && head_dim == 64) {
-        score_codes_tile<T, 4>(OASIS_CODES_TILE_ARGS);
     } else if (mma) {
-        score_codes_tile<T, 0>(OASIS_CODES_TILE_ARGS);
+        score_codes_tile<T, 4>(OASIS_CODES_TILE_ARGS);
     } else {
-        score_codes_tile<T, -1>(OASIS_CODES_TILE_ARGS);
+        score_codes_tile<T, 0>(OASIS_CODES_TILE_ARGS);
     }
 #undef OASIS_CODES_TILE_ARGS
 }
@@ -862,14 +576,14 @@ OASIS_BUILD_KEY_CODES(build_key_codes_bf16, oasis::bf16)
 OASIS_BUILD_KEY_CODES(build_key_codes_f16, oasis::f16)
 OASIS_BUILD_KEY_CODES(build_key_codes_f32, float)
 
-// At least 4 blocks per SM: 128 registers (the staged path alone would take ~168 and drop to 3).
+// At least 4 blocks per SM: at most 128 registers.
 #define OASIS_SCORE_BLOCKS_CODES(NAME, T)                                                            \
     extern "C" __global__ void __launch_bounds__(OASIS_CODES_THREADS, 4)                             \
         NAME(const __grid_constant__ oasis::ScoreBlocksCodesParams<T> p) {                           \
         oasis::score_blocks_codes_impl<T>(p.q, p.summaries, p.codes, p.blk_indptr, p.blk_indices,    \
                                           p.scores, p.cand, p.num_seqs, p.nnz, p.num_qo_heads,       \
                                           p.num_kv_heads, p.head_dim, p.block_size,                  \
-                                          p.num_host_blocks, p.a_scale, p.cand_m);              \
+                                          p.num_host_blocks, p.cand_m);                              \
     }
 
 OASIS_SCORE_BLOCKS_CODES(score_blocks_codes_bf16, oasis::bf16)

@@ -157,10 +157,7 @@ struct ScoreBlocksCodesParams {
     int head_dim;               // a multiple of 4
     int block_size;
     int num_host_blocks;
-    int a_scale;                // tensor-core path: 2 scale in A staged through shared memory, 1 scale in A
-                                // with direct loads (B = q / 3 per sequence), 0 weights in B
     int cand_m;                 // candidates per (sequence, KV head) with cand; 0 without
-    int _pad0;
 };
 
 // topk_blocks_f32 (cuda/score_blocks.cu).

@@ -28,28 +28,25 @@ GROUPS = [1, 3, 4, 8]
 BLOCK_SIZES = [16, 5]
 HOSTS = ["pinned", "cuda"]
 POISON = float("nan")
-# The tensor-core path of score_blocks_codes_* (OASIS_CODES_KERNEL, read at every launch).
-CODES_KERNELS = ["weights-b", "scale-a-direct", "scale-a"]
-
-
-@pytest.fixture(params=CODES_KERNELS)
-def codes_kernel(request, monkeypatch):
-    monkeypatch.setenv("OASIS_CODES_KERNEL", request.param)
-    return request.param
 
 
 def assert_scores_close(got: torch.Tensor, want: torch.Tensor, mag: torch.Tensor) -> None:
-    # NOTE: the GPU may sum the head_dim products of a logit in another order (and, on its
-    # tensor-core path, rounds each weight to a bf16 pair, about 2^-17 relative), so the
-    # difference is bounded by a fraction of the magnitude sum_g sum_d |q| (|min| + |max|), not by
-    # the score itself (which cancels).
+    # NOTE: the tensor-core path computes the twin's products (codes times f16 weights, exact in
+    # f32) but sums them in another order, so the difference is bounded by f32 rounding of the
+    # magnitude sum_g sum_d |q| (|min| + |max|), not of the score itself (which cancels). The
+    # scalar path is the twin's bit for bit.
     got, want = got.double(), want.double()
     same_nan = torch.equal(got.isnan(), want.isnan())
     assert same_nan, "NaN in different entries"
     ok = ~want.isnan()
     err = (got[ok] - want[ok]).abs()
-    tol = 4e-3 * mag[ok] + 1e-5
+    tol = 1e-5 * mag[ok] + 1e-6
     assert (err <= tol).all(), f"max error {err.max().item():.3g}, worst ratio {(err / tol).max().item():.3g}"
+
+
+def assert_bitwise(got: torch.Tensor, want: torch.Tensor, msg: str) -> None:
+    """The same values bit for bit, NaN where the other has NaN."""
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=msg)
 
 
 def _case(gen, dtype, group, head_dim, block_size, hk=3, lens=LENS):
@@ -88,7 +85,7 @@ def test_build_key_codes_bit_exact(dtype, head_dim, block_size, where):
 @pytest.mark.parametrize("group", GROUPS)
 @pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_score_blocks_codes_matches_cpu_twin_key_codes(dtype, head_dim, group, block_size, codes_kernel):
+def test_score_blocks_codes_matches_cpu_twin_key_codes(dtype, head_dim, group, block_size):
     gen = seeded("key_codes-score", dtype, head_dim, group, block_size)
     geo, _, summaries, codes, q, blk_indptr, blk_indices = _case(gen, dtype, group, head_dim, block_size)
     want = ops.score_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices)
@@ -115,7 +112,7 @@ def test_score_blocks_codes_matches_cpu_twin_key_codes(dtype, head_dim, group, b
 
 @gpu_test
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_nan_propagates_like_the_cpu_twin_key_codes(dtype, codes_kernel):
+def test_nan_propagates_like_the_cpu_twin_key_codes(dtype):
     gen = seeded("key_codes-nan", dtype)
     geo, _, summaries, codes, q, blk_indptr, blk_indices = _case(gen, dtype, 4, 128, 16, hk=2)
     q[0, 5, 9] = float("nan")
@@ -130,7 +127,7 @@ def test_nan_propagates_like_the_cpu_twin_key_codes(dtype, codes_kernel):
 @gpu_test
 @pytest.mark.parametrize("head_dim", [128, 36])  # the Qwen3 shape and an odd one
 @pytest.mark.parametrize("case", MALFORMED_INDPTR)
-def test_malformed_blk_indptr_key_codes_scores_minus_inf(case, head_dim, codes_kernel):
+def test_malformed_blk_indptr_key_codes_scores_minus_inf(case, head_dim):
     """Memory safety (run under compute-sanitizer memcheck) and -inf for every entry in no
     well-formed row or with an out-of-range block id; entries of well-formed rows are scored."""
     gen = seeded("key_codes-malformed", case, head_dim)
@@ -171,7 +168,7 @@ def test_malformed_blk_indptr_key_codes_scores_minus_inf(case, head_dim, codes_k
 
 
 @gpu_test
-def test_select_loop_with_key_codes_on_a_side_stream(codes_kernel):
+def test_select_loop_with_key_codes_on_a_side_stream():
     """build_summaries -> build_key_codes (pinned host_k) -> score -> top-K, queued on a side stream."""
     gen = seeded("key_codes-stream")
     dtype, hk, group, d, bs = torch.bfloat16, 8, 4, 128, 16
@@ -204,38 +201,37 @@ def test_select_loop_with_key_codes_on_a_side_stream(codes_kernel):
 
 
 @gpu_test
-@pytest.mark.parametrize("kernel", ["scale-a", "scale-a-direct"])
-@pytest.mark.parametrize("head_dim", [128, 64, 48])  # both unrolled shapes and a run-time one
+@pytest.mark.parametrize("head_dim", [128, 64, 48])  # both tensor-core shapes and a scalar one
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_scale_a_is_as_close_as_f32_and_falls_back_exactly(dtype, head_dim, kernel, monkeypatch):
-    """The scale-in-A path splits A and B into f16 pairs (~2^-20 relative): its scores stay within
-    1e-5 of the magnitude of the twin's (tests/test_key_codes.py emulates its arithmetic: ~1e-7),
-    so it selects what the CPU engine selects. A block whose channel range does not fit f16, and
-    every block of a (sequence, KV head) whose q / 3 does not, take the exact scalar path: the twin's
-    bits. Both versions: staged through shared memory (the default) and with direct loads."""
-    monkeypatch.setenv("OASIS_CODES_KERNEL", kernel)
-    gen = seeded("key_codes-scale-a", dtype, head_dim)
+def test_tensor_core_path_is_as_close_as_f32_and_falls_back_exactly(dtype, head_dim):
+    """The tensor-core path multiplies the codes by the twin's f16 weights (exact products) and
+    sums in f32 in another order: within 1e-5 of the magnitude, so it selects what the CPU engine
+    selects. A block whose weights may overflow f16 (a channel range beyond 65000 / max(1,
+    max |q / 3|)), and every block of a (sequence, KV head) whose q / 3 overflows f16, take the
+    exact scalar path: the twin's bits. head_dim 48 is scalar throughout."""
+    gen = seeded("key_codes-tensor-core", dtype, head_dim)
     geo, _, summaries, codes, q, blk_indptr, blk_indices = _case(gen, dtype, 4, head_dim, 16)
-    big = 3e4 if dtype != torch.float16 else 2e4  # > OASIS_CODES_F16_RANGE (16384), finite in f16
-    b_wide = int(blk_indices[1])  # sequence 0: one block with a huge range
-    summaries[b_wide, 1, 1, 5] = big
-    q[2, 0, 7] = 3 * big  # sequence 2: q / 3 beyond the f16 range
+    b_wide = int(blk_indices[1])  # sequence 0: a block with a range beyond 65000 (an f16 still)
+    summaries[b_wide, 1, 1, 5] = 65024.0  # exact in bf16 and f16
+    if dtype != torch.float16:  # f16 cannot hold a q whose q / 3 overflows f16
+        q[2, 0, 7] = 3e5  # inf weights: inf and NaN (0 x inf) logits, as the twin's
     want = ops.score_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices)
     args = (dev(q), dev(summaries), dev(codes), dev(blk_indptr), dev(blk_indices))
     got = back(ops.score_blocks_codes(geo, *args))
-    mag = magnitude(q, summaries, blk_indptr, blk_indices)
-    err = (got.double() - want.double()).abs()
-    assert (err <= 1e-5 * mag + 1e-6).all(), f"worst ratio {(err / mag).max().item():.3g}"
-    assert torch.equal(got[1, 1], want[1, 1]), "a block beyond the f16 range is scored exactly"
-    # q[2, 0] belongs to KV head 0: that (sequence, head) falls back; its other heads need not.
-    seq2 = slice(int(blk_indptr[2]), int(blk_indptr[3]))
-    assert torch.equal(got[seq2, 0], want[seq2, 0]), "a sequence beyond the f16 range is scored exactly"
+    assert_scores_close(got, want, magnitude(q, summaries, blk_indptr, blk_indices))
+    if head_dim == 48:
+        assert_bitwise(got, want, "the scalar path is the twin's bit for bit")
+    assert_bitwise(got[1, 1], want[1, 1], "a block beyond the f16 range is scored exactly")
+    if dtype != torch.float16:
+        # q[2, 0] belongs to KV head 0: that (sequence, head) falls back; its other heads need not.
+        seq2 = slice(int(blk_indptr[2]), int(blk_indptr[3]))
+        assert_bitwise(got[seq2, 0], want[seq2, 0], "a sequence beyond the f16 range is scored exactly")
 
 
 @gpu_test
 @pytest.mark.parametrize("head_dim", [128, 36])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rescore_blocks_codes_matches_cpu_twin_key_codes(dtype, head_dim, codes_kernel):
+def test_rescore_blocks_codes_matches_cpu_twin_key_codes(dtype, head_dim):
     """The second stage of KvConfig(score_candidates): each candidate's GPU score is the twin's
     (within the tensor-core tolerance), -1 and a candidate past its sequence's row score -inf
     (the twin refuses the latter), every entry is written, and top-K over the candidates' CSR
@@ -308,12 +304,11 @@ def test_rescore_blocks_codes_with_a_malformed_blk_indptr_scores_minus_inf(case)
 
 @gpu_test
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_scale_a_staged_falls_back_to_direct_loads_when_unaligned(dtype, monkeypatch):
-    """The staged path copies 16-byte chunks: summaries (or codes) 4- but not 16-byte aligned take
-    the direct loads instead, bit for bit what OASIS_CODES_KERNEL=scale-a-direct computes; aligned,
-    the two versions agree within the tensor-core tolerance (they sum in another order). Below
-    4-byte alignment (the direct loads' 32-bit words) the call is a typed error."""
-    gen = seeded("key_codes-staged-unaligned", dtype)
+def test_unaligned_buffers_take_the_exact_scalar_path(dtype):
+    """The tensor-core path copies 16-byte chunks: summaries or codes that are not 16-byte aligned
+    (views into a larger buffer) take the scalar path, bit for bit the twin's scores; aligned, the
+    tensor-core path is within the f32 tolerance."""
+    gen = seeded("key_codes-unaligned", dtype)
     geo, _, summaries, codes, q, blk_indptr, blk_indices = _case(gen, dtype, 4, 128, 16)
 
     def shifted(t: torch.Tensor, nbytes: int) -> torch.Tensor:  # the same values nbytes past an aligned base
@@ -323,28 +318,14 @@ def test_scale_a_staged_falls_back_to_direct_loads_when_unaligned(dtype, monkeyp
         out.copy_(dev(t))
         return out
 
-    def run(kernel, summ, cod):
-        monkeypatch.setenv("OASIS_CODES_KERNEL", kernel)
+    def run(summ, cod):
         return back(ops.score_blocks_codes(geo, dev(q), summ, cod, dev(blk_indptr), dev(blk_indices)))
 
-    direct = run("scale-a-direct", dev(summaries), dev(codes))
-    assert shifted(summaries, 4).data_ptr() % 16 == 4 and shifted(codes, 4).data_ptr() % 16 == 4
-    assert torch.equal(run("scale-a", shifted(summaries, 4), dev(codes)), direct)
-    assert torch.equal(run("scale-a", dev(summaries), shifted(codes, 4)), direct)
-    staged = run("scale-a", dev(summaries), dev(codes))
-    mag = magnitude(q, summaries, blk_indptr, blk_indices)
-    assert ((staged.double() - direct.double()).abs() <= 1e-5 * mag + 1e-6).all()
-    with pytest.raises(ValueError, match="4-byte aligned"):
-        run("scale-a", dev(summaries), shifted(codes, 1))
+    want = ops.score_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices)
+    assert shifted(summaries, 4).data_ptr() % 16 == 4 and shifted(codes, 1).data_ptr() % 16 == 1
+    assert torch.equal(run(shifted(summaries, 4), dev(codes)), want)
+    assert torch.equal(run(dev(summaries), shifted(codes, 1)), want)
     if dtype == torch.bfloat16:
-        with pytest.raises(ValueError, match="4-byte aligned"):
-            run("scale-a", shifted(summaries, 2), dev(codes))
-
-
-@gpu_test
-def test_bad_codes_kernel_setting_is_a_typed_error(monkeypatch):
-    gen = seeded("key_codes-bad-env")
-    geo, _, summaries, codes, q, blk_indptr, blk_indices = _case(gen, torch.bfloat16, 4, 128, 16)
-    monkeypatch.setenv("OASIS_CODES_KERNEL", "scale-b")
-    with pytest.raises(ValueError, match="scale-a, scale-a-direct or weights-b"):
-        ops.score_blocks_codes(geo, dev(q), dev(summaries), dev(codes), dev(blk_indptr), dev(blk_indices))
+        assert torch.equal(run(shifted(summaries, 2), dev(codes)), want)
+    mag = magnitude(q, summaries, blk_indptr, blk_indices)
+    assert_scores_close(run(dev(summaries), dev(codes)), want, mag)

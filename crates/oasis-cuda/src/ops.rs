@@ -54,31 +54,9 @@ pub const SCORE_CODES_THREADS: u32 = 128;
 /// Consecutive block-table entries one warp of `score_blocks_codes_*` scores (for one KV head);
 /// must match OASIS_CODES_TILE.
 pub const SCORE_CODES_TILE: usize = 32;
-/// Environment variable choosing the tensor-core path of `score_blocks_codes_*`:
-/// `"scale-a"` (unset: the default) puts the per-channel range into A (the codes times the range)
-/// so that B is `q / 3`, built once per sequence, and copies the next block's summaries and codes
-/// into shared memory while it scores the current one (head_dim 64 or 128; other shapes take the
-/// direct loads); `"scale-a-direct"` is the same arithmetic with direct loads; `"weights-b"`
-/// rebuilds the MMA's B operand `q (max - min) / 3` for every block (cuda/key_codes.cu). Read at
-/// every launch (a captured graph keeps the value it was captured with); docs/PERF.md, "2-bit key
-/// codes", has the three measured.
-pub const CODES_KERNEL_ENV: &str = "OASIS_CODES_KERNEL";
-
-/// `ScoreBlocksCodesParams::a_scale` for [`CODES_KERNEL_ENV`]: 0 weights in B, 1 scale in A with
-/// direct loads, 2 scale in A staged through shared memory.
-///
-/// # Errors
-/// [`CudaError::Invalid`] for a value other than `scale-a`, `scale-a-direct` or `weights-b`.
-fn codes_kernel_mode() -> Result<i32> {
-    match std::env::var(CODES_KERNEL_ENV).as_deref() {
-        Err(_) | Ok("") | Ok("scale-a") => Ok(2),
-        Ok("scale-a-direct") => Ok(1),
-        Ok("weights-b") => Ok(0),
-        Ok(other) => Err(CudaError::Invalid(OasisError::Invalid(format!(
-            "{CODES_KERNEL_ENV} must be scale-a, scale-a-direct or weights-b, got {other:?}"
-        )))),
-    }
-}
+/// Staging buffers per warp of `score_blocks_codes_*`'s tensor-core path; must match
+/// OASIS_CODES_STAGES.
+pub const SCORE_CODES_STAGES: usize = 3;
 
 /// Threads per block of `topk_blocks_f32`; must match OASIS_TOPK_THREADS.
 pub const TOPK_THREADS: u32 = 512;
@@ -433,23 +411,14 @@ pub fn decode_attn_tc_smem_bytes(head_dim: usize, stages: usize) -> usize {
 }
 
 /// Shared memory of one `score_blocks_codes_*` block, in bytes (cuda/key_codes.cu): per warp,
-/// with `mode` 2 ([`CODES_KERNEL_ENV`] `scale-a`) first two staging buffers of one entry each
-/// (`codes_stage_bytes`: the min and max rows in `elem_bytes`-byte elements, then 16 tokens'
-/// codes), then `codes_scalar_warp_floats`: q and the weights of the group (`group * head_dim`
-/// f32 each), the block's min row and the group's bases.
-pub fn score_blocks_codes_smem_bytes(
-    group: usize,
-    head_dim: usize,
-    elem_bytes: usize,
-    mode: i32,
-) -> usize {
+/// [`SCORE_CODES_STAGES`] staging buffers of one entry each (`codes_stage_bytes`: the min and max
+/// rows in `elem_bytes`-byte elements, then 16 tokens' codes), then, after every warp's buffers,
+/// `codes_scalar_warp_floats` per warp: q and the weights of the group (`group * head_dim` f32
+/// each), the block's min row and the group's bases.
+pub fn score_blocks_codes_smem_bytes(group: usize, head_dim: usize, elem_bytes: usize) -> usize {
     let warps = (SCORE_CODES_THREADS / 32) as usize;
     let scalar = (2 * group * head_dim + head_dim + group) * 4;
-    let stage = if mode == 2 {
-        2 * (2 * head_dim * elem_bytes + 4 * head_dim)
-    } else {
-        0
-    };
+    let stage = SCORE_CODES_STAGES * (2 * head_dim * elem_bytes + 4 * head_dim);
     warps * (stage + scalar)
 }
 
@@ -1097,15 +1066,6 @@ impl Gpu {
             check_len("q", q.len(), &[num_seqs, qh, d])?;
             let num_host = rows("summaries", summaries.len(), &[h, 2, d])?;
             check_len("codes", codes.len(), &[num_host, h, bs, d / 4])?;
-            // The kernel reads pairs of summary elements and words of codes as 32-bit loads.
-            for (what, ptr) in [("summaries", summaries.ptr()), ("codes", codes.ptr())] {
-                if ptr % 4 != 0 {
-                    return Err(CudaError::Invalid(OasisError::Invalid(format!(
-                        "{what} must start at a 4-byte aligned address (got {ptr:#x}); pass a \
-                         tensor that starts its own storage, or a .clone() of this view"
-                    ))));
-                }
-            }
             let nnz = blk_indices.len();
             // Entries scored: every listed block, or m candidates per sequence.
             let n_out = match cand {
@@ -1121,7 +1081,6 @@ impl Gpu {
             }
 
             let name = entry!(T, "score_blocks_codes");
-            let mode = codes_kernel_mode()?;
             let params = ScoreBlocksCodesParams {
                 q: q.into(),
                 summaries: summaries.into(),
@@ -1136,10 +1095,8 @@ impl Gpu {
                 head_dim: int("head_dim", d)?,
                 block_size: int("block_size", bs)?,
                 num_host_blocks: int("num_host_blocks", num_host)?,
-                a_scale: mode,
                 cand: DevPtr::from(cand.map(|(c, _)| c)),
                 cand_m: int("m", cand.map_or(0, |(_, m)| m))?,
-                _pad0: 0,
             };
             int("num_seqs * m", n_out)?;
             // One warp per (tile of SCORE_CODES_TILE entries, KV head); a thread block holds
@@ -1149,8 +1106,7 @@ impl Gpu {
                 .div_ceil((SCORE_CODES_THREADS / 32) as usize)
                 * h;
             let grid = grid_x("score blocks", blocks)?;
-            let smem =
-                score_blocks_codes_smem_bytes(geo.group_size(), d, std::mem::size_of::<T>(), mode);
+            let smem = score_blocks_codes_smem_bytes(geo.group_size(), d, std::mem::size_of::<T>());
             // SAFETY: lengths checked above (summaries and codes have num_host rows); the kernel
             // bounds-checks block ids and each blk_indptr row against nnz (an entry outside a
             // well-formed row scores -inf) and only reads blk_indptr[0..=num_seqs]; `smem` is the

@@ -346,9 +346,7 @@ kernel_params! {
         pub head_dim: i32, // a multiple of 4
         pub block_size: i32,
         pub num_host_blocks: i32,
-        pub a_scale: i32, // tensor-core path: 2 scale in A staged in shared memory, 1 direct, 0 weights in B
-        pub cand_m: i32,  // candidates per (sequence, KV head) with cand; 0 without
-        pub _pad0: i32,
+        pub cand_m: i32, // candidates per (sequence, KV head) with cand; 0 without
     }
 }
 
@@ -522,7 +520,7 @@ mod tests {
         assert_eq!(size_of::<MergeAttnStatesParams>(), 3 * 8 + 2 * 4);
         assert_eq!(size_of::<ScoreBlocksParams>(), 5 * 8 + 6 * 4);
         assert_eq!(size_of::<BuildKeyCodesParams>(), 5 * 8 + 6 * 4);
-        assert_eq!(size_of::<ScoreBlocksCodesParams>(), 7 * 8 + 10 * 4);
+        assert_eq!(size_of::<ScoreBlocksCodesParams>(), 7 * 8 + 8 * 4);
         assert_eq!(size_of::<TopkBlocksParams>(), 4 * 8 + 4 * 4);
         assert_eq!(size_of::<DeltaSelectParams>(), 8 * 8 + 8 * 4);
         assert_eq!(size_of::<GatherBlocksParams>(), 9 * 8 + 12 * 4);

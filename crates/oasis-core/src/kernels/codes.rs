@@ -6,8 +6,14 @@
 //! query heads `g` of the largest approximate logit `max_t q_g · k̃_t`. On SmolLM2 this ranks
 //! blocks within half a point of the exact max logit (docs/EVAL.md) for twice the summary bytes.
 //!
+//! The logit's code part uses f16 weights (see [`code_weight`]): the GPU feeds them to one
+//! tensor-core MMA per 16 channels with the codes as the other operand, and their rounding
+//! (relative 2^-11, three times) is far below the 2-bit codes' own error.
+//!
 //! Layout: `codes [num_host_blocks, num_kv_heads, block_size, head_dim / 4]` bytes; channel
 //! `4 i + j` of a token is bits `2 j .. 2 j + 2` of byte `i`. `head_dim` must be a multiple of 4.
+
+use half::f16;
 
 use crate::dtype::KvElem;
 use crate::error::{check_len, OasisError, Result};
@@ -16,6 +22,17 @@ use crate::kernels::validate::{all_indices, csr, csr_range, index, leading_rows}
 
 /// Levels of a 2-bit code.
 pub const CODE_LEVELS: f32 = 3.0;
+
+/// The weight of code `c` of channel `d` for a query value `q` and the block's `[lo, hi]` range
+/// in that channel: `f16(f16(q / 3) * f16(hi - lo))` (IEEE round to nearest even at each f16
+/// conversion, subnormals kept; the product of two f16 is exact in f32), as an f32. The logit of
+/// token t is `sum_d q_d lo_d + sum_d c_{t,d} w_d`; the CUDA kernel computes the same products.
+#[inline]
+pub fn code_weight(q: f32, lo: f32, hi: f32) -> f32 {
+    let q3 = f16::from_f32(q / CODE_LEVELS).to_f32();
+    let r = f16::from_f32(hi - lo).to_f32();
+    f16::from_f32(q3 * r).to_f32()
+}
 
 /// Bytes of one token's codes.
 pub fn code_row_bytes(head_dim: usize) -> usize {
@@ -103,8 +120,10 @@ pub fn build_key_codes<T: KvElem>(
 }
 
 /// Scores from the codes: `scores[j, h]` = sum over query heads g of KV head h of
-/// `max_t sum_d q[s,g,d] * (min[b,h,d] + c[b,h,t,d] * (max[b,h,d] - min[b,h,d]) / 3)`,
-/// `b = blk_indices[j]`, j in seq s's range. f32, d in order for each (g, t).
+/// `max_t (sum_d q[s,g,d] min[b,h,d] + sum_d c[b,h,t,d] w[g,d])` with
+/// `w[g,d] = code_weight(q[s,g,d], min[b,h,d], max[b,h,d])` (≈ `q (max - min) / 3`),
+/// `b = blk_indices[j]`, j in seq s's range. f32: the base in d order, then the codes' terms in
+/// d order for each (g, t).
 ///
 /// # Errors
 /// As [`crate::kernels::score_blocks`], plus [`OasisError::Config`] for a head_dim not divisible
@@ -122,7 +141,7 @@ pub fn score_blocks_codes<T: KvElem>(
     let h_kv = geo.num_kv_heads;
     check_len("scores", scores.len(), &[blk_indices.len(), h_kv])?;
     all_indices("blk_indices", blk_indices, num_host)?;
-    let mut w = vec![0.0f32; geo.head_dim]; // q_d (max_d - min_d) / 3 for one query head
+    let mut w = vec![0.0f32; geo.head_dim]; // code_weight of each channel for one query head
     for_each_query(geo, q, |s, qf| {
         for j in csr_range(blk_indptr, s) {
             let b = blk_indices[j] as usize; // validated
@@ -202,7 +221,7 @@ fn entry_score<T: KvElem>(
         for x in 0..d {
             let lo = mins[x].to_f32();
             base += qg[x] * lo;
-            w[x] = qg[x] * (maxs[x].to_f32() - lo) / CODE_LEVELS;
+            w[x] = code_weight(qg[x], lo, maxs[x].to_f32());
         }
         let mut best = f32::NEG_INFINITY;
         for t in blk.chunks_exact(row) {
@@ -321,8 +340,14 @@ mod tests {
             let (b, s) = (b as usize, if j < 2 { 0 } else { 1 });
             for h in 0..hk {
                 let mut want = 0.0f32;
+                // The f16 weights (three roundings of 2^-11 each) bound the error by this.
+                let mut tol = 1e-5f32;
                 for gq in 2 * h..2 * h + 2 {
                     let qg = &q[(s * 4 + gq) * d..][..d];
+                    let sm = &summ[(b * hk + h) * 2 * d..][..2 * d];
+                    tol += (0..d)
+                        .map(|x| 2e-3 * (qg[x] * (sm[d + x] - sm[x])).abs())
+                        .sum::<f32>();
                     let best = (0..bs)
                         .map(|t| {
                             let k = &host_k[((b * hk + h) * bs + t) * d..][..d];
@@ -333,11 +358,35 @@ mod tests {
                 }
                 let got = scores[j * hk + h];
                 assert!(
-                    (got - want).abs() < 1e-4,
-                    "entry {j} head {h}: {got} vs {want}"
+                    (got - want).abs() < tol,
+                    "entry {j} head {h}: {got} vs {want} (tolerance {tol})"
                 );
             }
         }
+    }
+
+    #[test]
+    fn code_weights_are_f16_products_of_f16_operands() {
+        // q / 3 = 1/3 -> f16 0.33325195; (hi - lo) = 3 exact; their product 0.99975586 rounds
+        // (to even) once more, to 1.
+        let w = code_weight(1.0, -1.0, 2.0);
+        assert_eq!(
+            w,
+            f16::from_f32(f16::from_f32(1.0 / 3.0).to_f32() * 3.0).to_f32()
+        );
+        assert_eq!(
+            code_weight(2.0, 0.0, 1.5),
+            f16::from_f32(f16::from_f32(2.0 / 3.0).to_f32() * 1.5).to_f32()
+        );
+        assert!((code_weight(0.7, 0.1, 1.3) - 0.7 * 1.2 / 3.0).abs() < 1e-3);
+        // A product below f16's normal range rounds to a subnormal, not to zero.
+        let tiny = code_weight(3.0e-4, 0.0, 3.0e-4);
+        assert!(tiny > 0.0 && tiny < 6.2e-5, "{tiny}");
+        assert_eq!(tiny, f16::from_f32(tiny).to_f32());
+        // Overflow is inf, NaN stays NaN: the GPU's exact path gives the same.
+        assert!(code_weight(3.0e5, 0.0, 1.0e3).is_infinite());
+        assert!(code_weight(f32::NAN, 0.0, 1.0).is_nan());
+        assert_eq!(code_weight(5.0, 1.0, 1.0), 0.0);
     }
 
     #[test]
