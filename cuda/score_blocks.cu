@@ -385,6 +385,7 @@ __device__ __forceinline__ u64 rank_key(u32 key, int i) { return ((u64)(~key) <<
 // index_map, each through index_map[s, h, .] (CPU twin: oasis_core::kernels::topk_blocks_mapped).
 // Radix select (4 passes of 8 bits) finds the k-th largest key T; entries above T are taken in
 // any order and entries equal to T in index order until k are taken; a bitonic sort orders them.
+// A row of at most OASIS_MAX_TOPK entries is sorted whole instead (the same order).
 __device__ void topk_blocks_impl(
     const float* __restrict__ scores,   // [nnz, num_kv_heads]
     const int* __restrict__ blk_indptr, // [num_seqs + 1]; a malformed row has no blocks
@@ -407,7 +408,9 @@ __device__ void topk_blocks_impl(
     const int n = end - base;
     const float* col = scores + (i64)base * num_kv_heads + h;  // entry i at col[i * num_kv_heads]
     const int take = min(n, k);
-    const int sort_n = next_pow2(take < 1 ? 1 : take);
+    // A short row (the two-stage score's candidates) is sorted whole: no radix passes.
+    const bool whole = n <= OASIS_MAX_TOPK;
+    const int sort_n = next_pow2(max(1, whole ? n : take));
 
     for (int i = threadIdx.x; i < sort_n; i += blockDim.x) sel[i] = ~0ull;
     const bool cached = n <= OASIS_TOPK_CACHE;
@@ -417,7 +420,7 @@ __device__ void topk_blocks_impl(
     __syncthreads();
     auto key_at = [&](int i) -> u32 { return cached ? kcache[i] : score_key(col[(i64)i * num_kv_heads]); };
 
-    if (n <= k) {
+    if (whole) {
         for (int i = threadIdx.x; i < n; i += blockDim.x) sel[i] = rank_key(key_at(i), i);
     } else {
         u32 prefix = 0;
