@@ -139,12 +139,15 @@ def test_trainer_main_on_gpu_runs_its_target_passes_in_bf16(tmp_path, monkeypatc
         return CausalLM.random(cfg, seed=1, dtype=dtype, device=device), ByteTokenizer()
 
     monkeypatch.setattr(loader, "load_model", load)
+    tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     rc = tr.main(
         ["--out", str(tmp_path), "--device", "cuda", "--steps", "4", "--seq-len", "32", "--batch-size", "2"]
         + ["--source", "stdlib", "--vocab-tokens", "5000", "--eval-seqs", "1", "--draft-vocab", "64"]
         + ["--warmup", "1", "--no-progress"]
     )
     assert rc == 0
+    # Training's TF32 matmuls do not leak into the caller's (later tests') float32 math.
+    assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == tf32
     assert loaded == [torch.float32, torch.bfloat16]
     summary = json.loads((tmp_path / "training.json").read_text())
     assert summary["steps"] == 4 and math.isfinite(summary["heldout_after"]["loss"])

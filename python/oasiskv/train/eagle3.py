@@ -430,6 +430,16 @@ def _save_head(head: Eagle3Head, out: Path, dtype: torch.dtype) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m oasiskv.train.eagle3``. Training turns TF32 matmuls on for its own run; the
+    process-wide flags are restored after, so an in-process caller's float32 math is unchanged."""
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    try:
+        return _main(argv)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def _main(argv: list[str] | None) -> int:
     args = build_parser().parse_args(argv)
     t_start = time.perf_counter()
     from ..models.loader import load_model
