@@ -102,13 +102,26 @@ def test_gpu_oasis_full_budget_matches_gpu_dense_and_cpu():
 def test_gpu_small_budget_matches_cpu_engine_selection(kv_kw):
     """A budget far below the context: the GPU engine (background stream, capped fetches) makes the
     same selections as the CPU engine, so logits agree step by step (with either block score, the
-    two-stage codes score, sink blocks and pinned blocks)."""
+    two-stage codes score, sink blocks and pinned blocks).
+
+    The codes score quantises keys that the two engines compute within f32 rounding of each other:
+    a key that lands on a 2-bit code boundary (one in tens of thousands) gets different codes and
+    the selections part legitimately. So the first prompts whose codes match in both engines are
+    compared (seed 0 of the two-stage pinned case has such a key, 4e-6 apart, in layer 1)."""
     dev = torch.device("cuda")
-    prompts = _prompts(301, [700, 400])
     forced = [_prompts(301, [24], seed=3 + i)[0] for i in range(2)]
     kv = KvConfig(block_size=16, top_k_blocks=6, fetch_cap=2, sparse_threshold=128, **kv_kw)
-    gpu, greqs, _ = _teacher_forced_logits(_model(dev), kv, "oasis", prompts, forced)
-    cpu, creqs, _ = _teacher_forced_logits(_model("cpu"), kv, "oasis", prompts, forced)
+    for seed in range(4):
+        prompts = _prompts(301, [700, 400], seed=seed)
+        gpu, greqs, geng = _teacher_forced_logits(_model(dev), kv, "oasis", prompts, forced)
+        cpu, creqs, ceng = _teacher_forced_logits(_model("cpu"), kv, "oasis", prompts, forced)
+        if geng.pools.codes is None or all(
+            torch.equal(g[: c.shape[0]].cpu(), c[: g.shape[0]])
+            for g, c in zip(geng.pools.codes, ceng.pools.codes, strict=True)
+        ):
+            break
+    else:
+        pytest.fail("every prompt seed put a key on a code boundary")
     torch.testing.assert_close(gpu, cpu, atol=2e-3, rtol=1e-2)
     for g, c in zip(greqs, creqs, strict=True):
         assert g.metrics.fetched_bytes_total == c.metrics.fetched_bytes_total
