@@ -17,7 +17,8 @@ local block, t's own, always counts), and the share of the attention they hold i
 * ``max``    -- sum over the group of the block's largest exact logit (needs every key);
 * ``best``   -- the K blocks of most attention (the ceiling of any score);
 * ``int2``   -- today's ``KvConfig(block_score="codes")``: 2-bit codes inside each channel's block
-  [min, max], the block's largest approximate logit;
+  [min, max], the block's largest approximate logit (with exact weights ``q (max - min) / 3``; the
+  engine rounds them to f16, which moves a score by under 1e-3 of its magnitude);
 * ``int2/w8``, ``int2/w4`` -- the same with the per-block weights ``q (max - min) / 3`` rounded to
   8-bit (4-bit) signed integers with one scale per (block, query head): what an integer
   tensor-core product of codes and weights would compute;
