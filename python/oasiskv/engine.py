@@ -495,9 +495,15 @@ def keep_sinks(scores: torch.Tensor, blk_indptr: torch.Tensor, n_sink: int) -> t
     (``_relative_to_best`` of +inf would be NaN)."""
     if n_sink <= 0:
         return scores
-    n, heads = blk_indptr.shape[0] - 1, scores.shape[1]
-    sinks = torch.arange(n_sink, dtype=torch.int32, device=scores.device).expand(n, heads, n_sink)
-    return keep_pins(scores, blk_indptr, sinks)
+    return keep_pins(
+        scores, blk_indptr, _sink_ids(blk_indptr.shape[0] - 1, scores.shape[1], n_sink, scores.device)
+    )
+
+
+def _sink_ids(n: int, heads: int, n_sink: int, device) -> torch.Tensor:
+    """Logical blocks ``0 .. n_sink - 1`` for each of ``n`` requests and ``heads`` KV heads:
+    ``[n, heads, n_sink]`` int32 (an expanded view), in :func:`keep_pins`' layout."""
+    return torch.arange(n_sink, dtype=torch.int32, device=device).expand(n, heads, n_sink)
 
 
 def keep_pins(scores: torch.Tensor, blk_indptr: torch.Tensor, pins: torch.Tensor | None) -> torch.Tensor:
@@ -2210,15 +2216,22 @@ class Engine:
             scores = ops.score_blocks(self.geo, q, p.summaries[layer], *csr)
         return scores if self.score_reduce is None else self.score_reduce(scores)
 
-    def _pinned(self, layer: int, slots: torch.Tensor | None) -> torch.Tensor | None:
-        """The pinned blocks of ``layer`` for the requests in runtime ``slots``
-        (``KvConfig.pin_blocks``), ``[n, num_kv_heads, pin_blocks]``; None without pins or slots."""
-        return self._pins_of(layer)[slots] if self.kv.pin_blocks and slots is not None else None
-
-    def _keep_forced(self, scores: torch.Tensor, indptr: torch.Tensor, pins) -> torch.Tensor:
-        """``scores`` with each request's sink blocks and ``pins`` (:meth:`_pinned`) set to +inf:
-        what every top-K of the selection must take."""
-        return keep_pins(keep_sinks(scores, indptr, self.kv.sink_blocks), indptr, pins)
+    def _forced(self, layer: int, indptr: torch.Tensor, slots: torch.Tensor | None) -> torch.Tensor | None:
+        """The blocks every top-K of ``layer``'s selection takes, per request of the CSR ``indptr``
+        and KV head: its sink blocks (``0 .. sink_blocks - 1``), then the pinned blocks of the
+        requests in runtime ``slots`` (``KvConfig.pin_blocks``; none without slots), ``[n,
+        num_kv_heads, F]`` logical blocks in :func:`keep_pins`' layout (-1: none); None when
+        there are neither."""
+        parts = []
+        if self.kv.sink_blocks:
+            parts.append(
+                _sink_ids(indptr.shape[0] - 1, self.geo.num_kv_heads, self.kv.sink_blocks, self.device)
+            )
+        if self.kv.pin_blocks and slots is not None:
+            parts.append(self._pins_of(layer)[slots])
+        if not parts:
+            return None
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
     def top_k_blocks(
         self, layer: int, q: torch.Tensor, csr, k: int, slots: torch.Tensor | None = None
@@ -2232,21 +2245,20 @@ class Engine:
         prediction and recall; other arguments as :meth:`block_scores`."""
         g, p = self.geo, self.pools
         indptr = csr[0]
-        pins = self._pinned(layer, slots)
+        forced = self._forced(layer, indptr, slots)
         m = self.kv.candidate_blocks(k)
         if m is None or indptr.shape[0] <= 1:
-            scores = self._keep_forced(self.block_scores(layer, q, csr), indptr, pins)
+            scores = keep_pins(self.block_scores(layer, q, csr), indptr, forced)
             return ops.topk_blocks(g.num_kv_heads, scores, indptr, k)
         reduce = self.score_reduce or (lambda x: x)
-        bound = self._keep_forced(reduce(ops.score_blocks(g, q, p.summaries[layer], *csr)), indptr, pins)
+        bound = keep_pins(reduce(ops.score_blocks(g, q, p.summaries[layer], *csr)), indptr, forced)
         cand = ops.topk_blocks(g.num_kv_heads, bound, indptr, m)  # [n, H, m] logical, -1 padded
         scores = reduce(ops.rescore_blocks_codes(g, q, p.summaries[layer], p.codes[layer], *csr, cand))
         n = cand.shape[0]
-        if self.kv.sink_blocks or pins is not None:
+        if forced is not None:
             # The sinks and pins are candidates (+inf bounds); they stay ahead of every codes score.
-            keep = (cand >= 0) & (cand < self.kv.sink_blocks)  # [n, H, m]
-            if pins is not None:
-                keep |= ((cand.unsqueeze(-1) == pins.unsqueeze(2)) & (cand >= 0).unsqueeze(-1)).any(-1)
+            valid = (cand >= 0).unsqueeze(-1)
+            keep = ((cand.unsqueeze(-1) == forced.unsqueeze(2)) & valid).any(-1)  # [n, H, m]
             scores = scores.masked_fill(keep.permute(0, 2, 1).reshape(n * m, -1), torch.inf)
         rows = torch.arange(0, (n + 1) * m, m, dtype=torch.int32, device=q.device)
         # The top-k positions in 0..m, written as the candidates' logical blocks (one launch).
@@ -2261,8 +2273,8 @@ class Engine:
 
         ``also = (q_current, blk_seq)`` ranks each block by the larger of its two scores, each taken
         relative to its own query's best block (``KvConfig.select_queries``). Each request's first
-        ``KvConfig.sink_blocks`` candidates are always taken (:func:`keep_sinks`), and the pinned
-        blocks of the requests in runtime ``slots`` (:meth:`top_k_blocks`)."""
+        ``KvConfig.sink_blocks`` candidates and the pinned blocks of the requests in runtime
+        ``slots`` are always taken (:meth:`_forced`)."""
         p, g = self.pools, self.geo
         if also is None:
             pred = self.top_k_blocks(layer, q, blk_csr, k_budget, slots)
@@ -2274,7 +2286,7 @@ class Engine:
                 scores = torch.maximum(
                     _relative_to_best(scores, seq, q.shape[0]), _relative_to_best(other, seq, q.shape[0])
                 )
-            scores = self._keep_forced(scores, blk_csr[0], self._pinned(layer, slots))
+            scores = keep_pins(scores, blk_csr[0], self._forced(layer, blk_csr[0], slots))
             pred = ops.topk_blocks(g.num_kv_heads, scores, blk_csr[0], k_budget)
         ps, pb, _ = ops.delta_select(
             g.num_kv_heads, pred, slot_pages, p.page_map[layer], p.page_last_selected[layer], step, cap
