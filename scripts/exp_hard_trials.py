@@ -130,14 +130,13 @@ def main(argv: list[str] | None = None) -> int:
             top_k_blocks=k,
             fetch_cap=fetch_cap,
             measure_recall=False,
-            select_queries=spec.select_queries,
-            block_score=spec.block_score,
-            sink_blocks=spec.sink_blocks,
-            pin_blocks=spec.pin_blocks,
-            score_candidates=spec.score_candidates,
+            **spec.kv_kwargs(),
             **pool_kw,
         )
-        drafter = Eagle3Drafter(head, model) if spec.base.startswith("eagle3") else spec.base
+        if spec.base.startswith("eagle3"):  # as oasis eval's retrieval section builds it
+            drafter = Eagle3Drafter(head, model, prefill=spec.base != "eagle3-noprefill")
+        else:
+            drafter = spec.base
         variants.append((v.strip(), LLM(model, tokenizer=tok, kv=kv, backend="oasis", drafter=drafter)))
     wins = {n: 0 for n, _ in variants}
     counted = 0

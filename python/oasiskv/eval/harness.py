@@ -553,11 +553,7 @@ def run_retrieval(args, model, tok, head, results: Results, files, progress: boo
                 top_k_blocks=k_blocks,
                 fetch_cap=cap,
                 measure_recall=False,
-                select_queries=spec.select_queries,
-                block_score=spec.block_score,
-                sink_blocks=spec.sink_blocks,
-                pin_blocks=spec.pin_blocks,
-                score_candidates=spec.score_candidates,
+                **spec.kv_kwargs(),
                 **pool_kw,
             )
             if base.startswith("eagle3"):

@@ -73,6 +73,16 @@ class DrafterSpec:
     score_candidates: float | None = None
     pin_blocks: int = 0
 
+    def kv_kwargs(self) -> dict:
+        """The :class:`~oasiskv.KvConfig` keyword arguments the suffixes set."""
+        return dict(
+            select_queries=self.select_queries,
+            block_score=self.block_score,
+            sink_blocks=self.sink_blocks,
+            pin_blocks=self.pin_blocks,
+            score_candidates=self.score_candidates,
+        )
+
 
 _CODES_F = re.compile(r"(\d+(\.\d+)?)?")  # the F of "+codesF"
 
@@ -557,11 +567,7 @@ class TeacherForcing:
                 fetch_cap=policy.fetch_cap,
                 sparse_threshold=max(1, self.prefix - 1),  # sparse from the first decode step
                 measure_recall=True,
-                select_queries=spec.select_queries,
-                block_score=spec.block_score,
-                sink_blocks=spec.sink_blocks,
-                pin_blocks=spec.pin_blocks,
-                score_candidates=spec.score_candidates,
+                **spec.kv_kwargs(),
             )
         else:
             kv = KvConfig(block_size=b, top_k_blocks=1, fetch_cap=None, measure_recall=False)
