@@ -424,33 +424,27 @@ __device__ void score_codes_tile(float* __restrict__ sm, unsigned char* __restri
     float lim = 0.f;      // the largest |max - min| the tensor-core path takes for that sequence
     int loaded = -1;      // sequence whose query the warp holds
     u32 pending = valid;  // entries not yet copied (warp-uniform)
+    // The next entry not yet copied into buffer `buf`, one commit group per call (an empty group
+    // once every entry is copied, so that a wait counts entries either way).
+    auto copy_next = [&](int buf) {
+        if (pending != 0u) {
+            const int e = __ffs(pending) - 1;
+            pending &= pending - 1u;
+            codes_stage_entry<T>(stage + buf * sb, summaries, codes, __shfl_sync(0xffffffffu, tile_idx, e), h,
+                                 num_kv_heads, head_dim);
+        } else {
+            codes_cp_async_commit();
+        }
+    };
     if (KC > 0) {
 #pragma unroll
-        for (int i = 0; i < S - 1; ++i) {
-            if (pending != 0u) {
-                const int e = __ffs(pending) - 1;
-                pending &= pending - 1u;
-                codes_stage_entry<T>(stage + i * sb, summaries, codes, __shfl_sync(0xffffffffu, tile_idx, e), h,
-                                     num_kv_heads, head_dim);
-            } else {
-                codes_cp_async_commit();  // an empty group keeps the count per entry
-            }
-        }
+        for (int i = 0; i < S - 1; ++i) copy_next(i);
     }
     int slot = 0;
     for (u32 todo = valid; todo != 0u; todo &= todo - 1u) {  // warp-uniform
         const int cur = __ffs(todo) - 1;
         if (KC > 0) {
-            // Entry S - 1 ahead into the buffer the previous entry used.
-            const int ahead = slot == 0 ? S - 1 : slot - 1;
-            if (pending != 0u) {
-                const int e = __ffs(pending) - 1;
-                pending &= pending - 1u;
-                codes_stage_entry<T>(stage + ahead * sb, summaries, codes, __shfl_sync(0xffffffffu, tile_idx, e), h,
-                                     num_kv_heads, head_dim);
-            } else {
-                codes_cp_async_commit();
-            }
+            copy_next(slot == 0 ? S - 1 : slot - 1);  // S - 1 ahead, into the buffer the previous entry used
             codes_cp_async_wait<S - 1>();  // this entry's group is complete
             __syncwarp();
         }
