@@ -23,7 +23,9 @@
 #define OASIS_CODES_THREADS 128
 // Consecutive entries of blk_indices one warp scores for one KV head (one block id per lane).
 // oasis_cuda::ops::SCORE_CODES_TILE must match.
+#ifndef OASIS_CODES_TILE
 #define OASIS_CODES_TILE 32
+#endif
 // NOTE: performance. score_blocks_codes_* has two paths: the tensor-core one (block_size 16,
 // head_dim 64 or 128, group <= 8, 16-byte aligned buffers: the engine's shapes; one
 // mma.m16n8k16 per 16 channels, the codes as A and the f16 code weights as B) and an exact scalar
@@ -204,8 +206,17 @@ __device__ void score_codes_scalar_entry(
 // scalar path instead (warp-uniform votes): the definition is the same, so only speed differs.
 
 // Buffers per warp of the tensor-core path (oasis_cuda::ops::SCORE_CODES_STAGES must match): the
-// warp has OASIS_CODES_STAGES - 1 entries in flight while it computes one.
+// warp has OASIS_CODES_STAGES - 1 entries in flight while it computes one. The #ifndef guards let
+// scripts/exp_codes.py compile variants.
+#ifndef OASIS_CODES_STAGES
 #define OASIS_CODES_STAGES 3
+#endif
+// Thread blocks per SM the register allocation must allow (__launch_bounds__): 6 (at most 80
+// registers, no spills) rescored the two-stage candidates 12 % faster than 4 on the H200
+// (24 warps per SM hide more of the copies' latency; scripts/exp_codes.py, docs/PERF.md).
+#ifndef OASIS_CODES_MIN_BLOCKS
+#define OASIS_CODES_MIN_BLOCKS 6
+#endif
 // Bound on max |q3| x |max - min| under which every weight is a finite f16 (65504 less the
 // rounding of rho and of the product).
 #define OASIS_CODES_F16_SAFE 65000.0f
@@ -252,13 +263,11 @@ __device__ __forceinline__ u32 codes_f16x2_at(u32 w, int s) {
 }
 
 // The epilogue: C holds sum_d c x w for tokens (rows gid, gid + 8) and query heads (columns
-// 2 tig, 2 tig + 1); `base` this lane's share of q[gid] . min. Writes the entry's score (sum over
-// the group's query heads of base + the max over the block's tokens) from lane 0.
+// 2 tig, 2 tig + 1); `base` this lane's share of (sum over g of q[g]) . min. Writes the entry's
+// score (sum over the group's query heads of the max over the block's tokens, plus the base)
+// from lane 0.
 __device__ __forceinline__ void codes_mma_epilogue(const float (&c)[4], float base, int gid, int tig, int lane,
-                                                   bool gvalid, float* __restrict__ out) {
-    // q[gid] . min: the four lanes of a row hold a quarter of the channels each.
-    base += __shfl_xor_sync(0xffffffffu, base, 1);
-    base += __shfl_xor_sync(0xffffffffu, base, 2);
+                                                   int group, float* __restrict__ out) {
     // Max over the 16 tokens of columns 2 tig and 2 tig + 1: rows gid and gid + 8 here, then over gid.
     float m0 = nan_max(c[0], c[2]);
     float m1 = nan_max(c[1], c[3]);
@@ -267,11 +276,13 @@ __device__ __forceinline__ void codes_mma_epilogue(const float (&c)[4], float ba
         m0 = nan_max(m0, __shfl_xor_sync(0xffffffffu, m0, o));
         m1 = nan_max(m1, __shfl_xor_sync(0xffffffffu, m1, o));
     }
-    // Query head n = gid: its max sits in lane n >> 1 (slot n & 1); lanes with tig 0 add it to the
-    // base they hold, and the warp sums those terms.
-    const float v0 = __shfl_sync(0xffffffffu, m0, gid >> 1);
-    const float v1 = __shfl_sync(0xffffffffu, m1, gid >> 1);
-    float term = (tig == 0 && gvalid) ? base + ((gid & 1) ? v1 : v0) : 0.f;
+    // Lanes with gid 0 add their two query heads' maxima (those in the group) to their share of
+    // the base, and the warp sums those terms.
+    float term = base;
+    if (gid == 0) {
+        if (2 * tig < group) term += m0;
+        if (2 * tig + 1 < group) term += m1;
+    }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) term += __shfl_xor_sync(0xffffffffu, term, o);
     if (lane == 0) *out = term;
@@ -310,21 +321,25 @@ __device__ __forceinline__ void codes_stage_entry(unsigned char* __restrict__ bu
     codes_cp_async_commit();
 }
 
-// Lane (gid, tig)'s part of the sequence's query at k-step kc (the B rows 2 tig, 2 tig + 1,
-// 2 tig + 8, 2 tig + 9, channels as described above): qv[i] = q[gid][dd[i]] (0 for a column
-// beyond the group) and q3[0] = f16x2 of q / 3 at (dd[0], dd[1]), q3[1] at (dd[2], dd[3]).
-// `q3max`: the largest |q / 3| so far, NaN-propagating through `fits` (false for |q3| > 65504).
+// The channels of lane tig at k-step kc (the B rows 2 tig, 2 tig + 1, 2 tig + 8, 2 tig + 9, as
+// described above), in this order: c + 2m, c + 2m + 8, c + 2m + 1, c + 2m + 9.
+template <int KC>
+__device__ __forceinline__ int codes_channel(int kc, int tig, int i) {
+    const int c = tig * 4 * KC + 16 * (kc >> 2) + 2 * (kc & 3);
+    return c + (i & 1) * 8 + (i >> 1);
+}
+
+// Lane (gid, tig)'s part of the sequence's query at k-step kc: q3[0] = f16x2 of q[gid] / 3 at
+// channels (0, 1) of codes_channel, q3[1] at (2, 3); 0 for a column beyond the group. `q3max`:
+// the largest |q / 3| so far, NaN-propagating through `fits` (false for |q3| > 65504).
 template <int KC>
 __device__ __forceinline__ void codes_q_fragment(const float* __restrict__ sq, int kc, int gid, int tig, int group,
-                                                 int head_dim, float (&qv)[4], u32 (&q3)[2], float& q3max, bool& fits) {
-    const int c = tig * 4 * KC + 16 * (kc >> 2);
-    const int m = kc & 3;
-    const int dd[4] = {c + 2 * m, c + 2 * m + 8, c + 2 * m + 1, c + 2 * m + 9};
+                                                 int head_dim, u32 (&q3)[2], float& q3max, bool& fits) {
     float w[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-        qv[i] = gid < group ? sq[gid * head_dim + dd[i]] : 0.f;
-        w[i] = codes_round_f16(__fdiv_rn(qv[i], 3.f));
+        const float qv = gid < group ? sq[gid * head_dim + codes_channel<KC>(kc, tig, i)] : 0.f;
+        w[i] = codes_round_f16(__fdiv_rn(qv, 3.f));
         fits = fits && fabsf(w[i]) <= 65504.f;  // false for NaN / inf
         q3max = fmaxf(q3max, fabsf(w[i]));
     }
@@ -332,20 +347,59 @@ __device__ __forceinline__ void codes_q_fragment(const float* __restrict__ sq, i
     q3[1] = codes_pack_f16x2(w[2], w[3]);
 }
 
+// The group-summed query (sum over g of q[g], f32 in g order) at the channels whose ranges lane
+// (gid, tig) computes in score_codes_mma_entry: k-step gid's (0 for gid >= KC, whose k-step
+// another lane already covers).
+template <int KC>
+__device__ __forceinline__ void codes_qsum_fragment(const float* __restrict__ sq, int gid, int tig, int group,
+                                                    int head_dim, float (&qs)[4]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const int d = codes_channel<KC>(gid & (KC - 1), tig, i);
+        float v = 0.f;
+        for (int g = 0; g < group; ++g) v += sq[g * head_dim + d];
+        qs[i] = gid < KC ? v : 0.f;
+    }
+}
+
 // One (block, head) from its staged copy `buf` (returns false, writing nothing, when a channel's
-// range may give a weight outside f16: |max - min| > lim, or NaN / inf).
+// range may give a weight outside f16: |max - min| > lim, or NaN / inf). The ranges are computed
+// once per channel: lane (gid, tig) computes k-step gid's four (8 lanes share a tig's channels),
+// and each k-step fetches its two f16x2 registers of ranges from lane (kc, tig) with a shuffle;
+// the same lane adds its channels' share of (sum over g of q[g]) . min, reduced over the warp
+// in the epilogue.
 template <typename T, int KC>
-__device__ bool score_codes_mma_entry(const unsigned char* __restrict__ buf, const float (&qv)[KC][4],
+__device__ bool score_codes_mma_entry(const unsigned char* __restrict__ buf, const float (&qs)[4],
                                       const u32 (&q3)[KC][2], float lim, float* __restrict__ out, int group,
                                       int head_dim) {
     const int lane = threadIdx.x & 31;
     const int gid = lane >> 2;
     const int tig = lane & 3;
-    const int eb = (int)sizeof(T);
-    const unsigned char* mn = buf + tig * 4 * KC * eb;  // this lane's 4 KC channels of the min row
-    const unsigned char* mx = mn + head_dim * eb;
+    const T* mn = reinterpret_cast<const T*>(buf);
+    const T* mx = mn + head_dim;
+    const int e0 = codes_channel<KC>(gid & (KC - 1), tig, 0);  // channels e0, e0 + 1, e0 + 8, e0 + 9
+    float lp[4], hp[4];
+    codes_load2<T>(mn + e0, lp[0], lp[1]);
+    codes_load2<T>(mn + e0 + 8, lp[2], lp[3]);
+    codes_load2<T>(mx + e0, hp[0], hp[1]);
+    codes_load2<T>(mx + e0 + 8, hp[2], hp[3]);
+    // In codes_channel's order: e0, e0 + 8, e0 + 1, e0 + 9.
+    const float lo[4] = {lp[0], lp[2], lp[1], lp[3]};
+    const float hi[4] = {hp[0], hp[2], hp[1], hp[3]};
+    float r[4];
+    bool fits = true;
+    float base = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        r[i] = __fsub_rn(hi[i], lo[i]);
+        fits = fits && fabsf(r[i]) <= lim;  // false for NaN / inf
+        base = fmaf(qs[i], lo[i], base);
+    }
+    if (!__all_sync(0xffffffffu, fits)) return false;
+    const u32 rr0 = codes_pack_f16x2(r[0], r[1]);
+    const u32 rr1 = codes_pack_f16x2(r[2], r[3]);
     // Codes: token t's row of head_dim / 4 bytes; this lane's KC bytes (KC / 4 words) of rows gid, gid + 8.
-    const unsigned char* cb = buf + 2 * head_dim * eb + tig * KC;
+    const unsigned char* cb = buf + 2 * head_dim * (int)sizeof(T) + tig * KC;
     u32 wl[KC / 4], wh[KC / 4];
 #pragma unroll
     for (int u = 0; u < KC / 4; ++u) {
@@ -353,37 +407,18 @@ __device__ bool score_codes_mma_entry(const unsigned char* __restrict__ buf, con
         wh[u] = *reinterpret_cast<const u32*>(cb + (gid + 8) * (head_dim >> 2) + 4 * u);
     }
     float c[4] = {0.f, 0.f, 0.f, 0.f};
-    float base = 0.f;
-    bool fits = true;
 #pragma unroll
     for (int kc = 0; kc < KC; ++kc) {
         const int u = kc >> 2;
         const int m = kc & 3;
-        // Channels 2m, 2m + 1 and 2m + 8, 2m + 9 of the word's 16 (two pairs of adjacent elements).
-        const int e0 = 16 * u + 2 * m;
-        float lp[4], hp[4];
-        codes_load2<T>(reinterpret_cast<const T*>(mn) + e0, lp[0], lp[1]);
-        codes_load2<T>(reinterpret_cast<const T*>(mn) + e0 + 8, lp[2], lp[3]);
-        codes_load2<T>(reinterpret_cast<const T*>(mx) + e0, hp[0], hp[1]);
-        codes_load2<T>(reinterpret_cast<const T*>(mx) + e0 + 8, hp[2], hp[3]);
-        // In codes_q_fragment's order: 2m, 2m + 8, 2m + 1, 2m + 9.
-        const float lo[4] = {lp[0], lp[2], lp[1], lp[3]};
-        const float hi[4] = {hp[0], hp[2], hp[1], hp[3]};
-        float r[4];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            r[i] = __fsub_rn(hi[i], lo[i]);
-            fits = fits && fabsf(r[i]) <= lim;  // false for NaN / inf
-            base = fmaf(qv[kc][i], lo[i], base);
-        }
-        const u32 b0 = codes_mul_f16x2(q3[kc][0], codes_pack_f16x2(r[0], r[1]));
-        const u32 b1 = codes_mul_f16x2(q3[kc][1], codes_pack_f16x2(r[2], r[3]));
+        const int src = kc * 4 + tig;
+        const u32 b0 = codes_mul_f16x2(q3[kc][0], __shfl_sync(0xffffffffu, rr0, src));
+        const u32 b1 = codes_mul_f16x2(q3[kc][1], __shfl_sync(0xffffffffu, rr1, src));
         const u32 a[4] = {codes_f16x2_at(wl[u], 4 * m), codes_f16x2_at(wh[u], 4 * m), codes_f16x2_at(wl[u], 4 * m + 2),
                           codes_f16x2_at(wh[u], 4 * m + 2)};
         codes_mma16816_f16(c, a, b0, b1);
     }
-    if (!__all_sync(0xffffffffu, fits)) return false;
-    codes_mma_epilogue(c, base, gid, tig, lane, gid < group, out);
+    codes_mma_epilogue(c, base, gid, tig, lane, group, out);
     return true;
 }
 
@@ -418,7 +453,7 @@ __device__ void score_codes_tile(float* __restrict__ sm, unsigned char* __restri
     if (mine && tile_idx < 0) scores[(i64)(t0 + lane) * num_kv_heads + h] = neg_inf();
     const u32 valid = __ballot_sync(0xffffffffu, mine && tile_idx >= 0);
     if (valid == 0u) return;
-    float qv[NR][4];
+    float qs[4];
     u32 q3[NR][2];
     bool q_fits = false;  // the held sequence's q3 fit f16 (warp-uniform)
     float lim = 0.f;      // the largest |max - min| the tensor-core path takes for that sequence
@@ -459,7 +494,8 @@ __device__ void score_codes_tile(float* __restrict__ sm, unsigned char* __restri
                 float q3max = 0.f;
 #pragma unroll
                 for (int kc = 0; kc < NR; ++kc)
-                    codes_q_fragment<NR>(sm, kc, gid, tig, group, head_dim, qv[kc], q3[kc], q3max, fits);
+                    codes_q_fragment<NR>(sm, kc, gid, tig, group, head_dim, q3[kc], q3max, fits);
+                codes_qsum_fragment<NR>(sm, gid, tig, group, head_dim, qs);
                 q_fits = __all_sync(0xffffffffu, fits);
 #pragma unroll
                 for (int o = 16; o > 0; o >>= 1) q3max = fmaxf(q3max, __shfl_xor_sync(0xffffffffu, q3max, o));
@@ -467,7 +503,7 @@ __device__ void score_codes_tile(float* __restrict__ sm, unsigned char* __restri
             }
         }
         if (!(KC > 0 && q_fits &&
-              score_codes_mma_entry<T, NR>(stage + slot * sb, qv, q3, lim, out, group, head_dim))) {
+              score_codes_mma_entry<T, NR>(stage + slot * sb, qs, q3, lim, out, group, head_dim))) {
             score_codes_scalar_entry<T>(sm, summaries, codes, out, b, h, group, num_kv_heads, head_dim, block_size);
         }
         if (KC > 0) {
@@ -570,9 +606,8 @@ OASIS_BUILD_KEY_CODES(build_key_codes_bf16, oasis::bf16)
 OASIS_BUILD_KEY_CODES(build_key_codes_f16, oasis::f16)
 OASIS_BUILD_KEY_CODES(build_key_codes_f32, float)
 
-// At least 4 blocks per SM: at most 128 registers.
 #define OASIS_SCORE_BLOCKS_CODES(NAME, T)                                                            \
-    extern "C" __global__ void __launch_bounds__(OASIS_CODES_THREADS, 4)                             \
+    extern "C" __global__ void __launch_bounds__(OASIS_CODES_THREADS, OASIS_CODES_MIN_BLOCKS)        \
         NAME(const __grid_constant__ oasis::ScoreBlocksCodesParams<T> p) {                           \
         oasis::score_blocks_codes_impl<T>(p.q, p.summaries, p.codes, p.blk_indptr, p.blk_indices,    \
                                           p.scores, p.cand, p.num_seqs, p.nnz, p.num_qo_heads,       \

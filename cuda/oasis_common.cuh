@@ -144,6 +144,30 @@ __device__ void block_bitonic_sort(K* a, int n) {
     }
 }
 
+// Ascending in-place sort of `n` DISTINCT keys in shared memory by rank counting, n <= blockDim.x
+// (a power of two, as every launch here): each key's rank is the number of keys below it, counted
+// by `sub` threads (the largest power of two <= 32 with sub * n <= blockDim.x) over strided
+// parts and summed with shuffles; one barrier between the counts and the scatter, where a bitonic
+// sort of 256 keys takes 36. Every thread of the block must call it, after a barrier that
+// published the keys; ends with a barrier.
+template <typename K>
+__device__ void block_rank_sort(K* a, int n) {
+    int sub = 1;
+    while (sub < 32 && 2 * sub * n <= (int)blockDim.x) sub <<= 1;
+    const int e = threadIdx.x / sub;
+    const int part = threadIdx.x & (sub - 1);
+    const bool mine = e < n;
+    const K x = mine ? a[e] : K(0);
+    int rank = 0;
+    if (mine) {
+        for (int j = part; j < n; j += sub) rank += a[j] < x ? 1 : 0;
+    }
+    for (int o = 1; o < sub; o <<= 1) rank += __shfl_xor_sync(0xffffffffu, rank, o);
+    __syncthreads();
+    if (mine && part == 0) a[rank] = x;
+    __syncthreads();
+}
+
 __device__ __forceinline__ int next_pow2(int n) {
     int p = 1;
     while (p < n) p <<= 1;

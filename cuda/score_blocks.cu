@@ -34,6 +34,12 @@
 // Consecutive entries j of blk_indices one warp of score_blocks_* scores, for one KV head: the
 // grid has ceil(nnz / OASIS_SCORE_TILE) * num_kv_heads warps. One index per lane: must be 32.
 #define OASIS_SCORE_TILE 32
+// 1: topk_blocks_f32 counts its radix histogram and takes its entries with one shared atomic per
+// warp and bin (__match_any_sync, __ballot_sync); 0: one per entry. 0 measured faster on the H200
+// (scripts/exp_codes.py, docs/PERF.md).
+#ifndef OASIS_TOPK_AGG
+#define OASIS_TOPK_AGG 0
+#endif
 // Threads per block of topk_blocks_f32, and the largest k it supports (the selected entries are
 // sorted in shared memory: k rounded up to a power of two must fit the sort buffer).
 #ifndef OASIS_TOPK_THREADS
@@ -383,8 +389,10 @@ __device__ __forceinline__ u64 rank_key(u32 key, int i) { return ((u64)(~key) <<
 // grid (num_seqs, num_kv_heads), OASIS_TOPK_THREADS threads. For each (s, h): the k best logical
 // blocks of s (0-based within s) by score, best first, ties to the lower index, -1 padding; with
 // index_map, each through index_map[s, h, .] (CPU twin: oasis_core::kernels::topk_blocks_mapped).
-// Radix select (4 passes of 8 bits) finds the k-th largest key T; entries above T are taken in
-// any order and entries equal to T in index order until k are taken; a bitonic sort orders them.
+// Radix select (up to 4 passes of 8 bits) finds the k-th largest key T; entries above T are taken
+// in any order and entries equal to T in index order until k are taken (a pass whose chosen bin
+// holds exactly the entries still to take ends the select early: every key in or above it is
+// taken); a rank sort (bitonic past blockDim.x entries) orders them.
 // A row of at most OASIS_MAX_TOPK entries is sorted whole instead (the same order).
 __device__ void topk_blocks_impl(
     const float* __restrict__ scores,   // [nnz, num_kv_heads]
@@ -399,6 +407,7 @@ __device__ void topk_blocks_impl(
     __shared__ u32 s_prefix;
     __shared__ int s_remaining;
     __shared__ int s_count;
+    __shared__ int s_exact;
 
     const int s = blockIdx.x;
     const int h = blockIdx.y;
@@ -426,13 +435,27 @@ __device__ void topk_blocks_impl(
         u32 prefix = 0;
         u32 mask = 0;
         int remaining = k;  // how many of the entries matching prefix/mask are still to be taken
+        // Set when the chosen bin holds exactly the entries still to be taken: then the k best are
+        // the keys >= prefix (its lower bits 0), and the passes below it are skipped.
+        bool exact = false;
         for (int shift = 24; shift >= 0; shift -= 8) {
             for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
             __syncthreads();
+#if OASIS_TOPK_AGG
+            // Whole warps per step, one atomic per distinct bin of a warp (__match_any_sync).
+            for (int w0 = threadIdx.x & ~31; w0 < n; w0 += blockDim.x) {
+                const int i = w0 + (threadIdx.x & 31);
+                const u32 key = i < n ? key_at(i) : 0u;
+                const int bin = i < n && (key & mask) == prefix ? (int)((key >> shift) & 255u) : 256;
+                const unsigned peers = __match_any_sync(0xffffffffu, bin);
+                if (bin < 256 && (threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
+            }
+#else
             for (int i = threadIdx.x; i < n; i += blockDim.x) {
                 const u32 key = key_at(i);
                 if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1);
             }
+#endif
             __syncthreads();
             if (threadIdx.x < 32) {
                 // The highest bin where the count from the top reaches `remaining`: lane l owns
@@ -459,26 +482,44 @@ __device__ void topk_blocks_impl(
                     }
                     s_prefix = prefix | ((u32)bin << shift);
                     s_remaining = remaining - above;
+                    s_exact = above + hist[bin] == remaining ? 1 : 0;
                 }
             }
             __syncthreads();
             prefix = s_prefix;
             remaining = s_remaining;
             mask |= 255u << shift;
+            exact = s_exact != 0;
             __syncthreads();
+            if (exact) break;  // block-uniform
         }
-        // prefix is now the k-th largest key; `remaining` entries equal to it are taken.
+        // Without `exact`, prefix is now the k-th largest key and `remaining` entries equal to it
+        // are taken; with it, every key >= prefix is (exactly k of them).
         const u32 kth = prefix;
-        const int n_above = k - remaining;
+        const int n_above = exact ? k : k - remaining;
         if (threadIdx.x == 0) s_count = 0;
         __syncthreads();
+#if OASIS_TOPK_AGG
+        for (int w0 = threadIdx.x & ~31; w0 < n; w0 += blockDim.x) {  // one atomic per warp and step
+            const int lane = threadIdx.x & 31;
+            const int i = w0 + lane;
+            const u32 key = i < n ? key_at(i) : 0u;
+            const bool take_it = i < n && (key > kth || (exact && key == kth));
+            const unsigned ballot = __ballot_sync(0xffffffffu, take_it);
+            int at = 0;
+            if (lane == 0 && ballot != 0u) at = atomicAdd(&s_count, __popc(ballot));
+            at = __shfl_sync(0xffffffffu, at, 0);
+            if (take_it) sel[at + __popc(ballot & ((1u << lane) - 1u))] = rank_key(key, i);
+        }
+#else
         for (int i = threadIdx.x; i < n; i += blockDim.x) {
             const u32 key = key_at(i);
-            if (key > kth) sel[atomicAdd(&s_count, 1)] = rank_key(key, i);
+            if (key > kth || (exact && key == kth)) sel[atomicAdd(&s_count, 1)] = rank_key(key, i);
         }
+#endif
         // Ties at the threshold: the lowest indices first (ordered compaction, chunk by chunk).
         int taken = 0;
-        for (int c0 = 0; c0 < n && taken < remaining; c0 += blockDim.x) {
+        for (int c0 = 0; c0 < n && !exact && taken < remaining; c0 += blockDim.x) {
             const int i = c0 + threadIdx.x;
             const int flag = (i < n && key_at(i) == kth) ? 1 : 0;
             int total;
@@ -488,7 +529,13 @@ __device__ void topk_blocks_impl(
         }
     }
     __syncthreads();
-    block_bitonic_sort(sel, sort_n);
+    // The entries are distinct (rank_key holds the index), the padding (~0) above all of them.
+    const int filled = whole ? n : take;
+    if (filled <= (int)blockDim.x) {
+        block_rank_sort(sel, filled);
+    } else {
+        block_bitonic_sort(sel, sort_n);
+    }
     int* dst = out + ((i64)s * num_kv_heads + h) * k;
     // With index_map, position i of this row stands for index_map[s, h, i] (the two-stage codes
     // score: candidates' logical blocks); past the map it is -1.

@@ -1,0 +1,280 @@
+"""Time the two-stage codes score (KvConfig(score_candidates=F)) part by part, and compile variants
+of cuda/key_codes.cu (its #ifndef knobs) with CuPy's NVRTC to time the candidates' rescoring.
+
+    python3 scripts/exp_codes.py [--batch 64] [--ctx 32768] [--k 128] [--factor 1.5]
+        [--source-alt PATH] [--json out.json]
+
+An experiment tool for the GPU machine (CuPy, torch and the oasiskv wheel there, no cargo). Parts:
+the Quest score, its top-m, the rescoring, the last top-k with the map back, and the whole chain,
+each replayed from a CUDA graph (oasiskv.bench.kernels.time_graph). Variants: each is checked
+against the wheel's rescoring (largest difference relative to the scores' magnitude) and timed
+with CUDA events over back-to-back launches, as is the wheel's kernel in the same run.
+``--source-alt`` adds the variants compiled from another copy of key_codes.cu (an older version).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from pathlib import Path
+
+import cupy as cp
+import numpy as np
+import torch
+
+from oasiskv import ops
+from oasiskv.bench.kernels import codes_inputs, time_graph
+
+ROOT = Path(__file__).resolve().parents[1] / "cuda"
+
+# The defaults of cuda/key_codes.cu's knobs (what oasis-cuda builds); each variant overrides some.
+DEFAULTS = {"OASIS_CODES_STAGES": 3, "OASIS_CODES_MIN_BLOCKS": 6, "OASIS_CODES_TILE": 32}
+VARIANTS = [
+    {},
+    {"OASIS_CODES_MIN_BLOCKS": 4},
+    {"OASIS_CODES_MIN_BLOCKS": 5},
+    {"OASIS_CODES_STAGES": 4},
+    {"OASIS_CODES_STAGES": 4, "OASIS_CODES_MIN_BLOCKS": 5},
+    {"OASIS_CODES_STAGES": 4, "OASIS_CODES_MIN_BLOCKS": 6},
+    {"OASIS_CODES_STAGES": 5, "OASIS_CODES_MIN_BLOCKS": 5},
+    {"OASIS_CODES_STAGES": 2, "OASIS_CODES_MIN_BLOCKS": 8},
+    {"OASIS_CODES_TILE": 16},
+]
+THREADS = 128  # OASIS_CODES_THREADS
+
+
+def source(path: Path) -> str:
+    src = path.read_text()
+    for header in ("oasis_common.cuh", "oasis_params.cuh"):
+        src = src.replace(f'#include "{header}"', (ROOT / header).read_text())
+    return src
+
+
+def params(*fields: tuple[str, str, int]) -> np.void:
+    """A kernel's parameter struct (cuda/oasis_params.cuh) as a NumPy structured scalar."""
+    fmt = {"ptr": np.uint64, "i32": np.int32}
+    dt = np.dtype({"names": [f[0] for f in fields], "formats": [fmt[f[1]] for f in fields]}, align=True)
+    assert dt.itemsize % 8 == 0
+    v = np.zeros((), dtype=dt)
+    for name, _, value in fields:
+        v[name] = value
+    return v[()]
+
+
+def timed(fn, calls=20, repeat=15) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(repeat):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(calls):
+            fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / calls)
+    return statistics.median(ts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--ctx", type=int, default=32768)
+    ap.add_argument("--k", type=int, default=128)
+    ap.add_argument("--factor", type=float, default=1.5)
+    ap.add_argument("--source-alt", default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    hq, hk, d, bs = 32, 8, 128, 16
+    geo = ops.KvGeometry(hq, hk, d, bs)
+    torch.manual_seed(0)
+    q, summ, codes, indptr, indices = codes_inputs(geo, dev, torch.bfloat16, args.batch, args.ctx)
+    n_host = indices.numel()
+    m = min(512, math.ceil(args.factor * args.k))
+    bound = torch.empty(n_host, hk, device=dev, dtype=torch.float32)
+    cand = torch.empty(args.batch, hk, m, device=dev, dtype=torch.int32)
+    rescored = torch.empty(args.batch * m, hk, device=dev, dtype=torch.float32)
+    rows = torch.arange(0, args.batch * m + 1, m, device=dev, dtype=torch.int32)
+    top = torch.empty(args.batch, hk, args.k, device=dev, dtype=torch.int32)
+    top_q = torch.empty_like(top)
+
+    parts = {
+        "quest_score": lambda: ops.score_blocks(geo, q, summ, indptr, indices, bound),
+        "quest_topk": lambda: ops.topk_blocks(hk, bound, indptr, args.k, top_q),
+        "topm": lambda: ops.topk_blocks(hk, bound, indptr, m, cand),
+        "rescore": lambda: ops.rescore_blocks_codes(geo, q, summ, codes, indptr, indices, cand, rescored),
+        "final_topk": lambda: ops.topk_blocks(hk, rescored, rows, args.k, top, index_map=cand),
+    }
+    for f in parts.values():
+        f()
+    torch.cuda.synchronize()
+    out: dict = {"batch": args.batch, "ctx": args.ctx, "k": args.k, "m": m, "parts_us": {}, "variants": []}
+    for name, f in parts.items():
+        out["parts_us"][name] = time_graph(f) * 1e3
+
+    def quest():
+        parts["quest_score"]()
+        parts["quest_topk"]()
+
+    def staged():
+        parts["quest_score"]()
+        parts["topm"]()
+        parts["rescore"]()
+        parts["final_topk"]()
+
+    out["parts_us"]["quest_chain"] = time_graph(quest) * 1e3
+    out["parts_us"]["staged_chain"] = time_graph(staged) * 1e3
+    out["ratio"] = out["parts_us"]["staged_chain"] / out["parts_us"]["quest_chain"]
+    print(json.dumps(out["parts_us"]), f"ratio {out['ratio']:.3f}", flush=True)
+
+    parts["rescore"]()
+    torch.cuda.synchronize()
+    ref = rescored.clone()
+    scale = ref[torch.isfinite(ref)].abs().max().item()
+    wheel_ms = timed(parts["rescore"])
+    out["wheel_rescore_us"] = wheel_ms * 1e3
+    print(f"wheel rescore {wheel_ms * 1e3:.1f} us (events, eager)", flush=True)
+
+    c = {
+        name: cp.asarray(t)
+        for name, t in dict(
+            q=q.view(torch.int16),
+            summ=summ.view(torch.int16),
+            codes=codes,
+            indptr=indptr,
+            indices=indices,
+            scores=rescored,
+            cand=cand,
+        ).items()
+    }
+    p = params(
+        ("q", "ptr", c["q"].data.ptr),
+        ("summaries", "ptr", c["summ"].data.ptr),
+        ("codes", "ptr", c["codes"].data.ptr),
+        ("blk_indptr", "ptr", c["indptr"].data.ptr),
+        ("blk_indices", "ptr", c["indices"].data.ptr),
+        ("scores", "ptr", c["scores"].data.ptr),
+        ("cand", "ptr", c["cand"].data.ptr),
+        ("num_seqs", "i32", args.batch),
+        ("nnz", "i32", n_host),
+        ("num_qo_heads", "i32", hq),
+        ("num_kv_heads", "i32", hk),
+        ("head_dim", "i32", d),
+        ("block_size", "i32", bs),
+        ("num_host_blocks", "i32", n_host),
+        ("cand_m", "i32", m),
+    )
+    group = hq // hk
+    n_out = args.batch * m
+    sources = [("current", ROOT / "key_codes.cu")]
+    if args.source_alt:
+        sources.append(("alt", Path(args.source_alt)))
+    for label, path in sources:
+        src = source(path)
+        for over in VARIANTS:
+            v = {**DEFAULTS, **over}
+            opts = ("-std=c++17", "--gpu-architecture=sm_90", "-default-device") + tuple(
+                f"-D{k}={val}" for k, val in v.items()
+            )
+            fn = cp.RawModule(code=src, options=opts).get_function("score_blocks_codes_bf16")
+            stage = v["OASIS_CODES_STAGES"] * (2 * d * 2 + 4 * d)
+            smem = (THREADS // 32) * (stage + (2 * group * d + d + group) * 4)
+            if smem > 48 * 1024:
+                fn.max_dynamic_shared_size_bytes = smem
+
+            blocks = math.ceil(math.ceil(n_out / v["OASIS_CODES_TILE"]) / (THREADS // 32)) * hk
+
+            def launch(fn=fn, smem=smem, blocks=blocks):
+                fn((blocks,), (THREADS,), (p,), shared_mem=smem)
+
+            rescored.fill_(float("nan"))
+            launch()
+            cp.cuda.Device().synchronize()
+            fin = torch.isfinite(ref)
+            same_inf = bool(torch.equal(fin, torch.isfinite(rescored)))
+            err = (rescored[fin] - ref[fin]).abs().max().item() / scale if fin.any() else 0.0
+            ms = timed(launch)
+            row = {
+                "source": label,
+                "variant": v,
+                "us": ms * 1e3,
+                "regs": fn.num_regs,
+                "smem": smem,
+                "rel_err_vs_wheel": err,
+                "same_finite": same_inf,
+            }
+            out["variants"].append(row)
+            print(json.dumps(row), flush=True)
+    # topk_blocks_f32 variants: the Quest top-k, the candidates' top-m and the last top-k.
+    out["topk_variants"] = []
+    parts["rescore"]()
+    torch.cuda.synchronize()
+    cand_ref, top_ref, topq_ref = cand.clone(), top.clone(), top_q.clone()
+    cand2, top2, topq2 = torch.empty_like(cand), torch.empty_like(top), torch.empty_like(top_q)
+    ct = {
+        name: cp.asarray(t)
+        for name, t in dict(
+            bound=bound,
+            rescored=rescored,
+            indptr=indptr,
+            rows=rows,
+            cand=cand,
+            cand2=cand2,
+            top2=top2,
+            topq2=topq2,
+        ).items()
+    }
+
+    def tparams(scores, ip, dst, kk, nnz, imap=None, map_m=0):
+        return params(
+            ("scores", "ptr", ct[scores].data.ptr),
+            ("blk_indptr", "ptr", ct[ip].data.ptr),
+            ("out", "ptr", ct[dst].data.ptr),
+            ("index_map", "ptr", ct[imap].data.ptr if imap else 0),
+            ("num_kv_heads", "i32", hk),
+            ("nnz", "i32", nnz),
+            ("k", "i32", kk),
+            ("map_m", "i32", map_m),
+        )
+
+    calls = {
+        "quest_topk": (tparams("bound", "indptr", "topq2", args.k, n_host), topq2, topq_ref),
+        "topm": (tparams("bound", "indptr", "cand2", m, n_host), cand2, cand_ref),
+        "final_topk": (tparams("rescored", "rows", "top2", args.k, n_out, "cand", m), top2, top_ref),
+    }
+    tsrc = (ROOT / "score_blocks.cu").read_text()
+    for header in ("oasis_common.cuh", "oasis_params.cuh"):
+        tsrc = tsrc.replace(f'#include "{header}"', (ROOT / header).read_text())
+    for agg in (0, 1):
+        for threads in (256, 512, 1024):
+            opts = (
+                "-std=c++17",
+                "--gpu-architecture=sm_90",
+                "-default-device",
+                f"-DOASIS_TOPK_AGG={agg}",
+                f"-DOASIS_TOPK_THREADS={threads}",
+            )
+            tfn = cp.RawModule(code=tsrc, options=opts).get_function("topk_blocks_f32")
+            row = {"agg": agg, "threads": threads}
+            for name, (tp, dst, ref_t) in calls.items():
+
+                def tl(tp=tp, tfn=tfn, threads=threads):
+                    tfn((args.batch, hk), (threads,), (tp,))
+
+                dst.fill_(-7)
+                tl()
+                cp.cuda.Device().synchronize()
+                row[name + "_us"] = timed(tl) * 1e3
+                row[name + "_same"] = bool(torch.equal(dst, ref_t))
+            out["topk_variants"].append(row)
+            print(json.dumps(row), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
