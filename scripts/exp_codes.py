@@ -74,6 +74,21 @@ def timed(fn, calls=20, repeat=15) -> float:
     return statistics.median(ts)
 
 
+def timed_cold(fn, flush: torch.Tensor, repeat=15) -> float:
+    """Median milliseconds of one call of ``fn`` after overwriting ``flush`` (larger than the L2):
+    the call finds none of its inputs in L2, as in a decode step after the Quest score."""
+    ts = []
+    for _ in range(repeat + 2):
+        flush.zero_()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts[2:])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=64)
@@ -83,6 +98,7 @@ def main() -> None:
     ap.add_argument("--source-alt", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--topk-variants", action="store_true", help="also time topk_blocks_f32's knobs")
+    ap.add_argument("--record-layout", action="store_true", help="also time summaries + codes as one record")
     args = ap.parse_args()
     dev = torch.device("cuda")
     hq, hk, d, bs = 32, 8, 128, 16
@@ -147,30 +163,59 @@ def main() -> None:
             cand=cand,
         ).items()
     }
-    p = params(
-        ("q", "ptr", c["q"].data.ptr),
-        ("summaries", "ptr", c["summ"].data.ptr),
-        ("codes", "ptr", c["codes"].data.ptr),
-        ("blk_indptr", "ptr", c["indptr"].data.ptr),
-        ("blk_indices", "ptr", c["indices"].data.ptr),
-        ("scores", "ptr", c["scores"].data.ptr),
-        ("cand", "ptr", c["cand"].data.ptr),
-        ("num_seqs", "i32", args.batch),
-        ("nnz", "i32", n_host),
-        ("num_qo_heads", "i32", hq),
-        ("num_kv_heads", "i32", hk),
-        ("head_dim", "i32", d),
-        ("block_size", "i32", bs),
-        ("num_host_blocks", "i32", n_host),
-        ("cand_m", "i32", m),
-    )
+
+    def rescore_params(summ_ptr: int, codes_ptr: int) -> np.void:
+        return params(
+            ("q", "ptr", c["q"].data.ptr),
+            ("summaries", "ptr", summ_ptr),
+            ("codes", "ptr", codes_ptr),
+            ("blk_indptr", "ptr", c["indptr"].data.ptr),
+            ("blk_indices", "ptr", c["indices"].data.ptr),
+            ("scores", "ptr", c["scores"].data.ptr),
+            ("cand", "ptr", c["cand"].data.ptr),
+            ("num_seqs", "i32", args.batch),
+            ("nnz", "i32", n_host),
+            ("num_qo_heads", "i32", hq),
+            ("num_kv_heads", "i32", hk),
+            ("head_dim", "i32", d),
+            ("block_size", "i32", bs),
+            ("num_host_blocks", "i32", n_host),
+            ("cand_m", "i32", m),
+        )
+
+    p = rescore_params(c["summ"].data.ptr, c["codes"].data.ptr)
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)  # 256 MiB: past any L2
+    out["wheel_rescore_cold_us"] = timed_cold(parts["rescore"], flush) * 1e3
+    print(f"wheel rescore, cold L2: {out['wheel_rescore_cold_us']:.1f} us", flush=True)
     group = hq // hk
     n_out = args.batch * m
-    sources = [("current", ROOT / "key_codes.cu")]
+    sources = [("current", source(ROOT / "key_codes.cu"), p)]
     if args.source_alt:
-        sources.append(("alt", Path(args.source_alt)))
-    for label, path in sources:
-        src = source(path)
+        sources.append(("alt", source(Path(args.source_alt)), p))
+    if args.record_layout:
+        # An entry's summaries and codes as one record (2 d elements, then 4 d code bytes), the
+        # records in entry order: the staged copy reads one contiguous 1 KiB (bf16, d 128) per
+        # entry instead of two 512-byte halves from two arrays. Only the staged (tensor-core)
+        # path is patched, which every entry of these inputs takes.
+        rec = torch.cat(
+            [summ.reshape(n_host * hk, -1).view(torch.uint8), codes.reshape(n_host * hk, -1)], dim=1
+        )
+        rec = rec.contiguous()
+        c["rec"] = cp.asarray(rec)
+        old_s = (
+            "const unsigned char* src_s = "
+            "reinterpret_cast<const unsigned char*>(summaries + entry * 2 * head_dim);"
+        )
+        old_c = "const unsigned char* src_c = codes + entry * 4 * head_dim;"
+        src = source(ROOT / "key_codes.cu")
+        assert old_s in src and old_c in src
+        src = src.replace(
+            old_s,
+            "const unsigned char* src_s = reinterpret_cast<const unsigned char*>(summaries) + "
+            "entry * (2 * head_dim * (i64)sizeof(T) + 4 * head_dim);",
+        ).replace(old_c, "const unsigned char* src_c = src_s + 2 * head_dim * sizeof(T);")
+        sources.append(("record", src, rescore_params(c["rec"].data.ptr, c["rec"].data.ptr)))
+    for label, src, pv in sources:
         for over in VARIANTS:
             v = {**DEFAULTS, **over}
             opts = ("-std=c++17", "--gpu-architecture=sm_90", "-default-device") + tuple(
@@ -184,8 +229,8 @@ def main() -> None:
 
             blocks = math.ceil(math.ceil(n_out / v["OASIS_CODES_TILE"]) / (THREADS // 32)) * hk
 
-            def launch(fn=fn, smem=smem, blocks=blocks):
-                fn((blocks,), (THREADS,), (p,), shared_mem=smem)
+            def launch(fn=fn, smem=smem, blocks=blocks, pv=pv):
+                fn((blocks,), (THREADS,), (pv,), shared_mem=smem)
 
             rescored.fill_(float("nan"))
             launch()
@@ -194,10 +239,12 @@ def main() -> None:
             same_inf = bool(torch.equal(fin, torch.isfinite(rescored)))
             err = (rescored[fin] - ref[fin]).abs().max().item() / scale if fin.any() else 0.0
             ms = timed(launch)
+            cold_ms = timed_cold(launch, flush)
             row = {
                 "source": label,
                 "variant": v,
                 "us": ms * 1e3,
+                "cold_us": cold_ms * 1e3,
                 "regs": fn.num_regs,
                 "smem": smem,
                 "rel_err_vs_wheel": err,
