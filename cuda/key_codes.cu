@@ -304,19 +304,25 @@ __device__ __forceinline__ void codes_cp_async_wait() {
 }
 
 // The warp copies entry (b, h) into `buf` (16-byte chunks, lanes round-robin) and commits a group.
-template <typename T>
+// HD: the head_dim of the tensor-core path, known at compile time so that the copy is two or four
+// unrolled cp.async per lane with no loop (the only caller is that path).
+template <typename T, int HD>
 __device__ __forceinline__ void codes_stage_entry(unsigned char* __restrict__ buf, const T* __restrict__ summaries,
                                                   const unsigned char* __restrict__ codes, int b, int h,
-                                                  int num_kv_heads, int head_dim) {
+                                                  int num_kv_heads) {
+    constexpr int sum_chunks = (2 * HD * (int)sizeof(T)) >> 4;
+    constexpr int all_chunks = sum_chunks + (HD >> 2);  // 16 tokens x HD / 4 bytes / 16
     const int lane = threadIdx.x & 31;
     const i64 entry = (i64)b * num_kv_heads + h;
-    const int sum_chunks = (2 * head_dim * (int)sizeof(T)) >> 4;
-    const int all_chunks = sum_chunks + (head_dim >> 2);  // 16 tokens x head_dim / 4 bytes / 16
-    const unsigned char* src_s = reinterpret_cast<const unsigned char*>(summaries + entry * 2 * head_dim);
-    const unsigned char* src_c = codes + entry * 4 * head_dim;
-    for (int c = lane; c < all_chunks; c += 32) {
-        const unsigned char* src = c < sum_chunks ? src_s + 16 * c : src_c + 16 * (c - sum_chunks);
-        codes_cp_async16(buf + 16 * c, src);
+    const unsigned char* src_s = reinterpret_cast<const unsigned char*>(summaries + entry * 2 * HD);
+    const unsigned char* src_c = codes + entry * 4 * HD;
+#pragma unroll
+    for (int c0 = 0; c0 < all_chunks; c0 += 32) {
+        const int c = c0 + lane;
+        if (c < all_chunks) {
+            const unsigned char* src = c < sum_chunks ? src_s + 16 * c : src_c + 16 * (c - sum_chunks);
+            codes_cp_async16(buf + 16 * c, src);
+        }
     }
     codes_cp_async_commit();
 }
@@ -444,11 +450,12 @@ __device__ void score_codes_tile(float* __restrict__ sm, unsigned char* __restri
                                  int num_qo_heads, int num_kv_heads, int head_dim, int block_size) {
     constexpr int S = OASIS_CODES_STAGES;
     constexpr int NR = KC > 0 ? KC : 4;  // the scalar-only instance never runs the MMA code
+    // Bytes of a staged entry of the tensor-core path (head_dim 16 NR), as codes_stage_bytes.
+    constexpr int SB = 2 * 16 * NR * (int)sizeof(T) + 4 * 16 * NR;
     const int lane = threadIdx.x & 31;
     const int gid = lane >> 2;
     const int tig = lane & 3;
     const int group = num_qo_heads / num_kv_heads;
-    const int sb = codes_stage_bytes(head_dim, (int)sizeof(T));
     const bool mine = lane < t1 - t0;
     if (mine && tile_idx < 0) scores[(i64)(t0 + lane) * num_kv_heads + h] = neg_inf();
     const u32 valid = __ballot_sync(0xffffffffu, mine && tile_idx >= 0);
@@ -465,8 +472,8 @@ __device__ void score_codes_tile(float* __restrict__ sm, unsigned char* __restri
         if (pending != 0u) {
             const int e = __ffs(pending) - 1;
             pending &= pending - 1u;
-            codes_stage_entry<T>(stage + buf * sb, summaries, codes, __shfl_sync(0xffffffffu, tile_idx, e), h,
-                                 num_kv_heads, head_dim);
+            codes_stage_entry<T, 16 * NR>(stage + buf * SB, summaries, codes, __shfl_sync(0xffffffffu, tile_idx, e),
+                                          h, num_kv_heads);
         } else {
             codes_cp_async_commit();
         }
@@ -503,7 +510,7 @@ __device__ void score_codes_tile(float* __restrict__ sm, unsigned char* __restri
             }
         }
         if (!(KC > 0 && q_fits &&
-              score_codes_mma_entry<T, NR>(stage + slot * sb, qs, q3, lim, out, group, head_dim))) {
+              score_codes_mma_entry<T, NR>(stage + slot * SB, qs, q3, lim, out, group, 16 * NR))) {
             score_codes_scalar_entry<T>(sm, summaries, codes, out, b, h, group, num_kv_heads, head_dim, block_size);
         }
         if (KC > 0) {

@@ -390,6 +390,11 @@ def main(argv=None) -> int:
     ap.add_argument("--refcheck", action="store_true", help="check GPU outputs against the CPU twin once")
     ap.add_argument("--quick", action="store_true", help="smaller batches (smoke test)")
     ap.add_argument("--sweep-splits", action="store_true", help="also time attention at fixed split counts")
+    ap.add_argument(
+        "--only",
+        choices=["score"],
+        help="only these rows: 'score' = the Quest and codes scores with their top-K (issue 12's rows)",
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("oasiskv.bench.kernels needs a CUDA GPU", file=sys.stderr)
@@ -409,7 +414,7 @@ def main(argv=None) -> int:
         "ceilings": ceil,
         "kernels": [],
     }
-    batches = (8, 16) if args.quick else (64, 256)
+    batches = () if args.only == "score" else (8, 16) if args.quick else (64, 256)
     for bs in batches:
         r = bench_attention(
             ops,
@@ -425,7 +430,7 @@ def main(argv=None) -> int:
         )
         r["ratio_to_d2d"], r["target"] = r["Bps"] / d2d, ">= 0.8 x d2d"
         res["kernels"].append(r)
-    for ctx in (16384, 32768):
+    for ctx in () if args.only == "score" else (16384, 32768):
         bs = 4 if args.quick else 16
         r = bench_attention(
             ops,
@@ -444,9 +449,10 @@ def main(argv=None) -> int:
             r["ratio_to_sdpa"] = r["sdpa_ms"] / r["ms"]
         r["target"] = ">= 0.8 x d2d and >= 0.95 x SDPA"
         res["kernels"].append(r)
-    g = bench_gather(ops, geo, dev, dtype, 8 * 128 * (16 if args.quick else 64), h2d)
-    g["target"] = ">= 0.9 x pinned H2D memcpy"
-    res["kernels"].append(g)
+    if args.only != "score":
+        g = bench_gather(ops, geo, dev, dtype, 8 * 128 * (16 if args.quick else 64), h2d)
+        g["target"] = ">= 0.9 x pinned H2D memcpy"
+        res["kernels"].append(g)
     s = bench_score(ops, geo, dev, dtype, 16 if args.quick else 64, 32768, 128)
     s["ratio_to_d2d"], s["target"] = s["Bps"] / d2d, ">= 0.7 x d2d"
     res["kernels"].append(s)
@@ -461,9 +467,10 @@ def main(argv=None) -> int:
         st["ratio_to_quest"] = st["ms"] / s["ms"]
         st["target"] = "<= 1.5 x the Quest row's time"
         res["kernels"].append(st)
-    sel = bench_select(ops, geo, dev, 64 if args.quick else 256, 128, 7)
-    sel["target"] = "<= 20 us per layer"
-    res["kernels"].append(sel)
+    if args.only != "score":
+        sel = bench_select(ops, geo, dev, 64 if args.quick else 256, 128, 7)
+        sel["target"] = "<= 20 us per layer"
+        res["kernels"].append(sel)
 
     print(f"{res['device']}  preset {args.preset}  {args.dtype}")
     print("kernel times: CUDA-graph replay per call (eager call incl. host launch cost in brackets)")
