@@ -36,6 +36,9 @@ VARIANTS = [
     {"OASIS_CODES_MIN_BLOCKS": 4},
     {"OASIS_CODES_STAGES": 4},
     {"OASIS_CODES_STAGES": 2, "OASIS_CODES_MIN_BLOCKS": 8},
+    # Shorter chains per warp, still one wave (docs/PERF.md, "The two stages at 1.54 x Quest").
+    {"OASIS_CODES_TILE": 24, "OASIS_CODES_STAGES": 2, "OASIS_CODES_MIN_BLOCKS": 8},
+    {"OASIS_CODES_TILE": 24},
 ]
 THREADS = 128  # OASIS_CODES_THREADS
 
