@@ -42,9 +42,9 @@ def test_bad_input_is_a_message_not_a_traceback(tmp_path):
 
 
 def test_generate_takes_the_selection_flags():
-    """--block-score, --score-candidates, --sink-blocks and --pin-blocks reach KvConfig: a sparse
-    run with the two-stage codes score, a sink, a pinned block and the bundled EAGLE-3 head, and a
-    bad combination is a message."""
+    """--block-score, --score-candidates, --sink-blocks, --pin-blocks and --successor-blocks reach
+    KvConfig: a sparse run with the two-stage codes score, a sink, a pinned block and the bundled
+    EAGLE-3 head, one with a successor block, and a bad combination is a message."""
     common = ["generate", "smollm2", "--prompt", "The capital of France is the city of", "--json"]
     sparse = ["--block-size", "4", "--top-k-blocks", "3", "--sparse-threshold", "8", "--max-new-tokens", "4"]
     staged = [
@@ -67,6 +67,11 @@ def test_generate_takes_the_selection_flags():
     assert p.returncode == 2 and "block_score='codes'" in p.stderr and "Traceback" not in p.stderr
     p = oasis(*common, *sparse, "--sink-blocks", "1", "--pin-blocks", "2")
     assert p.returncode == 2 and "pin_blocks=2 is above 1" in p.stderr and "Traceback" not in p.stderr
+    p = oasis(*common, *sparse, "--sink-blocks", "1", "--successor-blocks", "1", "--drafter", "ngram")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(p.stdout)["metrics"]["sparse_steps"] > 0
+    p = oasis(*common, *sparse, "--sink-blocks", "1", "--pin-blocks", "1", "--successor-blocks", "1")
+    assert p.returncode == 2 and "successor_blocks=1 is above 0" in p.stderr and "Traceback" not in p.stderr
 
 
 @pytest.mark.parametrize(

@@ -754,3 +754,77 @@ def test_pinned_blocks_stay_in_every_prediction(qwen3, kw):
         a.metrics.lookahead_recall != b.metrics.lookahead_recall or a.tokens != b.tokens
         for a, b in zip(outs, plain, strict=True)
     )
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{}, {"sink_blocks": 1, "pin_blocks": 1}, {"block_score": "codes", "score_candidates": 2}],
+)
+def test_successor_blocks_follow_each_heads_best_blocks(qwen3, kw):
+    """KvConfig(successor_blocks=N): every prediction and recall top-K holds the next block of
+    each head's N best blocks by the first-stage score (the Quest bound in two stages), unless it
+    is past the request's last block; and the successors change the selection at a small budget."""
+    from oasiskv import ops
+
+    kv = KvConfig(block_size=8, top_k_blocks=5, fetch_cap=1, sparse_threshold=50, successor_blocks=2, **kw)
+    llm = oasiskv.LLM(qwen3, kv=kv, backend="oasis", drafter="ngram")
+    eng = llm.engine
+    orig = eng.top_k_blocks
+    seen = {"calls": 0, "successors": 0}
+
+    def checked(layer, q, csr, k, slots=None):
+        pred = orig(layer, q, csr, k, slots)
+        indptr = csr[0]
+        if kv.score_candidates:
+            first = ops.score_blocks(eng.geo, q, eng.pools.summaries[layer], *csr)
+        else:
+            first = eng.block_scores(layer, q, csr)
+        best = ops.topk_blocks(eng.geo.num_kv_heads, first, indptr, 2)
+        lens = (indptr[1:] - indptr[:-1]).tolist()
+        for i, n in enumerate(lens):
+            for h in range(pred.shape[1]):
+                got = {int(b) for b in pred[i, h] if b >= 0}
+                assert len(got) == min(n, k), (layer, i, h)
+                for b in best[i, h].tolist():
+                    if 0 <= b < n - 1:
+                        assert b + 1 in got, (layer, i, h, b, sorted(got))
+                        seen["successors"] += 1
+        seen["calls"] += 1
+        return pred
+
+    eng.top_k_blocks = checked
+    ps = prompts(qwen3.config.vocab_size, [90, 70], seed=4)
+    outs = llm.generate(ps, 12, ignore_eos=True)
+    assert seen["calls"] > 20 and seen["successors"] > 20
+    assert all(o.metrics.sparse_steps > 0 for o in outs)
+    no_successors = KvConfig(**{**kv.__dict__, "successor_blocks": 0})
+    plain = oasiskv.LLM(qwen3, kv=no_successors, backend="oasis", drafter="ngram")
+    other = plain.generate(ps, 12, ignore_eos=True)
+    assert any(
+        a.metrics.lookahead_recall != b.metrics.lookahead_recall or a.tokens != b.tokens
+        for a, b in zip(outs, other, strict=True)
+    )
+
+
+def test_successors_stop_at_each_rows_last_block():
+    from oasiskv.engine import successors
+
+    indptr = torch.tensor([0, 3, 3, 8], dtype=torch.int32)
+    blocks = torch.tensor([[[0, 2]], [[-1, -1]], [[4, -1]]], dtype=torch.int32)
+    assert successors(blocks, indptr).tolist() == [[[1, -1]], [[-1, -1]], [[-1, -1]]]
+    blocks = torch.tensor([[[1, 1]], [[0, 0]], [[3, 0]]], dtype=torch.int32)
+    assert successors(blocks, indptr).tolist() == [[[2, 2]], [[-1, -1]], [[4, 1]]]
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"successor_blocks": -1}, "successor_blocks"),
+        ({"successor_blocks": 4, "top_k_blocks": 4}, "successor_blocks"),
+        ({"successor_blocks": 2, "sink_blocks": 1, "pin_blocks": 1, "top_k_blocks": 4}, "successor_blocks"),
+        ({"successor_blocks": 1.5}, "successor_blocks"),
+    ],
+)
+def test_bad_successor_blocks(kw, match):
+    with pytest.raises(errors.ConfigError, match=match):
+        KvConfig(**kw)

@@ -975,3 +975,14 @@ def test_top2_measurement_and_sinks_through_the_teacher(tiny, head):
     sink = summarize(tf.run(Policy("oasis", "eagle3+sink2", 4, 0.5)), dense)["lookahead"]
     assert "top2" not in sink  # opt-in
     assert sink["attn_mass"]["exact"] != small["attn_mass"]["exact"]
+
+
+def test_drafter_names_with_successor_blocks():
+    """``+succN``: the next block of each head's N best blocks (KvConfig.successor_blocks)."""
+    spec = teacher.parse_drafter("eagle3+codes1.5+pin4+succ2")
+    assert (spec.pin_blocks, spec.successor_blocks, spec.score_candidates) == (4, 2, 1.5)
+    assert spec.kv_kwargs()["successor_blocks"] == 2
+    assert teacher.parse_drafter("ngram").kv_kwargs()["successor_blocks"] == 0
+    for bad in ("eagle3+succ", "eagle3+succx", "eagle3+succ2+pin1", "eagle3+succ1+succ1"):
+        with pytest.raises(ValueError, match="unknown drafter"):
+            teacher.parse_drafter(bad)

@@ -90,6 +90,13 @@ class KvConfig:
             question reads) stay in every later predicted set, as SnapKV keeps what the prompt's
             end attends to. They take that many of the ``top_k_blocks`` slots; 0 (the default)
             pins nothing. ``sink_blocks + pin_blocks`` must be below ``top_k_blocks``.
+        successor_blocks: per KV head, the next logical block of each of the
+            ``successor_blocks`` best-scored blocks (by the first-stage score) is in the predicted
+            set too, so that a span that straddles a block boundary (a number, a line of code) is
+            fetched whole. They take that many of the ``top_k_blocks`` slots (fewer when a
+            successor is already among the best, the last block of the request or forced anyway);
+            0 (the default) adds none. ``sink_blocks + pin_blocks + successor_blocks`` must be below
+            ``top_k_blocks``.
         score_candidates: with ``block_score="codes"``, score in two stages: the Quest bound's
             best ``ceil(score_candidates x top_k_blocks)`` blocks per KV head (at most
             :data:`MAX_TOP_K_BLOCKS`) are the candidates, and the codes rank only those. The
@@ -113,6 +120,7 @@ class KvConfig:
     block_score: str = "quest"
     sink_blocks: int = 0
     pin_blocks: int = 0
+    successor_blocks: int = 0
     score_candidates: float | None = None
 
     def __post_init__(self) -> None:
@@ -161,6 +169,14 @@ class KvConfig:
             self.top_k_blocks - 1 - self.sink_blocks,
             "pinned blocks take slots of the budget beside the sink blocks, and at least one must stay "
             "for the selection; lower pin_blocks (or sink_blocks) or raise top_k_blocks",
+        )
+        _check_int(
+            "successor_blocks",
+            self.successor_blocks,
+            0,
+            self.top_k_blocks - 1 - self.sink_blocks - self.pin_blocks,
+            "successor blocks take slots of the budget beside the sink and pinned blocks, and at "
+            "least one must stay for the selection; lower successor_blocks or raise top_k_blocks",
         )
         if self.select_queries not in SELECT_QUERIES:
             raise ConfigError(f"select_queries must be one of {SELECT_QUERIES}, got {self.select_queries!r}")

@@ -506,6 +506,15 @@ def _sink_ids(n: int, heads: int, n_sink: int, device) -> torch.Tensor:
     return torch.arange(n_sink, dtype=torch.int32, device=device).expand(n, heads, n_sink)
 
 
+def successors(blocks: torch.Tensor, blk_indptr: torch.Tensor) -> torch.Tensor:
+    """``blocks [n, heads, S]`` logical blocks (-1: none) of the CSR rows ``blk_indptr`` -> the
+    next block of each, -1 past its row's last block (``KvConfig.successor_blocks``), in
+    :func:`keep_pins`' layout. Device-side ops only."""
+    lens = (blk_indptr[1:] - blk_indptr[:-1]).view(-1, 1, 1)
+    nxt = blocks + 1
+    return torch.where((blocks >= 0) & (nxt < lens), nxt, torch.full_like(blocks, -1))
+
+
 def keep_pins(scores: torch.Tensor, blk_indptr: torch.Tensor, pins: torch.Tensor | None) -> torch.Tensor:
     """``scores [nnz, heads]`` with each request's pinned blocks set to +inf (``KvConfig.pin_blocks``):
     ``pins [n, heads, P]`` holds, per CSR row and head, logical blocks (positions within the row)
@@ -2233,6 +2242,19 @@ class Engine:
             return None
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
+    def _with_successors(
+        self, scores: torch.Tensor, indptr: torch.Tensor, forced: torch.Tensor | None
+    ) -> torch.Tensor | None:
+        """``forced`` (:meth:`_forced`) with the successors of each KV head's
+        ``KvConfig.successor_blocks`` best blocks by ``scores [nnz, num_kv_heads]`` appended (one
+        top-K launch); unchanged without successor blocks."""
+        n_succ = self.kv.successor_blocks
+        if not n_succ or scores.shape[0] == 0:
+            return forced
+        best = ops.topk_blocks(self.geo.num_kv_heads, scores, indptr, n_succ)
+        nxt = successors(best, indptr)
+        return nxt if forced is None else torch.cat([forced, nxt], dim=-1)
+
     def top_k_blocks(
         self, layer: int, q: torch.Tensor, csr, k: int, slots: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -2248,10 +2270,14 @@ class Engine:
         forced = self._forced(layer, indptr, slots)
         m = self.kv.candidate_blocks(k)
         if m is None or indptr.shape[0] <= 1:
-            scores = keep_pins(self.block_scores(layer, q, csr), indptr, forced)
-            return ops.topk_blocks(g.num_kv_heads, scores, indptr, k)
+            scores = self.block_scores(layer, q, csr)
+            forced = self._with_successors(scores, indptr, forced)
+            return ops.topk_blocks(g.num_kv_heads, keep_pins(scores, indptr, forced), indptr, k)
         reduce = self.score_reduce or (lambda x: x)
-        bound = keep_pins(reduce(ops.score_blocks(g, q, p.summaries[layer], *csr)), indptr, forced)
+        bound = reduce(ops.score_blocks(g, q, p.summaries[layer], *csr))
+        # Successors of the Quest bound's best blocks: forced through both stages, like the pins.
+        forced = self._with_successors(bound, indptr, forced)
+        bound = keep_pins(bound, indptr, forced)
         cand = ops.topk_blocks(g.num_kv_heads, bound, indptr, m)  # [n, H, m] logical, -1 padded
         scores = reduce(ops.rescore_blocks_codes(g, q, p.summaries[layer], p.codes[layer], *csr, cand))
         n = cand.shape[0]
@@ -2286,7 +2312,8 @@ class Engine:
                 scores = torch.maximum(
                     _relative_to_best(scores, seq, q.shape[0]), _relative_to_best(other, seq, q.shape[0])
                 )
-            scores = keep_pins(scores, blk_csr[0], self._forced(layer, blk_csr[0], slots))
+            forced = self._with_successors(scores, blk_csr[0], self._forced(layer, blk_csr[0], slots))
+            scores = keep_pins(scores, blk_csr[0], forced)
             pred = ops.topk_blocks(g.num_kv_heads, scores, blk_csr[0], k_budget)
         ps, pb, _ = ops.delta_select(
             g.num_kv_heads, pred, slot_pages, p.page_map[layer], p.page_last_selected[layer], step, cap

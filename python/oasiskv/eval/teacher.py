@@ -58,10 +58,11 @@ DRAFTERS = ("eagle3", "eagle3-noprefill", "ngram", "oracle", "previous-query")
 
 @dataclass(frozen=True)
 class DrafterSpec:
-    """A drafter name of the evaluation, ``BASE[+current][+codes[F]][+sinkN][+pinN][+top2]``, and
-    what each part sets: ``+current`` ``KvConfig(select_queries="lookahead+current")``, ``+codes``
-    ``KvConfig(block_score="codes")`` (``+codesF``: and ``score_candidates=F``), ``+sinkN``
-    ``KvConfig(sink_blocks=N)``, ``+pinN`` ``KvConfig(pin_blocks=N)``; ``+top2`` (EAGLE-3
+    """A drafter name of the evaluation, ``BASE[+current][+codes[F]][+sinkN][+pinN][+succN][+top2]``,
+    and what each part sets: ``+current`` ``KvConfig(select_queries="lookahead+current")``,
+    ``+codes`` ``KvConfig(block_score="codes")`` (``+codesF``: and ``score_candidates=F``),
+    ``+sinkN`` ``KvConfig(sink_blocks=N)``, ``+pinN`` ``KvConfig(pin_blocks=N)``, ``+succN``
+    ``KvConfig(successor_blocks=N)``; ``+top2`` (EAGLE-3
     only) changes nothing in the engine and also measures lookahead from the head's two best drafts
     (:class:`LookaheadRecorder`)."""
 
@@ -72,6 +73,7 @@ class DrafterSpec:
     top2: bool = False
     score_candidates: float | None = None
     pin_blocks: int = 0
+    successor_blocks: int = 0
 
     def kv_kwargs(self) -> dict:
         """The :class:`~oasiskv.KvConfig` keyword arguments the suffixes set."""
@@ -80,6 +82,7 @@ class DrafterSpec:
             block_score=self.block_score,
             sink_blocks=self.sink_blocks,
             pin_blocks=self.pin_blocks,
+            successor_blocks=self.successor_blocks,
             score_candidates=self.score_candidates,
         )
 
@@ -92,12 +95,12 @@ def parse_drafter(name: str) -> DrafterSpec:
     grammar). The suffixes come in the order given, each at most once."""
     base, *mods = str(name).split("+")
     kw: dict = {}
-    order = ("current", "codes", "sink", "pin", "top2")
+    order = ("current", "codes", "sink", "pin", "succ", "top2")
     last = -1
     ok = base in DRAFTERS
     for m in mods:
         key = m
-        for prefix in ("sink", "pin"):
+        for prefix in ("sink", "pin", "succ"):
             if m.startswith(prefix):
                 key = prefix if m[len(prefix) :].isdigit() else ""
         if m.startswith("codes") and _CODES_F.fullmatch(m[5:]):
@@ -118,6 +121,8 @@ def parse_drafter(name: str) -> DrafterSpec:
             kw["sink_blocks"] = int(m[4:])
         elif key == "pin":
             kw["pin_blocks"] = int(m[3:])
+        elif key == "succ":
+            kw["successor_blocks"] = int(m[4:])
         else:
             ok = base.startswith("eagle3")  # the runner-up needs a head that ranks drafts
             kw["top2"] = True
@@ -126,7 +131,8 @@ def parse_drafter(name: str) -> DrafterSpec:
             f"unknown drafter {name!r}; use one of {DRAFTERS}, then optionally '+current' (not "
             "previous-query, which has no lookahead row), '+codes' or '+codesF' (F >= 1: the "
             "Quest bound's best F x K blocks ranked by the codes), '+sinkN' (N sink blocks), '+pinN' "
-            "(N pinned blocks per layer and KV head) and '+top2' (eagle3 only), in that order"
+            "(N pinned blocks per layer and KV head), '+succN' (the next block of the N best) and "
+            "'+top2' (eagle3 only), in that order"
         )
     return DrafterSpec(base, **kw)
 

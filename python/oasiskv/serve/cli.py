@@ -58,8 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_selection_arguments(p: argparse.ArgumentParser) -> None:
     """How the working set is chosen (``KvConfig.block_score``, ``score_candidates``,
-    ``sink_blocks``, ``pin_blocks``): shared by ``oasis serve``, ``oasis generate``, ``oasis demo`` and the
-    serving benchmark."""
+    ``sink_blocks``, ``pin_blocks``, ``successor_blocks``): shared by ``oasis serve``, ``oasis
+    generate``, ``oasis demo`` and the serving benchmark."""
     p.add_argument(
         "--block-score",
         default="quest",
@@ -84,6 +84,13 @@ def add_selection_arguments(p: argparse.ArgumentParser) -> None:
         default=0,
         help="per layer and KV head, the N best blocks for the prompt's last token stay selected",
     )
+    p.add_argument(
+        "--successor-blocks",
+        type=int,
+        default=0,
+        help="per KV head, the next block of each of the N best blocks is selected too (a span "
+        "across a block boundary stays whole)",
+    )
 
 
 def selection_kwargs(args) -> dict:
@@ -93,6 +100,7 @@ def selection_kwargs(args) -> dict:
         score_candidates=args.score_candidates,
         sink_blocks=args.sink_blocks,
         pin_blocks=args.pin_blocks,
+        successor_blocks=args.successor_blocks,
     )
 
 
