@@ -289,7 +289,7 @@ __device__ __forceinline__ void codes_mma_epilogue(const float (&c)[4], float ba
 }
 
 // Bytes of one entry (a (block, head)'s min and max rows, then its 16 tokens' codes) in a buffer.
-__host__ __device__ __forceinline__ int codes_stage_bytes(int head_dim, int elem_bytes) {
+__host__ __device__ __forceinline__ constexpr int codes_stage_bytes(int head_dim, int elem_bytes) {
     return 2 * head_dim * elem_bytes + 4 * head_dim;
 }
 
@@ -450,8 +450,7 @@ __device__ void score_codes_tile(float* __restrict__ sm, unsigned char* __restri
                                  int num_qo_heads, int num_kv_heads, int head_dim, int block_size) {
     constexpr int S = OASIS_CODES_STAGES;
     constexpr int NR = KC > 0 ? KC : 4;  // the scalar-only instance never runs the MMA code
-    // Bytes of a staged entry of the tensor-core path (head_dim 16 NR), as codes_stage_bytes.
-    constexpr int SB = 2 * 16 * NR * (int)sizeof(T) + 4 * 16 * NR;
+    constexpr int SB = codes_stage_bytes(16 * NR, (int)sizeof(T));  // a staged entry of the MMA path
     const int lane = threadIdx.x & 31;
     const int gid = lane >> 2;
     const int tig = lane & 3;

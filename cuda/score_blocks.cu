@@ -34,12 +34,6 @@
 // Consecutive entries j of blk_indices one warp of score_blocks_* scores, for one KV head: the
 // grid has ceil(nnz / OASIS_SCORE_TILE) * num_kv_heads warps. One index per lane: must be 32.
 #define OASIS_SCORE_TILE 32
-// 1: topk_blocks_f32 counts its radix histogram and takes its entries with one shared atomic per
-// warp and bin (__match_any_sync, __ballot_sync); 0: one per entry. 0 measured faster on the H200
-// (scripts/exp_codes.py, docs/PERF.md).
-#ifndef OASIS_TOPK_AGG
-#define OASIS_TOPK_AGG 0
-#endif
 // Threads per block of topk_blocks_f32, and the largest k it supports (the selected entries are
 // sorted in shared memory: k rounded up to a power of two must fit the sort buffer).
 #ifndef OASIS_TOPK_THREADS
@@ -441,21 +435,10 @@ __device__ void topk_blocks_impl(
         for (int shift = 24; shift >= 0; shift -= 8) {
             for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
             __syncthreads();
-#if OASIS_TOPK_AGG
-            // Whole warps per step, one atomic per distinct bin of a warp (__match_any_sync).
-            for (int w0 = threadIdx.x & ~31; w0 < n; w0 += blockDim.x) {
-                const int i = w0 + (threadIdx.x & 31);
-                const u32 key = i < n ? key_at(i) : 0u;
-                const int bin = i < n && (key & mask) == prefix ? (int)((key >> shift) & 255u) : 256;
-                const unsigned peers = __match_any_sync(0xffffffffu, bin);
-                if (bin < 256 && (threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[bin], __popc(peers));
-            }
-#else
             for (int i = threadIdx.x; i < n; i += blockDim.x) {
                 const u32 key = key_at(i);
                 if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1);
             }
-#endif
             __syncthreads();
             if (threadIdx.x < 32) {
                 // The highest bin where the count from the top reaches `remaining`: lane l owns
@@ -499,24 +482,10 @@ __device__ void topk_blocks_impl(
         const int n_above = exact ? k : k - remaining;
         if (threadIdx.x == 0) s_count = 0;
         __syncthreads();
-#if OASIS_TOPK_AGG
-        for (int w0 = threadIdx.x & ~31; w0 < n; w0 += blockDim.x) {  // one atomic per warp and step
-            const int lane = threadIdx.x & 31;
-            const int i = w0 + lane;
-            const u32 key = i < n ? key_at(i) : 0u;
-            const bool take_it = i < n && (key > kth || (exact && key == kth));
-            const unsigned ballot = __ballot_sync(0xffffffffu, take_it);
-            int at = 0;
-            if (lane == 0 && ballot != 0u) at = atomicAdd(&s_count, __popc(ballot));
-            at = __shfl_sync(0xffffffffu, at, 0);
-            if (take_it) sel[at + __popc(ballot & ((1u << lane) - 1u))] = rank_key(key, i);
-        }
-#else
         for (int i = threadIdx.x; i < n; i += blockDim.x) {
             const u32 key = key_at(i);
             if (key > kth || (exact && key == kth)) sel[atomicAdd(&s_count, 1)] = rank_key(key, i);
         }
-#endif
         // Ties at the threshold: the lowest indices first (ordered compaction, chunk by chunk).
         int taken = 0;
         for (int c0 = 0; c0 < n && !exact && taken < remaining; c0 += blockDim.x) {
