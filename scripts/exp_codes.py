@@ -23,11 +23,10 @@ from pathlib import Path
 import cupy as cp
 import numpy as np
 import torch
+from exp_score import ROOT, module, params, source, timed
 
 from oasiskv import ops
 from oasiskv.bench.kernels import codes_inputs, time_graph
-
-ROOT = Path(__file__).resolve().parents[1] / "cuda"
 
 # The defaults of cuda/key_codes.cu's knobs (what oasis-cuda builds); each variant overrides some.
 DEFAULTS = {"OASIS_CODES_STAGES": 3, "OASIS_CODES_MIN_BLOCKS": 6, "OASIS_CODES_TILE": 32}
@@ -41,40 +40,6 @@ VARIANTS = [
     {"OASIS_CODES_TILE": 24},
 ]
 THREADS = 128  # OASIS_CODES_THREADS
-
-
-def source(path: Path) -> str:
-    src = path.read_text()
-    for header in ("oasis_common.cuh", "oasis_params.cuh"):
-        src = src.replace(f'#include "{header}"', (ROOT / header).read_text())
-    return src
-
-
-def params(*fields: tuple[str, str, int]) -> np.void:
-    """A kernel's parameter struct (cuda/oasis_params.cuh) as a NumPy structured scalar."""
-    fmt = {"ptr": np.uint64, "i32": np.int32}
-    dt = np.dtype({"names": [f[0] for f in fields], "formats": [fmt[f[1]] for f in fields]}, align=True)
-    assert dt.itemsize % 8 == 0
-    v = np.zeros((), dtype=dt)
-    for name, _, value in fields:
-        v[name] = value
-    return v[()]
-
-
-def timed(fn, calls=20, repeat=15) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(repeat):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(calls):
-            fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / calls)
-    return statistics.median(ts)
 
 
 def timed_cold(fn, flush: torch.Tensor, repeat=15) -> float:
@@ -221,10 +186,7 @@ def main() -> None:
     for label, src, pv in sources:
         for over in VARIANTS:
             v = {**DEFAULTS, **over}
-            opts = ("-std=c++17", "--gpu-architecture=sm_90", "-default-device") + tuple(
-                f"-D{k}={val}" for k, val in v.items()
-            )
-            fn = cp.RawModule(code=src, options=opts).get_function("score_blocks_codes_bf16")
+            fn = module(v, src).get_function("score_blocks_codes_bf16")
             stage = v["OASIS_CODES_STAGES"] * (2 * d * 2 + 4 * d)
             smem = (THREADS // 32) * (stage + (2 * group * d + d + group) * 4)
             if smem > 48 * 1024:
@@ -292,32 +254,21 @@ def main() -> None:
         "topm": (tparams("bound", "indptr", "cand2", m, n_host), cand2, cand_ref),
         "final_topk": (tparams("rescored", "rows", "top2", args.k, n_out, "cand", m), top2, top_ref),
     }
-    tsrc = (ROOT / "score_blocks.cu").read_text()
-    for header in ("oasis_common.cuh", "oasis_params.cuh"):
-        tsrc = tsrc.replace(f'#include "{header}"', (ROOT / header).read_text())
-    for agg in (0, 1) if args.topk_variants else ():
-        for threads in (256, 512, 1024):
-            opts = (
-                "-std=c++17",
-                "--gpu-architecture=sm_90",
-                "-default-device",
-                f"-DOASIS_TOPK_AGG={agg}",
-                f"-DOASIS_TOPK_THREADS={threads}",
-            )
-            tfn = cp.RawModule(code=tsrc, options=opts).get_function("topk_blocks_f32")
-            row = {"agg": agg, "threads": threads}
-            for name, (tp, dst, ref_t) in calls.items():
+    for threads in (256, 512, 1024) if args.topk_variants else ():
+        tfn = module({"OASIS_TOPK_THREADS": threads}).get_function("topk_blocks_f32")
+        row = {"threads": threads}
+        for name, (tp, dst, ref_t) in calls.items():
 
-                def tl(tp=tp, tfn=tfn, threads=threads):
-                    tfn((args.batch, hk), (threads,), (tp,))
+            def tl(tp=tp, tfn=tfn, threads=threads):
+                tfn((args.batch, hk), (threads,), (tp,))
 
-                dst.fill_(-7)
-                tl()
-                cp.cuda.Device().synchronize()
-                row[name + "_us"] = timed(tl) * 1e3
-                row[name + "_same"] = bool(torch.equal(dst, ref_t))
-            out["topk_variants"].append(row)
-            print(json.dumps(row), flush=True)
+            dst.fill_(-7)
+            tl()
+            cp.cuda.Device().synchronize()
+            row[name + "_us"] = timed(tl) * 1e3
+            row[name + "_same"] = bool(torch.equal(dst, ref_t))
+        out["topk_variants"].append(row)
+        print(json.dumps(row), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
 

@@ -54,20 +54,13 @@ def lost_trials(
     return idx, dense["depths"]
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_trial_arguments(ap: argparse.ArgumentParser) -> None:
+    """The arguments that pick the lost trials and the model, shared with exp_trial_mass.py."""
     ap.add_argument("--results", required=True, help="an oasis eval results.json with retrieval records")
     ap.add_argument("--task", default="needle")
     ap.add_argument("--context", type=int, default=8192)
     ap.add_argument("--lost-by", default="eagle3+codes2", help="the drafter whose lost trials to rebuild")
     ap.add_argument("--budget", default="1/4", help="its budget label in the records")
-    ap.add_argument(
-        "--variants",
-        default="eagle3+codes2@1/4",
-        help="drafter@budget[@cap] (cap: a fraction, a count or none) or quest-ideal@budget, comma separated",
-    )
-    ap.add_argument("--cap", type=float, default=0.05)
-    ap.add_argument("--max-trials", type=int, default=0, help="at most this many (0: all)")
     ap.add_argument("--only", default="", help="only these trial indices (comma separated)")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--eagle3", default=None)
@@ -76,21 +69,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--block-size", type=int, default=16)
-    args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+
+
+def rebuild_trials(args, tok, max_trials: int = 0) -> list[dict]:
+    """The retrieval trials dense solved and ``args.lost_by`` lost in ``args.results`` (those in
+    ``args.only``, at most ``max_trials``), rebuilt exactly as ``oasis eval``'s retrieval section
+    builds them (same haystack, index, depth and seed)."""
     idx, depths = lost_trials(args.results, args.task, args.context, args.lost_by, args.budget)
     if args.only:
         idx = [i for i in idx if i in {int(x) for x in args.only.split(",")}]
-    if args.max_trials:
-        idx = idx[: args.max_trials]
+    if max_trials:
+        idx = idx[:max_trials]
     print(
         f"{len(idx)} trials of {args.task} at C={args.context} solved by dense, lost by {args.lost_by}: {idx}"
     )
-    device = torch.device(args.device)
-    model, tok, head, _ = load(args, device)
-    c, b = args.context, args.block_size
-    # The haystack exactly as `oasis eval`'s retrieval section builds it.
+    c = args.context
     files = corpus.list_files(source="stdlib")
     hay = corpus.heldout_texts(
         tok, min(c, 4096) + 1, max(2, -(-c // 4096) + 1), source="stdlib", seed=args.seed + 1, files=files
@@ -99,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     for h in hay:
         lines += tok.decode(h["tokens"]).splitlines(keepends=True)
     lengths = retrieval._Lengths(tok)
-    trials = [
+    return [
         retrieval.make_trial(
             args.task,
             tok,
@@ -112,6 +105,25 @@ def main(argv: list[str] | None = None) -> int:
         )
         for i in idx
     ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_trial_arguments(ap)
+    ap.add_argument(
+        "--variants",
+        default="eagle3+codes2@1/4",
+        help="drafter@budget[@cap] (cap: a fraction, a count or none) or quest-ideal@budget, comma separated",
+    )
+    ap.add_argument("--cap", type=float, default=0.05)
+    ap.add_argument("--max-trials", type=int, default=0, help="at most this many (0: all)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    model, tok, head, _ = load(args, device)
+    trials = rebuild_trials(args, tok, args.max_trials)
+    c, b = args.context, args.block_size
     pages = -(-(c + 1) // b) + 2
     pool_kw = {"block_size": b, "num_gpu_pages": pages, "num_host_blocks": pages}
     variants: list[tuple[str, LLM]] = [

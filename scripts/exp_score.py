@@ -46,8 +46,9 @@ VARIANTS = [
 TOPK_THREADS = [512, 256, 1024]
 
 
-def source() -> str:
-    src = (ROOT / "score_blocks.cu").read_text()
+def source(path: Path = ROOT / "score_blocks.cu") -> str:
+    """A kernel file with the project's headers inlined (what CuPy's NVRTC compiles)."""
+    src = path.read_text()
     for header in ("oasis_common.cuh", "oasis_params.cuh"):
         src = src.replace(f'#include "{header}"', (ROOT / header).read_text())
     return src
@@ -66,11 +67,12 @@ def params(*fields: tuple[str, str, int]) -> np.void:
     return v[()]
 
 
-def module(defs: dict) -> cp.RawModule:
+def module(defs: dict, src: str | None = None) -> cp.RawModule:
+    """``src`` (default: score_blocks.cu) compiled for sm_90 with the knobs ``defs``."""
     opts = ("-std=c++17", "--gpu-architecture=sm_90", "-default-device") + tuple(
         f"-D{k}={v}" for k, v in defs.items()
     )
-    return cp.RawModule(code=source(), options=opts)
+    return cp.RawModule(code=source() if src is None else src, options=opts)
 
 
 def timed(fn, calls=20, repeat=15) -> float:

@@ -2,7 +2,7 @@
 attention each block set holds, teacher-forced on dense's own answer.
 
     python3 scripts/exp_trial_mass.py --results docs/eval/s10-2026-12-02/results.json --task needle \\
-        --lost-by eagle3+codes2 --only 46,131 --drafter eagle3+codes2 --budget 1/4 --threads 2
+        --lost-by eagle3+codes2 --only 46,131 --drafter eagle3+codes2 --drafter-budget 1/4 --threads 2
 
 For each rebuilt trial (see exp_hard_trials.py): dense generates the answer; the prompt plus that
 answer is teacher-forced through dense and through OasisKV (``TeacherForcing`` with
@@ -20,10 +20,10 @@ import sys
 from fractions import Fraction
 
 import torch
-from exp_hard_trials import lost_trials
+from exp_hard_trials import add_trial_arguments, rebuild_trials
 
 from oasiskv import KvConfig
-from oasiskv.eval import corpus, retrieval
+from oasiskv.eval import retrieval
 from oasiskv.eval.harness import budget_blocks, load
 from oasiskv.eval.teacher import Policy, TeacherForcing
 from oasiskv.llm import LLM
@@ -31,53 +31,22 @@ from oasiskv.llm import LLM
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--results", required=True)
-    ap.add_argument("--task", default="needle")
-    ap.add_argument("--context", type=int, default=8192)
-    ap.add_argument("--lost-by", default="eagle3+codes2")
-    ap.add_argument("--lost-budget", default="1/4", help="the budget label of --lost-by's records")
-    ap.add_argument("--only", default="", help="only these trial indices (comma separated)")
+    add_trial_arguments(ap)
     ap.add_argument("--drafter", default="eagle3+codes2", help="the OasisKV drafter spec to measure")
-    ap.add_argument("--budget", default="1/4")
+    ap.add_argument("--drafter-budget", default="1/4", help="its budget, a fraction of the context")
     ap.add_argument("--cap", type=float, default=0.05)
-    ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--eagle3", default=None)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--block-size", type=int, default=16)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    idx, depths = lost_trials(args.results, args.task, args.context, args.lost_by, args.lost_budget)
-    if args.only:
-        idx = [i for i in idx if i in {int(x) for x in args.only.split(",")}]
     device = torch.device(args.device)
     model, tok, head, _ = load(args, device)
+    trials = rebuild_trials(args, tok)
     c, b = args.context, args.block_size
-    files = corpus.list_files(source="stdlib")
-    hay = corpus.heldout_texts(
-        tok, min(c, 4096) + 1, max(2, -(-c // 4096) + 1), source="stdlib", seed=args.seed + 1, files=files
-    )
-    lines: list[str] = []
-    for h in hay:
-        lines += tok.decode(h["tokens"]).splitlines(keepends=True)
-    lengths = retrieval._Lengths(tok)
     pages = -(-(c + 64) // b) + 2
     dense = LLM(model, tokenizer=tok, kv=KvConfig(block_size=b, num_gpu_pages=pages), backend="dense")
-    k = budget_blocks(c, float(Fraction(args.budget)), b, args.budget)
-    for i in idx:
-        t = retrieval.make_trial(
-            args.task,
-            tok,
-            c,
-            i,
-            depths[i % len(depths)],
-            haystack_lines=lines,
-            seed=args.seed,
-            lengths=lengths,
-        )
+    k = budget_blocks(c, float(Fraction(args.drafter_budget)), b, args.drafter_budget)
+    for t in trials:
+        i = t["trial"]
         prompt = tok.encode(t["prompt"])
         out = dense.generate([prompt], max_new_tokens=t["max_new_tokens"], temperature=0.0)[0]
         answer = list(out.tokens)
