@@ -828,3 +828,73 @@ def test_successors_stop_at_each_rows_last_block():
 def test_bad_successor_blocks(kw, match):
     with pytest.raises(errors.ConfigError, match=match):
         KvConfig(**kw)
+
+
+@pytest.mark.parametrize("cap", [None, 1])
+def test_layer_blocks_bound_each_layers_working_set(qwen3, cap):
+    """KvConfig(layer_blocks=...): layer l selects into its first layer_blocks[l] slots only; the
+    slots past them stay unmapped in that layer (attention skips them); uncapped, the resident
+    set of each head is exactly the layer's prediction, of at most its budget."""
+    budgets = (2, 5, 3)
+    kv = KvConfig(
+        block_size=8, top_k_blocks=5, fetch_cap=cap, sparse_threshold=50, layer_blocks=budgets, recall_every=1
+    )
+    llm = oasiskv.LLM(qwen3, kv=kv, backend="oasis", drafter="ngram")
+    eng = llm.engine
+    orig = eng.decode_step
+    seen = {"n": 0, "full": [0, 0, 0]}
+
+    def checked_step(reqs):
+        logits = orig(reqs)
+        p = eng.pools
+        for r in reqs:
+            if not r.sparse:
+                continue
+            for layer, k in enumerate(budgets):
+                assert eng._pred_of(layer).shape[-1] == k
+                pred = eng._pred_of(layer)[r.slot]
+                for h in range(qwen3.config.num_key_value_heads):
+                    held = [int(p.page_map[layer, pg, h]) for pg in r.slot_pages]
+                    assert all(b < 0 for b in held[k:]), (layer, h, held)
+                    valid = {b for b in held[:k] if b >= 0}
+                    assert len(valid) <= k
+                    if cap is None:
+                        assert valid == {int(b) for b in pred[h] if b >= 0}, (layer, h)
+                    seen["full"][layer] += len(valid) == k
+            seen["n"] += 1
+        return logits
+
+    eng.decode_step = checked_step
+    ps = prompts(qwen3.config.vocab_size, [90, 70], seed=4)
+    outs = llm.generate(ps, 12, ignore_eos=True)
+    assert seen["n"] > 10 and all(seen["full"])
+    # Every layer at the whole budget is the uniform engine; the smaller budgets change it.
+    same = KvConfig(**{**kv.__dict__, "layer_blocks": (5, 5, 5)})
+    uniform = KvConfig(**{**kv.__dict__, "layer_blocks": None})
+    a = oasiskv.LLM(qwen3, kv=same, backend="oasis", drafter="ngram").generate(ps, 12, ignore_eos=True)
+    b = oasiskv.LLM(qwen3, kv=uniform, backend="oasis", drafter="ngram").generate(ps, 12, ignore_eos=True)
+    for x, y in zip(a, b, strict=True):
+        assert x.tokens == y.tokens
+        assert x.metrics.fetched_bytes_total == y.metrics.fetched_bytes_total
+    assert any(x.metrics.fetched_bytes_total != y.metrics.fetched_bytes_total for x, y in zip(outs, b, strict=True))
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"layer_blocks": [4, 4, 4]}, "tuple"),
+        ({"layer_blocks": ()}, "tuple"),
+        ({"layer_blocks": (4, 9, 4), "top_k_blocks": 8}, r"layer_blocks\[1\]=9 is above 8"),
+        ({"layer_blocks": (4, 0, 4)}, r"layer_blocks\[1\]"),
+        ({"layer_blocks": (4, 2, 4), "sink_blocks": 1, "pin_blocks": 1}, r"layer_blocks\[1\]"),
+        ({"layer_blocks": (4, 2.0, 4)}, r"layer_blocks\[1\]"),
+    ],
+)
+def test_bad_layer_blocks(kw, match):
+    with pytest.raises(errors.ConfigError, match=match):
+        KvConfig(**kw)
+
+
+def test_layer_blocks_must_name_every_layer(qwen3):
+    with pytest.raises(errors.ConfigError, match="has 2 budgets but the model has 3 layers"):
+        oasiskv.LLM(qwen3, kv=KvConfig(top_k_blocks=8, layer_blocks=(4, 8)), backend="oasis")

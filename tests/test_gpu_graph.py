@@ -32,6 +32,9 @@ pytestmark = [
         # Pinned blocks: a per-slot table indexed by the plan's slots (no host sync).
         ("oasis", "ngram", {"block_score": "codes", "score_candidates": 2, "pin_blocks": 1}),
         ("oasis", "ngram", {"pin_blocks": 2}),
+        # Successor blocks: one more top-K launch and device ops over the plan's CSR.
+        ("oasis", "ngram", {"successor_blocks": 1}),
+        ("oasis", "ngram", {"block_score": "codes", "score_candidates": 2, "successor_blocks": 1}),
         # Sink blocks are marked by device ops indexed by the plan's CSR (no host sync).
         ("oasis", "ngram", {"sink_blocks": 2}),
         ("oasis", "ngram", {"sink_blocks": 1, "select_queries": "lookahead+current"}),

@@ -105,6 +105,15 @@ class KvConfig:
             On SmolLM2 (docs/EVAL.md) 3 keeps the codes' selection within 0.4-0.6 points of
             attention at 1/16 of the context, 0.1-0.2 at 1/8 and 0.0 at 1/4. A number >= 1; not
             with ``select_queries="lookahead+current"``.
+        layer_blocks: per-layer budgets, one per model layer: layer ``l`` selects, fetches and
+            attends to at most ``layer_blocks[l]`` blocks per KV head (plus the local block), and
+            its fetch cap is taken of that budget. Layers differ in how much of their attention a
+            few blocks hold (docs/EVAL.md), so the same total can hold more of it spread unevenly;
+            :func:`oasiskv.layer_budget.fit_layer_blocks` fits such an allocation on calibration
+            text. Each budget lies in ``sink_blocks + pin_blocks + successor_blocks + 1`` ..
+            ``top_k_blocks``: ``top_k_blocks`` stays the number of slot pages a sparse request
+            holds in every layer (the slots a smaller layer leaves unused stay unmapped), so set it
+            to ``max(layer_blocks)``. ``None`` (the default): ``top_k_blocks`` in every layer.
     """
 
     block_size: int = 16
@@ -122,6 +131,7 @@ class KvConfig:
     pin_blocks: int = 0
     successor_blocks: int = 0
     score_candidates: float | None = None
+    layer_blocks: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         _check_int(
@@ -178,6 +188,22 @@ class KvConfig:
             "successor blocks take slots of the budget beside the sink and pinned blocks, and at "
             "least one must stay for the selection; lower successor_blocks or raise top_k_blocks",
         )
+        if self.layer_blocks is not None:
+            lb = self.layer_blocks
+            if not isinstance(lb, tuple) or not lb:
+                raise ConfigError(
+                    f"layer_blocks must be a non-empty tuple of ints (one budget per layer) or None, got {lb!r}"
+                )
+            low = self.sink_blocks + self.pin_blocks + self.successor_blocks + 1
+            for i, k in enumerate(lb):
+                _check_int(
+                    f"layer_blocks[{i}]",
+                    k,
+                    low,
+                    self.top_k_blocks,
+                    "a layer's budget cannot exceed the slots of a request (top_k_blocks); set "
+                    "top_k_blocks to max(layer_blocks)",
+                )
         if self.select_queries not in SELECT_QUERIES:
             raise ConfigError(f"select_queries must be one of {SELECT_QUERIES}, got {self.select_queries!r}")
         if self.block_score not in BLOCK_SCORES:
@@ -218,12 +244,22 @@ class KvConfig:
 
     @property
     def cap_blocks(self) -> int:
-        """The fetch cap C in blocks per KV head and step."""
+        """The fetch cap C in blocks per KV head and step (of a layer with the whole
+        ``top_k_blocks``; :meth:`cap_blocks_for` of a smaller budget)."""
+        return self.cap_blocks_for(self.top_k_blocks)
+
+    def cap_blocks_for(self, k: int) -> int:
+        """The fetch cap in blocks per KV head and step of a layer whose budget is ``k`` blocks."""
         if self.fetch_cap is None:
-            return self.top_k_blocks
+            return k
         if isinstance(self.fetch_cap, float):
-            return max(1, min(self.top_k_blocks, math.ceil(self.fetch_cap * self.top_k_blocks)))
-        return min(self.fetch_cap, self.top_k_blocks)
+            return max(1, min(k, math.ceil(self.fetch_cap * k)))
+        return min(self.fetch_cap, k)
+
+    def layer_budget(self, layer: int) -> int:
+        """Layer ``layer``'s budget in blocks per KV head (:attr:`layer_blocks`, else
+        ``top_k_blocks``)."""
+        return self.top_k_blocks if self.layer_blocks is None else self.layer_blocks[layer]
 
     def candidate_blocks(self, k: int) -> int | None:
         """Candidates per KV head of the two-stage score for a budget of ``k`` blocks (``None``:

@@ -1272,14 +1272,16 @@ class RemoteKvSource:
         from .engine import _i32, csr_tables
 
         eng = self.engine
-        g, dev, k = eng.geo, eng.device, eng.kv.top_k_blocks
+        g, dev = eng.geo, eng.device
         n_complete = tr["n_complete"]
         slot_pages = _i32([tr["slot_pages"]], dev)
         blk = csr_tables([tr["host_blocks"][:n_complete]], dev)
         host = csr_tables([tr["host_rows"]], dev)  # patched by before_gather (bounded cache)
         for layer in range(eng.cfg.num_hidden_layers):
             q = query[layer].view(1, g.num_qo_heads, g.head_dim).to(dev).contiguous()
-            pred, _ = eng._select_and_fetch(layer, q, slot_pages, blk, host, eng.step_no, k, k)
+            k = eng.kv.layer_budget(layer)  # KvConfig.layer_blocks: the layer's first k slots
+            slots = slot_pages if k == slot_pages.shape[1] else slot_pages[:, :k].contiguous()
+            pred, _ = eng._select_and_fetch(layer, q, slots, blk, host, eng.step_no, k, k)
             eng._initial_selection(layer, r.slot, pred[0])
 
     # ---------------------------------------------------------------- decode-time misses

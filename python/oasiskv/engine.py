@@ -232,22 +232,41 @@ class _SparsePlan:
     # Recall is judged over the blocks that were candidates when the last step predicted: those
     # before x_t's own block (the local block, always resident). None: recall not measured.
     rec_csr: tuple[torch.Tensor, torch.Tensor] | None
+    # KvConfig.layer_blocks: the first k slot pages of each request, [n_sparse, k], per budget k
+    # below top_k_blocks (a layer with budget k selects into these only). Made with the plan, on
+    # the compute stream, before any background chain reads them.
+    slot_pages_of: dict = field(default_factory=dict)
+
+    def slots_for(self, k: int) -> torch.Tensor:
+        """The slot pages a layer with a budget of ``k`` blocks selects into, ``[n_sparse, k]``."""
+        return self.slot_pages if k == self.slot_pages.shape[1] else self.slot_pages_of[k]
 
     @staticmethod
-    def from_views(v: dict, reqs: list[_Request], k_budget: int, measure_recall: bool, with_seq: bool):
-        """The sparse tables of one step, as views of the plan on the device."""
+    def from_views(
+        v: dict,
+        reqs: list[_Request],
+        k_budget: int,
+        measure_recall: bool,
+        with_seq: bool,
+        layer_blocks: tuple[int, ...] | None = None,
+    ):
+        """The sparse tables of one step, as views of the plan on the device (and, with
+        ``layer_blocks``, each smaller budget's first slot pages)."""
         sp_rows = v["sp_rows"].long()
+        slot_pages = v["slot_pages"].view(-1, k_budget)
+        smaller = sorted({k for k in layer_blocks or () if k < k_budget})
         return _SparsePlan(
             idx=sp_rows,
             ids=v["sp_slots"].long(),
             reqs=[r for r in reqs if r.sparse],  # batch order, as the runtime's sp_rows
-            slot_pages=v["slot_pages"].view(-1, k_budget),
+            slot_pages=slot_pages,
             blk_indptr=v["blk_indptr"],
             blk_indices=v["blk_indices"],
             blk_seq=v["blk_seq"].long() if with_seq else None,
             host_indptr=v["host_indptr"],
             host_indices=v["host_indices"],
             rec_csr=(v["rec_indptr"], v["rec_indices"]) if measure_recall else None,
+            slot_pages_of={k: slot_pages[:, :k].contiguous() for k in smaller},
         )
 
     def keep_for(self, stream) -> None:
@@ -262,6 +281,7 @@ class _SparsePlan:
             self.host_indices,
             *(self.rec_csr or ()),
             *((self.blk_seq,) if self.blk_seq is not None else ()),
+            *self.slot_pages_of.values(),
         ):
             t.record_stream(stream)
 
@@ -933,6 +953,11 @@ class Engine:
                 f"KvConfig(block_score='codes') needs head_dim divisible by 4, got {c.head_dim}; "
                 "use block_score='quest'"
             )
+        if kv.layer_blocks is not None and len(kv.layer_blocks) != c.num_hidden_layers:
+            raise ConfigError(
+                f"KvConfig(layer_blocks=...) has {len(kv.layer_blocks)} budgets but the model has "
+                f"{c.num_hidden_layers} layers; pass one budget per layer"
+            )
         self.capture = tuple(drafter.capture_layers(c.num_hidden_layers)) if drafter is not None else ()
         # Hand the features of every prompt position to the drafter at prefill (Drafter.feed_prompt).
         self.prompt_features = bool(self.capture) and bool(getattr(drafter, "wants_prompt_features", False))
@@ -1282,7 +1307,7 @@ class Engine:
         """The selection tables of a step, from the plan's views ``v``."""
         kv = self.kv
         both = self.rows == 2 and kv.select_queries == "lookahead+current"
-        return _SparsePlan.from_views(v, reqs, kv.top_k_blocks, self._recall_now, both)
+        return _SparsePlan.from_views(v, reqs, kv.top_k_blocks, self._recall_now, both, kv.layer_blocks)
 
     # ---------------------------------------------------------------- prefill
     @torch.no_grad()
@@ -1464,7 +1489,6 @@ class Engine:
         p, g, kv = self.pools, self.geo, self.kv
         self._join_background()
         dev = self.device
-        k_budget = kv.top_k_blocks
         tr = self.runtime.make_sparse(r.id)
         self._flush_map()
         src, dst, lens = _i32(tr["src_pages"], dev), _i32(tr["host_blocks"], dev), _i32(tr["lens"], dev)
@@ -1487,10 +1511,11 @@ class Engine:
         for layer in range(self.cfg.num_hidden_layers):
             row = self._last_row[r.id]
             q = self._last_q[layer][row : row + 1].reshape(1, g.num_qo_heads, g.head_dim).contiguous()
+            k_budget = kv.layer_budget(layer)
             pred, _ = self._select_and_fetch(
                 layer,
                 q,
-                slot_pages,
+                slot_pages[:, :k_budget].contiguous(),
                 (blk_indptr, blk_indices),
                 (host_indptr, host_indices),
                 self.step_no,
@@ -1766,7 +1791,6 @@ class Engine:
         ``record_stream`` (the tensors the background stream reads stay referenced until the step
         is over); the background stream is joined at the end of the step, inside the capture."""
         p, g, kv = self.pools, self.geo, self.kv
-        k_budget, cap = kv.top_k_blocks, kv.cap_blocks
         rows = self.rows
         hq, hk, d = g.num_qo_heads, g.num_kv_heads, g.head_dim
         dev = self.device
@@ -1840,7 +1864,8 @@ class Engine:
             )
             last_q[layer] = q4[:, rows - 1]
             if plan is not None:
-                args = (layer, q4, plan, step, cap, k_budget)
+                k_budget = kv.layer_budget(layer)
+                args = (layer, q4, plan, step, kv.cap_blocks_for(k_budget), k_budget)
                 if self.cuda:
                     attn_done = torch.cuda.Event()
                     attn_done.record()
@@ -2154,7 +2179,7 @@ class Engine:
         is an int, or the int32 device tensor a captured step reads. Returns the tensors it made
         (a captured step keeps them alive until the capture ends).
         """
-        sp_idx, sp_ids, sp_reqs, slot_pages = plan.idx, plan.ids, plan.reqs, plan.slot_pages
+        sp_idx, sp_ids, sp_reqs, slot_pages = plan.idx, plan.ids, plan.reqs, plan.slots_for(k_budget)
         rec_csr = plan.rec_csr
         if rec_csr is not None:
             # Recall of last step's prediction against the exact top-K of this step's true query.
@@ -2187,10 +2212,10 @@ class Engine:
 
     def _pred_of(self, layer: int) -> torch.Tensor:
         """Each slot's latest prediction of ``layer``, ``[max_num_seqs, num_kv_heads, K]`` logical
-        blocks (-1 padded), on the device: one gather and one scatter per layer and step instead
-        of a tensor per request."""
+        blocks (-1 padded; K the layer's budget), on the device: one gather and one scatter per
+        layer and step instead of a tensor per request."""
         if self._pred[layer] is None:
-            shape = (self.max_num_seqs + 1, self.geo.num_kv_heads, self.kv.top_k_blocks)
+            shape = (self.max_num_seqs + 1, self.geo.num_kv_heads, self.kv.layer_budget(layer))
             self._pred[layer] = torch.full(shape, -1, dtype=torch.int32, device=self.device)
         return self._pred[layer]
 

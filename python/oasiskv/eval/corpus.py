@@ -229,15 +229,18 @@ def heldout_texts(
     seed: int = 0,
     files: Sequence[SourceFile] | None = None,
     max_windows_per_package: int = 4,
+    split: str = "heldout",
 ) -> list[dict]:
     """``n_texts`` held-out token windows of exactly ``n_tokens`` tokens each (see the module doc).
+    ``split="train"``: windows of the train split instead (calibration text, disjoint from every
+    evaluation text).
 
-    Returns dicts ``{"package", "window", "tokens"}``. Raises ValueError when the held-out split
-    has too little text (use ``source="all"`` or fewer/shorter texts).
+    Returns dicts ``{"package", "window", "tokens"}``. Raises ValueError when the split has too
+    little text (use ``source="all"`` or fewer/shorter texts).
     """
     if files is None:
-        files = list_files(source=source, split="heldout")
-    groups = by_package(f for f in files if f.split == "heldout")
+        files = list_files(source=source, split=split)
+    groups = by_package(f for f in files if f.split == split)
     order = sorted(groups, key=lambda p: package_order(p, seed))
     cache: dict[str, list[int]] = {}
     out: list[dict] = []
@@ -258,7 +261,7 @@ def heldout_texts(
                 )
     if len(out) < n_texts:
         raise ValueError(
-            f"the held-out split ({source}) holds only {len(out)} windows of {n_tokens} tokens, "
+            f"the {split} split ({source}) holds only {len(out)} windows of {n_tokens} tokens, "
             f"{n_texts} were asked for; lower --texts or use the 'all' source"
         )
     return out

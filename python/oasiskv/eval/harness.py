@@ -41,9 +41,24 @@ from .teacher import (
     TeacherForcing,
     drafter_parts,
     greedy_continuations,
+    kv_budget_kwargs,
     parse_drafter,
     summarize,
 )
+
+#: Train-split texts the ``+layers`` drafters fit their per-layer budgets on (per context).
+CALIBRATION_TEXTS = 4
+
+
+def _calibration(tok, context: int, args, files, drafters) -> list[list[int]] | None:
+    """Calibration token lists of ``context`` tokens from the train split (disjoint from every
+    evaluation text) when a drafter has ``+layers``, else None."""
+    if not any(parse_drafter(d).layers for d in drafters):
+        return None
+    texts = corpus.heldout_texts(
+        tok, context, CALIBRATION_TEXTS, source=args.source, seed=args.seed, files=files, split="train"
+    )
+    return [t["tokens"] for t in texts]
 
 SCHEMA = "oasiskv-eval/1"
 
@@ -128,6 +143,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "+codes (blocks ranked by 2-bit key codes; +codesF: the Quest bound's best F x K of them), "
         "+sinkN (KvConfig(sink_blocks=N): blocks 0..N-1 always selected), "
         "+pinN (KvConfig(pin_blocks=N): the initial selection's best N kept), "
+        "+succN (KvConfig(successor_blocks=N)), "
+        "+layers (KvConfig(layer_blocks): per-layer budgets with the same total, fitted on train-split text), "
         "+top2 (eagle3: also measure lookahead from the head's two best drafts)",
     )
     p.add_argument("--no-quest", action="store_true", help="skip the Quest-like reference")
@@ -382,6 +399,7 @@ def run_teacher(args, model, tok, head, results: Results, files, progress: bool)
             tok, context + 1, args.texts, source=args.source, seed=args.seed, files=files
         )
         token_lists = [t["tokens"] for t in texts]
+        calibration = _calibration(tok, context, args, files, drafters)
         greedy = args.continuation == "greedy"
         if greedy:
             token_lists = greedy_continuations(
@@ -396,6 +414,7 @@ def run_teacher(args, model, tok, head, results: Results, files, progress: bool)
             eagle3_head=head,
             progress=progress,
             mass_every=args.attn_mass_every,
+            calibration=calibration,
         )
         base = {
             "section": "teacher",
@@ -516,6 +535,7 @@ def run_retrieval(args, model, tok, head, results: Results, files, progress: boo
         lines: list[str] = []
         for h in hay:
             lines += tok.decode(h["tokens"]).splitlines(keepends=True)
+        calibration = _calibration(tok, context, args, files, [drafter_name])
         trials = retrieval.make_trials(
             tok, tasks, context, args.retrieval_trials, depths, haystack_lines=lines, seed=args.seed
         )
@@ -550,10 +570,9 @@ def run_retrieval(args, model, tok, head, results: Results, files, progress: boo
             spec = parse_drafter(drafter_name)
             base = spec.base
             kv = KvConfig(
-                top_k_blocks=k_blocks,
+                **kv_budget_kwargs(spec, k_blocks, b, model, calibration),
                 fetch_cap=cap,
                 measure_recall=False,
-                **spec.kv_kwargs(),
                 **pool_kw,
             )
             if base.startswith("eagle3"):

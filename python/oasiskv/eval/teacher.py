@@ -47,6 +47,7 @@ from .. import ops
 from ..config import KvConfig
 from ..drafters import Eagle3Drafter, NgramDrafter, OracleDrafter, PreviousQueryDrafter
 from ..engine import PrefillCache, _relative_to_best, csr_tables, keep_sinks, recall_overlap
+from ..layer_budget import fit_layer_blocks
 from ..llm_engine import LLMEngine, SamplingParams, StepInfo
 from ..policy import SelectionPolicy
 from .policies import QuestPolicy
@@ -58,11 +59,13 @@ DRAFTERS = ("eagle3", "eagle3-noprefill", "ngram", "oracle", "previous-query")
 
 @dataclass(frozen=True)
 class DrafterSpec:
-    """A drafter name of the evaluation, ``BASE[+current][+codes[F]][+sinkN][+pinN][+succN][+top2]``,
-    and what each part sets: ``+current`` ``KvConfig(select_queries="lookahead+current")``,
-    ``+codes`` ``KvConfig(block_score="codes")`` (``+codesF``: and ``score_candidates=F``),
-    ``+sinkN`` ``KvConfig(sink_blocks=N)``, ``+pinN`` ``KvConfig(pin_blocks=N)``, ``+succN``
-    ``KvConfig(successor_blocks=N)``; ``+top2`` (EAGLE-3
+    """A drafter name of the evaluation,
+    ``BASE[+current][+codes[F]][+sinkN][+pinN][+succN][+layers][+top2]``, and what each part sets:
+    ``+current`` ``KvConfig(select_queries="lookahead+current")``, ``+codes``
+    ``KvConfig(block_score="codes")`` (``+codesF``: and ``score_candidates=F``), ``+sinkN``
+    ``KvConfig(sink_blocks=N)``, ``+pinN`` ``KvConfig(pin_blocks=N)``, ``+succN``
+    ``KvConfig(successor_blocks=N)``, ``+layers`` ``KvConfig(layer_blocks=...)`` fitted on
+    calibration text with the budget's total (:func:`kv_budget_kwargs`); ``+top2`` (EAGLE-3
     only) changes nothing in the engine and also measures lookahead from the head's two best drafts
     (:class:`LookaheadRecorder`)."""
 
@@ -74,6 +77,7 @@ class DrafterSpec:
     score_candidates: float | None = None
     pin_blocks: int = 0
     successor_blocks: int = 0
+    layers: bool = False
 
     def kv_kwargs(self) -> dict:
         """The :class:`~oasiskv.KvConfig` keyword arguments the suffixes set."""
@@ -95,7 +99,7 @@ def parse_drafter(name: str) -> DrafterSpec:
     grammar). The suffixes come in the order given, each at most once."""
     base, *mods = str(name).split("+")
     kw: dict = {}
-    order = ("current", "codes", "sink", "pin", "succ", "top2")
+    order = ("current", "codes", "sink", "pin", "succ", "layers", "top2")
     last = -1
     ok = base in DRAFTERS
     for m in mods:
@@ -123,6 +127,8 @@ def parse_drafter(name: str) -> DrafterSpec:
             kw["pin_blocks"] = int(m[3:])
         elif key == "succ":
             kw["successor_blocks"] = int(m[4:])
+        elif key == "layers":
+            kw["layers"] = True
         else:
             ok = base.startswith("eagle3")  # the runner-up needs a head that ranks drafts
             kw["top2"] = True
@@ -131,10 +137,36 @@ def parse_drafter(name: str) -> DrafterSpec:
             f"unknown drafter {name!r}; use one of {DRAFTERS}, then optionally '+current' (not "
             "previous-query, which has no lookahead row), '+codes' or '+codesF' (F >= 1: the "
             "Quest bound's best F x K blocks ranked by the codes), '+sinkN' (N sink blocks), '+pinN' "
-            "(N pinned blocks per layer and KV head), '+succN' (the next block of the N best) and "
-            "'+top2' (eagle3 only), in that order"
+            "(N pinned blocks per layer and KV head), '+succN' (the next block of the N best), "
+            "'+layers' (per-layer budgets fitted on calibration text) and '+top2' (eagle3 only), "
+            "in that order"
         )
     return DrafterSpec(base, **kw)
+
+
+# (id(model), K, block size, calibration texts) -> the fitted per-layer budgets
+_LAYER_FITS: dict[tuple, tuple[int, ...]] = {}
+
+
+def kv_budget_kwargs(
+    spec: DrafterSpec, top_k_blocks: int, block_size: int, model=None, calibration=None
+) -> dict:
+    """The :class:`~oasiskv.KvConfig` keyword arguments of ``spec`` at a uniform budget of
+    ``top_k_blocks``: its suffixes' (:meth:`DrafterSpec.kv_kwargs`) and ``top_k_blocks``; with
+    ``+layers``, per-layer budgets with the same total fitted on ``calibration`` (token lists of
+    the train split, :func:`oasiskv.layer_budget.fit_layer_blocks`; one fit per model, budget and
+    texts), ``top_k_blocks`` their largest and ``sparse_threshold`` still the uniform budget's
+    tokens (callers' own keywords go on top)."""
+    kw = {**spec.kv_kwargs(), "top_k_blocks": top_k_blocks}
+    if spec.layers:
+        if model is None or not calibration:
+            raise ValueError("+layers needs calibration texts to fit the per-layer budgets on")
+        key = (id(model), top_k_blocks, block_size, tuple(tuple(t) for t in calibration))
+        if key not in _LAYER_FITS:
+            _LAYER_FITS[key] = fit_layer_blocks(model, calibration, top_k_blocks, block_size)
+        alloc = _LAYER_FITS[key]
+        kw.update(top_k_blocks=max(alloc), layer_blocks=alloc, sparse_threshold=top_k_blocks * block_size)
+    return kw
 
 
 def block_score_of(name: str) -> tuple[str, str]:
@@ -513,6 +545,7 @@ class TeacherForcing:
         eagle3_head=None,
         progress: bool = True,
         mass_every: int = 0,
+        calibration: list[list[int]] | None = None,
     ) -> None:
         lens = {len(t) for t in texts}
         if not texts or len(lens) != 1:
@@ -532,6 +565,8 @@ class TeacherForcing:
         if mass_every < 0:
             raise ValueError(f"mass_every must be >= 0, got {mass_every}")
         self.mass_every = mass_every
+        #: Train-split token lists the ``+layers`` drafters fit their per-layer budgets on.
+        self.calibration = calibration
         self.device = next(model.parameters()).device
         self.cache = PrefillCache(capacity=3 * min(self.batch_size, len(texts)))
         #: The :class:`QuestPolicy` of the latest Quest-like chunk (tests read its counters).
@@ -568,12 +603,13 @@ class TeacherForcing:
         if policy.kind == "oasis":
             spec = parse_drafter(policy.drafter)
             kv = KvConfig(
-                block_size=b,
-                top_k_blocks=policy.top_k_blocks,
-                fetch_cap=policy.fetch_cap,
-                sparse_threshold=max(1, self.prefix - 1),  # sparse from the first decode step
-                measure_recall=True,
-                **spec.kv_kwargs(),
+                **{
+                    **kv_budget_kwargs(spec, policy.top_k_blocks, b, self.model, self.calibration),
+                    "block_size": b,
+                    "fetch_cap": policy.fetch_cap,
+                    "sparse_threshold": max(1, self.prefix - 1),  # sparse from the first decode step
+                    "measure_recall": True,
+                }
             )
         else:
             kv = KvConfig(block_size=b, top_k_blocks=1, fetch_cap=None, measure_recall=False)
