@@ -876,7 +876,9 @@ def test_layer_blocks_bound_each_layers_working_set(qwen3, cap):
     for x, y in zip(a, b, strict=True):
         assert x.tokens == y.tokens
         assert x.metrics.fetched_bytes_total == y.metrics.fetched_bytes_total
-    assert any(x.metrics.fetched_bytes_total != y.metrics.fetched_bytes_total for x, y in zip(outs, b, strict=True))
+    assert any(
+        x.metrics.fetched_bytes_total != y.metrics.fetched_bytes_total for x, y in zip(outs, b, strict=True)
+    )
 
 
 @pytest.mark.parametrize(

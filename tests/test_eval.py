@@ -627,6 +627,19 @@ def test_harness_runs_a_drafter_with_key_codes(tiny, tmp_path):
     assert oasis["oracle+codes1"]["nll"] == pytest.approx(oasis["oracle"]["nll"], rel=1e-9)
 
 
+def test_harness_runs_a_drafter_with_per_layer_budgets(tiny, tmp_path):
+    extra = ("--drafters", "oracle,oracle+layers", "--budgets", "1/8", "--caps", "none", "--no-quest")
+    data = _teacher_results(tiny, tmp_path, *extra)
+    oasis = {r["drafter"]: r for r in data["records"] if r["policy"] == "oasis"}
+    uniform, fitted = oasis["oracle"], oasis["oracle+layers"]
+    assert "layer_blocks" not in uniform
+    alloc = fitted["layer_blocks"]
+    k, layers = uniform["top_k_blocks"], len(alloc)
+    # Fitted on train-split text with the uniform budget's total; the record keeps the uniform K.
+    assert fitted["top_k_blocks"] == k and sum(alloc) <= k * layers and alloc != [k] * layers
+    assert fitted["nll"] != uniform["nll"]
+
+
 def test_report_computes_vs_quest_for_runs_merged_beside_the_reference(tiny, tmp_path):
     # A part run with --no-quest, merged into results that hold the Quest-like record of the same
     # budget, still gets its "vs Quest" cell.

@@ -55,9 +55,7 @@ def reference_curves(model, seqs, b, ladder, queries, span=0.25):
             return causal_attention(q, k, v, d**-0.5)
 
         with torch.no_grad():
-            model.forward(
-                torch.tensor(tokens), torch.arange(n), attn, logits_rows=torch.tensor([n - 1])
-            )
+            model.forward(torch.tensor(tokens), torch.arange(n), attn, logits_rows=torch.tensor([n - 1]))
         for layer, (q, k) in enumerate(caught):
             per_rung = [[] for _ in ladder]
             for t in positions:

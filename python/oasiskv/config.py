@@ -192,7 +192,8 @@ class KvConfig:
             lb = self.layer_blocks
             if not isinstance(lb, tuple) or not lb:
                 raise ConfigError(
-                    f"layer_blocks must be a non-empty tuple of ints (one budget per layer) or None, got {lb!r}"
+                    "layer_blocks must be a non-empty tuple of ints (one budget per layer) or None, "
+                    f"got {lb!r}"
                 )
             low = self.sink_blocks + self.pin_blocks + self.successor_blocks + 1
             for i, k in enumerate(lb):

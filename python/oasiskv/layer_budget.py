@@ -24,6 +24,9 @@ import torch
 from .config import MAX_TOP_K_BLOCKS
 from .errors import ConfigError
 
+#: What :func:`attention_curves` measures of a block set (see there).
+METRICS = ("mass", "output")
+
 #: The rungs of the budget ladder, as multiples of the uniform budget K.
 LADDER = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0)
 
@@ -43,12 +46,16 @@ def attention_curves(
     *,
     queries: int = 16,
     span: float = 0.25,
+    metric: str = "mass",
 ) -> torch.Tensor:
-    """``[num_layers, len(ladder)]``: per layer, the mean share of the true attention that the best
-    ``ladder[i]`` complete blocks of each KV head hold, the local block (the query's own) counted
-    as held. Averaged over KV heads (each head's share averaged over its query heads), ``queries``
-    query positions spread over the last ``span`` of each text, and the texts. One dense forward
-    per text on the model's device; the shares are computed in float64."""
+    """``[num_layers, len(ladder)]``: per layer, how well the best ``ladder[i]`` complete blocks of
+    each KV head (by the head's attention, averaged over its query heads) stand in for the whole
+    context, the local block (the query's own) always kept. ``metric="mass"``: the share of the
+    true attention they hold; ``"output"``: one minus the relative error of the attention output
+    over them alone (renormalised) against the exact output, which also counts how different the
+    values left out are. Averaged over query heads, KV heads, ``queries`` query positions spread
+    over the last ``span`` of each text, and the texts. One dense forward per text on the model's
+    device; computed in float64."""
     from .models.transformer import causal_attention
 
     cfg = model.config
@@ -56,6 +63,8 @@ def attention_curves(
         raise ConfigError("attention_curves needs at least one calibration text")
     hq, hk, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     group, num_layers = hq // hk, cfg.num_hidden_layers
+    if metric not in METRICS:
+        raise ConfigError(f"metric must be one of {METRICS}, got {metric!r}")
     dev = next(model.parameters()).device
     total = torch.zeros(num_layers, len(ladder), dtype=torch.float64)
     count = 0
@@ -71,27 +80,44 @@ def attention_curves(
         pos_t = torch.tensor(positions, device=dev)
         held: list[torch.Tensor] = []
 
-        def attn(layer, q, k, v):
+        def attn(layer, q, k, v, n=n, positions=positions, pos_t=pos_t, held=held):
             # The sampled queries' exact attention over the whole prefix, in float64.
             qs = q[pos_t].double().view(len(positions), hk, group, d)
             ks = k.double().transpose(0, 1)  # [hk, n, d]
             logits = torch.einsum("phgd,hnd->phgn", qs, ks) * d**-0.5
             causal = torch.arange(n, device=dev)[None, :] <= pos_t[:, None]  # [p, n]
             logits = logits.masked_fill(~causal[:, None, None, :], -math.inf)
-            w = torch.softmax(logits, dim=-1).mean(2)  # [p, hk, n]: each KV head's query heads
+            wq = torch.softmax(logits, dim=-1)  # [p, hk, g, n]
+            w = wq.mean(2)  # [p, hk, n]: each KV head's query heads
             nb = math.ceil(n / block_size)
             w = torch.nn.functional.pad(w, (0, nb * block_size - n)).view(len(positions), hk, nb, block_size)
             mass = w.sum(-1)  # [p, hk, nb]
             rows = []
             for i, t in enumerate(positions):
                 nc = t // block_size  # complete blocks before t's own
-                local = mass[i, :, nc:].sum(-1)  # [hk]
-                best = mass[i, :, :nc].sort(dim=-1, descending=True).values.cumsum(-1)  # [hk, nc]
-                shares = []
-                for kk in ladder:
-                    top = best[:, min(kk, nc) - 1] if nc and kk else torch.zeros_like(local)
-                    shares.append((top + local).mean())
-                rows.append(torch.stack(shares))
+                if metric == "mass":
+                    local = mass[i, :, nc:].sum(-1)  # [hk]
+                    best = mass[i, :, :nc].sort(dim=-1, descending=True).values.cumsum(-1)  # [hk, nc]
+                    shares = []
+                    for kk in ladder:
+                        top = best[:, min(kk, nc) - 1] if nc and kk else torch.zeros_like(local)
+                        shares.append((top + local).mean())
+                    rows.append(torch.stack(shares))
+                    continue
+                # Keep-masks over tokens [hk, rungs, n]: each rung's best blocks plus the local ones.
+                order = mass[i, :, :nc].argsort(dim=-1, descending=True)  # [hk, nc]
+                rank = torch.empty_like(order)
+                rank.scatter_(1, order, torch.arange(nc, device=dev).expand(hk, nc))
+                rank = torch.cat([rank, torch.full((hk, nb - nc), -1, device=dev, dtype=rank.dtype)], 1)
+                ks_t = torch.tensor(list(ladder), device=dev).view(1, -1, 1)
+                keep = (rank.unsqueeze(1) < ks_t).repeat_interleave(block_size, dim=2)[..., :n].double()
+                vs = v.double().transpose(0, 1)  # [hk, n, d]
+                wi = wq[i]  # [hk, g, n]
+                full = torch.einsum("hgn,hnd->hgd", wi, vs)
+                kept = torch.einsum("hgn,hrn->hrgn", wi, keep)
+                part = torch.einsum("hrgn,hnd->hrgd", kept, vs) / kept.sum(-1, keepdim=True)
+                err = (part - full.unsqueeze(1)).norm(dim=-1) / full.norm(dim=-1).unsqueeze(1)  # [hk, r, g]
+                rows.append(1 - err.mean(dim=(0, 2)))
             held.append(torch.stack(rows).mean(0).cpu())
             return causal_attention(q, k, v, d**-0.5)
 
@@ -136,6 +162,7 @@ def fit_layer_blocks(
     *,
     queries: int = 16,
     max_blocks: int = MAX_TOP_K_BLOCKS,
+    metric: str = "mass",
 ) -> tuple[int, ...]:
     """Per-layer budgets with the same total as ``top_k_blocks`` in every layer (at most), fitted
     on ``token_seqs`` (calibration texts, each a list of token ids, about as long as the contexts
@@ -145,5 +172,5 @@ def fit_layer_blocks(
         raise ConfigError(f"top_k_blocks must be an int >= 1, got {top_k_blocks!r}")
     shortest = min(len(t) for t in token_seqs) if token_seqs else 0
     ladder = ladder_for(top_k_blocks, max(1, min(max_blocks, shortest // block_size)))
-    curves = attention_curves(model, token_seqs, block_size, ladder, queries=queries)
+    curves = attention_curves(model, token_seqs, block_size, ladder, queries=queries, metric=metric)
     return allocate(curves, ladder, top_k_blocks * model.config.num_hidden_layers)

@@ -60,6 +60,7 @@ def _calibration(tok, context: int, args, files, drafters) -> list[list[int]] | 
     )
     return [t["tokens"] for t in texts]
 
+
 SCHEMA = "oasiskv-eval/1"
 
 PRESETS: dict[str, dict] = {
@@ -144,7 +145,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "+sinkN (KvConfig(sink_blocks=N): blocks 0..N-1 always selected), "
         "+pinN (KvConfig(pin_blocks=N): the initial selection's best N kept), "
         "+succN (KvConfig(successor_blocks=N)), "
-        "+layers (KvConfig(layer_blocks): per-layer budgets with the same total, fitted on train-split text), "
+        "+layers or +layersout (KvConfig(layer_blocks): per-layer budgets with the same total, "
+        "fitted on train-split text by attention mass or output error), "
         "+top2 (eagle3: also measure lookahead from the head's two best drafts)",
     )
     p.add_argument("--no-quest", action="store_true", help="skip the Quest-like reference")
@@ -580,9 +582,10 @@ def run_retrieval(args, model, tok, head, results: Results, files, progress: boo
             else:
                 drafter = base
             cfg = {"budget": label, "budget_frac": frac, "top_k_blocks": k_blocks}
+            fitted = {"layer_blocks": list(kv.layer_blocks)} if kv.layer_blocks else {}
             variants.append(
                 (
-                    {"policy": "oasis", "drafter": drafter_name, "fetch_cap": cap, **cfg},
+                    {"policy": "oasis", "drafter": drafter_name, "fetch_cap": cap, **cfg, **fitted},
                     make_llm(kv, "oasis", drafter),
                 )
             )

@@ -65,7 +65,8 @@ class DrafterSpec:
     ``KvConfig(block_score="codes")`` (``+codesF``: and ``score_candidates=F``), ``+sinkN``
     ``KvConfig(sink_blocks=N)``, ``+pinN`` ``KvConfig(pin_blocks=N)``, ``+succN``
     ``KvConfig(successor_blocks=N)``, ``+layers`` ``KvConfig(layer_blocks=...)`` fitted on
-    calibration text with the budget's total (:func:`kv_budget_kwargs`); ``+top2`` (EAGLE-3
+    calibration text with the budget's total (:func:`kv_budget_kwargs`; ``+layersout``: fitted
+    on the attention output's error instead of its mass); ``+top2`` (EAGLE-3
     only) changes nothing in the engine and also measures lookahead from the head's two best drafts
     (:class:`LookaheadRecorder`)."""
 
@@ -77,7 +78,7 @@ class DrafterSpec:
     score_candidates: float | None = None
     pin_blocks: int = 0
     successor_blocks: int = 0
-    layers: bool = False
+    layers: str = ""  # "" (uniform), or the metric of the fit: "mass" (+layers), "output" (+layersout)
 
     def kv_kwargs(self) -> dict:
         """The :class:`~oasiskv.KvConfig` keyword arguments the suffixes set."""
@@ -107,6 +108,8 @@ def parse_drafter(name: str) -> DrafterSpec:
         for prefix in ("sink", "pin", "succ"):
             if m.startswith(prefix):
                 key = prefix if m[len(prefix) :].isdigit() else ""
+        if m in ("layers", "layersout"):
+            key = "layers"
         if m.startswith("codes") and _CODES_F.fullmatch(m[5:]):
             key = "codes"
         if not ok or key not in order or order.index(key) <= last:
@@ -128,7 +131,7 @@ def parse_drafter(name: str) -> DrafterSpec:
         elif key == "succ":
             kw["successor_blocks"] = int(m[4:])
         elif key == "layers":
-            kw["layers"] = True
+            kw["layers"] = "output" if m == "layersout" else "mass"
         else:
             ok = base.startswith("eagle3")  # the runner-up needs a head that ranks drafts
             kw["top2"] = True
@@ -138,7 +141,8 @@ def parse_drafter(name: str) -> DrafterSpec:
             "previous-query, which has no lookahead row), '+codes' or '+codesF' (F >= 1: the "
             "Quest bound's best F x K blocks ranked by the codes), '+sinkN' (N sink blocks), '+pinN' "
             "(N pinned blocks per layer and KV head), '+succN' (the next block of the N best), "
-            "'+layers' (per-layer budgets fitted on calibration text) and '+top2' (eagle3 only), "
+            "'+layers' or '+layersout' (per-layer budgets fitted on calibration text by attention "
+            "mass or output error) and '+top2' (eagle3 only), "
             "in that order"
         )
     return DrafterSpec(base, **kw)
@@ -161,9 +165,11 @@ def kv_budget_kwargs(
     if spec.layers:
         if model is None or not calibration:
             raise ValueError("+layers needs calibration texts to fit the per-layer budgets on")
-        key = (id(model), top_k_blocks, block_size, tuple(tuple(t) for t in calibration))
+        key = (id(model), top_k_blocks, block_size, spec.layers, tuple(tuple(t) for t in calibration))
         if key not in _LAYER_FITS:
-            _LAYER_FITS[key] = fit_layer_blocks(model, calibration, top_k_blocks, block_size)
+            _LAYER_FITS[key] = fit_layer_blocks(
+                model, calibration, top_k_blocks, block_size, metric=spec.layers
+            )
         alloc = _LAYER_FITS[key]
         kw.update(top_k_blocks=max(alloc), layer_blocks=alloc, sparse_threshold=top_k_blocks * block_size)
     return kw
@@ -511,6 +517,7 @@ class RunResult:
     top2_valid: torch.Tensor | None = None
     top2_mass: torch.Tensor | None = None
     top2_mass_valid: torch.Tensor | None = None
+    layer_blocks: tuple[int, ...] | None = None  # +layers: the fitted per-layer budgets
     matched2: torch.Tensor | None = None
     measured_steps: list[int] = field(default_factory=list)
     wall_s: float = 0.0
@@ -704,6 +711,7 @@ class TeacherForcing:
             fetched_bytes_per_step=[m.fetched_bytes_per_step for m in metrics],
             full_kv_bytes=[m.full_kv_bytes for m in metrics],
             resident_kv_bytes=[m.resident_kv_bytes for m in metrics],
+            layer_blocks=eng.kv.layer_blocks,
         )
         if policy.kind == "quest":
             qp = self.quest_policy = eng.policy
@@ -843,6 +851,7 @@ def _concat(policy: Policy, parts: list[RunResult]) -> RunResult:
         setattr(out, name, cat(name, 2))
     out.matched2 = cat("matched2", 1)
     out.measured_steps = parts[0].measured_steps
+    out.layer_blocks = parts[0].layer_blocks
     return out
 
 
@@ -893,6 +902,7 @@ def summarize(res: RunResult, dense: RunResult | None) -> dict:
         "drafter": p.drafter,
         "top_k_blocks": p.top_k_blocks,
         "fetch_cap": p.fetch_cap,
+        **({"layer_blocks": list(res.layer_blocks)} if res.layer_blocks else {}),
         "nll": _mean(res.nll),
         "ppl": math.exp(_mean(res.nll)),
         "nll_per_text": [float(x) for x in res.nll.mean(0)],
