@@ -50,7 +50,7 @@ def reference_curves(model, seqs, b, ladder, queries, span=0.25):
         positions = sorted({n - 1 - (i * window) // queries for i in range(queries)})
         caught = []
 
-        def attn(layer, q, k, v):
+        def attn(layer, q, k, v, caught=caught):
             caught.append((q.double(), k.double()))
             return causal_attention(q, k, v, d**-0.5)
 

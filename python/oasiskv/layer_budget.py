@@ -136,7 +136,8 @@ def allocate(curves: torch.Tensor, ladder: Sequence[int], total: int) -> tuple[i
     num_layers = curves.shape[0]
     if total < ladder[0] * num_layers:
         raise ConfigError(
-            f"a total of {total} blocks is below {ladder[0]} per layer x {num_layers} layers; raise the budget"
+            f"a total of {total} blocks is below {ladder[0]} per layer x {num_layers} layers; "
+            "raise the budget"
         )
     rung = [0] * num_layers
     used = ladder[0] * num_layers
