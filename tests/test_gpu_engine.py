@@ -99,12 +99,14 @@ def test_gpu_oasis_full_budget_matches_gpu_dense_and_cpu():
         {"block_score": "codes", "score_candidates": 2, "pin_blocks": 2},
         {"successor_blocks": 1},
         {"block_score": "codes", "score_candidates": 2, "successor_blocks": 1, "sink_blocks": 1},
+        {"layer_blocks": (2, 6, 4)},
+        {"block_score": "codes", "score_candidates": 2, "layer_blocks": (3, 6, 2)},
     ],
 )
 def test_gpu_small_budget_matches_cpu_engine_selection(kv_kw):
     """A budget far below the context: the GPU engine (background stream, capped fetches) makes the
     same selections as the CPU engine, so logits agree step by step (with either block score, the
-    two-stage codes score, sink, pinned and successor blocks).
+    two-stage codes score, sink, pinned and successor blocks, per-layer budgets).
 
     The codes score quantises keys that the two engines compute within f32 rounding of each other:
     a key that lands on a 2-bit code boundary (one in tens of thousands) gets different codes and
