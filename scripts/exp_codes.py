@@ -2,14 +2,15 @@
 of cuda/key_codes.cu (its #ifndef knobs) with CuPy's NVRTC to time the candidates' rescoring.
 
     python3 scripts/exp_codes.py [--batch 64] [--ctx 32768] [--k 128] [--factor 1.5]
-        [--source-alt PATH] [--json out.json]
+        [--source-alt PATH ...] [--json out.json]
 
 An experiment tool for the GPU machine (CuPy, torch and the oasiskv wheel there, no cargo). Parts:
 the Quest score, its top-m, the rescoring, the last top-k with the map back, and the whole chain,
 each replayed from a CUDA graph (oasiskv.bench.kernels.time_graph). Variants: each is checked
 against the wheel's rescoring (largest difference relative to the scores' magnitude) and timed
 with CUDA events over back-to-back launches, as is the wheel's kernel in the same run.
-``--source-alt`` adds the variants compiled from another copy of key_codes.cu (an older version).
+``--source-alt`` (repeatable) adds the variants compiled from other copies of key_codes.cu (an
+older version, or a change to try), each labelled by its file name.
 """
 
 from __future__ import annotations
@@ -32,12 +33,8 @@ from oasiskv.bench.kernels import codes_inputs, time_graph
 DEFAULTS = {"OASIS_CODES_STAGES": 3, "OASIS_CODES_MIN_BLOCKS": 6, "OASIS_CODES_TILE": 32}
 VARIANTS = [
     {},
-    {"OASIS_CODES_MIN_BLOCKS": 4},
     {"OASIS_CODES_STAGES": 4},
     {"OASIS_CODES_STAGES": 2, "OASIS_CODES_MIN_BLOCKS": 8},
-    # Shorter chains per warp, still one wave (docs/PERF.md, "The two stages at 1.54 x Quest").
-    {"OASIS_CODES_TILE": 24, "OASIS_CODES_STAGES": 2, "OASIS_CODES_MIN_BLOCKS": 8},
-    {"OASIS_CODES_TILE": 24},
 ]
 THREADS = 128  # OASIS_CODES_THREADS
 
@@ -63,7 +60,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=32768)
     ap.add_argument("--k", type=int, default=128)
     ap.add_argument("--factor", type=float, default=1.5)
-    ap.add_argument("--source-alt", default=None)
+    ap.add_argument("--source-alt", action="append", default=[])
     ap.add_argument("--json", default=None)
     ap.add_argument("--topk-variants", action="store_true", help="also time topk_blocks_f32's knobs")
     ap.add_argument("--record-layout", action="store_true", help="also time summaries + codes as one record")
@@ -158,8 +155,8 @@ def main() -> None:
     group = hq // hk
     n_out = args.batch * m
     sources = [("current", source(ROOT / "key_codes.cu"), p)]
-    if args.source_alt:
-        sources.append(("alt", source(Path(args.source_alt)), p))
+    for alt in args.source_alt:
+        sources.append((Path(alt).stem, source(Path(alt)), p))
     if args.record_layout:
         # An entry's summaries and codes as one record (2 d elements, then 4 d code bytes), the
         # records in entry order: the staged copy reads one contiguous 1 KiB (bf16, d 128) per
