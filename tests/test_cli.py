@@ -42,9 +42,10 @@ def test_bad_input_is_a_message_not_a_traceback(tmp_path):
 
 
 def test_generate_takes_the_selection_flags():
-    """--block-score, --score-candidates, --sink-blocks, --pin-blocks and --successor-blocks reach
-    KvConfig: a sparse run with the two-stage codes score, a sink, a pinned block and the bundled
-    EAGLE-3 head, one with a successor block, and a bad combination is a message."""
+    """--block-score, --score-candidates, --sink-blocks, --pin-blocks, --successor-blocks and
+    --layer-blocks reach KvConfig: a sparse run with the two-stage codes score, a sink, a pinned
+    block and the bundled EAGLE-3 head, one with a successor block, one with per-layer budgets,
+    and a bad combination is a message."""
     common = ["generate", "smollm2", "--prompt", "The capital of France is the city of", "--json"]
     sparse = ["--block-size", "4", "--top-k-blocks", "3", "--sparse-threshold", "8", "--max-new-tokens", "4"]
     staged = [
@@ -72,6 +73,15 @@ def test_generate_takes_the_selection_flags():
     assert json.loads(p.stdout)["metrics"]["sparse_steps"] > 0
     p = oasis(*common, *sparse, "--sink-blocks", "1", "--pin-blocks", "1", "--successor-blocks", "1")
     assert p.returncode == 2 and "successor_blocks=1 is above 0" in p.stderr and "Traceback" not in p.stderr
+    budgets = ",".join(str(1 + i % 3) for i in range(30))  # SmolLM2: 30 layers
+    p = oasis(*common, *sparse, "--layer-blocks", budgets, "--drafter", "ngram")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(p.stdout)["metrics"]["sparse_steps"] > 0
+    p = oasis(*common, *sparse, "--layer-blocks", "2,3")
+    assert p.returncode == 2 and "has 2 budgets but the model has 30 layers" in p.stderr
+    assert "Traceback" not in p.stderr
+    p = oasis(*common, *sparse, "--layer-blocks", "2,x")
+    assert p.returncode == 2 and "comma-separated ints" in p.stderr
 
 
 @pytest.mark.parametrize(

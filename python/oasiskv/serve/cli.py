@@ -29,6 +29,15 @@ def _fetch_cap(s: str) -> float | int:
     return float(s) if "." in s else int(s)
 
 
+def _layer_blocks(s: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in s.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--layer-blocks takes one budget per layer, comma-separated ints (e.g. 96,128,64), got {s!r}"
+        ) from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The flags of ``oasis serve``."""
     p.add_argument(
@@ -58,8 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_selection_arguments(p: argparse.ArgumentParser) -> None:
     """How the working set is chosen (``KvConfig.block_score``, ``score_candidates``,
-    ``sink_blocks``, ``pin_blocks``, ``successor_blocks``): shared by ``oasis serve``, ``oasis
-    generate``, ``oasis demo`` and the serving benchmark."""
+    ``sink_blocks``, ``pin_blocks``, ``successor_blocks``, ``layer_blocks``): shared by ``oasis
+    serve``, ``oasis generate``, ``oasis demo`` and the serving benchmark."""
     p.add_argument(
         "--block-score",
         default="quest",
@@ -91,6 +100,14 @@ def add_selection_arguments(p: argparse.ArgumentParser) -> None:
         help="per KV head, the next block of each of the N best blocks is selected too (a span "
         "across a block boundary stays whole)",
     )
+    p.add_argument(
+        "--layer-blocks",
+        type=_layer_blocks,
+        default=None,
+        metavar="K0,K1,...",
+        help="per-layer budgets, one per model layer, each at most --top-k-blocks "
+        "(oasiskv.layer_budget.fit_layer_blocks fits them; default: --top-k-blocks in every layer)",
+    )
 
 
 def selection_kwargs(args) -> dict:
@@ -101,6 +118,7 @@ def selection_kwargs(args) -> dict:
         sink_blocks=args.sink_blocks,
         pin_blocks=args.pin_blocks,
         successor_blocks=args.successor_blocks,
+        layer_blocks=args.layer_blocks,
     )
 
 
