@@ -106,6 +106,20 @@ def test_greedy_speculation_is_lossless(model, reference, backend, kv, drafter):
         assert all(m.sparse_steps > 0 for m in eng.metrics_of_run)  # the requests ran sparse
 
 
+@pytest.mark.parametrize("drafter", ["ngram", "oracle"])
+def test_greedy_speculation_with_per_layer_budgets_that_hold_everything_is_lossless(
+    model, reference, drafter
+):
+    """KvConfig.layer_blocks smaller than top_k_blocks in one layer but still above every
+    context's blocks: attention is exact, so speculation gives the non-speculative tokens."""
+    ref = reference["oasis"]
+    d = {"ngram": "ngram", "oracle": OracleDrafter(ref)}[drafter]
+    kv = KvConfig(**{**SPARSE_EXACT_KV.__dict__, "layer_blocks": (64, 24)})  # contexts <= 20 blocks
+    toks, eng = run(model, "oasis", kv, d, True)
+    assert toks == ref
+    assert all(m.sparse_steps > 0 for m in eng.metrics_of_run)
+
+
 def test_oracle_drafter_metrics_on_the_dense_backend(model, reference):
     """Every draft accepted: every decode step makes two tokens (max_tokens = 1 + 2k)."""
     ref = reference["dense"]
@@ -183,12 +197,14 @@ def test_stored_kv_equals_the_non_speculative_runs(model, reference):
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "oracle"])
-def test_lossy_working_set_keeps_the_tables_consistent(model, reference, drafter):
+@pytest.mark.parametrize("layer_blocks", [None, (2, 4)], ids=["uniform", "per-layer"])
+def test_lossy_working_set_keeps_the_tables_consistent(model, reference, drafter, layer_blocks):
     """With K x block_size below the context the selection trajectories differ (the lookahead
     queries do), so the tokens may too; the runtime's invariants hold every step and every block
-    comes back."""
+    comes back (also with per-layer budgets, KvConfig.layer_blocks)."""
     d = OracleDrafter(reference["dense"]) if drafter == "oracle" else drafter
-    toks, eng = run(model, "oasis", SPARSE_LOSSY_KV, d, True)
+    kv = KvConfig(**{**SPARSE_LOSSY_KV.__dict__, "layer_blocks": layer_blocks})
+    toks, eng = run(model, "oasis", kv, d, True)
     assert [len(t) for t in toks] == [NEW] * len(PROMPT_LENS)
     assert eng.spec_stats["accepted"] > 0
 
