@@ -14,7 +14,7 @@ import torch
 from fakes import ByteTokenizer
 from oasiskv import ops
 from oasiskv.eval import corpus, harness, report, retrieval, teacher
-from oasiskv.eval.policies import QuestPolicy
+from oasiskv.eval.policies import ExactPolicy, QuestPolicy
 from oasiskv.eval.teacher import Policy, TeacherForcing, greedy_continuations, summarize
 from oasiskv.models.config import ModelConfig
 from oasiskv.models.eagle3 import Eagle3Head
@@ -361,6 +361,45 @@ def test_quest_mask_restricts_attention_to_current_query_top_k(tiny, monkeypatch
     assert eng_pm and all(v == c.num_key_value_heads * (K + 1) for v in eng_pm)
     assert res.would_fetch_bytes_per_step is not None
     assert qm.churn_steps == {0: 4}  # after_step: once per decode step of the one request
+
+
+def test_exact_policy_reads_the_blocks_holding_most_of_the_true_attention(tiny, monkeypatch):
+    """ExactPolicy: during each decode step attention reads, per KV head, the K complete blocks
+    holding most of the current query's softmax attention over the cached tokens (an independent
+    float64 computation from the pages attention reads), plus the local block."""
+    from oasiskv import LLM, KvConfig
+
+    K = 3
+    seen = []
+    orig = ops.decode_attention
+
+    def spy(geo, q, k_pages, v_pages, kv_indptr, kv_indices, last_len, *, page_map=None, **kw):
+        seen.append((q.clone(), k_pages.clone(), kv_indices.tolist(), int(last_len[0]), page_map.clone()))
+        return orig(geo, q, k_pages, v_pages, kv_indptr, kv_indices, last_len, page_map=page_map, **kw)
+
+    monkeypatch.setattr(ops, "decode_attention", spy)
+    llm = LLM(tiny, kv=KvConfig(block_size=BLOCK), backend="dense", drafter=None, policy=ExactPolicy(K))
+    llm.generate([repetitive(150, seed=3)], 4, ignore_eos=True)
+    c = tiny.config
+    group, d = c.num_attention_heads // c.num_key_value_heads, c.head_dim
+    assert len(seen) >= 3 * c.num_hidden_layers
+    for q, k, pages, last, pm in seen:
+        local = len(pages) - 1
+        for h in range(c.num_key_value_heads):
+            # Every token before x_t: the complete blocks, then the local page's first last - 1.
+            keys = torch.cat([k[pages[:local], h].reshape(-1, d), k[pages[local], h, : last - 1]]).double()
+            w = torch.stack(
+                [
+                    torch.softmax(keys @ q[0, 0, g].double() * d**-0.5, 0)
+                    for g in range(h * group, (h + 1) * group)
+                ]
+            ).mean(0)
+            mass = w[: local * BLOCK].view(local, BLOCK).sum(-1)
+            top = set(torch.topk(mass, K).indices.tolist())
+            visible = {i for i in range(len(pages)) if pm[pages[i], h] >= 0}
+            assert visible == top | {local}, (h, visible, top)
+    with pytest.raises(ValueError, match="top_k_blocks"):
+        ExactPolicy(0)
 
 
 def test_quest_policy_runs_on_a_dense_engine_only(tiny):

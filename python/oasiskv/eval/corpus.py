@@ -261,7 +261,8 @@ def heldout_texts(
                 )
     if len(out) < n_texts:
         raise ValueError(
-            f"the {'held-out' if split == 'heldout' else split} split ({source}) holds only {len(out)} windows of {n_tokens} tokens, "
+            f"the {'held-out' if split == 'heldout' else split} split ({source}) holds only {len(out)} "
+            f"windows of {n_tokens} tokens, "
             f"{n_texts} were asked for; lower --texts or use the 'all' source"
         )
     return out

@@ -90,12 +90,8 @@ class QuestPolicy(SelectionPolicy):
 
         def wrapped(layer, q, k, v):
             p = eng.pools
-            if self._summ is None or self._summ.shape[0] != p.num_pages or self._summ.dtype != p.dtype:
-                self._summ = torch.zeros(p.num_pages, hk, 2, g.head_dim, dtype=p.dtype, device=dev)
-            if len(blk_indices):
-                ops.build_summaries(g, p.k_pages[layer], blk_indices, lens, self._summ)
             q_now = q.view(n, eng.rows, g.num_qo_heads, g.head_dim)[:, 0].to(eng.dtype).contiguous()
-            scores = ops.score_blocks(g, q_now, self._summ, blk_indptr, blk_indices)
+            scores = self.block_scores(eng, layer, q_now, reqs, (blk_indptr, blk_indices), lens)
             sel = ops.topk_blocks(hk, scores, blk_indptr, k_budget)  # [n, hk, K] logical, -1 padded
             valid = sel >= 0
             keep = keep_local.clone()
@@ -116,6 +112,20 @@ class QuestPolicy(SelectionPolicy):
 
         return wrapped
 
+    def block_scores(self, eng, layer: int, q_now: torch.Tensor, reqs: list, csr, lens) -> torch.Tensor:
+        """``[nnz, num_kv_heads]`` scores of every request's complete blocks (``csr``: their pages)
+        for the current queries ``q_now [n, num_qo_heads, head_dim]``: the Quest bound over
+        min/max summaries built from the resident pages."""
+        p, g = eng.pools, eng.geo
+        blk_indptr, blk_indices = csr
+        if self._summ is None or self._summ.shape[0] != p.num_pages or self._summ.dtype != p.dtype:
+            self._summ = torch.zeros(
+                p.num_pages, g.num_kv_heads, 2, g.head_dim, dtype=p.dtype, device=eng.device
+            )
+        if len(blk_indices):
+            ops.build_summaries(g, p.k_pages[layer], blk_indices, lens, self._summ)
+        return ops.score_blocks(g, q_now, self._summ, blk_indptr, blk_indices)
+
     def _count_churn(self, layer: int, ids: tuple[int, ...], sel: torch.Tensor) -> None:
         prev = self._prev_sel.get(layer)
         self._prev_sel[layer] = (ids, sel)
@@ -127,3 +137,27 @@ class QuestPolicy(SelectionPolicy):
         new = (valid & ~stay).sum(dim=(1, 2))
         for i, rid in enumerate(ids):
             self.churn[rid] = self.churn.get(rid, 0) + new[i]  # a tensor: no host sync here
+
+
+class ExactPolicy(QuestPolicy):
+    """The exact ideal at budget ``top_k_blocks``: as :class:`QuestPolicy`, but each KV head's
+    blocks rank by the share of the current query's true softmax attention they hold (averaged
+    over the head's query heads, normalised over every cached token), not by a bound. The best any
+    block selection at that budget can read for the current query (a measurement reference: it
+    reads every cached key of every layer at every step)."""
+
+    name = "exact"
+
+    def block_scores(self, eng, layer: int, q_now: torch.Tensor, reqs: list, csr, lens) -> torch.Tensor:
+        g, b = eng.geo, eng.kv.block_size
+        hk, hq, d = g.num_kv_heads, g.num_qo_heads, g.head_dim
+        out = []
+        for i, r in enumerate(reqs):
+            nc, t = r.kv_len // b, r.kv_len  # complete blocks; tokens cached before x_t
+            pages = torch.tensor(list(r.pages[: -(-t // b)]), dtype=torch.long, device=eng.device)
+            keys = eng.pools.k_pages[layer][pages].float()  # [P, hk, b, d]
+            keys = keys.permute(1, 0, 2, 3).reshape(hk, -1, d)[:, :t]  # [hk, t, d]
+            qh = q_now[i].float().view(hk, hq // hk, d)
+            w = torch.softmax(torch.einsum("hgd,htd->hgt", qh, keys) * d**-0.5, dim=-1).mean(1)  # [hk, t]
+            out.append(w[:, : nc * b].reshape(hk, nc, b).sum(-1).transpose(0, 1))  # [nc, hk]
+        return torch.cat(out).contiguous() if out else torch.zeros(0, hk, device=eng.device)
