@@ -28,7 +28,7 @@ from oasiskv import KvConfig
 from oasiskv.drafters import Eagle3Drafter
 from oasiskv.eval import corpus, retrieval
 from oasiskv.eval.harness import budget_blocks, load, parse_caps
-from oasiskv.eval.policies import ExactPolicy, QuestPolicy
+from oasiskv.eval.policies import CodesPolicy, ExactPolicy, QuestPolicy
 from oasiskv.eval.teacher import parse_drafter
 from oasiskv.llm import LLM
 
@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
         "--variants",
         default="eagle3+codes2@1/4",
         help="drafter@budget[@cap] (cap: a fraction, a count or none), quest-ideal@budget (the current "
-        "query's top-K by the Quest bound) or exact-ideal@budget (by its true attention), comma separated",
+        "query's top-K by the Quest bound), codes-ideal@budget (by the codes score) or exact-ideal@budget "
+        "(by its true attention), comma separated",
     )
     ap.add_argument("--cap", type=float, default=0.05)
     ap.add_argument("--max-trials", type=int, default=0, help="at most this many (0: all)")
@@ -133,8 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     for v in args.variants.split(","):
         name, label, *cap = v.strip().split("@")
         k = budget_blocks(c, float(Fraction(label)), b, label)
-        if name in ("quest-ideal", "exact-ideal"):  # the current query's top-K, all resident
-            policy = QuestPolicy(k) if name == "quest-ideal" else ExactPolicy(k)
+        ideals = {"quest-ideal": QuestPolicy, "codes-ideal": CodesPolicy, "exact-ideal": ExactPolicy}
+        if name in ideals:  # the current query's top-K by that score, all resident
+            policy = ideals[name](k)
             llm = LLM(model, tokenizer=tok, kv=KvConfig(**pool_kw), backend="dense", policy=policy)
             variants.append((v.strip(), llm))
             continue

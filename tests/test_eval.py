@@ -14,7 +14,7 @@ import torch
 from fakes import ByteTokenizer
 from oasiskv import ops
 from oasiskv.eval import corpus, harness, report, retrieval, teacher
-from oasiskv.eval.policies import ExactPolicy, QuestPolicy
+from oasiskv.eval.policies import CodesPolicy, ExactPolicy, QuestPolicy
 from oasiskv.eval.teacher import Policy, TeacherForcing, greedy_continuations, summarize
 from oasiskv.models.config import ModelConfig
 from oasiskv.models.eagle3 import Eagle3Head
@@ -400,6 +400,45 @@ def test_exact_policy_reads_the_blocks_holding_most_of_the_true_attention(tiny, 
             assert visible == top | {local}, (h, visible, top)
     with pytest.raises(ValueError, match="top_k_blocks"):
         ExactPolicy(0)
+
+
+def test_codes_policy_reads_the_codes_scores_top_k(tiny, monkeypatch):
+    """CodesPolicy: per KV head, attention reads the current query's top-K complete blocks by the
+    codes score (test_key_codes' float64 reference over codes of the resident keys), plus the
+    local block."""
+    from oasiskv import LLM, KvConfig
+    from test_key_codes import code_weights, ref_key_codes
+
+    K = 3
+    seen = []
+    orig = ops.decode_attention
+
+    def spy(geo, q, k_pages, v_pages, kv_indptr, kv_indices, last_len, *, page_map=None, **kw):
+        seen.append((q.clone(), k_pages.clone(), kv_indices.tolist(), page_map.clone()))
+        return orig(geo, q, k_pages, v_pages, kv_indptr, kv_indices, last_len, page_map=page_map, **kw)
+
+    monkeypatch.setattr(ops, "decode_attention", spy)
+    llm = LLM(tiny, kv=KvConfig(block_size=BLOCK), backend="dense", drafter=None, policy=CodesPolicy(K))
+    llm.generate([repetitive(150, seed=5)], 3, ignore_eos=True)
+    c = tiny.config
+    group = c.num_attention_heads // c.num_key_value_heads
+    assert len(seen) >= 2 * c.num_hidden_layers
+    for q, k, pages, pm in seen:
+        local = len(pages) - 1
+        blocks = k[pages[:local]]  # [nc, hk, B, D]
+        summ = torch.stack([blocks.amin(2), blocks.amax(2)], dim=2)  # [nc, hk, 2, D]
+        codes = ref_key_codes(blocks, summ, list(range(local)))
+        for h in range(c.num_key_value_heads):
+            score = torch.zeros(local, dtype=torch.float64)
+            for i in range(local):
+                lo, hi = summ[i, h, 0], summ[i, h, 1]
+                for g in range(h * group, (h + 1) * group):
+                    qg = q[0, 0, g]
+                    logits = qg.double() @ lo.double() + codes[i][h].double() @ code_weights(qg, lo, hi)
+                    score[i] += logits.max()
+            top = set(torch.topk(score, K).indices.tolist())
+            visible = {i for i in range(len(pages)) if pm[pages[i], h] >= 0}
+            assert visible == top | {local}, (h, visible, top)
 
 
 def test_quest_policy_runs_on_a_dense_engine_only(tiny):

@@ -116,15 +116,18 @@ class QuestPolicy(SelectionPolicy):
         """``[nnz, num_kv_heads]`` scores of every request's complete blocks (``csr``: their pages)
         for the current queries ``q_now [n, num_qo_heads, head_dim]``: the Quest bound over
         min/max summaries built from the resident pages."""
+        summ = self._summaries(eng, layer, csr[1], lens)
+        return ops.score_blocks(eng.geo, q_now, summ, *csr)
+
+    def _summaries(self, eng, layer: int, pages: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        """Min/max summaries of ``pages`` (complete blocks), from the resident pages of ``layer``."""
         p, g = eng.pools, eng.geo
-        blk_indptr, blk_indices = csr
         if self._summ is None or self._summ.shape[0] != p.num_pages or self._summ.dtype != p.dtype:
-            self._summ = torch.zeros(
-                p.num_pages, g.num_kv_heads, 2, g.head_dim, dtype=p.dtype, device=eng.device
-            )
-        if len(blk_indices):
-            ops.build_summaries(g, p.k_pages[layer], blk_indices, lens, self._summ)
-        return ops.score_blocks(g, q_now, self._summ, blk_indptr, blk_indices)
+            shape = (p.num_pages, g.num_kv_heads, 2, g.head_dim)
+            self._summ = torch.zeros(shape, dtype=p.dtype, device=eng.device)
+        if len(pages):
+            ops.build_summaries(g, p.k_pages[layer], pages, lens, self._summ)
+        return self._summ
 
     def _count_churn(self, layer: int, ids: tuple[int, ...], sel: torch.Tensor) -> None:
         prev = self._prev_sel.get(layer)
@@ -161,3 +164,26 @@ class ExactPolicy(QuestPolicy):
             w = torch.softmax(torch.einsum("hgd,htd->hgt", qh, keys) * d**-0.5, dim=-1).mean(1)  # [hk, t]
             out.append(w[:, : nc * b].reshape(hk, nc, b).sum(-1).transpose(0, 1))  # [nc, hk]
         return torch.cat(out).contiguous() if out else torch.zeros(0, hk, device=eng.device)
+
+
+class CodesPolicy(QuestPolicy):
+    """The codes ideal at budget ``top_k_blocks``: as :class:`QuestPolicy`, but the blocks rank by
+    ``KvConfig(block_score="codes")``'s score (every key at 2 bits per channel inside its block's
+    min/max, built from the resident pages), every block scored: what that score selects for the
+    current query, with nothing predicted or fetched."""
+
+    name = "codes"
+
+    def __init__(self, top_k_blocks: int) -> None:
+        super().__init__(top_k_blocks)
+        self._codes: torch.Tensor | None = None
+
+    def block_scores(self, eng, layer: int, q_now: torch.Tensor, reqs: list, csr, lens) -> torch.Tensor:
+        p, g = eng.pools, eng.geo
+        summ = self._summaries(eng, layer, csr[1], lens)
+        if self._codes is None or self._codes.shape[0] != p.num_pages:
+            shape = (p.num_pages, g.num_kv_heads, eng.kv.block_size, g.head_dim // 4)
+            self._codes = torch.zeros(shape, dtype=torch.uint8, device=eng.device)
+        if len(csr[1]):
+            ops.build_key_codes(g, p.k_pages[layer], summ, csr[1], self._codes)
+        return ops.score_blocks_codes(g, q_now, summ, self._codes, *csr)
