@@ -42,10 +42,10 @@ def test_bad_input_is_a_message_not_a_traceback(tmp_path):
 
 
 def test_generate_takes_the_selection_flags():
-    """--block-score, --score-candidates, --sink-blocks, --pin-blocks, --successor-blocks and
-    --layer-blocks reach KvConfig: a sparse run with the two-stage codes score, a sink, a pinned
-    block and the bundled EAGLE-3 head, one with a successor block, one with per-layer budgets,
-    and a bad combination is a message."""
+    """--block-score, --score-candidates, --sticky-candidates, --sink-blocks, --pin-blocks,
+    --successor-blocks and --layer-blocks reach KvConfig: a sparse run with the two-stage codes
+    score, a sink, a pinned block and the bundled EAGLE-3 head, one with sticky candidates, one
+    with a successor block, one with per-layer budgets, and a bad combination is a message."""
     common = ["generate", "smollm2", "--prompt", "The capital of France is the city of", "--json"]
     sparse = ["--block-size", "4", "--top-k-blocks", "3", "--sparse-threshold", "8", "--max-new-tokens", "4"]
     staged = [
@@ -66,6 +66,11 @@ def test_generate_takes_the_selection_flags():
     assert out["metrics"]["generated_tokens"] <= 4 and out["metrics"]["sparse_steps"] > 0
     p = oasis(*common, "--score-candidates", "2")
     assert p.returncode == 2 and "block_score='codes'" in p.stderr and "Traceback" not in p.stderr
+    p = oasis(*common, *sparse, *staged[:4], "--sticky-candidates", "--drafter", "ngram")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(p.stdout)["metrics"]["sparse_steps"] > 0
+    p = oasis(*common, "--block-score", "codes", "--sticky-candidates")
+    assert p.returncode == 2 and "needs score_candidates" in p.stderr and "Traceback" not in p.stderr
     p = oasis(*common, *sparse, "--sink-blocks", "1", "--pin-blocks", "2")
     assert p.returncode == 2 and "pin_blocks=2 is above 1" in p.stderr and "Traceback" not in p.stderr
     p = oasis(*common, *sparse, "--sink-blocks", "1", "--successor-blocks", "1", "--drafter", "ngram")

@@ -565,48 +565,67 @@ class _StagedCheck:
     """Wraps Engine.top_k_blocks: each two-stage selection (KvConfig.score_candidates) equals its
     definition composed from the one-stage ops -- the Quest bound's top-m (sinks first) as
     candidates, ranked by the full codes scores of those blocks (ties to the earlier candidate),
-    the sinks ahead of them."""
+    the sinks ahead of them, and with KvConfig.successor_blocks = N the next block of each of the
+    N best candidates by the codes score (a candidate or not) ahead of them too. With
+    KvConfig.sticky_candidates the blocks ``keep`` are candidates whatever their bound, and
+    ``every_block`` makes every block a candidate."""
 
     def __init__(self, eng) -> None:
-        self.eng, self.calls, self.staged = eng, 0, 0
+        self.eng, self.calls, self.staged, self.outside, self.every, self.kept = eng, 0, 0, 0, 0, 0
         orig = eng.top_k_blocks
 
-        def checked(layer, q, csr, k, slots=None):
-            got = orig(layer, q, csr, k, slots)
-            self.check(layer, q, csr, k, got)
+        def checked(layer, q, csr, k, slots=None, *, keep=None, every_block=False):
+            got = orig(layer, q, csr, k, slots, keep=keep, every_block=every_block)
+            self.check(layer, q, csr, k, got, keep, every_block)
             return got
 
         eng.top_k_blocks = checked
 
-    def check(self, layer, q, csr, k, got) -> None:
-        from oasiskv.engine import keep_sinks
+    def check(self, layer, q, csr, k, got, keep=None, every_block=False) -> None:
+        from oasiskv.engine import keep_pins, keep_sinks
 
         eng, g = self.eng, self.eng.geo
         p, kv = eng.pools, eng.kv
         indptr = csr[0]
-        m = kv.candidate_blocks(k)
+        m = None if every_block else kv.candidate_blocks(k)
+        self.every += every_block
+        self.kept += keep is not None
         bound = keep_sinks(ops.score_blocks(g, q, p.summaries[layer], *csr), indptr, kv.sink_blocks)
-        cand = ops.topk_blocks(g.num_kv_heads, bound, indptr, m)
+        bound = keep_pins(bound, indptr, keep)  # sticky candidates: the previous prediction
+        cand = ops.topk_blocks(g.num_kv_heads, bound, indptr, m or int((indptr[1:] - indptr[:-1]).max()))
         full = ops.score_blocks_codes(g, q, p.summaries[layer], p.codes[layer], *csr)
         for s in range(indptr.numel() - 1):
             base = int(indptr[s])
+            n_blocks = int(indptr[s + 1]) - base
             for h in range(g.num_kv_heads):
                 cs = [int(c) for c in cand[s, h] if c >= 0]
 
-                def key(i, cs=cs, base=base, h=h):
-                    c = cs[i]
-                    sink = c < kv.sink_blocks
-                    return (not sink, -float(full[base + c, h]), i)
+                def score(c, base=base, h=h):
+                    return float(full[base + c, h])
 
-                order = sorted(range(len(cs)), key=key)[:k]
-                want = [cs[i] for i in order]
+                forced = set(range(min(kv.sink_blocks, n_blocks)))
+                ext = list(cs)  # the candidates, then the successors that are not candidates
+                best = sorted(range(len(cs)), key=lambda i, cs=cs: (-score(cs[i]), i))
+                for i in best[: kv.successor_blocks]:
+                    if cs[i] + 1 < n_blocks:
+                        forced.add(cs[i] + 1)
+                        if cs[i] + 1 not in ext:
+                            ext.append(cs[i] + 1)
+
+                def key(i, ext=ext, forced=forced):
+                    c = ext[i]
+                    return (c not in forced, 0.0 if c in forced else -score(c), i)
+
+                order = sorted(range(len(ext)), key=key)[:k]
+                want = [ext[i] for i in order]
                 assert got[s, h].tolist() == want + [-1] * (k - len(want)), (layer, s, h)
-                self.staged += len(cs) < int(indptr[s + 1]) - base
+                self.staged += len(cs) < n_blocks
+                self.outside += len(ext) > len(cs)
         self.calls += 1
 
 
-@pytest.mark.parametrize("sinks", [0, 1])
-def test_two_stage_codes_score_selects_its_definition(qwen3, sinks):
+@pytest.mark.parametrize("sinks, succ", [(0, 0), (1, 0), (1, 1)])
+def test_two_stage_codes_score_selects_its_definition(qwen3, sinks, succ):
     """KvConfig(score_candidates=F): every prediction and every recall top-K equals the Quest
     bound's candidates ranked by their codes scores (checked against the one-stage ops at each
     call), with fewer candidates than blocks on most calls; the requests decode sparse."""
@@ -618,6 +637,7 @@ def test_two_stage_codes_score_selects_its_definition(qwen3, sinks):
         block_score="codes",
         score_candidates=2,
         sink_blocks=sinks,
+        successor_blocks=succ,
     )
     assert kv.candidate_blocks(3) == 6
     llm = oasiskv.LLM(qwen3, kv=kv, backend="oasis", drafter="ngram")
@@ -625,14 +645,24 @@ def test_two_stage_codes_score_selects_its_definition(qwen3, sinks):
     outs = llm.generate(prompts(qwen3.config.vocab_size, [150, 97], seed=6), 10, ignore_eos=True)
     assert check.calls > 20 and check.staged > 20
     assert all(o.metrics.sparse_steps > 0 for o in outs)
+    if succ:  # some successors of the codes score's best were not among the Quest bound's best
+        assert check.outside > 0
 
 
-def test_two_stage_codes_score_with_every_block_a_candidate_is_the_codes_score(qwen3):
+@pytest.mark.parametrize("succ", [0, 1])
+def test_two_stage_codes_score_with_every_block_a_candidate_is_the_codes_score(qwen3, succ):
     """When the candidates cover every block (m = 512 here), the two stages select exactly what the
     one-stage codes score does: same tokens, traffic and recall. And a budget that covers the
     context gives the dense tokens."""
     ps = prompts(qwen3.config.vocab_size, [150, 97], seed=7)
-    base = dict(block_size=8, top_k_blocks=3, fetch_cap=1, sparse_threshold=40, block_score="codes")
+    base = dict(
+        block_size=8,
+        top_k_blocks=3,
+        fetch_cap=1,
+        sparse_threshold=40,
+        block_score="codes",
+        successor_blocks=succ,
+    )
     runs = [
         oasiskv.LLM(qwen3, kv=KvConfig(**base, **kw), backend="oasis", drafter="ngram").generate(
             ps, 12, ignore_eos=True
@@ -651,6 +681,61 @@ def test_two_stage_codes_score_with_every_block_a_candidate_is_the_codes_score(q
     assert got[0].tokens == dense[0].tokens and got[0].metrics.sparse_steps > 0
 
 
+def test_sticky_candidates_keep_each_requests_previous_prediction(qwen3):
+    """KvConfig(sticky_candidates=True): a request's first selection of each layer ranks every
+    block by the codes, and every later prediction has that request's previous prediction of the
+    layer among its candidates (each selection checked against its definition, each ``keep``
+    against the prediction made before); recall's exact top-K keeps nothing; and it changes the
+    selection."""
+    kv = KvConfig(
+        block_size=8,
+        top_k_blocks=3,
+        fetch_cap=1,
+        sparse_threshold=40,
+        block_score="codes",
+        score_candidates=1.5,
+        sticky_candidates=True,
+        successor_blocks=1,
+    )
+    assert kv.candidate_blocks(3) == 5  # the 3 kept and 2 more from the Quest bound
+    llm = oasiskv.LLM(qwen3, kv=kv, backend="oasis", drafter="ngram")
+    eng = llm.engine
+    check = _StagedCheck(eng)
+    last: dict = {}  # (layer, slot) -> the latest prediction
+    seen = {"kept": 0}
+    inner = eng.top_k_blocks
+
+    def recorded(layer, q, csr, k, slots=None, *, keep=None, every_block=False):
+        out = inner(layer, q, csr, k, slots, keep=keep, every_block=every_block)
+        if keep is not None:
+            for i, slot in enumerate(slots.tolist()):
+                assert keep[i].tolist() == last[layer, slot], (layer, slot)
+                last[layer, slot] = out[i].tolist()
+                seen["kept"] += 1
+        return out
+
+    first = eng._initial_selection
+
+    def initial(layer, slot, pred):
+        last[layer, slot] = pred.tolist()
+        first(layer, slot, pred)
+
+    eng.top_k_blocks, eng._initial_selection = recorded, initial
+    ps = prompts(qwen3.config.vocab_size, [150, 97], seed=6)
+    outs = llm.generate(ps, 10, ignore_eos=True)
+    layers = qwen3.config.num_hidden_layers
+    assert check.every == 2 * layers  # each request's first selection, per layer
+    assert check.kept > 20 and seen["kept"] > 20 and check.staged > 20
+    assert check.calls > check.kept + check.every  # the recall's top-K: no kept blocks
+    assert all(o.metrics.sparse_steps > 0 for o in outs)
+    plain = KvConfig(**{**kv.__dict__, "sticky_candidates": False})
+    other = oasiskv.LLM(qwen3, kv=plain, backend="oasis", drafter="ngram").generate(ps, 10, ignore_eos=True)
+    assert any(
+        a.metrics.lookahead_recall != b.metrics.lookahead_recall or a.tokens != b.tokens
+        for a, b in zip(outs, other, strict=True)
+    )
+
+
 @pytest.mark.parametrize(
     "kw, match",
     [
@@ -663,6 +748,8 @@ def test_two_stage_codes_score_with_every_block_a_candidate_is_the_codes_score(q
             {"block_score": "codes", "score_candidates": 3, "select_queries": "lookahead+current"},
             "select_queries='lookahead' only",
         ),
+        ({"block_score": "codes", "sticky_candidates": True}, "needs score_candidates"),
+        ({"block_score": "codes", "score_candidates": 2, "sticky_candidates": 1}, "True or False"),
     ],
 )
 def test_bad_score_candidates(kw, match):
@@ -762,8 +849,9 @@ def test_pinned_blocks_stay_in_every_prediction(qwen3, kw):
 )
 def test_successor_blocks_follow_each_heads_best_blocks(qwen3, kw):
     """KvConfig(successor_blocks=N): every prediction and recall top-K holds the next block of
-    each head's N best blocks by the first-stage score (the Quest bound in two stages), unless it
-    is past the request's last block; and the successors change the selection at a small budget."""
+    each head's N best blocks by the codes score (in two stages: the best of the Quest bound's
+    candidates), unless it is past the request's last block; and the successors change the
+    selection at a small budget."""
     from oasiskv import ops
 
     kv = KvConfig(block_size=8, top_k_blocks=5, fetch_cap=1, sparse_threshold=50, successor_blocks=2, **kw)
@@ -775,10 +863,17 @@ def test_successor_blocks_follow_each_heads_best_blocks(qwen3, kw):
     def checked(layer, q, csr, k, slots=None):
         pred = orig(layer, q, csr, k, slots)
         indptr = csr[0]
-        if kv.score_candidates:
-            first = ops.score_blocks(eng.geo, q, eng.pools.summaries[layer], *csr)
-        else:
-            first = eng.block_scores(layer, q, csr)
+        first = eng.block_scores(layer, q, csr)
+        if kv.score_candidates:  # the codes score's best among the Quest bound's best m
+            bound = ops.score_blocks(eng.geo, q, eng.pools.summaries[layer], *csr)
+            cand = ops.topk_blocks(eng.geo.num_kv_heads, bound, indptr, kv.candidate_blocks(k))
+            is_cand = torch.zeros_like(first, dtype=torch.bool)
+            for i in range(cand.shape[0]):
+                for h in range(cand.shape[1]):
+                    for c in cand[i, h].tolist():
+                        if c >= 0:
+                            is_cand[int(indptr[i]) + c, h] = True
+            first = first.masked_fill(~is_cand, -torch.inf)
         best = ops.topk_blocks(eng.geo.num_kv_heads, first, indptr, 2)
         lens = (indptr[1:] - indptr[:-1]).tolist()
         for i, n in enumerate(lens):

@@ -1068,6 +1068,17 @@ def test_top2_measurement_and_sinks_through_the_teacher(tiny, head):
     assert sink["attn_mass"]["exact"] != small["attn_mass"]["exact"]
 
 
+def test_drafter_names_with_sticky_candidates():
+    """``+sticky`` after ``+codesF``: KvConfig(sticky_candidates=True); it needs two stages."""
+    spec = teacher.parse_drafter("previous-query+codes1.25+sticky+succ8")
+    assert spec.kv_kwargs()["sticky_candidates"] is True and spec.score_candidates == 1.25
+    assert spec.successor_blocks == 8
+    assert teacher.parse_drafter("eagle3+codes2").kv_kwargs()["sticky_candidates"] is False
+    for bad in ("eagle3+codes+sticky", "eagle3+sticky", "eagle3+sticky+codes2", "eagle3+codes2+succ8+sticky"):
+        with pytest.raises(ValueError, match="unknown drafter"):
+            teacher.parse_drafter(bad)
+
+
 def test_drafter_names_with_successor_blocks():
     """``+succN``: the next block of each head's N best blocks (KvConfig.successor_blocks)."""
     spec = teacher.parse_drafter("eagle3+codes1.5+pin4+succ2")

@@ -99,6 +99,7 @@ def test_gpu_oasis_full_budget_matches_gpu_dense_and_cpu():
         {"block_score": "codes", "score_candidates": 2, "pin_blocks": 2},
         {"successor_blocks": 1},
         {"block_score": "codes", "score_candidates": 2, "successor_blocks": 1, "sink_blocks": 1},
+        {"block_score": "codes", "score_candidates": 1.5, "sticky_candidates": True, "successor_blocks": 1},
         {"layer_blocks": (2, 6, 4)},
         {"block_score": "codes", "score_candidates": 2, "layer_blocks": (3, 6, 2)},
     ],

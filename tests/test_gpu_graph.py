@@ -35,6 +35,12 @@ pytestmark = [
         # Successor blocks: one more top-K launch and device ops over the plan's CSR.
         ("oasis", "ngram", {"successor_blocks": 1}),
         ("oasis", "ngram", {"block_score": "codes", "score_candidates": 2, "successor_blocks": 1}),
+        # Sticky candidates: the previous prediction, gathered by the plan's slots, kept every step.
+        (
+            "oasis",
+            "ngram",
+            dict(block_score="codes", score_candidates=1.5, sticky_candidates=True, successor_blocks=1),
+        ),
         # Per-layer budgets: each smaller budget's slot pages are made with the plan, in the capture.
         ("oasis", "ngram", {"layer_blocks": (2, 4, 3)}),
         # Sink blocks are marked by device ops indexed by the plan's CSR (no host sync).

@@ -91,8 +91,9 @@ class KvConfig:
             end attends to. They take that many of the ``top_k_blocks`` slots; 0 (the default)
             pins nothing. ``sink_blocks + pin_blocks`` must be below ``top_k_blocks``.
         successor_blocks: per KV head, the next logical block of each of the
-            ``successor_blocks`` best-scored blocks (by the first-stage score) is in the predicted
-            set too, so that a span that straddles a block boundary (a number, a line of code) is
+            ``successor_blocks`` best-scored blocks (by the block score; in two stages the codes
+            score's best candidates, their successors taken whether candidates or not) is in the
+            predicted set too, so that a span that straddles a block boundary (a number, a line of code) is
             fetched whole. They take that many of the ``top_k_blocks`` slots (fewer when a
             successor is already among the best, the last block of the request or forced anyway);
             0 (the default) adds none. ``sink_blocks + pin_blocks + successor_blocks`` must be below
@@ -105,6 +106,15 @@ class KvConfig:
             On SmolLM2 (docs/EVAL.md) 3 keeps the codes' selection within 0.4-0.6 points of
             attention at 1/16 of the context, 0.1-0.2 at 1/8 and 0.0 at 1/4. A number >= 1; not
             with ``select_queries="lookahead+current"``.
+        sticky_candidates: with ``score_candidates`` (two stages), a request's previous prediction
+            (per layer and KV head, its ``top_k_blocks`` blocks) is always among the next
+            selection's candidates, and its first selection (when it turns sparse: the prompt's
+            last query) ranks every block by the codes. A block the codes once ranked among the
+            best stays a candidate until the codes rank it out, whatever the Quest bound says; the
+            Quest bound only brings the other ``ceil(score_candidates x K) - K`` candidates (so
+            the cost is that of the same ``score_candidates``). The prediction is kept every
+            step (one more gather and scatter per layer). ``False`` (the default): the Quest
+            bound's best alone.
         layer_blocks: per-layer budgets, one per model layer: layer ``l`` selects, fetches and
             attends to at most ``layer_blocks[l]`` blocks per KV head (plus the local block), and
             its fetch cap is taken of that budget. Layers differ in how much of their attention a
@@ -131,6 +141,7 @@ class KvConfig:
     pin_blocks: int = 0
     successor_blocks: int = 0
     score_candidates: float | None = None
+    sticky_candidates: bool = False
     layer_blocks: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -223,6 +234,13 @@ class KvConfig:
                     "score_candidates works with select_queries='lookahead' only (the two-query "
                     "combination ranks every block); drop one of them"
                 )
+        if not isinstance(self.sticky_candidates, bool):
+            raise ConfigError(f"sticky_candidates must be True or False, got {self.sticky_candidates!r}")
+        if self.sticky_candidates and f is None:
+            raise ConfigError(
+                "sticky_candidates keeps the previous prediction among the two-stage score's "
+                "candidates: it needs score_candidates (and block_score='codes')"
+            )
         if self.kv_dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
             raise ConfigError(f"kv_dtype must be float32, float16 or bfloat16, got {self.kv_dtype}")
         for name in ("num_gpu_pages", "num_host_blocks"):

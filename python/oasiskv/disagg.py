@@ -1281,7 +1281,7 @@ class RemoteKvSource:
             q = query[layer].view(1, g.num_qo_heads, g.head_dim).to(dev).contiguous()
             k = eng.kv.layer_budget(layer)  # KvConfig.layer_blocks: the layer's first k slots
             slots = slot_pages if k == slot_pages.shape[1] else slot_pages[:, :k].contiguous()
-            pred, _ = eng._select_and_fetch(layer, q, slots, blk, host, eng.step_no, k, k)
+            pred, _ = eng._select_and_fetch(layer, q, slots, blk, host, eng.step_no, k, k, initial=True)
             eng._initial_selection(layer, r.slot, pred[0])
 
     # ---------------------------------------------------------------- decode-time misses

@@ -555,6 +555,60 @@ def keep_pins(scores: torch.Tensor, blk_indptr: torch.Tensor, pins: torch.Tensor
     return scores.masked_fill(mark[: nnz * heads].view(nnz, heads), torch.inf)
 
 
+def two_stage_top_k(
+    geo,
+    q,
+    summaries,
+    codes,
+    csr,
+    k: int,
+    m: int,
+    *,
+    forced=None,
+    keep=None,
+    successor_blocks: int = 0,
+    reduce=None,
+) -> torch.Tensor:
+    """The two-stage codes score's top-``k`` (``KvConfig(score_candidates=...)``): the Quest
+    bound's best ``m`` blocks per KV head are the candidates (``forced`` and ``keep`` first,
+    whatever their bound), the codes rank them; ``forced`` blocks and the successors of the
+    ``successor_blocks`` best candidates by the codes (candidates or not) go ahead of every codes
+    score, ``keep`` competes like the rest. ``forced``/``keep``: ``[n, heads, F]`` logical blocks
+    in :func:`keep_pins`' layout, or None; ``reduce``: :attr:`Engine.score_reduce`. Device ops
+    only (a captured step replays it); :meth:`Engine.top_k_blocks` and the kernel benchmark."""
+    reduce = reduce or (lambda x: x)
+    heads = geo.num_kv_heads
+    indptr = csr[0]
+    bound = reduce(ops.score_blocks(geo, q, summaries, *csr))
+    first = forced if keep is None else keep if forced is None else torch.cat([forced, keep], dim=-1)
+    bound = keep_pins(bound, indptr, first)
+    cand = ops.topk_blocks(heads, bound, indptr, m)  # [n, H, m] logical, -1 padded
+    scores = reduce(ops.rescore_blocks_codes(geo, q, summaries, codes, *csr, cand))
+    n = cand.shape[0]
+    rows = torch.arange(0, (n + 1) * m, m, dtype=torch.int32, device=q.device)
+    if successor_blocks:
+        # Successors of the codes score's best candidates (not the Quest bound's, whose best are
+        # not the blocks a copy reads: docs/EVAL.md), appended as candidates of their own.
+        best = ops.topk_blocks(heads, scores, rows, successor_blocks, index_map=cand)
+        nxt = successors(best, indptr)
+        forced = nxt if forced is None else torch.cat([forced, nxt], dim=-1)
+        s = nxt.shape[-1]
+        dup = (cand.unsqueeze(-1) == nxt.unsqueeze(2)) & (cand >= 0).unsqueeze(-1)  # [n, H, m, s]
+        nxt = nxt.masked_fill(dup.any(2), -1)  # already a candidate: no second entry
+        extra = torch.where(nxt >= 0, torch.inf, -torch.inf).permute(0, 2, 1)  # [n, s, H]
+        scores = torch.cat([scores.view(n, m, -1), extra], dim=1).reshape(n * (m + s), -1)
+        cand = torch.cat([cand, nxt], dim=-1)
+        m += s
+        rows = torch.arange(0, (n + 1) * m, m, dtype=torch.int32, device=q.device)
+    if forced is not None:
+        # The sinks, pins and successors stay ahead of every codes score.
+        valid = (cand >= 0).unsqueeze(-1)
+        hit = ((cand.unsqueeze(-1) == forced.unsqueeze(2)) & valid).any(-1)  # [n, H, m]
+        scores = scores.masked_fill(hit.permute(0, 2, 1).reshape(n * m, -1), torch.inf)
+    # The top-k positions in 0..m, written as the candidates' logical blocks (one launch).
+    return ops.topk_blocks(heads, scores, rows, k, index_map=cand)
+
+
 #: Captured decode steps kept per engine (least recently used out): a batch size has up to
 #: three (plain, keeping predictions, measuring recall), and speculative steps their own.
 _MAX_GRAPHS = 16
@@ -1521,6 +1575,7 @@ class Engine:
                 self.step_no,
                 k_budget,
                 k_budget,
+                initial=True,
             )
             self._initial_selection(layer, r.slot, pred[0])
 
@@ -1684,12 +1739,13 @@ class Engine:
         before): each measurement costs a scoring pass, top-K and overlap kernels per layer,
         about a fifth of a small model's step at batch 1. A recorder sees every step."""
         kv = self.kv
+        keep = kv.sticky_candidates  # the next selection's candidates include this step's prediction
         if not kv.measure_recall:
-            return False, False
+            return False, keep
         every = kv.recall_every
         if every == 1 or self.recorder is not None:
             return True, True
-        return self.step_no % every == 0, (self.step_no + 1) % every == 0
+        return self.step_no % every == 0, keep or (self.step_no + 1) % every == 0
 
     def _spec_result(self, reqs, logits, out: dict, launch=None) -> SpecStep:
         """Adopt a speculative step's outputs (``out`` of :meth:`_run_step`, or copies of a
@@ -2207,7 +2263,7 @@ class Engine:
         )
         self._acc_fetched.index_add_(0, sp_ids, (ps >= 0).sum(dim=(1, 2)))
         if self._store_pred:
-            self._pred_of(layer)[sp_ids] = pred  # only the recall of the next step reads it
+            self._pred_of(layer)[sp_ids] = pred  # the next step's recall and sticky candidates read it
         return q4, pred, ps
 
     def _pred_of(self, layer: int) -> torch.Tensor:
@@ -2281,42 +2337,61 @@ class Engine:
         return nxt if forced is None else torch.cat([forced, nxt], dim=-1)
 
     def top_k_blocks(
-        self, layer: int, q: torch.Tensor, csr, k: int, slots: torch.Tensor | None = None
+        self,
+        layer: int,
+        q: torch.Tensor,
+        csr,
+        k: int,
+        slots: torch.Tensor | None = None,
+        *,
+        keep: torch.Tensor | None = None,
+        every_block: bool = False,
     ) -> torch.Tensor:
         """The best ``k`` logical blocks per (sequence, KV head) for queries ``q`` under
         ``KvConfig.block_score``, each request's sink blocks first: ``[n, num_kv_heads, k]``, -1
         padded. With ``KvConfig.score_candidates`` in two stages: the Quest bound's top ``m`` are
         the candidates, their codes scores rank them (device ops only: a captured step replays
         it). ``slots`` (int64 ``[n]``, the requests' runtime slots): their pinned blocks
-        (``KvConfig.pin_blocks``) are taken too; None pins nothing. The ranking of every
-        prediction and recall; other arguments as :meth:`block_scores`."""
+        (``KvConfig.pin_blocks``) are taken too; None pins nothing. ``keep`` (``[n, num_kv_heads,
+        K']`` logical blocks, -1: none): in two stages, always candidates, then ranked by the codes
+        like the others (``KvConfig.sticky_candidates``). ``every_block``: one stage whatever
+        ``KvConfig.score_candidates`` says. The ranking of every prediction and recall; other
+        arguments as :meth:`block_scores`."""
         g, p = self.geo, self.pools
         indptr = csr[0]
         forced = self._forced(layer, indptr, slots)
-        m = self.kv.candidate_blocks(k)
+        m = None if every_block else self.kv.candidate_blocks(k)
         if m is None or indptr.shape[0] <= 1:
             scores = self.block_scores(layer, q, csr)
             forced = self._with_successors(scores, indptr, forced)
             return ops.topk_blocks(g.num_kv_heads, keep_pins(scores, indptr, forced), indptr, k)
-        reduce = self.score_reduce or (lambda x: x)
-        bound = reduce(ops.score_blocks(g, q, p.summaries[layer], *csr))
-        # Successors of the Quest bound's best blocks: forced through both stages, like the pins.
-        forced = self._with_successors(bound, indptr, forced)
-        bound = keep_pins(bound, indptr, forced)
-        cand = ops.topk_blocks(g.num_kv_heads, bound, indptr, m)  # [n, H, m] logical, -1 padded
-        scores = reduce(ops.rescore_blocks_codes(g, q, p.summaries[layer], p.codes[layer], *csr, cand))
-        n = cand.shape[0]
-        if forced is not None:
-            # The sinks and pins are candidates (+inf bounds); they stay ahead of every codes score.
-            valid = (cand >= 0).unsqueeze(-1)
-            keep = ((cand.unsqueeze(-1) == forced.unsqueeze(2)) & valid).any(-1)  # [n, H, m]
-            scores = scores.masked_fill(keep.permute(0, 2, 1).reshape(n * m, -1), torch.inf)
-        rows = torch.arange(0, (n + 1) * m, m, dtype=torch.int32, device=q.device)
-        # The top-k positions in 0..m, written as the candidates' logical blocks (one launch).
-        return ops.topk_blocks(g.num_kv_heads, scores, rows, k, index_map=cand)
+        return two_stage_top_k(
+            g,
+            q,
+            p.summaries[layer],
+            p.codes[layer],
+            csr,
+            k,
+            m,
+            forced=forced,
+            keep=keep,
+            successor_blocks=self.kv.successor_blocks,
+            reduce=self.score_reduce,
+        )
 
     def _select_and_fetch(
-        self, layer, q, slot_pages, blk_csr, host_csr, step, cap, k_budget, also=None, slots=None
+        self,
+        layer,
+        q,
+        slot_pages,
+        blk_csr,
+        host_csr,
+        step,
+        cap,
+        k_budget,
+        also=None,
+        slots=None,
+        initial=False,
     ):
         """Score the candidate blocks with ``q`` ([n, num_qo_heads, head_dim]), take the top-K per
         KV head, plan with delta selection (at most ``cap`` fetches per head) and gather the plan
@@ -2325,10 +2400,16 @@ class Engine:
         ``also = (q_current, blk_seq)`` ranks each block by the larger of its two scores, each taken
         relative to its own query's best block (``KvConfig.select_queries``). Each request's first
         ``KvConfig.sink_blocks`` candidates and the pinned blocks of the requests in runtime
-        ``slots`` are always taken (:meth:`_forced`)."""
+        ``slots`` are always taken (:meth:`_forced`). ``initial``: a request's first selection
+        (``KvConfig.sticky_candidates`` ranks every block then; later ones keep the requests'
+        previous predictions, by ``slots``, among the candidates)."""
         p, g = self.pools, self.geo
         if also is None:
-            pred = self.top_k_blocks(layer, q, blk_csr, k_budget, slots)
+            if self.kv.sticky_candidates:
+                keep = None if initial or slots is None else self._pred_of(layer)[slots]
+                pred = self.top_k_blocks(layer, q, blk_csr, k_budget, slots, keep=keep, every_block=initial)
+            else:
+                pred = self.top_k_blocks(layer, q, blk_csr, k_budget, slots)
         else:
             scores = self.block_scores(layer, q, blk_csr)
             if scores.shape[0] > 0:

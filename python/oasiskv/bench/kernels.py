@@ -321,12 +321,25 @@ def bench_score_codes(ops, geo, dev, dtype, batch: int, ctx: int, k: int) -> dic
     }
 
 
-def bench_score_codes_staged(ops, geo, dev, dtype, batch: int, ctx: int, k: int, factor: float) -> dict:
+def bench_score_codes_staged(
+    ops,
+    geo,
+    dev,
+    dtype,
+    batch: int,
+    ctx: int,
+    k: int,
+    factor: float,
+    successors: int = 0,
+    sticky: bool = False,
+) -> dict:
     """The two-stage codes score (``KvConfig(score_candidates=factor)``) at :func:`bench_score`'s
     shapes: the Quest bound and its top-``m`` (``m = ceil(factor k)``) per KV head, the codes
     score of those candidates, top-``k`` among them and the map back to logical blocks -- the
     engine's ``top_k_blocks``, in one CUDA graph. ``rescore_ms``: the codes score of the
-    candidates alone."""
+    candidates alone. With ``successors`` or ``sticky`` the chain is the engine's own
+    :func:`~oasiskv.engine.two_stage_top_k` with ``KvConfig(successor_blocks=successors)`` and a
+    previous prediction of ``k`` random blocks kept among the candidates (``sticky_candidates``)."""
     hk = geo.num_kv_heads
     m = min(512, math.ceil(factor * k))
     q, summaries, codes, blk_indptr, blk_indices = codes_inputs(geo, dev, dtype, batch, ctx)
@@ -346,10 +359,26 @@ def bench_score_codes_staged(ops, geo, dev, dtype, batch: int, ctx: int, k: int,
         rescore()
         return ops.topk_blocks(hk, rescored, rows, k, top, index_map=cand)
 
+    extra = ""
+    if successors or sticky:
+        from oasiskv.engine import two_stage_top_k
+
+        n_blocks = ctx // geo.block_size
+        keep = None
+        if sticky:
+            keep = torch.argsort(torch.rand(batch, hk, n_blocks, device=dev), dim=-1)[..., :k].to(torch.int32)
+        csr = (blk_indptr, blk_indices)
+
+        def staged():  # noqa: F811 -- the engine's chain instead
+            return two_stage_top_k(
+                geo, q, summaries, codes, csr, k, m, keep=keep, successor_blocks=successors
+            )
+
+        extra = (f" +succ{successors}" if successors else "") + (" +sticky" if sticky else "")
     ms, eager = time_both(staged)
     ms_r, _ = time_both(rescore)  # on the candidates the last call chose
     return {
-        "label": f"codes x{factor:g} staged+top-{k}, {ctx} ctx, b {batch}",
+        "label": f"codes x{factor:g}{extra} staged+top-{k}, {ctx} ctx, b {batch}",
         "candidates": m,
         "ms": ms,
         "eager_ms": eager,
@@ -462,8 +491,14 @@ def main(argv=None) -> int:
     c["target"] = "<= 1.5 x the Quest row's time"
     res["kernels"].append(c)
     batch = 16 if args.quick else 64
-    for factor in (1.25, 1.5, 2, 3):
-        st = bench_score_codes_staged(ops, geo, dev, dtype, batch, 32768, 128, factor)
+    for factor, succ, sticky in (
+        (1.25, 0, False),
+        (1.5, 0, False),
+        (2, 0, False),
+        (3, 0, False),
+        (1.25, 8, True),
+    ):
+        st = bench_score_codes_staged(ops, geo, dev, dtype, batch, 32768, 128, factor, succ, sticky)
         st["ratio_to_quest"] = st["ms"] / s["ms"]
         st["target"] = "<= 1.5 x the Quest row's time"
         res["kernels"].append(st)

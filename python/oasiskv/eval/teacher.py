@@ -60,9 +60,10 @@ DRAFTERS = ("eagle3", "eagle3-noprefill", "ngram", "oracle", "previous-query")
 @dataclass(frozen=True)
 class DrafterSpec:
     """A drafter name of the evaluation,
-    ``BASE[+current][+codes[F]][+sinkN][+pinN][+succN][+layers][+top2]``, and what each part sets:
-    ``+current`` ``KvConfig(select_queries="lookahead+current")``, ``+codes``
-    ``KvConfig(block_score="codes")`` (``+codesF``: and ``score_candidates=F``), ``+sinkN``
+    ``BASE[+current][+codes[F]][+sticky][+sinkN][+pinN][+succN][+layers][+top2]``, and what each
+    part sets: ``+current`` ``KvConfig(select_queries="lookahead+current")``, ``+codes``
+    ``KvConfig(block_score="codes")`` (``+codesF``: and ``score_candidates=F``), ``+sticky``
+    ``KvConfig(sticky_candidates=True)`` (after ``+codesF``), ``+sinkN``
     ``KvConfig(sink_blocks=N)``, ``+pinN`` ``KvConfig(pin_blocks=N)``, ``+succN``
     ``KvConfig(successor_blocks=N)``, ``+layers`` ``KvConfig(layer_blocks=...)`` fitted on
     calibration text with the budget's total (:func:`kv_budget_kwargs`; ``+layersout``: fitted
@@ -79,6 +80,7 @@ class DrafterSpec:
     pin_blocks: int = 0
     successor_blocks: int = 0
     layers: str = ""  # "" (uniform), or the metric of the fit: "mass" (+layers), "output" (+layersout)
+    sticky_candidates: bool = False
 
     def kv_kwargs(self) -> dict:
         """The :class:`~oasiskv.KvConfig` keyword arguments the suffixes set."""
@@ -89,6 +91,7 @@ class DrafterSpec:
             pin_blocks=self.pin_blocks,
             successor_blocks=self.successor_blocks,
             score_candidates=self.score_candidates,
+            sticky_candidates=self.sticky_candidates,
         )
 
 
@@ -100,7 +103,7 @@ def parse_drafter(name: str) -> DrafterSpec:
     grammar). The suffixes come in the order given, each at most once."""
     base, *mods = str(name).split("+")
     kw: dict = {}
-    order = ("current", "codes", "sink", "pin", "succ", "layers", "top2")
+    order = ("current", "codes", "sticky", "sink", "pin", "succ", "layers", "top2")
     last = -1
     ok = base in DRAFTERS
     for m in mods:
@@ -124,6 +127,9 @@ def parse_drafter(name: str) -> DrafterSpec:
             if m[5:]:
                 kw["score_candidates"] = float(m[5:])
                 ok = kw["score_candidates"] >= 1
+        elif key == "sticky":
+            ok = "score_candidates" in kw  # the previous prediction joins the two stages' candidates
+            kw["sticky_candidates"] = True
         elif key == "sink":
             kw["sink_blocks"] = int(m[4:])
         elif key == "pin":
@@ -139,7 +145,8 @@ def parse_drafter(name: str) -> DrafterSpec:
         raise ValueError(
             f"unknown drafter {name!r}; use one of {DRAFTERS}, then optionally '+current' (not "
             "previous-query, which has no lookahead row), '+codes' or '+codesF' (F >= 1: the "
-            "Quest bound's best F x K blocks ranked by the codes), '+sinkN' (N sink blocks), '+pinN' "
+            "Quest bound's best F x K blocks ranked by the codes), '+sticky' (after '+codesF': the "
+            "previous prediction stays among the candidates), '+sinkN' (N sink blocks), '+pinN' "
             "(N pinned blocks per layer and KV head), '+succN' (the next block of the N best), "
             "'+layers' or '+layersout' (per-layer budgets fitted on calibration text by attention "
             "mass or output error) and '+top2' (eagle3 only), "

@@ -67,8 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_selection_arguments(p: argparse.ArgumentParser) -> None:
     """How the working set is chosen (``KvConfig.block_score``, ``score_candidates``,
-    ``sink_blocks``, ``pin_blocks``, ``successor_blocks``, ``layer_blocks``): shared by ``oasis
-    serve``, ``oasis generate``, ``oasis demo`` and the serving benchmark."""
+    ``sticky_candidates``, ``sink_blocks``, ``pin_blocks``, ``successor_blocks``,
+    ``layer_blocks``): shared by ``oasis serve``, ``oasis generate``, ``oasis demo`` and the
+    serving benchmark."""
     p.add_argument(
         "--block-score",
         default="quest",
@@ -83,6 +84,12 @@ def add_selection_arguments(p: argparse.ArgumentParser) -> None:
         metavar="F",
         help="with --block-score codes: rank only the Quest bound's best F x top-k blocks by "
         "their codes (3 keeps nearly all of the codes' gain)",
+    )
+    p.add_argument(
+        "--sticky-candidates",
+        action="store_true",
+        help="with --score-candidates: each request's previous selection stays among the "
+        "candidates (its first ranks every block by the codes)",
     )
     p.add_argument(
         "--sink-blocks", type=int, default=0, help="the first N blocks of every request are always selected"
@@ -115,6 +122,7 @@ def selection_kwargs(args) -> dict:
     return dict(
         block_score=args.block_score,
         score_candidates=args.score_candidates,
+        sticky_candidates=args.sticky_candidates,
         sink_blocks=args.sink_blocks,
         pin_blocks=args.pin_blocks,
         successor_blocks=args.successor_blocks,
