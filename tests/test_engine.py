@@ -323,9 +323,11 @@ def test_select_with_current_query_ranks_by_the_larger_relative_score(qwen3):
     orig = eng._select_and_fetch
     seen = {"calls": 0, "differs": 0}
 
-    def checked(layer, q, slot_pages, blk_csr, host_csr, step, cap, k_budget, also=None, slots=None):
+    def checked(layer, q, slot_pages, blk_csr, host_csr, step, cap, k_budget, also=None, slots=None, **kw):
         summaries = eng.pools.summaries[layer].clone()
-        pred, ps = orig(layer, q, slot_pages, blk_csr, host_csr, step, cap, k_budget, also=also, slots=slots)
+        pred, ps = orig(
+            layer, q, slot_pages, blk_csr, host_csr, step, cap, k_budget, also=also, slots=slots, **kw
+        )
         if also is None:  # make_sparse: the last prompt query alone
             return pred, ps
         indptr, indices = blk_csr
@@ -388,9 +390,11 @@ class _SinkCheck:
         self.n, self.calls, self.recalls = n_sink, 0, 0
         orig = eng._select_and_fetch
 
-        def checked(layer, q, slot_pages, blk_csr, host_csr, step, cap, k_budget, also=None, slots=None):
+        def checked(
+            layer, q, slot_pages, blk_csr, host_csr, step, cap, k_budget, also=None, slots=None, **kw
+        ):
             pred, ps = orig(
-                layer, q, slot_pages, blk_csr, host_csr, step, cap, k_budget, also=also, slots=slots
+                layer, q, slot_pages, blk_csr, host_csr, step, cap, k_budget, also=also, slots=slots, **kw
             )
             self.check(pred, blk_csr[0])
             self.calls += 1
@@ -817,8 +821,10 @@ def test_pinned_blocks_stay_in_every_prediction(qwen3, kw):
     orig = eng._select_and_fetch
     seen = {"checked": 0, "pinned": 0}
 
-    def checked(layer, q, slot_pages, blk_csr, host_csr, step, cap, k_budget, also=None, slots=None):
-        pred, ps = orig(layer, q, slot_pages, blk_csr, host_csr, step, cap, k_budget, also=also, slots=slots)
+    def checked(layer, q, slot_pages, blk_csr, host_csr, step, cap, k_budget, also=None, slots=None, **kw):
+        pred, ps = orig(
+            layer, q, slot_pages, blk_csr, host_csr, step, cap, k_budget, also=also, slots=slots, **kw
+        )
         if slots is not None:  # a decode step (make_sparse chooses the pins)
             pins = eng._pins_of(layer)[slots]
             for i in range(pred.shape[0]):
