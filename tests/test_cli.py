@@ -71,6 +71,11 @@ def test_generate_takes_the_selection_flags():
     assert json.loads(p.stdout)["metrics"]["sparse_steps"] > 0
     p = oasis(*common, "--block-score", "codes", "--sticky-candidates")
     assert p.returncode == 2 and "needs score_candidates" in p.stderr and "Traceback" not in p.stderr
+    p = oasis(*common, *sparse, "--lookahead-min-confidence", "0.3", "--drafter", "eagle3")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(p.stdout)["metrics"]["sparse_steps"] > 0
+    p = oasis(*common, *sparse, "--lookahead-min-confidence", "0.3", "--drafter", "ngram")
+    assert p.returncode == 2 and "eagle3" in p.stderr and "Traceback" not in p.stderr
     p = oasis(*common, *sparse, "--sink-blocks", "1", "--pin-blocks", "2")
     assert p.returncode == 2 and "pin_blocks=2 is above 1" in p.stderr and "Traceback" not in p.stderr
     p = oasis(*common, *sparse, "--sink-blocks", "1", "--successor-blocks", "1", "--drafter", "ngram")

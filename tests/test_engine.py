@@ -1001,3 +1001,74 @@ def test_bad_layer_blocks(kw, match):
 def test_layer_blocks_must_name_every_layer(qwen3):
     with pytest.raises(errors.ConfigError, match="has 2 budgets but the model has 3 layers"):
         oasiskv.LLM(qwen3, kv=KvConfig(top_k_blocks=8, layer_blocks=(4, 8)), backend="oasis")
+
+
+class _DrafterWithConfidence(NgramDrafter):
+    """The n-gram drafter reporting a fixed probability for every draft, as the EAGLE-3 drafter
+    does with ``track_confidence`` (``last_confidence``)."""
+
+    def __init__(self, conf: float) -> None:
+        super().__init__()
+        self.conf = conf
+        self.track_confidence = False
+        self.last_confidence: dict[int, float] = {}
+
+    def propose_batch(self, req_ids, tokens_list, features_list):
+        out = super().propose_batch(req_ids, tokens_list, features_list)
+        self.last_confidence.update({r: self.conf for r in req_ids})
+        return out
+
+
+@pytest.mark.parametrize(
+    "extra", [{}, {"block_score": "codes", "score_candidates": 1.5, "sticky_candidates": True}]
+)
+def test_lookahead_min_confidence_selects_by_the_steps_own_query_when_unsure(qwen3, extra):
+    """KvConfig(lookahead_min_confidence=P): drafts below P let row 0 (the step's own query)
+    choose the next working set. Every draft unsure gives exactly the previous-query drafter's
+    selections (tokens, traffic, recall), every draft sure exactly the lookahead's; and the
+    drafter is asked for its probability."""
+    base = dict(block_size=8, top_k_blocks=3, fetch_cap=1, sparse_threshold=40, **extra)
+    ps = prompts(qwen3.config.vocab_size, [150, 97], seed=11)
+
+    def run(kv, drafter):
+        return oasiskv.LLM(qwen3, kv=KvConfig(**base, **kv), backend="oasis", drafter=drafter).generate(
+            ps, 10, ignore_eos=True
+        )
+
+    unsure = _DrafterWithConfidence(0.3)
+    got = run({"lookahead_min_confidence": 0.5}, unsure)
+    assert unsure.track_confidence  # the engine asked for the probabilities
+    own = run({}, PreviousQueryDrafter())
+    look = run({}, NgramDrafter())
+    sure = run({"lookahead_min_confidence": 0.25}, _DrafterWithConfidence(0.3))
+    for a, b, c, d in zip(got, own, sure, look, strict=True):
+        assert a.metrics.sparse_steps > 0
+        assert (a.tokens, a.metrics.fetched_bytes_total, a.metrics.lookahead_recall) == (
+            b.tokens,
+            b.metrics.fetched_bytes_total,
+            b.metrics.lookahead_recall,
+        )
+        assert (c.tokens, c.metrics.fetched_bytes_total, c.metrics.lookahead_recall) == (
+            d.tokens,
+            d.metrics.fetched_bytes_total,
+            d.metrics.lookahead_recall,
+        )
+    # The two selections differ here, so the equalities above say something.
+    assert any(
+        a.metrics.lookahead_recall != c.metrics.lookahead_recall for a, c in zip(got, sure, strict=True)
+    )
+
+
+@pytest.mark.parametrize(
+    "kw, drafter, match",
+    [
+        ({"lookahead_min_confidence": 1.5}, "ngram", "probability in"),
+        ({"lookahead_min_confidence": True}, "ngram", "probability in"),
+        ({"lookahead_min_confidence": 0.5, "select_queries": "lookahead+current"}, "ngram", "select_queries"),
+        ({"lookahead_min_confidence": 0.5}, "ngram", "eagle3"),
+        ({"lookahead_min_confidence": 0.5}, "previous-query", "eagle3"),
+    ],
+)
+def test_bad_lookahead_min_confidence(qwen3, kw, drafter, match):
+    with pytest.raises(errors.ConfigError, match=match):
+        oasiskv.LLM(qwen3, kv=KvConfig(sparse_threshold=40, **kw), backend="oasis", drafter=drafter)

@@ -1069,11 +1069,18 @@ def test_top2_measurement_and_sinks_through_the_teacher(tiny, head):
 
 
 def test_drafter_names_with_sticky_candidates():
-    """``+sticky`` after ``+codesF``: KvConfig(sticky_candidates=True); it needs two stages."""
+    """``+sticky`` after ``+codesF``: KvConfig(sticky_candidates=True); it needs two stages.
+    ``+confP`` (EAGLE-3 only): KvConfig(lookahead_min_confidence=P)."""
     spec = teacher.parse_drafter("previous-query+codes1.25+sticky+succ8")
     assert spec.kv_kwargs()["sticky_candidates"] is True and spec.score_candidates == 1.25
     assert spec.successor_blocks == 8
     assert teacher.parse_drafter("eagle3+codes2").kv_kwargs()["sticky_candidates"] is False
+    spec = teacher.parse_drafter("eagle3+codes1.25+sticky+succ8+conf0.25")
+    assert spec.kv_kwargs()["lookahead_min_confidence"] == 0.25
+    assert teacher.parse_drafter("eagle3").kv_kwargs()["lookahead_min_confidence"] is None
+    for bad in ("ngram+conf0.5", "eagle3+conf1.5", "eagle3+conf", "eagle3+conf0.5+succ8"):
+        with pytest.raises(ValueError, match="unknown drafter"):
+            teacher.parse_drafter(bad)
     for bad in ("eagle3+codes+sticky", "eagle3+sticky", "eagle3+sticky+codes2", "eagle3+codes2+succ8+sticky"):
         with pytest.raises(ValueError, match="unknown drafter"):
             teacher.parse_drafter(bad)

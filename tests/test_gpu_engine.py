@@ -214,3 +214,36 @@ def test_gpu_continuous_batching_equals_each_request_alone():
         a = alone.add_request(ps[i], SamplingParams(max_tokens=news[i], ignore_eos=True))
         assert o.token_ids == alone.run_to_completion([a])[a].token_ids, f"request {i}"
     assert any(o.metrics.sparse_steps > 0 for o in finals.values())
+
+
+def test_gpu_lookahead_min_confidence_unsure_drafts_select_like_the_previous_query():
+    """KvConfig(lookahead_min_confidence) on the GPU, CUDA graphs on (the per-slot flags written
+    before each replay, gathered inside it): every draft unsure gives the previous-query
+    drafter's tokens, traffic and recall exactly."""
+    from oasiskv.drafters import PreviousQueryDrafter
+    from test_engine import _DrafterWithConfidence
+
+    model = _model(torch.device("cuda"))
+    base = dict(
+        block_size=16,
+        top_k_blocks=4,
+        fetch_cap=2,
+        sparse_threshold=64,
+        block_score="codes",
+        score_candidates=1.5,
+        sticky_candidates=True,
+        successor_blocks=1,
+    )
+    ps = _prompts(301, [333, 150, 60])
+    runs = [
+        oasiskv.LLM(model, kv=KvConfig(**base, **kw), drafter=d).generate(ps, 24, ignore_eos=True)
+        for kw, d in (
+            ({"lookahead_min_confidence": 0.5}, _DrafterWithConfidence(0.3)),
+            ({}, PreviousQueryDrafter()),
+        )
+    ]
+    for a, b in zip(*runs, strict=True):
+        assert a.tokens == b.tokens
+        assert a.metrics.fetched_bytes_total == b.metrics.fetched_bytes_total
+        assert a.metrics.lookahead_recall == pytest.approx(b.metrics.lookahead_recall, abs=1e-6)
+    assert any(r.metrics.sparse_steps > 0 for r in runs[0])

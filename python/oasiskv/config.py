@@ -115,6 +115,12 @@ class KvConfig:
             the cost is that of the same ``score_candidates``). The prediction is kept every
             step (one more gather and scatter per layer). ``False`` (the default): the Quest
             bound's best alone.
+        lookahead_min_confidence: the lookahead row chooses the next working set only when the
+            drafter's probability of its draft is at least this; below it the step's own query
+            chooses (as the ``previous-query`` drafter does). A draft the head is unsure of (a
+            random digit of a number being copied) points its query elsewhere, while the step's
+            own query keeps reading what it reads (docs/EVAL.md). Needs a drafter that reports its
+            probability (``eagle3``). ``None`` (the default): the lookahead row always.
         layer_blocks: per-layer budgets, one per model layer: layer ``l`` selects, fetches and
             attends to at most ``layer_blocks[l]`` blocks per KV head (plus the local block), and
             its fetch cap is taken of that budget. Layers differ in how much of their attention a
@@ -142,6 +148,7 @@ class KvConfig:
     successor_blocks: int = 0
     score_candidates: float | None = None
     sticky_candidates: bool = False
+    lookahead_min_confidence: float | None = None
     layer_blocks: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
@@ -241,6 +248,17 @@ class KvConfig:
                 "sticky_candidates keeps the previous prediction among the two-stage score's "
                 "candidates: it needs score_candidates (and block_score='codes')"
             )
+        c = self.lookahead_min_confidence
+        if c is not None:
+            if isinstance(c, bool) or not isinstance(c, int | float) or not 0.0 <= c <= 1.0:
+                raise ConfigError(
+                    f"lookahead_min_confidence must be a probability in [0, 1] or None, got {c!r}"
+                )
+            if self.select_queries != "lookahead":
+                raise ConfigError(
+                    "lookahead_min_confidence chooses between the lookahead row and the step's own "
+                    "query: it needs select_queries='lookahead'"
+                )
         if self.kv_dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
             raise ConfigError(f"kv_dtype must be float32, float16 or bfloat16, got {self.kv_dtype}")
         for name in ("num_gpu_pages", "num_host_blocks"):

@@ -114,6 +114,9 @@ class _Request:
     max_new_tokens: int
     tokens: list[int] = field(default_factory=list)
     draft: int | None = None
+    # KvConfig.lookahead_min_confidence: the drafter was unsure of `draft`, so the step's own
+    # query (row 0) chooses the next working set instead of the lookahead row.
+    own_query: bool = False
     features: torch.Tensor | None = None
     # Speculative decoding: the captured features of the draft's row (the features of the
     # position after x_t), set by decode_step(speculate=...).
@@ -236,6 +239,9 @@ class _SparsePlan:
     # below top_k_blocks (a layer with budget k selects into these only). Made with the plan, on
     # the compute stream, before any background chain reads them.
     slot_pages_of: dict = field(default_factory=dict)
+    # KvConfig.lookahead_min_confidence: [n_sparse] bool, the requests whose own query (row 0)
+    # selects this step; gathered from the engine's per-slot flags on the compute stream.
+    own: torch.Tensor | None = None
 
     def slots_for(self, k: int) -> torch.Tensor:
         """The slot pages a layer with a budget of ``k`` blocks selects into, ``[n_sparse, k]``."""
@@ -281,6 +287,7 @@ class _SparsePlan:
             self.host_indices,
             *(self.rec_csr or ()),
             *((self.blk_seq,) if self.blk_seq is not None else ()),
+            *((self.own,) if self.own is not None else ()),
             *self.slot_pages_of.values(),
         ):
             t.record_stream(stream)
@@ -1012,6 +1019,18 @@ class Engine:
                 f"KvConfig(layer_blocks=...) has {len(kv.layer_blocks)} budgets but the model has "
                 f"{c.num_hidden_layers} layers; pass one budget per layer"
             )
+        # KvConfig.lookahead_min_confidence: per runtime slot, whether the step's own query selects
+        # (written before each step; a captured step gathers it by the plan's slots).
+        self._own_q: torch.Tensor | None = None
+        if kv.lookahead_min_confidence is not None:
+            if self.rows != 2 or not hasattr(drafter, "track_confidence"):
+                raise ConfigError(
+                    "KvConfig(lookahead_min_confidence=...) needs a drafter with a lookahead row that "
+                    f"reports its probability (eagle3), got {getattr(drafter, 'name', drafter)!r}; "
+                    "drop lookahead_min_confidence or use the eagle3 drafter"
+                )
+            drafter.track_confidence = True
+            self._own_q = torch.zeros(int(max_num_seqs) + 1, dtype=torch.bool, device=self.device)
         self.capture = tuple(drafter.capture_layers(c.num_hidden_layers)) if drafter is not None else ()
         # Hand the features of every prompt position to the drafter at prefill (Drafter.feed_prompt).
         self.prompt_features = bool(self.capture) and bool(getattr(drafter, "wants_prompt_features", False))
@@ -1361,7 +1380,10 @@ class Engine:
         """The selection tables of a step, from the plan's views ``v``."""
         kv = self.kv
         both = self.rows == 2 and kv.select_queries == "lookahead+current"
-        return _SparsePlan.from_views(v, reqs, kv.top_k_blocks, self._recall_now, both, kv.layer_blocks)
+        plan = _SparsePlan.from_views(v, reqs, kv.top_k_blocks, self._recall_now, both, kv.layer_blocks)
+        if self._own_q is not None:
+            plan.own = self._own_q[plan.ids]  # read in the step (a captured one gathers at replay)
+        return plan
 
     # ---------------------------------------------------------------- prefill
     @torch.no_grad()
@@ -1687,6 +1709,11 @@ class Engine:
             if rows == 2:
                 ids.append(r.draft)
         self._last_row = {r.id: i for i, r in enumerate(reqs)}
+        if self._own_q is not None and rows == 2:
+            # Which requests' own query selects this step (their drafter was unsure): per runtime
+            # slot, written before the step (eager or replayed) reads it.
+            slots = torch.tensor([r.slot for r in reqs], dtype=torch.long).to(self.device)
+            self._own_q[slots] = torch.tensor([r.own_query for r in reqs]).to(self.device)
         # Host-side work inside the step (a policy, a recall recorder, reads from a staging daemon
         # before a gather) keeps the step eager; a source with nothing left to read does not.
         src = self.block_source
@@ -2249,9 +2276,12 @@ class Engine:
             if self.recorder is not None:
                 self.recorder.on_recall(self, layer, sp_reqs, actual, prev, slot_pages, q_now)
         both = plan.blk_seq is not None  # KvConfig.select_queries == "lookahead+current" with a lookahead row
+        q_next = q4[sp_idx, -1]
+        if plan.own is not None:  # KvConfig.lookahead_min_confidence: unsure drafts select by row 0
+            q_next = torch.where(plan.own.view(-1, 1, 1), q4[sp_idx, 0], q_next)
         pred, ps = self._select_and_fetch(
             layer,
-            q4[sp_idx, -1].contiguous(),
+            q_next.contiguous(),
             slot_pages,
             (plan.blk_indptr, plan.blk_indices),
             (plan.host_indptr, plan.host_indices),

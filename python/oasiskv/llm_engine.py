@@ -893,6 +893,11 @@ class LLMEngine:
             )
             for r, d in zip(reqs, drafts, strict=True):
                 r.draft = d
+            tau = eng.kv.lookahead_min_confidence
+            if tau is not None:  # the drafter was unsure: the step's own query selects
+                conf = self.drafter.last_confidence
+                for r in reqs:
+                    r.own_query = conf.get(r.id, 1.0) < tau
         for seq in seqs:
             r = seq.req
             if eng.backend == "oasis" and not r.sparse and eng.runtime.wants_sparse(r.id):

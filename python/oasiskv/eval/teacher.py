@@ -60,10 +60,11 @@ DRAFTERS = ("eagle3", "eagle3-noprefill", "ngram", "oracle", "previous-query")
 @dataclass(frozen=True)
 class DrafterSpec:
     """A drafter name of the evaluation,
-    ``BASE[+current][+codes[F]][+sticky][+sinkN][+pinN][+succN][+layers][+top2]``, and what each
-    part sets: ``+current`` ``KvConfig(select_queries="lookahead+current")``, ``+codes``
+    ``BASE[+current][+codes[F]][+sticky][+sinkN][+pinN][+succN][+confP][+layers][+top2]``, and what
+    each part sets: ``+current`` ``KvConfig(select_queries="lookahead+current")``, ``+codes``
     ``KvConfig(block_score="codes")`` (``+codesF``: and ``score_candidates=F``), ``+sticky``
-    ``KvConfig(sticky_candidates=True)`` (after ``+codesF``), ``+sinkN``
+    ``KvConfig(sticky_candidates=True)`` (after ``+codesF``), ``+confP`` (EAGLE-3 only)
+    ``KvConfig(lookahead_min_confidence=P)``, ``+sinkN``
     ``KvConfig(sink_blocks=N)``, ``+pinN`` ``KvConfig(pin_blocks=N)``, ``+succN``
     ``KvConfig(successor_blocks=N)``, ``+layers`` ``KvConfig(layer_blocks=...)`` fitted on
     calibration text with the budget's total (:func:`kv_budget_kwargs`; ``+layersout``: fitted
@@ -81,6 +82,7 @@ class DrafterSpec:
     successor_blocks: int = 0
     layers: str = ""  # "" (uniform), or the metric of the fit: "mass" (+layers), "output" (+layersout)
     sticky_candidates: bool = False
+    lookahead_min_confidence: float | None = None
 
     def kv_kwargs(self) -> dict:
         """The :class:`~oasiskv.KvConfig` keyword arguments the suffixes set."""
@@ -92,10 +94,12 @@ class DrafterSpec:
             successor_blocks=self.successor_blocks,
             score_candidates=self.score_candidates,
             sticky_candidates=self.sticky_candidates,
+            lookahead_min_confidence=self.lookahead_min_confidence,
         )
 
 
 _CODES_F = re.compile(r"(\d+(\.\d+)?)?")  # the F of "+codesF"
+_CONF_P = re.compile(r"(0(\.\d+)?|1(\.0+)?)")  # the P of "+confP", a probability
 
 
 def parse_drafter(name: str) -> DrafterSpec:
@@ -103,7 +107,7 @@ def parse_drafter(name: str) -> DrafterSpec:
     grammar). The suffixes come in the order given, each at most once."""
     base, *mods = str(name).split("+")
     kw: dict = {}
-    order = ("current", "codes", "sticky", "sink", "pin", "succ", "layers", "top2")
+    order = ("current", "codes", "sticky", "sink", "pin", "succ", "conf", "layers", "top2")
     last = -1
     ok = base in DRAFTERS
     for m in mods:
@@ -111,6 +115,8 @@ def parse_drafter(name: str) -> DrafterSpec:
         for prefix in ("sink", "pin", "succ"):
             if m.startswith(prefix):
                 key = prefix if m[len(prefix) :].isdigit() else ""
+        if m.startswith("conf"):
+            key = "conf" if _CONF_P.fullmatch(m[4:]) else ""
         if m in ("layers", "layersout"):
             key = "layers"
         if m.startswith("codes") and _CODES_F.fullmatch(m[5:]):
@@ -136,6 +142,9 @@ def parse_drafter(name: str) -> DrafterSpec:
             kw["pin_blocks"] = int(m[3:])
         elif key == "succ":
             kw["successor_blocks"] = int(m[4:])
+        elif key == "conf":
+            ok = base.startswith("eagle3")  # a drafter that reports its probability
+            kw["lookahead_min_confidence"] = float(m[4:])
         elif key == "layers":
             kw["layers"] = "output" if m == "layersout" else "mass"
         else:
@@ -147,7 +156,8 @@ def parse_drafter(name: str) -> DrafterSpec:
             "previous-query, which has no lookahead row), '+codes' or '+codesF' (F >= 1: the "
             "Quest bound's best F x K blocks ranked by the codes), '+sticky' (after '+codesF': the "
             "previous prediction stays among the candidates), '+sinkN' (N sink blocks), '+pinN' "
-            "(N pinned blocks per layer and KV head), '+succN' (the next block of the N best), "
+            "(N pinned blocks per layer and KV head), '+succN' (the next block of the N best), '+confP' "
+            "(eagle3 only: the step's own query selects when the head's probability is below P), "
             "'+layers' or '+layersout' (per-layer budgets fitted on calibration text by attention "
             "mass or output error) and '+top2' (eagle3 only), "
             "in that order"

@@ -67,9 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_selection_arguments(p: argparse.ArgumentParser) -> None:
     """How the working set is chosen (``KvConfig.block_score``, ``score_candidates``,
-    ``sticky_candidates``, ``sink_blocks``, ``pin_blocks``, ``successor_blocks``,
-    ``layer_blocks``): shared by ``oasis serve``, ``oasis generate``, ``oasis demo`` and the
-    serving benchmark."""
+    ``sticky_candidates``, ``lookahead_min_confidence``, ``sink_blocks``, ``pin_blocks``,
+    ``successor_blocks``, ``layer_blocks``): shared by ``oasis serve``, ``oasis generate``,
+    ``oasis demo`` and the serving benchmark."""
     p.add_argument(
         "--block-score",
         default="quest",
@@ -90,6 +90,14 @@ def add_selection_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with --score-candidates: each request's previous selection stays among the "
         "candidates (its first ranks every block by the codes)",
+    )
+    p.add_argument(
+        "--lookahead-min-confidence",
+        type=float,
+        default=None,
+        metavar="P",
+        help="with the eagle3 drafter: a draft whose probability is below P lets the step's own "
+        "query choose the next working set (better exact copies)",
     )
     p.add_argument(
         "--sink-blocks", type=int, default=0, help="the first N blocks of every request are always selected"
@@ -123,6 +131,7 @@ def selection_kwargs(args) -> dict:
         block_score=args.block_score,
         score_candidates=args.score_candidates,
         sticky_candidates=args.sticky_candidates,
+        lookahead_min_confidence=args.lookahead_min_confidence,
         sink_blocks=args.sink_blocks,
         pin_blocks=args.pin_blocks,
         successor_blocks=args.successor_blocks,
