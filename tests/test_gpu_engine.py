@@ -236,7 +236,9 @@ def test_gpu_lookahead_min_confidence_unsure_drafts_select_like_the_previous_que
     )
     ps = _prompts(301, [333, 150, 60])
     runs = [
-        oasiskv.LLM(model, kv=KvConfig(**base, **kw), drafter=d).generate(ps, 24, ignore_eos=True)
+        oasiskv.LLM(model, kv=KvConfig(**base, **kw), drafter=d, cuda_graph=True).generate(
+            ps, 24, ignore_eos=True
+        )
         for kw, d in (
             ({"lookahead_min_confidence": 0.5}, _DrafterWithConfidence(0.3)),
             ({}, PreviousQueryDrafter()),
