@@ -1709,7 +1709,7 @@ class Engine:
             if rows == 2:
                 ids.append(r.draft)
         self._last_row = {r.id: i for i, r in enumerate(reqs)}
-        if self._own_q is not None and rows == 2:
+        if self._own_q is not None:  # only with a lookahead row (checked at construction)
             # Which requests' own query selects this step (their drafter was unsure): per runtime
             # slot, written before the step (eager or replayed) reads it.
             slots = torch.tensor([r.slot for r in reqs], dtype=torch.long).to(self.device)
