@@ -172,6 +172,32 @@ struct TopkBlocksParams {
     int map_m;             // index_map's last dimension; a position at or past it gives -1
 };
 
+// force_scores_f32 (cuda/score_blocks.cu).
+struct ForceScoresParams {
+    float* scores;         // [nnz, num_kv_heads], the forced entries set to +inf in place
+    const int* blk_indptr; // [num_seqs + 1]
+    const int* forced;     // [num_seqs, num_kv_heads, n_forced]
+    int num_seqs;
+    int num_kv_heads;
+    int nnz;
+    int n_forced;
+};
+
+// topk_candidates_f32 (cuda/score_blocks.cu).
+struct TopkCandidatesParams {
+    const float* scores;   // [num_seqs * m, num_kv_heads]
+    const int* cand;       // [num_seqs, num_kv_heads, m]
+    const int* blk_indptr; // [num_seqs + 1]: the requests' rows
+    const int* forced;     // [num_seqs, num_kv_heads, n_forced], or null
+    int* out;              // [num_seqs, num_kv_heads, k]
+    int num_kv_heads;
+    int nnz;               // blk_indptr's last entry bound
+    int m;
+    int k;
+    int successors;
+    int n_forced;
+};
+
 // delta_select_i32 and delta_select_warp_i32 (cuda/delta_select.cu; only the warp kernel reads
 // num_seqs, the other has one thread block per (sequence, KV head)).
 struct DeltaSelectParams {

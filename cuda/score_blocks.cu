@@ -516,6 +516,109 @@ __device__ void topk_blocks_impl(
     }
 }
 
+// Largest row of topk_candidates_f32: m candidates plus the appended successors.
+#define OASIS_CAND_MAX 1024
+
+// grid ceil(num_seqs * num_kv_heads * n_forced / blockDim.x): each thread one forced entry.
+// CPU twin: oasis_core::kernels::force_scores (scores of the forced blocks set to +inf in place).
+__device__ void force_scores_impl(
+    float* __restrict__ scores,         // [nnz, num_kv_heads]
+    const int* __restrict__ blk_indptr, // [num_seqs + 1]; a malformed row has no blocks
+    const int* __restrict__ forced,     // [num_seqs, num_kv_heads, n_forced]; < 0 or past the row: none
+    int num_seqs, int num_kv_heads, int nnz, int n_forced) {
+    const i64 t = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (n_forced <= 0 || t >= (i64)num_seqs * num_kv_heads * n_forced) return;
+    const int row = (int)(t / n_forced);
+    const int s = row / num_kv_heads;
+    const int h = row - s * num_kv_heads;
+    int base;
+    int end;
+    csr_row(blk_indptr, s, nnz, &base, &end);
+    const int f = forced[t];
+    if (f >= 0 && f < end - base) scores[(i64)(base + f) * num_kv_heads + h] = __int_as_float(0x7f800000);
+}
+
+// grid (num_seqs, num_kv_heads), OASIS_TOPK_THREADS threads; m + successors <= OASIS_CAND_MAX.
+// The two-stage score's last step (CPU twin: oasis_core::kernels::topk_candidates): the
+// successors of the `successors` best candidates by score, the forced blocks at +inf, the
+// successors that are no candidates appended at +inf, then the k best as their blocks.
+__device__ void topk_candidates_impl(
+    const float* __restrict__ scores,   // [num_seqs * m, num_kv_heads]
+    const int* __restrict__ cand,       // [num_seqs, num_kv_heads, m]; < 0: none
+    const int* __restrict__ blk_indptr, // [num_seqs + 1]: the requests' rows (successors stay inside)
+    const int* __restrict__ forced,     // [num_seqs, num_kv_heads, n_forced], or null
+    int* __restrict__ out,              // [num_seqs, num_kv_heads, k]
+    int num_kv_heads, int nnz, int m, int k, int successors, int n_forced) {
+    __shared__ u64 sel[OASIS_CAND_MAX];
+    __shared__ u32 keys[OASIS_CAND_MAX];
+    __shared__ int vals[OASIS_CAND_MAX];
+    __shared__ int succ[OASIS_CAND_MAX];
+
+    const int s = blockIdx.x;
+    const int h = blockIdx.y;
+    int base;
+    int end;
+    csr_row(blk_indptr, s, nnz, &base, &end);
+    const int row_len = end - base;
+    const i64 row = (i64)s * num_kv_heads + h;
+    const int* cs = cand + row * m;
+    const int width = m + successors;
+    const u32 key_inf = score_key(__int_as_float(0x7f800000));
+    const u32 key_ninf = score_key(__int_as_float(0xff800000));
+    for (int i = threadIdx.x; i < m; i += blockDim.x) {
+        keys[i] = score_key(scores[((i64)s * m + i) * num_kv_heads + h]);
+        vals[i] = cs[i];
+    }
+    __syncthreads();
+    if (successors > 0) {
+        // The successors' sources: the best candidates by their own scores (a whole sort of m).
+        const int sort_n = next_pow2(max(1, m));
+        for (int i = threadIdx.x; i < sort_n; i += blockDim.x) sel[i] = i < m ? rank_key(keys[i], i) : ~0ull;
+        __syncthreads();
+        if (m <= (int)blockDim.x) {
+            block_rank_sort(sel, m);
+        } else {
+            block_bitonic_sort(sel, sort_n);
+        }
+        __syncthreads();
+        for (int a = threadIdx.x; a < successors; a += blockDim.x) {
+            const int v = a < m ? vals[(int)(u32)(sel[a] & 0xffffffffull)] : -1;
+            succ[a] = (v >= 0 && v + 1 < row_len) ? v + 1 : -1;
+        }
+        __syncthreads();
+    }
+    const int* fs = forced != nullptr ? forced + row * n_forced : nullptr;
+    for (int i = threadIdx.x; i < m; i += blockDim.x) {
+        const int v = vals[i];
+        bool hit = false;
+        for (int a = 0; a < successors && !hit && v >= 0; ++a) hit = succ[a] == v;
+        for (int f = 0; f < n_forced && !hit && v >= 0; ++f) hit = fs[f] == v;
+        if (hit) keys[i] = key_inf;
+    }
+    for (int a = threadIdx.x; a < successors; a += blockDim.x) {
+        const int sv = succ[a];
+        bool fresh = sv >= 0;
+        for (int i = 0; i < m && fresh; ++i) fresh = vals[i] != sv;
+        vals[m + a] = fresh ? sv : -1;
+        keys[m + a] = fresh ? key_inf : key_ninf;
+    }
+    __syncthreads();
+    const int sort_n = next_pow2(max(1, width));
+    for (int i = threadIdx.x; i < sort_n; i += blockDim.x) sel[i] = i < width ? rank_key(keys[i], i) : ~0ull;
+    __syncthreads();
+    if (width <= (int)blockDim.x) {
+        block_rank_sort(sel, width);
+    } else {
+        block_bitonic_sort(sel, sort_n);
+    }
+    __syncthreads();
+    const int take = min(k, width);
+    int* dst = out + row * k;
+    for (int i = threadIdx.x; i < k; i += blockDim.x) {
+        dst[i] = i < take ? vals[(int)(u32)(sel[i] & 0xffffffffull)] : -1;
+    }
+}
+
 }  // namespace oasis
 
 // Entry points: one parameter struct each (cuda/oasis_params.cuh), unpacked into the impls.
@@ -534,4 +637,14 @@ OASIS_SCORE_BLOCKS(score_blocks_f32, float)
 extern "C" __global__ void __launch_bounds__(OASIS_TOPK_THREADS)
     topk_blocks_f32(const __grid_constant__ oasis::TopkBlocksParams p) {
     oasis::topk_blocks_impl(p.scores, p.blk_indptr, p.out, p.index_map, p.num_kv_heads, p.nnz, p.k, p.map_m);
+}
+
+extern "C" __global__ void force_scores_f32(const __grid_constant__ oasis::ForceScoresParams p) {
+    oasis::force_scores_impl(p.scores, p.blk_indptr, p.forced, p.num_seqs, p.num_kv_heads, p.nnz, p.n_forced);
+}
+
+extern "C" __global__ void __launch_bounds__(OASIS_TOPK_THREADS)
+    topk_candidates_f32(const __grid_constant__ oasis::TopkCandidatesParams p) {
+    oasis::topk_candidates_impl(p.scores, p.cand, p.blk_indptr, p.forced, p.out, p.num_kv_heads, p.nnz, p.m, p.k,
+                                p.successors, p.n_forced);
 }

@@ -944,3 +944,48 @@ def test_gpu_path_errors_are_typed():
     # The device is still healthy.
     want = ops.decode_attention(geo, q2, kp, vp, indptr, indices, last)
     torch.testing.assert_close(back(ops.decode_attention(geo, *g)), want, atol=2e-3, rtol=1e-2)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_topk_candidates_and_force_scores_match_the_twins(seed):
+    """The two-stage score's fused ops (force_scores, topk_candidates) on the GPU against the CPU
+    twins, bit for bit; rows past the thread count (m + successors > 512) take the bitonic sort."""
+    from test_topk_candidates import random_case
+
+    heads, indptr, cand, scores, forced = random_case(seed)
+    m = cand.shape[-1]
+    for n_succ in (0, 2, m + 1):
+        for k in (1, m + n_succ + 2):
+            want = ops.topk_candidates(heads, scores, cand, indptr, k, successors=n_succ, forced=forced)
+            got = ops.topk_candidates(
+                heads,
+                dev(scores),
+                dev(cand),
+                dev(indptr),
+                k,
+                successors=n_succ,
+                forced=None if forced is None else dev(forced),
+            )
+            assert back(got).tolist() == want.tolist(), (seed, n_succ, k)
+    nnz = int(indptr[-1])
+    base = torch.randn(nnz, heads, generator=torch.Generator().manual_seed(seed))
+    f = forced if forced is not None else torch.full((indptr.numel() - 1, heads, 1), 0, dtype=torch.int32)
+    want = ops.force_scores(heads, base.clone(), indptr, f)
+    got = ops.force_scores(heads, dev(base), dev(indptr), dev(f))
+    assert torch.equal(back(got), want)
+
+
+def test_topk_candidates_long_rows_match_the_twin():
+    """512 candidates and 300 successors (812 entries: the bitonic path), k = 400."""
+    g = torch.Generator().manual_seed(7)
+    n, heads, m, blocks = 3, 2, 512, 2000
+    indptr = torch.tensor([0, blocks, 2 * blocks, 3 * blocks], dtype=torch.int32)
+    cand = torch.stack([torch.randperm(blocks, generator=g)[:m] for _ in range(n * heads)]).view(n, heads, m)
+    cand = cand.to(torch.int32)
+    scores = torch.randn(n * m, heads, generator=g)
+    forced = torch.randint(-1, blocks, (n, heads, 5), generator=g).to(torch.int32)
+    want = ops.topk_candidates(heads, scores, cand, indptr, 400, successors=300, forced=forced)
+    got = ops.topk_candidates(
+        heads, dev(scores), dev(cand), dev(indptr), 400, successors=300, forced=dev(forced)
+    )
+    assert back(got).tolist() == want.tolist()

@@ -581,39 +581,24 @@ def two_stage_top_k(
     whatever their bound), the codes rank them; ``forced`` blocks and the successors of the
     ``successor_blocks`` best candidates by the codes (candidates or not) go ahead of every codes
     score, ``keep`` competes like the rest. ``forced``/``keep``: ``[n, heads, F]`` logical blocks
-    in :func:`keep_pins`' layout, or None; ``reduce``: :attr:`Engine.score_reduce`. Device ops
-    only (a captured step replays it); :meth:`Engine.top_k_blocks` and the kernel benchmark."""
+    in :func:`keep_pins`' layout, or None; ``reduce``: :attr:`Engine.score_reduce`. Five
+    launches, no host sync (a captured step replays it): the Quest score, :func:`ops.force_scores`
+    (with forced or kept blocks), its top-``m``, the codes of the candidates and
+    :func:`ops.topk_candidates`. :meth:`Engine.top_k_blocks` and the kernel benchmark."""
     reduce = reduce or (lambda x: x)
     heads = geo.num_kv_heads
     indptr = csr[0]
-    bound = reduce(ops.score_blocks(geo, q, summaries, *csr))
+    bound = reduce(ops.score_blocks(geo, q, summaries, *csr)).contiguous()
     first = forced if keep is None else keep if forced is None else torch.cat([forced, keep], dim=-1)
-    bound = keep_pins(bound, indptr, first)
+    if first is not None and first.shape[-1]:
+        ops.force_scores(heads, bound, indptr, first.to(torch.int32).contiguous())  # +inf, in place
     cand = ops.topk_blocks(heads, bound, indptr, m)  # [n, H, m] logical, -1 padded
-    scores = reduce(ops.rescore_blocks_codes(geo, q, summaries, codes, *csr, cand))
-    n = cand.shape[0]
-    rows = torch.arange(0, (n + 1) * m, m, dtype=torch.int32, device=q.device)
-    if successor_blocks:
-        # Successors of the codes score's best candidates (not the Quest bound's, whose best are
-        # not the blocks a copy reads: docs/EVAL.md), appended as candidates of their own.
-        best = ops.topk_blocks(heads, scores, rows, successor_blocks, index_map=cand)
-        nxt = successors(best, indptr)
-        forced = nxt if forced is None else torch.cat([forced, nxt], dim=-1)
-        s = nxt.shape[-1]
-        dup = (cand.unsqueeze(-1) == nxt.unsqueeze(2)) & (cand >= 0).unsqueeze(-1)  # [n, H, m, s]
-        nxt = nxt.masked_fill(dup.any(2), -1)  # already a candidate: no second entry
-        extra = torch.where(nxt >= 0, torch.inf, -torch.inf).permute(0, 2, 1)  # [n, s, H]
-        scores = torch.cat([scores.view(n, m, -1), extra], dim=1).reshape(n * (m + s), -1)
-        cand = torch.cat([cand, nxt], dim=-1)
-        m += s
-        rows = torch.arange(0, (n + 1) * m, m, dtype=torch.int32, device=q.device)
+    scores = reduce(ops.rescore_blocks_codes(geo, q, summaries, codes, *csr, cand)).contiguous()
+    # Successors of the codes score's best candidates (not the Quest bound's, whose best are not
+    # the blocks a copy reads: docs/EVAL.md) and the forced blocks first, then the top-k: one launch.
     if forced is not None:
-        # The sinks, pins and successors stay ahead of every codes score.
-        valid = (cand >= 0).unsqueeze(-1)
-        hit = ((cand.unsqueeze(-1) == forced.unsqueeze(2)) & valid).any(-1)  # [n, H, m]
-        scores = scores.masked_fill(hit.permute(0, 2, 1).reshape(n * m, -1), torch.inf)
-    # The top-k positions in 0..m, written as the candidates' logical blocks (one launch).
-    return ops.topk_blocks(heads, scores, rows, k, index_map=cand)
+        forced = forced.to(torch.int32).contiguous()
+    return ops.topk_candidates(heads, scores, cand, indptr, k, successors=successor_blocks, forced=forced)
 
 
 #: Captured decode steps kept per engine (least recently used out): a batch size has up to

@@ -272,6 +272,44 @@ def topk_blocks(
     return out
 
 
+def force_scores(num_kv_heads: int, scores: torch.Tensor, blk_indptr, forced: torch.Tensor) -> torch.Tensor:
+    """Set the forced entries of ``scores [nnz, num_kv_heads]`` (float32) to +inf in place and
+    return it: ``forced [num_seqs, num_kv_heads, F]`` (int32) holds, per CSR row of ``blk_indptr``
+    and KV head, logical blocks every top-K then takes first; -1 and positions past the row are
+    ignored. One launch (:func:`oasiskv.engine.keep_pins` composed of device ops is its
+    definition)."""
+    dev = _check_device(scores)
+    _core.force_scores(num_kv_heads, scores, blk_indptr, forced, stream=_stream(dev))
+    return scores
+
+
+def topk_candidates(
+    num_kv_heads: int,
+    scores: torch.Tensor,
+    cand: torch.Tensor,
+    blk_indptr,
+    k: int,
+    *,
+    successors: int = 0,
+    forced: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The two-stage codes score's last top-``k``, ``[num_seqs, num_kv_heads, k]`` logical blocks
+    (-1 padded): the candidates ``cand [num_seqs, num_kv_heads, m]`` (int32, < 0: none) with their
+    scores ``[num_seqs * m, num_kv_heads]`` (:func:`rescore_blocks_codes`); the next block of each
+    of the ``successors`` best (inside its row of ``blk_indptr``, the requests' blocks) and the
+    blocks of ``forced [num_seqs, num_kv_heads, F]`` go first, a successor that is no candidate
+    appended. One launch (``KvConfig.successor_blocks`` with ``score_candidates``)."""
+    dev = _check_device(scores)
+    if out is None:
+        out = torch.empty(cand.shape[0], num_kv_heads, k, dtype=torch.int32, device=dev)
+    st = _stream(dev)
+    _core.topk_candidates(
+        num_kv_heads, scores, cand, blk_indptr, k, out, successors=successors, forced=forced, stream=st
+    )
+    return out
+
+
 def delta_select(
     num_kv_heads: int,
     predicted,

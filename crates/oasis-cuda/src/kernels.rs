@@ -74,6 +74,8 @@ pub const SOURCES: &[KernelSource] = &[
             "score_blocks_f16",
             "score_blocks_f32",
             "topk_blocks_f32",
+            "force_scores_f32",
+            "topk_candidates_f32",
         ],
     },
     KernelSource {

@@ -29,9 +29,9 @@ use crate::driver::{Gpu, LaunchCfg};
 use crate::error::{guard, CudaError, Result};
 use crate::params::{
     AppendKvParams, BuildKeyCodesParams, BuildSummariesParams, CopyPagesParams, DecodeAttnParams,
-    DeltaSelectParams, DevPtr, GatherBlocksParams, KernelParams, MergeAttnStatesParams,
-    QkNormRopeParams, RmsNormParams, ScoreBlocksCodesParams, ScoreBlocksParams, TopkBlocksParams,
-    WaitStampParams,
+    DeltaSelectParams, DevPtr, ForceScoresParams, GatherBlocksParams, KernelParams,
+    MergeAttnStatesParams, QkNormRopeParams, RmsNormParams, ScoreBlocksCodesParams,
+    ScoreBlocksParams, TopkBlocksParams, TopkCandidatesParams, WaitStampParams,
 };
 
 /// Threads per block of the decode attention kernel (a multiple of 32). Arbitrary.
@@ -62,6 +62,10 @@ pub const SCORE_CODES_STAGES: usize = 3;
 pub const TOPK_THREADS: u32 = 512;
 /// Largest `k` of [`Gpu::topk_blocks`]; must match OASIS_MAX_TOPK in cuda/score_blocks.cu.
 pub const MAX_TOPK: usize = 512;
+/// Largest `m + successors` of [`Gpu::topk_candidates`]; must match OASIS_CAND_MAX.
+pub const MAX_CANDIDATES: usize = 1024;
+/// Threads per block of `force_scores_f32`. Arbitrary.
+pub const FORCE_THREADS: u32 = 256;
 /// Threads per block of `delta_select_i32`; must match OASIS_SELECT_THREADS.
 pub const SELECT_THREADS: u32 = 256;
 /// Largest budget of [`Gpu::delta_select`]; must match OASIS_MAX_SELECT_BUDGET.
@@ -1223,6 +1227,119 @@ impl Gpu {
         })
     }
 
+    /// GPU twin of `oasis_core::kernels::force_scores`: the forced entries of `scores` set to
+    /// +inf, in place (one thread per forced entry).
+    ///
+    /// # Errors
+    /// [`CudaError::Invalid`] for a buffer whose size does not match its shape.
+    pub fn force_scores(
+        &self,
+        num_kv_heads: usize,
+        scores: DevSlice<f32>,     // [nnz, num_kv_heads], written
+        blk_indptr: DevSlice<i32>, // [num_seqs + 1]
+        forced: DevSlice<i32>,     // [num_seqs, num_kv_heads, n_forced]
+        n_forced: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        guard("force_scores", || {
+            positive_heads(num_kv_heads)?;
+            let num_seqs = csr_rows("blk_indptr", blk_indptr.len())?;
+            let nnz = rows("scores", scores.len(), &[num_kv_heads])?;
+            check_len("forced", forced.len(), &[num_seqs, num_kv_heads, n_forced])?;
+            let total = num_seqs * num_kv_heads * n_forced;
+            if total == 0 {
+                return Ok(());
+            }
+            let params = ForceScoresParams {
+                scores: scores.into(),
+                blk_indptr: blk_indptr.into(),
+                forced: forced.into(),
+                num_seqs: int("num_seqs", num_seqs)?,
+                num_kv_heads: int("num_kv_heads", num_kv_heads)?,
+                nnz: int("nnz", nnz)?,
+                n_forced: int("n_forced", n_forced)?,
+            };
+            int("num_seqs * num_kv_heads * n_forced", total)?;
+            let grid = grid_x("force_scores", total.div_ceil(FORCE_THREADS as usize))?;
+            // SAFETY: lengths checked above; the kernel bounds-checks each blk_indptr row against
+            // nnz and each forced position against its row, and writes only scores inside it;
+            // reachability and lifetime by DevSlice's contract, the stream by Stream's.
+            unsafe { self.queue("force_scores_f32", grid, FORCE_THREADS, 0, stream, &params) }
+        })
+    }
+
+    /// GPU twin of `oasis_core::kernels::topk_candidates`: the two-stage score's last top-k
+    /// (successors of the best candidates, forced blocks, then the `k` best as blocks), one
+    /// thread block per (sequence, KV head).
+    ///
+    /// # Errors
+    /// [`CudaError::Invalid`] for a buffer whose size does not match its shape;
+    /// [`CudaError::Unsupported`] for `k > MAX_TOPK` or `m + successors > MAX_CANDIDATES`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn topk_candidates(
+        &self,
+        num_kv_heads: usize,
+        scores: DevSlice<f32>, // [num_seqs * m, num_kv_heads]
+        cand: DevSlice<i32>,   // [num_seqs, num_kv_heads, m]
+        m: usize,
+        blk_indptr: DevSlice<i32>, // [num_seqs + 1]
+        k: usize,
+        successors: usize,
+        forced: Option<(DevSlice<i32>, usize)>, // [num_seqs, num_kv_heads, n_forced]
+        out: DevSlice<i32>,                     // [num_seqs, num_kv_heads, k]
+        stream: Stream,
+    ) -> Result<()> {
+        guard("topk_candidates", || {
+            positive_heads(num_kv_heads)?;
+            if k > MAX_TOPK || m + successors > MAX_CANDIDATES {
+                return Err(CudaError::Unsupported(format!(
+                    "k = {k} (at most {MAX_TOPK}) or m + successors = {} (at most \
+                     {MAX_CANDIDATES}) past the candidates' top-k kernel",
+                    m + successors
+                )));
+            }
+            let num_seqs = csr_rows("blk_indptr", blk_indptr.len())?;
+            check_len("scores", scores.len(), &[num_seqs * m, num_kv_heads])?;
+            check_len("cand", cand.len(), &[num_seqs, num_kv_heads, m])?;
+            check_len("out", out.len(), &[num_seqs, num_kv_heads, k])?;
+            let n_forced = forced.map_or(0, |(_, n)| n);
+            if let Some((f, n)) = forced {
+                check_len("forced", f.len(), &[num_seqs, num_kv_heads, n])?;
+            }
+            if k == 0 || num_seqs == 0 {
+                return Ok(());
+            }
+            let params = TopkCandidatesParams {
+                scores: scores.into(),
+                cand: cand.into(),
+                blk_indptr: blk_indptr.into(),
+                forced: DevPtr::from(forced.map(|(f, _)| f)),
+                out: out.into(),
+                num_kv_heads: int("num_kv_heads", num_kv_heads)?,
+                nnz: i32::MAX,
+                m: int("m", m)?,
+                k: int("k", k)?,
+                successors: int("successors", successors)?,
+                n_forced: int("n_forced", n_forced)?,
+            };
+            let grid = grid_rows_heads("num_seqs", num_seqs, num_kv_heads)?;
+            // SAFETY: k <= MAX_TOPK and m + successors <= MAX_CANDIDATES (its static buffers);
+            // lengths checked above (the kernel reads cand and forced only below m and
+            // n_forced, scores at the rows of m entries); blk_indptr rows are only subtracted;
+            // reachability and lifetime by DevSlice's contract, the stream by Stream's.
+            unsafe {
+                self.queue(
+                    "topk_candidates_f32",
+                    grid,
+                    TOPK_THREADS,
+                    0,
+                    stream,
+                    &params,
+                )
+            }
+        })
+    }
+
     /// GPU twin of `oasis_core::kernels::delta_select`: keep predicted blocks already resident,
     /// pair each missing one with a victim slot (empty first, then least recently selected), at
     /// most `fetch_cap` per head; updates `page_map` and `page_last_selected` and writes the
@@ -1766,7 +1883,9 @@ mod tests {
         assert!(common.contains("bool csr_row("));
         for (source, uses) in [
             ("decode_attn", 2),
-            ("score_blocks", 1),
+            // topk_blocks, force_scores, topk_candidates (which only bounds successors by its
+            // rows' lengths: its wrapper passes i32::MAX, a malformed row reads as empty).
+            ("score_blocks", 3),
             ("gather_blocks", 1),
         ] {
             let src = crate::kernels::source(source).unwrap().source;

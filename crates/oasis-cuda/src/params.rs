@@ -365,6 +365,37 @@ kernel_params! {
 }
 
 kernel_params! {
+    /// `force_scores_f32` (cuda/score_blocks.cu): forced entries of a score table set to +inf.
+    pub struct ForceScoresParams => "oasis::ForceScoresParams" for ["force_scores_f32"] {
+        pub scores: DevPtr,     // [nnz, num_kv_heads] f32, written in place
+        pub blk_indptr: DevPtr, // [num_seqs + 1]
+        pub forced: DevPtr,     // [num_seqs, num_kv_heads, n_forced] i32
+        pub num_seqs: i32,
+        pub num_kv_heads: i32,
+        pub nnz: i32,
+        pub n_forced: i32,
+    }
+}
+
+kernel_params! {
+    /// `topk_candidates_f32` (cuda/score_blocks.cu): the two-stage score's last top-k, with
+    /// successors and forced blocks.
+    pub struct TopkCandidatesParams => "oasis::TopkCandidatesParams" for ["topk_candidates_f32"] {
+        pub scores: DevPtr,     // [num_seqs * m, num_kv_heads] f32
+        pub cand: DevPtr,       // [num_seqs, num_kv_heads, m] i32
+        pub blk_indptr: DevPtr, // [num_seqs + 1]
+        pub forced: DevPtr,     // [num_seqs, num_kv_heads, n_forced] i32, or null
+        pub out: DevPtr,        // [num_seqs, num_kv_heads, k] i32
+        pub num_kv_heads: i32,
+        pub nnz: i32,
+        pub m: i32,
+        pub k: i32,
+        pub successors: i32,
+        pub n_forced: i32,
+    }
+}
+
+kernel_params! {
     /// `delta_select_i32` and `delta_select_warp_i32` (cuda/delta_select.cu; only the warp
     /// kernel reads `num_seqs`).
     pub struct DeltaSelectParams => "oasis::DeltaSelectParams"
@@ -490,6 +521,8 @@ pub const ALL: &[ParamsLayout] = &[
     BuildKeyCodesParams::LAYOUT,
     ScoreBlocksCodesParams::LAYOUT,
     TopkBlocksParams::LAYOUT,
+    ForceScoresParams::LAYOUT,
+    TopkCandidatesParams::LAYOUT,
     DeltaSelectParams::LAYOUT,
     GatherBlocksParams::LAYOUT,
     CopyPagesParams::LAYOUT,
@@ -522,6 +555,8 @@ mod tests {
         assert_eq!(size_of::<BuildKeyCodesParams>(), 5 * 8 + 6 * 4);
         assert_eq!(size_of::<ScoreBlocksCodesParams>(), 7 * 8 + 8 * 4);
         assert_eq!(size_of::<TopkBlocksParams>(), 4 * 8 + 4 * 4);
+        assert_eq!(size_of::<ForceScoresParams>(), 3 * 8 + 4 * 4);
+        assert_eq!(size_of::<TopkCandidatesParams>(), 5 * 8 + 6 * 4);
         assert_eq!(size_of::<DeltaSelectParams>(), 8 * 8 + 8 * 4);
         assert_eq!(size_of::<GatherBlocksParams>(), 9 * 8 + 12 * 4);
         assert_eq!(size_of::<CopyPagesParams>(), 7 * 8 + 2 * 4);

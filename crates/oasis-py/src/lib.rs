@@ -1129,6 +1129,150 @@ fn topk_blocks(
 }
 
 #[pyfunction]
+#[pyo3(signature = (num_kv_heads, scores, blk_indptr, forced, *, stream = 0))]
+/// Set the forced entries of scores [nnz, num_kv_heads] float32 to +inf, in place: forced
+/// [num_seqs, num_kv_heads, F] int32 holds logical blocks (positions within each row of
+/// blk_indptr [num_seqs + 1] int32); -1 and positions past the row are ignored.
+///
+/// CUDA: every tensor on one cuda:N, queued on `stream`. `stream` is ignored on the CPU.
+fn force_scores(
+    py: Python<'_>,
+    num_kv_heads: usize,
+    scores: TensorArg,
+    blk_indptr: TensorArg,
+    forced: TensorArg,
+    stream: u64,
+) -> PyResult<()> {
+    entry(py, "force_scores", || {
+        let inputs: Vec<(&str, &TensorArg)> =
+            vec![("blk_indptr", &blk_indptr), ("forced", &forced)];
+        let cx = Cx::new(py, &[&inputs[..], &[("scores", &scores)]].concat(), &[])?;
+        scores.expect_f32(py, "scores")?;
+        let nnz = scores.dim(&cx, "scores", 2, 0)?;
+        scores.expect_shape(&cx, "scores", &[nnz, num_kv_heads])?;
+        blk_indptr.expect_i32(py, "blk_indptr")?;
+        let ns = blk_indptr.dim(&cx, "blk_indptr", 1, 0)?.saturating_sub(1);
+        forced.expect_i32(py, "forced")?;
+        let nf = forced.dim(&cx, "forced", 3, 2)?;
+        forced.expect_shape(&cx, "forced", &[ns, num_kv_heads, nf])?;
+        check_outputs(py, &[("scores", &scores)], &inputs)?;
+        match cx.place {
+            Place::Cpu => {
+                // SAFETY: checked above; scores is disjoint from the inputs.
+                let (sc, ip, f) =
+                    unsafe { (scores.slice_mut::<f32>(), blk_indptr.ints(), forced.ints()) };
+                guarded(py, "force_scores", || {
+                    kernels::force_scores(num_kv_heads, sc, ip, f, nf)
+                })
+            }
+            Place::Cuda(dev) => {
+                // SAFETY: (TensorArg::dev) checked above; scores is disjoint from the inputs.
+                let (sc, ip, f) = unsafe {
+                    (
+                        scores.dev::<f32>(),
+                        blk_indptr.dev::<i32>(),
+                        forced.dev::<i32>(),
+                    )
+                };
+                on_gpu(py, "force_scores", dev, stream, &[], move |gpu, st| {
+                    gpu.force_scores(num_kv_heads, sc, ip, f, nf, st)
+                })
+            }
+        }
+    })
+}
+
+#[pyfunction]
+#[pyo3(signature = (num_kv_heads, scores, cand, blk_indptr, k, out, *, successors = 0, forced = None, stream = 0))]
+#[allow(clippy::too_many_arguments)]
+/// The two-stage score's last top-k: candidates cand [num_seqs, num_kv_heads, m] int32 (logical
+/// blocks of the rows of blk_indptr [num_seqs + 1] int32, < 0: none) with scores
+/// [num_seqs * m, num_kv_heads] float32; the next blocks of the `successors` best and the blocks
+/// of forced [num_seqs, num_kv_heads, F] int32 rank first (a successor that is no candidate is
+/// appended); out [num_seqs, num_kv_heads, k] int32 receives the k best as blocks, -1 padded.
+///
+/// CUDA: every tensor on one cuda:N, queued on `stream`; k <= 512 and m + successors <= 1024
+/// there. `stream` is ignored on the CPU.
+fn topk_candidates(
+    py: Python<'_>,
+    num_kv_heads: usize,
+    scores: TensorArg,
+    cand: TensorArg,
+    blk_indptr: TensorArg,
+    k: usize,
+    out: TensorArg,
+    successors: usize,
+    forced: Option<TensorArg>,
+    stream: u64,
+) -> PyResult<()> {
+    entry(py, "topk_candidates", || {
+        let mut inputs: Vec<(&str, &TensorArg)> = vec![
+            ("scores", &scores),
+            ("cand", &cand),
+            ("blk_indptr", &blk_indptr),
+        ];
+        if let Some(f) = &forced {
+            inputs.push(("forced", f));
+        }
+        let cx = Cx::new(py, &[&inputs[..], &[("out", &out)]].concat(), &[])?;
+        cand.expect_i32(py, "cand")?;
+        let m = cand.dim(&cx, "cand", 3, 2)?;
+        let ns = cand.dim(&cx, "cand", 3, 0)?;
+        cand.expect_shape(&cx, "cand", &[ns, num_kv_heads, m])?;
+        scores.expect_f32(py, "scores")?;
+        scores.expect_shape(&cx, "scores", &[ns * m, num_kv_heads])?;
+        blk_indptr.expect_i32(py, "blk_indptr")?;
+        blk_indptr.expect_shape(&cx, "blk_indptr", &[ns + 1])?;
+        out.expect_i32(py, "out")?;
+        out.expect_shape(&cx, "out", &[ns, num_kv_heads, k])?;
+        let nf = match &forced {
+            None => 0,
+            Some(f) => {
+                f.expect_i32(py, "forced")?;
+                let nf = f.dim(&cx, "forced", 3, 2)?;
+                f.expect_shape(&cx, "forced", &[ns, num_kv_heads, nf])?;
+                nf
+            }
+        };
+        check_outputs(py, &[("out", &out)], &inputs)?;
+        match cx.place {
+            Place::Cpu => {
+                // SAFETY: checked above; out is disjoint from the inputs.
+                let (sc, cn, ip, o) = unsafe {
+                    (
+                        scores.slice::<f32>(),
+                        cand.ints(),
+                        blk_indptr.ints(),
+                        out.ints_mut(),
+                    )
+                };
+                // SAFETY: as above (an int32 input).
+                let fs: &[i32] = forced.as_ref().map_or(&[], |f| unsafe { f.ints() });
+                guarded(py, "topk_candidates", || {
+                    kernels::topk_candidates(num_kv_heads, sc, cn, m, ip, k, successors, fs, nf, o)
+                })
+            }
+            Place::Cuda(dev) => {
+                // SAFETY: (TensorArg::dev) checked above; out is disjoint from the inputs.
+                let (sc, cn, ip, o) = unsafe {
+                    (
+                        scores.dev::<f32>(),
+                        cand.dev::<i32>(),
+                        blk_indptr.dev::<i32>(),
+                        out.dev::<i32>(),
+                    )
+                };
+                // SAFETY: as above (an int32 input on the same device).
+                let fs = forced.as_ref().map(|f| (unsafe { f.dev::<i32>() }, nf));
+                on_gpu(py, "topk_candidates", dev, stream, &[], move |gpu, st| {
+                    gpu.topk_candidates(num_kv_heads, sc, cn, m, ip, k, successors, fs, o, st)
+                })
+            }
+        }
+    })
+}
+
+#[pyfunction]
 #[pyo3(signature = (num_kv_heads, predicted, slot_pages, page_map, page_last_selected, step, fetch_cap, plan_slots, plan_blocks, *, stats = None, step_now = None, stream = 0))]
 #[allow(clippy::too_many_arguments)]
 /// Delta selection with capped least-recently-selected eviction. Updates page_map and
@@ -1830,6 +1974,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(score_blocks_codes, m)?)?;
     m.add_function(wrap_pyfunction!(rescore_blocks_codes, m)?)?;
     m.add_function(wrap_pyfunction!(topk_blocks, m)?)?;
+    m.add_function(wrap_pyfunction!(force_scores, m)?)?;
+    m.add_function(wrap_pyfunction!(topk_candidates, m)?)?;
     m.add_function(wrap_pyfunction!(delta_select, m)?)?;
     m.add_function(wrap_pyfunction!(gather_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(set_gather_launch, m)?)?;

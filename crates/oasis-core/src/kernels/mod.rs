@@ -24,7 +24,7 @@ pub use attention::{decode_attention, ExtraKv, PagedKv};
 pub use codes::{build_key_codes, rescore_blocks_codes, score_blocks_codes};
 pub use gather::{copy_pages, gather_blocks};
 pub use norm::{qk_norm_rope, rms_norm, HeadLayout, Positions, QkNorm, Residual};
-pub use score::{score_blocks, topk_blocks, topk_blocks_mapped};
+pub use score::{force_scores, score_blocks, topk_blocks, topk_blocks_mapped, topk_candidates};
 pub use select::{delta_select, SelectStats};
 pub use summary::build_summaries;
 pub use wait::{wait_stamp, WaitStamp};

@@ -185,6 +185,150 @@ pub fn topk_blocks_mapped(
     Ok(())
 }
 
+/// Each forced entry of `scores` (`[nnz, num_kv_heads]`) set to +inf, in place: `forced`
+/// (`[num_seqs, num_kv_heads, n_forced]`) holds, per sequence of `blk_indptr` and KV head,
+/// logical blocks (positions within the row) that every top-k then takes first; -1 and positions
+/// past the row are ignored. The two-stage score's kept blocks (`KvConfig.sticky_candidates`,
+/// sinks, pins) in one launch on the GPU.
+///
+/// # Errors
+/// [`OasisError::Config`] for `num_kv_heads == 0`; [`OasisError::Invalid`] for a malformed
+/// `blk_indptr`; [`OasisError::Shape`] when `scores` or `forced` does not match.
+pub fn force_scores(
+    num_kv_heads: usize,
+    scores: &mut [f32], // [nnz, num_kv_heads]
+    blk_indptr: &[i32], // [num_seqs + 1]
+    forced: &[i32],     // [num_seqs, num_kv_heads, n_forced]
+    n_forced: usize,
+) -> Result<()> {
+    if num_kv_heads == 0 {
+        return Err(OasisError::Config(
+            "num_kv_heads must be positive".to_string(),
+        ));
+    }
+    let nnz = leading_rows("scores", scores.len(), &[num_kv_heads])?;
+    let num_seqs = csr("blk_indptr", blk_indptr, "scores", nnz)?;
+    check_len("forced", forced.len(), &[num_seqs, num_kv_heads, n_forced])?;
+    for s in 0..num_seqs {
+        let range = csr_range(blk_indptr, s);
+        for h in 0..num_kv_heads {
+            for &f in &forced[(s * num_kv_heads + h) * n_forced..][..n_forced] {
+                if let Ok(f) = usize::try_from(f) {
+                    if f < range.len() {
+                        scores[(range.start + f) * num_kv_heads + h] = f32::INFINITY;
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The two-stage score's last step. Per (sequence `s`, KV head `h`), the `m` candidates
+/// `cand[s, h, i]` (logical blocks, < 0: none) with scores `scores[s * m + i, h]`:
+/// 1. the `successors` best candidates by score (ties to the lower position, NaN last) give their
+///    next logical blocks `v + 1`, kept where `v >= 0` and `v + 1 < ` the length of row `s` of
+///    `blk_indptr` (the request's blocks);
+/// 2. a candidate whose block is one of those successors or of `forced[s, h, ..]` ranks above
+///    every score (+inf); a successor that is no candidate is appended as entry `m + a` (`a` its
+///    rank), also at +inf; the other appended entries are none (-inf);
+/// 3. the `k` best of the `m + successors` entries, best first, ties to the lower position,
+///    written as their blocks; -1 for none and the padding.
+///
+/// The engine's `two_stage_top_k` composed of device ops is the definition this fuses
+/// (`tests/test_engine.py`).
+///
+/// # Errors
+/// [`OasisError::Config`] for `num_kv_heads == 0`; [`OasisError::Invalid`] for a malformed
+/// `blk_indptr`; [`OasisError::Shape`] when a buffer does not match its shape.
+#[allow(clippy::too_many_arguments)]
+pub fn topk_candidates(
+    num_kv_heads: usize,
+    scores: &[f32], // [num_seqs * m, num_kv_heads]
+    cand: &[i32],   // [num_seqs, num_kv_heads, m]
+    m: usize,
+    blk_indptr: &[i32], // [num_seqs + 1]: the requests' rows (their lengths bound the successors)
+    k: usize,
+    successors: usize,
+    forced: &[i32], // [num_seqs, num_kv_heads, n_forced]
+    n_forced: usize,
+    out: &mut [i32], // [num_seqs, num_kv_heads, k]
+) -> Result<()> {
+    if num_kv_heads == 0 {
+        return Err(OasisError::Config(
+            "num_kv_heads must be positive".to_string(),
+        ));
+    }
+    let num_seqs = blk_indptr.len().saturating_sub(1);
+    let nnz = usize::try_from(*blk_indptr.last().unwrap_or(&0)).unwrap_or(0);
+    csr("blk_indptr", blk_indptr, "blocks", nnz)?;
+    check_len("scores", scores.len(), &[num_seqs * m, num_kv_heads])?;
+    check_len("cand", cand.len(), &[num_seqs, num_kv_heads, m])?;
+    check_len("forced", forced.len(), &[num_seqs, num_kv_heads, n_forced])?;
+    check_len("out", out.len(), &[num_seqs, num_kv_heads, k])?;
+    let width = m + successors;
+    let mut key = vec![0f32; width];
+    let mut val = vec![-1i32; width];
+    let mut order: Vec<u32> = Vec::with_capacity(width);
+    for s in 0..num_seqs {
+        let row_len = csr_range(blk_indptr, s).len();
+        for h in 0..num_kv_heads {
+            let row = s * num_kv_heads + h;
+            let cs = &cand[row * m..][..m];
+            for i in 0..m {
+                key[i] = scores[(s * m + i) * num_kv_heads + h];
+                val[i] = cs[i];
+            }
+            order.clear();
+            order.extend(0..m as u32);
+            let cmp = |a: &u32, b: &u32| ranks_before(&key, 1, *a, *b);
+            let best = successors.min(m);
+            if best > 0 && best < m {
+                order.select_nth_unstable_by(best - 1, cmp);
+            }
+            order[..best].sort_unstable_by(cmp);
+            let succ: Vec<i32> = (0..successors)
+                .map(|a| {
+                    let v = if a < best { cs[order[a] as usize] } else { -1 };
+                    match usize::try_from(v) {
+                        Ok(v) if v + 1 < row_len => v as i32 + 1,
+                        _ => -1,
+                    }
+                })
+                .collect();
+            let fs = &forced[row * n_forced..][..n_forced];
+            for i in 0..m {
+                let v = cs[i];
+                if v >= 0 && (succ.contains(&v) || fs.contains(&v)) {
+                    key[i] = f32::INFINITY;
+                }
+            }
+            for (a, &sv) in succ.iter().enumerate() {
+                let new = sv >= 0 && !cs.contains(&sv);
+                val[m + a] = if new { sv } else { -1 };
+                key[m + a] = if new {
+                    f32::INFINITY
+                } else {
+                    f32::NEG_INFINITY
+                };
+            }
+            order.clear();
+            order.extend(0..width as u32);
+            let take = k.min(width);
+            let cmp = |a: &u32, b: &u32| ranks_before(&key, 1, *a, *b);
+            if take > 0 && take < width {
+                order.select_nth_unstable_by(take - 1, cmp);
+            }
+            order[..take].sort_unstable_by(cmp);
+            let dst = &mut out[row * k..][..k];
+            for (j, o) in dst.iter_mut().enumerate() {
+                *o = if j < take { val[order[j] as usize] } else { -1 };
+            }
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
