@@ -545,4 +545,46 @@ mod tests {
         assert!(topk_blocks_mapped(h, &scores, &indptr, k, &map[..5], 5, &mut keep).is_err());
         assert!(keep.iter().all(|&v| v == 7));
     }
+
+    /// One row of blocks 0..9, candidates 2, 7, 4 scoring 1, 3, 2: one successor (8, of 7) is
+    /// no candidate and goes first; a forced block goes ahead of it; a successor past the row is
+    /// none; the padding is -1.
+    #[test]
+    fn topk_candidates_takes_successors_and_forced_blocks_first() {
+        let indptr = [0, 10];
+        let scores = [1.0, 3.0, 2.0];
+        let mut out = [0; 3];
+        topk_candidates(1, &scores, &[2, 7, 4], 3, &indptr, 3, 1, &[], 0, &mut out).unwrap();
+        assert_eq!(out, [8, 7, 4]);
+        topk_candidates(1, &scores, &[2, 7, 4], 3, &indptr, 3, 1, &[4], 1, &mut out).unwrap();
+        assert_eq!(out, [4, 8, 7]);
+        let mut out = [0; 4];
+        topk_candidates(1, &scores, &[2, 9, 4], 3, &indptr, 4, 1, &[], 0, &mut out).unwrap();
+        assert_eq!(out, [9, 4, 2, -1]);
+        assert!(topk_candidates(
+            1,
+            &scores[..2],
+            &[2, 9, 4],
+            3,
+            &indptr,
+            4,
+            1,
+            &[],
+            0,
+            &mut out
+        )
+        .is_err());
+    }
+
+    #[test]
+    fn force_scores_sets_the_forced_entries_of_each_row() {
+        // Two rows of 2 and 3 blocks, 2 heads; forced (row, head): (0,0) block 1, (0,1) none,
+        // (1,0) block 5 (past the row: ignored), (1,1) block 0.
+        let indptr = [0, 2, 5];
+        let mut scores = [0.0f32; 10];
+        force_scores(2, &mut scores, &indptr, &[1, -1, 5, 0], 1).unwrap();
+        let inf = f32::INFINITY;
+        assert_eq!(scores, [0.0, 0.0, inf, 0.0, 0.0, inf, 0.0, 0.0, 0.0, 0.0]);
+        assert!(force_scores(2, &mut scores, &indptr, &[1, -1, 5], 1).is_err());
+    }
 }
