@@ -365,6 +365,33 @@ def topk_blocks(
     """Per (seq, kv head) top-k logical blocks, best first, ties to the lower index, -1 padded;
     with index_map [num_seqs, num_kv_heads, m], each chosen position i as index_map[s, h, i]."""
 
+def force_scores(
+    num_kv_heads: int,
+    scores: torch.Tensor,
+    blk_indptr: torch.Tensor,
+    forced: torch.Tensor,
+    *,
+    stream: int = 0,
+) -> None:
+    """Set the forced entries of scores [nnz, num_kv_heads] to +inf in place: forced [num_seqs,
+    num_kv_heads, F] holds logical blocks of each row (-1 and positions past the row ignored)."""
+
+def topk_candidates(
+    num_kv_heads: int,
+    scores: torch.Tensor,
+    cand: torch.Tensor,
+    blk_indptr: torch.Tensor,
+    k: int,
+    out: torch.Tensor,
+    *,
+    successors: int = 0,
+    forced: torch.Tensor | None = None,
+    stream: int = 0,
+) -> None:
+    """The two-stage score's last top-k over candidates cand [num_seqs, num_kv_heads, m] scored
+    [num_seqs * m, num_kv_heads]: the next blocks of the `successors` best and the forced blocks
+    first (a successor that is no candidate appended), the k best written as blocks, -1 padded."""
+
 def delta_select(
     num_kv_heads: int,
     predicted: torch.Tensor,
