@@ -162,14 +162,17 @@ struct ScoreBlocksCodesParams {
 
 // topk_blocks_f32 (cuda/score_blocks.cu).
 struct TopkBlocksParams {
-    const float* scores;   // [nnz, num_kv_heads]
+    float* scores;         // [nnz, num_kv_heads]; written only with `forced`
     const int* blk_indptr; // [num_seqs + 1]; a malformed row has no blocks
     int* out;              // [num_seqs, num_kv_heads, k]
     const int* index_map;  // [num_seqs, num_kv_heads, map_m]: out holds index_map[s, h, i]; or null
+    const int* forced;     // [num_seqs, num_kv_heads, n_forced]: set to +inf in scores first; or null
     int num_kv_heads;
     int nnz;
     int k;
     int map_m;             // index_map's last dimension; a position at or past it gives -1
+    int n_forced;
+    int _pad0;
 };
 
 // force_scores_f32 (cuda/score_blocks.cu).

@@ -389,11 +389,12 @@ __device__ __forceinline__ u64 rank_key(u32 key, int i) { return ((u64)(~key) <<
 // taken); a rank sort (bitonic past blockDim.x entries) orders them.
 // A row of at most OASIS_MAX_TOPK entries is sorted whole instead (the same order).
 __device__ void topk_blocks_impl(
-    const float* __restrict__ scores,   // [nnz, num_kv_heads]
+    float* __restrict__ scores,         // [nnz, num_kv_heads]; written only with `forced`
     const int* __restrict__ blk_indptr, // [num_seqs + 1]; a malformed row has no blocks
     int* __restrict__ out,              // [num_seqs, num_kv_heads, k]
     const int* __restrict__ index_map,  // [num_seqs, num_kv_heads, map_m], or null
-    int num_kv_heads, int nnz, int k, int map_m) {
+    const int* __restrict__ forced,     // [num_seqs, num_kv_heads, n_forced], or null
+    int num_kv_heads, int nnz, int k, int map_m, int n_forced) {
     __shared__ int hist[256];
     __shared__ u64 sel[OASIS_MAX_TOPK];
     __shared__ u32 kcache[OASIS_TOPK_CACHE];
@@ -409,7 +410,7 @@ __device__ void topk_blocks_impl(
     int end;
     csr_row(blk_indptr, s, nnz, &base, &end);
     const int n = end - base;
-    const float* col = scores + (i64)base * num_kv_heads + h;  // entry i at col[i * num_kv_heads]
+    float* col = scores + (i64)base * num_kv_heads + h;  // entry i at col[i * num_kv_heads]
     const int take = min(n, k);
     // A short row (the two-stage score's candidates) is sorted whole: no radix passes.
     const bool whole = n <= OASIS_MAX_TOPK;
@@ -419,6 +420,20 @@ __device__ void topk_blocks_impl(
     const bool cached = n <= OASIS_TOPK_CACHE;
     if (cached) {
         for (int i = threadIdx.x; i < n; i += blockDim.x) kcache[i] = score_key(col[(i64)i * num_kv_heads]);
+    }
+    if (forced != nullptr && n_forced > 0) {
+        // force_scores_f32 folded in (the two-stage score's kept blocks): +inf in the scores, as
+        // that kernel leaves them, and in the key cache, after its fill.
+        __syncthreads();
+        const int* fs = forced + ((i64)s * num_kv_heads + h) * n_forced;
+        const float inf = __int_as_float(0x7f800000);
+        for (int t = threadIdx.x; t < n_forced; t += blockDim.x) {
+            const int f = fs[t];
+            if (f >= 0 && f < n) {
+                col[(i64)f * num_kv_heads] = inf;
+                if (cached) kcache[f] = score_key(inf);
+            }
+        }
     }
     __syncthreads();
     auto key_at = [&](int i) -> u32 { return cached ? kcache[i] : score_key(col[(i64)i * num_kv_heads]); };
@@ -542,6 +557,11 @@ __device__ void force_scores_impl(
 // The two-stage score's last step (CPU twin: oasis_core::kernels::topk_candidates): the
 // successors of the `successors` best candidates by score, the forced blocks at +inf, the
 // successors that are no candidates appended at +inf, then the k best as their blocks.
+// One sort (the candidates by their own scores) serves both the successors' sources and the
+// result, which is that order merged: the twin's sort of the m + successors entries puts the +inf
+// candidates first (by position), then the fresh successors (positions m + a), then the other
+// candidates in sorted order, with the successor slots that are no blocks (-inf, output -1) ahead
+// of the NaN scores only. Three block scans place them (a second sort cost the H200 ~6 us).
 __device__ void topk_candidates_impl(
     const float* __restrict__ scores,   // [num_seqs * m, num_kv_heads]
     const int* __restrict__ cand,       // [num_seqs, num_kv_heads, m]; < 0: none
@@ -553,6 +573,8 @@ __device__ void topk_candidates_impl(
     __shared__ u32 keys[OASIS_CAND_MAX];
     __shared__ int vals[OASIS_CAND_MAX];
     __shared__ int succ[OASIS_CAND_MAX];
+    __shared__ int res[OASIS_CAND_MAX];
+    __shared__ int scan_scratch[33];
 
     const int s = blockIdx.x;
     const int h = blockIdx.y;
@@ -565,58 +587,85 @@ __device__ void topk_candidates_impl(
     const int width = m + successors;
     const u32 key_inf = score_key(__int_as_float(0x7f800000));
     const u32 key_ninf = score_key(__int_as_float(0xff800000));
-    for (int i = threadIdx.x; i < m; i += blockDim.x) {
-        keys[i] = score_key(scores[((i64)s * m + i) * num_kv_heads + h]);
-        vals[i] = cs[i];
-    }
-    __syncthreads();
-    if (successors > 0) {
-        // The successors' sources: the best candidates by their own scores (a whole sort of m).
-        const int sort_n = next_pow2(max(1, m));
-        for (int i = threadIdx.x; i < sort_n; i += blockDim.x) sel[i] = i < m ? rank_key(keys[i], i) : ~0ull;
-        __syncthreads();
-        if (m <= (int)blockDim.x) {
-            block_rank_sort(sel, m);
+    const int sort_n = next_pow2(max(1, m));
+    for (int i = threadIdx.x; i < sort_n; i += blockDim.x) {
+        if (i < m) {
+            keys[i] = score_key(scores[((i64)s * m + i) * num_kv_heads + h]);
+            vals[i] = cs[i];
+            sel[i] = rank_key(keys[i], i);
         } else {
-            block_bitonic_sort(sel, sort_n);
+            sel[i] = ~0ull;
         }
-        __syncthreads();
-        for (int a = threadIdx.x; a < successors; a += blockDim.x) {
-            const int v = a < m ? vals[(int)(u32)(sel[a] & 0xffffffffull)] : -1;
-            succ[a] = (v >= 0 && v + 1 < row_len) ? v + 1 : -1;
-        }
-        __syncthreads();
-    }
-    const int* fs = forced != nullptr ? forced + row * n_forced : nullptr;
-    for (int i = threadIdx.x; i < m; i += blockDim.x) {
-        const int v = vals[i];
-        bool hit = false;
-        for (int a = 0; a < successors && !hit && v >= 0; ++a) hit = succ[a] == v;
-        for (int f = 0; f < n_forced && !hit && v >= 0; ++f) hit = fs[f] == v;
-        if (hit) keys[i] = key_inf;
-    }
-    for (int a = threadIdx.x; a < successors; a += blockDim.x) {
-        const int sv = succ[a];
-        bool fresh = sv >= 0;
-        for (int i = 0; i < m && fresh; ++i) fresh = vals[i] != sv;
-        vals[m + a] = fresh ? sv : -1;
-        keys[m + a] = fresh ? key_inf : key_ninf;
     }
     __syncthreads();
-    const int sort_n = next_pow2(max(1, width));
-    for (int i = threadIdx.x; i < sort_n; i += blockDim.x) sel[i] = i < width ? rank_key(keys[i], i) : ~0ull;
-    __syncthreads();
-    if (width <= (int)blockDim.x) {
-        block_rank_sort(sel, width);
+    if (m <= (int)blockDim.x) {
+        block_rank_sort(sel, m);
     } else {
         block_bitonic_sort(sel, sort_n);
     }
     __syncthreads();
+    // The successors of the best candidates by their own scores (before any forcing).
+    for (int a = threadIdx.x; a < successors; a += blockDim.x) {
+        const int v = a < m ? vals[(int)(u32)(sel[a] & 0xffffffffull)] : -1;
+        succ[a] = (v >= 0 && v + 1 < row_len) ? v + 1 : -1;
+        keys[m + a] = 0u;  // set below when the successor is a candidate (the slot is unused else)
+    }
+    __syncthreads();
+    // A candidate that is a successor or forced goes to +inf; a successor that is a candidate is
+    // no block of its own (candidates are distinct, so one writer per successor).
+    const int* fs = forced != nullptr ? forced + row * n_forced : nullptr;
+    for (int i = threadIdx.x; i < m; i += blockDim.x) {
+        const int v = vals[i];
+        if (v < 0) continue;
+        bool hit = false;
+        for (int a = 0; a < successors; ++a) {
+            if (succ[a] == v) {  // successors are distinct (their sources are): at most one
+                hit = true;
+                keys[m + a] = 1u;
+                break;
+            }
+        }
+        for (int f = 0; f < n_forced && !hit; ++f) hit = fs[f] == v;
+        if (hit) keys[i] = key_inf;
+    }
+    for (int i = threadIdx.x; i < width; i += blockDim.x) res[i] = -1;
+    __syncthreads();
+    // +inf candidates by position, then the fresh successors by position.
+    int n_inf = 0;
+    for (int c0 = 0; c0 < m; c0 += blockDim.x) {
+        const int i = c0 + threadIdx.x;
+        const int flag = (i < m && keys[i] == key_inf) ? 1 : 0;
+        int total;
+        const int pos = n_inf + block_exclusive_scan(flag, scan_scratch, &total);
+        if (flag) res[pos] = vals[i];
+        n_inf += total;
+    }
+    int n_fresh = 0;
+    for (int c0 = 0; c0 < successors; c0 += blockDim.x) {
+        const int a = c0 + threadIdx.x;
+        const int flag = (a < successors && succ[a] >= 0 && keys[m + a] == 0u) ? 1 : 0;
+        int total;
+        const int pos = n_inf + n_fresh + block_exclusive_scan(flag, scan_scratch, &total);
+        if (flag) res[pos] = succ[a];
+        n_fresh += total;
+    }
+    // The other candidates in sorted order; the empty successor slots (already -1 in res) sit
+    // between the numbers and the NaN scores.
+    const int n_empty = successors - n_fresh;
+    int n_rest = 0;
+    for (int c0 = 0; c0 < m; c0 += blockDim.x) {
+        const int j = c0 + threadIdx.x;
+        const int i = j < m ? (int)(u32)(sel[j] & 0xffffffffull) : 0;
+        const int flag = (j < m && keys[i] != key_inf) ? 1 : 0;
+        int total;
+        const int p = n_rest + block_exclusive_scan(flag, scan_scratch, &total);
+        if (flag) res[n_inf + n_fresh + p + (keys[i] < key_ninf ? n_empty : 0)] = vals[i];
+        n_rest += total;
+    }
+    __syncthreads();
     const int take = min(k, width);
     int* dst = out + row * k;
-    for (int i = threadIdx.x; i < k; i += blockDim.x) {
-        dst[i] = i < take ? vals[(int)(u32)(sel[i] & 0xffffffffull)] : -1;
-    }
+    for (int i = threadIdx.x; i < k; i += blockDim.x) dst[i] = i < take ? res[i] : -1;
 }
 
 }  // namespace oasis
@@ -636,7 +685,8 @@ OASIS_SCORE_BLOCKS(score_blocks_f32, float)
 
 extern "C" __global__ void __launch_bounds__(OASIS_TOPK_THREADS)
     topk_blocks_f32(const __grid_constant__ oasis::TopkBlocksParams p) {
-    oasis::topk_blocks_impl(p.scores, p.blk_indptr, p.out, p.index_map, p.num_kv_heads, p.nnz, p.k, p.map_m);
+    oasis::topk_blocks_impl(p.scores, p.blk_indptr, p.out, p.index_map, p.forced, p.num_kv_heads, p.nnz, p.k,
+                            p.map_m, p.n_forced);
 }
 
 extern "C" __global__ void force_scores_f32(const __grid_constant__ oasis::ForceScoresParams p) {

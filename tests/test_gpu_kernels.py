@@ -989,3 +989,66 @@ def test_topk_candidates_long_rows_match_the_twin():
         heads, dev(scores), dev(cand), dev(indptr), 400, successors=300, forced=dev(forced)
     )
     assert back(got).tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_topk_candidates_nan_and_inf_scores_match_the_twin(seed):
+    """NaN scores rank last (after the successor slots that are no blocks), +inf ones tie with
+    the forced blocks and go by position: the merge of the kernel's one sort against the twin."""
+    from test_topk_candidates import random_case
+
+    heads, indptr, cand, scores, forced = random_case(seed + 100)
+    g = torch.Generator().manual_seed(seed)
+    pick = torch.rand(scores.shape, generator=g)
+    scores = scores.masked_fill(pick < 0.15, float("nan")).masked_fill(pick > 0.9, float("inf"))
+    m = cand.shape[-1]
+    for n_succ in (0, 3, m + 1):
+        k = m + n_succ
+        want = ops.topk_candidates(heads, scores, cand, indptr, k, successors=n_succ, forced=forced)
+        got = ops.topk_candidates(
+            heads,
+            dev(scores),
+            dev(cand),
+            dev(indptr),
+            k,
+            successors=n_succ,
+            forced=None if forced is None else dev(forced),
+        )
+        assert back(got).tolist() == want.tolist(), (seed, n_succ)
+
+
+def test_topk_candidates_more_candidates_than_threads_match_the_twin():
+    """700 candidates (the sort of the candidates alone takes the bitonic path) and 100
+    successors, k = 750."""
+    g = torch.Generator().manual_seed(11)
+    n, heads, m, blocks = 2, 3, 700, 3000
+    indptr = torch.tensor([0, blocks, 2 * blocks], dtype=torch.int32)
+    cand = torch.stack([torch.randperm(blocks, generator=g)[:m] for _ in range(n * heads)]).view(n, heads, m)
+    cand = cand.to(torch.int32)
+    scores = torch.randint(-20, 20, (n * m, heads), generator=g).float()  # ties
+    forced = torch.randint(-1, blocks, (n, heads, 4), generator=g).to(torch.int32)
+    want = ops.topk_candidates(heads, scores, cand, indptr, 750, successors=100, forced=forced)
+    got = ops.topk_candidates(
+        heads, dev(scores), dev(cand), dev(indptr), 750, successors=100, forced=dev(forced)
+    )
+    assert back(got).tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("row", [40, 2048, 9000])
+def test_topk_blocks_with_forced_matches_the_twin(row):
+    """``topk_blocks(forced=)`` on the GPU against the CPU twin (force_scores, then top-k), bit
+    for bit, scores included: whole-sorted rows, radix-selected ones, and rows past the kernel's
+    key cache (8192 entries), whose forced entries are read back from the scores."""
+    g = torch.Generator().manual_seed(row)
+    n, heads = 3, 2
+    indptr = torch.tensor([0, row, row, 2 * row - 7], dtype=torch.int32)  # an empty row too
+    nnz = int(indptr[-1])
+    scores = torch.randint(-50, 50, (nnz, heads), generator=g).float()  # ties
+    forced = torch.randint(-2, row + 3, (n, heads, 9), generator=g).to(torch.int32)
+    for k in (1, 37, 160):
+        want_scores = scores.clone()
+        want = ops.topk_blocks(heads, want_scores, indptr, k, forced=forced)
+        got_scores = dev(scores)
+        got = ops.topk_blocks(heads, got_scores, dev(indptr), k, forced=dev(forced))
+        assert back(got).tolist() == want.tolist(), (row, k)
+        assert torch.equal(back(got_scores), want_scores)

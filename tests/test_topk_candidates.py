@@ -103,3 +103,33 @@ def test_fused_ops_reject_bad_shapes():
         ops.topk_candidates(2, torch.zeros(4, 2), cand, indptr, 2)  # scores must be [1 * 3, 2]
     with pytest.raises(errors.ShapeError):
         ops.force_scores(2, torch.zeros(4, 2), indptr, torch.zeros(1, 1, 2, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_topk_blocks_with_forced_is_force_scores_then_topk(seed):
+    """``topk_blocks(forced=)`` (the two-stage score's first stage in one launch): the scores come
+    back forced, as :func:`ops.force_scores` leaves them, and the top-k is theirs."""
+    heads, indptr, cand, _, forced = random_case(seed)
+    if forced is None:
+        forced = torch.full((indptr.numel() - 1, heads, 2), -1, dtype=torch.int32)
+    nnz = int(indptr[-1])
+    base = torch.randint(-3, 4, (nnz, heads), generator=torch.Generator().manual_seed(seed)).float()
+    for k in (1, 5, 30):
+        want_scores = ops.force_scores(heads, base.clone(), indptr, forced)
+        want = ops.topk_blocks(heads, want_scores, indptr, k)
+        got_scores = base.clone()
+        got = ops.topk_blocks(heads, got_scores, indptr, k, forced=forced)
+        assert got.tolist() == want.tolist(), (seed, k)
+        assert torch.equal(got_scores, want_scores)
+
+
+def test_topk_blocks_takes_index_map_or_forced_not_both():
+    from oasiskv import errors
+
+    indptr = torch.tensor([0, 3], dtype=torch.int32)
+    scores = torch.zeros(3, 1)
+    both = torch.zeros(1, 1, 2, dtype=torch.int32)
+    with pytest.raises(errors.InvalidArgumentError, match="not both"):
+        ops.topk_blocks(1, scores, indptr, 2, index_map=both, forced=both)
+    with pytest.raises(errors.ShapeError, match="forced must have shape"):
+        ops.topk_blocks(1, scores, indptr, 2, forced=torch.zeros(1, 2, 2, dtype=torch.int32))

@@ -360,10 +360,13 @@ def topk_blocks(
     out: torch.Tensor,
     *,
     index_map: torch.Tensor | None = None,
+    forced: torch.Tensor | None = None,
     stream: int = 0,
 ) -> None:
     """Per (seq, kv head) top-k logical blocks, best first, ties to the lower index, -1 padded;
-    with index_map [num_seqs, num_kv_heads, m], each chosen position i as index_map[s, h, i]."""
+    with index_map [num_seqs, num_kv_heads, m], each chosen position i as index_map[s, h, i];
+    with forced [num_seqs, num_kv_heads, F], force_scores first (scores written), not with
+    index_map."""
 
 def force_scores(
     num_kv_heads: int,

@@ -581,18 +581,20 @@ def two_stage_top_k(
     whatever their bound), the codes rank them; ``forced`` blocks and the successors of the
     ``successor_blocks`` best candidates by the codes (candidates or not) go ahead of every codes
     score, ``keep`` competes like the rest. ``forced``/``keep``: ``[n, heads, F]`` logical blocks
-    in :func:`keep_pins`' layout, or None; ``reduce``: :attr:`Engine.score_reduce`. Five
-    launches, no host sync (a captured step replays it): the Quest score, :func:`ops.force_scores`
-    (with forced or kept blocks), its top-``m``, the codes of the candidates and
-    :func:`ops.topk_candidates`. :meth:`Engine.top_k_blocks` and the kernel benchmark."""
+    in :func:`keep_pins`' layout, or None; ``reduce``: :attr:`Engine.score_reduce`. Four
+    launches, no host sync (a captured step replays it): the Quest score, its top-``m`` (forced
+    and kept blocks set to +inf first, :func:`ops.topk_blocks`' ``forced``), the codes of the
+    candidates and :func:`ops.topk_candidates`. :meth:`Engine.top_k_blocks` and the kernel benchmark."""
     reduce = reduce or (lambda x: x)
     heads = geo.num_kv_heads
     indptr = csr[0]
     bound = reduce(ops.score_blocks(geo, q, summaries, *csr)).contiguous()
     first = forced if keep is None else keep if forced is None else torch.cat([forced, keep], dim=-1)
     if first is not None and first.shape[-1]:
-        ops.force_scores(heads, bound, indptr, first.to(torch.int32).contiguous())  # +inf, in place
-    cand = ops.topk_blocks(heads, bound, indptr, m)  # [n, H, m] logical, -1 padded
+        first = first.to(torch.int32).contiguous()  # +inf in the bound, in the top-m's launch
+    else:
+        first = None
+    cand = ops.topk_blocks(heads, bound, indptr, m, forced=first)  # [n, H, m] logical, -1 padded
     scores = reduce(ops.rescore_blocks_codes(geo, q, summaries, codes, *csr, cand)).contiguous()
     # Successors of the codes score's best candidates (not the Quest bound's, whose best are not
     # the blocks a copy reads: docs/EVAL.md) and the forced blocks first, then the top-k: one launch.

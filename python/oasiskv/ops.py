@@ -259,16 +259,21 @@ def topk_blocks(
     out: torch.Tensor | None = None,
     *,
     index_map: torch.Tensor | None = None,
+    forced: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Top-k logical blocks per (seq, kv head), best first, -1 padded: ``[num_seqs, num_kv_heads, k]``.
 
     ``index_map`` (int32 ``[num_seqs, num_kv_heads, m]``): each chosen position ``i`` comes back as
     ``index_map[s, h, i]`` instead (-1 past ``m`` and for the padding), in the same launch: the
-    two-stage codes score's candidates mapped back to logical blocks."""
+    two-stage codes score's candidates mapped back to logical blocks. ``forced`` (int32
+    ``[num_seqs, num_kv_heads, F]``): :func:`force_scores` first (those entries of ``scores`` set
+    to +inf in place), in the same launch; not with ``index_map``."""
     dev = _check_device(scores)
     if out is None:
         out = torch.empty(blk_indptr.shape[0] - 1, num_kv_heads, k, dtype=torch.int32, device=dev)
-    _core.topk_blocks(num_kv_heads, scores, blk_indptr, k, out, index_map=index_map, stream=_stream(dev))
+    _core.topk_blocks(
+        num_kv_heads, scores, blk_indptr, k, out, index_map=index_map, forced=forced, stream=_stream(dev)
+    )
     return out
 
 

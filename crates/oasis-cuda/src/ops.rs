@@ -1143,6 +1143,7 @@ impl Gpu {
             k,
             out,
             None,
+            None,
             stream,
         )
     }
@@ -1174,6 +1175,40 @@ impl Gpu {
             k,
             out,
             Some((index_map, map_m)),
+            None,
+            stream,
+        )
+    }
+
+    /// [`Gpu::force_scores`] then [`Gpu::topk_blocks`] in one launch: the `forced` blocks
+    /// (`[num_seqs, num_kv_heads, n_forced]`; -1 and positions past the row ignored) are set to
+    /// +inf in `scores`, in place as that op leaves them, and go first (the two-stage score's
+    /// kept blocks).
+    ///
+    /// # Errors
+    /// As [`Gpu::topk_blocks`], and [`CudaError::Invalid`] when `forced` is not
+    /// `[num_seqs, num_kv_heads, n_forced]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn topk_blocks_forced(
+        &self,
+        num_kv_heads: usize,
+        scores: DevSlice<f32>,     // [nnz, num_kv_heads], forced entries written
+        blk_indptr: DevSlice<i32>, // [num_seqs + 1]
+        k: usize,
+        forced: DevSlice<i32>, // [num_seqs, num_kv_heads, n_forced]
+        n_forced: usize,
+        out: DevSlice<i32>, // [num_seqs, num_kv_heads, k]
+        stream: Stream,
+    ) -> Result<()> {
+        self.launch_topk(
+            "topk_blocks_forced",
+            num_kv_heads,
+            scores,
+            blk_indptr,
+            k,
+            out,
+            None,
+            Some((forced, n_forced)),
             stream,
         )
     }
@@ -1188,6 +1223,7 @@ impl Gpu {
         k: usize,
         out: DevSlice<i32>,
         index_map: Option<(DevSlice<i32>, usize)>,
+        forced: Option<(DevSlice<i32>, usize)>,
         stream: Stream,
     ) -> Result<()> {
         guard(what, || {
@@ -1203,8 +1239,15 @@ impl Gpu {
             if let Some((m, map_m)) = index_map {
                 check_len("index_map", m.len(), &[num_seqs, num_kv_heads, map_m])?;
             }
+            if let Some((f, n_forced)) = forced {
+                check_len("forced", f.len(), &[num_seqs, num_kv_heads, n_forced])?;
+            }
             if k == 0 {
-                return Ok(());
+                // Nothing to select; forced entries are still written (force_scores' effect).
+                return match forced {
+                    Some((f, n)) => self.force_scores(num_kv_heads, scores, blk_indptr, f, n, stream),
+                    None => Ok(()),
+                };
             }
             let name = "topk_blocks_f32";
             let params = TopkBlocksParams {
@@ -1216,11 +1259,15 @@ impl Gpu {
                 nnz: int("nnz", nnz)?,
                 k: int("k", k)?,
                 map_m: int("map_m", index_map.map_or(0, |(_, m)| m))?,
+                forced: DevPtr::from(forced.map(|(f, _)| f)),
+                n_forced: int("n_forced", forced.map_or(0, |(_, n)| n))?,
+                _pad0: 0,
             };
             let grid = grid_rows_heads("num_seqs", num_seqs, num_kv_heads)?;
             // SAFETY: k <= OASIS_MAX_TOPK (its static sort buffer). Lengths checked above
             // (index_map has map_m entries per (sequence, head), and the kernel reads it only
-            // below map_m); the kernel checks each blk_indptr row against nnz, the scores' rows
+            // below map_m; forced has n_forced, each written only inside its row); the kernel
+            // checks each blk_indptr row against nnz, the scores' rows
             // (a malformed row has no blocks); reachability and lifetime by DevSlice's contract,
             // the stream by Stream's.
             unsafe { self.queue(name, grid, TOPK_THREADS, 0, stream, &params) }

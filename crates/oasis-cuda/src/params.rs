@@ -353,14 +353,17 @@ kernel_params! {
 kernel_params! {
     /// `topk_blocks_f32` (cuda/score_blocks.cu).
     pub struct TopkBlocksParams => "oasis::TopkBlocksParams" for ["topk_blocks_f32"] {
-        pub scores: DevPtr,     // [nnz, num_kv_heads] f32
+        pub scores: DevPtr,     // [nnz, num_kv_heads] f32 (written only with forced)
         pub blk_indptr: DevPtr, // [num_seqs + 1]
         pub out: DevPtr,        // [num_seqs, num_kv_heads, k]
         pub index_map: DevPtr,  // [num_seqs, num_kv_heads, map_m] i32, or null
+        pub forced: DevPtr,     // [num_seqs, num_kv_heads, n_forced] i32, or null
         pub num_kv_heads: i32,
         pub nnz: i32,
         pub k: i32,
         pub map_m: i32,
+        pub n_forced: i32,
+        pub _pad0: i32,
     }
 }
 
@@ -554,7 +557,7 @@ mod tests {
         assert_eq!(size_of::<ScoreBlocksParams>(), 5 * 8 + 6 * 4);
         assert_eq!(size_of::<BuildKeyCodesParams>(), 5 * 8 + 6 * 4);
         assert_eq!(size_of::<ScoreBlocksCodesParams>(), 7 * 8 + 8 * 4);
-        assert_eq!(size_of::<TopkBlocksParams>(), 4 * 8 + 4 * 4);
+        assert_eq!(size_of::<TopkBlocksParams>(), 5 * 8 + 6 * 4);
         assert_eq!(size_of::<ForceScoresParams>(), 3 * 8 + 4 * 4);
         assert_eq!(size_of::<TopkCandidatesParams>(), 5 * 8 + 6 * 4);
         assert_eq!(size_of::<DeltaSelectParams>(), 8 * 8 + 8 * 4);

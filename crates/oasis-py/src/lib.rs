@@ -1036,12 +1036,14 @@ fn codes_scores(
 }
 
 #[pyfunction]
-#[pyo3(signature = (num_kv_heads, scores, blk_indptr, k, out, *, index_map = None, stream = 0))]
+#[pyo3(signature = (num_kv_heads, scores, blk_indptr, k, out, *, index_map = None, forced = None, stream = 0))]
 /// Per (seq, kv head) top-k logical blocks, best first, -1 padded: out [num_seqs, num_kv_heads, k].
 ///
 /// scores [nnz, num_kv_heads] float32; blk_indptr [num_seqs + 1] int32. Ties go to the lower
 /// logical index. index_map [num_seqs, num_kv_heads, m] int32: out holds index_map[s, h, i] for
-/// each chosen position i (-1 past m and for the padding), in the same launch.
+/// each chosen position i (-1 past m and for the padding), in the same launch. forced
+/// [num_seqs, num_kv_heads, F] int32: force_scores first (those entries of scores set to +inf, in
+/// place), in the same launch; not with index_map.
 ///
 /// CUDA: every tensor on one cuda:N, queued on `stream` (raw cudaStream_t, 0 = legacy default),
 /// returns at once; k is at most 512 there, and a malformed blk_indptr row gives all -1 (the CPU
@@ -1055,15 +1057,34 @@ fn topk_blocks(
     k: usize,
     out: TensorArg,
     index_map: Option<TensorArg>,
+    forced: Option<TensorArg>,
     stream: u64,
 ) -> PyResult<()> {
     entry(py, "topk_blocks", || {
-        let mut inputs: Vec<(&str, &TensorArg)> =
-            vec![("scores", &scores), ("blk_indptr", &blk_indptr)];
+        if index_map.is_some() && forced.is_some() {
+            return Err(py_err(
+                py,
+                "InvalidArgumentError",
+                "topk_blocks takes index_map or forced, not both: force the scores first \
+                 (force_scores), then map"
+                    .into(),
+            ));
+        }
+        let mut inputs: Vec<(&str, &TensorArg)> = vec![("blk_indptr", &blk_indptr)];
         if let Some(m) = &index_map {
             inputs.push(("index_map", m));
         }
-        let cx = Cx::new(py, &[&inputs[..], &[("out", &out)]].concat(), &[])?;
+        if let Some(f) = &forced {
+            inputs.push(("forced", f));
+        }
+        // With forced, scores is written too.
+        let mut outputs: Vec<(&str, &TensorArg)> = vec![("out", &out)];
+        if forced.is_some() {
+            outputs.push(("scores", &scores));
+        } else {
+            inputs.push(("scores", &scores));
+        }
+        let cx = Cx::new(py, &[&inputs[..], &outputs[..]].concat(), &[])?;
         scores.expect_f32(py, "scores")?;
         let nnz = scores.dim(&cx, "scores", 2, 0)?;
         scores.expect_shape(&cx, "scores", &[nnz, num_kv_heads])?;
@@ -1080,27 +1101,48 @@ fn topk_blocks(
                 mm
             }
         };
-        check_outputs(py, &[("out", &out)], &inputs)?;
+        let n_forced = match &forced {
+            None => 0,
+            Some(f) => {
+                f.expect_i32(py, "forced")?;
+                let nf = f.dim(&cx, "forced", 3, 2)?;
+                f.expect_shape(&cx, "forced", &[ns, num_kv_heads, nf])?;
+                nf
+            }
+        };
+        check_outputs(py, &outputs, &inputs)?;
         match cx.place {
             Place::Cpu => {
                 // SAFETY: checked above; out is disjoint from the inputs.
-                let (sc, ip, o) =
-                    unsafe { (scores.slice::<f32>(), blk_indptr.ints(), out.ints_mut()) };
-                match &index_map {
-                    None => guarded(py, "topk_blocks", || {
-                        kernels::topk_blocks(num_kv_heads, sc, ip, k, o)
-                    }),
-                    Some(m) => {
-                        // SAFETY: checked above (an int32 input).
-                        let mp = unsafe { m.ints() };
+                let (ip, o) = unsafe { (blk_indptr.ints(), out.ints_mut()) };
+                match (&index_map, &forced) {
+                    (Some(m), _) => {
+                        // SAFETY: checked above (int32 inputs).
+                        let (sc, mp) = unsafe { (scores.slice::<f32>(), m.ints()) };
                         guarded(py, "topk_blocks", || {
                             kernels::topk_blocks_mapped(num_kv_heads, sc, ip, k, mp, map_m, o)
+                        })
+                    }
+                    (None, Some(f)) => {
+                        // SAFETY: checked above; scores (written) is disjoint from the inputs.
+                        let (sc, fs) = unsafe { (scores.slice_mut::<f32>(), f.ints()) };
+                        guarded(py, "topk_blocks", || {
+                            kernels::force_scores(num_kv_heads, sc, ip, fs, n_forced)?;
+                            kernels::topk_blocks(num_kv_heads, sc, ip, k, o)
+                        })
+                    }
+                    (None, None) => {
+                        // SAFETY: checked above.
+                        let sc = unsafe { scores.slice::<f32>() };
+                        guarded(py, "topk_blocks", || {
+                            kernels::topk_blocks(num_kv_heads, sc, ip, k, o)
                         })
                     }
                 }
             }
             Place::Cuda(dev) => {
-                // SAFETY: (TensorArg::dev) checked above; out is disjoint from the inputs.
+                // SAFETY: (TensorArg::dev) checked above; out (and scores with forced) are
+                // disjoint from the inputs.
                 let (sc, ip, o) = unsafe {
                     (
                         scores.dev::<f32>(),
@@ -1108,19 +1150,22 @@ fn topk_blocks(
                         out.dev::<i32>(),
                     )
                 };
-                // SAFETY: as above (an int32 input on the same device).
+                // SAFETY: as above (int32 inputs on the same device).
                 let mp = index_map.as_ref().map(|m| unsafe { m.dev::<i32>() });
+                let fs = forced.as_ref().map(|f| unsafe { f.dev::<i32>() });
                 on_gpu(
                     py,
                     "topk_blocks",
                     dev,
                     stream,
                     &[],
-                    move |gpu, st| match mp {
-                        None => gpu.topk_blocks(num_kv_heads, sc, ip, k, o, st),
-                        Some(mp) => {
+                    move |gpu, st| match (mp, fs) {
+                        (Some(mp), _) => {
                             gpu.topk_blocks_mapped(num_kv_heads, sc, ip, k, mp, map_m, o, st)
                         }
+                        (None, Some(fs)) => gpu
+                            .topk_blocks_forced(num_kv_heads, sc, ip, k, fs, n_forced, o, st),
+                        (None, None) => gpu.topk_blocks(num_kv_heads, sc, ip, k, o, st),
                     },
                 )
             }

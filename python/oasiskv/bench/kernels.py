@@ -85,6 +85,28 @@ def time_both(fn) -> tuple[float, float]:
     return (g if g is not None else eager), eager
 
 
+def kernel_breakdown(fn, calls: int = 20) -> dict[str, float]:
+    """Device microseconds per call of each kernel ``fn`` launches (torch profiler over ``calls``
+    eager calls): where a chain's time goes. Graph time minus their sum is the gaps between
+    kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for ev in prof.key_averages():
+        t = getattr(ev, "self_device_time_total", None)
+        if t is None:
+            t = getattr(ev, "self_cuda_time_total", 0.0)
+        if t > 0:
+            out[ev.key[:60]] = round(t / calls, 2)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def i32(x, dev):
     return torch.as_tensor(x, dtype=torch.int32).to(dev)
 
@@ -332,6 +354,7 @@ def bench_score_codes_staged(
     factor: float,
     successors: int = 0,
     sticky: bool = False,
+    profile: bool = False,
 ) -> dict:
     """The two-stage codes score (``KvConfig(score_candidates=factor)``) at :func:`bench_score`'s
     shapes: the Quest bound and its top-``m`` (``m = ceil(factor k)``) per KV head, the codes
@@ -340,7 +363,8 @@ def bench_score_codes_staged(
     candidates alone. With ``successors`` or ``sticky`` the chain is the engine's own
     :func:`~oasiskv.engine.two_stage_top_k` with ``KvConfig(successor_blocks=successors)`` and a
     previous prediction of ``k`` random blocks kept among the candidates (``sticky_candidates``),
-    and there is no ``rescore_ms`` (its candidates are not kept)."""
+    and there is no ``rescore_ms`` (its candidates are not kept). ``profile``: each kernel's
+    device time per call in ``kernels_us`` (:func:`kernel_breakdown`)."""
     hk = geo.num_kv_heads
     m = min(512, math.ceil(factor * k))
     q, summaries, codes, blk_indptr, blk_indices = codes_inputs(geo, dev, dtype, batch, ctx)
@@ -385,6 +409,8 @@ def bench_score_codes_staged(
     }
     if not extra:  # the engine's chain keeps its candidates to itself: `cand` is the hand chain's
         row["rescore_ms"], _ = time_both(rescore)  # on the candidates the last call chose
+    if profile:
+        row["kernels_us"] = kernel_breakdown(staged)
     return row
 
 
@@ -425,6 +451,11 @@ def main(argv=None) -> int:
         "--only",
         choices=["score"],
         help="only these rows: 'score' = the Quest and codes scores with their top-K (issue 12's rows)",
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="also each kernel's device time in the two-stage rows (torch profiler; 'kernels_us')",
     )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -498,9 +529,14 @@ def main(argv=None) -> int:
         (1.5, 0, False),
         (2, 0, False),
         (3, 0, False),
+        (1.25, 8, False),
+        (1.25, 0, True),
         (1.25, 8, True),
+        (1.2, 8, True),
     ):
-        st = bench_score_codes_staged(ops, geo, dev, dtype, batch, 32768, 128, factor, succ, sticky)
+        st = bench_score_codes_staged(
+            ops, geo, dev, dtype, batch, 32768, 128, factor, succ, sticky, profile=args.profile
+        )
         st["ratio_to_quest"] = st["ms"] / s["ms"]
         st["target"] = "<= 1.5 x the Quest row's time"
         res["kernels"].append(st)
@@ -525,6 +561,8 @@ def main(argv=None) -> int:
             parts.append(f"codes of the candidates {r['rescore_ms'] * 1e3:.1f} us")
         parts.append(f"[target {r['target']}]")
         print("  ".join(parts))
+        if "kernels_us" in r:
+            print("      kernels: " + ", ".join(f"{k}: {v:.1f} us" for k, v in r["kernels_us"].items()))
         if "splits_ms" in r:
             print(
                 "      splits: "
