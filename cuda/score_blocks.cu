@@ -410,7 +410,10 @@ __device__ void topk_blocks_impl(
     int end;
     csr_row(blk_indptr, s, nnz, &base, &end);
     const int n = end - base;
-    float* col = scores + (i64)base * num_kv_heads + h;  // entry i at col[i * num_kv_heads]
+    // Entry i at col[i * num_kv_heads]. Reads go through the read-only path (the fill below comes
+    // before this block's forced writes, and no other block writes this row and head); the
+    // uncached rows read past those writes through L2 instead (__ldcg).
+    const float* __restrict__ col = scores + (i64)base * num_kv_heads + h;
     const int take = min(n, k);
     // A short row (the two-stage score's candidates) is sorted whole: no radix passes.
     const bool whole = n <= OASIS_MAX_TOPK;
@@ -419,7 +422,7 @@ __device__ void topk_blocks_impl(
     for (int i = threadIdx.x; i < sort_n; i += blockDim.x) sel[i] = ~0ull;
     const bool cached = n <= OASIS_TOPK_CACHE;
     if (cached) {
-        for (int i = threadIdx.x; i < n; i += blockDim.x) kcache[i] = score_key(col[(i64)i * num_kv_heads]);
+        for (int i = threadIdx.x; i < n; i += blockDim.x) kcache[i] = score_key(__ldg(col + (i64)i * num_kv_heads));
     }
     if (forced != nullptr && n_forced > 0) {
         // force_scores_f32 folded in (the two-stage score's kept blocks): +inf in the scores, as
@@ -430,13 +433,13 @@ __device__ void topk_blocks_impl(
         for (int t = threadIdx.x; t < n_forced; t += blockDim.x) {
             const int f = fs[t];
             if (f >= 0 && f < n) {
-                col[(i64)f * num_kv_heads] = inf;
+                scores[(i64)(base + f) * num_kv_heads + h] = inf;
                 if (cached) kcache[f] = score_key(inf);
             }
         }
     }
     __syncthreads();
-    auto key_at = [&](int i) -> u32 { return cached ? kcache[i] : score_key(col[(i64)i * num_kv_heads]); };
+    auto key_at = [&](int i) -> u32 { return cached ? kcache[i] : score_key(__ldcg(col + (i64)i * num_kv_heads)); };
 
     if (whole) {
         for (int i = threadIdx.x; i < n; i += blockDim.x) sel[i] = rank_key(key_at(i), i);
