@@ -190,3 +190,49 @@ def test_fig11_eagle3_drafter_on_random_weights_is_a_random_head(tmp_path, capsy
     assert row["status"] == "ok" and row["output_tokens"] == 2 * 4
     assert bench.main([*TINY, *KV, "--drafter", "eagle3", "--json", "", "--md", "", "--png", ""]) == 2
     assert "--drafter eagle3" in capsys.readouterr().err
+
+
+def test_fig11_selection_flags_reach_the_engine(tmp_path):
+    """``--block-score codes --score-candidates 2 --sticky-candidates --successor-blocks 2`` select
+    differently from the default (the report says which selection ran), and the oracle matches
+    oasis under that selection too."""
+    runs = {}
+    for name, sel in (
+        ("quest", []),
+        (
+            "codes",
+            [
+                "--block-score",
+                "codes",
+                "--score-candidates",
+                "2",
+                "--sticky-candidates",
+                "--successor-blocks",
+                "2",
+            ],
+        ),
+    ):
+        paths, out = _files(tmp_path, name)
+        args = [
+            *TINY,
+            *KV,
+            "--concurrency",
+            "2",
+            "--modes",
+            "oasis,oracle",
+            "--prompts",
+            "distinct",
+            *sel,
+            *out,
+        ]
+        assert bench.main(args) == 0
+        runs[name] = json.loads(paths["json"].read_text())
+        assert f"- selection: {runs[name]['kv']['selection']}" in paths["md"].read_text()
+    assert runs["quest"]["kv"]["selection"] == "quest"
+    assert runs["codes"]["kv"]["selection"] == "codes2+sticky+succ2"
+    rows = {n: {r["mode"]: r for r in rep["rows"]} for n, rep in runs.items()}
+    assert rows["codes"]["oracle"]["tokens_digest"] == rows["codes"]["oasis"]["tokens_digest"]
+    # The working sets differ, so the fetched blocks do.
+    assert (
+        rows["codes"]["oasis"]["fetched_bytes_per_step"] != rows["quest"]["oasis"]["fetched_bytes_per_step"]
+    )

@@ -601,14 +601,18 @@ class Fig11:
     # ------------------------------------------------------------------ engines
     def kv(self):
         from ..config import KvConfig
+        from ..serve.cli import selection_kwargs
 
         a = self.args
+        # The selection flags (--block-score, --sticky-candidates, ...) are the engine's, as in
+        # `oasis serve`; they were parsed but ignored here before the fifteenth session.
         return KvConfig(
             block_size=a.block_size,
             top_k_blocks=a.top_k_blocks,
             fetch_cap=a.fetch_cap,
             sparse_threshold=a.sparse_threshold,
             measure_recall=a.measure_recall,
+            **selection_kwargs(a),
         )
 
     def engine(self, mode: str, conc: int, ctx: int, gpu_budget: int | None, host_budget: int | None, cache):
@@ -943,6 +947,7 @@ class Fig11:
                 "drafter": RANDOM_HEAD if self.random_head_drafter else a.drafter,
                 "ngram_window": a.ngram_window if a.drafter == "ngram" else None,
                 "drafter_head_bytes": self.head_bytes if self.random_head_drafter else None,
+                "selection": selection_label(kv),
             },
             "weights_bytes": self.weights_bytes,
             "gpu_kv_budget": a.gpu_kv_budget,
@@ -1025,6 +1030,27 @@ def _f(v, scale: float = 1.0, digits: int = 1) -> str:
     return "-" if v is None else f"{v * scale:.{digits}f}"
 
 
+def selection_label(kv) -> str:
+    """How a :class:`~oasiskv.KvConfig` selects blocks, in the eval's drafter-suffix words
+    (``quest``, ``codes``, ``codes1.25+sticky+succ8``, ``+sink2``, ``+pin4``, ``+conf0.5``)."""
+    parts = [kv.block_score]
+    if kv.score_candidates is not None:
+        parts[0] += f"{kv.score_candidates:g}"
+    if kv.sticky_candidates:
+        parts.append("sticky")
+    if kv.successor_blocks:
+        parts.append(f"succ{kv.successor_blocks}")
+    if kv.sink_blocks:
+        parts.append(f"sink{kv.sink_blocks}")
+    if kv.pin_blocks:
+        parts.append(f"pin{kv.pin_blocks}")
+    if kv.lookahead_min_confidence is not None:
+        parts.append(f"conf{kv.lookahead_min_confidence:g}")
+    if kv.layer_blocks is not None:
+        parts.append("layer-blocks")
+    return "+".join(parts)
+
+
 def markdown(rep: dict) -> str:
     """The report as a markdown table, with a header of what was measured where."""
     gib = 2**30
@@ -1042,6 +1068,7 @@ def markdown(rep: dict) -> str:
         f"fetch cap {kv['fetch_cap_blocks']} blocks, "
         f"drafter {kv['drafter']}, {rep['max_tokens']} new tokens, prompts {rep['prompts']}, "
         f"CUDA graphs {rep['cuda_graph']}",
+        f"- selection: {kv.get('selection', 'quest')}",
     ]
     sp = rep.get("speculative")
     if sp:
