@@ -1557,13 +1557,15 @@ class Engine:
         src, dst, lens = _i32(tr["src_pages"], dev), _i32(tr["host_blocks"], dev), _i32(tr["lens"], dev)
         rows = _i32(tr["host_rows"], dev)
         complete, complete_rows = dst[: tr["n_complete"]], rows[: tr["n_complete"]]
+        complete_src = src[: tr["n_complete"]]
         for layer in range(self.cfg.num_hidden_layers):
-            # Pages into host rows; summaries (and codes) of the block ids, from those rows.
+            # Pages into host rows; summaries (and codes) of the block ids from the same keys, read
+            # from the GPU pages (the host rows hold copies of them): HBM, not PCIe reads.
             ops.copy_pages(g, p.k_pages[layer], p.v_pages[layer], src, p.host_k[layer], p.host_v[layer], rows)
-            ops.build_summaries(g, p.host_k[layer], dst, lens, p.summaries[layer], block_rows=rows)
+            ops.build_summaries(g, p.k_pages[layer], dst, lens, p.summaries[layer], block_rows=src)
             if self.key_codes and complete.numel():
                 ops.build_key_codes(
-                    g, p.host_k[layer], p.summaries[layer], complete, p.codes[layer], block_rows=complete_rows
+                    g, p.k_pages[layer], p.summaries[layer], complete, p.codes[layer], block_rows=complete_src
                 )
         r.sparse = True
         r.metrics.sparse_since_token = r.kv_len

@@ -176,8 +176,9 @@ def decode_attention(
 
 
 def build_summaries(geo, host_k, block_ids, block_lens, summaries, block_rows=None) -> None:
-    """Summaries of blocks ``block_ids`` from the keys in host rows ``block_rows`` (``None``: the
-    row is the block id)."""
+    """Summaries of blocks ``block_ids`` from the keys in rows ``block_rows`` of ``host_k`` (``None``:
+    the row is the block id); ``host_k`` is the host pool, or any pool of the same block layout on
+    the call's device (``make_sparse`` passes the GPU pages the host rows were copied from)."""
     dev = _check_device(summaries, host_k)
     _core.build_summaries(
         geo, host_k, block_ids, block_lens, summaries, block_rows=block_rows, stream=_stream(dev)
