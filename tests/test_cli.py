@@ -117,3 +117,68 @@ def test_demo_json_end_to_end():
     assert r["oasis"]["resident_kv_bytes"] < r["dense"]["resident_kv_bytes"] / 2
     assert r["oasis"]["sparse_steps"] == r["oasis"]["steps"]
     assert 0.0 <= r["oasis"]["lookahead_recall"] <= 1.0
+
+
+def test_selection_preset_and_explicit_flags_over_it():
+    """``--selection fidelity`` is :data:`FIDELITY_SELECTION` (with ``--drafter eagle3`` also the
+    confidence fallback at 0.5); a flag given as well wins; the default is the plain defaults."""
+    import argparse
+
+    from oasiskv import KvConfig
+    from oasiskv.config import FIDELITY_SELECTION
+    from oasiskv.serve.cli import add_engine_arguments, selection_kwargs
+
+    ap = argparse.ArgumentParser()
+    add_engine_arguments(ap)
+
+    def kw(*argv):
+        return selection_kwargs(ap.parse_args(list(argv)))
+
+    plain = kw()
+    assert plain["block_score"] == "quest" and plain["score_candidates"] is None
+    assert plain["sticky_candidates"] is False and plain["successor_blocks"] == 0
+    assert KvConfig(**plain) == KvConfig()
+    fid = kw("--selection", "fidelity")
+    assert {k: fid[k] for k in FIDELITY_SELECTION} == FIDELITY_SELECTION
+    assert fid["lookahead_min_confidence"] is None
+    assert KvConfig(**fid) == KvConfig.fidelity()
+    assert kw("--selection", "fidelity", "--drafter", "eagle3")["lookahead_min_confidence"] == 0.5
+    over = kw(
+        "--selection",
+        "fidelity",
+        "--drafter",
+        "eagle3",
+        "--no-sticky-candidates",
+        "--successor-blocks",
+        "2",
+        "--lookahead-min-confidence",
+        "0.25",
+        "--score-candidates",
+        "2",
+    )
+    assert over["sticky_candidates"] is False and over["successor_blocks"] == 2
+    assert over["lookahead_min_confidence"] == 0.25 and over["score_candidates"] == 2.0
+    assert over["block_score"] == "codes"
+    assert kw("--sticky-candidates", "--block-score", "codes")["sticky_candidates"] is True
+    assert KvConfig.fidelity(top_k_blocks=64).successor_blocks == 8
+
+
+def test_generate_with_the_fidelity_selection():
+    """``--selection fidelity`` reaches the engine (a sparse run), and a budget too small for its 8
+    successors is a message that says which flag to lower."""
+    common = ["generate", "smollm2", "--prompt", "The capital of France is the city of", "--json"]
+    sparse = [
+        "--block-size",
+        "2",
+        "--sparse-threshold",
+        "8",
+        "--max-new-tokens",
+        "4",
+        "--selection",
+        "fidelity",
+    ]
+    p = oasis(*common, *sparse, "--top-k-blocks", "10", "--drafter", "eagle3")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(p.stdout)["metrics"]["sparse_steps"] > 0
+    p = oasis(*common, *sparse, "--top-k-blocks", "4")
+    assert p.returncode == 2 and "successor_blocks" in p.stderr and "Traceback" not in p.stderr

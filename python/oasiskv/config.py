@@ -14,6 +14,20 @@ SELECT_QUERIES = ("lookahead", "lookahead+current")
 
 #: The values of :attr:`KvConfig.block_score`.
 BLOCK_SCORES = ("quest", "codes")
+#: The selection of :meth:`KvConfig.fidelity` (and ``--selection fidelity``): the two-stage codes
+#: score over 1.25 x K candidates that keep each request's previous prediction, plus the successors
+#: of the codes' 8 best blocks. On SmolLM2 at 8K and a quarter of the context as budget it gave
+#: every retrieval outcome dense gives (420 trials), exact copies within 1 point of dense and
+#: +1.2-1.4 % NLL, at 1.5 x the Quest score's kernel time and about 0.9 x its decode throughput
+#: (docs/EVAL.md, docs/PERF.md). With an EAGLE-3 drafter add ``lookahead_min_confidence=0.5``.
+FIDELITY_SELECTION = {
+    "block_score": "codes",
+    "score_candidates": 1.25,
+    "sticky_candidates": True,
+    "successor_blocks": 8,
+}
+#: The values of ``--selection``: the defaults, or :data:`FIDELITY_SELECTION`.
+SELECTIONS = ("quest", "fidelity")
 #: Largest ``block_size``. Arbitrary.
 MAX_BLOCK_SIZE = 1024
 #: Largest ``top_k_blocks``: the most the GPU top-K kernel selects per KV head. Must match
@@ -292,6 +306,17 @@ class KvConfig:
         if isinstance(self.fetch_cap, float):
             return max(1, min(k, math.ceil(self.fetch_cap * k)))
         return min(self.fetch_cap, k)
+
+    @classmethod
+    def fidelity(cls, **kwargs) -> KvConfig:
+        """A config with :data:`FIDELITY_SELECTION` (closer to dense attention, retrieval and exact
+        copies kept, for more scoring work and key codes in GPU memory); ``kwargs`` set the rest
+        or override it, e.g. ``KvConfig.fidelity(top_k_blocks=64, lookahead_min_confidence=0.5)``.
+
+        Raises:
+            ConfigError: as the constructor (a budget too small for the 8 successors: pass
+                ``successor_blocks`` lower)."""
+        return cls(**{**FIDELITY_SELECTION, **kwargs})
 
     def layer_budget(self, layer: int) -> int:
         """Layer ``layer``'s budget in blocks per KV head (:attr:`layer_blocks`, else

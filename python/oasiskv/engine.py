@@ -1556,8 +1556,7 @@ class Engine:
         self._flush_map()
         src, dst, lens = _i32(tr["src_pages"], dev), _i32(tr["host_blocks"], dev), _i32(tr["lens"], dev)
         rows = _i32(tr["host_rows"], dev)
-        complete, complete_rows = dst[: tr["n_complete"]], rows[: tr["n_complete"]]
-        complete_src = src[: tr["n_complete"]]
+        complete, complete_src = dst[: tr["n_complete"]], src[: tr["n_complete"]]
         for layer in range(self.cfg.num_hidden_layers):
             # Pages into host rows; summaries (and codes) of the block ids from the same keys, read
             # from the GPU pages (the host rows hold copies of them): HBM, not PCIe reads.

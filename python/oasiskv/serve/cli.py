@@ -8,7 +8,7 @@ import ipaddress
 import os
 import sys
 
-from ..config import BLOCK_SCORES
+from ..config import BLOCK_SCORES, FIDELITY_SELECTION, SELECTIONS
 
 #: Default cap on a request body. Arbitrary: a 128K-token prompt is well under 1 MiB of text.
 DEFAULT_MAX_BODY_BYTES = 8 << 20
@@ -71,11 +71,20 @@ def add_selection_arguments(p: argparse.ArgumentParser) -> None:
     ``successor_blocks``, ``layer_blocks``): shared by ``oasis serve``, ``oasis generate``,
     ``oasis demo`` and the serving benchmark."""
     p.add_argument(
-        "--block-score",
+        "--selection",
         default="quest",
+        choices=list(SELECTIONS),
+        help="a preset of the flags below: 'quest' (the defaults) or 'fidelity' (--block-score codes "
+        "--score-candidates 1.25 --sticky-candidates --successor-blocks 8, and "
+        "--lookahead-min-confidence 0.5 with --drafter eagle3: retrieval and exact copies as dense "
+        "on SmolLM2, about 0.9 x the throughput; docs/EVAL.md); flags given as well override it",
+    )
+    p.add_argument(
+        "--block-score",
+        default=None,
         choices=list(BLOCK_SCORES),
-        help="how blocks are ranked: the Quest min/max bound, or 2-bit key codes (closer to the "
-        "true attention, more scoring work)",
+        help="how blocks are ranked: the Quest min/max bound (default), or 2-bit key codes (closer "
+        "to the true attention, more scoring work)",
     )
     p.add_argument(
         "--score-candidates",
@@ -87,7 +96,8 @@ def add_selection_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--sticky-candidates",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="with --score-candidates: each request's previous selection stays among the "
         "candidates (its first ranks every block by the codes)",
     )
@@ -111,7 +121,7 @@ def add_selection_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--successor-blocks",
         type=int,
-        default=0,
+        default=None,
         help="per KV head, the next block of each of the N best blocks is selected too (a span "
         "across a block boundary stays whole)",
     )
@@ -126,17 +136,25 @@ def add_selection_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def selection_kwargs(args) -> dict:
-    """The :class:`~oasiskv.KvConfig` keyword arguments of :func:`add_selection_arguments`."""
-    return dict(
-        block_score=args.block_score,
-        score_candidates=args.score_candidates,
-        sticky_candidates=args.sticky_candidates,
-        lookahead_min_confidence=args.lookahead_min_confidence,
-        sink_blocks=args.sink_blocks,
-        pin_blocks=args.pin_blocks,
-        successor_blocks=args.successor_blocks,
-        layer_blocks=args.layer_blocks,
+    """The :class:`~oasiskv.KvConfig` keyword arguments of :func:`add_selection_arguments`:
+    ``--selection``'s preset, then every flag given explicitly over it (``--selection fidelity``
+    with ``--drafter eagle3`` also sets ``lookahead_min_confidence=0.5``)."""
+    kw = dict(
+        block_score="quest",
+        score_candidates=None,
+        sticky_candidates=False,
+        lookahead_min_confidence=None,
+        successor_blocks=0,
     )
+    if getattr(args, "selection", "quest") == "fidelity":
+        kw.update(FIDELITY_SELECTION)
+        if getattr(args, "drafter", None) == "eagle3":
+            kw["lookahead_min_confidence"] = 0.5
+    for name in kw:
+        given = getattr(args, name, None)
+        if given is not None:
+            kw[name] = given
+    return dict(kw, sink_blocks=args.sink_blocks, pin_blocks=args.pin_blocks, layer_blocks=args.layer_blocks)
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
