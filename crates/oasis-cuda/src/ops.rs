@@ -1192,7 +1192,7 @@ impl Gpu {
     pub fn topk_blocks_forced(
         &self,
         num_kv_heads: usize,
-        scores: DevSlice<f32>,     // [nnz, num_kv_heads], forced entries written
+        scores: DevSlice<f32>, // [nnz, num_kv_heads], forced entries written
         blk_indptr: DevSlice<i32>, // [num_seqs + 1]
         k: usize,
         forced: DevSlice<i32>, // [num_seqs, num_kv_heads, n_forced]
@@ -1245,7 +1245,9 @@ impl Gpu {
             if k == 0 {
                 // Nothing to select; forced entries are still written (force_scores' effect).
                 return match forced {
-                    Some((f, n)) => self.force_scores(num_kv_heads, scores, blk_indptr, f, n, stream),
+                    Some((f, n)) => {
+                        self.force_scores(num_kv_heads, scores, blk_indptr, f, n, stream)
+                    }
                     None => Ok(()),
                 };
             }

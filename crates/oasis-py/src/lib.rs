@@ -1153,21 +1153,17 @@ fn topk_blocks(
                 // SAFETY: as above (int32 inputs on the same device).
                 let mp = index_map.as_ref().map(|m| unsafe { m.dev::<i32>() });
                 let fs = forced.as_ref().map(|f| unsafe { f.dev::<i32>() });
-                on_gpu(
-                    py,
-                    "topk_blocks",
-                    dev,
-                    stream,
-                    &[],
-                    move |gpu, st| match (mp, fs) {
+                on_gpu(py, "topk_blocks", dev, stream, &[], move |gpu, st| {
+                    match (mp, fs) {
                         (Some(mp), _) => {
                             gpu.topk_blocks_mapped(num_kv_heads, sc, ip, k, mp, map_m, o, st)
                         }
-                        (None, Some(fs)) => gpu
-                            .topk_blocks_forced(num_kv_heads, sc, ip, k, fs, n_forced, o, st),
+                        (None, Some(fs)) => {
+                            gpu.topk_blocks_forced(num_kv_heads, sc, ip, k, fs, n_forced, o, st)
+                        }
                         (None, None) => gpu.topk_blocks(num_kv_heads, sc, ip, k, o, st),
-                    },
-                )
+                    }
+                })
             }
         }
     })
