@@ -133,3 +133,27 @@ def test_topk_blocks_takes_index_map_or_forced_not_both():
         ops.topk_blocks(1, scores, indptr, 2, index_map=both, forced=both)
     with pytest.raises(errors.ShapeError, match="forced must have shape"):
         ops.topk_blocks(1, scores, indptr, 2, forced=torch.zeros(1, 2, 2, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_engine_one_stage_forced_top_k_is_keep_pins_then_top_k(seed):
+    """The engine's one-stage top-K with sinks, pins or successors (one launch with ``forced``)
+    against its definition, and the scores it was given are left as they were (a selection
+    policy's may be kept)."""
+    from oasiskv.engine import top_k_forced
+
+    heads, indptr, _, _, forced = random_case(seed)
+    if forced is None:
+        forced = torch.full((indptr.numel() - 1, heads, 1), 0, dtype=torch.int32)
+    scores = torch.randint(
+        -3, 4, (int(indptr[-1]), heads), generator=torch.Generator().manual_seed(seed)
+    ).float()
+    before = scores.clone()
+    for k in (1, 4, 30):
+        want = ops.topk_blocks(heads, keep_pins(scores, indptr, forced), indptr, k)
+        assert top_k_forced(heads, scores, indptr, k, forced).tolist() == want.tolist(), (seed, k)
+        assert torch.equal(scores, before)
+    assert (
+        top_k_forced(heads, scores, indptr, 3, None).tolist()
+        == ops.topk_blocks(heads, scores, indptr, 3).tolist()
+    )

@@ -562,7 +562,7 @@ def keep_pins(scores: torch.Tensor, blk_indptr: torch.Tensor, pins: torch.Tensor
     return scores.masked_fill(mark[: nnz * heads].view(nnz, heads), torch.inf)
 
 
-def _top_k_forced(heads: int, scores: torch.Tensor, indptr: torch.Tensor, k: int, forced) -> torch.Tensor:
+def top_k_forced(heads: int, scores: torch.Tensor, indptr: torch.Tensor, k: int, forced) -> torch.Tensor:
     """``topk_blocks(keep_pins(scores, indptr, forced), indptr, k)`` in one launch past a copy of
     the scores (``topk_blocks(forced=)`` writes them, and they may be a selection policy's)."""
     if forced is None or forced.shape[-1] == 0 or scores.shape[0] == 0:
@@ -2390,7 +2390,7 @@ class Engine:
         if m is None or indptr.shape[0] <= 1:
             scores = self.block_scores(layer, q, csr)
             forced = self._with_successors(scores, indptr, forced)
-            return _top_k_forced(g.num_kv_heads, scores, indptr, k, forced)
+            return top_k_forced(g.num_kv_heads, scores, indptr, k, forced)
         return two_stage_top_k(
             g,
             q,
@@ -2445,7 +2445,7 @@ class Engine:
                     _relative_to_best(scores, seq, q.shape[0]), _relative_to_best(other, seq, q.shape[0])
                 )
             forced = self._with_successors(scores, blk_csr[0], self._forced(layer, blk_csr[0], slots))
-            pred = _top_k_forced(g.num_kv_heads, scores, blk_csr[0], k_budget, forced)
+            pred = top_k_forced(g.num_kv_heads, scores, blk_csr[0], k_budget, forced)
         ps, pb, _ = ops.delta_select(
             g.num_kv_heads, pred, slot_pages, p.page_map[layer], p.page_last_selected[layer], step, cap
         )
