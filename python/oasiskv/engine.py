@@ -1874,7 +1874,7 @@ class Engine:
         hq, hk, d = g.num_qo_heads, g.num_kv_heads, g.head_dim
         dev = self.device
         page_ids_t, offsets_t, host_ids_t = v["page_ids"], v["offsets"], v["host_ids"]
-        host_rows_t, done_rows = v["host_rows"], v["done_rows"]
+        host_rows_t, done_pages = v["host_rows"], v["done_pages"]
         kv_indptr, kv_indices, last_len_t = v["kv_indptr"], v["kv_indices"], v["last_len"]
         step = self._step_now if static else self.step_no
         scale = d**-0.5
@@ -1917,9 +1917,15 @@ class Engine:
             )
             if done_blocks is not None:
                 # Blocks x_t completed: their summaries are final, so their keys get codes now,
-                # before this layer's selection scores them.
+                # before this layer's selection scores them; read from the local pages x_t just
+                # filled (HBM; the host rows hold the same keys).
                 ops.build_key_codes(
-                    g, p.host_k[layer], p.summaries[layer], done_blocks, p.codes[layer], block_rows=done_rows
+                    g,
+                    p.k_pages[layer],
+                    p.summaries[layer],
+                    done_blocks,
+                    p.codes[layer],
+                    block_rows=done_pages,
                 )
             extra_k = kt[1] if rows == 2 else None
             extra_v = vt[1] if rows == 2 else None

@@ -1253,6 +1253,7 @@ mod tests {
             check(F::RecIndices, 64, -1);
             check(F::DoneBlocks, 4, -1);
             check(F::DoneRows, 4, -1);
+            check(F::DonePages, 4, -1);
             for f in [F::KvIndptr, F::BlkIndptr, F::HostIndptr, F::RecIndptr] {
                 let w = want.field(f);
                 check(f, 5, *w.last().unwrap());
@@ -1689,6 +1690,10 @@ mod tests {
             assert_eq!(plan.field(PlanField::HostRows), &[rows[blk]]);
             if let [done] = plan.field(PlanField::DoneRows) {
                 assert_eq!(*done, rows[blk]);
+                // The codes are built from the local page x_t completes.
+                let local = t.local_page.map(|p| p as i32);
+                assert_eq!(Some(plan.field(PlanField::DonePages)[0]), local);
+                assert_eq!(plan.field(PlanField::PageIds), &[local.unwrap()]);
             }
             rt.check_invariants().unwrap();
         }

@@ -30,7 +30,9 @@
 //! rec_indices   [nnz_r]   candidates); empty unless recall is measured
 //! done_blocks   [c]       host blocks of the sparse requests that x_t completes (their block
 //!                         summaries are final now: per-block data such as key codes is built)
-//! done_rows     [c]       their host rows (the keys the codes are built from)
+//! done_rows     [c]       their host rows (the write-through copies of the keys)
+//! done_pages    [c]       their GPU pages (the local pages x_t completes: the keys the codes
+//!                         are built from, in HBM)
 //! spec_page_ids [n]       speculative plans: the page the draft's K/V goes to if it is accepted
 //!                         (its tentative slot), -1 where the request does not try; else empty
 //! spec_offsets  [n]       the draft's offset in that page
@@ -68,6 +70,7 @@ pub enum PlanField {
     RecIndices,
     DoneBlocks,
     DoneRows,
+    DonePages,
     SpecPageIds,
     SpecOffsets,
     SpecHostIds,
@@ -75,7 +78,7 @@ pub enum PlanField {
 }
 
 impl PlanField {
-    pub const ALL: [PlanField; 27] = [
+    pub const ALL: [PlanField; 28] = [
         PlanField::InputIds,
         PlanField::Positions,
         PlanField::PageIds,
@@ -99,6 +102,7 @@ impl PlanField {
         PlanField::RecIndices,
         PlanField::DoneBlocks,
         PlanField::DoneRows,
+        PlanField::DonePages,
         PlanField::SpecPageIds,
         PlanField::SpecOffsets,
         PlanField::SpecHostIds,
@@ -131,6 +135,7 @@ impl PlanField {
             PlanField::RecIndices => "rec_indices",
             PlanField::DoneBlocks => "done_blocks",
             PlanField::DoneRows => "done_rows",
+            PlanField::DonePages => "done_pages",
             PlanField::SpecPageIds => "spec_page_ids",
             PlanField::SpecOffsets => "spec_offsets",
             PlanField::SpecHostIds => "spec_host_ids",
@@ -470,15 +475,26 @@ impl StepPlan {
             self.put(PlanField::RecIndptr, std::iter::empty());
             self.put(PlanField::RecIndices, std::iter::empty());
         }
-        for (f, rows) in [(PlanField::DoneBlocks, false), (PlanField::DoneRows, true)] {
+        for f in [
+            PlanField::DoneBlocks,
+            PlanField::DoneRows,
+            PlanField::DonePages,
+        ] {
             self.put_padded(
                 f,
                 sparse
                     .iter()
                     .filter(|(_, t)| t.kv_len % b == b - 1)
                     .filter_map(|(_, t)| {
-                        let of = if rows { &t.host_rows } else { &t.host_blocks };
-                        of.get(t.kv_len / b).map(|&h| h as i32)
+                        let at = t.kv_len / b;
+                        let h = *t.host_blocks.get(at)?;
+                        Some(match f {
+                            PlanField::DoneRows => *t.host_rows.get(at)? as i32,
+                            // The local page holds the whole block (decode attention reads
+                            // its tokens there); x_t completes it in this step.
+                            PlanField::DonePages => t.local_page.map_or(-1, |p| p as i32),
+                            _ => h as i32,
+                        })
                     }),
                 sp,
                 -1,
