@@ -35,6 +35,10 @@ VARIANTS = [
     {},
     {"OASIS_CODES_STAGES": 4},
     {"OASIS_CODES_STAGES": 2, "OASIS_CODES_MIN_BLOCKS": 8},
+    # Fewer entries per warp: more warps in flight for the candidates' rescoring, which reads at
+    # a third of the copy bandwidth (docs/PERF.md, fifteenth session); untried so far.
+    {"OASIS_CODES_TILE": 16},
+    {"OASIS_CODES_TILE": 8},
 ]
 THREADS = 128  # OASIS_CODES_THREADS
 
