@@ -16,6 +16,9 @@ from oasiskv.models.transformer import CausalLM
 
 torch.set_num_threads(2)
 
+#: A budget of 3 blocks of 8 (fetch cap 1) from 40 tokens on: the selection tests' small budget.
+SMALL_KV = dict(block_size=8, top_k_blocks=3, fetch_cap=1, sparse_threshold=40)
+
 
 def qwen3_like(**kw) -> CausalLM:
     cfg = ModelConfig(
@@ -442,7 +445,7 @@ def test_sink_blocks_zero_is_the_default_selection(qwen3):
     """sink_blocks=0 selects exactly as before (same tokens, traffic and recall), and sinks change
     the selection at a small budget (the sinks are not among the top blocks by score alone)."""
     ps = prompts(qwen3.config.vocab_size, [150, 97], seed=5)
-    base = dict(block_size=8, top_k_blocks=3, fetch_cap=1, sparse_threshold=40)
+    base = SMALL_KV
     runs = [
         oasiskv.LLM(qwen3, kv=KvConfig(**base, **kw), backend="oasis", drafter="ngram").generate(
             ps, 16, ignore_eos=True
@@ -634,14 +637,7 @@ def test_two_stage_codes_score_selects_its_definition(qwen3, sinks, succ):
     bound's candidates ranked by their codes scores (checked against the one-stage ops at each
     call), with fewer candidates than blocks on most calls; the requests decode sparse."""
     kv = KvConfig(
-        block_size=8,
-        top_k_blocks=3,
-        fetch_cap=1,
-        sparse_threshold=40,
-        block_score="codes",
-        score_candidates=2,
-        sink_blocks=sinks,
-        successor_blocks=succ,
+        **SMALL_KV, block_score="codes", score_candidates=2, sink_blocks=sinks, successor_blocks=succ
     )
     assert kv.candidate_blocks(3) == 6
     llm = oasiskv.LLM(qwen3, kv=kv, backend="oasis", drafter="ngram")
@@ -659,14 +655,7 @@ def test_two_stage_codes_score_with_every_block_a_candidate_is_the_codes_score(q
     one-stage codes score does: same tokens, traffic and recall. And a budget that covers the
     context gives the dense tokens."""
     ps = prompts(qwen3.config.vocab_size, [150, 97], seed=7)
-    base = dict(
-        block_size=8,
-        top_k_blocks=3,
-        fetch_cap=1,
-        sparse_threshold=40,
-        block_score="codes",
-        successor_blocks=succ,
-    )
+    base = dict(SMALL_KV, block_score="codes", successor_blocks=succ)
     runs = [
         oasiskv.LLM(qwen3, kv=KvConfig(**base, **kw), backend="oasis", drafter="ngram").generate(
             ps, 12, ignore_eos=True
@@ -692,14 +681,7 @@ def test_sticky_candidates_keep_each_requests_previous_prediction(qwen3):
     against the prediction made before); recall's exact top-K keeps nothing; and it changes the
     selection."""
     kv = KvConfig(
-        block_size=8,
-        top_k_blocks=3,
-        fetch_cap=1,
-        sparse_threshold=40,
-        block_score="codes",
-        score_candidates=1.5,
-        sticky_candidates=True,
-        successor_blocks=1,
+        **SMALL_KV, block_score="codes", score_candidates=1.5, sticky_candidates=True, successor_blocks=1
     )
     assert kv.candidate_blocks(3) == 5  # the 3 kept and 2 more from the Quest bound
     llm = oasiskv.LLM(qwen3, kv=kv, backend="oasis", drafter="ngram")
@@ -1027,7 +1009,7 @@ def test_lookahead_min_confidence_selects_by_the_steps_own_query_when_unsure(qwe
     choose the next working set. Every draft unsure gives exactly the previous-query drafter's
     selections (tokens, traffic, recall), every draft sure exactly the lookahead's; and the
     drafter is asked for its probability."""
-    base = dict(block_size=8, top_k_blocks=3, fetch_cap=1, sparse_threshold=40, **extra)
+    base = dict(SMALL_KV, **extra)
     ps = prompts(qwen3.config.vocab_size, [150, 97], seed=11)
 
     def run(kv, drafter):
