@@ -946,6 +946,15 @@ def test_gpu_path_errors_are_typed():
     torch.testing.assert_close(back(ops.decode_attention(geo, *g)), want, atol=2e-3, rtol=1e-2)
 
 
+def topk_candidates_twin_and_gpu(heads, scores, cand, indptr, k, successors, forced):
+    """``ops.topk_candidates`` by the CPU twin and on the GPU, as lists: ``(want, got)``."""
+    want = ops.topk_candidates(heads, scores, cand, indptr, k, successors=successors, forced=forced)
+    got = ops.topk_candidates(
+        heads, dev(scores), dev(cand), dev(indptr), k, successors=successors, forced=dev(forced)
+    )
+    return want.tolist(), back(got).tolist()
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_topk_candidates_and_force_scores_match_the_twins(seed):
     """The two-stage score's fused ops (force_scores, topk_candidates) on the GPU against the CPU
@@ -956,17 +965,8 @@ def test_topk_candidates_and_force_scores_match_the_twins(seed):
     m = cand.shape[-1]
     for n_succ in (0, 2, m + 1):
         for k in (1, m + n_succ + 2):
-            want = ops.topk_candidates(heads, scores, cand, indptr, k, successors=n_succ, forced=forced)
-            got = ops.topk_candidates(
-                heads,
-                dev(scores),
-                dev(cand),
-                dev(indptr),
-                k,
-                successors=n_succ,
-                forced=None if forced is None else dev(forced),
-            )
-            assert back(got).tolist() == want.tolist(), (seed, n_succ, k)
+            want, got = topk_candidates_twin_and_gpu(heads, scores, cand, indptr, k, n_succ, forced)
+            assert got == want, (seed, n_succ, k)
     nnz = int(indptr[-1])
     base = torch.randn(nnz, heads, generator=torch.Generator().manual_seed(seed))
     f = forced if forced is not None else torch.full((indptr.numel() - 1, heads, 1), 0, dtype=torch.int32)
@@ -984,11 +984,8 @@ def test_topk_candidates_long_rows_match_the_twin():
     cand = cand.to(torch.int32)
     scores = torch.randn(n * m, heads, generator=g)
     forced = torch.randint(-1, blocks, (n, heads, 5), generator=g).to(torch.int32)
-    want = ops.topk_candidates(heads, scores, cand, indptr, 400, successors=300, forced=forced)
-    got = ops.topk_candidates(
-        heads, dev(scores), dev(cand), dev(indptr), 400, successors=300, forced=dev(forced)
-    )
-    assert back(got).tolist() == want.tolist()
+    want, got = topk_candidates_twin_and_gpu(heads, scores, cand, indptr, 400, 300, forced)
+    assert got == want
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -1003,18 +1000,8 @@ def test_topk_candidates_nan_and_inf_scores_match_the_twin(seed):
     scores = scores.masked_fill(pick < 0.15, float("nan")).masked_fill(pick > 0.9, float("inf"))
     m = cand.shape[-1]
     for n_succ in (0, 3, m + 1):
-        k = m + n_succ
-        want = ops.topk_candidates(heads, scores, cand, indptr, k, successors=n_succ, forced=forced)
-        got = ops.topk_candidates(
-            heads,
-            dev(scores),
-            dev(cand),
-            dev(indptr),
-            k,
-            successors=n_succ,
-            forced=None if forced is None else dev(forced),
-        )
-        assert back(got).tolist() == want.tolist(), (seed, n_succ)
+        want, got = topk_candidates_twin_and_gpu(heads, scores, cand, indptr, m + n_succ, n_succ, forced)
+        assert got == want, (seed, n_succ)
 
 
 def test_topk_candidates_more_candidates_than_threads_match_the_twin():
@@ -1027,11 +1014,8 @@ def test_topk_candidates_more_candidates_than_threads_match_the_twin():
     cand = cand.to(torch.int32)
     scores = torch.randint(-20, 20, (n * m, heads), generator=g).float()  # ties
     forced = torch.randint(-1, blocks, (n, heads, 4), generator=g).to(torch.int32)
-    want = ops.topk_candidates(heads, scores, cand, indptr, 500, successors=100, forced=forced)
-    got = ops.topk_candidates(
-        heads, dev(scores), dev(cand), dev(indptr), 500, successors=100, forced=dev(forced)
-    )
-    assert back(got).tolist() == want.tolist()
+    want, got = topk_candidates_twin_and_gpu(heads, scores, cand, indptr, 500, 100, forced)
+    assert got == want
 
 
 @pytest.mark.parametrize("row", [40, 2048, 9000])
