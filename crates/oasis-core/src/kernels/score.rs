@@ -84,6 +84,30 @@ fn ranks_before(scores: &[f32], stride: usize, a: u32, b: u32) -> Ordering {
     by_score.then(a.cmp(&b))
 }
 
+/// `order[..take]` := the `take` best of entries `0..n` by `scores[i * stride]` under
+/// [`ranks_before`], best first (`order` is refilled; `take <= n`). The partial sort of every
+/// top-k here.
+fn best_first(order: &mut Vec<u32>, scores: &[f32], stride: usize, n: usize, take: usize) {
+    order.clear();
+    order.extend(0..n as u32);
+    let cmp = |a: &u32, b: &u32| ranks_before(scores, stride, *a, *b);
+    if take > 0 && take < n {
+        // The comparator is a total order, so the partition is deterministic.
+        order.select_nth_unstable_by(take - 1, cmp);
+    }
+    order[..take].sort_unstable_by(cmp);
+}
+
+/// [`OasisError::Config`] unless `num_kv_heads > 0`.
+fn positive_heads(num_kv_heads: usize) -> Result<()> {
+    if num_kv_heads == 0 {
+        return Err(OasisError::Config(
+            "num_kv_heads must be positive".to_string(),
+        ));
+    }
+    Ok(())
+}
+
 /// Per (seq, kv head) top-k logical block indices (0-based within the seq), best first; ties ->
 /// lower logical index first; padded with -1 when the sequence has fewer than k blocks.
 /// NaN scores rank below every number (and `-0.0 == 0.0` is a tie).
@@ -102,11 +126,7 @@ pub fn topk_blocks(
     k: usize,
     out: &mut [i32], // [num_seqs, num_kv_heads, k]
 ) -> Result<()> {
-    if num_kv_heads == 0 {
-        return Err(OasisError::Config(
-            "num_kv_heads must be positive".to_string(),
-        ));
-    }
+    positive_heads(num_kv_heads)?;
     let nnz = leading_rows("scores", scores.len(), &[num_kv_heads])?;
     let num_seqs = csr("blk_indptr", blk_indptr, "scores", nnz)?;
     check_len("out", out.len(), &[num_seqs, num_kv_heads, k])?;
@@ -126,15 +146,8 @@ pub fn topk_blocks(
             }
             // n >= 1, so this start is < scores.len().
             let col = &scores[range.start * num_kv_heads + h..];
-            order.clear();
-            order.extend(0..n as u32);
-            let cmp = |a: &u32, b: &u32| ranks_before(col, num_kv_heads, *a, *b);
             let take = k.min(n);
-            if take < n {
-                // The comparator is a total order, so the partition is deterministic.
-                order.select_nth_unstable_by(take - 1, cmp);
-            }
-            order[..take].sort_unstable_by(cmp);
+            best_first(&mut order, col, num_kv_heads, n, take);
             for (o, i) in dst.iter_mut().zip(
                 order[..take]
                     .iter()
@@ -201,11 +214,7 @@ pub fn force_scores(
     forced: &[i32],     // [num_seqs, num_kv_heads, n_forced]
     n_forced: usize,
 ) -> Result<()> {
-    if num_kv_heads == 0 {
-        return Err(OasisError::Config(
-            "num_kv_heads must be positive".to_string(),
-        ));
-    }
+    positive_heads(num_kv_heads)?;
     let nnz = leading_rows("scores", scores.len(), &[num_kv_heads])?;
     let num_seqs = csr("blk_indptr", blk_indptr, "scores", nnz)?;
     check_len("forced", forced.len(), &[num_seqs, num_kv_heads, n_forced])?;
@@ -254,11 +263,7 @@ pub fn topk_candidates(
     n_forced: usize,
     out: &mut [i32], // [num_seqs, num_kv_heads, k]
 ) -> Result<()> {
-    if num_kv_heads == 0 {
-        return Err(OasisError::Config(
-            "num_kv_heads must be positive".to_string(),
-        ));
-    }
+    positive_heads(num_kv_heads)?;
     let num_seqs = blk_indptr.len().saturating_sub(1);
     let nnz = usize::try_from(*blk_indptr.last().unwrap_or(&0)).unwrap_or(0);
     csr("blk_indptr", blk_indptr, "blocks", nnz)?;
@@ -279,14 +284,8 @@ pub fn topk_candidates(
                 key[i] = scores[(s * m + i) * num_kv_heads + h];
                 val[i] = cs[i];
             }
-            order.clear();
-            order.extend(0..m as u32);
-            let cmp = |a: &u32, b: &u32| ranks_before(&key, 1, *a, *b);
             let best = successors.min(m);
-            if best > 0 && best < m {
-                order.select_nth_unstable_by(best - 1, cmp);
-            }
-            order[..best].sort_unstable_by(cmp);
+            best_first(&mut order, &key, 1, m, best);
             let succ: Vec<i32> = (0..successors)
                 .map(|a| {
                     let v = if a < best { cs[order[a] as usize] } else { -1 };
@@ -312,14 +311,8 @@ pub fn topk_candidates(
                     f32::NEG_INFINITY
                 };
             }
-            order.clear();
-            order.extend(0..width as u32);
             let take = k.min(width);
-            let cmp = |a: &u32, b: &u32| ranks_before(&key, 1, *a, *b);
-            if take > 0 && take < width {
-                order.select_nth_unstable_by(take - 1, cmp);
-            }
-            order[..take].sort_unstable_by(cmp);
+            best_first(&mut order, &key, 1, width, take);
             let dst = &mut out[row * k..][..k];
             for (j, o) in dst.iter_mut().enumerate() {
                 *o = if j < take { val[order[j] as usize] } else { -1 };
