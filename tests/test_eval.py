@@ -1095,3 +1095,96 @@ def test_drafter_names_with_successor_blocks():
     for bad in ("eagle3+succ", "eagle3+succx", "eagle3+succ2+pin1", "eagle3+succ1+succ1"):
         with pytest.raises(ValueError, match="unknown drafter"):
             teacher.parse_drafter(bad)
+
+
+class _KeptCheck(teacher.LookaheadRecorder):
+    """Checks each recall's kept reference against its definition: the true query's top-K over the
+    same blocks as the plain one, keeping what the judged prediction kept (the prediction before it,
+    per slot; none after a request's first selection)."""
+
+    def __init__(self, engine) -> None:
+        super().__init__()
+        self.enabled, self.checked, self.differs = True, 0, 0
+        self.preds: dict = {}  # (layer, slot) -> that slot's predictions, oldest first
+        self.calls: list = []  # top-K calls since the last recall
+        self.pred_next = None  # the layer whose prediction comes next (after its recall)
+        inner = self.inner = engine.top_k_blocks
+
+        def recorded(layer, q, csr, k, slots=None, *, keep=None, every_block=False):
+            out = inner(layer, q, csr, k, slots, keep=keep, every_block=every_block)
+            if self.pred_next == layer:
+                for i, slot in enumerate(slots.tolist()):
+                    self.preds[layer, slot].append(out[i].tolist())
+                self.pred_next = None
+            else:
+                self.calls.append((q, csr, k, slots, keep, out))
+            return out
+
+        first = engine._initial_selection
+
+        def initial(layer, slot, pred):
+            self.preds[layer, slot] = [pred.tolist()]
+            first(layer, slot, pred)
+
+        engine.top_k_blocks, engine._initial_selection = recorded, initial
+
+    def on_recall(self, engine, layer, sp_reqs, actual, prev, slot_pages, q=None, actual_kept=None) -> None:
+        super().on_recall(engine, layer, sp_reqs, actual, prev, slot_pages, q, actual_kept=actual_kept)
+        assert actual_kept is not None
+        (q1, csr1, k1, s1, keep1, out1), (q2, csr2, k2, s2, keep2, out2) = self.calls[-2:]
+        self.calls.clear()
+        assert keep1 is None and out1 is actual and out2 is actual_kept and torch.equal(q1, q2) and k1 == k2
+        assert all(torch.equal(a, b) for a, b in zip(csr1, csr2, strict=True)) and torch.equal(s1, s2)
+        for i, slot in enumerate(s2.tolist()):
+            hist = self.preds[layer, slot]
+            assert prev[i].tolist() == hist[-1]  # the prediction this recall judges
+            kept = hist[-2] if len(hist) > 1 else [[-1] * len(row) for row in hist[-1]]
+            assert keep2[i].tolist() == kept, (layer, slot)
+        again = self.inner(layer, q2, csr2, k2, s2, keep=keep2)
+        assert torch.equal(actual_kept, again)
+        self.differs += int(not torch.equal(actual, actual_kept))
+        self.checked += 1
+        self.pred_next = layer
+
+
+def test_recall_with_sticky_candidates_also_ranks_what_the_prediction_kept(tiny):
+    """With sticky candidates and a recorder, each recall also gives ``actual_kept``: the true
+    query's top-K over the same blocks with the blocks the judged prediction kept as candidates
+    (checked call by call against that definition); it differs from the plain exact top-K
+    somewhere. Without sticky candidates there is none."""
+    import oasiskv
+
+    kw = dict(block_size=BLOCK, top_k_blocks=3, fetch_cap=None, sparse_threshold=40, block_score="codes")
+    kv = oasiskv.KvConfig(**kw, score_candidates=1.5, sticky_candidates=True)
+    llm = oasiskv.LLM(tiny, kv=kv, backend="oasis", drafter="ngram")
+    rec = llm.engine.recorder = _KeptCheck(llm.engine)
+    llm.generate([repetitive(130, seed=3), repetitive(97, seed=4)], 12, ignore_eos=True)
+    layers = tiny.config.num_hidden_layers
+    assert rec.checked >= 10 * layers and rec.differs > 0
+    plain = oasiskv.LLM(tiny, kv=oasiskv.KvConfig(**kw, score_candidates=1.5), backend="oasis", drafter="ngram")
+    seen = []
+
+    class Plain(teacher.LookaheadRecorder):
+        def on_recall(self, engine, layer, sp_reqs, actual, prev, slot_pages, q=None, **kw) -> None:
+            seen.append(kw)
+
+    plain.engine.recorder = Plain()
+    plain.generate([repetitive(130, seed=3)], 4, ignore_eos=True)
+    assert seen and all(kw == {} for kw in seen)
+
+
+def test_teacher_reports_the_overlap_against_the_selections_own_choice(tiny):
+    """A sticky selection's lookahead summary has ``kept`` (the overlap against its own choice with
+    the true query), unlike the same selection without stickiness; the report shows it."""
+    texts = [repetitive(161, seed=s) for s in range(2)]
+    tf = TeacherForcing(tiny, texts, 9, block_size=BLOCK, batch_size=2, progress=False)
+    dense = tf.run(Policy("dense"))
+    sticky = summarize(tf.run(Policy("oasis", "previous-query+codes1.5+sticky", 4, None)), dense)["lookahead"]
+    plain = summarize(tf.run(Policy("oasis", "previous-query+codes1.5", 4, None)), dense)["lookahead"]
+    assert "kept" not in plain
+    kept = sticky["kept"]
+    assert 0.0 < kept["overlap"] <= 1.0 and len(kept["overlap_per_layer"]) == tiny.config.num_hidden_layers
+    assert kept["overlap"] != sticky["overlap"]
+    rec = {"section": "teacher", "context": 160, "policy": "oasis", "drafter": "previous-query+codes1.5+sticky"}
+    md = report.render_markdown({"records": [{**rec, "budget": "4b", "fetch_cap": None, "lookahead": sticky}]})
+    assert "own choice" in md and f"{kept['overlap']:.3f}" in md

@@ -1074,9 +1074,15 @@ class Engine:
         self._pred: list[torch.Tensor | None] = [None] * c.num_hidden_layers
         # Each slot's pinned blocks per layer (KvConfig.pin_blocks; see _pins_of), made on first use.
         self._pins: list[torch.Tensor | None] = [None] * c.num_hidden_layers
+        # With a recorder and KvConfig.sticky_candidates: the blocks each slot's latest prediction
+        # kept as candidates (the prediction before it), per layer, so that the next recall can also
+        # rank the true query with the same kept blocks (the selection's own exact choice).
+        self._kept: list[torch.Tensor | None] = [None] * c.num_hidden_layers
         # Optional measurement hook (None on the normal path): ``recorder.on_recall(engine, layer,
         # sp_reqs, actual, prev, slot_pages, q_now)`` is called from ``_select`` wherever recall is
-        # measured, before this step's selection changes the mapping. ``oasiskv.eval`` uses it for
+        # measured, before this step's selection changes the mapping; with sticky candidates also
+        # ``actual_kept=``: the true query's top-K with the blocks the prediction kept as
+        # candidates (what the selection itself would have chosen knowing the query). ``oasiskv.eval`` uses it for
         # per-layer, per-step lookahead accuracy. On a GPU it runs on the background stream: it must
         # not sync, except an evaluation recorder that accepts the stall (the attention-mass sample).
         self.recorder = None
@@ -2276,7 +2282,14 @@ class Engine:
             self._acc_recall.index_add_(0, sp_ids, hits)
             self._acc_recall_n.index_add_(0, sp_ids, counted)
             if self.recorder is not None:
-                self.recorder.on_recall(self, layer, sp_reqs, actual, prev, slot_pages, q_now)
+                extra = {}
+                kept = self._kept[layer]
+                if kept is not None:
+                    keep = kept[sp_ids]
+                    extra["actual_kept"] = self.top_k_blocks(
+                        layer, q_now, (rec_indptr, rec_indices), k_budget, sp_ids, keep=keep
+                    )
+                self.recorder.on_recall(self, layer, sp_reqs, actual, prev, slot_pages, q_now, **extra)
         both = plan.blk_seq is not None  # KvConfig.select_queries == "lookahead+current" with a lookahead row
         q_next = q4[sp_idx, -1]
         if plan.own is not None:  # KvConfig.lookahead_min_confidence: unsure drafts select by row 0
@@ -2307,6 +2320,13 @@ class Engine:
             self._pred[layer] = torch.full(shape, -1, dtype=torch.int32, device=self.device)
         return self._pred[layer]
 
+    def _kept_of(self, layer: int) -> torch.Tensor:
+        """Each slot's kept candidates of its latest prediction of ``layer`` (see ``_kept``), shaped
+        as :meth:`_pred_of`; made when a recorder first needs it."""
+        if self._kept[layer] is None:
+            self._kept[layer] = torch.full_like(self._pred_of(layer), -1)
+        return self._kept[layer]
+
     def _pins_of(self, layer: int) -> torch.Tensor:
         """Each slot's pinned blocks of ``layer`` (``KvConfig.pin_blocks``), ``[max_num_seqs + 1,
         num_kv_heads, pin_blocks]`` logical blocks (-1: none), on the device."""
@@ -2320,6 +2340,8 @@ class Engine:
         of ``layer``: the prediction the next step's recall measures, and the pinned blocks
         (``KvConfig.pin_blocks``: the best ``pin_blocks`` after the sinks)."""
         self._pred_of(layer)[slot] = pred
+        if self.recorder is not None and self.kv.sticky_candidates:
+            self._kept_of(layer)[slot] = -1  # the first selection ranked every block, keeping none
         if self.kv.pin_blocks:
             s = self.kv.sink_blocks
             self._pins_of(layer)[slot] = pred[:, s : s + self.kv.pin_blocks]
@@ -2440,6 +2462,8 @@ class Engine:
             if self.kv.sticky_candidates:
                 keep = None if initial or slots is None else self._pred_of(layer)[slots]
                 pred = self.top_k_blocks(layer, q, blk_csr, k_budget, slots, keep=keep, every_block=initial)
+                if self.recorder is not None and slots is not None:
+                    self._kept_of(layer)[slots] = -1 if keep is None else keep
             else:
                 pred = self.top_k_blocks(layer, q, blk_csr, k_budget, slots)
         else:

@@ -473,7 +473,8 @@ def run_teacher(args, model, tok, head, results: Results, files, progress: bool)
                 la = rec.get("lookahead", {})
                 bar.write(
                     f"C={context} K={label} cap={cap} {d:15s} overlap={_f(la.get('overlap'))} "
-                    f"dNLL={_f(rec.get('delta_nll_pct'))}% KL={_f(rec.get('kl'), 5)} "
+                    + (f"own={_f(la['kept'].get('overlap'))} " if la.get("kept") else "")
+                    + f"dNLL={_f(rec.get('delta_nll_pct'))}% KL={_f(rec.get('kl'), 5)} "
                     f"fetch/step={rec['fetched_bytes_per_step'] / 1e6:.3f} MB"
                 )
         bar.close()

@@ -23,6 +23,14 @@ DRAFTER_ORDER = (
 )
 
 
+def _kept_cell(k: dict | None) -> str:
+    """The overlap against the selection's own choice (sticky candidates: the true query's top-K
+    keeps what the prediction kept), with its matched / not matched split; "-" without."""
+    if not k:
+        return "-"
+    return f"{_f(k.get('overlap'))} ({_f(k.get('overlap_matched'))} / {_f(k.get('overlap_unmatched'))})"
+
+
 def _f(x, nd: int = 3) -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "-"
@@ -161,8 +169,8 @@ def _lookahead_md(recs: list[dict]) -> list[str]:
         out += [
             "",
             "| budget | cap | drafter | draft = next token | overlap, matched | overlap, not matched | "
-            "working-set hit |",
-            "|---|---|---|---|---|---|---|",
+            "working-set hit | own choice: overlap (matched / not) |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for bud in sorted(rows, key=_budget_key):
             for r in sorted(
@@ -173,7 +181,7 @@ def _lookahead_md(recs: list[dict]) -> list[str]:
                     f"| {bud} | {_cap(r.get('fetch_cap'))} | {r['drafter']} | {_f(la.get('draft_accept'))} | "
                     f"{_f(la.get('overlap_matched'))} ({la.get('n_matched', 0)}) | "
                     f"{_f(la.get('overlap_unmatched'))} ({la.get('n_unmatched', 0)}) | "
-                    f"{_f(la.get('resident_hit'))} |"
+                    f"{_f(la.get('resident_hit'))} | {_kept_cell(la.get('kept'))} |"
                 )
         massed = [r for r in rs if r.get("lookahead", {}).get("attn_mass")]
         if massed:

@@ -407,7 +407,10 @@ class LookaheadRecorder:
       top-K chosen by last step's lookahead (or current, for previous-query) query and ``exact`` the
       top-K of this step's true query, both over the blocks that were complete at prediction time;
     * resident hit: the same with ``predicted`` replaced by the working set this step attended over
-      (what the fetch cap let in).
+      (what the fetch cap let in);
+    * kept overlap (sticky candidates only): the overlap with the true query's top-K when it, too,
+      keeps the blocks the prediction kept as candidates: the selection's own choice had it known
+      the query, so that a kept block is not a miss because the plain top-K never keeps one.
 
     Only steps with :attr:`enabled` are kept (the runner skips the first sparse step, whose
     prediction came from the prompt's last query, not from a lookahead row). Values stay on the
@@ -419,6 +422,7 @@ class LookaheadRecorder:
         self.step = -1
         self.mass_every = int(mass_every)
         self._rows: list[tuple[int, int, list[int], torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self._kept: list[tuple[int, int, list[int], torch.Tensor, torch.Tensor]] = []
         self._mass: list[tuple[int, int, list[int], torch.Tensor, torch.Tensor]] = []
         #: Top-2 drafts (``+top2``): request id -> (best draft, runner-up) of the step before
         #: :attr:`step`, set by the chunk scorer; their shadow queries are computed at layer 0.
@@ -427,7 +431,7 @@ class LookaheadRecorder:
         self._top2: list[tuple[int, int, list[int], torch.Tensor, torch.Tensor]] = []
         self._top2_mass: list[tuple[int, int, list[int], torch.Tensor, torch.Tensor]] = []
 
-    def on_recall(self, engine, layer, sp_reqs, actual, prev, slot_pages, q=None) -> None:
+    def on_recall(self, engine, layer, sp_reqs, actual, prev, slot_pages, q=None, actual_kept=None) -> None:
         if not self.enabled:
             return
         ov, n = recall_overlap(actual, prev)
@@ -436,6 +440,9 @@ class LookaheadRecorder:
         denom = n.clamp(min=1)
         ids = [r.id for r in sp_reqs]
         self._rows.append((self.step, layer, ids, ov / denom, hit / denom, n > 0))
+        if actual_kept is not None:
+            ovk, nk = recall_overlap(actual_kept, prev)
+            self._kept.append((self.step, layer, ids, ovk / nk.clamp(min=1), nk > 0))
         top2 = self._top2_sets(engine, layer, sp_reqs, actual.shape[-1])
         cells = torch.ones(len(ids), dtype=torch.bool)
         if top2 is not None:
@@ -484,6 +491,7 @@ class LookaheadRecorder:
 
     def clear(self) -> None:
         self._rows.clear()
+        self._kept.clear()
         self._mass.clear()
         self._top2.clear()
         self._top2_mass.clear()
@@ -503,6 +511,13 @@ class LookaheadRecorder:
         block), ``[len(steps), num_layers, len(req_ids), 4]``; valid marks the sampled cells."""
         mass, valid = _grid(self._mass, num_layers, req_ids, steps, (((4,), torch.float64), ((), torch.bool)))
         return mass, valid
+
+    def kept_tensors(self, num_layers: int, req_ids: list[int], steps: list[int]):
+        """(kept overlap, valid) ``[len(steps), num_layers, len(req_ids)]``, or None where the
+        engine gave no kept top-K (no sticky candidates)."""
+        if not self._kept:
+            return None
+        return tuple(_grid(self._kept, num_layers, req_ids, steps, (((), torch.float32), ((), torch.bool))))
 
     def tensors(self, num_layers: int, req_ids: list[int], steps: list[int]):
         """(overlap, resident_hit, valid) as float/bool CPU tensors [len(steps), num_layers, len(req_ids)]."""
@@ -524,6 +539,8 @@ class RunResult:
     overlap: torch.Tensor | None = None  # [S', L, n]
     resident_hit: torch.Tensor | None = None
     valid: torch.Tensor | None = None
+    overlap_kept: torch.Tensor | None = None  # [S', L, n] sticky candidates: see LookaheadRecorder
+    kept_valid: torch.Tensor | None = None
     matched: torch.Tensor | None = None  # [S', n] bool; None without a draft
     confidence: torch.Tensor | None = None  # [S', n] the head's probability of its draft (EAGLE-3)
     mass: torch.Tensor | None = None  # [S', L, n, 4] attention share: exact / predicted / resident / best
@@ -741,6 +758,9 @@ class TeacherForcing:
             measured = list(range(1, S))  # step 0 judges the prompt's last query (make_sparse)
             L = self.model.config.num_hidden_layers
             res.overlap, res.resident_hit, res.valid = lookahead.tensors(L, ids, measured)
+            kept = lookahead.kept_tensors(L, ids, measured)
+            if kept is not None:
+                res.overlap_kept, res.kept_valid = kept
             if self.mass_every:
                 res.mass, res.mass_valid = lookahead.mass_tensors(L, ids, measured)
             res.measured_steps = measured
@@ -860,6 +880,8 @@ def _concat(policy: Policy, parts: list[RunResult]) -> RunResult:
     out.overlap = cat("overlap", 2)
     out.resident_hit = cat("resident_hit", 2)
     out.valid = cat("valid", 2)
+    out.overlap_kept = cat("overlap_kept", 2)
+    out.kept_valid = cat("kept_valid", 2)
     out.matched = cat("matched", 1)
     out.confidence = cat("confidence", 1)
     out.mass = cat("mass", 2)
@@ -981,12 +1003,33 @@ def lookahead_summary(res: RunResult) -> dict:
         out.update(
             draft_accept=None, overlap_matched=None, overlap_unmatched=None, n_matched=0, n_unmatched=0
         )
+    if res.overlap_kept is not None and res.kept_valid is not None:
+        out["kept"] = kept_summary(res)
     if res.mass is not None and res.mass_valid is not None and bool(res.mass_valid.any()):
         out["attn_mass"] = attention_mass_summary(res)
     if res.top2_overlap is not None:
         out["top2"] = top2_summary(res)
     if res.confidence is not None and res.matched is not None and res.confidence.shape == res.matched.shape:
         out["by_confidence"] = confidence_bins(res.confidence, res.matched, ov, valid)
+    return out
+
+
+def kept_summary(res: RunResult) -> dict:
+    """The overlap against the selection's own choice with the true query (sticky candidates:
+    the exact top-K keeps the blocks the prediction kept), overall, per layer and split by draft
+    match as :func:`lookahead_summary`'s."""
+    ov, valid = res.overlap_kept, res.kept_valid
+    per_layer = [_mean(ov[:, layer], valid[:, layer]) for layer in range(ov.shape[1])]
+    out = {
+        "overlap": _mean(ov, valid),
+        "overlap_per_layer": per_layer,
+        "overlap_min_layer": min((x for x in per_layer if x is not None), default=None),
+        "overlap_matched": None,
+        "overlap_unmatched": None,
+    }
+    if res.matched is not None and res.matched.numel() and res.matched.shape[0] == ov.shape[0]:
+        m = res.matched.unsqueeze(1).expand_as(valid)
+        out.update(overlap_matched=_mean(ov, valid & m), overlap_unmatched=_mean(ov, valid & ~m))
     return out
 
 
