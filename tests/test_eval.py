@@ -1161,7 +1161,9 @@ def test_recall_with_sticky_candidates_also_ranks_what_the_prediction_kept(tiny)
     llm.generate([repetitive(130, seed=3), repetitive(97, seed=4)], 12, ignore_eos=True)
     layers = tiny.config.num_hidden_layers
     assert rec.checked >= 10 * layers and rec.differs > 0
-    plain = oasiskv.LLM(tiny, kv=oasiskv.KvConfig(**kw, score_candidates=1.5), backend="oasis", drafter="ngram")
+    plain = oasiskv.LLM(
+        tiny, kv=oasiskv.KvConfig(**kw, score_candidates=1.5), backend="oasis", drafter="ngram"
+    )
     seen = []
 
     class Plain(teacher.LookaheadRecorder):
@@ -1185,6 +1187,13 @@ def test_teacher_reports_the_overlap_against_the_selections_own_choice(tiny):
     kept = sticky["kept"]
     assert 0.0 < kept["overlap"] <= 1.0 and len(kept["overlap_per_layer"]) == tiny.config.num_hidden_layers
     assert kept["overlap"] != sticky["overlap"]
-    rec = {"section": "teacher", "context": 160, "policy": "oasis", "drafter": "previous-query+codes1.5+sticky"}
-    md = report.render_markdown({"records": [{**rec, "budget": "4b", "fetch_cap": None, "lookahead": sticky}]})
+    rec = {
+        "section": "teacher",
+        "context": 160,
+        "policy": "oasis",
+        "drafter": "previous-query+codes1.5+sticky",
+    }
+    md = report.render_markdown(
+        {"records": [{**rec, "budget": "4b", "fetch_cap": None, "lookahead": sticky}]}
+    )
     assert "own choice" in md and f"{kept['overlap']:.3f}" in md

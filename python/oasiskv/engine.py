@@ -1082,9 +1082,10 @@ class Engine:
         # sp_reqs, actual, prev, slot_pages, q_now)`` is called from ``_select`` wherever recall is
         # measured, before this step's selection changes the mapping; with sticky candidates also
         # ``actual_kept=``: the true query's top-K with the blocks the prediction kept as
-        # candidates (what the selection itself would have chosen knowing the query). ``oasiskv.eval`` uses it for
-        # per-layer, per-step lookahead accuracy. On a GPU it runs on the background stream: it must
-        # not sync, except an evaluation recorder that accepts the stall (the attention-mass sample).
+        # candidates (what the selection itself would have chosen knowing the query).
+        # ``oasiskv.eval`` uses it for per-layer, per-step lookahead accuracy. On a GPU it runs on
+        # the background stream: it must not sync, except an evaluation recorder that accepts the
+        # stall (the attention-mass sample).
         self.recorder = None
         self._recall_now = self._store_pred = bool(kv.measure_recall)  # set per step (_recall_phase)
         # Whether this step's sampling rows cut at top_p < 1 (set per step; a graph key element):
