@@ -519,8 +519,8 @@ __device__ void score_codes_tile(float* __restrict__ sm, unsigned char* __restri
     }
 }
 
-// grid: thread block c scores OASIS_CODES_THREADS / 32 consecutive tiles of OASIS_CODES_TILE
-// entries for head c % num_kv_heads (as score_blocks_* with OASIS_SCORE_HEAD_MAJOR); dynamic
+// grid: thread block c scores OASIS_CODES_THREADS / 32 consecutive tiles of `tile` (at most
+// OASIS_CODES_TILE) entries for head c % num_kv_heads (as score_blocks_* with OASIS_SCORE_HEAD_MAJOR); dynamic
 // shared memory (oasis_cuda::ops::score_blocks_codes_smem_bytes): each warp's
 // OASIS_CODES_STAGES staging buffers, then codes_scalar_warp_floats(group, head_dim) floats per
 // warp. Entry (j, h) = sum over query heads g of KV head h of max over tokens t of
@@ -540,19 +540,21 @@ __device__ void score_blocks_codes_impl(
     float* __restrict__ scores,              // [nnz, num_kv_heads]; with cand [num_seqs * cand_m, num_kv_heads]
     const int* __restrict__ cand,            // [num_seqs, num_kv_heads, cand_m] logical blocks, or null
     int num_seqs, int nnz, int num_qo_heads, int num_kv_heads, int head_dim, int block_size, int num_host_blocks,
-    int cand_m) {
+    int cand_m, int tile_arg) {
     extern __shared__ __align__(16) float codes_smem[];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     // With candidates, entry j = s cand_m + i is candidate i of sequence s for this head.
     const bool staged = cand != nullptr && cand_m > 0;
     const int n_out = staged ? num_seqs * cand_m : nnz;
-    const i64 num_tiles = ((i64)n_out + OASIS_CODES_TILE - 1) / OASIS_CODES_TILE;
+    // Entries per warp: at most a lane each (each lane resolves one entry's block id below).
+    const int tile = max(1, min(tile_arg, OASIS_CODES_TILE));
+    const i64 num_tiles = ((i64)n_out + tile - 1) / tile;
     const int h = (int)(blockIdx.x % (unsigned)num_kv_heads);
     const i64 tile_l = (i64)(blockIdx.x / (unsigned)num_kv_heads) * (blockDim.x >> 5) + warp;
     if (tile_l >= num_tiles) return;  // warp-uniform
-    const int t0 = (int)tile_l * OASIS_CODES_TILE;
-    const int t1 = min(n_out, t0 + OASIS_CODES_TILE);
+    const int t0 = (int)tile_l * tile;
+    const int t1 = min(n_out, t0 + tile);
     if (num_seqs <= 0) {  // no row at all (blk_indptr = [x]): every entry scores -inf
         if (t0 + lane < t1) scores[(i64)(t0 + lane) * num_kv_heads + h] = neg_inf();
         return;
@@ -618,7 +620,7 @@ OASIS_BUILD_KEY_CODES(build_key_codes_f32, float)
         oasis::score_blocks_codes_impl<T>(p.q, p.summaries, p.codes, p.blk_indptr, p.blk_indices,    \
                                           p.scores, p.cand, p.num_seqs, p.nnz, p.num_qo_heads,       \
                                           p.num_kv_heads, p.head_dim, p.block_size,                  \
-                                          p.num_host_blocks, p.cand_m);                              \
+                                          p.num_host_blocks, p.cand_m, p.tile);                      \
     }
 
 OASIS_SCORE_BLOCKS_CODES(score_blocks_codes_bf16, oasis::bf16)

@@ -158,6 +158,9 @@ struct ScoreBlocksCodesParams {
     int block_size;
     int num_host_blocks;
     int cand_m;                 // candidates per (sequence, KV head) with cand; 0 without
+    int tile;                   // entries per warp, 1..OASIS_CODES_TILE (clamped): the launch's
+                                // choice, smaller for a small batch so that more warps run
+    int _pad0;
 };
 
 // topk_blocks_f32 (cuda/score_blocks.cu).

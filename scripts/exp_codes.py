@@ -31,14 +31,17 @@ from oasiskv.bench.kernels import codes_inputs, time_graph
 
 # The defaults of cuda/key_codes.cu's knobs (what oasis-cuda builds); each variant overrides some.
 DEFAULTS = {"OASIS_CODES_STAGES": 3, "OASIS_CODES_MIN_BLOCKS": 6, "OASIS_CODES_TILE": 32}
+# "tile": the entries per warp the launch asks for (ScoreBlocksCodesParams.tile, at most
+# OASIS_CODES_TILE); the wheel picks it by the batch (oasis_cuda::ops::score_codes_tile). Shorter
+# tiles: more warps in flight for a small batch (the rescoring is latency-bound); at 32K x 64
+# they lose (sixteenth session: 16 -> 66 us, 8 -> 84 us against 61).
 VARIANTS = [
     {},
     {"OASIS_CODES_STAGES": 4},
     {"OASIS_CODES_STAGES": 2, "OASIS_CODES_MIN_BLOCKS": 8},
-    # Fewer entries per warp: more warps in flight for the candidates' rescoring, which reads at
-    # a third of the copy bandwidth (docs/PERF.md, fifteenth session); untried so far.
-    {"OASIS_CODES_TILE": 16},
-    {"OASIS_CODES_TILE": 8},
+    {"tile": 16},
+    {"tile": 8},
+    {"tile": 4},
 ]
 THREADS = 128  # OASIS_CODES_THREADS
 
@@ -133,7 +136,7 @@ def main() -> None:
         ).items()
     }
 
-    def rescore_params(summ_ptr: int, codes_ptr: int) -> np.void:
+    def rescore_params(summ_ptr: int, codes_ptr: int, tile: int = 32) -> np.void:
         return params(
             ("q", "ptr", c["q"].data.ptr),
             ("summaries", "ptr", summ_ptr),
@@ -150,17 +153,19 @@ def main() -> None:
             ("block_size", "i32", bs),
             ("num_host_blocks", "i32", n_host),
             ("cand_m", "i32", m),
+            ("tile", "i32", tile),
+            ("_pad0", "i32", 0),
         )
 
-    p = rescore_params(c["summ"].data.ptr, c["codes"].data.ptr)
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)  # 256 MiB: past any L2
     out["wheel_rescore_cold_us"] = timed_cold(parts["rescore"], flush) * 1e3
     print(f"wheel rescore, cold L2: {out['wheel_rescore_cold_us']:.1f} us", flush=True)
     group = hq // hk
     n_out = args.batch * m
-    sources = [("current", source(ROOT / "key_codes.cu"), p)]
+    ptrs = (c["summ"].data.ptr, c["codes"].data.ptr)
+    sources = [("current", source(ROOT / "key_codes.cu"), ptrs)]
     for alt in args.source_alt:
-        sources.append((Path(alt).stem, source(Path(alt)), p))
+        sources.append((Path(alt).stem, source(Path(alt)), ptrs))
     if args.record_layout:
         # An entry's summaries and codes as one record (2 d elements, then 4 d code bytes), the
         # records in entry order: the staged copy reads one contiguous 1 KiB (bf16, d 128) per
@@ -183,17 +188,20 @@ def main() -> None:
             "const unsigned char* src_s = reinterpret_cast<const unsigned char*>(summaries) + "
             "entry * (2 * head_dim * (i64)sizeof(T) + 4 * head_dim);",
         ).replace(old_c, "const unsigned char* src_c = src_s + 2 * head_dim * sizeof(T);")
-        sources.append(("record", src, rescore_params(c["rec"].data.ptr, c["rec"].data.ptr)))
-    for label, src, pv in sources:
+        sources.append(("record", src, (c["rec"].data.ptr, c["rec"].data.ptr)))
+    for label, src, ptrs in sources:
         for over in VARIANTS:
-            v = {**DEFAULTS, **over}
-            fn = module(v, src).get_function("score_blocks_codes_bf16")
+            v = {**DEFAULTS, "tile": DEFAULTS["OASIS_CODES_TILE"], **over}
+            pv = rescore_params(*ptrs, tile=v["tile"])
+            fn = module({k: x for k, x in v.items() if k != "tile"}, src).get_function(
+                "score_blocks_codes_bf16"
+            )
             stage = v["OASIS_CODES_STAGES"] * (2 * d * 2 + 4 * d)
             smem = (THREADS // 32) * (stage + (2 * group * d + d + group) * 4)
             if smem > 48 * 1024:
                 fn.max_dynamic_shared_size_bytes = smem
 
-            blocks = math.ceil(math.ceil(n_out / v["OASIS_CODES_TILE"]) / (THREADS // 32)) * hk
+            blocks = math.ceil(math.ceil(n_out / v["tile"]) / (THREADS // 32)) * hk
 
             def launch(fn=fn, smem=smem, blocks=blocks, pv=pv):
                 fn((blocks,), (THREADS,), (pv,), shared_mem=smem)

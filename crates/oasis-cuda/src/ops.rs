@@ -54,6 +54,22 @@ pub const SCORE_CODES_THREADS: u32 = 128;
 /// Consecutive block-table entries one warp of `score_blocks_codes_*` scores (for one KV head);
 /// must match OASIS_CODES_TILE.
 pub const SCORE_CODES_TILE: usize = 32;
+/// Warps `score_blocks_codes_*` should have per SM before its tiles shrink: the rescoring is
+/// latency-bound (each warp copies and scores its tile's entries one after another), so a small
+/// batch needs shorter tiles to keep enough copies in flight.
+pub const SCORE_CODES_WARPS_PER_SM: usize = 16;
+
+/// Entries per warp of `score_blocks_codes_*` for `n_out` entries per KV head: the longest tile of
+/// 32, 16 and 8 that still gives every SM [`SCORE_CODES_WARPS_PER_SM`] warps, else 8 (a shorter
+/// tile reloads the query more often than it gains). Total for any arguments.
+pub fn score_codes_tile(n_out: usize, num_kv_heads: usize, num_sms: usize) -> usize {
+    let want = SCORE_CODES_WARPS_PER_SM.saturating_mul(num_sms.max(1));
+    [SCORE_CODES_TILE, 16, 8]
+        .into_iter()
+        .find(|&t| n_out.div_ceil(t).saturating_mul(num_kv_heads) >= want)
+        .unwrap_or(8)
+}
+
 /// Staging buffers per warp of `score_blocks_codes_*`'s tensor-core path; must match
 /// OASIS_CODES_STAGES.
 pub const SCORE_CODES_STAGES: usize = 3;
@@ -1085,6 +1101,7 @@ impl Gpu {
             }
 
             let name = entry!(T, "score_blocks_codes");
+            let tile = score_codes_tile(n_out, h, self.num_sms());
             let params = ScoreBlocksCodesParams {
                 q: q.into(),
                 summaries: summaries.into(),
@@ -1101,12 +1118,14 @@ impl Gpu {
                 num_host_blocks: int("num_host_blocks", num_host)?,
                 cand: DevPtr::from(cand.map(|(c, _)| c)),
                 cand_m: int("m", cand.map_or(0, |(_, m)| m))?,
+                tile: int("tile", tile)?,
+                _pad0: 0,
             };
             int("num_seqs * m", n_out)?;
-            // One warp per (tile of SCORE_CODES_TILE entries, KV head); a thread block holds
-            // consecutive tiles of one head.
+            // One warp per (tile of `tile` entries, KV head); a thread block holds consecutive
+            // tiles of one head.
             let blocks = n_out
-                .div_ceil(SCORE_CODES_TILE)
+                .div_ceil(tile)
                 .div_ceil((SCORE_CODES_THREADS / 32) as usize)
                 * h;
             let grid = grid_x("score blocks", blocks)?;
@@ -1830,6 +1849,35 @@ impl Gpu {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn codes_tile_shrinks_for_small_batches_only() {
+        // The H200 (132 SMs), 8 KV heads, 160 candidates per sequence.
+        let tile = |seqs: usize| score_codes_tile(seqs * 160, 8, 132);
+        assert_eq!(tile(64), 32); // 2560 warps of 32 entries: enough
+        assert_eq!(tile(32), 16);
+        assert_eq!(tile(16), 8);
+        assert_eq!(tile(1), 8); // never below 8
+        for (n, h, sms) in [
+            (0, 0, 0),
+            (usize::MAX, usize::MAX, usize::MAX),
+            (1, 1, 1),
+            (7, 3, 0),
+        ] {
+            let t = score_codes_tile(n, h, sms);
+            assert!([8, 16, 32].contains(&t), "{n} {h} {sms}: {t}");
+        }
+        // The tile chosen gives the warps asked for whenever some tile does.
+        for n in [100, 1000, 5000, 20000, 100000] {
+            let t = score_codes_tile(n, 8, 132);
+            let want = SCORE_CODES_WARPS_PER_SM * 132;
+            assert!(n.div_ceil(t) * 8 >= want || t == 8, "{n}: {t}");
+            assert!(
+                t == SCORE_CODES_TILE || n.div_ceil(t * 2) * 8 < want,
+                "{n}: {t} is shorter than needed"
+            );
+        }
+    }
 
     #[test]
     fn gather_stage_fits_shared_memory() {

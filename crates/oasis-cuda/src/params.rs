@@ -347,6 +347,8 @@ kernel_params! {
         pub block_size: i32,
         pub num_host_blocks: i32,
         pub cand_m: i32, // candidates per (sequence, KV head) with cand; 0 without
+        pub tile: i32,   // entries per warp (1..=SCORE_CODES_TILE): ops::score_codes_tile
+        pub _pad0: i32,
     }
 }
 
@@ -556,7 +558,7 @@ mod tests {
         assert_eq!(size_of::<MergeAttnStatesParams>(), 3 * 8 + 2 * 4);
         assert_eq!(size_of::<ScoreBlocksParams>(), 5 * 8 + 6 * 4);
         assert_eq!(size_of::<BuildKeyCodesParams>(), 5 * 8 + 6 * 4);
-        assert_eq!(size_of::<ScoreBlocksCodesParams>(), 7 * 8 + 8 * 4);
+        assert_eq!(size_of::<ScoreBlocksCodesParams>(), 7 * 8 + 10 * 4);
         assert_eq!(size_of::<TopkBlocksParams>(), 5 * 8 + 6 * 4);
         assert_eq!(size_of::<ForceScoresParams>(), 3 * 8 + 4 * 4);
         assert_eq!(size_of::<TopkCandidatesParams>(), 5 * 8 + 6 * 4);
