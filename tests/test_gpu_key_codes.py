@@ -272,6 +272,38 @@ def test_rescore_blocks_codes_matches_cpu_twin_key_codes(dtype, head_dim):
 
 
 @gpu_test
+@pytest.mark.parametrize("m", [40, 2500, 9000])
+def test_rescore_blocks_codes_every_tile_length_matches_the_twin(m):
+    """The launch shortens the tile for a small batch (oasis_cuda::ops::score_codes_tile: 32, 16 or
+    8 entries per warp by the entries per KV head against the SM count): with m candidates per
+    sequence (repeats allowed, -1 sprinkled in) the H200 takes 8, 16 and 32; every length gives
+    the twin's scores, -inf for each -1, every entry written."""
+    dtype, head_dim = torch.bfloat16, 128
+    gen = seeded("key_codes-tiles", m)
+    geo, _, summaries, codes, q, blk_indptr, blk_indices = _case(gen, dtype, 4, head_dim, 16)
+    lens = (blk_indptr[1:] - blk_indptr[:-1]).view(-1, 1, 1)
+    pick = torch.randint(0, 1 << 30, (len(LENS), geo.num_kv_heads, m), generator=gen)
+    cand = torch.where(lens > 0, pick % lens.clamp(min=1), -1).to(torch.int32)
+    cand[torch.rand(cand.shape, generator=gen) < 0.05] = -1
+    want = ops.rescore_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices, cand)
+    out = torch.full((len(LENS) * m, geo.num_kv_heads), POISON, device=DEV)
+    got = back(
+        ops.rescore_blocks_codes(
+            geo, dev(q), dev(summaries), dev(codes), dev(blk_indptr), dev(blk_indices), dev(cand), scores=out
+        )
+    )
+    assert not got.isnan().any()  # every entry written
+    assert torch.equal(got == float("-inf"), want == float("-inf"))
+    mag = magnitude(q, summaries, blk_indptr, blk_indices)
+    j = (blk_indptr[:-1].view(-1, 1, 1) + cand.clamp(min=0)).long()
+    mag_c = (
+        mag[j, torch.arange(geo.num_kv_heads).view(1, -1, 1)].permute(0, 2, 1).reshape(-1, geo.num_kv_heads)
+    )
+    fin = want != float("-inf")
+    assert_scores_close(got[fin], want[fin], mag_c[fin])
+
+
+@gpu_test
 @pytest.mark.parametrize("case", MALFORMED_INDPTR)
 def test_rescore_blocks_codes_with_a_malformed_blk_indptr_scores_minus_inf(case):
     """Memory safety of the two-stage path (run under compute-sanitizer memcheck): a candidate of
