@@ -1197,3 +1197,19 @@ def test_teacher_reports_the_overlap_against_the_selections_own_choice(tiny):
         {"records": [{**rec, "budget": "4b", "fetch_cap": None, "lookahead": sticky}]}
     )
     assert "own choice" in md and f"{kept['overlap']:.3f}" in md
+
+
+def test_report_keeps_runs_of_other_text_counts_apart():
+    """Records of one context with 4 and 14 texts get a section each (no table cell holds the
+    other run's value) and plot tags of their own."""
+    base = {"section": "teacher", "context": 8192, "steps": 128, "policy": "oasis", "drafter": "eagle3"}
+    recs = [
+        {**base, "texts": 4, "budget": "1/4", "fetch_cap": 0.05, "lookahead": {"overlap": 0.111}},
+        {**base, "texts": 14, "budget": "1/4", "fetch_cap": 0.05, "lookahead": {"overlap": 0.222}},
+    ]
+    md = report.render_markdown({"records": recs})
+    assert "### Context 8192 (128 steps x 4 texts)" in md and "### Context 8192 (128 steps x 14 texts)" in md
+    assert "0.111" in md and "0.222" in md
+    tags = [tag for _, tag, _ in report._by_setting(recs)]
+    assert tags == ["C8192-128x4", "C8192-128x14"]
+    assert [tag for _, tag, _ in report._by_setting(recs[:1])] == ["C8192"]

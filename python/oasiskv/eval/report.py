@@ -88,18 +88,28 @@ def _by(recs, field) -> dict:
 
 
 def _by_setting(recs) -> list[tuple[str, str, list[dict]]]:
-    """Teacher-forced records grouped by (context, continuation), in order: (title, file tag,
-    records). ``continuation`` is absent for held-out text (the default) and "greedy" when the
-    texts continue with dense greedy decoding (``oasis eval --continuation greedy``)."""
+    """Teacher-forced records grouped by (context, continuation, steps, texts), in order: (title,
+    file tag, records). ``continuation`` is absent for held-out text (the default) and "greedy"
+    when the texts continue with dense greedy decoding (``oasis eval --continuation greedy``).
+    Runs of one context with other step or text counts (``--texts 14`` beside ``--texts 4``) are
+    groups of their own, so that no table cell mixes them; their file tags end in
+    ``-{steps}x{texts}``."""
     groups: dict = {}
     for r in recs:
-        groups.setdefault((r.get("context"), r.get("continuation") or "text"), []).append(r)
+        key = (r.get("context"), r.get("continuation") or "text", r.get("steps") or 0, r.get("texts") or 0)
+        groups.setdefault(key, []).append(r)
+    sizes: dict = {}
+    for ctx, cont, steps, texts in groups:
+        sizes.setdefault((ctx, cont), set()).add((steps, texts))
     out = []
-    for ctx, cont in sorted(groups, key=lambda k: (k[0], k[1] != "text", k[1])):
-        if cont == "text":
-            out.append((f"{ctx}", f"C{ctx}", groups[(ctx, cont)]))
-        else:
-            out.append((f"{ctx}, {cont} continuation", f"C{ctx}-{cont}", groups[(ctx, cont)]))
+    for key in sorted(groups, key=lambda k: (k[0], k[1] != "text", k[1], k[2], k[3])):
+        ctx, cont, steps, texts = key
+        title, tag = (
+            (f"{ctx}", f"C{ctx}") if cont == "text" else (f"{ctx}, {cont} continuation", f"C{ctx}-{cont}")
+        )
+        if len(sizes[ctx, cont]) > 1:
+            tag += f"-{steps}x{texts}"
+        out.append((title, tag, groups[key]))
     return out
 
 
