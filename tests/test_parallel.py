@@ -231,6 +231,67 @@ def test_a_failure_on_one_worker_becomes_that_requests_error():
     assert driver["pools_full"] and worker["pools_full"]
 
 
+#: A prompt asked twice (the second prefill is a cache hit) and another one; whole-prompt
+#: prefills (a chunked one does not consult the cache).
+CACHE_SPECS = [(0, 150, 6), (0, 150, 9), (1, 40, 7)]
+CACHE_ENGINE = {**ENGINE, "max_num_batched_tokens": 512}
+
+
+def _cache_requests():
+    return [(prompt(n, i), SamplingParams(max_tokens=m, ignore_eos=True)) for i, n, m in CACHE_SPECS]
+
+
+def _prefill_cache_job(group, diverge: bool):
+    """Rank-local prefill caches under TP=2; ``diverge``: rank 1's cache never keeps an entry, so
+    it misses where rank 0 hits. Returns the driver's outputs, each rank's cache hits and how many
+    prompt forwards (prefills) each rank's model ran."""
+    from oasiskv import PrefillCache
+
+    model = TPCausalLM.random(CFG, seed=SEED, group=group)
+    cache = PrefillCache(capacity=2)
+    if diverge and group.rank == 1:
+        cache.put = lambda key, item: None
+    forwards, real = [0], model.forward
+
+    def forward(ids, *args, **kwargs):
+        forwards[0] += int(ids.numel() >= 40)  # a whole prompt; decode steps carry a few tokens
+        return real(ids, *args, **kwargs)
+
+    model.forward = forward
+    eng = TPLLMEngine(model, backend="oasis", kv=KvConfig(**KV), prefill_cache=cache, **CACHE_ENGINE)
+    got = None
+    if eng.is_driver:
+        try:
+            ids = [eng.add_request(p, sp) for p, sp in _cache_requests()]
+            outs = eng.run_to_completion(ids)
+            got = {rid: (o.token_ids, o.error) for rid, o in outs.items()}
+        finally:
+            eng.shutdown()
+    else:
+        eng.worker_loop()
+    return {"outputs": got, "hits": cache.hits, "forwards": forwards[0]}
+
+
+@pytest.mark.parametrize("diverge", [False, True], ids=["same-caches", "rank1-misses"])
+def test_tp2_prefill_cache_serves_a_prompt_only_where_every_rank_has_it(diverge):
+    """A PrefillCache per rank under TP=2: the repeated prompt is served from the caches on both
+    ranks (one prompt forward fewer on each), and the tokens equal one process's without a cache.
+    Where rank 1's cache misses while rank 0's hits, both ranks run the forward (no rank waits
+    in a collective the other skipped) and the tokens are the same."""
+    ranks = run_tp(_prefill_cache_job, tp=2, args=(diverge,), timeout_s=120)
+    ref = LLMEngine(CausalLM.random(CFG, seed=SEED), backend="oasis", kv=KvConfig(**KV), **CACHE_ENGINE)
+    ids = [ref.add_request(p, sp) for p, sp in _cache_requests()]
+    want = {rid: (o.token_ids, o.error) for rid, o in ref.run_to_completion(ids).items()}
+    assert ranks[0]["outputs"] == want
+    assert all(err is None for _, err in want.values())
+    if diverge:
+        assert ranks[0]["hits"] == 1 and ranks[1]["hits"] == 0
+        assert ranks[0]["forwards"] == ranks[1]["forwards"] == 3  # the hit was not used
+    else:
+        assert ranks[0]["hits"] == ranks[1]["hits"] == 1
+        assert ranks[0]["forwards"] == ranks[1]["forwards"] == 2
+
+
 def _raising_job(group):
     if group.rank == 1:
         raise ValueError("boom on rank 1")
@@ -281,7 +342,8 @@ def test_bench_serve_tp2_sweeps_on_the_cpu(tmp_path, capsys):
 def test_bench_fig11_tp2_on_the_cpu(tmp_path):
     """``--fig11 --tp 2``: rank 0 runs the sweep, the other rank builds each engine it is sent
     and follows it; the rows are rank 0's (one KV head of tiny-moe's two), dense and OasisKV make
-    every token, and OasisKV fetched blocks (the 128-token prompts turn sparse)."""
+    every token, and OasisKV fetched blocks (the 128-token prompts turn sparse). The shared prompt
+    is served from each rank's prefill cache (a hit on one rank alone would hang the other)."""
     from oasiskv.bench import serve as bench
 
     out = tmp_path / "fig11.json"
@@ -290,6 +352,7 @@ def test_bench_fig11_tp2_on_the_cpu(tmp_path):
     assert bench.main([*args, "--fetch-cap", "0.5", "--json", str(out), "--md", "", "--png", ""]) == 0
     rep = json.loads(out.read_text())
     assert rep["tp"] == 2 and rep["contexts"]["128"]["ttft_cold_s"] > 0
+    assert rep["contexts"]["128"]["prefill_cache_bytes"] > 0  # shared prompts: every rank's cache
     rows = {r["mode"]: r for r in rep["rows"]}
     assert sorted(rows) == ["dense", "oasis"]
     for mode, r in rows.items():
@@ -571,15 +634,11 @@ def test_tp1_model_is_the_causal_lm():
 
 
 def test_tp_engine_refuses_what_it_cannot_split_yet():
-    """EAGLE-3, a prefill cache and captured steps are refused with tp > 1 before any collective;
-    a model sharded for another rank is refused too."""
+    """EAGLE-3 and captured steps are refused with tp > 1 before any collective; a model sharded
+    for another rank is refused too."""
     model = TPCausalLM(CFG, group=TPGroup(0, 2, torch.device("cpu")))  # no collective is run
     with pytest.raises(NotImplementedError, match="EAGLE-3"):
         TPLLMEngine(model, drafter="eagle3")
-    from oasiskv import PrefillCache
-
-    with pytest.raises(ConfigError, match="prefill_cache"):
-        TPLLMEngine(model, prefill_cache=PrefillCache())
     with pytest.raises(ConfigError, match="cuda_graph"):
         TPLLMEngine(model, cuda_graph=True)
     with pytest.raises(ConfigError, match="shard 0 of 2 but this is rank 1 of 2"):

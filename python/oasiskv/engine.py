@@ -1035,6 +1035,10 @@ class Engine:
         self._runtime_pools: KvPools | None = None
         self._budgets = (gpu_kv_budget_bytes, host_kv_budget_bytes)
         self.prefill_cache = prefill_cache
+        #: Under tensor parallelism (set by TPLLMEngine): ``agree(hit) -> bool``, whether every
+        #: rank's prefill cache hit, so that all ranks skip the forward (and its collectives) or
+        #: none does; None in one process.
+        self.prefill_agree = None
         self.step_no = 0
         # Latest lookahead query of every layer ([batch, num_qo_heads, head_dim]) and each request's
         # row in it: the initial selection of a request that turns sparse uses them.
@@ -1429,6 +1433,8 @@ class Engine:
         cache = self.prefill_cache
         key = (id(getattr(self.model, "prefill_model", self.model)), self.dtype, tuple(r.prompt))
         hit = cache.get(key, self.capture) if cache is not None else None
+        if cache is not None and self.prefill_agree is not None and not self.prefill_agree(hit is not None):
+            hit = None  # another rank missed: every rank runs the forward
         if hit is not None:
             for layer in range(layers):
                 store(layer, hit.k[layer], hit.v[layer])

@@ -638,7 +638,6 @@ class _Worker:
 
 #: LLMEngine options a tensor-parallel engine does not take yet, and why.
 _TP_UNSUPPORTED = {
-    "prefill_cache": "a PrefillCache hit skips the forward on one rank only",
     "policy": "selection policies (evaluation) run on one rank",
     "cuda_graph": "captured steps with the group's collectives inside are not done yet",
     "kv_source": "a staged request's KV would come from the daemon on the driver only",
@@ -666,6 +665,10 @@ class TPLLMEngine:
     LLMEngine's; the workers receive its engine calls (with each request's new tokens and draft)
     and replay them in order. So the ranks never diverge, and only the driver runs a drafter
     (the n-gram drafter; EAGLE-3 needs the sharded LM head and is not supported yet).
+
+    **Prefill cache.** Pass each rank its own :class:`~oasiskv.engine.PrefillCache` (it holds
+    that rank's shard of each prompt's KV); a prompt is served from the caches only when every
+    rank's hits, else every rank runs the forward.
 
     **Budgets** (``gpu_kv_budget_bytes``, ``host_kv_budget_bytes``) are per rank. Left out, each
     rank takes its share of the defaults (the host pool's 40 % of free RAM is divided among the
@@ -703,6 +706,9 @@ class TPLLMEngine:
         llm = LLMEngine(model, **kwargs)
         if tp > 1:
             llm = self._agree_budgets(llm, model, kwargs)
+            # A prefill cache (one per rank, of its own shard) serves a prompt only where every
+            # rank has it: a hit skips the forward, whose collectives the others would wait in.
+            llm.engine.prefill_agree = lambda hit: not group.any(not hit)
         self._llm = llm
         #: This rank's own engine (its KV heads' pools, tables and selection).
         self.engine = llm.engine

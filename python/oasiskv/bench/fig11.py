@@ -106,8 +106,8 @@ with a GPU each, gloo with ``--device cpu``): rank 0 runs this sweep on a
 sends the engine's options to the other ranks, which build theirs and follow it
 (``worker_loop``). A preset's ranks draw their own shards (``TPCausalLM.random_shards``). Every
 byte count, budget, peak and roofline is rank 0's, i.e. per rank (its KV heads, its shard of the
-weights, its device's bandwidth). Not with ``--tp`` yet: the prefill cache (``shared`` prompts are
-then prefilled once per request), ``--cuda-graph`` and ``--speculative``.
+weights, its device's bandwidth); each rank keeps its own prefill cache of its shard for
+``shared`` prompts. Not with ``--tp`` yet: ``--cuda-graph`` and ``--speculative``.
 """
 
 from __future__ import annotations
@@ -492,6 +492,9 @@ class Fig11:
         self.group = group if group is not None and group.size > 1 else None
         self.tp = group.size if self.group is not None else 1
         self._live = None  # the TPLLMEngine the workers follow now
+        # Under --tp, the context's prefill cache travels to the workers as this tag; each keeps
+        # its own cache of its shard per tag (_tp_worker).
+        self._cache_tag: tuple[str, int] | None = None
         self.model, self.model_name, self.dev = build_model(args, self.group)
         self.cuda = self.dev.type == "cuda"
         self.cfg = self.model.config
@@ -651,7 +654,8 @@ class Fig11:
         from ..parallel import TPLLMEngine
 
         self.close(self._live)
-        self.group.broadcast_object(("engine", kw))
+        sent = {**kw, "prefill_cache": None if cache is None else self._cache_tag}
+        self.group.broadcast_object(("engine", sent))
         self._live = TPLLMEngine(self.model, group=self.group, **kw)
         return self._live
 
@@ -978,7 +982,8 @@ class Fig11:
                     f"--contexts {ctx} + --max-tokens passes the model's context of "
                     f"{self.cfg.max_position_embeddings} tokens"
                 )
-            cache = PrefillCache() if a.prompts == "shared" and self.group is None else None
+            cache = PrefillCache() if a.prompts == "shared" else None
+            self._cache_tag = ("prefill-cache", ctx)
             modes = [*a.modes, *self.spec_modes]  # speculative rows draft from their base rows' tokens
             needs = {m: self.need(m, ctx) for m in modes}
             cold = None
@@ -1278,15 +1283,23 @@ def _tp_job(group, args):
 
 
 def _tp_worker(group, args) -> None:
+    from ..engine import PrefillCache
     from ..parallel import TPLLMEngine
 
     model, _, dev = build_model(args, group)
     import torch
 
+    caches: dict = {}  # rank 0's cache tag -> this rank's cache (of its shard), the latest only
     while True:
         kind, kw = group.broadcast_object(None)
         if kind == "done":
             return None
+        tag = kw.get("prefill_cache")
+        if tag is not None:
+            if tag not in caches:
+                caches.clear()  # a new context: the last one's entry goes
+                caches[tag] = PrefillCache()
+            kw = {**kw, "prefill_cache": caches[tag]}
         eng = TPLLMEngine(model, group=group, **kw)
         eng.worker_loop()
         del eng
