@@ -34,7 +34,7 @@ DEFAULTS = {"OASIS_CODES_STAGES": 3, "OASIS_CODES_MIN_BLOCKS": 6, "OASIS_CODES_T
 # "tile": the entries per warp the launch asks for (ScoreBlocksCodesParams.tile, at most
 # OASIS_CODES_TILE); the wheel picks it by the batch (oasis_cuda::ops::score_codes_tile). Shorter
 # tiles: more warps in flight for a small batch (the rescoring is latency-bound); at 32K x 64
-# they lose (sixteenth session: 16 -> 66 us, 8 -> 84 us against 61).
+# they lose (sixteenth session: 16 -> 66 us, 8 -> 84 us against 61; docs/PERF.md has each batch).
 VARIANTS = [
     {},
     {"OASIS_CODES_STAGES": 4},
