@@ -1151,7 +1151,8 @@ def test_recall_with_sticky_candidates_also_ranks_what_the_prediction_kept(tiny)
     """With sticky candidates and a recorder, each recall also gives ``actual_kept``: the true
     query's top-K over the same blocks with the blocks the judged prediction kept as candidates
     (checked call by call against that definition); it differs from the plain exact top-K
-    somewhere. Without sticky candidates there is none."""
+    somewhere. Without sticky candidates there is none, nor for a recorder that does not ask for
+    it (``kept_reference``), whose ``on_recall`` need not take it."""
     import oasiskv
 
     kw = dict(block_size=BLOCK, top_k_blocks=3, fetch_cap=None, sparse_threshold=40, block_score="codes")
@@ -1173,6 +1174,17 @@ def test_recall_with_sticky_candidates_also_ranks_what_the_prediction_kept(tiny)
     plain.engine.recorder = Plain()
     plain.generate([repetitive(130, seed=3)], 4, ignore_eos=True)
     assert seen and all(kw == {} for kw in seen)
+
+    class OldStyle:  # a recorder written before actual_kept: it does not ask for it
+        calls = 0
+
+        def on_recall(self, engine, layer, sp_reqs, actual, prev, slot_pages, q=None) -> None:
+            OldStyle.calls += 1
+
+    sticky = oasiskv.LLM(tiny, kv=kv, backend="oasis", drafter="ngram")
+    sticky.engine.recorder = OldStyle()
+    sticky.generate([repetitive(130, seed=3)], 4, ignore_eos=True)
+    assert OldStyle.calls > 0 and all(k is None for k in sticky.engine._kept)
 
 
 def test_teacher_reports_the_overlap_against_the_selections_own_choice(tiny):

@@ -1084,9 +1084,10 @@ class Engine:
         self._kept: list[torch.Tensor | None] = [None] * c.num_hidden_layers
         # Optional measurement hook (None on the normal path): ``recorder.on_recall(engine, layer,
         # sp_reqs, actual, prev, slot_pages, q_now)`` is called from ``_select`` wherever recall is
-        # measured, before this step's selection changes the mapping; with sticky candidates also
-        # ``actual_kept=``: the true query's top-K with the blocks the prediction kept as
-        # candidates (what the selection itself would have chosen knowing the query).
+        # measured, before this step's selection changes the mapping; with sticky candidates and a
+        # recorder whose ``kept_reference`` is true, also ``actual_kept=``: the true query's top-K
+        # with the blocks the prediction kept as candidates (what the selection itself would have
+        # chosen knowing the query; one more top-K per layer, so a recorder opts in).
         # ``oasiskv.eval`` uses it for per-layer, per-step lookahead accuracy. On a GPU it runs on
         # the background stream: it must not sync, except an evaluation recorder that accepts the
         # stall (the attention-mass sample).
@@ -2291,7 +2292,7 @@ class Engine:
             if self.recorder is not None:
                 extra = {}
                 kept = self._kept[layer]
-                if kept is not None:
+                if kept is not None and self._wants_kept():
                     keep = kept[sp_ids]
                     extra["actual_kept"] = self.top_k_blocks(
                         layer, q_now, (rec_indptr, rec_indices), k_budget, sp_ids, keep=keep
@@ -2327,6 +2328,10 @@ class Engine:
             self._pred[layer] = torch.full(shape, -1, dtype=torch.int32, device=self.device)
         return self._pred[layer]
 
+    def _wants_kept(self) -> bool:
+        """Whether the recorder asked for the recall's kept reference (``kept_reference``)."""
+        return self.recorder is not None and bool(getattr(self.recorder, "kept_reference", False))
+
     def _kept_of(self, layer: int) -> torch.Tensor:
         """Each slot's kept candidates of its latest prediction of ``layer`` (see ``_kept``), shaped
         as :meth:`_pred_of`; made when a recorder first needs it."""
@@ -2347,7 +2352,7 @@ class Engine:
         of ``layer``: the prediction the next step's recall measures, and the pinned blocks
         (``KvConfig.pin_blocks``: the best ``pin_blocks`` after the sinks)."""
         self._pred_of(layer)[slot] = pred
-        if self.recorder is not None and self.kv.sticky_candidates:
+        if self.kv.sticky_candidates and self._wants_kept():
             self._kept_of(layer)[slot] = -1  # the first selection ranked every block, keeping none
         if self.kv.pin_blocks:
             s = self.kv.sink_blocks
@@ -2469,7 +2474,7 @@ class Engine:
             if self.kv.sticky_candidates:
                 keep = None if initial or slots is None else self._pred_of(layer)[slots]
                 pred = self.top_k_blocks(layer, q, blk_csr, k_budget, slots, keep=keep, every_block=initial)
-                if self.recorder is not None and slots is not None:
+                if slots is not None and self._wants_kept():
                     self._kept_of(layer)[slots] = -1 if keep is None else keep
             else:
                 pred = self.top_k_blocks(layer, q, blk_csr, k_budget, slots)

@@ -417,6 +417,9 @@ class LookaheadRecorder:
     device until :meth:`tensors` (no host sync inside the engine's background chain).
     """
 
+    #: Ask the engine for ``actual_kept`` (sticky candidates: the selection's own choice).
+    kept_reference = True
+
     def __init__(self, mass_every: int = 0) -> None:
         self.enabled = False
         self.step = -1
