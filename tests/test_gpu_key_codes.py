@@ -272,11 +272,11 @@ def test_rescore_blocks_codes_matches_cpu_twin_key_codes(dtype, head_dim):
 
 
 @gpu_test
-@pytest.mark.parametrize("m", [40, 1500, 2500, 9000])
+@pytest.mark.parametrize("m", [40, 2500, 9000])
 def test_rescore_blocks_codes_every_tile_length_matches_the_twin(m):
-    """The launch shortens the tile for a small batch (oasis_cuda::ops::score_codes_tile: 32, 16, 8
-    or 4 entries per warp by the entries per KV head against the SM count): with m candidates per
-    sequence (repeats allowed, -1 sprinkled in) the H200 takes 4, 8, 16 and 32; every length gives
+    """The launch shortens the tile for a small batch (oasis_cuda::ops::score_codes_tile: 32, 16 or
+    8 entries per warp by the entries per KV head against the SM count): with m candidates per
+    sequence (repeats allowed, -1 sprinkled in) the H200 takes 8, 16 and 32; every length gives
     the twin's scores, -inf for each -1, every entry written."""
     dtype, head_dim = torch.bfloat16, 128
     gen = seeded("key_codes-tiles", m)

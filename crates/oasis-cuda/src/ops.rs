@@ -60,8 +60,9 @@ pub const SCORE_CODES_TILE: usize = 32;
 pub const SCORE_CODES_WARPS_PER_SM: usize = 16;
 
 /// Entries per warp of `score_blocks_codes_*` for `n_out` entries per KV head: the longest tile of
-/// 32, 16 and 8 that still gives every SM [`SCORE_CODES_WARPS_PER_SM`] warps, else 8 (a shorter
-/// tile reloads the query more often than it gains). Total for any arguments.
+/// 32, 16 and 8 that still gives every SM [`SCORE_CODES_WARPS_PER_SM`] warps, else 8 (a 4-entry
+/// tile measured faster at 4 x 32K but has no GPU test yet; docs/PERF.md). Total for any
+/// arguments.
 pub fn score_codes_tile(n_out: usize, num_kv_heads: usize, num_sms: usize) -> usize {
     let want = SCORE_CODES_WARPS_PER_SM.saturating_mul(num_sms.max(1));
     [SCORE_CODES_TILE, 16, 8]
