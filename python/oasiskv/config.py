@@ -18,8 +18,9 @@ BLOCK_SCORES = ("quest", "codes")
 #: score over 1.25 x K candidates that keep each request's previous prediction, plus the successors
 #: of the codes' 8 best blocks. On SmolLM2 at 8K and a quarter of the context as budget it gave
 #: every retrieval outcome dense gives (420 trials), exact copies within 1 point of dense and
-#: +1.2-1.4 % NLL, at 1.5 x the Quest score's kernel time and about 0.9 x its decode throughput
-#: (docs/EVAL.md, docs/PERF.md). With an EAGLE-3 drafter add ``lookahead_min_confidence=0.5``.
+#: +1.2-1.4 % NLL, at 1.5 x the Quest score's kernel time and about 0.95-0.97 x its decode
+#: throughput at 16 x 16K (docs/EVAL.md, docs/PERF.md). With an EAGLE-3 drafter add
+#: ``lookahead_min_confidence=0.5``.
 FIDELITY_SELECTION = {
     "block_score": "codes",
     "score_candidates": 1.25,

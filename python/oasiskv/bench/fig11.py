@@ -492,9 +492,6 @@ class Fig11:
         self.group = group if group is not None and group.size > 1 else None
         self.tp = group.size if self.group is not None else 1
         self._live = None  # the TPLLMEngine the workers follow now
-        # Under --tp, the context's prefill cache travels to the workers as this tag; each keeps
-        # its own cache of its shard per tag (_tp_worker).
-        self._cache_tag: tuple[str, int] | None = None
         self.model, self.model_name, self.dev = build_model(args, self.group)
         self.cuda = self.dev.type == "cuda"
         self.cfg = self.model.config
@@ -654,7 +651,9 @@ class Fig11:
         from ..parallel import TPLLMEngine
 
         self.close(self._live)
-        sent = {**kw, "prefill_cache": None if cache is None else self._cache_tag}
+        # The context's prefill cache travels as a tag: each worker keeps its own cache of its
+        # shard per tag (_tp_worker).
+        sent = {**kw, "prefill_cache": None if cache is None else ("prefill-cache", ctx)}
         self.group.broadcast_object(("engine", sent))
         self._live = TPLLMEngine(self.model, group=self.group, **kw)
         return self._live
@@ -983,7 +982,6 @@ class Fig11:
                     f"{self.cfg.max_position_embeddings} tokens"
                 )
             cache = PrefillCache() if a.prompts == "shared" else None
-            self._cache_tag = ("prefill-cache", ctx)
             modes = [*a.modes, *self.spec_modes]  # speculative rows draft from their base rows' tokens
             needs = {m: self.need(m, ctx) for m in modes}
             cold = None

@@ -4,11 +4,12 @@ parser builds without it installed; the binding check runs before the model load
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ipaddress
 import os
 import sys
 
-from ..config import BLOCK_SCORES, FIDELITY_SELECTION, SELECTIONS
+from ..config import BLOCK_SCORES, FIDELITY_SELECTION, SELECTIONS, KvConfig
 
 #: Default cap on a request body. Arbitrary: a 128K-token prompt is well under 1 MiB of text.
 DEFAULT_MAX_BODY_BYTES = 8 << 20
@@ -77,7 +78,7 @@ def add_selection_arguments(p: argparse.ArgumentParser) -> None:
         help="a preset of the flags below: 'quest' (the defaults) or 'fidelity' (--block-score codes "
         "--score-candidates 1.25 --sticky-candidates --successor-blocks 8, and "
         "--lookahead-min-confidence 0.5 with --drafter eagle3: retrieval and exact copies as dense "
-        "on SmolLM2, about 0.9 x the throughput; docs/EVAL.md); flags given as well override it",
+        "on SmolLM2, about 0.95 x the throughput; docs/EVAL.md); flags given as well override it",
     )
     p.add_argument(
         "--block-score",
@@ -139,13 +140,15 @@ def selection_kwargs(args) -> dict:
     """The :class:`~oasiskv.KvConfig` keyword arguments of :func:`add_selection_arguments`:
     ``--selection``'s preset, then every flag given explicitly over it (``--selection fidelity``
     with ``--drafter eagle3`` also sets ``lookahead_min_confidence=0.5``)."""
-    kw = dict(
-        block_score="quest",
-        score_candidates=None,
-        sticky_candidates=False,
-        lookahead_min_confidence=None,
-        successor_blocks=0,
+    # The flags a preset sets, at KvConfig's defaults (``--selection quest``).
+    preset = (
+        "block_score",
+        "score_candidates",
+        "sticky_candidates",
+        "lookahead_min_confidence",
+        "successor_blocks",
     )
+    kw = {f.name: f.default for f in dataclasses.fields(KvConfig) if f.name in preset}
     if getattr(args, "selection", "quest") == "fidelity":
         kw.update(FIDELITY_SELECTION)
         if getattr(args, "drafter", None) == "eagle3":
