@@ -8,8 +8,8 @@
 - :mod:`~oasiskv.serve.metrics`: Prometheus metrics;
 - :mod:`~oasiskv.serve.cli`: ``oasis serve``'s flags (importable without FastAPI).
 
-Needs the ``serve`` extra (``pip install 'oasiskv[serve]'``: FastAPI and uvicorn); the names
-below are imported on first use, so ``import oasiskv.serve.cli`` works without them.
+Needs the ``serve`` extra (``pip install 'oasiskv[serve]'``: FastAPI, uvicorn, prometheus_client);
+the names below are imported on first use, so ``import oasiskv.serve.cli`` works without them.
 """
 
 from __future__ import annotations

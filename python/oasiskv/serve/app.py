@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -130,7 +130,7 @@ def _error_for(e: OasisError, param: str | None) -> ApiError:
 def build_app(llm_engine: LLMEngine, config: ServeConfig) -> FastAPI:
     """The FastAPI app serving ``llm_engine``. Its lifespan starts the engine thread and stops
     it (aborting whatever runs) at shutdown; from then on only that thread touches the engine."""
-    engine_loop = EngineLoop(llm_engine, max_queue=config.max_queue)
+    engine_loop = EngineLoop(llm_engine, max_queue=config.max_queue, model_name=config.model_name)
     metrics = engine_loop.metrics
     tok = llm_engine.tokenizer
     mcfg = llm_engine.model.config
@@ -414,10 +414,10 @@ def build_app(llm_engine: LLMEngine, config: ServeConfig) -> FastAPI:
         return JSONResponse(body, status_code=200 if alive else 503)
 
     @app.get("/metrics")
-    async def prometheus():
-        return PlainTextResponse(
-            metrics.render(engine_loop.snapshot), media_type="text/plain; version=0.0.4; charset=utf-8"
-        )
+    async def prometheus(request: Request):
+        # Behind the API key like every route but /health (_BearerAuth).
+        body, content_type = metrics.render(request.headers.get("accept"))
+        return Response(body, headers={"Content-Type": content_type})
 
     return app
 

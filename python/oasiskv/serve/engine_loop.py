@@ -18,6 +18,13 @@ queue nor the engine's waiting queue grows without bound.
 aborts the request, which returns its blocks to the pools at once, and the next step reports it
 (``finish_reason="abort"``). A request counts against the capacity until the engine has reported
 it finished, so the count never runs ahead of the blocks actually freed.
+
+**Metrics.** The engine thread times each request (:class:`~oasiskv.serve.metrics.ServerMetrics`):
+TTFT and end-to-end latency from its arrival, the inter-token latency between consecutive steps
+that gave it tokens, and its queue time: arrival to the start of the step that admitted it.
+Admission is first come, first served, so after a step the oldest requests not yet admitted,
+as many as left the engine's waiting queue, are the ones that step admitted (a staged
+disaggregated request may jump the queue; its neighbours' queue times are then off by a step).
 """
 
 from __future__ import annotations
@@ -65,6 +72,10 @@ class EngineSnapshot:
     steps: int = 0
     step_errors: int = 0
     transfer_wait_s: float = 0.0  # Engine.transfer_wait: the compute stream's waits on transfers
+    gpu_cap: int = 0  # the pools' caps (budgets) in blocks: what the usage fractions divide by
+    host_cap: int = 0
+    spec_drafts: int = 0  # LLMEngine.spec_stats over the engine's life: drafts verified, accepted
+    spec_accepted: int = 0
 
     @property
     def pools_full(self) -> bool:
@@ -125,6 +136,8 @@ class _Live:
     add: _Add
     first: float | None = None
     last: float | None = None
+    admitted: bool = False
+    aborted: bool = False
 
 
 _STOP = object()
@@ -136,14 +149,24 @@ class EngineLoop:
     Args:
         llm_engine: the engine; nothing else may call it once :meth:`start` has run.
         max_queue: requests that may wait beyond the ``max_num_seqs`` running ones.
-        metrics: where latency and token counts are recorded.
+        metrics: where latency and token counts are recorded (default: a new
+            :class:`~oasiskv.serve.metrics.ServerMetrics` labelled ``model_name``); its gauges read
+            this loop's :attr:`snapshot`.
+        model_name: the ``model_name`` label of the default metrics.
     """
 
-    def __init__(self, llm_engine: LLMEngine, max_queue: int = 128, metrics: ServerMetrics | None = None):
+    def __init__(
+        self,
+        llm_engine: LLMEngine,
+        max_queue: int = 128,
+        metrics: ServerMetrics | None = None,
+        model_name: str = "oasiskv",
+    ):
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be an int >= 0, got {max_queue!r}")
         self.llm_engine = llm_engine
-        self.metrics = metrics or ServerMetrics()
+        self.metrics = metrics or ServerMetrics(model_name)
+        self.metrics.watch(lambda: self.snapshot)
         self.capacity = llm_engine.max_num_seqs + max_queue
         self.inflight = 0  # event-loop thread only
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -271,11 +294,15 @@ class EngineLoop:
         self._send(cmd, Accepted())
 
     def _abort(self, request_id: str) -> None:
-        if request_id in self._live:
+        live = self._live.get(request_id)
+        if live is not None:
+            live.aborted = True
             self.llm_engine.abort_request(request_id)
 
     def _step(self) -> None:
         eng = self.llm_engine
+        queued = [live for live in self._live.values() if not live.admitted and not live.aborted]
+        start = time.monotonic()
         try:
             outs = eng.step()
         except Exception as e:  # a bug or a device failure: fail the batch, keep serving
@@ -295,15 +322,25 @@ class EngineLoop:
         self._steps += 1
         now = time.monotonic()
         m = self.metrics
+        # First come, first served: the oldest of the requests that waited before this step, as
+        # many as left the waiting queue, were admitted by it (see the module docstring).
+        for live in queued[: max(0, len(queued) - eng.num_waiting)]:
+            live.admitted = True
+            m.queued(start - live.add.arrival)
         for out in outs:
             live = self._live.get(out.request_id)
             if live is None:
                 continue
             if out.new_token_ids:
+                if not live.admitted:  # a staged request admitted ahead of older ones
+                    live.admitted = True
+                    m.queued(start - live.add.arrival)
                 m.add_tokens(len(out.new_token_ids))
                 if live.first is None:
                     live.first = now
                     m.first_token(now - live.add.arrival)
+                else:
+                    m.inter_token(now - live.last)
                 live.last = now
             if out.finished:
                 del self._live[out.request_id]
@@ -323,10 +360,16 @@ class EngineLoop:
         if wait_of is not None and now - self._wait_read_at >= 0.5:
             self._wait_read_at = now
             self._transfer_wait_s = wait_of()[0]
+        spec = getattr(eng, "spec_stats", None) or {}
+        kw["spec_drafts"] = int(spec.get("drafts", 0))
+        kw["spec_accepted"] = int(spec.get("accepted", 0))
         if rt is not None:
             # The host gauges count host rows (the host KV bytes); block ids are GPU summaries.
             (gp, _, hb), (gf, _, hf), (gr, _, hr) = rt.pool_sizes, rt.num_free, rt.reserved
-            kw = dict(
+            gcap, _, hcap = rt.caps
+            kw.update(
+                gpu_cap=gcap,
+                host_cap=hcap,
                 gpu_pages=gp,
                 gpu_free=gf,
                 host_blocks=hb,
