@@ -54,6 +54,8 @@ from .errors import ConfigError, ContextLengthError, OasisError
 
 #: Values of :attr:`RequestOutput.finish_reason`.
 FINISH_REASONS = ("stop", "length", "abort", "error")
+#: Most alternatives :attr:`SamplingParams.logprobs` may ask for (vLLM's ``max_logprobs``).
+MAX_LOGPROBS = 20
 
 
 def _is_int(x) -> bool:
@@ -72,6 +74,11 @@ class SamplingParams:
             draws from the engine's generator.
         ignore_eos: keep generating past the tokenizer's end-of-sequence tokens.
         stop_token_ids: more tokens that end the request (kept in the output, like EOS).
+        logprobs: report each generated token's log-probability and those of the ``logprobs``
+            most likely tokens at its position (0: the generated token's only; at most
+            :data:`MAX_LOGPROBS`) in :attr:`RequestOutput.new_logprobs`; ``None``: none. They are
+            the model's own distribution (log-softmax of the logits, before temperature and
+            top_p), as vLLM's default. Not with a speculative engine.
     """
 
     max_tokens: int = 16
@@ -80,6 +87,7 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -100,6 +108,9 @@ class SamplingParams:
         if not all(_is_int(x) and x >= 0 for x in ids):
             raise ConfigError(f"stop_token_ids must hold ints >= 0, got {list(ids)!r}")
         object.__setattr__(self, "stop_token_ids", tuple(ids))
+        n = self.logprobs
+        if n is not None and (not _is_int(n) or not 0 <= n <= MAX_LOGPROBS):
+            raise ConfigError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {n!r}")
 
 
 @dataclass
@@ -109,6 +120,8 @@ class RequestOutput:
     ``new_token_ids`` were made in this step (empty for an abort); ``token_ids`` are all tokens
     generated so far. ``finish_reason`` is one of :data:`FINISH_REASONS` once ``finished``;
     ``error`` says what went wrong when it is ``"error"``. ``metrics`` are complete once finished.
+    ``new_logprobs`` (with :attr:`SamplingParams.logprobs`, else None): one ``{token_id: logprob}``
+    per new token, the most likely tokens first, then the generated token if it is not among them.
     """
 
     request_id: str
@@ -119,6 +132,7 @@ class RequestOutput:
     finish_reason: str | None
     metrics: RequestMetrics
     error: str | None = None
+    new_logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass
@@ -148,6 +162,7 @@ class _Seq:
     error: str | None = None
     prefilled: int = 0  # prompt tokens prefilled so far
     new: list[int] = field(default_factory=list)
+    new_logprobs: list[dict[int, float]] = field(default_factory=list)  # one per token of ``new``
     staged: object | None = None  # a disagg.StagedRequest: admitted from the staging daemon
 
 
@@ -376,6 +391,11 @@ class LLMEngine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ConfigError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if params.logprobs is not None and (self.speculative or staged is not None):
+            raise ConfigError(
+                "SamplingParams(logprobs=...) needs a non-speculative engine and a local prefill; "
+                "pass logprobs=None, or speculative=False"
+            )
         ids = prompt_token_ids(prompt, self.tokenizer, self.model.config.vocab_size)
         ctx = self.model.config.max_position_embeddings
         # The last new token is sampled, never fed: positions 0 .. len + max_tokens - 2 are used.
@@ -522,6 +542,7 @@ class LLMEngine:
             seen.add(id(seq))
             out.append(self._output(seq))
             seq.new = []
+            seq.new_logprobs = []
             if seq.req.finish_reason is not None:
                 self._by_id.pop(seq.request_id, None)
         return out
@@ -850,7 +871,27 @@ class LLMEngine:
                 out.append(host[0][i])
             else:
                 out.append(host[2][i])
+        self._record_logprobs(seqs, logits, out)
         return out
+
+    def _record_logprobs(self, seqs: list[_Seq], logits: torch.Tensor, toks: list[int | None]) -> None:
+        """Append each token's ``{token_id: logprob}`` (:attr:`SamplingParams.logprobs`) to the
+        requests that asked: one batched log-softmax and top-k, one host read."""
+        rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None and toks[i] is not None]
+        if not rows:
+            return
+        at = torch.tensor(rows).to(logits.device, non_blocking=True)
+        lp = torch.log_softmax(logits.index_select(0, at).float(), dim=-1)
+        picked = torch.tensor([toks[i] for i in rows]).to(logits.device, non_blocking=True)
+        chosen = lp.gather(1, picked.unsqueeze(1)).squeeze(1).tolist()
+        k = min(max(seqs[i].params.logprobs for i in rows), lp.shape[-1])
+        top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+        for j, i in enumerate(rows):
+            n = seqs[i].params.logprobs
+            d = dict(zip(top_i[j][:n], top_v[j][:n], strict=True))
+            d.setdefault(toks[i], chosen[j])
+            seqs[i].new_logprobs.append(d)
 
     def _accept(self, seq: _Seq, tok: int | None) -> None:
         """Append a sampled token, check the stop conditions, draft the next lookahead token and
@@ -934,6 +975,7 @@ class LLMEngine:
             finish_reason=r.finish_reason,
             metrics=r.metrics,
             error=seq.error,
+            new_logprobs=list(seq.new_logprobs) if seq.params.logprobs is not None else None,
         )
 
     # ------------------------------------------------------------------ batch helper

@@ -21,6 +21,21 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 from oasiskv.errors import CheckpointError, ConfigError
 
+
+class InvalidTextError(ConfigError):
+    """Text to encode is not valid Unicode: it holds a lone UTF-16 surrogate (U+D800..U+DFFF),
+    e.g. from a JSON ``"\\ud800"`` escape or ``bytes.decode(errors="surrogateescape")``, which
+    has no UTF-8 encoding and so no tokens. A :class:`ConfigError` (hence a ``ValueError``).
+
+    ``index`` is the character's position in the text, ``char`` the surrogate itself.
+    """
+
+    def __init__(self, message: str, index: int, char: str) -> None:
+        super().__init__(message)
+        self.index = index
+        self.char = char
+
+
 # llama.cpp token types (tokenizer.ggml.token_type)
 _TOKEN_NORMAL, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 3, 4
 
@@ -52,6 +67,23 @@ _FALLBACK_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
+
+
+def check_text(text: str, what: str = "text") -> None:
+    """Raise :class:`InvalidTextError` if ``text`` holds a lone UTF-16 surrogate (a string that
+    has no UTF-8 encoding); ``what`` names the input in the message."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        ch = text[e.start]
+        raise InvalidTextError(
+            f"{what} holds a lone UTF-16 surrogate {ch.encode('unicode_escape').decode()} at character "
+            f"{e.start}, which is not valid Unicode and cannot be tokenized; remove it, or send the "
+            "character it was meant to be (a JSON escape \\ud83d needs its pair after it, e.g. "
+            "\\ud83d\\ude00)",
+            e.start,
+            ch,
+        ) from None
 
 
 @lru_cache(maxsize=1)
@@ -104,8 +136,18 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of ``text``; special tokens written in the text (e.g. ``<|im_start|>``) map to
-        their ids. With ``add_special_tokens`` the BOS id is prepended when the model uses one."""
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        their ids. With ``add_special_tokens`` the BOS id is prepended when the model uses one.
+
+        Raises :class:`InvalidTextError` when ``text`` holds a lone surrogate (not valid Unicode).
+        """
+        try:
+            ids = self.backend.encode(text, add_special_tokens=False).ids
+        except TypeError:
+            # `tokenizers` refuses a str that has no UTF-8 form with a bare TypeError
+            # ("TextInputSequence must be str"); say which character and how to fix it.
+            if isinstance(text, str):
+                check_text(text)
+            raise
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]
         return ids

@@ -1,8 +1,9 @@
 """``oasis serve``: an OpenAI-compatible HTTP server over one :class:`~oasiskv.LLMEngine`.
 
 Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (JSON, or server-sent
-events with ``"stream": true``), ``GET /v1/models``, ``GET /health`` (the engine's snapshot,
-including whether every KV block is back in its pool) and ``GET /metrics`` (Prometheus text).
+events with ``"stream": true``), ``GET /v1/models`` and ``GET /v1/models/{id}``, ``GET /health``
+(the engine's snapshot, including whether every KV block is back in its pool) and ``GET /metrics``
+(Prometheus text). The OpenAI surface, field by field, is in docs/SERVE.md.
 
 The request path: the handler reads the body (at most ``max_body_bytes``), validates it
 (:mod:`~oasiskv.serve.protocol`), renders the chat template, tokenizes, checks the prompt and
@@ -10,7 +11,8 @@ The request path: the handler reads the body (at most ``max_body_bytes``), valid
 (:class:`~oasiskv.serve.engine_loop.EngineLoop`). Every refusal is an OpenAI error body
 ``{"error": {"message", "type", "param", "code"}}`` with a 4xx status; nothing a client sends
 produces a traceback or stops the server. A client that disconnects aborts its request, whose
-blocks return to the pools.
+blocks return to the pools. A request for ``n`` choices is ``n`` engine requests (ids
+``<id>-<i>``), streamed interleaved, each chunk naming its choice's ``index``.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ import socket
 import threading
 import time
 import uuid
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -35,10 +37,11 @@ from starlette.requests import ClientDisconnect
 
 from ..errors import ConfigError, ContextLengthError, OasisError, OutOfBlocksError
 from ..llm_engine import LLMEngine, SamplingParams, prompt_token_ids
+from ..models.tokenizer import InvalidTextError, check_text
 from . import protocol as P
-from .cli import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE
+from .cli import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, DEFAULT_MAX_TOKENS
 from .engine_loop import EngineLoop, EngineStopped, Overloaded, RequestHandle
-from .text import StopChecker, TextAssembler
+from .text import StopChecker, TextAssembler, TokenPieces, token_text
 
 log = logging.getLogger("oasiskv.serve")
 
@@ -53,12 +56,22 @@ class ServeConfig:
         max_queue: requests that may wait beyond the ``max_num_seqs`` running ones; past that,
             429 with ``Retry-After``.
         max_body_bytes: the largest request body accepted (413 past it).
+        model_aliases: more ids the model answers to (``--served-model-name A B``: A is
+            ``model_name``, B an alias); a response names the id its request used.
+        max_tokens_default: the new-token budget of a request that gives none (chat without
+            ``max_tokens``, or ``"max_tokens": null``), capped by what is left of the context.
     """
 
     model_name: str
     api_key: str | None = None
     max_queue: int = DEFAULT_MAX_QUEUE
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    model_aliases: tuple[str, ...] = ()
+    max_tokens_default: int = DEFAULT_MAX_TOKENS
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return (self.model_name, *self.model_aliases)
 
 
 class ApiError(Exception):
@@ -73,6 +86,11 @@ class ApiError(Exception):
         code: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
+        # A lone surrogate (echoed from the request) has no UTF-8 form: escape it, or the body
+        # could not be written and the client would get a 500 and a closed connection.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
+        if param is not None:
+            param = param.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
         self.headers = headers
@@ -127,6 +145,27 @@ def _error_for(e: OasisError, param: str | None) -> ApiError:
     return ApiError(400, msg, param=param, code=type(e).__name__)
 
 
+@dataclass(eq=False)
+class _Choice:
+    """One choice of a request (``n`` of them): its engine request and the text made so far."""
+
+    index: int
+    rid: str
+    handle: RequestHandle
+    asm: TextAssembler
+    echo: str = ""  # the prompt, with ``echo``
+    n_out: int = 0  # tokens generated
+    finish: str | None = None  # set once the choice is over (the engine's reason, or "stop")
+    error: str | None = None
+    done: bool = False  # the engine reported the request finished (nothing to abort)
+    logprobs: list[P.TokenLogprob] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)  # each entry's text_offset (completions)
+    text_pos: int = 0  # where the next token's text starts
+
+    def __post_init__(self) -> None:
+        self.text_pos = len(self.echo)
+
+
 def build_app(llm_engine: LLMEngine, config: ServeConfig) -> FastAPI:
     """The FastAPI app serving ``llm_engine``. Its lifespan starts the engine thread and stops
     it (aborting whatever runs) at shutdown; from then on only that thread touches the engine."""
@@ -137,6 +176,7 @@ def build_app(llm_engine: LLMEngine, config: ServeConfig) -> FastAPI:
     ctx = int(mcfg.max_position_embeddings)
     vocab = int(mcfg.vocab_size)
     created = int(time.time())
+    pieces = TokenPieces(tok)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -213,23 +253,39 @@ def build_app(llm_engine: LLMEngine, config: ServeConfig) -> FastAPI:
             req.check_supported()
         except P.UnsupportedParameter as e:
             raise ApiError(400, str(e), param=e.param, code="unsupported_parameter") from None
-        if req.model != config.model_name:
-            raise ApiError(
-                404,
-                f"model {req.model!r} is not served here; this server serves {config.model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
+        if req.model not in config.model_names:
+            raise not_served(req.model)
         return req
+
+    def not_served(model: str) -> ApiError:
+        served = ", ".join(repr(m) for m in config.model_names)
+        return ApiError(
+            404,
+            f"model {model!r} is not served here; this server serves {served}",
+            param="model",
+            code="model_not_found",
+        )
+
+    def check(text: str, param: str) -> None:
+        """400 for text with no UTF-8 form (a lone surrogate), naming the field."""
+        try:
+            check_text(text, param)
+        except InvalidTextError as e:
+            raise ApiError(400, str(e), param=param.split("[")[0], code="invalid_text") from None
 
     async def encode(prompt, param: str) -> list[int]:
         # Off the event loop: a prompt near --max-body-bytes takes a while to tokenize.
         try:
             return await asyncio.to_thread(prompt_token_ids, prompt, tok, vocab, param)
+        except InvalidTextError as e:
+            raise ApiError(400, f"{param}: {e}", param=param, code="invalid_text") from None
         except ConfigError as e:
             raise ApiError(400, str(e), param=param, code="invalid_prompt") from None
 
-    def sampling(req, n_prompt: int, max_tokens: int | None, param: str) -> SamplingParams:
+    def sampling(req, n_prompt: int, param: str) -> list[SamplingParams]:
+        """One SamplingParams per choice (choice i of a seeded request: seed + i)."""
+        max_tokens = req.max_new_tokens()
+        budget = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
         if n_prompt > ctx:
             raise ApiError(
                 400,
@@ -237,26 +293,33 @@ def build_app(llm_engine: LLMEngine, config: ServeConfig) -> FastAPI:
                 param=param,
                 code="context_length_exceeded",
             )
+        left = ctx - n_prompt + 1  # the most that fits (the last token is never fed)
         if max_tokens is None:
-            max_tokens = ctx - n_prompt + 1  # the most that fits (the last token is never fed)
-        elif n_prompt + max_tokens - 1 > ctx:
+            max_tokens = min(config.max_tokens_default, left)
+        elif max_tokens > left:
             raise ApiError(
                 400,
-                f"max_tokens={max_tokens} with a prompt of {n_prompt} tokens passes the model's "
-                f"context of {ctx} tokens; lower max_tokens to at most {ctx - n_prompt + 1}",
-                param="max_tokens",
+                f"{budget}={max_tokens} with a prompt of {n_prompt} tokens passes the model's "
+                f"context of {ctx} tokens; lower {budget} to at most {left}",
+                param=budget,
                 code="context_length_exceeded",
             )
-        try:
-            return SamplingParams(
-                max_tokens=max_tokens,
-                temperature=1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None else req.top_p,
-                seed=req.seed,
-                ignore_eos=req.ignore_eos,
-            )
-        except ConfigError as e:
-            raise ApiError(400, str(e), code="invalid_value") from None
+        out = []
+        for i in range(req.num_choices):
+            try:
+                out.append(
+                    SamplingParams(
+                        max_tokens=max_tokens,
+                        temperature=1.0 if req.temperature is None else req.temperature,
+                        top_p=1.0 if req.top_p is None else req.top_p,
+                        seed=None if req.seed is None else (req.seed + i) % 2**63,
+                        ignore_eos=req.ignore_eos,
+                        logprobs=req.num_logprobs(),
+                    )
+                )
+            except ConfigError as e:
+                raise ApiError(400, str(e), code="invalid_value") from None
+        return out
 
     async def submit(rid: str, ids: list[int], params: SamplingParams, stops, arrival, param):
         try:
@@ -276,107 +339,199 @@ def build_app(llm_engine: LLMEngine, config: ServeConfig) -> FastAPI:
         except OasisError as e:
             raise _error_for(e, param) from None
 
+    async def submit_choices(rid, ids, params: list[SamplingParams], stops, arrival, param, echo: str):
+        """Submit one engine request per choice; if one is refused, abort those already queued."""
+        choices: list[_Choice] = []
+        try:
+            for i, p in enumerate(params):
+                crid = rid if len(params) == 1 else f"{rid}-{i}"
+                handle = await submit(crid, ids, p, stops, arrival, param)
+                choices.append(_Choice(i, crid, handle, TextAssembler(tok, stops), echo))
+        except BaseException:
+            for c in choices:
+                engine_loop.abort(c.rid)
+            raise
+        return choices
+
     # ------------------------------------------------------------------ generation
-    async def watch_disconnect(request: Request, rid: str) -> None:
+    async def watch_disconnect(request: Request, choices: list[_Choice]) -> None:
         # The body is read, so the next ASGI message is http.disconnect: sent when the client
         # goes away (or the response completes; an abort of a finished request is ignored).
         # Blocking on it costs nothing per request, unlike polling is_disconnected().
         while (await request.receive())["type"] != "http.disconnect":
             pass
-        engine_loop.abort(rid)
+        for c in choices:
+            engine_loop.abort(c.rid)
 
-    async def run(request: Request, req, rid: str, handle: RequestHandle, n_prompt: int, chat: bool):
-        stops = req.stop_strings()
+    async def events(choices: list[_Choice]):
+        """``(choice, RequestOutput)`` as the engine reports them, the choices interleaved,
+        until every choice's request has finished."""
+        if len(choices) == 1:
+            (c,) = choices
+            while True:
+                out = await c.handle.queue.get()
+                yield c, out
+                if out.finished:
+                    return
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(c: _Choice) -> None:
+            while True:
+                out = await c.handle.queue.get()
+                merged.put_nowait((c, out))
+                if out.finished:
+                    return
+
+        tasks = [asyncio.create_task(pump(c)) for c in choices]
+        try:
+            left = len(choices)
+            while left:
+                c, out = await merged.get()
+                left -= out.finished
+                yield c, out
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def take(c: _Choice, out, n_lp: int | None) -> list[P.TokenLogprob]:
+        """Fold one output into its choice; the new tokens' logprob entries (``n_lp``: the
+        alternatives asked for, None: no logprobs)."""
+        c.asm.push(out.new_token_ids)
+        c.n_out += len(out.new_token_ids)
+        new = []
+        if n_lp is not None:
+            for t, alts in zip(out.new_token_ids, out.new_logprobs or (), strict=False):
+                text, raw = pieces(t)
+                # The dict lists the most likely tokens first, then the generated one if apart.
+                top = [(*pieces(a), v) for a, v in list(alts.items())[:n_lp]]
+                new.append(P.TokenLogprob(text, raw, alts[t], top))
+                c.offsets.append(c.text_pos)
+                c.text_pos += 0 if pieces.is_special(t) else len(text)
+            c.logprobs.extend(new)
+        if c.asm.stopped and not out.finished:
+            c.finish = "stop"  # the text holds a stop string the engine missed
+            engine_loop.abort(c.rid)
+        elif out.finished:
+            c.finish, c.error, c.done = out.finish_reason, out.error, True
+            c.asm.finish()
+        return new
+
+    def failure(choices: list[_Choice]) -> ApiError | None:
+        for c in choices:
+            if c.finish == "error":
+                return ApiError(
+                    500, c.error or "the request failed", type_="server_error", code="engine_error"
+                )
+        for c in choices:
+            if c.finish == "abort":
+                return ApiError(503, "the request was aborted", type_="server_error", code="aborted")
+        return None
+
+    async def run(request: Request, req, rid: str, choices: list[_Choice], n_prompt: int, chat: bool):
         # The watcher starts here, not inside the stream: if the response never starts (the
         # client left already), nothing would run the stream's cleanup.
-        watcher = asyncio.create_task(watch_disconnect(request, rid))
+        watcher = asyncio.create_task(watch_disconnect(request, choices))
         if req.stream:
             return StreamingResponse(
-                stream(req, rid, handle, n_prompt, chat, stops, watcher),
+                stream(req, rid, choices, n_prompt, chat, watcher),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        asm = TextAssembler(tok, stops)
-        done = False
         try:
-            while True:
-                out = await handle.queue.get()
-                asm.push(out.new_token_ids)
-                n_out = len(out.token_ids)
-                if asm.stopped and not out.finished:
-                    finish = "stop"  # the text holds a stop string the engine missed
-                    break
-                if out.finished:
-                    finish = out.finish_reason
-                    done = True
-                    asm.finish()
-                    break
+            async with aclosing(events(choices)) as evs:
+                async for c, out in evs:
+                    if c.finish is None:
+                        take(c, out, req.num_logprobs())
+                    if all(x.finish is not None for x in choices):
+                        break
         finally:  # also when the handler is cancelled (shutdown)
             watcher.cancel()
-            if not done:
-                engine_loop.abort(rid)
-        if finish == "error":
-            raise ApiError(500, out.error or "the request failed", type_="server_error", code="engine_error")
-        if finish == "abort":
-            raise ApiError(503, "the request was aborted", type_="server_error", code="aborted")
+            for c in choices:
+                if not c.done:
+                    engine_loop.abort(c.rid)
+        err = failure(choices)
+        if err is not None:
+            raise err
+        want_lp = req.num_logprobs() is not None
+        body = []
+        for c in choices:
+            text = c.echo + c.asm.text
+            if chat:
+                lp = P.chat_logprobs(c.logprobs) if want_lp else None
+                body.append(P.chat_choice(c.index, text, c.finish, lp))
+            else:
+                lp = P.completion_logprobs(c.logprobs, c.offsets) if want_lp else None
+                body.append(P.completion_choice(c.index, text, c.finish, lp))
         build = P.chat_response if chat else P.completion_response
-        return JSONResponse(build(rid, config.model_name, asm.text, finish, n_prompt, n_out))
+        return JSONResponse(build(rid, req.model, body, n_prompt, sum(c.n_out for c in choices)))
 
-    async def stream(req, rid, handle: RequestHandle, n_prompt, chat, stops, watcher: asyncio.Task):
-        """The SSE body. # Cancel safety: cancelled or closed early, it aborts the request."""
-        model, t0 = config.model_name, int(time.time())
-        asm = TextAssembler(tok, stops)
-        done = False
+    async def stream(req, rid, choices: list[_Choice], n_prompt, chat, watcher: asyncio.Task):
+        """The SSE body. # Cancel safety: cancelled or closed early, it aborts the requests."""
+        model, t0 = req.model, int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        with_usage = req.include_usage
+        want_lp = req.num_logprobs() is not None
 
-        def chunk(text: str, finish: str | None, first: bool = False) -> str:
+        def chunk(c: _Choice, text: str, finish: str | None, lp: list[P.TokenLogprob], first=False) -> str:
             if chat:
                 delta = {"role": "assistant", "content": text} if first else {"content": text}
-                return _sse(P.chat_chunk(rid, model, t0, delta if text or first else {}, finish))
-            return _sse(P.completion_chunk(rid, model, t0, text, finish))
+                logprobs = P.chat_logprobs(lp) if want_lp and not first else None
+                choice = P.chat_delta(c.index, delta if text or first else {}, finish, logprobs)
+            else:
+                logprobs = None
+                if want_lp and not first:
+                    logprobs = P.completion_logprobs(lp, c.offsets[len(c.offsets) - len(lp) :])
+                choice = P.completion_choice(c.index, text, finish, logprobs)
+            return _sse(P.chunk(rid, obj, model, t0, [choice], with_usage))
 
         try:
-            if chat:
-                yield chunk("", None, first=True)
-            n_out = 0
-            while True:
-                out = await handle.queue.get()
-                asm.push(out.new_token_ids)
-                n_out = len(out.token_ids)
-                if asm.stopped and not out.finished:
-                    finish = "stop"  # aborted below
-                    break
-                if out.finished:
-                    finish = out.finish_reason
-                    done = True
-                    asm.finish()
-                    break
-                piece = asm.delta()
-                if piece:
-                    yield chunk(piece, None)
-            if finish in ("error", "abort"):
-                msg = (out.error or "the request failed") if finish == "error" else "the request was aborted"
-                yield _sse(P.error_body(msg, "server_error", None, f"engine_{finish}"))
-                return
-            yield chunk(asm.delta(final=True), finish)
-            if req.stream_options is not None and req.stream_options.include_usage:
-                obj = "chat.completion.chunk" if chat else "text_completion"
-                yield _sse(P.usage_chunk(rid, obj, model, t0, n_prompt, n_out))
+            for c in choices:
+                if chat:
+                    yield chunk(c, "", None, [], first=True)
+                elif c.echo:
+                    yield chunk(c, c.echo, None, [], first=True)
+            async with aclosing(events(choices)) as evs:
+                async for c, out in evs:
+                    if c.finish is not None:
+                        continue  # stopped by a stop string; its abort's report
+                    lp = take(c, out, req.num_logprobs())
+                    if c.finish is None:
+                        piece = c.asm.delta()
+                        if piece or lp:
+                            yield chunk(c, piece, None, lp)
+                        continue
+                    if c.finish in ("error", "abort"):
+                        err = failure([c])
+                        yield _sse(P.error_body(err.message, "server_error", None, f"engine_{c.finish}"))
+                        return
+                    yield chunk(c, c.asm.delta(final=True), c.finish, lp)
+                    if all(x.finish is not None for x in choices):
+                        break
+            if with_usage:
+                yield _sse(P.usage_chunk(rid, obj, model, t0, n_prompt, sum(c.n_out for c in choices)))
             yield "data: [DONE]\n\n"
         finally:
             watcher.cancel()
-            if not done:
-                engine_loop.abort(rid)
+            for c in choices:
+                if not c.done:
+                    engine_loop.abort(c.rid)
 
     # ------------------------------------------------------------------ routes
     @app.post("/v1/completions")
     async def completions(request: Request):
         arrival = time.monotonic()
         req = validate(P.CompletionRequest, await read_json(request))
-        ids = await encode(req.prompt_input(), "prompt")
-        params = sampling(req, len(ids), req.max_tokens, "prompt")
+        prompt = req.prompt_input()
+        if isinstance(prompt, str):
+            check(prompt, "prompt")
+        ids = await encode(prompt, "prompt")
+        params = sampling(req, len(ids), "prompt")
+        echo = ""
+        if req.echo:
+            echo = prompt if isinstance(prompt, str) else token_text(tok, ids)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        handle = await submit(rid, ids, params, req.stop_strings(), arrival, "prompt")
-        return await run(request, req, rid, handle, len(ids), chat=False)
+        choices = await submit_choices(rid, ids, params, req.stop_strings(), arrival, "prompt", echo)
+        return await run(request, req, rid, choices, len(ids), chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -384,26 +539,36 @@ def build_app(llm_engine: LLMEngine, config: ServeConfig) -> FastAPI:
         req = validate(P.ChatCompletionRequest, await read_json(request))
         if tok is None:
             raise ApiError(400, "this model has no tokenizer, so no chat template; use /v1/completions")
+        for i, m in enumerate(req.messages):
+            check(m.text(), f"messages[{i}].content")
         try:
             text = await asyncio.to_thread(tok.apply_chat_template, req.template_messages())
         except ConfigError as e:
             raise ApiError(400, str(e), param="messages", code="invalid_messages") from None
         ids = await encode(text, "messages")
-        params = sampling(req, len(ids), req.max_new_tokens(), "messages")
+        params = sampling(req, len(ids), "messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        handle = await submit(rid, ids, params, req.stop_strings(), arrival, "messages")
-        return await run(request, req, rid, handle, len(ids), chat=True)
+        choices = await submit_choices(rid, ids, params, req.stop_strings(), arrival, "messages", "")
+        return await run(request, req, rid, choices, len(ids), chat=True)
 
-    @app.get("/v1/models")
-    async def models():
-        card = {
-            "id": config.model_name,
+    def card(name: str) -> dict:
+        return {
+            "id": name,
             "object": "model",
             "created": created,
             "owned_by": "oasiskv",
             "max_model_len": ctx,
         }
-        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [card(m) for m in config.model_names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id not in config.model_names:
+            raise not_served(model_id)
+        return card(model_id)
 
     @app.get("/health")
     async def health():

@@ -14,6 +14,10 @@ from ..config import BLOCK_SCORES, FIDELITY_SELECTION, SELECTIONS, KvConfig
 #: Default cap on a request body. Arbitrary: a 128K-token prompt is well under 1 MiB of text.
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 DEFAULT_MAX_QUEUE = 128
+#: New tokens of a request that names no budget (chat without max_tokens, or "max_tokens": null),
+#: capped by what is left of the context. Arbitrary, but bounded: admission reserves a request's
+#: peak KV, so "the rest of the context" would make every such request reserve the whole window.
+DEFAULT_MAX_TOKENS = 2048
 
 
 def is_loopback(host: str) -> bool:
@@ -54,7 +58,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="require 'Authorization: Bearer KEY' (default: $OASIS_API_KEY); needed to bind a "
         "non-loopback address",
     )
-    p.add_argument("--served-model-name", default=None, help="the model id clients pass (default MODEL)")
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="the model ids clients may pass (default MODEL); responses name the id the request used",
+    )
+    p.add_argument(
+        "--max-tokens-default",
+        type=int,
+        default=DEFAULT_MAX_TOKENS,
+        help="new tokens of a request that sets no max_tokens (chat) or sends null, capped by the "
+        f"context left (default {DEFAULT_MAX_TOKENS})",
+    )
     add_engine_arguments(p)
     p.add_argument(
         "--max-queue",
@@ -267,8 +284,8 @@ def cmd_serve(args) -> int:
         )
     if not 0 <= args.port <= 65535:
         return fail(f"--port must be in 0..65535, got {args.port}")
-    if args.max_queue < 0 or args.max_body_bytes < 1:
-        return fail("--max-queue must be >= 0 and --max-body-bytes >= 1")
+    if args.max_queue < 0 or args.max_body_bytes < 1 or args.max_tokens_default < 1:
+        return fail("--max-queue must be >= 0, --max-body-bytes and --max-tokens-default >= 1")
     try:
         import uvicorn
 
@@ -283,11 +300,14 @@ def cmd_serve(args) -> int:
         eng = engine_from_args(served_model(args), args)
     except (OasisError, MemoryError, torch.OutOfMemoryError) as e:
         return fail(str(e) or type(e).__name__)
+    names = args.served_model_name or [args.model]
     config = ServeConfig(
-        model_name=args.served_model_name or args.model,
+        model_name=names[0],
         api_key=key,
         max_queue=args.max_queue,
         max_body_bytes=args.max_body_bytes,
+        model_aliases=tuple(names[1:]),
+        max_tokens_default=args.max_tokens_default,
     )
     app = build_app(eng, config)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)

@@ -14,6 +14,15 @@ from collections.abc import Sequence
 _REPLACEMENT = "\ufffd"
 
 
+def token_text(tokenizer, ids: Sequence[int]) -> str:
+    """The text of token ids as responses show it: special tokens skipped; with no tokenizer
+    (``oasis serve`` of a random-weight preset), each id in decimal followed by a space, so
+    streams still carry one piece per token."""
+    if tokenizer is None:
+        return "".join(f"{i} " for i in ids)
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
 class TextAssembler:
     """The text of one request's generated tokens (special tokens skipped; with no tokenizer, the
     ids in decimal, each followed by a space), cut at the first stop string. ``push`` the new
@@ -31,11 +40,7 @@ class TextAssembler:
         self._sent = 0
 
     def _decode(self, ids: Sequence[int]) -> str:
-        if self.tok is None:
-            # A model without a tokenizer (``oasis serve`` of a random-weight preset): each token
-            # reads as its id and a space, so streams still carry one piece per token.
-            return "".join(f"{i} " for i in ids)
-        return self.tok.decode(ids, skip_special_tokens=True)
+        return token_text(self.tok, ids)
 
     def push(self, new_ids: Sequence[int]) -> None:
         if self.stopped or not new_ids:
@@ -88,3 +93,49 @@ class StopChecker:
     def __call__(self, generated: list[int]) -> bool:
         tail = self.tok.decode(generated[-self.window :], skip_special_tokens=True)
         return any(s in tail for s in self.stops)
+
+
+class TokenPieces:
+    """Token ids -> the text and UTF-8 bytes each one stands for (the ``logprobs`` entries).
+
+    A byte-level BPE token (GPT-2, Llama 3, Qwen, SmolLM) is a run of bytes, spelled in the
+    vocabulary through GPT-2's byte-to-character map; its bytes come from inverting that map, so
+    a token holding part of a character still has its exact bytes (its text then carries U+FFFD,
+    as OpenAI's does). Other tokenizers: the token's decoded text. With no tokenizer, each token
+    reads as its id and a space (as :class:`TextAssembler`'s text)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tok = tokenizer
+        self._byte_of: dict[str, int] | None = None
+        if tokenizer is not None:
+            import json
+
+            from ..models.tokenizer import bytes_to_unicode
+
+            decoder = json.loads(tokenizer.backend.to_str()).get("decoder") or {}
+            kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders", [])}
+            if "ByteLevel" in kinds:
+                self._byte_of = {c: b for b, c in bytes_to_unicode().items()}
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        """``(text, bytes)`` of one token."""
+        got = self._cache.get(token_id)
+        if got is not None:
+            return got
+        if self.tok is None:
+            raw = f"{token_id} ".encode()
+        else:
+            spelled = self.tok.backend.id_to_token(token_id) or ""
+            if self._byte_of is not None and all(c in self._byte_of for c in spelled):
+                raw = bytes(self._byte_of[c] for c in spelled)
+            else:
+                raw = self.tok.decode([token_id]).encode("utf-8")
+        got = (raw.decode("utf-8", errors="replace"), list(raw))
+        if len(self._cache) < 1 << 16:
+            self._cache[token_id] = got
+        return got
+
+    def is_special(self, token_id: int) -> bool:
+        """Whether the token is skipped in the response text (a special token: EOS, ...)."""
+        return self.tok is not None and self.tok.decode([token_id], skip_special_tokens=True) == ""
