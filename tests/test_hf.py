@@ -171,13 +171,21 @@ def test_qwen3_wide_budget_equals_transformers_dense_greedy(qwen):
     assert out.tolist() == dense.tolist()
 
 
-def test_qwen3_narrow_budget_equals_oasiskv_llm(qwen):
+#: The fidelity selection's fields (two-stage codes score, sticky candidates, successors) at a
+#: budget of 4 blocks, spelled out (KvConfig.fidelity()'s may change).
+CODES = kv_config(
+    4, block_score="codes", score_candidates=1.25, sticky_candidates=True, successor_blocks=1, fetch_cap=2
+)
+
+
+@pytest.mark.parametrize("kv", [NARROW, CODES], ids=["quest", "codes"])
+def test_qwen3_narrow_budget_equals_oasiskv_llm(qwen, kv):
     model, path = qwen
     prompt = qwen_prompt(200, 2)
-    cache = ohf.OasisKVCache(model, NARROW, drafter="ngram")
+    cache = ohf.OasisKVCache(model, kv, drafter="ngram")
     out = model.generate(prompt, max_new_tokens=NEW, do_sample=False, cache=cache)
     got = new_tokens(out, prompt.shape[1])
-    llm = oasiskv.LLM(str(path), kv=NARROW, drafter="ngram", device="cpu", dtype=torch.float32)
+    llm = oasiskv.LLM(str(path), kv=kv, drafter="ngram", device="cpu", dtype=torch.float32)
     ref = llm.generate(prompt[0].tolist(), max_new_tokens=NEW, temperature=0.0, ignore_eos=True)[0]
     assert got == ref.tokens
     assert_sparse(cache, NEW - 1)
@@ -236,6 +244,20 @@ def test_qwen3_batch_rows_equal_their_own_runs(qwen):
     assert all(r.sparse for r in cache.requests)
 
 
+def test_qwen3_num_return_sequences_samples_one_request_per_row(qwen):
+    model, _ = qwen
+    prompt = qwen_prompt(100, 12)
+    cache = ohf.OasisKVCache(model, NARROW)
+    torch.manual_seed(3)
+    out = model.generate(prompt, max_new_tokens=NEW, do_sample=True, num_return_sequences=3, cache=cache)
+    assert out.shape == (3, prompt.shape[1] + NEW)
+    assert [r.prompt for r in cache.requests] == [prompt[0].tolist()] * 3
+    assert [r.tokens[len(r.prompt) :] for r in cache.requests] == [
+        row[prompt.shape[1] : -1] for row in out.tolist()
+    ]
+    assert len({tuple(row) for row in out.tolist()}) > 1  # the rows sample independently
+
+
 # --------------------------------------------------------------------------- refused
 @pytest.mark.parametrize(
     "kwargs, words",
@@ -279,6 +301,17 @@ def test_other_caches_and_plain_forwards_run_as_transformers_does(qwen):
     cache = transformers.DynamicCache(config=model.config)
     assert model.generate(prompt, max_new_tokens=4, do_sample=False, cache=cache).tolist() == dense.tolist()
     assert cache.get_seq_length() > 0  # transformers' own cache did the work
+
+
+def test_drafters_that_read_hidden_states_are_refused(qwen):
+    model, _ = qwen
+
+    class Capturing(oasiskv.NgramDrafter):
+        def capture_layers(self, num_layers):
+            return (0, num_layers)
+
+    with pytest.raises(ConfigError, match="hidden states"):
+        ohf.OasisKVCache(model, NARROW, drafter=Capturing())
 
 
 def test_unsupported_models_are_refused():

@@ -257,6 +257,13 @@ class OasisKVCache(Cache):
         drafter_obj = make_drafter(spec)
         if drafter_obj is None:  # the engine's oasis backend needs a query for the first selection
             drafter_obj = make_drafter("previous-query")
+        layers = model.config.get_text_config(decoder=True).num_hidden_layers
+        if tuple(drafter_obj.capture_layers(layers)):
+            raise ConfigError(
+                f"drafter {getattr(drafter_obj, 'name', type(drafter_obj).__name__)!r} reads the model's "
+                "hidden states (EAGLE-3), which oasiskv.hf does not capture from a transformers model; "
+                "pass drafter='ngram' or 'previous-query'"
+            )
         self.model = model
         self.kv = kv
         self.drafter = drafter_obj
