@@ -27,6 +27,7 @@ use bytes::Bytes;
 
 use crate::client::Client;
 use crate::error::{Error, ErrorCode, Result};
+use crate::pool::{ENTRY_OVERHEAD_BYTES, REQUEST_OVERHEAD_BYTES};
 use crate::protocol::{
     BlockKey, Geometry, StagedBlock, ALL_HEADS, HEADER_BYTES, LEN_PREFIX_BYTES,
     MAX_BLOCKS_PER_REQUEST, MAX_ENTRIES, MAX_KV_HEADS,
@@ -324,10 +325,11 @@ pub fn median(values: &[f64]) -> f64 {
 ///
 /// # Errors
 /// [`Error::Config`] from [`BenchConfig::plan`] before anything is staged, or when a batch of
-/// the largest block passes the client's frame limit (lower `--batch`) or the payload cannot
-/// be allocated; [`Error::ReadMismatch`] when a block read back is not the one staged;
-/// [`Error::Remote`] with the entry's code when the daemon could not serve one; the daemon's
-/// refusals of the staging (`busy`, `out_of_memory`: lower `--total`); transport errors.
+/// the largest block passes the client's frame limit (lower `--batch`), a size's request passes
+/// the daemon's whole budget (lower `--total`), or the payload cannot be allocated;
+/// [`Error::ReadMismatch`] when a block read back is not the one staged; [`Error::Remote`] with
+/// the entry's code when the daemon could not serve one; the daemon's refusals of the staging
+/// (`busy`, `out_of_memory`, their message naming the whole request's size); transport errors.
 pub async fn run<C: RmaConnection>(
     client: &mut Client<C>,
     config: &BenchConfig,
@@ -348,11 +350,33 @@ pub async fn run<C: RmaConnection>(
             ))
         }
     };
+    // Each size's request against the daemon's whole budget, before any is staged. The daemon
+    // sees the request in frames and could only name the frame it refused.
+    let budget = client.stats().await?.budget_bytes;
+    for g in &geometries {
+        let need = request_bytes(g);
+        if need > budget {
+            return Err(Error::Config(format!(
+                "--total {}: {} blocks of {} bytes are a request of {need} bytes as the daemon \
+                 counts them, past its staging budget of {budget} bytes: lower --total, or give \
+                 the daemon more --memory",
+                config.total_bytes,
+                g.num_blocks,
+                g.block_bytes()
+            )));
+        }
+    }
     let mut rows = Vec::with_capacity(geometries.len());
     for (g, fit) in geometries.into_iter().zip(fits) {
         rows.push(run_one(client, config, g, fit, rma).await?);
     }
     Ok(BenchReport { rma, rows })
+}
+
+/// The bytes the daemon's pool accounts for a request of `g` staged whole (blocks and their
+/// per-entry and per-request overheads).
+pub fn request_bytes(g: &Geometry) -> u64 {
+    REQUEST_OVERHEAD_BYTES + u64::from(g.num_blocks) * (g.block_bytes() + ENTRY_OVERHEAD_BYTES)
 }
 
 /// How one block size's calls fit the frame limit.
@@ -432,6 +456,19 @@ async fn measure<C: RmaConnection>(
     // Stage in frames under the limit (zero-copy slices of the payload): once untimed, then
     // `repeats` timed passes that replace every block.
     let payload_bytes = blocks as u64 * block_bytes;
+    // A refusal names the whole request, not the frame it came at.
+    let refused = |e: Error, first: u32| match e {
+        Error::Remote { code, message } => Error::Remote {
+            code,
+            message: format!(
+                "{message} (staging a request of {blocks} blocks of {block_bytes} bytes, \
+                 {payload_bytes} bytes of payload, {} as the daemon counts them; refused \
+                 at block {first})",
+                request_bytes(&g)
+            ),
+        },
+        e => e,
+    };
     let mut stage_gbps = Vec::with_capacity(config.repeats);
     for pass in 0..=config.repeats {
         let start = Instant::now();
@@ -445,7 +482,10 @@ async fn measure<C: RmaConnection>(
                     data: slice(b),
                 })
                 .collect();
-            client.stage_blocks(request, g, staged).await?;
+            client
+                .stage_blocks(request, g, staged)
+                .await
+                .map_err(|e| refused(e, first))?;
             first = end;
         }
         if pass > 0 {

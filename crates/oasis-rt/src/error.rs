@@ -53,8 +53,9 @@ pub enum Error {
     UnexpectedReply { expected: &'static str, got: String },
 
     // ---- staging pool ----
-    /// The staging could never fit: it alone passes the whole budget.
-    #[error("{requested} bytes can never fit the staging budget of {budget} bytes")]
+    /// The staging could never fit: its request alone would pass the whole budget.
+    /// `requested`: the request's accounted bytes had the staging been stored.
+    #[error("a request of {requested} bytes can never fit the staging budget of {budget} bytes")]
     OutOfMemory { requested: u64, budget: u64 },
     /// The budget is full of live data (which is never evicted): retry after releases.
     #[error("staging pool busy: {requested} bytes requested, {free} free after eviction")]

@@ -167,8 +167,10 @@ impl StagingPool {
         let budget = self.config.budget_bytes;
         if current.saturating_add(delta) > budget {
             self.refused_stages += 1;
+            // The request's size had this staging been stored, not this staging's alone: a
+            // frame that fits the budget by itself is not what can never fit.
             return Err(Error::OutOfMemory {
-                requested: delta,
+                requested: current.saturating_add(delta),
                 budget,
             });
         }
@@ -838,6 +840,32 @@ mod tests {
         // Head 1 of K is rows [hb, 2hb); head 1 of V is [3hb, 4hb) (2 heads).
         assert_eq!(&got[..hb], &data[hb..2 * hb]);
         assert_eq!(&got[hb..], &data[3 * hb..4 * hb]);
+    }
+
+    #[test]
+    fn out_of_memory_names_the_request_s_size_not_the_last_part_s() {
+        let t = Instant::now();
+        let budget = REQUEST_OVERHEAD_BYTES + 4 * per_block();
+        let mut p = pool(budget, None);
+        p.stage_blocks(4, g(), blocks(0, &[0, 1, 2], 2), t).unwrap();
+        // Two more blocks: each part fits the budget, the request does not.
+        let err = p
+            .stage_blocks(4, g(), blocks(0, &[3, 4], 2), t)
+            .unwrap_err();
+        let whole = REQUEST_OVERHEAD_BYTES + 5 * per_block();
+        assert!(
+            matches!(err, Error::OutOfMemory { requested, budget: b } if requested == whole && b == budget),
+            "{err}"
+        );
+        assert!(
+            err.to_string()
+                .contains(&format!("request of {whole} bytes")),
+            "{err}"
+        );
+        // All or nothing: the three blocks are still there, the refused two are not.
+        let s = p.stats(t);
+        assert_eq!((s.staged_blocks, s.refused_stages), (3, 1));
+        p.audit().unwrap();
     }
 
     #[test]

@@ -1,8 +1,8 @@
 //! The staging daemon: accepts connections, authenticates them, and serves the staging pool.
 //!
-//! Each connection is one task: handshake (a `Hello` within the I/O timeout, its frame at most
-//! [`PREAUTH_MAX_FRAME_BYTES`], the token compared in constant time), then request -> reply
-//! until the peer closes. Requests of one connection are served in order; connections run
+//! Each connection is one task: handshake (a whole `Hello` within the handshake timeout, its
+//! frame at most [`PREAUTH_MAX_FRAME_BYTES`], the token compared in constant time), then
+//! request -> reply until the peer closes. Requests of one connection are served in order; connections run
 //! concurrently. The pool is one mutex held only for map operations: block bytes are copied
 //! before it is taken and replies are encoded and written after it is released.
 //!
@@ -13,7 +13,9 @@
 //!   gets a best-effort `Error` reply with code `bad_frame` (or `too_large`, `bad_version`),
 //!   then the connection is closed: nothing of it reached the pool, which decodes only whole,
 //!   valid frames.
-//! - A failed handshake gets `unauthorized` and is closed.
+//! - A failed handshake gets `unauthorized` and is closed; so does a connection that sent no
+//!   whole `Hello` within `handshake_timeout` (seconds, so that idle sockets cannot hold the
+//!   `max_connections` slots for long).
 //! - A connection idle past `idle_timeout`, or stalled inside a frame past `io_timeout`, is
 //!   closed. Staged data is never tied to a connection: it lives until released or, once its
 //!   lease expired, evicted under memory pressure.
@@ -31,7 +33,6 @@
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -41,7 +42,7 @@ use tokio::task::JoinSet;
 use tracing::{debug, info, warn, Instrument};
 
 use crate::error::{Error, ErrorCode, Result};
-use crate::metrics::{run_http, Metrics, REQUEST_KINDS};
+use crate::metrics::{run_http, token_matches, Metrics, REQUEST_KINDS};
 use crate::pool::{PoolConfig, Registered, StagingPool};
 use crate::protocol::{
     decode_body, encode_frame, Blocks, BlocksRma, ErrorReply, HelloOk, Message, Released, Staged,
@@ -59,6 +60,9 @@ pub const DEFAULT_LISTEN: &str = "127.0.0.1:7470";
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 /// Default idle limit of a connection between frames (arbitrary).
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(3600);
+/// Default time a new connection has to send its whole `Hello` (arbitrary: a client sends it
+/// right after connecting, so this is a round trip plus scheduling, with a wide margin).
+pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Default lease of a staged request (arbitrary).
 pub const DEFAULT_LEASE: Duration = Duration::from_secs(600);
 /// Default connection limit (arbitrary).
@@ -78,8 +82,12 @@ pub struct ServerConfig {
     pub token: Option<Vec<u8>>,
     pub max_frame: u32,
     pub io_timeout: Duration,
+    /// How long an authenticated connection may sit between frames (`None`: forever).
     pub idle_timeout: Option<Duration>,
+    /// How long a new connection has to send its whole `Hello`.
+    pub handshake_timeout: Duration,
     pub lease: Option<Duration>,
+    /// Connections served at once; past it a new one gets `busy` and is closed.
     pub max_connections: usize,
 }
 
@@ -93,6 +101,7 @@ impl Default for ServerConfig {
             max_frame: DEFAULT_MAX_FRAME_BYTES,
             io_timeout: DEFAULT_IO_TIMEOUT,
             idle_timeout: Some(DEFAULT_IDLE_TIMEOUT),
+            handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
             lease: Some(DEFAULT_LEASE),
             max_connections: DEFAULT_MAX_CONNECTIONS,
         }
@@ -129,8 +138,8 @@ impl Shared {
     fn stats(&self) -> StatsSnapshot {
         let mut s = self.pool().stats(Instant::now());
         let m = &self.metrics;
-        s.bytes_served = m.bytes_served.load(Relaxed);
-        s.connections_active = m.connections_active.load(Relaxed);
+        s.bytes_served = m.bytes_served.get();
+        s.connections_active = m.connections_active.get();
         s.requests_total = m.requests_total();
         s.errors_total = m.errors_total();
         s
@@ -227,6 +236,11 @@ impl<L: Listener> Server<L> {
                 "memory budget and connection limit must be nonzero".into(),
             ));
         }
+        if config.handshake_timeout.is_zero() || config.idle_timeout.is_some_and(|d| d.is_zero()) {
+            return Err(Error::Config(
+                "handshake and idle timeouts must be nonzero".into(),
+            ));
+        }
         if config.token.as_ref().is_some_and(|t| t.is_empty()) {
             return Err(Error::Config("the token is empty".into()));
         }
@@ -240,12 +254,14 @@ impl<L: Listener> Server<L> {
             None => None,
         };
         let listener = transport.bind(&listen.to_string()).await?;
+        let counters = Metrics::new();
+        counters.connection_slots.set(config.max_connections as u64);
         let shared = Arc::new(Shared {
             pool: Mutex::new(StagingPool::new(PoolConfig {
                 budget_bytes: config.budget_bytes,
                 lease: config.lease,
             })),
-            metrics: Metrics::default(),
+            metrics: counters,
             connections: Arc::new(Semaphore::new(config.max_connections)),
             registrar: transport.registrar(),
             config,
@@ -297,7 +313,8 @@ impl<L: Listener> Server<L> {
         let mut aux = JoinSet::new();
         if let Some(m) = metrics {
             let s = shared.clone();
-            aux.spawn(run_http(m, move || s.metrics.render(&s.stats())));
+            let token = shared.config.token.clone();
+            aux.spawn(run_http(m, token, move || s.metrics.render(&s.stats())));
         }
         let (stop_tx, stop_rx) = watch::channel(false);
         let mut conns = JoinSet::new();
@@ -315,7 +332,7 @@ impl<L: Listener> Server<L> {
                 accepted = listener.accept() => match accepted {
                     Ok(conn) => {
                         let peer = conn.peer();
-                        shared.metrics.connections_total.fetch_add(1, Relaxed);
+                        shared.metrics.connections_total.inc();
                         match shared.connections.clone().try_acquire_owned() {
                             Ok(permit) => {
                                 let span = tracing::info_span!("conn", peer = %peer);
@@ -325,7 +342,7 @@ impl<L: Listener> Server<L> {
                                 );
                             }
                             Err(_) => {
-                                shared.metrics.connections_refused.fetch_add(1, Relaxed);
+                                shared.metrics.connections_refused.inc();
                                 warn!(%peer, "connection limit reached, refusing");
                                 conns.spawn(refuse(conn, ErrorCode::Busy, "too many connections"));
                             }
@@ -363,7 +380,7 @@ struct ActiveGuard(Arc<Shared>);
 
 impl Drop for ActiveGuard {
     fn drop(&mut self) {
-        self.0.metrics.connections_active.fetch_sub(1, Relaxed);
+        self.0.metrics.connections_active.dec();
     }
 }
 
@@ -377,15 +394,21 @@ async fn refuse<C: Connection>(mut conn: C, code: ErrorCode, message: &str) {
     }
 }
 
-fn token_matches(expected: &[u8], got: &[u8]) -> bool {
-    // Constant time in the token's content (its length is not secret enough to hide).
-    expected.len() == got.len() && expected.iter().zip(got).fold(0u8, |a, (x, y)| a | (x ^ y)) == 0
-}
-
-/// The handshake: one Hello, right version, right token.
+/// The handshake: one Hello, right version, right token, all within the handshake timeout.
 async fn handshake<C: Connection>(conn: &mut C, shared: &Shared) -> Result<u32> {
-    let io = shared.config.io_timeout;
-    let body = conn.recv_frame(PREAUTH_MAX_FRAME_BYTES, Some(io)).await?;
+    let limit = shared.config.handshake_timeout;
+    let hello = conn.recv_frame(PREAUTH_MAX_FRAME_BYTES, Some(limit));
+    // The whole frame, not only its start, within the limit: a peer that sends a byte and
+    // stalls does not hold a connection slot for the I/O timeout.
+    let body = match tokio::time::timeout(limit, hello).await {
+        Ok(body) => body?,
+        Err(_) => {
+            return Err(Error::Timeout {
+                op: "handshake",
+                after: limit,
+            })
+        }
+    };
     let frame = decode_body(body, PREAUTH_MAX_FRAME_BYTES)?;
     let Message::Hello(hello) = frame.message else {
         return Err(Error::Unauthorized);
@@ -410,7 +433,7 @@ async fn serve_connection<C: Connection>(
     mut stop: watch::Receiver<bool>,
     _permit: OwnedSemaphorePermit,
 ) {
-    shared.metrics.connections_active.fetch_add(1, Relaxed);
+    shared.metrics.connections_active.inc();
     let _active = ActiveGuard(shared.clone());
     let max_frame = shared.config.max_frame;
     let start = Instant::now();
@@ -428,7 +451,10 @@ async fn serve_connection<C: Connection>(
             }
         }
         Err(e) => {
-            shared.metrics.connections_refused.fetch_add(1, Relaxed);
+            shared.metrics.connections_refused.inc();
+            if matches!(e, Error::Timeout { .. }) {
+                shared.metrics.handshake_timeouts.inc();
+            }
             let code = match e {
                 Error::Closed => return,
                 Error::BadVersion { .. } => ErrorCode::BadVersion,
@@ -461,7 +487,7 @@ async fn serve_connection<C: Connection>(
             }
             Err(e) => {
                 // Malformed: answer once, close. Nothing reached the pool.
-                shared.metrics.bad_frames.fetch_add(1, Relaxed);
+                shared.metrics.bad_frames.inc();
                 let code = match e.code() {
                     c @ (ErrorCode::TooLarge | ErrorCode::BadVersion) => c,
                     _ => ErrorCode::BadFrame,
@@ -490,7 +516,7 @@ async fn serve_connection<C: Connection>(
             Ok(r) => r,
             Err(e) => {
                 // Not a request kind (a reply, or Hello again): a confused peer; close.
-                shared.metrics.bad_frames.fetch_add(1, Relaxed);
+                shared.metrics.bad_frames.inc();
                 shared.metrics.error(ErrorCode::BadFrame);
                 warn!(error = %e, "unexpected message, closing connection");
                 refuse(conn, ErrorCode::BadFrame, &e.to_string()).await;
@@ -517,7 +543,7 @@ async fn serve_connection<C: Connection>(
             debug!(error = %e, "reply not delivered");
             break;
         }
-        shared.metrics.bytes_served.fetch_add(served, Relaxed);
+        shared.metrics.bytes_served.inc_by(served);
         shared.metrics.observe(kind, start.elapsed());
     }
 }

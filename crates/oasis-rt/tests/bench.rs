@@ -83,14 +83,15 @@ async fn a_bad_block_size_is_refused_before_staging() {
 }
 
 /// A batch whose reply passes the daemon's frame limit is refused (naming --batch) before
-/// anything is staged; a staging
-/// past the budget comes back as the daemon's refusal, and what was staged is released.
+/// anything is staged; so is a request past the daemon's whole budget (naming the request's
+/// size, not a frame's: finding 6); a staging refused part-way by live data comes back as the
+/// daemon's refusal naming the whole request, and what was staged is released.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn frame_and_budget_limits_are_errors_and_nothing_stays_staged() {
     let d = tcp()
         .start(ServerConfig {
             max_frame: 256 << 10,
-            budget_bytes: 1 << 20,
+            budget_bytes: 3 << 20,
             ..ServerConfig::default()
         })
         .await;
@@ -111,7 +112,36 @@ async fn frame_and_budget_limits_are_errors_and_nothing_stays_staged() {
         "{err}"
     );
     assert_eq!(c.stats().await.unwrap().bytes_staged, 0);
-    // 2 MiB into a 1 MiB budget, staged in 256 KiB frames: refused part-way.
+    // 4 MiB into a 3 MiB budget, which the daemon would see in 256 KiB frames: refused before
+    // staging, naming the request's size (4 MiB and its overheads), not a frame's.
+    let err = bench::run(
+        &mut c,
+        &BenchConfig {
+            block_bytes: vec![8 << 10],
+            total_bytes: 4 << 20,
+            ..small()
+        },
+    )
+    .await
+    .unwrap_err();
+    let whole = 512 + 512 * (8192 + 64);
+    assert!(
+        matches!(&err, Error::Config(m) if m.contains(&format!("a request of {whole} bytes"))
+            && m.contains(&format!("budget of {}", 3 << 20)) && m.contains("lower --total")),
+        "{err}"
+    );
+    assert_eq!(c.stats().await.unwrap().bytes_staged, 0);
+    // 2 MiB fits the budget, but 1 MiB of another request's live data leaves less: refused
+    // part-way (busy), the message naming the whole request; what was staged is released.
+    let mut other = d.client().await;
+    for layer in 0..4 {
+        for first in [0, 32] {
+            let blocks = (first..first + 32).map(|b| block(5, layer, b)).collect();
+            other.stage_blocks(5, geometry(), blocks).await.unwrap();
+        }
+    }
+    let live = c.stats().await.unwrap().used_bytes;
+    assert!(live > (3 << 20) - (512 + 256 * (8192 + 64)), "{live}");
     let err = bench::run(
         &mut c,
         &BenchConfig {
@@ -121,16 +151,11 @@ async fn frame_and_budget_limits_are_errors_and_nothing_stays_staged() {
     )
     .await
     .unwrap_err();
-    assert!(
-        matches!(
-            err.code(),
-            oasis_rt::ErrorCode::Busy | oasis_rt::ErrorCode::OutOfMemory
-        ),
-        "{err}"
-    );
+    assert_eq!(err.code(), oasis_rt::ErrorCode::Busy, "{err}");
+    assert!(err.to_string().contains("staging a request of"), "{err}");
     assert!(c.is_connected());
     let s = c.stats().await.unwrap();
-    assert_eq!((s.used_bytes, s.live_requests), (0, 0), "{s:?}");
+    assert_eq!((s.used_bytes, s.live_requests), (live, 1), "{s:?}");
     d.handle.audit().unwrap();
 }
 

@@ -40,7 +40,52 @@ over_tcp!(
     non_loopback_needs_a_token,
     metrics_endpoint_and_graceful_shutdown,
     oversized_requests_and_replies_are_refused_cleanly,
+    metrics_need_the_token_when_the_daemon_has_one,
+    silent_connections_lose_their_slot_at_the_handshake_timeout,
+    idle_connections_are_closed_at_the_idle_timeout,
 );
+
+/// A hello cut short (inside its length prefix, or inside its body) holds the connection only
+/// until the handshake timeout, not the 30 s I/O timeout: a slow sender cannot keep a slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hello_cut_short_is_closed_at_the_handshake_timeout() {
+    let limit = Duration::from_millis(300);
+    let d = tcp()
+        .start(ServerConfig {
+            handshake_timeout: limit,
+            ..ServerConfig::default()
+        })
+        .await;
+    let hello = oasis_rt::protocol::Message::Hello(oasis_rt::protocol::Hello {
+        version: oasis_rt::protocol::PROTOCOL_VERSION.into(),
+        token: bytes::Bytes::new(),
+    });
+    let frame = encode_frame(1, &hello, 4096).unwrap();
+    for cut in [2, 6, frame.len() - 1] {
+        let mut s = TcpStream::connect(&d.addr).await.unwrap();
+        let start = Instant::now();
+        s.write_all(&frame[..cut]).await.unwrap();
+        let body = read_frame(&mut s, 4096, Some(T), T)
+            .await
+            .expect("a refusal");
+        let refusal = oasis_rt::protocol::decode_body(body, 4096).unwrap();
+        match refusal.message {
+            Message::Error(e) => assert_eq!(e.code, ErrorCode::Unauthorized, "{e:?}"),
+            other => panic!("cut at {cut}: {other:?}"),
+        }
+        let mut rest = Vec::new();
+        let n = tokio::time::timeout(T, s.read_to_end(&mut rest))
+            .await
+            .unwrap();
+        assert_eq!(n.ok(), Some(0), "cut at {cut}: left open");
+        let took = start.elapsed();
+        assert!(
+            took >= limit && took < limit + Duration::from_secs(2),
+            "cut at {cut}: closed after {took:?}"
+        );
+    }
+    d.settle(0).await;
+}
 
 /// A fake daemon: answers the handshake, then runs `after` on the stream.
 async fn fake_daemon<F, Fut>(after: F) -> String

@@ -81,6 +81,7 @@ over_ucx!(
     non_loopback_needs_a_token,
     metrics_endpoint_and_graceful_shutdown,
     oversized_requests_and_replies_are_refused_cleanly,
+    metrics_need_the_token_when_the_daemon_has_one,
 );
 
 #[test]

@@ -236,6 +236,44 @@ pub fn valid_stage_frame() -> Vec<u8> {
     encode_frame(5, &m, 1 << 20).unwrap()
 }
 
+/// Every sample of an exposition, `name{labels}` (labels sorted by name: the encoder's order is
+/// its own) to its value.
+pub fn samples(text: &str) -> std::collections::HashMap<String, f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && l.contains(' '))
+        .map(|line| {
+            let (series, value) = line.rsplit_once(' ').unwrap();
+            let series = match series.split_once('{') {
+                Some((name, labels)) => {
+                    let mut labels: Vec<&str> = labels.trim_end_matches('}').split(',').collect();
+                    labels.sort_unstable();
+                    format!("{name}{{{}}}", labels.join(","))
+                }
+                None => series.to_string(),
+            };
+            (series, value.parse::<f64>().unwrap())
+        })
+        .collect()
+}
+
+/// One HTTP/1.1 request with `headers` (each `Name: value`), the whole reply as text.
+pub async fn http(addr: &str, method: &str, path: &str, headers: &[&str]) -> String {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: x\r\n");
+    for h in headers {
+        head.push_str(h);
+        head.push_str("\r\n");
+    }
+    head.push_str("\r\n");
+    s.write_all(head.as_bytes()).await.unwrap();
+    let mut out = String::new();
+    tokio::time::timeout(T, s.read_to_string(&mut out))
+        .await
+        .unwrap()
+        .unwrap();
+    out
+}
+
 pub async fn http_get(addr: &str, path: &str) -> String {
     let mut s = TcpStream::connect(addr).await.unwrap();
     s.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
@@ -825,17 +863,47 @@ pub async fn metrics_endpoint_and_graceful_shutdown<T: Transport + Clone>(net: &
     let _ = c.fetch_admission(99, 0, 1, false).await.unwrap_err();
     let text = http_get(&maddr, "/metrics").await;
     assert!(text.starts_with("HTTP/1.1 200 OK"), "{text}");
-    for needle in [
-        "oasis_rt_requests_total{kind=\"read_blocks\"} 1",
-        "oasis_rt_requests_total{kind=\"stage_blocks\"} 2",
-        "oasis_rt_errors_total{code=\"unknown_request\"} 1",
-        "oasis_rt_bytes_served_total 4096",
-        "oasis_rt_request_duration_seconds_bucket{kind=\"read_blocks\",le=\"+Inf\"} 1",
-        "oasis_rt_request_duration_seconds_count{kind=\"stage_summaries\"} 1",
-        "oasis_rt_live_requests 1",
-        "oasis_rt_connections_active 1",
+    assert!(
+        text.contains("Content-Type: application/openmetrics-text; version=1.0.0"),
+        "{text}"
+    );
+    let (_, body) = text.split_once("\r\n\r\n").unwrap();
+    assert!(body.ends_with("# EOF\n"), "{body}");
+    let got = samples(body);
+    for (series, value) in [
+        ("oasis_rt_requests_total{kind=\"read_blocks\"}", 1.0),
+        ("oasis_rt_requests_total{kind=\"stage_blocks\"}", 2.0),
+        ("oasis_rt_errors_total{code=\"unknown_request\"}", 1.0),
+        ("oasis_rt_bytes_served_total", 4096.0),
+        (
+            "oasis_rt_request_duration_seconds_bucket{kind=\"read_blocks\",le=\"+Inf\"}",
+            1.0,
+        ),
+        (
+            "oasis_rt_request_duration_seconds_count{kind=\"stage_summaries\"}",
+            1.0,
+        ),
+        ("oasis_rt_live_requests", 1.0),
+        ("oasis_rt_connections_active", 1.0),
+        ("oasis_rt_connection_slots", 1024.0),
+        ("oasis_rt_handshake_timeouts_total", 0.0),
     ] {
-        assert!(text.contains(needle), "missing {needle} in\n{text}");
+        assert_eq!(got.get(series), Some(&value), "{series} in\n{body}");
+    }
+    // HEAD: the same headers, no body.
+    let head = http(&maddr, "HEAD", "/metrics", &[]).await;
+    assert!(
+        head.starts_with("HTTP/1.1 200 OK") && head.ends_with("\r\n\r\n"),
+        "{head}"
+    );
+    // Another method: 405 with the methods that are allowed (finding 6).
+    for method in ["POST", "PUT", "DELETE"] {
+        let r = http(&maddr, method, "/metrics", &[]).await;
+        assert!(
+            r.starts_with("HTTP/1.1 405 Method Not Allowed"),
+            "{method}: {r}"
+        );
+        assert!(r.contains("\r\nAllow: GET, HEAD\r\n"), "{method}: {r}");
     }
     assert!(http_get(&maddr, "/nope").await.starts_with("HTTP/1.1 404"));
     assert!(http_get(&maddr, "").await.starts_with("HTTP/1.1 400"));
@@ -894,4 +962,123 @@ pub async fn oversized_requests_and_replies_are_refused_cleanly<T: Transport + C
     let _ = ReadBlocks { keys };
     d.handle.audit().unwrap();
     drop(d.stop);
+}
+
+/// With a token, `/metrics` needs it as a bearer token (finding 6); without one it serves
+/// nothing, not even after a wrong method.
+pub async fn metrics_need_the_token_when_the_daemon_has_one<T: Transport + Clone>(net: &Net<T>) {
+    let server = Server::bind_with(
+        &net.server,
+        ServerConfig {
+            listen: "127.0.0.1:0".into(),
+            metrics: Some("127.0.0.1:0".into()),
+            token: Some(b"s3cret-token".to_vec()),
+            ..ServerConfig::default()
+        },
+    )
+    .await
+    .unwrap();
+    let maddr = server.metrics_addr().unwrap();
+    let (tx, rx) = oneshot::channel::<()>();
+    let task = tokio::spawn(server.run(async move {
+        let _ = rx.await;
+    }));
+    for headers in [
+        &[][..],
+        &["Authorization: Bearer wrong"],
+        &["Authorization: Bearer s3cret-tokeN"],
+        &["Authorization: Bearer s3cret-token-longer"],
+        &["Authorization: Basic czNjcmV0LXRva2Vu"],
+        &["Authorization: s3cret-token"],
+        &["X-Token: s3cret-token"],
+    ] {
+        let r = http(&maddr, "GET", "/metrics", headers).await;
+        assert!(
+            r.starts_with("HTTP/1.1 401 Unauthorized"),
+            "{headers:?}: {r}"
+        );
+        assert!(r.contains("\r\nWWW-Authenticate: Bearer"), "{r}");
+        assert!(!r.contains("oasis_rt_"), "{headers:?}: served {r}");
+    }
+    // The scheme and the header name in any case, as HTTP has them.
+    for header in [
+        "Authorization: Bearer s3cret-token",
+        "authorization: bearer s3cret-token",
+    ] {
+        let r = http(&maddr, "GET", "/metrics", &[header]).await;
+        assert!(r.starts_with("HTTP/1.1 200 OK"), "{header}: {r}");
+        assert!(r.contains("\noasis_rt_budget_bytes 1073741824\n"), "{r}");
+    }
+    let r = http(&maddr, "POST", "/metrics", &[]).await;
+    assert!(r.starts_with("HTTP/1.1 405"), "{r}");
+    assert!(!r.contains("oasis_rt_"), "{r}");
+    tx.send(()).unwrap();
+    tokio::time::timeout(T, task)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+}
+
+/// Connections that never send a hello hold their slot only until the handshake timeout, far
+/// sooner than the I/O timeout; meanwhile the connection limit answers `busy` (finding 6).
+pub async fn silent_connections_lose_their_slot_at_the_handshake_timeout<T: Transport + Clone>(
+    net: &Net<T>,
+) {
+    let limit = Duration::from_millis(500);
+    let d = net
+        .start(ServerConfig {
+            handshake_timeout: limit,
+            max_connections: 2,
+            ..ServerConfig::default()
+        })
+        .await;
+    let start = Instant::now();
+    let a = net.client.connect(&d.addr).await.unwrap();
+    let b = net.client.connect(&d.addr).await.unwrap();
+    d.settle(2).await;
+    let err = net
+        .connect(&d.addr, cfg(None))
+        .await
+        .err()
+        .expect("admitted past the connection limit");
+    assert_eq!(err.code(), ErrorCode::Busy, "{err}");
+    expect_refused(a, ErrorCode::Unauthorized, "silent connection").await;
+    expect_refused(b, ErrorCode::Unauthorized, "silent connection").await;
+    let took = start.elapsed();
+    assert!(
+        took >= limit && took < limit + Duration::from_secs(2),
+        "closed after {took:?}"
+    );
+    d.settle(0).await;
+    // The slots are free again.
+    let mut c = d.client().await;
+    c.stats().await.unwrap();
+    let got = samples(&d.handle.render_metrics());
+    assert_eq!(got["oasis_rt_handshake_timeouts_total"], 2.0);
+    assert_eq!(got["oasis_rt_connections_refused_total"], 3.0);
+    assert_eq!(got["oasis_rt_connection_slots"], 2.0);
+    assert_eq!(got["oasis_rt_connections_active"], 1.0);
+}
+
+/// An authenticated connection idle past `idle_timeout` is closed; one that keeps talking is not.
+pub async fn idle_connections_are_closed_at_the_idle_timeout<T: Transport + Clone>(net: &Net<T>) {
+    let idle = Duration::from_millis(400);
+    let d = net
+        .start(ServerConfig {
+            idle_timeout: Some(idle),
+            ..ServerConfig::default()
+        })
+        .await;
+    let mut quiet = d.client().await;
+    let mut busy = d.client().await;
+    d.settle(2).await;
+    let start = Instant::now();
+    while start.elapsed() < 3 * idle {
+        busy.stats().await.expect("a busy connection stays open");
+        tokio::time::sleep(idle / 4).await;
+    }
+    d.settle(1).await;
+    assert!(quiet.stats().await.is_err(), "idle connection left open");
+    busy.stats().await.unwrap();
 }
