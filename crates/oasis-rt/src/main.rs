@@ -68,8 +68,10 @@ pub enum Command {
 /// with feature `ucx`; UCX_TLS etc. choose UCX's transports).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, ValueEnum)]
 pub enum TransportArg {
+    /// TCP (tokio).
     #[default]
     Tcp,
+    /// UCX: libucp loaded at run time, in a build with feature `ucx`.
     Ucx,
 }
 
@@ -310,8 +312,16 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
-        // clap's format and exit code (2), as for the flags it checks itself.
-        Err(Failure::Usage(m)) => Cli::command().error(ErrorKind::ValueValidation, m).exit(),
+        // clap's format and exit code (2), as for the flags it checks itself, with the
+        // subcommand's usage line.
+        Err(Failure::Usage(sub, m)) => {
+            let mut cli = Cli::command();
+            cli.build();
+            match cli.find_subcommand_mut(sub) {
+                Some(cmd) => cmd.error(ErrorKind::ValueValidation, m).exit(),
+                None => cli.error(ErrorKind::ValueValidation, m).exit(),
+            }
+        }
         Err(Failure::Config(m)) => {
             eprintln!("oasis-rt: error: {m}");
             ExitCode::from(2)
@@ -327,7 +337,8 @@ fn main() -> ExitCode {
 /// configuration the daemon or this build refuses (exit 2), or a failure at run time (exit 1).
 #[derive(Debug)]
 enum Failure {
-    Usage(String),
+    /// The subcommand, and what is wrong with its flags.
+    Usage(&'static str, String),
     Config(String),
     Runtime(String),
 }
@@ -574,7 +585,7 @@ fn bench(a: &BenchArgs) -> Result<(), Failure> {
     let plan = a.plan();
     // Refuse a bad plan before connecting to anything.
     plan.plan().map_err(|e| match e {
-        Error::Config(m) => Failure::Usage(m),
+        Error::Config(m) => Failure::Usage("bench", m),
         e => Failure::from(e),
     })?;
     let config = client_config(&a.client)?;
