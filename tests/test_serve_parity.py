@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -463,3 +464,74 @@ def test_the_engine_seam_for_logprobs(smollm):
         assert (
             t in d and 2 <= len(d) <= 3 and list(d.values())[:2] == sorted(list(d.values())[:2], reverse=True)
         )
+
+
+# ---------------------------------------------------------------------- a tiny context
+@pytest.fixture(scope="module")
+def tiny_server():
+    """A random-weight "tiny" model with a 96-token context, no tokenizer, two seats and no
+    queue: the default budget's cap by the context, and ``n`` against the capacity."""
+    import dataclasses
+
+    from oasiskv.bench.prefill import random_model
+    from oasiskv.models.config import PRESETS
+
+    cfg = dataclasses.replace(PRESETS["tiny"], max_position_embeddings=96)
+    model = random_model(cfg, torch.float32, "cpu")
+    kv = KvConfig(block_size=16, top_k_blocks=4, fetch_cap=0.25, sparse_threshold=32)
+    eng = LLMEngine(model, kv=kv, drafter="ngram", max_num_seqs=2, device="cpu")
+    srv = ServerThread(build_app(eng, ServeConfig("tiny", max_queue=0, max_tokens_default=1000))).start()
+    yield srv
+    srv.stop()
+
+
+def test_the_default_budget_is_capped_by_the_context(tiny_server):
+    with httpx.Client(base_url=tiny_server.url, timeout=60) as c:
+        body = {"model": "tiny", "prompt": list(range(3, 93)), "max_tokens": None, "ignore_eos": True}
+        r = post(c, "/v1/completions", body)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"] == {"prompt_tokens": 90, "completion_tokens": 7, "total_tokens": 97}
+        err = assert_error(
+            post(c, "/v1/completions", {**body, "max_tokens": 8}),
+            400,
+            "context_length_exceeded",
+            "max_tokens",
+        )
+        assert "at most 7" in err["message"]
+
+
+def test_n_past_the_capacity(tiny_server):
+    """More choices than the server holds at once is a 400 naming ``n``; choices refused midway
+    (a 429: another request holds a seat) free the ones already queued."""
+    eng = tiny_server.server.config.app.state.engine_loop.llm_engine
+    real_step = eng.step
+
+    def slow_step():  # so the long request below is surely running while n=2 arrives
+        time.sleep(0.02)
+        return real_step()
+
+    with httpx.Client(base_url=tiny_server.url, timeout=60) as c:
+        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2}
+        assert_error(post(c, "/v1/completions", {**body, "n": 3}), 400, "invalid_value", "n")
+        eng.step = slow_step  # an instance attribute: only this engine, from the engine thread
+        try:
+            long = {**body, "max_tokens": 80, "ignore_eos": True, "stream": True}
+            with c.stream("POST", "/v1/completions", json=long) as s:
+                assert s.status_code == 200
+                next(s.iter_lines())
+                r = post(c, "/v1/completions", {**body, "n": 2})
+                assert r.status_code == 429 and r.json()["error"]["code"] == "server_busy"
+        finally:
+            eng.step = real_step
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            h = c.get("/health").json()
+            if h["inflight"] == 0 and h["pools_full"]:
+                break
+            time.sleep(0.05)
+        assert h["inflight"] == 0 and h["pools_full"], h
+        ok = post(c, "/v1/completions", {**body, "n": 2, "temperature": 0})
+        assert ok.status_code == 200 and [ch["index"] for ch in ok.json()["choices"]] == [0, 1]
+        # no tokenizer: each token reads as its id and a space, echo included
+        echo = post(c, "/v1/completions", {**body, "echo": True}).json()["choices"][0]["text"]
+        assert echo.startswith("5 6 7 ") and len(echo.split()) == 5

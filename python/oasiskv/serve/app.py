@@ -304,6 +304,14 @@ def build_app(llm_engine: LLMEngine, config: ServeConfig) -> FastAPI:
                 param=budget,
                 code="context_length_exceeded",
             )
+        if req.num_choices > engine_loop.capacity:
+            raise ApiError(
+                400,
+                f"n={req.num_choices} passes what this server holds at once ({engine_loop.capacity} "
+                "requests: --max-num-seqs + --max-queue); lower n",
+                param="n",
+                code="invalid_value",
+            )
         out = []
         for i in range(req.num_choices):
             try:
