@@ -1,5 +1,12 @@
-"""Serving benchmark: one closed-loop sweep, through HTTP or in-process, so the two compare.
+"""Serving benchmarks: ``vllm bench serve``'s run against any OpenAI-compatible endpoint, and a
+closed-loop sweep through HTTP or in-process, so the two compare.
 
+    python -m oasiskv.bench.serve --base-url http://127.0.0.1:8000 [--endpoint /v1/completions]
+        --dataset-name sharegpt --dataset-path ShareGPT_V3.json [--num-prompts 200]
+        [--request-rate inf] [--max-concurrency N] [--metric-percentiles 50,90,99]
+        [--save-result --result-dir DIR]          # vLLM's flags, metrics and result file
+    python -m oasiskv.bench.serve --base-url URL --dataset-name random --random-input-len 16384 \
+        --random-output-len 128 ...              # long-context synthetic prompts
     python -m oasiskv.bench.serve --endpoint http://127.0.0.1:8000 [--concurrency 1,4,16]
         [--prompt-tokens 512] [--max-tokens 64] [--requests 32] [--json out.json]
     python -m oasiskv.bench.serve --in-process MODEL [engine flags of `oasis serve`] [same sweep]
@@ -9,7 +16,18 @@
         [--concurrency 1,4,16,32,64] [--modes dense,oasis,oracle] [--gpu-kv-budget h100] ...
         # the paper's Fig. 11: decode throughput vs concurrency (see oasiskv.bench.fig11)
 
-At each concurrency ``C``, ``C`` clients each send their next request as soon as the previous
+``--base-url`` is ``vllm bench serve`` (:mod:`oasiskv.bench.endpoint` has the details): requests
+from a ShareGPT-format file or a random long-context set, sent at ``--request-rate`` (Poisson;
+``--burstiness``) with at most ``--max-concurrency`` in flight, streamed from ``--endpoint``
+(``/v1/completions`` or ``/v1/chat/completions``) of any OpenAI-compatible server; it reports
+TTFT, TPOT, ITL and end-to-end latency (mean, median, std and ``--metric-percentiles``) and the
+throughputs, with vLLM's names, and ``--save-result`` writes them with every request's lengths,
+TTFT and ITLs. The same command against ``oasis serve`` and against ``vllm serve`` compares the
+two. ``--tokenizer`` (default: ``--model``) counts ShareGPT's tokens: ``smollm2``, a ``.gguf``
+file, a directory with ``tokenizer.json`` or a Hugging Face name in the local cache.
+
+The closed-loop sweep (``--endpoint URL`` or ``--in-process MODEL``): at each concurrency ``C``,
+``C`` clients each send their next request as soon as the previous
 one finished, until ``--requests`` have run. Every request is the same size: ``--prompt-tokens``
 token ids (seeded, drawn from ids every real vocabulary has) and exactly ``--max-tokens`` new
 tokens (greedy, ``ignore_eos``). Reported per concurrency: output tokens/s over the wall time of
@@ -51,6 +69,7 @@ import random
 import statistics
 import sys
 import time
+from pathlib import Path
 
 from . import fig11
 
@@ -58,6 +77,7 @@ from . import fig11
 PROMPT_ID_RANGE = (256, 16000)
 #: Defaults of the flags whose default depends on the experiment.
 SWEEP_DEFAULTS = {"concurrency": "1,4,16", "max_tokens": 64, "json": "bench_serve.json"}
+DATASET_DEFAULTS = {"concurrency": "1", "max_tokens": 1, "json": ""}
 FIG11_DEFAULTS = {
     "concurrency": "1,4,16,32,64",
     "max_tokens": 48,
@@ -340,18 +360,90 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    where = ap.add_mutually_exclusive_group(required=True)
-    where.add_argument("--endpoint", help="a running server, e.g. http://127.0.0.1:8000")
-    where.add_argument("--in-process", metavar="MODEL", help="run the sweep on an LLMEngine in this process")
-    where.add_argument(
+    # One of --base-url, --endpoint URL, --in-process and --fig11 (checked in main: --endpoint is
+    # also the API path of --base-url, as in vLLM).
+    ap.add_argument(
+        "--base-url",
+        default=None,
+        help="an OpenAI-compatible server (oasis serve, vllm serve, ...): vLLM's benchmark run",
+    )
+    ap.add_argument(
+        "--endpoint",
+        default=None,
+        help="with --base-url: the API path (/v1/completions, default, or /v1/chat/completions); "
+        "a URL instead (http://127.0.0.1:8000): the closed-loop sweep against that server",
+    )
+    ap.add_argument("--in-process", metavar="MODEL", help="run the sweep on an LLMEngine in this process")
+    ap.add_argument(
         "--fig11", action="store_true", help="decode throughput vs concurrency (the paper's Fig. 11)"
     )
+    ds = ap.add_argument_group("--base-url: vllm bench serve's run (oasiskv.bench.endpoint)")
+    ds.add_argument("--dataset-name", choices=("sharegpt", "random"), default="sharegpt")
+    ds.add_argument("--dataset-path", default=None, help="sharegpt: the ShareGPT-format JSON file")
+    ds.add_argument("--num-prompts", type=int, default=200, help="requests to send (default 200)")
+    ds.add_argument(
+        "--sharegpt-output-len",
+        type=int,
+        default=None,
+        help="max_tokens of every request (default: the gpt turn's)",
+    )
+    ds.add_argument("--random-input-len", type=int, default=1024)
+    ds.add_argument("--random-output-len", type=int, default=128)
+    ds.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="lengths drawn in [len * (1 - r), len * (1 + r)]",
+    )
+    ds.add_argument(
+        "--tokenizer",
+        default=None,
+        help="counts the dataset's tokens (default: --model; see the description)",
+    )
+    ds.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests per second (default inf: all at once)",
+    )
+    ds.add_argument(
+        "--burstiness", type=float, default=1.0, help="1: Poisson arrivals; below 1 burstier, above steadier"
+    )
+    ds.add_argument(
+        "--max-concurrency", type=int, default=None, help="most requests in flight (default: no cap)"
+    )
+    ds.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="generate exactly max_tokens (vLLM's and oasis serve's extension)",
+    )
+    ds.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0: greedy)")
+    ds.add_argument(
+        "--percentile-metrics",
+        default="ttft,tpot,itl,e2el",
+        help="which metrics to print percentiles of: ttft, tpot, itl, e2el (all are saved)",
+    )
+    ds.add_argument(
+        "--metric-percentiles",
+        "--percentiles",
+        dest="metric_percentiles",
+        default="99",
+        help="comma-separated percentiles to report (default 99; mean and median always)",
+    )
+    ds.add_argument("--save-result", action="store_true", help="write the result JSON (vLLM's fields)")
+    ds.add_argument("--result-dir", default=".", help="where --save-result writes (default .)")
+    ds.add_argument(
+        "--result-filename",
+        default=None,
+        help="its file name (default oasis-bench-DATASET-RATEqps-MODEL-TIME.json); --json PATH writes it too",
+    )
+    ds.add_argument("--no-warmup", action="store_true", help="skip the unmeasured first request")
     ap.add_argument(
         "--model",
         default=None,
         help="the model id to request (default: the server's); --fig11: a local model instead of --preset",
     )
-    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY with --base-url)")
     ap.add_argument("--concurrency", default=None, help="comma-separated client counts (default 1,4,16)")
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=None, help="new tokens per request (default 64)")
@@ -374,8 +466,169 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _error(msg: str) -> int:
+    print(f"bench.serve: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def _parse_floats(text: str) -> list[float] | None:
+    try:
+        xs = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        return None
+    return xs or None
+
+
+def dataset_main(args) -> int:
+    """``--base-url``: vLLM's benchmark run (:mod:`oasiskv.bench.endpoint`)."""
+    import datetime
+    import os
+
+    from ..errors import OasisError
+    from . import endpoint as ep
+
+    pcts = _parse_floats(args.metric_percentiles)
+    if pcts is None or not all(0 < p <= 100 for p in pcts):
+        return _error(f"--metric-percentiles takes numbers in (0, 100], got {args.metric_percentiles!r}")
+    selected = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
+    if not selected or set(selected) - set(ep.METRIC_KEYS):
+        return _error(
+            f"--percentile-metrics takes {', '.join(ep.METRIC_KEYS)}, got {args.percentile_metrics!r}"
+        )
+    if args.num_prompts < 1 or (args.max_concurrency is not None and args.max_concurrency < 1):
+        return _error("--num-prompts and --max-concurrency must be >= 1")
+    if not args.request_rate > 0 or not args.burstiness > 0:
+        return _error("--request-rate and --burstiness must be > 0")
+    path = args.endpoint or "/v1/completions"
+    if not path.startswith("/"):
+        return _error(f"with --base-url, --endpoint is an API path such as /v1/completions, got {path!r}")
+    if args.dataset_name == "sharegpt" and not args.dataset_path:
+        return _error("--dataset-name sharegpt needs --dataset-path FILE (a ShareGPT-format JSON list)")
+    chat = path.rstrip("/").endswith("chat/completions")
+    base = args.base_url.rstrip("/")
+    api_key = args.api_key if args.api_key is not None else os.environ.get("OPENAI_API_KEY")
+    model = args.model
+    if model is None:
+        import httpx
+
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        try:
+            r = httpx.get(f"{base}/v1/models", headers=headers, timeout=args.timeout)
+            r.raise_for_status()
+            model = r.json()["data"][0]["id"]
+        except Exception as e:
+            return _error(f"could not list {base}/v1/models to pick --model ({type(e).__name__}: {e})")
+    try:
+        tok_spec = args.tokenizer or model
+        need_tok = args.dataset_name == "sharegpt" or chat
+        tok = ep.load_tokenizer(tok_spec) if need_tok or args.tokenizer else None
+        if args.dataset_name == "sharegpt":
+            reqs = ep.sample_sharegpt(
+                args.dataset_path, args.num_prompts, tok, args.sharegpt_output_len, seed=args.seed
+            )
+        else:
+            reqs = ep.sample_random(
+                args.num_prompts,
+                args.random_input_len,
+                args.random_output_len,
+                args.random_range_ratio,
+                seed=args.seed,
+                tokenizer=tok,
+                as_text=chat,
+            )
+    except OasisError as e:
+        return _error(str(e))
+    print(
+        f"bench.serve: {len(reqs)} {args.dataset_name} requests to {base}{path} (model {model}), "
+        f"rate {args.request_rate}, max concurrency {args.max_concurrency}",
+        file=sys.stderr,
+    )
+    try:
+        results, duration = asyncio.run(
+            ep.run_benchmark(
+                base,
+                path,
+                model,
+                reqs,
+                api_key=api_key,
+                request_rate=args.request_rate,
+                burstiness=args.burstiness,
+                max_concurrency=args.max_concurrency,
+                ignore_eos=args.ignore_eos,
+                temperature=args.temperature,
+                tokenizer=tok,
+                timeout=args.timeout,
+                seed=args.seed,
+                warmup=not args.no_warmup,
+            )
+        )
+    except RuntimeError as e:
+        return _error(str(e))
+    metrics = ep.calculate_metrics(results, duration, pcts)
+    print(ep.format_report(metrics, pcts, selected))
+    for r in results:
+        if r.error:
+            print(f"bench.serve: a request failed: {r.error}", file=sys.stderr)
+            break
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    info = {
+        "date": stamp,
+        "backend": "openai-chat" if chat else "openai",
+        "base_url": base,
+        "endpoint": path,
+        "model_id": model,
+        "tokenizer_id": args.tokenizer or model,
+        "dataset_name": args.dataset_name,
+        "num_prompts": len(reqs),
+        "request_rate": args.request_rate if args.request_rate != float("inf") else "inf",
+        "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency,
+        "percentiles": pcts,
+        "expected_output_lens": [r.expected_output_len for r in reqs],
+    }
+    doc = ep.result_json(metrics, results, **info)
+    targets = []
+    if args.save_result:
+        rate = "inf" if args.request_rate == float("inf") else f"{args.request_rate:g}"
+        name = args.result_filename or (
+            f"oasis-bench-{args.dataset_name}-{rate}qps-{Path(str(model)).name}-{stamp}.json"
+        )
+        targets.append(Path(args.result_dir) / name)
+    if args.json:
+        targets.append(Path(args.json))
+    for t in targets:
+        t.parent.mkdir(parents=True, exist_ok=True)
+        t.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    return 0 if metrics["completed"] else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    legacy_url = args.endpoint is not None and args.endpoint.startswith(("http://", "https://"))
+    chosen = {
+        "--base-url": bool(args.base_url),
+        "--endpoint URL": legacy_url,
+        "--in-process": bool(args.in_process),
+        "--fig11": bool(args.fig11),
+    }
+    modes = [m for m, on in chosen.items() if on]
+    if args.endpoint is not None and not legacy_url and not args.base_url:
+        return _error(f"--endpoint {args.endpoint} is an API path: use it with --base-url URL")
+    if len(modes) != 1:
+        return _error(
+            "pass exactly one of --base-url URL (vLLM's benchmark run), --endpoint URL or "
+            f"--in-process MODEL (the closed-loop sweep) and --fig11; got {', '.join(modes) or 'none'}"
+        )
+    if args.base_url:
+        if args.tp > 1 or args.speculative:
+            return _error(
+                "--tp and --speculative configure an engine in this process; start the server "
+                "with 'oasis serve ... --speculative' instead"
+            )
+        for name, value in DATASET_DEFAULTS.items():
+            if getattr(args, name) is None:
+                setattr(args, name, value)
+        return dataset_main(args)
     defaults = (FIG11_DEFAULTS if args.fig11 else SWEEP_DEFAULTS).items()
     for name, value in defaults:
         if getattr(args, name) is None:
