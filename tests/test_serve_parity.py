@@ -535,3 +535,16 @@ def test_n_past_the_capacity(tiny_server):
         # no tokenizer: each token reads as its id and a space, echo included
         echo = post(c, "/v1/completions", {**body, "echo": True}).json()["choices"][0]["text"]
         assert echo.startswith("5 6 7 ") and len(echo.split()) == 5
+
+
+def test_a_surrogate_anywhere_else_is_never_a_500(http):
+    """In a field name, the model name or a stop string: the usual answer, and a body that is
+    valid UTF-8 (the surrogate escaped in the message)."""
+    base = {"model": "smollm2", "prompt": "Hi", "max_tokens": 2}
+    r = post(http, "/v1/completions", {**base, "x\ud800": 1})
+    assert_error(r, 400, "string_unicode", None)  # pydantic refuses the key itself
+    r = post(http, "/v1/completions", {**base, "model": "m\udfff"})
+    assert_error(r, 404, "model_not_found", "model")
+    assert "\\udfff" in r.json()["error"]["message"]
+    r = post(http, "/v1/completions", {**base, "stop": ["\ud800"]})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
