@@ -49,7 +49,7 @@ build: $(BUILD_STAMP) ## build the extension into the virtualenv
 demo: $(BUILD_STAMP) ## dense vs OasisKV on SmolLM2-135M with a 6K-token prompt, side by side
 	$(PY) -m oasiskv.cli demo
 
-test: test-rust test-py ## what CI runs: Rust tests (incl. the NVRTC kernel compile) + pytest, CPU only
+test: test-rust test-py ## Rust tests (incl. the NVRTC kernel compile) + pytest, CPU only; CI (.ci/run) runs lint and test
 
 test-rust: $(STAMP)
 	$(WITH_NVRTC) cargo test --workspace --exclude oasis-py --release
