@@ -50,11 +50,21 @@ try:
     import transformers
     from transformers import AttentionInterface, Cache, GenerationConfig
     from transformers.generation.configuration_utils import GenerationMode
+    from transformers.modeling_outputs import CausalLMOutputWithPast
 except ImportError as e:  # pragma: no cover - transformers is a dependency of the test extras
     raise ImportError(
         "oasiskv.hf needs the `transformers` package (pip install 'transformers>=5'); "
         f"importing it failed: {e}"
     ) from e
+if int(transformers.__version__.split(".")[0]) < 5:  # pragma: no cover - the lock pins 5.x
+    raise ImportError(
+        f"oasiskv.hf needs transformers>=5 (its Cache and generate API), found {transformers.__version__}; "
+        "pip install -U 'transformers>=5'"
+    )
+
+# The name of the cache argument and output field: ``cache`` since transformers 5.2x, formerly
+# ``past_key_values`` (still accepted, deprecated).
+_CACHE_KW = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 #: The name of OasisKV's attention in transformers' ``AttentionInterface``.
 ATTN_IMPLEMENTATION = "oasiskv"
@@ -539,7 +549,7 @@ def _wrap_forward(model, state: _State):
             attention_mask=given.get("attention_mask"),
             inputs_embeds=kwargs.get("inputs_embeds"),
         )
-        return transformers.modeling_outputs.CausalLMOutputWithPast(logits=logits, cache=cache)
+        return CausalLMOutputWithPast(logits=logits, **{_CACHE_KW: cache})
 
     return forward
 
@@ -630,7 +640,8 @@ def _wrap_generate(model, state: _State):
             )
         cache.max_new_tokens = _max_new_tokens(gc, inputs, kwargs)
         kwargs.pop("past_key_values", None)
-        kwargs["cache"] = cache
+        kwargs.pop("cache", None)
+        kwargs[_CACHE_KW] = cache
         state.last_cache = cache
         try:
             return orig(inputs, generation_config, **kwargs)
