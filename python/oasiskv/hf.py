@@ -281,7 +281,10 @@ class OasisKVCache(Cache):
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         #: The engine: pools, runtime, selection (measurement code reads it).
-        self.engine = Engine(self.engine_model, kv, "oasis", drafter_obj, eos, max_num_seqs=MAX_BATCH)
+        # Eager steps: transformers' decoder is not captured into CUDA graphs.
+        self.engine = Engine(
+            self.engine_model, kv, "oasis", drafter_obj, eos, max_num_seqs=MAX_BATCH, cuda_graph=False
+        )
         self.max_new_tokens = max_new_tokens
         self._reqs: list[_Request] = []
         self._seen = 0  # positions fed so far (padded prompt length + decode steps)
