@@ -548,3 +548,27 @@ def test_a_surrogate_anywhere_else_is_never_a_500(http):
     assert "\\udfff" in r.json()["error"]["message"]
     r = post(http, "/v1/completions", {**base, "stop": ["\ud800"]})
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_token_pieces_give_exact_bytes_for_split_characters(smollm):
+    """A byte-level token that holds part of a character still has its exact bytes, so the
+    logprobs entries' bytes joined are the text's UTF-8; a tokenizer without a ``tokenizers``
+    backend is read through ``decode``."""
+    from oasiskv.serve.text import TokenPieces
+
+    _, tok = smollm
+    text = "Grüße 🌍 and 日本"
+    ids = tok.encode(text)
+    pieces = TokenPieces(tok)
+    got = [pieces(t) for t in ids]
+    assert b"".join(bytes(b) for _, b in got) == text.encode()
+    assert any("\ufffd" in s for s, _ in got)  # some token is a piece of a character
+    assert pieces(tok.eos_token_ids[0]) == ("<|im_end|>", list(b"<|im_end|>"))
+    assert pieces.is_special(tok.eos_token_ids[0]) and not pieces.is_special(ids[0])
+
+    class DecodeOnly:
+        def decode(self, ids, skip_special_tokens=False):
+            return "".join(chr(0x61 + i % 26) for i in ids)
+
+    assert TokenPieces(DecodeOnly())(3) == ("d", [0x64])
+    assert TokenPieces(None)(42) == ("42 ", list(b"42 "))

@@ -107,12 +107,15 @@ class TokenPieces:
     def __init__(self, tokenizer) -> None:
         self.tok = tokenizer
         self._byte_of: dict[str, int] | None = None
-        if tokenizer is not None:
+        # OasisKV's Tokenizer wraps a `tokenizers` backend; another tokenizer object (one passed
+        # as LLMEngine(tokenizer=...)) is read through its decode() alone.
+        self._backend = getattr(tokenizer, "backend", None)
+        if self._backend is not None and hasattr(self._backend, "to_str"):
             import json
 
             from ..models.tokenizer import bytes_to_unicode
 
-            decoder = json.loads(tokenizer.backend.to_str()).get("decoder") or {}
+            decoder = json.loads(self._backend.to_str()).get("decoder") or {}
             kinds = {decoder.get("type")} | {d.get("type") for d in decoder.get("decoders", [])}
             if "ByteLevel" in kinds:
                 self._byte_of = {c: b for b, c in bytes_to_unicode().items()}
@@ -126,8 +129,10 @@ class TokenPieces:
         if self.tok is None:
             raw = f"{token_id} ".encode()
         else:
-            spelled = self.tok.backend.id_to_token(token_id) or ""
-            if self._byte_of is not None and all(c in self._byte_of for c in spelled):
+            spelled = ""
+            if self._byte_of is not None:
+                spelled = self._backend.id_to_token(token_id) or ""
+            if spelled and all(c in self._byte_of for c in spelled):
                 raw = bytes(self._byte_of[c] for c in spelled)
             else:
                 raw = self.tok.decode([token_id]).encode("utf-8")
