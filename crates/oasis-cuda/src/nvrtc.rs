@@ -131,6 +131,15 @@ fn locate(searched: &mut Vec<String>) -> Option<String> {
             }
         }
     }
+    // A wheel layout not listed above (a later CUDA major): any `nvidia/*/lib/libnvrtc.so.N`,
+    // highest N first, as scripts/find_nvrtc.py picks it for the Makefile.
+    for dir in python_site_dirs() {
+        for f in wheel_nvrtc_candidates(&dir.join("nvidia")) {
+            if let Some(found) = open_path(&f, searched) {
+                return Some(found);
+            }
+        }
+    }
     for var in ["CUDA_HOME", "CUDA_PATH", "CUDA_ROOT"] {
         let Some(root) = std::env::var_os(var)
             .filter(|v| !v.is_empty())
@@ -148,6 +157,33 @@ fn locate(searched: &mut Vec<String>) -> Option<String> {
         }
     }
     None
+}
+
+/// Every `ROOT/*/lib/libnvrtc.so.N` (or `.so.N.M`), highest major first; the
+/// `libnvrtc-builtins` companion is never one.
+fn wheel_nvrtc_candidates(root: &Path) -> Vec<PathBuf> {
+    let mut found: Vec<(u32, PathBuf)> = Vec::new();
+    let Ok(pkgs) = std::fs::read_dir(root) else {
+        return found.into_iter().map(|(_, p)| p).collect();
+    };
+    for pkg in pkgs.flatten() {
+        let Ok(files) = std::fs::read_dir(pkg.path().join("lib")) else {
+            continue;
+        };
+        for f in files.flatten() {
+            let name = f.file_name();
+            let Some(rest) = name.to_str().and_then(|n| n.strip_prefix("libnvrtc.so.")) else {
+                continue;
+            };
+            let mut parts = rest.split('.');
+            let major = parts.next().and_then(|m| m.parse::<u32>().ok());
+            if let (Some(major), true) = (major, parts.all(|p| p.parse::<u32>().is_ok())) {
+                found.push((major, f.path()));
+            }
+        }
+    }
+    found.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
+    found.into_iter().map(|(_, p)| p).collect()
 }
 
 /// Open `path` and keep it open for the life of the process.
@@ -486,6 +522,37 @@ pub fn compile_all_with_cache(arch: &str, cache: &KernelCache) -> Result<Vec<(St
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn wheel_layouts_of_any_major_highest_first() {
+        let root = std::env::temp_dir().join(format!("oasis-nvrtc-scan-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        for (pkg, file) in [
+            ("cu12", "libnvrtc.so.12"),
+            ("cu14", "libnvrtc.so.14.1"),
+            ("cu14", "libnvrtc-builtins.so.14.1"),
+            ("cu13", "libnvrtc.so.13"),
+            ("cu13", "libnvrtc.so.x"),
+        ] {
+            let lib = root.join(pkg).join("lib");
+            std::fs::create_dir_all(&lib).unwrap();
+            std::fs::write(lib.join(file), b"").unwrap();
+        }
+        let names: Vec<String> = wheel_nvrtc_candidates(&root)
+            .iter()
+            .map(|p| p.strip_prefix(&root).unwrap().display().to_string())
+            .collect();
+        assert_eq!(
+            names,
+            [
+                "cu14/lib/libnvrtc.so.14.1",
+                "cu13/lib/libnvrtc.so.13",
+                "cu12/lib/libnvrtc.so.12"
+            ]
+        );
+        assert!(wheel_nvrtc_candidates(&root.join("absent")).is_empty());
+        std::fs::remove_dir_all(&root).unwrap();
+    }
 
     #[test]
     fn arch_parsing() {
