@@ -2,7 +2,7 @@
 
 Finding 1: a lone UTF-16 surrogate in any text input is a 400 with an OpenAI error body over HTTP
 (completions, a list prompt, chat content, streaming; the connection stays usable) and a typed
-:class:`~oasiskv.models.tokenizer.InvalidTextError` in-process (``Tokenizer.encode``,
+:class:`~oasiskv.errors.InvalidTextError` in-process (``Tokenizer.encode``,
 ``LLMEngine.add_request``, ``LLM.generate``).
 
 Finding 5: ``"usage": null`` on the non-final chunks with ``include_usage``; ``GET
@@ -29,9 +29,8 @@ for _mod in ("fastapi", "uvicorn", "httpx"):
 import httpx  # noqa: E402
 
 from oasiskv import LLM, KvConfig, LLMEngine, SamplingParams  # noqa: E402
-from oasiskv.errors import ConfigError, OasisError  # noqa: E402
+from oasiskv.errors import ConfigError, InvalidTextError, OasisError  # noqa: E402
 from oasiskv.models.loader import load_model  # noqa: E402
-from oasiskv.models.tokenizer import InvalidTextError  # noqa: E402
 from oasiskv.serve import ServeConfig, ServerThread, build_app  # noqa: E402
 
 torch.set_num_threads(2)

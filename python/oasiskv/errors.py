@@ -53,6 +53,20 @@ class ContextLengthError(OasisError, ValueError):
     """A prompt plus the requested new tokens exceeds the model's context window."""
 
 
+class InvalidTextError(ConfigError):
+    """Text to encode is not valid Unicode: it holds a lone UTF-16 surrogate (U+D800..U+DFFF),
+    e.g. from a JSON ``"\\ud800"`` escape or ``bytes.decode(errors="surrogateescape")``, which
+    has no UTF-8 encoding and so no tokens. A :class:`ConfigError` (hence a ``ValueError``).
+
+    ``index`` is the character's position in the text, ``char`` the surrogate itself.
+    """
+
+    def __init__(self, message: str, index: int, char: str) -> None:
+        super().__init__(message)
+        self.index = index
+        self.char = char
+
+
 class CheckpointError(OasisError, OSError):
     """A checkpoint is missing, incomplete or corrupt."""
 
@@ -134,6 +148,7 @@ __all__ = [
     "OutOfBlocksError",
     "OutOfMemoryError",
     "ContextLengthError",
+    "InvalidTextError",
     "CheckpointError",
     "UnsupportedQuantizationError",
     "CudaUnavailableError",

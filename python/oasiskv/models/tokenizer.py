@@ -19,22 +19,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _HFTokenizer
 
-from oasiskv.errors import CheckpointError, ConfigError
-
-
-class InvalidTextError(ConfigError):
-    """Text to encode is not valid Unicode: it holds a lone UTF-16 surrogate (U+D800..U+DFFF),
-    e.g. from a JSON ``"\\ud800"`` escape or ``bytes.decode(errors="surrogateescape")``, which
-    has no UTF-8 encoding and so no tokens. A :class:`ConfigError` (hence a ``ValueError``).
-
-    ``index`` is the character's position in the text, ``char`` the surrogate itself.
-    """
-
-    def __init__(self, message: str, index: int, char: str) -> None:
-        super().__init__(message)
-        self.index = index
-        self.char = char
-
+from oasiskv.errors import CheckpointError, ConfigError, InvalidTextError
 
 # llama.cpp token types (tokenizer.ggml.token_type)
 _TOKEN_NORMAL, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 3, 4

@@ -35,9 +35,9 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ..errors import ConfigError, ContextLengthError, OasisError, OutOfBlocksError
+from ..errors import ConfigError, ContextLengthError, InvalidTextError, OasisError, OutOfBlocksError
 from ..llm_engine import LLMEngine, SamplingParams, prompt_token_ids
-from ..models.tokenizer import InvalidTextError, check_text
+from ..models.tokenizer import check_text
 from . import protocol as P
 from .cli import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, DEFAULT_MAX_TOKENS
 from .engine_loop import EngineLoop, EngineStopped, Overloaded, RequestHandle
