@@ -64,12 +64,12 @@ def test_generate_takes_the_selection_flags():
     assert p.returncode == 0, p.stderr[-2000:]
     out = json.loads(p.stdout)
     assert out["metrics"]["generated_tokens"] <= 4 and out["metrics"]["sparse_steps"] > 0
-    p = oasis(*common, "--score-candidates", "2")
+    p = oasis(*common, "--block-score", "quest", "--score-candidates", "2")
     assert p.returncode == 2 and "block_score='codes'" in p.stderr and "Traceback" not in p.stderr
     p = oasis(*common, *sparse, *staged[:4], "--sticky-candidates", "--drafter", "ngram")
     assert p.returncode == 0, p.stderr[-2000:]
     assert json.loads(p.stdout)["metrics"]["sparse_steps"] > 0
-    p = oasis(*common, "--block-score", "codes", "--sticky-candidates")
+    p = oasis(*common, "--selection", "fast", "--block-score", "codes", "--sticky-candidates")
     assert p.returncode == 2 and "needs score_candidates" in p.stderr and "Traceback" not in p.stderr
     p = oasis(*common, *sparse, "--lookahead-min-confidence", "0.3", "--drafter", "eagle3")
     assert p.returncode == 0, p.stderr[-2000:]
@@ -120,8 +120,9 @@ def test_demo_json_end_to_end():
 
 
 def test_selection_preset_and_explicit_flags_over_it():
-    """``--selection fidelity`` is :data:`FIDELITY_SELECTION` (with ``--drafter eagle3`` also the
-    confidence fallback at 0.5); a flag given as well wins; the default is the plain defaults."""
+    """The default ``--selection`` is ``fidelity``: KvConfig's own defaults, whose confidence
+    fallback the engine resolves for its drafter; ``fast`` (and its old name ``quest``) is
+    :meth:`KvConfig.fast`; a flag given as well wins."""
     import argparse
 
     from oasiskv import KvConfig
@@ -134,18 +135,16 @@ def test_selection_preset_and_explicit_flags_over_it():
     def kw(*argv):
         return selection_kwargs(ap.parse_args(list(argv)))
 
-    plain = kw()
-    assert plain["block_score"] == "quest" and plain["score_candidates"] is None
-    assert plain["sticky_candidates"] is False and plain["successor_blocks"] == 0
-    assert KvConfig(**plain) == KvConfig()
-    fid = kw("--selection", "fidelity")
-    assert {k: fid[k] for k in FIDELITY_SELECTION} == FIDELITY_SELECTION
-    assert fid["lookahead_min_confidence"] is None
-    assert KvConfig(**fid) == KvConfig.fidelity()
-    assert kw("--selection", "fidelity", "--drafter", "eagle3")["lookahead_min_confidence"] == 0.5
+    plain = KvConfig(**kw())
+    assert plain == KvConfig() == KvConfig.fidelity() == KvConfig(**kw("--selection", "fidelity"))
+    assert {k: getattr(plain, k) for k in FIDELITY_SELECTION} == FIDELITY_SELECTION
+    eagle = KvConfig(**kw("--drafter", "eagle3"))
+    assert eagle.lookahead_min_confidence == "auto"
+    assert eagle.resolve(reports_confidence=True).lookahead_min_confidence == 0.5
+    assert eagle.resolve(reports_confidence=False).lookahead_min_confidence is None
+    assert KvConfig(**kw("--selection", "fast")) == KvConfig.fast() == KvConfig(**kw("--selection", "quest"))
+    assert KvConfig.fast().block_score == "quest" and KvConfig.fast().successor_blocks == 0
     over = kw(
-        "--selection",
-        "fidelity",
         "--drafter",
         "eagle3",
         "--no-sticky-candidates",
@@ -158,14 +157,16 @@ def test_selection_preset_and_explicit_flags_over_it():
     )
     assert over["sticky_candidates"] is False and over["successor_blocks"] == 2
     assert over["lookahead_min_confidence"] == 0.25 and over["score_candidates"] == 2.0
-    assert over["block_score"] == "codes"
-    assert kw("--sticky-candidates", "--block-score", "codes")["sticky_candidates"] is True
-    assert KvConfig.fidelity(top_k_blocks=64).successor_blocks == 8
+    assert KvConfig(**over).block_score == "codes"
+    fast_codes = KvConfig(**kw("--selection", "fast", "--block-score", "codes"))
+    assert fast_codes.block_score == "codes" and fast_codes.score_candidates is None
+    assert KvConfig(**kw("--block-score", "quest")) == KvConfig.fast()
 
 
 def test_generate_with_the_fidelity_selection():
-    """``--selection fidelity`` reaches the engine (a sparse run), and a budget too small for its 8
-    successors is a message that says which flag to lower."""
+    """``--selection fidelity`` reaches the engine (a sparse run, with EAGLE-3's confidence
+    fallback); its successors shrink with a small budget (K = 4 runs), and an explicit count too
+    large for the budget is a message that says which flag to lower."""
     common = ["generate", "smollm2", "--prompt", "The capital of France is the city of", "--json"]
     sparse = [
         "--block-size",
@@ -181,4 +182,7 @@ def test_generate_with_the_fidelity_selection():
     assert p.returncode == 0, p.stderr[-2000:]
     assert json.loads(p.stdout)["metrics"]["sparse_steps"] > 0
     p = oasis(*common, *sparse, "--top-k-blocks", "4")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert json.loads(p.stdout)["metrics"]["sparse_steps"] > 0
+    p = oasis(*common, *sparse, "--top-k-blocks", "4", "--successor-blocks", "8")
     assert p.returncode == 2 and "successor_blocks" in p.stderr and "Traceback" not in p.stderr

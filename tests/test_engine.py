@@ -318,7 +318,7 @@ def test_select_with_current_query_ranks_by_the_larger_relative_score(qwen3):
     checked against float64 Quest scores; and it is not simply the lookahead's own top-K."""
     from reference import ref_score_blocks
 
-    kv = KvConfig(
+    kv = KvConfig.fast(
         block_size=8, top_k_blocks=4, fetch_cap=None, sparse_threshold=50, select_queries="lookahead+current"
     )
     llm = oasiskv.LLM(qwen3, kv=kv, backend="oasis", drafter="ngram")
@@ -521,19 +521,35 @@ def test_a_large_pinned_host_pool_growth_is_announced(monkeypatch, caplog):
     assert (pools.host_k[0][1] == 7.0).all() and (pools.host_k[0][2:] == 0).all()
 
 
-def test_cuda_graph_flag_is_checked_and_ignored_on_the_cpu(qwen3):
-    """``cuda_graph=True`` replays captured steps on a GPU only; on the CPU the eager step runs (same
-    tokens, nothing captured). A non-bool is refused."""
+def test_cuda_graphs_are_the_gpu_default_and_do_not_apply_on_the_cpu(qwen3):
+    """CUDA graphs are on by default on a GPU (``enforce_eager=True`` turns them off); on the CPU
+    the eager step runs whatever is asked (same tokens, nothing captured). The old ``cuda_graph=``
+    still works for one release with a DeprecationWarning; non-bools are refused."""
     ps = prompts(qwen3.config.vocab_size, [90, 40])
     kv = KvConfig(block_size=16, top_k_blocks=4, fetch_cap=2, sparse_threshold=32)
-    plain = oasiskv.LLM(qwen3, kv=kv, backend="oasis", drafter="ngram").generate(ps, 8, ignore_eos=True)
-    llm = oasiskv.LLM(qwen3, kv=kv, backend="oasis", drafter="ngram", cuda_graph=True)
+    plain = oasiskv.LLM(qwen3, kv=kv, backend="oasis", drafter="ngram")
+    assert not plain.llm_engine.cuda_graphs and not plain.llm_engine.enforce_eager
+    base = plain.generate(ps, 8, ignore_eos=True)
+    eager = oasiskv.LLM(qwen3, kv=kv, backend="oasis", drafter="ngram", enforce_eager=True)
+    assert eager.llm_engine.enforce_eager and not eager.llm_engine.cuda_graphs
+    assert [g.tokens for g in eager.generate(ps, 8, ignore_eos=True)] == [p.tokens for p in base]
+    with pytest.warns(DeprecationWarning, match="enforce_eager"):
+        llm = oasiskv.LLM(qwen3, kv=kv, backend="oasis", drafter="ngram", cuda_graph=True)
     graphed = llm.generate(ps, 8, ignore_eos=True)
-    assert [g.tokens for g in graphed] == [p.tokens for p in plain]
+    assert [g.tokens for g in graphed] == [p.tokens for p in base]
     stats = llm.engine.graph_stats
-    assert llm.engine.cuda_graph and stats["captures"] == stats["replays"] == 0 and stats["eager"] >= 7
+    assert (
+        not llm.llm_engine.cuda_graphs and stats["captures"] == stats["replays"] == 0 and stats["eager"] >= 7
+    )
+    with pytest.warns(DeprecationWarning):
+        old_eager = oasiskv.LLM(qwen3, kv=kv, backend="oasis", cuda_graph=False)
+    assert old_eager.llm_engine.enforce_eager
     with pytest.raises(errors.ConfigError, match="cuda_graph"):
         oasiskv.LLM(qwen3, kv=kv, backend="oasis", cuda_graph="yes")
+    with pytest.raises(errors.ConfigError, match="enforce_eager"):
+        oasiskv.LLM(qwen3, kv=kv, backend="oasis", enforce_eager=1)
+    with pytest.warns(DeprecationWarning), pytest.raises(errors.ConfigError, match="contradicts"):
+        oasiskv.LLM(qwen3, kv=kv, backend="oasis", cuda_graph=True, enforce_eager=True)
 
 
 def test_recall_is_measured_on_one_step_in_recall_every(qwen3):
@@ -542,7 +558,10 @@ def test_recall_is_measured_on_one_step_in_recall_every(qwen3):
     ps = prompts(qwen3.config.vocab_size, [300, 180], seed=5)
     out, counted = {}, {}
     for every in (1, 4):
-        kv = KvConfig(block_size=8, top_k_blocks=6, fetch_cap=2, sparse_threshold=100, recall_every=every)
+        # The Quest selection: sticky candidates keep each step's prediction, whatever recall_every.
+        kv = KvConfig.fast(
+            block_size=8, top_k_blocks=6, fetch_cap=2, sparse_threshold=100, recall_every=every
+        )
         llm = oasiskv.LLM(qwen3, kv=kv, backend="oasis", drafter="ngram")
         eng = llm.engine
         seen = []
@@ -655,12 +674,12 @@ def test_two_stage_codes_score_with_every_block_a_candidate_is_the_codes_score(q
     one-stage codes score does: same tokens, traffic and recall. And a budget that covers the
     context gives the dense tokens."""
     ps = prompts(qwen3.config.vocab_size, [150, 97], seed=7)
-    base = dict(SMALL_KV, block_score="codes", successor_blocks=succ)
+    base = dict(SMALL_KV, block_score="codes", successor_blocks=succ, sticky_candidates=False)
     runs = [
         oasiskv.LLM(qwen3, kv=KvConfig(**base, **kw), backend="oasis", drafter="ngram").generate(
             ps, 12, ignore_eos=True
         )
-        for kw in ({}, {"score_candidates": 200})
+        for kw in ({"score_candidates": None}, {"score_candidates": 200})
     ]
     for a, b in zip(*runs, strict=True):
         assert a.tokens == b.tokens and a.metrics.sparse_steps > 0
@@ -725,7 +744,7 @@ def test_sticky_candidates_keep_each_requests_previous_prediction(qwen3):
 @pytest.mark.parametrize(
     "kw, match",
     [
-        ({"score_candidates": 2}, "needs block_score='codes'"),
+        ({"block_score": "quest", "score_candidates": 2}, "needs block_score='codes'"),
         ({"block_score": "codes", "score_candidates": 0.5}, "number >= 1"),
         ({"block_score": "codes", "score_candidates": True}, "number >= 1"),
         ({"block_score": "codes", "score_candidates": float("inf")}, "number >= 1"),
@@ -734,7 +753,10 @@ def test_sticky_candidates_keep_each_requests_previous_prediction(qwen3):
             {"block_score": "codes", "score_candidates": 3, "select_queries": "lookahead+current"},
             "select_queries='lookahead' only",
         ),
-        ({"block_score": "codes", "sticky_candidates": True}, "needs score_candidates"),
+        (
+            {"block_score": "codes", "score_candidates": None, "sticky_candidates": True},
+            "needs score_candidates",
+        ),
         ({"block_score": "codes", "score_candidates": 2, "sticky_candidates": 1}, "True or False"),
     ],
 )
@@ -746,7 +768,8 @@ def test_bad_score_candidates(kw, match):
 def test_candidate_blocks_are_bounded_by_the_top_k_kernel():
     kv = KvConfig(block_score="codes", score_candidates=3, top_k_blocks=256)
     assert kv.candidate_blocks(128) == 384 and kv.candidate_blocks(256) == 512
-    assert kv.candidate_blocks(512) == 512 and KvConfig().candidate_blocks(128) is None
+    assert kv.candidate_blocks(512) == 512 and KvConfig.fast().candidate_blocks(128) is None
+    assert KvConfig().candidate_blocks(128) == 160  # the default's two stages: 1.25 x K
 
 
 @settings(max_examples=60, deadline=None)
@@ -842,7 +865,9 @@ def test_successor_blocks_follow_each_heads_best_blocks(qwen3, kw):
     selection at a small budget."""
     from oasiskv import ops
 
-    kv = KvConfig(block_size=8, top_k_blocks=5, fetch_cap=1, sparse_threshold=50, successor_blocks=2, **kw)
+    kv = KvConfig.fast(
+        block_size=8, top_k_blocks=5, fetch_cap=1, sparse_threshold=50, successor_blocks=2, **kw
+    )
     llm = oasiskv.LLM(qwen3, kv=kv, backend="oasis", drafter="ngram")
     eng = llm.engine
     orig = eng.top_k_blocks

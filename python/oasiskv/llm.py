@@ -27,15 +27,20 @@ class LLM:
         drafter: the lookahead source: ``"ngram"`` (default), ``"eagle3"`` (the bundled head of
             the bundled model), ``"previous-query"``, ``None`` (no lookahead row; only sensible
             with ``backend="dense"``) or a :class:`Drafter`.
-        dtype: compute dtype when loading a model (float32 on the CPU by default).
-        device: where the model runs (``"cpu"`` or ``"cuda"``).
+        dtype: compute dtype when loading a model by name: None (auto) is bfloat16 on a GPU,
+            float32 on the CPU; a model object keeps its own (see :class:`LLMEngine`).
+        device: where the model runs: ``"auto"`` (the default: the GPU when one can run the
+            kernels, else the CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
         max_batch_size: most requests decoded together (``max_num_seqs``); later ones wait.
         gpu_kv_budget_bytes, host_kv_budget_bytes: the pools' budgets (see :class:`LLMEngine`).
         prefill_cache: share prompt prefills between LLMs over the same model (see
             :class:`~oasiskv.engine.PrefillCache`); the demo uses it so dense and oasis prefill once.
         policy: a :class:`~oasiskv.policy.SelectionPolicy` (evaluation: the Quest-like ideal,
             :class:`oasiskv.eval.policies.QuestPolicy`); ``None`` runs the engine as it is.
-        cuda_graph: replay decode steps as CUDA graphs on a GPU (see :class:`LLMEngine`).
+        enforce_eager: decode eagerly; by default a GPU engine replays decode steps as CUDA
+            graphs (vLLM's name and default; see :class:`LLMEngine`).
+        cuda_graph: deprecated, see :class:`LLMEngine`.
+        seed: see :class:`LLMEngine` (None: unseeded requests get fresh random seeds).
     """
 
     def __init__(
@@ -47,13 +52,15 @@ class LLM:
         backend: str = "oasis",
         drafter: str | Drafter | None = "ngram",
         dtype: torch.dtype | None = None,
-        device: str | torch.device = "cpu",
+        device: str | torch.device = "auto",
         max_batch_size: int = 64,
         gpu_kv_budget_bytes: int | None = None,
         host_kv_budget_bytes: int | None = None,
         prefill_cache: PrefillCache | None = None,
         policy: SelectionPolicy | None = None,
-        cuda_graph: bool = False,
+        enforce_eager: bool = False,
+        cuda_graph: bool | None = None,
+        seed: int | None = None,
     ) -> None:
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
             raise ConfigError(f"max_batch_size must be an int >= 1, got {max_batch_size!r}")
@@ -70,7 +77,9 @@ class LLM:
             host_kv_budget_bytes=host_kv_budget_bytes,
             prefill_cache=prefill_cache,
             policy=policy,
+            enforce_eager=enforce_eager,
             cuda_graph=cuda_graph,
+            seed=seed,
         )
         le = self.llm_engine
         self.model, self.tokenizer, self.kv, self.drafter = le.model, le.tokenizer, le.kv, le.drafter
@@ -99,15 +108,19 @@ class LLM:
         *,
         temperature: float = 0.0,
         top_p: float = 1.0,
-        seed: int = 0,
+        seed: int | None = None,
         ignore_eos: bool = False,
         progress: bool = False,
         stop: Callable[[int, list[int]], bool] | None = None,
+        skip_special_tokens: bool = True,
     ) -> list[GenerationResult]:
         """Generate for one prompt or a list of prompts (text or token ids).
 
-        Every prompt is checked before any runs (a bad one raises and nothing runs). Prompt ``i``
-        samples with its own seed ``seed + i``, so its output does not depend on the others.
+        Every prompt is checked before any runs (a bad one raises and nothing runs). With a
+        ``seed``, prompt ``i`` samples with its own seed ``seed + i``, so its output does not
+        depend on the others and a second call reproduces it; without (the default), every
+        request gets a fresh random seed, as vLLM's (so sampled calls differ). The text leaves
+        special tokens out unless ``skip_special_tokens=False`` (the tokens keep them).
         ``stop(i, generated)``, if given, is called after every token generated for prompt ``i``
         with that prompt's generated token ids so far; True ends the request there (finish reason
         ``"stop"``, the token kept), e.g. once an answer is complete.
@@ -117,15 +130,16 @@ class LLM:
         logits) has ``finish_reason="error"``; the others are unaffected.
         """
         items = self._as_list(prompts)
-        if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-            raise ConfigError(f"seed must be an int >= 0, got {seed!r}")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+            raise ConfigError(f"seed must be None (fresh random seeds) or an int >= 0, got {seed!r}")
         params = [
             SamplingParams(
                 max_tokens=max_new_tokens,
                 temperature=temperature,
                 top_p=top_p,
-                seed=seed + i,
+                seed=None if seed is None else seed + i,
                 ignore_eos=ignore_eos,
+                skip_special_tokens=skip_special_tokens,
             )
             for i in range(len(items))
         ]
@@ -160,7 +174,7 @@ class LLM:
                 bar.close()
         results = []
         for i, rid in enumerate(rids):
-            res = le.result(outs[rid])
+            res = le.result(outs[rid], skip_special_tokens=skip_special_tokens)
             res.request_id = i
             results.append(res)
         return results

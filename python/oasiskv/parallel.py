@@ -702,6 +702,8 @@ class TPLLMEngine:
             )
         if tp > 1:
             _check_tp_options(kwargs)
+            # CUDA graphs (the LLMEngine default on a GPU) cannot hold the group's collectives yet.
+            kwargs = {**kwargs, "enforce_eager": True}
         self.group = group
         llm = LLMEngine(model, **kwargs)
         if tp > 1:

@@ -4,7 +4,7 @@ the all-resident oracle, one process, one model.
     python -m oasiskv.bench.serve --fig11 [--preset qwen3-8b | --model DIR]
         [--contexts 16384,32768] [--concurrency 1,4,16,32,64] [--modes dense,oasis,oracle]
         [--max-tokens 48] [--gpu-kv-budget h100] [--top-k-blocks 128 --fetch-cap 0.05]
-        [--cuda-graph] [--speculative [--draft-acceptance 0.4,0.7 [--draft-verdicts forced]]]
+        [--enforce-eager] [--speculative [--draft-acceptance 0.4,0.7 [--draft-verdicts forced]]]
         [--json F --md F --png F]
 
 Modes (each an :class:`~oasiskv.LLMEngine` over the same model):
@@ -107,7 +107,7 @@ sends the engine's options to the other ranks, which build theirs and follow it
 (``worker_loop``). A preset's ranks draw their own shards (``TPCausalLM.random_shards``). Every
 byte count, budget, peak and roofline is rank 0's, i.e. per rank (its KV heads, its shard of the
 weights, its device's bandwidth); each rank keeps its own prefill cache of its shard for
-``shared`` prompts. Not with ``--tp`` yet: ``--cuda-graph`` and ``--speculative``.
+``shared`` prompts. Not with ``--tp`` yet: CUDA graphs (``--tp`` decodes eagerly) and ``--speculative``.
 """
 
 from __future__ import annotations
@@ -256,8 +256,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--measure-recall", action="store_true", help="also measure lookahead recall (one more scoring pass)"
     )
-    # --cuda-graph and --speculative come with the engine flags of `oasis serve` (bench.serve
-    # adds them).
+    # --enforce-eager (--cuda-graph, the default) and --speculative come with the engine flags of
+    # `oasis serve` (bench.serve adds them).
     g.add_argument(
         "--draft-acceptance",
         type=_acceptances,
@@ -494,6 +494,10 @@ class Fig11:
         self._live = None  # the TPLLMEngine the workers follow now
         self.model, self.model_name, self.dev = build_model(args, self.group)
         self.cuda = self.dev.type == "cuda"
+        from ..serve.cli import enforce_eager
+
+        #: Decode eagerly: --enforce-eager, or --tp (captured steps with collectives: not yet).
+        self.enforce_eager = enforce_eager(args) or self.tp > 1
         self.cfg = self.model.config
         self.weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         emb = self.model.embed_tokens.weight
@@ -643,7 +647,8 @@ class Fig11:
             prefill_cache=cache,
             output_kind="delta",
             host_pool=host_pool,
-            cuda_graph=a.cuda_graph,
+            # CUDA graphs by default on a GPU; not with --tp yet (collectives inside a capture).
+            enforce_eager=self.enforce_eager,
             speculative=spec,
         )
         if self.group is None:
@@ -931,6 +936,8 @@ class Fig11:
 
         torch, a = self.torch, self.args
         kv = self.kv()
+        # The oasis rows' drafter reports its probability (EAGLE-3): the "auto" fallback is on.
+        label_kv = kv.resolve(reports_confidence=self.random_head_drafter or a.drafter == "eagle3")
         rows, contexts = [], {}
         rep = {
             "mode": "fig11",
@@ -941,7 +948,7 @@ class Fig11:
             "max_tokens": a.max_tokens,
             "tp": self.tp,
             "prompts": a.prompts,
-            "cuda_graph": a.cuda_graph,
+            "cuda_graph": self.cuda and not self.enforce_eager,
             "kv": {
                 "block_size": kv.block_size,
                 "top_k_blocks": kv.top_k_blocks,
@@ -950,7 +957,7 @@ class Fig11:
                 "drafter": RANDOM_HEAD if self.random_head_drafter else a.drafter,
                 "ngram_window": a.ngram_window if a.drafter == "ngram" else None,
                 "drafter_head_bytes": self.head_bytes if self.random_head_drafter else None,
-                "selection": selection_label(kv),
+                "selection": selection_label(label_kv),
             },
             "weights_bytes": self.weights_bytes,
             "gpu_kv_budget": a.gpu_kv_budget,
@@ -1218,7 +1225,7 @@ def main(args) -> int:
         return _write(args, rep)
 
     if getattr(args, "tp", 1) > 1:
-        if args.cuda_graph or args.speculative:
+        if args.cuda_graph or args.speculative:  # graphs are off under --tp (not --enforce-eager)
             flag = "--cuda-graph" if args.cuda_graph else "--speculative"
             print(f"bench.serve: error: --fig11 --tp does not take {flag} yet", file=sys.stderr)
             return 2

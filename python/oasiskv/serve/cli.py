@@ -4,12 +4,11 @@ parser builds without it installed; the binding check runs before the model load
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import ipaddress
 import os
 import sys
 
-from ..config import BLOCK_SCORES, FIDELITY_SELECTION, SELECTIONS, KvConfig
+from ..config import BLOCK_SCORES, FAST_SELECTION, SELECTIONS
 
 #: Default cap on a request body. Arbitrary: a 128K-token prompt is well under 1 MiB of text.
 DEFAULT_MAX_BODY_BYTES = 8 << 20
@@ -90,19 +89,20 @@ def add_selection_arguments(p: argparse.ArgumentParser) -> None:
     ``oasis demo`` and the serving benchmark."""
     p.add_argument(
         "--selection",
-        default="quest",
+        default="fidelity",
         choices=list(SELECTIONS),
-        help="a preset of the flags below: 'quest' (the defaults) or 'fidelity' (--block-score codes "
-        "--score-candidates 1.25 --sticky-candidates --successor-blocks 8, and "
-        "--lookahead-min-confidence 0.5 with --drafter eagle3: retrieval and exact copies as dense "
-        "on SmolLM2, about 0.95 x the throughput; docs/EVAL.md); flags given as well override it",
+        help="a preset of the flags below: 'fidelity' (the default: --block-score codes "
+        "--score-candidates 1.25 --sticky-candidates --successor-blocks 8 (fewer below 32 blocks), "
+        "and --lookahead-min-confidence 0.5 with --drafter eagle3: retrieval and exact copies as "
+        "dense on SmolLM2) or 'fast' (the Quest bound alone, KvConfig.fast(): up to 5 %% more "
+        "throughput, loses retrievals; 'quest' is its old name); flags given as well override it",
     )
     p.add_argument(
         "--block-score",
         default=None,
         choices=list(BLOCK_SCORES),
-        help="how blocks are ranked: the Quest min/max bound (default), or 2-bit key codes (closer "
-        "to the true attention, more scoring work)",
+        help="how blocks are ranked: 2-bit key codes (the default: closer to the true attention, "
+        "more scoring work), or the Quest min/max bound",
     )
     p.add_argument(
         "--score-candidates",
@@ -155,22 +155,19 @@ def add_selection_arguments(p: argparse.ArgumentParser) -> None:
 
 def selection_kwargs(args) -> dict:
     """The :class:`~oasiskv.KvConfig` keyword arguments of :func:`add_selection_arguments`:
-    ``--selection``'s preset, then every flag given explicitly over it (``--selection fidelity``
-    with ``--drafter eagle3`` also sets ``lookahead_min_confidence=0.5``)."""
-    # The flags a preset sets, at KvConfig's defaults (``--selection quest``).
-    preset = (
+    ``--selection``'s preset (``fidelity``: KvConfig's own defaults, whose ``"auto"`` fields the
+    engine resolves for its drafter, so the EAGLE-3 confidence fallback is on exactly where that
+    drafter runs; ``fast``/``quest``: :data:`~oasiskv.config.FAST_SELECTION`), then every flag
+    given explicitly over it."""
+    names = (
         "block_score",
         "score_candidates",
         "sticky_candidates",
         "lookahead_min_confidence",
         "successor_blocks",
     )
-    kw = {f.name: f.default for f in dataclasses.fields(KvConfig) if f.name in preset}
-    if getattr(args, "selection", "quest") == "fidelity":
-        kw.update(FIDELITY_SELECTION)
-        if getattr(args, "drafter", None) == "eagle3":
-            kw["lookahead_min_confidence"] = 0.5
-    for name in kw:
+    kw = dict(FAST_SELECTION) if getattr(args, "selection", "fidelity") in ("fast", "quest") else {}
+    for name in names:
         given = getattr(args, name, None)
         if given is not None:
             kw[name] = given
@@ -199,13 +196,38 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="most requests decoded together")
     p.add_argument("--gpu-kv-budget-bytes", type=int, default=None)
     p.add_argument("--host-kv-budget-bytes", type=int, default=None)
-    p.add_argument("--cuda-graph", action="store_true", help="replay decode steps as CUDA graphs (GPU)")
+    add_graph_arguments(p)
     p.add_argument(
         "--speculative",
         action="store_true",
         help="verify and accept the lookahead draft (speculative decoding; --drafter ngram or eagle3, "
         "also with --backend dense)",
     )
+
+
+def add_graph_arguments(p: argparse.ArgumentParser, cuda_graph_help: str | None = None) -> None:
+    """``--enforce-eager`` (no CUDA graphs; they are on by default on a GPU, as in vLLM) and the
+    old ``--cuda-graph`` (now the default; kept so old command lines run)."""
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="decode eagerly: no CUDA graphs (by default a GPU replays decode steps as CUDA graphs)",
+    )
+    p.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help=cuda_graph_help or "the default on a GPU now (kept for old command lines); see --enforce-eager",
+    )
+
+
+def enforce_eager(args) -> bool:
+    """``--enforce-eager``, checked against the old ``--cuda-graph``."""
+    from ..errors import ConfigError
+
+    eager = bool(getattr(args, "enforce_eager", False))
+    if eager and getattr(args, "cuda_graph", False):
+        raise ConfigError("--cuda-graph contradicts --enforce-eager; pass one (graphs are the default)")
+    return eager
 
 
 def engine_kwargs(args, device: str | None = None) -> dict:
@@ -236,7 +258,7 @@ def engine_kwargs(args, device: str | None = None) -> dict:
         max_num_seqs=args.max_num_seqs,
         gpu_kv_budget_bytes=args.gpu_kv_budget_bytes,
         host_kv_budget_bytes=args.host_kv_budget_bytes,
-        cuda_graph=args.cuda_graph,
+        enforce_eager=enforce_eager(args),
         speculative=spec,
     )
 
