@@ -12,7 +12,6 @@ import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
-pytest.importorskip("gguf")
 
 import oasiskv  # noqa: E402
 from oasiskv import hf as ohf  # noqa: E402
@@ -75,6 +74,7 @@ def assert_sparse(cache: ohf.OasisKVCache, steps: int) -> None:
 @pytest.fixture(scope="module")
 def smol_hf():
     """SmolLM2-135M-Instruct as transformers loads it from the bundled GGUF (dequantised, float32)."""
+    pytest.importorskip("gguf")  # a dependency of oasiskv; absent only on the GPU machine
     p = smollm2_gguf_path()
     model = transformers.AutoModelForCausalLM.from_pretrained(p.parent, gguf_file=p.name).eval()
     assert model.dtype == torch.float32
@@ -335,3 +335,34 @@ def test_unsupported_models_are_refused():
         ohf.enable(transformers.GPT2LMHeadModel(cfg))
     with pytest.raises(ConfigError, match="transformers causal LM"):
         ohf.enable(torch.nn.Linear(2, 2))
+
+
+# --------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("kv", [NARROW, CODES], ids=["quest", "codes"])
+def test_qwen3_on_cuda_equals_the_cpu_and_oasiskv_llm(qwen, kv):
+    """The same model on the GPU: the wide budget gives transformers' dense tokens, the narrow
+    one the CPU run's tokens and oasiskv.LLM's on the GPU (eager), with the same fetched bytes."""
+    model, path = qwen
+    prompt = qwen_prompt(300, 13)
+    cpu = ohf.OasisKVCache(model, kv)
+    want = new_tokens(model.generate(prompt, max_new_tokens=NEW, do_sample=False, cache=cpu), prompt.shape[1])
+    gpu_model = transformers.Qwen3ForCausalLM(model.config).eval()
+    gpu_model.load_state_dict(model.state_dict())
+    gpu_model = gpu_model.to("cuda")
+    p = prompt.to("cuda")
+    dense = gpu_model.generate(p, max_new_tokens=NEW, do_sample=False)
+    wide = ohf.OasisKVCache(gpu_model, WIDE)
+    assert gpu_model.generate(p, max_new_tokens=NEW, do_sample=False, cache=wide).tolist() == dense.tolist()
+    cache = ohf.OasisKVCache(gpu_model, kv)
+    got = new_tokens(gpu_model.generate(p, max_new_tokens=NEW, do_sample=False, cache=cache), prompt.shape[1])
+    assert cache.engine.device.type == "cuda"
+    assert_sparse(cache, NEW - 1)
+    assert got == want
+    llm = oasiskv.LLM(
+        str(path), kv=kv, drafter="ngram", device="cuda", dtype=torch.float32, enforce_eager=True
+    )
+    ref = llm.generate(prompt[0].tolist(), max_new_tokens=NEW, temperature=0.0, ignore_eos=True)[0]
+    assert got == ref.tokens
+    assert cache.metrics[0].fetched_bytes_total == ref.metrics.fetched_bytes_total
