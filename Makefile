@@ -22,7 +22,7 @@ RUST_SOURCES := $(shell find crates cuda -type f \( -name '*.rs' -o -name '*.tom
 # Every PyPI package (these and their dependencies) is pinned in constraints.txt: `make lock`
 # rewrites it from what .venv has.
 CONSTRAINTS := constraints.txt
-PY_DEPS := torch numpy safetensors tokenizers "gguf>=0.10" tqdm jinja2 "transformers>=4.51" \
+PY_DEPS := torch numpy safetensors tokenizers "gguf>=0.10" tqdm jinja2 "transformers>=5" \
 	pytest hypothesis ruff "maturin>=1.7,<2" nvidia-cuda-nvrtc matplotlib accelerate \
 	"fastapi>=0.110" "uvicorn>=0.29" "openai>=1.40" "httpx>=0.27" \
 	prometheus_client langchain-openai
