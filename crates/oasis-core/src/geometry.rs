@@ -29,7 +29,7 @@ impl KvGeometry {
                 "all sizes must be positive (num_qo_heads={num_qo_heads}, num_kv_heads={num_kv_heads}, head_dim={head_dim}, block_size={block_size})"
             )));
         }
-        if num_qo_heads % num_kv_heads != 0 {
+        if !num_qo_heads.is_multiple_of(num_kv_heads) {
             return Err(OasisError::Config(format!(
                 "num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
             )));

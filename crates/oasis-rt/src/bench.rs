@@ -119,7 +119,7 @@ impl BenchConfig {
     }
 
     fn geometry(&self, block_bytes: u64) -> Result<Geometry> {
-        if block_bytes == 0 || block_bytes % HEAD_BLOCK_BYTES != 0 {
+        if block_bytes == 0 || !block_bytes.is_multiple_of(HEAD_BLOCK_BYTES) {
             return Err(Error::Config(format!(
                 "--block-bytes {block_bytes} is not a positive multiple of {HEAD_BLOCK_BYTES} \
                  (one KV head of a {BLOCK_SIZE}-token block, head_dim {HEAD_DIM}, \

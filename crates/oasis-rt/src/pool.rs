@@ -300,7 +300,7 @@ impl StagingPool {
         for run in &runs {
             geometry.check_layer(run.layer)?;
             let len = run.data.len() as u64;
-            if len == 0 || len % row != 0 {
+            if len == 0 || !len.is_multiple_of(row) {
                 return Err(Error::Invalid {
                     field: "summary run",
                     reason: "length must be a nonzero multiple of the row size",

@@ -787,7 +787,7 @@ fn check_runs(g: &Geometry, runs: &[SummaryRun]) -> Result<u64> {
     for r in runs {
         g.check_layer(r.layer)?;
         let len = r.data.len() as u64;
-        if len == 0 || len % row != 0 {
+        if len == 0 || !len.is_multiple_of(row) {
             return Err(Error::Invalid {
                 field: "summary run",
                 reason: "length must be a nonzero multiple of the row size",

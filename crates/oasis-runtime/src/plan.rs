@@ -450,7 +450,7 @@ impl StepPlan {
                 sparse
                     .iter()
                     .enumerate()
-                    .flat_map(|(j, (_, t))| std::iter::repeat(i32_of(j)).take(cand(t))),
+                    .flat_map(|(j, (_, t))| std::iter::repeat_n(i32_of(j), cand(t))),
                 csr_cap.map(|(s, p)| s * p),
                 0,
             );
@@ -511,7 +511,7 @@ impl StepPlan {
             (PlanField::SpecHostIds, -1),
             (PlanField::SpecHostRows, -1),
         ] {
-            self.put(f, std::iter::repeat(fill).take(drafts));
+            self.put(f, std::iter::repeat_n(fill, drafts));
         }
         let end = self.arena.len().div_ceil(ALIGN) * ALIGN;
         self.arena.resize(end, 0);

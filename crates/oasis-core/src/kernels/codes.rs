@@ -40,7 +40,7 @@ pub fn code_row_bytes(head_dim: usize) -> usize {
 }
 
 fn check_head_dim(geo: &KvGeometry) -> Result<()> {
-    if geo.head_dim % 4 != 0 {
+    if !geo.head_dim.is_multiple_of(4) {
         return Err(OasisError::Config(format!(
             "2-bit key codes need head_dim divisible by 4, got {}",
             geo.head_dim

@@ -69,7 +69,7 @@ fn butterfly(mut v: [f32; WARP_LANES]) -> f32 {
 /// starts at 0; each warp sums its 32 partial sums with [`butterfly`]; then, with more than one
 /// warp, the warp totals padded with zeros to 32 lanes go through one more butterfly.
 pub fn tree_sum(term: impl Fn(usize) -> f32, n: usize, threads: usize) -> f32 {
-    debug_assert!(threads % WARP_LANES == 0 && (WARP_LANES..=1024).contains(&threads));
+    debug_assert!(threads.is_multiple_of(WARP_LANES) && (WARP_LANES..=1024).contains(&threads));
     let warps = threads / WARP_LANES;
     let mut totals = [0.0f32; WARP_LANES];
     for (w, total) in totals.iter_mut().enumerate().take(warps) {
@@ -334,7 +334,7 @@ pub struct QkNorm<'a, T> {
 /// # Errors
 /// [`OasisError::Invalid`] otherwise.
 pub fn check_kv_groups(n: usize, kv_groups: usize) -> Result<()> {
-    if kv_groups == 0 || n % kv_groups != 0 {
+    if kv_groups == 0 || !n.is_multiple_of(kv_groups) {
         return Err(OasisError::Invalid(format!(
             "qk_norm_rope: kv_groups must be >= 1 and divide the {n} rows, got {kv_groups}"
         )));
@@ -504,7 +504,7 @@ mod tests {
         assert_eq!(rms_norm_threads(100_000), 1024);
         for h in 1..5000 {
             let t = rms_norm_threads(h);
-            assert!(t % 32 == 0 && (32..=1024).contains(&t), "{h}: {t}");
+            assert!(t.is_multiple_of(32) && (32..=1024).contains(&t), "{h}: {t}");
         }
     }
 

@@ -10,7 +10,7 @@ pub(crate) fn leading_rows(what: &'static str, len: usize, row_shape: &[usize]) 
         .iter()
         .try_fold(1usize, |acc, &d| acc.checked_mul(d));
     match row {
-        Some(row) if row > 0 && len % row == 0 => Ok(len / row),
+        Some(row) if row > 0 && len.is_multiple_of(row) => Ok(len / row),
         Some(0) if len == 0 => Ok(0),
         _ => Err(OasisError::Shape {
             what,

@@ -652,7 +652,7 @@ impl State {
         status: sys::ucs_status_t,
     ) {
         let id = parts.id;
-        let broken = self.conns.get(&id).map_or(true, |c| c.broken);
+        let broken = self.conns.get(&id).is_none_or(|c| c.broken);
         if status != sys::UCS_OK || broken {
             let why = if status != sys::UCS_OK {
                 self.api.status_string(status)
