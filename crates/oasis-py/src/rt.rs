@@ -1180,3 +1180,10 @@ impl PyRtClient {
         )
     }
 }
+
+/// Add the client class and `ucx_version` to `_core`.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyRtClient>()?;
+    m.add_function(wrap_pyfunction!(ucx_version, m)?)?;
+    Ok(())
+}

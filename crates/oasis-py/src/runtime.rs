@@ -1,18 +1,19 @@
 //! `oasiskv._core.Runtime`: the engine state of `oasis-runtime` (pools, block tables, admission,
 //! the per-step plan) as one small class. Python keeps the tensors; this keeps the ids.
 
-use oasis_core::OasisError;
+use oasis_core::{BlockPool as CorePool, KvGeometry, OasisError, Tier};
 use oasis_runtime::{PlanField, PlanPad, Reservation, Runtime, RuntimeConfig, SparseTransition};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use crate::call::{entry, guarded};
 use crate::errors::{core_err, py_err};
 use crate::tensor::TensorArg;
 
 /// Run `f` under the module's `entry` guard (a panic becomes an `OasisError`), turning a core
 /// error into its Python class.
 fn call<R>(py: Python<'_>, what: &str, f: impl FnOnce() -> Result<R, OasisError>) -> PyResult<R> {
-    crate::entry(py, what, || f().map_err(|e| core_err(py, e)))
+    crate::call::entry(py, what, || f().map_err(|e| core_err(py, e)))
 }
 
 /// `cache_blocks`' answer: `(rows, given, evicted)`.
@@ -410,4 +411,109 @@ impl PyRuntime {
     fn num_requests(&self) -> usize {
         self.inner.num_requests()
     }
+}
+
+/// The KV shape of a model: query heads, KV heads, head_dim, tokens per block.
+#[pyclass(name = "KvGeometry", frozen, module = "oasiskv._core")]
+#[derive(Clone)]
+pub(crate) struct PyGeometry {
+    pub(crate) inner: KvGeometry,
+}
+
+#[pymethods]
+impl PyGeometry {
+    #[new]
+    fn new(
+        py: Python<'_>,
+        num_qo_heads: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+        block_size: usize,
+    ) -> PyResult<Self> {
+        entry(py, "KvGeometry", || {
+            KvGeometry::new(num_qo_heads, num_kv_heads, head_dim, block_size)
+                .map(|inner| Self { inner })
+                .map_err(|e| core_err(py, e))
+        })
+    }
+    #[getter]
+    fn num_qo_heads(&self) -> usize {
+        self.inner.num_qo_heads
+    }
+    #[getter]
+    fn num_kv_heads(&self) -> usize {
+        self.inner.num_kv_heads
+    }
+    #[getter]
+    fn head_dim(&self) -> usize {
+        self.inner.head_dim
+    }
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.inner.block_size
+    }
+    fn __repr__(&self) -> String {
+        let g = &self.inner;
+        format!(
+            "KvGeometry(num_qo_heads={}, num_kv_heads={}, head_dim={}, block_size={})",
+            g.num_qo_heads, g.num_kv_heads, g.head_dim, g.block_size
+        )
+    }
+}
+
+/// Free list of fixed-size blocks: the GPU page pool or the host pool of one engine.
+#[pyclass(name = "BlockPool", module = "oasiskv._core")]
+pub(crate) struct PyBlockPool {
+    inner: CorePool,
+}
+
+#[pymethods]
+impl PyBlockPool {
+    /// `tier` is "gpu" or "host"; it only names the pool in errors. Raises ConfigError for more
+    /// than 2**31 - 1 blocks (ids are int32) and OutOfMemoryError when the free list cannot be
+    /// allocated (5 bytes per block), never aborting the process.
+    #[new]
+    fn new(py: Python<'_>, tier: &str, num_blocks: usize) -> PyResult<Self> {
+        let tier = match tier {
+            "gpu" => Tier::Gpu,
+            "host" => Tier::Host,
+            other => {
+                return Err(py_err(
+                    py,
+                    "ConfigError",
+                    format!("tier must be 'gpu' or 'host', got {other:?}"),
+                ))
+            }
+        };
+        // The GIL is released: a large pool takes a while to fill.
+        guarded(py, "BlockPool", || CorePool::try_new(tier, num_blocks)).map(|inner| Self { inner })
+    }
+    #[getter]
+    fn num_blocks(&self) -> usize {
+        self.inner.num_blocks()
+    }
+    #[getter]
+    fn num_free(&self) -> usize {
+        self.inner.num_free()
+    }
+    /// Allocate `n` blocks, all or nothing. Raises OutOfBlocksError when fewer are free.
+    fn allocate(&mut self, py: Python<'_>, n: usize) -> PyResult<Vec<u32>> {
+        entry(py, "BlockPool.allocate", || {
+            self.inner.allocate(n).map_err(|e| core_err(py, e))
+        })
+    }
+    /// Return blocks to the pool. Raises on a double free or an unknown id (nothing freed then).
+    fn free(&mut self, py: Python<'_>, ids: Vec<u32>) -> PyResult<()> {
+        entry(py, "BlockPool.free", || {
+            self.inner.free(&ids).map_err(|e| core_err(py, e))
+        })
+    }
+}
+
+/// Add this module's classes to `_core`.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyGeometry>()?;
+    m.add_class::<PyBlockPool>()?;
+    m.add_class::<PyRuntime>()?;
+    Ok(())
 }

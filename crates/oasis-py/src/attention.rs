@@ -1,0 +1,262 @@
+//! Decode attention bindings: `decode_attention` over paged, head-wise working sets, and the
+//! split-KV helpers (`decode_attn_workspace_len`, `plan_num_splits`).
+
+use oasis_core::kernels::{self, ExtraKv, PagedKv};
+use oasis_core::OasisError;
+use oasis_cuda::ops::{
+    decode_attn_workspace_len as ws_len, plan_num_splits as plan_splits, MAX_SPLITS,
+};
+use oasis_cuda::{DevSlice, ExtraKvDev, PagedKvDev, SplitKv};
+use pyo3::prelude::*;
+
+use crate::call::{entry, guarded, on_gpu, with_dtype};
+use crate::check::{check_outputs, kv_dtype, pool_rows};
+use crate::errors::py_err;
+use crate::runtime::PyGeometry;
+use crate::tensor::{Cx, Place, TensorArg};
+
+#[pyfunction]
+#[pyo3(signature = (geo, q, k_pages, v_pages, kv_indptr, kv_indices, kv_last_page_len, page_map, extra_k, extra_v, sm_scale, out, *, num_splits = 0, max_pages_per_seq = 0, workspace = None, stream = 0))]
+#[allow(clippy::too_many_arguments)]
+/// Decode attention for stacked query rows over paged, head-wise working sets.
+///
+/// q, out [num_seqs, num_rows, num_qo_heads, head_dim]; k_pages, v_pages [num_pages,
+/// num_kv_heads, block_size, head_dim]; kv_indptr [num_seqs + 1], kv_indices [nnz],
+/// kv_last_page_len [num_seqs] int32 (flashinfer's CSR); page_map [num_pages, num_kv_heads] int32
+/// or None (entries < 0 are skipped); extra_k, extra_v [num_seqs, num_kv_heads, head_dim] or None
+/// (seen by rows >= 1 only).
+///
+/// CUDA: every tensor on one cuda:N, queued on `stream` (the raw cudaStream_t of a live stream of
+/// cuda:N; 0 = the legacy default stream), returns at once. `num_splits` cuts each sequence's
+/// pages into that many parts merged by a second kernel (split-KV); 0 plans it from the SM count
+/// and `max_pages_per_seq` (a bound on any sequence's page count; 0 = len(kv_indices)). More than
+/// one split needs `workspace`, a float32 tensor on cuda:N of at least
+/// decode_attn_workspace_len(num_seqs, num_rows, num_qo_heads, head_dim, num_splits) elements.
+/// Table entries are not validated on the GPU: out-of-range page ids are skipped and a malformed
+/// kv_indptr row reads as a sequence with no pages. NaN in q, K or V gives NaN in the outputs
+/// that see it (CPU and GPU). The CPU ignores num_splits, max_pages_per_seq, workspace and
+/// stream.
+fn decode_attention(
+    py: Python<'_>,
+    geo: &PyGeometry,
+    q: TensorArg,
+    k_pages: TensorArg,
+    v_pages: TensorArg,
+    kv_indptr: TensorArg,
+    kv_indices: TensorArg,
+    kv_last_page_len: TensorArg,
+    page_map: Option<TensorArg>,
+    extra_k: Option<TensorArg>,
+    extra_v: Option<TensorArg>,
+    sm_scale: f32,
+    out: TensorArg,
+    num_splits: usize,
+    max_pages_per_seq: usize,
+    workspace: Option<TensorArg>,
+    stream: u64,
+) -> PyResult<()> {
+    entry(py, "decode_attention", || {
+        let g = geo.inner;
+        let mut all = vec![
+            ("q", &q),
+            ("k_pages", &k_pages),
+            ("v_pages", &v_pages),
+            ("kv_indptr", &kv_indptr),
+            ("kv_indices", &kv_indices),
+            ("kv_last_page_len", &kv_last_page_len),
+        ];
+        for (name, t) in [
+            ("page_map", &page_map),
+            ("extra_k", &extra_k),
+            ("extra_v", &extra_v),
+            ("workspace", &workspace),
+        ] {
+            if let Some(t) = t {
+                all.push((name, t));
+            }
+        }
+        all.push(("out", &out));
+        let cx = Cx::new(py, &all, &[])?;
+        let ns = q.dim(&cx, "q", 4, 0)?;
+        let rows = q.dim(&cx, "q", 4, 1)?;
+        q.expect_shape(&cx, "q", &[ns, rows, g.num_qo_heads, g.head_dim])?;
+        out.expect_shape(&cx, "out", &[ns, rows, g.num_qo_heads, g.head_dim])?;
+        let np = pool_rows(&cx, &g, &[("k_pages", &k_pages), ("v_pages", &v_pages)])?;
+        kv_indptr.expect_i32(py, "kv_indptr")?;
+        kv_indptr.expect_shape(&cx, "kv_indptr", &[ns + 1])?;
+        kv_indices.expect_i32(py, "kv_indices")?;
+        kv_indices.dim(&cx, "kv_indices", 1, 0)?;
+        kv_last_page_len.expect_i32(py, "kv_last_page_len")?;
+        kv_last_page_len.expect_shape(&cx, "kv_last_page_len", &[ns])?;
+        if let Some(pm) = &page_map {
+            pm.expect_i32(py, "page_map")?;
+            pm.expect_shape(&cx, "page_map", &[np, g.num_kv_heads])?;
+        }
+        let mut named = vec![
+            ("q", &q),
+            ("k_pages", &k_pages),
+            ("v_pages", &v_pages),
+            ("out", &out),
+        ];
+        let extra = match (&extra_k, &extra_v) {
+            (Some(ek), Some(ev)) => {
+                ek.expect_shape(&cx, "extra_k", &[ns, g.num_kv_heads, g.head_dim])?;
+                ev.expect_shape(&cx, "extra_v", &[ns, g.num_kv_heads, g.head_dim])?;
+                named.push(("extra_k", ek));
+                named.push(("extra_v", ev));
+                Some((ek, ev))
+            }
+            (None, None) => None,
+            _ => {
+                return Err(py_err(
+                    py,
+                    "InvalidArgumentError",
+                    "pass extra_k and extra_v together, or neither".into(),
+                ))
+            }
+        };
+        let dt = kv_dtype(py, &named)?;
+        let inputs: Vec<_> = all
+            .iter()
+            .copied()
+            .filter(|(n, _)| *n != "out" && *n != "workspace")
+            .collect();
+        check_outputs(py, &[("out", &out)], &inputs)?;
+        match cx.place {
+            Place::Cpu => with_dtype!(dt, T => {
+                // SAFETY: shapes/dtypes/CPU residence checked above; `out` is disjoint from every input.
+                let (qs, kp, vp, o) = unsafe { (q.slice::<T>(), k_pages.slice::<T>(), v_pages.slice::<T>(), out.slice_mut::<T>()) };
+                let kv = PagedKv {
+                    k_pages: kp,
+                    v_pages: vp,
+                    kv_indptr: unsafe { kv_indptr.ints() },
+                    kv_indices: unsafe { kv_indices.ints() },
+                    kv_last_page_len: unsafe { kv_last_page_len.ints() },
+                    page_map: page_map.as_ref().map(|p| unsafe { p.ints() }),
+                };
+                let extra = extra.map(|(ek, ev)| ExtraKv { k: unsafe { ek.slice::<T>() }, v: unsafe { ev.slice::<T>() } });
+                guarded(py, "decode_attention", || kernels::decode_attention::<T>(&g, qs, rows, &kv, extra.as_ref(), sm_scale, o))
+            }),
+            Place::Cuda(dev) => {
+                let ws = match &workspace {
+                    Some(w) => {
+                        w.expect_f32(py, "workspace")?;
+                        w.dim(&cx, "workspace", 1, 0)?;
+                        check_outputs(
+                            py,
+                            &[("workspace", w)],
+                            &all.iter()
+                                .copied()
+                                .filter(|(n, _)| *n != "workspace")
+                                .collect::<Vec<_>>(),
+                        )?;
+                        // SAFETY: float32, contiguous, on cuda:dev, disjoint from every other argument.
+                        Some(unsafe { w.dev::<f32>() })
+                    }
+                    None => None,
+                };
+                let (hq, h, d) = (g.num_qo_heads, g.num_kv_heads, g.head_dim);
+                let max_pages = if max_pages_per_seq > 0 {
+                    max_pages_per_seq
+                } else {
+                    kv_indices.numel()
+                };
+                with_dtype!(dt, T => {
+                    // SAFETY: (TensorArg::dev) shapes, dtypes, contiguity and residence on cuda:dev
+                    // checked above; `out` is disjoint from every other argument.
+                    let (qd, od) = unsafe { (q.dev::<T>(), out.dev::<T>()) };
+                    let kv = unsafe {
+                        PagedKvDev {
+                            k_pages: k_pages.dev::<T>(),
+                            v_pages: v_pages.dev::<T>(),
+                            kv_indptr: kv_indptr.dev::<i32>(),
+                            kv_indices: kv_indices.dev::<i32>(),
+                            kv_last_page_len: kv_last_page_len.dev::<i32>(),
+                            page_map: page_map.as_ref().map(|p| p.dev::<i32>()),
+                        }
+                    };
+                    let extra = extra.map(|(ek, ev)| unsafe { ExtraKvDev { k: ek.dev::<T>(), v: ev.dev::<T>() } });
+                    on_gpu(py, "decode_attention", dev, stream, &[], move |gpu, st| {
+                        let splits = if num_splits > 0 { num_splits } else { plan_splits(gpu.num_sms(), ns, h, max_pages) };
+                        let split = match ws {
+                            _ if splits <= 1 => None,
+                            Some(w) => Some(SplitKv { num_splits: splits, workspace: w }),
+                            // Out of range: the launch wrapper says so before it looks at a workspace.
+                            None if splits > MAX_SPLITS => Some(SplitKv { num_splits: splits, workspace: DevSlice::empty() }),
+                            None => {
+                                let need = ws_len(ns, rows, hq, d, splits);
+                                return Err(OasisError::Invalid(format!(
+                                    "split-kv attention with {splits} splits needs a float32 workspace of {need} elements on \
+                                     cuda:{dev}: pass workspace=torch.empty({need}, dtype=torch.float32, device=q.device) \
+                                     (decode_attn_workspace_len gives the size), or num_splits=1"
+                                ))
+                                .into());
+                            }
+                        };
+                        gpu.decode_attention::<T>(&g, qd, rows, &kv, extra.as_ref(), sm_scale, od, split.as_ref(), st)
+                    })
+                })
+            }
+        }
+    })
+}
+
+#[pyfunction]
+/// f32 elements of the split-KV workspace of decode_attention: partial outputs and log-sum-exps
+/// of every (seq, row, query head, split).
+fn decode_attn_workspace_len(
+    py: Python<'_>,
+    num_seqs: usize,
+    num_rows: usize,
+    num_qo_heads: usize,
+    head_dim: usize,
+    num_splits: usize,
+) -> PyResult<usize> {
+    // The product of oasis_cuda's formula, checked: sizes come from Python and must not wrap.
+    let fits = head_dim
+        .checked_add(1)
+        .and_then(|d1| {
+            [num_seqs, num_rows, num_qo_heads, num_splits]
+                .iter()
+                .try_fold(d1, |acc, &x| acc.checked_mul(x))
+        })
+        .is_some();
+    if !fits {
+        return Err(py_err(
+            py,
+            "InvalidArgumentError",
+            "the split-kv workspace size overflows; make the call smaller".into(),
+        ));
+    }
+    Ok(ws_len(
+        num_seqs,
+        num_rows,
+        num_qo_heads,
+        head_dim,
+        num_splits,
+    ))
+}
+
+#[pyfunction]
+/// The split count decode_attention plans on a GPU with `num_sms` SMs for a batch whose longest
+/// sequence has `max_pages` pages (1 = no split, no workspace).
+fn plan_num_splits(
+    py: Python<'_>,
+    num_sms: usize,
+    num_seqs: usize,
+    num_kv_heads: usize,
+    max_pages: usize,
+) -> PyResult<usize> {
+    // Total (saturating) for any sizes: no error case.
+    entry(py, "plan_num_splits", || {
+        Ok(plan_splits(num_sms, num_seqs, num_kv_heads, max_pages))
+    })
+}
+
+/// Add this module's functions to `_core`.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(decode_attention, m)?)?;
+    m.add_function(wrap_pyfunction!(decode_attn_workspace_len, m)?)?;
+    m.add_function(wrap_pyfunction!(plan_num_splits, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,268 @@
+//! 2-bit key code bindings: `build_key_codes` encodes complete host blocks, `score_blocks_codes`
+//! scores every listed block from its codes and `rescore_blocks_codes` the candidates of the
+//! two-stage score.
+
+use oasis_core::kernels;
+use oasis_core::KvGeometry;
+use pyo3::prelude::*;
+
+use crate::call::{entry, guarded, on_gpu, with_dtype};
+use crate::check::{check_block_tables, check_outputs, kv_dtype};
+use crate::errors::py_err;
+use crate::runtime::PyGeometry;
+use crate::tensor::{Cx, Place, TensorArg};
+
+/// 2-bit key codes need head_dim divisible by 4 (checked before any shape, as the CPU twin).
+fn check_codes_head_dim(py: Python<'_>, g: &KvGeometry) -> PyResult<()> {
+    if !g.head_dim.is_multiple_of(4) {
+        return Err(py_err(
+            py,
+            "ConfigError",
+            format!(
+                "2-bit key codes need head_dim divisible by 4, got {}",
+                g.head_dim
+            ),
+        ));
+    }
+    Ok(())
+}
+
+#[pyfunction]
+#[pyo3(signature = (geo, host_k, summaries, block_ids, codes, *, block_rows = None, stream = 0))]
+#[allow(clippy::too_many_arguments)]
+/// Encode every key of complete host blocks to 2 bits per channel inside the block's [min, max].
+///
+/// host_k [num_host_rows, num_kv_heads, block_size, head_dim]; summaries [num_host_blocks,
+/// num_kv_heads, 2, head_dim] (those of the same complete blocks); block_ids [n] int32; codes
+/// [num_host_blocks, num_kv_heads, block_size, head_dim // 4] uint8 (channel 4i + j in bits
+/// 2j..2j+2 of byte i); block_rows [n] int32 or None: the host row holding each block's keys
+/// (None: the row is the block id). head_dim must be divisible by 4 (ConfigError).
+///
+/// CUDA: summaries, block_ids and codes on one cuda:N; host_k there too or in pinned CPU memory;
+/// queued on `stream` (raw cudaStream_t of cuda:N, 0 = legacy default), returns at once.
+/// Out-of-range ids are skipped on the GPU. `stream` is ignored on the CPU.
+fn build_key_codes(
+    py: Python<'_>,
+    geo: &PyGeometry,
+    host_k: TensorArg,
+    summaries: TensorArg,
+    block_ids: TensorArg,
+    codes: TensorArg,
+    block_rows: Option<TensorArg>,
+    stream: u64,
+) -> PyResult<()> {
+    entry(py, "build_key_codes", || {
+        let g = geo.inner;
+        check_codes_head_dim(py, &g)?;
+        let host = [("host_k", &host_k)];
+        let mut tables = vec![("block_ids", &block_ids)];
+        if let Some(r) = &block_rows {
+            tables.push(("block_rows", r));
+        }
+        let cx = Cx::new(
+            py,
+            &[&[("summaries", &summaries), ("codes", &codes)][..], &tables].concat(),
+            &host,
+        )?;
+        let nb = check_block_tables(py, &cx, &g, &host, &summaries, &tables)?;
+        codes.expect_u8(py, "codes")?;
+        codes.expect_shape(
+            &cx,
+            "codes",
+            &[nb, g.num_kv_heads, g.block_size, g.head_dim / 4],
+        )?;
+        let dt = kv_dtype(py, &[("host_k", &host_k), ("summaries", &summaries)])?;
+        check_outputs(
+            py,
+            &[("codes", &codes)],
+            &[
+                &[("host_k", &host_k), ("summaries", &summaries)][..],
+                &tables,
+            ]
+            .concat(),
+        )?;
+        match cx.place {
+            Place::Cpu => with_dtype!(dt, T => {
+                // SAFETY: checked above; codes is disjoint from the inputs.
+                let (hk, sm, ids, cd) = unsafe { (host_k.slice::<T>(), summaries.slice::<T>(), block_ids.ints(), codes.slice_mut::<u8>()) };
+                let rows = block_rows.as_ref().map(|r| unsafe { r.ints() });
+                guarded(py, "build_key_codes", || kernels::build_key_codes::<T>(&g, hk, sm, ids, rows, cd))
+            }),
+            Place::Cuda(dev) => with_dtype!(dt, T => {
+                // SAFETY: (TensorArg::dev) checked above; codes is disjoint from the inputs.
+                let (hk, sm, ids, cd) = unsafe { (host_k.dev::<T>(), summaries.dev::<T>(), block_ids.dev::<i32>(), codes.dev::<u8>()) };
+                let rows = block_rows.as_ref().map(|r| unsafe { r.dev::<i32>() });
+                on_gpu(py, "build_key_codes", dev, stream, &host, move |gpu, st| gpu.build_key_codes::<T>(&g, hk, sm, ids, rows, cd, st))
+            }),
+        }
+    })
+}
+
+#[pyfunction]
+#[pyo3(signature = (geo, q, summaries, codes, blk_indptr, blk_indices, scores, *, stream = 0))]
+/// Block scores from the 2-bit key codes: per entry and KV head, the sum over the GQA group of
+/// the block's largest approximate logit, into scores [nnz, num_kv_heads] f32.
+///
+/// q [num_seqs, num_qo_heads, head_dim]; summaries [num_host_blocks, num_kv_heads, 2, head_dim];
+/// codes [num_host_blocks, num_kv_heads, block_size, head_dim // 4] uint8; blk_indptr
+/// [num_seqs + 1], blk_indices [nnz] int32 (host block of each logical block). head_dim must be
+/// divisible by 4 (ConfigError).
+///
+/// CUDA: every tensor on one cuda:N, queued on `stream` (raw cudaStream_t, 0 = legacy default),
+/// returns at once. An out-of-range block id, or an entry of a malformed blk_indptr row, scores
+/// -inf on the GPU (the CPU raises). `stream` is ignored on the CPU.
+#[allow(clippy::too_many_arguments)]
+fn score_blocks_codes(
+    py: Python<'_>,
+    geo: &PyGeometry,
+    q: TensorArg,
+    summaries: TensorArg,
+    codes: TensorArg,
+    blk_indptr: TensorArg,
+    blk_indices: TensorArg,
+    scores: TensorArg,
+    stream: u64,
+) -> PyResult<()> {
+    codes_scores(
+        py,
+        "score_blocks_codes",
+        geo,
+        q,
+        summaries,
+        codes,
+        blk_indptr,
+        blk_indices,
+        None,
+        scores,
+        stream,
+    )
+}
+
+#[pyfunction]
+#[pyo3(signature = (geo, q, summaries, codes, blk_indptr, blk_indices, cand, scores, *, stream = 0))]
+/// The codes score of candidate logical blocks per (seq, kv head): the second stage of
+/// KvConfig(score_candidates). cand [num_seqs, num_kv_heads, m] int32 (negative: none, -inf);
+/// scores [num_seqs * m, num_kv_heads] f32, a CSR of m entries per sequence for topk_blocks,
+/// whose positions index cand. Other arguments as score_blocks_codes.
+///
+/// A candidate outside its sequence's row raises on the CPU and scores -inf on the GPU.
+#[allow(clippy::too_many_arguments)]
+fn rescore_blocks_codes(
+    py: Python<'_>,
+    geo: &PyGeometry,
+    q: TensorArg,
+    summaries: TensorArg,
+    codes: TensorArg,
+    blk_indptr: TensorArg,
+    blk_indices: TensorArg,
+    cand: TensorArg,
+    scores: TensorArg,
+    stream: u64,
+) -> PyResult<()> {
+    codes_scores(
+        py,
+        "rescore_blocks_codes",
+        geo,
+        q,
+        summaries,
+        codes,
+        blk_indptr,
+        blk_indices,
+        Some(cand),
+        scores,
+        stream,
+    )
+}
+
+/// [`score_blocks_codes`] (every listed block) and, with `cand`, [`rescore_blocks_codes`] (the
+/// candidates of each sequence and KV head): the shared checks and the dispatch to the twins.
+#[allow(clippy::too_many_arguments)]
+fn codes_scores(
+    py: Python<'_>,
+    what: &'static str,
+    geo: &PyGeometry,
+    q: TensorArg,
+    summaries: TensorArg,
+    codes: TensorArg,
+    blk_indptr: TensorArg,
+    blk_indices: TensorArg,
+    cand: Option<TensorArg>,
+    scores: TensorArg,
+    stream: u64,
+) -> PyResult<()> {
+    entry(py, what, || {
+        let g = geo.inner;
+        check_codes_head_dim(py, &g)?;
+        let mut inputs = vec![
+            ("q", &q),
+            ("summaries", &summaries),
+            ("codes", &codes),
+            ("blk_indptr", &blk_indptr),
+            ("blk_indices", &blk_indices),
+        ];
+        if let Some(c) = &cand {
+            inputs.push(("cand", c));
+        }
+        let cx = Cx::new(py, &[&inputs[..], &[("scores", &scores)]].concat(), &[])?;
+        let ns = q.dim(&cx, "q", 3, 0)?;
+        q.expect_shape(&cx, "q", &[ns, g.num_qo_heads, g.head_dim])?;
+        let nh = summaries.dim(&cx, "summaries", 4, 0)?;
+        summaries.expect_shape(&cx, "summaries", &[nh, g.num_kv_heads, 2, g.head_dim])?;
+        codes.expect_u8(py, "codes")?;
+        codes.expect_shape(
+            &cx,
+            "codes",
+            &[nh, g.num_kv_heads, g.block_size, g.head_dim / 4],
+        )?;
+        blk_indptr.expect_i32(py, "blk_indptr")?;
+        blk_indptr.expect_shape(&cx, "blk_indptr", &[ns + 1])?;
+        blk_indices.expect_i32(py, "blk_indices")?;
+        let nnz = blk_indices.dim(&cx, "blk_indices", 1, 0)?;
+        // Entries scored: every listed block, or m candidates per sequence.
+        let (rows, m) = match &cand {
+            None => (nnz, 0),
+            Some(c) => {
+                c.expect_i32(py, "cand")?;
+                let m = c.dim(&cx, "cand", 3, 2)?;
+                c.expect_shape(&cx, "cand", &[ns, g.num_kv_heads, m])?;
+                (ns * m, m)
+            }
+        };
+        scores.expect_f32(py, "scores")?;
+        scores.expect_shape(&cx, "scores", &[rows, g.num_kv_heads])?;
+        let dt = kv_dtype(py, &[("q", &q), ("summaries", &summaries)])?;
+        check_outputs(py, &[("scores", &scores)], &inputs)?;
+        match cx.place {
+            Place::Cpu => with_dtype!(dt, T => {
+                // SAFETY: checked above; scores is disjoint from the inputs.
+                let (qs, sm, cd, ip, ix, sc) = unsafe { (q.slice::<T>(), summaries.slice::<T>(), codes.slice::<u8>(), blk_indptr.ints(), blk_indices.ints(), scores.slice_mut::<f32>()) };
+                match &cand {
+                    None => guarded(py, what, || kernels::score_blocks_codes::<T>(&g, qs, sm, cd, ip, ix, sc)),
+                    // SAFETY: checked above (an int32 input).
+                    Some(c) => {
+                        let cn = unsafe { c.ints() };
+                        guarded(py, what, || kernels::rescore_blocks_codes::<T>(&g, qs, sm, cd, ip, ix, cn, m, sc))
+                    }
+                }
+            }),
+            Place::Cuda(dev) => with_dtype!(dt, T => {
+                // SAFETY: (TensorArg::dev) checked above; scores is disjoint from the inputs.
+                let (qs, sm, cd, ip, ix, sc) = unsafe { (q.dev::<T>(), summaries.dev::<T>(), codes.dev::<u8>(), blk_indptr.dev::<i32>(), blk_indices.dev::<i32>(), scores.dev::<f32>()) };
+                // SAFETY: as above (an int32 input on the same device).
+                let cn = cand.as_ref().map(|c| unsafe { c.dev::<i32>() });
+                on_gpu(py, what, dev, stream, &[], move |gpu, st| match cn {
+                    None => gpu.score_blocks_codes::<T>(&g, qs, sm, cd, ip, ix, sc, st),
+                    Some(cn) => gpu.rescore_blocks_codes::<T>(&g, qs, sm, cd, ip, ix, cn, m, sc, st),
+                })
+            }),
+        }
+    })
+}
+
+/// Add this module's functions to `_core`.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(build_key_codes, m)?)?;
+    m.add_function(wrap_pyfunction!(score_blocks_codes, m)?)?;
+    m.add_function(wrap_pyfunction!(rescore_blocks_codes, m)?)?;
+    Ok(())
+}

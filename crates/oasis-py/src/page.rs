@@ -1,0 +1,350 @@
+//! Paged KV bindings: writing the new token (`append_kv`) and the host summaries
+//! (`build_summaries`), executing a selection plan (`gather_blocks` and its launch shape), and
+//! whole-page copies between pools (`copy_pages`).
+
+use oasis_core::kernels;
+use pyo3::prelude::*;
+
+use crate::call::{entry, guarded, on_gpu, with_dtype};
+use crate::check::{check_block_tables, check_outputs, kv_dtype, pool_rows};
+use crate::runtime::PyGeometry;
+use crate::tensor::{check_disjoint, Cx, Place, TensorArg};
+
+#[pyfunction]
+#[pyo3(signature = (max_blocks = None, warps_per_block = None, entries_per_warp = None, stage_entries = None))]
+/// Launch shape of the GPU gather (`gather_blocks`): at most `max_blocks` blocks (0: no cap) of
+/// `warps_per_block` warps (1-4), each checking `entries_per_warp` plan entries (1-32) per pass
+/// and copying `stage_entries` (0-32) of them at once through shared memory (0: through
+/// registers). A field left out (None) takes the default launch's. Process-wide, for tuning; a
+/// captured CUDA graph keeps the launch it was captured with.
+fn set_gather_launch(
+    max_blocks: Option<usize>,
+    warps_per_block: Option<u32>,
+    entries_per_warp: Option<u32>,
+    stage_entries: Option<u32>,
+) -> PyResult<()> {
+    // A field left out takes the default launch's (one place holds the measured best).
+    let d = oasis_cuda::ops::GatherLaunch::DEFAULT;
+    oasis_cuda::ops::set_gather_launch(oasis_cuda::ops::GatherLaunch {
+        max_blocks: max_blocks.unwrap_or(d.max_blocks),
+        warps_per_block: warps_per_block.unwrap_or(d.warps_per_block),
+        entries_per_warp: entries_per_warp.unwrap_or(d.entries_per_warp),
+        stage_entries: stage_entries.unwrap_or(d.stage_entries),
+    })
+    .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))
+}
+
+#[pyfunction]
+/// The launch shape of `set_gather_launch`: `(max_blocks, warps_per_block, entries_per_warp,
+/// stage_entries)`.
+fn gather_launch() -> (usize, u32, u32, u32) {
+    let l = oasis_cuda::ops::gather_launch();
+    (
+        l.max_blocks,
+        l.warps_per_block,
+        l.entries_per_warp,
+        l.stage_entries,
+    )
+}
+
+#[pyfunction]
+#[pyo3(signature = (geo, k_new, v_new, page_ids, page_offsets, host_block_ids, k_pages, v_pages, host_k, host_v, summaries, *, host_rows = None, stream = 0))]
+#[allow(clippy::too_many_arguments)]
+/// Append one token per sequence into its page slot, with write-through and summary update for
+/// sparse sequences (host_block_ids >= 0).
+///
+/// k_new, v_new [num_seqs, num_kv_heads, head_dim]; page_ids, page_offsets, host_block_ids
+/// [num_seqs] int32; k_pages, v_pages [num_pages, num_kv_heads, block_size, head_dim]; host_k,
+/// host_v [num_host_rows, num_kv_heads, block_size, head_dim] (may be empty when every sequence
+/// is dense); summaries [num_host_blocks, num_kv_heads, 2, head_dim]; host_rows [num_seqs] int32
+/// or None: the host row the token is written through to (None: the row is the block id; the
+/// summary is always host_block_ids').
+///
+/// CUDA: every tensor on one cuda:N except the host pool (host_k, host_v), which may also be
+/// pinned CPU memory; queued on `stream` (the raw cudaStream_t of a live stream of cuda:N,
+/// torch.cuda.current_stream(device).cuda_stream; 0 = the legacy default stream), returns at
+/// once. Table entries are not validated on the GPU: out-of-range ones are skipped. `stream` is
+/// ignored on the CPU.
+fn append_kv(
+    py: Python<'_>,
+    geo: &PyGeometry,
+    k_new: TensorArg,
+    v_new: TensorArg,
+    page_ids: TensorArg,
+    page_offsets: TensorArg,
+    host_block_ids: TensorArg,
+    k_pages: TensorArg,
+    v_pages: TensorArg,
+    host_k: TensorArg,
+    host_v: TensorArg,
+    summaries: TensorArg,
+    host_rows: Option<TensorArg>,
+    stream: u64,
+) -> PyResult<()> {
+    entry(py, "append_kv", || {
+        let g = geo.inner;
+        let new = [("k_new", &k_new), ("v_new", &v_new)];
+        let mut tables = vec![
+            ("page_ids", &page_ids),
+            ("page_offsets", &page_offsets),
+            ("host_block_ids", &host_block_ids),
+        ];
+        if let Some(r) = &host_rows {
+            tables.push(("host_rows", r));
+        }
+        let pages = [("k_pages", &k_pages), ("v_pages", &v_pages)];
+        let host = [("host_k", &host_k), ("host_v", &host_v)];
+        let sums = [("summaries", &summaries)];
+        let cx = Cx::new(py, &[&new[..], &tables, &pages, &sums].concat(), &host)?;
+        let n = k_new.dim(&cx, "k_new", 3, 0)?;
+        for (name, t) in new {
+            t.expect_shape(&cx, name, &[n, g.num_kv_heads, g.head_dim])?;
+        }
+        for &(name, t) in &tables {
+            t.expect_i32(py, name)?;
+            t.expect_shape(&cx, name, &[n])?;
+        }
+        pool_rows(&cx, &g, &pages)?;
+        pool_rows(&cx.host(), &g, &host)?;
+        let nb = summaries.dim(&cx, "summaries", 4, 0)?;
+        summaries.expect_shape(&cx, "summaries", &[nb, g.num_kv_heads, 2, g.head_dim])?;
+        let dt = kv_dtype(py, &[&pages[..], &new, &host, &sums].concat())?;
+        check_outputs(
+            py,
+            &[&pages[..], &host, &sums].concat(),
+            &[&new[..], &tables].concat(),
+        )?;
+        match cx.place {
+            Place::Cpu => with_dtype!(dt, T => {
+                // SAFETY: shapes, dtypes and CPU residence were checked above; the mutable buffers
+                // were checked disjoint from each other and from the inputs; the caller keeps the
+                // tensors alive for the call.
+                let (kn, vn) = unsafe { (k_new.slice::<T>(), v_new.slice::<T>()) };
+                let (kp, vp, hk, hv, sm) = unsafe { (k_pages.slice_mut::<T>(), v_pages.slice_mut::<T>(), host_k.slice_mut::<T>(), host_v.slice_mut::<T>(), summaries.slice_mut::<T>()) };
+                let (pi, po, hb) = unsafe { (page_ids.ints(), page_offsets.ints(), host_block_ids.ints()) };
+                let hr = host_rows.as_ref().map(|r| unsafe { r.ints() });
+                guarded(py, "append_kv", || kernels::append_kv::<T>(&g, kn, vn, pi, po, hb, hr, kp, vp, hk, hv, sm))
+            }),
+            Place::Cuda(dev) => with_dtype!(dt, T => {
+                // SAFETY: (TensorArg::dev) shapes, dtypes, contiguity and residence on cuda:dev
+                // (the host pool: pinned, mapped checked in on_gpu) were checked above; outputs
+                // are disjoint from every other argument.
+                let (kn, vn, kp, vp, hk, hv, sm) = unsafe { (k_new.dev::<T>(), v_new.dev::<T>(), k_pages.dev::<T>(), v_pages.dev::<T>(), host_k.dev::<T>(), host_v.dev::<T>(), summaries.dev::<T>()) };
+                let (pi, po, hb) = unsafe { (page_ids.dev::<i32>(), page_offsets.dev::<i32>(), host_block_ids.dev::<i32>()) };
+                let hr = host_rows.as_ref().map(|r| unsafe { r.dev::<i32>() });
+                on_gpu(py, "append_kv", dev, stream, &host, move |gpu, st| gpu.append_kv::<T>(&g, kn, vn, pi, po, hb, hr, kp, vp, hk, hv, sm, st))
+            }),
+        }
+    })
+}
+
+#[pyfunction]
+#[pyo3(signature = (geo, host_k, block_ids, block_lens, summaries, *, block_rows = None, stream = 0))]
+#[allow(clippy::too_many_arguments)]
+/// Recompute the min/max summaries of the given host blocks over their first `block_lens` tokens.
+///
+/// host_k [num_host_rows, num_kv_heads, block_size, head_dim]; block_ids, block_lens [n] int32;
+/// summaries [num_host_blocks, num_kv_heads, 2, head_dim]; block_rows [n] int32 or None: the host
+/// row holding each block's keys (None: the row is the block id).
+///
+/// CUDA: block_ids, block_lens and summaries on one cuda:N; host_k there too or in pinned CPU
+/// memory; queued on `stream` (raw cudaStream_t of cuda:N, 0 = legacy default), returns at once.
+/// Out-of-range ids or lengths are skipped on the GPU. `stream` is ignored on the CPU.
+fn build_summaries(
+    py: Python<'_>,
+    geo: &PyGeometry,
+    host_k: TensorArg,
+    block_ids: TensorArg,
+    block_lens: TensorArg,
+    summaries: TensorArg,
+    block_rows: Option<TensorArg>,
+    stream: u64,
+) -> PyResult<()> {
+    entry(py, "build_summaries", || {
+        let g = geo.inner;
+        let host = [("host_k", &host_k)];
+        let mut tables = vec![("block_ids", &block_ids), ("block_lens", &block_lens)];
+        if let Some(r) = &block_rows {
+            tables.push(("block_rows", r));
+        }
+        let cx = Cx::new(
+            py,
+            &[&[("summaries", &summaries)][..], &tables].concat(),
+            &host,
+        )?;
+        check_block_tables(py, &cx, &g, &host, &summaries, &tables)?;
+        let dt = kv_dtype(py, &[("host_k", &host_k), ("summaries", &summaries)])?;
+        check_outputs(
+            py,
+            &[("summaries", &summaries)],
+            &[&[("host_k", &host_k)][..], &tables].concat(),
+        )?;
+        match cx.place {
+            Place::Cpu => with_dtype!(dt, T => {
+                // SAFETY: checked above; summaries is disjoint from the inputs.
+                let (hk, sm, ids, lens) = unsafe { (host_k.slice::<T>(), summaries.slice_mut::<T>(), block_ids.ints(), block_lens.ints()) };
+                let rows = block_rows.as_ref().map(|r| unsafe { r.ints() });
+                guarded(py, "build_summaries", || kernels::build_summaries::<T>(&g, hk, ids, rows, lens, sm))
+            }),
+            Place::Cuda(dev) => with_dtype!(dt, T => {
+                // SAFETY: (TensorArg::dev) checked above; summaries is disjoint from the inputs.
+                let (hk, sm, ids, lens) = unsafe { (host_k.dev::<T>(), summaries.dev::<T>(), block_ids.dev::<i32>(), block_lens.dev::<i32>()) };
+                let rows = block_rows.as_ref().map(|r| unsafe { r.dev::<i32>() });
+                on_gpu(py, "build_summaries", dev, stream, &host, move |gpu, st| gpu.build_summaries::<T>(&g, hk, ids, rows, lens, sm, st))
+            }),
+        }
+    })
+}
+
+#[pyfunction]
+#[pyo3(signature = (geo, plan_slots, plan_blocks, slot_pages, host_indptr, host_indices, host_k, host_v, k_pages, v_pages, *, stream = 0))]
+#[allow(clippy::too_many_arguments)]
+/// Execute a selection plan: copy planned block-head entries from the host pool into GPU slots.
+///
+/// plan_slots, plan_blocks [num_seqs, num_kv_heads, fetch_cap], slot_pages [num_seqs, budget],
+/// host_indptr [num_seqs + 1], host_indices [nnz] int32; host_k, host_v [num_host_blocks,
+/// num_kv_heads, block_size, head_dim]; k_pages, v_pages [num_pages, num_kv_heads, block_size,
+/// head_dim]. Bit-exact.
+///
+/// CPU: returns the number of block-head entries copied. CUDA: every tensor on one cuda:N except
+/// host_k, host_v, which may be pinned CPU memory (read through unified addressing); queued on
+/// `stream` (raw cudaStream_t, 0 = legacy default); returns None at once. Plan entries out of
+/// range, and those of a malformed host_indptr row, are skipped on the GPU. Keep the host pool
+/// alive until the stream has run the copy. Launched as `set_gather_launch` says for a pinned
+/// pool; a pool on the device takes the many-block launch that device memory needs.
+fn gather_blocks(
+    py: Python<'_>,
+    geo: &PyGeometry,
+    plan_slots: TensorArg,
+    plan_blocks: TensorArg,
+    slot_pages: TensorArg,
+    host_indptr: TensorArg,
+    host_indices: TensorArg,
+    host_k: TensorArg,
+    host_v: TensorArg,
+    k_pages: TensorArg,
+    v_pages: TensorArg,
+    stream: u64,
+) -> PyResult<Option<usize>> {
+    entry(py, "gather_blocks", || {
+        let g = geo.inner;
+        let tables = [
+            ("plan_slots", &plan_slots),
+            ("plan_blocks", &plan_blocks),
+            ("slot_pages", &slot_pages),
+            ("host_indptr", &host_indptr),
+            ("host_indices", &host_indices),
+        ];
+        let pools = [
+            ("host_k", &host_k),
+            ("host_v", &host_v),
+            ("k_pages", &k_pages),
+            ("v_pages", &v_pages),
+        ];
+        let (host, pages) = pools.split_at(2);
+        let cx = Cx::new(py, &[&tables[..], pages].concat(), host)?;
+        let ns = plan_slots.dim(&cx, "plan_slots", 3, 0)?;
+        let cap = plan_slots.dim(&cx, "plan_slots", 3, 2)?;
+        for (name, t) in tables {
+            t.expect_i32(py, name)?;
+        }
+        plan_slots.expect_shape(&cx, "plan_slots", &[ns, g.num_kv_heads, cap])?;
+        plan_blocks.expect_shape(&cx, "plan_blocks", &[ns, g.num_kv_heads, cap])?;
+        let budget = slot_pages.dim(&cx, "slot_pages", 2, 1)?;
+        slot_pages.expect_shape(&cx, "slot_pages", &[ns, budget])?;
+        host_indptr.expect_shape(&cx, "host_indptr", &[ns + 1])?;
+        host_indices.dim(&cx, "host_indices", 1, 0)?;
+        pool_rows(&cx.host(), &g, host)?;
+        pool_rows(&cx, &g, pages)?;
+        let dt = kv_dtype(py, &pools)?;
+        check_disjoint(py, &pools)?;
+        check_outputs(py, pages, &tables)?;
+        match cx.place {
+            Place::Cpu => with_dtype!(dt, T => {
+                // SAFETY: checked above; the page pools are disjoint from each other and from every input.
+                let (ps, pb, sp, hi, hx) = unsafe { (plan_slots.ints(), plan_blocks.ints(), slot_pages.ints(), host_indptr.ints(), host_indices.ints()) };
+                let (hk, hv, kp, vp) = unsafe { (host_k.slice::<T>(), host_v.slice::<T>(), k_pages.slice_mut::<T>(), v_pages.slice_mut::<T>()) };
+                guarded(py, "gather_blocks", || kernels::gather_blocks::<T>(&g, ps, pb, cap, sp, budget, hi, hx, hk, hv, kp, vp)).map(Some)
+            }),
+            Place::Cuda(dev) => with_dtype!(dt, T => {
+                // SAFETY: (TensorArg::dev) checked above (the host pool pinned; mapped checked in
+                // on_gpu); the page pools are disjoint from each other and from every input.
+                let (ps, pb, sp, hi, hx) = unsafe { (plan_slots.dev::<i32>(), plan_blocks.dev::<i32>(), slot_pages.dev::<i32>(), host_indptr.dev::<i32>(), host_indices.dev::<i32>()) };
+                let (hk, hv, kp, vp) = unsafe { (host_k.dev::<T>(), host_v.dev::<T>(), k_pages.dev::<T>(), v_pages.dev::<T>()) };
+                // A pool in device memory (the all-resident oracle) takes the launch HBM reads need.
+                let device_source = !host_k.is_host_mapped();
+                on_gpu(py, "gather_blocks", dev, stream, host, move |gpu, st| gpu.gather_blocks::<T>(&g, ps, pb, cap, sp, budget, hi, hx, hk, hv, kp, vp, device_source, st))?;
+                Ok(None)
+            }),
+        }
+    })
+}
+
+#[pyfunction]
+#[pyo3(signature = (geo, src_k, src_v, src_ids, dst_k, dst_v, dst_ids, *, stream = 0))]
+#[allow(clippy::too_many_arguments)]
+/// Whole-page copy between two pools of the same page geometry: src_ids[i] -> dst_ids[i], all heads.
+///
+/// src_k, src_v [num_src_pages, num_kv_heads, block_size, head_dim]; dst_k, dst_v [num_dst_pages,
+/// ...]; src_ids, dst_ids [n] int32. Bit-exact.
+///
+/// CUDA: src_ids, dst_ids on cuda:N; each pool there too or in pinned CPU memory (dense pages to
+/// host blocks when a request turns sparse); queued on `stream` (raw cudaStream_t, 0 = legacy
+/// default), returns at once. Out-of-range ids are skipped on the GPU.
+fn copy_pages(
+    py: Python<'_>,
+    geo: &PyGeometry,
+    src_k: TensorArg,
+    src_v: TensorArg,
+    src_ids: TensorArg,
+    dst_k: TensorArg,
+    dst_v: TensorArg,
+    dst_ids: TensorArg,
+    stream: u64,
+) -> PyResult<()> {
+    entry(py, "copy_pages", || {
+        let g = geo.inner;
+        let pools = [
+            ("src_k", &src_k),
+            ("src_v", &src_v),
+            ("dst_k", &dst_k),
+            ("dst_v", &dst_v),
+        ];
+        let ids = [("src_ids", &src_ids), ("dst_ids", &dst_ids)];
+        let cx = Cx::new(py, &ids, &pools)?;
+        let (src, dst) = pools.split_at(2);
+        pool_rows(&cx.host(), &g, src)?;
+        pool_rows(&cx.host(), &g, dst)?;
+        src_ids.expect_i32(py, "src_ids")?;
+        dst_ids.expect_i32(py, "dst_ids")?;
+        let n = src_ids.dim(&cx, "src_ids", 1, 0)?;
+        dst_ids.expect_shape(&cx, "dst_ids", &[n])?;
+        let dt = kv_dtype(py, &pools)?;
+        check_disjoint(py, &pools)?;
+        check_outputs(py, dst, &ids)?;
+        match cx.place {
+            Place::Cpu => with_dtype!(dt, T => {
+                // SAFETY: checked above; destination pools are disjoint from the sources and the ids.
+                let (sk, sv, si, dk, dv, di) = unsafe { (src_k.slice::<T>(), src_v.slice::<T>(), src_ids.ints(), dst_k.slice_mut::<T>(), dst_v.slice_mut::<T>(), dst_ids.ints()) };
+                guarded(py, "copy_pages", || kernels::copy_pages::<T>(&g, sk, sv, si, dk, dv, di))
+            }),
+            Place::Cuda(dev) => with_dtype!(dt, T => {
+                // SAFETY: (TensorArg::dev) checked above (pinned pools: mapped checked in on_gpu);
+                // destination pools are disjoint from the sources and the ids.
+                let (sk, sv, si, dk, dv, di) = unsafe { (src_k.dev::<T>(), src_v.dev::<T>(), src_ids.dev::<i32>(), dst_k.dev::<T>(), dst_v.dev::<T>(), dst_ids.dev::<i32>()) };
+                on_gpu(py, "copy_pages", dev, stream, &pools, move |gpu, st| gpu.copy_pages::<T>(&g, sk, sv, si, dk, dv, di, st))
+            }),
+        }
+    })
+}
+
+/// Add this module's functions to `_core`.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(append_kv, m)?)?;
+    m.add_function(wrap_pyfunction!(build_summaries, m)?)?;
+    m.add_function(wrap_pyfunction!(gather_blocks, m)?)?;
+    m.add_function(wrap_pyfunction!(set_gather_launch, m)?)?;
+    m.add_function(wrap_pyfunction!(gather_launch, m)?)?;
+    m.add_function(wrap_pyfunction!(copy_pages, m)?)?;
+    Ok(())
+}
