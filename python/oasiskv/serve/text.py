@@ -20,7 +20,9 @@ def token_text(tokenizer, ids: Sequence[int]) -> str:
     streams still carry one piece per token."""
     if tokenizer is None:
         return "".join(f"{i} " for i in ids)
-    return tokenizer.decode(ids, skip_special_tokens=True)
+    from ..llm_engine import output_text  # the one detokenisation, shared with LLM.generate's .text
+
+    return output_text(tokenizer, ids)
 
 
 class TextAssembler:
