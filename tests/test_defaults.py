@@ -229,3 +229,24 @@ def test_a_raising_stop_callback_leaves_nothing_in_the_engine(model):
     # The engine goes on: a later call runs and still holds nothing after.
     (res,) = llm.generate([1, 2, 3] * 30, max_new_tokens=4, ignore_eos=True)
     assert len(res.tokens) == 4 and le._by_id == {}
+
+
+@pytest.mark.parametrize("backend, want", [("oasis", 0.5), ("dense", None)])
+def test_serve_builds_the_default_selection_with_eagle3(backend, want):
+    """``oasis serve --drafter eagle3`` (default ``--selection fidelity``) builds its engine with the
+    same defaults as ``LLMEngine``: the confidence fallback where EAGLE-3 drafts, none on the dense
+    backend (no drafter); ``--enforce-eager`` reaches the engine, and contradicting
+    ``--cuda-graph`` is a message."""
+    import argparse
+
+    from oasiskv.serve.cli import add_arguments, engine_from_args, engine_kwargs
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    args = ap.parse_args(["smollm2", "--drafter", "eagle3", "--backend", backend, "--device", "cpu"])
+    eng = engine_from_args(args.model, args)
+    assert eng.kv.lookahead_min_confidence == want and eng.kv.block_score == "codes"
+    assert not eng.cuda_graphs and not eng.enforce_eager
+    assert engine_kwargs(ap.parse_args(["smollm2", "--enforce-eager"]))["enforce_eager"] is True
+    with pytest.raises(errors.ConfigError, match="contradicts"):
+        engine_kwargs(ap.parse_args(["smollm2", "--enforce-eager", "--cuda-graph"]))
