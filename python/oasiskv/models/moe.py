@@ -54,7 +54,7 @@ def run_experts(x: Tensor, weights: Tensor, experts: Tensor, gate_up: Tensor, do
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             "a mixture-of-experts layer cannot be captured in a CUDA graph (its expert loop reads "
-            "the routing on the host); run it eagerly (cuda_graph=False)"
+            "the routing on the host); run it eagerly (enforce_eager=True)"
         )
     inter = down.shape[-1]
     out = torch.zeros_like(x)
