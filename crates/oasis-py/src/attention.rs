@@ -10,10 +10,10 @@ use oasis_cuda::{DevSlice, ExtraKvDev, PagedKvDev, SplitKv};
 use pyo3::prelude::*;
 
 use crate::call::{entry, guarded, on_gpu, with_dtype};
-use crate::check::{check_outputs, kv_dtype, pool_rows};
+use crate::check::{check_all, check_outputs, kv_dtype, pool_rows};
 use crate::errors::py_err;
 use crate::runtime::PyGeometry;
-use crate::tensor::{Cx, Place, TensorArg};
+use crate::tensor::{Cx, Elem, Place, TensorArg, ANY};
 
 #[pyfunction]
 #[pyo3(signature = (geo, q, k_pages, v_pages, kv_indptr, kv_indices, kv_last_page_len, page_map, extra_k, extra_v, sm_scale, out, *, num_splits = 0, max_pages_per_seq = 0, workspace = None, stream = 0))]
@@ -77,20 +77,15 @@ fn decode_attention(
         }
         all.push(("out", &out));
         let cx = Cx::new(py, &all, &[])?;
-        let ns = q.dim(&cx, "q", 4, 0)?;
-        let rows = q.dim(&cx, "q", 4, 1)?;
-        q.expect_shape(&cx, "q", &[ns, rows, g.num_qo_heads, g.head_dim])?;
-        out.expect_shape(&cx, "out", &[ns, rows, g.num_qo_heads, g.head_dim])?;
+        let qo = [("q", &q), ("out", &out)];
+        let [ns, rows, ..] =
+            check_all(&cx, &qo, Elem::Any, [ANY, ANY, g.num_qo_heads, g.head_dim])?;
         let np = pool_rows(&cx, &g, &[("k_pages", &k_pages), ("v_pages", &v_pages)])?;
-        kv_indptr.expect_i32(py, "kv_indptr")?;
-        kv_indptr.expect_shape(&cx, "kv_indptr", &[ns + 1])?;
-        kv_indices.expect_i32(py, "kv_indices")?;
-        kv_indices.dim(&cx, "kv_indices", 1, 0)?;
-        kv_last_page_len.expect_i32(py, "kv_last_page_len")?;
-        kv_last_page_len.expect_shape(&cx, "kv_last_page_len", &[ns])?;
+        kv_indptr.check(&cx, "kv_indptr", Elem::I32, [ns + 1])?;
+        kv_indices.check(&cx, "kv_indices", Elem::I32, [ANY])?;
+        kv_last_page_len.check(&cx, "kv_last_page_len", Elem::I32, [ns])?;
         if let Some(pm) = &page_map {
-            pm.expect_i32(py, "page_map")?;
-            pm.expect_shape(&cx, "page_map", &[np, g.num_kv_heads])?;
+            pm.check(&cx, "page_map", Elem::I32, [np, g.num_kv_heads])?;
         }
         let mut named = vec![
             ("q", &q),
@@ -100,8 +95,8 @@ fn decode_attention(
         ];
         let extra = match (&extra_k, &extra_v) {
             (Some(ek), Some(ev)) => {
-                ek.expect_shape(&cx, "extra_k", &[ns, g.num_kv_heads, g.head_dim])?;
-                ev.expect_shape(&cx, "extra_v", &[ns, g.num_kv_heads, g.head_dim])?;
+                let extra = [("extra_k", ek), ("extra_v", ev)];
+                check_all(&cx, &extra, Elem::Any, [ns, g.num_kv_heads, g.head_dim])?;
                 named.push(("extra_k", ek));
                 named.push(("extra_v", ev));
                 Some((ek, ev))
@@ -140,8 +135,7 @@ fn decode_attention(
             Place::Cuda(dev) => {
                 let ws = match &workspace {
                     Some(w) => {
-                        w.expect_f32(py, "workspace")?;
-                        w.dim(&cx, "workspace", 1, 0)?;
+                        w.check(&cx, "workspace", Elem::F32, [ANY])?;
                         check_outputs(
                             py,
                             &[("workspace", w)],

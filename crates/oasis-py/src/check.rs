@@ -6,7 +6,7 @@ use oasis_core::{DType, KvGeometry};
 use pyo3::prelude::*;
 
 use crate::errors::py_err;
-use crate::tensor::{check_disjoint, check_disjoint_bytes, Cx, RowsView, TensorArg};
+use crate::tensor::{check_disjoint, check_disjoint_bytes, Cx, Elem, RowsView, TensorArg, ANY};
 
 /// Storage dtype shared by every KV-like tensor of one call.
 pub(crate) fn kv_dtype(py: Python<'_>, named: &[(&str, &TensorArg)]) -> PyResult<DType> {
@@ -27,6 +27,22 @@ pub(crate) fn kv_dtype(py: Python<'_>, named: &[(&str, &TensorArg)]) -> PyResult
     Ok(dt)
 }
 
+/// [`TensorArg::check`] of tensors that share one shape: the first against `shape` (its [`ANY`]
+/// dimensions as found), each other one against the first's. Returns the shape.
+pub(crate) fn check_all<const N: usize>(
+    cx: &Cx<'_>,
+    named: &[(&str, &TensorArg)],
+    elem: Elem,
+    shape: [usize; N],
+) -> PyResult<[usize; N]> {
+    let (first_name, first) = named[0];
+    let shape = first.check(cx, first_name, elem, shape)?;
+    for (name, t) in &named[1..] {
+        t.check(cx, name, elem, shape)?;
+    }
+    Ok(shape)
+}
+
 /// Rows of the K/V pool tensors of `pool` (the first gives the count), all shaped
 /// `[n, num_kv_heads, block_size, head_dim]`: GPU pages, or host blocks under [`Cx::host`].
 pub(crate) fn pool_rows(
@@ -34,19 +50,25 @@ pub(crate) fn pool_rows(
     g: &KvGeometry,
     pool: &[(&str, &TensorArg)],
 ) -> PyResult<usize> {
-    let (first_name, first) = pool[0];
-    let n = first.dim(cx, first_name, 4, 0)?;
-    for (name, t) in pool {
-        t.expect_shape(cx, name, &[n, g.num_kv_heads, g.block_size, g.head_dim])?;
-    }
-    Ok(n)
+    let page = [ANY, g.num_kv_heads, g.block_size, g.head_dim];
+    Ok(check_all(cx, pool, Elem::Any, page)?[0])
+}
+
+/// `summaries [nb, num_kv_heads, 2, head_dim]`; returns `nb`.
+pub(crate) fn summary_rows(cx: &Cx<'_>, g: &KvGeometry, summaries: &TensorArg) -> PyResult<usize> {
+    let [nb, ..] = summaries.check(
+        cx,
+        "summaries",
+        Elem::Any,
+        [ANY, g.num_kv_heads, 2, g.head_dim],
+    )?;
+    Ok(nb)
 }
 
 /// The shapes shared by the kernels that read host K rows into per-block summary data:
 /// `host` the host pool, `summaries [nb, num_kv_heads, 2, head_dim]`, and int32 `tables`
 /// (`block_ids` first) of one length. Returns `nb`.
 pub(crate) fn check_block_tables(
-    py: Python<'_>,
     cx: &Cx<'_>,
     g: &KvGeometry,
     host: &[(&str, &TensorArg)],
@@ -54,14 +76,8 @@ pub(crate) fn check_block_tables(
     tables: &[(&str, &TensorArg)],
 ) -> PyResult<usize> {
     pool_rows(&cx.host(), g, host)?;
-    let nb = summaries.dim(cx, "summaries", 4, 0)?;
-    summaries.expect_shape(cx, "summaries", &[nb, g.num_kv_heads, 2, g.head_dim])?;
-    let (first_name, first) = tables[0];
-    let n = first.dim(cx, first_name, 1, 0)?;
-    for &(name, t) in tables {
-        t.expect_i32(py, name)?;
-        t.expect_shape(cx, name, &[n])?;
-    }
+    let nb = summary_rows(cx, g, summaries)?;
+    check_all(cx, tables, Elem::I32, [ANY])?;
     Ok(nb)
 }
 
@@ -116,4 +132,26 @@ pub(crate) fn rows_of(
         ));
     }
     Ok(v)
+}
+
+/// Sequences of a CSR `blk_indptr [num_seqs + 1]` int32 (0 for an empty one, which the kernels
+/// then refuse).
+pub(crate) fn indptr_rows(cx: &Cx<'_>, blk_indptr: &TensorArg) -> PyResult<usize> {
+    let [n] = blk_indptr.check(cx, "blk_indptr", Elem::I32, [ANY])?;
+    Ok(n.saturating_sub(1))
+}
+
+/// The last dimension of an optional int32 `[num_seqs, num_kv_heads, m]` per-head list (forced
+/// blocks, an index map); 0 without one.
+pub(crate) fn per_head(
+    cx: &Cx<'_>,
+    name: &str,
+    t: Option<&TensorArg>,
+    num_seqs: usize,
+    num_kv_heads: usize,
+) -> PyResult<usize> {
+    match t {
+        None => Ok(0),
+        Some(t) => Ok(t.check(cx, name, Elem::I32, [num_seqs, num_kv_heads, ANY])?[2]),
+    }
 }

@@ -7,10 +7,10 @@ use oasis_core::KvGeometry;
 use pyo3::prelude::*;
 
 use crate::call::{entry, guarded, on_gpu, with_dtype};
-use crate::check::{check_block_tables, check_outputs, kv_dtype};
+use crate::check::{check_block_tables, check_outputs, kv_dtype, per_head, summary_rows};
 use crate::errors::py_err;
 use crate::runtime::PyGeometry;
-use crate::tensor::{Cx, Place, TensorArg};
+use crate::tensor::{Cx, Elem, Place, TensorArg, ANY};
 
 /// 2-bit key codes need head_dim divisible by 4 (checked before any shape, as the CPU twin).
 fn check_codes_head_dim(py: Python<'_>, g: &KvGeometry) -> PyResult<()> {
@@ -24,6 +24,13 @@ fn check_codes_head_dim(py: Python<'_>, g: &KvGeometry) -> PyResult<()> {
             ),
         ));
     }
+    Ok(())
+}
+
+/// `codes [nb, num_kv_heads, block_size, head_dim / 4]` uint8: the codes of `nb` host blocks.
+fn check_codes(cx: &Cx<'_>, g: &KvGeometry, codes: &TensorArg, nb: usize) -> PyResult<()> {
+    let shape = [nb, g.num_kv_heads, g.block_size, g.head_dim / 4];
+    codes.check(cx, "codes", Elem::U8, shape)?;
     Ok(())
 }
 
@@ -64,13 +71,8 @@ fn build_key_codes(
             &[&[("summaries", &summaries), ("codes", &codes)][..], &tables].concat(),
             &host,
         )?;
-        let nb = check_block_tables(py, &cx, &g, &host, &summaries, &tables)?;
-        codes.expect_u8(py, "codes")?;
-        codes.expect_shape(
-            &cx,
-            "codes",
-            &[nb, g.num_kv_heads, g.block_size, g.head_dim / 4],
-        )?;
+        let nb = check_block_tables(&cx, &g, &host, &summaries, &tables)?;
+        check_codes(&cx, &g, &codes, nb)?;
         let dt = kv_dtype(py, &[("host_k", &host_k), ("summaries", &summaries)])?;
         check_outputs(
             py,
@@ -204,32 +206,20 @@ fn codes_scores(
             inputs.push(("cand", c));
         }
         let cx = Cx::new(py, &[&inputs[..], &[("scores", &scores)]].concat(), &[])?;
-        let ns = q.dim(&cx, "q", 3, 0)?;
-        q.expect_shape(&cx, "q", &[ns, g.num_qo_heads, g.head_dim])?;
-        let nh = summaries.dim(&cx, "summaries", 4, 0)?;
-        summaries.expect_shape(&cx, "summaries", &[nh, g.num_kv_heads, 2, g.head_dim])?;
-        codes.expect_u8(py, "codes")?;
-        codes.expect_shape(
-            &cx,
-            "codes",
-            &[nh, g.num_kv_heads, g.block_size, g.head_dim / 4],
-        )?;
-        blk_indptr.expect_i32(py, "blk_indptr")?;
-        blk_indptr.expect_shape(&cx, "blk_indptr", &[ns + 1])?;
-        blk_indices.expect_i32(py, "blk_indices")?;
-        let nnz = blk_indices.dim(&cx, "blk_indices", 1, 0)?;
+        let [ns, ..] = q.check(&cx, "q", Elem::Any, [ANY, g.num_qo_heads, g.head_dim])?;
+        let nh = summary_rows(&cx, &g, &summaries)?;
+        check_codes(&cx, &g, &codes, nh)?;
+        blk_indptr.check(&cx, "blk_indptr", Elem::I32, [ns + 1])?;
+        let [nnz] = blk_indices.check(&cx, "blk_indices", Elem::I32, [ANY])?;
         // Entries scored: every listed block, or m candidates per sequence.
         let (rows, m) = match &cand {
             None => (nnz, 0),
             Some(c) => {
-                c.expect_i32(py, "cand")?;
-                let m = c.dim(&cx, "cand", 3, 2)?;
-                c.expect_shape(&cx, "cand", &[ns, g.num_kv_heads, m])?;
+                let m = per_head(&cx, "cand", Some(c), ns, g.num_kv_heads)?;
                 (ns * m, m)
             }
         };
-        scores.expect_f32(py, "scores")?;
-        scores.expect_shape(&cx, "scores", &[rows, g.num_kv_heads])?;
+        scores.check(&cx, "scores", Elem::F32, [rows, g.num_kv_heads])?;
         let dt = kv_dtype(py, &[("q", &q), ("summaries", &summaries)])?;
         check_outputs(py, &[("scores", &scores)], &inputs)?;
         match cx.place {

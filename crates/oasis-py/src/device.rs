@@ -9,7 +9,7 @@ use oasis_cuda::{CudaError, Gpu};
 use pyo3::prelude::*;
 
 use crate::call::{detached, entry, guarded, on_gpu};
-use crate::tensor::{Cx, Place, TensorArg};
+use crate::tensor::{Cx, Elem, Place, TensorArg};
 
 #[pyfunction]
 #[pyo3(signature = (stamps, mode, *, stream = 0))]
@@ -23,8 +23,7 @@ use crate::tensor::{Cx, Place, TensorArg};
 fn wait_stamp(py: Python<'_>, stamps: TensorArg, mode: i32, stream: u64) -> PyResult<()> {
     entry(py, "wait_stamp", || {
         let cx = Cx::new(py, &[("stamps", &stamps)], &[])?;
-        stamps.expect_i64(py, "stamps")?;
-        stamps.expect_shape(&cx, "stamps", &[3])?;
+        stamps.check(&cx, "stamps", Elem::I64, [3])?;
         let stamp = kernels::WaitStamp::from_mode(mode);
         match cx.place {
             Place::Cpu => {

@@ -6,9 +6,9 @@ use oasis_cuda::ops::{PositionsDev, ResidualDev};
 use pyo3::prelude::*;
 
 use crate::call::{entry, guarded, on_gpu, with_dtype};
-use crate::check::{check_outputs_bytes, kv_dtype, rows_of};
+use crate::check::{check_all, check_outputs_bytes, kv_dtype, rows_of};
 use crate::errors::{core_err, py_err};
-use crate::tensor::{Cx, Place, TensorArg};
+use crate::tensor::{Cx, Elem, Place, TensorArg, ANY};
 
 #[pyfunction]
 #[pyo3(signature = (x, weight, eps, out, residual = None, residual_out = None, *, stream = 0))]
@@ -58,10 +58,10 @@ fn rms_norm(
             }
         };
         let cx = Cx::new(py, &all, &[])?;
-        let hidden = weight.dim(&cx, "weight", 1, 0)?;
+        let [hidden] = weight.check(&cx, "weight", Elem::Any, [ANY])?;
         let xv = rows_of(&cx, &x, "x", hidden, "hidden = len(weight)")?;
         let n = xv.rows;
-        out.expect_shape(&cx, "out", &[n, hidden])?;
+        out.check(&cx, "out", Elem::Any, [n, hidden])?;
         let named: Vec<_> = all.iter().copied().filter(|(nm, _)| *nm != "x").collect();
         let dt = kv_dtype(py, &[&[("x", &x)][..], &named].concat())?;
         let x_bytes = ("x", x.span_bytes(xv.span()));
@@ -69,8 +69,8 @@ fn rms_norm(
         let out_bytes = ("out", out.byte_range());
         let in_place = match res {
             Some((r, ro)) => {
-                r.expect_shape(&cx, "residual", &[n, hidden])?;
-                ro.expect_shape(&cx, "residual_out", &[n, hidden])?;
+                let residual = [("residual", r), ("residual_out", ro)];
+                check_all(&cx, &residual, Elem::Any, [n, hidden])?;
                 let in_place = r.ptr == ro.ptr;
                 let (rb, rob) = (
                     ("residual", r.byte_range()),
@@ -213,12 +213,11 @@ fn qk_norm_rope(
                 ))
             }
         };
-        positions.expect_shape(&cx, "positions", &[n])?;
-        inv_freq.expect_f32(py, "inv_freq")?;
-        inv_freq.expect_shape(&cx, "inv_freq", &[head_dim / 2])?;
-        q_out.expect_shape(&cx, "q_out", &[n, num_heads, head_dim])?;
-        k_out.expect_shape(&cx, "k_out", &[n, num_kv_heads, head_dim])?;
-        v_out.expect_shape(&cx, "v_out", &[n, num_kv_heads, head_dim])?;
+        positions.check(&cx, "positions", Elem::Any, [n])?;
+        inv_freq.check(&cx, "inv_freq", Elem::F32, [head_dim / 2])?;
+        q_out.check(&cx, "q_out", Elem::Any, [n, num_heads, head_dim])?;
+        let kv_out = [("k_out", &k_out), ("v_out", &v_out)];
+        check_all(&cx, &kv_out, Elem::Any, [n, num_kv_heads, head_dim])?;
         let mut typed = vec![
             ("qkv", &qkv),
             ("q_out", &q_out),
@@ -231,8 +230,12 @@ fn qk_norm_rope(
             ("inv_freq", inv_freq.byte_range()),
         ];
         if let Some((qn, kn)) = norm {
-            qn.expect_shape(&cx, "q_norm", &[head_dim])?;
-            kn.expect_shape(&cx, "k_norm", &[head_dim])?;
+            check_all(
+                &cx,
+                &[("q_norm", qn), ("k_norm", kn)],
+                Elem::Any,
+                [head_dim],
+            )?;
             typed.push(("q_norm", qn));
             typed.push(("k_norm", kn));
             inputs.push(("q_norm", qn.byte_range()));

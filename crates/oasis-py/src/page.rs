@@ -6,9 +6,11 @@ use oasis_core::kernels;
 use pyo3::prelude::*;
 
 use crate::call::{entry, guarded, on_gpu, with_dtype};
-use crate::check::{check_block_tables, check_outputs, kv_dtype, pool_rows};
+use crate::check::{
+    check_all, check_block_tables, check_outputs, kv_dtype, pool_rows, summary_rows,
+};
 use crate::runtime::PyGeometry;
-use crate::tensor::{check_disjoint, Cx, Place, TensorArg};
+use crate::tensor::{check_disjoint, Cx, Elem, Place, TensorArg, ANY};
 
 #[pyfunction]
 #[pyo3(signature = (max_blocks = None, warps_per_block = None, entries_per_warp = None, stage_entries = None))]
@@ -96,18 +98,11 @@ fn append_kv(
         let host = [("host_k", &host_k), ("host_v", &host_v)];
         let sums = [("summaries", &summaries)];
         let cx = Cx::new(py, &[&new[..], &tables, &pages, &sums].concat(), &host)?;
-        let n = k_new.dim(&cx, "k_new", 3, 0)?;
-        for (name, t) in new {
-            t.expect_shape(&cx, name, &[n, g.num_kv_heads, g.head_dim])?;
-        }
-        for &(name, t) in &tables {
-            t.expect_i32(py, name)?;
-            t.expect_shape(&cx, name, &[n])?;
-        }
+        let [n, ..] = check_all(&cx, &new, Elem::Any, [ANY, g.num_kv_heads, g.head_dim])?;
+        check_all(&cx, &tables, Elem::I32, [n])?;
         pool_rows(&cx, &g, &pages)?;
         pool_rows(&cx.host(), &g, &host)?;
-        let nb = summaries.dim(&cx, "summaries", 4, 0)?;
-        summaries.expect_shape(&cx, "summaries", &[nb, g.num_kv_heads, 2, g.head_dim])?;
+        summary_rows(&cx, &g, &summaries)?;
         let dt = kv_dtype(py, &[&pages[..], &new, &host, &sums].concat())?;
         check_outputs(
             py,
@@ -172,7 +167,7 @@ fn build_summaries(
             &[&[("summaries", &summaries)][..], &tables].concat(),
             &host,
         )?;
-        check_block_tables(py, &cx, &g, &host, &summaries, &tables)?;
+        check_block_tables(&cx, &g, &host, &summaries, &tables)?;
         let dt = kv_dtype(py, &[("host_k", &host_k), ("summaries", &summaries)])?;
         check_outputs(
             py,
@@ -243,17 +238,11 @@ fn gather_blocks(
         ];
         let (host, pages) = pools.split_at(2);
         let cx = Cx::new(py, &[&tables[..], pages].concat(), host)?;
-        let ns = plan_slots.dim(&cx, "plan_slots", 3, 0)?;
-        let cap = plan_slots.dim(&cx, "plan_slots", 3, 2)?;
-        for (name, t) in tables {
-            t.expect_i32(py, name)?;
-        }
-        plan_slots.expect_shape(&cx, "plan_slots", &[ns, g.num_kv_heads, cap])?;
-        plan_blocks.expect_shape(&cx, "plan_blocks", &[ns, g.num_kv_heads, cap])?;
-        let budget = slot_pages.dim(&cx, "slot_pages", 2, 1)?;
-        slot_pages.expect_shape(&cx, "slot_pages", &[ns, budget])?;
-        host_indptr.expect_shape(&cx, "host_indptr", &[ns + 1])?;
-        host_indices.dim(&cx, "host_indices", 1, 0)?;
+        let plan = [("plan_slots", &plan_slots), ("plan_blocks", &plan_blocks)];
+        let [ns, _, cap] = check_all(&cx, &plan, Elem::I32, [ANY, g.num_kv_heads, ANY])?;
+        let [_, budget] = slot_pages.check(&cx, "slot_pages", Elem::I32, [ns, ANY])?;
+        host_indptr.check(&cx, "host_indptr", Elem::I32, [ns + 1])?;
+        host_indices.check(&cx, "host_indices", Elem::I32, [ANY])?;
         pool_rows(&cx.host(), &g, host)?;
         pool_rows(&cx, &g, pages)?;
         let dt = kv_dtype(py, &pools)?;
@@ -315,10 +304,7 @@ fn copy_pages(
         let (src, dst) = pools.split_at(2);
         pool_rows(&cx.host(), &g, src)?;
         pool_rows(&cx.host(), &g, dst)?;
-        src_ids.expect_i32(py, "src_ids")?;
-        dst_ids.expect_i32(py, "dst_ids")?;
-        let n = src_ids.dim(&cx, "src_ids", 1, 0)?;
-        dst_ids.expect_shape(&cx, "dst_ids", &[n])?;
+        check_all(&cx, &ids, Elem::I32, [ANY])?;
         let dt = kv_dtype(py, &pools)?;
         check_disjoint(py, &pools)?;
         check_outputs(py, dst, &ids)?;

@@ -6,10 +6,10 @@ use oasis_core::kernels;
 use pyo3::prelude::*;
 
 use crate::call::{entry, guarded, on_gpu, with_dtype};
-use crate::check::{check_outputs, kv_dtype};
+use crate::check::{check_all, check_outputs, indptr_rows, kv_dtype, per_head, summary_rows};
 use crate::errors::py_err;
 use crate::runtime::PyGeometry;
-use crate::tensor::{check_disjoint, Cx, Place, TensorArg};
+use crate::tensor::{check_disjoint, Cx, Elem, Place, TensorArg, ANY};
 
 #[pyfunction]
 #[pyo3(signature = (geo, q, summaries, blk_indptr, blk_indices, scores, *, stream = 0))]
@@ -41,16 +41,11 @@ fn score_blocks(
             ("blk_indices", &blk_indices),
         ];
         let cx = Cx::new(py, &[&inputs[..], &[("scores", &scores)]].concat(), &[])?;
-        let ns = q.dim(&cx, "q", 3, 0)?;
-        q.expect_shape(&cx, "q", &[ns, g.num_qo_heads, g.head_dim])?;
-        let nh = summaries.dim(&cx, "summaries", 4, 0)?;
-        summaries.expect_shape(&cx, "summaries", &[nh, g.num_kv_heads, 2, g.head_dim])?;
-        blk_indptr.expect_i32(py, "blk_indptr")?;
-        blk_indptr.expect_shape(&cx, "blk_indptr", &[ns + 1])?;
-        blk_indices.expect_i32(py, "blk_indices")?;
-        let nnz = blk_indices.dim(&cx, "blk_indices", 1, 0)?;
-        scores.expect_f32(py, "scores")?;
-        scores.expect_shape(&cx, "scores", &[nnz, g.num_kv_heads])?;
+        let [ns, ..] = q.check(&cx, "q", Elem::Any, [ANY, g.num_qo_heads, g.head_dim])?;
+        summary_rows(&cx, &g, &summaries)?;
+        blk_indptr.check(&cx, "blk_indptr", Elem::I32, [ns + 1])?;
+        let [nnz] = blk_indices.check(&cx, "blk_indices", Elem::I32, [ANY])?;
+        scores.check(&cx, "scores", Elem::F32, [nnz, g.num_kv_heads])?;
         let dt = kv_dtype(py, &[("q", &q), ("summaries", &summaries)])?;
         check_outputs(py, &[("scores", &scores)], &inputs)?;
         match cx.place {
@@ -118,31 +113,11 @@ fn topk_blocks(
             inputs.push(("scores", &scores));
         }
         let cx = Cx::new(py, &[&inputs[..], &outputs[..]].concat(), &[])?;
-        scores.expect_f32(py, "scores")?;
-        let nnz = scores.dim(&cx, "scores", 2, 0)?;
-        scores.expect_shape(&cx, "scores", &[nnz, num_kv_heads])?;
-        blk_indptr.expect_i32(py, "blk_indptr")?;
-        let ns = blk_indptr.dim(&cx, "blk_indptr", 1, 0)?.saturating_sub(1);
-        out.expect_i32(py, "out")?;
-        out.expect_shape(&cx, "out", &[ns, num_kv_heads, k])?;
-        let map_m = match &index_map {
-            None => 0,
-            Some(m) => {
-                m.expect_i32(py, "index_map")?;
-                let mm = m.dim(&cx, "index_map", 3, 2)?;
-                m.expect_shape(&cx, "index_map", &[ns, num_kv_heads, mm])?;
-                mm
-            }
-        };
-        let n_forced = match &forced {
-            None => 0,
-            Some(f) => {
-                f.expect_i32(py, "forced")?;
-                let nf = f.dim(&cx, "forced", 3, 2)?;
-                f.expect_shape(&cx, "forced", &[ns, num_kv_heads, nf])?;
-                nf
-            }
-        };
+        scores.check(&cx, "scores", Elem::F32, [ANY, num_kv_heads])?;
+        let ns = indptr_rows(&cx, &blk_indptr)?;
+        out.check(&cx, "out", Elem::I32, [ns, num_kv_heads, k])?;
+        let map_m = per_head(&cx, "index_map", index_map.as_ref(), ns, num_kv_heads)?;
+        let n_forced = per_head(&cx, "forced", forced.as_ref(), ns, num_kv_heads)?;
         check_outputs(py, &outputs, &inputs)?;
         match cx.place {
             Place::Cpu => {
@@ -221,14 +196,9 @@ fn force_scores(
         let inputs: Vec<(&str, &TensorArg)> =
             vec![("blk_indptr", &blk_indptr), ("forced", &forced)];
         let cx = Cx::new(py, &[&inputs[..], &[("scores", &scores)]].concat(), &[])?;
-        scores.expect_f32(py, "scores")?;
-        let nnz = scores.dim(&cx, "scores", 2, 0)?;
-        scores.expect_shape(&cx, "scores", &[nnz, num_kv_heads])?;
-        blk_indptr.expect_i32(py, "blk_indptr")?;
-        let ns = blk_indptr.dim(&cx, "blk_indptr", 1, 0)?.saturating_sub(1);
-        forced.expect_i32(py, "forced")?;
-        let nf = forced.dim(&cx, "forced", 3, 2)?;
-        forced.expect_shape(&cx, "forced", &[ns, num_kv_heads, nf])?;
+        scores.check(&cx, "scores", Elem::F32, [ANY, num_kv_heads])?;
+        let ns = indptr_rows(&cx, &blk_indptr)?;
+        let nf = per_head(&cx, "forced", Some(&forced), ns, num_kv_heads)?;
         check_outputs(py, &[("scores", &scores)], &inputs)?;
         match cx.place {
             Place::Cpu => {
@@ -289,25 +259,11 @@ fn topk_candidates(
             inputs.push(("forced", f));
         }
         let cx = Cx::new(py, &[&inputs[..], &[("out", &out)]].concat(), &[])?;
-        cand.expect_i32(py, "cand")?;
-        let m = cand.dim(&cx, "cand", 3, 2)?;
-        let ns = cand.dim(&cx, "cand", 3, 0)?;
-        cand.expect_shape(&cx, "cand", &[ns, num_kv_heads, m])?;
-        scores.expect_f32(py, "scores")?;
-        scores.expect_shape(&cx, "scores", &[ns * m, num_kv_heads])?;
-        blk_indptr.expect_i32(py, "blk_indptr")?;
-        blk_indptr.expect_shape(&cx, "blk_indptr", &[ns + 1])?;
-        out.expect_i32(py, "out")?;
-        out.expect_shape(&cx, "out", &[ns, num_kv_heads, k])?;
-        let nf = match &forced {
-            None => 0,
-            Some(f) => {
-                f.expect_i32(py, "forced")?;
-                let nf = f.dim(&cx, "forced", 3, 2)?;
-                f.expect_shape(&cx, "forced", &[ns, num_kv_heads, nf])?;
-                nf
-            }
-        };
+        let [ns, _, m] = cand.check(&cx, "cand", Elem::I32, [ANY, num_kv_heads, ANY])?;
+        scores.check(&cx, "scores", Elem::F32, [ns * m, num_kv_heads])?;
+        blk_indptr.check(&cx, "blk_indptr", Elem::I32, [ns + 1])?;
+        out.check(&cx, "out", Elem::I32, [ns, num_kv_heads, k])?;
+        let nf = per_head(&cx, "forced", forced.as_ref(), ns, num_kv_heads)?;
         check_outputs(py, &[("out", &out)], &inputs)?;
         match cx.place {
             Place::Cpu => {
@@ -393,23 +349,20 @@ fn delta_select(
         }
         let cx = Cx::new(py, &all, &[])?;
         if let Some(sn) = &step_now {
-            sn.expect_shape(&cx, "step_now", &[1])?;
+            sn.check(&cx, "step_now", Elem::I32, [1])?;
         }
-        let ns = predicted.dim(&cx, "predicted", 3, 0)?;
-        let np = predicted.dim(&cx, "predicted", 3, 2)?;
-        predicted.expect_shape(&cx, "predicted", &[ns, num_kv_heads, np])?;
-        let budget = slot_pages.dim(&cx, "slot_pages", 2, 1)?;
-        slot_pages.expect_shape(&cx, "slot_pages", &[ns, budget])?;
-        let npages = page_map.dim(&cx, "page_map", 2, 0)?;
-        page_map.expect_shape(&cx, "page_map", &[npages, num_kv_heads])?;
-        page_last_selected.expect_shape(&cx, "page_last_selected", &[npages, num_kv_heads])?;
-        plan_slots.expect_shape(&cx, "plan_slots", &[ns, num_kv_heads, fetch_cap])?;
-        plan_blocks.expect_shape(&cx, "plan_blocks", &[ns, num_kv_heads, fetch_cap])?;
+        let h = num_kv_heads;
+        let [ns, _, np] = predicted.check(&cx, "predicted", Elem::I32, [ANY, h, ANY])?;
+        let [_, budget] = slot_pages.check(&cx, "slot_pages", Elem::I32, [ns, ANY])?;
+        let pages = [
+            ("page_map", &page_map),
+            ("page_last_selected", &page_last_selected),
+        ];
+        check_all(&cx, &pages, Elem::I32, [ANY, h])?;
+        let plan = [("plan_slots", &plan_slots), ("plan_blocks", &plan_blocks)];
+        check_all(&cx, &plan, Elem::I32, [ns, h, fetch_cap])?;
         if let Some(st) = &stats {
-            st.expect_shape(&cx, "stats", &[ns, num_kv_heads, 3])?;
-        }
-        for (name, t) in &all {
-            t.expect_i32(py, name)?;
+            st.check(&cx, "stats", Elem::I32, [ns, h, 3])?;
         }
         check_disjoint(py, &all)?;
         match cx.place {

@@ -3,9 +3,9 @@
 //!
 //! Every call runs in one [`Place`]: on the CPU twins when its device-side tensors are all on the
 //! CPU, or on CUDA device `n` when they are all on `cuda:n`. [`Cx`] carries that decision through
-//! the shape checks, so that one set of checks serves both paths: [`TensorArg::dim`] and
-//! [`TensorArg::expect_shape`] also check that the tensor lives where the call runs (or, for the
-//! host pool of a CUDA call, in pinned CPU memory) and is contiguous.
+//! the checks, so that one set serves both paths: [`TensorArg::check`], the one check of every
+//! tensor argument, also checks that the tensor lives where the call runs (or, for the host pool
+//! of a CUDA call, in pinned CPU memory) and is contiguous.
 
 use std::cell::Cell;
 use std::fmt;
@@ -57,8 +57,7 @@ pub struct Cx<'py> {
 impl<'py> Cx<'py> {
     /// Decide where a call runs from its tensors. `device_side` tensors must all be on the CPU or
     /// all on one `cuda:n`; `host_side` tensors (the host pool) must be where they are, or, for a
-    /// CUDA call, on the CPU (pinned: checked by [`TensorArg::dim`] / [`TensorArg::expect_shape`]
-    /// under [`Cx::host`]).
+    /// CUDA call, on the CPU (pinned: checked by [`TensorArg::check`] under [`Cx::host`]).
     ///
     /// # Errors
     /// `DeviceError` naming every tensor and its device when they disagree, or when a device is
@@ -142,6 +141,34 @@ impl<'py> Cx<'py> {
         Self {
             host_pool: true,
             ..self
+        }
+    }
+}
+
+/// A dimension of [`TensorArg::check`]'s expected shape that takes any size (and reports it).
+pub const ANY: usize = usize::MAX;
+
+/// The element type [`TensorArg::check`] requires.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Elem {
+    /// Not checked there: a KV tensor (float32, float16 or bfloat16, one dtype per call: checked
+    /// together by `check::kv_dtype`), or a tensor its caller checks (positions: int32 or int64).
+    Any,
+    I32,
+    I64,
+    F32,
+    U8,
+}
+
+impl Elem {
+    /// torch's name of the dtype, and the cast that makes it, for the message.
+    fn torch(self) -> Option<(&'static str, &'static str)> {
+        match self {
+            Elem::Any => None,
+            Elem::I32 => Some(("int32", ".to(torch.int32)")),
+            Elem::I64 => Some(("int64", ".to(torch.int64)")),
+            Elem::F32 => Some(("float32", ".float()")),
+            Elem::U8 => Some(("uint8", ".to(torch.uint8)")),
         }
     }
 }
@@ -385,65 +412,60 @@ impl TensorArg {
         Ok(strides)
     }
 
-    /// Size of dimension `axis`, checking the rank is `ndim`, the tensor is contiguous and lives
-    /// where the call runs.
-    pub fn dim(&self, cx: &Cx<'_>, name: &str, ndim: usize, axis: usize) -> PyResult<usize> {
+    /// The one check of a tensor argument: its element type (`elem`), that it lives where the
+    /// call runs (see [`Cx`]) and is contiguous, its rank (`N`) and each dimension of `shape`
+    /// other than [`ANY`]. Returns the shape, [`ANY`] dimensions as found, so that the sizes
+    /// one tensor fixes can be required of the next.
+    ///
+    /// # Errors
+    /// `DTypeError` "{name} must be int32, got int64; pass {name}.to(torch.int32)"; `DeviceError`
+    /// (see [`Cx`]); `ShapeError` "{name} is not contiguous; pass {name}.contiguous()", "{name}
+    /// must have 3 dimensions, got shape [..]" or "{name} must have shape [..], got [..]" (the
+    /// expected shape with its [`ANY`] dimensions as found).
+    pub fn check<const N: usize>(
+        &self,
+        cx: &Cx<'_>,
+        name: &str,
+        elem: Elem,
+        shape: [usize; N],
+    ) -> PyResult<[usize; N]> {
+        if let Some((dtype, cast)) = elem.torch() {
+            if self.dtype != dtype {
+                return Err(py_err(
+                    cx.py,
+                    "DTypeError",
+                    format!(
+                        "{name} must be {dtype}, got {}; pass {name}{cast}",
+                        self.dtype
+                    ),
+                ));
+            }
+        }
         self.check_place(cx, name)?;
-        if self.shape.len() != ndim {
+        if self.shape.len() != N {
             return Err(py_err(
                 cx.py,
                 "ShapeError",
                 format!(
-                    "{name} must have {ndim} dimensions, got shape {:?}",
+                    "{name} must have {N} dimensions, got shape {:?}",
                     self.shape
                 ),
             ));
         }
-        Ok(self.shape[axis])
-    }
-
-    /// Check the exact shape, and that the tensor is contiguous and lives where the call runs.
-    pub fn expect_shape(&self, cx: &Cx<'_>, name: &str, shape: &[usize]) -> PyResult<()> {
-        self.check_place(cx, name)?;
-        if self.shape != shape {
+        let mut want = shape;
+        for (w, &got) in want.iter_mut().zip(&self.shape) {
+            if *w == ANY {
+                *w = got;
+            }
+        }
+        if self.shape[..] != want[..] {
             return Err(py_err(
                 cx.py,
                 "ShapeError",
-                format!("{name} must have shape {shape:?}, got {:?}", self.shape),
+                format!("{name} must have shape {want:?}, got {:?}", self.shape),
             ));
         }
-        Ok(())
-    }
-
-    pub fn expect_i32(&self, py: Python<'_>, name: &str) -> PyResult<()> {
-        self.expect_dtype(py, name, "int32", ".to(torch.int32)")
-    }
-
-    pub fn expect_f32(&self, py: Python<'_>, name: &str) -> PyResult<()> {
-        self.expect_dtype(py, name, "float32", ".float()")
-    }
-
-    pub fn expect_i64(&self, py: Python<'_>, name: &str) -> PyResult<()> {
-        self.expect_dtype(py, name, "int64", ".to(torch.int64)")
-    }
-
-    pub fn expect_u8(&self, py: Python<'_>, name: &str) -> PyResult<()> {
-        self.expect_dtype(py, name, "uint8", ".to(torch.uint8)")
-    }
-
-    /// The dtype is `dtype` (torch's name); else a `DTypeError` that tells to pass `{name}{cast}`.
-    fn expect_dtype(&self, py: Python<'_>, name: &str, dtype: &str, cast: &str) -> PyResult<()> {
-        if self.dtype != dtype {
-            return Err(py_err(
-                py,
-                "DTypeError",
-                format!(
-                    "{name} must be {dtype}, got {}; pass {name}{cast}",
-                    self.dtype
-                ),
-            ));
-        }
-        Ok(())
+        Ok(want)
     }
 
     /// The KV storage dtype of this tensor (float32, float16 or bfloat16).
@@ -534,10 +556,10 @@ impl TensorArg {
     /// # Safety
     /// [`DevSlice::from_raw`]'s contract: the tensor is contiguous, of element type `T`, on the
     /// call's CUDA device or in pinned host memory mapped at the same address (checked by the
-    /// caller with [`Self::dim`] / [`Self::expect_shape`] and `Gpu::check_uva`); it stays alive
-    /// and is not touched unordered with the launch until the stream has run it (the caller's
-    /// stream contract, as for any CUDA op of PyTorch); an output does not overlap any other
-    /// argument (checked with [`check_disjoint`]).
+    /// caller with [`Self::check`] and `Gpu::check_uva`); it stays alive and is not touched
+    /// unordered with the launch until the stream has run it (the caller's stream contract, as
+    /// for any CUDA op of PyTorch); an output does not overlap any other argument (checked with
+    /// [`check_disjoint`]).
     pub unsafe fn dev<T>(&self) -> DevSlice<T> {
         if self.numel() == 0 {
             return DevSlice::empty();
