@@ -576,6 +576,29 @@ fn decode_attn_tc_entry<T: KvElem>(head_dim: usize) -> Option<(&'static str, usi
     Some((name, stages))
 }
 
+/// A `#[repr(C)]` parameter struct filled field by field, in groups that may repeat, in any
+/// order (a field's group says how its value becomes the field):
+///
+/// - `ptr: { a, b = expr }`: a device pointer, `DevPtr::from` a [`DevSlice`], an `Option` of one
+///   (`None`: null) or a [`DevPtr`];
+/// - `int: { n, m = expr }`: a size, as the kernels' `i32` through [`int`] under the field's own
+///   name (an error when it does not fit);
+/// - `raw: { eps, x = expr }`: taken as it is.
+///
+/// `a` alone stands for `a = a`. The fields are evaluated in the order written, and the struct
+/// literal still needs every field, once.
+macro_rules! params {
+    ($P:ident { $($kind:ident: { $($f:ident $(= $e:expr)?),* $(,)? }),* $(,)? }) => {
+        $P { $($($f: params!(@$kind $f $(, $e)?),)*)* }
+    };
+    (@ptr $f:ident) => { DevPtr::from($f) };
+    (@ptr $f:ident, $e:expr) => { DevPtr::from($e) };
+    (@int $f:ident) => { int(stringify!($f), $f)? };
+    (@int $f:ident, $e:expr) => { int(stringify!($f), $e)? };
+    (@raw $f:ident) => { $f };
+    (@raw $f:ident, $e:expr) => { $e };
+}
+
 macro_rules! entry {
     ($t:ty, $family:literal) => {
         match <$t as KvElem>::DTYPE {
@@ -653,25 +676,16 @@ impl Gpu {
             let num_host = rows("summaries", summaries.len(), &[h, 2, d])?;
 
             let name = entry!(T, "append_kv");
-            let params = AppendKvParams {
-                k_new: k_new.into(),
-                v_new: v_new.into(),
-                page_ids: page_ids.into(),
-                page_offsets: page_offsets.into(),
-                host_block_ids: host_block_ids.into(),
-                host_rows: host_rows.into(),
-                k_pages: k_pages.into(),
-                v_pages: v_pages.into(),
-                host_k: host_k.into(),
-                host_v: host_v.into(),
-                summaries: summaries.into(),
-                num_kv_heads: int("num_kv_heads", h)?,
-                head_dim: int("head_dim", d)?,
-                block_size: int("block_size", bs)?,
-                num_pages: int("num_pages", num_pages)?,
-                num_host_blocks: int("num_host_blocks", num_host)?,
-                num_host_rows: int("num_host_rows", num_rows)?,
-            };
+            let params = params!(AppendKvParams {
+                ptr: {
+                    k_new, v_new, page_ids, page_offsets, host_block_ids, host_rows, k_pages,
+                    v_pages, host_k, host_v, summaries,
+                },
+                int: {
+                    num_kv_heads = h, head_dim = d, block_size = bs, num_pages,
+                    num_host_blocks = num_host, num_host_rows = num_rows,
+                },
+            });
             let grid = grid_rows_heads("num_seqs", num_seqs, h)?;
             // SAFETY: every buffer of `params` has the length its shape needs (checked above)
             // and, by DevSlice's contract, is reachable by this device until the stream runs the
@@ -709,19 +723,14 @@ impl Gpu {
             }
 
             let name = entry!(T, "build_summaries");
-            let params = BuildSummariesParams {
-                host_k: host_k.into(),
-                block_ids: block_ids.into(),
-                block_rows: block_rows.into(),
-                block_lens: block_lens.into(),
-                summaries: summaries.into(),
-                num_kv_heads: int("num_kv_heads", h)?,
-                head_dim: int("head_dim", d)?,
-                block_size: int("block_size", bs)?,
-                num_host_blocks: int("num_host_blocks", num_host)?,
-                num_host_rows: int("num_host_rows", num_rows)?,
-                _pad0: 0,
-            };
+            let params = params!(BuildSummariesParams {
+                ptr: { host_k, block_ids, block_rows, block_lens, summaries },
+                int: {
+                    num_kv_heads = h, head_dim = d, block_size = bs, num_host_blocks = num_host,
+                    num_host_rows = num_rows,
+                },
+                raw: { _pad0 = 0 },
+            });
             let grid = grid_rows_heads("n", block_ids.len(), h)?;
             // SAFETY: buffer lengths checked above; reachability and lifetime by DevSlice's
             // contract; table entries bounds-checked by the kernel; the stream by Stream's
@@ -826,30 +835,19 @@ impl Gpu {
                     )
                 }
             };
-            let params = DecodeAttnParams {
-                q: q.into(),
-                k_pages: kv.k_pages.into(),
-                v_pages: kv.v_pages.into(),
-                kv_indptr: kv.kv_indptr.into(),
-                kv_indices: kv.kv_indices.into(),
-                kv_last_page_len: kv.kv_last_page_len.into(),
-                page_map: DevPtr(pm),
-                extra_k: DevPtr(ek),
-                extra_v: DevPtr(ev),
-                out: out.into(),
-                tmp_out: DevPtr(tmp_out),
-                tmp_lse: DevPtr(tmp_lse),
-                num_rows: int("num_rows", num_rows)?,
-                num_qo_heads: int("num_qo_heads", qh)?,
-                num_kv_heads: int("num_kv_heads", h)?,
-                head_dim: int("head_dim", d)?,
-                block_size: int("block_size", bs)?,
-                num_pages: int("num_pages", num_pages)?,
-                nnz: int("nnz", kv.kv_indices.len())?,
-                num_splits: int("num_splits", num_splits)?,
-                tile_tokens: int("tile_tokens", tt)?,
-                sm_scale,
-            };
+            let params = params!(DecodeAttnParams {
+                ptr: {
+                    q, k_pages = kv.k_pages, v_pages = kv.v_pages, kv_indptr = kv.kv_indptr,
+                    kv_indices = kv.kv_indices, kv_last_page_len = kv.kv_last_page_len,
+                    page_map = DevPtr(pm), extra_k = DevPtr(ek), extra_v = DevPtr(ev), out,
+                    tmp_out = DevPtr(tmp_out), tmp_lse = DevPtr(tmp_lse),
+                },
+                int: {
+                    num_rows, num_qo_heads = qh, num_kv_heads = h, head_dim = d, block_size = bs,
+                    num_pages, nnz = kv.kv_indices.len(), num_splits, tile_tokens = tt,
+                },
+                raw: { sm_scale },
+            });
             let grid = (
                 grid_dim("num_seqs", num_seqs, GRID_X_MAX)?,
                 grid_dim("num_kv_heads", h, GRID_YZ_MAX)?,
@@ -871,13 +869,10 @@ impl Gpu {
                 return Ok(());
             }
             let name = entry!(T, "merge_attn_states");
-            let params = MergeAttnStatesParams {
-                tmp_out: DevPtr(tmp_out),
-                tmp_lse: DevPtr(tmp_lse),
-                out: out.into(),
-                num_splits: int("num_splits", num_splits)?,
-                head_dim: int("head_dim", d)?,
-            };
+            let params = params!(MergeAttnStatesParams {
+                ptr: { tmp_out = DevPtr(tmp_out), tmp_lse = DevPtr(tmp_lse), out },
+                int: { num_splits, head_dim = d },
+            });
             let grid = grid_x("num_seqs * num_rows * num_qo_heads", heads)?;
             // SAFETY: the workspace holds heads * num_splits * (d + 1) f32 (checked above)
             // written by the launch just queued on the same stream; `out` has heads * d
@@ -912,19 +907,13 @@ impl Gpu {
             check_len("scores", scores.len(), &[nnz, h])?;
 
             let name = entry!(T, "score_blocks");
-            let params = ScoreBlocksParams {
-                q: q.into(),
-                summaries: summaries.into(),
-                blk_indptr: blk_indptr.into(),
-                blk_indices: blk_indices.into(),
-                scores: scores.into(),
-                num_seqs: int("num_seqs", num_seqs)?,
-                nnz: int("nnz", nnz)?,
-                num_qo_heads: int("num_qo_heads", qh)?,
-                num_kv_heads: int("num_kv_heads", h)?,
-                head_dim: int("head_dim", d)?,
-                num_host_blocks: int("num_host_blocks", num_host)?,
-            };
+            let params = params!(ScoreBlocksParams {
+                ptr: { q, summaries, blk_indptr, blk_indices, scores },
+                int: {
+                    num_seqs, nnz, num_qo_heads = qh, num_kv_heads = h, head_dim = d,
+                    num_host_blocks = num_host,
+                },
+            });
             // One warp per (tile of SCORE_TILE entries, KV head); a thread block holds
             // consecutive tiles of one head (OASIS_SCORE_HEAD_MAJOR).
             let blocks = nnz
@@ -973,19 +962,13 @@ impl Gpu {
             }
 
             let name = entry!(T, "build_key_codes");
-            let params = BuildKeyCodesParams {
-                host_k: host_k.into(),
-                summaries: summaries.into(),
-                block_ids: block_ids.into(),
-                block_rows: block_rows.into(),
-                codes: codes.into(),
-                n: int("n", n)?,
-                num_kv_heads: int("num_kv_heads", h)?,
-                head_dim: int("head_dim", d)?,
-                block_size: int("block_size", bs)?,
-                num_host_blocks: int("num_host_blocks", num_host)?,
-                num_host_rows: int("num_host_rows", num_rows)?,
-            };
+            let params = params!(BuildKeyCodesParams {
+                ptr: { host_k, summaries, block_ids, block_rows, codes },
+                int: {
+                    n, num_kv_heads = h, head_dim = d, block_size = bs, num_host_blocks = num_host,
+                    num_host_rows = num_rows,
+                },
+            });
             let grid = grid_rows_heads("n", n, h)?;
             // SAFETY: lengths checked above (summaries and codes have num_host rows, host_k
             // num_rows); block ids and rows are bounds-checked by the kernel; host_k may be pinned host memory at the
@@ -1103,25 +1086,19 @@ impl Gpu {
 
             let name = entry!(T, "score_blocks_codes");
             let tile = score_codes_tile(n_out, h, self.num_sms());
-            let params = ScoreBlocksCodesParams {
-                q: q.into(),
-                summaries: summaries.into(),
-                codes: codes.into(),
-                blk_indptr: blk_indptr.into(),
-                blk_indices: blk_indices.into(),
-                scores: scores.into(),
-                num_seqs: int("num_seqs", num_seqs)?,
-                nnz: int("nnz", nnz)?,
-                num_qo_heads: int("num_qo_heads", qh)?,
-                num_kv_heads: int("num_kv_heads", h)?,
-                head_dim: int("head_dim", d)?,
-                block_size: int("block_size", bs)?,
-                num_host_blocks: int("num_host_blocks", num_host)?,
-                cand: DevPtr::from(cand.map(|(c, _)| c)),
-                cand_m: int("m", cand.map_or(0, |(_, m)| m))?,
-                tile: int("tile", tile)?,
-                _pad0: 0,
-            };
+            let params = params!(ScoreBlocksCodesParams {
+                ptr: {
+                    q, summaries, codes, blk_indptr, blk_indices, scores,
+                    cand = cand.map(|(c, _)| c),
+                },
+                int: {
+                    num_seqs, nnz, num_qo_heads = qh, num_kv_heads = h, head_dim = d,
+                    block_size = bs, num_host_blocks = num_host,
+                },
+                raw: { cand_m = int("m", cand.map_or(0, |(_, m)| m))? },
+                int: { tile },
+                raw: { _pad0 = 0 },
+            });
             int("num_seqs * m", n_out)?;
             // One warp per (tile of `tile` entries, KV head); a thread block holds consecutive
             // tiles of one head.
@@ -1272,19 +1249,17 @@ impl Gpu {
                 };
             }
             let name = "topk_blocks_f32";
-            let params = TopkBlocksParams {
-                scores: scores.into(),
-                blk_indptr: blk_indptr.into(),
-                out: out.into(),
-                index_map: DevPtr::from(index_map.map(|(m, _)| m)),
-                num_kv_heads: int("num_kv_heads", num_kv_heads)?,
-                nnz: int("nnz", nnz)?,
-                k: int("k", k)?,
-                map_m: int("map_m", index_map.map_or(0, |(_, m)| m))?,
-                forced: DevPtr::from(forced.map(|(f, _)| f)),
-                n_forced: int("n_forced", forced.map_or(0, |(_, n)| n))?,
-                _pad0: 0,
-            };
+            let params = params!(TopkBlocksParams {
+                ptr: {
+                    scores, blk_indptr, out, index_map = index_map.map(|(m, _)| m),
+                    forced = forced.map(|(f, _)| f),
+                },
+                int: {
+                    num_kv_heads, nnz, k, map_m = index_map.map_or(0, |(_, m)| m),
+                    n_forced = forced.map_or(0, |(_, n)| n),
+                },
+                raw: { _pad0 = 0 },
+            });
             let grid = grid_rows_heads("num_seqs", num_seqs, num_kv_heads)?;
             // SAFETY: k <= OASIS_MAX_TOPK (its static sort buffer). Lengths checked above
             // (index_map has map_m entries per (sequence, head), and the kernel reads it only
@@ -1319,15 +1294,10 @@ impl Gpu {
             if total == 0 {
                 return Ok(());
             }
-            let params = ForceScoresParams {
-                scores: scores.into(),
-                blk_indptr: blk_indptr.into(),
-                forced: forced.into(),
-                num_seqs: int("num_seqs", num_seqs)?,
-                num_kv_heads: int("num_kv_heads", num_kv_heads)?,
-                nnz: int("nnz", nnz)?,
-                n_forced: int("n_forced", n_forced)?,
-            };
+            let params = params!(ForceScoresParams {
+                ptr: { scores, blk_indptr, forced },
+                int: { num_seqs, num_kv_heads, nnz, n_forced },
+            });
             int("num_seqs * num_kv_heads * n_forced", total)?;
             let grid = grid_x("force_scores", total.div_ceil(FORCE_THREADS as usize))?;
             // SAFETY: lengths checked above; the kernel bounds-checks each blk_indptr row against
@@ -1378,19 +1348,11 @@ impl Gpu {
             if k == 0 || num_seqs == 0 {
                 return Ok(());
             }
-            let params = TopkCandidatesParams {
-                scores: scores.into(),
-                cand: cand.into(),
-                blk_indptr: blk_indptr.into(),
-                forced: DevPtr::from(forced.map(|(f, _)| f)),
-                out: out.into(),
-                num_kv_heads: int("num_kv_heads", num_kv_heads)?,
-                nnz: i32::MAX,
-                m: int("m", m)?,
-                k: int("k", k)?,
-                successors: int("successors", successors)?,
-                n_forced: int("n_forced", n_forced)?,
-            };
+            let params = params!(TopkCandidatesParams {
+                ptr: { scores, cand, blk_indptr, forced = forced.map(|(f, _)| f), out },
+                int: { num_kv_heads, m, k, successors, n_forced },
+                raw: { nnz = i32::MAX },
+            });
             let grid = grid_rows_heads("num_seqs", num_seqs, num_kv_heads)?;
             // SAFETY: k <= MAX_TOPK and m + successors <= MAX_CANDIDATES (its static buffers);
             // lengths checked above (the kernel reads cand and forced only below m and
@@ -1479,24 +1441,14 @@ impl Gpu {
             }
 
             // The parameters of both kernels (only the warp kernel reads num_seqs).
-            let params = DeltaSelectParams {
-                predicted: predicted.into(),
-                slot_pages: slot_pages.into(),
-                page_map: page_map.into(),
-                page_last_selected: page_last_selected.into(),
-                plan_slots: plan_slots.into(),
-                plan_blocks: plan_blocks.into(),
-                stats: stats.into(),
-                step_now: step_now.into(),
-                num_kv_heads: int("num_kv_heads", h)?,
-                num_pred: int("num_pred", num_pred)?,
-                budget: int("budget", budget)?,
-                num_pages: int("num_pages", num_pages)?,
-                step,
-                fetch_cap: int("fetch_cap", fetch_cap)?,
-                num_seqs: int("num_seqs", num_seqs)?,
-                _pad0: 0,
-            };
+            let params = params!(DeltaSelectParams {
+                ptr: {
+                    predicted, slot_pages, page_map, page_last_selected, plan_slots, plan_blocks,
+                    stats, step_now,
+                },
+                int: { num_kv_heads = h, num_pred, budget, num_pages, fetch_cap, num_seqs },
+                raw: { step, _pad0 = 0 },
+            });
             if budget <= SELECT_WARP_MAX {
                 let name = "delta_select_warp_i32";
                 // One warp per (sequence, KV head).
@@ -1566,29 +1518,20 @@ impl Gpu {
             let entry_bytes = bs * d * std::mem::size_of::<T>();
             let stage = launch.stage_for(entry_bytes, self.max_shared_mem_per_block());
             let smem = launch.stage_smem_bytes(stage, entry_bytes);
-            let params = GatherBlocksParams {
-                plan_slots: plan_slots.into(),
-                plan_blocks: plan_blocks.into(),
-                slot_pages: slot_pages.into(),
-                host_indptr: host_indptr.into(),
-                host_indices: host_indices.into(),
-                host_k: host_k.into(),
-                host_v: host_v.into(),
-                k_pages: k_pages.into(),
-                v_pages: v_pages.into(),
-                num_kv_heads: int("num_kv_heads", h)?,
-                fetch_cap: int("fetch_cap", fetch_cap)?,
-                budget: int("budget", budget)?,
-                block_size: int("block_size", bs)?,
-                head_dim: int("head_dim", d)?,
-                num_pages: int("num_pages", num_pages)?,
-                num_host_blocks: int("num_host_blocks", num_host)?,
-                nnz: int("nnz", host_indices.len())?,
-                num_seqs: int("num_seqs", num_seqs)?,
-                entries_per_warp: launch.entries_per_warp as i32,
-                stage_entries: stage as i32,
-                _pad0: 0,
-            };
+            let params = params!(GatherBlocksParams {
+                ptr: {
+                    plan_slots, plan_blocks, slot_pages, host_indptr, host_indices, host_k, host_v,
+                    k_pages, v_pages,
+                },
+                int: {
+                    num_kv_heads = h, fetch_cap, budget, block_size = bs, head_dim = d, num_pages,
+                    num_host_blocks = num_host, nnz = host_indices.len(), num_seqs,
+                },
+                raw: {
+                    entries_per_warp = launch.entries_per_warp as i32, stage_entries = stage as i32,
+                    _pad0 = 0,
+                },
+            });
             let grid = grid_x(
                 "gather blocks",
                 gather_grid(num_seqs * h * fetch_cap, launch),
@@ -1640,17 +1583,11 @@ impl Gpu {
             let name = entry!(T, "copy_pages");
             let page_elems = i64::try_from(geo.page_elems())
                 .map_err(|_| CudaError::Unsupported("page size does not fit i64".into()))?;
-            let params = CopyPagesParams {
-                src_k: src_k.into(),
-                src_v: src_v.into(),
-                src_ids: src_ids.into(),
-                dst_k: dst_k.into(),
-                dst_v: dst_v.into(),
-                dst_ids: dst_ids.into(),
-                page_elems,
-                num_src_pages: int("num_src_pages", num_src)?,
-                num_dst_pages: int("num_dst_pages", num_dst)?,
-            };
+            let params = params!(CopyPagesParams {
+                ptr: { src_k, src_v, src_ids, dst_k, dst_v, dst_ids },
+                raw: { page_elems },
+                int: { num_src_pages = num_src, num_dst_pages = num_dst },
+            });
             let grid = grid_x("n", n)?;
             // SAFETY: lengths checked above; page ids bounds-checked by the kernel; reachability
             // (UVA for a pinned side) and lifetime by DevSlice's contract, the stream by
@@ -1710,17 +1647,13 @@ impl Gpu {
                 None => (DevPtr::NULL, DevPtr::NULL),
             };
             let name = entry!(T, "rms_norm");
-            let params = RmsNormParams {
-                x: x.into(),
-                weight: weight.into(),
-                residual: res,
-                residual_out: res_out,
-                out: out.into(),
-                x_stride: i64::try_from(x_stride)
-                    .map_err(|_| CudaError::Unsupported("x_stride does not fit i64".into()))?,
-                hidden: int("hidden", hidden)?,
-                eps,
-            };
+            let x_stride = i64::try_from(x_stride)
+                .map_err(|_| CudaError::Unsupported("x_stride does not fit i64".into()))?;
+            let params = params!(RmsNormParams {
+                ptr: { x, weight, residual = res, residual_out = res_out, out },
+                int: { hidden },
+                raw: { x_stride, eps },
+            });
             let grid = grid_x("n", n)?;
             let threads = rms_norm_threads(hidden) as u32;
             // SAFETY: every buffer has the length its shape needs (checked above: x spans n rows
@@ -1747,11 +1680,10 @@ impl Gpu {
     ) -> Result<()> {
         guard("wait_stamp", || {
             check_len("stamps", stamps.len(), &[3])?;
-            let params = WaitStampParams {
-                stamps: stamps.into(),
-                mode: stamp.mode(),
-                _pad0: 0,
-            };
+            let params = params!(WaitStampParams {
+                ptr: { stamps },
+                raw: { mode = stamp.mode(), _pad0 = 0 },
+            });
             // SAFETY: stamps holds the 3 u64 the kernel reads and writes (checked above), reachable
             // and alive until the stream runs it by DevSlice's contract; the stream by Stream's.
             unsafe { self.queue("wait_stamp", (1, 1, 1), 32, 0, stream, &params) }
@@ -1808,25 +1740,17 @@ impl Gpu {
                 PositionsDev::I32(p) => (DevPtr::NULL, p.into()),
             };
             let name = entry!(T, "qk_norm_rope");
-            let params = QkNormRopeParams {
-                qkv: qkv.into(),
-                positions_i64: p64,
-                positions_i32: p32,
-                inv_freq: inv_freq.into(),
-                q_norm: norm.map(|(q, _)| q).into(),
-                k_norm: norm.map(|(_, k)| k).into(),
-                q_out: q_out.into(),
-                k_out: k_out.into(),
-                v_out: v_out.into(),
-                qkv_stride: i64::try_from(qkv_stride)
-                    .map_err(|_| CudaError::Unsupported("qkv_stride does not fit i64".into()))?,
-                num_heads: int("num_heads", hq)?,
-                num_kv_heads: int("num_kv_heads", hkv)?,
-                head_dim: int("head_dim", d)?,
-                eps,
-                kv_groups: int("kv_groups", kv_groups)?,
-                num_rows: int("n", n)?,
-            };
+            let qkv_stride = i64::try_from(qkv_stride)
+                .map_err(|_| CudaError::Unsupported("qkv_stride does not fit i64".into()))?;
+            let params = params!(QkNormRopeParams {
+                ptr: {
+                    qkv, positions_i64 = p64, positions_i32 = p32, inv_freq,
+                    q_norm = norm.map(|(q, _)| q), k_norm = norm.map(|(_, k)| k), q_out, k_out,
+                    v_out,
+                },
+                int: { num_heads = hq, num_kv_heads = hkv, head_dim = d, kv_groups },
+                raw: { qkv_stride, eps, num_rows = int("n", n)? },
+            });
             let heads = hq + 2 * hkv; // fits i32: HeadLayout::validate
             let grid = (
                 grid_dim("n", n, GRID_X_MAX)?,
