@@ -19,7 +19,7 @@ def main() -> None:
     token = sys.argv[3] if len(sys.argv) > 3 else None
     model = tiny()
     for job in jobs:
-        kv = KvConfig(
+        kv = KvConfig.fast(
             block_size=job["block_size"],
             top_k_blocks=job["top_k_blocks"],
             sparse_threshold=job["sparse_threshold"],

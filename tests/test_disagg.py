@@ -107,20 +107,24 @@ def test_loopback_three_processes(model, transfer, transport):
         assert all(h.request_id != big.request_id for h in small)
 
         # Budget covering the context: the daemon's tokens are dense's.
-        eng = LLMEngine(model, kv=KvConfig(**BIG), drafter="ngram", kv_source=d.url, kv_transfer=transfer)
+        eng = LLMEngine(
+            model, kv=KvConfig.fast(**BIG), drafter="ngram", kv_source=d.url, kv_transfer=transfer
+        )
         assert eng.kv_source.transport == eng.kv_source.client.transport == transport
         (got,) = _run(eng, [lambda e: e.add_staged_request(big.to_json(), _params())])
-        (dense,) = _reference(model, KvConfig(**BIG), "dense", [big.prompt])
+        (dense,) = _reference(model, KvConfig.fast(**BIG), "dense", [big.prompt])
         assert got.finish_reason == "length", got.error
         assert got.token_ids == dense.token_ids
         assert got.metrics.network_admission_bytes > 0 and got.metrics.network_fetched_bytes == 0
         assert pools_are_full(eng)
 
         # A small budget: the single-process OasisKV engine's tokens, two requests in one batch.
-        eng = LLMEngine(model, kv=KvConfig(**SMALL), drafter="ngram", kv_source=d.url, kv_transfer=transfer)
+        eng = LLMEngine(
+            model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_transfer=transfer
+        )
         rec = eng.kv_source.client = Recorder(eng.kv_source.client)
         outs = _run(eng, [lambda e, h=h: e.add_staged_request(h, _params()) for h in small])
-        refs = _reference(model, KvConfig(**SMALL), "oasis", [h.prompt for h in small])
+        refs = _reference(model, KvConfig.fast(**SMALL), "oasis", [h.prompt for h in small])
         for o, ref, h in zip(outs, refs, small, strict=True):
             assert o.finish_reason == "length", o.error
             assert o.token_ids == ref.token_ids
@@ -170,7 +174,7 @@ def _admission_vs_full(context: int, num_kv_heads: int) -> dict:
     admission set (whole blocks); admit one copy partially and one fully; the wire bytes of each
     admission and the protocol's own accounting."""
     model = _model_16k(num_kv_heads, context)
-    kv = KvConfig(block_size=16, top_k_blocks=128)
+    kv = KvConfig.fast(block_size=16, top_k_blocks=128)
     chunk = 2048  # prefill chunks (an 8K chunk's causal scores would take GBs)
     ids = torch.randint(0, 301, (context,), generator=torch.Generator().manual_seed(0)).tolist()
     out = {}
@@ -221,7 +225,7 @@ def test_per_head_admission_reads_only_each_heads_blocks():
     reads each head's top-K block-heads when it selects, so admission stays near the one-head
     bound 1 / (1/8 + 1/16) = 5.3x below a full transfer, with the same tokens as the union's."""
     model = _model_16k(4, 16384)
-    kv = KvConfig(block_size=16, top_k_blocks=128)
+    kv = KvConfig.fast(block_size=16, top_k_blocks=128)
     chunk = 2048
     ids = torch.randint(0, 301, (16384,), generator=torch.Generator().manual_seed(0)).tolist()
     out = {}
@@ -256,7 +260,7 @@ def test_bytes_at_admission_32k_are_6x_below_full():
 
 
 def _staged_small(model, d: Daemon, seeds=SEEDS) -> list[StagedRequest]:
-    worker = PrefillWorker(model, KvConfig(**SMALL), d.url, first_query="prompt")
+    worker = PrefillWorker(model, KvConfig.fast(**SMALL), d.url, first_query="prompt")
     try:
         return [worker.prefill(prompt(P, s)) for s in seeds]
     finally:
@@ -267,7 +271,7 @@ def _fetch_steps(model, d: Daemon, handles: list[StagedRequest], local: list | N
     """The steps (1-based) in which the first of these staged requests, decoded in a batch with
     the others (and a local prompt), reads misses from the daemon: a dry run of the same batch,
     so that a fault test can strike before a read (greedy decoding is deterministic)."""
-    eng = LLMEngine(model, kv=KvConfig(**SMALL), drafter="ngram", kv_source=d.url)
+    eng = LLMEngine(model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url)
     rec = eng.kv_source.client = Recorder(eng.kv_source.client)
     for h in handles:
         eng.add_staged_request(h, _params(n))
@@ -292,7 +296,9 @@ def test_a_dead_daemon_fails_only_its_requests(model, fault, transport):
         steps = _fetch_steps(model, d, [dry], prompt(P, 11), n=40)
         assert len(steps) >= 2, steps
         timeout = 1.0
-        eng = LLMEngine(model, kv=KvConfig(**SMALL), drafter="ngram", kv_source=d.url, kv_timeout_s=timeout)
+        eng = LLMEngine(
+            model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_timeout_s=timeout
+        )
         staged = eng.add_staged_request(h, _params(40))
         local = eng.add_request(prompt(P, 11), _params(40))
         last = {}
@@ -323,7 +329,7 @@ def test_a_released_request_fails_alone(model):
     with Daemon() as d:
         d1, d2, h1, h2 = _staged_small(model, d, seeds=(3, 5, 3, 5))
         steps = _fetch_steps(model, d, [d1, d2], None, n=40)
-        eng = LLMEngine(model, kv=KvConfig(**SMALL), drafter="ngram", kv_source=d.url)
+        eng = LLMEngine(model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url)
         a = eng.add_staged_request(h1, _params(40))
         b = eng.add_staged_request(h2, _params(40))
         last = {}
@@ -342,12 +348,12 @@ def test_a_released_request_fails_alone(model):
 def test_a_client_without_the_token_is_refused(model):
     with Daemon(token="s3cret") as d:
         with pytest.raises(errors.RemoteAuthError):
-            LLMEngine(model, kv=KvConfig(**SMALL), kv_source=d.url)
+            LLMEngine(model, kv=KvConfig.fast(**SMALL), kv_source=d.url)
         with pytest.raises(errors.RemoteAuthError):
-            PrefillWorker(model, KvConfig(**SMALL), d.addr, token="wrong")
-        worker = PrefillWorker(model, KvConfig(**SMALL), d.addr, token="s3cret")
+            PrefillWorker(model, KvConfig.fast(**SMALL), d.addr, token="wrong")
+        worker = PrefillWorker(model, KvConfig.fast(**SMALL), d.addr, token="s3cret")
         h = worker.prefill(prompt(P, 3))
-        eng = LLMEngine(model, kv=KvConfig(**SMALL), kv_source=d.url, kv_token="s3cret")
+        eng = LLMEngine(model, kv=KvConfig.fast(**SMALL), kv_source=d.url, kv_token="s3cret")
         (o,) = _run(eng, [lambda e: e.add_staged_request(h, _params(4))])
         assert o.finish_reason == "length"
 
@@ -358,11 +364,11 @@ def test_a_staged_request_takes_only_its_working_set_on_the_gpu(model):
     k = SMALL["top_k_blocks"]
     with Daemon() as d:
         handles = _staged_small(model, d, seeds=(3, 5, 3, 5))
-        free = LLMEngine(model, kv=KvConfig(**SMALL), drafter="ngram", kv_source=d.url)
+        free = LLMEngine(model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url)
         want = _run(free, [lambda e, h=h: e.add_staged_request(h, _params()) for h in handles[:2]])
         tight = LLMEngine(
             model,
-            kv=KvConfig(**SMALL, num_gpu_pages=2 * (k + 1), num_host_blocks=64),
+            kv=KvConfig.fast(**SMALL, num_gpu_pages=2 * (k + 1), num_host_blocks=64),
             drafter="ngram",
             kv_source=d.url,
         )
@@ -391,7 +397,7 @@ def test_a_bounded_host_pool_decodes_as_the_unbounded_one(model):
     b = SMALL["block_size"]
     with Daemon() as d:
         both = _staged_small(model, d, seeds=(3, 5, 3, 5))  # a run releases what it decoded
-        free = LLMEngine(model, kv=KvConfig(**SMALL), drafter="ngram", kv_source=d.url)
+        free = LLMEngine(model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url)
         want = _run(free, [lambda e, h=h: e.add_staged_request(h, _params()) for h in both[:2]])
         handles = both[2:]
         # Host rows for two bounded requests (C + ceil(L / b) - floor(P / b) each); the
@@ -399,7 +405,7 @@ def test_a_bounded_host_pool_decodes_as_the_unbounded_one(model):
         rows = c + math.ceil((P + M - 1) / b) - P // b
         eng = LLMEngine(
             model,
-            kv=KvConfig(**SMALL, num_host_blocks=2 * rows),
+            kv=KvConfig.fast(**SMALL, num_host_blocks=2 * rows),
             drafter="ngram",
             kv_source=d.url,
             kv_cache_blocks=c,
@@ -464,32 +470,39 @@ def test_refusals(model):
     with Daemon() as d:
         for bad in ("http://x:1", "oasis-rt://nohost", "oasis-rt://h:99999", "oasis-rt+ucx://nohost", 7):
             with pytest.raises(errors.ConfigError):
-                LLMEngine(model, kv=KvConfig(**SMALL), kv_source=bad)
+                LLMEngine(model, kv=KvConfig.fast(**SMALL), kv_source=bad)
         with pytest.raises(errors.ConfigError, match="backend='oasis'"):
-            LLMEngine(model, kv=KvConfig(**SMALL), backend="dense", kv_source=d.url)
-        with pytest.raises(errors.ConfigError, match="cuda_graph"):
-            LLMEngine(model, kv=KvConfig(**SMALL), kv_source=d.url, cuda_graph=True, kv_cache_blocks=64)
+            LLMEngine(model, kv=KvConfig.fast(**SMALL), backend="dense", kv_source=d.url)
+        with pytest.raises(errors.ConfigError, match=r"KvConfig\.fast\(\)"):  # key codes are not staged yet
+            LLMEngine(model, kv=KvConfig(**SMALL), kv_source=d.url)
+        # A captured step cannot follow kv_cache_blocks' moves: refused where graphs run (a GPU, by
+        # default); on the CPU graphs do not apply, so the combination stands.
+        cpu = LLMEngine(model, kv=KvConfig.fast(**SMALL), kv_source=d.url, kv_cache_blocks=64)
+        assert not cpu.cuda_graphs
+        cpu.kv_source.close()
         with pytest.raises(errors.ConfigError, match="kv_transfer"):
-            LLMEngine(model, kv=KvConfig(**SMALL), kv_source=d.url, kv_transfer="some")
+            LLMEngine(model, kv=KvConfig.fast(**SMALL), kv_source=d.url, kv_transfer="some")
         with pytest.raises(errors.ConfigError, match="kv_source"):
-            LLMEngine(model, kv=KvConfig(**SMALL)).add_staged_request("{}")
+            LLMEngine(model, kv=KvConfig.fast(**SMALL)).add_staged_request("{}")
         with pytest.raises(errors.ConfigError, match="kv_cache_blocks"):
-            LLMEngine(model, kv=KvConfig(**SMALL), kv_source=d.url, kv_cache_blocks=7)  # < 2 heads x K 4
+            LLMEngine(model, kv=KvConfig.fast(**SMALL), kv_source=d.url, kv_cache_blocks=7)  # < 2 heads x K 4
         with pytest.raises(errors.ConfigError, match="kv_transfer='partial'"):
-            LLMEngine(model, kv=KvConfig(**SMALL), kv_source=d.url, kv_transfer="full", kv_cache_blocks=8)
+            LLMEngine(
+                model, kv=KvConfig.fast(**SMALL), kv_source=d.url, kv_transfer="full", kv_cache_blocks=8
+            )
         with pytest.raises(errors.ConfigError, match="needs kv_source"):
-            LLMEngine(model, kv=KvConfig(**SMALL), kv_cache_blocks=8)
-        eng = LLMEngine(model, kv=KvConfig(**SMALL), kv_source=d.url)
+            LLMEngine(model, kv=KvConfig.fast(**SMALL), kv_cache_blocks=8)
+        eng = LLMEngine(model, kv=KvConfig.fast(**SMALL), kv_source=d.url)
         with pytest.raises(errors.ConfigError, match="StagedRequest"):
             eng.add_staged_request('{"request_id": 1}')
         # A handle staged with another block size: the request fails, the engine goes on.
-        worker = PrefillWorker(model, KvConfig(block_size=8, top_k_blocks=4), d.addr)
+        worker = PrefillWorker(model, KvConfig.fast(block_size=8, top_k_blocks=4), d.addr)
         h = worker.prefill(prompt(P, 3))
         (o,) = _run(eng, [lambda e: e.add_staged_request(h, _params(4))])
         assert o.finish_reason == "error" and "geometry" in o.error
         assert pools_are_full(eng)
         # Too short to turn sparse: refused at admission, with the fix.
-        worker = PrefillWorker(model, KvConfig(**SMALL), d.addr)
+        worker = PrefillWorker(model, KvConfig.fast(**SMALL), d.addr)
         h = worker.prefill(prompt(40, 3))
         (o,) = _run(eng, [lambda e: e.add_staged_request(h, _params(4))])
         assert o.finish_reason == "error" and "sparse_threshold" in o.error
@@ -509,7 +522,7 @@ def test_refusals(model):
 
 def test_the_worker_frees_its_pages_and_stages_the_union(model):
     with Daemon() as d:
-        kv = KvConfig(**SMALL)
+        kv = KvConfig.fast(**SMALL)
         # The default admission set holds the partial last block alone (the local block).
         hw = PrefillWorker(model, kv, d.addr, first_query="prompt")
         heads = hw.prefill(prompt(P, 3))
@@ -546,7 +559,7 @@ def test_the_worker_frees_its_pages_and_stages_the_union(model):
             w.release(h2.request_id)
             w.close()
         with pytest.raises(errors.ConfigError, match="block_score"):
-            PrefillWorker(model, KvConfig(block_score="codes"), d.addr)
+            PrefillWorker(model, KvConfig.fast(block_score="codes"), d.addr)
 
 
 class Counting(Recorder):
@@ -577,7 +590,7 @@ def test_staged_data_is_read_ahead_off_the_decode_loop(model, transfer, small_fr
         runs = {}
         for depth, hs in ((0, handles[:2]), (2, handles[2:])):
             eng = LLMEngine(
-                model, kv=KvConfig(**SMALL), drafter="ngram", kv_source=d.url, kv_transfer=transfer
+                model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_transfer=transfer
             )
             eng.kv_source.prefetch_depth = depth
             rec = eng.kv_source.client = Counting(eng.kv_source.client)
@@ -610,7 +623,7 @@ def test_a_daemon_out_of_budget_refuses_and_keeps_nothing(model, conns):
     """A daemon whose budget cannot hold the prompt's KV: the worker's staging (over one or two
     connections, from threads) raises the daemon's typed refusal, and nothing of it stays."""
     with Daemon(memory="64KiB") as d:
-        w = PrefillWorker(model, KvConfig(**SMALL), d.addr, stage_connections=conns)
+        w = PrefillWorker(model, KvConfig.fast(**SMALL), d.addr, stage_connections=conns)
         with pytest.raises(errors.RemoteError) as e:
             w.prefill(prompt(P, 3))
         assert e.value.code in ("busy", "out_of_memory")
@@ -625,7 +638,9 @@ def test_the_source_is_idle_once_nothing_is_left_to_read(model, transfer):
     transfer still has block-heads in the daemon; a full one has none after its admission."""
     with Daemon() as d:
         (h,) = _staged_small(model, d, seeds=(3,))
-        eng = LLMEngine(model, kv=KvConfig(**SMALL), drafter="ngram", kv_source=d.url, kv_transfer=transfer)
+        eng = LLMEngine(
+            model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_transfer=transfer
+        )
         assert eng.kv_source.idle  # nothing staged is live yet
         rid = eng.add_staged_request(h, _params())
         eng.step()  # admitted, first token
@@ -645,7 +660,9 @@ def test_corrupt_sections_fail_the_request_not_the_engine(model, transfer):
         c.stage_admission(bad_meta.request_id, [], {"oasis/meta": b"{not json", "oasis/query": b""})
         c.stage_admission(bad_query.request_id, [], {"oasis/meta": meta, "oasis/query": b"\0" * 12})
         c.close()
-        eng = LLMEngine(model, kv=KvConfig(**SMALL), drafter="ngram", kv_source=d.url, kv_transfer=transfer)
+        eng = LLMEngine(
+            model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_transfer=transfer
+        )
         outs = _run(
             eng, [lambda e, h=h: e.add_staged_request(h, _params()) for h in (bad_meta, bad_query, good)]
         )
@@ -665,10 +682,10 @@ def test_a_failed_read_is_retried_after_reconnecting(model):
             def on_read(self, keys):
                 raise errors.RemoteUnavailableError("connection closed (injected)")
 
-        eng = LLMEngine(model, kv=KvConfig(**SMALL), drafter="ngram", kv_source=d.url, kv_retries=1)
+        eng = LLMEngine(model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_retries=1)
         eng.kv_source.client = Flaky(eng.kv_source.client)
         (o,) = _run(eng, [lambda e: e.add_staged_request(h, _params())])
-        (ref,) = _reference(model, KvConfig(**SMALL), "oasis", [h.prompt])
+        (ref,) = _reference(model, KvConfig.fast(**SMALL), "oasis", [h.prompt])
         assert o.finish_reason == "length", o.error
         assert o.token_ids == ref.token_ids and o.metrics.network_fetched_bytes > 0
         assert not isinstance(eng.kv_source.client, Flaky)  # replaced by a fresh connection
@@ -685,17 +702,19 @@ def test_staged_requests_speculate_losslessly(model, transfer):
         jobs += [{"prompt_len": P, "prompt_seed": s, "first_query": "prompt", **SMALL} for s in SEEDS]
         big, *small = _stage_in_worker_process(d.url, jobs)
         remote = {"kv_source": d.url, "kv_transfer": transfer}
-        eng = LLMEngine(model, kv=KvConfig(**BIG), drafter="ngram", speculative=True, **remote)
+        eng = LLMEngine(model, kv=KvConfig.fast(**BIG), drafter="ngram", speculative=True, **remote)
         (got,) = _run(eng, [lambda e: e.add_staged_request(big.to_json(), _params())])
-        (dense,) = _reference(model, KvConfig(**BIG), "dense", [big.prompt])
+        (dense,) = _reference(model, KvConfig.fast(**BIG), "dense", [big.prompt])
         assert got.finish_reason == "length", got.error
         assert got.token_ids == dense.token_ids
         assert eng.spec_stats["accepted"] > 0, eng.spec_stats  # the n-gram drafts the repeats
         assert pools_are_full(eng)
 
-        eng = LLMEngine(model, kv=KvConfig(**SMALL), drafter="ngram", speculative=True, **remote)
+        eng = LLMEngine(model, kv=KvConfig.fast(**SMALL), drafter="ngram", speculative=True, **remote)
         outs = _run(eng, [lambda e, h=h: e.add_staged_request(h, _params()) for h in small])
-        local = LLMEngine(model, kv=KvConfig(**SMALL), backend="oasis", drafter="ngram", speculative=True)
+        local = LLMEngine(
+            model, kv=KvConfig.fast(**SMALL), backend="oasis", drafter="ngram", speculative=True
+        )
         refs = _run(local, [lambda e, h=h: e.add_request(h.prompt, _params()) for h in small])
         for o, ref in zip(outs, refs, strict=True):
             assert o.finish_reason == "length", o.error
@@ -714,7 +733,9 @@ def test_misses_are_fetched_after_the_step_s_compute_is_queued(model):
         (h,) = _stage_in_worker_process(
             d.url, [{"prompt_len": P, "prompt_seed": 3, "first_query": "prompt", **SMALL}]
         )
-        eng = LLMEngine(model, kv=KvConfig(**SMALL), drafter="ngram", kv_source=d.url, kv_transfer="partial")
+        eng = LLMEngine(
+            model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_transfer="partial"
+        )
         inner = eng.engine
         events: list = []
         forward = inner.model.forward
@@ -738,7 +759,7 @@ def test_misses_are_fetched_after_the_step_s_compute_is_queued(model):
             (o,) = _run(eng, [lambda e: e.add_staged_request(h, _params(8))])
         finally:
             inner.model.forward = forward
-        (ref,) = _reference(model, KvConfig(**SMALL), "oasis", [h.prompt])
+        (ref,) = _reference(model, KvConfig.fast(**SMALL), "oasis", [h.prompt])
         assert o.finish_reason == "length", o.error
         assert o.token_ids == ref.token_ids[:8]
         layers = model.config.num_hidden_layers
@@ -764,7 +785,7 @@ def test_large_reads_spread_over_several_connections(model, transfer, monkeypatc
         for conns in (1, 3):
             handles = _staged_small(model, d)
             eng = LLMEngine(
-                model, kv=KvConfig(**SMALL), drafter="ngram", kv_source=d.url, kv_transfer=transfer
+                model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_transfer=transfer
             )
             src = eng.kv_source
             src.read_connections = conns
@@ -806,13 +827,15 @@ def test_a_failed_extra_connection_is_read_again_on_the_loop_s_own(model, monkey
 
     with Daemon() as d:
         (h,) = _staged_small(model, d, seeds=(3,))
-        eng = LLMEngine(model, kv=KvConfig(**SMALL), drafter="ngram", kv_source=d.url, kv_transfer="full")
+        eng = LLMEngine(
+            model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_transfer="full"
+        )
         src = eng.kv_source
         src.read_connections, src.prefetch_depth = 2, 0
         broken = Broken()
         src._read_clients = [broken]
         (o,) = _run(eng, [lambda e: e.add_staged_request(h, _params())])
-        (ref,) = _reference(model, KvConfig(**SMALL), "oasis", [h.prompt])
+        (ref,) = _reference(model, KvConfig.fast(**SMALL), "oasis", [h.prompt])
         assert o.finish_reason == "length", o.error
         assert o.token_ids == ref.token_ids and src.stats.failures == 0
         assert broken not in src._read_clients and not broken.connected

@@ -1038,7 +1038,7 @@ def test_shadow_queries_rebuild_the_true_query_under_a_full_budget(tiny):
     own position (context before it, plus itself) is the engine's query of this step."""
     import oasiskv
 
-    kv = oasiskv.KvConfig(block_size=BLOCK, top_k_blocks=64, fetch_cap=None, sparse_threshold=40)
+    kv = oasiskv.KvConfig.fast(block_size=BLOCK, top_k_blocks=64, fetch_cap=None, sparse_threshold=40)
     llm = oasiskv.LLM(tiny, kv=kv, backend="oasis", drafter="ngram")
     rec = llm.engine.recorder = _ShadowCheck()
     llm.generate([repetitive(90, seed=1), repetitive(61, seed=2)], 3, ignore_eos=True)
@@ -1163,7 +1163,10 @@ def test_recall_with_sticky_candidates_also_ranks_what_the_prediction_kept(tiny)
     layers = tiny.config.num_hidden_layers
     assert rec.checked >= 10 * layers and rec.differs > 0
     plain = oasiskv.LLM(
-        tiny, kv=oasiskv.KvConfig(**kw, score_candidates=1.5), backend="oasis", drafter="ngram"
+        tiny,
+        kv=oasiskv.KvConfig(**kw, score_candidates=1.5, sticky_candidates=False),
+        backend="oasis",
+        drafter="ngram",
     )
     seen = []
 

@@ -22,7 +22,7 @@ pytestmark = [
 ]
 
 #: 4 blocks of 16 per KV head on a 600-token prompt: the selection drifts to blocks not yet sent.
-SMALL = KvConfig(block_size=16, top_k_blocks=4, sparse_threshold=64)
+SMALL = KvConfig.fast(block_size=16, top_k_blocks=4, sparse_threshold=64)
 
 
 def _model() -> CausalLM:

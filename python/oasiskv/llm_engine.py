@@ -549,6 +549,11 @@ class LLMEngine:
             raise ConfigError(
                 "a staged request has no prompt features for this drafter (EAGLE-3); pass drafter='ngram'"
             )
+        if self.kv.block_score != "quest":
+            raise ConfigError(
+                "a staged request comes with min/max summaries only (key codes are not transferred "
+                "yet), so the default selection cannot rank its blocks; pass kv=KvConfig.fast()"
+            )
         return RemoteKvSource(
             self.engine,
             src,

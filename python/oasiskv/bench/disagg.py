@@ -151,7 +151,7 @@ def _kv(args):
     kw = dict(block_size=args.block_size, top_k_blocks=args.top_k_blocks, fetch_cap=args.fetch_cap)
     if args.sparse_threshold is not None:
         kw["sparse_threshold"] = args.sparse_threshold
-    return KvConfig(**kw)
+    return KvConfig.fast(**kw)  # the Quest selection: key codes are not staged yet (PrefillWorker)
 
 
 # ---------------------------------------------------------------------- the prefill process

@@ -550,7 +550,8 @@ def run_retrieval(args, model, tok, head, results: Results, files, progress: boo
         # Every variant runs the batch's prompts before the next batch: `batch` entries suffice.
         cache = PrefillCache(capacity=batch)
         variants: list[tuple[dict, LLM]] = []
-        dense_kv = KvConfig(top_k_blocks=1, fetch_cap=None, measure_recall=False, **pool_kw)
+        # Dense engines select nothing: the Quest-only config keeps key codes out of their prefills.
+        dense_kv = KvConfig.fast(top_k_blocks=1, fetch_cap=None, measure_recall=False, **pool_kw)
 
         def make_llm(kv, backend, drafter, policy=None, cache=cache):
             return LLM(

@@ -656,7 +656,8 @@ class TeacherForcing:
                 }
             )
         else:
-            kv = KvConfig(block_size=b, top_k_blocks=1, fetch_cap=None, measure_recall=False)
+            # Dense (or a policy that scores by itself): no key codes in the engine's prefills.
+            kv = KvConfig.fast(block_size=b, top_k_blocks=1, fetch_cap=None, measure_recall=False)
         return LLMEngine(
             self.model,
             kv=kv,
@@ -925,7 +926,7 @@ def greedy_continuations(
     prefix = context - steps
     llm = LLM(
         model,
-        kv=KvConfig(block_size=block_size),
+        kv=KvConfig.fast(block_size=block_size),
         backend="dense",
         drafter=None,
         max_batch_size=max(1, batch_size),
