@@ -26,7 +26,13 @@
 #define OASIS_SELECT_THREADS 256
 // Largest budget (slots per sequence) the kernel supports: slot indices are packed in 16 bits of
 // the victim sort key, and shared memory grows as 20 bytes per slot. Arbitrary below 65536.
-#define OASIS_MAX_SELECT_BUDGET 4096
+// oasis_core::limits::MAX_SELECT_BUDGET, defined by oasis_cuda::nvrtc::compile_options.
+#ifndef OASIS_MAX_SELECT_BUDGET
+#error "OASIS_MAX_SELECT_BUDGET is undefined: compile through oasis_cuda::nvrtc (-DOASIS_MAX_SELECT_BUDGET=...)"
+#endif
+#if OASIS_MAX_SELECT_BUDGET > 65535
+#error "OASIS_MAX_SELECT_BUDGET must stay below 65536: slot indices are 16 bits of the sort key"
+#endif
 // Threads per block of delta_select_warp_i32 (one (sequence, KV head) per warp). Arbitrary (a
 // multiple of 32).
 #define OASIS_SELECT_WARP_THREADS 128

@@ -39,7 +39,11 @@
 #ifndef OASIS_TOPK_THREADS
 #define OASIS_TOPK_THREADS 512
 #endif
-#define OASIS_MAX_TOPK 512
+// OASIS_MAX_TOPK is oasis_core::limits::MAX_TOP_K_BLOCKS, defined on the command line by
+// oasis_cuda::nvrtc::compile_options (one source for the kernels, the wrappers and Python).
+#ifndef OASIS_MAX_TOPK
+#error "OASIS_MAX_TOPK is undefined: compile through oasis_cuda::nvrtc (-DOASIS_MAX_TOPK=...)"
+#endif
 // Keys of one (sequence, head) kept in shared memory across the radix passes (the scores are
 // strided by num_kv_heads in global memory: read once, not once per pass). Longer sequences read
 // global memory each pass. Arbitrary: 32 KiB of static shared memory.
@@ -535,7 +539,10 @@ __device__ void topk_blocks_impl(
 }
 
 // Largest row of topk_candidates_f32: m candidates plus the appended successors.
-#define OASIS_CAND_MAX 1024
+// oasis_core::limits::MAX_CANDIDATES, defined by oasis_cuda::nvrtc::compile_options.
+#ifndef OASIS_CAND_MAX
+#error "OASIS_CAND_MAX is undefined: compile through oasis_cuda::nvrtc (-DOASIS_CAND_MAX=...)"
+#endif
 
 // grid ceil(num_seqs * num_kv_heads * n_forced / blockDim.x): each thread one forced entry.
 // CPU twin: oasis_core::kernels::force_scores (scores of the forced blocks set to +inf in place).

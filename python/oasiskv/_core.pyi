@@ -11,6 +11,22 @@ import torch
 
 __version__: str
 
+# The shared limits, one source each (oasis_core::limits; the kernels are compiled with them).
+#: Largest ``block_size`` (tokens per page).
+MAX_BLOCK_SIZE: int
+#: Largest ``top_k_blocks``: the most blocks the GPU top-K selects per KV head (topk_blocks' k).
+MAX_TOP_K_BLOCKS: int
+#: Largest ``m + successors`` of the GPU topk_candidates.
+MAX_CANDIDATES: int
+#: Largest budget (slots per sequence) of the GPU delta_select.
+MAX_SELECT_BUDGET: int
+#: Largest pool (GPU pages, host blocks): ids are int32 on the GPU (2**31 - 1).
+MAX_POOL_BLOCKS: int
+#: Largest token count of a sequence: positions are int32 on the GPU (2**31 - 1).
+MAX_TOKENS: int
+#: Largest ``head_dim`` the kernels support.
+MAX_HEAD_DIM: int
+
 class KvGeometry:
     """The KV shape of a model: query heads, KV heads, head_dim, tokens per block."""
 

@@ -2,8 +2,7 @@
 
 use crate::error::{OasisError, Result};
 
-/// Largest head_dim the kernels support (the GPU kernels keep one query row in registers).
-pub const MAX_HEAD_DIM: usize = 256;
+pub use crate::limits::MAX_HEAD_DIM;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct KvGeometry {

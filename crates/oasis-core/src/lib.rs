@@ -29,6 +29,7 @@ pub mod dtype;
 pub mod error;
 pub mod geometry;
 pub mod kernels;
+pub mod limits;
 pub mod pool;
 
 pub use dtype::{DType, KvElem};

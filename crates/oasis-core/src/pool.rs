@@ -20,8 +20,8 @@ pub struct BlockPool {
     is_free: Vec<bool>,
 }
 
-/// Largest pool: ids are `u32` here and `i32` in the GPU tables.
-pub const MAX_BLOCKS: usize = i32::MAX as usize;
+/// Largest pool: ids are `u32` here and `i32` in the GPU tables ([`crate::limits::MAX_POOL_BLOCKS`]).
+pub const MAX_BLOCKS: usize = crate::limits::MAX_POOL_BLOCKS;
 
 impl BlockPool {
     /// A pool of `num_blocks` free blocks with ids `0..num_blocks`; the first allocation returns

@@ -293,14 +293,23 @@ fn parse_arch(arch: &str) -> Result<(bool, u32)> {
     }
 }
 
-/// The NVRTC options every kernel is compiled with, for `arch` (`"sm_90"`).
+/// The NVRTC options every kernel is compiled with, for `arch` (`"sm_90"`): the kernel-side
+/// limits of [`oasis_core::limits`] arrive as `-D` defines
+/// ([`KERNEL_DEFINES`](oasis_core::limits::KERNEL_DEFINES)), so the sources do not repeat them
+/// (and are part of the cache key through the options).
 pub fn compile_options(arch: &str) -> Vec<String> {
-    vec![
+    let mut options = vec![
         "-std=c++17".to_string(),
         format!("--gpu-architecture={arch}"),
         "-default-device".to_string(),
         "-lineinfo".to_string(),
-    ]
+    ];
+    options.extend(
+        oasis_core::limits::KERNEL_DEFINES
+            .iter()
+            .map(|(name, value)| format!("-D{name}={value}")),
+    );
+    options
 }
 
 /// Compile `source` (with [`HEADERS`] available to `#include`) for `arch`, without the cache.

@@ -77,16 +77,19 @@ pub const SCORE_CODES_STAGES: usize = 3;
 
 /// Threads per block of `topk_blocks_f32`; must match OASIS_TOPK_THREADS.
 pub const TOPK_THREADS: u32 = 512;
-/// Largest `k` of [`Gpu::topk_blocks`]; must match OASIS_MAX_TOPK in cuda/score_blocks.cu.
-pub const MAX_TOPK: usize = 512;
-/// Largest `m + successors` of [`Gpu::topk_candidates`]; must match OASIS_CAND_MAX.
-pub const MAX_CANDIDATES: usize = 1024;
+/// Largest `k` of [`Gpu::topk_blocks`]: [`oasis_core::limits::MAX_TOP_K_BLOCKS`], which the
+/// kernel gets as OASIS_MAX_TOPK ([`crate::nvrtc::compile_options`]).
+pub const MAX_TOPK: usize = oasis_core::limits::MAX_TOP_K_BLOCKS;
+/// Largest `m + successors` of [`Gpu::topk_candidates`]: [`oasis_core::limits::MAX_CANDIDATES`]
+/// (OASIS_CAND_MAX in the kernel).
+pub const MAX_CANDIDATES: usize = oasis_core::limits::MAX_CANDIDATES;
 /// Threads per block of `force_scores_f32`. Arbitrary.
 pub const FORCE_THREADS: u32 = 256;
 /// Threads per block of `delta_select_i32`; must match OASIS_SELECT_THREADS.
 pub const SELECT_THREADS: u32 = 256;
-/// Largest budget of [`Gpu::delta_select`]; must match OASIS_MAX_SELECT_BUDGET.
-pub const MAX_SELECT_BUDGET: usize = 4096;
+/// Largest budget of [`Gpu::delta_select`]: [`oasis_core::limits::MAX_SELECT_BUDGET`]
+/// (OASIS_MAX_SELECT_BUDGET in the kernel).
+pub const MAX_SELECT_BUDGET: usize = oasis_core::limits::MAX_SELECT_BUDGET;
 /// Threads per block of `delta_select_warp_i32` (one warp per (sequence, KV head)); must match
 /// OASIS_SELECT_WARP_THREADS.
 pub const SELECT_WARP_THREADS: u32 = 128;
@@ -2013,6 +2016,35 @@ mod tests {
         }
     }
 
+    /// The kernel-side limits are defined once (oasis_core::limits): NVRTC passes them to every
+    /// source, and no source defines them itself.
+    #[test]
+    fn limits_reach_the_kernels_as_defines() {
+        let options = crate::nvrtc::compile_options("sm_90");
+        for (name, value, source) in [
+            ("OASIS_MAX_TOPK", MAX_TOPK, "score_blocks"),
+            ("OASIS_CAND_MAX", MAX_CANDIDATES, "score_blocks"),
+            ("OASIS_MAX_SELECT_BUDGET", MAX_SELECT_BUDGET, "delta_select"),
+        ] {
+            assert!(
+                options.contains(&format!("-D{name}={value}")),
+                "{name}: {options:?}"
+            );
+            let src = crate::kernels::source(source).unwrap().source;
+            assert!(
+                src.contains(&format!("#ifndef {name}\n")),
+                "{source} guards {name}"
+            );
+            for s in crate::kernels::SOURCES {
+                assert!(
+                    !s.source.contains(&format!("#define {name} ")),
+                    "{} defines {name} again",
+                    s.file
+                );
+            }
+        }
+    }
+
     /// The launch constants repeated from the kernels' `#define`s agree with them.
     #[test]
     fn constants_match_the_kernel_sources() {
@@ -2032,14 +2064,9 @@ mod tests {
             define("score_blocks", "OASIS_TOPK_THREADS"),
             TOPK_THREADS as usize
         );
-        assert_eq!(define("score_blocks", "OASIS_MAX_TOPK"), MAX_TOPK);
         assert_eq!(
             define("delta_select", "OASIS_SELECT_THREADS"),
             SELECT_THREADS as usize
-        );
-        assert_eq!(
-            define("delta_select", "OASIS_MAX_SELECT_BUDGET"),
-            MAX_SELECT_BUDGET
         );
         assert_eq!(define("score_blocks", "OASIS_SCORE_TILE"), SCORE_TILE);
         assert_eq!(

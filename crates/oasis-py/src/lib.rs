@@ -34,6 +34,7 @@
 //! norm       rms_norm, qk_norm_rope
 //! device     cuda_status, compile_kernels, nvrtc_version, wait_stamp
 //! runtime    KvGeometry, BlockPool, Runtime (pools, block tables, the step plan)
+//! limits     MAX_TOP_K_BLOCKS, MAX_BLOCK_SIZE, ... (oasis_core::limits, one source each)
 //! rt         RtClient, ucx_version (the oasis-rt staging daemon's client)
 //! ```
 //!
@@ -47,6 +48,7 @@ mod check;
 mod codes;
 mod device;
 mod errors;
+mod limits;
 mod norm;
 mod page;
 mod rt;
@@ -67,5 +69,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     codes::register(m)?;
     norm::register(m)?;
     device::register(m)?;
+    limits::register(m)?;
     Ok(())
 }

@@ -1,9 +1,10 @@
 //! [`RuntimeConfig`]: what the runtime needs of `KvConfig` and the engine, checked once.
 
+use oasis_core::limits::MAX_BLOCK_SIZE;
 use oasis_core::{OasisError, Result};
 
 /// Largest pool the tables can address: ids travel as `i32` to the GPU.
-pub const MAX_POOL_BLOCKS: usize = i32::MAX as usize;
+pub use oasis_core::limits::MAX_POOL_BLOCKS;
 
 /// The configuration of one [`crate::Runtime`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -33,9 +34,9 @@ impl RuntimeConfig {
     /// [`OasisError::Config`] naming the first bad field.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(OasisError::Config(m));
-        if !(1..=1024).contains(&self.block_size) {
+        if !(1..=MAX_BLOCK_SIZE).contains(&self.block_size) {
             return bad(format!(
-                "block_size must be in 1..=1024, got {}",
+                "block_size must be in 1..={MAX_BLOCK_SIZE}, got {}",
                 self.block_size
             ));
         }
