@@ -250,3 +250,24 @@ def test_serve_builds_the_default_selection_with_eagle3(backend, want):
     assert engine_kwargs(ap.parse_args(["smollm2", "--enforce-eager"]))["enforce_eager"] is True
     with pytest.raises(errors.ConfigError, match="contradicts"):
         engine_kwargs(ap.parse_args(["smollm2", "--enforce-eager", "--cuda-graph"]))
+
+
+def test_the_eval_names_the_default_selection_fidelity():
+    """``oasis eval --drafters eagle3+fidelity``: KvConfig's default selection (its confidence
+    fallback resolved by the engine for the drafter); a bare name stays the Quest selection; the
+    suffixes the preset sets cannot follow it."""
+    from oasiskv.eval.teacher import kv_budget_kwargs, parse_drafter
+
+    kv = KvConfig(**kv_budget_kwargs(parse_drafter("eagle3+fidelity"), 96, 16))
+    assert kv == KvConfig(top_k_blocks=96)
+    assert kv.resolve(reports_confidence=True).lookahead_min_confidence == 0.5
+    assert KvConfig(**kv_budget_kwargs(parse_drafter("ngram+fidelity+sink2"), 8, 16)).successor_blocks == 1
+    assert KvConfig(**kv_budget_kwargs(parse_drafter("eagle3"), 96, 16)) == KvConfig.fast(top_k_blocks=96)
+    for bad in (
+        "eagle3+fidelity+codes",
+        "eagle3+fidelity+succ8",
+        "eagle3+fidelity+conf0.5",
+        "eagle3+codes+fidelity",
+    ):
+        with pytest.raises(ValueError, match="unknown drafter"):
+            parse_drafter(bad)

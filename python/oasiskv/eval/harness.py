@@ -141,6 +141,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help=f"comma list of {', '.join(DRAFTERS)}, each optionally followed by, in this order: "
         "+current (the current query also chooses the working set, KvConfig.select_queries), "
+        "+fidelity (KvConfig()'s default selection: codes in two stages, sticky candidates, successors, "
+        "and the confidence fallback with eagle3; without it a name runs the Quest selection), "
         "+codes (blocks ranked by 2-bit key codes; +codesF: the Quest bound's best F x K of them), "
         "+sinkN (KvConfig(sink_blocks=N): blocks 0..N-1 always selected), "
         "+pinN (KvConfig(pin_blocks=N): the initial selection's best N kept), "

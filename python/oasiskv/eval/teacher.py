@@ -60,8 +60,10 @@ DRAFTERS = ("eagle3", "eagle3-noprefill", "ngram", "oracle", "previous-query")
 @dataclass(frozen=True)
 class DrafterSpec:
     """A drafter name of the evaluation,
-    ``BASE[+current][+codes[F]][+sticky][+sinkN][+pinN][+succN][+confP][+layers][+top2]``, and what
-    each part sets: ``+current`` ``KvConfig(select_queries="lookahead+current")``, ``+codes``
+    ``BASE[+current][+fidelity][+codes[F]][+sticky][+sinkN][+pinN][+succN][+confP][+layers][+top2]``, and what
+    each part sets: ``+current`` ``KvConfig(select_queries="lookahead+current")``, ``+fidelity``
+    the library's default selection (``KvConfig()``'s ``"auto"`` fields; not with ``+codes``,
+    ``+sticky``, ``+succN``, ``+confP``, which it sets), ``+codes``
     ``KvConfig(block_score="codes")`` (``+codesF``: and ``score_candidates=F``), ``+sticky``
     ``KvConfig(sticky_candidates=True)`` (after ``+codesF``), ``+confP`` (EAGLE-3 only)
     ``KvConfig(lookahead_min_confidence=P)``, ``+sinkN``
@@ -77,12 +79,12 @@ class DrafterSpec:
     block_score: str = "quest"
     sink_blocks: int = 0
     top2: bool = False
-    score_candidates: float | None = None
+    score_candidates: float | str | None = None
     pin_blocks: int = 0
-    successor_blocks: int = 0
+    successor_blocks: int | str = 0
     layers: str = ""  # "" (uniform), or the metric of the fit: "mass" (+layers), "output" (+layersout)
-    sticky_candidates: bool = False
-    lookahead_min_confidence: float | None = None
+    sticky_candidates: bool | str = False
+    lookahead_min_confidence: float | str | None = None
 
     def kv_kwargs(self) -> dict:
         """The :class:`~oasiskv.KvConfig` keyword arguments the suffixes set."""
@@ -107,7 +109,7 @@ def parse_drafter(name: str) -> DrafterSpec:
     grammar). The suffixes come in the order given, each at most once."""
     base, *mods = str(name).split("+")
     kw: dict = {}
-    order = ("current", "codes", "sticky", "sink", "pin", "succ", "conf", "layers", "top2")
+    order = ("current", "fidelity", "codes", "sticky", "sink", "pin", "succ", "conf", "layers", "top2")
     last = -1
     ok = base in DRAFTERS
     for m in mods:
@@ -128,6 +130,18 @@ def parse_drafter(name: str) -> DrafterSpec:
         if key == "current":
             ok = base != "previous-query"  # no lookahead row to combine with
             kw["select_queries"] = "lookahead+current"
+        elif key == "fidelity":
+            # KvConfig's default selection: its "auto" fields, resolved as the library resolves
+            # them (the confidence fallback by the engine, for this drafter).
+            kw.update(
+                block_score="codes",
+                score_candidates="auto",
+                sticky_candidates="auto",
+                successor_blocks="auto",
+                lookahead_min_confidence="auto",
+            )
+        elif key in ("codes", "sticky", "succ", "conf") and "fidelity" in mods:
+            ok = False  # the preset sets these
         elif key == "codes":
             kw["block_score"] = "codes"
             if m[5:]:
@@ -153,7 +167,8 @@ def parse_drafter(name: str) -> DrafterSpec:
     if not ok:
         raise ValueError(
             f"unknown drafter {name!r}; use one of {DRAFTERS}, then optionally '+current' (not "
-            "previous-query, which has no lookahead row), '+codes' or '+codesF' (F >= 1: the "
+            "previous-query, which has no lookahead row), '+fidelity' (KvConfig()'s default "
+            "selection; not with the four suffixes it sets), '+codes' or '+codesF' (F >= 1: the "
             "Quest bound's best F x K blocks ranked by the codes), '+sticky' (after '+codesF': the "
             "previous prediction stays among the candidates), '+sinkN' (N sink blocks), '+pinN' "
             "(N pinned blocks per layer and KV head), '+succN' (the next block of the N best), '+confP' "
