@@ -12,7 +12,7 @@
 #include "oasis_params.cuh"
 
 // Warps per qk_norm_rope block, one head each; must match QK_ROPE_WARPS in
-// crates/oasis-cuda/src/ops.rs. Arbitrary.
+// crates/oasis-cuda/src/ops/mod.rs. Arbitrary.
 #define OASIS_QK_ROPE_WARPS 4
 
 namespace oasis {

@@ -1,0 +1,194 @@
+//! 2-bit key code launches: `build_key_codes`, and the codes score of every listed block
+//! (`score_blocks_codes`) or of the candidates (`rescore_blocks_codes`).
+
+use super::*;
+
+impl Gpu {
+    /// GPU twin of `oasis_core::kernels::build_key_codes`: the 2-bit codes of every key of host
+    /// blocks `block_ids` (all KV heads; keys in host rows `block_rows`, `None`: the id) inside
+    /// their `[min; max]` summaries, which must be those of the same complete blocks (queue it
+    /// after the summaries' build on the same stream). Bit-exact with the twin. Out-of-range ids
+    /// and rows are skipped.
+    ///
+    /// # Errors
+    /// [`CudaError::Invalid`] for a buffer whose size does not match its shape or a head_dim not
+    /// divisible by 4.
+    #[allow(clippy::too_many_arguments)]
+    pub fn build_key_codes<T: KvElem>(
+        &self,
+        geo: &KvGeometry,
+        host_k: DevSlice<T>, // [num_host_rows, num_kv_heads, block_size, head_dim]
+        summaries: DevSlice<T>, // [num_host_blocks, num_kv_heads, 2, head_dim]
+        block_ids: DevSlice<i32>, // [n]
+        block_rows: Option<DevSlice<i32>>, // [n] host row of each block; None: the id
+        codes: DevSlice<u8>, // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
+        stream: Stream,
+    ) -> Result<()> {
+        guard("build_key_codes", || {
+            let page = page_shape(geo)?;
+            let [h, bs, d] = page;
+            codes_head_dim(d)?;
+            let num_rows = rows("host_k", host_k.len(), &page)?;
+            let num_host = rows("summaries", summaries.len(), &[h, 2, d])?;
+            check_len("codes", codes.len(), &[num_host, h, bs, d / 4])?;
+            let n = block_ids.len();
+            if let Some(r) = block_rows {
+                check_len("block_rows", r.len(), &[n])?;
+            }
+
+            let name = entry!(T, "build_key_codes");
+            let params = params!(BuildKeyCodesParams {
+                ptr: { host_k, summaries, block_ids, block_rows, codes },
+                int: {
+                    n, num_kv_heads = h, head_dim = d, block_size = bs, num_host_blocks = num_host,
+                    num_host_rows = num_rows,
+                },
+            });
+            let grid = grid_rows_heads("n", n, h)?;
+            // SAFETY: lengths checked above (summaries and codes have num_host rows, host_k
+            // num_rows); block ids and rows are bounds-checked by the kernel; host_k may be pinned host memory at the
+            // same address on the device (DevSlice contract; Gpu::check_uva tests it);
+            // reachability and lifetime by DevSlice's contract, the stream by Stream's.
+            unsafe { self.queue(name, grid, CODES_BUILD_THREADS, 0, stream, &params) }
+        })
+    }
+
+    /// GPU twin of `oasis_core::kernels::score_blocks_codes`: per listed block and KV head, the
+    /// sum over the GQA group of the block's largest approximate logit from its 2-bit codes.
+    ///
+    /// # Errors
+    /// [`CudaError::Invalid`] for a buffer whose size does not match its shape or a head_dim not
+    /// divisible by 4; a launch error when the group's shared memory does not fit the device.
+    #[allow(clippy::too_many_arguments)]
+    pub fn score_blocks_codes<T: KvElem>(
+        &self,
+        geo: &KvGeometry,
+        q: DevSlice<T>,             // [num_seqs, num_qo_heads, head_dim]
+        summaries: DevSlice<T>,     // [num_host_blocks, num_kv_heads, 2, head_dim]
+        codes: DevSlice<u8>,        // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
+        blk_indptr: DevSlice<i32>,  // [num_seqs + 1]
+        blk_indices: DevSlice<i32>, // [nnz]
+        scores: DevSlice<f32>,      // [nnz, num_kv_heads]
+        stream: Stream,
+    ) -> Result<()> {
+        self.launch_codes(
+            "score_blocks_codes",
+            geo,
+            q,
+            summaries,
+            codes,
+            blk_indptr,
+            blk_indices,
+            scores,
+            None,
+            stream,
+        )
+    }
+
+    /// GPU twin of `oasis_core::kernels::rescore_blocks_codes`: the codes score of `m` candidate
+    /// logical blocks per (sequence, KV head), `cand [num_seqs, num_kv_heads, m]` (negative: none,
+    /// -inf), into `scores [num_seqs * m, num_kv_heads]`, a CSR of `m` entries per sequence for
+    /// [`Self::topk_blocks`]. A candidate outside its sequence's row scores -inf (the CPU twin
+    /// refuses it).
+    ///
+    /// # Errors
+    /// As [`Self::score_blocks_codes`], for `cand` and `scores` of other shapes too.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rescore_blocks_codes<T: KvElem>(
+        &self,
+        geo: &KvGeometry,
+        q: DevSlice<T>,             // [num_seqs, num_qo_heads, head_dim]
+        summaries: DevSlice<T>,     // [num_host_blocks, num_kv_heads, 2, head_dim]
+        codes: DevSlice<u8>,        // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
+        blk_indptr: DevSlice<i32>,  // [num_seqs + 1]
+        blk_indices: DevSlice<i32>, // [nnz]
+        cand: DevSlice<i32>,        // [num_seqs, num_kv_heads, m]
+        m: usize,
+        scores: DevSlice<f32>, // [num_seqs * m, num_kv_heads]
+        stream: Stream,
+    ) -> Result<()> {
+        self.launch_codes(
+            "rescore_blocks_codes",
+            geo,
+            q,
+            summaries,
+            codes,
+            blk_indptr,
+            blk_indices,
+            scores,
+            Some((cand, m)),
+            stream,
+        )
+    }
+
+    /// The launch of `score_blocks_codes_*`: every listed block, or with `cand = (cand, m)` the
+    /// candidates of each (sequence, KV head).
+    #[allow(clippy::too_many_arguments)]
+    fn launch_codes<T: KvElem>(
+        &self,
+        what: &'static str,
+        geo: &KvGeometry,
+        q: DevSlice<T>,
+        summaries: DevSlice<T>,
+        codes: DevSlice<u8>,
+        blk_indptr: DevSlice<i32>,
+        blk_indices: DevSlice<i32>,
+        scores: DevSlice<f32>,
+        cand: Option<(DevSlice<i32>, usize)>,
+        stream: Stream,
+    ) -> Result<()> {
+        guard(what, || {
+            let [h, bs, d] = page_shape(geo)?;
+            codes_head_dim(d)?;
+            let qh = geo.num_qo_heads;
+            let num_seqs = csr_rows("blk_indptr", blk_indptr.len())?;
+            check_len("q", q.len(), &[num_seqs, qh, d])?;
+            let num_host = rows("summaries", summaries.len(), &[h, 2, d])?;
+            check_len("codes", codes.len(), &[num_host, h, bs, d / 4])?;
+            let nnz = blk_indices.len();
+            // Entries scored: every listed block, or m candidates per sequence.
+            let n_out = match cand {
+                None => nnz,
+                Some((c, m)) => {
+                    check_len("cand", c.len(), &[num_seqs, h, m])?;
+                    num_seqs * m
+                }
+            };
+            check_len("scores", scores.len(), &[n_out, h])?;
+            if n_out == 0 {
+                return Ok(());
+            }
+
+            let name = entry!(T, "score_blocks_codes");
+            let tile = score_codes_tile(n_out, h, self.num_sms());
+            let params = params!(ScoreBlocksCodesParams {
+                ptr: {
+                    q, summaries, codes, blk_indptr, blk_indices, scores,
+                    cand = cand.map(|(c, _)| c),
+                },
+                int: {
+                    num_seqs, nnz, num_qo_heads = qh, num_kv_heads = h, head_dim = d,
+                    block_size = bs, num_host_blocks = num_host,
+                },
+                raw: { cand_m = int("m", cand.map_or(0, |(_, m)| m))? },
+                int: { tile },
+                raw: { _pad0 = 0 },
+            });
+            int("num_seqs * m", n_out)?;
+            // One warp per (tile of `tile` entries, KV head); a thread block holds consecutive
+            // tiles of one head.
+            let blocks = n_out
+                .div_ceil(tile)
+                .div_ceil((SCORE_CODES_THREADS / 32) as usize)
+                * h;
+            let grid = grid_x("score blocks", blocks)?;
+            let smem = score_blocks_codes_smem_bytes(geo.group_size(), d, std::mem::size_of::<T>());
+            // SAFETY: lengths checked above (summaries and codes have num_host rows); the kernel
+            // bounds-checks block ids and each blk_indptr row against nnz (an entry outside a
+            // well-formed row scores -inf) and only reads blk_indptr[0..=num_seqs]; `smem` is the
+            // kernel's layout and launch() checks it against the device limit; reachability and
+            // lifetime by DevSlice's contract, the stream by Stream's.
+            unsafe { self.queue(name, grid, SCORE_CODES_THREADS, smem, stream, &params) }
+        })
+    }
+}

@@ -1,0 +1,982 @@
+//! One launch wrapper per kernel, with the argument layout of its CPU twin in
+//! `oasis_core::kernels` (flat row-major buffers, `i32` tables, negative = empty), plus the
+//! caller's stream. Each wrapper checks every size the way the twin does and returns an error
+//! before anything is queued; then it launches and returns without synchronising the host.
+//!
+//! What a wrapper cannot check without a host synchronisation is the *contents* of the device
+//! tables (page ids, block ids, CSR pointers). The kernels check them where they read them, where
+//! the CPU twin returns an error: an out-of-range page, slot or block id is skipped, and a CSR row
+//! that is not `0 <= indptr[s] <= indptr[s + 1] <= nnz` (each wrapper passes `nnz`, the length of
+//! the indices buffer) is read as an empty row (`oasis::csr_row` in cuda/oasis_common.cuh). No
+//! table content makes a kernel read or write outside its buffers; a malformed one gives
+//! results that are only defined row by row (see each kernel). Test a new caller on the CPU path
+//! first: the twins say what is wrong.
+//!
+//! Buffers are [`DevSlice`]s: a raw device address plus its element count (a PyTorch tensor's
+//! `data_ptr()` and `numel()`), made with an `unsafe` constructor whose contract carries what
+//! the wrappers cannot see. Pinned host buffers (the host pool) are passed the same way: the
+//! kernels read and write them through unified virtual addressing ([`Gpu::check_uva`]).
+//!
+//! ```text
+//! ops/mod.rs        buffers (DevSlice, Stream, *Dev), launch constants, shape helpers, params!,
+//!                   Gpu::queue (the one launch call)
+//! ops/attention.rs  decode_attention (+ merge_attn_states)
+//! ops/page.rs       append_kv, build_summaries, gather_blocks, copy_pages
+//! ops/select.rs     score_blocks, topk_blocks(_mapped, _forced), force_scores, topk_candidates,
+//!                   delta_select
+//! ops/codes.rs      build_key_codes, score_blocks_codes, rescore_blocks_codes
+//! ops/norm.rs       rms_norm, qk_norm_rope, wait_stamp
+//! ```
+
+use std::marker::PhantomData;
+use std::sync::{Mutex, PoisonError};
+
+use oasis_core::error::check_len;
+use oasis_core::kernels::norm::{check_kv_groups, check_rows, rms_norm_threads};
+use oasis_core::kernels::{HeadLayout, WaitStamp};
+use oasis_core::{DType, KvElem, KvGeometry, OasisError};
+
+use crate::driver::{Gpu, LaunchCfg};
+use crate::error::{guard, CudaError, Result};
+use crate::params::{
+    AppendKvParams, BuildKeyCodesParams, BuildSummariesParams, CopyPagesParams, DecodeAttnParams,
+    DeltaSelectParams, DevPtr, ForceScoresParams, GatherBlocksParams, KernelParams,
+    MergeAttnStatesParams, QkNormRopeParams, RmsNormParams, ScoreBlocksCodesParams,
+    ScoreBlocksParams, TopkBlocksParams, TopkCandidatesParams, WaitStampParams,
+};
+
+/// Threads per block of the decode attention kernel (a multiple of 32). Arbitrary.
+pub const DECODE_THREADS: u32 = 128;
+/// Largest tokens per attention tile (one softmax lane per token: at most 32).
+pub const MAX_TILE_TOKENS: usize = 32;
+/// Shared memory the attention wrapper aims to stay under when it picks the tile size, so that
+/// several blocks share an SM. Tuned for H100/H200 (228 KiB per SM).
+pub const DECODE_SMEM_TARGET: usize = 48 * 1024;
+/// Threads per block of `score_blocks_*`; must match OASIS_SCORE_THREADS in cuda/score_blocks.cu.
+pub const SCORE_THREADS: u32 = 256;
+/// Consecutive block-table entries one warp of `score_blocks_*` scores (for one KV head); must
+/// match OASIS_SCORE_TILE.
+pub const SCORE_TILE: usize = 32;
+/// Threads per block of `build_key_codes_*`; must match OASIS_CODES_BUILD_THREADS in
+/// cuda/key_codes.cu.
+pub const CODES_BUILD_THREADS: u32 = 128;
+/// Threads per block of `score_blocks_codes_*`; must match OASIS_CODES_THREADS.
+pub const SCORE_CODES_THREADS: u32 = 128;
+/// Consecutive block-table entries one warp of `score_blocks_codes_*` scores (for one KV head);
+/// must match OASIS_CODES_TILE.
+pub const SCORE_CODES_TILE: usize = 32;
+/// Warps `score_blocks_codes_*` should have per SM before its tiles shrink: the rescoring is
+/// latency-bound (each warp copies and scores its tile's entries one after another), so a small
+/// batch needs shorter tiles to keep enough copies in flight.
+pub const SCORE_CODES_WARPS_PER_SM: usize = 16;
+
+/// Entries per warp of `score_blocks_codes_*` for `n_out` entries per KV head: the longest tile of
+/// 32, 16 and 8 that still gives every SM [`SCORE_CODES_WARPS_PER_SM`] warps, else 8 (a 4-entry
+/// tile measured faster at 4 x 32K but has no GPU test yet; docs/PERF.md). Total for any
+/// arguments.
+pub fn score_codes_tile(n_out: usize, num_kv_heads: usize, num_sms: usize) -> usize {
+    let want = SCORE_CODES_WARPS_PER_SM.saturating_mul(num_sms.max(1));
+    [SCORE_CODES_TILE, 16, 8]
+        .into_iter()
+        .find(|&t| n_out.div_ceil(t).saturating_mul(num_kv_heads) >= want)
+        .unwrap_or(8)
+}
+
+/// Staging buffers per warp of `score_blocks_codes_*`'s tensor-core path; must match
+/// OASIS_CODES_STAGES.
+pub const SCORE_CODES_STAGES: usize = 3;
+
+/// Threads per block of `topk_blocks_f32`; must match OASIS_TOPK_THREADS.
+pub const TOPK_THREADS: u32 = 512;
+/// Largest `k` of [`Gpu::topk_blocks`]: [`oasis_core::limits::MAX_TOP_K_BLOCKS`], which the
+/// kernel gets as OASIS_MAX_TOPK ([`crate::nvrtc::compile_options`]).
+pub const MAX_TOPK: usize = oasis_core::limits::MAX_TOP_K_BLOCKS;
+/// Largest `m + successors` of [`Gpu::topk_candidates`]: [`oasis_core::limits::MAX_CANDIDATES`]
+/// (OASIS_CAND_MAX in the kernel).
+pub const MAX_CANDIDATES: usize = oasis_core::limits::MAX_CANDIDATES;
+/// Threads per block of `force_scores_f32`. Arbitrary.
+pub const FORCE_THREADS: u32 = 256;
+/// Threads per block of `delta_select_i32`; must match OASIS_SELECT_THREADS.
+pub const SELECT_THREADS: u32 = 256;
+/// Largest budget of [`Gpu::delta_select`]: [`oasis_core::limits::MAX_SELECT_BUDGET`]
+/// (OASIS_MAX_SELECT_BUDGET in the kernel).
+pub const MAX_SELECT_BUDGET: usize = oasis_core::limits::MAX_SELECT_BUDGET;
+/// Threads per block of `delta_select_warp_i32` (one warp per (sequence, KV head)); must match
+/// OASIS_SELECT_WARP_THREADS.
+pub const SELECT_WARP_THREADS: u32 = 128;
+/// Largest budget `delta_select_warp_i32` handles; above it [`Gpu::delta_select`] launches
+/// `delta_select_i32`. Must match OASIS_SELECT_WARP_MAX.
+pub const SELECT_WARP_MAX: usize = 256;
+/// Threads per block of the copy kernels; must match OASIS_COPY_THREADS in cuda/gather_blocks.cu.
+pub const COPY_THREADS: u32 = 128;
+/// How `gather_blocks_*` is launched: at most `max_blocks` blocks (0: no cap) of
+/// `warps_per_block` warps, each warp checking `entries_per_warp` plan entries per pass and
+/// copying `stage_entries` of them at once through shared memory (0: one at a time through
+/// registers). Any values are correct (the warps stride over the plan); they trade how many PCIe
+/// reads are in flight against how many SMs hold blocks waiting on them beside the compute
+/// stream's kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GatherLaunch {
+    pub max_blocks: usize,
+    pub warps_per_block: u32,
+    pub entries_per_warp: u32,
+    pub stage_entries: u32,
+}
+
+impl GatherLaunch {
+    /// The best of the shapes swept on the H200 (docs/PERF.md, "The gather off the GEMMs' SMs"):
+    /// four blocks of four warps, each warp with six entries in flight (192 KiB of shared memory
+    /// per block for bf16 blocks of 16 x 128). Before the staged path, one block per 32 entries
+    /// (0 : 4 : 8 : 0) was best; at 40 x 16K it takes 1.32x the step time of this one.
+    pub const DEFAULT: Self = Self {
+        max_blocks: 4,
+        warps_per_block: 4,
+        entries_per_warp: 32,
+        stage_entries: 6,
+    };
+
+    /// The launch of a gather whose source pool is in device memory (the all-resident oracle,
+    /// `Engine(host_pool="device")`): HBM reads need many blocks, not a few with deep queues, and
+    /// this is the launch the oracle was measured with before the staged path.
+    pub const DEVICE_SOURCE: Self = Self {
+        max_blocks: 0,
+        warps_per_block: 4,
+        entries_per_warp: 8,
+        stage_entries: 0,
+    };
+
+    /// Entries a warp stages at once for entries of `entry_bytes` (K or V of one block-head),
+    /// within `max_smem` bytes of shared memory per block: `stage_entries`, lowered to what fits;
+    /// 0 (the register path) when none fits or the entry is not a multiple of 16 bytes.
+    pub fn stage_for(&self, entry_bytes: usize, max_smem: usize) -> u32 {
+        if self.stage_entries == 0 || entry_bytes == 0 || !entry_bytes.is_multiple_of(16) {
+            return 0;
+        }
+        let fits = (max_smem / self.stage_smem_bytes(1, entry_bytes)).min(u32::MAX as usize) as u32;
+        self.stage_entries.min(fits)
+    }
+
+    /// Shared memory of one block staging `stage` entries per warp: K and V of each, for every
+    /// warp (the kernel's layout, cuda/gather_blocks.cu).
+    pub fn stage_smem_bytes(&self, stage: u32, entry_bytes: usize) -> usize {
+        2 * entry_bytes * stage as usize * self.warps_per_block as usize
+    }
+}
+
+/// Largest `stage_entries` of a [`GatherLaunch`] (a warp's batch is a 32-bit lane mask).
+pub const MAX_STAGE_ENTRIES: u32 = 32;
+
+/// One lock for the three fields, so a launch never reads half of a concurrent setting.
+static GATHER_LAUNCH: Mutex<GatherLaunch> = Mutex::new(GatherLaunch::DEFAULT);
+
+/// Set the process-wide [`GatherLaunch`]; takes effect at the next launch (a captured graph
+/// keeps the launch it was captured with).
+///
+/// # Errors
+/// [`CudaError::Invalid`] unless 1 <= warps_per_block <= COPY_THREADS / 32,
+/// 1 <= entries_per_warp <= 32 and stage_entries <= MAX_STAGE_ENTRIES.
+pub fn set_gather_launch(l: GatherLaunch) -> Result<()> {
+    if !(1..=COPY_THREADS / 32).contains(&l.warps_per_block)
+        || !(1..=32).contains(&l.entries_per_warp)
+        || l.stage_entries > MAX_STAGE_ENTRIES
+    {
+        return Err(CudaError::Invalid(OasisError::Invalid(format!(
+            "gather launch: warps_per_block must be 1..={} and entries_per_warp 1..=32, got {} and {}; \
+             stage_entries 0..={MAX_STAGE_ENTRIES}, got {}",
+            COPY_THREADS / 32,
+            l.warps_per_block,
+            l.entries_per_warp,
+            l.stage_entries
+        ))));
+    }
+    *GATHER_LAUNCH.lock().unwrap_or_else(PoisonError::into_inner) = l;
+    Ok(())
+}
+
+/// The current [`GatherLaunch`].
+pub fn gather_launch() -> GatherLaunch {
+    *GATHER_LAUNCH.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Blocks of a gather over `entries` plan entries under `l`: one warp per `entries_per_warp`
+/// entries, at most `max_blocks` (unless 0), at least one.
+fn gather_grid(entries: usize, l: GatherLaunch) -> usize {
+    let per_block = (l.warps_per_block * l.entries_per_warp) as usize;
+    let natural = entries.div_ceil(per_block).max(1);
+    match l.max_blocks {
+        0 => natural,
+        n => natural.min(n),
+    }
+}
+/// Threads per block of append / summary / merge kernels (they stride over head_dim). Arbitrary.
+pub const ROW_THREADS: u32 = 128;
+/// Warps of one `qk_norm_rope_*` block, one head each; must match OASIS_QK_ROPE_WARPS in
+/// cuda/norm_rope.cu. Arbitrary.
+pub const QK_ROPE_WARPS: u32 = 4;
+/// Largest split count of the split-KV attention (grid z). Arbitrary.
+pub const MAX_SPLITS: usize = 256;
+/// Fewest pages a split should get: below this the merge costs more than the split saves.
+/// Arbitrary.
+pub const MIN_PAGES_PER_SPLIT: usize = 8;
+/// Blocks of the tensor-core decode attention kernel resident per SM that the split planner
+/// counts on (head_dim 128: two blocks of about 100 KiB shared memory each on an H100/H200).
+pub const DECODE_TC_BLOCKS_PER_SM: usize = 2;
+/// Work items (16-token chunks) the tensor-core decode attention kernel compacts per round;
+/// must match OASIS_TC_LIST_CAP in cuda/decode_attn.cu.
+pub const DECODE_TC_LIST_CAP: usize = 512;
+
+/// `len` elements of `T` at device-visible address `ptr`: device memory, or pinned host memory
+/// mapped at the same address (UVA). Copy, like the raw pointer it is.
+#[derive(Debug)]
+pub struct DevSlice<T> {
+    ptr: u64,
+    len: usize,
+    _elem: PhantomData<fn() -> T>,
+}
+
+impl<T> Clone for DevSlice<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for DevSlice<T> {}
+
+impl<T> DevSlice<T> {
+    /// # Safety
+    /// 1. `ptr .. ptr + len * size_of::<T>()` lies inside one live allocation that the device of
+    ///    the [`Gpu`] it is used with can read and, for output arguments, write at that address
+    ///    (device memory of that device, or pinned host memory mapped through UVA);
+    /// 2. `ptr` is aligned for `T`, and the memory holds valid `T` values;
+    /// 3. the allocation stays alive, and no host code or other stream writes it (or reads an
+    ///    output argument) unordered with the launch, until the stream has run the kernel;
+    /// 4. output arguments do not overlap any other argument of the same launch.
+    pub unsafe fn from_raw(ptr: u64, len: usize) -> Self {
+        Self {
+            ptr,
+            len,
+            _elem: PhantomData,
+        }
+    }
+
+    /// The empty buffer (a null pointer of length 0); valid wherever a length of 0 is.
+    pub const fn empty() -> Self {
+        Self {
+            ptr: 0,
+            len: 0,
+            _elem: PhantomData,
+        }
+    }
+
+    /// Device address.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer has no element.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// A CUDA stream handle (`torch.cuda.current_stream().cuda_stream`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stream(u64);
+
+impl Stream {
+    /// # Safety
+    /// `handle` is 0 (the legacy default stream) or a live stream of the context of the [`Gpu`]
+    /// it is used with, and stays alive until the work queued on it has run.
+    pub unsafe fn from_raw(handle: u64) -> Self {
+        Self(handle)
+    }
+
+    /// The legacy default stream (handle 0), always valid.
+    pub const fn legacy_default() -> Self {
+        Self(0)
+    }
+
+    /// The raw handle.
+    pub fn handle(&self) -> u64 {
+        self.0
+    }
+}
+
+/// The paged KV of [`Gpu::decode_attention`], as `oasis_core::kernels::PagedKv`.
+#[derive(Debug, Clone, Copy)]
+pub struct PagedKvDev<T> {
+    pub k_pages: DevSlice<T>, // [num_pages, num_kv_heads, block_size, head_dim]
+    pub v_pages: DevSlice<T>, // [num_pages, num_kv_heads, block_size, head_dim]
+    pub kv_indptr: DevSlice<i32>, // [num_seqs + 1] CSR over kv_indices
+    pub kv_indices: DevSlice<i32>, // [nnz] GPU page ids of each sequence
+    pub kv_last_page_len: DevSlice<i32>, // [num_seqs] 1..=block_size
+    pub page_map: Option<DevSlice<i32>>, // [num_pages, num_kv_heads]; None = every entry valid
+}
+
+/// The lookahead token's own K and V, seen by rows >= 1, as `oasis_core::kernels::ExtraKv`.
+#[derive(Debug, Clone, Copy)]
+pub struct ExtraKvDev<T> {
+    pub k: DevSlice<T>, // [num_seqs, num_kv_heads, head_dim]
+    pub v: DevSlice<T>, // [num_seqs, num_kv_heads, head_dim]
+}
+
+/// The residual stream of a fused [`Gpu::rms_norm`], as `oasis_core::kernels::Residual`: the
+/// kernel reads `residual` and writes `h = x + residual` to `residual_out`. The two may be the
+/// same buffer (an in-place update; an exception to [`DevSlice::from_raw`]'s obligation 4, which
+/// the wrapper checks: the same address and length, or no overlap at all).
+#[derive(Debug, Clone, Copy)]
+pub struct ResidualDev<T> {
+    pub residual: DevSlice<T>,     // [n, hidden]
+    pub residual_out: DevSlice<T>, // [n, hidden]
+}
+
+/// Token positions of [`Gpu::qk_norm_rope`], read by the kernel (int32 or int64, as stored), as
+/// `oasis_core::kernels::Positions`.
+#[derive(Debug, Clone, Copy)]
+pub enum PositionsDev {
+    I32(DevSlice<i32>), // [n]
+    I64(DevSlice<i64>), // [n]
+}
+
+impl PositionsDev {
+    fn len(&self) -> usize {
+        match self {
+            PositionsDev::I32(p) => p.len(),
+            PositionsDev::I64(p) => p.len(),
+        }
+    }
+}
+
+/// Split-KV ("flash-decoding"): each sequence's pages are cut into `num_splits` parts, attended
+/// by separate blocks, and merged. `workspace` holds the partial results:
+/// [`decode_attn_workspace_len`] f32 elements.
+#[derive(Debug, Clone, Copy)]
+pub struct SplitKv {
+    pub num_splits: usize,
+    pub workspace: DevSlice<f32>,
+}
+
+/// f32 elements of the split-KV workspace: partial outputs
+/// `[num_seqs, num_rows, num_qo_heads, num_splits, head_dim]` then log-sum-exps
+/// `[num_seqs, num_rows, num_qo_heads, num_splits]`.
+///
+/// Saturates at `usize::MAX` instead of overflowing: no buffer has that many elements, so a
+/// saturated size is always rejected as too small a workspace.
+pub fn decode_attn_workspace_len(
+    num_seqs: usize,
+    num_rows: usize,
+    num_qo_heads: usize,
+    head_dim: usize,
+    num_splits: usize,
+) -> usize {
+    [
+        num_rows,
+        num_qo_heads,
+        num_splits,
+        head_dim.saturating_add(1),
+    ]
+    .iter()
+    .fold(num_seqs, |acc, &x| acc.saturating_mul(x))
+}
+
+/// A split count for a batch whose longest sequence has `max_pages` pages: the fewest splits
+/// whose blocks fill the device's resident block slots ([`DECODE_TC_BLOCKS_PER_SM`] per SM) to
+/// at least 90% over whole waves (no half-empty last wave), else the count that fills them best;
+/// each split keeps at least [`MIN_PAGES_PER_SPLIT`] pages. 1 means no split (and no workspace).
+/// Plan it on the CPU once per step.
+///
+/// Total: any arguments give a count in `1..=MAX_SPLITS` (the arithmetic saturates; huge
+/// arguments never overflow nor divide by zero).
+pub fn plan_num_splits(
+    num_sms: usize,
+    num_seqs: usize,
+    num_kv_heads: usize,
+    max_pages: usize,
+) -> usize {
+    let blocks = num_seqs.saturating_mul(num_kv_heads).max(1);
+    let slots = DECODE_TC_BLOCKS_PER_SM.saturating_mul(num_sms).max(1);
+    let most = (max_pages / MIN_PAGES_PER_SPLIT).clamp(1, MAX_SPLITS);
+    // Fill of the slots over the waves `n` blocks take, in 1/1000. In u128: `n` rounded up to
+    // whole waves can exceed usize::MAX, and 1000 * n fits.
+    let fill = |n: usize| {
+        let (n, slots) = (n as u128, slots as u128);
+        (n * 1000 / (n.div_ceil(slots) * slots)) as usize
+    };
+    let mut best = (1, fill(blocks));
+    for splits in 1..=most {
+        let f = fill(blocks.saturating_mul(splits));
+        if f >= 900 {
+            return splits;
+        }
+        if f > best.1 {
+            best = (splits, f);
+        }
+    }
+    best.0
+}
+
+/// Shared memory of one decode attention block, in bytes: the same sum as the kernel's layout
+/// (cuda/decode_attn.cu, `DecodeSmem`), for `nq` query vectors per block and `tt` tile tokens.
+pub fn decode_attn_smem_bytes(nq: usize, head_dim: usize, tt: usize) -> usize {
+    let d = head_dim;
+    4 * (nq * (d + 1) + tt * (d + 1) + tt * d + nq * tt + nq * d + 2 * nq)
+}
+
+/// Pipeline depth (shared-memory stages per warp) of the tensor-core decode attention kernel for
+/// `head_dim`, or None when it has no variant for it. Must match the OASIS_DECODE_ATTN_TC
+/// instances in cuda/decode_attn.cu.
+pub fn decode_attn_tc_stages(head_dim: usize) -> Option<usize> {
+    match head_dim {
+        64 => Some(4),
+        128 => Some(3),
+        256 => Some(2),
+        _ => None,
+    }
+}
+
+/// Shared memory of one tensor-core decode attention block, in bytes (cuda/decode_attn.cu,
+/// `decode_attn_tc_impl`): 4 warps × `stages` × (K + V of 16 tokens of 16-bit elements), the
+/// item list, the merge's m/l and the scan scratch.
+pub fn decode_attn_tc_smem_bytes(head_dim: usize, stages: usize) -> usize {
+    4 * stages * 2 * 16 * head_dim * 2 + 2 * 4 * (DECODE_TC_LIST_CAP + 1) + 2 * 4 * 64 + 4 * 36
+}
+
+/// Shared memory of one `score_blocks_codes_*` block, in bytes (cuda/key_codes.cu): per warp,
+/// [`SCORE_CODES_STAGES`] staging buffers of one entry each (`codes_stage_bytes`: the min and max
+/// rows in `elem_bytes`-byte elements, then 16 tokens' codes), then, after every warp's buffers,
+/// `codes_scalar_warp_floats` per warp: q and the weights of the group (`group * head_dim` f32
+/// each), the block's min row and the group's bases.
+pub fn score_blocks_codes_smem_bytes(group: usize, head_dim: usize, elem_bytes: usize) -> usize {
+    let warps = (SCORE_CODES_THREADS / 32) as usize;
+    let scalar = (2 * group * head_dim + head_dim + group) * 4;
+    let stage = SCORE_CODES_STAGES * (2 * head_dim * elem_bytes + 4 * head_dim);
+    warps * (stage + scalar)
+}
+
+/// 2-bit key codes need `head_dim` divisible by 4 (four codes per byte), as the CPU twin.
+fn codes_head_dim(head_dim: usize) -> Result<()> {
+    if !head_dim.is_multiple_of(4) {
+        return Err(OasisError::Config(format!(
+            "2-bit key codes need head_dim divisible by 4, got {head_dim}"
+        ))
+        .into());
+    }
+    Ok(())
+}
+
+/// Shared memory of one `qk_norm_rope_*` block, in bytes (cuda/norm_rope.cu): one head of f32
+/// per warp.
+pub fn qk_norm_rope_smem_bytes(head_dim: usize) -> usize {
+    QK_ROPE_WARPS as usize * head_dim.saturating_mul(4)
+}
+
+/// Shared memory of one delta-selection block, in bytes (cuda/delta_select.cu).
+pub fn delta_select_smem_bytes(budget: usize, num_pred: usize) -> usize {
+    let b2 = budget.max(1).next_power_of_two();
+    let p2 = num_pred.max(1).next_power_of_two();
+    8 * b2 + 4 * b2 + 4 * budget + 4 * p2
+}
+
+/// Number of leading rows of a buffer shaped `[n, row_shape...]` (pool sizes are implied by the
+/// buffers, as in the CPU twins).
+fn rows(what: &'static str, len: usize, row_shape: &[usize]) -> Result<usize> {
+    let row: usize = row_shape.iter().product();
+    if row == 0 || !len.is_multiple_of(row) {
+        return Err(OasisError::Shape {
+            what,
+            expected: format!("[n, {row_shape:?}] (a multiple of {row} elements)"),
+            got: format!("{len} elements"),
+        }
+        .into());
+    }
+    Ok(len / row)
+}
+
+/// Sequences of a CSR `indptr` buffer (its length minus one).
+fn csr_rows(what: &'static str, indptr_len: usize) -> Result<usize> {
+    indptr_len.checked_sub(1).ok_or_else(|| {
+        OasisError::Shape {
+            what,
+            expected: "[num_seqs + 1] (at least 1 element)".into(),
+            got: "0 elements".into(),
+        }
+        .into()
+    })
+}
+
+fn int(what: &str, v: usize) -> Result<i32> {
+    i32::try_from(v)
+        .map_err(|_| CudaError::Unsupported(format!("{what} = {v} does not fit the kernels' i32")))
+}
+
+fn grid_dim(what: &str, v: usize, max: u32) -> Result<u32> {
+    match u32::try_from(v) {
+        Ok(x) if x <= max => Ok(x),
+        _ => Err(CudaError::Unsupported(format!(
+            "{what} = {v} exceeds the grid limit {max}"
+        ))),
+    }
+}
+
+/// Grid x may be up to 2^31 - 1 blocks, y and z up to 65535.
+const GRID_X_MAX: u32 = i32::MAX as u32;
+const GRID_YZ_MAX: u32 = 65535;
+
+/// Threads for kernels that stride over head_dim: a multiple of 32, at most ROW_THREADS.
+fn row_threads(head_dim: usize) -> u32 {
+    (head_dim.div_ceil(32) * 32).clamp(32, ROW_THREADS as usize) as u32
+}
+
+/// A one-dimensional grid of `n` blocks.
+fn grid_x(what: &str, n: usize) -> Result<(u32, u32, u32)> {
+    Ok((grid_dim(what, n, GRID_X_MAX)?, 1, 1))
+}
+
+/// A grid of one block per (row, KV head): `n` rows (`what`) by `num_kv_heads`.
+fn grid_rows_heads(what: &str, n: usize, num_kv_heads: usize) -> Result<(u32, u32, u32)> {
+    Ok((
+        grid_dim(what, n, GRID_X_MAX)?,
+        grid_dim("num_kv_heads", num_kv_heads, GRID_YZ_MAX)?,
+        1,
+    ))
+}
+
+/// The shape of one page of `geo` after validating it, `[num_kv_heads, block_size, head_dim]`:
+/// one row of every K/V pool.
+fn page_shape(geo: &KvGeometry) -> Result<[usize; 3]> {
+    geo.validate()?;
+    Ok([geo.num_kv_heads, geo.block_size, geo.head_dim])
+}
+
+/// Rows of a K/V pool pair shaped `[n, page...]` (GPU pages or host blocks): `n` from the K
+/// buffer, the V buffer checked against it.
+fn pool_rows<T>(
+    page: [usize; 3],
+    (k_what, k): (&'static str, DevSlice<T>),
+    (v_what, v): (&'static str, DevSlice<T>),
+) -> Result<usize> {
+    let n = rows(k_what, k.len(), &page)?;
+    let [h, bs, d] = page;
+    check_len(v_what, v.len(), &[n, h, bs, d])?;
+    Ok(n)
+}
+
+/// `num_kv_heads` of a wrapper that takes it without a geometry.
+fn positive_heads(num_kv_heads: usize) -> Result<()> {
+    if num_kv_heads == 0 {
+        return Err(OasisError::Config("num_kv_heads must be positive".into()).into());
+    }
+    Ok(())
+}
+
+/// The kernel of family `$family` for storage type `$t`.
+/// The tensor-core decode attention entry point for `T` and `head_dim`, with its pipeline
+/// depth; None for f32 storage or a head_dim it has no variant for.
+fn decode_attn_tc_entry<T: KvElem>(head_dim: usize) -> Option<(&'static str, usize)> {
+    let stages = decode_attn_tc_stages(head_dim)?;
+    let name = match (T::DTYPE, head_dim) {
+        (DType::BF16, 64) => "decode_attn_tc_bf16_d64",
+        (DType::BF16, 128) => "decode_attn_tc_bf16_d128",
+        (DType::BF16, 256) => "decode_attn_tc_bf16_d256",
+        (DType::F16, 64) => "decode_attn_tc_f16_d64",
+        (DType::F16, 128) => "decode_attn_tc_f16_d128",
+        (DType::F16, 256) => "decode_attn_tc_f16_d256",
+        _ => return None,
+    };
+    Some((name, stages))
+}
+
+/// A `#[repr(C)]` parameter struct filled field by field, in groups that may repeat, in any
+/// order (a field's group says how its value becomes the field):
+///
+/// - `ptr: { a, b = expr }`: a device pointer, `DevPtr::from` a [`DevSlice`], an `Option` of one
+///   (`None`: null) or a [`DevPtr`];
+/// - `int: { n, m = expr }`: a size, as the kernels' `i32` through [`int`] under the field's own
+///   name (an error when it does not fit);
+/// - `raw: { eps, x = expr }`: taken as it is.
+///
+/// `a` alone stands for `a = a`. The fields are evaluated in the order written, and the struct
+/// literal still needs every field, once.
+macro_rules! params {
+    ($P:ident { $($kind:ident: { $($f:ident $(= $e:expr)?),* $(,)? }),* $(,)? }) => {
+        $P { $($($f: params!(@$kind $f $(, $e)?),)*)* }
+    };
+    (@ptr $f:ident) => { DevPtr::from($f) };
+    (@ptr $f:ident, $e:expr) => { DevPtr::from($e) };
+    (@int $f:ident) => { int(stringify!($f), $f)? };
+    (@int $f:ident, $e:expr) => { int(stringify!($f), $e)? };
+    (@raw $f:ident) => { $f };
+    (@raw $f:ident, $e:expr) => { $e };
+}
+
+macro_rules! entry {
+    ($t:ty, $family:literal) => {
+        match <$t as KvElem>::DTYPE {
+            DType::BF16 => concat!($family, "_bf16"),
+            DType::F16 => concat!($family, "_f16"),
+            DType::F32 => concat!($family, "_f32"),
+        }
+    };
+}
+
+// The launch wrappers, one file per kernel family (they use the helpers and macros above).
+mod attention;
+mod codes;
+mod norm;
+mod page;
+mod select;
+
+impl Gpu {
+    /// [`Gpu::launch`] of `name` with `params` on `grid` with `block` threads and `smem` bytes
+    /// of dynamic shared memory per block, queued on `stream`.
+    ///
+    /// # Safety
+    /// [`Gpu::launch`]'s obligation 1 for `params`; its obligation 2 holds by [`Stream`]'s
+    /// contract.
+    unsafe fn queue<P: KernelParams>(
+        &self,
+        name: &'static str,
+        grid: (u32, u32, u32),
+        block: u32,
+        smem: usize,
+        stream: Stream,
+        params: &P,
+    ) -> Result<()> {
+        // SAFETY: the caller's obligation 1; 2 by Stream's contract.
+        unsafe {
+            self.launch(
+                name,
+                LaunchCfg { grid, block, smem },
+                stream.handle(),
+                params,
+            )
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_tile_shrinks_for_small_batches_only() {
+        // The H200 (132 SMs), 8 KV heads, 160 candidates per sequence.
+        let tile = |seqs: usize| score_codes_tile(seqs * 160, 8, 132);
+        assert_eq!(tile(64), 32); // 2560 warps of 32 entries: enough
+        assert_eq!(tile(32), 16);
+        assert_eq!(tile(16), 8);
+        assert_eq!(tile(1), 8); // never below 8
+        for (n, h, sms) in [
+            (0, 0, 0),
+            (usize::MAX, usize::MAX, usize::MAX),
+            (1, 1, 1),
+            (7, 3, 0),
+        ] {
+            let t = score_codes_tile(n, h, sms);
+            assert!([8, 16, 32].contains(&t), "{n} {h} {sms}: {t}");
+        }
+        // The tile chosen gives the warps asked for whenever some tile does.
+        for n in [100, 1000, 5000, 20000, 100000] {
+            let t = score_codes_tile(n, 8, 132);
+            let want = SCORE_CODES_WARPS_PER_SM * 132;
+            assert!(n.div_ceil(t) * 8 >= want || t == 8, "{n}: {t}");
+            assert!(
+                t == SCORE_CODES_TILE || n.div_ceil(t * 2) * 8 < want,
+                "{n}: {t} is shorter than needed"
+            );
+        }
+    }
+
+    #[test]
+    fn gather_stage_fits_shared_memory() {
+        let l = GatherLaunch {
+            max_blocks: 4,
+            warps_per_block: 4,
+            entries_per_warp: 32,
+            stage_entries: 6,
+        };
+        // bf16 blocks of 16 x 128: 4 KiB of K per entry; 6 x 2 x 4 KiB x 4 warps = 192 KiB fits
+        // the H200's 227 KiB.
+        assert_eq!(l.stage_for(4096, 227 * 1024), 6);
+        // f32 blocks of 32 x 128 (16 KiB of K, 32 KiB with V): one entry per warp fits.
+        assert_eq!(l.stage_for(16384, 227 * 1024), 1);
+        // Nothing fits, or an entry not a multiple of 16 bytes: the register path.
+        assert_eq!(l.stage_for(64 * 1024, 227 * 1024), 0);
+        assert_eq!(l.stage_for(4104, 227 * 1024), 0);
+        let registers = GatherLaunch {
+            stage_entries: 0,
+            ..l
+        };
+        assert_eq!(registers.stage_for(4096, 227 * 1024), 0);
+        // The default stages on the H200, and fits an A100's 163 KiB with fewer entries.
+        assert_eq!(GatherLaunch::DEFAULT.stage_for(4096, 227 * 1024), 6);
+        assert_eq!(GatherLaunch::DEFAULT.stage_for(4096, 163 * 1024), 5);
+        let mut bad = l;
+        bad.stage_entries = MAX_STAGE_ENTRIES + 1;
+        assert!(set_gather_launch(bad).is_err());
+    }
+
+    #[test]
+    fn split_planning() {
+        // One long sequence, 8 KV heads, 132 SMs (264 block slots): 30 splits fill 240 of them
+        // (over 90%), 4096 pages allow that.
+        assert_eq!(plan_num_splits(132, 1, 8, 4096), 30);
+        // Batch 16 at 16K tokens: 128 blocks fill half the slots, 2 splits fill 256 of 264
+        // (3 would leave a second wave 45% full).
+        assert_eq!(plan_num_splits(132, 16, 8, 1024), 2);
+        // 300 blocks: a second wave 14% full unsplit; 4 splits give 1200 blocks in 5 waves.
+        assert_eq!(plan_num_splits(132, 300, 1, 129), 4);
+        // Short sequences never split below MIN_PAGES_PER_SPLIT pages.
+        assert_eq!(plan_num_splits(132, 1, 8, 10), 1);
+        assert_eq!(plan_num_splits(132, 1, 8, 16), 2);
+        // A big batch fills the device alone.
+        assert_eq!(plan_num_splits(132, 64, 8, 4096), 1);
+        assert!(plan_num_splits(10_000, 1, 1, usize::MAX / 2) <= MAX_SPLITS);
+    }
+
+    /// Any arguments plan a count in 1..=MAX_SPLITS: no overflow, no division by zero (the
+    /// planner is reachable from Python with arbitrary integers).
+    #[test]
+    fn split_planning_is_total() {
+        let big = [
+            0,
+            1,
+            7,
+            132,
+            1 << 40,
+            usize::MAX / 2,
+            usize::MAX - 1,
+            usize::MAX,
+        ];
+        for &sms in &big {
+            for &seqs in &big {
+                for &heads in &[0, 1, 8, usize::MAX] {
+                    for &pages in &big {
+                        let n = plan_num_splits(sms, seqs, heads, pages);
+                        assert!(
+                            (1..=MAX_SPLITS).contains(&n),
+                            "plan_num_splits({sms}, {seqs}, {heads}, {pages}) = {n}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn workspace_len_saturates() {
+        assert_eq!(
+            decode_attn_workspace_len(3, 2, 4, 64, 5),
+            3 * 2 * 4 * 5 * 65
+        );
+        assert_eq!(decode_attn_workspace_len(0, 2, 4, 64, 5), 0);
+        assert_eq!(
+            decode_attn_workspace_len(1 << 40, 1 << 20, 64, 128, 256),
+            usize::MAX
+        );
+        assert_eq!(
+            decode_attn_workspace_len(1, 1, 1, usize::MAX, 2),
+            usize::MAX
+        );
+    }
+
+    /// Every kernel that reads a CSR table checks its rows in the kernel (the wrappers pass the
+    /// indices' length as `nnz`): a malformed table reads as empty rows, never out of bounds.
+    #[test]
+    fn csr_tables_are_checked_in_the_kernels() {
+        let (_, common) = crate::kernels::HEADERS[0];
+        assert!(common.contains("bool csr_row("));
+        for (source, uses) in [
+            ("decode_attn", 2),
+            // topk_blocks, force_scores, topk_candidates (which only bounds successors by its
+            // rows' lengths: its wrapper passes i32::MAX, a malformed row reads as empty).
+            ("score_blocks", 3),
+            ("gather_blocks", 1),
+        ] {
+            let src = crate::kernels::source(source).unwrap().source;
+            assert_eq!(src.matches("csr_row(").count(), uses, "{source}");
+            assert!(src.contains("int nnz"), "{source} takes no nnz");
+        }
+        // score_blocks checks its rows inline (it walks them rather than indexing one).
+        let src = crate::kernels::source("score_blocks").unwrap().source;
+        assert_eq!(src.matches("seq_end <= nnz").count(), 1);
+        assert_eq!(src.matches("row_e <= nnz").count(), 1);
+        let src = crate::kernels::source("key_codes").unwrap().source;
+        assert!(src.contains("row_e <= nnz"), "key_codes checks its rows");
+        assert!(src.contains("int nnz"), "key_codes takes no nnz");
+    }
+
+    #[test]
+    fn tensor_core_variants() {
+        // Qwen3-8B shapes: head_dim 128, 3 stages of 8 KiB per warp, two blocks per SM fit the
+        // 227 KiB of an H100/H200.
+        assert_eq!(decode_attn_tc_stages(128), Some(3));
+        let b = decode_attn_tc_smem_bytes(128, 3);
+        assert_eq!(b, 4 * 3 * 8192 + 8 * 513 + 512 + 144);
+        assert!(DECODE_TC_BLOCKS_PER_SM * (b + 1024) <= 227 * 1024);
+        assert!(decode_attn_tc_smem_bytes(256, 2) <= 227 * 1024);
+        assert_eq!(decode_attn_tc_stages(96), None);
+        assert_eq!(
+            decode_attn_tc_entry::<half::bf16>(64),
+            Some(("decode_attn_tc_bf16_d64", 4))
+        );
+        assert_eq!(decode_attn_tc_entry::<f32>(128), None);
+        let src = crate::kernels::source("decode_attn").unwrap().source;
+        assert!(src.contains(&format!("#define OASIS_TC_LIST_CAP {DECODE_TC_LIST_CAP}\n")));
+        // The launch gives it DECODE_THREADS threads: 4 warps.
+        assert!(src.contains("#define OASIS_TC_WARPS 4\n"));
+        assert_eq!(DECODE_THREADS, 4 * 32);
+        for d in [64, 128, 256] {
+            let st = decode_attn_tc_stages(d).unwrap();
+            for (t, ty) in [("bf16", "bf16"), ("f16", "f16")] {
+                let inst = format!("(decode_attn_tc_{t}_d{d}, oasis::{ty}, {d}, {st})");
+                assert!(src.contains(&inst), "{inst} not in decode_attn.cu");
+            }
+        }
+        for d in [64, 128, 256] {
+            for name in [
+                decode_attn_tc_entry::<half::bf16>(d),
+                decode_attn_tc_entry::<half::f16>(d),
+            ] {
+                let (name, _) = name.unwrap();
+                assert!(
+                    crate::kernels::source_of(name).is_some(),
+                    "{name} not registered"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn shared_memory_sizes() {
+        // Qwen3-8B shapes, 2 rows: 8 query vectors, head_dim 128, a 32-token tile.
+        let b = decode_attn_smem_bytes(8, 128, 32);
+        assert_eq!(
+            b,
+            4 * (8 * 129 + 32 * 129 + 32 * 128 + 8 * 32 + 8 * 128 + 16)
+        );
+        assert!(b <= DECODE_SMEM_TARGET);
+        assert_eq!(
+            delta_select_smem_bytes(100, 20),
+            8 * 128 + 4 * 128 + 4 * 100 + 4 * 32
+        );
+        assert!(delta_select_smem_bytes(MAX_SELECT_BUDGET, MAX_SELECT_BUDGET) <= 227 * 1024);
+    }
+
+    #[test]
+    fn sizes_and_limits() {
+        assert_eq!(rows("x", 12, &[3, 2]).unwrap(), 2);
+        assert!(rows("x", 13, &[3, 2]).is_err());
+        assert!(rows("x", 0, &[0]).is_err());
+        assert_eq!(csr_rows("p", 3).unwrap(), 2);
+        assert!(csr_rows("p", 0).is_err());
+        assert!(int("n", 1 << 31).is_err());
+        assert!(grid_dim("y", 65536, GRID_YZ_MAX).is_err());
+        assert_eq!(row_threads(64), 64);
+        assert_eq!(row_threads(54), 64);
+        assert_eq!(row_threads(256), ROW_THREADS);
+        assert_eq!(row_threads(1), 32);
+    }
+
+    #[test]
+    fn entry_names_follow_the_dtype() {
+        assert_eq!(entry!(half::bf16, "gather_blocks"), "gather_blocks_bf16");
+        assert_eq!(entry!(half::f16, "gather_blocks"), "gather_blocks_f16");
+        assert_eq!(entry!(f32, "gather_blocks"), "gather_blocks_f32");
+        for name in [
+            "append_kv_bf16",
+            "decode_attn_f16",
+            "merge_attn_states_f32",
+            "score_blocks_bf16",
+        ] {
+            assert!(
+                crate::kernels::source_of(name).is_some(),
+                "{name} not registered"
+            );
+        }
+    }
+
+    /// The kernel-side limits are defined once (oasis_core::limits): NVRTC passes them to every
+    /// source, and no source defines them itself.
+    #[test]
+    fn limits_reach_the_kernels_as_defines() {
+        let options = crate::nvrtc::compile_options("sm_90");
+        for (name, value, source) in [
+            ("OASIS_MAX_TOPK", MAX_TOPK, "score_blocks"),
+            ("OASIS_CAND_MAX", MAX_CANDIDATES, "score_blocks"),
+            ("OASIS_MAX_SELECT_BUDGET", MAX_SELECT_BUDGET, "delta_select"),
+        ] {
+            assert!(
+                options.contains(&format!("-D{name}={value}")),
+                "{name}: {options:?}"
+            );
+            let src = crate::kernels::source(source).unwrap().source;
+            assert!(
+                src.contains(&format!("#ifndef {name}\n")),
+                "{source} guards {name}"
+            );
+            for s in crate::kernels::SOURCES {
+                assert!(
+                    !s.source.contains(&format!("#define {name} ")),
+                    "{} defines {name} again",
+                    s.file
+                );
+            }
+        }
+    }
+
+    /// The launch constants repeated from the kernels' `#define`s agree with them.
+    #[test]
+    fn constants_match_the_kernel_sources() {
+        let define = |source: &str, name: &str| -> usize {
+            let src = crate::kernels::source(source).unwrap().source;
+            let line = src
+                .lines()
+                .find(|l| l.starts_with(&format!("#define {name} ")))
+                .unwrap();
+            line.split_whitespace().nth(2).unwrap().parse().unwrap()
+        };
+        assert_eq!(
+            define("score_blocks", "OASIS_SCORE_THREADS"),
+            SCORE_THREADS as usize
+        );
+        assert_eq!(
+            define("score_blocks", "OASIS_TOPK_THREADS"),
+            TOPK_THREADS as usize
+        );
+        assert_eq!(
+            define("delta_select", "OASIS_SELECT_THREADS"),
+            SELECT_THREADS as usize
+        );
+        assert_eq!(define("score_blocks", "OASIS_SCORE_TILE"), SCORE_TILE);
+        assert_eq!(
+            define("key_codes", "OASIS_CODES_BUILD_THREADS"),
+            CODES_BUILD_THREADS as usize
+        );
+        assert_eq!(
+            define("key_codes", "OASIS_CODES_THREADS"),
+            SCORE_CODES_THREADS as usize
+        );
+        assert_eq!(define("key_codes", "OASIS_CODES_TILE"), SCORE_CODES_TILE);
+        assert_eq!(
+            define("delta_select", "OASIS_SELECT_WARP_THREADS"),
+            SELECT_WARP_THREADS as usize
+        );
+        assert_eq!(
+            define("delta_select", "OASIS_SELECT_WARP_MAX"),
+            SELECT_WARP_MAX
+        );
+        assert_eq!(
+            define("gather_blocks", "OASIS_COPY_THREADS"),
+            COPY_THREADS as usize
+        );
+        assert_eq!(
+            define("norm_rope", "OASIS_QK_ROPE_WARPS"),
+            QK_ROPE_WARPS as usize
+        );
+    }
+}
