@@ -6,7 +6,7 @@ use oasis_core::OasisError;
 use oasis_cuda::ops::{
     decode_attn_workspace_len as ws_len, plan_num_splits as plan_splits, MAX_SPLITS,
 };
-use oasis_cuda::{DevSlice, ExtraKvDev, PagedKvDev, SplitKv};
+use oasis_cuda::{CudaError, DevSlice, ExtraKvDev, PagedKvDev, SplitKv};
 use pyo3::prelude::*;
 
 use crate::call::{entry, guarded, on_gpu, with_dtype};
@@ -172,25 +172,42 @@ fn decode_attention(
                     let extra = extra.map(|(ek, ev)| unsafe { ExtraKvDev { k: ek.dev::<T>(), v: ev.dev::<T>() } });
                     on_gpu(py, "decode_attention", dev, stream, &[], move |gpu, st| {
                         let splits = if num_splits > 0 { num_splits } else { plan_splits(gpu.num_sms(), ns, h, max_pages) };
-                        let split = match ws {
-                            _ if splits <= 1 => None,
-                            Some(w) => Some(SplitKv { num_splits: splits, workspace: w }),
-                            // Out of range: the launch wrapper says so before it looks at a workspace.
-                            None if splits > MAX_SPLITS => Some(SplitKv { num_splits: splits, workspace: DevSlice::empty() }),
-                            None => {
-                                let need = ws_len(ns, rows, hq, d, splits);
-                                return Err(OasisError::Invalid(format!(
-                                    "split-kv attention with {splits} splits needs a float32 workspace of {need} elements on \
-                                     cuda:{dev}: pass workspace=torch.empty({need}, dtype=torch.float32, device=q.device) \
-                                     (decode_attn_workspace_len gives the size), or num_splits=1"
-                                ))
-                                .into());
-                            }
-                        };
+                        let split = split_kv(splits, ws, dev, ws_len(ns, rows, hq, d, splits))?;
                         gpu.decode_attention::<T>(&g, qd, rows, &kv, extra.as_ref(), sm_scale, od, split.as_ref(), st)
                     })
                 })
             }
+        }
+    })
+}
+
+/// The split-KV launch of `splits` parts on `workspace` (None for one part). More than one needs
+/// a workspace of `need` f32 elements on cuda:`dev`: without one, an error that says how to pass
+/// it; past [`MAX_SPLITS`], the launch wrapper's error (it says so before it looks at a
+/// workspace).
+fn split_kv(
+    splits: usize,
+    workspace: Option<DevSlice<f32>>,
+    dev: i32,
+    need: usize,
+) -> Result<Option<SplitKv>, CudaError> {
+    Ok(match workspace {
+        _ if splits <= 1 => None,
+        Some(w) => Some(SplitKv {
+            num_splits: splits,
+            workspace: w,
+        }),
+        None if splits > MAX_SPLITS => Some(SplitKv {
+            num_splits: splits,
+            workspace: DevSlice::empty(),
+        }),
+        None => {
+            return Err(OasisError::Invalid(format!(
+                "split-kv attention with {splits} splits needs a float32 workspace of {need} elements on \
+                 cuda:{dev}: pass workspace=torch.empty({need}, dtype=torch.float32, device=q.device) \
+                 (decode_attn_workspace_len gives the size), or num_splits=1"
+            ))
+            .into())
         }
     })
 }
