@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import _core
 from .errors import ConfigError
 
 #: The values of :attr:`KvConfig.select_queries`.
@@ -49,15 +50,16 @@ SELECTIONS = ("fidelity", "fast", "quest")
 #: The KvConfig fields whose default is ``"auto"``, resolved from the others (and, for
 #: ``lookahead_min_confidence``, from the drafter: :meth:`KvConfig.resolve`).
 AUTO = "auto"
-#: Largest ``block_size``. Arbitrary.
-MAX_BLOCK_SIZE = 1024
-#: Largest ``top_k_blocks``: the most the GPU top-K kernel selects per KV head. Must match
-#: OASIS_MAX_TOPK in cuda/score_blocks.cu (``MAX_TOPK`` in crates/oasis-cuda/src/ops.rs).
-MAX_TOP_K_BLOCKS = 512
+#: Largest ``block_size`` (``oasis_core::limits``, exported by ``_core``: one source for the
+#: config, the runtime and the kernels).
+MAX_BLOCK_SIZE: int = _core.MAX_BLOCK_SIZE
+#: Largest ``top_k_blocks``: the most the GPU top-K kernel selects per KV head (the kernels are
+#: compiled with it).
+MAX_TOP_K_BLOCKS: int = _core.MAX_TOP_K_BLOCKS
 #: Largest pool (``num_gpu_pages``, ``num_host_blocks``): page and block ids are i32 on the GPU.
-MAX_POOL_BLOCKS = (1 << 31) - 1
+MAX_POOL_BLOCKS: int = _core.MAX_POOL_BLOCKS
 #: Largest ``sparse_threshold`` in tokens: positions are i32 on the GPU.
-MAX_TOKENS = (1 << 31) - 1
+MAX_TOKENS: int = _core.MAX_TOKENS
 
 
 def _check_int(name: str, v: object, lo: int, hi: int, fix: str, optional: bool = False) -> None:

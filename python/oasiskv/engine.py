@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 
 from . import _core, ops
-from .config import KvConfig
+from .config import MAX_POOL_BLOCKS, KvConfig
 from .drafters import Drafter
 from .errors import ConfigError, OutOfBlocksError
 from .memory import available_bytes, device_numa_node, ensure_fits, pinned_full
@@ -1173,7 +1173,7 @@ class Engine:
             if free is not None and on_device:
                 free = max(0, free - int(gpu) * per)
             host = int(0.4 * free) // per if free is not None else 1 << 20
-        cap = (1 << 31) - 1
+        cap = MAX_POOL_BLOCKS
         return max(0, min(int(gpu), cap)), max(0, min(int(host), cap))
 
     def _new_runtime(self, pages: int, host: int, rows: int) -> None:
