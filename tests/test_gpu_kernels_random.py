@@ -18,7 +18,7 @@ The same body runs on two devices:
 Decode attention has two CUDA kernels. The tensor-core one serves bf16/f16 storage with head_dim
 64/128/256, at most 16 query vectors per KV head (num_rows x group), block_size a multiple of 16
 and 16-byte aligned K/V; the generic one serves everything else (``attention_kernel``, after
-``decode_attention`` in crates/oasis-cuda/src/ops.rs). The random cases reach both with each
+``decode_attention`` in crates/oasis-cuda/src/ops/attention.rs). The random cases reach both with each
 16-bit dtype, the generic one for each of those reasons (checked without a GPU), and the named
 cases of ``PATH_CASES`` check under torch.profiler that the kernel they name is the one launched.
 """
@@ -65,7 +65,7 @@ CPU_SEEDS = 3  # the harness check of the default run: fast
 MAX_ROWS = 4  # stacked query rows: the current token and up to 3 lookahead rows
 MAX_TOKENS = 512  # per sequence: several splits' worth of pages, and a float64 walk that stays cheap
 
-# The tensor-core attention kernels (crates/oasis-cuda/src/ops.rs, decode_attention and
+# The tensor-core attention kernels (crates/oasis-cuda/src/ops/attention.rs, decode_attention and
 # decode_attn_tc_entry): the head_dims they are instantiated for, the query vectors of one m16 tile,
 # the tokens of one mma chunk (block_size must be a multiple) and the K/V alignment in bytes.
 TC_HEAD_DIMS = (64, 128, 256)
