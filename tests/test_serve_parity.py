@@ -472,8 +472,8 @@ def tiny_server():
     queue: the default budget's cap by the context, and ``n`` against the capacity."""
     import dataclasses
 
-    from oasiskv.bench.prefill import random_model
     from oasiskv.models.config import PRESETS
+    from oasiskv.models.random_weights import random_model
 
     cfg = dataclasses.replace(PRESETS["tiny"], max_position_embeddings=96)
     model = random_model(cfg, torch.float32, "cpu")

@@ -122,6 +122,8 @@ import re
 import sys
 import time
 
+from .common import PROMPT_ID_RANGE, percentile
+
 #: Modes: (backend, host_pool) of the engine.
 MODES: dict[str, tuple[str, str]] = {
     "dense": ("dense", "pinned"),
@@ -300,9 +302,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 # ---------------------------------------------------------------------- helpers
 def _pcts(xs: list[float]) -> tuple[float | None, float | None]:
-    from .serve import _pct
-
-    return _pct(xs, 0.5), _pct(xs, 0.99)
+    return percentile(xs, 0.5), percentile(xs, 0.99)
 
 
 def _free_memory(torch, dev) -> None:
@@ -317,8 +317,6 @@ def _free_memory(torch, dev) -> None:
 
 def _prompts(vocab: int, n_tokens: int, count: int, shared: bool, seed: int) -> list[list[int]]:
     import random
-
-    from .serve import PROMPT_ID_RANGE
 
     lo, hi = PROMPT_ID_RANGE if vocab >= PROMPT_ID_RANGE[1] else (0, vocab)
     rnd = random.Random(f"{seed}-{n_tokens}")
@@ -471,7 +469,7 @@ def build_model(args, group=None):
 
             model = TPCausalLM.random_shards(cfg, seed=args.seed, dtype=dtype, device=dev, group=group)
         else:
-            from .prefill import random_model
+            from ..models.random_weights import random_model
 
             model = random_model(cfg, dtype, dev, args.seed)
     return model.eval(), name, dev

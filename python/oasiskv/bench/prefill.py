@@ -34,25 +34,10 @@ import time
 
 import torch
 
+from ..models.random_weights import random_model
+
 #: Issue 10's target for the engine's prefill: this fraction of the SDPA forward's speed or more.
 TARGET_RATIO = 0.8
-
-
-def random_model(cfg, dtype: torch.dtype, device: str, seed: int = 0):
-    """A :class:`CausalLM` of ``cfg`` with random weights drawn on ``device`` (seconds for 8B
-    parameters on a GPU, where ``CausalLM.random`` draws on the CPU): matrices ~ N(0, 0.02),
-    norm weights 1."""
-    from oasiskv.models.transformer import CausalLM
-
-    model = CausalLM(cfg, dtype=dtype, device=device)
-    gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, t in model.hf_tensor_slots().items():
-            if name.endswith("norm.weight"):
-                t.fill_(1.0)
-            else:
-                t.normal_(0.0, 0.02, generator=gen)
-    return model
 
 
 def _sync(device: torch.device) -> None:
@@ -93,7 +78,7 @@ def run(args) -> dict:
     """Build the model and engine, time the three prefills, return the results (JSON-ready)."""
     from oasiskv import KvConfig, LLMEngine
     from oasiskv.devices import compute_dtype, resolve_device
-    from oasiskv.engine import _Request
+    from oasiskv.engine import Request
     from oasiskv.models.config import preset_config
     from oasiskv.models.transformer import dense_causal_attn
 
@@ -133,7 +118,7 @@ def run(args) -> dict:
     rids = itertools.count()
 
     def engine_prefill(chunk: int):
-        r = _Request(id=next(rids), prompt=prompt, max_new_tokens=1)
+        r = Request(id=next(rids), prompt=prompt, max_new_tokens=1)
         try:
             for a in range(0, n, chunk):
                 logits = eng.prefill_chunk(r, a, min(n, a + chunk))

@@ -72,9 +72,8 @@ import time
 from pathlib import Path
 
 from . import fig11
+from .common import PROMPT_ID_RANGE, percentile
 
-#: Prompt ids are drawn from [lo, hi): past the special tokens, inside every real vocabulary.
-PROMPT_ID_RANGE = (256, 16000)
 #: Defaults of the flags whose default depends on the experiment.
 SWEEP_DEFAULTS = {"concurrency": "1,4,16", "max_tokens": 64, "json": "bench_serve.json"}
 DATASET_DEFAULTS = {"concurrency": "1", "max_tokens": 1, "json": ""}
@@ -97,13 +96,6 @@ def make_prompts(n: int, prompt_tokens: int, seed: int, vocab_size: int | None =
     return [[rnd.randrange(lo, hi) for _ in range(prompt_tokens)] for _ in range(n)]
 
 
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
-
-
 def summarize(concurrency: int, records: list[dict], wall_s: float) -> dict:
     """One row: ``records`` hold each request's ``tokens``, ``ttft_s`` and ``tpot_s``."""
     ttft = [r["ttft_s"] for r in records if r["ttft_s"] is not None]
@@ -116,10 +108,10 @@ def summarize(concurrency: int, records: list[dict], wall_s: float) -> dict:
         "wall_s": wall_s,
         "tokens_per_s": tokens / wall_s if wall_s else None,
         "requests_per_s": len(records) / wall_s if wall_s else None,
-        "ttft_p50_s": _pct(ttft, 0.5),
-        "ttft_p90_s": _pct(ttft, 0.9),
-        "tpot_p50_s": _pct(tpot, 0.5),
-        "tpot_p90_s": _pct(tpot, 0.9),
+        "ttft_p50_s": percentile(ttft, 0.5),
+        "ttft_p90_s": percentile(ttft, 0.9),
+        "tpot_p50_s": percentile(tpot, 0.5),
+        "tpot_p90_s": percentile(tpot, 0.9),
         "tpot_mean_s": statistics.fmean(tpot) if tpot else None,
     }
 
@@ -268,7 +260,7 @@ def load_in_process_model(args, device, group=None):
             from ..models.loader import load_model
 
             return load_model(args.in_process, dtype=dtype, device=device)[0]
-        from .prefill import random_model
+        from ..models.random_weights import random_model
 
         return random_model(cfg, dtype, str(device), args.seed)
     from ..models.tp import TPCausalLM

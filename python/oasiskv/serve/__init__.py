@@ -1,11 +1,12 @@
 """``oasis serve``: an OpenAI-compatible server on the continuous-batching engine.
 
-- :mod:`~oasiskv.serve.app`: the FastAPI app (:func:`build_app`, :class:`ServeConfig`) and
+- :mod:`~oasiskv.serve.app`: the FastAPI app (:func:`build_app`) and
   :class:`ServerThread` (uvicorn in a background thread, for tests and notebooks);
 - :mod:`~oasiskv.serve.engine_loop`: the engine thread and the queues between it and HTTP;
 - :mod:`~oasiskv.serve.protocol`: the OpenAI request models and response shapes;
 - :mod:`~oasiskv.serve.text`: incremental detokenisation and stop strings;
 - :mod:`~oasiskv.serve.metrics`: Prometheus metrics;
+- :mod:`~oasiskv.serve.config`: :class:`ServeConfig` and the defaults the flags share (no FastAPI);
 - :mod:`~oasiskv.serve.cli`: ``oasis serve``'s flags (importable without FastAPI).
 
 Needs the ``serve`` extra (``pip install 'oasiskv[serve]'``: FastAPI, uvicorn, prometheus_client);
@@ -15,7 +16,7 @@ the names below are imported on first use, so ``import oasiskv.serve.cli`` works
 from __future__ import annotations
 
 _LAZY = {
-    "ServeConfig": "app",
+    "ServeConfig": "config",
     "ServerThread": "app",
     "build_app": "app",
     "EngineLoop": "engine_loop",

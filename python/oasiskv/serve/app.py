@@ -39,39 +39,11 @@ from ..errors import ConfigError, ContextLengthError, InvalidTextError, OasisErr
 from ..llm_engine import LLMEngine, SamplingParams, prompt_token_ids
 from ..models.tokenizer import check_text
 from . import protocol as P
-from .cli import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, DEFAULT_MAX_TOKENS
+from .config import ServeConfig
 from .engine_loop import EngineLoop, EngineStopped, Overloaded, RequestHandle
 from .text import StopChecker, TextAssembler, TokenPieces, token_text
 
 log = logging.getLogger("oasiskv.serve")
-
-
-@dataclass
-class ServeConfig:
-    """What the server needs beyond the engine.
-
-    Attributes:
-        model_name: the id clients pass as ``model`` (and ``/v1/models`` lists).
-        api_key: when set, every endpoint but ``/health`` needs ``Authorization: Bearer KEY``.
-        max_queue: requests that may wait beyond the ``max_num_seqs`` running ones; past that,
-            429 with ``Retry-After``.
-        max_body_bytes: the largest request body accepted (413 past it).
-        model_aliases: more ids the model answers to (``--served-model-name A B``: A is
-            ``model_name``, B an alias); a response names the id its request used.
-        max_tokens_default: the new-token budget of a request that gives none (chat without
-            ``max_tokens``, or ``"max_tokens": null``), capped by what is left of the context.
-    """
-
-    model_name: str
-    api_key: str | None = None
-    max_queue: int = DEFAULT_MAX_QUEUE
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    model_aliases: tuple[str, ...] = ()
-    max_tokens_default: int = DEFAULT_MAX_TOKENS
-
-    @property
-    def model_names(self) -> tuple[str, ...]:
-        return (self.model_name, *self.model_aliases)
 
 
 class ApiError(Exception):

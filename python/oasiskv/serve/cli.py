@@ -9,14 +9,7 @@ import os
 import sys
 
 from ..config import BLOCK_SCORES, FAST_SELECTION, SELECTIONS
-
-#: Default cap on a request body. Arbitrary: a 128K-token prompt is well under 1 MiB of text.
-DEFAULT_MAX_BODY_BYTES = 8 << 20
-DEFAULT_MAX_QUEUE = 128
-#: New tokens of a request that names no budget (chat without max_tokens, or "max_tokens": null),
-#: capped by what is left of the context. Arbitrary, but bounded: admission reserves a request's
-#: peak KV, so "the rest of the context" would make every such request reserve the whole window.
-DEFAULT_MAX_TOKENS = 2048
+from .config import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, DEFAULT_MAX_TOKENS, ServeConfig
 
 
 def is_loopback(host: str) -> bool:
@@ -281,7 +274,7 @@ def served_model(args):
     cfg = preset_unless_path(args.model)
     if cfg is None:
         return args.model
-    from ..bench.prefill import random_model
+    from ..models.random_weights import random_model
 
     kw = engine_kwargs(args)
     print(
@@ -311,7 +304,7 @@ def cmd_serve(args) -> int:
     try:
         import uvicorn
 
-        from .app import ServeConfig, build_app
+        from .app import build_app
     except ImportError as e:
         return fail(f"{e}; install the server's dependencies: pip install 'oasiskv[serve]'")
     import torch
