@@ -16,7 +16,7 @@ BUILD_STAMP := $(VENV)/.build-stamp
 WITH_NVRTC = OASIS_NVRTC_LIB="$${OASIS_NVRTC_LIB:-$$($(PY) scripts/find_nvrtc.py 2>/dev/null)}"; \
 	test -n "$$OASIS_NVRTC_LIB" || { echo "libnvrtc not found under $(VENV): rm $(STAMP) and rerun make"; exit 1; }; \
 	export OASIS_NVRTC_LIB;
-PY_SOURCES := python tests benches examples scripts
+PY_SOURCES := python tests benches examples scripts experiments
 RUST_SOURCES := $(shell find crates cuda -type f \( -name '*.rs' -o -name '*.toml' -o -name '*.cu' -o -name '*.cuh' \) 2>/dev/null) Cargo.toml
 
 # Every PyPI package (these and their dependencies) is pinned in constraints.txt: `make lock`

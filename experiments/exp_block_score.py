@@ -1,6 +1,6 @@
 """How much of the true attention each block score's top-K holds (CPU or GPU, any size).
 
-    python3 scripts/exp_block_score.py [--model smollm2] [--context 2048] [--texts 4] [--queries 16]
+    python3 experiments/exp_block_score.py [--model smollm2] [--context 2048] [--texts 4] [--queries 16]
         [--scores int2/blk,hc/mse,...] [--sinks 1,2,4]
 
 One dense forward per held-out text records every layer's post-RoPE queries and keys. For the

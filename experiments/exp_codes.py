@@ -1,7 +1,7 @@
 """Time the two-stage codes score (KvConfig(score_candidates=F)) part by part, and compile variants
 of cuda/key_codes.cu (its #ifndef knobs) with CuPy's NVRTC to time the candidates' rescoring.
 
-    python3 scripts/exp_codes.py [--batch 64] [--ctx 32768] [--k 128] [--factor 1.5]
+    python3 experiments/exp_codes.py [--batch 64] [--ctx 32768] [--k 128] [--factor 1.5]
         [--source-alt PATH ...] [--json out.json]
 
 An experiment tool for the GPU machine (CuPy, torch and the oasiskv wheel there, no cargo). Parts:

@@ -10,7 +10,7 @@ Medians over ``--steps`` after two warm-up steps.
 ``--engine old`` runs the engine of an earlier tree for the before/after comparison: put its
 ``engine.py`` at ``oasiskv/engine_old.py`` in the installed package (see docs/PERF.md).
 
-    python3 scripts/exp_step_host.py --engine new --json out.json
+    python3 experiments/exp_step_host.py --engine new --json out.json
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def main() -> None:
         num_hidden_layers=args.layers, max_position_embeddings=args.context + 64, **narrow
     )
     if cuda:  # weights drawn on the GPU: seconds, where CausalLM.random draws 8B values on the CPU
-        from oasiskv.bench.prefill import random_model
+        from oasiskv.models.random_weights import random_model
 
         model = random_model(cfg, dtype, dev).eval()
     else:

@@ -1,6 +1,6 @@
 """Compile variants of cuda/score_blocks.cu (its #ifndef knobs) with CuPy's NVRTC and time them.
 
-    python3 scripts/exp_score.py [--batch 64] [--ctx 32768] [--k 128]
+    python3 experiments/exp_score.py [--batch 64] [--ctx 32768] [--k 128]
 
 An experiment tool for the GPU machine (CuPy and torch there, no cargo): it checks each variant's
 scores and top-K against the default build and prints each against the device-to-device copy

@@ -1,9 +1,9 @@
 """Would some layers use more of the budget than others? (issue 12: "more budget for the layers
 that need it"). CPU or GPU, any size:
 
-    python3 scripts/exp_layer_budget.py [--context 2048] [--texts 4] [--queries 16] [--score int2]
+    python3 experiments/exp_layer_budget.py [--context 2048] [--texts 4] [--queries 16] [--score int2]
 
-The same dense forwards and attention shares as ``scripts/exp_block_score.py``: for every layer
+The same dense forwards and attention shares as ``experiments/exp_block_score.py``: for every layer
 and a ladder of per-layer budgets K (blocks per KV head), the share of the true attention that
 the score's top-K holds (local block included), averaged over heads, query positions and texts.
 Then, for each total budget ``layers x K`` of the usual fractions, a per-layer allocation with
@@ -19,7 +19,7 @@ import argparse
 from fractions import Fraction
 
 import torch
-from exp_block_score import block_mass, block_scores, queries_and_keys  # scripts/ is on sys.path
+from exp_block_score import block_mass, block_scores, queries_and_keys  # experiments/ is on sys.path
 
 from oasiskv.eval import corpus
 from oasiskv.models.loader import load_model

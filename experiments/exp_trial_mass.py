@@ -1,7 +1,7 @@
 """Where a lost retrieval trial loses: per answer token and layer, the share of the true
 attention each block set holds, teacher-forced on dense's own answer.
 
-    python3 scripts/exp_trial_mass.py --results results/eval/s10-2026-12-02/results.json --task needle \\
+    python3 experiments/exp_trial_mass.py --results results/eval/s10-2026-12-02/results.json --task needle \\
         --lost-by eagle3+codes2 --only 46,131 --drafter eagle3+codes2 --drafter-budget 1/4 --threads 2
 
 For each rebuilt trial (see exp_hard_trials.py): dense generates the answer; the prompt plus that

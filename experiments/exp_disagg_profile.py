@@ -2,7 +2,7 @@
 (its arguments) run in this process under cProfile; prints the functions by own time and what
 the decode-time reads call. The prefill process is not profiled.
 
-    python scripts/exp_disagg_profile.py --preset qwen3-8b --daemon dist/oasis-rt \
+    python experiments/exp_disagg_profile.py --preset qwen3-8b --daemon dist/oasis-rt \
         --transfers partial --rates 0.5 --requests 2 --max-tokens 32 --cuda-graph
 """
 

@@ -5,7 +5,7 @@ are a pure function of (task, context, index, depth, seed), so the ones an `oasi
 lost can be rebuilt from its results.json and decoded again, here, with any drafter spec and
 budget: a cheap way to try a mechanism on the trials that matter before a full run.
 
-    python3 scripts/exp_hard_trials.py --results results/eval/s10-2026-12-02/results.json \\
+    python3 experiments/exp_hard_trials.py --results results/eval/s10-2026-12-02/results.json \\
         --task needle --lost-by eagle3+codes2 --variants eagle3+codes2@1/4,eagle3+codes2@1/2 \\
         --device cpu --threads 2        # also drafter@budget@none (uncapped), quest-ideal@budget
 

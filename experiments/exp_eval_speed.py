@@ -1,6 +1,6 @@
 """Time the issue-4 workloads at SmolLM2-135M's shapes with random weights (GPU machine).
 
-    python3 scripts/exp_eval_speed.py [--profile OUT.txt] [--no-train]
+    python3 experiments/exp_eval_speed.py [--profile OUT.txt] [--no-train]
 
 Per-step seconds of teacher-forced runs (dense, OasisKV, Quest-like) at 8K context and of one
 EAGLE-3 training step, so the device calls with the real model can be planned. ``--profile``
