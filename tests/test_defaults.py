@@ -271,3 +271,20 @@ def test_the_eval_names_the_default_selection_fidelity():
     ):
         with pytest.raises(ValueError, match="unknown drafter"):
             parse_drafter(bad)
+
+
+def test_replace_resolves_the_auto_fields_again():
+    """``dataclasses.replace`` of a default config re-resolves its "auto" fields for the new values
+    (a smaller budget gets fewer successors, the Quest score drops the two stages) instead of
+    validating the old budget's resolved values as explicit ones; explicit values stay explicit."""
+    import dataclasses
+
+    kv = KvConfig()
+    small = dataclasses.replace(kv, top_k_blocks=4)
+    assert (small.successor_blocks, kv.successor_blocks) == (1, 8)
+    assert dataclasses.replace(small, top_k_blocks=128).successor_blocks == 8
+    assert dataclasses.replace(kv, block_score="quest") == KvConfig.fast()
+    assert dataclasses.replace(kv, successor_blocks=2, top_k_blocks=64).successor_blocks == 2
+    with pytest.raises(errors.ConfigError, match="successor_blocks=8"):
+        dataclasses.replace(KvConfig(successor_blocks=8), top_k_blocks=4)
+    assert KvConfig() == KvConfig.fidelity() and hash(KvConfig()) == hash(KvConfig.fidelity())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -211,8 +211,18 @@ class KvConfig:
     sticky_candidates: bool | str = AUTO
     lookahead_min_confidence: float | None | str = AUTO
     layer_blocks: tuple[int, ...] | None = None
+    #: The ``"auto"`` fields this config resolved at construction, as ``(name, value)`` pairs, so
+    #: that ``dataclasses.replace(kv, top_k_blocks=4)`` resolves them again for the new budget
+    #: instead of validating the old budget's values as explicit ones (a field replaced by a value
+    #: other than the resolved one is explicit). Not compared, not shown.
+    _auto: tuple = field(default=(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        # Carried over by dataclasses.replace: still the resolved value -> "auto" again.
+        for name, value in self._auto:
+            if getattr(self, name) == value and type(getattr(self, name)) is type(value):
+                self._set(name, AUTO)
+        resolved = []
         if self.select_queries not in SELECT_QUERIES:
             raise ConfigError(f"select_queries must be one of {SELECT_QUERIES}, got {self.select_queries!r}")
         if self.block_score not in BLOCK_SCORES:
@@ -220,8 +230,10 @@ class KvConfig:
         two_stage = self.block_score == "codes" and self.select_queries == "lookahead"
         if self.score_candidates == AUTO:
             self._set("score_candidates", FIDELITY_SELECTION["score_candidates"] if two_stage else None)
+            resolved.append("score_candidates")
         if self.sticky_candidates == AUTO:
             self._set("sticky_candidates", self.score_candidates is not None)
+            resolved.append("sticky_candidates")
         if self.lookahead_min_confidence == AUTO and not two_stage:
             self._set("lookahead_min_confidence", None)
         _check_int(
@@ -278,6 +290,8 @@ class KvConfig:
                 k = min([x for x in lb if isinstance(x, int)] or [self.top_k_blocks])
                 auto = auto_successor_blocks(k, self.sink_blocks, self.pin_blocks)
             self._set("successor_blocks", auto)
+            resolved.append("successor_blocks")
+        self._set("_auto", tuple((name, getattr(self, name)) for name in resolved))
         _check_int(
             "successor_blocks",
             self.successor_blocks,
