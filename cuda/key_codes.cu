@@ -207,13 +207,13 @@ __device__ void score_codes_scalar_entry(
 
 // Buffers per warp of the tensor-core path (oasis_cuda::ops::SCORE_CODES_STAGES must match): the
 // warp has OASIS_CODES_STAGES - 1 entries in flight while it computes one. The #ifndef guards let
-// scripts/exp_codes.py compile variants.
+// experiments/exp_codes.py compile variants.
 #ifndef OASIS_CODES_STAGES
 #define OASIS_CODES_STAGES 3
 #endif
 // Thread blocks per SM the register allocation must allow (__launch_bounds__): 6 (at most 80
 // registers, no spills) rescored the two-stage candidates 12 % faster than 4 on the H200
-// (24 warps per SM hide more of the copies' latency; scripts/exp_codes.py, docs/PERF.md).
+// (24 warps per SM hide more of the copies' latency; experiments/exp_codes.py, docs/PERF.md).
 #ifndef OASIS_CODES_MIN_BLOCKS
 #define OASIS_CODES_MIN_BLOCKS 6
 #endif

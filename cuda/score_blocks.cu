@@ -9,7 +9,7 @@
 #include "oasis_common.cuh"
 #include "oasis_params.cuh"
 
-// Launch shape of score_blocks_*, chosen by scripts/exp_score.py on the H200 (docs/PERF.md): 8
+// Launch shape of score_blocks_*, chosen by experiments/exp_score.py on the H200 (docs/PERF.md): 8
 // warps per thread block, 4 blocks per SM (<= 64 registers), 8 summaries in flight per warp, and
 // the warps of a block on consecutive tiles of ONE KV head. That is 0.84 x copy bandwidth where
 // (2 blocks, 16 in flight, heads across the warps of a block) reached 0.66: more resident warps

@@ -331,7 +331,7 @@ class TPCausalLM(CausalLM):
         group=None,
     ) -> TPCausalLM:
         """Random weights of ``cfg``'s shape drawn by each rank for its own shards, on its device:
-        matrices ~ N(0, std), norm weights 1 (bench.prefill's ``random_model``, sharded).
+        matrices ~ N(0, std), norm weights 1 (``models.random_weights.random_model``, sharded).
 
         For benchmarks of large shapes: seconds for Qwen3-235B-A22B over 8 GPUs, where
         :meth:`random` draws every full tensor on the CPU on every rank (hours). The sharded
