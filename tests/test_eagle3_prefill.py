@@ -10,7 +10,7 @@ import torch
 import oasiskv
 from oasiskv import KvConfig, LLMEngine, PrefillCache, SamplingParams
 from oasiskv.drafters import Eagle3Drafter
-from oasiskv.engine import Engine, _Request
+from oasiskv.engine import Engine, Request
 from oasiskv.models.config import ModelConfig
 from oasiskv.models.eagle3 import Eagle3Head, Eagle3State
 from oasiskv.models.transformer import CausalLM, dense_causal_attn
@@ -70,10 +70,10 @@ def dense_features(model, ids: list[int]) -> torch.Tensor:
     return Eagle3Head.gather_features(cap, L)
 
 
-def admit(eng: Engine, drafter, ids: list[int], req_id: int = 0) -> tuple[_Request, int]:
+def admit(eng: Engine, drafter, ids: list[int], req_id: int = 0) -> tuple[Request, int]:
     """Begin + prefill one request as ``LLM`` does; returns it and its first draft (the greedy
     first token appended)."""
-    r = _Request(id=req_id, prompt=list(ids), max_new_tokens=4)
+    r = Request(id=req_id, prompt=list(ids), max_new_tokens=4)
     if eng.pools is None:
         eng.ensure_pools([r])
     drafter.begin(r.id, r.prompt)

@@ -469,12 +469,12 @@ def test_chunked_prefill_equals_one_shot(qwen3, chunk, kv_dtype):
     the last piece shorter) stores the same K/V pages and last queries and gives the same
     last-position logits as one Engine.prefill of the 150-token prompt. With bfloat16 pages the
     chunks attend to their prefix as stored (rounded), the one-shot forward to it unrounded."""
-    from oasiskv.engine import Engine, _Request
+    from oasiskv.engine import Engine, Request
 
     kv = KvConfig(block_size=16, top_k_blocks=4, sparse_threshold=500, kv_dtype=kv_dtype)
     ids = prompts(qwen3.config.vocab_size, [150], seed=3)[0]
     one, chunked = Engine(qwen3, kv, "dense", None), Engine(qwen3, kv, "dense", None)
-    r1, r2 = _Request(id=0, prompt=ids, max_new_tokens=4), _Request(id=0, prompt=ids, max_new_tokens=4)
+    r1, r2 = Request(id=0, prompt=ids, max_new_tokens=4), Request(id=0, prompt=ids, max_new_tokens=4)
     want = one.prefill(r1)
     outs = [chunked.prefill_chunk(r2, a, min(a + chunk, len(ids))) for a in range(0, len(ids), chunk)]
     assert all(o is None for o in outs[:-1])
@@ -495,7 +495,7 @@ def test_a_large_pinned_host_pool_growth_is_announced(monkeypatch, caplog):
     pins and keeps every block's contents (simulated on the CPU: pinning itself needs a GPU)."""
     import logging
 
-    from oasiskv import engine as eng_mod
+    from oasiskv.engine import pools as eng_mod
 
     real_grown = eng_mod._grown
     pinned = []

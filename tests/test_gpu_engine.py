@@ -7,7 +7,7 @@ import torch
 
 import oasiskv
 from oasiskv import KvConfig
-from oasiskv.engine import Engine, _Request
+from oasiskv.engine import Engine, Request
 from oasiskv.models.config import ModelConfig
 from oasiskv.models.transformer import CausalLM
 
@@ -46,7 +46,7 @@ def _teacher_forced_logits(model, kv, backend, prompts, forced, drafter="ngram",
     right after its prefill or before the step it passes the threshold at. Returns the logits
     [steps, reqs, vocab], the requests and the engine (``engine_kw``: more Engine arguments)."""
     eng = Engine(model, kv, backend, oasiskv.drafters.make_drafter(drafter), **engine_kw)
-    reqs = [_Request(id=i, prompt=p, max_new_tokens=len(forced[i]) + 1) for i, p in enumerate(prompts)]
+    reqs = [Request(id=i, prompt=p, max_new_tokens=len(forced[i]) + 1) for i, p in enumerate(prompts)]
     eng.ensure_pools(reqs)
 
     def turn_sparse(rs):
@@ -163,7 +163,7 @@ def test_gpu_eagle3_prompt_features_stay_on_the_device_and_match_cpu():
         head = Eagle3Head.random(model.config, 64, seed=2, device=dev).attach_target(model)
         drafter = Spy(head, model)
         eng = Engine(model, kv, "oasis", drafter)
-        r = _Request(id=0, prompt=prompt, max_new_tokens=2)
+        r = Request(id=0, prompt=prompt, max_new_tokens=2)
         eng.ensure_pools([r])
         drafter.begin(0, prompt)
         r.tokens = list(prompt)

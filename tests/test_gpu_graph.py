@@ -113,7 +113,7 @@ def test_graph_greedy_tokens_equal_eager(backend):
 def test_a_failed_capture_falls_back_to_eager_steps(monkeypatch):
     """A capture the driver refuses: the step that tried it stands (it ran eagerly), graphs turn
     off with the reason kept, and the tokens are the eager engine's."""
-    from oasiskv.engine import _StepGraph
+    from oasiskv.engine import StepGraph
 
     def refuse(self, eng):
         raise RuntimeError("capture refused (test)")
@@ -122,7 +122,7 @@ def test_a_failed_capture_falls_back_to_eager_steps(monkeypatch):
     model = _model(dev)
     prompts = _prompts(301, [300, 90])
     eager, _ = _greedy(model, "oasis", False, prompts, [12, 9])
-    monkeypatch.setattr(_StepGraph, "capture", refuse)
+    monkeypatch.setattr(StepGraph, "capture", refuse)
     graph, eng = _greedy(model, "oasis", True, prompts, [12, 9])
     assert graph == eager
     assert not eng.cuda_graph and "capture refused" in eng.graph_error

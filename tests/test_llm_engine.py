@@ -199,11 +199,11 @@ def test_a_failed_dense_to_sparse_transition_finishes_that_request_only(model, m
 
 
 def test_failed_prefill_through_the_engine_does_not_leak(model):
-    from oasiskv.engine import _Request
+    from oasiskv.engine import Request
 
     llm = oasiskv.LLM(PoisonModel(model, fail=9), kv=KvConfig(**README_KV))
     eng = llm.engine
-    r = _Request(id=0, prompt=[9, 1, 2, 3], max_new_tokens=4)
+    r = Request(id=0, prompt=[9, 1, 2, 3], max_new_tokens=4)
     with pytest.raises(errors.OutOfMemoryError):
         eng.prefill(r)
     rt = eng.runtime
@@ -361,16 +361,16 @@ def test_forced_tokens_and_the_step_recorder(model):
 def test_prefill_in_chunks_equals_one_forward(model):
     """Engine.prefill_chunk over a prompt in uneven chunks stores the same KV and gives the same
     last-position logits as one forward over the whole prompt."""
-    from oasiskv.engine import Engine, _Request
+    from oasiskv.engine import Engine, Request
 
     kv = KvConfig(block_size=16, top_k_blocks=4, sparse_threshold=500)
     ids = prompt(150, 4)
     one = Engine(model, kv, "dense", None)
-    r1 = _Request(id=0, prompt=ids, max_new_tokens=4)
+    r1 = Request(id=0, prompt=ids, max_new_tokens=4)
     r1.tokens = list(ids)
     want = one.prefill(r1)
     chunked = Engine(model, kv, "dense", None)
-    r2 = _Request(id=0, prompt=ids, max_new_tokens=4)
+    r2 = Request(id=0, prompt=ids, max_new_tokens=4)
     r2.tokens = list(ids)
     cuts = [0, 1, 17, 32, 33, 100, 150]
     outs = [chunked.prefill_chunk(r2, a, b) for a, b in zip(cuts, cuts[1:], strict=False)]

@@ -89,8 +89,9 @@ import torch
 from . import ops
 from .config import KvConfig
 from .drafters import Drafter, make_drafter
-from .engine import Engine, _Request
+from .engine import Engine, Request
 from .errors import ConfigError, InvalidArgumentError, OutOfBlocksError, RemoteError
+from .policy import BlockSource
 
 log = logging.getLogger("oasiskv.disagg")
 
@@ -362,7 +363,7 @@ class PrefillWorker:
         if not 0 <= rid < 1 << 64:
             raise ConfigError(f"request_id must be an int in [0, 2**64), got {request_id!r}")
         self._next += 1
-        r = _Request(id=self._next, prompt=ids, max_new_tokens=2)
+        r = Request(id=self._next, prompt=ids, max_new_tokens=2)
         if self.drafter is not None:
             self.drafter.begin(r.id, ids)
         t_start = time.perf_counter()
@@ -439,7 +440,7 @@ class PrefillWorker:
             )
         return [self.client, *self._extra_clients]
 
-    def _stage(self, rid: int, r: _Request, n: int, query: torch.Tensor):
+    def _stage(self, rid: int, r: Request, n: int, query: torch.Tensor):
         eng, kv, g = self.engine, self.kv, self.engine.geo
         p, dev = eng.pools, eng.device
         b, hk, d = g.block_size, g.num_kv_heads, g.head_dim
@@ -578,7 +579,7 @@ class _Remote:
     bounded cache (``Runtime.cache_blocks`` hands them out)."""
 
     daemon_id: int
-    req: _Request
+    req: Request
     host_blocks: list[int]
     host_rows: list[int]
     bounded: bool = False
@@ -660,7 +661,7 @@ def _read_all(client, keys: list, what: str):
     return data
 
 
-class RemoteKvSource:
+class RemoteKvSource(BlockSource):
     """The decode side of disaggregation for one :class:`~oasiskv.engine.Engine` (built by
     ``LLMEngine(kv_source=...)``; see the module docs). Installs itself as the engine's
     ``block_source``.
@@ -803,7 +804,7 @@ class RemoteKvSource:
 
     # ---------------------------------------------------------------- admission
     @torch.no_grad()
-    def admit(self, r: _Request, handle: StagedRequest) -> None:
+    def admit(self, r: Request, handle: StagedRequest) -> None:
         """Admit ``r`` (its prompt already set) from the daemon's staged KV of ``handle``: reserve,
         turn it sparse, fill the host pool with the admission (or everything, ``transfer="full"``)
         and select the initial working set. On failure everything it took goes back and the error
@@ -824,7 +825,7 @@ class RemoteKvSource:
         nb = math.ceil(prompt_len / g.block_size)
         return (eng.cfg.num_hidden_layers, g.num_kv_heads, g.block_size, g.head_dim, eng.dtype.itemsize, nb)
 
-    def _admit(self, r: _Request, handle: StagedRequest) -> None:
+    def _admit(self, r: Request, handle: StagedRequest) -> None:
         eng = self.engine
         n = len(r.prompt)
         expect = self._geometry(n)
@@ -847,7 +848,7 @@ class RemoteKvSource:
         finally:
             self._admitting = False
 
-    def _admit_staged(self, r: _Request, handle: StagedRequest, wire0: int) -> None:
+    def _admit_staged(self, r: Request, handle: StagedRequest, wire0: int) -> None:
         eng = self.engine
         g = eng.geo
         layers = eng.cfg.num_hidden_layers
@@ -1164,12 +1165,12 @@ class RemoteKvSource:
 
     def _build_summaries(self, tr: dict) -> None:
         """Summaries of every block from the host pool (``transfer="full"``)."""
-        from .engine import _i32
+        from .engine import i32
 
         eng = self.engine
         p, dev = eng.pools, eng.device
-        dst, lens = _i32(tr["host_blocks"], dev), _i32(tr["lens"], dev)
-        rows = _i32(tr["host_rows"], dev)
+        dst, lens = i32(tr["host_blocks"], dev), i32(tr["lens"], dev)
+        rows = i32(tr["host_rows"], dev)
         for layer in range(eng.cfg.num_hidden_layers):
             ops.build_summaries(eng.geo, p.host_k[layer], dst, lens, p.summaries[layer], block_rows=rows)
 
@@ -1266,15 +1267,15 @@ class RemoteKvSource:
                 heads = torch.full((absent.numel(),), -1, dtype=torch.long)
                 self._read(torch.full_like(absent, layer), absent, heads, whole=True)
 
-    def _select_initial(self, r: _Request, tr: dict, query: torch.Tensor) -> None:
+    def _select_initial(self, r: Request, tr: dict, query: torch.Tensor) -> None:
         """The initial working set, selected with the staged query without the cap (as
         ``Engine.make_sparse`` does with the latest lookahead query)."""
-        from .engine import _i32, csr_tables
+        from .engine import csr_tables, i32
 
         eng = self.engine
         g, dev = eng.geo, eng.device
         n_complete = tr["n_complete"]
-        slot_pages = _i32([tr["slot_pages"]], dev)
+        slot_pages = i32([tr["slot_pages"]], dev)
         blk = csr_tables([tr["host_blocks"][:n_complete]], dev)
         host = csr_tables([tr["host_rows"]], dev)  # patched by before_gather (bounded cache)
         for layer in range(eng.cfg.num_hidden_layers):
@@ -1618,7 +1619,7 @@ class RemoteKvSource:
             st.alive = False
             self._release_daemon_copy(st.daemon_id)
 
-    def end(self, r: _Request) -> None:
+    def end(self, r: Request) -> None:
         """``r`` ends (finished, aborted, failed): forget its staged blocks and release the
         daemon's copy (best effort). Call before the engine frees its host blocks."""
         st = self._by_req.pop(r.id, None)

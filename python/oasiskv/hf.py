@@ -43,7 +43,7 @@ import torch
 
 from .config import KvConfig
 from .drafters import Drafter, make_drafter
-from .engine import Engine, RequestMetrics, _Request
+from .engine import Engine, Request, RequestMetrics
 from .errors import ConfigError, ContextLengthError
 
 try:
@@ -286,7 +286,7 @@ class OasisKVCache(Cache):
             self.engine_model, kv, "oasis", drafter_obj, eos, max_num_seqs=MAX_BATCH, cuda_graph=False
         )
         self.max_new_tokens = max_new_tokens
-        self._reqs: list[_Request] = []
+        self._reqs: list[Request] = []
         self._seen = 0  # positions fed so far (padded prompt length + decode steps)
         self._closed = False
 
@@ -360,7 +360,7 @@ class OasisKVCache(Cache):
         return [r.metrics for r in self._reqs]
 
     @property
-    def requests(self) -> list[_Request]:
+    def requests(self) -> list[Request]:
         """The engine requests, one per batch row (their ``tokens``, ``sparse`` flag, tables)."""
         return list(self._reqs)
 
@@ -415,7 +415,7 @@ class OasisKVCache(Cache):
                     f"exceeds the model's context of {ctx} tokens; shorten the prompt or lower max_new_tokens"
                 )
             eng.check_fits(n, m)
-            r = _Request(id=i, prompt=list(prompt), max_new_tokens=m)
+            r = Request(id=i, prompt=list(prompt), max_new_tokens=m)
             self._reqs.append(r)
             if self.drafter is not None:
                 self.drafter.begin(r.id, r.prompt)

@@ -45,9 +45,9 @@ from .engine import (
     Engine,
     GenerationResult,
     PrefillCache,
+    Request,
     RequestMetrics,
     RowSampling,
-    _Request,
     copy_to_host,
     sample_inverse_cdf,
     sampling_probs,
@@ -211,7 +211,7 @@ class _Seq:
     """A request as the scheduler tracks it."""
 
     request_id: str
-    req: _Request
+    req: Request
     params: SamplingParams
     gen: torch.Generator | None
     stop: Callable[[list[int]], bool] | None = None
@@ -530,7 +530,7 @@ class LLMEngine:
                 list(forced_tokens), None, self.model.config.vocab_size, "forced_tokens"
             )
         seq = _Seq(
-            rid, _Request(id=n, prompt=ids, max_new_tokens=params.max_tokens), params, gen, stop, forced
+            rid, Request(id=n, prompt=ids, max_new_tokens=params.max_tokens), params, gen, stop, forced
         )
         seq.staged = staged
         self._waiting.append(seq)

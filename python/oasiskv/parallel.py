@@ -63,7 +63,7 @@ import torch
 import torch.distributed as dist
 
 from . import errors as _errors
-from .engine import _Request
+from .engine import Request
 from .errors import ConfigError, RankFailedError, TensorParallelError
 
 #: Seconds a collective waits for the other ranks before it fails (a hung rank; a dead one is
@@ -490,7 +490,7 @@ class _Driver:
         else:
             setattr(self._engine, name, value)
 
-    def _tokens(self, r: _Request) -> list[int]:
+    def _tokens(self, r: Request) -> list[int]:
         n = self._sent.get(r.id, 0)
         self._sent[r.id] = len(r.tokens)
         return r.tokens[n:]
@@ -512,22 +512,22 @@ class _Driver:
         return out
 
     # ---------------------------------------------------------------- mirrored calls
-    def admit(self, r: _Request) -> None:
+    def admit(self, r: Request) -> None:
         self._sent[r.id] = len(r.tokens)
         tokens = None if r.tokens == r.prompt else list(r.tokens)
         self._call(("admit", r.id, list(r.prompt), r.max_new_tokens, tokens), lambda: self._engine.admit(r))
 
-    def prefill_chunk(self, r: _Request, start: int, end: int):
+    def prefill_chunk(self, r: Request, start: int, end: int):
         if start == 0 and r.runtime is None:
             self.admit(r)
         cmd = ("prefill", r.id, self._tokens(r), start, end)
         return self._call(cmd, lambda: self._engine.prefill_chunk(r, start, end))
 
-    def prefill(self, r: _Request):
+    def prefill(self, r: Request):
         return self.prefill_chunk(r, 0, len(r.prompt))
 
     def decode_step(
-        self, reqs: list[_Request], *, speculate=None, sampling=None, verdicts=None, before_read=None
+        self, reqs: list[Request], *, speculate=None, sampling=None, verdicts=None, before_read=None
     ):
         # The sampling rows' uniforms (and forced verdicts) travel with the step: every rank draws
         # the same tokens. The drafter runs here alone, so `before_read` (its launch) stays here.
@@ -540,7 +540,7 @@ class _Driver:
             ),
         )
 
-    def make_sparse(self, r: _Request) -> None:
+    def make_sparse(self, r: Request) -> None:
         self._call(("sparse", r.id, self._tokens(r)), lambda: self._engine.make_sparse(r))
 
     def commit_drafts(self) -> None:
@@ -553,10 +553,10 @@ class _Driver:
         sizes = [(int(n), int(m)) for n, m in sizes]
         self._call(("reserve", sizes), lambda: self._engine.reserve_pools(sizes))
 
-    def ensure_pools(self, requests: list[_Request]) -> None:
+    def ensure_pools(self, requests: list[Request]) -> None:
         self.reserve_pools([(len(r.prompt), r.max_new_tokens) for r in requests])
 
-    def release(self, r: _Request) -> None:
+    def release(self, r: Request) -> None:
         self._engine.release(r)
         if self._sent.pop(r.id, None) is not None:
             self._deferred.append(("release", r.id))
@@ -575,9 +575,9 @@ class _Worker:
 
     def __init__(self, engine, group: TPGroup) -> None:
         self.engine, self.group = engine, group
-        self.reqs: dict[int, _Request] = {}
+        self.reqs: dict[int, Request] = {}
 
-    def _sync(self, rid: int, tokens: list[int], draft=_KEEP) -> _Request:
+    def _sync(self, rid: int, tokens: list[int], draft=_KEEP) -> Request:
         """The mirror of request ``rid`` with the driver's new ``tokens`` (and ``draft``, which
         only a decode step sends)."""
         r = self.reqs[rid]
@@ -590,7 +590,7 @@ class _Worker:
         eng, kind = self.engine, cmd[0]
         if kind == "admit":
             _, rid, prompt, max_new, tokens = cmd
-            r = _Request(id=rid, prompt=prompt, max_new_tokens=max_new)
+            r = Request(id=rid, prompt=prompt, max_new_tokens=max_new)
             r.tokens = list(prompt if tokens is None else tokens)
             self.reqs[rid] = r
             eng.admit(r)

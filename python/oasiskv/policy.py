@@ -8,11 +8,15 @@ layer of a decode step by wrapping the attention callback: :meth:`SelectionPolic
 is called once per step, after the plan, with the step's requests, and returns the callback the
 model forward runs. The Quest-like ideal (every block resident, the current query's top-K read)
 is such a policy over a dense engine: :class:`oasiskv.eval.policies.QuestPolicy`.
+
+Beside it, :class:`BlockSource`: where the host pool's blocks come from (the local host pool, or a
+remote source that fills it on demand), the other seam the engine calls at each step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -45,3 +49,49 @@ class SelectionPolicy:
 
     def after_step(self, engine, reqs: list) -> None:
         """Called after every decode step's forward (bookkeeping such as per-step counters)."""
+
+
+class BlockSource(Protocol):
+    """Where the host pool's blocks come from: the engine's own host pool (:class:`LocalHostPool`,
+    every block written there by prefill and the decode steps) or a remote source that fills it
+    on demand (:class:`oasiskv.disagg.RemoteKvSource`, blocks staged in a daemon). The engine calls
+    these without probing (``Engine.block_source``); a source inherits the defaults it does not
+    override, which describe a source with blocks left to read that does not evict.
+
+    Attributes:
+        local: every block is in the host pool already: the engine neither defers its gathers nor
+            keeps a captured step's plans for the source (the local host pool's behaviour).
+        idle: nothing to read right now: the engine runs its steps as it would without a source
+            (captured CUDA graphs included).
+        fixes_up_graph_steps: the engine may replay captured CUDA graphs while blocks are left to
+            read, handing each layer's plan to :meth:`before_gathers` after the step and gathering
+            again where it read anything.
+        may_evict: :meth:`before_gather` may give a host row to another block: the engine lets the
+            previous layer's gather finish before calling it, layer by layer.
+    """
+
+    local: bool = False
+    idle: bool = False
+    fixes_up_graph_steps: bool = False
+    may_evict: bool = True
+
+    def before_gather(self, layer: int, plan_slots, plan_blocks, host_indptr, host_indices) -> bool:
+        """Between a layer's delta selection and its gather: bring the planned blocks the host pool
+        lacks. Returns whether the gather's inputs changed (a graph step gathers the layer again)."""
+        return False
+
+    def before_gathers(self, plans: list) -> list[bool]:
+        """:meth:`before_gather` for a step's layers at once, ``plans`` a list of ``(layer,
+        plan_slots, plan_blocks, host_indptr, host_indices)`` in layer order; per plan, whether
+        its gather's inputs changed (default: one :meth:`before_gather` per plan)."""
+        return [self.before_gather(*p) for p in plans]
+
+
+class LocalHostPool(BlockSource):
+    """The engine's own host pool as a :class:`BlockSource` (the default ``Engine.block_source``):
+    every block is there already, so there is never anything to read."""
+
+    local = True
+    idle = True
+    fixes_up_graph_steps = True
+    may_evict = False

@@ -46,7 +46,7 @@ import torch
 from .. import ops
 from ..config import KvConfig
 from ..drafters import Eagle3Drafter, NgramDrafter, OracleDrafter, PreviousQueryDrafter
-from ..engine import PrefillCache, _relative_to_best, csr_tables, keep_sinks, recall_overlap
+from ..engine import PrefillCache, csr_tables, keep_sinks, recall_overlap, relative_to_best
 from ..layer_budget import fit_layer_blocks
 from ..llm_engine import LLMEngine, SamplingParams, StepInfo
 from ..policy import SelectionPolicy
@@ -503,7 +503,7 @@ class LookaheadRecorder:
             torch.tensor([len(c) for c in cand], device=engine.device),
         )
         if s1.shape[0]:
-            s1, s2 = _relative_to_best(s1, seq, len(cand)), _relative_to_best(s2, seq, len(cand))
+            s1, s2 = relative_to_best(s1, seq, len(cand)), relative_to_best(s2, seq, len(cand))
         both = keep_sinks(torch.maximum(s1, s2), indptr, n_sink)
         return [top[0], union_by_rank(top[0], top[1], k), ops.topk_blocks(hk, both, indptr, k)]
 

@@ -1,0 +1,464 @@
+"""The KV pools: the per-layer tensors (GPU pages, host blocks, summaries, key codes, head-wise
+mapping) in :class:`KvPools`, their growth (pinned host memory included), and the engine's side
+of the pool accounting (:class:`PoolsMixin`): sizing from the budgets, the ``oasis-runtime``
+:class:`~oasiskv._core.Runtime` that owns the block tables, admission, release and the mapping
+updates. Also the small tensor helpers every room uses (:func:`i32`, :func:`copy_to_host`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..config import MAX_POOL_BLOCKS
+from ..errors import ConfigError, OutOfBlocksError
+from ..memory import available_bytes, device_numa_node, ensure_fits, pinned_full
+from .requests import Request
+
+log = logging.getLogger("oasiskv.engine")
+
+#: A pinned host-pool growth at least this large is announced (log line and a progress bar on a
+#: terminal): pinning costs about 0.6 s per GiB, so a 100 GiB pool takes a minute.
+PIN_NOTICE_BYTES = 1 << 30
+
+
+#: Where the host pool lives (``Engine(host_pool=...)``): pinned CPU memory, or the model's device
+#: (the all-resident oracle: the same selection, but the gather copies device to device).
+HOST_POOLS = ("pinned", "device")
+
+
+class KvPools:
+    """The per-layer pools (one page id addresses the same page in every layer). The ids are
+    handed out by the engine's :class:`oasiskv._core.Runtime`; :meth:`grow` enlarges the tensors
+    as admitted requests need them, keeping every block's contents.
+
+    ``host_pool`` places ``host_k``/``host_v``: ``"pinned"`` in CPU memory (pinned with a GPU: the
+    kernels read and write it over PCIe through unified addressing), ``"device"`` on ``device``
+    beside the pages (the all-resident oracle: every kernel that takes the host pool accepts it
+    there, and the gather becomes a device-to-device copy). Without a GPU both are CPU memory."""
+
+    def __init__(
+        self,
+        geo,
+        num_layers: int,
+        dtype: torch.dtype,
+        num_pages: int,
+        num_host_blocks: int,
+        device: torch.device,
+        key_codes: bool = False,
+        host_pool: str = "pinned",
+        num_host_rows: int | None = None,
+    ) -> None:
+        self.geo, self.dtype, self.num_layers, self.device = geo, dtype, num_layers, device
+        self.num_pages, self.num_host_blocks, self.num_host_rows = 0, 0, 0
+        hk, b, d = geo.num_kv_heads, geo.block_size, geo.head_dim
+        self.host_pool = host_pool
+        self.host_device = device if host_pool == "device" else torch.device("cpu")
+        self.host_pin = device.type == "cuda" and host_pool != "device"
+        #: The NUMA node the pinned host pool's pages are placed on: the GPU's, where the machine
+        #: shows one (None: the kernel's default placement).
+        self.numa_node = device_numa_node(device) if self.host_pin else None
+        pin, host_dev = self.host_pin, self.host_device
+        # Empty pools first (every kernel takes a tensor, also of 0 rows); grow() fills them.
+        self.k_pages = [torch.zeros(0, hk, b, d, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v_pages = [torch.zeros(0, hk, b, d, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.page_map = torch.full((num_layers, 0, hk), -1, dtype=torch.int32, device=device)
+        self.page_last_selected = torch.full((num_layers, 0, hk), -1, dtype=torch.int32, device=device)
+        self.host_k = [
+            torch.zeros(0, hk, b, d, dtype=dtype, device=host_dev, pin_memory=pin) for _ in range(num_layers)
+        ]
+        self.host_v = [
+            torch.zeros(0, hk, b, d, dtype=dtype, device=host_dev, pin_memory=pin) for _ in range(num_layers)
+        ]
+        self.summaries = [torch.zeros(0, hk, 2, d, dtype=dtype, device=device) for _ in range(num_layers)]
+        # KvConfig(block_score="codes"): every key of a complete block at 2 bits per channel,
+        # [num_host_blocks, num_kv_heads, block_size, head_dim // 4] bytes per layer (GPU).
+        self.codes = (
+            [torch.zeros(0, hk, b, d // 4, dtype=torch.uint8, device=device) for _ in range(num_layers)]
+            if key_codes
+            else None
+        )
+        self.grow(num_pages, num_host_blocks, num_host_rows)
+
+    def enable_key_codes(self) -> None:
+        """Add (empty) key-code tensors to pools made without them (pools shared, while idle,
+        between engines of different block scores); codes are written as blocks enter the host
+        pool (the transition to sparse, then each completed block)."""
+        if self.codes is None:
+            g = self.geo
+            shape = (self.num_host_blocks, g.num_kv_heads, g.block_size, g.head_dim // 4)
+            self.codes = [
+                torch.zeros(shape, dtype=torch.uint8, device=self.device) for _ in range(self.num_layers)
+            ]
+
+    def grow(self, num_pages: int, num_host_blocks: int, num_host_rows: int | None = None) -> None:
+        """Enlarge the pools to at least these sizes (never shrinks). New pages map nowhere.
+
+        ``num_host_blocks`` sizes what is indexed by host block id (the summaries and key codes,
+        on the GPU), ``num_host_rows`` (None: as many) the host pool itself (``host_k``/``host_v``,
+        indexed by host row): a local request holds a row with every id, a staged request with a
+        bounded cache (``LLMEngine(kv_cache_blocks=)``) fewer rows than ids."""
+        device, layers = self.device, self.num_layers
+        num_host_rows = num_host_blocks if num_host_rows is None else num_host_rows
+        if num_pages > self.num_pages:
+            ensure_fits(
+                (num_pages - self.num_pages) * self.page_bytes * layers,
+                device,
+                f"growing the page pool to {num_pages} pages x {layers} layers",
+                "lower gpu_kv_budget_bytes / KvConfig.num_gpu_pages, max_num_seqs or max_tokens",
+            )
+            self.k_pages = [_grown(t, num_pages) for t in self.k_pages]
+            self.v_pages = [_grown(t, num_pages) for t in self.v_pages]
+            # Head-wise mapping per layer: [num_pages, num_kv_heads], logical block held, -1 empty.
+            self.page_map = _grown(self.page_map, num_pages, dim=1, fill=-1)
+            self.page_last_selected = _grown(self.page_last_selected, num_pages, dim=1, fill=-1)
+            self.num_pages = num_pages
+        if num_host_rows > self.num_host_rows:
+            ensure_fits(
+                (num_host_rows - self.num_host_rows) * self.page_bytes * layers,
+                self.host_device,
+                f"growing the host pool to {num_host_rows} blocks x {layers} layers",
+                "lower host_kv_budget_bytes / KvConfig.num_host_blocks, max_num_seqs or max_tokens",
+            )
+            # With a GPU the host pool is pinned: the gather and write-through kernels read and
+            # write it directly through unified virtual addressing (host_pool="device": it stays
+            # on the GPU, where _grown keeps it). The pool grows geometrically with what admitted
+            # requests need (Engine._grow_to), so it is pinned in chunks, never all up front;
+            # a large growth says so, since pinning is slow.
+            pin_bytes = num_host_rows * self.page_bytes * layers
+            bar = None
+            if self.host_pin and pin_bytes >= PIN_NOTICE_BYTES:
+                log.info(
+                    "pinning %.1f GiB of host memory for the KV host pool (%d blocks x %d layers); "
+                    "about 0.6 s per GiB",
+                    pin_bytes / (1 << 30),
+                    num_host_rows,
+                    layers,
+                )
+                from tqdm import tqdm
+
+                # disable=None: a bar on a terminal only (logs and CI stay clean).
+                bar = tqdm(total=2 * layers, desc="pinning host KV pool", unit="tensor", disable=None)
+
+            if self.host_pin and device.type == "cuda":
+                # Kernels read the old pool through UVA; its pages are unpinned when it is freed.
+                torch.cuda.synchronize(device)
+
+            def grown_host(tensors):
+                # In place, one layer at a time: the old layer is freed as soon as it is copied,
+                # so the growth peaks at the new pool plus one old layer.
+                for i, t in enumerate(tensors):
+                    tensors[i] = _grown(t, num_host_rows, pin=self.host_pin, numa_node=self.numa_node)
+                    if bar is not None:
+                        bar.update()
+                return tensors
+
+            try:
+                self.host_k = grown_host(self.host_k)
+                self.host_v = grown_host(self.host_v)
+            finally:
+                if bar is not None:
+                    bar.close()
+            self.num_host_rows = num_host_rows
+        if num_host_blocks > self.num_host_blocks:
+            self.summaries = [_grown(t, num_host_blocks) for t in self.summaries]
+            if self.codes is not None:
+                self.codes = [_grown(t, num_host_blocks) for t in self.codes]
+            self.num_host_blocks = num_host_blocks
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page, K and V, one layer."""
+        g = self.geo
+        return 2 * g.num_kv_heads * g.block_size * g.head_dim * self.dtype.itemsize
+
+    @property
+    def summary_block_bytes(self) -> int:
+        """Bytes of one block's summaries (and key codes, with them), all KV heads, one layer."""
+        g = self.geo
+        codes = g.num_kv_heads * g.block_size * (g.head_dim // 4) if self.codes is not None else 0
+        return 2 * g.num_kv_heads * g.head_dim * self.dtype.itemsize + codes
+
+
+def _grown(
+    old: torch.Tensor, rows: int, dim: int = 0, fill=0, pin: bool = False, numa_node: int | None = None
+) -> torch.Tensor:
+    """``old`` with ``rows`` rows along ``dim``: its rows copied first, then ``fill``; on its own
+    device (in pinned CPU memory with ``pin``, on NUMA node ``numa_node`` when given)."""
+    shape = list(old.shape)
+    shape[dim] = rows
+    if pin:  # exactly its size: torch's pin_memory rounds up to a power of two
+        new = pinned_full(shape, fill, old.dtype, numa_node=numa_node)
+    else:
+        new = torch.full(shape, fill, dtype=old.dtype, device=old.device)
+    new.narrow(dim, 0, old.shape[dim]).copy_(old)
+    return new
+
+
+def copy_to_host(t: torch.Tensor):
+    """``(host copy, event)``: on a GPU an asynchronous copy into pinned memory and the event
+    that marks it done (wait on it before reading); on the CPU the tensor itself and None."""
+    if not t.is_cuda:
+        return t, None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host, ready
+
+
+def i32(x, device=None) -> torch.Tensor:
+    t = torch.tensor(x, dtype=torch.int32)
+    return t if device is None or device.type == "cpu" else t.to(device, non_blocking=True)
+
+
+class PoolsMixin:
+    """The engine's pools, runtime and request admission (mixed into :class:`~.core.Engine`)."""
+
+    # ---------------------------------------------------------------- pools
+    @property
+    def page_bytes_all_layers(self) -> int:
+        """Bytes of one page (or host block), K and V, every layer."""
+        g = self.geo
+        per_layer = 2 * g.num_kv_heads * g.block_size * g.head_dim * self.dtype.itemsize
+        return per_layer * self.cfg.num_hidden_layers
+
+    def default_caps(self) -> tuple[int, int]:
+        """The pools' caps in blocks: ``KvConfig.num_gpu_pages`` / ``num_host_blocks`` when set
+        (then the pools are that size from the start), else the constructor's budgets, else 40 % of
+        the free memory of the model's device (pages) and of the host (host blocks; 0 for the
+        dense backend) -- on a CPU-only machine both from the same RAM. With ``host_pool="device"``
+        the host blocks share the device with the pages: 40 % of its free memory past the pages'
+        cap. Never past 2**31 - 1."""
+        kv, per = self.kv, self.page_bytes_all_layers
+        gpu, host = (None if b is None else b // per for b in self._budgets)
+        if kv.num_gpu_pages is not None:
+            gpu = kv.num_gpu_pages
+        if kv.num_host_blocks is not None:
+            host = kv.num_host_blocks
+        elif kv.num_gpu_pages is not None and host is None:
+            host = kv.num_gpu_pages
+        if gpu is None:
+            free = available_bytes(self.device)
+            gpu = int(0.4 * free) // per if free is not None else 1 << 20
+        if host is None and self.backend != "oasis":
+            host = 0
+        elif host is None:
+            on_device = self.host_pool == "device"
+            free = available_bytes(self.device if on_device else "cpu")
+            if free is not None and on_device:
+                free = max(0, free - int(gpu) * per)
+            host = int(0.4 * free) // per if free is not None else 1 << 20
+        cap = MAX_POOL_BLOCKS
+        return max(0, min(int(gpu), cap)), max(0, min(int(host), cap))
+
+    def _new_runtime(self, pages: int, host: int, rows: int) -> None:
+        from .._core import Runtime
+
+        gcap, hcap = self.default_caps()
+        gcap, hcap = max(gcap, pages), max(hcap, rows)
+        kv = self.kv
+        self.runtime = Runtime(
+            block_size=kv.block_size,
+            top_k_blocks=kv.top_k_blocks,
+            sparse_threshold=kv.threshold_tokens,
+            sparse=self.backend == "oasis",
+            rows=self.rows,
+            measure_recall=bool(kv.measure_recall),
+            plan_blk_seq=kv.select_queries == "lookahead+current",
+            max_num_seqs=self.max_num_seqs,
+            gpu_pages=pages,
+            host_blocks=min(host, rows),
+            gpu_cap=gcap,
+            host_cap=hcap,
+        )
+        # The host cap bounds the rows; ids (summaries) grow with the reservations.
+        self.runtime.grow(pages, host, rows)
+        self._runtime_pools = self.pools
+
+    def _sync_runtime(self) -> None:
+        """Create the runtime and pools on first use; follow pools swapped in from outside (the
+        evaluation shares one set of pools between engines) while no request is running."""
+        if self.pools is None:
+            kv = self.kv
+            pages = kv.num_gpu_pages or 0
+            host = kv.num_host_blocks or kv.num_gpu_pages or 0
+            self.pools = KvPools(
+                self.geo,
+                self.cfg.num_hidden_layers,
+                self.dtype,
+                pages,
+                host,
+                self.device,
+                self.key_codes,
+                host_pool=self.host_pool,
+            )
+        if self.key_codes:
+            self.pools.enable_key_codes()
+        if self.runtime is None or self._runtime_pools is not self.pools:
+            if self.runtime is not None and self.runtime.num_requests:
+                raise ConfigError("the engine's pools were replaced while requests are running")
+            p = self.pools
+            self._new_runtime(p.num_pages, p.num_host_blocks, p.num_host_rows)
+
+    def _grow_to(self, pages: int, host: int, rows: int | None = None) -> None:
+        """Grow the pool tensors and the runtime's id ranges to at least these sizes (pages, host
+        block ids, host rows; None: as many rows as ids), geometrically (to at most the caps) so
+        that a stream of admissions reallocates O(log n) times."""
+        p, rt = self.pools, self.runtime
+        rows = host if rows is None else rows
+        if pages <= p.num_pages and host <= p.num_host_blocks and rows <= p.num_host_rows:
+            return
+        gcap, icap, hcap = rt.caps
+        if pages > p.num_pages:
+            pages = min(gcap, max(pages, 2 * p.num_pages))
+        if host > p.num_host_blocks:
+            host = min(icap, max(host, 2 * p.num_host_blocks))
+        if rows > p.num_host_rows:
+            rows = min(hcap, max(rows, 2 * p.num_host_rows))
+        self._join_background()
+        self.drop_graphs()  # they hold the old pools' addresses
+        p.grow(pages, host, rows)
+        rt.grow(p.num_pages, p.num_host_blocks, p.num_host_rows)
+
+    def ensure_pools(self, requests: list[Request]) -> None:
+        """Make room for admitting ``requests`` together (grow the pools to their reservations)."""
+        self.reserve_pools([(len(r.prompt), r.max_new_tokens) for r in requests])
+
+    def reserve_pools(self, sizes: list[tuple[int, int]]) -> None:
+        """Grow the pools now (up to the caps) so that requests of these ``(prompt_len,
+        max_new_tokens)`` fit beside the running ones: one allocation instead of several as a
+        batch is admitted."""
+        self._sync_runtime()
+        rt = self.runtime
+        g, h, w = rt.reserved
+        for n, m in sizes:
+            rg, rh, _ = rt.reservation(n, m)  # a local request: a host row with every id
+            g, h, w = g + rg, h + rh, w + rh
+        gcap, _, hcap = rt.caps
+        self._grow_to(min(g, gcap), h, min(w, hcap))
+
+    # ---------------------------------------------------------------- request lifecycle
+    def can_admit(
+        self, prompt_len: int, max_new_tokens: int, *, sparse: bool = False, cache_blocks: int | None = None
+    ) -> bool:
+        """Whether a request of this size can be admitted now (a seat, and its peak need in both
+        tiers fits beside the running requests' reservations). ``sparse=True``: admitted with
+        :meth:`admit_sparse` (the working set only on the GPU; ``cache_blocks`` as there)."""
+        self._sync_runtime()
+        return self.runtime.can_admit(prompt_len, max_new_tokens, sparse=sparse, cache_blocks=cache_blocks)
+
+    def check_fits(
+        self, prompt_len: int, max_new_tokens: int, *, sparse: bool = False, cache_blocks: int | None = None
+    ) -> None:
+        """Raise :class:`OutOfBlocksError` when a request of this size could never be admitted,
+        even alone: its peak need passes a pool's cap (``sparse``, ``cache_blocks``: as
+        :meth:`can_admit`)."""
+        self._sync_runtime()
+        rt = self.runtime
+        if rt.fits_ever(prompt_len, max_new_tokens, sparse=sparse, cache_blocks=cache_blocks):
+            return
+        g, h, _ = rt.reservation(prompt_len, max_new_tokens, sparse=sparse, cache_blocks=cache_blocks)
+        gcap, _, hcap = rt.caps
+        per = self.page_bytes_all_layers
+        raise OutOfBlocksError(
+            f"a request of {prompt_len} prompt tokens and max_tokens={max_new_tokens} needs up to "
+            f"{g} GPU pages and {h} host blocks ({g * per} / {h * per} bytes) but the caps are "
+            f"{gcap} / {hcap}; raise gpu_kv_budget_bytes / host_kv_budget_bytes (or KvConfig."
+            "num_gpu_pages / num_host_blocks), lower max_tokens, or lower sparse_threshold so the "
+            "request turns sparse sooner"
+        )
+
+    def admit(self, r: Request) -> None:
+        """Reserve ``r``'s peak need, take its accumulator slot and the prompt's pages."""
+        self._sync_runtime()
+        rt = self.runtime
+        n, m = len(r.prompt), r.max_new_tokens
+        self._grow_to(*rt.pool_sizes_needed(n, m))
+        try:
+            slot, _pages = rt.admit(r.id, n, m)
+        except OutOfBlocksError as e:
+            raise OutOfBlocksError(
+                f"{e} while admitting request {r.id}; wait for running requests to finish "
+                "(LLMEngine does), raise the pool budgets, or submit fewer requests at once"
+            ) from None
+        self._seat(r, slot, False)
+
+    def admit_sparse(self, r: Request, cache_blocks: int | None = None) -> dict:
+        """Admit ``r``, whose prompt's KV is stored elsewhere (a staging daemon), directly sparse:
+        reserve and take only its working set (K slot pages, the local page) and the prompt's host
+        blocks, never the prompt's dense pages. Returns ``Runtime.admit_sparse``'s dict (the slot
+        pages, local page, host block ids and rows, their lens and ``n_complete``); the caller
+        fills the host rows, summaries and local page and selects the initial working set.
+        ``cache_blocks=C``: host rows only for the blocks it writes plus ``C`` cache rows
+        (``Runtime.cache_blocks`` hands them out)."""
+        self._sync_runtime()
+        rt = self.runtime
+        n, m = len(r.prompt), r.max_new_tokens
+        self._grow_to(*rt.pool_sizes_needed(n, m, sparse=True, cache_blocks=cache_blocks))
+        try:
+            tr = rt.admit_sparse(r.id, n, m, cache_blocks)
+        except OutOfBlocksError as e:
+            raise OutOfBlocksError(
+                f"{e} while admitting request {r.id}; wait for running requests to finish "
+                "(LLMEngine does), raise the pool budgets, or submit fewer requests at once"
+            ) from None
+        self._seat(r, tr["slot"], True)
+        return tr
+
+    def _seat(self, r: Request, slot: int, sparse: bool) -> None:
+        """``r`` was admitted at accumulator ``slot``: reset the slot, apply the new mapping."""
+        r.slot, r.sparse, r.runtime = slot, sparse, self.runtime
+        self._acc_fetched[slot] = 0
+        self._acc_recall[slot] = 0
+        self._acc_recall_n[slot] = 0
+        for pins in self._pins:  # a previous occupant's pins (the initial selection sets new ones)
+            if pins is not None:
+                pins[slot] = -1
+        self._flush_map()
+
+    def transfer_wait(self) -> tuple[float, int]:
+        """``(seconds, waits)``: how long the compute stream has waited on background work (the
+        selection chain and its transfers) since the engine was made, and how many waits: at each
+        layer's transfer event in eager steps, at the end-of-step join in CUDA-graph steps. Each
+        wait includes a kernel launch gap (about a microsecond). ``(0.0, 0)`` on the CPU, where
+        the chain runs inline. Reads device counters: synchronises with the current stream."""
+        if self._wait_stamps is None:
+            return 0.0, 0
+        _, total_ns, waits = self._wait_stamps.tolist()
+        return total_ns / 1e9, int(waits)
+
+    def _side(self, layer: int):
+        """The background stream of ``layer``'s chain."""
+        return self._sides[layer % len(self._sides)]
+
+    def _join_background(self) -> None:
+        """Make the compute stream wait for all background work (before pages change owners)."""
+        if self.cuda:
+            cur = torch.cuda.current_stream(self.device)
+            for side in self._sides:
+                cur.wait_stream(side)
+
+    def release(self, r: Request) -> None:
+        """Return everything ``r`` holds to the pools (safe to call twice)."""
+        if r.runtime is not None and r.runtime is self.runtime:
+            self._join_background()
+            self.runtime.release(r.id)
+        r.runtime = None
+        if self.drafter is not None:
+            self.drafter.end(r.id)
+
+    def _flush_map(self) -> None:
+        """Apply the runtime's pending head-wise mapping updates on the device, every layer."""
+        pages, values = self.runtime.take_map_updates()
+        if pages:
+            idx = torch.tensor(pages, dtype=torch.long).to(self.device, non_blocking=True)
+            self._apply_map(idx, i32(values, self.device))
+
+    def _apply_map(self, pages: torch.Tensor, values: torch.Tensor) -> None:
+        """``page_map[:, pages, :] = values`` in every layer (and those pages' last-selected
+        steps reset): device tensors, long page ids and int32 logical blocks."""
+        p = self.pools
+        p.page_map[:, pages, :] = values.view(1, -1, 1)
+        p.page_last_selected[:, pages, :] = -1
