@@ -135,55 +135,13 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         # row in it: the initial selection of a request that turns sparse uses them.
         self._last_q: list[torch.Tensor | None] = [None] * c.num_hidden_layers
         self._last_row: dict[int, int] = {}
-        # The background chain (score -> select -> gather) runs on streams of its own on a GPU;
-        # the attention of layer l waits only for layer l's transfer event of the previous step.
-        # Layer l's chain goes to stream l % background_streams: the layers' chains are
-        # independent, and at small batches each is a string of tiny latency-bound kernels
-        # longer than the layer's own compute, so one stream would serialise them all.
-        if not isinstance(background_streams, int) or not 1 <= background_streams <= 8:
-            raise ConfigError(f"background_streams must be an int in 1..8, got {background_streams!r}")
-        self.cuda = self.device.type == "cuda"
-        self._sides = [torch.cuda.Stream(self.device) for _ in range(background_streams)] if self.cuda else []
-        # The stream steps are captured on. torch instantiates graphs with per-node priorities,
-        # copied from the stream at capture, so this (not the replay stream) sets the compute
-        # nodes' priority against the background streams'. Same priority as theirs: a high one
-        # measured 0.91x the step time at 20 x 32K but 1.11-1.25x at 32-40 x 16K (docs/PERF.md).
-        self._capture_stream = torch.cuda.Stream(self.device, priority=0) if self.cuda else None
-        self._gather_done: list = [None] * c.num_hidden_layers
-        # The compute stream's waits on the background streams, timed on the device (ops.wait_stamp:
-        # start, total ns, waits); read by transfer_wait().
-        self._wait_stamps = torch.zeros(3, dtype=torch.int64, device=self.device) if self.cuda else None
+        self._init_streams(background_streams)
         # The step plan: persistent buffers (pinned host + device on a GPU, double-buffered so a
         # step's copy never overwrites tables an earlier step's kernels may still read).
         self._plan_bufs: list = []
         self._plan_evt: list = [None, None]
         self._plan_flip = 0
-        # Per-request accumulators kept on the device (no host sync per step), one row per
-        # runtime slot (reset when a request is admitted there).
-        # One row more than slots: the padded entries of a captured step add into that row.
-        acc_rows = self.max_num_seqs + 1
-        self._acc_fetched = torch.zeros(acc_rows, dtype=torch.long, device=self.device)
-        self._acc_recall = torch.zeros(acc_rows, dtype=torch.float32, device=self.device)
-        self._acc_recall_n = torch.zeros(acc_rows, dtype=torch.float32, device=self.device)
-        # Each slot's latest prediction per layer (see _pred_of), made on first use.
-        self._pred: list[torch.Tensor | None] = [None] * c.num_hidden_layers
-        # Each slot's pinned blocks per layer (KvConfig.pin_blocks; see _pins_of), made on first use.
-        self._pins: list[torch.Tensor | None] = [None] * c.num_hidden_layers
-        # With a recorder and KvConfig.sticky_candidates: the blocks each slot's latest prediction
-        # kept as candidates (the prediction before it), per layer, so that the next recall can also
-        # rank the true query with the same kept blocks (the selection's own exact choice).
-        self._kept: list[torch.Tensor | None] = [None] * c.num_hidden_layers
-        # Optional measurement hook (None on the normal path): ``recorder.on_recall(engine, layer,
-        # sp_reqs, actual, prev, slot_pages, q_now)`` is called from ``_select`` wherever recall is
-        # measured, before this step's selection changes the mapping; with sticky candidates and a
-        # recorder whose ``kept_reference`` is true, also ``actual_kept=``: the true query's top-K
-        # with the blocks the prediction kept as candidates (what the selection itself would have
-        # chosen knowing the query; one more top-K per layer, so a recorder opts in).
-        # ``oasiskv.eval`` uses it for per-layer, per-step lookahead accuracy. On a GPU it runs on
-        # the background stream: it must not sync, except an evaluation recorder that accepts the
-        # stall (the attention-mass sample).
-        self.recorder = None
-        self._recall_now = self._store_pred = bool(kv.measure_recall)  # set per step (_recall_phase)
+        self._init_selection_state()
         # Whether this step's sampling rows cut at top_p < 1 (set per step; a graph key element):
         # without a cut the verification skips sorting the vocabulary.
         self._nucleus_now = False
@@ -227,6 +185,58 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         #: rank's query heads of the KV head) over the ranks sharing the head, before every top-K,
         #: so that they select the same blocks; None otherwise.
         self.score_reduce = getattr(model, "score_reduce", None)
+
+    def _init_streams(self, background_streams: int) -> None:
+        """The background streams, the capture stream and the transfer events (part of __init__)."""
+        c = self.cfg
+        # The background chain (score -> select -> gather) runs on streams of its own on a GPU;
+        # the attention of layer l waits only for layer l's transfer event of the previous step.
+        # Layer l's chain goes to stream l % background_streams: the layers' chains are
+        # independent, and at small batches each is a string of tiny latency-bound kernels
+        # longer than the layer's own compute, so one stream would serialise them all.
+        if not isinstance(background_streams, int) or not 1 <= background_streams <= 8:
+            raise ConfigError(f"background_streams must be an int in 1..8, got {background_streams!r}")
+        self.cuda = self.device.type == "cuda"
+        self._sides = [torch.cuda.Stream(self.device) for _ in range(background_streams)] if self.cuda else []
+        # The stream steps are captured on. torch instantiates graphs with per-node priorities,
+        # copied from the stream at capture, so this (not the replay stream) sets the compute
+        # nodes' priority against the background streams'. Same priority as theirs: a high one
+        # measured 0.91x the step time at 20 x 32K but 1.11-1.25x at 32-40 x 16K (docs/PERF.md).
+        self._capture_stream = torch.cuda.Stream(self.device, priority=0) if self.cuda else None
+        self._gather_done: list = [None] * c.num_hidden_layers
+        # The compute stream's waits on the background streams, timed on the device (ops.wait_stamp:
+        # start, total ns, waits); read by transfer_wait().
+        self._wait_stamps = torch.zeros(3, dtype=torch.int64, device=self.device) if self.cuda else None
+
+    def _init_selection_state(self) -> None:
+        """The per-slot accumulators and predictions the selection keeps (part of __init__)."""
+        c, kv = self.cfg, self.kv
+        # Per-request accumulators kept on the device (no host sync per step), one row per
+        # runtime slot (reset when a request is admitted there).
+        # One row more than slots: the padded entries of a captured step add into that row.
+        acc_rows = self.max_num_seqs + 1
+        self._acc_fetched = torch.zeros(acc_rows, dtype=torch.long, device=self.device)
+        self._acc_recall = torch.zeros(acc_rows, dtype=torch.float32, device=self.device)
+        self._acc_recall_n = torch.zeros(acc_rows, dtype=torch.float32, device=self.device)
+        # Each slot's latest prediction per layer (see _pred_of), made on first use.
+        self._pred: list[torch.Tensor | None] = [None] * c.num_hidden_layers
+        # Each slot's pinned blocks per layer (KvConfig.pin_blocks; see _pins_of), made on first use.
+        self._pins: list[torch.Tensor | None] = [None] * c.num_hidden_layers
+        # With a recorder and KvConfig.sticky_candidates: the blocks each slot's latest prediction
+        # kept as candidates (the prediction before it), per layer, so that the next recall can also
+        # rank the true query with the same kept blocks (the selection's own exact choice).
+        self._kept: list[torch.Tensor | None] = [None] * c.num_hidden_layers
+        # Optional measurement hook (None on the normal path): ``recorder.on_recall(engine, layer,
+        # sp_reqs, actual, prev, slot_pages, q_now)`` is called from ``_select`` wherever recall is
+        # measured, before this step's selection changes the mapping; with sticky candidates and a
+        # recorder whose ``kept_reference`` is true, also ``actual_kept=``: the true query's top-K
+        # with the blocks the prediction kept as candidates (what the selection itself would have
+        # chosen knowing the query; one more top-K per layer, so a recorder opts in).
+        # ``oasiskv.eval`` uses it for per-layer, per-step lookahead accuracy. On a GPU it runs on
+        # the background stream: it must not sync, except an evaluation recorder that accepts the
+        # stall (the attention-mass sample).
+        self.recorder = None
+        self._recall_now = self._store_pred = bool(kv.measure_recall)  # set per step (_recall_phase)
 
     # ---------------------------------------------------------------- prefill
     @torch.no_grad()
