@@ -131,7 +131,8 @@ def main() -> None:
     for i in range(args.requests):
         if not (args.same_prompt and reqs):
             ids = torch.randint(0, cfg.vocab_size, (args.context,), generator=g).tolist()
-        reqs.append(mod._Request(id=i, prompt=ids, max_new_tokens=steps_all + 8))
+        request = mod.Request if hasattr(mod, "Request") else mod._Request  # engine_old: the old name
+        reqs.append(request(id=i, prompt=ids, max_new_tokens=steps_all + 8))
     eng.ensure_pools(reqs)
     for r in reqs:
         drafter.begin(r.id, r.prompt)
