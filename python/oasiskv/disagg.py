@@ -46,7 +46,7 @@ request directly as a sparse request: the runtime reserves and hands out its K w
 local page and host blocks and never the prompt's dense pages (``Engine.admit_sparse``, so it
 reserves K + 1 GPU pages, not the prompt's), the admission's summary
 rows and blocks are written into the host pool and summaries, the partial last block into the local
-page, and the initial working set is selected with the staged query (``Engine._select_and_fetch``,
+page, and the initial working set is selected with the staged query (``Engine.select_initial``,
 as ``Engine.make_sparse`` does). Then it is an ordinary sparse request. ``kv_transfer``:
 
 - ``"full"`` (the baseline): the admission reads every block (and the sections), so the host pool
@@ -1282,8 +1282,7 @@ class RemoteKvSource(BlockSource):
             q = query[layer].view(1, g.num_qo_heads, g.head_dim).to(dev).contiguous()
             k = eng.kv.layer_budget(layer)  # KvConfig.layer_blocks: the layer's first k slots
             slots = slot_pages if k == slot_pages.shape[1] else slot_pages[:, :k].contiguous()
-            pred, _ = eng._select_and_fetch(layer, q, slots, blk, host, eng.step_no, k, k, initial=True)
-            eng._initial_selection(layer, r.slot, pred[0])
+            eng.select_initial(r, layer, q, slots, blk, host, k)
 
     # ---------------------------------------------------------------- decode-time misses
     @property

@@ -444,18 +444,15 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
             row = self._last_row[r.id]
             q = self._last_q[layer][row : row + 1].reshape(1, g.num_qo_heads, g.head_dim).contiguous()
             k_budget = kv.layer_budget(layer)
-            pred, _ = self._select_and_fetch(
+            self.select_initial(
+                r,
                 layer,
                 q,
                 slot_pages[:, :k_budget].contiguous(),
                 (blk_indptr, blk_indices),
                 (host_indptr, host_indices),
-                self.step_no,
                 k_budget,
-                k_budget,
-                initial=True,
             )
-            self._initial_selection(layer, r.slot, pred[0])
 
     # ---------------------------------------------------------------- one decode step
     def _plan(

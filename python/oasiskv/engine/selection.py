@@ -262,6 +262,15 @@ class SelectionMixin:
             return True, True
         return self.step_no % every == 0, keep or (self.step_no + 1) % every == 0
 
+    def select_initial(self, r, layer: int, q, slot_pages, blk_csr, host_csr, k_budget: int) -> None:
+        """A request's initial working set at ``layer`` (it turns sparse, or a staged request is
+        admitted): the top ``k_budget`` blocks for the query ``q`` ``[1, num_qo_heads, head_dim]``
+        without the fetch cap, gathered into ``slot_pages``, and recorded as the slot's prediction."""
+        pred, _ = self._select_and_fetch(
+            layer, q, slot_pages, blk_csr, host_csr, self.step_no, k_budget, k_budget, initial=True
+        )
+        self._initial_selection(layer, r.slot, pred[0])
+
     def _fix_up_gathers(self, plans: list) -> None:
         """After a graph step with a block source: each layer's plan goes to the source, which
         reads the planned block-heads the host pool lacked; where it read any, the layer is
