@@ -397,6 +397,7 @@ def test_padded_plan_keeps_its_layout_and_pads_as_documented():
 
 
 def test_capacity_buckets_of_captured_steps():
+    # The graph room's private bucket functions are what this test checks.
     from oasiskv.engine.graphs import _bucket, _round_cap
 
     assert [_bucket(n) for n in (1, 2, 3, 5, 8, 9, 16, 17, 26, 33, 64, 65)] == [
