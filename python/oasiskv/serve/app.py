@@ -138,61 +138,24 @@ class _Choice:
         self.text_pos = len(self.echo)
 
 
-def build_app(llm_engine: LLMEngine, config: ServeConfig) -> FastAPI:
-    """The FastAPI app serving ``llm_engine``. Its lifespan starts the engine thread and stops
-    it (aborting whatever runs) at shutdown; from then on only that thread touches the engine."""
-    engine_loop = EngineLoop(llm_engine, max_queue=config.max_queue, model_name=config.model_name)
-    metrics = engine_loop.metrics
-    tok = llm_engine.tokenizer
-    mcfg = llm_engine.model.config
-    ctx = int(mcfg.max_position_embeddings)
-    vocab = int(mcfg.vocab_size)
-    created = int(time.time())
-    pieces = TokenPieces(tok)
+class _Server:
+    """The state the handlers share (the engine thread, the model's numbers, the config) and the
+    steps of a request: parsing and validating it, submitting its choices, and answering."""
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI):
-        engine_loop.start()
-        try:
-            yield
-        finally:
-            await asyncio.to_thread(engine_loop.stop)
-
-    # No /docs or /openapi.json: the handlers parse their bodies themselves (to answer every
-    # mistake with an OpenAI error), so the generated schema would say nothing useful.
-    app = FastAPI(
-        title="OasisKV", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
-    )
-    app.state.engine_loop = engine_loop
-    app.state.config = config
-    app.add_middleware(_BearerAuth, api_key=config.api_key, on_reject=metrics.reject)
-
-    # ------------------------------------------------------------------ errors
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, e: ApiError):
-        if e.status < 500:
-            metrics.reject("overload" if e.status == 429 else "bad_request")
-        return e.response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, e: StarletteHTTPException):
-        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
-        return ApiError(e.status_code, str(e.detail), code=code, headers=e.headers).response()
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request: Request, e: RequestValidationError):
-        errs = e.errors()
-        msg = str(errs[0].get("msg", "invalid request")) if errs else "invalid request"
-        return ApiError(400, msg).response()
-
-    @app.exception_handler(Exception)
-    async def _internal_error(request: Request, e: Exception):
-        log.exception("unhandled error serving %s", request.url.path)
-        return ApiError(500, "internal server error", type_="server_error").response()
+    def __init__(self, llm_engine: LLMEngine, config: ServeConfig) -> None:
+        self.config = config
+        self.engine_loop = EngineLoop(llm_engine, max_queue=config.max_queue, model_name=config.model_name)
+        self.metrics = self.engine_loop.metrics
+        self.tok = llm_engine.tokenizer
+        mcfg = llm_engine.model.config
+        self.ctx = int(mcfg.max_position_embeddings)
+        self.vocab = int(mcfg.vocab_size)
+        self.created = int(time.time())
+        self.pieces = TokenPieces(self.tok)
 
     # ------------------------------------------------------------------ request parsing
-    async def read_json(request: Request) -> dict:
-        limit = config.max_body_bytes
+    async def read_json(self, request: Request) -> dict:
+        limit = self.config.max_body_bytes
         too_big = ApiError(413, f"the request body is larger than {limit} bytes", code="request_too_large")
         declared = request.headers.get("content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
@@ -214,7 +177,7 @@ def build_app(llm_engine: LLMEngine, config: ServeConfig) -> FastAPI:
             raise ApiError(400, "the body must be a JSON object", code="invalid_json")
         return obj
 
-    def validate(cls, obj: dict):
+    def validate(self, cls, obj: dict):
         try:
             req = cls.model_validate(obj)
         except ValidationError as e:
@@ -225,12 +188,12 @@ def build_app(llm_engine: LLMEngine, config: ServeConfig) -> FastAPI:
             req.check_supported()
         except P.UnsupportedParameter as e:
             raise ApiError(400, str(e), param=e.param, code="unsupported_parameter") from None
-        if req.model not in config.model_names:
-            raise not_served(req.model)
+        if req.model not in self.config.model_names:
+            raise self.not_served(req.model)
         return req
 
-    def not_served(model: str) -> ApiError:
-        served = ", ".join(repr(m) for m in config.model_names)
+    def not_served(self, model: str) -> ApiError:
+        served = ", ".join(repr(m) for m in self.config.model_names)
         return ApiError(
             404,
             f"model {model!r} is not served here; this server serves {served}",
@@ -238,24 +201,25 @@ def build_app(llm_engine: LLMEngine, config: ServeConfig) -> FastAPI:
             code="model_not_found",
         )
 
-    def check(text: str, param: str) -> None:
+    def check(self, text: str, param: str) -> None:
         """400 for text with no UTF-8 form (a lone surrogate), naming the field."""
         try:
             check_text(text, param)
         except InvalidTextError as e:
             raise ApiError(400, str(e), param=param.split("[")[0], code="invalid_text") from None
 
-    async def encode(prompt, param: str) -> list[int]:
+    async def encode(self, prompt, param: str) -> list[int]:
         # Off the event loop: a prompt near --max-body-bytes takes a while to tokenize.
         try:
-            return await asyncio.to_thread(prompt_token_ids, prompt, tok, vocab, param)
+            return await asyncio.to_thread(prompt_token_ids, prompt, self.tok, self.vocab, param)
         except InvalidTextError as e:
             raise ApiError(400, f"{param}: {e}", param=param, code="invalid_text") from None
         except ConfigError as e:
             raise ApiError(400, str(e), param=param, code="invalid_prompt") from None
 
-    def sampling(req, n_prompt: int, param: str) -> list[SamplingParams]:
+    def sampling(self, req, n_prompt: int, param: str) -> list[SamplingParams]:
         """One SamplingParams per choice (choice i of a seeded request: seed + i)."""
+        ctx, engine_loop = self.ctx, self.engine_loop
         max_tokens = req.max_new_tokens()
         budget = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
         if n_prompt > ctx:
@@ -267,7 +231,7 @@ def build_app(llm_engine: LLMEngine, config: ServeConfig) -> FastAPI:
             )
         left = ctx - n_prompt + 1  # the most that fits (the last token is never fed)
         if max_tokens is None:
-            max_tokens = min(config.max_tokens_default, left)
+            max_tokens = min(self.config.max_tokens_default, left)
         elif max_tokens > left:
             raise ApiError(
                 400,
@@ -301,10 +265,10 @@ def build_app(llm_engine: LLMEngine, config: ServeConfig) -> FastAPI:
                 raise ApiError(400, str(e), code="invalid_value") from None
         return out
 
-    async def submit(rid: str, ids: list[int], params: SamplingParams, stops, arrival, param):
+    async def submit(self, rid: str, ids: list[int], params: SamplingParams, stops, arrival, param):
         try:
-            return await engine_loop.submit(
-                rid, ids, params, StopChecker(tok, stops) if stops else None, arrival
+            return await self.engine_loop.submit(
+                rid, ids, params, StopChecker(self.tok, stops) if stops else None, arrival
             )
         except Overloaded as e:
             raise ApiError(
@@ -319,30 +283,31 @@ def build_app(llm_engine: LLMEngine, config: ServeConfig) -> FastAPI:
         except OasisError as e:
             raise _error_for(e, param) from None
 
-    async def submit_choices(rid, ids, params: list[SamplingParams], stops, arrival, param, echo: str):
+    async def submit_choices(self, rid, ids, params: list[SamplingParams], stops, arrival, param, echo: str):
         """Submit one engine request per choice; if one is refused, abort those already queued."""
         choices: list[_Choice] = []
         try:
             for i, p in enumerate(params):
                 crid = rid if len(params) == 1 else f"{rid}-{i}"
-                handle = await submit(crid, ids, p, stops, arrival, param)
-                choices.append(_Choice(i, crid, handle, TextAssembler(tok, stops), echo))
+                handle = await self.submit(crid, ids, p, stops, arrival, param)
+                choices.append(_Choice(i, crid, handle, TextAssembler(self.tok, stops), echo))
         except BaseException:
             for c in choices:
-                engine_loop.abort(c.rid)
+                self.engine_loop.abort(c.rid)
             raise
         return choices
 
     # ------------------------------------------------------------------ generation
-    async def watch_disconnect(request: Request, choices: list[_Choice]) -> None:
+    async def watch_disconnect(self, request: Request, choices: list[_Choice]) -> None:
         # The body is read, so the next ASGI message is http.disconnect: sent when the client
         # goes away (or the response completes; an abort of a finished request is ignored).
         # Blocking on it costs nothing per request, unlike polling is_disconnected().
         while (await request.receive())["type"] != "http.disconnect":
             pass
         for c in choices:
-            engine_loop.abort(c.rid)
+            self.engine_loop.abort(c.rid)
 
+    @staticmethod
     async def events(choices: list[_Choice]):
         """``(choice, RequestOutput)`` as the engine reports them, the choices interleaved,
         until every choice's request has finished."""
@@ -373,9 +338,10 @@ def build_app(llm_engine: LLMEngine, config: ServeConfig) -> FastAPI:
             for t in tasks:
                 t.cancel()
 
-    def take(c: _Choice, out, n_lp: int | None) -> list[P.TokenLogprob]:
+    def take(self, c: _Choice, out, n_lp: int | None) -> list[P.TokenLogprob]:
         """Fold one output into its choice; the new tokens' logprob entries (``n_lp``: the
         alternatives asked for, None: no logprobs)."""
+        pieces = self.pieces
         c.asm.push(out.new_token_ids)
         c.n_out += len(out.new_token_ids)
         new = []
@@ -390,12 +356,13 @@ def build_app(llm_engine: LLMEngine, config: ServeConfig) -> FastAPI:
             c.logprobs.extend(new)
         if c.asm.stopped and not out.finished:
             c.finish = "stop"  # the text holds a stop string the engine missed
-            engine_loop.abort(c.rid)
+            self.engine_loop.abort(c.rid)
         elif out.finished:
             c.finish, c.error, c.done = out.finish_reason, out.error, True
             c.asm.finish()
         return new
 
+    @staticmethod
     def failure(choices: list[_Choice]) -> ApiError | None:
         for c in choices:
             if c.finish == "error":
@@ -407,29 +374,29 @@ def build_app(llm_engine: LLMEngine, config: ServeConfig) -> FastAPI:
                 return ApiError(503, "the request was aborted", type_="server_error", code="aborted")
         return None
 
-    async def run(request: Request, req, rid: str, choices: list[_Choice], n_prompt: int, chat: bool):
+    async def run(self, request: Request, req, rid: str, choices: list[_Choice], n_prompt: int, chat: bool):
         # The watcher starts here, not inside the stream: if the response never starts (the
         # client left already), nothing would run the stream's cleanup.
-        watcher = asyncio.create_task(watch_disconnect(request, choices))
+        watcher = asyncio.create_task(self.watch_disconnect(request, choices))
         if req.stream:
             return StreamingResponse(
-                stream(req, rid, choices, n_prompt, chat, watcher),
+                self.stream(req, rid, choices, n_prompt, chat, watcher),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
         try:
-            async with aclosing(events(choices)) as evs:
+            async with aclosing(self.events(choices)) as evs:
                 async for c, out in evs:
                     if c.finish is None:
-                        take(c, out, req.num_logprobs())
+                        self.take(c, out, req.num_logprobs())
                     if all(x.finish is not None for x in choices):
                         break
         finally:  # also when the handler is cancelled (shutdown)
             watcher.cancel()
             for c in choices:
                 if not c.done:
-                    engine_loop.abort(c.rid)
-        err = failure(choices)
+                    self.engine_loop.abort(c.rid)
+        err = self.failure(choices)
         if err is not None:
             raise err
         want_lp = req.num_logprobs() is not None
@@ -445,7 +412,7 @@ def build_app(llm_engine: LLMEngine, config: ServeConfig) -> FastAPI:
         build = P.chat_response if chat else P.completion_response
         return JSONResponse(build(rid, req.model, body, n_prompt, sum(c.n_out for c in choices)))
 
-    async def stream(req, rid, choices: list[_Choice], n_prompt, chat, watcher: asyncio.Task):
+    async def stream(self, req, rid, choices: list[_Choice], n_prompt, chat, watcher: asyncio.Task):
         """The SSE body. # Cancel safety: cancelled or closed early, it aborts the requests."""
         model, t0 = req.model, int(time.time())
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -470,18 +437,18 @@ def build_app(llm_engine: LLMEngine, config: ServeConfig) -> FastAPI:
                     yield chunk(c, "", None, [], first=True)
                 elif c.echo:
                     yield chunk(c, c.echo, None, [], first=True)
-            async with aclosing(events(choices)) as evs:
+            async with aclosing(self.events(choices)) as evs:
                 async for c, out in evs:
                     if c.finish is not None:
                         continue  # stopped by a stop string; its abort's report
-                    lp = take(c, out, req.num_logprobs())
+                    lp = self.take(c, out, req.num_logprobs())
                     if c.finish is None:
                         piece = c.asm.delta()
                         if piece or lp:
                             yield chunk(c, piece, None, lp)
                         continue
                     if c.finish in ("error", "abort"):
-                        err = failure([c])
+                        err = self.failure([c])
                         yield _sse(P.error_body(err.message, "server_error", None, f"engine_{c.finish}"))
                         return
                     yield chunk(c, c.asm.delta(final=True), c.finish, lp)
@@ -494,61 +461,102 @@ def build_app(llm_engine: LLMEngine, config: ServeConfig) -> FastAPI:
             watcher.cancel()
             for c in choices:
                 if not c.done:
-                    engine_loop.abort(c.rid)
+                    self.engine_loop.abort(c.rid)
 
-    # ------------------------------------------------------------------ routes
+    def card(self, name: str) -> dict:
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "oasiskv",
+            "max_model_len": self.ctx,
+        }
+
+
+# ---------------------------------------------------------------------- routes, by family
+def _add_error_handlers(app: FastAPI, srv: _Server) -> None:
+    """Every refusal as an OpenAI error body (and the bad-request and overload counters)."""
+    metrics = srv.metrics
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError):
+        if e.status < 500:
+            metrics.reject("overload" if e.status == 429 else "bad_request")
+        return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return ApiError(e.status_code, str(e.detail), code=code, headers=e.headers).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        errs = e.errors()
+        msg = str(errs[0].get("msg", "invalid request")) if errs else "invalid request"
+        return ApiError(400, msg).response()
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, e: Exception):
+        log.exception("unhandled error serving %s", request.url.path)
+        return ApiError(500, "internal server error", type_="server_error").response()
+
+
+def _add_completion_routes(app: FastAPI, srv: _Server) -> None:
+    """``POST /v1/completions``."""
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         arrival = time.monotonic()
-        req = validate(P.CompletionRequest, await read_json(request))
+        req = srv.validate(P.CompletionRequest, await srv.read_json(request))
         prompt = req.prompt_input()
         if isinstance(prompt, str):
-            check(prompt, "prompt")
-        ids = await encode(prompt, "prompt")
-        params = sampling(req, len(ids), "prompt")
+            srv.check(prompt, "prompt")
+        ids = await srv.encode(prompt, "prompt")
+        params = srv.sampling(req, len(ids), "prompt")
         echo = ""
         if req.echo:
-            echo = prompt if isinstance(prompt, str) else token_text(tok, ids)
+            echo = prompt if isinstance(prompt, str) else token_text(srv.tok, ids)
         rid = f"cmpl-{uuid.uuid4().hex}"
-        choices = await submit_choices(rid, ids, params, req.stop_strings(), arrival, "prompt", echo)
-        return await run(request, req, rid, choices, len(ids), chat=False)
+        choices = await srv.submit_choices(rid, ids, params, req.stop_strings(), arrival, "prompt", echo)
+        return await srv.run(request, req, rid, choices, len(ids), chat=False)
+
+
+def _add_chat_routes(app: FastAPI, srv: _Server) -> None:
+    """``POST /v1/chat/completions``."""
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         arrival = time.monotonic()
-        req = validate(P.ChatCompletionRequest, await read_json(request))
+        req = srv.validate(P.ChatCompletionRequest, await srv.read_json(request))
+        tok = srv.tok
         if tok is None:
             raise ApiError(400, "this model has no tokenizer, so no chat template; use /v1/completions")
         for i, m in enumerate(req.messages):
-            check(m.text(), f"messages[{i}].content")
+            srv.check(m.text(), f"messages[{i}].content")
         try:
             text = await asyncio.to_thread(tok.apply_chat_template, req.template_messages())
         except ConfigError as e:
             raise ApiError(400, str(e), param="messages", code="invalid_messages") from None
-        ids = await encode(text, "messages")
-        params = sampling(req, len(ids), "messages")
+        ids = await srv.encode(text, "messages")
+        params = srv.sampling(req, len(ids), "messages")
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        choices = await submit_choices(rid, ids, params, req.stop_strings(), arrival, "messages", "")
-        return await run(request, req, rid, choices, len(ids), chat=True)
+        choices = await srv.submit_choices(rid, ids, params, req.stop_strings(), arrival, "messages", "")
+        return await srv.run(request, req, rid, choices, len(ids), chat=True)
 
-    def card(name: str) -> dict:
-        return {
-            "id": name,
-            "object": "model",
-            "created": created,
-            "owned_by": "oasiskv",
-            "max_model_len": ctx,
-        }
+
+def _add_info_routes(app: FastAPI, srv: _Server) -> None:
+    """``GET /v1/models``, ``GET /v1/models/{id}``, ``GET /health`` and ``GET /metrics``."""
+    config, engine_loop, metrics = srv.config, srv.engine_loop, srv.metrics
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [card(m) for m in config.model_names]}
+        return {"object": "list", "data": [srv.card(m) for m in config.model_names]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         if model_id not in config.model_names:
-            raise not_served(model_id)
-        return card(model_id)
+            raise srv.not_served(model_id)
+        return srv.card(model_id)
 
     @app.get("/health")
     async def health():
@@ -564,6 +572,33 @@ def build_app(llm_engine: LLMEngine, config: ServeConfig) -> FastAPI:
         body, content_type = metrics.render(request.headers.get("accept"))
         return Response(body, headers={"Content-Type": content_type})
 
+
+def build_app(llm_engine: LLMEngine, config: ServeConfig) -> FastAPI:
+    """The FastAPI app serving ``llm_engine``. Its lifespan starts the engine thread and stops
+    it (aborting whatever runs) at shutdown; from then on only that thread touches the engine."""
+    srv = _Server(llm_engine, config)
+    engine_loop = srv.engine_loop
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine_loop.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine_loop.stop)
+
+    # No /docs or /openapi.json: the handlers parse their bodies themselves (to answer every
+    # mistake with an OpenAI error), so the generated schema would say nothing useful.
+    app = FastAPI(
+        title="OasisKV", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
+    app.state.engine_loop = engine_loop
+    app.state.config = config
+    app.add_middleware(_BearerAuth, api_key=config.api_key, on_reject=srv.metrics.reject)
+    _add_error_handlers(app, srv)
+    _add_completion_routes(app, srv)
+    _add_chat_routes(app, srv)
+    _add_info_routes(app, srv)
     return app
 
 
