@@ -228,14 +228,7 @@ class KvConfig:
         if self.block_score not in BLOCK_SCORES:
             raise ConfigError(f"block_score must be one of {BLOCK_SCORES}, got {self.block_score!r}")
         two_stage = self.block_score == "codes" and self.select_queries == "lookahead"
-        if self.score_candidates == AUTO:
-            self._set("score_candidates", FIDELITY_SELECTION["score_candidates"] if two_stage else None)
-            resolved.append("score_candidates")
-        if self.sticky_candidates == AUTO:
-            self._set("sticky_candidates", self.score_candidates is not None)
-            resolved.append("sticky_candidates")
-        if self.lookahead_min_confidence == AUTO and not two_stage:
-            self._set("lookahead_min_confidence", None)
+        self._resolve_two_stage(two_stage, resolved)
         _check_int(
             "block_size", self.block_size, 1, MAX_BLOCK_SIZE, "use a smaller block_size (16 to 64 is usual)"
         )
@@ -282,15 +275,7 @@ class KvConfig:
             "pinned blocks take slots of the budget beside the sink blocks, and at least one must stay "
             "for the selection; lower pin_blocks (or sink_blocks) or raise top_k_blocks",
         )
-        if self.successor_blocks == AUTO:
-            auto = 0
-            if self.block_score == "codes":
-                # The smallest layer budget bounds it (an invalid one is reported below).
-                lb = self.layer_blocks if isinstance(self.layer_blocks, tuple) else ()
-                k = min([x for x in lb if isinstance(x, int)] or [self.top_k_blocks])
-                auto = auto_successor_blocks(k, self.sink_blocks, self.pin_blocks)
-            self._set("successor_blocks", auto)
-            resolved.append("successor_blocks")
+        self._resolve_successors(resolved)
         self._set("_auto", tuple((name, getattr(self, name)) for name in resolved))
         _check_int(
             "successor_blocks",
@@ -368,6 +353,31 @@ class KvConfig:
                 f"the budget needs top_k_blocks + 1 = {self.top_k_blocks + 1} GPU pages per sparse request "
                 f"but num_gpu_pages={self.num_gpu_pages}; lower top_k_blocks or raise num_gpu_pages"
             )
+
+    def _resolve_two_stage(self, two_stage: bool, resolved: list[str]) -> None:
+        """Resolve the two stages' ``"auto"`` fields (appending their names to ``resolved``): the
+        fidelity selection's candidates with the codes score, none with the Quest score."""
+        if self.score_candidates == AUTO:
+            self._set("score_candidates", FIDELITY_SELECTION["score_candidates"] if two_stage else None)
+            resolved.append("score_candidates")
+        if self.sticky_candidates == AUTO:
+            self._set("sticky_candidates", self.score_candidates is not None)
+            resolved.append("sticky_candidates")
+        if self.lookahead_min_confidence == AUTO and not two_stage:
+            self._set("lookahead_min_confidence", None)
+
+    def _resolve_successors(self, resolved: list[str]) -> None:
+        """Resolve ``successor_blocks="auto"`` for the smallest layer budget (appending its name to
+        ``resolved``); called once the sink and pin counts are validated."""
+        if self.successor_blocks == AUTO:
+            auto = 0
+            if self.block_score == "codes":
+                # The smallest layer budget bounds it (an invalid one is reported below).
+                lb = self.layer_blocks if isinstance(self.layer_blocks, tuple) else ()
+                k = min([x for x in lb if isinstance(x, int)] or [self.top_k_blocks])
+                auto = auto_successor_blocks(k, self.sink_blocks, self.pin_blocks)
+            self._set("successor_blocks", auto)
+            resolved.append("successor_blocks")
 
     def _set(self, name: str, value) -> None:
         """Resolve an ``"auto"`` field at construction (the dataclass is frozen)."""
