@@ -86,12 +86,12 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from . import ops
-from .config import KvConfig
-from .drafters import Drafter, make_drafter
-from .engine import Engine, Request
-from .errors import ConfigError, InvalidArgumentError, OutOfBlocksError, RemoteError
-from .policy import BlockSource
+from .. import ops
+from ..config import KvConfig
+from ..drafters import Drafter, make_drafter
+from ..engine import Engine, Request
+from ..errors import ConfigError, InvalidArgumentError, OutOfBlocksError, RemoteError
+from ..policy import BlockSource
 
 log = logging.getLogger("oasiskv.disagg")
 
@@ -236,7 +236,7 @@ class StagedRequest:
 
 
 def _client(src: str, token, timeout_s: float):
-    from ._core import RtClient
+    from .._core import RtClient
 
     return RtClient(kv_source_url(src), token=token, timeout_s=float(timeout_s))
 
@@ -792,7 +792,7 @@ class RemoteKvSource(BlockSource):
 
     def _call(self, fn, *args):
         """A client call, retried after a reconnect on a transport failure (``retries`` times)."""
-        from .errors import RemoteTimeoutError, RemoteUnavailableError
+        from ..errors import RemoteTimeoutError, RemoteUnavailableError
 
         for attempt in range(self.retries + 1):
             try:
@@ -1165,7 +1165,7 @@ class RemoteKvSource(BlockSource):
 
     def _build_summaries(self, tr: dict) -> None:
         """Summaries of every block from the host pool (``transfer="full"``)."""
-        from .engine import i32
+        from ..engine import i32
 
         eng = self.engine
         p, dev = eng.pools, eng.device
@@ -1270,7 +1270,7 @@ class RemoteKvSource(BlockSource):
     def _select_initial(self, r: Request, tr: dict, query: torch.Tensor) -> None:
         """The initial working set, selected with the staged query without the cap (as
         ``Engine.make_sparse`` does with the latest lookahead query)."""
-        from .engine import csr_tables, i32
+        from ..engine import csr_tables, i32
 
         eng = self.engine
         g, dev = eng.geo, eng.device
