@@ -440,280 +440,343 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    args = build_parser().parse_args(argv)
-    t_start = time.perf_counter()
-    from ..models.loader import load_model
+    """The run, in named steps: :meth:`_Run.setup` (device, target, corpus, held-out windows),
+    :meth:`_Run.start` (a fresh head, or the state an interrupted run saved), :meth:`_Run.train`
+    (the step loop and its checkpoints) and :meth:`_Run.finish` (the held-out evaluation, the
+    saved head, ``training.json``)."""
+    run = _Run(build_parser().parse_args(argv))
+    run.setup()
+    run.start()
+    if run.train():
+        return 0  # stopped by --stop-after-minutes: the state is saved
+    run.finish(argv)
+    return 0
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(
-        ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    )  # training needs no OasisKV kernel: any CUDA device torch sees will do
-    cuda = device.type == "cuda"
-    _defaults(args, cuda)
-    if cuda:
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    progress = not args.no_progress
-    setup_s: dict[str, float] = {}  # this invocation's setup, by phase (not counted in --minutes)
-    t_phase = time.perf_counter()
 
-    def phase(name: str) -> None:
-        nonlocal t_phase
+class _Run:
+    """One invocation of the trainer: its arguments, device, target, corpus and head, and where
+    the schedule stands (``step``, ``total``, ``warm``, ``elapsed``). :func:`_main` runs its
+    steps in order; each step reads what the ones before it set."""
+
+    def __init__(self, args) -> None:
+        self.args = args
+        self.t_start = time.perf_counter()
+        self.setup_s: dict[str, float] = {}  # this invocation's setup, by phase (not counted in --minutes)
+
+    def phase(self, name: str) -> None:
+        """Record the setup phase that just ended (``training.json: setup_s``)."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        self.setup_s[name] = round(now - self.t_phase, 2)
+        self.t_phase = now
+
+    def setup(self) -> None:
+        """The device, the frozen target (and its bf16 copy on a GPU), the corpus split and the
+        held-out windows."""
+        from ..models.loader import load_model
+
+        args = self.args
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        device = torch.device(
+            ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+        )  # training needs no OasisKV kernel: any CUDA device torch sees will do
+        cuda = device.type == "cuda"
+        self.device, self.cuda = device, cuda
+        _defaults(args, cuda)
         if cuda:
-            torch.cuda.synchronize(device)
-        now = time.perf_counter()
-        setup_s[name] = round(now - t_phase, 2)
-        t_phase = now
-
-    target, tok = load_model(args.model, dtype=torch.float32, device=device)
-    target.eval()
-    # On a GPU the training passes read a bf16 copy of the target (as the engine serves it there):
-    # the project's fused kernels take one dtype, so an f32 target under autocast is refused.
-    train_target = load_model(args.model, dtype=torch.bfloat16, device=device)[0].eval() if cuda else target
-    L = target.config.num_hidden_layers
-    sep = tok.token_to_id("<|endoftext|>")
-    if sep is None:
-        sep = (tok.eos_token_ids or [0])[0]
-    phase("load")
-    files, heldout, fp = split_corpus(args.source, args.seed)
-    phase("corpus_listing")
-    windows = torch.tensor(
-        [
-            w["tokens"]
-            for w in corpus.heldout_texts(
-                tok, args.seq_len, args.eval_seqs, source=args.source, seed=args.seed, files=heldout
-            )
-        ]
-    )
-    phase("heldout_windows")
-
-    state_path = out / "train_state.pt"
-    state = None
-    if state_path.is_file() and not args.fresh:
-        state = torch.load(state_path, map_location="cpu", weights_only=False)
-        print(f"resuming from {state_path} at step {state['step']}", file=sys.stderr)
-    if state is not None:
-        sel = state["sel"]
-    else:
-        sel = draft_vocab(tok, files, sep, target.config.vocab_size, args.draft_vocab, args.vocab_tokens)
-        phase("draft_vocab")
-    head = new_head(target, sel, args.seed, device)
-    opt = torch.optim.AdamW(
-        head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=cuda
-    )
-    log: list[dict] = []
-    step, elapsed, total = 0, 0.0, args.steps
-    # The warm-up is fixed before the first step (the schedule of the steps before the total is
-    # known must not depend on it): a tenth of --steps at most when the default is left to it.
-    if args.warmup is not None:
-        warm = args.warmup
-    elif args.steps is not None:
-        warm = min(DEFAULT_WARMUP, max(1, args.steps // 10))
-    else:
-        warm = DEFAULT_WARMUP
-    cursor = (0, 0)
-    before = None
-    if state is not None:
-        head.load_state_dict(state["head"])
-        opt.load_state_dict(state["opt"])
-        step, elapsed, cursor = state["step"], state["elapsed_s"], tuple(state["cursor"])
-        total = state["total_steps"] if args.steps is None else args.steps
-        warm = state.get("warmup", warm)
-        log, before = state["log"], state["eval_before"]
-        torch.set_rng_state(state["rng"])
-    else:
-        before = evaluate(head, target, windows, sel, args.ttt_steps)
-        print(f"held-out before training: {json.dumps(before)}", file=sys.stderr)
-        phase("heldout_eval_before")
-    setup_total = time.perf_counter() - t_start
-    print(
-        f"setup {setup_total:.1f} s ({', '.join(f'{k} {v:.1f} s' for k, v in setup_s.items())}); "
-        "not counted in --minutes",
-        file=sys.stderr,
-    )
-    stream = TokenStream(tok, files, sep, cursor=cursor)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
-    budget_s = args.minutes * 60.0
-    stop_s = args.stop_after_minutes * 60.0 if args.stop_after_minutes else math.inf
-    t_inv = time.perf_counter()
-    last_ckpt = t_inv
-    step_inv = step  # this invocation's first step
-    t_timed = None  # the time at step step_inv + TIME_FROM
-    truncated = False  # the budget ran out mid-schedule (before the total, or before it was fixed)
-
-    def save_state() -> None:
-        torch.save(
-            {
-                "step": step,
-                "total_steps": total,
-                "warmup": warm,
-                "elapsed_s": elapsed + (time.perf_counter() - t_inv),
-                "cursor": list(state_cursor),
-                "sel": sel,
-                "head": head.state_dict(),
-                "opt": opt.state_dict(),
-                "rng": torch.get_rng_state(),
-                "log": log,
-                "eval_before": before,
-                "args": vars(args),
-            },
-            state_path.with_suffix(".tmp"),
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.progress = not args.no_progress
+        self.t_phase = time.perf_counter()
+        target, tok = load_model(args.model, dtype=torch.float32, device=device)
+        target.eval()
+        # On a GPU the training passes read a bf16 copy of the target (as the engine serves it
+        # there): the project's fused kernels take one dtype, so an f32 target under autocast is
+        # refused.
+        self.train_target = (
+            load_model(args.model, dtype=torch.bfloat16, device=device)[0].eval() if cuda else target
         )
-        os.replace(state_path.with_suffix(".tmp"), state_path)
-
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=total, initial=step, desc="eagle3", unit="step")
-    logf = (out / "train_log.jsonl").open("a", encoding="utf-8")
-    stopped = False
-    head.train()
-    first_losses: list[float] = [r["loss"] for r in log[:10]]
-    recent: list[torch.Tensor] = []
-    tokens = stream.batch(args.batch_size, args.seq_len)
-    state_cursor = cursor  # the stream position after the last batch trained on
-    while total is None or step < total:
-        if total is None and step - step_inv in (TIME_FROM, TIME_TO):
-            if cuda:
-                torch.cuda.synchronize(device)  # time finished steps, not queued ones
-            if step - step_inv == TIME_FROM:
-                t_timed = time.perf_counter()
-            else:
-                now = time.perf_counter()
-                per_step = (now - t_timed) / (TIME_TO - TIME_FROM)
-                left = budget_s - (elapsed + (now - t_inv))
-                total = max(step + 1, step + int(MARGIN * left / per_step))
-                print(
-                    f"{per_step:.3f} s/step over steps {step_inv + TIME_FROM}..{step}: {total} steps in all",
-                    file=sys.stderr,
+        self.target, self.tok = target, tok
+        sep = tok.token_to_id("<|endoftext|>")
+        if sep is None:
+            sep = (tok.eos_token_ids or [0])[0]
+        self.sep = sep
+        self.phase("load")
+        self.files, self.heldout, self.fp = split_corpus(args.source, args.seed)
+        self.phase("corpus_listing")
+        self.windows = torch.tensor(
+            [
+                w["tokens"]
+                for w in corpus.heldout_texts(
+                    tok, args.seq_len, args.eval_seqs, source=args.source, seed=args.seed, files=self.heldout
                 )
-                if bar:
-                    bar.total = total
-                    bar.refresh()
-        now = time.perf_counter()
-        spent = elapsed + (now - t_inv)
-        if args.steps is None and spent >= budget_s:
-            truncated = True  # the estimate ran long, or the budget was spent before step TIME_TO
-            total = step
-            break
-        if now - t_inv >= stop_s:
-            stopped = True
-            break
-        lr = lr_at(step, total or 10**9, args.lr, warm, args.min_lr_ratio)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        feats, z, _ = target_pass(train_target, tokens, sel)
-        with autocast:
-            outs = ttt_forward(head, feats, tokens, args.ttt_steps)
-            loss, losses, accs = ttt_loss(outs, z, args.ttt_decay)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        gn = torch.nn.utils.clip_grad_norm_(head.parameters(), args.grad_clip)
-        opt.step()
-        step += 1
-        state_cursor = stream.cursor
-        if total is None or step < total:
-            tokens = stream.batch(args.batch_size, args.seq_len)  # CPU work while the device runs
-        recent = [*recent[-9:], loss.detach()]
-        if len(first_losses) < 10:
-            first_losses.append(float(loss.detach()))
-        if step % args.log_every == 0 or step == 1 or step == total:
-            rec = {
-                "step": step,
-                "loss": float(loss.detach()),
-                "pass_losses": losses.tolist(),
-                "pass_top1": accs.tolist(),
-                "lr": lr,
-                "grad_norm": float(gn),
-                "elapsed_s": round(elapsed + time.perf_counter() - t_inv, 2),
-                "epoch": stream.epoch,
-            }
-            log.append(rec)
-            logf.write(json.dumps(rec) + "\n")
-            logf.flush()
-            if bar:
-                bar.set_postfix(loss=f"{rec['loss']:.3f}", top1=f"{rec['pass_top1'][0]:.3f}")
-        if bar:
-            bar.update(1)
-        if time.perf_counter() - last_ckpt >= args.checkpoint_minutes * 60:
-            save_state()
-            last_ckpt = time.perf_counter()
-    if bar:
-        bar.close()
-    logf.close()
-    if stopped:
-        save_state()
+            ]
+        )
+        self.phase("heldout_windows")
+
+    def start(self) -> None:
+        """The draft vocabulary, the head and its optimizer, and the schedule: fresh (then the
+        held-out evaluation before training), or from ``train_state.pt`` of an interrupted run."""
+        args, target = self.args, self.target
+        self.state_path = self.out / "train_state.pt"
+        state = None
+        if self.state_path.is_file() and not args.fresh:
+            state = torch.load(self.state_path, map_location="cpu", weights_only=False)
+            print(f"resuming from {self.state_path} at step {state['step']}", file=sys.stderr)
+        if state is not None:
+            sel = state["sel"]
+        else:
+            sel = draft_vocab(
+                self.tok, self.files, self.sep, target.config.vocab_size, args.draft_vocab, args.vocab_tokens
+            )
+            self.phase("draft_vocab")
+        self.sel = sel
+        self.head = head = new_head(target, sel, args.seed, self.device)
+        self.opt = torch.optim.AdamW(
+            head.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=self.cuda
+        )
+        self.log: list[dict] = []
+        self.step, self.elapsed, self.total = 0, 0.0, args.steps
+        # The warm-up is fixed before the first step (the schedule of the steps before the total is
+        # known must not depend on it): a tenth of --steps at most when the default is left to it.
+        if args.warmup is not None:
+            self.warm = args.warmup
+        elif args.steps is not None:
+            self.warm = min(DEFAULT_WARMUP, max(1, args.steps // 10))
+        else:
+            self.warm = DEFAULT_WARMUP
+        self.cursor = (0, 0)
+        self.before = None
+        if state is not None:
+            head.load_state_dict(state["head"])
+            self.opt.load_state_dict(state["opt"])
+            self.step, self.elapsed, self.cursor = state["step"], state["elapsed_s"], tuple(state["cursor"])
+            self.total = state["total_steps"] if args.steps is None else args.steps
+            self.warm = state.get("warmup", self.warm)
+            self.log, self.before = state["log"], state["eval_before"]
+            torch.set_rng_state(state["rng"])
+        else:
+            self.before = evaluate(head, target, self.windows, sel, args.ttt_steps)
+            print(f"held-out before training: {json.dumps(self.before)}", file=sys.stderr)
+            self.phase("heldout_eval_before")
+        self.setup_total = time.perf_counter() - self.t_start
         print(
-            f"stopped at step {step}/{total} after --stop-after-minutes; state in {state_path}: run the same "
-            "command again to resume",
+            f"setup {self.setup_total:.1f} s "
+            f"({', '.join(f'{k} {v:.1f} s' for k, v in self.setup_s.items())}); "
+            "not counted in --minutes",
             file=sys.stderr,
         )
-        return 0
-    train_s = elapsed + (time.perf_counter() - t_inv)
-    t_finish = time.perf_counter()
-    after = evaluate(head, target, windows, sel, args.ttt_steps)
-    size = _save_head(head, out, getattr(torch, args.save_dtype))
-    # The saved head, reloaded as users load it, drafts the same tokens (save dtype permitting).
-    reloaded = Eagle3Head.load(out, target.config, dtype=torch.float32, device=device).attach_target(target)
-    after_reloaded = evaluate(reloaded, target, windows, sel, 1)
-    first = first_losses or [math.nan]
-    last = [float(x) for x in recent] or [math.nan]
-    run_args = {**vars(args), "steps": step, "warmup": warm, "device": device.type}
-    summary = {
-        "command": "python -m oasiskv.train.eagle3 "
-        + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
-        "reproduce": reproduce_command(run_args),
-        # A run whose budget ran out before the step count it had fixed (or before it fixed one)
-        # stopped mid-schedule: a run with --steps of that count decays its learning rate to the end.
-        "reproduce_exact": not truncated,
-        "args": vars(args),
-        "reproduce_args": {k: v for k, v in run_args.items() if k not in NOT_REPRODUCED},
-        "target": args.model,
-        "capture_layers": list(Eagle3Head.capture_layers(L)),
-        "draft_vocab": len(sel),
-        "steps": step,
-        "tokens_seen": step * args.batch_size * args.seq_len,
-        "epochs_started": stream.epoch,
-        "warmup_steps": warm,
-        "train_s": train_s,
-        "setup_s": {**setup_s, "total": round(setup_total, 2)},
-        "finish_s": round(time.perf_counter() - t_finish, 2),
-        "wall_s_this_invocation": time.perf_counter() - t_start,
-        "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if cuda else ""),
-        "torch": torch.__version__,
-        "corpus_source": args.source,
-        "corpus_fingerprint": fp,
-        "train_files": len(files),
-        "heldout_files": len(heldout),
-        "heldout_windows": int(windows.shape[0]),
-        "loss_first": sum(first) / len(first),
-        "loss_last": sum(last) / len(last),
-        "heldout_before": before,
-        "heldout_after": after,
-        "heldout_after_saved_head": after_reloaded,
-        "acceptance": after_reloaded["acceptance"],
-        "head_file_bytes": size,
-        "head_within_25MB": size <= MAX_HEAD_BYTES,
-    }
-    (out / "training.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
-    if state_path.is_file():
-        state_path.unlink()
-    print(
-        f"trained {step} steps in {train_s / 60:.1f} min: loss {summary['loss_first']:.3f} -> "
-        f"{summary['loss_last']:.3f}; "
-        f"held-out acceptance {before['acceptance']:.3f} -> {after_reloaded['acceptance']:.3f}; head "
-        f"{size / 2**20:.1f} MiB in {out}",
-        file=sys.stderr,
-    )
-    if size > MAX_HEAD_BYTES:
-        print(
-            f"warning: the head file is {size / 2**20:.1f} MiB > 25 MiB; lower --draft-vocab", file=sys.stderr
+
+    def save_state(self, state_cursor) -> None:
+        """Write ``train_state.pt`` (atomically): what a later invocation resumes from."""
+        torch.save(
+            {
+                "step": self.step,
+                "total_steps": self.total,
+                "warmup": self.warm,
+                "elapsed_s": self.elapsed + (time.perf_counter() - self.t_inv),
+                "cursor": list(state_cursor),
+                "sel": self.sel,
+                "head": self.head.state_dict(),
+                "opt": self.opt.state_dict(),
+                "rng": torch.get_rng_state(),
+                "log": self.log,
+                "eval_before": self.before,
+                "args": vars(self.args),
+            },
+            self.state_path.with_suffix(".tmp"),
         )
-    return 0
+        os.replace(self.state_path.with_suffix(".tmp"), self.state_path)
+
+    def train(self) -> bool:
+        """The step loop: without ``--steps`` the total is fixed at step ``TIME_TO`` from the
+        time of steps ``TIME_FROM..TIME_TO``; checkpoints every ``--checkpoint-minutes``. True
+        where ``--stop-after-minutes`` stopped it (the state saved for the same command)."""
+        args, head, opt, sel, cuda, device = self.args, self.head, self.opt, self.sel, self.cuda, self.device
+        self.stream = stream = TokenStream(self.tok, self.files, self.sep, cursor=self.cursor)
+        autocast = (
+            torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
+        )
+        budget_s = args.minutes * 60.0
+        stop_s = args.stop_after_minutes * 60.0 if args.stop_after_minutes else math.inf
+        self.t_inv = t_inv = time.perf_counter()
+        last_ckpt = t_inv
+        elapsed = self.elapsed
+        step_inv = self.step  # this invocation's first step
+        t_timed = None  # the time at step step_inv + TIME_FROM
+        self.truncated = False  # the budget ran out mid-schedule (before the total, or before it was fixed)
+        bar = None
+        if self.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=self.total, initial=self.step, desc="eagle3", unit="step")
+        logf = (self.out / "train_log.jsonl").open("a", encoding="utf-8")
+        stopped = False
+        head.train()
+        self.first_losses: list[float] = [r["loss"] for r in self.log[:10]]
+        self.recent: list[torch.Tensor] = []
+        tokens = stream.batch(args.batch_size, args.seq_len)
+        state_cursor = self.cursor  # the stream position after the last batch trained on
+        while self.total is None or self.step < self.total:
+            step = self.step
+            if self.total is None and step - step_inv in (TIME_FROM, TIME_TO):
+                if cuda:
+                    torch.cuda.synchronize(device)  # time finished steps, not queued ones
+                if step - step_inv == TIME_FROM:
+                    t_timed = time.perf_counter()
+                else:
+                    now = time.perf_counter()
+                    per_step = (now - t_timed) / (TIME_TO - TIME_FROM)
+                    left = budget_s - (elapsed + (now - t_inv))
+                    self.total = max(step + 1, step + int(MARGIN * left / per_step))
+                    print(
+                        f"{per_step:.3f} s/step over steps {step_inv + TIME_FROM}..{step}: "
+                        f"{self.total} steps in all",
+                        file=sys.stderr,
+                    )
+                    if bar:
+                        bar.total = self.total
+                        bar.refresh()
+            now = time.perf_counter()
+            spent = elapsed + (now - t_inv)
+            if args.steps is None and spent >= budget_s:
+                self.truncated = True  # the estimate ran long, or the budget was spent before step TIME_TO
+                self.total = step
+                break
+            if now - t_inv >= stop_s:
+                stopped = True
+                break
+            lr = lr_at(step, self.total or 10**9, args.lr, self.warm, args.min_lr_ratio)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            feats, z, _ = target_pass(self.train_target, tokens, sel)
+            with autocast:
+                outs = ttt_forward(head, feats, tokens, args.ttt_steps)
+                loss, losses, accs = ttt_loss(outs, z, args.ttt_decay)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            gn = torch.nn.utils.clip_grad_norm_(head.parameters(), args.grad_clip)
+            opt.step()
+            self.step = step = step + 1
+            state_cursor = stream.cursor
+            if self.total is None or step < self.total:
+                tokens = stream.batch(args.batch_size, args.seq_len)  # CPU work while the device runs
+            self.recent = [*self.recent[-9:], loss.detach()]
+            if len(self.first_losses) < 10:
+                self.first_losses.append(float(loss.detach()))
+            if step % args.log_every == 0 or step == 1 or step == self.total:
+                rec = {
+                    "step": step,
+                    "loss": float(loss.detach()),
+                    "pass_losses": losses.tolist(),
+                    "pass_top1": accs.tolist(),
+                    "lr": lr,
+                    "grad_norm": float(gn),
+                    "elapsed_s": round(elapsed + time.perf_counter() - t_inv, 2),
+                    "epoch": stream.epoch,
+                }
+                self.log.append(rec)
+                logf.write(json.dumps(rec) + "\n")
+                logf.flush()
+                if bar:
+                    bar.set_postfix(loss=f"{rec['loss']:.3f}", top1=f"{rec['pass_top1'][0]:.3f}")
+            if bar:
+                bar.update(1)
+            if time.perf_counter() - last_ckpt >= args.checkpoint_minutes * 60:
+                self.save_state(state_cursor)
+                last_ckpt = time.perf_counter()
+        if bar:
+            bar.close()
+        logf.close()
+        if stopped:
+            self.save_state(state_cursor)
+            print(
+                f"stopped at step {self.step}/{self.total} after --stop-after-minutes; state in "
+                f"{self.state_path}: run the same command again to resume",
+                file=sys.stderr,
+            )
+        return stopped
+
+    def finish(self, argv: list[str] | None) -> None:
+        """The held-out evaluation after training, the saved head (reloaded as users load it and
+        evaluated again) and ``training.json``; ``train_state.pt`` goes."""
+        args, target, device, sel, step, out = (
+            self.args,
+            self.target,
+            self.device,
+            self.sel,
+            self.step,
+            self.out,
+        )
+        train_s = self.elapsed + (time.perf_counter() - self.t_inv)
+        t_finish = time.perf_counter()
+        after = evaluate(self.head, target, self.windows, sel, args.ttt_steps)
+        size = _save_head(self.head, out, getattr(torch, args.save_dtype))
+        # The saved head, reloaded as users load it, drafts the same tokens (save dtype permitting).
+        reloaded = Eagle3Head.load(out, target.config, dtype=torch.float32, device=device).attach_target(
+            target
+        )
+        after_reloaded = evaluate(reloaded, target, self.windows, sel, 1)
+        first = self.first_losses or [math.nan]
+        last = [float(x) for x in self.recent] or [math.nan]
+        run_args = {**vars(args), "steps": step, "warmup": self.warm, "device": device.type}
+        summary = {
+            "command": "python -m oasiskv.train.eagle3 "
+            + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])),
+            "reproduce": reproduce_command(run_args),
+            # A run whose budget ran out before the step count it had fixed (or before it fixed
+            # one) stopped mid-schedule: a run with --steps of that count decays its learning rate
+            # to the end.
+            "reproduce_exact": not self.truncated,
+            "args": vars(args),
+            "reproduce_args": {k: v for k, v in run_args.items() if k not in NOT_REPRODUCED},
+            "target": args.model,
+            "capture_layers": list(Eagle3Head.capture_layers(target.config.num_hidden_layers)),
+            "draft_vocab": len(sel),
+            "steps": step,
+            "tokens_seen": step * args.batch_size * args.seq_len,
+            "epochs_started": self.stream.epoch,
+            "warmup_steps": self.warm,
+            "train_s": train_s,
+            "setup_s": {**self.setup_s, "total": round(self.setup_total, 2)},
+            "finish_s": round(time.perf_counter() - t_finish, 2),
+            "wall_s_this_invocation": time.perf_counter() - self.t_start,
+            "device": str(device) + (f" ({torch.cuda.get_device_name(device)})" if self.cuda else ""),
+            "torch": torch.__version__,
+            "corpus_source": args.source,
+            "corpus_fingerprint": self.fp,
+            "train_files": len(self.files),
+            "heldout_files": len(self.heldout),
+            "heldout_windows": int(self.windows.shape[0]),
+            "loss_first": sum(first) / len(first),
+            "loss_last": sum(last) / len(last),
+            "heldout_before": self.before,
+            "heldout_after": after,
+            "heldout_after_saved_head": after_reloaded,
+            "acceptance": after_reloaded["acceptance"],
+            "head_file_bytes": size,
+            "head_within_25MB": size <= MAX_HEAD_BYTES,
+        }
+        (out / "training.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+        if self.state_path.is_file():
+            self.state_path.unlink()
+        print(
+            f"trained {step} steps in {train_s / 60:.1f} min: loss {summary['loss_first']:.3f} -> "
+            f"{summary['loss_last']:.3f}; "
+            f"held-out acceptance {self.before['acceptance']:.3f} -> "
+            f"{after_reloaded['acceptance']:.3f}; head "
+            f"{size / 2**20:.1f} MiB in {out}",
+            file=sys.stderr,
+        )
+        if size > MAX_HEAD_BYTES:
+            print(
+                f"warning: the head file is {size / 2**20:.1f} MiB > 25 MiB; lower --draft-vocab",
+                file=sys.stderr,
+            )
 
 
 if __name__ == "__main__":
