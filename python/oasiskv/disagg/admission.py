@@ -1,0 +1,292 @@
+"""Admitting a staged request on the decode side (:class:`AdmissionMixin`, a part of
+:class:`~oasiskv.disagg.remote.RemoteKvSource`): check its geometry and meta, reserve and turn it
+sparse (``Engine.admit_sparse``), bring the admission (every summary row and the admission set,
+or with ``kv_transfer="full"`` every block) into the host pool and summaries, from what the read
+ahead brought (:class:`~oasiskv.disagg.read_ahead.ReadAhead`) or read in the loop, put the
+partial last block in the local page, and select the initial working set with the staged query.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+
+from .. import ops
+from ..engine import Request, csr_tables, i32
+from ..errors import ConfigError, RemoteError
+from . import wire
+from .read_ahead import Prefetched
+from .state import StagedState
+from .wire import DTYPES, META_FORMAT, META_SECTION, QUERY_SECTION, StagedRequest
+
+
+class AdmissionMixin:
+    """The admission steps of :class:`~oasiskv.disagg.remote.RemoteKvSource`, which provides the
+    state they work on: ``engine``, ``transfer``, ``cache_blocks``, ``stats``, its components
+    (``conns``: the daemon connections, ``presence``: the presence map, ``read_ahead``) and the
+    staged requests' bookkeeping (``_by_req``, ``_bounded``, ``_failed``, ``_admitting``), and the
+    host pool writes and reads the admission shares with decode (``_grow_maps``, ``_take_row``,
+    ``_rows_for``, ``_store``, ``_store_blocks``, ``_count_cached``, ``_ensure``, ``_read``,
+    ``_release_remote``, ``end``)."""
+
+    @torch.no_grad()
+    def admit(self, r: Request, handle: StagedRequest) -> None:
+        """Admit ``r`` (its prompt already set) from the daemon's staged KV of ``handle``: reserve,
+        turn it sparse, fill the host pool with the admission (or everything, ``transfer="full"``)
+        and select the initial working set. On failure everything it took goes back and the error
+        propagates (a :class:`~oasiskv.errors.RemoteError`, or ``ConfigError`` when the staged
+        geometry does not match this engine)."""
+        try:
+            self._admit(r, handle)
+        except BaseException:
+            # A staged request handed to the engine is the engine's: it ends here, so does the
+            # daemon's copy (best effort), however the admission failed.
+            self.end(r)
+            self.conns.release(handle.request_id)
+            raise
+
+    def _geometry(self, prompt_len: int) -> tuple[int, int, int, int, int, int]:
+        """The daemon geometry a staged ``prompt_len``-token request must have for this engine."""
+        eng, g = self.engine, self.engine.geo
+        nb = math.ceil(prompt_len / g.block_size)
+        return (eng.cfg.num_hidden_layers, g.num_kv_heads, g.block_size, g.head_dim, eng.dtype.itemsize, nb)
+
+    def _admit(self, r: Request, handle: StagedRequest) -> None:
+        eng = self.engine
+        n = len(r.prompt)
+        expect = self._geometry(n)
+        if tuple(handle.geometry) != expect:
+            raise ConfigError(
+                f"the staged request has geometry {tuple(handle.geometry)} (layers, kv heads, block "
+                f"size, head dim, dtype bytes, blocks) but this engine needs {expect}; prefill with the "
+                "same model, KvConfig.block_size and kv dtype"
+            )
+        if not eng.runtime.reservation(n, r.max_new_tokens)[2]:
+            raise ConfigError(
+                f"a staged request decodes sparsely from its first step, but a {n}-token prompt with "
+                f"max_tokens={r.max_new_tokens} never passes sparse_threshold={eng.kv.threshold_tokens}; "
+                "lower KvConfig.sparse_threshold or raise max_tokens"
+            )
+        wire0 = self.conns.wire()
+        self._admitting = True
+        try:
+            self._admit_staged(r, handle, wire0)
+        finally:
+            self._admitting = False
+
+    def _admit_staged(self, r: Request, handle: StagedRequest, wire0: int) -> None:
+        eng = self.engine
+        g = eng.geo
+        layers = eng.cfg.num_hidden_layers
+        n, b = len(r.prompt), eng.geo.block_size
+        nb = math.ceil(n / b)
+        tr = eng.admit_sparse(r, self.cache_blocks)
+        st = None
+        try:
+            p = eng.pools
+            host_rows = list(tr["host_rows"])
+            bounded = self.cache_blocks is not None
+            st = StagedState(
+                handle.request_id, r, list(tr["host_blocks"]), host_rows, bounded, set(host_rows)
+            )
+            self._by_req[r.id] = st
+            self._bounded += bounded
+            self._grow_maps()
+            # The rows that hold a staged block now: every block's, or (bounded) the partial last
+            # block's alone (the cache rows are empty; the filler only names the owner).
+            first = n // b if bounded else 0
+            if bounded:
+                self.presence.set_owner(host_rows[0], r.id)
+            for logical in range(first, nb):
+                self._take_row(st, host_rows[logical], logical)
+            pf = self.read_ahead.take(handle.request_id)
+            if self.transfer == "full":
+                # The baseline: every block crosses; the summaries are built here, as a local
+                # transition to sparse builds them.
+                if pf is not None:
+                    sections = self._checked_sections(st, pf.sections)
+                    for layer, logicals, data in pf.frames:
+                        self._install(st, layer, logicals, None, data)
+                else:
+                    sections = self._fetch_sections(st)
+                self._fetch_rest(st, layers)  # whatever the read ahead did not bring
+                self._build_summaries(tr)
+            else:
+                sections = self._fetch_admission(st, layers, pf)
+                if pf is not None:
+                    for layer, pairs, data in pf.heads:
+                        blocks, heads = zip(*pairs, strict=True)
+                        self._install(st, layer, blocks, heads, data)
+            try:
+                meta = json.loads(sections[META_SECTION])
+            except (ValueError, UnicodeDecodeError):
+                meta = None
+            if not isinstance(meta, dict) or meta.get("format") != META_FORMAT or meta.get("prompt_len") != n:
+                raise ConfigError(
+                    f"the staged request's meta {meta!r} does not match a {n}-token prompt; pass the "
+                    "handle its PrefillWorker returned"
+                )
+            if DTYPES.get(meta.get("dtype")) != eng.dtype:
+                raise ConfigError(
+                    f"staged KV dtype {meta.get('dtype')!r} differs from this engine's {eng.dtype}"
+                )
+            raw = sections[QUERY_SECTION]
+            want = layers * g.num_qo_heads * g.head_dim * eng.dtype.itemsize
+            if len(raw) != want:
+                raise ConfigError(
+                    f"the staged query section holds {len(raw)} bytes, this engine needs {want} "
+                    "(layers x query heads x head dim); prefill with the same model"
+                )
+            query = torch.frombuffer(bytearray(raw), dtype=eng.dtype)
+            query = query.view(layers, g.num_qo_heads, g.head_dim)
+            if n % b:
+                # The partial last block is the local block: its tokens go to the local page.
+                last = torch.tensor([host_rows[-1]], dtype=torch.long)
+                heads = torch.arange(g.num_kv_heads)
+                for layer in range(layers):
+                    self._ensure(layer, last.expand(g.num_kv_heads), heads)
+                    p.k_pages[layer][tr["local_page"]] = p.host_k[layer][host_rows[-1]].to(p.k_pages[layer])
+                    p.v_pages[layer][tr["local_page"]] = p.host_v[layer][host_rows[-1]].to(p.v_pages[layer])
+            r.sparse = True
+            r.metrics.sparse_since_token = r.kv_len
+            self._select_initial(r, tr, query)
+            if self._failed.pop(r.id, None) is not None:
+                raise RemoteError(st.errors[-1] if st.errors else "admission fetch failed")
+            st.admission_bytes = self.conns.wire() - wire0 + (pf.wire_bytes if pf is not None else 0)
+            r.metrics.network_admission_bytes = st.admission_bytes
+            self.stats.requests += 1
+            self.stats.admission_bytes += st.admission_bytes
+            self.stats.kv_bytes += handle.kv_bytes
+            if self.transfer == "full":
+                # Everything is local now: the daemon's copy is not needed any more.
+                self._release_remote(st)
+        except BaseException:
+            self.end(r)
+            eng.release(r)
+            raise
+
+    # ---------------------------------------------------------------- reading ahead
+    def prefetch(self, handle: StagedRequest) -> None:
+        """Start reading ``handle``'s admission data in a background thread, on a connection of
+        its own: the summaries and admission set (``"partial"``), or every block (``"full"``).
+        Its admission then copies from host memory instead of stalling the decode loop on the
+        network. At most :attr:`prefetch_depth` requests are read ahead (``LLMEngine`` asks for
+        the first waiting ones every step); a failed read only means the admission reads in the
+        loop, as without it (and reports the error there)."""
+        self.read_ahead.start(handle, self._geometry(len(handle.prompt)))
+
+    def ready(self, handle: StagedRequest) -> bool:
+        """Whether admitting ``handle`` now would not wait for its read ahead."""
+        return self.read_ahead.ready(handle)
+
+    def drop_prefetch(self, daemon_id: int) -> None:
+        """Forget a read ahead (its request ended before admission)."""
+        self.read_ahead.drop(daemon_id)
+
+    # ---------------------------------------------------------------- admission steps
+    def _install(self, st: StagedState, layer: int, logicals, heads, data) -> None:
+        """Blocks (``heads`` None) or block-heads read ahead, ``logicals`` of ``st`` in order, into
+        their host rows."""
+        rows = torch.tensor([st.host_rows[i] for i in logicals], dtype=torch.long)
+        heads_t = None if heads is None else torch.tensor(heads, dtype=torch.long)
+        self._count_cached(st, int(self._store(layer, rows, heads_t, data).sum()))
+
+    def _fetch_admission(self, st: StagedState, layers: int, pf: Prefetched | None = None) -> dict:
+        """Read the admission set of every layer (in as many calls as the frame limit needs), or
+        take what ``pf`` read ahead, into the host pool and summaries; returns the sections."""
+        g = self.engine.geo
+        row = g.num_kv_heads * 2 * g.head_dim * self.engine.dtype.itemsize
+        replies = (
+            pf.adms
+            if pf is not None
+            else wire.admission_replies(
+                self.conns.call, st.daemon_id, wire.admission_chunks(layers, len(st.host_blocks) * row)
+            )
+        )
+        sections: dict = {}
+        for i, adm in enumerate(replies):
+            if i == 0:
+                sections = dict(adm["sections"])
+            self._write_admission(st, adm)
+        return self._checked_sections(st, sections)
+
+    def _fetch_sections(self, st: StagedState) -> dict:
+        """The admission's sections alone (no layers)."""
+        adm = self.conns.call(lambda c: c.fetch_admission(st.daemon_id, 0, 0, True))
+        return self._checked_sections(st, dict(adm["sections"]))
+
+    def _checked_sections(self, st: StagedState, sections: dict) -> dict:
+        missing = [s for s in (META_SECTION, QUERY_SECTION) if s not in sections]
+        if missing:
+            raise ConfigError(
+                f"staged request {st.daemon_id} has no {missing} section(s); stage it with "
+                "oasiskv.disagg.PrefillWorker"
+            )
+        return sections
+
+    def _build_summaries(self, tr: dict) -> None:
+        """Summaries of every block from the host pool (``transfer="full"``)."""
+        eng = self.engine
+        p, dev = eng.pools, eng.device
+        dst, lens = i32(tr["host_blocks"], dev), i32(tr["lens"], dev)
+        rows = i32(tr["host_rows"], dev)
+        for layer in range(eng.cfg.num_hidden_layers):
+            ops.build_summaries(eng.geo, p.host_k[layer], dst, lens, p.summaries[layer], block_rows=rows)
+
+    def _write_admission(self, st: StagedState, adm: dict) -> None:
+        eng = self.engine
+        p, g, dt = eng.pools, eng.geo, eng.dtype
+        hk, b, d = g.num_kv_heads, g.block_size, g.head_dim
+        hb = st.host_blocks
+        if adm["summary_runs"]:
+            rows = torch.frombuffer(adm["summaries"], dtype=dt).view(-1, hk, 2, d)
+            at = 0
+            for layer, first, num in adm["summary_runs"]:
+                idx = torch.tensor(hb[first : first + num], dtype=torch.long, device=eng.device)
+                p.summaries[layer][idx] = rows[at : at + num].to(eng.device)
+                at += num
+        if adm["block_keys"]:
+            blocks = torch.frombuffer(adm["blocks"], dtype=dt).view(-1, 2, hk, b, d)
+            by_layer: dict[int, list[int]] = {}
+            for i, (layer, _) in enumerate(adm["block_keys"]):
+                by_layer.setdefault(layer, []).append(i)
+            for layer, rows_i in by_layer.items():
+                logicals = [adm["block_keys"][i][1] for i in rows_i]
+                if st.bounded:
+                    # A layer's admission set gets cache rows (evicting other layers' blocks
+                    # if it must); past C blocks (a worker with a larger K) the rest is read
+                    # on demand.
+                    keep = list(dict.fromkeys(logicals))[: self.cache_blocks]
+                    rows_i = [i for i, lg in zip(rows_i, logicals, strict=True) if lg in set(keep)]
+                    logicals = [adm["block_keys"][i][1] for i in rows_i]
+                rows = self._rows_for(st, logicals, logicals)
+                sel = torch.tensor(rows_i, dtype=torch.long)
+                self._store_blocks(
+                    st, layer, torch.tensor(rows, dtype=torch.long), blocks.index_select(0, sel)
+                )
+
+    def _fetch_rest(self, st: StagedState, layers: int) -> None:
+        """``transfer="full"``: read every block the admission did not bring, whole."""
+        hb = torch.tensor(st.host_rows, dtype=torch.long)
+        for layer in range(layers):
+            absent = self.presence.absent_blocks(layer, hb)
+            if absent.numel():
+                heads = torch.full((absent.numel(),), -1, dtype=torch.long)
+                self._read(torch.full_like(absent, layer), absent, heads, whole=True)
+
+    def _select_initial(self, r: Request, tr: dict, query: torch.Tensor) -> None:
+        """The initial working set, selected with the staged query without the cap (as
+        ``Engine.make_sparse`` does with the latest lookahead query)."""
+        eng = self.engine
+        g, dev = eng.geo, eng.device
+        n_complete = tr["n_complete"]
+        slot_pages = i32([tr["slot_pages"]], dev)
+        blk = csr_tables([tr["host_blocks"][:n_complete]], dev)
+        host = csr_tables([tr["host_rows"]], dev)  # patched by before_gather (bounded cache)
+        for layer in range(eng.cfg.num_hidden_layers):
+            q = query[layer].view(1, g.num_qo_heads, g.head_dim).to(dev).contiguous()
+            k = eng.kv.layer_budget(layer)  # KvConfig.layer_blocks: the layer's first k slots
+            slots = slot_pages if k == slot_pages.shape[1] else slot_pages[:, :k].contiguous()
+            eng.select_initial(r, layer, q, slots, blk, host, k)

@@ -1,0 +1,55 @@
+"""What the decode side keeps of its staged requests: each one's state (:class:`StagedState`: its
+daemon id, host blocks and rows, its bytes and errors) and the totals of the engine's traffic
+(:class:`TransferStats`, ``RemoteKvSource.stats``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..engine import Request
+
+
+@dataclass
+class TransferStats:
+    """Network traffic of a decode engine's staged requests (all of them, since it started)."""
+
+    requests: int = 0
+    #: Wire bytes of the admissions (sent + received frames).
+    admission_bytes: int = 0
+    #: Wire bytes of the decode-time reads of missing block-heads.
+    fetched_bytes: int = 0
+    #: Block-heads read during decode.
+    fetched_entries: int = 0
+    #: Bytes of every staged request's whole KV (what a full transfer moves, payload only).
+    kv_bytes: int = 0
+    #: Block-heads in the host pool that came from the daemon, now and at most.
+    cached_bytes: int = 0
+    peak_cached_bytes: int = 0
+    #: Cached blocks evicted from a bounded host pool (``kv_cache_blocks``): their rows went to
+    #: other blocks, so a later read of them crosses the network again.
+    evicted_blocks: int = 0
+    failures: int = 0
+    #: Seconds the decode loop spent in decode-time reads (``before_gather[s]``: the plans'
+    #: copies to the host, the daemon calls and the host pool stores).
+    read_seconds: float = 0.0
+
+
+@dataclass
+class StagedState:
+    """A staged request on the decode side: its host block ids (summaries), the row of each
+    logical block at admission (``host_rows``; with a bounded cache, a filler for the blocks not
+    cached), every host row it ever held (``rows``: cleared at its end) and whether its rows are a
+    bounded cache (``Runtime.cache_blocks`` hands them out)."""
+
+    daemon_id: int
+    req: Request
+    host_blocks: list[int]
+    host_rows: list[int]
+    bounded: bool = False
+    rows: set[int] = field(default_factory=set)
+    admission_bytes: int = 0
+    fetched_bytes: int = 0
+    cached_entries: int = 0
+    alive: bool = True
+    errors: list[str] = field(default_factory=list)
