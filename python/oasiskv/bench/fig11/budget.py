@@ -1,0 +1,110 @@
+"""What fits: the GPU KV budget, the host pool limit, and whether ``C`` requests of a context fit
+them in a mode (and the most that do).
+
+Pure arithmetic over byte counts: the caller measures one request's reservation (its pages, host
+blocks and their bytes, :meth:`~oasiskv.bench.fig11.Fig11.need`) and the device's free memory,
+and hands them in. A request's reservation, ``need``, is a dict of
+
+* ``peak_pages``: GPU pages at its dense-phase peak; ``steady_pages``: its working set once
+  sparse (``top_k_blocks + 1``);
+* ``host_blocks``: the blocks of its KV in the host pool; ``kv_blocks``: every block of its KV
+  (the peak pages for dense, the host blocks otherwise);
+* ``block_bytes``: a block's K and V over all layers; ``summary_bytes``: its summaries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: The emulated GPU of ``--gpu-kv-budget h100``. Arbitrary round figure: 80 GiB of HBM3 (torch
+#: reports a little less, 79.2 GiB, as total_memory of an H100 SXM).
+H100_BYTES = 80 * 2**30
+#: Left for activations when the budget is ``h100``. Arbitrary, checked by the peak memory: a 32K
+#: prompt prefilled in one piece on an 8B model takes about 3 GiB beyond weights and KV.
+ACTIVATION_RESERVE_BYTES = 6 * 2**30
+#: The host pool limit without ``--host-kv-budget``: this fraction of the available RAM (arbitrary;
+#: pinned memory is never swapped or reclaimed, so leave the rest to the process and the system).
+HOST_RAM_FRACTION = 0.6
+#: The most concurrent requests the report's "most that fit" looks for (arbitrary).
+MAX_SEARCHED = 1 << 16
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """The limits a row must fit, in bytes (per rank under ``--tp``)."""
+
+    gpu_kv: int  # KV pages and summaries on the GPU
+    host_limit: int  # the oasis host pool
+    activation_reserve: int  # left free beside the oracle's device-resident host pool
+
+
+def gpu_kv_budget(budget: str | int, weights_bytes: int, activation_reserve: int) -> int:
+    """The GPU KV budget of ``--gpu-kv-budget``: a size as given, or for ``"h100"`` what an
+    80 GiB H100 leaves beside the weights and the activation reserve.
+
+    # Errors
+    ``ConfigError`` when the weights leave no KV budget on an H100.
+    """
+    if budget != "h100":
+        return budget
+    out = H100_BYTES - weights_bytes - activation_reserve
+    if out <= 0:
+        from ...errors import ConfigError
+
+        raise ConfigError(f"the weights ({weights_bytes / 2**30:.1f} GiB) leave no KV budget on an H100")
+    return out
+
+
+def host_kv_limit(host_kv_budget: int | None, available_ram: int | None) -> int:
+    """The host pool limit: ``--host-kv-budget``, else :data:`HOST_RAM_FRACTION` of the RAM."""
+    return host_kv_budget or int(HOST_RAM_FRACTION * (available_ram or 0))
+
+
+def fit(
+    mode: str, conc: int, need: dict, budgets: Budgets, device_free: int | None
+) -> tuple[str | None, int, int | None]:
+    """``(reason it does not fit or None, GPU budget, host budget)`` of ``conc`` requests of one
+    ``need`` in a base ``mode`` (``dense``, ``oasis``, ``oracle``); ``device_free``: the device's
+    free bytes (None: not checked)."""
+    gib = 2**30
+    per = need["block_bytes"]
+    budget = budgets.gpu_kv
+    if mode == "dense":
+        dense = conc * need["peak_pages"] * per
+        if dense > budget:
+            return f"dense KV {dense / gib:.1f} GiB > GPU KV budget {budget / gib:.1f} GiB", 0, None
+        return None, budget, None
+    # Admission turns one request sparse before the next is prefilled: (C - 1) working sets
+    # and one dense prompt at the peak; every request's summaries stay on the GPU.
+    pages = (conc - 1) * need["steady_pages"] + need["peak_pages"]
+    summaries = conc * need["host_blocks"] * need["summary_bytes"]
+    host = conc * need["host_blocks"] * per
+    if pages * per + summaries > budget:
+        gpu = (pages * per + summaries) / gib
+        return f"pages + summaries {gpu:.1f} GiB > GPU KV budget {budget / gib:.1f} GiB", 0, None
+    if mode == "oasis" and host > budgets.host_limit:
+        return f"host pool {host / gib:.1f} GiB > host limit {budgets.host_limit / gib:.1f} GiB", 0, None
+    if mode == "oracle" and device_free is not None:
+        room = device_free - budgets.activation_reserve - pages * per - summaries
+        if host > room:
+            return (
+                f"full KV on the device {host / gib:.1f} GiB > {max(room, 0) / gib:.1f} GiB free",
+                0,
+                None,
+            )
+    return None, pages * per, host
+
+
+def max_concurrency(
+    mode: str, need: dict, budgets: Budgets, device_free: int | None, limit: int = MAX_SEARCHED
+) -> int | None:
+    """The largest concurrency that fits (:func:`fit`; 0: not even one request; None: ``limit`` or
+    more), by bisection."""
+    lo, hi = 0, limit
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fit(mode, mid, need, budgets, device_free)[0] is None:
+            lo = mid
+        else:
+            hi = mid - 1
+    return None if lo == limit else lo
