@@ -508,14 +508,10 @@ def run_retrieval(args, model, tok, head, results: Results, files, progress: boo
     Each (task, variant) record is rewritten after every batch: ``partial`` (with the trials so
     far) until all ``--retrieval-trials`` ran. ``--time-limit-min`` stops between batches;
     ``--resume`` skips complete records and continues partial ones from their next trial (trials
-    are a pure function of their index, so the resumed record equals an uninterrupted one)."""
-    from tqdm import tqdm
+    are a pure function of their index, so the resumed record equals an uninterrupted one).
 
-    from ..drafters import Eagle3Drafter
-    from ..engine import PrefillCache
-    from ..llm import LLM
-    from .policies import QuestPolicy
-
+    The steps, per context: :func:`_haystack_lines`, the trials, :func:`_retrieval_variants`,
+    then :func:`_run_retrieval_context` (the resume state, the batches, the records)."""
     tasks = [t.strip() for t in args.retrieval_tasks.split(",") if t.strip()]
     depths = _floats(args.depths)
     budgets = parse_fractions(args.retrieval_budgets)
@@ -523,203 +519,261 @@ def run_retrieval(args, model, tok, head, results: Results, files, progress: boo
     drafter_name = args.retrieval_drafter or ("eagle3" if head is not None else "ngram")
     if drafter_name.startswith("eagle3") and head is None:
         raise ValueError("the eagle3 retrieval drafter needs --eagle3 PATH")
-    b = args.block_size
-    batch = args.batch_size
     for context in _ints(args.retrieval_contexts):
         if deadline.passed():
             print(f"oasis eval: --time-limit-min reached before retrieval C={context} (use --resume)")
             return
-        hay = corpus.heldout_texts(
-            tok,
-            min(context, 4096) + 1,
-            max(2, -(-context // 4096) + 1),
-            source=args.source,
-            seed=args.seed + 1,
-            files=files,
-        )
-        lines: list[str] = []
-        for h in hay:
-            lines += tok.decode(h["tokens"]).splitlines(keepends=True)
+        lines = _haystack_lines(args, tok, context, files)
         calibration = _calibration(tok, context, args, files, [drafter_name])
         trials = retrieval.make_trials(
             tok, tasks, context, args.retrieval_trials, depths, haystack_lines=lines, seed=args.seed
         )
-        # One set of pools for every variant, sized once for a full batch at this context (a
-        # prompt plus its answer fits in ceil((C + 1) / b) + 1 pages; a sparse one needs K + 2).
-        k_max = max([budget_blocks(context, f, b, lab) for lab, f in budgets], default=1)
-        pages = batch * max(-(-(context + 1) // b) + 1, k_max + 2)
-        pool_kw = {"block_size": b, "num_gpu_pages": pages, "num_host_blocks": pages}
-        # Every variant runs the batch's prompts before the next batch: `batch` entries suffice.
-        cache = PrefillCache(capacity=batch)
-        variants: list[tuple[dict, LLM]] = []
-        # Dense engines select nothing: the Quest-only config keeps key codes out of their prefills.
-        dense_kv = KvConfig.fast(top_k_blocks=1, fetch_cap=None, measure_recall=False, **pool_kw)
+        variants = _retrieval_variants(
+            args, model, tok, head, context, budgets, cap, drafter_name, calibration
+        )
+        if not _run_retrieval_context(args, tok, results, context, tasks, depths, trials, variants, progress):
+            return
 
-        def make_llm(kv, backend, drafter, policy=None, cache=cache):
-            return LLM(
-                model,
-                tokenizer=tok,
-                kv=kv,
-                backend=backend,
-                drafter=drafter,
-                max_batch_size=batch,
-                prefill_cache=cache,
-                policy=policy,
+
+def _haystack_lines(args, tok, context: int, files) -> list[str]:
+    """The held-out text lines the retrieval trials at ``context`` hide their needles in."""
+    hay = corpus.heldout_texts(
+        tok,
+        min(context, 4096) + 1,
+        max(2, -(-context // 4096) + 1),
+        source=args.source,
+        seed=args.seed + 1,
+        files=files,
+    )
+    lines: list[str] = []
+    for h in hay:
+        lines += tok.decode(h["tokens"]).splitlines(keepends=True)
+    return lines
+
+
+def _retrieval_variants(args, model, tok, head, context: int, budgets, cap, drafter_name: str, calibration):
+    """``[(record config, LLM)]`` of one context: dense, then per budget OasisKV and (unless
+    ``--no-quest``) the Quest-like reference, all sharing one prefill cache of a batch's prompts
+    and pools sized for a full batch."""
+    from ..drafters import Eagle3Drafter
+    from ..engine import PrefillCache
+    from ..llm import LLM
+    from .policies import QuestPolicy
+
+    b = args.block_size
+    batch = args.batch_size
+    # One set of pools for every variant, sized once for a full batch at this context (a
+    # prompt plus its answer fits in ceil((C + 1) / b) + 1 pages; a sparse one needs K + 2).
+    k_max = max([budget_blocks(context, f, b, lab) for lab, f in budgets], default=1)
+    pages = batch * max(-(-(context + 1) // b) + 1, k_max + 2)
+    pool_kw = {"block_size": b, "num_gpu_pages": pages, "num_host_blocks": pages}
+    # Every variant runs the batch's prompts before the next batch: `batch` entries suffice.
+    cache = PrefillCache(capacity=batch)
+    variants: list[tuple[dict, LLM]] = []
+    # Dense engines select nothing: the Quest-only config keeps key codes out of their prefills.
+    dense_kv = KvConfig.fast(top_k_blocks=1, fetch_cap=None, measure_recall=False, **pool_kw)
+
+    def make_llm(kv, backend, drafter, policy=None, cache=cache):
+        return LLM(
+            model,
+            tokenizer=tok,
+            kv=kv,
+            backend=backend,
+            drafter=drafter,
+            max_batch_size=batch,
+            prefill_cache=cache,
+            policy=policy,
+        )
+
+    dense_cfg = {"policy": "dense", "drafter": None, "budget": None, "fetch_cap": None}
+    variants.append((dense_cfg, make_llm(dense_kv, "dense", None)))
+    for label, frac in budgets:
+        k_blocks = budget_blocks(context, frac, b, label)
+        frac = k_blocks * b / context if frac is None else frac
+        # Recall is not reported here: skip its extra scoring pass.
+        spec = parse_drafter(drafter_name)
+        base = spec.base
+        kv = KvConfig(
+            **kv_budget_kwargs(spec, k_blocks, b, model, calibration),
+            fetch_cap=cap,
+            measure_recall=False,
+            **pool_kw,
+        )
+        if base.startswith("eagle3"):
+            drafter = Eagle3Drafter(head, model, prefill=base != "eagle3-noprefill")
+        else:
+            drafter = base
+        cfg = {"budget": label, "budget_frac": frac, "top_k_blocks": k_blocks}
+        fitted = {"layer_blocks": list(kv.layer_blocks)} if kv.layer_blocks else {}
+        variants.append(
+            (
+                {"policy": "oasis", "drafter": drafter_name, "fetch_cap": cap, **cfg, **fitted},
+                make_llm(kv, "oasis", drafter),
             )
+        )
+        if not args.no_quest:
+            # The same model as every variant: the prompt's prefill is shared with them.
+            llm = make_llm(dense_kv, "dense", None, QuestPolicy(k_blocks))
+            variants.append(({"policy": "quest", "drafter": None, "fetch_cap": None, **cfg}, llm))
+    return variants
 
-        dense_cfg = {"policy": "dense", "drafter": None, "budget": None, "fetch_cap": None}
-        variants.append((dense_cfg, make_llm(dense_kv, "dense", None)))
-        for label, frac in budgets:
-            k_blocks = budget_blocks(context, frac, b, label)
-            frac = k_blocks * b / context if frac is None else frac
-            # Recall is not reported here: skip its extra scoring pass.
-            spec = parse_drafter(drafter_name)
-            base = spec.base
-            kv = KvConfig(
-                **kv_budget_kwargs(spec, k_blocks, b, model, calibration),
-                fetch_cap=cap,
-                measure_recall=False,
-                **pool_kw,
-            )
-            if base.startswith("eagle3"):
-                drafter = Eagle3Drafter(head, model, prefill=base != "eagle3-noprefill")
-            else:
-                drafter = base
-            cfg = {"budget": label, "budget_frac": frac, "top_k_blocks": k_blocks}
-            fitted = {"layer_blocks": list(kv.layer_blocks)} if kv.layer_blocks else {}
-            variants.append(
-                (
-                    {"policy": "oasis", "drafter": drafter_name, "fetch_cap": cap, **cfg, **fitted},
-                    make_llm(kv, "oasis", drafter),
-                )
-            )
-            if not args.no_quest:
-                # The same model as every variant: the prompt's prefill is shared with them.
-                llm = make_llm(dense_kv, "dense", None, QuestPolicy(k_blocks))
-                variants.append(({"policy": "quest", "drafter": None, "fetch_cap": None, **cfg}, llm))
-        pools = None
-        # Within a batch, variants whose engine captures drafter features prefill first: their
-        # cache entries serve the others too (not the other way round).
-        order = sorted(range(len(variants)), key=lambda vi: not variants[vi][1].engine.capture)
-        prompt_ids = [tok.encode(x["prompt"]) for x in trials]
 
-        def rec_base(cfg: dict, task: str, context=context) -> dict:
-            return {"section": "retrieval", "context": context, "task": task, "block_size": b, **cfg}
+def _rec_base(cfg: dict, task: str, context: int, block_size: int) -> dict:
+    """What identifies a retrieval record (the key ``--resume`` finds it by)."""
+    return {"section": "retrieval", "context": context, "task": task, "block_size": block_size, **cfg}
 
-        # Per task: vi -> what ran so far (from a partial record when resuming).
-        state: dict[str, dict[int, dict]] = {}
-        for task in tasks:
+
+def _retrieval_state(args, results: Results, tasks, trials, variants, context: int, depths) -> dict:
+    """Per task: variant index -> what ran so far (``outcomes``, ``examples``, walls, generated
+    tokens), from a partial record when resuming; a variant whose record is complete is left
+    out."""
+    state: dict[str, dict[int, dict]] = {}
+    for task in tasks:
+        n_task = sum(x["task"] == task for x in trials)
+        st: dict[int, dict] = {}
+        for vi, (cfg, _) in enumerate(variants):
+            old = results.find(_rec_base(cfg, task, context, args.block_size)) if args.resume else None
+            if old is not None and not old.get("partial"):
+                continue  # done
+            s = {"outcomes": [], "examples": [], "wall_s": 0.0, "wall_s_task": 0.0, "gen_tokens": 0}
+            if (
+                old is not None
+                and old.get("seed") == args.seed
+                and old.get("depths") == depths
+                and len(old.get("outcomes", "")) <= n_task
+            ):
+                s["outcomes"] = [int(c) for c in old["outcomes"]]
+                s["examples"] = list(old.get("examples", []))
+                s["wall_s"] = old.get("wall_s", 0.0)
+                s["wall_s_task"] = old.get("wall_s_task", 0.0)
+                s["gen_tokens"] = round(old.get("generated_tokens_mean", 0.0) * len(s["outcomes"]))
+            st[vi] = s
+        state[task] = st
+    return state
+
+
+def _run_retrieval_context(
+    args, tok, results: Results, context, tasks, depths, trials, variants, progress
+) -> bool:
+    """Every task's trials at one context through every variant, batch by batch, each batch's
+    records saved after it; False where ``--time-limit-min`` stopped it."""
+    from tqdm import tqdm
+
+    batch = args.batch_size
+    pools = None
+    # Within a batch, variants whose engine captures drafter features prefill first: their
+    # cache entries serve the others too (not the other way round).
+    order = sorted(range(len(variants)), key=lambda vi: not variants[vi][1].engine.capture)
+    prompt_ids = [tok.encode(x["prompt"]) for x in trials]
+    state = _retrieval_state(args, results, tasks, trials, variants, context, depths)
+    n_gen = 0
+    for task in tasks:
+        if state[task]:
+            start = min(len(s["outcomes"]) for s in state[task].values())
             n_task = sum(x["task"] == task for x in trials)
-            st: dict[int, dict] = {}
-            for vi, (cfg, _) in enumerate(variants):
-                old = results.find(rec_base(cfg, task)) if args.resume else None
-                if old is not None and not old.get("partial"):
-                    continue  # done
-                s = {"outcomes": [], "examples": [], "wall_s": 0.0, "wall_s_task": 0.0, "gen_tokens": 0}
-                if (
-                    old is not None
-                    and old.get("seed") == args.seed
-                    and old.get("depths") == depths
-                    and len(old.get("outcomes", "")) <= n_task
-                ):
-                    s["outcomes"] = [int(c) for c in old["outcomes"]]
-                    s["examples"] = list(old.get("examples", []))
-                    s["wall_s"] = old.get("wall_s", 0.0)
-                    s["wall_s_task"] = old.get("wall_s_task", 0.0)
-                    s["gen_tokens"] = round(old.get("generated_tokens_mean", 0.0) * len(s["outcomes"]))
-                st[vi] = s
-            state[task] = st
-        n_gen = 0
-        for task in tasks:
-            if state[task]:
-                start = min(len(s["outcomes"]) for s in state[task].values())
-                n_task = sum(x["task"] == task for x in trials)
-                n_gen += -(-(n_task - start) // batch) * len(state[task])
-        bar = tqdm(total=n_gen, desc=f"retrieval C={context}", unit="gen", disable=not progress)
-        for task in tasks:
-            st = state[task]
-            if not st:
-                continue
-            members = [i for i, x in enumerate(trials) if x["task"] == task]
-            group = [trials[i] for i in members]
-            ids = [prompt_ids[i] for i in members]
-            n_task = len(group)
-            start = min(len(s["outcomes"]) for s in st.values())
-            for c0 in range(start, n_task, batch):
-                if deadline.passed():
+            n_gen += -(-(n_task - start) // batch) * len(state[task])
+    bar = tqdm(total=n_gen, desc=f"retrieval C={context}", unit="gen", disable=not progress)
+    for task in tasks:
+        st = state[task]
+        if not st:
+            continue
+        members = [i for i, x in enumerate(trials) if x["task"] == task]
+        group = [trials[i] for i in members]
+        ids = [prompt_ids[i] for i in members]
+        n_task = len(group)
+        start = min(len(s["outcomes"]) for s in st.values())
+        for c0 in range(start, n_task, batch):
+            if deadline.passed():
+                bar.write(
+                    f"oasis eval: --time-limit-min reached: retrieval C={context} {task} stopped "
+                    f"after {c0}/{n_task} trials (records marked partial; --resume continues)"
+                )
+                bar.close()
+                return False
+            t_chunk = time.perf_counter()
+            ran, pools = _retrieval_batch(
+                tok, task, group, ids, range(c0, min(c0 + batch, n_task)), order, st, variants, pools, bar
+            )
+            wall = time.perf_counter() - t_chunk
+            for vi in ran:
+                s = st[vi]
+                s["wall_s_task"] += wall
+                base = _rec_base(variants[vi][0], task, context, args.block_size)
+                rec = _retrieval_record(args, base, s, group, ids, n_task, depths)
+                results.add(rec, save=False)
+                if progress and not rec["partial"]:
+                    cfg = variants[vi][0]
                     bar.write(
-                        f"oasis eval: --time-limit-min reached: retrieval C={context} {task} stopped "
-                        f"after {c0}/{n_task} trials (records marked partial; --resume continues)"
+                        f"C={context} {task:8s} {cfg['policy']:6s} {cfg.get('budget') or '':5s} "
+                        f"acc={rec['accuracy']:.3f} ({rec['trials']} trials, {s['wall_s']:.1f} s)"
                     )
-                    bar.close()
-                    return
-                t_chunk = time.perf_counter()
-                ran = []
-                for vi in order:
-                    if vi not in st:
-                        continue
-                    s = st[vi]
-                    idx = [i for i in range(c0, min(c0 + batch, n_task)) if i >= len(s["outcomes"])]
-                    if not idx:
-                        continue
-                    llm = variants[vi][1]
-                    if pools is not None:
-                        llm.engine.pools = pools  # one set of pools for all variants
-                    answers = [group[i]["answer"] for i in idx]
+            results.save()
+    bar.close()
+    return True
 
-                    def stop(j, gen, task=task, answers=answers):
-                        return retrieval.decided(task, answers[j], tok.decode(gen))
 
-                    t0 = time.perf_counter()
-                    res = llm.generate(
-                        [ids[i] for i in idx],
-                        max_new_tokens=group[idx[0]]["max_new_tokens"],
-                        temperature=0.0,
-                        stop=stop,
-                    )
-                    s["wall_s"] += time.perf_counter() - t0
-                    pools = llm.engine.pools
-                    for i, r in zip(idx, res, strict=True):
-                        s["outcomes"].append(int(retrieval.score(task, group[i]["answer"], r.text)))
-                        s["gen_tokens"] += len(r.tokens)
-                        if len(s["examples"]) < 3:
-                            s["examples"].append({"answer": group[i]["answer"], "generated": r.text})
-                    ran.append(vi)
-                    bar.update(1)
-                wall = time.perf_counter() - t_chunk
-                for vi in ran:
-                    s = st[vi]
-                    s["wall_s_task"] += wall
-                    oc = s["outcomes"]
-                    done = group[: len(oc)]
-                    per_depth: dict[str, list[int]] = {}
-                    for x, o in zip(done, oc, strict=True):
-                        per_depth.setdefault(f"{x['depth']:g}", []).append(o)
-                    rec = {
-                        **rec_base(variants[vi][0], task),
-                        "trials": len(oc),
-                        "trials_planned": n_task,
-                        "partial": len(oc) < n_task,
-                        "seed": args.seed,
-                        "depths": depths,
-                        "accuracy": sum(oc) / len(oc),
-                        "per_depth": {k: sum(v) / len(v) for k, v in per_depth.items()},
-                        "outcomes": "".join(map(str, oc)),
-                        "examples": s["examples"],
-                        "prompt_tokens_mean": sum(len(ids[i]) for i in range(len(oc))) / len(oc),
-                        "generated_tokens_mean": s["gen_tokens"] / len(oc),
-                        "wall_s": s["wall_s"],
-                        "wall_s_task": s["wall_s_task"],
-                    }
-                    results.add(rec, save=False)
-                    if progress and not rec["partial"]:
-                        cfg = variants[vi][0]
-                        bar.write(
-                            f"C={context} {task:8s} {cfg['policy']:6s} {cfg.get('budget') or '':5s} "
-                            f"acc={rec['accuracy']:.3f} ({len(oc)} trials, {s['wall_s']:.1f} s)"
-                        )
-                results.save()
-        bar.close()
+def _retrieval_batch(tok, task, group, ids, rows, order, st, variants, pools, bar):
+    """One batch of a task's trials (``rows``, indices into ``group``) through every variant
+    that has not run them yet, in ``order``, on one set of pools; each stops a trial once its
+    score is decided. Returns the variants that ran and the pools, for the next batch."""
+    ran = []
+    for vi in order:
+        if vi not in st:
+            continue
+        s = st[vi]
+        idx = [i for i in rows if i >= len(s["outcomes"])]
+        if not idx:
+            continue
+        llm = variants[vi][1]
+        if pools is not None:
+            llm.engine.pools = pools  # one set of pools for all variants
+        answers = [group[i]["answer"] for i in idx]
+
+        def stop(j, gen, task=task, answers=answers):
+            return retrieval.decided(task, answers[j], tok.decode(gen))
+
+        t0 = time.perf_counter()
+        res = llm.generate(
+            [ids[i] for i in idx],
+            max_new_tokens=group[idx[0]]["max_new_tokens"],
+            temperature=0.0,
+            stop=stop,
+        )
+        s["wall_s"] += time.perf_counter() - t0
+        pools = llm.engine.pools
+        for i, r in zip(idx, res, strict=True):
+            s["outcomes"].append(int(retrieval.score(task, group[i]["answer"], r.text)))
+            s["gen_tokens"] += len(r.tokens)
+            if len(s["examples"]) < 3:
+                s["examples"].append({"answer": group[i]["answer"], "generated": r.text})
+        ran.append(vi)
+        bar.update(1)
+    return ran, pools
+
+
+def _retrieval_record(args, base: dict, s: dict, group, ids, n_task: int, depths) -> dict:
+    """The (task, variant) record from what ran so far (``s``): ``partial`` until every trial ran."""
+    oc = s["outcomes"]
+    done = group[: len(oc)]
+    per_depth: dict[str, list[int]] = {}
+    for x, o in zip(done, oc, strict=True):
+        per_depth.setdefault(f"{x['depth']:g}", []).append(o)
+    return {
+        **base,
+        "trials": len(oc),
+        "trials_planned": n_task,
+        "partial": len(oc) < n_task,
+        "seed": args.seed,
+        "depths": depths,
+        "accuracy": sum(oc) / len(oc),
+        "per_depth": {k: sum(v) / len(v) for k, v in per_depth.items()},
+        "outcomes": "".join(map(str, oc)),
+        "examples": s["examples"],
+        "prompt_tokens_mean": sum(len(ids[i]) for i in range(len(oc))) / len(oc),
+        "generated_tokens_mean": s["gen_tokens"] / len(oc),
+        "wall_s": s["wall_s"],
+        "wall_s_task": s["wall_s_task"],
+    }
 
 
 # ------------------------------------------------------------------------------------------ main
