@@ -32,14 +32,17 @@ the top-1 token and, against a dense run of the same texts, KL(dense || policy).
 :class:`LookaheadRecorder` on the engine receives, per layer and step, the predicted top-K of the
 previous step, the exact top-K of this step's true query and the working set this step attended
 over (``Engine.recorder``).
+
+The module's neighbours, each a room: :mod:`~oasiskv.eval.specs` (drafter names, budgets,
+:class:`Policy`), :mod:`~oasiskv.eval.overlap` (the block-set and attention-mass math) and
+:mod:`~oasiskv.eval.summary` (:class:`RunResult` and the JSON record, :func:`summarize`). This
+module keeps the runner (:class:`TeacherForcing`, :func:`greedy_continuations`) and the
+:class:`LookaheadRecorder`; their names stay importable from here.
 """
 
 from __future__ import annotations
 
-import math
-import re
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -47,372 +50,70 @@ from .. import ops
 from ..config import KvConfig
 from ..drafters import Eagle3Drafter, NgramDrafter, OracleDrafter, PreviousQueryDrafter
 from ..engine import PrefillCache, csr_tables, keep_sinks, recall_overlap, relative_to_best
-from ..layer_budget import fit_layer_blocks
 from ..llm_engine import LLMEngine, SamplingParams, StepInfo
-from ..policy import SelectionPolicy
+from .overlap import (
+    TOP2_SETS,
+    best_mass_blocks,
+    block_attention_mass,
+    covered_mass,
+    grid,
+    host_rows,
+    shadow_queries,
+    union_by_rank,
+)
 from .policies import QuestPolicy
+from .specs import (
+    DRAFTERS,
+    DrafterSpec,
+    Policy,
+    block_score_of,
+    drafter_parts,
+    kv_budget_kwargs,
+    parse_drafter,
+)
+from .summary import (
+    CONFIDENCE_EDGES,
+    RunResult,
+    attention_mass_summary,
+    concat_results,
+    confidence_bins,
+    kept_summary,
+    lookahead_summary,
+    summarize,
+    top2_summary,
+)
 
-#: ``eagle3`` is the library's drafter (its head first runs over the prompt's features from the
-#: engine's own prefill); ``eagle3-noprefill`` starts the head with an empty cache.
-DRAFTERS = ("eagle3", "eagle3-noprefill", "ngram", "oracle", "previous-query")
+__all__ = [
+    "CONFIDENCE_EDGES",
+    "DRAFTERS",
+    "TOP2_SETS",
+    "DrafterSpec",
+    "LookaheadRecorder",
+    "Policy",
+    "RunResult",
+    "TeacherForcing",
+    "attention_mass_summary",
+    "best_mass_blocks",
+    "block_attention_mass",
+    "block_score_of",
+    "confidence_bins",
+    "covered_mass",
+    "drafter_parts",
+    "greedy_continuations",
+    "kept_summary",
+    "kv_budget_kwargs",
+    "lookahead_summary",
+    "parse_drafter",
+    "shadow_queries",
+    "summarize",
+    "top2_summary",
+    "union_by_rank",
+]
 
-
-@dataclass(frozen=True)
-class DrafterSpec:
-    """A drafter name of the evaluation,
-    ``BASE[+current][+fidelity][+codes[F]][+sticky][+sinkN][+pinN][+succN][+confP][+layers][+top2]``, and what
-    each part sets: ``+current`` ``KvConfig(select_queries="lookahead+current")``, ``+fidelity``
-    the library's default selection (``KvConfig()``'s ``"auto"`` fields; not with ``+codes``,
-    ``+sticky``, ``+succN``, ``+confP``, which it sets), ``+codes``
-    ``KvConfig(block_score="codes")`` (``+codesF``: and ``score_candidates=F``), ``+sticky``
-    ``KvConfig(sticky_candidates=True)`` (after ``+codesF``), ``+confP`` (EAGLE-3 only)
-    ``KvConfig(lookahead_min_confidence=P)``, ``+sinkN``
-    ``KvConfig(sink_blocks=N)``, ``+pinN`` ``KvConfig(pin_blocks=N)``, ``+succN``
-    ``KvConfig(successor_blocks=N)``, ``+layers`` ``KvConfig(layer_blocks=...)`` fitted on
-    calibration text with the budget's total (:func:`kv_budget_kwargs`; ``+layersout``: fitted
-    on the attention output's error instead of its mass); ``+top2`` (EAGLE-3
-    only) changes nothing in the engine and also measures lookahead from the head's two best drafts
-    (:class:`LookaheadRecorder`)."""
-
-    base: str
-    select_queries: str = "lookahead"
-    block_score: str = "quest"
-    sink_blocks: int = 0
-    top2: bool = False
-    score_candidates: float | str | None = None
-    pin_blocks: int = 0
-    successor_blocks: int | str = 0
-    layers: str = ""  # "" (uniform), or the metric of the fit: "mass" (+layers), "output" (+layersout)
-    sticky_candidates: bool | str = False
-    lookahead_min_confidence: float | str | None = None
-
-    def kv_kwargs(self) -> dict:
-        """The :class:`~oasiskv.KvConfig` keyword arguments the suffixes set."""
-        return dict(
-            select_queries=self.select_queries,
-            block_score=self.block_score,
-            sink_blocks=self.sink_blocks,
-            pin_blocks=self.pin_blocks,
-            successor_blocks=self.successor_blocks,
-            score_candidates=self.score_candidates,
-            sticky_candidates=self.sticky_candidates,
-            lookahead_min_confidence=self.lookahead_min_confidence,
-        )
-
-
-_CODES_F = re.compile(r"(\d+(\.\d+)?)?")  # the F of "+codesF"
-_CONF_P = re.compile(r"(0(\.\d+)?|1(\.0+)?)")  # the P of "+confP", a probability
-
-
-def parse_drafter(name: str) -> DrafterSpec:
-    """The :class:`DrafterSpec` of ``name``; ValueError for an unknown one (the message lists the
-    grammar). The suffixes come in the order given, each at most once."""
-    base, *mods = str(name).split("+")
-    kw: dict = {}
-    order = ("current", "fidelity", "codes", "sticky", "sink", "pin", "succ", "conf", "layers", "top2")
-    last = -1
-    ok = base in DRAFTERS
-    for m in mods:
-        key = m
-        for prefix in ("sink", "pin", "succ"):
-            if m.startswith(prefix):
-                key = prefix if m[len(prefix) :].isdigit() else ""
-        if m.startswith("conf"):
-            key = "conf" if _CONF_P.fullmatch(m[4:]) else ""
-        if m in ("layers", "layersout"):
-            key = "layers"
-        if m.startswith("codes") and _CODES_F.fullmatch(m[5:]):
-            key = "codes"
-        if not ok or key not in order or order.index(key) <= last:
-            ok = False
-            break
-        last = order.index(key)
-        if key == "current":
-            ok = base != "previous-query"  # no lookahead row to combine with
-            kw["select_queries"] = "lookahead+current"
-        elif key == "fidelity":
-            # KvConfig's default selection: its "auto" fields, resolved as the library resolves
-            # them (the confidence fallback by the engine, for this drafter).
-            kw.update(
-                block_score="codes",
-                score_candidates="auto",
-                sticky_candidates="auto",
-                successor_blocks="auto",
-                lookahead_min_confidence="auto",
-            )
-        elif key in ("codes", "sticky", "succ", "conf") and "fidelity" in mods:
-            ok = False  # the preset sets these
-        elif key == "codes":
-            kw["block_score"] = "codes"
-            if m[5:]:
-                kw["score_candidates"] = float(m[5:])
-                ok = kw["score_candidates"] >= 1
-        elif key == "sticky":
-            ok = "score_candidates" in kw  # the previous prediction joins the two stages' candidates
-            kw["sticky_candidates"] = True
-        elif key == "sink":
-            kw["sink_blocks"] = int(m[4:])
-        elif key == "pin":
-            kw["pin_blocks"] = int(m[3:])
-        elif key == "succ":
-            kw["successor_blocks"] = int(m[4:])
-        elif key == "conf":
-            ok = base.startswith("eagle3")  # a drafter that reports its probability
-            kw["lookahead_min_confidence"] = float(m[4:])
-        elif key == "layers":
-            kw["layers"] = "output" if m == "layersout" else "mass"
-        else:
-            ok = base.startswith("eagle3")  # the runner-up needs a head that ranks drafts
-            kw["top2"] = True
-    if not ok:
-        raise ValueError(
-            f"unknown drafter {name!r}; use one of {DRAFTERS}, then optionally '+current' (not "
-            "previous-query, which has no lookahead row), '+fidelity' (KvConfig()'s default "
-            "selection; not with the four suffixes it sets), '+codes' or '+codesF' (F >= 1: the "
-            "Quest bound's best F x K blocks ranked by the codes), '+sticky' (after '+codesF': the "
-            "previous prediction stays among the candidates), '+sinkN' (N sink blocks), '+pinN' "
-            "(N pinned blocks per layer and KV head), '+succN' (the next block of the N best), '+confP' "
-            "(eagle3 only: the step's own query selects when the head's probability is below P), "
-            "'+layers' or '+layersout' (per-layer budgets fitted on calibration text by attention "
-            "mass or output error) and '+top2' (eagle3 only), "
-            "in that order"
-        )
-    return DrafterSpec(base, **kw)
-
-
-# (id(model), K, block size, calibration texts) -> the fitted per-layer budgets
-_LAYER_FITS: dict[tuple, tuple[int, ...]] = {}
-
-
-def kv_budget_kwargs(
-    spec: DrafterSpec, top_k_blocks: int, block_size: int, model=None, calibration=None
-) -> dict:
-    """The :class:`~oasiskv.KvConfig` keyword arguments of ``spec`` at a uniform budget of
-    ``top_k_blocks``: its suffixes' (:meth:`DrafterSpec.kv_kwargs`) and ``top_k_blocks``; with
-    ``+layers``, per-layer budgets with the same total fitted on ``calibration`` (token lists of
-    the train split, :func:`oasiskv.layer_budget.fit_layer_blocks`; one fit per model, budget and
-    texts), ``top_k_blocks`` their largest and ``sparse_threshold`` still the uniform budget's
-    tokens (callers' own keywords go on top)."""
-    kw = {**spec.kv_kwargs(), "top_k_blocks": top_k_blocks}
-    if spec.layers:
-        if model is None or not calibration:
-            raise ValueError("+layers needs calibration texts to fit the per-layer budgets on")
-        key = (id(model), top_k_blocks, block_size, spec.layers, tuple(tuple(t) for t in calibration))
-        if key not in _LAYER_FITS:
-            _LAYER_FITS[key] = fit_layer_blocks(
-                model, calibration, top_k_blocks, block_size, metric=spec.layers
-            )
-        alloc = _LAYER_FITS[key]
-        kw.update(top_k_blocks=max(alloc), layer_blocks=alloc, sparse_threshold=top_k_blocks * block_size)
-    return kw
-
-
-def block_score_of(name: str) -> tuple[str, str]:
-    """``"eagle3+codes"`` -> ``("eagle3", "codes")``: a ``+codes`` (or ``+codesF``) suffix runs the
-    drafter with ``KvConfig(block_score="codes")`` (2-bit key codes); without it, ``("eagle3",
-    "quest")``."""
-    spec = parse_drafter(name)
-    return "+".join(x for x in name.split("+") if not x.startswith("codes")), spec.block_score
-
-
-def drafter_parts(name: str) -> tuple[str, str]:
-    """``"eagle3+current"`` -> ``("eagle3", "lookahead+current")``; ``"eagle3"`` -> ``("eagle3",
-    "lookahead")``; the other suffixes (:func:`parse_drafter`) are accepted and ignored here.
-    Raises ValueError for an unknown name (the message lists the grammar)."""
-    spec = parse_drafter(name)
-    return spec.base, spec.select_queries
-
-
-@dataclass(frozen=True)
-class Policy:
-    """One configuration of a teacher-forced run, and how it maps onto the engine: its
-    :attr:`backend`, its drafter (:attr:`drafter`, oasis only: FreeKV-like is ``previous-query``)
-    and its :meth:`selection_policy` (the Quest-like :class:`QuestPolicy`, else the engine as it
-    is)."""
-
-    kind: str  # "dense" | "oasis" | "quest"
-    drafter: str | None = None  # oasis only: one of DRAFTERS
-    top_k_blocks: int | None = None
-    fetch_cap: float | int | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind not in ("dense", "oasis", "quest"):
-            raise ValueError(f"policy kind must be dense, oasis or quest, got {self.kind!r}")
-        if self.kind == "oasis":
-            drafter_parts(self.drafter or "")
-        if self.kind != "dense" and (self.top_k_blocks is None or self.top_k_blocks < 1):
-            raise ValueError(f"{self.kind} needs top_k_blocks >= 1")
-
-    @property
-    def backend(self) -> str:
-        """The engine backend: ``"oasis"`` for OasisKV, ``"dense"`` for dense and Quest-like."""
-        return "oasis" if self.kind == "oasis" else "dense"
-
-    def selection_policy(self) -> SelectionPolicy | None:
-        """A fresh :class:`~oasiskv.policy.SelectionPolicy` for the engine, or None for the engine
-        as it is (dense, and OasisKV with its drafter)."""
-        return QuestPolicy(self.top_k_blocks) if self.kind == "quest" else None
-
-    @property
-    def label(self) -> str:
-        if self.kind == "dense":
-            return "dense"
-        if self.kind == "quest":
-            return f"quest K={self.top_k_blocks}"
-        cap = "uncapped" if self.fetch_cap is None else f"cap={self.fetch_cap}"
-        return f"oasis/{self.drafter} K={self.top_k_blocks} {cap}"
-
-
-def _rows(r) -> list[int]:
-    """The host rows of ``r``'s blocks (its K/V in ``host_k``/``host_v``). A staged request with a
-    bounded cache (``LLMEngine(kv_cache_blocks=)``) has no row for its uncached blocks: the
-    teacher reads the whole context, so it refuses it."""
-    t = r.runtime.table(r.id)
-    if t.get("cache_blocks") is not None:
-        raise ValueError(
-            f"request {r.id} holds only a bounded cache of its staged blocks (kv_cache_blocks); the "
-            "exact-attention teacher needs every block on the host: run it without kv_cache_blocks"
-        )
-    return t["host_rows"]
-
-
-def block_attention_mass(engine, layer: int, sp_reqs, q: torch.Tensor) -> torch.Tensor:
-    """The softmax attention of each request's true query ``q [n, num_qo_heads, head_dim]`` over
-    its whole context (every token up to and including x_t, read from the host pool, which holds
-    all of it), summed per block and averaged over the query heads of each KV head:
-    ``[n, num_kv_heads, max_blocks]`` float64 on the CPU, zero past a request's last block.
-
-    The exact attention a dense engine computes; an evaluation metric only (it reads the whole
-    context per layer, on the CPU)."""
-    g, b = engine.geo, engine.kv.block_size
-    hq, hk, d = g.num_qo_heads, g.num_kv_heads, g.head_dim
-    group = hq // hk
-    lens = [r.kv_len + 1 for r in sp_reqs]  # x_t sits at position kv_len
-    nblk = [(t + b - 1) // b for t in lens]
-    width = max(nblk)
-    host_k = engine.pools.host_k[layer]
-    out = torch.zeros(len(sp_reqs), hk, width, dtype=torch.float64)
-    # Dot products in float32 (the gather and matmul dominate), softmax and sums in float64.
-    qc = q.detach().to("cpu", torch.float32).view(-1, hk, group, d)  # query head h reads KV head h // group
-    for i, r in enumerate(sp_reqs):
-        idx = torch.tensor(_rows(r)[: nblk[i]], dtype=torch.long)
-        k = host_k.index_select(0, idx).to(torch.float32)  # [blocks, hk, b, d]
-        k = k.permute(1, 0, 2, 3).reshape(hk, nblk[i] * b, d)[:, : lens[i]]  # [hk, T, d]
-        logits = torch.matmul(qc[i], k.transpose(1, 2)).double() * d**-0.5  # [hk, group, T]
-        w = torch.softmax(logits, dim=-1)
-        w = torch.nn.functional.pad(w, (0, nblk[i] * b - lens[i])).view(hk, group, nblk[i], b).sum(-1)
-        out[i, :, : nblk[i]] = w.mean(1)
-    return out
-
-
-def covered_mass(mass: torch.Tensor, local: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """The attention share of ``blocks [n, hk, K]`` (logical, -1 = none; duplicates counted once)
-    plus each request's ``local`` block, averaged over KV heads: ``[n]``."""
-    n, hk, width = mass.shape
-    keep = torch.zeros(n, hk, width + 1, dtype=torch.bool)
-    sel = torch.where(blocks >= 0, blocks.long(), width).clamp(max=width)
-    keep.scatter_(2, sel, True)
-    keep = keep[..., :width]
-    keep[torch.arange(n), :, local.clamp(max=width - 1)] = True
-    return (mass * keep).sum(-1).mean(-1)
-
-
-def best_mass_blocks(mass: torch.Tensor, local: torch.Tensor, k: int) -> torch.Tensor:
-    """The ``k`` complete blocks (before each request's ``local`` block) of most attention per KV
-    head, -1 padded: ``[n, hk, k]``. What a selection that knew the true attention would keep."""
-    n, hk, width = mass.shape
-    cand = torch.arange(width).view(1, 1, width) < local.view(n, 1, 1)
-    ranked = torch.where(cand, mass, torch.full_like(mass, -1.0))
-    vals, idx = ranked.topk(min(k, width), dim=-1)
-    idx = torch.where(vals >= 0, idx, torch.full_like(idx, -1))
-    return torch.nn.functional.pad(idx, (0, k - idx.shape[-1]), value=-1)
-
-
-def shadow_queries(engine, sp_reqs, tokens: torch.Tensor) -> list[torch.Tensor]:
-    """Every layer's query ``[n, m, num_qo_heads, head_dim]`` of ``m`` alternative tokens per request
-    (``tokens [n, m]``) at the position x_t holds now (``kv_len``), each attending to the request's
-    context before x_t (read from the host pool, which holds all of it) and to itself: the queries
-    the lookahead row would have had with each token as its draft, one step late. An evaluation
-    measurement (one extra forward of ``n * m`` rows with dense attention, on the engine's model)."""
-    g, b = engine.geo, engine.kv.block_size
-    n, m = tokens.shape
-    hq, hk, d = g.num_qo_heads, g.num_kv_heads, g.head_dim
-    group = hq // hk
-    dev = engine.device
-    lens = [r.kv_len for r in sp_reqs]
-    blocks = [
-        torch.tensor(_rows(r)[: -(-t // b)], dtype=torch.long, device=dev)
-        for r, t in zip(sp_reqs, lens, strict=True)
-    ]
-    out: list = [None] * engine.cfg.num_hidden_layers
-
-    def attn(layer, q, k, v):
-        out[layer] = q.view(n, m, hq, d).clone()
-        qf = q.float().view(n, m, hk, group, d)
-        kf, vf = k.float().view(n, m, hk, d), v.float().view(n, m, hk, d)
-        o = torch.empty(n, m, hk, group, d, dtype=torch.float32, device=q.device)
-        p = engine.pools
-        for i, t in enumerate(lens):
-            kc = (
-                p.host_k[layer]
-                .index_select(0, blocks[i])
-                .float()
-                .permute(1, 0, 2, 3)
-                .reshape(hk, -1, d)[:, :t]
-            )
-            vc = (
-                p.host_v[layer]
-                .index_select(0, blocks[i])
-                .float()
-                .permute(1, 0, 2, 3)
-                .reshape(hk, -1, d)[:, :t]
-            )
-            ctx = torch.einsum("mhgd,htd->mhgt", qf[i], kc)
-            own = torch.einsum("mhgd,mhd->mhg", qf[i], kf[i]).unsqueeze(-1)
-            w = torch.softmax(torch.cat([ctx, own], dim=-1) * d**-0.5, dim=-1)
-            o[i] = torch.einsum("mhgt,htd->mhgd", w[..., :t], vc) + w[..., t:] * vf[i].unsqueeze(2)
-        return o.view(n * m, hq, d).to(q.dtype)
-
-    pos = torch.tensor(lens, device=dev).repeat_interleave(m)
-    engine.model.forward(tokens.reshape(-1).to(dev), pos, attn, logits_rows=pos[:0])
-    return out
-
-
-def union_by_rank(a: torch.Tensor, b: torch.Tensor, k: int) -> torch.Tensor:
-    """The first ``k`` distinct blocks of ``a[0], b[0], a[1], b[1], ...`` per (request, head): the
-    union of two best-first top-K lists ``[n, hk, K]`` (-1 padded) within ``k``, alternating from
-    ``a``. ``[n, hk, k]``, -1 padded."""
-    seq = torch.stack([a, b], dim=-1).flatten(-2)  # [n, hk, 2K]
-    w = seq.shape[-1]
-    earlier = torch.ones(w, w, dtype=torch.bool, device=seq.device).tril(-1)
-    dup = ((seq.unsqueeze(-1) == seq.unsqueeze(-2)) & earlier).any(-1)
-    keep = (seq >= 0) & ~dup
-    rank = keep.long().cumsum(-1) - 1
-    keep &= rank < k
-    out = torch.full((*seq.shape[:-1], k + 1), -1, dtype=seq.dtype, device=seq.device)
-    out.scatter_(-1, torch.where(keep, rank, k), seq)
-    return out[..., :k]
-
-
-#: The block sets of the top-2 measurement: the best draft's shadow query alone (the control),
-#: the two drafts' top-K merged by rank, and by the larger relative score (as lookahead+current).
-TOP2_SETS = ("top1", "union_rank", "union_max")
-
-
-def _grid(rows, num_layers: int, req_ids: list[int], steps: list[int], fields) -> list[torch.Tensor]:
-    """Rows ``(step, layer, request ids, *values)``, each value ``[n, *tail]``, laid out as one CPU
-    tensor per value ``[len(steps), num_layers, len(req_ids), *tail]`` (``fields``: its ``(tail,
-    dtype)``); rows of steps not listed are skipped, cells without a row stay zero."""
-    s_idx = {s: i for i, s in enumerate(steps)}
-    r_idx = {r: i for i, r in enumerate(req_ids)}
-    out = [torch.zeros(len(steps), num_layers, len(req_ids), *tail, dtype=dt) for tail, dt in fields]
-    for step, layer, ids, *values in rows:
-        if step not in s_idx:
-            continue
-        cols = torch.tensor([r_idx[i] for i in ids])
-        for grid, v in zip(out, values, strict=True):
-            grid[s_idx[step], layer, cols] = v.cpu().to(grid.dtype)
-    return out
+# The names these had when the rooms were one module (kept importable).
+_rows = host_rows
+_grid = grid
+_concat = concat_results
 
 
 class LookaheadRecorder:
@@ -518,16 +219,16 @@ class LookaheadRecorder:
         """(overlap, valid, mass, mass_valid) of the :data:`TOP2_SETS`: overlap with the exact top-K
         ``[len(steps), num_layers, len(req_ids), 3]`` and the attention share (sampled cells)."""
         n = len(TOP2_SETS)
-        ov, valid = _grid(self._top2, num_layers, req_ids, steps, (((n,), torch.float32), ((), torch.bool)))
+        ov, valid = grid(self._top2, num_layers, req_ids, steps, (((n,), torch.float32), ((), torch.bool)))
         fields = (((n,), torch.float64), ((), torch.bool))
-        mass, mass_valid = _grid(self._top2_mass, num_layers, req_ids, steps, fields)
+        mass, mass_valid = grid(self._top2_mass, num_layers, req_ids, steps, fields)
         return ov, valid, mass, mass_valid
 
     def mass_tensors(self, num_layers: int, req_ids: list[int], steps: list[int]):
         """(mass, valid): the share of the true query's attention that falls in the exact top-K,
         the predicted set, the resident set and the K blocks of most attention (each with the local
         block), ``[len(steps), num_layers, len(req_ids), 4]``; valid marks the sampled cells."""
-        mass, valid = _grid(self._mass, num_layers, req_ids, steps, (((4,), torch.float64), ((), torch.bool)))
+        mass, valid = grid(self._mass, num_layers, req_ids, steps, (((4,), torch.float64), ((), torch.bool)))
         return mass, valid
 
     def kept_tensors(self, num_layers: int, req_ids: list[int], steps: list[int]):
@@ -535,44 +236,12 @@ class LookaheadRecorder:
         engine gave no kept top-K (no sticky candidates)."""
         if not self._kept:
             return None
-        return tuple(_grid(self._kept, num_layers, req_ids, steps, (((), torch.float32), ((), torch.bool))))
+        return tuple(grid(self._kept, num_layers, req_ids, steps, (((), torch.float32), ((), torch.bool))))
 
     def tensors(self, num_layers: int, req_ids: list[int], steps: list[int]):
         """(overlap, resident_hit, valid) as float/bool CPU tensors [len(steps), num_layers, len(req_ids)]."""
         f32, flag = ((), torch.float32), ((), torch.bool)
-        return tuple(_grid(self._rows, num_layers, req_ids, steps, (f32, f32, flag)))
-
-
-@dataclass
-class RunResult:
-    policy: Policy
-    nll: torch.Tensor  # [S, n]
-    top1: torch.Tensor  # [S, n] token ids
-    kl: torch.Tensor | None  # [S, n] KL(dense || policy)
-    top1_agree: torch.Tensor | None  # [S, n] bool
-    fetched_bytes_per_step: list[float] = field(default_factory=list)  # per text
-    full_kv_bytes: list[int] = field(default_factory=list)
-    resident_kv_bytes: list[int] = field(default_factory=list)
-    would_fetch_bytes_per_step: list[float] | None = None  # quest: selection churn
-    overlap: torch.Tensor | None = None  # [S', L, n]
-    resident_hit: torch.Tensor | None = None
-    valid: torch.Tensor | None = None
-    overlap_kept: torch.Tensor | None = None  # [S', L, n] sticky candidates: see LookaheadRecorder
-    kept_valid: torch.Tensor | None = None
-    matched: torch.Tensor | None = None  # [S', n] bool; None without a draft
-    confidence: torch.Tensor | None = None  # [S', n] the head's probability of its draft (EAGLE-3)
-    mass: torch.Tensor | None = None  # [S', L, n, 4] attention share: exact / predicted / resident / best
-    mass_valid: torch.Tensor | None = None  # [S', L, n] the sampled cells
-    # +top2: the TOP2_SETS' overlap [S', L, n, 3] and attention share, and whether the runner-up
-    # draft was the next token [S', n].
-    top2_overlap: torch.Tensor | None = None
-    top2_valid: torch.Tensor | None = None
-    top2_mass: torch.Tensor | None = None
-    top2_mass_valid: torch.Tensor | None = None
-    layer_blocks: tuple[int, ...] | None = None  # +layers: the fitted per-layer budgets
-    matched2: torch.Tensor | None = None
-    measured_steps: list[int] = field(default_factory=list)
-    wall_s: float = 0.0
+        return tuple(grid(self._rows, num_layers, req_ids, steps, (f32, f32, flag)))
 
 
 class TeacherForcing:
@@ -696,7 +365,7 @@ class TeacherForcing:
         parts = []
         for ci, idx in enumerate(self._chunks()):
             parts.append(self._run_chunk(policy, ci, [self.texts[i] for i in idx]))
-        res = _concat(policy, parts)
+        res = concat_results(policy, parts)
         res.wall_s = time.perf_counter() - t0
         return res
 
@@ -879,46 +548,6 @@ class _ChunkScorer:
             self.bar.update(1)
 
 
-def _concat(policy: Policy, parts: list[RunResult]) -> RunResult:
-    def cat(name, dim):
-        xs = [getattr(p, name) for p in parts]
-        return None if any(x is None for x in xs) else torch.cat(xs, dim=dim)
-
-    out = RunResult(
-        policy,
-        cat("nll", 1),
-        cat("top1", 1),
-        cat("kl", 1),
-        cat("top1_agree", 1),
-        fetched_bytes_per_step=sum((p.fetched_bytes_per_step for p in parts), []),
-        full_kv_bytes=sum((p.full_kv_bytes for p in parts), []),
-        resident_kv_bytes=sum((p.resident_kv_bytes for p in parts), []),
-    )
-    if all(p.would_fetch_bytes_per_step is not None for p in parts):
-        out.would_fetch_bytes_per_step = sum((p.would_fetch_bytes_per_step for p in parts), [])
-    out.overlap = cat("overlap", 2)
-    out.resident_hit = cat("resident_hit", 2)
-    out.valid = cat("valid", 2)
-    out.overlap_kept = cat("overlap_kept", 2)
-    out.kept_valid = cat("kept_valid", 2)
-    out.matched = cat("matched", 1)
-    out.confidence = cat("confidence", 1)
-    out.mass = cat("mass", 2)
-    out.mass_valid = cat("mass_valid", 2)
-    for name in ("top2_overlap", "top2_valid", "top2_mass", "top2_mass_valid"):
-        setattr(out, name, cat(name, 2))
-    out.matched2 = cat("matched2", 1)
-    out.measured_steps = parts[0].measured_steps
-    out.layer_blocks = parts[0].layer_blocks
-    return out
-
-
-def _mean(x: torch.Tensor, mask: torch.Tensor | None = None) -> float | None:
-    if mask is not None:
-        x = x[mask]
-    return float(x.float().mean()) if x.numel() else None
-
-
 def greedy_continuations(
     model,
     texts: list[list[int]],
@@ -950,167 +579,3 @@ def greedy_continuations(
         [list(t[:prefix]) for t in texts], steps + 1, temperature=0.0, ignore_eos=True, progress=progress
     )
     return [list(t[:prefix]) + list(o.tokens) for t, o in zip(texts, outs, strict=True)]
-
-
-def summarize(res: RunResult, dense: RunResult | None) -> dict:
-    """The JSON record of one run (see docs/EVAL.md for every field)."""
-    p = res.policy
-    rec: dict = {
-        "policy": p.kind,
-        "drafter": p.drafter,
-        "top_k_blocks": p.top_k_blocks,
-        "fetch_cap": p.fetch_cap,
-        **({"layer_blocks": list(res.layer_blocks)} if res.layer_blocks else {}),
-        "nll": _mean(res.nll),
-        "ppl": math.exp(_mean(res.nll)),
-        "nll_per_text": [float(x) for x in res.nll.mean(0)],
-        "wall_s": res.wall_s,
-    }
-    if dense is not None and p.kind != "dense":
-        d_nll = _mean(dense.nll)
-        per_text = res.nll.mean(0) - dense.nll.mean(0)
-        n = per_text.numel()
-        rec.update(
-            nll_dense=d_nll,
-            delta_nll=rec["nll"] - d_nll,
-            delta_nll_pct=100.0 * (rec["nll"] - d_nll) / d_nll,
-            delta_nll_se=float(per_text.std(unbiased=True) / math.sqrt(n)) if n > 1 else None,
-            ppl_ratio=math.exp(rec["nll"] - d_nll),
-            kl=_mean(res.kl),
-            top1_agree=_mean(res.top1_agree),
-        )
-    if p.kind != "dense":
-        rec["fetched_bytes_per_step"] = sum(res.fetched_bytes_per_step) / len(res.fetched_bytes_per_step)
-        rec["full_kv_bytes"] = sum(res.full_kv_bytes) / len(res.full_kv_bytes)
-        if p.kind == "oasis":
-            rec["resident_kv_bytes"] = sum(res.resident_kv_bytes) / len(res.resident_kv_bytes)
-    if res.would_fetch_bytes_per_step is not None:
-        w = res.would_fetch_bytes_per_step
-        rec["would_fetch_bytes_per_step"] = sum(w) / len(w)
-    if res.overlap is not None:
-        rec["lookahead"] = lookahead_summary(res)
-    return rec
-
-
-def lookahead_summary(res: RunResult) -> dict:
-    ov, hit, valid = res.overlap, res.resident_hit, res.valid  # [S', L, n]
-    per_layer = []
-    hit_layer = []
-    for layer in range(ov.shape[1]):
-        per_layer.append(_mean(ov[:, layer], valid[:, layer]))
-        hit_layer.append(_mean(hit[:, layer], valid[:, layer]))
-    out = {
-        "overlap": _mean(ov, valid),
-        "overlap_per_layer": per_layer,
-        "overlap_min_layer": min((x for x in per_layer if x is not None), default=None),
-        "resident_hit": _mean(hit, valid),
-        "resident_hit_per_layer": hit_layer,
-        "steps_measured": len(res.measured_steps),
-        "overlap_per_step": [_mean(ov[s], valid[s]) for s in range(ov.shape[0])],
-    }
-    if res.matched is not None and res.matched.numel():
-        m = res.matched.unsqueeze(1).expand_as(valid)  # [S', L, n]
-        out.update(
-            draft_accept=_mean(res.matched.float()),
-            overlap_matched=_mean(ov, valid & m),
-            overlap_unmatched=_mean(ov, valid & ~m),
-            n_matched=int(res.matched.sum()),
-            n_unmatched=int((~res.matched).sum()),
-            matched_per_step=[_mean(res.matched[s].float()) for s in range(res.matched.shape[0])],
-        )
-    else:
-        out.update(
-            draft_accept=None, overlap_matched=None, overlap_unmatched=None, n_matched=0, n_unmatched=0
-        )
-    if res.overlap_kept is not None and res.kept_valid is not None:
-        out["kept"] = kept_summary(res)
-    if res.mass is not None and res.mass_valid is not None and bool(res.mass_valid.any()):
-        out["attn_mass"] = attention_mass_summary(res)
-    if res.top2_overlap is not None:
-        out["top2"] = top2_summary(res)
-    if res.confidence is not None and res.matched is not None and res.confidence.shape == res.matched.shape:
-        out["by_confidence"] = confidence_bins(res.confidence, res.matched, ov, valid)
-    return out
-
-
-def kept_summary(res: RunResult) -> dict:
-    """The overlap against the selection's own choice with the true query (sticky candidates:
-    the exact top-K keeps the blocks the prediction kept), overall, per layer and split by draft
-    match as :func:`lookahead_summary`'s."""
-    ov, valid = res.overlap_kept, res.kept_valid
-    per_layer = [_mean(ov[:, layer], valid[:, layer]) for layer in range(ov.shape[1])]
-    out = {
-        "overlap": _mean(ov, valid),
-        "overlap_per_layer": per_layer,
-        "overlap_min_layer": min((x for x in per_layer if x is not None), default=None),
-        "overlap_matched": None,
-        "overlap_unmatched": None,
-    }
-    if res.matched is not None and res.matched.numel() and res.matched.shape[0] == ov.shape[0]:
-        m = res.matched.unsqueeze(1).expand_as(valid)
-        out.update(overlap_matched=_mean(ov, valid & m), overlap_unmatched=_mean(ov, valid & ~m))
-    return out
-
-
-def attention_mass_summary(res: RunResult) -> dict:
-    """Means over the sampled (step, layer, request) cells of the true query's attention share in
-    the exact top-K (what the Quest-like ideal reads), the predicted set, the resident set and the
-    K blocks of most attention (``best``: the ceiling of any block scoring at this budget), each
-    with the local block; the predicted share split by draft match when there is a draft."""
-    mass, valid = res.mass, res.mass_valid  # [S', L, n, 3], [S', L, n]
-    out = {
-        "exact": _mean(mass[..., 0], valid),
-        "predicted": _mean(mass[..., 1], valid),
-        "resident": _mean(mass[..., 2], valid),
-        "best": _mean(mass[..., 3], valid),
-        "cells": int(valid.sum()),
-        "resident_per_layer": [
-            _mean(mass[:, layer, :, 2], valid[:, layer]) for layer in range(mass.shape[1])
-        ],
-    }
-    if res.matched is not None and res.matched.shape == (mass.shape[0], mass.shape[2]):
-        m = res.matched.unsqueeze(1).expand_as(valid)
-        out["predicted_matched"] = _mean(mass[..., 1], valid & m)
-        out["predicted_unmatched"] = _mean(mass[..., 1], valid & ~m)
-    return out
-
-
-def top2_summary(res: RunResult) -> dict:
-    """Lookahead from the two best drafts (``+top2``): per set of :data:`TOP2_SETS`, the overlap with
-    the exact top-K and the attention share (sampled cells); and how often the runner-up draft was
-    the next token (``runner_up_accept``; the best draft's is ``draft_accept``)."""
-    ov, valid = res.top2_overlap, res.top2_valid
-    out: dict = {"overlap": {name: _mean(ov[..., i], valid) for i, name in enumerate(TOP2_SETS)}}
-    mass, mv = res.top2_mass, res.top2_mass_valid
-    if mass is not None and mv is not None and bool(mv.any()):
-        out["attn_mass"] = {name: _mean(mass[..., i], mv) for i, name in enumerate(TOP2_SETS)}
-        out["mass_cells"] = int(mv.sum())
-    out["runner_up_accept"] = _mean(res.matched2.float()) if res.matched2 is not None else None
-    return out
-
-
-#: Edges of the draft-confidence bins of :func:`confidence_bins`.
-CONFIDENCE_EDGES = (0.0, 0.25, 0.5, 0.75, 1.0)
-
-
-def confidence_bins(conf: torch.Tensor, matched: torch.Tensor, ov: torch.Tensor, valid: torch.Tensor) -> list:
-    """Per bin of the head's probability of its draft: the share of steps, the acceptance and the
-    lookahead overlap (mean over layers and heads). Whether a confident draft is a right one is what
-    a confidence-gated selection would rely on. conf, matched: [S', n]; ov, valid: [S', L, n]."""
-    out = []
-    total = int(torch.isfinite(conf).sum())
-    for lo, hi in zip(CONFIDENCE_EDGES, CONFIDENCE_EDGES[1:], strict=False):
-        sel = (conf >= lo) & ((conf < hi) if hi < 1.0 else (conf <= hi))
-        cnt = int(sel.sum())
-        m = sel.unsqueeze(1).expand_as(valid)
-        out.append(
-            {
-                "lo": lo,
-                "hi": hi,
-                "steps": cnt,
-                "share": cnt / total if total else None,
-                "accept": _mean(matched.float(), sel) if cnt else None,
-                "overlap": _mean(ov, valid & m) if cnt else None,
-            }
-        )
-    return out
