@@ -1,0 +1,231 @@
+"""Admission and prefill: the queues a request passes through and the step's prompt budget.
+
+Requests wait in arrival order (:attr:`Scheduler._waiting`). Each step :meth:`Scheduler._prefill`
+spends at most ``max_num_batched_tokens`` prompt tokens, first on the prompts already being
+prefilled (``_prefilling``), then on waiting requests admitted first come, first served while a
+seat is free and their peak KV need fits (no overtaking); a prefilled request moves to
+``_running``. A staged request (disaggregated prefill) is admitted from the staging daemon in
+place of its prefill (:meth:`Scheduler._admit_staged`).
+
+:class:`Scheduler` is a mixin of :class:`~oasiskv.llm_engine.LLMEngine`; the annotations in its
+body are what it reads of the engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import secrets
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import KvConfig
+from ..drafters import Drafter
+from ..engine import Engine, Request
+from ..errors import ConfigError, ContextLengthError, OasisError
+from .params import SamplingParams, StepInfo
+from .prompts import prompt_token_ids
+
+
+@dataclass
+class Seq:
+    """A request as the scheduler tracks it."""
+
+    request_id: str
+    req: Request
+    params: SamplingParams
+    gen: torch.Generator | None
+    stop: Callable[[list[int]], bool] | None = None
+    forced: list[int] | None = None
+    error: str | None = None
+    prefilled: int = 0  # prompt tokens prefilled so far
+    new: list[int] = field(default_factory=list)
+    new_logprobs: list[dict[int, float]] = field(default_factory=list)  # one per token of ``new``
+    staged: object | None = None  # a disagg.StagedRequest: admitted from the staging daemon
+
+
+class Scheduler:
+    """Queueing, admission and chunked prefill (a mixin of ``LLMEngine``; see the module
+    docstring)."""
+
+    # What it reads of the engine (set by LLMEngine.__init__).
+    engine: Engine
+    drafter: Drafter | None
+    kv: KvConfig
+    kv_source: object | None  # a disagg.RemoteKvSource
+    model: torch.nn.Module
+    tokenizer: object
+    speculative: bool
+    recorder: object | None
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    _gen: torch.Generator | None
+    _ids: Iterator[int]
+    _waiting: deque[Seq]
+    _prefilling: list[Seq]
+    _running: list[Seq]
+    _by_id: dict[str, Seq]
+
+    def _add(self, prompt, params, request_id, stop, forced_tokens, staged) -> str:
+        """Queue a request (``staged``: a StagedRequest, admitted sparse from the daemon)."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ConfigError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if params.logprobs is not None and (self.speculative or staged is not None):
+            raise ConfigError(
+                "SamplingParams(logprobs=...) needs a non-speculative engine and a local prefill; "
+                "pass logprobs=None, or speculative=False"
+            )
+        ids = prompt_token_ids(prompt, self.tokenizer, self.model.config.vocab_size)
+        ctx = self.model.config.max_position_embeddings
+        # The last new token is sampled, never fed: positions 0 .. len + max_tokens - 2 are used.
+        if len(ids) + params.max_tokens - 1 > ctx:
+            raise ContextLengthError(
+                f"the prompt has {len(ids)} tokens and max_tokens={params.max_tokens}: "
+                f"{len(ids) + params.max_tokens - 1} positions exceeds the model's context of {ctx} "
+                "tokens; shorten the prompt or lower max_tokens"
+            )
+        self.engine.check_fits(
+            len(ids), params.max_tokens, sparse=staged is not None, cache_blocks=self._cache_of(staged)
+        )
+        n = next(self._ids)
+        rid = str(n) if request_id is None else request_id
+        if not isinstance(rid, str) or not rid:
+            raise ConfigError(f"request_id must be a non-empty str, got {rid!r}")
+        if rid in self._by_id:
+            raise ConfigError(f"request_id {rid!r} is already in use; pass a unique id")
+        if params.seed is not None:
+            gen = torch.Generator().manual_seed(params.seed)
+        elif self._gen is None:
+            gen = torch.Generator().manual_seed(secrets.randbits(63))  # a fresh seed per request
+        else:
+            gen = None  # the engine's generator
+        forced = None
+        if forced_tokens is not None:
+            forced = prompt_token_ids(
+                list(forced_tokens), None, self.model.config.vocab_size, "forced_tokens"
+            )
+        seq = Seq(rid, Request(id=n, prompt=ids, max_new_tokens=params.max_tokens), params, gen, stop, forced)
+        seq.staged = staged
+        self._waiting.append(seq)
+        self._by_id[rid] = seq
+        return rid
+
+    def _connect_kv_source(self, src, transfer, token, timeout_s, retries, cuda_graph, cache_blocks=None):
+        from ..disagg import RemoteKvSource
+
+        if transfer == "partial" and cuda_graph and cache_blocks is not None:
+            raise ConfigError(
+                "kv_cache_blocks moves host rows between a step's layers, which a captured CUDA graph "
+                "cannot follow; pass enforce_eager=True or kv_cache_blocks=None"
+            )
+        if self.drafter is not None and self.drafter.wants_prompt_features:
+            raise ConfigError(
+                "a staged request has no prompt features for this drafter (EAGLE-3); pass drafter='ngram'"
+            )
+        if self.kv.block_score != "quest":
+            raise ConfigError(
+                "a staged request comes with min/max summaries only (key codes are not transferred "
+                "yet), so the default selection cannot rank its blocks; pass kv=KvConfig.fast()"
+            )
+        return RemoteKvSource(
+            self.engine,
+            src,
+            transfer,
+            token=token,
+            timeout_s=timeout_s,
+            retries=retries,
+            cache_blocks=cache_blocks,
+        )
+
+    def _cache_of(self, staged) -> int | None:
+        """The host cache (``kv_cache_blocks``) of a staged request; None for a local one."""
+        return self.kv_source.cache_blocks if staged is not None and self.kv_source is not None else None
+
+    def _admit_staged(self, seq: Seq, touched: list[Seq]) -> None:
+        """Admit a staged request from the daemon (in place of its prefill) and take its first
+        token; a failure finishes it with an error and the others go on."""
+        r = seq.req
+        if self.drafter is not None:
+            self.drafter.begin(r.id, r.prompt)
+        r.tokens = list(r.prompt)
+        t0 = time.perf_counter()
+        touched.append(seq)
+        try:
+            self.kv_source.admit(r, seq.staged)
+        except (OasisError, torch.OutOfMemoryError) as e:
+            self._finish(seq, "error", f"admission from the staging daemon failed: {e}")
+            return
+        r.metrics.prefill_s += time.perf_counter() - t0
+        r.metrics.prompt_tokens = len(r.prompt)
+        self._accept(seq, seq.staged.first_token)
+        if r.finish_reason is None:
+            self._running.append(seq)
+
+    def _prefill(self, touched: list[Seq]) -> None:
+        """Spend this step's prompt-token budget: first on the prompts being prefilled (in
+        admission order), then on waiting requests admitted first come, first served while a seat
+        is free and their peak KV need fits. A prompt longer than what is left of the budget is
+        prefilled in chunks over the next steps, between decode steps."""
+        eng = self.engine
+        budget = self.max_num_batched_tokens
+        queue = list(self._prefilling)
+        src = self.kv_source
+        busy = bool(self._running)  # others decode this step: a staged admission must not stall them
+        if src is not None:
+            # The first waiting staged requests' data is read in the background meanwhile.
+            staged = (s.staged for s in self._waiting if s.staged is not None)
+            for handle in itertools.islice(staged, src.prefetch_depth):
+                src.prefetch(handle)
+        while budget > 0:
+            if queue:
+                seq = queue.pop(0)
+            elif self._waiting and len(self._running) + len(self._prefilling) < self.max_num_seqs:
+                seq = self._waiting[0]
+                # A staged request reserves its working set only (Engine.admit_sparse).
+                if not eng.can_admit(
+                    len(seq.req.prompt),
+                    seq.req.max_new_tokens,
+                    sparse=seq.staged is not None,
+                    cache_blocks=self._cache_of(seq.staged),
+                ):
+                    break  # it waits, and so does everyone behind it (no overtaking)
+                if seq.staged is not None and busy and not src.ready(seq.staged):
+                    break  # its data is still being read ahead: decode the others meanwhile
+                self._waiting.popleft()
+                if seq.staged is not None:
+                    self._admit_staged(seq, touched)
+                    continue
+                self._prefilling.append(seq)
+                if self.drafter is not None:
+                    self.drafter.begin(seq.req.id, seq.req.prompt)
+                seq.req.tokens = list(seq.req.prompt)
+            else:
+                break
+            r = seq.req
+            start = seq.prefilled
+            end = min(len(r.prompt), start + budget)
+            budget -= end - start
+            t0 = time.perf_counter()
+            try:
+                logits = eng.prefill_chunk(r, start, end)
+            except (OasisError, torch.OutOfMemoryError) as e:
+                self._prefilling.remove(seq)
+                self._finish(seq, "error", f"prefill failed: {e}")
+                touched.append(seq)
+                continue
+            seq.prefilled = end
+            r.metrics.prefill_s += time.perf_counter() - t0
+            if logits is None:
+                continue  # more of the prompt next step
+            self._prefilling.remove(seq)
+            r.metrics.prompt_tokens = len(r.prompt)
+            if self.recorder is not None:
+                self.recorder.on_step(StepInfo("prefill", [seq.request_id], logits.unsqueeze(0), [None]))
+            self._accept(seq, self._sample(seq, logits.unsqueeze(0))[0])
+            touched.append(seq)
+            if r.finish_reason is None:
+                self._running.append(seq)
