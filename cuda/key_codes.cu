@@ -81,6 +81,92 @@ __device__ void build_key_codes_impl(
     }
 }
 
+// ---- the 8-bit Quest bound (oasis_core::kernels::bound8 defines it and is the CPU twin)
+
+// floor(log2(a)) of a positive normal f32.
+__device__ __forceinline__ int f32_ilogb(float a) { return (int)((__float_as_uint(a) >> 23) & 0xffu) - 127; }
+
+// The largest E4M3 magnitude <= a (0 <= a <= 448), as bits.
+__device__ __forceinline__ u32 e4m3_mag_down(float a) {
+    if (a < 0.015625f) return (u32)floorf(__fmul_rn(a, 512.f));  // subnormal: m 2^-9
+    const int e = f32_ilogb(a);
+    const int m = (int)floorf(__fmul_rn(a, exp2i(3 - e))) - 8;
+    return (u32)(((e + 7) << 3) | m);
+}
+
+// The smallest E4M3 magnitude >= a (0 <= a <= 448), as bits.
+__device__ __forceinline__ u32 e4m3_mag_up(float a) {
+    const u32 d = e4m3_mag_down(a);
+    return e4m3_decode(d) == a ? d : d + 1u;
+}
+
+// Outward rounding onto the E4M3 grid (|y| <= 448): the largest value <= y, the smallest >= y.
+__device__ __forceinline__ u32 e4m3_down(float y) { return y >= 0.f ? e4m3_mag_down(y) : 0x80u | e4m3_mag_up(-y); }
+__device__ __forceinline__ u32 e4m3_up(float y) { return y >= 0.f ? e4m3_mag_up(y) : 0x80u | e4m3_mag_down(-y); }
+
+// The exponent of a row's scale 2^e: the smallest e >= OASIS_BOUND8_MIN_EXP with maxabs / 2^e <= 448.
+#define OASIS_BOUND8_MIN_EXP (-120)
+__device__ __forceinline__ int bound8_exponent(float maxabs) {
+    if (!(maxabs >= 1.17549435e-38f)) return OASIS_BOUND8_MIN_EXP;  // zero (or subnormal)
+    const int e = f32_ilogb(maxabs) - 8;
+    if (e < OASIS_BOUND8_MIN_EXP) return OASIS_BOUND8_MIN_EXP;
+    return __fmul_rn(maxabs, exp2i(-e)) > 448.f ? e + 1 : e;
+}
+
+// grid (n, num_kv_heads), blockDim.x a multiple of 32 (<= 1024): the bytes and scale of one (block,
+// head) row. Out-of-range ids are skipped.
+template <typename T>
+__device__ void build_bounds8_impl(
+    const T* __restrict__ summaries,   // [num_host_blocks, num_kv_heads, 2, head_dim]
+    const int* __restrict__ block_ids, // [n]
+    unsigned char* __restrict__ bounds8, // [num_host_blocks, num_kv_heads, 2, head_dim]
+    float* __restrict__ scales,        // [num_host_blocks, num_kv_heads]
+    int num_kv_heads, int head_dim, int num_host_blocks) {
+    __shared__ float s_max[32];
+    __shared__ int s_bad[32];
+    const int blk = block_ids[blockIdx.x];
+    const int h = blockIdx.y;
+    if (blk < 0 || blk >= num_host_blocks) return;  // block-uniform
+    const i64 entry = (i64)blk * num_kv_heads + h;
+    const T* row = summaries + entry * 2 * head_dim;
+    float mx = 0.f;
+    int bad = 0;
+    for (int i = threadIdx.x; i < 2 * head_dim; i += blockDim.x) {
+        const float x = to_f32(row[i]);
+        if ((__float_as_uint(x) & 0x7f800000u) == 0x7f800000u) bad = 1;  // inf or NaN
+        else mx = fmaxf(mx, fabsf(x));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    bad = __any_sync(0xffffffffu, bad);
+    const int warp = threadIdx.x >> 5;
+    const int warps = (blockDim.x + 31) >> 5;
+    if ((threadIdx.x & 31) == 0) {
+        s_max[warp] = mx;
+        s_bad[warp] = bad;
+    }
+    __syncthreads();
+    mx = 0.f;
+    bad = 0;
+    for (int w = 0; w < warps; ++w) {
+        mx = fmaxf(mx, s_max[w]);
+        bad |= s_bad[w];
+    }
+    unsigned char* out = bounds8 + entry * 2 * head_dim;
+    if (bad) {
+        for (int i = threadIdx.x; i < 2 * head_dim; i += blockDim.x) out[i] = 0;
+        if (threadIdx.x == 0) scales[entry] = __int_as_float(0x7fc00000);
+        return;
+    }
+    const int e = bound8_exponent(mx);
+    const float inv = exp2i(-e);
+    for (int i = threadIdx.x; i < 2 * head_dim; i += blockDim.x) {
+        const float y = __fmul_rn(to_f32(row[i]), inv);
+        out[i] = (unsigned char)(i < head_dim ? e4m3_down(y) : e4m3_up(y));
+    }
+    if (threadIdx.x == 0) scales[entry] = exp2i(e);
+}
+
 // Largest s with blk_indptr[s] <= j (as score_blocks.cu's score_seq_of): then j < blk_indptr[s + 1]
 // when the row is well formed (empty sequences are skipped).
 __device__ __forceinline__ int score_codes_seq_of(const int* __restrict__ blk_indptr, int num_seqs, int j) {
@@ -609,6 +695,17 @@ __device__ void score_blocks_codes_impl(
                                        p.num_kv_heads, p.head_dim, p.block_size, p.num_host_blocks,  \
                                        p.num_host_rows);                                             \
     }
+
+#define OASIS_BUILD_BOUNDS8(NAME, T)                                                                   \
+    extern "C" __global__ void __launch_bounds__(OASIS_CODES_BUILD_THREADS)                           \
+        NAME(const __grid_constant__ oasis::BuildBounds8Params<T> p) {                                 \
+        oasis::build_bounds8_impl<T>(p.summaries, p.block_ids, p.bounds8, p.scales, p.num_kv_heads,    \
+                                     p.head_dim, p.num_host_blocks);                                   \
+    }
+
+OASIS_BUILD_BOUNDS8(build_bounds8_bf16, oasis::bf16)
+OASIS_BUILD_BOUNDS8(build_bounds8_f16, oasis::f16)
+OASIS_BUILD_BOUNDS8(build_bounds8_f32, float)
 
 OASIS_BUILD_KEY_CODES(build_key_codes_bf16, oasis::bf16)
 OASIS_BUILD_KEY_CODES(build_key_codes_f16, oasis::f16)

@@ -21,6 +21,25 @@ struct __align__(2) f16 {
     unsigned short bits;
 };
 
+// 8-bit storage of the Quest bound (oasis_core::kernels::bound8): E4M3 bits (sign, 4 exponent
+// bits biased by 7, 3 mantissa bits; 0x7f / 0xff NaN, no infinities).
+struct fp8e4m3 {
+    unsigned char bits;
+};
+
+// 2^e as an f32 (-126 <= e <= 127).
+__device__ __forceinline__ float exp2i(int e) { return __uint_as_float((u32)(e + 127) << 23); }
+
+// The f32 value of E4M3 bits c, as oasis_core::kernels::bound8::e4m3_decode.
+__device__ __forceinline__ float e4m3_decode(u32 c) {
+    const u32 ex = (c >> 3) & 15u;
+    const u32 m = c & 7u;
+    float mag = ex == 0u ? (float)m * 0.001953125f : __uint_as_float(((ex + 120u) << 23) | (m << 20));
+    if (ex == 15u && m == 7u) mag = __int_as_float(0x7fc00000);
+    return (c & 0x80u) ? -mag : mag;
+}
+__device__ __forceinline__ float to_f32(fp8e4m3 x) { return e4m3_decode(x.bits); }
+
 __device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000); }
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 

@@ -122,6 +122,37 @@ struct ScoreBlocksParams {
     int num_host_blocks;
 };
 
+// score_blocks_bound8_* (cuda/score_blocks.cu): Quest scores over the 8-bit (E4M3, outward
+// rounded) bounds, times each row's scale (oasis_core::kernels::bound8).
+template <typename T>
+struct ScoreBlocksBound8Params {
+    const T* q;                   // [num_seqs, num_qo_heads, head_dim] (the lookahead row)
+    const unsigned char* bounds8; // [num_host_blocks, num_kv_heads, 2, head_dim] E4M3 bits
+    const float* scales;          // [num_host_blocks, num_kv_heads] (a power of two, or NaN)
+    const int* blk_indptr;        // [num_seqs + 1]
+    const int* blk_indices;       // [nnz] host block of each logical block, logical order
+    float* scores;                // [nnz, num_kv_heads]
+    int num_seqs;
+    int nnz;
+    int num_qo_heads;
+    int num_kv_heads;
+    int head_dim;
+    int num_host_blocks;
+};
+
+// build_bounds8_* (cuda/key_codes.cu): the 8-bit bounds of whole host blocks from their summaries.
+template <typename T>
+struct BuildBounds8Params {
+    const T* summaries;     // [num_host_blocks, num_kv_heads, 2, head_dim]
+    const int* block_ids;   // [n] host blocks (complete blocks)
+    unsigned char* bounds8; // [num_host_blocks, num_kv_heads, 2, head_dim]
+    float* scales;          // [num_host_blocks, num_kv_heads]
+    int n;
+    int num_kv_heads;
+    int head_dim;
+    int num_host_blocks;
+};
+
 // build_key_codes_* (cuda/key_codes.cu): 2-bit codes of every key of whole host blocks, inside
 // each block's per-channel [min, max].
 template <typename T>

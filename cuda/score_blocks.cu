@@ -95,6 +95,26 @@ __device__ __forceinline__ void unpack16<float>(const uint4& w, float* out) {
     out[3] = __uint_as_float(w.w);
 }
 
+template <>
+__device__ __forceinline__ void unpack16<fp8e4m3>(const uint4& w, float* out) {
+    const u32 v[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+        for (int b = 0; b < 4; ++b) out[4 * i + b] = e4m3_decode((v[i] >> (8 * b)) & 0xffu);
+    }
+}
+
+// A row's score: times its scale for the 8-bit bound (score_blocks_bound8), as is otherwise.
+template <typename S>
+__device__ __forceinline__ float bound_scaled(float acc, const float* __restrict__ scales, i64 entry) {
+    if constexpr (sizeof(S) == 1) {
+        return acc * scales[entry];
+    } else {
+        return acc;
+    }
+}
+
 // Vector path of score_blocks_impl: warp `w` scores entries j of [tile * 32, tile * 32 + 32)
 // (tile = w / num_kv_heads) for head h = w % num_kv_heads, with 16-byte loads of the summaries.
 // One (block, head) summary is 2*V 16-byte words (V = head_dim * sizeof(T) / 16: min row then
@@ -104,12 +124,12 @@ __device__ __forceinline__ void unpack16<float>(const uint4& w, float* out) {
 // current sequence lives in registers as the two group-summed coefficient vectors P and N (see
 // load_q), so any GQA group costs one FMA per summary value; `U` summaries are loaded before any
 // is used. Scores are reduced over the unit's lanes with xor shuffles.
-template <typename T, int V>
+template <typename T, typename S, int V>
 __device__ void score_blocks_vec(
-    const T* __restrict__ q, const T* __restrict__ summaries, const int* __restrict__ blk_indptr,
+    const T* __restrict__ q, const S* __restrict__ summaries, const int* __restrict__ blk_indptr,
     const int* __restrict__ blk_indices, float* __restrict__ scores, int num_seqs, int nnz, int num_qo_heads,
-    int num_kv_heads, int head_dim, int num_host_blocks, int tile, int h) {
-    constexpr int E = 16 / (int)sizeof(T);           // values per 16-byte word
+    int num_kv_heads, int head_dim, int num_host_blocks, int tile, int h, const float* __restrict__ scales) {
+    constexpr int E = 16 / (int)sizeof(S);           // values per 16-byte word of the summaries
     constexpr bool SPLIT = V <= 16;                  // min and max rows on different lanes
     constexpr int LPU = SPLIT ? 2 * V : 32;          // lanes per unit
     constexpr int NSUB = 32 / LPU;                   // units per warp
@@ -218,7 +238,7 @@ __device__ void score_blocks_vec(
             if (SPLIT) {
                 // Lanes r < V hold a min word, lanes r >= V the max word of the same d's.
                 float v[E];
-                unpack16<T>(raw[u][0], v);
+                unpack16<S>(raw[u][0], v);
 #pragma unroll
                 for (int e = 0; e < E; ++e) acc += (half ? cmax[0][e] : cmin[0][e]) * v[e];
             } else {
@@ -226,8 +246,8 @@ __device__ void score_blocks_vec(
                 for (int k = 0; k < NV; ++k) {
                     float lo[E];
                     float hi[E];
-                    unpack16<T>(raw[u][k], lo);
-                    unpack16<T>(raw[u][NV + k], hi);
+                    unpack16<S>(raw[u][k], lo);
+                    unpack16<S>(raw[u][NV + k], hi);
 #pragma unroll
                     for (int e = 0; e < E; ++e) acc += cmin[k][e] * lo[e] + cmax[k][e] * hi[e];
                 }
@@ -256,7 +276,8 @@ __device__ void score_blocks_vec(
             const int b = __shfl_sync(0xffffffffu, tile_idx, (j - t0 + u) & 31);
             if ((lane & ((32 >> LOGU) - 1)) == 0 && u < cnt) {
                 const bool ok = b >= 0 && b < num_host_blocks;
-                scores[(i64)(j + u) * num_kv_heads + h] = ok ? acc : neg_inf();
+                scores[(i64)(j + u) * num_kv_heads + h] =
+                    ok ? bound_scaled<S>(acc, scales, (i64)b * num_kv_heads + h) : neg_inf();
             }
         } else {
 #pragma unroll
@@ -266,7 +287,8 @@ __device__ void score_blocks_vec(
                 for (int o = 1; o < LPU; o <<= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
                 if (r == 0 && u < cnt) {
                     const bool ok = bid[u] >= 0 && bid[u] < num_host_blocks;
-                    scores[(i64)(j + u) * num_kv_heads + h] = ok ? acc : neg_inf();
+                    scores[(i64)(j + u) * num_kv_heads + h] =
+                        ok ? bound_scaled<S>(acc, scales, (i64)bid[u] * num_kv_heads + h) : neg_inf();
                 }
             }
         }
@@ -276,11 +298,11 @@ __device__ void score_blocks_vec(
 
 // Scalar path (any head_dim, any alignment): warp w scores the entries of its tile
 // one by one for head h, lanes striding over d.
-template <typename T>
+template <typename T, typename S>
 __device__ void score_blocks_scalar(
-    const T* __restrict__ q, const T* __restrict__ summaries, const int* __restrict__ blk_indptr,
+    const T* __restrict__ q, const S* __restrict__ summaries, const int* __restrict__ blk_indptr,
     const int* __restrict__ blk_indices, float* __restrict__ scores, int num_seqs, int nnz, int num_qo_heads,
-    int num_kv_heads, int head_dim, int num_host_blocks, int tile, int h) {
+    int num_kv_heads, int head_dim, int num_host_blocks, int tile, int h, const float* __restrict__ scales) {
     const int lane = threadIdx.x & 31;
     const int t0 = tile * OASIS_SCORE_TILE;
     const int t1 = min(nnz, t0 + OASIS_SCORE_TILE);
@@ -296,8 +318,8 @@ __device__ void score_blocks_scalar(
             if (lane == 0) scores[(i64)j * num_kv_heads + h] = neg_inf();
             continue;
         }
-        const T* mn = summaries + ((i64)b * num_kv_heads + h) * 2 * head_dim;
-        const T* mx = mn + head_dim;
+        const S* mn = summaries + ((i64)b * num_kv_heads + h) * 2 * head_dim;
+        const S* mx = mn + head_dim;
         const T* qs = q + ((i64)s * num_qo_heads + (i64)h * group) * head_dim;
         float acc = 0.f;
         for (int x = lane; x < head_dim; x += 32) {
@@ -309,7 +331,7 @@ __device__ void score_blocks_scalar(
             }
         }
         acc = warp_sum(acc);
-        if (lane == 0) scores[(i64)j * num_kv_heads + h] = acc;
+        if (lane == 0) scores[(i64)j * num_kv_heads + h] = bound_scaled<S>(acc, scales, (i64)b * num_kv_heads + h);
     }
 }
 
@@ -318,14 +340,15 @@ __device__ void score_blocks_scalar(
 //   max(q[s,g,d] * min[b,h,d], q[s,g,d] * max[b,h,d])
 // with b = blk_indices[j] and s the sequence whose CSR range holds j. An out-of-range block id,
 // and an entry outside every well-formed row, scores -inf (never selected).
-template <typename T>
+template <typename T, typename S>
 __device__ void score_blocks_impl(
     const T* __restrict__ q,             // [num_seqs, num_qo_heads, head_dim] (the lookahead row)
-    const T* __restrict__ summaries,     // [num_host_blocks, num_kv_heads, 2, head_dim]
+    const S* __restrict__ summaries,     // [num_host_blocks, num_kv_heads, 2, head_dim] (S = T, or the 8-bit bound)
     const int* __restrict__ blk_indptr,  // [num_seqs + 1]
     const int* __restrict__ blk_indices, // [nnz] host block of each logical block, logical order
     float* __restrict__ scores,          // [nnz, num_kv_heads]
-    int num_seqs, int nnz, int num_qo_heads, int num_kv_heads, int head_dim, int num_host_blocks) {
+    int num_seqs, int nnz, int num_qo_heads, int num_kv_heads, int head_dim, int num_host_blocks,
+    const float* __restrict__ scales) {  // [num_host_blocks, num_kv_heads] with the 8-bit bound, else null
     const i64 num_tiles = ((i64)nnz + OASIS_SCORE_TILE - 1) / OASIS_SCORE_TILE;
 #if OASIS_SCORE_HEAD_MAJOR
     const int h = (int)(blockIdx.x % (unsigned)num_kv_heads);
@@ -343,32 +366,36 @@ __device__ void score_blocks_impl(
         if (j < nnz) scores[(i64)j * num_kv_heads + h] = neg_inf();
         return;
     }
-    const int bytes = head_dim * (int)sizeof(T);
+    const int bytes = head_dim * (int)sizeof(S);
     const int v = bytes % 16 == 0 ? bytes / 16 : 0;
     const bool aligned = ((u64)summaries & 15) == 0;
     bool done = false;
     if (aligned) {
-        if (v == 8) {
-            score_blocks_vec<T, 8>(q, summaries, blk_indptr, blk_indices, scores, num_seqs, nnz, num_qo_heads,
-                                     num_kv_heads, head_dim, num_host_blocks, tile, h);
+        if (sizeof(S) == 1 && v == 4) {  // the 8-bit bound of head_dim 64
+            score_blocks_vec<T, S, 4>(q, summaries, blk_indptr, blk_indices, scores, num_seqs, nnz, num_qo_heads,
+                                      num_kv_heads, head_dim, num_host_blocks, tile, h, scales);
+            done = true;
+        } else if (v == 8) {
+            score_blocks_vec<T, S, 8>(q, summaries, blk_indptr, blk_indices, scores, num_seqs, nnz, num_qo_heads,
+                                     num_kv_heads, head_dim, num_host_blocks, tile, h, scales);
             done = true;
         } else if (v == 16) {
-            score_blocks_vec<T, 16>(q, summaries, blk_indptr, blk_indices, scores, num_seqs, nnz, num_qo_heads,
-                                     num_kv_heads, head_dim, num_host_blocks, tile, h);
+            score_blocks_vec<T, S, 16>(q, summaries, blk_indptr, blk_indices, scores, num_seqs, nnz, num_qo_heads,
+                                     num_kv_heads, head_dim, num_host_blocks, tile, h, scales);
             done = true;
         } else if (v == 32) {
-            score_blocks_vec<T, 32>(q, summaries, blk_indptr, blk_indices, scores, num_seqs, nnz, num_qo_heads,
-                                     num_kv_heads, head_dim, num_host_blocks, tile, h);
+            score_blocks_vec<T, S, 32>(q, summaries, blk_indptr, blk_indices, scores, num_seqs, nnz, num_qo_heads,
+                                     num_kv_heads, head_dim, num_host_blocks, tile, h, scales);
             done = true;
         } else if (v == 64) {
-            score_blocks_vec<T, 64>(q, summaries, blk_indptr, blk_indices, scores, num_seqs, nnz, num_qo_heads,
-                                     num_kv_heads, head_dim, num_host_blocks, tile, h);
+            score_blocks_vec<T, S, 64>(q, summaries, blk_indptr, blk_indices, scores, num_seqs, nnz, num_qo_heads,
+                                     num_kv_heads, head_dim, num_host_blocks, tile, h, scales);
             done = true;
         }
     }
     if (!done) {
-        score_blocks_scalar<T>(q, summaries, blk_indptr, blk_indices, scores, num_seqs, nnz, num_qo_heads,
-                               num_kv_heads, head_dim, num_host_blocks, tile, h);
+        score_blocks_scalar<T, S>(q, summaries, blk_indptr, blk_indices, scores, num_seqs, nnz, num_qo_heads,
+                                  num_kv_heads, head_dim, num_host_blocks, tile, h, scales);
     }
 }
 
@@ -684,14 +711,27 @@ __device__ void topk_candidates_impl(
 #define OASIS_SCORE_BLOCKS(NAME, T)                                                                   \
     extern "C" __global__ void __launch_bounds__(OASIS_SCORE_THREADS, OASIS_SCORE_MIN_BLOCKS)         \
         NAME(const __grid_constant__ oasis::ScoreBlocksParams<T> p) {                                \
-        oasis::score_blocks_impl<T>(p.q, p.summaries, p.blk_indptr, p.blk_indices, p.scores,          \
-                                    p.num_seqs, p.nnz, p.num_qo_heads, p.num_kv_heads, p.head_dim,    \
-                                    p.num_host_blocks);                                               \
+        oasis::score_blocks_impl<T, T>(p.q, p.summaries, p.blk_indptr, p.blk_indices, p.scores,       \
+                                       p.num_seqs, p.nnz, p.num_qo_heads, p.num_kv_heads, p.head_dim, \
+                                       p.num_host_blocks, nullptr);                                   \
     }
 
 OASIS_SCORE_BLOCKS(score_blocks_bf16, oasis::bf16)
 OASIS_SCORE_BLOCKS(score_blocks_f16, oasis::f16)
 OASIS_SCORE_BLOCKS(score_blocks_f32, float)
+
+// The 8-bit bound (oasis_core::kernels::bound8): the same kernel over E4M3 bytes, times each row's scale.
+#define OASIS_SCORE_BOUND8(NAME, T)                                                                   \
+    extern "C" __global__ void __launch_bounds__(OASIS_SCORE_THREADS, OASIS_SCORE_MIN_BLOCKS)         \
+        NAME(const __grid_constant__ oasis::ScoreBlocksBound8Params<T> p) {                          \
+        oasis::score_blocks_impl<T, oasis::fp8e4m3>(                                                  \
+            p.q, (const oasis::fp8e4m3*)p.bounds8, p.blk_indptr, p.blk_indices, p.scores, p.num_seqs, \
+            p.nnz, p.num_qo_heads, p.num_kv_heads, p.head_dim, p.num_host_blocks, p.scales);          \
+    }
+
+OASIS_SCORE_BOUND8(score_blocks_bound8_bf16, oasis::bf16)
+OASIS_SCORE_BOUND8(score_blocks_bound8_f16, oasis::f16)
+OASIS_SCORE_BOUND8(score_blocks_bound8_f32, float)
 
 extern "C" __global__ void __launch_bounds__(OASIS_TOPK_THREADS)
     topk_blocks_f32(const __grid_constant__ oasis::TopkBlocksParams p) {

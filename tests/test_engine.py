@@ -589,7 +589,8 @@ def test_recall_is_measured_on_one_step_in_recall_every(qwen3):
 
 class _StagedCheck:
     """Wraps Engine.top_k_blocks: each two-stage selection (KvConfig.score_candidates) equals its
-    definition composed from the one-stage ops -- the Quest bound's top-m (sinks first) as
+    definition composed from the one-stage ops -- the Quest bound's top-m (over the 8-bit bound
+    with KvConfig.candidate_bound="fp8"; sinks first) as
     candidates, ranked by the full codes scores of those blocks (ties to the earlier candidate),
     the sinks ahead of them, and with KvConfig.successor_blocks = N the next block of each of the
     N best candidates by the codes score (a candidate or not) ahead of them too. With
@@ -616,7 +617,11 @@ class _StagedCheck:
         m = None if every_block else kv.candidate_blocks(k)
         self.every += every_block
         self.kept += keep is not None
-        bound = keep_sinks(ops.score_blocks(g, q, p.summaries[layer], *csr), indptr, kv.sink_blocks)
+        if kv.candidate_bound == "fp8":  # the 8-bit bound of the same summaries (test_bound8.py)
+            quest = ops.score_blocks_bound8(g, q, p.bounds8[layer], p.bound_scales[layer], *csr)
+        else:
+            quest = ops.score_blocks(g, q, p.summaries[layer], *csr)
+        bound = keep_sinks(quest, indptr, kv.sink_blocks)
         bound = keep_pins(bound, indptr, keep)  # sticky candidates: the previous prediction
         cand = ops.topk_blocks(g.num_kv_heads, bound, indptr, m or int((indptr[1:] - indptr[:-1]).max()))
         full = ops.score_blocks_codes(g, q, p.summaries[layer], p.codes[layer], *csr)
@@ -650,13 +655,21 @@ class _StagedCheck:
         self.calls += 1
 
 
-@pytest.mark.parametrize("sinks, succ", [(0, 0), (1, 0), (1, 1)])
-def test_two_stage_codes_score_selects_its_definition(qwen3, sinks, succ):
+@pytest.mark.parametrize(
+    "sinks, succ, bound", [(0, 0, "fp8"), (1, 0, "fp8"), (1, 1, "fp8"), (1, 1, "summaries")]
+)
+def test_two_stage_codes_score_selects_its_definition(qwen3, sinks, succ, bound):
     """KvConfig(score_candidates=F): every prediction and every recall top-K equals the Quest
-    bound's candidates ranked by their codes scores (checked against the one-stage ops at each
-    call), with fewer candidates than blocks on most calls; the requests decode sparse."""
+    bound's candidates (over the 8-bit bound or the summaries: KvConfig.candidate_bound) ranked by
+    their codes scores (checked against the one-stage ops at each call), with fewer candidates
+    than blocks on most calls; the requests decode sparse."""
     kv = KvConfig(
-        **SMALL_KV, block_score="codes", score_candidates=2, sink_blocks=sinks, successor_blocks=succ
+        **SMALL_KV,
+        block_score="codes",
+        score_candidates=2,
+        sink_blocks=sinks,
+        successor_blocks=succ,
+        candidate_bound=bound,
     )
     assert kv.candidate_blocks(3) == 6
     llm = oasiskv.LLM(qwen3, kv=kv, backend="oasis", drafter="ngram")
@@ -877,8 +890,9 @@ def test_successor_blocks_follow_each_heads_best_blocks(qwen3, kw):
         pred = orig(layer, q, csr, k, slots)
         indptr = csr[0]
         first = eng.block_scores(layer, q, csr)
-        if kv.score_candidates:  # the codes score's best among the Quest bound's best m
-            bound = ops.score_blocks(eng.geo, q, eng.pools.summaries[layer], *csr)
+        if kv.score_candidates:  # the codes score's best among the Quest bound's best m (8-bit)
+            p = eng.pools
+            bound = ops.score_blocks_bound8(eng.geo, q, p.bounds8[layer], p.bound_scales[layer], *csr)
             cand = ops.topk_blocks(eng.geo.num_kv_heads, bound, indptr, kv.candidate_blocks(k))
             is_cand = torch.zeros_like(first, dtype=torch.bool)
             for i in range(cand.shape[0]):

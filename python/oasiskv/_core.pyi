@@ -339,6 +339,30 @@ def build_key_codes(
     """Encode every key of complete host blocks to 2 bits per channel inside the block's ``[min, max]``
     (``codes [num_host_blocks, num_kv_heads, block_size, head_dim // 4]`` uint8)."""
 
+def build_bounds8(
+    geo: KvGeometry,
+    summaries: torch.Tensor,
+    block_ids: torch.Tensor,
+    bounds8: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    stream: int = 0,
+) -> None:
+    """The 8-bit (E4M3, outward-rounded) Quest bounds and power-of-two scales of complete host blocks."""
+
+def score_blocks_bound8(
+    geo: KvGeometry,
+    q: torch.Tensor,
+    bounds8: torch.Tensor,
+    scales: torch.Tensor,
+    blk_indptr: torch.Tensor,
+    blk_indices: torch.Tensor,
+    scores: torch.Tensor,
+    *,
+    stream: int = 0,
+) -> None:
+    """Quest block scores over the 8-bit bounds (an upper bound, at least score_blocks'), into ``scores``."""
+
 def score_blocks_codes(
     geo: KvGeometry,
     q: torch.Tensor,

@@ -191,6 +191,12 @@ class KvConfig:
             ``top_k_blocks``: ``top_k_blocks`` stays the number of slot pages a sparse request
             holds in every layer (the slots a smaller layer leaves unused stay unmapped), so set it
             to ``max(layer_blocks)``. ``None`` (the default): ``top_k_blocks`` in every layer.
+        candidate_bound: with ``score_candidates`` (two stages), what the first stage's Quest
+            bound reads: ``"fp8"`` (the default), each complete block's ``[min; max]`` summary in
+            E4M3 rounded outward (``oasis_core::kernels::bound8``): still an upper bound of every
+            logit in the block, looser by under one E4M3 step per channel, for half the bytes of
+            16-bit summaries (the largest read of the selection: ~184 MB per layer and step at 44
+            x 16K on Qwen3-8B shapes). ``"summaries"``: the 16-bit summaries themselves.
     """
 
     block_size: int = 16
@@ -211,6 +217,7 @@ class KvConfig:
     sticky_candidates: bool | str = AUTO
     lookahead_min_confidence: float | None | str = AUTO
     layer_blocks: tuple[int, ...] | None = None
+    candidate_bound: str = "fp8"
     #: The ``"auto"`` fields this config resolved at construction, as ``(name, value)`` pairs, so
     #: that ``dataclasses.replace(kv, top_k_blocks=4)`` resolves them again for the new budget
     #: instead of validating the old budget's values as explicit ones (a field replaced by a value
@@ -316,6 +323,8 @@ class KvConfig:
                     "score_candidates works with select_queries='lookahead' only (the two-query "
                     "combination ranks every block); drop one of them"
                 )
+        if self.candidate_bound not in ("fp8", "summaries"):
+            raise ConfigError(f"candidate_bound must be 'fp8' or 'summaries', got {self.candidate_bound!r}")
         if not isinstance(self.sticky_candidates, bool):
             raise ConfigError(f"sticky_candidates must be True or False, got {self.sticky_candidates!r}")
         if self.sticky_candidates and f is None:

@@ -218,6 +218,37 @@ def build_key_codes(geo, host_k, summaries, block_ids, codes, block_rows=None) -
     )
 
 
+def empty_bounds8(geo, num_host_blocks: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised 8-bit Quest bounds for a host pool of ``num_host_blocks`` blocks: ``(bounds8
+    [num_host_blocks, num_kv_heads, 2, head_dim] uint8, scales [num_host_blocks, num_kv_heads]
+    f32)``, half the bytes of 16-bit summaries. Keep them beside the summaries, on their device."""
+    b8 = torch.empty(num_host_blocks, geo.num_kv_heads, 2, geo.head_dim, dtype=torch.uint8, device=device)
+    scales = torch.empty(num_host_blocks, geo.num_kv_heads, dtype=torch.float32, device=device)
+    return b8, scales
+
+
+def build_bounds8(geo, summaries, block_ids, bounds8, scales) -> None:
+    """The 8-bit Quest bounds of the complete host blocks ``block_ids``: each ``[min; max]``
+    summary row in E4M3, rounded outward after dividing by the row's power-of-two scale, so that
+    :func:`score_blocks_bound8` is an upper bound like :func:`score_blocks` (build the summaries
+    first; on the GPU, on the same stream). Definition: ``oasis_core::kernels::bound8``."""
+    dev = _check_device(summaries, bounds8, scales)
+    _core.build_bounds8(geo, summaries, block_ids, bounds8, scales, stream=_stream(dev))
+
+
+def score_blocks_bound8(
+    geo, q, bounds8, scales, blk_indptr, blk_indices, scores: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Quest block scores ``[nnz, num_kv_heads]`` (f32) over the 8-bit bounds of
+    :func:`build_bounds8`: at least :func:`score_blocks` of the same summaries (each channel looser
+    by under one E4M3 step), for half the bytes read. The two-stage selection's first stage."""
+    dev = _check_device(q, bounds8, scales)
+    if scores is None:
+        scores = torch.empty(blk_indices.shape[0], geo.num_kv_heads, dtype=torch.float32, device=dev)
+    _core.score_blocks_bound8(geo, q, bounds8, scales, blk_indptr, blk_indices, scores, stream=_stream(dev))
+    return scores
+
+
 def score_blocks_codes(
     geo, q, summaries, codes, blk_indptr, blk_indices, scores: torch.Tensor | None = None
 ) -> torch.Tensor:

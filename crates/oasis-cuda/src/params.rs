@@ -309,6 +309,41 @@ kernel_params! {
 }
 
 kernel_params! {
+    /// `score_blocks_bound8_*` (cuda/score_blocks.cu): Quest scores over the 8-bit bounds
+    /// (`oasis_core::kernels::bound8`), times each row's scale.
+    pub struct ScoreBlocksBound8Params => "oasis::ScoreBlocksBound8Params<T>"
+        for ["score_blocks_bound8_bf16", "score_blocks_bound8_f16", "score_blocks_bound8_f32"] {
+        pub q: DevPtr,           // [num_seqs, num_qo_heads, head_dim]
+        pub bounds8: DevPtr,     // [num_host_blocks, num_kv_heads, 2, head_dim] u8 (E4M3)
+        pub scales: DevPtr,      // [num_host_blocks, num_kv_heads] f32
+        pub blk_indptr: DevPtr,  // [num_seqs + 1]
+        pub blk_indices: DevPtr, // [nnz]
+        pub scores: DevPtr,      // [nnz, num_kv_heads] f32
+        pub num_seqs: i32,
+        pub nnz: i32,
+        pub num_qo_heads: i32,
+        pub num_kv_heads: i32,
+        pub head_dim: i32,
+        pub num_host_blocks: i32,
+    }
+}
+
+kernel_params! {
+    /// `build_bounds8_*` (cuda/key_codes.cu): the 8-bit bounds of whole host blocks.
+    pub struct BuildBounds8Params => "oasis::BuildBounds8Params<T>"
+        for ["build_bounds8_bf16", "build_bounds8_f16", "build_bounds8_f32"] {
+        pub summaries: DevPtr, // [num_host_blocks, num_kv_heads, 2, head_dim]
+        pub block_ids: DevPtr, // [n]
+        pub bounds8: DevPtr,   // [num_host_blocks, num_kv_heads, 2, head_dim] u8
+        pub scales: DevPtr,    // [num_host_blocks, num_kv_heads] f32
+        pub n: i32,
+        pub num_kv_heads: i32,
+        pub head_dim: i32,
+        pub num_host_blocks: i32,
+    }
+}
+
+kernel_params! {
     /// `build_key_codes_*` (cuda/key_codes.cu): 2-bit codes of every key of whole host blocks,
     /// inside each block's per-channel `[min, max]`.
     pub struct BuildKeyCodesParams => "oasis::BuildKeyCodesParams<T>"
@@ -523,6 +558,8 @@ pub const ALL: &[ParamsLayout] = &[
     DecodeAttnParams::LAYOUT,
     MergeAttnStatesParams::LAYOUT,
     ScoreBlocksParams::LAYOUT,
+    ScoreBlocksBound8Params::LAYOUT,
+    BuildBounds8Params::LAYOUT,
     BuildKeyCodesParams::LAYOUT,
     ScoreBlocksCodesParams::LAYOUT,
     TopkBlocksParams::LAYOUT,
@@ -558,6 +595,8 @@ mod tests {
         assert_eq!(size_of::<MergeAttnStatesParams>(), 3 * 8 + 2 * 4);
         assert_eq!(size_of::<ScoreBlocksParams>(), 5 * 8 + 6 * 4);
         assert_eq!(size_of::<BuildKeyCodesParams>(), 5 * 8 + 6 * 4);
+        assert_eq!(size_of::<ScoreBlocksBound8Params>(), 6 * 8 + 6 * 4);
+        assert_eq!(size_of::<BuildBounds8Params>(), 4 * 8 + 4 * 4);
         assert_eq!(size_of::<ScoreBlocksCodesParams>(), 7 * 8 + 10 * 4);
         assert_eq!(size_of::<TopkBlocksParams>(), 5 * 8 + 6 * 4);
         assert_eq!(size_of::<ForceScoresParams>(), 3 * 8 + 4 * 4);

@@ -1,6 +1,7 @@
 //! 2-bit key code bindings: `build_key_codes` encodes complete host blocks, `score_blocks_codes`
 //! scores every listed block from its codes and `rescore_blocks_codes` the candidates of the
-//! two-stage score.
+//! two-stage score; `build_bounds8` / `score_blocks_bound8` the 8-bit Quest bound its first stage
+//! reads.
 
 use oasis_core::kernels;
 use oasis_core::KvGeometry;
@@ -249,10 +250,143 @@ fn codes_scores(
     })
 }
 
+/// `bounds8 [nb, num_kv_heads, 2, head_dim]` uint8 and `scales [nb, num_kv_heads]` f32: the 8-bit
+/// bounds of `nb` host blocks.
+fn check_bounds8(
+    cx: &Cx<'_>,
+    g: &KvGeometry,
+    bounds8: &TensorArg,
+    scales: &TensorArg,
+) -> PyResult<usize> {
+    let [nb, ..] = bounds8.check(
+        cx,
+        "bounds8",
+        Elem::U8,
+        [ANY, g.num_kv_heads, 2, g.head_dim],
+    )?;
+    scales.check(cx, "scales", Elem::F32, [nb, g.num_kv_heads])?;
+    Ok(nb)
+}
+
+#[pyfunction]
+#[pyo3(signature = (geo, summaries, block_ids, bounds8, scales, *, stream = 0))]
+/// The 8-bit Quest bounds of complete host blocks (oasis_core::kernels::bound8): each (block,
+/// head) summary row in E4M3, min rounded down and max rounded up after dividing by the row's
+/// power-of-two scale (NaN for a row with a non-finite value).
+///
+/// summaries [num_host_blocks, num_kv_heads, 2, head_dim]; block_ids [n] int32; bounds8 [same
+/// num_host_blocks, num_kv_heads, 2, head_dim] uint8; scales [num_host_blocks, num_kv_heads] f32.
+///
+/// CUDA: every tensor on one cuda:N, queued on `stream` (raw cudaStream_t, 0 = legacy default),
+/// returns at once. Out-of-range ids are skipped on the GPU (the CPU raises).
+fn build_bounds8(
+    py: Python<'_>,
+    geo: &PyGeometry,
+    summaries: TensorArg,
+    block_ids: TensorArg,
+    bounds8: TensorArg,
+    scales: TensorArg,
+    stream: u64,
+) -> PyResult<()> {
+    entry(py, "build_bounds8", || {
+        let g = geo.inner;
+        let all = [
+            ("summaries", &summaries),
+            ("block_ids", &block_ids),
+            ("bounds8", &bounds8),
+            ("scales", &scales),
+        ];
+        let cx = Cx::new(py, &all, &[])?;
+        let nb = summary_rows(&cx, &g, &summaries)?;
+        block_ids.check(&cx, "block_ids", Elem::I32, [ANY])?;
+        let nb8 = check_bounds8(&cx, &g, &bounds8, &scales)?;
+        if nb8 != nb {
+            return Err(py_err(
+                py,
+                "ShapeError",
+                format!("bounds8 has {nb8} host blocks but summaries have {nb}; allocate both for one pool"),
+            ));
+        }
+        let dt = kv_dtype(py, &[("summaries", &summaries)])?;
+        check_outputs(
+            py,
+            &[("bounds8", &bounds8), ("scales", &scales)],
+            &[("summaries", &summaries), ("block_ids", &block_ids)],
+        )?;
+        match cx.place {
+            Place::Cpu => with_dtype!(dt, T => {
+                // SAFETY: checked above; the outputs are disjoint from the inputs and each other.
+                let (sm, ids, b8, sc) = unsafe { (summaries.slice::<T>(), block_ids.ints(), bounds8.slice_mut::<u8>(), scales.slice_mut::<f32>()) };
+                guarded(py, "build_bounds8", || kernels::build_bounds8::<T>(&g, sm, ids, b8, sc))
+            }),
+            Place::Cuda(dev) => with_dtype!(dt, T => {
+                // SAFETY: (TensorArg::dev) checked above; the outputs are disjoint from the inputs.
+                let (sm, ids, b8, sc) = unsafe { (summaries.dev::<T>(), block_ids.dev::<i32>(), bounds8.dev::<u8>(), scales.dev::<f32>()) };
+                on_gpu(py, "build_bounds8", dev, stream, &[], move |gpu, st| gpu.build_bounds8::<T>(&g, sm, ids, b8, sc, st))
+            }),
+        }
+    })
+}
+
+#[pyfunction]
+#[pyo3(signature = (geo, q, bounds8, scales, blk_indptr, blk_indices, scores, *, stream = 0))]
+/// Quest block scores over the 8-bit bounds (see build_bounds8), into scores [nnz, num_kv_heads]
+/// f32: an upper bound of each block's largest logit, summed over the GQA group, at least the
+/// score_blocks of the same summaries. Arguments as score_blocks, with bounds8 and scales for the
+/// summaries.
+///
+/// CUDA: every tensor on one cuda:N, queued on `stream`, returns at once. An out-of-range block id,
+/// or an entry of a malformed blk_indptr row, scores -inf on the GPU (the CPU raises).
+#[allow(clippy::too_many_arguments)]
+fn score_blocks_bound8(
+    py: Python<'_>,
+    geo: &PyGeometry,
+    q: TensorArg,
+    bounds8: TensorArg,
+    scales: TensorArg,
+    blk_indptr: TensorArg,
+    blk_indices: TensorArg,
+    scores: TensorArg,
+    stream: u64,
+) -> PyResult<()> {
+    entry(py, "score_blocks_bound8", || {
+        let g = geo.inner;
+        let inputs = [
+            ("q", &q),
+            ("bounds8", &bounds8),
+            ("scales", &scales),
+            ("blk_indptr", &blk_indptr),
+            ("blk_indices", &blk_indices),
+        ];
+        let cx = Cx::new(py, &[&inputs[..], &[("scores", &scores)]].concat(), &[])?;
+        let [ns, ..] = q.check(&cx, "q", Elem::Any, [ANY, g.num_qo_heads, g.head_dim])?;
+        check_bounds8(&cx, &g, &bounds8, &scales)?;
+        blk_indptr.check(&cx, "blk_indptr", Elem::I32, [ns + 1])?;
+        let [nnz] = blk_indices.check(&cx, "blk_indices", Elem::I32, [ANY])?;
+        scores.check(&cx, "scores", Elem::F32, [nnz, g.num_kv_heads])?;
+        let dt = kv_dtype(py, &[("q", &q)])?;
+        check_outputs(py, &[("scores", &scores)], &inputs)?;
+        match cx.place {
+            Place::Cpu => with_dtype!(dt, T => {
+                // SAFETY: checked above; scores is disjoint from the inputs.
+                let (qs, b8, sc, ip, ix, out) = unsafe { (q.slice::<T>(), bounds8.slice::<u8>(), scales.slice::<f32>(), blk_indptr.ints(), blk_indices.ints(), scores.slice_mut::<f32>()) };
+                guarded(py, "score_blocks_bound8", || kernels::score_blocks_bound8::<T>(&g, qs, b8, sc, ip, ix, out))
+            }),
+            Place::Cuda(dev) => with_dtype!(dt, T => {
+                // SAFETY: (TensorArg::dev) checked above; scores is disjoint from the inputs.
+                let (qs, b8, sc, ip, ix, out) = unsafe { (q.dev::<T>(), bounds8.dev::<u8>(), scales.dev::<f32>(), blk_indptr.dev::<i32>(), blk_indices.dev::<i32>(), scores.dev::<f32>()) };
+                on_gpu(py, "score_blocks_bound8", dev, stream, &[], move |gpu, st| gpu.score_blocks_bound8::<T>(&g, qs, b8, sc, ip, ix, out, st))
+            }),
+        }
+    })
+}
+
 /// Add this module's functions to `_core`.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(build_key_codes, m)?)?;
     m.add_function(wrap_pyfunction!(score_blocks_codes, m)?)?;
     m.add_function(wrap_pyfunction!(rescore_blocks_codes, m)?)?;
+    m.add_function(wrap_pyfunction!(build_bounds8, m)?)?;
+    m.add_function(wrap_pyfunction!(score_blocks_bound8, m)?)?;
     Ok(())
 }

@@ -434,6 +434,7 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
                 ops.build_key_codes(
                     g, p.k_pages[layer], p.summaries[layer], complete, p.codes[layer], block_rows=complete_src
                 )
+                ops.build_bounds8(g, p.summaries[layer], complete, p.bounds8[layer], p.bound_scales[layer])
         r.sparse = True
         r.metrics.sparse_since_token = r.kv_len
         n_complete = tr["n_complete"]

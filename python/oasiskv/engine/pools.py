@@ -79,7 +79,24 @@ class KvPools:
             if key_codes
             else None
         )
+        # With the codes, the 8-bit Quest bound of each complete block (the two stages' first
+        # stage, KvConfig.candidate_bound="fp8"): [num_host_blocks, num_kv_heads, 2, head_dim]
+        # E4M3 bytes and [num_host_blocks, num_kv_heads] f32 scales per layer (GPU).
+        self.bounds8, self.bound_scales = self._empty_bounds8(0) if key_codes else (None, None)
         self.grow(num_pages, num_host_blocks, num_host_rows)
+
+    def _empty_bounds8(self, rows: int) -> tuple[list, list]:
+        """Zeroed 8-bit bounds and scales of ``rows`` host blocks, per layer."""
+        g = self.geo
+        b8 = [
+            torch.zeros(rows, g.num_kv_heads, 2, g.head_dim, dtype=torch.uint8, device=self.device)
+            for _ in range(self.num_layers)
+        ]
+        sc = [
+            torch.zeros(rows, g.num_kv_heads, dtype=torch.float32, device=self.device)
+            for _ in range(self.num_layers)
+        ]
+        return b8, sc
 
     def enable_key_codes(self) -> None:
         """Add (empty) key-code tensors to pools made without them (pools shared, while idle,
@@ -91,6 +108,7 @@ class KvPools:
             self.codes = [
                 torch.zeros(shape, dtype=torch.uint8, device=self.device) for _ in range(self.num_layers)
             ]
+            self.bounds8, self.bound_scales = self._empty_bounds8(self.num_host_blocks)
 
     def grow(self, num_pages: int, num_host_blocks: int, num_host_rows: int | None = None) -> None:
         """Enlarge the pools to at least these sizes (never shrinks). New pages map nowhere.
@@ -165,6 +183,8 @@ class KvPools:
             self.summaries = [_grown(t, num_host_blocks) for t in self.summaries]
             if self.codes is not None:
                 self.codes = [_grown(t, num_host_blocks) for t in self.codes]
+                self.bounds8 = [_grown(t, num_host_blocks) for t in self.bounds8]
+                self.bound_scales = [_grown(t, num_host_blocks) for t in self.bound_scales]
             self.num_host_blocks = num_host_blocks
 
     @property
@@ -175,9 +195,14 @@ class KvPools:
 
     @property
     def summary_block_bytes(self) -> int:
-        """Bytes of one block's summaries (and key codes, with them), all KV heads, one layer."""
+        """Bytes of one block's summaries (and key codes and 8-bit bound, with them), all KV heads,
+        one layer."""
         g = self.geo
-        codes = g.num_kv_heads * g.block_size * (g.head_dim // 4) if self.codes is not None else 0
+        codes = (
+            g.num_kv_heads * (g.block_size * (g.head_dim // 4) + 2 * g.head_dim + 4)  # codes, 8-bit bound
+            if self.codes is not None
+            else 0
+        )
         return 2 * g.num_kv_heads * g.head_dim * self.dtype.itemsize + codes
 
 

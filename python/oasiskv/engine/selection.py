@@ -198,6 +198,7 @@ def two_stage_top_k(
     keep=None,
     successor_blocks: int = 0,
     reduce=None,
+    bounds=None,
 ) -> torch.Tensor:
     """The two-stage codes score's top-``k`` (``KvConfig(score_candidates=...)``): the Quest
     bound's best ``m`` blocks per KV head are the candidates (``forced`` and ``keep`` first,
@@ -207,11 +208,16 @@ def two_stage_top_k(
     in :func:`keep_pins`' layout, or None; ``reduce``: :attr:`Engine.score_reduce`. Four
     launches, no host sync (a captured step replays it): the Quest score, its top-``m`` (forced
     and kept blocks set to +inf first, :func:`ops.topk_blocks`' ``forced``), the codes of the
-    candidates and :func:`ops.topk_candidates`. :meth:`Engine.top_k_blocks` and the kernel benchmark."""
+    candidates and :func:`ops.topk_candidates`. ``bounds = (bounds8, scales)``: the Quest score
+    reads the 8-bit bound (:func:`ops.score_blocks_bound8`, ``KvConfig.candidate_bound="fp8"``)
+    instead of ``summaries``. :meth:`Engine.top_k_blocks` and the kernel benchmark."""
     reduce = reduce or (lambda x: x)
     heads = geo.num_kv_heads
     indptr = csr[0]
-    bound = reduce(ops.score_blocks(geo, q, summaries, *csr)).contiguous()
+    if bounds is not None:
+        bound = reduce(ops.score_blocks_bound8(geo, q, *bounds, *csr)).contiguous()
+    else:
+        bound = reduce(ops.score_blocks(geo, q, summaries, *csr)).contiguous()
     first = forced if keep is None else keep if forced is None else torch.cat([forced, keep], dim=-1)
     if first is not None and first.shape[-1]:
         first = first.to(torch.int32).contiguous()  # +inf in the bound, in the top-m's launch
@@ -456,6 +462,7 @@ class SelectionMixin:
             keep=keep,
             successor_blocks=self.kv.successor_blocks,
             reduce=self.score_reduce,
+            bounds=(p.bounds8[layer], p.bound_scales[layer]) if self.kv.candidate_bound == "fp8" else None,
         )
 
     def _select_and_fetch(

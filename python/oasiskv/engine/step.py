@@ -211,6 +211,7 @@ class DecodeAttention:
                 p.codes[layer],
                 block_rows=done_pages,
             )
+            ops.build_bounds8(g, p.summaries[layer], done_blocks, p.bounds8[layer], p.bound_scales[layer])
         extra_k = kt[1] if rows == 2 else None
         extra_v = vt[1] if rows == 2 else None
         if spec_kv is not None:

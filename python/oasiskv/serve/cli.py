@@ -77,7 +77,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_selection_arguments(p: argparse.ArgumentParser) -> None:
     """How the working set is chosen (``KvConfig.block_score``, ``score_candidates``,
-    ``sticky_candidates``, ``lookahead_min_confidence``, ``sink_blocks``, ``pin_blocks``,
+    ``sticky_candidates``, ``candidate_bound``, ``lookahead_min_confidence``, ``sink_blocks``, ``pin_blocks``,
     ``successor_blocks``, ``layer_blocks``): shared by ``oasis serve``, ``oasis generate``,
     ``oasis demo`` and the serving benchmark."""
     p.add_argument(
@@ -111,6 +111,13 @@ def add_selection_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="with --score-candidates: each request's previous selection stays among the "
         "candidates (its first ranks every block by the codes)",
+    )
+    p.add_argument(
+        "--candidate-bound",
+        default=None,
+        choices=["fp8", "summaries"],
+        help="with --score-candidates: the first stage's Quest bound over each block's summary in "
+        "FP8 rounded outward (the default: half the bytes) or over the 16-bit summaries",
     )
     p.add_argument(
         "--lookahead-min-confidence",
@@ -158,6 +165,7 @@ def selection_kwargs(args) -> dict:
         "sticky_candidates",
         "lookahead_min_confidence",
         "successor_blocks",
+        "candidate_bound",
     )
     kw = dict(FAST_SELECTION) if getattr(args, "selection", "fidelity") in ("fast", "quest") else {}
     for name in names:

@@ -10,6 +10,7 @@
 
 pub mod append;
 pub mod attention;
+pub mod bound8;
 pub mod codes;
 pub mod gather;
 pub mod norm;
@@ -21,6 +22,7 @@ pub mod wait;
 
 pub use append::append_kv;
 pub use attention::{decode_attention, ExtraKv, PagedKv};
+pub use bound8::{build_bounds8, score_blocks_bound8};
 pub use codes::{build_key_codes, rescore_blocks_codes, score_blocks_codes};
 pub use gather::{copy_pages, gather_blocks};
 pub use norm::{qk_norm_rope, rms_norm, HeadLayout, Positions, QkNorm, Residual};

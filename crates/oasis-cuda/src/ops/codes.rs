@@ -53,6 +53,41 @@ impl Gpu {
         })
     }
 
+    /// GPU twin of `oasis_core::kernels::build_bounds8`: the 8-bit (E4M3, outward-rounded)
+    /// bounds and scales of host blocks `block_ids` (all KV heads) from their `[min; max]`
+    /// summaries (queue it after the summaries' build on the same stream). Bit-exact with the
+    /// twin. Out-of-range ids are skipped.
+    ///
+    /// # Errors
+    /// [`CudaError::Invalid`] for a buffer whose size does not match its shape.
+    pub fn build_bounds8<T: KvElem>(
+        &self,
+        geo: &KvGeometry,
+        summaries: DevSlice<T>, // [num_host_blocks, num_kv_heads, 2, head_dim]
+        block_ids: DevSlice<i32>, // [n]
+        bounds8: DevSlice<u8>,  // [num_host_blocks, num_kv_heads, 2, head_dim]
+        scales: DevSlice<f32>,  // [num_host_blocks, num_kv_heads]
+        stream: Stream,
+    ) -> Result<()> {
+        guard("build_bounds8", || {
+            let [h, _, d] = page_shape(geo)?;
+            let num_host = rows("summaries", summaries.len(), &[h, 2, d])?;
+            check_len("bounds8", bounds8.len(), &[num_host, h, 2, d])?;
+            check_len("scales", scales.len(), &[num_host, h])?;
+            let n = block_ids.len();
+            let name = entry!(T, "build_bounds8");
+            let params = params!(BuildBounds8Params {
+                ptr: { summaries, block_ids, bounds8, scales },
+                int: { n, num_kv_heads = h, head_dim = d, num_host_blocks = num_host },
+            });
+            let grid = grid_rows_heads("n", n, h)?;
+            // SAFETY: lengths checked above (summaries, bounds8 and scales have num_host rows);
+            // block ids are bounds-checked by the kernel; reachability and lifetime by
+            // DevSlice's contract, the stream by Stream's.
+            unsafe { self.queue(name, grid, CODES_BUILD_THREADS, 0, stream, &params) }
+        })
+    }
+
     /// GPU twin of `oasis_core::kernels::score_blocks_codes`: per listed block and KV head, the
     /// sum over the GQA group of the block's largest approximate logit from its 2-bit codes.
     ///

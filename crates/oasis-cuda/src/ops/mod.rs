@@ -39,10 +39,11 @@ use oasis_core::{DType, KvElem, KvGeometry, OasisError};
 use crate::driver::{Gpu, LaunchCfg};
 use crate::error::{guard, CudaError, Result};
 use crate::params::{
-    AppendKvParams, BuildKeyCodesParams, BuildSummariesParams, CopyPagesParams, DecodeAttnParams,
-    DeltaSelectParams, DevPtr, ForceScoresParams, GatherBlocksParams, KernelParams,
-    MergeAttnStatesParams, QkNormRopeParams, RmsNormParams, ScoreBlocksCodesParams,
-    ScoreBlocksParams, TopkBlocksParams, TopkCandidatesParams, WaitStampParams,
+    AppendKvParams, BuildBounds8Params, BuildKeyCodesParams, BuildSummariesParams, CopyPagesParams,
+    DecodeAttnParams, DeltaSelectParams, DevPtr, ForceScoresParams, GatherBlocksParams,
+    KernelParams, MergeAttnStatesParams, QkNormRopeParams, RmsNormParams, ScoreBlocksBound8Params,
+    ScoreBlocksCodesParams, ScoreBlocksParams, TopkBlocksParams, TopkCandidatesParams,
+    WaitStampParams,
 };
 
 /// Threads per block of the decode attention kernel (a multiple of 32). Arbitrary.

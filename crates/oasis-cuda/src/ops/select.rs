@@ -53,6 +53,53 @@ impl Gpu {
         })
     }
 
+    /// GPU twin of `oasis_core::kernels::score_blocks_bound8`: the Quest score of every listed
+    /// block over its 8-bit (E4M3, outward-rounded) bound, times the row's scale; the same launch
+    /// shape as [`Self::score_blocks`] at half the summary bytes of 16-bit storage.
+    ///
+    /// # Errors
+    /// [`CudaError::Invalid`] for a buffer whose size does not match its shape.
+    #[allow(clippy::too_many_arguments)]
+    pub fn score_blocks_bound8<T: KvElem>(
+        &self,
+        geo: &KvGeometry,
+        q: DevSlice<T>,             // [num_seqs, num_qo_heads, head_dim]
+        bounds8: DevSlice<u8>,      // [num_host_blocks, num_kv_heads, 2, head_dim]
+        scales: DevSlice<f32>,      // [num_host_blocks, num_kv_heads]
+        blk_indptr: DevSlice<i32>,  // [num_seqs + 1]
+        blk_indices: DevSlice<i32>, // [nnz]
+        scores: DevSlice<f32>,      // [nnz, num_kv_heads]
+        stream: Stream,
+    ) -> Result<()> {
+        guard("score_blocks_bound8", || {
+            let [h, _, d] = page_shape(geo)?;
+            let qh = geo.num_qo_heads;
+            let num_seqs = csr_rows("blk_indptr", blk_indptr.len())?;
+            check_len("q", q.len(), &[num_seqs, qh, d])?;
+            let num_host = rows("bounds8", bounds8.len(), &[h, 2, d])?;
+            check_len("scales", scales.len(), &[num_host, h])?;
+            let nnz = blk_indices.len();
+            check_len("scores", scores.len(), &[nnz, h])?;
+
+            let name = entry!(T, "score_blocks_bound8");
+            let params = params!(ScoreBlocksBound8Params {
+                ptr: { q, bounds8, scales, blk_indptr, blk_indices, scores },
+                int: {
+                    num_seqs, nnz, num_qo_heads = qh, num_kv_heads = h, head_dim = d,
+                    num_host_blocks = num_host,
+                },
+            });
+            let blocks = nnz
+                .div_ceil(SCORE_TILE)
+                .div_ceil((SCORE_THREADS / 32) as usize)
+                * h;
+            let grid = grid_x("score blocks", blocks)?;
+            // SAFETY: as score_blocks (the scales have num_host rows too, read by block id
+            // after the kernel's bounds check).
+            unsafe { self.queue(name, grid, SCORE_THREADS, 0, stream, &params) }
+        })
+    }
+
     /// GPU twin of `oasis_core::kernels::topk_blocks`: per (sequence, KV head), the `k` best
     /// logical blocks, best first, ties to the lower index, padded with -1.
     ///

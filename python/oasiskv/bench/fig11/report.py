@@ -32,6 +32,8 @@ def selection_label(kv) -> str:
     parts = [kv.block_score]
     if kv.score_candidates is not None:
         parts[0] += f"{kv.score_candidates:g}"
+        if kv.candidate_bound == "summaries":
+            parts.append("b16")  # the first stage over the 16-bit summaries, not the 8-bit bound
     if kv.sticky_candidates:
         parts.append("sticky")
     if kv.successor_blocks:
