@@ -95,13 +95,39 @@ __device__ __forceinline__ void unpack16<float>(const uint4& w, float* out) {
     out[3] = __uint_as_float(w.w);
 }
 
+// E4M3 bytes are exact in f16 and f32. sm_89+ converts two per instruction (cvt.rn.f16x2.e4m3x2,
+// byte 0 to the low half); elsewhere the byte's exponent and mantissa bits are moved under an f32
+// exponent and rebiased by 2^120 (exact, subnormals included: NVRTC compiles without -ftz).
+// Finite codes only (the bound never stores E4M3's NaN; a row with a non-finite value has a NaN
+// scale instead).
 template <>
 __device__ __forceinline__ void unpack16<fp8e4m3>(const uint4& w, float* out) {
     const u32 v[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+        asm("{\n"
+            " .reg .b16 a, b, c, d, e, f;\n"
+            " .reg .b32 lo, hi;\n"
+            " mov.b32 {a, b}, %4;\n"
+            " cvt.rn.f16x2.e4m3x2 lo, a;\n"
+            " cvt.rn.f16x2.e4m3x2 hi, b;\n"
+            " mov.b32 {c, d}, lo;\n"
+            " mov.b32 {e, f}, hi;\n"
+            " cvt.f32.f16 %0, c;\n"
+            " cvt.f32.f16 %1, d;\n"
+            " cvt.f32.f16 %2, e;\n"
+            " cvt.f32.f16 %3, f;\n"
+            "}\n"
+            : "=f"(out[4 * i]), "=f"(out[4 * i + 1]), "=f"(out[4 * i + 2]), "=f"(out[4 * i + 3])
+            : "r"(v[i]));
+#else
 #pragma unroll
-        for (int b = 0; b < 4; ++b) out[4 * i + b] = e4m3_decode((v[i] >> (8 * b)) & 0xffu);
+        for (int b = 0; b < 4; ++b) {
+            const u32 x = v[i] << (24 - 8 * b);  // byte b on top
+            out[4 * i + b] = __uint_as_float((x & 0x80000000u) | ((x >> 4) & 0x07f00000u)) * exp2i(120);
+        }
+#endif
     }
 }
 
@@ -136,7 +162,13 @@ __device__ void score_blocks_vec(
     constexpr int NV = SPLIT ? 1 : V / 32;           // words of each row per lane
     constexpr int LOADS = SPLIT ? 1 : 2 * NV;        // 16-byte loads per lane per summary
     constexpr int U0 = LOADS >= 16 ? 1 : 16 / LOADS;
-    constexpr int U = U0 < OASIS_SCORE_UMAX ? U0 : OASIS_SCORE_UMAX;  // summaries in flight per unit
+    // The 8-bit bound carries twice the values per load: half as many in flight keep the bytes
+    // in flight per SM far above what the bandwidth needs, and the registers under the bounds.
+    constexpr int UCAP = sizeof(S) == 1 ? (OASIS_SCORE_UMAX > 1 ? OASIS_SCORE_UMAX / 2 : 1) : OASIS_SCORE_UMAX;
+    constexpr int U = U0 < UCAP ? U0 : UCAP;  // summaries in flight per unit
+    // SPLIT lanes use the coefficients of one row only; for the 8-bit bound (16 per word) only
+    // those are kept (cmin holds N or P by the lane's row; cmax is unused).
+    constexpr bool ONE_COEF = SPLIT && sizeof(S) == 1;
     constexpr int SUBT = OASIS_SCORE_TILE / NSUB;    // entries per unit
 
     const int lane = threadIdx.x & 31;
@@ -177,8 +209,12 @@ __device__ void score_blocks_vec(
                     pos += fmaxf(qv, 0.f);
                     neg += fminf(qv, 0.f);
                 }
-                cmin[k][e] = neg;
-                cmax[k][e] = pos;
+                if constexpr (ONE_COEF) {
+                    cmin[k][e] = half ? pos : neg;
+                } else {
+                    cmin[k][e] = neg;
+                    cmax[k][e] = pos;
+                }
             }
         }
     };
@@ -240,7 +276,13 @@ __device__ void score_blocks_vec(
                 float v[E];
                 unpack16<S>(raw[u][0], v);
 #pragma unroll
-                for (int e = 0; e < E; ++e) acc += (half ? cmax[0][e] : cmin[0][e]) * v[e];
+                for (int e = 0; e < E; ++e) {
+                    if constexpr (ONE_COEF) {
+                        acc += cmin[0][e] * v[e];
+                    } else {
+                        acc += (half ? cmax[0][e] : cmin[0][e]) * v[e];
+                    }
+                }
             } else {
 #pragma unroll
                 for (int k = 0; k < NV; ++k) {
