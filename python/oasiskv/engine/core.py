@@ -21,7 +21,7 @@ from ..config import KvConfig
 from ..drafters import Drafter
 from ..errors import ConfigError
 from ..policy import BlockSource, LocalHostPool, SelectionPolicy
-from .graphs import GraphsMixin, StepGraph
+from .graphs import GraphsMixin, StepGraph, split_caps
 from .pools import HOST_POOLS, KvPools, PoolsMixin, i32
 from .requests import PrefillCache, Prefilled, Request
 from .selection import SelectionMixin, csr_tables
@@ -630,10 +630,14 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         v, n_sparse, max_pages = self._plan([r.id for r in reqs], ids, speculate)
         if v["map_pages"].numel():
             self._apply_map(v["map_pages"].long(), v["map_values"])
-        # The split of long contexts, planned once for all layers (the GPU kernel's).
+        # The split of long contexts, planned once for all layers (the GPU kernel's), at the
+        # capacities a captured step of this batch plans it for: eager and graph steps then sum
+        # each sequence's attention in the same order (the same tokens, enforce_eager or not).
         num_splits = 0
         if self.cuda:
-            num_splits = _core.plan_num_splits(ops._num_sms(self.device), n, self.geo.num_kv_heads, max_pages)
+            rows_cap, pages_cap = split_caps(n, max_pages)
+            sms = ops._num_sms(self.device)
+            num_splits = _core.plan_num_splits(sms, rows_cap, self.geo.num_kv_heads, pages_cap)
         plan = self._sparse_plan(v, reqs) if n_sparse else None
         if plan is not None and self.cuda:
             for side in self._sides:

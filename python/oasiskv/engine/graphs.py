@@ -1,4 +1,5 @@
-"""CUDA graphs of decode steps: the batch buckets (:func:`_bucket`, :func:`_round_cap`), one
+"""CUDA graphs of decode steps: the batch buckets (:func:`_bucket`, :func:`_round_cap`,
+:func:`split_caps`), one
 captured step with its own plan buffers (:class:`StepGraph`), and the engine's capture, replay and
 eviction of them (:class:`GraphsMixin`).
 """
@@ -40,6 +41,14 @@ def _round_cap(x: int) -> int:
     x = max(x, 16)
     unit = 1 << (x.bit_length() - 3)
     return -(-x // unit) * unit
+
+
+def split_caps(n: int, pages: int) -> tuple[int, int]:
+    """``(rows, pages)`` a captured step of ``n`` requests needing ``pages`` attention pages per
+    request plans its split-KV for (:func:`_bucket`, :func:`_round_cap`). An eager step plans
+    with the same, so that both partition each sequence's pages alike and give the same numbers
+    token for token (the split count changes the order of the attention's sums)."""
+    return _bucket(n), _round_cap(pages)
 
 
 @dataclass
