@@ -692,17 +692,17 @@ def test_harness_runs_a_drafter_with_the_current_query(tiny, tmp_path):
 
 
 def test_harness_runs_a_drafter_with_key_codes(tiny, tmp_path):
-    drafters = "oracle,oracle+codes,oracle+codes1"
+    drafters = "oracle,oracle+codes,oracle+codes1+b16"
     extra = ("--drafters", drafters, "--budgets", "1/8", "--caps", "none", "--no-quest")
     data = _teacher_results(tiny, tmp_path, *extra)
     oasis = {r["drafter"]: r for r in data["records"] if r["policy"] == "oasis"}
-    assert set(oasis) == {"oracle", "oracle+codes", "oracle+codes1"}
+    assert set(oasis) == {"oracle", "oracle+codes", "oracle+codes1+b16"}
     # Same drafts, another block score: other blocks are read, so the logits differ. (The overlap
     # is judged under each run's own score, so a perfect draft overlaps alike.)
     assert oasis["oracle"]["nll"] != oasis["oracle+codes"]["nll"]
-    # Two stages with F = 1: the codes only reorder the Quest bound's own top-K, so the blocks
-    # read are Quest's, and the logits are the Quest-scored run's.
-    assert oasis["oracle+codes1"]["nll"] == pytest.approx(oasis["oracle"]["nll"], rel=1e-9)
+    # Two stages with F = 1 over the 16-bit summaries (+b16): the codes only reorder the Quest
+    # bound's own top-K, so the blocks read are Quest's, and the logits are the Quest-scored run's.
+    assert oasis["oracle+codes1+b16"]["nll"] == pytest.approx(oasis["oracle"]["nll"], rel=1e-9)
 
 
 def test_harness_runs_a_drafter_with_per_layer_budgets(tiny, tmp_path):
@@ -1006,6 +1006,13 @@ def test_drafter_names_with_a_two_stage_codes_score():
     assert teacher.parse_drafter("oracle+codes").score_candidates is None
     assert teacher.block_score_of("eagle3+codes3+sink1") == ("eagle3+sink1", "codes")
     for bad in ("eagle3+codes0.5", "eagle3+codesx", "eagle3+codes3+codes", "eagle3+codes-2", "ngram+codes1."):
+        with pytest.raises(ValueError, match="unknown drafter"):
+            teacher.parse_drafter(bad)
+    # +b16: the first stage over the 16-bit summaries (KvConfig.candidate_bound); two stages only.
+    assert teacher.parse_drafter("oracle+codes1.5").kv_kwargs()["candidate_bound"] == "fp8"
+    assert teacher.parse_drafter("oracle+codes1.5+b16+sticky").kv_kwargs()["candidate_bound"] == "summaries"
+    assert teacher.parse_drafter("eagle3+fidelity+b16").candidate_bound == "summaries"
+    for bad in ("oracle+b16", "oracle+codes+b16", "oracle+b16+codes2", "oracle+codes2+sticky+b16"):
         with pytest.raises(ValueError, match="unknown drafter"):
             teacher.parse_drafter(bad)
 

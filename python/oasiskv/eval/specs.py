@@ -22,12 +22,12 @@ DRAFTERS = ("eagle3", "eagle3-noprefill", "ngram", "oracle", "previous-query")
 
 @dataclass(frozen=True)
 class DrafterSpec:
-    """A drafter name of the evaluation,
-    ``BASE[+current][+fidelity][+codes[F]][+sticky][+sinkN][+pinN][+succN][+confP][+layers][+top2]``, and what
-    each part sets: ``+current`` ``KvConfig(select_queries="lookahead+current")``, ``+fidelity``
+    """A drafter name of the evaluation, ``BASE[+current][+fidelity][+codes[F]][+b16][+sticky]
+    [+sinkN][+pinN][+succN][+confP][+layers][+top2]`` (one word), and what each part sets: ``+current`` ``KvConfig(select_queries="lookahead+current")``, ``+fidelity``
     the library's default selection (``KvConfig()``'s ``"auto"`` fields; not with ``+codes``,
     ``+sticky``, ``+succN``, ``+confP``, which it sets), ``+codes``
-    ``KvConfig(block_score="codes")`` (``+codesF``: and ``score_candidates=F``), ``+sticky``
+    ``KvConfig(block_score="codes")`` (``+codesF``: and ``score_candidates=F``), ``+b16``
+    ``KvConfig(candidate_bound="summaries")`` (after ``+codesF`` or ``+fidelity``), ``+sticky``
     ``KvConfig(sticky_candidates=True)`` (after ``+codesF``), ``+confP`` (EAGLE-3 only)
     ``KvConfig(lookahead_min_confidence=P)``, ``+sinkN``
     ``KvConfig(sink_blocks=N)``, ``+pinN`` ``KvConfig(pin_blocks=N)``, ``+succN``
@@ -48,6 +48,7 @@ class DrafterSpec:
     layers: str = ""  # "" (uniform), or the metric of the fit: "mass" (+layers), "output" (+layersout)
     sticky_candidates: bool | str = False
     lookahead_min_confidence: float | str | None = None
+    candidate_bound: str = "fp8"
 
     def kv_kwargs(self) -> dict:
         """The :class:`~oasiskv.KvConfig` keyword arguments the suffixes set."""
@@ -60,6 +61,7 @@ class DrafterSpec:
             score_candidates=self.score_candidates,
             sticky_candidates=self.sticky_candidates,
             lookahead_min_confidence=self.lookahead_min_confidence,
+            candidate_bound=self.candidate_bound,
         )
 
 
@@ -72,7 +74,7 @@ def parse_drafter(name: str) -> DrafterSpec:
     grammar). The suffixes come in the order given, each at most once."""
     base, *mods = str(name).split("+")
     kw: dict = {}
-    order = ("current", "fidelity", "codes", "sticky", "sink", "pin", "succ", "conf", "layers", "top2")
+    order = ("current", "fidelity", "codes", "b16", "sticky", "sink", "pin", "succ", "conf", "layers", "top2")
     last = -1
     ok = base in DRAFTERS
     for m in mods:
@@ -110,6 +112,10 @@ def parse_drafter(name: str) -> DrafterSpec:
             if m[5:]:
                 kw["score_candidates"] = float(m[5:])
                 ok = kw["score_candidates"] >= 1
+        elif key == "b16":
+            # the two stages' first stage over the 16-bit summaries, not the 8-bit bound
+            ok = "score_candidates" in kw or "fidelity" in mods
+            kw["candidate_bound"] = "summaries"
         elif key == "sticky":
             ok = "score_candidates" in kw  # the previous prediction joins the two stages' candidates
             kw["sticky_candidates"] = True
@@ -132,7 +138,8 @@ def parse_drafter(name: str) -> DrafterSpec:
             f"unknown drafter {name!r}; use one of {DRAFTERS}, then optionally '+current' (not "
             "previous-query, which has no lookahead row), '+fidelity' (KvConfig()'s default "
             "selection; not with the four suffixes it sets), '+codes' or '+codesF' (F >= 1: the "
-            "Quest bound's best F x K blocks ranked by the codes), '+sticky' (after '+codesF': the "
+            "Quest bound's best F x K blocks ranked by the codes), '+b16' (after '+codesF' or "
+            "'+fidelity': their first stage over the 16-bit summaries), '+sticky' (after '+codesF': the "
             "previous prediction stays among the candidates), '+sinkN' (N sink blocks), '+pinN' "
             "(N pinned blocks per layer and KV head), '+succN' (the next block of the N best), '+confP' "
             "(eagle3 only: the step's own query selects when the head's probability is below P), "
