@@ -23,9 +23,10 @@ DRAFTERS = ("eagle3", "eagle3-noprefill", "ngram", "oracle", "previous-query")
 @dataclass(frozen=True)
 class DrafterSpec:
     """A drafter name of the evaluation, ``BASE[+current][+fidelity][+codes[F]][+b16][+sticky]
-    [+sinkN][+pinN][+succN][+confP][+layers][+top2]`` (one word), and what each part sets: ``+current`` ``KvConfig(select_queries="lookahead+current")``, ``+fidelity``
-    the library's default selection (``KvConfig()``'s ``"auto"`` fields; not with ``+codes``,
-    ``+sticky``, ``+succN``, ``+confP``, which it sets), ``+codes``
+    [+sinkN][+pinN][+succN][+confP][+layers][+top2]`` (one word), and what each part sets:
+    ``+current`` ``KvConfig(select_queries="lookahead+current")``, ``+fidelity`` the library's
+    default selection (``KvConfig()``'s ``"auto"`` fields; not with ``+codes``, ``+sticky``,
+    ``+succN``, ``+confP``, which it sets), ``+codes``
     ``KvConfig(block_score="codes")`` (``+codesF``: and ``score_candidates=F``), ``+b16``
     ``KvConfig(candidate_bound="summaries")`` (after ``+codesF`` or ``+fidelity``), ``+sticky``
     ``KvConfig(sticky_candidates=True)`` (after ``+codesF``), ``+confP`` (EAGLE-3 only)
