@@ -31,8 +31,8 @@ from oasiskv.disagg import (
     parse_kv_source,
     split_kv_source,
 )
-from oasiskv.models.config import ModelConfig
 from oasiskv.models.transformer import CausalLM
+from support.configs import TINY_QWEN3
 from support.fakes import pools_are_full, prompt, tiny
 from support.rtd import TRANSPORTS, Daemon
 
@@ -158,17 +158,7 @@ def test_loopback_three_processes(model, transfer, transport):
 
 
 def _model_16k(num_kv_heads: int, context: int) -> CausalLM:
-    cfg = ModelConfig(
-        family="qwen3",
-        vocab_size=301,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=num_kv_heads,
-        head_dim=16,
-        max_position_embeddings=context + 64,
-    )
+    cfg = TINY_QWEN3.replace(num_key_value_heads=num_kv_heads, max_position_embeddings=context + 64)
     return CausalLM.random(cfg, seed=1)
 
 

@@ -12,8 +12,8 @@ import torch
 
 from oasiskv import KvConfig, LLMEngine, SamplingParams
 from oasiskv.disagg import PrefillWorker
-from oasiskv.models.config import ModelConfig
 from oasiskv.models.transformer import CausalLM
+from support.engines import gpu_model
 from support.rtd import Daemon
 
 pytestmark = [
@@ -26,18 +26,7 @@ SMALL = KvConfig.fast(block_size=16, top_k_blocks=4, sparse_threshold=64)
 
 
 def _model() -> CausalLM:
-    cfg = ModelConfig(
-        family="qwen3",
-        vocab_size=301,
-        hidden_size=256,
-        intermediate_size=384,
-        num_hidden_layers=3,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=4096,
-    )
-    return CausalLM.random(cfg, seed=1, dtype=torch.bfloat16, device="cuda")
+    return gpu_model("cuda", torch.bfloat16)
 
 
 def _prompt(n: int, seed: int) -> list[int]:

@@ -11,8 +11,8 @@ import oasiskv
 from oasiskv import KvConfig, errors, ops
 from oasiskv.drafters import NgramDrafter, OracleDrafter, PreviousQueryDrafter
 from oasiskv.engine import Engine
-from oasiskv.models.config import ModelConfig
 from oasiskv.models.transformer import CausalLM
+from support.configs import LLAMA_8L, QWEN3_3L
 from support.engines import DrafterWithConfidence
 
 torch.set_num_threads(2)
@@ -22,34 +22,11 @@ SMALL_KV = dict(block_size=8, top_k_blocks=3, fetch_cap=1, sparse_threshold=40)
 
 
 def qwen3_like(**kw) -> CausalLM:
-    cfg = ModelConfig(
-        family="qwen3",
-        vocab_size=301,
-        hidden_size=128,
-        intermediate_size=192,
-        num_hidden_layers=3,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=2048,
-        **kw,
-    )
-    return CausalLM.random(cfg, seed=1)
+    return CausalLM.random(QWEN3_3L.replace(**kw), seed=1)
 
 
 def llama_like() -> CausalLM:
-    cfg = ModelConfig(
-        family="llama",
-        vocab_size=257,
-        hidden_size=96,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=1024,
-    )
-    return CausalLM.random(cfg, seed=2)
+    return CausalLM.random(LLAMA_8L.replace(num_hidden_layers=2), seed=2)
 
 
 def prompts(vocab: int, lens, seed=0) -> list[list[int]]:
@@ -261,17 +238,7 @@ def test_eagle3_drafter_runs_through_the_engine():
     """A random EAGLE-3 head drafts from the target's captured states (layers 2, L/2, L-3)."""
     from oasiskv.models.eagle3 import Eagle3Head
 
-    cfg = ModelConfig(
-        family="llama",
-        vocab_size=257,
-        hidden_size=96,
-        intermediate_size=160,
-        num_hidden_layers=8,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=1024,
-    )
+    cfg = LLAMA_8L
     model = CausalLM.random(cfg, seed=4)
     head = Eagle3Head.random(cfg, draft_vocab_size=64, seed=5)
     drafter = oasiskv.Eagle3Drafter(head, model)

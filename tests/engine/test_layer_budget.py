@@ -10,26 +10,15 @@ import oasiskv
 from oasiskv import KvConfig, errors
 from oasiskv.eval.teacher import kv_budget_kwargs, parse_drafter
 from oasiskv.layer_budget import allocate, attention_curves, fit_layer_blocks, ladder_for
-from oasiskv.models.config import ModelConfig
 from oasiskv.models.transformer import CausalLM, causal_attention
+from support.configs import QWEN3_3L
 
 torch.set_num_threads(2)
 
 
 @pytest.fixture(scope="module")
 def model() -> CausalLM:
-    cfg = ModelConfig(
-        family="qwen3",
-        vocab_size=301,
-        hidden_size=128,
-        intermediate_size=192,
-        num_hidden_layers=3,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=2048,
-    )
-    return CausalLM.random(cfg, seed=1)
+    return CausalLM.random(QWEN3_3L, seed=1)
 
 
 def texts(n: int, length: int, seed: int = 0) -> list[list[int]]:

@@ -15,9 +15,9 @@ from oasiskv import ops
 from oasiskv.eval import corpus, harness, report, retrieval, teacher
 from oasiskv.eval.policies import CodesPolicy, ExactPolicy, QuestPolicy
 from oasiskv.eval.teacher import Policy, TeacherForcing, greedy_continuations, summarize
-from oasiskv.models.config import ModelConfig
 from oasiskv.models.eagle3 import Eagle3Head
 from oasiskv.models.transformer import CausalLM, greedy_generate
+from support.configs import LLAMA_EVAL
 from support.fakes import ByteTokenizer
 
 torch.set_num_threads(2)
@@ -27,18 +27,7 @@ BLOCK = 8
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = ModelConfig(
-        family="llama",
-        vocab_size=301,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=4096,
-    )
-    return CausalLM.random(cfg, seed=1)
+    return CausalLM.random(LLAMA_EVAL, seed=1)
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,9 @@ import torch
 
 import oasiskv.llm as llm_mod
 from oasiskv.eval import corpus, harness, report, retrieval
-from oasiskv.models.config import ModelConfig
 from oasiskv.models.eagle3 import Eagle3Head
 from oasiskv.models.transformer import CausalLM
+from support.configs import LLAMA_EVAL
 from support.fakes import AsciiTokenizer
 
 torch.set_num_threads(2)
@@ -23,18 +23,7 @@ torch.set_num_threads(2)
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = ModelConfig(
-        family="llama",
-        vocab_size=301,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=4096,
-    )
-    return CausalLM.random(cfg, seed=2)  # its greedy output depends on the prompt
+    return CausalLM.random(LLAMA_EVAL, seed=2)  # its greedy output depends on the prompt
 
 
 @pytest.fixture(scope="module")

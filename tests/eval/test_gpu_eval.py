@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from oasiskv.eval.teacher import Policy, TeacherForcing, summarize
-from oasiskv.models.config import ModelConfig
 from oasiskv.models.eagle3 import Eagle3Head
 from oasiskv.models.transformer import CausalLM
 from oasiskv.train import eagle3 as tr
+from support.configs import LLAMA_DRAFT_TARGET, LLAMA_EVAL
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,17 +21,7 @@ pytestmark = [
 
 
 def _tiny(dtype=torch.bfloat16, device="cuda", seed=1):
-    cfg = ModelConfig(
-        family="llama",
-        vocab_size=301,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=8,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=4096,
-    )
+    cfg = LLAMA_EVAL.replace(hidden_size=128, intermediate_size=256, head_dim=32)
     return CausalLM.random(cfg, seed=seed, dtype=dtype, device=device)
 
 
@@ -131,7 +121,7 @@ def test_trainer_main_on_gpu_runs_its_target_passes_in_bf16(tmp_path, monkeypatc
     import oasiskv.models.loader as loader
     from support.fakes import ByteTokenizer
 
-    cfg = ModelConfig("llama", 300, 64, 128, 8, 4, 2, max_position_embeddings=512)
+    cfg = LLAMA_DRAFT_TARGET
     loaded = []
 
     def load(*_a, dtype=torch.float32, device="cpu", **_k):

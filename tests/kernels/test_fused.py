@@ -19,9 +19,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from oasiskv import errors, ops
 from oasiskv.models import transformer
-from oasiskv.models.config import ModelConfig
 from oasiskv.models.loader import load_hf_dir
 from oasiskv.models.transformer import CausalLM, DenseKVCache, dense_causal_attn
+from support.configs import LLAMA_8L
 from support.fused_reference import (
     MODEL_TOL,
     assert_bits_equal,
@@ -336,7 +336,9 @@ def fused(monkeypatch):
 
 def _model(family: str, dtype, seed=3, layers=3):
     head_dim = 24 if family == "qwen3" else 16
-    cfg = ModelConfig(family, 257, 96, 160, layers, 6, 2, head_dim=head_dim, max_position_embeddings=4096)
+    cfg = LLAMA_8L.replace(
+        family=family, num_hidden_layers=layers, head_dim=head_dim, max_position_embeddings=4096
+    )
     return CausalLM.random(cfg, seed=seed, dtype=dtype)
 
 

@@ -9,13 +9,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from oasiskv.errors import CheckpointError, ConfigError, ShapeError
-from oasiskv.models.config import ModelConfig
 from oasiskv.models.eagle3 import Eagle3Head, Eagle3State, eagle3_capture_layers
 from oasiskv.models.transformer import CausalLM, dense_causal_attn
+from support.configs import LLAMA_DRAFT_TARGET
 
 torch.set_num_threads(2)
 
-TARGET = ModelConfig("llama", 300, 64, 128, 8, 4, 2, max_position_embeddings=512)
+TARGET = LLAMA_DRAFT_TARGET
 DRAFT_VOCAB = 120
 
 

@@ -13,6 +13,7 @@ from oasiskv.models.config import ModelConfig
 from oasiskv.models.eagle3 import Eagle3Head
 from oasiskv.models.transformer import CausalLM
 from oasiskv.train import eagle3 as tr
+from support.configs import LLAMA_DRAFT_TARGET
 from support.fakes import ByteTokenizer
 
 torch.set_num_threads(2)
@@ -20,7 +21,7 @@ torch.set_num_threads(2)
 
 @pytest.fixture(scope="module")
 def target():
-    cfg = ModelConfig("llama", 300, 64, 128, 8, 4, 2, max_position_embeddings=512)
+    cfg = LLAMA_DRAFT_TARGET
     return CausalLM.random(cfg, seed=1)
 
 
@@ -182,7 +183,7 @@ def tiny_target(monkeypatch):
     """main() on the tiny random target with a byte tokenizer (the corpus stays the real one)."""
     import oasiskv.models.loader as loader
 
-    cfg = ModelConfig("llama", 300, 64, 128, 8, 4, 2, max_position_embeddings=512)
+    cfg = LLAMA_DRAFT_TARGET
     monkeypatch.setattr(loader, "load_model", lambda *a, **k: (CausalLM.random(cfg, seed=1), ByteTokenizer()))
 
 
