@@ -17,6 +17,9 @@ from oasiskv.models.config import ModelConfig
 from oasiskv.models.transformer import CausalLM
 from support.fakes import tiny
 
+# Private names read here: ``LLMEngine._by_id`` (its table of live requests, no public view): a stop
+# callback that raises must leave that table empty.
+
 torch.set_num_threads(2)
 
 SPARSE = dict(block_size=8, top_k_blocks=6, fetch_cap=2, sparse_threshold=48)

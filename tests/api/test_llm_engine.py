@@ -13,6 +13,9 @@ import oasiskv
 from oasiskv import KvConfig, LLMEngine, SamplingParams, errors
 from support.fakes import pools_are_full, prompt, tiny
 
+# Private names read here: ``LLMEngine._by_id`` (a request's engine-side state, no public lookup):
+# the codes test reads the request's blocks from it.
+
 torch.set_num_threads(2)
 
 README_KV = dict(block_size=16, top_k_blocks=8, fetch_cap=0.25, sparse_threshold=64)

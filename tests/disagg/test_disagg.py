@@ -36,6 +36,13 @@ from support.configs import TINY_QWEN3
 from support.fakes import pools_are_full, prompt, tiny
 from support.rtd import TRANSPORTS, Daemon
 
+# Private names read here: ``RtClient`` from ``oasiskv._core`` (the daemon's client; no public
+# re-export) and the remote source's own steps, each what its test checks:
+# ``_rows_for``/``_forget_row``/``_logical`` (the bounded host pool's reads and evictions, in
+# order), ``_prefetch`` (the read-ahead queue drained), ``_read_clients`` (the extra read
+# connections), ``Engine._flush_deferred`` (named in a docstring: the deferred fetch of a step's
+# misses).
+
 #: The prefill worker runs as ``python -m support.disagg_worker`` from ``tests/``.
 TESTS = Path(__file__).resolve().parents[1]
 P, M = 300, 24  # prompt and new tokens of the loopback requests

@@ -15,6 +15,12 @@ from oasiskv.models.transformer import CausalLM
 from support.configs import LLAMA_8L, QWEN3_3L
 from support.engines import DrafterWithConfidence
 
+# Private names read here: the engine's selection steps, each wrapped or read by the test that
+# checks it: ``_select_and_fetch`` (its predictions and pins), ``_pins_of``, ``_pred_of``,
+# ``_initial_selection`` (sticky candidates), ``_recall_phase`` (the per-step recall decision),
+# ``_last_q`` (the lookahead queries after a chunked prefill) and ``pools._grown`` (how a host pool
+# grows). No public hook exposes these per-layer steps.
+
 torch.set_num_threads(2)
 
 #: A budget of 3 blocks of 8 (fetch cap 1) from 40 tokens on: the selection tests' small budget.

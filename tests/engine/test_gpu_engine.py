@@ -10,6 +10,9 @@ from oasiskv import KvConfig
 from oasiskv.engine import Engine, Request
 from support.engines import DrafterWithConfidence, gpu_model, repeated_prompts, teacher_forced_logits
 
+# Private names read here: ``Eagle3Drafter._states`` (the head's per-request cache, no public view):
+# the prompt features' state must stay on the device.
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),

@@ -22,6 +22,10 @@ from oasiskv.models.eagle3 import Eagle3Head
 from support.engines import gpu_model, repeated_prompts
 from support.fakes import drain
 
+# Private names read here: ``LLMEngine._by_id`` (a request's engine-side state) and
+# ``Engine._decode_graph`` (wrapped to record which steps replay a graph): what these tests check,
+# with no public hook.
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),

@@ -29,6 +29,10 @@ from oasiskv.drafters import Eagle3Drafter, OracleDrafter, PreviousQueryDrafter
 from oasiskv.models.eagle3 import Eagle3Head
 from support.fakes import drain, pools_are_full, prompt, tiny
 
+# Private names read here: ``LLMEngine._by_id``/``_running`` (the engine's live requests) and
+# ``Eagle3Drafter._states`` (the shadow head's per-request caches, empty at the end): read to check
+# the stored drafts and the cleanup; no public view.
+
 torch.set_num_threads(2)
 
 VOCAB = 301

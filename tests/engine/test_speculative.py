@@ -44,6 +44,10 @@ from support.sampling import (
     second_and_third_tokens,
 )
 
+# Private names read here: ``LLMEngine._by_id``/``_running`` (the live requests whose slots a draft
+# holds), ``llm_engine._sample_rows`` (the host sampler, counted) and ``Engine._run_step`` (wrapped
+# to see the step's sampling inputs): what these tests check; no public view.
+
 torch.set_num_threads(2)
 
 DENSE_KV = KvConfig(block_size=16, top_k_blocks=8)

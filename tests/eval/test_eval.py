@@ -20,6 +20,10 @@ from oasiskv.models.transformer import CausalLM, greedy_generate
 from support.configs import LLAMA_EVAL
 from support.fakes import ByteTokenizer
 
+# Private names read here: ``harness._fill_preset`` (the CLI's preset defaults, applied to test
+# arguments), ``report._pct``/``report._by_setting`` (the report's rounding and grouping, checked),
+# ``Engine._initial_selection``/``_kept`` (the sticky candidates a recorder sees).
+
 torch.set_num_threads(2)
 
 BLOCK = 8

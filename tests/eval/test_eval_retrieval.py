@@ -18,6 +18,9 @@ from oasiskv.models.transformer import CausalLM
 from support.configs import LLAMA_EVAL
 from support.fakes import AsciiTokenizer
 
+# Private names read here: ``harness._fill_preset`` (the CLI's preset defaults, applied to the
+# test's arguments as ``main`` applies them).
+
 torch.set_num_threads(2)
 
 

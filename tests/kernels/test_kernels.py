@@ -15,6 +15,10 @@ from support.reference import (
     ref_score_blocks,
 )
 
+# Private names read here: ``oasiskv._core``'s planning functions (``plan_num_splits``,
+# ``decode_attn_workspace_len``): ``ops`` calls them inside ``decode_attention``; their totality is
+# what the tests check.
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 GROUPS = [1, 3, 4, 8]
 HEAD_DIMS = [64, 40]

@@ -12,6 +12,8 @@ import pytest
 from oasiskv import _core, config
 from oasiskv.errors import ConfigError
 
+# Private names read here: ``oasiskv._core`` (its exported limits are what this file checks).
+
 LIMITS = (
     "MAX_BLOCK_SIZE",
     "MAX_TOP_K_BLOCKS",

@@ -14,6 +14,9 @@ from oasiskv.models.eagle3 import Eagle3State
 from support import eagle3
 from support.eagle3 import ATOL, CFG, RTOL, Logged, dense_features, prompt
 
+# Private names read here: ``Eagle3Drafter._states`` (each request's head cache, no public view):
+# the batched path must leave every state as the per-request path does.
+
 torch.set_num_threads(2)
 
 # The target and head of support.eagle3 (its fixtures), as test_eagle3_prefill's.

@@ -16,6 +16,9 @@ from oasiskv.models.transformer import CausalLM
 from support import eagle3
 from support.eagle3 import ATOL, CFG, RTOL, Logged, prompt
 
+# Private names read here: ``Eagle3Drafter._states`` (each request's head cache on the paged pool,
+# no public view): the pages a state holds are what these tests count.
+
 torch.set_num_threads(2)
 
 # The target and head of support.eagle3 (its fixtures), as test_eagle3_prefill's.

@@ -15,6 +15,9 @@ from oasiskv.models.eagle3 import Eagle3State
 from support import eagle3
 from support.eagle3 import ATOL, CFG, RTOL, dense_features, prompt
 
+# Private names read here: ``Eagle3Drafter._states`` (each request's head cache, no public view):
+# what a prefill feeds into it is what these tests check.
+
 torch.set_num_threads(2)
 
 # The target and head of support.eagle3 (its fixtures).

@@ -29,6 +29,9 @@ from support.checkpoints import (
     write_hf_dir,
 )
 
+# Private names read here: ``loader._gguf_reader_class`` (the loader's fast GGUF reader), lent to
+# transformers' own GGUF loader in the SmolLM2 comparison to keep it fast.
+
 torch.set_num_threads(2)
 
 

@@ -22,6 +22,9 @@ from oasiskv.models.transformer import (
 )
 from support.hf_models import HF_CASES, LLAMA3_SCALING, make_hf_model
 
+# Private names read here: ``transformer._no_cudnn`` (the guard that keeps cuDNN off the pieces it
+# gets wrong) is what its test checks.
+
 transformers = pytest.importorskip("transformers")
 torch.set_num_threads(2)
 

@@ -9,6 +9,9 @@ import torch
 
 from oasiskv.memory import pinned_full
 
+# Private names read here: ``memory._page_aligned`` (the page-aligned buffer ``pinned_full``
+# registers) probes where the pages landed.
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),

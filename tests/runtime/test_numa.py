@@ -22,6 +22,10 @@ from oasiskv.memory import (
     pci_numa_node,
 )
 
+# Private names read here: ``memory._page_aligned``, ``_PAGE``, ``_SYSCALLS``, ``_NODE_MASK_BITS``,
+# ``_libc`` (replaced by a stand-in ``mbind``) and ``_numa_warned`` (the warn-once flag): the
+# placement internals are what this file checks, on machines without a GPU.
+
 #: sysfs directory name -> the text of its ``numa_node`` file (None: no such file).
 SYSFS = {
     "0000:3b:00.0": "1\n",

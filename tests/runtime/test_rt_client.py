@@ -20,6 +20,9 @@ from oasiskv import errors
 from oasiskv._core import RtClient, ucx_version
 from support.rtd import TRANSPORTS, Daemon
 
+# Private names read here: ``RtClient``/``ucx_version`` from ``oasiskv._core``: the native client is
+# what this file checks (no public re-export).
+
 # (num_layers, num_kv_heads, block_size, head_dim, dtype_bytes, num_blocks); odd sizes.
 GEO = (3, 2, 5, 6, 4, 7)
 BLOCK = 2 * 2 * 5 * 6 * 4

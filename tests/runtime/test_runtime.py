@@ -18,6 +18,9 @@ from hypothesis import strategies as st
 
 from oasiskv import _core, errors
 
+# Private names read here: ``oasiskv._core.Runtime`` is what this file checks (the module docstring
+# says so).
+
 
 def make_runtime(b, k, threshold, rows, gpu, host, seqs=8, recall=True, seq=True, sparse=True):
     return _core.Runtime(

@@ -12,6 +12,9 @@ from oasiskv.errors import ConfigError
 from oasiskv.staging_daemon import StagingDaemon, find_binary
 from support.rtd import need_binary
 
+# Private names read here: ``RtClient`` from ``oasiskv._core`` (no public re-export): the client the
+# tests talk to the launched daemon with.
+
 
 def test_starts_serves_and_stops():
     with StagingDaemon(need_binary(), memory="64MiB") as d:

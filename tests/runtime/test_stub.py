@@ -20,6 +20,8 @@ import torch
 
 from oasiskv import _core, errors, ops
 
+# Private names read here: ``oasiskv._core``: the native module's surface is what this file checks.
+
 STUB = Path(__file__).resolve().parents[2] / "python" / "oasiskv" / "_core.pyi"
 # The type of a PyO3 #[getter] (a getset descriptor): a property in the stub.
 GETSET = type(vars(_core.KvGeometry)["head_dim"])
