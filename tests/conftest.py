@@ -5,7 +5,7 @@ Layout: ``tests/<part>/test_*.py`` mirrors ``python/oasiskv/`` (``engine/``, ``k
 of its part. The folders are not packages (pytest's default ``prepend`` import mode), so every
 test basename is unique across ``tests/``. What the tests share lives in the package
 ``tests/support/``; this file puts ``tests/`` on ``sys.path`` so ``from support.fakes import tiny``
-works from every folder, and test modules never import each other (``test_import_graph.py``).
+works from every folder, and test modules never import each other (``test_layout.py`` checks).
 
 Ids that name what they vary: `[bfloat16-128-4-7-True]`, not `[dtype0-128-4-7-True]`, so a
 subset can be picked with `-k` (e.g. `-k "decode_attention and float16"` under compute-sanitizer)."""

@@ -211,7 +211,7 @@ def test_sampling_requests_verify_in_the_graph():
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
 def test_graph_sampling_keeps_the_distribution(temperature, top_p):
-    """``tests/test_speculative.py``'s distribution test in the graph path: 2000 requests of 3
+    """``tests/engine/test_speculative.py``'s distribution test in the graph path: 2000 requests of 3
     tokens on a peaked 16-token model, the 2nd and 3rd tokens' joint distribution against the
     exact one (chi-square), the sampling steps replayed as graphs."""
     import copy

@@ -16,9 +16,9 @@ step that computes it and, when accepted, the request gains two tokens.
   and stored by the step itself into the tentative slot the plan reserved (no host sampling in a
   speculative decode step); the tables move on at ``commit_drafts`` (a rejected draft's slot goes
   back); greedy and sampling requests share a step. The same step function runs in the
-  CUDA-graph path (``tests/test_gpu_speculative.py``).
+  CUDA-graph path (``tests/engine/test_gpu_speculative.py``).
 * Forced verdicts (measurement only, ``decode_step(verdicts=...)``): they override the argmax
-  test both ways, and the metrics count the step's flag (``tests/test_oracle_drafter.py`` runs
+  test both ways, and the metrics count the step's flag (``tests/engine/test_oracle_drafter.py`` runs
   ``OracleDrafter(force=True)`` end to end).
 """
 
@@ -535,7 +535,7 @@ def test_sampling_rows_are_verified_in_the_step(monkeypatch):
     temperature, top_p and uniforms to the step function (the inputs a CUDA graph reads), the
     step accepts sampled drafts itself (its flags, ``SpecStep.accepted``) and the host sampler
     only draws the prefills' first tokens. So a sampling step is the same step a graph captures
-    (``spec_eager_steps`` stays 0; ``tests/test_gpu_speculative.py`` replays it)."""
+    (``spec_eager_steps`` stays 0; ``tests/engine/test_gpu_speculative.py`` replays it)."""
     import oasiskv.llm_engine as llm_mod
 
     host_samples = [0]

@@ -2,7 +2,7 @@
 twins) against the torch expressions of oasiskv.models.transformer, their argument checks, and the
 decoder's fused path (``FUSED_KERNELS = "always"`` runs it on the twins) against its torch path.
 
-How exact (tests/fused_reference.py): the twins round every operation as the torch code does, and
+How exact (tests/support/fused_reference.py): the twins round every operation as the torch code does, and
 differ from torch only in the order of an RMSNorm's sum of squares and in cos/sin (correctly rounded
 float32; torch's are within 1 ulp). So:
 
@@ -408,7 +408,7 @@ def test_decoder_hands_kv_grouped_by_row(mode, monkeypatch):
 
 
 def test_fused_decoder_matches_transformers(fused, tmp_path):
-    """The fused path against transformers' Qwen3 in float32, as tests/test_models.py checks the torch
+    """The fused path against transformers' Qwen3 in float32, as tests/models/test_models.py checks the torch
     path (and to the same tolerance)."""
     pytest.importorskip("transformers")
     from support.hf_models import HF_CASES, make_hf_model

@@ -7,7 +7,7 @@ updated in place; for qk_norm_rope head_dim 64 or 128, 1..8 KV heads with a GQA 
 rows, strided or not, with and without the q/k norm, positions up to 40000 as int64 or int32.
 
 The same body runs on two devices:
-* ``cpu-N``: the CPU twin against the torch references of tests/fused_reference.py in the kernels'
+* ``cpu-N``: the CPU twin against the torch references of tests/support/fused_reference.py in the kernels'
   sum order with correctly rounded cos/sin, bit for bit (part of the default CPU-only run);
 * ``cuda-N`` (marked ``gpu``): the same, then the CUDA kernel on copies of the inputs, outputs
   poisoned with NaN first, against the twin: bit for bit (the kernels and the twins round every
@@ -294,7 +294,7 @@ def _cuda_kernels(fn) -> int:
 def test_kernels_per_decode_layer_on_cuda(family, monkeypatch):
     """Issue 10 measured: CUDA kernels per layer of a decode step of 8 sequences (attention stubbed
     out), from the difference between a 5-layer and a 2-layer model. The fused path is 9 on the
-    CPU count (tests/test_fused.py); allow cuBLAS a split-K reduction per GEMM."""
+    CPU count (tests/kernels/test_fused.py); allow cuBLAS a split-K reduction per GEMM."""
     ids = torch.arange(8, device=DEV)
     pos = torch.arange(8, device=DEV) + 100
     per_layer = {}

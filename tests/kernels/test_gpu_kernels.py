@@ -1,7 +1,7 @@
 """The CUDA kernels (through oasiskv.ops on CUDA tensors) against their CPU twins.
 
 The oracle of every GPU run is the CPU twin run on the same inputs copied to the CPU; the float64
-references of tests/reference.py are added where they are cheap. Outputs are poisoned before each
+references of tests/support/reference.py are added where they are cheap. Outputs are poisoned before each
 run, so every element the kernel must write is checked. Copies (append, gather, copy_pages, the
 summaries) and the selection (integer logic) must match bit for bit; attention and scores within
 the tolerance table. Every test needs a CUDA GPU (`make test-gpu`); out of GPU memory is a skip.

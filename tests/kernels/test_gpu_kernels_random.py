@@ -12,7 +12,7 @@ The same body runs on two devices:
   so the case builders and the comparisons are checked on any machine.
 * ``cuda-N`` (marked ``gpu``): the same, then the CUDA kernel on copies of the inputs, outputs
   poisoned first, against the twin: bit for bit for copies, summaries, codes and the selection;
-  attention and scores within the tolerances of tests/test_gpu_kernels.py, and also against the
+  attention and scores within the tolerances of tests/kernels/test_gpu_kernels.py, and also against the
   float64 references.
 
 Decode attention has two CUDA kernels. The tensor-core one serves bf16/f16 storage with head_dim

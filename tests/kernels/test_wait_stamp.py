@@ -1,6 +1,6 @@
 """Timing the compute stream's waits (``ops.wait_stamp``, ``Engine.transfer_wait``) on the CPU:
 the twin's clock arithmetic, argument checks, and the CPU engine's zero (its chain runs inline).
-The GPU kernel is checked in tests/test_gpu_wait_stamp.py."""
+The GPU kernel is checked in tests/kernels/test_gpu_wait_stamp.py."""
 
 from __future__ import annotations
 

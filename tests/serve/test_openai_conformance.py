@@ -119,7 +119,7 @@ def test_openai_errors(client):
         client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=100_000)
     assert e.value.status_code == 400 and e.value.code == "context_length_exceeded"
     # (A lone surrogate cannot be sent through this client: it fails to encode the body itself.
-    # The server's 400 for one is in tests/test_serve_parity.py, over raw HTTP.)
+    # The server's 400 for one is in tests/serve/test_serve_parity.py, over raw HTTP.)
     with pytest.raises(openai.BadRequestError, match="tool calling is not supported") as e:
         client.chat.completions.create(
             model="smollm2",

@@ -445,7 +445,7 @@ def test_metrics_in_prometheus_text(server, client):
     client.completions.create(model="smollm2", prompt=LONG, max_tokens=8, temperature=0)  # turns sparse
     wait_pools_full(server)
     text = httpx.get(f"{server.url}/metrics", headers=AUTH).text
-    for name in (  # vLLM's names under oasis: (tests/test_metrics.py checks every series)
+    for name in (  # vLLM's names under oasis: (tests/serve/test_metrics.py checks every series)
         "oasis:num_requests_running",
         "oasis:num_requests_waiting",
         "oasis:prompt_tokens_total",

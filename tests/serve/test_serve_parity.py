@@ -12,7 +12,7 @@ for ``max_tokens``; ``logprobs`` / ``top_logprobs``, ``n``, ``echo``, ``max_comp
 and ``--served-model-name``.
 
 Raw HTTP (``httpx``) here, so the wire format itself is checked; the clients' view is in
-tests/test_openai_conformance.py."""
+tests/serve/test_openai_conformance.py."""
 
 from __future__ import annotations
 

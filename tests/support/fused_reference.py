@@ -10,7 +10,7 @@ may differ from torch (and from each other not at all):
 
 With ``order="tree"`` and ``tables="exact"`` these references are bit for bit what the kernels must
 compute; with ``order="torch"`` and ``tables="torch"`` they ARE the model's torch code. Shared by
-tests/test_fused.py (CPU) and tests/test_gpu_fused.py.
+tests/kernels/test_fused.py (CPU) and tests/kernels/test_gpu_fused.py.
 """
 
 from __future__ import annotations
