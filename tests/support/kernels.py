@@ -9,11 +9,7 @@ import torch
 from support.reference import DEV, back
 
 HOSTS = ["pinned", "cuda"]  # where the host pool of a CUDA call lives
-
-
 POISON = float("nan")
-
-
 INT_POISON = 12345
 
 
@@ -35,6 +31,7 @@ def assert_bits_equal(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 
 def rand(gen, dtype, *shape) -> torch.Tensor:
+    """Standard normal values drawn in float32, then cast to ``dtype``."""
     return torch.randn(*shape, generator=gen).to(dtype)
 
 
@@ -90,6 +87,8 @@ def pick(gen: torch.Generator, options: list):
 
 
 def topk_candidates_case(seed, device="cpu"):
+    """A random ``ops.topk_candidates`` input: ``(heads, indptr, candidates [S, heads, m] with -1
+    padding, scores with many ties, forced blocks or None)``."""
     g = torch.Generator().manual_seed(seed)
     heads = int(torch.randint(1, 4, (1,), generator=g))
     lens = torch.randint(0, 24, (int(torch.randint(1, 5, (1,), generator=g)),), generator=g)

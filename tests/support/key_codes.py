@@ -91,6 +91,9 @@ def magnitude(q, summaries, blk_indptr, blk_indices) -> torch.Tensor:
 
 
 def key_codes_case(gen, dtype, group, head_dim, block_size, hk=2, lens=LENS, extra_host=7):
+    """Random keys of ``sum(lens) + extra_host`` host blocks with their summaries and codes (built by
+    the CPU twins), one query row per sequence, and the CSR tables of ``lens`` blocks per sequence:
+    ``(geo, host_k, summaries, codes, q, blk_indptr, blk_indices)``."""
     n_host = sum(lens) + extra_host
     geo = ops.KvGeometry(hk * group, hk, head_dim, block_size)
     host_k = torch.randn(n_host, hk, block_size, head_dim, generator=gen).to(dtype)

@@ -24,34 +24,27 @@ CFG = ModelConfig(
     head_dim=32,
     max_position_embeddings=1024,
 )
-
-
 #: The same with Qwen3-MoE layers (issue 14): 8 tensor-parallel experts of 64 columns, 2 a token,
 #: layer 1 dense; each rank holds 32 columns of every expert.
 MOE_CFG = CFG.replace(
     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=(1,)
 )
-
-
 SEED = 3
-
-
 #: Budget of 4 blocks of 16 and a threshold of 64 tokens: the long prompts turn sparse.
 KV = dict(block_size=16, top_k_blocks=4, fetch_cap=0.25, sparse_threshold=64)
-
-
 #: (prompt tokens, new tokens): three requests, two seats, so one waits for a seat.
 SPECS = [(150, 10), (40, 14), (200, 8)]
-
-
 ENGINE = dict(drafter="ngram", max_num_seqs=2, max_num_batched_tokens=96)
 
 
 def spec_requests():
+    """The ``SPECS`` requests: repetitive prompts, greedy, ``ignore_eos``."""
     return [(prompt(n, i), SamplingParams(max_tokens=m, ignore_eos=True)) for i, (n, m) in enumerate(SPECS)]
 
 
 def drive(eng) -> dict:
+    """Run the ``SPECS`` requests to the end: per request its tokens, finish reason, error and
+    sparse steps."""
     ids = [eng.add_request(p, sp) for p, sp in spec_requests()]
     outs = eng.run_to_completion(ids)
     return {rid: (o.token_ids, o.finish_reason, o.error, o.metrics.sparse_steps) for rid, o in outs.items()}
