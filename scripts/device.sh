@@ -6,6 +6,8 @@
 #   then call the device tool with carry=["dist", ".whl"] and the command
 #   bash scripts/device.sh run [pytest args...]   # there: install into /tmp/site, run the GPU
 #                                                 # tests and the kernel benchmark, logs in $OUT
+#   TESTS="tests/kernels tests/engine/test_gpu_graph.py" bash scripts/device.sh run   # only those
+#                                   # (tests/ mirrors python/oasiskv/: a part's GPU tests sit in its folder)
 #
 # Every call carries the tracked tree (about 21 MB, most of it the bundled EAGLE-3 head) plus the
 # carry list, 64 MiB in all. So the device wheel leaves the head out (`run` links the tree's copy
@@ -95,7 +97,7 @@ run)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
         --target /tmp/site dist/*.whl .whl/*.whl "${extra[@]}" 2>&1 | tail -3
     export PYTHONPATH=/tmp/site
-    # The staging daemon `build` carried: the disaggregation tests (tests/rtd.py) start it.
+    # The staging daemon `build` carried: the disaggregation tests (tests/support/rtd.py) start it.
     [ -x dist/oasis-rt ] && export OASIS_RT_BIN="$PWD/dist/oasis-rt"
     [ -e /tmp/site/oasiskv/data/eagle3-smollm2 ] || ln -s "$PWD/python/oasiskv/data/eagle3-smollm2" /tmp/site/oasiskv/data/
     if [ -n "${OVERLAY_PY:-}" ]; then
@@ -127,7 +129,7 @@ run)
         SANITIZE_TOOLS="${SANITIZE_TOOLS:-memcheck racecheck}"
         for tool in $SANITIZE_TOOLS; do
             stage "${SANITIZE_SECS:-120}" "sanitizer-$tool" compute-sanitizer --tool "$tool" --error-exitcode 9 \
-                python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir=. tests/test_gpu_kernels.py -k "$SANITIZE"
+                python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir=. tests/kernels/test_gpu_kernels.py -k "$SANITIZE"
         done
     fi
     ;;

@@ -1,7 +1,7 @@
 //! Malformed CSR tables (`kv_indptr`, `blk_indptr`, `host_indptr`): every CPU twin that takes
 //! one rejects it with a typed error naming the table, before writing anything. The GPU kernels
 //! take the same tables and read a malformed row as an empty one instead (they cannot report
-//! without a host synchronisation); tests/test_gpu_kernels.py checks that side.
+//! without a host synchronisation); tests/kernels/test_gpu_kernels.py checks that side.
 
 use oasis_core::kernels::{decode_attention, gather_blocks, score_blocks, topk_blocks, PagedKv};
 use oasis_core::{KvGeometry, OasisError};

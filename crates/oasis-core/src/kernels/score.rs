@@ -245,7 +245,7 @@ pub fn force_scores(
 ///    written as their blocks; -1 for none and the padding.
 ///
 /// The engine's `two_stage_top_k` composed of device ops is the definition this fuses
-/// (`tests/test_engine.py`).
+/// (`tests/engine/test_engine.py`).
 ///
 /// # Errors
 /// [`OasisError::Config`] for `num_kv_heads == 0`; [`OasisError::Invalid`] for a malformed

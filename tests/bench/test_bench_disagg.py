@@ -1,0 +1,85 @@
+"""``python -m oasiskv.bench.disagg`` (the paper's Fig. 12 harness): three processes (the
+cargo-built daemon, the prefill process, this decode process) on a tiny random model over TCP;
+partial fetching moves fewer bytes at admission than the full transfer and decodes the same
+tokens; bad flags are refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from oasiskv.bench import disagg
+from support.rtd import need_binary
+
+
+def test_fig12_sweep_on_the_cpu(tmp_path):
+    binary = need_binary()
+    out, md = tmp_path / "d.json", tmp_path / "d.md"
+    argv = [
+        "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--daemon", binary,
+        "--prompt-tokens", "300", "--max-tokens", "6", "--requests", "3", "--rates", "40,200",
+        "--block-size", "16", "--top-k-blocks", "4", "--sparse-threshold", "64", "--kv-cache-blocks", "8",
+        "--read-connections", "2",
+        "--json", str(out), "--md", str(md),
+    ]  # fmt: skip
+    assert disagg.main(argv) == 0
+    rep = json.loads(out.read_text())
+    rows = {(r["transfer"], r["rate"]): r for r in rep["rows"]}
+    assert set(rows) == {(t, r) for t in ("full", "partial") for r in (40.0, 200.0)}
+    for r in rows.values():
+        assert r["requests"] == 3 and r["output_tokens"] == 3 * 6 and r["failures"] == 0
+        assert r["tokens_per_s"] > 0 and 0 < r["ttft_p50_s"] <= r["ttft_p99_s"]
+        assert r["same_tokens"] == 1.0  # partial fetching reads what the selection gathers
+        assert r["peak_host_kv_bytes"] > 0
+        assert r["prefill_p50_s"] > 0 and r["stage_p50_s"] > 0 and r["add_staged_p50_s"] >= 0
+    for rate in (40.0, 200.0):
+        full, part = rows[("full", rate)], rows[("partial", rate)]
+        # The full transfer moves every block at admission (300 tokens: 19 blocks of 16), the
+        # partial one the summaries and the first step's working set (4 blocks per KV head).
+        assert full["admission_bytes_per_request"] >= full["kv_bytes_per_request"]
+        assert part["admission_bytes_per_request"] < 0.75 * full["admission_bytes_per_request"]
+        assert full["fetched_bytes_per_request"] == 0
+        # Host rows reserved at most (how many requests overlap depends on timing): a full
+        # transfer's request reserves a row for each of its 19 blocks; a partial one's bounded
+        # cache 8 plus the blocks it writes itself (at most 2 here), for each of 3 requests.
+        row = full["kv_bytes_per_request"] / 19
+        assert full["host_reserved_peak_bytes"] >= 19 * row
+        assert 0 < part["host_reserved_peak_bytes"] <= 3 * 10 * row
+    assert "| partial | 200 |" in md.read_text()
+
+
+def test_admission_choices_are_the_workers():
+    from oasiskv.disagg import ADMISSIONS
+
+    assert disagg.ADMISSIONS == ADMISSIONS
+
+
+def test_arrivals_are_seeded_poisson():
+    a = disagg.arrivals(4.0, 2000, seed=3)
+    assert a == disagg.arrivals(4.0, 2000, seed=3) and a != disagg.arrivals(4.0, 2000, seed=4)
+    assert a[0] == 0 and all(x < y for x, y in zip(a, a[1:], strict=False))
+    gaps = [y - x for x, y in zip(a, a[1:], strict=False)]
+    assert abs(sum(gaps) / len(gaps) - 0.25) < 0.025  # mean gap 1 / rate (sd of the mean 0.0056)
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--rates", "0"], "rates must be positive"),
+        (["--rates", "x"], "comma-separated numbers"),
+        (["--transfers", "full,bogus"], "--transfers takes"),
+        (["--requests", "0"], "integer >= 1"),
+        (["--read-connections", "0"], "integer >= 1"),
+    ],
+)
+def test_bad_flags_are_refused(flags, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        disagg.build_parser().parse_args(flags)
+    assert e.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_a_missing_daemon_binary_says_what_to_do(tmp_path, capsys):
+    argv = ["--daemon", str(tmp_path / "nope"), "--preset", "tiny", "--device", "cpu"]
+    assert disagg.main(argv) == 2
+    assert "cargo build --release -p oasis-rt" in capsys.readouterr().err

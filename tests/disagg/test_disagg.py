@@ -1,0 +1,842 @@
+"""Disaggregated prefill and decode through the ``oasis-rt`` daemon (``oasiskv.disagg``).
+
+The loopback test runs three processes: the daemon (the cargo-built binary), the prefill worker
+(``tests/support/disagg_worker.py``) and the decode engine (this one). Greedy tokens through the daemon
+equal dense when the budget covers the context, and the single-process OasisKV engine's with a
+small budget; bytes at admission are counted from the protocol's frames. Faults: a daemon killed
+or stalled mid-decode fails only the requests whose KV it holds, within the timeout; a released
+request fails alone; a client without the token is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from oasiskv import KvConfig, LLMEngine, SamplingParams, disagg, errors
+from oasiskv._core import RtClient
+from oasiskv.disagg import (
+    ADMISSIONS,
+    PrefillWorker,
+    StagedRequest,
+    kv_source_url,
+    parse_kv_source,
+    split_kv_source,
+)
+from oasiskv.models.transformer import CausalLM
+from support.configs import TINY_QWEN3
+from support.fakes import pools_are_full, prompt, tiny
+from support.rtd import TRANSPORTS, Daemon
+
+# Private names read here: ``RtClient`` from ``oasiskv._core`` (the daemon's client; no public
+# re-export) and the remote source's own steps, each what its test checks:
+# ``_rows_for``/``_forget_row``/``_logical`` (the bounded host pool's reads and evictions, in
+# order), ``_prefetch`` (the read-ahead queue drained), ``_read_clients`` (the extra read
+# connections), ``Engine._flush_deferred`` (named in a docstring: the deferred fetch of a step's
+# misses).
+
+#: The prefill worker runs as ``python -m support.disagg_worker`` from ``tests/``.
+TESTS = Path(__file__).resolve().parents[1]
+P, M = 300, 24  # prompt and new tokens of the loopback requests
+#: The budget covers the context (32 blocks of 16 > 300 + 24 tokens); the request still turns
+#: sparse at once (threshold 64), so its whole KV goes through the daemon.
+BIG = {"block_size": 16, "top_k_blocks": 32, "sparse_threshold": 64}
+#: A small budget: 4 blocks per KV head, at most one new block per head and step.
+SMALL = {"block_size": 16, "top_k_blocks": 4, "sparse_threshold": 64}
+SEEDS = (3, 5)  # the small-budget prompts, decoded in one batch
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny()
+
+
+def _params(n: int = M) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def _run(eng: LLMEngine, adds) -> dict:
+    """Add every request at once (one batch), step to the end; outputs in add order."""
+    ids = [add(eng) for add in adds]
+    out = eng.run_to_completion(ids)
+    return [out[i] for i in ids]
+
+
+def _reference(model, kv: KvConfig, backend: str, prompts) -> list:
+    eng = LLMEngine(model, kv=kv, backend=backend, drafter="ngram")
+    return _run(eng, [lambda e, p=p: e.add_request(p, _params()) for p in prompts])
+
+
+class Recorder:
+    """The decode engine's daemon client, with every read key recorded (``on_read``, which a
+    test may replace to log or to fail reads)."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.keys = inner, []
+
+    def on_read(self, keys) -> None:
+        self.keys.extend(keys)
+
+    def read_blocks(self, keys):
+        self.on_read(keys)
+        return self.inner.read_blocks(keys)
+
+    def read_blocks_into(self, keys, rows, host_k, host_v):
+        self.on_read(keys)
+        return self.inner.read_blocks_into(keys, rows, host_k, host_v)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _stage_in_worker_process(addr: str, jobs: list[dict], token: str | None = None) -> list[StagedRequest]:
+    args = [sys.executable, "-m", "support.disagg_worker", addr, json.dumps(jobs)] + (
+        [token] if token else []
+    )
+    out = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=TESTS)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return [StagedRequest.from_json(line) for line in out.stdout.splitlines()]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transfer", ["partial", "full"])
+def test_loopback_three_processes(model, transfer, transport):
+    with Daemon(transport=transport) as d:
+        jobs = [{"prompt_len": P, "prompt_seed": 7, "first_query": "first_token", **BIG}]
+        jobs += [{"prompt_len": P, "prompt_seed": s, "first_query": "prompt", **SMALL} for s in SEEDS]
+        big, *small = _stage_in_worker_process(d.url, jobs)
+        assert big.prompt_len == P and big.first_query == "first_token" and big.draft is not None
+        assert all(h.request_id != big.request_id for h in small)
+
+        # Budget covering the context: the daemon's tokens are dense's.
+        eng = LLMEngine(
+            model, kv=KvConfig.fast(**BIG), drafter="ngram", kv_source=d.url, kv_transfer=transfer
+        )
+        assert eng.kv_source.transport == eng.kv_source.client.transport == transport
+        (got,) = _run(eng, [lambda e: e.add_staged_request(big.to_json(), _params())])
+        (dense,) = _reference(model, KvConfig.fast(**BIG), "dense", [big.prompt])
+        assert got.finish_reason == "length", got.error
+        assert got.token_ids == dense.token_ids
+        assert got.metrics.network_admission_bytes > 0 and got.metrics.network_fetched_bytes == 0
+        assert pools_are_full(eng)
+
+        # A small budget: the single-process OasisKV engine's tokens, two requests in one batch.
+        eng = LLMEngine(
+            model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_transfer=transfer
+        )
+        rec = eng.kv_source.client = Recorder(eng.kv_source.client)
+        outs = _run(eng, [lambda e, h=h: e.add_staged_request(h, _params()) for h in small])
+        refs = _reference(model, KvConfig.fast(**SMALL), "oasis", [h.prompt for h in small])
+        for o, ref, h in zip(outs, refs, small, strict=True):
+            assert o.finish_reason == "length", o.error
+            assert o.token_ids == ref.token_ids
+            assert o.metrics.lookahead_recall == ref.metrics.lookahead_recall
+            assert o.metrics.fetched_bytes_total == ref.metrics.fetched_bytes_total  # PCIe gathers
+            m = o.metrics
+            if transfer == "partial":
+                assert 0 < m.network_admission_bytes < h.kv_bytes
+                assert m.network_fetched_bytes > 0  # the selection drifted to blocks not sent yet
+            else:
+                assert m.network_admission_bytes > h.kv_bytes and m.network_fetched_bytes == 0
+        st = eng.kv_source.stats
+        # After the requests end nothing is left to read; a full transfer never had anything.
+        assert eng.kv_source.idle
+        if transfer == "partial":
+            # Misses aggregated per layer across requests, each block-head read once: at admission
+            # (each head's first working set) and after it (fetched_entries).
+            assert len(rec.keys) == len(set(rec.keys)) >= st.fetched_entries > 0
+            assert all(head >= 0 for *_, head in rec.keys)
+            assert st.peak_cached_bytes < sum(h.kv_bytes for h in small)
+        else:
+            assert rec.keys == [] or all(head == -1 for *_, head in rec.keys)
+            assert st.peak_cached_bytes == sum(h.kv_bytes for h in small)
+        assert st.cached_bytes == 0 and st.failures == 0
+        assert pools_are_full(eng)
+        s = eng.kv_source.client.stats()
+        assert s["live_requests"] == 0 and s["used_bytes"] == 0  # every request released
+
+
+def _model_16k(num_kv_heads: int, context: int) -> CausalLM:
+    cfg = TINY_QWEN3.replace(num_key_value_heads=num_kv_heads, max_position_embeddings=context + 64)
+    return CausalLM.random(cfg, seed=1)
+
+
+def _admission_vs_full(context: int, num_kv_heads: int) -> dict:
+    """Stage one ``context``-token prompt twice at K = 128 blocks of 16 tokens with the union
+    admission set (whole blocks); admit one copy partially and one fully; the wire bytes of each
+    admission and the protocol's own accounting."""
+    model = _model_16k(num_kv_heads, context)
+    kv = KvConfig.fast(block_size=16, top_k_blocks=128)
+    chunk = 2048  # prefill chunks (an 8K chunk's causal scores would take GBs)
+    ids = torch.randint(0, 301, (context,), generator=torch.Generator().manual_seed(0)).tolist()
+    out = {}
+    with Daemon(memory="1GiB") as d:
+        worker = PrefillWorker(model, kv, d.addr, admission="union", max_num_batched_tokens=chunk)
+        for transfer in ("partial", "full"):
+            h = worker.prefill(ids)
+            eng = LLMEngine(model, kv=kv, kv_source=d.url, kv_transfer=transfer, max_num_batched_tokens=chunk)
+            (o,) = _run(eng, [lambda e, h=h: e.add_staged_request(h, _params(2))])
+            assert o.finish_reason == "length", o.error
+            out[transfer] = o.metrics.network_admission_bytes
+            out["handle"] = h
+    h = out["handle"]
+    layers, hk, b, dim, elem, nb = h.geometry
+    block, row = 2 * hk * b * dim * elem, hk * 2 * dim * elem
+    sections = 1 + (1 + 10 + 4 + 0) + (1 + 11 + 4 + layers * 4 * dim * elem)  # meta length below
+    # FetchAdmission: request frame 4 + 8 + 13; reply 4 + 8 + geometry 13 + one run of every
+    # block's summary per layer + the union's blocks + the sections.
+    partial = 25 + 12 + 13 + (4 + layers * (10 + nb * row)) + (4 + h.admission_blocks * (6 + block))
+    meta = out["partial"] - partial - sections
+    assert 50 < meta < 600, meta  # the JSON meta section's length: everything else is accounted
+    out["ratio"] = out["full"] / out["partial"]
+    out["kv_bytes"] = h.kv_bytes
+    # A full transfer moves every block: the KV, plus its key and reply entry (16 + 6 bytes per
+    # block), the frames' headers and the sections.
+    assert h.kv_bytes < out["full"] < h.kv_bytes + layers * nb * 22 + 65536
+    # The bound: the union holds at least K blocks per layer and every summary row crosses.
+    union = h.admission_blocks / layers
+    assert union >= 128
+    bound = (nb * block) / (union * block + nb * row)
+    assert out["ratio"] == pytest.approx(bound, rel=0.02)
+    return out
+
+
+def test_bytes_at_admission_16k(model):
+    """16K context, K = 128 blocks of 16, one KV head (a random model's heads pick unrelated
+    blocks; with one head the union is exactly K, as when a real model's heads agree). The
+    union (K of 1024 blocks: 1/8 of the KV) plus every summary row (1/16) bound the reduction
+    at 1 / (1/8 + 1/16) = 5.3x: >= 6x is out of reach at 16K (it needs >= 24K: test below)."""
+    out = _admission_vs_full(16384, num_kv_heads=1)
+    print(f"16K: admission {out['partial']} B, full {out['full']} B, {out['ratio']:.2f}x")
+    assert out["ratio"] > 5.0
+
+
+def test_per_head_admission_reads_only_each_heads_blocks():
+    """With 4 KV heads a random model's heads pick unrelated blocks, so the union admission set
+    moves most of the KV. The default admission (``"heads"``) stages no blocks: the decode side
+    reads each head's top-K block-heads when it selects, so admission stays near the one-head
+    bound 1 / (1/8 + 1/16) = 5.3x below a full transfer, with the same tokens as the union's."""
+    model = _model_16k(4, 16384)
+    kv = KvConfig.fast(block_size=16, top_k_blocks=128)
+    chunk = 2048
+    ids = torch.randint(0, 301, (16384,), generator=torch.Generator().manual_seed(0)).tolist()
+    out = {}
+    with Daemon(memory="1GiB") as d:
+        for admission in ADMISSIONS:
+            worker = PrefillWorker(model, kv, d.addr, admission=admission, max_num_batched_tokens=chunk)
+            h = worker.prefill(ids)
+            eng = LLMEngine(
+                model, kv=kv, kv_source=d.url, kv_transfer="partial", max_num_batched_tokens=chunk
+            )
+            (o,) = _run(eng, [lambda e, h=h: e.add_staged_request(h, _params(3))])
+            assert o.finish_reason == "length", o.error
+            out[admission] = (o.metrics.network_admission_bytes, list(o.token_ids), h)
+            worker.close()
+    heads_bytes, heads_tokens, h = out["heads"]
+    union_bytes, union_tokens, hu = out["union"]
+    layers = h.geometry[0]
+    assert h.admission_blocks == 0  # 16384 tokens fill their blocks: no local block to stage
+    assert hu.admission_blocks > 2 * 128 * layers  # the heads' sets differ: the union is large
+    ratio = h.kv_bytes / heads_bytes
+    print(f"admission: heads {heads_bytes} B ({ratio:.2f}x below full), union {union_bytes} B")
+    assert 5.0 < ratio < 5.34
+    assert union_bytes > 1.8 * heads_bytes
+    assert heads_tokens == union_tokens
+
+
+@pytest.mark.slow
+def test_bytes_at_admission_32k_are_6x_below_full():
+    out = _admission_vs_full(32768, num_kv_heads=1)
+    print(f"32K: admission {out['partial']} B, full {out['full']} B, {out['ratio']:.2f}x")
+    assert out["ratio"] >= 6.0
+
+
+def _staged_small(model, d: Daemon, seeds=SEEDS) -> list[StagedRequest]:
+    worker = PrefillWorker(model, KvConfig.fast(**SMALL), d.url, first_query="prompt")
+    try:
+        return [worker.prefill(prompt(P, s)) for s in seeds]
+    finally:
+        worker.close()
+
+
+def _fetch_steps(model, d: Daemon, handles: list[StagedRequest], local: list | None, n: int) -> list[int]:
+    """The steps (1-based) in which the first of these staged requests, decoded in a batch with
+    the others (and a local prompt), reads misses from the daemon: a dry run of the same batch,
+    so that a fault test can strike before a read (greedy decoding is deterministic)."""
+    eng = LLMEngine(model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url)
+    rec = eng.kv_source.client = Recorder(eng.kv_source.client)
+    for h in handles:
+        eng.add_staged_request(h, _params(n))
+    if local is not None:
+        eng.add_request(local, _params(n))
+    steps, k = [], 0
+    first = handles[0].request_id
+    while eng.has_unfinished_requests():
+        before = len(rec.keys)
+        eng.step()
+        k += 1
+        if any(key[0] == first for key in rec.keys[before:]):
+            steps.append(k)
+    return steps
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("fault", ["kill", "stall"])
+def test_a_dead_daemon_fails_only_its_requests(model, fault, transport):
+    with Daemon(transport=transport) as d:
+        dry, h = _staged_small(model, d, seeds=(3, 3))
+        steps = _fetch_steps(model, d, [dry], prompt(P, 11), n=40)
+        assert len(steps) >= 2, steps
+        timeout = 1.0
+        eng = LLMEngine(
+            model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_timeout_s=timeout
+        )
+        staged = eng.add_staged_request(h, _params(40))
+        local = eng.add_request(prompt(P, 11), _params(40))
+        last = {}
+        for _ in range(steps[-1] - 1):  # up to the step before the last miss
+            for o in eng.step():
+                last[o.request_id] = o
+        (d.kill if fault == "kill" else d.stop)()
+        t = time.monotonic()
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                last[o.request_id] = o
+                if o.request_id == staged and o.finished:
+                    failed_after = time.monotonic() - t
+        assert last[staged].finish_reason == "error"
+        assert "staging daemon" in last[staged].error
+        assert failed_after < timeout + 2.0
+        assert last[local].finish_reason == "length", last[local].error  # the engine went on
+        assert len(last[local].token_ids) == 40
+        assert pools_are_full(eng)
+        assert eng.kv_source.stats.failures == 1
+        if fault == "stall":
+            d.cont()
+
+
+def test_a_released_request_fails_alone(model):
+    """An entry the daemon no longer holds (released, or evicted after its lease) fails that
+    request only: per-entry errors of a batched read."""
+    with Daemon() as d:
+        d1, d2, h1, h2 = _staged_small(model, d, seeds=(3, 5, 3, 5))
+        steps = _fetch_steps(model, d, [d1, d2], None, n=40)
+        eng = LLMEngine(model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url)
+        a = eng.add_staged_request(h1, _params(40))
+        b = eng.add_staged_request(h2, _params(40))
+        last = {}
+        for _ in range(steps[-1] - 1):
+            for o in eng.step():
+                last[o.request_id] = o
+        assert eng.kv_source.client.release(h1.request_id) > 0
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                last[o.request_id] = o
+        assert last[a].finish_reason == "error" and "unknown_request" in last[a].error
+        assert last[b].finish_reason == "length", last[b].error
+        assert pools_are_full(eng)
+
+
+def test_a_client_without_the_token_is_refused(model):
+    with Daemon(token="s3cret") as d:
+        with pytest.raises(errors.RemoteAuthError):
+            LLMEngine(model, kv=KvConfig.fast(**SMALL), kv_source=d.url)
+        with pytest.raises(errors.RemoteAuthError):
+            PrefillWorker(model, KvConfig.fast(**SMALL), d.addr, token="wrong")
+        worker = PrefillWorker(model, KvConfig.fast(**SMALL), d.addr, token="s3cret")
+        h = worker.prefill(prompt(P, 3))
+        eng = LLMEngine(model, kv=KvConfig.fast(**SMALL), kv_source=d.url, kv_token="s3cret")
+        (o,) = _run(eng, [lambda e: e.add_staged_request(h, _params(4))])
+        assert o.finish_reason == "length"
+
+
+def test_a_staged_request_takes_only_its_working_set_on_the_gpu(model):
+    """Admitted sparse (``Runtime.admit_sparse``): K + 1 pages, never the prompt's dense ones, so
+    two 300-token requests decode together in a GPU pool of two working sets."""
+    k = SMALL["top_k_blocks"]
+    with Daemon() as d:
+        handles = _staged_small(model, d, seeds=(3, 5, 3, 5))
+        free = LLMEngine(model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url)
+        want = _run(free, [lambda e, h=h: e.add_staged_request(h, _params()) for h in handles[:2]])
+        tight = LLMEngine(
+            model,
+            kv=KvConfig.fast(**SMALL, num_gpu_pages=2 * (k + 1), num_host_blocks=64),
+            drafter="ngram",
+            kv_source=d.url,
+        )
+        with pytest.raises(errors.OutOfBlocksError):
+            tight.add_request(prompt(P, 3), _params())  # dense, it needs the prompt's pages
+        ids = [tight.add_staged_request(h, _params()) for h in handles[2:]]
+        tight.step()
+        assert tight.num_running == 2
+        assert tight.engine.runtime.reserved[0] == 2 * (k + 1)
+        assert tight.engine.runtime.pool_sizes[0] == 2 * (k + 1)
+        tight.engine.runtime.check_invariants()
+        out = tight.run_to_completion(ids)
+        assert [out[i].token_ids for i in ids] == [o.token_ids for o in want]
+        assert all(out[i].finish_reason == "length" for i in ids)
+        assert pools_are_full(tight)
+
+
+def test_a_bounded_host_pool_decodes_as_the_unbounded_one(model):
+    """``kv_cache_blocks=C`` below the context: the same greedy tokens as the unbounded partial
+    run, at most ``C`` cached blocks (plus the partial last block, which the request writes) per
+    request and layer in the host pool, no eviction of a block the layer being gathered reads, and
+    a block-head read over the wire again only after its eviction."""
+    g = model.config
+    hk, layers = g.num_key_value_heads, g.num_hidden_layers
+    c = hk * SMALL["top_k_blocks"]  # the floor: 8 cached blocks of the 19 staged
+    b = SMALL["block_size"]
+    with Daemon() as d:
+        both = _staged_small(model, d, seeds=(3, 5, 3, 5))  # a run releases what it decoded
+        free = LLMEngine(model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url)
+        want = _run(free, [lambda e, h=h: e.add_staged_request(h, _params()) for h in both[:2]])
+        handles = both[2:]
+        # Host rows for two bounded requests (C + ceil(L / b) - floor(P / b) each); the
+        # unbounded reservation (ceil(L / b) = 21 rows each) would not fit both.
+        rows = c + math.ceil((P + M - 1) / b) - P // b
+        eng = LLMEngine(
+            model,
+            kv=KvConfig.fast(**SMALL, num_host_blocks=2 * rows),
+            drafter="ngram",
+            kv_source=d.url,
+            kv_cache_blocks=c,
+        )
+        src = eng.kv_source
+        rec = src.client = Recorder(src.client)
+        events: list = []  # ("read", key) and ("evict", daemon id, logical), in order
+        planned: set = set()
+        rows_for, forget = src._rows_for, src._forget_row
+
+        def rows_for_logged(st, logicals, pinned):
+            planned.clear()
+            planned.update(pinned)
+            return rows_for(st, logicals, pinned)
+
+        def forget_logged(st, row):
+            logical = int(src._logical[row])
+            assert logical not in planned, "evicted a block the gather reads"
+            events.append(("evict", st.daemon_id, logical))
+            forget(st, row)
+
+        def read_logged(keys):
+            events.extend(("read", k) for k in keys)
+            Recorder.on_read(rec, keys)
+
+        src._rows_for, src._forget_row, rec.on_read = rows_for_logged, forget_logged, read_logged
+        ids = [eng.add_staged_request(h, _params()) for h in handles]
+        eng.step()
+        assert eng.num_running == 2  # both admitted at once within the bounded host budget
+        rt = eng.engine.runtime
+        assert rt.reservation(P, M, sparse=True, cache_blocks=c)[1] == rows
+        assert rt.reservation(P, M, sparse=True)[1] == 21 and 2 * 21 > 2 * rows
+        out = eng.run_to_completion(ids)
+        got = [out[i] for i in ids]
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert all(o.finish_reason == "length" for o in got), [o.error for o in got]
+        st, unbounded = src.stats, free.kv_source.stats
+        entry = 2 * b * g.head_dim * eng.engine.dtype.itemsize
+        assert st.evicted_blocks > 0 and st.failures == 0
+        assert st.peak_cached_bytes <= len(handles) * (c + 1) * entry * hk * layers
+        assert st.peak_cached_bytes < unbounded.peak_cached_bytes
+        assert st.fetched_entries > unbounded.fetched_entries  # evicted blocks come back
+        # Wire counts: a block-head is read again only after its block was evicted.
+        reads: dict = {}
+        evictions: dict = {}
+        for ev in events:
+            if ev[0] == "evict":
+                evictions[ev[1:]] = evictions.get(ev[1:], 0) + 1
+                continue
+            rid, layer, logical, head = ev[1]
+            n = reads.get(ev[1], 0)
+            assert n <= evictions.get((rid, logical), 0), f"block-head {ev[1]} read twice while cached"
+            reads[ev[1]] = n + 1
+        assert any(n > 1 for n in reads.values())
+        assert st.cached_bytes == 0
+        assert pools_are_full(eng)
+        rt.check_invariants()
+        assert src.client.stats()["live_requests"] == 0  # every request released
+
+
+def test_refusals(model):
+    with Daemon() as d:
+        for bad in ("http://x:1", "oasis-rt://nohost", "oasis-rt://h:99999", "oasis-rt+ucx://nohost", 7):
+            with pytest.raises(errors.ConfigError):
+                LLMEngine(model, kv=KvConfig.fast(**SMALL), kv_source=bad)
+        with pytest.raises(errors.ConfigError, match="backend='oasis'"):
+            LLMEngine(model, kv=KvConfig.fast(**SMALL), backend="dense", kv_source=d.url)
+        with pytest.raises(errors.ConfigError, match=r"KvConfig\.fast\(\)"):  # key codes are not staged yet
+            LLMEngine(model, kv=KvConfig(**SMALL), kv_source=d.url)
+        # A captured step cannot follow kv_cache_blocks' moves: refused where graphs run (a GPU, by
+        # default); on the CPU graphs do not apply, so the combination stands.
+        cpu = LLMEngine(model, kv=KvConfig.fast(**SMALL), kv_source=d.url, kv_cache_blocks=64)
+        assert not cpu.cuda_graphs
+        cpu.kv_source.close()
+        with pytest.raises(errors.ConfigError, match="kv_transfer"):
+            LLMEngine(model, kv=KvConfig.fast(**SMALL), kv_source=d.url, kv_transfer="some")
+        with pytest.raises(errors.ConfigError, match="kv_source"):
+            LLMEngine(model, kv=KvConfig.fast(**SMALL)).add_staged_request("{}")
+        with pytest.raises(errors.ConfigError, match="kv_cache_blocks"):
+            LLMEngine(model, kv=KvConfig.fast(**SMALL), kv_source=d.url, kv_cache_blocks=7)  # < 2 heads x K 4
+        with pytest.raises(errors.ConfigError, match="kv_transfer='partial'"):
+            LLMEngine(
+                model, kv=KvConfig.fast(**SMALL), kv_source=d.url, kv_transfer="full", kv_cache_blocks=8
+            )
+        with pytest.raises(errors.ConfigError, match="needs kv_source"):
+            LLMEngine(model, kv=KvConfig.fast(**SMALL), kv_cache_blocks=8)
+        eng = LLMEngine(model, kv=KvConfig.fast(**SMALL), kv_source=d.url)
+        with pytest.raises(errors.ConfigError, match="StagedRequest"):
+            eng.add_staged_request('{"request_id": 1}')
+        # A handle staged with another block size: the request fails, the engine goes on.
+        worker = PrefillWorker(model, KvConfig.fast(block_size=8, top_k_blocks=4), d.addr)
+        h = worker.prefill(prompt(P, 3))
+        (o,) = _run(eng, [lambda e: e.add_staged_request(h, _params(4))])
+        assert o.finish_reason == "error" and "geometry" in o.error
+        assert pools_are_full(eng)
+        # Too short to turn sparse: refused at admission, with the fix.
+        worker = PrefillWorker(model, KvConfig.fast(**SMALL), d.addr)
+        h = worker.prefill(prompt(40, 3))
+        (o,) = _run(eng, [lambda e: e.add_staged_request(h, _params(4))])
+        assert o.finish_reason == "error" and "sparse_threshold" in o.error
+        # An unknown request id.
+        h = worker.prefill(prompt(P, 3))
+        assert worker.release(h.request_id) > 0
+        bogus = StagedRequest.from_json(h.to_json())
+        (o,) = _run(eng, [lambda e: e.add_staged_request(bogus, _params(4))])
+        assert o.finish_reason == "error" and "unknown_request" in o.error
+        assert pools_are_full(eng)
+    assert parse_kv_source("oasis-rt://127.0.0.1:7470") == "127.0.0.1:7470"
+    assert parse_kv_source("[::1]:7470") == "[::1]:7470"
+    assert split_kv_source("oasis-rt+ucx://127.0.0.1:7470") == ("ucx", "127.0.0.1:7470")
+    assert split_kv_source("h:1") == ("tcp", "h:1") and kv_source_url("h:1") == "oasis-rt://h:1"
+    assert kv_source_url("oasis-rt+ucx://h:1") == "oasis-rt+ucx://h:1"
+
+
+def test_the_worker_frees_its_pages_and_stages_the_union(model):
+    with Daemon() as d:
+        kv = KvConfig.fast(**SMALL)
+        # The default admission set holds the partial last block alone (the local block).
+        hw = PrefillWorker(model, kv, d.addr, first_query="prompt")
+        heads = hw.prefill(prompt(P, 3))
+        assert heads.admission_blocks == heads.geometry[0] and P % 16
+        hw.release(heads.request_id)
+        hw.close()
+        worker = PrefillWorker(model, kv, d.addr, first_query="prompt", admission="union")
+        h = worker.prefill(prompt(P, 3))
+        rt = worker.engine.runtime
+        assert rt.num_requests == 0 and rt.num_free == rt.pool_sizes  # its pages are back
+        layers, hk, b, dim, elem, nb = h.geometry
+        assert (layers, hk, b, nb) == (2, 2, 16, math.ceil(P / 16))
+        # Per layer: the union of two heads' top-4 (4..8 blocks) and the partial last block.
+        assert layers * 5 <= h.admission_blocks <= layers * 9
+        s = worker.client.stats()
+        assert s["staged_blocks"] == layers * nb and s["summary_rows"] == layers * nb
+        assert h.staged_bytes == s["used_bytes"] > h.kv_bytes
+        assert worker.release(h.request_id) == s["used_bytes"]
+        assert StagedRequest.from_json(h.to_json()) == h
+        with pytest.raises(errors.ConfigError, match="first_query"):
+            PrefillWorker(model, kv, d.addr, first_query="draft")
+        with pytest.raises(errors.ConfigError, match="admission"):
+            PrefillWorker(model, kv, d.addr, admission="all")
+        with pytest.raises(errors.ConfigError, match="stage_connections"):
+            PrefillWorker(model, kv, d.addr, stage_connections=0)
+        # One connection or three sending the layers: the same bytes staged.
+        for conns in (1, 3):
+            w = PrefillWorker(
+                model, kv, d.addr, first_query="prompt", admission="union", stage_connections=conns
+            )
+            h2 = w.prefill(prompt(P, 3))
+            assert (h2.staged_bytes, h2.admission_blocks) == (h.staged_bytes, h.admission_blocks)
+            assert w.client.stats()["staged_blocks"] == layers * nb
+            w.release(h2.request_id)
+            w.close()
+        with pytest.raises(errors.ConfigError, match="block_score"):
+            PrefillWorker(model, KvConfig.fast(block_score="codes"), d.addr)
+
+
+class Counting(Recorder):
+    """A Recorder that also counts ``fetch_admission`` calls."""
+
+    def __init__(self, inner) -> None:
+        super().__init__(inner)
+        self.admissions = 0
+
+    def fetch_admission(self, *args):
+        self.admissions += 1
+        return self.inner.fetch_admission(*args)
+
+
+@pytest.mark.parametrize("small_frames", [False, True], ids=["frames", "small-frames"])
+@pytest.mark.parametrize("transfer", ["partial", "full"])
+def test_staged_data_is_read_ahead_off_the_decode_loop(model, transfer, small_frames, monkeypatch):
+    """While a local request decodes, the waiting staged requests' admission data (summaries,
+    sections and each KV head's first working set; with ``"full"`` every block) is read in a
+    background thread on its own connection, so the decode loop's connection reads none of it.
+    Tokens and admission bytes equal those of an engine that reads at admission
+    (``prefetch_depth = 0``). ``small_frames``: one layer per admission reply and one entry per
+    read, so that the read ahead spreads a request's units over its two connections."""
+    if small_frames:
+        monkeypatch.setattr(disagg, "BULK_FRAME_BYTES", 1)
+    with Daemon() as d:
+        handles = _staged_small(model, d) + _staged_small(model, d)  # the same prompts twice
+        runs = {}
+        for depth, hs in ((0, handles[:2]), (2, handles[2:])):
+            eng = LLMEngine(
+                model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_transfer=transfer
+            )
+            eng.kv_source.prefetch_depth = depth
+            rec = eng.kv_source.client = Counting(eng.kv_source.client)
+            local = eng.add_request(prompt(P, 11), _params())  # running while the staged ones wait
+            eng.step()
+            ids = [eng.add_staged_request(h, _params()) for h in hs]
+            out = eng.run_to_completion([local, *ids])
+            runs[depth] = ([out[i] for i in [local, *ids]], rec, eng.kv_source.stats)
+            assert not eng.kv_source._prefetch  # every read ahead was taken (or dropped)
+            eng.kv_source.close()
+        (plain, rec0, stats0), (ahead, rec2, stats2) = runs[0], runs[2]
+        for a, b in zip(plain, ahead, strict=True):
+            assert a.finish_reason == b.finish_reason == "length", (a.error, b.error)
+            assert a.token_ids == b.token_ids
+        for a, b in zip(plain[1:], ahead[1:], strict=True):
+            assert a.metrics.network_admission_bytes == b.metrics.network_admission_bytes > 0
+        assert rec0.admissions > 0 and rec2.admissions == 0
+        if transfer == "full":
+            assert any(head == -1 for *_, head in rec0.keys) and rec2.keys == []
+        else:
+            # Each head's first working set was read ahead too (selected by the CPU twins from the
+            # staged summaries and query): the loop read only decode-time misses.
+            st0, st2 = (sum(o.metrics.network_fetched_bytes for o in r[1:]) for r in (plain, ahead))
+            assert st0 == st2 and stats0.fetched_entries == stats2.fetched_entries
+            assert len(rec2.keys) == stats2.fetched_entries < len(rec0.keys)
+
+
+@pytest.mark.parametrize("conns", [1, 2])
+def test_a_daemon_out_of_budget_refuses_and_keeps_nothing(model, conns):
+    """A daemon whose budget cannot hold the prompt's KV: the worker's staging (over one or two
+    connections, from threads) raises the daemon's typed refusal, and nothing of it stays."""
+    with Daemon(memory="64KiB") as d:
+        w = PrefillWorker(model, KvConfig.fast(**SMALL), d.addr, stage_connections=conns)
+        with pytest.raises(errors.RemoteError) as e:
+            w.prefill(prompt(P, 3))
+        assert e.value.code in ("busy", "out_of_memory")
+        s = w.client.stats()
+        assert s["live_requests"] == 0 and s["used_bytes"] == 0
+        w.close()
+
+
+@pytest.mark.parametrize("transfer", ["partial", "full"])
+def test_the_source_is_idle_once_nothing_is_left_to_read(model, transfer):
+    """``RemoteKvSource.idle`` (the engine may then capture CUDA graphs): a running partial
+    transfer still has block-heads in the daemon; a full one has none after its admission."""
+    with Daemon() as d:
+        (h,) = _staged_small(model, d, seeds=(3,))
+        eng = LLMEngine(
+            model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_transfer=transfer
+        )
+        assert eng.kv_source.idle  # nothing staged is live yet
+        rid = eng.add_staged_request(h, _params())
+        eng.step()  # admitted, first token
+        assert eng.kv_source.idle == (transfer == "full")
+        eng.run_to_completion([rid])
+        assert eng.kv_source.idle
+
+
+@pytest.mark.parametrize("transfer", ["partial", "full"])
+def test_corrupt_sections_fail_the_request_not_the_engine(model, transfer):
+    """A daemon that hands back an unreadable meta section or a query section of the wrong size
+    (a bad or hostile peer): the request fails with a ConfigError's message, the engine goes on."""
+    with Daemon() as d:
+        bad_meta, bad_query, good = _staged_small(model, d, seeds=(3, 5, 7))
+        c = RtClient(d.url)
+        meta = json.dumps({"format": 1, "prompt_len": len(bad_query.prompt), "dtype": "float32"}).encode()
+        c.stage_admission(bad_meta.request_id, [], {"oasis/meta": b"{not json", "oasis/query": b""})
+        c.stage_admission(bad_query.request_id, [], {"oasis/meta": meta, "oasis/query": b"\0" * 12})
+        c.close()
+        eng = LLMEngine(
+            model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_transfer=transfer
+        )
+        outs = _run(
+            eng, [lambda e, h=h: e.add_staged_request(h, _params()) for h in (bad_meta, bad_query, good)]
+        )
+        assert outs[0].finish_reason == "error" and "meta" in outs[0].error
+        assert outs[1].finish_reason == "error" and "query section" in outs[1].error
+        assert outs[2].finish_reason == "length", outs[2].error
+        assert pools_are_full(eng)
+
+
+def test_a_failed_read_is_retried_after_reconnecting(model):
+    """``kv_retries``: a read that fails in transport reconnects and tries again; the request
+    goes on with the same tokens."""
+    with Daemon() as d:
+        (h,) = _staged_small(model, d, seeds=(3,))
+
+        class Flaky(Recorder):
+            def on_read(self, keys):
+                raise errors.RemoteUnavailableError("connection closed (injected)")
+
+        eng = LLMEngine(model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_retries=1)
+        eng.kv_source.client = Flaky(eng.kv_source.client)
+        (o,) = _run(eng, [lambda e: e.add_staged_request(h, _params())])
+        (ref,) = _reference(model, KvConfig.fast(**SMALL), "oasis", [h.prompt])
+        assert o.finish_reason == "length", o.error
+        assert o.token_ids == ref.token_ids and o.metrics.network_fetched_bytes > 0
+        assert not isinstance(eng.kv_source.client, Flaky)  # replaced by a fresh connection
+
+
+@pytest.mark.parametrize("transfer", ["partial", "full"])
+def test_staged_requests_speculate_losslessly(model, transfer):
+    """``kv_source`` with ``speculative=True``: accepted drafts are stored in the request's own
+    blocks (rows it writes itself, never the daemon's). With a budget covering the context the
+    tokens are dense's; with a small one the single-process speculative engine's, which equal
+    its non-speculative tokens' only where attention is exact, so that is not asserted."""
+    with Daemon() as d:
+        jobs = [{"prompt_len": P, "prompt_seed": 7, "first_query": "first_token", **BIG}]
+        jobs += [{"prompt_len": P, "prompt_seed": s, "first_query": "prompt", **SMALL} for s in SEEDS]
+        big, *small = _stage_in_worker_process(d.url, jobs)
+        remote = {"kv_source": d.url, "kv_transfer": transfer}
+        eng = LLMEngine(model, kv=KvConfig.fast(**BIG), drafter="ngram", speculative=True, **remote)
+        (got,) = _run(eng, [lambda e: e.add_staged_request(big.to_json(), _params())])
+        (dense,) = _reference(model, KvConfig.fast(**BIG), "dense", [big.prompt])
+        assert got.finish_reason == "length", got.error
+        assert got.token_ids == dense.token_ids
+        assert eng.spec_stats["accepted"] > 0, eng.spec_stats  # the n-gram drafts the repeats
+        assert pools_are_full(eng)
+
+        eng = LLMEngine(model, kv=KvConfig.fast(**SMALL), drafter="ngram", speculative=True, **remote)
+        outs = _run(eng, [lambda e, h=h: e.add_staged_request(h, _params()) for h in small])
+        local = LLMEngine(
+            model, kv=KvConfig.fast(**SMALL), backend="oasis", drafter="ngram", speculative=True
+        )
+        refs = _run(local, [lambda e, h=h: e.add_request(h.prompt, _params()) for h in small])
+        for o, ref in zip(outs, refs, strict=True):
+            assert o.finish_reason == "length", o.error
+            assert o.token_ids == ref.token_ids
+        assert eng.spec_stats == local.spec_stats
+        assert pools_are_full(eng)
+        assert eng.kv_source.client.stats()["live_requests"] == 0
+
+
+def test_misses_are_fetched_after_the_step_s_compute_is_queued(model):
+    """A decode step with a block source reads each layer's plan and fetches its misses once
+    every layer's forward is queued (``Engine._flush_deferred``), in layer order, so that on a GPU
+    the compute runs while the host waits for the daemon; the tokens stay the single-process
+    engine's (``test_loopback_three_processes``)."""
+    with Daemon() as d:
+        (h,) = _stage_in_worker_process(
+            d.url, [{"prompt_len": P, "prompt_seed": 3, "first_query": "prompt", **SMALL}]
+        )
+        eng = LLMEngine(
+            model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_transfer="partial"
+        )
+        inner = eng.engine
+        events: list = []
+        forward = inner.model.forward
+
+        def logged_forward(*a, **kw):
+            events.append("forward")
+            out = forward(*a, **kw)
+            events.append("forward done")
+            return out
+
+        src = inner.block_source
+        before = src.before_gathers
+
+        def logged_before(plans):
+            events.append(("fetch", tuple(p[0] for p in plans)))
+            return before(plans)
+
+        inner.model.forward = logged_forward
+        src.before_gathers = logged_before
+        try:
+            (o,) = _run(eng, [lambda e: e.add_staged_request(h, _params(8))])
+        finally:
+            inner.model.forward = forward
+        (ref,) = _reference(model, KvConfig.fast(**SMALL), "oasis", [h.prompt])
+        assert o.finish_reason == "length", o.error
+        assert o.token_ids == ref.token_ids[:8]
+        layers = model.config.num_hidden_layers
+        done = [i for i, e in enumerate(events) if e == "forward done"]
+        assert len(done) >= 7  # decode steps (the admission's selection fetches before them)
+        for i in done[:-1]:
+            # No fetch inside a forward; after each, one batched read of every layer's plan, in
+            # order, before the next.
+            assert events[i - 1] == "forward"
+            assert events[i + 1] == ("fetch", tuple(range(layers)))
+            assert events[i + 2] == "forward"
+
+
+@pytest.mark.parametrize("transfer", ["partial", "full"])
+def test_large_reads_spread_over_several_connections(model, transfer, monkeypatch):
+    """A read of many entries (a full transfer's blocks, a step's misses) is split into frames
+    read on ``read_connections`` connections at once, each writing its entries into the host
+    pool: tokens, admission traffic (in entries) and decode-time entries equal those of one
+    connection, and the extra connections carried part of it."""
+    monkeypatch.setattr(disagg, "READ_SPLIT_MIN_ENTRIES", 1)  # split even the small model's reads
+    runs = {}
+    with Daemon() as d:
+        for conns in (1, 3):
+            handles = _staged_small(model, d)
+            eng = LLMEngine(
+                model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_transfer=transfer
+            )
+            src = eng.kv_source
+            src.read_connections = conns
+            src.prefetch_depth = 0  # the admissions read in the loop too, through the same reads
+            outs = _run(eng, [lambda e, h=h: e.add_staged_request(h, _params()) for h in handles])
+            extra = [sum(c.wire_bytes) for c in src._read_clients]
+            runs[conns] = (outs, dataclasses.replace(src.stats), extra)
+            src.close()
+            assert RtClient(d.url).stats()["live_requests"] == 0  # every request released
+    (one, s1, extra1), (three, s3, extra3) = runs[1], runs[3]
+    assert extra1 == [] and len(extra3) == 2 and all(w > 0 for w in extra3)
+    for a, b in zip(one, three, strict=True):
+        assert a.finish_reason == b.finish_reason == "length", (a.error, b.error)
+        assert a.token_ids == b.token_ids
+    assert s1.fetched_entries == s3.fetched_entries and s1.cached_bytes == s3.cached_bytes
+    assert s1.peak_cached_bytes == s3.peak_cached_bytes and s3.failures == 0
+    if transfer == "partial":
+        assert s3.fetched_entries > 0
+    # More frames, so more frame headers: the payload is the same.
+    assert s3.admission_bytes + s3.fetched_bytes >= s1.admission_bytes + s1.fetched_bytes
+
+
+def test_a_failed_extra_connection_is_read_again_on_the_loop_s_own(model, monkeypatch):
+    """``read_connections``: a frame whose extra connection fails in transport is read again on
+    the decode loop's connection (with its retries); the request goes on with the same tokens,
+    and the broken connection is dropped (a fresh one is opened for the next large read)."""
+    monkeypatch.setattr(disagg, "READ_SPLIT_MIN_ENTRIES", 1)
+
+    class Broken:
+        connected = True
+        wire_bytes = (0, 0)
+
+        def read_blocks_into(self, *args):
+            self.connected = False
+            raise errors.RemoteUnavailableError("connection closed (injected)")
+
+        def close(self):
+            pass
+
+    with Daemon() as d:
+        (h,) = _staged_small(model, d, seeds=(3,))
+        eng = LLMEngine(
+            model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_transfer="full"
+        )
+        src = eng.kv_source
+        src.read_connections, src.prefetch_depth = 2, 0
+        broken = Broken()
+        src._read_clients = [broken]
+        (o,) = _run(eng, [lambda e: e.add_staged_request(h, _params())])
+        (ref,) = _reference(model, KvConfig.fast(**SMALL), "oasis", [h.prompt])
+        assert o.finish_reason == "length", o.error
+        assert o.token_ids == ref.token_ids and src.stats.failures == 0
+        assert broken not in src._read_clients and not broken.connected
+        src.close()

@@ -1,0 +1,355 @@
+"""The 2-bit key-code kernels on CUDA (through oasiskv.ops) against their CPU twins.
+
+Codes must match bit for bit (host_k pinned or on the device); scores within the tolerance below;
+malformed blk_indptr rows and out-of-range block ids score -inf and are read safely. Run under
+compute-sanitizer with ``-k key_codes``. Out of GPU memory is a skip.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oasiskv import ops
+from support.key_codes import LENS, assert_scores_close, key_codes_case, magnitude, rescore_candidates
+from support.reference import (
+    DEV,
+    MALFORMED_INDPTR,
+    back,
+    csr,
+    csr_rows,
+    dev,
+    gpu_test,
+    i32,
+    malformed_indptr,
+    seeded,
+)
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"
+    ),
+]
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+HEAD_DIMS = [128, 64, 36]
+GROUPS = [1, 3, 4, 8]
+BLOCK_SIZES = [16, 5]
+HOSTS = ["pinned", "cuda"]
+POISON = float("nan")
+
+
+def assert_bitwise(got: torch.Tensor, want: torch.Tensor, msg: str) -> None:
+    """The same values bit for bit, NaN where the other has NaN."""
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=msg)
+
+
+def _case(gen, dtype, group, head_dim, block_size, hk=3, lens=LENS):
+    """test_key_codes' case (keys, summaries, codes, queries, tables) with three KV heads."""
+    return key_codes_case(gen, dtype, group, head_dim, block_size, hk=hk, lens=lens, extra_host=5)
+
+
+@gpu_test
+@pytest.mark.parametrize("where", HOSTS)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_build_key_codes_bit_exact(dtype, head_dim, block_size, where):
+    gen = seeded("key_codes-build", dtype, head_dim, block_size, where)
+    hk, n_host = 3, 13
+    geo = ops.KvGeometry(hk, hk, head_dim, block_size)
+    keys = torch.randn(n_host, hk, block_size, head_dim, generator=gen).to(dtype)
+    keys[0] = (torch.randint(0, 7, keys[0].shape, generator=gen).float() * 0.5).to(dtype)  # exact ties
+    keys[1, :, :, 3] = 1.0  # an empty range
+    keys[2, 1, 0, 5] = float("nan")
+    summ = torch.empty(n_host, hk, 2, head_dim, dtype=dtype)
+    ops.build_summaries(geo, keys, i32(list(range(n_host))), i32([block_size] * n_host), summ)
+    codes = torch.randint(0, 256, (n_host, hk, block_size, head_dim // 4), generator=gen, dtype=torch.uint8)
+    g_codes = dev(codes)
+    ids = i32([12, 0, 1, 2, 7, 5])
+    ops.build_key_codes(geo, keys, summ, ids, codes)
+    host_k = keys.pin_memory() if where == "pinned" else dev(keys)
+    # Out-of-range ids are skipped on the GPU (the CPU raises).
+    g_ids = dev(torch.cat([ids, i32([n_host, -1, 2**31 - 1])]))
+    ops.build_key_codes(geo, host_k, dev(summ), g_ids, g_codes)
+    assert torch.equal(back(g_codes), codes)
+
+
+@gpu_test
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_score_blocks_codes_matches_cpu_twin_key_codes(dtype, head_dim, group, block_size):
+    gen = seeded("key_codes-score", dtype, head_dim, group, block_size)
+    geo, _, summaries, codes, q, blk_indptr, blk_indices = _case(gen, dtype, group, head_dim, block_size)
+    want = ops.score_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices)
+    scores = torch.full((blk_indices.numel(), geo.num_kv_heads), POISON, device=DEV)
+    g_indptr = dev(blk_indptr)
+    got = ops.score_blocks_codes(
+        geo, dev(q), dev(summaries), dev(codes), g_indptr, dev(blk_indices), scores=scores
+    )
+    assert got is scores
+    assert_scores_close(back(got), want, magnitude(q, summaries, blk_indptr, blk_indices))
+    # Top-K on the GPU's own scores, end to end: threshold property.
+    k = 16
+    top = back(ops.topk_blocks(geo.num_kv_heads, got, g_indptr, k))
+    g = back(got)
+    for s in range(len(LENS)):
+        seg = g[int(blk_indptr[s]) : int(blk_indptr[s + 1])]
+        n = seg.shape[0]
+        for h in range(geo.num_kv_heads):
+            chosen = top[s, h, : min(k, n)]
+            assert (top[s, h, min(k, n) :] == -1).all()
+            if n > k:
+                assert (seg[chosen.long(), h] >= torch.topk(seg[:, h], k).values[-1]).all()
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nan_propagates_like_the_cpu_twin_key_codes(dtype):
+    gen = seeded("key_codes-nan", dtype)
+    geo, _, summaries, codes, q, blk_indptr, blk_indices = _case(gen, dtype, 4, 128, 16, hk=2)
+    q[0, 5, 9] = float("nan")
+    b = int(blk_indices[int(blk_indptr[2])])
+    summaries[b, 0, 1, 3] = float("nan")
+    want = ops.score_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices)
+    assert want.isnan().any()
+    got = ops.score_blocks_codes(geo, dev(q), dev(summaries), dev(codes), dev(blk_indptr), dev(blk_indices))
+    assert_scores_close(back(got), want, magnitude(q, summaries, blk_indptr, blk_indices).nan_to_num(0.0))
+
+
+@gpu_test
+@pytest.mark.parametrize("head_dim", [128, 36])  # the Qwen3 shape and an odd one
+@pytest.mark.parametrize("case", MALFORMED_INDPTR)
+def test_malformed_blk_indptr_key_codes_scores_minus_inf(case, head_dim):
+    """Memory safety (run under compute-sanitizer memcheck) and -inf for every entry in no
+    well-formed row or with an out-of-range block id; entries of well-formed rows are scored."""
+    gen = seeded("key_codes-malformed", case, head_dim)
+    lens = [40, 9, 37, 30]  # rows span 32-entry tiles
+    geo, _, summaries, codes, q, blk_indptr, blk_indices = _case(
+        gen, torch.bfloat16, 2, head_dim, 16, hk=2, lens=lens
+    )
+    nnz = int(blk_indptr[-1])
+    bad = malformed_indptr(blk_indptr, case)
+    with pytest.raises(ValueError):
+        ops.score_blocks_codes(geo, q, summaries, codes, bad, blk_indices)
+    idx = blk_indices.clone()
+    idx[3], idx[45] = summaries.shape[0] + 7, -1  # out-of-range ids score -inf
+    whole = i32([0, nnz])
+    ok_idx = torch.where((idx >= 0) & (idx < summaries.shape[0]), idx, torch.zeros_like(idx))
+    cand = [
+        ops.score_blocks_codes(geo, q[s : s + 1].contiguous(), summaries, codes, whole, ok_idx)
+        for s in range(len(lens))
+    ]
+    scores = torch.full((nnz, 2), POISON, device=DEV)
+    ops.score_blocks_codes(geo, dev(q), dev(summaries), dev(codes), dev(bad), dev(idx), scores=scores)
+    got = back(scores)
+    assert not got.isnan().any(), "every entry is written (the poison is NaN)"
+    rows = csr_rows(bad, nnz)
+    for j in range(nnz):
+        owners = [s for s, r in enumerate(rows) if r is not None and r[0] <= j < r[1]]
+        if not owners or j in (3, 45):
+            assert (got[j] == float("-inf")).all(), f"entry {j}: {got[j].tolist()}"
+        else:  # the query of one of its rows (overlapping rows of a malformed table), or -inf
+            ok = (got[j] == float("-inf")).all() or any(
+                torch.allclose(got[j], cand[s][j], atol=0.05 * head_dim, rtol=1e-2) for s in owners
+            )
+            assert ok, f"entry {j}: {got[j].tolist()} matches none of rows {owners}"
+    # The device is healthy: the well-formed table scores like the twin.
+    want = ops.score_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices)
+    again = ops.score_blocks_codes(geo, dev(q), dev(summaries), dev(codes), dev(blk_indptr), dev(blk_indices))
+    assert_scores_close(back(again), want, magnitude(q, summaries, blk_indptr, blk_indices))
+
+
+@gpu_test
+def test_select_loop_with_key_codes_on_a_side_stream():
+    """build_summaries -> build_key_codes (pinned host_k) -> score -> top-K, queued on a side stream."""
+    gen = seeded("key_codes-stream")
+    dtype, hk, group, d, bs = torch.bfloat16, 8, 4, 128, 16
+    lens = [300, 129]
+    n_host = sum(lens)
+    geo = ops.KvGeometry(hk * group, hk, d, bs)
+    keys = torch.randn(n_host, hk, bs, d, generator=gen).to(dtype)
+    ids, lens_t = i32(list(range(n_host))), i32([bs] * n_host)
+    summ, codes = torch.empty(n_host, hk, 2, d, dtype=dtype), ops.empty_key_codes(geo, n_host)
+    ops.build_summaries(geo, keys, ids, lens_t, summ)
+    ops.build_key_codes(geo, keys, summ, ids, codes)
+    q = torch.randn(2, hk * group, d, generator=gen).to(dtype)
+    blk_indptr, blk_indices = csr(lens), torch.randperm(n_host, generator=gen).to(torch.int32)
+    want = ops.score_blocks_codes(geo, q, summ, codes, blk_indptr, blk_indices)
+    side = torch.cuda.Stream()
+    pinned = keys.pin_memory()
+    with torch.cuda.stream(side):
+        g_summ = torch.empty(n_host, hk, 2, d, dtype=dtype, device=DEV)
+        g_codes = ops.empty_key_codes(geo, n_host, device=DEV)
+        g_ids, g_lens = dev(ids), dev(lens_t)
+        ops.build_summaries(geo, pinned, g_ids, g_lens, g_summ)
+        ops.build_key_codes(geo, pinned, g_summ, g_ids, g_codes)
+        g_indptr = dev(blk_indptr)
+        scores = ops.score_blocks_codes(geo, dev(q), g_summ, g_codes, g_indptr, dev(blk_indices))
+        top = ops.topk_blocks(hk, scores, g_indptr, 32)
+    side.synchronize()
+    assert torch.equal(back(g_codes), codes)
+    assert_scores_close(back(scores), want, magnitude(q, summ, blk_indptr, blk_indices))
+    assert back(top).shape == (2, hk, 32)
+
+
+@gpu_test
+@pytest.mark.parametrize("head_dim", [128, 64, 48])  # both tensor-core shapes and a scalar one
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tensor_core_path_is_as_close_as_f32_and_falls_back_exactly(dtype, head_dim):
+    """The tensor-core path multiplies the codes by the twin's f16 weights (exact products) and
+    sums in f32 in another order: within 1e-5 of the magnitude, so it selects what the CPU engine
+    selects. A block whose weights may overflow f16 (a channel range beyond 65000 / max(1,
+    max |q / 3|)), and every block of a (sequence, KV head) whose q / 3 overflows f16, take the
+    exact scalar path: the twin's bits. head_dim 48 is scalar throughout."""
+    gen = seeded("key_codes-tensor-core", dtype, head_dim)
+    geo, _, summaries, codes, q, blk_indptr, blk_indices = _case(gen, dtype, 4, head_dim, 16)
+    b_wide = int(blk_indices[1])  # sequence 0: a block with a range beyond 65000 (an f16 still)
+    summaries[b_wide, 1, 1, 5] = 65024.0  # exact in bf16 and f16
+    if dtype != torch.float16:  # f16 cannot hold a q whose q / 3 overflows f16
+        q[2, 0, 7] = 3e5  # inf weights: inf and NaN (0 x inf) logits, as the twin's
+    want = ops.score_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices)
+    args = (dev(q), dev(summaries), dev(codes), dev(blk_indptr), dev(blk_indices))
+    got = back(ops.score_blocks_codes(geo, *args))
+    assert_scores_close(got, want, magnitude(q, summaries, blk_indptr, blk_indices))
+    if head_dim == 48:
+        assert_bitwise(got, want, "the scalar path is the twin's bit for bit")
+    assert_bitwise(got[1, 1], want[1, 1], "a block beyond the f16 range is scored exactly")
+    if dtype != torch.float16:
+        # q[2, 0] belongs to KV head 0: that (sequence, head) falls back; its other heads need not.
+        seq2 = slice(int(blk_indptr[2]), int(blk_indptr[3]))
+        assert_bitwise(got[seq2, 0], want[seq2, 0], "a sequence beyond the f16 range is scored exactly")
+
+
+@gpu_test
+@pytest.mark.parametrize("head_dim", [128, 36])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rescore_blocks_codes_matches_cpu_twin_key_codes(dtype, head_dim):
+    """The second stage of KvConfig(score_candidates): each candidate's GPU score is the twin's
+    (within the tensor-core tolerance), -1 and a candidate past its sequence's row score -inf
+    (the twin refuses the latter), every entry is written, and top-K over the candidates' CSR
+    picks the same positions where scores are apart."""
+    gen = seeded("key_codes-rescore", dtype, head_dim)
+    geo, _, summaries, codes, q, blk_indptr, blk_indices = _case(gen, dtype, 4, head_dim, 16)
+    m = 40  # spans 32-entry tiles; sequences of 1 and 0 blocks get -1 padding
+    cand = rescore_candidates(gen, blk_indptr, geo.num_kv_heads, m)
+    want = ops.rescore_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices, cand)
+    out = torch.full((len(LENS) * m, geo.num_kv_heads), POISON, device=DEV)
+    got = ops.rescore_blocks_codes(
+        geo, dev(q), dev(summaries), dev(codes), dev(blk_indptr), dev(blk_indices), dev(cand), scores=out
+    )
+    assert got is out
+    got = back(got)
+    assert torch.equal(got == float("-inf"), want == float("-inf")) and (cand < 0).any()
+    # The magnitude of each candidate's block, in the candidates' layout.
+    mag = magnitude(q, summaries, blk_indptr, blk_indices)
+    j = (blk_indptr[:-1].view(-1, 1, 1) + cand.clamp(min=0)).long()  # [S, H, m]
+    mag_c = (
+        mag[j, torch.arange(geo.num_kv_heads).view(1, -1, 1)].permute(0, 2, 1).reshape(-1, geo.num_kv_heads)
+    )
+    fin = want != float("-inf")
+    assert_scores_close(got[fin], want[fin], mag_c[fin])
+    # A candidate past its row: the GPU scores it -inf (the CPU raises).
+    past = cand.clone()
+    past[0, 1, 0] = LENS[0]
+    with pytest.raises(IndexError):
+        ops.rescore_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices, past)
+    g2 = back(
+        ops.rescore_blocks_codes(
+            geo, dev(q), dev(summaries), dev(codes), dev(blk_indptr), dev(blk_indices), dev(past)
+        )
+    )
+    assert g2[0, 1] == float("-inf") and torch.equal(g2[1:], got[1:])
+
+
+@gpu_test
+@pytest.mark.parametrize("m", [40, 2500, 9000])
+def test_rescore_blocks_codes_every_tile_length_matches_the_twin(m):
+    """The launch shortens the tile for a small batch (oasis_cuda::ops::score_codes_tile: 32, 16 or
+    8 entries per warp by the entries per KV head against the SM count): with m candidates per
+    sequence (repeats allowed, -1 sprinkled in) the H200 takes 8, 16 and 32; every length gives
+    the twin's scores, -inf for each -1, every entry written."""
+    dtype, head_dim = torch.bfloat16, 128
+    gen = seeded("key_codes-tiles", m)
+    geo, _, summaries, codes, q, blk_indptr, blk_indices = _case(gen, dtype, 4, head_dim, 16)
+    lens = (blk_indptr[1:] - blk_indptr[:-1]).view(-1, 1, 1)
+    pick = torch.randint(0, 1 << 30, (len(LENS), geo.num_kv_heads, m), generator=gen)
+    cand = torch.where(lens > 0, pick % lens.clamp(min=1), -1).to(torch.int32)
+    cand[torch.rand(cand.shape, generator=gen) < 0.05] = -1
+    want = ops.rescore_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices, cand)
+    out = torch.full((len(LENS) * m, geo.num_kv_heads), POISON, device=DEV)
+    got = back(
+        ops.rescore_blocks_codes(
+            geo, dev(q), dev(summaries), dev(codes), dev(blk_indptr), dev(blk_indices), dev(cand), scores=out
+        )
+    )
+    assert not got.isnan().any()  # every entry written
+    assert torch.equal(got == float("-inf"), want == float("-inf"))
+    mag = magnitude(q, summaries, blk_indptr, blk_indices)
+    j = (blk_indptr[:-1].view(-1, 1, 1) + cand.clamp(min=0)).long()
+    mag_c = (
+        mag[j, torch.arange(geo.num_kv_heads).view(1, -1, 1)].permute(0, 2, 1).reshape(-1, geo.num_kv_heads)
+    )
+    fin = want != float("-inf")
+    assert_scores_close(got[fin], want[fin], mag_c[fin])
+
+
+@gpu_test
+@pytest.mark.parametrize("case", MALFORMED_INDPTR)
+def test_rescore_blocks_codes_with_a_malformed_blk_indptr_scores_minus_inf(case):
+    """Memory safety of the two-stage path (run under compute-sanitizer memcheck): a candidate of
+    a malformed row scores -inf, every entry is written, and candidates of the well-formed rows
+    score as with the table intact."""
+    gen = seeded("key_codes-rescore-malformed", case)
+    lens = [40, 9, 37, 30]
+    geo, _, summaries, codes, q, blk_indptr, blk_indices = _case(
+        gen, torch.bfloat16, 2, 128, 16, hk=2, lens=lens
+    )
+    m = 12
+    cand = rescore_candidates(gen, blk_indptr, 2, m)
+    bad = malformed_indptr(blk_indptr, case)
+    args = (geo, dev(q), dev(summaries), dev(codes))
+    good = back(ops.rescore_blocks_codes(*args, dev(blk_indptr), dev(blk_indices), dev(cand)))
+    out = torch.full((len(lens) * m, 2), POISON, device=DEV)
+    got = back(ops.rescore_blocks_codes(*args, dev(bad), dev(blk_indices), dev(cand), scores=out))
+    assert not got.isnan().any(), "every entry is written (the poison is NaN)"
+    rows = csr_rows(bad, int(blk_indptr[-1]))
+    for s in range(len(lens)):
+        block = got[s * m : (s + 1) * m]
+        r = rows[s]
+        if r is None:
+            assert (block == float("-inf")).all(), (case, s)
+        elif r == (int(blk_indptr[s]), int(blk_indptr[s + 1])):
+            assert torch.equal(block, good[s * m : (s + 1) * m]), (case, s)
+
+
+@gpu_test
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_unaligned_buffers_take_the_exact_scalar_path(dtype):
+    """The tensor-core path copies 16-byte chunks: summaries or codes that are not 16-byte aligned
+    (views into a larger buffer) take the scalar path, bit for bit the twin's scores; aligned, the
+    tensor-core path is within the f32 tolerance."""
+    gen = seeded("key_codes-unaligned", dtype)
+    geo, _, summaries, codes, q, blk_indptr, blk_indices = _case(gen, dtype, 4, 128, 16)
+
+    def shifted(t: torch.Tensor, nbytes: int) -> torch.Tensor:  # the same values nbytes past an aligned base
+        n = nbytes // t.element_size()
+        flat = torch.empty(t.numel() + n, dtype=t.dtype, device=DEV)
+        out = flat[n:].view(t.shape)
+        out.copy_(dev(t))
+        return out
+
+    def run(summ, cod):
+        return back(ops.score_blocks_codes(geo, dev(q), summ, cod, dev(blk_indptr), dev(blk_indices)))
+
+    want = ops.score_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices)
+    assert shifted(summaries, 4).data_ptr() % 16 == 4 and shifted(codes, 1).data_ptr() % 16 == 1
+    assert torch.equal(run(shifted(summaries, 4), dev(codes)), want)
+    assert torch.equal(run(dev(summaries), shifted(codes, 1)), want)
+    if dtype == torch.bfloat16:
+        assert torch.equal(run(shifted(summaries, 2), dev(codes)), want)
+    mag = magnitude(q, summaries, blk_indptr, blk_indices)
+    assert_scores_close(run(dev(summaries), dev(codes)), want, mag)

@@ -1,0 +1,81 @@
+"""Engine builders the engine tests share: the GPU tests' model and prompts, a teacher-forced
+decode that returns every step's logits (``tests/engine/test_gpu_engine.py``,
+``test_gpu_graph.py``, ``test_gpu_speculative.py``, ``tests/kernels/test_gpu_wait_stamp.py``),
+and a drafter that reports a fixed confidence (``tests/engine/test_engine.py`` and its GPU twin)."""
+
+from __future__ import annotations
+
+import torch
+
+import oasiskv
+from oasiskv.drafters import NgramDrafter
+from oasiskv.engine import Engine, Request
+from oasiskv.models.transformer import CausalLM
+from support.configs import QWEN3_GPU
+
+
+def gpu_model(device, dtype=torch.float32, num_layers=3) -> CausalLM:
+    """A random ``QWEN3_GPU`` model (``num_layers`` layers) on ``device``."""
+    cfg = QWEN3_GPU.replace(num_hidden_layers=num_layers)
+    return CausalLM.random(cfg, seed=1, dtype=dtype, device=device)
+
+
+def repeated_prompts(vocab, lens, seed=0):
+    """One prompt per length, each repeating a random 41-token phrase (drawn in turn from one
+    generator), so the n-gram drafter finds matches."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lens:
+        base = torch.randint(0, vocab, (41,), generator=g).tolist()
+        out.append((base * (n // 41 + 1))[:n])
+    return out
+
+
+def teacher_forced_logits(model, kv, backend, prompts, forced, drafter="ngram", **engine_kw):
+    """Prefill, then decode with the given tokens forced (not sampled); a request turns sparse
+    right after its prefill or before the step it passes the threshold at. Returns the logits
+    [steps, reqs, vocab], the requests and the engine (``engine_kw``: more Engine arguments)."""
+    eng = Engine(model, kv, backend, oasiskv.drafters.make_drafter(drafter), **engine_kw)
+    reqs = [Request(id=i, prompt=p, max_new_tokens=len(forced[i]) + 1) for i, p in enumerate(prompts)]
+    eng.ensure_pools(reqs)
+
+    def turn_sparse(rs):
+        for r in rs:
+            if backend == "oasis" and not r.sparse and eng.runtime.wants_sparse(r.id):
+                eng.make_sparse(r)
+
+    for r in reqs:
+        eng.drafter.begin(r.id, r.prompt)
+        r.tokens = list(r.prompt)
+        eng.prefill(r)
+        r.tokens.append(forced[r.id][0])
+        r.draft = eng.drafter.propose(r.id, r.tokens) if eng.rows == 2 else None
+        turn_sparse([r])  # right after its prefill, whose last query picks the first working set
+    out = []
+    for t in range(1, len(forced[0])):
+        turn_sparse(reqs)
+        logits = eng.decode_step(reqs)
+        out.append(logits.float().cpu())
+        for r in reqs:
+            r.tokens.append(forced[r.id][t])
+            if eng.rows == 2:
+                r.draft = eng.drafter.propose(r.id, r.tokens)
+    for r in reqs:
+        eng.finalize_metrics(r)
+    return torch.stack(out), reqs, eng
+
+
+class DrafterWithConfidence(NgramDrafter):
+    """The n-gram drafter reporting a fixed probability for every draft, as the EAGLE-3 drafter
+    does with ``track_confidence`` (``last_confidence``)."""
+
+    def __init__(self, conf: float) -> None:
+        super().__init__()
+        self.conf = conf
+        self.track_confidence = False
+        self.last_confidence: dict[int, float] = {}
+
+    def propose_batch(self, req_ids, tokens_list, features_list):
+        out = super().propose_batch(req_ids, tokens_list, features_list)
+        self.last_confidence.update({r: self.conf for r in req_ids})
+        return out
