@@ -1,5 +1,5 @@
 """Type stub of the native module ``oasiskv._core`` (crates/oasis-py). Checked against the built module by
-tests/test_stub.py: every public name, and every function's parameters, must match.
+tests/runtime/test_stub.py: every public name, and every function's parameters, must match.
 
 Kernel functions dispatch on their tensors' device: all on the CPU runs the CPU twins; all on one
 ``cuda:N`` (the host pool may be pinned CPU memory) queues the CUDA kernels on ``stream`` (the raw

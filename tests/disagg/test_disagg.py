@@ -584,7 +584,7 @@ def test_staged_data_is_read_ahead_off_the_decode_loop(model, transfer, small_fr
     (``prefetch_depth = 0``). ``small_frames``: one layer per admission reply and one entry per
     read, so that the read ahead spreads a request's units over its two connections."""
     if small_frames:
-        monkeypatch.setattr(disagg, "BULK_FRAME_BYTES", 1)
+        monkeypatch.setattr(disagg.wire, "BULK_FRAME_BYTES", 1)
     with Daemon() as d:
         handles = _staged_small(model, d) + _staged_small(model, d)  # the same prompts twice
         runs = {}
@@ -779,7 +779,7 @@ def test_large_reads_spread_over_several_connections(model, transfer, monkeypatc
     read on ``read_connections`` connections at once, each writing its entries into the host
     pool: tokens, admission traffic (in entries) and decode-time entries equal those of one
     connection, and the extra connections carried part of it."""
-    monkeypatch.setattr(disagg, "READ_SPLIT_MIN_ENTRIES", 1)  # split even the small model's reads
+    monkeypatch.setattr(disagg.wire, "READ_SPLIT_MIN_ENTRIES", 1)  # split even the small model's reads
     runs = {}
     with Daemon() as d:
         for conns in (1, 3):
@@ -812,7 +812,7 @@ def test_a_failed_extra_connection_is_read_again_on_the_loop_s_own(model, monkey
     """``read_connections``: a frame whose extra connection fails in transport is read again on
     the decode loop's connection (with its retries); the request goes on with the same tokens,
     and the broken connection is dropped (a fresh one is opened for the next large read)."""
-    monkeypatch.setattr(disagg, "READ_SPLIT_MIN_ENTRIES", 1)
+    monkeypatch.setattr(disagg.wire, "READ_SPLIT_MIN_ENTRIES", 1)
 
     class Broken:
         connected = True

@@ -44,8 +44,6 @@ too.
 from __future__ import annotations
 
 import logging
-import sys
-import types
 
 from . import wire
 from .admission import AdmissionMixin
@@ -136,21 +134,3 @@ __all__ = [
     "split_kv_source",
     "wire",
 ]
-
-#: The module constants of :mod:`.wire` that a write through this package forwards there.
-_TUNABLES = frozenset(n for n in vars(wire) if n.isupper())
-
-
-class _Package(types.ModuleType):
-    """``oasiskv.disagg`` itself: a write of one of :mod:`.wire`'s constants goes to
-    :mod:`.wire` (where the rooms read it at call time) as well as here, so that patching
-    ``oasiskv.disagg.BULK_FRAME_BYTES`` still changes what the reads do, as it did when the
-    package was one module."""
-
-    def __setattr__(self, name: str, value) -> None:
-        if name in _TUNABLES:
-            setattr(wire, name, value)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

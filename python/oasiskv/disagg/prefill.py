@@ -13,7 +13,7 @@ first decode step's working set (``first_query``):
 - ``"prompt"``: the last prompt position's query, the one the single-process engine selects with
   when a request turns sparse right after its prefill (``Engine.make_sparse``). Greedy tokens of
   the decode node then equal the single-process OasisKV engine's token for token, whatever the
-  budget (``tests/test_disagg.py``); with ``"first_token"`` they equal them (and dense) only when
+  budget (``tests/disagg/test_disagg.py``); with ``"first_token"`` they equal them (and dense) only when
   the budget holds the whole context.
 
 Per layer it builds the block summaries (``ops.build_summaries`` on a copy of the request's

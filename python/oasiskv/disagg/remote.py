@@ -175,7 +175,7 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
     def prefetch_connections(self, n: int) -> None:
         self.read_ahead.connections = n
 
-    # NOTE: the three below are kept for tests/test_disagg.py, which reads and replaces the extra
+    # NOTE: the three below are kept for tests/disagg/test_disagg.py, which reads and replaces the extra
     # read connections, checks that no read ahead is left, and names an evicted row's block.
     @property
     def _read_clients(self) -> list:

@@ -77,7 +77,7 @@ keeps it honest:
 * Either way the rows report the measured acceptance rate and tokens per request-step from the
   requests' metrics.
 * Lossless: ``tokens_match_base`` is the fraction of tokens equal to the base mode's row.
-  Greedy speculation is lossless where attention is exact (``tests/test_speculative.py``); with a
+  Greedy speculation is lossless where attention is exact (``tests/engine/test_speculative.py``); with a
   lossy working set the two runs select different blocks, so this fraction says how far apart
   the two trajectories went, not whether verification is correct (with forced verdicts it says
   nothing of the kind: the tokens are forced).
