@@ -449,6 +449,60 @@ def bench_select(ops, geo, dev, batch: int, budget: int, cap: int) -> dict:
     }
 
 
+def score_rows(ops, geo, dev, dtype, args, d2d: float) -> list[dict]:
+    """The selection kernels' rows of :func:`main`: the Quest score, the codes score over every
+    block, the two-stage chains (F, successors, sticky, the 8-bit bound) at 64 x 32K (16 with
+    ``--quick``), and the default chain at Fig. 11's shapes (16 and 44 x 16K), each as a ratio
+    to the Quest row of its shape."""
+    rows: list[dict] = []
+    s = bench_score(ops, geo, dev, dtype, 16 if args.quick else 64, 32768, 128)
+    s["ratio_to_d2d"], s["target"] = s["Bps"] / d2d, ">= 0.7 x d2d"
+    rows.append(s)
+    c = bench_score_codes(ops, geo, dev, dtype, 16 if args.quick else 64, 32768, 128)
+    c["ratio_to_d2d"] = c["Bps"] / d2d
+    c["ratio_to_quest"] = c["ms"] / s["ms"]  # time ratio: issue 12 asks <= 1.5
+    c["target"] = "<= 1.5 x the Quest row's time"
+    rows.append(c)
+    batch = 16 if args.quick else 64
+    for factor, succ, sticky in (
+        (1.25, 0, False),
+        (1.5, 0, False),
+        (2, 0, False),
+        (3, 0, False),
+        (1.25, 8, False),
+        (1.25, 0, True),
+        (1.25, 8, True),
+        (1.2, 8, True),
+        (1.25, 8, "fp8"),
+    ):
+        st = bench_score_codes_staged(
+            ops, geo, dev, dtype, batch, 32768, 128, factor, succ, bool(sticky), args.profile, sticky == "fp8"
+        )
+        st["ratio_to_quest"] = st["ms"] / s["ms"]
+        st["target"] = "<= 1.5 x the Quest row's time"
+        rows.append(st)
+    # The serving benchmark's shape (bench.fig11: 16 requests of 16K): a small batch, where the
+    # candidates' rescoring is latency-bound rather than bandwidth-bound (shorter tiles).
+    s16 = bench_score(ops, geo, dev, dtype, 16, 16384, 128)
+    s16["ratio_to_d2d"], s16["target"] = s16["Bps"] / d2d, "(the fig11 shape's Quest baseline)"
+    rows.append(s16)
+    for b8 in (False, True):
+        st = bench_score_codes_staged(ops, geo, dev, dtype, 16, 16384, 128, 1.25, 8, True, args.profile, b8)
+        st["ratio_to_quest"] = st["ms"] / s16["ms"]
+        st["target"] = "<= 1.5 x the row above's time"
+        rows.append(st)
+    # The fig11 shape at the full host pool (44 x 16K on an H100), Quest and the default chain.
+    s44 = bench_score(ops, geo, dev, dtype, 44, 16384, 128)
+    s44["ratio_to_d2d"], s44["target"] = s44["Bps"] / d2d, "(44 x 16K Quest baseline)"
+    rows.append(s44)
+    for b8 in (False, True):
+        st = bench_score_codes_staged(ops, geo, dev, dtype, 44, 16384, 128, 1.25, 8, True, args.profile, b8)
+        st["ratio_to_quest"] = st["ms"] / s44["ms"]
+        st["target"] = "(the default chain at 44 x 16K)"
+        rows.append(st)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="qwen3-8b", choices=sorted(PRESETS))
@@ -525,51 +579,7 @@ def main(argv=None) -> int:
         g = bench_gather(ops, geo, dev, dtype, 8 * 128 * (16 if args.quick else 64), h2d)
         g["target"] = ">= 0.9 x pinned H2D memcpy"
         res["kernels"].append(g)
-    s = bench_score(ops, geo, dev, dtype, 16 if args.quick else 64, 32768, 128)
-    s["ratio_to_d2d"], s["target"] = s["Bps"] / d2d, ">= 0.7 x d2d"
-    res["kernels"].append(s)
-    c = bench_score_codes(ops, geo, dev, dtype, 16 if args.quick else 64, 32768, 128)
-    c["ratio_to_d2d"] = c["Bps"] / d2d
-    c["ratio_to_quest"] = c["ms"] / s["ms"]  # time ratio: issue 12 asks <= 1.5
-    c["target"] = "<= 1.5 x the Quest row's time"
-    res["kernels"].append(c)
-    batch = 16 if args.quick else 64
-    for factor, succ, sticky in (
-        (1.25, 0, False),
-        (1.5, 0, False),
-        (2, 0, False),
-        (3, 0, False),
-        (1.25, 8, False),
-        (1.25, 0, True),
-        (1.25, 8, True),
-        (1.2, 8, True),
-        (1.25, 8, "fp8"),
-    ):
-        st = bench_score_codes_staged(
-            ops, geo, dev, dtype, batch, 32768, 128, factor, succ, bool(sticky), args.profile, sticky == "fp8"
-        )
-        st["ratio_to_quest"] = st["ms"] / s["ms"]
-        st["target"] = "<= 1.5 x the Quest row's time"
-        res["kernels"].append(st)
-    # The serving benchmark's shape (bench.fig11: 16 requests of 16K): a small batch, where the
-    # candidates' rescoring is latency-bound rather than bandwidth-bound (shorter tiles).
-    s16 = bench_score(ops, geo, dev, dtype, 16, 16384, 128)
-    s16["ratio_to_d2d"], s16["target"] = s16["Bps"] / d2d, "(the fig11 shape's Quest baseline)"
-    res["kernels"].append(s16)
-    for b8 in (False, True):
-        st = bench_score_codes_staged(ops, geo, dev, dtype, 16, 16384, 128, 1.25, 8, True, args.profile, b8)
-        st["ratio_to_quest"] = st["ms"] / s16["ms"]
-        st["target"] = "<= 1.5 x the row above's time"
-        res["kernels"].append(st)
-    # The fig11 shape at the full host pool (44 x 16K on an H100), Quest and the default chain.
-    s44 = bench_score(ops, geo, dev, dtype, 44, 16384, 128)
-    s44["ratio_to_d2d"], s44["target"] = s44["Bps"] / d2d, "(44 x 16K Quest baseline)"
-    res["kernels"].append(s44)
-    for b8 in (False, True):
-        st = bench_score_codes_staged(ops, geo, dev, dtype, 44, 16384, 128, 1.25, 8, True, args.profile, b8)
-        st["ratio_to_quest"] = st["ms"] / s44["ms"]
-        st["target"] = "(the default chain at 44 x 16K)"
-        res["kernels"].append(st)
+    res["kernels"] += score_rows(ops, geo, dev, dtype, args, d2d)
     if args.only != "score":
         sel = bench_select(ops, geo, dev, 64 if args.quick else 256, 128, 7)
         sel["target"] = "<= 20 us per layer"
