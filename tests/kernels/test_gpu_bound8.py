@@ -35,7 +35,7 @@ def _summaries(nb, heads, head_dim, dtype, gen):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("head_dim, group", [(128, 4), (64, 1), (96, 8), (128, 8), (64, 3)])
+@pytest.mark.parametrize("head_dim, group", [(128, 4), (64, 1), (96, 8), (128, 8), (64, 3), (256, 2)])
 def test_bound8_kernels_match_their_twins(dtype, head_dim, group):
     gen = torch.Generator().manual_seed(zlib.crc32(repr((dtype, head_dim, group)).encode()))
     heads, nb = 4, 97
