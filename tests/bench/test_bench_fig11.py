@@ -36,6 +36,8 @@ def test_fig11_sweep_reports_every_mode_and_concurrency(tmp_path, capsys):
     rep = json.loads(paths["json"].read_text())
     assert rep["mode"] == "fig11" and rep["ceilings"] is None  # no CUDA: no copy bandwidth
     assert rep["contexts"]["256"]["ttft_cold_s"] > 0
+    assert rep["gpu_kv_budget"] == "auto" and rep["gpu_kv_budget_kind"] == "emulated h100"  # auto off an H100
+    assert "| of roofline | binds | of HBM | of PCIe | of d2d roofline |" in paths["md"].read_text()
     rows = {(r["mode"], r["concurrency"]): r for r in rep["rows"]}
     assert sorted(rows) == [(m, c) for m in ("dense", "oasis", "oracle") for c in (1, 2)]
     for (mode, c), r in rows.items():
@@ -44,6 +46,21 @@ def test_fig11_sweep_reports_every_mode_and_concurrency(tmp_path, capsys):
         for key in ("decode_tokens_per_s", "tpot_p50_s", "tpot_p99_s", "ttft_p50_s", "gpu_kv_bytes"):
             assert r[key] > 0, (mode, c, key)
         assert r["step_read_bytes"] > 0 and r["roofline_fraction"] is None
+        for key in (
+            "roofline_tpot_s",
+            "roofline_binds",
+            "hbm_fraction",
+            "pcie_fraction",
+            "roofline_fraction_d2d",
+        ):
+            assert r[key] is None, (mode, c, key)  # no ceilings on the CPU
+        assert (r["pcie_bytes_per_step"] > 0) == (
+            mode == "oasis"
+        )  # dense fetches nothing, the oracle no PCIe
+        assert (
+            r["gpu_kv_budget_kind"] == "emulated h100"
+            and r["gpu_kv_budget_bytes"] == rep["gpu_kv_budget_bytes"]
+        )
         assert (r["host_pool_bytes"] > 0) == (mode != "dense")
         assert r["fetched_bytes_per_step"] is None if mode == "dense" else r["fetched_bytes_per_step"] > 0
     for c in (1, 2):
@@ -66,6 +83,39 @@ def test_fig11_skips_what_does_not_fit_and_says_where_dense_fills(tmp_path):
     assert status == {("dense", 1): "ok", ("dense", 2): "skipped", ("oasis", 1): "ok", ("oasis", 2): "ok"}
     skipped = next(r for r in rep["rows"] if r["status"] == "skipped")
     assert "GPU KV budget" in skipped["reason"] and "skipped: dense KV" in paths["md"].read_text()
+
+
+def test_fig11_real_budget_is_the_free_memory_less_the_reserve_and_every_row_names_it(tmp_path):
+    """``--gpu-kv-budget real`` on the CPU, where the engine's pools live in RAM: the budget is the
+    context's free bytes less the activation reserve, named in the header, the context and every
+    row and in the markdown."""
+    paths, out = _files(tmp_path, "real")
+    reserve = ["--activation-reserve", "1MiB"]
+    args = [
+        *TINY,
+        *KV,
+        "--concurrency",
+        "1",
+        "--modes",
+        "dense,oasis",
+        "--gpu-kv-budget",
+        "real",
+        *reserve,
+        *out,
+    ]
+    assert bench.main(args) == 0
+    rep = json.loads(paths["json"].read_text())
+    info = rep["contexts"]["256"]
+    assert (
+        rep["gpu_kv_budget_kind"] == info["gpu_kv_budget_kind"] == "real"
+        and rep["activation_reserve_bytes"] == 2**20
+    )
+    assert info["gpu_kv_budget_bytes"] == info["device_free_bytes"] - 2**20
+    for r in rep["rows"]:
+        assert r["status"] == "ok" and r["gpu_kv_budget_kind"] == "real", r
+        assert r["gpu_kv_budget_bytes"] == info["gpu_kv_budget_bytes"]
+    md = paths["md"].read_text()
+    assert "real: the card's free memory" in md and "context 256: GPU KV budget" in md
 
 
 @pytest.mark.parametrize(
@@ -254,4 +304,64 @@ def test_fig11_selection_flags_reach_the_engine(tmp_path):
     # The working sets differ, so the fetched blocks do.
     assert (
         rows["codes"]["oasis"]["fetched_bytes_per_step"] != rows["quest"]["oasis"]["fetched_bytes_per_step"]
+    )
+
+
+def _report(ceilings: dict | None, row: dict, **header) -> dict:
+    """A one-row report dict as :meth:`Fig11.run` writes it (only what the markdown reads)."""
+    kv = {"top_k_blocks": 128, "block_size": 16, "fetch_cap_blocks": 103, "drafter": "ngram"}
+    base = {
+        "context": 16384,
+        "mode": "oasis",
+        "concurrency": 44,
+        "status": "ok",
+        "host_pool_place": "cpu pinned",
+    }
+    cells = dict.fromkeys(
+        (
+            "decode_tokens_per_s",
+            "tpot_p50_s",
+            "tpot_p99_s",
+            "ttft_p50_s",
+            "peak_gpu_bytes",
+            "host_pool_bytes",
+        ),
+        1.0,
+    )
+    cells.update(fetched_bytes_per_step=1.0, kernels_per_layer_step=1.0, roofline_tpot_s=0.012)
+    return {
+        "model": "qwen3-8b (random weights)",
+        "device": "NVIDIA H100 80GB HBM3",
+        "dtype": "bfloat16",
+        "max_tokens": 64,
+        "prompts": "shared",
+        "cuda_graph": True,
+        "kv": kv,
+        "weights_bytes": 16 * 2**30,
+        "gpu_kv_budget": "auto",
+        "gpu_kv_budget_bytes": 62 * 2**30,
+        "activation_reserve_bytes": 2**30,
+        "host_limit_bytes": 100 * 2**30,
+        "ceilings": ceilings,
+        "contexts": {},
+        "rows": [{**base, **cells, **row}],
+        **header,
+    }
+
+
+def test_fig11_markdown_shows_the_bound_its_fractions_and_the_budget():
+    from oasiskv.bench.fig11.report import markdown
+
+    ceilings = {"hbm_read_Bps": 3.0e12, "d2d_copy_Bps": 2.95e12, "h2d_pinned_Bps": 5.3e10}
+    row = {"roofline_fraction": 0.8, "roofline_binds": "pcie", "hbm_fraction": 0.61, "pcie_fraction": 0.8}
+    md = markdown(_report(ceilings, {**row, "roofline_fraction_d2d": 0.6}, gpu_kv_budget_kind="real"))
+    assert "HBM read 3000 GB/s, device-to-device copy 2950 GB/s (read + write)" in md
+    assert "GPU KV budget 62.0 GiB (real: the card's free memory" in md
+    assert "| 12.00 | 80% | pcie | 61% | 80% | 60% |" in md
+    # A report from before issue 35 (no read ceiling, no budget kind, the d2d fraction only).
+    old = markdown(_report({"d2d_copy_Bps": 2.95e12, "h2d_pinned_Bps": 5.3e10}, {"roofline_fraction": 0.6}))
+    assert (
+        "HBM read" not in old
+        and "(emulated: an 80 GiB H100" in old
+        and "| 12.00 | 60% | - | - | - | - |" in old
     )

@@ -29,10 +29,16 @@ first step is a warm-up (and on CUDA one more is profiled); the rest are timed. 
   (``Engine.transfer_wait``: device clocks around each wait; 0 on the CPU);
 * kernels per layer and step: CUDA kernel launches of one decode step (``torch.profiler``)
   divided by ``num_hidden_layers`` (CUDA only);
-* the roofline: the bytes one decode step must read (the weights once, and per request what its
-  attention reads: dense, the whole context's K and V; oasis and oracle, ``K + 1`` pages per KV
-  head and layer plus the summaries scored) over the device-to-device copy bandwidth measured in
-  this run (a 1 GiB copy timed with CUDA events), against the measured TPOT p50.
+* the roofline (:mod:`.roofline`): the larger of the step's HBM time -- the bytes one decode
+  step must read (the weights once, and per request what its attention reads: dense, the whole
+  context's K and V; oasis and oracle, ``K + 1`` pages per KV head and layer plus the summaries
+  scored) over the HBM read bandwidth measured in this run (``ceilings.hbm_read_Bps``: a
+  reduction over 1 GiB of bf16, best of 10, CUDA events) -- and its PCIe time -- the bytes the
+  oasis rows fetched from the pinned host pool over the pinned host-to-device bandwidth measured
+  here (0 for dense and the oracle) -- against the measured step p50: ``roofline_fraction``,
+  with ``hbm_fraction``, ``pcie_fraction`` and which one ``roofline_binds``;
+  ``roofline_fraction_d2d`` keeps the earlier bound, the reads over a device-to-device copy
+  counted as read plus write.
 
 **The lookahead's drafter** (``--drafter``): ``ngram`` (the default; drafting costs next to
 nothing), ``previous-query``, or ``eagle3``: on random weights (a ``--preset``) a random EAGLE-3
@@ -90,9 +96,14 @@ finish at different steps).
 A row whose KV does not fit is skipped, and the table says why: dense past the GPU KV budget
 (the concurrency at which dense fills it is reported per context), oasis past the host pool limit
 or the budget (pages and summaries), the oracle past the device's free memory.
+The GPU KV budget (:func:`~.budget.choose_gpu_kv_budget`), named with its bytes in the header,
+every context and every row (``gpu_kv_budget_kind``, ``gpu_kv_budget_bytes``): ``real`` is what
+the card has free beside the weights and the context's prefill cache, measured per context as the
+engine's memory check measures it, less an activation reserve (1 GiB with shared prompts);
 ``--gpu-kv-budget h100`` emulates an 80 GiB H100: 80 GiB minus the weights minus an activation
-reserve. Oasis modes are given exactly the pages they need (at most the budget), so their pools
-are allocated once and the peak memory shows what they use.
+reserve (6 GiB); the default ``auto`` is real on an H100 and emulated elsewhere. Oasis modes are
+given exactly the pages they need (at most the budget), so their pools are allocated once and the
+peak memory shows what they use.
 
 ``--prompts shared`` (the default) gives every request the same random prompt, prefilled once per
 context and then served from a :class:`~oasiskv.engine.PrefillCache` (its entry, the prompt's KV,
@@ -123,7 +134,12 @@ from .budget import (
     H100_BYTES,
     HOST_RAM_FRACTION,
     MAX_SEARCHED,
+    REAL_ACTIVATION_RESERVE_BYTES,
     Budgets,
+    GpuKvBudget,
+    activation_reserve,
+    budget_kind,
+    choose_gpu_kv_budget,
     fit,
     gpu_kv_budget,
     host_kv_limit,
@@ -147,9 +163,18 @@ from .flags import (
     spec_modes,
     usage_error,
 )
-from .model import build_model, free_memory
+from .model import build_model, free_memory, hbm_read_Bps
 from .report import COLUMNS, fmt, markdown, plot, ref_note, selection_label, write_reports
-from .roofline import kv_read_bytes, moe_weights_read_bytes, step_roofline, weights_read_bytes
+from .roofline import (
+    fraction,
+    kv_read_bytes,
+    moe_weights_read_bytes,
+    pcie_bytes_per_step,
+    roofline_columns,
+    step_bound,
+    step_roofline,
+    weights_read_bytes,
+)
 from .spec import EAGLE3_DRAFT_VOCAB, RANDOM_HEAD, cost_head, oracle_drafter, oracle_rounds, spec_columns
 from .sweep import Fig11, cache_bytes
 from .tp import tp_job, tp_worker
@@ -185,19 +210,26 @@ __all__ = [
     "NGRAM_WINDOW",
     "ORACLE_ROUNDS",
     "RANDOM_HEAD",
+    "REAL_ACTIVATION_RESERVE_BYTES",
     "UNITS",
     "Budgets",
     "DoesNotFit",
     "Fig11",
+    "GpuKvBudget",
+    "activation_reserve",
     "add_arguments",
+    "budget_kind",
     "build_model",
     "cache_bytes",
+    "choose_gpu_kv_budget",
     "cost_head",
     "drive",
     "fit",
     "fmt",
+    "fraction",
     "free_memory",
     "gpu_kv_budget",
+    "hbm_read_Bps",
     "host_kv_limit",
     "kv_read_bytes",
     "main",
@@ -214,12 +246,15 @@ __all__ = [
     "parse_bytes",
     "parse_int_list",
     "parse_modes",
+    "pcie_bytes_per_step",
     "plot",
     "profiled",
     "ref_note",
+    "roofline_columns",
     "selection_label",
     "spec_columns",
     "spec_modes",
+    "step_bound",
     "step_roofline",
     "tp_job",
     "tp_worker",

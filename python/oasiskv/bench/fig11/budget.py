@@ -3,7 +3,18 @@ them in a mode (and the most that do).
 
 Pure arithmetic over byte counts: the caller measures one request's reservation (its pages, host
 blocks and their bytes, :meth:`~oasiskv.bench.fig11.Fig11.need`) and the device's free memory,
-and hands them in. A request's reservation, ``need``, is a dict of
+and hands them in.
+
+The GPU KV budget (:func:`choose_gpu_kv_budget`) is ``real``, ``emulated`` or ``given``. Real:
+what the card has free, measured as the engine's own memory check measures it
+(:func:`oasiskv.memory.available_bytes`: the driver's free bytes plus torch's cached blocks)
+beside the weights and the context's prefill cache, less the activations a row needs beside its
+pools. Emulated (``--gpu-kv-budget h100``): an 80 GiB H100's HBM less the weights and a reserve
+for the CUDA context, the prefill cache and activations. The default, ``auto``, is real on an
+H100 and emulated elsewhere. On the real H100 the emulated budget said dense fits 13 requests of
+32K where the engine's check refused 13 (58.6 GiB needed, 58.5 free): issue 35.
+
+A request's reservation, ``need``, is a dict of
 
 * ``peak_pages``: GPU pages at its dense-phase peak; ``steady_pages``: its working set once
   sparse (``top_k_blocks + 1``);
@@ -22,6 +33,18 @@ H100_BYTES = 80 * 2**30
 #: Left for activations when the budget is ``h100``. Arbitrary, checked by the peak memory: a 32K
 #: prompt prefilled in one piece on an 8B model takes about 3 GiB beyond weights and KV.
 ACTIVATION_RESERVE_BYTES = 6 * 2**30
+#: Left for a row's activations beside its pools under a real budget, with ``--prompts shared``:
+#: the free bytes it comes from are measured beside the weights, the CUDA context and the prefill
+#: cache, so only the row's own activations remain. Tuned with a margin: H200 dense rows with
+#: shared prompts peaked 0.1-0.4 GiB above weights, pools and cache (results/bench/h200-*, 16K and
+#: 32K, up to 26 requests). ``--prompts distinct`` prefills at row time and keeps
+#: :data:`ACTIVATION_RESERVE_BYTES`.
+REAL_ACTIVATION_RESERVE_BYTES = 1 * 2**30
+#: The device names whose budget ``auto`` takes from the card (substrings of
+#: ``torch.cuda.get_device_name``): the GPU the paper and issue 35 measure on.
+REAL_BUDGET_DEVICES = ("H100",)
+#: ``--gpu-kv-budget`` words (a size is the other choice).
+BUDGET_WORDS = ("auto", "real", "h100")
 #: The host pool limit without ``--host-kv-budget``: this fraction of the available RAM (arbitrary;
 #: pinned memory is never swapped or reclaimed, so leave the rest to the process and the system).
 HOST_RAM_FRACTION = 0.6
@@ -53,6 +76,79 @@ def gpu_kv_budget(budget: str | int, weights_bytes: int, activation_reserve: int
 
         raise ConfigError(f"the weights ({weights_bytes / 2**30:.1f} GiB) leave no KV budget on an H100")
     return out
+
+
+@dataclass(frozen=True)
+class GpuKvBudget:
+    """The GPU KV budget a row used: ``kind`` ``"real"`` (the card's free bytes less the
+    reserve), ``"emulated h100"`` or ``"given"`` (a size on the command line), and its ``bytes``."""
+
+    kind: str
+    bytes: int
+
+
+def activation_reserve(flag: int | None, budget_flag: str | int, device_name: str, prompts: str) -> int:
+    """The activation reserve: ``--activation-reserve`` when given, else
+    :data:`REAL_ACTIVATION_RESERVE_BYTES` when the budget is real and the prompts are
+    ``shared`` (a row then prefills nothing), else :data:`ACTIVATION_RESERVE_BYTES`."""
+    if flag is not None:
+        return flag
+    if budget_kind(budget_flag, device_name) == "real" and prompts == "shared":
+        return REAL_ACTIVATION_RESERVE_BYTES
+    return ACTIVATION_RESERVE_BYTES
+
+
+def budget_kind(flag: str | int, device_name: str) -> str:
+    """Which budget ``--gpu-kv-budget`` ``flag`` means on ``device_name``
+    (``torch.cuda.get_device_name``, or ``"cpu"``): ``"given"`` for a size, ``"emulated h100"``
+    for ``"h100"``, ``"real"`` for ``"real"``, and for ``"auto"`` real on a device named in
+    :data:`REAL_BUDGET_DEVICES`, emulated elsewhere."""
+    if not isinstance(flag, str):
+        return "given"
+    if flag == "auto":
+        return "real" if any(d in device_name for d in REAL_BUDGET_DEVICES) else "emulated h100"
+    if flag == "h100":
+        return "emulated h100"
+    if flag == "real":
+        return "real"
+    raise ValueError(f"--gpu-kv-budget is a size or one of {BUDGET_WORDS}, got {flag!r}")
+
+
+def choose_gpu_kv_budget(
+    flag: str | int,
+    device_name: str,
+    free_bytes: int | None,
+    weights_bytes: int,
+    activation_reserve: int,
+) -> GpuKvBudget:
+    """The GPU KV budget of ``--gpu-kv-budget`` ``flag`` (:func:`budget_kind`) on
+    ``device_name``: a given size as it is; emulated, :func:`gpu_kv_budget`; real,
+    ``free_bytes`` (measured beside the weights already loaded, so ``weights_bytes`` is not
+    subtracted again) less ``activation_reserve``.
+
+    # Errors
+    ``ConfigError`` when a real budget has no free bytes to come from (no CUDA device), or when
+    the weights (emulated) or the reserve (real) leave no KV budget.
+    """
+    from ...errors import ConfigError
+
+    kind = budget_kind(flag, device_name)
+    if kind == "given":
+        return GpuKvBudget(kind, int(flag))
+    if kind == "emulated h100":
+        return GpuKvBudget(kind, gpu_kv_budget("h100", weights_bytes, activation_reserve))
+    if free_bytes is None:
+        raise ConfigError(
+            f"--gpu-kv-budget real needs a CUDA device's free memory, and {device_name} has none to "
+            "tell: pass a size or h100"
+        )
+    out = free_bytes - activation_reserve
+    if out <= 0:
+        raise ConfigError(
+            f"{free_bytes / 2**30:.1f} GiB free on {device_name} leave no KV budget beside the "
+            f"{activation_reserve / 2**30:.1f} GiB activation reserve: lower --activation-reserve"
+        )
+    return GpuKvBudget(kind, out)
 
 
 def host_kv_limit(host_kv_budget: int | None, available_ram: int | None) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from .budget import ACTIVATION_RESERVE_BYTES, HOST_RAM_FRACTION
+from .budget import ACTIVATION_RESERVE_BYTES, BUDGET_WORDS, HOST_RAM_FRACTION, REAL_ACTIVATION_RESERVE_BYTES
 
 #: Modes: (backend, host_pool) of the engine.
 MODES: dict[str, tuple[str, str]] = {
@@ -52,8 +52,9 @@ def parse_bytes(s: str) -> int:
 
 
 def parse_budget(s: str) -> str | int:
-    """``--gpu-kv-budget``: ``"h100"`` or a size in bytes."""
-    return "h100" if s.lower() == "h100" else parse_bytes(s)
+    """``--gpu-kv-budget``: one of :data:`~.budget.BUDGET_WORDS` (``auto``, ``real``, ``h100``)
+    or a size in bytes."""
+    return s.lower() if s.lower() in BUDGET_WORDS else parse_bytes(s)
 
 
 def parse_int_list(s: str) -> list[int]:
@@ -125,10 +126,18 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--gpu-kv-budget",
         type=parse_budget,
-        default="h100",
-        help="a size (64GiB, 60GB, bytes) or 'h100' (80 GiB - weights - activation reserve)",
+        default="auto",
+        help="'real' (the card's free memory beside the weights and the prefill cache, less the "
+        "activation reserve), 'h100' (emulated: 80 GiB - weights - activation reserve), a size "
+        "(64GiB, 60GB, bytes), or 'auto' (default: real on an H100, h100 elsewhere)",
     )
-    g.add_argument("--activation-reserve", type=parse_bytes, default=ACTIVATION_RESERVE_BYTES)
+    g.add_argument(
+        "--activation-reserve",
+        type=parse_bytes,
+        default=None,
+        help=f"GPU memory left for activations (default {ACTIVATION_RESERVE_BYTES / 2**30:g} GiB; "
+        f"{REAL_ACTIVATION_RESERVE_BYTES / 2**30:g} GiB with a real budget and shared prompts)",
+    )
     g.add_argument(
         "--host-kv-budget",
         type=parse_bytes,

@@ -17,13 +17,19 @@ _GIB = 2**30
 COLUMNS = [
     "context", "mode", "conc", "tok/s", "TPOT p50 ms", "TPOT p99 ms", "TTFT p50 ms", "peak GPU GiB",
     "host pool GiB", "fetched/step MiB", "transfer wait/step ms", "kernels/layer/step", "roofline ms",
-    "of roofline", "tok/step", "accept", "same tokens", "note",
+    "of roofline", "binds", "of HBM", "of PCIe", "of d2d roofline", "tok/step", "accept", "same tokens",
+    "note",
 ]  # fmt: skip
 
 
 def fmt(v, scale: float = 1.0, digits: int = 1) -> str:
     """``v * scale`` with ``digits`` decimals; ``-`` for None."""
     return "-" if v is None else f"{v * scale:.{digits}f}"
+
+
+def pct(v) -> str:
+    """``v`` as a whole percentage; ``-`` for None."""
+    return "-" if v is None else f"{v:.0%}"
 
 
 def selection_label(kv) -> str:
@@ -68,7 +74,8 @@ def _header_lines(rep: dict) -> list[str]:
         f"## Decode throughput vs concurrency (Fig. 11): {rep['model']}, {rep['device']}, {rep['dtype']}"
         + (f", TP={rep['tp']} (bytes, budgets and rooflines per rank)" if rep.get("tp", 1) > 1 else ""),
         "",
-        f"- GPU KV budget {rep['gpu_kv_budget_bytes'] / gib:.1f} GiB ({rep['gpu_kv_budget']}; "
+        f"- GPU KV budget {rep['gpu_kv_budget_bytes'] / gib:.1f} GiB "
+        f"({budget_words(rep.get('gpu_kv_budget_kind'), rep['gpu_kv_budget'])}; "
         f"weights {rep['weights_bytes'] / gib:.1f} GiB, "
         f"activation reserve {rep['activation_reserve_bytes'] / gib:.1f} GiB); "
         f"host pool limit {rep['host_limit_bytes'] / gib:.1f} GiB",
@@ -82,22 +89,49 @@ def _header_lines(rep: dict) -> list[str]:
     if sp:
         lines += _speculative_lines(sp, kv)
     if c:
+        hbm = c.get("hbm_read_Bps")
         lines.append(
-            f"- measured here: device-to-device copy {c['d2d_copy_Bps'] / 1e9:.0f} GB/s, "
+            "- measured here: "
+            + (f"HBM read {hbm / 1e9:.0f} GB/s, " if hbm else "")
+            + f"device-to-device copy {c['d2d_copy_Bps'] / 1e9:.0f} GB/s (read + write), "
             f"pinned host-to-device {c['h2d_pinned_Bps'] / 1e9:.1f} GB/s"
+        )
+    if c and c.get("hbm_read_Bps"):
+        lines.append(
+            "- roofline: the larger of a step's HBM time (weights and the KV attention reads, over "
+            "the HBM read bandwidth) and its PCIe time (bytes fetched from the pinned host pool, over "
+            "the pinned host-to-device bandwidth); 'of roofline' is it over the measured step, 'binds' "
+            "the larger, 'of d2d roofline' the reads over the copy bandwidth (the bound before issue 35)"
         )
     for ctx, info in rep["contexts"].items():
         fills = info.get("dense_fills_budget_at")
         mc = ", ".join(
             f"{m} {f'>= {MAX_SEARCHED}' if n is None else n}" for m, n in info["max_concurrency"].items()
         )
+        budget = info.get("gpu_kv_budget_bytes")
         lines.append(
-            f"- context {ctx}: {info['request_kv_bytes'] / gib:.2f} GiB of KV per request; most requests "
+            f"- context {ctx}: "
+            + (
+                f"GPU KV budget {budget / gib:.2f} GiB ({info['gpu_kv_budget_kind']}); "
+                if budget is not None
+                else ""
+            )
+            + f"{info['request_kv_bytes'] / gib:.2f} GiB of KV per request; most requests "
             f"that fit: {mc}"
             + (f"; dense fills its KV budget at concurrency {fills}" if fills else "")
             + f"; cold TTFT {fmt(info['ttft_cold_s'], 1e3)} ms"
         )
     return lines
+
+
+def budget_words(kind: str | None, flag) -> str:
+    """The header's name of the GPU KV budget (:class:`~.budget.GpuKvBudget`'s ``kind``; a report
+    from before issue 35 has none and its flag was ``h100`` or a size)."""
+    if kind == "real":
+        return "real: the card's free memory beside the weights, less the activation reserve"
+    if kind == "given" or (kind is None and not isinstance(flag, str)):
+        return "given"
+    return "emulated: an 80 GiB H100 less the weights and the activation reserve"
 
 
 def _speculative_lines(sp: dict, kv: dict) -> list[str]:
@@ -138,7 +172,7 @@ def _row_cells(r: dict) -> list[str]:
     gib = _GIB
     cells = [str(r["context"]), r["mode"], str(r["concurrency"])]
     if r["status"] != "ok":
-        return cells + ["-"] * 14 + [f"skipped: {r['reason']}"]
+        return cells + ["-"] * (len(COLUMNS) - 4) + [f"skipped: {r['reason']}"]
     return cells + [
         fmt(r["decode_tokens_per_s"]),
         fmt(r["tpot_p50_s"], 1e3, 2),
@@ -150,7 +184,11 @@ def _row_cells(r: dict) -> list[str]:
         fmt(r.get("transfer_wait_per_step_s") if r["mode"] != "dense" else None, 1e3, 3),
         fmt(r["kernels_per_layer_step"]),
         fmt(r["roofline_tpot_s"], 1e3, 2),
-        "-" if r["roofline_fraction"] is None else f"{r['roofline_fraction']:.0%}",
+        pct(r["roofline_fraction"]),
+        r.get("roofline_binds") or "-",
+        pct(r.get("hbm_fraction")),
+        pct(r.get("pcie_fraction")),
+        pct(r.get("roofline_fraction_d2d")),
         fmt(r.get("tokens_per_step"), digits=2),
         fmt(r.get("acceptance_rate"), digits=3),
         "-" if r.get("tokens_match_base") is None else f"{r['tokens_match_base']:.0%}",

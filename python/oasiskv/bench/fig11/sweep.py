@@ -16,9 +16,15 @@ import sys
 from . import budget as fits
 from .drive import DoesNotFit, drive, make_prompts, p50_p99
 from .flags import MODES, mode_parts, spec_modes, usage_error
-from .model import build_model, free_memory
+from .model import build_model, free_memory, hbm_read_Bps
 from .report import selection_label
-from .roofline import moe_weights_read_bytes, step_roofline, weights_read_bytes
+from .roofline import (
+    moe_weights_read_bytes,
+    pcie_bytes_per_step,
+    roofline_columns,
+    step_roofline,
+    weights_read_bytes,
+)
 from .spec import RANDOM_HEAD, cost_head, oracle_drafter, oracle_rounds, spec_columns
 
 
@@ -60,10 +66,11 @@ class Fig11:
         self.weights_read = weights_read_bytes(
             self.weights_bytes, emb.numel() * emb.element_size(), self.cfg.tie_word_embeddings
         )
-        self.budget = fits.gpu_kv_budget(args.gpu_kv_budget, self.weights_bytes, args.activation_reserve)
+        self.device_name = torch.cuda.get_device_name(self.dev) if self.cuda else str(self.dev)
+        self.activation_reserve = fits.activation_reserve(
+            args.activation_reserve, args.gpu_kv_budget, self.device_name, args.prompts
+        )
         self.host_limit = fits.host_kv_limit(args.host_kv_budget, available_bytes("cpu"))
-        #: What every row must fit (:func:`~.budget.fit`).
-        self.budgets = fits.Budgets(self.budget, self.host_limit, args.activation_reserve)
         self.spec_modes = spec_modes(args)
         if getattr(args, "draft_acceptance", None) and not getattr(args, "speculative", False):
             raise usage_error(
@@ -91,8 +98,21 @@ class Fig11:
         if self.cuda:
             from ..kernels import ceilings
 
-            self.ceilings = ceilings(self.dev)
+            self.ceilings = {**ceilings(self.dev), "hbm_read_Bps": hbm_read_Bps(torch, self.dev)}
             free_memory(torch, self.dev)
+        #: The GPU KV budget before any context (the header's): beside the weights (and the cost
+        #: head); :meth:`run` chooses it again per context, beside that context's prefill cache.
+        self.gpu_kv_budget = self.choose_budget(available_bytes(self.dev))
+        #: What every row must fit (:func:`~.budget.fit`).
+        self.budgets = fits.Budgets(self.gpu_kv_budget.bytes, self.host_limit, self.activation_reserve)
+
+    def choose_budget(self, free_bytes: int | None) -> fits.GpuKvBudget:
+        """The GPU KV budget of ``--gpu-kv-budget`` with ``free_bytes`` free on the device
+        (:func:`~.budget.choose_gpu_kv_budget`)."""
+        a = self.args
+        return fits.choose_gpu_kv_budget(
+            a.gpu_kv_budget, self.device_name, free_bytes, self.weights_bytes, self.activation_reserve
+        )
 
     def weights_read_at(self, conc: int) -> int:
         """Weight bytes one decode step of ``conc`` requests reads: :attr:`weights_read`, less,
@@ -245,10 +265,12 @@ class Fig11:
         return fits.max_concurrency(mode_parts(mode)[0], n, self.budgets, device_free, limit)
 
     # ------------------------------------------------------------------ rows
-    def roofline(self, mode: str, ctx: int, conc: int, n: dict) -> dict:
-        """Bytes one decode step must read, at the middle of the decode phase, and that over the
-        measured device-to-device bandwidth (:func:`~.roofline.step_roofline`)."""
-        return step_roofline(
+    def roofline(self, mode: str, ctx: int, conc: int, n: dict, host_pool: str, fetched, step_s) -> dict:
+        """The roofline columns (:func:`~.roofline.roofline_columns`): the bytes one decode step
+        must read at the middle of the decode phase (:func:`~.roofline.step_roofline`) and fetch
+        over PCIe (``fetched``: per request and step), against the measured ``step_s``. Against
+        the step: a speculative step reads the same bytes but makes more tokens."""
+        read = step_roofline(
             mode,
             ctx,
             conc,
@@ -256,14 +278,22 @@ class Fig11:
             block_size=self.args.block_size,
             max_tokens=self.args.max_tokens,
             weights_read=self.weights_read_at(conc),
-            bandwidth_Bps=self.ceilings["d2d_copy_Bps"] if self.ceilings else None,
-        )
+            bandwidth_Bps=None,
+        )["step_read_bytes"]
+        pcie = pcie_bytes_per_step(host_pool, conc, fetched)
+        return {"step_read_bytes": read, **roofline_columns(read, pcie, step_s, self.ceilings)}
 
     def row(self, mode: str, ctx: int, conc: int, n: dict, device_free, cache) -> dict:
         """One row: ``conc`` requests of ``ctx`` tokens through ``mode``'s engine, measured
         (:meth:`row_columns`), or skipped with the reason they do not fit."""
         torch, dev, a = self.torch, self.dev, self.args
-        base = {"context": ctx, "mode": mode, "concurrency": conc}
+        base = {
+            "context": ctx,
+            "mode": mode,
+            "concurrency": conc,
+            "gpu_kv_budget_kind": self.gpu_kv_budget.kind,
+            "gpu_kv_budget_bytes": self.gpu_kv_budget.bytes,
+        }
         reason, gpu_budget, host_budget = self.fit(mode, conc, n, device_free)
         if reason is not None:
             return {**base, "status": "skipped", "reason": reason}
@@ -322,6 +352,7 @@ class Fig11:
         if not spec and any(m.startswith(f"{mode}+") for m in self.spec_modes):
             self._tokens[(ctx, mode, conc)] = tokens
         fetched = [o.metrics.fetched_bytes_per_step for o in outs]
+        fetched = sum(fetched) / len(fetched) if eng.engine.backend == "oasis" else None
         host_place = str(p.host_k[0].device) + (" pinned" if p.host_k[0].is_pinned() else "")
         out = {
             "backend": eng.engine.backend,
@@ -341,17 +372,14 @@ class Fig11:
             + p.num_host_blocks * p.summary_block_bytes * layers,
             "host_pool_bytes": p.num_host_blocks * p.page_bytes * layers,
             "host_pool_place": host_place,
-            "fetched_bytes_per_step": sum(fetched) / len(fetched) if eng.engine.backend == "oasis" else None,
+            "fetched_bytes_per_step": fetched,
             "kernels_per_layer_step": res["kernels"] / layers if res["kernels"] is not None else None,
             "transfer_wait_per_step_s": res["transfer_wait_s"] / len(times) if times else None,
             "copies_per_step": res["copies"],
             "tokens_digest": hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16],
             **(self.spec_columns(eng, ctx, base_mode, conc, accept, res) if spec else {"speculative": False}),
-            **self.roofline(mode, ctx, conc, n),
+            **self.roofline(mode, ctx, conc, n, eng.engine.host_pool, fetched, step50),
         }
-        rl = out["roofline_tpot_s"]
-        # Against the step: a speculative step reads the same bytes but makes more tokens.
-        out["roofline_fraction"] = rl / step50 if rl and step50 else None
         return out
 
     def oracle_rounds(self, eng, prompts: list[list[int]], start, profile, trace=None) -> dict:
@@ -421,8 +449,9 @@ class Fig11:
             },
             "weights_bytes": self.weights_bytes,
             "gpu_kv_budget": a.gpu_kv_budget,
-            "gpu_kv_budget_bytes": self.budget,
-            "activation_reserve_bytes": a.activation_reserve,
+            "gpu_kv_budget_kind": self.gpu_kv_budget.kind,
+            "gpu_kv_budget_bytes": self.gpu_kv_budget.bytes,
+            "activation_reserve_bytes": self.activation_reserve,
             "host_limit_bytes": self.host_limit,
             "ceilings": self.ceilings,
             "speculative": None
@@ -448,6 +477,8 @@ class Fig11:
         info = {
             "ttft_cold_s": cold,
             "device_free_bytes": device_free,
+            "gpu_kv_budget_kind": self.gpu_kv_budget.kind,
+            "gpu_kv_budget_bytes": self.gpu_kv_budget.bytes,
             "prefill_cache_bytes": cache_bytes(cache),
             "max_concurrency": {m: self.max_concurrency(m, needs[m], device_free) for m in modes},
             "request_kv_bytes": needs[modes[0]]["kv_blocks"] * needs[modes[0]]["block_bytes"],
@@ -480,6 +511,9 @@ class Fig11:
                 t = self.warm_up(mode, ctx, cache)
                 cold = t if cold is None else cold
             device_free = available_bytes(self.dev)  # beside the weights and the prefill cache
+            # The engine's own check measures the same free bytes when a row's pools grow.
+            self.gpu_kv_budget = self.choose_budget(device_free)
+            self.budgets = fits.Budgets(self.gpu_kv_budget.bytes, self.host_limit, self.activation_reserve)
             contexts[str(ctx)] = self.context_info(needs, cold, device_free, cache)
             for mode in modes:
                 for conc in a.concurrency:
