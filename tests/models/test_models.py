@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 
 from oasiskv.errors import ConfigError, ContextLengthError, ShapeError
-from oasiskv.models.config import ModelConfig
+from oasiskv.models import transformer
+from oasiskv.models.config import PRESETS, ModelConfig, preset_config
 from oasiskv.models.loader import load_hf_dir
 from oasiskv.models.transformer import (
     CausalLM,
@@ -17,10 +19,12 @@ from oasiskv.models.transformer import (
     dense_causal_attn,
     greedy_generate,
     rms_norm,
+    rope_attention_factor,
+    rope_cos_sin,
     rope_inv_freq,
     varlen_causal_attention,
 )
-from support.hf_models import HF_CASES, LLAMA3_SCALING, make_hf_model
+from support.hf_models import HF_CASES, LLAMA3_SCALING, YARN_SCALING, make_hf_model
 
 # Private names read here: ``transformer._no_cudnn`` (the guard that keeps cuDNN off the pieces it
 # gets wrong) is what its test checks.
@@ -99,6 +103,124 @@ def test_rope_scaling_matches_transformers_and_changes_frequencies(scaling):
     assert not torch.allclose(got, plain)
     if scaling["rope_type"] == "llama3":  # the highest frequencies are left alone
         assert torch.equal(got[0], plain[0])
+
+
+#: YaRN settings transformers computes differently: Qwen3's own, every optional key, DeepSeek's
+#: mscale ratio, an explicit attention factor, and a null factor (max_position_embeddings / original).
+YARN_VARIANTS = {
+    "qwen3-card": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+    "betas-no-truncate": {
+        "rope_type": "yarn",
+        "factor": 3.0,
+        "original_max_position_embeddings": 64,
+        "beta_fast": 16.0,
+        "beta_slow": 2.0,
+        "truncate": False,
+    },
+    "mscales": {
+        "rope_type": "yarn",
+        "factor": 8.0,
+        "original_max_position_embeddings": 32,
+        "mscale": 1.0,
+        "mscale_all_dim": 0.5,
+    },
+    "attention-factor": {
+        "rope_type": "yarn",
+        "factor": 2.0,
+        "original_max_position_embeddings": 128,
+        "attention_factor": 0.9,
+    },
+    "null-factor": {"rope_type": "yarn", "factor": None, "original_max_position_embeddings": 64},
+}
+
+
+def _hf_rotary(hf_cfg):
+    """transformers' rotary embedding module of ``hf_cfg`` (no weights)."""
+    if hf_cfg.model_type == "llama":
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding as Rotary
+    else:
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding as Rotary
+    return Rotary(hf_cfg)
+
+
+def _assert_rope_matches_transformers(cfg: ModelConfig, hf_cfg, positions: list[int]) -> None:
+    """Our inverse frequencies, attention factor and cos/sin tables at ``positions`` equal
+    transformers' for the same config (float32)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    want_inv, want_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, "cpu")
+    torch.testing.assert_close(rope_inv_freq(cfg), want_inv, atol=0, rtol=1e-6)
+    assert rope_attention_factor(cfg) == pytest.approx(want_factor, rel=1e-12)
+    pos = torch.tensor(positions)
+    cos, sin = rope_cos_sin(rope_inv_freq(cfg), pos, torch.float32, rope_attention_factor(cfg))
+    hf_cos, hf_sin = _hf_rotary(hf_cfg)(torch.zeros(1, dtype=torch.float32), pos[None])
+    torch.testing.assert_close(cos[:, 0], hf_cos[0], atol=1e-5, rtol=1.3e-6)
+    torch.testing.assert_close(sin[:, 0], hf_sin[0], atol=1e-5, rtol=1.3e-6)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("scaling", list(YARN_VARIANTS.values()), ids=list(YARN_VARIANTS))
+def test_yarn_rope_matches_transformers(family, scaling):
+    cfg = ModelConfig(
+        family, 100, 128, 64, 1, 4, 2, rope_theta=10000.0, rope_scaling=scaling, max_position_embeddings=256
+    )
+    cls = transformers.LlamaConfig if family == "llama" else transformers.Qwen3Config
+    # transformers reads the dict as given (a null factor too), not our normalised copy
+    hf_cfg = cls(**{**cfg.to_hf_dict(), "rope_scaling": dict(scaling), "rope_parameters": None})
+    _assert_rope_matches_transformers(cfg, hf_cfg, [0, 1, 63, 64, 200, 255])
+    assert ModelConfig.from_hf_dict(hf_cfg.to_dict()) == cfg
+    plain = rope_inv_freq(cfg.replace(rope_scaling=None))
+    assert torch.equal(rope_inv_freq(cfg)[0], plain[0])  # the fastest pair extrapolates
+    if cfg.rope_scaling["factor"] > 1:
+        assert not torch.allclose(rope_inv_freq(cfg), plain)
+
+
+def test_yarn_original_context_defaults_to_max_position_embeddings_as_in_transformers():
+    d = {**make_hf_model(HF_CASES["qwen3-yarn"]).config.to_dict(), "rope_parameters": None}
+    d.update(rope_theta=10000.0, rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    cfg = ModelConfig.from_hf_dict(d)
+    assert cfg.rope_scaling["original_max_position_embeddings"] == 256
+    _assert_rope_matches_transformers(cfg, transformers.Qwen3Config(**d), [0, 255])
+
+
+@pytest.mark.parametrize("fused", ["never", "always"])
+@pytest.mark.parametrize("case", ["qwen3-yarn", "llama-yarn"])
+def test_yarn_forward_matches_transformers_past_the_original_context(case, fused, tmp_path, monkeypatch):
+    """200 positions over a model trained on 64 (YARN_SCALING): the torch path and the fused one
+    (its CPU twins) give transformers' logits."""
+    hf = make_hf_model(HF_CASES[case])
+    hf.save_pretrained(tmp_path)
+    ours = load_hf_dir(tmp_path)
+    assert ours.config.rope_scaling == YARN_SCALING and ours.rope_attention_factor > 1.1
+    monkeypatch.setattr(transformer, "FUSED_KERNELS", fused)
+    n = 200
+    ids = torch.randint(0, 257, (n,), generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(n) + 50  # up to 249 of max_position_embeddings 256
+    with torch.no_grad():
+        ref = hf(ids[None], position_ids=pos[None]).logits[0]
+    logits, _ = ours(ids, pos, dense_causal_attn())
+    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+    # without the attention factor the logits move ten times past that tolerance
+    monkeypatch.setattr(ours, "rope_attention_factor", 1.0)
+    assert (ours(ids, pos, dense_causal_attn())[0] - ref).abs().max() > 1e-3
+
+
+def test_qwen3_8b_128k_preset():
+    """Qwen3-8B with YaRN to 131,072 positions (factor 4 over 32,768, as its model card says):
+    qwen3-8b's shape, and transformers' RoPE for it at positions across the 128K."""
+    from oasiskv.bench.kernels import PRESETS as KERNEL_SHAPES
+
+    cfg = preset_config("qwen3-8b-128k")
+    assert cfg.max_position_embeddings == 131072
+    assert cfg.rope_scaling == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    base = PRESETS["qwen3-8b"]
+    assert cfg.replace(rope_scaling=None, max_position_embeddings=40960) == base
+    assert KERNEL_SHAPES["qwen3-8b-128k"] == KERNEL_SHAPES["qwen3-8b"]
+    # --fig11 --contexts 65536 (and 128K less the decoded tokens) fit the model's context
+    assert 65536 + 64 - 1 <= cfg.max_position_embeddings
+    hf_cfg = transformers.Qwen3Config(**cfg.to_hf_dict())
+    assert rope_attention_factor(cfg) == pytest.approx(0.1 * math.log(4) + 1)
+    _assert_rope_matches_transformers(cfg, hf_cfg, [0, 4095, 32767, 32768, 65535, 131071])
 
 
 def test_varlen_batch_equals_separate_requests():
@@ -286,7 +408,14 @@ def test_greedy_generate_and_context_limit():
         ({"num_key_value_heads": 4}, "multiple of num_key_value_heads"),
         ({"head_dim": 15}, "even"),
         ({"family": "mistral"}, "family"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn' is not supported"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "'longrope' is not supported"),
+        ({"rope_scaling": {**YARN_SCALING, "factor": 0.5}}, "factor' >= 1"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "needs original_max_position_embeddings"),
+        ({"rope_scaling": {**YARN_SCALING, "original_max_position_embeddings": 64.0}}, "positive int"),
+        ({"rope_scaling": {**YARN_SCALING, "beta_fast": 1.0, "beta_slow": 2.0}}, "beta_fast >= beta_slow"),
+        ({"rope_scaling": {**YARN_SCALING, "attention_factor": -1.0}}, "attention_factor must be"),
+        ({"rope_scaling": {**YARN_SCALING, "truncate": "yes"}}, "truncate must be true or false"),
+        ({"rope_scaling": {**YARN_SCALING, "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "missing"),
         ({"hidden_size": 0}, "positive"),
         ({"eos_token_ids": [1000]}, "outside the vocabulary"),

@@ -13,6 +13,8 @@ LLAMA3_SCALING = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 32,
 }
+#: Qwen3's 128K recipe (factor 4 over the trained context) scaled down: 64 positions trained, 256 run.
+YARN_SCALING = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
 
 
 # small, deliberately odd geometries
@@ -30,6 +32,8 @@ HF_CASES = {
     ),
     "qwen3-gqa3": dict(family="qwen3", heads=6, kv=2, head_dim=24),
     "qwen3-mha-tied": dict(family="qwen3", heads=6, kv=6, head_dim=16, tie=True),
+    "qwen3-yarn": dict(family="qwen3", heads=6, kv=2, head_dim=16, rope_scaling=YARN_SCALING, max_pos=256),
+    "llama-yarn": dict(family="llama", heads=6, kv=3, head_dim=16, rope_scaling=YARN_SCALING, max_pos=256),
 }
 
 
@@ -47,7 +51,7 @@ def make_hf_model(case: dict, seed: int = 0):
         head_dim=case["head_dim"],
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
-        max_position_embeddings=512,
+        max_position_embeddings=case.get("max_pos", 512),
         tie_word_embeddings=case.get("tie", False),
         bos_token_id=1,
         eos_token_id=2,

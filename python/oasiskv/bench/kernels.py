@@ -20,6 +20,7 @@ import torch
 
 PRESETS = {
     "qwen3-8b": {"num_qo_heads": 32, "num_kv_heads": 8, "head_dim": 128, "block_size": 16},
+    "qwen3-8b-128k": {"num_qo_heads": 32, "num_kv_heads": 8, "head_dim": 128, "block_size": 16},
     "llama3.1-8b": {"num_qo_heads": 32, "num_kv_heads": 8, "head_dim": 128, "block_size": 16},
 }
 

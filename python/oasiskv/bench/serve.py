@@ -47,9 +47,9 @@ The set-acceptance oracle (``--draft-acceptance``) is ``--fig11``'s: it needs re
 
 ``--in-process`` takes what ``oasis serve`` takes (``smollm2``, a ``.gguf`` file, a Hugging Face
 directory) or the name of a model-shaped preset (``oasiskv.models.config.PRESETS``: ``qwen3-8b``,
-``qwen3-32b``, ``qwen3-235b-a22b``, ``tiny``, ...) for random weights (``--seed``). ``--tp N``
-runs the same sweep on a :class:`~oasiskv.parallel.TPLLMEngine` over ``N`` ranks spawned by
-:func:`~oasiskv.parallel.run_tp` (NCCL with a GPU per rank, gloo on the CPU with
+``qwen3-8b-128k``, ``qwen3-32b``, ``qwen3-235b-a22b``, ``tiny``, ...) for random weights
+(``--seed``). ``--tp N`` runs the same sweep on a :class:`~oasiskv.parallel.TPLLMEngine` over
+``N`` ranks spawned by :func:`~oasiskv.parallel.run_tp` (NCCL with a GPU per rank, gloo on the CPU with
 ``--device cpu``); rank 0 drives the sweep and reports it. A preset's ranks draw their own
 shards on their device (``TPCausalLM.random_shards``: seconds, not the full model's draws); a
 checkpoint is loaded on every rank and sharded. Budgets are per rank.

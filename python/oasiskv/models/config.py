@@ -22,8 +22,11 @@ from oasiskv.errors import ConfigError
 
 #: ``config.json`` ``model_type`` values this package implements, mapped to :attr:`ModelConfig.family`.
 SUPPORTED_MODEL_TYPES: dict[str, str] = {"llama": "llama", "qwen3": "qwen3", "qwen3_moe": "qwen3"}
-#: RoPE scaling kinds implemented (``None`` = plain RoPE).
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+#: RoPE scaling kinds implemented (``None`` = plain RoPE), with transformers' semantics
+#: (``transformers.modeling_rope_utils``): ``linear`` divides every frequency by ``factor``,
+#: ``llama3`` the low ones only, ``yarn`` interpolates the low ones and scales cos/sin by an
+#: attention factor (:func:`yarn_attention_factor`).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 #: Upper bounds on the sizes a config may give. Arbitrary: 8x to 64x past the largest released
 #: dense models, so that a typo (an extra zero, 10**11) fails here, naming its field, instead of in the
@@ -43,10 +46,77 @@ SIZE_BOUNDS: dict[str, int] = {
 MOE_SIZE_BOUNDS: dict[str, int] = {"num_experts": 1 << 12, "moe_intermediate_size": 1 << 20}
 
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+#: YaRN's optional keys (transformers' ``_validate_yarn_rope_parameters``); the numbers default as
+#: there: beta_fast 32, beta_slow 1, truncate true, attention_factor from factor and the mscales.
+_YARN_NUMBERS = ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
-def _normalize_rope_scaling(rs: Any) -> dict[str, Any] | None:
-    """Canonical form: ``None`` or ``{"rope_type": "linear"|"llama3", ...numbers}``."""
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's Eq. 21, ``0.1 * mscale * ln(scale) + 1`` (1 for scale <= 1): transformers'
+    ``yarn_get_mscale``."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_attention_factor(rs: Mapping[str, Any]) -> float:
+    """The factor YaRN multiplies cos and sin by (so every q.k by its square), from a normalised
+    ``yarn`` ``rope_scaling``: its ``attention_factor`` when given, else
+    ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` when both mscales are given and
+    non-zero, else ``mscale(factor)`` (transformers' ``_compute_yarn_parameters``; Qwen3's 4x
+    over 32768: 0.1 ln 4 + 1 = 1.1386)."""
+    if rs.get("attention_factor") is not None:
+        return float(rs["attention_factor"])
+    factor, mscale, mscale_all_dim = rs["factor"], rs.get("mscale"), rs.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+    return _yarn_mscale(factor)
+
+
+def _normalize_yarn(rs: Mapping[str, Any], max_position_embeddings: int | None) -> dict[str, Any]:
+    """The ``yarn`` branch of :func:`_normalize_rope_scaling`: the keys transformers reads, typed;
+    optional ones only when given (so :meth:`ModelConfig.to_hf_dict` writes back what was read)."""
+    example = "e.g. {'rope_type': 'yarn', 'factor': 4.0, 'original_max_position_embeddings': 32768}"
+    orig = rs.get("original_max_position_embeddings")
+    if not isinstance(orig, int) or isinstance(orig, bool) or orig <= 0:
+        raise ConfigError(
+            f"yarn rope_scaling needs original_max_position_embeddings, the pre-training context, as "
+            f"a positive int, got {orig!r} ({example})"
+        )
+    factor = rs.get("factor")
+    if factor is None and max_position_embeddings is not None:
+        factor = max_position_embeddings / orig  # transformers' rule for a null factor
+    if not _is_number(factor) or not math.isfinite(factor) or factor < 1:
+        raise ConfigError(
+            f"yarn rope_scaling needs a 'factor' >= 1 (the context it extends to over "
+            f"original_max_position_embeddings), got {factor!r} ({example})"
+        )
+    out: dict[str, Any] = {"rope_type": "yarn", "factor": float(factor)}
+    out["original_max_position_embeddings"] = orig
+    for key in _YARN_NUMBERS:
+        v = rs.get(key)
+        if v is None:
+            continue
+        ok = _is_number(v) and math.isfinite(v) and (v >= 0 if key.startswith("mscale") else v > 0)
+        if not ok:
+            sign = ">= 0" if key.startswith("mscale") else "> 0"
+            raise ConfigError(
+                f"yarn rope_scaling's {key} must be a finite number {sign} or absent, got {v!r}"
+            )
+        out[key] = float(v)
+    if out.get("beta_fast", 32.0) < out.get("beta_slow", 1.0):
+        raise ConfigError(
+            f"yarn rope_scaling needs beta_fast >= beta_slow (defaults 32 and 1), got "
+            f"beta_fast={out.get('beta_fast', 32.0)}, beta_slow={out.get('beta_slow', 1.0)}"
+        )
+    if rs.get("truncate") is not None:
+        if not isinstance(rs["truncate"], bool):
+            raise ConfigError(f"yarn rope_scaling's truncate must be true or false, got {rs['truncate']!r}")
+        out["truncate"] = rs["truncate"]
+    return out
+
+
+def _normalize_rope_scaling(rs: Any, max_position_embeddings: int | None = None) -> dict[str, Any] | None:
+    """Canonical form: ``None`` or ``{"rope_type": "linear"|"llama3"|"yarn", ...numbers}``.
+    ``max_position_embeddings`` stands in for a yarn ``factor`` of null, as in transformers."""
     if rs is None:
         return None
     if not isinstance(rs, Mapping):
@@ -59,10 +129,18 @@ def _normalize_rope_scaling(rs: Any) -> dict[str, Any] | None:
         return None
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ConfigError(
-            f"rope_scaling type {rope_type!r} is not supported; supported: 'llama3', 'linear' or none. "
-            "Use a checkpoint with one of those, or remove "
+            f"rope_scaling type {rope_type!r} is not supported; supported: 'llama3', 'linear', 'yarn' "
+            "or none. Use a checkpoint with one of those, or remove "
             "rope_scaling from config.json to run with plain RoPE."
         )
+    partial = rs.get("partial_rotary_factor")
+    if partial is not None and partial != 1:
+        raise ConfigError(
+            f"rope_scaling sets partial_rotary_factor={partial!r}; only full-width RoPE (1.0) is "
+            "implemented: remove it, or use a model that rotates every dimension"
+        )
+    if rope_type == "yarn":
+        return _normalize_yarn(rs, max_position_embeddings)
     out: dict[str, Any] = {"rope_type": rope_type}
     if rope_type == "linear":
         factor = rs.get("factor")
@@ -114,7 +192,8 @@ class ModelConfig:
     """Hyper-parameters of a decoder-only Llama or Qwen3 model.
 
     ``head_dim`` defaults to ``hidden_size // num_attention_heads``. ``rope_scaling`` is ``None`` or a
-    dict ``{"rope_type": "llama3"|"linear", ...}`` (normalised on construction). ``eos_token_ids`` lists
+    dict in Hugging Face's format, ``{"rope_type": "llama3"|"linear"|"yarn", ...}`` (normalised on
+    construction; :data:`SUPPORTED_ROPE_TYPES`). ``eos_token_ids`` lists
     every id that ends generation. Construction validates everything and raises
     :class:`~oasiskv.errors.ConfigError` with a fix-it message.
 
@@ -189,7 +268,9 @@ class ModelConfig:
             raise ConfigError(f"rope_theta must be a positive finite number, got {self.rope_theta!r}")
         object.__setattr__(self, "rms_norm_eps", float(self.rms_norm_eps))
         object.__setattr__(self, "rope_theta", float(self.rope_theta))
-        object.__setattr__(self, "rope_scaling", _normalize_rope_scaling(self.rope_scaling))
+        object.__setattr__(
+            self, "rope_scaling", _normalize_rope_scaling(self.rope_scaling, self.max_position_embeddings)
+        )
         object.__setattr__(self, "tie_word_embeddings", bool(self.tie_word_embeddings))
         eos = self.eos_token_ids
         if eos is None:
@@ -380,8 +461,9 @@ class ModelConfig:
             rope_theta = 1e6 if family == "qwen3" else 10000.0
         if isinstance(rope_scaling, Mapping):
             rope_scaling = {k: v for k, v in rope_scaling.items() if k != "rope_theta"}
+            # transformers' standardize_rope_params: the pre-training context defaults to this one
             if (
-                rope_scaling.get("rope_type", rope_scaling.get("type")) == "llama3"
+                rope_scaling.get("rope_type", rope_scaling.get("type")) in ("llama3", "yarn")
                 and "original_max_position_embeddings" not in rope_scaling
                 and "max_position_embeddings" in d
             ):
@@ -485,23 +567,31 @@ def estimate_model_bytes(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -
     return cfg.num_parameters * dtype.itemsize
 
 
+# Qwen/Qwen3-8B config.json (36 layers, 32 query / 8 KV heads of 128, untied embeddings).
+_QWEN3_8B = ModelConfig(
+    family="qwen3",
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    max_position_embeddings=40960,
+    eos_token_ids=[151645, 151643],
+)
+
 #: Model-shaped configurations with no checkpoint behind them (benchmarks run them with random
 #: weights): the published shapes of released models, and ``tiny`` for a CPU smoke run.
 PRESETS: dict[str, ModelConfig] = {
-    # Qwen/Qwen3-8B config.json (36 layers, 32 query / 8 KV heads of 128, untied embeddings).
-    "qwen3-8b": ModelConfig(
-        family="qwen3",
-        vocab_size=151936,
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_hidden_layers=36,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        rms_norm_eps=1e-6,
-        rope_theta=1000000.0,
-        max_position_embeddings=40960,
-        eos_token_ids=[151645, 151643],
+    "qwen3-8b": _QWEN3_8B,
+    # Qwen3-8B as its model card runs 131,072 tokens: YaRN, factor 4 over the 32,768 positions it
+    # was trained on (cos/sin scaled by 0.1 ln 4 + 1 = 1.1386).
+    "qwen3-8b-128k": _QWEN3_8B.replace(
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+        max_position_embeddings=131072,
     ),
     # meta-llama/Llama-3.1-8B-Instruct config.json (llama3 RoPE scaling to 128K).
     "llama3.1-8b": ModelConfig(

@@ -57,6 +57,7 @@ from oasiskv.models.transformer import (
     RMSNorm,
     apply_rope,
     causal_attention,
+    rope_attention_factor,
     rope_cos_sin,
     rope_inv_freq,
 )
@@ -356,6 +357,7 @@ class Eagle3Head(nn.Module):
         self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long, device=device))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool, device=device))
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
+        self.rope_attention_factor = rope_attention_factor(cfg)  # YaRN's cos/sin scale, else 1.0
         self.embed_tokens: nn.Embedding | None = (
             nn.Embedding(cfg.vocab_size, h, **kw) if has_embedding else None  # type: ignore[arg-type]
         )
@@ -459,7 +461,8 @@ class Eagle3Head(nn.Module):
         q = at.q_proj(x).view(n, cfg.num_attention_heads, d)  # type: ignore[arg-type]
         k = at.k_proj(x).view(n, cfg.num_key_value_heads, d)  # type: ignore[arg-type]
         v = at.v_proj(x).view(n, cfg.num_key_value_heads, d)  # type: ignore[arg-type]
-        cos, sin = rope_cos_sin(self.inv_freq, positions.to(self.inv_freq.device), dt)
+        pos = positions.to(self.inv_freq.device)
+        cos, sin = rope_cos_sin(self.inv_freq, pos, dt, self.rope_attention_factor)
         return h, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def _out(self, h: Tensor, o: Tensor) -> Tensor:

@@ -44,7 +44,7 @@ except ImportError:  # pragma: no cover - older torch: its default backends
 from oasiskv import ops
 from oasiskv.errors import ConfigError, ContextLengthError, ShapeError
 from oasiskv.memory import ensure_fits, format_bytes
-from oasiskv.models.config import ModelConfig, estimate_model_bytes
+from oasiskv.models.config import ModelConfig, estimate_model_bytes, yarn_attention_factor
 from oasiskv.models.moe import SparseMoE
 
 #: ``attn(layer_index, q [n, Hq, D], k [n, Hkv, D], v [n, Hkv, D]) -> o [n, Hq, D]``
@@ -103,7 +103,8 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig) -> Tensor:
-    """Inverse RoPE frequencies [head_dim // 2] (float32), with llama3 / linear scaling applied."""
+    """Inverse RoPE frequencies [head_dim // 2] (float32), with llama3 / linear / yarn scaling
+    applied (yarn's cos/sin factor is :func:`rope_attention_factor`)."""
     dim = cfg.head_dim
     assert dim is not None
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
@@ -112,6 +113,8 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
         return inv_freq
     if rs["rope_type"] == "linear":
         return inv_freq / rs["factor"]
+    if rs["rope_type"] == "yarn":
+        return _yarn_inv_freq(cfg.rope_theta, dim, rs)
     # llama3 (same arithmetic as transformers' _compute_llama3_parameters)
     factor = rs["factor"]
     low, high = rs["low_freq_factor"], rs["high_freq_factor"]
@@ -126,24 +129,63 @@ def rope_inv_freq(cfg: ModelConfig) -> Tensor:
     return torch.where(is_medium, smoothed, inv_freq_llama)
 
 
-def rope_cos_sin(inv_freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos/sin tables [n, 1, head_dim] for ``positions`` [n] (computed in float32, cast to ``dtype``)."""
+def _yarn_inv_freq(base: float, dim: int, rs: dict) -> Tensor:
+    """YaRN's frequencies (transformers' ``_compute_yarn_parameters``, the same float32 steps):
+    pairs that turn more than ``beta_fast`` times over the original context keep their frequency
+    (extrapolation), those under ``beta_slow`` times are divided by ``factor`` (interpolation), a
+    linear ramp over the pair index between."""
+    factor, orig = rs["factor"], rs["original_max_position_embeddings"]
+    beta_fast, beta_slow = rs.get("beta_fast") or 32, rs.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:  # the pair that turns num_rotations times
+        return (dim * math.log(orig / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rs.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """The factor cos and sin are multiplied by (transformers' ``attention_scaling``): YaRN's
+    (:func:`~oasiskv.models.config.yarn_attention_factor`), 1.0 for every other RoPE."""
+    rs = cfg.rope_scaling
+    return yarn_attention_factor(rs) if rs is not None and rs["rope_type"] == "yarn" else 1.0
+
+
+def rope_cos_sin(
+    inv_freq: Tensor, positions: Tensor, dtype: torch.dtype, attention_factor: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """cos/sin tables [n, 1, head_dim] for ``positions`` [n] (computed in float32, times
+    ``attention_factor`` (:func:`rope_attention_factor`) as transformers does, cast to ``dtype``)."""
     freqs = positions.to(torch.float32)[:, None] * inv_freq.to(device=positions.device)[None, :]
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+    cos, sin = emb.cos(), emb.sin()
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 class Rope(NamedTuple):
     """The RoPE inputs of one forward (:meth:`CausalLM.rope`): ``positions`` [n] and ``inv_freq``
     [head_dim // 2] (float32), which the fused kernel reads, and the torch path's ``cos``/``sin``
     tables [n, 1, head_dim] (``None`` on the fused path, which needs no tables). ``kv_groups``: the
-    row order of the k and v each layer hands to ``attn`` (see :meth:`CausalLM.forward`)."""
+    row order of the k and v each layer hands to ``attn`` (see :meth:`CausalLM.forward`).
+    ``attention_factor``: YaRN's scale of cos and sin (:func:`rope_attention_factor`), already in
+    the tables; the fused path applies it to the rotated q and k."""
 
     positions: Tensor
     inv_freq: Tensor
     cos: Tensor | None
     sin: Tensor | None
     kv_groups: int = 1
+    attention_factor: float = 1.0
 
     @property
     def fused(self) -> bool:
@@ -409,6 +451,11 @@ class DecoderLayer(nn.Module):
                 *norms,
                 kv_groups=rope.kv_groups,
             )
+            if rope.attention_factor != 1.0:
+                # NOTE: two more kernels per layer (YaRN models only) until qk_norm_rope takes the
+                # factor that scales its cos/sin; rope(x * f) = rope(x) * f, so this is the same.
+                q.mul_(rope.attention_factor)
+                k.mul_(rope.attention_factor)
         else:
             q = qkv[:, : self.q_size].view(n, hq, d)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(n, hkv, d)
@@ -478,6 +525,8 @@ class CausalLM(nn.Module):
         else:
             self.lm_head = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, **kw))
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
+        #: YaRN's scale of cos and sin (1.0 for other RoPE): :func:`rope_attention_factor`.
+        self.rope_attention_factor = rope_attention_factor(cfg)
         self.requires_grad_(False)
 
     # ------------------------------------------------------------------ properties
@@ -546,9 +595,10 @@ class CausalLM(nn.Module):
         if use_fused(like, self.norm.weight):
             if positions.dtype not in (torch.int64, torch.int32):
                 positions = positions.long()
-            return Rope(positions.to(like.device).contiguous(), self.inv_freq, None, None)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, like.dtype)
-        return Rope(positions, self.inv_freq, cos, sin)
+            positions = positions.to(like.device).contiguous()
+            return Rope(positions, self.inv_freq, None, None, attention_factor=self.rope_attention_factor)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, like.dtype, self.rope_attention_factor)
+        return Rope(positions, self.inv_freq, cos, sin, attention_factor=self.rope_attention_factor)
 
     def embed(self, ids: Tensor) -> Tensor:
         """Token embeddings [n, hidden] in the compute dtype."""
