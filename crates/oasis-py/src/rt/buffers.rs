@@ -1,0 +1,245 @@
+//! Bytes across the boundary: staged payloads read in place (torch tensors, buffers), the host
+//! pool rows `read_blocks_into` writes, and the `bytearray` replies.
+
+use super::*;
+
+/// A staging argument's bytes, borrowed: a contiguous CPU tensor's storage or a C-contiguous
+/// buffer. Valid while the Python object it came from is alive, which the caller's reference
+/// guarantees for the whole call; `release` it (with the GIL) when done.
+pub(super) struct Payload {
+    pub(super) ptr: usize,
+    pub(super) len: usize,
+    pub(super) buf: Option<PyBuffer<u8>>,
+}
+
+impl Payload {
+    /// A copy of bytes `range` (callable with the GIL released). Bulk staging copies frame-sized
+    /// pieces, never the whole argument at once: a large fresh buffer costs its page faults.
+    pub(super) fn copy(&self, range: std::ops::Range<usize>) -> Bytes {
+        assert!(
+            range.start <= range.end && range.end <= self.len,
+            "payload range"
+        );
+        if range.is_empty() {
+            return Bytes::new();
+        }
+        // SAFETY: `ptr..ptr + len` is the argument's memory (a contiguous CPU tensor's storage or
+        // a C-contiguous buffer, checked in `payload_view`), kept alive and unmoved by the
+        // caller's reference (and `buf`) until `release`; `range` lies inside it; only read.
+        let s = unsafe {
+            std::slice::from_raw_parts((self.ptr + range.start) as *const u8, range.len())
+        };
+        Bytes::copy_from_slice(s)
+    }
+
+    pub(super) fn release(self, py: Python<'_>) {
+        if let Some(b) = self.buf {
+            b.release(py);
+        }
+    }
+}
+
+/// Borrow a staging argument: a contiguous CPU tensor or a C-contiguous buffer.
+pub(super) fn payload_view(
+    py: Python<'_>,
+    name: &str,
+    obj: &Bound<'_, PyAny>,
+) -> PyResult<Payload> {
+    if obj.hasattr("data_ptr")? {
+        let t: TensorArg = obj.extract()?;
+        if t.device != "cpu" || !t.contiguous {
+            return Err(py_err(
+                py,
+                "DeviceError",
+                format!(
+                    "{name} must be a contiguous CPU tensor, got one on {} (contiguous: {}); pass \
+                     {name}.contiguous().cpu()",
+                    t.device, t.contiguous
+                ),
+            ));
+        }
+        return Ok(Payload {
+            ptr: t.ptr,
+            len: t.numel() * t.elem_size,
+            buf: None,
+        });
+    }
+    let buf = PyBuffer::<u8>::get(obj).map_err(|_| {
+        let ty = obj
+            .get_type()
+            .name()
+            .map(|n| n.to_string())
+            .unwrap_or_default();
+        py_err(
+            py,
+            "DTypeError",
+            format!("{name} must be a CPU tensor or a bytes-like object, got {ty}"),
+        )
+    })?;
+    if !buf.is_c_contiguous() {
+        return Err(bad_arg(
+            py,
+            format!("{name} is not C-contiguous; pass bytes(...) or a contiguous array"),
+        ));
+    }
+    Ok(Payload {
+        ptr: buf.buf_ptr() as usize,
+        len: buf.len_bytes(),
+        buf: Some(buf),
+    })
+}
+
+/// Bytes of a staging argument, copied once with the GIL released.
+pub(super) fn payload(py: Python<'_>, name: &str, obj: &Bound<'_, PyAny>) -> PyResult<Bytes> {
+    let view = payload_view(py, name, obj)?;
+    let out = py.detach(|| view.copy(0..view.len));
+    view.release(py);
+    Ok(out)
+}
+
+/// One `bytearray` holding `parts` back to back; the copy runs with the GIL released.
+/// Where `read_blocks_into` writes entry `i`: its K half at `k`, its V half at `v`, `half`
+/// bytes each.
+pub(super) struct Dest {
+    pub(super) k: usize,
+    pub(super) v: usize,
+    pub(super) half: usize,
+}
+
+/// Check the pools and every `(key, row)` against them; the destinations in key order.
+pub(super) fn pool_dests(
+    py: Python<'_>,
+    keys: &[(u64, u16, u32, i32)],
+    rows: &[i64],
+    host_k: &[TensorArg],
+    host_v: &[TensorArg],
+) -> PyResult<Vec<Dest>> {
+    if rows.len() != keys.len() {
+        return Err(bad_arg(
+            py,
+            format!(
+                "rows has {} entries for {} keys; pass one host row per key",
+                rows.len(),
+                keys.len()
+            ),
+        ));
+    }
+    if host_k.len() != host_v.len() || host_k.is_empty() {
+        return Err(bad_arg(
+            py,
+            format!(
+                "host_k and host_v are lists of one pool per layer, of equal length (got {} and {})",
+                host_k.len(),
+                host_v.len()
+            ),
+        ));
+    }
+    let first = &host_k[0];
+    for (name, t) in host_k
+        .iter()
+        .map(|t| ("host_k", t))
+        .chain(host_v.iter().map(|t| ("host_v", t)))
+    {
+        if t.device != "cpu" {
+            return Err(py_err(
+                py,
+                "DeviceError",
+                format!("{name} pools must be CPU tensors, got one on {}", t.device),
+            ));
+        }
+        if !t.contiguous {
+            return Err(py_err(
+                py,
+                "ShapeError",
+                format!("{name} pools must be contiguous"),
+            ));
+        }
+        if t.shape.len() != 4 || t.shape != first.shape {
+            return Err(py_err(
+                py,
+                "ShapeError",
+                format!(
+                    "every host pool must be [rows, num_kv_heads, block_size, head_dim] of one shape; got {:?} and {:?}",
+                    first.shape, t.shape
+                ),
+            ));
+        }
+        if t.dtype != first.dtype {
+            return Err(py_err(
+                py,
+                "DTypeError",
+                format!(
+                    "host pools of mixed dtypes ({} and {})",
+                    first.dtype, t.dtype
+                ),
+            ));
+        }
+    }
+    let (nrows, heads) = (first.shape[0], first.shape[1]);
+    let head_bytes = first.shape[2] * first.shape[3] * first.elem_size;
+    let mut out = Vec::with_capacity(keys.len());
+    for (&(_, layer, block, head), &row) in keys.iter().zip(rows) {
+        let l = usize::from(layer);
+        if l >= host_k.len() {
+            return Err(bad_arg(
+                py,
+                format!(
+                    "block {block} of layer {layer}: the pools have {} layers",
+                    host_k.len()
+                ),
+            ));
+        }
+        let row = usize::try_from(row)
+            .ok()
+            .filter(|&r| r < nrows)
+            .ok_or_else(|| {
+                bad_arg(
+                    py,
+                    format!("host row {row} is outside the pools' {nrows} rows"),
+                )
+            })?;
+        let (at, half) = match head {
+            -1 => (row * heads * head_bytes, heads * head_bytes),
+            h if h >= 0 && (h as usize) < heads => {
+                ((row * heads + h as usize) * head_bytes, head_bytes)
+            }
+            h => {
+                return Err(bad_arg(
+                    py,
+                    format!(
+                        "head {h} is neither -1 (every head) nor one of the pools' {heads} heads"
+                    ),
+                ))
+            }
+        };
+        out.push(Dest {
+            k: host_k[l].ptr + at,
+            v: host_v[l].ptr + at,
+            half,
+        });
+    }
+    Ok(out)
+}
+
+pub(super) fn bytearray_of<'py>(
+    py: Python<'py>,
+    parts: &[Bytes],
+) -> PyResult<Bound<'py, PyByteArray>> {
+    let total: usize = parts.iter().map(Bytes::len).sum();
+    let out = PyByteArray::new_with(py, total, |_| Ok(()))?;
+    let dst = out.data() as usize;
+    py.detach(|| {
+        let mut at = 0;
+        for p in parts {
+            // SAFETY: `out` was just created here and is referenced nowhere else, so nothing can
+            // resize or free it while the GIL is released; it holds `total` bytes, the sum of
+            // the parts' lengths, so every write stays inside it; the parts are Rust buffers
+            // and cannot overlap it.
+            unsafe {
+                std::ptr::copy_nonoverlapping(p.as_ptr(), (dst as *mut u8).add(at), p.len());
+            }
+            at += p.len();
+        }
+    });
+    Ok(out)
+}
