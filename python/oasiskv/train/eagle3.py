@@ -236,7 +236,7 @@ def ttt_forward(
         q = at.q_proj(x).view(b, n, hq, d)
         kk = at.k_proj(x).view(b, n, hkv, d)
         vv = at.v_proj(x).view(b, n, hkv, d)
-        cos, sin = rope_cos_sin(head.inv_freq, pos, torch.float32)
+        cos, sin = rope_cos_sin(head.inv_freq, pos, torch.float32, head.rope_attention_factor)
         q, kk = apply_rope(q, cos, sin).to(vv.dtype), apply_rope(kk, cos, sin).to(vv.dtype)
         ks.append(kk)
         vs.append(vv)
