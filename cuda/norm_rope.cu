@@ -96,7 +96,8 @@ __device__ void qk_norm_rope_impl(
     T* __restrict__ q_out,                 // [n, num_heads, head_dim]
     T* __restrict__ k_out,                 // [n, num_kv_heads, head_dim]
     T* __restrict__ v_out,                 // [n, num_kv_heads, head_dim]
-    i64 qkv_stride, int num_heads, int num_kv_heads, int head_dim, float eps, int kv_groups, int num_rows) {
+    i64 qkv_stride, int num_heads, int num_kv_heads, int head_dim, float eps, int kv_groups, int num_rows,
+    float rope_scale) {
     extern __shared__ float qk_smem[];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -141,8 +142,9 @@ __device__ void qk_norm_rope_impl(
         const int i = lo ? d : d - half;
         double s, c;
         sincos((double)__fmul_rn(pos, inv_freq[i]), &s, &c);
-        const float cs = to_f32(from_f32<T>(__double2float_rn(c)));
-        const float sn = to_f32(from_f32<T>(__double2float_rn(s)));
+        // Scaled in f32, then rounded to T: transformers' cos * attention_scaling, .to(dtype).
+        const float cs = to_f32(from_f32<T>(__fmul_rn(__double2float_rn(c), rope_scale)));
+        const float sn = to_f32(from_f32<T>(__fmul_rn(__double2float_rn(s), rope_scale)));
         const float rot = lo ? -buf[d + half] : buf[d - half];
         const float a = to_f32(from_f32<T>(__fmul_rn(buf[d], cs)));
         const float b = to_f32(from_f32<T>(__fmul_rn(rot, sn)));
@@ -167,7 +169,8 @@ OASIS_RMS_NORM(rms_norm_f32, float)
     extern "C" __global__ void NAME(const __grid_constant__ oasis::QkNormRopeParams<T> p) {         \
         oasis::qk_norm_rope_impl<T>(p.qkv, p.positions_i64, p.positions_i32, p.inv_freq, p.q_norm,  \
                                     p.k_norm, p.q_out, p.k_out, p.v_out, p.qkv_stride, p.num_heads, \
-                                    p.num_kv_heads, p.head_dim, p.eps, p.kv_groups, p.num_rows);    \
+                                    p.num_kv_heads, p.head_dim, p.eps, p.kv_groups, p.num_rows,     \
+                                    p.rope_scale);                                                  \
     }
 
 OASIS_QK_NORM_ROPE(qk_norm_rope_bf16, oasis::bf16)

@@ -329,6 +329,8 @@ struct QkNormRopeParams {
     float eps;                     // of the q/k norm
     int kv_groups;                 // >= 1: k_out, v_out rows grouped by row within groups of this many
     int num_rows;                  // n, a multiple of kv_groups
+    float rope_scale;              // cos and sin times this (YaRN's attention factor; 1 otherwise)
+    int _pad0;
 };
 
 // wait_stamp (cuda/wait_stamp.cu): the compute stream's waits on background work, timed.

@@ -529,10 +529,12 @@ def qk_norm_rope(
     v_out: torch.Tensor,
     *,
     kv_groups: int = 1,
+    rope_scale: float = 1.0,
     stream: int = 0,
 ) -> None:
     """q, k, v from the fused QKV projection: optional per-head q/k RMSNorm, rotate-half RoPE at
-    ``positions``, the V copy; ``kv_groups`` > 1 orders the k and v rows by row within groups."""
+    ``positions`` (cos and sin times ``rope_scale``), the V copy; ``kv_groups`` > 1 orders the k
+    and v rows by row within groups."""
 
 def decode_attn_workspace_len(
     num_seqs: int, num_rows: int, num_qo_heads: int, head_dim: int, num_splits: int

@@ -551,6 +551,7 @@ def qk_norm_rope(
     k_out: torch.Tensor | None = None,
     v_out: torch.Tensor | None = None,
     kv_groups: int = 1,
+    rope_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The attention prologue of a decoder layer, in one kernel (issue 10): from the fused QKV
     projection ``qkv [n, q_size + 2 * kv_size]`` (rows may be strided) return contiguous
@@ -561,7 +562,9 @@ def qk_norm_rope(
     int32, read by the kernel) with ``inv_freq [head_dim // 2]`` (float32); values are copied. The
     numerics are those of ``rms_norm``, ``rope_cos_sin`` and ``apply_rope`` of
     :mod:`oasiskv.models.transformer`, with cos/sin rounded correctly to float32 (torch's are within
-    1 ulp of them). On CUDA the kernel is queued on the current stream (CUDA-graph capturable).
+    1 ulp of them). ``rope_scale`` multiplies cos and sin in float32 before their rounding to the
+    dtype (YaRN's attention factor, as transformers applies it; 1.0 otherwise). On CUDA the kernel
+    is queued on the current stream (CUDA-graph capturable).
 
     ``kv_groups`` = G > 1 (dividing n): the rows are n / G groups of G consecutive rows (row
     ``t = s * G + r``, a decode step's rows of request s), and row t's key and value heads go to
@@ -592,6 +595,7 @@ def qk_norm_rope(
         k_out,
         v_out,
         kv_groups=int(kv_groups),
+        rope_scale=float(rope_scale),
         stream=_stream(dev),
     )
     return q_out, k_out, v_out

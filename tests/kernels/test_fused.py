@@ -262,6 +262,28 @@ def test_qk_norm_rope_positions_and_gqa():
     assert all(g is o for g, o in zip(got, outs, strict=True))
 
 
+def test_qk_norm_rope_scales_cos_and_sin():
+    """``rope_scale`` (YaRN's attention factor) multiplies cos and sin in float32 before their
+    rounding: at position 0 (cos 1, sin 0) q and k come out times the scale, rounded once; v is
+    copied as is. A scale that is not a finite positive number is a ConfigError."""
+    gen = seeded("qk scale")
+    dtype, hq, hkv, d, n = torch.float32, 4, 2, 64, 5
+    qkv, pos, inv, _, _ = _qk_case(gen, dtype, hq, hkv, d, n, 0, False)
+    zero = torch.zeros(n, dtype=torch.long)
+    q, k, v = ops.qk_norm_rope(qkv, hq * d, hkv * d, hq, hkv, d, zero, inv, rope_scale=1.1386)
+    f = torch.tensor(1.1386, dtype=torch.float32)
+    assert_bits_equal(q.view(n, -1), qkv[:, : hq * d] * f, "q at position 0")
+    assert_bits_equal(k.view(n, -1), qkv[:, hq * d : (hq + hkv) * d] * f, "k at position 0")
+    assert_bits_equal(v.view(n, -1), qkv[:, (hq + hkv) * d :], "v")
+    plain = ops.qk_norm_rope(qkv, hq * d, hkv * d, hq, hkv, d, pos, inv)
+    one = ops.qk_norm_rope(qkv, hq * d, hkv * d, hq, hkv, d, pos, inv, rope_scale=1.0)
+    for x, y, name in zip(plain, one, "qkv", strict=True):
+        assert_bits_equal(x, y, f"rope_scale 1.0: {name}")
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(errors.ConfigError, match="rope_scale"):
+            ops.qk_norm_rope(qkv, hq * d, hkv * d, hq, hkv, d, pos, inv, rope_scale=bad)
+
+
 @pytest.mark.parametrize("groups", [2, 3])
 def test_qk_norm_rope_groups_key_and_value_rows_by_row(groups):
     """kv_groups = G: k and v rows move to row r * (n / G) + s for token s * G + r (what the engine's

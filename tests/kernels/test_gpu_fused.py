@@ -184,6 +184,14 @@ def test_qk_norm_rope_random(device, seed):
         torch.cuda.synchronize()
         for g, w, name in zip(got_g, want_g, "qkv", strict=True):
             assert_bits_equal(g.cpu(), w, f"gpu {name}, kv_groups {groups}: {desc}")
+    # rope_scale (YaRN's attention factor): the GPU's bits are the twin's.
+    want_s = ops.qk_norm_rope(qkv_v, *sizes, pos, inv, qn, kn, eps, rope_scale=1.1386)
+    outs = dict(q_out=poisoned(got[0]), k_out=poisoned(got[1]), v_out=poisoned(got[2]), rope_scale=1.1386)
+    inputs = (on_dev(wide, qkv.shape[1]), *sizes, dev(pos), dev(inv), dev(qn), dev(kn), eps)
+    got_s = ops.qk_norm_rope(*inputs, **outs)
+    torch.cuda.synchronize()
+    for g, w, name in zip(got_s, want_s, "qkv", strict=True):
+        assert_bits_equal(g.cpu(), w, f"gpu {name}, rope_scale: {desc}")
 
 
 # ---------------------------------------------------------------- CUDA graphs

@@ -363,6 +363,7 @@ fn norm_rope_case(rng: &mut Rng) {
         stride,
         Positions::I64(&pos),
         &inv,
+        1.0,
         norm,
         &mut q,
         &mut k,

@@ -548,6 +548,8 @@ kernel_params! {
         pub eps: f32,
         pub kv_groups: i32, // >= 1: k_out, v_out grouped by row within groups of this many rows
         pub num_rows: i32,  // n
+        pub rope_scale: f32, // cos and sin times this (YaRN's attention factor; 1 otherwise)
+        pub _pad0: i32,
     }
 }
 
@@ -605,7 +607,7 @@ mod tests {
         assert_eq!(size_of::<GatherBlocksParams>(), 9 * 8 + 12 * 4);
         assert_eq!(size_of::<CopyPagesParams>(), 7 * 8 + 2 * 4);
         assert_eq!(size_of::<RmsNormParams>(), 6 * 8 + 2 * 4);
-        assert_eq!(size_of::<QkNormRopeParams>(), 10 * 8 + 6 * 4);
+        assert_eq!(size_of::<QkNormRopeParams>(), 10 * 8 + 8 * 4);
         assert_eq!(size_of::<WaitStampParams>(), 8 + 2 * 4);
         assert_eq!(align_of::<DecodeAttnParams>(), 8);
         assert_eq!(std::mem::offset_of!(DecodeAttnParams, sm_scale), 132);

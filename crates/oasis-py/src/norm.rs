@@ -116,7 +116,7 @@ fn rms_norm(
 }
 
 #[pyfunction]
-#[pyo3(signature = (qkv, q_size, kv_size, num_heads, num_kv_heads, head_dim, positions, inv_freq, q_norm, k_norm, eps, q_out, k_out, v_out, *, kv_groups = 1, stream = 0))]
+#[pyo3(signature = (qkv, q_size, kv_size, num_heads, num_kv_heads, head_dim, positions, inv_freq, q_norm, k_norm, eps, q_out, k_out, v_out, *, kv_groups = 1, rope_scale = 1.0, stream = 0))]
 #[allow(clippy::too_many_arguments)]
 /// The attention prologue of a decoder layer from its fused QKV projection: per-head q/k RMSNorm
 /// (Qwen3; skipped when q_norm and k_norm are None), rotate-half RoPE, and the V copy.
@@ -129,8 +129,8 @@ fn rms_norm(
 /// disjoint from every other argument. qkv, the norms and the outputs share one dtype.
 ///
 /// Numerics are transformers' (rms_norm, then rope_cos_sin and apply_rope of
-/// oasiskv.models.transformer): cos and sin of float32(pos) * inv_freq rounded to float32 then to
-/// the dtype, and out = dtype(dtype(x * cos) + dtype(rotate_half(x) * sin)). The CPU and the GPU
+/// oasiskv.models.transformer): cos and sin of float32(pos) * inv_freq rounded to float32, times
+/// rope_scale in float32 (YaRN's attention factor; 1.0 otherwise), then rounded to the dtype, and out = dtype(dtype(x * cos) + dtype(rotate_half(x) * sin)). The CPU and the GPU
 /// compute the same bits.
 ///
 /// kv_groups = G > 1 (dividing n): the rows are n / G groups of G (row t = s * G + r), and row t's
@@ -155,9 +155,17 @@ fn qk_norm_rope(
     k_out: TensorArg,
     v_out: TensorArg,
     kv_groups: usize,
+    rope_scale: f32,
     stream: u64,
 ) -> PyResult<()> {
     entry(py, "qk_norm_rope", || {
+        if !(rope_scale.is_finite() && rope_scale > 0.0) {
+            return Err(py_err(
+                py,
+                "ConfigError",
+                format!("rope_scale must be a finite number > 0 (YaRN's attention factor), got {rope_scale}"),
+            ));
+        }
         let layout = HeadLayout {
             num_heads,
             num_kv_heads,
@@ -261,7 +269,7 @@ fn qk_norm_rope(
                 let weights = norm.map(|(qn, kn)| unsafe { (qn.slice::<T>(), kn.slice::<T>()) });
                 guarded(py, "qk_norm_rope", || {
                     let qk = weights.map(|(q_weight, k_weight)| QkNorm { q_weight, k_weight, eps });
-                    kernels::qk_norm_rope::<T>(&layout, x, qv.stride, pos, inv, qk.as_ref(), qo, ko, vo, kv_groups)
+                    kernels::qk_norm_rope::<T>(&layout, x, qv.stride, pos, inv, rope_scale, qk.as_ref(), qo, ko, vo, kv_groups)
                 })
             }),
             Place::Cuda(dev) => with_dtype!(dt, T => {
@@ -270,7 +278,7 @@ fn qk_norm_rope(
                 let (x, inv, qo, ko, vo) = unsafe { (qkv.span_dev::<T>(span), inv_freq.dev::<f32>(), q_out.dev::<T>(), k_out.dev::<T>(), v_out.dev::<T>()) };
                 let pos = if pos64 { PositionsDev::I64(unsafe { positions.dev::<i64>() }) } else { PositionsDev::I32(unsafe { positions.dev::<i32>() }) };
                 let weights = norm.map(|(qn, kn)| unsafe { (qn.dev::<T>(), kn.dev::<T>()) });
-                on_gpu(py, "qk_norm_rope", dev, stream, &[], move |gpu, st| gpu.qk_norm_rope::<T>(&layout, x, qv.stride, pos, inv, weights, eps, qo, ko, vo, kv_groups, st))
+                on_gpu(py, "qk_norm_rope", dev, stream, &[], move |gpu, st| gpu.qk_norm_rope::<T>(&layout, x, qv.stride, pos, inv, rope_scale, weights, eps, qo, ko, vo, kv_groups, st))
             }),
         }
     })

@@ -450,12 +450,8 @@ class DecoderLayer(nn.Module):
                 rope.inv_freq,
                 *norms,
                 kv_groups=rope.kv_groups,
+                rope_scale=rope.attention_factor,  # YaRN's cos/sin scale (1.0 otherwise)
             )
-            if rope.attention_factor != 1.0:
-                # NOTE: two more kernels per layer (YaRN models only) until qk_norm_rope takes the
-                # factor that scales its cos/sin; rope(x * f) = rope(x) * f, so this is the same.
-                q.mul_(rope.attention_factor)
-                k.mul_(rope.attention_factor)
         else:
             q = qkv[:, : self.q_size].view(n, hq, d)
             k = qkv[:, self.q_size : self.q_size + self.kv_size].view(n, hkv, d)

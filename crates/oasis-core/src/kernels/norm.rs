@@ -8,7 +8,7 @@
 //! ```text
 //! rms_norm:  xf = f32(x);  r = 1 / sqrt(sum(xf * xf) / hidden + eps);  y = T(xf * r);
 //!            out = T(f32(weight) * f32(y))                      (with a residual: x = T(x + residual))
-//! rope:      freq = f32(pos) * inv_freq[i];  cos = T(f32(cos(freq))),  sin = T(f32(sin(freq)))
+//! rope:      freq = f32(pos) * inv_freq[i];  cos = T(f32(cos(freq)) * s),  sin = T(f32(sin(freq)) * s), s = rope_scale
 //!            out[i]     = T(T(x[i] * cos) + T(-x[i + D/2] * sin))        i <  D/2
 //!            out[i+D/2] = T(T(x[i+D/2] * cos) + T(x[i] * sin))
 //! ```
@@ -398,6 +398,7 @@ pub fn qk_norm_rope<T: KvElem>(
     qkv_stride: usize,
     positions: Positions<'_>, // [n]
     inv_freq: &[f32],         // [head_dim / 2]
+    rope_scale: f32,          // cos and sin times this (YaRN's attention factor; 1 otherwise)
     norm: Option<&QkNorm<'_, T>>,
     q_out: &mut [T], // [n, num_heads, head_dim]
     k_out: &mut [T], // [n, num_kv_heads, head_dim]
@@ -437,8 +438,9 @@ pub fn qk_norm_rope<T: KvElem>(
         let pos = positions.f32_at(t);
         for i in 0..half {
             let (s, c) = f64::from(pos * inv_freq[i]).sin_cos();
-            cos[i] = T::from_f32(c as f32).to_f32();
-            sin[i] = T::from_f32(s as f32).to_f32();
+            // Scaled in f32, then rounded to T: transformers' `cos * attention_scaling`, `.to(dtype)`.
+            cos[i] = T::from_f32(c as f32 * rope_scale).to_f32();
+            sin[i] = T::from_f32(s as f32 * rope_scale).to_f32();
         }
         let row = &qkv[t * qkv_stride..t * qkv_stride + layout.width()];
         let t_kv = kv_group_row(t, n, kv_groups);
@@ -647,6 +649,7 @@ mod tests {
             12,
             Positions::I64(&[1]),
             &[1.0, 0.0],
+            1.0,
             None,
             &mut q,
             &mut k,
@@ -658,6 +661,25 @@ mod tests {
         assert_eq!(q, [1.0 * c - 3.0 * s, 2.0, 3.0 * c + 1.0 * s, 4.0]);
         assert_eq!(k, [5.0 * c - 7.0 * s, 6.0, 7.0 * c + 5.0 * s, 8.0]);
         assert_eq!(v, [9.0, 10.0, 11.0, 12.0]);
+        // rope_scale (YaRN's attention factor) scales cos and sin, the unrotated pair too.
+        let f = 1.25f32;
+        qk_norm_rope(
+            &layout,
+            &qkv,
+            12,
+            Positions::I64(&[1]),
+            &[1.0, 0.0],
+            f,
+            None,
+            &mut q,
+            &mut k,
+            &mut v,
+            1,
+        )
+        .unwrap();
+        let (c, s) = (c * f, s * f);
+        assert_eq!(q, [1.0 * c - 3.0 * s, 2.0 * f, 3.0 * c + 1.0 * s, 4.0 * f]);
+        assert_eq!(v, [9.0, 10.0, 11.0, 12.0]);
         // Position 0 is the identity; int32 positions read the same.
         qk_norm_rope(
             &layout,
@@ -665,6 +687,7 @@ mod tests {
             12,
             Positions::I32(&[0]),
             &[1.0, 0.0],
+            1.0,
             None,
             &mut q,
             &mut k,
@@ -708,6 +731,7 @@ mod tests {
             stride,
             Positions::I64(&[5, 40000]),
             &zeros,
+            1.0,
             Some(&norm),
             &mut q,
             &mut k,
@@ -752,6 +776,7 @@ mod tests {
                 0,
                 Positions::I64(&[]),
                 &[],
+                1.0,
                 None,
                 &mut o,
                 &mut o2,
@@ -789,6 +814,7 @@ mod tests {
                 w,
                 Positions::I64(&pos),
                 &inv,
+                1.0,
                 None,
                 &mut q,
                 &mut k,

@@ -115,6 +115,7 @@ impl Gpu {
         qkv_stride: usize,
         positions: PositionsDev,                  // [n]
         inv_freq: DevSlice<f32>,                  // [head_dim / 2]
+        rope_scale: f32,                          // cos and sin times this (YaRN; else 1)
         norm: Option<(DevSlice<T>, DevSlice<T>)>, // q_norm, k_norm [head_dim]
         eps: f32,
         q_out: DevSlice<T>, // [n, num_heads, head_dim]
@@ -156,7 +157,7 @@ impl Gpu {
                     v_out,
                 },
                 int: { num_heads = hq, num_kv_heads = hkv, head_dim = d, kv_groups },
-                raw: { qkv_stride, eps, num_rows = int("n", n)? },
+                raw: { qkv_stride, eps, num_rows = int("n", n)?, rope_scale, _pad0 = 0 },
             });
             let heads = hq + 2 * hkv; // fits i32: HeadLayout::validate
             let grid = (
