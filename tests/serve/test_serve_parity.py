@@ -518,6 +518,12 @@ def test_n_past_the_capacity(tiny_server):
             with c.stream("POST", "/v1/completions", json=long) as s:
                 assert s.status_code == 200
                 next(s.iter_lines())
+                # Its first line can come before the engine thread admits it (a slow, loaded
+                # machine): wait until it holds its seat, so n=2 surely finds one seat free.
+                until = time.monotonic() + 30
+                while eng.num_running < 1 and time.monotonic() < until:
+                    time.sleep(0.005)
+                assert eng.num_running == 1
                 r = post(c, "/v1/completions", {**body, "n": 2})
                 assert r.status_code == 429 and r.json()["error"]["code"] == "server_busy"
         finally:
