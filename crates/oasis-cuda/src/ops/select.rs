@@ -22,13 +22,15 @@ impl Gpu {
         stream: Stream,
     ) -> Result<()> {
         guard("score_blocks", || {
-            let [h, _, d] = page_shape(geo)?;
-            let qh = geo.num_qo_heads;
-            let num_seqs = csr_rows("blk_indptr", blk_indptr.len())?;
-            check_len("q", q.len(), &[num_seqs, qh, d])?;
+            let (h, d, qh, num_seqs, grid) = score_shape(
+                geo,
+                q.len(),
+                blk_indptr.len(),
+                blk_indices.len(),
+                scores.len(),
+            )?;
             let num_host = rows("summaries", summaries.len(), &[h, 2, d])?;
             let nnz = blk_indices.len();
-            check_len("scores", scores.len(), &[nnz, h])?;
 
             let name = entry!(T, "score_blocks");
             let params = params!(ScoreBlocksParams {
@@ -38,13 +40,6 @@ impl Gpu {
                     num_host_blocks = num_host,
                 },
             });
-            // One warp per (tile of SCORE_TILE entries, KV head); a thread block holds
-            // consecutive tiles of one head (OASIS_SCORE_HEAD_MAJOR).
-            let blocks = nnz
-                .div_ceil(SCORE_TILE)
-                .div_ceil((SCORE_THREADS / 32) as usize)
-                * h;
-            let grid = grid_x("score blocks", blocks)?;
             // SAFETY: lengths checked above; the kernel bounds-checks block ids and each
             // blk_indptr row against nnz (an entry outside a well-formed row scores -inf), and
             // only reads blk_indptr[0..=num_seqs]; reachability and lifetime by DevSlice's
@@ -72,14 +67,16 @@ impl Gpu {
         stream: Stream,
     ) -> Result<()> {
         guard("score_blocks_bound8", || {
-            let [h, _, d] = page_shape(geo)?;
-            let qh = geo.num_qo_heads;
-            let num_seqs = csr_rows("blk_indptr", blk_indptr.len())?;
-            check_len("q", q.len(), &[num_seqs, qh, d])?;
+            let (h, d, qh, num_seqs, grid) = score_shape(
+                geo,
+                q.len(),
+                blk_indptr.len(),
+                blk_indices.len(),
+                scores.len(),
+            )?;
             let num_host = rows("bounds8", bounds8.len(), &[h, 2, d])?;
             check_len("scales", scales.len(), &[num_host, h])?;
             let nnz = blk_indices.len();
-            check_len("scores", scores.len(), &[nnz, h])?;
 
             let name = entry!(T, "score_blocks_bound8");
             let params = params!(ScoreBlocksBound8Params {
@@ -89,11 +86,6 @@ impl Gpu {
                     num_host_blocks = num_host,
                 },
             });
-            let blocks = nnz
-                .div_ceil(SCORE_TILE)
-                .div_ceil((SCORE_THREADS / 32) as usize)
-                * h;
-            let grid = grid_x("score blocks", blocks)?;
             // SAFETY: as score_blocks (the scales have num_host rows too, read by block id
             // after the kernel's bounds check).
             unsafe { self.queue(name, grid, SCORE_THREADS, 0, stream, &params) }
@@ -456,4 +448,30 @@ impl Gpu {
             unsafe { self.queue(name, grid, SELECT_THREADS, smem, stream, &params) }
         })
     }
+}
+
+/// `(num_kv_heads, head_dim, num_qo_heads, num_seqs, grid)` of [`score_shape`].
+type ScoreShape = (usize, usize, usize, usize, (u32, u32, u32));
+
+/// What `score_blocks` and `score_blocks_bound8` check and launch alike: `q [num_seqs,
+/// num_qo_heads, head_dim]` against the CSR, `scores [nnz, num_kv_heads]`, and the grid (one warp
+/// per tile of SCORE_TILE entries and KV head; a thread block holds consecutive tiles of one head,
+/// OASIS_SCORE_HEAD_MAJOR). Returns `(num_kv_heads, head_dim, num_qo_heads, num_seqs, grid)`.
+fn score_shape(
+    geo: &KvGeometry,
+    q_len: usize,
+    indptr_len: usize,
+    nnz: usize,
+    scores_len: usize,
+) -> Result<ScoreShape> {
+    let [h, _, d] = page_shape(geo)?;
+    let qh = geo.num_qo_heads;
+    let num_seqs = csr_rows("blk_indptr", indptr_len)?;
+    check_len("q", q_len, &[num_seqs, qh, d])?;
+    check_len("scores", scores_len, &[nnz, h])?;
+    let blocks = nnz
+        .div_ceil(SCORE_TILE)
+        .div_ceil((SCORE_THREADS / 32) as usize)
+        * h;
+    Ok((h, d, qh, num_seqs, grid_x("score blocks", blocks)?))
 }
