@@ -22,7 +22,8 @@
 use crate::dtype::KvElem;
 use crate::error::{check_len, Result};
 use crate::geometry::KvGeometry;
-use crate::kernels::validate::{all_indices, csr, csr_range, index, leading_rows};
+use crate::kernels::score::quest_scores;
+use crate::kernels::validate::{all_indices, leading_rows};
 
 /// Largest finite E4M3 magnitude.
 pub const E4M3_MAX: f32 = 448.0;
@@ -161,9 +162,7 @@ pub fn build_bounds8<T: KvElem>(
     let num_host = leading_rows("summaries", summaries.len(), &[h_kv, 2, d])?;
     check_len("bounds8", bounds8.len(), &[num_host, h_kv, 2, d])?;
     check_len("scales", scales.len(), &[num_host, h_kv])?;
-    for &b in block_ids {
-        index("block_ids", b, num_host)?;
-    }
+    all_indices("block_ids", block_ids, num_host)?;
     let (mut mn, mut mx) = (vec![0.0f32; d], vec![0.0f32; d]);
     for &b in block_ids {
         let b = b as usize; // validated
@@ -194,43 +193,28 @@ pub fn score_blocks_bound8<T: KvElem>(
     blk_indices: &[i32], // [nnz]
     scores: &mut [f32],  // [nnz, num_kv_heads]
 ) -> Result<()> {
-    geo.validate()?;
-    let (hq, h_kv, d) = (geo.num_qo_heads, geo.num_kv_heads, geo.head_dim);
-    let gs = geo.group_size();
-    let num_seqs = csr("blk_indptr", blk_indptr, "blk_indices", blk_indices.len())?;
-    check_len("q", q.len(), &[num_seqs, hq, d])?;
-    let num_host = leading_rows("bounds8", bounds8.len(), &[h_kv, 2, d])?;
-    check_len("scales", scales.len(), &[num_host, h_kv])?;
-    check_len("scores", scores.len(), &[blk_indices.len(), h_kv])?;
-    all_indices("blk_indices", blk_indices, num_host)?;
-    if num_seqs == 0 {
-        return Ok(());
-    }
-    let mut qf = vec![0.0f32; hq * d];
-    let (mut mn, mut mx) = (vec![0.0f32; d], vec![0.0f32; d]);
-    for s in 0..num_seqs {
-        for (x, &v) in qf.iter_mut().zip(&q[s * hq * d..(s + 1) * hq * d]) {
-            *x = v.to_f32();
-        }
-        for j in csr_range(blk_indptr, s) {
-            let b = blk_indices[j] as usize; // validated
-            for h in 0..h_kv {
-                let at = (b * h_kv + h) * 2 * d;
-                for x in 0..d {
-                    mn[x] = e4m3_decode(bounds8[at + x]);
-                    mx[x] = e4m3_decode(bounds8[at + d + x]);
-                }
-                let mut acc = 0.0f32;
-                for g in h * gs..(h + 1) * gs {
-                    for ((&qv, &lo), &hi) in qf[g * d..(g + 1) * d].iter().zip(&mn).zip(&mx) {
-                        acc += (qv * lo).max(qv * hi);
-                    }
-                }
-                scores[j * h_kv + h] = acc * scales[b * h_kv + h];
+    let (h_kv, d) = (geo.num_kv_heads, geo.head_dim);
+    let num_host = || {
+        let n = leading_rows("bounds8", bounds8.len(), &[h_kv, 2, d])?;
+        check_len("scales", scales.len(), &[n, h_kv])?;
+        Ok(n)
+    };
+    quest_scores(
+        geo,
+        q,
+        blk_indptr,
+        blk_indices,
+        scores,
+        num_host,
+        |b, h, mn, mx| {
+            let at = (b * h_kv + h) * 2 * d;
+            for x in 0..d {
+                mn[x] = e4m3_decode(bounds8[at + x]);
+                mx[x] = e4m3_decode(bounds8[at + d + x]);
             }
-        }
-    }
-    Ok(())
+            scales[b * h_kv + h]
+        },
+    )
 }
 
 #[cfg(test)]

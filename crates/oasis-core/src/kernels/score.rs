@@ -31,12 +31,47 @@ pub fn score_blocks<T: KvElem>(
     blk_indices: &[i32], // [nnz] host block of logical block (j - blk_indptr[s]) of seq s
     scores: &mut [f32],  // [nnz, num_kv_heads]
 ) -> Result<()> {
+    let (h_kv, d) = (geo.num_kv_heads, geo.head_dim);
+    let num_host = || leading_rows("summaries", summaries.len(), &[h_kv, 2, d]);
+    quest_scores(
+        geo,
+        q,
+        blk_indptr,
+        blk_indices,
+        scores,
+        num_host,
+        |b, h, mn, mx| {
+            let at = (b * h_kv + h) * 2 * d;
+            for x in 0..d {
+                mn[x] = summaries[at + x].to_f32();
+                mx[x] = summaries[at + d + x].to_f32();
+            }
+            1.0
+        },
+    )
+}
+
+/// The Quest score loop of [`score_blocks`] and
+/// [`crate::kernels::bound8::score_blocks_bound8`]: validates `q`, the CSR and `scores` (with
+/// `num_host`, the host blocks the bound has, checked between `q` and `scores`), then per entry
+/// `j` (block `b`) and KV head `h` lets `row(b, h, min, max)` fill the bound's rows (`head_dim`
+/// each) and return the factor its sum is multiplied by; the sum is in f32, each g of the group
+/// in order, d in order.
+pub(crate) fn quest_scores<T: KvElem>(
+    geo: &KvGeometry,
+    q: &[T],
+    blk_indptr: &[i32],
+    blk_indices: &[i32],
+    scores: &mut [f32],
+    num_host: impl FnOnce() -> Result<usize>,
+    mut row: impl FnMut(usize, usize, &mut [f32], &mut [f32]) -> f32,
+) -> Result<()> {
     geo.validate()?;
     let (hq, h_kv, d) = (geo.num_qo_heads, geo.num_kv_heads, geo.head_dim);
     let gs = geo.group_size();
     let num_seqs = csr("blk_indptr", blk_indptr, "blk_indices", blk_indices.len())?;
     check_len("q", q.len(), &[num_seqs, hq, d])?;
-    let num_host = leading_rows("summaries", summaries.len(), &[h_kv, 2, d])?;
+    let num_host = num_host()?;
     check_len("scores", scores.len(), &[blk_indices.len(), h_kv])?;
     all_indices("blk_indices", blk_indices, num_host)?;
     if num_seqs == 0 {
@@ -53,18 +88,14 @@ pub fn score_blocks<T: KvElem>(
         for j in csr_range(blk_indptr, s) {
             let b = blk_indices[j] as usize; // validated
             for h in 0..h_kv {
-                let at = (b * h_kv + h) * 2 * d;
-                for x in 0..d {
-                    mn[x] = summaries[at + x].to_f32();
-                    mx[x] = summaries[at + d + x].to_f32();
-                }
+                let factor = row(b, h, &mut mn, &mut mx);
                 let mut acc = 0.0f32;
                 for g in h * gs..(h + 1) * gs {
                     for ((&qv, &lo), &hi) in qf[g * d..(g + 1) * d].iter().zip(&mn).zip(&mx) {
                         acc += (qv * lo).max(qv * hi);
                     }
                 }
-                scores[j * h_kv + h] = acc;
+                scores[j * h_kv + h] = acc * factor; // times 1.0 is exact
             }
         }
     }
