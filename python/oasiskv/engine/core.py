@@ -431,10 +431,7 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
             ops.copy_pages(g, p.k_pages[layer], p.v_pages[layer], src, p.host_k[layer], p.host_v[layer], rows)
             ops.build_summaries(g, p.k_pages[layer], dst, lens, p.summaries[layer], block_rows=src)
             if self.key_codes and complete.numel():
-                ops.build_key_codes(
-                    g, p.k_pages[layer], p.summaries[layer], complete, p.codes[layer], block_rows=complete_src
-                )
-                ops.build_bounds8(g, p.summaries[layer], complete, p.bounds8[layer], p.bound_scales[layer])
+                p.encode_blocks(layer, complete, complete_src)
         r.sparse = True
         r.metrics.sparse_since_token = r.kv_len
         n_complete = tr["n_complete"]

@@ -188,10 +188,11 @@ class GraphsMixin:
         pages, blocks = rt.step_needs(req_ids)
         spec = speculate is not None
         blk_cap = _round_cap(blocks) if self.backend == "oasis" else 0
+        rows_cap, pages_cap = split_caps(n, pages)
         # Steps that measure recall, or keep predictions for it, are graphs of their own.
         key = (
-            _bucket(n),
-            _round_cap(pages),
+            rows_cap,
+            pages_cap,
             blk_cap,
             spec,
             self._recall_now,

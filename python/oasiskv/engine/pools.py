@@ -11,6 +11,7 @@ import logging
 
 import torch
 
+from .. import ops
 from ..config import MAX_POOL_BLOCKS
 from ..errors import ConfigError, OutOfBlocksError
 from ..memory import available_bytes, device_numa_node, ensure_fits, pinned_full
@@ -86,17 +87,20 @@ class KvPools:
         self.grow(num_pages, num_host_blocks, num_host_rows)
 
     def _empty_bounds8(self, rows: int) -> tuple[list, list]:
-        """Zeroed 8-bit bounds and scales of ``rows`` host blocks, per layer."""
+        """Zeroed 8-bit bounds and scales of ``rows`` host blocks (:func:`ops.empty_bounds8`), per
+        layer."""
+        per_layer = [ops.empty_bounds8(self.geo, rows, self.device) for _ in range(self.num_layers)]
+        return [b.zero_() for b, _ in per_layer], [s.zero_() for _, s in per_layer]
+
+    def encode_blocks(self, layer: int, block_ids: torch.Tensor, key_pages: torch.Tensor) -> None:
+        """The key codes and the 8-bit bound of ``layer``'s complete host blocks ``block_ids``,
+        whose summaries are final and whose keys are in the GPU pages ``key_pages`` (HBM reads,
+        not the host rows' copies). Pools made with ``key_codes`` only."""
         g = self.geo
-        b8 = [
-            torch.zeros(rows, g.num_kv_heads, 2, g.head_dim, dtype=torch.uint8, device=self.device)
-            for _ in range(self.num_layers)
-        ]
-        sc = [
-            torch.zeros(rows, g.num_kv_heads, dtype=torch.float32, device=self.device)
-            for _ in range(self.num_layers)
-        ]
-        return b8, sc
+        ops.build_key_codes(
+            g, self.k_pages[layer], self.summaries[layer], block_ids, self.codes[layer], block_rows=key_pages
+        )
+        ops.build_bounds8(g, self.summaries[layer], block_ids, self.bounds8[layer], self.bound_scales[layer])
 
     def enable_key_codes(self) -> None:
         """Add (empty) key-code tensors to pools made without them (pools shared, while idle,

@@ -203,15 +203,7 @@ class DecodeAttention:
             # Blocks x_t completed: their summaries are final, so their keys get codes now,
             # before this layer's selection scores them; read from the local pages x_t just
             # filled (HBM; the host rows hold the same keys).
-            ops.build_key_codes(
-                g,
-                p.k_pages[layer],
-                p.summaries[layer],
-                done_blocks,
-                p.codes[layer],
-                block_rows=done_pages,
-            )
-            ops.build_bounds8(g, p.summaries[layer], done_blocks, p.bounds8[layer], p.bound_scales[layer])
+            p.encode_blocks(layer, done_blocks, done_pages)
         extra_k = kt[1] if rows == 2 else None
         extra_v = vt[1] if rows == 2 else None
         if spec_kv is not None:
