@@ -18,10 +18,18 @@ import sys
 
 import torch
 
+from ..models.config import PRESETS as MODEL_PRESETS
+
+#: The kernels' geometry of the model presets benchmarked here (heads from the model's config,
+#: blocks of 16 tokens).
 PRESETS = {
-    "qwen3-8b": {"num_qo_heads": 32, "num_kv_heads": 8, "head_dim": 128, "block_size": 16},
-    "qwen3-8b-128k": {"num_qo_heads": 32, "num_kv_heads": 8, "head_dim": 128, "block_size": 16},
-    "llama3.1-8b": {"num_qo_heads": 32, "num_kv_heads": 8, "head_dim": 128, "block_size": 16},
+    name: {
+        "num_qo_heads": MODEL_PRESETS[name].num_attention_heads,
+        "num_kv_heads": MODEL_PRESETS[name].num_key_value_heads,
+        "head_dim": MODEL_PRESETS[name].head_dim,
+        "block_size": 16,
+    }
+    for name in ("qwen3-8b", "qwen3-8b-128k", "llama3.1-8b")
 }
 
 
