@@ -238,6 +238,11 @@ def test_prefill_cache_shares_a_prompt_between_engines(qwen3):
     )
     assert cache.hits == 1
     assert b[0].tokens == fresh.tokens and a[0].tokens[0] == fresh.tokens[0]
+    c = qwen3.config
+    assert cache.nbytes == 2 * c.num_hidden_layers * 150 * c.num_key_value_heads * c.head_dim * 4  # float32
+    host = oasiskv.PrefillCache(on_host=True)
+    t = torch.ones(3)
+    assert host.hold(t) is t  # already on the host: kept as it is (pinning needs a GPU; see test_gpu_engine)
 
 
 def test_eagle3_drafter_runs_through_the_engine():

@@ -11,7 +11,8 @@ from oasiskv.engine import Engine, Request
 from support.engines import DrafterWithConfidence, gpu_model, repeated_prompts, teacher_forced_logits
 
 # Private names read here: ``Eagle3Drafter._states`` (the head's per-request cache, no public view):
-# the prompt features' state must stay on the device.
+# the prompt features' state must stay on the device; ``PrefillCache._items`` (where an entry's
+# tensors are held).
 
 pytestmark = [
     pytest.mark.gpu,
@@ -192,3 +193,25 @@ def test_gpu_lookahead_min_confidence_unsure_drafts_select_like_the_previous_que
         assert a.metrics.fetched_bytes_total == b.metrics.fetched_bytes_total
         assert a.metrics.lookahead_recall == pytest.approx(b.metrics.lookahead_recall, abs=1e-6)
     assert any(r.metrics.sparse_steps > 0 for r in runs[0])
+
+
+@pytest.mark.parametrize("backend", ["dense", "oasis"])
+def test_gpu_prefill_cache_on_host_serves_the_same_tokens(backend):
+    """A PrefillCache held in pinned host memory (``on_host=True``, fig11's default) keeps no
+    K/V on the card, and a hit copied back in gives the tokens a fresh prefill gives."""
+    dev = torch.device("cuda")
+    model = gpu_model(dev)
+    kv = KvConfig(block_size=16, top_k_blocks=8, fetch_cap=4, sparse_threshold=64)
+    ps = repeated_prompts(301, [333])
+    fresh = oasiskv.LLM(model, kv=kv, backend=backend, drafter="ngram").generate(ps, 12, ignore_eos=True)[0]
+    cache = oasiskv.PrefillCache(on_host=True)
+    first = oasiskv.LLM(model, kv=kv, backend=backend, drafter="ngram", prefill_cache=cache)
+    a = first.generate(ps, 12, ignore_eos=True)[0]
+    assert cache.hits == 0 and cache.nbytes > 0
+    (entry,) = cache._items.values()
+    assert all(t.device.type == "cpu" and t.is_pinned() for t in (*entry.k, *entry.v))
+    b = oasiskv.LLM(model, kv=kv, backend=backend, drafter="ngram", prefill_cache=cache).generate(
+        ps, 12, ignore_eos=True
+    )[0]
+    assert cache.hits == 1
+    assert a.tokens == fresh.tokens and b.tokens == fresh.tokens

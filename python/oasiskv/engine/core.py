@@ -273,9 +273,11 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         rows = self._kv_rows(r, n)
 
         def store(layer, k, v):
-            # One row copy per tensor straight into the pages: no padded or transposed copy.
-            p.k_pages[layer].view(-1, d).index_copy_(0, rows, k.to(self.dtype).reshape(-1, d))
-            p.v_pages[layer].view(-1, d).index_copy_(0, rows, v.to(self.dtype).reshape(-1, d))
+            # One row copy per tensor straight into the pages: no padded or transposed copy (a
+            # cache entry held on the host comes in first, one layer at a time).
+            k, v = (t.to(self.device, self.dtype, non_blocking=True).reshape(-1, d) for t in (k, v))
+            p.k_pages[layer].view(-1, d).index_copy_(0, rows, k)
+            p.v_pages[layer].view(-1, d).index_copy_(0, rows, v)
 
         cache = self.prefill_cache
         key = (id(getattr(self.model, "prefill_model", self.model)), self.dtype, tuple(r.prompt))
@@ -286,7 +288,8 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
             for layer in range(layers):
                 store(layer, hit.k[layer], hit.v[layer])
                 self._last_q[layer] = hit.last_q[layer]
-            self._take_features(r, hit.features if self.capture else None)
+            feats = hit.features if self.capture else None
+            self._take_features(r, None if feats is None else feats.to(self.device, non_blocking=True))
             return hit.logits
 
         ks: list[torch.Tensor] = []
@@ -296,8 +299,8 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
             o = causal_attention(q, k, v, scale)
             store(layer, k, v)
             if cache is not None:
-                ks.append(k.to(self.dtype))
-                vs.append(v.to(self.dtype))
+                ks.append(cache.hold(k.to(self.dtype)))
+                vs.append(cache.hold(v.to(self.dtype)))
             # A copy: a view would keep the layer's whole [n, Hq, D] queries alive.
             self._last_q[layer] = q[-1:].to(self.dtype, copy=True)
             return o
@@ -314,7 +317,8 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
             rows = slice(None) if (self.prompt_features or cache is not None) else slice(-1, None)
             feats = torch.cat([captured[i][rows] for i in self.capture], dim=-1)  # [n or 1, width]
         if cache is not None:
-            cache.put(key, Prefilled(ks, vs, list(self._last_q), logits[0], feats, self.capture))
+            kept = None if feats is None else cache.hold(feats)
+            cache.put(key, Prefilled(ks, vs, list(self._last_q), logits[0], kept, self.capture))
         self._take_features(r, feats)
         return logits[0]
 

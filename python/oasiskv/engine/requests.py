@@ -151,16 +151,35 @@ class PrefillCache:
     is served only by an entry with those same layers, else it prefills and replaces the entry. So
     where engines with and without a drafter share prompts, let one that captures prefill first.
 
-    NOTE: an entry holds the prompt's whole KV (and its features: ``3 * hidden`` values per token
-    for EAGLE-3) on the model's device; keep ``capacity`` small.
+    An entry holds the prompt's whole KV (and its features: ``3 * hidden`` values per token for
+    EAGLE-3): on the model's device by default, or with ``on_host=True`` in pinned host memory
+    (:meth:`hold`), so that a long prompt's entry (18 GiB at 128K tokens on an 8B model) does not
+    take the card's memory from the requests it serves; a hit then copies it in, layer by layer.
+    Keep ``capacity`` small.
     """
 
-    def __init__(self, capacity: int = 1) -> None:
+    def __init__(self, capacity: int = 1, *, on_host: bool = False) -> None:
         if capacity < 1:
             raise ConfigError(f"PrefillCache capacity must be >= 1, got {capacity}")
         self.capacity = capacity
+        self.on_host = bool(on_host)
         self._items: dict = {}
         self.hits = 0
+
+    def hold(self, t: torch.Tensor) -> torch.Tensor:
+        """The tensor an entry keeps for ``t``: ``t`` itself, or with ``on_host`` a copy in pinned
+        host memory, queued on the current stream (so ``t`` may be freed as soon as this returns:
+        the allocator reuses its memory only for work queued after the copy)."""
+        if not self.on_host or t.device.type == "cpu":
+            return t
+        h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        h.copy_(t, non_blocking=True)
+        return h
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the K and V the entries hold (wherever they are held)."""
+        return sum(t.numel() * t.element_size() for item in self._items.values() for t in (*item.k, *item.v))
 
     def get(self, key, capture: tuple[int, ...] = ()):
         """The entry of ``key`` if it holds the features of ``capture`` (any entry when empty)."""

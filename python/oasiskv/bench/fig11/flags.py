@@ -146,6 +146,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--prompts", choices=["shared", "distinct"], default="shared")
     g.add_argument(
+        "--prefill-cache",
+        choices=["host", "device"],
+        default="host",
+        help="where a shared prompt's prefill entry is held: pinned host memory (the default: the "
+        "card's memory all goes to the rows; a hit copies it in) or the GPU (the host pool keeps "
+        "the RAM; at 128K the entry is 18 GiB on an 8B model)",
+    )
+    g.add_argument(
         "--ngram-window", type=int, default=NGRAM_WINDOW, help="tokens the n-gram drafter searches"
     )
     g.add_argument(

@@ -32,11 +32,7 @@ def cache_bytes(cache) -> int:
     """Bytes of the K and V a :class:`~oasiskv.engine.PrefillCache` holds (0 for None)."""
     if cache is None:
         return 0
-    total = 0
-    # NOTE: reads the cache's private entries: PrefillCache has no public byte count yet.
-    for item in cache._items.values():
-        total += sum(t.numel() * t.element_size() for t in (*item.k, *item.v))
-    return total
+    return cache.nbytes
 
 
 class Fig11:
@@ -205,7 +201,7 @@ class Fig11:
         self.close(self._live)
         # The context's prefill cache travels as a tag: each worker keeps its own cache of its
         # shard per tag (tp.tp_worker).
-        sent = {**kw, "prefill_cache": None if cache is None else ("prefill-cache", ctx)}
+        sent = {**kw, "prefill_cache": None if cache is None else ("prefill-cache", ctx, cache.on_host)}
         self.group.broadcast_object(("engine", sent))
         self._live = TPLLMEngine(self.model, group=self.group, **kw)
         return self._live
@@ -436,6 +432,7 @@ class Fig11:
             "max_tokens": a.max_tokens,
             "tp": self.tp,
             "prompts": a.prompts,
+            "prefill_cache": a.prefill_cache if a.prompts == "shared" else None,
             "cuda_graph": self.cuda and not self.enforce_eager,
             "kv": {
                 "block_size": kv.block_size,
@@ -503,7 +500,7 @@ class Fig11:
                     f"--contexts {ctx} + --max-tokens passes the model's context of "
                     f"{self.cfg.max_position_embeddings} tokens"
                 )
-            cache = PrefillCache() if a.prompts == "shared" else None
+            cache = PrefillCache(on_host=a.prefill_cache == "host") if a.prompts == "shared" else None
             modes = [*a.modes, *self.spec_modes]  # speculative rows draft from their base rows' tokens
             needs = {m: self.need(m, ctx) for m in modes}
             cold = None

@@ -46,7 +46,7 @@ def tp_worker(group, args) -> None:
         if tag is not None:
             if tag not in caches:
                 caches.clear()  # a new context: the last one's entry goes
-                caches[tag] = PrefillCache()
+                caches[tag] = PrefillCache(on_host=tag[2])  # ("prefill-cache", ctx, on_host)
             kw = {**kw, "prefill_cache": caches[tag]}
         eng = TPLLMEngine(model, group=group, **kw)
         eng.worker_loop()
