@@ -4,6 +4,7 @@
 use crate::dtype::KvElem;
 use crate::error::{check_len, Result};
 use crate::geometry::KvGeometry;
+use crate::kernels::kv8::{KvTierMut, GPU_NAMES, HOST_NAMES};
 use crate::kernels::validate::{index, leading_rows};
 
 /// A sequence whose page id is this stores nothing (a padded row of a captured step, a draft the
@@ -43,17 +44,59 @@ pub fn append_kv<T: KvElem>(
     host_v: &mut [T],    // [num_host_rows, num_kv_heads, block_size, head_dim]
     summaries: &mut [T], // [num_host_blocks, num_kv_heads, 2, head_dim]
 ) -> Result<()> {
+    append_kv_tiers(
+        geo,
+        k_new,
+        v_new,
+        page_ids,
+        page_offsets,
+        host_block_ids,
+        host_rows,
+        KvTierMut::Elem {
+            k: k_pages,
+            v: v_pages,
+        },
+        KvTierMut::Elem {
+            k: host_k,
+            v: host_v,
+        },
+        summaries,
+    )
+}
+
+/// [`append_kv`] with each tier `T` pages or kv8 pages ([`crate::kernels::kv8`]): a `T` tier
+/// receives the row as is, a kv8 tier by the incremental append (a scale that grows first
+/// requantizes the rows before the offset). The summary always comes from the unquantized `k_new`.
+/// With both tiers [`KvTierMut::Elem`] this is [`append_kv`], bit for bit.
+///
+/// # Errors
+/// As [`append_kv`]; a kv8 tier's scales of the wrong size are a
+/// [`OasisError::Shape`](crate::OasisError::Shape) (`k_scales`, `v_scales`, `host_k_scales`,
+/// `host_v_scales`; the codes go by the pages' names). Nothing is written when an error is
+/// returned.
+#[allow(clippy::too_many_arguments)]
+pub fn append_kv_tiers<T: KvElem>(
+    geo: &KvGeometry,
+    k_new: &[T],
+    v_new: &[T],               // [num_seqs, num_kv_heads, head_dim]
+    page_ids: &[i32],          // [num_seqs]
+    page_offsets: &[i32],      // [num_seqs] 0..block_size
+    host_block_ids: &[i32],    // [num_seqs] -1 = dense
+    host_rows: Option<&[i32]>, // [num_seqs] host row of the write-through; None: the id
+    mut gpu: KvTierMut<T>,     // [num_pages, num_kv_heads, block_size, head_dim]
+    mut host: KvTierMut<T>,    // [num_host_rows, num_kv_heads, block_size, head_dim]
+    summaries: &mut [T],       // [num_host_blocks, num_kv_heads, 2, head_dim]
+) -> Result<()> {
     geo.validate()?;
-    let (h_kv, bs, d) = (geo.num_kv_heads, geo.block_size, geo.head_dim);
+    let (h_kv, d) = (geo.num_kv_heads, geo.head_dim);
+    let bs = geo.block_size;
     let num_seqs = page_ids.len();
     check_len("k_new", k_new.len(), &[num_seqs, h_kv, d])?;
     check_len("v_new", v_new.len(), &[num_seqs, h_kv, d])?;
     check_len("page_offsets", page_offsets.len(), &[num_seqs])?;
     check_len("host_block_ids", host_block_ids.len(), &[num_seqs])?;
-    let num_pages = leading_rows("k_pages", k_pages.len(), &[h_kv, bs, d])?;
-    check_len("v_pages", v_pages.len(), &[num_pages, h_kv, bs, d])?;
-    let num_rows = leading_rows("host_k", host_k.len(), &[h_kv, bs, d])?;
-    check_len("host_v", host_v.len(), &[num_rows, h_kv, bs, d])?;
+    let num_pages = gpu.num_pages(geo, &GPU_NAMES)?;
+    let num_rows = host.num_pages(geo, &HOST_NAMES)?;
     let num_host = leading_rows("summaries", summaries.len(), &[h_kv, 2, d])?;
     if let Some(rows) = host_rows {
         check_len("host_rows", rows.len(), &[num_seqs])?;
@@ -71,8 +114,6 @@ pub fn append_kv<T: KvElem>(
         }
     }
 
-    let page_elems = geo.page_elems();
-    let entry_elems = geo.entry_elems();
     for s in 0..num_seqs {
         if page_ids[s] == NO_PAGE {
             continue;
@@ -82,20 +123,16 @@ pub fn append_kv<T: KvElem>(
         let off = page_offsets[s] as usize;
         for h in 0..h_kv {
             let src = (s * h_kv + h) * d..(s * h_kv + h + 1) * d;
-            let dst = page * page_elems + h * entry_elems + off * d;
-            k_pages[dst..dst + d].copy_from_slice(&k_new[src.clone()]);
-            v_pages[dst..dst + d].copy_from_slice(&v_new[src.clone()]);
+            let (k, v) = (&k_new[src.clone()], &v_new[src]);
+            gpu.append_row(geo, page * h_kv + h, off, k, v);
             if host_block_ids[s] < 0 {
                 continue;
             }
             let blk = host_block_ids[s] as usize;
             let row = row_of(s) as usize;
-            let dst = row * page_elems + h * entry_elems + off * d;
-            host_k[dst..dst + d].copy_from_slice(&k_new[src.clone()]);
-            host_v[dst..dst + d].copy_from_slice(&v_new[src.clone()]);
+            host.append_row(geo, row * h_kv + h, off, k, v);
             let sum = (blk * h_kv + h) * 2 * d;
             let (mins, maxs) = summaries[sum..sum + 2 * d].split_at_mut(d);
-            let k = &k_new[src];
             if off == 0 {
                 mins.copy_from_slice(k);
                 maxs.copy_from_slice(k);

@@ -99,6 +99,35 @@ pub fn e4m3_up(y: f32) -> u8 {
     }
 }
 
+/// E4M3's NaN code (`0x7f`; `0xff` decodes as NaN too).
+pub const E4M3_NAN: u8 = 0x7f;
+
+/// The E4M3 value nearest to `y`, as bits: round to nearest, ties to the even mantissa (the even
+/// code), the sign kept (so `-0.0` and negative values that round to zero give `0x80`). Finite
+/// magnitudes at or above 448 saturate to `±448` (`0x7e`/`0xfe`); NaN and `±inf` give
+/// [`E4M3_NAN`]. The FP8 KV cache's quantizer (see [`crate::kernels::kv8`]).
+#[inline]
+pub fn e4m3_rne(y: f32) -> u8 {
+    if !y.is_finite() {
+        return E4M3_NAN;
+    }
+    let sign = if y.is_sign_negative() { 0x80 } else { 0 };
+    let a = y.abs();
+    if a >= E4M3_MAX {
+        return sign | 0x7e;
+    }
+    let mag = if a < 2f32.powi(-6) {
+        // Subnormal: m 2^-9 with m = round(a 2^9) in 0..=8 (exact scaling); m = 8 is 2^-6, code 8.
+        (a * 512.0).round_ties_even() as u8
+    } else {
+        let e = ilogb(a); // -6 ..= 8
+                          // (a 2^(3-e)) in [8, 16), exact; rounding to 16 carries into the exponent field.
+        let r = (a * 2f32.powi(3 - e)).round_ties_even() as i32; // 8 ..= 16 (<= 14 when e = 8)
+        (((e + 7) << 3) + r - 8) as u8
+    };
+    sign | mag
+}
+
 /// The exponent `e` of a row's scale `2^e`: the smallest with `maxabs / 2^e <= 448`, at least
 /// [`BOUND8_MIN_EXP`] (`maxabs` finite, `>= 0`).
 #[inline]
@@ -119,7 +148,7 @@ pub fn bound8_exponent(maxabs: f32) -> i32 {
 
 /// 2^e as an f32 (`-126 <= e <= 127`).
 #[inline]
-fn pow2(e: i32) -> f32 {
+pub(crate) fn pow2(e: i32) -> f32 {
     f32::from_bits(((e + 127) as u32) << 23)
 }
 

@@ -1,11 +1,15 @@
 //! Bit-exact copies between the host pool and the GPU pool: the gather that executes a selection
 //! plan (block-head entries, host -> GPU slots) and whole-page copies (dense pages -> host blocks
-//! when a request turns sparse).
+//! when a request turns sparse). Either side may be kv8 pages (`*_tiers`): then a copy between
+//! kv8 pools is still bit-exact, and one between a `T` pool and a kv8 pool (de)quantizes.
 
 use crate::dtype::KvElem;
 use crate::error::{check_len, Result};
 use crate::geometry::KvGeometry;
-use crate::kernels::validate::{all_indices, csr, csr_range, index, leading_rows, plan_shape};
+use crate::kernels::kv8::{
+    copy_entry, e4m3_table, KvTier, KvTierMut, TierNames, GPU_NAMES, HOST_NAMES,
+};
+use crate::kernels::validate::{all_indices, csr, csr_range, index, length, plan_shape};
 
 /// Execute a selection plan: for every plan entry (s, h, i) with `plan_slots >= 0`, copy the
 /// block-head entry (host block `host_indices[host_indptr[s] + plan_blocks[s,h,i]]`, head h) of
@@ -39,8 +43,50 @@ pub fn gather_blocks<T: KvElem>(
     k_pages: &mut [T],
     v_pages: &mut [T], // [num_pages, num_kv_heads, block_size, head_dim]
 ) -> Result<usize> {
+    gather_blocks_tiers(
+        geo,
+        plan_slots,
+        plan_blocks,
+        fetch_cap,
+        slot_pages,
+        budget,
+        host_indptr,
+        host_indices,
+        &KvTier::Elem {
+            k: host_k,
+            v: host_v,
+        },
+        KvTierMut::Elem {
+            k: k_pages,
+            v: v_pages,
+        },
+    )
+}
+
+/// [`gather_blocks`] with each tier `T` pages or kv8 pages ([`crate::kernels::kv8`]): kv8 -> kv8
+/// copies the codes and the entry's K and V scales bit-exact, kv8 -> `T` dequantizes
+/// (`T::from_f32(e4m3_decode(code) * scale)`), `T` -> kv8 quantizes the whole block (every row
+/// valid: only complete blocks live in the host pool), `T` -> `T` is [`gather_blocks`].
+///
+/// # Errors
+/// As [`gather_blocks`]; a kv8 tier's scales of the wrong size are a
+/// [`OasisError::Shape`](crate::OasisError::Shape) (`host_k_scales`, `host_v_scales`, `k_scales`,
+/// `v_scales`). Nothing is written when an error is returned.
+#[allow(clippy::too_many_arguments)]
+pub fn gather_blocks_tiers<T: KvElem>(
+    geo: &KvGeometry,
+    plan_slots: &[i32],
+    plan_blocks: &[i32], // [num_seqs, num_kv_heads, fetch_cap]
+    fetch_cap: usize,
+    slot_pages: &[i32],
+    budget: usize, // [num_seqs, budget]
+    host_indptr: &[i32],
+    host_indices: &[i32],  // CSR: host block of each logical block of seq s
+    host: &KvTier<T>,      // [num_host_blocks, num_kv_heads, block_size, head_dim]
+    mut gpu: KvTierMut<T>, // [num_pages, num_kv_heads, block_size, head_dim]
+) -> Result<usize> {
     geo.validate()?;
-    let (h_kv, bs, d) = (geo.num_kv_heads, geo.block_size, geo.head_dim);
+    let h_kv = geo.num_kv_heads;
     let num_seqs = csr(
         "host_indptr",
         host_indptr,
@@ -53,10 +99,8 @@ pub fn gather_blocks<T: KvElem>(
         [num_seqs, h_kv, fetch_cap],
     )?;
     check_len("slot_pages", slot_pages.len(), &[num_seqs, budget])?;
-    let num_host = leading_rows("host_k", host_k.len(), &[h_kv, bs, d])?;
-    check_len("host_v", host_v.len(), &[num_host, h_kv, bs, d])?;
-    let num_pages = leading_rows("k_pages", k_pages.len(), &[h_kv, bs, d])?;
-    check_len("v_pages", v_pages.len(), &[num_pages, h_kv, bs, d])?;
+    let num_host = host.num_pages(geo, &HOST_NAMES)?;
+    let num_pages = gpu.num_pages(geo, &GPU_NAMES)?;
     all_indices("slot_pages", slot_pages, num_pages)?;
     all_indices("host_indices", host_indices, num_host)?;
     for s in 0..num_seqs {
@@ -70,7 +114,7 @@ pub fn gather_blocks<T: KvElem>(
         }
     }
 
-    let entry = geo.entry_elems();
+    let table = e4m3_table();
     let mut copied = 0;
     for s in 0..num_seqs {
         let logical = &host_indices[csr_range(host_indptr, s)];
@@ -83,10 +127,8 @@ pub fn gather_blocks<T: KvElem>(
                 // All validated above.
                 let page = slot_pages[s * budget + slot as usize] as usize;
                 let hb = logical[blk as usize] as usize;
-                let src = (hb * h_kv + h) * entry;
-                let dst = (page * h_kv + h) * entry;
-                k_pages[dst..dst + entry].copy_from_slice(&host_k[src..src + entry]);
-                v_pages[dst..dst + entry].copy_from_slice(&host_v[src..src + entry]);
+                let (src, dst) = (hb * h_kv + h, page * h_kv + h);
+                copy_entry(geo, host, src, &mut gpu, dst, geo.block_size, &table);
                 copied += 1;
             }
         }
@@ -112,20 +154,67 @@ pub fn copy_pages<T: KvElem>(
     dst_v: &mut [T],
     dst_ids: &[i32],
 ) -> Result<()> {
+    copy_pages_tiers(
+        geo,
+        &KvTier::Elem { k: src_k, v: src_v },
+        src_ids,
+        KvTierMut::Elem { k: dst_k, v: dst_v },
+        dst_ids,
+        None,
+    )
+}
+
+/// [`copy_pages`] with each pool `T` pages or kv8 pages ([`crate::kernels::kv8`]): `T` -> `T` and
+/// kv8 -> kv8 copy whole pages bit-exact (codes and scales), kv8 -> `T` dequantizes whole pages,
+/// `T` -> kv8 quantizes each (page, head) over the page's first `valid[i]` rows (the last, partial
+/// page of a request; `None`: every page full) and writes the rows past them as code 0, exactly as
+/// [`crate::kernels::quantize_kv8`]. `valid` is read only for `T` -> kv8.
+///
+/// # Errors
+/// As [`copy_pages`]; also [`OasisError::Shape`](crate::OasisError::Shape) for kv8 scales
+/// (`src_k_scales`, ..., `dst_v_scales`) or `valid` of the wrong size, and
+/// [`OasisError::Invalid`](crate::OasisError::Invalid) for a `valid` entry outside
+/// `1..=block_size`. Nothing is written when an error is returned.
+pub fn copy_pages_tiers<T: KvElem>(
+    geo: &KvGeometry,
+    src: &KvTier<T>,       // [num_src, num_kv_heads, block_size, head_dim]
+    src_ids: &[i32],       // [n]
+    mut dst: KvTierMut<T>, // [num_dst, num_kv_heads, block_size, head_dim]
+    dst_ids: &[i32],       // [n]
+    valid: Option<&[i32]>, // [n] rows of src page i, 1..=block_size; None: all
+) -> Result<()> {
+    const SRC: TierNames = TierNames {
+        k: "src_k",
+        v: "src_v",
+        k_scales: "src_k_scales",
+        v_scales: "src_v_scales",
+    };
+    const DST: TierNames = TierNames {
+        k: "dst_k",
+        v: "dst_v",
+        k_scales: "dst_k_scales",
+        v_scales: "dst_v_scales",
+    };
     geo.validate()?;
-    let (h_kv, bs, d) = (geo.num_kv_heads, geo.block_size, geo.head_dim);
-    let num_src = leading_rows("src_k", src_k.len(), &[h_kv, bs, d])?;
-    check_len("src_v", src_v.len(), &[num_src, h_kv, bs, d])?;
-    let num_dst = leading_rows("dst_k", dst_k.len(), &[h_kv, bs, d])?;
-    check_len("dst_v", dst_v.len(), &[num_dst, h_kv, bs, d])?;
+    let (h_kv, bs) = (geo.num_kv_heads, geo.block_size);
+    let num_src = src.num_pages(geo, &SRC)?;
+    let num_dst = dst.num_pages(geo, &DST)?;
     check_len("dst_ids", dst_ids.len(), &[src_ids.len()])?;
     all_indices("src_ids", src_ids, num_src)?;
     all_indices("dst_ids", dst_ids, num_dst)?;
-    let page = geo.page_elems();
-    for (&s, &t) in src_ids.iter().zip(dst_ids) {
-        let (s, t) = (s as usize * page, t as usize * page); // validated
-        dst_k[t..t + page].copy_from_slice(&src_k[s..s + page]);
-        dst_v[t..t + page].copy_from_slice(&src_v[s..s + page]);
+    if let Some(valid) = valid {
+        check_len("valid", valid.len(), &[src_ids.len()])?;
+        for (i, &v) in valid.iter().enumerate() {
+            length("valid", i, v, bs)?;
+        }
+    }
+    let table = e4m3_table();
+    for (i, (&s, &t)) in src_ids.iter().zip(dst_ids).enumerate() {
+        let (s, t) = (s as usize, t as usize); // validated
+        let rows = valid.map_or(bs, |v| v[i] as usize);
+        for h in 0..h_kv {
+            copy_entry(geo, src, s * h_kv + h, &mut dst, t * h_kv + h, rows, &table);
+        }
     }
     Ok(())
 }

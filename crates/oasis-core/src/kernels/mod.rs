@@ -13,6 +13,7 @@ pub mod attention;
 pub mod bound8;
 pub mod codes;
 pub mod gather;
+pub mod kv8;
 pub mod norm;
 pub mod score;
 pub mod select;
@@ -20,11 +21,15 @@ pub mod summary;
 mod validate;
 pub mod wait;
 
-pub use append::append_kv;
-pub use attention::{decode_attention, ExtraKv, PagedKv};
-pub use bound8::{build_bounds8, score_blocks_bound8};
+pub use append::{append_kv, append_kv_tiers};
+pub use attention::{decode_attention, decode_attention_kv8, ExtraKv, PagedKv, PagedKv8};
+pub use bound8::{build_bounds8, e4m3_decode, e4m3_rne, score_blocks_bound8};
 pub use codes::{build_key_codes, rescore_blocks_codes, score_blocks_codes};
-pub use gather::{copy_pages, gather_blocks};
+pub use gather::{copy_pages, copy_pages_tiers, gather_blocks, gather_blocks_tiers};
+pub use kv8::{
+    kv8_exponent, kv8_scale_exponent, quantize_kv8, Kv8Pages, Kv8PagesMut, KvTier, KvTierMut,
+    KV8_MAX_EXP, KV8_MIN_EXP,
+};
 pub use norm::{qk_norm_rope, rms_norm, HeadLayout, Positions, QkNorm, Residual};
 pub use score::{force_scores, score_blocks, topk_blocks, topk_blocks_mapped, topk_candidates};
 pub use select::{delta_select, SelectStats};
