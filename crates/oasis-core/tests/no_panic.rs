@@ -3,9 +3,10 @@
 //! return `Ok` or `Err` without panicking, and must leave every output untouched on `Err`.
 
 use oasis_core::kernels::{
-    append_kv, build_summaries, copy_pages, decode_attention, delta_select, gather_blocks,
-    qk_norm_rope, rms_norm, score_blocks, topk_blocks, ExtraKv, HeadLayout, PagedKv, Positions,
-    QkNorm, Residual,
+    append_kv, append_kv_tiers, build_summaries, copy_pages, copy_pages_tiers, decode_attention,
+    decode_attention_kv8, delta_select, gather_blocks, gather_blocks_tiers, qk_norm_rope,
+    quantize_kv8, rms_norm, score_blocks, topk_blocks, ExtraKv, HeadLayout, Kv8Pages, Kv8PagesMut,
+    KvTier, KvTierMut, PagedKv, PagedKv8, Positions, QkNorm, Residual,
 };
 use oasis_core::KvGeometry;
 use proptest::prelude::*;
@@ -376,6 +377,193 @@ fn norm_rope_case(rng: &mut Rng) {
     }
 }
 
+/// A pool of either storage for the kv8 cases: `T` pages, or codes plus K and V scales.
+#[derive(Clone, Debug, PartialEq)]
+struct AnyPool {
+    kv8: bool,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    kc: Vec<u8>,
+    vc: Vec<u8>,
+    ks: Vec<f32>,
+    vs: Vec<f32>,
+}
+
+impl AnyPool {
+    fn random(rng: &mut Rng, pages: usize, h_kv: usize, bs: usize, d: usize) -> Self {
+        let n = pages * h_kv * bs * d;
+        let codes = |rng: &mut Rng| {
+            let c = (0..n).map(|_| rng.next() as u8).collect();
+            rng.jiggle(c)
+        };
+        let scales = |rng: &mut Rng| {
+            let s = (0..pages * h_kv)
+                .map(|_| 2f32.powi(rng.below(300) as i32 - 150)) // garbage scales included
+                .collect();
+            rng.jiggle(s)
+        };
+        AnyPool {
+            kv8: rng.one_in(2),
+            k: rng.jdata(n),
+            v: rng.jdata(n),
+            kc: codes(rng),
+            vc: codes(rng),
+            ks: scales(rng),
+            vs: scales(rng),
+        }
+    }
+    fn tier(&self) -> KvTier<'_, f32> {
+        if self.kv8 {
+            KvTier::Kv8(Kv8Pages {
+                k_codes: &self.kc,
+                v_codes: &self.vc,
+                k_scales: &self.ks,
+                v_scales: &self.vs,
+            })
+        } else {
+            KvTier::Elem {
+                k: &self.k,
+                v: &self.v,
+            }
+        }
+    }
+    fn tier_mut(&mut self) -> KvTierMut<'_, f32> {
+        if self.kv8 {
+            KvTierMut::Kv8(Kv8PagesMut {
+                k_codes: &mut self.kc,
+                v_codes: &mut self.vc,
+                k_scales: &mut self.ks,
+                v_scales: &mut self.vs,
+            })
+        } else {
+            KvTierMut::Elem {
+                k: &mut self.k,
+                v: &mut self.v,
+            }
+        }
+    }
+}
+
+/// The kv8 entry points, each tier `T` or kv8 at random.
+fn kv8_case(rng: &mut Rng) {
+    let g = rng.geometry();
+    let (hq, h_kv, d, bs) = heads(&g);
+    let num_seqs = rng.below(4);
+    let num_pages = 1 + rng.below(5);
+    let mut gpu = AnyPool::random(rng, num_pages, h_kv, bs, d);
+    gpu.kv8 = true;
+
+    // Attention over kv8 pages.
+    let num_rows = 1 + rng.below(3);
+    let lens: Vec<usize> = (0..num_seqs).map(|_| 1 + rng.below(3)).collect();
+    let ip = indptr(rng, &lens);
+    let ind = rng.jtable(lens.iter().sum(), num_pages);
+    let last: Vec<i32> = (0..num_seqs)
+        .map(|_| rng.entry(bs).wrapping_add(1))
+        .collect();
+    let last = rng.jiggle(last);
+    let pm = rng.jsmall(num_pages * h_kv, -2, 6);
+    let q = rng.jdata(num_seqs * num_rows * hq * d);
+    let (ek, ev) = (
+        rng.jdata(num_seqs * h_kv * d),
+        rng.jdata(num_seqs * h_kv * d),
+    );
+    let KvTier::Kv8(pages) = gpu.tier() else {
+        unreachable!()
+    };
+    let kv = PagedKv8 {
+        pages,
+        kv_indptr: &ip,
+        kv_indices: &ind,
+        kv_last_page_len: &last,
+        page_map: rng.one_in(2).then_some(pm.as_slice()),
+    };
+    let extra = ExtraKv { k: &ek, v: &ev };
+    let extra = rng.one_in(2).then_some(&extra);
+    let mut out = rng.jiggle(vec![7.0f32; num_seqs * num_rows * hq * d]);
+    let before = out.clone();
+    let rows = rng.count(num_rows);
+    if decode_attention_kv8(&g, &q, rows, &kv, extra, 0.5, &mut out).is_err() {
+        assert_eq!(out, before);
+    }
+
+    // Append with each tier T or kv8.
+    gpu.kv8 = rng.one_in(2);
+    let num_host = 1 + rng.below(4);
+    let mut host = AnyPool::random(rng, num_host, h_kv, bs, d);
+    let mut sm = rng.jdata(num_host * h_kv * 2 * d);
+    let (k, v) = (
+        rng.jdata(num_seqs * h_kv * d),
+        rng.jdata(num_seqs * h_kv * d),
+    );
+    let pid = rng.jtable(num_seqs, num_pages);
+    let off = rng.jtable(num_seqs, bs);
+    let hb = rng.jtable(num_seqs, num_host);
+    let before = (gpu.clone(), host.clone(), sm.clone());
+    let r = append_kv_tiers(
+        &g,
+        &k,
+        &v,
+        &pid,
+        &off,
+        &hb,
+        None,
+        gpu.tier_mut(),
+        host.tier_mut(),
+        &mut sm,
+    );
+    if r.is_err() {
+        assert_eq!((gpu.clone(), host.clone(), sm.clone()), before);
+    }
+
+    // Gather and page copies between any two storages.
+    let cap = rng.below(3);
+    let budget = rng.below(4);
+    let ps = rng.jtable(num_seqs * h_kv * cap, budget);
+    let pb = rng.jtable(num_seqs * h_kv * cap, 3);
+    let slot_pages = rng.jtable(num_seqs * budget, num_pages);
+    let lens: Vec<usize> = (0..num_seqs).map(|_| rng.below(4)).collect();
+    let hip = indptr(rng, &lens);
+    let hind = rng.jtable(lens.iter().sum(), num_host);
+    let before = gpu.clone();
+    let (c, b) = (rng.count(cap), rng.count(budget));
+    let r = gather_blocks_tiers(
+        &g,
+        &ps,
+        &pb,
+        c,
+        &slot_pages,
+        b,
+        &hip,
+        &hind,
+        &host.tier(),
+        gpu.tier_mut(),
+    );
+    if r.is_err() {
+        assert_eq!(gpu, before);
+    }
+    let n = rng.below(4);
+    let src = rng.jtable(n, num_pages);
+    let dst = rng.jtable(n, num_host);
+    let valid: Vec<i32> = (0..n).map(|_| rng.entry(bs).wrapping_add(1)).collect();
+    let valid = rng.jiggle(valid);
+    let before = host.clone();
+    let valid = rng.one_in(2).then_some(valid.as_slice());
+    if copy_pages_tiers(&g, &gpu.tier(), &src, host.tier_mut(), &dst, valid).is_err() {
+        assert_eq!(host, before);
+    }
+
+    // Whole-block quantization.
+    let lens: Vec<i32> = (0..num_pages)
+        .map(|_| rng.entry(bs).wrapping_add(1))
+        .collect();
+    let lens = rng.jiggle(lens);
+    let before = (host.kc.clone(), host.ks.clone());
+    if quantize_kv8(&g, &gpu.k, &lens, &mut host.kc, &mut host.ks).is_err() {
+        assert_eq!((host.kc, host.ks), before);
+    }
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 2000, ..ProptestConfig::default() })]
 
@@ -387,5 +575,10 @@ proptest! {
         score_case(&mut rng);
         select_gather_case(&mut rng);
         norm_rope_case(&mut rng);
+    }
+
+    #[test]
+    fn kv8_kernels_never_panic(seed in any::<u64>()) {
+        kv8_case(&mut Rng(seed));
     }
 }
