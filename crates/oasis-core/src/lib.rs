@@ -22,6 +22,10 @@
 //! page_map             [num_pages, num_kv_heads] i32  head-wise mapping: logical block held, -1 empty
 //! page_last_selected   [num_pages, num_kv_heads] i32  step the entry was last selected, -1 never
 //! ```
+//!
+//! Either tier may instead hold kv8 pages ([`kernels::kv8`]): E4M3 codes in the same
+//! `[num_pages, num_kv_heads, block_size, head_dim]` layout plus f32 power-of-two scales
+//! `[num_pages, num_kv_heads]` for K and for V.
 
 #![forbid(unsafe_code)]
 

@@ -17,9 +17,10 @@
 //! KV8_MAX_EXP]`, where `absmax` is the largest `|x|` over the FINITE values the scale covers
 //! (NaN and `±inf` are left out: they are stored as the NaN code whatever the scale, see below);
 //! `absmax == 0` (or no finite value) gives `KV8_MIN_EXP`. The bounds keep `2^e` and `2^-e` normal
-//! f32, and `x * 2^-e` exact for any normal f32 or bf16 `x` that does not round to zero (every
-//! E4M3 rounding boundary is at least 2^-10, far above f32's subnormals). Any finite f32 needs
-//! `e <= 120`, so the upper clamp only bounds what a corrupt scale can say.
+//! f32, so `x * 2^-e` in f32 is exact unless it falls below 2^-126, far under E4M3's smallest
+//! rounding boundary (2^-10): `e4m3_rne` of the f32 product is the rounding of the exact one for
+//! every f32, bf16 or f16 `x`. Any finite f32 needs `e <= 120`, so the upper clamp only bounds
+//! what a corrupt scale can say.
 //!
 //! The rule is [`crate::kernels::bound8`]'s ([`bound8_exponent`]: same minimum, -120, NaN to the
 //! minimum) plus the explicit upper clamp; [`kv8_exponent`] is that function clamped, so the two

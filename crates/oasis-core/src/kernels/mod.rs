@@ -6,7 +6,8 @@
 //! * tables are `i32` (what the GPU kernels take); a negative entry means "empty / padding";
 //! * every shape and every table entry is validated before any write, so a bad call returns an
 //!   error and leaves every output untouched;
-//! * arithmetic is f32 whatever the storage type `T`.
+//! * arithmetic is f32 whatever the storage type `T`; kv8 pages ([`kv8`]) read as
+//!   `e4m3_decode(code) * scale`, exact in f32.
 
 pub mod append;
 pub mod attention;
