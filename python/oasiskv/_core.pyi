@@ -276,9 +276,14 @@ def append_kv(
     summaries: torch.Tensor,
     *,
     host_rows: torch.Tensor | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
+    host_k_scales: torch.Tensor | None = None,
+    host_v_scales: torch.Tensor | None = None,
     stream: int = 0,
 ) -> None:
-    """Append one token per sequence, with write-through and summary update for sparse sequences."""
+    """Append one token per sequence, with write-through and summary update for sparse sequences;
+    a tier of uint8 (fp8_e4m3) pages passes its scales."""
 
 def decode_attention(
     geo: KvGeometry,
@@ -465,6 +470,10 @@ def gather_blocks(
     k_pages: torch.Tensor,
     v_pages: torch.Tensor,
     *,
+    host_k_scales: torch.Tensor | None = None,
+    host_v_scales: torch.Tensor | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
     stream: int = 0,
 ) -> int | None:
     """Execute a selection plan (host pool -> GPU slots); entries copied on the CPU, None on the GPU."""
@@ -495,9 +504,25 @@ def copy_pages(
     dst_v: torch.Tensor,
     dst_ids: torch.Tensor,
     *,
+    src_k_scales: torch.Tensor | None = None,
+    src_v_scales: torch.Tensor | None = None,
+    dst_k_scales: torch.Tensor | None = None,
+    dst_v_scales: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
     stream: int = 0,
 ) -> None:
     """Whole-page copy between two pools of the same page geometry: src_ids[i] -> dst_ids[i]."""
+
+def quantize_kv8(
+    geo: KvGeometry,
+    src: torch.Tensor,
+    valid: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    stream: int = 0,
+) -> None:
+    """Quantize whole pages to fp8_e4m3 KV (uint8 codes, float32 power-of-two scales)."""
 
 def rms_norm(
     x: torch.Tensor,

@@ -87,9 +87,18 @@ def append_kv(
     host_v,
     summaries,
     host_rows=None,
+    *,
+    k_scales=None,
+    v_scales=None,
+    host_k_scales=None,
+    host_v_scales=None,
 ) -> None:
     """Append one token per sequence (write-through + summary update for sparse sequences): K/V to
-    host row ``host_rows[s]`` (``None``: the block id), the summary to block ``host_block_ids[s]``."""
+    host row ``host_rows[s]`` (``None``: the block id), the summary to block ``host_block_ids[s]``.
+
+    A tier in fp8_e4m3 (:func:`empty_kv8`: uint8 pages) passes its scales: ``k_scales``/
+    ``v_scales`` for the GPU pages, ``host_k_scales``/``host_v_scales`` for the host pool. The
+    summaries come from the unquantized keys."""
     dev = _check_device(k_new, k_pages, host_k)
     _core.append_kv(
         geo,
@@ -104,6 +113,10 @@ def append_kv(
         host_v,
         summaries,
         host_rows=host_rows,
+        k_scales=k_scales,
+        v_scales=v_scales,
+        host_k_scales=host_k_scales,
+        host_v_scales=host_v_scales,
         stream=_stream(dev),
     )
 
@@ -398,14 +411,29 @@ def delta_select(
 
 
 def gather_blocks(
-    geo, plan_slots, plan_blocks, slot_pages, host_indptr, host_indices, host_k, host_v, k_pages, v_pages
+    geo,
+    plan_slots,
+    plan_blocks,
+    slot_pages,
+    host_indptr,
+    host_indices,
+    host_k,
+    host_v,
+    k_pages,
+    v_pages,
+    *,
+    host_k_scales=None,
+    host_v_scales=None,
+    k_scales=None,
+    v_scales=None,
 ) -> int | None:
     """Copy the planned block-head entries from the host pool into GPU slots.
 
     Returns the number of entries copied on the CPU, ``None`` on the GPU (queued, not yet run).
     On a GPU, a pinned pool is read with :func:`set_gather_launch`'s launch; a pool in device
     memory (``Engine(host_pool="device")``, the all-resident oracle) with the many-block launch
-    that device reads need."""
+    that device reads need. A tier in fp8_e4m3 passes its scales (as :func:`append_kv`): an
+    fp8 host pool into float pages is dequantized (code x scale)."""
     dev = _check_device(plan_slots, k_pages, host_k)
     return _core.gather_blocks(
         geo,
@@ -418,6 +446,10 @@ def gather_blocks(
         host_v,
         k_pages,
         v_pages,
+        host_k_scales=host_k_scales,
+        host_v_scales=host_v_scales,
+        k_scales=k_scales,
+        v_scales=v_scales,
         stream=_stream(dev),
     )
 
@@ -458,11 +490,73 @@ def gather_launch() -> tuple[int, int, int, int]:
     return _core.gather_launch()
 
 
-def copy_pages(geo, src_k, src_v, src_ids, dst_k, dst_v, dst_ids) -> None:
+def copy_pages(
+    geo,
+    src_k,
+    src_v,
+    src_ids,
+    dst_k,
+    dst_v,
+    dst_ids,
+    *,
+    src_k_scales=None,
+    src_v_scales=None,
+    dst_k_scales=None,
+    dst_v_scales=None,
+    valid=None,
+) -> None:
     """Whole-page copy between pools of the same page geometry (either pool may be pinned host memory
-    when the ids are on a CUDA device)."""
+    when the ids are on a CUDA device). A pool in fp8_e4m3 passes its scales; float pages into an
+    fp8 pool are quantized over their first ``valid[i]`` rows (int32; None: full pages)."""
     dev = _check_device(src_ids, src_k, dst_k)
-    _core.copy_pages(geo, src_k, src_v, src_ids, dst_k, dst_v, dst_ids, stream=_stream(dev))
+    _core.copy_pages(
+        geo,
+        src_k,
+        src_v,
+        src_ids,
+        dst_k,
+        dst_v,
+        dst_ids,
+        src_k_scales=src_k_scales,
+        src_v_scales=src_v_scales,
+        dst_k_scales=dst_k_scales,
+        dst_v_scales=dst_v_scales,
+        valid=valid,
+        stream=_stream(dev),
+    )
+
+
+#: The name of the 8-bit KV storage (``KvConfig(kv_dtype=..., host_kv_dtype=...)``): E4M3 codes
+#: with a power-of-two scale per (page, KV head), K and V apart (``oasis_core::kernels::kv8``).
+FP8_KV = "fp8_e4m3"
+
+
+def empty_kv8(geo, rows: int, device, *, pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, scales)`` of ``rows`` fp8_e4m3 pages: uint8 ``[rows, num_kv_heads, block_size,
+    head_dim]`` and float32 ``[rows, num_kv_heads]``, uninitialised (``pin``: pinned CPU memory)."""
+    g = geo
+    codes = torch.empty(
+        rows, g.num_kv_heads, g.block_size, g.head_dim, dtype=torch.uint8, device=device, pin_memory=pin
+    )
+    scales = torch.empty(rows, g.num_kv_heads, dtype=torch.float32, device=device, pin_memory=pin)
+    return codes, scales
+
+
+def quantize_kv8(geo, src, valid, codes, scales) -> None:
+    """Quantize whole pages ``src [n, num_kv_heads, block_size, head_dim]`` (float) into fp8_e4m3
+    ``codes`` (uint8, same shape) and ``scales [n, num_kv_heads]`` (float32): per (page, KV head)
+    the power-of-two scale of the first ``valid[i]`` rows' largest finite magnitude over 448, each
+    value rounded to the nearest E4M3 code (ties to even, NaN and inf to the NaN code), rows past
+    ``valid[i]`` code 0."""
+    dev = _check_device(src, codes)
+    _core.quantize_kv8(geo, src, valid, codes, scales, stream=_stream(dev))
+
+
+def dequantize_kv8(codes: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """fp8_e4m3 pages back to ``dtype``: ``code x scale`` per (page, KV head) (exact in float32;
+    torch's own E4M3 decode, the same grid as ``oasis_core``'s)."""
+    vals = codes.view(torch.float8_e4m3fn).to(torch.float32)
+    return (vals * scales[..., None, None]).to(dtype)
 
 
 def _as_rows(t: torch.Tensor, hidden: int, name: str) -> torch.Tensor:

@@ -55,6 +55,7 @@ mod rt;
 mod runtime;
 mod selection;
 mod tensor;
+mod tier;
 
 use pyo3::prelude::*;
 

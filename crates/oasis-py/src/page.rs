@@ -6,11 +6,11 @@ use oasis_core::kernels;
 use pyo3::prelude::*;
 
 use crate::call::{entry, guarded, on_gpu, with_dtype};
-use crate::check::{
-    check_all, check_block_tables, check_outputs, kv_dtype, pool_rows, summary_rows,
-};
+use crate::check::{check_all, check_block_tables, check_outputs, kv_dtype, summary_rows};
+use crate::errors::py_err;
 use crate::runtime::PyGeometry;
 use crate::tensor::{check_disjoint, Cx, Elem, Place, TensorArg, ANY};
+use crate::tier::{kv8_on_cuda, Tier};
 
 #[pyfunction]
 #[pyo3(signature = (max_blocks = None, warps_per_block = None, entries_per_warp = None, stage_entries = None))]
@@ -50,7 +50,7 @@ fn gather_launch() -> (usize, u32, u32, u32) {
 }
 
 #[pyfunction]
-#[pyo3(signature = (geo, k_new, v_new, page_ids, page_offsets, host_block_ids, k_pages, v_pages, host_k, host_v, summaries, *, host_rows = None, stream = 0))]
+#[pyo3(signature = (geo, k_new, v_new, page_ids, page_offsets, host_block_ids, k_pages, v_pages, host_k, host_v, summaries, *, host_rows = None, k_scales = None, v_scales = None, host_k_scales = None, host_v_scales = None, stream = 0))]
 #[allow(clippy::too_many_arguments)]
 /// Append one token per sequence into its page slot, with write-through and summary update for
 /// sparse sequences (host_block_ids >= 0).
@@ -61,6 +61,11 @@ fn gather_launch() -> (usize, u32, u32, u32) {
 /// is dense); summaries [num_host_blocks, num_kv_heads, 2, head_dim]; host_rows [num_seqs] int32
 /// or None: the host row the token is written through to (None: the row is the block id; the
 /// summary is always host_block_ids').
+///
+/// Either tier may hold fp8_e4m3 KV: uint8 E4M3 pages with k_scales, v_scales (the GPU pages)
+/// or host_k_scales, host_v_scales (the host pool), [rows, num_kv_heads] float32 powers of two
+/// (`oasis_core::kernels::kv8`: a row at offset 0 sets its page's scale, a later larger row
+/// raises it and requantizes the rows before it). Summaries come from the unquantized keys.
 ///
 /// CUDA: every tensor on one cuda:N except the host pool (host_k, host_v), which may also be
 /// pinned CPU memory; queued on `stream` (the raw cudaStream_t of a live stream of cuda:N,
@@ -81,10 +86,30 @@ fn append_kv(
     host_v: TensorArg,
     summaries: TensorArg,
     host_rows: Option<TensorArg>,
+    k_scales: Option<TensorArg>,
+    v_scales: Option<TensorArg>,
+    host_k_scales: Option<TensorArg>,
+    host_v_scales: Option<TensorArg>,
     stream: u64,
 ) -> PyResult<()> {
     entry(py, "append_kv", || {
         let g = geo.inner;
+        let gpu = Tier::new(
+            py,
+            GPU_TIER,
+            &k_pages,
+            &v_pages,
+            k_scales.as_ref(),
+            v_scales.as_ref(),
+        )?;
+        let hst = Tier::new(
+            py,
+            HOST_TIER,
+            &host_k,
+            &host_v,
+            host_k_scales.as_ref(),
+            host_v_scales.as_ref(),
+        )?;
         let new = [("k_new", &k_new), ("v_new", &v_new)];
         let mut tables = vec![
             ("page_ids", &page_ids),
@@ -94,16 +119,19 @@ fn append_kv(
         if let Some(r) = &host_rows {
             tables.push(("host_rows", r));
         }
-        let pages = [("k_pages", &k_pages), ("v_pages", &v_pages)];
-        let host = [("host_k", &host_k), ("host_v", &host_v)];
+        let pages = gpu.named();
+        let host = hst.named();
         let sums = [("summaries", &summaries)];
         let cx = Cx::new(py, &[&new[..], &tables, &pages, &sums].concat(), &host)?;
         let [n, ..] = check_all(&cx, &new, Elem::Any, [ANY, g.num_kv_heads, g.head_dim])?;
         check_all(&cx, &tables, Elem::I32, [n])?;
-        pool_rows(&cx, &g, &pages)?;
-        pool_rows(&cx.host(), &g, &host)?;
+        gpu.rows(&cx, &g)?;
+        hst.rows(&cx.host(), &g)?;
         summary_rows(&cx, &g, &summaries)?;
-        let dt = kv_dtype(py, &[&pages[..], &new, &host, &sums].concat())?;
+        let dt = kv_dtype(
+            py,
+            &[&new[..], &sums, &gpu.float_pages(), &hst.float_pages()].concat(),
+        )?;
         check_outputs(
             py,
             &[&pages[..], &host, &sums].concat(),
@@ -114,12 +142,13 @@ fn append_kv(
                 // SAFETY: shapes, dtypes and CPU residence were checked above; the mutable buffers
                 // were checked disjoint from each other and from the inputs; the caller keeps the
                 // tensors alive for the call.
-                let (kn, vn) = unsafe { (k_new.slice::<T>(), v_new.slice::<T>()) };
-                let (kp, vp, hk, hv, sm) = unsafe { (k_pages.slice_mut::<T>(), v_pages.slice_mut::<T>(), host_k.slice_mut::<T>(), host_v.slice_mut::<T>(), summaries.slice_mut::<T>()) };
+                let (kn, vn, sm) = unsafe { (k_new.slice::<T>(), v_new.slice::<T>(), summaries.slice_mut::<T>()) };
+                let (gt, ht) = unsafe { (gpu.write::<T>(), hst.write::<T>()) };
                 let (pi, po, hb) = unsafe { (page_ids.ints(), page_offsets.ints(), host_block_ids.ints()) };
                 let hr = host_rows.as_ref().map(|r| unsafe { r.ints() });
-                guarded(py, "append_kv", || kernels::append_kv::<T>(&g, kn, vn, pi, po, hb, hr, kp, vp, hk, hv, sm))
+                guarded(py, "append_kv", || kernels::append_kv_tiers::<T>(&g, kn, vn, pi, po, hb, hr, gt, ht, sm))
             }),
+            Place::Cuda(_) if gpu.is_kv8() || hst.is_kv8() => Err(kv8_on_cuda(py, "append_kv")),
             Place::Cuda(dev) => with_dtype!(dt, T => {
                 // SAFETY: (TensorArg::dev) shapes, dtypes, contiguity and residence on cuda:dev
                 // (the host pool: pinned, mapped checked in on_gpu) were checked above; outputs
@@ -192,14 +221,17 @@ fn build_summaries(
 }
 
 #[pyfunction]
-#[pyo3(signature = (geo, plan_slots, plan_blocks, slot_pages, host_indptr, host_indices, host_k, host_v, k_pages, v_pages, *, stream = 0))]
+#[pyo3(signature = (geo, plan_slots, plan_blocks, slot_pages, host_indptr, host_indices, host_k, host_v, k_pages, v_pages, *, host_k_scales = None, host_v_scales = None, k_scales = None, v_scales = None, stream = 0))]
 #[allow(clippy::too_many_arguments)]
 /// Execute a selection plan: copy planned block-head entries from the host pool into GPU slots.
 ///
 /// plan_slots, plan_blocks [num_seqs, num_kv_heads, fetch_cap], slot_pages [num_seqs, budget],
 /// host_indptr [num_seqs + 1], host_indices [nnz] int32; host_k, host_v [num_host_blocks,
 /// num_kv_heads, block_size, head_dim]; k_pages, v_pages [num_pages, num_kv_heads, block_size,
-/// head_dim]. Bit-exact.
+/// head_dim]. Bit-exact between tiers of one storage; a tier may hold fp8_e4m3 KV (uint8 pages
+/// with host_k_scales, host_v_scales or k_scales, v_scales [rows, num_kv_heads] float32): kv8 to
+/// kv8 copies the codes and the scales, kv8 to float pages dequantizes (code x scale), float to
+/// kv8 quantizes each entry's whole block.
 ///
 /// CPU: returns the number of block-head entries copied. CUDA: every tensor on one cuda:N except
 /// host_k, host_v, which may be pinned CPU memory (read through unified addressing); queued on
@@ -219,10 +251,30 @@ fn gather_blocks(
     host_v: TensorArg,
     k_pages: TensorArg,
     v_pages: TensorArg,
+    host_k_scales: Option<TensorArg>,
+    host_v_scales: Option<TensorArg>,
+    k_scales: Option<TensorArg>,
+    v_scales: Option<TensorArg>,
     stream: u64,
 ) -> PyResult<Option<usize>> {
     entry(py, "gather_blocks", || {
         let g = geo.inner;
+        let hst = Tier::new(
+            py,
+            HOST_TIER,
+            &host_k,
+            &host_v,
+            host_k_scales.as_ref(),
+            host_v_scales.as_ref(),
+        )?;
+        let gpu = Tier::new(
+            py,
+            GPU_TIER,
+            &k_pages,
+            &v_pages,
+            k_scales.as_ref(),
+            v_scales.as_ref(),
+        )?;
         let tables = [
             ("plan_slots", &plan_slots),
             ("plan_blocks", &plan_blocks),
@@ -230,31 +282,34 @@ fn gather_blocks(
             ("host_indptr", &host_indptr),
             ("host_indices", &host_indices),
         ];
-        let pools = [
-            ("host_k", &host_k),
-            ("host_v", &host_v),
-            ("k_pages", &k_pages),
-            ("v_pages", &v_pages),
-        ];
-        let (host, pages) = pools.split_at(2);
-        let cx = Cx::new(py, &[&tables[..], pages].concat(), host)?;
+        let (host, pages) = (hst.named(), gpu.named());
+        let cx = Cx::new(py, &[&tables[..], &pages].concat(), &host)?;
         let plan = [("plan_slots", &plan_slots), ("plan_blocks", &plan_blocks)];
         let [ns, _, cap] = check_all(&cx, &plan, Elem::I32, [ANY, g.num_kv_heads, ANY])?;
         let [_, budget] = slot_pages.check(&cx, "slot_pages", Elem::I32, [ns, ANY])?;
         host_indptr.check(&cx, "host_indptr", Elem::I32, [ns + 1])?;
         host_indices.check(&cx, "host_indices", Elem::I32, [ANY])?;
-        pool_rows(&cx.host(), &g, host)?;
-        pool_rows(&cx, &g, pages)?;
-        let dt = kv_dtype(py, &pools)?;
-        check_disjoint(py, &pools)?;
-        check_outputs(py, pages, &tables)?;
+        hst.rows(&cx.host(), &g)?;
+        gpu.rows(&cx, &g)?;
+        let floats = [&hst.float_pages()[..], &gpu.float_pages()].concat();
+        if floats.is_empty() {
+            return Err(py_err(
+                py,
+                "ConfigError",
+                "gather_blocks between two fp8_e4m3 tiers copies bytes: use float pages on one side, or copy_pages".to_string(),
+            ));
+        }
+        let dt = kv_dtype(py, &floats)?;
+        check_disjoint(py, &[&host[..], &pages].concat())?;
+        check_outputs(py, &pages, &tables)?;
         match cx.place {
             Place::Cpu => with_dtype!(dt, T => {
                 // SAFETY: checked above; the page pools are disjoint from each other and from every input.
                 let (ps, pb, sp, hi, hx) = unsafe { (plan_slots.ints(), plan_blocks.ints(), slot_pages.ints(), host_indptr.ints(), host_indices.ints()) };
-                let (hk, hv, kp, vp) = unsafe { (host_k.slice::<T>(), host_v.slice::<T>(), k_pages.slice_mut::<T>(), v_pages.slice_mut::<T>()) };
-                guarded(py, "gather_blocks", || kernels::gather_blocks::<T>(&g, ps, pb, cap, sp, budget, hi, hx, hk, hv, kp, vp)).map(Some)
+                let (ht, gt) = unsafe { (hst.read::<T>(), gpu.write::<T>()) };
+                guarded(py, "gather_blocks", || kernels::gather_blocks_tiers::<T>(&g, ps, pb, cap, sp, budget, hi, hx, &ht, gt)).map(Some)
             }),
+            Place::Cuda(_) if gpu.is_kv8() || hst.is_kv8() => Err(kv8_on_cuda(py, "gather_blocks")),
             Place::Cuda(dev) => with_dtype!(dt, T => {
                 // SAFETY: (TensorArg::dev) checked above (the host pool pinned; mapped checked in
                 // on_gpu); the page pools are disjoint from each other and from every input.
@@ -262,7 +317,7 @@ fn gather_blocks(
                 let (hk, hv, kp, vp) = unsafe { (host_k.dev::<T>(), host_v.dev::<T>(), k_pages.dev::<T>(), v_pages.dev::<T>()) };
                 // A pool in device memory (the all-resident oracle) takes the launch HBM reads need.
                 let device_source = !host_k.is_host_mapped();
-                on_gpu(py, "gather_blocks", dev, stream, host, move |gpu, st| gpu.gather_blocks::<T>(&g, ps, pb, cap, sp, budget, hi, hx, hk, hv, kp, vp, device_source, st))?;
+                on_gpu(py, "gather_blocks", dev, stream, &host, move |gpu, st| gpu.gather_blocks::<T>(&g, ps, pb, cap, sp, budget, hi, hx, hk, hv, kp, vp, device_source, st))?;
                 Ok(None)
             }),
         }
@@ -270,12 +325,15 @@ fn gather_blocks(
 }
 
 #[pyfunction]
-#[pyo3(signature = (geo, src_k, src_v, src_ids, dst_k, dst_v, dst_ids, *, stream = 0))]
+#[pyo3(signature = (geo, src_k, src_v, src_ids, dst_k, dst_v, dst_ids, *, src_k_scales = None, src_v_scales = None, dst_k_scales = None, dst_v_scales = None, valid = None, stream = 0))]
 #[allow(clippy::too_many_arguments)]
 /// Whole-page copy between two pools of the same page geometry: src_ids[i] -> dst_ids[i], all heads.
 ///
 /// src_k, src_v [num_src_pages, num_kv_heads, block_size, head_dim]; dst_k, dst_v [num_dst_pages,
-/// ...]; src_ids, dst_ids [n] int32. Bit-exact.
+/// ...]; src_ids, dst_ids [n] int32. Bit-exact between pools of one storage. Either pool may hold
+/// fp8_e4m3 KV (uint8 pages with src_/dst_k_scales, v_scales [rows, num_kv_heads] float32): float
+/// to kv8 quantizes each page over its first valid[i] rows (valid [n] int32 in 1..=block_size;
+/// None: full pages), kv8 to float dequantizes, kv8 to kv8 copies codes and scales.
 ///
 /// CUDA: src_ids, dst_ids on cuda:N; each pool there too or in pinned CPU memory (dense pages to
 /// host blocks when a request turns sparse); queued on `stream` (raw cudaStream_t, 0 = legacy
@@ -289,31 +347,58 @@ fn copy_pages(
     dst_k: TensorArg,
     dst_v: TensorArg,
     dst_ids: TensorArg,
+    src_k_scales: Option<TensorArg>,
+    src_v_scales: Option<TensorArg>,
+    dst_k_scales: Option<TensorArg>,
+    dst_v_scales: Option<TensorArg>,
+    valid: Option<TensorArg>,
     stream: u64,
 ) -> PyResult<()> {
     entry(py, "copy_pages", || {
         let g = geo.inner;
-        let pools = [
-            ("src_k", &src_k),
-            ("src_v", &src_v),
-            ("dst_k", &dst_k),
-            ("dst_v", &dst_v),
-        ];
-        let ids = [("src_ids", &src_ids), ("dst_ids", &dst_ids)];
+        let src = Tier::new(
+            py,
+            SRC_TIER,
+            &src_k,
+            &src_v,
+            src_k_scales.as_ref(),
+            src_v_scales.as_ref(),
+        )?;
+        let dst = Tier::new(
+            py,
+            DST_TIER,
+            &dst_k,
+            &dst_v,
+            dst_k_scales.as_ref(),
+            dst_v_scales.as_ref(),
+        )?;
+        let mut ids = vec![("src_ids", &src_ids), ("dst_ids", &dst_ids)];
+        if let Some(v) = &valid {
+            ids.push(("valid", v));
+        }
+        let pools = [&src.named()[..], &dst.named()].concat();
         let cx = Cx::new(py, &ids, &pools)?;
-        let (src, dst) = pools.split_at(2);
-        pool_rows(&cx.host(), &g, src)?;
-        pool_rows(&cx.host(), &g, dst)?;
+        src.rows(&cx.host(), &g)?;
+        dst.rows(&cx.host(), &g)?;
         check_all(&cx, &ids, Elem::I32, [ANY])?;
-        let dt = kv_dtype(py, &pools)?;
+        let floats = [&src.float_pages()[..], &dst.float_pages()].concat();
+        // Two kv8 pools copy bytes: any float dtype instantiates the kernel.
+        let dt = if floats.is_empty() {
+            oasis_core::DType::F32
+        } else {
+            kv_dtype(py, &floats)?
+        };
         check_disjoint(py, &pools)?;
-        check_outputs(py, dst, &ids)?;
+        check_outputs(py, &dst.named(), &ids)?;
         match cx.place {
             Place::Cpu => with_dtype!(dt, T => {
                 // SAFETY: checked above; destination pools are disjoint from the sources and the ids.
-                let (sk, sv, si, dk, dv, di) = unsafe { (src_k.slice::<T>(), src_v.slice::<T>(), src_ids.ints(), dst_k.slice_mut::<T>(), dst_v.slice_mut::<T>(), dst_ids.ints()) };
-                guarded(py, "copy_pages", || kernels::copy_pages::<T>(&g, sk, sv, si, dk, dv, di))
+                let (si, di) = unsafe { (src_ids.ints(), dst_ids.ints()) };
+                let va = valid.as_ref().map(|v| unsafe { v.ints() });
+                let (st, dt) = unsafe { (src.read::<T>(), dst.write::<T>()) };
+                guarded(py, "copy_pages", || kernels::copy_pages_tiers::<T>(&g, &st, si, dt, di, va))
             }),
+            Place::Cuda(_) if src.is_kv8() || dst.is_kv8() => Err(kv8_on_cuda(py, "copy_pages")),
             Place::Cuda(dev) => with_dtype!(dt, T => {
                 // SAFETY: (TensorArg::dev) checked above (pinned pools: mapped checked in on_gpu);
                 // destination pools are disjoint from the sources and the ids.
@@ -324,6 +409,68 @@ fn copy_pages(
     })
 }
 
+#[pyfunction]
+#[pyo3(signature = (geo, src, valid, codes, scales, *, stream = 0))]
+#[allow(clippy::too_many_arguments)]
+/// Quantize whole pages to fp8_e4m3 KV (`oasis_core::kernels::kv8`): per (page, KV head) the
+/// power-of-two scale of the first valid[i] rows' largest finite magnitude, then each value
+/// rounded to the nearest E4M3 code (ties to even; NaN and inf to the NaN code); rows past
+/// valid[i] are code 0.
+///
+/// src [n, num_kv_heads, block_size, head_dim] float; valid [n] int32 in 1..=block_size; codes
+/// [n, num_kv_heads, block_size, head_dim] uint8 and scales [n, num_kv_heads] float32 (written).
+fn quantize_kv8(
+    py: Python<'_>,
+    geo: &PyGeometry,
+    src: TensorArg,
+    valid: TensorArg,
+    codes: TensorArg,
+    scales: TensorArg,
+    stream: u64,
+) -> PyResult<()> {
+    let _ = stream;
+    entry(py, "quantize_kv8", || {
+        let g = geo.inner;
+        let all = [
+            ("src", &src),
+            ("valid", &valid),
+            ("codes", &codes),
+            ("scales", &scales),
+        ];
+        let cx = Cx::new(py, &all, &[])?;
+        let page = [ANY, g.num_kv_heads, g.block_size, g.head_dim];
+        let [n, ..] = src.check(&cx, "src", Elem::Any, page)?;
+        valid.check(&cx, "valid", Elem::I32, [n])?;
+        codes.check(
+            &cx,
+            "codes",
+            Elem::U8,
+            [n, g.num_kv_heads, g.block_size, g.head_dim],
+        )?;
+        scales.check(&cx, "scales", Elem::F32, [n, g.num_kv_heads])?;
+        let dt = kv_dtype(py, &[("src", &src)])?;
+        check_outputs(
+            py,
+            &[("codes", &codes), ("scales", &scales)],
+            &[("src", &src), ("valid", &valid)],
+        )?;
+        match cx.place {
+            Place::Cpu => with_dtype!(dt, T => {
+                // SAFETY: checked above; the outputs are disjoint from each other and the inputs.
+                let (sr, va, cd, sc) = unsafe { (src.slice::<T>(), valid.ints(), codes.slice_mut::<u8>(), scales.slice_mut::<f32>()) };
+                guarded(py, "quantize_kv8", || kernels::quantize_kv8::<T>(&g, sr, va, cd, sc))
+            }),
+            Place::Cuda(_) => Err(kv8_on_cuda(py, "quantize_kv8")),
+        }
+    })
+}
+
+/// The names each tier's tensors go by in messages.
+const GPU_TIER: [&str; 4] = ["k_pages", "v_pages", "k_scales", "v_scales"];
+const HOST_TIER: [&str; 4] = ["host_k", "host_v", "host_k_scales", "host_v_scales"];
+const SRC_TIER: [&str; 4] = ["src_k", "src_v", "src_k_scales", "src_v_scales"];
+const DST_TIER: [&str; 4] = ["dst_k", "dst_v", "dst_k_scales", "dst_v_scales"];
+
 /// Add this module's functions to `_core`.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(append_kv, m)?)?;
@@ -332,5 +479,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(set_gather_launch, m)?)?;
     m.add_function(wrap_pyfunction!(gather_launch, m)?)?;
     m.add_function(wrap_pyfunction!(copy_pages, m)?)?;
+    m.add_function(wrap_pyfunction!(quantize_kv8, m)?)?;
     Ok(())
 }
