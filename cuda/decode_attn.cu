@@ -77,6 +77,56 @@ __device__ __forceinline__ void stage_kv_rows(const T* __restrict__ ksrc, const 
     }
 }
 
+// Where the generic kernel reads its pages: `stage` puts `nt` tokens of entry `e` (page *
+// num_kv_heads + head) from token `t0` into tile rows `row0 ..` as f32. T pages convert; kv8
+// pages (oasis_core::kernels::kv8) dequantize, e4m3_decode(code) * scale: exact in f32, the
+// twin's value (its Kv8Rows), so the rest of the kernel is the T kernel's.
+template <typename T>
+struct ElemPages {
+    const T* k;  // [num_pages, num_kv_heads, block_size, head_dim]
+    const T* v;  // [num_pages, num_kv_heads, block_size, head_dim]
+    __device__ __forceinline__ void stage(i64 e, int t0, int nt, int row0, int d, int bs, DecodeSmem sm) const {
+        const i64 at = e * bs * d + (i64)t0 * d;
+        stage_kv_rows<T>(k + at, v + at, nt, row0, d, sm);
+    }
+};
+
+struct Kv8Pages {
+    const unsigned char* k;  // [num_pages, num_kv_heads, block_size, head_dim] E4M3 codes
+    const unsigned char* v;  // [num_pages, num_kv_heads, block_size, head_dim] E4M3 codes
+    const float* ks;         // [num_pages, num_kv_heads] powers of two
+    const float* vs;         // [num_pages, num_kv_heads] powers of two
+    __device__ __forceinline__ void stage(i64 e, int t0, int nt, int row0, int d, int bs, DecodeSmem sm) const {
+        const i64 at = e * bs * d + (i64)t0 * d;
+        const unsigned char* kc = k + at;
+        const unsigned char* vc = v + at;
+        const float sk = ks[e];
+        const float sv = vs[e];
+        if ((d & 15) == 0 && (((u64)kc | (u64)vc) & 15) == 0) {
+            for (int c = threadIdx.x; c < nt * d / 16; c += blockDim.x) {
+                const uint4 kr = ((const uint4*)kc)[c];
+                const uint4 vr = ((const uint4*)vc)[c];
+                const unsigned char* kb = (const unsigned char*)&kr;
+                const unsigned char* vb = (const unsigned char*)&vr;
+                const int t = row0 + c * 16 / d;
+                const int x = c * 16 % d;
+#pragma unroll
+                for (int u = 0; u < 16; ++u) {
+                    sm.k[t * (d + 1) + x + u] = __fmul_rn(e4m3_decode(kb[u]), sk);
+                    sm.v[t * d + x + u] = __fmul_rn(e4m3_decode(vb[u]), sv);
+                }
+            }
+        } else {
+            for (int c = threadIdx.x; c < nt * d; c += blockDim.x) {
+                const int t = row0 + c / d;
+                const int x = c % d;
+                sm.k[t * (d + 1) + x] = __fmul_rn(e4m3_decode(kc[c]), sk);
+                sm.v[t * d + x] = __fmul_rn(e4m3_decode(vc[c]), sv);
+            }
+        }
+    }
+};
+
 // One staged tile of `nt` tokens: score every (query, token) pair, update the online softmax of
 // every query. `mask_rows_below`: queries of rows < it do not see this tile (0 = all see it).
 // Block-uniform; starts and ends with a barrier.
@@ -129,12 +179,12 @@ __device__ void attend_staged(int nt, int nq, int group, int d, int tt, float sm
 }
 
 // grid (num_seqs, num_kv_heads, num_splits); blockDim.x a multiple of 32; dynamic shared memory as
-// laid out in DecodeSmem for nq = num_rows * group; tile_tokens in 1..=32.
-template <typename T>
+// laid out in DecodeSmem for nq = num_rows * group; tile_tokens in 1..=32. P: ElemPages<T> or
+// Kv8Pages.
+template <typename T, typename P>
 __device__ void decode_attn_impl(
     const T* __restrict__ q,                  // [num_seqs, num_rows, num_qo_heads, head_dim]
-    const T* __restrict__ k_pages,            // [num_pages, num_kv_heads, block_size, head_dim]
-    const T* __restrict__ v_pages,            // [num_pages, num_kv_heads, block_size, head_dim]
+    P pages,                                  // [num_pages, num_kv_heads, block_size, head_dim]
     const int* __restrict__ kv_indptr,        // [num_seqs + 1] CSR over kv_indices
     const int* __restrict__ kv_indices,       // [nnz] GPU page ids, in sequence order
     const int* __restrict__ kv_last_page_len, // [num_seqs] 1..=block_size valid tokens of the last page
@@ -187,7 +237,6 @@ __device__ void decode_attn_impl(
     const int p1 = min(n_pages, p0 + per_split);
     int last_len = kv_last_page_len[s];
     last_len = last_len < 0 ? 0 : (last_len > block_size ? block_size : last_len);
-    const i64 entry = (i64)block_size * d;
 
     // Tiles fill across page entries (a 16-token page is half a 32-token tile).
     int fill = 0;
@@ -196,10 +245,10 @@ __device__ void decode_attn_impl(
         if (page < 0 || page >= num_pages) continue;
         if (page_map != nullptr && page_map[(i64)page * num_kv_heads + h] < 0) continue;
         const int n_tok = p == n_pages - 1 ? last_len : block_size;
-        const i64 base = ((i64)page * num_kv_heads + h) * entry;
+        const i64 e = (i64)page * num_kv_heads + h;
         for (int t0 = 0; t0 < n_tok;) {
             const int take = min(tt - fill, n_tok - t0);
-            stage_kv_rows<T>(k_pages + base + (i64)t0 * d, v_pages + base + (i64)t0 * d, take, fill, d, sm);
+            pages.stage(e, t0, take, fill, d, block_size, sm);
             fill += take;
             t0 += take;
             if (fill == tt) {
@@ -353,12 +402,167 @@ __device__ __forceinline__ u32 pack2<f16>(float lo, float hi) {
     return r;
 }
 
+
+// Four E4M3 codes (byte b of w is code b) as f32, NaN codes as NaN. sm_89+: two cvt per pair
+// (exact: every E4M3 value is an f16); elsewhere e4m3_decode.
+__device__ __forceinline__ void e4m3x4_to_f32(u32 w, float (&out)[4]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    asm("{\n"
+        " .reg .b16 a, b, c, d, e, f;\n"
+        " .reg .b32 lo, hi;\n"
+        " mov.b32 {a, b}, %4;\n"
+        " cvt.rn.f16x2.e4m3x2 lo, a;\n"
+        " cvt.rn.f16x2.e4m3x2 hi, b;\n"
+        " mov.b32 {c, d}, lo;\n"
+        " mov.b32 {e, f}, hi;\n"
+        " cvt.f32.f16 %0, c;\n"
+        " cvt.f32.f16 %1, d;\n"
+        " cvt.f32.f16 %2, e;\n"
+        " cvt.f32.f16 %3, f;\n"
+        "}\n"
+        : "=f"(out[0]), "=f"(out[1]), "=f"(out[2]), "=f"(out[3])
+        : "r"(w));
+#else
+#pragma unroll
+    for (int b = 0; b < 4; ++b) out[b] = e4m3_decode((w >> (8 * b)) & 0xffu);
+#endif
+}
+
+// 16 codes (one 16-byte unit) times `scale` as two 16-byte units of T (8 values each).
+template <typename T>
+__device__ __forceinline__ void dequant16(const uint4& w, float scale, uint4& lo, uint4& hi) {
+    const u32 in[4] = {w.x, w.y, w.z, w.w};
+    u32 out[8];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float f[4];
+        e4m3x4_to_f32(in[i], f);
+        out[2 * i] = pack2<T>(f[0] * scale, f[1] * scale);
+        out[2 * i + 1] = pack2<T>(f[2] * scale, f[3] * scale);
+    }
+    lo = make_uint4(out[0], out[1], out[2], out[3]);
+    hi = make_uint4(out[4], out[5], out[6], out[7]);
+}
+
 }  // namespace tc
 // ---- end of PTX wrappers -------------------------------------------------------------------
 
+// How the tensor-core kernel stages a warp's work items. Each warp owns WARP_UNITS 16-byte units
+// of shared memory `w`. `issue(w, slot, off, xk, xv, nvalid, lane)` starts the cp.async of a
+// 16-token chunk at element `off` of the pages (`nvalid` valid rows, the rest zero-filled), or,
+// when off < 0, of the extra K/V row `xk`, `xv`, into ring slot `slot` (0..STAGES). Once the copy
+// has landed and the warp has synchronised, `tile(w, slot, e, lane)` returns the chunk's K tile as
+// ldmatrix reads it (T, 16 rows of D, 16-byte units XOR-swizzled: unit u of row r at u ^ (r & 7)),
+// its V tile CHUNK_UNITS units after it; `e` = page * num_kv_heads + head, < 0 for the extra row.
+
+// T pages: the ring holds the swizzled T tiles themselves.
 template <typename T, int D, int STAGES>
+struct TcElemPages {
+    static constexpr int UPR = D / 8;
+    static constexpr int CHUNK_UNITS = 16 * UPR;
+    static constexpr int WARP_UNITS = STAGES * 2 * CHUNK_UNITS;
+    const T* k;  // [num_pages, num_kv_heads, block_size, head_dim]
+    const T* v;  // [num_pages, num_kv_heads, block_size, head_dim]
+
+    __device__ __forceinline__ void issue(uint4* w, int slot, i64 off, const T* xk, const T* xv, int nvalid,
+                                          int lane) const {
+        const T* ksrc = off >= 0 ? k + off : xk;
+        const T* vsrc = off >= 0 ? v + off : xv;
+        uint4* kd = w + slot * 2 * CHUNK_UNITS;
+        uint4* vd = kd + CHUNK_UNITS;
+#pragma unroll
+        for (int r = 0; r < CHUNK_UNITS / 32; ++r) {
+            const int unit = lane + 32 * r;
+            const int row = unit / UPR;
+            const int col = unit % UPR;
+            const bool ok = row < nvalid;
+            const int src = ok ? row * D + col * 8 : 0;
+            const int dst = row * UPR + (col ^ (row & 7));
+            tc::cp_async_16(kd + dst, ksrc + src, ok ? 16 : 0);
+            tc::cp_async_16(vd + dst, vsrc + src, ok ? 16 : 0);
+        }
+    }
+    __device__ __forceinline__ const uint4* tile(uint4* w, int slot, i64, int) const {
+        return w + slot * 2 * CHUNK_UNITS;
+    }
+};
+
+// kv8 pages: the ring holds the chunks' codes as stored (16 rows of D bytes, K then V; the extra
+// row as T in the K and V areas); `tile` dequantizes one into the warp's T tile after the ring,
+// code * scale, exact in bf16 (a 4-bit significand times 2^e, e in [-120, 120]; f16 would
+// overflow, so T is bf16 only). The MMA then sees the twin's dequantized values.
+template <typename T, int D, int STAGES>
+struct TcKv8Pages {
+    static_assert(sizeof(T) == 2 && D % 16 == 0, "kv8 tensor-core pages: bf16, D a multiple of 16");
+    static constexpr int UPR = D / 8;
+    static constexpr int CHUNK_UNITS = 16 * UPR;  // of the T tile
+    static constexpr int CODE_UNITS = D;          // 16 rows x D codes, in 16-byte units
+    static constexpr int WARP_UNITS = STAGES * 2 * CODE_UNITS + 2 * CHUNK_UNITS;
+    const unsigned char* k;  // [num_pages, num_kv_heads, block_size, head_dim] E4M3 codes
+    const unsigned char* v;  // [num_pages, num_kv_heads, block_size, head_dim] E4M3 codes
+    const float* ks;         // [num_pages, num_kv_heads]
+    const float* vs;         // [num_pages, num_kv_heads]
+
+    __device__ __forceinline__ void issue(uint4* w, int slot, i64 off, const T* xk, const T* xv, int nvalid,
+                                          int lane) const {
+        uint4* kd = w + slot * 2 * CODE_UNITS;
+        uint4* vd = kd + CODE_UNITS;
+        if (off < 0) {  // the extra row, T: D / 8 units each
+            for (int u = lane; u < UPR; u += 32) {
+                tc::cp_async_16(kd + u, xk + u * 8, 16);
+                tc::cp_async_16(vd + u, xv + u * 8, 16);
+            }
+            return;
+        }
+#pragma unroll
+        for (int r = 0; r < CODE_UNITS / 32; ++r) {
+            const int unit = lane + 32 * r;
+            const int row = unit / (D / 16);
+            const bool ok = row < nvalid;
+            const i64 src = off + (ok ? unit * 16 : 0);
+            tc::cp_async_16(kd + unit, k + src, ok ? 16 : 0);
+            tc::cp_async_16(vd + unit, v + src, ok ? 16 : 0);
+        }
+    }
+    __device__ __forceinline__ const uint4* tile(uint4* w, int slot, i64 e, int lane) const {
+        const uint4* kc = w + slot * 2 * CODE_UNITS;
+        const uint4* vc = kc + CODE_UNITS;
+        uint4* kt = w + STAGES * 2 * CODE_UNITS;
+        uint4* vt = kt + CHUNK_UNITS;
+        if (e >= 0) {
+            const float sk = ks[e];
+            const float sv = vs[e];
+#pragma unroll
+            for (int r = 0; r < CODE_UNITS / 32; ++r) {
+                const int unit = lane + 32 * r;
+                const int row = unit / (D / 16);
+                const int col = unit % (D / 16) * 2;  // T units col, col + 1
+                const int at = row * UPR;
+                uint4 lo, hi;
+                tc::dequant16<T>(kc[unit], sk, lo, hi);
+                kt[at + (col ^ (row & 7))] = lo;
+                kt[at + ((col + 1) ^ (row & 7))] = hi;
+                tc::dequant16<T>(vc[unit], sv, lo, hi);
+                vt[at + (col ^ (row & 7))] = lo;
+                vt[at + ((col + 1) ^ (row & 7))] = hi;
+            }
+        } else {  // the extra row as row 0 (T already), rows 1..15 zero (masked, and 0 * V must stay 0)
+            for (int unit = lane; unit < CHUNK_UNITS; unit += 32) {
+                const int row = unit / UPR;
+                const int col = unit % UPR;
+                const uint4 z = make_uint4(0u, 0u, 0u, 0u);
+                kt[row * UPR + (col ^ (row & 7))] = row == 0 ? kc[col] : z;
+                vt[row * UPR + (col ^ (row & 7))] = row == 0 ? vc[col] : z;
+            }
+        }
+        __syncwarp();
+        return kt;
+    }
+};
+
+template <typename T, int D, int STAGES, typename P>
 __device__ void decode_attn_tc_impl(
-    const T* __restrict__ q, const T* __restrict__ k_pages, const T* __restrict__ v_pages,
+    const T* __restrict__ q, P pages,
     const int* __restrict__ kv_indptr, const int* __restrict__ kv_indices,
     const int* __restrict__ kv_last_page_len, const int* __restrict__ page_map, const T* __restrict__ extra_k,
     const T* __restrict__ extra_v, T* __restrict__ out, float* __restrict__ tmp_out, float* __restrict__ tmp_lse,
@@ -374,11 +578,12 @@ __device__ void decode_attn_tc_impl(
     constexpr int OSTRIDE = D + 8;              // f32 row stride of the merge buffer
     static_assert(D == 64 || D == 128 || D == 256, "head_dim");
     static_assert(LIST_CAP % THREADS == 0, "list");
-    static_assert(WARPS * 16 * OSTRIDE * 4 <= WARPS * STAGES * 2 * CHUNK_UNITS * 16, "merge buffer");
+    static_assert(P::CHUNK_UNITS == CHUNK_UNITS, "page loader");
+    static_assert(WARPS * 16 * OSTRIDE * 4 <= WARPS * P::WARP_UNITS * 16, "merge buffer");
 
     extern __shared__ __align__(16) unsigned char tc_smem[];
-    uint4* stage = (uint4*)tc_smem;  // [WARPS][STAGES][K, V][CHUNK_UNITS]
-    int* list_page = (int*)(tc_smem + WARPS * STAGES * 2 * CHUNK_UNITS * 16);  // [LIST_CAP + 1]; -1 = extra
+    uint4* stage = (uint4*)tc_smem;  // [WARPS][P::WARP_UNITS]
+    int* list_page = (int*)(tc_smem + WARPS * P::WARP_UNITS * 16);  // [LIST_CAP + 1]; -1 = extra
     int* list_info = list_page + (LIST_CAP + 1);  // [LIST_CAP + 1]: (first token << 5) | valid tokens
     float* red_m = (float*)(list_info + (LIST_CAP + 1));  // [WARPS][16]
     float* red_l = red_m + WARPS * 16;                    // [WARPS][16]
@@ -440,7 +645,10 @@ __device__ void decode_attn_tc_impl(
     const int k_hi = p1 * cpp;
     const bool with_extra = extra_k != nullptr && extra_v != nullptr && num_rows >= 2 && split == num_splits - 1;
     const i64 entry = (i64)block_size * D;
-    uint4* wbuf = stage + warp * STAGES * 2 * CHUNK_UNITS;
+    uint4* wbuf = stage + warp * P::WARP_UNITS;
+    const i64 xoff = ((i64)s * num_kv_heads + h) * D;  // the extra row (read only when with_extra)
+    const T* xk = extra_k != nullptr ? extra_k + xoff : nullptr;
+    const T* xv = extra_v != nullptr ? extra_v + xoff : nullptr;
 
     for (int base = k_lo;; base += LIST_CAP) {
         // ---- compact this round's valid items into the shared list
@@ -492,31 +700,8 @@ __device__ void decode_attn_tc_impl(
             const int j = warp + WARPS * i;
             const int page = list_page[j];
             const int info = list_info[j];
-            const int nvalid = info & 31;
-            const T* ksrc;
-            const T* vsrc;
-            if (page >= 0) {
-                const i64 off = ((i64)page * num_kv_heads + h) * entry + (i64)(info >> 5) * D;
-                ksrc = k_pages + off;
-                vsrc = v_pages + off;
-            } else {
-                const i64 off = ((i64)s * num_kv_heads + h) * D;
-                ksrc = extra_k + off;
-                vsrc = extra_v + off;
-            }
-            uint4* kd = wbuf + (i % STAGES) * 2 * CHUNK_UNITS;
-            uint4* vd = kd + CHUNK_UNITS;
-#pragma unroll
-            for (int r = 0; r < CHUNK_UNITS / 32; ++r) {
-                const int unit = lane + 32 * r;
-                const int row = unit / UPR;
-                const int col = unit % UPR;
-                const bool ok = row < nvalid;
-                const int src = ok ? row * D + col * 8 : 0;
-                const int dst = row * UPR + (col ^ (row & 7));
-                tc::cp_async_16(kd + dst, ksrc + src, ok ? 16 : 0);
-                tc::cp_async_16(vd + dst, vsrc + src, ok ? 16 : 0);
-            }
+            const i64 off = page >= 0 ? ((i64)page * num_kv_heads + h) * entry + (i64)(info >> 5) * D : -1;
+            pages.issue(wbuf, i % STAGES, off, xk, xv, info & 31, lane);
         };
 #pragma unroll
         for (int st = 0; st < STAGES - 1; ++st) {
@@ -532,7 +717,8 @@ __device__ void decode_attn_tc_impl(
             const int j = warp + WARPS * i;
             const int nvalid = list_info[j] & 31;
             const int row_lo = list_page[j] < 0 ? group : 0;  // the extra K/V is not seen by row 0
-            const uint4* kb = wbuf + (i % STAGES) * 2 * CHUNK_UNITS;
+            const i64 e = list_page[j] >= 0 ? (i64)list_page[j] * num_kv_heads + h : -1;
+            const uint4* kb = pages.tile(wbuf, i % STAGES, e, lane);
             const uint4* vb = kb + CHUNK_UNITS;
 
             // S = Q Kᵀ: two n-tiles of 8 tokens.
@@ -675,7 +861,8 @@ __device__ void decode_attn_tc_impl(
 // Entry points: one parameter struct each (cuda/oasis_params.cuh), unpacked into the impls.
 #define OASIS_DECODE_ATTN(NAME, T)                                                                    \
     extern "C" __global__ void NAME(const __grid_constant__ oasis::DecodeAttnParams<T> p) {          \
-        oasis::decode_attn_impl<T>(p.q, p.k_pages, p.v_pages, p.kv_indptr, p.kv_indices,              \
+        oasis::decode_attn_impl<T>(p.q, oasis::ElemPages<T>{p.k_pages, p.v_pages}, p.kv_indptr,        \
+                                   p.kv_indices,                                                      \
                                    p.kv_last_page_len, p.page_map, p.extra_k, p.extra_v, p.out,       \
                                    p.tmp_out, p.tmp_lse, p.num_rows, p.num_qo_heads, p.num_kv_heads,  \
                                    p.head_dim, p.block_size, p.num_pages, p.nnz, p.num_splits,        \
@@ -700,7 +887,8 @@ OASIS_MERGE_ATTN_STATES(merge_attn_states_f32, float)
 #define OASIS_DECODE_ATTN_TC(NAME, T, D, STAGES)                                                      \
     extern "C" __global__ void __launch_bounds__(OASIS_TC_WARPS * 32)                                 \
         NAME(const __grid_constant__ oasis::DecodeAttnParams<T> p) {                                 \
-        oasis::decode_attn_tc_impl<T, D, STAGES>(p.q, p.k_pages, p.v_pages, p.kv_indptr, p.kv_indices, \
+        oasis::decode_attn_tc_impl<T, D, STAGES>(p.q, oasis::TcElemPages<T, D, STAGES>{p.k_pages, p.v_pages}, \
+                                                 p.kv_indptr, p.kv_indices,                           \
                                                  p.kv_last_page_len, p.page_map, p.extra_k, p.extra_v, \
                                                  p.out, p.tmp_out, p.tmp_lse, p.num_rows,             \
                                                  p.num_qo_heads, p.num_kv_heads, p.block_size,        \
@@ -714,3 +902,35 @@ OASIS_DECODE_ATTN_TC(decode_attn_tc_bf16_d256, oasis::bf16, 256, 2)
 OASIS_DECODE_ATTN_TC(decode_attn_tc_f16_d64, oasis::f16, 64, 4)
 OASIS_DECODE_ATTN_TC(decode_attn_tc_f16_d128, oasis::f16, 128, 3)
 OASIS_DECODE_ATTN_TC(decode_attn_tc_f16_d256, oasis::f16, 256, 2)
+
+// ---- kv8 pages (oasis_core::kernels::decode_attention_kv8): the same kernels over E4M3 codes
+// and per-(page, KV head) scales; q, the extra K/V and out stay T, and split-KV merges with
+// merge_attn_states_* as above. The generic kernel dequantizes into its f32 tile (any dtype and
+// head_dim); the tensor-core one into its bf16 tile (bf16 only: see TcKv8Pages).
+#define OASIS_DECODE_ATTN_KV8(NAME, T)                                                                \
+    extern "C" __global__ void NAME(const __grid_constant__ oasis::DecodeAttnKv8Params<T> p) {       \
+        oasis::decode_attn_impl<T>(p.q, oasis::Kv8Pages{p.k_codes, p.v_codes, p.k_scales, p.v_scales}, \
+                                   p.kv_indptr, p.kv_indices, p.kv_last_page_len, p.page_map,         \
+                                   p.extra_k, p.extra_v, p.out, p.tmp_out, p.tmp_lse, p.num_rows,     \
+                                   p.num_qo_heads, p.num_kv_heads, p.head_dim, p.block_size,          \
+                                   p.num_pages, p.nnz, p.num_splits, p.tile_tokens, p.sm_scale);      \
+    }
+
+OASIS_DECODE_ATTN_KV8(decode_attn_kv8_bf16, oasis::bf16)
+OASIS_DECODE_ATTN_KV8(decode_attn_kv8_f16, oasis::f16)
+OASIS_DECODE_ATTN_KV8(decode_attn_kv8_f32, float)
+
+#define OASIS_DECODE_ATTN_KV8_TC(NAME, T, D, STAGES)                                                  \
+    extern "C" __global__ void __launch_bounds__(OASIS_TC_WARPS * 32)                                 \
+        NAME(const __grid_constant__ oasis::DecodeAttnKv8Params<T> p) {                              \
+        oasis::decode_attn_tc_impl<T, D, STAGES>(                                                     \
+            p.q, oasis::TcKv8Pages<T, D, STAGES>{p.k_codes, p.v_codes, p.k_scales, p.v_scales},       \
+            p.kv_indptr, p.kv_indices, p.kv_last_page_len, p.page_map, p.extra_k, p.extra_v, p.out,   \
+            p.tmp_out, p.tmp_lse, p.num_rows, p.num_qo_heads, p.num_kv_heads, p.block_size,           \
+            p.num_pages, p.nnz, p.num_splits, p.sm_scale);                                            \
+    }
+
+// Pipeline depth per head_dim: the bf16 kernel's (oasis_cuda::ops::decode_attn_tc_stages).
+OASIS_DECODE_ATTN_KV8_TC(decode_attn_kv8_tc_bf16_d64, oasis::bf16, 64, 4)
+OASIS_DECODE_ATTN_KV8_TC(decode_attn_kv8_tc_bf16_d128, oasis::bf16, 128, 3)
+OASIS_DECODE_ATTN_KV8_TC(decode_attn_kv8_tc_bf16_d256, oasis::bf16, 256, 2)

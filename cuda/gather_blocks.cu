@@ -1,7 +1,9 @@
 // gather_blocks.cu — execute a selection plan (host pool -> GPU slots, through UVA) and copy
 // whole pages between two pools. Both are bit-exact copies: the dtype only sets the entry size.
 //
-// CPU twins: oasis_core::kernels::gather_blocks and oasis_core::kernels::copy_pages.
+// CPU twins: oasis_core::kernels::gather_blocks and oasis_core::kernels::copy_pages; with kv8
+// pages on either side (see the end of the file) gather_blocks_tiers, copy_pages_tiers and
+// quantize_kv8.
 //
 // Why a kernel and not cudaMemcpyAsync: the entries are 4-16 KiB and scattered; one memcpy per
 // entry runs at ~0.5 GB/s, a kernel reading pinned host memory with 16-byte loads at ~50 GB/s
@@ -64,6 +66,13 @@ __device__ __forceinline__ void warp_copy_kv(void* __restrict__ dk, const void* 
             ((unsigned char*)dv)[i] = ((const unsigned char*)sv)[i];
         }
     }
+}
+
+// kv8 -> kv8: the K and V scales of entry `se` (page * num_kv_heads + head) to entry `de`.
+__device__ __forceinline__ void copy_scales(const float* __restrict__ sk, const float* __restrict__ sv, i64 se,
+                                            float* __restrict__ dk, float* __restrict__ dv, i64 de) {
+    dk[de] = sk[se];
+    dv[de] = sv[se];
 }
 
 // Where plan entry e = (s, h, i) = (e / (H * C), (e / C) % H, e % C) copies from and to, in
@@ -131,7 +140,11 @@ __device__ void gather_blocks_impl(
     T* __restrict__ k_pages,              // [num_pages, num_kv_heads, block_size, head_dim]
     T* __restrict__ v_pages,              // [num_pages, num_kv_heads, block_size, head_dim]
     int num_seqs, int num_kv_heads, int fetch_cap, int budget, int block_size, int head_dim, int num_pages,
-    int num_host_blocks, int nnz, int entries_per_warp, int stage) {
+    int num_host_blocks, int nnz, int entries_per_warp, int stage,
+    const float* __restrict__ host_k_scales = nullptr, // [num_host_blocks, num_kv_heads] kv8 only, else null
+    const float* __restrict__ host_v_scales = nullptr, // [num_host_blocks, num_kv_heads]
+    float* __restrict__ k_scales = nullptr,            // [num_pages, num_kv_heads]
+    float* __restrict__ v_scales = nullptr) {          // [num_pages, num_kv_heads]
     extern __shared__ uint4 gather_stage[];
     const int lane = threadIdx.x & 31;
     const int per = entries_per_warp < 1 ? 1 : (entries_per_warp > 32 ? 32 : entries_per_warp);
@@ -162,6 +175,7 @@ __device__ void gather_blocks_impl(
                 const i64 sj = __shfl_sync(0xffffffffu, src, j);
                 const i64 dj = __shfl_sync(0xffffffffu, dst, j);
                 warp_copy_kv(k_pages + dj, host_k + sj, v_pages + dj, host_v + sj, bytes, lane);
+                if (k_scales != nullptr && lane == 0) copy_scales(host_k_scales, host_v_scales, sj / entry, k_scales, v_scales, dj / entry);
             }
             continue;
         }
@@ -194,6 +208,8 @@ __device__ void gather_blocks_impl(
                     ok[c] = bk[c];
                     ov[c] = bk[n16 + c];
                 }
+                const i64 sj = __shfl_sync(0xffffffffu, src, j);
+                if (k_scales != nullptr && lane == 0) copy_scales(host_k_scales, host_v_scales, sj / entry, k_scales, v_scales, dj / entry);
             }
             __syncwarp();  // the stage is reused by the next batch
         }
@@ -209,7 +225,11 @@ __device__ void copy_pages_impl(
     T* __restrict__ dst_k,         // [num_dst_pages, num_kv_heads, block_size, head_dim] (may be pinned host, UVA)
     T* __restrict__ dst_v,         // [num_dst_pages, num_kv_heads, block_size, head_dim]
     const int* __restrict__ dst_ids, // [n]
-    i64 page_elems, int num_src_pages, int num_dst_pages) {
+    i64 page_elems, int num_src_pages, int num_dst_pages,
+    const float* __restrict__ src_k_scales = nullptr, // [num_src_pages, num_kv_heads] kv8 only, else null
+    const float* __restrict__ src_v_scales = nullptr, // [num_src_pages, num_kv_heads]
+    float* __restrict__ dst_k_scales = nullptr,       // [num_dst_pages, num_kv_heads]
+    float* __restrict__ dst_v_scales = nullptr, int num_kv_heads = 0) {
     const int i = blockIdx.x;
     const int src = src_ids[i];
     const int dst = dst_ids[i];
@@ -217,6 +237,191 @@ __device__ void copy_pages_impl(
     const u64 bytes = (u64)page_elems * sizeof(T);
     block_copy_bytes(dst_k + (i64)dst * page_elems, src_k + (i64)src * page_elems, bytes);
     block_copy_bytes(dst_v + (i64)dst * page_elems, src_v + (i64)src * page_elems, bytes);
+    if (dst_k_scales == nullptr) return;
+    for (int h = threadIdx.x; h < num_kv_heads; h += blockDim.x) {
+        copy_scales(src_k_scales, src_v_scales, (i64)src * num_kv_heads + h, dst_k_scales, dst_v_scales,
+                    (i64)dst * num_kv_heads + h);
+    }
+}
+
+// ---- kv8 conversions (oasis_core::kernels::kv8::copy_entry): one warp per (page, head) entry.
+
+// Whole-block quantization of one array's entry (quantize_kv8's rule): the scale from the finite
+// absmax over the first `valid` elements (valid rows * head_dim), those quantized, the rest of the
+// entry's `n` elements code 0. Four codes per store where aligned (the host pool is written over
+// PCIe).
+template <typename T>
+__device__ void warp_quantize_entry(const T* __restrict__ src, int valid, int n, unsigned char* __restrict__ codes,
+                                    float* __restrict__ scale, int lane) {
+    float m = 0.f;
+    for (int i = lane; i < valid; i += 32) m = fmaxf(m, finite_abs(to_f32(src[i])));
+    const int e = kv8_exponent(warp_max(m));
+    const float inv = exp2i(-e);
+    if ((n & 3) == 0 && ((u64)codes & 3) == 0) {
+        for (int i = lane; i < n / 4; i += 32) {
+            u32 r = 0;
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+                const int x = 4 * i + b;
+                if (x < valid) r |= e4m3_rne(__fmul_rn(to_f32(src[x]), inv)) << (8 * b);
+            }
+            ((u32*)codes)[i] = r;
+        }
+    } else {
+        for (int i = lane; i < n; i += 32) codes[i] = i < valid ? (unsigned char)e4m3_rne(__fmul_rn(to_f32(src[i]), inv)) : 0;
+    }
+    if (lane == 0) *scale = exp2i(e);
+}
+
+// Codes in flight per lane and array in warp_dequant_entry (16 each): one PCIe round trip moves
+// a 16 x 128 entry of K and V.
+#define OASIS_DEQUANT_UNROLL 4
+
+// The `n` codes of a K and a V entry dequantized into T (kv8_dequant: exact, NaN as the twin's).
+// 16 codes per load when the pointers and `n` allow it.
+template <typename T>
+__device__ void warp_dequant_entry(const unsigned char* __restrict__ ck, float sk, const unsigned char* __restrict__ cv,
+                                   float sv, int n, T* __restrict__ dk, T* __restrict__ dv, int lane) {
+    const u64 align = (u64)ck | (u64)cv | (u64)n | (((u64)dk | (u64)dv) / sizeof(T));
+    if ((align & 15) != 0) {
+        for (int i = lane; i < n; i += 32) {
+            dk[i] = kv8_dequant<T>(ck[i], sk);
+            dv[i] = kv8_dequant<T>(cv[i], sv);
+        }
+        return;
+    }
+    const int n16 = n >> 4;
+    for (int base = 0; base < n16; base += 32 * OASIS_DEQUANT_UNROLL) {
+        uint4 wk[OASIS_DEQUANT_UNROLL];
+        uint4 wv[OASIS_DEQUANT_UNROLL];
+#pragma unroll
+        for (int u = 0; u < OASIS_DEQUANT_UNROLL; ++u) {
+            const int i = base + 32 * u + lane;
+            if (i < n16) {
+                wk[u] = ((const uint4*)ck)[i];
+                wv[u] = ((const uint4*)cv)[i];
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < OASIS_DEQUANT_UNROLL; ++u) {
+            const int i = base + 32 * u + lane;
+            if (i >= n16) continue;
+            uint4 ok[sizeof(T)];  // 16 T
+            uint4 ov[sizeof(T)];
+            const unsigned char* bk = (const unsigned char*)&wk[u];
+            const unsigned char* bv = (const unsigned char*)&wv[u];
+#pragma unroll
+            for (int b = 0; b < 16; ++b) {
+                ((T*)ok)[b] = kv8_dequant<T>(bk[b], sk);
+                ((T*)ov)[b] = kv8_dequant<T>(bv[b], sv);
+            }
+#pragma unroll
+            for (int c = 0; c < (int)sizeof(T); ++c) {
+                ((uint4*)(dk + 16 * i))[c] = ok[c];
+                ((uint4*)(dv + 16 * i))[c] = ov[c];
+            }
+        }
+    }
+}
+
+// Entry `se` of `src` -> entry `de` of `dst` (entry = page * num_kv_heads + head, `n` elements
+// each), K and V, by one warp: kv8 -> T dequantizes, T -> kv8 quantizes the first `valid`
+// elements (whole rows).
+template <typename T>
+__device__ __forceinline__ void warp_copy_entry(Kv8Tier src, i64 se, ElemTier<T> dst, i64 de, int n, int, int lane) {
+    warp_dequant_entry<T>(src.k + se * n, src.ks[se], src.v + se * n, src.vs[se], n, dst.k + de * n, dst.v + de * n,
+                          lane);
+}
+template <typename T>
+__device__ __forceinline__ void warp_copy_entry(ElemTier<T> src, i64 se, Kv8Tier dst, i64 de, int n, int valid,
+                                                int lane) {
+    warp_quantize_entry<T>(src.k + se * n, valid, n, dst.k + de * n, dst.ks + de, lane);
+    warp_quantize_entry<T>(src.v + se * n, valid, n, dst.v + de * n, dst.vs + de, lane);
+}
+
+// gather_blocks with a conversion (S -> D: Kv8Tier -> ElemTier<T> or ElemTier<T> -> Kv8Tier):
+// any grid of whole warps; each warp strides over the plan entries `entries_per_warp` at a time
+// (as gather_blocks_impl's register path) and converts the valid ones, one after another. Every
+// row of a host block is valid (only complete blocks live in the host pool).
+template <typename T, typename S, typename D>
+__device__ void gather_blocks_conv_impl(
+    const int* __restrict__ plan_slots,   // [num_seqs, num_kv_heads, fetch_cap] slot index or < 0
+    const int* __restrict__ plan_blocks,  // [num_seqs, num_kv_heads, fetch_cap] logical block
+    const int* __restrict__ slot_pages,   // [num_seqs, budget]
+    const int* __restrict__ host_indptr,  // [num_seqs + 1] CSR over host_indices, checked per row
+    const int* __restrict__ host_indices, // [nnz] host block of each logical block of each sequence
+    S host,                               // [num_host_blocks, num_kv_heads, block_size, head_dim] host pool (UVA)
+    D gpu,                                // [num_pages, num_kv_heads, block_size, head_dim]
+    int num_seqs, int num_kv_heads, int fetch_cap, int budget, int block_size, int head_dim, int num_pages,
+    int num_host_blocks, int nnz, int entries_per_warp) {
+    const int lane = threadIdx.x & 31;
+    const int per = entries_per_warp < 1 ? 1 : (entries_per_warp > 32 ? 32 : entries_per_warp);
+    const i64 warp = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const i64 num_warps = (i64)gridDim.x * (blockDim.x >> 5);
+    const i64 total = (i64)num_seqs * num_kv_heads * fetch_cap;
+    const int entry = block_size * head_dim;
+    for (i64 base = warp * per; base < total; base += num_warps * per) {
+        const i64 e = base + lane;
+        i64 src = -1;
+        i64 dst = -1;
+        if (lane < per && e < total &&
+            !gather_entry(plan_slots, plan_blocks, slot_pages, host_indptr, host_indices, e, num_kv_heads, fetch_cap,
+                          budget, entry, num_pages, num_host_blocks, nnz, &src, &dst)) {
+            src = dst = -1;
+        }
+        unsigned todo = __ballot_sync(0xffffffffu, src >= 0);
+        while (todo) {
+            const int j = __ffs(todo) - 1;
+            todo &= todo - 1;
+            const i64 sj = __shfl_sync(0xffffffffu, src, j) / entry;
+            const i64 dj = __shfl_sync(0xffffffffu, dst, j) / entry;
+            warp_copy_entry<T>(host, sj, gpu, dj, entry, entry, lane);
+        }
+    }
+}
+
+// copy_pages with a conversion: grid (n), OASIS_COPY_THREADS threads; block i converts page
+// src_ids[i] -> dst_ids[i], warp w heads w, w + 4, ...; T -> kv8 quantizes the page's first
+// valid[i] rows (null: all; out-of-range counts skip the page, as the twin rejects them).
+template <typename T, typename S, typename D>
+__device__ void copy_pages_conv_impl(
+    S src,                           // [num_src_pages, num_kv_heads, block_size, head_dim]
+    const int* __restrict__ src_ids, // [n]
+    D dst,                           // [num_dst_pages, num_kv_heads, block_size, head_dim] (may be pinned host, UVA)
+    const int* __restrict__ dst_ids, // [n]
+    const int* __restrict__ valid,   // [n] 1..=block_size rows of src page i, or null (all)
+    int num_kv_heads, int block_size, int head_dim, int num_src_pages, int num_dst_pages) {
+    const int i = blockIdx.x;
+    const int sp = src_ids[i];
+    const int dp = dst_ids[i];
+    const int rows = valid != nullptr ? valid[i] : block_size;
+    if (sp < 0 || sp >= num_src_pages || dp < 0 || dp >= num_dst_pages || rows < 1 || rows > block_size) return;
+    const int entry = block_size * head_dim;
+    for (int h = threadIdx.x >> 5; h < num_kv_heads; h += blockDim.x >> 5) {
+        warp_copy_entry<T>(src, (i64)sp * num_kv_heads + h, dst, (i64)dp * num_kv_heads + h, entry, rows * head_dim,
+                           threadIdx.x & 31);
+    }
+}
+
+// quantize_kv8: grid (n), OASIS_COPY_THREADS threads; block b quantizes block b of `src`, warp w
+// heads w, w + 4, ... (oasis_core::kernels::quantize_kv8; a valid[b] outside 1..=block_size
+// skips the block, where the twin rejects the call).
+template <typename T>
+__device__ void quantize_kv8_impl(
+    const T* __restrict__ src,     // [n, num_kv_heads, block_size, head_dim]
+    const int* __restrict__ valid, // [n] 1..=block_size
+    unsigned char* __restrict__ codes, // [n, num_kv_heads, block_size, head_dim]
+    float* __restrict__ scales,    // [n, num_kv_heads]
+    int num_kv_heads, int block_size, int head_dim) {
+    const int b = blockIdx.x;
+    const int rows = valid[b];
+    if (rows < 1 || rows > block_size) return;
+    const int entry = block_size * head_dim;
+    for (int h = threadIdx.x >> 5; h < num_kv_heads; h += blockDim.x >> 5) {
+        const i64 e = (i64)b * num_kv_heads + h;
+        warp_quantize_entry<T>(src + e * entry, rows * head_dim, entry, codes + e * entry, scales + e,
+                               threadIdx.x & 31);
+    }
 }
 
 }  // namespace oasis
@@ -246,3 +451,71 @@ OASIS_GATHER_BLOCKS(gather_blocks_f32, float)
 OASIS_COPY_PAGES(copy_pages_bf16, oasis::bf16)
 OASIS_COPY_PAGES(copy_pages_f16, oasis::f16)
 OASIS_COPY_PAGES(copy_pages_f32, float)
+
+// ---- kv8 pages (oasis_core::kernels::{gather_blocks_tiers, copy_pages_tiers, quantize_kv8}).
+// Entry names: <verb>_<object>_<source tier>_<destination tier>_<dtype>, each tier `elem` (T pages)
+// or `kv8`; kv8 -> kv8 is dtype-free (`gather_blocks_kv8`, `copy_pages_kv8`: codes and scales
+// bit-exact, through the byte-copy paths above). Tier buffers arrive untyped (void*).
+#define OASIS_GATHER_TIERS_ARGS(HOST, GPU)                                                           \
+    p.plan_slots, p.plan_blocks, p.slot_pages, p.host_indptr, p.host_indices,                        \
+        HOST::from(p.host_k, p.host_v, p.host_k_scales, p.host_v_scales),                            \
+        GPU::from(p.k_pages, p.v_pages, p.k_scales, p.v_scales), p.num_seqs, p.num_kv_heads,         \
+        p.fetch_cap, p.budget, p.block_size, p.head_dim, p.num_pages, p.num_host_blocks, p.nnz,      \
+        p.entries_per_warp
+
+extern "C" __global__ void __launch_bounds__(OASIS_COPY_THREADS)
+    gather_blocks_kv8(const __grid_constant__ oasis::GatherBlocksTiersParams p) {
+    typedef oasis::fp8e4m3 C;
+    oasis::gather_blocks_impl<C>(p.plan_slots, p.plan_blocks, p.slot_pages, p.host_indptr, p.host_indices,
+                                 (const C*)p.host_k, (const C*)p.host_v, (C*)p.k_pages, (C*)p.v_pages, p.num_seqs,
+                                 p.num_kv_heads, p.fetch_cap, p.budget, p.block_size, p.head_dim, p.num_pages,
+                                 p.num_host_blocks, p.nnz, p.entries_per_warp, p.stage_entries, p.host_k_scales,
+                                 p.host_v_scales, p.k_scales, p.v_scales);
+}
+
+#define OASIS_GATHER_BLOCKS_CONV(NAME, T, HOST, GPU)                                                 \
+    extern "C" __global__ void __launch_bounds__(OASIS_COPY_THREADS)                                  \
+        NAME(const __grid_constant__ oasis::GatherBlocksTiersParams p) {                             \
+        oasis::gather_blocks_conv_impl<T, HOST, GPU>(OASIS_GATHER_TIERS_ARGS(HOST, GPU));            \
+    }
+
+extern "C" __global__ void __launch_bounds__(OASIS_COPY_THREADS)
+    copy_pages_kv8(const __grid_constant__ oasis::CopyPagesTiersParams p) {
+    typedef oasis::fp8e4m3 C;
+    oasis::copy_pages_impl<C>((const C*)p.src_k, (const C*)p.src_v, p.src_ids, (C*)p.dst_k, (C*)p.dst_v, p.dst_ids,
+                              (oasis::i64)p.num_kv_heads * p.block_size * p.head_dim, p.num_src_pages,
+                              p.num_dst_pages, p.src_k_scales, p.src_v_scales, p.dst_k_scales, p.dst_v_scales,
+                              p.num_kv_heads);
+}
+
+#define OASIS_COPY_PAGES_CONV(NAME, T, SRC, DST)                                                     \
+    extern "C" __global__ void __launch_bounds__(OASIS_COPY_THREADS)                                  \
+        NAME(const __grid_constant__ oasis::CopyPagesTiersParams p) {                                \
+        oasis::copy_pages_conv_impl<T, SRC, DST>(                                                     \
+            SRC::from(p.src_k, p.src_v, p.src_k_scales, p.src_v_scales), p.src_ids,                  \
+            DST::from(p.dst_k, p.dst_v, p.dst_k_scales, p.dst_v_scales), p.dst_ids, p.valid,         \
+            p.num_kv_heads, p.block_size, p.head_dim, p.num_src_pages, p.num_dst_pages);             \
+    }
+
+#define OASIS_QUANTIZE_KV8(NAME, T)                                                                  \
+    extern "C" __global__ void __launch_bounds__(OASIS_COPY_THREADS)                                  \
+        NAME(const __grid_constant__ oasis::QuantizeKv8Params<T> p) {                                \
+        oasis::quantize_kv8_impl<T>(p.src, p.valid, p.codes, p.scales, p.num_kv_heads, p.block_size, \
+                                    p.head_dim);                                                      \
+    }
+
+OASIS_GATHER_BLOCKS_CONV(gather_blocks_kv8_elem_bf16, oasis::bf16, oasis::Kv8Tier, oasis::ElemTier<oasis::bf16>)
+OASIS_GATHER_BLOCKS_CONV(gather_blocks_elem_kv8_bf16, oasis::bf16, oasis::ElemTier<oasis::bf16>, oasis::Kv8Tier)
+OASIS_COPY_PAGES_CONV(copy_pages_kv8_elem_bf16, oasis::bf16, oasis::Kv8Tier, oasis::ElemTier<oasis::bf16>)
+OASIS_COPY_PAGES_CONV(copy_pages_elem_kv8_bf16, oasis::bf16, oasis::ElemTier<oasis::bf16>, oasis::Kv8Tier)
+OASIS_QUANTIZE_KV8(quantize_kv8_bf16, oasis::bf16)
+OASIS_GATHER_BLOCKS_CONV(gather_blocks_kv8_elem_f16, oasis::f16, oasis::Kv8Tier, oasis::ElemTier<oasis::f16>)
+OASIS_GATHER_BLOCKS_CONV(gather_blocks_elem_kv8_f16, oasis::f16, oasis::ElemTier<oasis::f16>, oasis::Kv8Tier)
+OASIS_COPY_PAGES_CONV(copy_pages_kv8_elem_f16, oasis::f16, oasis::Kv8Tier, oasis::ElemTier<oasis::f16>)
+OASIS_COPY_PAGES_CONV(copy_pages_elem_kv8_f16, oasis::f16, oasis::ElemTier<oasis::f16>, oasis::Kv8Tier)
+OASIS_QUANTIZE_KV8(quantize_kv8_f16, oasis::f16)
+OASIS_GATHER_BLOCKS_CONV(gather_blocks_kv8_elem_f32, float, oasis::Kv8Tier, oasis::ElemTier<float>)
+OASIS_GATHER_BLOCKS_CONV(gather_blocks_elem_kv8_f32, float, oasis::ElemTier<float>, oasis::Kv8Tier)
+OASIS_COPY_PAGES_CONV(copy_pages_kv8_elem_f32, float, oasis::Kv8Tier, oasis::ElemTier<float>)
+OASIS_COPY_PAGES_CONV(copy_pages_elem_kv8_f32, float, oasis::ElemTier<float>, oasis::Kv8Tier)
+OASIS_QUANTIZE_KV8(quantize_kv8_f32, float)

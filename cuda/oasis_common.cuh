@@ -40,6 +40,52 @@ __device__ __forceinline__ float e4m3_decode(u32 c) {
 }
 __device__ __forceinline__ float to_f32(fp8e4m3 x) { return e4m3_decode(x.bits); }
 
+// ---- the FP8 (E4M3) KV cache, "kv8" (oasis_core::kernels::kv8 defines it bit for bit) --------
+// Codes u8 [pages, kv_heads, block_size, head_dim]; one f32 scale 2^e per (page, KV head), K and V
+// apart; a value is e4m3_decode(code) * scale. All of it in software, on purpose: the PTX
+// cvt.rn.satfinite.e4m3x2.f32 saturates +-inf to +-448 where the twin stores NaN (0x7f), and a
+// plain integer path is bit-identical to the twin on every architecture (NVRTC compiles without
+// -ftz, so subnormal f32 inputs round as on the CPU).
+#define OASIS_KV8_MIN_EXP (-120)
+#define OASIS_KV8_MAX_EXP 120
+#define OASIS_KV8_REQUANT_MIN_SHIFT (-24)
+#define OASIS_E4M3_NAN 0x7fu
+
+__device__ __forceinline__ bool is_finite_f32(float x) { return (__float_as_uint(x) & 0x7f800000u) != 0x7f800000u; }
+
+// oasis_core::kernels::bound8::e4m3_rne: nearest E4M3 value, ties to the even code, sign kept;
+// finite magnitudes >= 448 saturate to +-448; NaN and +-inf give OASIS_E4M3_NAN.
+__device__ __forceinline__ u32 e4m3_rne(float y) {
+    const u32 u = __float_as_uint(y);
+    if ((u & 0x7f800000u) == 0x7f800000u) return OASIS_E4M3_NAN;
+    const u32 sign = (u >> 24) & 0x80u;
+    const float a = __uint_as_float(u & 0x7fffffffu);
+    if (a >= 448.f) return sign | 0x7eu;
+    if (a < 0.015625f) return sign | (u32)rintf(__fmul_rn(a, 512.f));  // subnormal m 2^-9; m = 8 is 2^-6
+    const int e = (int)((__float_as_uint(a) >> 23) & 0xffu) - 127;    // -6 ..= 8
+    const int r = (int)rintf(__fmul_rn(a, exp2i(3 - e)));              // 8 ..= 16: 16 carries
+    return sign | (u32)(((e + 7) << 3) + r - 8);
+}
+
+// oasis_core::kernels::kv8::kv8_exponent: the smallest e with absmax <= 448 * 2^e, clamped to
+// [OASIS_KV8_MIN_EXP, OASIS_KV8_MAX_EXP]; absmax is finite and >= 0 (0 or subnormal: the minimum).
+__device__ __forceinline__ int kv8_exponent(float absmax) {
+    if (!(absmax >= 1.17549435e-38f)) return OASIS_KV8_MIN_EXP;
+    int e = (int)((__float_as_uint(absmax) >> 23) & 0xffu) - 127 - 8;
+    if (e < OASIS_KV8_MIN_EXP) return OASIS_KV8_MIN_EXP;
+    if (__fmul_rn(absmax, exp2i(-e)) > 448.f) ++e;
+    return e > OASIS_KV8_MAX_EXP ? OASIS_KV8_MAX_EXP : e;
+}
+
+// oasis_core::kernels::kv8::kv8_scale_exponent: a stored scale's exponent field, clamped.
+__device__ __forceinline__ int kv8_scale_exponent(float scale) {
+    const int e = (int)((__float_as_uint(scale) >> 23) & 0xffu) - 127;
+    return e < OASIS_KV8_MIN_EXP ? OASIS_KV8_MIN_EXP : (e > OASIS_KV8_MAX_EXP ? OASIS_KV8_MAX_EXP : e);
+}
+
+// |x| when x is finite, else 0 (the kv8 absmax leaves NaN and +-inf out).
+__device__ __forceinline__ float finite_abs(float x) { return is_finite_f32(x) ? fabsf(x) : 0.f; }
+
 __device__ __forceinline__ float pos_inf() { return __int_as_float(0x7f800000); }
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
@@ -80,6 +126,25 @@ __device__ __forceinline__ f16 from_f32<f16>(float x) {
     return r;
 }
 
+// The NaN the CPU twins store for a NaN code dequantized to T (half's from_f32 of f32::NAN, and
+// f32::NAN itself): a dequantized kv8 -> T copy is then byte-identical to its twin, NaNs included.
+template <typename T>
+__device__ __forceinline__ T twin_nan();
+template <>
+__device__ __forceinline__ float twin_nan<float>() { return __uint_as_float(0x7fc00000u); }
+template <>
+__device__ __forceinline__ bf16 twin_nan<bf16>() { return bf16{0x7fc0}; }
+template <>
+__device__ __forceinline__ f16 twin_nan<f16>() { return f16{0x7e00}; }
+
+// One kv8 code as T: T(e4m3_decode(c) * scale) (the product is exact in f32), twin_nan for a NaN
+// (a NaN code 0x7f / 0xff, or a corrupt scale).
+template <typename T>
+__device__ __forceinline__ T kv8_dequant(u32 c, float scale) {
+    const float x = __fmul_rn(e4m3_decode(c), scale);
+    return x != x ? twin_nan<T>() : from_f32<T>(x);
+}
+
 // Row `s` of a CSR table over `nnz` indices, checked in the kernel: the table lives on the device
 // and a launch wrapper cannot read it without a host synchronisation. A well-formed row has
 // 0 <= indptr[s] <= indptr[s + 1] <= nnz; it is returned as [*begin, *end) with true. Any other
@@ -106,6 +171,42 @@ __device__ __forceinline__ float warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
+
+// Max of `v` over the whole thread block (blockDim.x a multiple of 32); `red` holds 32 floats of
+// shared memory. Every thread must call it; it ends with a barrier, so it can be called again.
+__device__ __forceinline__ float block_max(float v, float* red) {
+    v = warp_max(v);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float m = red[0];
+    for (int w = 1; w < (int)(blockDim.x >> 5); ++w) m = fmaxf(m, red[w]);
+    __syncthreads();
+    return m;
+}
+
+// The storage of one tier of the paged KV (GPU pages or the host pool), as the kv8-aware append,
+// gather and copy kernels take it: `T` pages, or kv8 pages (codes + per-(page, head) scales).
+// Both are [num_pages, num_kv_heads, block_size, head_dim]; scales [num_pages, num_kv_heads].
+// `from` builds one from the untyped pointers of a parameter struct (scales unused for T).
+template <typename T>
+struct ElemTier {
+    T* k;
+    T* v;
+    static constexpr bool KV8 = false;
+    __device__ static ElemTier from(const void* k, const void* v, const float*, const float*) {
+        return ElemTier{(T*)k, (T*)v};
+    }
+};
+struct Kv8Tier {
+    unsigned char* k;
+    unsigned char* v;
+    float* ks;
+    float* vs;
+    static constexpr bool KV8 = true;
+    __device__ static Kv8Tier from(const void* k, const void* v, const float* ks, const float* vs) {
+        return Kv8Tier{(unsigned char*)k, (unsigned char*)v, (float*)ks, (float*)vs};
+    }
+};
 
 // Exclusive prefix sum of `v` over the whole thread block (blockDim.x a multiple of 32, at most
 // 1024); `*total` receives the block sum. Every thread must call it; `scratch` holds 33 ints of

@@ -296,6 +296,129 @@ struct CopyPagesParams {
     int num_dst_pages;
 };
 
+// ---- kv8 pages (FP8 E4M3 codes + f32 power-of-two scales per (page, KV head), K and V apart;
+// oasis_core::kernels::kv8). A tier buffer whose type depends on the kernel (T pages or codes) is
+// untyped here; its scales are null for a T tier.
+
+// append_kv_<gpu>_<host>_* (cuda/append_kv.cu): append_kv with each tier T pages or kv8 pages.
+template <typename T>
+struct AppendKvTiersParams {
+    const T* k_new;            // [num_seqs, num_kv_heads, head_dim]
+    const T* v_new;            // [num_seqs, num_kv_heads, head_dim]
+    const int* page_ids;       // [num_seqs]
+    const int* page_offsets;   // [num_seqs] 0..block_size
+    const int* host_block_ids; // [num_seqs] < 0 = dense (no write-through)
+    const int* host_rows;      // [num_seqs] host row of the write-through, or null (row = id)
+    void* k_pages;             // [num_pages, num_kv_heads, block_size, head_dim] T or codes
+    void* v_pages;             // [num_pages, num_kv_heads, block_size, head_dim] T or codes
+    float* k_scales;           // [num_pages, num_kv_heads] kv8 GPU tier; null for T
+    float* v_scales;           // [num_pages, num_kv_heads] kv8 GPU tier; null for T
+    void* host_k;              // [num_host_rows, num_kv_heads, block_size, head_dim] pinned host, UVA
+    void* host_v;              // [num_host_rows, num_kv_heads, block_size, head_dim] pinned host, UVA
+    float* host_k_scales;      // [num_host_rows, num_kv_heads] kv8 host tier; null for T
+    float* host_v_scales;      // [num_host_rows, num_kv_heads] kv8 host tier; null for T
+    T* summaries;              // [num_host_blocks, num_kv_heads, 2, head_dim] row 0 min, row 1 max
+    int num_kv_heads;
+    int head_dim;
+    int block_size;
+    int num_pages;
+    int num_host_blocks;
+    int num_host_rows;
+};
+
+// gather_blocks_kv8, gather_blocks_<host>_<gpu>_* (cuda/gather_blocks.cu): gather_blocks with
+// either tier kv8.
+struct GatherBlocksTiersParams {
+    const int* plan_slots;      // [num_seqs, num_kv_heads, fetch_cap] slot index or < 0
+    const int* plan_blocks;     // [num_seqs, num_kv_heads, fetch_cap] logical block
+    const int* slot_pages;      // [num_seqs, budget]
+    const int* host_indptr;     // [num_seqs + 1] CSR over host_indices, checked per row
+    const int* host_indices;    // [nnz] host block of each logical block of each sequence
+    const void* host_k;         // [num_host_blocks, num_kv_heads, block_size, head_dim] pinned host, UVA
+    const void* host_v;         // [num_host_blocks, num_kv_heads, block_size, head_dim] pinned host, UVA
+    const float* host_k_scales; // [num_host_blocks, num_kv_heads] kv8 host tier; null for T
+    const float* host_v_scales; // [num_host_blocks, num_kv_heads] kv8 host tier; null for T
+    void* k_pages;              // [num_pages, num_kv_heads, block_size, head_dim]
+    void* v_pages;              // [num_pages, num_kv_heads, block_size, head_dim]
+    float* k_scales;            // [num_pages, num_kv_heads] kv8 GPU tier; null for T
+    float* v_scales;            // [num_pages, num_kv_heads] kv8 GPU tier; null for T
+    int num_kv_heads;
+    int fetch_cap;
+    int budget;
+    int block_size;
+    int head_dim;
+    int num_pages;
+    int num_host_blocks;
+    int nnz;
+    int num_seqs;
+    int entries_per_warp;  // plan entries one warp checks per pass, 1-32
+    int stage_entries;     // gather_blocks_kv8: entries a warp stages in shared memory; 0: registers
+    int _pad0;
+};
+
+// copy_pages_kv8, copy_pages_<src>_<dst>_* (cuda/gather_blocks.cu): copy_pages with either pool kv8.
+struct CopyPagesTiersParams {
+    const void* src_k;         // [num_src_pages, num_kv_heads, block_size, head_dim]
+    const void* src_v;         // [num_src_pages, num_kv_heads, block_size, head_dim]
+    const float* src_k_scales; // [num_src_pages, num_kv_heads] kv8 source; null for T
+    const float* src_v_scales; // [num_src_pages, num_kv_heads] kv8 source; null for T
+    const int* src_ids;        // [n]
+    void* dst_k;               // [num_dst_pages, num_kv_heads, block_size, head_dim] (may be pinned host, UVA)
+    void* dst_v;               // [num_dst_pages, num_kv_heads, block_size, head_dim]
+    float* dst_k_scales;       // [num_dst_pages, num_kv_heads] kv8 destination; null for T
+    float* dst_v_scales;       // [num_dst_pages, num_kv_heads] kv8 destination; null for T
+    const int* dst_ids;        // [n]
+    const int* valid;          // [n] 1..=block_size rows of src page i (T -> kv8 only), or null (all)
+    int num_kv_heads;
+    int block_size;
+    int head_dim;
+    int num_src_pages;
+    int num_dst_pages;
+    int _pad0;
+};
+
+// quantize_kv8_* (cuda/gather_blocks.cu): whole-block quantization of one array (K or V).
+template <typename T>
+struct QuantizeKv8Params {
+    const T* src;         // [n, num_kv_heads, block_size, head_dim]
+    const int* valid;     // [n] 1..=block_size
+    unsigned char* codes; // [n, num_kv_heads, block_size, head_dim]
+    float* scales;        // [n, num_kv_heads]
+    int num_kv_heads;
+    int block_size;
+    int head_dim;
+    int _pad0;
+};
+
+// decode_attn_kv8_* and decode_attn_kv8_tc_* (cuda/decode_attn.cu): DecodeAttnParams over kv8 pages.
+template <typename T>
+struct DecodeAttnKv8Params {
+    const T* q;                     // [num_seqs, num_rows, num_qo_heads, head_dim]
+    const unsigned char* k_codes;   // [num_pages, num_kv_heads, block_size, head_dim] E4M3
+    const unsigned char* v_codes;   // [num_pages, num_kv_heads, block_size, head_dim] E4M3
+    const float* k_scales;          // [num_pages, num_kv_heads]
+    const float* v_scales;          // [num_pages, num_kv_heads]
+    const int* kv_indptr;           // [num_seqs + 1] CSR over kv_indices
+    const int* kv_indices;          // [nnz] GPU page ids, in sequence order
+    const int* kv_last_page_len;    // [num_seqs] 1..=block_size
+    const int* page_map;            // [num_pages, num_kv_heads] or null (every entry valid)
+    const T* extra_k;               // [num_seqs, num_kv_heads, head_dim] or null
+    const T* extra_v;               // [num_seqs, num_kv_heads, head_dim] or null
+    T* out;                         // [num_seqs, num_rows, num_qo_heads, head_dim]
+    float* tmp_out;                 // [num_seqs, num_rows, num_qo_heads, num_splits, head_dim] or null
+    float* tmp_lse;                 // [num_seqs, num_rows, num_qo_heads, num_splits] or null
+    int num_rows;
+    int num_qo_heads;
+    int num_kv_heads;
+    int head_dim;
+    int block_size;
+    int num_pages;
+    int nnz;
+    int num_splits;
+    int tile_tokens;  // 1..=32 (generic kernel); 0 for the tensor-core kernels
+    float sm_scale;
+};
+
 // rms_norm_* (cuda/norm_rope.cu): HF RMSNorm of rows, with an optional fused residual add.
 template <typename T>
 struct RmsNormParams {

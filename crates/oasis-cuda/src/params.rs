@@ -553,6 +553,162 @@ kernel_params! {
     }
 }
 
+// ---- kv8 pages (oasis_core::kernels::kv8): a tier buffer that holds T pages or E4M3 codes
+// depending on the kernel is untyped in C; its scales are null for a T tier.
+
+kernel_params! {
+    /// `append_kv_<gpu tier>_<host tier>_*` (cuda/append_kv.cu): [`AppendKvParams`] with each
+    /// tier `T` pages (`elem`) or kv8 pages, as `oasis_core::kernels::append_kv_tiers`.
+    pub struct AppendKvTiersParams => "oasis::AppendKvTiersParams<T>"
+        for [
+            "append_kv_kv8_kv8_bf16", "append_kv_kv8_kv8_f16", "append_kv_kv8_kv8_f32",
+            "append_kv_elem_kv8_bf16", "append_kv_elem_kv8_f16", "append_kv_elem_kv8_f32",
+            "append_kv_kv8_elem_bf16", "append_kv_kv8_elem_f16", "append_kv_kv8_elem_f32",
+        ] {
+        pub k_new: DevPtr,          // [num_seqs, num_kv_heads, head_dim]
+        pub v_new: DevPtr,          // [num_seqs, num_kv_heads, head_dim]
+        pub page_ids: DevPtr,       // [num_seqs]
+        pub page_offsets: DevPtr,   // [num_seqs] 0..block_size
+        pub host_block_ids: DevPtr, // [num_seqs] < 0 = dense (no write-through)
+        pub host_rows: DevPtr,      // [num_seqs] host row of the write-through, or null (the id)
+        pub k_pages: DevPtr,        // [num_pages, num_kv_heads, block_size, head_dim] T or codes
+        pub v_pages: DevPtr,        // [num_pages, num_kv_heads, block_size, head_dim] T or codes
+        pub k_scales: DevPtr,       // [num_pages, num_kv_heads] kv8 GPU tier, else null
+        pub v_scales: DevPtr,       // [num_pages, num_kv_heads] kv8 GPU tier, else null
+        pub host_k: DevPtr,         // [num_host_rows, num_kv_heads, block_size, head_dim] pinned
+        pub host_v: DevPtr,         // [num_host_rows, num_kv_heads, block_size, head_dim] pinned
+        pub host_k_scales: DevPtr,  // [num_host_rows, num_kv_heads] kv8 host tier, else null
+        pub host_v_scales: DevPtr,  // [num_host_rows, num_kv_heads] kv8 host tier, else null
+        pub summaries: DevPtr,      // [num_host_blocks, num_kv_heads, 2, head_dim]
+        pub num_kv_heads: i32,
+        pub head_dim: i32,
+        pub block_size: i32,
+        pub num_pages: i32,
+        pub num_host_blocks: i32,
+        pub num_host_rows: i32,
+    }
+}
+
+kernel_params! {
+    /// `gather_blocks_kv8` and `gather_blocks_<host tier>_<gpu tier>_*` (cuda/gather_blocks.cu):
+    /// [`GatherBlocksParams`] with either tier kv8, as `oasis_core::kernels::gather_blocks_tiers`.
+    pub struct GatherBlocksTiersParams => "oasis::GatherBlocksTiersParams"
+        for [
+            "gather_blocks_kv8",
+            "gather_blocks_kv8_elem_bf16", "gather_blocks_kv8_elem_f16", "gather_blocks_kv8_elem_f32",
+            "gather_blocks_elem_kv8_bf16", "gather_blocks_elem_kv8_f16", "gather_blocks_elem_kv8_f32",
+        ] {
+        pub plan_slots: DevPtr,    // [num_seqs, num_kv_heads, fetch_cap] slot index or < 0
+        pub plan_blocks: DevPtr,   // [num_seqs, num_kv_heads, fetch_cap] logical block
+        pub slot_pages: DevPtr,    // [num_seqs, budget]
+        pub host_indptr: DevPtr,   // [num_seqs + 1] CSR over host_indices
+        pub host_indices: DevPtr,  // [nnz] host block of each logical block
+        pub host_k: DevPtr,        // [num_host_blocks, num_kv_heads, block_size, head_dim] pinned
+        pub host_v: DevPtr,        // [num_host_blocks, num_kv_heads, block_size, head_dim] pinned
+        pub host_k_scales: DevPtr, // [num_host_blocks, num_kv_heads] kv8 host tier, else null
+        pub host_v_scales: DevPtr, // [num_host_blocks, num_kv_heads] kv8 host tier, else null
+        pub k_pages: DevPtr,       // [num_pages, num_kv_heads, block_size, head_dim]
+        pub v_pages: DevPtr,       // [num_pages, num_kv_heads, block_size, head_dim]
+        pub k_scales: DevPtr,      // [num_pages, num_kv_heads] kv8 GPU tier, else null
+        pub v_scales: DevPtr,      // [num_pages, num_kv_heads] kv8 GPU tier, else null
+        pub num_kv_heads: i32,
+        pub fetch_cap: i32,
+        pub budget: i32,
+        pub block_size: i32,
+        pub head_dim: i32,
+        pub num_pages: i32,
+        pub num_host_blocks: i32,
+        pub nnz: i32,
+        pub num_seqs: i32,
+        pub entries_per_warp: i32,
+        pub stage_entries: i32, // gather_blocks_kv8 only; 0: through registers
+        pub _pad0: i32,
+    }
+}
+
+kernel_params! {
+    /// `copy_pages_kv8` and `copy_pages_<src tier>_<dst tier>_*` (cuda/gather_blocks.cu):
+    /// [`CopyPagesParams`] with either pool kv8, as `oasis_core::kernels::copy_pages_tiers`.
+    pub struct CopyPagesTiersParams => "oasis::CopyPagesTiersParams"
+        for [
+            "copy_pages_kv8",
+            "copy_pages_kv8_elem_bf16", "copy_pages_kv8_elem_f16", "copy_pages_kv8_elem_f32",
+            "copy_pages_elem_kv8_bf16", "copy_pages_elem_kv8_f16", "copy_pages_elem_kv8_f32",
+        ] {
+        pub src_k: DevPtr,        // [num_src_pages, num_kv_heads, block_size, head_dim]
+        pub src_v: DevPtr,        // [num_src_pages, num_kv_heads, block_size, head_dim]
+        pub src_k_scales: DevPtr, // [num_src_pages, num_kv_heads] kv8 source, else null
+        pub src_v_scales: DevPtr, // [num_src_pages, num_kv_heads] kv8 source, else null
+        pub src_ids: DevPtr,      // [n]
+        pub dst_k: DevPtr,        // [num_dst_pages, num_kv_heads, block_size, head_dim]
+        pub dst_v: DevPtr,        // [num_dst_pages, num_kv_heads, block_size, head_dim]
+        pub dst_k_scales: DevPtr, // [num_dst_pages, num_kv_heads] kv8 destination, else null
+        pub dst_v_scales: DevPtr, // [num_dst_pages, num_kv_heads] kv8 destination, else null
+        pub dst_ids: DevPtr,      // [n]
+        pub valid: DevPtr,        // [n] 1..=block_size (T -> kv8), or null (every row)
+        pub num_kv_heads: i32,
+        pub block_size: i32,
+        pub head_dim: i32,
+        pub num_src_pages: i32,
+        pub num_dst_pages: i32,
+        pub _pad0: i32,
+    }
+}
+
+kernel_params! {
+    /// `quantize_kv8_*` (cuda/gather_blocks.cu): whole-block kv8 quantization of one array.
+    pub struct QuantizeKv8Params => "oasis::QuantizeKv8Params<T>"
+        for ["quantize_kv8_bf16", "quantize_kv8_f16", "quantize_kv8_f32"] {
+        pub src: DevPtr,    // [n, num_kv_heads, block_size, head_dim]
+        pub valid: DevPtr,  // [n] 1..=block_size
+        pub codes: DevPtr,  // [n, num_kv_heads, block_size, head_dim] u8
+        pub scales: DevPtr, // [n, num_kv_heads] f32
+        pub num_kv_heads: i32,
+        pub block_size: i32,
+        pub head_dim: i32,
+        pub _pad0: i32,
+    }
+}
+
+kernel_params! {
+    /// `decode_attn_kv8_*` and `decode_attn_kv8_tc_*` (cuda/decode_attn.cu):
+    /// [`DecodeAttnParams`] over kv8 pages.
+    pub struct DecodeAttnKv8Params => "oasis::DecodeAttnKv8Params<T>"
+        for [
+            "decode_attn_kv8_bf16",
+            "decode_attn_kv8_f16",
+            "decode_attn_kv8_f32",
+            "decode_attn_kv8_tc_bf16_d64",
+            "decode_attn_kv8_tc_bf16_d128",
+            "decode_attn_kv8_tc_bf16_d256",
+        ] {
+        pub q: DevPtr,                // [num_seqs, num_rows, num_qo_heads, head_dim]
+        pub k_codes: DevPtr,          // [num_pages, num_kv_heads, block_size, head_dim] u8
+        pub v_codes: DevPtr,          // [num_pages, num_kv_heads, block_size, head_dim] u8
+        pub k_scales: DevPtr,         // [num_pages, num_kv_heads] f32
+        pub v_scales: DevPtr,         // [num_pages, num_kv_heads] f32
+        pub kv_indptr: DevPtr,        // [num_seqs + 1] CSR over kv_indices
+        pub kv_indices: DevPtr,       // [nnz] GPU page ids, in sequence order
+        pub kv_last_page_len: DevPtr, // [num_seqs] 1..=block_size
+        pub page_map: DevPtr,         // [num_pages, num_kv_heads] or null (every entry valid)
+        pub extra_k: DevPtr,          // [num_seqs, num_kv_heads, head_dim] or null
+        pub extra_v: DevPtr,          // [num_seqs, num_kv_heads, head_dim] or null
+        pub out: DevPtr,              // [num_seqs, num_rows, num_qo_heads, head_dim]
+        pub tmp_out: DevPtr, // [num_seqs, num_rows, num_qo_heads, num_splits, head_dim] or null
+        pub tmp_lse: DevPtr, // [num_seqs, num_rows, num_qo_heads, num_splits] or null
+        pub num_rows: i32,
+        pub num_qo_heads: i32,
+        pub num_kv_heads: i32,
+        pub head_dim: i32,
+        pub block_size: i32,
+        pub num_pages: i32,
+        pub nnz: i32,
+        pub num_splits: i32,
+        pub tile_tokens: i32, // 1..=32 (generic kernel); 0 for the tensor-core kernels
+        pub sm_scale: f32,
+    }
+}
+
 /// The layout of every parameter struct, in `cuda/oasis_params.cuh` order.
 pub const ALL: &[ParamsLayout] = &[
     AppendKvParams::LAYOUT,
@@ -570,6 +726,11 @@ pub const ALL: &[ParamsLayout] = &[
     DeltaSelectParams::LAYOUT,
     GatherBlocksParams::LAYOUT,
     CopyPagesParams::LAYOUT,
+    AppendKvTiersParams::LAYOUT,
+    GatherBlocksTiersParams::LAYOUT,
+    CopyPagesTiersParams::LAYOUT,
+    QuantizeKv8Params::LAYOUT,
+    DecodeAttnKv8Params::LAYOUT,
     RmsNormParams::LAYOUT,
     QkNormRopeParams::LAYOUT,
     WaitStampParams::LAYOUT,
@@ -609,6 +770,11 @@ mod tests {
         assert_eq!(size_of::<RmsNormParams>(), 6 * 8 + 2 * 4);
         assert_eq!(size_of::<QkNormRopeParams>(), 10 * 8 + 8 * 4);
         assert_eq!(size_of::<WaitStampParams>(), 8 + 2 * 4);
+        assert_eq!(size_of::<AppendKvTiersParams>(), 15 * 8 + 6 * 4);
+        assert_eq!(size_of::<GatherBlocksTiersParams>(), 13 * 8 + 12 * 4);
+        assert_eq!(size_of::<CopyPagesTiersParams>(), 11 * 8 + 6 * 4);
+        assert_eq!(size_of::<QuantizeKv8Params>(), 4 * 8 + 4 * 4);
+        assert_eq!(size_of::<DecodeAttnKv8Params>(), 14 * 8 + 10 * 4);
         assert_eq!(align_of::<DecodeAttnParams>(), 8);
         assert_eq!(std::mem::offset_of!(DecodeAttnParams, sm_scale), 132);
         assert_eq!(std::mem::offset_of!(CopyPagesParams, page_elems), 48);
