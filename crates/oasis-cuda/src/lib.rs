@@ -68,4 +68,6 @@ pub use nvrtc::{
     compile, compile_all, compile_all_with_cache, compile_source, compile_with_cache, nvrtc_info,
     NvrtcInfo,
 };
-pub use ops::{DevSlice, ExtraKvDev, PagedKvDev, SplitKv, Stream};
+pub use ops::{
+    DevSlice, ExtraKvDev, Kv8PagesDev, KvTierDev, PagedKv8Dev, PagedKvDev, SplitKv, Stream,
+};

@@ -21,6 +21,7 @@
 //! ops/mod.rs        buffers (DevSlice, Stream, *Dev), launch constants, shape helpers, params!,
 //!                   Gpu::queue (the one launch call)
 //! ops/attention.rs  decode_attention (+ merge_attn_states)
+//! ops/kv8.rs        FP8 pages: quantize_kv8, append_kv/gather_blocks/copy_pages_tiers, decode_attention_kv8
 //! ops/page.rs       append_kv, build_summaries, gather_blocks, copy_pages
 //! ops/select.rs     score_blocks, topk_blocks(_mapped, _forced), force_scores, topk_candidates,
 //!                   delta_select
@@ -625,8 +626,12 @@ macro_rules! entry {
 }
 
 // The launch wrappers, one file per kernel family (they use the helpers and macros above).
+pub use kv8::{
+    decode_attn_kv8_tc_entry, decode_attn_kv8_tc_smem_bytes, Kv8PagesDev, KvTierDev, PagedKv8Dev,
+};
 mod attention;
 mod codes;
+mod kv8;
 mod norm;
 mod page;
 mod select;
