@@ -42,6 +42,12 @@
 //! | `norm_rope.cu` | `rms_norm`, `qk_norm_rope` | `rms_norm`, `qk_norm_rope` |
 //! | `wait_stamp.cu` | `wait_stamp` | `wait_stamp` |
 //!
+//! kv8 (FP8 E4M3) pages, [`ops`]' `kv8.rs`: `quantize_kv8` (twin `quantize_kv8`),
+//! `append_kv_{kv8_kv8,elem_kv8,kv8_elem}` (`append_kv_tiers`), `gather_blocks_kv8`,
+//! `gather_blocks_{kv8_elem,elem_kv8}`, `copy_pages_kv8`, `copy_pages_{kv8_elem,elem_kv8}`
+//! (`gather_blocks_tiers`, `copy_pages_tiers`), `decode_attn_kv8` and
+//! `decode_attn_kv8_tc_bf16_d{64,128,256}` (`decode_attention_kv8`).
+//!
 //! ## Examples
 //!
 //! Compile every kernel for an H200 (no GPU needed, only libnvrtc):
