@@ -50,6 +50,12 @@ SELECTIONS = ("fidelity", "fast", "quest")
 #: The KvConfig fields whose default is ``"auto"``, resolved from the others (and, for
 #: ``lookahead_min_confidence``, from the drafter: :meth:`KvConfig.resolve`).
 AUTO = "auto"
+
+#: The 8-bit KV storage (``KvConfig.host_kv_dtype``): E4M3 codes with a power-of-two scale per
+#: (block, KV head), K and V apart; and the names that ask for it (vLLM's ``kv_cache_dtype="fp8"``
+#: is E4M3 too).
+FP8_KV = "fp8_e4m3"
+FP8_KV_NAMES = ("fp8", "fp8_e4m3")
 #: Largest ``block_size`` (``oasis_core::limits``, exported by ``_core``: one source for the
 #: config, the runtime and the kernels).
 MAX_BLOCK_SIZE: int = _core.MAX_BLOCK_SIZE
@@ -110,6 +116,14 @@ class KvConfig:
         sparse_threshold: context length (tokens) past which a request turns sparse. Defaults to
             the budget, ``top_k_blocks * block_size``: below it the budget holds everything anyway.
         kv_dtype: storage dtype of the pools; defaults to the model's dtype.
+        host_kv_dtype: storage of the host pool alone: ``None`` (as ``kv_dtype``) or
+            ``"fp8_e4m3"`` (``"fp8"`` and ``torch.float8_e4m3fn`` name it too): E4M3 codes with a
+            power-of-two scale per (block, KV head), K and V apart (``oasis_core::kernels::kv8``),
+            so the host pool holds half the bytes of bf16 per request (plus 8 bytes per block and
+            head). Blocks are quantized where they enter the pool (the dense -> sparse copy, each
+            decoded token's write-through) and dequantized into the working set's pages when
+            gathered; summaries and key codes come from the unquantized keys. CPU twins only in
+            this build (the CUDA kernels are issue 36's next step); not with a remote KV source.
         num_gpu_pages: pages in the GPU pool (shared by all requests, per layer): a fixed pool of
             this size. ``None`` grows the pool with what admitted requests need, up to the
             engine's budget (``LLMEngine(gpu_kv_budget_bytes=...)``).
@@ -204,6 +218,7 @@ class KvConfig:
     fetch_cap: float | int | None = 0.05
     sparse_threshold: int | None = None
     kv_dtype: torch.dtype | None = None
+    host_kv_dtype: str | torch.dtype | None = None
     num_gpu_pages: int | None = None
     num_host_blocks: int | None = None
     measure_recall: bool = True
@@ -345,6 +360,11 @@ class KvConfig:
                 )
         if self.kv_dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
             raise ConfigError(f"kv_dtype must be float32, float16 or bfloat16, got {self.kv_dtype}")
+        h = self.host_kv_dtype
+        if h in FP8_KV_NAMES or h is getattr(torch, "float8_e4m3fn", None):
+            self._set("host_kv_dtype", FP8_KV)
+        elif h is not None:
+            raise ConfigError(f"host_kv_dtype must be None (the pools' dtype) or 'fp8_e4m3', got {h!r}")
         for name in ("num_gpu_pages", "num_host_blocks"):
             _check_int(
                 name,

@@ -526,11 +526,6 @@ def copy_pages(
     )
 
 
-#: The name of the 8-bit KV storage (``KvConfig(kv_dtype=..., host_kv_dtype=...)``): E4M3 codes
-#: with a power-of-two scale per (page, KV head), K and V apart (``oasis_core::kernels::kv8``).
-FP8_KV = "fp8_e4m3"
-
-
 def empty_kv8(geo, rows: int, device, *, pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes, scales)`` of ``rows`` fp8_e4m3 pages: uint8 ``[rows, num_kv_heads, block_size,
     head_dim]`` and float32 ``[rows, num_kv_heads]``, uninitialised (``pin``: pinned CPU memory)."""

@@ -739,8 +739,8 @@ class TPLLMEngine:
         if on_cpu and kwargs.get("gpu_kv_budget_bytes") is None and eng.kv.num_gpu_pages is None:
             gpu //= g.size  # and on the CPU the pages too
         gpu, host = g.min([gpu, host])
-        per = eng.page_bytes_all_layers
-        budgets = {"gpu_kv_budget_bytes": gpu * per, "host_kv_budget_bytes": host * per}
+        per, per_row = eng.page_bytes_all_layers, eng.host_row_bytes_all_layers
+        budgets = {"gpu_kv_budget_bytes": gpu * per, "host_kv_budget_bytes": host * per_row}
         return LLMEngine(model, **{**kwargs, **{k: v for k, v in budgets.items() if kwargs.get(k) is None}})
 
     # ---------------------------------------------------------------- roles

@@ -1010,6 +1010,16 @@ def test_drafter_names_with_a_two_stage_codes_score():
             teacher.parse_drafter(bad)
 
 
+def test_drafter_names_with_an_fp8_host_pool():
+    """``+hfp8``: KvConfig(host_kv_dtype="fp8_e4m3"), after the selection's suffixes."""
+    assert teacher.parse_drafter("eagle3+fidelity+hfp8").kv_kwargs()["host_kv_dtype"] == "fp8_e4m3"
+    assert teacher.parse_drafter("ngram+codes1.25+sticky").kv_kwargs()["host_kv_dtype"] is None
+    assert teacher.parse_drafter("eagle3+hfp8+top2").top2
+    for bad in ("eagle3+hfp8+fidelity", "eagle3+hfp8+hfp8", "ngram+hfp8+sink2"):
+        with pytest.raises(ValueError, match="unknown drafter"):
+            teacher.parse_drafter(bad)
+
+
 def test_union_by_rank_alternates_and_skips_repeats():
     a = torch.tensor([[[5, 1, 2, 3]], [[0, -1, -1, -1]]])
     b = torch.tensor([[[1, 7, 5, 9]], [[0, -1, -1, -1]]])

@@ -7,10 +7,9 @@ use pyo3::prelude::*;
 
 use crate::call::{entry, guarded, on_gpu, with_dtype};
 use crate::check::{check_all, check_block_tables, check_outputs, kv_dtype, summary_rows};
-use crate::errors::py_err;
 use crate::runtime::PyGeometry;
 use crate::tensor::{check_disjoint, Cx, Elem, Place, TensorArg, ANY};
-use crate::tier::{kv8_on_cuda, Tier};
+use crate::tier::Tier;
 
 #[pyfunction]
 #[pyo3(signature = (max_blocks = None, warps_per_block = None, entries_per_warp = None, stage_entries = None))]
@@ -148,15 +147,15 @@ fn append_kv(
                 let hr = host_rows.as_ref().map(|r| unsafe { r.ints() });
                 guarded(py, "append_kv", || kernels::append_kv_tiers::<T>(&g, kn, vn, pi, po, hb, hr, gt, ht, sm))
             }),
-            Place::Cuda(_) if gpu.is_kv8() || hst.is_kv8() => Err(kv8_on_cuda(py, "append_kv")),
             Place::Cuda(dev) => with_dtype!(dt, T => {
                 // SAFETY: (TensorArg::dev) shapes, dtypes, contiguity and residence on cuda:dev
                 // (the host pool: pinned, mapped checked in on_gpu) were checked above; outputs
                 // are disjoint from every other argument.
-                let (kn, vn, kp, vp, hk, hv, sm) = unsafe { (k_new.dev::<T>(), v_new.dev::<T>(), k_pages.dev::<T>(), v_pages.dev::<T>(), host_k.dev::<T>(), host_v.dev::<T>(), summaries.dev::<T>()) };
+                let (kn, vn, sm) = unsafe { (k_new.dev::<T>(), v_new.dev::<T>(), summaries.dev::<T>()) };
+                let (gt, ht) = unsafe { (gpu.dev::<T>(), hst.dev::<T>()) };
                 let (pi, po, hb) = unsafe { (page_ids.dev::<i32>(), page_offsets.dev::<i32>(), host_block_ids.dev::<i32>()) };
                 let hr = host_rows.as_ref().map(|r| unsafe { r.dev::<i32>() });
-                on_gpu(py, "append_kv", dev, stream, &host, move |gpu, st| gpu.append_kv::<T>(&g, kn, vn, pi, po, hb, hr, kp, vp, hk, hv, sm, st))
+                on_gpu(py, "append_kv", dev, stream, &host, move |g8, st| g8.append_kv_tiers::<T>(&g, kn, vn, pi, po, hb, hr, gt, ht, sm, st))
             }),
         }
     })
@@ -228,7 +227,7 @@ fn build_summaries(
 /// plan_slots, plan_blocks [num_seqs, num_kv_heads, fetch_cap], slot_pages [num_seqs, budget],
 /// host_indptr [num_seqs + 1], host_indices [nnz] int32; host_k, host_v [num_host_blocks,
 /// num_kv_heads, block_size, head_dim]; k_pages, v_pages [num_pages, num_kv_heads, block_size,
-/// head_dim]. Bit-exact between tiers of one storage; a tier may hold fp8_e4m3 KV (uint8 pages
+/// head_dim]. Bit-exact between tiers of one storage; either tier may hold fp8_e4m3 KV (uint8 pages
 /// with host_k_scales, host_v_scales or k_scales, v_scales [rows, num_kv_heads] float32): kv8 to
 /// kv8 copies the codes and the scales, kv8 to float pages dequantizes (code x scale), float to
 /// kv8 quantizes each entry's whole block.
@@ -292,14 +291,12 @@ fn gather_blocks(
         hst.rows(&cx.host(), &g)?;
         gpu.rows(&cx, &g)?;
         let floats = [&hst.float_pages()[..], &gpu.float_pages()].concat();
-        if floats.is_empty() {
-            return Err(py_err(
-                py,
-                "ConfigError",
-                "gather_blocks between two fp8_e4m3 tiers copies bytes: use float pages on one side, or copy_pages".to_string(),
-            ));
-        }
-        let dt = kv_dtype(py, &floats)?;
+        // Two kv8 tiers copy bytes: any float dtype instantiates the kernel.
+        let dt = if floats.is_empty() {
+            oasis_core::DType::F32
+        } else {
+            kv_dtype(py, &floats)?
+        };
         check_disjoint(py, &[&host[..], &pages].concat())?;
         check_outputs(py, &pages, &tables)?;
         match cx.place {
@@ -309,15 +306,14 @@ fn gather_blocks(
                 let (ht, gt) = unsafe { (hst.read::<T>(), gpu.write::<T>()) };
                 guarded(py, "gather_blocks", || kernels::gather_blocks_tiers::<T>(&g, ps, pb, cap, sp, budget, hi, hx, &ht, gt)).map(Some)
             }),
-            Place::Cuda(_) if gpu.is_kv8() || hst.is_kv8() => Err(kv8_on_cuda(py, "gather_blocks")),
             Place::Cuda(dev) => with_dtype!(dt, T => {
                 // SAFETY: (TensorArg::dev) checked above (the host pool pinned; mapped checked in
                 // on_gpu); the page pools are disjoint from each other and from every input.
                 let (ps, pb, sp, hi, hx) = unsafe { (plan_slots.dev::<i32>(), plan_blocks.dev::<i32>(), slot_pages.dev::<i32>(), host_indptr.dev::<i32>(), host_indices.dev::<i32>()) };
-                let (hk, hv, kp, vp) = unsafe { (host_k.dev::<T>(), host_v.dev::<T>(), k_pages.dev::<T>(), v_pages.dev::<T>()) };
+                let (ht, gt) = unsafe { (hst.dev::<T>(), gpu.dev::<T>()) };
                 // A pool in device memory (the all-resident oracle) takes the launch HBM reads need.
                 let device_source = !host_k.is_host_mapped();
-                on_gpu(py, "gather_blocks", dev, stream, &host, move |gpu, st| gpu.gather_blocks::<T>(&g, ps, pb, cap, sp, budget, hi, hx, hk, hv, kp, vp, device_source, st))?;
+                on_gpu(py, "gather_blocks", dev, stream, &host, move |g8, st| g8.gather_blocks_tiers::<T>(&g, ps, pb, cap, sp, budget, hi, hx, ht, gt, device_source, st))?;
                 Ok(None)
             }),
         }
@@ -398,12 +394,13 @@ fn copy_pages(
                 let (st, dt) = unsafe { (src.read::<T>(), dst.write::<T>()) };
                 guarded(py, "copy_pages", || kernels::copy_pages_tiers::<T>(&g, &st, si, dt, di, va))
             }),
-            Place::Cuda(_) if src.is_kv8() || dst.is_kv8() => Err(kv8_on_cuda(py, "copy_pages")),
             Place::Cuda(dev) => with_dtype!(dt, T => {
                 // SAFETY: (TensorArg::dev) checked above (pinned pools: mapped checked in on_gpu);
                 // destination pools are disjoint from the sources and the ids.
-                let (sk, sv, si, dk, dv, di) = unsafe { (src_k.dev::<T>(), src_v.dev::<T>(), src_ids.dev::<i32>(), dst_k.dev::<T>(), dst_v.dev::<T>(), dst_ids.dev::<i32>()) };
-                on_gpu(py, "copy_pages", dev, stream, &pools, move |gpu, st| gpu.copy_pages::<T>(&g, sk, sv, si, dk, dv, di, st))
+                let (si, di) = unsafe { (src_ids.dev::<i32>(), dst_ids.dev::<i32>()) };
+                let va = valid.as_ref().map(|v| unsafe { v.dev::<i32>() });
+                let (st, dt) = unsafe { (src.dev::<T>(), dst.dev::<T>()) };
+                on_gpu(py, "copy_pages", dev, stream, &pools, move |g8, sm| g8.copy_pages_tiers::<T>(&g, st, si, dt, di, va, sm))
             }),
         }
     })
@@ -428,7 +425,6 @@ fn quantize_kv8(
     scales: TensorArg,
     stream: u64,
 ) -> PyResult<()> {
-    let _ = stream;
     entry(py, "quantize_kv8", || {
         let g = geo.inner;
         let all = [
@@ -460,7 +456,11 @@ fn quantize_kv8(
                 let (sr, va, cd, sc) = unsafe { (src.slice::<T>(), valid.ints(), codes.slice_mut::<u8>(), scales.slice_mut::<f32>()) };
                 guarded(py, "quantize_kv8", || kernels::quantize_kv8::<T>(&g, sr, va, cd, sc))
             }),
-            Place::Cuda(_) => Err(kv8_on_cuda(py, "quantize_kv8")),
+            Place::Cuda(dev) => with_dtype!(dt, T => {
+                // SAFETY: (TensorArg::dev) checked above; the outputs are disjoint from the inputs.
+                let (sr, va, cd, sc) = unsafe { (src.dev::<T>(), valid.dev::<i32>(), codes.dev::<u8>(), scales.dev::<f32>()) };
+                on_gpu(py, "quantize_kv8", dev, stream, &[], move |g8, st| g8.quantize_kv8::<T>(&g, sr, va, cd, sc, st))
+            }),
         }
     })
 }

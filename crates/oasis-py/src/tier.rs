@@ -6,6 +6,7 @@
 
 use oasis_core::kernels::{Kv8Pages, Kv8PagesMut, KvTier, KvTierMut};
 use oasis_core::KvGeometry;
+use oasis_cuda::{Kv8PagesDev, KvTierDev};
 use pyo3::prelude::*;
 
 use crate::check::check_all;
@@ -142,14 +143,24 @@ impl<'a> Tier<'a> {
     }
 }
 
-/// The typed error of a kv8 tier on a CUDA call until its kernels are wired.
-pub(crate) fn kv8_on_cuda(py: Python<'_>, what: &str) -> PyErr {
-    py_err(
-        py,
-        "ConfigError",
-        format!(
-            "{what} with fp8_e4m3 (uint8) KV pages runs on the CPU only in this build; pass CPU \
-             tensors, or float pages"
-        ),
-    )
+impl Tier<'_> {
+    /// The tier's device buffers (pinned host memory through unified addressing, or device
+    /// memory).
+    ///
+    /// # Safety
+    /// As [`TensorArg::dev`]: the tensors were checked ([`Self::rows`]) for a CUDA call.
+    pub unsafe fn dev<T>(&self) -> KvTierDev<T> {
+        match self.scales {
+            None => KvTierDev::Elem {
+                k: self.k.dev::<T>(),
+                v: self.v.dev::<T>(),
+            },
+            Some((ks, vs)) => KvTierDev::Kv8(Kv8PagesDev {
+                k_codes: self.k.dev::<u8>(),
+                v_codes: self.v.dev::<u8>(),
+                k_scales: ks.dev::<f32>(),
+                v_scales: vs.dev::<f32>(),
+            }),
+        }
+    }
 }

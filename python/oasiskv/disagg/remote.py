@@ -89,6 +89,11 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
             )
         if engine.backend != "oasis":
             raise ConfigError("kv_source needs backend='oasis' (a staged request decodes sparsely)")
+        if engine.host_kv8:
+            raise ConfigError(
+                "KvConfig(host_kv_dtype='fp8_e4m3') is not served from a remote KV source yet (the "
+                "daemon stages bf16 blocks); pass host_kv_dtype=None with kv_source"
+            )
         if engine.key_codes:
             raise ConfigError(
                 "kv_source stages min/max summaries only; pass KvConfig(block_score='quest') "

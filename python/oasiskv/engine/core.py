@@ -17,7 +17,7 @@ import math
 import torch
 
 from .. import _core, ops
-from ..config import KvConfig
+from ..config import FP8_KV, KvConfig
 from ..drafters import Drafter
 from ..errors import ConfigError
 from ..policy import BlockSource, LocalHostPool, SelectionPolicy
@@ -89,6 +89,8 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         c = self.cfg
         self.geo = ops.KvGeometry(c.num_attention_heads, c.num_key_value_heads, c.head_dim, kv.block_size)
         self.dtype = kv.kv_dtype or next(model.parameters()).dtype
+        #: KvConfig.host_kv_dtype="fp8_e4m3": the host pool in E4M3 (engine.pools.KvPools).
+        self.host_kv8 = kv.host_kv_dtype == FP8_KV
         self.device = next(model.parameters()).device
         self.rows = 2 if (drafter is not None and drafter.uses_lookahead_row) else 1
         # KvConfig's "auto" confidence fallback: on where the drafter reports its probability.
@@ -432,7 +434,17 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         for layer in range(self.cfg.num_hidden_layers):
             # Pages into host rows; summaries (and codes) of the block ids from the same keys, read
             # from the GPU pages (the host rows hold copies of them): HBM, not PCIe reads.
-            ops.copy_pages(g, p.k_pages[layer], p.v_pages[layer], src, p.host_k[layer], p.host_v[layer], rows)
+            ops.copy_pages(
+                g,
+                p.k_pages[layer],
+                p.v_pages[layer],
+                src,
+                p.host_k[layer],
+                p.host_v[layer],
+                rows,
+                valid=lens,  # an fp8 host pool quantizes each block over its own rows
+                **p.host_scales(layer, "dst_"),
+            )
             ops.build_summaries(g, p.k_pages[layer], dst, lens, p.summaries[layer], block_rows=src)
             if self.key_codes and complete.numel():
                 p.encode_blocks(layer, complete, complete_src)
@@ -669,7 +681,8 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         else:
             m.resident_kv_bytes = n_blocks * p.page_bytes * layers
         self._join_background()
-        entry_bytes = 2 * self.kv.block_size * self.geo.head_dim * self.dtype.itemsize  # K+V, one head
+        # K+V of one block and head as the gather moves it from the host pool (fp8: codes + scales).
+        entry_bytes = p.host_row_bytes // self.geo.num_kv_heads
         if r.slot < 0:  # never admitted
             return
         m.fetched_bytes_total = int(self._acc_fetched[r.slot]) * entry_bytes

@@ -37,7 +37,11 @@ class KvPools:
     ``host_pool`` places ``host_k``/``host_v``: ``"pinned"`` in CPU memory (pinned with a GPU: the
     kernels read and write it over PCIe through unified addressing), ``"device"`` on ``device``
     beside the pages (the all-resident oracle: every kernel that takes the host pool accepts it
-    there, and the gather becomes a device-to-device copy). Without a GPU both are CPU memory."""
+    there, and the gather becomes a device-to-device copy). Without a GPU both are CPU memory.
+
+    ``host_kv8`` (``KvConfig.host_kv_dtype="fp8_e4m3"``): the host pool holds E4M3 codes (uint8)
+    with float32 scales per (row, KV head) in ``host_k_scales``/``host_v_scales``; every kernel
+    that reads or writes it takes them (:meth:`host_scales`)."""
 
     def __init__(
         self,
@@ -50,8 +54,11 @@ class KvPools:
         key_codes: bool = False,
         host_pool: str = "pinned",
         num_host_rows: int | None = None,
+        host_kv8: bool = False,
     ) -> None:
         self.geo, self.dtype, self.num_layers, self.device = geo, dtype, num_layers, device
+        self.host_kv8 = host_kv8
+        self.host_dtype = torch.uint8 if host_kv8 else dtype
         self.num_pages, self.num_host_blocks, self.num_host_rows = 0, 0, 0
         hk, b, d = geo.num_kv_heads, geo.block_size, geo.head_dim
         self.host_pool = host_pool
@@ -66,12 +73,20 @@ class KvPools:
         self.v_pages = [torch.zeros(0, hk, b, d, dtype=dtype, device=device) for _ in range(num_layers)]
         self.page_map = torch.full((num_layers, 0, hk), -1, dtype=torch.int32, device=device)
         self.page_last_selected = torch.full((num_layers, 0, hk), -1, dtype=torch.int32, device=device)
+        hd = self.host_dtype
         self.host_k = [
-            torch.zeros(0, hk, b, d, dtype=dtype, device=host_dev, pin_memory=pin) for _ in range(num_layers)
+            torch.zeros(0, hk, b, d, dtype=hd, device=host_dev, pin_memory=pin) for _ in range(num_layers)
         ]
         self.host_v = [
-            torch.zeros(0, hk, b, d, dtype=dtype, device=host_dev, pin_memory=pin) for _ in range(num_layers)
+            torch.zeros(0, hk, b, d, dtype=hd, device=host_dev, pin_memory=pin) for _ in range(num_layers)
         ]
+        # fp8 host pool: a power-of-two scale per (row, KV head), K and V apart.
+        empty_scales = lambda: [  # noqa: E731
+            torch.zeros(0, hk, dtype=torch.float32, device=host_dev, pin_memory=pin)
+            for _ in range(num_layers)
+        ]
+        self.host_k_scales = empty_scales() if host_kv8 else None
+        self.host_v_scales = empty_scales() if host_kv8 else None
         self.summaries = [torch.zeros(0, hk, 2, d, dtype=dtype, device=device) for _ in range(num_layers)]
         # KvConfig(block_score="codes"): every key of a complete block at 2 bits per channel,
         # [num_host_blocks, num_kv_heads, block_size, head_dim // 4] bytes per layer (GPU).
@@ -85,6 +100,17 @@ class KvPools:
         # E4M3 bytes and [num_host_blocks, num_kv_heads] f32 scales per layer (GPU).
         self.bounds8, self.bound_scales = self._empty_bounds8(0) if key_codes else (None, None)
         self.grow(num_pages, num_host_blocks, num_host_rows)
+
+    def host_scales(self, layer: int, prefix: str = "host_") -> dict:
+        """The keyword arguments that give a kernel ``layer``'s host-pool scales (none unless
+        ``host_kv8``): ``{prefix}k_scales`` and ``{prefix}v_scales`` (``"host_"`` for
+        ``append_kv``/``gather_blocks``, ``"dst_"`` for ``copy_pages`` into the pool)."""
+        if not self.host_kv8:
+            return {}
+        return {
+            f"{prefix}k_scales": self.host_k_scales[layer],
+            f"{prefix}v_scales": self.host_v_scales[layer],
+        }
 
     def _empty_bounds8(self, rows: int) -> tuple[list, list]:
         """Zeroed 8-bit bounds and scales of ``rows`` host blocks (:func:`ops.empty_bounds8`), per
@@ -138,7 +164,7 @@ class KvPools:
             self.num_pages = num_pages
         if num_host_rows > self.num_host_rows:
             ensure_fits(
-                (num_host_rows - self.num_host_rows) * self.page_bytes * layers,
+                (num_host_rows - self.num_host_rows) * self.host_row_bytes * layers,
                 self.host_device,
                 f"growing the host pool to {num_host_rows} blocks x {layers} layers",
                 "lower host_kv_budget_bytes / KvConfig.num_host_blocks, max_num_seqs or max_tokens",
@@ -148,7 +174,7 @@ class KvPools:
             # on the GPU, where _grown keeps it). The pool grows geometrically with what admitted
             # requests need (Engine._grow_to), so it is pinned in chunks, never all up front;
             # a large growth says so, since pinning is slow.
-            pin_bytes = num_host_rows * self.page_bytes * layers
+            pin_bytes = num_host_rows * self.host_row_bytes * layers
             bar = None
             if self.host_pin and pin_bytes >= PIN_NOTICE_BYTES:
                 log.info(
@@ -161,7 +187,8 @@ class KvPools:
                 from tqdm import tqdm
 
                 # disable=None: a bar on a terminal only (logs and CI stay clean).
-                bar = tqdm(total=2 * layers, desc="pinning host KV pool", unit="tensor", disable=None)
+                tensors = 4 * layers if self.host_kv8 else 2 * layers
+                bar = tqdm(total=tensors, desc="pinning host KV pool", unit="tensor", disable=None)
 
             if self.host_pin and device.type == "cuda":
                 # Kernels read the old pool through UVA; its pages are unpinned when it is freed.
@@ -179,6 +206,9 @@ class KvPools:
             try:
                 self.host_k = grown_host(self.host_k)
                 self.host_v = grown_host(self.host_v)
+                if self.host_kv8:
+                    self.host_k_scales = grown_host(self.host_k_scales)
+                    self.host_v_scales = grown_host(self.host_v_scales)
             finally:
                 if bar is not None:
                     bar.close()
@@ -198,6 +228,12 @@ class KvPools:
         return 2 * g.num_kv_heads * g.block_size * g.head_dim * self.dtype.itemsize
 
     @property
+    def host_row_bytes(self) -> int:
+        """Bytes of one host-pool row, K and V (and their scales with ``host_kv8``), one layer."""
+        g = self.geo
+        return host_row_bytes(g, self.dtype, self.host_kv8)
+
+    @property
     def summary_block_bytes(self) -> int:
         """Bytes of one block's summaries (and key codes and 8-bit bound, with them), all KV heads,
         one layer."""
@@ -208,6 +244,14 @@ class KvPools:
             else 0
         )
         return 2 * g.num_kv_heads * g.head_dim * self.dtype.itemsize + codes
+
+
+def host_row_bytes(geo, dtype: torch.dtype, kv8: bool) -> int:
+    """Bytes of one host-pool row (a block's K and V, every KV head), one layer: ``dtype``
+    elements, or E4M3 bytes plus a float32 scale per KV head for K and for V with ``kv8``."""
+    g = geo
+    values = 2 * g.num_kv_heads * g.block_size * g.head_dim
+    return values + 2 * g.num_kv_heads * 4 if kv8 else values * dtype.itemsize
 
 
 def _grown(
@@ -248,10 +292,16 @@ class PoolsMixin:
     # ---------------------------------------------------------------- pools
     @property
     def page_bytes_all_layers(self) -> int:
-        """Bytes of one page (or host block), K and V, every layer."""
+        """Bytes of one GPU page, K and V, every layer."""
         g = self.geo
         per_layer = 2 * g.num_kv_heads * g.block_size * g.head_dim * self.dtype.itemsize
         return per_layer * self.cfg.num_hidden_layers
+
+    @property
+    def host_row_bytes_all_layers(self) -> int:
+        """Bytes of one host-pool row, K and V (and scales in fp8), every layer: a page's bytes
+        unless ``KvConfig.host_kv_dtype`` is fp8 (about half of bf16)."""
+        return host_row_bytes(self.geo, self.dtype, self.host_kv8) * self.cfg.num_hidden_layers
 
     def default_caps(self) -> tuple[int, int]:
         """The pools' caps in blocks: ``KvConfig.num_gpu_pages`` / ``num_host_blocks`` when set
@@ -260,8 +310,10 @@ class PoolsMixin:
         dense backend) -- on a CPU-only machine both from the same RAM. With ``host_pool="device"``
         the host blocks share the device with the pages: 40 % of its free memory past the pages'
         cap. Never past 2**31 - 1."""
-        kv, per = self.kv, self.page_bytes_all_layers
-        gpu, host = (None if b is None else b // per for b in self._budgets)
+        kv, per, per_row = self.kv, self.page_bytes_all_layers, self.host_row_bytes_all_layers
+        gpu_budget, host_budget = self._budgets
+        gpu = None if gpu_budget is None else gpu_budget // per
+        host = None if host_budget is None else host_budget // per_row
         if kv.num_gpu_pages is not None:
             gpu = kv.num_gpu_pages
         if kv.num_host_blocks is not None:
@@ -278,7 +330,7 @@ class PoolsMixin:
             free = available_bytes(self.device if on_device else "cpu")
             if free is not None and on_device:
                 free = max(0, free - int(gpu) * per)
-            host = int(0.4 * free) // per if free is not None else 1 << 20
+            host = int(0.4 * free) // per_row if free is not None else 1 << 20
         cap = MAX_POOL_BLOCKS
         return max(0, min(int(gpu), cap)), max(0, min(int(host), cap))
 
@@ -322,6 +374,7 @@ class PoolsMixin:
                 self.device,
                 self.key_codes,
                 host_pool=self.host_pool,
+                host_kv8=self.host_kv8,
             )
         if self.key_codes:
             self.pools.enable_key_codes()
@@ -390,10 +443,10 @@ class PoolsMixin:
             return
         g, h, _ = rt.reservation(prompt_len, max_new_tokens, sparse=sparse, cache_blocks=cache_blocks)
         gcap, _, hcap = rt.caps
-        per = self.page_bytes_all_layers
+        per, per_row = self.page_bytes_all_layers, self.host_row_bytes_all_layers
         raise OutOfBlocksError(
             f"a request of {prompt_len} prompt tokens and max_tokens={max_new_tokens} needs up to "
-            f"{g} GPU pages and {h} host blocks ({g * per} / {h * per} bytes) but the caps are "
+            f"{g} GPU pages and {h} host blocks ({g * per} / {h * per_row} bytes) but the caps are "
             f"{gcap} / {hcap}; raise gpu_kv_budget_bytes / host_kv_budget_bytes (or KvConfig."
             "num_gpu_pages / num_host_blocks), lower max_tokens, or lower sparse_threshold so the "
             "request turns sparse sooner"

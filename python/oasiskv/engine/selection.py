@@ -541,6 +541,7 @@ class SelectionMixin:
             p.host_v[layer],
             p.k_pages[layer],
             p.v_pages[layer],
+            **p.host_scales(layer),
         )
 
     def _flush_deferred(self) -> None:

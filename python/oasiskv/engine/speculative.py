@@ -342,6 +342,7 @@ class SpeculativeMixin:
                 p.host_v[layer],
                 p.summaries[layer],
                 host_rows=host_rows,
+                **p.host_scales(layer),
             )
 
     @torch.no_grad()

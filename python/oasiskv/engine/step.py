@@ -198,6 +198,7 @@ class DecodeAttention:
             p.host_v[layer],
             p.summaries[layer],
             host_rows=host_rows_t,
+            **p.host_scales(layer),
         )
         if done_blocks is not None:
             # Blocks x_t completed: their summaries are final, so their keys get codes now,

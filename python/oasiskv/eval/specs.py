@@ -23,7 +23,7 @@ DRAFTERS = ("eagle3", "eagle3-noprefill", "ngram", "oracle", "previous-query")
 @dataclass(frozen=True)
 class DrafterSpec:
     """A drafter name of the evaluation, ``BASE[+current][+fidelity][+codes[F]][+b16][+sticky]
-    [+sinkN][+pinN][+succN][+confP][+layers][+top2]`` (one word), and what each part sets:
+    [+sinkN][+pinN][+succN][+confP][+layers][+hfp8][+top2]`` (one word), and what each part sets:
     ``+current`` ``KvConfig(select_queries="lookahead+current")``, ``+fidelity`` the library's
     default selection (``KvConfig()``'s ``"auto"`` fields; not with ``+codes``, ``+sticky``,
     ``+succN``, ``+confP``, which it sets), ``+codes``
@@ -34,7 +34,8 @@ class DrafterSpec:
     ``KvConfig(sink_blocks=N)``, ``+pinN`` ``KvConfig(pin_blocks=N)``, ``+succN``
     ``KvConfig(successor_blocks=N)``, ``+layers`` ``KvConfig(layer_blocks=...)`` fitted on
     calibration text with the budget's total (:func:`kv_budget_kwargs`; ``+layersout``: fitted
-    on the attention output's error instead of its mass); ``+top2`` (EAGLE-3
+    on the attention output's error instead of its mass); ``+hfp8``
+    ``KvConfig(host_kv_dtype="fp8_e4m3")`` (the host pool in E4M3); ``+top2`` (EAGLE-3
     only) changes nothing in the engine and also measures lookahead from the head's two best drafts
     (:class:`LookaheadRecorder`)."""
 
@@ -50,6 +51,7 @@ class DrafterSpec:
     sticky_candidates: bool | str = False
     lookahead_min_confidence: float | str | None = None
     candidate_bound: str = "fp8"
+    host_kv_dtype: str | None = None
 
     def kv_kwargs(self) -> dict:
         """The :class:`~oasiskv.KvConfig` keyword arguments the suffixes set."""
@@ -63,6 +65,7 @@ class DrafterSpec:
             sticky_candidates=self.sticky_candidates,
             lookahead_min_confidence=self.lookahead_min_confidence,
             candidate_bound=self.candidate_bound,
+            host_kv_dtype=self.host_kv_dtype,
         )
 
 
@@ -75,7 +78,10 @@ def parse_drafter(name: str) -> DrafterSpec:
     grammar). The suffixes come in the order given, each at most once."""
     base, *mods = str(name).split("+")
     kw: dict = {}
-    order = ("current", "fidelity", "codes", "b16", "sticky", "sink", "pin", "succ", "conf", "layers", "top2")
+    order = (
+        *("current", "fidelity", "codes", "b16", "sticky", "sink"),
+        *("pin", "succ", "conf", "layers", "hfp8", "top2"),
+    )
     last = -1
     ok = base in DRAFTERS
     for m in mods:
@@ -131,6 +137,8 @@ def parse_drafter(name: str) -> DrafterSpec:
             kw["lookahead_min_confidence"] = float(m[4:])
         elif key == "layers":
             kw["layers"] = "output" if m == "layersout" else "mass"
+        elif key == "hfp8":
+            kw["host_kv_dtype"] = "fp8_e4m3"
         else:
             ok = base.startswith("eagle3")  # the runner-up needs a head that ranks drafts
             kw["top2"] = True
@@ -145,7 +153,7 @@ def parse_drafter(name: str) -> DrafterSpec:
             "(N pinned blocks per layer and KV head), '+succN' (the next block of the N best), '+confP' "
             "(eagle3 only: the step's own query selects when the head's probability is below P), "
             "'+layers' or '+layersout' (per-layer budgets fitted on calibration text by attention "
-            "mass or output error) and '+top2' (eagle3 only), "
+            "mass or output error), '+hfp8' (the host pool in fp8_e4m3) and '+top2' (eagle3 only), "
             "in that order"
         )
     return DrafterSpec(base, **kw)

@@ -194,6 +194,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="oasis", choices=["oasis", "dense"])
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--host-kv-dtype",
+        default="auto",
+        choices=["auto", "fp8_e4m3", "fp8"],
+        help="the host KV pool's storage: as the pages ('auto') or fp8_e4m3 (E4M3 with a scale per "
+        "block and KV head: half the host RAM and PCIe bytes of bf16; KvConfig.host_kv_dtype)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=64, help="most requests decoded together")
     p.add_argument("--gpu-kv-budget-bytes", type=int, default=None)
     p.add_argument("--host-kv-budget-bytes", type=int, default=None)
@@ -221,6 +228,12 @@ def add_graph_arguments(p: argparse.ArgumentParser, cuda_graph_help: str | None 
     )
 
 
+def host_kv_dtype(args) -> str | None:
+    """``--host-kv-dtype`` as ``KvConfig.host_kv_dtype`` (None: the pages' dtype)."""
+    value = getattr(args, "host_kv_dtype", "auto")
+    return None if value == "auto" else value
+
+
 def enforce_eager(args) -> bool:
     """``--enforce-eager``, checked against the old ``--cuda-graph``."""
     from ..errors import ConfigError
@@ -244,6 +257,7 @@ def engine_kwargs(args, device: str | None = None) -> dict:
         top_k_blocks=args.top_k_blocks,
         fetch_cap=args.fetch_cap,
         sparse_threshold=args.sparse_threshold,
+        host_kv_dtype=host_kv_dtype(args),
         **selection_kwargs(args),
     )
     device = resolve_device(args.device) if device is None else str(device)

@@ -68,7 +68,8 @@ class EngineSnapshot:
     gpu_reserved: int = 0
     host_reserved: int = 0
     admitted: int = 0  # requests the runtime holds blocks for
-    page_bytes: int = 0  # bytes of one page / host block, K and V, every layer
+    page_bytes: int = 0  # bytes of one GPU page, K and V, every layer
+    host_row_bytes: int = 0  # bytes of one host-pool block, K and V (and fp8 scales), every layer
     steps: int = 0
     step_errors: int = 0
     transfer_wait_s: float = 0.0  # Engine.transfer_wait: the compute stream's waits on transfers
@@ -173,7 +174,10 @@ class EngineLoop:
         self._live: dict[str, _Live] = {}  # engine thread only
         self._steps = 0
         self._step_errors = 0
-        self.snapshot = EngineSnapshot(page_bytes=llm_engine.engine.page_bytes_all_layers)
+        e = llm_engine.engine
+        self.snapshot = EngineSnapshot(
+            page_bytes=e.page_bytes_all_layers, host_row_bytes=e.host_row_bytes_all_layers
+        )
         self._wait_read_at = float("-inf")
         self._transfer_wait_s = 0.0
         self._thread = threading.Thread(target=self._run, name="oasis-engine", daemon=True)
@@ -382,6 +386,7 @@ class EngineLoop:
             running=eng.num_running,
             waiting=eng.num_waiting,
             page_bytes=eng.engine.page_bytes_all_layers,
+            host_row_bytes=eng.engine.host_row_bytes_all_layers,
             steps=self._steps,
             step_errors=self._step_errors,
             transfer_wait_s=self._transfer_wait_s,

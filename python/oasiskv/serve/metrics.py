@@ -152,7 +152,7 @@ class _SnapshotCollector:
         snap = self.source() if self.source is not None else None
         if snap is None:
             return
-        per = snap.page_bytes
+        per, per_row = snap.page_bytes, snap.host_row_bytes or snap.page_bytes
         g_used, h_used = snap.gpu_pages - snap.gpu_free, snap.host_blocks - snap.host_free
         G, C = GaugeMetricFamily, CounterMetricFamily
         yield self._fam(
@@ -172,12 +172,17 @@ class _SnapshotCollector:
             h_used / snap.host_cap if snap.host_cap else 0.0,
         )
         yield self._fam(G, "oasis:kv_gpu_bytes", "Bytes of GPU KV pages held by requests.", g_used * per)
-        yield self._fam(G, "oasis:kv_host_bytes", "Bytes of host KV blocks held by requests.", h_used * per)
+        yield self._fam(
+            G, "oasis:kv_host_bytes", "Bytes of host KV blocks held by requests.", h_used * per_row
+        )
         yield self._fam(
             G, "oasis:kv_gpu_pool_bytes", "Bytes of the GPU page pool (allocated).", snap.gpu_pages * per
         )
         yield self._fam(
-            G, "oasis:kv_host_pool_bytes", "Bytes of the host block pool (allocated).", snap.host_blocks * per
+            G,
+            "oasis:kv_host_pool_bytes",
+            "Bytes of the host block pool (allocated).",
+            snap.host_blocks * per_row,
         )
         fam = GaugeMetricFamily(
             "oasis:kv_reserved_blocks",

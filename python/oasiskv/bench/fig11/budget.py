@@ -20,7 +20,9 @@ A request's reservation, ``need``, is a dict of
   sparse (``top_k_blocks + 1``);
 * ``host_blocks``: the blocks of its KV in the host pool; ``kv_blocks``: every block of its KV
   (the peak pages for dense, the host blocks otherwise);
-* ``block_bytes``: a block's K and V over all layers; ``summary_bytes``: its summaries.
+* ``block_bytes``: a block's K and V over all layers (GPU pages); ``host_block_bytes``: the
+  same in the host pool (about half with ``--host-kv-dtype fp8_e4m3``); ``summary_bytes``: its
+  summaries.
 """
 
 from __future__ import annotations
@@ -174,7 +176,7 @@ def fit(
     # and one dense prompt at the peak; every request's summaries stay on the GPU.
     pages = (conc - 1) * need["steady_pages"] + need["peak_pages"]
     summaries = conc * need["host_blocks"] * need["summary_bytes"]
-    host = conc * need["host_blocks"] * per
+    host = conc * need["host_blocks"] * need.get("host_block_bytes", per)
     if pages * per + summaries > budget:
         gpu = (pages * per + summaries) / gib
         return f"pages + summaries {gpu:.1f} GiB > GPU KV budget {budget / gib:.1f} GiB", 0, None

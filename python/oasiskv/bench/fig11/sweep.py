@@ -145,7 +145,7 @@ class Fig11:
     def kv(self):
         """The :class:`~oasiskv.KvConfig` of every engine: the KV and selection flags."""
         from ...config import KvConfig
-        from ...serve.cli import selection_kwargs
+        from ...serve.cli import host_kv_dtype, selection_kwargs
 
         a = self.args
         # The selection flags (--block-score, --sticky-candidates, ...) are the engine's, as in
@@ -156,6 +156,7 @@ class Fig11:
             fetch_cap=a.fetch_cap,
             sparse_threshold=a.sparse_threshold,
             measure_recall=a.measure_recall,
+            host_kv_dtype=host_kv_dtype(a),
             **selection_kwargs(a),
         )
 
@@ -244,6 +245,7 @@ class Fig11:
             "kv_blocks": peak if mode == "dense" else host,  # every block of the request's KV
             "steady_pages": kv.top_k_blocks + 1,
             "block_bytes": per,
+            "host_block_bytes": probe.host_row_bytes_all_layers,
             "summary_bytes": per // kv.block_size,  # min and max keys: 2 of block_size rows
         }
 
@@ -366,7 +368,7 @@ class Fig11:
             "peak_gpu_bytes": peak,
             "gpu_kv_bytes": p.num_pages * p.page_bytes * layers
             + p.num_host_blocks * p.summary_block_bytes * layers,
-            "host_pool_bytes": p.num_host_blocks * p.page_bytes * layers,
+            "host_pool_bytes": p.num_host_rows * p.host_row_bytes * layers,
             "host_pool_place": host_place,
             "fetched_bytes_per_step": fetched,
             "kernels_per_layer_step": res["kernels"] / layers if res["kernels"] is not None else None,
@@ -443,6 +445,8 @@ class Fig11:
                 "ngram_window": a.ngram_window if a.drafter == "ngram" else None,
                 "drafter_head_bytes": self.head_bytes if self.random_head_drafter else None,
                 "selection": selection_label(label_kv),
+                "host_kv_dtype": kv.host_kv_dtype
+                or str(next(self.model.parameters()).dtype).removeprefix("torch."),
             },
             "weights_bytes": self.weights_bytes,
             "gpu_kv_budget": a.gpu_kv_budget,

@@ -1,0 +1,184 @@
+"""The fp8_e4m3 KV tiers on CUDA against their CPU twins, bit for bit: ``quantize_kv8``,
+``append_kv`` into an fp8 host pool (pinned, written through unified addressing) with float or
+fp8 GPU pages (scale growth and requantization mid-block, NaN and inf rows), ``gather_blocks``
+from an fp8 host pool into float slots, and ``copy_pages`` float -> fp8 (partial last pages) and
+fp8 -> float; block sizes 8/16/32, head_dim 64/96/128, every float dtype. Run under
+compute-sanitizer with ``-k kv8``."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from oasiskv import ops
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"
+    ),
+]
+
+DEV = torch.device("cuda", 0)
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+GEOMETRIES = [(16, 128), (8, 64), (32, 96)]  # (block_size, head_dim)
+
+
+def _gen(*key) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def _keys(shape, dtype, gen) -> torch.Tensor:
+    x = torch.randn(shape, generator=gen)
+    x[..., :3] *= 40
+    x *= torch.exp2(torch.randint(-6, 7, shape[:-1], generator=gen).float())[..., None]
+    return x.to(dtype)
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    return t.pin_memory()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size,head_dim", GEOMETRIES)
+def test_kv8_quantize_and_copy_match_the_twins(dtype, block_size, head_dim):
+    h = 4
+    geo = ops.KvGeometry(2 * h, h, head_dim, block_size)
+    gen = _gen("copy", dtype, block_size, head_dim)
+    src = _keys((9, h, block_size, head_dim), dtype, gen)
+    src_v = _keys((9, h, block_size, head_dim), dtype, gen)
+    src[2, 1, 0, 0], src[3, 0, 1, 2] = float("nan"), float("-inf")
+    valid = torch.tensor([block_size, 1, 5, block_size, 2, block_size, 3, block_size, 7], dtype=torch.int32)
+    want_c, want_s = (t.zero_() for t in ops.empty_kv8(geo, 9, "cpu"))
+    ops.quantize_kv8(geo, src, valid, want_c, want_s)
+    got_c, got_s = (t.zero_() for t in ops.empty_kv8(geo, 9, DEV))
+    ops.quantize_kv8(geo, src.to(DEV), valid.to(DEV), got_c, got_s)
+    torch.cuda.synchronize()
+    assert torch.equal(got_c.cpu(), want_c) and torch.equal(got_s.cpu(), want_s)
+
+    # Dense pages (on the GPU) into a pinned fp8 host pool, a partial last page; then back.
+    src_ids = torch.tensor([4, 0, 7, 2], dtype=torch.int32)
+    dst_ids = torch.tensor([1, 5, 0, 3], dtype=torch.int32)
+    part = torch.tensor([block_size, block_size, block_size, 3], dtype=torch.int32)
+    pools = {}
+    for where in ("cpu", "cuda"):
+        hk, hks = (_pinned(t.zero_()) for t in ops.empty_kv8(geo, 6, "cpu"))
+        hv, hvs = (_pinned(t.zero_()) for t in ops.empty_kv8(geo, 6, "cpu"))
+        d = DEV if where == "cuda" else "cpu"
+        ops.copy_pages(
+            geo,
+            src.to(d),
+            src_v.to(d),
+            src_ids.to(d),
+            hk,
+            hv,
+            dst_ids.to(d),
+            dst_k_scales=hks,
+            dst_v_scales=hvs,
+            valid=part.to(d),
+        )
+        back_k = torch.zeros(6, h, block_size, head_dim, dtype=dtype, device=d)
+        back_v = torch.zeros_like(back_k)
+        ids = torch.arange(6, dtype=torch.int32, device=d)
+        ops.copy_pages(geo, hk, hv, ids, back_k, back_v, ids, src_k_scales=hks, src_v_scales=hvs)
+        torch.cuda.synchronize()
+        pools[where] = (hk, hv, hks, hvs, back_k.cpu(), back_v.cpu())
+    for a, b in zip(pools["cpu"], pools["cuda"], strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("gpu_kv8", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size,head_dim", GEOMETRIES)
+def test_kv8_append_matches_the_twin(dtype, block_size, head_dim, gpu_kv8):
+    """Three sequences append 1.5 blocks token by token; rows grow mid-block (requantizing the rows
+    before them), one row is NaN and one inf; the summaries come from the unquantized keys."""
+    h, seqs = 2, 3
+    geo = ops.KvGeometry(4 * h, h, head_dim, block_size)
+    gen = _gen("append", dtype, block_size, head_dim, gpu_kv8)
+    pages = 2 * seqs
+    steps = block_size + block_size // 2
+    news = []
+    for t in range(steps):
+        k = _keys((seqs, h, head_dim), dtype, gen) * (8.0 if t in (3, block_size + 2) else 1.0)
+        v = _keys((seqs, h, head_dim), dtype, gen)
+        if t == 5:
+            k[1, 0, 7] = float("nan")
+            v[2, 1, 0] = float("inf")
+        news.append((k, v))
+    out = {}
+    for where in ("cpu", "cuda"):
+        d = DEV if where == "cuda" else "cpu"
+        if gpu_kv8:
+            kp, ks = (t.zero_() for t in ops.empty_kv8(geo, pages, d))
+            vp, vs = (t.zero_() for t in ops.empty_kv8(geo, pages, d))
+            gpu_kw = {"k_scales": ks, "v_scales": vs}
+        else:
+            kp = torch.zeros(pages, h, block_size, head_dim, dtype=dtype, device=d)
+            vp = torch.zeros_like(kp)
+            gpu_kw = {}
+        hk, hks = (_pinned(t.zero_()) for t in ops.empty_kv8(geo, pages, "cpu"))
+        hv, hvs = (_pinned(t.zero_()) for t in ops.empty_kv8(geo, pages, "cpu"))
+        sums = torch.zeros(pages, h, 2, head_dim, dtype=dtype, device=d)
+        for t, (k, v) in enumerate(news):
+            blk = t // block_size
+            ids = torch.tensor([seqs * blk + s for s in range(seqs)], dtype=torch.int32, device=d)
+            offs = torch.full((seqs,), t % block_size, dtype=torch.int32, device=d)
+            ops.append_kv(
+                geo,
+                k.to(d),
+                v.to(d),
+                ids,
+                offs,
+                ids,
+                kp,
+                vp,
+                hk,
+                hv,
+                sums,
+                host_k_scales=hks,
+                host_v_scales=hvs,
+                **gpu_kw,
+            )
+        torch.cuda.synchronize()
+        out[where] = [kp.cpu(), vp.cpu(), hk, hv, hks, hvs, sums.cpu(), *(t.cpu() for t in gpu_kw.values())]
+    for i, (a, b) in enumerate(zip(out["cpu"], out["cuda"], strict=True)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), i  # bitwise (NaN codes too)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size,head_dim", GEOMETRIES)
+def test_kv8_gather_into_float_slots_matches_the_twin(dtype, block_size, head_dim):
+    h, seqs, nb, budget, cap = 4, 3, 40, 6, 3
+    geo = ops.KvGeometry(2 * h, h, head_dim, block_size)
+    gen = _gen("gather", dtype, block_size, head_dim)
+    src = _keys((nb, h, block_size, head_dim), torch.float32, gen)
+    hk, hks = ops.empty_kv8(geo, nb, "cpu")
+    hv, hvs = ops.empty_kv8(geo, nb, "cpu")
+    full = torch.full((nb,), block_size, dtype=torch.int32)
+    ops.quantize_kv8(geo, src, full, hk, hks)
+    ops.quantize_kv8(geo, src.flip(0), full, hv, hvs)
+    hk, hks, hv, hvs = (_pinned(t) for t in (hk, hks, hv, hvs))
+    lens = [13, 7, 20]
+    host_indptr = torch.tensor([0, 13, 20, 40], dtype=torch.int32)
+    host_indices = torch.randperm(nb, generator=gen).to(torch.int32)
+    slot_pages = torch.arange(seqs * budget, dtype=torch.int32).view(seqs, budget).flip(1).contiguous()
+    plan_slots = torch.randint(-1, budget, (seqs, h, cap), generator=gen, dtype=torch.int32)
+    plan_blocks = torch.stack([torch.randint(0, n, (h, cap), generator=gen, dtype=torch.int32) for n in lens])
+    for s in range(seqs):  # distinct slots per (seq, head): no two entries write one slot
+        for hh in range(h):
+            plan_slots[s, hh] = torch.randperm(budget, generator=gen)[:cap].to(torch.int32)
+    plan_slots[1, 2, 0] = -1  # a skipped entry
+    out = {}
+    for where in ("cpu", "cuda"):
+        d = DEV if where == "cuda" else "cpu"
+        kp = torch.zeros(seqs * budget, h, block_size, head_dim, dtype=dtype, device=d)
+        vp = torch.zeros_like(kp)
+        tabs = [t.to(d) for t in (plan_slots, plan_blocks, slot_pages, host_indptr, host_indices)]
+        ops.gather_blocks(geo, *tabs, hk, hv, kp, vp, host_k_scales=hks, host_v_scales=hvs)
+        torch.cuda.synchronize()
+        out[where] = (kp.cpu(), vp.cpu())
+    assert torch.equal(out["cpu"][0], out["cuda"][0]) and torch.equal(out["cpu"][1], out["cuda"][1])
+    assert out["cpu"][0].abs().sum() > 0
