@@ -302,6 +302,8 @@ def decode_attention(
     num_splits: int = 0,
     max_pages_per_seq: int = 0,
     workspace: torch.Tensor | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
     stream: int = 0,
 ) -> None:
     """Decode attention of stacked query rows over paged, head-wise working sets (split-KV on the GPU)."""

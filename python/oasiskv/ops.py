@@ -138,8 +138,14 @@ def decode_attention(
     max_pages_per_seq: int = 0,
     num_splits: int = 0,
     workspace: torch.Tensor | None = None,
+    k_scales: torch.Tensor | None = None,
+    v_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of stacked query rows ``q [num_seqs, num_rows, num_qo_heads, head_dim]``.
+
+    Pages in fp8_e4m3 (uint8 codes, :func:`empty_kv8`) come with ``k_scales``/``v_scales``
+    ``[num_pages, num_kv_heads]`` float32 (each value is code x scale); ``q`` and the output
+    stay float.
 
     ``max_pages_per_seq`` (a bound on any sequence's page count; 0 = ``len(kv_indices)``) lets the
     GPU path plan its split of long contexts without reading the tables back; ``num_splits`` forces
@@ -183,6 +189,8 @@ def decode_attention(
         extra_v,
         float(sm_scale),
         out,
+        k_scales=k_scales,
+        v_scales=v_scales,
         **gpu,
     )
     return out

@@ -182,3 +182,44 @@ def test_kv8_gather_into_float_slots_matches_the_twin(dtype, block_size, head_di
         out[where] = (kp.cpu(), vp.cpu())
     assert torch.equal(out["cpu"][0], out["cuda"][0]) and torch.equal(out["cpu"][1], out["cuda"][1])
     assert out["cpu"][0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size,head_dim", GEOMETRIES)
+@pytest.mark.parametrize("group,splits", [(1, 1), (4, 3), (8, 0)])
+def test_kv8_attention_matches_the_twin(dtype, block_size, head_dim, group, splits):
+    """Attention over fp8 pages on CUDA (the tensor-core kernel for bf16 where the float path
+    takes it, else the generic one; split-KV with num_splits > 1) against the CPU twin."""
+    h, ns, rows, npages = 2, 3, 2, 12
+    geo = ops.KvGeometry(h * group, h, head_dim, block_size)
+    gen = _gen("attn", dtype, block_size, head_dim, group)
+    kp, ksc = ops.empty_kv8(geo, npages, "cpu")
+    vp, vsc = ops.empty_kv8(geo, npages, "cpu")
+    full = torch.full((npages,), block_size, dtype=torch.int32)
+    ops.quantize_kv8(geo, _keys((npages, h, block_size, head_dim), dtype, gen), full, kp, ksc)
+    ops.quantize_kv8(geo, _keys((npages, h, block_size, head_dim), dtype, gen), full, vp, vsc)
+    indptr = torch.tensor([0, 5, 6, 11], dtype=torch.int32)
+    indices = torch.tensor([3, 0, 7, 5, 10, 9, 1, 2, 8, 4, 11], dtype=torch.int32)
+    last = torch.tensor([block_size, 3, 1], dtype=torch.int32)
+    page_map = torch.randint(0, 50, (npages, h), generator=gen, dtype=torch.int32)
+    page_map[7, 0] = page_map[2, 1] = -1
+    q = _keys((ns, rows, h * group, head_dim), dtype, gen) * 0.05
+    ek, ev = _keys((ns, h, head_dim), dtype, gen), _keys((ns, h, head_dim), dtype, gen)
+    args = (indptr, indices, last)
+    want = ops.decode_attention(
+        geo, q, kp, vp, *args, page_map=page_map, extra_k=ek, extra_v=ev, k_scales=ksc, v_scales=vsc
+    )
+    d = [t.to(DEV) for t in (q, kp, vp, *args, page_map, ek, ev, ksc, vsc)]
+    got = ops.decode_attention(
+        geo,
+        *d[:6],
+        page_map=d[6],
+        extra_k=d[7],
+        extra_v=d[8],
+        k_scales=d[9],
+        v_scales=d[10],
+        num_splits=splits,
+    )
+    torch.cuda.synchronize()
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    torch.testing.assert_close(got.cpu().float(), want.float(), atol=tol, rtol=tol)

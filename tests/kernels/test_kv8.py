@@ -346,3 +346,110 @@ def test_fp8_tiers_refuse_wrong_arguments():
     assert torch.equal(codes, before)  # nothing written on an error
     with pytest.raises(errors.DTypeError):
         ops.quantize_kv8(geo, src.to(torch.int32), ids + 1, codes, scales)
+
+
+def ref_attention(q, codes_k, codes_v, sk, sv, indptr, indices, last_len, page_map, extra, sm_scale):
+    """float64: every valid (page, head) entry of each sequence, code x scale, then softmax
+    attention; rows >= 1 also see the extra K/V."""
+    qq = q.double().numpy()
+    ns, rows, hq, d = qq.shape
+    h = codes_k.shape[1]
+    b = codes_k.shape[2]
+    kd = e4m3.decode(codes_k.numpy()) * sk.double().numpy()[..., None, None]
+    vd = e4m3.decode(codes_v.numpy()) * sv.double().numpy()[..., None, None]
+    out = np.zeros((ns, rows, hq, d))
+    for s in range(ns):
+        pages = indices[indptr[s] : indptr[s + 1]].tolist()
+        for hh in range(hq):
+            kvh = hh // (hq // h)
+            keys, vals = [], []
+            for i, pg in enumerate(pages):
+                if page_map is not None and page_map[pg, kvh] < 0:
+                    continue
+                n = int(last_len[s]) if i == len(pages) - 1 else b
+                keys.append(kd[pg, kvh, :n])
+                vals.append(vd[pg, kvh, :n])
+            for r in range(rows):
+                ks, vs = list(keys), list(vals)
+                if r >= 1 and extra is not None:
+                    ks.append(extra[0][s, kvh].double().numpy()[None])
+                    vs.append(extra[1][s, kvh].double().numpy()[None])
+                if not ks:
+                    continue
+                K, V = np.concatenate(ks), np.concatenate(vs)
+                logits = K @ qq[s, r, hh] * sm_scale
+                p = np.exp(logits - logits.max())
+                out[s, r, hh] = (p / p.sum()) @ V
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size,head_dim", GEOMETRIES)
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_attention_over_fp8_pages_matches_quantize_then_attend(dtype, block_size, head_dim, group):
+    """decode_attention over fp8 pages (k_scales/v_scales) against a float64 reference of the
+    same codes x scales; head-wise holes, a partial last page and a lookahead row with extra K/V."""
+    h, ns, rows = 2, 3, 2
+    geo = ops.KvGeometry(h * group, h, head_dim, block_size)
+    gen = _gen("attn", dtype, block_size, head_dim, group)
+    npages = 10
+    kp, ksc = ops.empty_kv8(geo, npages, "cpu")
+    vp, vsc = ops.empty_kv8(geo, npages, "cpu")
+    full = torch.full((npages,), block_size, dtype=torch.int32)
+    ops.quantize_kv8(geo, _keys((npages, h, block_size, head_dim), dtype, gen), full, kp, ksc)
+    ops.quantize_kv8(geo, _keys((npages, h, block_size, head_dim), dtype, gen), full, vp, vsc)
+    indptr = torch.tensor([0, 4, 5, 9], dtype=torch.int32)
+    indices = torch.tensor([3, 0, 7, 5, 9, 1, 2, 8, 4], dtype=torch.int32)
+    last = torch.tensor([block_size, 3, 1], dtype=torch.int32)
+    page_map = torch.randint(0, 50, (npages, h), generator=gen, dtype=torch.int32)
+    page_map[7, 0] = page_map[2, 1] = -1  # holes
+    q = _keys((ns, rows, h * group, head_dim), dtype, gen) * 0.05
+    ek, ev = _keys((ns, h, head_dim), dtype, gen), _keys((ns, h, head_dim), dtype, gen)
+    scale = head_dim**-0.5
+    out = ops.decode_attention(
+        geo,
+        q,
+        kp,
+        vp,
+        indptr,
+        indices,
+        last,
+        page_map=page_map,
+        extra_k=ek,
+        extra_v=ev,
+        k_scales=ksc,
+        v_scales=vsc,
+    )
+    want = ref_attention(q, kp, vp, ksc, vsc, indptr, indices, last, page_map, (ek, ev), scale)
+    tol = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dtype]
+    np.testing.assert_allclose(out.double().numpy(), want, atol=tol * np.abs(want).max(), rtol=tol)
+    # The same pages dequantized into float32 pages give the same result through the float path.
+    same = ops.decode_attention(
+        geo,
+        q.float(),
+        ops.dequantize_kv8(kp, ksc),
+        ops.dequantize_kv8(vp, vsc),
+        indptr,
+        indices,
+        last,
+        page_map=page_map,
+        extra_k=ek.float(),
+        extra_v=ev.float(),
+    )
+    if dtype == torch.float32:
+        assert torch.equal(out, same)
+
+
+def test_attention_refuses_fp8_pages_without_scales():
+    geo = ops.KvGeometry(2, 1, 64, 8)
+    kp, ksc = ops.empty_kv8(geo, 2, "cpu")
+    q = torch.zeros(1, 1, 2, 64)
+    tabs = (
+        torch.tensor([0, 1], dtype=torch.int32),
+        torch.tensor([0], dtype=torch.int32),
+        torch.tensor([8], dtype=torch.int32),
+    )
+    with pytest.raises(errors.ConfigError, match="k_scales"):
+        ops.decode_attention(geo, q, kp, kp.clone(), *tabs)
+    with pytest.raises(errors.ShapeError, match="v_scales"):
+        ops.decode_attention(geo, q, kp, kp.clone(), *tabs, k_scales=ksc, v_scales=ksc[:1].clone())

@@ -1,22 +1,23 @@
 //! Decode attention bindings: `decode_attention` over paged, head-wise working sets, and the
 //! split-KV helpers (`decode_attn_workspace_len`, `plan_num_splits`).
 
-use oasis_core::kernels::{self, ExtraKv, PagedKv};
+use oasis_core::kernels::{self, ExtraKv, KvTier, PagedKv, PagedKv8};
 use oasis_core::OasisError;
 use oasis_cuda::ops::{
     decode_attn_workspace_len as ws_len, plan_num_splits as plan_splits, MAX_SPLITS,
 };
-use oasis_cuda::{CudaError, DevSlice, ExtraKvDev, PagedKvDev, SplitKv};
+use oasis_cuda::{CudaError, DevSlice, ExtraKvDev, KvTierDev, PagedKv8Dev, PagedKvDev, SplitKv};
 use pyo3::prelude::*;
 
 use crate::call::{entry, guarded, on_gpu, with_dtype};
-use crate::check::{check_all, check_outputs, kv_dtype, pool_rows};
+use crate::check::{check_all, check_outputs, kv_dtype};
 use crate::errors::py_err;
 use crate::runtime::PyGeometry;
 use crate::tensor::{Cx, Elem, Place, TensorArg, ANY};
+use crate::tier::{Tier, GPU_TIER};
 
 #[pyfunction]
-#[pyo3(signature = (geo, q, k_pages, v_pages, kv_indptr, kv_indices, kv_last_page_len, page_map, extra_k, extra_v, sm_scale, out, *, num_splits = 0, max_pages_per_seq = 0, workspace = None, stream = 0))]
+#[pyo3(signature = (geo, q, k_pages, v_pages, kv_indptr, kv_indices, kv_last_page_len, page_map, extra_k, extra_v, sm_scale, out, *, num_splits = 0, max_pages_per_seq = 0, workspace = None, k_scales = None, v_scales = None, stream = 0))]
 #[allow(clippy::too_many_arguments)]
 /// Decode attention for stacked query rows over paged, head-wise working sets.
 ///
@@ -24,7 +25,9 @@ use crate::tensor::{Cx, Elem, Place, TensorArg, ANY};
 /// num_kv_heads, block_size, head_dim]; kv_indptr [num_seqs + 1], kv_indices [nnz],
 /// kv_last_page_len [num_seqs] int32 (flashinfer's CSR); page_map [num_pages, num_kv_heads] int32
 /// or None (entries < 0 are skipped); extra_k, extra_v [num_seqs, num_kv_heads, head_dim] or None
-/// (seen by rows >= 1 only).
+/// (seen by rows >= 1 only). Pages in fp8_e4m3 (uint8 codes) come with k_scales, v_scales
+/// [num_pages, num_kv_heads] float32: each value is code x scale (`oasis_core::kernels::kv8`);
+/// q, out, extra_k and extra_v stay float.
 ///
 /// CUDA: every tensor on one cuda:N, queued on `stream` (the raw cudaStream_t of a live stream of
 /// cuda:N; 0 = the legacy default stream), returns at once. `num_splits` cuts each sequence's
@@ -53,10 +56,20 @@ fn decode_attention(
     num_splits: usize,
     max_pages_per_seq: usize,
     workspace: Option<TensorArg>,
+    k_scales: Option<TensorArg>,
+    v_scales: Option<TensorArg>,
     stream: u64,
 ) -> PyResult<()> {
     entry(py, "decode_attention", || {
         let g = geo.inner;
+        let pages = Tier::new(
+            py,
+            GPU_TIER,
+            &k_pages,
+            &v_pages,
+            k_scales.as_ref(),
+            v_scales.as_ref(),
+        )?;
         let mut all = vec![
             ("q", &q),
             ("k_pages", &k_pages),
@@ -75,24 +88,20 @@ fn decode_attention(
                 all.push((name, t));
             }
         }
+        all.extend(pages.named().into_iter().skip(2)); // the scales, with fp8 pages
         all.push(("out", &out));
         let cx = Cx::new(py, &all, &[])?;
         let qo = [("q", &q), ("out", &out)];
         let [ns, rows, ..] =
             check_all(&cx, &qo, Elem::Any, [ANY, ANY, g.num_qo_heads, g.head_dim])?;
-        let np = pool_rows(&cx, &g, &[("k_pages", &k_pages), ("v_pages", &v_pages)])?;
+        let np = pages.rows(&cx, &g)?;
         kv_indptr.check(&cx, "kv_indptr", Elem::I32, [ns + 1])?;
         kv_indices.check(&cx, "kv_indices", Elem::I32, [ANY])?;
         kv_last_page_len.check(&cx, "kv_last_page_len", Elem::I32, [ns])?;
         if let Some(pm) = &page_map {
             pm.check(&cx, "page_map", Elem::I32, [np, g.num_kv_heads])?;
         }
-        let mut named = vec![
-            ("q", &q),
-            ("k_pages", &k_pages),
-            ("v_pages", &v_pages),
-            ("out", &out),
-        ];
+        let mut named = [&[("q", &q), ("out", &out)][..], &pages.float_pages()].concat();
         let extra = match (&extra_k, &extra_v) {
             (Some(ek), Some(ev)) => {
                 let extra = [("extra_k", ek), ("extra_v", ev)];
@@ -118,6 +127,20 @@ fn decode_attention(
             .collect();
         check_outputs(py, &[("out", &out)], &inputs)?;
         match cx.place {
+            Place::Cpu if pages.is_kv8() => with_dtype!(dt, T => {
+                // SAFETY: shapes/dtypes/CPU residence checked above; `out` is disjoint from every input.
+                let (qs, o) = unsafe { (q.slice::<T>(), out.slice_mut::<T>()) };
+                let KvTier::Kv8(p8) = (unsafe { pages.read::<T>() }) else { unreachable!("kv8 pages") };
+                let kv = PagedKv8 {
+                    pages: p8,
+                    kv_indptr: unsafe { kv_indptr.ints() },
+                    kv_indices: unsafe { kv_indices.ints() },
+                    kv_last_page_len: unsafe { kv_last_page_len.ints() },
+                    page_map: page_map.as_ref().map(|p| unsafe { p.ints() }),
+                };
+                let extra = extra.map(|(ek, ev)| ExtraKv { k: unsafe { ek.slice::<T>() }, v: unsafe { ev.slice::<T>() } });
+                guarded(py, "decode_attention", || kernels::decode_attention_kv8::<T>(&g, qs, rows, &kv, extra.as_ref(), sm_scale, o))
+            }),
             Place::Cpu => with_dtype!(dt, T => {
                 // SAFETY: shapes/dtypes/CPU residence checked above; `out` is disjoint from every input.
                 let (qs, kp, vp, o) = unsafe { (q.slice::<T>(), k_pages.slice::<T>(), v_pages.slice::<T>(), out.slice_mut::<T>()) };
@@ -155,6 +178,28 @@ fn decode_attention(
                 } else {
                     kv_indices.numel()
                 };
+                if pages.is_kv8() {
+                    return with_dtype!(dt, T => {
+                        // SAFETY: as below; the codes and scales were checked with the pages.
+                        let (qd, od) = unsafe { (q.dev::<T>(), out.dev::<T>()) };
+                        let KvTierDev::Kv8(p8) = (unsafe { pages.dev::<T>() }) else { unreachable!("kv8 pages") };
+                        let kv = unsafe {
+                            PagedKv8Dev {
+                                pages: p8,
+                                kv_indptr: kv_indptr.dev::<i32>(),
+                                kv_indices: kv_indices.dev::<i32>(),
+                                kv_last_page_len: kv_last_page_len.dev::<i32>(),
+                                page_map: page_map.as_ref().map(|p| p.dev::<i32>()),
+                            }
+                        };
+                        let extra = extra.map(|(ek, ev)| unsafe { ExtraKvDev { k: ek.dev::<T>(), v: ev.dev::<T>() } });
+                        on_gpu(py, "decode_attention", dev, stream, &[], move |gpu, st| {
+                            let splits = if num_splits > 0 { num_splits } else { plan_splits(gpu.num_sms(), ns, h, max_pages) };
+                            let split = split_kv(splits, ws, dev, ws_len(ns, rows, hq, d, splits))?;
+                            gpu.decode_attention_kv8::<T>(&g, qd, rows, &kv, extra.as_ref(), sm_scale, od, split.as_ref(), st)
+                        })
+                    });
+                }
                 with_dtype!(dt, T => {
                     // SAFETY: (TensorArg::dev) shapes, dtypes, contiguity and residence on cuda:dev
                     // checked above; `out` is disjoint from every other argument.

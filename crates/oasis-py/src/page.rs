@@ -9,7 +9,7 @@ use crate::call::{entry, guarded, on_gpu, with_dtype};
 use crate::check::{check_all, check_block_tables, check_outputs, kv_dtype, summary_rows};
 use crate::runtime::PyGeometry;
 use crate::tensor::{check_disjoint, Cx, Elem, Place, TensorArg, ANY};
-use crate::tier::Tier;
+use crate::tier::{Tier, GPU_TIER};
 
 #[pyfunction]
 #[pyo3(signature = (max_blocks = None, warps_per_block = None, entries_per_warp = None, stage_entries = None))]
@@ -466,7 +466,6 @@ fn quantize_kv8(
 }
 
 /// The names each tier's tensors go by in messages.
-const GPU_TIER: [&str; 4] = ["k_pages", "v_pages", "k_scales", "v_scales"];
 const HOST_TIER: [&str; 4] = ["host_k", "host_v", "host_k_scales", "host_v_scales"];
 const SRC_TIER: [&str; 4] = ["src_k", "src_v", "src_k_scales", "src_v_scales"];
 const DST_TIER: [&str; 4] = ["dst_k", "dst_v", "dst_k_scales", "dst_v_scales"];

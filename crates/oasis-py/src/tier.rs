@@ -13,6 +13,9 @@ use crate::check::check_all;
 use crate::errors::py_err;
 use crate::tensor::{Cx, Elem, TensorArg, ANY};
 
+/// The names the GPU pages' tensors go by in messages.
+pub(crate) const GPU_TIER: [&str; 4] = ["k_pages", "v_pages", "k_scales", "v_scales"];
+
 /// A tier's tensors and the names they go by in messages (`[k, v, k_scales, v_scales]`).
 pub(crate) struct Tier<'a> {
     pub k: &'a TensorArg,
