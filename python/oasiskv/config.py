@@ -115,7 +115,12 @@ class KvConfig:
             a float in (0, 1], an absolute count when an int >= 1. ``None`` means uncapped (C = K).
         sparse_threshold: context length (tokens) past which a request turns sparse. Defaults to
             the budget, ``top_k_blocks * block_size``: below it the budget holds everything anyway.
-        kv_dtype: storage dtype of the pools; defaults to the model's dtype.
+        kv_dtype: storage dtype of the pools; defaults to the model's dtype. ``"fp8_e4m3"``
+            (``"fp8"``, ``torch.float8_e4m3fn``): the GPU pages in E4M3 with a power-of-two scale
+            per (page, KV head), K and V apart, quantized where K/V are written (prefill, each
+            token's append; a chunk that continues a page requantizes it), read by the attention
+            kernels as code x scale; the host pool follows unless ``host_kv_dtype`` says otherwise.
+            The dense backend only in this build (OasisKV: ``host_kv_dtype="fp8_e4m3"``).
         host_kv_dtype: storage of the host pool alone: ``None`` (as ``kv_dtype``) or
             ``"fp8_e4m3"`` (``"fp8"`` and ``torch.float8_e4m3fn`` name it too): E4M3 codes with a
             power-of-two scale per (block, KV head), K and V apart (``oasis_core::kernels::kv8``),
@@ -217,7 +222,7 @@ class KvConfig:
     top_k_blocks: int = 128
     fetch_cap: float | int | None = 0.05
     sparse_threshold: int | None = None
-    kv_dtype: torch.dtype | None = None
+    kv_dtype: torch.dtype | str | None = None
     host_kv_dtype: str | torch.dtype | None = None
     num_gpu_pages: int | None = None
     num_host_blocks: int | None = None
@@ -358,8 +363,12 @@ class KvConfig:
                     "lookahead_min_confidence chooses between the lookahead row and the step's own "
                     "query: it needs select_queries='lookahead'"
                 )
-        if self.kv_dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
-            raise ConfigError(f"kv_dtype must be float32, float16 or bfloat16, got {self.kv_dtype}")
+        if self.kv_dtype in FP8_KV_NAMES or self.kv_dtype is getattr(torch, "float8_e4m3fn", None):
+            self._set("kv_dtype", FP8_KV)
+        elif self.kv_dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
+            raise ConfigError(
+                f"kv_dtype must be float32, float16, bfloat16 or 'fp8_e4m3', got {self.kv_dtype}"
+            )
         h = self.host_kv_dtype
         if h in FP8_KV_NAMES or h is getattr(torch, "float8_e4m3fn", None):
             self._set("host_kv_dtype", FP8_KV)

@@ -217,3 +217,17 @@ def test_gpu_prefill_cache_on_host_serves_the_same_tokens(backend):
     )[0]
     assert cache.hits == 1
     assert a.tokens == fresh.tokens and b.tokens == fresh.tokens
+
+
+def test_gpu_dense_fp8_pages_match_the_cpu_engine():
+    """KvConfig(kv_dtype="fp8_e4m3") with the dense backend: the CUDA quantize, append and
+    attention kernels give the CPU engine's logits (within the float tolerance; a key on an E4M3
+    rounding boundary can round the other way, which the tolerance covers at this size)."""
+    dev = torch.device("cuda")
+    prompts = repeated_prompts(301, [333, 150, 97])
+    forced = [repeated_prompts(301, [20], seed=9 + i)[0] for i in range(3)]
+    kv = KvConfig(block_size=16, top_k_blocks=32, kv_dtype="fp8_e4m3")
+    gpu, _, geng = teacher_forced_logits(gpu_model(dev), kv, "dense", prompts, forced)
+    cpu, _, ceng = teacher_forced_logits(gpu_model("cpu"), kv, "dense", prompts, forced)
+    assert geng.pools.k_pages[0].dtype == torch.uint8
+    torch.testing.assert_close(gpu, cpu, atol=5e-3, rtol=2e-2)

@@ -88,9 +88,19 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         self.eos = set(eos_token_ids)
         c = self.cfg
         self.geo = ops.KvGeometry(c.num_attention_heads, c.num_key_value_heads, c.head_dim, kv.block_size)
-        self.dtype = kv.kv_dtype or next(model.parameters()).dtype
-        #: KvConfig.host_kv_dtype="fp8_e4m3": the host pool in E4M3 (engine.pools.KvPools).
-        self.host_kv8 = kv.host_kv_dtype == FP8_KV
+        #: KvConfig.kv_dtype="fp8_e4m3": the GPU pages in E4M3 (engine.pools.KvPools); ``dtype``
+        #: is then the float type everything else of the KV is kept in (the model's).
+        self.page_kv8 = kv.kv_dtype == FP8_KV
+        model_dtype = next(model.parameters()).dtype
+        self.dtype = model_dtype if self.page_kv8 else kv.kv_dtype or model_dtype
+        #: KvConfig.host_kv_dtype="fp8_e4m3" (or kv_dtype's fp8): the host pool in E4M3.
+        self.host_kv8 = kv.host_kv_dtype == FP8_KV or (self.page_kv8 and kv.host_kv_dtype is None)
+        if self.page_kv8 and backend != "dense":
+            raise ConfigError(
+                "KvConfig(kv_dtype='fp8_e4m3') (fp8 GPU pages) runs with backend='dense' in this build; "
+                "for OasisKV pass host_kv_dtype='fp8_e4m3' (the host pool in fp8, the working set in the "
+                "model's dtype)"
+            )
         self.device = next(model.parameters()).device
         self.rows = 2 if (drafter is not None and drafter.uses_lookahead_row) else 1
         # KvConfig's "auto" confidence fallback: on where the drafter reports its probability.
@@ -274,10 +284,17 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         self._last_row = {r.id: 0}
         rows = self._kv_rows(r, n)
 
+        page_ids = torch.tensor(r.pages, dtype=torch.long, device=self.device) if p.page_kv8 else None
+
         def store(layer, k, v):
             # One row copy per tensor straight into the pages: no padded or transposed copy (a
-            # cache entry held on the host comes in first, one layer at a time).
-            k, v = (t.to(self.device, self.dtype, non_blocking=True).reshape(-1, d) for t in (k, v))
+            # cache entry held on the host comes in first, one layer at a time). fp8 pages:
+            # quantized page by page from the unrounded K/V.
+            k, v = (t.to(self.device, non_blocking=True) for t in (k, v))
+            if p.page_kv8:
+                p.write_kv8(layer, page_ids, 0, k, v)
+                return
+            k, v = (t.to(self.dtype).reshape(-1, d) for t in (k, v))
             p.k_pages[layer].view(-1, d).index_copy_(0, rows, k)
             p.v_pages[layer].view(-1, d).index_copy_(0, rows, v)
 
@@ -357,6 +374,7 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         final = end == n
         rows = self._kv_rows(r, end)  # positions 0 .. end - 1
         new_rows = rows[start * hk :]
+        page_ids = torch.tensor(r.pages, dtype=torch.long, device=dev) if p.page_kv8 else None
 
         def attn(layer, q, k, v):
             # Store the chunk first, then read positions 0 .. end - 1 back with ONE gather per
@@ -364,13 +382,18 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
             # layer; earlier this took a page gather, a transposing copy and a concatenation).
             # NOTE: the prefix is still copied once per layer and chunk, O(layers * n**2 / chunk)
             # bytes over a prompt; a paged prefill attention kernel would read the pages in place.
-            kp, vp = p.k_pages[layer].view(-1, d), p.v_pages[layer].view(-1, d)
-            kp.index_copy_(0, new_rows, k.to(self.dtype).reshape(-1, d))
-            vp.index_copy_(0, new_rows, v.to(self.dtype).reshape(-1, d))
-            k_all = kp.index_select(0, rows).view(end, hk, d).to(k.dtype)
-            v_all = vp.index_select(0, rows).view(end, hk, d).to(v.dtype)
-            if self.dtype != k.dtype:  # the chunk's own K/V unrounded, as one prefill has them
+            if p.page_kv8:  # fp8 pages: the prefix as stored (code x scale), the chunk unrounded
+                p.write_kv8(layer, page_ids, start, k, v)
+                k_all, v_all = (t.to(k.dtype) for t in p.read_kv8(layer, page_ids, end))
                 k_all[start:], v_all[start:] = k, v
+            else:
+                kp, vp = p.k_pages[layer].view(-1, d), p.v_pages[layer].view(-1, d)
+                kp.index_copy_(0, new_rows, k.to(self.dtype).reshape(-1, d))
+                vp.index_copy_(0, new_rows, v.to(self.dtype).reshape(-1, d))
+                k_all = kp.index_select(0, rows).view(end, hk, d).to(k.dtype)
+                v_all = vp.index_select(0, rows).view(end, hk, d).to(v.dtype)
+                if self.dtype != k.dtype:  # the chunk's own K/V unrounded, as one prefill has them
+                    k_all[start:], v_all[start:] = k, v
             o = causal_attention(q, k_all, v_all, scale)
             if final:
                 self._last_q[layer] = q[-1:].to(self.dtype, copy=True)

@@ -55,9 +55,11 @@ class KvPools:
         host_pool: str = "pinned",
         num_host_rows: int | None = None,
         host_kv8: bool = False,
+        page_kv8: bool = False,
     ) -> None:
         self.geo, self.dtype, self.num_layers, self.device = geo, dtype, num_layers, device
-        self.host_kv8 = host_kv8
+        self.host_kv8, self.page_kv8 = host_kv8, page_kv8
+        page_dtype = torch.uint8 if page_kv8 else dtype
         self.host_dtype = torch.uint8 if host_kv8 else dtype
         self.num_pages, self.num_host_blocks, self.num_host_rows = 0, 0, 0
         hk, b, d = geo.num_kv_heads, geo.block_size, geo.head_dim
@@ -69,8 +71,12 @@ class KvPools:
         self.numa_node = device_numa_node(device) if self.host_pin else None
         pin, host_dev = self.host_pin, self.host_device
         # Empty pools first (every kernel takes a tensor, also of 0 rows); grow() fills them.
-        self.k_pages = [torch.zeros(0, hk, b, d, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_pages = [torch.zeros(0, hk, b, d, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k_pages = [torch.zeros(0, hk, b, d, dtype=page_dtype, device=device) for _ in range(num_layers)]
+        self.v_pages = [torch.zeros(0, hk, b, d, dtype=page_dtype, device=device) for _ in range(num_layers)]
+        # fp8 pages: a power-of-two scale per (page, KV head), K and V apart.
+        page_scales = lambda: [torch.zeros(0, hk, device=device) for _ in range(num_layers)]  # noqa: E731
+        self.k_scales = page_scales() if page_kv8 else None
+        self.v_scales = page_scales() if page_kv8 else None
         self.page_map = torch.full((num_layers, 0, hk), -1, dtype=torch.int32, device=device)
         self.page_last_selected = torch.full((num_layers, 0, hk), -1, dtype=torch.int32, device=device)
         hd = self.host_dtype
@@ -100,6 +106,49 @@ class KvPools:
         # E4M3 bytes and [num_host_blocks, num_kv_heads] f32 scales per layer (GPU).
         self.bounds8, self.bound_scales = self._empty_bounds8(0) if key_codes else (None, None)
         self.grow(num_pages, num_host_blocks, num_host_rows)
+
+    def write_kv8(self, layer: int, pages: torch.Tensor, start: int, k: torch.Tensor, v: torch.Tensor):
+        """fp8 pages (``page_kv8``): store positions ``start .. start + len(k) - 1`` (``k``, ``v``
+        ``[m, num_kv_heads, head_dim]``) of a request whose page table is ``pages`` (long, from
+        position 0). Every page the rows touch is quantized whole (:func:`ops.quantize_kv8` over
+        its rows so far); a page the rows continue is first dequantized, so its scale can grow
+        as an append's does."""
+        g, b = self.geo, self.geo.block_size
+        m = k.shape[0]
+        end = start + m
+        first, last = start // b, (end - 1) // b
+        ids = pages[first : last + 1]
+        n, off = ids.numel(), start - first * b
+        valid = (end - (first + torch.arange(n, device=self.device)) * b).clamp(max=b).to(torch.int32)
+        for codes, scales, x in ((self.k_pages, self.k_scales, k), (self.v_pages, self.v_scales, v)):
+            buf = torch.zeros(n * b, g.num_kv_heads, g.head_dim, dtype=self.dtype, device=self.device)
+            if off:
+                prev = ops.dequantize_kv8(codes[layer][ids[0]], scales[layer][ids[0]], self.dtype)
+                buf[:off] = prev.transpose(0, 1)[:off]
+            buf[off : off + m] = x.to(self.device, self.dtype)
+            src = buf.view(n, b, g.num_kv_heads, g.head_dim).transpose(1, 2).contiguous()
+            new_codes, new_scales = ops.empty_kv8(g, n, self.device)
+            ops.quantize_kv8(g, src, valid, new_codes, new_scales)
+            codes[layer][ids] = new_codes
+            scales[layer][ids] = new_scales
+
+    def read_kv8(self, layer: int, pages: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp8 pages: positions ``0 .. end - 1`` of the request whose page table is ``pages``, as
+        ``[end, num_kv_heads, head_dim]`` K and V in ``dtype`` (code x scale)."""
+        ids = pages[: -(-end // self.geo.block_size)]
+        g = self.geo
+        out = []
+        for codes, scales in ((self.k_pages, self.k_scales), (self.v_pages, self.v_scales)):
+            x = ops.dequantize_kv8(codes[layer][ids], scales[layer][ids], self.dtype)  # [n, H, B, D]
+            out.append(x.transpose(1, 2).reshape(-1, g.num_kv_heads, g.head_dim)[:end])
+        return out[0], out[1]
+
+    def page_scales(self, layer: int, prefix: str = "") -> dict:
+        """The keyword arguments that give a kernel ``layer``'s GPU page scales (none unless
+        ``page_kv8``): ``{prefix}k_scales`` and ``{prefix}v_scales``."""
+        if not self.page_kv8:
+            return {}
+        return {f"{prefix}k_scales": self.k_scales[layer], f"{prefix}v_scales": self.v_scales[layer]}
 
     def host_scales(self, layer: int, prefix: str = "host_") -> dict:
         """The keyword arguments that give a kernel ``layer``'s host-pool scales (none unless
@@ -158,6 +207,9 @@ class KvPools:
             )
             self.k_pages = [_grown(t, num_pages) for t in self.k_pages]
             self.v_pages = [_grown(t, num_pages) for t in self.v_pages]
+            if self.page_kv8:
+                self.k_scales = [_grown(t, num_pages) for t in self.k_scales]
+                self.v_scales = [_grown(t, num_pages) for t in self.v_scales]
             # Head-wise mapping per layer: [num_pages, num_kv_heads], logical block held, -1 empty.
             self.page_map = _grown(self.page_map, num_pages, dim=1, fill=-1)
             self.page_last_selected = _grown(self.page_last_selected, num_pages, dim=1, fill=-1)
@@ -223,9 +275,8 @@ class KvPools:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page, K and V, one layer."""
-        g = self.geo
-        return 2 * g.num_kv_heads * g.block_size * g.head_dim * self.dtype.itemsize
+        """Bytes of one page, K and V (and their scales with ``page_kv8``), one layer."""
+        return host_row_bytes(self.geo, self.dtype, self.page_kv8)
 
     @property
     def host_row_bytes(self) -> int:
@@ -247,8 +298,9 @@ class KvPools:
 
 
 def host_row_bytes(geo, dtype: torch.dtype, kv8: bool) -> int:
-    """Bytes of one host-pool row (a block's K and V, every KV head), one layer: ``dtype``
-    elements, or E4M3 bytes plus a float32 scale per KV head for K and for V with ``kv8``."""
+    """Bytes of one host-pool row or GPU page (a block's K and V, every KV head), one layer:
+    ``dtype`` elements, or E4M3 bytes plus a float32 scale per KV head for K and for V with
+    ``kv8``."""
     g = geo
     values = 2 * g.num_kv_heads * g.block_size * g.head_dim
     return values + 2 * g.num_kv_heads * 4 if kv8 else values * dtype.itemsize
@@ -292,10 +344,8 @@ class PoolsMixin:
     # ---------------------------------------------------------------- pools
     @property
     def page_bytes_all_layers(self) -> int:
-        """Bytes of one GPU page, K and V, every layer."""
-        g = self.geo
-        per_layer = 2 * g.num_kv_heads * g.block_size * g.head_dim * self.dtype.itemsize
-        return per_layer * self.cfg.num_hidden_layers
+        """Bytes of one GPU page, K and V (and scales in fp8), every layer."""
+        return host_row_bytes(self.geo, self.dtype, self.page_kv8) * self.cfg.num_hidden_layers
 
     @property
     def host_row_bytes_all_layers(self) -> int:
@@ -375,6 +425,7 @@ class PoolsMixin:
                 self.key_codes,
                 host_pool=self.host_pool,
                 host_kv8=self.host_kv8,
+                page_kv8=self.page_kv8,
             )
         if self.key_codes:
             self.pools.enable_key_codes()

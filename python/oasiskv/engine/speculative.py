@@ -343,6 +343,7 @@ class SpeculativeMixin:
                 p.summaries[layer],
                 host_rows=host_rows,
                 **p.host_scales(layer),
+                **p.page_scales(layer),
             )
 
     @torch.no_grad()

@@ -199,6 +199,7 @@ class DecodeAttention:
             p.summaries[layer],
             host_rows=host_rows_t,
             **p.host_scales(layer),
+            **p.page_scales(layer),
         )
         if done_blocks is not None:
             # Blocks x_t completed: their summaries are final, so their keys get codes now,
@@ -224,6 +225,7 @@ class DecodeAttention:
             max_pages_per_seq=max_pages,
             num_splits=num_splits,
             workspace=workspace,
+            **p.page_scales(layer),
         )
         last_q[layer] = q4[:, rows - 1]
         if plan is not None:

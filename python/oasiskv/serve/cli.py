@@ -195,6 +195,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument(
+        "--kv-dtype",
+        default="auto",
+        choices=["auto", "fp8_e4m3", "fp8"],
+        help="the KV pages' storage: the model's dtype ('auto') or fp8_e4m3 (E4M3 with a scale per "
+        "page and KV head; --backend dense only in this build; KvConfig.kv_dtype)",
+    )
+    p.add_argument(
         "--host-kv-dtype",
         default="auto",
         choices=["auto", "fp8_e4m3", "fp8"],
@@ -234,6 +241,12 @@ def host_kv_dtype(args) -> str | None:
     return None if value == "auto" else value
 
 
+def kv_dtype(args) -> str | None:
+    """``--kv-dtype`` as ``KvConfig.kv_dtype`` (None: the model's dtype)."""
+    value = getattr(args, "kv_dtype", "auto")
+    return None if value == "auto" else value
+
+
 def enforce_eager(args) -> bool:
     """``--enforce-eager``, checked against the old ``--cuda-graph``."""
     from ..errors import ConfigError
@@ -257,6 +270,7 @@ def engine_kwargs(args, device: str | None = None) -> dict:
         top_k_blocks=args.top_k_blocks,
         fetch_cap=args.fetch_cap,
         sparse_threshold=args.sparse_threshold,
+        kv_dtype=kv_dtype(args),
         host_kv_dtype=host_kv_dtype(args),
         **selection_kwargs(args),
     )

@@ -142,10 +142,12 @@ class Fig11:
         return oracle_drafter(self.model, self.head, conc, accept, self.args.seed, self.forced)
 
     # ------------------------------------------------------------------ engines
-    def kv(self):
-        """The :class:`~oasiskv.KvConfig` of every engine: the KV and selection flags."""
+    def kv(self, base: str = "oasis"):
+        """The :class:`~oasiskv.KvConfig` of ``base`` mode's engines: the KV and selection flags
+        (``--kv-dtype`` is the dense rows' pages: OasisKV's fp8 is its host pool,
+        ``--host-kv-dtype``)."""
         from ...config import KvConfig
-        from ...serve.cli import host_kv_dtype, selection_kwargs
+        from ...serve.cli import host_kv_dtype, kv_dtype, selection_kwargs
 
         a = self.args
         # The selection flags (--block-score, --sticky-candidates, ...) are the engine's, as in
@@ -156,6 +158,7 @@ class Fig11:
             fetch_cap=a.fetch_cap,
             sparse_threshold=a.sparse_threshold,
             measure_recall=a.measure_recall,
+            kv_dtype=kv_dtype(a) if base == "dense" else None,
             host_kv_dtype=host_kv_dtype(a),
             **selection_kwargs(a),
         )
@@ -181,7 +184,7 @@ class Fig11:
             else:
                 drafter = NgramDrafter(window=a.ngram_window) if a.drafter == "ngram" else a.drafter
         kw = dict(
-            kv=self.kv(),
+            kv=self.kv(base),
             backend=backend,
             drafter=drafter,
             max_num_seqs=conc,
@@ -446,6 +449,8 @@ class Fig11:
                 "drafter_head_bytes": self.head_bytes if self.random_head_drafter else None,
                 "selection": selection_label(label_kv),
                 "host_kv_dtype": kv.host_kv_dtype
+                or str(next(self.model.parameters()).dtype).removeprefix("torch."),
+                "dense_kv_dtype": self.kv("dense").kv_dtype
                 or str(next(self.model.parameters()).dtype).removeprefix("torch."),
             },
             "weights_bytes": self.weights_bytes,

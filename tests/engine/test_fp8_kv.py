@@ -119,3 +119,79 @@ def test_a_remote_kv_source_refuses_an_fp8_host_pool():
     eng = Engine(gpu_model("cpu", num_layers=2), KvConfig(**KV, host_kv_dtype="fp8"), "oasis", None)
     with pytest.raises(errors.ConfigError, match="host_kv_dtype"):
         RemoteKvSource(eng, "tcp://127.0.0.1:9")
+
+
+# ------------------------------------------------------------------ fp8 GPU pages (dense backend)
+def _dense(kv_dtype, prompts, n=10, chunk=None):
+    import oasiskv
+
+    model = gpu_model("cpu", num_layers=2)
+    kv = KvConfig(block_size=16, top_k_blocks=4, kv_dtype=kv_dtype)
+    llm = oasiskv.LLM(model, kv=kv, backend="dense", drafter=None)
+    if chunk is not None:
+        llm.llm_engine.max_num_batched_tokens = chunk  # chunked prefill (the scheduler's budget)
+    return llm, llm.generate(prompts, n, ignore_eos=True)
+
+
+def test_dense_fp8_pages_hold_the_quantized_prompt_and_decode_close_to_float():
+    model = gpu_model("cpu", num_layers=2)
+    prompts = repeated_prompts(model.config.vocab_size, [150, 77])
+    ref_llm, ref = _dense(None, prompts)
+    llm, got = _dense("fp8", prompts)
+    eng, ref_eng = llm.llm_engine.engine, ref_llm.llm_engine.engine
+    p = eng.pools
+    assert eng.page_kv8 and p.k_pages[0].dtype == torch.uint8 and p.k_scales[0].dtype == torch.float32
+    assert eng.page_bytes_all_layers < ref_eng.page_bytes_all_layers / 3  # float32 model
+    # Greedy tokens mostly agree with float pages; the fp8 pages are in effect (some logits move).
+    same = sum(a == b for r, s in zip(ref, got, strict=True) for a, b in zip(r.tokens, s.tokens, strict=True))
+    assert same >= 0.7 * sum(len(r.tokens) for r in ref), same
+    assert all(len(r.tokens) == 10 for r in got)
+
+
+def test_dense_fp8_prompt_pages_equal_the_definition():
+    """One prefill: every full prompt page is quantize_kv8 of that page's float K/V, the partial
+    last page over its valid rows only."""
+    from oasiskv.engine import Engine, Request
+
+    model = gpu_model("cpu", num_layers=2)
+    prompt = repeated_prompts(model.config.vocab_size, [150])[0]
+    engines = {}
+    for kvd in (None, "fp8_e4m3"):
+        eng = Engine(model, KvConfig(block_size=16, top_k_blocks=4, kv_dtype=kvd), "dense", None)
+        r = Request(id=0, prompt=prompt, max_new_tokens=2)
+        eng.ensure_pools([r])
+        eng.prefill(r)
+        engines[kvd] = (eng, r)
+    (fe, fr), (qe, qr) = engines[None], engines["fp8_e4m3"]
+    ids_f = torch.tensor(fr.pages, dtype=torch.long)
+    ids_q = torch.tensor(qr.pages, dtype=torch.long)
+    valid = torch.tensor([16] * 9 + [150 - 9 * 16], dtype=torch.int32)
+    for layer in range(2):
+        want, want_s = ops.empty_kv8(qe.geo, 10, "cpu")
+        ops.quantize_kv8(qe.geo, fe.pools.k_pages[layer][ids_f], valid, want, want_s)
+        got = qe.pools.k_pages[layer][ids_q]
+        assert torch.equal(qe.pools.k_scales[layer][ids_q], want_s)
+        assert torch.equal(got[:9], want[:9]) and torch.equal(got[9, :, :6], want[9, :, :6])
+
+
+def test_dense_fp8_chunked_prefill_runs_and_stays_close():
+    """Chunks that end mid-page continue that page (dequantize, requantize with the grown
+    scale); the chunks attend to the stored (fp8) prefix, so the tokens are close to one
+    prefill's, not equal."""
+    model = gpu_model("cpu", num_layers=2)
+    prompts = repeated_prompts(model.config.vocab_size, [150])
+    _, one = _dense("fp8", prompts, n=8)
+    _, chunked = _dense("fp8", prompts, n=8, chunk=37)
+    assert len(chunked[0].tokens) == 8
+    assert sum(a == b for a, b in zip(one[0].tokens, chunked[0].tokens, strict=True)) >= 5
+
+
+def test_fp8_pages_with_the_oasis_backend_are_refused():
+    from oasiskv.engine import Engine
+
+    model = gpu_model("cpu", num_layers=2)
+    with pytest.raises(errors.ConfigError, match="host_kv_dtype"):
+        Engine(model, KvConfig(block_size=16, top_k_blocks=4, kv_dtype="fp8"), "oasis", None)
+    assert KvConfig(kv_dtype=torch.float8_e4m3fn).kv_dtype == "fp8_e4m3"
+    with pytest.raises(errors.ConfigError, match="kv_dtype"):
+        KvConfig(kv_dtype="int4")
