@@ -110,6 +110,16 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
 #endif
 }
 
+// 4 bytes global -> shared (cp.async.ca, sm_80+): a kv8 entry's scale, in flight with its codes.
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+#if __CUDA_ARCH__ >= 800
+    const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem) : "memory");
+#else
+    *(u32*)smem = *(const u32*)gmem;
+#endif
+}
+
 __device__ __forceinline__ void cp_async_wait_all() {
 #if __CUDA_ARCH__ >= 800
     asm volatile("cp.async.commit_group;\n" ::: "memory");
@@ -128,6 +138,8 @@ __device__ __forceinline__ void cp_async_wait_all() {
 // (blockDim / 32 * stage * 2 * entry bytes, 16-byte aligned; the launcher sizes it): one round
 // trip for `stage` entries, few registers, so a handful of blocks keep PCIe busy. Falls back to
 // the register path when a pointer or the entry size is not a multiple of 16 bytes.
+// kv8 -> kv8 (scales non-null) takes only the register path here: its staged path, which stages
+// the scales with the codes, is gather_blocks_kv8_staged_impl.
 template <typename T>
 __device__ void gather_blocks_impl(
     const int* __restrict__ plan_slots,   // [num_seqs, num_kv_heads, fetch_cap] slot index or < 0
@@ -208,8 +220,6 @@ __device__ void gather_blocks_impl(
                     ok[c] = bk[c];
                     ov[c] = bk[n16 + c];
                 }
-                const i64 sj = __shfl_sync(0xffffffffu, src, j);
-                if (k_scales != nullptr && lane == 0) copy_scales(host_k_scales, host_v_scales, sj / entry, k_scales, v_scales, dj / entry);
             }
             __syncwarp();  // the stage is reused by the next batch
         }
@@ -277,6 +287,18 @@ __device__ void warp_quantize_entry(const T* __restrict__ src, int valid, int n,
 // a 16 x 128 entry of K and V.
 #define OASIS_DEQUANT_UNROLL 4
 
+// 16 codes (one 16-byte word) dequantized with `scale` into the 16 T at `dst` (16-byte aligned),
+// sizeof(T) 16-byte stores: the one conversion of the register and the staged gathers.
+template <typename T>
+__device__ __forceinline__ void dequant16(const uint4& w, float scale, T* __restrict__ dst) {
+    uint4 o[sizeof(T)];  // 16 T
+    const unsigned char* b = (const unsigned char*)&w;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) ((T*)o)[i] = kv8_dequant<T>(b[i], scale);
+#pragma unroll
+    for (int c = 0; c < (int)sizeof(T); ++c) ((uint4*)dst)[c] = o[c];
+}
+
 // The `n` codes of a K and a V entry dequantized into T (kv8_dequant: exact, NaN as the twin's).
 // 16 codes per load when the pointers and `n` allow it.
 template <typename T>
@@ -306,20 +328,8 @@ __device__ void warp_dequant_entry(const unsigned char* __restrict__ ck, float s
         for (int u = 0; u < OASIS_DEQUANT_UNROLL; ++u) {
             const int i = base + 32 * u + lane;
             if (i >= n16) continue;
-            uint4 ok[sizeof(T)];  // 16 T
-            uint4 ov[sizeof(T)];
-            const unsigned char* bk = (const unsigned char*)&wk[u];
-            const unsigned char* bv = (const unsigned char*)&wv[u];
-#pragma unroll
-            for (int b = 0; b < 16; ++b) {
-                ((T*)ok)[b] = kv8_dequant<T>(bk[b], sk);
-                ((T*)ov)[b] = kv8_dequant<T>(bv[b], sv);
-            }
-#pragma unroll
-            for (int c = 0; c < (int)sizeof(T); ++c) {
-                ((uint4*)(dk + 16 * i))[c] = ok[c];
-                ((uint4*)(dv + 16 * i))[c] = ov[c];
-            }
+            dequant16<T>(wk[u], sk, dk + 16 * i);
+            dequant16<T>(wv[u], sv, dv + 16 * i);
         }
     }
 }
@@ -378,6 +388,116 @@ __device__ void gather_blocks_conv_impl(
             warp_copy_entry<T>(host, sj, gpu, dj, entry, entry, lane);
         }
     }
+}
+
+// One staged kv8 entry (codes `bk` = [K, V][n16] words, scales `sk`, `sv`, in shared memory) into
+// entry `de` of the GPU tier by one warp: kv8 pages copy codes and scales, T pages dequantize.
+__device__ __forceinline__ void store_staged(Kv8Tier dst, i64 de, const uint4* __restrict__ bk, float sk, float sv,
+                                             u64 n16, int lane) {
+    uint4* ok = (uint4*)(dst.k + de * (i64)(16 * n16));
+    uint4* ov = (uint4*)(dst.v + de * (i64)(16 * n16));
+    for (u64 c = lane; c < n16; c += 32) {
+        ok[c] = bk[c];
+        ov[c] = bk[n16 + c];
+    }
+    if (lane == 0) {
+        dst.ks[de] = sk;
+        dst.vs[de] = sv;
+    }
+}
+template <typename T>
+__device__ __forceinline__ void store_staged(ElemTier<T> dst, i64 de, const uint4* __restrict__ bk, float sk, float sv,
+                                             u64 n16, int lane) {
+    T* dk = dst.k + de * (i64)(16 * n16);
+    T* dv = dst.v + de * (i64)(16 * n16);
+    for (u64 c = lane; c < n16; c += 32) {
+        dequant16<T>(bk[c], sk, dk + 16 * c);
+        dequant16<T>(bk[n16 + c], sv, dv + 16 * c);
+    }
+}
+
+// 16-byte words of one warp's kv8 stage of `stage` entries of `n16` words of codes per array:
+// [stage][K, V][n16] codes, then [stage][K, V] f32 scales rounded up to a word. Must match
+// GatherLaunch::kv8_stage_smem_bytes.
+__device__ __forceinline__ u64 kv8_stage_words(int stage, u64 n16) {
+    return (u64)stage * 2 * n16 + ((u64)stage * 2 + 3) / 4;
+}
+
+// The staged gather from a kv8 host pool (gather_blocks_impl's staged path on codes): each warp
+// takes the next `stage` valid entries of its pass, issues every 16-byte load of their K and V
+// codes and both scales (cp.async, lane 0 for the scales) into its stage, waits once, then writes
+// them out (store_staged: kv8 pages copied, T pages dequantized from shared memory). One PCIe
+// round trip per `stage` entries; the launcher sizes `stage` so the bytes in flight match the T
+// gather's (GatherLaunch::kv8_stage_for). Needs 16-byte aligned codes and pages and an entry of a
+// multiple of 16 codes (the entry points check; else the register paths).
+template <typename D>
+__device__ void gather_blocks_kv8_staged_impl(
+    const int* __restrict__ plan_slots,   // [num_seqs, num_kv_heads, fetch_cap] slot index or < 0
+    const int* __restrict__ plan_blocks,  // [num_seqs, num_kv_heads, fetch_cap] logical block
+    const int* __restrict__ slot_pages,   // [num_seqs, budget]
+    const int* __restrict__ host_indptr,  // [num_seqs + 1] CSR over host_indices, checked per row
+    const int* __restrict__ host_indices, // [nnz] host block of each logical block of each sequence
+    Kv8Tier host,                         // [num_host_blocks, num_kv_heads, block_size, head_dim] pinned host (UVA)
+    D gpu,                                // [num_pages, num_kv_heads, block_size, head_dim]
+    int num_seqs, int num_kv_heads, int fetch_cap, int budget, int block_size, int head_dim, int num_pages,
+    int num_host_blocks, int nnz, int entries_per_warp, int stage) {
+    extern __shared__ uint4 gather_stage[];
+    const int lane = threadIdx.x & 31;
+    const int per = entries_per_warp < 1 ? 1 : (entries_per_warp > 32 ? 32 : entries_per_warp);
+    const i64 warp = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    const i64 num_warps = (i64)gridDim.x * (blockDim.x >> 5);
+    const i64 total = (i64)num_seqs * num_kv_heads * fetch_cap;
+    const i64 entry = (i64)block_size * head_dim;  // codes (bytes) per array
+    const u64 n16 = (u64)entry >> 4;
+    uint4* buf = gather_stage + (u64)(threadIdx.x >> 5) * kv8_stage_words(stage, n16);
+    float* sbuf = (float*)(buf + (u64)stage * 2 * n16);  // [stage][K, V]
+    for (i64 base = warp * per; base < total; base += num_warps * per) {
+        const i64 e = base + lane;
+        i64 src = -1;
+        i64 dst = -1;
+        if (lane < per && e < total &&
+            !gather_entry(plan_slots, plan_blocks, slot_pages, host_indptr, host_indices, e, num_kv_heads, fetch_cap,
+                          budget, entry, num_pages, num_host_blocks, nnz, &src, &dst)) {
+            src = dst = -1;
+        }
+        unsigned todo = __ballot_sync(0xffffffffu, src >= 0);
+        while (todo) {
+            unsigned batch = 0;
+            for (int i = 0; i < stage && todo; ++i) {
+                const int j = __ffs(todo) - 1;
+                todo &= todo - 1;
+                batch |= 1u << j;
+                const i64 sj = __shfl_sync(0xffffffffu, src, j);
+                const uint4* k = (const uint4*)(host.k + sj);
+                const uint4* v = (const uint4*)(host.v + sj);
+                uint4* bk = buf + (u64)i * 2 * n16;
+                for (u64 c = lane; c < n16; c += 32) {
+                    cp_async16(bk + c, k + c);
+                    cp_async16(bk + n16 + c, v + c);
+                }
+                if (lane == 0) {
+                    cp_async4(sbuf + 2 * i, host.ks + sj / entry);
+                    cp_async4(sbuf + 2 * i + 1, host.vs + sj / entry);
+                }
+            }
+            cp_async_wait_all();
+            __syncwarp();
+            for (int i = 0; batch; ++i) {
+                const int j = __ffs(batch) - 1;
+                batch &= batch - 1;
+                const i64 dj = __shfl_sync(0xffffffffu, dst, j);
+                store_staged(gpu, dj / entry, buf + (u64)i * 2 * n16, sbuf[2 * i], sbuf[2 * i + 1], n16, lane);
+            }
+            __syncwarp();  // the stage is reused by the next batch
+        }
+    }
+}
+
+// Whether a gather from a kv8 host pool takes the staged path: a stage, and codes, pages and the
+// entry in whole 16-byte words (the T pages' entries then are too).
+__device__ __forceinline__ bool kv8_staged(const GatherBlocksTiersParams& p) {
+    const u64 align = (u64)p.host_k | (u64)p.host_v | (u64)p.k_pages | (u64)p.v_pages | (u64)p.block_size * p.head_dim;
+    return p.stage_entries > 0 && (align & 15) == 0;
 }
 
 // copy_pages with a conversion: grid (n), OASIS_COPY_THREADS threads; block i converts page
@@ -463,13 +583,20 @@ OASIS_COPY_PAGES(copy_pages_f32, float)
         p.fetch_cap, p.budget, p.block_size, p.head_dim, p.num_pages, p.num_host_blocks, p.nnz,      \
         p.entries_per_warp
 
+// From a kv8 host pool: staged (codes and scales through shared memory) when kv8_staged, else the
+// register paths (the pool on the device: GatherLaunch::DEVICE_SOURCE stages nothing).
 extern "C" __global__ void __launch_bounds__(OASIS_COPY_THREADS)
     gather_blocks_kv8(const __grid_constant__ oasis::GatherBlocksTiersParams p) {
     typedef oasis::fp8e4m3 C;
+    if (oasis::kv8_staged(p)) {
+        oasis::gather_blocks_kv8_staged_impl<oasis::Kv8Tier>(
+            OASIS_GATHER_TIERS_ARGS(oasis::Kv8Tier, oasis::Kv8Tier), p.stage_entries);
+        return;
+    }
     oasis::gather_blocks_impl<C>(p.plan_slots, p.plan_blocks, p.slot_pages, p.host_indptr, p.host_indices,
                                  (const C*)p.host_k, (const C*)p.host_v, (C*)p.k_pages, (C*)p.v_pages, p.num_seqs,
                                  p.num_kv_heads, p.fetch_cap, p.budget, p.block_size, p.head_dim, p.num_pages,
-                                 p.num_host_blocks, p.nnz, p.entries_per_warp, p.stage_entries, p.host_k_scales,
+                                 p.num_host_blocks, p.nnz, p.entries_per_warp, 0, p.host_k_scales,
                                  p.host_v_scales, p.k_scales, p.v_scales);
 }
 
@@ -477,6 +604,19 @@ extern "C" __global__ void __launch_bounds__(OASIS_COPY_THREADS)
     extern "C" __global__ void __launch_bounds__(OASIS_COPY_THREADS)                                  \
         NAME(const __grid_constant__ oasis::GatherBlocksTiersParams p) {                             \
         oasis::gather_blocks_conv_impl<T, HOST, GPU>(OASIS_GATHER_TIERS_ARGS(HOST, GPU));            \
+    }
+
+#define OASIS_GATHER_BLOCKS_KV8_ELEM(NAME, T)                                                        \
+    extern "C" __global__ void __launch_bounds__(OASIS_COPY_THREADS)                                  \
+        NAME(const __grid_constant__ oasis::GatherBlocksTiersParams p) {                             \
+        typedef oasis::ElemTier<T> G;                                                                 \
+        if (oasis::kv8_staged(p)) {                                                                   \
+            oasis::gather_blocks_kv8_staged_impl<G>(OASIS_GATHER_TIERS_ARGS(oasis::Kv8Tier, G),      \
+                                                    p.stage_entries);                                 \
+        } else {                                                                                      \
+            oasis::gather_blocks_conv_impl<T, oasis::Kv8Tier, G>(                                     \
+                OASIS_GATHER_TIERS_ARGS(oasis::Kv8Tier, G));                                          \
+        }                                                                                             \
     }
 
 extern "C" __global__ void __launch_bounds__(OASIS_COPY_THREADS)
@@ -504,17 +644,17 @@ extern "C" __global__ void __launch_bounds__(OASIS_COPY_THREADS)
                                     p.head_dim);                                                      \
     }
 
-OASIS_GATHER_BLOCKS_CONV(gather_blocks_kv8_elem_bf16, oasis::bf16, oasis::Kv8Tier, oasis::ElemTier<oasis::bf16>)
+OASIS_GATHER_BLOCKS_KV8_ELEM(gather_blocks_kv8_elem_bf16, oasis::bf16)
 OASIS_GATHER_BLOCKS_CONV(gather_blocks_elem_kv8_bf16, oasis::bf16, oasis::ElemTier<oasis::bf16>, oasis::Kv8Tier)
 OASIS_COPY_PAGES_CONV(copy_pages_kv8_elem_bf16, oasis::bf16, oasis::Kv8Tier, oasis::ElemTier<oasis::bf16>)
 OASIS_COPY_PAGES_CONV(copy_pages_elem_kv8_bf16, oasis::bf16, oasis::ElemTier<oasis::bf16>, oasis::Kv8Tier)
 OASIS_QUANTIZE_KV8(quantize_kv8_bf16, oasis::bf16)
-OASIS_GATHER_BLOCKS_CONV(gather_blocks_kv8_elem_f16, oasis::f16, oasis::Kv8Tier, oasis::ElemTier<oasis::f16>)
+OASIS_GATHER_BLOCKS_KV8_ELEM(gather_blocks_kv8_elem_f16, oasis::f16)
 OASIS_GATHER_BLOCKS_CONV(gather_blocks_elem_kv8_f16, oasis::f16, oasis::ElemTier<oasis::f16>, oasis::Kv8Tier)
 OASIS_COPY_PAGES_CONV(copy_pages_kv8_elem_f16, oasis::f16, oasis::Kv8Tier, oasis::ElemTier<oasis::f16>)
 OASIS_COPY_PAGES_CONV(copy_pages_elem_kv8_f16, oasis::f16, oasis::ElemTier<oasis::f16>, oasis::Kv8Tier)
 OASIS_QUANTIZE_KV8(quantize_kv8_f16, oasis::f16)
-OASIS_GATHER_BLOCKS_CONV(gather_blocks_kv8_elem_f32, float, oasis::Kv8Tier, oasis::ElemTier<float>)
+OASIS_GATHER_BLOCKS_KV8_ELEM(gather_blocks_kv8_elem_f32, float)
 OASIS_GATHER_BLOCKS_CONV(gather_blocks_elem_kv8_f32, float, oasis::ElemTier<float>, oasis::Kv8Tier)
 OASIS_COPY_PAGES_CONV(copy_pages_kv8_elem_f32, float, oasis::Kv8Tier, oasis::ElemTier<float>)
 OASIS_COPY_PAGES_CONV(copy_pages_elem_kv8_f32, float, oasis::ElemTier<float>, oasis::Kv8Tier)

@@ -309,8 +309,9 @@ impl Gpu {
 
     /// GPU twin of `oasis_core::kernels::gather_blocks_tiers`: [`Gpu::gather_blocks`] with the
     /// host pool `host` and the GPU pages `gpu` each `T` or kv8: kv8 -> kv8 copies codes and
-    /// scales (staged like `gather_blocks`), kv8 -> `T` dequantizes, `T` -> kv8 quantizes whole
-    /// blocks (through registers, one warp per entry). Both `T`: `gather_blocks`.
+    /// scales, kv8 -> `T` dequantizes (both staged like `gather_blocks`, codes and scales in
+    /// shared memory, [`GatherLaunch::kv8_stage_for`] entries per warp), `T` -> kv8 quantizes
+    /// whole blocks (through registers, one warp per entry). Both `T`: `gather_blocks`.
     ///
     /// # Errors
     /// [`CudaError::Invalid`] for a buffer whose size does not match its shape.
@@ -363,16 +364,22 @@ impl Gpu {
             } else {
                 gather_launch()
             };
-            let (name, stage) = match (host.is_kv8(), gpu.is_kv8()) {
-                // Codes are bytes: the staged byte copy of gather_blocks, plus the scales.
-                (true, true) => (
-                    "gather_blocks_kv8",
-                    launch.stage_for(bs * d, self.max_shared_mem_per_block()),
-                ),
-                (true, false) => (conv_entry::<T>("gather_blocks_kv8_elem"), 0),
-                _ => (conv_entry::<T>("gather_blocks_elem_kv8"), 0),
+            // From a kv8 pool: codes and scales staged in shared memory (kv8 -> kv8 copied,
+            // kv8 -> T dequantized from the stage), twice gather_blocks' entries per warp for
+            // the same bytes in flight. T -> kv8 quantizes through registers.
+            let stage = match host.is_kv8() {
+                true => launch.kv8_stage_for(bs * d, self.max_shared_mem_per_block()),
+                false => 0,
             };
-            let smem = launch.stage_smem_bytes(stage, bs * d);
+            let name = match (host.is_kv8(), gpu.is_kv8()) {
+                (true, true) => "gather_blocks_kv8",
+                (true, false) => conv_entry::<T>("gather_blocks_kv8_elem"),
+                _ => conv_entry::<T>("gather_blocks_elem_kv8"),
+            };
+            let smem = match stage {
+                0 => 0,
+                s => launch.kv8_stage_smem_bytes(s, bs * d),
+            };
             let [host_k, host_v, host_k_scales, host_v_scales] = host.ptrs();
             let [k_pages, v_pages, k_scales, v_scales] = gpu.ptrs();
             let params = params!(GatherBlocksTiersParams {
@@ -399,7 +406,8 @@ impl Gpu {
             // tier is pinned host memory at the same address on the device (DevSlice contract);
             // lifetime by DevSlice's contract, the stream by Stream's. The block is whole warps,
             // at most OASIS_COPY_THREADS; shared memory holds `stage` entries of K and V codes
-            // per warp (0 for the conversions, which stage nothing).
+            // and their scales per warp (kv8_stage_for fits it under the device limit; 0 for
+            // T -> kv8 and the register paths, which stage nothing).
             unsafe {
                 self.queue(
                     name,

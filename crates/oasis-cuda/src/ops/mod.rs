@@ -163,7 +163,39 @@ impl GatherLaunch {
     pub fn stage_smem_bytes(&self, stage: u32, entry_bytes: usize) -> usize {
         2 * entry_bytes * stage as usize * self.warps_per_block as usize
     }
+
+    /// Entries a warp stages at once in a gather from a kv8 host pool, for entries of
+    /// `code_bytes` codes (K or V of one block-head): [`KV8_STAGE_FACTOR`] x `stage_entries`, so
+    /// a warp keeps the bytes in flight of the bf16 gather's stage (a kv8 entry is half a bf16
+    /// one), at most [`MAX_STAGE_ENTRIES`] and lowered to what fits `max_smem`; 0 (the register
+    /// paths) when none fits, `stage_entries` is 0 or the entry is not a multiple of 16 bytes.
+    pub fn kv8_stage_for(&self, code_bytes: usize, max_smem: usize) -> u32 {
+        if self.stage_entries == 0 || code_bytes == 0 || !code_bytes.is_multiple_of(16) {
+            return 0;
+        }
+        let mut stage = self
+            .stage_entries
+            .saturating_mul(KV8_STAGE_FACTOR)
+            .min(MAX_STAGE_ENTRIES);
+        while stage > 0 && self.kv8_stage_smem_bytes(stage, code_bytes) > max_smem {
+            stage -= 1;
+        }
+        stage
+    }
+
+    /// Shared memory of one block of a kv8 gather staging `stage` entries per warp: K and V codes
+    /// of each, then their two f32 scales rounded up to 16 bytes, for every warp (the kernel's
+    /// layout: `kv8_stage_words` in cuda/gather_blocks.cu).
+    pub fn kv8_stage_smem_bytes(&self, stage: u32, code_bytes: usize) -> usize {
+        let stage = stage as usize;
+        (2 * code_bytes * stage + (8 * stage).next_multiple_of(16)) * self.warps_per_block as usize
+    }
 }
+
+/// How many more entries a warp stages from a kv8 host pool than `stage_entries`: a kv8 entry
+/// (1-byte codes) is half a bf16 entry, and a PCIe round trip moves the bytes in flight, so twice
+/// the entries keep the bf16 gather's bytes (and bandwidth). Follows from the tuned bf16 shape.
+pub const KV8_STAGE_FACTOR: u32 = 2;
 
 /// Largest `stage_entries` of a [`GatherLaunch`] (a warp's batch is a 32-bit lane mask).
 pub const MAX_STAGE_ENTRIES: u32 = 32;
@@ -721,6 +753,26 @@ mod tests {
         // The default stages on the H200, and fits an A100's 163 KiB with fewer entries.
         assert_eq!(GatherLaunch::DEFAULT.stage_for(4096, 227 * 1024), 6);
         assert_eq!(GatherLaunch::DEFAULT.stage_for(4096, 163 * 1024), 5);
+        // kv8 codes of 16 x 128: twice the entries, the bf16 stage's bytes plus the scales.
+        let d = GatherLaunch::DEFAULT;
+        assert_eq!(d.kv8_stage_for(2048, 227 * 1024), 12);
+        assert_eq!(
+            d.kv8_stage_smem_bytes(12, 2048),
+            d.stage_smem_bytes(6, 4096) + 4 * 96
+        );
+        assert_eq!(d.kv8_stage_for(2048, 163 * 1024), 10);
+        assert_eq!(d.kv8_stage_for(2048 + 8, 227 * 1024), 0);
+        assert_eq!(registers.kv8_stage_for(2048, 227 * 1024), 0);
+        // Lowered to what fits (32 x 128 codes: 8 KiB K + V per entry, 7 per warp of four), and
+        // capped at the lane mask.
+        let wide = GatherLaunch {
+            stage_entries: 32,
+            ..d
+        };
+        assert_eq!(wide.kv8_stage_for(4096, 227 * 1024), 7);
+        assert_eq!(wide.kv8_stage_for(16, 227 * 1024), MAX_STAGE_ENTRIES);
+        assert_eq!(d.kv8_stage_smem_bytes(1, 16), 4 * (32 + 16));
+        assert_eq!(d.kv8_stage_smem_bytes(3, 16), 4 * (96 + 32));
         let mut bad = l;
         bad.stage_entries = MAX_STAGE_ENTRIES + 1;
         assert!(set_gather_launch(bad).is_err());
