@@ -1,7 +1,8 @@
 """The fp8_e4m3 KV tiers on CUDA against their CPU twins, bit for bit: ``quantize_kv8``,
 ``append_kv`` into an fp8 host pool (pinned, written through unified addressing) with float or
 fp8 GPU pages (scale growth and requantization mid-block, NaN and inf rows), ``gather_blocks``
-from an fp8 host pool into float slots, and ``copy_pages`` float -> fp8 (partial last pages) and
+from an fp8 host pool into float or fp8 slots (staged and register launches, the pool pinned or on
+the device), and ``copy_pages`` float -> fp8 (partial last pages) and
 fp8 -> float; block sizes 8/16/32, head_dim 64/96/128, every float dtype. Run under
 compute-sanitizer with ``-k kv8``."""
 
@@ -148,9 +149,29 @@ def test_kv8_append_matches_the_twin(dtype, block_size, head_dim, gpu_kv8):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), i  # bitwise (NaN codes too)
 
 
+#: Gather launches (``set_gather_launch``'s fields; None: the default, fp8 entries staged 12 per
+#: warp): the register paths (stage 0), one entry staged per warp of a three-entry pass, a stage of
+#: 32 lowered to what fits; "device": the pool in device memory (the register launch whatever is
+#: set).
+LAUNCHES = [None, (4, 4, 32, 0), (2, 1, 3, 1), (4, 4, 32, 32), "device"]
+
+
+@pytest.fixture
+def restore_gather_launch():
+    before = ops.gather_launch()
+    yield
+    ops.set_gather_launch(*before)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("block_size,head_dim", GEOMETRIES)
-def test_kv8_gather_into_float_slots_matches_the_twin(dtype, block_size, head_dim):
+@pytest.mark.parametrize("launch", LAUNCHES, ids=str)
+@pytest.mark.parametrize("into", ["float", "fp8"])
+def test_kv8_gather_matches_the_twin(dtype, block_size, head_dim, launch, into, restore_gather_launch):
+    """An fp8 host pool gathered into float slots (dequantized) or fp8 slots (codes and scales
+    copied), staged and through registers, bit for bit (NaN codes included)."""
+    if into == "fp8" and dtype != torch.bfloat16:
+        pytest.skip("fp8 -> fp8 is dtype-free: run once")
     h, seqs, nb, budget, cap = 4, 3, 40, 6, 3
     geo = ops.KvGeometry(2 * h, h, head_dim, block_size)
     gen = _gen("gather", dtype, block_size, head_dim)
@@ -160,7 +181,8 @@ def test_kv8_gather_into_float_slots_matches_the_twin(dtype, block_size, head_di
     full = torch.full((nb,), block_size, dtype=torch.int32)
     ops.quantize_kv8(geo, src, full, hk, hks)
     ops.quantize_kv8(geo, src.flip(0), full, hv, hvs)
-    hk, hks, hv, hvs = (_pinned(t) for t in (hk, hks, hv, hvs))
+    hk.view(-1)[::997] = 0x7F  # NaN codes
+    hv.view(-1)[5::1009] = 0xFF
     lens = [13, 7, 20]
     host_indptr = torch.tensor([0, 13, 20, 40], dtype=torch.int32)
     host_indices = torch.randperm(nb, generator=gen).to(torch.int32)
@@ -171,17 +193,33 @@ def test_kv8_gather_into_float_slots_matches_the_twin(dtype, block_size, head_di
         for hh in range(h):
             plan_slots[s, hh] = torch.randperm(budget, generator=gen)[:cap].to(torch.int32)
     plan_slots[1, 2, 0] = -1  # a skipped entry
+    if launch not in (None, "device"):
+        ops.set_gather_launch(*launch)
     out = {}
     for where in ("cpu", "cuda"):
         d = DEV if where == "cuda" else "cpu"
-        kp = torch.zeros(seqs * budget, h, block_size, head_dim, dtype=dtype, device=d)
-        vp = torch.zeros_like(kp)
+        pool = [hk, hv, hks, hvs]
+        if where == "cuda":
+            pool = [t.to(DEV) if launch == "device" else _pinned(t) for t in pool]
+        if into == "fp8":
+            kp, ks = ops.empty_kv8(geo, seqs * budget, d)
+            vp, vs = ops.empty_kv8(geo, seqs * budget, d)
+            for t in (kp, ks, vp, vs):
+                t.zero_()
+            scales = dict(k_scales=ks, v_scales=vs)
+        else:
+            kp = torch.zeros(seqs * budget, h, block_size, head_dim, dtype=dtype, device=d)
+            vp = torch.zeros_like(kp)
+            scales = {}
         tabs = [t.to(d) for t in (plan_slots, plan_blocks, slot_pages, host_indptr, host_indices)]
-        ops.gather_blocks(geo, *tabs, hk, hv, kp, vp, host_k_scales=hks, host_v_scales=hvs)
+        ops.gather_blocks(
+            geo, *tabs, pool[0], pool[1], kp, vp, host_k_scales=pool[2], host_v_scales=pool[3], **scales
+        )
         torch.cuda.synchronize()
-        out[where] = (kp.cpu(), vp.cpu())
-    assert torch.equal(out["cpu"][0], out["cuda"][0]) and torch.equal(out["cpu"][1], out["cuda"][1])
-    assert out["cpu"][0].abs().sum() > 0
+        out[where] = [kp.cpu(), vp.cpu(), *(t.cpu() for t in scales.values())]
+    for i, (a, b) in enumerate(zip(out["cpu"], out["cuda"], strict=True)):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), i  # bitwise (NaN codes too)
+    assert out["cpu"][0].float().nan_to_num().abs().sum() > 0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

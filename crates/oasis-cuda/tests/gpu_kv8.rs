@@ -17,6 +17,7 @@ use oasis_core::kernels::{
     ExtraKv, Kv8Pages, Kv8PagesMut, KvTier, KvTierMut, PagedKv8,
 };
 use oasis_core::{KvElem, KvGeometry};
+use oasis_cuda::ops::{set_gather_launch, GatherLaunch};
 use oasis_cuda::{
     driver_available, DevSlice, ExtraKvDev, Gpu, Kv8PagesDev, KvTierDev, PagedKv8Dev, SplitKv,
     Stream,
@@ -370,8 +371,45 @@ fn append_kv_tiers_matches_the_twin() {
     }
 }
 
+/// The gather launches [`gather_blocks_tiers_matches_the_twin`] runs, with whether the pool is in
+/// device memory: the default (kv8: 12 entries staged per warp), the register paths (stage 0),
+/// one entry staged per warp of a three-entry pass (batches across passes, two blocks), a stage
+/// of 32 lowered to what fits the shared memory, and the pool on the device (DEVICE_SOURCE, the
+/// register paths whatever is set).
+fn gather_launches() -> [(GatherLaunch, bool); 5] {
+    let d = GatherLaunch::DEFAULT;
+    [
+        (d, false),
+        (
+            GatherLaunch {
+                stage_entries: 0,
+                ..d
+            },
+            false,
+        ),
+        (
+            GatherLaunch {
+                max_blocks: 2,
+                warps_per_block: 1,
+                entries_per_warp: 3,
+                stage_entries: 1,
+            },
+            false,
+        ),
+        (
+            GatherLaunch {
+                stage_entries: 32,
+                ..d
+            },
+            false,
+        ),
+        (d, true),
+    ]
+}
+
 /// Gather a random plan (negative slots, every sequence's blocks) kv8 -> kv8, kv8 -> T and
-/// T -> kv8, over random codes (NaN codes included) and scales.
+/// T -> kv8, over random codes (NaN codes included) and scales, under each of
+/// [`gather_launches`] (staged and register paths, pool pinned or on the device).
 #[test]
 fn gather_blocks_tiers_matches_the_twin() {
     let Some(g) = gpu() else { return };
@@ -409,8 +447,6 @@ fn gather_blocks_tiers_matches_the_twin() {
                         }
                     }
                 }
-                let dhost = host.upload(true);
-                let dpages = pages.upload(false);
                 gather_blocks_tiers(
                     &geo,
                     &slots,
@@ -431,25 +467,34 @@ fn gather_blocks_tiers_matches_the_twin() {
                     dev(&host_indptr),
                     dev(&host_indices),
                 );
-                g.gather_blocks_tiers(
-                    &geo,
-                    a.s(),
-                    b.s(),
-                    cap,
-                    c.s(),
-                    budget,
-                    ip.s(),
-                    ix.s(),
-                    dhost.tier(),
-                    dpages.tier(),
-                    false,
-                    Stream::legacy_default(),
-                )
-                .unwrap();
-                dpages.assert_eq(
-                    &pages,
-                    &format!("gather host kv8 {host_kv8} gpu kv8 {gpu_kv8} bs={bs} d={d}"),
-                );
+                for (launch, device_source) in gather_launches() {
+                    set_gather_launch(launch).unwrap();
+                    let dhost = host.upload(!device_source);
+                    let dpages = Pool::<bf16>::new(gpu_kv8, num_pages, &geo).upload(false);
+                    g.gather_blocks_tiers(
+                        &geo,
+                        a.s(),
+                        b.s(),
+                        cap,
+                        c.s(),
+                        budget,
+                        ip.s(),
+                        ix.s(),
+                        dhost.tier(),
+                        dpages.tier(),
+                        device_source,
+                        Stream::legacy_default(),
+                    )
+                    .unwrap();
+                    dpages.assert_eq(
+                        &pages,
+                        &format!(
+                            "gather host kv8 {host_kv8} gpu kv8 {gpu_kv8} bs={bs} d={d} \
+                             {launch:?} device_source {device_source}"
+                        ),
+                    );
+                }
+                set_gather_launch(GatherLaunch::DEFAULT).unwrap();
             }
         }
     }
