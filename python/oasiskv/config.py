@@ -119,16 +119,18 @@ class KvConfig:
             (``"fp8"``, ``torch.float8_e4m3fn``): the GPU pages in E4M3 with a power-of-two scale
             per (page, KV head), K and V apart, quantized where K/V are written (prefill, each
             token's append; a chunk that continues a page requantizes it), read by the attention
-            kernels as code x scale; the host pool follows unless ``host_kv_dtype`` says otherwise.
-            The dense backend only in this build (OasisKV: ``host_kv_dtype="fp8_e4m3"``).
+            kernels as code x scale; the host pool follows (fp8 too), so OasisKV's gathers move
+            codes and scales as bytes. The summaries and key codes of blocks that were dense
+            bound the keys as stored (code x scale); a decoded token's summary comes from its
+            unquantized key.
         host_kv_dtype: storage of the host pool alone: ``None`` (as ``kv_dtype``) or
             ``"fp8_e4m3"`` (``"fp8"`` and ``torch.float8_e4m3fn`` name it too): E4M3 codes with a
             power-of-two scale per (block, KV head), K and V apart (``oasis_core::kernels::kv8``),
             so the host pool holds half the bytes of bf16 per request (plus 8 bytes per block and
             head). Blocks are quantized where they enter the pool (the dense -> sparse copy, each
             decoded token's write-through) and dequantized into the working set's pages when
-            gathered; summaries and key codes come from the unquantized keys. CPU twins only in
-            this build (the CUDA kernels are issue 36's next step); not with a remote KV source.
+            gathered; summaries and key codes come from the unquantized keys. Not with a remote
+            KV source yet.
         num_gpu_pages: pages in the GPU pool (shared by all requests, per layer): a fixed pool of
             this size. ``None`` grows the pool with what admitted requests need, up to the
             engine's budget (``LLMEngine(gpu_kv_budget_bytes=...)``).

@@ -186,12 +186,66 @@ def test_dense_fp8_chunked_prefill_runs_and_stays_close():
     assert sum(a == b for a, b in zip(one[0].tokens, chunked[0].tokens, strict=True)) >= 5
 
 
-def test_fp8_pages_with_the_oasis_backend_are_refused():
-    from oasiskv.engine import Engine
-
+def test_oasis_with_fp8_pages_equals_dense_fp8_with_a_covering_budget():
+    """Issue 36's equality: with a budget that covers the context, OasisKV over fp8 pages (and an
+    fp8 host pool) gives dense fp8's logits exactly (the working set is the same codes and
+    scales, gathered as bytes)."""
     model = gpu_model("cpu", num_layers=2)
-    with pytest.raises(errors.ConfigError, match="host_kv_dtype"):
-        Engine(model, KvConfig(block_size=16, top_k_blocks=4, kv_dtype="fp8"), "oasis", None)
+    prompts = repeated_prompts(model.config.vocab_size, [333, 150])
+    forced = [repeated_prompts(model.config.vocab_size, [12], seed=7 + i)[0] for i in range(2)]
+    kw = dict(block_size=16, top_k_blocks=64, fetch_cap=None, sparse_threshold=64, block_score="quest")
+    out = {}
+    for backend in ("dense", "oasis"):
+        kv = KvConfig(**kw, kv_dtype="fp8")
+        out[backend], reqs, _ = teacher_forced_logits(model, kv, backend, prompts, forced)
+    assert all(r.sparse for r in reqs)
+    assert torch.equal(out["oasis"], out["dense"])
+    float_dense, _, _ = teacher_forced_logits(model, KvConfig(**kw), "dense", prompts, forced)
+    assert not torch.equal(out["dense"], float_dense)
+
+
+def test_oasis_with_fp8_pages_gathers_the_host_rows_as_bytes():
+    """A small budget: every working-set page holds, byte for byte, the host row of the block it
+    maps (codes and scale), and the step runs (the selection differs from float's, so the
+    logits are not compared)."""
+    got, reqs, eng = _run(None, kv_dtype="fp8")
+    p = eng.pools
+    assert eng.page_kv8 and eng.host_kv8 and p.k_pages[0].dtype == torch.uint8 == p.host_k[0].dtype
+    assert all(r.sparse for r in reqs) and torch.isfinite(got).all()
+    r, checked = reqs[0], 0
+    for layer in range(2):
+        for page in r.slot_pages:
+            for head in range(p.geo.num_kv_heads):
+                blk = int(p.page_map[layer, page, head])
+                if blk < 0:
+                    continue
+                row = r.host_rows[blk]
+                assert torch.equal(p.k_pages[layer][page, head], p.host_k[layer][row, head])
+                assert torch.equal(p.v_pages[layer][page, head], p.host_v[layer][row, head])
+                assert p.k_scales[layer][page, head] == p.host_k_scales[layer][row, head]
+                checked += 1
+    assert checked > 0
+
+
+def test_fp8_kv_dtype_names():
     assert KvConfig(kv_dtype=torch.float8_e4m3fn).kv_dtype == "fp8_e4m3"
     with pytest.raises(errors.ConfigError, match="kv_dtype"):
         KvConfig(kv_dtype="int4")
+
+
+def test_fig11_kv_dtype_fp8_runs_dense_and_oasis(tmp_path):
+    base = ["--fig11", "--preset", "tiny", "--contexts", "256", "--max-tokens", "4", "--device", "cpu"]
+    base += ["--top-k-blocks", "4", "--fetch-cap", "0.5", "--modes", "dense,oasis", "--concurrency", "1"]
+    out = tmp_path / "fp8.json"
+    assert bench.main([*base, "--kv-dtype", "fp8", "--json", str(out), "--md", "", "--png", ""]) == 0
+    rep = json.loads(out.read_text())
+    assert rep["kv"]["kv_dtype"] == rep["kv"]["host_kv_dtype"] == "fp8_e4m3"
+    assert [r["status"] for r in rep["rows"]] == ["ok", "ok"]
+
+
+def test_engine_cli_kv_dtype_flag():
+    from oasiskv.serve.cli import add_engine_arguments, engine_kwargs
+
+    p = argparse.ArgumentParser()
+    add_engine_arguments(p)
+    assert engine_kwargs(p.parse_args(["--kv-dtype", "fp8", "--device", "cpu"]))["kv"].kv_dtype == "fp8_e4m3"

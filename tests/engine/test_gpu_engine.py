@@ -48,6 +48,7 @@ def test_gpu_oasis_full_budget_matches_gpu_dense_and_cpu():
         {"layer_blocks": (2, 6, 4)},
         {"block_score": "codes", "score_candidates": 2, "layer_blocks": (3, 6, 2)},
         {"host_kv_dtype": "fp8_e4m3"},
+        {"kv_dtype": "fp8_e4m3"},
         {"block_score": "codes", "score_candidates": 1.5, "sticky_candidates": True, "host_kv_dtype": "fp8"},
     ],
 )

@@ -302,8 +302,7 @@ class PrefillWorker:
 
         try:
             for layer in range(layers):
-                k = p.k_pages[layer].index_select(0, pages)  # [nb, Hkv, b, D]
-                v = p.v_pages[layer].index_select(0, pages)
+                k, v = p.pages_kv(layer, pages)  # [nb, Hkv, b, D] (fp8 pages: their values)
                 if lens[-1] < b:
                     # Positions past the prompt (stale pool memory, or the extra step's token).
                     k[-1, :, lens[-1] :] = 0

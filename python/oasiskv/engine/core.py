@@ -95,12 +95,6 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         self.dtype = model_dtype if self.page_kv8 else kv.kv_dtype or model_dtype
         #: KvConfig.host_kv_dtype="fp8_e4m3" (or kv_dtype's fp8): the host pool in E4M3.
         self.host_kv8 = kv.host_kv_dtype == FP8_KV or (self.page_kv8 and kv.host_kv_dtype is None)
-        if self.page_kv8 and backend != "dense":
-            raise ConfigError(
-                "KvConfig(kv_dtype='fp8_e4m3') (fp8 GPU pages) runs with backend='dense' in this build; "
-                "for OasisKV pass host_kv_dtype='fp8_e4m3' (the host pool in fp8, the working set in the "
-                "model's dtype)"
-            )
         self.device = next(model.parameters()).device
         self.rows = 2 if (drafter is not None and drafter.uses_lookahead_row) else 1
         # KvConfig's "auto" confidence fallback: on where the drafter reports its probability.
@@ -467,8 +461,11 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
                 rows,
                 valid=lens,  # an fp8 host pool quantizes each block over its own rows
                 **p.host_scales(layer, "dst_"),
+                **p.page_scales(layer, "src_"),
             )
-            ops.build_summaries(g, p.k_pages[layer], dst, lens, p.summaries[layer], block_rows=src)
+            # fp8 pages: the summaries bound the keys as stored (code x scale), which attention reads.
+            keys, key_rows = p.key_rows(layer, src)
+            ops.build_summaries(g, keys, dst, lens, p.summaries[layer], block_rows=key_rows)
             if self.key_codes and complete.numel():
                 p.encode_blocks(layer, complete, complete_src)
         r.sparse = True

@@ -167,14 +167,33 @@ class KvPools:
         per_layer = [ops.empty_bounds8(self.geo, rows, self.device) for _ in range(self.num_layers)]
         return [b.zero_() for b, _ in per_layer], [s.zero_() for _, s in per_layer]
 
+    def pages_kv(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s GPU pages ``pages`` (long) as float K and V ``[n, num_kv_heads, block_size,
+        head_dim]`` in ``dtype``: a copy of the pages, or with ``page_kv8`` their values (code x
+        scale)."""
+        if not self.page_kv8:
+            return self.k_pages[layer][pages], self.v_pages[layer][pages]
+        k = ops.dequantize_kv8(self.k_pages[layer][pages], self.k_scales[layer][pages], self.dtype)
+        v = ops.dequantize_kv8(self.v_pages[layer][pages], self.v_scales[layer][pages], self.dtype)
+        return k, v
+
+    def key_rows(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys, rows)`` for a kernel that reads the keys of ``layer``'s GPU pages ``pages``
+        (int32) by row (``build_summaries``, ``build_key_codes``): the pool itself and the page
+        ids, or with ``page_kv8`` the pages' values (code x scale, the keys attention reads) and
+        ``0 .. n - 1``."""
+        if not self.page_kv8:
+            return self.k_pages[layer], pages
+        keys, _ = self.pages_kv(layer, pages.long())
+        return keys, torch.arange(pages.numel(), dtype=torch.int32, device=pages.device)
+
     def encode_blocks(self, layer: int, block_ids: torch.Tensor, key_pages: torch.Tensor) -> None:
         """The key codes and the 8-bit bound of ``layer``'s complete host blocks ``block_ids``,
         whose summaries are final and whose keys are in the GPU pages ``key_pages`` (HBM reads,
-        not the host rows' copies). Pools made with ``key_codes`` only."""
+        not the host rows' copies; fp8 pages: their values). Pools made with ``key_codes`` only."""
         g = self.geo
-        ops.build_key_codes(
-            g, self.k_pages[layer], self.summaries[layer], block_ids, self.codes[layer], block_rows=key_pages
-        )
+        keys, rows = self.key_rows(layer, key_pages)
+        ops.build_key_codes(g, keys, self.summaries[layer], block_ids, self.codes[layer], block_rows=rows)
         ops.build_bounds8(g, self.summaries[layer], block_ids, self.bounds8[layer], self.bound_scales[layer])
 
     def enable_key_codes(self) -> None:

@@ -542,6 +542,7 @@ class SelectionMixin:
             p.k_pages[layer],
             p.v_pages[layer],
             **p.host_scales(layer),
+            **p.page_scales(layer),
         )
 
     def _flush_deferred(self) -> None:

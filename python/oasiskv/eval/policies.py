@@ -126,7 +126,8 @@ class QuestPolicy(SelectionPolicy):
             shape = (p.num_pages, g.num_kv_heads, 2, g.head_dim)
             self._summ = torch.zeros(shape, dtype=p.dtype, device=eng.device)
         if len(pages):
-            ops.build_summaries(g, p.k_pages[layer], pages, lens, self._summ)
+            keys, rows = p.key_rows(layer, pages)  # fp8 pages: their values
+            ops.build_summaries(g, keys, pages, lens, self._summ, block_rows=rows)
         return self._summ
 
     def _count_churn(self, layer: int, ids: tuple[int, ...], sel: torch.Tensor) -> None:
@@ -158,7 +159,7 @@ class ExactPolicy(QuestPolicy):
         for i, r in enumerate(reqs):
             nc, t = r.kv_len // b, r.kv_len  # complete blocks; tokens cached before x_t
             pages = torch.tensor(list(r.pages[: -(-t // b)]), dtype=torch.long, device=eng.device)
-            keys = eng.pools.k_pages[layer][pages].float()  # [P, hk, b, d]
+            keys = eng.pools.pages_kv(layer, pages)[0].float()  # [P, hk, b, d] (fp8 pages: their values)
             keys = keys.permute(1, 0, 2, 3).reshape(hk, -1, d)[:, :t]  # [hk, t, d]
             qh = q_now[i].float().view(hk, hq // hk, d)
             w = torch.softmax(torch.einsum("hgd,htd->hgt", qh, keys) * d**-0.5, dim=-1).mean(1)  # [hk, t]
@@ -185,5 +186,6 @@ class CodesPolicy(QuestPolicy):
             shape = (p.num_pages, g.num_kv_heads, eng.kv.block_size, g.head_dim // 4)
             self._codes = torch.zeros(shape, dtype=torch.uint8, device=eng.device)
         if len(csr[1]):
-            ops.build_key_codes(g, p.k_pages[layer], summ, csr[1], self._codes)
+            keys, rows = p.key_rows(layer, csr[1])
+            ops.build_key_codes(g, keys, summ, csr[1], self._codes, block_rows=rows)
         return ops.score_blocks_codes(g, q_now, summ, self._codes, *csr)

@@ -199,7 +199,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         choices=["auto", "fp8_e4m3", "fp8"],
         help="the KV pages' storage: the model's dtype ('auto') or fp8_e4m3 (E4M3 with a scale per "
-        "page and KV head; --backend dense only in this build; KvConfig.kv_dtype)",
+        "page and KV head, the host pool too unless --host-kv-dtype says otherwise; KvConfig.kv_dtype)",
     )
     p.add_argument(
         "--host-kv-dtype",

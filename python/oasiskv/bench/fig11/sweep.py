@@ -142,10 +142,8 @@ class Fig11:
         return oracle_drafter(self.model, self.head, conc, accept, self.args.seed, self.forced)
 
     # ------------------------------------------------------------------ engines
-    def kv(self, base: str = "oasis"):
-        """The :class:`~oasiskv.KvConfig` of ``base`` mode's engines: the KV and selection flags
-        (``--kv-dtype`` is the dense rows' pages: OasisKV's fp8 is its host pool,
-        ``--host-kv-dtype``)."""
+    def kv(self):
+        """The :class:`~oasiskv.KvConfig` of every engine: the KV and selection flags."""
         from ...config import KvConfig
         from ...serve.cli import host_kv_dtype, kv_dtype, selection_kwargs
 
@@ -158,7 +156,7 @@ class Fig11:
             fetch_cap=a.fetch_cap,
             sparse_threshold=a.sparse_threshold,
             measure_recall=a.measure_recall,
-            kv_dtype=kv_dtype(a) if base == "dense" else None,
+            kv_dtype=kv_dtype(a),
             host_kv_dtype=host_kv_dtype(a),
             **selection_kwargs(a),
         )
@@ -184,7 +182,7 @@ class Fig11:
             else:
                 drafter = NgramDrafter(window=a.ngram_window) if a.drafter == "ngram" else a.drafter
         kw = dict(
-            kv=self.kv(base),
+            kv=self.kv(),
             backend=backend,
             drafter=drafter,
             max_num_seqs=conc,
@@ -448,9 +446,9 @@ class Fig11:
                 "ngram_window": a.ngram_window if a.drafter == "ngram" else None,
                 "drafter_head_bytes": self.head_bytes if self.random_head_drafter else None,
                 "selection": selection_label(label_kv),
+                "kv_dtype": kv.kv_dtype or str(next(self.model.parameters()).dtype).removeprefix("torch."),
                 "host_kv_dtype": kv.host_kv_dtype
-                or str(next(self.model.parameters()).dtype).removeprefix("torch."),
-                "dense_kv_dtype": self.kv("dense").kv_dtype
+                or kv.kv_dtype
                 or str(next(self.model.parameters()).dtype).removeprefix("torch."),
             },
             "weights_bytes": self.weights_bytes,
