@@ -29,37 +29,60 @@ __device__ __forceinline__ void append_row(ElemTier<T> t, i64 e, int off, const 
     }
 }
 
+// Words of codes each thread keeps in flight in requant_codes: one round trip requantizes rows
+// 0..off of a 32 x 128 entry with 128 threads (4 KiB). Arbitrary beyond that.
+#define OASIS_REQUANT_UNROLL 8
+
+// The scale growth's requantization of the `n` codes before the new row (rows 0..off, `d` per
+// row), each times `f`. Block-cooperative; every load of a chunk is issued before the first
+// store: a host tier is read over PCIe, so one round trip per OASIS_REQUANT_UNROLL words per
+// thread, not one per word.
+__device__ __forceinline__ void requant_codes(unsigned char* __restrict__ codes, int n, int d, float f) {
+    if ((d & 3) == 0 && ((u64)codes & 3) == 0) {  // four codes per access where the rows allow it
+        u32* w = (u32*)codes;
+        const int nw = n / 4;
+        for (int base = 0; base < nw; base += OASIS_REQUANT_UNROLL * blockDim.x) {
+            u32 c[OASIS_REQUANT_UNROLL];
+#pragma unroll
+            for (int u = 0; u < OASIS_REQUANT_UNROLL; ++u) {
+                const int i = base + u * blockDim.x + threadIdx.x;
+                if (i < nw) c[u] = w[i];
+            }
+#pragma unroll
+            for (int u = 0; u < OASIS_REQUANT_UNROLL; ++u) {
+                const int i = base + u * blockDim.x + threadIdx.x;
+                if (i >= nw) continue;
+                u32 r = 0;
+#pragma unroll
+                for (int b = 0; b < 4; ++b) r |= e4m3_rne(__fmul_rn(e4m3_decode((c[u] >> (8 * b)) & 0xffu), f)) << (8 * b);
+                w[i] = r;
+            }
+        }
+    } else {
+        for (int i = threadIdx.x; i < n; i += blockDim.x) codes[i] = (unsigned char)e4m3_rne(__fmul_rn(e4m3_decode(codes[i]), f));
+    }
+}
+
+// The incremental kv8 append of row `off` of one array's entry (`codes`, `scale`), given the
+// entry's current scale `old` (read by the caller: see append_row for why; unused when off == 0).
 template <typename T>
-__device__ void append_row_kv8(unsigned char* __restrict__ codes, float* __restrict__ scale, int off,
+__device__ void append_row_kv8(unsigned char* __restrict__ codes, float* __restrict__ scale, float old, int off,
                                const T* __restrict__ x, int d, float* red) {
     float m = 0.f;
     for (int i = threadIdx.x; i < d; i += blockDim.x) m = fmaxf(m, finite_abs(to_f32(x[i])));
     const int e_row = kv8_exponent(block_max(m, red));
     int e = e_row;
     if (off > 0) {
-        const int e_old = kv8_scale_exponent(*scale);
+        const int e_old = kv8_scale_exponent(old);
         if (e_row > e_old) {
             const int shift = e_old - e_row;
-            const float f = exp2i(shift < OASIS_KV8_REQUANT_MIN_SHIFT ? OASIS_KV8_REQUANT_MIN_SHIFT : shift);
-            // Four codes per access where the rows allow it (the host tier is written over PCIe).
-            if ((d & 3) == 0 && ((u64)codes & 3) == 0) {
-                u32* w = (u32*)codes;
-                for (int i = threadIdx.x; i < off * d / 4; i += blockDim.x) {
-                    const u32 c = w[i];
-                    u32 r = 0;
-#pragma unroll
-                    for (int b = 0; b < 4; ++b) r |= e4m3_rne(__fmul_rn(e4m3_decode((c >> (8 * b)) & 0xffu), f)) << (8 * b);
-                    w[i] = r;
-                }
-            } else {
-                for (int i = threadIdx.x; i < off * d; i += blockDim.x)
-                    codes[i] = (unsigned char)e4m3_rne(__fmul_rn(e4m3_decode(codes[i]), f));
-            }
+            requant_codes(codes, off * d, d,
+                          exp2i(shift < OASIS_KV8_REQUANT_MIN_SHIFT ? OASIS_KV8_REQUANT_MIN_SHIFT : shift));
         } else {
             e = e_old;
         }
     }
-    __syncthreads();  // every thread has read the old scale before thread 0 rewrites it
+    __syncthreads();  // every thread has used the old scale before thread 0 rewrites it
     const float inv = exp2i(-e);
     unsigned char* row = codes + (i64)off * d;
     if ((d & 3) == 0 && ((u64)row & 3) == 0) {
@@ -75,11 +98,19 @@ __device__ void append_row_kv8(unsigned char* __restrict__ codes, float* __restr
     if (threadIdx.x == 0) *scale = exp2i(e);
 }
 
+// The K and V scales are read together, before either row's maximum: for the host tier (pinned,
+// over PCIe) one round trip where reading each where it is used took two, in sequence.
 template <typename T>
 __device__ __forceinline__ void append_row(Kv8Tier t, i64 e, int off, const T* __restrict__ k, const T* __restrict__ v,
                                            int d, int bs, float* red) {
-    append_row_kv8<T>(t.k + e * bs * d, t.ks + e, off, k, d, red);
-    append_row_kv8<T>(t.v + e * bs * d, t.vs + e, off, v, d, red);
+    float sk = 0.f;
+    float sv = 0.f;
+    if (off > 0) {
+        sk = t.ks[e];
+        sv = t.vs[e];
+    }
+    append_row_kv8<T>(t.k + e * bs * d, t.ks + e, sk, off, k, d, red);
+    append_row_kv8<T>(t.v + e * bs * d, t.vs + e, sv, off, v, d, red);
 }
 
 // grid (num_seqs, num_kv_heads); blockDim.x a multiple of 32, threads stride over head_dim. One
