@@ -190,6 +190,21 @@ def test_budget_covering_the_context_is_exact(tiny, head, drafter):
             assert rec["lookahead"]["resident_hit"] == pytest.approx(1.0)
 
 
+def test_fp8_host_pool_variant_beside_a_float_one_in_one_teacher(tiny):
+    """``+hfp8`` runs in the same TeacherForcing as the float variant, on pools of its own
+    storage (the runner shares pools only between runs of one storage): the float variant's
+    result is the same before and after the fp8 one ran, and the fp8 one differs from it a
+    little (its host pool rounds the blocks)."""
+    texts = [repetitive(257, seed=s) for s in range(2)]
+    tf = TeacherForcing(tiny, texts, 12, block_size=BLOCK, batch_size=2, progress=False)
+    dense = tf.run(Policy("dense"))
+    first = summarize(tf.run(Policy("oasis", "ngram", 6, 0.5)), dense)
+    fp8 = summarize(tf.run(Policy("oasis", "ngram+hfp8", 6, 0.5)), dense)
+    again = summarize(tf.run(Policy("oasis", "ngram", 6, 0.5)), dense)
+    assert again["delta_nll"] == first["delta_nll"] and again["kl"] == first["kl"]
+    assert fp8["kl"] != first["kl"] and fp8["kl"] < 0.05
+
+
 def test_attention_mass_matches_a_per_token_reference_and_bounds(tiny):
     """block_attention_mass against a per-token float64 softmax read position by position from the
     host pool; every share lies in (0, 1], all are 1 at full budget, the best K blocks hold the most,

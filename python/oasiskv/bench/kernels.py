@@ -6,6 +6,12 @@ Ceilings (measured here, not quoted): device-to-device copy bandwidth (bytes rea
 pinned host-to-device copy bandwidth (one large cudaMemcpyAsync), torch SDPA (flash) over a
 contiguous KV. Each kernel is timed with CUDA events after warm-up; the median of the repeats is
 reported, with the ratio to its ceiling and the target the GPU issue sets.
+
+Rows: sparse attention over bf16 pages and over fp8_e4m3 pages (codes + scales; vs d2d), dense
+attention (vs d2d and SDPA), the gather from a pinned bf16 host pool and from a pinned fp8_e4m3
+host pool into bf16 slots (bytes read over PCIe; vs pinned H2D), the Quest / codes scores and the
+two-stage chains (``--only score``: these alone), delta select. ``--refcheck`` compares the
+attention rows (bf16 and fp8) with the CPU twin (max abs error) and the fp8 gather bit for bit.
 """
 
 from __future__ import annotations
@@ -144,11 +150,21 @@ def bench_attention(
     sweep: bool,
     refcheck: bool,
     label: str,
+    kv8: bool = False,
 ) -> dict:
+    """Attention over ``batch`` sequences of ``pages_per_seq`` random pages (``sparse``: two query
+    rows, the extra current row and a page map, as the sparse step; else one row and the SDPA
+    ceiling). ``kv8``: fp8_e4m3 pages (:func:`kv8_pages`), ``bytes_read`` = codes + scales."""
     hq, hk, d, b = geo.num_qo_heads, geo.num_kv_heads, geo.head_dim, geo.block_size
     num_pages = batch * pages_per_seq
-    k_pages = torch.randn(num_pages, hk, b, d, device=dev, dtype=dtype)
-    v_pages = torch.randn_like(k_pages)
+    scales = {}
+    if kv8:
+        k_pages, k_scales = kv8_pages(ops, geo, dev, dtype, num_pages)
+        v_pages, v_scales = kv8_pages(ops, geo, dev, dtype, num_pages)
+        scales = dict(k_scales=k_scales, v_scales=v_scales)
+    else:
+        k_pages = torch.randn(num_pages, hk, b, d, device=dev, dtype=dtype)
+        v_pages = torch.randn_like(k_pages)
     perm = torch.randperm(num_pages, device=dev).to(torch.int32)
     indptr = i32(torch.arange(0, num_pages + 1, pages_per_seq), dev)
     last = i32([b] * batch, dev)
@@ -174,10 +190,11 @@ def bench_attention(
             out=out,
             max_pages_per_seq=pages_per_seq,
             num_splits=num_splits,
+            **scales,
         )
 
     ms, eager = time_both(run)
-    kv_bytes = 2 * num_pages * hk * b * d * dtype.itemsize
+    kv_bytes = kv8_bytes(geo, num_pages * hk) if kv8 else 2 * num_pages * hk * b * d * dtype.itemsize
     r = {"label": label, "ms": ms, "eager_ms": eager, "bytes_read": kv_bytes, "Bps": kv_bytes / (ms * 1e-3)}
     if sweep:
         r["splits_ms"] = {}
@@ -205,9 +222,10 @@ def bench_attention(
             page_map=page_map.cpu(),
             extra_k=None if extra_k is None else extra_k[sel].cpu(),
             extra_v=None if extra_v is None else extra_v[sel].cpu(),
+            **{name: t.cpu() for name, t in scales.items()},
         )
         r["refcheck_max_abs_err"] = float((out[sel].cpu().float() - cpu_out.float()).abs().max())
-    if not sparse:
+    if not sparse and not kv8:
         # torch SDPA (flash) over the same amount of contiguous KV: [batch, heads, ctx, d]
         ctx = pages_per_seq * b
         kc = torch.randn(batch, hk, ctx, d, device=dev, dtype=dtype)
@@ -228,40 +246,66 @@ def bench_attention(
     return r
 
 
+def gather_plan(geo, dev, n_entries: int, n_host: int) -> tuple[list[torch.Tensor], int]:
+    """The gather rows' plan: ``n_entries`` block-head entries over sequences of budget = fetch
+    cap = 128 (at least one sequence), every entry a distinct slot of a random block of its
+    sequence's share of the ``n_host`` host blocks. ``([plan_slots, plan_blocks, slot_pages,
+    host_indptr, host_indices], num_seqs)``; the slots are pages ``0..num_seqs * 128``."""
+    hk = geo.num_kv_heads
+    budget = cap = 128
+    seqs = max(1, n_entries // (hk * cap))
+    per = n_host // seqs
+    plan_slots = torch.arange(cap, dtype=torch.int32).repeat(seqs, hk, 1).to(dev)
+    plan_blocks = torch.randint(0, per, (seqs, hk, cap), dtype=torch.int32).to(dev)
+    slot_pages = torch.arange(seqs * budget, dtype=torch.int32).view(seqs, budget).to(dev)
+    host_indptr = i32(list(range(0, seqs * per + 1, per)), dev)
+    host_indices = torch.randperm(n_host, dtype=torch.int32)[: seqs * per].to(dev)
+    return [plan_slots, plan_blocks, slot_pages, host_indptr, host_indices], seqs
+
+
+def kv8_host_pool(geo, rows: int, pin: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, scales)`` of ``rows`` fp8_e4m3 host pool rows: random codes (NaN codes too: the
+    gather copies whatever is there) and power-of-two scales, pinned when ``pin``."""
+    hk, b, d = geo.num_kv_heads, geo.block_size, geo.head_dim
+    codes = torch.randint(0, 256, (rows, hk, b, d), dtype=torch.uint8)
+    scales = torch.exp2(torch.randint(-12, 4, (rows, hk)).float())
+    return (codes.pin_memory(), scales.pin_memory()) if pin else (codes, scales)
+
+
+def kv8_pages(ops, geo, dev, dtype, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, scales)`` of ``rows`` fp8_e4m3 pages on ``dev``: random ``dtype`` values
+    quantized by ``ops.quantize_kv8`` (finite, the engine's scales), every row valid."""
+    codes, scales = ops.empty_kv8(geo, rows, dev)
+    hk, b, d = geo.num_kv_heads, geo.block_size, geo.head_dim
+    chunk = 4096  # pages per quantize call: bounds the float staging buffer. Arbitrary.
+    for at in range(0, rows, chunk):
+        n = min(chunk, rows - at)
+        src = torch.randn(n, hk, b, d, device=dev, dtype=dtype)
+        full = torch.full((n,), b, dtype=torch.int32, device=dev)
+        ops.quantize_kv8(geo, src, full, codes[at : at + n], scales[at : at + n])
+    return codes, scales
+
+
+def kv8_bytes(geo, entries: int) -> int:
+    """Bytes of K and V read for ``entries`` fp8_e4m3 block-head entries (a page holds
+    ``num_kv_heads``): the codes, one byte a value, and the two f32 scales of each."""
+    return 2 * entries * (geo.block_size * geo.head_dim + 4)
+
+
 def bench_gather(ops, geo, dev, dtype, n_entries: int, h2d: float) -> dict:
     hk, d, b = geo.num_kv_heads, geo.head_dim, geo.block_size
     n_host = 8192
     host_k = torch.randn(n_host, hk, b, d, dtype=dtype).pin_memory()
     host_v = torch.randn(n_host, hk, b, d, dtype=dtype).pin_memory()
-    # One plan: n_entries block-head entries spread over seqs of budget 128, cap = 128.
-    per_seq = hk * 128
-    seqs = max(1, n_entries // per_seq)
-    budget = cap = 128
-    plan_slots = torch.arange(cap, dtype=torch.int32).repeat(seqs, hk, 1).to(dev)
-    plan_blocks = torch.randint(0, n_host // seqs, (seqs, hk, cap), dtype=torch.int32).to(dev)
-    slot_pages = torch.arange(seqs * budget, dtype=torch.int32).view(seqs, budget).to(dev)
-    per = n_host // seqs
-    host_indptr = i32(list(range(0, seqs * per + 1, per)), dev)
-    host_indices = torch.randperm(n_host, dtype=torch.int32)[: seqs * per].to(dev)
-    k_pages = torch.empty(seqs * budget, hk, b, d, device=dev, dtype=dtype)
+    tabs, seqs = gather_plan(geo, dev, n_entries, n_host)
+    k_pages = torch.empty(seqs * 128, hk, b, d, device=dev, dtype=dtype)
     v_pages = torch.empty_like(k_pages)
 
     def run():
-        ops.gather_blocks(
-            geo,
-            plan_slots,
-            plan_blocks,
-            slot_pages,
-            host_indptr,
-            host_indices,
-            host_k,
-            host_v,
-            k_pages,
-            v_pages,
-        )
+        ops.gather_blocks(geo, *tabs, host_k, host_v, k_pages, v_pages)
 
     ms, eager = time_both(run)
-    entries = seqs * hk * cap
+    entries = tabs[0].numel()
     moved = entries * 2 * b * d * dtype.itemsize
     return {
         "label": f"gather {entries} entries of {2 * b * d * dtype.itemsize // 1024} KiB (K+V)",
@@ -271,6 +315,53 @@ def bench_gather(ops, geo, dev, dtype, n_entries: int, h2d: float) -> dict:
         "Bps": moved / (ms * 1e-3),
         "ratio_to_h2d": moved / (ms * 1e-3) / h2d,
     }
+
+
+def bench_gather_kv8(ops, geo, dev, dtype, n_entries: int, h2d: float, refcheck: bool) -> dict:
+    """:func:`bench_gather`'s plan from a pinned fp8_e4m3 host pool (``KvConfig(host_kv_dtype=
+    "fp8_e4m3")``) into ``dtype`` slots, dequantized by the gather. ``bytes``: what crosses PCIe,
+    the codes and the two scales of each entry. ``refcheck``: the first sequence's slots against
+    the CPU twin, bit for bit (``refcheck_bitwise``)."""
+    hk, d, b = geo.num_kv_heads, geo.head_dim, geo.block_size
+    n_host = 8192
+    host_k, host_ks = kv8_host_pool(geo, n_host, pin=True)
+    host_v, host_vs = kv8_host_pool(geo, n_host, pin=True)
+    tabs, seqs = gather_plan(geo, dev, n_entries, n_host)
+    k_pages = torch.empty(seqs * 128, hk, b, d, device=dev, dtype=dtype)
+    v_pages = torch.empty_like(k_pages)
+    pool = dict(host_k_scales=host_ks, host_v_scales=host_vs)
+
+    def run():
+        ops.gather_blocks(geo, *tabs, host_k, host_v, k_pages, v_pages, **pool)
+
+    ms, eager = time_both(run)
+    entries = tabs[0].numel()
+    moved = kv8_bytes(geo, entries)
+    r = {
+        "label": f"fp8 gather {entries} entries of {2 * b * d // 1024} KiB+scales -> {str(dtype)[6:]}",
+        "ms": ms,
+        "eager_ms": eager,
+        "bytes": moved,
+        "Bps": moved / (ms * 1e-3),
+        "ratio_to_h2d": moved / (ms * 1e-3) / h2d,
+    }
+    if refcheck:
+        r["refcheck_bitwise"] = kv8_gather_refcheck(ops, geo, tabs, host_k, host_v, pool, k_pages, v_pages)
+    return r
+
+
+def kv8_gather_refcheck(ops, geo, tabs, host_k, host_v, pool, k_pages, v_pages) -> bool:
+    """Whether the first sequence's slots (pages ``0..128`` of ``k_pages``/``v_pages``, after a
+    gather of ``tabs``) equal the CPU twin's gather of that sequence's plan, bit for bit."""
+    slots, blocks, slot_pages, indptr, indices = (t.cpu() for t in tabs)
+    budget = slot_pages.shape[1]
+    kp = torch.zeros((budget, *k_pages.shape[1:]), dtype=k_pages.dtype)
+    vp = torch.zeros_like(kp)
+    ops.gather_blocks(
+        geo, slots[:1], blocks[:1], slot_pages[:1], indptr[:2], indices, host_k, host_v, kp, vp, **pool
+    )
+    got = [t[:budget].cpu().view(torch.uint8) for t in (k_pages, v_pages)]
+    return all(torch.equal(a, w.view(torch.uint8)) for a, w in zip(got, (kp, vp), strict=True))
 
 
 def bench_score(ops, geo, dev, dtype, batch: int, ctx: int, k: int) -> dict:
@@ -565,6 +656,22 @@ def main(argv=None) -> int:
         )
         r["ratio_to_d2d"], r["target"] = r["Bps"] / d2d, ">= 0.8 x d2d"
         res["kernels"].append(r)
+    for bs in batches:  # the same over fp8_e4m3 pages: bytes are codes + scales (issue 36)
+        r = bench_attention(
+            ops,
+            geo,
+            dev,
+            dtype,
+            bs,
+            129,
+            True,
+            args.sweep_splits,
+            args.refcheck,
+            f"fp8 sparse attn, 129 blocks/head, batch {bs}",
+            kv8=True,
+        )
+        r["ratio_to_d2d"], r["target"] = r["Bps"] / d2d, ">= 0.8 x d2d"
+        res["kernels"].append(r)
     for ctx in () if args.only == "score" else (16384, 32768):
         bs = 4 if args.quick else 16
         r = bench_attention(
@@ -585,9 +692,13 @@ def main(argv=None) -> int:
         r["target"] = ">= 0.8 x d2d and >= 0.95 x SDPA"
         res["kernels"].append(r)
     if args.only != "score":
-        g = bench_gather(ops, geo, dev, dtype, 8 * 128 * (16 if args.quick else 64), h2d)
+        n_entries = 8 * 128 * (16 if args.quick else 64)
+        g = bench_gather(ops, geo, dev, dtype, n_entries, h2d)
         g["target"] = ">= 0.9 x pinned H2D memcpy"
         res["kernels"].append(g)
+        g8 = bench_gather_kv8(ops, geo, dev, dtype, n_entries, h2d, args.refcheck)
+        g8["target"] = ">= 0.9 x pinned H2D memcpy (issue 36)"
+        res["kernels"].append(g8)
     res["kernels"] += score_rows(ops, geo, dev, dtype, args, d2d)
     if args.only != "score":
         sel = bench_select(ops, geo, dev, 64 if args.quick else 256, 128, 7)
@@ -606,6 +717,8 @@ def main(argv=None) -> int:
                 parts.append(f"{key[9:]} {r[key]:.2f}")
         if "refcheck_max_abs_err" in r:
             parts.append(f"err {r['refcheck_max_abs_err']:.1e}")
+        if "refcheck_bitwise" in r:
+            parts.append("bitwise = twin" if r["refcheck_bitwise"] else "DIFFERS FROM THE TWIN")
         if "rescore_ms" in r:
             parts.append(f"codes of the candidates {r['rescore_ms'] * 1e3:.1f} us")
         parts.append(f"[target {r['target']}]")

@@ -725,8 +725,9 @@ def _retrieval_batch(tok, task, group, ids, rows, order, st, variants, pools, ba
         if not idx:
             continue
         llm = variants[vi][1]
-        if pools is not None:
-            llm.engine.pools = pools  # one set of pools for all variants
+        eng = llm.engine
+        if pools is not None and (pools.page_kv8, pools.host_kv8) == (eng.page_kv8, eng.host_kv8):
+            eng.pools = pools  # one set of pools for all variants of one storage (fp8 tiers apart)
         answers = [group[i]["answer"] for i in idx]
 
         def stop(j, gen, task=task, answers=answers):

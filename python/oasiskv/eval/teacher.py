@@ -299,7 +299,7 @@ class TeacherForcing:
         self.cache = PrefillCache(capacity=3 * min(self.batch_size, len(texts)))
         #: The :class:`QuestPolicy` of the latest Quest-like chunk (tests read its counters).
         self.quest_policy: QuestPolicy | None = None
-        self._pools: dict[str, object] = {}
+        self._pools: dict[tuple, object] = {}
         self._dense: list[dict] | None = None  # per chunk: logp [S, n, V], top1 [S, n]
 
     # -------------------------------------------------------------- helpers
@@ -382,7 +382,7 @@ class TeacherForcing:
             drafter.track_runner_up = True
         le = self._engine(policy, drafter, n)
         eng = le.engine
-        key = str(eng.dtype)
+        key = (str(eng.dtype), eng.page_kv8, eng.host_kv8)  # pools of one storage (fp8 tiers apart)
         if key in self._pools:
             eng.pools = self._pools[key]  # one set of pools for every run (swapped in while idle)
         lookahead = None

@@ -1,0 +1,60 @@
+"""The kernel benchmark's row builders on the CPU (``oasiskv.bench.kernels``): the gather plan
+copies every entry it counts, the fp8 rows' byte counts are the codes and scales the CPU twin
+actually reads, the fp8 gather's refcheck sees a difference, and ``--help`` names the fp8 rows.
+The timed rows themselves need a GPU (``python -m oasiskv.bench.kernels --refcheck``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oasiskv import ops
+from oasiskv.bench import kernels
+
+#: A small geometry: 2 KV heads, blocks of 4 x 16 (the rows' logic is shape-free).
+GEO = ops.KvGeometry(4, 2, 16, 4)
+
+
+def test_help_lists_the_fp8_rows(capsys):
+    with pytest.raises(SystemExit) as e:
+        kernels.main(["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert "over fp8_e4m3 pages" in text and "from a pinned fp8_e4m3" in text
+
+
+def test_kv8_bytes_are_codes_and_scales():
+    # One entry: 4 x 16 codes and one f32 scale, for K and for V.
+    assert kernels.kv8_bytes(GEO, 1) == 2 * (64 + 4)
+    assert kernels.kv8_bytes(GEO, 10) == 10 * kernels.kv8_bytes(GEO, 1)
+
+
+@pytest.mark.parametrize("n_entries", [1, 2 * 128, 3 * 2 * 128])
+def test_gather_plan_copies_what_the_kv8_row_counts(n_entries):
+    torch.manual_seed(0)
+    n_host = 96
+    tabs, seqs = kernels.gather_plan(GEO, "cpu", n_entries, n_host)
+    assert seqs == max(1, n_entries // (2 * 128))
+    hk, hks = kernels.kv8_host_pool(GEO, n_host, pin=False)
+    hv, hvs = kernels.kv8_host_pool(GEO, n_host, pin=False)
+    assert hk.dtype == torch.uint8 and hks.shape == (n_host, 2)
+    kp = torch.zeros(seqs * 128, 2, 4, 16, dtype=torch.bfloat16)
+    vp = torch.zeros_like(kp)
+    pool = dict(host_k_scales=hks, host_v_scales=hvs)
+    copied = ops.gather_blocks(GEO, *tabs, hk, hv, kp, vp, **pool)
+    entries = tabs[0].numel()
+    assert copied == entries  # every counted entry is read: the row's bytes are the bytes moved
+    # What the entries read: codes of K and V (one byte a value) plus their two scales.
+    assert kernels.kv8_bytes(GEO, copied) == 2 * copied * (hk[0, 0].numel() + hks.element_size())
+    assert kernels.kv8_gather_refcheck(ops, GEO, tabs, hk, hv, pool, kp, vp)
+    kp[0, 0, 0, 0] = float("nan") if kp[0, 0, 0, 0] == kp[0, 0, 0, 0] else 0.0
+    assert not kernels.kv8_gather_refcheck(ops, GEO, tabs, hk, hv, pool, kp, vp)
+
+
+def test_kv8_pages_quantize_finite_values():
+    codes, scales = kernels.kv8_pages(ops, GEO, "cpu", torch.bfloat16, 5)
+    assert codes.shape == (5, 2, 4, 16) and scales.shape == (5, 2)
+    vals = ops.dequantize_kv8(codes, scales)
+    assert torch.isfinite(vals).all() and vals.abs().sum() > 0
+    # Powers of two: the engine's scales.
+    assert torch.equal(torch.exp2(torch.log2(scales).round()), scales)
