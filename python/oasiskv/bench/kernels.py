@@ -357,8 +357,9 @@ def kv8_gather_refcheck(ops, geo, tabs, host_k, host_v, pool, k_pages, v_pages) 
     budget = slot_pages.shape[1]
     kp = torch.zeros((budget, *k_pages.shape[1:]), dtype=k_pages.dtype)
     vp = torch.zeros_like(kp)
+    row = indices[: int(indptr[1])]  # the first sequence's CSR row
     ops.gather_blocks(
-        geo, slots[:1], blocks[:1], slot_pages[:1], indptr[:2], indices, host_k, host_v, kp, vp, **pool
+        geo, slots[:1], blocks[:1], slot_pages[:1], indptr[:2], row, host_k, host_v, kp, vp, **pool
     )
     got = [t[:budget].cpu().view(torch.uint8) for t in (k_pages, v_pages)]
     return all(torch.equal(a, w.view(torch.uint8)) for a, w in zip(got, (kp, vp), strict=True))
