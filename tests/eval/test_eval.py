@@ -1253,3 +1253,27 @@ def test_report_keeps_runs_of_other_text_counts_apart():
     tags = [tag for _, tag, _ in report._by_setting(recs)]
     assert tags == ["C8192-128x4", "C8192-128x14"]
     assert [tag for _, tag, _ in report._by_setting(recs[:1])] == ["C8192"]
+
+
+def test_eval_kv_dtype_fp8_runs_beside_the_float_run(tiny, tmp_path):
+    """``--kv-dtype fp8_e4m3``: every run (dense included) over fp8 pages; its records carry the
+    dtype, so they stand beside the float run's in one results file (``--resume`` keeps both),
+    and the dense NLL moves a little."""
+    tok = ByteTokenizer()
+    files = corpus.list_files(source="stdlib")
+    res = harness.Results(tmp_path)
+    small = ("--drafters", "ngram", "--budgets", "1/4", "--caps", "0.05", "--no-quest")
+    small += ("--retrieval-tasks", "passkey", "--retrieval-budgets", "1/4")
+    for extra in ((), ("--kv-dtype", "fp8_e4m3")):
+        args = _args(tmp_path, *small, *extra)
+        harness.run_teacher(args, tiny, tok, None, res, files, progress=False)
+        harness.run_retrieval(args, tiny, tok, None, res, files, progress=False)
+    recs = res.data["records"]
+    dense = {r.get("kv_dtype"): r for r in recs if r["section"] == "teacher" and r["policy"] == "dense"}
+    assert sorted(dense, key=str) == [None, "fp8_e4m3"]
+    assert dense[None]["nll"] != dense["fp8_e4m3"]["nll"]
+    assert abs(dense["fp8_e4m3"]["nll"] / dense[None]["nll"] - 1) < 0.05
+    retrieval = [r for r in recs if r["section"] == "retrieval"]
+    assert {r.get("kv_dtype") for r in retrieval} == {None, "fp8_e4m3"}
+    md = report.render_markdown(res.data)
+    assert "192, fp8_e4m3 KV" in md and "dense, fp8_e4m3 KV" in md  # groups and columns of their own

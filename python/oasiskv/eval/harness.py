@@ -109,6 +109,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sections", default="teacher,retrieval", help="comma list of: teacher, retrieval")
     p.add_argument("--device", default="auto", help="auto (cuda when available), cpu or cuda[:N]")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--kv-dtype",
+        default="auto",
+        choices=["auto", "fp8_e4m3"],
+        help="every run's KV pages (dense included): the model's dtype, or fp8_e4m3 (pages and host "
+        "pool in E4M3; compare against a run without it; +hfp8 puts only OasisKV's host pool in fp8)",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     p.add_argument("--out", default="out/eval", help="output directory (results.json, results.md, *.png)")
     p.add_argument("--seed", type=int, default=0)
@@ -262,6 +269,7 @@ class Results:
         "steps",
         "texts",
         "continuation",  # absent for the held-out text; a greedy run must never replace a text run
+        "kv_dtype",  # absent for the model's dtype; an fp8 run (--kv-dtype) stands beside it
     )
 
     def __init__(self, out: Path) -> None:
@@ -308,6 +316,12 @@ class Results:
         tmp = self.path.with_suffix(".json.tmp")
         tmp.write_text(json.dumps(self.data, indent=1) + "\n", encoding="utf-8")
         os.replace(tmp, self.path)
+
+
+def _kv_dtype(args) -> str | None:
+    """``--kv-dtype`` as ``KvConfig.kv_dtype`` (None: the model's dtype)."""
+    value = getattr(args, "kv_dtype", "auto")
+    return None if value == "auto" else value
 
 
 def _git_commit() -> str | None:
@@ -419,6 +433,7 @@ def run_teacher(args, model, tok, head, results: Results, files, progress: bool)
             progress=progress,
             mass_every=args.attn_mass_every,
             calibration=calibration,
+            kv_dtype=_kv_dtype(args),
         )
         base = {
             "section": "teacher",
@@ -428,6 +443,7 @@ def run_teacher(args, model, tok, head, results: Results, files, progress: bool)
             "text_ids": [f"{t['package']}#{t['window']}" for t in texts],
             "block_size": b,
             **({"continuation": "greedy"} if greedy else {}),
+            **({"kv_dtype": _kv_dtype(args)} if _kv_dtype(args) else {}),
         }
         # The plan: (policy, budget label, fraction, cap, drafter); skip what --resume finds done.
         plan = []
@@ -571,6 +587,7 @@ def _retrieval_variants(args, model, tok, head, context: int, budgets, cap, draf
     cache = PrefillCache(capacity=batch)
     variants: list[tuple[dict, LLM]] = []
     # Dense engines select nothing: the Quest-only config keeps key codes out of their prefills.
+    pool_kw["kv_dtype"] = _kv_dtype(args)
     dense_kv = KvConfig.fast(top_k_blocks=1, fetch_cap=None, measure_recall=False, **pool_kw)
 
     def make_llm(kv, backend, drafter, policy=None, cache=cache):
@@ -615,6 +632,8 @@ def _retrieval_variants(args, model, tok, head, context: int, budgets, cap, draf
             # The same model as every variant: the prompt's prefill is shared with them.
             llm = make_llm(dense_kv, "dense", None, QuestPolicy(k_blocks))
             variants.append(({"policy": "quest", "drafter": None, "fetch_cap": None, **cfg}, llm))
+    if pool_kw["kv_dtype"]:  # records of an fp8 run stay apart from the float run's (--resume)
+        variants = [({**cfg, "kv_dtype": pool_kw["kv_dtype"]}, llm) for cfg, llm in variants]
     return variants
 
 

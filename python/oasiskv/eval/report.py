@@ -96,7 +96,8 @@ def _by_setting(recs) -> list[tuple[str, str, list[dict]]]:
     ``-{steps}x{texts}``."""
     groups: dict = {}
     for r in recs:
-        key = (r.get("context"), r.get("continuation") or "text", r.get("steps") or 0, r.get("texts") or 0)
+        cont = (r.get("continuation") or "text") + (f"+{r['kv_dtype']}" if r.get("kv_dtype") else "")
+        key = (r.get("context"), cont, r.get("steps") or 0, r.get("texts") or 0)
         groups.setdefault(key, []).append(r)
     sizes: dict = {}
     for ctx, cont, steps, texts in groups:
@@ -104,9 +105,12 @@ def _by_setting(recs) -> list[tuple[str, str, list[dict]]]:
     out = []
     for key in sorted(groups, key=lambda k: (k[0], k[1] != "text", k[1], k[2], k[3])):
         ctx, cont, steps, texts = key
+        text, _, kv = cont.partition("+")  # "+fp8_e4m3": an --kv-dtype run, a group of its own
         title, tag = (
-            (f"{ctx}", f"C{ctx}") if cont == "text" else (f"{ctx}, {cont} continuation", f"C{ctx}-{cont}")
+            (f"{ctx}", f"C{ctx}") if text == "text" else (f"{ctx}, {text} continuation", f"C{ctx}-{text}")
         )
+        if kv:
+            title, tag = f"{title}, {kv} KV", f"{tag}-{kv}"
         if len(sizes[ctx, cont]) > 1:
             tag += f"-{steps}x{texts}"
         out.append((title, tag, groups[key]))
@@ -319,6 +323,11 @@ def _fidelity_md(recs: list[dict]) -> list[str]:
     return out
 
 
+def _column(r: dict) -> tuple:
+    """A retrieval record's column: its policy, budget, drafter and (an --kv-dtype run) KV dtype."""
+    return (r["policy"], r.get("budget"), r.get("drafter"), r.get("kv_dtype"))
+
+
 def _retrieval_md(recs: list[dict]) -> list[str]:
     out = [
         "## Retrieval accuracy (greedy; passkey, needle, key-value)",
@@ -333,12 +342,13 @@ def _retrieval_md(recs: list[dict]) -> list[str]:
         for r in sorted(
             rs, key=lambda r: (r["policy"] != "dense", _budget_key(r.get("budget")), r["policy"])
         ):
-            c = (r["policy"], r.get("budget"), r.get("drafter"))
+            c = _column(r)
             if c not in cols:
                 cols.append(c)
         names = [
-            "dense" if p == "dense" else (f"Quest-like {b}" if p == "quest" else f"OasisKV {b} ({d})")
-            for p, b, d in cols
+            ("dense" if p == "dense" else (f"Quest-like {b}" if p == "quest" else f"OasisKV {b} ({d})"))
+            + (f", {kv} KV" if kv else "")
+            for p, b, d, kv in cols
         ]
         out += [f"### Context {ctx}", "", "| task | trials | " + " | ".join(names) + " |"]
         out.append("|" + "---|" * (2 + len(cols)))
@@ -348,9 +358,7 @@ def _retrieval_md(recs: list[dict]) -> list[str]:
             cells = []
             n = None
             for c in cols:
-                m = [
-                    r for r in rs if r["task"] == t and (r["policy"], r.get("budget"), r.get("drafter")) == c
-                ]
+                m = [r for r in rs if r["task"] == t and _column(r) == c]
                 if m:
                     accs.setdefault(c, []).append(m[0]["accuracy"])
                     n = max(n or 0, m[0]["trials"])

@@ -274,6 +274,7 @@ class TeacherForcing:
         progress: bool = True,
         mass_every: int = 0,
         calibration: list[list[int]] | None = None,
+        kv_dtype: str | None = None,
     ) -> None:
         lens = {len(t) for t in texts}
         if not texts or len(lens) != 1:
@@ -295,6 +296,9 @@ class TeacherForcing:
         self.mass_every = mass_every
         #: Train-split token lists the ``+layers`` drafters fit their per-layer budgets on.
         self.calibration = calibration
+        #: ``KvConfig.kv_dtype`` of every run, dense included (``"fp8_e4m3"``: fp8 pages and host
+        #: pool; None: the model's dtype).
+        self.kv_dtype = kv_dtype
         self.device = next(model.parameters()).device
         self.cache = PrefillCache(capacity=3 * min(self.batch_size, len(texts)))
         #: The :class:`QuestPolicy` of the latest Quest-like chunk (tests read its counters).
@@ -337,11 +341,14 @@ class TeacherForcing:
                     "fetch_cap": policy.fetch_cap,
                     "sparse_threshold": max(1, self.prefix - 1),  # sparse from the first decode step
                     "measure_recall": True,
+                    "kv_dtype": self.kv_dtype,
                 }
             )
         else:
             # Dense (or a policy that scores by itself): no key codes in the engine's prefills.
-            kv = KvConfig.fast(block_size=b, top_k_blocks=1, fetch_cap=None, measure_recall=False)
+            kv = KvConfig.fast(
+                block_size=b, top_k_blocks=1, fetch_cap=None, measure_recall=False, kv_dtype=self.kv_dtype
+            )
         return LLMEngine(
             self.model,
             kv=kv,
