@@ -486,7 +486,9 @@ def set_gather_launch(
     ``(4, 4, 32, 6)``.
 
     Process-wide, for tuning: every shape copies the same bytes; they trade PCIe reads in flight
-    against SMs held beside the compute stream. A captured CUDA graph keeps its launch. Gathers
+    against SMs held beside the compute stream. A gather from an fp8_e4m3 host pool stages twice
+    as many entries per warp (an entry is half the bytes), at most 32 and what fits the shared
+    memory. A captured CUDA graph keeps its launch. Gathers
     from a pool in device memory (the all-resident oracle) keep the many-block register launch
     ``(0, 4, 8, 0)`` whatever is set here."""
     _core.set_gather_launch(max_blocks, warps_per_block, entries_per_warp, stage_entries)
