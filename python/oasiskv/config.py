@@ -56,6 +56,14 @@ AUTO = "auto"
 #: is E4M3 too).
 FP8_KV = "fp8_e4m3"
 FP8_KV_NAMES = ("fp8", "fp8_e4m3")
+
+
+def _names_fp8(value) -> bool:
+    """Whether a ``kv_dtype``/``host_kv_dtype`` value asks for :data:`FP8_KV` (one of
+    :data:`FP8_KV_NAMES`, or ``torch.float8_e4m3fn``)."""
+    return value in FP8_KV_NAMES or (value is not None and value is getattr(torch, "float8_e4m3fn", None))
+
+
 #: Largest ``block_size`` (``oasis_core::limits``, exported by ``_core``: one source for the
 #: config, the runtime and the kernels).
 MAX_BLOCK_SIZE: int = _core.MAX_BLOCK_SIZE
@@ -365,17 +373,18 @@ class KvConfig:
                     "lookahead_min_confidence chooses between the lookahead row and the step's own "
                     "query: it needs select_queries='lookahead'"
                 )
-        if self.kv_dtype in FP8_KV_NAMES or self.kv_dtype is getattr(torch, "float8_e4m3fn", None):
+        if _names_fp8(self.kv_dtype):
             self._set("kv_dtype", FP8_KV)
         elif self.kv_dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
             raise ConfigError(
                 f"kv_dtype must be float32, float16, bfloat16 or 'fp8_e4m3', got {self.kv_dtype}"
             )
-        h = self.host_kv_dtype
-        if h in FP8_KV_NAMES or h is getattr(torch, "float8_e4m3fn", None):
+        if _names_fp8(self.host_kv_dtype):
             self._set("host_kv_dtype", FP8_KV)
-        elif h is not None:
-            raise ConfigError(f"host_kv_dtype must be None (the pools' dtype) or 'fp8_e4m3', got {h!r}")
+        elif self.host_kv_dtype is not None:
+            raise ConfigError(
+                f"host_kv_dtype must be None (the pools' dtype) or 'fp8_e4m3', got {self.host_kv_dtype!r}"
+            )
         for name in ("num_gpu_pages", "num_host_blocks"):
             _check_int(
                 name,

@@ -15,7 +15,7 @@ import torch
 
 from oasiskv import KvConfig, errors, ops
 from oasiskv.bench import serve as bench
-from oasiskv.engine.pools import host_row_bytes
+from oasiskv.engine.pools import kv_block_bytes
 from support.engines import gpu_model, repeated_prompts, teacher_forced_logits
 
 torch.set_num_threads(2)
@@ -42,7 +42,7 @@ def test_config_names_and_refusals():
 
 def test_host_row_bytes_are_about_half_of_bf16():
     geo = ops.KvGeometry(32, 8, 128, 16)
-    bf16, fp8 = host_row_bytes(geo, torch.bfloat16, False), host_row_bytes(geo, torch.bfloat16, True)
+    bf16, fp8 = kv_block_bytes(geo, torch.bfloat16, False), kv_block_bytes(geo, torch.bfloat16, True)
     assert bf16 == 2 * 8 * 16 * 128 * 2 and fp8 == bf16 // 2 + 2 * 8 * 4  # codes + a scale per head
 
 

@@ -1,8 +1,9 @@
 """The 8-bit Quest bound (``ops.build_bounds8`` / ``ops.score_blocks_bound8``, CPU twins) against
-an independent float64 reference: the E4M3 grid enumerated from its definition, each summary
-value rounded outward onto it after dividing by the row's power-of-two scale, then the Quest
-score over the decoded values. Random geometries (block sizes 8/16/32, head_dim 64/96/128, GQA
-groups 1-8, every KV dtype); the bound is never below the exact Quest score of the summaries."""
+an independent float64 reference: the E4M3 grid enumerated from its definition
+(``support.e4m3``), each summary value rounded outward onto it after dividing by the row's
+power-of-two scale, then the Quest score over the decoded values. Random geometries (block sizes
+8/16/32, head_dim 64/96/128, GQA groups 1-8, every KV dtype); the bound is never below the exact
+Quest score of the summaries."""
 
 from __future__ import annotations
 
@@ -15,38 +16,7 @@ import torch
 
 from oasiskv import ops
 from oasiskv.errors import OasisError
-
-
-def _grid() -> np.ndarray:
-    """Every finite E4M3 value, ascending, from the format's definition (bias 7, subnormals
-    m 2^-9, no infinities, exponent 15 with mantissa 7 is NaN)."""
-    mags = {m * 2.0**-9 for m in range(8)}
-    for e in range(1, 16):
-        for m in range(8):
-            if e == 15 and m == 7:
-                continue
-            mags.add((1 + m / 8) * 2.0 ** (e - 7))
-    vals = sorted({-x for x in mags} | mags)
-    return np.array(vals, dtype=np.float64)
-
-
-GRID = _grid()
-
-
-def _decode(b: np.ndarray) -> np.ndarray:
-    """E4M3 bytes -> float64, from the definition."""
-    b = b.astype(np.int64)
-    ex, m = (b >> 3) & 15, b & 7
-    mag = np.where(ex == 0, m * 2.0**-9, (1 + m / 8) * 2.0 ** (ex - 7))
-    return np.where(b & 0x80, -mag, mag)
-
-
-def _exponent(maxabs: float) -> int:
-    """The smallest e >= -120 with maxabs / 2^e <= 448."""
-    e = -120
-    while maxabs / 2.0**e > 448:
-        e += 1
-    return e
+from support import e4m3
 
 
 def ref_bounds(summaries: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -58,10 +28,10 @@ def ref_bounds(summaries: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     for b in range(nb):
         for hh in range(h):
             row = s[b, hh]
-            e = _exponent(float(np.abs(row).max()))
+            e = e4m3.exponent(float(np.abs(row).max()))
             y = row / 2.0**e
-            lo = GRID[np.searchsorted(GRID, y[0], side="right") - 1]  # largest grid value <= y
-            hi = GRID[np.searchsorted(GRID, y[1], side="left")]  # smallest grid value >= y
+            lo = e4m3.GRID[np.searchsorted(e4m3.GRID, y[0], side="right") - 1]  # largest grid value <= y
+            hi = e4m3.GRID[np.searchsorted(e4m3.GRID, y[1], side="left")]  # smallest grid value >= y
             vals[b, hh, 0], vals[b, hh, 1] = lo, hi
             scales[b, hh] = 2.0**e
     return vals, scales
@@ -99,7 +69,7 @@ def test_bounds_and_scores_match_the_float64_reference(dtype, block_size, head_d
     ops.build_bounds8(geo, summaries, ids, b8, sc)
     vals, scales = ref_bounds(summaries)
     np.testing.assert_array_equal(sc.double().numpy(), scales)
-    np.testing.assert_array_equal(_decode(b8.numpy()), vals)
+    np.testing.assert_array_equal(e4m3.decode(b8.numpy()), vals)
     # Outward: the bound holds value by value.
     s64 = summaries.double().numpy()
     assert (vals[:, :, 0] * scales[..., None] <= s64[:, :, 0]).all()

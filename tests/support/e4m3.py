@@ -18,6 +18,9 @@ assert MAGS.shape == (127,) and MAGS[-1] == 448.0 and np.all(np.diff(MAGS) > 0)
 
 NAN_CODE = 0x7F
 
+#: Every finite E4M3 value, ascending (one zero).
+GRID = np.unique(np.concatenate([-MAGS, MAGS]))
+
 
 def decode(b: np.ndarray) -> np.ndarray:
     """E4M3 bytes -> float64 (NaN for 0x7f/0xff)."""

@@ -60,7 +60,7 @@ class KvPools:
         self.geo, self.dtype, self.num_layers, self.device = geo, dtype, num_layers, device
         self.host_kv8, self.page_kv8 = host_kv8, page_kv8
         page_dtype = torch.uint8 if page_kv8 else dtype
-        self.host_dtype = torch.uint8 if host_kv8 else dtype
+        host_dtype = torch.uint8 if host_kv8 else dtype
         self.num_pages, self.num_host_blocks, self.num_host_rows = 0, 0, 0
         hk, b, d = geo.num_kv_heads, geo.block_size, geo.head_dim
         self.host_pool = host_pool
@@ -73,26 +73,25 @@ class KvPools:
         # Empty pools first (every kernel takes a tensor, also of 0 rows); grow() fills them.
         self.k_pages = [torch.zeros(0, hk, b, d, dtype=page_dtype, device=device) for _ in range(num_layers)]
         self.v_pages = [torch.zeros(0, hk, b, d, dtype=page_dtype, device=device) for _ in range(num_layers)]
-        # fp8 pages: a power-of-two scale per (page, KV head), K and V apart.
-        page_scales = lambda: [torch.zeros(0, hk, device=device) for _ in range(num_layers)]  # noqa: E731
-        self.k_scales = page_scales() if page_kv8 else None
-        self.v_scales = page_scales() if page_kv8 else None
+
+        # fp8 pages (and below, an fp8 host pool): a power-of-two scale per (page, KV head), K and
+        # V apart; float32, empty until grow().
+        def scales(dev, pin=False):
+            return [torch.zeros(0, hk, device=dev, pin_memory=pin) for _ in range(num_layers)]
+
+        self.k_scales = scales(device) if page_kv8 else None
+        self.v_scales = scales(device) if page_kv8 else None
         self.page_map = torch.full((num_layers, 0, hk), -1, dtype=torch.int32, device=device)
         self.page_last_selected = torch.full((num_layers, 0, hk), -1, dtype=torch.int32, device=device)
-        hd = self.host_dtype
+        hd = host_dtype
         self.host_k = [
             torch.zeros(0, hk, b, d, dtype=hd, device=host_dev, pin_memory=pin) for _ in range(num_layers)
         ]
         self.host_v = [
             torch.zeros(0, hk, b, d, dtype=hd, device=host_dev, pin_memory=pin) for _ in range(num_layers)
         ]
-        # fp8 host pool: a power-of-two scale per (row, KV head), K and V apart.
-        empty_scales = lambda: [  # noqa: E731
-            torch.zeros(0, hk, dtype=torch.float32, device=host_dev, pin_memory=pin)
-            for _ in range(num_layers)
-        ]
-        self.host_k_scales = empty_scales() if host_kv8 else None
-        self.host_v_scales = empty_scales() if host_kv8 else None
+        self.host_k_scales = scales(host_dev, pin) if host_kv8 else None
+        self.host_v_scales = scales(host_dev, pin) if host_kv8 else None
         self.summaries = [torch.zeros(0, hk, 2, d, dtype=dtype, device=device) for _ in range(num_layers)]
         # KvConfig(block_score="codes"): every key of a complete block at 2 bits per channel,
         # [num_host_blocks, num_kv_heads, block_size, head_dim // 4] bytes per layer (GPU).
@@ -135,13 +134,10 @@ class KvPools:
     def read_kv8(self, layer: int, pages: torch.Tensor, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """fp8 pages: positions ``0 .. end - 1`` of the request whose page table is ``pages``, as
         ``[end, num_kv_heads, head_dim]`` K and V in ``dtype`` (code x scale)."""
-        ids = pages[: -(-end // self.geo.block_size)]
         g = self.geo
-        out = []
-        for codes, scales in ((self.k_pages, self.k_scales), (self.v_pages, self.v_scales)):
-            x = ops.dequantize_kv8(codes[layer][ids], scales[layer][ids], self.dtype)  # [n, H, B, D]
-            out.append(x.transpose(1, 2).reshape(-1, g.num_kv_heads, g.head_dim)[:end])
-        return out[0], out[1]
+        k, v = self.pages_kv(layer, pages[: -(-end // g.block_size)])  # [n, H, B, D]
+        k, v = (x.transpose(1, 2).reshape(-1, g.num_kv_heads, g.head_dim)[:end] for x in (k, v))
+        return k, v
 
     def page_scales(self, layer: int, prefix: str = "") -> dict:
         """The keyword arguments that give a kernel ``layer``'s GPU page scales (none unless
@@ -295,13 +291,13 @@ class KvPools:
     @property
     def page_bytes(self) -> int:
         """Bytes of one page, K and V (and their scales with ``page_kv8``), one layer."""
-        return host_row_bytes(self.geo, self.dtype, self.page_kv8)
+        return kv_block_bytes(self.geo, self.dtype, self.page_kv8)
 
     @property
     def host_row_bytes(self) -> int:
         """Bytes of one host-pool row, K and V (and their scales with ``host_kv8``), one layer."""
         g = self.geo
-        return host_row_bytes(g, self.dtype, self.host_kv8)
+        return kv_block_bytes(g, self.dtype, self.host_kv8)
 
     @property
     def summary_block_bytes(self) -> int:
@@ -316,7 +312,7 @@ class KvPools:
         return 2 * g.num_kv_heads * g.head_dim * self.dtype.itemsize + codes
 
 
-def host_row_bytes(geo, dtype: torch.dtype, kv8: bool) -> int:
+def kv_block_bytes(geo, dtype: torch.dtype, kv8: bool) -> int:
     """Bytes of one host-pool row or GPU page (a block's K and V, every KV head), one layer:
     ``dtype`` elements, or E4M3 bytes plus a float32 scale per KV head for K and for V with
     ``kv8``."""
@@ -364,13 +360,13 @@ class PoolsMixin:
     @property
     def page_bytes_all_layers(self) -> int:
         """Bytes of one GPU page, K and V (and scales in fp8), every layer."""
-        return host_row_bytes(self.geo, self.dtype, self.page_kv8) * self.cfg.num_hidden_layers
+        return kv_block_bytes(self.geo, self.dtype, self.page_kv8) * self.cfg.num_hidden_layers
 
     @property
     def host_row_bytes_all_layers(self) -> int:
         """Bytes of one host-pool row, K and V (and scales in fp8), every layer: a page's bytes
         unless ``KvConfig.host_kv_dtype`` is fp8 (about half of bf16)."""
-        return host_row_bytes(self.geo, self.dtype, self.host_kv8) * self.cfg.num_hidden_layers
+        return kv_block_bytes(self.geo, self.dtype, self.host_kv8) * self.cfg.num_hidden_layers
 
     def default_caps(self) -> tuple[int, int]:
         """The pools' caps in blocks: ``KvConfig.num_gpu_pages`` / ``num_host_blocks`` when set

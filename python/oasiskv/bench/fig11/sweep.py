@@ -426,11 +426,12 @@ class Fig11:
         kv = self.kv()
         # The oasis rows' drafter reports its probability (EAGLE-3): the "auto" fallback is on.
         label_kv = kv.resolve(reports_confidence=self.random_head_drafter or a.drafter == "eagle3")
+        dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
         return {
             "mode": "fig11",
             "model": self.model_name,
             "device": torch.cuda.get_device_name(self.dev) if self.cuda else "cpu",
-            "dtype": str(next(self.model.parameters()).dtype).removeprefix("torch."),
+            "dtype": dtype,
             "num_hidden_layers": self.cfg.num_hidden_layers,
             "max_tokens": a.max_tokens,
             "tp": self.tp,
@@ -446,10 +447,8 @@ class Fig11:
                 "ngram_window": a.ngram_window if a.drafter == "ngram" else None,
                 "drafter_head_bytes": self.head_bytes if self.random_head_drafter else None,
                 "selection": selection_label(label_kv),
-                "kv_dtype": kv.kv_dtype or str(next(self.model.parameters()).dtype).removeprefix("torch."),
-                "host_kv_dtype": kv.host_kv_dtype
-                or kv.kv_dtype
-                or str(next(self.model.parameters()).dtype).removeprefix("torch."),
+                "kv_dtype": kv.kv_dtype or dtype,
+                "host_kv_dtype": kv.host_kv_dtype or kv.kv_dtype or dtype,
             },
             "weights_bytes": self.weights_bytes,
             "gpu_kv_budget": a.gpu_kv_budget,
