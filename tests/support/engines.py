@@ -1,7 +1,8 @@
 """Engine builders the engine tests share: the GPU tests' model and prompts, a teacher-forced
 decode that returns every step's logits (``tests/engine/test_gpu_engine.py``,
 ``test_gpu_graph.py``, ``test_gpu_speculative.py``, ``tests/kernels/test_gpu_wait_stamp.py``),
-and a drafter that reports a fixed confidence (``tests/engine/test_engine.py`` and its GPU twin)."""
+a drafter that reports a fixed confidence (``tests/engine/test_selection.py`` and its GPU twin), and
+the CPU tests' small models (``qwen3_like``, ``llama_like``) with their small budget ``SMALL_KV``."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import oasiskv
 from oasiskv.drafters import NgramDrafter
 from oasiskv.engine import Engine, Request
 from oasiskv.models.transformer import CausalLM
-from support.configs import QWEN3_GPU
+from support.configs import LLAMA_8L, QWEN3_3L, QWEN3_GPU
 
 
 def gpu_model(device, dtype=torch.float32, num_layers=3) -> CausalLM:
@@ -20,15 +21,29 @@ def gpu_model(device, dtype=torch.float32, num_layers=3) -> CausalLM:
     return CausalLM.random(cfg, seed=1, dtype=dtype, device=device)
 
 
-def repeated_prompts(vocab, lens, seed=0):
-    """One prompt per length, each repeating a random 41-token phrase (drawn in turn from one
-    generator), so the n-gram drafter finds matches."""
+def repeated_prompts(vocab, lens, seed=0, period=41):
+    """One prompt per length, each repeating a random ``period``-token phrase (drawn in turn from
+    one generator), so the n-gram drafter finds matches."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for n in lens:
-        base = torch.randint(0, vocab, (41,), generator=g).tolist()
-        out.append((base * (n // 41 + 1))[:n])
+        base = torch.randint(0, vocab, (period,), generator=g).tolist()
+        out.append((base * (n // period + 1))[:n])
     return out
+
+
+#: A budget of 3 blocks of 8 (fetch cap 1) from 40 tokens on: the selection tests' small budget.
+SMALL_KV = dict(block_size=8, top_k_blocks=3, fetch_cap=1, sparse_threshold=40)
+
+
+def qwen3_like(**kw) -> CausalLM:
+    """A random CPU model of ``QWEN3_3L`` (fields replaced by ``kw``)."""
+    return CausalLM.random(QWEN3_3L.replace(**kw), seed=1)
+
+
+def llama_like() -> CausalLM:
+    """A random two-layer CPU model of ``LLAMA_8L``."""
+    return CausalLM.random(LLAMA_8L.replace(num_hidden_layers=2), seed=2)
 
 
 def teacher_forced_logits(model, kv, backend, prompts, forced, drafter="ngram", **engine_kw):
