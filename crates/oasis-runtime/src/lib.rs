@@ -12,6 +12,8 @@
 //! * [`table`] — [`RequestTable`]: one request's pages, working-set slots, local page and host
 //!   blocks, and the [`Reservation`] that admission charged for it.
 //! * [`manager`] — [`Runtime`]: the pools, the tables, admission and the state transitions.
+//! * [`presence`] — [`PresenceMap`]: which staged block-heads `(layer, host row, KV head)` the
+//!   decode side's host pool holds (disaggregation), and which of a step's plan are absent.
 //! * [`plan`] — [`StepPlan`]: one step's tables for all layers, laid out in one flat `i32` arena
 //!   so that the engine copies them to the device in one async copy (FlashInfer's plan/run).
 //!
@@ -30,6 +32,7 @@ pub mod cache;
 pub mod config;
 pub mod manager;
 pub mod plan;
+pub mod presence;
 pub mod table;
 
 pub use cache::{Cached, RowCache};
@@ -37,4 +40,5 @@ pub use config::RuntimeConfig;
 pub use manager::{Runtime, SparseTransition};
 pub use oasis_core::{OasisError, Result, Tier};
 pub use plan::{PlanField, PlanLayout, PlanMeta, PlanPad, StepPlan};
+pub use presence::{Entry, PresenceMap};
 pub use table::{RequestTable, Reservation};
