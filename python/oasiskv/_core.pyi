@@ -185,16 +185,18 @@ class RtClient:
     def stage_blocks(
         self,
         request: int,
-        geometry: tuple[int, int, int, int, int, int],
+        geometry: tuple[int, int, int, int, int, int, int],
         keys: list[tuple[int, int]],
         data: torch.Tensor | bytes | bytearray | memoryview,
     ) -> tuple[int, int]:
         """Stage whole blocks ``(layer, block)``, ``geometry.block_bytes`` of ``data`` each:
-        ``(stored_bytes, used_bytes)``."""
+        ``(stored_bytes, used_bytes)``. ``geometry = (num_layers, num_kv_heads, block_size,
+        head_dim, dtype_bytes, num_blocks, kv_format)``, ``kv_format`` 0 (plain) or 1 (fp8_e4m3:
+        each head's codes, then its float32 scale)."""
     def stage_summaries(
         self,
         request: int,
-        geometry: tuple[int, int, int, int, int, int],
+        geometry: tuple[int, int, int, int, int, int, int],
         runs: list[tuple[int, int, int]],
         data: torch.Tensor | bytes | bytearray | memoryview,
     ) -> tuple[int, int]:
@@ -223,10 +225,13 @@ class RtClient:
         rows: list[int],
         host_k: list[torch.Tensor],
         host_v: list[torch.Tensor],
+        host_k_scales: list[torch.Tensor] | None = None,
+        host_v_scales: list[torch.Tensor] | None = None,
     ) -> tuple[list[int], list[str | None]]:
         """``read_blocks`` written straight into row ``rows[i]`` (that head, or every head) of the
         key's layer's pools ``[rows, num_kv_heads, block_size, head_dim]`` (CPU, contiguous):
-        ``(lens, errors)``; an entry of another size fails with ``"size_mismatch"``."""
+        ``(lens, errors)``; an entry of another size fails with ``"size_mismatch"``. fp8 pools
+        (uint8 codes; ``kv_format`` 1) pass their float32 ``[rows, num_kv_heads]`` scales too."""
     def release(self, request: int) -> int:
         """Release a request in the daemon; the bytes freed."""
     def stats(self) -> dict[str, int]:

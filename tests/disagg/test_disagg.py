@@ -188,12 +188,13 @@ def _admission_vs_full(context: int, num_kv_heads: int) -> dict:
             out[transfer] = o.metrics.network_admission_bytes
             out["handle"] = h
     h = out["handle"]
-    layers, hk, b, dim, elem, nb = h.geometry
+    layers, hk, b, dim, elem, nb, fmt = h.geometry
+    assert fmt == disagg.KV_FORMAT_PLAIN
     block, row = 2 * hk * b * dim * elem, hk * 2 * dim * elem
     sections = 1 + (1 + 10 + 4 + 0) + (1 + 11 + 4 + layers * 4 * dim * elem)  # meta length below
-    # FetchAdmission: request frame 4 + 8 + 13; reply 4 + 8 + geometry 13 + one run of every
+    # FetchAdmission: request frame 4 + 8 + 13; reply 4 + 8 + geometry 14 + one run of every
     # block's summary per layer + the union's blocks + the sections.
-    partial = 25 + 12 + 13 + (4 + layers * (10 + nb * row)) + (4 + h.admission_blocks * (6 + block))
+    partial = 25 + 12 + 14 + (4 + layers * (10 + nb * row)) + (4 + h.admission_blocks * (6 + block))
     meta = out["partial"] - partial - sections
     assert 50 < meta < 600, meta  # the JSON meta section's length: everything else is accounted
     out["ratio"] = out["full"] / out["partial"]
@@ -533,8 +534,8 @@ def test_the_worker_frees_its_pages_and_stages_the_union(model):
         h = worker.prefill(prompt(P, 3))
         rt = worker.engine.runtime
         assert rt.num_requests == 0 and rt.num_free == rt.pool_sizes  # its pages are back
-        layers, hk, b, dim, elem, nb = h.geometry
-        assert (layers, hk, b, nb) == (2, 2, 16, math.ceil(P / 16))
+        layers, hk, b, dim, elem, nb, fmt = h.geometry
+        assert (layers, hk, b, nb, fmt) == (2, 2, 16, math.ceil(P / 16), disagg.KV_FORMAT_PLAIN)
         # Per layer: the union of two heads' top-4 (4..8 blocks) and the partial last block.
         assert layers * 5 <= h.admission_blocks <= layers * 9
         s = worker.client.stats()

@@ -3,7 +3,7 @@
 sparse copy, each token's write-through) exactly as ``ops.quantize_kv8`` / the append rule define,
 the summaries stay those of the unquantized keys, the working set is the dequantized blocks, and
 decoding stays close to the float host pool's while differing from it. Plus the flag of the engine
-CLI and fig11, and the refusal with a remote KV source."""
+CLI and fig11. (A remote KV source serves an fp8 host pool: tests/disagg/test_disagg_fp8.py.)"""
 
 from __future__ import annotations
 
@@ -110,15 +110,6 @@ def test_fig11_host_pool_in_fp8_halves_its_bytes(tmp_path):
     assert a["status"] == b["status"] == "ok"
     assert b["host_pool_bytes"] < a["host_pool_bytes"] / 3  # float32 tiny preset: a quarter + scales
     assert b["fetched_bytes_per_step"] < a["fetched_bytes_per_step"] / 3
-
-
-def test_a_remote_kv_source_refuses_an_fp8_host_pool():
-    from oasiskv.disagg.remote import RemoteKvSource
-    from oasiskv.engine import Engine
-
-    eng = Engine(gpu_model("cpu", num_layers=2), KvConfig(**KV, host_kv_dtype="fp8"), "oasis", None)
-    with pytest.raises(errors.ConfigError, match="host_kv_dtype"):
-        RemoteKvSource(eng, "tcp://127.0.0.1:9")
 
 
 # ------------------------------------------------------------------ fp8 GPU pages (dense backend)

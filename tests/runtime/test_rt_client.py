@@ -16,15 +16,16 @@ import time
 import pytest
 import torch
 
-from oasiskv import errors
+from oasiskv import disagg, errors
 from oasiskv._core import RtClient, ucx_version
 from support.rtd import TRANSPORTS, Daemon
 
 # Private names read here: ``RtClient``/``ucx_version`` from ``oasiskv._core``: the native client is
 # what this file checks (no public re-export).
 
-# (num_layers, num_kv_heads, block_size, head_dim, dtype_bytes, num_blocks); odd sizes.
-GEO = (3, 2, 5, 6, 4, 7)
+# (num_layers, num_kv_heads, block_size, head_dim, dtype_bytes, num_blocks, kv_format); odd sizes,
+# plain blocks of float32.
+GEO = (3, 2, 5, 6, 4, 7, 0)
 BLOCK = 2 * 2 * 5 * 6 * 4
 ROW = 2 * 2 * 6 * 4
 
@@ -120,7 +121,7 @@ def test_roundtrip_is_bit_exact_and_counted(daemon):
     runs = 4 + 3 * (10 + 7 * ROW)
     blocks = 4 + 3 * (6 + BLOCK)
     sections = 1 + (1 + 10 + 4 + 8) + (1 + 11 + 4 + query.numel() * 2)
-    assert a["wire_bytes"] == 12 + 13 + runs + blocks + sections
+    assert a["wire_bytes"] == 12 + 14 + runs + blocks + sections  # geometry: 14 bytes
     assert after[1] - before[1] == a["wire_bytes"] and after[0] - before[0] == 12 + 13
 
     # No layers: the sections alone.
@@ -154,10 +155,78 @@ def test_roundtrip_is_bit_exact_and_counted(daemon):
     assert not c.connected
 
 
+# An fp8 geometry (kv_format 1) of bf16 summaries: each head segment is 5 x 6 codes and a scale.
+GEO8 = (2, 2, 5, 6, 2, 4, 1)
+SEG8 = 5 * 6 + 4
+BLOCK8 = 2 * 2 * SEG8
+
+
+def test_fp8_blocks_land_as_codes_and_scales(daemon):
+    """A request staged with fp8 blocks: whole blocks and block-heads are read into uint8 pools
+    and their float32 scales, bit-exact (``read_blocks_into`` with ``host_k_scales``), as
+    ``disagg.unpack_kv8`` reads them from bytes; mismatched pools are refused or fail per entry."""
+    c = RtClient(daemon.url, timeout_s=5)
+    layers, heads, bs, hd, _, nb, _ = GEO8
+    g = torch.Generator().manual_seed(8)
+    codes = torch.randint(0, 255, (2, layers * nb, heads, bs, hd), dtype=torch.uint8, generator=g)
+    scales = torch.exp2(torch.randint(-9, 3, (2, layers * nb, heads), generator=g).float())
+    data = disagg.pack_kv8(codes[0], scales[0], codes[1], scales[1])
+    assert data.shape == (layers * nb, 2, heads, SEG8) and data[0].numel() == BLOCK8
+    assert disagg.block_bytes(GEO8) == BLOCK8 and disagg.head_segment_bytes(GEO8) == SEG8
+    c.stage_blocks(31, GEO8, [(layer, b) for layer in range(layers) for b in range(nb)], data)
+    assert c.fetch_admission(31, 0, 0)["geometry"] == GEO8
+
+    keys = [(31, 1, 2, -1), (31, 0, 3, 1), (31, 1, 0, 0)]
+    rows = [2, 0, 1]
+    d, lens, errs = c.read_blocks(keys)
+    assert errs == [None] * 3 and lens == [BLOCK8, 2 * SEG8, 2 * SEG8]
+    k, v, ks, vs = disagg.unpack_kv8(bytearray(d[:BLOCK8]), 1, heads, bs, hd)
+    i = nb + 2  # layer 1, block 2
+    assert torch.equal(k[0], codes[0, i]) and torch.equal(v[0], codes[1, i])
+    assert torch.equal(ks[0], scales[0, i]) and torch.equal(vs[0], scales[1, i])
+
+    pk = [torch.zeros(3, heads, bs, hd, dtype=torch.uint8) for _ in range(layers)]
+    pv = [torch.zeros(3, heads, bs, hd, dtype=torch.uint8) for _ in range(layers)]
+    sk = [torch.zeros(3, heads) for _ in range(layers)]
+    sv = [torch.zeros(3, heads) for _ in range(layers)]
+    lens, errs = c.read_blocks_into(keys, rows, pk, pv, sk, sv)
+    assert errs == [None] * 3 and lens == [BLOCK8, 2 * SEG8, 2 * SEG8]
+    want = [[torch.zeros_like(t) for t in ts] for ts in (pk, pv, sk, sv)]
+    for (_, layer, blk, head), row in zip(keys, rows, strict=True):
+        at = (row,) if head == -1 else (row, head)
+        src = (blk + nb * layer,) if head == -1 else (blk + nb * layer, head)
+        for w, x in zip(want, (codes[0], codes[1], scales[0], scales[1]), strict=True):
+            w[layer][at] = x[src]
+    for got, w in zip((pk, pv, sk, sv), want, strict=True):
+        for a, b in zip(got, w, strict=True):
+            assert torch.equal(a, b)
+
+    # Plain pools of another width take nothing of an fp8 entry; float pools get no scales.
+    plain = [torch.zeros(3, heads, bs, hd, dtype=torch.bfloat16) for _ in range(layers)]
+    assert c.read_blocks_into(keys[:1], [0], plain, plain)[1] == ["size_mismatch"]
+    assert not any(t.any() for t in plain)
+    for call, exc in [
+        (lambda: c.read_blocks_into(keys[:1], [0], plain, plain, sk, sv), errors.DTypeError),
+        (lambda: c.read_blocks_into(keys[:1], [0], pk, pv, sk, None), errors.InvalidArgumentError),
+        (lambda: c.read_blocks_into(keys[:1], [0], pk, pv, sk[:1], sv), errors.InvalidArgumentError),
+        (lambda: c.read_blocks_into(keys[:1], [0], pk, pv, [s[:, :1] for s in sk], sv), errors.ShapeError),
+        (lambda: c.read_blocks_into(keys[:1], [0], pk, pv, [s.double() for s in sk], sv), errors.DTypeError),
+    ]:
+        with pytest.raises(exc):
+            call()
+    # The same request under a plain geometry is another request's shape: refused.
+    with pytest.raises(errors.OasisError, match="geometry"):
+        c.stage_blocks(
+            31, GEO8[:-1] + (0,), [(0, 0)], torch.zeros(2 * heads * bs * hd * 2, dtype=torch.uint8)
+        )
+    assert c.release(31) > 0
+    c.close()
+
+
 def test_large_stagings_are_split_into_frames(daemon):
     c = RtClient(daemon.url, timeout_s=10, max_frame=64 << 10)
     assert c.max_frame == 64 << 10
-    geo = (1, 2, 16, 64, 2, 300)  # 8 KiB blocks: 7 per 64 KiB frame
+    geo = (1, 2, 16, 64, 2, 300, 0)  # 8 KiB blocks: 7 per 64 KiB frame
     bb = 2 * 2 * 16 * 64 * 2
     data = torch.randint(0, 255, (300, bb), dtype=torch.uint8)
     c.stage_blocks(21, geo, [(0, i) for i in range(300)], data)
@@ -184,7 +253,11 @@ def test_mistakes_are_typed_and_keep_the_connection(daemon):
     with pytest.raises(errors.InvalidArgumentError, match="one block per key"):
         c.stage_blocks(5, GEO, [(0, 0)], b"\0" * 3)
     with pytest.raises(errors.InvalidArgumentError):
-        c.stage_blocks(5, (0, 2, 5, 6, 4, 7), [], b"")  # zero layers
+        c.stage_blocks(5, (0, 2, 5, 6, 4, 7, 0), [], b"")  # zero layers
+    with pytest.raises(errors.InvalidArgumentError, match="kv_format"):
+        c.stage_blocks(5, GEO[:-1] + (2,), [], b"")  # no such block format
+    with pytest.raises(errors.InvalidArgumentError, match="kv_format"):
+        c.stage_blocks(5, (3, 2, 5, 6, 1, 7, 1), [], b"")  # fp8 codes over a 1-byte model dtype
     with pytest.raises(errors.InvalidArgumentError):
         c.stage_blocks(5, GEO, [(9, 0)], _blocks(1, 1))  # layer out of range
     with pytest.raises(errors.InvalidArgumentError, match="neither -1"):
@@ -244,7 +317,7 @@ def test_a_stalled_daemon_times_out(transport):
 def test_killing_the_daemon_mid_transfer_gives_a_typed_error_in_time(transport):
     with Daemon(memory="1GiB", transport=transport) as d:
         c = RtClient(d.url, timeout_s=5)
-        geo = (1, 8, 64, 128, 2, 512)  # 256 KiB blocks, 128 MiB staged
+        geo = (1, 8, 64, 128, 2, 512, 0)  # 256 KiB blocks, 128 MiB staged
         bb = 2 * 8 * 64 * 128 * 2
         for lo in range(0, 512, 128):
             zeros = torch.zeros(128, bb, dtype=torch.uint8)
@@ -306,7 +379,7 @@ def test_a_transport_mismatch_fails_in_time(transport):
 def test_ucx_without_libucp_is_a_typed_error():
     # In a child process pointed at no library (libucp is loaded once per process).
     code = """
-from oasiskv import errors
+from oasiskv import disagg, errors
 from oasiskv._core import RtClient, ucx_version
 for f in (ucx_version, lambda: RtClient("oasis-rt+ucx://127.0.0.1:9")):
     try:
@@ -334,7 +407,7 @@ def test_a_forked_child_is_refused_ucx_and_keeps_tcp():
     with Daemon(transport="ucx") as u, Daemon() as t:
         code = f"""
 import os, sys
-from oasiskv import errors
+from oasiskv import disagg, errors
 from oasiskv._core import RtClient
 c = RtClient("{u.url}", timeout_s=5)
 c.stats()

@@ -96,7 +96,7 @@ def test_metrics_parse_with_prometheus_client_and_need_the_token(tmp_path):
         assert r.status_code == 405 and r.headers["allow"] == "GET, HEAD"
 
         c = RtClient(f"oasis-rt://{addr}", token=b"s3cret", timeout_s=10)
-        geo = (2, 1, 4, 8, 2, 3)  # 2 layers, 1 KV head, 4 tokens, head_dim 8, 2 bytes: 128 B blocks
+        geo = (2, 1, 4, 8, 2, 3, 0)  # 2 layers, 1 KV head, 4 tokens, head_dim 8, 2 bytes: 128 B blocks
         c.stage_blocks(7, geo, [(0, 0), (1, 2)], bytes(range(128)) * 2)
         r = httpx.get(url, headers=auth, timeout=10)
         assert r.status_code == 200 and r.headers["content-type"].startswith("application/openmetrics-text")

@@ -29,7 +29,7 @@ use crate::client::Client;
 use crate::error::{Error, ErrorCode, Result};
 use crate::pool::{ENTRY_OVERHEAD_BYTES, REQUEST_OVERHEAD_BYTES};
 use crate::protocol::{
-    BlockKey, Geometry, StagedBlock, ALL_HEADS, HEADER_BYTES, LEN_PREFIX_BYTES,
+    BlockKey, Geometry, KvFormat, StagedBlock, ALL_HEADS, HEADER_BYTES, LEN_PREFIX_BYTES,
     MAX_BLOCKS_PER_REQUEST, MAX_ENTRIES, MAX_KV_HEADS,
 };
 use crate::transport::{RmaConnection, TransportKind};
@@ -43,8 +43,8 @@ pub const DTYPE_BYTES: u8 = 2;
 /// Bytes of one KV head of one block, K and V: the unit a block size must be a multiple of.
 pub const HEAD_BLOCK_BYTES: u64 = 2 * BLOCK_SIZE as u64 * HEAD_DIM as u64 * DTYPE_BYTES as u64;
 
-/// Bytes of a `StageBlocks` frame besides its blocks: prefix 4, header 8, request 8, geometry 13,
-/// count 4 = 37, rounded up (arbitrary margin).
+/// Bytes of a `StageBlocks` frame besides its blocks: prefix 4, header 8, request 8, geometry 14,
+/// count 4 = 38, rounded up (arbitrary margin).
 const STAGE_FRAME_OVERHEAD: u64 = 64;
 /// Bytes of a staged block besides its data: layer u16, block u32.
 const STAGE_BLOCK_OVERHEAD: u64 = 6;
@@ -148,6 +148,7 @@ impl BenchConfig {
             head_dim: HEAD_DIM,
             dtype_bytes: DTYPE_BYTES,
             num_blocks: blocks as u32,
+            kv_format: KvFormat::Plain,
         };
         g.validate()
             .map_err(|e| Error::Config(format!("--block-bytes {block_bytes}: {e}")))?;

@@ -756,6 +756,7 @@ mod tests {
             head_dim: 4,
             dtype_bytes: 1,
             num_blocks: 8,
+            kv_format: crate::protocol::KvFormat::Plain,
         }
     }
 

@@ -45,11 +45,15 @@
 //!
 //! A `FetchAdmission` with `num_layers = 0` asks for the sections alone.
 //! `geometry` is `num_layers u16, num_kv_heads u16, block_size u16, head_dim u16, dtype_bytes u8,
-//! num_blocks u32` (13 bytes); `sections` is `n u8, n x (name_len u8, name, len u32, bytes)`.
-//! A block is `[2 (K, V)][num_kv_heads][block_size][head_dim]` elements of `dtype_bytes` (the
-//! host pool's layout, the K page then the V page); a summary row is one block's
-//! `[num_kv_heads][2 (min, max)][head_dim]`. A `ReadBlocks` key with `head = 0xffff`
-//! ([`ALL_HEADS`]) reads the whole block, otherwise head `h`'s K rows then its V rows.
+//! num_blocks u32, kv_format u8` (14 bytes); `sections` is `n u8, n x (name_len u8, name, len u32,
+//! bytes)`. A block is `[2 (K, V)][num_kv_heads]` head segments (the host pool's layout, the K
+//! page then the V page), each segment that head's `[block_size][head_dim]` rows: with
+//! `kv_format = 0` (plain) elements of `dtype_bytes`; with `kv_format = 1` (fp8_e4m3) 1-byte
+//! E4M3 codes followed by the head's `f32` little-endian scale (4 bytes), as
+//! [`Geometry::head_bytes`] computes. `dtype_bytes` is the model dtype in
+//! either format: a summary row is one block's `[num_kv_heads][2 (min, max)][head_dim]` of it.
+//! A `ReadBlocks` key with `head = 0xffff` ([`ALL_HEADS`]) reads the whole block, otherwise head
+//! `h`'s K segment then its V segment.
 //!
 //! **Block reads by RMA** (version 2; `HelloOk.rma = 1` on a connection whose transport can
 //! read the daemon's registered memory, UCX). `ReadBlocksRma` names the same keys as
@@ -59,14 +63,23 @@
 //! decoder checks every range against its region ([`RemoteRegion::check`]): a reply that names
 //! bytes outside what it advertises is malformed. The daemon keeps the ranges alive and
 //! registered until the client's `Ack` of the same `lease` (or the connection's end), even if
-//! the request is released or evicted meanwhile. Version 1 peers are refused (`bad_version`).
+//! the request is released or evicted meanwhile.
+//!
+//! **Versions.** 3 added the geometry's `kv_format` (fp8 blocks); 2 the RMA reads. Peers of
+//! another version are refused (`bad_version`): a version 2 peer's geometry has no `kv_format`.
 
 use bytes::Bytes;
 
 use crate::error::{Error, ErrorCode, Result};
 
+mod geometry;
+pub use geometry::{
+    Geometry, KvFormat, FP8_SCALE_BYTES, MAX_BLOCKS_PER_REQUEST, MAX_BLOCK_SIZE, MAX_HEAD_DIM,
+    MAX_KV_HEADS, MAX_LAYERS,
+};
+
 /// The protocol version this build speaks (header byte and `Hello`).
-pub const PROTOCOL_VERSION: u8 = 2;
+pub const PROTOCOL_VERSION: u8 = 3;
 /// Bytes of the length prefix.
 pub const LEN_PREFIX_BYTES: usize = 4;
 /// Bytes of the header after the length prefix (version, kind, reserved, seq).
@@ -162,148 +175,6 @@ impl RemoteRegion {
             }),
         }
     }
-}
-
-/// Bounds of [`Geometry`] (arbitrary, generous: today's models are far below).
-pub const MAX_LAYERS: u16 = 1024;
-pub const MAX_KV_HEADS: u16 = 256;
-pub const MAX_BLOCK_SIZE: u16 = 1024;
-pub const MAX_HEAD_DIM: u16 = 1024;
-pub const MAX_BLOCKS_PER_REQUEST: u32 = 1 << 24;
-
-/// Shape of one request's staged KV; every block id, layer and head is checked against it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Geometry {
-    pub num_layers: u16,
-    pub num_kv_heads: u16,
-    /// Tokens per block.
-    pub block_size: u16,
-    pub head_dim: u16,
-    /// Bytes per element: 1, 2 or 4.
-    pub dtype_bytes: u8,
-    /// Logical blocks of the request (its context), so block ids are `< num_blocks`.
-    pub num_blocks: u32,
-}
-
-impl Geometry {
-    /// Bytes of a geometry on the wire.
-    pub const WIRE_BYTES: usize = 13;
-
-    /// Check every field against its bound.
-    ///
-    /// # Errors
-    /// [`Error::OutOfRange`] naming the first bad field.
-    pub fn validate(&self) -> Result<()> {
-        range_nonzero("num_layers", self.num_layers.into(), MAX_LAYERS.into())?;
-        range_nonzero(
-            "num_kv_heads",
-            self.num_kv_heads.into(),
-            MAX_KV_HEADS.into(),
-        )?;
-        range_nonzero("block_size", self.block_size.into(), MAX_BLOCK_SIZE.into())?;
-        range_nonzero("head_dim", self.head_dim.into(), MAX_HEAD_DIM.into())?;
-        range_nonzero(
-            "num_blocks",
-            self.num_blocks.into(),
-            MAX_BLOCKS_PER_REQUEST.into(),
-        )?;
-        if !matches!(self.dtype_bytes, 1 | 2 | 4) {
-            return Err(Error::Invalid {
-                field: "dtype_bytes",
-                reason: "must be 1, 2 or 4",
-            });
-        }
-        if self.block_bytes() > u64::from(HARD_MAX_FRAME_BYTES) / 2 {
-            return Err(Error::OutOfRange {
-                field: "block_bytes",
-                value: self.block_bytes(),
-                limit: u64::from(HARD_MAX_FRAME_BYTES) / 2,
-            });
-        }
-        Ok(())
-    }
-
-    /// Bytes of one head's K (or V) rows of one block: `block_size * head_dim * dtype_bytes`.
-    pub fn head_bytes(&self) -> u64 {
-        u64::from(self.block_size) * u64::from(self.head_dim) * u64::from(self.dtype_bytes)
-    }
-
-    /// Offsets in a block of head `head`'s K rows and of its V rows (each [`Self::head_bytes`]
-    /// long): the block is `[2][num_kv_heads][block_size][head_dim]`.
-    pub fn head_offsets(&self, head: u16) -> [u64; 2] {
-        let hb = self.head_bytes();
-        let h = u64::from(head);
-        [h * hb, (u64::from(self.num_kv_heads) + h) * hb]
-    }
-
-    /// Bytes of one block, K and V of every head.
-    pub fn block_bytes(&self) -> u64 {
-        2 * u64::from(self.num_kv_heads) * self.head_bytes()
-    }
-
-    /// Bytes of one block's summary row (min and max of the keys per head).
-    pub fn summary_row_bytes(&self) -> u64 {
-        u64::from(self.num_kv_heads) * 2 * u64::from(self.head_dim) * u64::from(self.dtype_bytes)
-    }
-
-    /// Bytes a [`BlockKey`] with this `head` reads.
-    pub fn read_bytes(&self, head: u16) -> u64 {
-        if head == ALL_HEADS {
-            self.block_bytes()
-        } else {
-            2 * self.head_bytes()
-        }
-    }
-
-    /// # Errors
-    /// [`Error::OutOfRange`] unless `layer < num_layers`.
-    pub fn check_layer(&self, layer: u16) -> Result<()> {
-        below("layer", layer.into(), self.num_layers.into())
-    }
-
-    /// # Errors
-    /// [`Error::OutOfRange`] unless `block < num_blocks`.
-    pub fn check_block(&self, block: u32) -> Result<()> {
-        below("block", block.into(), self.num_blocks.into())
-    }
-
-    /// # Errors
-    /// [`Error::OutOfRange`] unless `head < num_kv_heads` or `head == ALL_HEADS`.
-    pub fn check_head(&self, head: u16) -> Result<()> {
-        if head == ALL_HEADS {
-            return Ok(());
-        }
-        below("head", head.into(), self.num_kv_heads.into())
-    }
-}
-
-fn below(field: &'static str, value: u64, limit: u64) -> Result<()> {
-    if value < limit {
-        Ok(())
-    } else {
-        Err(Error::OutOfRange {
-            field,
-            value,
-            limit,
-        })
-    }
-}
-
-fn range_nonzero(field: &'static str, value: u64, max: u64) -> Result<()> {
-    if value == 0 {
-        return Err(Error::Invalid {
-            field,
-            reason: "must be nonzero",
-        });
-    }
-    if value > max {
-        return Err(Error::OutOfRange {
-            field,
-            value,
-            limit: max,
-        });
-    }
-    Ok(())
 }
 
 /// One staged block: `data` is `geometry.block_bytes()` long.
@@ -683,6 +554,7 @@ impl Writer {
         self.u16(g.head_dim);
         self.u8(g.dtype_bytes);
         self.u32(g.num_blocks);
+        self.u8(g.kv_format.as_u8());
     }
     fn blocks(&mut self, blocks: &[StagedBlock]) {
         self.u32(blocks.len() as u32);
@@ -1222,6 +1094,7 @@ impl Reader {
             head_dim: self.u16("head_dim")?,
             dtype_bytes: self.u8("dtype_bytes")?,
             num_blocks: self.u32("num_blocks")?,
+            kv_format: KvFormat::from_u8(self.u8("kv_format")?)?,
         };
         g.validate()?;
         Ok(g)
@@ -1559,6 +1432,7 @@ mod tests {
             head_dim: 8,
             dtype_bytes: 2,
             num_blocks: 10,
+            kv_format: KvFormat::Plain,
         }
     }
 

@@ -13,9 +13,9 @@ use std::time::Duration;
 use bytes::Bytes;
 use oasis_rt::protocol::{
     decode_body, decode_frame, encode_frame, Admission, BlockKey, Blocks, BlocksRma, ErrorReply,
-    FetchAdmission, Geometry, Hello, HelloOk, LayerBlock, Message, ReadBlocks, ReadBlocksRma,
-    RemoteRegion, RmaRange, Section, StageAdmission, StageBlocks, StageSummaries, StagedBlock,
-    StatsSnapshot, SummaryRun,
+    FetchAdmission, Geometry, Hello, HelloOk, KvFormat, LayerBlock, Message, ReadBlocks,
+    ReadBlocksRma, RemoteRegion, RmaRange, Section, StageAdmission, StageBlocks, StageSummaries,
+    StagedBlock, StatsSnapshot, SummaryRun, PROTOCOL_VERSION,
 };
 use oasis_rt::transport::read_frame;
 use oasis_rt::ErrorCode;
@@ -128,6 +128,8 @@ fn check(input: &[u8]) -> Result<(), TestCaseError> {
     Ok(())
 }
 
+/// Geometries of both block formats; fp8 with a 1-byte dtype (which the encoder refuses) now
+/// and then, so the refusal is exercised too.
 fn geometry() -> impl Strategy<Value = Geometry> {
     (
         1u16..4,
@@ -136,15 +138,27 @@ fn geometry() -> impl Strategy<Value = Geometry> {
         1u16..5,
         prop_oneof![Just(1u8), Just(2), Just(4)],
         1u32..6,
+        prop_oneof![Just(KvFormat::Plain), Just(KvFormat::Fp8E4m3)],
     )
         .prop_map(
-            |(num_layers, num_kv_heads, block_size, head_dim, dtype_bytes, num_blocks)| Geometry {
+            |(
                 num_layers,
                 num_kv_heads,
                 block_size,
                 head_dim,
                 dtype_bytes,
                 num_blocks,
+                kv_format,
+            )| {
+                Geometry {
+                    num_layers,
+                    num_kv_heads,
+                    block_size,
+                    head_dim,
+                    dtype_bytes,
+                    num_blocks,
+                    kv_format,
+                }
             },
         )
 }
@@ -448,7 +462,7 @@ proptest! {
         let mut input = input;
         // Give random payloads a plausible header now and then.
         if fix && input.len() >= 8 {
-            input[4] = 1;
+            input[4] = PROTOCOL_VERSION;
             input[5] = kind;
             input[6] = 0;
             input[7] = 0;

@@ -4,6 +4,12 @@ sparse (``Engine.admit_sparse``), bring the admission (every summary row and the
 or with ``kv_transfer="full"`` every block) into the host pool and summaries, from what the read
 ahead brought (:class:`~oasiskv.disagg.read_ahead.ReadAhead`) or read in the loop, put the
 partial last block in the local page, and select the initial working set with the staged query.
+
+An engine with an fp8 host tier (``KvConfig(kv_dtype="fp8_e4m3")`` or ``host_kv_dtype="fp8_e4m3"``)
+admits fp8 blocks (the geometry's ``kv_format`` 1), codes into the pool and scales into its scales,
+and refuses plain ones (and a plain engine fp8 ones) saying which ``KvConfig`` fixes it; a full
+transfer then takes the staged summaries too (they bound the keys before quantization, which an
+fp8 host pool no longer holds), and float pages take the local block from ``oasis/local_kv``.
 """
 
 from __future__ import annotations
@@ -14,12 +20,13 @@ import math
 import torch
 
 from .. import ops
+from ..config import FP8_KV
 from ..engine import Request, csr_tables, i32
 from ..errors import ConfigError, RemoteError
 from . import wire
 from .read_ahead import Prefetched
 from .state import StagedState
-from .wire import DTYPES, META_FORMAT, META_SECTION, QUERY_SECTION, StagedRequest
+from .wire import DTYPES, LOCAL_SECTION, META_FORMAT, META_SECTION, QUERY_SECTION, StagedRequest
 
 
 class AdmissionMixin:
@@ -28,7 +35,7 @@ class AdmissionMixin:
     (``conns``: the daemon connections, ``presence``: the presence map, ``read_ahead``) and the
     staged requests' bookkeeping (``_by_req``, ``_bounded``, ``_failed``, ``_admitting``), and the
     host pool writes and reads the admission shares with decode (``_grow_maps``, ``_take_row``,
-    ``_rows_for``, ``_store``, ``_store_blocks``, ``_count_cached``, ``_ensure``, ``_read``,
+    ``_rows_for``, ``_blocks_of``, ``_store``, ``_store_blocks``, ``_count_cached``, ``_ensure``, ``_read``,
     ``_release_remote``, ``end``)."""
 
     @torch.no_grad()
@@ -47,21 +54,44 @@ class AdmissionMixin:
             self.conns.release(handle.request_id)
             raise
 
-    def _geometry(self, prompt_len: int) -> tuple[int, int, int, int, int, int]:
-        """The daemon geometry a staged ``prompt_len``-token request must have for this engine."""
+    def _geometry(self, prompt_len: int) -> tuple[int, int, int, int, int, int, int]:
+        """The daemon geometry a staged ``prompt_len``-token request must have for this engine:
+        its blocks in the host pool's format (fp8 host tier: ``kv_format`` fp8)."""
         eng, g = self.engine, self.engine.geo
         nb = math.ceil(prompt_len / g.block_size)
-        return (eng.cfg.num_hidden_layers, g.num_kv_heads, g.block_size, g.head_dim, eng.dtype.itemsize, nb)
+        fmt = wire.KV_FORMAT_FP8 if eng.host_kv8 else wire.KV_FORMAT_PLAIN
+        return (
+            eng.cfg.num_hidden_layers,
+            g.num_kv_heads,
+            g.block_size,
+            g.head_dim,
+            eng.dtype.itemsize,
+            nb,
+            fmt,
+        )
 
     def _admit(self, r: Request, handle: StagedRequest) -> None:
         eng = self.engine
         n = len(r.prompt)
         expect = self._geometry(n)
-        if tuple(handle.geometry) != expect:
+        got = tuple(handle.geometry)
+        if len(got) == len(expect) and got[:-1] == expect[:-1] and got[-1] != expect[-1]:
+            staged, mine = wire.kv_format_name(got[-1]), wire.kv_format_name(expect[-1])
+            fix = (
+                "pass KvConfig(host_kv_dtype='fp8_e4m3') (or the worker's kv_dtype='fp8_e4m3') to this engine"
+                if got[-1] == wire.KV_FORMAT_FP8
+                else "stage it with a PrefillWorker whose KvConfig has the same kv_dtype and host_kv_dtype "
+                "(fp8_e4m3), or drop them from this engine's KvConfig"
+            )
             raise ConfigError(
-                f"the staged request has geometry {tuple(handle.geometry)} (layers, kv heads, block "
-                f"size, head dim, dtype bytes, blocks) but this engine needs {expect}; prefill with the "
-                "same model, KvConfig.block_size and kv dtype"
+                f"the staged request's blocks are {staged} (geometry kv_format {got[-1]}) but this engine's "
+                f"host pool holds {mine} blocks; {fix}"
+            )
+        if got != expect:
+            raise ConfigError(
+                f"the staged request has geometry {got} (layers, kv heads, block size, head dim, dtype "
+                f"bytes, blocks, kv format) but this engine needs {expect}; prefill with the same model, "
+                "KvConfig.block_size and kv dtypes"
             )
         if not eng.runtime.reservation(n, r.max_new_tokens)[2]:
             raise ConfigError(
@@ -104,15 +134,20 @@ class AdmissionMixin:
             pf = self.read_ahead.take(handle.request_id)
             if self.transfer == "full":
                 # The baseline: every block crosses; the summaries are built here, as a local
-                # transition to sparse builds them.
-                if pf is not None:
+                # transition to sparse builds them. Not from an fp8 host pool: the engine's
+                # summaries bound the keys before quantization, so the staged rows come along.
+                if eng.host_kv8:
+                    sections = self._fetch_admission(st, layers, pf)
+                elif pf is not None:
                     sections = self._checked_sections(st, pf.sections)
-                    for layer, logicals, data in pf.frames:
-                        self._install(st, layer, logicals, None, data)
                 else:
                     sections = self._fetch_sections(st)
+                if pf is not None:
+                    for layer, logicals, data in pf.frames:
+                        self._install(st, layer, logicals, None, data)
                 self._fetch_rest(st, layers)  # whatever the read ahead did not bring
-                self._build_summaries(tr)
+                if not eng.host_kv8:
+                    self._build_summaries(tr)
             else:
                 sections = self._fetch_admission(st, layers, pf)
                 if pf is not None:
@@ -132,6 +167,13 @@ class AdmissionMixin:
                 raise ConfigError(
                     f"staged KV dtype {meta.get('dtype')!r} differs from this engine's {eng.dtype}"
                 )
+            pages = FP8_KV if eng.page_kv8 else wire.dtype_name(eng.dtype)
+            if meta.get("kv_dtype", meta.get("dtype")) != pages:
+                raise ConfigError(
+                    f"the staged request was prefilled over {meta.get('kv_dtype')} GPU pages, this engine "
+                    f"keeps {pages} pages: pass the same KvConfig.kv_dtype to the PrefillWorker and the "
+                    "decode engine (the staged summaries bound the keys its pages hold)"
+                )
             raw = sections[QUERY_SECTION]
             want = layers * g.num_qo_heads * g.head_dim * eng.dtype.itemsize
             if len(raw) != want:
@@ -145,10 +187,19 @@ class AdmissionMixin:
                 # The partial last block is the local block: its tokens go to the local page.
                 last = torch.tensor([host_rows[-1]], dtype=torch.long)
                 heads = torch.arange(g.num_kv_heads)
+                local = self._local_kv(sections, layers)
+                lp, row = tr["local_page"], host_rows[-1]
                 for layer in range(layers):
                     self._ensure(layer, last.expand(g.num_kv_heads), heads)
-                    p.k_pages[layer][tr["local_page"]] = p.host_k[layer][host_rows[-1]].to(p.k_pages[layer])
-                    p.v_pages[layer][tr["local_page"]] = p.host_v[layer][host_rows[-1]].to(p.v_pages[layer])
+                    if local is not None:  # float pages over an fp8 host pool: unquantized
+                        p.k_pages[layer][lp] = local[layer, 0].to(p.k_pages[layer])
+                        p.v_pages[layer][lp] = local[layer, 1].to(p.v_pages[layer])
+                        continue
+                    p.k_pages[layer][lp] = p.host_k[layer][row].to(p.k_pages[layer])
+                    p.v_pages[layer][lp] = p.host_v[layer][row].to(p.v_pages[layer])
+                    if eng.page_kv8:  # fp8 pages and host pool: the codes and their scales
+                        p.k_scales[layer][lp] = p.host_k_scales[layer][row].to(p.k_scales[layer])
+                        p.v_scales[layer][lp] = p.host_v_scales[layer][row].to(p.v_scales[layer])
             r.sparse = True
             r.metrics.sparse_since_token = r.kv_len
             self._select_initial(r, tr, query)
@@ -226,6 +277,26 @@ class AdmissionMixin:
             )
         return sections
 
+    def _local_kv(self, sections: dict, layers: int) -> torch.Tensor | None:
+        """The staged partial last block, unquantized, ``[layers, 2, Hkv, b, D]``, when this
+        engine's pages are float over an fp8 host pool (None otherwise: the host row holds the
+        local page's bytes)."""
+        eng = self.engine
+        if not eng.host_kv8 or eng.page_kv8:
+            return None
+        g = eng.geo
+        raw = sections.get(LOCAL_SECTION)
+        want = layers * 2 * g.num_kv_heads * g.block_size * g.head_dim * eng.dtype.itemsize
+        if raw is None or len(raw) != want:
+            got = "none" if raw is None else f"{len(raw)} bytes"
+            raise ConfigError(
+                f"the staged request's {LOCAL_SECTION} section has {got}, this engine needs {want} "
+                "(the partial last block unquantized, for its float local page); stage it with a "
+                "PrefillWorker of this engine's KvConfig (kv_dtype, host_kv_dtype)"
+            )
+        x = torch.frombuffer(bytearray(raw), dtype=eng.dtype)
+        return x.view(layers, 2, g.num_kv_heads, g.block_size, g.head_dim)
+
     def _build_summaries(self, tr: dict) -> None:
         """Summaries of every block from the host pool (``transfer="full"``)."""
         eng = self.engine
@@ -238,7 +309,7 @@ class AdmissionMixin:
     def _write_admission(self, st: StagedState, adm: dict) -> None:
         eng = self.engine
         p, g, dt = eng.pools, eng.geo, eng.dtype
-        hk, b, d = g.num_kv_heads, g.block_size, g.head_dim
+        hk, d = g.num_kv_heads, g.head_dim
         hb = st.host_blocks
         if adm["summary_runs"]:
             rows = torch.frombuffer(adm["summaries"], dtype=dt).view(-1, hk, 2, d)
@@ -248,7 +319,7 @@ class AdmissionMixin:
                 p.summaries[layer][idx] = rows[at : at + num].to(eng.device)
                 at += num
         if adm["block_keys"]:
-            blocks = torch.frombuffer(adm["blocks"], dtype=dt).view(-1, 2, hk, b, d)
+            blocks = self._blocks_of(adm["blocks"], len(adm["block_keys"]), hk)
             by_layer: dict[int, list[int]] = {}
             for i, (layer, _) in enumerate(adm["block_keys"]):
                 by_layer.setdefault(layer, []).append(i)
@@ -263,9 +334,8 @@ class AdmissionMixin:
                     logicals = [adm["block_keys"][i][1] for i in rows_i]
                 rows = self._rows_for(st, logicals, logicals)
                 sel = torch.tensor(rows_i, dtype=torch.long)
-                self._store_blocks(
-                    st, layer, torch.tensor(rows, dtype=torch.long), blocks.index_select(0, sel)
-                )
+                chosen = tuple(None if x is None else x.index_select(0, sel) for x in blocks)
+                self._store_blocks(st, layer, torch.tensor(rows, dtype=torch.long), chosen)
 
     def _fetch_rest(self, st: StagedState, layers: int) -> None:
         """``transfer="full"``: read every block the admission did not bring, whole."""

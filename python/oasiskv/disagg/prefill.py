@@ -29,6 +29,19 @@ weights, 8 KV heads, 16K: 1.6 GB of 2.4 GB for the union). It has two sections: 
 query, ``[num_layers, num_qo_heads, head_dim]`` in the KV dtype: the decode side recomputes the
 same per-head top-K from it and the summaries, so the head-wise mapping needs no index transfer).
 Then it frees its pages: the daemon holds the KV until the decode side releases it.
+
+**fp8.** The blocks are staged in the format of the worker's own host tier: with
+``KvConfig(kv_dtype="fp8_e4m3")`` or ``KvConfig(host_kv_dtype="fp8_e4m3")`` as fp8_e4m3 codes with a
+float32 scale per (block, KV head) (the daemon geometry's ``kv_format`` 1: each head's codes, then
+its scale), byte for byte what the single-process engine with that ``KvConfig`` holds in its host
+pool after the request turns sparse: the fp8 pages' own codes and scales, or float pages quantized
+block by block over the prompt's rows (``ops.quantize_kv8``, the rule of the engine's dense-to-sparse
+copy). About half the bytes of bf16 blocks: ``(b*d + 4) / (2*b*d)`` per head segment. The
+summaries and the query stay in the model dtype and bound the keys the engine's do (the unquantized
+keys over float pages, the stored values over fp8 pages). Over float pages, the partial last block
+also goes unquantized in an ``oasis/local_kv`` section: the decode side's local page holds it as the
+prompt computed it. The decode side must use the same ``kv_dtype`` and ``host_kv_dtype``; it
+refuses a staged format that is not its host pool's.
 """
 
 from __future__ import annotations
@@ -39,17 +52,21 @@ import secrets
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 
 import torch
 
 from .. import ops
-from ..config import KvConfig
+from ..config import FP8_KV, KvConfig
 from ..drafters import Drafter, make_drafter
 from ..engine import Engine, Request
 from ..errors import ConfigError, RemoteError
 from .wire import (
     ADMISSIONS,
     FIRST_QUERIES,
+    KV_FORMAT_FP8,
+    KV_FORMAT_PLAIN,
+    LOCAL_SECTION,
     META_FORMAT,
     META_SECTION,
     QUERY_SECTION,
@@ -58,6 +75,8 @@ from .wire import (
     connect,
     dtype_name,
     first_top_k,
+    kv_format_name,
+    pack_kv8,
 )
 
 
@@ -67,7 +86,8 @@ class PrefillWorker:
     Args:
         model: a ``CausalLM`` (the decode side must run the same weights).
         kv: the cache configuration; ``block_size`` and ``top_k_blocks`` shape what is staged and
-            selected (use the decode engine's). ``block_score="codes"`` is not supported.
+            selected, ``kv_dtype``/``host_kv_dtype`` the blocks' format (fp8 host tier: fp8
+            blocks; use the decode engine's). ``block_score="codes"`` is not supported.
         addr: the daemon, ``"HOST:PORT"`` or ``"oasis-rt://HOST:PORT"`` (TCP), or
             ``"oasis-rt+ucx://HOST:PORT"`` (UCX: a daemon on ``--transport ucx``; where libucp is
             missing this raises ``ConfigError``).
@@ -203,7 +223,8 @@ class PrefillWorker:
             if self.first_query == "first_token":
                 # The paper's extra decode step: t0 through the model, densely; its query (the
                 # engine keeps each layer's last query row) selects the first step's blocks.
-                eng.decode_step([r])
+                with self._prompt_pages_kept(r, n):
+                    eng.decode_step([r])
             query = torch.stack([q[0] for q in eng._last_q]).to(eng.dtype)  # [layers, Hq, D]
             t_stage = time.perf_counter()
             prefill_s = t_stage - t_start
@@ -233,16 +254,42 @@ class PrefillWorker:
                 except RemoteError:
                     pass  # the daemon is gone or never had it
 
-    def _buffers(self, nb: int, block_shape: tuple, summary_shape: tuple, count: int):
+    @contextmanager
+    def _prompt_pages_kept(self, r: Request, n: int):
+        """Run the body (the extra decode step) and put the prompt's partial last fp8 page back as
+        it was: appending the first token requantizes that page (its scale may grow), while the
+        host pool of a single-process engine, and so the staged block, holds the prompt's own
+        quantization. Nothing to keep over float pages or a full last block."""
+        eng = self.engine
+        p, b = eng.pools, eng.geo.block_size
+        if not (eng.page_kv8 and n % b):
+            yield
+            return
+        last = r.pages[n // b]
+        tensors = (p.k_pages, p.v_pages, p.k_scales, p.v_scales)
+        saved = [tuple(t[layer][last].clone() for t in tensors) for layer in range(p.num_layers)]
+        try:
+            yield
+        finally:
+            for layer, kept in enumerate(saved):
+                for t, x in zip(tensors, kept, strict=True):
+                    t[layer][last] = x
+
+    def _buffers(self, nb: int, block_shape: tuple, block_dtype, summary_shape: tuple, count: int):
         """``count`` (blocks, summaries) host buffers of at least ``nb`` blocks, kept between calls
         (pinned on a GPU, so that the device-to-host copies are asynchronous)."""
         eng = self.engine
         b = self._bufs
-        if len(b) != count or b[0][0].shape[0] < nb or b[0][0].shape[1:] != block_shape:
+        if (
+            len(b) != count
+            or b[0][0].shape[0] < nb
+            or b[0][0].shape[1:] != block_shape
+            or b[0][0].dtype != block_dtype
+        ):
             pin = eng.device.type == "cuda"
             self._bufs = [
                 (
-                    torch.empty((nb, *block_shape), dtype=eng.dtype, pin_memory=pin),
+                    torch.empty((nb, *block_shape), dtype=block_dtype, pin_memory=pin),
                     torch.empty((nb, *summary_shape), dtype=eng.dtype, pin_memory=pin),
                 )
                 for _ in range(count)
@@ -267,7 +314,12 @@ class PrefillWorker:
         layers = self.model.config.num_hidden_layers
         nb = math.ceil(n / b)
         n_complete = n // b
-        geometry = (layers, hk, b, d, eng.dtype.itemsize, nb)
+        # The staged format is the host tier's (the module docs): fp8 blocks over an fp8 host tier.
+        kv8 = eng.host_kv8
+        fmt = KV_FORMAT_FP8 if kv8 else KV_FORMAT_PLAIN
+        geometry = (layers, hk, b, d, eng.dtype.itemsize, nb, fmt)
+        # Over float pages, the partial last block unquantized for the decode side's local page.
+        local = [] if kv8 and not eng.page_kv8 and n % b else None
         pages = torch.tensor(r.pages[:nb], dtype=torch.long, device=dev)
         lens = [b] * nb
         lens[-1] = n - (nb - 1) * b
@@ -280,7 +332,8 @@ class PrefillWorker:
         stored = 0
         clients = self._stage_clients()
         # One buffer more than connections: the next layer's copy lands while the others send.
-        bufs = self._buffers(nb, (2, hk, b, d), (hk, 2, d), len(clients) + 1)
+        block_shape, block_dtype = ((2, hk, b * d + 4), torch.uint8) if kv8 else ((2, hk, b, d), eng.dtype)
+        bufs = self._buffers(nb, block_shape, block_dtype, (hk, 2, d), len(clients) + 1)
         cuda = dev.type == "cuda"
         inflight: list[Future | None] = [None] * len(bufs)
         failed: list[BaseException] = []
@@ -322,8 +375,10 @@ class PrefillWorker:
                 if failed:
                     raise failed[0]
                 host_blocks, host_summaries = bufs[i]
-                # [nb, 2, Hkv, b, D]: the wire's block layout.
-                host_blocks[:nb].copy_(torch.stack([k, v], dim=1), non_blocking=cuda)
+                # [nb, 2, Hkv, b, D]: the wire's block layout (fp8: [nb, 2, Hkv, b*D codes + scale]).
+                host_blocks[:nb].copy_(self._wire_blocks(layer, pages, k, v, lens_t), non_blocking=cuda)
+                if local is not None:
+                    local.append(torch.stack([k[-1], v[-1]]))
                 host_summaries[:nb].copy_(summaries, non_blocking=cuda)
                 event = torch.cuda.Event() if cuda else None
                 if event is not None:
@@ -349,6 +404,8 @@ class PrefillWorker:
             "block_size": b,
             "top_k_blocks": kv.top_k_blocks,
             "dtype": dtype_name(eng.dtype),
+            "kv_format": kv_format_name(fmt),
+            "kv_dtype": FP8_KV if eng.page_kv8 else dtype_name(eng.dtype),
             "admission": self.admission,
             "union_blocks": union_sizes,
         }
@@ -356,5 +413,30 @@ class PrefillWorker:
             META_SECTION: json.dumps(meta).encode(),
             QUERY_SECTION: query.contiguous().cpu(),
         }
+        if local is not None:
+            sections[LOCAL_SECTION] = torch.stack(local).contiguous().cpu()  # [layers, 2, Hkv, b, D]
         stored += self.client.stage_admission(rid, selected, sections)[0]
         return geometry, len(selected), stored
+
+    def _wire_blocks(self, layer: int, pages, k: torch.Tensor, v: torch.Tensor, lens) -> torch.Tensor:
+        """``layer``'s blocks as the wire carries them: ``[nb, 2, Hkv, b, D]`` of the K and V values
+        ``k``, ``v`` (positions past the prompt zeroed); over an fp8 host tier ``[nb, 2, Hkv, b*D +
+        4]`` codes and scales (:func:`~oasiskv.disagg.wire.pack_kv8`): the fp8 pages' own, or
+        ``k``, ``v`` quantized over each block's ``lens`` rows, as the engine's dense-to-sparse
+        copy quantizes them into its host pool."""
+        eng = self.engine
+        if not eng.host_kv8:
+            return torch.stack([k, v], dim=1)
+        p = eng.pools
+        if eng.page_kv8:
+            return pack_kv8(
+                p.k_pages[layer][pages],
+                p.k_scales[layer][pages],
+                p.v_pages[layer][pages],
+                p.v_scales[layer][pages],
+            )
+        g, nb = eng.geo, k.shape[0]
+        (kc, ks), (vc, vs) = ops.empty_kv8(g, nb, eng.device), ops.empty_kv8(g, nb, eng.device)
+        ops.quantize_kv8(g, k.contiguous(), lens, kc, ks)
+        ops.quantize_kv8(g, v.contiguous(), lens, vc, vs)
+        return pack_kv8(kc, ks, vc, vs)

@@ -1,9 +1,10 @@
 """Reading staged requests ahead of their admission (:class:`ReadAhead`): while the engine decodes,
 a background thread reads the admission data of the first waiting staged requests (their
 sections and summaries with the admission set and each KV head's first working set, or with a
-full transfer every block) into host memory, spread over connections of its own. It touches
-nothing of the engine; the admission copies from the :class:`Prefetched` bytes instead of
-stalling the decode loop on the network, and reads what they lack itself.
+full transfer every block, and the summaries too over an fp8 host pool) into host memory,
+spread over connections of its own. It touches nothing of the engine; the admission copies from
+the :class:`Prefetched` bytes instead of stalling the decode loop on the network, and reads what
+they lack itself.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class ReadAhead:
         self.transfer = transfer
         self.cache_blocks = cache_blocks
         self._open = open_client
-        self._entry_bytes = wire.block_head_bytes(engine.geo, engine.dtype)
+        self._entry_bytes = wire.block_head_bytes(engine.geo, engine.dtype, engine.host_kv8)
         #: How many waiting staged requests :meth:`start` reads ahead (0: none; each admission
         #: then reads in the decode loop).
         self.depth = wire.PREFETCH_DEPTH
@@ -119,21 +120,26 @@ class ReadAhead:
         blocks; a layer range's admission reply and first working set) spread round-robin over
         :attr:`connections` connections of its own, one thread each, merged in layer
         order (so the frames are those the loop would read)."""
-        layers, hk, b, d, elem, nb = h.geometry
+        layers, hk, b, d, elem, nb, _ = h.geometry
         rid = h.request_id
         try:
             clients = self._open_clients()
             wire0 = [sum(c.wire_bytes) for c in clients]
             pf = Prefetched()
+            chunks = wire.admission_chunks(layers, nb * hk * 2 * d * elem)
             if self.transfer == "full":
-                pf.sections = dict(clients[0].fetch_admission(rid, 0, 0, True)["sections"])
+                if self.engine.host_kv8:
+                    # An fp8 host pool cannot rebuild the summaries: they come with the sections.
+                    pf.adms = list(wire.admission_replies(lambda fn: fn(clients[0]), rid, chunks))
+                    pf.sections = dict(pf.adms[0]["sections"])
+                else:
+                    pf.sections = dict(clients[0].fetch_admission(rid, 0, 0, True)["sections"])
                 units: list = list(range(layers))
 
                 def work(c, layer):
                     return [], self._read_whole(c, h, layer), []
 
             else:
-                chunks = wire.admission_chunks(layers, nb * hk * 2 * d * elem)
                 first = list(wire.admission_replies(lambda fn: fn(clients[0]), rid, chunks[:1]))
                 pf.sections = dict(first[0]["sections"])
                 query = torch.frombuffer(bytearray(pf.sections[QUERY_SECTION]), dtype=self.engine.dtype)
@@ -186,7 +192,7 @@ class ReadAhead:
 
     def _read_whole(self, c, h: StagedRequest, layer: int) -> list:
         """Every block of ``layer``, whole: ``(layer, logicals, bytes)`` per frame."""
-        _, hk, _, _, _, nb = h.geometry
+        hk, nb = h.geometry[1], h.geometry[5]
         per_frame = wire.entries_per_frame(self._entry_bytes * hk)
         frames = []
         for lo in range(0, nb, per_frame):
@@ -202,7 +208,7 @@ class ReadAhead:
         otherwise: the admission reads what this missed, in the loop. Nothing with a bounded
         cache (its rows are handed out at admission)."""
         eng, g = self.engine, self.engine.geo
-        _, hk, b, d, _, nb = h.geometry
+        _, hk, b, d, _, nb, _ = h.geometry
         n_complete = len(h.prompt) // b
         if n_complete == 0 or self.cache_blocks is not None:
             return []

@@ -89,11 +89,6 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
             )
         if engine.backend != "oasis":
             raise ConfigError("kv_source needs backend='oasis' (a staged request decodes sparsely)")
-        if engine.host_kv8:
-            raise ConfigError(
-                "KvConfig(host_kv_dtype='fp8_e4m3') is not served from a remote KV source yet (the "
-                "daemon stages bf16 blocks); pass host_kv_dtype=None with kv_source"
-            )
         if engine.key_codes:
             raise ConfigError(
                 "kv_source stages min/max summaries only; pass KvConfig(block_score='quest') "
@@ -203,8 +198,8 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
         self.presence.grow(self.engine.pools.num_host_rows)
 
     def _entry_bytes(self) -> int:
-        """Bytes of one block-head, K and V."""
-        return wire.block_head_bytes(self.engine.geo, self.engine.dtype)
+        """Bytes of one block-head, K and V (fp8 host pool: codes and scales)."""
+        return wire.block_head_bytes(self.engine.geo, self.engine.dtype, self.engine.host_kv8)
 
     # ---------------------------------------------------------------- decode-time misses
     @property
@@ -363,9 +358,12 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
         def keys_of(lo: int, hi: int) -> list:
             return [(self._by_req[owners[i]].daemon_id, lay[i], logical[i], heads[i]) for i in range(lo, hi)]
 
+        # An fp8 pool: each head's codes into host_k/host_v, the scale after them into the scales.
+        scales = (p.host_k_scales, p.host_v_scales) if p.host_kv8 else ()
+
         def read_into(c, lo: int, hi: int) -> list:
             """One frame's entries written into the pool by ``c``; their errors."""
-            return c.read_blocks_into(keys_of(lo, hi), rows[lo:hi], p.host_k, p.host_v)[1]
+            return c.read_blocks_into(keys_of(lo, hi), rows[lo:hi], p.host_k, p.host_v, *scales)[1]
 
         k, wait = (
             self.conns.start_parallel_reads(bounds, read_into) if conns > 1 and len(bounds) > 1 else (1, None)
@@ -427,22 +425,42 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
                 except Exception:  # noqa: BLE001, S110  the loop's own error is on its way out
                     pass
 
+    def _blocks_of(self, data, n: int, heads: int) -> tuple:
+        """``n`` read entries of ``heads`` KV heads each (every head: whole blocks), back to back
+        in ``data``, as ``(k, v, k_scales, v_scales)``: K and V ``[n, heads, block_size,
+        head_dim]`` in the host pool's dtype, and with an fp8 pool (``kv_format`` 1: codes, then
+        each head's scale) their scales ``[n, heads]`` (None otherwise)."""
+        eng = self.engine
+        g = eng.geo
+        if eng.host_kv8:
+            return wire.unpack_kv8(data, n, heads, g.block_size, g.head_dim)
+        x = torch.frombuffer(data, dtype=eng.dtype).view(n, 2, heads, g.block_size, g.head_dim)
+        return x[:, 0], x[:, 1], None, None
+
+    def _write_host(self, layer: int, at: tuple, kv: tuple) -> None:
+        """``(k, v, k_scales, v_scales)`` (:meth:`_blocks_of`) into the host pool at ``at``."""
+        p = self.engine.pools
+        dev = p.host_device
+        at = tuple(i.to(dev) for i in at)
+        k, v, ks, vs = kv
+        p.host_k[layer][at] = k.to(dev)
+        p.host_v[layer][at] = v.to(dev)
+        if ks is not None:
+            p.host_k_scales[layer][at] = ks.to(dev)
+            p.host_v_scales[layer][at] = vs.to(dev)
+
     def _store(self, layer: int, rows: torch.Tensor, heads: torch.Tensor | None, data) -> torch.Tensor:
         """Write read bytes into the host pool: block-heads ``(rows[i], heads[i])``, or with
         ``heads`` None every head of ``rows[i]``; mark them present. Returns how many of each
         entry's block-heads were absent before."""
-        eng = self.engine
-        p, g = eng.pools, eng.geo
-        dev = p.host_device
-        x = torch.frombuffer(data, dtype=eng.dtype)
+        g = self.engine.geo
         if heads is None:
-            x = x.view(len(rows), 2, g.num_kv_heads, g.block_size, g.head_dim)
-            at = (rows.to(dev),)
+            kv = self._blocks_of(data, len(rows), g.num_kv_heads)
+            at = (rows,)
         else:
-            x = x.view(len(rows), 2, g.block_size, g.head_dim)
-            at = (rows.to(dev), heads.to(dev))
-        p.host_k[layer][at] = x[:, 0].to(dev)
-        p.host_v[layer][at] = x[:, 1].to(dev)
+            kv = tuple(None if x is None else x[:, 0] for x in self._blocks_of(data, len(rows), 1))
+            at = (rows, heads)
+        self._write_host(layer, at, kv)
         return self.presence.mark_present(torch.full_like(rows, layer), rows, heads)
 
     def _store_frame(self, data, entry: int, lay: list, good: list, lo: int, hb, head) -> torch.Tensor:
@@ -489,13 +507,10 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
             self._take_row(st, row_of[logical], logical)
         return rows
 
-    def _store_blocks(self, st: StagedState, layer: int, hb: torch.Tensor, blocks: torch.Tensor) -> None:
-        """Whole blocks ``[n, 2, Hkv, b, D]`` into host rows ``hb``; marks every head present."""
-        p = self.engine.pools
-        dev = p.host_device
-        idx = hb.to(dev)
-        p.host_k[layer][idx] = blocks[:, 0].to(dev)
-        p.host_v[layer][idx] = blocks[:, 1].to(dev)
+    def _store_blocks(self, st: StagedState, layer: int, hb: torch.Tensor, blocks: tuple) -> None:
+        """Whole blocks ``(k, v, k_scales, v_scales)`` (:meth:`_blocks_of`) into host rows
+        ``hb``; marks every head present."""
+        self._write_host(layer, (hb,), blocks)
         self._count_cached(st, self.presence.mark_blocks(layer, hb))
 
     def _count_cached(self, st: StagedState, entries: int) -> None:

@@ -38,9 +38,21 @@ KV_TRANSFERS = ("full", "partial")
 #: selects its first working set), ``"union"`` every layer's union of the per-head top-K blocks,
 #: whole (fewer frames; with GQA the heads' sets differ and the union moves up to Hkv x the bytes).
 ADMISSIONS = ("heads", "union")
-#: Section names of the admission set (the protocol allows ``[a-z0-9_.:/-]``).
+#: Section names of the admission set (the protocol allows ``[a-z0-9_.:/-]``). ``LOCAL_SECTION``:
+#: the partial last block's K and V unquantized, ``[num_layers, 2, num_kv_heads, block_size,
+#: head_dim]`` in the model dtype, staged with fp8 blocks over float GPU pages only (the local
+#: page holds them as the prompt computed them, as the single-process engine's does).
 META_SECTION = "oasis/meta"
 QUERY_SECTION = "oasis/query"
+LOCAL_SECTION = "oasis/local_kv"
+#: The daemon geometry's ``kv_format`` (its last field): blocks of model-dtype elements, or of
+#: fp8_e4m3 codes with each head's float32 scale after its rows (the fp8 host pool's bytes).
+KV_FORMAT_PLAIN = 0
+KV_FORMAT_FP8 = 1
+#: ``kv_format`` by name (``KvConfig``'s spelling of the fp8 one).
+KV_FORMATS = {"plain": KV_FORMAT_PLAIN, "fp8_e4m3": KV_FORMAT_FP8}
+#: Bytes of the float32 scale ending an fp8 head segment.
+KV8_SCALE_BYTES = 4
 #: Version of the ``oasis/meta`` layout.
 META_FORMAT = 1
 #: Bytes of a frame besides its entries (length prefix, header, counts), rounded up; per-entry
@@ -118,8 +130,10 @@ class StagedRequest:
     a drafter; informational: the decode engine's own drafter proposes the first draft from the
     same tokens). ``admission_blocks`` counts the admission set's blocks over all layers,
     ``staged_bytes`` what the daemon stored, ``kv_bytes`` the request's KV (every block, every
-    layer: what a full transfer moves), ``geometry`` the daemon's 6-tuple
-    ``(num_layers, num_kv_heads, block_size, head_dim, dtype_bytes, num_blocks)``.
+    layer: what a full transfer moves), ``geometry`` the daemon's 7-tuple
+    ``(num_layers, num_kv_heads, block_size, head_dim, dtype_bytes, num_blocks, kv_format)``
+    (``dtype_bytes``: the model dtype's, of the summaries and the query; ``kv_format``: one of
+    :data:`KV_FORMATS`, how the blocks are stored).
     """
 
     request_id: int
@@ -127,7 +141,7 @@ class StagedRequest:
     first_token: int
     draft: int | None
     first_query: str
-    geometry: tuple[int, int, int, int, int, int]
+    geometry: tuple[int, int, int, int, int, int, int]
     admission_blocks: int
     staged_bytes: int
     kv_bytes: int
@@ -172,10 +186,45 @@ def connect(src: str, token, timeout_s: float):
     return RtClient(kv_source_url(src), token=token, timeout_s=float(timeout_s))
 
 
+def head_segment_bytes(geometry) -> int:
+    """Bytes of one KV head's K (or V) segment of a block of a daemon ``geometry``: its rows, and
+    with ``kv_format`` fp8 the codes' scale after them (``Geometry::head_bytes`` of oasis-rt)."""
+    _, _, b, d, elem, _, fmt = geometry
+    if fmt == KV_FORMAT_FP8:
+        return b * d + KV8_SCALE_BYTES
+    return b * d * elem
+
+
 def block_bytes(geometry) -> int:
     """Bytes of one whole block (K and V, every KV head) of a daemon ``geometry``."""
-    _, hk, b, d, elem, _ = geometry
-    return 2 * hk * b * d * elem
+    return 2 * geometry[1] * head_segment_bytes(geometry)
+
+
+def kv_format_name(fmt: int) -> str:
+    """``1`` -> ``"fp8_e4m3"`` (a key of :data:`KV_FORMATS`); unknown values as ``"kv_format N"``."""
+    return next((k for k, v in KV_FORMATS.items() if v == fmt), f"kv_format {fmt}")
+
+
+def pack_kv8(k_codes, k_scales, v_codes, v_scales) -> torch.Tensor:
+    """fp8 blocks in the wire's layout: codes ``[n, num_kv_heads, block_size, head_dim]`` (uint8)
+    and scales ``[n, num_kv_heads]`` (float32) of K and V -> uint8 ``[n, 2, num_kv_heads,
+    block_size * head_dim + 4]``, each head's codes followed by its scale (little-endian)."""
+    n, hk, b, d = k_codes.shape
+    out = torch.empty(n, 2, hk, b * d + KV8_SCALE_BYTES, dtype=torch.uint8, device=k_codes.device)
+    for side, (codes, scales) in enumerate(((k_codes, k_scales), (v_codes, v_scales))):
+        out[:, side, :, : b * d] = codes.reshape(n, hk, b * d)
+        out[:, side, :, b * d :] = scales.to(torch.float32).contiguous().view(torch.uint8).view(n, hk, 4)
+    return out
+
+
+def unpack_kv8(data, n: int, heads: int, b: int, d: int):
+    """The inverse of :func:`pack_kv8` for ``n`` entries of ``heads`` heads each (a whole block:
+    every head; a block-head read: one): ``(k_codes, v_codes)`` uint8 ``[n, heads, b, d]`` and
+    ``(k_scales, v_scales)`` float32 ``[n, heads]``."""
+    x = torch.frombuffer(data, dtype=torch.uint8).view(n, 2, heads, b * d + KV8_SCALE_BYTES)
+    codes = x[..., : b * d].reshape(n, 2, heads, b, d)
+    scales = x[..., b * d :].contiguous().view(torch.float32).view(n, 2, heads)
+    return codes[:, 0], codes[:, 1], scales[:, 0], scales[:, 1]
 
 
 def admission_chunks(layers: int, layer_bytes: int) -> list[tuple[int, int]]:
@@ -232,7 +281,9 @@ def read_all(client, keys: list, what: str):
     return data
 
 
-def block_head_bytes(geo, dtype: torch.dtype) -> int:
+def block_head_bytes(geo, dtype: torch.dtype, kv8: bool = False) -> int:
     """Bytes of one block-head (one KV head of one block), K and V, under the engine geometry
-    ``geo``: the unit of a decode-time read."""
+    ``geo``: the unit of a decode-time read. ``kv8``: fp8 blocks (codes and a scale per side)."""
+    if kv8:
+        return 2 * (geo.block_size * geo.head_dim + KV8_SCALE_BYTES)
     return 2 * geo.block_size * geo.head_dim * dtype.itemsize

@@ -97,22 +97,134 @@ pub(super) fn payload(py: Python<'_>, name: &str, obj: &Bound<'_, PyAny>) -> PyR
     Ok(out)
 }
 
-/// One `bytearray` holding `parts` back to back; the copy runs with the GIL released.
-/// Where `read_blocks_into` writes entry `i`: its K half at `k`, its V half at `v`, `half`
-/// bytes each.
+/// Where `read_blocks_into` writes an entry: its heads' K rows from `k` on and V rows from `v`
+/// on (`head_bytes` apart), and with an fp8 pool each head's K and V scale from `scales` on (4
+/// bytes apart). The entry is the wire's `[2 (K, V)][heads]` segments (rows, then the scale
+/// when `scales` is set).
 pub(super) struct Dest {
     pub(super) k: usize,
     pub(super) v: usize,
-    pub(super) half: usize,
+    pub(super) scales: Option<(usize, usize)>,
+    /// 1 (a block-head) or every head of the row (a whole block).
+    pub(super) heads: usize,
+    /// Bytes of one head's rows in the pool (`block_size * head_dim * elem_size`).
+    pub(super) head_bytes: usize,
 }
 
-/// Check the pools and every `(key, row)` against them; the destinations in key order.
+/// Bytes of a float32 scale.
+const SCALE_BYTES: usize = 4;
+
+impl Dest {
+    fn segment(&self) -> usize {
+        self.head_bytes
+            + if self.scales.is_some() {
+                SCALE_BYTES
+            } else {
+                0
+            }
+    }
+
+    /// The entry's length on the wire: what `write` takes.
+    pub(super) fn entry_bytes(&self) -> usize {
+        2 * self.heads * self.segment()
+    }
+
+    /// Copy an entry of [`Self::entry_bytes`] into the pools.
+    ///
+    /// # Safety
+    /// 1. `src.len() == self.entry_bytes()`.
+    /// 2. The destinations (`heads * head_bytes` bytes from `k` and from `v`; `heads * 4` from
+    ///    each scale address) lie inside live CPU tensors nothing else writes during the call,
+    ///    and none of them overlaps `src`.
+    pub(super) unsafe fn write(&self, src: &[u8]) {
+        debug_assert_eq!(src.len(), self.entry_bytes());
+        let p = src.as_ptr();
+        let rows = self.heads * self.head_bytes;
+        match self.scales {
+            // Plain pools: the K half, then the V half, each contiguous on both sides.
+            None => unsafe {
+                std::ptr::copy_nonoverlapping(p, self.k as *mut u8, rows);
+                std::ptr::copy_nonoverlapping(p.add(rows), self.v as *mut u8, rows);
+            },
+            Some((ks, vs)) => {
+                let seg = self.segment();
+                for (side, (rows_at, scales_at)) in
+                    [(self.k, ks), (self.v, vs)].into_iter().enumerate()
+                {
+                    for j in 0..self.heads {
+                        let at = (side * self.heads + j) * seg;
+                        unsafe {
+                            std::ptr::copy_nonoverlapping(
+                                p.add(at),
+                                (rows_at + j * self.head_bytes) as *mut u8,
+                                self.head_bytes,
+                            );
+                            std::ptr::copy_nonoverlapping(
+                                p.add(at + self.head_bytes),
+                                (scales_at + j * SCALE_BYTES) as *mut u8,
+                                SCALE_BYTES,
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Check `pools` (one CPU tensor per layer, all contiguous, of `first`'s shape and dtype).
+fn check_pools(
+    py: Python<'_>,
+    what: &str,
+    pools: &[&TensorArg],
+    shape: &[usize],
+    dtype: &str,
+) -> PyResult<()> {
+    for t in pools {
+        if t.device != "cpu" {
+            return Err(py_err(
+                py,
+                "DeviceError",
+                format!("{what} pools must be CPU tensors, got one on {}", t.device),
+            ));
+        }
+        if !t.contiguous {
+            return Err(py_err(
+                py,
+                "ShapeError",
+                format!("{what} pools must be contiguous"),
+            ));
+        }
+        if t.shape != shape {
+            return Err(py_err(
+                py,
+                "ShapeError",
+                format!(
+                    "every {what} pool must have shape {shape:?}; got {:?}",
+                    t.shape
+                ),
+            ));
+        }
+        if t.dtype != dtype {
+            return Err(py_err(
+                py,
+                "DTypeError",
+                format!("{what} pools must be {dtype}, got {}", t.dtype),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Check the pools (and with an fp8 pool its scales) and every `(key, row)` against them; the
+/// destinations in key order.
 pub(super) fn pool_dests(
     py: Python<'_>,
     keys: &[(u64, u16, u32, i32)],
     rows: &[i64],
     host_k: &[TensorArg],
     host_v: &[TensorArg],
+    scales: Option<(&[TensorArg], &[TensorArg])>,
 ) -> PyResult<Vec<Dest>> {
     if rows.len() != keys.len() {
         return Err(bad_arg(
@@ -135,47 +247,44 @@ pub(super) fn pool_dests(
         ));
     }
     let first = &host_k[0];
-    for (name, t) in host_k
-        .iter()
-        .map(|t| ("host_k", t))
-        .chain(host_v.iter().map(|t| ("host_v", t)))
-    {
-        if t.device != "cpu" {
-            return Err(py_err(
+    if first.shape.len() != 4 {
+        return Err(py_err(
+            py,
+            "ShapeError",
+            format!(
+                "every host pool must be [rows, num_kv_heads, block_size, head_dim]; got {:?}",
+                first.shape
+            ),
+        ));
+    }
+    let pools: Vec<&TensorArg> = host_k.iter().chain(host_v).collect();
+    check_pools(py, "host_k and host_v", &pools, &first.shape, &first.dtype)?;
+    let (nrows, heads) = (first.shape[0], first.shape[1]);
+    if let Some((ks, vs)) = scales {
+        if ks.len() != host_k.len() || vs.len() != host_k.len() {
+            return Err(bad_arg(
                 py,
-                "DeviceError",
-                format!("{name} pools must be CPU tensors, got one on {}", t.device),
-            ));
-        }
-        if !t.contiguous {
-            return Err(py_err(
-                py,
-                "ShapeError",
-                format!("{name} pools must be contiguous"),
-            ));
-        }
-        if t.shape.len() != 4 || t.shape != first.shape {
-            return Err(py_err(
-                py,
-                "ShapeError",
                 format!(
-                    "every host pool must be [rows, num_kv_heads, block_size, head_dim] of one shape; got {:?} and {:?}",
-                    first.shape, t.shape
+                    "host_k_scales and host_v_scales need one tensor per layer ({}), got {} and {}",
+                    host_k.len(),
+                    ks.len(),
+                    vs.len()
                 ),
             ));
         }
-        if t.dtype != first.dtype {
+        if first.elem_size != 1 {
             return Err(py_err(
                 py,
                 "DTypeError",
                 format!(
-                    "host pools of mixed dtypes ({} and {})",
-                    first.dtype, t.dtype
+                    "scales go with fp8_e4m3 pools of uint8 codes, got {} pools; pass no scales",
+                    first.dtype
                 ),
             ));
         }
+        let sc: Vec<&TensorArg> = ks.iter().chain(vs).collect();
+        check_pools(py, "host scale", &sc, &[nrows, heads], "float32")?;
     }
-    let (nrows, heads) = (first.shape[0], first.shape[1]);
     let head_bytes = first.shape[2] * first.shape[3] * first.elem_size;
     let mut out = Vec::with_capacity(keys.len());
     for (&(_, layer, block, head), &row) in keys.iter().zip(rows) {
@@ -198,11 +307,9 @@ pub(super) fn pool_dests(
                     format!("host row {row} is outside the pools' {nrows} rows"),
                 )
             })?;
-        let (at, half) = match head {
-            -1 => (row * heads * head_bytes, heads * head_bytes),
-            h if h >= 0 && (h as usize) < heads => {
-                ((row * heads + h as usize) * head_bytes, head_bytes)
-            }
+        let (first_head, n) = match head {
+            -1 => (row * heads, heads),
+            h if h >= 0 && (h as usize) < heads => (row * heads + h as usize, 1),
             h => {
                 return Err(bad_arg(
                     py,
@@ -213,14 +320,22 @@ pub(super) fn pool_dests(
             }
         };
         out.push(Dest {
-            k: host_k[l].ptr + at,
-            v: host_v[l].ptr + at,
-            half,
+            k: host_k[l].ptr + first_head * head_bytes,
+            v: host_v[l].ptr + first_head * head_bytes,
+            scales: scales.map(|(ks, vs)| {
+                (
+                    ks[l].ptr + first_head * SCALE_BYTES,
+                    vs[l].ptr + first_head * SCALE_BYTES,
+                )
+            }),
+            heads: n,
+            head_bytes,
         });
     }
     Ok(out)
 }
 
+/// One `bytearray` holding `parts` back to back; the copy runs with the GIL released.
 pub(super) fn bytearray_of<'py>(
     py: Python<'py>,
     parts: &[Bytes],

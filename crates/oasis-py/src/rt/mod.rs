@@ -44,7 +44,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use oasis_rt::protocol::{
-    BlockKey, Geometry, LayerBlock, Section, StagedBlock, SummaryRun, ALL_HEADS,
+    BlockKey, Geometry, KvFormat, LayerBlock, Section, StagedBlock, SummaryRun, ALL_HEADS,
     DEFAULT_MAX_FRAME_BYTES, HARD_MAX_FRAME_BYTES, MAX_ENTRIES,
 };
 use oasis_rt::transport::{
@@ -85,18 +85,29 @@ type ReadReply<'py> = (
     Vec<Option<&'static str>>,
 );
 
-/// `(num_layers, num_kv_heads, block_size, head_dim, dtype_bytes, num_blocks)`.
-type GeometryTuple = (u16, u16, u16, u16, u8, u32);
+/// `(num_layers, num_kv_heads, block_size, head_dim, dtype_bytes, num_blocks, kv_format)`.
+type GeometryTuple = (u16, u16, u16, u16, u8, u32, u8);
 
-fn geometry(g: GeometryTuple) -> Geometry {
-    Geometry {
+fn geometry(py: Python<'_>, g: GeometryTuple) -> PyResult<Geometry> {
+    let kv_format = KvFormat::from_u8(g.6).map_err(|_| {
+        bad_arg(
+            py,
+            format!(
+                "geometry's kv_format is {}; pass 0 (plain blocks of dtype_bytes) or 1 (fp8_e4m3 \
+                 codes with a float32 scale per head)",
+                g.6
+            ),
+        )
+    })?;
+    Ok(Geometry {
         num_layers: g.0,
         num_kv_heads: g.1,
         block_size: g.2,
         head_dim: g.3,
         dtype_bytes: g.4,
         num_blocks: g.5,
-    }
+        kv_format,
+    })
 }
 
 fn geometry_tuple(g: &Geometry) -> GeometryTuple {
@@ -107,6 +118,7 @@ fn geometry_tuple(g: &Geometry) -> GeometryTuple {
         g.head_dim,
         g.dtype_bytes,
         g.num_blocks,
+        g.kv_format.as_u8(),
     )
 }
 
@@ -316,7 +328,9 @@ impl PyRtClient {
 
     /// Stage whole blocks of `request`: `keys[i] = (layer, block)` takes the i-th
     /// `geometry.block_bytes` of `data` (`[2 (K, V)][num_kv_heads][block_size][head_dim]` each).
-    /// `geometry = (num_layers, num_kv_heads, block_size, head_dim, dtype_bytes, num_blocks)`.
+    /// `geometry = (num_layers, num_kv_heads, block_size, head_dim, dtype_bytes, num_blocks,
+    /// kv_format)`: `kv_format` 0 (elements of `dtype_bytes`) or 1 (fp8_e4m3: each head's
+    /// `block_size * head_dim` one-byte codes, then its float32 scale).
     /// Split into as many frames as the frame limit needs. Returns `(stored_bytes, used_bytes)`.
     ///
     /// Raises `RemoteBusyError` past the daemon's budget, `InvalidArgumentError` for keys or
@@ -329,7 +343,7 @@ impl PyRtClient {
         keys: Vec<(u16, u32)>,
         data: &Bound<'_, PyAny>,
     ) -> PyResult<(u64, u64)> {
-        let g = self::geometry(geometry);
+        let g = self::geometry(py, geometry)?;
         g.validate()
             .map_err(|e| rt_err(py, e, &self.label, false))?;
         let data = payload_view(py, "data", data)?;
@@ -387,7 +401,7 @@ impl PyRtClient {
         runs: Vec<(u16, u32, u32)>,
         data: &Bound<'_, PyAny>,
     ) -> PyResult<(u64, u64)> {
-        let g = self::geometry(geometry);
+        let g = self::geometry(py, geometry)?;
         g.validate()
             .map_err(|e| rt_err(py, e, &self.label, false))?;
         let data = payload(py, "data", data)?;
@@ -477,7 +491,7 @@ impl PyRtClient {
     }
 
     /// The admission set of layers `first_layer .. first_layer + num_layers` as a dict:
-    /// `geometry` (the staged 6-tuple), `summary_runs` (`(layer, first_block, num_blocks)`) with
+    /// `geometry` (the staged 7-tuple), `summary_runs` (`(layer, first_block, num_blocks)`) with
     /// their rows back to back in `summaries` (a bytearray), `block_keys` (`(layer, block)`) with
     /// the blocks back to back in `blocks` (a bytearray), `sections` (name -> bytes, when
     /// `include_sections`) and `wire_bytes` (the reply frame's bytes).
@@ -561,14 +575,20 @@ impl PyRtClient {
     /// row `rows[i]` of `host_k[layer]` / `host_v[layer]` (`layer` the key's): with `head = -1`
     /// the whole row (every head), else that head's `[block_size, head_dim]`. Each pool is a
     /// contiguous CPU tensor `[rows, num_kv_heads, block_size, head_dim]`, all of one shape and
-    /// dtype. Returns `(lens, errors)` as `read_blocks`; an entry whose length is not the
-    /// destination's fails with `"size_mismatch"` and writes nothing.
+    /// dtype. An fp8_e4m3 pool (uint8 codes; a request staged with `kv_format = 1`) passes its
+    /// scales too, `host_k_scales` / `host_v_scales`: one float32 `[rows, num_kv_heads]` tensor
+    /// per layer; each head's codes go to the pool and the scale after them to its place there.
+    /// Returns `(lens, errors)` as `read_blocks`; an entry whose length is not the
+    /// destination's (a plain entry into an fp8 pool, say) fails with `"size_mismatch"` and
+    /// writes nothing.
     ///
     /// One copy per entry, from the received frame into the pool, with the GIL released: no
     /// bytearray and no tensor ops in between (the decode loop's reads of missing blocks).
     ///
     /// Raises `InvalidArgumentError` for a key or row outside the pools, `ShapeError` /
     /// `DTypeError` / `DeviceError` for pools that are not as above.
+    #[pyo3(signature = (keys, rows, host_k, host_v, host_k_scales = None, host_v_scales = None))]
+    #[allow(clippy::too_many_arguments)] // the Python signature: pools and their scales per side
     fn read_blocks_into(
         &self,
         py: Python<'_>,
@@ -576,26 +596,32 @@ impl PyRtClient {
         rows: Vec<i64>,
         host_k: Vec<TensorArg>,
         host_v: Vec<TensorArg>,
+        host_k_scales: Option<Vec<TensorArg>>,
+        host_v_scales: Option<Vec<TensorArg>>,
     ) -> PyResult<(Vec<usize>, Vec<Option<&'static str>>)> {
-        let dests = pool_dests(py, &keys, &rows, &host_k, &host_v)?;
+        let scales = match (&host_k_scales, &host_v_scales) {
+            (None, None) => None,
+            (Some(k), Some(v)) => Some((k.as_slice(), v.as_slice())),
+            _ => {
+                return Err(bad_arg(
+                    py,
+                    "pass host_k_scales and host_v_scales together (an fp8 pool) or neither".into(),
+                ))
+            }
+        };
+        let dests = pool_dests(py, &keys, &rows, &host_k, &host_v, scales)?;
         let entries = self.read_entries(py, keys)?;
         py.detach(|| {
             let mut lens = Vec::with_capacity(entries.len());
             let mut errors = Vec::with_capacity(entries.len());
             for (e, d) in entries.iter().zip(&dests) {
                 match e {
-                    Ok(b) if b.len() == 2 * d.half => {
-                        // SAFETY: pool_dests checked that [k, k + half) and [v, v + half) lie
-                        // inside host_k[layer] / host_v[layer], live CPU tensors the caller
-                        // holds for the whole call; the frame's bytes are a separate buffer.
-                        unsafe {
-                            std::ptr::copy_nonoverlapping(b.as_ptr(), d.k as *mut u8, d.half);
-                            std::ptr::copy_nonoverlapping(
-                                b.as_ptr().add(d.half),
-                                d.v as *mut u8,
-                                d.half,
-                            );
-                        }
+                    Ok(b) if b.len() == d.entry_bytes() => {
+                        // SAFETY: (1) the guard; (2) pool_dests checked that the row's heads
+                        // (and their scales) lie inside host_k[layer] / host_v[layer] (and the
+                        // scale tensors), live CPU tensors the caller holds for the whole call;
+                        // the frame's bytes are a separate buffer.
+                        unsafe { d.write(b) }
                         lens.push(b.len());
                         errors.push(None);
                     }

@@ -9,8 +9,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use oasis_rt::protocol::{
-    encode_frame, BlockKey, Frame, Geometry, Hello, LayerBlock, Message, ReadBlocks, Section,
-    StageBlocks, StagedBlock, SummaryRun, ALL_HEADS, HARD_MAX_FRAME_BYTES, PROTOCOL_VERSION,
+    encode_frame, BlockKey, Frame, Geometry, Hello, KvFormat, LayerBlock, Message, ReadBlocks,
+    Section, StageBlocks, StagedBlock, SummaryRun, ALL_HEADS, HARD_MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
 };
 use oasis_rt::transport::{Connection, Transport};
 use oasis_rt::{Client, ClientConfig, Error, ErrorCode, Server, ServerConfig, ServerHandle};
@@ -30,6 +31,7 @@ pub fn geometry() -> Geometry {
         head_dim: 32,
         dtype_bytes: 2,
         num_blocks: 64,
+        kv_format: KvFormat::Plain,
     }
 }
 
@@ -601,10 +603,11 @@ pub async fn bad_frames_are_rejected_and_the_daemon_goes_on<T: Transport + Clone
     d.settle(1).await;
     let before = d.handle.stats();
 
-    // Offsets in a StageBlocks frame: prefix 4, header 8, request 8, geometry 13, count 4,
-    // then per block layer u16, block u32, bytes.
+    // Offsets in a StageBlocks frame: prefix 4, header 8, request 8, geometry 14 (its
+    // kv_format last), count 4, then per block layer u16, block u32, bytes.
     let geo = 4 + 8 + 8;
-    let first_layer = geo + 13 + 4;
+    let count = geo + Geometry::WIRE_BYTES;
+    let first_layer = count + 4;
     let frame = valid_stage_frame();
     let patched = |at: usize, bytes: &[u8]| {
         let mut f = frame.clone();
@@ -632,18 +635,29 @@ pub async fn bad_frames_are_rejected_and_the_daemon_goes_on<T: Transport + Clone
         ),
         ("bad dtype", patched(geo + 8, &[3]), ErrorCode::BadFrame),
         (
+            "unknown kv_format",
+            patched(geo + 13, &[2]),
+            ErrorCode::BadFrame,
+        ),
+        // An fp8 geometry whose blocks are plain-sized: the length no longer matches.
+        (
+            "fp8 geometry, plain block",
+            patched(geo + 13, &[1]),
+            ErrorCode::BadFrame,
+        ),
+        (
             "huge geometry",
             patched(geo, &u16::MAX.to_le_bytes()),
             ErrorCode::BadFrame,
         ),
         (
             "count past the bytes",
-            patched(geo + 13, &3u32.to_le_bytes()),
+            patched(count, &3u32.to_le_bytes()),
             ErrorCode::BadFrame,
         ),
         (
             "count past the limit",
-            patched(geo + 13, &u32::MAX.to_le_bytes()),
+            patched(count, &u32::MAX.to_le_bytes()),
             ErrorCode::BadFrame,
         ),
         (
@@ -778,8 +792,15 @@ pub async fn the_token_is_required_when_configured<T: Transport + Clone>(net: &N
         .expect("right token");
     c.stats().await.unwrap();
     // A wrong-version hello is refused too: a version 1 client (before RMA reads, with the
-    // right token; its header says 1 as well), and a newer one.
-    for (version, header) in [(1u16, 1u8), (1, PROTOCOL_VERSION), (3, PROTOCOL_VERSION)] {
+    // right token; its header says 1 as well), a version 2 one (before the geometry's
+    // kv_format), and a newer one.
+    for (version, header) in [
+        (1u16, 1u8),
+        (1, PROTOCOL_VERSION),
+        (2, 2),
+        (2, PROTOCOL_VERSION),
+        (4, PROTOCOL_VERSION),
+    ] {
         let mut s = net.client.connect(&d.addr).await.unwrap();
         let hello = Message::Hello(Hello {
             version,
@@ -792,7 +813,7 @@ pub async fn the_token_is_required_when_configured<T: Transport + Clone>(net: &N
     }
     d.settle(1).await;
     assert_eq!(d.handle.stats().connections_active, 1);
-    assert_eq!(PROTOCOL_VERSION, 2);
+    assert_eq!(PROTOCOL_VERSION, 3);
 }
 
 pub async fn non_loopback_needs_a_token<T: Transport + Clone>(net: &Net<T>) {
