@@ -49,6 +49,34 @@ def test_fig12_sweep_on_the_cpu(tmp_path):
     assert "| partial | 200 |" in md.read_text()
 
 
+@pytest.mark.parametrize("flag", ["--host-kv-dtype", "--kv-dtype"])
+def test_fp8_rows_stage_and_name_fp8_blocks(tmp_path, flag):
+    """``--host-kv-dtype`` / ``--kv-dtype fp8``: both nodes hold an fp8 host pool, the staged
+    blocks are fp8 (each request's KV in codes plus a scale per block-head and side), the rows
+    name the dtypes, and partial fetching still decodes the full transfer's tokens."""
+    from oasiskv.models.config import PRESETS
+
+    binary = need_binary()
+    out = tmp_path / "d.json"
+    argv = [
+        "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--daemon", binary,
+        "--prompt-tokens", "300", "--max-tokens", "4", "--requests", "2", "--rates", "100",
+        "--block-size", "16", "--top-k-blocks", "4", "--sparse-threshold", "64",
+        flag, "fp8", "--json", str(out), "--md", "",
+    ]  # fmt: skip
+    assert disagg.main(argv) == 0
+    rep = json.loads(out.read_text())
+    pages = "fp8_e4m3" if flag == "--kv-dtype" else "float32"
+    assert (rep["kv"]["kv_dtype"], rep["kv"]["host_kv_dtype"]) == (pages, "fp8_e4m3")
+    cfg = PRESETS["tiny"]
+    # 300 tokens: 19 blocks of 16 per layer; a block-head side is 16 x 16 codes and a scale.
+    fp8_kv = cfg.num_hidden_layers * 19 * 2 * cfg.num_key_value_heads * (16 * cfg.head_dim + 4)
+    for r in rep["rows"]:
+        assert (r["kv_dtype"], r["host_kv_dtype"]) == (pages, "fp8_e4m3")
+        assert r["failures"] == 0 and r["same_tokens"] == 1.0
+        assert r["kv_bytes_per_request"] == fp8_kv
+
+
 def test_admission_choices_are_the_workers():
     from oasiskv.disagg import ADMISSIONS
 

@@ -7,7 +7,7 @@ KV transfer against partial fetching, over a request-rate sweep.
         [--kv-source oasis-rt://HOST:PORT | --daemon PATH [--transport tcp|ucx]]
         [--prompt-tokens 16384] [--max-tokens 64] [--requests 16] [--rates 0.5,1,2]
         [--transfers full,partial] [--top-k-blocks 128] [--fetch-cap 0.05]
-        [--json F] [--md F]
+        [--kv-dtype auto|fp8_e4m3] [--host-kv-dtype auto|fp8_e4m3] [--json F] [--md F]
 
 Three processes: the daemon (``--kv-source`` names a running one; else ``--daemon`` starts that
 binary, or ``$OASIS_RT_BIN``, ``target/release/oasis-rt``, ``oasis-rt`` on the PATH, on a free
@@ -30,6 +30,10 @@ Reported per (transfer, rate):
   at once; the paper: 2.2-2.6x less with partial fetching);
 - whether each request's tokens equal the first transfer mode's (partial fetching is exact:
   it reads the blocks the selection wants before they are gathered).
+
+``--kv-dtype`` / ``--host-kv-dtype fp8_e4m3`` (as ``bench.serve``) give both nodes that
+``KvConfig``: the blocks are staged, moved and held in fp8 (codes and a scale per block and KV
+head, about half of bf16's bytes); every row names the pages' and the host tier's dtype.
 
 A warm-up request (not reported) runs first in every mode. Output: a markdown table (stdout and
 ``--md``) and JSON (``--json``). Prefill and decode share one GPU here; on two nodes the prefill
@@ -127,6 +131,20 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--sparse-threshold", type=_positive, default=None, help="default: the KvConfig's")
     k.add_argument("--host-kv-budget", default=None, help="the decode engine's host pool, e.g. 64GiB")
     k.add_argument(
+        "--kv-dtype",
+        default="auto",
+        choices=["auto", "fp8_e4m3", "fp8"],
+        help="both nodes' KV pages: the model's dtype ('auto') or fp8_e4m3 (the host pool and the "
+        "staged blocks too; KvConfig.kv_dtype)",
+    )
+    k.add_argument(
+        "--host-kv-dtype",
+        default="auto",
+        choices=["auto", "fp8_e4m3", "fp8"],
+        help="both nodes' host pool: as the pages ('auto') or fp8_e4m3 (the staged blocks too: about "
+        "half of bf16's bytes over the network; KvConfig.host_kv_dtype)",
+    )
+    k.add_argument(
         "--read-connections",
         type=_positive,
         default=None,
@@ -147,11 +165,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _kv(args):
     from ..config import KvConfig
+    from ..serve.cli import host_kv_dtype, kv_dtype
 
-    kw = dict(block_size=args.block_size, top_k_blocks=args.top_k_blocks, fetch_cap=args.fetch_cap)
+    kw = dict(
+        block_size=args.block_size,
+        top_k_blocks=args.top_k_blocks,
+        fetch_cap=args.fetch_cap,
+        kv_dtype=kv_dtype(args),
+        host_kv_dtype=host_kv_dtype(args),
+    )
     if args.sparse_threshold is not None:
         kw["sparse_threshold"] = args.sparse_threshold
-    return KvConfig.fast(**kw)  # the Quest selection: key codes are not staged yet (PrefillWorker)
+    # The Quest selection: key codes are not staged yet (PrefillWorker). Both nodes take this one.
+    return KvConfig.fast(**kw)
+
+
+def _dtypes(args, model) -> dict:
+    """The pages' and the host tier's storage, named as fig11 names them (the model's dtype where
+    the KvConfig leaves it)."""
+    kv = _kv(args)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return {"kv_dtype": kv.kv_dtype or dtype, "host_kv_dtype": kv.host_kv_dtype or kv.kv_dtype or dtype}
 
 
 # ---------------------------------------------------------------------- the prefill process
@@ -414,10 +448,10 @@ def run(args, on_row=None) -> dict:
                     )
                     rows.append(r)
                     if on_row is not None:  # a sweep cut short by a time limit keeps its rows
-                        on_row(_report(args, url, name, dev, rows))
+                        on_row(_report(args, url, name, dev, rows, _dtypes(args, model)))
             finally:
                 eng.kv_source.close()  # its daemon connection; the engine's pools go with it
-        return _report(args, url, name, dev, rows)
+        return _report(args, url, name, dev, rows, _dtypes(args, model))
     finally:
         try:
             parent.send(("stop",))
@@ -430,13 +464,15 @@ def run(args, on_row=None) -> dict:
             daemon.close()
 
 
-def _report(args, url: str, name: str, dev, rows: list[dict]) -> dict:
-    """The report of the rows made so far; the rows keep their tokens for later comparisons."""
+def _report(args, url: str, name: str, dev, rows: list[dict], dtypes: dict) -> dict:
+    """The report of the rows made so far; the rows keep their tokens for later comparisons.
+    ``dtypes``: :func:`_dtypes`, named in the header's ``kv`` and in every row."""
     out = []
     for r in rows:
         ref = next(x for x in rows if x["rate"] == r["rate"])  # the first mode's row at this rate
         same = sum(a == b for a, b in zip(r["tokens"], ref["tokens"], strict=True))
-        out.append({k: v for k, v in r.items() if k != "tokens"} | {"same_tokens": same / len(r["tokens"])})
+        keep = {k: v for k, v in r.items() if k != "tokens"}
+        out.append(keep | dtypes | {"same_tokens": same / len(r["tokens"])})
     for r in out:
         b = next((x for x in out if x["transfer"] == args.transfers[0] and x["rate"] == r["rate"]), None)
         r["peak_host_kv_vs_first"] = (
@@ -456,6 +492,7 @@ def _report(args, url: str, name: str, dev, rows: list[dict]) -> dict:
             "top_k_blocks": args.top_k_blocks,
             "fetch_cap": args.fetch_cap,
             "kv_cache_blocks": args.kv_cache_blocks,
+            **dtypes,
         },
         "cuda_graph": args.cuda_graph,
         "rows": out,
@@ -474,7 +511,8 @@ def markdown(rep: dict) -> str:
         "",
         f"- {rep['requests']} requests of {rep['prompt_tokens']} prompt tokens and {rep['max_tokens']} new "
         f"tokens per rate; K = {rep['kv']['top_k_blocks']} blocks of {rep['kv']['block_size']}, fetch cap "
-        f"{rep['kv']['fetch_cap']}; daemon {rep['kv_source']}",
+        f"{rep['kv']['fetch_cap']}; KV pages {rep['kv']['kv_dtype']}, host pool and staged blocks "
+        f"{rep['kv']['host_kv_dtype']}; daemon {rep['kv_source']}",
         "",
         "| transfer | req/s | tok/s | TTFT p50 ms | TTFT p99 ms | admit p50 ms | TPOT p50 ms | "
         "admission MiB/req | fetched MiB/req | peak host KV MiB | vs first | host rows MiB | "
