@@ -542,3 +542,32 @@ def test_the_device_host_pool_oracle_decodes_as_the_pinned_pool(model, device):
 def test_bad_host_pool(model, kw, match):
     with pytest.raises(errors.ConfigError, match=match):
         LLMEngine(model, **kw)
+
+
+def test_prefill_only_admits_and_prefills_without_decoding_and_loses_nothing(model):
+    """``prefill_only`` runs the admission and prefill half of a step: a 100-token prompt under a
+    budget of 40 prompt tokens per step is done on the third call, beside a 20-token one that
+    finishes at prefill (max_tokens=1); both first tokens are reported by the next ``step()``; a
+    request whose pages do not fit makes no progress (``progressed`` False); the tokens equal the
+    request run alone."""
+    kv = KvConfig(**README_KV)
+    page = LLMEngine(model, kv=kv).engine.page_bytes_all_layers
+    eng = LLMEngine(model, kv=kv, drafter="ngram", max_num_batched_tokens=40, gpu_kv_budget_bytes=16 * page)
+    a = eng.add_request(prompt(100, 1), SamplingParams(max_tokens=6, ignore_eos=True))
+    b = eng.add_request(prompt(20, 2), SamplingParams(max_tokens=1, ignore_eos=True))
+    rounds = [eng.prefill_only() for _ in range(3)]
+    assert [r.done for r in rounds[:2]] == [[], []] and all(r.progressed for r in rounds)
+    # The third call: a's last 20 tokens, then b's 20 in what is left of the budget; b finishes
+    # at prefill (max_tokens=1).
+    assert rounds[2].done == [(a, None), (b, None)] and eng.num_running == 1
+    c = eng.add_request(prompt(200, 3), SamplingParams(max_tokens=2, ignore_eos=True))  # 13 pages
+    stuck = eng.prefill_only()
+    assert stuck.done == [] and not stuck.progressed and eng.num_waiting == 1
+    first = {o.request_id: o for o in eng.step()}
+    assert first[b].finished
+    assert first[b].token_ids == run_alone(model, prompt(20, 2), 1, kv=kv, drafter="ngram")
+    assert len(first[a].token_ids) == 2  # the prefill's token and this step's
+    eng.abort_request(c)
+    outs = eng.run_to_completion([a])
+    assert outs[a].token_ids == run_alone(model, prompt(100, 1), 6, kv=kv, drafter="ngram")
+    assert pools_are_full(eng)

@@ -273,7 +273,7 @@ class LLMEngine(Scheduler, Decoder, Sampler, Drafting, Lifecycle):
         self._waiting: deque[Seq] = deque()
         self._prefilling: list[Seq] = []  # admitted, prompt partly prefilled
         self._running: list[Seq] = []
-        self._done: list[Seq] = []  # finished outside step() (aborts), reported by the next step
+        self._done: list[Seq] = []  # aborted, or touched by prefill_only(): reported by the next step
         self._by_id: dict[str, Seq] = {}
         #: The staging daemon's client (``kv_source``), or None.
         self.kv_source = None

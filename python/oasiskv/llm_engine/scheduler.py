@@ -30,6 +30,17 @@ from .params import SamplingParams, StepInfo
 from .prompts import prompt_token_ids
 
 
+@dataclass(frozen=True)
+class PrefillRound:
+    """What :meth:`Scheduler.prefill_only` did: ``done``, the requests whose prompt finished
+    prefilling in the call (``(request_id, error)``, ``error`` None unless the request failed), and
+    ``progressed``, whether anything was admitted or prefilled (False: the waiting requests do not
+    fit the pools beside the running ones)."""
+
+    done: list[tuple[str, str | None]]
+    progressed: bool
+
+
 @dataclass
 class Seq:
     """A request as the scheduler tracks it."""
@@ -66,6 +77,7 @@ class Scheduler:
     _ids: Iterator[int]
     _waiting: deque[Seq]
     _prefilling: list[Seq]
+    _done: list[Seq]
     _running: list[Seq]
     _by_id: dict[str, Seq]
 
@@ -164,6 +176,19 @@ class Scheduler:
         self._accept(seq, seq.staged.first_token)
         if r.finish_reason is None:
             self._running.append(seq)
+
+    def prefill_only(self) -> PrefillRound:
+        """The admission and prefill half of ``step()``, without its decode: admit what fits and
+        spend one step's prompt-token budget. Benchmarks use it to start every request before they
+        time decoding. Nothing is lost: the first tokens and failures it produced are reported by
+        the next ``step()``."""
+        state = (len(self._waiting), [s.prefilled for s in self._prefilling], len(self._running))
+        touched: list[Seq] = []
+        self._prefill(touched)
+        self._done.extend(touched)
+        after = (len(self._waiting), [s.prefilled for s in self._prefilling], len(self._running))
+        done = [(s.request_id, s.error if s.req.finish_reason == "error" else None) for s in touched]
+        return PrefillRound(done, after != state)
 
     def _prefill(self, touched: list[Seq]) -> None:
         """Spend this step's prompt-token budget: first on the prompts being prefilled (in

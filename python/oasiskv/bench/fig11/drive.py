@@ -73,26 +73,22 @@ def drive(
     from ...llm_engine import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    llm = getattr(eng, "_llm", eng)  # a TPLLMEngine's driver LLMEngine (its private half-step)
     t0 = time.perf_counter()
     rids = [eng.add_request(p, params) for p in prompts]
     ttft: dict[str, float] = {}
-    touched: list = []
-    # NOTE: LLMEngine._prefill is the admission + prefill half of LLMEngine.step (no decode step),
-    # so that the decode phase starts with every request running. One request per call
-    # (max_num_batched_tokens = the context), so each TTFT is its own.
-    while llm.num_waiting or llm._prefilling:
-        state = (llm.num_waiting, [s.prefilled for s in llm._prefilling], len(llm._running))
-        llm._prefill(touched)
+    # The admission + prefill half of the step alone (LLMEngine.prefill_only), so that the decode
+    # phase starts with every request running. One request per call (max_num_batched_tokens = the
+    # context), so each TTFT is its own.
+    while len(ttft) < len(rids):  # each request is in one round's done, once
+        round_ = eng.prefill_only()
         now = time.perf_counter()
-        for seq in touched:
-            if seq.req.finish_reason == "error":
-                raise RuntimeError(f"request {seq.request_id} failed: {seq.error}")
-            ttft.setdefault(seq.request_id, now - t0)
-        touched.clear()
-        if state == (llm.num_waiting, [s.prefilled for s in llm._prefilling], len(llm._running)):
+        for rid, error in round_.done:
+            if error is not None:
+                raise RuntimeError(f"request {rid} failed: {error}")
+            ttft.setdefault(rid, now - t0)
+        if not round_.progressed:
             raise DoesNotFit(
-                f"only {llm.num_running} of {len(prompts)} requests were admitted (the pools are full)"
+                f"only {eng.num_running} of {len(prompts)} requests were admitted (the pools are full)"
             )
     cuda = eng.engine.device.type == "cuda"
     finals: dict = {}
@@ -105,7 +101,7 @@ def drive(
     wait_seen = wait_of()[0] if wait_of is not None else 0.0  # the counter after the last step
     i = 0
     while eng.has_unfinished_requests():
-        n = llm.num_running
+        n = eng.num_running
         t = time.perf_counter()
         if i == profile_step and cuda:
             outs, kernels, copies = profiled(torch, eng.step, trace)
