@@ -218,3 +218,23 @@ def test_mismatched_formats_are_refused(model, daemon, staged, decoded, says):
     assert o.finish_reason == "error" and says in o.error and "fp8_e4m3" in o.error, o.error
     assert pools_are_full(eng)
     assert eng.kv_source.client.stats()["live_requests"] == 0  # released with the failure
+
+
+@pytest.mark.parametrize("tier", sorted(FP8))
+def test_a_bounded_fp8_host_pool_decodes_as_the_unbounded_one(model, daemon, tier):
+    """``kv_cache_blocks=C`` over an fp8 host pool: cached rows change hands (evictions), their
+    codes and scales are read again, and the tokens stay the unbounded run's."""
+    kv = KvConfig(**SMALL, **FP8[tier])
+    c = model.config.num_key_value_heads * SMALL["top_k_blocks"]  # the floor: 8 of 19 blocks
+    prompts = [prompt(P, s) for s in SEEDS]
+    outs = {}
+    for cache in (None, c):
+        handles = _stage(model, kv, daemon.addr, prompts)
+        eng = LLMEngine(model, kv=kv, drafter="ngram", kv_source=daemon.url, kv_cache_blocks=cache)
+        outs[cache] = _run(eng, [lambda e, h=h: e.add_staged_request(h, _params()) for h in handles])
+        st = eng.kv_source.stats
+        assert st.failures == 0 and (st.evicted_blocks > 0) == (cache is not None)
+        assert pools_are_full(eng)
+    for a, b in zip(outs[None], outs[c], strict=True):
+        assert a.finish_reason == b.finish_reason == "length", (a.error, b.error)
+        assert a.token_ids == b.token_ids
