@@ -20,6 +20,12 @@ as ``Engine.make_sparse`` does). Then it is an ordinary sparse request. ``kv_tra
   request. Blocks the request writes itself (the local block, the blocks decode completes) are
   local.
 
+With an fp8 host tier (``KvConfig(kv_dtype="fp8_e4m3")`` or ``host_kv_dtype="fp8_e4m3"``, the same
+as the prefill worker's) the staged blocks are fp8 (the geometry's ``kv_format`` 1): every read,
+whole blocks and block-heads, writes E4M3 codes into ``host_k``/``host_v`` and their scales into
+``host_k_scales``/``host_v_scales``, about half of bf16's bytes on the wire; a request staged in
+the other format is refused at admission (:mod:`.admission`).
+
 The fetch runs on the host, layer by layer before each gather, once the whole step's compute is
 queued (``Engine._flush_deferred``): a host sync per layer that has misses, while the GPU computes
 the step. On a GPU it belongs in the background chain (docs/ARCHITECTURE.md, "Disaggregated

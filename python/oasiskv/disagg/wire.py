@@ -3,8 +3,10 @@
 (:class:`StagedRequest`), the sections and the meta format of an admission set, the frame
 arithmetic of the daemon's protocol (:func:`entries_per_frame`, :func:`admission_chunks`), the
 reads both the decode loop and the read ahead make (:func:`admission_replies`, :func:`read_all`),
-the first selection both sides compute from the same bytes (:func:`first_top_k`), and a client
-of the daemon (:func:`connect`).
+the first selection both sides compute from the same bytes (:func:`first_top_k`), the block
+formats of the daemon geometry's ``kv_format`` (:data:`KV_FORMATS`; fp8 blocks are each head's
+E4M3 codes then its float32 scale: :func:`pack_kv8`, :func:`unpack_kv8`), and a client of the
+daemon (:func:`connect`).
 
 The numbers here (frame sizes, connections, read-ahead depth) are read at call time as
 ``wire.NAME`` by the other rooms, so a test may patch them (``oasiskv.disagg`` forwards a write
