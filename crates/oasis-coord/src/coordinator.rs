@@ -1,0 +1,751 @@
+//! [`Coordinator`]: the decode side's remote reads, off the caller's thread.
+//!
+//! ```text
+//!  caller (the engine's Python thread)        coordinator runtime (tokio, own threads)
+//!  submit(step's planned entries) ──┐
+//!    presence: absent, not in flight│ frames in layer order, round robin ─▶ worker 0 ── conn 0
+//!    returns at once                └──────────────────────────────────────▶ worker 1 ── conn 1
+//!  wait_layer(0) ◀── condvar ── land(): bytes written into the pool,        ...
+//!  gather(0)                           then entries marked present
+//!  wait_layer(1) ...                   failures: their requests, take_failed()
+//! ```
+//!
+//! The state behind one mutex: the [`PresenceMap`], the staged requests (engine request id ->
+//! daemon request id), the entries in flight (per layer and per request), the failed requests
+//! and their messages, the counters. Each connection is a tokio task with its own queue, so the
+//! frames one connection carries land in the order submitted (layer order); a frame never
+//! spans layers, so an early layer lands without waiting for later ones.
+//!
+//! Invariants:
+//! * an entry is marked present only after its bytes are fully written into the pool; a failed
+//!   read marks nothing (its request fails; its entries stay absent);
+//! * no entry is read twice at once (the in-flight set), and a failed request's entries are not
+//!   read again;
+//! * the pools are not written while a new layout is registered, nor a row after it changes
+//!   hands: [`Coordinator::register_pools`] waits for every read, and [`Coordinator::end`] /
+//!   [`Coordinator::forget_row`] for the reads of the row's request.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use oasis_rt::protocol::{BlockKey, ALL_HEADS, MAX_ENTRIES};
+use oasis_rt::{Client, ErrorCode};
+use oasis_runtime::{Entry, PresenceMap};
+use tokio::sync::mpsc;
+
+use crate::connect::Connector;
+use crate::error::{CoordError, Result};
+use crate::pools::PoolLayout;
+
+/// Reply frames stay this small: a few MiB come from (and go back to) the allocator's heap,
+/// while larger ones are fresh mappings whose page faults cost more than the copy (measured for
+/// the Python client's bulk frames; the same number as `wire.BULK_FRAME_BYTES`).
+pub const DEFAULT_FRAME_BYTES: usize = 4 << 20;
+/// Bytes a reply frame spends besides its entries' data (header, counts), rounded up; and per
+/// entry (its status and length). As `wire.FRAME_OVERHEAD` / `wire.READ_REPLY_ENTRY_BYTES`.
+const FRAME_OVERHEAD: usize = 64;
+const REPLY_ENTRY_BYTES: usize = 6;
+/// A layer's entries are spread over several connections only past this many per connection
+/// (arbitrary: below it a round trip costs more than the bytes).
+pub const DEFAULT_SPLIT_MIN_ENTRIES: usize = 256;
+
+/// The coordinator's settings.
+#[derive(Clone, Debug)]
+pub struct CoordConfig {
+    /// Connections to the daemon, each a tokio task with its own queue (at least 1).
+    pub connections: usize,
+    /// How many times a frame that failed in transport (connection lost, timeout, daemon
+    /// unreachable) reconnects and tries again before the requests of its entries fail.
+    pub retries: u32,
+    /// Threads of the coordinator's tokio runtime (at least 1).
+    pub threads: usize,
+    /// Reply frame budget.
+    pub frame_bytes: usize,
+    /// See [`DEFAULT_SPLIT_MIN_ENTRIES`].
+    pub split_min_entries: usize,
+    /// Read the bytes by RMA where the connection offers it (UCX).
+    pub use_rma: bool,
+}
+
+impl Default for CoordConfig {
+    fn default() -> Self {
+        CoordConfig {
+            connections: 1,
+            retries: 0,
+            threads: 1,
+            frame_bytes: DEFAULT_FRAME_BYTES,
+            split_min_entries: DEFAULT_SPLIT_MIN_ENTRIES,
+            use_rma: true,
+        }
+    }
+}
+
+/// Counters since the coordinator started.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CoordStats {
+    /// Seconds the connections spent on frames (request, reply, writes into the pool), summed
+    /// over connections: the host time spent reading, none of it on the caller's thread.
+    pub read_seconds: f64,
+    /// Seconds the caller spent blocked in [`Coordinator::wait_layer`] / [`Coordinator::drain`].
+    pub wait_seconds: f64,
+    /// Bytes that crossed the wire for the reads (frames both ways; RMA reads).
+    pub wire_bytes: u64,
+    /// Block-heads written into the pool and marked present.
+    pub entries: u64,
+    /// Block-heads whose read failed.
+    pub failed_entries: u64,
+    /// Frames sent.
+    pub frames: u64,
+    /// Connections opened again after one was lost.
+    pub reconnects: u64,
+}
+
+/// One entry of a frame: where it goes and what the daemon calls it.
+#[derive(Clone, Copy, Debug)]
+struct Item {
+    entry: Entry,
+    owner: i64,
+    key: BlockKey,
+}
+
+/// One frame's work for a connection.
+struct Job {
+    items: Vec<Item>,
+    layout: Arc<PoolLayout>,
+}
+
+struct State {
+    presence: PresenceMap,
+    layout: Option<Arc<PoolLayout>>,
+    /// Engine request id -> the daemon's id of its staged copy.
+    daemon_of: HashMap<i64, u64>,
+    /// Requests whose reads failed: never read again until they end.
+    dead: HashSet<i64>,
+    /// Failures not taken yet, request -> its first message.
+    failed: HashMap<i64, String>,
+    /// Block-heads in flight (a whole block's as each of its heads).
+    inflight: HashSet<Entry>,
+    /// Items in flight per request.
+    inflight_of: HashMap<i64, usize>,
+    /// Items in flight per layer.
+    pending: Vec<usize>,
+    stats: CoordStats,
+    closed: bool,
+}
+
+impl State {
+    fn fail(&mut self, owner: i64, message: String) {
+        self.dead.insert(owner);
+        self.failed.entry(owner).or_insert(message);
+    }
+}
+
+struct Shared {
+    state: Mutex<State>,
+    /// Signalled whenever items land.
+    landed: Condvar,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Wait until `done(state)`; how long that took.
+    fn wait_until(&self, done: impl Fn(&State) -> bool) -> (MutexGuard<'_, State>, Duration) {
+        let t0 = Instant::now();
+        let mut st = self.lock();
+        while !done(&st) {
+            st = self.landed.wait(st).unwrap_or_else(PoisonError::into_inner);
+        }
+        (st, t0.elapsed())
+    }
+
+    /// A frame is done: `outcome[i]` is `None` when item `i`'s bytes are in the pool, else why
+    /// it failed.
+    fn land(&self, items: &[Item], outcome: Vec<Option<String>>, busy: Duration, wire: u64) {
+        let mut st = self.lock();
+        let mut written = Vec::with_capacity(items.len());
+        for (it, why) in items.iter().zip(outcome) {
+            st.pending[usize::from(it.entry.layer)] -= 1;
+            if let Some(n) = st.inflight_of.get_mut(&it.owner) {
+                *n -= 1;
+                if *n == 0 {
+                    st.inflight_of.remove(&it.owner);
+                }
+            }
+            let heads = heads_of(it.entry, st.presence.shape().2);
+            for h in heads.clone() {
+                st.inflight.remove(&Entry {
+                    head: h,
+                    ..it.entry
+                });
+            }
+            match why {
+                None => written.push(it.entry),
+                Some(m) => {
+                    st.stats.failed_entries += heads.len() as u64;
+                    st.fail(it.owner, m);
+                }
+            }
+        }
+        // The rows cannot have changed hands meanwhile (end and forget_row wait for the reads
+        // of their request), so the keys are still in the map.
+        if let Ok(new) = st.presence.mark_present(&written) {
+            st.stats.entries += new.iter().map(|&n| u64::from(n)).sum::<u64>();
+        }
+        st.stats.read_seconds += busy.as_secs_f64();
+        st.stats.wire_bytes += wire;
+        st.stats.frames += 1;
+        drop(st);
+        self.landed.notify_all();
+    }
+}
+
+fn heads_of(e: Entry, heads: usize) -> std::ops::Range<u16> {
+    if e.head == ALL_HEADS {
+        0..heads as u16
+    } else {
+        e.head..e.head + 1
+    }
+}
+
+/// The decode side's remote reads (see the module docs).
+pub struct Coordinator {
+    shared: Arc<Shared>,
+    senders: Mutex<Vec<mpsc::UnboundedSender<Job>>>,
+    next: AtomicUsize,
+    rt: Mutex<Option<tokio::runtime::Runtime>>,
+    config: CoordConfig,
+}
+
+impl Coordinator {
+    /// Start the runtime and one task per connection (each connects on its first frame), for
+    /// an engine of `layers` layers and `heads` KV heads.
+    ///
+    /// # Errors
+    /// [`CoordError::Invalid`] for zero connections or threads, a frame budget too small for a
+    /// block-head; [`CoordError::Presence`] for `layers`/`heads` out of range;
+    /// [`CoordError::Runtime`] when tokio cannot start.
+    pub fn start<K: Connector>(
+        connector: K,
+        config: CoordConfig,
+        layers: usize,
+        heads: usize,
+    ) -> Result<Self> {
+        if config.connections == 0 || config.threads == 0 || config.split_min_entries == 0 {
+            return Err(CoordError::Invalid(format!(
+                "connections, threads and split_min_entries must be >= 1, got {}, {} and {}",
+                config.connections, config.threads, config.split_min_entries
+            )));
+        }
+        if config.frame_bytes <= FRAME_OVERHEAD {
+            return Err(CoordError::Invalid(format!(
+                "frame_bytes must pass {FRAME_OVERHEAD}, got {}",
+                config.frame_bytes
+            )));
+        }
+        let presence = PresenceMap::new(layers, heads)?;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(config.threads)
+            .thread_name("oasis-coord")
+            .enable_all()
+            .build()?;
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                presence,
+                layout: None,
+                daemon_of: HashMap::new(),
+                dead: HashSet::new(),
+                failed: HashMap::new(),
+                inflight: HashSet::new(),
+                inflight_of: HashMap::new(),
+                pending: vec![0; layers],
+                stats: CoordStats::default(),
+                closed: false,
+            }),
+            landed: Condvar::new(),
+        });
+        let connector = Arc::new(connector);
+        let mut senders = Vec::with_capacity(config.connections);
+        for index in 0..config.connections {
+            let (tx, rx) = mpsc::unbounded_channel();
+            senders.push(tx);
+            let w = Worker {
+                index,
+                connector: Arc::clone(&connector),
+                client: None,
+                shared: Arc::clone(&shared),
+                retries: config.retries,
+                use_rma: config.use_rma,
+            };
+            rt.spawn(w.run(rx));
+        }
+        Ok(Coordinator {
+            shared,
+            senders: Mutex::new(senders),
+            next: AtomicUsize::new(0),
+            rt: Mutex::new(Some(rt)),
+            config,
+        })
+    }
+
+    /// The settings it runs with.
+    pub fn config(&self) -> &CoordConfig {
+        &self.config
+    }
+
+    /// Register the pools the reads write into (again whenever they grow or move), after every
+    /// read in flight has landed; the presence map grows to their rows.
+    ///
+    /// # Errors
+    /// [`CoordError::Invalid`] for a layout whose layers or heads are not the coordinator's.
+    ///
+    /// # Safety
+    /// 1. Every address of `layout` (per layer `rows * heads * head_bytes` bytes from `k` and
+    ///    from `v`, `rows * heads * 4` from each scale address) is memory that stays allocated
+    ///    and unmoved until the next `register_pools` or [`Coordinator::close`] returns.
+    /// 2. Nothing else writes the rows of staged requests' entries while they are in flight,
+    ///    and nothing reads an entry of a layer before [`Coordinator::wait_layer`] of that layer
+    ///    (or [`Coordinator::drain`]) returned after its submission.
+    pub unsafe fn register_pools(&self, layout: PoolLayout) -> Result<()> {
+        layout.validate()?;
+        let (st, _) = self.shared.wait_until(|s| s.inflight.is_empty());
+        let mut st = st;
+        let (layers, _, heads) = st.presence.shape();
+        if layout.layers.len() != layers || layout.heads != heads {
+            return Err(CoordError::Invalid(format!(
+                "pools of {} layers and {} KV heads for a coordinator of {layers} and {heads}",
+                layout.layers.len(),
+                layout.heads
+            )));
+        }
+        st.presence.grow(layout.rows)?;
+        st.layout = Some(Arc::new(layout));
+        Ok(())
+    }
+
+    /// The registered layout's rows (0: none registered).
+    pub fn rows(&self) -> usize {
+        self.shared.lock().layout.as_ref().map_or(0, |l| l.rows)
+    }
+
+    /// Engine request `owner` reads from the daemon's request `daemon_id`.
+    pub fn stage(&self, owner: i64, daemon_id: u64) {
+        let mut st = self.shared.lock();
+        st.daemon_of.insert(owner, daemon_id);
+        st.dead.remove(&owner);
+    }
+
+    /// `owner` ends: wait for its reads in flight, forget it, and give its `rows` back (local
+    /// again). Returns how many of their entries held their bytes.
+    ///
+    /// # Errors
+    /// [`CoordError::Presence`] for a row past the map (nothing is released then).
+    pub fn end(&self, owner: i64, rows: &[u32]) -> Result<u64> {
+        let (mut st, _) = self
+            .shared
+            .wait_until(|s| !s.inflight_of.contains_key(&owner));
+        st.daemon_of.remove(&owner);
+        st.dead.remove(&owner);
+        st.failed.remove(&owner);
+        Ok(st.presence.release(rows)?)
+    }
+
+    /// Host row `row` now holds staged block `logical` of `owner`: every entry absent.
+    ///
+    /// # Errors
+    /// As [`PresenceMap::take_row`].
+    pub fn take_row(&self, row: u32, owner: i64, logical: u32) -> Result<()> {
+        Ok(self.shared.lock().presence.take_row(row, owner, logical)?)
+    }
+
+    /// `row` names `owner` without holding a staged block (a bounded cache's filler).
+    ///
+    /// # Errors
+    /// As [`PresenceMap::set_owner`].
+    pub fn set_owner(&self, row: u32, owner: i64) -> Result<()> {
+        Ok(self.shared.lock().presence.set_owner(row, owner)?)
+    }
+
+    /// The block in `row` was evicted (after the reads of its request landed); how many of its
+    /// entries held their bytes.
+    ///
+    /// # Errors
+    /// As [`PresenceMap::forget_row`].
+    pub fn forget_row(&self, row: u32) -> Result<u64> {
+        let owner = self.shared.lock().presence.owner_of(row)?.0;
+        let (mut st, _) = self
+            .shared
+            .wait_until(|s| !s.inflight_of.contains_key(&owner));
+        Ok(st.presence.forget_row(row)?)
+    }
+
+    /// Entries written by the caller (an admission's blocks); per key how many were absent.
+    ///
+    /// # Errors
+    /// As [`PresenceMap::mark_present`].
+    pub fn mark_present(&self, keys: &[Entry]) -> Result<Vec<u32>> {
+        Ok(self.shared.lock().presence.mark_present(keys)?)
+    }
+
+    /// The `rows` of `layer` with some head absent.
+    ///
+    /// # Errors
+    /// As [`PresenceMap::is_present`].
+    pub fn absent_blocks(&self, layer: u16, rows: &[u32]) -> Result<Vec<u32>> {
+        let st = self.shared.lock();
+        let heads = st.presence.shape().2 as u16;
+        let mut out = Vec::new();
+        for &row in rows {
+            for head in 0..heads {
+                if !st.presence.is_present(Entry { layer, row, head })? {
+                    out.push(row);
+                    break;
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Whether `e` holds its bytes.
+    ///
+    /// # Errors
+    /// As [`PresenceMap::is_present`].
+    pub fn is_present(&self, e: Entry) -> Result<bool> {
+        Ok(self.shared.lock().presence.is_present(e)?)
+    }
+
+    /// The request holding `row` ([`oasis_runtime::presence::LOCAL`]: none) and its logical
+    /// block.
+    ///
+    /// # Errors
+    /// As [`PresenceMap::owner_of`].
+    pub fn owner_of(&self, row: u32) -> Result<(i64, u32)> {
+        Ok(self.shared.lock().presence.owner_of(row)?)
+    }
+
+    /// Absent entries, all layers.
+    pub fn missing(&self) -> u64 {
+        self.shared.lock().presence.missing()
+    }
+
+    /// Items of `layer` in flight.
+    pub fn pending(&self, layer: usize) -> usize {
+        self.shared.lock().pending.get(layer).copied().unwrap_or(0)
+    }
+
+    /// Fail `owner` (the caller's own reason, e.g. its bounded cache cannot hold a layer):
+    /// nothing of it is read again until it ends.
+    pub fn fail(&self, owner: i64, message: String) {
+        self.shared.lock().fail(owner, message);
+    }
+
+    /// Requests that failed since the last call -> why (the first message of each).
+    pub fn take_failed(&self) -> Vec<(i64, String)> {
+        let mut out: Vec<_> = self.shared.lock().failed.drain().collect();
+        out.sort_unstable();
+        out
+    }
+
+    /// The counters.
+    pub fn stats(&self) -> CoordStats {
+        self.shared.lock().stats.clone()
+    }
+
+    /// Read every absent entry among `keys` (a key with head [`ALL_HEADS`]: every head of its
+    /// row) that is not in flight already and whose request has not failed: frames in layer
+    /// order, round robin over the connections. Returns at once: per layer, how many entries
+    /// were submitted (0: nothing to wait for). A row's entries that are all absent travel as
+    /// one whole block.
+    ///
+    /// # Errors
+    /// [`CoordError::NoPools`] before [`Coordinator::register_pools`]; [`CoordError::Closed`];
+    /// [`CoordError::Presence`] for a key past the map (nothing is submitted then).
+    pub fn submit(&self, keys: &[Entry]) -> Result<Vec<u32>> {
+        let mut st = self.shared.lock();
+        if st.closed {
+            return Err(CoordError::Closed);
+        }
+        let layout = st.layout.clone().ok_or(CoordError::NoPools)?;
+        let (layers, _, heads) = st.presence.shape();
+        let absent = st.presence.absent(keys, &st.dead)?;
+        let absent: Vec<Entry> = absent
+            .into_iter()
+            .filter(|e| !st.inflight.contains(e))
+            .collect();
+        let mut per_layer = vec![0u32; layers];
+        // Items by layer, a row's heads merged into one whole block when all are absent.
+        let mut by_layer: Vec<Vec<Item>> = vec![Vec::new(); layers];
+        let mut i = 0;
+        while i < absent.len() {
+            let e = absent[i];
+            let mut j = i;
+            while j < absent.len() && absent[j].layer == e.layer && absent[j].row == e.row {
+                j += 1;
+            }
+            let group: Vec<Entry> = if j - i == heads && heads > 1 {
+                vec![Entry {
+                    head: ALL_HEADS,
+                    ..e
+                }]
+            } else {
+                absent[i..j].to_vec()
+            };
+            let (owner, logical) = st.presence.owner_of(e.row)?;
+            match st.daemon_of.get(&owner).copied() {
+                None => st.fail(
+                    owner,
+                    format!(
+                        "host row {} holds a staged block of request {owner}, which was never \
+                         staged with the coordinator",
+                        e.row
+                    ),
+                ),
+                Some(request) => {
+                    for g in group {
+                        by_layer[usize::from(g.layer)].push(Item {
+                            entry: g,
+                            owner,
+                            key: BlockKey {
+                                request,
+                                layer: g.layer,
+                                block: logical,
+                                head: g.head,
+                            },
+                        });
+                    }
+                    per_layer[usize::from(e.layer)] += (j - i) as u32;
+                    for x in &absent[i..j] {
+                        st.inflight.insert(*x);
+                    }
+                }
+            }
+            i = j;
+        }
+        let mut jobs = Vec::new();
+        for (layer, items) in by_layer.into_iter().enumerate() {
+            if items.is_empty() {
+                continue;
+            }
+            st.pending[layer] += items.len();
+            for it in &items {
+                *st.inflight_of.entry(it.owner).or_insert(0) += 1;
+            }
+            jobs.extend(self.frames(&layout, items));
+        }
+        drop(st);
+        let senders = self.senders.lock().unwrap_or_else(PoisonError::into_inner);
+        for items in jobs {
+            let n = self.next.fetch_add(1, Ordering::Relaxed) % senders.len();
+            let job = Job {
+                items,
+                layout: Arc::clone(&layout),
+            };
+            if let Err(mpsc::error::SendError(job)) = senders[n].send(job) {
+                // The worker is gone (closing): the items fail, nothing was written.
+                let why = vec![Some("the coordinator is closing".to_string()); job.items.len()];
+                self.shared.land(&job.items, why, Duration::ZERO, 0);
+            }
+        }
+        Ok(per_layer)
+    }
+
+    /// One layer's items cut into frames: under the frame budget and [`MAX_ENTRIES`], and spread
+    /// over the connections when the layer has enough of them.
+    fn frames(&self, layout: &PoolLayout, items: Vec<Item>) -> Vec<Vec<Item>> {
+        let c = &self.config;
+        let n = items.len();
+        let parts = c.connections.min(n / c.split_min_entries).max(1);
+        let cap = n.div_ceil(parts).min(MAX_ENTRIES);
+        let mut out = Vec::new();
+        let mut cur: Vec<Item> = Vec::new();
+        let mut bytes = FRAME_OVERHEAD;
+        for it in items {
+            let heads = if it.entry.head == ALL_HEADS {
+                layout.heads
+            } else {
+                1
+            };
+            let size = heads * layout.head_entry_bytes() + REPLY_ENTRY_BYTES;
+            if !cur.is_empty() && (cur.len() == cap || bytes + size > c.frame_bytes) {
+                out.push(std::mem::take(&mut cur));
+                bytes = FRAME_OVERHEAD;
+            }
+            bytes += size;
+            cur.push(it);
+        }
+        if !cur.is_empty() {
+            out.push(cur);
+        }
+        out
+    }
+
+    /// Block until every item of `layer` submitted so far has landed or failed; how long that
+    /// took (also added to [`CoordStats::wait_seconds`]).
+    ///
+    /// # Errors
+    /// [`CoordError::Invalid`] for a layer past the coordinator's.
+    pub fn wait_layer(&self, layer: usize) -> Result<Duration> {
+        let layers = self.shared.lock().pending.len();
+        if layer >= layers {
+            return Err(CoordError::Invalid(format!(
+                "layer {layer} is past the coordinator's {layers} layers"
+            )));
+        }
+        let (mut st, waited) = self.shared.wait_until(|s| s.pending[layer] == 0);
+        st.stats.wait_seconds += waited.as_secs_f64();
+        Ok(waited)
+    }
+
+    /// Block until every read in flight has landed or failed; how long that took.
+    pub fn drain(&self) -> Duration {
+        let (mut st, waited) = self.shared.wait_until(|s| s.inflight.is_empty());
+        st.stats.wait_seconds += waited.as_secs_f64();
+        waited
+    }
+
+    /// Let every read in flight land, then stop the connections and the runtime: nothing is
+    /// written into the pools after this returns. Idempotent; later submits fail with
+    /// [`CoordError::Closed`].
+    pub fn close(&self) {
+        self.shared.lock().closed = true;
+        self.drain();
+        self.senders
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clear();
+        if let Some(rt) = self
+            .rt
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+        {
+            rt.shutdown_background();
+        }
+    }
+}
+
+impl Drop for Coordinator {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// One connection's task: its frames in order, reconnecting on transport failures.
+struct Worker<K: Connector> {
+    index: usize,
+    connector: Arc<K>,
+    client: Option<Client<K::Conn>>,
+    shared: Arc<Shared>,
+    retries: u32,
+    use_rma: bool,
+}
+
+type Entries = Vec<std::result::Result<bytes::Bytes, ErrorCode>>;
+
+impl<K: Connector> Worker<K> {
+    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Job>) {
+        while let Some(job) = rx.recv().await {
+            let t0 = Instant::now();
+            let keys: Vec<BlockKey> = job.items.iter().map(|it| it.key).collect();
+            let (got, wire) = self.read(keys).await;
+            let outcome = match got {
+                Ok(entries) => write_entries(&job, entries),
+                Err(e) => {
+                    let m = format!("reading KV from the staging daemon failed: {e}");
+                    vec![Some(m); job.items.len()]
+                }
+            };
+            self.shared.land(&job.items, outcome, t0.elapsed(), wire);
+        }
+    }
+
+    /// The daemon's answer to `keys`, after up to `retries` reconnects; the wire bytes spent.
+    async fn read(&mut self, keys: Vec<BlockKey>) -> (oasis_rt::Result<Entries>, u64) {
+        let mut wire = 0;
+        let mut last = oasis_rt::Error::Closed;
+        for attempt in 0..=self.retries {
+            if self.client.is_none() {
+                match self.connector.connect(self.index).await {
+                    Ok(c) => {
+                        if attempt > 0 {
+                            self.shared.lock().stats.reconnects += 1;
+                        }
+                        self.client = Some(c);
+                    }
+                    Err(e) => {
+                        last = e;
+                        continue;
+                    }
+                }
+            }
+            let Some(c) = self.client.as_mut() else {
+                continue;
+            };
+            let (s0, r0) = c.wire_bytes();
+            let got = if self.use_rma && c.rma() {
+                c.read_blocks_rma(keys.clone()).await
+            } else {
+                c.read_blocks(keys.clone()).await
+            };
+            let (s1, r1) = c.wire_bytes();
+            wire += (s1 - s0) + (r1 - r0);
+            match got {
+                Ok(entries) => return (Ok(entries), wire),
+                Err(e) if !c.is_connected() => {
+                    self.client = None;
+                    last = e;
+                }
+                Err(e) => return (Err(e), wire),
+            }
+        }
+        (Err(last), wire)
+    }
+}
+
+/// Write a frame's good entries into the pool; per item `None` (written) or why it failed.
+fn write_entries(job: &Job, entries: Entries) -> Vec<Option<String>> {
+    job.items
+        .iter()
+        .zip(entries)
+        .map(|(it, got)| {
+            let e = it.entry;
+            let what = format!("block {} of layer {}", it.key.block, e.layer);
+            let bytes = match got {
+                Ok(b) => b,
+                Err(code) => {
+                    return Some(format!(
+                        "reading {what} from the staging daemon failed ({}); was the request \
+                         released or evicted after its lease (oasis-rt serve --lease)?",
+                        code.name()
+                    ))
+                }
+            };
+            let dest = match job.layout.dest(e) {
+                Ok(d) => d,
+                Err(err) => return Some(format!("reading {what}: {err}")),
+            };
+            if bytes.len() != dest.entry_bytes() {
+                return Some(format!(
+                    "reading {what} from the staging daemon returned {} bytes where the host \
+                     pool's entry holds {} (size_mismatch): was it staged with another geometry \
+                     or kv_format?",
+                    bytes.len(),
+                    dest.entry_bytes()
+                ));
+            }
+            // SAFETY: (1) the length was checked just above. (2) `dest` lies inside the pools
+            // of `job.layout` (`PoolLayout::dest` checked layer, row and head); they stay
+            // allocated while the job is in flight (`register_pools`' obligation 1: a new
+            // layout and `close` wait for every read first); the entry is in the in-flight set,
+            // so no other job writes it, its request's rows do not change hands until it lands
+            // (`end`/`forget_row` wait), and the caller reads its layer only after
+            // `wait_layer` (obligation 2); `bytes` is the received frame, a separate buffer.
+            unsafe { dest.write(&bytes) };
+            None
+        })
+        .collect()
+}

@@ -1,0 +1,38 @@
+//! `oasis-coord`: the decode side's coordinator of remote reads (disaggregated prefill and
+//! decode, issue 37).
+//!
+//! A decode engine admits requests whose KV is staged in an `oasis-rt` daemon; its host pool
+//! is a cache of those blocks. Each step the engine's selection plans, per layer, the
+//! block-heads it gathers; the ones the host pool lacks must cross the network first. The
+//! [`Coordinator`] owns that:
+//!
+//! ```text
+//!  engine (Python)                         Coordinator                          oasis-rt daemon
+//!  register_pools(host_k/v [+ scales]) ──▶ PoolLayout (raw addresses)
+//!  stage(request, daemon id) ────────────▶ PresenceMap (layer, row, head)
+//!  submit(step's planned entries) ───────▶ absent − in flight − failed ──▶ frames, layer order,
+//!    returns at once                                                      N connections (tokio)
+//!  wait_layer(l) ◀──────────────────────── landed: bytes written, then ◀── replies
+//!  gather(l)                               marked present; failures per request
+//!  take_failed() ◀──────────────────────── request -> message
+//! ```
+//!
+//! - [`coordinator`]: the [`Coordinator`], its state and its connection tasks.
+//! - [`pools`]: the pinned host pool's layout and the one `unsafe` write of an entry.
+//! - [`connect`]: how connections are made ([`Connector`]; TCP here, UCX in the binding).
+//! - [`error`]: the crate's [`CoordError`].
+//!
+//! A separate crate (not inside `oasis-py`) so that it tests without Python: against an
+//! in-process daemon, with connectors that slow or break connections.
+
+pub mod connect;
+pub mod coordinator;
+pub mod error;
+pub mod pools;
+
+pub use connect::{Connector, TcpConnector};
+pub use coordinator::{CoordConfig, CoordStats, Coordinator};
+pub use error::{CoordError, Result};
+pub use oasis_runtime::presence::ALL_HEADS;
+pub use oasis_runtime::Entry;
+pub use pools::{Dest, LayerPool, PoolLayout};

@@ -1,0 +1,483 @@
+//! The coordinator against an in-process daemon (`oasis_rt::Server` on loopback TCP): bytes
+//! land in the pool before their entries are present, failures stay with their requests, a
+//! layer's wait returns while later layers are in flight, and the pools are re-registered.
+
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use oasis_coord::{
+    Connector, CoordConfig, Coordinator, Entry, LayerPool, PoolLayout, TcpConnector, ALL_HEADS,
+};
+use oasis_rt::protocol::{Geometry, KvFormat, RemoteRegion, StagedBlock};
+use oasis_rt::transport::{Connection, RmaConnection, TcpConnection};
+use oasis_rt::{Client, ClientConfig, Server, ServerConfig};
+
+const LAYERS: usize = 4;
+const HEADS: usize = 2;
+const BLOCK: u16 = 16;
+const HEAD_DIM: u16 = 32;
+/// Bytes of one head's rows of one block: 16 x 32 x 2.
+const HB: usize = 1024;
+const ROWS: usize = 16;
+const T: Duration = Duration::from_secs(3);
+
+fn geometry(head_dim: u16) -> Geometry {
+    Geometry {
+        num_layers: LAYERS as u16,
+        num_kv_heads: HEADS as u16,
+        block_size: BLOCK,
+        head_dim,
+        dtype_bytes: 2,
+        num_blocks: 8,
+        kv_format: KvFormat::Plain,
+    }
+}
+
+/// Deterministic, non-zero bytes per (request, layer, block).
+fn pattern(request: u64, layer: u16, block: u32, len: usize) -> Vec<u8> {
+    let mut x = request.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+        ^ (u64::from(layer) << 32 | u64::from(block))
+        | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x as u8) | 1
+        })
+        .collect()
+}
+
+struct Daemon {
+    rt: tokio::runtime::Runtime,
+    addr: String,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl Daemon {
+    fn start() -> Daemon {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let (addr, stop) = rt.block_on(async {
+            let server = Server::bind(ServerConfig {
+                listen: "127.0.0.1:0".into(),
+                ..ServerConfig::default()
+            })
+            .await
+            .unwrap();
+            let addr = server.local_addr();
+            let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+            tokio::spawn(server.run(async move {
+                let _ = rx.await;
+            }));
+            (addr, tx)
+        });
+        Daemon {
+            rt,
+            addr,
+            stop: Some(stop),
+        }
+    }
+
+    fn config() -> ClientConfig {
+        ClientConfig {
+            connect_timeout: T,
+            request_timeout: T,
+            ..ClientConfig::default()
+        }
+    }
+
+    /// Stage every block of `request` (8 blocks, every layer) with `head_dim`.
+    fn stage(&self, request: u64, head_dim: u16) {
+        let g = geometry(head_dim);
+        self.rt.block_on(async {
+            let mut c = Client::connect(&self.addr, Self::config()).await.unwrap();
+            let blocks = (0..LAYERS as u16)
+                .flat_map(|l| {
+                    (0..8).map(move |b| StagedBlock {
+                        layer: l,
+                        block: b,
+                        data: Bytes::from(pattern(request, l, b, g.block_bytes() as usize)),
+                    })
+                })
+                .collect();
+            c.stage_blocks(request, g, blocks).await.unwrap();
+        });
+    }
+
+    fn release(&self, request: u64) {
+        self.rt.block_on(async {
+            let mut c = Client::connect(&self.addr, Self::config()).await.unwrap();
+            c.release(request).await.unwrap();
+        });
+    }
+
+    fn tcp(&self) -> TcpConnector {
+        TcpConnector {
+            addr: self.addr.clone(),
+            config: Self::config(),
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+    }
+}
+
+/// Plain pools `[ROWS, HEADS, 16, 32]` of 2-byte elements, zeroed, per layer K and V.
+struct Pools {
+    k: Vec<Vec<u8>>,
+    v: Vec<Vec<u8>>,
+}
+
+impl Pools {
+    fn new() -> Pools {
+        Pools {
+            k: vec![vec![0; ROWS * HEADS * HB]; LAYERS],
+            v: vec![vec![0; ROWS * HEADS * HB]; LAYERS],
+        }
+    }
+
+    fn layout(&mut self) -> PoolLayout {
+        PoolLayout {
+            layers: self
+                .k
+                .iter_mut()
+                .zip(self.v.iter_mut())
+                .map(|(k, v)| LayerPool {
+                    k: k.as_mut_ptr() as usize,
+                    v: v.as_mut_ptr() as usize,
+                    scales: None,
+                })
+                .collect(),
+            rows: ROWS,
+            heads: HEADS,
+            head_bytes: HB,
+        }
+    }
+
+    /// Head `head` of `row` in `layer`, K then V.
+    fn head(&self, layer: usize, row: usize, head: usize) -> Vec<u8> {
+        let at = (row * HEADS + head) * HB;
+        [&self.k[layer][at..at + HB], &self.v[layer][at..at + HB]].concat()
+    }
+}
+
+/// What the daemon holds for head `head` of `block` of `layer`: its K rows then its V rows.
+fn staged_head(request: u64, layer: u16, block: u32, head: usize) -> Vec<u8> {
+    let data = pattern(request, layer, block, 2 * HEADS * HB);
+    let v = HEADS + head;
+    [
+        &data[head * HB..(head + 1) * HB],
+        &data[v * HB..(v + 1) * HB],
+    ]
+    .concat()
+}
+
+fn coordinator<K: Connector>(k: K, connections: usize, pools: &mut Pools) -> Coordinator {
+    let c = Coordinator::start(
+        k,
+        CoordConfig {
+            connections,
+            ..CoordConfig::default()
+        },
+        LAYERS,
+        HEADS,
+    )
+    .unwrap();
+    // SAFETY: `pools` outlives the coordinator in every test (dropped after it), its vectors
+    // are never resized, and the tests read them only after wait_layer / drain.
+    unsafe { c.register_pools(pools.layout()).unwrap() };
+    c
+}
+
+/// Engine request `owner` holds rows `rows` = its logical blocks 0.., staged as `daemon`.
+fn admit(c: &Coordinator, owner: i64, daemon: u64, rows: &[u32]) {
+    c.stage(owner, daemon);
+    for (logical, &row) in rows.iter().enumerate() {
+        c.take_row(row, owner, logical as u32).unwrap();
+    }
+}
+
+fn e(layer: u16, row: u32, head: u16) -> Entry {
+    Entry { layer, row, head }
+}
+
+/// A TCP connector whose connection slot `slow` waits `delay` before every reply it reads,
+/// and whose slot `broken` never connects.
+struct Faulty {
+    tcp: TcpConnector,
+    slow: Option<(usize, Duration)>,
+    broken: Option<usize>,
+}
+
+struct SlowConn {
+    inner: TcpConnection,
+    delay: Duration,
+}
+
+impl Connection for SlowConn {
+    async fn send_frame(&mut self, frame: &[u8]) -> oasis_rt::Result<()> {
+        self.inner.send_frame(frame).await
+    }
+
+    async fn recv_frame(&mut self, max: u32, idle: Option<Duration>) -> oasis_rt::Result<Bytes> {
+        tokio::time::sleep(self.delay).await;
+        self.inner.recv_frame(max, idle).await
+    }
+
+    fn peer(&self) -> String {
+        self.inner.peer()
+    }
+}
+
+impl RmaConnection for SlowConn {
+    fn can_rma(&self) -> bool {
+        false
+    }
+
+    async fn get_many(&mut self, r: Vec<(RemoteRegion, u64, u64)>) -> oasis_rt::Result<Vec<Bytes>> {
+        self.inner.get_many(r).await
+    }
+}
+
+impl Connector for Faulty {
+    type Conn = SlowConn;
+
+    async fn connect(&self, index: usize) -> oasis_rt::Result<Client<SlowConn>> {
+        if self.broken == Some(index) {
+            return Err(oasis_rt::Error::Closed);
+        }
+        let delay = match self.slow {
+            Some((i, d)) if i == index => d,
+            _ => Duration::ZERO,
+        };
+        let transport = oasis_rt::transport::TcpTransport::default();
+        let inner = oasis_rt::transport::Transport::connect(&transport, &self.tcp.addr).await?;
+        Client::handshake(SlowConn { inner, delay }, &self.tcp.config).await
+    }
+}
+
+#[test]
+fn reads_land_in_the_pool_and_only_then_are_present() {
+    let d = Daemon::start();
+    d.stage(7, HEAD_DIM);
+    let mut pools = Pools::new();
+    let slow = Faulty {
+        tcp: d.tcp(),
+        slow: Some((0, Duration::from_millis(300))),
+        broken: None,
+    };
+    let c = coordinator(slow, 1, &mut pools);
+    admit(&c, 1, 7, &[3, 4, 5]);
+    assert_eq!(c.missing(), (3 * LAYERS * HEADS) as u64);
+    // Layer 0: one head of row 3; layer 2: every head of row 5 (one whole block).
+    let got = c
+        .submit(&[e(0, 3, 1), e(2, 5, ALL_HEADS), e(0, 3, 1)])
+        .unwrap();
+    assert_eq!(got, vec![1, 0, 2, 0]);
+    // In flight: not present yet, and a second submit reads nothing again.
+    assert!(!c.is_present(e(0, 3, 1)).unwrap());
+    assert_eq!(c.pending(0), 1);
+    assert_eq!(c.submit(&[e(0, 3, 1)]).unwrap(), vec![0; LAYERS]);
+    c.wait_layer(0).unwrap();
+    assert!(c.is_present(e(0, 3, 1)).unwrap());
+    assert!(!c.is_present(e(0, 3, 0)).unwrap());
+    c.drain();
+    assert_eq!(pools.head(0, 3, 1), staged_head(7, 0, 0, 1));
+    assert_eq!(pools.head(0, 3, 0), vec![0; 2 * HB], "only the head read");
+    for h in 0..HEADS {
+        assert_eq!(pools.head(2, 5, h), staged_head(7, 2, 2, h));
+        assert!(c.is_present(e(2, 5, h as u16)).unwrap());
+    }
+    let s = c.stats();
+    assert_eq!(s.entries, 3);
+    assert!(s.wire_bytes > (3 * 2 * HB) as u64);
+    assert!(s.wait_seconds > 0.2, "{s:?}");
+    assert_eq!(c.missing(), (3 * LAYERS * HEADS - 3) as u64);
+    assert!(c.take_failed().is_empty());
+    assert_eq!(c.end(1, &[3, 4, 5]).unwrap(), 3);
+    assert_eq!(c.missing(), 0);
+}
+
+#[test]
+fn wait_layer_returns_while_later_layers_are_in_flight() {
+    let d = Daemon::start();
+    d.stage(7, HEAD_DIM);
+    let mut pools = Pools::new();
+    // Slot 0 is fast, slot 1 answers after 800 ms: layer 0's frame goes to slot 0, layer 1's
+    // to slot 1 (frames never span layers; round robin in layer order).
+    let k = Faulty {
+        tcp: d.tcp(),
+        slow: Some((1, Duration::from_millis(800))),
+        broken: None,
+    };
+    let c = coordinator(k, 2, &mut pools);
+    admit(&c, 1, 7, &[0, 1]);
+    c.submit(&[e(0, 0, 0), e(1, 1, 0)]).unwrap();
+    let t0 = Instant::now();
+    c.wait_layer(0).unwrap();
+    assert!(
+        t0.elapsed() < Duration::from_millis(600),
+        "{:?}",
+        t0.elapsed()
+    );
+    assert_eq!(c.pending(1), 1, "layer 1 still in flight");
+    assert!(!c.is_present(e(1, 1, 0)).unwrap());
+    assert_eq!(pools.head(0, 0, 0), staged_head(7, 0, 0, 0));
+    c.wait_layer(1).unwrap();
+    assert!(t0.elapsed() >= Duration::from_millis(700));
+    assert_eq!(pools.head(1, 1, 0), staged_head(7, 1, 1, 0));
+}
+
+#[test]
+fn a_failed_connection_fails_only_the_requests_of_its_entries() {
+    let d = Daemon::start();
+    d.stage(7, HEAD_DIM);
+    d.stage(8, HEAD_DIM);
+    let mut pools = Pools::new();
+    let k = Faulty {
+        tcp: d.tcp(),
+        slow: None,
+        broken: Some(1),
+    };
+    let c = Coordinator::start(
+        k,
+        CoordConfig {
+            connections: 2,
+            retries: 2,
+            ..CoordConfig::default()
+        },
+        LAYERS,
+        HEADS,
+    )
+    .unwrap();
+    // SAFETY: as in `coordinator`.
+    unsafe { c.register_pools(pools.layout()).unwrap() };
+    // Request 1's entries are in layer 0 (slot 0), request 2's in layer 1 (slot 1, broken).
+    admit(&c, 1, 7, &[0]);
+    admit(&c, 2, 8, &[1]);
+    c.submit(&[e(0, 0, 0), e(1, 1, 0), e(1, 1, 1)]).unwrap();
+    c.drain();
+    let failed = c.take_failed();
+    assert_eq!(failed.len(), 1, "{failed:?}");
+    assert_eq!(failed[0].0, 2);
+    assert!(failed[0].1.contains("staging daemon"), "{}", failed[0].1);
+    assert!(c.is_present(e(0, 0, 0)).unwrap());
+    assert_eq!(pools.head(0, 0, 0), staged_head(7, 0, 0, 0));
+    assert!(
+        !c.is_present(e(1, 1, 0)).unwrap(),
+        "a failed read marks nothing"
+    );
+    assert_eq!(pools.head(1, 1, 0), vec![0; 2 * HB], "nothing written");
+    // A failed request is not read again; the other still is.
+    assert_eq!(
+        c.submit(&[e(2, 1, 0), e(2, 0, 1)]).unwrap(),
+        vec![0, 0, 1, 0]
+    );
+    c.drain();
+    assert!(c.take_failed().is_empty());
+    assert_eq!(c.stats().failed_entries, 2);
+    // Its rows come back whole at its end.
+    c.end(2, &[1]).unwrap();
+    c.end(1, &[0]).unwrap();
+    assert_eq!(c.missing(), 0);
+}
+
+#[test]
+fn a_wrong_size_or_a_released_request_fails_that_request_alone() {
+    let d = Daemon::start();
+    d.stage(7, HEAD_DIM);
+    d.stage(8, 2 * HEAD_DIM); // twice the pool's entry
+    d.stage(9, HEAD_DIM);
+    d.release(9);
+    let mut pools = Pools::new();
+    let c = coordinator(d.tcp(), 1, &mut pools);
+    admit(&c, 1, 7, &[0]);
+    admit(&c, 2, 8, &[1]);
+    admit(&c, 3, 9, &[2]);
+    // All three in one frame.
+    c.submit(&[e(0, 0, 0), e(0, 1, 0), e(0, 2, 0)]).unwrap();
+    c.wait_layer(0).unwrap();
+    let failed = c.take_failed();
+    assert_eq!(failed.iter().map(|f| f.0).collect::<Vec<_>>(), vec![2, 3]);
+    assert!(failed[0].1.contains("size_mismatch"), "{}", failed[0].1);
+    assert!(failed[1].1.contains("unknown_request"), "{}", failed[1].1);
+    assert!(c.is_present(e(0, 0, 0)).unwrap());
+    assert!(!c.is_present(e(0, 1, 0)).unwrap());
+    assert_eq!(pools.head(0, 1, 0), vec![0; 2 * HB]);
+    assert_eq!(pools.head(0, 0, 0), staged_head(7, 0, 0, 0));
+}
+
+#[test]
+fn a_dead_daemon_fails_the_reads_within_the_retries_and_the_pools_re_register() {
+    let mut d = Daemon::start();
+    d.stage(7, HEAD_DIM);
+    let mut pools = Pools::new();
+    let c = Coordinator::start(
+        d.tcp(),
+        CoordConfig {
+            retries: 1,
+            ..CoordConfig::default()
+        },
+        LAYERS,
+        HEADS,
+    )
+    .unwrap();
+    // SAFETY: as in `coordinator`.
+    unsafe { c.register_pools(pools.layout()).unwrap() };
+    admit(&c, 1, 7, &[0]);
+    c.submit(&[e(0, 0, 0)]).unwrap();
+    c.drain();
+    assert!(c.take_failed().is_empty());
+    // Larger pools (the engine grew them): registered again, the map follows.
+    let mut bigger = Pools {
+        k: vec![vec![0; 2 * ROWS * HEADS * HB]; LAYERS],
+        v: vec![vec![0; 2 * ROWS * HEADS * HB]; LAYERS],
+    };
+    let mut layout = bigger.layout();
+    layout.rows = 2 * ROWS;
+    // SAFETY: `bigger` is dropped after `c` (the explicit drops below).
+    unsafe { c.register_pools(layout).unwrap() };
+    c.take_row(ROWS as u32 + 1, 1, 1).unwrap();
+    let _ = d.stop.take().map(|s| s.send(()));
+    std::thread::sleep(Duration::from_millis(100));
+    c.submit(&[e(1, ROWS as u32 + 1, 0)]).unwrap();
+    let t0 = Instant::now();
+    c.drain();
+    assert!(t0.elapsed() < 2 * T);
+    let failed = c.take_failed();
+    assert_eq!(failed.len(), 1);
+    assert!(failed[0].1.contains("failed"), "{}", failed[0].1);
+    c.close();
+    assert!(c.submit(&[e(0, 0, 1)]).is_err());
+    drop(c);
+    drop(bigger);
+}
+
+#[test]
+fn the_caller_s_mistakes_are_errors_that_say_what_to_pass() {
+    let d = Daemon::start();
+    let c = Coordinator::start(d.tcp(), CoordConfig::default(), LAYERS, HEADS).unwrap();
+    let err = c.submit(&[e(0, 0, 0)]).unwrap_err().to_string();
+    assert!(err.contains("register the pools"), "{err}");
+    let mut pools = Pools::new();
+    let mut bad = pools.layout();
+    bad.heads = 3;
+    // SAFETY: refused before any read (heads mismatch).
+    let err = unsafe { c.register_pools(bad) }.unwrap_err().to_string();
+    assert!(err.contains("KV heads"), "{err}");
+    assert!(c.wait_layer(LAYERS).is_err());
+    let none = CoordConfig {
+        connections: 0,
+        ..CoordConfig::default()
+    };
+    assert!(Coordinator::start(d.tcp(), none, LAYERS, HEADS).is_err());
+}
