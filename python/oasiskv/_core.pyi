@@ -263,6 +263,89 @@ class RtClient:
     def timeout_s(self) -> float:
         """The deadline of every call, in seconds."""
 
+class Coordinator:
+    """The decode side's remote reads (crate ``oasis-coord``): the presence map of the staged
+    block-heads in the host pool, the staged requests, N connections of its own to the daemon at
+    ``addr`` (TCP or UCX, as ``RtClient``) and tokio threads that write each read entry straight
+    into the registered pinned pools. ``submit`` returns at once; ``wait_layer`` blocks (the GIL
+    released) until that layer's entries landed or failed. An entry is marked present only once
+    its bytes are written; a failed read fails the requests of its entries (``take_failed``).
+    A frame that fails in transport reconnects and is sent again ``retries`` times; every call
+    of a connection finishes within ``timeout_s``."""
+
+    def __new__(
+        cls,
+        addr: str,
+        num_layers: int,
+        num_kv_heads: int,
+        *,
+        token: str | bytes | None = None,
+        timeout_s: float = 30.0,
+        connect_timeout_s: float = 5.0,
+        retries: int = 0,
+        connections: int = 1,
+        threads: int = 1,
+        rma: bool = True,
+        split_min_entries: int = 256,
+        frame_bytes: int = 4194304,
+    ) -> Coordinator: ...
+    def register_pools(
+        self,
+        host_k: list[torch.Tensor],
+        host_v: list[torch.Tensor],
+        host_k_scales: list[torch.Tensor] | None = None,
+        host_v_scales: list[torch.Tensor] | None = None,
+    ) -> None:
+        """The pools the reads write into, one contiguous CPU ``[rows, num_kv_heads, block_size,
+        head_dim]`` tensor per layer (fp8: uint8 codes and float32 ``[rows, num_kv_heads]``
+        scales); again whenever they grow or are replaced (after the reads in flight land). The
+        coordinator keeps the tensors alive until the next registration or ``close``."""
+    @property
+    def rows(self) -> int:
+        """Host rows of the registered pools (0: none)."""
+    def stage(self, request: int, daemon_id: int) -> None:
+        """Engine request ``request`` reads from the daemon's staged request ``daemon_id``."""
+    def end(self, request: int, rows: list[int]) -> int:
+        """``request`` ends: wait for its reads, forget it, give its ``rows`` back; how many of
+        their entries held their bytes."""
+    def take_row(self, row: int, request: int, logical: int) -> None:
+        """Host row ``row`` now holds staged block ``logical`` of ``request``: every entry absent."""
+    def set_owner(self, row: int, request: int) -> None:
+        """``row`` names ``request`` without holding a staged block (a bounded cache's filler)."""
+    def forget_row(self, row: int) -> int:
+        """The block in ``row`` was evicted; how many of its entries held their bytes."""
+    def mark_present(self, layers: list[int], rows: list[int], heads: list[int]) -> list[int]:
+        """Entries the caller wrote itself (head -1: every head); per entry how many were absent."""
+    def absent_blocks(self, layer: int, rows: list[int]) -> list[int]:
+        """The ``rows`` of ``layer`` with some head absent."""
+    def is_present(self, layer: int, row: int, head: int) -> bool:
+        """Whether that entry holds its bytes."""
+    def owners(self, rows: list[int]) -> list[tuple[int, int]]:
+        """Per row ``(request, logical block)``; request -1 for a row no staged request holds."""
+    @property
+    def missing(self) -> int:
+        """Absent entries, all layers."""
+    def submit(self, layers: list[int], rows: list[int], heads: list[int]) -> list[int]:
+        """Read the absent entries among ``(layers[i], rows[i], heads[i])`` (head -1: every head)
+        not in flight and of no failed request; returns at once, per layer how many went out."""
+    def wait_layer(self, layer: int) -> float:
+        """Block until ``layer``'s submitted entries landed or failed; the seconds waited."""
+    def drain(self) -> float:
+        """Block until every read in flight landed or failed; the seconds waited."""
+    def pending(self, layer: int) -> int:
+        """Entries of ``layer`` in flight."""
+    def fail(self, request: int, message: str) -> None:
+        """Fail ``request`` for the caller's own reason (nothing of it is read until it ends)."""
+    def take_failed(self) -> dict[int, str]:
+        """Requests whose reads failed since the last call -> why."""
+    def take_landed(self) -> dict[int, tuple[int, int]]:
+        """Per request since the last call: ``(block-heads landed, wire bytes)``."""
+    def stats(self) -> dict[str, float]:
+        """``read_seconds``, ``wait_seconds``, ``wire_bytes``, ``sent_entries``, ``entries``,
+        ``failed_entries``, ``frames``, ``reconnects``."""
+    def close(self) -> None:
+        """Let the reads in flight land, stop the connections and threads (idempotent)."""
+
 def ucx_version() -> tuple[int, int, int]:
     """The loaded libucp's ``(major, minor, release)``; ``ConfigError`` (``.code ==
     "ucx_unavailable"``) when it cannot be loaded."""

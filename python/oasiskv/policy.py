@@ -83,8 +83,16 @@ class BlockSource(Protocol):
     def before_gathers(self, plans: list) -> list[bool]:
         """:meth:`before_gather` for a step's layers at once, ``plans`` a list of ``(layer,
         plan_slots, plan_blocks, host_indptr, host_indices)`` in layer order; per plan, whether
-        its gather's inputs changed (default: one :meth:`before_gather` per plan)."""
+        its gather's inputs change (default: one :meth:`before_gather` per plan). The reads may
+        still be in flight when it returns: the engine calls :meth:`wait_for_layer_load` before
+        each layer's gather."""
         return [self.before_gather(*p) for p in plans]
+
+    def wait_for_layer_load(self, layer: int) -> float:
+        """Block until the blocks :meth:`before_gathers` brings for ``layer`` are in the host pool
+        (the one place the decode loop waits for them); the seconds waited (default: nothing is
+        in flight)."""
+        return 0.0
 
 
 class LocalHostPool(BlockSource):

@@ -53,6 +53,8 @@ class StagingDaemon:
         listen: ``HOST:PORT``; port 0 takes a free one. A non-loopback address needs ``token``.
         token: a shared token, written to a private file for ``--token-file``.
         lease_s: ``--lease`` (seconds a staged request lives unclaimed), or the daemon's default.
+        idle_timeout_s: ``--idle-timeout-s`` (seconds a connection may sit between frames before
+            the daemon closes it), or the daemon's default.
         log_level: ``--log``.
 
     Raises ``ConfigError`` when there is no binary or the daemon does not start (with its log).
@@ -68,6 +70,7 @@ class StagingDaemon:
         listen: str = "127.0.0.1:0",
         token: str | None = None,
         lease_s: int | None = None,
+        idle_timeout_s: int | None = None,
         log_level: str = "warn",
         start_timeout_s: float = START_TIMEOUT_S,
     ) -> None:
@@ -84,6 +87,8 @@ class StagingDaemon:
             args += ["--token-file", str(path)]
         if lease_s is not None:
             args += ["--lease", str(int(lease_s))]
+        if idle_timeout_s is not None:
+            args += ["--idle-timeout-s", str(int(idle_timeout_s))]
         self.log_path = Path(self._dir.name) / "log"
         with self.log_path.open("w") as err:
             self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True)

@@ -15,6 +15,7 @@ import json
 import math
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -38,10 +39,9 @@ from support.rtd import TRANSPORTS, Daemon
 
 # Private names read here: ``RtClient`` from ``oasiskv._core`` (the daemon's client; no public
 # re-export) and the remote source's own steps, each what its test checks:
-# ``_rows_for``/``_forget_row``/``_logical`` (the bounded host pool's reads and evictions, in
-# order), ``_prefetch`` (the read-ahead queue drained), ``_read_clients`` (the extra read
-# connections), ``Engine._flush_deferred`` (named in a docstring: the deferred fetch of a step's
-# misses).
+# ``_rows_for``/``_forget_row``/``_by_req`` (the bounded host pool's reads and evictions, in
+# order, and the daemon id of a request), ``_prefetch`` (the read-ahead queue drained),
+# ``Engine._flush_deferred`` (named in a docstring: the deferred fetch of a step's misses).
 
 #: The prefill worker runs as ``python -m support.disagg_worker`` from ``tests/``.
 TESTS = Path(__file__).resolve().parents[1]
@@ -75,23 +75,38 @@ def _reference(model, kv: KvConfig, backend: str, prompts) -> list:
     return _run(eng, [lambda e, p=p: e.add_request(p, _params()) for p in prompts])
 
 
-class Recorder:
-    """The decode engine's daemon client, with every read key recorded (``on_read``, which a
-    test may replace to log or to fail reads)."""
+class ReadLog:
+    """The remote source's coordinator (``oasiskv._core.Coordinator``), with every entry it is
+    asked to read recorded as the daemon's key ``(request, layer, block, head)`` (head -1: a whole
+    block): the planned entries that are absent when submitted (``on_read``, which a test may
+    replace to log them). Install it before the first admission: ``src.coord = ReadLog(src)``."""
 
-    def __init__(self, inner) -> None:
-        self.inner, self.keys = inner, []
+    def __init__(self, src) -> None:
+        self.inner, self.src, self.keys = src.coord, src, []
 
     def on_read(self, keys) -> None:
         self.keys.extend(keys)
 
-    def read_blocks(self, keys):
-        self.on_read(keys)
-        return self.inner.read_blocks(keys)
-
-    def read_blocks_into(self, keys, rows, host_k, host_v):
-        self.on_read(keys)
-        return self.inner.read_blocks_into(keys, rows, host_k, host_v)
+    def submit(self, layers, rows, heads):
+        hk = self.src.engine.geo.num_kv_heads
+        keys, seen = [], set()
+        for layer, row, head, (owner, logical) in zip(
+            layers, rows, heads, self.inner.owners(rows), strict=True
+        ):
+            st = self.src._by_req.get(owner)
+            if st is None or (layer, row, head) in seen:
+                continue
+            seen.add((layer, row, head))
+            absent = [
+                h for h in (range(hk) if head == -1 else [head]) if not self.inner.is_present(layer, row, h)
+            ]
+            if head == -1 and len(absent) == hk:
+                keys.append((st.daemon_id, layer, logical, -1))
+            else:
+                keys += [(st.daemon_id, layer, logical, h) for h in absent]
+        if keys:
+            self.on_read(keys)
+        return self.inner.submit(layers, rows, heads)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -132,7 +147,7 @@ def test_loopback_three_processes(model, transfer, transport):
         eng = LLMEngine(
             model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_transfer=transfer
         )
-        rec = eng.kv_source.client = Recorder(eng.kv_source.client)
+        rec = eng.kv_source.coord = ReadLog(eng.kv_source)
         outs = _run(eng, [lambda e, h=h: e.add_staged_request(h, _params()) for h in small])
         refs = _reference(model, KvConfig.fast(**SMALL), "oasis", [h.prompt for h in small])
         for o, ref, h in zip(outs, refs, small, strict=True):
@@ -154,6 +169,9 @@ def test_loopback_three_processes(model, transfer, transport):
             # (each head's first working set) and after it (fetched_entries).
             assert len(rec.keys) == len(set(rec.keys)) >= st.fetched_entries > 0
             assert all(head >= 0 for *_, head in rec.keys)
+            cs = eng.kv_source.coordinator_stats
+            # Every block-head sent landed once (none read twice, none failed).
+            assert cs["sent_entries"] == cs["entries"] == len(rec.keys) and cs["failed_entries"] == 0
             assert st.peak_cached_bytes < sum(h.kv_bytes for h in small)
         else:
             assert rec.keys == [] or all(head == -1 for *_, head in rec.keys)
@@ -273,7 +291,7 @@ def _fetch_steps(model, d: Daemon, handles: list[StagedRequest], local: list | N
     the others (and a local prompt), reads misses from the daemon: a dry run of the same batch,
     so that a fault test can strike before a read (greedy decoding is deterministic)."""
     eng = LLMEngine(model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url)
-    rec = eng.kv_source.client = Recorder(eng.kv_source.client)
+    rec = eng.kv_source.coord = ReadLog(eng.kv_source)
     for h in handles:
         eng.add_staged_request(h, _params(n))
     if local is not None:
@@ -412,7 +430,7 @@ def test_a_bounded_host_pool_decodes_as_the_unbounded_one(model):
             kv_cache_blocks=c,
         )
         src = eng.kv_source
-        rec = src.client = Recorder(src.client)
+        rec = src.coord = ReadLog(src)
         events: list = []  # ("read", key) and ("evict", daemon id, logical), in order
         planned: set = set()
         rows_for, forget = src._rows_for, src._forget_row
@@ -423,14 +441,14 @@ def test_a_bounded_host_pool_decodes_as_the_unbounded_one(model):
             return rows_for(st, logicals, pinned)
 
         def forget_logged(st, row):
-            logical = int(src._logical[row])
+            ((_, logical),) = src.coord.owners([row])
             assert logical not in planned, "evicted a block the gather reads"
             events.append(("evict", st.daemon_id, logical))
             forget(st, row)
 
         def read_logged(keys):
             events.extend(("read", k) for k in keys)
-            Recorder.on_read(rec, keys)
+            ReadLog.on_read(rec, keys)
 
         src._rows_for, src._forget_row, rec.on_read = rows_for_logged, forget_logged, read_logged
         ids = [eng.add_staged_request(h, _params()) for h in handles]
@@ -563,12 +581,14 @@ def test_the_worker_frees_its_pages_and_stages_the_union(model):
             PrefillWorker(model, KvConfig.fast(block_score="codes"), d.addr)
 
 
-class Counting(Recorder):
-    """A Recorder that also counts ``fetch_admission`` calls."""
+class Counting:
+    """The admission's daemon client, counting ``fetch_admission`` calls."""
 
     def __init__(self, inner) -> None:
-        super().__init__(inner)
-        self.admissions = 0
+        self.inner, self.admissions = inner, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
 
     def fetch_admission(self, *args):
         self.admissions += 1
@@ -595,6 +615,7 @@ def test_staged_data_is_read_ahead_off_the_decode_loop(model, transfer, small_fr
             )
             eng.kv_source.prefetch_depth = depth
             rec = eng.kv_source.client = Counting(eng.kv_source.client)
+            rec.log = eng.kv_source.coord = ReadLog(eng.kv_source)
             local = eng.add_request(prompt(P, 11), _params())  # running while the staged ones wait
             eng.step()
             ids = [eng.add_staged_request(h, _params()) for h in hs]
@@ -610,13 +631,13 @@ def test_staged_data_is_read_ahead_off_the_decode_loop(model, transfer, small_fr
             assert a.metrics.network_admission_bytes == b.metrics.network_admission_bytes > 0
         assert rec0.admissions > 0 and rec2.admissions == 0
         if transfer == "full":
-            assert any(head == -1 for *_, head in rec0.keys) and rec2.keys == []
+            assert any(head == -1 for *_, head in rec0.log.keys) and rec2.log.keys == []
         else:
             # Each head's first working set was read ahead too (selected by the CPU twins from the
             # staged summaries and query): the loop read only decode-time misses.
             st0, st2 = (sum(o.metrics.network_fetched_bytes for o in r[1:]) for r in (plain, ahead))
             assert st0 == st2 and stats0.fetched_entries == stats2.fetched_entries
-            assert len(rec2.keys) == stats2.fetched_entries < len(rec0.keys)
+            assert len(rec2.log.keys) == stats2.fetched_entries < len(rec0.log.keys)
 
 
 @pytest.mark.parametrize("conns", [1, 2])
@@ -673,23 +694,95 @@ def test_corrupt_sections_fail_the_request_not_the_engine(model, transfer):
         assert pools_are_full(eng)
 
 
-def test_a_failed_read_is_retried_after_reconnecting(model):
-    """``kv_retries``: a read that fails in transport reconnects and tries again; the request
-    goes on with the same tokens."""
+def test_a_lost_connection_is_reconnected_within_the_retries(model):
+    """``kv_retries``: a read whose connection the daemon closed (here: idle past the daemon's
+    ``--idle-timeout-s`` before the steps that read) reconnects and is sent again; the request
+    goes on with the same tokens. Without retries the same loss fails the request."""
+    for retries in (1, 0):
+        with Daemon(idle_timeout_s=1) as d:
+            dry, h = _staged_small(model, d, seeds=(3, 3))
+            steps = _fetch_steps(model, d, [dry], None, n=M)
+            assert len(steps) >= 2, steps
+            eng = LLMEngine(
+                model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_retries=retries
+            )
+            rid = eng.add_staged_request(h, _params())
+            last, k = {}, 0
+            while eng.has_unfinished_requests():
+                k += 1
+                if k == steps[1]:  # (steps[0] may be the admission's, before any connection)
+                    time.sleep(1.6)  # every connection idles out before this step's read
+                for o in eng.step():
+                    last[o.request_id] = o
+            o = last[rid]
+            if retries:
+                (ref,) = _reference(model, KvConfig.fast(**SMALL), "oasis", [h.prompt])
+                assert o.finish_reason == "length", o.error
+                assert o.token_ids == ref.token_ids and o.metrics.network_fetched_bytes > 0
+                assert eng.kv_source.coordinator_stats["reconnects"] >= 1
+            else:
+                assert o.finish_reason == "error" and "staging daemon" in o.error
+            assert pools_are_full(eng)
+
+
+def test_a_stalled_daemon_only_slows_the_decode(model):
+    """A daemon that stops answering for a while (SIGSTOP, then SIGCONT well within
+    ``kv_timeout_s``) mid-decode: the reads wait for it, and the tokens are unchanged."""
     with Daemon() as d:
-        (h,) = _staged_small(model, d, seeds=(3,))
-
-        class Flaky(Recorder):
-            def on_read(self, keys):
-                raise errors.RemoteUnavailableError("connection closed (injected)")
-
-        eng = LLMEngine(model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_retries=1)
-        eng.kv_source.client = Flaky(eng.kv_source.client)
-        (o,) = _run(eng, [lambda e: e.add_staged_request(h, _params())])
+        dry, h = _staged_small(model, d, seeds=(3, 3))
+        steps = _fetch_steps(model, d, [dry], None, n=M)
+        eng = LLMEngine(model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_timeout_s=20)
+        rid = eng.add_staged_request(h, _params())
+        last, k, stalled = {}, 0, 0.0
+        while eng.has_unfinished_requests():
+            k += 1
+            if k == steps[-1]:
+                d.stop()
+                threading.Timer(0.5, d.cont).start()
+                t = time.monotonic()
+            for o in eng.step():
+                last[o.request_id] = o
+            if k == steps[-1]:
+                stalled = time.monotonic() - t
         (ref,) = _reference(model, KvConfig.fast(**SMALL), "oasis", [h.prompt])
-        assert o.finish_reason == "length", o.error
-        assert o.token_ids == ref.token_ids and o.metrics.network_fetched_bytes > 0
-        assert not isinstance(eng.kv_source.client, Flaky)  # replaced by a fresh connection
+        assert last[rid].finish_reason == "length", last[rid].error
+        assert last[rid].token_ids == ref.token_ids
+        assert stalled >= 0.4  # the step waited for the stalled daemon
+        assert eng.kv_source.stats.wait_seconds >= 0.4 and eng.kv_source.stats.failures == 0
+        assert pools_are_full(eng)
+
+
+def test_a_read_of_the_wrong_size_fails_that_request_alone(model):
+    """A staged request whose blocks the daemon now holds in another geometry (released and
+    staged again with twice the head dim): its next reads return entries of the wrong size,
+    which the coordinator refuses without writing them; that request fails, the other in the
+    batch completes, and the pools come back whole."""
+    with Daemon() as d:
+        d1, d2, h1, h2 = _staged_small(model, d, seeds=(3, 5, 3, 5))
+        steps = _fetch_steps(model, d, [d1, d2], None, n=40)
+        eng = LLMEngine(model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url)
+        a = eng.add_staged_request(h1, _params(40))
+        b = eng.add_staged_request(h2, _params(40))
+        last = {}
+        for _ in range(steps[-1] - 1):
+            for o in eng.step():
+                last[o.request_id] = o
+        layers, hk, bs, dim, elem, nb, fmt = h1.geometry
+        wide = (layers, hk, bs, 2 * dim, elem, nb, fmt)
+        c = RtClient(d.url)
+        assert c.release(h1.request_id) > 0
+        for layer in range(layers):
+            blocks = torch.ones(nb * 2 * hk * bs * 2 * dim * elem, dtype=torch.uint8)
+            c.stage_blocks(h1.request_id, wide, [(layer, i) for i in range(nb)], blocks)
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                last[o.request_id] = o
+        assert last[a].finish_reason == "error" and "size_mismatch" in last[a].error, last[a].error
+        assert last[b].finish_reason == "length", last[b].error
+        assert eng.kv_source.coordinator_stats["failed_entries"] > 0
+        assert pools_are_full(eng)
+        c.release(h1.request_id)
+        c.close()
 
 
 @pytest.mark.parametrize("transfer", ["partial", "full"])
@@ -776,10 +869,10 @@ def test_misses_are_fetched_after_the_step_s_compute_is_queued(model):
 
 @pytest.mark.parametrize("transfer", ["partial", "full"])
 def test_large_reads_spread_over_several_connections(model, transfer, monkeypatch):
-    """A read of many entries (a full transfer's blocks, a step's misses) is split into frames
-    read on ``read_connections`` connections at once, each writing its entries into the host
-    pool: tokens, admission traffic (in entries) and decode-time entries equal those of one
-    connection, and the extra connections carried part of it."""
+    """A layer's many entries (a full transfer's blocks, a step's misses) are split into frames
+    read on ``read_connections`` of the coordinator's connections at once, each writing its
+    entries into the host pool: tokens, admission traffic (in entries) and decode-time entries
+    equal those of one connection, in more frames."""
     monkeypatch.setattr(disagg.wire, "READ_SPLIT_MIN_ENTRIES", 1)  # split even the small model's reads
     runs = {}
     with Daemon() as d:
@@ -790,54 +883,20 @@ def test_large_reads_spread_over_several_connections(model, transfer, monkeypatc
             )
             src = eng.kv_source
             src.read_connections = conns
+            assert f"connections={conns}" in repr(src.coord)
             src.prefetch_depth = 0  # the admissions read in the loop too, through the same reads
             outs = _run(eng, [lambda e, h=h: e.add_staged_request(h, _params()) for h in handles])
-            extra = [sum(c.wire_bytes) for c in src._read_clients]
-            runs[conns] = (outs, dataclasses.replace(src.stats), extra)
+            runs[conns] = (outs, dataclasses.replace(src.stats), src.coordinator_stats)
             src.close()
             assert RtClient(d.url).stats()["live_requests"] == 0  # every request released
-    (one, s1, extra1), (three, s3, extra3) = runs[1], runs[3]
-    assert extra1 == [] and len(extra3) == 2 and all(w > 0 for w in extra3)
+    (one, s1, c1), (three, s3, c3) = runs[1], runs[3]
     for a, b in zip(one, three, strict=True):
         assert a.finish_reason == b.finish_reason == "length", (a.error, b.error)
         assert a.token_ids == b.token_ids
     assert s1.fetched_entries == s3.fetched_entries and s1.cached_bytes == s3.cached_bytes
     assert s1.peak_cached_bytes == s3.peak_cached_bytes and s3.failures == 0
+    assert c1["entries"] == c3["entries"] > 0 and c3["frames"] > c1["frames"]
     if transfer == "partial":
         assert s3.fetched_entries > 0
     # More frames, so more frame headers: the payload is the same.
     assert s3.admission_bytes + s3.fetched_bytes >= s1.admission_bytes + s1.fetched_bytes
-
-
-def test_a_failed_extra_connection_is_read_again_on_the_loop_s_own(model, monkeypatch):
-    """``read_connections``: a frame whose extra connection fails in transport is read again on
-    the decode loop's connection (with its retries); the request goes on with the same tokens,
-    and the broken connection is dropped (a fresh one is opened for the next large read)."""
-    monkeypatch.setattr(disagg.wire, "READ_SPLIT_MIN_ENTRIES", 1)
-
-    class Broken:
-        connected = True
-        wire_bytes = (0, 0)
-
-        def read_blocks_into(self, *args):
-            self.connected = False
-            raise errors.RemoteUnavailableError("connection closed (injected)")
-
-        def close(self):
-            pass
-
-    with Daemon() as d:
-        (h,) = _staged_small(model, d, seeds=(3,))
-        eng = LLMEngine(
-            model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_transfer="full"
-        )
-        src = eng.kv_source
-        src.read_connections, src.prefetch_depth = 2, 0
-        broken = Broken()
-        src._read_clients = [broken]
-        (o,) = _run(eng, [lambda e: e.add_staged_request(h, _params())])
-        (ref,) = _reference(model, KvConfig.fast(**SMALL), "oasis", [h.prompt])
-        assert o.finish_reason == "length", o.error
-        assert o.token_ids == ref.token_ids and src.stats.failures == 0
-        assert broken not in src._read_clients and not broken.connected
-        src.close()

@@ -67,10 +67,11 @@ class Daemon(StagingDaemon):
         token: str | None = None,
         lease_s: int | None = None,
         transport: str = "tcp",
+        idle_timeout_s: int | None = None,
     ):
         super().__init__(
             need_binary(), memory=memory, transport=transport, token=token, lease_s=lease_s,
-            start_timeout_s=START_TIMEOUT_S,
+            idle_timeout_s=idle_timeout_s, start_timeout_s=START_TIMEOUT_S,
         )  # fmt: skip
 
     def kill(self) -> None:

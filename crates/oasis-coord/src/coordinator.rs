@@ -61,7 +61,7 @@ pub struct CoordConfig {
     pub retries: u32,
     /// Threads of the coordinator's tokio runtime (at least 1).
     pub threads: usize,
-    /// Reply frame budget.
+    /// Reply frame budget (a frame carries at least one entry, whatever the budget).
     pub frame_bytes: usize,
     /// See [`DEFAULT_SPLIT_MIN_ENTRIES`].
     pub split_min_entries: usize,
@@ -92,6 +92,8 @@ pub struct CoordStats {
     pub wait_seconds: f64,
     /// Bytes that crossed the wire for the reads (frames both ways; RMA reads).
     pub wire_bytes: u64,
+    /// Block-heads submitted for reading (each absent and not in flight then).
+    pub sent_entries: u64,
     /// Block-heads written into the pool and marked present.
     pub entries: u64,
     /// Block-heads whose read failed.
@@ -131,6 +133,9 @@ struct State {
     inflight_of: HashMap<i64, usize>,
     /// Items in flight per layer.
     pending: Vec<usize>,
+    /// Per request since the last [`Coordinator::take_landed`]: block-heads landed, and its
+    /// share of the frames' wire bytes (split evenly among a frame's items).
+    landed: HashMap<i64, (u64, f64)>,
     stats: CoordStats,
     closed: bool,
 }
@@ -168,7 +173,10 @@ impl Shared {
     fn land(&self, items: &[Item], outcome: Vec<Option<String>>, busy: Duration, wire: u64) {
         let mut st = self.lock();
         let mut written = Vec::with_capacity(items.len());
+        let mut owners = Vec::with_capacity(items.len());
+        let share = wire as f64 / items.len().max(1) as f64;
         for (it, why) in items.iter().zip(outcome) {
+            st.landed.entry(it.owner).or_insert((0, 0.0)).1 += share;
             st.pending[usize::from(it.entry.layer)] -= 1;
             if let Some(n) = st.inflight_of.get_mut(&it.owner) {
                 *n -= 1;
@@ -184,7 +192,10 @@ impl Shared {
                 });
             }
             match why {
-                None => written.push(it.entry),
+                None => {
+                    written.push(it.entry);
+                    owners.push(it.owner);
+                }
                 Some(m) => {
                     st.stats.failed_entries += heads.len() as u64;
                     st.fail(it.owner, m);
@@ -194,7 +205,10 @@ impl Shared {
         // The rows cannot have changed hands meanwhile (end and forget_row wait for the reads
         // of their request), so the keys are still in the map.
         if let Ok(new) = st.presence.mark_present(&written) {
-            st.stats.entries += new.iter().map(|&n| u64::from(n)).sum::<u64>();
+            for (owner, n) in owners.into_iter().zip(new) {
+                st.landed.entry(owner).or_insert((0, 0.0)).0 += u64::from(n);
+                st.stats.entries += u64::from(n);
+            }
         }
         st.stats.read_seconds += busy.as_secs_f64();
         st.stats.wire_bytes += wire;
@@ -235,16 +249,15 @@ impl Coordinator {
         layers: usize,
         heads: usize,
     ) -> Result<Self> {
-        if config.connections == 0 || config.threads == 0 || config.split_min_entries == 0 {
+        if config.connections == 0
+            || config.threads == 0
+            || config.split_min_entries == 0
+            || config.frame_bytes == 0
+        {
             return Err(CoordError::Invalid(format!(
-                "connections, threads and split_min_entries must be >= 1, got {}, {} and {}",
-                config.connections, config.threads, config.split_min_entries
-            )));
-        }
-        if config.frame_bytes <= FRAME_OVERHEAD {
-            return Err(CoordError::Invalid(format!(
-                "frame_bytes must pass {FRAME_OVERHEAD}, got {}",
-                config.frame_bytes
+                "connections, threads, split_min_entries and frame_bytes must be >= 1, got {}, {}, \
+                 {} and {}",
+                config.connections, config.threads, config.split_min_entries, config.frame_bytes
             )));
         }
         let presence = PresenceMap::new(layers, heads)?;
@@ -263,6 +276,7 @@ impl Coordinator {
                 inflight: HashSet::new(),
                 inflight_of: HashMap::new(),
                 pending: vec![0; layers],
+                landed: HashMap::new(),
                 stats: CoordStats::default(),
                 closed: false,
             }),
@@ -427,6 +441,18 @@ impl Coordinator {
         Ok(self.shared.lock().presence.owner_of(row)?)
     }
 
+    /// [`Coordinator::owner_of`] of every row of `rows`, under one lock.
+    ///
+    /// # Errors
+    /// As [`PresenceMap::owner_of`].
+    pub fn owners(&self, rows: &[u32]) -> Result<Vec<(i64, u32)>> {
+        let st = self.shared.lock();
+        Ok(rows
+            .iter()
+            .map(|&r| st.presence.owner_of(r))
+            .collect::<oasis_core::Result<_>>()?)
+    }
+
     /// Absent entries, all layers.
     pub fn missing(&self) -> u64 {
         self.shared.lock().presence.missing()
@@ -450,6 +476,20 @@ impl Coordinator {
         out
     }
 
+    /// Per request, since the last call: `(request, block-heads landed, wire bytes)` (its share
+    /// of the frames that carried its entries), by request.
+    pub fn take_landed(&self) -> Vec<(i64, u64, u64)> {
+        let mut out: Vec<_> = self
+            .shared
+            .lock()
+            .landed
+            .drain()
+            .map(|(o, (n, w))| (o, n, w.round() as u64))
+            .collect();
+        out.sort_unstable();
+        out
+    }
+
     /// The counters.
     pub fn stats(&self) -> CoordStats {
         self.shared.lock().stats.clone()
@@ -457,9 +497,9 @@ impl Coordinator {
 
     /// Read every absent entry among `keys` (a key with head [`ALL_HEADS`]: every head of its
     /// row) that is not in flight already and whose request has not failed: frames in layer
-    /// order, round robin over the connections. Returns at once: per layer, how many entries
-    /// were submitted (0: nothing to wait for). A row's entries that are all absent travel as
-    /// one whole block.
+    /// order, round robin over the connections. Returns at once: per layer, how many
+    /// block-heads were submitted (0: nothing to wait for). A row asked for whole whose heads
+    /// are all absent travels as one whole block; otherwise block-heads travel one by one.
     ///
     /// # Errors
     /// [`CoordError::NoPools`] before [`Coordinator::register_pools`]; [`CoordError::Closed`];
@@ -471,6 +511,11 @@ impl Coordinator {
         }
         let layout = st.layout.clone().ok_or(CoordError::NoPools)?;
         let (layers, _, heads) = st.presence.shape();
+        let whole: HashSet<(u16, u32)> = keys
+            .iter()
+            .filter(|k| k.head == ALL_HEADS)
+            .map(|k| (k.layer, k.row))
+            .collect();
         let absent = st.presence.absent(keys, &st.dead)?;
         let absent: Vec<Entry> = absent
             .into_iter()
@@ -486,7 +531,7 @@ impl Coordinator {
             while j < absent.len() && absent[j].layer == e.layer && absent[j].row == e.row {
                 j += 1;
             }
-            let group: Vec<Entry> = if j - i == heads && heads > 1 {
+            let group: Vec<Entry> = if j - i == heads && whole.contains(&(e.layer, e.row)) {
                 vec![Entry {
                     head: ALL_HEADS,
                     ..e
@@ -518,6 +563,7 @@ impl Coordinator {
                         });
                     }
                     per_layer[usize::from(e.layer)] += (j - i) as u32;
+                    st.stats.sent_entries += (j - i) as u64;
                     for x in &absent[i..j] {
                         st.inflight.insert(*x);
                     }

@@ -298,7 +298,12 @@ fn reads_land_in_the_pool_and_only_then_are_present() {
         assert!(c.is_present(e(2, 5, h as u16)).unwrap());
     }
     let s = c.stats();
-    assert_eq!(s.entries, 3);
+    assert_eq!((s.sent_entries, s.entries, s.frames), (3, 3, 2));
+    let landed = c.take_landed();
+    assert_eq!(landed.len(), 1);
+    assert_eq!((landed[0].0, landed[0].1), (1, 3));
+    assert_eq!(landed[0].2, s.wire_bytes);
+    assert!(c.take_landed().is_empty());
     assert!(s.wire_bytes > (3 * 2 * HB) as u64);
     assert!(s.wait_seconds > 0.2, "{s:?}");
     assert_eq!(c.missing(), (3 * LAYERS * HEADS - 3) as u64);

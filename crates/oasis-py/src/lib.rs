@@ -46,6 +46,7 @@ mod attention;
 mod call;
 mod check;
 mod codes;
+mod coord;
 mod device;
 mod errors;
 mod limits;
@@ -64,6 +65,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     runtime::register(m)?;
     rt::register(m)?;
+    coord::register(m)?;
     page::register(m)?;
     attention::register(m)?;
     selection::register(m)?;

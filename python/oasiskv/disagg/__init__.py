@@ -22,12 +22,13 @@ The package's rooms:
 - :mod:`.prefill`: the prefill side, :class:`PrefillWorker` (prefill, first token, summaries,
   admission set, staging over several connections).
 - :mod:`.remote`: the decode side, :class:`RemoteKvSource`, the engine's
-  :class:`~oasiskv.policy.BlockSource` (``LLMEngine(kv_source=...)``): the decode-time reads of
-  missing block-heads into the host pool, the bounded cache's rows, failures. Its parts:
+  :class:`~oasiskv.policy.BlockSource` (``LLMEngine(kv_source=...)``): each step's plans handed to
+  the Rust coordinator (``oasiskv._core.Coordinator``, crate ``oasis-coord``: the presence map,
+  the reads of missing block-heads straight into the host pool on threads and connections of its
+  own, failed requests), the per-layer waits, the bounded cache's rows, failures. Its parts:
   :mod:`.admission` (admitting a staged request), :mod:`.read_ahead` (reading waiting requests'
-  admission data in the background), :mod:`.presence` (which block-heads the host pool holds),
-  :mod:`.connections` (the daemon clients, retries, parallel reads), :mod:`.state` (per-request
-  state, :class:`TransferStats`).
+  admission data in the background), :mod:`.connections` (the admission's daemon client and its
+  retries), :mod:`.state` (per-request state, :class:`TransferStats`).
 
 **Transports.** The URL names one: ``oasis-rt://HOST:PORT`` (or a bare ``HOST:PORT``) is plain TCP,
 ``oasis-rt+ucx://HOST:PORT`` is UCX, for a daemon started with ``oasis-rt serve --transport ucx``
@@ -49,7 +50,6 @@ from . import wire
 from .admission import AdmissionMixin
 from .connections import Connections
 from .prefill import PrefillWorker
-from .presence import PresenceMap
 from .read_ahead import Prefetched, ReadAhead
 from .remote import RemoteKvSource
 from .state import StagedState, TransferStats
@@ -128,7 +128,6 @@ __all__ = [
     "Connections",
     "PrefillWorker",
     "Prefetched",
-    "PresenceMap",
     "ReadAhead",
     "RemoteKvSource",
     "StagedRequest",

@@ -32,11 +32,12 @@ from .wire import DTYPES, LOCAL_SECTION, META_FORMAT, META_SECTION, QUERY_SECTIO
 class AdmissionMixin:
     """The admission steps of :class:`~oasiskv.disagg.remote.RemoteKvSource`, which provides the
     state they work on: ``engine``, ``transfer``, ``cache_blocks``, ``stats``, its components
-    (``conns``: the daemon connections, ``presence``: the presence map, ``read_ahead``) and the
-    staged requests' bookkeeping (``_by_req``, ``_bounded``, ``_failed``, ``_admitting``), and the
-    host pool writes and reads the admission shares with decode (``_grow_maps``, ``_take_row``,
-    ``_rows_for``, ``_blocks_of``, ``_store``, ``_store_blocks``, ``_count_cached``, ``_ensure``, ``_read``,
-    ``_release_remote``, ``end``)."""
+    (``conns``: the admission's daemon connection, ``coord``: the Rust coordinator with the
+    presence map and the reads into the host pool, ``read_ahead``) and the staged requests'
+    bookkeeping (``_by_req``, ``_bounded``, ``_failed``, ``_collect_failures``, ``_admitting``), and
+    the host pool writes and reads the admission shares with decode (``_grow_maps``, ``_take_row``,
+    ``_rows_for``, ``_blocks_of``, ``_store``, ``_store_blocks``, ``_count_cached``, ``_ensure``,
+    ``_read_blocks``, ``_release_remote``, ``end``)."""
 
     @torch.no_grad()
     def admit(self, r: Request, handle: StagedRequest) -> None:
@@ -99,7 +100,7 @@ class AdmissionMixin:
                 f"max_tokens={r.max_new_tokens} never passes sparse_threshold={eng.kv.threshold_tokens}; "
                 "lower KvConfig.sparse_threshold or raise max_tokens"
             )
-        wire0 = self.conns.wire()
+        wire0 = self._wire()
         self._admitting = True
         try:
             self._admit_staged(r, handle, wire0)
@@ -122,13 +123,14 @@ class AdmissionMixin:
                 handle.request_id, r, list(tr["host_blocks"]), host_rows, bounded, set(host_rows)
             )
             self._by_req[r.id] = st
+            self.coord.stage(r.id, handle.request_id)
             self._bounded += bounded
             self._grow_maps()
             # The rows that hold a staged block now: every block's, or (bounded) the partial last
             # block's alone (the cache rows are empty; the filler only names the owner).
             first = n // b if bounded else 0
             if bounded:
-                self.presence.set_owner(host_rows[0], r.id)
+                self.coord.set_owner(host_rows[0], r.id)
             for logical in range(first, nb):
                 self._take_row(st, host_rows[logical], logical)
             pf = self.read_ahead.take(handle.request_id)
@@ -203,9 +205,10 @@ class AdmissionMixin:
             r.sparse = True
             r.metrics.sparse_since_token = r.kv_len
             self._select_initial(r, tr, query)
+            self._collect_failures()
             if self._failed.pop(r.id, None) is not None:
                 raise RemoteError(st.errors[-1] if st.errors else "admission fetch failed")
-            st.admission_bytes = self.conns.wire() - wire0 + (pf.wire_bytes if pf is not None else 0)
+            st.admission_bytes = self._wire() - wire0 + (pf.wire_bytes if pf is not None else 0)
             r.metrics.network_admission_bytes = st.admission_bytes
             self.stats.requests += 1
             self.stats.admission_bytes += st.admission_bytes
@@ -338,13 +341,13 @@ class AdmissionMixin:
                 self._store_blocks(st, layer, torch.tensor(rows, dtype=torch.long), chosen)
 
     def _fetch_rest(self, st: StagedState, layers: int) -> None:
-        """``transfer="full"``: read every block the admission did not bring, whole."""
-        hb = torch.tensor(st.host_rows, dtype=torch.long)
-        for layer in range(layers):
-            absent = self.presence.absent_blocks(layer, hb)
-            if absent.numel():
-                heads = torch.full((absent.numel(),), -1, dtype=torch.long)
-                self._read(torch.full_like(absent, layer), absent, heads, whole=True)
+        """``transfer="full"``: read every block the admission did not bring (whole blocks, by the
+        coordinator, every layer at once)."""
+        self._read_blocks(list(st.host_rows), layers)
+
+    def _wire(self) -> int:
+        """Wire bytes so far of the admission's connection and of the coordinator's."""
+        return self.conns.wire() + self.coord.stats()["wire_bytes"]
 
     def _select_initial(self, r: Request, tr: dict, query: torch.Tensor) -> None:
         """The initial working set, selected with the staged query without the cap (as

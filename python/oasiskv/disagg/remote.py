@@ -26,34 +26,43 @@ whole blocks and block-heads, writes E4M3 codes into ``host_k``/``host_v`` and t
 ``host_k_scales``/``host_v_scales``, about half of bf16's bytes on the wire; a request staged in
 the other format is refused at admission (:mod:`.admission`).
 
-The fetch runs on the host, layer by layer before each gather, once the whole step's compute is
-queued (``Engine._flush_deferred``): a host sync per layer that has misses, while the GPU computes
-the step. On a GPU it belongs in the background chain (docs/ARCHITECTURE.md, "Disaggregated
-prefill and decode"). A daemon that dies or stalls fails the requests whose blocks it holds (``finish_reason=
-"error"``, within the client's timeout); the engine and its other requests go on.
+The reads are the Rust coordinator's (``oasiskv._core.Coordinator``, crate ``oasis-coord``): it
+owns the presence map (which ``(layer, host row, KV head)`` entries hold their bytes), the staged
+requests' daemon ids, the failed requests and N connections of its own, and writes each read
+entry straight into the pinned host pool from tokio tasks on its own threads. Per decode step the
+engine hands :meth:`RemoteKvSource.before_gathers` every layer's plan once the step's selections
+are done; the absent entries of all layers go out at once, in layer order over every
+connection, and the call returns; before each layer's gather the engine calls
+:meth:`RemoteKvSource.wait_for_layer_load`, which waits for that layer's entries only, so the
+reads of later layers overlap the gathers (and, on a GPU, the compute) of earlier ones. An entry
+is marked present only once its bytes are written; a failed read marks nothing and fails the
+requests whose entries it carried (``finish_reason="error"``, within the connection's
+``kv_timeout_s`` and ``kv_retries``); the engine and its other requests go on. A bounded cache
+reads layer by layer (its rows change hands between the layers of a step), through the same
+coordinator. The host pool must be in CPU memory (pinned with a GPU): ``host_pool="device"``
+is refused.
 
 This room holds the source's seams (the ``BlockSource`` verbs, ``end``, ``take_failed``), the
-decode-time reads into the host pool, the bounded cache's rows (``Runtime.cache_blocks``) and the
-failure bookkeeping. Its parts live beside it: the admission (:mod:`.admission`), the read ahead
-(:mod:`.read_ahead`), the presence map (:mod:`.presence`), the daemon connections
-(:mod:`.connections`) and the per-request state (:mod:`.state`).
+hand-off of each step's plans to the coordinator, the bounded cache's rows
+(``Runtime.cache_blocks``) and the failure and traffic bookkeeping. Its parts live beside it:
+the admission (:mod:`.admission`), the read ahead (:mod:`.read_ahead`), the admission's own
+daemon connection (:mod:`.connections`) and the per-request state (:mod:`.state`).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 
 import torch
 
+from .._core import Coordinator
 from ..engine import Engine, Request
-from ..errors import ConfigError, OutOfBlocksError, RemoteError
+from ..errors import ConfigError, OutOfBlocksError
 from ..policy import BlockSource
 from . import wire
 from .admission import AdmissionMixin
 from .connections import Connections
-from .presence import PresenceMap
 from .read_ahead import ReadAhead
 from .state import StagedState, TransferStats
 from .wire import KV_TRANSFERS, kv_source_url, split_kv_source
@@ -102,6 +111,11 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
             )
         if not isinstance(retries, int) or isinstance(retries, bool) or retries < 0:
             raise ConfigError(f"kv_retries must be an int >= 0, got {retries!r}")
+        if engine.host_pool != "pinned":
+            raise ConfigError(
+                "kv_source reads staged blocks straight into a host pool in CPU memory (the Rust "
+                "coordinator writes it from its own threads); pass host_pool='pinned'"
+            )
         if cache_blocks is not None:
             floor = engine.geo.num_kv_heads * engine.kv.top_k_blocks
             if not isinstance(cache_blocks, int) or isinstance(cache_blocks, bool) or cache_blocks < floor:
@@ -121,17 +135,48 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
         self.url = kv_source_url(addr)
         self.transport, self.addr = split_kv_source(self.url)
         self.transfer = transfer
-        #: The daemon connections: the decode loop's client, its retries, the extra connections
-        #: of large reads.
+        #: The admission's daemon connection (sections, summaries, admission sets; releases).
         self.conns = Connections(self.url, token, timeout_s, retries)
         self.stats = TransferStats()
         self._by_req: dict[int, StagedState] = {}  # engine request id -> its staged state
-        self.presence = PresenceMap(engine.cfg.num_hidden_layers, engine.geo.num_kv_heads)
+        self._token, self._timeout_s = token, float(timeout_s)
+        self._read_connections = wire.READ_CONNECTIONS
+        #: The reads into the host pool, the presence map, the failed requests (oasis-coord).
+        self.coord = self._open_coordinator()
+        self._pools_key: tuple = ()  # the registered pools' identity (_sync_pools)
+        self._waiting: set[int] = set()  # layers submitted by before_gathers, not waited for yet
         self._bounded = 0  # live staged requests with a bounded cache
         self._admitting = False  # reads now are an admission's (its first working set)
-        self._failed: dict[int, str] = {}
+        self._failed: dict[int, str] = {}  # failures taken from the coordinator, not reported yet
         self.read_ahead = ReadAhead(engine, transfer, cache_blocks, self.conns.open)
         engine.block_source = self
+
+    def _open_coordinator(self) -> Coordinator:
+        eng = self.engine
+        frame = int(min(self.conns.client.max_frame * wire.FRAME_FILL, wire.BULK_FRAME_BYTES))
+        return Coordinator(
+            self.url,
+            eng.cfg.num_hidden_layers,
+            eng.geo.num_kv_heads,
+            token=self._token,
+            timeout_s=self._timeout_s,
+            retries=self.conns.retries,
+            connections=self._read_connections,
+            split_min_entries=wire.READ_SPLIT_MIN_ENTRIES,
+            frame_bytes=frame,
+        )
+
+    def _reopen(self) -> None:
+        """A new coordinator with the current settings (nothing staged may be live: the presence
+        map starts empty)."""
+        if self._by_req:
+            raise ConfigError(
+                "change read_connections and retries before the first staged request is admitted "
+                "(the coordinator holds the live requests' presence)"
+            )
+        self.coord.close()
+        self.coord = self._open_coordinator()
+        self._pools_key = ()
 
     # ---------------------------------------------------------------- the parts' settings
     @property
@@ -145,22 +190,25 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
 
     @property
     def retries(self) -> int:
-        """Reconnects and retries of a read that failed in transport."""
+        """Reconnects and retries of a read that failed in transport (the admission's and the
+        coordinator's; set it before the first staged request)."""
         return self.conns.retries
 
     @retries.setter
     def retries(self, n: int) -> None:
         self.conns.retries = n
+        self._reopen()
 
     @property
     def read_connections(self) -> int:
-        """Connections a large read in the decode loop spreads its frames over (1: the loop's
-        own connection alone)."""
-        return self.conns.read_connections
+        """Connections the coordinator spreads the reads over (set it before the first staged
+        request)."""
+        return self._read_connections
 
     @read_connections.setter
     def read_connections(self, n: int) -> None:
-        self.conns.read_connections = n
+        self._read_connections = n
+        self._reopen()
 
     @property
     def prefetch_depth(self) -> int:
@@ -181,31 +229,52 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
     def prefetch_connections(self, n: int) -> None:
         self.read_ahead.connections = n
 
-    # NOTE: the three below are kept for tests/disagg/test_disagg.py, which reads and replaces the extra
-    # read connections, checks that no read ahead is left, and names an evicted row's block.
-    @property
-    def _read_clients(self) -> list:
-        return self.conns.read_clients
-
-    @_read_clients.setter
-    def _read_clients(self, clients: list) -> None:
-        self.conns.read_clients = clients
-
+    # NOTE: kept for tests/disagg/test_disagg.py, which checks that no read ahead is left.
     @property
     def _prefetch(self) -> dict:
         return self.read_ahead.pending
 
-    @property
-    def _logical(self) -> torch.Tensor:
-        return self.presence.logical
-
-    # ---------------------------------------------------------------- maps
+    # ---------------------------------------------------------------- the coordinator's inputs
     def _grow_maps(self) -> None:
-        self.presence.grow(self.engine.pools.num_host_rows)
+        """The pools may have grown (or been replaced): the coordinator writes the current ones."""
+        self._sync_pools()
+
+    def _sync_pools(self) -> None:
+        """Register the host pools with the coordinator when they are not the ones it has (it
+        waits for its reads in flight first, and keeps the tensors alive until the next
+        registration)."""
+        p = self.engine.pools
+        key = (p.num_host_rows, p.host_k[0].data_ptr(), p.host_v[0].data_ptr())
+        if key == self._pools_key:
+            return
+        scales = (list(p.host_k_scales), list(p.host_v_scales)) if p.host_kv8 else ()
+        self.coord.register_pools(list(p.host_k), list(p.host_v), *scales)
+        self._pools_key = key
 
     def _entry_bytes(self) -> int:
         """Bytes of one block-head, K and V (fp8 host pool: codes and scales)."""
         return wire.block_head_bytes(self.engine.geo, self.engine.dtype, self.engine.host_kv8)
+
+    def _submit(self, layers: torch.Tensor, rows: torch.Tensor, heads: torch.Tensor) -> list[int]:
+        """Hand the entries ``(layers[i], rows[i], heads[i])`` (head -1: every head of the row)
+        to the coordinator, which reads the absent ones not in flight; per layer, how many went
+        out."""
+        self._sync_pools()
+        return self.coord.submit(layers.tolist(), rows.tolist(), heads.tolist())
+
+    def _sync_landed(self) -> None:
+        """Take the coordinator's per-request counts of landed block-heads into the requests'
+        and the engine's traffic (reads during an admission count as its admission)."""
+        for owner, (entries, nbytes) in self.coord.take_landed().items():
+            st = self._by_req.get(owner)
+            if st is None:
+                continue
+            self._count_cached(st, entries)
+            if not self._admitting:
+                self.stats.fetched_bytes += nbytes
+                self.stats.fetched_entries += entries
+                st.fetched_bytes += nbytes
+                st.req.metrics.network_fetched_bytes = round(st.fetched_bytes)
 
     # ---------------------------------------------------------------- decode-time misses
     @property
@@ -214,15 +283,15 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
         requests is in the host pool and none has a bounded cache (a full transfer after its
         admission). The engine then runs its steps as it would without a source (captured
         CUDA graphs included)."""
-        return self.presence.missing == 0 and self._bounded == 0
+        return self._bounded == 0 and self.coord.missing == 0
 
     @property
     def fixes_up_graph_steps(self) -> bool:
         """Whether the engine may replay captured CUDA graphs while blocks are left to read: the
-        graph's gathers copy whatever the host rows hold, then the engine calls
-        :meth:`before_gather` for each layer's plan and gathers again where it read anything,
-        before the next step reads those slots. Not with a bounded cache, whose rows change
-        hands between the layers of a step."""
+        graph's gathers copy whatever the host rows hold, then the engine hands the step's plans
+        to :meth:`before_gathers`, waits for each layer and gathers again where it read
+        anything, before the next step reads those slots. Not with a bounded cache, whose rows
+        change hands between the layers of a step."""
         return self._bounded == 0
 
     @property
@@ -234,10 +303,10 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
 
     def before_gather(self, layer: int, plan_slots, plan_blocks, host_indptr, host_indices) -> bool:
         """Called by the engine between a layer's delta selection and its gather: read the
-        planned block-heads that are still only in the daemon into the host pool (one batched
-        read per layer, across requests). A failed read marks the requests it carried failed
-        (:meth:`take_failed`); the gather then copies stale bytes for them, and their step's
-        output is discarded.
+        planned block-heads that are still only in the daemon into the host pool, and wait for
+        them (one layer: the inline path, a bounded cache, an admission's first working set). A
+        failed read marks the requests it carried failed (:meth:`take_failed`); the gather then
+        copies stale bytes for them, and their step's output is discarded.
 
         With a bounded cache the layer's planned blocks of each such request first get host rows
         (``Runtime.cache_blocks``, pinned = this layer's planned blocks of the request: an
@@ -255,7 +324,7 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
             self.stats.read_seconds += time.perf_counter() - t0
 
     def _before_gather(self, layer: int, plan_slots, plan_blocks, host_indptr, host_indices) -> bool:
-        if self.presence.missing == 0 and self._bounded == 0:
+        if self.idle:
             return False
         ps, pb = plan_slots.cpu(), plan_blocks.cpu()
         sel = ps >= 0
@@ -269,7 +338,8 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
         patched = False
         if self._bounded:
             # A request's first row (logical block 0's: the filler or its own) names its owner.
-            owner = self.presence.owner[indices[indptr[seq]]]
+            firsts = indices[indptr[seq]]
+            owner = torch.tensor([o for o, _ in self.coord.owners(firsts.tolist())], dtype=torch.long)
             for o in torch.unique(owner).tolist():
                 st = self._by_req.get(o)
                 if st is None or not st.bounded or o in self._failed:
@@ -291,12 +361,13 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
         return self._ensure(layer, hb, head) or patched
 
     def before_gathers(self, plans: list) -> list[bool]:
-        """:meth:`before_gather` for every layer of a step at once, ``plans`` a list of
-        ``(layer, plan_slots, plan_blocks, host_indptr, host_indices)`` in layer order: the
-        absent block-heads of all the layers go to the daemon in one batched read (frames carry
-        entries of several layers), not one round trip per layer. Returns, per plan, whether
-        its gather's inputs changed. With a bounded cache, layer by layer (rows change hands
-        between the layers of a step)."""
+        """The plans of a step's layers at once, ``plans`` a list of ``(layer, plan_slots,
+        plan_blocks, host_indptr, host_indices)`` in layer order: the absent block-heads of all
+        the layers go to the coordinator in one submission (layer order, every connection), and
+        this returns without waiting; the engine calls :meth:`wait_for_layer_load` before each
+        layer's gather. Returns, per plan, whether its gather's inputs change (entries of its
+        layer were submitted). With a bounded cache, or plans of other tables than one step's,
+        layer by layer (each read and waited for here: rows change hands between layers)."""
         t0 = time.perf_counter()
         try:
             return self._before_gathers(plans)
@@ -304,14 +375,11 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
             self.stats.read_seconds += time.perf_counter() - t0
 
     def _before_gathers(self, plans: list) -> list[bool]:
-        if self.presence.missing == 0 and self._bounded == 0 or not plans:
+        if self.idle or not plans:
             return [False] * len(plans)
         shared = len({(id(p[3]), id(p[4])) for p in plans}) == 1 and len({p[1].shape for p in plans}) == 1
         if self._bounded or not shared:
-            # Layer by layer: a bounded cache's rows change hands between layers; plans of
-            # other tables or shapes than one step's.
             return [self._before_gather(*p) for p in plans]
-        self._grow_maps()
         # Every layer's plan in one copy to the host (a copy per layer and tensor is a device
         # sync each); the step's host tables are shared by its layers.
         ps = torch.stack([p[1] for p in plans]).cpu()  # [layers, seqs, heads, cap]
@@ -322,115 +390,46 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
         if not li.numel():
             return [False] * len(plans)
         layer_of = torch.tensor([p[0] for p in plans], dtype=torch.long)
-        got = self.presence.absent(layer_of[li], indices[indptr[seq] + pb[sel].long()], head, self._failed)
-        if got is None:
-            return [False] * len(plans)
-        self._read(*got, whole=False)
-        read = set(got[0].unique().tolist())
-        return [p[0] in read for p in plans]
+        sent = self._submit(layer_of[li], indices[indptr[seq] + pb[sel].long()], head)
+        self._waiting.update(layer for layer, n in enumerate(sent) if n)
+        return [sent[p[0]] > 0 for p in plans]
+
+    def wait_for_layer_load(self, layer: int) -> float:
+        """Block (the GIL released) until the entries :meth:`before_gathers` submitted for
+        ``layer`` have landed or failed; the seconds waited (0 when it submitted none). The one
+        place the decode loop waits for the network; the last layer's wait also takes the
+        landed counts into the traffic statistics."""
+        if layer not in self._waiting:
+            return 0.0
+        self._waiting.discard(layer)
+        waited = self.coord.wait_layer(layer)
+        self.stats.wait_seconds += waited
+        if not self._waiting:
+            self._sync_landed()
+        return waited
 
     def _ensure(self, layer: int, hb: torch.Tensor, head: torch.Tensor) -> bool:
-        """Make the block-heads ``(hb[i], head[i])`` present, reading the absent ones; whether
-        any was read."""
-        self._grow_maps()  # the pools may have grown for other requests (theirs are local)
-        got = self.presence.absent(torch.full_like(hb, layer), hb, head, self._failed)
-        if got is None:
+        """Make the block-heads ``(hb[i], head[i])`` of ``layer`` present, reading the absent
+        ones and waiting for them; whether any was read."""
+        sent = self._submit(torch.full_like(hb, layer), hb, head)
+        if not sent[layer]:
             return False
-        self._read(*got, whole=False)
+        self.stats.wait_seconds += self.coord.wait_layer(layer)
+        self._sync_landed()
         return True
 
-    def _read(self, layers: torch.Tensor, hb: torch.Tensor, head: torch.Tensor, whole: bool) -> None:
-        """Read ``(layers[i], hb[i], head[i])`` (``whole``: every head of ``hb[i]``) from the
-        daemon into the host pool, in frames under the limit. A pool in CPU memory (pinned with
-        a GPU) is written by the client itself (``RtClient.read_blocks_into``: one copy per entry
-        from the received frame); another (``host_pool="device"``) through :meth:`_store`."""
-        p = self.engine.pools
-        into = p.host_device.type == "cpu"
-        entry = self._entry_bytes() * (self.engine.geo.num_kv_heads if whole else 1)
-        per_frame = wire.entries_per_frame(
-            entry, min(self.conns.client.max_frame * wire.FRAME_FILL, wire.BULK_FRAME_BYTES)
-        )
-        owners = self.presence.owner[hb].tolist()
-        logical = self.presence.logical[hb].tolist()
-        heads = [-1] * len(owners) if whole else head.tolist()
-        lay = layers.tolist()
-        rows = hb.tolist()
-        n = len(owners)
-        conns = self.conns.read_connections if into and n >= 2 * wire.READ_SPLIT_MIN_ENTRIES else 1
-        count = max(math.ceil(n / per_frame), min(conns, n // wire.READ_SPLIT_MIN_ENTRIES))
-        size = math.ceil(n / count) if n else 1
-        bounds = [(lo, min(n, lo + size)) for lo in range(0, n, size)]
+    def _read_blocks(self, rows: list[int], layers: int) -> None:
+        """Every absent head of ``rows`` in every layer (whole blocks where every head is
+        absent), read and waited for: a full transfer's blocks at admission."""
+        n = len(rows)
+        if not n:
+            return
+        lay = torch.arange(layers).repeat_interleave(n)
+        self._submit(lay, torch.tensor(rows * layers, dtype=torch.long), torch.full_like(lay, -1))
+        self.stats.wait_seconds += self.coord.drain()
+        self._sync_landed()
 
-        def keys_of(lo: int, hi: int) -> list:
-            return [(self._by_req[owners[i]].daemon_id, lay[i], logical[i], heads[i]) for i in range(lo, hi)]
-
-        # An fp8 pool: each head's codes into host_k/host_v, the scale after them into the scales.
-        scales = (p.host_k_scales, p.host_v_scales) if p.host_kv8 else ()
-
-        def read_into(c, lo: int, hi: int) -> list:
-            """One frame's entries written into the pool by ``c``; their errors."""
-            return c.read_blocks_into(keys_of(lo, hi), rows[lo:hi], p.host_k, p.host_v, *scales)[1]
-
-        k, wait = (
-            self.conns.start_parallel_reads(bounds, read_into) if conns > 1 and len(bounds) > 1 else (1, None)
-        )
-        try:
-            for j, (lo, hi) in enumerate(bounds):
-                data = None
-                got = wait(j) if j % k else None
-                try:
-                    if got is not None:
-                        errors, nbytes = got
-                    else:
-                        wire0 = self.conns.wire()
-                        if into:
-                            errors = self.conns.call(read_into, lo, hi)
-                        else:
-                            keys = keys_of(lo, hi)
-                            data, _, errors = self.conns.call(lambda c, keys=keys: c.read_blocks(keys))
-                        nbytes = self.conns.wire() - wire0
-                except RemoteError as e:
-                    for i in range(lo, hi):
-                        self._fail(owners[i], f"reading KV from the staging daemon failed: {e}")
-                    continue
-                good = [i for i, err in enumerate(errors) if err is None]
-                for i, err in enumerate(errors):
-                    if err is not None:
-                        self._fail(
-                            owners[lo + i],
-                            f"reading block {logical[lo + i]} of layer {lay[lo + i]} from the staging daemon "
-                            f"failed ({err}); was the request released or evicted after its lease "
-                            "(oasis-rt serve --lease)?",
-                        )
-                if good:
-                    sel = torch.tensor(good, dtype=torch.long) + lo
-                    if into:
-                        new = self.presence.mark_present(layers[sel], hb[sel], None if whole else head[sel])
-                    else:
-                        new = self._store_frame(data, entry, lay, good, lo, hb, None if whole else head)
-                    per_owner: dict[int, int] = {}
-                    for i, cnt in zip(good, new.tolist(), strict=True):
-                        per_owner[owners[lo + i]] = per_owner.get(owners[lo + i], 0) + int(cnt)
-                    for owner, cnt in per_owner.items():
-                        self._count_cached(self._by_req[owner], cnt)
-                if not whole and not self._admitting:
-                    # Decode-time traffic (reads while a request is admitted count as its admission:
-                    # the first working set's block-heads); shared among a frame's requests by entries.
-                    self.stats.fetched_bytes += nbytes
-                    self.stats.fetched_entries += len(good)
-                    share = nbytes / (hi - lo)
-                    for i in range(lo, hi):
-                        self._by_req[owners[i]].fetched_bytes += share
-                    for i in set(owners[lo:hi]):
-                        st = self._by_req[i]
-                        st.req.metrics.network_fetched_bytes = round(st.fetched_bytes)
-        finally:
-            for j in range(1, min(k, len(bounds))):  # no thread writes into the pool after this
-                try:
-                    wait(j)
-                except Exception:  # noqa: BLE001, S110  the loop's own error is on its way out
-                    pass
-
+    # ---------------------------------------------------------------- the admission's writes
     def _blocks_of(self, data, n: int, heads: int) -> tuple:
         """``n`` read entries of ``heads`` KV heads each (every head: whole blocks), back to back
         in ``data``, as ``(k, v, k_scales, v_scales)``: K and V ``[n, heads, block_size,
@@ -455,8 +454,15 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
             p.host_k_scales[layer][at] = ks.to(dev)
             p.host_v_scales[layer][at] = vs.to(dev)
 
+    def _mark(self, layer: int, rows: torch.Tensor, heads: torch.Tensor | None) -> torch.Tensor:
+        """Entries the admission wrote itself are present; how many of each were absent."""
+        n = rows.numel()
+        hs = [-1] * n if heads is None else heads.tolist()
+        self._sync_pools()
+        return torch.tensor(self.coord.mark_present([layer] * n, rows.tolist(), hs), dtype=torch.long)
+
     def _store(self, layer: int, rows: torch.Tensor, heads: torch.Tensor | None, data) -> torch.Tensor:
-        """Write read bytes into the host pool: block-heads ``(rows[i], heads[i])``, or with
+        """Write read-ahead bytes into the host pool: block-heads ``(rows[i], heads[i])``, or with
         ``heads`` None every head of ``rows[i]``; mark them present. Returns how many of each
         entry's block-heads were absent before."""
         g = self.engine.geo
@@ -467,33 +473,17 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
             kv = tuple(None if x is None else x[:, 0] for x in self._blocks_of(data, len(rows), 1))
             at = (rows, heads)
         self._write_host(layer, at, kv)
-        return self.presence.mark_present(torch.full_like(rows, layer), rows, heads)
-
-    def _store_frame(self, data, entry: int, lay: list, good: list, lo: int, hb, head) -> torch.Tensor:
-        """:meth:`_store` for one frame's good entries (``lo + good[j]``), one layer at a time:
-        ``data`` holds them back to back."""
-        view = memoryview(data)
-        out = []
-        a = 0
-        while a < len(good):
-            b = a
-            while b < len(good) and lay[lo + good[b]] == lay[lo + good[a]]:
-                b += 1
-            sel = torch.tensor(good[a:b], dtype=torch.long) + lo
-            part = view[a * entry : b * entry]
-            out.append(self._store(lay[lo + good[a]], hb[sel], None if head is None else head[sel], part))
-            a = b
-        return torch.cat(out)
+        return self._mark(layer, rows, heads)
 
     # ---------------------------------------------------------------- the bounded cache's rows
     def _take_row(self, st: StagedState, row: int, logical: int) -> None:
         """Host row ``row`` now holds staged block ``logical`` of ``st``: nothing of it read yet."""
-        self.presence.take_row(row, st.req.id, logical)
+        self.coord.take_row(row, st.req.id, logical)
         st.rows.add(row)
 
     def _forget_row(self, st: StagedState, row: int) -> None:
         """The block cached in ``row`` was evicted: its bytes are gone (read again if planned)."""
-        had = self.presence.forget_row(row)
+        had = self.coord.forget_row(row)
         st.cached_entries -= had
         self.stats.cached_bytes -= had * self._entry_bytes()
         self.stats.evicted_blocks += 1
@@ -506,6 +496,7 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
         rows, given, evicted = self.engine.runtime.cache_blocks(st.req.id, logicals, pinned)
         if not st.bounded:
             return rows
+        self._sync_landed()  # an evicted row's landed entries are counted before they go
         for _, row in evicted:
             self._forget_row(st, row)
         row_of = dict(zip(logicals, rows, strict=True))
@@ -517,28 +508,36 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
         """Whole blocks ``(k, v, k_scales, v_scales)`` (:meth:`_blocks_of`) into host rows
         ``hb``; marks every head present."""
         self._write_host(layer, (hb,), blocks)
-        self._count_cached(st, self.presence.mark_blocks(layer, hb))
+        self._count_cached(st, int(self._mark(layer, hb, None).sum()))
 
     def _count_cached(self, st: StagedState, entries: int) -> None:
         st.cached_entries += entries
-        self.presence.filled(entries)
         s = self.stats
         s.cached_bytes += entries * self._entry_bytes()
         s.peak_cached_bytes = max(s.peak_cached_bytes, s.cached_bytes)
 
     # ---------------------------------------------------------------- failures
     def _fail(self, owner: int, message: str) -> None:
-        st = self._by_req.get(owner)
-        if owner not in self._failed:
+        """Fail ``owner`` for this side's own reason: the coordinator reads nothing more of it and
+        reports it with its read failures (:meth:`take_failed`)."""
+        self.coord.fail(owner, message)
+
+    def _collect_failures(self) -> None:
+        """The coordinator's failed requests into :attr:`_failed` (logged and counted once)."""
+        for owner, message in self.coord.take_failed().items():
+            if owner in self._failed:
+                continue
             self._failed[owner] = message
             self.stats.failures += 1
             log.warning("request %s: %s", owner, message)
-        if st is not None:
-            st.errors.append(message)
+            st = self._by_req.get(owner)
+            if st is not None:
+                st.errors.append(message)
 
     def take_failed(self) -> dict[int, str]:
         """Engine request ids whose KV could not be read since the last call -> why; the engine
         finishes them with ``finish_reason="error"``."""
+        self._collect_failures()
         out, self._failed = self._failed, {}
         return out
 
@@ -549,17 +548,27 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
             self.conns.release(st.daemon_id)
 
     def end(self, r: Request) -> None:
-        """``r`` ends (finished, aborted, failed): forget its staged blocks and release the
-        daemon's copy (best effort). Call before the engine frees its host blocks."""
-        st = self._by_req.pop(r.id, None)
+        """``r`` ends (finished, aborted, failed): wait for its reads in flight, forget its staged
+        blocks and release the daemon's copy (best effort). Call before the engine frees its host
+        blocks."""
+        st = self._by_req.get(r.id)
         if st is None:
             return
+        self.coord.end(r.id, sorted(st.rows))
+        self._sync_landed()
+        del self._by_req[r.id]
         self._bounded -= st.bounded
-        self.presence.release(torch.tensor(sorted(st.rows), dtype=torch.long))
         self.stats.cached_bytes -= st.cached_entries * self._entry_bytes()
         self._failed.pop(r.id, None)
         self._release_remote(st)
 
+    @property
+    def coordinator_stats(self) -> dict:
+        """The coordinator's counters (``oasiskv._core.Coordinator.stats``): its threads' seconds
+        on reads, the decode loop's seconds waiting, wire bytes, entries, frames."""
+        return dict(self.coord.stats())
+
     def close(self) -> None:
         self.read_ahead.close()
+        self.coord.close()
         self.conns.close()

@@ -30,9 +30,15 @@ class TransferStats:
     #: other blocks, so a later read of them crosses the network again.
     evicted_blocks: int = 0
     failures: int = 0
-    #: Seconds the decode loop spent in decode-time reads (``before_gather[s]``: the plans'
-    #: copies to the host, the daemon calls and the host pool stores).
+    #: Seconds the decode loop spent handing decode-time reads to the coordinator
+    #: (``before_gather[s]``: the plans' copies to the host, the submission, and the waits of
+    #: the reads it makes layer by layer: a bounded cache, an admission's first working set).
     read_seconds: float = 0.0
+    #: Seconds the decode loop spent blocked on the coordinator's reads
+    #: (``wait_for_layer_load`` of late layers, the layer-by-layer reads' waits, a full
+    #: transfer's blocks at admission). The reads themselves run on the coordinator's threads
+    #: (``RemoteKvSource.coordinator_stats``).
+    wait_seconds: float = 0.0
 
 
 @dataclass

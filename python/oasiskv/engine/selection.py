@@ -288,6 +288,7 @@ class SelectionMixin:
         changed = _before_gathers(src, plans)
         for (layer, ps, pb, slot_pages, host_csr), again in zip(plans, changed, strict=True):
             if again:
+                src.wait_for_layer_load(layer)  # that layer's reads only; later ones go on
                 self._gather(layer, ps, pb, slot_pages, host_csr)
 
     def _select(self, layer: int, q4: torch.Tensor, plan: SparsePlan, step, cap: int, k_budget: int) -> tuple:
@@ -549,9 +550,11 @@ class SelectionMixin:
         """The deferred fetches and gathers of this step, in layer order, each gather on its
         layer's background stream (after its selection), whose event the next step's attention
         waits on. The host blocks on the plans (and the daemon) only once the whole step's compute
-        is queued. A source with ``before_gathers`` (and no evicting cache) reads every layer's
-        misses in one call once the selections are done; otherwise each layer's fetch precedes
-        its gather, in the inline order."""
+        is queued. A source that does not evict hands every layer's plan over in one call once
+        the selections are done (``before_gathers``: the reads go out at once) and each layer's
+        gather first waits for that layer's reads alone (``wait_for_layer_load``), so later
+        layers' reads overlap earlier layers' gathers; an evicting source fetches each layer
+        before its gather, in the inline order."""
         work, self._deferred = self._deferred or [], None
         # A block source that evicts host rows (a bounded cache) may hand a row the previous
         # layer's gather still reads (another stream) to another block: wait for that gather.
@@ -567,6 +570,8 @@ class SelectionMixin:
         gather = self._gather if batched else self._fetch_and_gather
         prev = None
         for layer, ps, pb, slot_pages, host_csr in work:
+            if batched:
+                self.block_source.wait_for_layer_load(layer)
             if not self.cuda:
                 gather(layer, ps, pb, slot_pages, host_csr)
                 continue

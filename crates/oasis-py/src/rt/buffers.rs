@@ -173,7 +173,7 @@ impl Dest {
 }
 
 /// Check `pools` (one CPU tensor per layer, all contiguous, of `first`'s shape and dtype).
-fn check_pools(
+pub(crate) fn check_pools(
     py: Python<'_>,
     what: &str,
     pools: &[&TensorArg],

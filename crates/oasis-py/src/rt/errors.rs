@@ -3,7 +3,7 @@
 use super::*;
 
 /// The error's Python class (in `oasiskv.errors`) and how to fix the call.
-pub(super) fn class_and_hint(e: &RtError, addr: &str) -> (&'static str, String) {
+pub(crate) fn class_and_hint(e: &RtError, addr: &str) -> (&'static str, String) {
     let code = e.code();
     let remote = matches!(e, RtError::Remote { .. });
     match e {
@@ -101,7 +101,7 @@ pub(super) fn class_and_hint(e: &RtError, addr: &str) -> (&'static str, String) 
 
 /// `oasis_rt::Error` -> its `oasiskv.errors` class, with `.code` set to the protocol's name.
 /// `dropped`: the error cost the connection (said in the message unless the class says it).
-pub(super) fn rt_err(py: Python<'_>, e: RtError, addr: &str, dropped: bool) -> PyErr {
+pub(crate) fn rt_err(py: Python<'_>, e: RtError, addr: &str, dropped: bool) -> PyErr {
     let (class, mut hint) = class_and_hint(&e, addr);
     if dropped && !matches!(class, "RemoteUnavailableError" | "RemoteTimeoutError") {
         hint.push_str("; the connection is closed now: make a new RtClient");
@@ -129,6 +129,6 @@ pub(super) fn internal(py: Python<'_>, what: &str) -> PyErr {
     )
 }
 
-pub(super) fn bad_arg(py: Python<'_>, msg: String) -> PyErr {
+pub(crate) fn bad_arg(py: Python<'_>, msg: String) -> PyErr {
     py_err(py, "InvalidArgumentError", msg)
 }

@@ -58,9 +58,9 @@ use pyo3::types::{PyByteArray, PyBytes, PyDict};
 use crate::errors::py_err;
 use crate::tensor::TensorArg;
 
-mod buffers;
-mod errors;
-mod ucx;
+pub(crate) mod buffers;
+pub(crate) mod errors;
+pub(crate) mod ucx;
 
 use buffers::*;
 use errors::*;

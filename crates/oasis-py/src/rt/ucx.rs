@@ -5,13 +5,13 @@ use super::*;
 
 /// The process's UCX transport, shared by every UCX client (see the module docs), with the id
 /// of the process that started it.
-pub(super) static UCX: Mutex<Option<(u32, UcxTransport)>> = Mutex::new(None);
+pub(crate) static UCX: Mutex<Option<(u32, UcxTransport)>> = Mutex::new(None);
 /// Whether the `atexit` hook that shuts [`UCX`] down is registered.
-pub(super) static UCX_ATEXIT: AtomicBool = AtomicBool::new(false);
+pub(crate) static UCX_ATEXIT: AtomicBool = AtomicBool::new(false);
 
 /// The shared UCX transport, started (libucp loaded, progress thread running) on first use.
 /// Blocks for UCX's initialisation: call it with the GIL released.
-pub(super) fn shared_ucx() -> Result<UcxTransport, RtError> {
+pub(crate) fn shared_ucx() -> Result<UcxTransport, RtError> {
     let mut slot = UCX.lock().unwrap_or_else(PoisonError::into_inner);
     let pid = std::process::id();
     match slot.as_ref() {
@@ -39,7 +39,7 @@ pub(super) fn shared_ucx() -> Result<UcxTransport, RtError> {
 }
 
 /// Register [`ucx_shutdown`] with `atexit`, once.
-pub(super) fn ucx_atexit(py: Python<'_>) -> PyResult<()> {
+pub(crate) fn ucx_atexit(py: Python<'_>) -> PyResult<()> {
     if UCX_ATEXIT.swap(true, Ordering::AcqRel) {
         return Ok(());
     }
