@@ -297,6 +297,7 @@ def run_row(eng, args, conn, transfer: str, rate: float, prompts) -> dict:
 
     n = len(prompts)
     stats0 = dataclasses.replace(eng.kv_source.stats)
+    coord0 = eng.kv_source.coordinator_stats
     graphs0 = dict(eng.engine.graph_stats)
     eng.kv_source.stats.peak_cached_bytes = eng.kv_source.stats.cached_bytes
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
@@ -356,9 +357,18 @@ def run_row(eng, args, conn, transfer: str, rate: float, prompts) -> dict:
         now_stats,
         **{
             f: getattr(now_stats, f) - getattr(stats0, f)
-            for f in ("requests", "admission_bytes", "fetched_bytes", "kv_bytes", "failures", "read_seconds")
+            for f in (
+                "requests",
+                "admission_bytes",
+                "fetched_bytes",
+                "kv_bytes",
+                "failures",
+                "read_seconds",
+                "wait_seconds",
+            )
         },
     )
+    coord_read_s = eng.kv_source.coordinator_stats["read_seconds"] - coord0["read_seconds"]
     replays = eng.engine.graph_stats["replays"] - graphs0["replays"]
     eager = eng.engine.graph_stats["eager"] - graphs0["eager"]
     steps = replays + eager
@@ -400,6 +410,10 @@ def run_row(eng, args, conn, transfer: str, rate: float, prompts) -> dict:
         "eager_steps": eager,
         "graph_error": eng.engine.graph_error,
         "read_ms_per_step": stats.read_seconds / steps * 1e3 if steps else None,
+        # Overlap: the loop's seconds blocked on late layers per step, and the coordinator's
+        # threads' seconds on reads per step (off the loop).
+        "wait_ms_per_step": stats.wait_seconds / steps * 1e3 if steps else None,
+        "coord_read_ms_per_step": coord_read_s / steps * 1e3 if steps else None,
         "tokens": [tokens[f"r{i}"] for i in range(n)],
     }
 
@@ -516,8 +530,8 @@ def markdown(rep: dict) -> str:
         "",
         "| transfer | req/s | tok/s | TTFT p50 ms | TTFT p99 ms | admit p50 ms | TPOT p50 ms | "
         "admission MiB/req | fetched MiB/req | peak host KV MiB | vs first | host rows MiB | "
-        "same tokens | prefill + stage s | read ms/step | graph / eager steps |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "same tokens | prefill + stage s | read ms/step | wait ms/step | graph / eager steps |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rep["rows"]:
         lines.append(
@@ -528,7 +542,7 @@ def markdown(rep: dict) -> str:
             f"{f(r['peak_host_kv_bytes'], 1 / mib)} | {f(r['peak_host_kv_vs_first'], 1, 3)} | "
             f"{f(r['host_reserved_peak_bytes'], 1 / mib)} | "
             f"{r['same_tokens']:.0%} | {f(r['prefill_p50_s'], 1, 2)} + {f(r['stage_p50_s'], 1, 2)} | "
-            f"{f(r.get('read_ms_per_step'), 1, 2)} | "
+            f"{f(r.get('read_ms_per_step'), 1, 2)} | {f(r.get('wait_ms_per_step'), 1, 2)} | "
             f"{r.get('graph_replays', '-')} / {r.get('eager_steps', '-')} |"
         )
     lines += [
@@ -538,9 +552,11 @@ def markdown(rep: dict) -> str:
         "for every block unless --kv-cache-blocks bounds them).",
         "- admit: from the prefill node's hand-over to the first token; prefill + stage: the prefill "
         "node's service time per request (p50), so it keeps up with about 1 / their sum requests/s.",
-        "- read ms/step: the decode loop's time in decode-time reads from the daemon per step (plans "
-        "copied to the host, daemon calls, host pool stores); graph / eager: decode steps replayed "
-        "from captured CUDA graphs and run eagerly.",
+        "- read ms/step: the decode loop's time handing decode-time reads to the coordinator per step "
+        "(plans copied to the host, submission, the layer-by-layer reads' waits); wait ms/step: its "
+        "time blocked on late layers (wait_for_layer_load); the reads themselves run on the "
+        "coordinator's threads (coord_read_ms_per_step in the JSON); graph / eager: decode steps "
+        "replayed from captured CUDA graphs and run eagerly.",
         "- same tokens: requests whose whole output equals the first mode's at the same rate. Each row "
         "batches requests differently, so with random bf16 weights near-tied logits may flip.",
     ]

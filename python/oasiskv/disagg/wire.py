@@ -73,12 +73,12 @@ BULK_FRAME_BYTES = 4 << 20
 PREFETCH_DEPTH = 2
 #: Connections the read ahead of one staged request spreads over (each with its own thread).
 PREFETCH_CONNECTIONS = 2
-#: Connections a large read in the decode loop (a step's misses, a full transfer's blocks)
-#: spreads its frames over, each with its own thread (``RemoteKvSource.read_connections``). One
-#: until measured on a many-core machine: on the 2-core build machine, with the daemon on the
-#: same cores, 2 and 3 connections read no faster than one (1.26-1.35 GB/s).
+#: Connections the Rust coordinator spreads the decode side's reads over (a step's misses, a full
+#: transfer's blocks; ``RemoteKvSource.read_connections``), each a tokio task with its own queue.
+#: One until measured on a many-core machine: on the 2-core build machine, with the daemon on the
+#: same cores, 2 and 3 connections read no faster than one (1.26-1.35 GB/s, the Python threads).
 READ_CONNECTIONS = 1
-#: A read is split across connections only into frames of at least this many entries.
+#: A layer's entries are split across connections only into frames of at least this many.
 READ_SPLIT_MIN_ENTRIES = 256
 
 
