@@ -820,9 +820,10 @@ def test_staged_requests_speculate_losslessly(model, transfer):
 
 def test_misses_are_fetched_after_the_step_s_compute_is_queued(model):
     """A decode step with a block source reads each layer's plan and fetches its misses once
-    every layer's forward is queued (``Engine._flush_deferred``), in layer order, so that on a GPU
-    the compute runs while the host waits for the daemon; the tokens stay the single-process
-    engine's (``test_loopback_three_processes``)."""
+    every layer's forward is queued (``Engine._flush_deferred``): every layer's plan goes to the
+    coordinator at once, then each layer's gather waits for that layer's reads alone
+    (``wait_for_layer_load``), in layer order; the tokens stay the single-process engine's
+    (``test_loopback_three_processes``)."""
     with Daemon() as d:
         (h,) = _stage_in_worker_process(
             d.url, [{"prompt_len": P, "prompt_seed": 3, "first_query": "prompt", **SMALL}]
@@ -847,8 +848,18 @@ def test_misses_are_fetched_after_the_step_s_compute_is_queued(model):
             events.append(("fetch", tuple(p[0] for p in plans)))
             return before(plans)
 
+        wait, gather = src.wait_for_layer_load, inner._gather
+
+        def logged_wait(layer):
+            events.append(("wait", layer))
+            return wait(layer)
+
+        def logged_gather(layer, *args):
+            events.append(("gather", layer))
+            return gather(layer, *args)
+
         inner.model.forward = logged_forward
-        src.before_gathers = logged_before
+        src.before_gathers, src.wait_for_layer_load, inner._gather = logged_before, logged_wait, logged_gather
         try:
             (o,) = _run(eng, [lambda e: e.add_staged_request(h, _params(8))])
         finally:
@@ -859,12 +870,14 @@ def test_misses_are_fetched_after_the_step_s_compute_is_queued(model):
         layers = model.config.num_hidden_layers
         done = [i for i, e in enumerate(events) if e == "forward done"]
         assert len(done) >= 7  # decode steps (the admission's selection fetches before them)
+        per_layer = [e for layer in range(layers) for e in (("wait", layer), ("gather", layer))]
         for i in done[:-1]:
-            # No fetch inside a forward; after each, one batched read of every layer's plan, in
-            # order, before the next.
+            # No fetch inside a forward; after each, every layer's plan handed over at once, then
+            # per layer in order: wait for that layer's reads alone, gather it; then the next.
             assert events[i - 1] == "forward"
             assert events[i + 1] == ("fetch", tuple(range(layers)))
-            assert events[i + 2] == "forward"
+            assert events[i + 2 : i + 2 + 2 * layers] == per_layer
+            assert events[i + 2 + 2 * layers] == "forward"
 
 
 @pytest.mark.parametrize("transfer", ["partial", "full"])
