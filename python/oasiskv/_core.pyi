@@ -576,12 +576,14 @@ def set_gather_launch(
     warps_per_block: int | None = None,
     entries_per_warp: int | None = None,
     stage_entries: int | None = None,
+    *,
+    kv8: bool = False,
 ) -> None:
-    """Launch shape of the GPU gather (process-wide; a captured graph keeps its own; None: the
-    default launch's field). ValueError
+    """Launch shape of the GPU gather (process-wide; ``kv8``: of gathers from fp8_e4m3 host pools;
+    a captured graph keeps its own; None: that launch's default field). ValueError
     unless 1 <= warps_per_block <= 4, 1 <= entries_per_warp <= 32 and 0 <= stage_entries <= 32."""
 
-def gather_launch() -> tuple[int, int, int, int]:
+def gather_launch(*, kv8: bool = False) -> tuple[int, int, int, int]:
     """``(max_blocks, warps_per_block, entries_per_warp, stage_entries)`` of
     :func:`set_gather_launch`."""
 

@@ -477,27 +477,31 @@ def set_gather_launch(
     warps_per_block: int | None = None,
     entries_per_warp: int | None = None,
     stage_entries: int | None = None,
+    *,
+    kv8: bool = False,
 ) -> None:
     """Launch shape of the GPU gather: at most ``max_blocks`` thread blocks (0: no cap) of
     ``warps_per_block`` warps (1-4), each warp checking ``entries_per_warp`` plan entries (1-32)
     per pass and copying ``stage_entries`` (0-32) of them at once through shared memory (0: one
-    at a time through registers; lowered to what fits the device's shared memory). A field left
-    out (None) takes the default launch's, the measured best on the H200 (docs/PERF.md):
-    ``(4, 4, 32, 6)``.
+    at a time through registers; lowered to what fits the device's shared memory).
 
-    Process-wide, for tuning: every shape copies the same bytes; they trade PCIe reads in flight
-    against SMs held beside the compute stream. A gather from an fp8_e4m3 host pool stages twice
-    as many entries per warp (an entry is half the bytes), at most 32 and what fits the shared
-    memory. A captured CUDA graph keeps its launch. Gathers
-    from a pool in device memory (the all-resident oracle) keep the many-block register launch
-    ``(0, 4, 8, 0)`` whatever is set here."""
-    _core.set_gather_launch(max_blocks, warps_per_block, entries_per_warp, stage_entries)
+    Two launches, each process-wide, for tuning: ``kv8=False``, gathers from float host pools,
+    default ``(4, 4, 32, 6)`` (the measured best on the H200, docs/PERF.md); ``kv8=True``, gathers
+    from fp8_e4m3 host pools, default ``(0, 4, 8, 0)``: each warp converts its entries, so a few
+    staging blocks leave PCIe idle (s20 on an H100: 8.3 ms against 29.4 ms for the float
+    default's shape, 65,536 entries). A staged kv8 launch stages twice as many entries per warp
+    (an entry is half the bytes), at most 32 and what fits the shared memory. A field left out
+    (None) takes that launch's default. Every shape copies the same bytes; they trade PCIe reads
+    in flight against SMs held beside the compute stream. A captured CUDA graph keeps its launch.
+    Gathers from a pool in device memory (the all-resident oracle) keep the many-block register
+    launch ``(0, 4, 8, 0)`` whatever is set here."""
+    _core.set_gather_launch(max_blocks, warps_per_block, entries_per_warp, stage_entries, kv8=kv8)
 
 
-def gather_launch() -> tuple[int, int, int, int]:
+def gather_launch(*, kv8: bool = False) -> tuple[int, int, int, int]:
     """``(max_blocks, warps_per_block, entries_per_warp, stage_entries)`` of
-    :func:`set_gather_launch`."""
-    return _core.gather_launch()
+    :func:`set_gather_launch` (``kv8``: of gathers from fp8_e4m3 host pools)."""
+    return _core.gather_launch(kv8=kv8)
 
 
 def copy_pages(

@@ -1,4 +1,5 @@
-"""The GPU gather's launch shape (``ops.set_gather_launch``): validated, process-wide, restorable.
+"""The GPU gather's launch shapes (``ops.set_gather_launch``, float and kv8 host pools): validated,
+process-wide, each its own, restorable.
 Every shape copies the same entries; the GPU tests (test_gpu_kernels_random.py::test_gather_blocks)
 check random shapes against the CPU twin."""
 
@@ -33,3 +34,22 @@ def test_a_negative_cap_is_refused():
     with pytest.raises((ValueError, OverflowError, TypeError)):
         ops.set_gather_launch(-1, 4, 8)
     assert ops.gather_launch() == (4, 4, 32, 6)
+
+
+def test_the_kv8_launch_is_its_own_setting():
+    """Gathers from fp8_e4m3 host pools take their own launch, default ``(0, 4, 8, 0)`` (every
+    entry through registers, a block per 32 entries); setting one leaves the other alone."""
+    assert ops.gather_launch(kv8=True) == (0, 4, 8, 0)
+    try:
+        ops.set_gather_launch(16, stage_entries=3, kv8=True)
+        assert ops.gather_launch(kv8=True) == (16, 4, 8, 3)
+        assert ops.gather_launch() == (4, 4, 32, 6)
+        ops.set_gather_launch(2, 1, 3, 1)
+        assert ops.gather_launch(kv8=True) == (16, 4, 8, 3)
+        with pytest.raises(ValueError, match="stage_entries 0..=32"):
+            ops.set_gather_launch(0, 4, 8, 33, kv8=True)
+        assert ops.gather_launch(kv8=True) == (16, 4, 8, 3)
+    finally:
+        ops.set_gather_launch()
+        ops.set_gather_launch(kv8=True)
+    assert ops.gather_launch(kv8=True) == (0, 4, 8, 0) and ops.gather_launch() == (4, 4, 32, 6)

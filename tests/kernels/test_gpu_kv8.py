@@ -150,18 +150,18 @@ def test_kv8_append_matches_the_twin(dtype, block_size, head_dim, gpu_kv8):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), i  # bitwise (NaN codes too)
 
 
-#: Gather launches (``set_gather_launch``'s fields; None: the default, fp8 entries staged 12 per
-#: warp): the register paths (stage 0), one entry staged per warp of a three-entry pass, a stage of
-#: 32 lowered to what fits; "device": the pool in device memory (the register launch whatever is
-#: set).
-LAUNCHES = [None, (4, 4, 32, 0), (2, 1, 3, 1), (4, 4, 32, 32), "device"]
+#: Gather launches (``set_gather_launch(..., kv8=True)``'s fields; None: the default, every entry
+#: through registers on a block per 32 entries): the float pools' staged shape (fp8 entries staged
+#: 12 per warp), one entry staged per warp of a three-entry pass, a stage of 32 lowered to what
+#: fits; "device": the pool in device memory (the register launch whatever is set).
+LAUNCHES = [None, (4, 4, 32, 6), (2, 1, 3, 1), (4, 4, 32, 32), "device"]
 
 
 @pytest.fixture
 def restore_gather_launch():
-    before = ops.gather_launch()
+    before = ops.gather_launch(kv8=True)
     yield
-    ops.set_gather_launch(*before)
+    ops.set_gather_launch(*before, kv8=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -195,7 +195,7 @@ def test_kv8_gather_matches_the_twin(dtype, block_size, head_dim, launch, into, 
             plan_slots[s, hh] = torch.randperm(budget, generator=gen)[:cap].to(torch.int32)
     plan_slots[1, 2, 0] = -1  # a skipped entry
     if launch not in (None, "device"):
-        ops.set_gather_launch(*launch)
+        ops.set_gather_launch(*launch, kv8=True)
     out = {}
     for where in ("cpu", "cuda"):
         d = DEV if where == "cuda" else "cpu"

@@ -12,34 +12,51 @@ use crate::tensor::{check_disjoint, Cx, Elem, Place, TensorArg, ANY};
 use crate::tier::{Tier, GPU_TIER};
 
 #[pyfunction]
-#[pyo3(signature = (max_blocks = None, warps_per_block = None, entries_per_warp = None, stage_entries = None))]
+#[pyo3(signature = (max_blocks = None, warps_per_block = None, entries_per_warp = None, stage_entries = None, *, kv8 = false))]
 /// Launch shape of the GPU gather (`gather_blocks`): at most `max_blocks` blocks (0: no cap) of
 /// `warps_per_block` warps (1-4), each checking `entries_per_warp` plan entries (1-32) per pass
 /// and copying `stage_entries` (0-32) of them at once through shared memory (0: through
-/// registers). A field left out (None) takes the default launch's. Process-wide, for tuning; a
-/// captured CUDA graph keeps the launch it was captured with.
+/// registers). `kv8`: the launch of gathers from fp8_e4m3 host pools, else of float host pools.
+/// A field left out (None) takes that launch's default. Process-wide, for tuning; a captured CUDA
+/// graph keeps the launch it was captured with.
 fn set_gather_launch(
     max_blocks: Option<usize>,
     warps_per_block: Option<u32>,
     entries_per_warp: Option<u32>,
     stage_entries: Option<u32>,
+    kv8: bool,
 ) -> PyResult<()> {
-    // A field left out takes the default launch's (one place holds the measured best).
-    let d = oasis_cuda::ops::GatherLaunch::DEFAULT;
-    oasis_cuda::ops::set_gather_launch(oasis_cuda::ops::GatherLaunch {
+    use oasis_cuda::ops::GatherLaunch;
+    // A field left out takes the default launch's (one place holds each measured best).
+    let d = if kv8 {
+        GatherLaunch::KV8_SOURCE
+    } else {
+        GatherLaunch::DEFAULT
+    };
+    let l = GatherLaunch {
         max_blocks: max_blocks.unwrap_or(d.max_blocks),
         warps_per_block: warps_per_block.unwrap_or(d.warps_per_block),
         entries_per_warp: entries_per_warp.unwrap_or(d.entries_per_warp),
         stage_entries: stage_entries.unwrap_or(d.stage_entries),
-    })
-    .map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))
+    };
+    let set = if kv8 {
+        oasis_cuda::ops::set_gather_launch_kv8(l)
+    } else {
+        oasis_cuda::ops::set_gather_launch(l)
+    };
+    set.map_err(|e| pyo3::exceptions::PyValueError::new_err(e.to_string()))
 }
 
 #[pyfunction]
-/// The launch shape of `set_gather_launch`: `(max_blocks, warps_per_block, entries_per_warp,
-/// stage_entries)`.
-fn gather_launch() -> (usize, u32, u32, u32) {
-    let l = oasis_cuda::ops::gather_launch();
+#[pyo3(signature = (*, kv8 = false))]
+/// The launch shape of `set_gather_launch` (`kv8`: of gathers from fp8_e4m3 host pools):
+/// `(max_blocks, warps_per_block, entries_per_warp, stage_entries)`.
+fn gather_launch(kv8: bool) -> (usize, u32, u32, u32) {
+    let l = if kv8 {
+        oasis_cuda::ops::gather_launch_kv8()
+    } else {
+        oasis_cuda::ops::gather_launch()
+    };
     (
         l.max_blocks,
         l.warps_per_block,

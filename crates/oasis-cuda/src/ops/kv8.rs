@@ -359,10 +359,12 @@ impl Gpu {
             let num_host = host.rows(page, &HOST)?;
             let num_pages = gpu.rows(page, &GPU)?;
 
-            let launch = if device_source {
-                GatherLaunch::DEVICE_SOURCE
-            } else {
-                gather_launch()
+            // A float pool into kv8 pages quantizes through registers under the float pools'
+            // launch; a kv8 pool takes its own (GatherLaunch::KV8_SOURCE by default).
+            let launch = match (device_source, host.is_kv8()) {
+                (true, _) => GatherLaunch::DEVICE_SOURCE,
+                (false, true) => gather_launch_kv8(),
+                (false, false) => gather_launch(),
             };
             // From a kv8 pool: codes and scales staged in shared memory (kv8 -> kv8 copied,
             // kv8 -> T dequantized from the stage), twice gather_blocks' entries per warp for

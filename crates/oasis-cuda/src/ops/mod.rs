@@ -526,8 +526,8 @@ macro_rules! entry {
 // The launch wrappers, one file per kernel family (they use the helpers and macros above).
 pub(crate) use gather_launch::gather_grid;
 pub use gather_launch::{
-    gather_launch, set_gather_launch, GatherLaunch, COPY_THREADS, KV8_STAGE_FACTOR,
-    MAX_STAGE_ENTRIES,
+    gather_launch, gather_launch_kv8, set_gather_launch, set_gather_launch_kv8, GatherLaunch,
+    COPY_THREADS, KV8_STAGE_FACTOR, MAX_STAGE_ENTRIES,
 };
 pub use kv8::{
     decode_attn_kv8_tc_entry, decode_attn_kv8_tc_smem_bytes, Kv8PagesDev, KvTierDev, PagedKv8Dev,
