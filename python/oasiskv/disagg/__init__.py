@@ -56,6 +56,7 @@ from .state import StagedState, TransferStats
 from .wire import (
     ADMISSIONS,
     BULK_FRAME_BYTES,
+    COORD_THREADS,
     DTYPES,
     FIRST_QUERIES,
     FRAME_FILL,
@@ -117,6 +118,7 @@ __all__ = [
     "PREFETCH_CONNECTIONS",
     "PREFETCH_DEPTH",
     "QUERY_SECTION",
+    "COORD_THREADS",
     "READ_CONNECTIONS",
     "READ_KEY_BYTES",
     "READ_REPLY_ENTRY_BYTES",

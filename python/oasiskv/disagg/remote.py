@@ -162,6 +162,9 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
             timeout_s=self._timeout_s,
             retries=self.conns.retries,
             connections=self._read_connections,
+            # A thread per connection up to COORD_THREADS: the entries' copies into the pool run
+            # on them.
+            threads=max(1, min(self._read_connections, wire.COORD_THREADS)),
             split_min_entries=wire.READ_SPLIT_MIN_ENTRIES,
             frame_bytes=frame,
         )

@@ -78,6 +78,9 @@ PREFETCH_CONNECTIONS = 2
 #: One until measured on a many-core machine: on the 2-core build machine, with the daemon on the
 #: same cores, 2 and 3 connections read no faster than one (1.26-1.35 GB/s, the Python threads).
 READ_CONNECTIONS = 1
+#: Most threads of the coordinator's runtime (one per connection up to this; arbitrary: the
+#: copies into the pool are memory-bound, a few threads saturate a socket's worth).
+COORD_THREADS = 4
 #: A layer's entries are split across connections only into frames of at least this many.
 READ_SPLIT_MIN_ENTRIES = 256
 
