@@ -7,6 +7,7 @@ is a failure, never a skip."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -29,10 +30,10 @@ START_TIMEOUT_S = 30.0
 
 @cache
 def rt_binary() -> str | None:
-    """``$OASIS_RT_BIN``, else ``target/release/oasis-rt``, built (or brought up to date: a no-op
-    when fresh) with cargo when cargo is here; None when there is neither binary nor cargo. Built
-    with the ``ucx`` feature (libucp is loaded at run time, so it also serves TCP where UCX is
-    absent)."""
+    """``$OASIS_RT_BIN``, else ``oasis-rt`` in cargo's target directory (``cargo metadata``'s, so
+    ``CARGO_TARGET_DIR`` counts), built (or brought up to date: a no-op when fresh) with cargo when
+    cargo is here; None when there is neither binary nor cargo. Built with the ``ucx`` feature
+    (libucp is loaded at run time, so it also serves TCP where UCX is absent)."""
     env = os.environ.get("OASIS_RT_BIN")
     if env:
         return env
@@ -45,6 +46,14 @@ def rt_binary() -> str | None:
             cwd=ROOT,
             check=True,
         )
+        meta = subprocess.run(
+            [cargo, "metadata", "--format-version", "1", "--no-deps"],
+            cwd=ROOT,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        path = Path(json.loads(meta.stdout)["target_directory"]) / "release" / "oasis-rt"
     return str(path) if path.exists() else None
 
 
