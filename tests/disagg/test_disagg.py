@@ -15,14 +15,12 @@ import json
 import math
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from oasiskv import KvConfig, LLMEngine, SamplingParams, disagg, errors
+from oasiskv import KvConfig, LLMEngine, disagg, errors
 from oasiskv._core import RtClient
 from oasiskv.disagg import (
     ADMISSIONS,
@@ -36,6 +34,18 @@ from oasiskv.models.transformer import CausalLM
 from support.configs import TINY_QWEN3
 from support.fakes import pools_are_full, prompt, tiny
 from support.rtd import TRANSPORTS, Daemon
+from support.staged import (
+    BIG,
+    SEEDS,
+    SMALL,
+    M,
+    P,
+    ReadLog,
+    params,
+    reference,
+    run_batch,
+    staged_small,
+)
 
 # Private names read here: ``RtClient`` from ``oasiskv._core`` (the daemon's client; no public
 # re-export) and the remote source's own steps, each what its test checks:
@@ -45,71 +55,11 @@ from support.rtd import TRANSPORTS, Daemon
 
 #: The prefill worker runs as ``python -m support.disagg_worker`` from ``tests/``.
 TESTS = Path(__file__).resolve().parents[1]
-P, M = 300, 24  # prompt and new tokens of the loopback requests
-#: The budget covers the context (32 blocks of 16 > 300 + 24 tokens); the request still turns
-#: sparse at once (threshold 64), so its whole KV goes through the daemon.
-BIG = {"block_size": 16, "top_k_blocks": 32, "sparse_threshold": 64}
-#: A small budget: 4 blocks per KV head, at most one new block per head and step.
-SMALL = {"block_size": 16, "top_k_blocks": 4, "sparse_threshold": 64}
-SEEDS = (3, 5)  # the small-budget prompts, decoded in one batch
 
 
 @pytest.fixture(scope="module")
 def model():
     return tiny()
-
-
-def _params(n: int = M) -> SamplingParams:
-    return SamplingParams(max_tokens=n, ignore_eos=True)
-
-
-def _run(eng: LLMEngine, adds) -> dict:
-    """Add every request at once (one batch), step to the end; outputs in add order."""
-    ids = [add(eng) for add in adds]
-    out = eng.run_to_completion(ids)
-    return [out[i] for i in ids]
-
-
-def _reference(model, kv: KvConfig, backend: str, prompts) -> list:
-    eng = LLMEngine(model, kv=kv, backend=backend, drafter="ngram")
-    return _run(eng, [lambda e, p=p: e.add_request(p, _params()) for p in prompts])
-
-
-class ReadLog:
-    """The remote source's coordinator (``oasiskv._core.Coordinator``), with every entry it is
-    asked to read recorded as the daemon's key ``(request, layer, block, head)`` (head -1: a whole
-    block): the planned entries that are absent when submitted (``on_read``, which a test may
-    replace to log them). Install it before the first admission: ``src.coord = ReadLog(src)``."""
-
-    def __init__(self, src) -> None:
-        self.inner, self.src, self.keys = src.coord, src, []
-
-    def on_read(self, keys) -> None:
-        self.keys.extend(keys)
-
-    def submit(self, layers, rows, heads):
-        hk = self.src.engine.geo.num_kv_heads
-        keys, seen = [], set()
-        for layer, row, head, (owner, logical) in zip(
-            layers, rows, heads, self.inner.owners(rows), strict=True
-        ):
-            st = self.src._by_req.get(owner)
-            if st is None or (layer, row, head) in seen:
-                continue
-            seen.add((layer, row, head))
-            absent = [
-                h for h in (range(hk) if head == -1 else [head]) if not self.inner.is_present(layer, row, h)
-            ]
-            if head == -1 and len(absent) == hk:
-                keys.append((st.daemon_id, layer, logical, -1))
-            else:
-                keys += [(st.daemon_id, layer, logical, h) for h in absent]
-        if keys:
-            self.on_read(keys)
-        return self.inner.submit(layers, rows, heads)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
 
 
 def _stage_in_worker_process(addr: str, jobs: list[dict], token: str | None = None) -> list[StagedRequest]:
@@ -136,8 +86,8 @@ def test_loopback_three_processes(model, transfer, transport):
             model, kv=KvConfig.fast(**BIG), drafter="ngram", kv_source=d.url, kv_transfer=transfer
         )
         assert eng.kv_source.transport == eng.kv_source.client.transport == transport
-        (got,) = _run(eng, [lambda e: e.add_staged_request(big.to_json(), _params())])
-        (dense,) = _reference(model, KvConfig.fast(**BIG), "dense", [big.prompt])
+        (got,) = run_batch(eng, [lambda e: e.add_staged_request(big.to_json(), params())])
+        (dense,) = reference(model, KvConfig.fast(**BIG), "dense", [big.prompt])
         assert got.finish_reason == "length", got.error
         assert got.token_ids == dense.token_ids
         assert got.metrics.network_admission_bytes > 0 and got.metrics.network_fetched_bytes == 0
@@ -148,8 +98,8 @@ def test_loopback_three_processes(model, transfer, transport):
             model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_transfer=transfer
         )
         rec = eng.kv_source.coord = ReadLog(eng.kv_source)
-        outs = _run(eng, [lambda e, h=h: e.add_staged_request(h, _params()) for h in small])
-        refs = _reference(model, KvConfig.fast(**SMALL), "oasis", [h.prompt for h in small])
+        outs = run_batch(eng, [lambda e, h=h: e.add_staged_request(h, params()) for h in small])
+        refs = reference(model, KvConfig.fast(**SMALL), "oasis", [h.prompt for h in small])
         for o, ref, h in zip(outs, refs, small, strict=True):
             assert o.finish_reason == "length", o.error
             assert o.token_ids == ref.token_ids
@@ -201,7 +151,7 @@ def _admission_vs_full(context: int, num_kv_heads: int) -> dict:
         for transfer in ("partial", "full"):
             h = worker.prefill(ids)
             eng = LLMEngine(model, kv=kv, kv_source=d.url, kv_transfer=transfer, max_num_batched_tokens=chunk)
-            (o,) = _run(eng, [lambda e, h=h: e.add_staged_request(h, _params(2))])
+            (o,) = run_batch(eng, [lambda e, h=h: e.add_staged_request(h, params(2))])
             assert o.finish_reason == "length", o.error
             out[transfer] = o.metrics.network_admission_bytes
             out["handle"] = h
@@ -255,7 +205,7 @@ def test_per_head_admission_reads_only_each_heads_blocks():
             eng = LLMEngine(
                 model, kv=kv, kv_source=d.url, kv_transfer="partial", max_num_batched_tokens=chunk
             )
-            (o,) = _run(eng, [lambda e, h=h: e.add_staged_request(h, _params(3))])
+            (o,) = run_batch(eng, [lambda e, h=h: e.add_staged_request(h, params(3))])
             assert o.finish_reason == "length", o.error
             out[admission] = (o.metrics.network_admission_bytes, list(o.token_ids), h)
             worker.close()
@@ -278,92 +228,6 @@ def test_bytes_at_admission_32k_are_6x_below_full():
     assert out["ratio"] >= 6.0
 
 
-def _staged_small(model, d: Daemon, seeds=SEEDS) -> list[StagedRequest]:
-    worker = PrefillWorker(model, KvConfig.fast(**SMALL), d.url, first_query="prompt")
-    try:
-        return [worker.prefill(prompt(P, s)) for s in seeds]
-    finally:
-        worker.close()
-
-
-def _fetch_steps(model, d: Daemon, handles: list[StagedRequest], local: list | None, n: int) -> list[int]:
-    """The steps (1-based) in which the first of these staged requests, decoded in a batch with
-    the others (and a local prompt), reads misses from the daemon: a dry run of the same batch,
-    so that a fault test can strike before a read (greedy decoding is deterministic)."""
-    eng = LLMEngine(model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url)
-    rec = eng.kv_source.coord = ReadLog(eng.kv_source)
-    for h in handles:
-        eng.add_staged_request(h, _params(n))
-    if local is not None:
-        eng.add_request(local, _params(n))
-    steps, k = [], 0
-    first = handles[0].request_id
-    while eng.has_unfinished_requests():
-        before = len(rec.keys)
-        eng.step()
-        k += 1
-        if any(key[0] == first for key in rec.keys[before:]):
-            steps.append(k)
-    return steps
-
-
-@pytest.mark.parametrize("transport", TRANSPORTS)
-@pytest.mark.parametrize("fault", ["kill", "stall"])
-def test_a_dead_daemon_fails_only_its_requests(model, fault, transport):
-    with Daemon(transport=transport) as d:
-        dry, h = _staged_small(model, d, seeds=(3, 3))
-        steps = _fetch_steps(model, d, [dry], prompt(P, 11), n=40)
-        assert len(steps) >= 2, steps
-        timeout = 1.0
-        eng = LLMEngine(
-            model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_timeout_s=timeout
-        )
-        staged = eng.add_staged_request(h, _params(40))
-        local = eng.add_request(prompt(P, 11), _params(40))
-        last = {}
-        for _ in range(steps[-1] - 1):  # up to the step before the last miss
-            for o in eng.step():
-                last[o.request_id] = o
-        (d.kill if fault == "kill" else d.stop)()
-        t = time.monotonic()
-        while eng.has_unfinished_requests():
-            for o in eng.step():
-                last[o.request_id] = o
-                if o.request_id == staged and o.finished:
-                    failed_after = time.monotonic() - t
-        assert last[staged].finish_reason == "error"
-        assert "staging daemon" in last[staged].error
-        assert failed_after < timeout + 2.0
-        assert last[local].finish_reason == "length", last[local].error  # the engine went on
-        assert len(last[local].token_ids) == 40
-        assert pools_are_full(eng)
-        assert eng.kv_source.stats.failures == 1
-        if fault == "stall":
-            d.cont()
-
-
-def test_a_released_request_fails_alone(model):
-    """An entry the daemon no longer holds (released, or evicted after its lease) fails that
-    request only: per-entry errors of a batched read."""
-    with Daemon() as d:
-        d1, d2, h1, h2 = _staged_small(model, d, seeds=(3, 5, 3, 5))
-        steps = _fetch_steps(model, d, [d1, d2], None, n=40)
-        eng = LLMEngine(model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url)
-        a = eng.add_staged_request(h1, _params(40))
-        b = eng.add_staged_request(h2, _params(40))
-        last = {}
-        for _ in range(steps[-1] - 1):
-            for o in eng.step():
-                last[o.request_id] = o
-        assert eng.kv_source.client.release(h1.request_id) > 0
-        while eng.has_unfinished_requests():
-            for o in eng.step():
-                last[o.request_id] = o
-        assert last[a].finish_reason == "error" and "unknown_request" in last[a].error
-        assert last[b].finish_reason == "length", last[b].error
-        assert pools_are_full(eng)
-
-
 def test_a_client_without_the_token_is_refused(model):
     with Daemon(token="s3cret") as d:
         with pytest.raises(errors.RemoteAuthError):
@@ -373,7 +237,7 @@ def test_a_client_without_the_token_is_refused(model):
         worker = PrefillWorker(model, KvConfig.fast(**SMALL), d.addr, token="s3cret")
         h = worker.prefill(prompt(P, 3))
         eng = LLMEngine(model, kv=KvConfig.fast(**SMALL), kv_source=d.url, kv_token="s3cret")
-        (o,) = _run(eng, [lambda e: e.add_staged_request(h, _params(4))])
+        (o,) = run_batch(eng, [lambda e: e.add_staged_request(h, params(4))])
         assert o.finish_reason == "length"
 
 
@@ -382,9 +246,9 @@ def test_a_staged_request_takes_only_its_working_set_on_the_gpu(model):
     two 300-token requests decode together in a GPU pool of two working sets."""
     k = SMALL["top_k_blocks"]
     with Daemon() as d:
-        handles = _staged_small(model, d, seeds=(3, 5, 3, 5))
+        handles = staged_small(model, d, seeds=(3, 5, 3, 5))
         free = LLMEngine(model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url)
-        want = _run(free, [lambda e, h=h: e.add_staged_request(h, _params()) for h in handles[:2]])
+        want = run_batch(free, [lambda e, h=h: e.add_staged_request(h, params()) for h in handles[:2]])
         tight = LLMEngine(
             model,
             kv=KvConfig.fast(**SMALL, num_gpu_pages=2 * (k + 1), num_host_blocks=64),
@@ -392,8 +256,8 @@ def test_a_staged_request_takes_only_its_working_set_on_the_gpu(model):
             kv_source=d.url,
         )
         with pytest.raises(errors.OutOfBlocksError):
-            tight.add_request(prompt(P, 3), _params())  # dense, it needs the prompt's pages
-        ids = [tight.add_staged_request(h, _params()) for h in handles[2:]]
+            tight.add_request(prompt(P, 3), params())  # dense, it needs the prompt's pages
+        ids = [tight.add_staged_request(h, params()) for h in handles[2:]]
         tight.step()
         assert tight.num_running == 2
         assert tight.engine.runtime.reserved[0] == 2 * (k + 1)
@@ -415,9 +279,9 @@ def test_a_bounded_host_pool_decodes_as_the_unbounded_one(model):
     c = hk * SMALL["top_k_blocks"]  # the floor: 8 cached blocks of the 19 staged
     b = SMALL["block_size"]
     with Daemon() as d:
-        both = _staged_small(model, d, seeds=(3, 5, 3, 5))  # a run releases what it decoded
+        both = staged_small(model, d, seeds=(3, 5, 3, 5))  # a run releases what it decoded
         free = LLMEngine(model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url)
-        want = _run(free, [lambda e, h=h: e.add_staged_request(h, _params()) for h in both[:2]])
+        want = run_batch(free, [lambda e, h=h: e.add_staged_request(h, params()) for h in both[:2]])
         handles = both[2:]
         # Host rows for two bounded requests (C + ceil(L / b) - floor(P / b) each); the
         # unbounded reservation (ceil(L / b) = 21 rows each) would not fit both.
@@ -451,7 +315,7 @@ def test_a_bounded_host_pool_decodes_as_the_unbounded_one(model):
             ReadLog.on_read(rec, keys)
 
         src._rows_for, src._forget_row, rec.on_read = rows_for_logged, forget_logged, read_logged
-        ids = [eng.add_staged_request(h, _params()) for h in handles]
+        ids = [eng.add_staged_request(h, params()) for h in handles]
         eng.step()
         assert eng.num_running == 2  # both admitted at once within the bounded host budget
         rt = eng.engine.runtime
@@ -517,19 +381,19 @@ def test_refusals(model):
         # A handle staged with another block size: the request fails, the engine goes on.
         worker = PrefillWorker(model, KvConfig.fast(block_size=8, top_k_blocks=4), d.addr)
         h = worker.prefill(prompt(P, 3))
-        (o,) = _run(eng, [lambda e: e.add_staged_request(h, _params(4))])
+        (o,) = run_batch(eng, [lambda e: e.add_staged_request(h, params(4))])
         assert o.finish_reason == "error" and "geometry" in o.error
         assert pools_are_full(eng)
         # Too short to turn sparse: refused at admission, with the fix.
         worker = PrefillWorker(model, KvConfig.fast(**SMALL), d.addr)
         h = worker.prefill(prompt(40, 3))
-        (o,) = _run(eng, [lambda e: e.add_staged_request(h, _params(4))])
+        (o,) = run_batch(eng, [lambda e: e.add_staged_request(h, params(4))])
         assert o.finish_reason == "error" and "sparse_threshold" in o.error
         # An unknown request id.
         h = worker.prefill(prompt(P, 3))
         assert worker.release(h.request_id) > 0
         bogus = StagedRequest.from_json(h.to_json())
-        (o,) = _run(eng, [lambda e: e.add_staged_request(bogus, _params(4))])
+        (o,) = run_batch(eng, [lambda e: e.add_staged_request(bogus, params(4))])
         assert o.finish_reason == "error" and "unknown_request" in o.error
         assert pools_are_full(eng)
     assert parse_kv_source("oasis-rt://127.0.0.1:7470") == "127.0.0.1:7470"
@@ -607,7 +471,7 @@ def test_staged_data_is_read_ahead_off_the_decode_loop(model, transfer, small_fr
     if small_frames:
         monkeypatch.setattr(disagg.wire, "BULK_FRAME_BYTES", 1)
     with Daemon() as d:
-        handles = _staged_small(model, d) + _staged_small(model, d)  # the same prompts twice
+        handles = staged_small(model, d) + staged_small(model, d)  # the same prompts twice
         runs = {}
         for depth, hs in ((0, handles[:2]), (2, handles[2:])):
             eng = LLMEngine(
@@ -616,9 +480,9 @@ def test_staged_data_is_read_ahead_off_the_decode_loop(model, transfer, small_fr
             eng.kv_source.prefetch_depth = depth
             rec = eng.kv_source.client = Counting(eng.kv_source.client)
             rec.log = eng.kv_source.coord = ReadLog(eng.kv_source)
-            local = eng.add_request(prompt(P, 11), _params())  # running while the staged ones wait
+            local = eng.add_request(prompt(P, 11), params())  # running while the staged ones wait
             eng.step()
-            ids = [eng.add_staged_request(h, _params()) for h in hs]
+            ids = [eng.add_staged_request(h, params()) for h in hs]
             out = eng.run_to_completion([local, *ids])
             runs[depth] = ([out[i] for i in [local, *ids]], rec, eng.kv_source.stats)
             assert not eng.kv_source._prefetch  # every read ahead was taken (or dropped)
@@ -659,12 +523,12 @@ def test_the_source_is_idle_once_nothing_is_left_to_read(model, transfer):
     """``RemoteKvSource.idle`` (the engine may then capture CUDA graphs): a running partial
     transfer still has block-heads in the daemon; a full one has none after its admission."""
     with Daemon() as d:
-        (h,) = _staged_small(model, d, seeds=(3,))
+        (h,) = staged_small(model, d, seeds=(3,))
         eng = LLMEngine(
             model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_transfer=transfer
         )
         assert eng.kv_source.idle  # nothing staged is live yet
-        rid = eng.add_staged_request(h, _params())
+        rid = eng.add_staged_request(h, params())
         eng.step()  # admitted, first token
         assert eng.kv_source.idle == (transfer == "full")
         eng.run_to_completion([rid])
@@ -676,7 +540,7 @@ def test_corrupt_sections_fail_the_request_not_the_engine(model, transfer):
     """A daemon that hands back an unreadable meta section or a query section of the wrong size
     (a bad or hostile peer): the request fails with a ConfigError's message, the engine goes on."""
     with Daemon() as d:
-        bad_meta, bad_query, good = _staged_small(model, d, seeds=(3, 5, 7))
+        bad_meta, bad_query, good = staged_small(model, d, seeds=(3, 5, 7))
         c = RtClient(d.url)
         meta = json.dumps({"format": 1, "prompt_len": len(bad_query.prompt), "dtype": "float32"}).encode()
         c.stage_admission(bad_meta.request_id, [], {"oasis/meta": b"{not json", "oasis/query": b""})
@@ -685,104 +549,13 @@ def test_corrupt_sections_fail_the_request_not_the_engine(model, transfer):
         eng = LLMEngine(
             model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_transfer=transfer
         )
-        outs = _run(
-            eng, [lambda e, h=h: e.add_staged_request(h, _params()) for h in (bad_meta, bad_query, good)]
+        outs = run_batch(
+            eng, [lambda e, h=h: e.add_staged_request(h, params()) for h in (bad_meta, bad_query, good)]
         )
         assert outs[0].finish_reason == "error" and "meta" in outs[0].error
         assert outs[1].finish_reason == "error" and "query section" in outs[1].error
         assert outs[2].finish_reason == "length", outs[2].error
         assert pools_are_full(eng)
-
-
-def test_a_lost_connection_is_reconnected_within_the_retries(model):
-    """``kv_retries``: a read whose connection the daemon closed (here: idle past the daemon's
-    ``--idle-timeout-s`` before the steps that read) reconnects and is sent again; the request
-    goes on with the same tokens. Without retries the same loss fails the request."""
-    for retries in (1, 0):
-        with Daemon(idle_timeout_s=1) as d:
-            dry, h = _staged_small(model, d, seeds=(3, 3))
-            steps = _fetch_steps(model, d, [dry], None, n=M)
-            assert len(steps) >= 2, steps
-            eng = LLMEngine(
-                model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_retries=retries
-            )
-            rid = eng.add_staged_request(h, _params())
-            last, k = {}, 0
-            while eng.has_unfinished_requests():
-                k += 1
-                if k == steps[1]:  # (steps[0] may be the admission's, before any connection)
-                    time.sleep(1.6)  # every connection idles out before this step's read
-                for o in eng.step():
-                    last[o.request_id] = o
-            o = last[rid]
-            if retries:
-                (ref,) = _reference(model, KvConfig.fast(**SMALL), "oasis", [h.prompt])
-                assert o.finish_reason == "length", o.error
-                assert o.token_ids == ref.token_ids and o.metrics.network_fetched_bytes > 0
-                assert eng.kv_source.coordinator_stats["reconnects"] >= 1
-            else:
-                assert o.finish_reason == "error" and "staging daemon" in o.error
-            assert pools_are_full(eng)
-
-
-def test_a_stalled_daemon_only_slows_the_decode(model):
-    """A daemon that stops answering for a while (SIGSTOP, then SIGCONT well within
-    ``kv_timeout_s``) mid-decode: the reads wait for it, and the tokens are unchanged."""
-    with Daemon() as d:
-        dry, h = _staged_small(model, d, seeds=(3, 3))
-        steps = _fetch_steps(model, d, [dry], None, n=M)
-        eng = LLMEngine(model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_timeout_s=20)
-        rid = eng.add_staged_request(h, _params())
-        last, k, stalled = {}, 0, 0.0
-        while eng.has_unfinished_requests():
-            k += 1
-            if k == steps[-1]:
-                d.stop()
-                threading.Timer(0.5, d.cont).start()
-                t = time.monotonic()
-            for o in eng.step():
-                last[o.request_id] = o
-            if k == steps[-1]:
-                stalled = time.monotonic() - t
-        (ref,) = _reference(model, KvConfig.fast(**SMALL), "oasis", [h.prompt])
-        assert last[rid].finish_reason == "length", last[rid].error
-        assert last[rid].token_ids == ref.token_ids
-        assert stalled >= 0.4  # the step waited for the stalled daemon
-        assert eng.kv_source.stats.wait_seconds >= 0.4 and eng.kv_source.stats.failures == 0
-        assert pools_are_full(eng)
-
-
-def test_a_read_of_the_wrong_size_fails_that_request_alone(model):
-    """A staged request whose blocks the daemon now holds in another geometry (released and
-    staged again with twice the head dim): its next reads return entries of the wrong size,
-    which the coordinator refuses without writing them; that request fails, the other in the
-    batch completes, and the pools come back whole."""
-    with Daemon() as d:
-        d1, d2, h1, h2 = _staged_small(model, d, seeds=(3, 5, 3, 5))
-        steps = _fetch_steps(model, d, [d1, d2], None, n=40)
-        eng = LLMEngine(model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url)
-        a = eng.add_staged_request(h1, _params(40))
-        b = eng.add_staged_request(h2, _params(40))
-        last = {}
-        for _ in range(steps[-1] - 1):
-            for o in eng.step():
-                last[o.request_id] = o
-        layers, hk, bs, dim, elem, nb, fmt = h1.geometry
-        wide = (layers, hk, bs, 2 * dim, elem, nb, fmt)
-        c = RtClient(d.url)
-        assert c.release(h1.request_id) > 0
-        for layer in range(layers):
-            blocks = torch.ones(nb * 2 * hk * bs * 2 * dim * elem, dtype=torch.uint8)
-            c.stage_blocks(h1.request_id, wide, [(layer, i) for i in range(nb)], blocks)
-        while eng.has_unfinished_requests():
-            for o in eng.step():
-                last[o.request_id] = o
-        assert last[a].finish_reason == "error" and "size_mismatch" in last[a].error, last[a].error
-        assert last[b].finish_reason == "length", last[b].error
-        assert eng.kv_source.coordinator_stats["failed_entries"] > 0
-        assert pools_are_full(eng)
-        c.release(h1.request_id)
-        c.close()
 
 
 @pytest.mark.parametrize("transfer", ["partial", "full"])
@@ -797,19 +570,19 @@ def test_staged_requests_speculate_losslessly(model, transfer):
         big, *small = _stage_in_worker_process(d.url, jobs)
         remote = {"kv_source": d.url, "kv_transfer": transfer}
         eng = LLMEngine(model, kv=KvConfig.fast(**BIG), drafter="ngram", speculative=True, **remote)
-        (got,) = _run(eng, [lambda e: e.add_staged_request(big.to_json(), _params())])
-        (dense,) = _reference(model, KvConfig.fast(**BIG), "dense", [big.prompt])
+        (got,) = run_batch(eng, [lambda e: e.add_staged_request(big.to_json(), params())])
+        (dense,) = reference(model, KvConfig.fast(**BIG), "dense", [big.prompt])
         assert got.finish_reason == "length", got.error
         assert got.token_ids == dense.token_ids
         assert eng.spec_stats["accepted"] > 0, eng.spec_stats  # the n-gram drafts the repeats
         assert pools_are_full(eng)
 
         eng = LLMEngine(model, kv=KvConfig.fast(**SMALL), drafter="ngram", speculative=True, **remote)
-        outs = _run(eng, [lambda e, h=h: e.add_staged_request(h, _params()) for h in small])
+        outs = run_batch(eng, [lambda e, h=h: e.add_staged_request(h, params()) for h in small])
         local = LLMEngine(
             model, kv=KvConfig.fast(**SMALL), backend="oasis", drafter="ngram", speculative=True
         )
-        refs = _run(local, [lambda e, h=h: e.add_request(h.prompt, _params()) for h in small])
+        refs = run_batch(local, [lambda e, h=h: e.add_request(h.prompt, params()) for h in small])
         for o, ref in zip(outs, refs, strict=True):
             assert o.finish_reason == "length", o.error
             assert o.token_ids == ref.token_ids
@@ -861,10 +634,10 @@ def test_misses_are_fetched_after_the_step_s_compute_is_queued(model):
         inner.model.forward = logged_forward
         src.before_gathers, src.wait_for_layer_load, inner._gather = logged_before, logged_wait, logged_gather
         try:
-            (o,) = _run(eng, [lambda e: e.add_staged_request(h, _params(8))])
+            (o,) = run_batch(eng, [lambda e: e.add_staged_request(h, params(8))])
         finally:
             inner.model.forward = forward
-        (ref,) = _reference(model, KvConfig.fast(**SMALL), "oasis", [h.prompt])
+        (ref,) = reference(model, KvConfig.fast(**SMALL), "oasis", [h.prompt])
         assert o.finish_reason == "length", o.error
         assert o.token_ids == ref.token_ids[:8]
         layers = model.config.num_hidden_layers
@@ -890,7 +663,7 @@ def test_large_reads_spread_over_several_connections(model, transfer, monkeypatc
     runs = {}
     with Daemon() as d:
         for conns in (1, 3):
-            handles = _staged_small(model, d)
+            handles = staged_small(model, d)
             eng = LLMEngine(
                 model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_transfer=transfer
             )
@@ -898,7 +671,7 @@ def test_large_reads_spread_over_several_connections(model, transfer, monkeypatc
             src.read_connections = conns
             assert f"connections={conns}" in repr(src.coord)
             src.prefetch_depth = 0  # the admissions read in the loop too, through the same reads
-            outs = _run(eng, [lambda e, h=h: e.add_staged_request(h, _params()) for h in handles])
+            outs = run_batch(eng, [lambda e, h=h: e.add_staged_request(h, params()) for h in handles])
             runs[conns] = (outs, dataclasses.replace(src.stats), src.coordinator_stats)
             src.close()
             assert RtClient(d.url).stats()["live_requests"] == 0  # every request released

@@ -1,0 +1,175 @@
+"""Faults on the decode side of disaggregation, each through the Rust coordinator's reads: a
+daemon killed or stalled mid-decode fails only the requests that need it (``finish_reason=
+"error"`` with a message) and the pools come back whole; a released request or an entry of the
+wrong size fails that request alone; a daemon stopped for a moment only slows the step; a
+connection the daemon closed is reconnected within ``kv_retries``."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from oasiskv import KvConfig, LLMEngine
+from oasiskv._core import RtClient
+from support.fakes import pools_are_full, prompt, tiny
+from support.rtd import TRANSPORTS, Daemon
+from support.staged import SMALL, M, P, fetch_steps, params, reference, staged_small
+
+# Private names read here: ``RtClient`` from ``oasiskv._core`` (the daemon's client, to release
+# and re-stage a request behind the engine's back).
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("fault", ["kill", "stall"])
+def test_a_dead_daemon_fails_only_its_requests(model, fault, transport):
+    with Daemon(transport=transport) as d:
+        dry, h = staged_small(model, d, seeds=(3, 3))
+        steps = fetch_steps(model, d, [dry], prompt(P, 11), n=40)
+        assert len(steps) >= 2, steps
+        timeout = 1.0
+        eng = LLMEngine(
+            model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_timeout_s=timeout
+        )
+        staged = eng.add_staged_request(h, params(40))
+        local = eng.add_request(prompt(P, 11), params(40))
+        last = {}
+        for _ in range(steps[-1] - 1):  # up to the step before the last miss
+            for o in eng.step():
+                last[o.request_id] = o
+        (d.kill if fault == "kill" else d.stop)()
+        t = time.monotonic()
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                last[o.request_id] = o
+                if o.request_id == staged and o.finished:
+                    failed_after = time.monotonic() - t
+        assert last[staged].finish_reason == "error"
+        assert "staging daemon" in last[staged].error
+        assert failed_after < timeout + 2.0
+        assert last[local].finish_reason == "length", last[local].error  # the engine went on
+        assert len(last[local].token_ids) == 40
+        assert pools_are_full(eng)
+        assert eng.kv_source.stats.failures == 1
+        if fault == "stall":
+            d.cont()
+
+
+def test_a_released_request_fails_alone(model):
+    """An entry the daemon no longer holds (released, or evicted after its lease) fails that
+    request only: per-entry errors of a batched read."""
+    with Daemon() as d:
+        d1, d2, h1, h2 = staged_small(model, d, seeds=(3, 5, 3, 5))
+        steps = fetch_steps(model, d, [d1, d2], None, n=40)
+        eng = LLMEngine(model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url)
+        a = eng.add_staged_request(h1, params(40))
+        b = eng.add_staged_request(h2, params(40))
+        last = {}
+        for _ in range(steps[-1] - 1):
+            for o in eng.step():
+                last[o.request_id] = o
+        assert eng.kv_source.client.release(h1.request_id) > 0
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                last[o.request_id] = o
+        assert last[a].finish_reason == "error" and "unknown_request" in last[a].error
+        assert last[b].finish_reason == "length", last[b].error
+        assert pools_are_full(eng)
+
+
+def test_a_lost_connection_is_reconnected_within_the_retries(model):
+    """``kv_retries``: a read whose connection the daemon closed (here: idle past the daemon's
+    ``--idle-timeout-s`` before the steps that read) reconnects and is sent again; the request
+    goes on with the same tokens. Without retries the same loss fails the request."""
+    for retries in (1, 0):
+        with Daemon(idle_timeout_s=1) as d:
+            dry, h = staged_small(model, d, seeds=(3, 3))
+            steps = fetch_steps(model, d, [dry], None, n=M)
+            assert len(steps) >= 2, steps
+            eng = LLMEngine(
+                model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_retries=retries
+            )
+            rid = eng.add_staged_request(h, params())
+            last, k = {}, 0
+            while eng.has_unfinished_requests():
+                k += 1
+                if k == steps[1]:  # (steps[0] may be the admission's, before any connection)
+                    time.sleep(1.6)  # every connection idles out before this step's read
+                for o in eng.step():
+                    last[o.request_id] = o
+            o = last[rid]
+            if retries:
+                (ref,) = reference(model, KvConfig.fast(**SMALL), "oasis", [h.prompt])
+                assert o.finish_reason == "length", o.error
+                assert o.token_ids == ref.token_ids and o.metrics.network_fetched_bytes > 0
+                assert eng.kv_source.coordinator_stats["reconnects"] >= 1
+            else:
+                assert o.finish_reason == "error" and "staging daemon" in o.error
+            assert pools_are_full(eng)
+
+
+def test_a_stalled_daemon_only_slows_the_decode(model):
+    """A daemon that stops answering for a while (SIGSTOP, then SIGCONT well within
+    ``kv_timeout_s``) mid-decode: the reads wait for it, and the tokens are unchanged."""
+    with Daemon() as d:
+        dry, h = staged_small(model, d, seeds=(3, 3))
+        steps = fetch_steps(model, d, [dry], None, n=M)
+        eng = LLMEngine(model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_timeout_s=20)
+        rid = eng.add_staged_request(h, params())
+        last, k, stalled = {}, 0, 0.0
+        while eng.has_unfinished_requests():
+            k += 1
+            if k == steps[-1]:
+                d.stop()
+                threading.Timer(0.5, d.cont).start()
+                t = time.monotonic()
+            for o in eng.step():
+                last[o.request_id] = o
+            if k == steps[-1]:
+                stalled = time.monotonic() - t
+        (ref,) = reference(model, KvConfig.fast(**SMALL), "oasis", [h.prompt])
+        assert last[rid].finish_reason == "length", last[rid].error
+        assert last[rid].token_ids == ref.token_ids
+        assert stalled >= 0.4  # the step waited for the stalled daemon
+        assert eng.kv_source.stats.wait_seconds >= 0.4 and eng.kv_source.stats.failures == 0
+        assert pools_are_full(eng)
+
+
+def test_a_read_of_the_wrong_size_fails_that_request_alone(model):
+    """A staged request whose blocks the daemon now holds in another geometry (released and
+    staged again with twice the head dim): its next reads return entries of the wrong size,
+    which the coordinator refuses without writing them; that request fails, the other in the
+    batch completes, and the pools come back whole."""
+    with Daemon() as d:
+        d1, d2, h1, h2 = staged_small(model, d, seeds=(3, 5, 3, 5))
+        steps = fetch_steps(model, d, [d1, d2], None, n=40)
+        eng = LLMEngine(model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url)
+        a = eng.add_staged_request(h1, params(40))
+        b = eng.add_staged_request(h2, params(40))
+        last = {}
+        for _ in range(steps[-1] - 1):
+            for o in eng.step():
+                last[o.request_id] = o
+        layers, hk, bs, dim, elem, nb, fmt = h1.geometry
+        wide = (layers, hk, bs, 2 * dim, elem, nb, fmt)
+        c = RtClient(d.url)
+        assert c.release(h1.request_id) > 0
+        for layer in range(layers):
+            blocks = torch.ones(nb * 2 * hk * bs * 2 * dim * elem, dtype=torch.uint8)
+            c.stage_blocks(h1.request_id, wide, [(layer, i) for i in range(nb)], blocks)
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                last[o.request_id] = o
+        assert last[a].finish_reason == "error" and "size_mismatch" in last[a].error, last[a].error
+        assert last[b].finish_reason == "length", last[b].error
+        assert eng.kv_source.coordinator_stats["failed_entries"] > 0
+        assert pools_are_full(eng)
+        c.release(h1.request_id)
+        c.close()
