@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -240,3 +241,33 @@ def test_engine_cli_kv_dtype_flag():
     p = argparse.ArgumentParser()
     add_engine_arguments(p)
     assert engine_kwargs(p.parse_args(["--kv-dtype", "fp8", "--device", "cpu"]))["kv"].kv_dtype == "fp8_e4m3"
+
+
+def test_host_kv_reads_an_fp8_pool_as_its_values_and_the_teacher_mass_uses_them():
+    """``KvPools.host_kv``: an fp8 host pool's rows as code x scale (the float run's rows quantized
+    by the definition); the evaluation's exact attention mass over them is the float pool's within
+    the quantization error (s20: reading the codes as keys gave 6 % where 84 % is right)."""
+    from oasiskv.eval.overlap import block_attention_mass
+
+    _, ref_reqs, ref_eng = _run(None)
+    _, reqs, eng = _run("fp8_e4m3")
+    r, rr = reqs[0], ref_reqs[0]
+    rows = torch.tensor(r.host_rows[: len(r.prompt) // 16], dtype=torch.long)
+    k, v = eng.pools.host_kv(0, rows)
+    assert k.dtype == v.dtype == eng.dtype
+    codes, scales = eng.pools.host_k[0][rows], eng.pools.host_k_scales[0][rows]
+    assert torch.equal(k, ops.dequantize_kv8(codes, scales, eng.dtype))
+    fk, fv = ref_eng.pools.host_kv(0, rows)
+    assert torch.equal(fk, ref_eng.pools.host_k[0][rows]) and torch.equal(fv, ref_eng.pools.host_v[0][rows])
+    assert (k - fk).abs().max() <= fk.abs().max() * 2**-4  # within one E4M3 step of the block's range
+
+    # The mass over the prompt alone (decoding diverges later): each request as of its last prompt
+    # token (what block_attention_mass reads of a request: kv_len, its runtime table).
+    def at_prompt(req):
+        return SimpleNamespace(kv_len=len(req.prompt) - 1, runtime=req.runtime, id=req.id)
+
+    q = torch.randn(1, eng.geo.num_qo_heads, eng.geo.head_dim, generator=torch.Generator().manual_seed(3))
+    got = block_attention_mass(eng, 0, [at_prompt(r)], q)
+    want = block_attention_mass(ref_eng, 0, [at_prompt(rr)], q)
+    assert torch.allclose(got.sum(-1), torch.ones_like(got.sum(-1)))
+    assert (got - want).abs().max() < 0.05, (got - want).abs().max()

@@ -173,6 +173,17 @@ class KvPools:
         v = ops.dequantize_kv8(self.v_pages[layer][pages], self.v_scales[layer][pages], self.dtype)
         return k, v
 
+    def host_kv(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``layer``'s host rows ``rows`` (long) as float K and V ``[n, num_kv_heads, block_size,
+        head_dim]`` in ``dtype``, on the host pool's device: a copy of the rows, or with
+        ``host_kv8`` their values (code x scale)."""
+        k, v = self.host_k[layer].index_select(0, rows), self.host_v[layer].index_select(0, rows)
+        if not self.host_kv8:
+            return k, v
+        ks = self.host_k_scales[layer].index_select(0, rows)
+        vs = self.host_v_scales[layer].index_select(0, rows)
+        return ops.dequantize_kv8(k, ks, self.dtype), ops.dequantize_kv8(v, vs, self.dtype)
+
     def key_rows(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(keys, rows)`` for a kernel that reads the keys of ``layer``'s GPU pages ``pages``
         (int32) by row (``build_summaries``, ``build_key_codes``): the pool itself and the page

@@ -38,13 +38,12 @@ def block_attention_mass(engine, layer: int, sp_reqs, q: torch.Tensor) -> torch.
     lens = [r.kv_len + 1 for r in sp_reqs]  # x_t sits at position kv_len
     nblk = [(t + b - 1) // b for t in lens]
     width = max(nblk)
-    host_k = engine.pools.host_k[layer]
     out = torch.zeros(len(sp_reqs), hk, width, dtype=torch.float64)
     # Dot products in float32 (the gather and matmul dominate), softmax and sums in float64.
     qc = q.detach().to("cpu", torch.float32).view(-1, hk, group, d)  # query head h reads KV head h // group
     for i, r in enumerate(sp_reqs):
         idx = torch.tensor(host_rows(r)[: nblk[i]], dtype=torch.long)
-        k = host_k.index_select(0, idx).to(torch.float32)  # [blocks, hk, b, d]
+        k = engine.pools.host_kv(layer, idx)[0].to(torch.float32)  # [blocks, hk, b, d] (fp8: values)
         k = k.permute(1, 0, 2, 3).reshape(hk, nblk[i] * b, d)[:, : lens[i]]  # [hk, T, d]
         logits = torch.matmul(qc[i], k.transpose(1, 2)).double() * d**-0.5  # [hk, group, T]
         w = torch.softmax(logits, dim=-1)
@@ -101,20 +100,9 @@ def shadow_queries(engine, sp_reqs, tokens: torch.Tensor) -> list[torch.Tensor]:
         o = torch.empty(n, m, hk, group, d, dtype=torch.float32, device=q.device)
         p = engine.pools
         for i, t in enumerate(lens):
-            kc = (
-                p.host_k[layer]
-                .index_select(0, blocks[i])
-                .float()
-                .permute(1, 0, 2, 3)
-                .reshape(hk, -1, d)[:, :t]
-            )
-            vc = (
-                p.host_v[layer]
-                .index_select(0, blocks[i])
-                .float()
-                .permute(1, 0, 2, 3)
-                .reshape(hk, -1, d)[:, :t]
-            )
+            kb, vb = p.host_kv(layer, blocks[i])  # fp8 host pool: the values
+            kc = kb.float().permute(1, 0, 2, 3).reshape(hk, -1, d)[:, :t]
+            vc = vb.float().permute(1, 0, 2, 3).reshape(hk, -1, d)[:, :t]
             ctx = torch.einsum("mhgd,htd->mhgt", qf[i], kc)
             own = torch.einsum("mhgd,mhd->mhg", qf[i], kf[i]).unsqueeze(-1)
             w = torch.softmax(torch.cat([ctx, own], dim=-1) * d**-0.5, dim=-1)
