@@ -3,6 +3,10 @@
 
 use super::*;
 
+// Where `read_blocks_into` writes an entry: the coordinator's `Dest` (its heads' K and V rows,
+// with an fp8 pool their scales), the same one write per entry from the received frame.
+pub(super) use oasis_coord::pools::{Dest, SCALE_BYTES};
+
 /// A staging argument's bytes, borrowed: a contiguous CPU tensor's storage or a C-contiguous
 /// buffer. Valid while the Python object it came from is alive, which the caller's reference
 /// guarantees for the whole call; `release` it (with the GIL) when done.
@@ -95,81 +99,6 @@ pub(super) fn payload(py: Python<'_>, name: &str, obj: &Bound<'_, PyAny>) -> PyR
     let out = py.detach(|| view.copy(0..view.len));
     view.release(py);
     Ok(out)
-}
-
-/// Where `read_blocks_into` writes an entry: its heads' K rows from `k` on and V rows from `v`
-/// on (`head_bytes` apart), and with an fp8 pool each head's K and V scale from `scales` on (4
-/// bytes apart). The entry is the wire's `[2 (K, V)][heads]` segments (rows, then the scale
-/// when `scales` is set).
-pub(super) struct Dest {
-    pub(super) k: usize,
-    pub(super) v: usize,
-    pub(super) scales: Option<(usize, usize)>,
-    /// 1 (a block-head) or every head of the row (a whole block).
-    pub(super) heads: usize,
-    /// Bytes of one head's rows in the pool (`block_size * head_dim * elem_size`).
-    pub(super) head_bytes: usize,
-}
-
-/// Bytes of a float32 scale.
-const SCALE_BYTES: usize = 4;
-
-impl Dest {
-    fn segment(&self) -> usize {
-        self.head_bytes
-            + if self.scales.is_some() {
-                SCALE_BYTES
-            } else {
-                0
-            }
-    }
-
-    /// The entry's length on the wire: what `write` takes.
-    pub(super) fn entry_bytes(&self) -> usize {
-        2 * self.heads * self.segment()
-    }
-
-    /// Copy an entry of [`Self::entry_bytes`] into the pools.
-    ///
-    /// # Safety
-    /// 1. `src.len() == self.entry_bytes()`.
-    /// 2. The destinations (`heads * head_bytes` bytes from `k` and from `v`; `heads * 4` from
-    ///    each scale address) lie inside live CPU tensors nothing else writes during the call,
-    ///    and none of them overlaps `src`.
-    pub(super) unsafe fn write(&self, src: &[u8]) {
-        debug_assert_eq!(src.len(), self.entry_bytes());
-        let p = src.as_ptr();
-        let rows = self.heads * self.head_bytes;
-        match self.scales {
-            // Plain pools: the K half, then the V half, each contiguous on both sides.
-            None => unsafe {
-                std::ptr::copy_nonoverlapping(p, self.k as *mut u8, rows);
-                std::ptr::copy_nonoverlapping(p.add(rows), self.v as *mut u8, rows);
-            },
-            Some((ks, vs)) => {
-                let seg = self.segment();
-                for (side, (rows_at, scales_at)) in
-                    [(self.k, ks), (self.v, vs)].into_iter().enumerate()
-                {
-                    for j in 0..self.heads {
-                        let at = (side * self.heads + j) * seg;
-                        unsafe {
-                            std::ptr::copy_nonoverlapping(
-                                p.add(at),
-                                (rows_at + j * self.head_bytes) as *mut u8,
-                                self.head_bytes,
-                            );
-                            std::ptr::copy_nonoverlapping(
-                                p.add(at + self.head_bytes),
-                                (scales_at + j * SCALE_BYTES) as *mut u8,
-                                SCALE_BYTES,
-                            );
-                        }
-                    }
-                }
-            }
-        }
-    }
 }
 
 /// Check `pools` (one CPU tensor per layer, all contiguous, of `first`'s shape and dtype).
