@@ -125,11 +125,13 @@ run)
         stage 240 demo-json python3 -m oasiskv.cli demo --json --ignore-eos --max-new-tokens 64
         cp "$OUT/demo-json.log" "$OUT/demo.json"
     fi
+    # SANITIZE=K: compute-sanitizer (SANITIZE_TOOLS) over SANITIZE_TESTS (default test_gpu_kernels.py) -k K,
+    # e.g. SANITIZE=kv8 SANITIZE_TESTS=tests/kernels/test_gpu_kv8.py for the fp8 kernels.
     if [ -n "${SANITIZE:-}" ]; then
         SANITIZE_TOOLS="${SANITIZE_TOOLS:-memcheck racecheck}"
         for tool in $SANITIZE_TOOLS; do
             stage "${SANITIZE_SECS:-120}" "sanitizer-$tool" compute-sanitizer --tool "$tool" --error-exitcode 9 \
-                python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir=. tests/kernels/test_gpu_kernels.py -k "$SANITIZE"
+                python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir=. ${SANITIZE_TESTS:-tests/kernels/test_gpu_kernels.py} -k "$SANITIZE"
         done
     fi
     ;;
