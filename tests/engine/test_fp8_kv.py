@@ -16,6 +16,7 @@ import torch
 
 from oasiskv import KvConfig, errors, ops
 from oasiskv.bench import serve as bench
+from oasiskv.bench.fig11.report import markdown
 from oasiskv.engine.pools import kv_block_bytes
 from support.engines import gpu_model, repeated_prompts, teacher_forced_logits
 
@@ -109,6 +110,10 @@ def test_fig11_host_pool_in_fp8_halves_its_bytes(tmp_path):
     assert reps["fp8_e4m3"]["kv"]["host_kv_dtype"] == "fp8_e4m3"
     assert reps["auto"]["kv"]["host_kv_dtype"] == "float32"
     assert a["status"] == b["status"] == "ok"
+    assert (a["kv_dtype"], a["host_kv_dtype"]) == ("float32", "float32")
+    assert (b["kv_dtype"], b["host_kv_dtype"]) == ("float32", "fp8_e4m3")
+    assert "KV float32, host fp8_e4m3" in markdown(reps["fp8_e4m3"])
+    assert "KV float32 |" in markdown(reps["auto"]) or "KV float32;" in markdown(reps["auto"])
     assert b["host_pool_bytes"] < a["host_pool_bytes"] / 3  # float32 tiny preset: a quarter + scales
     assert b["fetched_bytes_per_step"] < a["fetched_bytes_per_step"] / 3
 
@@ -233,6 +238,10 @@ def test_fig11_kv_dtype_fp8_runs_dense_and_oasis(tmp_path):
     rep = json.loads(out.read_text())
     assert rep["kv"]["kv_dtype"] == rep["kv"]["host_kv_dtype"] == "fp8_e4m3"
     assert [r["status"] for r in rep["rows"]] == ["ok", "ok"]
+    dtypes = [(r["kv_dtype"], r["host_kv_dtype"]) for r in rep["rows"]]
+    assert dtypes == [("fp8_e4m3", None), ("fp8_e4m3", "fp8_e4m3")]
+    rows = [line for line in markdown(rep).splitlines() if line.startswith("| 256 |")]
+    assert len(rows) == 2 and all("KV fp8_e4m3" in line and ", host" not in line for line in rows)
 
 
 def test_engine_cli_kv_dtype_flag():

@@ -192,8 +192,22 @@ def _row_cells(r: dict) -> list[str]:
         fmt(r.get("tokens_per_step"), digits=2),
         fmt(r.get("acceptance_rate"), digits=3),
         "-" if r.get("tokens_match_base") is None else f"{r['tokens_match_base']:.0%}",
-        "; ".join(x for x in (r["host_pool_place"] if r["mode"] != "dense" else "", ref_note(r)) if x),
+        "; ".join(x for x in (kv_note(r), host_note(r), ref_note(r)) if x),
     ]
+
+
+def host_note(r: dict) -> str:
+    """Where an OasisKV row's host pool lived (empty for dense rows)."""
+    return r["host_pool_place"] if r["mode"] != "dense" else ""
+
+
+def kv_note(r: dict) -> str:
+    """The row's KV dtypes: ``KV bfloat16``, ``KV fp8_e4m3``, or with a host pool of another dtype
+    ``KV bfloat16, host fp8_e4m3`` (rows of older reports, without the fields: empty)."""
+    kv, host = r.get("kv_dtype"), r.get("host_kv_dtype")
+    if kv is None:
+        return ""
+    return f"KV {kv}" + (f", host {host}" if host not in (None, kv) else "")
 
 
 def ref_note(r: dict) -> str:

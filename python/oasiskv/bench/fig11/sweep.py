@@ -353,6 +353,9 @@ class Fig11:
         fetched = [o.metrics.fetched_bytes_per_step for o in outs]
         fetched = sum(fetched) / len(fetched) if eng.engine.backend == "oasis" else None
         host_place = str(p.host_k[0].device) + (" pinned" if p.host_k[0].is_pinned() else "")
+        model_dtype = str(p.dtype).removeprefix("torch.")
+        page_dtype = "fp8_e4m3" if p.page_kv8 else model_dtype
+        host_dtype = ("fp8_e4m3" if p.host_kv8 else model_dtype) if eng.engine.backend == "oasis" else None
         out = {
             "backend": eng.engine.backend,
             "host_pool": eng.engine.host_pool,
@@ -371,6 +374,9 @@ class Fig11:
             + p.num_host_blocks * p.summary_block_bytes * layers,
             "host_pool_bytes": p.num_host_rows * p.host_row_bytes * layers,
             "host_pool_place": host_place,
+            # What the row's KV was stored in: the GPU pages, and (OasisKV) the host pool.
+            "kv_dtype": page_dtype,
+            "host_kv_dtype": host_dtype,
             "fetched_bytes_per_step": fetched,
             "kernels_per_layer_step": res["kernels"] / layers if res["kernels"] is not None else None,
             "transfer_wait_per_step_s": res["transfer_wait_s"] / len(times) if times else None,
