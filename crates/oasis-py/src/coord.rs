@@ -21,7 +21,6 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::Ordering;
 use std::sync::PoisonError;
-use std::time::Duration;
 
 use oasis_coord::{
     Connector, CoordConfig, CoordError, Coordinator, Entry, LayerPool, PoolLayout, ALL_HEADS,
@@ -31,12 +30,13 @@ use oasis_rt::transport::{
 };
 use oasis_rt::{Client, ClientConfig};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::PyDict;
 
 use crate::errors::{core_err, py_err};
-use crate::rt::buffers::check_pools;
+use crate::rt::buffers::check_host_pools;
 use crate::rt::errors::{bad_arg, rt_err};
 use crate::rt::ucx::{shared_ucx, ucx_atexit, UCX, UCX_ATEXIT};
+use crate::rt::{check_timeout, token_bytes};
 use crate::tensor::TensorArg;
 
 /// Connections over the endpoint's transport (the UCX one shared with `RtClient`).
@@ -95,17 +95,6 @@ fn internal(py: Python<'_>, what: &str) -> PyErr {
         "OasisError",
         format!("internal error in Coordinator.{what}; please report it"),
     )
-}
-
-fn seconds(py: Python<'_>, name: &str, s: f64) -> PyResult<Duration> {
-    if !(s.is_finite() && s > 0.0 && s <= 86_400.0) {
-        return Err(py_err(
-            py,
-            "ConfigError",
-            format!("{name} must be a number of seconds in (0, 86400], got {s}"),
-        ));
-    }
-    Ok(Duration::from_secs_f64(s))
 }
 
 fn row_u32(py: Python<'_>, row: i64) -> PyResult<u32> {
@@ -204,8 +193,8 @@ impl PyCoordinator {
         split_min_entries: usize,
         frame_bytes: usize,
     ) -> PyResult<Self> {
-        let request_timeout = seconds(py, "timeout_s", timeout_s)?;
-        let connect_timeout = seconds(py, "connect_timeout_s", connect_timeout_s)?;
+        let request_timeout = check_timeout(py, "timeout_s", timeout_s)?;
+        let connect_timeout = check_timeout(py, "connect_timeout_s", connect_timeout_s)?;
         if !(1..=64).contains(&connections) || !(1..=64).contains(&threads) {
             return Err(py_err(
                 py,
@@ -215,23 +204,7 @@ impl PyCoordinator {
                 ),
             ));
         }
-        let token = match token {
-            None => None,
-            Some(t) => {
-                let raw: Vec<u8> = if let Ok(s) = t.extract::<String>() {
-                    s.into_bytes()
-                } else if let Ok(b) = t.cast::<PyBytes>() {
-                    b.as_bytes().to_vec()
-                } else {
-                    return Err(py_err(
-                        py,
-                        "ConfigError",
-                        "token must be str or bytes".into(),
-                    ));
-                };
-                Some(raw.trim_ascii().to_vec())
-            }
-        };
+        let token = token_bytes(py, token)?;
         let endpoint = Endpoint::parse(&addr).map_err(|e| rt_err(py, e, "address", false))?;
         if endpoint.kind == TransportKind::Ucx && !UCX_ATEXIT.load(Ordering::Acquire) {
             // The first UCX connection may start the shared transport from a coordinator
@@ -297,61 +270,9 @@ impl PyCoordinator {
         host_k_scales: Option<Vec<TensorArg>>,
         host_v_scales: Option<Vec<TensorArg>>,
     ) -> PyResult<()> {
-        if host_k.len() != host_v.len() || host_k.is_empty() {
-            return Err(bad_arg(
-                py,
-                format!(
-                    "host_k and host_v are lists of one pool per layer, of equal length (got {} \
-                     and {})",
-                    host_k.len(),
-                    host_v.len()
-                ),
-            ));
-        }
-        let first = &host_k[0];
-        if first.shape.len() != 4 {
-            return Err(py_err(
-                py,
-                "ShapeError",
-                format!(
-                    "every host pool must be [rows, num_kv_heads, block_size, head_dim]; got {:?}",
-                    first.shape
-                ),
-            ));
-        }
-        let pools: Vec<&TensorArg> = host_k.iter().chain(&host_v).collect();
-        check_pools(py, "host_k and host_v", &pools, &first.shape, &first.dtype)?;
-        let (rows, heads) = (first.shape[0], first.shape[1]);
         let scales = match (&host_k_scales, &host_v_scales) {
             (None, None) => None,
-            (Some(ks), Some(vs)) => {
-                if ks.len() != host_k.len() || vs.len() != host_k.len() {
-                    return Err(bad_arg(
-                        py,
-                        format!(
-                            "host_k_scales and host_v_scales need one tensor per layer ({}), got \
-                             {} and {}",
-                            host_k.len(),
-                            ks.len(),
-                            vs.len()
-                        ),
-                    ));
-                }
-                if first.elem_size != 1 {
-                    return Err(py_err(
-                        py,
-                        "DTypeError",
-                        format!(
-                            "scales go with fp8_e4m3 pools of uint8 codes, got {} pools; pass no \
-                             scales",
-                            first.dtype
-                        ),
-                    ));
-                }
-                let sc: Vec<&TensorArg> = ks.iter().chain(vs).collect();
-                check_pools(py, "host scale", &sc, &[rows, heads], "float32")?;
-                Some((ks, vs))
-            }
+            (Some(ks), Some(vs)) => Some((ks.as_slice(), vs.as_slice())),
             _ => {
                 return Err(bad_arg(
                     py,
@@ -359,6 +280,7 @@ impl PyCoordinator {
                 ))
             }
         };
+        let (rows, heads, head_bytes) = check_host_pools(py, &host_k, &host_v, scales)?;
         let layout = PoolLayout {
             layers: (0..host_k.len())
                 .map(|l| LayerPool {
@@ -369,7 +291,7 @@ impl PyCoordinator {
                 .collect(),
             rows,
             heads,
-            head_bytes: first.shape[2] * first.shape[3] * first.elem_size,
+            head_bytes,
         };
         // SAFETY: (1) the tensors were checked above to be contiguous CPU tensors of this shape
         // (so every address the layout names is inside them), and `self.pools` keeps a

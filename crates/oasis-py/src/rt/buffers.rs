@@ -145,26 +145,17 @@ pub(crate) fn check_pools(
     Ok(())
 }
 
-/// Check the pools (and with an fp8 pool its scales) and every `(key, row)` against them; the
-/// destinations in key order.
-pub(super) fn pool_dests(
+/// Check per-layer host pools `host_k` / `host_v` (one contiguous CPU tensor per layer, `[rows,
+/// num_kv_heads, block_size, head_dim]`, all of one shape and dtype) and, for an fp8_e4m3 pool
+/// (uint8 codes), its float32 `[rows, num_kv_heads]` scales per layer. Returns `(rows,
+/// num_kv_heads, bytes of one head's K or V rows of a block)`. The one check of
+/// `RtClient.read_blocks_into` and `Coordinator.register_pools`.
+pub(crate) fn check_host_pools(
     py: Python<'_>,
-    keys: &[(u64, u16, u32, i32)],
-    rows: &[i64],
     host_k: &[TensorArg],
     host_v: &[TensorArg],
     scales: Option<(&[TensorArg], &[TensorArg])>,
-) -> PyResult<Vec<Dest>> {
-    if rows.len() != keys.len() {
-        return Err(bad_arg(
-            py,
-            format!(
-                "rows has {} entries for {} keys; pass one host row per key",
-                rows.len(),
-                keys.len()
-            ),
-        ));
-    }
+) -> PyResult<(usize, usize, usize)> {
     if host_k.len() != host_v.len() || host_k.is_empty() {
         return Err(bad_arg(
             py,
@@ -214,7 +205,34 @@ pub(super) fn pool_dests(
         let sc: Vec<&TensorArg> = ks.iter().chain(vs).collect();
         check_pools(py, "host scale", &sc, &[nrows, heads], "float32")?;
     }
-    let head_bytes = first.shape[2] * first.shape[3] * first.elem_size;
+    Ok((
+        nrows,
+        heads,
+        first.shape[2] * first.shape[3] * first.elem_size,
+    ))
+}
+
+/// Check the pools (and with an fp8 pool its scales) and every `(key, row)` against them; the
+/// destinations in key order.
+pub(super) fn pool_dests(
+    py: Python<'_>,
+    keys: &[(u64, u16, u32, i32)],
+    rows: &[i64],
+    host_k: &[TensorArg],
+    host_v: &[TensorArg],
+    scales: Option<(&[TensorArg], &[TensorArg])>,
+) -> PyResult<Vec<Dest>> {
+    if rows.len() != keys.len() {
+        return Err(bad_arg(
+            py,
+            format!(
+                "rows has {} entries for {} keys; pass one host row per key",
+                rows.len(),
+                keys.len()
+            ),
+        ));
+    }
+    let (nrows, heads, head_bytes) = check_host_pools(py, host_k, host_v, scales)?;
     let mut out = Vec::with_capacity(keys.len());
     for (&(_, layer, block, head), &row) in keys.iter().zip(rows) {
         let l = usize::from(layer);

@@ -219,7 +219,30 @@ impl PyRtClient {
     }
 }
 
-fn check_timeout(py: Python<'_>, name: &str, s: f64) -> PyResult<Duration> {
+/// A daemon token passed as `str` or `bytes` (None: none), surrounding ASCII whitespace removed
+/// as the daemon removes it from its `--token-file`.
+pub(crate) fn token_bytes(
+    py: Python<'_>,
+    token: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Option<Vec<u8>>> {
+    let Some(t) = token else {
+        return Ok(None);
+    };
+    let raw: Vec<u8> = if let Ok(s) = t.extract::<String>() {
+        s.into_bytes()
+    } else if let Ok(b) = t.cast::<PyBytes>() {
+        b.as_bytes().to_vec()
+    } else {
+        return Err(py_err(
+            py,
+            "ConfigError",
+            "token must be str or bytes".into(),
+        ));
+    };
+    Ok(Some(raw.trim_ascii().to_vec()))
+}
+
+pub(crate) fn check_timeout(py: Python<'_>, name: &str, s: f64) -> PyResult<Duration> {
     if !(s.is_finite() && s > 0.0 && s <= 86_400.0) {
         return Err(py_err(
             py,
@@ -254,23 +277,7 @@ impl PyRtClient {
     ) -> PyResult<Self> {
         let timeout = check_timeout(py, "timeout_s", timeout_s)?;
         let connect_timeout = check_timeout(py, "connect_timeout_s", connect_timeout_s)?;
-        let token = match token {
-            None => None,
-            Some(t) => {
-                let raw: Vec<u8> = if let Ok(s) = t.extract::<String>() {
-                    s.into_bytes()
-                } else if let Ok(b) = t.cast::<PyBytes>() {
-                    b.as_bytes().to_vec()
-                } else {
-                    return Err(py_err(
-                        py,
-                        "ConfigError",
-                        "token must be str or bytes".into(),
-                    ));
-                };
-                Some(raw.trim_ascii().to_vec())
-            }
-        };
+        let token = token_bytes(py, token)?;
         let max_frame = max_frame.unwrap_or(DEFAULT_MAX_FRAME_BYTES);
         if !(4096..=HARD_MAX_FRAME_BYTES).contains(&max_frame) {
             return Err(py_err(
