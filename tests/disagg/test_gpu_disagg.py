@@ -12,6 +12,7 @@ import torch
 
 from oasiskv import KvConfig, LLMEngine, SamplingParams
 from oasiskv.disagg import PrefillWorker
+from oasiskv.errors import ConfigError
 from oasiskv.models.transformer import CausalLM
 from support.engines import gpu_model
 from support.rtd import Daemon
@@ -48,7 +49,7 @@ def _decode_staged(d: Daemon, **engine_kw) -> LLMEngine:
     eng = LLMEngine(model, kv=SMALL, drafter="ngram", kv_source=d.url, **engine_kw)
     ids = [eng.add_staged_request(h, params) for h in handles]
     outs = eng.run_to_completion(ids)
-    ref = LLMEngine(model, kv=SMALL, backend="oasis", drafter="ngram")
+    ref = LLMEngine(model, kv=SMALL, backend="oasis", drafter="ngram", enforce_eager=True)
     rids = [ref.add_request(p, params) for p in prompts]
     refs = ref.run_to_completion(rids)
     for i, r in zip(ids, rids, strict=True):
@@ -63,10 +64,11 @@ def _decode_staged(d: Daemon, **engine_kw) -> LLMEngine:
     ids=["partial", "full", "partial-bounded"],
 )
 def test_staged_requests_decode_as_the_single_process_engine(transfer, cache_blocks):
-    """``cache_blocks``: a bounded host cache (``kv_cache_blocks``), small enough to evict, so
+    """Eager steps (a bounded cache refuses CUDA graphs: ``test_a_bounded_cache_refuses_cuda_graphs``).
+    ``cache_blocks``: a bounded host cache (``kv_cache_blocks``), small enough to evict, so
     the deferred fetches wait for the previous layer's gather before a row changes hands."""
     with Daemon(memory="1GiB") as d:
-        eng = _decode_staged(d, kv_transfer=transfer, kv_cache_blocks=cache_blocks)
+        eng = _decode_staged(d, kv_transfer=transfer, kv_cache_blocks=cache_blocks, enforce_eager=True)
         st = eng.kv_source.stats
         assert st.failures == 0 and st.cached_bytes == 0
         if transfer == "partial":
@@ -81,17 +83,32 @@ def test_a_full_transfer_decodes_in_cuda_graphs():
     """After a full transfer's admission the source has nothing left to read (``idle``), so the
     engine replays captured CUDA graphs: the same tokens as the eager single-process engine's."""
     with Daemon(memory="1GiB") as d:
-        eng = _decode_staged(d, kv_transfer="full", cuda_graph=True)
+        eng = _decode_staged(d, kv_transfer="full")
         assert eng.kv_source.idle and eng.engine.graph_stats["replays"] > 0
 
 
 def test_a_partial_transfer_decodes_in_cuda_graphs_fixed_up_after_each_step():
-    """``kv_transfer="partial"`` with ``cuda_graph=True``: each step replays a graph whose gathers
+    """``kv_transfer="partial"`` with CUDA graphs (the default): each step replays a graph whose gathers
     copy whatever the host rows hold; then the engine hands every layer's plan to the source,
     which reads the missing block-heads, and gathers those layers again before the next step.
     The tokens are the eager single-process engine's, and misses did come over the network."""
     with Daemon(memory="1GiB") as d:
-        eng = _decode_staged(d, kv_transfer="partial", cuda_graph=True)
+        eng = _decode_staged(d, kv_transfer="partial")
         st = eng.kv_source.stats
         assert st.failures == 0 and st.fetched_entries > 0
         assert eng.engine.graph_stats["replays"] > 0
+
+
+def test_a_bounded_cache_refuses_cuda_graphs():
+    """A bounded host cache moves rows between a step's layers, which a replayed graph cannot
+    follow: with graphs on (the GPU default) the engine refuses it and names both ways out."""
+    with Daemon(memory="1GiB") as d:
+        with pytest.raises(ConfigError, match="enforce_eager=True or kv_cache_blocks=None"):
+            LLMEngine(
+                _model(),
+                kv=SMALL,
+                drafter="ngram",
+                kv_source=d.url,
+                kv_transfer="partial",
+                kv_cache_blocks=10,
+            )
