@@ -71,10 +71,10 @@ def test_fig11_sweep_reports_every_mode_and_concurrency(tmp_path, capsys):
 
 def test_fig11_skips_what_does_not_fit_and_says_where_dense_fills(tmp_path):
     """Through ``oasis bench serve``: one tiny request's KV is 139264 bytes (17 blocks of 8 KiB),
-    so a 200000-byte budget holds one dense request, not two; oasis (5 + 16 pages and the
-    summaries) still runs two."""
+    so a 250000-byte budget holds one dense request, not two (278528); oasis (5 + 16 pages, and
+    the summaries, key codes and 8-bit bound of every block) still runs two."""
     paths, out = _files(tmp_path, "small")
-    args = [*TINY, *KV, "--concurrency", "1,2", "--modes", "dense,oasis", "--gpu-kv-budget", "200000", *out]
+    args = [*TINY, *KV, "--concurrency", "1,2", "--modes", "dense,oasis", "--gpu-kv-budget", "250000", *out]
     assert oasis_main(["bench", "serve", *args]) == 0
     rep = json.loads(paths["json"].read_text())
     info = rep["contexts"]["256"]

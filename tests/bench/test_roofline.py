@@ -20,7 +20,7 @@ GB = 10**9
 #: Round ceilings so the times are exact: 2 TB/s HBM read, 50 GB/s pinned H2D, 3 TB/s copy.
 CEILINGS = {"hbm_read_Bps": 2000 * GB, "h2d_pinned_Bps": 50 * GB, "d2d_copy_Bps": 3000 * GB}
 #: One request of a 16-token block model: 8 KiB blocks, 512 B summaries, K + 1 = 5 pages.
-NEED = {"steady_pages": 5, "block_bytes": 8192, "summary_bytes": 512}
+NEED = {"steady_pages": 5, "block_bytes": 8192, "summary_bytes": 512, "score_bytes": 512}
 
 
 def test_hbm_binds_when_the_reads_take_longer():

@@ -385,3 +385,23 @@ def test_recall_is_measured_on_one_step_in_recall_every(qwen3):
     assert [k for _, k in flags] == [i % 4 == 3 for i in range(len(flags))]
     with pytest.raises(oasiskv.errors.ConfigError, match="recall_every"):
         KvConfig(recall_every=0)
+
+
+@pytest.mark.parametrize("key_codes", [False, True])
+def test_summary_block_bytes_counts_every_gpu_metadata_tensor(key_codes):
+    """``summary_block_bytes`` (what Fig. 11's fit and the request metrics count as GPU-resident
+    per block) equals the bytes the pools really allocate per host block beside the pages:
+    summaries, and with the codes block score the key codes, the 8-bit bound and its scales."""
+    from oasiskv.engine import pools as eng_mod
+
+    geo = oasiskv.ops.KvGeometry(8, 2, 64, 16)
+    layers, blocks = 3, 5
+    pools = eng_mod.KvPools(geo, layers, torch.bfloat16, 2, blocks, torch.device("cpu"), key_codes=key_codes)
+    tensors = list(pools.summaries)
+    if key_codes:
+        tensors += pools.codes + pools.bounds8 + pools.bound_scales
+    real = sum(t.nbytes for t in tensors)
+    assert real == blocks * layers * pools.summary_block_bytes
+    assert pools.summary_block_bytes == eng_mod.summary_block_bytes(geo, torch.bfloat16, key_codes)
+    if key_codes:  # the codes score's metadata is more than the summaries alone
+        assert pools.summary_block_bytes > eng_mod.summary_block_bytes(geo, torch.bfloat16, False)

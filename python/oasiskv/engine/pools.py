@@ -314,13 +314,16 @@ class KvPools:
     def summary_block_bytes(self) -> int:
         """Bytes of one block's summaries (and key codes and 8-bit bound, with them), all KV heads,
         one layer."""
-        g = self.geo
-        codes = (
-            g.num_kv_heads * (g.block_size * (g.head_dim // 4) + 2 * g.head_dim + 4)  # codes, 8-bit bound
-            if self.codes is not None
-            else 0
-        )
-        return 2 * g.num_kv_heads * g.head_dim * self.dtype.itemsize + codes
+        return summary_block_bytes(self.geo, self.dtype, self.codes is not None)
+
+
+def summary_block_bytes(geo, dtype: torch.dtype, key_codes: bool) -> int:
+    """Bytes of the GPU-resident metadata of one block, every KV head, one layer: its summaries
+    (min and max keys in ``dtype``) and, with ``key_codes`` (the ``codes`` block score, the
+    default selection's second stage), its key codes and 8-bit bound."""
+    g = geo
+    codes = g.num_kv_heads * (g.block_size * (g.head_dim // 4) + 2 * g.head_dim + 4) if key_codes else 0
+    return 2 * g.num_kv_heads * g.head_dim * dtype.itemsize + codes
 
 
 def kv_block_bytes(geo, dtype: torch.dtype, kv8: bool) -> int:
@@ -378,6 +381,13 @@ class PoolsMixin:
         """Bytes of one host-pool row, K and V (and scales in fp8), every layer: a page's bytes
         unless ``KvConfig.host_kv_dtype`` is fp8 (about half of bf16)."""
         return kv_block_bytes(self.geo, self.dtype, self.host_kv8) * self.cfg.num_hidden_layers
+
+    @property
+    def summary_bytes_all_layers(self) -> int:
+        """Bytes of one block's GPU-resident metadata, every layer (:func:`summary_block_bytes`:
+        summaries, and key codes with the 8-bit bound when the block score is ``codes``): a
+        sparse request keeps it on the GPU for every block of its context."""
+        return summary_block_bytes(self.geo, self.dtype, self.key_codes) * self.cfg.num_hidden_layers
 
     def default_caps(self) -> tuple[int, int]:
         """The pools' caps in blocks: ``KvConfig.num_gpu_pages`` / ``num_host_blocks`` when set

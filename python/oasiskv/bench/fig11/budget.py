@@ -22,7 +22,10 @@ A request's reservation, ``need``, is a dict of
   (the peak pages for dense, the host blocks otherwise);
 * ``block_bytes``: a block's K and V over all layers (GPU pages); ``host_block_bytes``: the
   same in the host pool (about half with ``--host-kv-dtype fp8_e4m3``); ``summary_bytes``: its
-  summaries.
+  GPU-resident metadata (summaries, and with the codes block score -- the default selection --
+  key codes and the 8-bit bound, about as many bytes again: issue 35's 64K/128K rows ran out of
+  memory when only the summaries were counted); ``score_bytes``: what the roofline counts a step's
+  scoring as reading of it.
 """
 
 from __future__ import annotations

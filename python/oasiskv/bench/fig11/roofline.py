@@ -40,12 +40,12 @@ def moe_weights_read_bytes(
 def kv_read_bytes(mode: str, tokens: int, need: dict, block_size: int) -> int:
     """KV bytes one request's attention reads in a step at ``tokens`` of context: dense (``mode``
     ``"dense"``), every token's K and V; otherwise its working set (at most ``steady_pages``
-    blocks) plus the summaries of every full block."""
+    blocks) plus the summaries of every full block (``need["score_bytes"]``)."""
     per = need["block_bytes"]
     if mode == "dense":
         return tokens * (per // block_size)
     pages = min(need["steady_pages"], math.ceil(tokens / block_size))
-    return pages * per + (tokens // block_size) * need["summary_bytes"]
+    return pages * per + (tokens // block_size) * need["score_bytes"]
 
 
 def step_roofline(

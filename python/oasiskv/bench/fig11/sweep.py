@@ -247,7 +247,10 @@ class Fig11:
             "steady_pages": kv.top_k_blocks + 1,
             "block_bytes": per,
             "host_block_bytes": probe.host_row_bytes_all_layers,
-            "summary_bytes": per // kv.block_size,  # min and max keys: 2 of block_size rows
+            # On the GPU for every block: summaries, and with the codes score key codes and 8-bit bound
+            "summary_bytes": probe.summary_bytes_all_layers,
+            # What the roofline counts a step's scoring as reading per block: its min and max keys
+            "score_bytes": per // kv.block_size,
         }
 
     def fit(
