@@ -211,3 +211,30 @@ def test_chunked_prefill_through_llm_engine_drafts_as_one_forward(model, head):
         rid = eng.add_request(ids, SamplingParams(max_tokens=6, ignore_eos=True))
         runs.append((eng.run_to_completion([rid])[rid].token_ids, drafts))
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_long_prompt_feeds_the_head_in_bounded_chunks(model, head, monkeypatch, cached):
+    """The engine hands a prompt's features to the head ``FEED_CHUNK`` positions at a time (one
+    call over a 128K prompt took 3 GiB of the head's activations at once), from a fresh prefill
+    and from a :class:`PrefillCache` entry held on the host alike: the head's cache and first draft
+    equal one call's."""
+    from oasiskv.engine import core
+
+    ids = prompt(97, seed=41)
+    base = Eagle3Drafter(head, model)
+    r0, d0 = admit(Engine(model, KV_FULL, "oasis", base), base, ids)
+    monkeypatch.setattr(core, "FEED_CHUNK", 40)
+    cache = PrefillCache(on_host=True) if cached else None
+    if cached:
+        filler = Eagle3Drafter(head, model)
+        admit(Engine(model, KV_FULL, "oasis", filler, prefill_cache=cache), filler, ids)
+    spy = SpyDrafter(head, model)
+    r1, d1 = admit(Engine(model, KV_FULL, "oasis", spy, prefill_cache=cache), spy, ids)
+    assert cache is None or cache.hits == 1
+    assert [(f[2].shape[0], f[3]) for f in spy.fed] == [(40, 0), (40, 40), (17, 80)]
+    assert r1.tokens == r0.tokens and torch.equal(r1.features, r0.features) and d1 == d0
+    s0, s1 = base._states[0], spy._states[0]
+    assert s0.length == s1.length == len(ids)
+    torch.testing.assert_close(s1.k[: s1.length], s0.k[: s0.length], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(s1.v[: s1.length], s0.v[: s0.length], atol=ATOL, rtol=RTOL)

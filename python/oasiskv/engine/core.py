@@ -29,6 +29,11 @@ from .speculative import RowSampling, SpeculativeMixin, sampling_inputs, verdict
 from .step import StepMixin
 
 BACKENDS = ("dense", "oasis")
+#: Prompt positions a drafter's ``feed_prompt`` takes per call: the EAGLE-3 head runs a decoder
+#: layer over what it is fed, so one call over a 128K prompt on an 8B model took 3 GiB of MLP
+#: activations at once (issue 35's 128K rows ran out of memory there). Arbitrary: 8192 positions
+#: is 0.2 GiB there; shorter prompts go in one call, as before.
+FEED_CHUNK = 8192
 
 
 class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixin):
@@ -302,7 +307,7 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
                 store(layer, hit.k[layer], hit.v[layer])
                 self._last_q[layer] = hit.last_q[layer]
             feats = hit.features if self.capture else None
-            self._take_features(r, None if feats is None else feats.to(self.device, non_blocking=True))
+            self._take_features(r, feats)  # an entry held on the host comes in chunk by chunk
             return hit.logits
 
         ks: list[torch.Tensor] = []
@@ -400,7 +405,7 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
             rows = slice(None) if self.prompt_features else slice(-1, None)
             feats = torch.cat([captured[i][rows] for i in self.capture], dim=-1)
             if self.prompt_features:
-                self.drafter.feed_prompt(r.id, r.prompt, feats, start)
+                self._feed_prompt(r, feats, start)
             if final:
                 r.features = feats[-1].clone()
         if final:
@@ -423,14 +428,22 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
 
     def _take_features(self, r: Request, feats: torch.Tensor | None) -> None:
         """``r.features`` := the last prompt position's features; a drafter that wants them gets
-        every position's (``feats`` [n, width], or None when nothing is captured)."""
+        every position's (``feats`` [n, width], or None when nothing is captured; on the device,
+        or in host memory for a :class:`PrefillCache` entry held there)."""
         if feats is None:
             r.features = None
             return
         # A copy, not a view: the [n, width] block is not kept alive until the first decode step.
-        r.features = feats[-1].clone()
+        r.features = feats[-1].to(self.device, copy=True)
         if self.prompt_features:
-            self.drafter.feed_prompt(r.id, r.prompt, feats, 0)
+            self._feed_prompt(r, feats, 0)
+
+    def _feed_prompt(self, r: Request, feats: torch.Tensor, start: int) -> None:
+        """The drafter's ``feed_prompt`` of positions ``start ..`` (``feats`` [n, width]) in
+        :data:`FEED_CHUNK` pieces, each moved to the device as it goes."""
+        for at in range(0, feats.shape[0], FEED_CHUNK):
+            part = feats[at : at + FEED_CHUNK].to(self.device, non_blocking=True)
+            self.drafter.feed_prompt(r.id, r.prompt, part, start + at)
 
     # ---------------------------------------------------------------- dense -> sparse
     @torch.no_grad()
