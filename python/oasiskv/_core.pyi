@@ -325,15 +325,27 @@ class Coordinator:
     @property
     def missing(self) -> int:
         """Absent entries, all layers."""
-    def submit(self, layers: list[int], rows: list[int], heads: list[int]) -> list[int]:
+    def submit(
+        self, layers: list[int], rows: list[int], heads: list[int], *, background: bool = False
+    ) -> list[int]:
         """Read the absent entries among ``(layers[i], rows[i], heads[i])`` (head -1: every head)
-        not in flight and of no failed request; returns at once, per layer how many went out."""
+        not in flight and of no failed request; returns at once, per layer how many went out.
+        ``background``: no step waits for them (``wait_layer`` skips them; ``wait_request``)."""
     def wait_layer(self, layer: int) -> float:
-        """Block until ``layer``'s submitted entries landed or failed; the seconds waited."""
+        """Block until ``layer``'s entries submitted for a step landed or failed; the seconds
+        waited."""
     def drain(self) -> float:
         """Block until every read in flight landed or failed; the seconds waited."""
     def pending(self, layer: int) -> int:
         """Entries of ``layer`` in flight."""
+    def in_flight(self, request: int, layer: int | None = None) -> int:
+        """Entries of ``request`` in flight (of ``layer`` only, when given); 0: all landed or failed."""
+    def wait_request(self, request: int, layer: int | None = None) -> float:
+        """Block until ``request``'s submitted entries (of ``layer`` only, when given) landed or
+        failed; the seconds waited."""
+    def release(self, daemon_id: int) -> None:
+        """Release the daemon's staged request from a connection's thread (best effort, after
+        the frames queued on it); returns at once."""
     def fail(self, request: int, message: str) -> None:
         """Fail ``request`` for the caller's own reason (nothing of it is read until it ends)."""
     def take_failed(self) -> dict[int, str]:
@@ -342,7 +354,7 @@ class Coordinator:
         """Per request since the last call: ``(block-heads landed, wire bytes)``."""
     def stats(self) -> dict[str, float]:
         """``read_seconds``, ``wait_seconds``, ``wire_bytes``, ``sent_entries``, ``entries``,
-        ``failed_entries``, ``frames``, ``reconnects``."""
+        ``failed_entries``, ``frames``, ``reconnects``, ``releases``, ``failed_releases``."""
     def close(self) -> None:
         """Let the reads in flight land, stop the connections and threads (idempotent)."""
 

@@ -11,8 +11,10 @@
 //! ```
 //!
 //! The state behind one mutex: the [`PresenceMap`], the staged requests (engine request id ->
-//! daemon request id), the entries in flight (per layer and per request), the failed requests
-//! and their messages, the counters. Each connection is a tokio task with its own queue, so the
+//! daemon request id), the entries in flight (per layer, per request, per request and layer:
+//! [`Coordinator::wait_layer`] waits for a step's layer, [`Coordinator::wait_request`] for one
+//! request's, e.g. an admission streaming a whole request in while others decode), the failed
+//! requests and their messages, the counters. Each connection is a tokio task with its own queue, so the
 //! frames one connection carries land in the order submitted (layer order); a frame never
 //! spans layers, so an early layer lands without waiting for later ones.
 //!
@@ -20,7 +22,8 @@
 //! * an entry is marked present only after its bytes are fully written into the pool; a failed
 //!   read marks nothing (its request fails; its entries stay absent);
 //! * no entry is read twice at once (the in-flight set), and a failed request's entries are not
-//!   read again;
+//!   read again: not submitted, and its frames queued already are dropped unsent (so a stalled
+//!   daemon costs it one frame's deadline, not one per frame);
 //! * the pools are not written while a new layout is registered, nor a row after it changes
 //!   hands: [`Coordinator::register_pools`] waits for every read, and [`Coordinator::end`] /
 //!   [`Coordinator::forget_row`] for the reads of the row's request.
@@ -31,7 +34,6 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use oasis_rt::protocol::{BlockKey, ALL_HEADS, MAX_ENTRIES};
-use oasis_rt::{Client, ErrorCode};
 use oasis_runtime::{Entry, PresenceMap};
 use tokio::sync::mpsc;
 
@@ -50,6 +52,10 @@ const REPLY_ENTRY_BYTES: usize = 6;
 /// A layer's entries are spread over several connections only past this many per connection
 /// (arbitrary: below it a round trip costs more than the bytes).
 pub const DEFAULT_SPLIT_MIN_ENTRIES: usize = 256;
+
+/// How long [`Coordinator::close`] lets the connections' queued releases go (arbitrary: a few
+/// loopback round trips; a stalled daemon's lease frees what is left).
+pub const CLOSE_GRACE: Duration = Duration::from_secs(2);
 
 /// The coordinator's settings.
 #[derive(Clone, Debug)]
@@ -102,41 +108,58 @@ pub struct CoordStats {
     pub frames: u64,
     /// Connections opened again after one was lost.
     pub reconnects: u64,
+    /// Staged requests released in the daemon ([`Coordinator::release`]), and releases that
+    /// failed (the daemon gone: its lease frees them).
+    pub releases: u64,
+    pub failed_releases: u64,
 }
 
 /// One entry of a frame: where it goes and what the daemon calls it.
 #[derive(Clone, Copy, Debug)]
-struct Item {
-    entry: Entry,
-    owner: i64,
-    key: BlockKey,
+pub(crate) struct Item {
+    pub(crate) entry: Entry,
+    pub(crate) owner: i64,
+    pub(crate) key: BlockKey,
+    /// Submitted for a step ([`Coordinator::submit`]: counted in its layer's
+    /// [`Coordinator::wait_layer`]) or in the background ([`Coordinator::submit_background`]:
+    /// only in its request's [`Coordinator::wait_request`]).
+    pub(crate) step: bool,
 }
 
-/// One frame's work for a connection.
-struct Job {
-    items: Vec<Item>,
-    layout: Arc<PoolLayout>,
+/// One frame's reads.
+pub(crate) struct Frame {
+    pub(crate) items: Vec<Item>,
+    pub(crate) layout: Arc<PoolLayout>,
 }
 
-struct State {
+/// A connection's work, in the order queued.
+pub(crate) enum Job {
+    Read(Frame),
+    /// Release the daemon's staged request (best effort: [`CoordStats::releases`] /
+    /// [`CoordStats::failed_releases`]).
+    Release(u64),
+}
+
+pub(crate) struct State {
     presence: PresenceMap,
     layout: Option<Arc<PoolLayout>>,
     /// Engine request id -> the daemon's id of its staged copy.
     daemon_of: HashMap<i64, u64>,
-    /// Requests whose reads failed: never read again until they end.
-    dead: HashSet<i64>,
+    /// Requests whose reads failed (or that are ending): never read again until they end.
+    pub(crate) dead: HashSet<i64>,
     /// Failures not taken yet, request -> its first message.
     failed: HashMap<i64, String>,
     /// Block-heads in flight (a whole block's as each of its heads).
     inflight: HashSet<Entry>,
-    /// Items in flight per request.
+    /// Items in flight per request, and per request and layer.
     inflight_of: HashMap<i64, usize>,
-    /// Items in flight per layer.
+    inflight_layer_of: HashMap<(i64, u16), usize>,
+    /// Step items in flight per layer (not the background ones).
     pending: Vec<usize>,
     /// Per request since the last [`Coordinator::take_landed`]: block-heads landed, and its
     /// share of the frames' wire bytes (split evenly among a frame's items).
     landed: HashMap<i64, (u64, f64)>,
-    stats: CoordStats,
+    pub(crate) stats: CoordStats,
     closed: bool,
 }
 
@@ -145,16 +168,28 @@ impl State {
         self.dead.insert(owner);
         self.failed.entry(owner).or_insert(message);
     }
+
+    /// Items of `owner` in flight (of `layer` only, when given).
+    fn in_flight(&self, owner: i64, layer: Option<u16>) -> usize {
+        match layer {
+            None => self.inflight_of.get(&owner).copied().unwrap_or(0),
+            Some(l) => self
+                .inflight_layer_of
+                .get(&(owner, l))
+                .copied()
+                .unwrap_or(0),
+        }
+    }
 }
 
-struct Shared {
+pub(crate) struct Shared {
     state: Mutex<State>,
     /// Signalled whenever items land.
     landed: Condvar,
 }
 
 impl Shared {
-    fn lock(&self) -> MutexGuard<'_, State> {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -169,19 +204,35 @@ impl Shared {
     }
 
     /// A frame is done: `outcome[i]` is `None` when item `i`'s bytes are in the pool, else why
-    /// it failed.
-    fn land(&self, items: &[Item], outcome: Vec<Option<String>>, busy: Duration, wire: u64) {
+    /// it failed; `sent`: whether it went to the daemon (counted in [`CoordStats::frames`]).
+    pub(crate) fn land(
+        &self,
+        items: &[Item],
+        outcome: Vec<Option<String>>,
+        busy: Duration,
+        wire: u64,
+        sent: bool,
+    ) {
         let mut st = self.lock();
         let mut written = Vec::with_capacity(items.len());
         let mut owners = Vec::with_capacity(items.len());
         let share = wire as f64 / items.len().max(1) as f64;
         for (it, why) in items.iter().zip(outcome) {
             st.landed.entry(it.owner).or_insert((0, 0.0)).1 += share;
-            st.pending[usize::from(it.entry.layer)] -= 1;
+            if it.step {
+                st.pending[usize::from(it.entry.layer)] -= 1;
+            }
             if let Some(n) = st.inflight_of.get_mut(&it.owner) {
                 *n -= 1;
                 if *n == 0 {
                     st.inflight_of.remove(&it.owner);
+                }
+            }
+            let at = (it.owner, it.entry.layer);
+            if let Some(n) = st.inflight_layer_of.get_mut(&at) {
+                *n -= 1;
+                if *n == 0 {
+                    st.inflight_layer_of.remove(&at);
                 }
             }
             let heads = heads_of(it.entry, st.presence.shape().2);
@@ -212,7 +263,7 @@ impl Shared {
         }
         st.stats.read_seconds += busy.as_secs_f64();
         st.stats.wire_bytes += wire;
-        st.stats.frames += 1;
+        st.stats.frames += u64::from(sent);
         drop(st);
         self.landed.notify_all();
     }
@@ -232,6 +283,8 @@ pub struct Coordinator {
     senders: Mutex<Vec<mpsc::UnboundedSender<Job>>>,
     next: AtomicUsize,
     rt: Mutex<Option<tokio::runtime::Runtime>>,
+    /// The connections' tasks, for [`Coordinator::close`] to let their queued releases go.
+    tasks: Mutex<Vec<tokio::task::JoinHandle<()>>>,
     config: CoordConfig,
 }
 
@@ -275,6 +328,7 @@ impl Coordinator {
                 failed: HashMap::new(),
                 inflight: HashSet::new(),
                 inflight_of: HashMap::new(),
+                inflight_layer_of: HashMap::new(),
                 pending: vec![0; layers],
                 landed: HashMap::new(),
                 stats: CoordStats::default(),
@@ -284,10 +338,11 @@ impl Coordinator {
         });
         let connector = Arc::new(connector);
         let mut senders = Vec::with_capacity(config.connections);
+        let mut tasks = Vec::with_capacity(config.connections);
         for index in 0..config.connections {
             let (tx, rx) = mpsc::unbounded_channel();
             senders.push(tx);
-            let w = Worker {
+            let w = crate::worker::Worker {
                 index,
                 connector: Arc::clone(&connector),
                 client: None,
@@ -295,13 +350,14 @@ impl Coordinator {
                 retries: config.retries,
                 use_rma: config.use_rma,
             };
-            rt.spawn(w.run(rx));
+            tasks.push(rt.spawn(w.run(rx)));
         }
         Ok(Coordinator {
             shared,
             senders: Mutex::new(senders),
             next: AtomicUsize::new(0),
             rt: Mutex::new(Some(rt)),
+            tasks: Mutex::new(tasks),
             config,
         })
     }
@@ -353,12 +409,14 @@ impl Coordinator {
         st.dead.remove(&owner);
     }
 
-    /// `owner` ends: wait for its reads in flight, forget it, and give its `rows` back (local
-    /// again). Returns how many of their entries held their bytes.
+    /// `owner` ends: its frames not sent yet are dropped, then it waits for the ones being read
+    /// (one per connection at most), forgets it and gives its `rows` back (local again).
+    /// Returns how many of their entries held their bytes.
     ///
     /// # Errors
     /// [`CoordError::Presence`] for a row past the map (nothing is released then).
     pub fn end(&self, owner: i64, rows: &[u32]) -> Result<u64> {
+        self.shared.lock().dead.insert(owner);
         let (mut st, _) = self
             .shared
             .wait_until(|s| !s.inflight_of.contains_key(&owner));
@@ -458,9 +516,36 @@ impl Coordinator {
         self.shared.lock().presence.missing()
     }
 
-    /// Items of `layer` in flight.
+    /// Step items of `layer` in flight.
     pub fn pending(&self, layer: usize) -> usize {
         self.shared.lock().pending.get(layer).copied().unwrap_or(0)
+    }
+
+    /// Items of `owner` in flight: of `layer` only, or (None) of every layer. 0: every read
+    /// submitted for it has landed or failed ([`Coordinator::take_failed`] says which).
+    pub fn in_flight(&self, owner: i64, layer: Option<u16>) -> usize {
+        self.shared.lock().in_flight(owner, layer)
+    }
+
+    /// Block until every item of `owner` submitted so far (of `layer` only, when given) has
+    /// landed or failed; how long that took (also added to [`CoordStats::wait_seconds`]). An
+    /// admission streaming a request in waits this way, per layer, for its own reads alone.
+    ///
+    /// # Errors
+    /// [`CoordError::Invalid`] for a layer past the coordinator's.
+    pub fn wait_request(&self, owner: i64, layer: Option<usize>) -> Result<Duration> {
+        let layers = self.shared.lock().pending.len();
+        let layer = match layer {
+            Some(l) if l >= layers => {
+                return Err(CoordError::Invalid(format!(
+                    "layer {l} is past the coordinator's {layers} layers"
+                )))
+            }
+            l => l.map(|l| l as u16),
+        };
+        let (mut st, waited) = self.shared.wait_until(|s| s.in_flight(owner, layer) == 0);
+        st.stats.wait_seconds += waited.as_secs_f64();
+        Ok(waited)
     }
 
     /// Fail `owner` (the caller's own reason, e.g. its bounded cache cannot hold a layer):
@@ -505,6 +590,22 @@ impl Coordinator {
     /// [`CoordError::NoPools`] before [`Coordinator::register_pools`]; [`CoordError::Closed`];
     /// [`CoordError::Presence`] for a key past the map (nothing is submitted then).
     pub fn submit(&self, keys: &[Entry]) -> Result<Vec<u32>> {
+        self.submit_as(keys, true)
+    }
+
+    /// As [`Coordinator::submit`], for reads no step waits for: a request streamed in while
+    /// others decode (an admission). [`Coordinator::wait_layer`] does not wait for them;
+    /// [`Coordinator::wait_request`] of their request does (and must return before a step
+    /// reads them: an entry in flight is not submitted again, so a step's `wait_layer` would
+    /// not cover it).
+    ///
+    /// # Errors
+    /// As [`Coordinator::submit`].
+    pub fn submit_background(&self, keys: &[Entry]) -> Result<Vec<u32>> {
+        self.submit_as(keys, false)
+    }
+
+    fn submit_as(&self, keys: &[Entry], step: bool) -> Result<Vec<u32>> {
         let mut st = self.shared.lock();
         if st.closed {
             return Err(CoordError::Closed);
@@ -560,6 +661,7 @@ impl Coordinator {
                                 block: logical,
                                 head: g.head,
                             },
+                            step,
                         });
                     }
                     per_layer[usize::from(e.layer)] += (j - i) as u32;
@@ -576,9 +678,14 @@ impl Coordinator {
             if items.is_empty() {
                 continue;
             }
-            st.pending[layer] += items.len();
+            if step {
+                st.pending[layer] += items.len();
+            }
             for it in &items {
                 *st.inflight_of.entry(it.owner).or_insert(0) += 1;
+                *st.inflight_layer_of
+                    .entry((it.owner, it.entry.layer))
+                    .or_insert(0) += 1;
             }
             jobs.extend(self.frames(&layout, items));
         }
@@ -586,17 +693,39 @@ impl Coordinator {
         let senders = self.senders.lock().unwrap_or_else(PoisonError::into_inner);
         for items in jobs {
             let n = self.next.fetch_add(1, Ordering::Relaxed) % senders.len();
-            let job = Job {
+            let job = Job::Read(Frame {
                 items,
                 layout: Arc::clone(&layout),
-            };
-            if let Err(mpsc::error::SendError(job)) = senders[n].send(job) {
+            });
+            if let Err(mpsc::error::SendError(Job::Read(f))) = senders[n].send(job) {
                 // The worker is gone (closing): the items fail, nothing was written.
-                let why = vec![Some("the coordinator is closing".to_string()); job.items.len()];
-                self.shared.land(&job.items, why, Duration::ZERO, 0);
+                let why = vec![Some("the coordinator is closing".to_string()); f.items.len()];
+                self.shared.land(&f.items, why, Duration::ZERO, 0, false);
             }
         }
         Ok(per_layer)
+    }
+
+    /// Release the daemon's staged request `daemon_id` from a connection's task, after the
+    /// frames queued on it: returns at once, so the caller never waits on the daemon for it
+    /// (a stalled daemon costs the connection one deadline). Best effort: a failure is only
+    /// counted ([`CoordStats::failed_releases`]; the daemon's lease frees the request).
+    /// Release a request after its reads ([`Coordinator::end`]).
+    ///
+    /// # Errors
+    /// [`CoordError::Closed`].
+    pub fn release(&self, daemon_id: u64) -> Result<()> {
+        if self.shared.lock().closed {
+            return Err(CoordError::Closed);
+        }
+        let senders = self.senders.lock().unwrap_or_else(PoisonError::into_inner);
+        if senders.is_empty() {
+            return Err(CoordError::Closed);
+        }
+        let n = self.next.fetch_add(1, Ordering::Relaxed) % senders.len();
+        senders[n]
+            .send(Job::Release(daemon_id))
+            .map_err(|_| CoordError::Closed)
     }
 
     /// One layer's items cut into frames: under the frame budget and [`MAX_ENTRIES`], and spread
@@ -629,8 +758,9 @@ impl Coordinator {
         out
     }
 
-    /// Block until every item of `layer` submitted so far has landed or failed; how long that
-    /// took (also added to [`CoordStats::wait_seconds`]).
+    /// Block until every item of `layer` submitted so far for a step ([`Coordinator::submit`];
+    /// not the background ones) has landed or failed; how long that took (also added to
+    /// [`CoordStats::wait_seconds`]).
     ///
     /// # Errors
     /// [`CoordError::Invalid`] for a layer past the coordinator's.
@@ -653,9 +783,9 @@ impl Coordinator {
         waited
     }
 
-    /// Let every read in flight land, then stop the connections and the runtime: nothing is
-    /// written into the pools after this returns. Idempotent; later submits fail with
-    /// [`CoordError::Closed`].
+    /// Let every read in flight land and the queued releases go (for at most
+    /// [`CLOSE_GRACE`]), then stop the connections and the runtime: nothing is written into the
+    /// pools after this returns. Idempotent; later submits fail with [`CoordError::Closed`].
     pub fn close(&self) {
         self.shared.lock().closed = true;
         self.drain();
@@ -663,12 +793,22 @@ impl Coordinator {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clear();
+        let tasks = std::mem::take(&mut *self.tasks.lock().unwrap_or_else(PoisonError::into_inner));
         if let Some(rt) = self
             .rt
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .take()
         {
+            // The tasks end once their queues are empty (the senders are gone).
+            rt.block_on(async {
+                let all = async {
+                    for t in tasks {
+                        let _ = t.await;
+                    }
+                };
+                let _ = tokio::time::timeout(CLOSE_GRACE, all).await;
+            });
             rt.shutdown_background();
         }
     }
@@ -678,120 +818,4 @@ impl Drop for Coordinator {
     fn drop(&mut self) {
         self.close();
     }
-}
-
-/// One connection's task: its frames in order, reconnecting on transport failures.
-struct Worker<K: Connector> {
-    index: usize,
-    connector: Arc<K>,
-    client: Option<Client<K::Conn>>,
-    shared: Arc<Shared>,
-    retries: u32,
-    use_rma: bool,
-}
-
-type Entries = Vec<std::result::Result<bytes::Bytes, ErrorCode>>;
-
-impl<K: Connector> Worker<K> {
-    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Job>) {
-        while let Some(job) = rx.recv().await {
-            let t0 = Instant::now();
-            let keys: Vec<BlockKey> = job.items.iter().map(|it| it.key).collect();
-            let (got, wire) = self.read(keys).await;
-            let outcome = match got {
-                Ok(entries) => write_entries(&job, entries),
-                Err(e) => {
-                    let m = format!("reading KV from the staging daemon failed: {e}");
-                    vec![Some(m); job.items.len()]
-                }
-            };
-            self.shared.land(&job.items, outcome, t0.elapsed(), wire);
-        }
-    }
-
-    /// The daemon's answer to `keys`, after up to `retries` reconnects; the wire bytes spent.
-    async fn read(&mut self, keys: Vec<BlockKey>) -> (oasis_rt::Result<Entries>, u64) {
-        let mut wire = 0;
-        let mut last = oasis_rt::Error::Closed;
-        for attempt in 0..=self.retries {
-            if self.client.is_none() {
-                match self.connector.connect(self.index).await {
-                    Ok(c) => {
-                        if attempt > 0 {
-                            self.shared.lock().stats.reconnects += 1;
-                        }
-                        self.client = Some(c);
-                    }
-                    Err(e) => {
-                        last = e;
-                        continue;
-                    }
-                }
-            }
-            let Some(c) = self.client.as_mut() else {
-                continue;
-            };
-            let (s0, r0) = c.wire_bytes();
-            let got = if self.use_rma && c.rma() {
-                c.read_blocks_rma(keys.clone()).await
-            } else {
-                c.read_blocks(keys.clone()).await
-            };
-            let (s1, r1) = c.wire_bytes();
-            wire += (s1 - s0) + (r1 - r0);
-            match got {
-                Ok(entries) => return (Ok(entries), wire),
-                Err(e) if !c.is_connected() => {
-                    self.client = None;
-                    last = e;
-                }
-                Err(e) => return (Err(e), wire),
-            }
-        }
-        (Err(last), wire)
-    }
-}
-
-/// Write a frame's good entries into the pool; per item `None` (written) or why it failed.
-fn write_entries(job: &Job, entries: Entries) -> Vec<Option<String>> {
-    job.items
-        .iter()
-        .zip(entries)
-        .map(|(it, got)| {
-            let e = it.entry;
-            let what = format!("block {} of layer {}", it.key.block, e.layer);
-            let bytes = match got {
-                Ok(b) => b,
-                Err(code) => {
-                    return Some(format!(
-                        "reading {what} from the staging daemon failed ({}); was the request \
-                         released or evicted after its lease (oasis-rt serve --lease)?",
-                        code.name()
-                    ))
-                }
-            };
-            let dest = match job.layout.dest(e) {
-                Ok(d) => d,
-                Err(err) => return Some(format!("reading {what}: {err}")),
-            };
-            if bytes.len() != dest.entry_bytes() {
-                return Some(format!(
-                    "reading {what} from the staging daemon returned {} bytes where the host \
-                     pool's entry holds {} (size_mismatch): was it staged with another geometry \
-                     or kv_format?",
-                    bytes.len(),
-                    dest.entry_bytes()
-                ));
-            }
-            // SAFETY: (1) the length was checked just above. (2) `dest` lies inside the pools
-            // of `job.layout` (`PoolLayout::dest` checked layer, row and head); they stay
-            // allocated while the job is in flight (`register_pools`' obligation 1: a new
-            // layout and `close` wait for every read first); the entry is in the in-flight set,
-            // so no other job writes it, its request's rows do not change hands until it lands
-            // (`end`/`forget_row` wait), and the caller reads its layer only after
-            // `wait_layer` (obligation 2); `bytes` is the received frame, a separate buffer.
-            unsafe { dest.write(&bytes) };
-            None
-        })
-        .collect()
 }

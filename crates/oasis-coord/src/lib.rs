@@ -12,12 +12,13 @@
 //!  stage(request, daemon id) ────────────▶ PresenceMap (layer, row, head)
 //!  submit(step's planned entries) ───────▶ absent − in flight − failed ──▶ frames, layer order,
 //!    returns at once                                                      N connections (tokio)
-//!  wait_layer(l) ◀──────────────────────── landed: bytes written, then ◀── replies
+//!  wait_layer(l) / wait_request(r, l) ◀─── landed: bytes written, then ◀── replies
 //!  gather(l)                               marked present; failures per request
 //!  take_failed() ◀──────────────────────── request -> message
 //! ```
 //!
-//! - [`coordinator`]: the [`Coordinator`], its state and its connection tasks.
+//! - [`coordinator`]: the [`Coordinator`] and its state.
+//! - `worker`: one connection's task (its frames in order, reconnects, the writes into the pool).
 //! - [`pools`]: the pinned host pool's layout and the one `unsafe` write of an entry.
 //! - [`connect`]: how connections are made ([`Connector`]; TCP here, UCX in the binding).
 //! - [`error`]: the crate's [`CoordError`].
@@ -29,6 +30,7 @@ pub mod connect;
 pub mod coordinator;
 pub mod error;
 pub mod pools;
+mod worker;
 
 pub use connect::{Connector, TcpConnector};
 pub use coordinator::{CoordConfig, CoordStats, Coordinator};

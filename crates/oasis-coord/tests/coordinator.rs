@@ -289,3 +289,198 @@ fn the_caller_s_mistakes_are_errors_that_say_what_to_pass() {
     };
     assert!(Coordinator::start(d.tcp(), none, LAYERS, HEADS).is_err());
 }
+
+#[test]
+fn wait_request_waits_for_that_request_s_reads_alone() {
+    let d = Daemon::start();
+    d.stage(7, HEAD_DIM);
+    d.stage(8, HEAD_DIM);
+    let mut pools = Pools::new();
+    // Round robin per frame: request 1's frame goes to slot 0 (fast), request 2's two frames
+    // to slot 1 (800 ms a reply) and slot 0.
+    let k = Faulty {
+        tcp: d.tcp(),
+        slow: Some((1, Duration::from_millis(800))),
+        broken: None,
+    };
+    let c = coordinator(k, 2, &mut pools);
+    admit(&c, 1, 7, &[0]);
+    admit(&c, 2, 8, &[1]);
+    c.submit(&[e(0, 0, ALL_HEADS)]).unwrap();
+    c.submit(&[e(0, 1, ALL_HEADS)]).unwrap();
+    c.submit(&[e(2, 1, ALL_HEADS)]).unwrap();
+    assert_eq!(c.in_flight(2, None), 2);
+    assert_eq!(c.in_flight(2, Some(1)), 0);
+    let t0 = Instant::now();
+    c.wait_request(1, None).unwrap();
+    assert!(
+        t0.elapsed() < Duration::from_millis(600),
+        "{:?}",
+        t0.elapsed()
+    );
+    assert_eq!(c.in_flight(1, None), 0);
+    assert_eq!(pools.head(0, 0, 1), staged_head(7, 0, 0, 1));
+    // Request 2's layer 2 (slot 0) lands before its layer 0 (slot 1).
+    c.wait_request(2, Some(2)).unwrap();
+    assert!(
+        t0.elapsed() < Duration::from_millis(600),
+        "{:?}",
+        t0.elapsed()
+    );
+    assert_eq!(c.in_flight(2, Some(0)), 1);
+    assert!(c.is_present(e(2, 1, 0)).unwrap() && !c.is_present(e(0, 1, 0)).unwrap());
+    c.wait_request(2, Some(0)).unwrap();
+    assert!(t0.elapsed() >= Duration::from_millis(700));
+    assert_eq!(pools.head(0, 1, 0), staged_head(8, 0, 0, 0));
+    assert!(c.wait_request(2, Some(LAYERS)).is_err());
+    assert!(c.stats().wait_seconds > 0.6);
+}
+
+#[test]
+fn a_failed_or_ending_request_s_queued_frames_are_not_sent() {
+    let d = Daemon::start();
+    d.stage(7, HEAD_DIM);
+    let mut pools = Pools::new();
+    let slow = || Faulty {
+        tcp: d.tcp(),
+        slow: Some((0, Duration::from_millis(300))),
+        broken: None,
+    };
+    let c = coordinator(slow(), 1, &mut pools);
+    admit(&c, 1, 7, &[0, 1]);
+    // Four frames queued on one connection: the first is read, the rest are dropped unsent.
+    for layer in 0..LAYERS as u16 {
+        c.submit(&[e(layer, 0, ALL_HEADS)]).unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(100)); // the first frame is being read
+    c.fail(1, "failed by the test".into());
+    let t0 = Instant::now();
+    c.wait_request(1, None).unwrap();
+    assert!(
+        t0.elapsed() < Duration::from_millis(600),
+        "{:?}",
+        t0.elapsed()
+    );
+    let s = c.stats();
+    assert_eq!((s.frames, s.failed_entries), (1, 3 * HEADS as u64), "{s:?}");
+    assert!(
+        c.is_present(e(0, 0, 0)).unwrap(),
+        "the frame being read lands"
+    );
+    assert!(!c.is_present(e(1, 0, 0)).unwrap());
+    assert_eq!(pools.head(1, 0, 0), vec![0; 2 * HB], "nothing written");
+    assert_eq!(c.take_failed(), vec![(1, "failed by the test".to_string())]);
+    c.end(1, &[0, 1]).unwrap();
+    // An ending request waits for its frame being read, not for the ones queued behind it.
+    admit(&c, 2, 7, &[2, 3]);
+    for layer in 0..LAYERS as u16 {
+        c.submit(&[e(layer, 2, ALL_HEADS), e(layer, 3, ALL_HEADS)])
+            .unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let t0 = Instant::now();
+    c.end(2, &[2, 3]).unwrap();
+    assert!(
+        t0.elapsed() < Duration::from_millis(600),
+        "{:?}",
+        t0.elapsed()
+    );
+    assert!(
+        c.take_failed().is_empty(),
+        "an ended request reports nothing"
+    );
+    assert_eq!(c.missing(), 0);
+    assert_eq!(c.stats().frames, 2);
+}
+
+#[test]
+fn background_reads_are_not_a_step_s_to_wait_for() {
+    let d = Daemon::start();
+    d.stage(7, HEAD_DIM);
+    d.stage(8, HEAD_DIM);
+    let mut pools = Pools::new();
+    // Slot 0 answers after 500 ms (request 1's stream: the first frame), slot 1 at once
+    // (request 2's step: the second).
+    let k = Faulty {
+        tcp: d.tcp(),
+        slow: Some((0, Duration::from_millis(500))),
+        broken: None,
+    };
+    let c = coordinator(k, 2, &mut pools);
+    admit(&c, 1, 7, &[0, 1]);
+    admit(&c, 2, 8, &[2]);
+    let got = c
+        .submit_background(&[e(1, 0, ALL_HEADS), e(1, 1, ALL_HEADS)])
+        .unwrap();
+    assert_eq!(got, vec![0, 2 * HEADS as u32, 0, 0]);
+    assert_eq!(c.pending(1), 0, "no step waits for them");
+    assert_eq!((c.in_flight(1, None), c.in_flight(1, Some(1))), (2, 2));
+    let t0 = Instant::now();
+    assert_eq!(c.submit(&[e(1, 2, 1)]).unwrap(), vec![0, 1, 0, 0]);
+    c.wait_layer(1).unwrap();
+    assert!(
+        t0.elapsed() < Duration::from_millis(400),
+        "{:?}",
+        t0.elapsed()
+    );
+    assert!(c.is_present(e(1, 2, 1)).unwrap());
+    assert!(!c.is_present(e(1, 0, 0)).unwrap());
+    // Entries in flight in the background are not submitted again.
+    assert_eq!(c.submit(&[e(1, 0, 0)]).unwrap(), vec![0; LAYERS]);
+    c.wait_request(1, Some(1)).unwrap();
+    assert!(
+        t0.elapsed() >= Duration::from_millis(400),
+        "{:?}",
+        t0.elapsed()
+    );
+    for row in 0..2 {
+        for h in 0..HEADS {
+            assert_eq!(pools.head(1, row, h), staged_head(7, 1, row as u32, h));
+        }
+    }
+    assert_eq!(c.in_flight(1, None), 0);
+}
+
+/// Poll `done` until it holds (3 s at most).
+fn eventually(done: impl Fn() -> bool) -> bool {
+    let t0 = Instant::now();
+    while t0.elapsed() < T {
+        if done() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    false
+}
+
+#[test]
+fn a_release_goes_from_a_connection_s_task_and_never_blocks_the_caller() {
+    let mut d = Daemon::start();
+    d.stage(7, HEAD_DIM);
+    let mut pools = Pools::new();
+    let c = coordinator(d.tcp(), 1, &mut pools);
+    admit(&c, 1, 7, &[0]);
+    c.submit(&[e(0, 0, ALL_HEADS)]).unwrap();
+    c.end(1, &[0]).unwrap();
+    c.release(7).unwrap();
+    assert!(eventually(|| c.stats().releases == 1), "{:?}", c.stats());
+    // The daemon no longer holds it: a read of it fails (unknown_request).
+    admit(&c, 2, 7, &[1]);
+    c.submit(&[e(0, 1, 0)]).unwrap();
+    c.drain();
+    let failed = c.take_failed();
+    assert!(failed[0].1.contains("unknown_request"), "{failed:?}");
+    // A daemon gone: the release returns at once and is counted as failed.
+    let _ = d.stop.take().map(|s| s.send(()));
+    std::thread::sleep(Duration::from_millis(100));
+    let t0 = Instant::now();
+    c.release(8).unwrap();
+    assert!(t0.elapsed() < Duration::from_millis(50));
+    assert!(
+        eventually(|| c.stats().failed_releases == 1),
+        "{:?}",
+        c.stats()
+    );
+    c.close();
+    assert!(c.release(9).is_err());
+}

@@ -45,11 +45,15 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 /// What the model knows: per staged row its owner and logical block, the present entries, the
-/// entries submitted and not yet seen landed (per layer), the failed owners.
+/// entries submitted and not yet seen landed (per layer), the failed owners, and the entries in
+/// flight when their owner failed (`maybe`: the frame being read lands, the queued ones are
+/// dropped unsent; which is a race the model leaves to the coordinator, checking the bytes of
+/// whichever landed).
 struct Model {
     rows: HashMap<u32, (i64, u32)>,
     present: HashSet<(u16, u32, u16)>,
     inflight: HashSet<(u16, u32, u16)>,
+    maybe: HashSet<(u16, u32, u16)>,
     dead: HashSet<i64>,
 }
 
@@ -64,6 +68,28 @@ impl Model {
         for e in done {
             self.inflight.remove(&e);
             self.present.insert(e);
+        }
+    }
+
+    /// The entries of a failed owner that were in flight, once waited for (`layer`, or all): as
+    /// the coordinator says.
+    fn settle(&mut self, c: &Coordinator, layer: Option<u16>) {
+        self.settle_where(c, |e| layer.is_none_or(|l| e.0 == l));
+    }
+
+    /// As [`Model::settle`], the entries of `row` (its owner waited for).
+    fn settle_row(&mut self, c: &Coordinator, row: u32) {
+        self.settle_where(c, |e| e.1 == row);
+    }
+
+    fn settle_where(&mut self, c: &Coordinator, pick: impl Fn(&(u16, u32, u16)) -> bool) {
+        let done: Vec<_> = self.maybe.iter().copied().filter(|e| pick(e)).collect();
+        for e in done {
+            self.maybe.remove(&e);
+            let (layer, row, head) = e;
+            if c.is_present(Entry { layer, row, head }).unwrap() {
+                self.present.insert(e);
+            }
         }
     }
 
@@ -101,6 +127,7 @@ fn run(ops: Vec<Op>) {
         rows: HashMap::new(),
         present: HashSet::new(),
         inflight: HashSet::new(),
+        maybe: HashSet::new(),
         dead: HashSet::new(),
     };
     for o in OWNERS {
@@ -151,17 +178,23 @@ fn run(ops: Vec<Op>) {
             Op::WaitLayer(l) => {
                 c.wait_layer(l).unwrap();
                 m.land(Some(l as u16));
+                m.settle(&c, Some(l as u16));
                 check(&c, &m, &pools, &[l as u16]);
             }
             Op::Drain => {
                 c.drain();
                 m.land(None);
+                m.settle(&c, None);
                 check(&c, &m, &pools, &[0, 1, 2, 3]);
                 assert_eq!(c.missing(), m.missing());
             }
             Op::Forget(row) => {
-                if m.rows.remove(&row).is_some() {
-                    // The coordinator waits for the owner's reads; so does the model.
+                if let Some((owner, _)) = m.rows.get(&row).copied() {
+                    // The coordinator waits for the owner's reads; so does the model (first, so
+                    // that a failed owner's reads in flight are settled).
+                    c.wait_request(owner, None).unwrap();
+                    m.settle_row(&c, row);
+                    m.rows.remove(&row);
                     let had = c.forget_row(row).unwrap();
                     let landed: Vec<_> =
                         m.inflight.iter().copied().filter(|e| e.1 == row).collect();
@@ -184,19 +217,30 @@ fn run(ops: Vec<Op>) {
             Op::Fail(owner) => {
                 c.fail(owner, "failed by the test".into());
                 m.dead.insert(owner);
+                let theirs: Vec<_> = m
+                    .inflight
+                    .iter()
+                    .copied()
+                    .filter(|e| m.rows.get(&e.1).is_some_and(|r| r.0 == owner))
+                    .collect();
+                for e in theirs {
+                    m.inflight.remove(&e);
+                    m.maybe.insert(e);
+                }
             }
         }
     }
     c.drain();
     m.land(None);
+    m.settle(&c, None);
     check(&c, &m, &pools, &[0, 1, 2, 3]);
     assert_eq!(c.missing(), m.missing());
     let s = c.stats();
     assert_eq!(
-        s.sent_entries, s.entries,
-        "every entry sent landed once: {s:?}"
+        s.sent_entries,
+        s.entries + s.failed_entries,
+        "every entry sent landed once or failed (a failed owner's, unsent): {s:?}"
     );
-    assert_eq!(s.failed_entries, 0);
     drop(c);
 }
 

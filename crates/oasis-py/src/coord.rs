@@ -1,11 +1,12 @@
 //! `oasiskv._core.Coordinator`: the decode side's remote reads (`oasis_coord::Coordinator`)
-//! for `oasiskv.disagg.RemoteKvSource`.
+//! for `oasiskv.disagg.RemoteKvSource` (decode-time misses and a full transfer's admission).
 //!
 //! ```text
 //! Python (engine thread)                       oasis-coord (its own tokio threads)
 //! register_pools(host_k, host_v[, scales]) ──▶ raw addresses of the pinned pools
 //! submit(layers, rows, heads)  (GIL released) ▶ frames in layer order over N connections
 //! wait_layer(layer)            (GIL released) ◀ that layer's bytes written, entries present
+//! wait_request(request, layer) (GIL released) ◀ one request's (an admission streaming it in)
 //! take_failed() ◀─ requests whose reads failed, with why
 //! ```
 //!
@@ -399,20 +400,30 @@ impl PyCoordinator {
     /// Read the absent entries among `(layers[i], rows[i], heads[i])` (head -1: every head of
     /// the row) that are not in flight and whose request has not failed, in layer order over
     /// every connection. Returns at once: per layer, how many entries went out (0: that
-    /// layer's gather reads nothing new).
+    /// layer's gather reads nothing new). `background=True`: reads no step waits for (a
+    /// request streamed in at admission): `wait_layer` skips them, `wait_request` of their
+    /// request waits for them, and must return before a step gathers them.
+    #[pyo3(signature = (layers, rows, heads, *, background = false))]
     fn submit(
         &self,
         py: Python<'_>,
         layers: Vec<i64>,
         rows: Vec<i64>,
         heads: Vec<i64>,
+        background: bool,
     ) -> PyResult<Vec<u32>> {
         let keys = entries(py, &layers, &rows, &heads)?;
-        self.run(py, "submit", |c| c.submit(&keys))
+        self.run(py, "submit", |c| {
+            if background {
+                c.submit_background(&keys)
+            } else {
+                c.submit(&keys)
+            }
+        })
     }
 
-    /// Block (GIL released) until every entry of `layer` submitted so far has landed or
-    /// failed; the seconds waited.
+    /// Block (GIL released) until every entry of `layer` submitted so far for a step (not in
+    /// the background) has landed or failed; the seconds waited.
     fn wait_layer(&self, py: Python<'_>, layer: usize) -> PyResult<f64> {
         self.run(py, "wait_layer", |c| c.wait_layer(layer))
             .map(|d| d.as_secs_f64())
@@ -425,9 +436,33 @@ impl PyCoordinator {
             .map(|d| d.as_secs_f64())
     }
 
-    /// Entries of `layer` in flight.
+    /// Step entries of `layer` in flight.
     fn pending(&self, layer: usize) -> usize {
         self.inner.pending(layer)
+    }
+
+    /// Entries of `request` in flight: of `layer` only, or (None) of every layer. 0: every
+    /// read submitted for it has landed or failed (`take_failed` says which).
+    #[pyo3(signature = (request, layer = None))]
+    fn in_flight(&self, request: i64, layer: Option<u16>) -> usize {
+        self.inner.in_flight(request, layer)
+    }
+
+    /// Block (GIL released) until every entry of `request` submitted so far (of `layer` only,
+    /// when given) has landed or failed; the seconds waited. An admission streaming a request
+    /// in waits this way, layer by layer, for its own reads alone.
+    #[pyo3(signature = (request, layer = None))]
+    fn wait_request(&self, py: Python<'_>, request: i64, layer: Option<usize>) -> PyResult<f64> {
+        self.run(py, "wait_request", |c| c.wait_request(request, layer))
+            .map(|d| d.as_secs_f64())
+    }
+
+    /// Release the daemon's staged request `daemon_id` from a connection's thread, after the
+    /// frames queued on it (call it after `end`): returns at once, never waiting on the daemon.
+    /// Best effort: `stats()["failed_releases"]` counts the ones that failed (the daemon's lease
+    /// frees them). Raises `RemoteUnavailableError` once closed.
+    fn release(&self, py: Python<'_>, daemon_id: u64) -> PyResult<()> {
+        self.run(py, "release", |c| c.release(daemon_id))
     }
 
     /// Fail `request` for the caller's own reason: nothing of it is read until it ends.
@@ -451,7 +486,8 @@ impl PyCoordinator {
 
     /// Counters since it started: `read_seconds` (connection time on frames, off this
     /// thread), `wait_seconds` (time blocked in `wait_layer` / `drain`), `wire_bytes`,
-    /// `sent_entries` (block-heads submitted), `entries` (block-heads landed), `failed_entries`, `frames`, `reconnects`.
+    /// `sent_entries` (block-heads submitted), `entries` (block-heads landed), `failed_entries`,
+    /// `frames`, `reconnects`, `releases` and `failed_releases`.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.stats();
         let d = PyDict::new(py);
@@ -463,6 +499,8 @@ impl PyCoordinator {
         d.set_item("failed_entries", s.failed_entries)?;
         d.set_item("frames", s.frames)?;
         d.set_item("reconnects", s.reconnects)?;
+        d.set_item("releases", s.releases)?;
+        d.set_item("failed_releases", s.failed_releases)?;
         Ok(d)
     }
 
