@@ -41,6 +41,7 @@ from support.staged import (
     M,
     P,
     ReadLog,
+    all_released,
     params,
     reference,
     run_batch,
@@ -128,8 +129,7 @@ def test_loopback_three_processes(model, transfer, transport):
             assert st.peak_cached_bytes == sum(h.kv_bytes for h in small)
         assert st.cached_bytes == 0 and st.failures == 0
         assert pools_are_full(eng)
-        s = eng.kv_source.client.stats()
-        assert s["live_requests"] == 0 and s["used_bytes"] == 0  # every request released
+        assert all_released(eng.kv_source.client)  # every request released
 
 
 def _model_16k(num_kv_heads: int, context: int) -> CausalLM:
@@ -346,7 +346,7 @@ def test_a_bounded_host_pool_decodes_as_the_unbounded_one(model):
         assert st.cached_bytes == 0
         assert pools_are_full(eng)
         rt.check_invariants()
-        assert src.client.stats()["live_requests"] == 0  # every request released
+        assert all_released(src.client)  # every request released
 
 
 def test_refusals(model):
@@ -463,9 +463,11 @@ class Counting:
 @pytest.mark.parametrize("transfer", ["partial", "full"])
 def test_staged_data_is_read_ahead_off_the_decode_loop(model, transfer, small_frames, monkeypatch):
     """While a local request decodes, the waiting staged requests' admission data (summaries,
-    sections and each KV head's first working set; with ``"full"`` every block) is read in a
-    background thread on its own connection, so the decode loop's connection reads none of it.
-    Tokens and admission bytes equal those of an engine that reads at admission
+    sections; with ``"partial"`` each KV head's first working set selected on the CPU) is read in
+    a background thread on its own connection, so the decode loop's connection reads none of it;
+    their blocks (``"full"``: every block; ``"partial"``: the first working sets read ahead) are
+    streamed by the coordinator in the background, and nothing else is read for them until they
+    decode. Tokens and admission bytes equal those of an engine that reads at admission
     (``prefetch_depth = 0``). ``small_frames``: one layer per admission reply and one entry per
     read, so that the read ahead spreads a request's units over its two connections."""
     if small_frames:
@@ -495,13 +497,17 @@ def test_staged_data_is_read_ahead_off_the_decode_loop(model, transfer, small_fr
             assert a.metrics.network_admission_bytes == b.metrics.network_admission_bytes > 0
         assert rec0.admissions > 0 and rec2.admissions == 0
         if transfer == "full":
-            assert any(head == -1 for *_, head in rec0.log.keys) and rec2.log.keys == []
+            for rec in (rec0, rec2):  # every block, whole, streamed; nothing read at decode
+                assert rec.log.keys == rec.log.streamed and rec.log.keys
+                assert all(head == -1 for *_, head in rec.log.keys)
+            assert sorted(k[1:] for k in rec0.log.keys) == sorted(k[1:] for k in rec2.log.keys)
         else:
             # Each head's first working set was read ahead too (selected by the CPU twins from the
             # staged summaries and query): the loop read only decode-time misses.
             st0, st2 = (sum(o.metrics.network_fetched_bytes for o in r[1:]) for r in (plain, ahead))
             assert st0 == st2 and stats0.fetched_entries == stats2.fetched_entries
-            assert len(rec2.log.keys) == stats2.fetched_entries < len(rec0.log.keys)
+            assert rec0.log.streamed == [] and rec2.log.streamed
+            assert len(rec2.log.keys) - len(rec2.log.streamed) == stats2.fetched_entries < len(rec0.log.keys)
 
 
 @pytest.mark.parametrize("conns", [1, 2])
@@ -588,7 +594,7 @@ def test_staged_requests_speculate_losslessly(model, transfer):
             assert o.token_ids == ref.token_ids
         assert eng.spec_stats == local.spec_stats
         assert pools_are_full(eng)
-        assert eng.kv_source.client.stats()["live_requests"] == 0
+        assert all_released(eng.kv_source.client)
 
 
 def test_misses_are_fetched_after_the_step_s_compute_is_queued(model):
@@ -674,7 +680,7 @@ def test_large_reads_spread_over_several_connections(model, transfer, monkeypatc
             outs = run_batch(eng, [lambda e, h=h: e.add_staged_request(h, params()) for h in handles])
             runs[conns] = (outs, dataclasses.replace(src.stats), src.coordinator_stats)
             src.close()
-            assert RtClient(d.url).stats()["live_requests"] == 0  # every request released
+            assert all_released(RtClient(d.url))  # every request released
     (one, s1, c1), (three, s3, c3) = runs[1], runs[3]
     for a, b in zip(one, three, strict=True):
         assert a.finish_reason == b.finish_reason == "length", (a.error, b.error)

@@ -173,3 +173,113 @@ def test_a_read_of_the_wrong_size_fails_that_request_alone(model):
         assert pools_are_full(eng)
         c.release(h1.request_id)
         c.close()
+
+
+class StreamHook:
+    """The remote source's coordinator, with ``before()`` run once, just as an admission hands it
+    a staged request's blocks to stream in (``submit(..., background=True)``): a fault strikes
+    after the admission has read its sections and reserved its rows, before any block lands."""
+
+    def __init__(self, src, before) -> None:
+        self.inner, self.before = src.coord, before
+
+    def submit(self, layers, rows, heads, *, background=False):
+        if background and self.before is not None:
+            self.before()
+            self.before = None
+        return self.inner.submit(layers, rows, heads, background=background)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def stream_fault(model, d: Daemon, fault, timeout_s: float = 30.0) -> tuple[dict, list[str], list, float]:
+    """A full transfer's engine with a local request and a staged one decoding, then a second
+    staged request admitted while they decode, ``fault(handle)`` striking as its blocks are handed
+    to the coordinator. Returns the last outputs by id, the ids (local, first, second), the ids in
+    the order they finished and the longest step that made a token for the others."""
+    h1, h2 = staged_small(model, d, seeds=(3, 5))
+    eng = LLMEngine(
+        model,
+        kv=KvConfig.fast(**SMALL),
+        drafter="ngram",
+        kv_source=d.url,
+        kv_transfer="full",
+        kv_timeout_s=timeout_s,
+    )
+    local = eng.add_request(prompt(P, 11), params(M))
+    first = eng.add_staged_request(h1, params(M))
+    eng.step()
+    eng.step()  # both decode: the next admission streams in beside their steps
+    eng.kv_source.coord = StreamHook(eng.kv_source, lambda: fault(h2))
+    second = eng.add_staged_request(h2, params(M))
+    last, finished, longest = {}, [], 0.0
+    while eng.has_unfinished_requests():
+        t = time.monotonic()
+        outs = eng.step()
+        if any(o.request_id != second and o.new_token_ids for o in outs):
+            longest = max(longest, time.monotonic() - t)
+        for o in outs:
+            last[o.request_id] = o
+            if o.finished:
+                finished.append(o.request_id)
+    assert pools_are_full(eng)
+    assert eng.kv_source.coord.missing == 0  # nothing of the failed request is left to read
+    eng.kv_source.close()
+    return last, [local, first, second], finished, longest
+
+
+@pytest.mark.parametrize("fault", ["kill", "stall"])
+def test_a_daemon_lost_while_an_admission_streams_fails_that_request_alone(model, fault):
+    """``kv_transfer="full"``: the daemon dies (or stops answering) as a staged request's blocks
+    are handed to the coordinator, while a local request and an admitted staged one decode. The
+    others never wait for it (no step of theirs comes near ``kv_timeout_s``) and finish with their
+    tokens (the staged one's equal the single-process engine's); the streaming request ends with
+    ``finish_reason="error"`` and the message, within ``kv_timeout_s`` (a stall costs one frame's
+    deadline: its other frames are dropped unsent), nothing of it marked present, and the pools
+    come back whole."""
+    with Daemon() as d:
+        timeout = 2.0
+        t0 = time.monotonic()
+        last, (local, first, second), finished, longest = stream_fault(
+            model, d, lambda h: (d.kill if fault == "kill" else d.stop)(), timeout_s=timeout
+        )
+        took = time.monotonic() - t0
+        if fault == "stall":
+            d.cont()
+        assert last[second].finish_reason == "error", last[second]
+        assert "staging daemon" in last[second].error, last[second].error
+        assert last[second].token_ids == []
+        for rid in (local, first):
+            assert last[rid].finish_reason == "length", last[rid].error
+            assert len(last[rid].token_ids) == M
+        assert longest < timeout / 2, longest
+        if fault == "stall":
+            assert finished.index(second) == 2, finished  # the others did not wait for it
+            assert took < 3 * timeout + 10, took
+    (ref,) = reference(model, KvConfig.fast(**SMALL), "oasis", [prompt(P, 3)])
+    assert last[first].token_ids == ref.token_ids
+
+
+def test_a_wrong_size_reply_while_an_admission_streams_fails_that_request_alone(model):
+    """``kv_transfer="full"``: the staged request being streamed in is released and staged again
+    with twice the head dim as its blocks are handed over; every reply entry has the wrong size,
+    which the coordinator refuses without writing: that request fails (``size_mismatch``), the
+    others finish, the pools come back whole."""
+    with Daemon() as d:
+
+        def restage_wide(h):
+            layers, hk, bs, dim, elem, nb, fmt = h.geometry
+            c = RtClient(d.url)
+            assert c.release(h.request_id) > 0
+            wide = (layers, hk, bs, 2 * dim, elem, nb, fmt)
+            for layer in range(layers):
+                blocks = torch.ones(nb * 2 * hk * bs * 2 * dim * elem, dtype=torch.uint8)
+                c.stage_blocks(h.request_id, wide, [(layer, i) for i in range(nb)], blocks)
+            c.close()
+
+        last, (local, first, second), _, _ = stream_fault(model, d, restage_wide)
+        assert last[second].finish_reason == "error"
+        assert "size_mismatch" in last[second].error, last[second].error
+        for rid in (local, first):
+            assert last[rid].finish_reason == "length", last[rid].error

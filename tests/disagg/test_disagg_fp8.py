@@ -20,6 +20,7 @@ from oasiskv.disagg import PrefillWorker
 from oasiskv.engine import Engine, Request
 from support.fakes import pools_are_full, prompt, tiny
 from support.rtd import Daemon
+from support.staged import all_released
 
 # Private names read here: ``RtClient`` from ``oasiskv._core`` (the daemon's client, to read the
 # staged bytes back), ``Engine``/``Request`` (the single-process engine's host pool right after its
@@ -154,8 +155,7 @@ def test_fp8_tokens_equal_the_single_process_engine(model, daemon, tier, transfe
     else:
         assert 0 < st.peak_cached_bytes < sum(h.kv_bytes for h in handles)
     assert pools_are_full(eng)
-    s = eng.kv_source.client.stats()
-    assert s["live_requests"] == 0 and s["used_bytes"] == 0
+    assert all_released(eng.kv_source.client)
 
 
 def test_fp8_blocks_cross_in_about_half_of_bf16_s_bytes(daemon):
@@ -217,7 +217,7 @@ def test_mismatched_formats_are_refused(model, daemon, staged, decoded, says):
     (o,) = _run(eng, [lambda e: e.add_staged_request(h, _params(4))])
     assert o.finish_reason == "error" and says in o.error and "fp8_e4m3" in o.error, o.error
     assert pools_are_full(eng)
-    assert eng.kv_source.client.stats()["live_requests"] == 0  # released with the failure
+    assert all_released(eng.kv_source.client)  # released with the failure
 
 
 @pytest.mark.parametrize("tier", sorted(FP8))

@@ -16,6 +16,7 @@ from oasiskv.errors import ConfigError
 from oasiskv.models.transformer import CausalLM
 from support.engines import gpu_model
 from support.rtd import Daemon
+from support.staged import all_released
 
 pytestmark = [
     pytest.mark.gpu,
@@ -75,8 +76,7 @@ def test_staged_requests_decode_as_the_single_process_engine(transfer, cache_blo
             assert st.fetched_entries > 0  # misses came over the network during decode
         if cache_blocks is not None:
             assert st.evicted_blocks > 0
-        s = eng.kv_source.client.stats()
-        assert s["live_requests"] == 0 and s["used_bytes"] == 0
+        assert all_released(eng.kv_source.client)
 
 
 def test_a_full_transfer_decodes_in_cuda_graphs():

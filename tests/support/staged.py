@@ -8,7 +8,7 @@ from __future__ import annotations
 from oasiskv import KvConfig, LLMEngine, SamplingParams
 from oasiskv.disagg import PrefillWorker, StagedRequest
 from support.fakes import prompt
-from support.rtd import Daemon
+from support.rtd import Daemon, wait_until
 
 # Private names read here: the remote source's ``_by_req`` (a request's daemon id) and ``coord``
 # (its coordinator), which ReadLog wraps.
@@ -42,15 +42,17 @@ class ReadLog:
     """The remote source's coordinator (``oasiskv._core.Coordinator``), with every entry it is
     asked to read recorded as the daemon's key ``(request, layer, block, head)`` (head -1: a whole
     block): the planned entries that are absent when submitted (``on_read``, which a test may
-    replace to log them). Install it before the first admission: ``src.coord = ReadLog(src)``."""
+    replace to log them); ``streamed``, those of them an admission streamed in the background
+    (``submit(..., background=True)``). Install it before the first admission:
+    ``src.coord = ReadLog(src)``."""
 
     def __init__(self, src) -> None:
-        self.inner, self.src, self.keys = src.coord, src, []
+        self.inner, self.src, self.keys, self.streamed = src.coord, src, [], []
 
     def on_read(self, keys) -> None:
         self.keys.extend(keys)
 
-    def submit(self, layers, rows, heads):
+    def submit(self, layers, rows, heads, *, background=False):
         hk = self.src.engine.geo.num_kv_heads
         keys, seen = [], set()
         for layer, row, head, (owner, logical) in zip(
@@ -69,10 +71,18 @@ class ReadLog:
                 keys += [(st.daemon_id, layer, logical, h) for h in absent]
         if keys:
             self.on_read(keys)
-        return self.inner.submit(layers, rows, heads)
+            if background:
+                self.streamed += keys
+        return self.inner.submit(layers, rows, heads, background=background)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
+
+
+def all_released(client, timeout_s: float = 5.0) -> bool:
+    """Whether the daemon soon holds no staged request and no bytes (the decode side releases
+    its copies from a coordinator connection's task, after the call that ended them)."""
+    return wait_until(lambda: (s := client.stats())["live_requests"] == 0 and s["used_bytes"] == 0, timeout_s)
 
 
 def staged_small(model, d: Daemon, seeds=SEEDS) -> list[StagedRequest]:

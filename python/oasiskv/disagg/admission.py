@@ -1,9 +1,36 @@
 """Admitting a staged request on the decode side (:class:`AdmissionMixin`, a part of
-:class:`~oasiskv.disagg.remote.RemoteKvSource`): check its geometry and meta, reserve and turn it
-sparse (``Engine.admit_sparse``), bring the admission (every summary row and the admission set,
-or with ``kv_transfer="full"`` every block) into the host pool and summaries, from what the read
-ahead brought (:class:`~oasiskv.disagg.read_ahead.ReadAhead`) or read in the loop, put the
-partial last block in the local page, and select the initial working set with the staged query.
+:class:`~oasiskv.disagg.remote.RemoteKvSource`), in two steps, so that the decode loop never
+waits on the network for a request it has not admitted yet:
+
+1. :meth:`~AdmissionMixin.start_admission` checks the geometry and meta, reserves the request and
+   turns it sparse (``Engine.admit_sparse``: its working-set pages and every host row it will
+   own), writes what the read ahead brought (:mod:`.read_ahead`; read here when nothing was
+   read ahead): the sections, and with a partial transfer (or a full one over an fp8 host pool)
+   the summaries and the admission set. Then it hands the request's KV blocks to the Rust
+   coordinator as background reads (``Coordinator.submit(..., background=True)``): with
+   ``kv_transfer="full"`` every block of every layer, with ``"partial"`` each KV head's first
+   working set (keys the read ahead selected). The coordinator's tasks write them straight into
+   the request's host rows; no Python thread or bytes carry them. It returns at once.
+2. :meth:`~AdmissionMixin.finish_admission` waits, layer by layer, for that layer's reads of
+   this request alone (``Coordinator.wait_request``), builds the layer's summaries (full
+   transfer), then puts the partial last block in the local page and selects the initial
+   working set with the staged query. ``LLMEngine`` calls it once
+   :meth:`~AdmissionMixin.admission_landed` (every read of the request has landed or failed; it
+   asks each step while others decode), or at once when nothing else is running (then the
+   per-layer waits overlap the summaries with the later layers' reads).
+
+Policy: the rows are reserved at admission (step 1), not when the read ahead starts. The
+request is next in line then, and its seat and rows are held only while its blocks stream in
+beside the decode steps of the others; rows reserved at read-ahead would be held by requests
+that may still wait long behind one that does not fit. The read ahead brings only what is
+small (sections, summaries, and a partial transfer's admission set, which the daemon's
+admission reply carries inline).
+
+Faults: a read that fails (daemon gone or stalled past ``kv_timeout_s`` x ``kv_retries``, a
+reply of the wrong size, a released request) fails this request alone: the coordinator marks
+nothing of it present, drops its frames not sent yet, and :meth:`finish_admission` raises
+:class:`~oasiskv.errors.RemoteError` with the message; everything it took goes back (rows,
+pages, the daemon's copy) and ``LLMEngine`` finishes it with ``finish_reason="error"``.
 
 An engine with an fp8 host tier (``KvConfig(kv_dtype="fp8_e4m3")`` or ``host_kv_dtype="fp8_e4m3"``)
 admits fp8 blocks (the geometry's ``kv_format`` 1), codes into the pool and scales into its scales,
@@ -25,7 +52,7 @@ from ..engine import Request, csr_tables, i32
 from ..errors import ConfigError, RemoteError
 from . import wire
 from .read_ahead import Prefetched
-from .state import StagedState
+from .state import Admitting, StagedState
 from .wire import DTYPES, LOCAL_SECTION, META_FORMAT, META_SECTION, QUERY_SECTION, StagedRequest
 
 
@@ -34,25 +61,45 @@ class AdmissionMixin:
     state they work on: ``engine``, ``transfer``, ``cache_blocks``, ``stats``, its components
     (``conns``: the admission's daemon connection, ``coord``: the Rust coordinator with the
     presence map and the reads into the host pool, ``read_ahead``) and the staged requests'
-    bookkeeping (``_by_req``, ``_bounded``, ``_failed``, ``_collect_failures``, ``_admitting``), and
-    the host pool writes and reads the admission shares with decode (``_grow_maps``, ``_take_row``,
-    ``_rows_for``, ``_blocks_of``, ``_store``, ``_store_blocks``, ``_count_cached``, ``_ensure``,
-    ``_read_blocks``, ``_release_remote``, ``end``)."""
+    bookkeeping (``_by_req``, ``_bounded``, ``_failed``, ``_collect_failures``), and the host pool
+    writes and reads the admission shares with decode (``_sync_pools``, ``_streaming``,
+    ``_moves_pools``, ``_take_row``, ``_rows_for``, ``_blocks_of``, ``_store_blocks``,
+    ``_sync_landed``, ``_ensure``, ``_release_remote``, ``_release``, ``end``)."""
 
     @torch.no_grad()
-    def admit(self, r: Request, handle: StagedRequest) -> None:
-        """Admit ``r`` (its prompt already set) from the daemon's staged KV of ``handle``: reserve,
-        turn it sparse, fill the host pool with the admission (or everything, ``transfer="full"``)
-        and select the initial working set. On failure everything it took goes back and the error
+    def start_admission(self, r: Request, handle: StagedRequest) -> None:
+        """Start admitting ``r`` (its prompt already set) from the daemon's staged KV of
+        ``handle`` (step 1 of the module docs): reserve, turn it sparse, write the admission
+        data, and hand its blocks to the coordinator, which streams them into its host rows in
+        the background. Returns at once. On failure everything it took goes back and the error
         propagates (a :class:`~oasiskv.errors.RemoteError`, or ``ConfigError`` when the staged
-        geometry does not match this engine)."""
+        geometry or meta does not match this engine)."""
         try:
-            self._admit(r, handle)
+            self._start(r, handle)
         except BaseException:
             # A staged request handed to the engine is the engine's: it ends here, so does the
             # daemon's copy (best effort), however the admission failed.
             self.end(r)
-            self.conns.release(handle.request_id)
+            self._release(handle.request_id)
+            raise
+
+    def admission_landed(self, r: Request) -> bool:
+        """Whether every read :meth:`start_admission` handed the coordinator for ``r`` has
+        landed or failed: :meth:`finish_admission` would not wait for the network."""
+        return self.coord.in_flight(r.id) == 0
+
+    @torch.no_grad()
+    def finish_admission(self, r: Request) -> None:
+        """Finish admitting ``r`` (step 2 of the module docs): per layer, wait for its reads of
+        that layer and build its summaries; the local page; the initial working set. Then ``r``
+        decodes as any sparse request. On failure (a read of it failed: RemoteError with the
+        message) everything it took goes back and the error propagates."""
+        st = self._by_req[r.id]
+        try:
+            self._finish(st)
+        except BaseException:
+            self.end(r)
+            self.engine.release(r)
             raise
 
     def _geometry(self, prompt_len: int) -> tuple[int, int, int, int, int, int, int]:
@@ -71,7 +118,7 @@ class AdmissionMixin:
             fmt,
         )
 
-    def _admit(self, r: Request, handle: StagedRequest) -> None:
+    def _start(self, r: Request, handle: StagedRequest) -> None:
         eng = self.engine
         n = len(r.prompt)
         expect = self._geometry(n)
@@ -100,153 +147,177 @@ class AdmissionMixin:
                 f"max_tokens={r.max_new_tokens} never passes sparse_threshold={eng.kv.threshold_tokens}; "
                 "lower KvConfig.sparse_threshold or raise max_tokens"
             )
-        wire0 = self._wire()
-        self._admitting = True
-        try:
-            self._admit_staged(r, handle, wire0)
-        finally:
-            self._admitting = False
-
-    def _admit_staged(self, r: Request, handle: StagedRequest, wire0: int) -> None:
-        eng = self.engine
-        g = eng.geo
-        layers = eng.cfg.num_hidden_layers
-        n, b = len(r.prompt), eng.geo.block_size
-        nb = math.ceil(n / b)
+        c0 = self.conns.wire()
+        pf = self.read_ahead.take(handle.request_id)
+        if self._streaming() and self._moves_pools(n, r.max_new_tokens):
+            # NOTE: the host pool grows (new tensors, the old copied): the streams in flight land
+            # first. LLMEngine starts such an admission while others decode only once they have
+            # (ready), so this waits only when nothing else is running.
+            self.stats.wait_seconds += self.coord.drain()
         tr = eng.admit_sparse(r, self.cache_blocks)
-        st = None
         try:
-            p = eng.pools
-            host_rows = list(tr["host_rows"])
-            bounded = self.cache_blocks is not None
-            st = StagedState(
-                handle.request_id, r, list(tr["host_blocks"]), host_rows, bounded, set(host_rows)
-            )
-            self._by_req[r.id] = st
-            self.coord.stage(r.id, handle.request_id)
-            self._bounded += bounded
-            self._grow_maps()
-            # The rows that hold a staged block now: every block's, or (bounded) the partial last
-            # block's alone (the cache rows are empty; the filler only names the owner).
-            first = n // b if bounded else 0
-            if bounded:
-                self.coord.set_owner(host_rows[0], r.id)
-            for logical in range(first, nb):
-                self._take_row(st, host_rows[logical], logical)
-            pf = self.read_ahead.take(handle.request_id)
-            if self.transfer == "full":
-                # The baseline: every block crosses; the summaries are built here, as a local
-                # transition to sparse builds them. Not from an fp8 host pool: the engine's
-                # summaries bound the keys before quantization, so the staged rows come along.
-                if eng.host_kv8:
-                    sections = self._fetch_admission(st, layers, pf)
-                elif pf is not None:
-                    sections = self._checked_sections(st, pf.sections)
-                else:
-                    sections = self._fetch_sections(st)
-                if pf is not None:
-                    for layer, logicals, data in pf.frames:
-                        self._install(st, layer, logicals, None, data)
-                self._fetch_rest(st, layers)  # whatever the read ahead did not bring
-                if not eng.host_kv8:
-                    self._build_summaries(tr)
-            else:
-                sections = self._fetch_admission(st, layers, pf)
-                if pf is not None:
-                    for layer, pairs, data in pf.heads:
-                        blocks, heads = zip(*pairs, strict=True)
-                        self._install(st, layer, blocks, heads, data)
-            try:
-                meta = json.loads(sections[META_SECTION])
-            except (ValueError, UnicodeDecodeError):
-                meta = None
-            if not isinstance(meta, dict) or meta.get("format") != META_FORMAT or meta.get("prompt_len") != n:
-                raise ConfigError(
-                    f"the staged request's meta {meta!r} does not match a {n}-token prompt; pass the "
-                    "handle its PrefillWorker returned"
-                )
-            if DTYPES.get(meta.get("dtype")) != eng.dtype:
-                raise ConfigError(
-                    f"staged KV dtype {meta.get('dtype')!r} differs from this engine's {eng.dtype}"
-                )
-            pages = FP8_KV if eng.page_kv8 else wire.dtype_name(eng.dtype)
-            if meta.get("kv_dtype", meta.get("dtype")) != pages:
-                raise ConfigError(
-                    f"the staged request was prefilled over {meta.get('kv_dtype')} GPU pages, this engine "
-                    f"keeps {pages} pages: pass the same KvConfig.kv_dtype to the PrefillWorker and the "
-                    "decode engine (the staged summaries bound the keys its pages hold)"
-                )
-            raw = sections[QUERY_SECTION]
-            want = layers * g.num_qo_heads * g.head_dim * eng.dtype.itemsize
-            if len(raw) != want:
-                raise ConfigError(
-                    f"the staged query section holds {len(raw)} bytes, this engine needs {want} "
-                    "(layers x query heads x head dim); prefill with the same model"
-                )
-            query = torch.frombuffer(bytearray(raw), dtype=eng.dtype)
-            query = query.view(layers, g.num_qo_heads, g.head_dim)
-            if n % b:
-                # The partial last block is the local block: its tokens go to the local page.
-                last = torch.tensor([host_rows[-1]], dtype=torch.long)
-                heads = torch.arange(g.num_kv_heads)
-                local = self._local_kv(sections, layers)
-                lp, row = tr["local_page"], host_rows[-1]
-                for layer in range(layers):
-                    self._ensure(layer, last.expand(g.num_kv_heads), heads)
-                    if local is not None:  # float pages over an fp8 host pool: unquantized
-                        p.k_pages[layer][lp] = local[layer, 0].to(p.k_pages[layer])
-                        p.v_pages[layer][lp] = local[layer, 1].to(p.v_pages[layer])
-                        continue
-                    p.k_pages[layer][lp] = p.host_k[layer][row].to(p.k_pages[layer])
-                    p.v_pages[layer][lp] = p.host_v[layer][row].to(p.v_pages[layer])
-                    if eng.page_kv8:  # fp8 pages and host pool: the codes and their scales
-                        p.k_scales[layer][lp] = p.host_k_scales[layer][row].to(p.k_scales[layer])
-                        p.v_scales[layer][lp] = p.host_v_scales[layer][row].to(p.v_scales[layer])
-            r.sparse = True
-            r.metrics.sparse_since_token = r.kv_len
-            self._select_initial(r, tr, query)
-            self._collect_failures()
-            if self._failed.pop(r.id, None) is not None:
-                raise RemoteError(st.errors[-1] if st.errors else "admission fetch failed")
-            st.admission_bytes = self._wire() - wire0 + (pf.wire_bytes if pf is not None else 0)
-            r.metrics.network_admission_bytes = st.admission_bytes
-            self.stats.requests += 1
-            self.stats.admission_bytes += st.admission_bytes
-            self.stats.kv_bytes += handle.kv_bytes
-            if self.transfer == "full":
-                # Everything is local now: the daemon's copy is not needed any more.
-                self._release_remote(st)
+            self._start_staged(r, handle, tr, pf)
         except BaseException:
             self.end(r)
             eng.release(r)
             raise
+        st = self._by_req[r.id]
+        st.admitting.wire_bytes += self.conns.wire() - c0 + (pf.wire_bytes if pf is not None else 0)
+
+    def _start_staged(self, r: Request, handle: StagedRequest, tr: dict, pf: Prefetched | None) -> None:
+        eng = self.engine
+        layers = eng.cfg.num_hidden_layers
+        n, b = len(r.prompt), eng.geo.block_size
+        nb = math.ceil(n / b)
+        host_rows = list(tr["host_rows"])
+        bounded = self.cache_blocks is not None
+        st = StagedState(handle.request_id, r, list(tr["host_blocks"]), host_rows, bounded, set(host_rows))
+        st.admitting = Admitting(tr, kv_bytes=handle.kv_bytes)
+        self._by_req[r.id] = st
+        self.coord.stage(r.id, handle.request_id)
+        self._bounded += bounded
+        self._sync_pools(restream=False)  # the streams in flight landed before any growth
+        # The rows that hold a staged block now: every block's, or (bounded) the partial last
+        # block's alone (the cache rows are empty; the filler only names the owner).
+        first = n // b if bounded else 0
+        if bounded:
+            self.coord.set_owner(host_rows[0], r.id)
+        for logical in range(first, nb):
+            self._take_row(st, host_rows[logical], logical)
+        if self.transfer == "full" and not eng.host_kv8:
+            # The baseline: every block crosses; the summaries are built from the host pool at
+            # finish, as a local transition to sparse builds them.
+            sections = self._checked_sections(st, pf.sections) if pf is not None else self._fetch_sections(st)
+        else:
+            # Partial: the summaries and the admission set. Full over an fp8 host pool: the
+            # engine's summaries bound the keys before quantization, so the staged rows come along.
+            sections = self._fetch_admission(st, layers, pf)
+        st.admitting.query = self._checked_meta(sections, n)
+        st.admitting.local = self._local_kv(sections, layers)
+        # Its blocks, streamed into its rows by the coordinator while others decode: every
+        # block of every layer (whole), or each KV head's first working set.
+        if self.transfer == "full":
+            stream = (
+                [layer for layer in range(layers) for _ in range(nb)],
+                host_rows * layers,
+                [-1] * (layers * nb),
+            )
+        elif pf is not None and pf.heads:
+            stream = tuple(list(x) for x in zip(*pf.heads, strict=True))
+            stream = (stream[0], [host_rows[blk] for blk in stream[1]], stream[2])
+        else:
+            return
+        st.admitting.stream = stream
+        self.coord.submit(*stream, background=True)
+
+    def _finish(self, st: StagedState) -> None:
+        eng, r = self.engine, st.req
+        g, p = eng.geo, eng.pools
+        layers = eng.cfg.num_hidden_layers
+        adm = st.admitting
+        tr = adm.tr
+        c0 = self.conns.wire()
+        for layer in range(layers):
+            self.stats.wait_seconds += self.coord.wait_request(r.id, layer)
+            self._raise_if_failed(st)
+            if self.transfer == "full" and not eng.host_kv8:
+                self._build_summaries(tr, layer)
+        if len(r.prompt) % g.block_size:
+            # The partial last block is the local block: its tokens go to the local page.
+            row = st.host_rows[-1]
+            last = torch.tensor([row], dtype=torch.long)
+            heads = torch.arange(g.num_kv_heads)
+            lp = tr["local_page"]
+            for layer in range(layers):
+                self._ensure(layer, last.expand(g.num_kv_heads), heads)
+                if adm.local is not None:  # float pages over an fp8 host pool: unquantized
+                    p.k_pages[layer][lp] = adm.local[layer, 0].to(p.k_pages[layer])
+                    p.v_pages[layer][lp] = adm.local[layer, 1].to(p.v_pages[layer])
+                    continue
+                p.k_pages[layer][lp] = p.host_k[layer][row].to(p.k_pages[layer])
+                p.v_pages[layer][lp] = p.host_v[layer][row].to(p.v_pages[layer])
+                if eng.page_kv8:  # fp8 pages and host pool: the codes and their scales
+                    p.k_scales[layer][lp] = p.host_k_scales[layer][row].to(p.k_scales[layer])
+                    p.v_scales[layer][lp] = p.host_v_scales[layer][row].to(p.v_scales[layer])
+        r.sparse = True
+        r.metrics.sparse_since_token = r.kv_len
+        self._select_initial(r, tr, adm.query)
+        self._raise_if_failed(st)
+        self._sync_landed()  # the coordinator's bytes of this request so far: its admission's
+        st.admission_bytes = adm.wire_bytes + self.conns.wire() - c0 + round(adm.coord_bytes)
+        r.metrics.network_admission_bytes = st.admission_bytes
+        st.admitting = None
+        self.stats.requests += 1
+        self.stats.admission_bytes += st.admission_bytes
+        self.stats.kv_bytes += adm.kv_bytes
+        if self.transfer == "full":
+            # Everything is local now: the daemon's copy is not needed any more.
+            self._release_remote(st)
+
+    def _raise_if_failed(self, st: StagedState) -> None:
+        """RemoteError with the message when a read of ``st`` failed."""
+        self._collect_failures()
+        if st.req.id in self._failed:
+            raise RemoteError(self._failed.pop(st.req.id))
+
+    def _checked_meta(self, sections: dict, n: int) -> torch.Tensor:
+        """The staged query ``[layers, num_qo_heads, head_dim]``, after checking that the meta
+        matches this engine and an ``n``-token prompt."""
+        eng = self.engine
+        g = eng.geo
+        layers = eng.cfg.num_hidden_layers
+        try:
+            meta = json.loads(sections[META_SECTION])
+        except (ValueError, UnicodeDecodeError):
+            meta = None
+        if not isinstance(meta, dict) or meta.get("format") != META_FORMAT or meta.get("prompt_len") != n:
+            raise ConfigError(
+                f"the staged request's meta {meta!r} does not match a {n}-token prompt; pass the "
+                "handle its PrefillWorker returned"
+            )
+        if DTYPES.get(meta.get("dtype")) != eng.dtype:
+            raise ConfigError(f"staged KV dtype {meta.get('dtype')!r} differs from this engine's {eng.dtype}")
+        pages = FP8_KV if eng.page_kv8 else wire.dtype_name(eng.dtype)
+        if meta.get("kv_dtype", meta.get("dtype")) != pages:
+            raise ConfigError(
+                f"the staged request was prefilled over {meta.get('kv_dtype')} GPU pages, this engine "
+                f"keeps {pages} pages: pass the same KvConfig.kv_dtype to the PrefillWorker and the "
+                "decode engine (the staged summaries bound the keys its pages hold)"
+            )
+        raw = sections[QUERY_SECTION]
+        want = layers * g.num_qo_heads * g.head_dim * eng.dtype.itemsize
+        if len(raw) != want:
+            raise ConfigError(
+                f"the staged query section holds {len(raw)} bytes, this engine needs {want} "
+                "(layers x query heads x head dim); prefill with the same model"
+            )
+        return torch.frombuffer(bytearray(raw), dtype=eng.dtype).view(layers, g.num_qo_heads, g.head_dim)
 
     # ---------------------------------------------------------------- reading ahead
     def prefetch(self, handle: StagedRequest) -> None:
         """Start reading ``handle``'s admission data in a background thread, on a connection of
-        its own: the summaries and admission set (``"partial"``), or every block (``"full"``).
-        Its admission then copies from host memory instead of stalling the decode loop on the
-        network. At most :attr:`prefetch_depth` requests are read ahead (``LLMEngine`` asks for
-        the first waiting ones every step); a failed read only means the admission reads in the
-        loop, as without it (and reports the error there)."""
+        its own: the sections, and the summaries and admission set (``"partial"``; ``"full"``
+        over an fp8 host pool), and select each KV head's first working set (``"partial"``). Its
+        admission then takes them from host memory instead of stalling the decode loop on the
+        network; its blocks stream in through the coordinator. At most :attr:`prefetch_depth`
+        requests are read ahead (``LLMEngine`` asks for the first waiting ones every step); a
+        failed read only means the admission reads in the loop, as without it (and reports the
+        error there)."""
         self.read_ahead.start(handle, self._geometry(len(handle.prompt)))
 
-    def ready(self, handle: StagedRequest) -> bool:
-        """Whether admitting ``handle`` now would not wait for its read ahead."""
-        return self.read_ahead.ready(handle)
+    def ready(self, handle: StagedRequest, max_new_tokens: int) -> bool:
+        """Whether starting ``handle``'s admission now (with ``max_new_tokens``) would not wait:
+        its read ahead is done, and it does not grow the host pool while other admissions'
+        blocks are in flight (they land first)."""
+        if not self.read_ahead.ready(handle):
+            return False
+        return not (self._streaming() and self._moves_pools(len(handle.prompt), max_new_tokens))
 
     def drop_prefetch(self, daemon_id: int) -> None:
         """Forget a read ahead (its request ended before admission)."""
         self.read_ahead.drop(daemon_id)
 
     # ---------------------------------------------------------------- admission steps
-    def _install(self, st: StagedState, layer: int, logicals, heads, data) -> None:
-        """Blocks (``heads`` None) or block-heads read ahead, ``logicals`` of ``st`` in order, into
-        their host rows."""
-        rows = torch.tensor([st.host_rows[i] for i in logicals], dtype=torch.long)
-        heads_t = None if heads is None else torch.tensor(heads, dtype=torch.long)
-        self._count_cached(st, int(self._store(layer, rows, heads_t, data).sum()))
-
     def _fetch_admission(self, st: StagedState, layers: int, pf: Prefetched | None = None) -> dict:
         """Read the admission set of every layer (in as many calls as the frame limit needs), or
         take what ``pf`` read ahead, into the host pool and summaries; returns the sections."""
@@ -300,14 +371,13 @@ class AdmissionMixin:
         x = torch.frombuffer(bytearray(raw), dtype=eng.dtype)
         return x.view(layers, 2, g.num_kv_heads, g.block_size, g.head_dim)
 
-    def _build_summaries(self, tr: dict) -> None:
-        """Summaries of every block from the host pool (``transfer="full"``)."""
+    def _build_summaries(self, tr: dict, layer: int) -> None:
+        """Summaries of every block of ``layer`` from the host pool (``transfer="full"``)."""
         eng = self.engine
         p, dev = eng.pools, eng.device
         dst, lens = i32(tr["host_blocks"], dev), i32(tr["lens"], dev)
         rows = i32(tr["host_rows"], dev)
-        for layer in range(eng.cfg.num_hidden_layers):
-            ops.build_summaries(eng.geo, p.host_k[layer], dst, lens, p.summaries[layer], block_rows=rows)
+        ops.build_summaries(eng.geo, p.host_k[layer], dst, lens, p.summaries[layer], block_rows=rows)
 
     def _write_admission(self, st: StagedState, adm: dict) -> None:
         eng = self.engine
@@ -339,15 +409,6 @@ class AdmissionMixin:
                 sel = torch.tensor(rows_i, dtype=torch.long)
                 chosen = tuple(None if x is None else x.index_select(0, sel) for x in blocks)
                 self._store_blocks(st, layer, torch.tensor(rows, dtype=torch.long), chosen)
-
-    def _fetch_rest(self, st: StagedState, layers: int) -> None:
-        """``transfer="full"``: read every block the admission did not bring (whole blocks, by the
-        coordinator, every layer at once)."""
-        self._read_blocks(list(st.host_rows), layers)
-
-    def _wire(self) -> int:
-        """Wire bytes so far of the admission's connection and of the coordinator's."""
-        return self.conns.wire() + self.coord.stats()["wire_bytes"]
 
     def _select_initial(self, r: Request, tr: dict, query: torch.Tensor) -> None:
         """The initial working set, selected with the staged query without the cap (as

@@ -1,11 +1,11 @@
 """The decode side's own connection to the ``oasis-rt`` daemon (:class:`Connections`): the
 admission's reads (sections, summaries, the admission set) with their reconnect-and-retry
-(:meth:`Connections.call`), its wire bytes (:meth:`Connections.wire`) and the release of a
-daemon's copy.
+(:meth:`Connections.call`) and its wire bytes (:meth:`Connections.wire`).
 
-The reads of block-heads into the host pool (decode-time misses, a full transfer's blocks) are
-not here: the Rust coordinator (``oasiskv._core.Coordinator``, crate ``oasis-coord``) makes them
-on connections and threads of its own (:class:`~oasiskv.disagg.remote.RemoteKvSource`).
+The reads of block-heads into the host pool (decode-time misses, an admission's blocks) and the
+releases of the daemon's copies are not here: the Rust coordinator (``oasiskv._core.Coordinator``,
+crate ``oasis-coord``) makes them on connections and threads of its own
+(:class:`~oasiskv.disagg.remote.RemoteKvSource`).
 """
 
 from __future__ import annotations
@@ -63,13 +63,6 @@ class Connections:
                 if attempt == self.retries or not self.reconnect():
                     raise
         raise AssertionError("unreachable")  # pragma: no cover
-
-    def release(self, daemon_id: int) -> None:
-        """Release a staged request's copy in the daemon (best effort: a failure is logged)."""
-        try:
-            self.client.release(daemon_id)
-        except RemoteError as e:
-            log.warning("releasing staged request %s in the daemon failed: %s", daemon_id, e)
 
     def close(self) -> None:
         self.client.close()

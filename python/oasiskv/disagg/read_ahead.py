@@ -1,10 +1,19 @@
-"""Reading staged requests ahead of their admission (:class:`ReadAhead`): while the engine decodes,
-a background thread reads the admission data of the first waiting staged requests (their
-sections and summaries with the admission set and each KV head's first working set, or with a
-full transfer every block, and the summaries too over an fp8 host pool) into host memory,
-spread over connections of its own. It touches nothing of the engine; the admission copies from
-the :class:`Prefetched` bytes instead of stalling the decode loop on the network, and reads what
-they lack itself.
+"""Reading staged requests' admission data ahead of their admission (:class:`ReadAhead`): while the
+engine decodes, a background thread reads, for the first waiting staged requests, what their
+admission needs besides the KV blocks, over connections of its own, into :class:`Prefetched`:
+
+- the sections (meta, the staged query, the unquantized local block of an fp8 host pool);
+- with a partial transfer (and a full one over an fp8 host pool, which cannot rebuild the
+  summaries) the admission replies: every summary row (they go to the GPU's summaries, not the
+  host pool) and the admission set;
+- with a partial transfer, each KV head's first working set, selected on the CPU from the staged
+  summaries and query: keys only, no bytes.
+
+The KV blocks do not come this way: the admission hands them (a full transfer's every block, a
+partial transfer's first working sets) to the Rust coordinator, which streams them straight into
+the host rows the request owns (:mod:`.admission`). What is left in Python bytes here is small
+beside them (summaries: 1/16 of the KV at block size 16) except a partial transfer's admission
+set, which the daemon's admission reply carries inline.
 """
 
 from __future__ import annotations
@@ -26,15 +35,13 @@ log = logging.getLogger("oasiskv.disagg")
 @dataclass
 class Prefetched:
     """What the background read brought for a staged request before its admission: the sections,
-    the admission replies (``"partial"``: summaries and the admission set, per layer range) or
-    every block (``"full"``: ``(layer, logical blocks, their bytes)`` per frame), and the wire
-    bytes it took."""
+    the admission replies (summaries and the admission set, per layer range; none for a full
+    transfer over a float host pool), the first working sets' keys and the wire bytes it took."""
 
     sections: dict = field(default_factory=dict)
     adms: list = field(default_factory=list)
-    frames: list = field(default_factory=list)
-    #: ``"partial"``: each KV head's first-step blocks, ``(layer, [(logical, head)], bytes)``
-    #: per frame, selected on the CPU from the staged summaries and query.
+    #: ``"partial"``: each KV head's first-step blocks outside the admission set, ``(layer,
+    #: logical, head)`` in layer order, selected on the CPU from the staged summaries and query.
     heads: list = field(default_factory=list)
     wire_bytes: int = 0
 
@@ -43,10 +50,11 @@ class ReadAhead:
     """The background reads of one decode engine's waiting staged requests.
 
     ``transfer`` is the source's (``"partial"`` or ``"full"``: what is read); ``cache_blocks``
-    its bounded cache (no first working set is read with one: its rows are handed out at
+    its bounded cache (no first working set is selected with one: its rows are handed out at
     admission); ``open_client()`` opens a connection to the daemon. ``depth``: how many
     requests are read ahead at most (0: none); ``connections``: how many connections (and
-    threads) one request's reads spread over; ``pending``: daemon id -> the read of its data.
+    threads) one request's admission replies spread over; ``pending``: daemon id -> the read of
+    its data.
     """
 
     def __init__(
@@ -56,12 +64,11 @@ class ReadAhead:
         self.transfer = transfer
         self.cache_blocks = cache_blocks
         self._open = open_client
-        self._entry_bytes = wire.block_head_bytes(engine.geo, engine.dtype, engine.host_kv8)
         #: How many waiting staged requests :meth:`start` reads ahead (0: none; each admission
-        #: then reads in the decode loop).
+        #: then reads them in the decode loop).
         self.depth = wire.PREFETCH_DEPTH
         self.pending: dict[int, Future] = {}  # daemon id -> the background read of its data
-        #: Connections (and threads) the read ahead spreads one request's reads over.
+        #: Connections (and threads) the read ahead spreads one request's admission replies over.
         self.connections = wire.PREFETCH_CONNECTIONS
         self._prefetcher: ThreadPoolExecutor | None = None
         self._helpers: ThreadPoolExecutor | None = None
@@ -116,61 +123,27 @@ class ReadAhead:
         self._clients = []
 
     def _read(self, h: StagedRequest) -> Prefetched:
-        """The background read (nothing of the engine is touched): its units of work (a layer's
-        blocks; a layer range's admission reply and first working set) spread round-robin over
-        :attr:`connections` connections of its own, one thread each, merged in layer
-        order (so the frames are those the loop would read)."""
-        layers, hk, b, d, elem, nb, _ = h.geometry
+        """The background read (nothing of the engine is touched): the sections alone (a full
+        transfer over a float host pool), or the admission replies, their layer ranges spread
+        round-robin over :attr:`connections` connections of its own (one thread each) and merged
+        in layer order (so the replies are those the loop would read); then, for a partial
+        transfer, the first working sets' keys."""
+        layers, hk, _, d, elem, nb, _ = h.geometry
         rid = h.request_id
         try:
             clients = self._open_clients()
             wire0 = [sum(c.wire_bytes) for c in clients]
             pf = Prefetched()
-            chunks = wire.admission_chunks(layers, nb * hk * 2 * d * elem)
-            if self.transfer == "full":
-                if self.engine.host_kv8:
-                    # An fp8 host pool cannot rebuild the summaries: they come with the sections.
-                    pf.adms = list(wire.admission_replies(lambda fn: fn(clients[0]), rid, chunks))
-                    pf.sections = dict(pf.adms[0]["sections"])
-                else:
-                    pf.sections = dict(clients[0].fetch_admission(rid, 0, 0, True)["sections"])
-                units: list = list(range(layers))
-
-                def work(c, layer):
-                    return [], self._read_whole(c, h, layer), []
-
+            if self.transfer == "full" and not self.engine.host_kv8:
+                pf.sections = dict(clients[0].fetch_admission(rid, 0, 0, True)["sections"])
             else:
-                first = list(wire.admission_replies(lambda fn: fn(clients[0]), rid, chunks[:1]))
-                pf.sections = dict(first[0]["sections"])
-                query = torch.frombuffer(bytearray(pf.sections[QUERY_SECTION]), dtype=self.engine.dtype)
-                query = query.view(layers, -1, d)
-                pf.adms = first
-                pf.heads = self._read_first_heads(clients[0], h, first, query)
-                units = chunks[1:]
-
-                def work(c, chunk):
-                    adms = list(wire.admission_replies(lambda fn: fn(c), rid, [chunk], sections=False))
-                    return adms, [], self._read_first_heads(c, h, adms, query)
-
-            # Unit i goes to connection (i + skew) % n: the first connection already read the
-            # first admission chunk.
-            n, skew = len(clients), 0 if self.transfer == "full" else 1
-            owner = [(i + skew) % n for i in range(len(units))]
-            helpers = {
-                j: self._helpers.submit(
-                    lambda j=j: [work(clients[j], u) for u, o in zip(units, owner, strict=True) if o == j]
-                )
-                for j in set(owner) - {0}
-            }
-            results = {0: [work(clients[0], u) for u, o in zip(units, owner, strict=True) if o == 0]}
-            results.update({j: f.result() for j, f in helpers.items()})
-            taken = dict.fromkeys(results, 0)
-            for o in owner:  # merged in unit (layer) order
-                adms, frames, heads = results[o][taken[o]]
-                taken[o] += 1
-                pf.adms += adms
-                pf.frames += frames
-                pf.heads += heads
+                chunks = wire.admission_chunks(layers, nb * hk * 2 * d * elem)
+                pf.adms = list(wire.admission_replies(lambda fn: fn(clients[0]), rid, chunks[:1]))
+                pf.sections = dict(pf.adms[0]["sections"])
+                pf.adms += self._spread(clients, rid, chunks[1:])
+                if self.transfer == "partial":
+                    query = torch.frombuffer(bytearray(pf.sections[QUERY_SECTION]), dtype=self.engine.dtype)
+                    pf.heads = self._first_heads(h, pf.adms, query.view(layers, -1, d))
             pf.wire_bytes = sum(sum(c.wire_bytes) - w for c, w in zip(clients, wire0, strict=True))
             return pf
         except BaseException:
@@ -178,6 +151,29 @@ class ReadAhead:
                 c.close()
             self._clients = []  # fresh connections for the next read
             raise
+
+    def _spread(self, clients: list, rid: int, chunks: list) -> list:
+        """The admission replies of ``chunks`` (no sections), chunk i on connection (i + 1) % n
+        (the first connection read the first chunk already), merged in chunk order."""
+        n = len(clients)
+        owner = [(i + 1) % n for i in range(len(chunks))]
+
+        def work(j: int) -> list:
+            return [
+                list(wire.admission_replies(lambda fn: fn(clients[j]), rid, [chunk], sections=False))
+                for chunk, o in zip(chunks, owner, strict=True)
+                if o == j
+            ]
+
+        helpers = {j: self._helpers.submit(work, j) for j in set(owner) - {0}}
+        results = {0: work(0)} if 0 in owner else {}
+        results.update({j: f.result() for j, f in helpers.items()})
+        taken = dict.fromkeys(results, 0)
+        out = []
+        for o in owner:  # merged in chunk (layer) order
+            out += results[o][taken[o]]
+            taken[o] += 1
+        return out
 
     def _open_clients(self) -> list:
         """The read ahead's connections (opened on first use), and the threads of all but the
@@ -190,23 +186,12 @@ class ReadAhead:
             )
         return self._clients
 
-    def _read_whole(self, c, h: StagedRequest, layer: int) -> list:
-        """Every block of ``layer``, whole: ``(layer, logicals, bytes)`` per frame."""
-        hk, nb = h.geometry[1], h.geometry[5]
-        per_frame = wire.entries_per_frame(self._entry_bytes * hk)
-        frames = []
-        for lo in range(0, nb, per_frame):
-            logicals = list(range(lo, min(nb, lo + per_frame)))
-            keys = [(h.request_id, layer, i, -1) for i in logicals]
-            frames.append((layer, logicals, wire.read_all(c, keys, f"block of layer {layer}")))
-        return frames
-
-    def _read_first_heads(self, c, h: StagedRequest, adms: list, query: torch.Tensor) -> list:
-        """The block-heads the admission's first selection will read for the layers of ``adms``
-        (each KV head's top-K from the staged query, scored here by the CPU twins), as
-        ``(layer, [(logical, head)], bytes)`` per frame. A GPU's scores may break a near-tie
-        otherwise: the admission reads what this missed, in the loop. Nothing with a bounded
-        cache (its rows are handed out at admission)."""
+    def _first_heads(self, h: StagedRequest, adms: list, query: torch.Tensor) -> list:
+        """The block-heads the admission's first selection will read, outside the admission set
+        (each KV head's top-K from the staged query, scored here by the CPU twins, and the sink
+        blocks), as ``(layer, logical, head)`` in layer order. A GPU's scores may break a near-tie
+        otherwise: the admission reads what this missed. Nothing with a bounded cache (its rows
+        are handed out at admission)."""
         eng, g = self.engine, self.engine.geo
         _, hk, b, d, _, nb, _ = h.geometry
         n_complete = len(h.prompt) // b
@@ -227,19 +212,13 @@ class ReadAhead:
         indptr = torch.tensor([0, n_complete], dtype=torch.int32)
         indices = torch.arange(n_complete, dtype=torch.int32)
         k = eng.kv.top_k_blocks
-        sinks = min(getattr(eng.kv, "sink_blocks", 0), n_complete)
-        per_frame = wire.entries_per_frame(self._entry_bytes)
+        sinks = min(eng.kv.sink_blocks, n_complete)
         out = []
         for layer in sorted(summaries):
             pred = wire.first_top_k(g, query[layer], summaries[layer], indptr, indices, k)  # [hk, k]
             pairs = sorted(
-                (blk, head)
-                for blk, head in {(int(x), hd) for hd in range(hk) for x in pred[hd].tolist() if x >= 0}
+                {(int(x), hd) for hd in range(hk) for x in pred[hd].tolist() if x >= 0}
                 | {(x, hd) for hd in range(hk) for x in range(sinks)}
-                if (layer, blk) not in whole
             )
-            for lo in range(0, len(pairs), per_frame):
-                part = pairs[lo : lo + per_frame]
-                keys = [(h.request_id, layer, blk, head) for blk, head in part]
-                out.append((layer, part, wire.read_all(c, keys, f"block-head of layer {layer}")))
+            out += [(layer, blk, head) for blk, head in pairs if (layer, blk) not in whole]
         return out

@@ -9,9 +9,10 @@ rows and blocks are written into the host pool and summaries, the partial last b
 page, and the initial working set is selected with the staged query (``Engine.select_initial``,
 as ``Engine.make_sparse`` does). Then it is an ordinary sparse request. ``kv_transfer``:
 
-- ``"full"`` (the baseline): the admission reads every block (and the sections), so the host pool
-  holds the whole context before the first step; the summaries are built locally from it, as a
-  local transition to sparse builds them, and the daemon's copy is released at once.
+- ``"full"`` (the baseline): every block crosses at admission, streamed by the coordinator straight
+  into the request's host rows while the others decode (:mod:`.admission`), so the host pool holds
+  the whole context before its first step; the summaries are built locally from it, as a local
+  transition to sparse builds them, and the daemon's copy is released at once.
 - ``"partial"``: only the summaries and the admission set cross at admission. The host pool is a
   cache of the staged blocks: during decode, the engine calls :meth:`RemoteKvSource.before_gather`
   between each layer's delta selection and its gather, and the block-heads that selection brings
@@ -26,21 +27,22 @@ whole blocks and block-heads, writes E4M3 codes into ``host_k``/``host_v`` and t
 ``host_k_scales``/``host_v_scales``, about half of bf16's bytes on the wire; a request staged in
 the other format is refused at admission (:mod:`.admission`).
 
-The reads are the Rust coordinator's (``oasiskv._core.Coordinator``, crate ``oasis-coord``): it
-owns the presence map (which ``(layer, host row, KV head)`` entries hold their bytes), the staged
-requests' daemon ids, the failed requests and N connections of its own, and writes each read
-entry straight into the pinned host pool from tokio tasks on its own threads. Per decode step the
-engine hands :meth:`RemoteKvSource.before_gathers` every layer's plan once the step's selections
-are done; the absent entries of all layers go out at once, in layer order over every
-connection, and the call returns; before each layer's gather the engine calls
-:meth:`RemoteKvSource.wait_for_layer_load`, which waits for that layer's entries only, so the
-reads of later layers overlap the gathers (and, on a GPU, the compute) of earlier ones. An entry
-is marked present only once its bytes are written; a failed read marks nothing and fails the
-requests whose entries it carried (``finish_reason="error"``, within the connection's
-``kv_timeout_s`` and ``kv_retries``); the engine and its other requests go on. A bounded cache
-reads layer by layer (its rows change hands between the layers of a step), through the same
-coordinator. The host pool must be in CPU memory (pinned with a GPU): ``host_pool="device"``
-is refused.
+The reads are the Rust coordinator's (``oasiskv._core.Coordinator``, crate ``oasis-coord``), at
+decode time and at admission: it owns the presence map (which ``(layer, host row, KV head)``
+entries hold their bytes), the staged requests' daemon ids, the failed requests and N connections
+of its own, and writes each read entry straight into the pinned host pool from tokio tasks on its
+own threads. Per decode step the engine hands :meth:`RemoteKvSource.before_gathers` every layer's
+plan once the step's selections are done; the absent entries of all layers go out at once, in layer
+order over every connection, and the call returns; before each layer's gather the engine calls
+:meth:`RemoteKvSource.wait_for_layer_load`, which waits for that layer's entries only, so the reads
+of later layers overlap the gathers (and, on a GPU, the compute) of earlier ones. An entry is
+marked present only once its bytes are written; a failed read marks nothing and fails the requests
+whose entries it carried (``finish_reason="error"``, within the connection's ``kv_timeout_s`` and
+``kv_retries``); the engine and its other requests go on. A bounded cache reads layer by layer (its
+rows change hands between the layers of a step), through the same coordinator. An admission's
+blocks are background reads of the same coordinator, which no step waits for (``wait_layer`` skips
+them): the admission waits for them per layer (``wait_request``), once they landed. The host pool
+must be in CPU memory (pinned with a GPU): ``host_pool="device"`` is refused.
 
 This room holds the source's seams (the ``BlockSource`` verbs, ``end``, ``take_failed``), the
 hand-off of each step's plans to the coordinator, the bounded cache's rows
@@ -58,7 +60,7 @@ import torch
 
 from .._core import Coordinator
 from ..engine import Engine, Request
-from ..errors import ConfigError, OutOfBlocksError
+from ..errors import ConfigError, OutOfBlocksError, RemoteError
 from ..policy import BlockSource
 from . import wire
 from .admission import AdmissionMixin
@@ -146,7 +148,6 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
         self._pools_key: tuple = ()  # the registered pools' identity (_sync_pools)
         self._waiting: set[int] = set()  # layers submitted by before_gathers, not waited for yet
         self._bounded = 0  # live staged requests with a bounded cache
-        self._admitting = False  # reads now are an admission's (its first working set)
         self._failed: dict[int, str] = {}  # failures taken from the coordinator, not reported yet
         self.read_ahead = ReadAhead(engine, transfer, cache_blocks, self.conns.open)
         engine.block_source = self
@@ -238,42 +239,82 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
         return self.read_ahead.pending
 
     # ---------------------------------------------------------------- the coordinator's inputs
-    def _grow_maps(self) -> None:
-        """The pools may have grown (or been replaced): the coordinator writes the current ones."""
-        self._sync_pools()
+    def _streaming(self) -> bool:
+        """Whether an admission's blocks are in flight (a request still admitting)."""
+        return any(st.admitting is not None and self.coord.in_flight(o) for o, st in self._by_req.items())
 
-    def _sync_pools(self) -> None:
+    def _moves_pools(self, prompt_len: int, max_new_tokens: int) -> bool:
+        """Whether admitting a staged request of this size grows the host pool, which the engine
+        does by copying it into new tensors."""
+        eng = self.engine
+        need = eng.runtime.pool_sizes_needed(
+            prompt_len, max_new_tokens, sparse=True, cache_blocks=self.cache_blocks
+        )
+        return need[2] > eng.pools.num_host_rows
+
+    def _sync_pools(self, restream: bool = True) -> None:
         """Register the host pools with the coordinator when they are not the ones it has (it
         waits for its reads in flight first, and keeps the tensors alive until the next
-        registration)."""
+        registration).
+
+        The engine grows the pools by copying them into new tensors (an admission that needs
+        more rows, a local request's); an admission's background reads that land after that copy
+        wrote the old tensors. So the requests still admitting are streamed again: their rows'
+        entries forgotten and their blocks read again into the new pools (not with ``restream``
+        False: the caller let every stream land before the pools grew, as a staged admission
+        does). NOTE: rare (the pools grow geometrically; a local request's admission beside
+        staged ones streaming), and costs those requests their reads so far."""
         p = self.engine.pools
         key = (p.num_host_rows, p.host_k[0].data_ptr(), p.host_v[0].data_ptr())
         if key == self._pools_key:
             return
+        moved = bool(self._pools_key)
         scales = (list(p.host_k_scales), list(p.host_v_scales)) if p.host_kv8 else ()
         self.coord.register_pools(list(p.host_k), list(p.host_v), *scales)
         self._pools_key = key
+        if moved and restream:
+            for st in self._by_req.values():
+                if st.admitting is not None and st.admitting.stream is not None:
+                    self._restream(st)
+
+    def _restream(self, st: StagedState) -> None:
+        """Read ``st``'s admission blocks again into the (new) pools: every row of it absent, its
+        stream submitted again."""
+        self._sync_landed()
+        row_of = {row: logical for logical, row in enumerate(st.host_rows)}
+        for row in sorted(st.rows):
+            had = self.coord.forget_row(row)
+            st.cached_entries -= had
+            self.stats.cached_bytes -= had * self._entry_bytes()
+            if row in row_of:
+                self.coord.take_row(row, st.req.id, row_of[row])
+        layers, rows, heads = st.admitting.stream
+        self.coord.submit(layers, rows, heads, background=True)
 
     def _entry_bytes(self) -> int:
         """Bytes of one block-head, K and V (fp8 host pool: codes and scales)."""
         return wire.block_head_bytes(self.engine.geo, self.engine.dtype, self.engine.host_kv8)
 
-    def _submit(self, layers: torch.Tensor, rows: torch.Tensor, heads: torch.Tensor) -> list[int]:
+    def _submit(
+        self, layers: torch.Tensor, rows: torch.Tensor, heads: torch.Tensor, background: bool = False
+    ) -> list[int]:
         """Hand the entries ``(layers[i], rows[i], heads[i])`` (head -1: every head of the row)
         to the coordinator, which reads the absent ones not in flight; per layer, how many went
-        out."""
+        out. ``background``: an admission's stream, which no step waits for."""
         self._sync_pools()
-        return self.coord.submit(layers.tolist(), rows.tolist(), heads.tolist())
+        return self.coord.submit(layers.tolist(), rows.tolist(), heads.tolist(), background=background)
 
     def _sync_landed(self) -> None:
         """Take the coordinator's per-request counts of landed block-heads into the requests'
-        and the engine's traffic (reads during an admission count as its admission)."""
+        and the engine's traffic (reads of a request still admitting count as its admission)."""
         for owner, (entries, nbytes) in self.coord.take_landed().items():
             st = self._by_req.get(owner)
             if st is None:
                 continue
             self._count_cached(st, entries)
-            if not self._admitting:
+            if st.admitting is not None:
+                st.admitting.coord_bytes += nbytes
+            else:
                 self.stats.fetched_bytes += nbytes
                 self.stats.fetched_entries += entries
                 st.fetched_bytes += nbytes
@@ -282,11 +323,12 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
     # ---------------------------------------------------------------- decode-time misses
     @property
     def idle(self) -> bool:
-        """Whether :meth:`before_gather` has nothing to do: every staged block-head of the live
-        requests is in the host pool and none has a bounded cache (a full transfer after its
-        admission). The engine then runs its steps as it would without a source (captured
-        CUDA graphs included)."""
-        return self._bounded == 0 and self.coord.missing == 0
+        """Whether :meth:`before_gather` has nothing to do: every staged block-head of the
+        decoding requests is in the host pool and none has a bounded cache. The engine then
+        runs its steps as it would without a source (captured CUDA graphs included). A full
+        transfer always is: a request decodes only once its admission saw every block land,
+        and what is missing belongs to requests still admitting, which no step reads."""
+        return self._bounded == 0 and (self.transfer == "full" or self.coord.missing == 0)
 
     @property
     def fixes_up_graph_steps(self) -> bool:
@@ -421,17 +463,6 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
         self._sync_landed()
         return True
 
-    def _read_blocks(self, rows: list[int], layers: int) -> None:
-        """Every absent head of ``rows`` in every layer (whole blocks where every head is
-        absent), read and waited for: a full transfer's blocks at admission."""
-        n = len(rows)
-        if not n:
-            return
-        lay = torch.arange(layers).repeat_interleave(n)
-        self._submit(lay, torch.tensor(rows * layers, dtype=torch.long), torch.full_like(lay, -1))
-        self.stats.wait_seconds += self.coord.drain()
-        self._sync_landed()
-
     # ---------------------------------------------------------------- the admission's writes
     def _blocks_of(self, data, n: int, heads: int) -> tuple:
         """``n`` read entries of ``heads`` KV heads each (every head: whole blocks), back to back
@@ -463,20 +494,6 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
         hs = [-1] * n if heads is None else heads.tolist()
         self._sync_pools()
         return torch.tensor(self.coord.mark_present([layer] * n, rows.tolist(), hs), dtype=torch.long)
-
-    def _store(self, layer: int, rows: torch.Tensor, heads: torch.Tensor | None, data) -> torch.Tensor:
-        """Write read-ahead bytes into the host pool: block-heads ``(rows[i], heads[i])``, or with
-        ``heads`` None every head of ``rows[i]``; mark them present. Returns how many of each
-        entry's block-heads were absent before."""
-        g = self.engine.geo
-        if heads is None:
-            kv = self._blocks_of(data, len(rows), g.num_kv_heads)
-            at = (rows,)
-        else:
-            kv = tuple(None if x is None else x[:, 0] for x in self._blocks_of(data, len(rows), 1))
-            at = (rows, heads)
-        self._write_host(layer, at, kv)
-        return self._mark(layer, rows, heads)
 
     # ---------------------------------------------------------------- the bounded cache's rows
     def _take_row(self, st: StagedState, row: int, logical: int) -> None:
@@ -539,16 +556,31 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
 
     def take_failed(self) -> dict[int, str]:
         """Engine request ids whose KV could not be read since the last call -> why; the engine
-        finishes them with ``finish_reason="error"``."""
+        finishes them with ``finish_reason="error"``. Not the requests still admitting: their
+        admission reports them (:meth:`finish_admission` raises)."""
         self._collect_failures()
-        out, self._failed = self._failed, {}
+        out = {
+            o: m
+            for o, m in self._failed.items()
+            if o not in self._by_req or self._by_req[o].admitting is None
+        }
+        for o in out:
+            del self._failed[o]
         return out
 
     # ---------------------------------------------------------------- end
     def _release_remote(self, st: StagedState) -> None:
         if st.alive:
             st.alive = False
-            self.conns.release(st.daemon_id)
+            self._release(st.daemon_id)
+
+    def _release(self, daemon_id: int) -> None:
+        """Release a staged request's copy in the daemon, from a coordinator connection's thread
+        (best effort, never waiting on the daemon: a stalled one would stall the decode loop)."""
+        try:
+            self.coord.release(daemon_id)
+        except RemoteError as e:
+            log.warning("releasing staged request %s in the daemon failed: %s", daemon_id, e)
 
     def end(self, r: Request) -> None:
         """``r`` ends (finished, aborted, failed): wait for its reads in flight, forget its staged

@@ -1,11 +1,14 @@
 """What the decode side keeps of its staged requests: each one's state (:class:`StagedState`: its
-daemon id, host blocks and rows, its bytes and errors) and the totals of the engine's traffic
-(:class:`TransferStats`, ``RemoteKvSource.stats``).
+daemon id, host blocks and rows, its bytes and errors; while its admission runs,
+:class:`Admitting`) and the totals of the engine's traffic (:class:`TransferStats`,
+``RemoteKvSource.stats``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import torch
 
 from ..engine import Request
 
@@ -34,11 +37,31 @@ class TransferStats:
     #: (``before_gather[s]``: the plans' copies to the host, the submission, and the waits of
     #: the reads it makes layer by layer: a bounded cache, an admission's first working set).
     read_seconds: float = 0.0
-    #: Seconds the decode loop spent blocked on the coordinator's reads
-    #: (``wait_for_layer_load`` of late layers, the layer-by-layer reads' waits, a full
-    #: transfer's blocks at admission). The reads themselves run on the coordinator's threads
-    #: (``RemoteKvSource.coordinator_stats``).
+    #: Seconds the decode loop spent blocked on the coordinator's reads (``wait_for_layer_load``
+    #: of late layers, the layer-by-layer reads' waits, an admission's per-layer waits for its
+    #: own blocks: none once they landed in the background). The reads themselves run on the
+    #: coordinator's threads (``RemoteKvSource.coordinator_stats``).
     wait_seconds: float = 0.0
+
+
+@dataclass
+class Admitting:
+    """A staged request between ``start_admission`` and ``finish_admission``: its blocks stream
+    into its host rows (the coordinator's background reads) while others decode. ``tr``: the
+    runtime's admission (``Engine.admit_sparse``); ``query``: the staged query ``[layers,
+    num_qo_heads, head_dim]``; ``local``: the unquantized partial last block (float pages over an
+    fp8 host pool) or None; ``wire_bytes``: the admission's own reads so far (read ahead, the
+    loop's connection); ``coord_bytes``: the coordinator's reads of it so far; ``stream``: the
+    entries handed to the coordinator in the background, ``(layers, rows, heads)`` lists (read
+    again if the pools move meanwhile), or None."""
+
+    tr: dict
+    kv_bytes: int = 0
+    query: torch.Tensor | None = None
+    local: torch.Tensor | None = None
+    wire_bytes: int = 0
+    coord_bytes: float = 0.0
+    stream: tuple[list[int], list[int], list[int]] | None = None
 
 
 @dataclass
@@ -59,3 +82,5 @@ class StagedState:
     cached_entries: int = 0
     alive: bool = True
     errors: list[str] = field(default_factory=list)
+    #: Set while its admission runs (not decoding yet), None after.
+    admitting: Admitting | None = None

@@ -5,7 +5,12 @@ spends at most ``max_num_batched_tokens`` prompt tokens, first on the prompts al
 prefilled (``_prefilling``), then on waiting requests admitted first come, first served while a
 seat is free and their peak KV need fits (no overtaking); a prefilled request moves to
 ``_running``. A staged request (disaggregated prefill) is admitted from the staging daemon in
-place of its prefill (:meth:`Scheduler._admit_staged`).
+place of its prefill, in two steps: :meth:`Scheduler._start_staged` reserves it and hands its
+blocks to the source's coordinator, which streams them into the host pool in the background
+while it waits in ``_prefilling`` (its seat taken, no prompt budget spent);
+:meth:`Scheduler._land_staged` finishes it once its blocks have landed (or at once, waiting
+layer by layer, when nothing else is running) and it joins ``_running``. So the decode steps of
+the others never wait on the network for it.
 
 :class:`Scheduler` is a mixin of :class:`~oasiskv.llm_engine.LLMEngine`; the annotations in its
 body are what it reads of the engine.
@@ -157,25 +162,48 @@ class Scheduler:
         """The host cache (``kv_cache_blocks``) of a staged request; None for a local one."""
         return self.kv_source.cache_blocks if staged is not None and self.kv_source is not None else None
 
-    def _admit_staged(self, seq: Seq, touched: list[Seq]) -> None:
-        """Admit a staged request from the daemon (in place of its prefill) and take its first
-        token; a failure finishes it with an error and the others go on."""
+    def _start_staged(self, seq: Seq, touched: list[Seq]) -> None:
+        """Start admitting a staged request from the daemon (in place of its prefill): it takes
+        its seat in ``_prefilling`` while its blocks stream in; a failure finishes it with an
+        error and the others go on."""
         r = seq.req
         if self.drafter is not None:
             self.drafter.begin(r.id, r.prompt)
         r.tokens = list(r.prompt)
         t0 = time.perf_counter()
-        touched.append(seq)
         try:
-            self.kv_source.admit(r, seq.staged)
+            self.kv_source.start_admission(r, seq.staged)
         except (OasisError, torch.OutOfMemoryError) as e:
+            touched.append(seq)
             self._finish(seq, "error", f"admission from the staging daemon failed: {e}")
             return
         r.metrics.prefill_s += time.perf_counter() - t0
-        r.metrics.prompt_tokens = len(r.prompt)
-        self._accept(seq, seq.staged.first_token)
-        if r.finish_reason is None:
-            self._running.append(seq)
+        self._prefilling.append(seq)
+
+    def _land_staged(self, touched: list[Seq], busy: bool) -> None:
+        """Finish the admissions whose blocks have landed (any that failed included: they end
+        with the error), in admission order, and take their first tokens. While no request is
+        decoding (not ``busy``) the first of them is finished whatever its state: waiting for it
+        (layer by layer) costs no one a step."""
+        src = self.kv_source
+        for seq in [s for s in self._prefilling if s.staged is not None]:
+            if busy and not src.admission_landed(seq.req):
+                continue
+            busy = True  # at most one wait per step
+            r = seq.req
+            self._prefilling.remove(seq)
+            touched.append(seq)
+            t0 = time.perf_counter()
+            try:
+                src.finish_admission(r)
+            except (OasisError, torch.OutOfMemoryError) as e:
+                self._finish(seq, "error", f"admission from the staging daemon failed: {e}")
+                continue
+            r.metrics.prefill_s += time.perf_counter() - t0
+            r.metrics.prompt_tokens = len(r.prompt)
+            self._accept(seq, seq.staged.first_token)
+            if r.finish_reason is None:
+                self._running.append(seq)
 
     def prefill_only(self) -> PrefillRound:
         """The admission and prefill half of ``step()``, without its decode: admit what fits and
@@ -208,6 +236,8 @@ class Scheduler:
         while budget > 0:
             if queue:
                 seq = queue.pop(0)
+                if seq.staged is not None:
+                    continue  # its blocks stream in: _land_staged below
             elif self._waiting and len(self._running) + len(self._prefilling) < self.max_num_seqs:
                 seq = self._waiting[0]
                 # A staged request reserves its working set only (Engine.admit_sparse).
@@ -218,11 +248,11 @@ class Scheduler:
                     cache_blocks=self._cache_of(seq.staged),
                 ):
                     break  # it waits, and so does everyone behind it (no overtaking)
-                if seq.staged is not None and busy and not src.ready(seq.staged):
+                if seq.staged is not None and busy and not src.ready(seq.staged, seq.req.max_new_tokens):
                     break  # its data is still being read ahead: decode the others meanwhile
                 self._waiting.popleft()
                 if seq.staged is not None:
-                    self._admit_staged(seq, touched)
+                    self._start_staged(seq, touched)
                     continue
                 self._prefilling.append(seq)
                 if self.drafter is not None:
@@ -254,3 +284,5 @@ class Scheduler:
             touched.append(seq)
             if r.finish_reason is None:
                 self._running.append(seq)
+        if src is not None:
+            self._land_staged(touched, busy)
