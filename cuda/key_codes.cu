@@ -1,8 +1,9 @@
 // key_codes.cu — 2-bit key codes of whole host blocks, and the block score they give: the largest
 // approximate logit of each listed block, summed over the GQA group.
 //
-// CPU twins: oasis_core::kernels::build_key_codes and oasis_core::kernels::score_blocks_codes
-// (crates/oasis-core/src/kernels/codes.rs, which defines the encoding and the layout).
+// CPU twins: oasis_core::kernels::build_key_codes, encode_blocks (codes and 8-bit bound in one
+// launch) and score_blocks_codes (crates/oasis-core/src/kernels/codes.rs, which defines the
+// encoding and the layout).
 //
 // Layout: codes [num_host_blocks, num_kv_heads, block_size, head_dim / 4] bytes; channel 4i + j of
 // a token is bits 2j .. 2j + 2 of byte i; c = round(3 (k - min) / (max - min)) clamped to 0..=3
@@ -16,6 +17,7 @@
 // and codes by block id.
 #include "oasis_common.cuh"
 #include "oasis_params.cuh"
+#include "oasis_topk.cuh"
 
 // Threads per block of build_key_codes_* (one thread per code byte of a (block, head)). Arbitrary.
 #define OASIS_CODES_BUILD_THREADS 128
@@ -527,13 +529,14 @@ __device__ __forceinline__ void codes_load_q(float* __restrict__ sq, const T* __
 
 // One warp's tile of entries t0 .. t1 for KV head h: lane i holds entry t0 + i's block id
 // (tile_idx, -1 when the entry scores -inf: a bad id, a malformed row or an invalid candidate) and
-// sequence (tile_seq). KC 4 or 8: the tensor-core path (head_dim 64 or 128), with the entries'
+// sequence (tile_seq); entry j's score goes to scores[j * stride] (global memory, or the shared
+// scores of rescore_topk_codes_*). KC 4 or 8: the tensor-core path (head_dim 64 or 128), with the entries'
 // copies OASIS_CODES_STAGES - 1 ahead; 0: the scalar path only.
 template <typename T, int KC>
 __device__ void score_codes_tile(float* __restrict__ sm, unsigned char* __restrict__ stage, const T* __restrict__ q,
                                  const T* __restrict__ summaries, const unsigned char* __restrict__ codes,
-                                 float* __restrict__ scores, int tile_idx, int tile_seq, int t0, int t1, int h,
-                                 int num_qo_heads, int num_kv_heads, int head_dim, int block_size) {
+                                 float* __restrict__ scores, int stride, int tile_idx, int tile_seq, int t0, int t1,
+                                 int h, int num_qo_heads, int num_kv_heads, int head_dim, int block_size) {
     constexpr int S = OASIS_CODES_STAGES;
     constexpr int NR = KC > 0 ? KC : 4;  // the scalar-only instance never runs the MMA code
     constexpr int SB = codes_stage_bytes(16 * NR, (int)sizeof(T));  // a staged entry of the MMA path
@@ -542,7 +545,7 @@ __device__ void score_codes_tile(float* __restrict__ sm, unsigned char* __restri
     const int tig = lane & 3;
     const int group = num_qo_heads / num_kv_heads;
     const bool mine = lane < t1 - t0;
-    if (mine && tile_idx < 0) scores[(i64)(t0 + lane) * num_kv_heads + h] = neg_inf();
+    if (mine && tile_idx < 0) scores[(i64)(t0 + lane) * stride] = neg_inf();
     const u32 valid = __ballot_sync(0xffffffffu, mine && tile_idx >= 0);
     if (valid == 0u) return;
     float qs[4];
@@ -577,7 +580,7 @@ __device__ void score_codes_tile(float* __restrict__ sm, unsigned char* __restri
         }
         const int b = __shfl_sync(0xffffffffu, tile_idx, cur);
         const int s = __shfl_sync(0xffffffffu, tile_seq, cur);
-        float* out = scores + (i64)(t0 + cur) * num_kv_heads + h;
+        float* out = scores + (i64)(t0 + cur) * stride;
         if (s != loaded) {
             codes_load_q<T>(sm, q, s, h, group, num_qo_heads, head_dim);
             loaded = s;
@@ -672,9 +675,9 @@ __device__ void score_blocks_codes_impl(
         if (0 <= row_b && row_b <= jl && jl < row_e && row_e <= nnz) tile_idx = blk_indices[jl];
     }
     if (tile_idx >= num_host_blocks) tile_idx = -1;
-#define OASIS_CODES_TILE_ARGS                                                                                  \
-    sm, stage, q, summaries, codes, scores, tile_idx, tile_seq, t0, t1, h, num_qo_heads, num_kv_heads, head_dim, \
-        block_size
+#define OASIS_CODES_TILE_ARGS                                                                               \
+    sm, stage, q, summaries, codes, scores + h, num_kv_heads, tile_idx, tile_seq, t0, t1, h, num_qo_heads,    \
+        num_kv_heads, head_dim, block_size
     if (mma && head_dim == 128) {
         score_codes_tile<T, 8>(OASIS_CODES_TILE_ARGS);
     } else if (mma) {
@@ -683,6 +686,86 @@ __device__ void score_blocks_codes_impl(
         score_codes_tile<T, 0>(OASIS_CODES_TILE_ARGS);
     }
 #undef OASIS_CODES_TILE_ARGS
+}
+
+// ---- the candidates' codes score and their top-K in one launch ---------------------------------
+
+// Threads per block of rescore_topk_codes_* (a multiple of 32; oasis_cuda::ops::RESCORE_TOPK_THREADS
+// must match): the warps score the candidates of one (sequence, KV head), then the block runs the
+// top-K. Arbitrary: 8 warps give each warp 40 of 320 candidates (Qwen3-8B at 32K, 1.25 x 256)
+// while two blocks fit an SM's shared memory at group 4.
+#ifndef OASIS_RESCORE_TOPK_THREADS
+#define OASIS_RESCORE_TOPK_THREADS 256
+#endif
+
+// grid (num_seqs, num_kv_heads), OASIS_RESCORE_TOPK_THREADS threads; m + successors <=
+// OASIS_CAND_MAX. Thread block (s, h) computes score_blocks_codes_impl's scores of its m
+// candidates cand[s, h, .] (the same per-entry code, tile by tile over its warps, so the same bits)
+// into shared memory, then topk_candidates_impl over them: exactly rescore_blocks_codes followed
+// by topk_candidates_f32 (the reduction between them is the identity; oasis_core::kernels::
+// rescore_topk_codes is the CPU twin). Dynamic shared memory
+// (oasis_cuda::ops::rescore_topk_codes_smem_bytes): each warp's OASIS_CODES_STAGES staging
+// buffers, then codes_scalar_warp_floats(group, head_dim) floats per warp, then the m scores.
+template <typename T>
+__device__ void rescore_topk_codes_impl(
+    const T* __restrict__ q,                 // [num_seqs, num_qo_heads, head_dim] (the lookahead row)
+    const T* __restrict__ summaries,         // [num_host_blocks, num_kv_heads, 2, head_dim]
+    const unsigned char* __restrict__ codes, // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
+    const int* __restrict__ blk_indptr,      // [num_seqs + 1]
+    const int* __restrict__ blk_indices,     // [nnz] host block of each logical block, logical order
+    const int* __restrict__ cand,            // [num_seqs, num_kv_heads, m] logical blocks, < 0: none
+    const int* __restrict__ forced,          // [num_seqs, num_kv_heads, n_forced], or null
+    int* __restrict__ out,                   // [num_seqs, num_kv_heads, k]
+    int nnz, int num_qo_heads, int num_kv_heads, int head_dim, int block_size, int num_host_blocks, int m, int k,
+    int successors, int n_forced) {
+    extern __shared__ __align__(16) float codes_smem[];
+    const int s = blockIdx.x;
+    const int h = blockIdx.y;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int warps = blockDim.x >> 5;
+    const int group = num_qo_heads / num_kv_heads;
+    const int sb = codes_stage_bytes(head_dim, (int)sizeof(T));
+    unsigned char* smem_bytes = reinterpret_cast<unsigned char*>(codes_smem);
+    unsigned char* stage = smem_bytes + (i64)warp * OASIS_CODES_STAGES * sb;
+    float* scalar = reinterpret_cast<float*>(smem_bytes + (i64)warps * OASIS_CODES_STAGES * sb);
+    float* sm = scalar + (i64)warp * codes_scalar_warp_floats(group, head_dim);
+    float* s_scores = scalar + (i64)warps * codes_scalar_warp_floats(group, head_dim);  // [m]
+    const bool mma = block_size == 16 && (head_dim == 128 || head_dim == 64) && group <= 8 &&
+                     ((reinterpret_cast<unsigned long long>(summaries) | reinterpret_cast<unsigned long long>(codes)) & 15ull) == 0ull;
+    // The row check of score_blocks_codes_impl's candidates (against the indices' length).
+    const int row_b = blk_indptr[s];
+    const int row_e = blk_indptr[s + 1];
+    const bool row_ok = 0 <= row_b && row_b <= row_e && row_e <= nnz;
+    const int* cs = cand + ((i64)s * num_kv_heads + h) * m;
+    // Tiles of at most OASIS_CODES_TILE candidates, one warp each, round robin (warp-uniform).
+    const int tile = max(1, min(OASIS_CODES_TILE, (m + warps - 1) / warps));
+    for (int t0 = warp * tile; t0 < m; t0 += warps * tile) {
+        const int t1 = min(m, t0 + tile);
+        int tile_idx = -1;
+        const int i = t0 + lane;
+        if (i < t1 && row_ok) {
+            const int c = cs[i];
+            if (c >= 0 && c < row_e - row_b) tile_idx = blk_indices[row_b + c];
+        }
+        if (tile_idx >= num_host_blocks) tile_idx = -1;
+#define OASIS_CODES_TILE_ARGS                                                                                 \
+    sm, stage, q, summaries, codes, s_scores, 1, tile_idx, s, t0, t1, h, num_qo_heads, num_kv_heads, head_dim, \
+        block_size
+        if (mma && head_dim == 128) {
+            score_codes_tile<T, 8>(OASIS_CODES_TILE_ARGS);
+        } else if (mma) {
+            score_codes_tile<T, 4>(OASIS_CODES_TILE_ARGS);
+        } else {
+            score_codes_tile<T, 0>(OASIS_CODES_TILE_ARGS);
+        }
+#undef OASIS_CODES_TILE_ARGS
+    }
+    __syncthreads();  // every candidate's score is in s_scores
+    // topk_candidates_f32's launch bounds the rows by i32::MAX only (the successors stay inside
+    // each row's length): the same here.
+    topk_candidates_impl(s_scores, 1, cand, blk_indptr, forced, out, num_kv_heads, 0x7fffffff, m, k, successors,
+                         n_forced);
 }
 
 }  // namespace oasis
@@ -711,6 +794,25 @@ OASIS_BUILD_KEY_CODES(build_key_codes_bf16, oasis::bf16)
 OASIS_BUILD_KEY_CODES(build_key_codes_f16, oasis::f16)
 OASIS_BUILD_KEY_CODES(build_key_codes_f32, float)
 
+// encode_blocks_*: build_key_codes and build_bounds8 of the same blocks in one launch (the
+// engine's per-step encode of the blocks a step completed: one launch per layer, not two). Each
+// (block, head) thread block writes the codes (skipped for an out-of-range id or row) and then the
+// bound (skipped for an out-of-range id), exactly what the two kernels write. CPU twin:
+// oasis_core::kernels::encode_blocks.
+#define OASIS_ENCODE_BLOCKS(NAME, T)                                                                  \
+    extern "C" __global__ void __launch_bounds__(OASIS_CODES_BUILD_THREADS)                           \
+        NAME(const __grid_constant__ oasis::EncodeBlocksParams<T> p) {                                \
+        oasis::build_key_codes_impl<T>(p.host_k, p.summaries, p.block_ids, p.block_rows, p.codes,     \
+                                       p.num_kv_heads, p.head_dim, p.block_size, p.num_host_blocks,   \
+                                       p.num_host_rows);                                              \
+        oasis::build_bounds8_impl<T>(p.summaries, p.block_ids, p.bounds8, p.scales, p.num_kv_heads,   \
+                                     p.head_dim, p.num_host_blocks);                                  \
+    }
+
+OASIS_ENCODE_BLOCKS(encode_blocks_bf16, oasis::bf16)
+OASIS_ENCODE_BLOCKS(encode_blocks_f16, oasis::f16)
+OASIS_ENCODE_BLOCKS(encode_blocks_f32, float)
+
 #define OASIS_SCORE_BLOCKS_CODES(NAME, T)                                                            \
     extern "C" __global__ void __launch_bounds__(OASIS_CODES_THREADS, OASIS_CODES_MIN_BLOCKS)        \
         NAME(const __grid_constant__ oasis::ScoreBlocksCodesParams<T> p) {                           \
@@ -723,3 +825,16 @@ OASIS_BUILD_KEY_CODES(build_key_codes_f32, float)
 OASIS_SCORE_BLOCKS_CODES(score_blocks_codes_bf16, oasis::bf16)
 OASIS_SCORE_BLOCKS_CODES(score_blocks_codes_f16, oasis::f16)
 OASIS_SCORE_BLOCKS_CODES(score_blocks_codes_f32, float)
+
+#define OASIS_RESCORE_TOPK_CODES(NAME, T)                                                             \
+    extern "C" __global__ void __launch_bounds__(OASIS_RESCORE_TOPK_THREADS)                          \
+        NAME(const __grid_constant__ oasis::RescoreTopkCodesParams<T> p) {                            \
+        oasis::rescore_topk_codes_impl<T>(p.q, p.summaries, p.codes, p.blk_indptr, p.blk_indices,     \
+                                          p.cand, p.forced, p.out, p.nnz, p.num_qo_heads,             \
+                                          p.num_kv_heads, p.head_dim, p.block_size,                   \
+                                          p.num_host_blocks, p.m, p.k, p.successors, p.n_forced);     \
+    }
+
+OASIS_RESCORE_TOPK_CODES(rescore_topk_codes_bf16, oasis::bf16)
+OASIS_RESCORE_TOPK_CODES(rescore_topk_codes_f16, oasis::f16)
+OASIS_RESCORE_TOPK_CODES(rescore_topk_codes_f32, float)

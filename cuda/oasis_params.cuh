@@ -170,6 +170,25 @@ struct BuildKeyCodesParams {
     int num_host_rows;
 };
 
+// encode_blocks_* (cuda/key_codes.cu): build_key_codes and build_bounds8 of the same blocks in one
+// launch (the fields of BuildKeyCodesParams, then BuildBounds8Params' outputs).
+template <typename T>
+struct EncodeBlocksParams {
+    const T* host_k;        // [num_host_rows, num_kv_heads, block_size, head_dim] pinned host (UVA) or device
+    const T* summaries;     // [num_host_blocks, num_kv_heads, 2, head_dim] row 0 min, row 1 max
+    const int* block_ids;   // [n] host blocks to encode (complete blocks)
+    const int* block_rows;  // [n] host row of each block, or null (row = id)
+    unsigned char* codes;   // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
+    unsigned char* bounds8; // [num_host_blocks, num_kv_heads, 2, head_dim]
+    float* scales;          // [num_host_blocks, num_kv_heads]
+    int n;
+    int num_kv_heads;
+    int head_dim;           // a multiple of 4
+    int block_size;
+    int num_host_blocks;
+    int num_host_rows;
+};
+
 // score_blocks_codes_* (cuda/key_codes.cu): the largest approximate logit of each listed block,
 // from its 2-bit key codes, summed over the GQA group.
 template <typename T>
@@ -230,6 +249,30 @@ struct TopkCandidatesParams {
     int num_kv_heads;
     int nnz;               // blk_indptr's last entry bound
     int m;
+    int k;
+    int successors;
+    int n_forced;
+};
+
+// rescore_topk_codes_* (cuda/key_codes.cu): score_blocks_codes_*'s scores of the candidates and
+// topk_candidates_f32's selection over them, in one launch (one thread block per (sequence, KV head)).
+template <typename T>
+struct RescoreTopkCodesParams {
+    const T* q;                 // [num_seqs, num_qo_heads, head_dim] (the lookahead row)
+    const T* summaries;         // [num_host_blocks, num_kv_heads, 2, head_dim]
+    const unsigned char* codes; // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
+    const int* blk_indptr;      // [num_seqs + 1]
+    const int* blk_indices;     // [nnz] host block of each logical block, logical order
+    const int* cand;            // [num_seqs, num_kv_heads, m] logical blocks (< 0: none)
+    const int* forced;          // [num_seqs, num_kv_heads, n_forced], or null
+    int* out;                   // [num_seqs, num_kv_heads, k]
+    int nnz;                    // blk_indices' length: the candidates' rows are checked against it
+    int num_qo_heads;
+    int num_kv_heads;
+    int head_dim;               // a multiple of 4
+    int block_size;
+    int num_host_blocks;
+    int m;                      // candidates per (sequence, KV head)
     int k;
     int successors;
     int n_forced;

@@ -8,6 +8,7 @@
 // outside blk_indices, the scores or q.
 #include "oasis_common.cuh"
 #include "oasis_params.cuh"
+#include "oasis_topk.cuh"
 
 // Launch shape of score_blocks_*, chosen by experiments/exp_score.py on the H200 (docs/PERF.md): 8
 // warps per thread block, 4 blocks per SM (<= 64 registers), 8 summaries in flight per warp, and
@@ -441,18 +442,6 @@ __device__ void score_blocks_impl(
     }
 }
 
-// Order-preserving map of a score to an unsigned key (larger score, larger key). -0 and +0 are
-// the same key (they compare equal in the CPU twin); NaN maps to the smallest key.
-__device__ __forceinline__ u32 score_key(float f) {
-    if (f != f) return 0u;
-    if (f == 0.f) f = 0.f;
-    const u32 u = __float_as_uint(f);
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
-
-// Sort key of a selected entry: ascending order = descending score, then ascending index.
-__device__ __forceinline__ u64 rank_key(u32 key, int i) { return ((u64)(~key) << 32) | (u32)i; }
-
 // grid (num_seqs, num_kv_heads), OASIS_TOPK_THREADS threads. For each (s, h): the k best logical
 // blocks of s (0-based within s) by score, best first, ties to the lower index, -1 padding; with
 // index_map, each through index_map[s, h, .] (CPU twin: oasis_core::kernels::topk_blocks_mapped).
@@ -607,12 +596,6 @@ __device__ void topk_blocks_impl(
     }
 }
 
-// Largest row of topk_candidates_f32: m candidates plus the appended successors.
-// oasis_core::limits::MAX_CANDIDATES, defined by oasis_cuda::nvrtc::compile_options.
-#ifndef OASIS_CAND_MAX
-#error "OASIS_CAND_MAX is undefined: compile through oasis_cuda::nvrtc (-DOASIS_CAND_MAX=...)"
-#endif
-
 // grid ceil(num_seqs * num_kv_heads * n_forced / blockDim.x): each thread one forced entry.
 // CPU twin: oasis_core::kernels::force_scores (scores of the forced blocks set to +inf in place).
 __device__ void force_scores_impl(
@@ -630,121 +613,6 @@ __device__ void force_scores_impl(
     csr_row(blk_indptr, s, nnz, &base, &end);
     const int f = forced[t];
     if (f >= 0 && f < end - base) scores[(i64)(base + f) * num_kv_heads + h] = __int_as_float(0x7f800000);
-}
-
-// grid (num_seqs, num_kv_heads), OASIS_TOPK_THREADS threads; m + successors <= OASIS_CAND_MAX.
-// The two-stage score's last step (CPU twin: oasis_core::kernels::topk_candidates): the
-// successors of the `successors` best candidates by score, the forced blocks at +inf, the
-// successors that are no candidates appended at +inf, then the k best as their blocks.
-// One sort (the candidates by their own scores) serves both the successors' sources and the
-// result, which is that order merged: the twin's sort of the m + successors entries puts the +inf
-// candidates first (by position), then the fresh successors (positions m + a), then the other
-// candidates in sorted order, with the successor slots that are no blocks (-inf, output -1) ahead
-// of the NaN scores only. Three block scans place them (a second sort cost the H200 ~6 us).
-__device__ void topk_candidates_impl(
-    const float* __restrict__ scores,   // [num_seqs * m, num_kv_heads]
-    const int* __restrict__ cand,       // [num_seqs, num_kv_heads, m]; < 0: none
-    const int* __restrict__ blk_indptr, // [num_seqs + 1]: the requests' rows (successors stay inside)
-    const int* __restrict__ forced,     // [num_seqs, num_kv_heads, n_forced], or null
-    int* __restrict__ out,              // [num_seqs, num_kv_heads, k]
-    int num_kv_heads, int nnz, int m, int k, int successors, int n_forced) {
-    __shared__ u64 sel[OASIS_CAND_MAX];
-    __shared__ u32 keys[OASIS_CAND_MAX];
-    __shared__ int vals[OASIS_CAND_MAX];
-    __shared__ int succ[OASIS_CAND_MAX];
-    __shared__ int res[OASIS_CAND_MAX];
-    __shared__ int scan_scratch[33];
-
-    const int s = blockIdx.x;
-    const int h = blockIdx.y;
-    int base;
-    int end;
-    csr_row(blk_indptr, s, nnz, &base, &end);
-    const int row_len = end - base;
-    const i64 row = (i64)s * num_kv_heads + h;
-    const int* cs = cand + row * m;
-    const int width = m + successors;
-    const u32 key_inf = score_key(__int_as_float(0x7f800000));
-    const u32 key_ninf = score_key(__int_as_float(0xff800000));
-    const int sort_n = next_pow2(max(1, m));
-    for (int i = threadIdx.x; i < sort_n; i += blockDim.x) {
-        if (i < m) {
-            keys[i] = score_key(scores[((i64)s * m + i) * num_kv_heads + h]);
-            vals[i] = cs[i];
-            sel[i] = rank_key(keys[i], i);
-        } else {
-            sel[i] = ~0ull;
-        }
-    }
-    __syncthreads();
-    if (m <= (int)blockDim.x) {
-        block_rank_sort(sel, m);
-    } else {
-        block_bitonic_sort(sel, sort_n);
-    }
-    __syncthreads();
-    // The successors of the best candidates by their own scores (before any forcing).
-    for (int a = threadIdx.x; a < successors; a += blockDim.x) {
-        const int v = a < m ? vals[(int)(u32)(sel[a] & 0xffffffffull)] : -1;
-        succ[a] = (v >= 0 && v + 1 < row_len) ? v + 1 : -1;
-        keys[m + a] = 0u;  // set below when the successor is a candidate (the slot is unused else)
-    }
-    __syncthreads();
-    // A candidate that is a successor or forced goes to +inf; a successor that is a candidate is
-    // no block of its own (candidates are distinct, so one writer per successor).
-    const int* fs = forced != nullptr ? forced + row * n_forced : nullptr;
-    for (int i = threadIdx.x; i < m; i += blockDim.x) {
-        const int v = vals[i];
-        if (v < 0) continue;
-        bool hit = false;
-        for (int a = 0; a < successors; ++a) {
-            if (succ[a] == v) {  // successors are distinct (their sources are): at most one
-                hit = true;
-                keys[m + a] = 1u;
-                break;
-            }
-        }
-        for (int f = 0; f < n_forced && !hit; ++f) hit = fs[f] == v;
-        if (hit) keys[i] = key_inf;
-    }
-    for (int i = threadIdx.x; i < width; i += blockDim.x) res[i] = -1;
-    __syncthreads();
-    // +inf candidates by position, then the fresh successors by position.
-    int n_inf = 0;
-    for (int c0 = 0; c0 < m; c0 += blockDim.x) {
-        const int i = c0 + threadIdx.x;
-        const int flag = (i < m && keys[i] == key_inf) ? 1 : 0;
-        int total;
-        const int pos = n_inf + block_exclusive_scan(flag, scan_scratch, &total);
-        if (flag) res[pos] = vals[i];
-        n_inf += total;
-    }
-    int n_fresh = 0;
-    for (int c0 = 0; c0 < successors; c0 += blockDim.x) {
-        const int a = c0 + threadIdx.x;
-        const int flag = (a < successors && succ[a] >= 0 && keys[m + a] == 0u) ? 1 : 0;
-        int total;
-        const int pos = n_inf + n_fresh + block_exclusive_scan(flag, scan_scratch, &total);
-        if (flag) res[pos] = succ[a];
-        n_fresh += total;
-    }
-    // The other candidates in sorted order; the empty successor slots (already -1 in res) sit
-    // between the numbers and the NaN scores.
-    const int n_empty = successors - n_fresh;
-    int n_rest = 0;
-    for (int c0 = 0; c0 < m; c0 += blockDim.x) {
-        const int j = c0 + threadIdx.x;
-        const int i = j < m ? (int)(u32)(sel[j] & 0xffffffffull) : 0;
-        const int flag = (j < m && keys[i] != key_inf) ? 1 : 0;
-        int total;
-        const int p = n_rest + block_exclusive_scan(flag, scan_scratch, &total);
-        if (flag) res[n_inf + n_fresh + p + (keys[i] < key_ninf ? n_empty : 0)] = vals[i];
-        n_rest += total;
-    }
-    __syncthreads();
-    const int take = min(k, width);
-    int* dst = out + row * k;
-    for (int i = threadIdx.x; i < k; i += blockDim.x) dst[i] = i < take ? res[i] : -1;
 }
 
 }  // namespace oasis
@@ -787,6 +655,8 @@ extern "C" __global__ void force_scores_f32(const __grid_constant__ oasis::Force
 
 extern "C" __global__ void __launch_bounds__(OASIS_TOPK_THREADS)
     topk_candidates_f32(const __grid_constant__ oasis::TopkCandidatesParams p) {
-    oasis::topk_candidates_impl(p.scores, p.cand, p.blk_indptr, p.forced, p.out, p.num_kv_heads, p.nnz, p.m, p.k,
-                                p.successors, p.n_forced);
+    // Entry i of (s, h) at scores[(s m + i) num_kv_heads + h].
+    oasis::topk_candidates_impl(p.scores + ((oasis::i64)blockIdx.x * p.m * p.num_kv_heads + blockIdx.y),
+                                p.num_kv_heads, p.cand, p.blk_indptr, p.forced, p.out, p.num_kv_heads, p.nnz, p.m,
+                                p.k, p.successors, p.n_forced);
 }

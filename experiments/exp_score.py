@@ -49,7 +49,7 @@ TOPK_THREADS = [512, 256, 1024]
 def source(path: Path = ROOT / "score_blocks.cu") -> str:
     """A kernel file with the project's headers inlined (what CuPy's NVRTC compiles)."""
     src = path.read_text()
-    for header in ("oasis_common.cuh", "oasis_params.cuh"):
+    for header in ("oasis_common.cuh", "oasis_params.cuh", "oasis_topk.cuh"):
         src = src.replace(f'#include "{header}"', (ROOT / header).read_text())
     return src
 

@@ -446,6 +446,20 @@ def build_key_codes(
     """Encode every key of complete host blocks to 2 bits per channel inside the block's ``[min, max]``
     (``codes [num_host_blocks, num_kv_heads, block_size, head_dim // 4]`` uint8)."""
 
+def encode_blocks(
+    geo: KvGeometry,
+    host_k: torch.Tensor,
+    summaries: torch.Tensor,
+    block_ids: torch.Tensor,
+    codes: torch.Tensor,
+    bounds8: torch.Tensor,
+    scales: torch.Tensor,
+    *,
+    block_rows: torch.Tensor | None = None,
+    stream: int = 0,
+) -> None:
+    """``build_key_codes`` and ``build_bounds8`` of the same complete host blocks in one launch."""
+
 def build_bounds8(
     geo: KvGeometry,
     summaries: torch.Tensor,
@@ -498,6 +512,24 @@ def rescore_blocks_codes(
 ) -> None:
     """The codes score of the candidate logical blocks ``cand [num_seqs, num_kv_heads, m]`` into
     ``scores [num_seqs * m, num_kv_heads]`` (-inf for a negative candidate)."""
+
+def rescore_topk_codes(
+    geo: KvGeometry,
+    q: torch.Tensor,
+    summaries: torch.Tensor,
+    codes: torch.Tensor,
+    blk_indptr: torch.Tensor,
+    blk_indices: torch.Tensor,
+    cand: torch.Tensor,
+    k: int,
+    out: torch.Tensor,
+    *,
+    successors: int = 0,
+    forced: torch.Tensor | None = None,
+    stream: int = 0,
+) -> None:
+    """``rescore_blocks_codes`` then ``topk_candidates`` in one launch: the ``k`` best candidates
+    as logical blocks into ``out [num_seqs, num_kv_heads, k]``."""
 
 def topk_blocks(
     num_kv_heads: int,

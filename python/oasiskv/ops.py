@@ -257,6 +257,17 @@ def build_bounds8(geo, summaries, block_ids, bounds8, scales) -> None:
     _core.build_bounds8(geo, summaries, block_ids, bounds8, scales, stream=_stream(dev))
 
 
+def encode_blocks(geo, host_k, summaries, block_ids, codes, bounds8, scales, block_rows=None) -> None:
+    """:func:`build_key_codes` and :func:`build_bounds8` of the same complete host blocks
+    ``block_ids`` in one launch (bit-exact with the two calls): the engine's per-step encode of
+    the blocks a step completed (:meth:`oasiskv.engine.pools.Pools.encode_blocks`), one launch per
+    layer instead of two. Arguments as those two functions."""
+    dev = _check_device(summaries, host_k, bounds8, scales)
+    _core.encode_blocks(
+        geo, host_k, summaries, block_ids, codes, bounds8, scales, block_rows=block_rows, stream=_stream(dev)
+    )
+
+
 def score_blocks_bound8(
     geo, q, bounds8, scales, blk_indptr, blk_indices, scores: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -302,6 +313,47 @@ def rescore_blocks_codes(
         geo, q, summaries, codes, blk_indptr, blk_indices, cand, scores, stream=_stream(dev)
     )
     return scores
+
+
+def rescore_topk_codes(
+    geo,
+    q,
+    summaries,
+    codes,
+    blk_indptr,
+    blk_indices,
+    cand: torch.Tensor,
+    k: int,
+    *,
+    successors: int = 0,
+    forced: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`rescore_blocks_codes` then :func:`topk_candidates` in one launch (one thread block per
+    (sequence, KV head) scores its candidates into shared memory and selects from them): the
+    two-stage codes score's last ``k``, ``[num_seqs, num_kv_heads, k]`` logical blocks (-1 padded),
+    the same bits as the two calls, ties included. For scores used as they come: a caller that
+    reduces them between the two steps (``Engine.score_reduce``) calls the two apart."""
+    dev = _check_device(q, summaries, codes)
+    if out is None:
+        if cand.dim() != 3:
+            raise ShapeError(f"cand must be [num_seqs, num_kv_heads, m], got shape {tuple(cand.shape)}")
+        out = torch.empty(cand.shape[0], geo.num_kv_heads, k, dtype=torch.int32, device=dev)
+    _core.rescore_topk_codes(
+        geo,
+        q,
+        summaries,
+        codes,
+        blk_indptr,
+        blk_indices,
+        cand,
+        k,
+        out,
+        successors=successors,
+        forced=forced,
+        stream=_stream(dev),
+    )
+    return out
 
 
 def topk_blocks(

@@ -11,7 +11,18 @@ import pytest
 import torch
 
 from oasiskv import ops
-from support.key_codes import LENS, assert_scores_close, key_codes_case, magnitude, rescore_candidates
+from support.key_codes import (
+    LENS,
+    RESCORE_TOPK_BLOCK_SIZES,
+    RESCORE_TOPK_GROUPS,
+    RESCORE_TOPK_HEAD_DIMS,
+    RESCORE_TOPK_MS,
+    assert_scores_close,
+    key_codes_case,
+    magnitude,
+    rescore_candidates,
+    rescore_topk_case,
+)
 from support.reference import (
     DEV,
     MALFORMED_INDPTR,
@@ -74,6 +85,50 @@ def test_build_key_codes_bit_exact(dtype, head_dim, block_size, where):
     g_ids = dev(torch.cat([ids, i32([n_host, -1, 2**31 - 1])]))
     ops.build_key_codes(geo, host_k, dev(summ), g_ids, g_codes)
     assert torch.equal(back(g_codes), codes)
+
+
+@gpu_test
+@pytest.mark.parametrize("rows", ["ids", "rows"])
+@pytest.mark.parametrize("where", HOSTS)
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_encode_blocks_is_the_two_builds(dtype, head_dim, block_size, where, rows):
+    """ops.encode_blocks (one launch) writes exactly what build_key_codes + build_bounds8 write on
+    the GPU, and what the CPU twin writes: codes, bounds and scales bit for bit, untouched entries
+    left alone, out-of-range ids (and rows) skipped."""
+    gen = seeded("key_codes-encode", dtype, head_dim, block_size, where, rows)
+    hk, n_host = 3, 13
+    geo = ops.KvGeometry(hk, hk, head_dim, block_size)
+    keys = torch.randn(n_host, hk, block_size, head_dim, generator=gen).to(dtype)
+    keys[1, :, :, 3] = 1.0  # an empty range
+    keys[2, 1, 0, 5] = float("nan")  # a NaN scale
+    summ = torch.empty(n_host, hk, 2, head_dim, dtype=dtype)
+    ops.build_summaries(geo, keys, i32(list(range(n_host))), i32([block_size] * n_host), summ)
+    ids = i32([12, 0, 1, 2, 7, 5])
+    # Keys of block ids[i] in host row perm[i] (the engine's pages), or in row id.
+    perm = i32([3, 9, 1, 2, 0, 11]) if rows == "rows" else None
+    host_keys = keys.clone()
+    if perm is not None:
+        host_keys[perm.long()] = keys[ids.long()]
+    codes = torch.randint(0, 256, (n_host, hk, block_size, head_dim // 4), generator=gen, dtype=torch.uint8)
+    b8 = torch.randint(0, 256, (n_host, hk, 2, head_dim), generator=gen, dtype=torch.uint8)
+    sc = torch.randn(n_host, hk, generator=gen)
+    want = [codes.clone(), b8.clone(), sc.clone()]
+    ops.encode_blocks(geo, host_keys, summ, ids, *want, block_rows=perm)
+    host_k = host_keys.pin_memory() if where == "pinned" else dev(host_keys)
+    # Out-of-range ids are skipped on the GPU (the CPU raises).
+    g_ids = dev(torch.cat([ids, i32([n_host, -1, 2**31 - 1])]))
+    g_rows = None if perm is None else dev(torch.cat([perm, i32([0, 0, 0])]))
+    fused = [dev(codes), dev(b8), dev(sc)]
+    ops.encode_blocks(geo, host_k, dev(summ), g_ids, *fused, block_rows=g_rows)
+    two = [dev(codes), dev(b8), dev(sc)]
+    ops.build_key_codes(geo, host_k, dev(summ), g_ids, two[0], block_rows=g_rows)
+    ops.build_bounds8(geo, dev(summ), g_ids, two[1], two[2])
+    torch.cuda.synchronize()
+    for name, f, t, w in zip(("codes", "bounds8", "scales"), fused, two, want, strict=True):
+        assert_bitwise(back(f), back(t), f"{name}: fused vs the two launches")
+        assert_bitwise(back(f), w, f"{name}: fused vs the CPU twin")
 
 
 @gpu_test
@@ -353,3 +408,114 @@ def test_unaligned_buffers_take_the_exact_scalar_path(dtype):
         assert torch.equal(run(shifted(summaries, 2), dev(codes)), want)
     mag = magnitude(q, summaries, blk_indptr, blk_indices)
     assert_scores_close(run(dev(summaries), dev(codes)), want, mag)
+
+
+def _rescore_topk_three_ways(geo, summ, codes, q, indptr, indices, cand, f, k, n_succ, twin=True):
+    """``(fused, unfused, twin_of_gpu_scores)`` as CPU int32 tensors: ops.rescore_topk_codes on the
+    GPU, ops.rescore_blocks_codes + ops.topk_candidates on the GPU, and the CPU topk_candidates
+    twin over the GPU's own codes scores (None with ``twin=False``: a malformed table, which the
+    twin refuses)."""
+    g = [dev(t) for t in (q, summ, codes, indptr, indices, cand)]
+    gf = dev(f)
+    heads = geo.num_kv_heads
+    out = torch.full((cand.shape[0], heads, k), -7, dtype=torch.int32, device=DEV)
+    fused = ops.rescore_topk_codes(geo, *g, k, successors=n_succ, forced=gf, out=out)
+    assert fused is out
+    scores = ops.rescore_blocks_codes(geo, *g)
+    unfused = ops.topk_candidates(heads, scores, g[5], g[3], k, successors=n_succ, forced=gf)
+    want = None
+    if twin:
+        want = ops.topk_candidates(heads, back(scores), cand, indptr, k, successors=n_succ, forced=f)
+    return back(fused), back(unfused), want
+
+
+@gpu_test
+@pytest.mark.parametrize("forced", [False, True])
+@pytest.mark.parametrize("m", RESCORE_TOPK_MS)
+@pytest.mark.parametrize("group", RESCORE_TOPK_GROUPS)
+@pytest.mark.parametrize("head_dim", RESCORE_TOPK_HEAD_DIMS)
+@pytest.mark.parametrize("block_size", RESCORE_TOPK_BLOCK_SIZES)
+def test_rescore_topk_codes_is_the_two_launches(block_size, head_dim, group, m, forced):
+    """The fused launch (ops.rescore_topk_codes) selects exactly what the two launches select,
+    ties included (copied blocks score the same), with and without successors and forced blocks,
+    rows shorter than m included; and what the CPU twin's top-K selects from the GPU's scores.
+    Block size 16 takes the tensor-core score (sums in another order than the CPU twin); the
+    other sizes the exact scalar path, where the whole CPU twin must agree too."""
+    dtype = DTYPES[group % len(DTYPES)]
+    gen = seeded("rescore_topk-gpu", block_size, head_dim, group, m, forced)
+    geo, summ, codes, q, indptr, indices, cand, f = rescore_topk_case(
+        gen, dtype, group, head_dim, block_size, m, forced=forced
+    )
+    for n_succ in (0, 8):
+        for k in sorted({1, max(1, m // 2), m, m + n_succ + 2}):
+            fused, unfused, twin = _rescore_topk_three_ways(
+                geo, summ, codes, q, indptr, indices, cand, f, k, n_succ
+            )
+            key = (n_succ, k)
+            assert torch.equal(fused, unfused), key
+            assert torch.equal(fused, twin), key
+            if block_size != 16:
+                cpu = ops.rescore_topk_codes(
+                    geo, q, summ, codes, indptr, indices, cand, k, successors=n_succ, forced=f
+                )
+                assert torch.equal(fused, cpu), key
+
+
+@gpu_test
+@pytest.mark.parametrize("block_size", [16, 8])
+@pytest.mark.parametrize("m", [300, 512])
+def test_rescore_topk_codes_long_candidate_rows(m, block_size):
+    """The engine's sizes (m = 1.25 x 256, and the 512 cap): more candidates than the launch has
+    threads, several tiles per warp, successors appended past m."""
+    gen = seeded("rescore_topk-long", m, block_size)
+    lens = [700, 17, 520]
+    geo, summ, codes, q, indptr, indices, cand, f = rescore_topk_case(
+        gen, torch.bfloat16, 4, 128, block_size, m, hk=3, lens=lens
+    )
+    for k in (256, 512):
+        fused, unfused, twin = _rescore_topk_three_ways(geo, summ, codes, q, indptr, indices, cand, f, k, 8)
+        assert torch.equal(fused, unfused), k
+        assert torch.equal(fused, twin), k
+
+
+@gpu_test
+def test_rescore_topk_codes_bad_candidates_and_ids_like_the_two_launches():
+    """Candidates past their row, block ids past the pool and a malformed row score -inf in both
+    the fused and the two launches (run under compute-sanitizer memcheck: nothing read outside)."""
+    gen = seeded("rescore_topk-bad")
+    geo, summ, codes, q, indptr, indices, cand, f = rescore_topk_case(gen, torch.bfloat16, 4, 128, 16, 40)
+    cand[0, 0, 3] = 2**30  # past the row
+    indices[int(indptr[2]) + 5] = summ.shape[0] + 3  # past the pool
+    indices[int(indptr[0])] = -4
+    fused, unfused, twin = _rescore_topk_three_ways(geo, summ, codes, q, indptr, indices, cand, f, 48, 8)
+    assert torch.equal(fused, unfused)
+    assert torch.equal(fused, twin)
+    bad = indptr.clone()
+    bad[3] = 10**6  # rows 2 and 3 malformed
+    fused, unfused, _ = _rescore_topk_three_ways(
+        geo, summ, codes, q, bad, indices, cand, f, 48, 8, twin=False
+    )
+    assert torch.equal(fused, unfused)
+
+
+@gpu_test
+def test_rescore_topk_codes_replays_in_a_cuda_graph():
+    """Captured on a side stream (the engine's background chain) and replayed with new queries:
+    the replay selects what an eager call on the new queries selects."""
+    gen = seeded("rescore_topk-graph")
+    geo, summ, codes, q, indptr, indices, cand, f = rescore_topk_case(gen, torch.bfloat16, 4, 128, 16, 40)
+    g = [dev(t) for t in (q, summ, codes, indptr, indices, cand)]
+    gf = dev(f)
+    out = torch.empty(cand.shape[0], geo.num_kv_heads, 32, dtype=torch.int32, device=DEV)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ops.rescore_topk_codes(geo, *g, 32, successors=8, forced=gf, out=out)  # compile and load first
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        ops.rescore_topk_codes(geo, *g, 32, successors=8, forced=gf, out=out)
+    g[0].copy_(dev(torch.randn(q.shape, generator=gen).to(q.dtype)))
+    graph.replay()
+    want = ops.rescore_topk_codes(geo, *g, 32, successors=8, forced=gf)
+    assert torch.equal(back(out), back(want))

@@ -56,6 +56,37 @@ def test_build_key_codes_matches_the_definition(dtype, head_dim, block_size):
     assert (unpack_codes(codes[1])[:, :, 0] == 0).all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("with_rows", [False, True])
+def test_encode_blocks_is_build_key_codes_then_build_bounds8(dtype, head_dim, with_rows):
+    """ops.encode_blocks (the engine's one launch per layer) writes exactly what the two builds
+    write, and nothing at all when a check fails."""
+    gen = torch.Generator().manual_seed(hash((str(dtype), head_dim, with_rows)) % 2**31)
+    hk, n_host, bs = 2, 9, 5
+    geo = ops.KvGeometry(hk, hk, head_dim, bs)
+    host_k = torch.randn(n_host, hk, bs, head_dim, generator=gen).to(dtype)
+    summaries = torch.empty(n_host, hk, 2, head_dim, dtype=dtype)
+    ops.build_summaries(geo, host_k, i32(list(range(n_host))), i32([bs] * n_host), summaries)
+    ids, rows = i32([8, 0, 3]), (i32([2, 7, 3]) if with_rows else None)
+    outs = [
+        torch.full((n_host, hk, bs, head_dim // 4), 0xAB, dtype=torch.uint8),
+        torch.full((n_host, hk, 2, head_dim), 0xCD, dtype=torch.uint8),
+        torch.full((n_host, hk), 7.0),
+    ]
+    two = [t.clone() for t in outs]
+    ops.encode_blocks(geo, host_k, summaries, ids, *outs, block_rows=rows)
+    ops.build_key_codes(geo, host_k, summaries, ids, two[0], block_rows=rows)
+    ops.build_bounds8(geo, summaries, ids, two[1], two[2])
+    for got, want in zip(outs, two, strict=True):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    before = [t.clone() for t in outs]
+    with pytest.raises(errors.OasisError):
+        ops.encode_blocks(geo, host_k, summaries, i32([1, n_host]), *outs, block_rows=None)
+    for got, want in zip(outs, before, strict=True):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), "written before the error"
+
+
 def test_codes_of_keys_on_the_grid_score_the_exact_max_logit():
     """Keys on the 4-level grid of their block are decoded exactly: the score is the exact max
     logit up to the f16 code weights' rounding (three roundings of 2^-11 per weight)."""

@@ -5,9 +5,17 @@ random rows with ties, missing candidates, successors past the row and forced bl
 import pytest
 import torch
 
-from oasiskv import ops
+from oasiskv import errors, ops
 from oasiskv.engine import keep_pins, successors
 from support.kernels import topk_candidates_case
+from support.key_codes import (
+    RESCORE_TOPK_BLOCK_SIZES,
+    RESCORE_TOPK_GROUPS,
+    RESCORE_TOPK_HEAD_DIMS,
+    RESCORE_TOPK_MS,
+    rescore_topk_case,
+)
+from support.reference import seeded
 
 
 def reference_last_top_k(scores, cand, indptr, k, n_succ, forced):
@@ -137,3 +145,41 @@ def test_engine_one_stage_forced_top_k_is_keep_pins_then_top_k(seed):
         top_k_forced(heads, scores, indptr, 3, None).tolist()
         == ops.topk_blocks(heads, scores, indptr, 3).tolist()
     )
+
+
+@pytest.mark.parametrize("forced", [False, True])
+@pytest.mark.parametrize("m", RESCORE_TOPK_MS)
+@pytest.mark.parametrize("group", RESCORE_TOPK_GROUPS)
+@pytest.mark.parametrize("head_dim", RESCORE_TOPK_HEAD_DIMS)
+@pytest.mark.parametrize("block_size", RESCORE_TOPK_BLOCK_SIZES)
+def test_rescore_topk_codes_is_rescore_then_topk_candidates(block_size, head_dim, group, m, forced):
+    """ops.rescore_topk_codes (the engine's one launch for the candidates) gives exactly
+    ops.rescore_blocks_codes followed by ops.topk_candidates, ties included (copied blocks score
+    the same), with and without successors and forced blocks, rows shorter than m included."""
+    dtype = torch.bfloat16 if group % 2 else torch.float32
+    gen = seeded("rescore_topk", block_size, head_dim, group, m, forced)
+    geo, summ, codes, q, indptr, indices, cand, f = rescore_topk_case(
+        gen, dtype, group, head_dim, block_size, m, forced=forced
+    )
+    scores = ops.rescore_blocks_codes(geo, q, summ, codes, indptr, indices, cand)
+    for n_succ in (0, 8):
+        for k in sorted({1, max(1, m // 2), m, m + n_succ + 2}):
+            got = ops.rescore_topk_codes(
+                geo, q, summ, codes, indptr, indices, cand, k, successors=n_succ, forced=f
+            )
+            want = ops.topk_candidates(geo.num_kv_heads, scores, cand, indptr, k, successors=n_succ, forced=f)
+            assert got.tolist() == want.tolist(), (n_succ, k)
+
+
+def test_rescore_topk_codes_checks_like_the_two_ops():
+    """A candidate outside its row raises on the CPU (as rescore_blocks_codes), and a bad out
+    shape is a ShapeError before anything runs."""
+    gen = seeded("rescore_topk-errors")
+    geo, summ, codes, q, indptr, indices, cand, _ = rescore_topk_case(gen, torch.float32, 2, 64, 8, 7)
+    bad = cand.clone()
+    bad[1, 0, 0] = 5  # row 1 has one block
+    with pytest.raises(errors.OasisError):
+        ops.rescore_topk_codes(geo, q, summ, codes, indptr, indices, bad, 4)
+    with pytest.raises(errors.ShapeError):
+        out = torch.empty(cand.shape[0], geo.num_kv_heads, 3, dtype=torch.int32)
+        ops.rescore_topk_codes(geo, q, summ, codes, indptr, indices, cand, 4, out=out)

@@ -131,3 +131,29 @@ def assert_scores_close(got: torch.Tensor, want: torch.Tensor, mag: torch.Tensor
     err = (got[ok] - want[ok]).abs()
     tol = 1e-5 * mag[ok] + 1e-6
     assert (err <= tol).all(), f"max error {err.max().item():.3g}, worst ratio {(err / tol).max().item():.3g}"
+
+
+# The fused last step of the two-stage score (ops.rescore_topk_codes) over random geometries.
+RESCORE_TOPK_BLOCK_SIZES = [8, 16, 32]
+RESCORE_TOPK_HEAD_DIMS = [64, 128]
+RESCORE_TOPK_GROUPS = [1, 2, 3, 4, 5, 8]
+RESCORE_TOPK_MS = [1, 7, 40, 64]
+RESCORE_TOPK_LENS = [54, 1, 37, 0, 9, 70]  # rows shorter and longer than m; one empty
+
+
+def rescore_topk_case(gen, dtype, group, head_dim, block_size, m, hk=2, lens=RESCORE_TOPK_LENS, forced=True):
+    """:func:`key_codes_case` with ties (a few host blocks are copies of others: equal codes scores,
+    broken by candidate position) plus the candidates ``[S, hk, m]`` (:func:`rescore_candidates`:
+    -1 padded where a row is shorter than m) and forced blocks ``[S, hk, 3]`` (some -1, some past
+    the row) or None: ``(geo, summaries, codes, q, blk_indptr, blk_indices, cand, forced)``."""
+    geo, host_k, summaries, codes, q, blk_indptr, blk_indices = key_codes_case(
+        gen, dtype, group, head_dim, block_size, hk=hk, lens=lens
+    )
+    # Every fourth listed block reads the host block of the one before it: equal scores.
+    dup = blk_indices.clone()
+    dup[1::4] = blk_indices[0::4][: dup[1::4].numel()]
+    cand = rescore_candidates(gen, blk_indptr, hk, m)
+    f = None
+    if forced:
+        f = torch.randint(-2, max(lens) + 3, (len(lens), hk, 3), generator=gen).to(torch.int32)
+    return geo, summaries, codes, q, blk_indptr, dup, cand, f

@@ -29,6 +29,10 @@ pub const HEADERS: &[(&str, &str)] = &[
         "oasis_params.cuh",
         include_str!("../../../cuda/oasis_params.cuh"),
     ),
+    (
+        "oasis_topk.cuh",
+        include_str!("../../../cuda/oasis_topk.cuh"),
+    ),
 ];
 
 /// Every kernel source, in dependency-free order.
@@ -107,9 +111,15 @@ pub const SOURCES: &[KernelSource] = &[
             "build_bounds8_bf16",
             "build_bounds8_f16",
             "build_bounds8_f32",
+            "encode_blocks_bf16",
+            "encode_blocks_f16",
+            "encode_blocks_f32",
             "score_blocks_codes_bf16",
             "score_blocks_codes_f16",
             "score_blocks_codes_f32",
+            "rescore_topk_codes_bf16",
+            "rescore_topk_codes_f16",
+            "rescore_topk_codes_f32",
         ],
     },
     KernelSource {

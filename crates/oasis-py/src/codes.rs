@@ -1,6 +1,7 @@
-//! 2-bit key code bindings: `build_key_codes` encodes complete host blocks, `score_blocks_codes`
+//! 2-bit key code bindings: `build_key_codes` encodes complete host blocks (`encode_blocks`:
+//! with their 8-bit bound, in one launch), `score_blocks_codes`
 //! scores every listed block from its codes and `rescore_blocks_codes` the candidates of the
-//! two-stage score; `build_bounds8` / `score_blocks_bound8` the 8-bit Quest bound its first stage
+//! two-stage score (`rescore_topk_codes`: with their top-K, in one launch); `build_bounds8` / `score_blocks_bound8` the 8-bit Quest bound its first stage
 //! reads.
 
 use oasis_core::kernels;
@@ -102,6 +103,85 @@ fn build_key_codes(
 }
 
 #[pyfunction]
+#[pyo3(signature = (geo, host_k, summaries, block_ids, codes, bounds8, scales, *, block_rows = None, stream = 0))]
+#[allow(clippy::too_many_arguments)]
+/// build_key_codes and build_bounds8 of the same complete host blocks in one launch (the engine's
+/// per-step encode of the blocks a step completed): the 2-bit codes and the 8-bit Quest bounds.
+///
+/// Arguments as build_key_codes, plus bounds8 [num_host_blocks, num_kv_heads, 2, head_dim] uint8
+/// and scales [num_host_blocks, num_kv_heads] f32 (as build_bounds8), on the device of codes.
+/// Bit-exact with the two calls. head_dim must be divisible by 4 (ConfigError).
+///
+/// CUDA: queued on `stream`, returns at once; out-of-range ids (and rows) are skipped on the GPU
+/// (the CPU raises, writing nothing). `stream` is ignored on the CPU.
+fn encode_blocks(
+    py: Python<'_>,
+    geo: &PyGeometry,
+    host_k: TensorArg,
+    summaries: TensorArg,
+    block_ids: TensorArg,
+    codes: TensorArg,
+    bounds8: TensorArg,
+    scales: TensorArg,
+    block_rows: Option<TensorArg>,
+    stream: u64,
+) -> PyResult<()> {
+    entry(py, "encode_blocks", || {
+        let g = geo.inner;
+        check_codes_head_dim(py, &g)?;
+        let host = [("host_k", &host_k)];
+        let mut tables = vec![("block_ids", &block_ids)];
+        if let Some(r) = &block_rows {
+            tables.push(("block_rows", r));
+        }
+        let outs = [
+            ("codes", &codes),
+            ("bounds8", &bounds8),
+            ("scales", &scales),
+        ];
+        let cx = Cx::new(
+            py,
+            &[&[("summaries", &summaries)][..], &outs, &tables].concat(),
+            &host,
+        )?;
+        let nb = check_block_tables(&cx, &g, &host, &summaries, &tables)?;
+        check_codes(&cx, &g, &codes, nb)?;
+        let nb8 = check_bounds8(&cx, &g, &bounds8, &scales)?;
+        if nb8 != nb {
+            return Err(py_err(
+                py,
+                "ShapeError",
+                format!("bounds8 has {nb8} host blocks but summaries have {nb}; allocate both for one pool"),
+            ));
+        }
+        let dt = kv_dtype(py, &[("host_k", &host_k), ("summaries", &summaries)])?;
+        check_outputs(
+            py,
+            &outs,
+            &[
+                &[("host_k", &host_k), ("summaries", &summaries)][..],
+                &tables,
+            ]
+            .concat(),
+        )?;
+        match cx.place {
+            Place::Cpu => with_dtype!(dt, T => {
+                // SAFETY: checked above; the outputs are disjoint from the inputs and each other.
+                let (hk, sm, ids, cd, b8, sc) = unsafe { (host_k.slice::<T>(), summaries.slice::<T>(), block_ids.ints(), codes.slice_mut::<u8>(), bounds8.slice_mut::<u8>(), scales.slice_mut::<f32>()) };
+                let rows = block_rows.as_ref().map(|r| unsafe { r.ints() });
+                guarded(py, "encode_blocks", || kernels::encode_blocks::<T>(&g, hk, sm, ids, rows, cd, b8, sc))
+            }),
+            Place::Cuda(dev) => with_dtype!(dt, T => {
+                // SAFETY: (TensorArg::dev) checked above; the outputs are disjoint from the inputs.
+                let (hk, sm, ids, cd, b8, sc) = unsafe { (host_k.dev::<T>(), summaries.dev::<T>(), block_ids.dev::<i32>(), codes.dev::<u8>(), bounds8.dev::<u8>(), scales.dev::<f32>()) };
+                let rows = block_rows.as_ref().map(|r| unsafe { r.dev::<i32>() });
+                on_gpu(py, "encode_blocks", dev, stream, &host, move |gpu, st| gpu.encode_blocks::<T>(&g, hk, sm, ids, rows, cd, b8, sc, st))
+            }),
+        }
+    })
+}
+
+#[pyfunction]
 #[pyo3(signature = (geo, q, summaries, codes, blk_indptr, blk_indices, scores, *, stream = 0))]
 /// Block scores from the 2-bit key codes: per entry and KV head, the sum over the GQA group of
 /// the block's largest approximate logit, into scores [nnz, num_kv_heads] f32.
@@ -175,6 +255,77 @@ fn rescore_blocks_codes(
         scores,
         stream,
     )
+}
+
+#[pyfunction]
+#[pyo3(signature = (geo, q, summaries, codes, blk_indptr, blk_indices, cand, k, out, *, successors = 0, forced = None, stream = 0))]
+/// rescore_blocks_codes then topk_candidates in one launch (one thread block per (seq, kv head)):
+/// the codes scores of the candidates cand [num_seqs, num_kv_heads, m] int32 (negative: none),
+/// then their k best as logical blocks into out [num_seqs, num_kv_heads, k] int32, the successors
+/// of the `successors` best and the blocks of forced [num_seqs, num_kv_heads, F] int32 first, as
+/// topk_candidates. Bit-exact with the two calls (the scores are not reduced in between).
+///
+/// CUDA: every tensor on one cuda:N, queued on `stream`, returns at once; k <= 512 and
+/// m + successors <= 1024 there; a candidate outside its row scores -inf on the GPU (the CPU
+/// raises). `stream` is ignored on the CPU.
+#[allow(clippy::too_many_arguments)]
+fn rescore_topk_codes(
+    py: Python<'_>,
+    geo: &PyGeometry,
+    q: TensorArg,
+    summaries: TensorArg,
+    codes: TensorArg,
+    blk_indptr: TensorArg,
+    blk_indices: TensorArg,
+    cand: TensorArg,
+    k: usize,
+    out: TensorArg,
+    successors: usize,
+    forced: Option<TensorArg>,
+    stream: u64,
+) -> PyResult<()> {
+    entry(py, "rescore_topk_codes", || {
+        let g = geo.inner;
+        check_codes_head_dim(py, &g)?;
+        let mut inputs = vec![
+            ("q", &q),
+            ("summaries", &summaries),
+            ("codes", &codes),
+            ("blk_indptr", &blk_indptr),
+            ("blk_indices", &blk_indices),
+            ("cand", &cand),
+        ];
+        if let Some(f) = &forced {
+            inputs.push(("forced", f));
+        }
+        let cx = Cx::new(py, &[&inputs[..], &[("out", &out)]].concat(), &[])?;
+        let [ns, ..] = q.check(&cx, "q", Elem::Any, [ANY, g.num_qo_heads, g.head_dim])?;
+        let nh = summary_rows(&cx, &g, &summaries)?;
+        check_codes(&cx, &g, &codes, nh)?;
+        blk_indptr.check(&cx, "blk_indptr", Elem::I32, [ns + 1])?;
+        blk_indices.check(&cx, "blk_indices", Elem::I32, [ANY])?;
+        let m = per_head(&cx, "cand", Some(&cand), ns, g.num_kv_heads)?;
+        out.check(&cx, "out", Elem::I32, [ns, g.num_kv_heads, k])?;
+        let nf = per_head(&cx, "forced", forced.as_ref(), ns, g.num_kv_heads)?;
+        let dt = kv_dtype(py, &[("q", &q), ("summaries", &summaries)])?;
+        check_outputs(py, &[("out", &out)], &inputs)?;
+        match cx.place {
+            Place::Cpu => with_dtype!(dt, T => {
+                // SAFETY: checked above; out is disjoint from the inputs.
+                let (qs, sm, cd, ip, ix, cn, o) = unsafe { (q.slice::<T>(), summaries.slice::<T>(), codes.slice::<u8>(), blk_indptr.ints(), blk_indices.ints(), cand.ints(), out.ints_mut()) };
+                // SAFETY: as above (an int32 input).
+                let fs: &[i32] = forced.as_ref().map_or(&[], |f| unsafe { f.ints() });
+                guarded(py, "rescore_topk_codes", || kernels::rescore_topk_codes::<T>(&g, qs, sm, cd, ip, ix, cn, m, k, successors, fs, nf, o))
+            }),
+            Place::Cuda(dev) => with_dtype!(dt, T => {
+                // SAFETY: (TensorArg::dev) checked above; out is disjoint from the inputs.
+                let (qs, sm, cd, ip, ix, cn, o) = unsafe { (q.dev::<T>(), summaries.dev::<T>(), codes.dev::<u8>(), blk_indptr.dev::<i32>(), blk_indices.dev::<i32>(), cand.dev::<i32>(), out.dev::<i32>()) };
+                // SAFETY: as above (an int32 input on the same device).
+                let fs = forced.as_ref().map(|f| (unsafe { f.dev::<i32>() }, nf));
+                on_gpu(py, "rescore_topk_codes", dev, stream, &[], move |gpu, st| gpu.rescore_topk_codes::<T>(&g, qs, sm, cd, ip, ix, cn, m, k, successors, fs, o, st))
+            }),
+        }
+    })
 }
 
 /// [`score_blocks_codes`] (every listed block) and, with `cand`, [`rescore_blocks_codes`] (the
@@ -384,8 +535,10 @@ fn score_blocks_bound8(
 /// Add this module's functions to `_core`.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(build_key_codes, m)?)?;
+    m.add_function(wrap_pyfunction!(encode_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(score_blocks_codes, m)?)?;
     m.add_function(wrap_pyfunction!(rescore_blocks_codes, m)?)?;
+    m.add_function(wrap_pyfunction!(rescore_topk_codes, m)?)?;
     m.add_function(wrap_pyfunction!(build_bounds8, m)?)?;
     m.add_function(wrap_pyfunction!(score_blocks_bound8, m)?)?;
     Ok(())

@@ -19,6 +19,7 @@ pub mod norm;
 pub mod score;
 pub mod select;
 pub mod summary;
+pub mod two_stage;
 mod validate;
 pub mod wait;
 
@@ -35,4 +36,5 @@ pub use norm::{qk_norm_rope, rms_norm, HeadLayout, Positions, QkNorm, Residual};
 pub use score::{force_scores, score_blocks, topk_blocks, topk_blocks_mapped, topk_candidates};
 pub use select::{delta_select, SelectStats};
 pub use summary::build_summaries;
+pub use two_stage::{encode_blocks, rescore_topk_codes};
 pub use wait::{wait_stamp, WaitStamp};

@@ -1,7 +1,28 @@
-//! 2-bit key code launches: `build_key_codes`, and the codes score of every listed block
-//! (`score_blocks_codes`) or of the candidates (`rescore_blocks_codes`).
+//! 2-bit key code launches: `build_key_codes` (with the 8-bit bound in the same launch:
+//! `encode_blocks`), and the codes score of every listed block (`score_blocks_codes`) or of the
+//! candidates (`rescore_blocks_codes`).
 
 use super::*;
+
+/// Threads per block of `rescore_topk_codes_*`; must match OASIS_RESCORE_TOPK_THREADS in
+/// cuda/key_codes.cu.
+pub const RESCORE_TOPK_THREADS: u32 = 256;
+
+/// Shared memory of one `rescore_topk_codes_*` block, in bytes (cuda/key_codes.cu): the layout of
+/// [`score_blocks_codes_smem_bytes`] for its [`RESCORE_TOPK_THREADS`] / 32 warps, then the `m`
+/// candidates' scores (f32). Its static buffers (the top-k's, `OASIS_CAND_MAX` entries) come on
+/// top.
+pub fn rescore_topk_codes_smem_bytes(
+    group: usize,
+    head_dim: usize,
+    elem_bytes: usize,
+    m: usize,
+) -> usize {
+    let warps = (RESCORE_TOPK_THREADS / 32) as usize;
+    let scalar = (2 * group * head_dim + head_dim + group) * 4;
+    let stage = SCORE_CODES_STAGES * (2 * head_dim * elem_bytes + 4 * head_dim);
+    warps * (stage + scalar) + 4 * m
+}
 
 impl Gpu {
     /// GPU twin of `oasis_core::kernels::build_key_codes`: the 2-bit codes of every key of host
@@ -88,6 +109,58 @@ impl Gpu {
         })
     }
 
+    /// GPU twin of `oasis_core::kernels::encode_blocks`: [`Self::build_key_codes`] and
+    /// [`Self::build_bounds8`] of the same host blocks `block_ids` in one launch (the engine's
+    /// per-step encode of the blocks a step completed). Bit-exact with the twin, and with the two
+    /// launches. Out-of-range ids (and rows, for the codes) are skipped.
+    ///
+    /// # Errors
+    /// As [`Self::build_key_codes`] and [`Self::build_bounds8`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn encode_blocks<T: KvElem>(
+        &self,
+        geo: &KvGeometry,
+        host_k: DevSlice<T>, // [num_host_rows, num_kv_heads, block_size, head_dim]
+        summaries: DevSlice<T>, // [num_host_blocks, num_kv_heads, 2, head_dim]
+        block_ids: DevSlice<i32>, // [n]
+        block_rows: Option<DevSlice<i32>>, // [n] host row of each block; None: the id
+        codes: DevSlice<u8>, // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
+        bounds8: DevSlice<u8>, // [num_host_blocks, num_kv_heads, 2, head_dim]
+        scales: DevSlice<f32>, // [num_host_blocks, num_kv_heads]
+        stream: Stream,
+    ) -> Result<()> {
+        guard("encode_blocks", || {
+            let page = page_shape(geo)?;
+            let [h, bs, d] = page;
+            codes_head_dim(d)?;
+            let num_rows = rows("host_k", host_k.len(), &page)?;
+            let num_host = rows("summaries", summaries.len(), &[h, 2, d])?;
+            check_len("codes", codes.len(), &[num_host, h, bs, d / 4])?;
+            check_len("bounds8", bounds8.len(), &[num_host, h, 2, d])?;
+            check_len("scales", scales.len(), &[num_host, h])?;
+            let n = block_ids.len();
+            if let Some(r) = block_rows {
+                check_len("block_rows", r.len(), &[n])?;
+            }
+
+            let name = entry!(T, "encode_blocks");
+            let params = params!(EncodeBlocksParams {
+                ptr: { host_k, summaries, block_ids, block_rows, codes, bounds8, scales },
+                int: {
+                    n, num_kv_heads = h, head_dim = d, block_size = bs, num_host_blocks = num_host,
+                    num_host_rows = num_rows,
+                },
+            });
+            let grid = grid_rows_heads("n", n, h)?;
+            // SAFETY: lengths checked above (summaries, codes, bounds8 and scales have num_host
+            // rows, host_k num_rows); block ids and rows are bounds-checked by the kernel; host_k
+            // may be pinned host memory at the same address on the device (DevSlice contract;
+            // Gpu::check_uva tests it); reachability and lifetime by DevSlice's contract, the
+            // stream by Stream's.
+            unsafe { self.queue(name, grid, CODES_BUILD_THREADS, 0, stream, &params) }
+        })
+    }
+
     /// GPU twin of `oasis_core::kernels::score_blocks_codes`: per listed block and KV head, the
     /// sum over the GQA group of the block's largest approximate logit from its 2-bit codes.
     ///
@@ -154,6 +227,85 @@ impl Gpu {
             Some((cand, m)),
             stream,
         )
+    }
+
+    /// GPU twin of `oasis_core::kernels::rescore_topk_codes`: [`Self::rescore_blocks_codes`]
+    /// then [`Self::topk_candidates`] in one launch, one thread block per (sequence, KV head)
+    /// scoring its `m` candidates into shared memory and selecting from them. The same bits as
+    /// the two launches (ties included): the scores go through no reduction in between, so a
+    /// caller that reduces them (KV-head replicas) launches the two apart.
+    ///
+    /// # Errors
+    /// As the two launches: [`CudaError::Invalid`] for a buffer whose size does not match its
+    /// shape or a head_dim not divisible by 4; [`CudaError::Unsupported`] for `k > MAX_TOPK` or
+    /// `m + successors > MAX_CANDIDATES`; a launch error when the shared memory does not fit.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rescore_topk_codes<T: KvElem>(
+        &self,
+        geo: &KvGeometry,
+        q: DevSlice<T>,             // [num_seqs, num_qo_heads, head_dim]
+        summaries: DevSlice<T>,     // [num_host_blocks, num_kv_heads, 2, head_dim]
+        codes: DevSlice<u8>,        // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
+        blk_indptr: DevSlice<i32>,  // [num_seqs + 1]
+        blk_indices: DevSlice<i32>, // [nnz]
+        cand: DevSlice<i32>,        // [num_seqs, num_kv_heads, m]
+        m: usize,
+        k: usize,
+        successors: usize,
+        forced: Option<(DevSlice<i32>, usize)>, // [num_seqs, num_kv_heads, n_forced]
+        out: DevSlice<i32>,                     // [num_seqs, num_kv_heads, k]
+        stream: Stream,
+    ) -> Result<()> {
+        guard("rescore_topk_codes", || {
+            let [h, bs, d] = page_shape(geo)?;
+            codes_head_dim(d)?;
+            if k > MAX_TOPK || m + successors > MAX_CANDIDATES {
+                return Err(CudaError::Unsupported(format!(
+                    "k = {k} (at most {MAX_TOPK}) or m + successors = {} (at most \
+                     {MAX_CANDIDATES}) past the candidates' top-k kernel",
+                    m + successors
+                )));
+            }
+            let qh = geo.num_qo_heads;
+            let num_seqs = csr_rows("blk_indptr", blk_indptr.len())?;
+            check_len("q", q.len(), &[num_seqs, qh, d])?;
+            let num_host = rows("summaries", summaries.len(), &[h, 2, d])?;
+            check_len("codes", codes.len(), &[num_host, h, bs, d / 4])?;
+            let nnz = blk_indices.len();
+            check_len("cand", cand.len(), &[num_seqs, h, m])?;
+            check_len("out", out.len(), &[num_seqs, h, k])?;
+            let n_forced = forced.map_or(0, |(_, n)| n);
+            if let Some((f, n)) = forced {
+                check_len("forced", f.len(), &[num_seqs, h, n])?;
+            }
+            int("num_seqs * m", num_seqs * m)?;
+            if k == 0 || num_seqs == 0 {
+                return Ok(());
+            }
+
+            let name = entry!(T, "rescore_topk_codes");
+            let params = params!(RescoreTopkCodesParams {
+                ptr: {
+                    q, summaries, codes, blk_indptr, blk_indices, cand,
+                    forced = forced.map(|(f, _)| f), out,
+                },
+                int: {
+                    nnz, num_qo_heads = qh, num_kv_heads = h, head_dim = d, block_size = bs,
+                    num_host_blocks = num_host, m, k, successors, n_forced,
+                },
+            });
+            let grid = grid_rows_heads("num_seqs", num_seqs, h)?;
+            let smem =
+                rescore_topk_codes_smem_bytes(geo.group_size(), d, std::mem::size_of::<T>(), m);
+            // SAFETY: lengths checked above (summaries and codes have num_host rows; cand, forced
+            // and out their (sequence, head) rows); the kernel bounds-checks block ids and each
+            // candidate's blk_indptr row against nnz (-inf outside), reads cand and forced only
+            // below m and n_forced; k <= MAX_TOPK and m + successors <= MAX_CANDIDATES (its
+            // static buffers); `smem` is the kernel's layout and launch() checks it against the
+            // device limit; reachability and lifetime by DevSlice's contract, the stream by
+            // Stream's.
+            unsafe { self.queue(name, grid, RESCORE_TOPK_THREADS, smem, stream, &params) }
+        })
     }
 
     /// The launch of `score_blocks_codes_*`: every listed block, or with `cand = (cand, m)` the

@@ -40,10 +40,10 @@ use crate::driver::{Gpu, LaunchCfg};
 use crate::error::{guard, CudaError, Result};
 use crate::params::{
     AppendKvParams, BuildBounds8Params, BuildKeyCodesParams, BuildSummariesParams, CopyPagesParams,
-    DecodeAttnParams, DeltaSelectParams, DevPtr, ForceScoresParams, GatherBlocksParams,
-    KernelParams, MergeAttnStatesParams, QkNormRopeParams, RmsNormParams, ScoreBlocksBound8Params,
-    ScoreBlocksCodesParams, ScoreBlocksParams, TopkBlocksParams, TopkCandidatesParams,
-    WaitStampParams,
+    DecodeAttnParams, DeltaSelectParams, DevPtr, EncodeBlocksParams, ForceScoresParams,
+    GatherBlocksParams, KernelParams, MergeAttnStatesParams, QkNormRopeParams,
+    RescoreTopkCodesParams, RmsNormParams, ScoreBlocksBound8Params, ScoreBlocksCodesParams,
+    ScoreBlocksParams, TopkBlocksParams, TopkCandidatesParams, WaitStampParams,
 };
 
 /// Threads per block of the decode attention kernel (a multiple of 32). Arbitrary.
@@ -524,6 +524,7 @@ macro_rules! entry {
 }
 
 // The launch wrappers, one file per kernel family (they use the helpers and macros above).
+pub use codes::{rescore_topk_codes_smem_bytes, RESCORE_TOPK_THREADS};
 pub(crate) use gather_launch::gather_grid;
 pub use gather_launch::{
     gather_launch, gather_launch_kv8, set_gather_launch, set_gather_launch_kv8, GatherLaunch,
@@ -673,15 +674,19 @@ mod tests {
         assert!(common.contains("bool csr_row("));
         for (source, uses) in [
             ("decode_attn", 2),
-            // topk_blocks, force_scores, topk_candidates (which only bounds successors by its
-            // rows' lengths: its wrapper passes i32::MAX, a malformed row reads as empty).
-            ("score_blocks", 3),
+            // topk_blocks, force_scores.
+            ("score_blocks", 2),
             ("gather_blocks", 1),
         ] {
             let src = crate::kernels::source(source).unwrap().source;
             assert_eq!(src.matches("csr_row(").count(), uses, "{source}");
             assert!(src.contains("int nnz"), "{source} takes no nnz");
         }
+        // topk_candidates_impl (oasis_topk.cuh) only bounds successors by its rows' lengths: its
+        // launches pass i32::MAX, a malformed row reads as empty.
+        let (_, topk) = crate::kernels::HEADERS[2];
+        assert_eq!(topk.matches("csr_row(").count(), 1);
+        assert!(topk.contains("int nnz"));
         // score_blocks checks its rows inline (it walks them rather than indexing one).
         let src = crate::kernels::source("score_blocks").unwrap().source;
         assert_eq!(src.matches("seq_end <= nnz").count(), 1);
@@ -788,14 +793,24 @@ mod tests {
         let options = crate::nvrtc::compile_options("sm_90");
         for (name, value, source) in [
             ("OASIS_MAX_TOPK", MAX_TOPK, "score_blocks"),
-            ("OASIS_CAND_MAX", MAX_CANDIDATES, "score_blocks"),
+            ("OASIS_CAND_MAX", MAX_CANDIDATES, "oasis_topk.cuh"),
             ("OASIS_MAX_SELECT_BUDGET", MAX_SELECT_BUDGET, "delta_select"),
         ] {
             assert!(
                 options.contains(&format!("-D{name}={value}")),
                 "{name}: {options:?}"
             );
-            let src = crate::kernels::source(source).unwrap().source;
+            // A source, or a header (named with its extension).
+            let src = crate::kernels::source(source).map_or_else(
+                || {
+                    crate::kernels::HEADERS
+                        .iter()
+                        .find(|(n, _)| *n == source)
+                        .unwrap()
+                        .1
+                },
+                |s| s.source,
+            );
             assert!(
                 src.contains(&format!("#ifndef {name}\n")),
                 "{source} guards {name}"
@@ -843,6 +858,10 @@ mod tests {
             SCORE_CODES_THREADS as usize
         );
         assert_eq!(define("key_codes", "OASIS_CODES_TILE"), SCORE_CODES_TILE);
+        assert_eq!(
+            define("key_codes", "OASIS_RESCORE_TOPK_THREADS"),
+            RESCORE_TOPK_THREADS as usize
+        );
         assert_eq!(
             define("delta_select", "OASIS_SELECT_WARP_THREADS"),
             SELECT_WARP_THREADS as usize
