@@ -457,6 +457,7 @@ def bench_score_codes_staged(
     sticky: bool = False,
     profile: bool = False,
     bound8: bool = False,
+    fused: bool = True,
 ) -> dict:
     """The two-stage codes score (``KvConfig(score_candidates=factor)``) at :func:`bench_score`'s
     shapes: the Quest bound and its top-``m`` (``m = ceil(factor k)``) per KV head, the codes
@@ -467,7 +468,10 @@ def bench_score_codes_staged(
     previous prediction of ``k`` random blocks kept among the candidates (``sticky_candidates``),
     and there is no ``rescore_ms`` (its candidates are not kept). ``profile``: each kernel's
     device time per call in ``kernels_us`` (:func:`kernel_breakdown`). ``bound8``: the first
-    stage reads the 8-bit bound (``KvConfig.candidate_bound="fp8"``, the engine's chain)."""
+    stage reads the 8-bit bound (``KvConfig.candidate_bound="fp8"``, the engine's chain).
+    ``fused=False``: the engine's chain with the candidates' codes score and their top-K as two
+    launches (:func:`ops.rescore_blocks_codes`, :func:`ops.topk_candidates`) instead of
+    :func:`ops.rescore_topk_codes`' one (the same blocks), labelled ``unfused``."""
     hk = geo.num_kv_heads
     m = min(512, math.ceil(factor * k))
     q, summaries, codes, blk_indptr, blk_indices = codes_inputs(geo, dev, dtype, batch, ctx)
@@ -488,7 +492,7 @@ def bench_score_codes_staged(
         return ops.topk_blocks(hk, rescored, rows, k, top, index_map=cand)
 
     extra = ""
-    if successors or sticky or bound8:
+    if successors or sticky or bound8 or not fused:
         from oasiskv.engine import two_stage_top_k
 
         n_blocks = ctx // geo.block_size
@@ -503,13 +507,24 @@ def bench_score_codes_staged(
 
         def staged():  # noqa: F811 -- the engine's chain instead
             return two_stage_top_k(
-                geo, q, summaries, codes, csr, k, m, keep=keep, successor_blocks=successors, bounds=bounds
+                geo,
+                q,
+                summaries,
+                codes,
+                csr,
+                k,
+                m,
+                keep=keep,
+                successor_blocks=successors,
+                bounds=bounds,
+                fused=fused,
             )
 
         extra = (
             (f" +succ{successors}" if successors else "")
             + (" +sticky" if sticky else "")
             + (" +fp8" if bound8 else "")
+            + ("" if fused else " unfused")
         )
     ms, eager = time_both(staged)
     row = {
@@ -601,6 +616,20 @@ def score_rows(ops, geo, dev, dtype, args, d2d: float) -> list[dict]:
         st["ratio_to_quest"] = st["ms"] / s44["ms"]
         st["target"] = "(the default chain at 44 x 16K)"
         rows.append(st)
+    # Issue 33: the default chain's candidates' codes score and top-K in one launch
+    # (ops.rescore_topk_codes) against the two launches, at batch 1 (launch-bound) and at 22 x 32K
+    # (Qwen3-8B's serving shape), each against the Quest row of its shape.
+    for batch, ctx in ((1, 16384), (22, 32768)):
+        sq = bench_score(ops, geo, dev, dtype, batch, ctx, 128)
+        sq["ratio_to_d2d"], sq["target"] = sq["Bps"] / d2d, f"({batch} x {ctx // 1024}K Quest baseline)"
+        rows.append(sq)
+        for fused in (True, False):
+            st = bench_score_codes_staged(
+                ops, geo, dev, dtype, batch, ctx, 128, 1.25, 8, True, args.profile, True, fused
+            )
+            st["ratio_to_quest"] = st["ms"] / sq["ms"]
+            st["target"] = "fused: <= the unfused row" if fused else "(the two launches)"
+            rows.append(st)
     return rows
 
 

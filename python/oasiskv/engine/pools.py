@@ -197,11 +197,20 @@ class KvPools:
     def encode_blocks(self, layer: int, block_ids: torch.Tensor, key_pages: torch.Tensor) -> None:
         """The key codes and the 8-bit bound of ``layer``'s complete host blocks ``block_ids``,
         whose summaries are final and whose keys are in the GPU pages ``key_pages`` (HBM reads,
-        not the host rows' copies; fp8 pages: their values). Pools made with ``key_codes`` only."""
+        not the host rows' copies; fp8 pages: their values). Pools made with ``key_codes`` only.
+        One launch (:func:`ops.encode_blocks`): it runs every layer of every step, in the graph."""
         g = self.geo
         keys, rows = self.key_rows(layer, key_pages)
-        ops.build_key_codes(g, keys, self.summaries[layer], block_ids, self.codes[layer], block_rows=rows)
-        ops.build_bounds8(g, self.summaries[layer], block_ids, self.bounds8[layer], self.bound_scales[layer])
+        ops.encode_blocks(
+            g,
+            keys,
+            self.summaries[layer],
+            block_ids,
+            self.codes[layer],
+            self.bounds8[layer],
+            self.bound_scales[layer],
+            block_rows=rows,
+        )
 
     def enable_key_codes(self) -> None:
         """Add (empty) key-code tensors to pools made without them (pools shared, while idle,

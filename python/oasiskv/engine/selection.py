@@ -199,18 +199,24 @@ def two_stage_top_k(
     successor_blocks: int = 0,
     reduce=None,
     bounds=None,
+    fused: bool = True,
 ) -> torch.Tensor:
     """The two-stage codes score's top-``k`` (``KvConfig(score_candidates=...)``): the Quest
     bound's best ``m`` blocks per KV head are the candidates (``forced`` and ``keep`` first,
     whatever their bound), the codes rank them; ``forced`` blocks and the successors of the
     ``successor_blocks`` best candidates by the codes (candidates or not) go ahead of every codes
     score, ``keep`` competes like the rest. ``forced``/``keep``: ``[n, heads, F]`` logical blocks
-    in :func:`keep_pins`' layout, or None; ``reduce``: :attr:`Engine.score_reduce`. Four
+    in :func:`keep_pins`' layout, or None; ``reduce``: :attr:`Engine.score_reduce`. Three
     launches, no host sync (a captured step replays it): the Quest score, its top-``m`` (forced
-    and kept blocks set to +inf first, :func:`ops.topk_blocks`' ``forced``), the codes of the
-    candidates and :func:`ops.topk_candidates`. ``bounds = (bounds8, scales)``: the Quest score
-    reads the 8-bit bound (:func:`ops.score_blocks_bound8`, ``KvConfig.candidate_bound="fp8"``)
-    instead of ``summaries``. :meth:`Engine.top_k_blocks` and the kernel benchmark."""
+    and kept blocks set to +inf first, :func:`ops.topk_blocks`' ``forced``), and the codes of the
+    candidates with their top-``k`` (:func:`ops.rescore_topk_codes`: one thread block per request
+    and KV head). A ``reduce`` (KV-head replicas) must see the codes scores between those two
+    steps, so with one (or ``fused=False``, the kernel benchmark's baseline) they are two launches,
+    :func:`ops.rescore_blocks_codes` then :func:`ops.topk_candidates`: the same blocks bit for
+    bit when ``reduce`` is None. ``bounds = (bounds8, scales)``: the Quest score reads the 8-bit
+    bound (:func:`ops.score_blocks_bound8`, ``KvConfig.candidate_bound="fp8"``) instead of
+    ``summaries``. :meth:`Engine.top_k_blocks` and the kernel benchmark."""
+    fused = fused and reduce is None
     reduce = reduce or (lambda x: x)
     heads = geo.num_kv_heads
     indptr = csr[0]
@@ -224,11 +230,15 @@ def two_stage_top_k(
     else:
         first = None
     cand = ops.topk_blocks(heads, bound, indptr, m, forced=first)  # [n, H, m] logical, -1 padded
-    scores = reduce(ops.rescore_blocks_codes(geo, q, summaries, codes, *csr, cand)).contiguous()
     # Successors of the codes score's best candidates (not the Quest bound's, whose best are not
-    # the blocks a copy reads: docs/EVAL.md) and the forced blocks first, then the top-k: one launch.
+    # the blocks a copy reads: docs/EVAL.md) and the forced blocks first, then the top-k.
     if forced is not None:
         forced = forced.to(torch.int32).contiguous()
+    if fused:
+        return ops.rescore_topk_codes(
+            geo, q, summaries, codes, *csr, cand, k, successors=successor_blocks, forced=forced
+        )
+    scores = reduce(ops.rescore_blocks_codes(geo, q, summaries, codes, *csr, cand)).contiguous()
     return ops.topk_candidates(heads, scores, cand, indptr, k, successors=successor_blocks, forced=forced)
 
 
