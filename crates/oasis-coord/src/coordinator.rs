@@ -14,9 +14,11 @@
 //! daemon request id), the entries in flight (per layer, per request, per request and layer:
 //! [`Coordinator::wait_layer`] waits for a step's layer, [`Coordinator::wait_request`] for one
 //! request's, e.g. an admission streaming a whole request in while others decode), the failed
-//! requests and their messages, the counters. Each connection is a tokio task with its own queue, so the
-//! frames one connection carries land in the order submitted (layer order); a frame never
-//! spans layers, so an early layer lands without waiting for later ones.
+//! requests and their messages, the counters. Each connection is a tokio task with two queues,
+//! a step's and a background one (an admission's stream, releases), the step's served first:
+//! the frames of each land in the order submitted (layer order), and a step's frame waits behind
+//! at most one background frame; a frame never spans layers, so an early layer lands without
+//! waiting for later ones.
 //!
 //! Invariants:
 //! * an entry is marked present only after its bytes are fully written into the pool; a failed
@@ -124,6 +126,23 @@ pub(crate) struct Item {
     /// [`Coordinator::wait_layer`]) or in the background ([`Coordinator::submit_background`]:
     /// only in its request's [`Coordinator::wait_request`]).
     pub(crate) step: bool,
+}
+
+/// A connection's two queues: a step's frames go first, then the background ones (an
+/// admission's stream, releases), so a step waits behind at most one background frame.
+pub(crate) struct Queues {
+    step: mpsc::UnboundedSender<Job>,
+    background: mpsc::UnboundedSender<Job>,
+}
+
+impl Queues {
+    fn of(&self, step: bool) -> &mpsc::UnboundedSender<Job> {
+        if step {
+            &self.step
+        } else {
+            &self.background
+        }
+    }
 }
 
 /// One frame's reads.
@@ -280,7 +299,7 @@ fn heads_of(e: Entry, heads: usize) -> std::ops::Range<u16> {
 /// The decode side's remote reads (see the module docs).
 pub struct Coordinator {
     shared: Arc<Shared>,
-    senders: Mutex<Vec<mpsc::UnboundedSender<Job>>>,
+    senders: Mutex<Vec<Queues>>,
     next: AtomicUsize,
     rt: Mutex<Option<tokio::runtime::Runtime>>,
     /// The connections' tasks, for [`Coordinator::close`] to let their queued releases go.
@@ -340,8 +359,9 @@ impl Coordinator {
         let mut senders = Vec::with_capacity(config.connections);
         let mut tasks = Vec::with_capacity(config.connections);
         for index in 0..config.connections {
-            let (tx, rx) = mpsc::unbounded_channel();
-            senders.push(tx);
+            let (step, step_rx) = mpsc::unbounded_channel();
+            let (background, background_rx) = mpsc::unbounded_channel();
+            senders.push(Queues { step, background });
             let w = crate::worker::Worker {
                 index,
                 connector: Arc::clone(&connector),
@@ -350,7 +370,7 @@ impl Coordinator {
                 retries: config.retries,
                 use_rma: config.use_rma,
             };
-            tasks.push(rt.spawn(w.run(rx)));
+            tasks.push(rt.spawn(w.run(step_rx, background_rx)));
         }
         Ok(Coordinator {
             shared,
@@ -697,7 +717,7 @@ impl Coordinator {
                 items,
                 layout: Arc::clone(&layout),
             });
-            if let Err(mpsc::error::SendError(Job::Read(f))) = senders[n].send(job) {
+            if let Err(mpsc::error::SendError(Job::Read(f))) = senders[n].of(step).send(job) {
                 // The worker is gone (closing): the items fail, nothing was written.
                 let why = vec![Some("the coordinator is closing".to_string()); f.items.len()];
                 self.shared.land(&f.items, why, Duration::ZERO, 0, false);
@@ -707,7 +727,7 @@ impl Coordinator {
     }
 
     /// Release the daemon's staged request `daemon_id` from a connection's task, after the
-    /// frames queued on it: returns at once, so the caller never waits on the daemon for it
+    /// frames queued on it (a background job): returns at once, so the caller never waits on the daemon for it
     /// (a stalled daemon costs the connection one deadline). Best effort: a failure is only
     /// counted ([`CoordStats::failed_releases`]; the daemon's lease frees the request).
     /// Release a request after its reads ([`Coordinator::end`]).
@@ -724,6 +744,7 @@ impl Coordinator {
         }
         let n = self.next.fetch_add(1, Ordering::Relaxed) % senders.len();
         senders[n]
+            .background
             .send(Job::Release(daemon_id))
             .map_err(|_| CoordError::Closed)
     }

@@ -1,6 +1,8 @@
 //! One connection's task ([`Worker`]): its frames in submission order, reconnecting after a
 //! transport failure up to the configured retries, each reply's entries written into the pool
-//! ([`write_entries`]) before the frame lands; and the releases queued behind them.
+//! ([`write_entries`]) before the frame lands; and the releases queued behind them. It serves
+//! its step queue first, then its background queue (an admission's stream, releases), so a
+//! step's frame waits behind at most the one background frame being read.
 //!
 //! A frame whose every entry belongs to a failed (or ending) request is not sent: its entries
 //! fail at once. So a stalled daemon costs a request one frame's deadline (times its retries),
@@ -32,8 +34,19 @@ pub(crate) struct Worker<K: Connector> {
 type Entries = Vec<std::result::Result<bytes::Bytes, ErrorCode>>;
 
 impl<K: Connector> Worker<K> {
-    pub(crate) async fn run(mut self, mut rx: mpsc::UnboundedReceiver<Job>) {
-        while let Some(job) = rx.recv().await {
+    pub(crate) async fn run(
+        mut self,
+        mut step: mpsc::UnboundedReceiver<Job>,
+        mut background: mpsc::UnboundedReceiver<Job>,
+    ) {
+        loop {
+            // Biased: the step's queue first; the task ends once both are closed and empty.
+            let job = tokio::select! {
+                biased;
+                Some(j) = step.recv() => j,
+                Some(j) = background.recv() => j,
+                else => break,
+            };
             let job = match job {
                 Job::Read(f) => f,
                 Job::Release(id) => {

@@ -484,3 +484,45 @@ fn a_release_goes_from_a_connection_s_task_and_never_blocks_the_caller() {
     c.close();
     assert!(c.release(9).is_err());
 }
+
+#[test]
+fn a_step_s_frames_go_before_the_background_ones_queued_on_its_connection() {
+    let d = Daemon::start();
+    d.stage(7, HEAD_DIM);
+    d.stage(8, HEAD_DIM);
+    let mut pools = Pools::new();
+    // One connection, 250 ms a reply: request 1 streams four frames in the background, then a
+    // step asks for one entry of request 2.
+    let k = Faulty {
+        tcp: d.tcp(),
+        slow: Some((0, Duration::from_millis(250))),
+        broken: None,
+    };
+    let c = coordinator(k, 1, &mut pools);
+    admit(&c, 1, 7, &[0]);
+    admit(&c, 2, 8, &[1]);
+    let t0 = Instant::now();
+    for layer in 0..LAYERS as u16 {
+        c.submit_background(&[e(layer, 0, ALL_HEADS)]).unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(50)); // the first background frame is being read
+    c.submit(&[e(2, 1, 0)]).unwrap();
+    c.wait_layer(2).unwrap();
+    // Behind the background frame being read only, not behind the three queued after it.
+    assert!(
+        t0.elapsed() < Duration::from_millis(850),
+        "{:?}",
+        t0.elapsed()
+    );
+    assert!(c.in_flight(1, None) >= 2, "the stream is still in flight");
+    assert_eq!(pools.head(2, 1, 0), staged_head(8, 2, 0, 0));
+    c.wait_request(1, None).unwrap();
+    assert!(
+        t0.elapsed() >= Duration::from_millis(1200),
+        "{:?}",
+        t0.elapsed()
+    );
+    for l in 0..LAYERS {
+        assert_eq!(pools.head(l, 0, 1), staged_head(7, l as u16, 0, 1));
+    }
+}
