@@ -1,8 +1,8 @@
 """The shared vocabulary of both sides of disaggregation: the ``kv_source`` URL and its schemes
 (:func:`split_kv_source`), the handle a prefill worker hands the decode side
 (:class:`StagedRequest`), the sections and the meta format of an admission set, the frame
-arithmetic of the daemon's protocol (:func:`entries_per_frame`, :func:`admission_chunks`), the
-reads both the decode loop and the read ahead make (:func:`admission_replies`, :func:`read_all`),
+arithmetic of the daemon's protocol (:func:`admission_chunks`), the admission reads both the
+decode loop and the read ahead make (:func:`admission_replies`),
 the first selection both sides compute from the same bytes (:func:`first_top_k`), the block
 formats of the daemon geometry's ``kv_format`` (:data:`KV_FORMATS`; fp8 blocks are each head's
 E4M3 codes then its float32 scale: :func:`pack_kv8`, :func:`unpack_kv8`), and a client of the
@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .. import ops
-from ..errors import ConfigError, InvalidArgumentError, RemoteError
+from ..errors import ConfigError, InvalidArgumentError
 
 #: The URL schemes of ``LLMEngine(kv_source=...)`` and ``PrefillWorker(addr=...)``: the daemon over
 #: TCP (``oasis-rt serve``; a bare ``HOST:PORT`` means the same), and over UCX (``oasis-rt serve
@@ -267,23 +267,6 @@ def first_top_k(geo, q: torch.Tensor, summaries: torch.Tensor, indptr, indices, 
     q = q.view(1, geo.num_qo_heads, geo.head_dim).contiguous()
     scores = ops.score_blocks(geo, q, summaries, indptr, indices)
     return ops.topk_blocks(geo.num_kv_heads, scores, indptr, k)[0]
-
-
-def entries_per_frame(entry_bytes: int, frame_bytes: float | None = None) -> int:
-    """Read entries of ``entry_bytes`` that fill a reply frame of ``frame_bytes`` (default:
-    :data:`BULK_FRAME_BYTES`), at least one."""
-    frame = BULK_FRAME_BYTES if frame_bytes is None else frame_bytes
-    return max(1, int((frame - FRAME_OVERHEAD) // (entry_bytes + READ_REPLY_ENTRY_BYTES)))
-
-
-def read_all(client, keys: list, what: str):
-    """``client.read_blocks(keys)``'s bytes, every entry present (a read ahead takes all of its
-    frame or nothing); ``RemoteError`` naming ``what`` otherwise."""
-    data, _, errors = client.read_blocks(keys)
-    bad = next((e for e in errors if e is not None), None)
-    if bad is not None:
-        raise RemoteError(f"{what}: {bad}")
-    return data
 
 
 def block_head_bytes(geo, dtype: torch.dtype, kv8: bool = False) -> int:
