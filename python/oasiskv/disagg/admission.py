@@ -16,8 +16,9 @@ waits on the network for a request it has not admitted yet:
    transfer), then puts the partial last block in the local page and selects the initial
    working set with the staged query. ``LLMEngine`` calls it once
    :meth:`~AdmissionMixin.admission_landed` (every read of the request has landed or failed; it
-   asks each step while others decode), or at once when nothing else is running (then the
-   per-layer waits overlap the summaries with the later layers' reads).
+   asks each step while others decode), or at once when nothing else was running (then the
+   per-layer waits overlap the summaries with the later layers' reads, and the requests
+   admitted together start decoding together).
 
 Policy: the rows are reserved at admission (step 1), not when the read ahead starts. The
 request is next in line then, and its seat and rows are held only while its blocks stream in

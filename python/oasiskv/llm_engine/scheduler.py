@@ -9,7 +9,7 @@ place of its prefill, in two steps: :meth:`Scheduler._start_staged` reserves it 
 blocks to the source's coordinator, which streams them into the host pool in the background
 while it waits in ``_prefilling`` (its seat taken, no prompt budget spent);
 :meth:`Scheduler._land_staged` finishes it once its blocks have landed (or at once, waiting
-layer by layer, when nothing else is running) and it joins ``_running``. So the decode steps of
+layer by layer, when nothing was running) and it joins ``_running``. So the decode steps of
 the others never wait on the network for it.
 
 :class:`Scheduler` is a mixin of :class:`~oasiskv.llm_engine.LLMEngine`; the annotations in its
@@ -182,14 +182,14 @@ class Scheduler:
 
     def _land_staged(self, touched: list[Seq], busy: bool) -> None:
         """Finish the admissions whose blocks have landed (any that failed included: they end
-        with the error), in admission order, and take their first tokens. While no request is
-        decoding (not ``busy``) the first of them is finished whatever its state: waiting for it
-        (layer by layer) costs no one a step."""
+        with the error), in admission order, and take their first tokens. While no request was
+        decoding (not ``busy``) every one is finished, waiting for each (layer by layer; their
+        streams all went out before the first wait): that costs no one a step, and the requests
+        admitted together start decoding together, as without a daemon."""
         src = self.kv_source
         for seq in [s for s in self._prefilling if s.staged is not None]:
             if busy and not src.admission_landed(seq.req):
                 continue
-            busy = True  # at most one wait per step
             r = seq.req
             self._prefilling.remove(seq)
             touched.append(seq)
