@@ -479,6 +479,19 @@ def test_rescore_topk_codes_long_candidate_rows(m, block_size):
 
 
 @gpu_test
+def test_rescore_topk_codes_fewer_warps_where_shared_memory_is_short():
+    """group 16 x head_dim 256 in f32: eight warps' shared memory is past an H100's 227 KiB, so the
+    launch takes fewer warps; the result is the same."""
+    gen = seeded("rescore_topk-big")
+    geo, summ, codes, q, indptr, indices, cand, f = rescore_topk_case(
+        gen, torch.float32, 16, 256, 8, 40, hk=1, lens=[54, 3, 41]
+    )
+    fused, unfused, twin = _rescore_topk_three_ways(geo, summ, codes, q, indptr, indices, cand, f, 24, 8)
+    assert torch.equal(fused, unfused)
+    assert torch.equal(fused, twin)
+
+
+@gpu_test
 def test_rescore_topk_codes_bad_candidates_and_ids_like_the_two_launches():
     """Candidates past their row, block ids past the pool and a malformed row score -inf in both
     the fused and the two launches (run under compute-sanitizer memcheck: nothing read outside)."""

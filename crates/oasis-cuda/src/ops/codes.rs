@@ -8,17 +8,17 @@ use super::*;
 /// cuda/key_codes.cu.
 pub const RESCORE_TOPK_THREADS: u32 = 256;
 
-/// Shared memory of one `rescore_topk_codes_*` block, in bytes (cuda/key_codes.cu): the layout of
-/// [`score_blocks_codes_smem_bytes`] for its [`RESCORE_TOPK_THREADS`] / 32 warps, then the `m`
-/// candidates' scores (f32). Its static buffers (the top-k's, `OASIS_CAND_MAX` entries) come on
-/// top.
+/// Shared memory of one `rescore_topk_codes_*` block of `warps` warps, in bytes
+/// (cuda/key_codes.cu): the layout of [`score_blocks_codes_smem_bytes`] for `warps` warps, then
+/// the `m` candidates' scores (f32). Its static buffers (the top-k's, `OASIS_CAND_MAX` entries)
+/// come on top.
 pub fn rescore_topk_codes_smem_bytes(
     group: usize,
     head_dim: usize,
     elem_bytes: usize,
     m: usize,
+    warps: usize,
 ) -> usize {
-    let warps = (RESCORE_TOPK_THREADS / 32) as usize;
     let scalar = (2 * group * head_dim + head_dim + group) * 4;
     let stage = SCORE_CODES_STAGES * (2 * head_dim * elem_bytes + 4 * head_dim);
     warps * (stage + scalar) + 4 * m
@@ -295,16 +295,32 @@ impl Gpu {
                 },
             });
             let grid = grid_rows_heads("num_seqs", num_seqs, h)?;
-            let smem =
-                rescore_topk_codes_smem_bytes(geo.group_size(), d, std::mem::size_of::<T>(), m);
+            // RESCORE_TOPK_THREADS, or fewer warps where their shared memory does not fit (a
+            // large group x head_dim): the kernel's result does not depend on its thread count.
+            let limit = self.function(name)?.max_dynamic_smem;
+            let smem_of = |threads: u32| {
+                let warps = (threads / 32) as usize;
+                rescore_topk_codes_smem_bytes(
+                    geo.group_size(),
+                    d,
+                    std::mem::size_of::<T>(),
+                    m,
+                    warps,
+                )
+            };
+            let mut threads = RESCORE_TOPK_THREADS;
+            while threads > 32 && smem_of(threads) > limit {
+                threads /= 2;
+            }
+            let smem = smem_of(threads);
             // SAFETY: lengths checked above (summaries and codes have num_host rows; cand, forced
             // and out their (sequence, head) rows); the kernel bounds-checks block ids and each
             // candidate's blk_indptr row against nnz (-inf outside), reads cand and forced only
             // below m and n_forced; k <= MAX_TOPK and m + successors <= MAX_CANDIDATES (its
-            // static buffers); `smem` is the kernel's layout and launch() checks it against the
-            // device limit; reachability and lifetime by DevSlice's contract, the stream by
-            // Stream's.
-            unsafe { self.queue(name, grid, RESCORE_TOPK_THREADS, smem, stream, &params) }
+            // static buffers); `smem` is the kernel's layout for `threads` (a multiple of 32, at
+            // most its launch bound) and launch() checks it against the device limit;
+            // reachability and lifetime by DevSlice's contract, the stream by Stream's.
+            unsafe { self.queue(name, grid, threads, smem, stream, &params) }
         })
     }
 
