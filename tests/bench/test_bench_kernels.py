@@ -21,6 +21,13 @@ def test_help_lists_the_fp8_rows(capsys):
     assert e.value.code == 0
     text = capsys.readouterr().out
     assert "over fp8_e4m3 pages" in text and "from a pinned fp8_e4m3" in text
+    assert "{score,attention,gather}" in text  # --only: one group of rows
+
+
+def test_only_takes_a_known_group_of_rows(capsys):
+    with pytest.raises(SystemExit) as e:
+        kernels.main(["--only", "dense"])
+    assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err
 
 
 def test_kv8_bytes_are_codes_and_scales():

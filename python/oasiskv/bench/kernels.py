@@ -643,8 +643,10 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep-splits", action="store_true", help="also time attention at fixed split counts")
     ap.add_argument(
         "--only",
-        choices=["score"],
-        help="only these rows: 'score' = the Quest and codes scores with their top-K (issue 12's rows)",
+        choices=["score", "attention", "gather"],
+        help="only these rows: 'score' = the Quest and codes scores with their top-K (issue 12's rows); "
+        "'attention' = sparse attention over bf16 and fp8 pages; 'gather' = the gathers from bf16 and fp8 "
+        "host pools",
     )
     ap.add_argument(
         "--profile",
@@ -670,7 +672,11 @@ def main(argv=None) -> int:
         "ceilings": ceil,
         "kernels": [],
     }
-    batches = () if args.only == "score" else (8, 16) if args.quick else (64, 256)
+
+    def want(rows: str) -> bool:
+        return args.only in (None, rows)
+
+    batches = () if not want("attention") else (8, 16) if args.quick else (64, 256)
     for bs in batches:
         r = bench_attention(
             ops,
@@ -702,7 +708,7 @@ def main(argv=None) -> int:
         )
         r["ratio_to_d2d"], r["target"] = r["Bps"] / d2d, ">= 0.8 x d2d"
         res["kernels"].append(r)
-    for ctx in () if args.only == "score" else (16384, 32768):
+    for ctx in () if args.only else (16384, 32768):
         bs = 4 if args.quick else 16
         r = bench_attention(
             ops,
@@ -721,7 +727,7 @@ def main(argv=None) -> int:
             r["ratio_to_sdpa"] = r["sdpa_ms"] / r["ms"]
         r["target"] = ">= 0.8 x d2d and >= 0.95 x SDPA"
         res["kernels"].append(r)
-    if args.only != "score":
+    if want("gather"):
         n_entries = 8 * 128 * (16 if args.quick else 64)
         g = bench_gather(ops, geo, dev, dtype, n_entries, h2d)
         g["target"] = ">= 0.9 x pinned H2D memcpy"
@@ -729,8 +735,9 @@ def main(argv=None) -> int:
         g8 = bench_gather_kv8(ops, geo, dev, dtype, n_entries, h2d, args.refcheck)
         g8["target"] = ">= 0.9 x pinned H2D memcpy (issue 36)"
         res["kernels"].append(g8)
-    res["kernels"] += score_rows(ops, geo, dev, dtype, args, d2d)
-    if args.only != "score":
+    if want("score"):
+        res["kernels"] += score_rows(ops, geo, dev, dtype, args, d2d)
+    if not args.only:
         sel = bench_select(ops, geo, dev, 64 if args.quick else 256, 128, 7)
         sel["target"] = "<= 20 us per layer"
         res["kernels"].append(sel)
