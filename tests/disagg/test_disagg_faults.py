@@ -2,7 +2,10 @@
 daemon killed or stalled mid-decode fails only the requests that need it (``finish_reason=
 "error"`` with a message) and the pools come back whole; a released request or an entry of the
 wrong size fails that request alone; a daemon stopped for a moment only slows the step; a
-connection the daemon closed is reconnected within ``kv_retries``."""
+connection the daemon closed is reconnected within ``kv_retries``. The same while a full
+transfer's admission streams a request in beside the others' steps (killed, stalled, wrong
+size: it fails alone and the others never wait), and host pools that move under such a stream
+stream it again."""
 
 from __future__ import annotations
 
@@ -19,7 +22,9 @@ from support.rtd import TRANSPORTS, Daemon
 from support.staged import SMALL, M, P, fetch_steps, params, reference, staged_small
 
 # Private names read here: ``RtClient`` from ``oasiskv._core`` (the daemon's client, to release
-# and re-stage a request behind the engine's back).
+# and re-stage a request behind the engine's back); ``LLMEngine._prefilling`` (where a staged
+# request waits while its blocks stream in) and the remote source's ``coord`` (its coordinator,
+# which StreamHook wraps).
 
 
 @pytest.fixture(scope="module")
@@ -283,3 +288,42 @@ def test_a_wrong_size_reply_while_an_admission_streams_fails_that_request_alone(
         assert "size_mismatch" in last[second].error, last[second].error
         for rid in (local, first):
             assert last[rid].finish_reason == "length", last[rid].error
+
+
+def test_pools_that_move_while_an_admission_streams_stream_it_again(model):
+    """The engine grows the host pool by copying it into new tensors. When that happens while a
+    staged request's blocks are in flight (here: the daemon stopped as they are handed over, the
+    pools grown as a local request's admission would, then the daemon let go), the blocks that
+    land after the copy wrote the old pool: the request is streamed again into the new one, and
+    its tokens equal the single-process engine's."""
+    (ref,) = reference(model, KvConfig.fast(**SMALL), "oasis", [prompt(P, 3)])
+    with Daemon() as d:
+        (h,) = staged_small(model, d, seeds=(3,))
+        eng = LLMEngine(
+            model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_transfer="full"
+        )
+        local = eng.add_request(prompt(P, 11), params(M))
+        eng.step()  # the local request decodes: the admission streams beside it
+        eng.kv_source.coord = StreamHook(eng.kv_source, d.stop)
+        staged = eng.add_staged_request(h, params(M))
+        last = {}
+        pools = eng.engine.pools
+        while not any(s.staged is not None for s in eng._prefilling):
+            for o in eng.step():
+                last[o.request_id] = o
+        rows = pools.num_host_rows
+        eng.engine.reserve_pools([(4 * P, M)] * 4)
+        assert pools.num_host_rows > rows  # the host pool moved under the stream in flight
+        d.cont()
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                last[o.request_id] = o
+        assert last[staged].finish_reason == "length", last[staged].error
+        assert last[local].finish_reason == "length", last[local].error
+        assert last[staged].token_ids == ref.token_ids
+        nb = -(-P // SMALL["block_size"])
+        layers, hk = h.geometry[0], h.geometry[1]
+        # Every block-head was read twice: before the move (landing in the old pool) and after.
+        assert eng.kv_source.coordinator_stats["sent_entries"] == 2 * layers * nb * hk
+        assert pools_are_full(eng)
+        eng.kv_source.close()

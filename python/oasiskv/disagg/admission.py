@@ -86,7 +86,9 @@ class AdmissionMixin:
 
     def admission_landed(self, r: Request) -> bool:
         """Whether every read :meth:`start_admission` handed the coordinator for ``r`` has
-        landed or failed: :meth:`finish_admission` would not wait for the network."""
+        landed or failed: :meth:`finish_admission` would not wait for the network. (Pools that
+        moved meanwhile, a local request's growth, stream it again first: ``_sync_pools``.)"""
+        self._sync_pools()
         return self.coord.in_flight(r.id) == 0
 
     @torch.no_grad()
@@ -218,6 +220,7 @@ class AdmissionMixin:
         adm = st.admitting
         tr = adm.tr
         c0 = self.conns.wire()
+        self._sync_pools()  # pools that moved since it started: its blocks stream again
         for layer in range(layers):
             self.stats.wait_seconds += self.coord.wait_request(r.id, layer)
             self._raise_if_failed(st)
