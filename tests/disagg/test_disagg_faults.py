@@ -19,7 +19,7 @@ from oasiskv import KvConfig, LLMEngine
 from oasiskv._core import RtClient
 from support.fakes import pools_are_full, prompt, tiny
 from support.rtd import TRANSPORTS, Daemon
-from support.staged import SMALL, M, P, fetch_steps, params, reference, staged_small
+from support.staged import SMALL, M, P, all_released, fetch_steps, params, reference, staged_small
 
 # Private names read here: ``RtClient`` from ``oasiskv._core`` (the daemon's client, to release
 # and re-stage a request behind the engine's back); ``LLMEngine._prefilling`` (where a staged
@@ -327,3 +327,38 @@ def test_pools_that_move_while_an_admission_streams_stream_it_again(model):
         assert eng.kv_source.coordinator_stats["sent_entries"] == 2 * layers * nb * hk
         assert pools_are_full(eng)
         eng.kv_source.close()
+
+
+def test_a_request_aborted_while_its_blocks_stream_in_gives_everything_back(model):
+    """A staged request aborted while its blocks stream in (the daemon stopped for 0.3 s as they
+    are handed over): its end drops the frames not sent yet and waits for the one being read
+    only; it reports ``"abort"``, the other request finishes, the pools come back whole and the
+    daemon's copy is released."""
+    with Daemon() as d:
+        (h,) = staged_small(model, d, seeds=(3,))
+        eng = LLMEngine(
+            model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_transfer="full"
+        )
+        src = eng.kv_source
+        src.read_connections = 1
+        local = eng.add_request(prompt(P, 11), params(M))
+        eng.step()
+        src.coord = StreamHook(src, d.stop)
+        staged = eng.add_staged_request(h, params(M))
+        last = {}
+        while not any(s.staged is not None for s in eng._prefilling):
+            for o in eng.step():
+                last[o.request_id] = o
+        threading.Timer(0.3, d.cont).start()
+        eng.abort_request(staged)
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                last[o.request_id] = o
+        assert last[staged].finish_reason == "abort"
+        assert last[local].finish_reason == "length", last[local].error
+        c = src.coordinator_stats
+        assert c["frames"] == 1, c  # one frame per layer: the first was being read, the rest dropped
+        assert c["sent_entries"] == c["entries"] + c["failed_entries"] and c["failed_entries"] > 0
+        assert pools_are_full(eng) and src.coord.missing == 0
+        assert all_released(src.client)
+        src.close()
