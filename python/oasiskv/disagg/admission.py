@@ -157,9 +157,10 @@ class AdmissionMixin:
             # first. LLMEngine starts such an admission while others decode only once they have
             # (ready), so this waits only when nothing else is running.
             self.stats.wait_seconds += self.coord.drain()
+        moving = self._streaming()  # streams in flight if the pools move after all
         tr = eng.admit_sparse(r, self.cache_blocks)
         try:
-            self._start_staged(r, handle, tr, pf)
+            self._start_staged(r, handle, tr, pf, moving)
         except BaseException:
             self.end(r)
             eng.release(r)
@@ -167,7 +168,9 @@ class AdmissionMixin:
         st = self._by_req[r.id]
         st.admitting.wire_bytes += self.conns.wire() - c0 + (pf.wire_bytes if pf is not None else 0)
 
-    def _start_staged(self, r: Request, handle: StagedRequest, tr: dict, pf: Prefetched | None) -> None:
+    def _start_staged(
+        self, r: Request, handle: StagedRequest, tr: dict, pf: Prefetched | None, restream: bool
+    ) -> None:
         eng = self.engine
         layers = eng.cfg.num_hidden_layers
         n, b = len(r.prompt), eng.geo.block_size
@@ -179,7 +182,7 @@ class AdmissionMixin:
         self._by_req[r.id] = st
         self.coord.stage(r.id, handle.request_id)
         self._bounded += bounded
-        self._sync_pools(restream=False)  # the streams in flight landed before any growth
+        self._sync_pools(restream)  # none in flight: they landed before the pools grew
         # The rows that hold a staged block now: every block's, or (bounded) the partial last
         # block's alone (the cache rows are empty; the filler only names the owner).
         first = n // b if bounded else 0
