@@ -444,61 +444,6 @@ __device__ __forceinline__ void dequant16(const uint4& w, float scale, uint4& lo
     hi = make_uint4(out[4], out[5], out[6], out[7]);
 }
 
-// a * b per bf16 half, rounded to nearest even: fma with -0 (exact products stay exact, subnormals
-// included; sm_80+, where mul.bf16x2 needs sm_90).
-__device__ __forceinline__ u32 bf16x2_mul(u32 a, u32 b) {
-    u32 d;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(0x80008000u));
-    return d;
-}
-
-// The bf16x2 factors that take a moved code (below) to code * scale, for a power-of-two `scale`
-// 2^e with e in [-120, 120] (kv8's page scales): 2^(e + 120) split into factors <= 2^127, the
-// second 1.0 (0x3f80) unless e > 7. False for any other scale (the caller converts instead).
-__device__ __forceinline__ bool moved_factors(float scale, u32& f1, u32& f2) {
-    const u32 bits = __float_as_uint(scale);
-    const int e = (int)((bits >> 23) & 0xffu) - 127;
-    if ((bits & 0x807fffffu) != 0u || e < -120 || e > 120) return false;
-    const int a = min(e + 120, 127);
-    const u32 h1 = (u32)(a + 127) << 7;
-    const u32 h2 = (u32)(e + 120 - a + 127) << 7;
-    f1 = h1 | (h1 << 16);
-    f2 = h2 | (h2 << 16);
-    return true;
-}
-
-// dequant16 for bf16 without conversions, which bound the kernel at about half the copy rate
-// (a cvt issues at a quarter of the integer rate; dequant16 takes two per code): a code's sign,
-// exponent and mantissa moved under bf16's ((c & 0x80) << 8 | (c & 0x7f) << 4) are exactly code
-// * 2^-120, subnormal codes included; times the factors of moved_factors (exact) that is code *
-// scale, the value dequant16 rounds to (exact in bf16). False, with nothing written, where a code
-// is NaN (0x7f, 0xff): the caller takes dequant16, which keeps it NaN.
-__device__ __forceinline__ bool dequant16_moved(const uint4& w, u32 f1, u32 f2, uint4& lo, uint4& hi) {
-    const u32 in[4] = {w.x, w.y, w.z, w.w};
-    u32 out[8];
-    u32 nan = 0u;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-        nan |= ((in[i] & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u;  // a byte's low 7 bits all set
-        const u32 a = __byte_perm(in[i], 0u, 0x1404);  // codes 0, 1 as the high bytes of two halves
-        const u32 b = __byte_perm(in[i], 0u, 0x3424);  // codes 2, 3
-        u32 x = (a & 0x80008000u) | ((a & 0x7f007f00u) >> 4);
-        u32 y = (b & 0x80008000u) | ((b & 0x7f007f00u) >> 4);
-        x = bf16x2_mul(x, f1);
-        y = bf16x2_mul(y, f1);
-        if (f2 != 0x3f803f80u) {
-            x = bf16x2_mul(x, f2);
-            y = bf16x2_mul(y, f2);
-        }
-        out[2 * i] = x;
-        out[2 * i + 1] = y;
-    }
-    if (nan) return false;
-    lo = make_uint4(out[0], out[1], out[2], out[3]);
-    hi = make_uint4(out[4], out[5], out[6], out[7]);
-    return true;
-}
-
 }  // namespace tc
 // ---- end of PTX wrappers -------------------------------------------------------------------
 
@@ -587,10 +532,6 @@ struct TcKv8Pages {
         if (e >= 0) {
             const float sk = ks[e];
             const float sv = vs[e];
-            // The page's scales are powers of two (kv8's format): move bits, convert only past it.
-            u32 k1, k2, v1, v2;
-            const bool km = tc::moved_factors(sk, k1, k2);
-            const bool vm = tc::moved_factors(sv, v1, v2);
 #pragma unroll
             for (int r = 0; r < CODE_UNITS / 32; ++r) {
                 const int unit = lane + 32 * r;
@@ -598,10 +539,10 @@ struct TcKv8Pages {
                 const int col = unit % (D / 16) * 2;  // T units col, col + 1
                 const int at = row * UPR;
                 uint4 lo, hi;
-                if (!(km && tc::dequant16_moved(kc[unit], k1, k2, lo, hi))) tc::dequant16<T>(kc[unit], sk, lo, hi);
+                tc::dequant16<T>(kc[unit], sk, lo, hi);
                 kt[at + (col ^ (row & 7))] = lo;
                 kt[at + ((col + 1) ^ (row & 7))] = hi;
-                if (!(vm && tc::dequant16_moved(vc[unit], v1, v2, lo, hi))) tc::dequant16<T>(vc[unit], sv, lo, hi);
+                tc::dequant16<T>(vc[unit], sv, lo, hi);
                 vt[at + (col ^ (row & 7))] = lo;
                 vt[at + ((col + 1) ^ (row & 7))] = hi;
             }

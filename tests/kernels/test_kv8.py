@@ -453,23 +453,3 @@ def test_attention_refuses_fp8_pages_without_scales():
         ops.decode_attention(geo, q, kp, kp.clone(), *tabs)
     with pytest.raises(errors.ShapeError, match="v_scales"):
         ops.decode_attention(geo, q, kp, kp.clone(), *tabs, k_scales=ksc, v_scales=ksc[:1].clone())
-
-
-def test_moved_bits_times_power_of_two_factors_is_the_dequantized_bf16():
-    """The arithmetic the tensor-core kv8 attention builds its bf16 tiles with (``dequant16_moved``
-    in cuda/decode_attn.cu), checked in float64 for every code and every page scale 2^-120 ..
-    2^120: a code's sign, exponent and mantissa moved under bf16's (``(c & 0x80) << 8 | (c & 0x7f)
-    << 4``) read as code x 2^-120, and times 2^min(e + 120, 127), then 2^(e + 120 - that), each
-    rounded to bf16, equal code x 2^e rounded from float32 to bf16 (the conversion path's value),
-    bit for bit; NaN codes excepted (the kernel converts those)."""
-    codes = torch.arange(256, dtype=torch.int32)
-    decoded = codes.to(torch.uint8).view(torch.float8_e4m3fn).double()
-    finite = ~decoded.isnan()
-    bits = ((codes & 0x80) << 8) | ((codes & 0x7F) << 4)
-    moved = torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16).view(torch.bfloat16).double()
-    assert torch.equal(moved[finite], decoded[finite] * 2.0**-120)
-    for e in range(-120, 121):
-        want = (decoded.float() * 2.0**e).to(torch.bfloat16)
-        a = min(e + 120, 127)
-        got = ((moved * 2.0**a).to(torch.bfloat16).double() * 2.0 ** (e + 120 - a)).to(torch.bfloat16)
-        assert torch.equal(got.view(torch.int16)[finite], want.view(torch.int16)[finite]), e
