@@ -691,21 +691,25 @@ __device__ void score_blocks_codes_impl(
 // ---- the candidates' codes score and their top-K in one launch ---------------------------------
 
 // Threads per block of rescore_topk_codes_* (a multiple of 32; oasis_cuda::ops::RESCORE_TOPK_THREADS
-// must match): the warps score the candidates of one (sequence, KV head), then the block runs the
-// top-K. Arbitrary: 8 warps give each warp 40 of 320 candidates (Qwen3-8B at 32K, 1.25 x 256)
-// while two blocks fit an SM's shared memory at group 4.
+// must match): score_blocks_codes_*'s shape (and its register bound, OASIS_CODES_MIN_BLOCKS), so
+// that the rescoring keeps as many warps per SM; the top-K's buffers reuse the staging memory.
 #ifndef OASIS_RESCORE_TOPK_THREADS
-#define OASIS_RESCORE_TOPK_THREADS 256
+#define OASIS_RESCORE_TOPK_THREADS 128
 #endif
 
-// grid (num_seqs, num_kv_heads), OASIS_RESCORE_TOPK_THREADS threads; m + successors <=
-// OASIS_CAND_MAX. Thread block (s, h) computes score_blocks_codes_impl's scores of its m
-// candidates cand[s, h, .] (the same per-entry code, tile by tile over its warps, so the same bits)
-// into shared memory, then topk_candidates_impl over them: exactly rescore_blocks_codes followed
-// by topk_candidates_f32 (the reduction between them is the identity; oasis_core::kernels::
+// grid (num_seqs, num_kv_heads, splits), blockDim.x a multiple of 32; m + successors <=
+// OASIS_CAND_MAX. Thread block (s, h, c) computes score_blocks_codes_impl's scores of the
+// candidates cand[s, h, c chunk .. (c + 1) chunk) (the same per-entry code, one tile of `tile`
+// entries per warp, so the same bits) into scratch[s, h, .]; the last of the row's `splits`
+// blocks to finish (a ticket on counters[s, h], which it sets back to 0 for the next launch)
+// copies the row's m scores into shared memory and runs topk_candidates_core over them: exactly
+// rescore_blocks_codes followed by topk_candidates_f32, in one launch with the rescoring spread
+// over as many warps (the reduction between them is the identity; oasis_core::kernels::
 // rescore_topk_codes is the CPU twin). Dynamic shared memory
 // (oasis_cuda::ops::rescore_topk_codes_smem_bytes): each warp's OASIS_CODES_STAGES staging
-// buffers, then codes_scalar_warp_floats(group, head_dim) floats per warp, then the m scores.
+// buffers, then codes_scalar_warp_floats(group, head_dim) floats per warp; once every warp has
+// scored, the last block reuses it from the start for topk_candidates_core's sel buffer, the m
+// scores and its other buffers (topk_candidates_bytes).
 template <typename T>
 __device__ void rescore_topk_codes_impl(
     const T* __restrict__ q,                 // [num_seqs, num_qo_heads, head_dim] (the lookahead row)
@@ -716,9 +720,12 @@ __device__ void rescore_topk_codes_impl(
     const int* __restrict__ cand,            // [num_seqs, num_kv_heads, m] logical blocks, < 0: none
     const int* __restrict__ forced,          // [num_seqs, num_kv_heads, n_forced], or null
     int* __restrict__ out,                   // [num_seqs, num_kv_heads, k]
+    float* scratch,                          // [num_seqs, num_kv_heads, m] the scores
+    int* counters,                           // [num_seqs, num_kv_heads] 0 before and after
     int nnz, int num_qo_heads, int num_kv_heads, int head_dim, int block_size, int num_host_blocks, int m, int k,
-    int successors, int n_forced) {
+    int successors, int n_forced, int tile) {
     extern __shared__ __align__(16) float codes_smem[];
+    __shared__ int s_last;
     const int s = blockIdx.x;
     const int h = blockIdx.y;
     const int lane = threadIdx.x & 31;
@@ -730,17 +737,19 @@ __device__ void rescore_topk_codes_impl(
     unsigned char* stage = smem_bytes + (i64)warp * OASIS_CODES_STAGES * sb;
     float* scalar = reinterpret_cast<float*>(smem_bytes + (i64)warps * OASIS_CODES_STAGES * sb);
     float* sm = scalar + (i64)warp * codes_scalar_warp_floats(group, head_dim);
-    float* s_scores = scalar + (i64)warps * codes_scalar_warp_floats(group, head_dim);  // [m]
     const bool mma = block_size == 16 && (head_dim == 128 || head_dim == 64) && group <= 8 &&
                      ((reinterpret_cast<unsigned long long>(summaries) | reinterpret_cast<unsigned long long>(codes)) & 15ull) == 0ull;
     // The row check of score_blocks_codes_impl's candidates (against the indices' length).
     const int row_b = blk_indptr[s];
     const int row_e = blk_indptr[s + 1];
     const bool row_ok = 0 <= row_b && row_b <= row_e && row_e <= nnz;
-    const int* cs = cand + ((i64)s * num_kv_heads + h) * m;
-    // Tiles of at most OASIS_CODES_TILE candidates, one warp each, round robin (warp-uniform).
-    const int tile = max(1, min(OASIS_CODES_TILE, (m + warps - 1) / warps));
-    for (int t0 = warp * tile; t0 < m; t0 += warps * tile) {
+    const i64 row = (i64)s * num_kv_heads + h;
+    const int* cs = cand + row * m;
+    float* sc = scratch + row * m;
+    // This block's tile: warp w scores candidates t0 .. t1 (warp-uniform).
+    tile = max(1, min(tile, OASIS_CODES_TILE));
+    const int t0 = ((int)blockIdx.z * warps + warp) * tile;
+    if (t0 < m) {
         const int t1 = min(m, t0 + tile);
         int tile_idx = -1;
         const int i = t0 + lane;
@@ -750,8 +759,7 @@ __device__ void rescore_topk_codes_impl(
         }
         if (tile_idx >= num_host_blocks) tile_idx = -1;
 #define OASIS_CODES_TILE_ARGS                                                                                 \
-    sm, stage, q, summaries, codes, s_scores, 1, tile_idx, s, t0, t1, h, num_qo_heads, num_kv_heads, head_dim, \
-        block_size
+    sm, stage, q, summaries, codes, sc, 1, tile_idx, s, t0, t1, h, num_qo_heads, num_kv_heads, head_dim, block_size
         if (mma && head_dim == 128) {
             score_codes_tile<T, 8>(OASIS_CODES_TILE_ARGS);
         } else if (mma) {
@@ -761,11 +769,33 @@ __device__ void rescore_topk_codes_impl(
         }
 #undef OASIS_CODES_TILE_ARGS
     }
-    __syncthreads();  // every candidate's score is in s_scores
+    // The last of the row's blocks selects (the threadFenceReduction pattern): every score
+    // written above is visible device-wide before this block takes its ticket.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int ticket = atomicAdd(counters + row, 1);
+        s_last = ticket == (int)gridDim.z - 1;
+        if (s_last) counters[row] = 0;  // for the next launch (stream order)
+    }
+    __syncthreads();
+    if (!s_last) return;  // block-uniform
+    __threadfence();
+    // The top-K's buffers over the (now unused) staging memory, in topk_candidates_bytes' order.
+    const int sort_n = next_pow2(max(1, m));
+    u64* sel = reinterpret_cast<u64*>(smem_bytes);
+    float* s_scores = reinterpret_cast<float*>(sel + sort_n);  // [m]
+    u32* keys = reinterpret_cast<u32*>(s_scores + m);        // [m + successors]
+    int* res = reinterpret_cast<int*>(keys + m + successors);  // [m + successors]
+    int* vals = res + m + successors;                          // [m]
+    int* succ = vals + m;                                      // [successors]
+    int* scan_scratch = succ + successors;                     // [33]
+    for (int i = threadIdx.x; i < m; i += blockDim.x) s_scores[i] = __ldcg(sc + i);  // past L1: other SMs wrote them
+    __syncthreads();
     // topk_candidates_f32's launch bounds the rows by i32::MAX only (the successors stay inside
     // each row's length): the same here.
-    topk_candidates_impl(s_scores, 1, cand, blk_indptr, forced, out, num_kv_heads, 0x7fffffff, m, k, successors,
-                         n_forced);
+    topk_candidates_core(s_scores, 1, cand, blk_indptr, forced, out, num_kv_heads, 0x7fffffff, m, k, successors,
+                         n_forced, sel, keys, vals, succ, res, scan_scratch);
 }
 
 }  // namespace oasis
@@ -827,12 +857,13 @@ OASIS_SCORE_BLOCKS_CODES(score_blocks_codes_f16, oasis::f16)
 OASIS_SCORE_BLOCKS_CODES(score_blocks_codes_f32, float)
 
 #define OASIS_RESCORE_TOPK_CODES(NAME, T)                                                             \
-    extern "C" __global__ void __launch_bounds__(OASIS_RESCORE_TOPK_THREADS)                          \
+    extern "C" __global__ void __launch_bounds__(OASIS_RESCORE_TOPK_THREADS, OASIS_CODES_MIN_BLOCKS)  \
         NAME(const __grid_constant__ oasis::RescoreTopkCodesParams<T> p) {                            \
         oasis::rescore_topk_codes_impl<T>(p.q, p.summaries, p.codes, p.blk_indptr, p.blk_indices,     \
-                                          p.cand, p.forced, p.out, p.nnz, p.num_qo_heads,             \
-                                          p.num_kv_heads, p.head_dim, p.block_size,                   \
-                                          p.num_host_blocks, p.m, p.k, p.successors, p.n_forced);     \
+                                          p.cand, p.forced, p.out, p.scratch, p.counters, p.nnz,      \
+                                          p.num_qo_heads, p.num_kv_heads, p.head_dim, p.block_size,   \
+                                          p.num_host_blocks, p.m, p.k, p.successors, p.n_forced,      \
+                                          p.tile);                                                    \
     }
 
 OASIS_RESCORE_TOPK_CODES(rescore_topk_codes_bf16, oasis::bf16)

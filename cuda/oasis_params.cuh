@@ -255,7 +255,7 @@ struct TopkCandidatesParams {
 };
 
 // rescore_topk_codes_* (cuda/key_codes.cu): score_blocks_codes_*'s scores of the candidates and
-// topk_candidates_f32's selection over them, in one launch (one thread block per (sequence, KV head)).
+// topk_candidates_f32's selection over them, in one launch (the last of each row's blocks selects).
 template <typename T>
 struct RescoreTopkCodesParams {
     const T* q;                 // [num_seqs, num_qo_heads, head_dim] (the lookahead row)
@@ -266,6 +266,8 @@ struct RescoreTopkCodesParams {
     const int* cand;            // [num_seqs, num_kv_heads, m] logical blocks (< 0: none)
     const int* forced;          // [num_seqs, num_kv_heads, n_forced], or null
     int* out;                   // [num_seqs, num_kv_heads, k]
+    float* scratch;             // [num_seqs, num_kv_heads, m] the candidates' scores
+    int* counters;              // [num_seqs, num_kv_heads] zero before the launch (and after it)
     int nnz;                    // blk_indices' length: the candidates' rows are checked against it
     int num_qo_heads;
     int num_kv_heads;
@@ -276,6 +278,8 @@ struct RescoreTopkCodesParams {
     int k;
     int successors;
     int n_forced;
+    int tile;                   // candidates per warp (1..OASIS_CODES_TILE); gridDim.z blocks per row
+    int _pad0;
 };
 
 // delta_select_i32 and delta_select_warp_i32 (cuda/delta_select.cu; only the warp kernel reads

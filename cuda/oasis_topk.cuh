@@ -1,4 +1,5 @@
-// oasis_topk.cuh — the two-stage score's last top-K (topk_candidates_impl) and the order of
+// oasis_topk.cuh — the two-stage score's last top-K (topk_candidates_core, and
+// topk_candidates_impl with static buffers) and the order of
 // scores every top-K kernel shares (score_key, rank_key). Included by score_blocks.cu
 // (topk_candidates_f32, the top-K alone) and key_codes.cu (rescore_topk_codes_*, the codes score
 // of the candidates and this top-K in one launch), so that both run the same selection.
@@ -39,21 +40,17 @@ __device__ __forceinline__ u64 rank_key(u32 key, int i) { return ((u64)(~key) <<
 // candidates first (by position), then the fresh successors (positions m + a), then the other
 // candidates in sorted order, with the successor slots that are no blocks (-inf, output -1) ahead
 // of the NaN scores only. Three block scans place them (a second sort cost the H200 ~6 us).
-__device__ void topk_candidates_impl(
+__device__ void topk_candidates_core(
     const float* scores,                // entry i of this (s, h) at scores[i * stride]; global or shared
     int stride,
     const int* __restrict__ cand,       // [num_seqs, num_kv_heads, m]; < 0: none
     const int* __restrict__ blk_indptr, // [num_seqs + 1]: the requests' rows (successors stay inside)
     const int* __restrict__ forced,     // [num_seqs, num_kv_heads, n_forced], or null
     int* __restrict__ out,              // [num_seqs, num_kv_heads, k]
-    int num_kv_heads, int nnz, int m, int k, int successors, int n_forced) {
-    __shared__ u64 sel[OASIS_CAND_MAX];
-    __shared__ u32 keys[OASIS_CAND_MAX];
-    __shared__ int vals[OASIS_CAND_MAX];
-    __shared__ int succ[OASIS_CAND_MAX];
-    __shared__ int res[OASIS_CAND_MAX];
-    __shared__ int scan_scratch[33];
-
+    int num_kv_heads, int nnz, int m, int k, int successors, int n_forced,
+    // Shared memory: sel [next_pow2(max(1, m))], keys and res [m + successors], vals [m], succ
+    // [successors], scan_scratch [33].
+    u64* sel, u32* keys, int* vals, int* succ, int* res, int* scan_scratch) {
     const int s = blockIdx.x;
     const int h = blockIdx.y;
     int base;
@@ -144,6 +141,31 @@ __device__ void topk_candidates_impl(
     const int take = min(k, width);
     int* dst = out + row * k;
     for (int i = threadIdx.x; i < k; i += blockDim.x) dst[i] = i < take ? res[i] : -1;
+}
+
+// topk_candidates_core with its buffers in static shared memory (OASIS_CAND_MAX entries each):
+// topk_candidates_f32.
+__device__ void topk_candidates_impl(
+    const float* scores, int stride, const int* __restrict__ cand, const int* __restrict__ blk_indptr,
+    const int* __restrict__ forced, int* __restrict__ out, int num_kv_heads, int nnz, int m, int k, int successors,
+    int n_forced) {
+    __shared__ u64 sel[OASIS_CAND_MAX];
+    __shared__ u32 keys[OASIS_CAND_MAX];
+    __shared__ int vals[OASIS_CAND_MAX];
+    __shared__ int succ[OASIS_CAND_MAX];
+    __shared__ int res[OASIS_CAND_MAX];
+    __shared__ int scan_scratch[33];
+    topk_candidates_core(scores, stride, cand, blk_indptr, forced, out, num_kv_heads, nnz, m, k, successors, n_forced,
+                         sel, keys, vals, succ, res, scan_scratch);
+}
+
+// Bytes of topk_candidates_core's buffers for m candidates and `successors`, as
+// rescore_topk_codes_impl (cuda/key_codes.cu) lays them out in its dynamic shared memory
+// (oasis_cuda::ops::rescore_topk_codes_smem_bytes counts them the same way).
+__host__ __device__ __forceinline__ int topk_candidates_bytes(int m, int successors) {
+    int p = 1;
+    while (p < m) p <<= 1;
+    return 8 * p + 4 * (2 * (m + successors) + m + successors + 33);
 }
 
 }  // namespace oasis

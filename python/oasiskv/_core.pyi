@@ -523,6 +523,8 @@ def rescore_topk_codes(
     cand: torch.Tensor,
     k: int,
     out: torch.Tensor,
+    scratch: torch.Tensor,
+    counters: torch.Tensor,
     *,
     successors: int = 0,
     forced: torch.Tensor | None = None,

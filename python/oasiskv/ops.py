@@ -328,17 +328,27 @@ def rescore_topk_codes(
     successors: int = 0,
     forced: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """:func:`rescore_blocks_codes` then :func:`topk_candidates` in one launch (one thread block per
-    (sequence, KV head) scores its candidates into shared memory and selects from them): the
-    two-stage codes score's last ``k``, ``[num_seqs, num_kv_heads, k]`` logical blocks (-1 padded),
-    the same bits as the two calls, ties included. For scores used as they come: a caller that
+    """:func:`rescore_blocks_codes` then :func:`topk_candidates` in one launch: the two-stage codes
+    score's last ``k``, ``[num_seqs, num_kv_heads, k]`` logical blocks (-1 padded), the same bits
+    as the two calls, ties included. On the GPU the thread blocks of each (sequence, KV head)
+    score its candidates and the last to finish selects: it finds itself by a ticket in
+    ``counters`` (int32, at least ``num_seqs * num_kv_heads`` elements, zero, left zero; None: a
+    zeroed tensor per call, one more memset). Pass a buffer kept per stream to save that launch
+    (two launches must not share it at once). For scores used as they come: a caller that
     reduces them between the two steps (``Engine.score_reduce``) calls the two apart."""
     dev = _check_device(q, summaries, codes)
+    if cand.dim() != 3:
+        raise ShapeError(f"cand must be [num_seqs, num_kv_heads, m], got shape {tuple(cand.shape)}")
+    n, heads, m = cand.shape
     if out is None:
-        if cand.dim() != 3:
-            raise ShapeError(f"cand must be [num_seqs, num_kv_heads, m], got shape {tuple(cand.shape)}")
-        out = torch.empty(cand.shape[0], geo.num_kv_heads, k, dtype=torch.int32, device=dev)
+        out = torch.empty(n, geo.num_kv_heads, k, dtype=torch.int32, device=dev)
+    scratch = torch.empty(n, heads, m, dtype=torch.float32, device=dev)
+    if counters is None:
+        counters = torch.zeros(n, heads, dtype=torch.int32, device=dev)
+    else:
+        counters = counters.view(-1)[: n * heads].view(n, heads)
     _core.rescore_topk_codes(
         geo,
         q,
@@ -349,6 +359,8 @@ def rescore_topk_codes(
         cand,
         k,
         out,
+        scratch,
+        counters,
         successors=successors,
         forced=forced,
         stream=_stream(dev),

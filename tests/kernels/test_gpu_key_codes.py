@@ -520,15 +520,23 @@ def test_rescore_topk_codes_replays_in_a_cuda_graph():
     g = [dev(t) for t in (q, summ, codes, indptr, indices, cand)]
     gf = dev(f)
     out = torch.empty(cand.shape[0], geo.num_kv_heads, 32, dtype=torch.int32, device=DEV)
+    # The engine's per-layer tickets: zeroed once, kept across eager calls and replays.
+    counters = torch.zeros(4 * cand.shape[0] * geo.num_kv_heads, dtype=torch.int32, device=DEV)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        ops.rescore_topk_codes(geo, *g, 32, successors=8, forced=gf, out=out)  # compile and load first
+        ops.rescore_topk_codes(geo, *g, 32, successors=8, forced=gf, out=out, counters=counters)  # load first
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=side):
-        ops.rescore_topk_codes(geo, *g, 32, successors=8, forced=gf, out=out)
-    g[0].copy_(dev(torch.randn(q.shape, generator=gen).to(q.dtype)))
-    graph.replay()
-    want = ops.rescore_topk_codes(geo, *g, 32, successors=8, forced=gf)
-    assert torch.equal(back(out), back(want))
+        ops.rescore_topk_codes(geo, *g, 32, successors=8, forced=gf, out=out, counters=counters)
+    for _ in range(3):
+        g[0].copy_(dev(torch.randn(q.shape, generator=gen).to(q.dtype)))
+        graph.replay()
+        want = ops.rescore_topk_codes(geo, *g, 32, successors=8, forced=gf, counters=counters)
+        two = ops.topk_candidates(
+            geo.num_kv_heads, ops.rescore_blocks_codes(geo, *g), g[5], g[3], 32, successors=8, forced=gf
+        )
+        assert torch.equal(back(out), back(want))
+        assert torch.equal(back(out), back(two))
+    assert not back(counters).any(), "every launch leaves its tickets at zero"

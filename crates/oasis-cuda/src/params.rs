@@ -469,6 +469,8 @@ kernel_params! {
         pub cand: DevPtr,        // [num_seqs, num_kv_heads, m] i32 (< 0: none)
         pub forced: DevPtr,      // [num_seqs, num_kv_heads, n_forced] i32, or null
         pub out: DevPtr,         // [num_seqs, num_kv_heads, k] i32
+        pub scratch: DevPtr,     // [num_seqs, num_kv_heads, m] f32
+        pub counters: DevPtr,    // [num_seqs, num_kv_heads] i32, zero before and after
         pub nnz: i32, // blk_indices' length: the candidates' rows are checked against it
         pub num_qo_heads: i32,
         pub num_kv_heads: i32,
@@ -479,6 +481,8 @@ kernel_params! {
         pub k: i32,
         pub successors: i32,
         pub n_forced: i32,
+        pub tile: i32, // candidates per warp; the grid's z blocks per (sequence, KV head)
+        pub _pad0: i32,
     }
 }
 

@@ -258,12 +258,15 @@ fn rescore_blocks_codes(
 }
 
 #[pyfunction]
-#[pyo3(signature = (geo, q, summaries, codes, blk_indptr, blk_indices, cand, k, out, *, successors = 0, forced = None, stream = 0))]
+#[pyo3(signature = (geo, q, summaries, codes, blk_indptr, blk_indices, cand, k, out, scratch, counters, *, successors = 0, forced = None, stream = 0))]
 /// rescore_blocks_codes then topk_candidates in one launch (one thread block per (seq, kv head)):
 /// the codes scores of the candidates cand [num_seqs, num_kv_heads, m] int32 (negative: none),
 /// then their k best as logical blocks into out [num_seqs, num_kv_heads, k] int32, the successors
 /// of the `successors` best and the blocks of forced [num_seqs, num_kv_heads, F] int32 first, as
 /// topk_candidates. Bit-exact with the two calls (the scores are not reduced in between).
+/// scratch [num_seqs, num_kv_heads, m] float32 receives the candidates' scores; counters
+/// [num_seqs, num_kv_heads] int32 must be zero, and stays so (the thread blocks of a row take
+/// tickets there: the last selects); neither is touched on the CPU.
 ///
 /// CUDA: every tensor on one cuda:N, queued on `stream`, returns at once; k <= 512 and
 /// m + successors <= 1024 there; a candidate outside its row scores -inf on the GPU (the CPU
@@ -280,6 +283,8 @@ fn rescore_topk_codes(
     cand: TensorArg,
     k: usize,
     out: TensorArg,
+    scratch: TensorArg,
+    counters: TensorArg,
     successors: usize,
     forced: Option<TensorArg>,
     stream: u64,
@@ -298,7 +303,12 @@ fn rescore_topk_codes(
         if let Some(f) = &forced {
             inputs.push(("forced", f));
         }
-        let cx = Cx::new(py, &[&inputs[..], &[("out", &out)]].concat(), &[])?;
+        let outs = [
+            ("out", &out),
+            ("scratch", &scratch),
+            ("counters", &counters),
+        ];
+        let cx = Cx::new(py, &[&inputs[..], &outs].concat(), &[])?;
         let [ns, ..] = q.check(&cx, "q", Elem::Any, [ANY, g.num_qo_heads, g.head_dim])?;
         let nh = summary_rows(&cx, &g, &summaries)?;
         check_codes(&cx, &g, &codes, nh)?;
@@ -306,9 +316,11 @@ fn rescore_topk_codes(
         blk_indices.check(&cx, "blk_indices", Elem::I32, [ANY])?;
         let m = per_head(&cx, "cand", Some(&cand), ns, g.num_kv_heads)?;
         out.check(&cx, "out", Elem::I32, [ns, g.num_kv_heads, k])?;
+        scratch.check(&cx, "scratch", Elem::F32, [ns, g.num_kv_heads, m])?;
+        counters.check(&cx, "counters", Elem::I32, [ns, g.num_kv_heads])?;
         let nf = per_head(&cx, "forced", forced.as_ref(), ns, g.num_kv_heads)?;
         let dt = kv_dtype(py, &[("q", &q), ("summaries", &summaries)])?;
-        check_outputs(py, &[("out", &out)], &inputs)?;
+        check_outputs(py, &outs, &inputs)?;
         match cx.place {
             Place::Cpu => with_dtype!(dt, T => {
                 // SAFETY: checked above; out is disjoint from the inputs.
@@ -320,9 +332,11 @@ fn rescore_topk_codes(
             Place::Cuda(dev) => with_dtype!(dt, T => {
                 // SAFETY: (TensorArg::dev) checked above; out is disjoint from the inputs.
                 let (qs, sm, cd, ip, ix, cn, o) = unsafe { (q.dev::<T>(), summaries.dev::<T>(), codes.dev::<u8>(), blk_indptr.dev::<i32>(), blk_indices.dev::<i32>(), cand.dev::<i32>(), out.dev::<i32>()) };
+                // SAFETY: as above (outputs on the same device, disjoint from the inputs).
+                let (sc, ct) = unsafe { (scratch.dev::<f32>(), counters.dev::<i32>()) };
                 // SAFETY: as above (an int32 input on the same device).
                 let fs = forced.as_ref().map(|f| (unsafe { f.dev::<i32>() }, nf));
-                on_gpu(py, "rescore_topk_codes", dev, stream, &[], move |gpu, st| gpu.rescore_topk_codes::<T>(&g, qs, sm, cd, ip, ix, cn, m, k, successors, fs, o, st))
+                on_gpu(py, "rescore_topk_codes", dev, stream, &[], move |gpu, st| gpu.rescore_topk_codes::<T>(&g, qs, sm, cd, ip, ix, cn, m, k, successors, fs, o, sc, ct, st))
             }),
         }
     })

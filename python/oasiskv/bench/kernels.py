@@ -500,6 +500,7 @@ def bench_score_codes_staged(
         if sticky:
             keep = torch.argsort(torch.rand(batch, hk, n_blocks, device=dev), dim=-1)[..., :k].to(torch.int32)
         csr = (blk_indptr, blk_indices)
+        counters = torch.zeros(batch * hk, dtype=torch.int32, device=dev)  # the engine's, per layer
         bounds = None
         if bound8:
             bounds = ops.empty_bounds8(geo, summaries.shape[0], dev)
@@ -518,6 +519,7 @@ def bench_score_codes_staged(
                 successor_blocks=successors,
                 bounds=bounds,
                 fused=fused,
+                counters=counters,
             )
 
         extra = (

@@ -231,6 +231,8 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         self._acc_recall_n = torch.zeros(acc_rows, dtype=torch.float32, device=self.device)
         # Each slot's latest prediction per layer (see _pred_of), made on first use.
         self._pred: list[torch.Tensor | None] = [None] * c.num_hidden_layers
+        # Per layer: the tickets of ops.rescore_topk_codes (zero between launches; _counters_of).
+        self._counters: list[torch.Tensor | None] = [None] * c.num_hidden_layers
         # Each slot's pinned blocks per layer (KvConfig.pin_blocks; see _pins_of), made on first use.
         self._pins: list[torch.Tensor | None] = [None] * c.num_hidden_layers
         # With a recorder and KvConfig.sticky_candidates: the blocks each slot's latest prediction

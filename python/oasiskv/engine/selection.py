@@ -200,6 +200,7 @@ def two_stage_top_k(
     reduce=None,
     bounds=None,
     fused: bool = True,
+    counters=None,
 ) -> torch.Tensor:
     """The two-stage codes score's top-``k`` (``KvConfig(score_candidates=...)``): the Quest
     bound's best ``m`` blocks per KV head are the candidates (``forced`` and ``keep`` first,
@@ -209,12 +210,13 @@ def two_stage_top_k(
     in :func:`keep_pins`' layout, or None; ``reduce``: :attr:`Engine.score_reduce`. Three
     launches, no host sync (a captured step replays it): the Quest score, its top-``m`` (forced
     and kept blocks set to +inf first, :func:`ops.topk_blocks`' ``forced``), and the codes of the
-    candidates with their top-``k`` (:func:`ops.rescore_topk_codes`: one thread block per request
-    and KV head). A ``reduce`` (KV-head replicas) must see the codes scores between those two
-    steps, so with one (or ``fused=False``, the kernel benchmark's baseline) they are two launches,
-    :func:`ops.rescore_blocks_codes` then :func:`ops.topk_candidates`: the same blocks bit for
-    bit when ``reduce`` is None. ``bounds = (bounds8, scales)``: the Quest score reads the 8-bit
-    bound (:func:`ops.score_blocks_bound8`, ``KvConfig.candidate_bound="fp8"``) instead of
+    candidates with their top-``k`` (:func:`ops.rescore_topk_codes`, whose ``counters`` this
+    passes on: the engine's per layer, or None). A ``reduce`` (KV-head replicas) must see the
+    codes scores between those two steps, so with one (or ``fused=False``, the kernel
+    benchmark's baseline) they are two launches, :func:`ops.rescore_blocks_codes` then
+    :func:`ops.topk_candidates`: the same blocks bit for bit when ``reduce`` is None.
+    ``bounds = (bounds8, scales)``: the Quest score reads the 8-bit bound
+    (:func:`ops.score_blocks_bound8`, ``KvConfig.candidate_bound="fp8"``) instead of
     ``summaries``. :meth:`Engine.top_k_blocks` and the kernel benchmark."""
     fused = fused and reduce is None
     reduce = reduce or (lambda x: x)
@@ -236,7 +238,16 @@ def two_stage_top_k(
         forced = forced.to(torch.int32).contiguous()
     if fused:
         return ops.rescore_topk_codes(
-            geo, q, summaries, codes, *csr, cand, k, successors=successor_blocks, forced=forced
+            geo,
+            q,
+            summaries,
+            codes,
+            *csr,
+            cand,
+            k,
+            successors=successor_blocks,
+            forced=forced,
+            counters=counters,
         )
     scores = reduce(ops.rescore_blocks_codes(geo, q, summaries, codes, *csr, cand)).contiguous()
     return ops.topk_candidates(heads, scores, cand, indptr, k, successors=successor_blocks, forced=forced)
@@ -358,6 +369,16 @@ class SelectionMixin:
             self._pred[layer] = torch.full(shape, -1, dtype=torch.int32, device=self.device)
         return self._pred[layer]
 
+    def _counters_of(self, layer: int) -> torch.Tensor:
+        """``layer``'s tickets for :func:`ops.rescore_topk_codes` (int32, ``(max_num_seqs + 1) x
+        num_kv_heads``, zero between its launches, which leave them zero): one buffer per layer,
+        whose chain runs in the order of one stream, so that no launch needs a memset of its own.
+        Made on first use, like :meth:`_pred_of` (before any capture: the first step runs eagerly)."""
+        if self._counters[layer] is None:
+            n = (self.max_num_seqs + 1) * self.geo.num_kv_heads
+            self._counters[layer] = torch.zeros(n, dtype=torch.int32, device=self.device)
+        return self._counters[layer]
+
     def _wants_kept(self) -> bool:
         """Whether the recorder asked for the recall's kept reference (``kept_reference``)."""
         return self.recorder is not None and bool(getattr(self.recorder, "kept_reference", False))
@@ -474,6 +495,7 @@ class SelectionMixin:
             successor_blocks=self.kv.successor_blocks,
             reduce=self.score_reduce,
             bounds=(p.bounds8[layer], p.bound_scales[layer]) if self.kv.candidate_bound == "fp8" else None,
+            counters=self._counters_of(layer) if self.cuda else None,
         )
 
     def _select_and_fetch(

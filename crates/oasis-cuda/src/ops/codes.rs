@@ -6,22 +6,25 @@ use super::*;
 
 /// Threads per block of `rescore_topk_codes_*`; must match OASIS_RESCORE_TOPK_THREADS in
 /// cuda/key_codes.cu.
-pub const RESCORE_TOPK_THREADS: u32 = 256;
+pub const RESCORE_TOPK_THREADS: u32 = 128;
 
 /// Shared memory of one `rescore_topk_codes_*` block of `warps` warps, in bytes
-/// (cuda/key_codes.cu): the layout of [`score_blocks_codes_smem_bytes`] for `warps` warps, then
-/// the `m` candidates' scores (f32). Its static buffers (the top-k's, `OASIS_CAND_MAX` entries)
-/// come on top.
+/// (cuda/key_codes.cu): the larger of the layout of [`score_blocks_codes_smem_bytes`] for
+/// `warps` warps (the rescoring) and, reusing it once that is done, the last block's top-k
+/// buffers for `m` candidates and `successors` (`topk_candidates_bytes` in cuda/oasis_topk.cuh)
+/// plus the `m` scores (f32).
 pub fn rescore_topk_codes_smem_bytes(
     group: usize,
     head_dim: usize,
     elem_bytes: usize,
     m: usize,
+    successors: usize,
     warps: usize,
 ) -> usize {
     let scalar = (2 * group * head_dim + head_dim + group) * 4;
     let stage = SCORE_CODES_STAGES * (2 * head_dim * elem_bytes + 4 * head_dim);
-    warps * (stage + scalar) + 4 * m
+    let topk = 8 * m.max(1).next_power_of_two() + 4 * (2 * (m + successors) + m + successors + 33);
+    (warps * (stage + scalar)).max(topk + 4 * m)
 }
 
 impl Gpu {
@@ -230,10 +233,16 @@ impl Gpu {
     }
 
     /// GPU twin of `oasis_core::kernels::rescore_topk_codes`: [`Self::rescore_blocks_codes`]
-    /// then [`Self::topk_candidates`] in one launch, one thread block per (sequence, KV head)
-    /// scoring its `m` candidates into shared memory and selecting from them. The same bits as
-    /// the two launches (ties included): the scores go through no reduction in between, so a
-    /// caller that reduces them (KV-head replicas) launches the two apart.
+    /// then [`Self::topk_candidates`] in one launch. The candidates of a (sequence, KV head) are
+    /// scored by as many warps as [`Self::rescore_blocks_codes`] gives them (its tile length,
+    /// [`score_codes_tile`], spread over several thread blocks) into `scratch`; the last of those
+    /// blocks to finish (a ticket on `counters`, which it sets back to 0) selects from them. The
+    /// same bits as the two launches (ties included): the scores go through no reduction in
+    /// between, so a caller that reduces them (KV-head replicas) launches the two apart.
+    ///
+    /// `counters` must be all zero at the launch, and no other launch may use them until this
+    /// one is done (each launch leaves them zero: allocate them zeroed once per stream or
+    /// caller, not per launch).
     ///
     /// # Errors
     /// As the two launches: [`CudaError::Invalid`] for a buffer whose size does not match its
@@ -254,6 +263,8 @@ impl Gpu {
         successors: usize,
         forced: Option<(DevSlice<i32>, usize)>, // [num_seqs, num_kv_heads, n_forced]
         out: DevSlice<i32>,                     // [num_seqs, num_kv_heads, k]
+        scratch: DevSlice<f32>,                 // [num_seqs, num_kv_heads, m]
+        counters: DevSlice<i32>,                // [num_seqs, num_kv_heads], all zero
         stream: Stream,
     ) -> Result<()> {
         guard("rescore_topk_codes", || {
@@ -274,6 +285,8 @@ impl Gpu {
             let nnz = blk_indices.len();
             check_len("cand", cand.len(), &[num_seqs, h, m])?;
             check_len("out", out.len(), &[num_seqs, h, k])?;
+            check_len("scratch", scratch.len(), &[num_seqs, h, m])?;
+            check_len("counters", counters.len(), &[num_seqs, h])?;
             let n_forced = forced.map_or(0, |(_, n)| n);
             if let Some((f, n)) = forced {
                 check_len("forced", f.len(), &[num_seqs, h, n])?;
@@ -284,17 +297,19 @@ impl Gpu {
             }
 
             let name = entry!(T, "rescore_topk_codes");
+            // The tile of the two launches' rescoring: as many warps in flight.
+            let tile = score_codes_tile(num_seqs * m, h, self.num_sms());
             let params = params!(RescoreTopkCodesParams {
                 ptr: {
                     q, summaries, codes, blk_indptr, blk_indices, cand,
-                    forced = forced.map(|(f, _)| f), out,
+                    forced = forced.map(|(f, _)| f), out, scratch, counters,
                 },
                 int: {
                     nnz, num_qo_heads = qh, num_kv_heads = h, head_dim = d, block_size = bs,
-                    num_host_blocks = num_host, m, k, successors, n_forced,
+                    num_host_blocks = num_host, m, k, successors, n_forced, tile,
                 },
+                raw: { _pad0 = 0 },
             });
-            let grid = grid_rows_heads("num_seqs", num_seqs, h)?;
             // RESCORE_TOPK_THREADS, or fewer warps where their shared memory does not fit (a
             // large group x head_dim): the kernel's result does not depend on its thread count.
             let limit = self.function(name)?.max_dynamic_smem;
@@ -305,6 +320,7 @@ impl Gpu {
                     d,
                     std::mem::size_of::<T>(),
                     m,
+                    successors,
                     warps,
                 )
             };
@@ -313,11 +329,17 @@ impl Gpu {
                 threads /= 2;
             }
             let smem = smem_of(threads);
-            // SAFETY: lengths checked above (summaries and codes have num_host rows; cand, forced
-            // and out their (sequence, head) rows); the kernel bounds-checks block ids and each
+            // Thread blocks per (sequence, KV head): one tile per warp (at least one block, which
+            // selects even with no candidate).
+            let splits = m.div_ceil(tile * (threads / 32) as usize).max(1);
+            let (gx, gy, _) = grid_rows_heads("num_seqs", num_seqs, h)?;
+            let grid = (gx, gy, grid_dim("candidate blocks", splits, GRID_YZ_MAX)?);
+            // SAFETY: lengths checked above (summaries and codes have num_host rows; cand, forced,
+            // out, scratch and counters their (sequence, head) rows; the caller keeps counters
+            // zero and to this launch, as documented); the kernel bounds-checks block ids and each
             // candidate's blk_indptr row against nnz (-inf outside), reads cand and forced only
             // below m and n_forced; k <= MAX_TOPK and m + successors <= MAX_CANDIDATES (its
-            // static buffers); `smem` is the kernel's layout for `threads` (a multiple of 32, at
+            // buffers); `smem` is the kernel's layout for `threads` (a multiple of 32, at
             // most its launch bound) and launch() checks it against the device limit;
             // reachability and lifetime by DevSlice's contract, the stream by Stream's.
             unsafe { self.queue(name, grid, threads, smem, stream, &params) }
