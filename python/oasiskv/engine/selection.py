@@ -185,6 +185,15 @@ def top_k_forced(heads: int, scores: torch.Tensor, indptr: torch.Tensor, k: int,
     return ops.topk_blocks(heads, scores.clone(), indptr, k, forced=forced.to(torch.int32).contiguous())
 
 
+#: Whether the engine's two-stage selection ends with the one launch :func:`ops.rescore_topk_codes`
+#: instead of :func:`ops.rescore_blocks_codes` then :func:`ops.topk_candidates` (the same blocks
+#: bit for bit). Off: on the H100 (s22) the fused kernel took 1.0-1.2 x the two launches' time in a
+#: CUDA graph (44 x 16K: 184.3 against 153.1 us for the whole chain), and its multi-block form
+#: (each row's candidates over several thread blocks, the last one selecting) has not run on a GPU
+#: yet. ``bench.kernels --only score`` times both.
+FUSED_RESCORE = False
+
+
 def two_stage_top_k(
     geo,
     q,
@@ -199,7 +208,7 @@ def two_stage_top_k(
     successor_blocks: int = 0,
     reduce=None,
     bounds=None,
-    fused: bool = True,
+    fused: bool = FUSED_RESCORE,
     counters=None,
 ) -> torch.Tensor:
     """The two-stage codes score's top-``k`` (``KvConfig(score_candidates=...)``): the Quest
@@ -207,14 +216,14 @@ def two_stage_top_k(
     whatever their bound), the codes rank them; ``forced`` blocks and the successors of the
     ``successor_blocks`` best candidates by the codes (candidates or not) go ahead of every codes
     score, ``keep`` competes like the rest. ``forced``/``keep``: ``[n, heads, F]`` logical blocks
-    in :func:`keep_pins`' layout, or None; ``reduce``: :attr:`Engine.score_reduce`. Three
+    in :func:`keep_pins`' layout, or None; ``reduce``: :attr:`Engine.score_reduce`. Four
     launches, no host sync (a captured step replays it): the Quest score, its top-``m`` (forced
-    and kept blocks set to +inf first, :func:`ops.topk_blocks`' ``forced``), and the codes of the
-    candidates with their top-``k`` (:func:`ops.rescore_topk_codes`, whose ``counters`` this
-    passes on: the engine's per layer, or None). A ``reduce`` (KV-head replicas) must see the
-    codes scores between those two steps, so with one (or ``fused=False``, the kernel
-    benchmark's baseline) they are two launches, :func:`ops.rescore_blocks_codes` then
-    :func:`ops.topk_candidates`: the same blocks bit for bit when ``reduce`` is None.
+    and kept blocks set to +inf first, :func:`ops.topk_blocks`' ``forced``), the codes of the
+    candidates (:func:`ops.rescore_blocks_codes`) and their top-``k``
+    (:func:`ops.topk_candidates`). ``fused`` (default :data:`FUSED_RESCORE`): the last two as one
+    launch, :func:`ops.rescore_topk_codes` (whose ``counters`` this passes on: the engine's per
+    layer, or None), the same blocks bit for bit; never with a ``reduce`` (KV-head replicas),
+    which must see the codes scores between the two.
     ``bounds = (bounds8, scales)``: the Quest score reads the 8-bit bound
     (:func:`ops.score_blocks_bound8`, ``KvConfig.candidate_bound="fp8"``) instead of
     ``summaries``. :meth:`Engine.top_k_blocks` and the kernel benchmark."""
@@ -495,7 +504,7 @@ class SelectionMixin:
             successor_blocks=self.kv.successor_blocks,
             reduce=self.score_reduce,
             bounds=(p.bounds8[layer], p.bound_scales[layer]) if self.kv.candidate_bound == "fp8" else None,
-            counters=self._counters_of(layer) if self.cuda else None,
+            counters=self._counters_of(layer) if self.cuda and FUSED_RESCORE else None,
         )
 
     def _select_and_fetch(
