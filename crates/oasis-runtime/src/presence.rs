@@ -236,6 +236,31 @@ impl PresenceMap {
         Ok(out)
     }
 
+    /// Entries whose bytes are no longer to be trusted (a prefetch that landed in pools since
+    /// replaced): absent again, to be read again. Only rows holding a staged block change (a
+    /// local row has nothing to read); `keys` name one head each. Returns how many were present.
+    ///
+    /// # Errors
+    /// [`OasisError::Invalid`] for a key past the map or [`ALL_HEADS`] (nothing changes then).
+    pub fn mark_absent(&mut self, keys: &[Entry]) -> Result<u64> {
+        for &k in keys {
+            self.check_entry(k, false)?;
+        }
+        let mut n = 0;
+        for &k in keys {
+            if !self.staged[k.row as usize] {
+                continue;
+            }
+            let i = self.index(k.layer, k.row as usize, k.head);
+            if self.present[i] {
+                self.present[i] = false;
+                n += 1;
+            }
+        }
+        self.missing += n;
+        Ok(n)
+    }
+
     /// The entries among `keys` not in the host pool, each once and none of a `failed` request,
     /// sorted by (layer, row, head): the order a read wants them. A key with `head`
     /// [`ALL_HEADS`] stands for every head of its row.

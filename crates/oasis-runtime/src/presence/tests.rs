@@ -12,6 +12,30 @@ fn e(layer: u16, row: u32, head: u16) -> Entry {
 }
 
 #[test]
+fn marked_absent_again_a_staged_entry_is_read_again_and_a_local_one_is_not() {
+    let mut m = PresenceMap::new(2, 2).unwrap();
+    m.grow(3).unwrap();
+    m.take_row(0, 4, 1).unwrap();
+    m.mark_present(&[e(0, 0, ALL_HEADS), e(1, 0, ALL_HEADS)])
+        .unwrap();
+    assert_eq!(m.missing(), 0);
+    // Row 2 holds no staged block: nothing to read, so it stays present.
+    assert_eq!(
+        m.mark_absent(&[e(0, 0, 1), e(0, 0, 1), e(1, 2, 0)])
+            .unwrap(),
+        1
+    );
+    assert_eq!(m.missing(), 1);
+    assert_eq!(
+        m.absent(&[e(0, 0, ALL_HEADS)], &HashSet::new()).unwrap(),
+        vec![e(0, 0, 1)]
+    );
+    assert!(m.mark_absent(&[e(0, 0, ALL_HEADS)]).is_err());
+    assert!(m.mark_absent(&[e(0, 5, 0)]).is_err());
+    m.check_invariants().unwrap();
+}
+
+#[test]
 fn a_staged_row_is_absent_until_read_and_reads_once() {
     let mut m = PresenceMap::new(2, 3).unwrap();
     m.grow(4).unwrap();
