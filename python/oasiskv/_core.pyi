@@ -295,11 +295,13 @@ class Coordinator:
         host_v: list[torch.Tensor],
         host_k_scales: list[torch.Tensor] | None = None,
         host_v_scales: list[torch.Tensor] | None = None,
-    ) -> None:
+    ) -> dict[int, int]:
         """The pools the reads write into, one contiguous CPU ``[rows, num_kv_heads, block_size,
         head_dim]`` tensor per layer (fp8: uint8 codes and float32 ``[rows, num_kv_heads]``
         scales); again whenever they grow or are replaced (after the reads in flight land). The
-        coordinator keeps the tensors alive until the next registration or ``close``."""
+        coordinator keeps the tensors alive until the next registration or ``close``. Returns,
+        when they moved, per request how many prefetched block-heads are absent again (landed
+        since the last step's submission: they may have missed the copy)."""
     @property
     def rows(self) -> int:
         """Host rows of the registered pools (0: none)."""
@@ -326,11 +328,19 @@ class Coordinator:
     def missing(self) -> int:
         """Absent entries, all layers."""
     def submit(
-        self, layers: list[int], rows: list[int], heads: list[int], *, background: bool = False
+        self,
+        layers: list[int],
+        rows: list[int],
+        heads: list[int],
+        *,
+        background: bool = False,
+        prefetch: int = 0,
     ) -> list[int]:
         """Read the absent entries among ``(layers[i], rows[i], heads[i])`` (head -1: every head)
-        not in flight and of no failed request; returns at once, per layer how many went out.
-        ``background``: no step waits for them (``wait_layer`` skips them; ``wait_request``)."""
+        of no failed request (a step takes over background reads of them); returns at once, per
+        layer how many its ``wait_layer`` waits for. ``background``: no step waits for them
+        (``wait_layer`` skips them; ``wait_request``). ``prefetch=N`` (a step's): then up to N
+        background reads of the blocks the next steps likely plan, at most N in flight."""
     def wait_layer(self, layer: int) -> float:
         """Block until ``layer``'s entries submitted for a step landed or failed; the seconds
         waited."""
@@ -354,7 +364,9 @@ class Coordinator:
         """Per request since the last call: ``(block-heads landed, wire bytes)``."""
     def stats(self) -> dict[str, float]:
         """``read_seconds``, ``wait_seconds``, ``wire_bytes``, ``sent_entries``, ``entries``,
-        ``failed_entries``, ``frames``, ``reconnects``, ``releases``, ``failed_releases``."""
+        ``failed_entries``, ``frames``, ``reconnects``, ``releases``, ``failed_releases``,
+        ``step_entries``, ``prefetch_entries``, ``prefetched_entries``, ``prefetch_hits``,
+        ``prefetch_taken``, ``prefetch_cancelled``, ``prefetch_dropped``."""
     def close(self) -> None:
         """Let the reads in flight land, stop the connections and threads (idempotent)."""
 

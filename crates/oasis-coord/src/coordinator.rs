@@ -41,7 +41,9 @@ use tokio::sync::mpsc;
 
 use crate::connect::Connector;
 use crate::error::{CoordError, Result};
+use crate::inflight::{count_hits, items_of, prefetch_items, take_over, PREFETCH_FRAME_DIVISOR};
 use crate::pools::PoolLayout;
+use crate::prefetch::{Planned, RowsOf};
 
 /// Reply frames stay this small: a few MiB come from (and go back to) the allocator's heap,
 /// while larger ones are fresh mappings whose page faults cost more than the copy (measured for
@@ -114,18 +116,45 @@ pub struct CoordStats {
     /// failed (the daemon gone: its lease frees them).
     pub releases: u64,
     pub failed_releases: u64,
+    /// Block-heads steps submitted ([`Coordinator::submit`] / [`Coordinator::submit_step`]):
+    /// their own misses, which they wait for.
+    pub step_entries: u64,
+    /// Block-heads queued as prefetch ([`crate::prefetch`]), and landed.
+    pub prefetch_entries: u64,
+    pub prefetched_entries: u64,
+    /// Block-heads a step planned that a prefetch brought (landed, or on the wire then).
+    pub prefetch_hits: u64,
+    /// Prefetched block-heads a step needed while still queued: read by the step instead.
+    pub prefetch_taken: u64,
+    /// Prefetched block-heads dropped unsent because their request ended.
+    pub prefetch_cancelled: u64,
+    /// Prefetched block-heads marked absent again because the pools moved meanwhile
+    /// ([`Coordinator::register_pools`]).
+    pub prefetch_dropped: u64,
 }
 
 /// One entry of a frame: where it goes and what the daemon calls it.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Item {
+    /// Unique among the items ever submitted: tells a queued item from a later one of the same
+    /// entry after a step took it over.
+    pub(crate) id: u64,
     pub(crate) entry: Entry,
     pub(crate) owner: i64,
     pub(crate) key: BlockKey,
-    /// Submitted for a step ([`Coordinator::submit`]: counted in its layer's
-    /// [`Coordinator::wait_layer`]) or in the background ([`Coordinator::submit_background`]:
-    /// only in its request's [`Coordinator::wait_request`]).
+}
+
+/// An item in flight, by its entry ([`State::items`]): the truth about it while its frame is
+/// queued or on the wire.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Reg {
+    pub(crate) id: u64,
+    /// Counted in its layer's [`State::pending`]: submitted for a step, or a background item a
+    /// step needed once its frame was on the wire.
     pub(crate) step: bool,
+    /// Its frame went to the daemon (a step can no longer take it over).
+    pub(crate) started: bool,
+    pub(crate) prefetch: bool,
 }
 
 /// A connection's two queues: a step's frames go first, then the background ones (an
@@ -160,45 +189,37 @@ pub(crate) enum Job {
 }
 
 pub(crate) struct State {
-    presence: PresenceMap,
-    layout: Option<Arc<PoolLayout>>,
+    pub(crate) presence: PresenceMap,
+    pub(crate) layout: Option<Arc<PoolLayout>>,
     /// Engine request id -> the daemon's id of its staged copy.
-    daemon_of: HashMap<i64, u64>,
+    pub(crate) daemon_of: HashMap<i64, u64>,
     /// Requests whose reads failed (or that are ending): never read again until they end.
     pub(crate) dead: HashSet<i64>,
     /// Failures not taken yet, request -> its first message.
-    failed: HashMap<i64, String>,
+    pub(crate) failed: HashMap<i64, String>,
     /// Block-heads in flight (a whole block's as each of its heads).
-    inflight: HashSet<Entry>,
+    pub(crate) inflight: HashSet<Entry>,
+    /// Items in flight by their entry (a whole block's as [`ALL_HEADS`]).
+    pub(crate) items: HashMap<Entry, Reg>,
+    pub(crate) next_id: u64,
+    /// Staged rows by request and logical block ([`crate::prefetch::RowsOf`]).
+    pub(crate) rows_of: RowsOf,
+    /// Prefetched block-heads in flight; landed ones no step planned yet (for the hits); and
+    /// the ones landed since the last step's submission, with their request and logical block
+    /// (marked absent again if the pools move: their bytes may have missed the copy).
+    pub(crate) prefetch_inflight: usize,
+    pub(crate) prefetched: HashSet<Entry>,
+    pub(crate) fresh: Vec<Planned>,
     /// Items in flight per request, and per request and layer.
-    inflight_of: HashMap<i64, usize>,
-    inflight_layer_of: HashMap<(i64, u16), usize>,
+    pub(crate) inflight_of: HashMap<i64, usize>,
+    pub(crate) inflight_layer_of: HashMap<(i64, u16), usize>,
     /// Step items in flight per layer (not the background ones).
-    pending: Vec<usize>,
+    pub(crate) pending: Vec<usize>,
     /// Per request since the last [`Coordinator::take_landed`]: block-heads landed, and its
     /// share of the frames' wire bytes (split evenly among a frame's items).
-    landed: HashMap<i64, (u64, f64)>,
+    pub(crate) landed: HashMap<i64, (u64, f64)>,
     pub(crate) stats: CoordStats,
-    closed: bool,
-}
-
-impl State {
-    fn fail(&mut self, owner: i64, message: String) {
-        self.dead.insert(owner);
-        self.failed.entry(owner).or_insert(message);
-    }
-
-    /// Items of `owner` in flight (of `layer` only, when given).
-    fn in_flight(&self, owner: i64, layer: Option<u16>) -> usize {
-        match layer {
-            None => self.inflight_of.get(&owner).copied().unwrap_or(0),
-            Some(l) => self
-                .inflight_layer_of
-                .get(&(owner, l))
-                .copied()
-                .unwrap_or(0),
-        }
-    }
+    pub(crate) closed: bool,
 }
 
 pub(crate) struct Shared {
@@ -235,39 +256,24 @@ impl Shared {
         let mut st = self.lock();
         let mut written = Vec::with_capacity(items.len());
         let mut owners = Vec::with_capacity(items.len());
+        let mut prefetched = Vec::new();
         let share = wire as f64 / items.len().max(1) as f64;
+        let heads = st.presence.shape().2;
         for (it, why) in items.iter().zip(outcome) {
+            let reg = match st.items.get(&it.entry) {
+                Some(r) if r.id == it.id => *r,
+                _ => continue, // taken over by a step before it went out (never sent)
+            };
             st.landed.entry(it.owner).or_insert((0, 0.0)).1 += share;
-            if it.step {
-                st.pending[usize::from(it.entry.layer)] -= 1;
-            }
-            if let Some(n) = st.inflight_of.get_mut(&it.owner) {
-                *n -= 1;
-                if *n == 0 {
-                    st.inflight_of.remove(&it.owner);
-                }
-            }
-            let at = (it.owner, it.entry.layer);
-            if let Some(n) = st.inflight_layer_of.get_mut(&at) {
-                *n -= 1;
-                if *n == 0 {
-                    st.inflight_layer_of.remove(&at);
-                }
-            }
-            let heads = heads_of(it.entry, st.presence.shape().2);
-            for h in heads.clone() {
-                st.inflight.remove(&Entry {
-                    head: h,
-                    ..it.entry
-                });
-            }
+            st.unregister(it.entry, reg, it.owner, heads);
             match why {
                 None => {
                     written.push(it.entry);
                     owners.push(it.owner);
+                    prefetched.push((reg.prefetch, reg.step, it.key.block));
                 }
                 Some(m) => {
-                    st.stats.failed_entries += heads.len() as u64;
+                    st.stats.failed_entries += heads_of(it.entry, heads).len() as u64;
                     st.fail(it.owner, m);
                 }
             }
@@ -275,9 +281,25 @@ impl Shared {
         // The rows cannot have changed hands meanwhile (end and forget_row wait for the reads
         // of their request), so the keys are still in the map.
         if let Ok(new) = st.presence.mark_present(&written) {
-            for (owner, n) in owners.into_iter().zip(new) {
+            for (((owner, n), e), logical) in
+                owners.into_iter().zip(new).zip(&written).zip(prefetched)
+            {
                 st.landed.entry(owner).or_insert((0, 0.0)).0 += u64::from(n);
                 st.stats.entries += u64::from(n);
+                let (prefetch, awaited, logical) = logical;
+                if prefetch {
+                    st.stats.prefetched_entries += u64::from(n);
+                }
+                // Not awaited by a step (which counted it a hit and gathers it in this step,
+                // before the pools can move): a later step's hit, or stale after a move.
+                if prefetch && !awaited {
+                    st.prefetched.insert(*e);
+                    st.fresh.push(Planned {
+                        entry: *e,
+                        owner,
+                        logical,
+                    });
+                }
             }
         }
         st.stats.read_seconds += busy.as_secs_f64();
@@ -288,7 +310,7 @@ impl Shared {
     }
 }
 
-fn heads_of(e: Entry, heads: usize) -> std::ops::Range<u16> {
+pub(crate) fn heads_of(e: Entry, heads: usize) -> std::ops::Range<u16> {
     if e.head == ALL_HEADS {
         0..heads as u16
     } else {
@@ -346,6 +368,12 @@ impl Coordinator {
                 dead: HashSet::new(),
                 failed: HashMap::new(),
                 inflight: HashSet::new(),
+                items: HashMap::new(),
+                next_id: 0,
+                rows_of: RowsOf::new(),
+                prefetch_inflight: 0,
+                prefetched: HashSet::new(),
+                fresh: Vec::new(),
                 inflight_of: HashMap::new(),
                 inflight_layer_of: HashMap::new(),
                 pending: vec![0; layers],
@@ -388,7 +416,10 @@ impl Coordinator {
     }
 
     /// Register the pools the reads write into (again whenever they grow or move), after every
-    /// read in flight has landed; the presence map grows to their rows.
+    /// read in flight has landed; the presence map grows to their rows. When they move, the
+    /// prefetched block-heads that landed since the last step's submission are absent again:
+    /// they may have landed in the old pools after their copy (a step's own reads land within
+    /// the step, before the caller can move the pools). Returns per request how many.
     ///
     /// # Errors
     /// [`CoordError::Invalid`] for a layout whose layers or heads are not the coordinator's.
@@ -400,7 +431,7 @@ impl Coordinator {
     /// 2. Nothing else writes the rows of staged requests' entries while they are in flight,
     ///    and nothing reads an entry of a layer before [`Coordinator::wait_layer`] of that layer
     ///    (or [`Coordinator::drain`]) returned after its submission.
-    pub unsafe fn register_pools(&self, layout: PoolLayout) -> Result<()> {
+    pub unsafe fn register_pools(&self, layout: PoolLayout) -> Result<Vec<(i64, u64)>> {
         layout.validate()?;
         let (st, _) = self.shared.wait_until(|s| s.inflight.is_empty());
         let mut st = st;
@@ -413,8 +444,26 @@ impl Coordinator {
             )));
         }
         st.presence.grow(layout.rows)?;
+        let moved = st.layout.as_deref().is_some_and(|l| *l != layout);
         st.layout = Some(Arc::new(layout));
-        Ok(())
+        let mut dropped: HashMap<i64, u64> = HashMap::new();
+        if moved {
+            for p in std::mem::take(&mut st.fresh) {
+                // Still the row of the same staged block, and present (not released since).
+                if st.presence.owner_of(p.entry.row)? != (p.owner, p.logical)
+                    || !st.presence.is_present(p.entry)?
+                {
+                    continue;
+                }
+                let n = st.presence.mark_absent(&[p.entry])?;
+                st.prefetched.remove(&p.entry);
+                st.stats.prefetch_dropped += n;
+                *dropped.entry(p.owner).or_insert(0) += n;
+            }
+        }
+        let mut out: Vec<_> = dropped.into_iter().collect();
+        out.sort_unstable();
+        Ok(out)
     }
 
     /// The registered layout's rows (0: none registered).
@@ -429,20 +478,30 @@ impl Coordinator {
         st.dead.remove(&owner);
     }
 
-    /// `owner` ends: its frames not sent yet are dropped, then it waits for the ones being read
-    /// (one per connection at most), forgets it and gives its `rows` back (local again).
+    /// `owner` ends: its items not sent yet are dropped (a frame shared with other requests
+    /// goes without them), then it waits for the frames being read (one per connection at
+    /// most), forgets it and gives its `rows` back (local again).
     /// Returns how many of their entries held their bytes.
     ///
     /// # Errors
     /// [`CoordError::Presence`] for a row past the map (nothing is released then).
     pub fn end(&self, owner: i64, rows: &[u32]) -> Result<u64> {
-        self.shared.lock().dead.insert(owner);
+        {
+            let mut st = self.shared.lock();
+            st.dead.insert(owner);
+            st.drop_queued(owner);
+        }
+        self.shared.landed.notify_all();
         let (mut st, _) = self
             .shared
             .wait_until(|s| !s.inflight_of.contains_key(&owner));
         st.daemon_of.remove(&owner);
         st.dead.remove(&owner);
         st.failed.remove(&owner);
+        st.rows_of.remove(&owner);
+        let gone: HashSet<u32> = rows.iter().copied().collect();
+        st.prefetched.retain(|e| !gone.contains(&e.row));
+        st.fresh.retain(|p| p.owner != owner);
         Ok(st.presence.release(rows)?)
     }
 
@@ -451,7 +510,10 @@ impl Coordinator {
     /// # Errors
     /// As [`PresenceMap::take_row`].
     pub fn take_row(&self, row: u32, owner: i64, logical: u32) -> Result<()> {
-        Ok(self.shared.lock().presence.take_row(row, owner, logical)?)
+        let mut st = self.shared.lock();
+        st.presence.take_row(row, owner, logical)?;
+        st.rows_of.entry(owner).or_default().insert(logical, row);
+        Ok(())
     }
 
     /// `row` names `owner` without holding a staged block (a bounded cache's filler).
@@ -472,6 +534,14 @@ impl Coordinator {
         let (mut st, _) = self
             .shared
             .wait_until(|s| !s.inflight_of.contains_key(&owner));
+        let (owner, logical) = st.presence.owner_of(row)?;
+        if let Some(rows) = st.rows_of.get_mut(&owner) {
+            if rows.get(&logical) == Some(&row) {
+                rows.remove(&logical);
+            }
+        }
+        st.prefetched.retain(|e| e.row != row);
+        st.fresh.retain(|p| p.entry.row != row);
         Ok(st.presence.forget_row(row)?)
     }
 
@@ -601,31 +671,50 @@ impl Coordinator {
     }
 
     /// Read every absent entry among `keys` (a key with head [`ALL_HEADS`]: every head of its
-    /// row) that is not in flight already and whose request has not failed: frames in layer
-    /// order, round robin over the connections. Returns at once: per layer, how many
-    /// block-heads were submitted (0: nothing to wait for). A row asked for whole whose heads
+    /// row) for a step, whose request has not failed: frames in layer order, round robin over
+    /// the connections, on the step queues. Returns at once: per layer, how many block-heads
+    /// its [`Coordinator::wait_layer`] waits for (0: nothing). A row asked for whole whose heads
     /// are all absent travels as one whole block; otherwise block-heads travel one by one.
+    ///
+    /// An entry in flight in the background (an admission's stream, a prefetch) is the step's
+    /// too: taken over while its frame is still queued (the step reads it on its own queue, the
+    /// queued copy is dropped unsent), or, once that frame is on the wire, counted in its
+    /// layer's wait. So a step never waits behind a background queue, and never gathers an
+    /// entry its wait does not cover.
     ///
     /// # Errors
     /// [`CoordError::NoPools`] before [`Coordinator::register_pools`]; [`CoordError::Closed`];
     /// [`CoordError::Presence`] for a key past the map (nothing is submitted then).
     pub fn submit(&self, keys: &[Entry]) -> Result<Vec<u32>> {
-        self.submit_as(keys, true)
+        self.submit_as(keys, true, 0)
+    }
+
+    /// [`Coordinator::submit`], then prefetch ([`crate::prefetch`]): background reads of up to
+    /// `prefetch` block-heads the next steps are likely to plan (the successors of `keys`'
+    /// blocks, their requests' most recent staged blocks), fewer while earlier prefetches are
+    /// in flight (at most `prefetch` at once). No wait covers them: a later step that plans one
+    /// finds it present, takes it over, or waits for the frame on the wire (above). A failed
+    /// prefetch fails its request like any read (its staged copy is gone or broken; it would
+    /// very likely be needed). Use it only where rows do not change hands between steps (not
+    /// with a bounded cache: [`Coordinator::forget_row`] would wait for the prefetches).
+    ///
+    /// # Errors
+    /// As [`Coordinator::submit`].
+    pub fn submit_step(&self, keys: &[Entry], prefetch: usize) -> Result<Vec<u32>> {
+        self.submit_as(keys, true, prefetch)
     }
 
     /// As [`Coordinator::submit`], for reads no step waits for: a request streamed in while
     /// others decode (an admission). [`Coordinator::wait_layer`] does not wait for them;
-    /// [`Coordinator::wait_request`] of their request does (and must return before a step
-    /// reads them: an entry in flight is not submitted again, so a step's `wait_layer` would
-    /// not cover it).
+    /// [`Coordinator::wait_request`] of their request does.
     ///
     /// # Errors
     /// As [`Coordinator::submit`].
     pub fn submit_background(&self, keys: &[Entry]) -> Result<Vec<u32>> {
-        self.submit_as(keys, false)
+        self.submit_as(keys, false, 0)
     }
 
-    fn submit_as(&self, keys: &[Entry], step: bool) -> Result<Vec<u32>> {
+    fn submit_as(&self, keys: &[Entry], step: bool, prefetch: usize) -> Result<Vec<u32>> {
         let mut st = self.shared.lock();
         if st.closed {
             return Err(CoordError::Closed);
@@ -637,87 +726,54 @@ impl Coordinator {
             .filter(|k| k.head == ALL_HEADS)
             .map(|k| (k.layer, k.row))
             .collect();
-        let absent = st.presence.absent(keys, &st.dead)?;
-        let absent: Vec<Entry> = absent
-            .into_iter()
-            .filter(|e| !st.inflight.contains(e))
-            .collect();
+        let mut absent = st.presence.absent(keys, &st.dead)?;
         let mut per_layer = vec![0u32; layers];
-        // Items by layer, a row's heads merged into one whole block when all are absent.
-        let mut by_layer: Vec<Vec<Item>> = vec![Vec::new(); layers];
-        let mut i = 0;
-        while i < absent.len() {
-            let e = absent[i];
-            let mut j = i;
-            while j < absent.len() && absent[j].layer == e.layer && absent[j].row == e.row {
-                j += 1;
+        if step {
+            st.fresh.clear(); // the pools are the registered ones now (the caller's contract)
+            count_hits(&mut st, keys, heads);
+            let taken = take_over(&mut st, &absent, &mut per_layer, heads);
+            if !taken.is_empty() {
+                absent.extend(taken);
+                absent.sort_unstable();
+                absent.dedup();
             }
-            let group: Vec<Entry> = if j - i == heads && whole.contains(&(e.layer, e.row)) {
-                vec![Entry {
-                    head: ALL_HEADS,
-                    ..e
-                }]
-            } else {
-                absent[i..j].to_vec()
-            };
-            let (owner, logical) = st.presence.owner_of(e.row)?;
-            match st.daemon_of.get(&owner).copied() {
-                None => st.fail(
-                    owner,
-                    format!(
-                        "host row {} holds a staged block of request {owner}, which was never \
-                         staged with the coordinator",
-                        e.row
-                    ),
-                ),
-                Some(request) => {
-                    for g in group {
-                        by_layer[usize::from(g.layer)].push(Item {
-                            entry: g,
-                            owner,
-                            key: BlockKey {
-                                request,
-                                layer: g.layer,
-                                block: logical,
-                                head: g.head,
-                            },
-                            step,
-                        });
-                    }
-                    per_layer[usize::from(e.layer)] += (j - i) as u32;
-                    st.stats.sent_entries += (j - i) as u64;
-                    for x in &absent[i..j] {
-                        st.inflight.insert(*x);
-                    }
-                }
-            }
-            i = j;
         }
-        let mut jobs = Vec::new();
-        for (layer, items) in by_layer.into_iter().enumerate() {
-            if items.is_empty() {
-                continue;
+        absent.retain(|e| !st.inflight.contains(e));
+        let by_layer = items_of(&mut st, &absent, &whole, step, false)?;
+        for (l, items) in by_layer.iter().enumerate() {
+            per_layer[l] += items
+                .iter()
+                .map(|it| heads_of(it.entry, heads).len() as u32)
+                .sum::<u32>();
+        }
+        if step {
+            st.stats.step_entries += absent.len() as u64;
+        }
+        let mut jobs: Vec<(bool, Vec<Item>)> = Vec::new();
+        for items in by_layer.into_iter().filter(|v| !v.is_empty()) {
+            let f = self.frames(&layout, items, self.config.frame_bytes);
+            jobs.extend(f.into_iter().map(|v| (step, v)));
+        }
+        let budget = prefetch.saturating_sub(st.prefetch_inflight);
+        if step && budget > 0 {
+            for items in prefetch_items(&mut st, keys, budget, heads)?
+                .into_iter()
+                .filter(|v| !v.is_empty())
+            {
+                let small = (self.config.frame_bytes / PREFETCH_FRAME_DIVISOR).max(1);
+                let f = self.frames(&layout, items, small);
+                jobs.extend(f.into_iter().map(|v| (false, v)));
             }
-            if step {
-                st.pending[layer] += items.len();
-            }
-            for it in &items {
-                *st.inflight_of.entry(it.owner).or_insert(0) += 1;
-                *st.inflight_layer_of
-                    .entry((it.owner, it.entry.layer))
-                    .or_insert(0) += 1;
-            }
-            jobs.extend(self.frames(&layout, items));
         }
         drop(st);
         let senders = self.senders.lock().unwrap_or_else(PoisonError::into_inner);
-        for items in jobs {
+        for (on_step, items) in jobs {
             let n = self.next.fetch_add(1, Ordering::Relaxed) % senders.len();
             let job = Job::Read(Frame {
                 items,
                 layout: Arc::clone(&layout),
             });
-            if let Err(mpsc::error::SendError(Job::Read(f))) = senders[n].of(step).send(job) {
+            if let Err(mpsc::error::SendError(Job::Read(f))) = senders[n].of(on_step).send(job) {
                 // The worker is gone (closing): the items fail, nothing was written.
                 let why = vec![Some("the coordinator is closing".to_string()); f.items.len()];
                 self.shared.land(&f.items, why, Duration::ZERO, 0, false);
@@ -751,7 +807,7 @@ impl Coordinator {
 
     /// One layer's items cut into frames: under the frame budget and [`MAX_ENTRIES`], and spread
     /// over the connections when the layer has enough of them.
-    fn frames(&self, layout: &PoolLayout, items: Vec<Item>) -> Vec<Vec<Item>> {
+    fn frames(&self, layout: &PoolLayout, items: Vec<Item>, frame_bytes: usize) -> Vec<Vec<Item>> {
         let c = &self.config;
         let n = items.len();
         let parts = c.connections.min(n / c.split_min_entries).max(1);
@@ -766,7 +822,7 @@ impl Coordinator {
                 1
             };
             let size = heads * layout.head_entry_bytes() + REPLY_ENTRY_BYTES;
-            if !cur.is_empty() && (cur.len() == cap || bytes + size > c.frame_bytes) {
+            if !cur.is_empty() && (cur.len() == cap || bytes + size > frame_bytes) {
                 out.push(std::mem::take(&mut cur));
                 bytes = FRAME_OVERHEAD;
             }

@@ -29,7 +29,9 @@
 pub mod connect;
 pub mod coordinator;
 pub mod error;
+mod inflight;
 pub mod pools;
+pub mod prefetch;
 mod worker;
 
 pub use connect::{Connector, TcpConnector};
@@ -38,3 +40,4 @@ pub use error::{CoordError, Result};
 pub use oasis_runtime::presence::ALL_HEADS;
 pub use oasis_runtime::Entry;
 pub use pools::{Dest, LayerPool, PoolLayout};
+pub use prefetch::DEFAULT_PREFETCH_ENTRIES;

@@ -47,7 +47,7 @@ impl<K: Connector> Worker<K> {
                 Some(j) = background.recv() => j,
                 else => break,
             };
-            let job = match job {
+            let mut job = match job {
                 Job::Read(f) => f,
                 Job::Release(id) => {
                     let ok = self.release(id).await;
@@ -62,7 +62,12 @@ impl<K: Connector> Worker<K> {
             };
             let t0 = Instant::now();
             let skip = {
-                let st = self.shared.lock();
+                // A step may have taken some of its items over while it was queued.
+                let mut st = self.shared.lock();
+                job.items = st.start(std::mem::take(&mut job.items));
+                if job.items.is_empty() {
+                    continue;
+                }
                 job.items.iter().all(|it| st.dead.contains(&it.owner))
             };
             if skip {

@@ -425,8 +425,14 @@ fn background_reads_are_not_a_step_s_to_wait_for() {
     );
     assert!(c.is_present(e(1, 2, 1)).unwrap());
     assert!(!c.is_present(e(1, 0, 0)).unwrap());
-    // Entries in flight in the background are not submitted again.
-    assert_eq!(c.submit(&[e(1, 0, 0)]).unwrap(), vec![0; LAYERS]);
+    // An entry whose background frame is on the wire is not read again: the step waits for
+    // that frame (its whole block's heads).
+    assert_eq!(
+        c.submit(&[e(1, 0, 0)]).unwrap(),
+        vec![0, HEADS as u32, 0, 0]
+    );
+    c.wait_layer(1).unwrap();
+    assert!(c.is_present(e(1, 0, 0)).unwrap());
     c.wait_request(1, Some(1)).unwrap();
     assert!(
         t0.elapsed() >= Duration::from_millis(400),

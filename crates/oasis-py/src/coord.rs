@@ -258,7 +258,9 @@ impl PyCoordinator {
     /// tensor per layer, `[rows, num_kv_heads, block_size, head_dim]`, all of one shape and
     /// dtype; an fp8_e4m3 pool (uint8 codes) passes its float32 scales too, `[rows,
     /// num_kv_heads]` per layer. The coordinator keeps references to the tensors until the next
-    /// registration or `close`, so their memory outlives every write.
+    /// registration or `close`, so their memory outlives every write. Returns, when the pools
+    /// moved, per request how many prefetched block-heads are absent again (they landed since
+    /// the last step's submission and may have missed the copy into the new pools).
     ///
     /// Raises `ShapeError` / `DTypeError` / `DeviceError` for pools not as above,
     /// `InvalidArgumentError` for pools of other layers or heads than the coordinator's.
@@ -270,7 +272,7 @@ impl PyCoordinator {
         host_v: Vec<TensorArg>,
         host_k_scales: Option<Vec<TensorArg>>,
         host_v_scales: Option<Vec<TensorArg>>,
-    ) -> PyResult<()> {
+    ) -> PyResult<std::collections::HashMap<i64, u64>> {
         let scales = match (&host_k_scales, &host_v_scales) {
             (None, None) => None,
             (Some(ks), Some(vs)) => Some((ks.as_slice(), vs.as_slice())),
@@ -302,7 +304,7 @@ impl PyCoordinator {
         // grown pool is a new tensor, registered again), and (2) it writes a staged row only
         // through the coordinator's reads or before the row is taken (`take_row`), and gathers
         // a layer only after `wait_layer(layer)` (or `drain`) returned.
-        self.run(py, "register_pools", |c| unsafe {
+        let dropped = self.run(py, "register_pools", |c| unsafe {
             c.register_pools(layout)
         })?;
         let mut kept = self.pools.lock().unwrap_or_else(PoisonError::into_inner);
@@ -310,7 +312,7 @@ impl PyCoordinator {
         if let (Some(ks), Some(vs)) = (host_k_scales, host_v_scales) {
             kept.extend(ks.into_iter().chain(vs));
         }
-        Ok(())
+        Ok(dropped.into_iter().collect())
     }
 
     /// Host rows of the registered pools (0: none registered).
@@ -399,11 +401,16 @@ impl PyCoordinator {
 
     /// Read the absent entries among `(layers[i], rows[i], heads[i])` (head -1: every head of
     /// the row) that are not in flight and whose request has not failed, in layer order over
-    /// every connection. Returns at once: per layer, how many entries went out (0: that
-    /// layer's gather reads nothing new). `background=True`: reads no step waits for (a
+    /// every connection. Returns at once: per layer, how many entries its `wait_layer` waits
+    /// for (0: that layer's gather reads nothing new). `background=True`: reads no step waits for (a
     /// request streamed in at admission): `wait_layer` skips them, `wait_request` of their
-    /// request waits for them, and must return before a step gathers them.
-    #[pyo3(signature = (layers, rows, heads, *, background = false))]
+    /// request waits for them. A step's submission takes over the background reads it needs
+    /// (their `wait_layer` covers them). `prefetch=N` (a step's only): then queue background
+    /// reads of up to N block-heads the next steps likely plan (the successors of these blocks,
+    /// their requests' most recent staged blocks), at most N in flight at once; no wait covers
+    /// them, and a failed one fails its request like any read. Not with rows that change hands
+    /// between steps (a bounded cache).
+    #[pyo3(signature = (layers, rows, heads, *, background = false, prefetch = 0))]
     fn submit(
         &self,
         py: Python<'_>,
@@ -411,13 +418,20 @@ impl PyCoordinator {
         rows: Vec<i64>,
         heads: Vec<i64>,
         background: bool,
+        prefetch: usize,
     ) -> PyResult<Vec<u32>> {
+        if background && prefetch > 0 {
+            return Err(bad_arg(
+                py,
+                "prefetch follows a step's reads: pass background=False with prefetch".into(),
+            ));
+        }
         let keys = entries(py, &layers, &rows, &heads)?;
         self.run(py, "submit", |c| {
             if background {
                 c.submit_background(&keys)
             } else {
-                c.submit(&keys)
+                c.submit_step(&keys, prefetch)
             }
         })
     }
@@ -487,7 +501,12 @@ impl PyCoordinator {
     /// Counters since it started: `read_seconds` (connection time on frames, off this
     /// thread), `wait_seconds` (time blocked in `wait_layer` / `drain`), `wire_bytes`,
     /// `sent_entries` (block-heads submitted), `entries` (block-heads landed), `failed_entries`,
-    /// `frames`, `reconnects`, `releases` and `failed_releases`.
+    /// `frames`, `reconnects`, `releases` and `failed_releases`; `step_entries` (block-heads
+    /// steps submitted: their own misses), `prefetch_entries` / `prefetched_entries`
+    /// (prefetched block-heads queued / landed), `prefetch_hits` (planned block-heads a
+    /// prefetch brought), `prefetch_taken` (queued prefetches a step read itself),
+    /// `prefetch_cancelled` (queued prefetches of a request that ended) and `prefetch_dropped`
+    /// (prefetches made absent again when the pools moved).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.stats();
         let d = PyDict::new(py);
@@ -501,6 +520,13 @@ impl PyCoordinator {
         d.set_item("reconnects", s.reconnects)?;
         d.set_item("releases", s.releases)?;
         d.set_item("failed_releases", s.failed_releases)?;
+        d.set_item("step_entries", s.step_entries)?;
+        d.set_item("prefetch_entries", s.prefetch_entries)?;
+        d.set_item("prefetched_entries", s.prefetched_entries)?;
+        d.set_item("prefetch_hits", s.prefetch_hits)?;
+        d.set_item("prefetch_taken", s.prefetch_taken)?;
+        d.set_item("prefetch_cancelled", s.prefetch_cancelled)?;
+        d.set_item("prefetch_dropped", s.prefetch_dropped)?;
         Ok(d)
     }
 
