@@ -188,11 +188,11 @@ class StreamHook:
     def __init__(self, src, before) -> None:
         self.inner, self.before = src.coord, before
 
-    def submit(self, layers, rows, heads, *, background=False):
+    def submit(self, layers, rows, heads, *, background=False, prefetch=0):
         if background and self.before is not None:
             self.before()
             self.before = None
-        return self.inner.submit(layers, rows, heads, background=background)
+        return self.inner.submit(layers, rows, heads, background=background, prefetch=prefetch)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)

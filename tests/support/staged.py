@@ -43,7 +43,8 @@ class ReadLog:
     asked to read recorded as the daemon's key ``(request, layer, block, head)`` (head -1: a whole
     block): the planned entries that are absent when submitted (``on_read``, which a test may
     replace to log them); ``streamed``, those of them an admission streamed in the background
-    (``submit(..., background=True)``). Install it before the first admission:
+    (``submit(..., background=True)``); not a step's prefetch, which the coordinator chooses
+    (its counts are in ``src.stats``). Install it before the first admission:
     ``src.coord = ReadLog(src)``."""
 
     def __init__(self, src) -> None:
@@ -52,7 +53,7 @@ class ReadLog:
     def on_read(self, keys) -> None:
         self.keys.extend(keys)
 
-    def submit(self, layers, rows, heads, *, background=False):
+    def submit(self, layers, rows, heads, *, background=False, prefetch=0):
         hk = self.src.engine.geo.num_kv_heads
         keys, seen = [], set()
         for layer, row, head, (owner, logical) in zip(
@@ -73,7 +74,7 @@ class ReadLog:
             self.on_read(keys)
             if background:
                 self.streamed += keys
-        return self.inner.submit(layers, rows, heads, background=background)
+        return self.inner.submit(layers, rows, heads, background=background, prefetch=prefetch)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)

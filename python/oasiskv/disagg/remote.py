@@ -44,6 +44,20 @@ blocks are background reads of the same coordinator, which no step waits for (``
 them): the admission waits for them per layer (``wait_request``), once they landed. The host pool
 must be in CPU memory (pinned with a GPU): ``host_pool="device"`` is refused.
 
+Prefetch (:attr:`RemoteKvSource.decode_prefetch`, default ``wire.DECODE_PREFETCH``; 0: off): with a
+step's plans the coordinator also queues background reads of what the next steps likely plan, the
+successor of each planned block and each request's most recent staged blocks (per planned layer,
+request and KV head), at most ``decode_prefetch`` block-heads per step and in flight at once, so
+only while the link has room. No wait covers them; a later step that plans one finds it present
+(a hit, ``stats.prefetch_hits``), or takes it over (still queued: read on the step's own queue) or
+waits for its frame already on the wire. A prefetched entry is present only once written, and a
+failed prefetch fails its request like any read. A bounded cache (``kv_cache_blocks``) prefetches
+nothing: its rows change hands between a step's layers. When the host pool moves (the engine
+copies it into new tensors between steps) the prefetches that landed since the last step may have
+missed the copy: the coordinator marks them absent again, to be read again. ``stats.miss_entries``
+counts the block-heads steps read for themselves (their misses), ``stats.prefetched_entries`` the
+prefetched ones.
+
 This room holds the source's seams (the ``BlockSource`` verbs, ``end``, ``take_failed``), the
 hand-off of each step's plans to the coordinator, the bounded cache's rows
 (``Runtime.cache_blocks``) and the failure and traffic bookkeeping. Its parts live beside it:
@@ -143,6 +157,7 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
         self._by_req: dict[int, StagedState] = {}  # engine request id -> its staged state
         self._token, self._timeout_s = token, float(timeout_s)
         self._read_connections = wire.READ_CONNECTIONS
+        self._decode_prefetch = wire.DECODE_PREFETCH
         #: The reads into the host pool, the presence map, the failed requests (oasis-coord).
         self.coord = self._open_coordinator()
         self._pools_key: tuple = ()  # the registered pools' identity (_sync_pools)
@@ -215,6 +230,19 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
         self._reopen()
 
     @property
+    def decode_prefetch(self) -> int:
+        """Block-heads the coordinator prefetches per decode step (and in flight at once) after
+        the step's own reads: the successors of the planned blocks and each request's most recent
+        staged blocks (see the module docs); 0: none. Not with ``kv_cache_blocks`` (ignored)."""
+        return self._decode_prefetch
+
+    @decode_prefetch.setter
+    def decode_prefetch(self, n: int) -> None:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ConfigError(f"decode_prefetch must be an int >= 0 (block-heads a step; 0: off), got {n!r}")
+        self._decode_prefetch = n
+
+    @property
     def prefetch_depth(self) -> int:
         """How many waiting staged requests :meth:`prefetch` reads ahead (0: none; each admission
         then reads in the decode loop)."""
@@ -270,8 +298,13 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
             return
         moved = bool(self._pools_key)
         scales = (list(p.host_k_scales), list(p.host_v_scales)) if p.host_kv8 else ()
-        self.coord.register_pools(list(p.host_k), list(p.host_v), *scales)
+        dropped = self.coord.register_pools(list(p.host_k), list(p.host_v), *scales)
         self._pools_key = key
+        for owner, n in dropped.items():  # prefetches that may have missed the copy: read again
+            st = self._by_req.get(owner)
+            if st is not None:
+                st.cached_entries -= n
+                self.stats.cached_bytes -= n * self._entry_bytes()
         if moved and restream:
             for st in self._by_req.values():
                 if st.admitting is not None and st.admitting.stream is not None:
@@ -296,17 +329,22 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
         return wire.block_head_bytes(self.engine.geo, self.engine.dtype, self.engine.host_kv8)
 
     def _submit(
-        self, layers: torch.Tensor, rows: torch.Tensor, heads: torch.Tensor, background: bool = False
+        self, layers: torch.Tensor, rows: torch.Tensor, heads: torch.Tensor, prefetch: int = 0
     ) -> list[int]:
-        """Hand the entries ``(layers[i], rows[i], heads[i])`` (head -1: every head of the row)
-        to the coordinator, which reads the absent ones not in flight; per layer, how many went
-        out. ``background``: an admission's stream, which no step waits for."""
+        """Hand a step's entries ``(layers[i], rows[i], heads[i])`` to the coordinator, which
+        reads the absent ones (taking over background reads of them) and then prefetches up to
+        ``prefetch`` block-heads; per layer, how many its ``wait_layer`` waits for."""
         self._sync_pools()
-        return self.coord.submit(layers.tolist(), rows.tolist(), heads.tolist(), background=background)
+        return self.coord.submit(layers.tolist(), rows.tolist(), heads.tolist(), prefetch=prefetch)
 
     def _sync_landed(self) -> None:
         """Take the coordinator's per-request counts of landed block-heads into the requests'
-        and the engine's traffic (reads of a request still admitting count as its admission)."""
+        and the engine's traffic (reads of a request still admitting count as its admission),
+        and its step and prefetch counts into :attr:`stats`."""
+        c = self.coord.stats()
+        s = self.stats
+        s.miss_entries, s.prefetched_entries = c["step_entries"], c["prefetched_entries"]
+        s.prefetch_hits = c["prefetch_hits"]
         for owner, (entries, nbytes) in self.coord.take_landed().items():
             st = self._by_req.get(owner)
             if st is None:
@@ -435,7 +473,7 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
         if not li.numel():
             return [False] * len(plans)
         layer_of = torch.tensor([p[0] for p in plans], dtype=torch.long)
-        sent = self._submit(layer_of[li], indices[indptr[seq] + pb[sel].long()], head)
+        sent = self._submit(layer_of[li], indices[indptr[seq] + pb[sel].long()], head, self._decode_prefetch)
         self._waiting.update(layer for layer, n in enumerate(sent) if n)
         return [sent[p[0]] > 0 for p in plans]
 

@@ -22,8 +22,16 @@ class TransferStats:
     admission_bytes: int = 0
     #: Wire bytes of the decode-time reads of missing block-heads.
     fetched_bytes: int = 0
-    #: Block-heads read during decode.
+    #: Block-heads read during decode (prefetches included).
     fetched_entries: int = 0
+    #: Block-heads the decode steps read for themselves and waited for: their own misses (the
+    #: coordinator's ``step_entries``).
+    miss_entries: int = 0
+    #: Block-heads prefetched during decode (landed), and the ones a later step planned
+    #: (``RemoteKvSource.decode_prefetch``; the coordinator's ``prefetched_entries`` /
+    #: ``prefetch_hits``).
+    prefetched_entries: int = 0
+    prefetch_hits: int = 0
     #: Bytes of every staged request's whole KV (what a full transfer moves, payload only).
     kv_bytes: int = 0
     #: Block-heads in the host pool that came from the daemon, now and at most.

@@ -83,6 +83,11 @@ READ_CONNECTIONS = 1
 COORD_THREADS = 4
 #: A layer's entries are split across connections only into frames of at least this many.
 READ_SPLIT_MIN_ENTRIES = 256
+#: Block-heads the coordinator prefetches per decode step, and in flight at once, after the step's
+#: own reads (``RemoteKvSource.decode_prefetch``; 0: none): the successors of the planned blocks
+#: and each request's most recent staged blocks (``oasis_coord::prefetch``). As the crate's
+#: ``DEFAULT_PREFETCH_ENTRIES`` (arbitrary: 512 bf16 block-heads of 16 x 128 are 4 MiB a step).
+DECODE_PREFETCH = 512
 
 
 #: The KV dtypes of the ``oasis/meta`` section, by name (:func:`dtype_name`).
