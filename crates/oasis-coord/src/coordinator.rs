@@ -15,10 +15,10 @@
 //! [`Coordinator::wait_layer`] waits for a step's layer, [`Coordinator::wait_request`] for one
 //! request's, e.g. an admission streaming a whole request in while others decode), the failed
 //! requests and their messages, the counters. Each connection is a tokio task with two queues,
-//! a step's and a background one (an admission's stream, releases), the step's served first:
-//! the frames of each land in the order submitted (layer order), and a step's frame waits behind
-//! at most one background frame; a frame never spans layers, so an early layer lands without
-//! waiting for later ones.
+//! a step's and a background one (an admission's stream, prefetches, releases), the step's
+//! served first: the frames of each land in the order submitted (layer order), a step's frame
+//! waits behind at most one background frame, and a step takes over the background reads it
+//! needs ([`crate::prefetch`]); a frame never spans layers.
 //!
 //! Invariants:
 //! * an entry is marked present only after its bytes are fully written into the pool; a failed
