@@ -511,8 +511,12 @@ def test_staged_data_is_read_ahead_off_the_decode_loop(model, transfer, small_fr
         else:
             # Each head's first working set was read ahead too (selected by the CPU twins from the
             # staged summaries and query): the loop read only decode-time misses.
+            # The same entries; their bytes on the wire may differ by a frame header or so (32
+            # bytes in about 125 KB were seen), since how a step's misses split into frames
+            # depends on which connection an admission's stream still holds.
             st0, st2 = (sum(o.metrics.network_fetched_bytes for o in r[1:]) for r in (plain, ahead))
-            assert st0 == st2 and stats0.fetched_entries == stats2.fetched_entries
+            assert stats0.fetched_entries == stats2.fetched_entries
+            assert st0 > 0 and abs(st0 - st2) <= 0.005 * st0
             assert rec0.log.streamed == [] and rec2.log.streamed
             assert len(rec2.log.keys) - len(rec2.log.streamed) == stats2.fetched_entries < len(rec0.log.keys)
 
