@@ -6,67 +6,8 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use common::*;
-use oasis_coord::{Connector, CoordConfig, Coordinator, TcpConnector, ALL_HEADS};
-use oasis_rt::protocol::RemoteRegion;
-use oasis_rt::transport::{Connection, RmaConnection, TcpConnection};
-use oasis_rt::Client;
-
-/// A TCP connector whose connection slot `slow` waits `delay` before every reply it reads,
-/// and whose slot `broken` never connects.
-struct Faulty {
-    tcp: TcpConnector,
-    slow: Option<(usize, Duration)>,
-    broken: Option<usize>,
-}
-
-struct SlowConn {
-    inner: TcpConnection,
-    delay: Duration,
-}
-
-impl Connection for SlowConn {
-    async fn send_frame(&mut self, frame: &[u8]) -> oasis_rt::Result<()> {
-        self.inner.send_frame(frame).await
-    }
-
-    async fn recv_frame(&mut self, max: u32, idle: Option<Duration>) -> oasis_rt::Result<Bytes> {
-        tokio::time::sleep(self.delay).await;
-        self.inner.recv_frame(max, idle).await
-    }
-
-    fn peer(&self) -> String {
-        self.inner.peer()
-    }
-}
-
-impl RmaConnection for SlowConn {
-    fn can_rma(&self) -> bool {
-        false
-    }
-
-    async fn get_many(&mut self, r: Vec<(RemoteRegion, u64, u64)>) -> oasis_rt::Result<Vec<Bytes>> {
-        self.inner.get_many(r).await
-    }
-}
-
-impl Connector for Faulty {
-    type Conn = SlowConn;
-
-    async fn connect(&self, index: usize) -> oasis_rt::Result<Client<SlowConn>> {
-        if self.broken == Some(index) {
-            return Err(oasis_rt::Error::Closed);
-        }
-        let delay = match self.slow {
-            Some((i, d)) if i == index => d,
-            _ => Duration::ZERO,
-        };
-        let transport = oasis_rt::transport::TcpTransport::default();
-        let inner = oasis_rt::transport::Transport::connect(&transport, &self.tcp.addr).await?;
-        Client::handshake(SlowConn { inner, delay }, &self.tcp.config).await
-    }
-}
+use oasis_coord::{CoordConfig, Coordinator, ALL_HEADS};
 
 #[test]
 fn reads_land_in_the_pool_and_only_then_are_present() {

@@ -7,70 +7,14 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use common::*;
-use oasis_coord::{Connector, Coordinator, TcpConnector};
-use oasis_rt::protocol::RemoteRegion;
-use oasis_rt::transport::{Connection, RmaConnection, TcpConnection};
-use oasis_rt::Client;
-
-/// TCP whose every reply is read after `delay`.
-struct Slow {
-    tcp: TcpConnector,
-    delay: Duration,
-}
-
-struct SlowConn {
-    inner: TcpConnection,
-    delay: Duration,
-}
-
-impl Connection for SlowConn {
-    async fn send_frame(&mut self, frame: &[u8]) -> oasis_rt::Result<()> {
-        self.inner.send_frame(frame).await
-    }
-
-    async fn recv_frame(&mut self, max: u32, idle: Option<Duration>) -> oasis_rt::Result<Bytes> {
-        tokio::time::sleep(self.delay).await;
-        self.inner.recv_frame(max, idle).await
-    }
-
-    fn peer(&self) -> String {
-        self.inner.peer()
-    }
-}
-
-impl RmaConnection for SlowConn {
-    fn can_rma(&self) -> bool {
-        false
-    }
-
-    async fn get_many(&mut self, r: Vec<(RemoteRegion, u64, u64)>) -> oasis_rt::Result<Vec<Bytes>> {
-        self.inner.get_many(r).await
-    }
-}
-
-impl Connector for Slow {
-    type Conn = SlowConn;
-
-    async fn connect(&self, _index: usize) -> oasis_rt::Result<Client<SlowConn>> {
-        let transport = oasis_rt::transport::TcpTransport::default();
-        let inner = oasis_rt::transport::Transport::connect(&transport, &self.tcp.addr).await?;
-        Client::handshake(
-            SlowConn {
-                inner,
-                delay: self.delay,
-            },
-            &self.tcp.config,
-        )
-        .await
-    }
-}
+use oasis_coord::Coordinator;
 
 fn slow(d: &Daemon, ms: u64, pools: &mut Pools) -> Coordinator {
-    let k = Slow {
+    let k = Faulty {
         tcp: d.tcp(),
-        delay: Duration::from_millis(ms),
+        slow: Some((0, Duration::from_millis(ms))),
+        broken: None,
     };
     let c = coordinator(k, 1, pools);
     c.stage(99, 7);

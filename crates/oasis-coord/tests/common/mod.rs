@@ -10,7 +10,8 @@ use bytes::Bytes;
 use oasis_coord::{
     Connector, CoordConfig, Coordinator, Entry, LayerPool, PoolLayout, TcpConnector,
 };
-use oasis_rt::protocol::{Geometry, KvFormat, StagedBlock};
+use oasis_rt::protocol::{Geometry, KvFormat, RemoteRegion, StagedBlock};
+use oasis_rt::transport::{Connection, RmaConnection, TcpConnection};
 use oasis_rt::{Client, ClientConfig, Server, ServerConfig};
 
 pub const LAYERS: usize = 4;
@@ -209,4 +210,59 @@ pub fn admit(c: &Coordinator, owner: i64, daemon: u64, rows: &[u32]) {
 
 pub fn e(layer: u16, row: u32, head: u16) -> Entry {
     Entry { layer, row, head }
+}
+
+/// A TCP connector whose connection slot `slow` waits `delay` before every reply it reads,
+/// and whose slot `broken` never connects.
+pub struct Faulty {
+    pub tcp: TcpConnector,
+    pub slow: Option<(usize, Duration)>,
+    pub broken: Option<usize>,
+}
+
+pub struct SlowConn {
+    inner: TcpConnection,
+    delay: Duration,
+}
+
+impl Connection for SlowConn {
+    async fn send_frame(&mut self, frame: &[u8]) -> oasis_rt::Result<()> {
+        self.inner.send_frame(frame).await
+    }
+
+    async fn recv_frame(&mut self, max: u32, idle: Option<Duration>) -> oasis_rt::Result<Bytes> {
+        tokio::time::sleep(self.delay).await;
+        self.inner.recv_frame(max, idle).await
+    }
+
+    fn peer(&self) -> String {
+        self.inner.peer()
+    }
+}
+
+impl RmaConnection for SlowConn {
+    fn can_rma(&self) -> bool {
+        false
+    }
+
+    async fn get_many(&mut self, r: Vec<(RemoteRegion, u64, u64)>) -> oasis_rt::Result<Vec<Bytes>> {
+        self.inner.get_many(r).await
+    }
+}
+
+impl Connector for Faulty {
+    type Conn = SlowConn;
+
+    async fn connect(&self, index: usize) -> oasis_rt::Result<Client<SlowConn>> {
+        if self.broken == Some(index) {
+            return Err(oasis_rt::Error::Closed);
+        }
+        let delay = match self.slow {
+            Some((i, d)) if i == index => d,
+            _ => Duration::ZERO,
+        };
+        let transport = oasis_rt::transport::TcpTransport::default();
+        let inner = oasis_rt::transport::Transport::connect(&transport, &self.tcp.addr).await?;
+        Client::handshake(SlowConn { inner, delay }, &self.tcp.config).await
+    }
 }
