@@ -20,7 +20,7 @@ def test_fig12_sweep_on_the_cpu(tmp_path):
         "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--daemon", binary,
         "--prompt-tokens", "300", "--max-tokens", "6", "--requests", "3", "--rates", "40,200",
         "--block-size", "16", "--top-k-blocks", "4", "--sparse-threshold", "64", "--kv-cache-blocks", "8",
-        "--read-connections", "2",
+        "--read-connections", "2", "--kv-prefetch", "16",
         "--json", str(out), "--md", str(md),
     ]  # fmt: skip
     assert disagg.main(argv) == 0
@@ -46,6 +46,11 @@ def test_fig12_sweep_on_the_cpu(tmp_path):
         row = full["kv_bytes_per_request"] / 19
         assert full["host_reserved_peak_bytes"] >= 19 * row
         assert 0 < part["host_reserved_peak_bytes"] <= 3 * 10 * row
+        # The decode-time reads a partial row's steps made themselves and read ahead (at most
+        # --kv-prefetch a step), and the hits among those; nothing after a full transfer.
+        assert part["prefetch_hits"] <= part["prefetched_entries"]
+        assert full["miss_entries"] == full["prefetched_entries"] == 0
+    assert rep["kv"]["kv_prefetch"] == 16
     assert "| partial | 200 |" in md.read_text()
 
 
@@ -99,6 +104,7 @@ def test_arrivals_are_seeded_poisson():
         (["--transfers", "full,bogus"], "--transfers takes"),
         (["--requests", "0"], "integer >= 1"),
         (["--read-connections", "0"], "integer >= 1"),
+        (["--kv-prefetch", "-1"], "integer >= 0"),
     ],
 )
 def test_bad_flags_are_refused(flags, says, capsys):

@@ -381,6 +381,13 @@ def test_refusals(model):
             )
         with pytest.raises(errors.ConfigError, match="needs kv_source"):
             LLMEngine(model, kv=KvConfig.fast(**SMALL), kv_cache_blocks=8)
+        with pytest.raises(errors.ConfigError, match="kv_prefetch .* needs kv_source"):
+            LLMEngine(model, kv=KvConfig.fast(**SMALL), kv_prefetch=4)
+        with pytest.raises(errors.ConfigError, match="decode_prefetch must be an int >= 0"):
+            LLMEngine(model, kv=KvConfig.fast(**SMALL), kv_source=d.url, kv_prefetch=-1)
+        knob = LLMEngine(model, kv=KvConfig.fast(**SMALL), kv_source=d.url, kv_prefetch=0)
+        assert knob.kv_source.decode_prefetch == 0  # LLMEngine(kv_prefetch=) sets the source's budget
+        knob.kv_source.close()
         eng = LLMEngine(model, kv=KvConfig.fast(**SMALL), kv_source=d.url)
         with pytest.raises(errors.ConfigError, match="StagedRequest"):
             eng.add_staged_request('{"request_id": 1}')

@@ -81,6 +81,23 @@ def _transfers(s: str) -> list[str]:
     return out
 
 
+def _non_negative(s: str) -> int:
+    try:
+        v = int(s)
+    except ValueError:
+        v = -1
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {s!r}")
+    return v
+
+
+def _prefetch(args) -> int:
+    """The partial rows' decode-time prefetch budget: ``--kv-prefetch``, else the source's default."""
+    from ..disagg.wire import DECODE_PREFETCH
+
+    return DECODE_PREFETCH if args.kv_prefetch is None else args.kv_prefetch
+
+
 def _positive(s: str) -> int:
     try:
         v = int(s)
@@ -156,6 +173,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="partial rows: bound each staged request's host cache (LLMEngine(kv_cache_blocks=)), "
         "so that the host pool holds what was fetched, not a row for every block",
+    )
+    k.add_argument(
+        "--kv-prefetch",
+        type=_non_negative,
+        default=None,
+        help="partial rows: block-heads a step may also read ahead in the background "
+        "(LLMEngine(kv_prefetch=); 0: off; default: the source's)",
     )
     o = ap.add_argument_group("output")
     o.add_argument("--json", default=None)
@@ -280,6 +304,7 @@ def decode_engine(model, args, url: str, transfer: str):
         max_num_seqs=n,
         host_kv_budget_bytes=_bytes(args.host_kv_budget),
         kv_cache_blocks=args.kv_cache_blocks if transfer == "partial" else None,
+        kv_prefetch=args.kv_prefetch,
         enforce_eager=not args.cuda_graph,  # this benchmark's graphs stay opt-in (its published runs)
         output_kind="delta",
     )
@@ -365,6 +390,9 @@ def run_row(eng, args, conn, transfer: str, rate: float, prompts) -> dict:
                 "failures",
                 "read_seconds",
                 "wait_seconds",
+                "miss_entries",
+                "prefetched_entries",
+                "prefetch_hits",
             )
         },
     )
@@ -404,6 +432,11 @@ def run_row(eng, args, conn, transfer: str, rate: float, prompts) -> dict:
         * eng.engine.pools.page_bytes
         * eng.engine.cfg.num_hidden_layers,
         "failures": stats.failures,
+        # Block-heads the steps read themselves, read ahead in the background (kv_prefetch),
+        # and of those, later planned by a step.
+        "miss_entries": stats.miss_entries,
+        "prefetched_entries": stats.prefetched_entries,
+        "prefetch_hits": stats.prefetch_hits,
         # Decode steps replayed from captured graphs, and run eagerly; the decode loop's seconds
         # in decode-time reads per step.
         "graph_replays": replays,
@@ -506,6 +539,7 @@ def _report(args, url: str, name: str, dev, rows: list[dict], dtypes: dict) -> d
             "top_k_blocks": args.top_k_blocks,
             "fetch_cap": args.fetch_cap,
             "kv_cache_blocks": args.kv_cache_blocks,
+            "kv_prefetch": _prefetch(args),
             **dtypes,
         },
         "cuda_graph": args.cuda_graph,

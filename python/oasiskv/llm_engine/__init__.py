@@ -154,6 +154,10 @@ class LLMEngine(Scheduler, Decoder, Sampler, Drafting, Lifecycle):
             (each block-head crosses the network at most once). With ``cuda_graph=True`` a
             partial transfer's misses are read after each replayed step and their layers
             gathered again before the next one.
+        kv_prefetch: with ``kv_transfer="partial"``, block-heads a step may also read in the
+            background that the next steps will probably need (each planned block's successor,
+            the newest staged blocks), at most this many per step and in flight
+            (``RemoteKvSource.decode_prefetch``); 0 turns it off. None: the source's default.
     """
 
     def __init__(
@@ -184,6 +188,7 @@ class LLMEngine(Scheduler, Decoder, Sampler, Drafting, Lifecycle):
         kv_timeout_s: float = 30.0,
         kv_retries: int = 0,
         kv_cache_blocks: int | None = None,
+        kv_prefetch: int | None = None,
     ) -> None:
         for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not is_int(v) or not 1 <= v <= 1 << 20:
@@ -281,8 +286,12 @@ class LLMEngine(Scheduler, Decoder, Sampler, Drafting, Lifecycle):
             self.kv_source = self._connect_kv_source(
                 kv_source, kv_transfer, kv_token, kv_timeout_s, kv_retries, self.cuda_graphs, kv_cache_blocks
             )
+            if kv_prefetch is not None:
+                self.kv_source.decode_prefetch = kv_prefetch  # validated there
         elif kv_cache_blocks is not None:
             raise ConfigError("kv_cache_blocks bounds the host pool of staged requests; it needs kv_source")
+        elif kv_prefetch is not None:
+            raise ConfigError("kv_prefetch reads ahead the blocks of staged requests; it needs kv_source")
 
     # ------------------------------------------------------------------ requests
     def add_request(
