@@ -362,3 +362,42 @@ def test_a_request_aborted_while_its_blocks_stream_in_gives_everything_back(mode
         assert pools_are_full(eng) and src.coord.missing == 0
         assert all_released(src.client)
         src.close()
+
+
+def test_prefill_only_counts_a_streaming_admission_as_progress(model):
+    """``prefill_only()`` beside decoding requests while a staged request's blocks are still
+    streaming in (the daemon stopped as they are handed over): progress, not "does not fit" (the
+    Fig. 11 drive stops on the latter); the admission lands or fails by itself, and the others
+    finish."""
+    with Daemon() as d:
+        _, h2 = staged_small(model, d, seeds=(3, 5))
+        eng = LLMEngine(
+            model,
+            kv=KvConfig.fast(**SMALL),
+            drafter="ngram",
+            kv_source=d.url,
+            kv_transfer="full",
+            kv_timeout_s=2.0,
+        )
+        local = eng.add_request(prompt(P, 11), params(M))
+        eng.step()
+        eng.step()  # decoding: the admission below streams beside it
+        eng.kv_source.coord = StreamHook(eng.kv_source, d.stop)
+        second = eng.add_staged_request(h2, params(M))
+        # Its data read ahead, then its blocks handed to the coordinator (the daemon stops
+        # there): for a second, well within kv_timeout_s, every round is progress.
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            rnd = eng.prefill_only()
+            assert rnd.progressed and rnd.done == []
+            time.sleep(0.05)
+        assert eng.kv_source.coord.missing > 0  # still streaming: nothing of it landed
+        last = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                last[o.request_id] = o
+        d.cont()
+        assert last[local].finish_reason == "length"
+        assert last[second].finish_reason == "error" and "staging daemon" in last[second].error
+        assert pools_are_full(eng)
+        eng.kv_source.close()

@@ -39,8 +39,9 @@ from .prompts import prompt_token_ids
 class PrefillRound:
     """What :meth:`Scheduler.prefill_only` did: ``done``, the requests whose prompt finished
     prefilling in the call (``(request_id, error)``, ``error`` None unless the request failed), and
-    ``progressed``, whether anything was admitted or prefilled (False: the waiting requests do not
-    fit the pools beside the running ones)."""
+    ``progressed``, whether anything was admitted or prefilled, or a staged request's admission is
+    still streaming in (it lands, or fails, by itself; False: the waiting requests do not fit the
+    pools beside the running ones)."""
 
     done: list[tuple[str, str | None]]
     progressed: bool
@@ -216,7 +217,22 @@ class Scheduler:
         self._done.extend(touched)
         after = (len(self._waiting), [s.prefilled for s in self._prefilling], len(self._running))
         done = [(s.request_id, s.error if s.req.finish_reason == "error" else None) for s in touched]
-        return PrefillRound(done, after != state)
+        return PrefillRound(done, after != state or self._staged_pending())
+
+    def _staged_pending(self) -> bool:
+        """Whether a staged request is on its way in by itself: its admission streaming in, or the
+        first waiting one fits but its data is still being read ahead while others decode."""
+        if any(s.staged is not None for s in self._prefilling):
+            return True
+        if self.kv_source is None or not self._waiting or not self._running:
+            return False
+        seq = self._waiting[0]
+        if seq.staged is None or len(self._running) + len(self._prefilling) >= self.max_num_seqs:
+            return False
+        fits = self.engine.can_admit(
+            len(seq.req.prompt), seq.req.max_new_tokens, sparse=True, cache_blocks=self._cache_of(seq.staged)
+        )
+        return fits and not self.kv_source.ready(seq.staged, seq.req.max_new_tokens)
 
     def _prefill(self, touched: list[Seq]) -> None:
         """Spend this step's prompt-token budget: first on the prompts being prefilled (in
