@@ -187,7 +187,7 @@ def top_k_forced(heads: int, scores: torch.Tensor, indptr: torch.Tensor, k: int,
 
 #: Whether the engine's two-stage selection ends with the one launch :func:`ops.rescore_topk_codes`
 #: instead of :func:`ops.rescore_blocks_codes` then :func:`ops.topk_candidates` (the same blocks
-#: bit for bit). Off: on the H100 (s22) the fused kernel took 1.0-1.2 x the two launches' time in a
+#: bit for bit). Off: on the H100 (s21) the fused kernel took 1.0-1.2 x the two launches' time in a
 #: CUDA graph (44 x 16K: 184.3 against 153.1 us for the whole chain), and its multi-block form
 #: (each row's candidates over several thread blocks, the last one selecting) has not run on a GPU
 #: yet. ``bench.kernels --only score`` times both.
