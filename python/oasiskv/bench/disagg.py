@@ -81,16 +81,6 @@ def _transfers(s: str) -> list[str]:
     return out
 
 
-def _non_negative(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        v = -1
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {s!r}")
-    return v
-
-
 def _prefetch(args) -> int:
     """The partial rows' decode-time prefetch budget: ``--kv-prefetch``, else the source's default."""
     from ..disagg.wire import DECODE_PREFETCH
@@ -98,14 +88,22 @@ def _prefetch(args) -> int:
     return DECODE_PREFETCH if args.kv_prefetch is None else args.kv_prefetch
 
 
-def _positive(s: str) -> int:
-    try:
-        v = int(s)
-    except ValueError:
-        v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {s!r}")
-    return v
+def _at_least(lo: int):
+    """An argparse type: an integer >= ``lo``."""
+
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            v = lo - 1
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {s!r}")
+        return v
+
+    return parse
+
+
+_positive, _non_negative = _at_least(1), _at_least(0)
 
 
 def build_parser() -> argparse.ArgumentParser:

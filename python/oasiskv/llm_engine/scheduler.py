@@ -227,12 +227,22 @@ class Scheduler:
         if self.kv_source is None or not self._waiting or not self._running:
             return False
         seq = self._waiting[0]
-        if seq.staged is None or len(self._running) + len(self._prefilling) >= self.max_num_seqs:
+        if seq.staged is None or not self._seat_free() or not self._fits(seq):
             return False
-        fits = self.engine.can_admit(
-            len(seq.req.prompt), seq.req.max_new_tokens, sparse=True, cache_blocks=self._cache_of(seq.staged)
+        return not self.kv_source.ready(seq.staged, seq.req.max_new_tokens)
+
+    def _seat_free(self) -> bool:
+        """Whether ``max_num_seqs`` leaves room for one more admitted request."""
+        return len(self._running) + len(self._prefilling) < self.max_num_seqs
+
+    def _fits(self, seq: Seq) -> bool:
+        """Whether the pools hold ``seq``'s peak KV beside the admitted requests' (a staged
+        request reserves its working set only: ``Engine.admit_sparse``)."""
+        r = seq.req
+        staged = seq.staged
+        return self.engine.can_admit(
+            len(r.prompt), r.max_new_tokens, sparse=staged is not None, cache_blocks=self._cache_of(staged)
         )
-        return fits and not self.kv_source.ready(seq.staged, seq.req.max_new_tokens)
 
     def _prefill(self, touched: list[Seq]) -> None:
         """Spend this step's prompt-token budget: first on the prompts being prefilled (in
@@ -254,15 +264,9 @@ class Scheduler:
                 seq = queue.pop(0)
                 if seq.staged is not None:
                     continue  # its blocks stream in: _land_staged below
-            elif self._waiting and len(self._running) + len(self._prefilling) < self.max_num_seqs:
+            elif self._waiting and self._seat_free():
                 seq = self._waiting[0]
-                # A staged request reserves its working set only (Engine.admit_sparse).
-                if not eng.can_admit(
-                    len(seq.req.prompt),
-                    seq.req.max_new_tokens,
-                    sparse=seq.staged is not None,
-                    cache_blocks=self._cache_of(seq.staged),
-                ):
+                if not self._fits(seq):
                     break  # it waits, and so does everyone behind it (no overtaking)
                 if seq.staged is not None and busy and not src.ready(seq.staged, seq.req.max_new_tokens):
                     break  # its data is still being read ahead: decode the others meanwhile
