@@ -70,6 +70,15 @@ def main() -> None:
         default="",
         help="comma list of batch sizes (<= --requests) to time in the same process: the first N requests",
     )
+    ap.add_argument(
+        "--variants",
+        default="",
+        help="comma list of SELECTION:STREAMS:FUSED (fidelity|fast, background streams, 0|1 for "
+        "engine.selection.FUSED_RESCORE) to time in the same process, in turn, --repeat times: the "
+        "selection is switched on the live engine (fast drops the codes score; blocks completed "
+        "meanwhile get no key codes, which changes no kernel's work), so both read one host pool",
+    )
+    ap.add_argument("--repeat", type=int, default=1, help="rounds of --variants (alternating)")
     ap.add_argument("--trace", help="with --profile: the Chrome trace of the profiled steps here")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json")
@@ -124,6 +133,7 @@ def main() -> None:
     sizes = [int(x) for x in args.requests_sweep.split(",")] if args.requests_sweep else [None]
     sweep_points = len(args.gather_blocks.split(",")) * len(sizes) if args.gather_blocks else 0
     sweep_points += len(args.streams_sweep.split(",")) if args.streams_sweep else 0
+    sweep_points += len(args.variants.split(",")) * args.repeat if args.variants else 0
     if args.priority_sweep or args.requests_sweep:
         sweep_points += len(prios) * len(sizes)
     steps_all = (args.steps + 2) * (1 + sweep_points) + 3
@@ -194,6 +204,46 @@ def main() -> None:
             row = dict(background_streams=k, host_ms=statistics.median(h), step_ms=statistics.median(st))
             print(json.dumps(row), flush=True)
             sweep.append(row)
+    if args.variants:  # on the CPU too (the streams apart), to check the switch
+        import dataclasses
+
+        from oasiskv.engine import selection as sel_mod
+
+        kv_fidelity, codes_fidelity = eng.kv, eng.key_codes
+        kv_fast = dataclasses.replace(
+            kv_fidelity,
+            block_score="quest",
+            score_candidates=None,
+            sticky_candidates=False,
+            successor_blocks=0,
+            lookahead_min_confidence=None,
+        )
+        for _ in range(args.repeat):
+            for spec in args.variants.split(","):
+                name, k, fused = spec.split(":")
+                if name not in ("fidelity", "fast"):
+                    raise SystemExit(f"--variants: selection must be fidelity or fast, got {name!r}")
+                if kv_fidelity.block_score != "codes":
+                    raise SystemExit("--variants needs an engine made with the fidelity selection")
+                fid = name == "fidelity"
+                eng.kv, eng.key_codes = (kv_fidelity, codes_fidelity) if fid else (kv_fast, False)
+                sel_mod.FUSED_RESCORE = fused == "1"
+                for layer in range(args.layers):
+                    eng._counters_of(layer)  # made outside any capture, as the engine's first step does
+                if cuda:
+                    eng._join_background()
+                    eng._sides = [torch.cuda.Stream(dev) for _ in range(int(k))]
+                    eng.drop_graphs()
+                h, st = timed(args.steps)
+                row = dict(
+                    selection=name,
+                    background_streams=int(k),
+                    fused_rescore=fused == "1",
+                    host_ms=statistics.median(h),
+                    step_ms=statistics.median(st),
+                )
+                print(json.dumps(row), flush=True)
+                sweep.append(row)
     if (args.priority_sweep or args.requests_sweep) and cuda:
         for size, prio in itertools.product(sizes, prios):
             eng._join_background()

@@ -34,6 +34,10 @@ BACKENDS = ("dense", "oasis")
 #: activations at once (issue 35's 128K rows ran out of memory there). Arbitrary: 8192 positions
 #: is 0.2 GiB there; shorter prompts go in one call, as before.
 FEED_CHUNK = 8192
+#: The background streams of an engine made with ``background_streams=None`` (layer l's selection
+#: chain runs on stream l % N, :meth:`Engine._init_streams`); read when the engine is made, so
+#: ``experiments/exp_step_host.py`` and a tuning run can change it for every engine a tool makes.
+BACKGROUND_STREAMS = 2
 
 
 class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixin):
@@ -64,7 +68,7 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         policy: SelectionPolicy | None = None,
         cuda_graph: bool = False,
         host_pool: str = "pinned",
-        background_streams: int = 2,
+        background_streams: int | None = None,
     ) -> None:
         if backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -197,7 +201,7 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         #: so that they select the same blocks; None otherwise.
         self.score_reduce = getattr(model, "score_reduce", None)
 
-    def _init_streams(self, background_streams: int) -> None:
+    def _init_streams(self, background_streams: int | None) -> None:
         """The background streams, the capture stream and the transfer events (part of __init__)."""
         c = self.cfg
         # The background chain (score -> select -> gather) runs on streams of its own on a GPU;
@@ -205,6 +209,8 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         # Layer l's chain goes to stream l % background_streams: the layers' chains are
         # independent, and at small batches each is a string of tiny latency-bound kernels
         # longer than the layer's own compute, so one stream would serialise them all.
+        if background_streams is None:
+            background_streams = BACKGROUND_STREAMS
         if not isinstance(background_streams, int) or not 1 <= background_streams <= 8:
             raise ConfigError(f"background_streams must be an int in 1..8, got {background_streams!r}")
         self.cuda = self.device.type == "cuda"

@@ -42,6 +42,10 @@ class SparsePlan:
     # KvConfig.lookahead_min_confidence: [n_sparse] bool, the requests whose own query (row 0)
     # selects this step; gathered from the engine's per-slot flags on the compute stream.
     own: torch.Tensor | None = None
+    # [n_sparse] int64: the row of q4.view(-1, num_qo_heads, head_dim) whose query selects, per
+    # sparse request (the lookahead row, or row 0 where ``own``): one gather per layer's chain
+    # instead of two and a where. Made with the plan (_sparse_plan), on the compute stream.
+    q_rows: torch.Tensor | None = None
 
     def slots_for(self, k: int) -> torch.Tensor:
         """The slot pages a layer with a budget of ``k`` blocks selects into, ``[n_sparse, k]``."""
@@ -88,6 +92,7 @@ class SparsePlan:
             *(self.rec_csr or ()),
             *((self.blk_seq,) if self.blk_seq is not None else ()),
             *((self.own,) if self.own is not None else ()),
+            *((self.q_rows,) if self.q_rows is not None else ()),
             *self.slot_pages_of.values(),
         ):
             t.record_stream(stream)
@@ -208,7 +213,7 @@ def two_stage_top_k(
     successor_blocks: int = 0,
     reduce=None,
     bounds=None,
-    fused: bool = FUSED_RESCORE,
+    fused: bool | None = None,
     counters=None,
 ) -> torch.Tensor:
     """The two-stage codes score's top-``k`` (``KvConfig(score_candidates=...)``): the Quest
@@ -220,14 +225,14 @@ def two_stage_top_k(
     launches, no host sync (a captured step replays it): the Quest score, its top-``m`` (forced
     and kept blocks set to +inf first, :func:`ops.topk_blocks`' ``forced``), the codes of the
     candidates (:func:`ops.rescore_blocks_codes`) and their top-``k``
-    (:func:`ops.topk_candidates`). ``fused`` (default :data:`FUSED_RESCORE`): the last two as one
-    launch, :func:`ops.rescore_topk_codes` (whose ``counters`` this passes on: the engine's per
-    layer, or None), the same blocks bit for bit; never with a ``reduce`` (KV-head replicas),
+    (:func:`ops.topk_candidates`). ``fused`` (None: :data:`FUSED_RESCORE` as it is at the call):
+    the last two as one launch, :func:`ops.rescore_topk_codes` (whose ``counters`` this passes on:
+    the engine's per layer, or None), the same blocks bit for bit; never with a ``reduce`` (KV-head replicas),
     which must see the codes scores between the two.
     ``bounds = (bounds8, scales)``: the Quest score reads the 8-bit bound
     (:func:`ops.score_blocks_bound8`, ``KvConfig.candidate_bound="fp8"``) instead of
     ``summaries``. :meth:`Engine.top_k_blocks` and the kernel benchmark."""
-    fused = fused and reduce is None
+    fused = (FUSED_RESCORE if fused is None else fused) and reduce is None
     reduce = reduce or (lambda x: x)
     heads = geo.num_kv_heads
     indptr = csr[0]
@@ -282,6 +287,8 @@ class SelectionMixin:
         plan = SparsePlan.from_views(v, reqs, kv.top_k_blocks, self._recall_now, both, kv.layer_blocks)
         if self._own_q is not None:
             plan.own = self._own_q[plan.ids]  # read in the step (a captured one gathers at replay)
+        last = plan.idx * self.rows + (self.rows - 1)
+        plan.q_rows = last if plan.own is None else torch.where(plan.own, plan.idx * self.rows, last)
         return plan
 
     def _recall_phase(self) -> tuple[bool, bool]:
@@ -349,12 +356,12 @@ class SelectionMixin:
                     )
                 self.recorder.on_recall(self, layer, sp_reqs, actual, prev, slot_pages, q_now, **extra)
         both = plan.blk_seq is not None  # KvConfig.select_queries == "lookahead+current" with a lookahead row
-        q_next = q4[sp_idx, -1]
-        if plan.own is not None:  # KvConfig.lookahead_min_confidence: unsure drafts select by row 0
-            q_next = torch.where(plan.own.view(-1, 1, 1), q4[sp_idx, 0], q_next)
+        # The lookahead row's query, or row 0's where the draft is unsure (plan.own,
+        # KvConfig.lookahead_min_confidence): one gather of the rows the plan chose.
+        q_next = q4.reshape(-1, q4.shape[-2], q4.shape[-1]).index_select(0, plan.q_rows)
         pred, ps = self._select_and_fetch(
             layer,
-            q_next.contiguous(),
+            q_next,
             slot_pages,
             (plan.blk_indptr, plan.blk_indices),
             (plan.host_indptr, plan.host_indices),
