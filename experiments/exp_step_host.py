@@ -73,7 +73,8 @@ def main() -> None:
     ap.add_argument(
         "--variants",
         default="",
-        help="comma list of SELECTION:STREAMS:FUSED (fidelity|fast, background streams, 0|1 for "
+        help="comma list of SELECTION:STREAMS:FUSED (fidelity|fast|fid16, the last the fidelity "
+        "selection with candidate_bound='summaries'; background streams; 0|1 for "
         "engine.selection.FUSED_RESCORE) to time in the same process, in turn, --repeat times: the "
         "selection is switched on the live engine (fast drops the codes score; blocks completed "
         "meanwhile get no key codes, which changes no kernel's work), so both read one host pool",
@@ -218,15 +219,19 @@ def main() -> None:
             successor_blocks=0,
             lookahead_min_confidence=None,
         )
+        kv_fid16 = dataclasses.replace(kv_fidelity, candidate_bound="summaries")  # the 16-bit bound
         for _ in range(args.repeat):
             for spec in args.variants.split(","):
                 name, k, fused = spec.split(":")
-                if name not in ("fidelity", "fast"):
-                    raise SystemExit(f"--variants: selection must be fidelity or fast, got {name!r}")
+                if name not in ("fidelity", "fast", "fid16"):
+                    raise SystemExit(f"--variants: selection must be fidelity, fast or fid16, got {name!r}")
                 if kv_fidelity.block_score != "codes":
                     raise SystemExit("--variants needs an engine made with the fidelity selection")
-                fid = name == "fidelity"
-                eng.kv, eng.key_codes = (kv_fidelity, codes_fidelity) if fid else (kv_fast, False)
+                eng.kv, eng.key_codes = {
+                    "fidelity": (kv_fidelity, codes_fidelity),
+                    "fid16": (kv_fid16, codes_fidelity),
+                    "fast": (kv_fast, False),
+                }[name]
                 sel_mod.FUSED_RESCORE = fused == "1"
                 for layer in range(args.layers):
                     eng._counters_of(layer)  # made outside any capture, as the engine's first step does

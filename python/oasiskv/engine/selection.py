@@ -328,12 +328,23 @@ class SelectionMixin:
                 src.wait_for_layer_load(layer)  # that layer's reads only; later ones go on
                 self._gather(layer, ps, pb, slot_pages, host_csr)
 
-    def _select(self, layer: int, q4: torch.Tensor, plan: SparsePlan, step, cap: int, k_budget: int) -> tuple:
+    def _select(
+        self,
+        layer: int,
+        q4: torch.Tensor,
+        plan: SparsePlan,
+        step,
+        cap: int,
+        k_budget: int,
+        count_fetched: bool = True,
+    ) -> tuple:
         """The background chain of one layer: score -> top-K -> delta selection -> gather.
 
         On a GPU this runs on the background stream; it never synchronises with the host. ``step``
         is an int, or the int32 device tensor a captured step reads. Returns the tensors it made
-        (a captured step keeps them alive until the capture ends).
+        (a captured step keeps them alive until the capture ends), the plan's slots last.
+        ``count_fetched=False``: the caller adds the fetches to the requests' metrics itself, once
+        for every layer (:meth:`_count_fetched`; a captured step, after its join).
         """
         sp_idx, sp_ids, sp_reqs, slot_pages = plan.idx, plan.ids, plan.reqs, plan.slots_for(k_budget)
         rec_csr = plan.rec_csr
@@ -371,10 +382,22 @@ class SelectionMixin:
             also=(q4[sp_idx, 0].contiguous(), plan.blk_seq) if both else None,
             slots=sp_ids,
         )
-        self._acc_fetched.index_add_(0, sp_ids, (ps >= 0).sum(dim=(1, 2)))
+        if count_fetched:
+            self._acc_fetched.index_add_(0, sp_ids, (ps >= 0).sum(dim=(1, 2)))
         if self._store_pred:
             self._pred_of(layer)[sp_ids] = pred  # the next step's recall and sticky candidates read it
         return q4, pred, ps
+
+    def _count_fetched(self, plan: SparsePlan, plans_slots: list[torch.Tensor]) -> None:
+        """Add every layer's fetches (``plans_slots``: each layer's plan slots, ``[n_sparse,
+        num_kv_heads, cap]``, -1: none) to the requests' fetch counters: four launches per step on
+        the current stream instead of three per layer on the background ones (a captured step's
+        graph nodes cost host time at every replay)."""
+        if not plans_slots:
+            return
+        n = plan.ids.shape[0]
+        flat = torch.cat([ps.reshape(n, -1) for ps in plans_slots], dim=1)
+        self._acc_fetched.index_add_(0, plan.ids, (flat >= 0).sum(dim=1))
 
     def _pred_of(self, layer: int) -> torch.Tensor:
         """Each slot's latest prediction of ``layer``, ``[max_num_seqs, num_kv_heads, K]`` logical

@@ -106,6 +106,7 @@ class StepMixin:
             for side in forked:
                 torch.cuda.current_stream(dev).wait_stream(side)
             ops.wait_stamp(self._wait_stamps, 1)
+            self._count_fetched(plan, [kept[-1] for kept in keep])
         return out
 
 
@@ -238,8 +239,8 @@ class DecodeAttention:
                 forked.add(side)
                 with torch.cuda.stream(side):
                     side.wait_event(attn_done)  # selection reads q, gather overwrites slots
-                    if static:
-                        keep.append(eng._select(*args))  # q4 among them
+                    if static:  # q4 among what it keeps; the fetches are counted after the join
+                        keep.append(eng._select(*args, count_fetched=False))
                     else:
                         q4.record_stream(side)
                         eng._select(*args)
