@@ -365,3 +365,29 @@ def test_fig11_markdown_shows_the_bound_its_fractions_and_the_budget():
         and "(emulated: an 80 GiB H100" in old
         and "| 12.00 | 60% | - | - | - | - |" in old
     )
+
+
+def test_fig11_a_prefill_out_of_device_memory_skips_its_row_and_the_sweep_goes_on(tmp_path, monkeypatch):
+    """A row whose pools fit but whose second request's prefill runs the device out of memory
+    (the pools beside it leave too little for its activations: 86 x 16K and 10 x 128K on the H100
+    in s22) is skipped with the reason, as a row that does not fit; the others run."""
+    from oasiskv.engine.core import Engine
+
+    real = Engine.prefill_chunk
+    prefilled: dict[int, set] = {}
+
+    def prefill_chunk(self, r, start, end):
+        mine = prefilled.setdefault(id(self), set())
+        mine.add(r.id)
+        if self.max_num_seqs == 2 and len(mine) == 2:  # the C = 2 row's second request
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB (test)")
+        return real(self, r, start, end)
+
+    monkeypatch.setattr(Engine, "prefill_chunk", prefill_chunk)
+    paths, out = _files(tmp_path, "oom")
+    args = [*TINY, *KV, "--concurrency", "1,2,1", "--modes", "oasis", "--md", "", "--png", "", "--json"]
+    assert bench.main([*args, str(paths["json"])]) == 0
+    rows = json.loads(paths["json"].read_text())["rows"]
+    assert [(r["concurrency"], r["status"]) for r in rows] == [(1, "ok"), (2, "skipped"), (1, "ok")]
+    assert "prefill ran out of device memory beside 1 running requests" in rows[1]["reason"]
+    assert "Tried to allocate 1.00 GiB" in rows[1]["reason"]

@@ -41,10 +41,12 @@ class PrefillRound:
     prefilling in the call (``(request_id, error)``, ``error`` None unless the request failed), and
     ``progressed``, whether anything was admitted or prefilled, or a staged request's admission is
     still streaming in (it lands, or fails, by itself; False: the waiting requests do not fit the
-    pools beside the running ones)."""
+    pools beside the running ones). ``out_of_memory``: the requests of ``done`` whose prefill ran
+    the device out of memory (their pools fit; what the prefill needed beside them did not)."""
 
     done: list[tuple[str, str | None]]
     progressed: bool
+    out_of_memory: tuple[str, ...] = ()
 
 
 @dataclass
@@ -58,6 +60,7 @@ class Seq:
     stop: Callable[[list[int]], bool] | None = None
     forced: list[int] | None = None
     error: str | None = None
+    out_of_memory: bool = False  # its prefill failed for lack of device memory
     prefilled: int = 0  # prompt tokens prefilled so far
     new: list[int] = field(default_factory=list)
     new_logprobs: list[dict[int, float]] = field(default_factory=list)  # one per token of ``new``
@@ -217,7 +220,8 @@ class Scheduler:
         self._done.extend(touched)
         after = (len(self._waiting), [s.prefilled for s in self._prefilling], len(self._running))
         done = [(s.request_id, s.error if s.req.finish_reason == "error" else None) for s in touched]
-        return PrefillRound(done, after != state or self._staged_pending())
+        oom = tuple(s.request_id for s in touched if s.out_of_memory)
+        return PrefillRound(done, after != state or self._staged_pending(), oom)
 
     def _staged_pending(self) -> bool:
         """Whether a staged request is on its way in by itself: its admission streaming in, or the
@@ -289,6 +293,7 @@ class Scheduler:
                 logits = eng.prefill_chunk(r, start, end)
             except (OasisError, torch.OutOfMemoryError) as e:
                 self._prefilling.remove(seq)
+                seq.out_of_memory = isinstance(e, torch.OutOfMemoryError)
                 self._finish(seq, "error", f"prefill failed: {e}")
                 touched.append(seq)
                 continue

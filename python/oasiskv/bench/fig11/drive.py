@@ -83,6 +83,13 @@ def drive(
         round_ = eng.prefill_only()
         now = time.perf_counter()
         for rid, error in round_.done:
+            if error is not None and rid in round_.out_of_memory:
+                # The pools fit (the row's fit checked them), the prefill's activations beside
+                # them did not: the row is skipped with the reason, the sweep goes on.
+                raise DoesNotFit(
+                    f"request {rid}'s prefill ran out of device memory beside {eng.num_running} "
+                    f"running requests: {error.splitlines()[0][:200]}"
+                )
             if error is not None:
                 raise RuntimeError(f"request {rid} failed: {error}")
             ttft.setdefault(rid, now - t0)
