@@ -391,3 +391,47 @@ def test_fig11_a_prefill_out_of_device_memory_skips_its_row_and_the_sweep_goes_o
     assert [(r["concurrency"], r["status"]) for r in rows] == [(1, "ok"), (2, "skipped"), (1, "ok")]
     assert "prefill ran out of device memory beside 1 running requests" in rows[1]["reason"]
     assert "Tried to allocate 1.00 GiB" in rows[1]["reason"]
+
+
+def test_fig11_a_measured_admission_lowers_only_its_mode_s_budget(tmp_path, monkeypatch):
+    """On CUDA each mode's warm admission is measured (its peak beyond what stays allocated); here
+    the measure is set: an OasisKV admission needing 10 GiB, past the 6 GiB reserve, takes the
+    excess off OasisKV's budget alone (fewer OasisKV requests fit, as many dense ones), and the
+    context reports both measures. With ``--activation-reserve`` nothing measured is used."""
+    from oasiskv.bench.fig11.budget import ACTIVATION_RESERVE_BYTES, ADMISSION_MARGIN
+    from oasiskv.bench.fig11.sweep import Fig11
+
+    real = Fig11.warm_up
+    big = 10 * 2**30
+    measured = {"on": True}
+
+    def warm_up(self, mode, ctx, cache):
+        t, _ = real(self, mode, ctx, cache)
+        return t, (big if mode == "oasis" else 1) if measured["on"] else None
+
+    monkeypatch.setattr(Fig11, "warm_up", warm_up)
+    budget = str(5 * 2**30 + 20_000_000)  # 20 MB past the excess (5 GiB): some 100 tiny requests
+    args = [*TINY, *KV, "--concurrency", "1", "--modes", "dense,oasis", "--gpu-kv-budget", budget]
+    args += ["--md", "", "--png", ""]
+
+    def context(name, *extra):
+        path = tmp_path / f"{name}.json"
+        assert bench.main([*args, *extra, "--json", str(path)]) == 0
+        rep = json.loads(path.read_text())
+        assert all(r["status"] == "ok" for r in rep["rows"])
+        return rep["contexts"]["256"]
+
+    info = context("measured")
+    assert info["admission_bytes"] == {"dense": 1, "oasis": big}
+    excess = int(big * ADMISSION_MARGIN) - ACTIVATION_RESERVE_BYTES
+    assert info["admission_excess_bytes"] == {"dense": 0, "oasis": excess}
+    measured["on"] = False
+    plain = context("plain")
+    assert plain["admission_bytes"] == {"dense": None, "oasis": None}
+    assert info["max_concurrency"]["dense"] == plain["max_concurrency"]["dense"]
+    most, most_plain = info["max_concurrency"]["oasis"], plain["max_concurrency"]["oasis"]
+    assert 0 < most and (most_plain is None or most < most_plain)  # None: past the search's limit
+    # An explicit reserve: the measure is not used.
+    measured["on"] = True
+    explicit = context("explicit", "--activation-reserve", "1MiB")
+    assert explicit["admission_bytes"] == {"dense": None, "oasis": None}

@@ -9,13 +9,16 @@ import pytest
 
 from oasiskv.bench.fig11.budget import (
     ACTIVATION_RESERVE_BYTES,
+    ADMISSION_MARGIN,
     H100_BYTES,
     REAL_ACTIVATION_RESERVE_BYTES,
     Budgets,
     GpuKvBudget,
     activation_reserve,
+    admission_excess,
     budget_kind,
     choose_gpu_kv_budget,
+    fit,
     max_concurrency,
 )
 from oasiskv.bench.fig11.flags import parse_budget
@@ -101,3 +104,32 @@ def test_activation_reserve_default_follows_the_budget_and_prompts():
 @pytest.mark.parametrize("s, out", [("auto", "auto"), ("REAL", "real"), ("h100", "h100"), ("2GiB", 2 * GIB)])
 def test_parse_budget(s, out):
     assert parse_budget(s) == out
+
+
+def test_a_measured_admission_past_the_reserve_comes_off_that_mode_s_budget():
+    """An OasisKV row's admission (the EAGLE-3 head's) that needs 1.5 GiB beside the pools, under
+    a real budget that leaves 1 GiB: the excess (1.5 x the margin - 1 GiB) comes off the budget, so
+    fewer requests fit; a mode with nothing measured (None, or a CPU sweep) keeps its budget, and
+    one whose admission fits the reserve loses nothing."""
+    budgets = Budgets(20 * GIB, 10**15, REAL_ACTIVATION_RESERVE_BYTES)
+    oasis = {
+        "peak_pages": 1025,
+        "steady_pages": 129,
+        "host_blocks": 1025,
+        "summary_bytes": 300 * 1024,
+        "block_bytes": 16 * 147456,
+    }
+    measured = {**oasis, "admission_bytes": int(1.5 * GIB)}
+    excess = admission_excess(measured, budgets)
+    assert excess == int(1.5 * GIB * ADMISSION_MARGIN) - GIB > 0
+    unmeasured = admission_excess({**oasis, "admission_bytes": None}, budgets)
+    assert admission_excess(oasis, budgets) == unmeasured == 0
+    assert admission_excess({**oasis, "admission_bytes": GIB // 2}, budgets) == 0
+    plain = max_concurrency("oasis", oasis, budgets, None)
+    fewer = max_concurrency("oasis", measured, budgets, None)
+    assert 0 < fewer < plain
+    # The row at the old most fails with the reduced budget in its reason; dense's budget shrinks too.
+    reason, _, _ = fit("oasis", plain, measured, budgets, None)
+    assert reason is not None and f"{(20 * GIB - excess) / GIB:.1f} GiB" in reason
+    dense = {**DENSE_32K, "admission_bytes": int(1.5 * GIB)}
+    assert fit("dense", 1, dense, budgets, None)[1] == 20 * GIB - excess

@@ -99,7 +99,9 @@ or the budget (pages and summaries), the oracle past the device's free memory.
 The GPU KV budget (:func:`~.budget.choose_gpu_kv_budget`), named with its bytes in the header,
 every context and every row (``gpu_kv_budget_kind``, ``gpu_kv_budget_bytes``): ``real`` is what
 the card has free beside the weights and the context's prefill cache, measured per context as the
-engine's memory check measures it, less an activation reserve (1 GiB with shared prompts);
+engine's memory check measures it, less an activation reserve (1 GiB with shared prompts), and,
+per mode, what that mode's warm admission needed past the reserve on CUDA
+(:func:`~.budget.admission_excess`, ``admission_bytes`` in each context);
 ``--gpu-kv-budget h100`` emulates an 80 GiB H100: 80 GiB minus the weights minus an activation
 reserve (6 GiB); the default ``auto`` is real on an H100 and emulated elsewhere. Oasis modes are
 given exactly the pages they need (at most the budget), so their pools are allocated once and the

@@ -45,6 +45,9 @@ ACTIVATION_RESERVE_BYTES = 6 * 2**30
 #: 32K, up to 26 requests). ``--prompts distinct`` prefills at row time and keeps
 #: :data:`ACTIVATION_RESERVE_BYTES`.
 REAL_ACTIVATION_RESERVE_BYTES = 1 * 2**30
+#: Headroom over a measured admission transient (:func:`admission_excess`): the allocator rounds
+#: and splits blocks, so a transient of N bytes can need more free. Arbitrary.
+ADMISSION_MARGIN = 1.1
 #: The device names whose budget ``auto`` takes from the card (substrings of
 #: ``torch.cuda.get_device_name``): the GPU the paper and issue 35 measure on.
 REAL_BUDGET_DEVICES = ("H100",)
@@ -161,6 +164,18 @@ def host_kv_limit(host_kv_budget: int | None, available_ram: int | None) -> int:
     return host_kv_budget or int(HOST_RAM_FRACTION * (available_ram or 0))
 
 
+def admission_excess(need: dict, budgets: Budgets) -> int:
+    """Bytes a mode's admission needs on the device beside the running requests' pools past the
+    activation reserve the GPU budget already leaves: ``need["admission_bytes"]`` (the transient
+    peak of one warm admission, measured on the device by the sweep; absent or None: nothing
+    measured) less ``budgets.activation_reserve``, never below 0. Per mode, so that the EAGLE-3
+    head's admission (OasisKV rows) lowers no dense row's budget."""
+    measured = need.get("admission_bytes")
+    if not measured:
+        return 0
+    return max(0, int(measured * ADMISSION_MARGIN) - budgets.activation_reserve)
+
+
 def fit(
     mode: str, conc: int, need: dict, budgets: Budgets, device_free: int | None
 ) -> tuple[str | None, int, int | None]:
@@ -169,7 +184,9 @@ def fit(
     free bytes (None: not checked)."""
     gib = 2**30
     per = need["block_bytes"]
-    budget = budgets.gpu_kv
+    # What the mode's admission needs beside the pools past the budget's activation reserve
+    # (need["admission_bytes"], measured: :func:`admission_excess`) comes off its budget.
+    budget = budgets.gpu_kv - admission_excess(need, budgets)
     if mode == "dense":
         dense = conc * need["peak_pages"] * per
         if dense > budget:

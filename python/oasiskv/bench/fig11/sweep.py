@@ -416,16 +416,27 @@ class Fig11:
             self.forced,
         )
 
-    def warm_up(self, mode: str, ctx: int, cache) -> float:
+    def warm_up(self, mode: str, ctx: int, cache) -> tuple[float, int | None]:
         """One request alone through ``mode`` (compiles the kernels, fills the prefill cache):
-        its TTFT, a cold prefill when the cache was empty."""
+        its TTFT, a cold prefill when the cache was empty, and on CUDA the device bytes its
+        admission and steps held at their peak beyond what stayed allocated (the peak less the
+        allocation once it is done, its pools still held; None on other devices): what a row's
+        admission needs free beside the running requests' pools (:func:`~.budget.admission_excess`)."""
+        torch, dev = self.torch, self.dev
         eng = self.engine(mode, 1, ctx, None, None, cache)
         prompt = make_prompts(self.cfg.vocab_size, ctx, 1, True, self.args.seed)
+        if self.cuda:
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
         res = drive(eng, prompt, min(3, self.args.max_tokens))
+        transient = None
+        if self.cuda:
+            torch.cuda.synchronize(dev)
+            transient = torch.cuda.max_memory_allocated(dev) - torch.cuda.memory_allocated(dev)
         self.close(eng)
         del eng
-        free_memory(self.torch, self.dev)
-        return res["ttft"][0]
+        free_memory(torch, dev)
+        return res["ttft"][0], transient
 
     # ------------------------------------------------------------------ the sweep
     def header(self) -> dict:
@@ -493,6 +504,10 @@ class Fig11:
             "gpu_kv_budget_bytes": self.gpu_kv_budget.bytes,
             "prefill_cache_bytes": cache_bytes(cache),
             "max_concurrency": {m: self.max_concurrency(m, needs[m], device_free) for m in modes},
+            # Each mode's warm admission at its peak beyond what stays allocated (CUDA), and what
+            # of it the activation reserve does not cover, taken off that mode's GPU budget.
+            "admission_bytes": {m: needs[m].get("admission_bytes") for m in modes},
+            "admission_excess_bytes": {m: fits.admission_excess(needs[m], self.budgets) for m in modes},
             "request_kv_bytes": needs[modes[0]]["kv_blocks"] * needs[modes[0]]["block_bytes"],
         }
         dense_max = info["max_concurrency"].get("dense")
@@ -520,8 +535,14 @@ class Fig11:
             needs = {m: self.need(m, ctx) for m in modes}
             cold = None
             for mode in modes:
-                t = self.warm_up(mode, ctx, cache)
-                cold = t if cold is None else cold
+                t, transient = self.warm_up(mode, ctx, cache)
+                if cold is None:
+                    cold = t
+                    if cache is not None and transient is not None:
+                        # That one prefilled cold and filled the cache; the rows' admissions hit it.
+                        transient = self.warm_up(mode, ctx, cache)[1]
+                if a.activation_reserve is None:  # an explicit reserve is the user's measure
+                    needs[mode]["admission_bytes"] = transient
             device_free = available_bytes(self.dev)  # beside the weights and the prefill cache
             # The engine's own check measures the same free bytes when a row's pools grow.
             self.gpu_kv_budget = self.choose_budget(device_free)
