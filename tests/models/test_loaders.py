@@ -181,6 +181,63 @@ def test_gguf_llama3_rope_freqs_tensor(tmp_path):
     )
 
 
+def _yarn_meta(factor=4.0, orig=64, **extra):
+    def meta(w):
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(factor)
+        if orig is not None:
+            w.add_rope_scaling_orig_ctx_len(orig)
+        for key, value in extra.items():
+            getattr(w, f"add_rope_scaling_{key}")(value)
+
+    return meta
+
+
+def test_gguf_yarn_rope_scaling(tmp_path):
+    """A GGUF with llama.cpp's YaRN keys (Qwen3 past 32K) loads as the Hugging Face yarn
+    ``rope_scaling``, its context the factor times the original one (the file says less), and
+    decodes as the model it was written from (YaRN itself is checked against transformers in
+    test_models)."""
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    src = CausalLM.random(tiny_cfg("qwen3", rope_scaling=scaling, max_position_embeddings=100), seed=11)
+    meta = _yarn_meta(yarn_beta_fast=16.0)
+    path = write_gguf(src, tmp_path / "yarn.gguf", Q.F32, tokenizer=False, meta=meta)
+    model, _ = load_gguf(path, with_tokenizer=False)
+    assert model.config.rope_scaling == {**scaling, "beta_fast": 16.0}
+    assert model.config.max_position_embeddings == 256  # 4 x 64, past the file's 100
+    ref = CausalLM.random(
+        tiny_cfg("qwen3", rope_scaling={**scaling, "beta_fast": 16.0}, max_position_embeddings=256), seed=11
+    )
+    ids, pos = torch.arange(20) * 7, torch.arange(20) + 150  # past the original context
+    torch.testing.assert_close(
+        model(ids, pos, dense_causal_attn())[0], ref(ids, pos, dense_causal_attn())[0], atol=1e-5, rtol=1e-5
+    )
+    plain = CausalLM.random(tiny_cfg("qwen3", max_position_embeddings=256), seed=11)
+    unscaled = plain(ids, pos, dense_causal_attn())[0]
+    assert not torch.allclose(model(ids, pos, dense_causal_attn())[0], unscaled)
+
+
+@pytest.mark.parametrize(
+    "meta, says",
+    [
+        (_yarn_meta(orig=None), "original_context_length"),
+        (_yarn_meta(attn_factors=0.5), "attn_factor = 0.5 is not supported"),
+        (_yarn_meta(yarn_log_mul=0.1), "yarn_log_multiplier = 0.1 is not supported"),
+    ],
+)
+def test_gguf_yarn_keys_without_a_meaning_here_are_refused(tmp_path, meta, says):
+    src = CausalLM.random(tiny_cfg("qwen3"), seed=12)
+    path = write_gguf(src, tmp_path / "bad.gguf", Q.F32, tokenizer=False, meta=meta)
+    with pytest.raises(ConfigError, match=says):
+        load_gguf(path, with_tokenizer=False)
+
+
+def test_gguf_yarn_neutral_llama_cpp_keys_load(tmp_path):
+    src = CausalLM.random(tiny_cfg("qwen3"), seed=13)
+    path = write_gguf(src, tmp_path / "n.gguf", Q.F32, tokenizer=False, meta=_yarn_meta(attn_factors=1.0))
+    assert load_gguf(path, with_tokenizer=False)[0].config.rope_scaling["rope_type"] == "yarn"
+
+
 def test_gguf_tokenizer(tiny_llama, tmp_path):
     path = write_gguf(tiny_llama, tmp_path / "tok.gguf", Q.F32)
     model, tok = load_model(str(path))

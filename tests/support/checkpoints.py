@@ -107,7 +107,10 @@ def write_gguf(
     arch: str | None = None,
     override_type: tuple[str, Q] | None = None,
     extra_tensors: dict[str, np.ndarray] | None = None,
+    meta=None,
 ) -> Path:
+    """``model`` as a llama.cpp-style GGUF at ``path``; ``meta(writer)`` adds metadata keys of its
+    own (e.g. rope scaling) after the standard ones."""
     cfg = model.config
     arch = arch or cfg.family
     w = gguf.GGUFWriter(str(path), arch)
@@ -156,6 +159,8 @@ def write_gguf(
             w.add_tensor(gname, gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
     for name, arr in (extra_tensors or {}).items():
         w.add_tensor(name, arr)
+    if meta is not None:
+        meta(w)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -274,15 +274,13 @@ def gguf_model_config(meta: dict[str, Any], tensor_names: set[str]) -> ModelConf
         raise CheckpointError(
             "cannot tell the vocabulary size: GGUF has neither {arch}.vocab_size nor tokenizer tokens"
         )
-    rope_scaling = None
-    stype = meta.get(f"{arch}.rope.scaling.type")
-    if stype not in (None, "none"):
-        if stype != "linear":
-            raise ConfigError(
-                f"GGUF rope scaling type {stype!r} is not supported "
-                "(supported: linear, llama3 via rope_freqs, none)"
-            )
-        rope_scaling = {"rope_type": "linear", "factor": _f32(meta.get(f"{arch}.rope.scaling.factor", 1.0))}
+    rope_scaling = _gguf_rope_scaling(meta, arch)
+    context = int(meta.get(f"{arch}.context_length", 4096))
+    if rope_scaling is not None and rope_scaling["rope_type"] == "yarn":
+        # A converter writes the checkpoint's own context (Qwen3: 40960); YaRN's factor extends
+        # the pre-training one to factor x original (131072), which a user loading it expects.
+        extended = int(rope_scaling["factor"] * rope_scaling["original_max_position_embeddings"])
+        context = max(context, extended)
     eos = []
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
         if meta.get(key) is not None and int(meta[key]) not in eos:
@@ -300,11 +298,60 @@ def gguf_model_config(meta: dict[str, Any], tensor_names: set[str]) -> ModelConf
         rms_norm_eps=_f32(need("attention.layer_norm_rms_epsilon")),
         rope_theta=_f32(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
-        max_position_embeddings=int(meta.get(f"{arch}.context_length", 4096)),
+        max_position_embeddings=context,
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=[e for e in eos if e < int(vocab)],
     )
+
+
+#: GGUF YaRN keys (``{arch}.rope.scaling.*``) read into the Hugging Face ``rope_scaling``.
+_GGUF_YARN_NUMBERS = {"yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow"}
+#: GGUF YaRN keys whose meaning in llama.cpp differs from any transformers key: refused unless
+#: they hold llama.cpp's neutral value (a file that sets them would decode differently here).
+_GGUF_YARN_REFUSED = {"attn_factor": 1.0, "yarn_attn_factor": 1.0, "yarn_log_multiplier": 0.0}
+
+
+def _gguf_rope_scaling(meta: dict, arch: str) -> dict | None:
+    """The Hugging Face ``rope_scaling`` of a GGUF's ``{arch}.rope.scaling.*`` keys: None
+    (``type`` absent or ``none``), ``linear`` (``factor``), or ``yarn`` (``factor``,
+    ``original_context_length``, optionally ``yarn_beta_fast`` / ``yarn_beta_slow``). llama3
+    scaling arrives as the ``rope_freqs`` tensor instead (:func:`load_gguf`).
+
+    Raises:
+        ConfigError: another type, a yarn file without its original context, or a yarn key
+            whose llama.cpp meaning has no transformers equivalent, set to a non-neutral value."""
+    stype = meta.get(f"{arch}.rope.scaling.type")
+    if stype in (None, "none"):
+        return None
+    factor = _f32(meta.get(f"{arch}.rope.scaling.factor", 1.0))
+    if stype == "linear":
+        return {"rope_type": "linear", "factor": factor}
+    if stype != "yarn":
+        raise ConfigError(
+            f"GGUF rope scaling type {stype!r} is not supported "
+            "(supported: linear, yarn, llama3 via rope_freqs, none)"
+        )
+    orig = meta.get(f"{arch}.rope.scaling.original_context_length")
+    if orig is None:
+        raise ConfigError(
+            f"GGUF yarn rope scaling needs {arch}.rope.scaling.original_context_length (the "
+            "pre-training context); the file has none: convert it again with a current llama.cpp"
+        )
+    for key, neutral in _GGUF_YARN_REFUSED.items():
+        v = meta.get(f"{arch}.rope.scaling.{key}")
+        if v is not None and _f32(v) != neutral:
+            raise ConfigError(
+                f"GGUF {arch}.rope.scaling.{key} = {_f32(v)} is not supported (llama.cpp's meaning "
+                f"has no transformers equivalent here; {neutral} is); load the Hugging Face "
+                "checkpoint instead, whose rope_scaling is read as written"
+            )
+    out = {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": int(orig)}
+    for key, name in _GGUF_YARN_NUMBERS.items():
+        v = meta.get(f"{arch}.rope.scaling.{key}")
+        if v is not None:
+            out[name] = _f32(v)
+    return out
 
 
 _GGUF_LAYER_NAMES = {
