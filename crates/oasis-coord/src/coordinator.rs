@@ -108,8 +108,11 @@ pub struct CoordStats {
     pub entries: u64,
     /// Block-heads whose read failed.
     pub failed_entries: u64,
-    /// Frames sent.
+    /// Frames sent (their reads done, or failed).
     pub frames: u64,
+    /// Frames taken off a queue to be read (on the wire, or skipped for a dead request): a
+    /// request's items in them are past `end`'s reach (it waits for them instead of dropping).
+    pub frames_started: u64,
     /// Connections opened again after one was lost.
     pub reconnects: u64,
     /// Staged requests released in the daemon ([`Coordinator::release`]), and releases that

@@ -68,6 +68,7 @@ impl<K: Connector> Worker<K> {
                 if job.items.is_empty() {
                     continue;
                 }
+                st.stats.frames_started += 1;
                 job.items.iter().all(|it| st.dead.contains(&it.owner))
             };
             if skip {

@@ -184,9 +184,19 @@ fn a_request_that_ends_drops_its_queued_prefetches() {
     let mut pools = Pools::new();
     let c = slow(&d, 300, &mut pools);
     admit(&c, 1, 7, &[0, 1, 2, 3, 4, 5]);
+    let started = c.stats().frames_started;
     c.submit_step(&[e(0, 1, 0)], 16).unwrap();
+    // Once its step frame is on the wire (300 ms; a queued one would be dropped unsent and
+    // count as failed), its prefetch frame, queued behind it, is not waited for.
+    let t_wire = Instant::now();
+    while c.stats().frames_started == started {
+        assert!(
+            t_wire.elapsed() < Duration::from_secs(10),
+            "the step frame never went out"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
     let t0 = Instant::now();
-    // Its step frame is on the wire (300 ms); its prefetch frame, queued, is not waited for.
     c.end(1, &[0, 1, 2, 3, 4, 5]).unwrap();
     assert!(
         t0.elapsed() < Duration::from_millis(500),

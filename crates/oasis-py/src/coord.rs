@@ -501,7 +501,8 @@ impl PyCoordinator {
     /// Counters since it started: `read_seconds` (connection time on frames, off this
     /// thread), `wait_seconds` (time blocked in `wait_layer` / `drain`), `wire_bytes`,
     /// `sent_entries` (block-heads submitted), `entries` (block-heads landed), `failed_entries`,
-    /// `frames`, `reconnects`, `releases` and `failed_releases`; `step_entries` (block-heads
+    /// `frames` (done), `frames_started` (taken off a queue), `reconnects`, `releases` and
+    /// `failed_releases`; `step_entries` (block-heads
     /// steps submitted: their own misses), `prefetch_entries` / `prefetched_entries`
     /// (prefetched block-heads queued / landed), `prefetch_hits` (planned block-heads a
     /// prefetch brought), `prefetch_taken` (queued prefetches a step read itself),
@@ -517,6 +518,7 @@ impl PyCoordinator {
         d.set_item("entries", s.entries)?;
         d.set_item("failed_entries", s.failed_entries)?;
         d.set_item("frames", s.frames)?;
+        d.set_item("frames_started", s.frames_started)?;
         d.set_item("reconnects", s.reconnects)?;
         d.set_item("releases", s.releases)?;
         d.set_item("failed_releases", s.failed_releases)?;
