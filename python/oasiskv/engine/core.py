@@ -237,6 +237,7 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         self._acc_recall_n = torch.zeros(acc_rows, dtype=torch.float32, device=self.device)
         # Each slot's latest prediction per layer (see _pred_of), made on first use.
         self._pred: list[torch.Tensor | None] = [None] * c.num_hidden_layers
+        self._pred_all: torch.Tensor | None = None  # their one table with a single budget (_pred_of)
         # Per layer: the tickets of ops.rescore_topk_codes (zero between launches; _counters_of).
         self._counters: list[torch.Tensor | None] = [None] * c.num_hidden_layers
         # Each slot's pinned blocks per layer (KvConfig.pin_blocks; see _pins_of), made on first use.

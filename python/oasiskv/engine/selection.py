@@ -336,15 +336,16 @@ class SelectionMixin:
         step,
         cap: int,
         k_budget: int,
-        count_fetched: bool = True,
+        per_layer: bool = True,
     ) -> tuple:
         """The background chain of one layer: score -> top-K -> delta selection -> gather.
 
         On a GPU this runs on the background stream; it never synchronises with the host. ``step``
         is an int, or the int32 device tensor a captured step reads. Returns the tensors it made
-        (a captured step keeps them alive until the capture ends), the plan's slots last.
-        ``count_fetched=False``: the caller adds the fetches to the requests' metrics itself, once
-        for every layer (:meth:`_count_fetched`; a captured step, after its join).
+        (a captured step keeps them alive until the capture ends): ``(q4, prediction, plan
+        slots)``. ``per_layer=False``: the caller adds the fetches to the requests' metrics and
+        stores the predictions itself, once for every layer (:meth:`_finish_chains`: a captured
+        step after its join, the CPU after the forward).
         """
         sp_idx, sp_ids, sp_reqs, slot_pages = plan.idx, plan.ids, plan.reqs, plan.slots_for(k_budget)
         rec_csr = plan.rec_csr
@@ -382,30 +383,50 @@ class SelectionMixin:
             also=(q4[sp_idx, 0].contiguous(), plan.blk_seq) if both else None,
             slots=sp_ids,
         )
-        if count_fetched:
+        if per_layer:
             self._acc_fetched.index_add_(0, sp_ids, (ps >= 0).sum(dim=(1, 2)))
-        if self._store_pred:
-            self._pred_of(layer)[sp_ids] = pred  # the next step's recall and sticky candidates read it
+            if self._store_pred:
+                self._pred_of(layer)[sp_ids] = pred  # the next step's recall and sticky candidates read it
         return q4, pred, ps
 
-    def _count_fetched(self, plan: SparsePlan, plans_slots: list[torch.Tensor]) -> None:
-        """Add every layer's fetches (``plans_slots``: each layer's plan slots, ``[n_sparse,
-        num_kv_heads, cap]``, -1: none) to the requests' fetch counters: four launches per step on
-        the current stream instead of three per layer on the background ones (a captured step's
-        graph nodes cost host time at every replay)."""
-        if not plans_slots:
+    def _finish_chains(self, plan: SparsePlan, chains: list[tuple]) -> None:
+        """What every layer's chain (``chains``: :meth:`_select`'s results, layer order) leaves
+        for after the step, on the current stream: the fetches added to the requests' counters
+        (four launches, not three per layer on the background streams), and, when this step keeps
+        its predictions, each layer's prediction stored in the slots' table for the next step's
+        recall and sticky candidates (one launch where every layer has one budget, not one per
+        layer). A captured step's graph nodes cost host time at every replay."""
+        if not chains:
             return
-        n = plan.ids.shape[0]
-        flat = torch.cat([ps.reshape(n, -1) for ps in plans_slots], dim=1)
-        self._acc_fetched.index_add_(0, plan.ids, (flat >= 0).sum(dim=1))
+        ids, n = plan.ids, plan.ids.shape[0]
+        flat = torch.cat([ps.reshape(n, -1) for _, _, ps in chains], dim=1)
+        self._acc_fetched.index_add_(0, ids, (flat >= 0).sum(dim=1))
+        if not self._store_pred:
+            return
+        preds = [pred for _, pred, _ in chains]
+        self._pred_of(0)  # makes the table(s)
+        if self._pred_all is not None and len(preds) == self._pred_all.shape[0]:
+            self._pred_all[:, ids] = torch.stack(preds)
+        else:
+            for layer, pred in enumerate(preds):
+                self._pred_of(layer)[ids] = pred
 
     def _pred_of(self, layer: int) -> torch.Tensor:
         """Each slot's latest prediction of ``layer``, ``[max_num_seqs, num_kv_heads, K]`` logical
         blocks (-1 padded; K the layer's budget), on the device: one gather and one scatter per
         layer and step instead of a tensor per request."""
         if self._pred[layer] is None:
-            shape = (self.max_num_seqs + 1, self.geo.num_kv_heads, self.kv.layer_budget(layer))
-            self._pred[layer] = torch.full(shape, -1, dtype=torch.int32, device=self.device)
+            rows, heads = self.max_num_seqs + 1, self.geo.num_kv_heads
+            if self.kv.layer_blocks is None:
+                # One budget: one table for every layer (:meth:`_finish_chains` stores a step's
+                # predictions in one launch), each layer's a view of it.
+                layers = len(self._pred)
+                shape = (layers, rows, heads, self.kv.top_k_blocks)
+                self._pred_all = torch.full(shape, -1, dtype=torch.int32, device=self.device)
+                self._pred[:] = list(self._pred_all.unbind(0))
+            else:
+                shape = (rows, heads, self.kv.layer_budget(layer))
+                self._pred[layer] = torch.full(shape, -1, dtype=torch.int32, device=self.device)
         return self._pred[layer]
 
     def _counters_of(self, layer: int) -> torch.Tensor:

@@ -58,6 +58,7 @@ class StepMixin:
             workspace=workspace,
         )
         last_q, keep, forked, spec_kv = attn.last_q, attn.keep, attn.forked, attn.spec_kv
+        attn_chains = attn.chains
         kv_grouped = attn.kv_grouped
         if self.policy is not None and not static:
             attn = self.policy.wrap_attention(self, reqs, attn)
@@ -106,7 +107,9 @@ class StepMixin:
             for side in forked:
                 torch.cuda.current_stream(dev).wait_stream(side)
             ops.wait_stamp(self._wait_stamps, 1)
-            self._count_fetched(plan, [kept[-1] for kept in keep])
+            self._finish_chains(plan, keep)
+        elif not self.cuda and plan is not None:
+            self._finish_chains(plan, attn_chains)
         return out
 
 
@@ -158,6 +161,7 @@ class DecodeAttention:
         layers = eng.cfg.num_hidden_layers
         self.last_q: list = [None] * layers
         self.keep: list = []  # static: what the background streams read, alive until the step is over
+        self.chains: list = []  # the CPU: each layer's chain results, for Engine._finish_chains
         self.forked: set = set()  # the background streams this step forked
         # Speculative decoding: each layer's row-1 K/V ([n, num_kv_heads, head_dim] each), kept on
         # the device for the draft stores (no copy beyond the one the attention takes anyway).
@@ -240,13 +244,13 @@ class DecodeAttention:
                 with torch.cuda.stream(side):
                     side.wait_event(attn_done)  # selection reads q, gather overwrites slots
                     if static:  # q4 among what it keeps; the fetches are counted after the join
-                        keep.append(eng._select(*args, count_fetched=False))
+                        keep.append(eng._select(*args, per_layer=False))
                     else:
                         q4.record_stream(side)
                         eng._select(*args)
                         done = torch.cuda.Event()
                         done.record(side)
                         eng._gather_done[layer] = done
-            else:
-                eng._select(*args)
+            else:  # the CPU: inline; the fetches and predictions are kept after the forward
+                self.chains.append(eng._select(*args, per_layer=False))
         return o.view(n * rows, hq, d).to(out_dtype)
