@@ -243,7 +243,7 @@ class DecodeAttention:
                 forked.add(side)
                 with torch.cuda.stream(side):
                     side.wait_event(attn_done)  # selection reads q, gather overwrites slots
-                    if static:  # q4 among what it keeps; the fetches are counted after the join
+                    if static:  # q4 among what it keeps; fetches and predictions kept after the join
                         keep.append(eng._select(*args, per_layer=False))
                     else:
                         q4.record_stream(side)
