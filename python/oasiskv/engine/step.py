@@ -58,7 +58,6 @@ class StepMixin:
             workspace=workspace,
         )
         last_q, keep, forked, spec_kv = attn.last_q, attn.keep, attn.forked, attn.spec_kv
-        attn_chains = attn.chains
         kv_grouped = attn.kv_grouped
         if self.policy is not None and not static:
             attn = self.policy.wrap_attention(self, reqs, attn)
@@ -107,9 +106,8 @@ class StepMixin:
             for side in forked:
                 torch.cuda.current_stream(dev).wait_stream(side)
             ops.wait_stamp(self._wait_stamps, 1)
-            self._finish_chains(plan, keep)
-        elif not self.cuda and plan is not None:
-            self._finish_chains(plan, attn_chains)
+        if plan is not None and (static or not self.cuda):
+            self._finish_chains(plan, keep)  # every layer's chain: after the join on a GPU
         return out
 
 
@@ -122,10 +120,11 @@ class DecodeAttention:
 
     Built by :meth:`StepMixin._run_step` over the plan's views ``v`` for ``n`` requests; what the
     step gathers across layers is read back after the forward: ``last_q`` (each layer's lookahead
-    query), ``keep`` (a static step: what the background streams read, alive until the step is
-    over), ``forked`` (the background streams the step forked) and ``spec_kv`` (a speculative step:
-    each layer's row-1 K/V for the draft stores, else None). ``static`` (a CUDA-graph step): no wait
-    on the previous step's transfer events and no ``record_stream``."""
+    query), ``keep`` (each layer's chain results where the step finishes them after the forward:
+    a static step, whose background streams read them until it is over, and the CPU), ``forked``
+    (the background streams the step forked) and ``spec_kv`` (a speculative step: each layer's
+    row-1 K/V for the draft stores, else None). ``static`` (a CUDA-graph step): no wait on the
+    previous step's transfer events and no ``record_stream``."""
 
     def __init__(
         self,
@@ -160,8 +159,9 @@ class DecodeAttention:
         self.kv_grouped = eng._kv_grouped and eng.rows > 1  # the model hands k, v grouped by row
         layers = eng.cfg.num_hidden_layers
         self.last_q: list = [None] * layers
-        self.keep: list = []  # static: what the background streams read, alive until the step is over
-        self.chains: list = []  # the CPU: each layer's chain results, for Engine._finish_chains
+        # Each layer's chain results where the step finishes them (Engine._finish_chains): a static
+        # step (what the background streams read, alive until it is over) and the CPU.
+        self.keep: list = []
         self.forked: set = set()  # the background streams this step forked
         # Speculative decoding: each layer's row-1 K/V ([n, num_kv_heads, head_dim] each), kept on
         # the device for the draft stores (no copy beyond the one the attention takes anyway).
@@ -252,5 +252,5 @@ class DecodeAttention:
                         done.record(side)
                         eng._gather_done[layer] = done
             else:  # the CPU: inline; the fetches and predictions are kept after the forward
-                self.chains.append(eng._select(*args, per_layer=False))
+                keep.append(eng._select(*args, per_layer=False))
         return o.view(n * rows, hq, d).to(out_dtype)
