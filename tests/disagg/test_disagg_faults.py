@@ -198,13 +198,10 @@ class StreamHook:
         return getattr(self.inner, name)
 
 
-def stream_fault(model, d: Daemon, fault, timeout_s: float = 30.0) -> tuple[dict, list[str], list, float]:
-    """A full transfer's engine with a local request and a staged one decoding, then a second
-    staged request admitted while they decode, ``fault(handle)`` striking as its blocks are handed
-    to the coordinator. Returns the last outputs by id, the ids (local, first, second), the ids in
-    the order they finished and the longest step that made a token for the others."""
-    h1, h2 = staged_small(model, d, seeds=(3, 5))
-    eng = LLMEngine(
+def full_transfer_engine(model, d: Daemon, timeout_s: float) -> LLMEngine:
+    """A decode engine reading ``d``'s staged requests by full transfer (the Quest selection, the
+    small geometry), every call to the daemon bounded by ``timeout_s``."""
+    return LLMEngine(
         model,
         kv=KvConfig.fast(**SMALL),
         drafter="ngram",
@@ -212,6 +209,15 @@ def stream_fault(model, d: Daemon, fault, timeout_s: float = 30.0) -> tuple[dict
         kv_transfer="full",
         kv_timeout_s=timeout_s,
     )
+
+
+def stream_fault(model, d: Daemon, fault, timeout_s: float = 30.0) -> tuple[dict, list[str], list, float]:
+    """A full transfer's engine with a local request and a staged one decoding, then a second
+    staged request admitted while they decode, ``fault(handle)`` striking as its blocks are handed
+    to the coordinator. Returns the last outputs by id, the ids (local, first, second), the ids in
+    the order they finished and the longest step that made a token for the others."""
+    h1, h2 = staged_small(model, d, seeds=(3, 5))
+    eng = full_transfer_engine(model, d, timeout_s)
     local = eng.add_request(prompt(P, 11), params(M))
     first = eng.add_staged_request(h1, params(M))
     eng.step()
@@ -371,14 +377,7 @@ def test_prefill_only_counts_a_streaming_admission_as_progress(model):
     finish."""
     with Daemon() as d:
         _, h2 = staged_small(model, d, seeds=(3, 5))
-        eng = LLMEngine(
-            model,
-            kv=KvConfig.fast(**SMALL),
-            drafter="ngram",
-            kv_source=d.url,
-            kv_transfer="full",
-            kv_timeout_s=2.0,
-        )
+        eng = full_transfer_engine(model, d, 2.0)
         local = eng.add_request(prompt(P, 11), params(M))
         eng.step()
         eng.step()  # decoding: the admission below streams beside it
