@@ -19,6 +19,7 @@
 //!
 //! - [`coordinator`]: the [`Coordinator`] and its state.
 //! - `worker`: one connection's task (its frames in order, reconnects, the writes into the pool).
+//! - [`stats`]: the counters ([`CoordStats`]).
 //! - [`pools`]: the pinned host pool's layout and the one `unsafe` write of an entry.
 //! - [`connect`]: how connections are made ([`Connector`]; TCP here, UCX in the binding).
 //! - [`error`]: the crate's [`CoordError`].
@@ -32,6 +33,7 @@ pub mod error;
 mod inflight;
 pub mod pools;
 pub mod prefetch;
+pub mod stats;
 mod worker;
 
 pub use connect::{Connector, TcpConnector};
