@@ -1,5 +1,5 @@
 // oasis_topk.cuh — the two-stage score's last top-K (topk_candidates_core, and
-// topk_candidates_impl with static buffers) and the order of
+// topk_candidates_impl with dynamic buffers) and the order of
 // scores every top-K kernel shares (score_key, rank_key). Included by score_blocks.cu
 // (topk_candidates_f32, the top-K alone) and key_codes.cu (rescore_topk_codes_*, the codes score
 // of the candidates and this top-K in one launch), so that both run the same selection.
@@ -143,18 +143,22 @@ __device__ void topk_candidates_core(
     for (int i = threadIdx.x; i < k; i += blockDim.x) dst[i] = i < take ? res[i] : -1;
 }
 
-// topk_candidates_core with its buffers in static shared memory (OASIS_CAND_MAX entries each):
-// topk_candidates_f32.
+// topk_candidates_core with its buffers in dynamic shared memory, topk_candidates_bytes(m,
+// successors) of it in that function's order (sel, keys, vals, succ, res, scan_scratch):
+// topk_candidates_f32. Sized to the row rather than to OASIS_CAND_MAX, so that the launch (on a
+// background stream, beside the step's GEMMs and attention) holds no more of an SM than it uses.
 __device__ void topk_candidates_impl(
     const float* scores, int stride, const int* __restrict__ cand, const int* __restrict__ blk_indptr,
     const int* __restrict__ forced, int* __restrict__ out, int num_kv_heads, int nnz, int m, int k, int successors,
     int n_forced) {
-    __shared__ u64 sel[OASIS_CAND_MAX];
-    __shared__ u32 keys[OASIS_CAND_MAX];
-    __shared__ int vals[OASIS_CAND_MAX];
-    __shared__ int succ[OASIS_CAND_MAX];
-    __shared__ int res[OASIS_CAND_MAX];
-    __shared__ int scan_scratch[33];
+    extern __shared__ __align__(16) unsigned char topk_smem[];
+    const int sort_n = next_pow2(max(1, m));
+    u64* sel = reinterpret_cast<u64*>(topk_smem);   // [sort_n]
+    u32* keys = reinterpret_cast<u32*>(sel + sort_n);  // [m + successors]
+    int* vals = reinterpret_cast<int*>(keys + m + successors);  // [m]
+    int* succ = vals + m;                              // [successors]
+    int* res = succ + successors;                      // [m + successors]
+    int* scan_scratch = res + m + successors;          // [33]
     topk_candidates_core(scores, stride, cand, blk_indptr, forced, out, num_kv_heads, nnz, m, k, successors, n_forced,
                          sel, keys, vals, succ, res, scan_scratch);
 }

@@ -23,7 +23,7 @@ pub fn rescore_topk_codes_smem_bytes(
 ) -> usize {
     let scalar = (2 * group * head_dim + head_dim + group) * 4;
     let stage = SCORE_CODES_STAGES * (2 * head_dim * elem_bytes + 4 * head_dim);
-    let topk = 8 * m.max(1).next_power_of_two() + 4 * (2 * (m + successors) + m + successors + 33);
+    let topk = topk_candidates_smem_bytes(m, successors);
     (warps * (stage + scalar)).max(topk + 4 * m)
 }
 

@@ -95,6 +95,22 @@ pub const MAX_TOPK: usize = oasis_core::limits::MAX_TOP_K_BLOCKS;
 /// Largest `m + successors` of [`Gpu::topk_candidates`]: [`oasis_core::limits::MAX_CANDIDATES`]
 /// (OASIS_CAND_MAX in the kernel).
 pub const MAX_CANDIDATES: usize = oasis_core::limits::MAX_CANDIDATES;
+/// Dynamic shared memory of `topk_candidates_f32` for `m` candidates and `successors`, and of the
+/// top-K part of `rescore_topk_codes_*`: `topk_candidates_bytes` in cuda/oasis_topk.cuh (its
+/// sort buffer of `next_pow2(m)` keys, then the row's keys, values, successors, result and scan
+/// scratch).
+pub fn topk_candidates_smem_bytes(m: usize, successors: usize) -> usize {
+    8 * m.max(1).next_power_of_two() + 4 * (2 * (m + successors) + m + successors + 33)
+}
+
+/// Threads of a `topk_candidates_f32` block: one per entry of its row (`m`, or the successors
+/// when more), a whole number of warps, at most [`TOPK_THREADS`]. The selection does not depend
+/// on it; a block sized to its row leaves the rest of the SM to the kernels it runs beside.
+pub fn topk_candidates_threads(m: usize, successors: usize) -> u32 {
+    let want = m.max(successors).max(1).div_ceil(32) * 32;
+    want.min(TOPK_THREADS as usize) as u32
+}
+
 /// Threads per block of `force_scores_f32`. Arbitrary.
 pub const FORCE_THREADS: u32 = 256;
 /// Threads per block of `delta_select_i32`; must match OASIS_SELECT_THREADS.

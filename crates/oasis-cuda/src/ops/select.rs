@@ -329,20 +329,15 @@ impl Gpu {
                 raw: { nnz = i32::MAX },
             });
             let grid = grid_rows_heads("num_seqs", num_seqs, num_kv_heads)?;
-            // SAFETY: k <= MAX_TOPK and m + successors <= MAX_CANDIDATES (its static buffers);
-            // lengths checked above (the kernel reads cand and forced only below m and
-            // n_forced, scores at the rows of m entries); blk_indptr rows are only subtracted;
-            // reachability and lifetime by DevSlice's contract, the stream by Stream's.
-            unsafe {
-                self.queue(
-                    "topk_candidates_f32",
-                    grid,
-                    TOPK_THREADS,
-                    0,
-                    stream,
-                    &params,
-                )
-            }
+            let smem = topk_candidates_smem_bytes(m, successors);
+            let threads = topk_candidates_threads(m, successors);
+            // SAFETY: k <= MAX_TOPK and m + successors <= MAX_CANDIDATES; `smem` is the layout of
+            // its dynamic buffers for this m and successors (launch() checks it against the
+            // device limit) and `threads` a multiple of 32 within its launch bound; lengths
+            // checked above (the kernel reads cand and forced only below m and n_forced, scores
+            // at the rows of m entries); blk_indptr rows are only subtracted; reachability and
+            // lifetime by DevSlice's contract, the stream by Stream's.
+            unsafe { self.queue("topk_candidates_f32", grid, threads, smem, stream, &params) }
         })
     }
 
