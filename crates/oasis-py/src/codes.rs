@@ -36,6 +36,38 @@ fn check_codes(cx: &Cx<'_>, g: &KvGeometry, codes: &TensorArg, nb: usize) -> PyR
     Ok(())
 }
 
+/// The validation `build_key_codes` and `encode_blocks` share: head_dim, one device, the block
+/// tables against `summaries`, `codes` for their blocks, one KV dtype, and `outs` (codes first)
+/// disjoint from the inputs. Returns the call's context, the summaries' block count and the
+/// dtype.
+fn check_encode<'py>(
+    py: Python<'py>,
+    g: &KvGeometry,
+    host_k: &TensorArg,
+    summaries: &TensorArg,
+    block_ids: &TensorArg,
+    block_rows: Option<&TensorArg>,
+    outs: &[(&str, &TensorArg)],
+) -> PyResult<(Cx<'py>, usize, oasis_core::DType)> {
+    check_codes_head_dim(py, g)?;
+    let host = [("host_k", host_k)];
+    let mut tables = vec![("block_ids", block_ids)];
+    if let Some(r) = block_rows {
+        tables.push(("block_rows", r));
+    }
+    let cx = Cx::new(
+        py,
+        &[&[("summaries", summaries)][..], outs, &tables].concat(),
+        &host,
+    )?;
+    let nb = check_block_tables(&cx, g, &host, summaries, &tables)?;
+    check_codes(&cx, g, outs[0].1, nb)?;
+    let inputs = [("host_k", host_k), ("summaries", summaries)];
+    let dt = kv_dtype(py, &inputs)?;
+    check_outputs(py, outs, &[&inputs[..], &tables].concat())?;
+    Ok((cx, nb, dt))
+}
+
 #[pyfunction]
 #[pyo3(signature = (geo, host_k, summaries, block_ids, codes, *, block_rows = None, stream = 0))]
 #[allow(clippy::too_many_arguments)]
@@ -62,29 +94,17 @@ fn build_key_codes(
 ) -> PyResult<()> {
     entry(py, "build_key_codes", || {
         let g = geo.inner;
-        check_codes_head_dim(py, &g)?;
+        let outs = [("codes", &codes)];
+        let (cx, _, dt) = check_encode(
+            py,
+            &g,
+            &host_k,
+            &summaries,
+            &block_ids,
+            block_rows.as_ref(),
+            &outs,
+        )?;
         let host = [("host_k", &host_k)];
-        let mut tables = vec![("block_ids", &block_ids)];
-        if let Some(r) = &block_rows {
-            tables.push(("block_rows", r));
-        }
-        let cx = Cx::new(
-            py,
-            &[&[("summaries", &summaries), ("codes", &codes)][..], &tables].concat(),
-            &host,
-        )?;
-        let nb = check_block_tables(&cx, &g, &host, &summaries, &tables)?;
-        check_codes(&cx, &g, &codes, nb)?;
-        let dt = kv_dtype(py, &[("host_k", &host_k), ("summaries", &summaries)])?;
-        check_outputs(
-            py,
-            &[("codes", &codes)],
-            &[
-                &[("host_k", &host_k), ("summaries", &summaries)][..],
-                &tables,
-            ]
-            .concat(),
-        )?;
         match cx.place {
             Place::Cpu => with_dtype!(dt, T => {
                 // SAFETY: checked above; codes is disjoint from the inputs.
@@ -128,24 +148,21 @@ fn encode_blocks(
 ) -> PyResult<()> {
     entry(py, "encode_blocks", || {
         let g = geo.inner;
-        check_codes_head_dim(py, &g)?;
-        let host = [("host_k", &host_k)];
-        let mut tables = vec![("block_ids", &block_ids)];
-        if let Some(r) = &block_rows {
-            tables.push(("block_rows", r));
-        }
         let outs = [
             ("codes", &codes),
             ("bounds8", &bounds8),
             ("scales", &scales),
         ];
-        let cx = Cx::new(
+        let (cx, nb, dt) = check_encode(
             py,
-            &[&[("summaries", &summaries)][..], &outs, &tables].concat(),
-            &host,
+            &g,
+            &host_k,
+            &summaries,
+            &block_ids,
+            block_rows.as_ref(),
+            &outs,
         )?;
-        let nb = check_block_tables(&cx, &g, &host, &summaries, &tables)?;
-        check_codes(&cx, &g, &codes, nb)?;
+        let host = [("host_k", &host_k)];
         let nb8 = check_bounds8(&cx, &g, &bounds8, &scales)?;
         if nb8 != nb {
             return Err(py_err(
@@ -154,16 +171,6 @@ fn encode_blocks(
                 format!("bounds8 has {nb8} host blocks but summaries have {nb}; allocate both for one pool"),
             ));
         }
-        let dt = kv_dtype(py, &[("host_k", &host_k), ("summaries", &summaries)])?;
-        check_outputs(
-            py,
-            &outs,
-            &[
-                &[("host_k", &host_k), ("summaries", &summaries)][..],
-                &tables,
-            ]
-            .concat(),
-        )?;
         match cx.place {
             Place::Cpu => with_dtype!(dt, T => {
                 // SAFETY: checked above; the outputs are disjoint from the inputs and each other.
