@@ -19,6 +19,10 @@ local block, t's own, always counts), and the share of the attention they hold i
 * ``int2``   -- today's ``KvConfig(block_score="codes")``: 2-bit codes inside each channel's block
   [min, max], the block's largest approximate logit (with exact weights ``q (max - min) / 3``; the
   engine rounds them to f16, which moves a score by under 1e-3 of its magnitude);
+* ``int2/b8`` -- the same codes inside the block's 8-bit Quest bound (``bounds8``: the [min, max]
+  rounded outward onto E4M3 after one power-of-two scale per (block, KV head)) instead of its
+  16-bit summary: what a rescoring that reads the bound, not the summaries, would rank by (the
+  bf16 summaries could then leave the GPU);
 * ``int2/w8``, ``int2/w4`` -- the same with the per-block weights ``q (max - min) / 3`` rounded to
   8-bit (4-bit) signed integers with one scale per (block, query head): what an integer
   tensor-core product of codes and weights would compute;
@@ -71,6 +75,7 @@ SCORES = (
     "m+.75r",
     "m+r",
     "int2",
+    "int2/b8",
     "int3",
     "int2/w8",
     "int2/w4",
@@ -102,6 +107,24 @@ def hadamard(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return h / math.sqrt(n)
 
 
+#: Every finite E4M3 value, ascending (the grid ``bound8`` rounds onto).
+E4M3_GRID = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+E4M3_GRID = E4M3_GRID[torch.isfinite(E4M3_GRID)].unique()
+
+
+def bound8(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lo``/``hi`` [hk, nc, d] rounded outward onto E4M3 after one power-of-two scale per (head,
+    block), the smallest with max |x| / s <= 448: the values the engine's 8-bit bound
+    (``oasis_core::kernels::bound8``) decodes to, as float32."""
+    grid = E4M3_GRID.to(lo.device)
+    m = torch.maximum(lo.abs().amax(-1), hi.abs().amax(-1)).clamp(min=2.0**-120)
+    s = torch.exp2(torch.ceil(torch.log2(m / 448.0)))
+    s = torch.where(m / s > 448, s * 2, s).unsqueeze(-1)
+    down = grid[(torch.searchsorted(grid, (lo / s).contiguous(), right=True) - 1).clamp(min=0)]
+    up = grid[torch.searchsorted(grid, (hi / s).contiguous()).clamp(max=grid.numel() - 1)]
+    return down * s, up * s
+
+
 def block_scores(
     q: torch.Tensor, k: torch.Tensor, b: int, nc: int, group: int, wanted: list[str]
 ) -> dict[str, torch.Tensor]:
@@ -129,12 +152,12 @@ def block_scores(
         # q . c + beta * sum_d |q_d| r_d: beta = 1 with c the box centre is the Quest bound itself.
         return torch.einsum("hgd,hnd->hn", qg, c) + beta * spread
 
-    def codes(bits: int) -> torch.Tensor:
+    def codes(bits: int, lo=lo, hi=hi) -> torch.Tensor:
         # Keys quantised to `bits` per channel inside the block's own [min, max] (the summary is
-        # the scale): the largest approximate logit of the block.
+        # the scale), or the range given: the largest approximate logit of the block.
         levels = 2**bits - 1
         width = (hi - lo).clamp(min=1e-12).unsqueeze(2)
-        code = ((kb - lo.unsqueeze(2)) / width * levels).round()
+        code = ((kb - lo.unsqueeze(2)) / width * levels).round().clamp(0, levels)
         approx = lo.unsqueeze(2) + code * width / levels
         return torch.einsum("hgd,hntd->hgnt", qg, approx).amax(-1).sum(1)
 
@@ -244,6 +267,7 @@ def block_scores(
         "m+.75r": lambda: around(kb.mean(2), 0.75),
         "m+r": lambda: around(kb.mean(2), 1.0),
         "int2": lambda: codes(2),
+        "int2/b8": lambda: codes(2, *bound8(lo, hi)),
         "int2/w8": lambda: codes_w8(127),
         "int2/w4": lambda: codes_w8(7),
         "int3": lambda: codes(3),
