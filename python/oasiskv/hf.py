@@ -414,7 +414,7 @@ class OasisKVCache(Cache):
                     f"row {i}: the prompt has {n} tokens and max_new_tokens={m}: {n + m - 1} positions "
                     f"exceeds the model's context of {ctx} tokens; shorten the prompt or lower max_new_tokens"
                 )
-            eng.check_fits(n, m)
+            eng.check_fits(n, m, sparse=eng.prefills_sparse(n))  # prefilled in one piece
             r = Request(id=i, prompt=list(prompt), max_new_tokens=m)
             self._reqs.append(r)
             if self.drafter is not None:

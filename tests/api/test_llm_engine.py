@@ -14,7 +14,8 @@ from oasiskv import KvConfig, LLMEngine, SamplingParams, errors
 from support.fakes import pools_are_full, prompt, tiny
 
 # Private names read here: ``LLMEngine._by_id`` (a request's engine-side state, no public lookup):
-# the codes test reads the request's blocks from it.
+# the codes test reads the request's blocks from it; ``engine.core._SparsePrefill.store`` (one
+# layer of a sparse prefill), where the failure test injects its error.
 
 torch.set_num_threads(2)
 
@@ -114,13 +115,18 @@ def test_pools_grow_with_need_not_with_the_budget(model):
 
 def test_refused_requests_leave_the_engine_running(model):
     kv = KvConfig(**README_KV)
+    # Prompts over 256 tokens are prefilled in chunks, through dense pages.
     eng = LLMEngine(
-        model, kv=kv, gpu_kv_budget_bytes=12 * LLMEngine(model, kv=kv).engine.page_bytes_all_layers
+        model,
+        kv=kv,
+        gpu_kv_budget_bytes=12 * LLMEngine(model, kv=kv).engine.page_bytes_all_layers,
+        max_num_batched_tokens=256,
     )
     ok = eng.add_request(prompt(40, 1), SamplingParams(max_tokens=4, ignore_eos=True))
     with pytest.raises(errors.ContextLengthError, match="context of 1024"):
         eng.add_request([1] * 1000, SamplingParams(max_tokens=30))
-    # 400 prompt tokens need 25 pages at prefill: more than the whole 12-page budget.
+    # 400 prompt tokens in chunks need 25 pages at prefill: more than the whole 12-page budget
+    # (in one piece the prompt is admitted sparse: tests/engine/test_sparse_prefill.py).
     with pytest.raises(errors.OutOfBlocksError, match="gpu_kv_budget_bytes"):
         eng.add_request(prompt(400, 2), SamplingParams(max_tokens=4))
     with pytest.raises(errors.ConfigError, match="already in use"):
@@ -181,18 +187,42 @@ def test_non_finite_logits_and_failed_prefill_finish_one_request(model):
 
 
 def test_a_failed_dense_to_sparse_transition_finishes_that_request_only(model, monkeypatch):
-    """The pre-runtime engine lost the whole batch (and leaked pages) when make_sparse raised."""
+    """The pre-runtime engine lost the whole batch (and leaked pages) when make_sparse raised.
+    Both prompts are under the threshold (64), so both turn sparse while decoding."""
     kv = KvConfig(**README_KV)
     eng = LLMEngine(model, kv=kv, drafter="ngram")
     orig = eng.engine.make_sparse
 
     def flaky(r):
-        if len(r.prompt) == 90:
+        if len(r.prompt) == 50:
             orig(r)  # the runtime's tables turn sparse, then the device work fails
             raise errors.OasisError("injected: the copy to the host pool failed")
         orig(r)
 
     monkeypatch.setattr(eng.engine, "make_sparse", flaky)
+    bad = eng.add_request(prompt(50, 1), SamplingParams(max_tokens=20, ignore_eos=True))
+    good = eng.add_request(prompt(60, 2), SamplingParams(max_tokens=20, ignore_eos=True))
+    outs = eng.run_to_completion([bad, good])
+    assert outs[bad].finish_reason == "error" and "injected" in outs[bad].error
+    assert outs[good].finish_reason == "length" and len(outs[good].token_ids) == 20
+    assert pools_are_full(eng)
+
+
+def test_a_failed_sparse_prefill_finishes_that_request_only(model, monkeypatch):
+    """A long prompt is admitted sparse and prefilled into the host pool: when storing one of its
+    layers fails, that request ends with the error, its rows go back, the others complete."""
+    from oasiskv.engine import core
+
+    kv = KvConfig(**README_KV)
+    eng = LLMEngine(model, kv=kv, drafter="ngram")
+    orig = core._SparsePrefill.store
+
+    def flaky(self, layer, k, v):
+        if k.shape[0] == 90 and layer == 1:
+            raise errors.OasisError("injected: the copy of layer 1 to the host pool failed")
+        orig(self, layer, k, v)
+
+    monkeypatch.setattr(core._SparsePrefill, "store", flaky)
     bad = eng.add_request(prompt(90, 1), SamplingParams(max_tokens=6, ignore_eos=True))
     good = eng.add_request(prompt(100, 2), SamplingParams(max_tokens=6, ignore_eos=True))
     outs = eng.run_to_completion([bad, good])

@@ -273,12 +273,14 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         it took goes back to the pools before the error propagates.
         """
         if r.runtime is None:
-            self.admit(r)
+            r.sparse_prefill = self.admit(r, whole=True)
         try:
             return self._prefill(r)
         except BaseException:
             self.release(r)
             raise
+        finally:
+            r.sparse_prefill = None
 
     def _prefill(self, r: Request) -> torch.Tensor:
         from ..models.transformer import causal_attention
@@ -290,11 +292,14 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         d = self.geo.head_dim
         layers = self.cfg.num_hidden_layers
         self._last_row = {r.id: 0}
-        rows = self._kv_rows(r, n)
-
+        direct = None if r.sparse_prefill is None else _SparsePrefill(self, r.sparse_prefill)
+        rows = self._kv_rows(r, n) if direct is None else None
         page_ids = torch.tensor(r.pages, dtype=torch.long, device=self.device) if p.page_kv8 else None
 
         def store(layer, k, v):
+            if direct is not None:  # admitted sparse: to the host pool, not to pages
+                direct.store(layer, k, v)
+                return
             # One row copy per tensor straight into the pages: no padded or transposed copy (a
             # cache entry held on the host comes in first, one layer at a time). fp8 pages:
             # quantized page by page from the unrounded K/V.
@@ -317,6 +322,8 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
                 self._last_q[layer] = hit.last_q[layer]
             feats = hit.features if self.capture else None
             self._take_features(r, feats)  # an entry held on the host comes in chunk by chunk
+            if direct is not None:
+                self._finish_sparse_prefill(r)
             return hit.logits
 
         ks: list[torch.Tensor] = []
@@ -347,6 +354,8 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
             kept = None if feats is None else cache.hold(feats)
             cache.put(key, Prefilled(ks, vs, list(self._last_q), logits[0], kept, self.capture))
         self._take_features(r, feats)
+        if direct is not None:
+            self._finish_sparse_prefill(r)
         return logits[0]
 
     @torch.no_grad()
@@ -460,9 +469,13 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         """Move the request's KV to the host pool and keep only the budget on the GPU.
 
         The initial working set is the top-K of the latest lookahead query of every layer (the
-        last prompt token's query right after prefill), filled without the fetch cap.
+        last prompt token's query right after prefill), filled without the fetch cap. A request
+        already sparse (a long prompt its prefill admitted sparse: :meth:`prefills_sparse`) is
+        left as it is, so ``prefill`` then ``make_sparse`` works for every prompt.
         """
-        p, g, kv = self.pools, self.geo, self.kv
+        if r.sparse:
+            return
+        p, g = self.pools, self.geo
         self._join_background()
         dev = self.device
         tr = self.runtime.make_sparse(r.id)
@@ -492,6 +505,19 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
                 p.encode_blocks(layer, complete, complete_src)
         r.sparse = True
         r.metrics.sparse_since_token = r.kv_len
+        self._select_all_initial(r, tr)
+
+    def _finish_sparse_prefill(self, r: Request) -> None:
+        """After the prefill of a prompt admitted sparse (its layers stored by
+        :class:`_SparsePrefill`): its initial working sets, as :meth:`make_sparse` selects them."""
+        r.metrics.sparse_since_token = len(r.prompt)
+        self._select_all_initial(r, r.sparse_prefill)
+
+    def _select_all_initial(self, r: Request, tr: dict) -> None:
+        """Every layer's initial working set of ``r``, which just turned sparse (transition
+        ``tr``: :meth:`make_sparse`, or a prompt admitted sparse and prefilled), from the latest
+        lookahead query without the fetch cap."""
+        kv, g, dev = self.kv, self.geo, self.device
         n_complete = tr["n_complete"]
         slot_pages = i32([tr["slot_pages"]], dev)
         blk_indptr, blk_indices = csr_tables([tr["host_blocks"][:n_complete]], dev)
@@ -731,3 +757,54 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         m.fetched_bytes_per_step = m.fetched_bytes_total / m.sparse_steps if m.sparse_steps else 0.0
         n_rec = float(self._acc_recall_n[r.slot])
         m.lookahead_recall = float(self._acc_recall[r.slot]) / n_rec if n_rec else None
+
+
+class _SparsePrefill:
+    """The prefill of a prompt admitted sparse (:meth:`Engine.admit` with ``whole``; transition
+    ``tr`` of ``Runtime.admit_sparse``): :meth:`store` puts each layer's K/V where
+    :meth:`Engine.make_sparse` would have copied them from dense pages -- the request's host rows,
+    the summaries (and key codes) of its blocks from the same keys, its partial last block in the
+    local page -- while the forward holds them, so the device holds one layer of the prompt at a
+    time instead of every layer's pages. The same kernels as ``make_sparse`` on the same values:
+    the same pools, bit for bit."""
+
+    def __init__(self, eng: Engine, tr: dict) -> None:
+        dev = eng.device
+        self.eng, self.tr = eng, tr
+        self.dst, self.lens, self.rows = (i32(tr[x], dev) for x in ("host_blocks", "lens", "host_rows"))
+        self.nb, self.n_complete = len(tr["host_blocks"]), tr["n_complete"]
+        self.src = torch.arange(self.nb, dtype=torch.int32, device=dev)
+
+    def _paged(self, x: torch.Tensor) -> torch.Tensor:
+        """``[n, Hkv, D]`` as the pool's pages ``[nb, Hkv, b, D]`` (zeros past ``n``)."""
+        eng = self.eng
+        b, hk, d = eng.kv.block_size, eng.geo.num_kv_heads, eng.geo.head_dim
+        x = x.to(eng.device, eng.dtype, non_blocking=True)
+        pad = self.nb * b - x.shape[0]
+        if pad:
+            x = torch.cat([x, x.new_zeros(pad, hk, d)])
+        return x.view(self.nb, b, hk, d).transpose(1, 2).contiguous()
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        eng = self.eng
+        p, g = eng.pools, eng.geo
+        kp, vp = self._paged(k), self._paged(v)
+        ops.copy_pages(
+            g,
+            kp,
+            vp,
+            self.src,
+            p.host_k[layer],
+            p.host_v[layer],
+            self.rows,
+            valid=self.lens,  # an fp8 host pool quantizes each block over its own rows
+            **p.host_scales(layer, "dst_"),
+        )
+        ops.build_summaries(g, kp, self.dst, self.lens, p.summaries[layer], block_rows=self.src)
+        nc = self.n_complete
+        if eng.key_codes and nc:
+            p.encode_blocks(layer, self.dst[:nc], self.src[:nc], keys=kp)
+        if nc < self.nb:  # the partial last block: the local page's (attention reads it there)
+            local = self.tr["local_page"]
+            p.k_pages[layer][local] = kp[-1]
+            p.v_pages[layer][local] = vp[-1]

@@ -15,6 +15,7 @@ from .. import ops
 from ..config import MAX_POOL_BLOCKS
 from ..errors import ConfigError, OutOfBlocksError
 from ..memory import available_bytes, device_numa_node, ensure_fits, pinned_full
+from ..policy import LocalHostPool
 from .requests import Request
 
 log = logging.getLogger("oasiskv.engine")
@@ -23,6 +24,11 @@ log = logging.getLogger("oasiskv.engine")
 #: terminal): pinning costs about 0.6 s per GiB, so a 100 GiB pool takes a minute.
 PIN_NOTICE_BYTES = 1 << 30
 
+
+#: Read at call time by :meth:`PoolsMixin.prefills_sparse`: a long prompt prefilled in one piece
+#: goes straight to the host pool (True), or through dense pages that ``make_sparse`` copies and
+#: frees after the prefill (False: the path before it, kept for comparison and its tests).
+DIRECT_SPARSE_PREFILL = True
 
 #: Where the host pool lives (``Engine(host_pool=...)``): pinned CPU memory, or the model's device
 #: (the all-resident oracle: the same selection, but the gather copies device to device).
@@ -194,13 +200,18 @@ class KvPools:
         keys, _ = self.pages_kv(layer, pages.long())
         return keys, torch.arange(pages.numel(), dtype=torch.int32, device=pages.device)
 
-    def encode_blocks(self, layer: int, block_ids: torch.Tensor, key_pages: torch.Tensor) -> None:
+    def encode_blocks(
+        self, layer: int, block_ids: torch.Tensor, key_pages: torch.Tensor, keys: torch.Tensor | None = None
+    ) -> None:
         """The key codes and the 8-bit bound of ``layer``'s complete host blocks ``block_ids``,
         whose summaries are final and whose keys are in the GPU pages ``key_pages`` (HBM reads,
-        not the host rows' copies; fp8 pages: their values). Pools made with ``key_codes`` only.
-        One launch (:func:`ops.encode_blocks`): it runs every layer of every step, in the graph."""
+        not the host rows' copies; fp8 pages: their values), or in the pages ``key_pages`` of
+        ``keys`` (a page-layout tensor, ``[n, num_kv_heads, block_size, head_dim]``, of the
+        pool's dtype: a prompt's keys on their way to the host pool). Pools made with
+        ``key_codes`` only. One launch (:func:`ops.encode_blocks`): it runs every layer of every
+        step, in the graph."""
         g = self.geo
-        keys, rows = self.key_rows(layer, key_pages)
+        keys, rows = self.key_rows(layer, key_pages) if keys is None else (keys, key_pages)
         ops.encode_blocks(
             g,
             keys,
@@ -507,12 +518,15 @@ class PoolsMixin:
     def reserve_pools(self, sizes: list[tuple[int, int]]) -> None:
         """Grow the pools now (up to the caps) so that requests of these ``(prompt_len,
         max_new_tokens)`` fit beside the running ones: one allocation instead of several as a
-        batch is admitted."""
+        batch is admitted. A prompt the engine admits sparse (:meth:`prefills_sparse`: prefilled
+        in one piece) reserves its working set; one prefilled in chunks grows the pools at its
+        admission."""
         self._sync_runtime()
         rt = self.runtime
         g, h, w = rt.reserved
         for n, m in sizes:
-            rg, rh, _ = rt.reservation(n, m)  # a local request: a host row with every id
+            # A local request: a host row with every id.
+            rg, rh, _ = rt.reservation(n, m, sparse=self.prefills_sparse(n))
             g, h, w = g + rg, h + rh, w + rh
         gcap, _, hcap = rt.caps
         self._grow_to(min(g, gcap), h, min(w, hcap))
@@ -548,8 +562,31 @@ class PoolsMixin:
             "request turns sparse sooner"
         )
 
-    def admit(self, r: Request) -> None:
-        """Reserve ``r``'s peak need, take its accumulator slot and the prompt's pages."""
+    def prefills_sparse(self, prompt_len: int) -> bool:
+        """Whether a prompt of ``prompt_len`` tokens prefilled in one piece is admitted sparse
+        (:meth:`admit` with ``whole=True``): its K/V go from the forward straight to the host
+        pool, layer by layer, and only its working set takes GPU pages, so admitting a long prompt
+        needs no room for its dense pages (19 GiB at 128K on Qwen3-8B shapes). True for the
+        ``oasis`` backend over the local host pool, when the prompt alone passes
+        ``sparse_threshold`` (so it would turn sparse right after a dense prefill) and
+        :data:`DIRECT_SPARSE_PREFILL` is on; not over fp8 pages (``kv_dtype="fp8_e4m3"``), whose
+        prefill quantizes page by page. A chunked prefill is admitted dense (its later chunks
+        read the prompt back from its pages)."""
+        return (
+            DIRECT_SPARSE_PREFILL
+            and self.backend == "oasis"
+            and not self.page_kv8
+            and isinstance(self.block_source, LocalHostPool)
+            and prompt_len > self.kv.threshold_tokens
+        )
+
+    def admit(self, r: Request, whole: bool = False) -> dict | None:
+        """Reserve ``r``'s peak need, take its accumulator slot and the prompt's pages. ``whole``:
+        its prompt will be prefilled in one piece, so it is admitted sparse when
+        :meth:`prefills_sparse` says so: then only its working set, and the dict of
+        :meth:`admit_sparse` is returned (its prefill fills the host rows). Else None."""
+        if whole and self.prefills_sparse(len(r.prompt)):
+            return self.admit_sparse(r)
         self._sync_runtime()
         rt = self.runtime
         n, m = len(r.prompt), r.max_new_tokens
@@ -562,6 +599,7 @@ class PoolsMixin:
                 "(LLMEngine does), raise the pool budgets, or submit fewer requests at once"
             ) from None
         self._seat(r, slot, False)
+        return None
 
     def admit_sparse(self, r: Request, cache_blocks: int | None = None) -> dict:
         """Admit ``r``, whose prompt's KV is stored elsewhere (a staging daemon), directly sparse:

@@ -87,6 +87,9 @@ class Request:
     slot: int = -1
     sparse: bool = False
     runtime: object | None = field(default=None, repr=False)
+    # Admitted sparse for a prefill in one piece (Engine.admit with whole=True): the runtime's
+    # transition, whose host rows and local page the prefill fills; None once it has.
+    sparse_prefill: dict | None = field(default=None, repr=False)
 
     @property
     def kv_len(self) -> int:

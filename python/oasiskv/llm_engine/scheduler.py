@@ -110,7 +110,10 @@ class Scheduler:
                 "tokens; shorten the prompt or lower max_tokens"
             )
         self.engine.check_fits(
-            len(ids), params.max_tokens, sparse=staged is not None, cache_blocks=self._cache_of(staged)
+            len(ids),
+            params.max_tokens,
+            sparse=staged is not None or self._prefills_sparse(len(ids)),
+            cache_blocks=self._cache_of(staged),
         )
         n = next(self._ids)
         rid = str(n) if request_id is None else request_id
@@ -239,13 +242,22 @@ class Scheduler:
         """Whether ``max_num_seqs`` leaves room for one more admitted request."""
         return len(self._running) + len(self._prefilling) < self.max_num_seqs
 
+    def _prefills_sparse(self, prompt_len: int) -> bool:
+        """Whether a local prompt of ``prompt_len`` tokens is admitted sparse: the engine prefills
+        it straight into the host pool (``Engine.prefills_sparse``) when it is prefilled in one
+        piece, which a prompt within ``max_num_batched_tokens`` always is (:meth:`_prefill` waits
+        for a step's whole budget for it). Then it reserves only its working set."""
+        return prompt_len <= self.max_num_batched_tokens and self.engine.prefills_sparse(prompt_len)
+
     def _fits(self, seq: Seq) -> bool:
         """Whether the pools hold ``seq``'s peak KV beside the admitted requests' (a staged
-        request reserves its working set only: ``Engine.admit_sparse``)."""
+        request, or a prompt admitted sparse (:meth:`_prefills_sparse`), reserves its working set
+        only: ``Engine.admit_sparse``)."""
         r = seq.req
         staged = seq.staged
+        sparse = staged is not None or self._prefills_sparse(len(r.prompt))
         return self.engine.can_admit(
-            len(r.prompt), r.max_new_tokens, sparse=staged is not None, cache_blocks=self._cache_of(staged)
+            len(r.prompt), r.max_new_tokens, sparse=sparse, cache_blocks=self._cache_of(staged)
         )
 
     def _prefill(self, touched: list[Seq]) -> None:
@@ -272,6 +284,12 @@ class Scheduler:
                 seq = self._waiting[0]
                 if not self._fits(seq):
                     break  # it waits, and so does everyone behind it (no overtaking)
+                if (
+                    seq.staged is None
+                    and len(seq.req.prompt) > budget
+                    and self._prefills_sparse(len(seq.req.prompt))
+                ):
+                    break  # admitted sparse, it is prefilled in one piece: next step's whole budget
                 if seq.staged is not None and busy and not src.ready(seq.staged, seq.req.max_new_tokens):
                     break  # its data is still being read ahead: decode the others meanwhile
                 self._waiting.popleft()

@@ -16,8 +16,9 @@ H100 and emulated elsewhere. On the real H100 the emulated budget said dense fit
 
 A request's reservation, ``need``, is a dict of
 
-* ``peak_pages``: GPU pages at its dense-phase peak; ``steady_pages``: its working set once
-  sparse (``top_k_blocks + 1``);
+* ``peak_pages``: GPU pages at its dense-phase peak (its working set when ``prefills_sparse``:
+  the engine admits the prompt sparse and prefills it straight into the host pool);
+  ``steady_pages``: its working set once sparse (``top_k_blocks + 1``);
 * ``host_blocks``: the blocks of its KV in the host pool; ``kv_blocks``: every block of its KV
   (the peak pages for dense, the host blocks otherwise);
 * ``block_bytes``: a block's K and V over all layers (GPU pages); ``host_block_bytes``: the
@@ -193,7 +194,8 @@ def fit(
             return f"dense KV {dense / gib:.1f} GiB > GPU KV budget {budget / gib:.1f} GiB", 0, None
         return None, budget, None
     # Admission turns one request sparse before the next is prefilled: (C - 1) working sets
-    # and one dense prompt at the peak; every request's summaries stay on the GPU.
+    # and one dense prompt at the peak (a working set too when the prompt is prefilled sparse);
+    # every request's summaries stay on the GPU.
     pages = (conc - 1) * need["steady_pages"] + need["peak_pages"]
     summaries = conc * need["host_blocks"] * need["summary_bytes"]
     host = conc * need["host_blocks"] * need.get("host_block_bytes", per)

@@ -231,6 +231,11 @@ class Fig11:
         probe = llm.engine
         probe.reserve_pools([])  # makes the runtime, allocates nothing
         peak, host, sparse = probe.runtime.reservation(ctx, self.args.max_tokens)
+        # A prompt the engine admits sparse (prefilled in one piece, as here) never holds its
+        # dense pages: its peak is its working set (Engine.prefills_sparse).
+        direct = mode != "dense" and probe.prefills_sparse(ctx)
+        if direct:
+            peak, _, _ = probe.runtime.reservation(ctx, self.args.max_tokens, sparse=True)
         self.close(llm)
         per = probe.page_bytes_all_layers
         kv = probe.kv
@@ -241,6 +246,7 @@ class Fig11:
                 "--sparse-threshold"
             )
         return {
+            "prefills_sparse": direct,
             "peak_pages": peak,
             "host_blocks": host,
             "kv_blocks": peak if mode == "dense" else host,  # every block of the request's KV

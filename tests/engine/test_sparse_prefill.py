@@ -1,0 +1,113 @@
+"""A long prompt prefilled in one piece is admitted sparse (``Engine.prefills_sparse``): its layers
+go from the forward straight to the host pool, and only its working set takes GPU pages. Against
+the path through dense pages that ``make_sparse`` copies (``DIRECT_SPARSE_PREFILL`` off): the same
+pools bit for bit and the same logits; a prompt whose dense pages exceed the GPU budget decodes
+the same tokens; a chunked prefill still goes through pages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from oasiskv import KvConfig, LLMEngine, SamplingParams
+from oasiskv.engine import Engine, PrefillCache, Request
+from oasiskv.engine import pools as pools_mod
+from support.engines import SMALL_KV, repeated_prompts, teacher_forced_logits
+from support.fakes import pools_are_full, prompt, tiny
+
+torch.set_num_threads(2)
+
+
+def _run(model, kv, prompts, forced, direct, monkeypatch, **engine_kw):
+    monkeypatch.setattr(pools_mod, "DIRECT_SPARSE_PREFILL", direct)
+    return teacher_forced_logits(model, kv, "oasis", prompts, forced, **engine_kw)
+
+
+def _host_state(eng, r) -> list[torch.Tensor]:
+    """Everything the host pool and the GPU metadata hold of ``r``, in its logical block order."""
+    p = eng.pools
+    rows = torch.tensor(r.host_rows, dtype=torch.long)
+    blocks = torch.tensor(r.host_blocks, dtype=torch.long)
+    out = []
+    for layer in range(eng.cfg.num_hidden_layers):
+        out += [p.host_k[layer][rows], p.host_v[layer][rows], p.summaries[layer][blocks]]
+        if p.host_kv8:
+            out += [p.host_k_scales[layer][rows], p.host_v_scales[layer][rows]]
+        if p.codes is not None:
+            out += [p.codes[layer][blocks], p.bounds8[layer][blocks], p.bound_scales[layer][blocks]]
+    return out
+
+
+@pytest.mark.parametrize("selection", ["fidelity", "fast"])
+@pytest.mark.parametrize("host_kv_dtype", [None, "fp8_e4m3"])
+@pytest.mark.parametrize("shared", [False, True])
+def test_sparse_prefill_equals_the_path_through_pages(qwen3, monkeypatch, selection, host_kv_dtype, shared):
+    """Two prompts (83 tokens: a partial last block; 96: whole blocks), or one prompt twice through
+    a PrefillCache (``shared``: the second prefill stores the cached layers): the same logits at
+    every step and the same host rows, summaries, codes and bounds as prefilling through dense
+    pages and copying them; and the GPU page pool never grows past the working sets."""
+    make = KvConfig.fidelity if selection == "fidelity" else KvConfig.fast
+    kv = make(**SMALL_KV, host_kv_dtype=host_kv_dtype)
+    lens = [83, 83] if shared else [83, 96]
+    prompts = repeated_prompts(qwen3.config.vocab_size, lens, seed=5)
+    if shared:
+        prompts[1] = list(prompts[0])
+    g = torch.Generator().manual_seed(9)
+    forced = [torch.randint(0, qwen3.config.vocab_size, (6,), generator=g).tolist() for _ in prompts]
+    runs = {}
+    for direct in (False, True):
+        kw = {"prefill_cache": PrefillCache()} if shared else {}
+        runs[direct] = _run(qwen3, kv, prompts, forced, direct, monkeypatch, **kw)
+    (lp, rp, ep), (ld, rd, ed) = runs[False], runs[True]
+    assert torch.equal(ld, lp)
+    for a, b in zip(rp, rd, strict=True):
+        assert a.sparse and b.sparse
+        assert b.metrics.sparse_since_token == len(b.prompt)
+        for x, y in zip(_host_state(ep, a), _host_state(ed, b), strict=True):
+            assert torch.equal(x, y)
+    k1 = SMALL_KV["top_k_blocks"] + 1
+    assert ed.runtime.pool_sizes[0] <= len(prompts) * k1 < ep.runtime.pool_sizes[0]
+
+
+def test_a_prompt_past_the_gpu_budget_decodes_sparse(monkeypatch):
+    """A 400-token prompt needs 25 dense pages; with a GPU budget of 12 (K + 1 = 9 per request) it
+    is admitted sparse and decodes the greedy tokens of an engine that prefilled it through pages
+    with room for them. The pools are full again afterwards."""
+    model = tiny()
+    kv = KvConfig(block_size=16, top_k_blocks=8, fetch_cap=0.25, sparse_threshold=64)
+    ids = prompt(400, 2)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+
+    monkeypatch.setattr(pools_mod, "DIRECT_SPARSE_PREFILL", False)
+    roomy = LLMEngine(model, kv=kv, drafter="ngram")
+    rid = roomy.add_request(ids, params)
+    want = roomy.run_to_completion([rid])[rid].token_ids
+
+    monkeypatch.setattr(pools_mod, "DIRECT_SPARSE_PREFILL", True)
+    page = LLMEngine(model, kv=kv).engine.page_bytes_all_layers
+    small = LLMEngine(model, kv=kv, drafter="ngram", gpu_kv_budget_bytes=12 * page)
+    rid = small.add_request(ids, params)
+    assert small.run_to_completion([rid])[rid].token_ids == want
+    assert small.engine.runtime.pool_sizes[0] <= 12 and pools_are_full(small)
+
+
+def test_a_chunked_prefill_goes_through_pages(qwen3):
+    """Chunks read the prompt back from its pages: a prompt prefilled in two chunks is admitted
+    dense (its pages held until make_sparse), whatever its length; one piece is admitted sparse."""
+    kv = KvConfig(**SMALL_KV)
+    ids = repeated_prompts(qwen3.config.vocab_size, [90], seed=3)[0]
+    eng = Engine(qwen3, kv, "oasis", None)
+    assert eng.prefills_sparse(len(ids)) and not eng.prefills_sparse(SMALL_KV["sparse_threshold"])
+    chunked, whole = Request(id=0, prompt=ids, max_new_tokens=4), Request(id=1, prompt=ids, max_new_tokens=4)
+    eng.ensure_pools([chunked, whole])
+    assert eng.prefill_chunk(chunked, 0, 50) is None
+    eng.prefill_chunk(chunked, 50, len(ids))
+    n_pages = len(chunked.pages)
+    assert not chunked.sparse and n_pages == -(-len(ids) // kv.block_size)
+    eng.make_sparse(chunked)  # from this prefill's last queries
+    eng.prefill(whole)
+    assert whole.sparse and whole.pages == [] and len(whole.host_rows) == n_pages
+    p = eng.pools
+    for layer in range(qwen3.config.num_hidden_layers):
+        a, b = (torch.tensor(r.host_rows, dtype=torch.long) for r in (chunked, whole))
+        torch.testing.assert_close(p.host_k[layer][a], p.host_k[layer][b], atol=1e-5, rtol=1e-5)
