@@ -435,3 +435,35 @@ def test_fig11_a_measured_admission_lowers_only_its_mode_s_budget(tmp_path, monk
     measured["on"] = True
     explicit = context("explicit", "--activation-reserve", "1MiB")
     assert explicit["admission_bytes"] == {"dense": None, "oasis": None}
+
+
+def test_fig11_a_prompt_admitted_sparse_needs_no_dense_pages(tmp_path, monkeypatch):
+    """OasisKV prefills the context's prompt in one piece straight into the host pool
+    (``Engine.prefills_sparse``), so its fit reserves every request's working set and no dense
+    prompt: under a GPU budget of 20 working sets, more OasisKV requests fit than through dense
+    pages (``DIRECT_SPARSE_PREFILL`` off), the context says which, and the rows run."""
+    from oasiskv.engine import pools
+
+    budget = None
+
+    def context(name, direct):
+        nonlocal budget
+        monkeypatch.setattr(pools, "DIRECT_SPARSE_PREFILL", direct)
+        path = tmp_path / f"{name}.json"
+        args = [*TINY, *KV, "--concurrency", "2", "--modes", "dense,oasis", "--md", "", "--png", ""]
+        if budget is not None:
+            args += ["--gpu-kv-budget", str(budget), "--activation-reserve", "0"]
+        assert bench.main([*args, "--json", str(path)]) == 0
+        rep = json.loads(path.read_text())
+        assert all(r["status"] == "ok" for r in rep["rows"])
+        return rep["contexts"]["256"]
+
+    probe = context("probe", True)
+    block = probe["request_kv_bytes"] // 16  # a block's K/V, every layer: 256 tokens, blocks of 16
+    # Room for about 20 requests' working sets (K + 1 = 5 pages) and as many blocks again for their
+    # metadata: a dense prompt's 16 pages are worth several requests there.
+    budget = 20 * (4 + 1) * block + 20 * 16 * block
+    direct, pages = context("direct", True), context("pages", False)
+    assert direct["prefills_sparse"] == {"dense": False, "oasis": True}
+    assert pages["prefills_sparse"] == {"dense": False, "oasis": False}
+    assert direct["max_concurrency"]["oasis"] > pages["max_concurrency"]["oasis"] > 0

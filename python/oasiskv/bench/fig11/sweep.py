@@ -514,6 +514,9 @@ class Fig11:
             # of it the activation reserve does not cover, taken off that mode's GPU budget.
             "admission_bytes": {m: needs[m].get("admission_bytes") for m in modes},
             "admission_excess_bytes": {m: fits.admission_excess(needs[m], self.budgets) for m in modes},
+            # Whether each mode admits the context's prompt sparse (straight to the host pool, its
+            # working set its only pages: Engine.prefills_sparse) or through its dense pages.
+            "prefills_sparse": {m: bool(needs[m].get("prefills_sparse")) for m in modes},
             "request_kv_bytes": needs[modes[0]]["kv_blocks"] * needs[modes[0]]["block_bytes"],
         }
         dense_max = info["max_concurrency"].get("dense")
