@@ -200,11 +200,17 @@ def test_a_failed_dense_to_sparse_transition_finishes_that_request_only(model, m
         orig(r)
 
     monkeypatch.setattr(eng.engine, "make_sparse", flaky)
-    bad = eng.add_request(prompt(50, 1), SamplingParams(max_tokens=20, ignore_eos=True))
-    good = eng.add_request(prompt(60, 2), SamplingParams(max_tokens=20, ignore_eos=True))
+    _only_the_first_fails(eng, prompt(50, 1), prompt(60, 2), max_tokens=20)
+
+
+def _only_the_first_fails(eng, bad_ids, good_ids, max_tokens):
+    """Run two requests; the first ends with the injected error, the second completes, and the
+    pools are full again."""
+    bad = eng.add_request(bad_ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    good = eng.add_request(good_ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     outs = eng.run_to_completion([bad, good])
     assert outs[bad].finish_reason == "error" and "injected" in outs[bad].error
-    assert outs[good].finish_reason == "length" and len(outs[good].token_ids) == 20
+    assert outs[good].finish_reason == "length" and len(outs[good].token_ids) == max_tokens
     assert pools_are_full(eng)
 
 
@@ -223,12 +229,7 @@ def test_a_failed_sparse_prefill_finishes_that_request_only(model, monkeypatch):
         orig(self, layer, k, v)
 
     monkeypatch.setattr(core._SparsePrefill, "store", flaky)
-    bad = eng.add_request(prompt(90, 1), SamplingParams(max_tokens=6, ignore_eos=True))
-    good = eng.add_request(prompt(100, 2), SamplingParams(max_tokens=6, ignore_eos=True))
-    outs = eng.run_to_completion([bad, good])
-    assert outs[bad].finish_reason == "error" and "injected" in outs[bad].error
-    assert outs[good].finish_reason == "length" and len(outs[good].token_ids) == 6
-    assert pools_are_full(eng)
+    _only_the_first_fails(eng, prompt(90, 1), prompt(100, 2), max_tokens=6)
 
 
 def test_failed_prefill_through_the_engine_does_not_leak(model):

@@ -475,34 +475,15 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         """
         if r.sparse:
             return
-        p, g = self.pools, self.geo
+        p = self.pools
         self._join_background()
         dev = self.device
         tr = self.runtime.make_sparse(r.id)
         self._flush_map()
         src, dst, lens = i32(tr["src_pages"], dev), i32(tr["host_blocks"], dev), i32(tr["lens"], dev)
         rows = i32(tr["host_rows"], dev)
-        complete, complete_src = dst[: tr["n_complete"]], src[: tr["n_complete"]]
         for layer in range(self.cfg.num_hidden_layers):
-            # Pages into host rows; summaries (and codes) of the block ids from the same keys, read
-            # from the GPU pages (the host rows hold copies of them): HBM, not PCIe reads.
-            ops.copy_pages(
-                g,
-                p.k_pages[layer],
-                p.v_pages[layer],
-                src,
-                p.host_k[layer],
-                p.host_v[layer],
-                rows,
-                valid=lens,  # an fp8 host pool quantizes each block over its own rows
-                **p.host_scales(layer, "dst_"),
-                **p.page_scales(layer, "src_"),
-            )
-            # fp8 pages: the summaries bound the keys as stored (code x scale), which attention reads.
-            keys, key_rows = p.key_rows(layer, src)
-            ops.build_summaries(g, keys, dst, lens, p.summaries[layer], block_rows=key_rows)
-            if self.key_codes and complete.numel():
-                p.encode_blocks(layer, complete, complete_src)
+            p.blocks_to_host(layer, src, rows, dst, lens, tr["n_complete"], self.key_codes)
         r.sparse = True
         r.metrics.sparse_since_token = r.kv_len
         self._select_all_initial(r, tr)
@@ -787,23 +768,10 @@ class _SparsePrefill:
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         eng = self.eng
-        p, g = eng.pools, eng.geo
+        p = eng.pools
         kp, vp = self._paged(k), self._paged(v)
-        ops.copy_pages(
-            g,
-            kp,
-            vp,
-            self.src,
-            p.host_k[layer],
-            p.host_v[layer],
-            self.rows,
-            valid=self.lens,  # an fp8 host pool quantizes each block over its own rows
-            **p.host_scales(layer, "dst_"),
-        )
-        ops.build_summaries(g, kp, self.dst, self.lens, p.summaries[layer], block_rows=self.src)
         nc = self.n_complete
-        if eng.key_codes and nc:
-            p.encode_blocks(layer, self.dst[:nc], self.src[:nc], keys=kp)
+        p.blocks_to_host(layer, self.src, self.rows, self.dst, self.lens, nc, eng.key_codes, pages=(kp, vp))
         if nc < self.nb:  # the partial last block: the local page's (attention reads it there)
             local = self.tr["local_page"]
             p.k_pages[layer][local] = kp[-1]

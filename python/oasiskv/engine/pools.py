@@ -223,6 +223,43 @@ class KvPools:
             block_rows=rows,
         )
 
+    def blocks_to_host(
+        self,
+        layer: int,
+        src: torch.Tensor,
+        rows: torch.Tensor,
+        dst: torch.Tensor,
+        lens: torch.Tensor,
+        n_complete: int,
+        codes: bool,
+        pages: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        """``layer``'s blocks from pages ``src`` (int32) into host rows ``rows``, with the
+        summaries (and, with ``codes``, the key codes and 8-bit bound of the first ``n_complete``)
+        of their host block ids ``dst``, ``lens`` valid rows each: the pool's own GPU pages
+        (``make_sparse``), or ``pages = (k, v)``, page-layout tensors of the pool's dtype (a
+        prompt's layer on its way to the host pool). Summaries and codes come from the same keys
+        as the copy, read from the pages (HBM, not PCIe reads; fp8 pages: the keys as stored,
+        code x scale, which attention reads)."""
+        g = self.geo
+        k, v = (self.k_pages[layer], self.v_pages[layer]) if pages is None else pages
+        ops.copy_pages(
+            g,
+            k,
+            v,
+            src,
+            self.host_k[layer],
+            self.host_v[layer],
+            rows,
+            valid=lens,  # an fp8 host pool quantizes each block over its own rows
+            **self.host_scales(layer, "dst_"),
+            **(self.page_scales(layer, "src_") if pages is None else {}),
+        )
+        keys, key_rows = self.key_rows(layer, src) if pages is None else (k, src)
+        ops.build_summaries(g, keys, dst, lens, self.summaries[layer], block_rows=key_rows)
+        if codes and n_complete:
+            self.encode_blocks(layer, dst[:n_complete], src[:n_complete], keys=None if pages is None else k)
+
     def enable_key_codes(self) -> None:
         """Add (empty) key-code tensors to pools made without them (pools shared, while idle,
         between engines of different block scores); codes are written as blocks enter the host
