@@ -403,31 +403,6 @@ __device__ __forceinline__ u32 pack2<f16>(float lo, float hi) {
 }
 
 
-// Four E4M3 codes (byte b of w is code b) as f32, NaN codes as NaN. sm_89+: two cvt per pair
-// (exact: every E4M3 value is an f16); elsewhere e4m3_decode.
-__device__ __forceinline__ void e4m3x4_to_f32(u32 w, float (&out)[4]) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-    asm("{\n"
-        " .reg .b16 a, b, c, d, e, f;\n"
-        " .reg .b32 lo, hi;\n"
-        " mov.b32 {a, b}, %4;\n"
-        " cvt.rn.f16x2.e4m3x2 lo, a;\n"
-        " cvt.rn.f16x2.e4m3x2 hi, b;\n"
-        " mov.b32 {c, d}, lo;\n"
-        " mov.b32 {e, f}, hi;\n"
-        " cvt.f32.f16 %0, c;\n"
-        " cvt.f32.f16 %1, d;\n"
-        " cvt.f32.f16 %2, e;\n"
-        " cvt.f32.f16 %3, f;\n"
-        "}\n"
-        : "=f"(out[0]), "=f"(out[1]), "=f"(out[2]), "=f"(out[3])
-        : "r"(w));
-#else
-#pragma unroll
-    for (int b = 0; b < 4; ++b) out[b] = e4m3_decode((w >> (8 * b)) & 0xffu);
-#endif
-}
-
 // 16 codes (one 16-byte unit) times `scale` as two 16-byte units of T (8 values each).
 template <typename T>
 __device__ __forceinline__ void dequant16(const uint4& w, float scale, uint4& lo, uint4& hi) {

@@ -127,6 +127,21 @@ __device__ __forceinline__ void cp_async_wait_all() {
 #endif
 }
 
+// The cp.async issued since the last commit become one group (sm_80+; before, the copies above
+// were synchronous and there is nothing to wait for).
+__device__ __forceinline__ void cp_async_commit() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Wait until at most one committed group of this thread is still in flight (the newest).
+__device__ __forceinline__ void cp_async_wait_one() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+#endif
+}
+
 // Any grid of blocks of whole warps, at most OASIS_COPY_THREADS threads (the launcher sizes it):
 // the warps stride over the plan's entries, `entries_per_warp` (1-32) at a time. Each of that many
 // lanes checks one entry; the warp then copies the valid ones, the whole warp on each.
@@ -288,13 +303,23 @@ __device__ void warp_quantize_entry(const T* __restrict__ src, int valid, int n,
 #define OASIS_DEQUANT_UNROLL 4
 
 // 16 codes (one 16-byte word) dequantized with `scale` into the 16 T at `dst` (16-byte aligned),
-// sizeof(T) 16-byte stores: the one conversion of the register and the staged gathers.
+// sizeof(T) 16-byte stores: the one conversion of the register and the staged gathers. kv8_dequant's
+// values bit for bit, the codes decoded four at a time (e4m3x4_to_f32: two hardware conversions
+// per pair on sm_89+, where kv8_dequant decodes each code in software).
 template <typename T>
 __device__ __forceinline__ void dequant16(const uint4& w, float scale, T* __restrict__ dst) {
     uint4 o[sizeof(T)];  // 16 T
-    const unsigned char* b = (const unsigned char*)&w;
+    const u32 in[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
-    for (int i = 0; i < 16; ++i) ((T*)o)[i] = kv8_dequant<T>(b[i], scale);
+    for (int i = 0; i < 4; ++i) {
+        float f[4];
+        e4m3x4_to_f32(in[i], f);
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+            const float x = __fmul_rn(f[b], scale);
+            ((T*)o)[4 * i + b] = x != x ? twin_nan<T>() : from_f32<T>(x);
+        }
+    }
 #pragma unroll
     for (int c = 0; c < (int)sizeof(T); ++c) ((uint4*)dst)[c] = o[c];
 }
@@ -423,11 +448,50 @@ __device__ __forceinline__ u64 kv8_stage_words(int stage, u64 n16) {
     return (u64)stage * 2 * n16 + ((u64)stage * 2 + 3) / 4;
 }
 
+// Issue the loads of the next (at most) `count` valid entries of `todo` (this pass's lanes whose
+// entry is valid; taken off it) into stage slots `at ..`: every 16-byte word of their K and V codes
+// and (lane 0) both scales, by cp.async. Returns the lanes issued, in slot order.
+__device__ __forceinline__ unsigned kv8_stage_issue(const Kv8Tier& host, i64 src, unsigned& todo, uint4* buf,
+                                                    float* sbuf, int at, int count, i64 entry, u64 n16, int lane) {
+    unsigned batch = 0;
+    for (int i = at; i < at + count && todo; ++i) {
+        const int j = __ffs(todo) - 1;
+        todo &= todo - 1;
+        batch |= 1u << j;
+        const i64 sj = __shfl_sync(0xffffffffu, src, j);
+        const uint4* k = (const uint4*)(host.k + sj);
+        const uint4* v = (const uint4*)(host.v + sj);
+        uint4* bk = buf + (u64)i * 2 * n16;
+        for (u64 c = lane; c < n16; c += 32) {
+            cp_async16(bk + c, k + c);
+            cp_async16(bk + n16 + c, v + c);
+        }
+        if (lane == 0) {
+            cp_async4(sbuf + 2 * i, host.ks + sj / entry);
+            cp_async4(sbuf + 2 * i + 1, host.vs + sj / entry);
+        }
+    }
+    return batch;
+}
+
+// Write out the landed entries of `batch` (kv8_stage_issue's lanes) from stage slots `at ..`.
+template <typename D>
+__device__ __forceinline__ void kv8_stage_store(D gpu, i64 dst, unsigned batch, const uint4* buf, const float* sbuf,
+                                                int at, i64 entry, u64 n16, int lane) {
+    for (int i = at; batch; ++i) {
+        const int j = __ffs(batch) - 1;
+        batch &= batch - 1;
+        const i64 dj = __shfl_sync(0xffffffffu, dst, j);
+        store_staged(gpu, dj / entry, buf + (u64)i * 2 * n16, sbuf[2 * i], sbuf[2 * i + 1], n16, lane);
+    }
+}
+
 // The staged gather from a kv8 host pool (gather_blocks_impl's staged path on codes): each warp
 // takes the next `stage` valid entries of its pass, issues every 16-byte load of their K and V
 // codes and both scales (cp.async, lane 0 for the scales) into its stage, waits once, then writes
 // them out (store_staged: kv8 pages copied, T pages dequantized from shared memory). One PCIe
-// round trip per `stage` entries; the launcher sizes `stage` so the bytes in flight match the T
+// round trip per `stage` entries; a stage of two or more runs as two halves, one half's loads in
+// flight while the other's entries are written out; the launcher sizes `stage` so the bytes in flight match the T
 // gather's (GatherLaunch::kv8_stage_for). Needs 16-byte aligned codes and pages and an entry of a
 // multiple of 16 codes (the entry points check; else the register paths).
 template <typename D>
@@ -451,6 +515,9 @@ __device__ void gather_blocks_kv8_staged_impl(
     const u64 n16 = (u64)entry >> 4;
     uint4* buf = gather_stage + (u64)(threadIdx.x >> 5) * kv8_stage_words(stage, n16);
     float* sbuf = (float*)(buf + (u64)stage * 2 * n16);  // [stage][K, V]
+    // A stage of two entries or more is used as two halves (entries [0, half) and [half, 2 half)).
+    const int half = stage / 2;
+    const bool pipelined = half > 0;
     for (i64 base = warp * per; base < total; base += num_warps * per) {
         const i64 e = base + lane;
         i64 src = -1;
@@ -461,34 +528,31 @@ __device__ void gather_blocks_kv8_staged_impl(
             src = dst = -1;
         }
         unsigned todo = __ballot_sync(0xffffffffu, src >= 0);
-        while (todo) {
-            unsigned batch = 0;
-            for (int i = 0; i < stage && todo; ++i) {
-                const int j = __ffs(todo) - 1;
-                todo &= todo - 1;
-                batch |= 1u << j;
-                const i64 sj = __shfl_sync(0xffffffffu, src, j);
-                const uint4* k = (const uint4*)(host.k + sj);
-                const uint4* v = (const uint4*)(host.v + sj);
-                uint4* bk = buf + (u64)i * 2 * n16;
-                for (u64 c = lane; c < n16; c += 32) {
-                    cp_async16(bk + c, k + c);
-                    cp_async16(bk + n16 + c, v + c);
-                }
-                if (lane == 0) {
-                    cp_async4(sbuf + 2 * i, host.ks + sj / entry);
-                    cp_async4(sbuf + 2 * i + 1, host.vs + sj / entry);
-                }
+        if (!pipelined) {
+            while (todo) {
+                const unsigned batch = kv8_stage_issue(host, src, todo, buf, sbuf, 0, stage, entry, n16, lane);
+                cp_async_wait_all();
+                __syncwarp();
+                kv8_stage_store(gpu, dst, batch, buf, sbuf, 0, entry, n16, lane);
+                __syncwarp();  // the stage is reused by the next batch
             }
-            cp_async_wait_all();
+            continue;
+        }
+        // Two halves of the stage: the next batch's loads are in flight while this one's entries
+        // are written out (a T tier dequantizes them: the warp's conversion no longer stalls its
+        // PCIe reads). Drained at the end of each pass.
+        unsigned batch = kv8_stage_issue(host, src, todo, buf, sbuf, 0, half, entry, n16, lane);
+        cp_async_commit();
+        int at = 0;
+        while (batch) {
+            const unsigned next = kv8_stage_issue(host, src, todo, buf, sbuf, half - at, half, entry, n16, lane);
+            cp_async_commit();
+            cp_async_wait_one();  // this batch's group has landed; the next one's may still be in flight
             __syncwarp();
-            for (int i = 0; batch; ++i) {
-                const int j = __ffs(batch) - 1;
-                batch &= batch - 1;
-                const i64 dj = __shfl_sync(0xffffffffu, dst, j);
-                store_staged(gpu, dj / entry, buf + (u64)i * 2 * n16, sbuf[2 * i], sbuf[2 * i + 1], n16, lane);
-            }
-            __syncwarp();  // the stage is reused by the next batch
+            kv8_stage_store(gpu, dst, batch, buf, sbuf, at, entry, n16, lane);
+            __syncwarp();  // this half is reused two batches on
+            batch = next;
+            at = half - at;
         }
     }
 }

@@ -137,6 +137,32 @@ __device__ __forceinline__ bf16 twin_nan<bf16>() { return bf16{0x7fc0}; }
 template <>
 __device__ __forceinline__ f16 twin_nan<f16>() { return f16{0x7e00}; }
 
+// Four E4M3 codes (byte b of w is code b) as f32, NaN codes as NaN. sm_89+: two cvt per pair
+// (exact: every E4M3 value is an f16, so the values are e4m3_decode's); elsewhere e4m3_decode. The
+// gather's dequantization (cuda/gather_blocks.cu) and the tensor-core attention's (decode_attn.cu).
+__device__ __forceinline__ void e4m3x4_to_f32(u32 w, float (&out)[4]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    asm("{\n"
+        " .reg .b16 a, b, c, d, e, f;\n"
+        " .reg .b32 lo, hi;\n"
+        " mov.b32 {a, b}, %4;\n"
+        " cvt.rn.f16x2.e4m3x2 lo, a;\n"
+        " cvt.rn.f16x2.e4m3x2 hi, b;\n"
+        " mov.b32 {c, d}, lo;\n"
+        " mov.b32 {e, f}, hi;\n"
+        " cvt.f32.f16 %0, c;\n"
+        " cvt.f32.f16 %1, d;\n"
+        " cvt.f32.f16 %2, e;\n"
+        " cvt.f32.f16 %3, f;\n"
+        "}\n"
+        : "=f"(out[0]), "=f"(out[1]), "=f"(out[2]), "=f"(out[3])
+        : "r"(w));
+#else
+#pragma unroll
+    for (int b = 0; b < 4; ++b) out[b] = e4m3_decode((w >> (8 * b)) & 0xffu);
+#endif
+}
+
 // One kv8 code as T: T(e4m3_decode(c) * scale) (the product is exact in f32), twin_nan for a NaN
 // (a NaN code 0x7f / 0xff, or a corrupt scale).
 template <typename T>

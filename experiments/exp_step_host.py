@@ -52,6 +52,13 @@ def main() -> None:
         "in the same process (ops.set_gather_launch), for each --requests-sweep size; each drops the "
         "graphs and times --steps steps again",
     )
+    ap.add_argument(
+        "--gather-kv8",
+        action="store_true",
+        help="--gather-blocks sets the launch of gathers from an fp8_e4m3 host pool "
+        "(set_gather_launch(kv8=True))",
+    )
+    ap.add_argument("--host-kv-dtype", choices=["fp8_e4m3"], default=None, help="KvConfig(host_kv_dtype=)")
     ap.add_argument("--host-pool", choices=["pinned", "device"], default="pinned")
     ap.add_argument("--background-streams", type=int, default=2, help="Engine(background_streams=N)")
     ap.add_argument(
@@ -108,6 +115,7 @@ def main() -> None:
         top_k_blocks=args.top_k_blocks,
         fetch_cap=args.fetch_cap,
         measure_recall=not args.no_recall,
+        host_kv_dtype=args.host_kv_dtype,
     )
     drafter = NgramDrafter()
     extra = {"cuda_graph": True} if args.cuda_graph else {}
@@ -117,7 +125,7 @@ def main() -> None:
             args.requests
             * (args.context + 1024)
             * cfg.num_hidden_layers
-            * (cfg.num_key_value_heads * cfg.head_dim * 2 * dtype.itemsize)
+            * (cfg.num_key_value_heads * cfg.head_dim * 2 * (1 if args.host_kv_dtype else dtype.itemsize))
         )
     eng = mod.Engine(
         model,
@@ -179,10 +187,11 @@ def main() -> None:
     if args.gather_blocks and cuda:
         from oasiskv import ops
 
-        default_launch = ops.gather_launch()
+        kv8 = args.gather_kv8
+        default_launch = ops.gather_launch(kv8=kv8)
         for size, spec in itertools.product(sizes, args.gather_blocks.split(",")):
             n = tuple(int(x) for x in spec.split(":"))
-            ops.set_gather_launch(*n)
+            ops.set_gather_launch(*n, kv8=kv8)
             if hasattr(eng, "drop_graphs"):
                 eng.drop_graphs()
             h, st = timed(args.steps, reqs[:size] if size else None)
@@ -194,7 +203,7 @@ def main() -> None:
             )
             print(json.dumps(row), flush=True)
             sweep.append(row)
-        ops.set_gather_launch(*default_launch)
+        ops.set_gather_launch(*default_launch, kv8=kv8)
         eng.drop_graphs()
     if args.streams_sweep and cuda:
         for k in [int(x) for x in args.streams_sweep.split(",")]:
