@@ -19,7 +19,8 @@
 #   `bash scripts/device.sh run ...`: it joins the parts, checks the hash, installs it.
 # Later calls of the same warm lease: `bash scripts/device.sh train-head` (MINUTES, STOP,
 # TRAIN_ARGS), `bash scripts/device.sh eval <oasis eval args>` (see docs/EVAL.md) and
-# `bash scripts/device.sh fig11 <python -m oasiskv.bench.serve --fig11 args>` (oasiskv/bench/fig11.py)
+# `bash scripts/device.sh fig11 <python -m oasiskv.bench.serve --fig11 args>` (oasiskv/bench/fig11.py),
+# `bash scripts/device.sh row NAME SECS <fig11 args>` (one row per process, a summary line each)
 # and `bash scripts/device.sh bench-serve NAME <python -m oasiskv.bench.serve args>` (the sweep),
 # `bash scripts/device.sh rt-bench` (oasis-rt block reads over UCX and TCP against memcpy) and
 # `bash scripts/device.sh disagg <python -m oasiskv.bench.disagg args>` (Fig. 12).
@@ -165,6 +166,39 @@ eval)
     tail -n 5 /tmp/eval.log
     tar czf "$OUT/eval.tgz" -C /tmp eval eval.log
     ;;
+row)
+    # After `run` in this warm lease: one Fig. 11 row per process, `bash scripts/device.sh row NAME
+    # SECS ARGS` = `python -m oasiskv.bench.serve --fig11 --top-k-blocks 128 --fetch-cap 0.05 ARGS`
+    # (issue 35's configuration; later ARGS win), at most SECS seconds, JSON in $OUT/NAME.json, log
+    # in $OUT/NAME.log, and one summary line per row (tok/s, TPOT, roofline fractions, peak GPU
+    # memory, budget) appended to $OUT/rows.txt, which is printed.
+    : "${OUT:?run this on the device machine, where OUT is set}"
+    name="${1:?row NAME SECS ARGS}"
+    secs="${2:?row NAME SECS ARGS}"
+    shift 2
+    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+    rows="$OUT/rows.txt"
+    [ -s "$rows" ] || nvidia-smi --query-gpu=name --format=csv,noheader > "$rows" 2>/dev/null || echo "(no nvidia-smi)" > "$rows"
+    (cd /tmp && timeout "$secs" python3 -m oasiskv.bench.serve --fig11 --top-k-blocks 128 --fetch-cap 0.05 \
+        --json "$OUT/$name.json" "$@") > "$OUT/$name.log" 2>&1 || { echo "$name rc=$?" >> "$rows"; tail -n 4 "$OUT/$name.log" >> "$rows"; }
+    python3 - "$OUT/$name.json" "$name" >> "$rows" 2>&1 <<'PY' || true
+import json, sys
+d = json.load(open(sys.argv[1]))
+gib = lambda b: round(b / 2**30, 2) if isinstance(b, (int, float)) else b
+for r in d["rows"]:
+    head = [sys.argv[2], r["mode"], r["context"], r["concurrency"]]
+    if r.get("status") != "ok":
+        print(*head, r.get("status"), r.get("reason", ""))
+        continue
+    f = lambda k: round(r[k], 3) if isinstance(r.get(k), (int, float)) else r.get(k)
+    print(*head, round(r["decode_tokens_per_s"], 1), "tpot_ms", round(1e3 * r["tpot_p50_s"], 3),
+          "roof", f("roofline_fraction"), "hbm", f("hbm_fraction"), "pcie", f("pcie_fraction"),
+          "peak_GiB", gib(r.get("peak_gpu_bytes")), "budget", r.get("gpu_kv_budget_kind"),
+          gib(r.get("gpu_kv_budget_bytes")), "ttft50", f("ttft_p50_s"))
+print(sys.argv[2], "ceilings", d.get("ceilings"))
+PY
+    cat "$rows"
+    ;;
 fig11)
     # After `run` in this warm lease: the serving benchmark's decode sweep (the paper's Fig. 11),
     # report in $OUT/fig11.{json,md,png}. The JSON and markdown are rewritten after every row, so a
@@ -228,7 +262,7 @@ disagg)
     tail -n 30 "$OUT/disagg.log"
     ;;
 *)
-    echo "usage: scripts/device.sh build|run|stage-model|receive a|b|train-head|eval|fig11|bench-serve|rt-bench|disagg" >&2
+    echo "usage: scripts/device.sh build|run|stage-model|receive a|b|train-head|eval|row|fig11|bench-serve|rt-bench|disagg" >&2
     exit 2
     ;;
 esac
