@@ -512,16 +512,17 @@ class _Driver:
         return out
 
     # ---------------------------------------------------------------- mirrored calls
-    def admit(self, r: Request, whole: bool = False) -> dict | None:
+    def admit(self, r: Request, whole: bool = False, chunked: bool = False) -> dict | None:
         self._sent[r.id] = len(r.tokens)
         tokens = None if r.tokens == r.prompt else list(r.tokens)
-        cmd = ("admit", r.id, list(r.prompt), r.max_new_tokens, tokens, whole)
-        return self._call(cmd, lambda: self._engine.admit(r, whole))
+        cmd = ("admit", r.id, list(r.prompt), r.max_new_tokens, tokens, whole, chunked)
+        return self._call(cmd, lambda: self._engine.admit(r, whole, chunked))
 
     def prefill_chunk(self, r: Request, start: int, end: int):
         if start == 0 and r.runtime is None:
-            # Every rank admits it alike: sparse when the engine prefills it so (in one piece).
-            r.sparse_prefill = self.admit(r, whole=end == len(r.prompt))
+            # Every rank admits it alike: sparse when the engine prefills it so (whole or chunked).
+            whole = end == len(r.prompt)
+            r.sparse_prefill = self.admit(r, whole=whole, chunked=not whole)
         cmd = ("prefill", r.id, self._tokens(r), start, end)
         return self._call(cmd, lambda: self._engine.prefill_chunk(r, start, end))
 
@@ -591,11 +592,11 @@ class _Worker:
     def apply(self, cmd: tuple) -> None:
         eng, kind = self.engine, cmd[0]
         if kind == "admit":
-            _, rid, prompt, max_new, tokens, whole = cmd
+            _, rid, prompt, max_new, tokens, whole, chunked = cmd
             r = Request(id=rid, prompt=prompt, max_new_tokens=max_new)
             r.tokens = list(prompt if tokens is None else tokens)
             self.reqs[rid] = r
-            r.sparse_prefill = eng.admit(r, whole)
+            r.sparse_prefill = eng.admit(r, whole, chunked)
         elif kind == "prefill":
             _, rid, tokens, start, end = cmd
             eng.prefill_chunk(self._sync(rid, tokens), start, end)

@@ -113,9 +113,13 @@ def test_pools_grow_with_need_not_with_the_budget(model):
     assert eng.engine.runtime.pool_sizes == (1, 0, 0)
 
 
-def test_refused_requests_leave_the_engine_running(model):
+def test_refused_requests_leave_the_engine_running(model, monkeypatch):
+    from oasiskv.engine import pools
+
     kv = KvConfig(**README_KV)
-    # Prompts over 256 tokens are prefilled in chunks, through dense pages.
+    # Prompts go through dense pages (a long prompt is otherwise admitted sparse, with its working
+    # set only: tests/engine/test_sparse_prefill.py); over 256 tokens they are prefilled in chunks.
+    monkeypatch.setattr(pools, "DIRECT_SPARSE_PREFILL", False)
     eng = LLMEngine(
         model,
         kv=kv,
@@ -125,8 +129,7 @@ def test_refused_requests_leave_the_engine_running(model):
     ok = eng.add_request(prompt(40, 1), SamplingParams(max_tokens=4, ignore_eos=True))
     with pytest.raises(errors.ContextLengthError, match="context of 1024"):
         eng.add_request([1] * 1000, SamplingParams(max_tokens=30))
-    # 400 prompt tokens in chunks need 25 pages at prefill: more than the whole 12-page budget
-    # (in one piece the prompt is admitted sparse: tests/engine/test_sparse_prefill.py).
+    # 400 prompt tokens need 25 pages at prefill: more than the whole 12-page budget.
     with pytest.raises(errors.OutOfBlocksError, match="gpu_kv_budget_bytes"):
         eng.add_request(prompt(400, 2), SamplingParams(max_tokens=4))
     with pytest.raises(errors.ConfigError, match="already in use"):
@@ -214,19 +217,23 @@ def _only_the_first_fails(eng, bad_ids, good_ids, max_tokens):
     assert pools_are_full(eng)
 
 
-def test_a_failed_sparse_prefill_finishes_that_request_only(model, monkeypatch):
-    """A long prompt is admitted sparse and prefilled into the host pool: when storing one of its
-    layers fails, that request ends with the error, its rows go back, the others complete."""
+@pytest.mark.parametrize("chunk", [None, 32], ids=["one-piece", "chunks-of-32"])
+def test_a_failed_sparse_prefill_finishes_that_request_only(model, monkeypatch, chunk):
+    """A long prompt is admitted sparse and prefilled into the host pool, in one piece or in
+    chunks: when storing one of its layers fails (in its last chunk), that request ends with the
+    error, its rows go back, the others complete."""
     from oasiskv.engine import core
 
     kv = KvConfig(**README_KV)
-    eng = LLMEngine(model, kv=kv, drafter="ngram")
+    opts = {} if chunk is None else {"max_num_batched_tokens": chunk}
+    eng = LLMEngine(model, kv=kv, drafter="ngram", **opts)
+    assert eng.engine.prefills_sparse(90, chunked=chunk is not None)
     orig = core._SparsePrefill.store
 
-    def flaky(self, layer, k, v):
-        if k.shape[0] == 90 and layer == 1:
+    def flaky(self, layer, k, v, first=0):
+        if self.n == 90 and layer == 1 and first * kv.block_size + k.shape[0] == 90:
             raise errors.OasisError("injected: the copy of layer 1 to the host pool failed")
-        orig(self, layer, k, v)
+        orig(self, layer, k, v, first)
 
     monkeypatch.setattr(core._SparsePrefill, "store", flaky)
     _only_the_first_fails(eng, prompt(90, 1), prompt(100, 2), max_tokens=6)

@@ -41,10 +41,14 @@ def _host_state(eng, r) -> list[torch.Tensor]:
 @pytest.mark.parametrize("selection", ["fidelity", "fast"])
 @pytest.mark.parametrize("host_kv_dtype", [None, "fp8_e4m3"])
 @pytest.mark.parametrize("cuda_graph", [False, True])
-def test_gpu_sparse_prefill_equals_the_path_through_pages(monkeypatch, selection, host_kv_dtype, cuda_graph):
-    """Two prompts of 1,000 (a partial last block) and 1,024 tokens (whole blocks) on a bf16 model:
-    the same logits at every forced step and the same host pool and metadata; the page pool holds
-    only the working sets."""
+@pytest.mark.parametrize("chunks", [None, [400, 700]], ids=["one-piece", "chunked"])
+def test_gpu_sparse_prefill_equals_the_path_through_pages(
+    monkeypatch, selection, host_kv_dtype, cuda_graph, chunks
+):
+    """Two prompts of 1,000 (a partial last block) and 1,024 tokens (whole blocks) on a bf16 model,
+    prefilled in one piece or in chunks ending at 400 and 700 (inside a block): the same logits at
+    every forced step and the same host pool and metadata; the page pool holds only the working
+    sets. An fp8 host pool keeps a chunked prompt on its dense pages (both runs take that path)."""
     dev = torch.device("cuda")
     model = CausalLM.random(QWEN3_GPU.replace(num_hidden_layers=2), seed=3, dtype=torch.bfloat16, device=dev)
     make = KvConfig.fidelity if selection == "fidelity" else KvConfig.fast
@@ -55,14 +59,18 @@ def test_gpu_sparse_prefill_equals_the_path_through_pages(monkeypatch, selection
     runs = {}
     for direct in (False, True):
         monkeypatch.setattr(pools_mod, "DIRECT_SPARSE_PREFILL", direct)
-        runs[direct] = teacher_forced_logits(model, kv, "oasis", prompts, forced, cuda_graph=cuda_graph)
+        runs[direct] = teacher_forced_logits(
+            model, kv, "oasis", prompts, forced, chunks=chunks, cuda_graph=cuda_graph
+        )
     (lp, rp, ep), (ld, rd, ed) = runs[False], runs[True]
-    assert ed.prefills_sparse(1000) and torch.equal(ld, lp)
+    direct = ed.prefills_sparse(1000, chunked=chunks is not None)
+    assert direct == (chunks is None or host_kv_dtype is None) and torch.equal(ld, lp)
     for a, b in zip(rp, rd, strict=True):
         assert a.sparse and b.sparse and b.metrics.sparse_since_token == len(b.prompt)
         for x, y in zip(_host_state(ep, a), _host_state(ed, b), strict=True):
             assert torch.equal(x.cpu(), y.cpu())
     k1 = KV["top_k_blocks"] + 1
-    assert ed.runtime.pool_sizes[0] <= len(prompts) * k1 < ep.runtime.pool_sizes[0]
+    if direct:
+        assert ed.runtime.pool_sizes[0] <= len(prompts) * k1 < ep.runtime.pool_sizes[0]
     if cuda_graph:
         assert ed.graph_stats["replays"] > 0

@@ -1,8 +1,10 @@
-"""A long prompt prefilled in one piece is admitted sparse (``Engine.prefills_sparse``): its layers
-go from the forward straight to the host pool, and only its working set takes GPU pages. Against
-the path through dense pages that ``make_sparse`` copies (``DIRECT_SPARSE_PREFILL`` off): the same
-pools bit for bit and the same logits; a prompt whose dense pages exceed the GPU budget decodes
-the same tokens; a chunked prefill still goes through pages."""
+"""A long prompt is admitted sparse (``Engine.prefills_sparse``), prefilled in one piece or in
+chunks: its layers go from the forward straight to the host pool (later chunks read the earlier
+positions back from there), and only its working set takes GPU pages. Against the path through
+dense pages that ``make_sparse`` copies (``DIRECT_SPARSE_PREFILL`` off): the same pools bit for
+bit and the same logits; a prompt whose dense pages exceed the GPU budget decodes the same
+tokens; over an fp8 host pool a chunked prefill still goes through pages; a failed chunk gives
+everything back."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 from oasiskv import KvConfig, LLMEngine, SamplingParams
 from oasiskv.engine import Engine, PrefillCache, Request
 from oasiskv.engine import pools as pools_mod
+from oasiskv.errors import OasisError
 from support.engines import SMALL_KV, repeated_prompts, teacher_forced_logits
 from support.fakes import pools_are_full, prompt, tiny
 
@@ -69,10 +72,12 @@ def test_sparse_prefill_equals_the_path_through_pages(qwen3, monkeypatch, select
     assert ed.runtime.pool_sizes[0] <= len(prompts) * k1 < ep.runtime.pool_sizes[0]
 
 
-def test_a_prompt_past_the_gpu_budget_decodes_sparse(monkeypatch):
+@pytest.mark.parametrize("chunk", [None, 100], ids=["one-piece", "chunks-of-100"])
+def test_a_prompt_past_the_gpu_budget_decodes_sparse(monkeypatch, chunk):
     """A 400-token prompt needs 25 dense pages; with a GPU budget of 12 (K + 1 = 9 per request) it
-    is admitted sparse and decodes the greedy tokens of an engine that prefilled it through pages
-    with room for them. The pools are full again afterwards."""
+    is admitted sparse, prefilled in one piece or in chunks of 100 tokens
+    (``max_num_batched_tokens``), and decodes the greedy tokens of an engine that prefilled it
+    through pages with room for them. The pools are full again afterwards."""
     model = tiny()
     kv = KvConfig(block_size=16, top_k_blocks=8, fetch_cap=0.25, sparse_threshold=64)
     ids = prompt(400, 2)
@@ -85,19 +90,51 @@ def test_a_prompt_past_the_gpu_budget_decodes_sparse(monkeypatch):
 
     monkeypatch.setattr(pools_mod, "DIRECT_SPARSE_PREFILL", True)
     page = LLMEngine(model, kv=kv).engine.page_bytes_all_layers
-    small = LLMEngine(model, kv=kv, drafter="ngram", gpu_kv_budget_bytes=12 * page)
+    opts = {} if chunk is None else {"max_num_batched_tokens": chunk}
+    small = LLMEngine(model, kv=kv, drafter="ngram", gpu_kv_budget_bytes=12 * page, **opts)
     rid = small.add_request(ids, params)
     assert small.run_to_completion([rid])[rid].token_ids == want
     assert small.engine.runtime.pool_sizes[0] <= 12 and pools_are_full(small)
 
 
-def test_a_chunked_prefill_goes_through_pages(qwen3):
-    """Chunks read the prompt back from its pages: a prompt prefilled in two chunks is admitted
-    dense (its pages held until make_sparse), whatever its length; one piece is admitted sparse."""
-    kv = KvConfig(**SMALL_KV)
+@pytest.mark.parametrize("selection", ["fidelity", "fast"])
+@pytest.mark.parametrize("chunks", [[40, 64], [37, 50, 61, 80]], ids=["whole-blocks", "inside-blocks"])
+def test_a_chunked_prefill_is_admitted_sparse_and_equals_the_path_through_pages(
+    qwen3, monkeypatch, selection, chunks
+):
+    """Chunks of a long prompt go straight to the host pool and read the earlier positions back
+    from there: against chunks through dense pages (then ``make_sparse``), the same logits at every
+    step and the same host rows, summaries, codes and bounds, with chunks ending on block
+    boundaries or inside blocks (83 and 96 tokens, blocks of 8); the page pool never holds more
+    than the working sets."""
+    make = KvConfig.fidelity if selection == "fidelity" else KvConfig.fast
+    kv = make(**SMALL_KV)
+    prompts = repeated_prompts(qwen3.config.vocab_size, [83, 96], seed=5)
+    g = torch.Generator().manual_seed(9)
+    forced = [torch.randint(0, qwen3.config.vocab_size, (6,), generator=g).tolist() for _ in prompts]
+    runs = {}
+    for direct in (False, True):
+        monkeypatch.setattr(pools_mod, "DIRECT_SPARSE_PREFILL", direct)
+        runs[direct] = teacher_forced_logits(qwen3, kv, "oasis", prompts, forced, chunks=chunks)
+    (lp, rp, ep), (ld, rd, ed) = runs[False], runs[True]
+    assert ed.prefills_sparse(83, chunked=True) and torch.equal(ld, lp)
+    for a, b in zip(rp, rd, strict=True):
+        assert a.sparse and b.sparse and b.sparse_prefill is None
+        assert b.metrics.sparse_since_token == len(b.prompt)
+        for x, y in zip(_host_state(ep, a), _host_state(ed, b), strict=True):
+            assert torch.equal(x, y)
+    k1 = SMALL_KV["top_k_blocks"] + 1
+    assert ed.runtime.pool_sizes[0] <= len(prompts) * k1 < ep.runtime.pool_sizes[0]
+
+
+def test_a_chunked_prefill_over_an_fp8_host_pool_goes_through_pages(qwen3):
+    """An fp8 host pool holds the prompt quantized, so chunks cannot read it back as the pages
+    have it: a chunked prompt is admitted dense there (its pages until ``make_sparse``); in one
+    piece it is admitted sparse."""
+    kv = KvConfig(**SMALL_KV, host_kv_dtype="fp8_e4m3")
     ids = repeated_prompts(qwen3.config.vocab_size, [90], seed=3)[0]
     eng = Engine(qwen3, kv, "oasis", None)
-    assert eng.prefills_sparse(len(ids)) and not eng.prefills_sparse(SMALL_KV["sparse_threshold"])
+    assert eng.prefills_sparse(len(ids)) and not eng.prefills_sparse(len(ids), chunked=True)
     chunked, whole = Request(id=0, prompt=ids, max_new_tokens=4), Request(id=1, prompt=ids, max_new_tokens=4)
     eng.ensure_pools([chunked, whole])
     assert eng.prefill_chunk(chunked, 0, 50) is None
@@ -110,4 +147,33 @@ def test_a_chunked_prefill_goes_through_pages(qwen3):
     p = eng.pools
     for layer in range(qwen3.config.num_hidden_layers):
         a, b = (torch.tensor(r.host_rows, dtype=torch.long) for r in (chunked, whole))
-        torch.testing.assert_close(p.host_k[layer][a], p.host_k[layer][b], atol=1e-5, rtol=1e-5)
+        assert torch.equal(p.host_k[layer][a], p.host_k[layer][b])
+
+
+def test_a_failed_chunk_releases_the_request(qwen3, monkeypatch):
+    """A chunk that fails while storing a layer gives the request's rows and pages back, and the
+    engine admits and prefills it again afterwards."""
+    from oasiskv.engine import core
+
+    kv = KvConfig(**SMALL_KV)
+    ids = repeated_prompts(qwen3.config.vocab_size, [90], seed=3)[0]
+    eng = Engine(qwen3, kv, "oasis", None)
+    r = Request(id=0, prompt=ids, max_new_tokens=4)
+    eng.ensure_pools([r])
+    free = eng.runtime.num_free
+    orig = core._SparsePrefill.store
+
+    def flaky(self, layer, k, v, first=0):
+        if first and layer == 1:
+            raise OasisError("injected")
+        orig(self, layer, k, v, first)
+
+    monkeypatch.setattr(core._SparsePrefill, "store", flaky)
+    assert eng.prefill_chunk(r, 0, 40) is None and r.sparse
+    with pytest.raises(OasisError, match="injected"):
+        eng.prefill_chunk(r, 40, len(ids))
+    assert eng.runtime.num_requests == 0 and eng.runtime.num_free == free and r.sparse_prefill is None
+    monkeypatch.setattr(core._SparsePrefill, "store", orig)
+    r = Request(id=1, prompt=ids, max_new_tokens=4)
+    eng.prefill_chunk(r, 0, 40)
+    assert eng.prefill_chunk(r, 40, len(ids)) is not None and r.sparse

@@ -50,7 +50,11 @@ def _dying_job(group, steps):
 
 def _worker_fails_job(group):
     """Rank 1's first dense -> sparse transition fails (as if its pools were full); the driver
-    must finish that request with an error and the others normally, every pool full again."""
+    must finish that request with an error and the others normally, every pool full again. The
+    prompts go through dense pages (a prompt admitted sparse never makes that transition)."""
+    from oasiskv.engine import pools
+
+    pools.DIRECT_SPARSE_PREFILL = False  # this rank's process only
     model = TPCausalLM.random(CFG, seed=SEED, group=group)
     eng = TPLLMEngine(model, backend="oasis", kv=KvConfig(**KV), **ENGINE)
     if not eng.is_driver:

@@ -46,10 +46,11 @@ def llama_like() -> CausalLM:
     return CausalLM.random(LLAMA_8L.replace(num_hidden_layers=2), seed=2)
 
 
-def teacher_forced_logits(model, kv, backend, prompts, forced, drafter="ngram", **engine_kw):
+def teacher_forced_logits(model, kv, backend, prompts, forced, drafter="ngram", chunks=None, **engine_kw):
     """Prefill, then decode with the given tokens forced (not sampled); a request turns sparse
     right after its prefill or before the step it passes the threshold at. Returns the logits
-    [steps, reqs, vocab], the requests and the engine (``engine_kw``: more Engine arguments)."""
+    [steps, reqs, vocab], the requests and the engine (``engine_kw``: more Engine arguments).
+    ``chunks``: prefill each prompt in chunks ending at these positions (then at its end)."""
     eng = Engine(model, kv, backend, oasiskv.drafters.make_drafter(drafter), **engine_kw)
     reqs = [Request(id=i, prompt=p, max_new_tokens=len(forced[i]) + 1) for i, p in enumerate(prompts)]
     eng.ensure_pools(reqs)
@@ -62,7 +63,12 @@ def teacher_forced_logits(model, kv, backend, prompts, forced, drafter="ngram", 
     for r in reqs:
         eng.drafter.begin(r.id, r.prompt)
         r.tokens = list(r.prompt)
-        eng.prefill(r)
+        if chunks is None:
+            eng.prefill(r)
+        else:
+            ends = [e for e in chunks if 0 < e < len(r.prompt)] + [len(r.prompt)]
+            for start, end in zip([0, *ends[:-1]], ends, strict=True):
+                eng.prefill_chunk(r, start, end)
         r.tokens.append(forced[r.id][0])
         r.draft = eng.drafter.propose(r.id, r.tokens) if eng.rows == 2 else None
         turn_sparse([r])  # right after its prefill, whose last query picks the first working set

@@ -365,30 +365,87 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         chunk itself, causally; the chunk's KV goes to its pages. Chunks must come in order and
         cover the prompt. Returns the last prompt position's logits after the final chunk, else
         None. The first chunk admits ``r`` (:meth:`admit`); a failure releases it. A chunk that is
-        the whole prompt is :meth:`prefill` (which may use the :class:`PrefillCache`)."""
+        the whole prompt is :meth:`prefill` (which may use the :class:`PrefillCache`). A long
+        prompt is admitted sparse here too (:meth:`prefills_sparse` with ``chunked``): its chunks
+        go to the host pool and read the earlier ones back from there."""
         n = len(r.prompt)
         if not 0 <= start < end <= n:
             raise ConfigError(f"prefill_chunk({start}, {end}) is not a chunk of a {n}-token prompt")
         if start == 0 and end == n:
             return self.prefill(r)
         if start == 0 and r.runtime is None:
-            self.admit(r)
+            r.sparse_prefill = self.admit(r, chunked=True)
         try:
-            return self._prefill_chunk(r, start, end)
+            out = self._prefill_chunk(r, start, end)
         except BaseException:
+            r.sparse_prefill = None
             self.release(r)
             raise
+        if out is not None:
+            r.sparse_prefill = None
+        return out
 
     def _prefill_chunk(self, r: Request, start: int, end: int) -> torch.Tensor | None:
+        dev = self.device
+        self._join_background()
+        n = len(r.prompt)
+        pos = torch.arange(start, end, device=dev)
+        final = end == n
+        if r.sparse_prefill is not None:
+            attn = self._sparse_chunk_attention(r, start, final)
+        else:
+            attn = self._paged_chunk_attention(r, start, end, final)
+        ids = torch.tensor(r.prompt[start:end], dtype=torch.long, device=dev)
+        last = torch.tensor([end - start - 1], device=dev)
+        logits, captured = self.model.forward(ids, pos, attn, logits_rows=last, capture_layers=self.capture)
+        if self.capture:
+            rows = slice(None) if self.prompt_features else slice(-1, None)
+            feats = torch.cat([captured[i][rows] for i in self.capture], dim=-1)
+            if self.prompt_features:
+                self._feed_prompt(r, feats, start)
+            if final:
+                r.features = feats[-1].clone()
+        if final:
+            self._last_row = {r.id: 0}
+            if r.sparse_prefill is not None:
+                self._finish_sparse_prefill(r)
+            return logits[0]
+        return None
+
+    def _sparse_chunk_attention(self, r: Request, start: int, final: bool):
+        """The attention of a chunk of a prompt admitted sparse (positions ``start ..``): the
+        earlier positions read back from the host rows (:meth:`_SparsePrefill.prefix`) and the
+        chunk's own K/V unrounded, as the path through pages has them; the chunk's blocks go to
+        the host pool (:meth:`_SparsePrefill.store`), from the block it starts in."""
+        from ..models.transformer import causal_attention
+
+        scale = self.geo.head_dim**-0.5
+        direct = _SparsePrefill(self, r.sparse_prefill)
+        first = start // self.kv.block_size
+        at = first * self.kv.block_size
+
+        def attn(layer, q, k, v):
+            if start:
+                kp, vp = direct.prefix(layer, start)
+                k_all, v_all = torch.cat([kp.to(k.dtype), k]), torch.cat([vp.to(v.dtype), v])
+            else:
+                k_all, v_all = k, v
+            o = causal_attention(q, k_all, v_all, scale)
+            direct.store(layer, k_all[at:], v_all[at:], first)
+            if final:
+                self._last_q[layer] = q[-1:].to(self.dtype, copy=True)
+            return o
+
+        return attn
+
+    def _paged_chunk_attention(self, r: Request, start: int, end: int, final: bool):
+        """The attention of a chunk of a prompt on its dense pages: the chunk stored into them,
+        then every position so far read back."""
         from ..models.transformer import causal_attention
 
         p, dev = self.pools, self.device
-        self._join_background()
-        n = len(r.prompt)
         hk, d = self.geo.num_kv_heads, self.geo.head_dim
         scale = d**-0.5
-        pos = torch.arange(start, end, device=dev)
-        final = end == n
         rows = self._kv_rows(r, end)  # positions 0 .. end - 1
         new_rows = rows[start * hk :]
         page_ids = torch.tensor(r.pages, dtype=torch.long, device=dev) if p.page_kv8 else None
@@ -416,20 +473,7 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
                 self._last_q[layer] = q[-1:].to(self.dtype, copy=True)
             return o
 
-        ids = torch.tensor(r.prompt[start:end], dtype=torch.long, device=dev)
-        last = torch.tensor([end - start - 1], device=dev)
-        logits, captured = self.model.forward(ids, pos, attn, logits_rows=last, capture_layers=self.capture)
-        if self.capture:
-            rows = slice(None) if self.prompt_features else slice(-1, None)
-            feats = torch.cat([captured[i][rows] for i in self.capture], dim=-1)
-            if self.prompt_features:
-                self._feed_prompt(r, feats, start)
-            if final:
-                r.features = feats[-1].clone()
-        if final:
-            self._last_row = {r.id: 0}
-            return logits[0]
-        return None
+        return attn
 
     def _kv_rows(self, r: Request, end: int) -> torch.Tensor:
         """Rows of a layer's page pool viewed as ``[num_pages * num_kv_heads * block_size,
@@ -741,38 +785,68 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
 
 
 class _SparsePrefill:
-    """The prefill of a prompt admitted sparse (:meth:`Engine.admit` with ``whole``; transition
-    ``tr`` of ``Runtime.admit_sparse``): :meth:`store` puts each layer's K/V where
-    :meth:`Engine.make_sparse` would have copied them from dense pages -- the request's host rows,
-    the summaries (and key codes) of its blocks from the same keys, its partial last block in the
-    local page -- while the forward holds them, so the device holds one layer of the prompt at a
-    time instead of every layer's pages. The same kernels as ``make_sparse`` on the same values:
-    the same pools, bit for bit."""
+    """The prefill of a prompt admitted sparse (:meth:`Engine.admit` with ``whole`` or
+    ``chunked``; transition ``tr`` of ``Runtime.admit_sparse``): :meth:`store` puts each layer's
+    K/V where :meth:`Engine.make_sparse` would have copied them from dense pages -- the request's
+    host rows, the summaries (and key codes) of its blocks from the same keys, its partial last
+    block in the local page -- while the forward holds them, so the device holds one layer of the
+    prompt at a time instead of every layer's pages. The same kernels as ``make_sparse`` on the
+    same values: the same pools, bit for bit. A chunked prefill stores each chunk's blocks (a block
+    a chunk ends inside goes to its host row as far as it is written, and again, whole, with the
+    next chunk) and reads the prompt's earlier positions back from the host rows
+    (:meth:`prefix`), where the path through pages reads them from the pages: the same values."""
 
     def __init__(self, eng: Engine, tr: dict) -> None:
         dev = eng.device
         self.eng, self.tr = eng, tr
+        self.b = eng.kv.block_size
         self.dst, self.lens, self.rows = (i32(tr[x], dev) for x in ("host_blocks", "lens", "host_rows"))
         self.nb, self.n_complete = len(tr["host_blocks"]), tr["n_complete"]
-        self.src = torch.arange(self.nb, dtype=torch.int32, device=dev)
+        self.n = (self.nb - 1) * self.b + tr["lens"][-1] if self.nb else 0  # the prompt's length
 
-    def _paged(self, x: torch.Tensor) -> torch.Tensor:
-        """``[n, Hkv, D]`` as the pool's pages ``[nb, Hkv, b, D]`` (zeros past ``n``)."""
+    def _paged(self, x: torch.Tensor, nb: int) -> torch.Tensor:
+        """``[n, Hkv, D]`` as ``nb`` of the pool's pages ``[nb, Hkv, b, D]`` (zeros past ``n``)."""
         eng = self.eng
-        b, hk, d = eng.kv.block_size, eng.geo.num_kv_heads, eng.geo.head_dim
+        b, hk, d = self.b, eng.geo.num_kv_heads, eng.geo.head_dim
         x = x.to(eng.device, eng.dtype, non_blocking=True)
-        pad = self.nb * b - x.shape[0]
+        pad = nb * b - x.shape[0]
         if pad:
             x = torch.cat([x, x.new_zeros(pad, hk, d)])
-        return x.view(self.nb, b, hk, d).transpose(1, 2).contiguous()
+        return x.view(nb, b, hk, d).transpose(1, 2).contiguous()
 
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, first: int = 0) -> None:
+        """``k``, ``v`` ``[m, Hkv, D]``: positions ``first * b ..`` of the prompt (the whole
+        prompt by default), each touched block whole as far as the prompt is written."""
         eng = self.eng
-        p = eng.pools
-        kp, vp = self._paged(k), self._paged(v)
-        nc = self.n_complete
-        p.blocks_to_host(layer, self.src, self.rows, self.dst, self.lens, nc, eng.key_codes, pages=(kp, vp))
-        if nc < self.nb:  # the partial last block: the local page's (attention reads it there)
+        p, b, dev = eng.pools, self.b, eng.device
+        m = k.shape[0]
+        nb = -(-m // b)
+        end = first * b + m
+        kp, vp = self._paged(k, nb), self._paged(v, nb)
+        part = slice(first, first + nb)
+        if first == 0 and nb == self.nb:
+            src, lens = torch.arange(nb, dtype=torch.int32, device=dev), self.lens
+        else:
+            src = torch.arange(nb, dtype=torch.int32, device=dev)
+            lens = torch.clamp(end - (torch.arange(first, first + nb, device=dev) * b), max=b).to(torch.int32)
+        nc = m // b  # the touched blocks complete now (all but a last one the prompt or chunk ends in)
+        p.blocks_to_host(layer, src, self.rows[part], self.dst[part], lens, nc, eng.key_codes, pages=(kp, vp))
+        if end == self.n and self.n_complete < self.nb:
+            # The prompt's partial last block: the local page's (attention reads it there).
             local = self.tr["local_page"]
             p.k_pages[layer][local] = kp[-1]
             p.v_pages[layer][local] = vp[-1]
+
+    def prefix(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions ``0 .. n - 1`` of ``layer``'s K and V as stored by the earlier chunks, ``[n,
+        Hkv, D]`` in the pool's dtype on the device: their host rows read back (one page copy
+        per tensor; a pinned pool is read over PCIe by the copy kernel)."""
+        eng = self.eng
+        p, b, dev = eng.pools, self.b, eng.device
+        nb = -(-n // b)
+        hk, d = eng.geo.num_kv_heads, eng.geo.head_dim
+        k = torch.empty(nb, hk, b, d, dtype=eng.dtype, device=dev)
+        v = torch.empty_like(k)
+        ids = torch.arange(nb, dtype=torch.int32, device=dev)
+        ops.copy_pages(eng.geo, p.host_k[layer], p.host_v[layer], self.rows[:nb], k, v, ids)
+        return tuple(x.transpose(1, 2).reshape(nb * b, hk, d)[:n] for x in (k, v))

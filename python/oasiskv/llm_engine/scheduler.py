@@ -244,10 +244,11 @@ class Scheduler:
 
     def _prefills_sparse(self, prompt_len: int) -> bool:
         """Whether a local prompt of ``prompt_len`` tokens is admitted sparse: the engine prefills
-        it straight into the host pool (``Engine.prefills_sparse``) when it is prefilled in one
-        piece, which a prompt within ``max_num_batched_tokens`` always is (:meth:`_prefill` waits
-        for a step's whole budget for it). Then it reserves only its working set."""
-        return prompt_len <= self.max_num_batched_tokens and self.engine.prefills_sparse(prompt_len)
+        it straight into the host pool (``Engine.prefills_sparse``), in one piece when it is within
+        ``max_num_batched_tokens`` (:meth:`_prefill` waits for a step's whole budget for it), else
+        in chunks. Then it reserves only its working set."""
+        chunked = prompt_len > self.max_num_batched_tokens
+        return self.engine.prefills_sparse(prompt_len, chunked=chunked)
 
     def _fits(self, seq: Seq) -> bool:
         """Whether the pools hold ``seq``'s peak KV beside the admitted requests' (a staged
@@ -286,7 +287,7 @@ class Scheduler:
                     break  # it waits, and so does everyone behind it (no overtaking)
                 if (
                     seq.staged is None
-                    and len(seq.req.prompt) > budget
+                    and budget < len(seq.req.prompt) <= self.max_num_batched_tokens
                     and self._prefills_sparse(len(seq.req.prompt))
                 ):
                     break  # admitted sparse, it is prefilled in one piece: next step's whole budget
