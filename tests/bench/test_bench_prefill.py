@@ -34,6 +34,21 @@ def test_bench_prefill_tiny_on_the_cpu(tmp_path, capsys):
     assert all(key in printed for key in ROWS) and "ratio" in printed
 
 
+def test_bench_prefill_oasis_admits_the_prompt_sparse(tmp_path, capsys):
+    """``--backend oasis``: a prompt past the sparse threshold (2,048 tokens by default) is admitted
+    sparse in one piece and in chunks, and both prefills give the forward's logits."""
+    out = tmp_path / "prefill.json"
+    argv = ["--preset", "tiny", "--tokens", "2100", "--device", "cpu", "--chunk", "800", "--repeat", "1"]
+    assert bench.main([*argv, "--backend", "oasis", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["backend"] == "oasis"
+    for key in ROWS[1:]:
+        assert res[key]["admitted_sparse"] and res[key]["max_abs_logit_diff"] < 1e-4
+    assert capsys.readouterr().out.count("admitted sparse") == 2
+    assert bench.main([*argv, "--json", str(out)]) == 0  # the dense backend: through pages
+    assert not any(json.loads(out.read_text())[key]["admitted_sparse"] for key in ROWS[1:])
+
+
 def test_bench_prefill_one_chunk_and_bad_arguments(tmp_path, capsys):
     """A prompt that fits one chunk has no chunked row; nonsense sizes are argparse errors."""
     out = tmp_path / "prefill.json"
@@ -41,7 +56,7 @@ def test_bench_prefill_one_chunk_and_bad_arguments(tmp_path, capsys):
     assert bench.main([*argv, "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["chunk"] is None and "engine_prefill_chunked" not in res
-    for bad in (["--tokens", "0"], ["--chunk", "-1"], ["--preset", "nope"]):
+    for bad in (["--tokens", "0"], ["--chunk", "-1"], ["--preset", "nope"], ["--backend", "quest"]):
         with pytest.raises(SystemExit):
             bench.main(["--device", "cpu", *bad])
 
