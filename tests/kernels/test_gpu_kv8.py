@@ -152,9 +152,11 @@ def test_kv8_append_matches_the_twin(dtype, block_size, head_dim, gpu_kv8):
 
 #: Gather launches (``set_gather_launch(..., kv8=True)``'s fields; None: the default, every entry
 #: through registers on a block per 32 entries): the float pools' staged shape (fp8 entries staged
-#: 12 per warp), one entry staged per warp of a three-entry pass, a stage of 32 lowered to what
-#: fits; "device": the pool in device memory (the register launch whatever is set).
-LAUNCHES = [None, (4, 4, 32, 6), (2, 1, 3, 1), (4, 4, 32, 32), "device"]
+#: 12 per warp, two halves of 6 in flight in turn), one entry staged per half of a three-entry
+#: pass, one block of two warps staging halves of 5 over several batches of a 32-entry pass, a
+#: stage of 32 lowered to what fits; "device": the pool in device memory (the register launch
+#: whatever is set).
+LAUNCHES = [None, (4, 4, 32, 6), (2, 1, 3, 1), (1, 2, 32, 5), (4, 4, 32, 32), "device"]
 
 
 @pytest.fixture
