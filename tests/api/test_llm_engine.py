@@ -227,7 +227,7 @@ def test_a_failed_sparse_prefill_finishes_that_request_only(model, monkeypatch, 
     kv = KvConfig(**README_KV)
     opts = {} if chunk is None else {"max_num_batched_tokens": chunk}
     eng = LLMEngine(model, kv=kv, drafter="ngram", **opts)
-    assert eng.engine.prefills_sparse(90, chunked=chunk is not None)
+    assert eng.engine.prefills_sparse(90)
     orig = core._SparsePrefill.store
 
     def flaky(self, layer, k, v, first=0):

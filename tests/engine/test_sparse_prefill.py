@@ -3,8 +3,8 @@ chunks: its layers go from the forward straight to the host pool (later chunks r
 positions back from there), and only its working set takes GPU pages. Against the path through
 dense pages that ``make_sparse`` copies (``DIRECT_SPARSE_PREFILL`` off): the same pools bit for
 bit and the same logits; a prompt whose dense pages exceed the GPU budget decodes the same
-tokens; over an fp8 host pool a chunked prefill still goes through pages; a failed chunk gives
-everything back."""
+tokens; over an fp8 host pool the chunks read the prompt back as fp8 pages do; a failed chunk
+gives everything back."""
 
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def test_a_chunked_prefill_is_admitted_sparse_and_equals_the_path_through_pages(
         monkeypatch.setattr(pools_mod, "DIRECT_SPARSE_PREFILL", direct)
         runs[direct] = teacher_forced_logits(qwen3, kv, "oasis", prompts, forced, chunks=chunks)
     (lp, rp, ep), (ld, rd, ed) = runs[False], runs[True]
-    assert ed.prefills_sparse(83, chunked=True) and torch.equal(ld, lp)
+    assert ed.prefills_sparse(83) and torch.equal(ld, lp)
     for a, b in zip(rp, rd, strict=True):
         assert a.sparse and b.sparse and b.sparse_prefill is None
         assert b.metrics.sparse_since_token == len(b.prompt)
@@ -127,27 +127,37 @@ def test_a_chunked_prefill_is_admitted_sparse_and_equals_the_path_through_pages(
     assert ed.runtime.pool_sizes[0] <= len(prompts) * k1 < ep.runtime.pool_sizes[0]
 
 
-def test_a_chunked_prefill_over_an_fp8_host_pool_goes_through_pages(qwen3):
-    """An fp8 host pool holds the prompt quantized, so chunks cannot read it back as the pages
-    have it: a chunked prompt is admitted dense there (its pages until ``make_sparse``); in one
-    piece it is admitted sparse."""
-    kv = KvConfig(**SMALL_KV, host_kv_dtype="fp8_e4m3")
-    ids = repeated_prompts(qwen3.config.vocab_size, [90], seed=3)[0]
-    eng = Engine(qwen3, kv, "oasis", None)
-    assert eng.prefills_sparse(len(ids)) and not eng.prefills_sparse(len(ids), chunked=True)
-    chunked, whole = Request(id=0, prompt=ids, max_new_tokens=4), Request(id=1, prompt=ids, max_new_tokens=4)
-    eng.ensure_pools([chunked, whole])
-    assert eng.prefill_chunk(chunked, 0, 50) is None
-    eng.prefill_chunk(chunked, 50, len(ids))
-    n_pages = len(chunked.pages)
-    assert not chunked.sparse and n_pages == -(-len(ids) // kv.block_size)
-    eng.make_sparse(chunked)  # from this prefill's last queries
-    eng.prefill(whole)
-    assert whole.sparse and whole.pages == [] and len(whole.host_rows) == n_pages
-    p = eng.pools
+def test_chunks_over_an_fp8_host_pool_read_the_prompt_back_as_fp8_pages_do(qwen3):
+    """An fp8 host pool holds the prompt quantized, and later chunks read it back so (code x
+    scale), as fp8 pages give a chunked prefill its earlier positions: with chunks ending on block
+    boundaries, the prefill's logits equal those of the same chunks over fp8 pages
+    (``kv_dtype="fp8_e4m3"``, the path through pages) bit for bit, and the host rows hold the
+    codes and scales those pages hold (each block quantized once from its own K/V)."""
+    ids = repeated_prompts(qwen3.config.vocab_size, [83], seed=3)[0]
+    ends = [40, 64, len(ids)]
+
+    def chunked(kv):
+        eng = Engine(qwen3, kv, "oasis", None)
+        r = Request(id=0, prompt=ids, max_new_tokens=4)
+        eng.ensure_pools([r])
+        for start, end in zip([0, *ends[:-1]], ends, strict=True):
+            logits = eng.prefill_chunk(r, start, end)
+        return eng, r, logits
+
+    e8, r8, pages8 = chunked(KvConfig(**SMALL_KV, kv_dtype="fp8_e4m3"))
+    assert not r8.sparse and not e8.prefills_sparse(len(ids))  # fp8 pages: through them
+    eh, rh, host8 = chunked(KvConfig(**SMALL_KV, host_kv_dtype="fp8_e4m3"))
+    assert rh.sparse and rh.pages == [] and torch.equal(host8, pages8)
+    pages, rows = (torch.tensor(x, dtype=torch.long) for x in (r8.pages, rh.host_rows))
+    p8, ph = e8.pools, eh.pools
     for layer in range(qwen3.config.num_hidden_layers):
-        a, b = (torch.tensor(r.host_rows, dtype=torch.long) for r in (chunked, whole))
-        assert torch.equal(p.host_k[layer][a], p.host_k[layer][b])
+        for a, b in (
+            (p8.k_pages[layer][pages], ph.host_k[layer][rows]),
+            (p8.v_pages[layer][pages], ph.host_v[layer][rows]),
+            (p8.k_scales[layer][pages], ph.host_k_scales[layer][rows]),
+            (p8.v_scales[layer][pages], ph.host_v_scales[layer][rows]),
+        ):
+            assert torch.equal(a, b), layer
 
 
 def test_a_failed_chunk_releases_the_request(qwen3, monkeypatch):

@@ -366,8 +366,8 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         cover the prompt. Returns the last prompt position's logits after the final chunk, else
         None. The first chunk admits ``r`` (:meth:`admit`); a failure releases it. A chunk that is
         the whole prompt is :meth:`prefill` (which may use the :class:`PrefillCache`). A long
-        prompt is admitted sparse here too (:meth:`prefills_sparse` with ``chunked``): its chunks
-        go to the host pool and read the earlier ones back from there."""
+        prompt is admitted sparse here too (:meth:`prefills_sparse`): its chunks go to the host
+        pool and read the earlier ones back from there."""
         n = len(r.prompt)
         if not 0 <= start < end <= n:
             raise ConfigError(f"prefill_chunk({start}, {end}) is not a chunk of a {n}-token prompt")
@@ -794,7 +794,8 @@ class _SparsePrefill:
     same values: the same pools, bit for bit. A chunked prefill stores each chunk's blocks (a block
     a chunk ends inside goes to its host row as far as it is written, and again, whole, with the
     next chunk) and reads the prompt's earlier positions back from the host rows
-    (:meth:`prefix`), where the path through pages reads them from the pages: the same values."""
+    (:meth:`prefix`), where the path through pages reads them from the pages: the same values (an
+    fp8 host pool gives them back as stored, code x scale, as fp8 pages would)."""
 
     def __init__(self, eng: Engine, tr: dict) -> None:
         dev = eng.device
@@ -840,7 +841,8 @@ class _SparsePrefill:
     def prefix(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions ``0 .. n - 1`` of ``layer``'s K and V as stored by the earlier chunks, ``[n,
         Hkv, D]`` in the pool's dtype on the device: their host rows read back (one page copy
-        per tensor; a pinned pool is read over PCIe by the copy kernel)."""
+        per tensor; a pinned pool is read over PCIe by the copy kernel; an fp8 pool's codes come
+        back dequantized, code x scale, as fp8 pages read them)."""
         eng = self.eng
         p, b, dev = eng.pools, self.b, eng.device
         nb = -(-n // b)
@@ -848,5 +850,6 @@ class _SparsePrefill:
         k = torch.empty(nb, hk, b, d, dtype=eng.dtype, device=dev)
         v = torch.empty_like(k)
         ids = torch.arange(nb, dtype=torch.int32, device=dev)
-        ops.copy_pages(eng.geo, p.host_k[layer], p.host_v[layer], self.rows[:nb], k, v, ids)
+        scales = p.host_scales(layer, "src_")
+        ops.copy_pages(eng.geo, p.host_k[layer], p.host_v[layer], self.rows[:nb], k, v, ids, **scales)
         return tuple(x.transpose(1, 2).reshape(nb * b, hk, d)[:n] for x in (k, v))

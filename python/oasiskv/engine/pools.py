@@ -599,22 +599,22 @@ class PoolsMixin:
             "request turns sparse sooner"
         )
 
-    def prefills_sparse(self, prompt_len: int, chunked: bool = False) -> bool:
+    def prefills_sparse(self, prompt_len: int) -> bool:
         """Whether a prompt of ``prompt_len`` tokens is admitted sparse (:meth:`admit` with
         ``whole`` or ``chunked``): its K/V go from the forward straight to the host pool, layer by
         layer, and only its working set takes GPU pages, so admitting a long prompt needs no room
         for its dense pages (19 GiB at 128K on Qwen3-8B shapes). True for the ``oasis`` backend
         over the local host pool, when the prompt alone passes ``sparse_threshold`` (so it would
         turn sparse right after a dense prefill) and :data:`DIRECT_SPARSE_PREFILL` is on; not over
-        fp8 pages (``kv_dtype="fp8_e4m3"``), whose prefill quantizes page by page. ``chunked``: the
-        prompt is prefilled in chunks (:meth:`Engine.prefill_chunk`), whose later chunks read the
-        prompt's earlier positions back from the host pool; only over a float host pool, which
-        holds them as the pages would (an fp8 host pool keeps such a prompt on its dense pages)."""
+        fp8 pages (``kv_dtype="fp8_e4m3"``), whose prefill quantizes page by page. In one piece or
+        in chunks (:meth:`Engine.prefill_chunk`), whose later chunks read the prompt's earlier
+        positions back from the host pool: as the pages hold them over a float host pool; over an
+        fp8 one as stored (code x scale), as fp8 pages would give them and as every decode step
+        reads them."""
         return (
             DIRECT_SPARSE_PREFILL
             and self.backend == "oasis"
             and not self.page_kv8
-            and not (chunked and self.host_kv8)
             and isinstance(self.block_source, LocalHostPool)
             and prompt_len > self.kv.threshold_tokens
         )
@@ -624,7 +624,7 @@ class PoolsMixin:
         its prompt will be prefilled in one piece; ``chunked``: in chunks. Either way it is
         admitted sparse when :meth:`prefills_sparse` says so: then only its working set, and the
         dict of :meth:`admit_sparse` is returned (its prefill fills the host rows). Else None."""
-        if (whole or chunked) and self.prefills_sparse(len(r.prompt), chunked=chunked and not whole):
+        if (whole or chunked) and self.prefills_sparse(len(r.prompt)):
             return self.admit_sparse(r)
         self._sync_runtime()
         rt = self.runtime

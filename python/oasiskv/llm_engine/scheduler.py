@@ -247,8 +247,7 @@ class Scheduler:
         it straight into the host pool (``Engine.prefills_sparse``), in one piece when it is within
         ``max_num_batched_tokens`` (:meth:`_prefill` waits for a step's whole budget for it), else
         in chunks. Then it reserves only its working set."""
-        chunked = prompt_len > self.max_num_batched_tokens
-        return self.engine.prefills_sparse(prompt_len, chunked=chunked)
+        return self.engine.prefills_sparse(prompt_len)
 
     def _fits(self, seq: Seq) -> bool:
         """Whether the pools hold ``seq``'s peak KV beside the admitted requests' (a staged
