@@ -96,8 +96,8 @@ __device__ __forceinline__ void unpack16<float>(const uint4& w, float* out) {
     out[3] = __uint_as_float(w.w);
 }
 
-// E4M3 bytes are exact in f16 and f32. sm_89+ converts two per instruction (cvt.rn.f16x2.e4m3x2,
-// byte 0 to the low half); elsewhere the byte's exponent and mantissa bits are moved under an f32
+// E4M3 bytes are exact in f16 and f32. sm_89+ converts two per instruction (e4m3x4_to_f32, in
+// oasis_common.cuh); elsewhere the byte's exponent and mantissa bits are moved under an f32
 // exponent and rebiased by 2^120 (exact, subnormals included: NVRTC compiles without -ftz).
 // Finite codes only (the bound never stores E4M3's NaN; a row with a non-finite value has a NaN
 // scale instead).
@@ -107,21 +107,10 @@ __device__ __forceinline__ void unpack16<fp8e4m3>(const uint4& w, float* out) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-        asm("{\n"
-            " .reg .b16 a, b, c, d, e, f;\n"
-            " .reg .b32 lo, hi;\n"
-            " mov.b32 {a, b}, %4;\n"
-            " cvt.rn.f16x2.e4m3x2 lo, a;\n"
-            " cvt.rn.f16x2.e4m3x2 hi, b;\n"
-            " mov.b32 {c, d}, lo;\n"
-            " mov.b32 {e, f}, hi;\n"
-            " cvt.f32.f16 %0, c;\n"
-            " cvt.f32.f16 %1, d;\n"
-            " cvt.f32.f16 %2, e;\n"
-            " cvt.f32.f16 %3, f;\n"
-            "}\n"
-            : "=f"(out[4 * i]), "=f"(out[4 * i + 1]), "=f"(out[4 * i + 2]), "=f"(out[4 * i + 3])
-            : "r"(v[i]));
+        float f[4];
+        e4m3x4_to_f32(v[i], f);
+#pragma unroll
+        for (int b = 0; b < 4; ++b) out[4 * i + b] = f[b];
 #else
 #pragma unroll
         for (int b = 0; b < 4; ++b) {
