@@ -801,7 +801,7 @@ class _SparsePrefill:
         dev = eng.device
         self.eng, self.tr = eng, tr
         self.b = eng.kv.block_size
-        self.dst, self.lens, self.rows = (i32(tr[x], dev) for x in ("host_blocks", "lens", "host_rows"))
+        self.dst, self.rows = (i32(tr[x], dev) for x in ("host_blocks", "host_rows"))
         self.nb, self.n_complete = len(tr["host_blocks"]), tr["n_complete"]
         self.n = (self.nb - 1) * self.b + tr["lens"][-1] if self.nb else 0  # the prompt's length
 
@@ -825,11 +825,8 @@ class _SparsePrefill:
         end = first * b + m
         kp, vp = self._paged(k, nb), self._paged(v, nb)
         part = slice(first, first + nb)
-        if first == 0 and nb == self.nb:
-            src, lens = torch.arange(nb, dtype=torch.int32, device=dev), self.lens
-        else:
-            src = torch.arange(nb, dtype=torch.int32, device=dev)
-            lens = torch.clamp(end - (torch.arange(first, first + nb, device=dev) * b), max=b).to(torch.int32)
+        src = torch.arange(nb, dtype=torch.int32, device=dev)
+        lens = torch.clamp(end - (src + first) * b, max=b).to(torch.int32)  # rows written of each block
         nc = m // b  # the touched blocks complete now (all but a last one the prompt or chunk ends in)
         p.blocks_to_host(layer, src, self.rows[part], self.dst[part], lens, nc, eng.key_codes, pages=(kp, vp))
         if end == self.n and self.n_complete < self.nb:
