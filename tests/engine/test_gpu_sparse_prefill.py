@@ -11,11 +11,16 @@ import pytest
 import torch
 
 from oasiskv import KvConfig
-from oasiskv.engine import Engine, Request
 from oasiskv.engine import pools as pools_mod
 from oasiskv.models.transformer import CausalLM
 from support.configs import QWEN3_GPU
-from support.engines import repeated_prompts, teacher_forced_logits
+from support.engines import (
+    chunked_prefill,
+    host_state,
+    kv8_pages_and_host_rows,
+    repeated_prompts,
+    teacher_forced_logits,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -23,21 +28,6 @@ pytestmark = [
 ]
 
 KV = dict(block_size=16, top_k_blocks=16, fetch_cap=4, sparse_threshold=256)
-
-
-def _host_state(eng, r) -> list[torch.Tensor]:
-    """The host rows, summaries, codes and bounds of ``r`` in its logical block order."""
-    p = eng.pools
-    rows = torch.tensor(r.host_rows, dtype=torch.long)
-    blocks = torch.tensor(r.host_blocks, dtype=torch.long, device=p.summaries[0].device)
-    out = []
-    for layer in range(eng.cfg.num_hidden_layers):
-        out += [p.host_k[layer][rows], p.host_v[layer][rows], p.summaries[layer][blocks]]
-        if p.host_kv8:
-            out += [p.host_k_scales[layer][rows], p.host_v_scales[layer][rows]]
-        if p.codes is not None:
-            out += [p.codes[layer][blocks], p.bounds8[layer][blocks], p.bound_scales[layer][blocks]]
-    return out
 
 
 #: (host_kv_dtype, chunk ends): one piece over bf16 and fp8 host pools, chunks over a bf16 one
@@ -72,8 +62,8 @@ def test_gpu_sparse_prefill_equals_the_path_through_pages(
     assert ed.prefills_sparse(1000) and torch.equal(ld, lp)
     for a, b in zip(rp, rd, strict=True):
         assert a.sparse and b.sparse and b.metrics.sparse_since_token == len(b.prompt)
-        for x, y in zip(_host_state(ep, a), _host_state(ed, b), strict=True):
-            assert torch.equal(x.cpu(), y.cpu())
+        for x, y in zip(host_state(ep, a), host_state(ed, b), strict=True):
+            assert torch.equal(x, y)
     k1 = KV["top_k_blocks"] + 1
     assert ed.runtime.pool_sizes[0] <= len(prompts) * k1 < ep.runtime.pool_sizes[0]
     if cuda_graph:
@@ -87,23 +77,8 @@ def test_gpu_chunks_over_an_fp8_host_pool_read_the_prompt_back_as_fp8_pages_do()
     dev = torch.device("cuda")
     model = CausalLM.random(QWEN3_GPU.replace(num_hidden_layers=2), seed=3, dtype=torch.bfloat16, device=dev)
     (ids,) = repeated_prompts(model.config.vocab_size, [1000], seed=5, period=211)
-    ends = [512, 768, len(ids)]
-
-    def chunked(kv):
-        eng = Engine(model, kv, "oasis", None)
-        r = Request(id=0, prompt=ids, max_new_tokens=4)
-        eng.ensure_pools([r])
-        for start, end in zip([0, *ends[:-1]], ends, strict=True):
-            logits = eng.prefill_chunk(r, start, end)
-        return eng, r, logits
-
-    e8, r8, pages8 = chunked(KvConfig(**KV, kv_dtype="fp8_e4m3"))
-    eh, rh, host8 = chunked(KvConfig(**KV, host_kv_dtype="fp8_e4m3"))
+    e8, r8, pages8 = chunked_prefill(model, KvConfig(**KV, kv_dtype="fp8_e4m3"), ids, [512, 768])
+    eh, rh, host8 = chunked_prefill(model, KvConfig(**KV, host_kv_dtype="fp8_e4m3"), ids, [512, 768])
     assert not r8.sparse and rh.sparse and torch.equal(host8, pages8)
-    pages = torch.tensor(r8.pages, dtype=torch.long, device=dev)
-    rows = torch.tensor(rh.host_rows, dtype=torch.long)
-    for layer in range(model.config.num_hidden_layers):
-        p8, ph = e8.pools, eh.pools
-        assert torch.equal(p8.k_pages[layer][pages].cpu(), ph.host_k[layer][rows])
-        assert torch.equal(p8.v_pages[layer][pages].cpu(), ph.host_v[layer][rows])
-        assert torch.equal(p8.k_scales[layer][pages].cpu(), ph.host_k_scales[layer][rows])
+    for a, b in kv8_pages_and_host_rows(e8, r8, eh, rh):
+        assert torch.equal(a, b)

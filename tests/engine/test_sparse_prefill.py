@@ -15,7 +15,14 @@ from oasiskv import KvConfig, LLMEngine, SamplingParams
 from oasiskv.engine import Engine, PrefillCache, Request
 from oasiskv.engine import pools as pools_mod
 from oasiskv.errors import OasisError
-from support.engines import SMALL_KV, repeated_prompts, teacher_forced_logits
+from support.engines import (
+    SMALL_KV,
+    chunked_prefill,
+    host_state,
+    kv8_pages_and_host_rows,
+    repeated_prompts,
+    teacher_forced_logits,
+)
 from support.fakes import pools_are_full, prompt, tiny
 
 torch.set_num_threads(2)
@@ -24,21 +31,6 @@ torch.set_num_threads(2)
 def _run(model, kv, prompts, forced, direct, monkeypatch, **engine_kw):
     monkeypatch.setattr(pools_mod, "DIRECT_SPARSE_PREFILL", direct)
     return teacher_forced_logits(model, kv, "oasis", prompts, forced, **engine_kw)
-
-
-def _host_state(eng, r) -> list[torch.Tensor]:
-    """Everything the host pool and the GPU metadata hold of ``r``, in its logical block order."""
-    p = eng.pools
-    rows = torch.tensor(r.host_rows, dtype=torch.long)
-    blocks = torch.tensor(r.host_blocks, dtype=torch.long)
-    out = []
-    for layer in range(eng.cfg.num_hidden_layers):
-        out += [p.host_k[layer][rows], p.host_v[layer][rows], p.summaries[layer][blocks]]
-        if p.host_kv8:
-            out += [p.host_k_scales[layer][rows], p.host_v_scales[layer][rows]]
-        if p.codes is not None:
-            out += [p.codes[layer][blocks], p.bounds8[layer][blocks], p.bound_scales[layer][blocks]]
-    return out
 
 
 @pytest.mark.parametrize("selection", ["fidelity", "fast"])
@@ -66,7 +58,7 @@ def test_sparse_prefill_equals_the_path_through_pages(qwen3, monkeypatch, select
     for a, b in zip(rp, rd, strict=True):
         assert a.sparse and b.sparse
         assert b.metrics.sparse_since_token == len(b.prompt)
-        for x, y in zip(_host_state(ep, a), _host_state(ed, b), strict=True):
+        for x, y in zip(host_state(ep, a), host_state(ed, b), strict=True):
             assert torch.equal(x, y)
     k1 = SMALL_KV["top_k_blocks"] + 1
     assert ed.runtime.pool_sizes[0] <= len(prompts) * k1 < ep.runtime.pool_sizes[0]
@@ -121,7 +113,7 @@ def test_a_chunked_prefill_is_admitted_sparse_and_equals_the_path_through_pages(
     for a, b in zip(rp, rd, strict=True):
         assert a.sparse and b.sparse and b.sparse_prefill is None
         assert b.metrics.sparse_since_token == len(b.prompt)
-        for x, y in zip(_host_state(ep, a), _host_state(ed, b), strict=True):
+        for x, y in zip(host_state(ep, a), host_state(ed, b), strict=True):
             assert torch.equal(x, y)
     k1 = SMALL_KV["top_k_blocks"] + 1
     assert ed.runtime.pool_sizes[0] <= len(prompts) * k1 < ep.runtime.pool_sizes[0]
@@ -134,30 +126,12 @@ def test_chunks_over_an_fp8_host_pool_read_the_prompt_back_as_fp8_pages_do(qwen3
     (``kv_dtype="fp8_e4m3"``, the path through pages) bit for bit, and the host rows hold the
     codes and scales those pages hold (each block quantized once from its own K/V)."""
     ids = repeated_prompts(qwen3.config.vocab_size, [83], seed=3)[0]
-    ends = [40, 64, len(ids)]
-
-    def chunked(kv):
-        eng = Engine(qwen3, kv, "oasis", None)
-        r = Request(id=0, prompt=ids, max_new_tokens=4)
-        eng.ensure_pools([r])
-        for start, end in zip([0, *ends[:-1]], ends, strict=True):
-            logits = eng.prefill_chunk(r, start, end)
-        return eng, r, logits
-
-    e8, r8, pages8 = chunked(KvConfig(**SMALL_KV, kv_dtype="fp8_e4m3"))
+    e8, r8, pages8 = chunked_prefill(qwen3, KvConfig(**SMALL_KV, kv_dtype="fp8_e4m3"), ids, [40, 64])
     assert not r8.sparse and not e8.prefills_sparse(len(ids))  # fp8 pages: through them
-    eh, rh, host8 = chunked(KvConfig(**SMALL_KV, host_kv_dtype="fp8_e4m3"))
+    eh, rh, host8 = chunked_prefill(qwen3, KvConfig(**SMALL_KV, host_kv_dtype="fp8_e4m3"), ids, [40, 64])
     assert rh.sparse and rh.pages == [] and torch.equal(host8, pages8)
-    pages, rows = (torch.tensor(x, dtype=torch.long) for x in (r8.pages, rh.host_rows))
-    p8, ph = e8.pools, eh.pools
-    for layer in range(qwen3.config.num_hidden_layers):
-        for a, b in (
-            (p8.k_pages[layer][pages], ph.host_k[layer][rows]),
-            (p8.v_pages[layer][pages], ph.host_v[layer][rows]),
-            (p8.k_scales[layer][pages], ph.host_k_scales[layer][rows]),
-            (p8.v_scales[layer][pages], ph.host_v_scales[layer][rows]),
-        ):
-            assert torch.equal(a, b), layer
+    for a, b in kv8_pages_and_host_rows(e8, r8, eh, rh):
+        assert torch.equal(a, b)
 
 
 def test_a_failed_chunk_releases_the_request(qwen3, monkeypatch):
