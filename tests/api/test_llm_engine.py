@@ -11,11 +11,11 @@ import torch
 
 import oasiskv
 from oasiskv import KvConfig, LLMEngine, SamplingParams, errors
+from oasiskv.engine.prefill import SparsePrefill
 from support.fakes import pools_are_full, prompt, tiny
 
 # Private names read here: ``LLMEngine._by_id`` (a request's engine-side state, no public lookup):
-# the codes test reads the request's blocks from it; ``engine.core._SparsePrefill.store`` (one
-# layer of a sparse prefill), where the failure test injects its error.
+# the codes test reads the request's blocks from it.
 
 torch.set_num_threads(2)
 
@@ -222,20 +222,18 @@ def test_a_failed_sparse_prefill_finishes_that_request_only(model, monkeypatch, 
     """A long prompt is admitted sparse and prefilled into the host pool, in one piece or in
     chunks: when storing one of its layers fails (in its last chunk), that request ends with the
     error, its rows go back, the others complete."""
-    from oasiskv.engine import core
-
     kv = KvConfig(**README_KV)
     opts = {} if chunk is None else {"max_num_batched_tokens": chunk}
     eng = LLMEngine(model, kv=kv, drafter="ngram", **opts)
     assert eng.engine.prefills_sparse(90)
-    orig = core._SparsePrefill.store
+    orig = SparsePrefill.store
 
     def flaky(self, layer, k, v, first=0):
         if self.n == 90 and layer == 1 and first * kv.block_size + k.shape[0] == 90:
             raise errors.OasisError("injected: the copy of layer 1 to the host pool failed")
         orig(self, layer, k, v, first)
 
-    monkeypatch.setattr(core._SparsePrefill, "store", flaky)
+    monkeypatch.setattr(SparsePrefill, "store", flaky)
     _only_the_first_fails(eng, prompt(90, 1), prompt(100, 2), max_tokens=6)
 
 

@@ -14,6 +14,8 @@ import torch
 from oasiskv import KvConfig, LLMEngine, SamplingParams
 from oasiskv.engine import Engine, PrefillCache, Request
 from oasiskv.engine import pools as pools_mod
+from oasiskv.engine import prefill as prefill_mod
+from oasiskv.engine.prefill import SparsePrefill, clip_runs, row_runs
 from oasiskv.errors import OasisError
 from support.engines import (
     SMALL_KV,
@@ -134,30 +136,83 @@ def test_chunks_over_an_fp8_host_pool_read_the_prompt_back_as_fp8_pages_do(qwen3
         assert torch.equal(a, b)
 
 
+def test_row_runs_cover_the_rows_in_order():
+    """``row_runs`` cuts a row list into maximal runs of consecutive rows that give the list back
+    in order; ``clip_runs`` cuts them at a row count."""
+    g = torch.Generator().manual_seed(4)
+    for _ in range(200):
+        rows = torch.randperm(40, generator=g)[: int(torch.randint(0, 40, (1,), generator=g))].tolist()
+        if rows and int(torch.randint(0, 2, (1,), generator=g)):
+            rows = list(range(7, 7 + len(rows)))  # one run
+        runs = row_runs(rows)
+        assert [r + i for _, r, n in runs for i in range(n)] == rows
+        assert [at for at, _, _ in runs] == [sum(n for _, _, n in runs[:i]) for i in range(len(runs))]
+        assert all(a[1] + a[2] != b[1] for a, b in zip(runs[:-1], runs[1:], strict=True))  # maximal
+        for nb in range(len(rows) + 1):
+            assert [r + i for _, r, n in clip_runs(runs, nb) for i in range(n)] == rows[:nb]
+
+
+@pytest.mark.parametrize("host_kv_dtype", [None, "fp8_e4m3"])
+@pytest.mark.parametrize("max_runs", [64, 0], ids=["copies", "page-kernel"])
+def test_the_read_back_gives_the_host_rows_in_the_prompts_order(qwen3, monkeypatch, host_kv_dtype, max_runs):
+    """``SparsePrefill.prefix`` reads a prompt's earlier positions back from host rows in any
+    order (a fragmented pool: runs of consecutive rows, or the page copy kernel past
+    ``MAX_COPY_RUNS``): positions ``0 .. n - 1`` equal the host rows' values (code x scale over an
+    fp8 pool) laid out position by position, for every layer, prefetched or not."""
+    monkeypatch.setattr(prefill_mod, "MAX_COPY_RUNS", max_runs)
+    kv = KvConfig(**SMALL_KV, host_kv_dtype=host_kv_dtype)
+    eng = Engine(qwen3, kv, "oasis", None)
+    eng.ensure_pools([Request(id=0, prompt=list(range(200)), max_new_tokens=4)])
+    p, b = eng.pools, kv.block_size
+    hk, d = eng.geo.num_kv_heads, eng.geo.head_dim
+    rows = [9, 10, 11, 3, 4, 17, 0, 1, 2, 12]  # four runs and a row alone
+    assert p.host_k[0].shape[0] > max(rows)
+    g = torch.Generator().manual_seed(2)
+    for layer in range(eng.cfg.num_hidden_layers):
+        for t in (p.host_k[layer], p.host_v[layer]):
+            if host_kv8 := t.dtype == torch.uint8:
+                t.copy_(torch.randint(0, 0x7F, t.shape, generator=g, dtype=torch.uint8))  # finite E4M3
+            else:
+                t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+        if host_kv8:
+            for t in (p.host_k_scales[layer], p.host_v_scales[layer]):
+                t.copy_(2.0 ** torch.randint(-3, 3, t.shape, generator=g).float())
+    nr = len(rows)
+    tr = {"host_blocks": list(range(nr)), "host_rows": rows, "n_complete": nr, "lens": [b] * nr}
+    n = 7 * b + 5  # ends inside the eighth row
+    direct = SparsePrefill(eng, tr)
+    direct.prefetch(1, n)
+    idx = torch.tensor(rows[: -(-n // b)], dtype=torch.long)
+    for layer in range(eng.cfg.num_hidden_layers):
+        k, v = direct.prefix(layer, n)
+        for got, want in zip((k, v), p.host_kv(layer, idx), strict=True):
+            want = want.transpose(1, 2).reshape(-1, hk, d)[:n]
+            assert got.shape == (n, hk, d) and got.dtype == eng.dtype
+            assert torch.equal(got.cpu(), want.cpu())
+
+
 def test_a_failed_chunk_releases_the_request(qwen3, monkeypatch):
     """A chunk that fails while storing a layer gives the request's rows and pages back, and the
     engine admits and prefills it again afterwards."""
-    from oasiskv.engine import core
-
     kv = KvConfig(**SMALL_KV)
     ids = repeated_prompts(qwen3.config.vocab_size, [90], seed=3)[0]
     eng = Engine(qwen3, kv, "oasis", None)
     r = Request(id=0, prompt=ids, max_new_tokens=4)
     eng.ensure_pools([r])
     free = eng.runtime.num_free
-    orig = core._SparsePrefill.store
+    orig = SparsePrefill.store
 
     def flaky(self, layer, k, v, first=0):
         if first and layer == 1:
             raise OasisError("injected")
         orig(self, layer, k, v, first)
 
-    monkeypatch.setattr(core._SparsePrefill, "store", flaky)
+    monkeypatch.setattr(SparsePrefill, "store", flaky)
     assert eng.prefill_chunk(r, 0, 40) is None and r.sparse
     with pytest.raises(OasisError, match="injected"):
         eng.prefill_chunk(r, 40, len(ids))
     assert eng.runtime.num_requests == 0 and eng.runtime.num_free == free and r.sparse_prefill is None
-    monkeypatch.setattr(core._SparsePrefill, "store", orig)
+    monkeypatch.setattr(SparsePrefill, "store", orig)
     r = Request(id=1, prompt=ids, max_new_tokens=4)
     eng.prefill_chunk(r, 0, 40)
     assert eng.prefill_chunk(r, 40, len(ids)) is not None and r.sparse

@@ -23,6 +23,7 @@ from ..errors import ConfigError
 from ..policy import BlockSource, LocalHostPool, SelectionPolicy
 from .graphs import GraphsMixin, StepGraph, split_caps
 from .pools import HOST_POOLS, KvPools, PoolsMixin, i32
+from .prefill import SparsePrefill
 from .requests import PrefillCache, Prefilled, Request
 from .selection import SelectionMixin, csr_tables
 from .speculative import RowSampling, SpeculativeMixin, sampling_inputs, verdict_inputs
@@ -292,7 +293,7 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         d = self.geo.head_dim
         layers = self.cfg.num_hidden_layers
         self._last_row = {r.id: 0}
-        direct = None if r.sparse_prefill is None else _SparsePrefill(self, r.sparse_prefill)
+        direct = None if r.sparse_prefill is None else SparsePrefill(self, r.sparse_prefill)
         rows = self._kv_rows(r, n) if direct is None else None
         page_ids = torch.tensor(r.pages, dtype=torch.long, device=self.device) if p.page_kv8 else None
 
@@ -414,19 +415,23 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
 
     def _sparse_chunk_attention(self, r: Request, start: int, final: bool):
         """The attention of a chunk of a prompt admitted sparse (positions ``start ..``): the
-        earlier positions read back from the host rows (:meth:`_SparsePrefill.prefix`) and the
+        earlier positions read back from the host rows (:meth:`SparsePrefill.prefix`) and the
         chunk's own K/V unrounded, as the path through pages has them; the chunk's blocks go to
-        the host pool (:meth:`_SparsePrefill.store`), from the block it starts in."""
+        the host pool (:meth:`SparsePrefill.store`), from the block it starts in. On a GPU the
+        next layer's read-back runs on a background stream while this layer computes."""
         from ..models.transformer import causal_attention
 
         scale = self.geo.head_dim**-0.5
-        direct = _SparsePrefill(self, r.sparse_prefill)
+        direct = SparsePrefill(self, r.sparse_prefill, side=self._sides[0] if self._sides else None)
         first = start // self.kv.block_size
         at = first * self.kv.block_size
+        if start:
+            direct.prefetch(0, start)
 
         def attn(layer, q, k, v):
             if start:
                 kp, vp = direct.prefix(layer, start)
+                direct.prefetch(layer + 1, start)
                 k_all, v_all = torch.cat([kp.to(k.dtype), k]), torch.cat([vp.to(v.dtype), v])
             else:
                 k_all, v_all = k, v
@@ -534,7 +539,7 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
 
     def _finish_sparse_prefill(self, r: Request) -> None:
         """After the prefill of a prompt admitted sparse (its layers stored by
-        :class:`_SparsePrefill`): its initial working sets, as :meth:`make_sparse` selects them."""
+        :class:`SparsePrefill`): its initial working sets, as :meth:`make_sparse` selects them."""
         r.metrics.sparse_since_token = len(r.prompt)
         self._select_all_initial(r, r.sparse_prefill)
 
@@ -782,71 +787,3 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         m.fetched_bytes_per_step = m.fetched_bytes_total / m.sparse_steps if m.sparse_steps else 0.0
         n_rec = float(self._acc_recall_n[r.slot])
         m.lookahead_recall = float(self._acc_recall[r.slot]) / n_rec if n_rec else None
-
-
-class _SparsePrefill:
-    """The prefill of a prompt admitted sparse (:meth:`Engine.admit` with ``whole`` or
-    ``chunked``; transition ``tr`` of ``Runtime.admit_sparse``): :meth:`store` puts each layer's
-    K/V where :meth:`Engine.make_sparse` would have copied them from dense pages -- the request's
-    host rows, the summaries (and key codes) of its blocks from the same keys, its partial last
-    block in the local page -- while the forward holds them, so the device holds one layer of the
-    prompt at a time instead of every layer's pages. The same kernels as ``make_sparse`` on the
-    same values: the same pools, bit for bit. A chunked prefill stores each chunk's blocks (a block
-    a chunk ends inside goes to its host row as far as it is written, and again, whole, with the
-    next chunk) and reads the prompt's earlier positions back from the host rows
-    (:meth:`prefix`), where the path through pages reads them from the pages: the same values (an
-    fp8 host pool gives them back as stored, code x scale, as fp8 pages would)."""
-
-    def __init__(self, eng: Engine, tr: dict) -> None:
-        dev = eng.device
-        self.eng, self.tr = eng, tr
-        self.b = eng.kv.block_size
-        self.dst, self.rows = (i32(tr[x], dev) for x in ("host_blocks", "host_rows"))
-        self.nb, self.n_complete = len(tr["host_blocks"]), tr["n_complete"]
-        self.n = (self.nb - 1) * self.b + tr["lens"][-1] if self.nb else 0  # the prompt's length
-
-    def _paged(self, x: torch.Tensor, nb: int) -> torch.Tensor:
-        """``[n, Hkv, D]`` as ``nb`` of the pool's pages ``[nb, Hkv, b, D]`` (zeros past ``n``)."""
-        eng = self.eng
-        b, hk, d = self.b, eng.geo.num_kv_heads, eng.geo.head_dim
-        x = x.to(eng.device, eng.dtype, non_blocking=True)
-        pad = nb * b - x.shape[0]
-        if pad:
-            x = torch.cat([x, x.new_zeros(pad, hk, d)])
-        return x.view(nb, b, hk, d).transpose(1, 2).contiguous()
-
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, first: int = 0) -> None:
-        """``k``, ``v`` ``[m, Hkv, D]``: positions ``first * b ..`` of the prompt (the whole
-        prompt by default), each touched block whole as far as the prompt is written."""
-        eng = self.eng
-        p, b, dev = eng.pools, self.b, eng.device
-        m = k.shape[0]
-        nb = -(-m // b)
-        end = first * b + m
-        kp, vp = self._paged(k, nb), self._paged(v, nb)
-        part = slice(first, first + nb)
-        src = torch.arange(nb, dtype=torch.int32, device=dev)
-        lens = torch.clamp(end - (src + first) * b, max=b).to(torch.int32)  # rows written of each block
-        nc = m // b  # the touched blocks complete now (all but a last one the prompt or chunk ends in)
-        p.blocks_to_host(layer, src, self.rows[part], self.dst[part], lens, nc, eng.key_codes, pages=(kp, vp))
-        if end == self.n and self.n_complete < self.nb:
-            # The prompt's partial last block: the local page's (attention reads it there).
-            local = self.tr["local_page"]
-            p.k_pages[layer][local] = kp[-1]
-            p.v_pages[layer][local] = vp[-1]
-
-    def prefix(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positions ``0 .. n - 1`` of ``layer``'s K and V as stored by the earlier chunks, ``[n,
-        Hkv, D]`` in the pool's dtype on the device: their host rows read back (one page copy
-        per tensor; a pinned pool is read over PCIe by the copy kernel; an fp8 pool's codes come
-        back dequantized, code x scale, as fp8 pages read them)."""
-        eng = self.eng
-        p, b, dev = eng.pools, self.b, eng.device
-        nb = -(-n // b)
-        hk, d = eng.geo.num_kv_heads, eng.geo.head_dim
-        k = torch.empty(nb, hk, b, d, dtype=eng.dtype, device=dev)
-        v = torch.empty_like(k)
-        ids = torch.arange(nb, dtype=torch.int32, device=dev)
-        scales = p.host_scales(layer, "src_")
-        ops.copy_pages(eng.geo, p.host_k[layer], p.host_v[layer], self.rows[:nb], k, v, ids, **scales)
-        return tuple(x.transpose(1, 2).reshape(nb * b, hk, d)[:n] for x in (k, v))
