@@ -122,9 +122,6 @@ class SparsePrefill:
         if self.side is None:
             self._pending[layer] = (*self._read(layer, n), None)
             return
-        # The buffers are the compute stream's (allocated outside the side stream), so the caching
-        # allocator hands their memory on only after the compute stream used them; every tensor
-        # the side stream touches is recorded as its too (an exception mid-forward frees them).
         k, v = self._read(layer, n, self.side)
         done = torch.cuda.Event()
         done.record(self.side)
@@ -142,31 +139,27 @@ class SparsePrefill:
         return k, v
 
     def _read(self, layer: int, n: int, side: torch.cuda.Stream | None = None) -> tuple:
-        """The read of :meth:`prefix`, its copies launched on ``side`` (None: the current
-        stream), its outputs ``[n, Hkv, D]`` allocated on the current stream."""
+        """The read of :meth:`prefix`: its buffers allocated and its copies launched on ``side``
+        (None: the current stream), its outputs ``[n, Hkv, D]`` marked as the current stream's
+        too. (Buffers allocated on the current stream and written on ``side`` raced: the caching
+        allocator hands the current stream memory that its queued kernels still read.)"""
         eng = self.eng
         p, b, dev = eng.pools, self.b, eng.device
         nb = -(-n // b)
         hk, d = eng.geo.num_kv_heads, eng.geo.head_dim
         runs = clip_runs(self.runs, nb)
-        out = [torch.empty(nb * b, hk, d, dtype=eng.dtype, device=dev) for _ in range(2)]
-        pages = [torch.empty(nb, hk, b, d, dtype=eng.dtype, device=dev) for _ in range(2)]
-        keep = list(pages)  # what the side stream uses beyond the outputs
         by_engine = len(runs) <= MAX_COPY_RUNS
-        if by_engine and p.host_kv8:
-            staged = [torch.empty(nb, hk, b, d, dtype=torch.uint8, device=dev) for _ in range(2)]
-            scales = [torch.empty(nb, hk, dtype=torch.float32, device=dev) for _ in range(2)]
-            keep += staged + scales
-        ids = torch.arange(nb, dtype=torch.int32, device=dev)
-        keep.append(ids)
-        if side is not None:
-            for t in keep + out:
-                t.record_stream(side)
+        cur = torch.cuda.current_stream(dev) if side is not None else None
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            out = [torch.empty(nb * b, hk, d, dtype=eng.dtype, device=dev) for _ in range(2)]
+            pages = [torch.empty(nb, hk, b, d, dtype=eng.dtype, device=dev) for _ in range(2)]
+            ids = torch.arange(nb, dtype=torch.int32, device=dev)
             if not by_engine:  # rows in any order: the page copy kernel reads them in place
                 kw = p.host_scales(layer, "src_")
                 ops.copy_pages(eng.geo, p.host_k[layer], p.host_v[layer], self.rows[:nb], *pages, ids, **kw)
             elif p.host_kv8:
+                staged = [torch.empty(nb, hk, b, d, dtype=torch.uint8, device=dev) for _ in range(2)]
+                scales = [torch.empty(nb, hk, dtype=torch.float32, device=dev) for _ in range(2)]
                 srcs = (p.host_k[layer], p.host_v[layer], p.host_k_scales[layer], p.host_v_scales[layer])
                 for dst, src in zip((*staged, *scales), srcs, strict=True):
                     for at, row, m in runs:
@@ -180,4 +173,7 @@ class SparsePrefill:
                         dst[at : at + m].copy_(src[row : row + m], non_blocking=True)
             for o, pg in zip(out, pages, strict=True):
                 o.view(nb, b, hk, d).copy_(pg.transpose(1, 2))
+        if cur is not None:
+            for o in out:  # freed after the current stream's use, not before
+                o.record_stream(cur)
         return out[0][:n], out[1][:n]
