@@ -8,7 +8,7 @@ timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir=. tests/ke
   -k "candidates or two_stage or topk" > $OUT/pytest-kernels-k.log 2>&1; echo "rc=$?" >> $OUT/pytest-kernels-k.log
 tail -3 $OUT/pytest-kernels-k.log
 REPO=$PWD
-(cd /tmp && timeout 100 python3 $REPO/results/pending-s24/gprobe.py > $OUT/gather-probe.txt 2>&1; echo "rc=$?" >> $OUT/gather-probe.txt)
+(cd /tmp && timeout 100 python3 $REPO/results/h100-2026-12-07-s25/scripts-s24/gprobe.py > $OUT/gather-probe.txt 2>&1; echo "rc=$?" >> $OUT/gather-probe.txt)
 cat $OUT/gather-probe.txt
 (cd /tmp && timeout 90 python3 -m oasiskv.bench.kernels --only score --json $OUT/bench-score.json > $OUT/bench-score.log 2>&1; echo "rc=$?" >> $OUT/bench-score.log)
 grep -i "chain\|candid\|rc=" $OUT/bench-score.log | head -20
