@@ -571,6 +571,16 @@ impl Coordinator {
         self.shared.lock().pending.get(layer).copied().unwrap_or(0)
     }
 
+    /// Step items in flight of every layer (one look under the lock).
+    pub fn pending_layers(&self) -> Vec<usize> {
+        self.shared.lock().pending.clone()
+    }
+
+    /// The layers it was started for.
+    pub fn layers(&self) -> usize {
+        self.shared.lock().pending.len()
+    }
+
     /// Items of `owner` in flight: of `layer` only, or (None) of every layer. 0: every read
     /// submitted for it has landed or failed ([`Coordinator::take_failed`] says which).
     pub fn in_flight(&self, owner: i64, layer: Option<u16>) -> usize {

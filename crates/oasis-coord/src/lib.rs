@@ -20,6 +20,8 @@
 //! - [`coordinator`]: the [`Coordinator`] and its state.
 //! - `worker`: one connection's task (its frames in order, reconnects, the writes into the pool).
 //! - [`stats`]: the counters ([`CoordStats`]).
+//! - [`step_reader`]: the [`StepReader`], which starts a step's reads from the plans the GPU
+//!   publishes while it runs the step, and tells the GPU's gather when each layer's landed.
 //! - [`pools`]: the pinned host pool's layout and the one `unsafe` write of an entry.
 //! - [`connect`]: how connections are made ([`Connector`]; TCP here, UCX in the binding).
 //! - [`error`]: the crate's [`CoordError`].
@@ -34,6 +36,7 @@ mod inflight;
 pub mod pools;
 pub mod prefetch;
 pub mod stats;
+pub mod step_reader;
 mod worker;
 
 pub use connect::{Connector, TcpConnector};
@@ -43,3 +46,4 @@ pub use oasis_runtime::presence::ALL_HEADS;
 pub use oasis_runtime::Entry;
 pub use pools::{Dest, LayerPool, PoolLayout};
 pub use prefetch::DEFAULT_PREFETCH_ENTRIES;
+pub use step_reader::{MailboxLayout, ReaderStats, StepPlan, StepReader};
