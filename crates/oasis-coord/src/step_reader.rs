@@ -98,9 +98,10 @@ impl MailboxLayout {
 pub struct StepPlan {
     /// The number the step writes into `ready[l]`; greater than every earlier step's.
     pub epoch: u64,
-    /// The plan's shape: `rows` requests (padded rows plan nothing), `cap` slots per KV head.
+    /// The plan's shape: `rows` requests (padded rows plan nothing), and per layer the slots
+    /// each KV head's plan has (`[rows, heads, caps[l]]`; the fetch cap of the layer's budget).
     pub rows: usize,
-    pub cap: usize,
+    pub caps: Vec<usize>,
     /// The host block table: request `seq`'s logical block `b` is host row
     /// `indices[indptr[seq] + b]`.
     pub indptr: Vec<i32>,
@@ -142,6 +143,7 @@ pub struct StepReader {
     thread: Option<JoinHandle<()>>,
     heads: usize,
     capacity: usize,
+    layers: usize,
 }
 
 impl StepReader {
@@ -192,6 +194,7 @@ impl StepReader {
             thread: Some(thread),
             heads,
             capacity,
+            layers,
         })
     }
 
@@ -205,14 +208,22 @@ impl StepReader {
         if self.shared.stop.load(Ordering::Acquire) {
             return Err(CoordError::Closed);
         }
+        if plan.caps.len() != self.layers {
+            return Err(CoordError::Invalid(format!(
+                "caps has {} entries for {} layers",
+                plan.caps.len(),
+                self.layers
+            )));
+        }
+        let most = plan.caps.iter().copied().max().unwrap_or(0);
         let n = plan
             .rows
             .checked_mul(self.heads)
-            .and_then(|x| x.checked_mul(plan.cap));
+            .and_then(|x| x.checked_mul(most));
         if n.is_none_or(|n| n > self.capacity) {
             return Err(CoordError::Invalid(format!(
-                "a plan of {} rows x {} heads x {} slots is larger than the mailbox's {} entries",
-                plan.rows, self.heads, plan.cap, self.capacity
+                "a plan of {} rows x {} heads x {most} slots is larger than the mailbox's {} entries",
+                plan.rows, self.heads, self.capacity
             )));
         }
         let ok = plan.indptr.len() == plan.rows + 1
@@ -447,9 +458,10 @@ impl Worker {
     /// The block-heads layer `layer`'s published plan gathers, and how many of its entries were
     /// outside the tables.
     fn entries_of(&self, layer: usize, plan: &StepPlan) -> (Vec<Entry>, u64) {
-        let n = plan.rows * self.heads * plan.cap; // <= capacity: begin_step checked
-                                                   // SAFETY: `capacity` i32 at each address (the caller's contract), n <= capacity; the
-                                                   // plan was published before `ready[layer]` (Acquire above).
+        // <= capacity: begin_step checked.
+        let n = plan.rows * self.heads * plan.caps[layer];
+        // SAFETY: `capacity` i32 at each address (the caller's contract), n <= capacity; the
+        // plan was published before `ready[layer]` (Acquire above).
         let (slots, blocks) = unsafe {
             (
                 std::slice::from_raw_parts(self.layout.slots[layer] as *const i32, n),
@@ -469,15 +481,16 @@ pub fn entries_of(
     slots: &[i32],
     blocks: &[i32],
 ) -> (Vec<Entry>, u64) {
-    let per_seq = heads * plan.cap;
+    let cap = plan.caps.get(layer).copied().unwrap_or(0).max(1);
+    let per_seq = heads * cap;
     let mut out = Vec::new();
     let mut bad = 0u64;
     for (i, (&s, &b)) in slots.iter().zip(blocks).enumerate() {
         if s < 0 {
             continue;
         }
-        let seq = i / per_seq.max(1);
-        let head = (i / plan.cap.max(1)) % heads;
+        let seq = i / per_seq;
+        let head = (i / cap) % heads;
         let row = (seq < plan.rows && b >= 0)
             .then(|| {
                 let (lo, hi) = (plan.indptr[seq] as usize, plan.indptr[seq + 1] as usize);

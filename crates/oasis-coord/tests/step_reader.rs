@@ -85,7 +85,7 @@ fn plan(epoch: u64) -> StepPlan {
     StepPlan {
         epoch,
         rows: 1,
-        cap: 2,
+        caps: vec![2; LAYERS],
         indptr: vec![0, 3],
         indices: vec![3, 4, 5],
     }
@@ -253,9 +253,9 @@ fn begin_step_refuses_bad_tables() {
     let bad = [
         plan(3), // not above the last epoch
         StepPlan {
-            rows: 40,
+            rows: 17,
             ..plan(4)
-        }, // 40 x 2 x 2 > 64 entries
+        }, // 17 x 2 x 2 > 64 entries
         StepPlan {
             indptr: vec![0, 4],
             ..plan(4)
@@ -268,6 +268,10 @@ fn begin_step_refuses_bad_tables() {
             indptr: vec![0],
             ..plan(4)
         }, // not rows + 1
+        StepPlan {
+            caps: vec![2; LAYERS - 1],
+            ..plan(4)
+        }, // not a cap per layer
     ];
     for p in bad {
         assert!(
@@ -317,7 +321,7 @@ fn entries_of_reads_the_block_table_and_counts_entries_outside_it() {
     let p = StepPlan {
         epoch: 1,
         rows: 2,
-        cap: 2,
+        caps: vec![1, 1, 2],
         indptr: vec![0, 2, 3],
         indices: vec![10, 11, 20],
     };
@@ -327,7 +331,7 @@ fn entries_of_reads_the_block_table_and_counts_entries_outside_it() {
         slots[i] = s;
         blocks[i] = b;
     }
-    let (got, bad) = entries_of(2, 2, &p, &slots, &blocks);
+    let (got, bad) = entries_of(2, 2, &p, &slots, &blocks); // layer 2: two slots per head
     assert_eq!(got, vec![e(2, 11, 0), e(2, 10, 1), e(2, 20, 0)]);
     assert_eq!(bad, 1, "seq 1's logical block 1 is past its one block");
 }

@@ -73,7 +73,7 @@ impl Connector for AnyConnector {
     }
 }
 
-fn coord_err(py: Python<'_>, e: CoordError) -> PyErr {
+pub(crate) fn coord_err(py: Python<'_>, e: CoordError) -> PyErr {
     match e {
         CoordError::Invalid(m) => bad_arg(py, m),
         CoordError::Presence(e) => core_err(py, e),
@@ -90,7 +90,7 @@ fn coord_err(py: Python<'_>, e: CoordError) -> PyErr {
     }
 }
 
-fn internal(py: Python<'_>, what: &str) -> PyErr {
+pub(crate) fn internal(py: Python<'_>, what: &str) -> PyErr {
     py_err(
         py,
         "OasisError",
@@ -141,7 +141,8 @@ fn entries(py: Python<'_>, layers: &[i64], rows: &[i64], heads: &[i64]) -> PyRes
 /// The decode side's remote reads (see the module docs).
 #[pyclass(name = "Coordinator", module = "oasiskv._core")]
 pub struct PyCoordinator {
-    inner: Coordinator,
+    /// Shared with the step readers it starts (`oasiskv._core.StepReader`).
+    pub(crate) inner: std::sync::Arc<Coordinator>,
     label: String,
     /// The registered pools, kept alive while their addresses are in use (`register_pools`'
     /// safety obligation 1); replaced by the next registration, dropped at `close`.
@@ -247,7 +248,7 @@ impl PyCoordinator {
             Err(_) => return Err(internal(py, "__init__")),
         };
         Ok(Self {
-            inner,
+            inner: std::sync::Arc::new(inner),
             label,
             pools: std::sync::Mutex::new(Vec::new()),
         })

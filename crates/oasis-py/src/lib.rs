@@ -55,6 +55,7 @@ mod page;
 mod rt;
 mod runtime;
 mod selection;
+mod step_reader;
 mod tensor;
 mod tier;
 
@@ -66,6 +67,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     runtime::register(m)?;
     rt::register(m)?;
     coord::register(m)?;
+    step_reader::register(m)?;
     page::register(m)?;
     attention::register(m)?;
     selection::register(m)?;

@@ -37,4 +37,4 @@ pub use score::{force_scores, score_blocks, topk_blocks, topk_blocks_mapped, top
 pub use select::{delta_select, SelectStats};
 pub use summary::build_summaries;
 pub use two_stage::{encode_blocks, rescore_topk_codes};
-pub use wait::{wait_stamp, WaitStamp};
+pub use wait::{wait_epoch, wait_stamp, WaitStamp};

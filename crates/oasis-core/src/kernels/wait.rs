@@ -1,8 +1,51 @@
-//! CPU twin of `wait_stamp` (cuda/wait_stamp.cu): time a wait of the compute stream on
-//! background work. The CPU path runs the background chain inline, so its waits are the two
-//! calls' distance apart; the engine does not call it there, but the arithmetic is the kernel's.
+//! CPU twins of the stream waits (cuda/wait_stamp.cu).
+//!
+//! - `wait_stamp`: time a wait of the compute stream on background work. The CPU path runs the
+//!   background chain inline, so its waits are the two calls' distance apart; the engine does
+//!   not call it there, but the arithmetic is the kernel's.
+//! - `wait_epoch`: hold a stream until a host word (a layer's `landed` epoch, written by the
+//!   coordinator's step reader) reaches the step's epoch, within a timeout. The CPU path calls
+//!   it inline before a layer's gather, as the GPU queues it before the gather on the layer's
+//!   background stream.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use crate::error::{OasisError, Result};
+
+/// How long `wait_epoch` sleeps between looks at the word (the kernel: 1 us).
+const EPOCH_NAP: Duration = Duration::from_micros(20);
+
+/// Block until `landed >= want` or `timeout` has passed. On a timeout `timeouts[0] += 1` and
+/// `timeouts[1] = want` (the kernel's `[count, last epoch]`), and the wait gives up: the caller
+/// finds it in `timeouts` after the step. Returns whether it timed out.
+///
+/// # Errors
+/// [`OasisError::Shape`] unless `timeouts` has 2 elements.
+pub fn wait_epoch(
+    landed: &AtomicU64,
+    want: u64,
+    timeout: Duration,
+    timeouts: &mut [u64],
+) -> Result<bool> {
+    if timeouts.len() != 2 {
+        return Err(OasisError::Shape {
+            what: "timeouts",
+            expected: "[2]".into(),
+            got: format!("[{}]", timeouts.len()),
+        });
+    }
+    let t0 = Instant::now();
+    while landed.load(Ordering::Acquire) < want {
+        if t0.elapsed() >= timeout {
+            timeouts[0] = timeouts[0].wrapping_add(1);
+            timeouts[1] = want;
+            return Ok(true);
+        }
+        std::thread::sleep(EPOCH_NAP);
+    }
+    Ok(false)
+}
 
 /// What a stamp marks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,6 +114,27 @@ mod tests {
         wait_stamp(&mut s, WaitStamp::Start, 300).unwrap();
         wait_stamp(&mut s, WaitStamp::End, 250).unwrap();
         assert_eq!(s, [300, 35, 3]);
+    }
+
+    #[test]
+    fn wait_epoch_returns_once_the_word_reaches_the_epoch_or_times_out() {
+        let landed = std::sync::Arc::new(AtomicU64::new(3));
+        let mut t = [0u64; 2];
+        assert!(!wait_epoch(&landed, 3, Duration::ZERO, &mut t).unwrap());
+        assert!(!wait_epoch(&landed, 2, Duration::ZERO, &mut t).unwrap());
+        let w = std::sync::Arc::clone(&landed);
+        let writer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(30));
+            w.store(4, Ordering::Release);
+        });
+        let t0 = Instant::now();
+        assert!(!wait_epoch(&landed, 4, Duration::from_secs(5), &mut t).unwrap());
+        assert!(t0.elapsed() >= Duration::from_millis(25));
+        writer.join().unwrap();
+        assert_eq!(t, [0, 0]);
+        assert!(wait_epoch(&landed, 9, Duration::from_millis(10), &mut t).unwrap());
+        assert_eq!(t, [1, 9]);
+        assert!(wait_epoch(&landed, 9, Duration::from_millis(1), &mut [0u64; 3]).is_err());
     }
 
     #[test]
