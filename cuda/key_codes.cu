@@ -1,20 +1,24 @@
 // key_codes.cu — 2-bit key codes of whole host blocks, and the block score they give: the largest
 // approximate logit of each listed block, summed over the GQA group.
 //
-// CPU twins: oasis_core::kernels::build_key_codes, encode_blocks (codes and 8-bit bound in one
-// launch) and score_blocks_codes (crates/oasis-core/src/kernels/codes.rs, which defines the
-// encoding and the layout).
+// CPU twins: oasis_core::kernels::build_key_codes, encode_blocks (the 8-bit bound, then the codes
+// inside it, in one launch) and score_blocks_codes (crates/oasis-core/src/kernels/codes.rs, which
+// defines the encoding and the layout; crates/oasis-core/src/kernels/bound8.rs the bound).
 //
 // Layout: codes [num_host_blocks, num_kv_heads, block_size, head_dim / 4] bytes; channel 4i + j of
-// a token is bits 2j .. 2j + 2 of byte i; c = round(3 (k - min) / (max - min)) clamped to 0..=3
-// (0 for an empty range or a NaN), k ~ min + c (max - min) / 3.
+// a token is bits 2j .. 2j + 2 of byte i; c = round(3 (k - lo) / (hi - lo)) clamped to 0..=3 (0 for
+// an empty or NaN range or a NaN key), k ~ lo + c (hi - lo) / 3, where [lo, hi] is the block's
+// decoded 8-bit bound: lo = e4m3_decode(bounds8[b, h, 0, d]) * scales[b, h], hi likewise from row
+// 1 (exact in f32). The scores read the bound and the codes, never the summaries: 2 head_dim +
+// block_size head_dim / 4 bytes (and a 4-byte scale) per (block, head). A NaN scale (a block whose
+// keys are not all finite) gives codes 0 and a NaN score, which ranks last in top-K.
 //
 // As in score_blocks.cu, blk_indptr is checked row by row in the kernel (the CPU twin rejects a
 // malformed table): an entry whose row is malformed (start < 0, end < start, end > nnz) or that
 // lies in no row scores -inf, and so does an out-of-range block id. Nothing is read outside
-// blk_indices, q, the summaries or the codes. Out-of-range ids (or rows) of build_key_codes are
-// skipped. build_key_codes reads host_k by host row (block_rows; null: the id) and the summaries
-// and codes by block id.
+// blk_indices, q, the bounds, the scales or the codes. Out-of-range ids (or rows) of
+// build_key_codes are skipped. build_key_codes reads host_k by host row (block_rows; null: the id)
+// and the bounds and codes by block id.
 #include "oasis_common.cuh"
 #include "oasis_params.cuh"
 #include "oasis_topk.cuh"
@@ -47,27 +51,26 @@ __device__ __forceinline__ u32 encode_code(float x, float lo, float hi) {
     return v >= 3.f ? 3u : (u32)v;
 }
 
-// grid (n, num_kv_heads); thread e of the block writes code bytes e, e + blockDim.x, ... of the
-// (block, head) entry: byte e is channels 4i .. 4i + 3 of token e / (head_dim / 4), read as four
+// The decoded 8-bit bound of one (block, head) row (`b8`: its 2 head_dim E4M3 bytes, `s` its scale)
+// into `lo`, `hi` (head_dim floats each, shared memory), as oasis_core::kernels::bound8::
+// decode_bound8: e4m3_decode(byte) * s, exact in f32 (NaN throughout for a NaN scale). The caller
+// synchronises the block before reading them.
+__device__ __forceinline__ void codes_load_bound(const unsigned char* __restrict__ b8, float s, float* __restrict__ lo,
+                                                 float* __restrict__ hi, int head_dim) {
+    for (int x = threadIdx.x; x < head_dim; x += blockDim.x) {
+        lo[x] = __fmul_rn(e4m3_decode(b8[x]), s);
+        hi[x] = __fmul_rn(e4m3_decode(b8[head_dim + x]), s);
+    }
+}
+
+// The codes of one (block, head) entry from its keys (`keys`, block_size x head_dim) inside the
+// decoded bound `lo`, `hi` (shared memory): thread e of the block writes code bytes e, e +
+// blockDim.x, ...; byte e is channels 4i .. 4i + 3 of token e / (head_dim / 4), read as four
 // consecutive keys (a warp reads consecutive bytes of host_k: coalesced over UVA too).
 template <typename T>
-__device__ void build_key_codes_impl(
-    const T* __restrict__ host_k,        // [num_host_rows, num_kv_heads, block_size, head_dim] pinned host (UVA) or device
-    const T* __restrict__ summaries,     // [num_host_blocks, num_kv_heads, 2, head_dim]
-    const int* __restrict__ block_ids,   // [n]
-    const int* __restrict__ block_rows,  // [n] host row of each block; null: the id
-    unsigned char* __restrict__ codes,   // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
-    int num_kv_heads, int head_dim, int block_size, int num_host_blocks, int num_host_rows) {
-    const int blk = block_ids[blockIdx.x];
-    const int hrow = block_rows != nullptr ? block_rows[blockIdx.x] : blk;
-    const int h = blockIdx.y;
-    if (blk < 0 || blk >= num_host_blocks || hrow < 0 || hrow >= num_host_rows) return;
-    const i64 entry = (i64)blk * num_kv_heads + h;
+__device__ void codes_encode_entry(const T* __restrict__ keys, const float* __restrict__ lo, const float* __restrict__ hi,
+                                   unsigned char* __restrict__ out, int head_dim, int block_size) {
     const int row = head_dim >> 2;  // bytes per token
-    const T* keys = host_k + ((i64)hrow * num_kv_heads + h) * block_size * head_dim;
-    const T* mn = summaries + entry * 2 * head_dim;
-    const T* mx = mn + head_dim;
-    unsigned char* out = codes + entry * block_size * row;
     const int total = block_size * row;
     for (int e = threadIdx.x; e < total; e += blockDim.x) {
         const int t = e / row;
@@ -77,10 +80,36 @@ __device__ void build_key_codes_impl(
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
             const int x = 4 * i + j;
-            v |= encode_code(to_f32(k[j]), to_f32(mn[x]), to_f32(mx[x])) << (2 * j);
+            v |= encode_code(to_f32(k[j]), lo[x], hi[x]) << (2 * j);
         }
         out[e] = (unsigned char)v;
     }
+}
+
+// grid (n, num_kv_heads): the codes of one (block, head) entry inside its 8-bit bound, which
+// build_bounds8 wrote before (queue it first on the same stream). Dynamic shared memory
+// (oasis_cuda::ops::codes_build_smem_bytes): the decoded bound, 2 head_dim floats.
+template <typename T>
+__device__ void build_key_codes_impl(
+    const T* __restrict__ host_k,              // [num_host_rows, num_kv_heads, block_size, head_dim] pinned host (UVA) or device
+    const unsigned char* __restrict__ bounds8, // [num_host_blocks, num_kv_heads, 2, head_dim] E4M3
+    const float* __restrict__ scales,          // [num_host_blocks, num_kv_heads]
+    const int* __restrict__ block_ids,         // [n]
+    const int* __restrict__ block_rows,        // [n] host row of each block; null: the id
+    unsigned char* __restrict__ codes,         // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
+    int num_kv_heads, int head_dim, int block_size, int num_host_blocks, int num_host_rows) {
+    extern __shared__ __align__(16) float codes_smem[];
+    const int blk = block_ids[blockIdx.x];
+    const int hrow = block_rows != nullptr ? block_rows[blockIdx.x] : blk;
+    const int h = blockIdx.y;
+    if (blk < 0 || blk >= num_host_blocks || hrow < 0 || hrow >= num_host_rows) return;  // block-uniform
+    const i64 entry = (i64)blk * num_kv_heads + h;
+    float* lo = codes_smem;
+    float* hi = codes_smem + head_dim;
+    codes_load_bound(bounds8 + entry * 2 * head_dim, scales[entry], lo, hi, head_dim);
+    __syncthreads();
+    const T* keys = host_k + ((i64)hrow * num_kv_heads + h) * block_size * head_dim;
+    codes_encode_entry<T>(keys, lo, hi, codes + entry * block_size * (head_dim >> 2), head_dim, block_size);
 }
 
 // ---- the 8-bit Quest bound (oasis_core::kernels::bound8 defines it and is the CPU twin)
@@ -116,14 +145,17 @@ __device__ __forceinline__ int bound8_exponent(float maxabs) {
 }
 
 // grid (n, num_kv_heads), blockDim.x a multiple of 32 (<= 1024): the bytes and scale of one (block,
-// head) row. Out-of-range ids are skipped.
+// head) row. Out-of-range ids are skipped. With `lo`, `hi` (shared memory, head_dim floats each;
+// encode_blocks_*) the row is also left there decoded (codes_load_bound's values, NaN for a NaN
+// scale) for the codes; the caller synchronises the block before reading them.
 template <typename T>
 __device__ void build_bounds8_impl(
     const T* __restrict__ summaries,   // [num_host_blocks, num_kv_heads, 2, head_dim]
     const int* __restrict__ block_ids, // [n]
     unsigned char* __restrict__ bounds8, // [num_host_blocks, num_kv_heads, 2, head_dim]
     float* __restrict__ scales,        // [num_host_blocks, num_kv_heads]
-    int num_kv_heads, int head_dim, int num_host_blocks) {
+    int num_kv_heads, int head_dim, int num_host_blocks, float* __restrict__ lo = nullptr,
+    float* __restrict__ hi = nullptr) {
     __shared__ float s_max[32];
     __shared__ int s_bad[32];
     const int blk = block_ids[blockIdx.x];
@@ -156,17 +188,52 @@ __device__ void build_bounds8_impl(
     }
     unsigned char* out = bounds8 + entry * 2 * head_dim;
     if (bad) {
-        for (int i = threadIdx.x; i < 2 * head_dim; i += blockDim.x) out[i] = 0;
+        for (int i = threadIdx.x; i < 2 * head_dim; i += blockDim.x) {
+            out[i] = 0;
+            if (lo != nullptr) (i < head_dim ? lo[i] : hi[i - head_dim]) = __int_as_float(0x7fc00000);
+        }
         if (threadIdx.x == 0) scales[entry] = __int_as_float(0x7fc00000);
         return;
     }
     const int e = bound8_exponent(mx);
     const float inv = exp2i(-e);
+    const float s = exp2i(e);
     for (int i = threadIdx.x; i < 2 * head_dim; i += blockDim.x) {
         const float y = __fmul_rn(to_f32(row[i]), inv);
-        out[i] = (unsigned char)(i < head_dim ? e4m3_down(y) : e4m3_up(y));
+        const u32 c = i < head_dim ? e4m3_down(y) : e4m3_up(y);
+        out[i] = (unsigned char)c;
+        if (lo != nullptr) (i < head_dim ? lo[i] : hi[i - head_dim]) = __fmul_rn(e4m3_decode(c), s);
     }
-    if (threadIdx.x == 0) scales[entry] = exp2i(e);
+    if (threadIdx.x == 0) scales[entry] = s;
+}
+
+// encode_blocks_*: build_bounds8_impl, then the codes of the same (block, head) inside the bound
+// it just wrote, read back decoded from shared memory (not from bounds8: no reader of global memory
+// this launch writes). An out-of-range id writes nothing; an out-of-range row writes the bound but
+// not the codes (as the two kernels would). Dynamic shared memory: codes_build_smem_bytes.
+template <typename T>
+__device__ void encode_blocks_impl(
+    const T* __restrict__ host_k,        // [num_host_rows, num_kv_heads, block_size, head_dim] pinned host (UVA) or device
+    const T* __restrict__ summaries,     // [num_host_blocks, num_kv_heads, 2, head_dim]
+    const int* __restrict__ block_ids,   // [n]
+    const int* __restrict__ block_rows,  // [n] host row of each block; null: the id
+    unsigned char* __restrict__ codes,   // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
+    unsigned char* __restrict__ bounds8, // [num_host_blocks, num_kv_heads, 2, head_dim]
+    float* __restrict__ scales,          // [num_host_blocks, num_kv_heads]
+    int num_kv_heads, int head_dim, int block_size, int num_host_blocks, int num_host_rows) {
+    extern __shared__ __align__(16) float codes_smem[];
+    const int blk = block_ids[blockIdx.x];
+    const int hrow = block_rows != nullptr ? block_rows[blockIdx.x] : blk;
+    const int h = blockIdx.y;
+    if (blk < 0 || blk >= num_host_blocks) return;  // block-uniform
+    float* lo = codes_smem;
+    float* hi = codes_smem + head_dim;
+    build_bounds8_impl<T>(summaries, block_ids, bounds8, scales, num_kv_heads, head_dim, num_host_blocks, lo, hi);
+    if (hrow < 0 || hrow >= num_host_rows) return;  // block-uniform
+    __syncthreads();
+    const i64 entry = (i64)blk * num_kv_heads + h;
+    const T* keys = host_k + ((i64)hrow * num_kv_heads + h) * block_size * head_dim;
+    codes_encode_entry<T>(keys, lo, hi, codes + entry * block_size * (head_dim >> 2), head_dim, block_size);
 }
 
 // Largest s with blk_indptr[s] <= j (as score_blocks.cu's score_seq_of): then j < blk_indptr[s + 1]
@@ -219,13 +286,14 @@ __device__ __forceinline__ float codes_weight(float q, float lo, float hi) {
 
 // Scalar path (any head_dim divisible by 4, any block size and group, and any block whose weights
 // do not all fit f16), the same f32 operations in the same order as the CPU twin for each (g, t),
-// so each logit is the twin's bit for bit: the warp stages q (per sequence) and w, min (per block)
-// in shared memory; lane g computes the base of query head g in d order; lane t walks token t's
-// codes for every g; NaN-propagating max over the tokens, then the sum over g in order.
-template <typename T>
+// so each logit is the twin's bit for bit: the warp stages q (per sequence) and w, lo (per block:
+// the decoded bound) in shared memory; lane g computes the base of query head g in d order; lane t
+// walks token t's codes for every g; NaN-propagating max over the tokens, then the sum over g in
+// order.
 __device__ void score_codes_scalar_entry(
-    float* __restrict__ sm, const T* __restrict__ summaries, const unsigned char* __restrict__ codes, float* __restrict__ out,
-    int b, int h, int group, int num_kv_heads, int head_dim, int block_size) {
+    float* __restrict__ sm, const unsigned char* __restrict__ bounds8, const float* __restrict__ scales,
+    const unsigned char* __restrict__ codes, float* __restrict__ out, int b, int h, int group, int num_kv_heads,
+    int head_dim, int block_size) {
     const int lane = threadIdx.x & 31;
     const int gd = group * head_dim;
     float* sq = sm;
@@ -233,11 +301,11 @@ __device__ void score_codes_scalar_entry(
     float* slo = sm + 2 * gd;
     float* sbase = slo + head_dim;
     const i64 entry = (i64)b * num_kv_heads + h;
-    const T* mn = summaries + entry * 2 * head_dim;
-    const T* mx = mn + head_dim;
+    const unsigned char* b8 = bounds8 + entry * 2 * head_dim;
+    const float s = scales[entry];
     for (int d = lane; d < head_dim; d += 32) {
-        const float lo = to_f32(mn[d]);
-        const float hi = to_f32(mx[d]);
+        const float lo = __fmul_rn(e4m3_decode(b8[d]), s);
+        const float hi = __fmul_rn(e4m3_decode(b8[head_dim + d]), s);
         slo[d] = lo;
         for (int g = 0; g < group; ++g) sw[g * head_dim + d] = codes_weight(sq[g * head_dim + d], lo, hi);
     }
@@ -272,26 +340,29 @@ __device__ void score_codes_scalar_entry(
 
 // ---- tensor-core path ---------------------------------------------------------------------------
 // For block_size 16, head_dim 64 or 128, at most 8 query heads per KV head and 16-byte aligned
-// summaries and codes (the engine's shapes), one warp scores one (block, head) with one
+// bounds and codes (the engine's shapes), one warp scores one (block, head) with one
 // mma.m16n8k16 per 16 channels: A = the 16 tokens' codes 0..3 (exact in f16), B[d][g] = the code
 // weights w[g][d] = f16(q3[g][d] x rho[d]) with q3 = f16(q / 3) built once per sequence (in
-// registers) and rho = f16(max - min) per block (one cvt and one f16x2 multiply per two channels
+// registers) and rho = f16(hi - lo) per block (one cvt and one f16x2 multiply per two channels
 // of B), C = 16 tokens x 8 query heads in f32. Every product c x w is exact in f32, so the
 // logits are the CPU twin's up to the order (and the tensor core's handling) of the f32 sums.
-// Then the NaN-propagating max over the tokens, plus q[g] . min in f32, summed over the group.
+// Then the NaN-propagating max over the tokens, plus q[g] . lo in f32, summed over the group.
+// lo and hi are the decoded bound: four E4M3 bytes per lane and row (e4m3x4_to_f32), times the
+// entry's scale, exactly the scalar path's values.
 //
-// The warp copies the next entries' summaries and codes into shared memory with cp.async while it
-// computes the current one (OASIS_CODES_STAGES buffers per warp). The MMA's k positions are
-// permuted so that each lane reads contiguous bytes: lane tig covers channels tig * 4 KC ..
+// The warp copies the next entries' bounds (and scales) and codes into shared memory with cp.async
+// while it computes the current one (OASIS_CODES_STAGES buffers per warp). The MMA's k positions
+// are permuted so that each lane reads contiguous bytes: lane tig covers channels tig * 4 KC ..
 // tig * 4 KC + 4 KC - 1 (one word of codes per 16 channels), and the two channels of an f16x2
 // register sit at bits (s, s + 16) of a code word: channel p and p + 8 of the word's 16 are bits
 // 2p and 2p + 16, so one shift, one lop3 and one subtraction give a register of two codes. k-step
 // kc, word u = kc / 4, m = kc % 4: A/B rows 2 tig, 2 tig + 1 are channels c + 2m, c + 2m + 8 and
 // rows 2 tig + 8, 2 tig + 9 are c + 2m + 1, c + 2m + 9 (c = tig * 4 KC + 16 u).
 //
-// A block with a weight that may not fit f16 (|max - min| > OASIS_CODES_F16_SAFE / max(1, max |q3|),
-// or NaN / inf), and a sequence with a q3 that does not (|q3| > 65504 or NaN), take the exact
-// scalar path instead (warp-uniform votes): the definition is the same, so only speed differs.
+// A block with a weight that may not fit f16 (|hi - lo| > OASIS_CODES_F16_SAFE / max(1, max |q3|),
+// or NaN / inf: a NaN scale), and a sequence with a q3 that does not (|q3| > 65504 or NaN), take
+// the exact scalar path instead (warp-uniform votes): the definition is the same, so only speed
+// differs.
 
 // Buffers per warp of the tensor-core path (oasis_cuda::ops::SCORE_CODES_STAGES must match): the
 // warp has OASIS_CODES_STAGES - 1 entries in flight while it computes one. The #ifndef guards let
@@ -305,22 +376,9 @@ __device__ void score_codes_scalar_entry(
 #ifndef OASIS_CODES_MIN_BLOCKS
 #define OASIS_CODES_MIN_BLOCKS 6
 #endif
-// Bound on max |q3| x |max - min| under which every weight is a finite f16 (65504 less the
+// Bound on max |q3| x |hi - lo| under which every weight is a finite f16 (65504 less the
 // rounding of rho and of the product).
 #define OASIS_CODES_F16_SAFE 65000.0f
-
-// Two consecutive values at an even index (4-byte aligned for 16-bit types): one load.
-template <typename T>
-__device__ __forceinline__ void codes_load2(const T* p, float& a, float& b) {
-    a = to_f32(p[0]);
-    b = to_f32(p[1]);
-}
-template <>
-__device__ __forceinline__ void codes_load2<bf16>(const bf16* p, float& a, float& b) {
-    const u32 v = *reinterpret_cast<const u32*>(p);
-    a = __uint_as_float(v << 16);
-    b = __uint_as_float(v & 0xffff0000u);
-}
 
 __device__ __forceinline__ void codes_mma16816_f16(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -376,14 +434,17 @@ __device__ __forceinline__ void codes_mma_epilogue(const float (&c)[4], float ba
     if (lane == 0) *out = term;
 }
 
-// Bytes of one entry (a (block, head)'s min and max rows, then its 16 tokens' codes) in a buffer.
-__host__ __device__ __forceinline__ constexpr int codes_stage_bytes(int head_dim, int elem_bytes) {
-    return 2 * head_dim * elem_bytes + 4 * head_dim;
-}
+// Bytes of one entry in a buffer: a (block, head)'s bound rows (2 head_dim E4M3 bytes), its 16
+// tokens' codes (4 head_dim bytes), then its scale (4 bytes, padded to 16).
+__host__ __device__ __forceinline__ constexpr int codes_stage_bytes(int head_dim) { return 6 * head_dim + 16; }
 
 __device__ __forceinline__ void codes_cp_async16(void* smem, const void* gmem) {
     const u32 dst = (u32)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem));
+}
+__device__ __forceinline__ void codes_cp_async4(void* smem, const void* gmem) {
+    const u32 dst = (u32)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(gmem));
 }
 __device__ __forceinline__ void codes_cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -391,27 +452,31 @@ __device__ __forceinline__ void codes_cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// The warp copies entry (b, h) into `buf` (16-byte chunks, lanes round-robin) and commits a group.
-// HD: the head_dim of the tensor-core path, known at compile time so that the copy is two or four
-// unrolled cp.async per lane with no loop (the only caller is that path).
-template <typename T, int HD>
-__device__ __forceinline__ void codes_stage_entry(unsigned char* __restrict__ buf, const T* __restrict__ summaries,
+// The warp copies entry (b, h) into `buf` (codes_stage_bytes(HD): 16-byte chunks of the bound and
+// the codes, lanes round-robin, and the scale by lane 31) and commits a group. HD: the head_dim of
+// the tensor-core path, known at compile time so that the copy is two or three unrolled cp.async
+// per lane with no loop (the only caller is that path).
+template <int HD>
+__device__ __forceinline__ void codes_stage_entry(unsigned char* __restrict__ buf,
+                                                  const unsigned char* __restrict__ bounds8,
+                                                  const float* __restrict__ scales,
                                                   const unsigned char* __restrict__ codes, int b, int h,
                                                   int num_kv_heads) {
-    constexpr int sum_chunks = (2 * HD * (int)sizeof(T)) >> 4;
-    constexpr int all_chunks = sum_chunks + (HD >> 2);  // 16 tokens x HD / 4 bytes / 16
+    constexpr int b8_chunks = (2 * HD) >> 4;
+    constexpr int all_chunks = b8_chunks + (HD >> 2);  // 16 tokens x HD / 4 bytes / 16
     const int lane = threadIdx.x & 31;
     const i64 entry = (i64)b * num_kv_heads + h;
-    const unsigned char* src_s = reinterpret_cast<const unsigned char*>(summaries + entry * 2 * HD);
+    const unsigned char* src_b = bounds8 + entry * 2 * HD;
     const unsigned char* src_c = codes + entry * 4 * HD;
 #pragma unroll
     for (int c0 = 0; c0 < all_chunks; c0 += 32) {
         const int c = c0 + lane;
         if (c < all_chunks) {
-            const unsigned char* src = c < sum_chunks ? src_s + 16 * c : src_c + 16 * (c - sum_chunks);
+            const unsigned char* src = c < b8_chunks ? src_b + 16 * c : src_c + 16 * (c - b8_chunks);
             codes_cp_async16(buf + 16 * c, src);
         }
     }
+    if (lane == 31) codes_cp_async4(buf + 6 * HD, scales + entry);
     codes_cp_async_commit();
 }
 
@@ -456,27 +521,35 @@ __device__ __forceinline__ void codes_qsum_fragment(const float* __restrict__ sq
     }
 }
 
+// Four E4M3 bytes of a staged bound row as f32, times the entry's scale `sc` (exact, as
+// codes_load_bound): channels e0, e0 + 1, e0 + 8, e0 + 9 (e0 even: two 2-byte loads).
+__device__ __forceinline__ void codes_bound4(const unsigned char* __restrict__ row, int e0, float sc,
+                                             float (&out)[4]) {
+    const u32 w = (u32)*reinterpret_cast<const unsigned short*>(row + e0) |
+                  ((u32)*reinterpret_cast<const unsigned short*>(row + e0 + 8) << 16);
+    e4m3x4_to_f32(w, out);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) out[i] = __fmul_rn(out[i], sc);
+}
+
 // One (block, head) from its staged copy `buf` (returns false, writing nothing, when a channel's
-// range may give a weight outside f16: |max - min| > lim, or NaN / inf). The ranges are computed
+// range may give a weight outside f16: |hi - lo| > lim, or NaN / inf). The ranges are computed
 // once per channel: lane (gid, tig) computes k-step gid's four (8 lanes share a tig's channels),
 // and each k-step fetches its two f16x2 registers of ranges from lane (kc, tig) with a shuffle;
-// the same lane adds its channels' share of (sum over g of q[g]) . min, reduced over the warp
+// the same lane adds its channels' share of (sum over g of q[g]) . lo, reduced over the warp
 // in the epilogue.
-template <typename T, int KC>
+template <int KC>
 __device__ bool score_codes_mma_entry(const unsigned char* __restrict__ buf, const float (&qs)[4],
                                       const u32 (&q3)[KC][2], float lim, float* __restrict__ out, int group,
                                       int head_dim) {
     const int lane = threadIdx.x & 31;
     const int gid = lane >> 2;
     const int tig = lane & 3;
-    const T* mn = reinterpret_cast<const T*>(buf);
-    const T* mx = mn + head_dim;
+    const float sc = *reinterpret_cast<const float*>(buf + 6 * head_dim);
     const int e0 = codes_channel<KC>(gid & (KC - 1), tig, 0);  // channels e0, e0 + 1, e0 + 8, e0 + 9
     float lp[4], hp[4];
-    codes_load2<T>(mn + e0, lp[0], lp[1]);
-    codes_load2<T>(mn + e0 + 8, lp[2], lp[3]);
-    codes_load2<T>(mx + e0, hp[0], hp[1]);
-    codes_load2<T>(mx + e0 + 8, hp[2], hp[3]);
+    codes_bound4(buf, e0, sc, lp);
+    codes_bound4(buf + head_dim, e0, sc, hp);
     // In codes_channel's order: e0, e0 + 8, e0 + 1, e0 + 9.
     const float lo[4] = {lp[0], lp[2], lp[1], lp[3]};
     const float hi[4] = {hp[0], hp[2], hp[1], hp[3]};
@@ -493,7 +566,7 @@ __device__ bool score_codes_mma_entry(const unsigned char* __restrict__ buf, con
     const u32 rr0 = codes_pack_f16x2(r[0], r[1]);
     const u32 rr1 = codes_pack_f16x2(r[2], r[3]);
     // Codes: token t's row of head_dim / 4 bytes; this lane's KC bytes (KC / 4 words) of rows gid, gid + 8.
-    const unsigned char* cb = buf + 2 * head_dim * (int)sizeof(T) + tig * KC;
+    const unsigned char* cb = buf + 2 * head_dim + tig * KC;
     u32 wl[KC / 4], wh[KC / 4];
 #pragma unroll
     for (int u = 0; u < KC / 4; ++u) {
@@ -534,12 +607,13 @@ __device__ __forceinline__ void codes_load_q(float* __restrict__ sq, const T* __
 // copies OASIS_CODES_STAGES - 1 ahead; 0: the scalar path only.
 template <typename T, int KC>
 __device__ void score_codes_tile(float* __restrict__ sm, unsigned char* __restrict__ stage, const T* __restrict__ q,
-                                 const T* __restrict__ summaries, const unsigned char* __restrict__ codes,
-                                 float* __restrict__ scores, int stride, int tile_idx, int tile_seq, int t0, int t1,
+                                 const unsigned char* __restrict__ bounds8, const float* __restrict__ scales,
+                                 const unsigned char* __restrict__ codes, float* __restrict__ scores, int stride,
+                                 int tile_idx, int tile_seq, int t0, int t1,
                                  int h, int num_qo_heads, int num_kv_heads, int head_dim, int block_size) {
     constexpr int S = OASIS_CODES_STAGES;
     constexpr int NR = KC > 0 ? KC : 4;  // the scalar-only instance never runs the MMA code
-    constexpr int SB = codes_stage_bytes(16 * NR, (int)sizeof(T));  // a staged entry of the MMA path
+    constexpr int SB = codes_stage_bytes(16 * NR);  // a staged entry of the MMA path
     const int lane = threadIdx.x & 31;
     const int gid = lane >> 2;
     const int tig = lane & 3;
@@ -551,7 +625,7 @@ __device__ void score_codes_tile(float* __restrict__ sm, unsigned char* __restri
     float qs[4];
     u32 q3[NR][2];
     bool q_fits = false;  // the held sequence's q3 fit f16 (warp-uniform)
-    float lim = 0.f;      // the largest |max - min| the tensor-core path takes for that sequence
+    float lim = 0.f;      // the largest |hi - lo| the tensor-core path takes for that sequence
     int loaded = -1;      // sequence whose query the warp holds
     u32 pending = valid;  // entries not yet copied (warp-uniform)
     // The next entry not yet copied into buffer `buf`, one commit group per call (an empty group
@@ -560,8 +634,8 @@ __device__ void score_codes_tile(float* __restrict__ sm, unsigned char* __restri
         if (pending != 0u) {
             const int e = __ffs(pending) - 1;
             pending &= pending - 1u;
-            codes_stage_entry<T, 16 * NR>(stage + buf * SB, summaries, codes, __shfl_sync(0xffffffffu, tile_idx, e),
-                                          h, num_kv_heads);
+            codes_stage_entry<16 * NR>(stage + buf * SB, bounds8, scales, codes,
+                                       __shfl_sync(0xffffffffu, tile_idx, e), h, num_kv_heads);
         } else {
             codes_cp_async_commit();
         }
@@ -598,8 +672,8 @@ __device__ void score_codes_tile(float* __restrict__ sm, unsigned char* __restri
             }
         }
         if (!(KC > 0 && q_fits &&
-              score_codes_mma_entry<T, NR>(stage + slot * SB, qs, q3, lim, out, group, 16 * NR))) {
-            score_codes_scalar_entry<T>(sm, summaries, codes, out, b, h, group, num_kv_heads, head_dim, block_size);
+              score_codes_mma_entry<NR>(stage + slot * SB, qs, q3, lim, out, group, 16 * NR))) {
+            score_codes_scalar_entry(sm, bounds8, scales, codes, out, b, h, group, num_kv_heads, head_dim, block_size);
         }
         if (KC > 0) {
             __syncwarp();  // every lane is done with this buffer before a copy into it
@@ -608,22 +682,34 @@ __device__ void score_codes_tile(float* __restrict__ sm, unsigned char* __restri
     }
 }
 
+// The tensor-core path's alignment: its 16-byte copies of the bound rows and the codes, and its
+// 4-byte copy of the scale (a misaligned view takes the exact scalar path).
+__device__ __forceinline__ bool codes_mma_aligned(const unsigned char* bounds8, const float* scales,
+                                                  const unsigned char* codes) {
+    const unsigned long long b = reinterpret_cast<unsigned long long>(bounds8);
+    const unsigned long long c = reinterpret_cast<unsigned long long>(codes);
+    const unsigned long long f = reinterpret_cast<unsigned long long>(scales);
+    return ((b | c) & 15ull) == 0ull && (f & 3ull) == 0ull;
+}
+
 // grid: thread block c scores OASIS_CODES_THREADS / 32 consecutive tiles of `tile` (at most
 // OASIS_CODES_TILE) entries for head c % num_kv_heads (as score_blocks_* with OASIS_SCORE_HEAD_MAJOR); dynamic
 // shared memory (oasis_cuda::ops::score_blocks_codes_smem_bytes): each warp's
 // OASIS_CODES_STAGES staging buffers, then codes_scalar_warp_floats(group, head_dim) floats per
 // warp. Entry (j, h) = sum over query heads g of KV head h of max over tokens t of
-//   sum_d q[s,g,d] min[b,h,d] + sum_d c[b,h,t,d] w[g,d],  w = codes_weight(q[s,g,d], min, max)
-// with b = blk_indices[j] and s the sequence whose CSR range holds j. An out-of-range block id,
-// and an entry outside every well-formed row, scores -inf (never selected). With cand (the second
+//   sum_d q[s,g,d] lo[b,h,d] + sum_d c[b,h,t,d] w[g,d],  w = codes_weight(q[s,g,d], lo, hi)
+// with [lo, hi] the decoded bound of b = blk_indices[j] and s the sequence whose CSR range holds j
+// (NaN for a NaN scale). An out-of-range block id, and an entry outside every well-formed row,
+// scores -inf (never selected). With cand (the second
 // stage of KvConfig(score_candidates)): entry (s cand_m + i, h) scores the logical block
 // cand[s, h, i] of sequence s for head h alone, -inf for a negative candidate or one outside s's
 // row (CPU twin: oasis_core::kernels::rescore_blocks_codes).
 template <typename T>
 __device__ void score_blocks_codes_impl(
-    const T* __restrict__ q,                 // [num_seqs, num_qo_heads, head_dim] (the lookahead row)
-    const T* __restrict__ summaries,         // [num_host_blocks, num_kv_heads, 2, head_dim]
-    const unsigned char* __restrict__ codes, // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
+    const T* __restrict__ q,                   // [num_seqs, num_qo_heads, head_dim] (the lookahead row)
+    const unsigned char* __restrict__ bounds8, // [num_host_blocks, num_kv_heads, 2, head_dim] E4M3
+    const float* __restrict__ scales,          // [num_host_blocks, num_kv_heads]
+    const unsigned char* __restrict__ codes,   // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
     const int* __restrict__ blk_indptr,      // [num_seqs + 1]
     const int* __restrict__ blk_indices,     // [nnz] host block of each logical block, logical order
     float* __restrict__ scores,              // [nnz, num_kv_heads]; with cand [num_seqs * cand_m, num_kv_heads]
@@ -649,14 +735,14 @@ __device__ void score_blocks_codes_impl(
         return;
     }
     const int group = num_qo_heads / num_kv_heads;
-    const int sb = codes_stage_bytes(head_dim, (int)sizeof(T));
+    const int sb = codes_stage_bytes(head_dim);
     unsigned char* smem_bytes = reinterpret_cast<unsigned char*>(codes_smem);
     unsigned char* stage = smem_bytes + (i64)warp * OASIS_CODES_STAGES * sb;
     float* sm = reinterpret_cast<float*>(smem_bytes + (i64)(blockDim.x >> 5) * OASIS_CODES_STAGES * sb) +
                 (i64)warp * codes_scalar_warp_floats(group, head_dim);
     // The tensor-core path's shapes (warp-uniform); anything else takes the exact scalar path.
     const bool mma = block_size == 16 && (head_dim == 128 || head_dim == 64) && group <= 8 &&
-                     ((reinterpret_cast<unsigned long long>(summaries) | reinterpret_cast<unsigned long long>(codes)) & 15ull) == 0ull;
+                     codes_mma_aligned(bounds8, scales, codes);
     // Each lane resolves its own entry: sequence, row check and block id (-1: scores -inf). A
     // candidate outside its sequence's well-formed row (or negative) gets -1.
     int tile_idx = -1;
@@ -676,8 +762,8 @@ __device__ void score_blocks_codes_impl(
     }
     if (tile_idx >= num_host_blocks) tile_idx = -1;
 #define OASIS_CODES_TILE_ARGS                                                                               \
-    sm, stage, q, summaries, codes, scores + h, num_kv_heads, tile_idx, tile_seq, t0, t1, h, num_qo_heads,    \
-        num_kv_heads, head_dim, block_size
+    sm, stage, q, bounds8, scales, codes, scores + h, num_kv_heads, tile_idx, tile_seq, t0, t1, h,           \
+        num_qo_heads, num_kv_heads, head_dim, block_size
     if (mma && head_dim == 128) {
         score_codes_tile<T, 8>(OASIS_CODES_TILE_ARGS);
     } else if (mma) {
@@ -712,9 +798,10 @@ __device__ void score_blocks_codes_impl(
 // scores and its other buffers (topk_candidates_bytes).
 template <typename T>
 __device__ void rescore_topk_codes_impl(
-    const T* __restrict__ q,                 // [num_seqs, num_qo_heads, head_dim] (the lookahead row)
-    const T* __restrict__ summaries,         // [num_host_blocks, num_kv_heads, 2, head_dim]
-    const unsigned char* __restrict__ codes, // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
+    const T* __restrict__ q,                   // [num_seqs, num_qo_heads, head_dim] (the lookahead row)
+    const unsigned char* __restrict__ bounds8, // [num_host_blocks, num_kv_heads, 2, head_dim] E4M3
+    const float* __restrict__ scales,          // [num_host_blocks, num_kv_heads]
+    const unsigned char* __restrict__ codes,   // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
     const int* __restrict__ blk_indptr,      // [num_seqs + 1]
     const int* __restrict__ blk_indices,     // [nnz] host block of each logical block, logical order
     const int* __restrict__ cand,            // [num_seqs, num_kv_heads, m] logical blocks, < 0: none
@@ -732,13 +819,13 @@ __device__ void rescore_topk_codes_impl(
     const int warp = threadIdx.x >> 5;
     const int warps = blockDim.x >> 5;
     const int group = num_qo_heads / num_kv_heads;
-    const int sb = codes_stage_bytes(head_dim, (int)sizeof(T));
+    const int sb = codes_stage_bytes(head_dim);
     unsigned char* smem_bytes = reinterpret_cast<unsigned char*>(codes_smem);
     unsigned char* stage = smem_bytes + (i64)warp * OASIS_CODES_STAGES * sb;
     float* scalar = reinterpret_cast<float*>(smem_bytes + (i64)warps * OASIS_CODES_STAGES * sb);
     float* sm = scalar + (i64)warp * codes_scalar_warp_floats(group, head_dim);
     const bool mma = block_size == 16 && (head_dim == 128 || head_dim == 64) && group <= 8 &&
-                     ((reinterpret_cast<unsigned long long>(summaries) | reinterpret_cast<unsigned long long>(codes)) & 15ull) == 0ull;
+                     codes_mma_aligned(bounds8, scales, codes);
     // The row check of score_blocks_codes_impl's candidates (against the indices' length).
     const int row_b = blk_indptr[s];
     const int row_e = blk_indptr[s + 1];
@@ -759,7 +846,8 @@ __device__ void rescore_topk_codes_impl(
         }
         if (tile_idx >= num_host_blocks) tile_idx = -1;
 #define OASIS_CODES_TILE_ARGS                                                                                 \
-    sm, stage, q, summaries, codes, sc, 1, tile_idx, s, t0, t1, h, num_qo_heads, num_kv_heads, head_dim, block_size
+    sm, stage, q, bounds8, scales, codes, sc, 1, tile_idx, s, t0, t1, h, num_qo_heads, num_kv_heads, head_dim,  \
+        block_size
         if (mma && head_dim == 128) {
             score_codes_tile<T, 8>(OASIS_CODES_TILE_ARGS);
         } else if (mma) {
@@ -804,9 +892,9 @@ __device__ void rescore_topk_codes_impl(
 #define OASIS_BUILD_KEY_CODES(NAME, T)                                                               \
     extern "C" __global__ void __launch_bounds__(OASIS_CODES_BUILD_THREADS)                          \
         NAME(const __grid_constant__ oasis::BuildKeyCodesParams<T> p) {                              \
-        oasis::build_key_codes_impl<T>(p.host_k, p.summaries, p.block_ids, p.block_rows, p.codes,    \
-                                       p.num_kv_heads, p.head_dim, p.block_size, p.num_host_blocks,  \
-                                       p.num_host_rows);                                             \
+        oasis::build_key_codes_impl<T>(p.host_k, p.bounds8, p.scales, p.block_ids, p.block_rows,     \
+                                       p.codes, p.num_kv_heads, p.head_dim, p.block_size,            \
+                                       p.num_host_blocks, p.num_host_rows);                          \
     }
 
 #define OASIS_BUILD_BOUNDS8(NAME, T)                                                                   \
@@ -824,19 +912,17 @@ OASIS_BUILD_KEY_CODES(build_key_codes_bf16, oasis::bf16)
 OASIS_BUILD_KEY_CODES(build_key_codes_f16, oasis::f16)
 OASIS_BUILD_KEY_CODES(build_key_codes_f32, float)
 
-// encode_blocks_*: build_key_codes and build_bounds8 of the same blocks in one launch (the
+// encode_blocks_*: build_bounds8 and build_key_codes of the same blocks in one launch (the
 // engine's per-step encode of the blocks a step completed: one launch per layer, not two). Each
-// (block, head) thread block writes the codes (skipped for an out-of-range id or row) and then the
-// bound (skipped for an out-of-range id), exactly what the two kernels write. CPU twin:
+// (block, head) thread block writes the bound (skipped for an out-of-range id) and then the codes
+// inside it (skipped for an out-of-range id or row), exactly what the two kernels write. CPU twin:
 // oasis_core::kernels::encode_blocks.
 #define OASIS_ENCODE_BLOCKS(NAME, T)                                                                  \
     extern "C" __global__ void __launch_bounds__(OASIS_CODES_BUILD_THREADS)                           \
         NAME(const __grid_constant__ oasis::EncodeBlocksParams<T> p) {                                \
-        oasis::build_key_codes_impl<T>(p.host_k, p.summaries, p.block_ids, p.block_rows, p.codes,     \
-                                       p.num_kv_heads, p.head_dim, p.block_size, p.num_host_blocks,   \
-                                       p.num_host_rows);                                              \
-        oasis::build_bounds8_impl<T>(p.summaries, p.block_ids, p.bounds8, p.scales, p.num_kv_heads,   \
-                                     p.head_dim, p.num_host_blocks);                                  \
+        oasis::encode_blocks_impl<T>(p.host_k, p.summaries, p.block_ids, p.block_rows, p.codes,       \
+                                     p.bounds8, p.scales, p.num_kv_heads, p.head_dim, p.block_size,   \
+                                     p.num_host_blocks, p.num_host_rows);                             \
     }
 
 OASIS_ENCODE_BLOCKS(encode_blocks_bf16, oasis::bf16)
@@ -846,7 +932,8 @@ OASIS_ENCODE_BLOCKS(encode_blocks_f32, float)
 #define OASIS_SCORE_BLOCKS_CODES(NAME, T)                                                            \
     extern "C" __global__ void __launch_bounds__(OASIS_CODES_THREADS, OASIS_CODES_MIN_BLOCKS)        \
         NAME(const __grid_constant__ oasis::ScoreBlocksCodesParams<T> p) {                           \
-        oasis::score_blocks_codes_impl<T>(p.q, p.summaries, p.codes, p.blk_indptr, p.blk_indices,    \
+        oasis::score_blocks_codes_impl<T>(p.q, p.bounds8, p.scales, p.codes, p.blk_indptr,           \
+                                          p.blk_indices,                                             \
                                           p.scores, p.cand, p.num_seqs, p.nnz, p.num_qo_heads,       \
                                           p.num_kv_heads, p.head_dim, p.block_size,                  \
                                           p.num_host_blocks, p.cand_m, p.tile);                      \
@@ -859,7 +946,8 @@ OASIS_SCORE_BLOCKS_CODES(score_blocks_codes_f32, float)
 #define OASIS_RESCORE_TOPK_CODES(NAME, T)                                                             \
     extern "C" __global__ void __launch_bounds__(OASIS_RESCORE_TOPK_THREADS, OASIS_CODES_MIN_BLOCKS)  \
         NAME(const __grid_constant__ oasis::RescoreTopkCodesParams<T> p) {                            \
-        oasis::rescore_topk_codes_impl<T>(p.q, p.summaries, p.codes, p.blk_indptr, p.blk_indices,     \
+        oasis::rescore_topk_codes_impl<T>(p.q, p.bounds8, p.scales, p.codes, p.blk_indptr,            \
+                                          p.blk_indices,                                              \
                                           p.cand, p.forced, p.out, p.scratch, p.counters, p.nnz,      \
                                           p.num_qo_heads, p.num_kv_heads, p.head_dim, p.block_size,   \
                                           p.num_host_blocks, p.m, p.k, p.successors, p.n_forced,      \

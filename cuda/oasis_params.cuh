@@ -154,24 +154,25 @@ struct BuildBounds8Params {
 };
 
 // build_key_codes_* (cuda/key_codes.cu): 2-bit codes of every key of whole host blocks, inside
-// each block's per-channel [min, max].
+// each block's decoded 8-bit bound (e4m3_decode(bounds8) * scales, built first by build_bounds8).
 template <typename T>
 struct BuildKeyCodesParams {
-    const T* host_k;       // [num_host_rows, num_kv_heads, block_size, head_dim] pinned host (UVA) or device
-    const T* summaries;    // [num_host_blocks, num_kv_heads, 2, head_dim] row 0 min, row 1 max
-    const int* block_ids;  // [n] host blocks to encode (complete blocks)
-    const int* block_rows; // [n] host row of each block, or null (row = id)
-    unsigned char* codes;  // [num_host_blocks, num_kv_heads, block_size, head_dim / 4] channel 4i+j in bits 2j..2j+2 of byte i
+    const T* host_k;              // [num_host_rows, num_kv_heads, block_size, head_dim] pinned host (UVA) or device
+    const unsigned char* bounds8; // [num_host_blocks, num_kv_heads, 2, head_dim] E4M3 bits, row 0 min, row 1 max
+    const float* scales;          // [num_host_blocks, num_kv_heads] (a power of two, or NaN)
+    const int* block_ids;         // [n] host blocks to encode (complete blocks)
+    const int* block_rows;        // [n] host row of each block, or null (row = id)
+    unsigned char* codes;         // [num_host_blocks, num_kv_heads, block_size, head_dim / 4] channel 4i+j in bits 2j..2j+2 of byte i
     int n;
     int num_kv_heads;
-    int head_dim;          // a multiple of 4
+    int head_dim;                 // a multiple of 4
     int block_size;
     int num_host_blocks;
     int num_host_rows;
 };
 
-// encode_blocks_* (cuda/key_codes.cu): build_key_codes and build_bounds8 of the same blocks in one
-// launch (the fields of BuildKeyCodesParams, then BuildBounds8Params' outputs).
+// encode_blocks_* (cuda/key_codes.cu): build_bounds8 then build_key_codes of the same blocks in one
+// launch (the codes inside the bound the launch writes).
 template <typename T>
 struct EncodeBlocksParams {
     const T* host_k;        // [num_host_rows, num_kv_heads, block_size, head_dim] pinned host (UVA) or device
@@ -193,23 +194,24 @@ struct EncodeBlocksParams {
 // from its 2-bit key codes, summed over the GQA group.
 template <typename T>
 struct ScoreBlocksCodesParams {
-    const T* q;                 // [num_seqs, num_qo_heads, head_dim] (the lookahead row)
-    const T* summaries;         // [num_host_blocks, num_kv_heads, 2, head_dim]
-    const unsigned char* codes; // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
-    const int* blk_indptr;      // [num_seqs + 1]
-    const int* blk_indices;     // [nnz] host block of each logical block, logical order
-    float* scores;              // [nnz, num_kv_heads]; with cand: [num_seqs * cand_m, num_kv_heads]
-    const int* cand;            // [num_seqs, num_kv_heads, cand_m] logical blocks (< 0: none), or null
+    const T* q;                   // [num_seqs, num_qo_heads, head_dim] (the lookahead row)
+    const unsigned char* bounds8; // [num_host_blocks, num_kv_heads, 2, head_dim] E4M3 bits
+    const float* scales;          // [num_host_blocks, num_kv_heads] (a power of two, or NaN)
+    const unsigned char* codes;   // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
+    const int* blk_indptr;        // [num_seqs + 1]
+    const int* blk_indices;       // [nnz] host block of each logical block, logical order
+    float* scores;                // [nnz, num_kv_heads]; with cand: [num_seqs * cand_m, num_kv_heads]
+    const int* cand;              // [num_seqs, num_kv_heads, cand_m] logical blocks (< 0: none), or null
     int num_seqs;
-    int nnz;                    // blk_indices' length: every blk_indptr row is checked against it
+    int nnz;                      // blk_indices' length: every blk_indptr row is checked against it
     int num_qo_heads;
     int num_kv_heads;
-    int head_dim;               // a multiple of 4
+    int head_dim;                 // a multiple of 4
     int block_size;
     int num_host_blocks;
-    int cand_m;                 // candidates per (sequence, KV head) with cand; 0 without
-    int tile;                   // entries per warp, 1..OASIS_CODES_TILE (clamped): the launch's
-                                // choice, smaller for a small batch so that more warps run
+    int cand_m;                   // candidates per (sequence, KV head) with cand; 0 without
+    int tile;                     // entries per warp, 1..OASIS_CODES_TILE (clamped): the launch's
+                                  // choice, smaller for a small batch so that more warps run
     int _pad0;
 };
 
@@ -258,27 +260,28 @@ struct TopkCandidatesParams {
 // topk_candidates_f32's selection over them, in one launch (the last of each row's blocks selects).
 template <typename T>
 struct RescoreTopkCodesParams {
-    const T* q;                 // [num_seqs, num_qo_heads, head_dim] (the lookahead row)
-    const T* summaries;         // [num_host_blocks, num_kv_heads, 2, head_dim]
-    const unsigned char* codes; // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
-    const int* blk_indptr;      // [num_seqs + 1]
-    const int* blk_indices;     // [nnz] host block of each logical block, logical order
-    const int* cand;            // [num_seqs, num_kv_heads, m] logical blocks (< 0: none)
-    const int* forced;          // [num_seqs, num_kv_heads, n_forced], or null
-    int* out;                   // [num_seqs, num_kv_heads, k]
-    float* scratch;             // [num_seqs, num_kv_heads, m] the candidates' scores
-    int* counters;              // [num_seqs, num_kv_heads] zero before the launch (and after it)
-    int nnz;                    // blk_indices' length: the candidates' rows are checked against it
+    const T* q;                   // [num_seqs, num_qo_heads, head_dim] (the lookahead row)
+    const unsigned char* bounds8; // [num_host_blocks, num_kv_heads, 2, head_dim] E4M3 bits
+    const float* scales;          // [num_host_blocks, num_kv_heads] (a power of two, or NaN)
+    const unsigned char* codes;   // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
+    const int* blk_indptr;        // [num_seqs + 1]
+    const int* blk_indices;       // [nnz] host block of each logical block, logical order
+    const int* cand;              // [num_seqs, num_kv_heads, m] logical blocks (< 0: none)
+    const int* forced;            // [num_seqs, num_kv_heads, n_forced], or null
+    int* out;                     // [num_seqs, num_kv_heads, k]
+    float* scratch;               // [num_seqs, num_kv_heads, m] the candidates' scores
+    int* counters;                // [num_seqs, num_kv_heads] zero before the launch (and after it)
+    int nnz;                      // blk_indices' length: the candidates' rows are checked against it
     int num_qo_heads;
     int num_kv_heads;
-    int head_dim;               // a multiple of 4
+    int head_dim;                 // a multiple of 4
     int block_size;
     int num_host_blocks;
-    int m;                      // candidates per (sequence, KV head)
+    int m;                        // candidates per (sequence, KV head)
     int k;
     int successors;
     int n_forced;
-    int tile;                   // candidates per warp (1..OASIS_CODES_TILE); gridDim.z blocks per row
+    int tile;                     // candidates per warp (1..OASIS_CODES_TILE); gridDim.z blocks per row
     int _pad0;
 };
 

@@ -70,13 +70,13 @@ def main() -> None:
     ap.add_argument("--source-alt", action="append", default=[])
     ap.add_argument("--json", default=None)
     ap.add_argument("--topk-variants", action="store_true", help="also time topk_blocks_f32's knobs")
-    ap.add_argument("--record-layout", action="store_true", help="also time summaries + codes as one record")
+    ap.add_argument("--record-layout", action="store_true", help="also time bound + codes as one record")
     args = ap.parse_args()
     dev = torch.device("cuda")
     hq, hk, d, bs = 32, 8, 128, 16
     geo = ops.KvGeometry(hq, hk, d, bs)
     torch.manual_seed(0)
-    q, summ, codes, indptr, indices = codes_inputs(geo, dev, torch.bfloat16, args.batch, args.ctx)
+    q, summ, b8, sc, codes, indptr, indices = codes_inputs(geo, dev, torch.bfloat16, args.batch, args.ctx)
     n_host = indices.numel()
     m = min(512, math.ceil(args.factor * args.k))
     bound = torch.empty(n_host, hk, device=dev, dtype=torch.float32)
@@ -90,7 +90,7 @@ def main() -> None:
         "quest_score": lambda: ops.score_blocks(geo, q, summ, indptr, indices, bound),
         "quest_topk": lambda: ops.topk_blocks(hk, bound, indptr, args.k, top_q),
         "topm": lambda: ops.topk_blocks(hk, bound, indptr, m, cand),
-        "rescore": lambda: ops.rescore_blocks_codes(geo, q, summ, codes, indptr, indices, cand, rescored),
+        "rescore": lambda: ops.rescore_blocks_codes(geo, q, b8, sc, codes, indptr, indices, cand, rescored),
         "final_topk": lambda: ops.topk_blocks(hk, rescored, rows, args.k, top, index_map=cand),
     }
     for f in parts.values():
@@ -127,7 +127,8 @@ def main() -> None:
         name: cp.asarray(t)
         for name, t in dict(
             q=q.view(torch.int16),
-            summ=summ.view(torch.int16),
+            b8=b8,
+            sc=sc,
             codes=codes,
             indptr=indptr,
             indices=indices,
@@ -136,10 +137,11 @@ def main() -> None:
         ).items()
     }
 
-    def rescore_params(summ_ptr: int, codes_ptr: int, tile: int = 32) -> np.void:
+    def rescore_params(b8_ptr: int, codes_ptr: int, tile: int = 32) -> np.void:
         return params(
             ("q", "ptr", c["q"].data.ptr),
-            ("summaries", "ptr", summ_ptr),
+            ("bounds8", "ptr", b8_ptr),
+            ("scales", "ptr", c["sc"].data.ptr),
             ("codes", "ptr", codes_ptr),
             ("blk_indptr", "ptr", c["indptr"].data.ptr),
             ("blk_indices", "ptr", c["indices"].data.ptr),
@@ -162,32 +164,25 @@ def main() -> None:
     print(f"wheel rescore, cold L2: {out['wheel_rescore_cold_us']:.1f} us", flush=True)
     group = hq // hk
     n_out = args.batch * m
-    ptrs = (c["summ"].data.ptr, c["codes"].data.ptr)
+    ptrs = (c["b8"].data.ptr, c["codes"].data.ptr)
     sources = [("current", source(ROOT / "key_codes.cu"), ptrs)]
     for alt in args.source_alt:
         sources.append((Path(alt).stem, source(Path(alt)), ptrs))
     if args.record_layout:
-        # An entry's summaries and codes as one record (2 d elements, then 4 d code bytes), the
-        # records in entry order: the staged copy reads one contiguous 1 KiB (bf16, d 128) per
-        # entry instead of two 512-byte halves from two arrays. Only the staged (tensor-core)
-        # path is patched, which every entry of these inputs takes.
-        rec = torch.cat(
-            [summ.reshape(n_host * hk, -1).view(torch.uint8), codes.reshape(n_host * hk, -1)], dim=1
-        )
+        # An entry's bound and codes as one record (2 d E4M3 bytes, then 4 d code bytes; the
+        # scales apart), the records in entry order: the staged copy reads one contiguous 768 B
+        # (d 128) per entry instead of 256 and 512 B from two arrays. Only the staged
+        # (tensor-core) path is patched, which every entry of these inputs takes.
+        rec = torch.cat([b8.reshape(n_host * hk, -1), codes.reshape(n_host * hk, -1)], dim=1)
         rec = rec.contiguous()
         c["rec"] = cp.asarray(rec)
-        old_s = (
-            "const unsigned char* src_s = "
-            "reinterpret_cast<const unsigned char*>(summaries + entry * 2 * head_dim);"
-        )
-        old_c = "const unsigned char* src_c = codes + entry * 4 * head_dim;"
+        old_s = "const unsigned char* src_b = bounds8 + entry * 2 * HD;"
+        old_c = "const unsigned char* src_c = codes + entry * 4 * HD;"
         src = source(ROOT / "key_codes.cu")
         assert old_s in src and old_c in src
-        src = src.replace(
-            old_s,
-            "const unsigned char* src_s = reinterpret_cast<const unsigned char*>(summaries) + "
-            "entry * (2 * head_dim * (i64)sizeof(T) + 4 * head_dim);",
-        ).replace(old_c, "const unsigned char* src_c = src_s + 2 * head_dim * sizeof(T);")
+        src = src.replace(old_s, "const unsigned char* src_b = bounds8 + entry * 6 * HD;").replace(
+            old_c, "const unsigned char* src_c = src_b + 2 * HD;"
+        )
         sources.append(("record", src, (c["rec"].data.ptr, c["rec"].data.ptr)))
     for label, src, ptrs in sources:
         for over in VARIANTS:
@@ -196,7 +191,7 @@ def main() -> None:
             fn = module({k: x for k, x in v.items() if k != "tile"}, src).get_function(
                 "score_blocks_codes_bf16"
             )
-            stage = v["OASIS_CODES_STAGES"] * (2 * d * 2 + 4 * d)
+            stage = v["OASIS_CODES_STAGES"] * (6 * d + 16)  # codes_stage_bytes
             smem = (THREADS // 32) * (stage + (2 * group * d + d + group) * 4)
             if smem > 48 * 1024:
                 fn.max_dynamic_shared_size_bytes = smem

@@ -448,15 +448,16 @@ def score_blocks(
 def build_key_codes(
     geo: KvGeometry,
     host_k: torch.Tensor,
-    summaries: torch.Tensor,
+    bounds8: torch.Tensor,
+    scales: torch.Tensor,
     block_ids: torch.Tensor,
     codes: torch.Tensor,
     *,
     block_rows: torch.Tensor | None = None,
     stream: int = 0,
 ) -> None:
-    """Encode every key of complete host blocks to 2 bits per channel inside the block's ``[min, max]``
-    (``codes [num_host_blocks, num_kv_heads, block_size, head_dim // 4]`` uint8)."""
+    """Encode every key of complete host blocks to 2 bits per channel inside the block's decoded
+    8-bit bound (``codes [num_host_blocks, num_kv_heads, block_size, head_dim // 4]`` uint8)."""
 
 def encode_blocks(
     geo: KvGeometry,
@@ -470,7 +471,8 @@ def encode_blocks(
     block_rows: torch.Tensor | None = None,
     stream: int = 0,
 ) -> None:
-    """``build_key_codes`` and ``build_bounds8`` of the same complete host blocks in one launch."""
+    """``build_bounds8`` then ``build_key_codes`` (inside that bound) of the same complete host
+    blocks in one launch."""
 
 def build_bounds8(
     geo: KvGeometry,
@@ -499,7 +501,8 @@ def score_blocks_bound8(
 def score_blocks_codes(
     geo: KvGeometry,
     q: torch.Tensor,
-    summaries: torch.Tensor,
+    bounds8: torch.Tensor,
+    scales: torch.Tensor,
     codes: torch.Tensor,
     blk_indptr: torch.Tensor,
     blk_indices: torch.Tensor,
@@ -507,13 +510,14 @@ def score_blocks_codes(
     *,
     stream: int = 0,
 ) -> None:
-    """Block scores from the 2-bit key codes (the group sum of each block's largest approximate logit)
-    into ``scores``."""
+    """Block scores from the 2-bit key codes inside the 8-bit bounds (the group sum of each block's
+    largest approximate logit; NaN for a NaN scale) into ``scores``."""
 
 def rescore_blocks_codes(
     geo: KvGeometry,
     q: torch.Tensor,
-    summaries: torch.Tensor,
+    bounds8: torch.Tensor,
+    scales: torch.Tensor,
     codes: torch.Tensor,
     blk_indptr: torch.Tensor,
     blk_indices: torch.Tensor,
@@ -528,7 +532,8 @@ def rescore_blocks_codes(
 def rescore_topk_codes(
     geo: KvGeometry,
     q: torch.Tensor,
-    summaries: torch.Tensor,
+    bounds8: torch.Tensor,
+    scales: torch.Tensor,
     codes: torch.Tensor,
     blk_indptr: torch.Tensor,
     blk_indices: torch.Tensor,

@@ -221,7 +221,8 @@ def score_blocks(
 def empty_key_codes(geo, num_host_blocks: int, device=None) -> torch.Tensor:
     """An uninitialised uint8 codes tensor for a host pool of ``num_host_blocks`` blocks:
     ``[num_host_blocks, num_kv_heads, block_size, head_dim // 4]`` (2 bits per key channel, the same
-    bytes as the pool's summaries in 16-bit storage). Keep it beside the summaries, on their device."""
+    bytes as the pool's summaries in 16-bit storage). Keep it beside the 8-bit bounds it is encoded
+    in (:func:`empty_bounds8`), on their device."""
     if geo.head_dim % 4:
         raise ConfigError(f"2-bit key codes need head_dim divisible by 4, got {geo.head_dim}")
     return torch.empty(
@@ -229,13 +230,16 @@ def empty_key_codes(geo, num_host_blocks: int, device=None) -> torch.Tensor:
     )
 
 
-def build_key_codes(geo, host_k, summaries, block_ids, codes, block_rows=None) -> None:
+def build_key_codes(geo, host_k, bounds8, scales, block_ids, codes, block_rows=None) -> None:
     """Encode every key of the complete host blocks ``block_ids`` (keys in host rows ``block_rows``;
-    ``None``: the row is the block id) to 2 bits per channel inside the block's ``[min, max]``
-    summary (build the summaries first; on the GPU, on the same stream)."""
-    dev = _check_device(summaries, host_k)
+    ``None``: the row is the block id) to 2 bits per channel inside the block's decoded 8-bit bound
+    ``[e4m3(lo8) s, e4m3(hi8) s]`` (``bounds8``, ``scales`` of :func:`build_bounds8`: build the
+    bound first, on the GPU on the same stream, or call :func:`encode_blocks`, which does both).
+    A block whose scale is NaN (a non-finite key) gets codes 0. Definition:
+    ``oasis_core::kernels::codes``."""
+    dev = _check_device(bounds8, scales, host_k)
     _core.build_key_codes(
-        geo, host_k, summaries, block_ids, codes, block_rows=block_rows, stream=_stream(dev)
+        geo, host_k, bounds8, scales, block_ids, codes, block_rows=block_rows, stream=_stream(dev)
     )
 
 
@@ -258,10 +262,11 @@ def build_bounds8(geo, summaries, block_ids, bounds8, scales) -> None:
 
 
 def encode_blocks(geo, host_k, summaries, block_ids, codes, bounds8, scales, block_rows=None) -> None:
-    """:func:`build_key_codes` and :func:`build_bounds8` of the same complete host blocks
-    ``block_ids`` in one launch (bit-exact with the two calls): the engine's per-step encode of
-    the blocks a step completed (:meth:`oasiskv.engine.pools.Pools.encode_blocks`), one launch per
-    layer instead of two. Arguments as those two functions."""
+    """:func:`build_bounds8` of the complete host blocks ``block_ids`` from their ``summaries``, then
+    :func:`build_key_codes` of their keys inside that bound, in one launch (bit-exact with the two
+    calls): the engine's per-step encode of the blocks a step completed
+    (:meth:`oasiskv.engine.pools.Pools.encode_blocks`), one launch per layer instead of two.
+    Arguments as those two functions; ``codes``, ``bounds8`` and ``scales`` are written."""
     dev = _check_device(summaries, host_k, bounds8, scales)
     _core.encode_blocks(
         geo, host_k, summaries, block_ids, codes, bounds8, scales, block_rows=block_rows, stream=_stream(dev)
@@ -282,35 +287,41 @@ def score_blocks_bound8(
 
 
 def score_blocks_codes(
-    geo, q, summaries, codes, blk_indptr, blk_indices, scores: torch.Tensor | None = None
+    geo, q, bounds8, scales, codes, blk_indptr, blk_indices, scores: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Block scores from the 2-bit key codes, ``[nnz, num_kv_heads]`` (f32): for each listed block and
     KV head, the sum over the GQA group of the block's largest approximate logit of the lookahead
-    queries ``[num_seqs, num_qo_heads, head_dim]``. Feed them to :func:`topk_blocks` like
-    :func:`score_blocks`'s."""
-    dev = _check_device(q, summaries, codes)
+    queries ``[num_seqs, num_qo_heads, head_dim]``, each key decoded as ``lo + c (hi - lo) / 3``
+    inside the block's 8-bit bound (``bounds8``, ``scales`` of :func:`build_bounds8`, which the
+    codes were built in). A block whose scale is NaN scores NaN (last in :func:`topk_blocks`).
+    Feed them to :func:`topk_blocks` like :func:`score_blocks`'s."""
+    dev = _check_device(q, bounds8, scales, codes)
     if scores is None:
         scores = torch.empty(blk_indices.shape[0], geo.num_kv_heads, dtype=torch.float32, device=dev)
-    _core.score_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices, scores, stream=_stream(dev))
+    _core.score_blocks_codes(
+        geo, q, bounds8, scales, codes, blk_indptr, blk_indices, scores, stream=_stream(dev)
+    )
     return scores
 
 
 def rescore_blocks_codes(
-    geo, q, summaries, codes, blk_indptr, blk_indices, cand, scores: torch.Tensor | None = None
+    geo, q, bounds8, scales, codes, blk_indptr, blk_indices, cand, scores: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The codes score of candidate logical blocks ``cand [num_seqs, num_kv_heads, m]`` (int32,
     negative: none), as :func:`score_blocks_codes` gives each for its head:
     ``[num_seqs * m, num_kv_heads]`` f32, -inf for a negative candidate. It is a CSR of ``m``
     entries per sequence: :func:`topk_blocks` over it (``blk_indptr = [0, m, 2 m, ...]``) gives
-    positions into ``cand``. The second stage of ``KvConfig(score_candidates=...)``."""
-    dev = _check_device(q, summaries, codes)
+    positions into ``cand``. The second stage of ``KvConfig(score_candidates=...)``: per candidate
+    and KV head it reads the block's bound and codes, ``2 head_dim + block_size head_dim / 4``
+    bytes (768 at head_dim 128, block 16) and a 4-byte scale."""
+    dev = _check_device(q, bounds8, scales, codes)
     if scores is None:
         if cand.dim() != 3:
             raise ShapeError(f"cand must be [num_seqs, num_kv_heads, m], got shape {tuple(cand.shape)}")
         n, h, m = cand.shape
         scores = torch.empty(n * m, h, dtype=torch.float32, device=dev)
     _core.rescore_blocks_codes(
-        geo, q, summaries, codes, blk_indptr, blk_indices, cand, scores, stream=_stream(dev)
+        geo, q, bounds8, scales, codes, blk_indptr, blk_indices, cand, scores, stream=_stream(dev)
     )
     return scores
 
@@ -318,7 +329,8 @@ def rescore_blocks_codes(
 def rescore_topk_codes(
     geo,
     q,
-    summaries,
+    bounds8,
+    scales,
     codes,
     blk_indptr,
     blk_indices,
@@ -338,7 +350,7 @@ def rescore_topk_codes(
     zeroed tensor per call, one more memset). Pass a buffer kept per stream to save that launch
     (two launches must not share it at once). For scores used as they come: a caller that
     reduces them between the two steps (``Engine.score_reduce``) calls the two apart."""
-    dev = _check_device(q, summaries, codes)
+    dev = _check_device(q, bounds8, scales, codes)
     if cand.dim() != 3:
         raise ShapeError(f"cand must be [num_seqs, num_kv_heads, m], got shape {tuple(cand.shape)}")
     n, heads, m = cand.shape
@@ -352,7 +364,8 @@ def rescore_topk_codes(
     _core.rescore_topk_codes(
         geo,
         q,
-        summaries,
+        bounds8,
+        scales,
         codes,
         blk_indptr,
         blk_indices,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import oasiskv
-from oasiskv import KvConfig, LLMEngine, SamplingParams, errors
+from oasiskv import KvConfig, LLMEngine, SamplingParams, errors, ops
 from oasiskv.engine.prefill import SparsePrefill
 from support.fakes import pools_are_full, prompt, tiny
 
@@ -479,7 +479,8 @@ def test_pool_growth_is_checked_against_free_memory(model, monkeypatch):
 
 
 def ref_codes(keys: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor) -> torch.Tensor:
-    """2-bit codes of keys [hk, b, d] inside [min, max] [hk, d], packed 4 channels a byte (float64)."""
+    """2-bit codes of keys [hk, b, d] inside [lo, hi] [hk, d] (the decoded 8-bit bound), packed 4
+    channels a byte (float64)."""
     k, lo, hi = keys.double(), mins.double().unsqueeze(1), maxs.double().unsqueeze(1)
     w = hi - lo
     c = torch.where(w > 0, ((k - lo) / torch.where(w > 0, w, 1.0) * 3).round().clamp(0, 3), 0).to(torch.uint8)
@@ -489,8 +490,11 @@ def ref_codes(keys: torch.Tensor, mins: torch.Tensor, maxs: torch.Tensor) -> tor
 
 def test_block_score_codes_keeps_codes_of_every_complete_block(model):
     """KvConfig(block_score="codes"): after every step each complete host block of a sparse request
-    has the codes of its keys (built at the transition and when a step completes a block), and a
-    budget that covers the context still gives exactly the dense tokens."""
+    has the 8-bit bound of its summaries and the codes of its keys inside that bound (built at the
+    transition and when a step completes a block), and a budget that covers the context still
+    gives exactly the dense tokens."""
+    from support.key_codes import decode_bound
+
     kv = KvConfig(**dict(README_KV, top_k_blocks=4, fetch_cap=1), block_score="codes")
     eng = LLMEngine(model, kv=kv, drafter="ngram")
     rid = eng.add_request(prompt(75, 1), SamplingParams(max_tokens=40, ignore_eos=True))
@@ -504,10 +508,14 @@ def test_block_score_codes_keeps_codes_of_every_complete_block(model):
         p, b = eng.engine.pools, kv.block_size
         complete = r.host_blocks[: (r.kv_len) // b]
         for layer in range(model.config.num_hidden_layers):
+            ids = torch.tensor(complete, dtype=torch.int32)
+            b8, sc = (t.clone() for t in (p.bounds8[layer], p.bound_scales[layer]))
+            ops.build_bounds8(p.geo, p.summaries[layer], ids, b8, sc)
+            assert torch.equal(b8[ids.long()], p.bounds8[layer][ids.long()]), f"layer {layer}"
+            assert torch.equal(sc[ids.long()], p.bound_scales[layer][ids.long()]), f"layer {layer}"
+            lo, hi = decode_bound(p.bounds8[layer], p.bound_scales[layer])
             for hb in complete:
-                want = ref_codes(
-                    p.host_k[layer][hb], p.summaries[layer][hb, :, 0], p.summaries[layer][hb, :, 1]
-                )
+                want = ref_codes(p.host_k[layer][hb], lo[hb], hi[hb])
                 assert torch.equal(p.codes[layer][hb], want), f"layer {layer} block {hb}"
                 checked += 1
     assert checked > 100

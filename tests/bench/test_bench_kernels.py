@@ -65,3 +65,21 @@ def test_kv8_pages_quantize_finite_values():
     assert torch.isfinite(vals).all() and vals.abs().sum() > 0
     # Powers of two: the engine's scales.
     assert torch.equal(torch.exp2(torch.log2(scales).round()), scales)
+
+
+def test_codes_rows_count_the_bound_and_the_codes_per_candidate():
+    """The codes score reads, per candidate and KV head, the block's 8-bit bound and its codes
+    (768 bytes at head_dim 128, block 16: Qwen3-8B's shapes; 1,024 when it read the 16-bit
+    summaries), and the rows' inputs hold the bound of their summaries."""
+    qwen = ops.KvGeometry(32, 8, 128, 16)
+    assert kernels.codes_candidate_bytes(qwen) == 768
+    for geo in (qwen, GEO):
+        b8, _ = ops.empty_bounds8(geo, 1)
+        codes = ops.empty_key_codes(geo, 1)
+        assert kernels.codes_candidate_bytes(geo) == b8[0, 0].numel() + codes[0, 0].numel()
+    torch.manual_seed(0)
+    q, summ, b8, sc, codes, indptr, indices = kernels.codes_inputs(GEO, "cpu", torch.float32, 2, 64)
+    assert q.shape == (2, 4, 16) and codes.shape == (32, 2, 4, 4) and indptr.tolist() == [0, 16, 32]
+    want = ops.empty_bounds8(GEO, 32)
+    ops.build_bounds8(GEO, summ, torch.arange(32, dtype=torch.int32), *want)
+    assert torch.equal(b8, want[0]) and torch.equal(sc, want[1])

@@ -211,7 +211,7 @@ class _StagedCheck:
         bound = keep_sinks(quest, indptr, kv.sink_blocks)
         bound = keep_pins(bound, indptr, keep)  # sticky candidates: the previous prediction
         cand = ops.topk_blocks(g.num_kv_heads, bound, indptr, m or int((indptr[1:] - indptr[:-1]).max()))
-        full = ops.score_blocks_codes(g, q, p.summaries[layer], p.codes[layer], *csr)
+        full = ops.score_blocks_codes(g, q, p.bounds8[layer], p.bound_scales[layer], p.codes[layer], *csr)
         for s in range(indptr.numel() - 1):
             base = int(indptr[s])
             n_blocks = int(indptr[s + 1]) - base

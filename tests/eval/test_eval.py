@@ -393,10 +393,10 @@ def test_exact_policy_reads_the_blocks_holding_most_of_the_true_attention(tiny, 
 
 def test_codes_policy_reads_the_codes_scores_top_k(tiny, monkeypatch):
     """CodesPolicy: per KV head, attention reads the current query's top-K complete blocks by the
-    codes score (test_key_codes' float64 reference over codes of the resident keys), plus the
-    local block."""
+    codes score (test_key_codes' float64 reference over codes of the resident keys inside their
+    blocks' 8-bit bounds), plus the local block."""
     from oasiskv import LLM, KvConfig
-    from support.key_codes import code_weights, ref_key_codes
+    from support.key_codes import code_weights, decode_bound, ref_key_codes
 
     K = 3
     seen = []
@@ -412,18 +412,22 @@ def test_codes_policy_reads_the_codes_scores_top_k(tiny, monkeypatch):
     c = tiny.config
     group = c.num_attention_heads // c.num_key_value_heads
     assert len(seen) >= 2 * c.num_hidden_layers
+    geo = ops.KvGeometry(c.num_attention_heads, c.num_key_value_heads, seen[0][1].shape[-1], BLOCK)
     for q, k, pages, pm in seen:
         local = len(pages) - 1
         blocks = k[pages[:local]]  # [nc, hk, B, D]
         summ = torch.stack([blocks.amin(2), blocks.amax(2)], dim=2)  # [nc, hk, 2, D]
-        codes = ref_key_codes(blocks, summ, list(range(local)))
+        bounds = ops.empty_bounds8(geo, local)
+        ops.build_bounds8(geo, summ, torch.arange(local, dtype=torch.int32), *bounds)
+        codes = ref_key_codes(blocks, *bounds, list(range(local)))
+        lo_all, hi_all = decode_bound(*bounds)
         for h in range(c.num_key_value_heads):
             score = torch.zeros(local, dtype=torch.float64)
             for i in range(local):
-                lo, hi = summ[i, h, 0], summ[i, h, 1]
+                lo, hi = lo_all[i, h], hi_all[i, h]
                 for g in range(h * group, (h + 1) * group):
                     qg = q[0, 0, g]
-                    logits = qg.double() @ lo.double() + codes[i][h].double() @ code_weights(qg, lo, hi)
+                    logits = qg.double() @ lo + codes[i][0][h].double() @ code_weights(qg, lo, hi)
                     score[i] += logits.max()
             top = set(torch.topk(score, K).indices.tolist())
             visible = {i for i in range(len(pages)) if pm[pages[i], h] >= 0}

@@ -512,9 +512,12 @@ def test_host_rows_apart_from_block_ids_bit_exact(dtype, where):
     assert_bits_equal(g_summ, summ, "summaries (rows)")
     codes = torch.randint(0, 256, (n_ids, hk, B, d // 4), generator=gen, dtype=torch.uint8)
     g_codes = dev(codes)
-    ops.build_key_codes(geo, hkp, summ, b_ids, codes, block_rows=b_rows)
+    # The codes live inside each block's 8-bit bound (every id's, ids 5 and 6 included).
+    b8, sc = ops.empty_bounds8(geo, n_ids)
+    ops.build_bounds8(geo, summ, i32(list(range(n_ids))), b8, sc)
+    ops.build_key_codes(geo, hkp, b8, sc, b_ids, codes, block_rows=b_rows)
     g_ids, g_rows = dev(torch.cat([b_ids, i32([5, 6])])), dev(torch.cat([b_rows, i32([n_rows, -1])]))
-    ops.build_key_codes(geo, g_hk, g_summ, g_ids, g_codes, block_rows=g_rows)
+    ops.build_key_codes(geo, g_hk, dev(b8), dev(sc), g_ids, g_codes, block_rows=g_rows)
     assert torch.equal(back(g_codes), codes)
 
 

@@ -585,21 +585,28 @@ def test_score_blocks(device, seed):
 
 def codes_case(seed: int) -> Case:
     """Keys of complete host blocks (one block on a half-integer grid: exact ties of the rounding; one
-    channel constant: an empty range), their summaries, garbage codes, a random subset listed."""
+    channel constant: an empty range; now and then an overflowed key: a NaN bound), their summaries
+    and 8-bit bounds (the CPU twin's), garbage codes, a random subset listed."""
     gen, g = draw("build_key_codes", seed)
     hk, bs, d = g.num_kv_heads, g.block_size, g.head_dim
     n_host = randint(gen, 2, 24)
     keys = rand(gen, g.dtype, n_host, hk, bs, d)
     keys[0] = (torch.randint(0, 7, keys[0].shape, generator=gen).float() * 0.5).to(g.dtype)
     keys[1, :, :, 3] = 1.0
+    if chance(gen, 0.5):
+        keys[randint(gen, 0, n_host - 1), randint(gen, 0, hk - 1), 0, 0] = float("inf")
     summaries = torch.empty(n_host, hk, 2, d, dtype=g.dtype)
     ops.build_summaries(g.kv(), keys, i32(list(range(n_host))), i32([bs] * n_host), summaries)
+    bounds8, scales = ops.empty_bounds8(g.kv(), n_host)
+    ops.build_bounds8(g.kv(), summaries, i32(list(range(n_host))), bounds8, scales)
     ids = torch.randperm(n_host, generator=gen)[: randint(gen, 1, n_host)].to(torch.int32)
     return Case(
         desc=f"seed {seed}: {g} blocks {ids.tolist()} of {n_host}",
         g=g,
         keys=keys,
         summaries=summaries,
+        bounds8=bounds8,
+        scales=scales,
         codes=torch.randint(0, 256, (n_host, hk, bs, d // 4), generator=gen, dtype=torch.uint8),
         ids=ids,
         where=pick(gen, HOSTS),
@@ -609,18 +616,36 @@ def codes_case(seed: int) -> Case:
 @gpu_test
 @runs()
 def test_build_key_codes(device, seed):
+    """The codes inside the 8-bit bound (build_key_codes), and the bound with them (encode_blocks),
+    bit for bit on the GPU; on the CPU the twin against the float64 encode inside the bound."""
     c = codes_case(seed)
     want = c.codes.clone()
-    ops.build_key_codes(c.g.kv(), c.keys, c.summaries, c.ids, want)
+    ops.build_key_codes(c.g.kv(), c.keys, c.bounds8, c.scales, c.ids, want)
+    enc = [c.codes.clone(), torch.zeros_like(c.bounds8), torch.zeros_like(c.scales)]
+    ops.encode_blocks(c.g.kv(), c.keys, c.summaries, c.ids, *enc)
     if device == "cpu":
-        ref = ref_key_codes(c.keys, c.summaries, c.ids.tolist())
+        ref = ref_key_codes(c.keys, c.bounds8, c.scales, c.ids.tolist())
         for b in range(c.codes.shape[0]):
-            expect = ref[b] if b in ref else unpack_codes(c.codes[b])  # not listed: untouched
-            assert torch.equal(unpack_codes(want[b]), expect), f"{c}: block {b}"
+            got = unpack_codes(want[b])
+            if b in ref:
+                assert ((got == ref[b][0]) | (got == ref[b][1])).all(), f"{c}: block {b}"
+            else:  # not listed: untouched
+                assert torch.equal(got, unpack_codes(c.codes[b])), f"{c}: block {b}"
+        assert torch.equal(enc[0], want), f"{c}: encode_blocks' codes"
+        listed = c.ids.long()
+        assert_same(enc[1][listed], c.bounds8[listed], f"{c}: encode_blocks' bounds")
+        assert_same(enc[2][listed], c.scales[listed], f"{c}: encode_blocks' scales")
         return
     got = put(c.codes, device)
-    ops.build_key_codes(c.g.kv(), host(c.keys, c.where), put(c.summaries, device), put(c.ids, device), got)
+    keys = host(c.keys, c.where)
+    ops.build_key_codes(
+        c.g.kv(), keys, put(c.bounds8, device), put(c.scales, device), put(c.ids, device), got
+    )
     assert_same(got, want, f"{c}: codes")
+    g_enc = [put(t, device) for t in (c.codes, torch.zeros_like(c.bounds8), torch.zeros_like(c.scales))]
+    ops.encode_blocks(c.g.kv(), keys, put(c.summaries, device), put(c.ids, device), *g_enc)
+    for name, x, y in zip(("codes", "bounds8", "scales"), g_enc, enc, strict=True):
+        assert_same(x, y, f"{c}: encode_blocks' {name}")
 
 
 @gpu_test
@@ -628,7 +653,7 @@ def test_build_key_codes(device, seed):
 def test_score_blocks_codes(device, seed):
     gen, g = draw("score_blocks_codes", seed)
     lens = [randint(gen, 0, 60) for _ in range(randint(gen, 1, 5))]
-    geo, _, summaries, codes, q, blk_indptr, blk_indices = key_codes_case(
+    geo, _, bounds, codes, q, blk_indptr, blk_indices = key_codes_case(
         gen,
         g.dtype,
         g.group,
@@ -639,12 +664,12 @@ def test_score_blocks_codes(device, seed):
         extra_host=randint(gen, 1, 8),
     )
     what = f"seed {seed}: {g} blocks per sequence {lens}"
-    args = (summaries, codes, blk_indptr, blk_indices)
+    args = (*bounds, codes, blk_indptr, blk_indices)
     want = ops.score_blocks_codes(geo, q, *args)
-    mag = magnitude(q, summaries, blk_indptr, blk_indices)
+    mag = magnitude(q, *bounds, blk_indptr, blk_indices)
     if device == "cpu":
         ref = ref_score_blocks_codes(q, *args)
-        # NOTE: test_key_codes' bound: a few head_dim ulps of the magnitude sum_g sum_d |q| (|min| + |max|).
+        # NOTE: test_key_codes' bound: a few head_dim ulps of the magnitude sum_g sum_d |q| (|lo| + |hi|).
         err = (want.double() - ref).abs()
         assert (err <= 2e-7 * g.head_dim * mag + 1e-6).all(), f"{what}: max error {err.max().item():.3g}"
         return

@@ -244,11 +244,13 @@ def test_host_rows_apart_from_block_ids(dtype):
         assert (again[4, :, 0] <= hkp[0, :, t]).all() and (again[4, :, 1] >= hkp[0, :, t]).all()
     assert torch.equal(again[4, :, 0], hkp[0, :, :3].amin(1))
     codes = torch.full((n_ids, hk, b, d // 4), 0xAB, dtype=torch.uint8)
-    ops.build_key_codes(geo, hkp, summ, i32(ids), codes, block_rows=i32(rows))
+    bounds = ops.empty_bounds8(geo, n_ids)
+    ops.build_bounds8(geo, summ, i32(ids), *bounds)
+    ops.build_key_codes(geo, hkp, *bounds, i32(ids), codes, block_rows=i32(rows))
     moved = torch.zeros(n_ids, hk, b, d, dtype=dtype)
     moved[ids] = hkp[rows]
     want = torch.full_like(codes, 0xAB)
-    ops.build_key_codes(geo, moved, summ, i32(ids), want)
+    ops.build_key_codes(geo, moved, *bounds, i32(ids), want)
     assert torch.equal(codes, want)
     # A row past the host pool is a typed error, though the id is in range; nothing is written.
     before = summ.clone()
@@ -270,7 +272,7 @@ def test_host_rows_apart_from_block_ids(dtype):
     with pytest.raises(errors.IndexError_, match="block_rows"):
         ops.build_summaries(geo, hkp, i32([6]), i32([1]), summ, block_rows=i32([n_rows]))
     with pytest.raises(errors.ShapeError, match="block_rows"):
-        ops.build_key_codes(geo, hkp, summ, i32([6]), codes, block_rows=i32([0, 1]))
+        ops.build_key_codes(geo, hkp, *bounds, i32([6]), codes, block_rows=i32([0, 1]))
     assert torch.equal(summ, before)
 
 

@@ -158,14 +158,14 @@ def test_rescore_topk_codes_is_rescore_then_topk_candidates(block_size, head_dim
     the same), with and without successors and forced blocks, rows shorter than m included."""
     dtype = torch.bfloat16 if group % 2 else torch.float32
     gen = seeded("rescore_topk", block_size, head_dim, group, m, forced)
-    geo, summ, codes, q, indptr, indices, cand, f = rescore_topk_case(
+    geo, bounds, codes, q, indptr, indices, cand, f = rescore_topk_case(
         gen, dtype, group, head_dim, block_size, m, forced=forced
     )
-    scores = ops.rescore_blocks_codes(geo, q, summ, codes, indptr, indices, cand)
+    scores = ops.rescore_blocks_codes(geo, q, *bounds, codes, indptr, indices, cand)
     for n_succ in (0, 8):
         for k in sorted({1, max(1, m // 2), m, m + n_succ + 2}):
             got = ops.rescore_topk_codes(
-                geo, q, summ, codes, indptr, indices, cand, k, successors=n_succ, forced=f
+                geo, q, *bounds, codes, indptr, indices, cand, k, successors=n_succ, forced=f
             )
             want = ops.topk_candidates(geo.num_kv_heads, scores, cand, indptr, k, successors=n_succ, forced=f)
             assert got.tolist() == want.tolist(), (n_succ, k)
@@ -175,11 +175,13 @@ def test_rescore_topk_codes_checks_like_the_two_ops():
     """A candidate outside its row raises on the CPU (as rescore_blocks_codes), and a bad out
     shape is a ShapeError before anything runs."""
     gen = seeded("rescore_topk-errors")
-    geo, summ, codes, q, indptr, indices, cand, _ = rescore_topk_case(gen, torch.float32, 2, 64, 8, 7)
+    geo, bounds, codes, q, indptr, indices, cand, _ = rescore_topk_case(gen, torch.float32, 2, 64, 8, 7)
     bad = cand.clone()
     bad[1, 0, 0] = 5  # row 1 has one block
     with pytest.raises(errors.OasisError):
-        ops.rescore_topk_codes(geo, q, summ, codes, indptr, indices, bad, 4)
+        ops.rescore_topk_codes(geo, q, *bounds, codes, indptr, indices, bad, 4)
     with pytest.raises(errors.ShapeError):
         out = torch.empty(cand.shape[0], geo.num_kv_heads, 3, dtype=torch.int32)
-        ops.rescore_topk_codes(geo, q, summ, codes, indptr, indices, cand, 4, out=out)
+        ops.rescore_topk_codes(geo, q, *bounds, codes, indptr, indices, cand, 4, out=out)
+    with pytest.raises(errors.ShapeError, match="scales"):
+        ops.rescore_topk_codes(geo, q, bounds[0], bounds[1][:-1], codes, indptr, indices, cand, 4)

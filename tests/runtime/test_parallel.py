@@ -407,8 +407,9 @@ def _score_job(group, n_blocks):
     geo = ops.KvGeometry(per, 1, d, bs)
     k_mine = k[:, head : head + 1].contiguous()
     summaries = torch.stack([k_mine.amin(2), k_mine.amax(2)], dim=2).contiguous()
-    codes = ops.empty_key_codes(geo, n_blocks)
-    ops.build_key_codes(geo, k_mine, summaries, torch.arange(n_blocks, dtype=torch.int32), codes)
+    codes, bounds = ops.empty_key_codes(geo, n_blocks), ops.empty_bounds8(geo, n_blocks)
+    ids = torch.arange(n_blocks, dtype=torch.int32)
+    ops.encode_blocks(geo, k_mine, summaries, ids, codes, *bounds)
     indptr = torch.tensor([0, 10, 10, n_blocks], dtype=torch.int32)
     indices = torch.arange(n_blocks, dtype=torch.int32).flip(0).contiguous()
     q_mine = q[:, qs].contiguous()
@@ -416,7 +417,7 @@ def _score_job(group, n_blocks):
     out = {}
     for name, partial in (
         ("quest", ops.score_blocks(geo, q_mine, summaries, indptr, indices)),
-        ("codes", ops.score_blocks_codes(geo, q_mine, summaries, codes, indptr, indices)),
+        ("codes", ops.score_blocks_codes(geo, q_mine, *bounds, codes, indptr, indices)),
     ):
         out[name] = (partial, reduce(partial))
     return out
@@ -437,13 +438,13 @@ def test_replica_score_sum_equals_tp1_scores(replicated):
     q = torch.randn(3, hq, d, generator=gen)
     geo = ops.KvGeometry(hq, hkv, d, bs)
     summaries = torch.stack([k.amin(2), k.amax(2)], dim=2).contiguous()
-    codes = ops.empty_key_codes(geo, n_blocks)
-    ops.build_key_codes(geo, k, summaries, torch.arange(n_blocks, dtype=torch.int32), codes)
+    codes, bounds = ops.empty_key_codes(geo, n_blocks), ops.empty_bounds8(geo, n_blocks)
+    ops.encode_blocks(geo, k, summaries, torch.arange(n_blocks, dtype=torch.int32), codes, *bounds)
     indptr = torch.tensor([0, 10, 10, n_blocks], dtype=torch.int32)
     indices = torch.arange(n_blocks, dtype=torch.int32).flip(0).contiguous()
     want = {
         "quest": ops.score_blocks(geo, q, summaries, indptr, indices),
-        "codes": ops.score_blocks_codes(geo, q, summaries, codes, indptr, indices),
+        "codes": ops.score_blocks_codes(geo, q, *bounds, codes, indptr, indices),
     }
     top = 4
     for name, full in want.items():

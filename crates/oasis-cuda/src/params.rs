@@ -345,11 +345,12 @@ kernel_params! {
 
 kernel_params! {
     /// `build_key_codes_*` (cuda/key_codes.cu): 2-bit codes of every key of whole host blocks,
-    /// inside each block's per-channel `[min, max]`.
+    /// inside each block's decoded 8-bit bound (`bounds8` and `scales` of `build_bounds8_*`).
     pub struct BuildKeyCodesParams => "oasis::BuildKeyCodesParams<T>"
         for ["build_key_codes_bf16", "build_key_codes_f16", "build_key_codes_f32"] {
         pub host_k: DevPtr,     // [num_host_rows, num_kv_heads, block_size, head_dim]
-        pub summaries: DevPtr,  // [num_host_blocks, num_kv_heads, 2, head_dim]
+        pub bounds8: DevPtr,    // [num_host_blocks, num_kv_heads, 2, head_dim] u8 (E4M3)
+        pub scales: DevPtr,     // [num_host_blocks, num_kv_heads] f32
         pub block_ids: DevPtr,  // [n]
         pub block_rows: DevPtr, // [n] host row of each block, or null (the id)
         pub codes: DevPtr,      // [num_host_blocks, num_kv_heads, block_size, head_dim / 4] u8
@@ -363,8 +364,8 @@ kernel_params! {
 }
 
 kernel_params! {
-    /// `encode_blocks_*` (cuda/key_codes.cu): `build_key_codes` and `build_bounds8` of the same
-    /// blocks in one launch.
+    /// `encode_blocks_*` (cuda/key_codes.cu): `build_bounds8` then `build_key_codes` (inside that
+    /// bound) of the same blocks in one launch.
     pub struct EncodeBlocksParams => "oasis::EncodeBlocksParams<T>"
         for ["encode_blocks_bf16", "encode_blocks_f16", "encode_blocks_f32"] {
         pub host_k: DevPtr,     // [num_host_rows, num_kv_heads, block_size, head_dim]
@@ -385,11 +386,12 @@ kernel_params! {
 
 kernel_params! {
     /// `score_blocks_codes_*` (cuda/key_codes.cu): the largest approximate logit of each listed
-    /// block from its 2-bit key codes, summed over the GQA group.
+    /// block from its 2-bit key codes inside its 8-bit bound, summed over the GQA group.
     pub struct ScoreBlocksCodesParams => "oasis::ScoreBlocksCodesParams<T>"
         for ["score_blocks_codes_bf16", "score_blocks_codes_f16", "score_blocks_codes_f32"] {
         pub q: DevPtr,           // [num_seqs, num_qo_heads, head_dim]
-        pub summaries: DevPtr,   // [num_host_blocks, num_kv_heads, 2, head_dim]
+        pub bounds8: DevPtr,     // [num_host_blocks, num_kv_heads, 2, head_dim] u8 (E4M3)
+        pub scales: DevPtr,      // [num_host_blocks, num_kv_heads] f32
         pub codes: DevPtr,       // [num_host_blocks, num_kv_heads, block_size, head_dim / 4] u8
         pub blk_indptr: DevPtr,  // [num_seqs + 1]
         pub blk_indices: DevPtr, // [nnz]
@@ -462,7 +464,8 @@ kernel_params! {
     pub struct RescoreTopkCodesParams => "oasis::RescoreTopkCodesParams<T>"
         for ["rescore_topk_codes_bf16", "rescore_topk_codes_f16", "rescore_topk_codes_f32"] {
         pub q: DevPtr,           // [num_seqs, num_qo_heads, head_dim]
-        pub summaries: DevPtr,   // [num_host_blocks, num_kv_heads, 2, head_dim]
+        pub bounds8: DevPtr,     // [num_host_blocks, num_kv_heads, 2, head_dim] u8 (E4M3)
+        pub scales: DevPtr,      // [num_host_blocks, num_kv_heads] f32
         pub codes: DevPtr,       // [num_host_blocks, num_kv_heads, block_size, head_dim / 4] u8
         pub blk_indptr: DevPtr,  // [num_seqs + 1]
         pub blk_indices: DevPtr, // [nnz]

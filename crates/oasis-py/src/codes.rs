@@ -1,15 +1,15 @@
-//! 2-bit key code bindings: `build_key_codes` encodes complete host blocks (`encode_blocks`:
-//! with their 8-bit bound, in one launch), `score_blocks_codes`
-//! scores every listed block from its codes and `rescore_blocks_codes` the candidates of the
-//! two-stage score (`rescore_topk_codes`: with their top-K, in one launch); `build_bounds8` / `score_blocks_bound8` the 8-bit Quest bound its first stage
-//! reads.
+//! 2-bit key code bindings: `build_bounds8` / `score_blocks_bound8` the 8-bit Quest bound (the
+//! two-stage score's first stage reads it), `build_key_codes` encodes complete host blocks inside
+//! that bound (`encode_blocks`: the bound then the codes, in one launch), `score_blocks_codes`
+//! scores every listed block from its bound and codes and `rescore_blocks_codes` the candidates
+//! of the two-stage score (`rescore_topk_codes`: with their top-K, in one launch).
 
 use oasis_core::kernels;
 use oasis_core::KvGeometry;
 use pyo3::prelude::*;
 
 use crate::call::{entry, guarded, on_gpu, with_dtype};
-use crate::check::{check_block_tables, check_outputs, kv_dtype, per_head, summary_rows};
+use crate::check::{check_all, check_outputs, kv_dtype, per_head, pool_rows, summary_rows};
 use crate::errors::py_err;
 use crate::runtime::PyGeometry;
 use crate::tensor::{Cx, Elem, Place, TensorArg, ANY};
@@ -36,17 +36,20 @@ fn check_codes(cx: &Cx<'_>, g: &KvGeometry, codes: &TensorArg, nb: usize) -> PyR
     Ok(())
 }
 
-/// The validation `build_key_codes` and `encode_blocks` share: head_dim, one device, the block
-/// tables against `summaries`, `codes` for their blocks, one KV dtype, and `outs` (codes first)
-/// disjoint from the inputs. Returns the call's context, the summaries' block count and the
-/// dtype.
+/// The validation `build_key_codes` and `encode_blocks` share: head_dim, one device, the host
+/// pool and the int32 block tables, the pool's block count `nb` (of `pool`: the summaries, or
+/// the bounds), `codes` for `nb` blocks, one KV dtype over `kv` (host_k first), and `outs` (codes
+/// first) disjoint from `inputs`. Returns the call's context, `nb` and the dtype.
+#[allow(clippy::too_many_arguments)]
 fn check_encode<'py>(
     py: Python<'py>,
     g: &KvGeometry,
     host_k: &TensorArg,
-    summaries: &TensorArg,
+    pool: &dyn Fn(&Cx<'_>) -> PyResult<usize>,
     block_ids: &TensorArg,
     block_rows: Option<&TensorArg>,
+    inputs: &[(&str, &TensorArg)],
+    kv: &[(&str, &TensorArg)],
     outs: &[(&str, &TensorArg)],
 ) -> PyResult<(Cx<'py>, usize, oasis_core::DType)> {
     check_codes_head_dim(py, g)?;
@@ -55,38 +58,40 @@ fn check_encode<'py>(
     if let Some(r) = block_rows {
         tables.push(("block_rows", r));
     }
-    let cx = Cx::new(
-        py,
-        &[&[("summaries", summaries)][..], outs, &tables].concat(),
-        &host,
-    )?;
-    let nb = check_block_tables(&cx, g, &host, summaries, &tables)?;
+    let cx = Cx::new(py, &[inputs, outs, &tables].concat(), &host)?;
+    pool_rows(&cx.host(), g, &host)?;
+    let nb = pool(&cx)?;
+    check_all(&cx, &tables, Elem::I32, [ANY])?;
     check_codes(&cx, g, outs[0].1, nb)?;
-    let inputs = [("host_k", host_k), ("summaries", summaries)];
-    let dt = kv_dtype(py, &inputs)?;
-    check_outputs(py, outs, &[&inputs[..], &tables].concat())?;
+    let dt = kv_dtype(py, kv)?;
+    check_outputs(py, outs, &[&host[..], inputs, &tables].concat())?;
     Ok((cx, nb, dt))
 }
 
 #[pyfunction]
-#[pyo3(signature = (geo, host_k, summaries, block_ids, codes, *, block_rows = None, stream = 0))]
+#[pyo3(signature = (geo, host_k, bounds8, scales, block_ids, codes, *, block_rows = None, stream = 0))]
 #[allow(clippy::too_many_arguments)]
-/// Encode every key of complete host blocks to 2 bits per channel inside the block's [min, max].
+/// Encode every key of complete host blocks to 2 bits per channel inside the block's decoded
+/// 8-bit bound [lo, hi] (lo = e4m3(bounds8[b, h, 0]) * scales[b, h], hi from row 1): build the
+/// bound first (build_bounds8), or take encode_blocks, which does both.
 ///
-/// host_k [num_host_rows, num_kv_heads, block_size, head_dim]; summaries [num_host_blocks,
-/// num_kv_heads, 2, head_dim] (those of the same complete blocks); block_ids [n] int32; codes
-/// [num_host_blocks, num_kv_heads, block_size, head_dim // 4] uint8 (channel 4i + j in bits
-/// 2j..2j+2 of byte i); block_rows [n] int32 or None: the host row holding each block's keys
-/// (None: the row is the block id). head_dim must be divisible by 4 (ConfigError).
+/// host_k [num_host_rows, num_kv_heads, block_size, head_dim]; bounds8 [num_host_blocks,
+/// num_kv_heads, 2, head_dim] uint8 and scales [num_host_blocks, num_kv_heads] f32 (build_bounds8's,
+/// of the same complete blocks); block_ids [n] int32; codes [num_host_blocks, num_kv_heads,
+/// block_size, head_dim // 4] uint8 (channel 4i + j in bits 2j..2j+2 of byte i); block_rows [n]
+/// int32 or None: the host row holding each block's keys (None: the row is the block id).
+/// head_dim must be divisible by 4 (ConfigError). A NaN scale (a block with a non-finite key)
+/// gives codes 0.
 ///
-/// CUDA: summaries, block_ids and codes on one cuda:N; host_k there too or in pinned CPU memory;
-/// queued on `stream` (raw cudaStream_t of cuda:N, 0 = legacy default), returns at once.
+/// CUDA: bounds8, scales, block_ids and codes on one cuda:N; host_k there too or in pinned CPU
+/// memory; queued on `stream` (raw cudaStream_t of cuda:N, 0 = legacy default), returns at once.
 /// Out-of-range ids are skipped on the GPU. `stream` is ignored on the CPU.
 fn build_key_codes(
     py: Python<'_>,
     geo: &PyGeometry,
     host_k: TensorArg,
-    summaries: TensorArg,
+    bounds8: TensorArg,
+    scales: TensorArg,
     block_ids: TensorArg,
     codes: TensorArg,
     block_rows: Option<TensorArg>,
@@ -95,28 +100,31 @@ fn build_key_codes(
     entry(py, "build_key_codes", || {
         let g = geo.inner;
         let outs = [("codes", &codes)];
+        let inputs = [("bounds8", &bounds8), ("scales", &scales)];
         let (cx, _, dt) = check_encode(
             py,
             &g,
             &host_k,
-            &summaries,
+            &|cx| check_bounds8(cx, &g, &bounds8, &scales),
             &block_ids,
             block_rows.as_ref(),
+            &inputs,
+            &[("host_k", &host_k)],
             &outs,
         )?;
         let host = [("host_k", &host_k)];
         match cx.place {
             Place::Cpu => with_dtype!(dt, T => {
                 // SAFETY: checked above; codes is disjoint from the inputs.
-                let (hk, sm, ids, cd) = unsafe { (host_k.slice::<T>(), summaries.slice::<T>(), block_ids.ints(), codes.slice_mut::<u8>()) };
+                let (hk, b8, sc, ids, cd) = unsafe { (host_k.slice::<T>(), bounds8.slice::<u8>(), scales.slice::<f32>(), block_ids.ints(), codes.slice_mut::<u8>()) };
                 let rows = block_rows.as_ref().map(|r| unsafe { r.ints() });
-                guarded(py, "build_key_codes", || kernels::build_key_codes::<T>(&g, hk, sm, ids, rows, cd))
+                guarded(py, "build_key_codes", || kernels::build_key_codes::<T>(&g, hk, b8, sc, ids, rows, cd))
             }),
             Place::Cuda(dev) => with_dtype!(dt, T => {
                 // SAFETY: (TensorArg::dev) checked above; codes is disjoint from the inputs.
-                let (hk, sm, ids, cd) = unsafe { (host_k.dev::<T>(), summaries.dev::<T>(), block_ids.dev::<i32>(), codes.dev::<u8>()) };
+                let (hk, b8, sc, ids, cd) = unsafe { (host_k.dev::<T>(), bounds8.dev::<u8>(), scales.dev::<f32>(), block_ids.dev::<i32>(), codes.dev::<u8>()) };
                 let rows = block_rows.as_ref().map(|r| unsafe { r.dev::<i32>() });
-                on_gpu(py, "build_key_codes", dev, stream, &host, move |gpu, st| gpu.build_key_codes::<T>(&g, hk, sm, ids, rows, cd, st))
+                on_gpu(py, "build_key_codes", dev, stream, &host, move |gpu, st| gpu.build_key_codes::<T>(&g, hk, b8, sc, ids, rows, cd, st))
             }),
         }
     })
@@ -125,12 +133,15 @@ fn build_key_codes(
 #[pyfunction]
 #[pyo3(signature = (geo, host_k, summaries, block_ids, codes, bounds8, scales, *, block_rows = None, stream = 0))]
 #[allow(clippy::too_many_arguments)]
-/// build_key_codes and build_bounds8 of the same complete host blocks in one launch (the engine's
-/// per-step encode of the blocks a step completed): the 2-bit codes and the 8-bit Quest bounds.
+/// build_bounds8 then build_key_codes of the same complete host blocks in one launch (the
+/// engine's per-step encode of the blocks a step completed): the 8-bit Quest bounds from the
+/// summaries, then the 2-bit codes inside them.
 ///
-/// Arguments as build_key_codes, plus bounds8 [num_host_blocks, num_kv_heads, 2, head_dim] uint8
-/// and scales [num_host_blocks, num_kv_heads] f32 (as build_bounds8), on the device of codes.
-/// Bit-exact with the two calls. head_dim must be divisible by 4 (ConfigError).
+/// host_k, block_ids, codes and block_rows as build_key_codes; summaries [num_host_blocks,
+/// num_kv_heads, 2, head_dim] (those of the same complete blocks); bounds8 [num_host_blocks,
+/// num_kv_heads, 2, head_dim] uint8 and scales [num_host_blocks, num_kv_heads] f32 written (as
+/// build_bounds8), on the device of codes. Bit-exact with the two calls. head_dim must be
+/// divisible by 4 (ConfigError).
 ///
 /// CUDA: queued on `stream`, returns at once; out-of-range ids (and rows) are skipped on the GPU
 /// (the CPU raises, writing nothing). `stream` is ignored on the CPU.
@@ -153,13 +164,16 @@ fn encode_blocks(
             ("bounds8", &bounds8),
             ("scales", &scales),
         ];
+        let inputs = [("summaries", &summaries)];
         let (cx, nb, dt) = check_encode(
             py,
             &g,
             &host_k,
-            &summaries,
+            &|cx| summary_rows(cx, &g, &summaries),
             &block_ids,
             block_rows.as_ref(),
+            &inputs,
+            &[("host_k", &host_k), ("summaries", &summaries)],
             &outs,
         )?;
         let host = [("host_k", &host_k)];
@@ -189,14 +203,16 @@ fn encode_blocks(
 }
 
 #[pyfunction]
-#[pyo3(signature = (geo, q, summaries, codes, blk_indptr, blk_indices, scores, *, stream = 0))]
-/// Block scores from the 2-bit key codes: per entry and KV head, the sum over the GQA group of
-/// the block's largest approximate logit, into scores [nnz, num_kv_heads] f32.
+#[pyo3(signature = (geo, q, bounds8, scales, codes, blk_indptr, blk_indices, scores, *, stream = 0))]
+/// Block scores from the 2-bit key codes inside each block's 8-bit bound: per entry and KV head,
+/// the sum over the GQA group of the block's largest approximate logit, into scores [nnz,
+/// num_kv_heads] f32 (NaN for a block whose scale is NaN: it ranks last in topk_blocks).
 ///
-/// q [num_seqs, num_qo_heads, head_dim]; summaries [num_host_blocks, num_kv_heads, 2, head_dim];
-/// codes [num_host_blocks, num_kv_heads, block_size, head_dim // 4] uint8; blk_indptr
-/// [num_seqs + 1], blk_indices [nnz] int32 (host block of each logical block). head_dim must be
-/// divisible by 4 (ConfigError).
+/// q [num_seqs, num_qo_heads, head_dim]; bounds8 [num_host_blocks, num_kv_heads, 2, head_dim]
+/// uint8 and scales [num_host_blocks, num_kv_heads] f32 (build_bounds8's); codes
+/// [num_host_blocks, num_kv_heads, block_size, head_dim // 4] uint8 (build_key_codes' inside that
+/// bound); blk_indptr [num_seqs + 1], blk_indices [nnz] int32 (host block of each logical block).
+/// head_dim must be divisible by 4 (ConfigError).
 ///
 /// CUDA: every tensor on one cuda:N, queued on `stream` (raw cudaStream_t, 0 = legacy default),
 /// returns at once. An out-of-range block id, or an entry of a malformed blk_indptr row, scores
@@ -206,7 +222,8 @@ fn score_blocks_codes(
     py: Python<'_>,
     geo: &PyGeometry,
     q: TensorArg,
-    summaries: TensorArg,
+    bounds8: TensorArg,
+    scales: TensorArg,
     codes: TensorArg,
     blk_indptr: TensorArg,
     blk_indices: TensorArg,
@@ -218,7 +235,8 @@ fn score_blocks_codes(
         "score_blocks_codes",
         geo,
         q,
-        summaries,
+        bounds8,
+        scales,
         codes,
         blk_indptr,
         blk_indices,
@@ -229,7 +247,7 @@ fn score_blocks_codes(
 }
 
 #[pyfunction]
-#[pyo3(signature = (geo, q, summaries, codes, blk_indptr, blk_indices, cand, scores, *, stream = 0))]
+#[pyo3(signature = (geo, q, bounds8, scales, codes, blk_indptr, blk_indices, cand, scores, *, stream = 0))]
 /// The codes score of candidate logical blocks per (seq, kv head): the second stage of
 /// KvConfig(score_candidates). cand [num_seqs, num_kv_heads, m] int32 (negative: none, -inf);
 /// scores [num_seqs * m, num_kv_heads] f32, a CSR of m entries per sequence for topk_blocks,
@@ -241,7 +259,8 @@ fn rescore_blocks_codes(
     py: Python<'_>,
     geo: &PyGeometry,
     q: TensorArg,
-    summaries: TensorArg,
+    bounds8: TensorArg,
+    scales: TensorArg,
     codes: TensorArg,
     blk_indptr: TensorArg,
     blk_indices: TensorArg,
@@ -254,7 +273,8 @@ fn rescore_blocks_codes(
         "rescore_blocks_codes",
         geo,
         q,
-        summaries,
+        bounds8,
+        scales,
         codes,
         blk_indptr,
         blk_indices,
@@ -265,7 +285,7 @@ fn rescore_blocks_codes(
 }
 
 #[pyfunction]
-#[pyo3(signature = (geo, q, summaries, codes, blk_indptr, blk_indices, cand, k, out, scratch, counters, *, successors = 0, forced = None, stream = 0))]
+#[pyo3(signature = (geo, q, bounds8, scales, codes, blk_indptr, blk_indices, cand, k, out, scratch, counters, *, successors = 0, forced = None, stream = 0))]
 /// rescore_blocks_codes then topk_candidates in one launch (one thread block per (seq, kv head)):
 /// the codes scores of the candidates cand [num_seqs, num_kv_heads, m] int32 (negative: none),
 /// then their k best as logical blocks into out [num_seqs, num_kv_heads, k] int32, the successors
@@ -283,7 +303,8 @@ fn rescore_topk_codes(
     py: Python<'_>,
     geo: &PyGeometry,
     q: TensorArg,
-    summaries: TensorArg,
+    bounds8: TensorArg,
+    scales: TensorArg,
     codes: TensorArg,
     blk_indptr: TensorArg,
     blk_indices: TensorArg,
@@ -301,7 +322,8 @@ fn rescore_topk_codes(
         check_codes_head_dim(py, &g)?;
         let mut inputs = vec![
             ("q", &q),
-            ("summaries", &summaries),
+            ("bounds8", &bounds8),
+            ("scales", &scales),
             ("codes", &codes),
             ("blk_indptr", &blk_indptr),
             ("blk_indices", &blk_indices),
@@ -317,7 +339,7 @@ fn rescore_topk_codes(
         ];
         let cx = Cx::new(py, &[&inputs[..], &outs].concat(), &[])?;
         let [ns, ..] = q.check(&cx, "q", Elem::Any, [ANY, g.num_qo_heads, g.head_dim])?;
-        let nh = summary_rows(&cx, &g, &summaries)?;
+        let nh = check_bounds8(&cx, &g, &bounds8, &scales)?;
         check_codes(&cx, &g, &codes, nh)?;
         blk_indptr.check(&cx, "blk_indptr", Elem::I32, [ns + 1])?;
         blk_indices.check(&cx, "blk_indices", Elem::I32, [ANY])?;
@@ -326,24 +348,24 @@ fn rescore_topk_codes(
         scratch.check(&cx, "scratch", Elem::F32, [ns, g.num_kv_heads, m])?;
         counters.check(&cx, "counters", Elem::I32, [ns, g.num_kv_heads])?;
         let nf = per_head(&cx, "forced", forced.as_ref(), ns, g.num_kv_heads)?;
-        let dt = kv_dtype(py, &[("q", &q), ("summaries", &summaries)])?;
+        let dt = kv_dtype(py, &[("q", &q)])?;
         check_outputs(py, &outs, &inputs)?;
         match cx.place {
             Place::Cpu => with_dtype!(dt, T => {
                 // SAFETY: checked above; out is disjoint from the inputs.
-                let (qs, sm, cd, ip, ix, cn, o) = unsafe { (q.slice::<T>(), summaries.slice::<T>(), codes.slice::<u8>(), blk_indptr.ints(), blk_indices.ints(), cand.ints(), out.ints_mut()) };
+                let (qs, b8, sc, cd, ip, ix, cn, o) = unsafe { (q.slice::<T>(), bounds8.slice::<u8>(), scales.slice::<f32>(), codes.slice::<u8>(), blk_indptr.ints(), blk_indices.ints(), cand.ints(), out.ints_mut()) };
                 // SAFETY: as above (an int32 input).
                 let fs: &[i32] = forced.as_ref().map_or(&[], |f| unsafe { f.ints() });
-                guarded(py, "rescore_topk_codes", || kernels::rescore_topk_codes::<T>(&g, qs, sm, cd, ip, ix, cn, m, k, successors, fs, nf, o))
+                guarded(py, "rescore_topk_codes", || kernels::rescore_topk_codes::<T>(&g, qs, b8, sc, cd, ip, ix, cn, m, k, successors, fs, nf, o))
             }),
             Place::Cuda(dev) => with_dtype!(dt, T => {
                 // SAFETY: (TensorArg::dev) checked above; out is disjoint from the inputs.
-                let (qs, sm, cd, ip, ix, cn, o) = unsafe { (q.dev::<T>(), summaries.dev::<T>(), codes.dev::<u8>(), blk_indptr.dev::<i32>(), blk_indices.dev::<i32>(), cand.dev::<i32>(), out.dev::<i32>()) };
+                let (qs, b8, sc, cd, ip, ix, cn, o) = unsafe { (q.dev::<T>(), bounds8.dev::<u8>(), scales.dev::<f32>(), codes.dev::<u8>(), blk_indptr.dev::<i32>(), blk_indices.dev::<i32>(), cand.dev::<i32>(), out.dev::<i32>()) };
                 // SAFETY: as above (outputs on the same device, disjoint from the inputs).
-                let (sc, ct) = unsafe { (scratch.dev::<f32>(), counters.dev::<i32>()) };
+                let (sr, ct) = unsafe { (scratch.dev::<f32>(), counters.dev::<i32>()) };
                 // SAFETY: as above (an int32 input on the same device).
                 let fs = forced.as_ref().map(|f| (unsafe { f.dev::<i32>() }, nf));
-                on_gpu(py, "rescore_topk_codes", dev, stream, &[], move |gpu, st| gpu.rescore_topk_codes::<T>(&g, qs, sm, cd, ip, ix, cn, m, k, successors, fs, o, sc, ct, st))
+                on_gpu(py, "rescore_topk_codes", dev, stream, &[], move |gpu, st| gpu.rescore_topk_codes::<T>(&g, qs, b8, sc, cd, ip, ix, cn, m, k, successors, fs, o, sr, ct, st))
             }),
         }
     })
@@ -357,7 +379,8 @@ fn codes_scores(
     what: &'static str,
     geo: &PyGeometry,
     q: TensorArg,
-    summaries: TensorArg,
+    bounds8: TensorArg,
+    scales: TensorArg,
     codes: TensorArg,
     blk_indptr: TensorArg,
     blk_indices: TensorArg,
@@ -370,7 +393,8 @@ fn codes_scores(
         check_codes_head_dim(py, &g)?;
         let mut inputs = vec![
             ("q", &q),
-            ("summaries", &summaries),
+            ("bounds8", &bounds8),
+            ("scales", &scales),
             ("codes", &codes),
             ("blk_indptr", &blk_indptr),
             ("blk_indices", &blk_indices),
@@ -380,7 +404,7 @@ fn codes_scores(
         }
         let cx = Cx::new(py, &[&inputs[..], &[("scores", &scores)]].concat(), &[])?;
         let [ns, ..] = q.check(&cx, "q", Elem::Any, [ANY, g.num_qo_heads, g.head_dim])?;
-        let nh = summary_rows(&cx, &g, &summaries)?;
+        let nh = check_bounds8(&cx, &g, &bounds8, &scales)?;
         check_codes(&cx, &g, &codes, nh)?;
         blk_indptr.check(&cx, "blk_indptr", Elem::I32, [ns + 1])?;
         let [nnz] = blk_indices.check(&cx, "blk_indices", Elem::I32, [ANY])?;
@@ -393,29 +417,29 @@ fn codes_scores(
             }
         };
         scores.check(&cx, "scores", Elem::F32, [rows, g.num_kv_heads])?;
-        let dt = kv_dtype(py, &[("q", &q), ("summaries", &summaries)])?;
+        let dt = kv_dtype(py, &[("q", &q)])?;
         check_outputs(py, &[("scores", &scores)], &inputs)?;
         match cx.place {
             Place::Cpu => with_dtype!(dt, T => {
                 // SAFETY: checked above; scores is disjoint from the inputs.
-                let (qs, sm, cd, ip, ix, sc) = unsafe { (q.slice::<T>(), summaries.slice::<T>(), codes.slice::<u8>(), blk_indptr.ints(), blk_indices.ints(), scores.slice_mut::<f32>()) };
+                let (qs, b8, sc, cd, ip, ix, out) = unsafe { (q.slice::<T>(), bounds8.slice::<u8>(), scales.slice::<f32>(), codes.slice::<u8>(), blk_indptr.ints(), blk_indices.ints(), scores.slice_mut::<f32>()) };
                 match &cand {
-                    None => guarded(py, what, || kernels::score_blocks_codes::<T>(&g, qs, sm, cd, ip, ix, sc)),
+                    None => guarded(py, what, || kernels::score_blocks_codes::<T>(&g, qs, b8, sc, cd, ip, ix, out)),
                     // SAFETY: checked above (an int32 input).
                     Some(c) => {
                         let cn = unsafe { c.ints() };
-                        guarded(py, what, || kernels::rescore_blocks_codes::<T>(&g, qs, sm, cd, ip, ix, cn, m, sc))
+                        guarded(py, what, || kernels::rescore_blocks_codes::<T>(&g, qs, b8, sc, cd, ip, ix, cn, m, out))
                     }
                 }
             }),
             Place::Cuda(dev) => with_dtype!(dt, T => {
                 // SAFETY: (TensorArg::dev) checked above; scores is disjoint from the inputs.
-                let (qs, sm, cd, ip, ix, sc) = unsafe { (q.dev::<T>(), summaries.dev::<T>(), codes.dev::<u8>(), blk_indptr.dev::<i32>(), blk_indices.dev::<i32>(), scores.dev::<f32>()) };
+                let (qs, b8, sc, cd, ip, ix, out) = unsafe { (q.dev::<T>(), bounds8.dev::<u8>(), scales.dev::<f32>(), codes.dev::<u8>(), blk_indptr.dev::<i32>(), blk_indices.dev::<i32>(), scores.dev::<f32>()) };
                 // SAFETY: as above (an int32 input on the same device).
                 let cn = cand.as_ref().map(|c| unsafe { c.dev::<i32>() });
                 on_gpu(py, what, dev, stream, &[], move |gpu, st| match cn {
-                    None => gpu.score_blocks_codes::<T>(&g, qs, sm, cd, ip, ix, sc, st),
-                    Some(cn) => gpu.rescore_blocks_codes::<T>(&g, qs, sm, cd, ip, ix, cn, m, sc, st),
+                    None => gpu.score_blocks_codes::<T>(&g, qs, b8, sc, cd, ip, ix, out, st),
+                    Some(cn) => gpu.rescore_blocks_codes::<T>(&g, qs, b8, sc, cd, ip, ix, cn, m, out, st),
                 })
             }),
         }

@@ -397,32 +397,46 @@ def bench_score(ops, geo, dev, dtype, batch: int, ctx: int, k: int) -> dict:
     }
 
 
+def codes_candidate_bytes(geo) -> int:
+    """Bytes the codes score reads per (block, KV head): the block's 8-bit bound (``2 head_dim``
+    E4M3 bytes) and its 2-bit codes (``block_size head_dim / 4`` bytes), 768 at head_dim 128,
+    block 16 -- the codes once sat in the 16-bit summaries, 1,024 then. The bound's f32 scale
+    (4 bytes more) is not counted."""
+    return 2 * geo.head_dim + geo.block_size * geo.head_dim // 4
+
+
 def codes_inputs(geo, dev, dtype, batch: int, ctx: int) -> tuple:
     """Random inputs of the codes scores at :func:`bench_score`'s shapes: ``(q, summaries (min <=
-    max), codes, blk_indptr, blk_indices)``, ``batch`` sequences of ``ctx // block_size`` blocks."""
+    max), bounds8, scales, codes, blk_indptr, blk_indices)`` (the 8-bit bound of those summaries,
+    random codes), ``batch`` sequences of ``ctx // block_size`` blocks."""
+    from oasiskv import ops
+
     hq, hk, d, b = geo.num_qo_heads, geo.num_kv_heads, geo.head_dim, geo.block_size
     nb = ctx // b
     n_host = batch * nb
     summaries = torch.randn(n_host, hk, 2, d, device=dev, dtype=dtype)
     summaries = torch.stack([summaries.amin(2), summaries.amax(2)], dim=2)  # min <= max
+    bounds8, scales = ops.empty_bounds8(geo, n_host, dev)
+    ops.build_bounds8(geo, summaries, torch.arange(n_host, device=dev, dtype=torch.int32), bounds8, scales)
     codes = torch.randint(0, 256, (n_host, hk, b, d // 4), device=dev, dtype=torch.uint8)
     q = torch.randn(batch, hq, d, device=dev, dtype=dtype)
     blk_indptr = i32(list(range(0, n_host + 1, nb)), dev)
     blk_indices = torch.randperm(n_host, device=dev).to(torch.int32)
-    return q, summaries, codes, blk_indptr, blk_indices
+    return q, summaries, bounds8, scales, codes, blk_indptr, blk_indices
 
 
 def bench_score_codes(ops, geo, dev, dtype, batch: int, ctx: int, k: int) -> dict:
     """The 2-bit key-code score (issue 12) of every block + top-K at the shapes of
-    :func:`bench_score`: it reads the summaries and the codes (2 x the summary bytes)."""
-    hk, d = geo.num_kv_heads, geo.head_dim
-    q, summaries, codes, blk_indptr, blk_indices = codes_inputs(geo, dev, dtype, batch, ctx)
+    :func:`bench_score`: it reads each block's 8-bit bound and codes
+    (:func:`codes_candidate_bytes` per block and KV head)."""
+    hk = geo.num_kv_heads
+    q, _, bounds8, scales, codes, blk_indptr, blk_indices = codes_inputs(geo, dev, dtype, batch, ctx)
     n_host = blk_indices.numel()
     scores = torch.empty(n_host, hk, device=dev, dtype=torch.float32)
     top = torch.empty(batch, hk, k, device=dev, dtype=torch.int32)
 
     def score():
-        ops.score_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices, scores)
+        ops.score_blocks_codes(geo, q, bounds8, scales, codes, blk_indptr, blk_indices, scores)
 
     def both():
         score()
@@ -430,17 +444,17 @@ def bench_score_codes(ops, geo, dev, dtype, batch: int, ctx: int, k: int) -> dic
 
     ms_s, _ = time_both(score)
     ms, eager = time_both(both)
-    sb = n_host * hk * 2 * d * dtype.itemsize
-    cb = codes.numel()
+    read = n_host * hk * codes_candidate_bytes(geo)
     return {
         "label": f"codes score+top-{k}, {ctx} ctx, batch {batch}",
         "ms": ms,
         "eager_ms": eager,
         "score_only_ms": ms_s,
-        "summary_bytes": sb,
-        "code_bytes": cb,
-        "Bps": (sb + cb) / (ms * 1e-3),
-        "score_only_Bps": (sb + cb) / (ms_s * 1e-3),
+        "bound_bytes": bounds8.numel(),
+        "code_bytes": codes.numel(),
+        "bytes_per_block_head": codes_candidate_bytes(geo),
+        "Bps": read / (ms * 1e-3),
+        "score_only_Bps": read / (ms_s * 1e-3),
     }
 
 
@@ -474,7 +488,7 @@ def bench_score_codes_staged(
     :func:`ops.rescore_topk_codes`' one (the same blocks), labelled ``unfused``."""
     hk = geo.num_kv_heads
     m = min(512, math.ceil(factor * k))
-    q, summaries, codes, blk_indptr, blk_indices = codes_inputs(geo, dev, dtype, batch, ctx)
+    q, summaries, bounds8, scales, codes, blk_indptr, blk_indices = codes_inputs(geo, dev, dtype, batch, ctx)
     n_host = blk_indices.numel()
     bound = torch.empty(n_host, hk, device=dev, dtype=torch.float32)
     cand = torch.empty(batch, hk, m, device=dev, dtype=torch.int32)
@@ -483,7 +497,7 @@ def bench_score_codes_staged(
     top = torch.empty(batch, hk, k, device=dev, dtype=torch.int32)
 
     def rescore():
-        ops.rescore_blocks_codes(geo, q, summaries, codes, blk_indptr, blk_indices, cand, rescored)
+        ops.rescore_blocks_codes(geo, q, bounds8, scales, codes, blk_indptr, blk_indices, cand, rescored)
 
     def staged():
         ops.score_blocks(geo, q, summaries, blk_indptr, blk_indices, bound)
@@ -501,23 +515,20 @@ def bench_score_codes_staged(
             keep = torch.argsort(torch.rand(batch, hk, n_blocks, device=dev), dim=-1)[..., :k].to(torch.int32)
         csr = (blk_indptr, blk_indices)
         counters = torch.zeros(batch * hk, dtype=torch.int32, device=dev)  # the engine's, per layer
-        bounds = None
-        if bound8:
-            bounds = ops.empty_bounds8(geo, summaries.shape[0], dev)
-            ops.build_bounds8(geo, summaries, torch.unique(blk_indices), *bounds)
 
         def staged():  # noqa: F811 -- the engine's chain instead
             return two_stage_top_k(
                 geo,
                 q,
                 summaries,
+                (bounds8, scales),
                 codes,
                 csr,
                 k,
                 m,
                 keep=keep,
                 successor_blocks=successors,
-                bounds=bounds,
+                bound8_first=bound8,
                 fused=fused,
                 counters=counters,
             )
@@ -532,6 +543,9 @@ def bench_score_codes_staged(
     row = {
         "label": f"codes x{factor:g}{extra} staged+top-{k}, {ctx} ctx, b {batch}",
         "candidates": m,
+        # What the rescoring reads: m candidates per (sequence, KV head), each its bound and codes.
+        "candidate_bytes": codes_candidate_bytes(geo),
+        "rescore_bytes": batch * hk * m * codes_candidate_bytes(geo),
         "ms": ms,
         "eager_ms": eager,
     }

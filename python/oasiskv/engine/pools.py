@@ -106,9 +106,10 @@ class KvPools:
             if key_codes
             else None
         )
-        # With the codes, the 8-bit Quest bound of each complete block (the two stages' first
-        # stage, KvConfig.candidate_bound="fp8"): [num_host_blocks, num_kv_heads, 2, head_dim]
-        # E4M3 bytes and [num_host_blocks, num_kv_heads] f32 scales per layer (GPU).
+        # With the codes, the 8-bit Quest bound of each complete block, which the codes are
+        # encoded in (the codes scores read it, never the summaries) and the two stages' first
+        # stage reads (KvConfig.candidate_bound="fp8"): [num_host_blocks, num_kv_heads, 2,
+        # head_dim] E4M3 bytes and [num_host_blocks, num_kv_heads] f32 scales per layer (GPU).
         self.bounds8, self.bound_scales = self._empty_bounds8(0) if key_codes else (None, None)
         self.grow(num_pages, num_host_blocks, num_host_rows)
 
@@ -203,9 +204,9 @@ class KvPools:
     def encode_blocks(
         self, layer: int, block_ids: torch.Tensor, key_pages: torch.Tensor, keys: torch.Tensor | None = None
     ) -> None:
-        """The key codes and the 8-bit bound of ``layer``'s complete host blocks ``block_ids``,
-        whose summaries are final and whose keys are in the GPU pages ``key_pages`` (HBM reads,
-        not the host rows' copies; fp8 pages: their values), or in the pages ``key_pages`` of
+        """The 8-bit bound and the key codes (inside it) of ``layer``'s complete host blocks
+        ``block_ids``, whose summaries are final and whose keys are in the GPU pages ``key_pages``
+        (HBM reads, not the host rows' copies; fp8 pages: their values), or in the pages ``key_pages`` of
         ``keys`` (a page-layout tensor, ``[n, num_kv_heads, block_size, head_dim]``, of the
         pool's dtype: a prompt's keys on their way to the host pool). Pools made with
         ``key_codes`` only. One launch (:func:`ops.encode_blocks`): it runs every layer of every

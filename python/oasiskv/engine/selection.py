@@ -203,6 +203,7 @@ def two_stage_top_k(
     geo,
     q,
     summaries,
+    bounds,
     codes,
     csr,
     k: int,
@@ -212,7 +213,7 @@ def two_stage_top_k(
     keep=None,
     successor_blocks: int = 0,
     reduce=None,
-    bounds=None,
+    bound8_first: bool = True,
     fused: bool | None = None,
     counters=None,
 ) -> torch.Tensor:
@@ -229,14 +230,16 @@ def two_stage_top_k(
     the last two as one launch, :func:`ops.rescore_topk_codes` (whose ``counters`` this passes on:
     the engine's per layer, or None), the same blocks bit for bit; never with a ``reduce`` (KV-head replicas),
     which must see the codes scores between the two.
-    ``bounds = (bounds8, scales)``: the Quest score reads the 8-bit bound
-    (:func:`ops.score_blocks_bound8`, ``KvConfig.candidate_bound="fp8"``) instead of
-    ``summaries``. :meth:`Engine.top_k_blocks` and the kernel benchmark."""
+    ``bounds = (bounds8, scales)``: the pool's 8-bit bounds, which the codes are encoded in; the
+    rescoring reads them and the codes, never the summaries. ``bound8_first``: the Quest score
+    reads them too (:func:`ops.score_blocks_bound8`, ``KvConfig.candidate_bound="fp8"``); False
+    (``"summaries"``): it reads ``summaries`` (unused, and may be None, when True).
+    :meth:`Engine.top_k_blocks` and the kernel benchmark."""
     fused = (FUSED_RESCORE if fused is None else fused) and reduce is None
     reduce = reduce or (lambda x: x)
     heads = geo.num_kv_heads
     indptr = csr[0]
-    if bounds is not None:
+    if bound8_first:
         bound = reduce(ops.score_blocks_bound8(geo, q, *bounds, *csr)).contiguous()
     else:
         bound = reduce(ops.score_blocks(geo, q, summaries, *csr)).contiguous()
@@ -254,7 +257,7 @@ def two_stage_top_k(
         return ops.rescore_topk_codes(
             geo,
             q,
-            summaries,
+            *bounds,
             codes,
             *csr,
             cand,
@@ -263,7 +266,7 @@ def two_stage_top_k(
             forced=forced,
             counters=counters,
         )
-    scores = reduce(ops.rescore_blocks_codes(geo, q, summaries, codes, *csr, cand)).contiguous()
+    scores = reduce(ops.rescore_blocks_codes(geo, q, *bounds, codes, *csr, cand)).contiguous()
     return ops.topk_candidates(heads, scores, cand, indptr, k, successors=successor_blocks, forced=forced)
 
 
@@ -472,13 +475,15 @@ class SelectionMixin:
     def block_scores(self, layer: int, q: torch.Tensor, csr) -> torch.Tensor:
         """Block scores ``[nnz, num_kv_heads]`` of queries ``q`` ``[n, num_qo_heads, head_dim]``
         under ``KvConfig.block_score`` for every candidate of ``csr = (blk_indptr, blk_indices)``
-        (host block ids of each request's logical blocks), on ``layer``'s summaries (summed over
-        the KV heads' replicas with :attr:`score_reduce`). One stage: every block is scored,
+        (host block ids of each request's logical blocks), on ``layer``'s summaries (the codes:
+        its 8-bit bounds and key codes), summed over the KV heads' replicas with
+        :attr:`score_reduce`. One stage: every block is scored,
         whatever ``KvConfig.score_candidates`` says. A public seam for evaluation; the engine
         ranks through :meth:`top_k_blocks`."""
         p = self.pools
         if self.key_codes:
-            scores = ops.score_blocks_codes(self.geo, q, p.summaries[layer], p.codes[layer], *csr)
+            bounds = (p.bounds8[layer], p.bound_scales[layer])
+            scores = ops.score_blocks_codes(self.geo, q, *bounds, p.codes[layer], *csr)
         else:
             scores = ops.score_blocks(self.geo, q, p.summaries[layer], *csr)
         return scores if self.score_reduce is None else self.score_reduce(scores)
@@ -546,6 +551,7 @@ class SelectionMixin:
             g,
             q,
             p.summaries[layer],
+            (p.bounds8[layer], p.bound_scales[layer]),
             p.codes[layer],
             csr,
             k,
@@ -554,7 +560,7 @@ class SelectionMixin:
             keep=keep,
             successor_blocks=self.kv.successor_blocks,
             reduce=self.score_reduce,
-            bounds=(p.bounds8[layer], p.bound_scales[layer]) if self.kv.candidate_bound == "fp8" else None,
+            bound8_first=self.kv.candidate_bound == "fp8",
             counters=self._counters_of(layer) if self.cuda and FUSED_RESCORE else None,
         )
 

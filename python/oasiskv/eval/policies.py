@@ -170,14 +170,15 @@ class ExactPolicy(QuestPolicy):
 class CodesPolicy(QuestPolicy):
     """The codes ideal at budget ``top_k_blocks``: as :class:`QuestPolicy`, but the blocks rank by
     ``KvConfig(block_score="codes")``'s score (every key at 2 bits per channel inside its block's
-    min/max, built from the resident pages), every block scored: what that score selects for the
-    current query, with nothing predicted or fetched."""
+    8-bit bound, both built from the resident pages), every block scored: what that score selects
+    for the current query, with nothing predicted or fetched."""
 
     name = "codes"
 
     def __init__(self, top_k_blocks: int) -> None:
         super().__init__(top_k_blocks)
         self._codes: torch.Tensor | None = None
+        self._bounds: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def block_scores(self, eng, layer: int, q_now: torch.Tensor, reqs: list, csr, lens) -> torch.Tensor:
         p, g = eng.pools, eng.geo
@@ -185,7 +186,8 @@ class CodesPolicy(QuestPolicy):
         if self._codes is None or self._codes.shape[0] != p.num_pages:
             shape = (p.num_pages, g.num_kv_heads, eng.kv.block_size, g.head_dim // 4)
             self._codes = torch.zeros(shape, dtype=torch.uint8, device=eng.device)
+            self._bounds = tuple(t.zero_() for t in ops.empty_bounds8(g, p.num_pages, eng.device))
         if len(csr[1]):
             keys, rows = p.key_rows(layer, csr[1])
-            ops.build_key_codes(g, keys, summ, csr[1], self._codes, block_rows=rows)
-        return ops.score_blocks_codes(g, q_now, summ, self._codes, *csr)
+            ops.encode_blocks(g, keys, summ, csr[1], self._codes, *self._bounds, block_rows=rows)
+        return ops.score_blocks_codes(g, q_now, *self._bounds, self._codes, *csr)

@@ -207,6 +207,31 @@ pub fn build_bounds8<T: KvElem>(
     Ok(())
 }
 
+/// The number of host blocks of `bounds8 [num_host_blocks, num_kv_heads, 2, head_dim]` and
+/// `scales [num_host_blocks, num_kv_heads]`, checked to agree.
+pub(crate) fn bound8_rows(geo: &KvGeometry, bounds8: &[u8], scales: &[f32]) -> Result<usize> {
+    let (h_kv, d) = (geo.num_kv_heads, geo.head_dim);
+    let n = leading_rows("bounds8", bounds8.len(), &[h_kv, 2, d])?;
+    check_len("scales", scales.len(), &[n, h_kv])?;
+    Ok(n)
+}
+
+/// The decoded 8-bit bound of (block, head) row `entry` (`b * num_kv_heads + h`):
+/// `lo[x] = e4m3_decode(lo8[x]) * s` and `hi[x] = e4m3_decode(hi8[x]) * s`, `head_dim = lo.len()`
+/// channels. Exact in f32 (`s` is a power of two at least 2^-120 and a decoded value has four
+/// significant bits), and NaN throughout for a NaN scale (a row with a non-finite summary).
+/// The range of the 2-bit key codes ([`crate::kernels::codes`]).
+#[inline]
+pub fn decode_bound8(bounds8: &[u8], scales: &[f32], entry: usize, lo: &mut [f32], hi: &mut [f32]) {
+    let d = lo.len();
+    let s = scales[entry];
+    let row = &bounds8[entry * 2 * d..][..2 * d];
+    for (x, (l, h)) in lo.iter_mut().zip(hi.iter_mut()).enumerate() {
+        *l = e4m3_decode(row[x]) * s;
+        *h = e4m3_decode(row[d + x]) * s;
+    }
+}
+
 /// Quest scores over the 8-bit bounds: `scores[j, h]` = `s * sum over query heads g of KV head h,
 /// over d, of max(q[s,g,d] lo'[d], q[s,g,d] hi'[d])` with `lo'`, `hi'` the decoded bytes of block
 /// `b = blk_indices[j]` and `s` its scale (f32: each g in d order, then the sum times `s`).
@@ -223,11 +248,7 @@ pub fn score_blocks_bound8<T: KvElem>(
     scores: &mut [f32],  // [nnz, num_kv_heads]
 ) -> Result<()> {
     let (h_kv, d) = (geo.num_kv_heads, geo.head_dim);
-    let num_host = || {
-        let n = leading_rows("bounds8", bounds8.len(), &[h_kv, 2, d])?;
-        check_len("scales", scales.len(), &[n, h_kv])?;
-        Ok(n)
-    };
+    let num_host = || bound8_rows(geo, bounds8, scales);
     quest_scores(
         geo,
         q,

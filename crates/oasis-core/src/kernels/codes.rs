@@ -1,10 +1,19 @@
 //! 2-bit key codes: a block score that estimates each block's largest logit.
 //!
-//! Each complete host block keeps, besides its `[min; max]` summary, every key quantised to 2 bits
-//! per channel inside the block's own per-channel range: `c = round(3 (k - min) / (max - min))`,
-//! `k ≈ min + c (max - min) / 3`. The score of a block for KV head `h` is the sum over the group's
+//! Each complete host block keeps every key quantised to 2 bits per channel inside the block's
+//! 8-bit bound ([`crate::kernels::bound8`]: its `[min; max]` summary in E4M3 rounded outward, with
+//! a power-of-two scale per (block, head)), decoded: `lo = e4m3_decode(lo8) s`,
+//! `hi = e4m3_decode(hi8) s` ([`decode_bound8`], exact in f32), `c = round(3 (k - lo) / (hi - lo))`,
+//! `k ≈ lo + c (hi - lo) / 3`. The score of a block for KV head `h` is the sum over the group's
 //! query heads `g` of the largest approximate logit `max_t q_g · k̃_t`. On SmolLM2 this ranks
-//! blocks within half a point of the exact max logit (docs/EVAL.md) for twice the summary bytes.
+//! blocks within half a point of the exact max logit (docs/EVAL.md), and as well as codes inside
+//! the 16-bit summary did (`int2/b8` there): the second stage of the two-stage selection reads the
+//! codes and the bound (which its first stage reads too), `block_size head_dim / 4 + 2 head_dim`
+//! bytes (and a 4-byte scale) per candidate and head, not the summaries.
+//!
+//! The bound holds every key of the block (it is rounded outward from their min/max), so every
+//! code's level 0 and 3 lie at or outside the keys' range. A block whose keys are not all finite
+//! has a NaN scale: its codes are 0 and it scores NaN, which ranks last in top-K.
 //!
 //! The logit's code part uses f16 weights (see [`code_weight`]): the GPU feeds them to one
 //! tensor-core MMA per 16 channels with the codes as the other operand, and their rounding
@@ -12,21 +21,24 @@
 //!
 //! Layout: `codes [num_host_blocks, num_kv_heads, block_size, head_dim / 4]` bytes; channel
 //! `4 i + j` of a token is bits `2 j .. 2 j + 2` of byte `i`. `head_dim` must be a multiple of 4.
+//! The codes are indexed by block id like the bound they are encoded in.
 
 use half::f16;
 
 use crate::dtype::KvElem;
 use crate::error::{check_len, OasisError, Result};
 use crate::geometry::KvGeometry;
+use crate::kernels::bound8::{bound8_rows, decode_bound8};
 use crate::kernels::validate::{all_indices, csr, csr_range, index, leading_rows};
 
 /// Levels of a 2-bit code.
 pub const CODE_LEVELS: f32 = 3.0;
 
 /// The weight of code `c` of channel `d` for a query value `q` and the block's `[lo, hi]` range
-/// in that channel: `f16(f16(q / 3) * f16(hi - lo))` (IEEE round to nearest even at each f16
-/// conversion, subnormals kept; the product of two f16 is exact in f32), as an f32. The logit of
-/// token t is `sum_d q_d lo_d + sum_d c_{t,d} w_d`; the CUDA kernel computes the same products.
+/// in that channel (the decoded bound): `f16(f16(q / 3) * f16(hi - lo))` (IEEE round to nearest
+/// even at each f16 conversion, subnormals kept; the product of two f16 is exact in f32), as an
+/// f32. The logit of token t is `sum_d q_d lo_d + sum_d c_{t,d} w_d`; the CUDA kernel computes
+/// the same products.
 #[inline]
 pub fn code_weight(q: f32, lo: f32, hi: f32) -> f32 {
     let q3 = f16::from_f32(q / CODE_LEVELS).to_f32();
@@ -49,7 +61,7 @@ fn check_head_dim(geo: &KvGeometry) -> Result<()> {
     Ok(())
 }
 
-/// The code of `x` in `[lo, hi]`: 0..=3 (0 when the range is empty or `x` is NaN).
+/// The code of `x` in `[lo, hi]`: 0..=3 (0 when the range is empty or NaN, or `x` is NaN).
 #[inline]
 pub fn encode(x: f32, lo: f32, hi: f32) -> u8 {
     let w = hi - lo;
@@ -62,17 +74,21 @@ pub fn encode(x: f32, lo: f32, hi: f32) -> u8 {
 }
 
 /// Write the codes of complete host blocks `block_ids` (all KV heads) from their keys, in host
-/// rows `block_rows` (`None`: the row is the block id), and their `[min; max]` summaries (which
-/// must be those of the same, complete block). Summaries and codes are indexed by block id.
+/// rows `block_rows` (`None`: the row is the block id), inside their 8-bit bounds (`bounds8` and
+/// `scales` of [`crate::kernels::build_bounds8`], which must be those of the same, complete
+/// block: build the bound first, as [`crate::kernels::encode_blocks`] does). Bounds and codes are
+/// indexed by block id.
 ///
 /// # Errors
 /// [`OasisError::Shape`] for a buffer of the wrong size, [`OasisError::IndexOutOfRange`] for a
-/// block id outside the summaries or a row outside the host pool, [`OasisError::Config`] for a
+/// block id outside the bounds or a row outside the host pool, [`OasisError::Config`] for a
 /// head_dim not divisible by 4. Nothing is written when an error is returned.
+#[allow(clippy::too_many_arguments)]
 pub fn build_key_codes<T: KvElem>(
     geo: &KvGeometry,
     host_k: &[T],               // [num_host_rows, num_kv_heads, block_size, head_dim]
-    summaries: &[T],            // [num_host_blocks, num_kv_heads, 2, head_dim]
+    bounds8: &[u8],             // [num_host_blocks, num_kv_heads, 2, head_dim] E4M3
+    scales: &[f32],             // [num_host_blocks, num_kv_heads]
     block_ids: &[i32],          // [n]
     block_rows: Option<&[i32]>, // [n] host row of each block; None: the id
     codes: &mut [u8],           // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
@@ -81,7 +97,7 @@ pub fn build_key_codes<T: KvElem>(
     check_head_dim(geo)?;
     let (h_kv, bs, d) = (geo.num_kv_heads, geo.block_size, geo.head_dim);
     let num_rows = leading_rows("host_k", host_k.len(), &[h_kv, bs, d])?;
-    let num_host = leading_rows("summaries", summaries.len(), &[h_kv, 2, d])?;
+    let num_host = bound8_rows(geo, bounds8, scales)?;
     check_len("codes", codes.len(), &[num_host, h_kv, bs, d / 4])?;
     if let Some(rows) = block_rows {
         check_len("block_rows", rows.len(), &[block_ids.len()])?;
@@ -97,11 +113,11 @@ pub fn build_key_codes<T: KvElem>(
         index(what, row_of(i), num_rows)?;
     }
     let row = d / 4;
+    let (mut lo, mut hi) = (vec![0.0f32; d], vec![0.0f32; d]);
     for (i, &b) in block_ids.iter().enumerate() {
         let (b, r) = (b as usize, row_of(i) as usize); // validated
         for h in 0..h_kv {
-            let sum = (b * h_kv + h) * 2 * d;
-            let (mins, maxs) = summaries[sum..sum + 2 * d].split_at(d);
+            decode_bound8(bounds8, scales, b * h_kv + h, &mut lo, &mut hi);
             let keys = &host_k[(r * h_kv + h) * bs * d..][..bs * d];
             let out = &mut codes[(b * h_kv + h) * bs * row..][..bs * row];
             for (k, o) in keys.chunks_exact(d).zip(out.chunks_exact_mut(row)) {
@@ -109,7 +125,7 @@ pub fn build_key_codes<T: KvElem>(
                     let mut v = 0u8;
                     for j in 0..4 {
                         let x = 4 * i + j;
-                        v |= encode(k[x].to_f32(), mins[x].to_f32(), maxs[x].to_f32()) << (2 * j);
+                        v |= encode(k[x].to_f32(), lo[x], hi[x]) << (2 * j);
                     }
                     *byte = v;
                 }
@@ -120,47 +136,79 @@ pub fn build_key_codes<T: KvElem>(
 }
 
 /// Scores from the codes: `scores[j, h]` = sum over query heads g of KV head h of
-/// `max_t (sum_d q[s,g,d] min[b,h,d] + sum_d c[b,h,t,d] w[g,d])` with
-/// `w[g,d] = code_weight(q[s,g,d], min[b,h,d], max[b,h,d])` (≈ `q (max - min) / 3`),
-/// `b = blk_indices[j]`, j in seq s's range. f32: the base in d order, then the codes' terms in
-/// d order for each (g, t).
+/// `max_t (sum_d q[s,g,d] lo[b,h,d] + sum_d c[b,h,t,d] w[g,d])` with
+/// `w[g,d] = code_weight(q[s,g,d], lo[b,h,d], hi[b,h,d])` (≈ `q (hi - lo) / 3`), `lo`, `hi` the
+/// decoded 8-bit bound ([`decode_bound8`]), `b = blk_indices[j]`, j in seq s's range. f32: the
+/// base in d order, then the codes' terms in d order for each (g, t). NaN for a block whose
+/// bound is NaN (a non-finite key): it ranks last in top-K.
 ///
 /// # Errors
 /// As [`crate::kernels::score_blocks`], plus [`OasisError::Config`] for a head_dim not divisible
 /// by 4. `scores` is untouched when an error is returned.
+#[allow(clippy::too_many_arguments)]
 pub fn score_blocks_codes<T: KvElem>(
     geo: &KvGeometry,
     q: &[T],             // [num_seqs, num_qo_heads, head_dim]
-    summaries: &[T],     // [num_host_blocks, num_kv_heads, 2, head_dim]
+    bounds8: &[u8],      // [num_host_blocks, num_kv_heads, 2, head_dim] E4M3
+    scales: &[f32],      // [num_host_blocks, num_kv_heads]
     codes: &[u8],        // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
     blk_indptr: &[i32],  // [num_seqs + 1]
     blk_indices: &[i32], // [nnz]
     scores: &mut [f32],  // [nnz, num_kv_heads]
 ) -> Result<()> {
-    let (_, num_host) = check_inputs(geo, q, summaries, codes, blk_indptr, blk_indices)?;
+    let basis = CodesBasis {
+        bounds8,
+        scales,
+        codes,
+    };
+    let (_, num_host) = check_inputs(geo, q, &basis, blk_indptr, blk_indices)?;
     let h_kv = geo.num_kv_heads;
     check_len("scores", scores.len(), &[blk_indices.len(), h_kv])?;
     all_indices("blk_indices", blk_indices, num_host)?;
-    let mut w = vec![0.0f32; geo.head_dim]; // code_weight of each channel for one query head
+    let mut scratch = Scratch::new(geo.head_dim);
     for_each_query(geo, q, |s, qf| {
         for j in csr_range(blk_indptr, s) {
             let b = blk_indices[j] as usize; // validated
             for h in 0..h_kv {
-                scores[j * h_kv + h] = entry_score(geo, qf, summaries, codes, b, h, &mut w);
+                scores[j * h_kv + h] = entry_score(geo, qf, &basis, b, h, &mut scratch);
             }
         }
     });
     Ok(())
 }
 
+/// What a codes score reads of the pool: the 8-bit bounds, their scales and the codes.
+struct CodesBasis<'a> {
+    bounds8: &'a [u8],
+    scales: &'a [f32],
+    codes: &'a [u8],
+}
+
+/// Per-call buffers of [`entry_score`]: the decoded bound of one (block, head) and the code
+/// weights of one query head, `head_dim` values each.
+struct Scratch {
+    lo: Vec<f32>,
+    hi: Vec<f32>,
+    w: Vec<f32>,
+}
+
+impl Scratch {
+    fn new(d: usize) -> Self {
+        Self {
+            lo: vec![0.0; d],
+            hi: vec![0.0; d],
+            w: vec![0.0; d],
+        }
+    }
+}
+
 /// The checks [`score_blocks_codes`] and [`rescore_blocks_codes`] share, before the scores':
-/// geometry, head_dim, the CSR, and the shapes of `q`, `summaries` and `codes`. Returns
+/// geometry, head_dim, the CSR, and the shapes of `q`, the bounds and the codes. Returns
 /// `(num_seqs, num_host_blocks)`.
 fn check_inputs<T: KvElem>(
     geo: &KvGeometry,
     q: &[T],
-    summaries: &[T],
-    codes: &[u8],
+    basis: &CodesBasis<'_>,
     blk_indptr: &[i32],
     blk_indices: &[i32],
 ) -> Result<(usize, usize)> {
@@ -174,8 +222,8 @@ fn check_inputs<T: KvElem>(
     );
     let num_seqs = csr("blk_indptr", blk_indptr, "blk_indices", blk_indices.len())?;
     check_len("q", q.len(), &[num_seqs, hq, d])?;
-    let num_host = leading_rows("summaries", summaries.len(), &[h_kv, 2, d])?;
-    check_len("codes", codes.len(), &[num_host, h_kv, bs, d / 4])?;
+    let num_host = bound8_rows(geo, basis.bounds8, basis.scales)?;
+    check_len("codes", basis.codes.len(), &[num_host, h_kv, bs, d / 4])?;
     Ok((num_seqs, num_host))
 }
 
@@ -194,15 +242,14 @@ fn for_each_query<T: KvElem>(geo: &KvGeometry, q: &[T], mut f: impl FnMut(usize,
 
 /// The codes score of host block `b` for KV head `h` (the sum over the group of the block's
 /// largest approximate logit), from the sequence's queries `qf` `[num_qo_heads, head_dim]` (f32).
-/// `w` is scratch of `head_dim` values. Shapes and `b` are the caller's to check.
-fn entry_score<T: KvElem>(
+/// Shapes and `b` are the caller's to check.
+fn entry_score(
     geo: &KvGeometry,
     qf: &[f32],
-    summaries: &[T],
-    codes: &[u8],
+    basis: &CodesBasis<'_>,
     b: usize,
     h: usize,
-    w: &mut [f32],
+    scratch: &mut Scratch,
 ) -> f32 {
     let (h_kv, bs, d, gs) = (
         geo.num_kv_heads,
@@ -211,17 +258,16 @@ fn entry_score<T: KvElem>(
         geo.group_size(),
     );
     let row = d / 4;
-    let sum = (b * h_kv + h) * 2 * d;
-    let (mins, maxs) = summaries[sum..sum + 2 * d].split_at(d);
-    let blk = &codes[(b * h_kv + h) * bs * row..][..bs * row];
+    let Scratch { lo, hi, w } = scratch;
+    decode_bound8(basis.bounds8, basis.scales, b * h_kv + h, lo, hi);
+    let blk = &basis.codes[(b * h_kv + h) * bs * row..][..bs * row];
     let mut acc = 0.0f32;
     for g in h * gs..(h + 1) * gs {
         let qg = &qf[g * d..(g + 1) * d];
         let mut base = 0.0f32;
         for x in 0..d {
-            let lo = mins[x].to_f32();
-            base += qg[x] * lo;
-            w[x] = code_weight(qg[x], lo, maxs[x].to_f32());
+            base += qg[x] * lo[x];
+            w[x] = code_weight(qg[x], lo[x], hi[x]);
         }
         let mut best = f32::NEG_INFINITY;
         for t in blk.chunks_exact(row) {
@@ -259,7 +305,8 @@ fn entry_score<T: KvElem>(
 pub fn rescore_blocks_codes<T: KvElem>(
     geo: &KvGeometry,
     q: &[T],             // [num_seqs, num_qo_heads, head_dim]
-    summaries: &[T],     // [num_host_blocks, num_kv_heads, 2, head_dim]
+    bounds8: &[u8],      // [num_host_blocks, num_kv_heads, 2, head_dim] E4M3
+    scales: &[f32],      // [num_host_blocks, num_kv_heads]
     codes: &[u8],        // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
     blk_indptr: &[i32],  // [num_seqs + 1]
     blk_indices: &[i32], // [nnz]
@@ -267,7 +314,12 @@ pub fn rescore_blocks_codes<T: KvElem>(
     m: usize,
     scores: &mut [f32], // [num_seqs * m, num_kv_heads]
 ) -> Result<()> {
-    let (num_seqs, num_host) = check_inputs(geo, q, summaries, codes, blk_indptr, blk_indices)?;
+    let basis = CodesBasis {
+        bounds8,
+        scales,
+        codes,
+    };
+    let (num_seqs, num_host) = check_inputs(geo, q, &basis, blk_indptr, blk_indices)?;
     let h_kv = geo.num_kv_heads;
     check_len("cand", cand.len(), &[num_seqs, h_kv, m])?;
     check_len("scores", scores.len(), &[num_seqs * m, h_kv])?;
@@ -280,7 +332,7 @@ pub fn rescore_blocks_codes<T: KvElem>(
             }
         }
     }
-    let mut w = vec![0.0f32; geo.head_dim];
+    let mut scratch = Scratch::new(geo.head_dim);
     for_each_query(geo, q, |s, qf| {
         let row0 = csr_range(blk_indptr, s).start;
         for h in 0..h_kv {
@@ -290,7 +342,7 @@ pub fn rescore_blocks_codes<T: KvElem>(
                     f32::NEG_INFINITY
                 } else {
                     let b = blk_indices[row0 + c as usize] as usize; // validated
-                    entry_score(geo, qf, summaries, codes, b, h, &mut w)
+                    entry_score(geo, qf, &basis, b, h, &mut scratch)
                 };
             }
         }
@@ -301,10 +353,30 @@ pub fn rescore_blocks_codes<T: KvElem>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kernels::build_summaries;
+    use crate::kernels::{build_bounds8, build_summaries, e4m3_decode, score_blocks_bound8};
 
     fn geo() -> KvGeometry {
         KvGeometry::new(4, 2, 8, 4).unwrap()
+    }
+
+    /// The 8-bit bounds (bytes, scales) of host blocks `0..n` whose keys are `host_k` (complete
+    /// blocks): their summaries, then the bound of those.
+    fn bounds_of(g: &KvGeometry, host_k: &[f32], n: usize) -> (Vec<f32>, Vec<u8>, Vec<f32>) {
+        let (hk, d) = (g.num_kv_heads, g.head_dim);
+        let ids: Vec<i32> = (0..n as i32).collect();
+        let mut summ = vec![0.0f32; n * hk * 2 * d];
+        build_summaries(
+            g,
+            host_k,
+            &ids,
+            None,
+            &vec![g.block_size as i32; n],
+            &mut summ,
+        )
+        .unwrap();
+        let (mut b8, mut sc) = (vec![0u8; n * hk * 2 * d], vec![0.0f32; n * hk]);
+        build_bounds8(g, &summ, &ids, &mut b8, &mut sc).unwrap();
+        (summ, b8, sc)
     }
 
     #[test]
@@ -316,6 +388,7 @@ mod tests {
         assert_eq!(encode(9.0, 0.0, 3.0), 3);
         assert_eq!(encode(5.0, 2.0, 2.0), 0); // empty range
         assert_eq!(encode(f32::NAN, 0.0, 1.0), 0);
+        assert_eq!(encode(0.5, f32::NAN, f32::NAN), 0); // a NaN bound
     }
 
     #[test]
@@ -323,19 +396,29 @@ mod tests {
         let g = geo(); // 4 query heads, 2 kv heads, d 8, block 4
         let (hk, bs, d) = (2, 4, 8);
         let n_host = 3;
-        // Keys on the code grid of their block, so the estimate is exact.
+        // Keys on the code grid of their block, with a min and max the 8-bit bound holds exactly
+        // (±0.75 and ±0.25 are E4M3 values times 2^-9), so the estimate is exact.
         let mut host_k = vec![0.0f32; n_host * hk * bs * d];
         for (i, x) in host_k.iter_mut().enumerate() {
             *x = ((i * 7 + 3) % 4) as f32 * 0.5 - 0.75;
         }
-        let mut summ = vec![0.0f32; n_host * hk * 2 * d];
-        build_summaries(&g, &host_k, &[0, 1, 2], None, &[4, 4, 4], &mut summ).unwrap();
+        let (summ, b8, sc) = bounds_of(&g, &host_k, n_host);
+        let (mut lo, mut hi) = (vec![0.0f32; d], vec![0.0f32; d]);
+        for e in 0..n_host * hk {
+            decode_bound8(&b8, &sc, e, &mut lo, &mut hi);
+            assert_eq!(
+                lo,
+                summ[e * 2 * d..][..d],
+                "row {e}: the bound is the summary"
+            );
+            assert_eq!(hi, summ[e * 2 * d + d..][..d]);
+        }
         let mut codes = vec![0u8; n_host * hk * bs * d / 4];
-        build_key_codes(&g, &host_k, &summ, &[0, 1, 2], None, &mut codes).unwrap();
+        build_key_codes(&g, &host_k, &b8, &sc, &[0, 1, 2], None, &mut codes).unwrap();
         let q: Vec<f32> = (0..2 * 4 * d).map(|i| ((i * 5) % 9) as f32 - 4.0).collect();
         let (indptr, idx) = ([0, 2, 3], [2, 0, 1]);
         let mut scores = vec![0.0f32; 3 * hk];
-        score_blocks_codes(&g, &q, &summ, &codes, &indptr, &idx, &mut scores).unwrap();
+        score_blocks_codes(&g, &q, &b8, &sc, &codes, &indptr, &idx, &mut scores).unwrap();
         for (j, &b) in idx.iter().enumerate() {
             let (b, s) = (b as usize, if j < 2 { 0 } else { 1 });
             for h in 0..hk {
@@ -363,6 +446,121 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn codes_are_each_key_inside_the_decoded_bound_within_a_sixth_of_its_range() {
+        // Random keys at magnitudes from 2^-100 to 2^100 (the bound's scale moves with them):
+        // every code is `encode` of the key in [e4m3_decode(lo8) s, e4m3_decode(hi8) s], the
+        // bound holds every key, so each key is within a sixth of the bound's range of its
+        // level (a relative 2^-20 of the range for the f32 arithmetic).
+        let g = KvGeometry::new(6, 3, 12, 5).unwrap();
+        let (hk, bs, d) = (3, 5, 12);
+        let n_host = 7;
+        let mut rng = 0x2545_f491_4f6c_dd1du64;
+        let mut unit = || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            (rng >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+        };
+        let mags = [
+            2f32.powi(-100),
+            1e-3,
+            0.7,
+            1.0,
+            37.0,
+            2f32.powi(40),
+            2f32.powi(100),
+        ];
+        let mut host_k = vec![0.0f32; n_host * hk * bs * d];
+        for (i, x) in host_k.iter_mut().enumerate() {
+            *x = unit() * mags[i / (hk * bs * d)] + mags[i / (hk * bs * d)] * 0.25;
+        }
+        let (summ, b8, sc) = bounds_of(&g, &host_k, n_host);
+        let ids: Vec<i32> = (0..n_host as i32).rev().collect();
+        let mut codes = vec![0xa5u8; n_host * hk * bs * d / 4];
+        build_key_codes(&g, &host_k, &b8, &sc, &ids, None, &mut codes).unwrap();
+        for b in 0..n_host {
+            for h in 0..hk {
+                let e = b * hk + h;
+                let s = sc[e];
+                for t in 0..bs {
+                    for x in 0..d {
+                        let k = host_k[(e * bs + t) * d + x];
+                        let lo = e4m3_decode(b8[e * 2 * d + x]) * s;
+                        let hi = e4m3_decode(b8[e * 2 * d + d + x]) * s;
+                        assert!(lo <= summ[e * 2 * d + x] && hi >= summ[e * 2 * d + d + x]);
+                        let c = (codes[(e * bs + t) * (d / 4) + x / 4] >> (2 * (x % 4))) & 3;
+                        assert_eq!(c, encode(k, lo, hi), "block {b} head {h} token {t} d {x}");
+                        let level = lo + f32::from(c) * (hi - lo) / CODE_LEVELS;
+                        let err = (k - level).abs();
+                        assert!(
+                            err <= (hi - lo) * (1.0 / 6.0 + 2f32.powi(-20)),
+                            "block {b} head {h} token {t} d {x}: |{k} - {level}| vs [{lo}, {hi}]"
+                        );
+                    }
+                }
+            }
+        }
+        // Each approximate logit lies in the bound's box: the codes score is at most the Quest
+        // score of the same 8-bit bound, but for the f16 weights' rounding and the f32 sums.
+        let q: Vec<f32> = (0..2 * 6 * d).map(|_| unit() * 3.0).collect();
+        // Blocks whose weights fit f16 (block 6's range does not: inf weights, NaN logits).
+        let (indptr, idx) = ([0, 3, 5], [1, 2, 3, 4, 0]);
+        let mut codes_s = vec![0.0f32; 5 * hk];
+        score_blocks_codes(&g, &q, &b8, &sc, &codes, &indptr, &idx, &mut codes_s).unwrap();
+        let mut quest = vec![0.0f32; 5 * hk];
+        score_blocks_bound8(&g, &q, &b8, &sc, &indptr, &idx, &mut quest).unwrap();
+        for (j, (&c, &u)) in codes_s.iter().zip(&quest).enumerate() {
+            let b = idx[j / hk] as usize;
+            let slack = 4e-3 * mags[b] * (0..2 * 6 * d).map(|i| q[i].abs()).sum::<f32>();
+            assert!(
+                c <= u + slack,
+                "entry {j}: codes {c} above the bound's Quest {u}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_nan_bound_gives_zero_codes_and_a_nan_score_that_ranks_last() {
+        let g = geo(); // 4 query heads, 2 kv heads, d 8, block 4
+        let (hk, bs, d) = (2, 4, 8);
+        let n_host = 4;
+        let mut host_k: Vec<f32> = (0..n_host * hk * bs * d)
+            .map(|i| ((i * 37) % 23) as f32 * 0.25 - 2.5)
+            .collect();
+        // Block 2, head 1: a key overflowed (inf), so its summary is not finite: a NaN bound.
+        host_k[((2 * hk + 1) * bs + 3) * d + 5] = f32::INFINITY;
+        let (_, b8, sc) = bounds_of(&g, &host_k, n_host);
+        assert!(sc[2 * hk + 1].is_nan());
+        assert!(sc
+            .iter()
+            .enumerate()
+            .all(|(e, s)| e == 2 * hk + 1 || s.is_finite()));
+        let ids: Vec<i32> = (0..n_host as i32).collect();
+        let mut codes = vec![0xffu8; n_host * hk * bs * d / 4];
+        build_key_codes(&g, &host_k, &b8, &sc, &ids, None, &mut codes).unwrap();
+        let row = bs * d / 4;
+        assert!(codes[(2 * hk + 1) * row..][..row].iter().all(|&c| c == 0));
+        // Every block of one sequence.
+        let q = vec![1.0f32; 4 * d];
+        let (indptr, idx) = ([0, 4], [0, 1, 2, 3]);
+        let mut scores = vec![0.0f32; 4 * hk];
+        score_blocks_codes(&g, &q, &b8, &sc, &codes, &indptr, &idx, &mut scores).unwrap();
+        for (j, s) in scores.iter().enumerate() {
+            assert_eq!(s.is_nan(), j == 2 * hk + 1, "entry {j}: {s}");
+        }
+        let mut top = vec![0i32; hk * 4];
+        crate::kernels::topk_blocks(hk, &scores, &indptr, 4, &mut top).unwrap();
+        assert_eq!(top[4 + 3], 2, "head 1 ranks the NaN block last: {top:?}");
+        assert!(!top[4..7].contains(&2));
+        // The rescoring of the same block: NaN too, and -inf only for padding.
+        let mut re = vec![0.0f32; 2 * hk];
+        let cand = [2, -1, 2, -1];
+        rescore_blocks_codes(&g, &q, &b8, &sc, &codes, &indptr, &idx, &cand, 2, &mut re).unwrap();
+        assert!(re[0].is_finite() && re[1].is_nan());
+        assert_eq!(re[2..], [f32::NEG_INFINITY, f32::NEG_INFINITY]);
     }
 
     #[test]
@@ -402,16 +600,16 @@ mod tests {
         for (id, &r) in rows.iter().enumerate() {
             moved[id * pe..][..pe].copy_from_slice(&host_k[r as usize * pe..][..pe]);
         }
-        let mut summ = vec![0.0f32; 3 * hk * 2 * d];
-        build_summaries(&g, &moved, &[0, 1, 2], None, &[4, 4, 4], &mut summ).unwrap();
+        let (_, b8, sc) = bounds_of(&g, &moved, 3);
         let mut want = vec![0u8; 3 * pe / 4];
-        build_key_codes(&g, &moved, &summ, &[0, 1, 2], None, &mut want).unwrap();
+        build_key_codes(&g, &moved, &b8, &sc, &[0, 1, 2], None, &mut want).unwrap();
         let mut got = vec![0u8; 3 * pe / 4];
-        build_key_codes(&g, &host_k, &summ, &[0, 1, 2], Some(&rows), &mut got).unwrap();
+        build_key_codes(&g, &host_k, &b8, &sc, &[0, 1, 2], Some(&rows), &mut got).unwrap();
         assert_eq!(got, want);
         // A one-row pool: ids up to 2 with row 0 are fine, row 1 is not.
-        build_key_codes(&g, &host_k[..pe], &summ, &[2], Some(&[0]), &mut got).unwrap();
-        assert!(build_key_codes(&g, &host_k[..pe], &summ, &[2], Some(&[1]), &mut got).is_err());
+        let one = &host_k[..pe];
+        build_key_codes(&g, one, &b8, &sc, &[2], Some(&[0]), &mut got).unwrap();
+        assert!(build_key_codes(&g, one, &b8, &sc, &[2], Some(&[1]), &mut got).is_err());
     }
 
     #[test]
@@ -423,20 +621,24 @@ mod tests {
             .map(|i| ((i * 37) % 23) as f32 * 0.25 - 2.5)
             .collect();
         let ids: Vec<i32> = (0..n_host as i32).collect();
-        let mut summ = vec![0.0f32; n_host * hk * 2 * d];
-        build_summaries(&g, &host_k, &ids, None, &[4; 5], &mut summ).unwrap();
+        let (_, b8, sc) = bounds_of(&g, &host_k, n_host);
         let mut codes = vec![0u8; n_host * hk * bs * d / 4];
-        build_key_codes(&g, &host_k, &summ, &ids, None, &mut codes).unwrap();
+        build_key_codes(&g, &host_k, &b8, &sc, &ids, None, &mut codes).unwrap();
         let q: Vec<f32> = (0..2 * 4 * d).map(|i| ((i * 5) % 9) as f32 - 4.0).collect();
         // Sequence 0: logical blocks 0..3 (host 4, 2, 0); sequence 1: 0..2 (host 1, 3).
         let (indptr, idx) = ([0, 3, 5], [4, 2, 0, 1, 3]);
         let mut full = vec![0.0f32; 5 * hk];
-        score_blocks_codes(&g, &q, &summ, &codes, &indptr, &idx, &mut full).unwrap();
+        score_blocks_codes(&g, &q, &b8, &sc, &codes, &indptr, &idx, &mut full).unwrap();
         let m = 2;
         // [seq, head, m]: per-head candidates, -1 padding.
         let cand = [2, 0, 1, -1, 1, 0, -1, -1];
         let mut got = vec![7.0f32; 2 * m * hk];
-        rescore_blocks_codes(&g, &q, &summ, &codes, &indptr, &idx, &cand, m, &mut got).unwrap();
+        let basis = (&b8[..], &sc[..], &codes[..]);
+        let rescore = |cand: &[i32], out: &mut [f32]| {
+            let (b8, sc, codes) = basis;
+            rescore_blocks_codes(&g, &q, b8, sc, codes, &indptr, &idx, cand, m, out)
+        };
+        rescore(&cand, &mut got).unwrap();
         for s in 0..2 {
             for h in 0..hk {
                 for i in 0..m {
@@ -453,54 +655,38 @@ mod tests {
         }
         // A candidate past its sequence's row (sequence 1 has 2 blocks) is an error; nothing written.
         let mut untouched = vec![7.0f32; 2 * m * hk];
-        let bad = [2, 0, 1, -1, 1, 2, -1, -1];
-        let r = rescore_blocks_codes(
-            &g,
-            &q,
-            &summ,
-            &codes,
-            &indptr,
-            &idx,
-            &bad,
-            m,
-            &mut untouched,
-        );
+        let r = rescore(&[2, 0, 1, -1, 1, 2, -1, -1], &mut untouched);
         assert!(
             matches!(r, Err(OasisError::IndexOutOfRange { .. })),
             "{r:?}"
         );
         assert!(untouched.iter().all(|&x| x == 7.0));
-        assert!(rescore_blocks_codes(
-            &g,
-            &q,
-            &summ,
-            &codes,
-            &indptr,
-            &idx,
-            &cand[..7],
-            m,
-            &mut got
-        )
-        .is_err());
+        assert!(rescore(&cand[..7], &mut got).is_err());
     }
 
     #[test]
     fn bad_calls_are_errors_and_write_nothing() {
         let g = geo();
         let host_k = vec![0.0f32; 2 * 2 * 4 * 8];
-        let summ = vec![0.0f32; 2 * 2 * 2 * 8];
+        let (b8, sc) = (vec![0u8; 2 * 2 * 2 * 8], vec![1.0f32; 2 * 2]);
         let mut codes = vec![7u8; 2 * 2 * 4 * 2];
-        assert!(build_key_codes(&g, &host_k, &summ, &[2], None, &mut codes).is_err());
+        assert!(build_key_codes(&g, &host_k, &b8, &sc, &[2], None, &mut codes).is_err());
+        // Scales of another pool than the bytes.
+        assert!(build_key_codes(&g, &host_k, &b8, &sc[..2], &[0], None, &mut codes).is_err());
         assert!(codes.iter().all(|&c| c == 7));
         let odd = KvGeometry::new(2, 1, 6, 4).unwrap();
         assert!(matches!(
-            build_key_codes(&odd, &[0.0f32; 24], &[0.0f32; 12], &[], None, &mut []),
+            build_key_codes(&odd, &[0.0f32; 24], &[0u8; 12], &[1.0], &[], None, &mut []),
             Err(OasisError::Config(_))
         ));
         let mut scores = vec![5.0f32; 2];
         let q = vec![0.0f32; 4 * 8];
-        assert!(score_blocks_codes(&g, &q, &summ, &codes, &[0, 2], &[0], &mut scores).is_err());
-        assert!(score_blocks_codes(&g, &q, &summ, &codes, &[0, 1], &[5], &mut scores).is_err());
+        let (ip, ix) = ([0, 2], [0]);
+        assert!(score_blocks_codes(&g, &q, &b8, &sc, &codes, &ip, &ix, &mut scores).is_err());
+        let (ip, ix) = ([0, 1], [5]);
+        assert!(score_blocks_codes(&g, &q, &b8, &sc, &codes, &ip, &ix, &mut scores).is_err());
+        let (ip, ix) = ([0, 1], [0]);
+        assert!(score_blocks_codes(&g, &q, &b8, &sc[1..], &codes, &ip, &ix, &mut scores).is_err());
         assert_eq!(scores, vec![5.0, 5.0]);
     }
 }

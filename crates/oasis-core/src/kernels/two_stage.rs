@@ -3,7 +3,7 @@
 //! costs few launches per layer and step.
 //!
 //! ```text
-//! every step, the blocks it completed:   encode_blocks      = build_key_codes ; build_bounds8
+//! every step, the blocks it completed:   encode_blocks      = build_bounds8 ; build_key_codes
 //! every selection, the candidates:       rescore_topk_codes = rescore_blocks_codes ; topk_candidates
 //! ```
 //!
@@ -15,14 +15,14 @@
 //! runs the two launches apart, the reduction between them.
 
 use crate::dtype::KvElem;
-use crate::error::{check_len, Result};
+use crate::error::{check_len, OasisError, Result};
 use crate::geometry::KvGeometry;
-use crate::kernels::validate::leading_rows;
+use crate::kernels::validate::{all_indices, leading_rows};
 use crate::kernels::{build_bounds8, build_key_codes, rescore_blocks_codes, topk_candidates};
 
-/// [`build_key_codes`] then [`build_bounds8`] of the same blocks: the 2-bit codes and the 8-bit
-/// bound of complete host blocks `block_ids` (keys in host rows `block_rows`, `None`: the id),
-/// from their final `[min; max]` summaries.
+/// [`build_bounds8`] then [`build_key_codes`] of the same blocks: the 8-bit bound of complete
+/// host blocks `block_ids` from their final `[min; max]` summaries, then the 2-bit codes of their
+/// keys (in host rows `block_rows`, `None`: the id) inside that bound.
 ///
 /// # Errors
 /// As the two twins; every check runs before the first write, so nothing is written when an
@@ -39,14 +39,26 @@ pub fn encode_blocks<T: KvElem>(
     scales: &mut [f32],         // [num_host_blocks, num_kv_heads]
 ) -> Result<()> {
     geo.validate()?;
-    let (h_kv, d) = (geo.num_kv_heads, geo.head_dim);
-    // build_bounds8's own checks that build_key_codes does not make (it checks the ids against
-    // the same summaries), so that its call below cannot fail after the codes are written.
+    let (h_kv, bs, d) = (geo.num_kv_heads, geo.block_size, geo.head_dim);
+    // build_key_codes' own checks that build_bounds8 does not make (the ids against the same
+    // pool it checks), so that the codes' build below cannot fail after the bound is written.
+    if !d.is_multiple_of(4) {
+        return Err(OasisError::Config(format!(
+            "2-bit key codes need head_dim divisible by 4, got {d}"
+        )));
+    }
+    let num_rows = leading_rows("host_k", host_k.len(), &[h_kv, bs, d])?;
     let num_host = leading_rows("summaries", summaries.len(), &[h_kv, 2, d])?;
-    check_len("bounds8", bounds8.len(), &[num_host, h_kv, 2, d])?;
-    check_len("scales", scales.len(), &[num_host, h_kv])?;
-    build_key_codes(geo, host_k, summaries, block_ids, block_rows, codes)?;
-    build_bounds8(geo, summaries, block_ids, bounds8, scales)
+    check_len("codes", codes.len(), &[num_host, h_kv, bs, d / 4])?;
+    match block_rows {
+        Some(rows) => {
+            check_len("block_rows", rows.len(), &[block_ids.len()])?;
+            all_indices("block_rows", rows, num_rows)?;
+        }
+        None => all_indices("block_ids", block_ids, num_rows)?,
+    }
+    build_bounds8(geo, summaries, block_ids, bounds8, scales)?;
+    build_key_codes(geo, host_k, bounds8, scales, block_ids, block_rows, codes)
 }
 
 /// [`rescore_blocks_codes`] then [`topk_candidates`]: the two-stage codes score's last step for
@@ -61,7 +73,8 @@ pub fn encode_blocks<T: KvElem>(
 pub fn rescore_topk_codes<T: KvElem>(
     geo: &KvGeometry,
     q: &[T],             // [num_seqs, num_qo_heads, head_dim]
-    summaries: &[T],     // [num_host_blocks, num_kv_heads, 2, head_dim]
+    bounds8: &[u8],      // [num_host_blocks, num_kv_heads, 2, head_dim] E4M3
+    scales: &[f32],      // [num_host_blocks, num_kv_heads]
     codes: &[u8],        // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
     blk_indptr: &[i32],  // [num_seqs + 1]
     blk_indices: &[i32], // [nnz]
@@ -79,7 +92,8 @@ pub fn rescore_topk_codes<T: KvElem>(
     rescore_blocks_codes(
         geo,
         q,
-        summaries,
+        bounds8,
+        scales,
         codes,
         blk_indptr,
         blk_indices,
@@ -160,8 +174,8 @@ mod tests {
                     &geo, &keys, &summ, &ids, block_rows, &mut c1, &mut b1, &mut s1,
                 )
                 .unwrap();
-                build_key_codes(&geo, &keys, &summ, &ids, block_rows, &mut c2).unwrap();
                 build_bounds8(&geo, &summ, &ids, &mut b2, &mut s2).unwrap();
+                build_key_codes(&geo, &keys, &b2, &s2, &ids, block_rows, &mut c2).unwrap();
                 assert_eq!(c1, c2);
                 assert_eq!(b1, b2);
                 assert_eq!(
@@ -178,13 +192,30 @@ mod tests {
         let keys = vec![0.5f32; 2 * 8 * 8];
         let summ = summaries_of(&geo, &keys, 2);
         let (mut c, mut b, mut s) = (vec![7u8; 2 * 8 * 2], vec![7u8; 2 * 2 * 8], vec![7f32; 1]);
+        let untouched = |c: &[u8], b: &[u8], s: &[f32]| {
+            c.iter().all(|&x| x == 7) && b.iter().all(|&x| x == 7) && s.iter().all(|&x| x == 7.0)
+        };
         // scales of the wrong size: the codes must stay untouched.
         assert!(encode_blocks(&geo, &keys, &summ, &[0], None, &mut c, &mut b, &mut s).is_err());
-        assert!(c.iter().all(|&x| x == 7));
+        assert!(untouched(&c, &b, &s));
         let mut s = vec![7f32; 2];
         // an id outside the pool: nothing written either.
         assert!(encode_blocks(&geo, &keys, &summ, &[0, 2], None, &mut c, &mut b, &mut s).is_err());
-        assert!(c.iter().all(|&x| x == 7) && b.iter().all(|&x| x == 7));
+        assert!(untouched(&c, &b, &s));
+        // a key row outside the host pool (which only the codes read): the bound stays unwritten.
+        let rows = Some(&[0, 2][..]);
+        assert!(encode_blocks(&geo, &keys, &summ, &[0, 1], rows, &mut c, &mut b, &mut s).is_err());
+        assert!(untouched(&c, &b, &s));
+        // codes of the wrong size, or a head_dim the codes cannot take: the same.
+        let mut short = vec![7u8; 2 * 8 * 2 - 1];
+        assert!(encode_blocks(&geo, &keys, &summ, &[0], None, &mut short, &mut b, &mut s).is_err());
+        assert!(untouched(&c, &b, &s));
+        let odd = geometry(1, 1, 2, 6);
+        let (k6, s6) = (vec![0.5f32; 2 * 2 * 6], vec![0.5f32; 2 * 2 * 6]);
+        let (mut b6, mut c6) = (vec![7u8; 2 * 2 * 6], vec![7u8; 0]);
+        let r = encode_blocks(&odd, &k6, &s6, &[0], None, &mut c6, &mut b6, &mut s);
+        assert!(matches!(r, Err(OasisError::Config(_))), "{r:?}");
+        assert!(b6.iter().all(|&x| x == 7) && s.iter().all(|&x| x == 7.0));
     }
 
     #[test]
@@ -207,8 +238,9 @@ mod tests {
             let keys: Vec<f32> = (0..n_host * h * bs * d).map(|_| rng.unit()).collect();
             let summ = summaries_of(&geo, &keys, n_host);
             let ids: Vec<i32> = (0..n_host as i32).collect();
+            let (mut b8, mut sc) = (vec![0u8; n_host * h * 2 * d], vec![0f32; n_host * h]);
             let mut codes = vec![0u8; n_host * h * bs * d / 4];
-            build_key_codes(&geo, &keys, &summ, &ids, None, &mut codes).unwrap();
+            encode_blocks(&geo, &keys, &summ, &ids, None, &mut codes, &mut b8, &mut sc).unwrap();
             // Each sequence's logical blocks map to distinct host blocks.
             let indices: Vec<i32> = (0..nnz).map(|j| ((j * 7 + 3) % n_host) as i32).collect();
             let q: Vec<f32> = (0..num_seqs * h * group * d).map(|_| rng.unit()).collect();
@@ -233,7 +265,7 @@ mod tests {
                 .collect();
             let mut fused = vec![0i32; num_seqs * h * k];
             rescore_topk_codes(
-                &geo, &q, &summ, &codes, &indptr, &indices, &cand, m, k, successors, &forced,
+                &geo, &q, &b8, &sc, &codes, &indptr, &indices, &cand, m, k, successors, &forced,
                 n_forced, &mut fused,
             )
             .unwrap();
@@ -241,7 +273,8 @@ mod tests {
             rescore_blocks_codes(
                 &geo,
                 &q,
-                &summ,
+                &b8,
+                &sc,
                 &codes,
                 &indptr,
                 &indices,

@@ -1,6 +1,6 @@
-//! 2-bit key code launches: `build_key_codes` (with the 8-bit bound in the same launch:
+//! 2-bit key code launches: `build_key_codes` (inside the 8-bit bound; both in one launch:
 //! `encode_blocks`), and the codes score of every listed block (`score_blocks_codes`) or of the
-//! candidates (`rescore_blocks_codes`).
+//! candidates (`rescore_blocks_codes`), which read the bound and the codes (not the summaries).
 
 use super::*;
 
@@ -16,23 +16,20 @@ pub const RESCORE_TOPK_THREADS: u32 = 128;
 pub fn rescore_topk_codes_smem_bytes(
     group: usize,
     head_dim: usize,
-    elem_bytes: usize,
     m: usize,
     successors: usize,
     warps: usize,
 ) -> usize {
-    let scalar = (2 * group * head_dim + head_dim + group) * 4;
-    let stage = SCORE_CODES_STAGES * (2 * head_dim * elem_bytes + 4 * head_dim);
     let topk = topk_candidates_smem_bytes(m, successors);
-    (warps * (stage + scalar)).max(topk + 4 * m)
+    (warps * codes_warp_smem_bytes(group, head_dim)).max(topk + 4 * m)
 }
 
 impl Gpu {
     /// GPU twin of `oasis_core::kernels::build_key_codes`: the 2-bit codes of every key of host
     /// blocks `block_ids` (all KV heads; keys in host rows `block_rows`, `None`: the id) inside
-    /// their `[min; max]` summaries, which must be those of the same complete blocks (queue it
-    /// after the summaries' build on the same stream). Bit-exact with the twin. Out-of-range ids
-    /// and rows are skipped.
+    /// their decoded 8-bit bounds (`bounds8`, `scales`), which must be those of the same complete
+    /// blocks (queue it after their [`Self::build_bounds8`] on the same stream, or take
+    /// [`Self::encode_blocks`]). Bit-exact with the twin. Out-of-range ids and rows are skipped.
     ///
     /// # Errors
     /// [`CudaError::Invalid`] for a buffer whose size does not match its shape or a head_dim not
@@ -42,7 +39,8 @@ impl Gpu {
         &self,
         geo: &KvGeometry,
         host_k: DevSlice<T>, // [num_host_rows, num_kv_heads, block_size, head_dim]
-        summaries: DevSlice<T>, // [num_host_blocks, num_kv_heads, 2, head_dim]
+        bounds8: DevSlice<u8>, // [num_host_blocks, num_kv_heads, 2, head_dim]
+        scales: DevSlice<f32>, // [num_host_blocks, num_kv_heads]
         block_ids: DevSlice<i32>, // [n]
         block_rows: Option<DevSlice<i32>>, // [n] host row of each block; None: the id
         codes: DevSlice<u8>, // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
@@ -53,7 +51,8 @@ impl Gpu {
             let [h, bs, d] = page;
             codes_head_dim(d)?;
             let num_rows = rows("host_k", host_k.len(), &page)?;
-            let num_host = rows("summaries", summaries.len(), &[h, 2, d])?;
+            let num_host = rows("bounds8", bounds8.len(), &[h, 2, d])?;
+            check_len("scales", scales.len(), &[num_host, h])?;
             check_len("codes", codes.len(), &[num_host, h, bs, d / 4])?;
             let n = block_ids.len();
             if let Some(r) = block_rows {
@@ -62,18 +61,20 @@ impl Gpu {
 
             let name = entry!(T, "build_key_codes");
             let params = params!(BuildKeyCodesParams {
-                ptr: { host_k, summaries, block_ids, block_rows, codes },
+                ptr: { host_k, bounds8, scales, block_ids, block_rows, codes },
                 int: {
                     n, num_kv_heads = h, head_dim = d, block_size = bs, num_host_blocks = num_host,
                     num_host_rows = num_rows,
                 },
             });
             let grid = grid_rows_heads("n", n, h)?;
-            // SAFETY: lengths checked above (summaries and codes have num_host rows, host_k
-            // num_rows); block ids and rows are bounds-checked by the kernel; host_k may be pinned host memory at the
-            // same address on the device (DevSlice contract; Gpu::check_uva tests it);
+            let smem = codes_build_smem_bytes(d);
+            // SAFETY: lengths checked above (bounds8, scales and codes have num_host rows, host_k
+            // num_rows); block ids and rows are bounds-checked by the kernel; host_k may be pinned
+            // host memory at the same address on the device (DevSlice contract; Gpu::check_uva
+            // tests it); `smem` is the kernel's layout (2 KiB at most: head_dim <= 256);
             // reachability and lifetime by DevSlice's contract, the stream by Stream's.
-            unsafe { self.queue(name, grid, CODES_BUILD_THREADS, 0, stream, &params) }
+            unsafe { self.queue(name, grid, CODES_BUILD_THREADS, smem, stream, &params) }
         })
     }
 
@@ -112,10 +113,10 @@ impl Gpu {
         })
     }
 
-    /// GPU twin of `oasis_core::kernels::encode_blocks`: [`Self::build_key_codes`] and
-    /// [`Self::build_bounds8`] of the same host blocks `block_ids` in one launch (the engine's
-    /// per-step encode of the blocks a step completed). Bit-exact with the twin, and with the two
-    /// launches. Out-of-range ids (and rows, for the codes) are skipped.
+    /// GPU twin of `oasis_core::kernels::encode_blocks`: [`Self::build_bounds8`] then
+    /// [`Self::build_key_codes`] (inside that bound) of the same host blocks `block_ids` in one
+    /// launch (the engine's per-step encode of the blocks a step completed). Bit-exact with the
+    /// twin, and with the two launches. Out-of-range ids (and rows, for the codes) are skipped.
     ///
     /// # Errors
     /// As [`Self::build_key_codes`] and [`Self::build_bounds8`].
@@ -155,17 +156,19 @@ impl Gpu {
                 },
             });
             let grid = grid_rows_heads("n", n, h)?;
+            let smem = codes_build_smem_bytes(d);
             // SAFETY: lengths checked above (summaries, codes, bounds8 and scales have num_host
             // rows, host_k num_rows); block ids and rows are bounds-checked by the kernel; host_k
             // may be pinned host memory at the same address on the device (DevSlice contract;
-            // Gpu::check_uva tests it); reachability and lifetime by DevSlice's contract, the
-            // stream by Stream's.
-            unsafe { self.queue(name, grid, CODES_BUILD_THREADS, 0, stream, &params) }
+            // Gpu::check_uva tests it); `smem` is the kernel's layout (2 KiB at most: head_dim <=
+            // 256); reachability and lifetime by DevSlice's contract, the stream by Stream's.
+            unsafe { self.queue(name, grid, CODES_BUILD_THREADS, smem, stream, &params) }
         })
     }
 
     /// GPU twin of `oasis_core::kernels::score_blocks_codes`: per listed block and KV head, the
-    /// sum over the GQA group of the block's largest approximate logit from its 2-bit codes.
+    /// sum over the GQA group of the block's largest approximate logit from its 2-bit codes inside
+    /// its decoded 8-bit bound (NaN for a NaN scale).
     ///
     /// # Errors
     /// [`CudaError::Invalid`] for a buffer whose size does not match its shape or a head_dim not
@@ -175,7 +178,8 @@ impl Gpu {
         &self,
         geo: &KvGeometry,
         q: DevSlice<T>,             // [num_seqs, num_qo_heads, head_dim]
-        summaries: DevSlice<T>,     // [num_host_blocks, num_kv_heads, 2, head_dim]
+        bounds8: DevSlice<u8>,      // [num_host_blocks, num_kv_heads, 2, head_dim]
+        scales: DevSlice<f32>,      // [num_host_blocks, num_kv_heads]
         codes: DevSlice<u8>,        // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
         blk_indptr: DevSlice<i32>,  // [num_seqs + 1]
         blk_indices: DevSlice<i32>, // [nnz]
@@ -186,7 +190,8 @@ impl Gpu {
             "score_blocks_codes",
             geo,
             q,
-            summaries,
+            bounds8,
+            scales,
             codes,
             blk_indptr,
             blk_indices,
@@ -209,7 +214,8 @@ impl Gpu {
         &self,
         geo: &KvGeometry,
         q: DevSlice<T>,             // [num_seqs, num_qo_heads, head_dim]
-        summaries: DevSlice<T>,     // [num_host_blocks, num_kv_heads, 2, head_dim]
+        bounds8: DevSlice<u8>,      // [num_host_blocks, num_kv_heads, 2, head_dim]
+        scales: DevSlice<f32>,      // [num_host_blocks, num_kv_heads]
         codes: DevSlice<u8>,        // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
         blk_indptr: DevSlice<i32>,  // [num_seqs + 1]
         blk_indices: DevSlice<i32>, // [nnz]
@@ -222,7 +228,8 @@ impl Gpu {
             "rescore_blocks_codes",
             geo,
             q,
-            summaries,
+            bounds8,
+            scales,
             codes,
             blk_indptr,
             blk_indices,
@@ -253,7 +260,8 @@ impl Gpu {
         &self,
         geo: &KvGeometry,
         q: DevSlice<T>,             // [num_seqs, num_qo_heads, head_dim]
-        summaries: DevSlice<T>,     // [num_host_blocks, num_kv_heads, 2, head_dim]
+        bounds8: DevSlice<u8>,      // [num_host_blocks, num_kv_heads, 2, head_dim]
+        scales: DevSlice<f32>,      // [num_host_blocks, num_kv_heads]
         codes: DevSlice<u8>,        // [num_host_blocks, num_kv_heads, block_size, head_dim / 4]
         blk_indptr: DevSlice<i32>,  // [num_seqs + 1]
         blk_indices: DevSlice<i32>, // [nnz]
@@ -280,7 +288,8 @@ impl Gpu {
             let qh = geo.num_qo_heads;
             let num_seqs = csr_rows("blk_indptr", blk_indptr.len())?;
             check_len("q", q.len(), &[num_seqs, qh, d])?;
-            let num_host = rows("summaries", summaries.len(), &[h, 2, d])?;
+            let num_host = rows("bounds8", bounds8.len(), &[h, 2, d])?;
+            check_len("scales", scales.len(), &[num_host, h])?;
             check_len("codes", codes.len(), &[num_host, h, bs, d / 4])?;
             let nnz = blk_indices.len();
             check_len("cand", cand.len(), &[num_seqs, h, m])?;
@@ -301,7 +310,7 @@ impl Gpu {
             let tile = score_codes_tile(num_seqs * m, h, self.num_sms());
             let params = params!(RescoreTopkCodesParams {
                 ptr: {
-                    q, summaries, codes, blk_indptr, blk_indices, cand,
+                    q, bounds8, scales, codes, blk_indptr, blk_indices, cand,
                     forced = forced.map(|(f, _)| f), out, scratch, counters,
                 },
                 int: {
@@ -315,14 +324,7 @@ impl Gpu {
             let limit = self.function(name)?.max_dynamic_smem;
             let smem_of = |threads: u32| {
                 let warps = (threads / 32) as usize;
-                rescore_topk_codes_smem_bytes(
-                    geo.group_size(),
-                    d,
-                    std::mem::size_of::<T>(),
-                    m,
-                    successors,
-                    warps,
-                )
+                rescore_topk_codes_smem_bytes(geo.group_size(), d, m, successors, warps)
             };
             let mut threads = RESCORE_TOPK_THREADS;
             while threads > 32 && smem_of(threads) > limit {
@@ -334,14 +336,14 @@ impl Gpu {
             let splits = m.div_ceil(tile * (threads / 32) as usize).max(1);
             let (gx, gy, _) = grid_rows_heads("num_seqs", num_seqs, h)?;
             let grid = (gx, gy, grid_dim("candidate blocks", splits, GRID_YZ_MAX)?);
-            // SAFETY: lengths checked above (summaries and codes have num_host rows; cand, forced,
-            // out, scratch and counters their (sequence, head) rows; the caller keeps counters
-            // zero and to this launch, as documented); the kernel bounds-checks block ids and each
-            // candidate's blk_indptr row against nnz (-inf outside), reads cand and forced only
-            // below m and n_forced; k <= MAX_TOPK and m + successors <= MAX_CANDIDATES (its
-            // buffers); `smem` is the kernel's layout for `threads` (a multiple of 32, at
-            // most its launch bound) and launch() checks it against the device limit;
-            // reachability and lifetime by DevSlice's contract, the stream by Stream's.
+            // SAFETY: lengths checked above (bounds8, scales and codes have num_host rows; cand,
+            // forced, out, scratch and counters their (sequence, head) rows; the caller keeps
+            // counters zero and to this launch, as documented); the kernel bounds-checks block ids
+            // and each candidate's blk_indptr row against nnz (-inf outside), reads cand and
+            // forced only below m and n_forced; k <= MAX_TOPK and m + successors <=
+            // MAX_CANDIDATES (its buffers); `smem` is the kernel's layout for `threads` (a
+            // multiple of 32, at most its launch bound) and launch() checks it against the device
+            // limit; reachability and lifetime by DevSlice's contract, the stream by Stream's.
             unsafe { self.queue(name, grid, threads, smem, stream, &params) }
         })
     }
@@ -354,7 +356,8 @@ impl Gpu {
         what: &'static str,
         geo: &KvGeometry,
         q: DevSlice<T>,
-        summaries: DevSlice<T>,
+        bounds8: DevSlice<u8>,
+        scales: DevSlice<f32>,
         codes: DevSlice<u8>,
         blk_indptr: DevSlice<i32>,
         blk_indices: DevSlice<i32>,
@@ -368,7 +371,8 @@ impl Gpu {
             let qh = geo.num_qo_heads;
             let num_seqs = csr_rows("blk_indptr", blk_indptr.len())?;
             check_len("q", q.len(), &[num_seqs, qh, d])?;
-            let num_host = rows("summaries", summaries.len(), &[h, 2, d])?;
+            let num_host = rows("bounds8", bounds8.len(), &[h, 2, d])?;
+            check_len("scales", scales.len(), &[num_host, h])?;
             check_len("codes", codes.len(), &[num_host, h, bs, d / 4])?;
             let nnz = blk_indices.len();
             // Entries scored: every listed block, or m candidates per sequence.
@@ -388,7 +392,7 @@ impl Gpu {
             let tile = score_codes_tile(n_out, h, self.num_sms());
             let params = params!(ScoreBlocksCodesParams {
                 ptr: {
-                    q, summaries, codes, blk_indptr, blk_indices, scores,
+                    q, bounds8, scales, codes, blk_indptr, blk_indices, scores,
                     cand = cand.map(|(c, _)| c),
                 },
                 int: {
@@ -407,8 +411,8 @@ impl Gpu {
                 .div_ceil((SCORE_CODES_THREADS / 32) as usize)
                 * h;
             let grid = grid_x("score blocks", blocks)?;
-            let smem = score_blocks_codes_smem_bytes(geo.group_size(), d, std::mem::size_of::<T>());
-            // SAFETY: lengths checked above (summaries and codes have num_host rows); the kernel
+            let smem = score_blocks_codes_smem_bytes(geo.group_size(), d);
+            // SAFETY: lengths checked above (bounds8, scales and codes have num_host rows); the kernel
             // bounds-checks block ids and each blk_indptr row against nnz (an entry outside a
             // well-formed row scores -inf) and only reads blk_indptr[0..=num_seqs]; `smem` is the
             // kernel's layout and launch() checks it against the device limit; reachability and

@@ -362,15 +362,27 @@ pub fn decode_attn_tc_smem_bytes(head_dim: usize, stages: usize) -> usize {
 }
 
 /// Shared memory of one `score_blocks_codes_*` block, in bytes (cuda/key_codes.cu): per warp,
-/// [`SCORE_CODES_STAGES`] staging buffers of one entry each (`codes_stage_bytes`: the min and max
-/// rows in `elem_bytes`-byte elements, then 16 tokens' codes), then, after every warp's buffers,
-/// `codes_scalar_warp_floats` per warp: q and the weights of the group (`group * head_dim` f32
-/// each), the block's min row and the group's bases.
-pub fn score_blocks_codes_smem_bytes(group: usize, head_dim: usize, elem_bytes: usize) -> usize {
+/// [`SCORE_CODES_STAGES`] staging buffers of one entry each (`codes_stage_bytes`: the bound's two
+/// E4M3 rows, 16 tokens' codes, then the scale padded to 16 bytes), then, after every warp's
+/// buffers, `codes_scalar_warp_floats` per warp: q and the weights of the group (`group *
+/// head_dim` f32 each), the block's decoded lower bound row and the group's bases.
+pub fn score_blocks_codes_smem_bytes(group: usize, head_dim: usize) -> usize {
     let warps = (SCORE_CODES_THREADS / 32) as usize;
+    warps * codes_warp_smem_bytes(group, head_dim)
+}
+
+/// Shared memory of one warp of the codes scores (`score_blocks_codes_*`,
+/// `rescore_topk_codes_*`): its staging buffers and its scalar path's floats.
+pub(crate) fn codes_warp_smem_bytes(group: usize, head_dim: usize) -> usize {
     let scalar = (2 * group * head_dim + head_dim + group) * 4;
-    let stage = SCORE_CODES_STAGES * (2 * head_dim * elem_bytes + 4 * head_dim);
-    warps * (stage + scalar)
+    let stage = SCORE_CODES_STAGES * (6 * head_dim + 16);
+    stage + scalar
+}
+
+/// Shared memory of one `build_key_codes_*` / `encode_blocks_*` block, in bytes: the (block,
+/// head)'s decoded bound, `2 head_dim` f32 (cuda/key_codes.cu, `codes_load_bound`).
+pub fn codes_build_smem_bytes(head_dim: usize) -> usize {
+    2 * head_dim * 4
 }
 
 /// 2-bit key codes need `head_dim` divisible by 4 (four codes per byte), as the CPU twin.

@@ -14,15 +14,15 @@ fn sizes_on_64_bit_targets() {
     assert_eq!(size_of::<DecodeAttnParams>(), 12 * 8 + 10 * 4);
     assert_eq!(size_of::<MergeAttnStatesParams>(), 3 * 8 + 2 * 4);
     assert_eq!(size_of::<ScoreBlocksParams>(), 5 * 8 + 6 * 4);
-    assert_eq!(size_of::<BuildKeyCodesParams>(), 5 * 8 + 6 * 4);
+    assert_eq!(size_of::<BuildKeyCodesParams>(), 6 * 8 + 6 * 4);
     assert_eq!(size_of::<EncodeBlocksParams>(), 7 * 8 + 6 * 4);
     assert_eq!(size_of::<ScoreBlocksBound8Params>(), 6 * 8 + 6 * 4);
     assert_eq!(size_of::<BuildBounds8Params>(), 4 * 8 + 4 * 4);
-    assert_eq!(size_of::<ScoreBlocksCodesParams>(), 7 * 8 + 10 * 4);
+    assert_eq!(size_of::<ScoreBlocksCodesParams>(), 8 * 8 + 10 * 4);
     assert_eq!(size_of::<TopkBlocksParams>(), 5 * 8 + 6 * 4);
     assert_eq!(size_of::<ForceScoresParams>(), 3 * 8 + 4 * 4);
     assert_eq!(size_of::<TopkCandidatesParams>(), 5 * 8 + 6 * 4);
-    assert_eq!(size_of::<RescoreTopkCodesParams>(), 10 * 8 + 12 * 4);
+    assert_eq!(size_of::<RescoreTopkCodesParams>(), 11 * 8 + 12 * 4);
     assert_eq!(size_of::<DeltaSelectParams>(), 8 * 8 + 8 * 4);
     assert_eq!(size_of::<GatherBlocksParams>(), 9 * 8 + 12 * 4);
     assert_eq!(size_of::<CopyPagesParams>(), 7 * 8 + 2 * 4);
