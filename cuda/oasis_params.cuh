@@ -513,4 +513,12 @@ struct WaitStampParams {
     int _pad0;
 };
 
+// wait_epoch (cuda/wait_stamp.cu): hold a stream until a layer's landed epoch reaches the step's.
+struct WaitEpochParams {
+    const unsigned long long* landed;  // host-mapped: the layer's landed epoch
+    const long long* epoch;            // [1]: the step's epoch
+    unsigned long long* stats;         // [4]: waits that gave up, the last one's epoch, ns held, waits
+    long long timeout_ns;
+};
+
 }  // namespace oasis

@@ -370,6 +370,38 @@ class Coordinator:
     def close(self) -> None:
         """Let the reads in flight land, stop the connections and threads (idempotent)."""
 
+class StepReader:
+    """The step reader of a ``Coordinator`` (crate ``oasis-coord``, its own thread): each layer of
+    a decode step writes its plan into ``slots[l]`` / ``blocks[l]`` and the step's epoch into
+    ``ready[l]``; the reader submits the plan's block-heads to the coordinator and writes
+    ``landed[l]`` once they are in the pool (``wait_epoch`` holds the layer's stream until then).
+    The mailbox is CPU tensors (pinned for a CUDA step), kept alive until ``stop``."""
+
+    def __new__(
+        cls,
+        coordinator: Coordinator,
+        slots: list[torch.Tensor],
+        blocks: list[torch.Tensor],
+        ready: torch.Tensor,
+        landed: torch.Tensor,
+        num_kv_heads: int,
+        *,
+        prefetch: int = 0,
+    ) -> StepReader: ...
+    def begin_step(
+        self, epoch: int, caps: list[int], host_indptr: torch.Tensor, host_indices: torch.Tensor
+    ) -> None:
+        """Queue a step's tables before it runs: its epoch (above the last), each layer's plan
+        slots per KV head, its host block table (CPU int32)."""
+    @property
+    def queued(self) -> int:
+        """Steps begun and not yet fully landed."""
+    def stats(self) -> dict[str, float]:
+        """``steps``, ``layers``, ``entries``, ``bad_entries``, ``refused``, ``stale_steps``,
+        ``read_seconds``, ``last_error``."""
+    def stop(self) -> None:
+        """Stop the thread (the step being served gets every layer marked landed; idempotent)."""
+
 def ucx_version() -> tuple[int, int, int]:
     """The loaded libucp's ``(major, minor, release)``; ``ConfigError`` (``.code ==
     "ucx_unavailable"``) when it cannot be loaded."""
@@ -633,6 +665,18 @@ def gather_blocks(
 
 def wait_stamp(stamps: torch.Tensor, mode: int, *, stream: int = 0) -> None:
     """Time a wait: stamps int64 [3] = (start, total waited, waits) in ns; mode 0 starts, else ends."""
+
+def wait_epoch(
+    landed: torch.Tensor,
+    layer: int,
+    epoch: torch.Tensor,
+    stats: torch.Tensor,
+    timeout_s: float,
+    *,
+    stream: int = 0,
+) -> None:
+    """Hold a stream until landed[layer] (int64, CPU/pinned) reaches epoch[0] (int64 [1], device),
+    or give up after timeout_s; stats int64 [4]: gave up, last epoch, ns held, waits."""
 
 def set_gather_launch(
     max_blocks: int | None = None,

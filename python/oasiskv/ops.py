@@ -549,6 +549,17 @@ def wait_stamp(stamps: torch.Tensor, mode: int) -> None:
     _core.wait_stamp(stamps, mode, stream=_stream(dev))
 
 
+def wait_epoch(
+    landed: torch.Tensor, layer: int, epoch: torch.Tensor, stats: torch.Tensor, timeout_s: float
+) -> None:
+    """Hold the current stream until ``landed[layer]`` (int64 ``[layers]``, CPU, pinned on a
+    GPU: the landed epochs a coordinator's ``StepReader`` writes) reaches ``epoch[0]`` (int64
+    ``[1]`` on the device), or give up after ``timeout_s``. ``stats`` (int64 ``[4]`` on the
+    device): waits that gave up, the last one's epoch, nanoseconds the stream was held, waits. On
+    a GPU a one-thread kernel (captured into CUDA graphs); on the CPU the wait itself, at once."""
+    _core.wait_epoch(landed, layer, epoch, stats, timeout_s, stream=_stream(epoch.device))
+
+
 def set_gather_launch(
     max_blocks: int | None = None,
     warps_per_block: int | None = None,

@@ -175,7 +175,7 @@ pub const SOURCES: &[KernelSource] = &[
         name: "wait_stamp",
         file: "wait_stamp.cu",
         source: include_str!("../../../cuda/wait_stamp.cu"),
-        entry_points: &["wait_stamp"],
+        entry_points: &["wait_stamp", "wait_epoch"],
     },
 ];
 

@@ -40,7 +40,7 @@
 //! | `delta_select.cu` | `delta_select_i32` | `delta_select` |
 //! | `gather_blocks.cu` | `gather_blocks`, `copy_pages` | `gather_blocks`, `copy_pages` |
 //! | `norm_rope.cu` | `rms_norm`, `qk_norm_rope` | `rms_norm`, `qk_norm_rope` |
-//! | `wait_stamp.cu` | `wait_stamp` | `wait_stamp` |
+//! | `wait_stamp.cu` | `wait_stamp`, `wait_epoch` | `wait_stamp`, `wait_epoch` |
 //!
 //! kv8 (FP8 E4M3) pages, [`ops`]' `kv8.rs`: `quantize_kv8` (twin `quantize_kv8`),
 //! `append_kv_{kv8_kv8,elem_kv8,kv8_elem}` (`append_kv_tiers`), `gather_blocks_kv8`,

@@ -582,6 +582,17 @@ kernel_params! {
 }
 
 kernel_params! {
+    /// `wait_epoch` (cuda/wait_stamp.cu): hold a stream until a layer's landed epoch (a host
+    /// word the coordinator's step reader writes) reaches the step's epoch, or a timeout passes.
+    pub struct WaitEpochParams => "oasis::WaitEpochParams" for ["wait_epoch"] {
+        pub landed: DevPtr,   // u64, host-mapped: the layer's landed epoch
+        pub epoch: DevPtr,    // [1] i64: the step's epoch (on the device)
+        pub stats: DevPtr,    // [4] u64: waits that gave up, the last one's epoch, ns held, waits
+        pub timeout_ns: i64,
+    }
+}
+
+kernel_params! {
     /// `qk_norm_rope_*` (cuda/norm_rope.cu): q, k, v from the fused QKV projection, with the
     /// optional per-head q/k RMSNorm and rotate-half RoPE.
     pub struct QkNormRopeParams => "oasis::QkNormRopeParams<T>"
@@ -790,6 +801,7 @@ pub const ALL: &[ParamsLayout] = &[
     RmsNormParams::LAYOUT,
     QkNormRopeParams::LAYOUT,
     WaitStampParams::LAYOUT,
+    WaitEpochParams::LAYOUT,
 ];
 
 /// The parameter struct layout of kernel `entry`, if it has one.

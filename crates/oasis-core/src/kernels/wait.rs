@@ -16,35 +16,41 @@ use crate::error::{OasisError, Result};
 /// How long `wait_epoch` sleeps between looks at the word (the kernel: 1 us).
 const EPOCH_NAP: Duration = Duration::from_micros(20);
 
-/// Block until `landed >= want` or `timeout` has passed. On a timeout `timeouts[0] += 1` and
-/// `timeouts[1] = want` (the kernel's `[count, last epoch]`), and the wait gives up: the caller
-/// finds it in `timeouts` after the step. Returns whether it timed out.
+/// Block until `landed >= want` or `timeout` has passed. `stats` is the kernel's `[waits that
+/// gave up, the last one's epoch, nanoseconds held, waits]`: on a timeout `stats[0] += 1` and
+/// `stats[1] = want`, and the wait gives up (the caller finds it after the step); every wait adds
+/// its time to `stats[2]` and counts in `stats[3]`. Returns whether it timed out.
 ///
 /// # Errors
-/// [`OasisError::Shape`] unless `timeouts` has 2 elements.
+/// [`OasisError::Shape`] unless `stats` has 4 elements.
 pub fn wait_epoch(
     landed: &AtomicU64,
     want: u64,
     timeout: Duration,
-    timeouts: &mut [u64],
+    stats: &mut [u64],
 ) -> Result<bool> {
-    if timeouts.len() != 2 {
+    if stats.len() != 4 {
         return Err(OasisError::Shape {
-            what: "timeouts",
-            expected: "[2]".into(),
-            got: format!("[{}]", timeouts.len()),
+            what: "stats",
+            expected: "[4]".into(),
+            got: format!("[{}]", stats.len()),
         });
     }
     let t0 = Instant::now();
+    let mut gave_up = false;
     while landed.load(Ordering::Acquire) < want {
         if t0.elapsed() >= timeout {
-            timeouts[0] = timeouts[0].wrapping_add(1);
-            timeouts[1] = want;
-            return Ok(true);
+            stats[0] = stats[0].wrapping_add(1);
+            stats[1] = want;
+            gave_up = true;
+            break;
         }
         std::thread::sleep(EPOCH_NAP);
     }
-    Ok(false)
+    let held = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
+    stats[2] = stats[2].wrapping_add(held);
+    stats[3] = stats[3].wrapping_add(1);
+    Ok(gave_up)
 }
 
 /// What a stamp marks.
@@ -119,9 +125,10 @@ mod tests {
     #[test]
     fn wait_epoch_returns_once_the_word_reaches_the_epoch_or_times_out() {
         let landed = std::sync::Arc::new(AtomicU64::new(3));
-        let mut t = [0u64; 2];
+        let mut t = [0u64; 4];
         assert!(!wait_epoch(&landed, 3, Duration::ZERO, &mut t).unwrap());
         assert!(!wait_epoch(&landed, 2, Duration::ZERO, &mut t).unwrap());
+        assert_eq!((t[0], t[3]), (0, 2));
         let w = std::sync::Arc::clone(&landed);
         let writer = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(30));
@@ -131,10 +138,13 @@ mod tests {
         assert!(!wait_epoch(&landed, 4, Duration::from_secs(5), &mut t).unwrap());
         assert!(t0.elapsed() >= Duration::from_millis(25));
         writer.join().unwrap();
-        assert_eq!(t, [0, 0]);
+        assert_eq!((t[0], t[1], t[3]), (0, 0, 3));
+        assert!(t[2] >= 25_000_000, "{t:?}");
+        let held = t[2];
         assert!(wait_epoch(&landed, 9, Duration::from_millis(10), &mut t).unwrap());
-        assert_eq!(t, [1, 9]);
-        assert!(wait_epoch(&landed, 9, Duration::from_millis(1), &mut [0u64; 3]).is_err());
+        assert_eq!((t[0], t[1], t[3]), (1, 9, 4));
+        assert!(t[2] >= held + 10_000_000);
+        assert!(wait_epoch(&landed, 9, Duration::from_millis(1), &mut [0u64; 2]).is_err());
     }
 
     #[test]

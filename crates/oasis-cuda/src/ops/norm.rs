@@ -1,6 +1,7 @@
 //! Layer-prologue launches (`rms_norm`, `qk_norm_rope`) and the stream timer `wait_stamp`.
 
 use super::*;
+use crate::params::WaitEpochParams;
 
 impl Gpu {
     /// GPU twin of `oasis_core::kernels::rms_norm`: HF RMSNorm of `n` rows of `hidden =
@@ -94,6 +95,48 @@ impl Gpu {
             // SAFETY: stamps holds the 3 u64 the kernel reads and writes (checked above), reachable
             // and alive until the stream runs it by DevSlice's contract; the stream by Stream's.
             unsafe { self.queue("wait_stamp", (1, 1, 1), 32, 0, stream, &params) }
+        })
+    }
+
+    /// GPU twin of `oasis_core::kernels::wait_epoch`: one thread holds `stream` until the u64
+    /// at `landed` (host memory mapped into the device's address space) reaches `epoch[0]`, or
+    /// gives up after `timeout_ns` (then `stats[0] += 1`, `stats[1] = epoch[0]`); `stats[2]` adds
+    /// the nanoseconds it held the stream, `stats[3]` counts the waits.
+    ///
+    /// # Errors
+    /// [`CudaError::Invalid`] unless `epoch` has 1 element, `stats` 4, `landed` is non-null
+    /// and 8-aligned and `timeout_ns` positive.
+    ///
+    /// # Safety
+    /// `landed` is the device address of a u64 that stays allocated (and mapped) until the
+    /// stream has run the kernel.
+    pub unsafe fn wait_epoch(
+        &self,
+        landed: u64,
+        epoch: DevSlice<i64>,
+        stats: DevSlice<u64>,
+        timeout_ns: i64,
+        stream: Stream,
+    ) -> Result<()> {
+        guard("wait_epoch", || {
+            check_len("epoch", epoch.len(), &[1])?;
+            check_len("stats", stats.len(), &[4])?;
+            if landed == 0 || !landed.is_multiple_of(8) || timeout_ns <= 0 {
+                return Err(CudaError::Invalid(OasisError::Invalid(format!(
+                    "wait_epoch needs a non-null, 8-aligned landed word and a positive timeout, \
+                     got {landed:#x} and {timeout_ns} ns"
+                ))));
+            }
+            let params = WaitEpochParams {
+                landed: DevPtr(landed),
+                epoch: DevPtr::from(epoch),
+                stats: DevPtr::from(stats),
+                timeout_ns,
+            };
+            // SAFETY: epoch and stats hold the 1 and 4 elements the kernel reads and writes
+            // (checked above), alive until the stream runs it by DevSlice's contract; landed by
+            // this function's; the stream by Stream's.
+            unsafe { self.queue("wait_epoch", (1, 1, 1), 32, 0, stream, &params) }
         })
     }
 

@@ -29,6 +29,7 @@ fn sizes_on_64_bit_targets() {
     assert_eq!(size_of::<RmsNormParams>(), 6 * 8 + 2 * 4);
     assert_eq!(size_of::<QkNormRopeParams>(), 10 * 8 + 8 * 4);
     assert_eq!(size_of::<WaitStampParams>(), 8 + 2 * 4);
+    assert_eq!(size_of::<WaitEpochParams>(), 4 * 8);
     assert_eq!(size_of::<AppendKvTiersParams>(), 15 * 8 + 6 * 4);
     assert_eq!(size_of::<GatherBlocksTiersParams>(), 13 * 8 + 12 * 4);
     assert_eq!(size_of::<CopyPagesTiersParams>(), 11 * 8 + 6 * 4);
