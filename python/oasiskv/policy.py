@@ -68,12 +68,17 @@ class BlockSource(Protocol):
             again where it read anything.
         may_evict: :meth:`before_gather` may give a host row to another block: the engine lets the
             previous layer's gather finish before calling it, layer by layer.
+        reads_in_step: the source reads each layer's plan as the step publishes it
+            (:meth:`publish`, the step's table handed over first by :meth:`begin_step`) and the
+            layer's gather waits, on its stream, for that layer's reads alone: the engine neither
+            defers its gathers nor fixes up graph steps (``oasiskv.disagg.in_step``).
     """
 
     local: bool = False
     idle: bool = False
     fixes_up_graph_steps: bool = False
     may_evict: bool = True
+    reads_in_step: bool = False
 
     def before_gather(self, layer: int, plan_slots, plan_blocks, host_indptr, host_indices) -> bool:
         """Between a layer's delta selection and its gather: bring the planned blocks the host pool
@@ -87,6 +92,18 @@ class BlockSource(Protocol):
         still be in flight when it returns: the engine calls :meth:`wait_for_layer_load` before
         each layer's gather."""
         return [self.before_gather(*p) for p in plans]
+
+    def begin_step(self, host_indptr, host_indices) -> int:
+        """Before a step of a source that :attr:`reads_in_step`: its host block table (CPU int32,
+        as the gathers read it); returns the step's epoch, which the engine writes where the
+        step reads it (:meth:`publish`'s ``epoch``)."""
+        raise NotImplementedError("a source that reads in the step implements begin_step")
+
+    def publish(self, layer: int, plan_slots, plan_blocks, epoch) -> None:
+        """Inside a step of a source that :attr:`reads_in_step`, on the layer's stream between
+        its delta selection and its gather: hand the layer's plan over and queue the wait for
+        its reads (``epoch``: the step's, int64 ``[1]`` on the device)."""
+        raise NotImplementedError("a source that reads in the step implements publish")
 
     def wait_for_layer_load(self, layer: int) -> float:
         """Block until the blocks :meth:`before_gathers` brings for ``layer`` are in the host pool

@@ -99,6 +99,23 @@ def test_a_partial_transfer_decodes_in_cuda_graphs_fixed_up_after_each_step():
         assert eng.engine.graph_stats["replays"] > 0
 
 
+@pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
+def test_in_step_reads_decode_as_the_single_process_engine(eager):
+    """``kv_in_step_reads=True``: each layer's plan goes to the coordinator's step reader while
+    the step runs, and the layer's gather waits on its stream (the ``wait_epoch`` kernel) for
+    its reads: the tokens are the eager single-process engine's, in captured graphs and
+    eagerly, misses came over the network, no wait gave up and no graph step was fixed up."""
+    with Daemon(memory="1GiB") as d:
+        eng = _decode_staged(d, kv_transfer="partial", kv_in_step_reads=True, enforce_eager=eager)
+        src = eng.kv_source
+        st, reader = src.stats, src._in_step.stats()
+        assert st.failures == 0 and st.fetched_entries > 0
+        assert reader["steps"] > 0 and reader["stale_steps"] == reader["refused"] == 0, reader
+        assert int(src._in_step.waits[0]) == 0 and int(src._in_step.waits[3]) > 0
+        if not eager:
+            assert eng.engine.graph_stats["replays"] > 0
+
+
 def test_a_bounded_cache_refuses_cuda_graphs():
     """A bounded host cache moves rows between a step's layers, which a replayed graph cannot
     follow: with graphs on (the GPU default) the engine refuses it and names both ways out."""

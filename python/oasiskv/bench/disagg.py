@@ -179,6 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="partial rows: block-heads a step may also read ahead in the background "
         "(LLMEngine(kv_prefetch=); 0: off; default: the source's)",
     )
+    k.add_argument(
+        "--kv-in-step-reads",
+        action="store_true",
+        help="partial rows: read each step's misses while the step runs, each layer's gather "
+        "waiting for its own reads (LLMEngine(kv_in_step_reads=True)); default: after the step",
+    )
     o = ap.add_argument_group("output")
     o.add_argument("--json", default=None)
     o.add_argument("--md", default=None)
@@ -303,6 +309,7 @@ def decode_engine(model, args, url: str, transfer: str):
         host_kv_budget_bytes=_bytes(args.host_kv_budget),
         kv_cache_blocks=args.kv_cache_blocks if transfer == "partial" else None,
         kv_prefetch=args.kv_prefetch,
+        kv_in_step_reads=args.kv_in_step_reads and transfer == "partial",
         enforce_eager=not args.cuda_graph,  # this benchmark's graphs stay opt-in (its published runs)
         output_kind="delta",
     )
@@ -538,6 +545,7 @@ def _report(args, url: str, name: str, dev, rows: list[dict], dtypes: dict) -> d
             "fetch_cap": args.fetch_cap,
             "kv_cache_blocks": args.kv_cache_blocks,
             "kv_prefetch": _prefetch(args),
+            "kv_in_step_reads": args.kv_in_step_reads,
             **dtypes,
         },
         "cuda_graph": args.cuda_graph,

@@ -79,6 +79,7 @@ from ..policy import BlockSource
 from . import wire
 from .admission import AdmissionMixin
 from .connections import Connections
+from .in_step import InStepReads
 from .read_ahead import ReadAhead
 from .state import StagedState, TransferStats
 from .wire import KV_TRANSFERS, kv_source_url, split_kv_source
@@ -165,6 +166,7 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
         self._bounded = 0  # live staged requests with a bounded cache
         self._failed: dict[int, str] = {}  # failures taken from the coordinator, not reported yet
         self.read_ahead = ReadAhead(engine, transfer, cache_blocks, self.conns.open)
+        self._in_step: InStepReads | None = None  # in_step_reads: the mailbox and its reader
         engine.block_source = self
 
     def _open_coordinator(self) -> Coordinator:
@@ -376,6 +378,56 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
         anything, before the next step reads those slots. Not with a bounded cache, whose rows
         change hands between the layers of a step."""
         return self._bounded == 0
+
+    @property
+    def reads_in_step(self) -> bool:
+        """Whether the steps publish their plans for the coordinator's step reader
+        (:attr:`in_step_reads`; not while a staged request has a bounded cache)."""
+        return self._in_step is not None and self._bounded == 0
+
+    @property
+    def in_step_reads(self) -> bool:
+        """Read each step's misses while the step runs (:mod:`.in_step`): every layer publishes
+        its plan to the coordinator's step reader and its gather waits, on its own stream, for
+        that layer's reads alone; the reads overlap the step, nothing waits on the host between
+        steps (no plans copied back, no second gather). False (the default until measured on a
+        GPU): the plans go to the coordinator after the step (:meth:`before_gathers`). A partial
+        transfer only; not with ``kv_cache_blocks`` (its rows change hands between layers)."""
+        return self._in_step is not None
+
+    @in_step_reads.setter
+    def in_step_reads(self, on: bool) -> None:
+        if not isinstance(on, bool):
+            raise ConfigError(f"in_step_reads must be a bool, got {on!r}")
+        if on == (self._in_step is not None):
+            return
+        if on and (self.transfer != "partial" or self.cache_blocks is not None):
+            raise ConfigError(
+                "in_step_reads reads a partial transfer's misses in the step: it needs "
+                "kv_transfer='partial' and kv_cache_blocks=None"
+            )
+        eng = self.engine
+        # Captured steps bake the mailbox's addresses in (and publish, or not).
+        eng.drop_graphs()
+        if on:
+            # A captured step's plan has a row per padded request: at most twice the batch.
+            rows = 2 * eng.max_num_seqs
+            self._in_step = InStepReads(eng, self.coord, rows, self._decode_prefetch, self._timeout_s)
+        else:
+            self._in_step.close()
+            self._in_step = None
+
+    def begin_step(self, host_indptr, host_indices) -> int:
+        """The next step's host block table to the step reader (the pools registered first);
+        returns the step's epoch."""
+        self._sync_pools()
+        self._sync_landed()
+        return self._in_step.begin_step(host_indptr, host_indices)
+
+    def publish(self, layer: int, plan_slots, plan_blocks, epoch) -> None:
+        """Layer ``layer``'s plan to the step reader, and the wait for its reads (on the
+        current stream; :meth:`InStepReads.publish`)."""
+        self._in_step.publish(layer, plan_slots, plan_blocks, epoch)
 
     @property
     def may_evict(self) -> bool:
@@ -595,7 +647,17 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
     def take_failed(self) -> dict[int, str]:
         """Engine request ids whose KV could not be read since the last call -> why; the engine
         finishes them with ``finish_reason="error"``. Not the requests still admitting: their
-        admission reports them (:meth:`finish_admission` raises)."""
+        admission reports them (:meth:`finish_admission` raises). A layer's wait on its reads
+        that gave up (:attr:`in_step_reads`; the daemon or the reader stalled past ``timeout_s``)
+        fails every staged request that was decoding: its step gathered rows that had not
+        landed."""
+        if self._in_step is not None:
+            gave_up, held = self._in_step.poll()
+            self.stats.wait_seconds += held
+            if gave_up:
+                for o, st in self._by_req.items():
+                    if st.admitting is None:
+                        self._fail(o, f"a step's wait for its remote reads gave up after {self._timeout_s} s")
         self._collect_failures()
         out = {
             o: m
@@ -643,5 +705,7 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
 
     def close(self) -> None:
         self.read_ahead.close()
+        if self._in_step is not None:
+            self._in_step.close()
         self.coord.close()
         self.conns.close()

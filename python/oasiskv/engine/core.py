@@ -196,6 +196,12 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         # A CUDA-graph step's kept plans per layer while a block_source is set (_run_step,
         # _fix_up_gathers); None outside such a step.
         self._plans: list | None = None
+        # Whether this step's layers publish their plans to a source that reads in the step
+        # (BlockSource.reads_in_step, not idle; decode_step), and the step's epoch on the device.
+        self._in_step = False
+        self._epoch_dev = torch.zeros(1, dtype=torch.int64, device=self.device)
+        # The host views of the last eager step's plan (_plan): its block table for begin_step.
+        self._plan_host: dict = {}
         #: KV-head replication under tensor parallelism (:mod:`oasiskv.models.tp`): the model
         #: shard's ``score_reduce`` sums each block's partial score ``[nnz, num_kv_heads]`` (this
         #: rank's query heads of the KV head) over the ranks sharing the head, before every top-K,
@@ -605,6 +611,7 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
             evt.record()
             self._plan_evt[i] = evt
         views = {name: dev[start : start + length] for name, (start, length) in layout.items()}
+        self._plan_host = {name: host[start : start + length] for name, (start, length) in layout.items()}
         return views, n_sparse, max_pages
 
     @torch.no_grad()
@@ -683,8 +690,10 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         # before a gather) keeps the step eager; a source with nothing left to read does not.
         src = self.block_source
         reads = not src.idle
-        # A source that fixes up graph steps (_fix_up_gathers) keeps the graphs.
-        reads_eagerly = reads and not src.fixes_up_graph_steps
+        # A source that reads in the step, or fixes up graph steps (_fix_up_gathers), keeps the
+        # graphs.
+        self._in_step = reads and src.reads_in_step
+        reads_eagerly = reads and not (src.fixes_up_graph_steps or self._in_step)
         eager = self.policy is not None or self.recorder is not None or reads_eagerly
         graph = self.cuda and self.cuda_graph and not eager
         self._recall_now, self._store_pred = self._recall_phase()
@@ -703,6 +712,8 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
                 self._spec = None
                 self.runtime.commit_drafts([])  # give the tentative slots back
             raise
+        finally:
+            self._in_step = False
         if feats is not None:
             for i, r in enumerate(reqs):
                 r.features = feats[i]
@@ -750,6 +761,8 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
             sms = ops._num_sms(self.device)
             num_splits = _core.plan_num_splits(sms, rows_cap, self.geo.num_kv_heads, pages_cap)
         plan = self._sparse_plan(v, reqs) if n_sparse else None
+        if plan is not None and self._in_step:
+            self._begin_in_step(self._plan_host)
         if plan is not None and self.cuda:
             for side in self._sides:
                 plan.keep_for(side)
@@ -764,6 +777,12 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         )
         self._last_q = list(out["last_q"])
         return out["logits"], out["feats"], (out if spec else None)
+
+    def _begin_in_step(self, host_views: dict) -> None:
+        """Hand a step's host block table to a source that reads in the step, and write the
+        step's epoch where its layers read it (on the current stream, before the step)."""
+        epoch = self.block_source.begin_step(host_views["host_indptr"], host_views["host_indices"])
+        self._epoch_dev.fill_(epoch)
 
     # ---------------------------------------------------------------- metrics
     def finalize_metrics(self, r: Request) -> None:

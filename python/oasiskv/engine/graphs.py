@@ -199,6 +199,7 @@ class GraphsMixin:
             self._store_pred,
             0 if samp is None else 2 if self._nucleus_now else 1,
             verdicts is not None,
+            self._in_step,  # its layers publish their plans (a source that reads in the step)
         )
         pad = (*key[:3], self.max_num_seqs)
         if spec:
@@ -215,6 +216,8 @@ class GraphsMixin:
         if gr.plan_evt is not None:
             gr.plan_evt.synchronize()  # the copy out of the pinned buffer a step ago is done
         rt.write_plan(gr.plan_host)
+        if self._in_step and self.backend == "oasis":
+            self._begin_in_step({n: gr.plan_host[s : s + k] for n, (s, k) in gr.layout.items()})
         self._join_background()
         self._flush_map()
         gr.plan_dev.copy_(gr.plan_host, non_blocking=True)

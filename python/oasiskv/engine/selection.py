@@ -623,6 +623,8 @@ class SelectionMixin:
         the planned blocks it lacked."""
         if self._plans is not None:
             self._plans.append((layer, ps, pb, slot_pages, host_csr))  # read after the step
+        elif self._in_step:
+            self.block_source.publish(layer, ps, pb, self._epoch_dev)  # and wait, on this stream
         else:
             self.block_source.before_gather(layer, ps, pb, *host_csr)
         self._gather(layer, ps, pb, slot_pages, host_csr)

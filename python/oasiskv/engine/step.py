@@ -69,11 +69,14 @@ class StepMixin:
         if draft_logits and last not in capture:
             capture = (*capture, last)  # the last layer's output of row 1, for its logits
         grouped = {"kv_groups": rows} if kv_grouped else {}
-        defer = not self.block_source.local and plan is not None and not static
+        # A source that reads in the step: each layer publishes its plan and its gather waits for
+        # its reads, on the layer's stream (_fetch_and_gather); nothing is deferred or kept.
+        remote = not self.block_source.local and plan is not None and not self._in_step
+        defer = remote and not static
         self._deferred = [] if defer else None
         # A static (CUDA-graph) step with a block source: the gathers run as planned and each
         # layer's plan is kept for the host to fix up after the step (_fix_up_gathers).
-        self._plans = [] if not self.block_source.local and plan is not None and static else None
+        self._plans = [] if remote and static else None
         try:
             logits, captured = self.model.forward(
                 ids_t, pos_t, attn, logits_rows=row0, capture_layers=capture, **grouped

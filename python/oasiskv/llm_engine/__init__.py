@@ -158,6 +158,10 @@ class LLMEngine(Scheduler, Decoder, Sampler, Drafting, Lifecycle):
             background that the next steps will probably need (each planned block's successor,
             the newest staged blocks), at most this many per step and in flight
             (``RemoteKvSource.decode_prefetch``); 0 turns it off. None: the source's default.
+        kv_in_step_reads: with ``kv_transfer="partial"``, read each step's misses while the step
+            runs: every layer publishes its plan to the coordinator's step reader and its gather
+            waits for that layer's reads alone (``RemoteKvSource.in_step_reads``,
+            :mod:`oasiskv.disagg.in_step`). False: the misses are read after the step.
     """
 
     def __init__(
@@ -189,6 +193,7 @@ class LLMEngine(Scheduler, Decoder, Sampler, Drafting, Lifecycle):
         kv_retries: int = 0,
         kv_cache_blocks: int | None = None,
         kv_prefetch: int | None = None,
+        kv_in_step_reads: bool = False,
     ) -> None:
         for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not is_int(v) or not 1 <= v <= 1 << 20:
@@ -288,10 +293,14 @@ class LLMEngine(Scheduler, Decoder, Sampler, Drafting, Lifecycle):
             )
             if kv_prefetch is not None:
                 self.kv_source.decode_prefetch = kv_prefetch  # validated there
+            if kv_in_step_reads is not False:
+                self.kv_source.in_step_reads = kv_in_step_reads  # validated there
         elif kv_cache_blocks is not None:
             raise ConfigError("kv_cache_blocks bounds the host pool of staged requests; it needs kv_source")
         elif kv_prefetch is not None:
             raise ConfigError("kv_prefetch reads ahead the blocks of staged requests; it needs kv_source")
+        elif kv_in_step_reads is not False:
+            raise ConfigError("kv_in_step_reads reads the misses of staged requests; it needs kv_source")
 
     # ------------------------------------------------------------------ requests
     def add_request(
