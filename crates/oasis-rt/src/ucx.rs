@@ -47,7 +47,7 @@ use crate::transport::{
     Connection, Listener, Registering, Registrar, RmaConnection, Transport,
     DEFAULT_CONNECT_TIMEOUT, DEFAULT_IO_TIMEOUT,
 };
-use worker::{Cmd, ConnParts, Incoming, RegionParts, Worker};
+use worker::{Cmd, ConnParts, GetItem, Incoming, RegionParts, Worker};
 
 pub use sys::LIBUCP_NAMES;
 
@@ -465,20 +465,27 @@ impl RmaConnection for UcxConnection {
             addrs.push(region.check(*offset, *len)?);
         }
         let mut pending = Vec::with_capacity(ranges.len());
+        let mut items = Vec::with_capacity(ranges.len());
         for ((region, _, len), addr) in ranges.into_iter().zip(addrs) {
             if len == 0 {
                 pending.push(None);
                 continue;
             }
             let (reply, rx) = oneshot::channel();
-            self.worker.submit(Cmd::Get {
-                conn: self.id,
+            items.push(GetItem {
                 rkey: region.rkey,
                 addr,
                 len: len as usize,
                 reply,
-            })?;
+            });
             pending.push(Some(rx));
+        }
+        // One command (one wake-up of the progress thread) for the batch.
+        if !items.is_empty() {
+            self.worker.submit(Cmd::Gets {
+                conn: self.id,
+                items,
+            })?;
         }
         // One deadline for the batch (the gets overlap). A get left behind completes into its
         // own buffer, which the thread frees.

@@ -153,7 +153,22 @@ pub enum Cmd {
         len: usize,
         reply: oneshot::Sender<Result<Bytes>>,
     },
+    /// Many gets of one connection in one command (one wake-up of the thread, not one per get:
+    /// a step's reads are thousands of block-heads, each a K and a V range).
+    Gets {
+        conn: ConnId,
+        items: Vec<GetItem>,
+    },
     Shutdown,
+}
+
+/// One get of [`Cmd::Gets`]: a range of a peer's region, as [`Cmd::Get`].
+#[derive(Debug)]
+pub struct GetItem {
+    pub rkey: Bytes,
+    pub addr: u64,
+    pub len: usize,
+    pub reply: oneshot::Sender<Result<Bytes>>,
 }
 
 /// The submitting side, shared with the thread (which empties it before the worker goes away,
@@ -608,6 +623,11 @@ impl State {
                 len,
                 reply,
             } => self.get(conn, &rkey, addr, len, reply),
+            Cmd::Gets { conn, items } => {
+                for it in items {
+                    self.get(conn, &it.rkey, it.addr, it.len, it.reply);
+                }
+            }
             Cmd::Shutdown => {}
         }
     }
