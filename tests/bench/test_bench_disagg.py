@@ -82,6 +82,28 @@ def test_fp8_rows_stage_and_name_fp8_blocks(tmp_path, flag):
         assert r["kv_bytes_per_request"] == fp8_kv
 
 
+def test_in_step_reads_rows(tmp_path):
+    """``--kv-in-step-reads``: the partial rows read their misses during each step (the CPU path
+    waits inline for the step reader), decode the full transfer's tokens, and say so; the JSON
+    records the flag and the layers' wait on their reads."""
+    binary = need_binary()
+    out, md = tmp_path / "d.json", tmp_path / "d.md"
+    argv = [
+        "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--daemon", binary,
+        "--prompt-tokens", "300", "--max-tokens", "6", "--requests", "2", "--rates", "100",
+        "--block-size", "16", "--top-k-blocks", "4", "--sparse-threshold", "64", "--kv-prefetch", "0",
+        "--kv-in-step-reads", "--json", str(out), "--md", str(md),
+    ]  # fmt: skip
+    assert disagg.main(argv) == 0
+    rep = json.loads(out.read_text())
+    assert rep["kv"]["kv_in_step_reads"] is True
+    rows = {r["transfer"]: r for r in rep["rows"]}
+    part = rows["partial"]
+    assert part["failures"] == 0 and part["same_tokens"] == 1.0
+    assert part["miss_entries"] > 0 and part["wait_ms_per_step"] > 0
+    assert "read their misses in the step" in md.read_text()
+
+
 def test_admission_choices_are_the_workers():
     from oasiskv.disagg import ADMISSIONS
 

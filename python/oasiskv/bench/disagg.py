@@ -559,6 +559,9 @@ def markdown(rep: dict) -> str:
     def f(v, scale=1.0, d=1):
         return "-" if v is None else f"{v * scale:.{d}f}"
 
+    in_step = ""
+    if rep["kv"].get("kv_in_step_reads"):
+        in_step = "; partial rows read their misses in the step (--kv-in-step-reads)"
     lines = [
         f"## Disaggregated prefill/decode (Fig. 12): {rep['model']}, {rep['device']}, "
         f"over {rep['transport']}",
@@ -566,7 +569,7 @@ def markdown(rep: dict) -> str:
         f"- {rep['requests']} requests of {rep['prompt_tokens']} prompt tokens and {rep['max_tokens']} new "
         f"tokens per rate; K = {rep['kv']['top_k_blocks']} blocks of {rep['kv']['block_size']}, fetch cap "
         f"{rep['kv']['fetch_cap']}; KV pages {rep['kv']['kv_dtype']}, host pool and staged blocks "
-        f"{rep['kv']['host_kv_dtype']}; daemon {rep['kv_source']}",
+        f"{rep['kv']['host_kv_dtype']}; daemon {rep['kv_source']}{in_step}",
         "",
         "| transfer | req/s | tok/s | TTFT p50 ms | TTFT p99 ms | admit p50 ms | TPOT p50 ms | "
         "admission MiB/req | fetched MiB/req | peak host KV MiB | vs first | host rows MiB | "
@@ -596,7 +599,10 @@ def markdown(rep: dict) -> str:
         "(plans copied to the host, submission, the layer-by-layer reads' waits); wait ms/step: its "
         "time blocked on late layers (wait_for_layer_load); the reads themselves run on the "
         "coordinator's threads (coord_read_ms_per_step in the JSON); graph / eager: decode steps "
-        "replayed from captured CUDA graphs and run eagerly.",
+        "replayed from captured CUDA graphs and run eagerly. With --kv-in-step-reads the partial rows' "
+        "reads run during the step: read ms/step is the loop's time handing each step's block table "
+        "over, wait ms/step the time the layers' streams were held on the GPU by late reads "
+        "(wait_epoch, summed over the layers, which wait side by side).",
         "- same tokens: requests whose whole output equals the first mode's at the same rate. Each row "
         "batches requests differently, so with random bf16 weights near-tied logits may flip.",
     ]
