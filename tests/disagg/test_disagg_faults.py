@@ -32,16 +32,22 @@ def model():
     return tiny()
 
 
+@pytest.mark.parametrize("in_step", [False, True], ids=["reads-after-step", "in-step-reads"])
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("fault", ["kill", "stall"])
-def test_a_dead_daemon_fails_only_its_requests(model, fault, transport):
+def test_a_dead_daemon_fails_only_its_requests(model, fault, transport, in_step):
     with Daemon(transport=transport) as d:
         dry, h = staged_small(model, d, seeds=(3, 3))
         steps = fetch_steps(model, d, [dry], prompt(P, 11), n=40)
         assert len(steps) >= 2, steps
         timeout = 1.0
         eng = LLMEngine(
-            model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_timeout_s=timeout
+            model,
+            kv=KvConfig.fast(**SMALL),
+            drafter="ngram",
+            kv_source=d.url,
+            kv_timeout_s=timeout,
+            kv_in_step_reads=in_step,
         )
         staged = eng.add_staged_request(h, params(40))
         local = eng.add_request(prompt(P, 11), params(40))
@@ -67,13 +73,17 @@ def test_a_dead_daemon_fails_only_its_requests(model, fault, transport):
             d.cont()
 
 
-def test_a_released_request_fails_alone(model):
+@pytest.mark.parametrize("in_step", [False, True], ids=["reads-after-step", "in-step-reads"])
+def test_a_released_request_fails_alone(model, in_step):
     """An entry the daemon no longer holds (released, or evicted after its lease) fails that
-    request only: per-entry errors of a batched read."""
+    request only: per-entry errors of a batched read. With in-step reads the step reader's read
+    fails, the layer is still marked landed (the step goes on) and the other request completes."""
     with Daemon() as d:
         d1, d2, h1, h2 = staged_small(model, d, seeds=(3, 5, 3, 5))
         steps = fetch_steps(model, d, [d1, d2], None, n=40)
-        eng = LLMEngine(model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url)
+        eng = LLMEngine(
+            model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_in_step_reads=in_step
+        )
         a = eng.add_staged_request(h1, params(40))
         b = eng.add_staged_request(h2, params(40))
         last = {}

@@ -3,18 +3,17 @@ decode step publishes its plan to the coordinator's step reader (a Rust thread),
 misses while the step goes on; the layer's gather waits for its reads alone (``ops.wait_epoch``;
 on the CPU path the wait runs inline). Over TCP on the CPU: the greedy tokens of the
 single-process engine and of the reads after the step, the reader serving every step, misses
-read once, pools full again; a failed read fails its request; the knob is validated."""
+read once, pools full again; the knob is validated. (The faults with in-step reads: a released
+request and a dead or stalled daemon, in ``test_disagg_faults.py``.)"""
 
 from __future__ import annotations
-
-import time
 
 import pytest
 
 from oasiskv import KvConfig, LLMEngine, errors
-from support.fakes import pools_are_full, prompt, tiny
+from support.fakes import pools_are_full, tiny
 from support.rtd import Daemon
-from support.staged import SMALL, P, fetch_steps, params, reference, run_batch, staged_small
+from support.staged import SMALL, params, reference, run_batch, staged_small
 
 # Private names read here: the remote source's ``_in_step`` (its step reader's counters).
 
@@ -59,63 +58,6 @@ def test_in_step_reads_keep_the_tokens_and_serve_every_step(model, prefetch):
     if prefetch == 0:
         assert s_in.miss_entries == s_after.miss_entries
         assert s_in.fetched_entries == s_after.fetched_entries
-
-
-def _in_step_engine(model, d: Daemon, **kw) -> LLMEngine:
-    eng = LLMEngine(model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, **kw)
-    eng.kv_source.in_step_reads = True
-    return eng
-
-
-def test_a_released_request_fails_alone_in_the_step(model):
-    """An entry the daemon no longer holds fails that request only: the step reader's read of it
-    fails, the layer is still marked landed (the step goes on), and the other request completes
-    with the single-process tokens."""
-    with Daemon() as d:
-        d1, d2, h1, h2 = staged_small(model, d, seeds=(3, 5, 3, 5))
-        steps = fetch_steps(model, d, [d1, d2], None, n=40)
-        eng = _in_step_engine(model, d)
-        a = eng.add_staged_request(h1, params(40))
-        b = eng.add_staged_request(h2, params(40))
-        last = {}
-        for _ in range(steps[-1] - 1):
-            for o in eng.step():
-                last[o.request_id] = o
-        assert eng.kv_source.client.release(h1.request_id) > 0
-        while eng.has_unfinished_requests():
-            for o in eng.step():
-                last[o.request_id] = o
-        reader = eng.kv_source._in_step.stats()
-        assert last[a].finish_reason == "error" and "unknown_request" in last[a].error
-        assert last[b].finish_reason == "length", last[b].error
-        (ref,) = reference(model, KvConfig.fast(**SMALL), "oasis", [h2.prompt])
-        assert last[b].token_ids[: len(ref.token_ids)] == ref.token_ids[: len(last[b].token_ids)]
-        assert reader["refused"] == 0 and reader["steps"] > 0
-        assert pools_are_full(eng)
-        eng.kv_source.close()
-
-
-def test_a_killed_daemon_fails_its_request_and_the_local_one_goes_on(model):
-    with Daemon() as d:
-        dry, h = staged_small(model, d, seeds=(3, 3))
-        steps = fetch_steps(model, d, [dry], prompt(P, 11), n=40)
-        eng = _in_step_engine(model, d, kv_timeout_s=1.0)
-        staged = eng.add_staged_request(h, params(40))
-        local = eng.add_request(prompt(P, 11), params(40))
-        last = {}
-        for _ in range(steps[-1] - 1):
-            for o in eng.step():
-                last[o.request_id] = o
-        d.kill()
-        t = time.monotonic()
-        while eng.has_unfinished_requests():
-            for o in eng.step():
-                last[o.request_id] = o
-        assert time.monotonic() - t < 10
-        assert last[staged].finish_reason == "error" and "staging daemon" in last[staged].error
-        assert last[local].finish_reason == "length" and len(last[local].token_ids) == 40
-        assert pools_are_full(eng)
-        assert eng.kv_source.stats.failures == 1
 
 
 def test_in_step_reads_is_validated(model):
