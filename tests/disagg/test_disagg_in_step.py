@@ -60,6 +60,28 @@ def test_in_step_reads_keep_the_tokens_and_serve_every_step(model, prefetch):
         assert s_in.fetched_entries == s_after.fetched_entries
 
 
+def test_a_new_coordinator_or_prefetch_restarts_the_reader(model):
+    """Changing ``read_connections`` (a new coordinator) or ``decode_prefetch`` after turning
+    in-step reads on gives the mailbox a new reader for them: the tokens stay the single-process
+    engine's, and the new reader serves every step."""
+    with Daemon() as d:
+        handles = staged_small(model, d)
+        eng = LLMEngine(model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url)
+        src = eng.kv_source
+        src.in_step_reads = True
+        first = src._in_step.reader
+        src.read_connections = 2
+        src.decode_prefetch = 0
+        assert src._in_step.reader is not first
+        outs = run_batch(eng, [lambda e, h=h: e.add_staged_request(h, params()) for h in handles])
+        reader = src._in_step.stats()
+        src.close()
+    refs = reference(model, KvConfig.fast(**SMALL), "oasis", [h.prompt for h in handles])
+    for o, ref in zip(outs, refs, strict=True):
+        assert o.finish_reason == "length" and o.token_ids == ref.token_ids, o.error
+    assert reader["steps"] > 0 and reader["refused"] == 0 and reader["entries"] > 0
+
+
 def test_in_step_reads_is_validated(model):
     with Daemon() as d:
         eng = LLMEngine(model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url)

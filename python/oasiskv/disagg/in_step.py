@@ -55,10 +55,20 @@ class InStepReads:
         #: ``[waits that gave up, the last one's epoch, nanoseconds held, waits]`` on the device.
         self.waits = torch.zeros(4, dtype=torch.int64, device=engine.device)
         self._seen = (0, 0)  # (gave up, nanoseconds held) at the last poll
+        self.epoch = 0  # the last begun step's; only grows (the GPU waits for landed >= epoch)
+        self.reader = None
+        self.restart(coord, prefetch)
+
+    def restart(self, coord: Coordinator, prefetch: int) -> None:
+        """Serve the mailbox with a new reader, for ``coord`` with ``prefetch`` (the source
+        opened a new coordinator, or its prefetch changed), between steps. The mailbox stays where
+        it is, so captured steps stay valid; the epochs go on from the last (the landed words
+        hold the old reader's, which a new step's wait must not take for its own)."""
+        if self.reader is not None:
+            self.reader.stop()
         self.reader = StepReader(
-            coord, self.slots, self.blocks, self.ready, self.landed, geo.num_kv_heads, prefetch=prefetch
+            coord, self.slots, self.blocks, self.ready, self.landed, self.heads, prefetch=prefetch
         )
-        self.epoch = 0  # the last begun step's
 
     def begin_step(self, host_indptr: torch.Tensor, host_indices: torch.Tensor) -> int:
         """Queue the next step's block table (CPU int32, as the step's gathers read it); returns

@@ -198,6 +198,8 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
         self.coord.close()
         self.coord = self._open_coordinator()
         self._pools_key = ()
+        if self._in_step is not None:  # its reader reads for the coordinator it was started with
+            self._in_step.restart(self.coord, self._decode_prefetch)
 
     # ---------------------------------------------------------------- the parts' settings
     @property
@@ -243,6 +245,8 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise ConfigError(f"decode_prefetch must be an int >= 0 (block-heads a step; 0: off), got {n!r}")
         self._decode_prefetch = n
+        if self._in_step is not None:  # the step reader submits with it
+            self._in_step.restart(self.coord, n)
 
     @property
     def prefetch_depth(self) -> int:
