@@ -162,10 +162,15 @@ def main() -> None:
         if args.backend == "oasis":
             eng.make_sparse(r)
 
+    fetched: list[int] = []  # block-heads the timed steps gathered from the host pool, per step
+
     def timed(n: int, batch: list | None = None) -> tuple[list[float], list[float]]:
         batch = reqs if batch is None else batch
         host, step = [], []
+        fetched.clear()
+        acc = getattr(eng, "_acc_fetched", None)
         for s in range(n + 2):
+            before = int(acc.sum()) if acc is not None else 0
             if cuda:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -177,12 +182,15 @@ def main() -> None:
             if s >= 2:
                 host.append((t1 - t0) * 1e3)
                 step.append((t2 - t0) * 1e3)
+                if acc is not None:
+                    fetched.append(int(acc.sum()) - before)
             for r in batch:
                 r.tokens.append(1)
                 r.draft = 2
         return host, step
 
     host, step = timed(args.steps)
+    fetched0 = list(fetched)
     sweep = []
     if args.gather_blocks and cuda:
         from oasiskv import ops
@@ -255,6 +263,7 @@ def main() -> None:
                     fused_rescore=fused == "1",
                     host_ms=statistics.median(h),
                     step_ms=statistics.median(st),
+                    fetched_per_step=statistics.median(fetched) if fetched else None,
                 )
                 print(json.dumps(row), flush=True)
                 sweep.append(row)
@@ -309,6 +318,7 @@ def main() -> None:
         host_ms=statistics.median(host),
         step_ms=statistics.median(step),
         host_ms_all=host,
+        fetched_per_step=statistics.median(fetched0) if fetched0 else None,
         host_pool=args.host_pool,
         sweep=sweep,
     )

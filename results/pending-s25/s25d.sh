@@ -14,4 +14,4 @@ for t in tcp ucx; do
   echo "== $t"; grep "^| \(full\|partial\)" $OUT/disagg-in-step-$t.md | head -4
 done
 (cd /tmp; for dsp in 1 0; do timeout 70 python3 $R/results/pending-s25/step_direct.py $dsp $R/experiments/exp_step_host.py --full --same-prompt --cuda-graph --no-recall \
-  --requests 40 --context 16384 --top-k-blocks 128 --steps 10 --variants fast:2:0 --repeat 1 --json $OUT/sd-$dsp.json > $OUT/sd-$dsp.log 2>&1; echo "direct=$dsp rc=$?"; grep step_ms $OUT/sd-$dsp.log | head -2; done)
+  --requests 40 --context 16384 --top-k-blocks 128 --steps 10 --variants fast:2:0 --repeat 1 --profile $OUT/sd-$dsp-prof.txt --json $OUT/sd-$dsp.json > $OUT/sd-$dsp.log 2>&1; echo "direct=$dsp rc=$?"; grep step_ms $OUT/sd-$dsp.log | head -2; done)
