@@ -2,7 +2,7 @@
 # and key codes (d3802d4); Fig. 12 with in-step reads over TCP, then UCX (batched gets); the
 # 40 x 16K step with and without the sparse admission. Outputs land in $OUT as they finish.
 set -u
-TESTS="tests/engine/test_gpu_sparse_prefill.py tests/disagg/test_gpu_disagg.py tests/kernels/test_gpu_key_codes.py" \
+TESTS="tests/kernels/test_gpu_wait_epoch.py tests/engine/test_gpu_sparse_prefill.py tests/disagg/test_gpu_disagg.py tests/kernels/test_gpu_key_codes.py" \
   OVERLAY_PY=1 NO_BENCH=1 PYTEST_SECS=${PYTEST_SECS:-150} bash scripts/device.sh run 2>&1 | tail -4
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 R=$PWD
