@@ -200,8 +200,8 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         # (BlockSource.reads_in_step, not idle; decode_step), and the step's epoch on the device.
         self._in_step = False
         self._epoch_dev = torch.zeros(1, dtype=torch.int64, device=self.device)
-        # The host views of the last eager step's plan (_plan): its block table for begin_step.
-        self._plan_host: dict = {}
+        # The last eager step's plan on the host and its layout (_plan): begin_step's table.
+        self._plan_host: tuple = ()
         #: KV-head replication under tensor parallelism (:mod:`oasiskv.models.tp`): the model
         #: shard's ``score_reduce`` sums each block's partial score ``[nnz, num_kv_heads]`` (this
         #: rank's query heads of the KV head) over the ranks sharing the head, before every top-K,
@@ -611,7 +611,7 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
             evt.record()
             self._plan_evt[i] = evt
         views = {name: dev[start : start + length] for name, (start, length) in layout.items()}
-        self._plan_host = {name: host[start : start + length] for name, (start, length) in layout.items()}
+        self._plan_host = (host, layout)
         return views, n_sparse, max_pages
 
     @torch.no_grad()
@@ -762,7 +762,7 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
             num_splits = _core.plan_num_splits(sms, rows_cap, self.geo.num_kv_heads, pages_cap)
         plan = self._sparse_plan(v, reqs) if n_sparse else None
         if plan is not None and self._in_step:
-            self._begin_in_step(self._plan_host)
+            self._begin_in_step(*self._plan_host)
         if plan is not None and self.cuda:
             for side in self._sides:
                 plan.keep_for(side)
@@ -778,11 +778,13 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         self._last_q = list(out["last_q"])
         return out["logits"], out["feats"], (out if spec else None)
 
-    def _begin_in_step(self, host_views: dict) -> None:
-        """Hand a step's host block table to a source that reads in the step, and write the
-        step's epoch where its layers read it (on the current stream, before the step)."""
-        epoch = self.block_source.begin_step(host_views["host_indptr"], host_views["host_indices"])
-        self._epoch_dev.fill_(epoch)
+    def _begin_in_step(self, plan_host: torch.Tensor, layout: dict) -> None:
+        """Hand a step's host block table (the fields of its plan on the host, ``layout``: field
+        -> (start, length)) to a source that reads in the step, and write the step's epoch where
+        its layers read it (on the current stream, before the step)."""
+        (a, na), (b, nb) = layout["host_indptr"], layout["host_indices"]
+        indptr, indices = plan_host[a : a + na], plan_host[b : b + nb]
+        self._epoch_dev.fill_(self.block_source.begin_step(indptr, indices))
 
     # ---------------------------------------------------------------- metrics
     def finalize_metrics(self, r: Request) -> None:

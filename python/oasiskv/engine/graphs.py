@@ -217,7 +217,7 @@ class GraphsMixin:
             gr.plan_evt.synchronize()  # the copy out of the pinned buffer a step ago is done
         rt.write_plan(gr.plan_host)
         if self._in_step and self.backend == "oasis":
-            self._begin_in_step({n: gr.plan_host[s : s + k] for n, (s, k) in gr.layout.items()})
+            self._begin_in_step(gr.plan_host, gr.layout)
         self._join_background()
         self._flush_map()
         gr.plan_dev.copy_(gr.plan_host, non_blocking=True)
