@@ -119,12 +119,11 @@ class SparsePrefill:
         on the background stream on a GPU, at once on the CPU. Once per layer and chunk."""
         if layer in self._pending or not 0 <= layer < self.eng.cfg.num_hidden_layers:
             return
-        if self.side is None:
-            self._pending[layer] = (*self._read(layer, n), None)
-            return
         k, v = self._read(layer, n, self.side)
-        done = torch.cuda.Event()
-        done.record(self.side)
+        done = None
+        if self.side is not None:
+            done = torch.cuda.Event()
+            done.record(self.side)
         self._pending[layer] = (k, v, done)
 
     def prefix(self, layer: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,20 +156,20 @@ class SparsePrefill:
             if not by_engine:  # rows in any order: the page copy kernel reads them in place
                 kw = p.host_scales(layer, "src_")
                 ops.copy_pages(eng.geo, p.host_k[layer], p.host_v[layer], self.rows[:nb], *pages, ids, **kw)
-            elif p.host_kv8:
-                staged = [torch.empty(nb, hk, b, d, dtype=torch.uint8, device=dev) for _ in range(2)]
-                scales = [torch.empty(nb, hk, dtype=torch.float32, device=dev) for _ in range(2)]
-                srcs = (p.host_k[layer], p.host_v[layer], p.host_k_scales[layer], p.host_v_scales[layer])
-                for dst, src in zip((*staged, *scales), srcs, strict=True):
-                    for at, row, m in runs:
-                        dst[at : at + m].copy_(src[row : row + m], non_blocking=True)
-                ops.copy_pages(
-                    eng.geo, *staged, ids, *pages, ids, src_k_scales=scales[0], src_v_scales=scales[1]
-                )
             else:
-                for dst, src in zip(pages, (p.host_k[layer], p.host_v[layer]), strict=True):
+                # The runs of rows by the copy engine: into the pages, or an fp8 pool's codes and
+                # scales into a staging copy that one page copy then dequantizes into them.
+                srcs, dsts = [p.host_k[layer], p.host_v[layer]], pages
+                if p.host_kv8:
+                    srcs += [p.host_k_scales[layer], p.host_v_scales[layer]]
+                    dsts = [torch.empty(nb, hk, b, d, dtype=torch.uint8, device=dev) for _ in range(2)]
+                    dsts += [torch.empty(nb, hk, dtype=torch.float32, device=dev) for _ in range(2)]
+                for dst, src in zip(dsts, srcs, strict=True):
                     for at, row, m in runs:
                         dst[at : at + m].copy_(src[row : row + m], non_blocking=True)
+                if p.host_kv8:
+                    ks, vs = dsts[2:]
+                    ops.copy_pages(eng.geo, *dsts[:2], ids, *pages, ids, src_k_scales=ks, src_v_scales=vs)
             for o, pg in zip(out, pages, strict=True):
                 o.view(nb, b, hk, d).copy_(pg.transpose(1, 2))
         if cur is not None:
