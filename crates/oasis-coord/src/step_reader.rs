@@ -369,8 +369,9 @@ impl Worker {
                 return;
             }
             let progressed = self.serve(s);
-            if s.landed.iter().all(|&d| d) || s.landed.is_empty() {
-                let stale = s.seen.iter().all(Option::is_none) && !s.landed.is_empty();
+            if s.landed.iter().all(|&d| d) {
+                // Every layer landed without its plan seen: dropped by `serve` as never run.
+                let stale = s.seen.iter().all(Option::is_none);
                 let mut st = self
                     .shared
                     .stats

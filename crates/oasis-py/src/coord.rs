@@ -149,6 +149,20 @@ pub struct PyCoordinator {
     pools: std::sync::Mutex<Vec<TensorArg>>,
 }
 
+/// `f` with the GIL released and no panic escaping: its error as `coord_err` says, a panic as
+/// an internal error of `Coordinator.{what}` (the coordinator's and its step readers' calls).
+pub(crate) fn coord_call<R: Send>(
+    py: Python<'_>,
+    what: &str,
+    f: impl FnOnce() -> Result<R, CoordError> + Send,
+) -> PyResult<R> {
+    match py.detach(|| catch_unwind(AssertUnwindSafe(f))) {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(coord_err(py, e)),
+        Err(_) => Err(internal(py, what)),
+    }
+}
+
 impl PyCoordinator {
     /// `f` on the coordinator with the GIL released and no panic escaping.
     fn run<R: Send>(
@@ -157,11 +171,7 @@ impl PyCoordinator {
         what: &str,
         f: impl FnOnce(&Coordinator) -> Result<R, CoordError> + Send,
     ) -> PyResult<R> {
-        match py.detach(|| catch_unwind(AssertUnwindSafe(|| f(&self.inner)))) {
-            Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(coord_err(py, e)),
-            Err(_) => Err(internal(py, what)),
-        }
+        coord_call(py, what, || f(&self.inner))
     }
 }
 

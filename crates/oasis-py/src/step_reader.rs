@@ -20,7 +20,7 @@ use oasis_coord::{MailboxLayout, StepPlan, StepReader};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::coord::{coord_err, internal, PyCoordinator};
+use crate::coord::{coord_call, coord_err, PyCoordinator};
 use crate::rt::errors::bad_arg;
 use crate::tensor::{Cx, Elem, TensorArg, ANY};
 
@@ -47,11 +47,7 @@ impl PyStepReader {
         let Some(r) = guard.as_ref() else {
             return Err(coord_err(py, oasis_coord::CoordError::Closed));
         };
-        match catch_unwind(AssertUnwindSafe(|| f(r))) {
-            Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(coord_err(py, e)),
-            Err(_) => Err(internal(py, what)),
-        }
+        coord_call(py, what, || f(r))
     }
 }
 
@@ -118,16 +114,9 @@ impl PyStepReader {
         // keeps a reference to each until `stop` has joined the thread (and Drop stops it
         // before the references go). Python's side (oasiskv.disagg.RemoteKvSource): only the
         // step writes the plans and `ready`; nothing but the reader writes `landed`.
-        let res = py.detach(|| {
-            catch_unwind(AssertUnwindSafe(|| unsafe {
-                StepReader::start(coord, layout, num_kv_heads, prefetch)
-            }))
-        });
-        let reader = match res {
-            Ok(Ok(r)) => r,
-            Ok(Err(e)) => return Err(coord_err(py, e)),
-            Err(_) => return Err(internal(py, "StepReader")),
-        };
+        let reader = coord_call(py, "StepReader", || unsafe {
+            StepReader::start(coord, layout, num_kv_heads, prefetch)
+        })?;
         let mut kept: Vec<TensorArg> = slots.into_iter().chain(blocks).collect();
         kept.push(ready);
         kept.push(landed);
