@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 
 from oasiskv import KvConfig, LLMEngine, errors
-from support.fakes import pools_are_full, tiny
+from support.fakes import tiny
 from support.rtd import Daemon
-from support.staged import SMALL, params, reference, run_batch, staged_small
+from support.staged import SMALL, decode_staged, params, reference, run_batch, staged_small
 
 # Private names read here: the remote source's ``_in_step`` (its step reader's counters).
 
@@ -24,16 +24,12 @@ def model():
 
 
 def _decode(model, d: Daemon, handles, in_step: bool, **kw):
-    eng = LLMEngine(model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, **kw)
+    outs, eng = decode_staged(model, d, handles, kv_in_step_reads=in_step, **kw)
     src = eng.kv_source
-    src.in_step_reads = in_step
     assert src.reads_in_step == in_step
-    outs = run_batch(eng, [lambda e, h=h: e.add_staged_request(h, params()) for h in handles])
     reader = src._in_step.stats() if in_step else None
-    stats = src.stats
-    assert pools_are_full(eng)
     src.close()
-    return outs, stats, reader
+    return outs, src.stats, reader
 
 
 @pytest.mark.parametrize("prefetch", [0, 64])

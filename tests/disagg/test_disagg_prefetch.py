@@ -13,9 +13,9 @@ import pytest
 from oasiskv import KvConfig, LLMEngine, errors
 from oasiskv._core import RtClient
 from oasiskv.disagg import wire
-from support.fakes import pools_are_full, tiny
+from support.fakes import tiny
 from support.rtd import Daemon
-from support.staged import SMALL, all_released, params, reference, run_batch, staged_small
+from support.staged import SMALL, all_released, decode_staged, reference, staged_small
 
 # Private names read here: ``RtClient`` from ``oasiskv._core`` (the daemon's client, to check
 # that every staged request was released).
@@ -27,12 +27,9 @@ def model():
 
 
 def _decode(model, d: Daemon, handles, prefetch: int, **kw):
-    eng = LLMEngine(model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, **kw)
+    outs, eng = decode_staged(model, d, handles, kv_prefetch=prefetch, **kw)
     src = eng.kv_source
-    src.decode_prefetch = prefetch
-    outs = run_batch(eng, [lambda e, h=h: e.add_staged_request(h, params()) for h in handles])
     stats, coord = src.stats, src.coordinator_stats
-    assert pools_are_full(eng)
     src.close()
     return outs, stats, coord
 

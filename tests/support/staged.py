@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from oasiskv import KvConfig, LLMEngine, SamplingParams
 from oasiskv.disagg import PrefillWorker, StagedRequest
-from support.fakes import prompt
+from support.fakes import pools_are_full, prompt
 from support.rtd import Daemon, wait_until
 
 # Private names read here: the remote source's ``_by_req`` (a request's daemon id) and ``coord``
@@ -31,6 +31,17 @@ def run_batch(eng: LLMEngine, adds) -> dict:
     ids = [add(eng) for add in adds]
     out = eng.run_to_completion(ids)
     return [out[i] for i in ids]
+
+
+def decode_staged(model, d: Daemon, handles, **engine_kw) -> tuple[list, LLMEngine]:
+    """``handles`` (staged in ``d``) decoded in one batch by ``LLMEngine(kv_source=d.url,
+    **engine_kw)`` with the small budget's Quest selection and the n-gram drafter: ``(outputs in
+    add order, the engine)``, its pools full again and its source still open (the caller reads
+    its counters, then closes it)."""
+    eng = LLMEngine(model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, **engine_kw)
+    outs = run_batch(eng, [lambda e, h=h: e.add_staged_request(h, params()) for h in handles])
+    assert pools_are_full(eng)
+    return outs, eng
 
 
 def reference(model, kv: KvConfig, backend: str, prompts) -> list:
