@@ -661,7 +661,11 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
             if gave_up:
                 for o, st in self._by_req.items():
                     if st.admitting is None:
-                        self._fail(o, f"a step's wait for its remote reads gave up after {self._timeout_s} s")
+                        self._fail(
+                            o,
+                            f"the staging daemon {self.url} did not serve a step's remote reads "
+                            f"within kv_timeout_s={self._timeout_s} s (the step's wait gave up)",
+                        )
         self._collect_failures()
         out = {
             o: m
