@@ -560,6 +560,23 @@ def wait_epoch(
     _core.wait_epoch(landed, layer, epoch, stats, timeout_s, stream=_stream(epoch.device))
 
 
+def set_kv8_attention_kernel(kernel: str) -> None:
+    """The tensor-core kernel that reads fp8_e4m3 pages in :func:`decode_attention` on a GPU
+    (head_dim 64/128/256, block_size a multiple of 16, up to 16 query vectors per KV head):
+    ``"tile"`` (the default: each 16-token chunk dequantized into a bf16 tile in shared memory,
+    then the bf16 pages' MMA; bf16 only) or ``"registers"`` (the MMA fragments taken from the
+    codes by ldmatrix, one conversion per two codes into f16, the scales applied to the scores and
+    to the accumulator; bf16 and f16). Both match the CPU twin within the bf16 tolerances.
+    Process-wide, for measuring; a captured CUDA graph keeps the kernel it captured. ValueError
+    for any other name."""
+    _core.set_kv8_attention_kernel(kernel)
+
+
+def kv8_attention_kernel() -> str:
+    """The kernel :func:`set_kv8_attention_kernel` chose: ``"tile"`` or ``"registers"``."""
+    return _core.kv8_attention_kernel()
+
+
 def set_gather_launch(
     max_blocks: int | None = None,
     warps_per_block: int | None = None,

@@ -3,7 +3,8 @@
 fp8 GPU pages (scale growth and requantization mid-block, NaN and inf rows), ``gather_blocks``
 from an fp8 host pool into float or fp8 slots (staged and register launches, the pool pinned or on
 the device), and ``copy_pages`` float -> fp8 (partial last pages) and
-fp8 -> float; block sizes 8/16/32, head_dim 64/96/128, every float dtype. Run under
+fp8 -> float; block sizes 8/16/32, head_dim 64/96/128, every float dtype; attention over fp8
+pages, both tensor-core kernels (``set_kv8_attention_kernel``) at head_dim 64/128/256. Run under
 compute-sanitizer with ``-k kv8``."""
 
 from __future__ import annotations
@@ -235,6 +236,41 @@ def test_kv8_attention_matches_the_twin(dtype, block_size, head_dim, group, spli
     of a few units): the keys' wide range (scales 2^-6..2^6, three dims x40) would otherwise give
     logits of 1e5, where float32 summation order alone moves the softmax by 1e-3 (s20's first run).
     Tolerances scale with each head-dim column's largest |V|."""
+    _attention_case(dtype, block_size, head_dim, group, splits)
+
+
+@pytest.fixture
+def restore_kv8_attention_kernel():
+    before = ops.kv8_attention_kernel()
+    yield
+    ops.set_kv8_attention_kernel(before)
+
+
+# Every tensor-core shape: head_dim 64 / 128 / 256, one and two 16-token chunks per page.
+TC_GEOMETRIES = [(16, 128), (32, 64), (16, 256), (32, 128)]
+
+
+@pytest.mark.parametrize("kernel", ["tile", "registers"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("block_size,head_dim", TC_GEOMETRIES)
+@pytest.mark.parametrize("group,splits", [(1, 1), (4, 3), (8, 0)])
+def test_kv8_tensor_core_kernels_match_the_twin(
+    kernel, dtype, block_size, head_dim, group, splits, restore_kv8_attention_kernel
+):
+    """Both tensor-core kernels over fp8 pages (``set_kv8_attention_kernel``; "tile" takes bf16
+    only, so f16 there is the generic kernel) against the twin and the float64 reference, with a
+    page never written (codes and scales 0: its keys score 0 and its values add nothing) and the
+    lookahead row's extra K/V. "registers" permutes Q's and the output's columns and carries the
+    V scale as the accumulator's unit: a wrong permutation or unit is far outside the bounds."""
+    ops.set_kv8_attention_kernel(kernel)
+    assert ops.kv8_attention_kernel() == kernel
+    _attention_case(dtype, block_size, head_dim, group, splits, blank_page=6)
+
+
+def _attention_case(dtype, block_size, head_dim, group, splits, blank_page=None) -> None:
+    """Attention over 12 fp8 pages of 3 sequences (2 rows, the extra K/V, holes in the page map)
+    on CUDA against the twin, and the twin against float64; ``blank_page``: that page's codes
+    and scales zeroed, as an unwritten page."""
     h, ns, rows, npages = 2, 3, 2, 12
     geo = ops.KvGeometry(h * group, h, head_dim, block_size)
     gen = _gen("attn", dtype, block_size, head_dim, group)
@@ -243,8 +279,13 @@ def test_kv8_attention_matches_the_twin(dtype, block_size, head_dim, group, spli
     full = torch.full((npages,), block_size, dtype=torch.int32)
     ops.quantize_kv8(geo, _keys((npages, h, block_size, head_dim), dtype, gen), full, kp, ksc)
     ops.quantize_kv8(geo, _keys((npages, h, block_size, head_dim), dtype, gen), full, vp, vsc)
+    if blank_page is not None:
+        for t in (kp, ksc, vp, vsc):
+            t[blank_page] = 0
     indptr = torch.tensor([0, 5, 6, 11], dtype=torch.int32)
     indices = torch.tensor([3, 0, 7, 5, 10, 9, 1, 2, 8, 4, 11], dtype=torch.int32)
+    if blank_page is not None:
+        indices[2] = blank_page  # in the middle of sequence 0
     last = torch.tensor([block_size, 3, 1], dtype=torch.int32)
     page_map = torch.randint(0, 50, (npages, h), generator=gen, dtype=torch.int32)
     page_map[7, 0] = page_map[2, 1] = -1

@@ -33,6 +33,10 @@ pub const HEADERS: &[(&str, &str)] = &[
         "oasis_topk.cuh",
         include_str!("../../../cuda/oasis_topk.cuh"),
     ),
+    (
+        "oasis_attn_tc.cuh",
+        include_str!("../../../cuda/oasis_attn_tc.cuh"),
+    ),
 ];
 
 /// Every kernel source, in dependency-free order.
@@ -82,6 +86,12 @@ pub const SOURCES: &[KernelSource] = &[
             "decode_attn_kv8_tc_bf16_d64",
             "decode_attn_kv8_tc_bf16_d128",
             "decode_attn_kv8_tc_bf16_d256",
+            "decode_attn_kv8_tcr_bf16_d64",
+            "decode_attn_kv8_tcr_bf16_d128",
+            "decode_attn_kv8_tcr_bf16_d256",
+            "decode_attn_kv8_tcr_f16_d64",
+            "decode_attn_kv8_tcr_f16_d128",
+            "decode_attn_kv8_tcr_f16_d256",
         ],
     },
     KernelSource {

@@ -736,8 +736,8 @@ kernel_params! {
 }
 
 kernel_params! {
-    /// `decode_attn_kv8_*` and `decode_attn_kv8_tc_*` (cuda/decode_attn.cu):
-    /// [`DecodeAttnParams`] over kv8 pages.
+    /// `decode_attn_kv8_*`, `decode_attn_kv8_tc_*` and `decode_attn_kv8_tcr_*`
+    /// (cuda/decode_attn.cu): [`DecodeAttnParams`] over kv8 pages.
     pub struct DecodeAttnKv8Params => "oasis::DecodeAttnKv8Params<T>"
         for [
             "decode_attn_kv8_bf16",
@@ -746,6 +746,12 @@ kernel_params! {
             "decode_attn_kv8_tc_bf16_d64",
             "decode_attn_kv8_tc_bf16_d128",
             "decode_attn_kv8_tc_bf16_d256",
+            "decode_attn_kv8_tcr_bf16_d64",
+            "decode_attn_kv8_tcr_bf16_d128",
+            "decode_attn_kv8_tcr_bf16_d256",
+            "decode_attn_kv8_tcr_f16_d64",
+            "decode_attn_kv8_tcr_f16_d128",
+            "decode_attn_kv8_tcr_f16_d256",
         ] {
         pub q: DevPtr,                // [num_seqs, num_rows, num_qo_heads, head_dim]
         pub k_codes: DevPtr,          // [num_pages, num_kv_heads, block_size, head_dim] u8

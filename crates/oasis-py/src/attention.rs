@@ -310,7 +310,38 @@ fn plan_num_splits(
 }
 
 /// Add this module's functions to `_core`.
+#[pyfunction]
+/// The tensor-core kernel that reads fp8_e4m3 pages in `decode_attention` on a GPU: `"tile"`
+/// (each chunk dequantized into a bf16 tile; bf16 only) or `"registers"` (the MMA fragments taken
+/// from the codes, f16 MMA; bf16 and f16). Process-wide, for measuring; a captured CUDA graph
+/// keeps the kernel it captured.
+fn set_kv8_attention_kernel(kernel: &str) -> PyResult<()> {
+    use oasis_cuda::ops::Kv8AttnKernel;
+    let k = match kernel {
+        "tile" => Kv8AttnKernel::Tile,
+        "registers" => Kv8AttnKernel::Registers,
+        other => {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "kv8 attention kernel must be 'tile' or 'registers', got {other:?}"
+            )))
+        }
+    };
+    oasis_cuda::ops::set_kv8_attn_kernel(k);
+    Ok(())
+}
+
+#[pyfunction]
+/// The kernel `set_kv8_attention_kernel` chose: `"tile"` or `"registers"`.
+fn kv8_attention_kernel() -> &'static str {
+    match oasis_cuda::ops::kv8_attn_kernel() {
+        oasis_cuda::ops::Kv8AttnKernel::Tile => "tile",
+        oasis_cuda::ops::Kv8AttnKernel::Registers => "registers",
+    }
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(set_kv8_attention_kernel, m)?)?;
+    m.add_function(wrap_pyfunction!(kv8_attention_kernel, m)?)?;
     m.add_function(wrap_pyfunction!(decode_attention, m)?)?;
     m.add_function(wrap_pyfunction!(decode_attn_workspace_len, m)?)?;
     m.add_function(wrap_pyfunction!(plan_num_splits, m)?)?;

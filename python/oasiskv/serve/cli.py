@@ -208,6 +208,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="the host KV pool's storage: as the pages ('auto') or fp8_e4m3 (E4M3 with a scale per "
         "block and KV head: half the host RAM and PCIe bytes of bf16; KvConfig.host_kv_dtype)",
     )
+    p.add_argument(
+        "--kv8-attention-kernel",
+        default="tile",
+        choices=["tile", "registers"],
+        help="the tensor-core kernel that reads fp8_e4m3 pages on a GPU (oasiskv.ops."
+        "set_kv8_attention_kernel): 'tile' dequantizes each chunk into a bf16 tile, 'registers' "
+        "feeds the MMA from the codes (not yet measured)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=64, help="most requests decoded together")
     p.add_argument("--gpu-kv-budget-bytes", type=int, default=None)
     p.add_argument("--host-kv-budget-bytes", type=int, default=None)
@@ -247,6 +255,14 @@ def kv_dtype(args) -> str | None:
     return None if value == "auto" else value
 
 
+def apply_kernel_flags(args) -> None:
+    """Set the process-wide kernel choices the flags name (``--kv8-attention-kernel``): every
+    engine of this process reads them at its launches."""
+    from .. import ops
+
+    ops.set_kv8_attention_kernel(getattr(args, "kv8_attention_kernel", "tile"))
+
+
 def enforce_eager(args) -> bool:
     """``--enforce-eager``, checked against the old ``--cuda-graph``."""
     from ..errors import ConfigError
@@ -265,6 +281,7 @@ def engine_kwargs(args, device: str | None = None) -> dict:
     from ..config import KvConfig
     from ..devices import compute_dtype, resolve_device
 
+    apply_kernel_flags(args)
     kv = KvConfig(
         block_size=args.block_size,
         top_k_blocks=args.top_k_blocks,

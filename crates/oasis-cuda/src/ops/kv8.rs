@@ -7,6 +7,8 @@
 //! (append: the GPU tier, then the host tier); kv8 -> kv8 copies are dtype-free
 //! (`gather_blocks_kv8`, `copy_pages_kv8`). Both tiers `T` call the existing kernels.
 
+use std::sync::{Mutex, PoisonError};
+
 use super::attention::{attention_call, attention_grid, generic_tile, AttnTable};
 use super::*;
 use crate::params::{
@@ -157,22 +159,64 @@ fn conv_entry<T: KvElem>(family: &str) -> &'static str {
     }
 }
 
-/// The kv8 tensor-core decode attention entry point for `T` and `head_dim` with its pipeline
-/// depth (bf16 only: the dequantized tile must hold `code * scale` exactly).
-pub fn decode_attn_kv8_tc_entry<T: KvElem>(head_dim: usize) -> Option<(&'static str, usize)> {
+/// Which tensor-core kernel reads kv8 pages in [`Gpu::decode_attention_kv8`] (cuda/
+/// oasis_attn_tc.cuh). Both match `oasis_core::kernels::decode_attention_kv8` within the bf16
+/// tolerances.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kv8AttnKernel {
+    /// `decode_attn_kv8_tc_*` (`TcKv8Pages`): each 16-token chunk dequantized to f32, scaled and
+    /// rounded into a bf16 tile in shared memory, then the T pages' bf16 MMA (bf16 only). The
+    /// measured default (0.54-0.55 of the copy ceiling on an H100, docs/PERF.md).
+    Tile,
+    /// `decode_attn_kv8_tcr_*` (`TcKv8RegPages`): the MMA fragments taken from the codes in
+    /// shared memory by ldmatrix, one cvt per two codes into f16, the scales applied to the
+    /// scores and carried as the accumulator's unit; bf16 and f16. Not yet run on a GPU.
+    Registers,
+}
+
+static KV8_ATTN_KERNEL: Mutex<Kv8AttnKernel> = Mutex::new(Kv8AttnKernel::Tile);
+
+/// Set the process-wide kv8 tensor-core attention kernel (takes effect at the next launch; a
+/// CUDA graph keeps the kernel it captured).
+pub fn set_kv8_attn_kernel(k: Kv8AttnKernel) {
+    *KV8_ATTN_KERNEL
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner) = k;
+}
+
+/// The kv8 tensor-core attention kernel launches use now ([`set_kv8_attn_kernel`]).
+pub fn kv8_attn_kernel() -> Kv8AttnKernel {
+    *KV8_ATTN_KERNEL
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The kv8 tensor-core decode attention entry point of `kernel` for `T` and `head_dim` with its
+/// pipeline depth: `Tile` bf16 only (the dequantized tile must hold `code * scale` exactly),
+/// `Registers` bf16 and f16.
+pub fn decode_attn_kv8_tc_entry<T: KvElem>(
+    head_dim: usize,
+    kernel: Kv8AttnKernel,
+) -> Option<(&'static str, usize)> {
     let stages = decode_attn_tc_stages(head_dim)?;
-    let name = match (T::DTYPE, head_dim) {
-        (DType::BF16, 64) => "decode_attn_kv8_tc_bf16_d64",
-        (DType::BF16, 128) => "decode_attn_kv8_tc_bf16_d128",
-        (DType::BF16, 256) => "decode_attn_kv8_tc_bf16_d256",
+    let name = match (kernel, T::DTYPE, head_dim) {
+        (Kv8AttnKernel::Tile, DType::BF16, 64) => "decode_attn_kv8_tc_bf16_d64",
+        (Kv8AttnKernel::Tile, DType::BF16, 128) => "decode_attn_kv8_tc_bf16_d128",
+        (Kv8AttnKernel::Tile, DType::BF16, 256) => "decode_attn_kv8_tc_bf16_d256",
+        (Kv8AttnKernel::Registers, DType::BF16, 64) => "decode_attn_kv8_tcr_bf16_d64",
+        (Kv8AttnKernel::Registers, DType::BF16, 128) => "decode_attn_kv8_tcr_bf16_d128",
+        (Kv8AttnKernel::Registers, DType::BF16, 256) => "decode_attn_kv8_tcr_bf16_d256",
+        (Kv8AttnKernel::Registers, DType::F16, 64) => "decode_attn_kv8_tcr_f16_d64",
+        (Kv8AttnKernel::Registers, DType::F16, 128) => "decode_attn_kv8_tcr_f16_d128",
+        (Kv8AttnKernel::Registers, DType::F16, 256) => "decode_attn_kv8_tcr_f16_d256",
         _ => return None,
     };
     Some((name, stages))
 }
 
 /// Shared memory of one kv8 tensor-core decode attention block, in bytes (cuda/decode_attn.cu,
-/// `TcKv8Pages`): per warp `stages` chunks of K and V codes (16 x head_dim bytes each) and one
-/// bf16 tile of K and V, then the item list, the merge's m/l and the scan scratch as
+/// `TcKv8Pages`, and `TcKv8RegPages`, which keeps the same layout): per warp `stages` chunks of
+/// K and V codes (16 x head_dim bytes each) and one bf16 tile of K and V, then the item list, the merge's m/l and the scan scratch as
 /// [`decode_attn_tc_smem_bytes`].
 pub fn decode_attn_kv8_tc_smem_bytes(head_dim: usize, stages: usize) -> usize {
     4 * (stages * 2 * 16 * head_dim + 2 * 16 * head_dim * 2)
@@ -519,7 +563,7 @@ impl Gpu {
             // The tensor-core kernel copies 16-byte units of codes and of the extra row.
             let aligned = q.ptr().is_multiple_of(4)
                 && (p.k_codes.ptr() | p.v_codes.ptr() | c.extra_k | c.extra_v).is_multiple_of(16);
-            let (name, tt, smem) = match decode_attn_kv8_tc_entry::<T>(d) {
+            let (name, tt, smem) = match decode_attn_kv8_tc_entry::<T>(d, kv8_attn_kernel()) {
                 Some((name, stages)) if c.nq <= 16 && bs.is_multiple_of(16) && aligned => {
                     (name, 0, decode_attn_kv8_tc_smem_bytes(d, stages))
                 }
@@ -589,16 +633,34 @@ mod tests {
         ] {
             assert!(crate::kernels::source_of(name).is_some(), "{name}");
         }
+        let src = crate::kernels::source("decode_attn").unwrap().source;
         for d in [64, 128, 256] {
-            let (name, stages) = decode_attn_kv8_tc_entry::<half::bf16>(d).unwrap();
-            assert_eq!(Some(stages), decode_attn_tc_stages(d));
-            assert!(crate::kernels::source_of(name).is_some(), "{name}");
-            let src = crate::kernels::source("decode_attn").unwrap().source;
-            let inst = format!("({name}, oasis::bf16, {d}, {stages})");
-            assert!(src.contains(&inst), "{inst} not in decode_attn.cu");
+            for k in [Kv8AttnKernel::Tile, Kv8AttnKernel::Registers] {
+                let (name, stages) = decode_attn_kv8_tc_entry::<half::bf16>(d, k).unwrap();
+                assert_eq!(Some(stages), decode_attn_tc_stages(d));
+                assert!(crate::kernels::source_of(name).is_some(), "{name}");
+                let inst = format!("({name}, oasis::bf16, {d}, {stages})");
+                assert!(src.contains(&inst), "{inst} not in decode_attn.cu");
+            }
+            let (name, stages) =
+                decode_attn_kv8_tc_entry::<half::f16>(d, Kv8AttnKernel::Registers).unwrap();
+            assert!(
+                src.contains(&format!("({name}, oasis::f16, {d}, {stages})")),
+                "{name}"
+            );
         }
-        assert_eq!(decode_attn_kv8_tc_entry::<half::f16>(128), None);
-        assert_eq!(decode_attn_kv8_tc_entry::<half::bf16>(96), None);
+        assert_eq!(
+            decode_attn_kv8_tc_entry::<half::f16>(128, Kv8AttnKernel::Tile),
+            None
+        );
+        assert_eq!(
+            decode_attn_kv8_tc_entry::<half::bf16>(96, Kv8AttnKernel::Registers),
+            None
+        );
+        assert_eq!(
+            decode_attn_kv8_tc_entry::<f32>(128, Kv8AttnKernel::Registers),
+            None
+        );
     }
 
     #[test]

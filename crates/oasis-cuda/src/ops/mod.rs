@@ -559,7 +559,8 @@ pub use gather_launch::{
     COPY_THREADS, KV8_STAGE_FACTOR, MAX_STAGE_ENTRIES,
 };
 pub use kv8::{
-    decode_attn_kv8_tc_entry, decode_attn_kv8_tc_smem_bytes, Kv8PagesDev, KvTierDev, PagedKv8Dev,
+    decode_attn_kv8_tc_entry, decode_attn_kv8_tc_smem_bytes, kv8_attn_kernel, set_kv8_attn_kernel,
+    Kv8AttnKernel, Kv8PagesDev, KvTierDev, PagedKv8Dev,
 };
 mod attention;
 mod codes;
@@ -701,7 +702,8 @@ mod tests {
         let (_, common) = crate::kernels::HEADERS[0];
         assert!(common.contains("bool csr_row("));
         for (source, uses) in [
-            ("decode_attn", 2),
+            // The generic kernel; the tensor-core one is in oasis_attn_tc.cuh (below).
+            ("decode_attn", 1),
             // topk_blocks, force_scores.
             ("score_blocks", 2),
             ("gather_blocks", 1),
@@ -715,6 +717,10 @@ mod tests {
         let (_, topk) = crate::kernels::HEADERS[2];
         assert_eq!(topk.matches("csr_row(").count(), 1);
         assert!(topk.contains("int nnz"));
+        let (name, tc) = crate::kernels::HEADERS[3];
+        assert_eq!(name, "oasis_attn_tc.cuh");
+        assert_eq!(tc.matches("csr_row(").count(), 1);
+        assert!(tc.contains("int nnz"));
         // score_blocks checks its rows inline (it walks them rather than indexing one).
         let src = crate::kernels::source("score_blocks").unwrap().source;
         assert_eq!(src.matches("seq_end <= nnz").count(), 1);
@@ -740,9 +746,10 @@ mod tests {
         );
         assert_eq!(decode_attn_tc_entry::<f32>(128), None);
         let src = crate::kernels::source("decode_attn").unwrap().source;
-        assert!(src.contains(&format!("#define OASIS_TC_LIST_CAP {DECODE_TC_LIST_CAP}\n")));
+        let (_, tc) = crate::kernels::HEADERS[3];
+        assert!(tc.contains(&format!("#define OASIS_TC_LIST_CAP {DECODE_TC_LIST_CAP}\n")));
         // The launch gives it DECODE_THREADS threads: 4 warps.
-        assert!(src.contains("#define OASIS_TC_WARPS 4\n"));
+        assert!(tc.contains("#define OASIS_TC_WARPS 4\n"));
         assert_eq!(DECODE_THREADS, 4 * 32);
         for d in [64, 128, 256] {
             let st = decode_attn_tc_stages(d).unwrap();

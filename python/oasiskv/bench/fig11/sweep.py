@@ -145,9 +145,10 @@ class Fig11:
     def kv(self):
         """The :class:`~oasiskv.KvConfig` of every engine: the KV and selection flags."""
         from ...config import KvConfig
-        from ...serve.cli import host_kv_dtype, kv_dtype, selection_kwargs
+        from ...serve.cli import apply_kernel_flags, host_kv_dtype, kv_dtype, selection_kwargs
 
         a = self.args
+        apply_kernel_flags(a)
         # The selection flags (--block-score, --sticky-candidates, ...) are the engine's, as in
         # `oasis serve`; they were parsed but ignored here before the fifteenth session.
         return KvConfig(
@@ -475,6 +476,7 @@ class Fig11:
                 "selection": selection_label(label_kv),
                 "kv_dtype": kv.kv_dtype or dtype,
                 "host_kv_dtype": kv.host_kv_dtype or kv.kv_dtype or dtype,
+                "kv8_attention_kernel": getattr(a, "kv8_attention_kernel", "tile"),
             },
             "weights_bytes": self.weights_bytes,
             "gpu_kv_budget": a.gpu_kv_budget,
