@@ -119,26 +119,6 @@ __device__ __forceinline__ void dequant16(const uint4& w, float scale, uint4& lo
     hi = make_uint4(out[4], out[5], out[6], out[7]);
 }
 
-// Four E4M3 codes (byte b of w is code b) as two f16x2: `lo` codes 0 (low half) and 1, `hi` codes
-// 2 and 3. Exact (every E4M3 value is an f16), NaN codes as NaN. sm_89+: one cvt per pair.
-__device__ __forceinline__ void e4m3x4_to_f16x2(u32 w, u32& lo, u32& hi) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-    asm("{\n"
-        " .reg .b16 a, b;\n"
-        " mov.b32 {a, b}, %2;\n"
-        " cvt.rn.f16x2.e4m3x2 %0, a;\n"
-        " cvt.rn.f16x2.e4m3x2 %1, b;\n"
-        "}\n"
-        : "=r"(lo), "=r"(hi)
-        : "r"(w));
-#else
-    float f[4];
-    e4m3x4_to_f32(w, f);
-    lo = pack2<f16>(f[0], f[1]);
-    hi = pack2<f16>(f[2], f[3]);
-#endif
-}
-
 // Bytes 0 and 2 of w into the low half, 1 and 3 into the high half (prmt).
 __device__ __forceinline__ u32 bytes_0213(u32 w) {
     u32 r;
@@ -530,7 +510,7 @@ __device__ void decode_attn_tc_impl(
 #pragma unroll
                         for (int m = 0; m < 4; ++m) {
                             u32 b0, b1;
-                            tc::e4m3x4_to_f16x2(b[m], b0, b1);
+                            e4m3x4_to_f16x2(b[m], b0, b1);
                             tc::mma16816<f16>(sc[m & 1], qf[ks + (m >> 1)], b0, b1);
                         }
                     }
@@ -647,8 +627,8 @@ __device__ void decode_attn_tc_impl(
 #pragma unroll
                         for (int hf = 0; hf < 2; ++hf) {
                             u32 ev0, od0, ev1, od1;
-                            tc::e4m3x4_to_f16x2(tc::bytes_0213(b[2 * hf]), ev0, od0);
-                            tc::e4m3x4_to_f16x2(tc::bytes_0213(b[2 * hf + 1]), ev1, od1);
+                            e4m3x4_to_f16x2(tc::bytes_0213(b[2 * hf]), ev0, od0);
+                            e4m3x4_to_f16x2(tc::bytes_0213(b[2 * hf + 1]), ev1, od1);
                             tc::mma16816<f16>(o[2 * (dn + hf)], pa, ev0, ev1);
                             tc::mma16816<f16>(o[2 * (dn + hf) + 1], pa, od0, od1);
                         }

@@ -163,6 +163,43 @@ __device__ __forceinline__ void e4m3x4_to_f32(u32 w, float (&out)[4]) {
 #endif
 }
 
+// Two f32 as an f16x2, rounded to nearest even (`lo` in the low half).
+__device__ __forceinline__ u32 f16x2_rn(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// Four E4M3 codes (byte b of w is code b) as two f16x2: `lo` codes 0 (low half) and 1, `hi` codes
+// 2 and 3. Exact (every E4M3 value is an f16), NaN codes as NaN. sm_89+: one cvt per pair; the
+// tensor-core paths that take codes as MMA operands (oasis_attn_tc.cuh, score_blocks.cu).
+__device__ __forceinline__ void e4m3x4_to_f16x2(u32 w, u32& lo, u32& hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    asm("{\n"
+        " .reg .b16 a, b;\n"
+        " mov.b32 {a, b}, %2;\n"
+        " cvt.rn.f16x2.e4m3x2 %0, a;\n"
+        " cvt.rn.f16x2.e4m3x2 %1, b;\n"
+        "}\n"
+        : "=r"(lo), "=r"(hi)
+        : "r"(w));
+#else
+    float f[4];
+    e4m3x4_to_f32(w, f);
+    lo = f16x2_rn(f[0], f[1]);
+    hi = f16x2_rn(f[2], f[3]);
+#endif
+}
+
+// d += a . b for one m16n8k16 tile in f16 with f32 accumulation (sm_80+): a row-major 16 x 16
+// (registers as PTX's fragment layout), b column-major 16 x 8.
+__device__ __forceinline__ void mma_f16_16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 // One kv8 code as T: T(e4m3_decode(c) * scale) (the product is exact in f32), twin_nan for a NaN
 // (a NaN code 0x7f / 0xff, or a corrupt scale).
 template <typename T>

@@ -367,6 +367,134 @@ __device__ void score_blocks_scalar(
     }
 }
 
+// ---- The 8-bit bound on the tensor cores (score_blocks_bound8_tc_*) ---------------------------
+// The same grid, tiles and contract as score_blocks_impl over the 8-bit bound, for head_dim 64,
+// 128 and 256 with 16-byte aligned bounds. The score is one dot product (see score_blocks_vec):
+// [N | P] . [min row | max row], so one m16n8k16 MMA per 16 of the 2 * head_dim codes takes 8
+// entries at once: B = their codes, exact in f16 (one cvt per two codes, no f32 conversion: the
+// FMA kernel is bound by those), A = the coefficients, row 0 in f16 and row 1 the remainder
+// coef - f16(coef) (together 22 significant bits; rows 2-15 zero), f32 accumulation; the score
+// is C[0] + C[1] times the row's scale. Lane (g, c) loads 16 bytes of entry g's bound per 64-byte
+// chunk kk (8 entries x 64 contiguous bytes per load); its word w is k-step 4 kk + w, bytes
+// p..p+3 (p = 64 kk + 16 c + 4 w) serving as the MMA's k = (2c, 2c+1) and (2c+8, 2c+9). The
+// coefficients are laid out in that order in the warp's shared memory (per k-step: rows 0 and 1
+// x 4 lanes, two f16x2 each), built once per sequence the warp meets; an 8-entry n-tile that
+// holds several sequences takes one pass per sequence. Coefficients past f16's range (|sum of
+// the group's q| > 65504) are not representable here: the FMA kernel serves such queries.
+template <typename T, int D>
+__device__ void score_bound8_tc(
+    const T* __restrict__ q, const unsigned char* __restrict__ bounds, const int* __restrict__ blk_indptr,
+    const int* __restrict__ blk_indices, float* __restrict__ scores, int num_seqs, int nnz, int num_qo_heads,
+    int num_kv_heads, int num_host_blocks, int tile, int h, const float* __restrict__ scales,
+    uint2* __restrict__ coef) {  // [D / 8][8] of this warp
+    constexpr int KSTEPS = D / 8;  // 2 * D codes, 16 per MMA
+    constexpr int CHUNKS = D / 32; // 64-byte chunks of one (min; max) bound
+    constexpr unsigned FULL = 0xffffffffu;
+    const int lane = threadIdx.x & 31;
+    const int g = lane >> 2;
+    const int c = lane & 3;
+    const int group = num_qo_heads / num_kv_heads;
+    const int t0 = tile * OASIS_SCORE_TILE;
+    const int t1 = min(nnz, t0 + OASIS_SCORE_TILE);
+
+    // This lane's entry: in a well-formed row (my_s) with a block in range (my_b), else -inf now.
+    int my_s = -1;
+    int my_b = -1;
+    {
+        const int j = t0 + lane;
+        if (j < t1) {
+            const int s = score_seq_of(blk_indptr, num_seqs, j);
+            const int rb = blk_indptr[s];
+            const int re = blk_indptr[s + 1];
+            const int b = blk_indices[j];
+            if (0 <= rb && rb <= j && j < re && re <= nnz && b >= 0 && b < num_host_blocks) {
+                my_s = s;
+                my_b = b;
+            } else {
+                scores[(i64)j * num_kv_heads + h] = neg_inf();
+            }
+        }
+    }
+    const unsigned live = __ballot_sync(FULL, my_s >= 0);
+    int coef_s = -1;
+#pragma unroll 1
+    for (int nt = 0; nt < OASIS_SCORE_TILE / 8; ++nt) {
+        unsigned pending = (live >> (8 * nt)) & 0xffu;
+        if (pending == 0u) continue;  // warp-uniform
+        // This lane's column g of the n-tile: its entry's bound, 16 bytes of each 64-byte chunk.
+        const int col_s = __shfl_sync(FULL, my_s, 8 * nt + g);
+        const int col_b = __shfl_sync(FULL, my_b, 8 * nt + g);
+        uint4 raw[CHUNKS];
+        const uint4* src = (const uint4*)(bounds + ((i64)max(col_b, 0) * num_kv_heads + h) * 2 * D);
+#pragma unroll
+        for (int kk = 0; kk < CHUNKS; ++kk) raw[kk] = col_s >= 0 ? src[4 * kk + c] : make_uint4(0u, 0u, 0u, 0u);
+        // The two columns this lane writes (2c, 2c + 1), when g == 0.
+        int out_s[2];
+        int out_b[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            out_s[e] = __shfl_sync(FULL, my_s, 8 * nt + 2 * c + e);
+            out_b[e] = __shfl_sync(FULL, my_b, 8 * nt + 2 * c + e);
+        }
+        while (pending != 0u) {
+            const int s = __shfl_sync(FULL, my_s, 8 * nt + __ffs(pending) - 1);
+            if (s != coef_s) {  // warp-uniform: the coefficients of sequence s
+                __syncwarp();
+                const T* qs = q + ((i64)s * num_qo_heads + (i64)h * group) * D;
+                for (int i = lane; i < KSTEPS * 4; i += 32) {
+                    const int ks = i >> 2;
+                    const int cc = i & 3;
+                    const int p = 64 * (ks >> 2) + 16 * cc + 4 * (ks & 3);
+                    float v[4];
+                    float r[4];
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int x = p + e;  // < D: the min row (N), else the max row (P)
+                        const int d = x < D ? x : x - D;
+                        float acc = 0.f;
+                        for (int gq = 0; gq < group; ++gq) {
+                            const float qv = to_f32(qs[(i64)gq * D + d]);
+                            acc += x < D ? fminf(qv, 0.f) : fmaxf(qv, 0.f);
+                        }
+                        f16 hi = from_f32<f16>(acc);
+                        v[e] = to_f32(hi);
+                        r[e] = acc - v[e];
+                    }
+                    coef[ks * 8 + cc] = make_uint2(f16x2_rn(v[0], v[1]), f16x2_rn(v[2], v[3]));
+                    coef[ks * 8 + 4 + cc] = make_uint2(f16x2_rn(r[0], r[1]), f16x2_rn(r[2], r[3]));
+                }
+                __syncwarp();
+                coef_s = s;
+            }
+            float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int ks = 0; ks < KSTEPS; ++ks) {
+                const uint4 w4 = raw[ks >> 2];
+                const u32 w = (ks & 3) == 0 ? w4.x : (ks & 3) == 1 ? w4.y : (ks & 3) == 2 ? w4.z : w4.w;
+                u32 b0;
+                u32 b1;
+                e4m3x4_to_f16x2(w, b0, b1);
+                const uint2 a = lane < 8 ? coef[ks * 8 + lane] : make_uint2(0u, 0u);  // rows 0, 1
+                const u32 af[4] = {a.x, 0u, a.y, 0u};
+                mma_f16_16816(acc, af, b0, b1);
+            }
+            // Row 1 (lanes 4..7) onto row 0 (lanes 0..3): columns 2c, 2c + 1.
+            const float r0 = __shfl_down_sync(FULL, acc[0], 4);
+            const float r1 = __shfl_down_sync(FULL, acc[1], 4);
+            if (g == 0) {
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    if (out_s[e] == s) {
+                        const float sc = (e == 0 ? acc[0] + r0 : acc[1] + r1) * scales[(i64)out_b[e] * num_kv_heads + h];
+                        scores[(i64)(t0 + 8 * nt + 2 * c + e) * num_kv_heads + h] = sc;
+                    }
+                }
+            }
+            pending &= ~((__ballot_sync(FULL, my_s == s) >> (8 * nt)) & 0xffu);
+        }
+    }
+}
+
 // grid: see OASIS_SCORE_HEAD_MAJOR (tiles = ceil(nnz / OASIS_SCORE_TILE)).
 // Entry (j, h) = sum over query heads g of KV head h, over d, of
 //   max(q[s,g,d] * min[b,h,d], q[s,g,d] * max[b,h,d])
@@ -631,6 +759,54 @@ OASIS_SCORE_BLOCKS(score_blocks_f32, float)
 OASIS_SCORE_BOUND8(score_blocks_bound8_bf16, oasis::bf16)
 OASIS_SCORE_BOUND8(score_blocks_bound8_f16, oasis::f16)
 OASIS_SCORE_BOUND8(score_blocks_bound8_f32, float)
+
+// The 8-bit bound on the tensor cores (score_bound8_tc): the same grid; head_dim 64 / 128 / 256
+// and 16-byte aligned bounds (oasis_cuda checks both), else the FMA kernel above. Chosen by
+// oasis_cuda's Bound8ScoreKernel. The warps' coefficients: D / 8 x 8 uint2 each in shared memory.
+namespace oasis {
+template <typename T>
+__device__ void score_bound8_tc_entry(const ScoreBlocksBound8Params<T>& p) {
+    __shared__ uint2 coef_all[(OASIS_SCORE_THREADS / 32) * (256 / 8) * 8];
+    uint2* coef = coef_all + (threadIdx.x >> 5) * (p.head_dim / 8) * 8;
+    const i64 num_tiles = ((i64)p.nnz + OASIS_SCORE_TILE - 1) / OASIS_SCORE_TILE;
+#if OASIS_SCORE_HEAD_MAJOR
+    const int h = (int)(blockIdx.x % (unsigned)p.num_kv_heads);
+    const i64 tile_l = (i64)(blockIdx.x / (unsigned)p.num_kv_heads) * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (tile_l >= num_tiles) return;  // warp-uniform
+    const int tile = (int)tile_l;
+#else
+    const i64 w = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (w >= num_tiles * p.num_kv_heads) return;  // warp-uniform
+    const int tile = (int)(w / p.num_kv_heads);
+    const int h = (int)(w - (i64)tile * p.num_kv_heads);
+#endif
+    if (p.num_seqs <= 0) {  // no row at all: every entry scores -inf
+        const int j = tile * OASIS_SCORE_TILE + (threadIdx.x & 31);
+        if (j < p.nnz) p.scores[(i64)j * p.num_kv_heads + h] = neg_inf();
+        return;
+    }
+#define OASIS_B8TC_ARGS                                                                                 \
+    p.q, (const unsigned char*)p.bounds8, p.blk_indptr, p.blk_indices, p.scores, p.num_seqs, p.nnz,   \
+        p.num_qo_heads, p.num_kv_heads, p.num_host_blocks, tile, h, p.scales, coef
+    switch (p.head_dim) {  // the wrapper launches only these
+        case 64: score_bound8_tc<T, 64>(OASIS_B8TC_ARGS); break;
+        case 128: score_bound8_tc<T, 128>(OASIS_B8TC_ARGS); break;
+        case 256: score_bound8_tc<T, 256>(OASIS_B8TC_ARGS); break;
+        default: break;
+    }
+#undef OASIS_B8TC_ARGS
+}
+}  // namespace oasis
+
+#define OASIS_SCORE_BOUND8_TC(NAME, T)                                                                \
+    extern "C" __global__ void __launch_bounds__(OASIS_SCORE_THREADS, 2)                              \
+        NAME(const __grid_constant__ oasis::ScoreBlocksBound8Params<T> p) {                          \
+        oasis::score_bound8_tc_entry<T>(p);                                                           \
+    }
+
+OASIS_SCORE_BOUND8_TC(score_blocks_bound8_tc_bf16, oasis::bf16)
+OASIS_SCORE_BOUND8_TC(score_blocks_bound8_tc_f16, oasis::f16)
+OASIS_SCORE_BOUND8_TC(score_blocks_bound8_tc_f32, float)
 
 extern "C" __global__ void __launch_bounds__(OASIS_TOPK_THREADS)
     topk_blocks_f32(const __grid_constant__ oasis::TopkBlocksParams p) {

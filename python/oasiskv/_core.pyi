@@ -678,6 +678,12 @@ def wait_epoch(
     """Hold a stream until landed[layer] (int64, CPU/pinned) reaches epoch[0] (int64 [1], device),
     or give up after timeout_s; stats int64 [4]: gave up, last epoch, ns held, waits."""
 
+def set_bound8_score_kernel(kernel: str) -> None:
+    """``"fma"`` or ``"mma"``: the kernel that scores the 8-bit bound."""
+
+def bound8_score_kernel() -> str:
+    """The kernel ``set_bound8_score_kernel`` chose."""
+
 def set_kv8_attention_kernel(kernel: str) -> None:
     """``"tile"`` or ``"registers"``: the tensor-core kernel over fp8_e4m3 pages."""
 

@@ -286,6 +286,21 @@ def score_blocks_bound8(
     return scores
 
 
+def set_bound8_score_kernel(kernel: str) -> None:
+    """The kernel that scores the 8-bit bound in :func:`score_blocks_bound8` on a GPU: ``"fma"``
+    (the default: each code converted to f32 and multiplied into the group-summed query) or
+    ``"mma"`` (eight entries per tensor-core MMA, the codes exact in f16, the query's
+    coefficients as an f16 value and remainder; head_dim 64/128/256, else ``"fma"``). Both match
+    the CPU twin within f32 summation-order rounding. Process-wide, for measuring; a captured CUDA
+    graph keeps the kernel it captured. ValueError for any other name."""
+    _core.set_bound8_score_kernel(kernel)
+
+
+def bound8_score_kernel() -> str:
+    """The kernel :func:`set_bound8_score_kernel` chose: ``"fma"`` or ``"mma"``."""
+    return _core.bound8_score_kernel()
+
+
 def score_blocks_codes(
     geo, q, bounds8, scales, codes, blk_indptr, blk_indices, scores: torch.Tensor | None = None
 ) -> torch.Tensor:

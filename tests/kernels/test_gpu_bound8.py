@@ -1,6 +1,7 @@
 """The 8-bit Quest bound's kernels on CUDA (``build_bounds8_*``, ``score_blocks_bound8_*``) against
 their CPU twins: bytes and scales bit for bit, scores within f32 summation-order rounding; both
-vector paths (head_dim 64 and 128) and the scalar one (96); a malformed blk_indptr row or an
+vector paths (head_dim 64 and 128) and the scalar one (96), under each score kernel ("fma", and
+"mma": the tensor cores, short sequences sharing its 8-entry tiles); a malformed blk_indptr row or an
 out-of-range block id scores -inf and is read safely. Run under compute-sanitizer with
 ``-k bound8``."""
 
@@ -34,9 +35,19 @@ def _summaries(nb, heads, head_dim, dtype, gen):
     return s.to(dtype)
 
 
+@pytest.fixture(params=["fma", "mma"])
+def score_kernel(request):
+    """Each 8-bit bound score kernel (``ops.set_bound8_score_kernel``; "mma" serves head_dim
+    64/128/256, 96 falls back to "fma"), the process's choice restored after."""
+    before = ops.bound8_score_kernel()
+    ops.set_bound8_score_kernel(request.param)
+    yield request.param
+    ops.set_bound8_score_kernel(before)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("head_dim, group", [(128, 4), (64, 1), (96, 8), (128, 8), (64, 3), (256, 2)])
-def test_bound8_kernels_match_their_twins(dtype, head_dim, group):
+def test_bound8_kernels_match_their_twins(dtype, head_dim, group, score_kernel):
     gen = torch.Generator().manual_seed(zlib.crc32(repr((dtype, head_dim, group)).encode()))
     heads, nb = 4, 97
     geo = ops.KvGeometry(heads * group, heads, head_dim, 16)
@@ -82,7 +93,7 @@ def ops_decode(b8: torch.Tensor) -> torch.Tensor:
     return b8.view(torch.float8_e4m3fn).float()
 
 
-def test_bound8_score_reads_safely_past_bad_tables():
+def test_bound8_score_reads_safely_past_bad_tables(score_kernel):
     heads, head_dim, nb = 2, 128, 8
     geo = ops.KvGeometry(heads * 2, heads, head_dim, 16)
     gen = torch.Generator().manual_seed(3)

@@ -309,10 +309,18 @@ kernel_params! {
 }
 
 kernel_params! {
-    /// `score_blocks_bound8_*` (cuda/score_blocks.cu): Quest scores over the 8-bit bounds
+    /// `score_blocks_bound8_*` and `score_blocks_bound8_tc_*` (cuda/score_blocks.cu): Quest scores
+    /// over the 8-bit bounds
     /// (`oasis_core::kernels::bound8`), times each row's scale.
     pub struct ScoreBlocksBound8Params => "oasis::ScoreBlocksBound8Params<T>"
-        for ["score_blocks_bound8_bf16", "score_blocks_bound8_f16", "score_blocks_bound8_f32"] {
+        for [
+            "score_blocks_bound8_bf16",
+            "score_blocks_bound8_f16",
+            "score_blocks_bound8_f32",
+            "score_blocks_bound8_tc_bf16",
+            "score_blocks_bound8_tc_f16",
+            "score_blocks_bound8_tc_f32",
+        ] {
         pub q: DevPtr,           // [num_seqs, num_qo_heads, head_dim]
         pub bounds8: DevPtr,     // [num_host_blocks, num_kv_heads, 2, head_dim] u8 (E4M3)
         pub scales: DevPtr,      // [num_host_blocks, num_kv_heads] f32

@@ -578,7 +578,37 @@ fn score_blocks_bound8(
 }
 
 /// Add this module's functions to `_core`.
+#[pyfunction]
+/// The kernel that scores the 8-bit bound in `score_blocks_bound8` on a GPU: `"fma"` (each code
+/// through f32) or `"mma"` (eight entries per tensor-core MMA; head_dim 64/128/256, else fma).
+/// Process-wide, for measuring; a captured CUDA graph keeps the kernel it captured.
+fn set_bound8_score_kernel(kernel: &str) -> PyResult<()> {
+    use oasis_cuda::ops::Bound8ScoreKernel;
+    let k = match kernel {
+        "fma" => Bound8ScoreKernel::Fma,
+        "mma" => Bound8ScoreKernel::Mma,
+        other => {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "bound8 score kernel must be 'fma' or 'mma', got {other:?}"
+            )))
+        }
+    };
+    oasis_cuda::ops::set_bound8_score_kernel(k);
+    Ok(())
+}
+
+#[pyfunction]
+/// The kernel `set_bound8_score_kernel` chose: `"fma"` or `"mma"`.
+fn bound8_score_kernel() -> &'static str {
+    match oasis_cuda::ops::bound8_score_kernel() {
+        oasis_cuda::ops::Bound8ScoreKernel::Fma => "fma",
+        oasis_cuda::ops::Bound8ScoreKernel::Mma => "mma",
+    }
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(set_bound8_score_kernel, m)?)?;
+    m.add_function(wrap_pyfunction!(bound8_score_kernel, m)?)?;
     m.add_function(wrap_pyfunction!(build_key_codes, m)?)?;
     m.add_function(wrap_pyfunction!(encode_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(score_blocks_codes, m)?)?;

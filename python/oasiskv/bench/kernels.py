@@ -633,6 +633,22 @@ def score_rows(ops, geo, dev, dtype, args, d2d: float) -> list[dict]:
         st["ratio_to_quest"] = st["ms"] / s44["ms"]
         st["target"] = "(the default chain at 44 x 16K)"
         rows.append(st)
+    # The default chain with the 8-bit bound scored on the tensor cores
+    # (ops.set_bound8_score_kernel("mma")) at 44 x 16K and 64 x 32K, against the fma rows above.
+    kernel_before = ops.bound8_score_kernel()
+    try:
+        ops.set_bound8_score_kernel("mma")
+        for b, ctx, sq in ((44, 16384, s44), (batch, 32768, s)):
+            st = bench_score_codes_staged(
+                ops, geo, dev, dtype, b, ctx, 128, 1.25, 8, True, args.profile, True
+            )
+            st["label"] += " [mma bound8]"
+            st["bound8_score_kernel"] = "mma"
+            st["ratio_to_quest"] = st["ms"] / sq["ms"]
+            st["target"] = "below the same chain's fma row"
+            rows.append(st)
+    finally:
+        ops.set_bound8_score_kernel(kernel_before)
     # Issue 33: the default chain's candidates' codes score and top-K in one launch
     # (ops.rescore_topk_codes) against the two launches, at batch 1 (launch-bound) and at 22 x 32K
     # (Qwen3-8B's serving shape), each against the Quest row of its shape.

@@ -216,6 +216,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "set_kv8_attention_kernel): 'tile' dequantizes each chunk into a bf16 tile, 'registers' "
         "feeds the MMA from the codes (not yet measured)",
     )
+    p.add_argument(
+        "--bound8-score-kernel",
+        default="fma",
+        choices=["fma", "mma"],
+        help="the kernel that scores the 8-bit bound (the default selection's first stage) on a GPU "
+        "(oasiskv.ops.set_bound8_score_kernel): 'mma' takes eight blocks per tensor-core MMA (not "
+        "yet measured)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=64, help="most requests decoded together")
     p.add_argument("--gpu-kv-budget-bytes", type=int, default=None)
     p.add_argument("--host-kv-budget-bytes", type=int, default=None)
@@ -256,11 +264,12 @@ def kv_dtype(args) -> str | None:
 
 
 def apply_kernel_flags(args) -> None:
-    """Set the process-wide kernel choices the flags name (``--kv8-attention-kernel``): every
-    engine of this process reads them at its launches."""
+    """Set the process-wide kernel choices the flags name (``--kv8-attention-kernel``,
+    ``--bound8-score-kernel``): every engine of this process reads them at its launches."""
     from .. import ops
 
     ops.set_kv8_attention_kernel(getattr(args, "kv8_attention_kernel", "tile"))
+    ops.set_bound8_score_kernel(getattr(args, "bound8_score_kernel", "fma"))
 
 
 def enforce_eager(args) -> bool:

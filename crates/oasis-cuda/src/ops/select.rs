@@ -2,7 +2,53 @@
 //! (`topk_blocks`, mapped or forced), `force_scores`, the two-stage score's `topk_candidates` and
 //! `delta_select`.
 
+use std::sync::{Mutex, PoisonError};
+
 use super::*;
+
+/// Which kernel scores the 8-bit bound in [`Gpu::score_blocks_bound8`] (cuda/score_blocks.cu).
+/// Both match `oasis_core::kernels::score_blocks_bound8` within f32 summation-order rounding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Bound8ScoreKernel {
+    /// `score_blocks_bound8_*`: each code converted to f32 and multiplied into the group-summed
+    /// query (the measured default; bound by those conversions, docs/PERF.md).
+    Fma,
+    /// `score_blocks_bound8_tc_*`: eight entries per MMA, the codes exact in f16 as the B operand,
+    /// the coefficients in two f16 rows (value and remainder); head_dim 64/128/256 with 16-byte
+    /// aligned bounds, else `Fma`. Not yet run on a GPU.
+    Mma,
+}
+
+static BOUND8_SCORE_KERNEL: Mutex<Bound8ScoreKernel> = Mutex::new(Bound8ScoreKernel::Fma);
+
+/// Set the process-wide 8-bit bound score kernel (the next launch on; a CUDA graph keeps the
+/// kernel it captured).
+pub fn set_bound8_score_kernel(k: Bound8ScoreKernel) {
+    *BOUND8_SCORE_KERNEL
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner) = k;
+}
+
+/// The 8-bit bound score kernel launches use now ([`set_bound8_score_kernel`]).
+pub fn bound8_score_kernel() -> Bound8ScoreKernel {
+    *BOUND8_SCORE_KERNEL
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The entry point [`Gpu::score_blocks_bound8`] launches for `kernel`, `T`, `head_dim` and
+/// whether the bounds are 16-byte aligned: the MMA kernel only where it applies.
+pub fn score_bound8_entry<T: KvElem>(
+    kernel: Bound8ScoreKernel,
+    head_dim: usize,
+    aligned: bool,
+) -> &'static str {
+    if kernel == Bound8ScoreKernel::Mma && matches!(head_dim, 64 | 128 | 256) && aligned {
+        entry!(T, "score_blocks_bound8_tc")
+    } else {
+        entry!(T, "score_blocks_bound8")
+    }
+}
 
 impl Gpu {
     /// GPU twin of `oasis_core::kernels::score_blocks`: Quest scores of the lookahead query
@@ -78,7 +124,8 @@ impl Gpu {
             check_len("scales", scales.len(), &[num_host, h])?;
             let nnz = blk_indices.len();
 
-            let name = entry!(T, "score_blocks_bound8");
+            let aligned = bounds8.ptr().is_multiple_of(16);
+            let name = score_bound8_entry::<T>(bound8_score_kernel(), d, aligned);
             let params = params!(ScoreBlocksBound8Params {
                 ptr: { q, bounds8, scales, blk_indptr, blk_indices, scores },
                 int: {
@@ -87,7 +134,9 @@ impl Gpu {
                 },
             });
             // SAFETY: as score_blocks (the scales have num_host rows too, read by block id
-            // after the kernel's bounds check).
+            // after the kernel's bounds check); the MMA kernel only for the head_dims it is
+            // instantiated for and 16-byte aligned bounds (score_bound8_entry), with the same
+            // grid and threads and its own static shared memory.
             unsafe { self.queue(name, grid, SCORE_THREADS, 0, stream, &params) }
         })
     }

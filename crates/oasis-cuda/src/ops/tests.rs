@@ -317,3 +317,38 @@ fn constants_match_the_kernel_sources() {
         QK_ROPE_WARPS as usize
     );
 }
+
+/// The 8-bit bound's MMA kernel serves only the head_dims it is instantiated for, with aligned
+/// bounds; every other call and the default take the FMA kernel, and every name is registered.
+#[test]
+fn bound8_score_kernel_choice() {
+    use half::{bf16, f16};
+    assert_eq!(bound8_score_kernel(), Bound8ScoreKernel::Fma);
+    let src = crate::kernels::source("score_blocks").unwrap().source;
+    for d in [64, 128, 256] {
+        assert_eq!(
+            score_bound8_entry::<bf16>(Bound8ScoreKernel::Mma, d, true),
+            "score_blocks_bound8_tc_bf16"
+        );
+        assert!(src.contains(&format!("case {d}: score_bound8_tc<T, {d}>")));
+        assert_eq!(
+            score_bound8_entry::<f16>(Bound8ScoreKernel::Fma, d, true),
+            "score_blocks_bound8_f16"
+        );
+        assert_eq!(
+            score_bound8_entry::<f32>(Bound8ScoreKernel::Mma, d, false),
+            "score_blocks_bound8_f32"
+        );
+    }
+    assert_eq!(
+        score_bound8_entry::<f32>(Bound8ScoreKernel::Mma, 96, true),
+        "score_blocks_bound8_f32"
+    );
+    for name in [
+        score_bound8_entry::<bf16>(Bound8ScoreKernel::Mma, 128, true),
+        score_bound8_entry::<f16>(Bound8ScoreKernel::Mma, 128, true),
+        score_bound8_entry::<f32>(Bound8ScoreKernel::Mma, 128, true),
+    ] {
+        assert!(crate::kernels::source_of(name).is_some(), "{name}");
+    }
+}

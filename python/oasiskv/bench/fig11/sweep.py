@@ -477,6 +477,7 @@ class Fig11:
                 "kv_dtype": kv.kv_dtype or dtype,
                 "host_kv_dtype": kv.host_kv_dtype or kv.kv_dtype or dtype,
                 "kv8_attention_kernel": getattr(a, "kv8_attention_kernel", "tile"),
+                "bound8_score_kernel": getattr(a, "bound8_score_kernel", "fma"),
             },
             "weights_bytes": self.weights_bytes,
             "gpu_kv_budget": a.gpu_kv_budget,
