@@ -505,8 +505,10 @@ def test_n_past_the_capacity(tiny_server):
     eng = tiny_server.server.config.app.state.engine_loop.llm_engine
     real_step = eng.step
 
-    def slow_step():  # so the long request below is surely running while n=2 arrives
-        time.sleep(0.02)
+    def slow_step():  # so the long request below is surely running while n=2 arrives:
+        # 80 steps of at least 0.2 s (CI saw 80 of 0.02 s end first on a loaded machine); it is
+        # cancelled as soon as the n=2 answer is in (its stream closes).
+        time.sleep(0.2)
         return real_step()
 
     with httpx.Client(base_url=tiny_server.url, timeout=60) as c:
