@@ -31,13 +31,19 @@
 //! connection caches the unpacked rkeys (at most [`MAX_RKEYS_PER_CONN`]) and destroys them
 //! before its endpoint closes. The ranges are checked on the tokio side
 //! (`ucx::RemoteRegion::check`) before a command is queued.
+//!
+//! **Rooms.** This file holds the commands and parts the tokio side sees, the [`Worker`] handle,
+//! and the thread's state and events; the thread's life (init, the loop, command and event
+//! dispatch, shutdown) is in `progress.rs`, connections in `conns.rs`, the data path (frames,
+//! regions, gets) in `data.rs`, the UCX callbacks and their request contexts in `callbacks.rs`,
+//! poll and socket addresses in `sockets.rs`.
 
 use std::collections::{HashMap, HashSet};
 use std::ffi::{c_int, c_void};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc as std_mpsc, Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot};
@@ -46,11 +52,17 @@ use tracing::{debug, warn};
 use super::sys::{self, Api};
 use crate::error::{Error, Result};
 
+mod callbacks;
 mod conns;
 mod data;
+mod progress;
 mod sockets;
 
-use sockets::{parse_sockaddr, poll, PollFd, RawSockaddr, POLLIN};
+use callbacks::{
+    on_am, on_closed, on_conn_request, on_ep_error, on_flushed, on_got, on_pulled, on_sent,
+    FlushCtx, GetCtx, PullCtx, SendCtx,
+};
+use sockets::{parse_sockaddr, RawSockaddr};
 
 /// The active-message id of protocol frames (arbitrary; both sides use it).
 pub const AM_ID: u32 = 0x0a5;
@@ -386,148 +398,6 @@ fn status_error(api: &Api, what: &str, s: sys::ucs_status_t) -> Error {
 }
 
 impl State {
-    /// # Safety
-    /// Call on the thread that will run [`State::run`].
-    unsafe fn init(api: &'static Api, max_eager: usize) -> Result<State> {
-        let mut context: sys::ucp_context_h = std::ptr::null_mut();
-        let mut params = sys::ucp_params_t {
-            field_mask: sys::UCP_PARAM_FIELD_FEATURES | sys::UCP_PARAM_FIELD_NAME,
-            features: sys::UCP_FEATURE_AM | sys::UCP_FEATURE_RMA | sys::UCP_FEATURE_WAKEUP,
-            request_size: 0,
-            request_init: std::ptr::null_mut(),
-            request_cleanup: std::ptr::null_mut(),
-            tag_sender_mask: 0,
-            mt_workers_shared: 0,
-            estimated_num_eps: 0,
-            estimated_num_ppn: 0,
-            name: c"oasis-rt".as_ptr(),
-        };
-        let mut s = (api.ucp_init_version)(
-            sys::UCP_API_MAJOR,
-            sys::UCP_API_MINOR,
-            &params,
-            std::ptr::null(),
-            &mut context,
-        );
-        if s != sys::UCS_OK {
-            // Without wakeup support the thread polls instead.
-            params.features &= !sys::UCP_FEATURE_WAKEUP;
-            s = (api.ucp_init_version)(
-                sys::UCP_API_MAJOR,
-                sys::UCP_API_MINOR,
-                &params,
-                std::ptr::null(),
-                &mut context,
-            );
-        }
-        if s != sys::UCS_OK {
-            return Err(status_error(api, "init", s));
-        }
-        let mut worker: sys::ucp_worker_h = std::ptr::null_mut();
-        let mut wp: sys::ucp_worker_params_t = std::mem::zeroed();
-        wp.field_mask = sys::UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-        wp.thread_mode = sys::UCS_THREAD_MODE_SINGLE;
-        let s = (api.ucp_worker_create)(context, &wp, &mut worker);
-        if s != sys::UCS_OK {
-            (api.ucp_cleanup)(context);
-            return Err(status_error(api, "worker create", s));
-        }
-        let mut efd: c_int = -1;
-        let efd = if params.features & sys::UCP_FEATURE_WAKEUP != 0
-            && (api.ucp_worker_get_efd)(worker, &mut efd) == sys::UCS_OK
-        {
-            Some(efd)
-        } else {
-            None
-        };
-        let inbox = Box::into_raw(Box::new(Inbox {
-            api,
-            events: Vec::new(),
-            max_eager,
-            closing: 0,
-        }));
-        let handler = sys::ucp_am_handler_param_t {
-            field_mask: sys::UCP_AM_HANDLER_PARAM_FIELD_ID
-                | sys::UCP_AM_HANDLER_PARAM_FIELD_FLAGS
-                | sys::UCP_AM_HANDLER_PARAM_FIELD_CB
-                | sys::UCP_AM_HANDLER_PARAM_FIELD_ARG,
-            id: AM_ID,
-            flags: sys::UCP_AM_FLAG_WHOLE_MSG,
-            cb: Some(on_am),
-            arg: inbox.cast(),
-        };
-        let s = (api.ucp_worker_set_am_recv_handler)(worker, &handler);
-        if s != sys::UCS_OK {
-            (api.ucp_worker_destroy)(worker);
-            (api.ucp_cleanup)(context);
-            drop(Box::from_raw(inbox));
-            return Err(status_error(api, "am handler", s));
-        }
-        Ok(State {
-            api,
-            context,
-            worker,
-            efd,
-            inbox,
-            conns: HashMap::new(),
-            by_ep: HashMap::new(),
-            listeners: HashMap::new(),
-            regions: HashMap::new(),
-            next_id: 1,
-        })
-    }
-
-    fn run(mut self, rx: std_mpsc::Receiver<Cmd>, submit: &Submit) {
-        'outer: loop {
-            let mut busy = false;
-            loop {
-                match rx.try_recv() {
-                    Ok(Cmd::Shutdown) | Err(std_mpsc::TryRecvError::Disconnected) => break 'outer,
-                    Ok(cmd) => {
-                        busy = true;
-                        self.command(cmd);
-                    }
-                    Err(std_mpsc::TryRecvError::Empty) => break,
-                }
-            }
-            // SAFETY: the worker is ours; callbacks only touch the inbox.
-            while unsafe { (self.api.ucp_worker_progress)(self.worker) } != 0 {
-                busy = true;
-            }
-            busy |= self.events();
-            if busy {
-                continue;
-            }
-            self.idle();
-        }
-        // Stop taking commands before the worker goes.
-        *submit.tx.lock().unwrap_or_else(PoisonError::into_inner) = None;
-        self.shutdown();
-    }
-
-    fn idle(&mut self) {
-        let Some(fd) = self.efd else {
-            std::thread::sleep(Duration::from_micros(50));
-            return;
-        };
-        // SAFETY: our worker; arm returns BUSY when events (or a ucp_worker_signal) are pending.
-        let s = unsafe { (self.api.ucp_worker_arm)(self.worker) };
-        if s == sys::UCS_ERR_BUSY {
-            return;
-        }
-        if s != sys::UCS_OK {
-            std::thread::sleep(Duration::from_micros(50));
-            return;
-        }
-        let mut pfd = PollFd {
-            fd,
-            events: POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd; poll has this signature in every libc.
-        unsafe { poll(&mut pfd, 1, IDLE_POLL.as_millis() as c_int) };
-    }
-
     fn inbox(&mut self) -> &mut Inbox {
         // SAFETY: the inbox lives as long as the state; UCX callbacks touch it only inside
         // ucp_worker_progress (and ucp_ep_close_nbx/ucp_listener_destroy), never while this
@@ -592,130 +462,6 @@ impl State {
             },
         }
     }
-
-    fn command(&mut self, cmd: Cmd) {
-        match cmd {
-            Cmd::Connect { addr, reply } => self.connect(addr, reply),
-            Cmd::Listen { addr, reply } => {
-                let _ = reply.send(self.listen(addr));
-            }
-            Cmd::CloseListener(id) => self.close_listener(id),
-            Cmd::Send { conn, frame, reply } => self.send(conn, frame, reply),
-            Cmd::Pull { conn, desc, reply } => self.pull(conn, desc, reply),
-            Cmd::Discard { conn, desc } => {
-                if let Some((d, _)) = self.conns.get_mut(&conn).and_then(|c| c.rndv.remove(&desc)) {
-                    // SAFETY: a descriptor UCX gave us and nobody released yet.
-                    unsafe { (self.api.ucp_am_data_release)(self.worker, d as *mut c_void) };
-                }
-            }
-            Cmd::Close(id) => self.close(id),
-            Cmd::MemMap { data, reply } => {
-                if let Err(Ok(parts)) = reply.send(self.mem_map(data)) {
-                    // The caller gave up (timeout): nobody would unmap it.
-                    self.mem_unmap(parts.id);
-                }
-            }
-            Cmd::MemUnmap(id) => self.mem_unmap(id),
-            Cmd::Get {
-                conn,
-                rkey,
-                addr,
-                len,
-                reply,
-            } => self.get(conn, &rkey, addr, len, reply),
-            Cmd::Gets { conn, items } => {
-                for it in items {
-                    self.get(conn, &it.rkey, it.addr, it.len, it.reply);
-                }
-            }
-            Cmd::Shutdown => {}
-        }
-    }
-
-    /// Handle what the callbacks reported. True if there was anything.
-    fn events(&mut self) -> bool {
-        let mut events = std::mem::take(&mut self.inbox().events);
-        let any = !events.is_empty();
-        // Completions first: a request they name is freed and must leave `reqs` before any
-        // close below could cancel it.
-        let mut reaped = Vec::new();
-        events.retain(|e| match e {
-            Event::Done { conn, request } => {
-                if let Some(c) = self.conns.get_mut(conn) {
-                    c.reqs.remove(request);
-                    reaped.push(*conn);
-                }
-                false
-            }
-            _ => true,
-        });
-        for id in reaped {
-            self.reap(id);
-        }
-        for e in events {
-            match e {
-                Event::Done { .. } => {}
-                Event::ConnRequest { listener, request } => self.accept(listener, request),
-                Event::EpError { ep, status } => {
-                    let Some(&id) = self.by_ep.get(&ep) else {
-                        continue;
-                    };
-                    let why = self.api.status_string(status);
-                    debug!(conn = id, error = %why, "ucx endpoint failed");
-                    if let Some(c) = self.conns.get_mut(&id) {
-                        c.broken = true;
-                        c.failed = true;
-                        let _ = c.incoming.send(Incoming::Closed(None));
-                    }
-                }
-                Event::Flushed { conn, status } => {
-                    let Some(pending) = self.conns.get_mut(&conn).and_then(|c| c.connecting.take())
-                    else {
-                        continue;
-                    };
-                    let (reply, parts, addr) = pending;
-                    self.finish_connect(reply, parts, addr, status);
-                }
-                Event::Am { ep, data } => self.arrived(ep, data),
-            }
-        }
-        any
-    }
-
-    fn shutdown(mut self) {
-        let ids: Vec<ConnId> = self.conns.keys().copied().collect();
-        for id in ids {
-            self.close(id);
-        }
-        let lids: Vec<u64> = self.listeners.keys().copied().collect();
-        for id in lids {
-            self.close_listener(id);
-        }
-        let start = Instant::now();
-        while (self.inbox().closing > 0 || !self.conns.is_empty())
-            && start.elapsed() < SHUTDOWN_WAIT
-        {
-            // SAFETY: our worker.
-            unsafe { (self.api.ucp_worker_progress)(self.worker) };
-            self.events();
-        }
-        if !self.conns.is_empty() {
-            warn!(
-                left = self.conns.len(),
-                "ucx requests still outstanding at shutdown"
-            );
-        }
-        let regions: Vec<u64> = self.regions.keys().copied().collect();
-        for id in regions {
-            self.mem_unmap(id);
-        }
-        // SAFETY: every endpoint and listener is closed; nothing uses the worker after this.
-        unsafe {
-            (self.api.ucp_worker_destroy)(self.worker);
-            (self.api.ucp_cleanup)(self.context);
-            drop(Box::from_raw(self.inbox));
-        }
-    }
 }
 
 fn unreachable(addr: SocketAddr, why: &str) -> Error {
@@ -729,196 +475,6 @@ fn unreachable(addr: SocketAddr, why: &str) -> Error {
 fn send_error(api: &Api, s: sys::ucs_status_t) -> Error {
     debug!(error = %api.status_string(s), "ucx send failed");
     Error::Closed
-}
-
-// ---- callbacks (all run on the progress thread, inside UCX calls) ----
-
-struct SendCtx {
-    inbox: *mut Inbox,
-    conn: ConnId,
-    _frame: Vec<u8>,
-    reply: oneshot::Sender<Result<()>>,
-}
-
-struct PullCtx {
-    api: &'static Api,
-    inbox: *mut Inbox,
-    conn: ConnId,
-    buf: Vec<u8>,
-    len: usize,
-    reply: oneshot::Sender<Result<Bytes>>,
-}
-
-impl PullCtx {
-    fn finish(mut self, status: sys::ucs_status_t, got: usize) {
-        let result = if status == sys::UCS_OK && got == self.len {
-            // SAFETY: UCX wrote `got` bytes into the buffer's capacity.
-            unsafe { self.buf.set_len(got) };
-            Ok(Bytes::from(self.buf))
-        } else if status == sys::UCS_OK {
-            Err(Error::Truncated {
-                field: "frame",
-                needed: self.len as u64,
-                available: got as u64,
-            })
-        } else {
-            debug!(error = %self.api.status_string(status), "ucx rendezvous receive failed");
-            Err(Error::Closed)
-        };
-        let _ = self.reply.send(result);
-    }
-}
-
-struct GetCtx {
-    api: &'static Api,
-    inbox: *mut Inbox,
-    conn: ConnId,
-    buf: Vec<u8>,
-    len: usize,
-    reply: oneshot::Sender<Result<Bytes>>,
-}
-
-impl GetCtx {
-    fn finish(mut self, status: sys::ucs_status_t) {
-        let result = if status == sys::UCS_OK {
-            // SAFETY: a completed get wrote all `len` bytes into the buffer's capacity.
-            unsafe { self.buf.set_len(self.len) };
-            Ok(Bytes::from(self.buf))
-        } else {
-            debug!(error = %self.api.status_string(status), "ucx get failed");
-            Err(Error::Io(std::io::Error::other(format!(
-                "ucx get: {}",
-                self.api.status_string(status)
-            ))))
-        };
-        let _ = self.reply.send(result);
-    }
-}
-
-unsafe extern "C" fn on_got(request: *mut c_void, status: sys::ucs_status_t, user: *mut c_void) {
-    let ctx = Box::from_raw(user.cast::<GetCtx>());
-    (ctx.api.ucp_request_free)(request);
-    (*ctx.inbox).events.push(Event::Done {
-        conn: ctx.conn,
-        request: request as usize,
-    });
-    ctx.finish(status);
-}
-
-struct FlushCtx {
-    inbox: *mut Inbox,
-    conn: ConnId,
-}
-
-unsafe extern "C" fn on_sent(request: *mut c_void, status: sys::ucs_status_t, user: *mut c_void) {
-    let ctx = Box::from_raw(user.cast::<SendCtx>());
-    let inbox = &mut *ctx.inbox;
-    let result = if status == sys::UCS_OK {
-        Ok(())
-    } else {
-        Err(send_error(inbox.api, status))
-    };
-    (inbox.api.ucp_request_free)(request);
-    inbox.events.push(Event::Done {
-        conn: ctx.conn,
-        request: request as usize,
-    });
-    let _ = ctx.reply.send(result);
-}
-
-unsafe extern "C" fn on_pulled(
-    request: *mut c_void,
-    status: sys::ucs_status_t,
-    length: usize,
-    user: *mut c_void,
-) {
-    let ctx = Box::from_raw(user.cast::<PullCtx>());
-    (ctx.api.ucp_request_free)(request);
-    (*ctx.inbox).events.push(Event::Done {
-        conn: ctx.conn,
-        request: request as usize,
-    });
-    ctx.finish(status, length);
-}
-
-unsafe extern "C" fn on_flushed(
-    request: *mut c_void,
-    status: sys::ucs_status_t,
-    user: *mut c_void,
-) {
-    let ctx = Box::from_raw(user.cast::<FlushCtx>());
-    let inbox = &mut *ctx.inbox;
-    (inbox.api.ucp_request_free)(request);
-    inbox.events.push(Event::Flushed {
-        conn: ctx.conn,
-        status,
-    });
-}
-
-unsafe extern "C" fn on_closed(
-    request: *mut c_void,
-    _status: sys::ucs_status_t,
-    user: *mut c_void,
-) {
-    let inbox = &mut *user.cast::<Inbox>();
-    inbox.closing = inbox.closing.saturating_sub(1);
-    (inbox.api.ucp_request_free)(request);
-}
-
-unsafe extern "C" fn on_ep_error(arg: *mut c_void, ep: sys::ucp_ep_h, status: sys::ucs_status_t) {
-    let inbox = &mut *arg.cast::<Inbox>();
-    inbox.events.push(Event::EpError {
-        ep: ep as usize,
-        status,
-    });
-}
-
-unsafe extern "C" fn on_conn_request(request: sys::ucp_conn_request_h, arg: *mut c_void) {
-    let arg = &*arg.cast::<ListenerArg>();
-    (*arg.inbox).events.push(Event::ConnRequest {
-        listener: arg.id,
-        request: request as usize,
-    });
-}
-
-unsafe extern "C" fn on_am(
-    arg: *mut c_void,
-    _header: *const c_void,
-    _header_length: usize,
-    data: *mut c_void,
-    length: usize,
-    param: *const sys::ucp_am_recv_param_t,
-) -> sys::ucs_status_t {
-    let inbox = &mut *arg.cast::<Inbox>();
-    let param = &*param;
-    let ep = if param.recv_attr & sys::UCP_AM_RECV_ATTR_FIELD_REPLY_EP != 0 {
-        param.reply_ep as usize
-    } else {
-        0
-    };
-    if param.recv_attr & sys::UCP_AM_RECV_ATTR_FLAG_RNDV != 0 {
-        // Keep the descriptor: the reader decides (after the size check) to pull or drop it.
-        inbox.events.push(Event::Am {
-            ep,
-            data: AmData::Rndv {
-                desc: data as usize,
-                len: length,
-            },
-        });
-        return sys::UCS_INPROGRESS;
-    }
-    let data = if length > inbox.max_eager {
-        AmData::Oversized(length)
-    } else if length == 0 || data.is_null() {
-        AmData::Eager(Bytes::new())
-    } else {
-        AmData::Eager(Bytes::copy_from_slice(std::slice::from_raw_parts(
-            data.cast::<u8>(),
-            length,
-        )))
-    };
-    inbox.events.push(Event::Am { ep, data });
-    sys::UCS_OK
 }
 
 #[cfg(test)]
