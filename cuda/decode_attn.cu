@@ -374,36 +374,26 @@ OASIS_DECODE_ATTN_KV8(decode_attn_kv8_bf16, oasis::bf16)
 OASIS_DECODE_ATTN_KV8(decode_attn_kv8_f16, oasis::f16)
 OASIS_DECODE_ATTN_KV8(decode_attn_kv8_f32, float)
 
-#define OASIS_DECODE_ATTN_KV8_TC(NAME, T, D, STAGES)                                                  \
+#define OASIS_DECODE_ATTN_KV8_TC(NAME, T, D, STAGES, PAGES)                                           \
     extern "C" __global__ void __launch_bounds__(OASIS_TC_WARPS * 32)                                 \
         NAME(const __grid_constant__ oasis::DecodeAttnKv8Params<T> p) {                              \
         oasis::decode_attn_tc_impl<T, D, STAGES>(                                                     \
-            p.q, oasis::TcKv8Pages<T, D, STAGES>{p.k_codes, p.v_codes, p.k_scales, p.v_scales},       \
+            p.q, oasis::PAGES<T, D, STAGES>{p.k_codes, p.v_codes, p.k_scales, p.v_scales},            \
             p.kv_indptr, p.kv_indices, p.kv_last_page_len, p.page_map, p.extra_k, p.extra_v, p.out,   \
             p.tmp_out, p.tmp_lse, p.num_rows, p.num_qo_heads, p.num_kv_heads, p.block_size,           \
             p.num_pages, p.nnz, p.num_splits, p.sm_scale);                                            \
     }
 
 // Pipeline depth per head_dim: the bf16 kernel's (oasis_cuda::ops::decode_attn_tc_stages).
-OASIS_DECODE_ATTN_KV8_TC(decode_attn_kv8_tc_bf16_d64, oasis::bf16, 64, 4)
-OASIS_DECODE_ATTN_KV8_TC(decode_attn_kv8_tc_bf16_d128, oasis::bf16, 128, 3)
-OASIS_DECODE_ATTN_KV8_TC(decode_attn_kv8_tc_bf16_d256, oasis::bf16, 256, 2)
+OASIS_DECODE_ATTN_KV8_TC(decode_attn_kv8_tc_bf16_d64, oasis::bf16, 64, 4, TcKv8Pages)
+OASIS_DECODE_ATTN_KV8_TC(decode_attn_kv8_tc_bf16_d128, oasis::bf16, 128, 3, TcKv8Pages)
+OASIS_DECODE_ATTN_KV8_TC(decode_attn_kv8_tc_bf16_d256, oasis::bf16, 256, 2, TcKv8Pages)
 
 // The same over kv8 pages read by the tensor cores from their codes (TcKv8RegPages: no
 // dequantized tile, f16 MMA, so f16 queries too). Chosen by oasis_cuda's Kv8AttnKernel.
-#define OASIS_DECODE_ATTN_KV8_TCR(NAME, T, D, STAGES)                                                 \
-    extern "C" __global__ void __launch_bounds__(OASIS_TC_WARPS * 32)                                 \
-        NAME(const __grid_constant__ oasis::DecodeAttnKv8Params<T> p) {                              \
-        oasis::decode_attn_tc_impl<T, D, STAGES>(                                                     \
-            p.q, oasis::TcKv8RegPages<T, D, STAGES>{p.k_codes, p.v_codes, p.k_scales, p.v_scales},    \
-            p.kv_indptr, p.kv_indices, p.kv_last_page_len, p.page_map, p.extra_k, p.extra_v, p.out,   \
-            p.tmp_out, p.tmp_lse, p.num_rows, p.num_qo_heads, p.num_kv_heads, p.block_size,           \
-            p.num_pages, p.nnz, p.num_splits, p.sm_scale);                                            \
-    }
-
-OASIS_DECODE_ATTN_KV8_TCR(decode_attn_kv8_tcr_bf16_d64, oasis::bf16, 64, 4)
-OASIS_DECODE_ATTN_KV8_TCR(decode_attn_kv8_tcr_bf16_d128, oasis::bf16, 128, 3)
-OASIS_DECODE_ATTN_KV8_TCR(decode_attn_kv8_tcr_bf16_d256, oasis::bf16, 256, 2)
-OASIS_DECODE_ATTN_KV8_TCR(decode_attn_kv8_tcr_f16_d64, oasis::f16, 64, 4)
-OASIS_DECODE_ATTN_KV8_TCR(decode_attn_kv8_tcr_f16_d128, oasis::f16, 128, 3)
-OASIS_DECODE_ATTN_KV8_TCR(decode_attn_kv8_tcr_f16_d256, oasis::f16, 256, 2)
+OASIS_DECODE_ATTN_KV8_TC(decode_attn_kv8_tcr_bf16_d64, oasis::bf16, 64, 4, TcKv8RegPages)
+OASIS_DECODE_ATTN_KV8_TC(decode_attn_kv8_tcr_bf16_d128, oasis::bf16, 128, 3, TcKv8RegPages)
+OASIS_DECODE_ATTN_KV8_TC(decode_attn_kv8_tcr_bf16_d256, oasis::bf16, 256, 2, TcKv8RegPages)
+OASIS_DECODE_ATTN_KV8_TC(decode_attn_kv8_tcr_f16_d64, oasis::f16, 64, 4, TcKv8RegPages)
+OASIS_DECODE_ATTN_KV8_TC(decode_attn_kv8_tcr_f16_d128, oasis::f16, 128, 3, TcKv8RegPages)
+OASIS_DECODE_ATTN_KV8_TC(decode_attn_kv8_tcr_f16_d256, oasis::f16, 256, 2, TcKv8RegPages)

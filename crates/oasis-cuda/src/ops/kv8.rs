@@ -639,13 +639,13 @@ mod tests {
                 let (name, stages) = decode_attn_kv8_tc_entry::<half::bf16>(d, k).unwrap();
                 assert_eq!(Some(stages), decode_attn_tc_stages(d));
                 assert!(crate::kernels::source_of(name).is_some(), "{name}");
-                let inst = format!("({name}, oasis::bf16, {d}, {stages})");
+                let inst = format!("({name}, oasis::bf16, {d}, {stages}, ");
                 assert!(src.contains(&inst), "{inst} not in decode_attn.cu");
             }
             let (name, stages) =
                 decode_attn_kv8_tc_entry::<half::f16>(d, Kv8AttnKernel::Registers).unwrap();
             assert!(
-                src.contains(&format!("({name}, oasis::f16, {d}, {stages})")),
+                src.contains(&format!("({name}, oasis::f16, {d}, {stages}, TcKv8RegPages)")),
                 "{name}"
             );
         }
