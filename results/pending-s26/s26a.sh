@@ -22,5 +22,5 @@ for t in tcp ucx; do
   mv $OUT/disagg.log $OUT/disagg-in-step-$t.log 2>/dev/null
   echo "== $t"; grep "^| \(full\|partial\)" $OUT/disagg-in-step-$t.md | head -4
 done
-(cd /tmp; for dsp in 1 0; do timeout 70 python3 $R/results/pending-s26/step_direct.py $dsp $R/experiments/exp_step_host.py --full --same-prompt --cuda-graph --no-recall \
-  --requests 40 --context 16384 --top-k-blocks 128 --steps 10 --variants fast:2:0 --repeat 1 --profile $OUT/sd-$dsp-prof.txt --json $OUT/sd-$dsp.json > $OUT/sd-$dsp.log 2>&1; echo "direct=$dsp rc=$?"; grep step_ms $OUT/sd-$dsp.log | head -2; done)
+(cd /tmp; for dsp in 1 0; do timeout 100 python3 $R/results/pending-s26/step_direct.py $dsp $R/experiments/exp_step_host.py --full --same-prompt --cuda-graph --no-recall \
+  --requests 40 --context 16384 --top-k-blocks 128 --steps 10 --variants fidelity:2:0,fast:2:0 --repeat 1 --profile $OUT/sd-$dsp-prof.txt --json $OUT/sd-$dsp.json > $OUT/sd-$dsp.log 2>&1; echo "direct=$dsp rc=$?"; grep step_ms $OUT/sd-$dsp.log | head -2; done)
