@@ -416,18 +416,24 @@ __device__ void score_bound8_tc(
         }
     }
     const unsigned live = __ballot_sync(FULL, my_s >= 0);
+    // This lane's column g of n-tile nt: its entry's bound, 16 bytes of each 64-byte chunk (zero
+    // for an entry scored -inf above). The next n-tile's loads are issued before this one's MMAs.
+    auto load_tile = [&](int nt, uint4 (&dst)[CHUNKS]) {
+        const int col_s = __shfl_sync(FULL, my_s, 8 * nt + g);
+        const int col_b = __shfl_sync(FULL, my_b, 8 * nt + g);
+        const uint4* src = (const uint4*)(bounds + ((i64)max(col_b, 0) * num_kv_heads + h) * 2 * D);
+#pragma unroll
+        for (int kk = 0; kk < CHUNKS; ++kk) dst[kk] = col_s >= 0 ? src[4 * kk + c] : make_uint4(0u, 0u, 0u, 0u);
+    };
+    uint4 raw[CHUNKS];
+    load_tile(0, raw);
     int coef_s = -1;
 #pragma unroll 1
     for (int nt = 0; nt < OASIS_SCORE_TILE / 8; ++nt) {
+        uint4 nxt[CHUNKS];
+        const bool more = nt + 1 < OASIS_SCORE_TILE / 8 && ((live >> (8 * (nt + 1))) != 0u);  // warp-uniform
+        if (more) load_tile(nt + 1, nxt);
         unsigned pending = (live >> (8 * nt)) & 0xffu;
-        if (pending == 0u) continue;  // warp-uniform
-        // This lane's column g of the n-tile: its entry's bound, 16 bytes of each 64-byte chunk.
-        const int col_s = __shfl_sync(FULL, my_s, 8 * nt + g);
-        const int col_b = __shfl_sync(FULL, my_b, 8 * nt + g);
-        uint4 raw[CHUNKS];
-        const uint4* src = (const uint4*)(bounds + ((i64)max(col_b, 0) * num_kv_heads + h) * 2 * D);
-#pragma unroll
-        for (int kk = 0; kk < CHUNKS; ++kk) raw[kk] = col_s >= 0 ? src[4 * kk + c] : make_uint4(0u, 0u, 0u, 0u);
         // The two columns this lane writes (2c, 2c + 1), when g == 0.
         int out_s[2];
         int out_b[2];
@@ -492,6 +498,9 @@ __device__ void score_bound8_tc(
             }
             pending &= ~((__ballot_sync(FULL, my_s == s) >> (8 * nt)) & 0xffu);
         }
+        if (!more) break;  // no live entry in the rest of the tile
+#pragma unroll
+        for (int kk = 0; kk < CHUNKS; ++kk) raw[kk] = nxt[kk];
     }
 }
 
