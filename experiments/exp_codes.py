@@ -1,5 +1,6 @@
 """Time the two-stage codes score (KvConfig(score_candidates=F)) part by part, and compile variants
-of cuda/key_codes.cu (its #ifndef knobs) with CuPy's NVRTC to time the candidates' rescoring.
+of cuda/key_codes.cu (the #ifndef knobs of it and its oasis_codes_tc.cuh) with CuPy's NVRTC to time
+the candidates' rescoring.
 
     python3 experiments/exp_codes.py [--batch 64] [--ctx 32768] [--k 128] [--factor 1.5]
         [--source-alt PATH ...] [--json out.json]
@@ -29,7 +30,8 @@ from exp_score import ROOT, module, params, source, timed
 from oasiskv import ops
 from oasiskv.bench.kernels import codes_inputs, time_graph
 
-# The defaults of cuda/key_codes.cu's knobs (what oasis-cuda builds); each variant overrides some.
+# The defaults of the knobs of cuda/key_codes.cu and cuda/oasis_codes_tc.cuh (what oasis-cuda
+# builds); each variant overrides some.
 DEFAULTS = {"OASIS_CODES_STAGES": 3, "OASIS_CODES_MIN_BLOCKS": 6, "OASIS_CODES_TILE": 32}
 # "tile": the entries per warp the launch asks for (ScoreBlocksCodesParams.tile, at most
 # OASIS_CODES_TILE); the wheel picks it by the batch (oasis_cuda::ops::score_codes_tile). Shorter

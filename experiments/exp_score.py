@@ -47,9 +47,10 @@ TOPK_THREADS = [512, 256, 1024]
 
 
 def source(path: Path = ROOT / "score_blocks.cu") -> str:
-    """A kernel file with the project's headers inlined (what CuPy's NVRTC compiles)."""
+    """A kernel file with the project's headers inlined (what CuPy's NVRTC compiles, and the text
+    exp_codes.py patches: key_codes.cu's tensor-core path is in oasis_codes_tc.cuh)."""
     src = path.read_text()
-    for header in ("oasis_common.cuh", "oasis_params.cuh", "oasis_topk.cuh"):
+    for header in ("oasis_common.cuh", "oasis_params.cuh", "oasis_topk.cuh", "oasis_codes_tc.cuh"):
         src = src.replace(f'#include "{header}"', (ROOT / header).read_text())
     return src
 

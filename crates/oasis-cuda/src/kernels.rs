@@ -37,6 +37,10 @@ pub const HEADERS: &[(&str, &str)] = &[
         "oasis_attn_tc.cuh",
         include_str!("../../../cuda/oasis_attn_tc.cuh"),
     ),
+    (
+        "oasis_codes_tc.cuh",
+        include_str!("../../../cuda/oasis_codes_tc.cuh"),
+    ),
 ];
 
 /// Every kernel source, in dependency-free order.

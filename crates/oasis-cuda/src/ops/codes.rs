@@ -5,7 +5,7 @@
 use super::*;
 
 /// Threads per block of `rescore_topk_codes_*`; must match OASIS_RESCORE_TOPK_THREADS in
-/// cuda/key_codes.cu.
+/// cuda/oasis_codes_tc.cuh.
 pub const RESCORE_TOPK_THREADS: u32 = 128;
 
 /// Shared memory of one `rescore_topk_codes_*` block of `warps` warps, in bytes

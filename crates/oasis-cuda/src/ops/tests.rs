@@ -98,6 +98,15 @@ fn workspace_len_saturates() {
     );
 }
 
+/// The text of a header of [`crate::kernels::HEADERS`] (named with its extension).
+fn header(name: &str) -> &'static str {
+    crate::kernels::HEADERS
+        .iter()
+        .find(|(n, _)| *n == name)
+        .unwrap_or_else(|| panic!("{name} is not in kernels::HEADERS"))
+        .1
+}
+
 /// Every kernel that reads a CSR table checks its rows in the kernel (the wrappers pass the
 /// indices' length as `nnz`): a malformed table reads as empty rows, never out of bounds.
 #[test]
@@ -128,9 +137,11 @@ fn csr_tables_are_checked_in_the_kernels() {
     let src = crate::kernels::source("score_blocks").unwrap().source;
     assert_eq!(src.matches("seq_end <= nnz").count(), 1);
     assert_eq!(src.matches("row_e <= nnz").count(), 1);
-    let src = crate::kernels::source("key_codes").unwrap().source;
-    assert!(src.contains("row_e <= nnz"), "key_codes checks its rows");
-    assert!(src.contains("int nnz"), "key_codes takes no nnz");
+    // So do key_codes.cu's scores (score_blocks_codes_impl, rescore_topk_codes_impl), in
+    // oasis_codes_tc.cuh.
+    let codes = header("oasis_codes_tc.cuh");
+    assert!(codes.contains("row_e <= nnz"), "key_codes checks its rows");
+    assert!(codes.contains("int nnz"), "key_codes takes no nnz");
 }
 
 #[test]
@@ -239,16 +250,7 @@ fn limits_reach_the_kernels_as_defines() {
             "{name}: {options:?}"
         );
         // A source, or a header (named with its extension).
-        let src = crate::kernels::source(source).map_or_else(
-            || {
-                crate::kernels::HEADERS
-                    .iter()
-                    .find(|(n, _)| *n == source)
-                    .unwrap()
-                    .1
-            },
-            |s| s.source,
-        );
+        let src = crate::kernels::source(source).map_or_else(|| header(source), |s| s.source);
         assert!(
             src.contains(&format!("#ifndef {name}\n")),
             "{source} guards {name}"
@@ -266,8 +268,9 @@ fn limits_reach_the_kernels_as_defines() {
 /// The launch constants repeated from the kernels' `#define`s agree with them.
 #[test]
 fn constants_match_the_kernel_sources() {
+    // A source, or a header (named with its extension).
     let define = |source: &str, name: &str| -> usize {
-        let src = crate::kernels::source(source).unwrap().source;
+        let src = crate::kernels::source(source).map_or_else(|| header(source), |s| s.source);
         let line = src
             .lines()
             .find(|l| l.starts_with(&format!("#define {name} ")))
@@ -297,7 +300,11 @@ fn constants_match_the_kernel_sources() {
     );
     assert_eq!(define("key_codes", "OASIS_CODES_TILE"), SCORE_CODES_TILE);
     assert_eq!(
-        define("key_codes", "OASIS_RESCORE_TOPK_THREADS"),
+        define("oasis_codes_tc.cuh", "OASIS_CODES_STAGES"),
+        SCORE_CODES_STAGES
+    );
+    assert_eq!(
+        define("oasis_codes_tc.cuh", "OASIS_RESCORE_TOPK_THREADS"),
         RESCORE_TOPK_THREADS as usize
     );
     assert_eq!(
