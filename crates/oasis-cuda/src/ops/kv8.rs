@@ -645,7 +645,9 @@ mod tests {
             let (name, stages) =
                 decode_attn_kv8_tc_entry::<half::f16>(d, Kv8AttnKernel::Registers).unwrap();
             assert!(
-                src.contains(&format!("({name}, oasis::f16, {d}, {stages}, TcKv8RegPages)")),
+                src.contains(&format!(
+                    "({name}, oasis::f16, {d}, {stages}, TcKv8RegPages)"
+                )),
                 "{name}"
             );
         }
