@@ -281,7 +281,8 @@ struct TcKv8Pages {
 // MMA runs in f16 (Q and P rounded to f16, the codes exact); each chunk's K scale multiplies its
 // scores and its V scale is carried as the unit of the accumulator (rescaled with the online
 // softmax's factor). The extra row (T) is read from global memory by the kernel. Same shared
-// memory as TcKv8Pages, so the wrapper's size is the same.
+// memory as TcKv8Pages, so the wrapper's size is the same. Queries past f16's range (|q| >
+// 65504, far above any decoder's) would overflow here: the tile kernel keeps bf16's range.
 template <typename T, int D, int STAGES>
 struct TcKv8RegPages {
     static_assert(sizeof(T) == 2 && D % 16 == 0, "kv8 tensor-core pages: 16-bit T, D a multiple of 16");
