@@ -379,8 +379,9 @@ __device__ void score_blocks_scalar(
 // p..p+3 (p = 64 kk + 16 c + 4 w) serving as the MMA's k = (2c, 2c+1) and (2c+8, 2c+9). The
 // coefficients are laid out in that order in the warp's shared memory (per k-step: rows 0 and 1
 // x 4 lanes, two f16x2 each), built once per sequence the warp meets; an 8-entry n-tile that
-// holds several sequences takes one pass per sequence. Coefficients past f16's range (|sum of
-// the group's q| > 65504) are not representable here: the FMA kernel serves such queries.
+// holds several sequences takes one pass per sequence. The coefficients are stored in units of
+// a power of two 2^e >= their largest magnitude (the score multiplied back), so f16's range
+// bounds neither large nor small queries.
 template <typename T, int D>
 __device__ void score_bound8_tc(
     const T* __restrict__ q, const unsigned char* __restrict__ bounds, const int* __restrict__ blk_indptr,
@@ -428,6 +429,7 @@ __device__ void score_bound8_tc(
     uint4 raw[CHUNKS];
     load_tile(0, raw);
     int coef_s = -1;
+    float coef_pow = 1.f;  // the coefficients' power-of-two unit (see the build below)
 #pragma unroll 1
     for (int nt = 0; nt < OASIS_SCORE_TILE / 8; ++nt) {
         uint4 nxt[CHUNKS];
@@ -445,14 +447,19 @@ __device__ void score_bound8_tc(
         while (pending != 0u) {
             const int s = __shfl_sync(FULL, my_s, 8 * nt + __ffs(pending) - 1);
             if (s != coef_s) {  // warp-uniform: the coefficients of sequence s
-                __syncwarp();
+                // Each lane's share (positions of its i = lane + 32 t), then the warp's largest
+                // |coefficient| as 2^e: the f16 rows hold coef x 2^-e (at most 1 in magnitude),
+                // so neither a large nor a small query leaves f16's normal range; the score is
+                // multiplied back by 2^e (exact).
+                constexpr int PER_LANE = KSTEPS * 4 / 32;  // 1, 2 or 4
                 const T* qs = q + ((i64)s * num_qo_heads + (i64)h * group) * D;
-                for (int i = lane; i < KSTEPS * 4; i += 32) {
+                float cv[PER_LANE][4];
+                float amax = 0.f;
+#pragma unroll
+                for (int t = 0; t < PER_LANE; ++t) {
+                    const int i = lane + 32 * t;
                     const int ks = i >> 2;
-                    const int cc = i & 3;
-                    const int p = 64 * (ks >> 2) + 16 * cc + 4 * (ks & 3);
-                    float v[4];
-                    float r[4];
+                    const int p = 64 * (ks >> 2) + 16 * (i & 3) + 4 * (ks & 3);
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const int x = p + e;  // < D: the min row (N), else the max row (P)
@@ -462,9 +469,29 @@ __device__ void score_bound8_tc(
                             const float qv = to_f32(qs[(i64)gq * D + d]);
                             acc += x < D ? fminf(qv, 0.f) : fmaxf(qv, 0.f);
                         }
-                        f16 hi = from_f32<f16>(acc);
-                        v[e] = to_f32(hi);
-                        r[e] = acc - v[e];
+                        cv[t][e] = acc;
+                        amax = fmaxf(amax, fabsf(acc));  // NaN is dropped here and stays in cv
+                    }
+                }
+                amax = warp_max(amax);
+                int ex = 0;
+                if (amax > 0.f && amax <= 3.4e38f) frexpf(amax, &ex);  // amax = f 2^ex, f in [0.5, 1)
+                ex = max(-126, min(127, ex));
+                coef_pow = ldexpf(1.f, ex);
+                const float down = ldexpf(1.f, -ex);
+                __syncwarp();
+#pragma unroll
+                for (int t = 0; t < PER_LANE; ++t) {
+                    const int i = lane + 32 * t;
+                    const int ks = i >> 2;
+                    const int cc = i & 3;
+                    float v[4];
+                    float r[4];
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const float x = cv[t][e] * down;  // exact: a power of two
+                        v[e] = to_f32(from_f32<f16>(x));
+                        r[e] = x - v[e];
                     }
                     coef[ks * 8 + cc] = make_uint2(f16x2_rn(v[0], v[1]), f16x2_rn(v[2], v[3]));
                     coef[ks * 8 + 4 + cc] = make_uint2(f16x2_rn(r[0], r[1]), f16x2_rn(r[2], r[3]));
@@ -491,7 +518,8 @@ __device__ void score_bound8_tc(
 #pragma unroll
                 for (int e = 0; e < 2; ++e) {
                     if (out_s[e] == s) {
-                        const float sc = (e == 0 ? acc[0] + r0 : acc[1] + r1) * scales[(i64)out_b[e] * num_kv_heads + h];
+                        const float sc =
+                            (e == 0 ? acc[0] + r0 : acc[1] + r1) * coef_pow * scales[(i64)out_b[e] * num_kv_heads + h];
                         scores[(i64)(t0 + 8 * nt + 2 * c + e) * num_kv_heads + h] = sc;
                     }
                 }
