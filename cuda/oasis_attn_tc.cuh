@@ -126,18 +126,13 @@ __device__ __forceinline__ u32 bytes_0213(u32 w) {
     return r;
 }
 
-// Two consecutive T values as an f16x2 (the first in the low half): the tensor cores' A operand
-// over E4M3 codes. bf16 -> f16 is exact within f16's normal range.
+// Two consecutive T values times `down` (a power of two) as an f16x2 (the first in the low half):
+// the tensor cores' A operand over E4M3 codes. Exact while the products stay in f16's normal
+// range, which the caller's `down` (2^-e, 2^e >= the largest |q|) keeps for all but values 2^-14
+// below the largest.
 template <typename T>
-__device__ __forceinline__ u32 f16x2_of(const T* p);
-template <>
-__device__ __forceinline__ u32 f16x2_of<f16>(const f16* p) {
-    return *(const u32*)p;
-}
-template <>
-__device__ __forceinline__ u32 f16x2_of<bf16>(const bf16* p) {
-    const u32 w = *(const u32*)p;
-    return pack2<f16>(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+__device__ __forceinline__ u32 f16x2_of(const T* p, float down) {
+    return pack2<f16>(to_f32(p[0]) * down, to_f32(p[1]) * down);
 }
 
 // The two f32 of an f16x2.
@@ -278,11 +273,11 @@ struct TcKv8Pages {
 // (2c+8, 2c+9) once Q's fragments are loaded in the same permuted order; ldmatrix.trans of V's
 // rows gives dims (2g, 2g+1) of tokens (2c, 2c+1), which prmt regroups by dim into two B
 // operands (even dims, odd dims: the output's columns permuted, undone when it is stored). The
-// MMA runs in f16 (Q and P rounded to f16, the codes exact); each chunk's K scale multiplies its
+// MMA runs in f16 (Q in units of a power of two at least its largest magnitude, and P, rounded
+// to f16; the codes exact); each chunk's K scale multiplies its
 // scores and its V scale is carried as the unit of the accumulator (rescaled with the online
 // softmax's factor). The extra row (T) is read from global memory by the kernel. Same shared
-// memory as TcKv8Pages, so the wrapper's size is the same. Queries past f16's range (|q| >
-// 65504, far above any decoder's) would overflow here: the tile kernel keeps bf16's range.
+// memory as TcKv8Pages, so the wrapper's size is the same.
 template <typename T, int D, int STAGES>
 struct TcKv8RegPages {
     static_assert(sizeof(T) == 2 && D % 16 == 0, "kv8 tensor-core pages: 16-bit T, D a multiple of 16");
@@ -367,6 +362,7 @@ __device__ void decode_attn_tc_impl(
 
     // Q fragments (A operand, rows = query vectors qi = row * group + j, padded with zeros to 16).
     u32 qf[D / 16][4];
+    float q_pow = 1.f;  // DIRECT: the fragments hold q / q_pow
     {
         const T* qrow[2] = {nullptr, nullptr};
 #pragma unroll
@@ -378,6 +374,24 @@ __device__ void decode_attn_tc_impl(
                 qrow[hf] = q + (((i64)s * num_rows + row) * num_qo_heads + hq) * D;
             }
         }
+        float down = 1.f;  // DIRECT: Q in units of q_pow = 1 / down (see below)
+        if constexpr (P::DIRECT) {
+            // The largest |q| over the 16 rows, as 2^e: the f16 fragments hold q x 2^-e, so f16's
+            // range bounds neither large nor small queries; the scores are multiplied back (s_mul).
+            float amax = 0.f;
+#pragma unroll
+            for (int hf = 0; hf < 2; ++hf) {
+                if (qrow[hf] != nullptr) {
+                    for (int x = c; x < D; x += 4) amax = fmaxf(amax, fabsf(to_f32(qrow[hf][x])));
+                }
+            }
+            amax = warp_max(amax);
+            int ex = 0;
+            if (amax > 0.f && amax <= 3.4e38f) frexpf(amax, &ex);
+            ex = max(-126, min(127, ex));
+            q_pow = ldexpf(1.f, ex);
+            down = ldexpf(1.f, -ex);
+        }
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks) {
 #pragma unroll
@@ -385,7 +399,7 @@ __device__ void decode_attn_tc_impl(
                 const T* base = qrow[r & 1];
                 if constexpr (P::DIRECT) {  // f16, k = (2c, 2c+1) / (2c+8, 2c+9) at dims 4c.. / 4c+2..
                     const int x = ks * 16 + 4 * c + 2 * (r >> 1);
-                    qf[ks][r] = base != nullptr ? tc::f16x2_of<T>(base + x) : 0u;
+                    qf[ks][r] = base != nullptr ? tc::f16x2_of<T>(base + x, down) : 0u;
                 } else {
                     const int x = ks * 16 + 2 * c + 8 * (r >> 1);
                     qf[ks][r] = base != nullptr ? *(const u32*)(base + x) : 0u;
@@ -493,7 +507,7 @@ __device__ void decode_attn_tc_impl(
             float sc[2][4];
 #pragma unroll
             for (int nt = 0; nt < 2; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
-            float s_mul = scale_log2;
+            float s_mul = scale_log2 * q_pow;
             float v_scale = 1.f;  // DIRECT: this chunk's V scale (1 for the extra row, which is T)
             const uint4* kb = nullptr;
             if constexpr (P::DIRECT) {
