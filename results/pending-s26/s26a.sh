@@ -7,7 +7,7 @@
 # Outputs land in $OUT as they finish.
 set -u
 TESTS="tests/kernels/test_gpu_kv8.py tests/kernels/test_gpu_bound8.py tests/kernels/test_gpu_wait_epoch.py tests/engine/test_gpu_sparse_prefill.py tests/disagg/test_gpu_disagg.py tests/kernels/test_gpu_key_codes.py" \
-  OVERLAY_PY=1 BENCH_ARGS="--only attention" BENCH_SECS=${BENCH_SECS:-120} PYTEST_SECS=${PYTEST_SECS:-200} \
+  OVERLAY_PY=1 BENCH_ARGS="--only attention" BENCH_SECS=${BENCH_SECS:-120} PYTEST_SECS=${PYTEST_SECS:-300} \
   bash scripts/device.sh run 2>&1 | tail -4
 grep -o '"label": "[^"]*attn[^"]*"\|"ratio_to_d2d": [0-9.]*\|"refcheck_max_abs_err": [0-9.e-]*' $OUT/bench-kernels.json 2>/dev/null | paste - - - | head -12
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
