@@ -30,6 +30,29 @@ from oasiskv.models.config import preset_config
 from oasiskv.models.transformer import CausalLM
 
 
+def profile_steps(eng, reqs, layers: int, path: str, trace: str | None) -> float:
+    """Profile 3 decode steps of ``eng`` (CUDA): the kernel table by CUDA time into ``path``
+    (and the Chrome trace into ``trace``); returns the kernels per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            eng.decode_step(reqs)
+            for r in reqs:
+                r.tokens.append(1)
+                r.draft = 2
+        torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    per_step = len(kernels) / 3
+    with open(path, "w") as f:
+        f.write(f"kernels per step {per_step:.0f}, per layer {per_step / layers:.1f}\n")
+        f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+    return per_step
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", choices=["new", "old"], default="new")
@@ -44,7 +67,10 @@ def main() -> None:
     ap.add_argument("--full", action="store_true", help="Qwen3-8B's MLP and vocabulary too (GPU time)")
     ap.add_argument("--same-prompt", action="store_true", help="one prompt, prefilled once")
     ap.add_argument("--fetch-cap", type=float, default=0.05)
-    ap.add_argument("--profile", help="kernel table of 3 steps here")
+    ap.add_argument(
+        "--profile",
+        help="kernel table of 3 steps here (with --variants also one per variant, at PATH.NAME-K-FUSED)",
+    )
     ap.add_argument(
         "--gather-blocks",
         default="",
@@ -80,8 +106,9 @@ def main() -> None:
     ap.add_argument(
         "--variants",
         default="",
-        help="comma list of SELECTION:STREAMS:FUSED (fidelity|fast|fid16, the last the fidelity "
-        "selection with candidate_bound='summaries'; background streams; 0|1 for "
+        help="comma list of SELECTION:STREAMS:FUSED (fidelity|fidmma|fast|fid16: fidmma the fidelity "
+        "selection with the 8-bit bound scored on the tensor cores (ops.set_bound8_score_kernel('mma')), "
+        "fid16 with candidate_bound='summaries'; background streams; 0|1 for "
         "engine.selection.FUSED_RESCORE) to time in the same process, in turn, --repeat times: the "
         "selection is switched on the live engine (fast drops the codes score; blocks completed "
         "meanwhile get no key codes, which changes no kernel's work), so both read one host pool",
@@ -145,7 +172,7 @@ def main() -> None:
     sweep_points += len(args.variants.split(",")) * args.repeat if args.variants else 0
     if args.priority_sweep or args.requests_sweep:
         sweep_points += len(prios) * len(sizes)
-    steps_all = (args.steps + 2) * (1 + sweep_points) + 3
+    steps_all = (args.steps + 2) * (1 + sweep_points) + 3 + (3 * sweep_points if args.profile else 0)
     reqs = []
     for i in range(args.requests):
         if not (args.same_prompt and reqs):
@@ -225,6 +252,7 @@ def main() -> None:
     if args.variants:  # on the CPU too (the streams apart), to check the switch
         import dataclasses
 
+        from oasiskv import ops
         from oasiskv.engine import selection as sel_mod
 
         kv_fidelity, codes_fidelity = eng.kv, eng.key_codes
@@ -240,15 +268,20 @@ def main() -> None:
         for _ in range(args.repeat):
             for spec in args.variants.split(","):
                 name, k, fused = spec.split(":")
-                if name not in ("fidelity", "fast", "fid16"):
-                    raise SystemExit(f"--variants: selection must be fidelity, fast or fid16, got {name!r}")
+                if name not in ("fidelity", "fidmma", "fast", "fid16"):
+                    raise SystemExit(
+                        f"--variants: selection must be fidelity, fidmma, fast or fid16, got {name!r}"
+                    )
                 if kv_fidelity.block_score != "codes":
                     raise SystemExit("--variants needs an engine made with the fidelity selection")
                 eng.kv, eng.key_codes = {
                     "fidelity": (kv_fidelity, codes_fidelity),
+                    "fidmma": (kv_fidelity, codes_fidelity),
                     "fid16": (kv_fid16, codes_fidelity),
                     "fast": (kv_fast, False),
                 }[name]
+                # fidmma: the fidelity selection with the 8-bit bound scored on the tensor cores.
+                ops.set_bound8_score_kernel("mma" if name == "fidmma" else "fma")
                 sel_mod.FUSED_RESCORE = fused == "1"
                 for layer in range(args.layers):
                     eng._counters_of(layer)  # made outside any capture, as the engine's first step does
@@ -257,6 +290,8 @@ def main() -> None:
                     eng._sides = [torch.cuda.Stream(dev) for _ in range(int(k))]
                     eng.drop_graphs()
                 h, st = timed(args.steps)
+                if args.profile and cuda:  # this variant's kernel table beside the final one's
+                    profile_steps(eng, reqs, args.layers, f"{args.profile}.{name}-{k}-{fused}", None)
                 row = dict(
                     selection=name,
                     background_streams=int(k),
@@ -284,24 +319,7 @@ def main() -> None:
             sweep.append(row)
     kernels_per_step = None
     if args.profile and cuda:
-        from torch.profiler import ProfilerActivity, profile
-
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-            for _ in range(3):
-                eng.decode_step(reqs)
-                for r in reqs:
-                    r.tokens.append(1)
-                    r.draft = 2
-            torch.cuda.synchronize()
-        if args.trace:
-            prof.export_chrome_trace(args.trace)
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        kernels_per_step = len(kernels) / 3
-        with open(args.profile, "w") as f:
-            per_layer = kernels_per_step / args.layers
-            f.write(f"kernels per step {kernels_per_step:.0f}, per layer {per_layer:.1f}\n")
-            f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+        kernels_per_step = profile_steps(eng, reqs, args.layers, args.profile, args.trace)
     res = dict(
         kernels_per_step=kernels_per_step,
         engine=args.engine,
