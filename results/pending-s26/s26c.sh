@@ -11,6 +11,9 @@ C="--preset qwen3-8b --max-tokens 32 --kv8-attention-kernel $K"
 bash scripts/device.sh row d16 420 $C --contexts 16384 --modes dense --concurrency 44,48
 bash scripts/device.sh row d16f8 420 $C --contexts 16384 --modes dense --concurrency 88,96 --kv-dtype fp8_e4m3 --prefill-cache host
 bash scripts/device.sh row o16f8 480 $C --contexts 16384 --modes oasis --concurrency 86 --host-kv-budget 100GiB --host-kv-dtype fp8_e4m3 --prefill-cache device
+# OasisKV with both tiers in fp8 (the gather copies codes, no conversion; attention reads half the
+# bytes): the configuration the registers kernel is for.
+bash scripts/device.sh row o16f8p 480 $C --contexts 16384 --modes oasis --concurrency 86 --host-kv-budget 100GiB --kv-dtype fp8_e4m3 --prefill-cache device
 bash scripts/device.sh row d32 420 $C --contexts 32768 --modes dense --concurrency 22,24
 bash scripts/device.sh row d32f8 420 $C --contexts 32768 --modes dense --concurrency 44,48 --kv-dtype fp8_e4m3 --prefill-cache host
 bash scripts/device.sh row o32f8 480 $C --contexts 32768 --modes oasis --concurrency 43 --host-kv-budget 100GiB --host-kv-dtype fp8_e4m3 --prefill-cache device
