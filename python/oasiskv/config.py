@@ -23,7 +23,8 @@ BLOCK_SCORES = ("quest", "codes")
 #: (EAGLE-3), ``lookahead_min_confidence=0.5``. On SmolLM2 at 8K and a quarter of the context as
 #: budget it gave every retrieval outcome dense gives (420 trials), exact copies within 1 point of
 #: dense and +1.2-1.4 % NLL, at 1.5 x the Quest score's kernel time and about 0.95-0.97 x its
-#: decode throughput at 16 x 16K (docs/EVAL.md, docs/PERF.md).
+#: decode throughput at 16 x 16K (docs/EVAL.md; docs/history/PERF-2026-12-07.md, the H200's
+#: selection kernels; at the full host pool on the H100: docs/PERF.md, s25).
 FIDELITY_SELECTION = {
     "block_score": "codes",
     "score_candidates": 1.25,
@@ -150,7 +151,7 @@ class KvConfig:
         recall_every: measure recall on one decode step in this many (the engine's step count;
             the step before keeps its predictions for it). 1 measures every step, as an
             evaluation recorder always does; at the default 8 the cost is an eighth (every step
-            cost about a fifth of SmolLM2's batch-1 step on the H200, docs/PERF.md).
+            cost about a fifth of SmolLM2's batch-1 step on the H200, docs/history/PERF-2026-12-07.md).
         select_queries: which queries choose the next working set. ``"lookahead"`` (the default):
             the lookahead row's alone, as in the paper. ``"lookahead+current"``: each candidate
             block's score under the lookahead query and under the current query is taken relative
