@@ -319,6 +319,331 @@ struct TcKv8RegPages {
     }
 };
 
+// Q's fragments (the A operand: rows = query vectors qi = row * group + j of sequence s and KV
+// head h, padded with zeros to 16) in P's order; DIRECT: in f16, in units of q_pow.
+template <typename T, int D, typename P>
+__device__ __forceinline__ void tc_q_fragments(const T* __restrict__ q, int s, int h, int num_rows, int num_qo_heads,
+                                               int group, int g, int c, u32 (&qf)[D / 16][4], float& q_pow) {
+    const int nq = num_rows * group;
+    const T* qrow[2] = {nullptr, nullptr};
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        const int qi = g + 8 * hf;
+        if (qi < nq) {
+            const int row = qi / group;
+            const int hq = h * group + (qi - row * group);
+            qrow[hf] = q + (((i64)s * num_rows + row) * num_qo_heads + hq) * D;
+        }
+    }
+    float down = 1.f;  // DIRECT: Q in units of q_pow = 1 / down (see below)
+    if constexpr (P::DIRECT) {
+        // The largest |q| over the 16 rows, as 2^e: the f16 fragments hold q x 2^-e, so f16's
+        // range bounds neither large nor small queries; the scores are multiplied back (s_mul).
+        float amax = 0.f;
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            if (qrow[hf] != nullptr) {
+                for (int x = c; x < D; x += 4) amax = fmaxf(amax, fabsf(to_f32(qrow[hf][x])));
+            }
+        }
+        amax = warp_max(amax);
+        int ex = 0;
+        if (amax > 0.f && amax <= 3.4e38f) frexpf(amax, &ex);
+        ex = max(-126, min(127, ex));
+        q_pow = ldexpf(1.f, ex);
+        down = ldexpf(1.f, -ex);
+    }
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const T* base = qrow[r & 1];
+            if constexpr (P::DIRECT) {  // f16, k = (2c, 2c+1) / (2c+8, 2c+9) at dims 4c.. / 4c+2..
+                const int x = ks * 16 + 4 * c + 2 * (r >> 1);
+                qf[ks][r] = base != nullptr ? tc::f16x2_of<T>(base + x, down) : 0u;
+            } else {
+                const int x = ks * 16 + 2 * c + 8 * (r >> 1);
+                qf[ks][r] = base != nullptr ? *(const u32*)(base + x) : 0u;
+            }
+        }
+    }
+}
+
+// S = Q K^T of one 16-token chunk (two n-tiles of 8 tokens) into `sc` (zeroed by the caller),
+// from ring slot `slot` of the warp's buffers `wbuf`; `e` = page * num_kv_heads + head, < 0 for
+// the extra row `xk`. DIRECT: multiplies `s_mul` by the chunk's K scale and sets `v_scale` to its
+// V scale. Returns the chunk's K tile (T pages: the T tile; DIRECT: the K codes), V after it.
+template <typename T, int D, typename P>
+__device__ __forceinline__ const uint4* tc_chunk_scores(const P& pages, uint4* wbuf, int slot, i64 e,
+                                                        const u32 (&qf)[D / 16][4], const T* __restrict__ xk,
+                                                        int lane, int c, float& s_mul, float& v_scale,
+                                                        float (&sc)[2][4]) {
+    constexpr int UPR = D / 8;
+    const uint4* kb = nullptr;
+    if constexpr (P::DIRECT) {
+        kb = pages.codes(wbuf, slot);
+        if (e >= 0) {
+            s_mul *= pages.ks[e];
+            v_scale = pages.vs[e];
+            // ldmatrix x4: tokens 0-7 / 8-15 of units ks and ks + 1.
+#pragma unroll
+            for (int ks = 0; ks < D / 16; ks += 2) {
+                const int tok = (((lane >> 3) & 1) << 3) + (lane & 7);
+                const int unit = ks + (lane >> 4);
+                u32 b[4];
+                tc::ldmatrix_x4(b, kb + tok * P::CODE_UPR + P::swz(tok, unit));
+#pragma unroll
+                for (int m = 0; m < 4; ++m) {
+                    u32 b0, b1;
+                    e4m3x4_to_f16x2(b[m], b0, b1);
+                    tc::mma16816<f16>(sc[m & 1], qf[ks + (m >> 1)], b0, b1);
+                }
+            }
+        } else {  // the extra row: token 0's score, q . xk over this thread's dims
+            float d0 = 0.f, d1 = 0.f;
+#pragma unroll
+            for (int ks = 0; ks < D / 16; ++ks) {
+#pragma unroll
+                for (int r = 0; r < 4; ++r) {
+                    const int x = ks * 16 + 4 * c + 2 * (r >> 1);
+                    float q0, q1;
+                    tc::f16x2_to_f32(qf[ks][r], q0, q1);
+                    const float d = q0 * to_f32(xk[x]) + q1 * to_f32(xk[x + 1]);
+                    if (r & 1) d1 += d; else d0 += d;
+                }
+            }
+            d0 += __shfl_xor_sync(0xffffffffu, d0, 1);
+            d0 += __shfl_xor_sync(0xffffffffu, d0, 2);
+            d1 += __shfl_xor_sync(0xffffffffu, d1, 1);
+            d1 += __shfl_xor_sync(0xffffffffu, d1, 2);
+            sc[0][0] = d0;  // token 2c = 0 where c == 0; the mask drops every other token
+            sc[0][2] = d1;
+        }
+    } else {
+        kb = pages.tile(wbuf, slot, e, lane);
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ++ks) {
+            const int tok = ((lane >> 4) << 3) + (lane & 7);
+            const int unit = 2 * ks + ((lane >> 3) & 1);
+            u32 b[4];
+            tc::ldmatrix_x4(b, kb + tok * UPR + (unit ^ (tok & 7)));
+            tc::mma16816<T>(sc[0], qf[ks], b[0], b[1]);
+            tc::mma16816<T>(sc[1], qf[ks], b[2], b[3]);
+        }
+    }
+    return kb;
+}
+
+// O += P V for one chunk: `pa` = P as the A operand (k = token), `kb` the chunk's K tile / codes
+// (V after it), `e` < 0 for the extra row `xv` (DIRECT: P from `sc`, token 0). DIRECT: o's tiles
+// 2u, 2u + 1 hold the even / odd dims of unit u (element j at dim 16u + 4c + 2j, + 1 if odd).
+template <typename T, int D, typename P>
+__device__ __forceinline__ void tc_chunk_pv(const uint4* kb, i64 e, const u32 (&pa)[4], const float (&sc)[2][4],
+                                            const T* __restrict__ xv, int lane, int c, float (&o)[D / 8][4]) {
+    constexpr int UPR = D / 8;
+    constexpr int CHUNK_UNITS = 16 * UPR;
+    if constexpr (P::DIRECT) {
+        // o[2u] / o[2u + 1]: the even / odd dims of unit u (16 dims), element j of the
+        // accumulator at dim 16u + 4c + 2j (even) or + 1 (odd).
+        if (e >= 0) {
+            const uint4* vb = kb + P::CODE_UNITS;
+#pragma unroll
+            for (int dn = 0; dn < D / 16; dn += 2) {
+                const int tok = (((lane >> 3) & 1) << 3) + (lane & 7);
+                const int unit = dn + (lane >> 4);
+                u32 b[4];  // tokens 0-7 / 8-15 of units dn and dn + 1, transposed
+                tc::ldmatrix_x4_trans(b, vb + tok * P::CODE_UPR + P::swz(tok, unit));
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    u32 ev0, od0, ev1, od1;
+                    e4m3x4_to_f16x2(tc::bytes_0213(b[2 * hf]), ev0, od0);
+                    e4m3x4_to_f16x2(tc::bytes_0213(b[2 * hf + 1]), ev1, od1);
+                    tc::mma16816<f16>(o[2 * (dn + hf)], pa, ev0, ev1);
+                    tc::mma16816<f16>(o[2 * (dn + hf) + 1], pa, od0, od1);
+                }
+            }
+        } else {  // the extra row: o += p(token 0) * xv, p from the group's thread c == 0
+            const float p0 = __shfl_sync(0xffffffffu, sc[0][0], lane & ~3);
+            const float p1 = __shfl_sync(0xffffffffu, sc[0][2], lane & ~3);
+#pragma unroll
+            for (int u = 0; u < D / 16; ++u) {
+#pragma unroll
+                for (int jj = 0; jj < 4; ++jj) {
+                    const float xvv = to_f32(xv[u * 16 + 4 * c + jj]);
+                    o[2 * u + (jj & 1)][jj >> 1] += p0 * xvv;
+                    o[2 * u + (jj & 1)][(jj >> 1) + 2] += p1 * xvv;
+                }
+            }
+        }
+    } else {
+        const uint4* vb = kb + CHUNK_UNITS;
+#pragma unroll
+        for (int dn = 0; dn < D / 16; ++dn) {
+            const int tok = (((lane >> 3) & 1) << 3) + (lane & 7);
+            const int unit = 2 * dn + (lane >> 4);
+            u32 b[4];
+            tc::ldmatrix_x4_trans(b, vb + tok * UPR + (unit ^ (tok & 7)));
+            tc::mma16816<T>(o[2 * dn], pa, b[0], b[1]);
+            tc::mma16816<T>(o[2 * dn + 1], pa, b[2], b[3]);
+        }
+    }
+}
+
+// One chunk's online-softmax step on the accumulator fragments (rows g: elements 0, 1; rows
+// g + 8: elements 2, 3): mask (tokens past `nvalid`, rows below `row_lo`), scale by `s_mul`
+// (log2 units), the running max `m_r` and sums `l_r`, o rescaled; P into `sc` and, as the MMA's A
+// operand, into `pa`. DIRECT: o is carried in units of the last chunk's V scale (`o_unit`).
+template <typename T, int D, typename P>
+__device__ __forceinline__ void tc_softmax_step(float (&sc)[2][4], int nvalid, int row_lo, float s_mul, float v_scale,
+                                                int g, int c, float (&m_r)[2], float (&l_r)[2], float& o_unit,
+                                                float (&o)[D / 8][4], u32 (&pa)[4]) {
+    // Mask, scale, online softmax (rows g: elements 0, 1; rows g + 8: elements 2, 3).
+    float mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int tok = nt * 8 + 2 * c + (e & 1);
+            const int qi = g + 8 * (e >> 1);
+            const bool ok = tok < nvalid && qi >= row_lo;
+            sc[nt][e] = ok ? sc[nt][e] * s_mul : neg_inf();
+            mx[e >> 1] = fmaxf(mx[e >> 1], sc[nt][e]);
+        }
+    }
+    float alpha[2], mu[2];
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+        mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 1));
+        mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 2));
+        const float m_new = fmaxf(m_r[hf], mx[hf]);
+        mu[hf] = m_new == neg_inf() ? 0.f : m_new;  // nothing seen yet: p = alpha = 0
+        alpha[hf] = exp2f(m_r[hf] - mu[hf]);
+        m_r[hf] = m_new;
+    }
+    float psum[2] = {0.f, 0.f};
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            sc[nt][e] = exp2f(sc[nt][e] - mu[e >> 1]);
+            psum[e >> 1] += sc[nt][e];
+        }
+    }
+    l_r[0] = l_r[0] * alpha[0] + psum[0];
+    l_r[1] = l_r[1] * alpha[1] + psum[1];
+    float p_mul = 1.f;  // DIRECT: 0 for a chunk whose V scale is 0 (its codes add nothing)
+    if constexpr (P::DIRECT) {
+        if (v_scale != 0.f) {  // o to the unit of this chunk's V scale
+            const float ratio = o_unit / v_scale;  // alpha 0 (nothing yet) stays 0
+            alpha[0] = alpha[0] == 0.f ? 0.f : alpha[0] * ratio;
+            alpha[1] = alpha[1] == 0.f ? 0.f : alpha[1] * ratio;
+            o_unit = v_scale;
+        } else {
+            p_mul = 0.f;
+        }
+    }
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) {
+        o[nt][0] *= alpha[0];
+        o[nt][1] *= alpha[0];
+        o[nt][2] *= alpha[1];
+        o[nt][3] *= alpha[1];
+    }
+    // P as the A operand (k = token): the two S n-tiles are its two k halves.
+    if constexpr (P::DIRECT) {
+        pa[0] = tc::pack2<f16>(sc[0][0] * p_mul, sc[0][1] * p_mul);
+        pa[1] = tc::pack2<f16>(sc[0][2] * p_mul, sc[0][3] * p_mul);
+        pa[2] = tc::pack2<f16>(sc[1][0] * p_mul, sc[1][1] * p_mul);
+        pa[3] = tc::pack2<f16>(sc[1][2] * p_mul, sc[1][3] * p_mul);
+    } else {
+        pa[0] = tc::pack2<T>(sc[0][0], sc[0][1]);
+        pa[1] = tc::pack2<T>(sc[0][2], sc[0][3]);
+        pa[2] = tc::pack2<T>(sc[1][0], sc[1][1]);
+        pa[3] = tc::pack2<T>(sc[1][2], sc[1][3]);
+    }
+}
+
+// This warp's state into the merge buffers: o (DIRECT: its columns back in place, in units of 1)
+// into red_o rows [16][D + 8], m and l (the group's four lanes summed by the caller) into red_m /
+// red_l.
+template <int D, typename P>
+__device__ __forceinline__ void tc_store_warp_state(float* red_o, float* red_m, float* red_l, int warp, int g, int c,
+                                                    const float (&o)[D / 8][4], float o_unit, const float (&m_r)[2],
+                                                    const float (&l_r)[2]) {
+    constexpr int OSTRIDE = D + 8;
+        float* ro = red_o + warp * 16 * OSTRIDE;
+        if constexpr (P::DIRECT) {  // the permuted columns back in place, in units of 1
+#pragma unroll
+            for (int u = 0; u < D / 16; ++u) {
+#pragma unroll
+                for (int jj = 0; jj < 4; ++jj) {
+                    const int x = u * 16 + 4 * c + jj;
+                    ro[g * OSTRIDE + x] = o[2 * u + (jj & 1)][jj >> 1] * o_unit;
+                    ro[(g + 8) * OSTRIDE + x] = o[2 * u + (jj & 1)][(jj >> 1) + 2] * o_unit;
+                }
+            }
+        } else {
+#pragma unroll
+            for (int nt = 0; nt < D / 8; ++nt) {
+                const int x = nt * 8 + 2 * c;
+                ro[g * OSTRIDE + x] = o[nt][0];
+                ro[g * OSTRIDE + x + 1] = o[nt][1];
+                ro[(g + 8) * OSTRIDE + x] = o[nt][2];
+                ro[(g + 8) * OSTRIDE + x + 1] = o[nt][3];
+            }
+        }
+        if (c == 0) {
+            red_m[warp * 16 + g] = m_r[0];
+            red_m[warp * 16 + g + 8] = m_r[1];
+            red_l[warp * 16 + g] = l_r[0];
+            red_l[warp * 16 + g + 8] = l_r[1];
+        }
+}
+
+// The warps' states merged per (query vector, dim): the output (one split) or the split's
+// normalised partial output and log-sum-exp (several), as decode_attn_impl writes them.
+template <typename T, int D>
+__device__ __forceinline__ void tc_merge_warps(const float* red_o, const float* red_m, const float* red_l, int nq,
+                                               int group, int s, int h, int num_rows, int num_qo_heads, int split,
+                                               int num_splits, T* __restrict__ out, float* __restrict__ tmp_out,
+                                               float* __restrict__ tmp_lse) {
+    constexpr int WARPS = OASIS_TC_WARPS;
+    constexpr int THREADS = WARPS * 32;
+    constexpr int OSTRIDE = D + 8;
+    for (int e = threadIdx.x; e < nq * D; e += THREADS) {
+        const int qi = e / D;
+        const int x = e - qi * D;
+        float mw[WARPS];
+        float mall = neg_inf();
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            mw[w] = red_m[w * 16 + qi];
+            mall = fmaxf(mall, mw[w]);
+        }
+        // A warp whose l is 0 saw nothing. One whose l is NaN saw a NaN score (its m may still be
+        // -inf: fmaxf drops NaN); it is merged, so the NaN reaches the output.
+        float l = 0.f, acc = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            const float lw = red_l[w * 16 + qi];
+            if (lw == 0.f) continue;
+            const float f = exp2f(mw[w] - mall);
+            l += lw * f;
+            acc += red_o[(w * 16 + qi) * OSTRIDE + x] * f;
+        }
+        const float ov = l != 0.f ? acc / l : 0.f;
+        const int row = qi / group;
+        const int hq = h * group + (qi - row * group);
+        const i64 head = ((i64)s * num_rows + row) * num_qo_heads + hq;
+        if (num_splits == 1) {
+            out[head * D + x] = from_f32<T>(ov);
+        } else {
+            tmp_out[(head * num_splits + split) * D + x] = ov;
+            if (x == 0) tmp_lse[head * num_splits + split] = l != 0.f ? (mall + log2f(l)) * 0.6931471805599453f : neg_inf();
+        }
+    }
+}
+
 template <typename T, int D, int STAGES, typename P>
 __device__ void decode_attn_tc_impl(
     const T* __restrict__ q, P pages,
@@ -363,50 +688,7 @@ __device__ void decode_attn_tc_impl(
     // Q fragments (A operand, rows = query vectors qi = row * group + j, padded with zeros to 16).
     u32 qf[D / 16][4];
     float q_pow = 1.f;  // DIRECT: the fragments hold q / q_pow
-    {
-        const T* qrow[2] = {nullptr, nullptr};
-#pragma unroll
-        for (int hf = 0; hf < 2; ++hf) {
-            const int qi = g + 8 * hf;
-            if (qi < nq) {
-                const int row = qi / group;
-                const int hq = h * group + (qi - row * group);
-                qrow[hf] = q + (((i64)s * num_rows + row) * num_qo_heads + hq) * D;
-            }
-        }
-        float down = 1.f;  // DIRECT: Q in units of q_pow = 1 / down (see below)
-        if constexpr (P::DIRECT) {
-            // The largest |q| over the 16 rows, as 2^e: the f16 fragments hold q x 2^-e, so f16's
-            // range bounds neither large nor small queries; the scores are multiplied back (s_mul).
-            float amax = 0.f;
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                if (qrow[hf] != nullptr) {
-                    for (int x = c; x < D; x += 4) amax = fmaxf(amax, fabsf(to_f32(qrow[hf][x])));
-                }
-            }
-            amax = warp_max(amax);
-            int ex = 0;
-            if (amax > 0.f && amax <= 3.4e38f) frexpf(amax, &ex);
-            ex = max(-126, min(127, ex));
-            q_pow = ldexpf(1.f, ex);
-            down = ldexpf(1.f, -ex);
-        }
-#pragma unroll
-        for (int ks = 0; ks < D / 16; ++ks) {
-#pragma unroll
-            for (int r = 0; r < 4; ++r) {
-                const T* base = qrow[r & 1];
-                if constexpr (P::DIRECT) {  // f16, k = (2c, 2c+1) / (2c+8, 2c+9) at dims 4c.. / 4c+2..
-                    const int x = ks * 16 + 4 * c + 2 * (r >> 1);
-                    qf[ks][r] = base != nullptr ? tc::f16x2_of<T>(base + x, down) : 0u;
-                } else {
-                    const int x = ks * 16 + 2 * c + 8 * (r >> 1);
-                    qf[ks][r] = base != nullptr ? *(const u32*)(base + x) : 0u;
-                }
-            }
-        }
-    }
+    tc_q_fragments<T, D, P>(q, s, h, num_rows, num_qo_heads, group, g, c, qf, q_pow);
 
     float o[D / 8][4];
 #pragma unroll
@@ -509,170 +791,13 @@ __device__ void decode_attn_tc_impl(
             for (int nt = 0; nt < 2; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
             float s_mul = scale_log2 * q_pow;
             float v_scale = 1.f;  // DIRECT: this chunk's V scale (1 for the extra row, which is T)
-            const uint4* kb = nullptr;
-            if constexpr (P::DIRECT) {
-                kb = pages.codes(wbuf, i % STAGES);
-                if (e >= 0) {
-                    s_mul *= pages.ks[e];
-                    v_scale = pages.vs[e];
-                    // ldmatrix x4: tokens 0-7 / 8-15 of units ks and ks + 1.
-#pragma unroll
-                    for (int ks = 0; ks < D / 16; ks += 2) {
-                        const int tok = (((lane >> 3) & 1) << 3) + (lane & 7);
-                        const int unit = ks + (lane >> 4);
-                        u32 b[4];
-                        tc::ldmatrix_x4(b, kb + tok * P::CODE_UPR + P::swz(tok, unit));
-#pragma unroll
-                        for (int m = 0; m < 4; ++m) {
-                            u32 b0, b1;
-                            e4m3x4_to_f16x2(b[m], b0, b1);
-                            tc::mma16816<f16>(sc[m & 1], qf[ks + (m >> 1)], b0, b1);
-                        }
-                    }
-                } else {  // the extra row: token 0's score, q . xk over this thread's dims
-                    float d0 = 0.f, d1 = 0.f;
-#pragma unroll
-                    for (int ks = 0; ks < D / 16; ++ks) {
-#pragma unroll
-                        for (int r = 0; r < 4; ++r) {
-                            const int x = ks * 16 + 4 * c + 2 * (r >> 1);
-                            float q0, q1;
-                            tc::f16x2_to_f32(qf[ks][r], q0, q1);
-                            const float d = q0 * to_f32(xk[x]) + q1 * to_f32(xk[x + 1]);
-                            if (r & 1) d1 += d; else d0 += d;
-                        }
-                    }
-                    d0 += __shfl_xor_sync(0xffffffffu, d0, 1);
-                    d0 += __shfl_xor_sync(0xffffffffu, d0, 2);
-                    d1 += __shfl_xor_sync(0xffffffffu, d1, 1);
-                    d1 += __shfl_xor_sync(0xffffffffu, d1, 2);
-                    sc[0][0] = d0;  // token 2c = 0 where c == 0; the mask drops every other token
-                    sc[0][2] = d1;
-                }
-            } else {
-                kb = pages.tile(wbuf, i % STAGES, e, lane);
-#pragma unroll
-                for (int ks = 0; ks < D / 16; ++ks) {
-                    const int tok = ((lane >> 4) << 3) + (lane & 7);
-                    const int unit = 2 * ks + ((lane >> 3) & 1);
-                    u32 b[4];
-                    tc::ldmatrix_x4(b, kb + tok * UPR + (unit ^ (tok & 7)));
-                    tc::mma16816<T>(sc[0], qf[ks], b[0], b[1]);
-                    tc::mma16816<T>(sc[1], qf[ks], b[2], b[3]);
-                }
-            }
+            const uint4* kb =
+                tc_chunk_scores<T, D, P>(pages, wbuf, i % STAGES, e, qf, xk, lane, c, s_mul, v_scale, sc);
 
-            // Mask, scale, online softmax (rows g: elements 0, 1; rows g + 8: elements 2, 3).
-            float mx[2] = {neg_inf(), neg_inf()};
-#pragma unroll
-            for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int tok = nt * 8 + 2 * c + (e & 1);
-                    const int qi = g + 8 * (e >> 1);
-                    const bool ok = tok < nvalid && qi >= row_lo;
-                    sc[nt][e] = ok ? sc[nt][e] * s_mul : neg_inf();
-                    mx[e >> 1] = fmaxf(mx[e >> 1], sc[nt][e]);
-                }
-            }
-            float alpha[2], mu[2];
-#pragma unroll
-            for (int hf = 0; hf < 2; ++hf) {
-                mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 1));
-                mx[hf] = fmaxf(mx[hf], __shfl_xor_sync(0xffffffffu, mx[hf], 2));
-                const float m_new = fmaxf(m_r[hf], mx[hf]);
-                mu[hf] = m_new == neg_inf() ? 0.f : m_new;  // nothing seen yet: p = alpha = 0
-                alpha[hf] = exp2f(m_r[hf] - mu[hf]);
-                m_r[hf] = m_new;
-            }
-            float psum[2] = {0.f, 0.f};
-#pragma unroll
-            for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    sc[nt][e] = exp2f(sc[nt][e] - mu[e >> 1]);
-                    psum[e >> 1] += sc[nt][e];
-                }
-            }
-            l_r[0] = l_r[0] * alpha[0] + psum[0];
-            l_r[1] = l_r[1] * alpha[1] + psum[1];
-            float p_mul = 1.f;  // DIRECT: 0 for a chunk whose V scale is 0 (its codes add nothing)
-            if constexpr (P::DIRECT) {
-                if (v_scale != 0.f) {  // o to the unit of this chunk's V scale
-                    const float ratio = o_unit / v_scale;  // alpha 0 (nothing yet) stays 0
-                    alpha[0] = alpha[0] == 0.f ? 0.f : alpha[0] * ratio;
-                    alpha[1] = alpha[1] == 0.f ? 0.f : alpha[1] * ratio;
-                    o_unit = v_scale;
-                } else {
-                    p_mul = 0.f;
-                }
-            }
-#pragma unroll
-            for (int nt = 0; nt < D / 8; ++nt) {
-                o[nt][0] *= alpha[0];
-                o[nt][1] *= alpha[0];
-                o[nt][2] *= alpha[1];
-                o[nt][3] *= alpha[1];
-            }
-            // P as the A operand (k = token): the two S n-tiles are its two k halves.
             u32 pa[4];
-            if constexpr (P::DIRECT) {
-                pa[0] = tc::pack2<f16>(sc[0][0] * p_mul, sc[0][1] * p_mul);
-                pa[1] = tc::pack2<f16>(sc[0][2] * p_mul, sc[0][3] * p_mul);
-                pa[2] = tc::pack2<f16>(sc[1][0] * p_mul, sc[1][1] * p_mul);
-                pa[3] = tc::pack2<f16>(sc[1][2] * p_mul, sc[1][3] * p_mul);
-            } else {
-                pa[0] = tc::pack2<T>(sc[0][0], sc[0][1]);
-                pa[1] = tc::pack2<T>(sc[0][2], sc[0][3]);
-                pa[2] = tc::pack2<T>(sc[1][0], sc[1][1]);
-                pa[3] = tc::pack2<T>(sc[1][2], sc[1][3]);
-            }
+            tc_softmax_step<T, D, P>(sc, nvalid, row_lo, s_mul, v_scale, g, c, m_r, l_r, o_unit, o, pa);
             // O += P V: V fragments transposed by ldmatrix, two n-tiles of 8 dims per load.
-            if constexpr (P::DIRECT) {
-                // o[2u] / o[2u + 1]: the even / odd dims of unit u (16 dims), element j of the
-                // accumulator at dim 16u + 4c + 2j (even) or + 1 (odd).
-                if (e >= 0) {
-                    const uint4* vb = kb + P::CODE_UNITS;
-#pragma unroll
-                    for (int dn = 0; dn < D / 16; dn += 2) {
-                        const int tok = (((lane >> 3) & 1) << 3) + (lane & 7);
-                        const int unit = dn + (lane >> 4);
-                        u32 b[4];  // tokens 0-7 / 8-15 of units dn and dn + 1, transposed
-                        tc::ldmatrix_x4_trans(b, vb + tok * P::CODE_UPR + P::swz(tok, unit));
-#pragma unroll
-                        for (int hf = 0; hf < 2; ++hf) {
-                            u32 ev0, od0, ev1, od1;
-                            e4m3x4_to_f16x2(tc::bytes_0213(b[2 * hf]), ev0, od0);
-                            e4m3x4_to_f16x2(tc::bytes_0213(b[2 * hf + 1]), ev1, od1);
-                            tc::mma16816<f16>(o[2 * (dn + hf)], pa, ev0, ev1);
-                            tc::mma16816<f16>(o[2 * (dn + hf) + 1], pa, od0, od1);
-                        }
-                    }
-                } else {  // the extra row: o += p(token 0) * xv, p from the group's thread c == 0
-                    const float p0 = __shfl_sync(0xffffffffu, sc[0][0], lane & ~3);
-                    const float p1 = __shfl_sync(0xffffffffu, sc[0][2], lane & ~3);
-#pragma unroll
-                    for (int u = 0; u < D / 16; ++u) {
-#pragma unroll
-                        for (int jj = 0; jj < 4; ++jj) {
-                            const float xvv = to_f32(xv[u * 16 + 4 * c + jj]);
-                            o[2 * u + (jj & 1)][jj >> 1] += p0 * xvv;
-                            o[2 * u + (jj & 1)][(jj >> 1) + 2] += p1 * xvv;
-                        }
-                    }
-                }
-            } else {
-                const uint4* vb = kb + CHUNK_UNITS;
-#pragma unroll
-                for (int dn = 0; dn < D / 16; ++dn) {
-                    const int tok = (((lane >> 3) & 1) << 3) + (lane & 7);
-                    const int unit = 2 * dn + (lane >> 4);
-                    u32 b[4];
-                    tc::ldmatrix_x4_trans(b, vb + tok * UPR + (unit ^ (tok & 7)));
-                    tc::mma16816<T>(o[2 * dn], pa, b[0], b[1]);
-                    tc::mma16816<T>(o[2 * dn + 1], pa, b[2], b[3]);
-                }
-            }
+            tc_chunk_pv<T, D, P>(kb, e, pa, sc, xv, lane, c, o);
         }
         tc::cp_async_wait<0>();  // only empty groups can be left; keep the ring clean anyway
         __syncthreads();         // the list and the buffers are rewritten next
@@ -685,68 +810,10 @@ __device__ void decode_attn_tc_impl(
         l_r[hf] += __shfl_xor_sync(0xffffffffu, l_r[hf], 1);
         l_r[hf] += __shfl_xor_sync(0xffffffffu, l_r[hf], 2);
     }
-    {
-        float* ro = red_o + warp * 16 * OSTRIDE;
-        if constexpr (P::DIRECT) {  // the permuted columns back in place, in units of 1
-#pragma unroll
-            for (int u = 0; u < D / 16; ++u) {
-#pragma unroll
-                for (int jj = 0; jj < 4; ++jj) {
-                    const int x = u * 16 + 4 * c + jj;
-                    ro[g * OSTRIDE + x] = o[2 * u + (jj & 1)][jj >> 1] * o_unit;
-                    ro[(g + 8) * OSTRIDE + x] = o[2 * u + (jj & 1)][(jj >> 1) + 2] * o_unit;
-                }
-            }
-        } else {
-#pragma unroll
-            for (int nt = 0; nt < D / 8; ++nt) {
-                const int x = nt * 8 + 2 * c;
-                ro[g * OSTRIDE + x] = o[nt][0];
-                ro[g * OSTRIDE + x + 1] = o[nt][1];
-                ro[(g + 8) * OSTRIDE + x] = o[nt][2];
-                ro[(g + 8) * OSTRIDE + x + 1] = o[nt][3];
-            }
-        }
-        if (c == 0) {
-            red_m[warp * 16 + g] = m_r[0];
-            red_m[warp * 16 + g + 8] = m_r[1];
-            red_l[warp * 16 + g] = l_r[0];
-            red_l[warp * 16 + g + 8] = l_r[1];
-        }
-    }
+    tc_store_warp_state<D, P>(red_o, red_m, red_l, warp, g, c, o, o_unit, m_r, l_r);
     __syncthreads();
-    for (int e = threadIdx.x; e < nq * D; e += THREADS) {
-        const int qi = e / D;
-        const int x = e - qi * D;
-        float mw[WARPS];
-        float mall = neg_inf();
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) {
-            mw[w] = red_m[w * 16 + qi];
-            mall = fmaxf(mall, mw[w]);
-        }
-        // A warp whose l is 0 saw nothing. One whose l is NaN saw a NaN score (its m may still be
-        // -inf: fmaxf drops NaN); it is merged, so the NaN reaches the output.
-        float l = 0.f, acc = 0.f;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) {
-            const float lw = red_l[w * 16 + qi];
-            if (lw == 0.f) continue;
-            const float f = exp2f(mw[w] - mall);
-            l += lw * f;
-            acc += red_o[(w * 16 + qi) * OSTRIDE + x] * f;
-        }
-        const float ov = l != 0.f ? acc / l : 0.f;
-        const int row = qi / group;
-        const int hq = h * group + (qi - row * group);
-        const i64 head = ((i64)s * num_rows + row) * num_qo_heads + hq;
-        if (num_splits == 1) {
-            out[head * D + x] = from_f32<T>(ov);
-        } else {
-            tmp_out[(head * num_splits + split) * D + x] = ov;
-            if (x == 0) tmp_lse[head * num_splits + split] = l != 0.f ? (mall + log2f(l)) * 0.6931471805599453f : neg_inf();
-        }
-    }
+    tc_merge_warps<T, D>(red_o, red_m, red_l, nq, group, s, h, num_rows, num_qo_heads, split, num_splits, out,
+                         tmp_out, tmp_lse);
 }
 
 }  // namespace oasis
