@@ -80,10 +80,7 @@ __device__ __forceinline__ void mma16816<bf16>(float (&d)[4], const u32 (&a)[4],
 }
 template <>
 __device__ __forceinline__ void mma16816<f16>(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    mma_f16_16816(d, a, b0, b1);  // oasis_common.cuh
 }
 
 // Two f32 rounded to T (nearest even), `lo` in the low half.
@@ -97,9 +94,7 @@ __device__ __forceinline__ u32 pack2<bf16>(float lo, float hi) {
 }
 template <>
 __device__ __forceinline__ u32 pack2<f16>(float lo, float hi) {
-    u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
+    return f16x2_rn(lo, hi);  // oasis_common.cuh
 }
 
 
