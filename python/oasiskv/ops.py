@@ -287,10 +287,10 @@ def score_blocks_bound8(
 
 
 def set_bound8_score_kernel(kernel: str) -> None:
-    """The kernel that scores the 8-bit bound in :func:`score_blocks_bound8` on a GPU: ``"fma"``
-    (the default: each code converted to f32 and multiplied into the group-summed query) or
-    ``"mma"`` (eight entries per tensor-core MMA, the codes exact in f16, the query's
-    coefficients as an f16 value and remainder; head_dim 64/128/256, else ``"fma"``). Both match
+    """The kernel that scores the 8-bit bound in :func:`score_blocks_bound8` on a GPU: ``"mma"``
+    (the default: eight entries per tensor-core MMA, the codes exact in f16, the query's
+    coefficients as an f16 value and remainder; head_dim 64/128/256, else ``"fma"``) or ``"fma"``
+    (each code converted to f32 and multiplied into the group-summed query). Both match
     the CPU twin within f32 summation-order rounding. Process-wide, for measuring; a captured CUDA
     graph keeps the kernel it captured. ValueError for any other name."""
     _core.set_bound8_score_kernel(kernel)
@@ -578,12 +578,12 @@ def wait_epoch(
 def set_kv8_attention_kernel(kernel: str) -> None:
     """The tensor-core kernel that reads fp8_e4m3 pages in :func:`decode_attention` on a GPU
     (head_dim 64/128/256, block_size a multiple of 16, up to 16 query vectors per KV head):
-    ``"tile"`` (the default: each 16-token chunk dequantized into a bf16 tile in shared memory,
-    then the bf16 pages' MMA; bf16 only) or ``"registers"`` (the MMA fragments taken from the
-    codes by ldmatrix, one conversion per two codes into f16, the scales applied to the scores and
-    to the accumulator; bf16 and f16). Both match the CPU twin within the bf16 tolerances.
-    Process-wide, for measuring; a captured CUDA graph keeps the kernel it captured. ValueError
-    for any other name."""
+    ``"registers"`` (the default: the MMA fragments taken from the codes by ldmatrix, one
+    conversion per two codes into f16, the scales applied to the scores and to the accumulator;
+    bf16 and f16) or ``"tile"`` (each 16-token chunk dequantized into a bf16 tile in shared
+    memory, then the bf16 pages' MMA; bf16 only; 1.26x slower on an H100). Both match the CPU
+    twin within the bf16 tolerances. Process-wide, for measuring; a captured CUDA graph keeps the
+    kernel it captured. ValueError for any other name."""
     _core.set_kv8_attention_kernel(kernel)
 
 

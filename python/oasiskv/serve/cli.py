@@ -210,19 +210,19 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--kv8-attention-kernel",
-        default="tile",
+        default=None,
         choices=["tile", "registers"],
         help="the tensor-core kernel that reads fp8_e4m3 pages on a GPU (oasiskv.ops."
-        "set_kv8_attention_kernel): 'tile' dequantizes each chunk into a bf16 tile, 'registers' "
-        "feeds the MMA from the codes (not yet measured)",
+        "set_kv8_attention_kernel): 'registers' (the default) feeds the MMA from the codes, 'tile' "
+        "dequantizes each chunk into a bf16 tile first (1.26x slower on an H100)",
     )
     p.add_argument(
         "--bound8-score-kernel",
-        default="fma",
+        default=None,
         choices=["fma", "mma"],
         help="the kernel that scores the 8-bit bound (the default selection's first stage) on a GPU "
-        "(oasiskv.ops.set_bound8_score_kernel): 'mma' takes eight blocks per tensor-core MMA (not "
-        "yet measured)",
+        "(oasiskv.ops.set_bound8_score_kernel): 'mma' (the default) takes eight blocks per "
+        "tensor-core MMA, 'fma' converts each code to f32",
     )
     p.add_argument("--max-num-seqs", type=int, default=64, help="most requests decoded together")
     p.add_argument("--gpu-kv-budget-bytes", type=int, default=None)
@@ -265,11 +265,15 @@ def kv_dtype(args) -> str | None:
 
 def apply_kernel_flags(args) -> None:
     """Set the process-wide kernel choices the flags name (``--kv8-attention-kernel``,
-    ``--bound8-score-kernel``): every engine of this process reads them at its launches."""
+    ``--bound8-score-kernel``): every engine of this process reads them at its launches. A flag
+    left out (None) leaves the process's choice, whose default is the Rust core's
+    (:func:`oasiskv.ops.kv8_attention_kernel`, :func:`oasiskv.ops.bound8_score_kernel`)."""
     from .. import ops
 
-    ops.set_kv8_attention_kernel(getattr(args, "kv8_attention_kernel", "tile"))
-    ops.set_bound8_score_kernel(getattr(args, "bound8_score_kernel", "fma"))
+    if getattr(args, "kv8_attention_kernel", None) is not None:
+        ops.set_kv8_attention_kernel(args.kv8_attention_kernel)
+    if getattr(args, "bound8_score_kernel", None) is not None:
+        ops.set_bound8_score_kernel(args.bound8_score_kernel)
 
 
 def enforce_eager(args) -> bool:

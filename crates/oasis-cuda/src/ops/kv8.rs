@@ -165,16 +165,17 @@ fn conv_entry<T: KvElem>(family: &str) -> &'static str {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kv8AttnKernel {
     /// `decode_attn_kv8_tc_*` (`TcKv8Pages`): each 16-token chunk dequantized to f32, scaled and
-    /// rounded into a bf16 tile in shared memory, then the T pages' bf16 MMA (bf16 only). The
-    /// measured default (0.54-0.55 of the copy ceiling on an H100, docs/PERF.md).
+    /// rounded into a bf16 tile in shared memory, then the T pages' bf16 MMA (bf16 only). 0.55 of
+    /// the copy ceiling on an H100 (s27, docs/PERF.md).
     Tile,
     /// `decode_attn_kv8_tcr_*` (`TcKv8RegPages`): the MMA fragments taken from the codes in
     /// shared memory by ldmatrix, one cvt per two codes into f16, the scales applied to the
-    /// scores and carried as the accumulator's unit; bf16 and f16. Not yet run on a GPU.
+    /// scores and carried as the accumulator's unit; bf16 and f16. The default: 0.69-0.70 of the
+    /// copy ceiling on an H100 (s27), 1.26x `Tile`'s speed.
     Registers,
 }
 
-static KV8_ATTN_KERNEL: Mutex<Kv8AttnKernel> = Mutex::new(Kv8AttnKernel::Tile);
+static KV8_ATTN_KERNEL: Mutex<Kv8AttnKernel> = Mutex::new(Kv8AttnKernel::Registers);
 
 /// Set the process-wide kv8 tensor-core attention kernel (takes effect at the next launch; a
 /// CUDA graph keeps the kernel it captured).

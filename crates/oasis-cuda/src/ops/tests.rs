@@ -326,11 +326,11 @@ fn constants_match_the_kernel_sources() {
 }
 
 /// The 8-bit bound's MMA kernel serves only the head_dims it is instantiated for, with aligned
-/// bounds; every other call and the default take the FMA kernel, and every name is registered.
+/// bounds (every other call takes the FMA kernel); it is the default, and every name is registered.
 #[test]
 fn bound8_score_kernel_choice() {
     use half::{bf16, f16};
-    assert_eq!(bound8_score_kernel(), Bound8ScoreKernel::Fma);
+    assert_eq!(bound8_score_kernel(), Bound8ScoreKernel::Mma);
     let src = crate::kernels::source("score_blocks").unwrap().source;
     for d in [64, 128, 256] {
         assert_eq!(

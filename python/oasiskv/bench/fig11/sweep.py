@@ -13,6 +13,7 @@ import json
 import os
 import sys
 
+from ... import ops
 from . import budget as fits
 from .drive import DoesNotFit, drive, make_prompts, p50_p99
 from .flags import MODES, mode_parts, spec_modes, usage_error
@@ -476,8 +477,8 @@ class Fig11:
                 "selection": selection_label(label_kv),
                 "kv_dtype": kv.kv_dtype or dtype,
                 "host_kv_dtype": kv.host_kv_dtype or kv.kv_dtype or dtype,
-                "kv8_attention_kernel": getattr(a, "kv8_attention_kernel", "tile"),
-                "bound8_score_kernel": getattr(a, "bound8_score_kernel", "fma"),
+                "kv8_attention_kernel": ops.kv8_attention_kernel(),
+                "bound8_score_kernel": ops.bound8_score_kernel(),
             },
             "weights_bytes": self.weights_bytes,
             "gpu_kv_budget": a.gpu_kv_budget,
