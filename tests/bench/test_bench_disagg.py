@@ -51,6 +51,8 @@ def test_fig12_sweep_on_the_cpu(tmp_path):
         assert part["prefetch_hits"] <= part["prefetched_entries"]
         assert full["miss_entries"] == full["prefetched_entries"] == 0
     assert rep["kv"]["kv_prefetch"] == 16
+    # In-step reads are the default, but not with a bounded cache (--kv-cache-blocks).
+    assert rep["kv"]["kv_in_step_reads"] is False
     assert "| partial | 200 |" in md.read_text()
 
 
@@ -73,6 +75,7 @@ def test_fp8_rows_stage_and_name_fp8_blocks(tmp_path, flag):
     rep = json.loads(out.read_text())
     pages = "fp8_e4m3" if flag == "--kv-dtype" else "float32"
     assert (rep["kv"]["kv_dtype"], rep["kv"]["host_kv_dtype"]) == (pages, "fp8_e4m3")
+    assert rep["kv"]["kv_in_step_reads"] is True  # the default, with no flag
     cfg = PRESETS["tiny"]
     # 300 tokens: 19 blocks of 16 per layer; a block-head side is 16 x 16 codes and a scale.
     fp8_kv = cfg.num_hidden_layers * 19 * 2 * cfg.num_key_value_heads * (16 * cfg.head_dim + 4)

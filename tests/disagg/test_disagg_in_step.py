@@ -80,17 +80,32 @@ def test_a_new_coordinator_or_prefetch_restarts_the_reader(model):
 
 def test_in_step_reads_is_validated(model):
     with Daemon() as d:
+        # The engine's default: on wherever it applies (a partial transfer, no bounded cache).
         eng = LLMEngine(model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url)
         src = eng.kv_source
+        assert src.in_step_reads is True and src.reads_in_step is True
         for bad in (1, "yes", None):
             with pytest.raises(errors.ConfigError, match="in_step_reads must be a bool"):
                 src.in_step_reads = bad
-        assert src.in_step_reads is False and src.reads_in_step is False
+        assert src.in_step_reads is True
+        src.in_step_reads = False
+        assert src._in_step is None and src.reads_in_step is False
         src.in_step_reads = True
         src.in_step_reads = True  # idempotent
-        src.in_step_reads = False
-        assert src._in_step is None
         src.close()
+        off = LLMEngine(
+            model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_in_step_reads=False
+        )
+        assert off.kv_source.in_step_reads is False
+        off.kv_source.close()
+        for kw in ({"kv_transfer": "full"}, {"kv_cache_blocks": 8}):
+            quiet = LLMEngine(model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, **kw)
+            assert quiet.kv_source.in_step_reads is False  # the default where it cannot apply
+            quiet.kv_source.close()
+            with pytest.raises(errors.ConfigError, match="kv_transfer='partial' and kv_cache_blocks=None"):
+                LLMEngine(
+                    model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_in_step_reads=True, **kw
+                )
         full = LLMEngine(
             model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_transfer="full"
         )
@@ -99,3 +114,4 @@ def test_in_step_reads_is_validated(model):
         full.kv_source.close()
     with pytest.raises(errors.ConfigError, match="kv_in_step_reads .* needs kv_source"):
         LLMEngine(model, kv=KvConfig.fast(**SMALL), kv_in_step_reads=True)
+    LLMEngine(model, kv=KvConfig.fast(**SMALL), kv_in_step_reads=False)  # off needs nothing

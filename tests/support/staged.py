@@ -108,8 +108,12 @@ def staged_small(model, d: Daemon, seeds=SEEDS) -> list[StagedRequest]:
 def fetch_steps(model, d: Daemon, handles: list[StagedRequest], local: list | None, n: int) -> list[int]:
     """The steps (1-based) in which the first of these staged requests, decoded in a batch with
     the others (and a local prompt), reads misses from the daemon: a dry run of the same batch,
-    so that a fault test can strike before a read (greedy decoding is deterministic)."""
-    eng = LLMEngine(model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url)
+    so that a fault test can strike before a read (greedy decoding is deterministic). The dry run
+    reads after each step (``kv_in_step_reads=False``), whose submissions ``ReadLog`` sees; the
+    steps that miss are the same either way (the same plans)."""
+    eng = LLMEngine(
+        model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_in_step_reads=False
+    )
     rec = eng.kv_source.coord = ReadLog(eng.kv_source)
     for h in handles:
         eng.add_staged_request(h, params(n))

@@ -181,9 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     k.add_argument(
         "--kv-in-step-reads",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="partial rows: read each step's misses while the step runs, each layer's gather "
-        "waiting for its own reads (LLMEngine(kv_in_step_reads=True)); default: after the step",
+        "waiting for its own reads (LLMEngine(kv_in_step_reads=)); --no-kv-in-step-reads: after "
+        "the step. Default: the engine's (on, except with --kv-cache-blocks)",
     )
     o = ap.add_argument_group("output")
     o.add_argument("--json", default=None)
@@ -309,7 +311,7 @@ def decode_engine(model, args, url: str, transfer: str):
         host_kv_budget_bytes=_bytes(args.host_kv_budget),
         kv_cache_blocks=args.kv_cache_blocks if transfer == "partial" else None,
         kv_prefetch=args.kv_prefetch,
-        kv_in_step_reads=args.kv_in_step_reads and transfer == "partial",
+        kv_in_step_reads=args.kv_in_step_reads if transfer == "partial" else False,
         enforce_eager=not args.cuda_graph,  # this benchmark's graphs stay opt-in (its published runs)
         output_kind="delta",
     )
@@ -545,12 +547,20 @@ def _report(args, url: str, name: str, dev, rows: list[dict], dtypes: dict) -> d
             "fetch_cap": args.fetch_cap,
             "kv_cache_blocks": args.kv_cache_blocks,
             "kv_prefetch": _prefetch(args),
-            "kv_in_step_reads": args.kv_in_step_reads,
+            "kv_in_step_reads": _in_step_reads(args),
             **dtypes,
         },
         "cuda_graph": args.cuda_graph,
         "rows": out,
     }
+
+
+def _in_step_reads(args) -> bool:
+    """Whether the partial rows read their misses in the step: the flag, else the engine's
+    default (on wherever it applies: not with ``--kv-cache-blocks``)."""
+    if args.kv_in_step_reads is not None:
+        return args.kv_in_step_reads
+    return args.kv_cache_blocks is None
 
 
 def markdown(rep: dict) -> str:
@@ -561,7 +571,7 @@ def markdown(rep: dict) -> str:
 
     in_step = ""
     if rep["kv"].get("kv_in_step_reads"):
-        in_step = "; partial rows read their misses in the step (--kv-in-step-reads)"
+        in_step = "; partial rows read their misses in the step (--kv-in-step-reads, the default)"
     lines = [
         f"## Disaggregated prefill/decode (Fig. 12): {rep['model']}, {rep['device']}, "
         f"over {rep['transport']}",

@@ -394,8 +394,9 @@ class RemoteKvSource(AdmissionMixin, BlockSource):
         """Read each step's misses while the step runs (:mod:`.in_step`): every layer publishes
         its plan to the coordinator's step reader and its gather waits, on its own stream, for
         that layer's reads alone; the reads overlap the step, nothing waits on the host between
-        steps (no plans copied back, no second gather). False (the default until measured on a
-        GPU): the plans go to the coordinator after the step (:meth:`before_gathers`). A partial
+        steps (no plans copied back, no second gather). ``LLMEngine`` turns it on wherever it
+        applies (``kv_in_step_reads=None``); a source made directly starts with it off, and False
+        sends the plans to the coordinator after the step (:meth:`before_gathers`). A partial
         transfer only; not with ``kv_cache_blocks`` (its rows change hands between layers)."""
         return self._in_step is not None
 

@@ -161,7 +161,11 @@ class LLMEngine(Scheduler, Decoder, Sampler, Drafting, Lifecycle):
         kv_in_step_reads: with ``kv_transfer="partial"``, read each step's misses while the step
             runs: every layer publishes its plan to the coordinator's step reader and its gather
             waits for that layer's reads alone (``RemoteKvSource.in_step_reads``,
-            :mod:`oasiskv.disagg.in_step`). False: the misses are read after the step.
+            :mod:`oasiskv.disagg.in_step`). None (the default): on wherever it applies (a
+            partial transfer without ``kv_cache_blocks``; on an H100 it cut Fig. 12's partial
+            TPOT over TCP from 2.0-2.5 x the full transfer's to 1.01-1.15 x, docs/PERF.md s27).
+            True: on, a ConfigError where it cannot apply. False: the misses are read after the
+            step.
     """
 
     def __init__(
@@ -193,7 +197,7 @@ class LLMEngine(Scheduler, Decoder, Sampler, Drafting, Lifecycle):
         kv_retries: int = 0,
         kv_cache_blocks: int | None = None,
         kv_prefetch: int | None = None,
-        kv_in_step_reads: bool = False,
+        kv_in_step_reads: bool | None = None,
     ) -> None:
         for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
             if not is_int(v) or not 1 <= v <= 1 << 20:
@@ -291,15 +295,21 @@ class LLMEngine(Scheduler, Decoder, Sampler, Drafting, Lifecycle):
             self.kv_source = self._connect_kv_source(
                 kv_source, kv_transfer, kv_token, kv_timeout_s, kv_retries, self.cuda_graphs, kv_cache_blocks
             )
-            if kv_prefetch is not None:
-                self.kv_source.decode_prefetch = kv_prefetch  # validated there
-            if kv_in_step_reads is not False:
-                self.kv_source.in_step_reads = kv_in_step_reads  # validated there
+            if kv_in_step_reads is None:  # on wherever it applies
+                kv_in_step_reads = kv_transfer == "partial" and kv_cache_blocks is None
+            try:
+                if kv_prefetch is not None:
+                    self.kv_source.decode_prefetch = kv_prefetch  # validated there
+                if kv_in_step_reads is not False:
+                    self.kv_source.in_step_reads = kv_in_step_reads  # validated there
+            except ConfigError:
+                self.kv_source.close()  # the connections the refused engine opened
+                raise
         elif kv_cache_blocks is not None:
             raise ConfigError("kv_cache_blocks bounds the host pool of staged requests; it needs kv_source")
         elif kv_prefetch is not None:
             raise ConfigError("kv_prefetch reads ahead the blocks of staged requests; it needs kv_source")
-        elif kv_in_step_reads is not False:
+        elif kv_in_step_reads is not None and kv_in_step_reads is not False:
             raise ConfigError("kv_in_step_reads reads the misses of staged requests; it needs kv_source")
 
     # ------------------------------------------------------------------ requests
