@@ -104,7 +104,12 @@ def test_in_step_reads_is_validated(model):
             quiet.kv_source.close()
             with pytest.raises(errors.ConfigError, match="kv_transfer='partial' and kv_cache_blocks=None"):
                 LLMEngine(
-                    model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_in_step_reads=True, **kw
+                    model,
+                    kv=KvConfig.fast(**SMALL),
+                    drafter="ngram",
+                    kv_source=d.url,
+                    kv_in_step_reads=True,
+                    **kw,
                 )
         full = LLMEngine(
             model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_transfer="full"
