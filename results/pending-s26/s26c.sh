@@ -7,7 +7,7 @@
 # (half the staged bytes of bf16; same_tokens against the full transfer). One row per call, under
 # run's 600 s: `bash results/pending-s26/s26c.sh N` runs the Nth (1-7 the rows, 8 Fig. 12).
 set -u
-K=${KV8_KERNEL:-tile}  # --kv8-attention-kernel: 'registers' once s26a shows it faster
+K=${KV8_KERNEL:-registers}  # --kv8-attention-kernel: the default since s27 (1.26 x tile)
 C="--preset qwen3-8b --max-tokens 32 --kv8-attention-kernel $K"
 # Row 4 (o16f8p): OasisKV with both tiers in fp8 (the gather copies codes, no conversion;
 # attention reads half the bytes), the configuration the registers kernel is for.
