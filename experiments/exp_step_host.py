@@ -114,6 +114,13 @@ def main() -> None:
         "meanwhile get no key codes, which changes no kernel's work), so both read one host pool",
     )
     ap.add_argument("--repeat", type=int, default=1, help="rounds of --variants (alternating)")
+    ap.add_argument(
+        "--capture-priority",
+        type=int,
+        default=None,
+        help="the capture stream's priority for every timing of this process (0: the background "
+        "streams' own, the engine's; -1: high), so that --variants compare under it",
+    )
     ap.add_argument("--trace", help="with --profile: the Chrome trace of the profiled steps here")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json")
@@ -164,6 +171,8 @@ def main() -> None:
         background_streams=args.background_streams,
         **extra,
     )
+    if args.capture_priority is not None and cuda:  # as --priority-sweep, but from the start
+        eng._capture_stream = torch.cuda.Stream(dev, priority=args.capture_priority)
     g = torch.Generator().manual_seed(0)
     prios = [int(x) for x in args.priority_sweep.split(",")] if args.priority_sweep else [None]
     sizes = [int(x) for x in args.requests_sweep.split(",")] if args.requests_sweep else [None]

@@ -23,3 +23,16 @@ for spec in "tests/kernels/test_gpu_kv8.py tensor_core_kernels and registers" "t
   timeout 100 compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider -m gpu --rootdir=. $f -k "$k" \
     > $OUT/memcheck-$(basename $f .py).log 2>&1; echo "memcheck $f -k '$k' rc=$?"; tail -2 $OUT/memcheck-$(basename $f .py).log
 done
+# Issue 33's 5 %: the compute stream's kernels run slower beside the fidelity chain (the MLP's
+# elementwise kernels 24 against 7.5 us a layer in s27's profiles). The capture stream at high
+# priority (-1) against the default (0), fidelity (mma bound) and fast alternating, per shape.
+cd /tmp
+for shape in "40 16384" "20 32768"; do
+  set -- $shape
+  for prio in 0 -1; do
+    timeout 100 python3 $R/experiments/exp_step_host.py --full --same-prompt --cuda-graph --no-recall \
+      --requests $1 --context $2 --top-k-blocks 128 --steps 10 --variants fidmma:2:0,fast:2:0 --repeat 2 \
+      --capture-priority $prio --json $OUT/prio$prio-$1x$2.json > $OUT/prio$prio-$1x$2.log 2>&1; echo "prio $prio $1x$2 rc=$?"
+    grep -o '"selection": "[a-z]*".\{0,100\}step_ms": [0-9.]*' $OUT/prio$prio-$1x$2.log | sed 's/"background.*step_ms"/step/' | head -4
+  done
+done
