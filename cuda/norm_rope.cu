@@ -1,13 +1,14 @@
 // norm_rope.cu — the decoder's per-token elementwise work in one launch each (issue 10): RMSNorm
-// with an optional fused residual add, and the attention prologue (Qwen3's per-head q/k RMSNorm,
-// rotate-half RoPE, the V copy) straight from the fused QKV projection.
+// with an optional fused residual add, the attention prologue (Qwen3's per-head q/k RMSNorm,
+// rotate-half RoPE, the V copy) straight from the fused QKV projection, and the MLP's SwiGLU
+// activation (silu(gate) * up) straight from the fused gate/up projection.
 //
-// CPU twins: oasis_core::kernels::rms_norm and oasis_core::kernels::qk_norm_rope, which compute
-// the same bits (their module doc gives the formulas): every product and sum is one separately
-// rounded f32 operation (__fmul_rn / __fadd_rn, so nothing is contracted into an FMA), the sum of
-// squares takes the twins' order (block_tree_sum below), the division and square root are IEEE,
-// and cos/sin are evaluated in double and rounded to f32 (the correctly rounded value, which the
-// twin also computes).
+// CPU twins: oasis_core::kernels::rms_norm, oasis_core::kernels::qk_norm_rope and
+// oasis_core::kernels::silu_mul, which compute the same bits (their module docs give the
+// formulas): every product and sum is one separately rounded f32 operation (__fmul_rn /
+// __fadd_rn, so nothing is contracted into an FMA), the sum of squares takes the twins' order
+// (block_tree_sum below), the division and square root are IEEE, and cos/sin/exp are evaluated
+// in double and rounded to f32 (the correctly rounded value, which the twin also computes).
 #include "oasis_common.cuh"
 #include "oasis_params.cuh"
 
@@ -152,6 +153,24 @@ __device__ void qk_norm_rope_impl(
     }
 }
 
+// silu_mul: out[r, c] = T(f32(T(silu(g))) * u) with g = gu[r, c], u = gu[r, inter + c] and
+// silu(g) = g / (1 + f32(exp(-g))), exp in double (the twin's). Grid-stride over n * inter.
+template <typename T>
+__device__ void silu_mul_impl(const T* __restrict__ gu, T* __restrict__ out, long long n, int inter) {
+    const long long total = n * (long long)inter;
+    const long long step = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < total; i += step) {
+        const long long r = i / inter;
+        const long long c = i - r * inter;
+        const T* row = gu + r * 2 * (long long)inter;
+        const float g = to_f32(row[c]);
+        const float u = to_f32(row[inter + c]);
+        const float e = __double2float_rn(exp(-(double)g));
+        const float s = to_f32(from_f32<T>(__fdiv_rn(g, __fadd_rn(1.0f, e))));
+        out[i] = from_f32<T>(__fmul_rn(s, u));
+    }
+}
+
 }  // namespace oasis
 
 // Entry points: one parameter struct each (cuda/oasis_params.cuh), unpacked into the impls.
@@ -164,6 +183,15 @@ __device__ void qk_norm_rope_impl(
 OASIS_RMS_NORM(rms_norm_bf16, oasis::bf16)
 OASIS_RMS_NORM(rms_norm_f16, oasis::f16)
 OASIS_RMS_NORM(rms_norm_f32, float)
+
+#define OASIS_SILU_MUL(NAME, T)                                                                     \
+    extern "C" __global__ void NAME(const __grid_constant__ oasis::SiluMulParams<T> p) {            \
+        oasis::silu_mul_impl<T>(p.gu, p.out, p.n, p.inter);                                         \
+    }
+
+OASIS_SILU_MUL(silu_mul_bf16, oasis::bf16)
+OASIS_SILU_MUL(silu_mul_f16, oasis::f16)
+OASIS_SILU_MUL(silu_mul_f32, float)
 
 #define OASIS_QK_NORM_ROPE(NAME, T)                                                                 \
     extern "C" __global__ void NAME(const __grid_constant__ oasis::QkNormRopeParams<T> p) {         \

@@ -482,6 +482,16 @@ struct RmsNormParams {
     float eps;
 };
 
+// silu_mul_* (cuda/norm_rope.cu): the MLP's silu(gate) * up over the fused gate/up projection.
+template <typename T>
+struct SiluMulParams {
+    const T* gu;   // [n, 2 * inter]: gate columns, then up
+    T* out;        // [n, inter]
+    long long n;
+    int inter;
+    int _pad0;
+};
+
 // qk_norm_rope_* (cuda/norm_rope.cu): q, k, v from the fused QKV projection, with the optional
 // per-head q/k RMSNorm and rotate-half RoPE.
 template <typename T>

@@ -115,6 +115,11 @@ def main() -> None:
     )
     ap.add_argument("--repeat", type=int, default=1, help="rounds of --variants (alternating)")
     ap.add_argument(
+        "--no-silu-mul",
+        action="store_true",
+        help="the MLP's silu(gate) * up as torch's two kernels (transformer.FUSED_SILU_MUL = False)",
+    )
+    ap.add_argument(
         "--capture-priority",
         type=int,
         default=None,
@@ -126,6 +131,10 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     dev = torch.device(args.device)
+    if args.no_silu_mul:
+        from oasiskv.models import transformer
+
+        transformer.FUSED_SILU_MUL = False
     cuda = dev.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     # Qwen3-8B's shapes (models.config preset); without --full a narrow MLP and vocabulary.

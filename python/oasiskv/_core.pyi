@@ -748,6 +748,10 @@ def rms_norm(
     """HF RMSNorm of rows ``x [n, hidden]`` (rows may be strided) into ``out``; with ``residual`` and
     ``residual_out`` (which may be ``residual`` itself), ``h = x + residual`` is stored and normalised."""
 
+def silu_mul(gu: torch.Tensor, out: torch.Tensor, *, stream: int = 0) -> None:
+    """``out [n, inter] = silu(gate) * up`` over ``gu [n, 2 * inter]`` (gate columns first), both
+    contiguous, in one dtype."""
+
 def qk_norm_rope(
     qkv: torch.Tensor,
     q_size: int,

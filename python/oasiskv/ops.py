@@ -703,6 +703,29 @@ def _as_rows(t: torch.Tensor, hidden: int, name: str) -> torch.Tensor:
         ) from None
 
 
+def silu_mul(gu: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The MLP's SwiGLU activation in one kernel: ``silu(gate) * up`` over the fused gate/up
+    projection ``gu [..., 2 * inter]`` (gate columns first), returned as ``[..., inter]``.
+
+    torch's ``F.silu(g) * u`` with its rounding (the SiLU in float32, rounded to the dtype, then
+    the product in float32, rounded), up to the last float32 bit of ``exp``, which the kernels
+    take correctly rounded, identically on the CPU and the GPU. ``gu`` is made contiguous (a copy
+    when it is not); ``out`` (contiguous, shaped ``[..., inter]``) may not overlap it. On CUDA the
+    kernel is queued on the current stream (no synchronisation, no allocation but ``out`` when
+    made here: CUDA-graph capturable)."""
+    dev = _check_device(gu, out)
+    if gu.dim() < 1 or gu.shape[-1] % 2:
+        raise ShapeError(f"gu must have shape [..., 2 * inter], got {tuple(gu.shape)}")
+    inter = gu.shape[-1] // 2
+    gu = gu.contiguous()
+    if out is None:
+        out = torch.empty((*gu.shape[:-1], inter), dtype=gu.dtype, device=dev)
+    elif tuple(out.shape) != (*gu.shape[:-1], inter):
+        raise ShapeError(f"out must have shape {(*gu.shape[:-1], inter)}, got {tuple(out.shape)}")
+    _core.silu_mul(gu.reshape(-1, 2 * inter), out.view(-1, inter), stream=_stream(dev))
+    return out
+
+
 def rms_norm(
     x: torch.Tensor,
     weight: torch.Tensor,

@@ -4,7 +4,7 @@
 # (fidelity) vs --selection fast, alternating, three pairs (issue 33's mean of three); then the
 # step pairs under a high-priority capture stream (below).
 set -u
-TESTS="tests/api/test_gpu_defaults.py tests/disagg/test_gpu_disagg.py" NO_BENCH=1 OVERLAY_PY=1 PYTEST_SECS=150 \
+TESTS="tests/kernels/test_gpu_silu_mul.py tests/kernels/test_gpu_fused.py tests/api/test_gpu_defaults.py tests/disagg/test_gpu_disagg.py" NO_BENCH=1 OVERLAY_PY=1 PYTEST_SECS=150 \
   bash scripts/device.sh run 2>&1 | tail -3
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 R=$PWD

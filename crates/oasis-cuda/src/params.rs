@@ -581,6 +581,19 @@ kernel_params! {
 }
 
 kernel_params! {
+    /// `silu_mul_*` (cuda/norm_rope.cu): the MLP's `silu(gate) * up` over the fused gate/up
+    /// projection's rows.
+    pub struct SiluMulParams => "oasis::SiluMulParams<T>"
+        for ["silu_mul_bf16", "silu_mul_f16", "silu_mul_f32"] {
+        pub gu: DevPtr,  // [n, 2 * inter]: gate columns, then up
+        pub out: DevPtr, // [n, inter]
+        pub n: i64,
+        pub inter: i32,
+        pub _pad0: i32,
+    }
+}
+
+kernel_params! {
     /// `wait_stamp` (cuda/wait_stamp.cu): the compute stream's waits on background work, timed.
     pub struct WaitStampParams => "oasis::WaitStampParams" for ["wait_stamp"] {
         pub stamps: DevPtr, // [3] u64: start of the current wait (ns), total waited (ns), waits
@@ -813,6 +826,7 @@ pub const ALL: &[ParamsLayout] = &[
     QuantizeKv8Params::LAYOUT,
     DecodeAttnKv8Params::LAYOUT,
     RmsNormParams::LAYOUT,
+    SiluMulParams::LAYOUT,
     QkNormRopeParams::LAYOUT,
     WaitStampParams::LAYOUT,
     WaitEpochParams::LAYOUT,

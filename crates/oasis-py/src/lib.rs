@@ -31,7 +31,7 @@
 //! page       append_kv, build_summaries, gather_blocks (+ its launch shape), copy_pages
 //! selection  score_blocks, topk_blocks, force_scores, topk_candidates, delta_select
 //! codes      build_key_codes, score_blocks_codes, rescore_blocks_codes
-//! norm       rms_norm, qk_norm_rope
+//! norm       rms_norm, qk_norm_rope, silu_mul
 //! device     cuda_status, compile_kernels, nvrtc_version, wait_stamp
 //! runtime    KvGeometry, BlockPool, Runtime (pools, block tables, the step plan)
 //! limits     MAX_TOP_K_BLOCKS, MAX_BLOCK_SIZE, ... (oasis_core::limits, one source each)

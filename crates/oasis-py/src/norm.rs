@@ -1,5 +1,6 @@
-//! Layer-prologue bindings: `rms_norm` (with the fused residual add) and `qk_norm_rope` (per-head
-//! q/k RMSNorm, RoPE and the V copy from the fused QKV projection).
+//! The decoder's elementwise bindings: `rms_norm` (with the fused residual add), `qk_norm_rope`
+//! (per-head q/k RMSNorm, RoPE and the V copy from the fused QKV projection) and `silu_mul` (the
+//! MLP's SwiGLU activation from the fused gate/up projection).
 
 use oasis_core::kernels::{self, HeadLayout, Positions, QkNorm, Residual};
 use oasis_cuda::ops::{PositionsDev, ResidualDev};
@@ -284,9 +285,43 @@ fn qk_norm_rope(
     })
 }
 
+#[pyfunction]
+#[pyo3(signature = (gu, out, *, stream = 0))]
+/// The MLP's SwiGLU activation: out [n, inter] = silu(gate) * up over gu [n, 2 * inter] (gate
+/// columns first, as the fused gate/up projection stacks them), both contiguous, in one dtype
+/// (float32, float16 or bfloat16). Computes s = dtype(g / (1 + exp(-g))) in float32 (exp
+/// correctly rounded to float32), then out = dtype(float32(s) * float32(u)): torch's
+/// `F.silu(g) * u` up to exp's last bit, identical on the CPU and the GPU. out may not overlap gu.
+///
+/// CUDA: both on one cuda:N, queued on `stream`, returns at once; `stream` is ignored on the CPU.
+fn silu_mul(py: Python<'_>, gu: TensorArg, out: TensorArg, stream: u64) -> PyResult<()> {
+    entry(py, "silu_mul", || {
+        let all = [("gu", &gu), ("out", &out)];
+        let cx = Cx::new(py, &all, &[])?;
+        let [n, inter] = out.check(&cx, "out", Elem::Any, [ANY, ANY])?;
+        let width = inter.checked_mul(2).ok_or_else(|| py_err(py, "ShapeError", "out's columns overflow".into()))?;
+        gu.check(&cx, "gu", Elem::Any, [n, width])?;
+        let dt = kv_dtype(py, &all)?;
+        check_outputs_bytes(py, &[("out", out.byte_range())], &[("gu", gu.byte_range())])?;
+        match cx.place {
+            Place::Cpu => with_dtype!(dt, T => {
+                // SAFETY: shapes, dtypes and CPU residence checked above; out is disjoint from gu.
+                let (g, o) = unsafe { (gu.slice::<T>(), out.slice_mut::<T>()) };
+                guarded(py, "silu_mul", || kernels::silu_mul::<T>(g, inter, o))
+            }),
+            Place::Cuda(dev) => with_dtype!(dt, T => {
+                // SAFETY: (TensorArg::dev) checked above on cuda:dev; out is disjoint from gu.
+                let (g, o) = unsafe { (gu.dev::<T>(), out.dev::<T>()) };
+                on_gpu(py, "silu_mul", dev, stream, &[], move |gpu, st| gpu.silu_mul::<T>(g, inter, o, st))
+            }),
+        }
+    })
+}
+
 /// Add this module's functions to `_core`.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(rms_norm, m)?)?;
     m.add_function(wrap_pyfunction!(qk_norm_rope, m)?)?;
+    m.add_function(wrap_pyfunction!(silu_mul, m)?)?;
     Ok(())
 }

@@ -57,6 +57,10 @@ AttnFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 #: twins too; for tests of the fused path without a GPU) or ``"never"`` (the torch code everywhere).
 #: Read at every call (RMSNorm) and once per :meth:`CausalLM.forward` (the layers).
 FUSED_KERNELS = "cuda"
+#: Whether the fused path also takes the MLP's ``silu(gate) * up`` as one kernel
+#: (:func:`oasiskv.ops.silu_mul`) instead of torch's two; read once per layer call. A switch so
+#: that ``experiments/exp_step_host.py --no-silu-mul`` can time both in one lease.
+FUSED_SILU_MUL = True
 _FUSED_MODES = ("cuda", "always", "never")
 _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -484,8 +488,12 @@ class DecoderLayer(nn.Module):
             mlp_out = self.moe(x)
         else:
             gu = F.linear(x, self.gate_up_proj)
-            g, u = gu[:, : self.intermediate_size], gu[:, self.intermediate_size :]
-            mlp_out = F.linear(F.silu(g) * u, self.down_proj)
+            if fused and FUSED_SILU_MUL:  # silu(gate) * up in one kernel, not two (issue 35)
+                act = ops.silu_mul(gu)
+            else:
+                g, u = gu[:, : self.intermediate_size], gu[:, self.intermediate_size :]
+                act = F.silu(g) * u
+            mlp_out = F.linear(act, self.down_proj)
         if self.all_reduce is not None:
             mlp_out = self.all_reduce(mlp_out)
         if fused:

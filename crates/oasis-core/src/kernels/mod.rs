@@ -15,6 +15,7 @@ pub mod bound8;
 pub mod codes;
 pub mod gather;
 pub mod kv8;
+pub mod mlp;
 pub mod norm;
 pub mod score;
 pub mod select;
@@ -32,6 +33,7 @@ pub use kv8::{
     kv8_exponent, kv8_scale_exponent, quantize_kv8, Kv8Pages, Kv8PagesMut, KvTier, KvTierMut,
     KV8_MAX_EXP, KV8_MIN_EXP,
 };
+pub use mlp::silu_mul;
 pub use norm::{qk_norm_rope, rms_norm, HeadLayout, Positions, QkNorm, Residual};
 pub use score::{force_scores, score_blocks, topk_blocks, topk_blocks_mapped, topk_candidates};
 pub use select::{delta_select, SelectStats};

@@ -26,7 +26,7 @@
 //! ops/select.rs     score_blocks, topk_blocks(_mapped, _forced), force_scores, topk_candidates,
 //!                   delta_select
 //! ops/codes.rs      build_key_codes, score_blocks_codes, rescore_blocks_codes
-//! ops/norm.rs       rms_norm, qk_norm_rope, wait_stamp
+//! ops/norm.rs       rms_norm, qk_norm_rope, silu_mul, wait_stamp
 //! ops/tests.rs      CPU tests of the sizes, limits, entry names and constants above
 //! ```
 
@@ -43,7 +43,7 @@ use crate::params::{
     AppendKvParams, BuildBounds8Params, BuildKeyCodesParams, BuildSummariesParams, CopyPagesParams,
     DecodeAttnParams, DeltaSelectParams, DevPtr, EncodeBlocksParams, ForceScoresParams,
     GatherBlocksParams, KernelParams, MergeAttnStatesParams, QkNormRopeParams,
-    RescoreTopkCodesParams, RmsNormParams, ScoreBlocksBound8Params, ScoreBlocksCodesParams,
+    RescoreTopkCodesParams, RmsNormParams, ScoreBlocksBound8Params, SiluMulParams, ScoreBlocksCodesParams,
     ScoreBlocksParams, TopkBlocksParams, TopkCandidatesParams, WaitStampParams,
 };
 

@@ -1,6 +1,12 @@
-//! Layer-prologue launches (`rms_norm`, `qk_norm_rope`) and the stream timer `wait_stamp`.
+//! The decoder's elementwise launches (`rms_norm`, `qk_norm_rope`, `silu_mul`) and the stream
+//! timer `wait_stamp`.
 
 use super::*;
+
+/// Threads per `silu_mul_*` block. Arbitrary.
+pub const SILU_MUL_THREADS: u32 = 256;
+/// Most `silu_mul_*` blocks; larger calls stride. Arbitrary (a few waves of an H100's SMs).
+pub const SILU_MUL_MAX_BLOCKS: usize = 4096;
 use crate::params::WaitEpochParams;
 
 impl Gpu {
@@ -71,6 +77,52 @@ impl Gpu {
             // handles (each element read before the same thread writes it); the stream by
             // Stream's contract.
             unsafe { self.queue(name, grid, threads, 0, stream, &params) }
+        })
+    }
+
+    /// GPU twin of `oasis_core::kernels::silu_mul`, bit for bit: `out [n, inter] = silu(gate) *
+    /// up` over the rows of `gu [n, 2 * inter]` (gate columns first). A grid-stride loop of
+    /// [`SILU_MUL_THREADS`]-thread blocks, at most [`SILU_MUL_MAX_BLOCKS`]; nothing is queued for
+    /// `n = 0`.
+    ///
+    /// # Errors
+    /// [`CudaError::Invalid`] for `inter == 0`, an `out` that is not whole rows of `inter` or a
+    /// `gu` that is not `[n, 2 * inter]`.
+    pub fn silu_mul<T: KvElem>(
+        &self,
+        gu: DevSlice<T>, // [n, 2 * inter]
+        inter: usize,
+        out: DevSlice<T>, // [n, inter]
+        stream: Stream,
+    ) -> Result<()> {
+        guard("silu_mul", || {
+            if inter == 0 {
+                return Err(
+                    OasisError::Config("silu_mul needs inter > 0 columns".into()).into(),
+                );
+            }
+            let n = rows("out", out.len(), &[inter])?;
+            check_len("gu", gu.len(), &[n, 2, inter])?;
+            if n == 0 {
+                return Ok(());
+            }
+            let name = entry!(T, "silu_mul");
+            let total = n * inter;
+            let blocks = total
+                .div_ceil(SILU_MUL_THREADS as usize)
+                .min(SILU_MUL_MAX_BLOCKS);
+            let n_rows = i64::try_from(n)
+                .map_err(|_| CudaError::Unsupported("n does not fit i64".into()))?;
+            let params = params!(SiluMulParams {
+                ptr: { gu, out },
+                int: { inter },
+                raw: { n = n_rows, _pad0 = 0 },
+            });
+            let grid = grid_x("silu_mul blocks", blocks)?;
+            // SAFETY: gu holds n rows of 2 * inter elements and out n rows of inter (checked
+            // above); by DevSlice's contract both are reachable and alive until the stream runs
+            // the kernel and out overlaps no argument; the stream by Stream's contract.
+            unsafe { self.queue(name, grid, SILU_MUL_THREADS, 0, stream, &params) }
         })
     }
 

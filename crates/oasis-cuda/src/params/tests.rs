@@ -27,6 +27,7 @@ fn sizes_on_64_bit_targets() {
     assert_eq!(size_of::<GatherBlocksParams>(), 9 * 8 + 12 * 4);
     assert_eq!(size_of::<CopyPagesParams>(), 7 * 8 + 2 * 4);
     assert_eq!(size_of::<RmsNormParams>(), 6 * 8 + 2 * 4);
+    assert_eq!(size_of::<SiluMulParams>(), 3 * 8 + 2 * 4);
     assert_eq!(size_of::<QkNormRopeParams>(), 10 * 8 + 8 * 4);
     assert_eq!(size_of::<WaitStampParams>(), 8 + 2 * 4);
     assert_eq!(size_of::<WaitEpochParams>(), 4 * 8);
