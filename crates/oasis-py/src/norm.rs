@@ -299,7 +299,9 @@ fn silu_mul(py: Python<'_>, gu: TensorArg, out: TensorArg, stream: u64) -> PyRes
         let all = [("gu", &gu), ("out", &out)];
         let cx = Cx::new(py, &all, &[])?;
         let [n, inter] = out.check(&cx, "out", Elem::Any, [ANY, ANY])?;
-        let width = inter.checked_mul(2).ok_or_else(|| py_err(py, "ShapeError", "out's columns overflow".into()))?;
+        let width = inter
+            .checked_mul(2)
+            .ok_or_else(|| py_err(py, "ShapeError", "out's columns overflow".into()))?;
         gu.check(&cx, "gu", Elem::Any, [n, width])?;
         let dt = kv_dtype(py, &all)?;
         check_outputs_bytes(py, &[("out", out.byte_range())], &[("gu", gu.byte_range())])?;

@@ -25,7 +25,9 @@ pub fn silu_f32(x: f32) -> f32 {
 /// `inter` or `gu` is not `[n, 2 * inter]`. Nothing is written then.
 pub fn silu_mul<T: KvElem>(gu: &[T], inter: usize, out: &mut [T]) -> Result<()> {
     if inter == 0 {
-        return Err(OasisError::Config("silu_mul needs inter > 0 columns".into()));
+        return Err(OasisError::Config(
+            "silu_mul needs inter > 0 columns".into(),
+        ));
     }
     if !out.len().is_multiple_of(inter) {
         return Err(OasisError::Shape {
@@ -35,7 +37,9 @@ pub fn silu_mul<T: KvElem>(gu: &[T], inter: usize, out: &mut [T]) -> Result<()> 
         });
     }
     let n = out.len() / inter;
-    let width = inter.checked_mul(2).ok_or_else(|| OasisError::Config("inter overflows".into()))?;
+    let width = inter
+        .checked_mul(2)
+        .ok_or_else(|| OasisError::Config("inter overflows".into()))?;
     check_len("gu", gu.len(), &[n, width])?;
     for (row, o) in gu.chunks_exact(width).zip(out.chunks_exact_mut(inter)) {
         let (gate, up) = row.split_at(inter);
@@ -57,7 +61,9 @@ mod tests {
     #[test]
     fn matches_a_float64_reference() {
         let inter = 5;
-        let vals: Vec<f32> = (0..3 * 2 * inter).map(|i| (i as f32 - 14.5) * 0.73).collect();
+        let vals: Vec<f32> = (0..3 * 2 * inter)
+            .map(|i| (i as f32 - 14.5) * 0.73)
+            .collect();
         let gu: Vec<bf16> = vals.iter().map(|&v| bf16::from_f32(v)).collect();
         let mut out = vec![bf16::ZERO; 3 * inter];
         silu_mul(&gu, inter, &mut out).unwrap();
@@ -68,14 +74,20 @@ mod tests {
                 let s = bf16::from_f64(g / (1.0 + (-g).exp())).to_f64();
                 let want = s * u;
                 let got = out[r * inter + c].to_f64();
-                assert!((got - want).abs() <= want.abs() * 2f64.powi(-7) + 1e-30, "{r},{c}: {got} vs {want}");
+                assert!(
+                    (got - want).abs() <= want.abs() * 2f64.powi(-7) + 1e-30,
+                    "{r},{c}: {got} vs {want}"
+                );
             }
         }
         // f32: the SiLU unrounded.
         let x = [3.0f32, -2.0, 0.5, 7.0];
         let mut o = [0.0f32; 2];
         silu_mul(&x, 2, &mut o).unwrap();
-        let want = [3.0 / (1.0 + (-3.0f64).exp()) * 0.5, -2.0 / (1.0 + 2.0f64.exp()) * 7.0];
+        let want = [
+            3.0 / (1.0 + (-3.0f64).exp()) * 0.5,
+            -2.0 / (1.0 + 2.0f64.exp()) * 7.0,
+        ];
         for (g, w) in o.iter().zip(want) {
             assert!((f64::from(*g) - w).abs() <= w.abs() * 1e-6);
         }
@@ -92,6 +104,8 @@ mod tests {
         assert_eq!(out, [9.0; 6]);
         let mut out = [9.0f32; 4];
         silu_mul(&gu, 4, &mut out).unwrap(); // gu [1, 8]
-        assert!(out.iter().all(|&v| (v - 1.0 / (1.0 + (-1.0f32).exp())).abs() < 1e-7));
+        assert!(out
+            .iter()
+            .all(|&v| (v - 1.0 / (1.0 + (-1.0f32).exp())).abs() < 1e-7));
     }
 }

@@ -43,8 +43,8 @@ use crate::params::{
     AppendKvParams, BuildBounds8Params, BuildKeyCodesParams, BuildSummariesParams, CopyPagesParams,
     DecodeAttnParams, DeltaSelectParams, DevPtr, EncodeBlocksParams, ForceScoresParams,
     GatherBlocksParams, KernelParams, MergeAttnStatesParams, QkNormRopeParams,
-    RescoreTopkCodesParams, RmsNormParams, ScoreBlocksBound8Params, SiluMulParams, ScoreBlocksCodesParams,
-    ScoreBlocksParams, TopkBlocksParams, TopkCandidatesParams, WaitStampParams,
+    RescoreTopkCodesParams, RmsNormParams, ScoreBlocksBound8Params, ScoreBlocksCodesParams,
+    ScoreBlocksParams, SiluMulParams, TopkBlocksParams, TopkCandidatesParams, WaitStampParams,
 };
 
 /// Threads per block of the decode attention kernel (a multiple of 32). Arbitrary.

@@ -97,9 +97,7 @@ impl Gpu {
     ) -> Result<()> {
         guard("silu_mul", || {
             if inter == 0 {
-                return Err(
-                    OasisError::Config("silu_mul needs inter > 0 columns".into()).into(),
-                );
+                return Err(OasisError::Config("silu_mul needs inter > 0 columns".into()).into());
             }
             let n = rows("out", out.len(), &[inter])?;
             check_len("gu", gu.len(), &[n, 2, inter])?;
