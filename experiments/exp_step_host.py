@@ -115,9 +115,11 @@ def main() -> None:
     )
     ap.add_argument("--repeat", type=int, default=1, help="rounds of --variants (alternating)")
     ap.add_argument(
-        "--no-silu-mul",
-        action="store_true",
-        help="the MLP's silu(gate) * up as torch's two kernels (transformer.FUSED_SILU_MUL = False)",
+        "--silu-mul",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the MLP's silu(gate) * up as one kernel, or (--no-silu-mul) torch's two "
+        "(transformer.FUSED_SILU_MUL); default: the module's",
     )
     ap.add_argument(
         "--capture-priority",
@@ -131,10 +133,10 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     dev = torch.device(args.device)
-    if args.no_silu_mul:
+    if args.silu_mul is not None:
         from oasiskv.models import transformer
 
-        transformer.FUSED_SILU_MUL = False
+        transformer.FUSED_SILU_MUL = args.silu_mul
     cuda = dev.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     # Qwen3-8B's shapes (models.config preset); without --full a narrow MLP and vocabulary.

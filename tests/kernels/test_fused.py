@@ -366,7 +366,9 @@ def _model(family: str, dtype, seed=3, layers=3):
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_decoder_matches_the_torch_path(family, dtype, monkeypatch):
+@pytest.mark.parametrize("silu_mul", [False, True], ids=["silu-mul-off", "silu-mul"])
+def test_fused_decoder_matches_the_torch_path(family, dtype, silu_mul, monkeypatch):
+    monkeypatch.setattr(transformer, "FUSED_SILU_MUL", silu_mul)
     model = _model(family, dtype)
     g = seeded("decoder", family, dtype)
     ids = torch.randint(0, 257, (21,), generator=g)
@@ -520,6 +522,10 @@ def test_kernels_per_decode_layer(family, monkeypatch):
     monkeypatch.setattr(transformer, "FUSED_KERNELS", "never")
     before = count_decode_kernels(model, monkeypatch)
     monkeypatch.setattr(transformer, "FUSED_KERNELS", "always")
+    monkeypatch.setattr(transformer, "FUSED_SILU_MUL", False)
+    two = count_decode_kernels(model, monkeypatch)
+    assert two[-4:] == ["mm", "silu", "mul", "mm"], two  # torch's SiLU and product
+    monkeypatch.setattr(transformer, "FUSED_SILU_MUL", True)
     after = count_decode_kernels(model, monkeypatch)
     assert after == [
         "rms_norm",

@@ -261,10 +261,13 @@ def _forward(model, ids, pos, capture=()):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("silu_mul", [False, True], ids=["silu-mul-off", "silu-mul"])
 @gpu_test
-def test_decoder_fused_path_on_cuda(family, dtype, monkeypatch):
+def test_decoder_fused_path_on_cuda(family, dtype, silu_mul, monkeypatch):
     """The decoder on CUDA with the fused kernels (the default) against its torch path on CUDA:
-    prefill of 41 tokens at far positions and the residual stream captured between layers."""
+    prefill of 41 tokens at far positions and the residual stream captured between layers; with
+    the MLP's ``silu(gate) * up`` as one kernel or torch's two (``FUSED_SILU_MUL``)."""
+    monkeypatch.setattr(transformer, "FUSED_SILU_MUL", silu_mul)
     model = _cuda_model(family, dtype)
     gen = seeded("gpu-fused", "decoder", family, dtype)
     ids = torch.randint(0, 1000, (41,), generator=gen).to(DEV)

@@ -58,9 +58,10 @@ AttnFn = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 #: Read at every call (RMSNorm) and once per :meth:`CausalLM.forward` (the layers).
 FUSED_KERNELS = "cuda"
 #: Whether the fused path also takes the MLP's ``silu(gate) * up`` as one kernel
-#: (:func:`oasiskv.ops.silu_mul`) instead of torch's two; read once per layer call. A switch so
-#: that ``experiments/exp_step_host.py --no-silu-mul`` can time both in one lease.
-FUSED_SILU_MUL = True
+#: (:func:`oasiskv.ops.silu_mul`) instead of torch's two; read once per layer call. Off until the
+#: kernel has run on a GPU (its test: tests/kernels/test_gpu_silu_mul.py) and shown a faster step
+#: (``experiments/exp_step_host.py --silu-mul`` / ``--no-silu-mul``, results/pending-s27/s27c.sh).
+FUSED_SILU_MUL = False
 _FUSED_MODES = ("cuda", "always", "never")
 _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
