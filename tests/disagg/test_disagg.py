@@ -45,6 +45,7 @@ from support.staged import (
     params,
     reference,
     run_batch,
+    staged_engine,
     staged_small,
 )
 
@@ -97,14 +98,7 @@ def test_loopback_three_processes(model, transfer, transport):
         # A small budget: the single-process OasisKV engine's tokens, two requests in one batch.
         # Reads after the step, whose submissions the ReadLog sees; the default, in-step reads,
         # decode the same tokens (test_disagg_in_step.py).
-        eng = LLMEngine(
-            model,
-            kv=KvConfig.fast(**SMALL),
-            drafter="ngram",
-            kv_source=d.url,
-            kv_transfer=transfer,
-            kv_in_step_reads=False,
-        )
+        eng = staged_engine(model, d, kv_transfer=transfer, kv_in_step_reads=False)
         rec = eng.kv_source.coord = ReadLog(eng.kv_source)
         outs = run_batch(eng, [lambda e, h=h: e.add_staged_request(h, params()) for h in small])
         refs = reference(model, KvConfig.fast(**SMALL), "oasis", [h.prompt for h in small])
@@ -498,14 +492,7 @@ def test_staged_data_is_read_ahead_off_the_decode_loop(model, transfer, small_fr
         for depth, hs in ((0, handles[:2]), (2, handles[2:])):
             # Reads after the step, whose submissions the ReadLog sees (in-step reads go to the
             # step reader: test_disagg_in_step.py).
-            eng = LLMEngine(
-                model,
-                kv=KvConfig.fast(**SMALL),
-                drafter="ngram",
-                kv_source=d.url,
-                kv_transfer=transfer,
-                kv_in_step_reads=False,
-            )
+            eng = staged_engine(model, d, kv_transfer=transfer, kv_in_step_reads=False)
             eng.kv_source.prefetch_depth = depth
             eng.kv_source.decode_prefetch = 0  # the decode-time reads compared: the steps' own alone
             rec = eng.kv_source.client = Counting(eng.kv_source.client)
@@ -639,14 +626,8 @@ def test_misses_are_fetched_after_the_step_s_compute_is_queued(model):
         (h,) = _stage_in_worker_process(
             d.url, [{"prompt_len": P, "prompt_seed": 3, "first_query": "prompt", **SMALL}]
         )
-        eng = LLMEngine(
-            model,
-            kv=KvConfig.fast(**SMALL),
-            drafter="ngram",
-            kv_source=d.url,
-            kv_transfer="partial",
-            kv_in_step_reads=False,  # the after-step path, this test's subject
-        )
+        # The after-step path, this test's subject.
+        eng = staged_engine(model, d, kv_transfer="partial", kv_in_step_reads=False)
         inner = eng.engine
         events: list = []
         forward = inner.model.forward

@@ -33,12 +33,19 @@ def run_batch(eng: LLMEngine, adds) -> dict:
     return [out[i] for i in ids]
 
 
+def staged_engine(model, d: Daemon, **engine_kw) -> LLMEngine:
+    """``LLMEngine(kv_source=d.url, **engine_kw)`` with the small budget's Quest selection and the
+    n-gram drafter (``kv_in_step_reads=False``: the reads after the step, whose submissions
+    :class:`ReadLog` sees)."""
+    return LLMEngine(model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, **engine_kw)
+
+
 def decode_staged(model, d: Daemon, handles, **engine_kw) -> tuple[list, LLMEngine]:
     """``handles`` (staged in ``d``) decoded in one batch by ``LLMEngine(kv_source=d.url,
     **engine_kw)`` with the small budget's Quest selection and the n-gram drafter: ``(outputs in
     add order, the engine)``, its pools full again and its source still open (the caller reads
     its counters, then closes it)."""
-    eng = LLMEngine(model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, **engine_kw)
+    eng = staged_engine(model, d, **engine_kw)
     outs = run_batch(eng, [lambda e, h=h: e.add_staged_request(h, params()) for h in handles])
     assert pools_are_full(eng)
     return outs, eng
@@ -111,9 +118,7 @@ def fetch_steps(model, d: Daemon, handles: list[StagedRequest], local: list | No
     so that a fault test can strike before a read (greedy decoding is deterministic). The dry run
     reads after each step (``kv_in_step_reads=False``), whose submissions ``ReadLog`` sees; the
     steps that miss are the same either way (the same plans)."""
-    eng = LLMEngine(
-        model, kv=KvConfig.fast(**SMALL), drafter="ngram", kv_source=d.url, kv_in_step_reads=False
-    )
+    eng = staged_engine(model, d, kv_in_step_reads=False)
     rec = eng.kv_source.coord = ReadLog(eng.kv_source)
     for h in handles:
         eng.add_staged_request(h, params(n))
