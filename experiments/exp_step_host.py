@@ -53,6 +53,35 @@ def profile_steps(eng, reqs, layers: int, path: str, trace: str | None) -> float
     return per_step
 
 
+_GREEN: list = []  # the green contexts of --background-sms, alive as long as their streams
+
+
+def green_streams(n_sms: int, k: int, dev: torch.device) -> list:
+    """``k`` streams whose kernels run on ``n_sms`` SMs (a CUDA green context each,
+    ``torch.cuda.green_contexts``; torch splits the same SMs off for each), for the engine's
+    background chains: their kernels then leave the other SMs to the compute stream, which keeps
+    every SM. Whether a captured step keeps the partition is what the timing shows."""
+    from torch.cuda.green_contexts import GreenContext
+
+    idx = dev.index or 0
+    streams = []
+    for _ in range(k):
+        try:
+            ctx = GreenContext.create(num_sms=n_sms, device_id=idx)
+        except TypeError:  # an older signature: create(num_sms, device_id)
+            ctx = GreenContext.create(n_sms, idx)
+        if hasattr(ctx, "Stream"):
+            streams.append(ctx.Stream())
+        else:  # a stream made while the green context is current belongs to it
+            ctx.set_context()
+            try:
+                streams.append(torch.cuda.Stream(dev))
+            finally:
+                ctx.pop_context()
+        _GREEN.append(ctx)
+    return streams
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", choices=["new", "old"], default="new")
@@ -122,6 +151,13 @@ def main() -> None:
         "(transformer.FUSED_SILU_MUL); default: the module's",
     )
     ap.add_argument(
+        "--background-sms",
+        type=int,
+        default=None,
+        help="the background streams (selection chains, gathers) in CUDA green contexts of this "
+        "many SMs (green_streams), for every timing of this process; default: ordinary streams",
+    )
+    ap.add_argument(
         "--capture-priority",
         type=int,
         default=None,
@@ -184,6 +220,15 @@ def main() -> None:
     )
     if args.capture_priority is not None and cuda:  # as --priority-sweep, but from the start
         eng._capture_stream = torch.cuda.Stream(dev, priority=args.capture_priority)
+
+    def sides(k: int) -> list:
+        """The engine's ``k`` background streams for this run (--background-sms)."""
+        if args.background_sms:
+            return green_streams(args.background_sms, k, dev)
+        return [torch.cuda.Stream(dev) for _ in range(k)]  # as Engine(background_streams=k)
+
+    if args.background_sms and cuda:
+        eng._sides = sides(args.background_streams)
     g = torch.Generator().manual_seed(0)
     prios = [int(x) for x in args.priority_sweep.split(",")] if args.priority_sweep else [None]
     sizes = [int(x) for x in args.requests_sweep.split(",")] if args.requests_sweep else [None]
@@ -263,7 +308,7 @@ def main() -> None:
     if args.streams_sweep and cuda:
         for k in [int(x) for x in args.streams_sweep.split(",")]:
             eng._join_background()
-            eng._sides = [torch.cuda.Stream(dev) for _ in range(k)]  # as Engine(background_streams=k)
+            eng._sides = sides(k)
             eng.drop_graphs()
             h, st = timed(args.steps)
             row = dict(background_streams=k, host_ms=statistics.median(h), step_ms=statistics.median(st))
@@ -307,7 +352,7 @@ def main() -> None:
                     eng._counters_of(layer)  # made outside any capture, as the engine's first step does
                 if cuda:
                     eng._join_background()
-                    eng._sides = [torch.cuda.Stream(dev) for _ in range(int(k))]
+                    eng._sides = sides(int(k))
                     eng.drop_graphs()
                 h, st = timed(args.steps)
                 if args.profile and cuda:  # this variant's kernel table beside the final one's
@@ -358,6 +403,9 @@ def main() -> None:
         host_ms_all=host,
         fetched_per_step=statistics.median(fetched0) if fetched0 else None,
         host_pool=args.host_pool,
+        capture_priority=args.capture_priority,
+        background_sms=args.background_sms,
+        silu_mul=args.silu_mul,
         sweep=sweep,
     )
     print(json.dumps({k: v for k, v in res.items() if k != "host_ms_all"}))
