@@ -397,3 +397,12 @@ OASIS_DECODE_ATTN_KV8_TC(decode_attn_kv8_tcr_bf16_d256, oasis::bf16, 256, 2, TcK
 OASIS_DECODE_ATTN_KV8_TC(decode_attn_kv8_tcr_f16_d64, oasis::f16, 64, 4, TcKv8RegPages)
 OASIS_DECODE_ATTN_KV8_TC(decode_attn_kv8_tcr_f16_d128, oasis::f16, 128, 3, TcKv8RegPages)
 OASIS_DECODE_ATTN_KV8_TC(decode_attn_kv8_tcr_f16_d256, oasis::f16, 256, 2, TcKv8RegPages)
+
+// The same with twice the pipeline depth and no tile room (TcKv8DeepPages, Kv8AttnKernel::
+// RegistersDeep; oasis_cuda::ops::decode_attn_kv8_deep_stages): the bf16 kernel's bytes in flight.
+OASIS_DECODE_ATTN_KV8_TC(decode_attn_kv8_tcd_bf16_d64, oasis::bf16, 64, 8, TcKv8DeepPages)
+OASIS_DECODE_ATTN_KV8_TC(decode_attn_kv8_tcd_bf16_d128, oasis::bf16, 128, 6, TcKv8DeepPages)
+OASIS_DECODE_ATTN_KV8_TC(decode_attn_kv8_tcd_bf16_d256, oasis::bf16, 256, 3, TcKv8DeepPages)
+OASIS_DECODE_ATTN_KV8_TC(decode_attn_kv8_tcd_f16_d64, oasis::f16, 64, 8, TcKv8DeepPages)
+OASIS_DECODE_ATTN_KV8_TC(decode_attn_kv8_tcd_f16_d128, oasis::f16, 128, 6, TcKv8DeepPages)
+OASIS_DECODE_ATTN_KV8_TC(decode_attn_kv8_tcd_f16_d256, oasis::f16, 256, 3, TcKv8DeepPages)

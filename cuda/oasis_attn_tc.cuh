@@ -271,9 +271,10 @@ struct TcKv8Pages {
 // MMA runs in f16 (Q in units of a power of two at least its largest magnitude, and P, rounded
 // to f16; the codes exact); each chunk's K scale multiplies its
 // scores and its V scale is carried as the unit of the accumulator (rescaled with the online
-// softmax's factor). The extra row (T) is read from global memory by the kernel. Same shared
-// memory as TcKv8Pages, so the wrapper's size is the same.
-template <typename T, int D, int STAGES>
+// softmax's factor). The extra row (T) is read from global memory by the kernel. TILE: T tiles'
+// room kept after the ring (2: the same shared memory as TcKv8Pages, the measured `registers`
+// kernel; 0: none, TcKv8DeepPages).
+template <typename T, int D, int STAGES, int TILE = 2>
 struct TcKv8RegPages {
     static_assert(sizeof(T) == 2 && D % 16 == 0, "kv8 tensor-core pages: 16-bit T, D a multiple of 16");
     static constexpr bool DIRECT = true;
@@ -281,7 +282,7 @@ struct TcKv8RegPages {
     static constexpr int CHUNK_UNITS = 16 * UPR;   // of a T tile (the kernel's own checks)
     static constexpr int CODE_UPR = D / 16;        // 16-byte units per code row
     static constexpr int CODE_UNITS = 16 * CODE_UPR;
-    static constexpr int WARP_UNITS = STAGES * 2 * CODE_UNITS + 2 * CHUNK_UNITS;
+    static constexpr int WARP_UNITS = STAGES * 2 * CODE_UNITS + TILE * CHUNK_UNITS;
     const unsigned char* k;  // [num_pages, num_kv_heads, block_size, head_dim] E4M3 codes
     const unsigned char* v;  // [num_pages, num_kv_heads, block_size, head_dim] E4M3 codes
     const float* ks;         // [num_pages, num_kv_heads]
@@ -313,6 +314,12 @@ struct TcKv8RegPages {
         return w + slot * 2 * CODE_UNITS;
     }
 };
+
+// The `registers-deep` kernel's pages: TcKv8RegPages with no tile room, instantiated with twice
+// the bf16 kernel's pipeline depth, so that a warp keeps the bf16 kernel's bytes in flight (a
+// chunk of codes is half a bf16 chunk's bytes) in the shared memory the tile kernel held.
+template <typename T, int D, int STAGES>
+using TcKv8DeepPages = TcKv8RegPages<T, D, STAGES, 0>;
 
 // Q's fragments (the A operand: rows = query vectors qi = row * group + j of sequence s and KV
 // head h, padded with zeros to 16) in P's order; DIRECT: in f16, in units of q_pow.

@@ -685,7 +685,8 @@ def bound8_score_kernel() -> str:
     """The kernel ``set_bound8_score_kernel`` chose."""
 
 def set_kv8_attention_kernel(kernel: str) -> None:
-    """``"tile"`` or ``"registers"``: the tensor-core kernel over fp8_e4m3 pages."""
+    """``"tile"``, ``"registers"`` or ``"registers-deep"``: the tensor-core kernel over fp8_e4m3
+    pages."""
 
 def kv8_attention_kernel() -> str:
     """The kernel ``set_kv8_attention_kernel`` chose."""

@@ -4,8 +4,8 @@ fp8 GPU pages (scale growth and requantization mid-block, NaN and inf rows), ``g
 from an fp8 host pool into float or fp8 slots (staged and register launches, the pool pinned or on
 the device), and ``copy_pages`` float -> fp8 (partial last pages) and
 fp8 -> float; block sizes 8/16/32, head_dim 64/96/128, every float dtype; attention over fp8
-pages, both tensor-core kernels (``set_kv8_attention_kernel``) at head_dim 64/128/256. Run under
-compute-sanitizer with ``-k kv8``."""
+pages, every tensor-core kernel (``set_kv8_attention_kernel``) at head_dim 64/128/256, over
+sequences long enough that each pipeline's ring wraps. Run under compute-sanitizer with ``-k kv8``."""
 
 from __future__ import annotations
 
@@ -250,7 +250,10 @@ def restore_kv8_attention_kernel():
 TC_GEOMETRIES = [(16, 128), (32, 64), (16, 256), (32, 128)]
 
 
-@pytest.mark.parametrize("kernel", ["tile", "registers"])
+KV8_KERNELS = ["tile", "registers", "registers-deep"]
+
+
+@pytest.mark.parametrize("kernel", KV8_KERNELS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("block_size,head_dim", TC_GEOMETRIES)
 @pytest.mark.parametrize("group,splits", [(1, 1), (4, 3), (8, 0)])
@@ -267,11 +270,29 @@ def test_kv8_tensor_core_kernels_match_the_twin(
     _attention_case(dtype, block_size, head_dim, group, splits, blank_page=6)
 
 
-def _attention_case(dtype, block_size, head_dim, group, splits, blank_page=None) -> None:
+@pytest.mark.parametrize("kernel", KV8_KERNELS)
+@pytest.mark.parametrize("block_size,head_dim", [(16, 64), (16, 128), (32, 128), (16, 256)])
+@pytest.mark.parametrize("splits", [1, 0])
+def test_kv8_tensor_core_kernels_over_long_sequences(
+    kernel, block_size, head_dim, splits, restore_kv8_attention_kernel
+):
+    """A sequence of 41 pages (41-82 chunks of 16 tokens) beside a short one: each warp's ring
+    of chunks wraps many times, at every kernel's pipeline depth ("registers-deep": 8 / 6 / 3
+    chunks at head_dim 64 / 128 / 256)."""
+    ops.set_kv8_attention_kernel(kernel)
+    indptr = torch.tensor([0, 41, 44], dtype=torch.int32)
+    indices = torch.randperm(48, generator=torch.Generator().manual_seed(41))[:44].to(torch.int32)
+    last = torch.tensor([block_size - 5, 2], dtype=torch.int32)
+    _attention_case(torch.bfloat16, block_size, head_dim, 4, splits, layout=(48, indptr, indices, last))
+
+
+def _attention_case(dtype, block_size, head_dim, group, splits, blank_page=None, layout=None) -> None:
     """Attention over 12 fp8 pages of 3 sequences (2 rows, the extra K/V, holes in the page map)
     on CUDA against the twin, and the twin against float64; ``blank_page``: that page's codes
-    and scales zeroed, as an unwritten page."""
-    h, ns, rows, npages = 2, 3, 2, 12
+    and scales zeroed, as an unwritten page; ``layout = (npages, indptr, indices, last)``: other
+    sequences instead (page_map holes at pages 7 and 2 as in the default)."""
+    h, rows = 2, 2
+    npages = 12 if layout is None else layout[0]
     geo = ops.KvGeometry(h * group, h, head_dim, block_size)
     gen = _gen("attn", dtype, block_size, head_dim, group)
     kp, ksc = ops.empty_kv8(geo, npages, "cpu")
@@ -282,11 +303,15 @@ def _attention_case(dtype, block_size, head_dim, group, splits, blank_page=None)
     if blank_page is not None:
         for t in (kp, ksc, vp, vsc):
             t[blank_page] = 0
-    indptr = torch.tensor([0, 5, 6, 11], dtype=torch.int32)
-    indices = torch.tensor([3, 0, 7, 5, 10, 9, 1, 2, 8, 4, 11], dtype=torch.int32)
+    if layout is None:
+        indptr = torch.tensor([0, 5, 6, 11], dtype=torch.int32)
+        indices = torch.tensor([3, 0, 7, 5, 10, 9, 1, 2, 8, 4, 11], dtype=torch.int32)
+        last = torch.tensor([block_size, 3, 1], dtype=torch.int32)
+    else:
+        _, indptr, indices, last = layout
     if blank_page is not None:
         indices[2] = blank_page  # in the middle of sequence 0
-    last = torch.tensor([block_size, 3, 1], dtype=torch.int32)
+    ns = indptr.numel() - 1
     page_map = torch.randint(0, 50, (npages, h), generator=gen, dtype=torch.int32)
     page_map[7, 0] = page_map[2, 1] = -1
     q = (torch.randn((ns, rows, h * group, head_dim), generator=gen) * 2e-3).to(dtype)

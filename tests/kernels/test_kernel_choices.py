@@ -29,10 +29,15 @@ def test_the_default_is_the_faster_registers_kernel_and_a_round_trip():
     assert ops.kv8_attention_kernel() == "registers"
 
 
-@pytest.mark.parametrize("name", ["", "Tile", "register", "fp8"])
+def test_the_deep_registers_kernel_round_trips():
+    ops.set_kv8_attention_kernel("registers-deep")
+    assert ops.kv8_attention_kernel() == "registers-deep"
+
+
+@pytest.mark.parametrize("name", ["", "Tile", "register", "fp8", "registers_deep", "deep"])
 def test_an_unknown_kernel_is_refused_and_changes_nothing(name):
     ops.set_kv8_attention_kernel("registers")
-    with pytest.raises(ValueError, match="must be 'tile' or 'registers'"):
+    with pytest.raises(ValueError, match="must be 'tile', 'registers' or 'registers-deep'"):
         ops.set_kv8_attention_kernel(name)
     assert ops.kv8_attention_kernel() == "registers"
 

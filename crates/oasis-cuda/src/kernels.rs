@@ -96,6 +96,12 @@ pub const SOURCES: &[KernelSource] = &[
             "decode_attn_kv8_tcr_f16_d64",
             "decode_attn_kv8_tcr_f16_d128",
             "decode_attn_kv8_tcr_f16_d256",
+            "decode_attn_kv8_tcd_bf16_d64",
+            "decode_attn_kv8_tcd_bf16_d128",
+            "decode_attn_kv8_tcd_bf16_d256",
+            "decode_attn_kv8_tcd_f16_d64",
+            "decode_attn_kv8_tcd_f16_d128",
+            "decode_attn_kv8_tcd_f16_d256",
         ],
     },
     KernelSource {

@@ -773,6 +773,12 @@ kernel_params! {
             "decode_attn_kv8_tcr_f16_d64",
             "decode_attn_kv8_tcr_f16_d128",
             "decode_attn_kv8_tcr_f16_d256",
+            "decode_attn_kv8_tcd_bf16_d64",
+            "decode_attn_kv8_tcd_bf16_d128",
+            "decode_attn_kv8_tcd_bf16_d256",
+            "decode_attn_kv8_tcd_f16_d64",
+            "decode_attn_kv8_tcd_f16_d128",
+            "decode_attn_kv8_tcd_f16_d256",
         ] {
         pub q: DevPtr,                // [num_seqs, num_rows, num_qo_heads, head_dim]
         pub k_codes: DevPtr,          // [num_pages, num_kv_heads, block_size, head_dim] u8

@@ -320,11 +320,10 @@ fn set_kv8_attention_kernel(kernel: &str) -> PyResult<()> {
     let k = match kernel {
         "tile" => Kv8AttnKernel::Tile,
         "registers" => Kv8AttnKernel::Registers,
-        other => {
-            return Err(pyo3::exceptions::PyValueError::new_err(format!(
-                "kv8 attention kernel must be 'tile' or 'registers', got {other:?}"
-            )))
-        }
+        "registers-deep" => Kv8AttnKernel::RegistersDeep,
+        other => return Err(pyo3::exceptions::PyValueError::new_err(format!(
+            "kv8 attention kernel must be 'tile', 'registers' or 'registers-deep', got {other:?}"
+        ))),
     };
     oasis_cuda::ops::set_kv8_attn_kernel(k);
     Ok(())
@@ -336,6 +335,7 @@ fn kv8_attention_kernel() -> &'static str {
     match oasis_cuda::ops::kv8_attn_kernel() {
         oasis_cuda::ops::Kv8AttnKernel::Tile => "tile",
         oasis_cuda::ops::Kv8AttnKernel::Registers => "registers",
+        oasis_cuda::ops::Kv8AttnKernel::RegistersDeep => "registers-deep",
     }
 }
 

@@ -719,6 +719,7 @@ def main(argv=None) -> int:
             ("sparse attn", None),
             ("fp8 sparse attn (tile)", "tile"),
             ("fp8 sparse attn (registers)", "registers"),
+            ("fp8 sparse attn (registers-deep)", "registers-deep"),
         ):
             if kernel is not None:
                 ops.set_kv8_attention_kernel(kernel)

@@ -211,10 +211,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--kv8-attention-kernel",
         default=None,
-        choices=["tile", "registers"],
+        choices=["tile", "registers", "registers-deep"],
         help="the tensor-core kernel that reads fp8_e4m3 pages on a GPU (oasiskv.ops."
         "set_kv8_attention_kernel): 'registers' (the default) feeds the MMA from the codes, 'tile' "
-        "dequantizes each chunk into a bf16 tile first (1.26x slower on an H100)",
+        "dequantizes each chunk into a bf16 tile first (1.26x slower on an H100), 'registers-deep' "
+        "is 'registers' with twice the pipeline depth (not yet measured)",
     )
     p.add_argument(
         "--bound8-score-kernel",

@@ -173,6 +173,30 @@ pub enum Kv8AttnKernel {
     /// scores and carried as the accumulator's unit; bf16 and f16. The default: 0.69-0.70 of the
     /// copy ceiling on an H100 (s27), 1.26x `Tile`'s speed.
     Registers,
+    /// `decode_attn_kv8_tcd_*` (`TcKv8DeepPages`): `Registers` with twice the bf16 kernel's
+    /// pipeline depth ([`decode_attn_kv8_deep_stages`]) and no tile room, so that a warp keeps
+    /// the bf16 kernel's bytes in flight (a chunk of codes is half a bf16 chunk). Not yet run
+    /// on a GPU.
+    RegistersDeep,
+}
+
+/// Pipeline depth of the `RegistersDeep` kernel per head_dim: twice the bf16 kernel's
+/// ([`decode_attn_tc_stages`]), 3 at head_dim 256 (two blocks per SM); must match the
+/// instantiations in cuda/decode_attn.cu.
+pub fn decode_attn_kv8_deep_stages(head_dim: usize) -> Option<usize> {
+    match head_dim {
+        64 => Some(8),
+        128 => Some(6),
+        256 => Some(3),
+        _ => None,
+    }
+}
+
+/// Shared memory of one `RegistersDeep` block, in bytes: per warp `stages` chunks of K and V
+/// codes (16 x head_dim bytes each) and no tile, then the item list, the merge's m/l and the
+/// scan scratch as [`decode_attn_tc_smem_bytes`].
+pub fn decode_attn_kv8_deep_smem_bytes(head_dim: usize, stages: usize) -> usize {
+    4 * stages * 2 * 16 * head_dim + 2 * 4 * (DECODE_TC_LIST_CAP + 1) + 2 * 4 * 64 + 4 * 36
 }
 
 static KV8_ATTN_KERNEL: Mutex<Kv8AttnKernel> = Mutex::new(Kv8AttnKernel::Registers);
@@ -199,7 +223,10 @@ pub fn decode_attn_kv8_tc_entry<T: KvElem>(
     head_dim: usize,
     kernel: Kv8AttnKernel,
 ) -> Option<(&'static str, usize)> {
-    let stages = decode_attn_tc_stages(head_dim)?;
+    let stages = match kernel {
+        Kv8AttnKernel::RegistersDeep => decode_attn_kv8_deep_stages(head_dim)?,
+        _ => decode_attn_tc_stages(head_dim)?,
+    };
     let name = match (kernel, T::DTYPE, head_dim) {
         (Kv8AttnKernel::Tile, DType::BF16, 64) => "decode_attn_kv8_tc_bf16_d64",
         (Kv8AttnKernel::Tile, DType::BF16, 128) => "decode_attn_kv8_tc_bf16_d128",
@@ -210,6 +237,12 @@ pub fn decode_attn_kv8_tc_entry<T: KvElem>(
         (Kv8AttnKernel::Registers, DType::F16, 64) => "decode_attn_kv8_tcr_f16_d64",
         (Kv8AttnKernel::Registers, DType::F16, 128) => "decode_attn_kv8_tcr_f16_d128",
         (Kv8AttnKernel::Registers, DType::F16, 256) => "decode_attn_kv8_tcr_f16_d256",
+        (Kv8AttnKernel::RegistersDeep, DType::BF16, 64) => "decode_attn_kv8_tcd_bf16_d64",
+        (Kv8AttnKernel::RegistersDeep, DType::BF16, 128) => "decode_attn_kv8_tcd_bf16_d128",
+        (Kv8AttnKernel::RegistersDeep, DType::BF16, 256) => "decode_attn_kv8_tcd_bf16_d256",
+        (Kv8AttnKernel::RegistersDeep, DType::F16, 64) => "decode_attn_kv8_tcd_f16_d64",
+        (Kv8AttnKernel::RegistersDeep, DType::F16, 128) => "decode_attn_kv8_tcd_f16_d128",
+        (Kv8AttnKernel::RegistersDeep, DType::F16, 256) => "decode_attn_kv8_tcd_f16_d256",
         _ => return None,
     };
     Some((name, stages))
@@ -564,9 +597,15 @@ impl Gpu {
             // The tensor-core kernel copies 16-byte units of codes and of the extra row.
             let aligned = q.ptr().is_multiple_of(4)
                 && (p.k_codes.ptr() | p.v_codes.ptr() | c.extra_k | c.extra_v).is_multiple_of(16);
-            let (name, tt, smem) = match decode_attn_kv8_tc_entry::<T>(d, kv8_attn_kernel()) {
+            let kernel = kv8_attn_kernel();
+            let (name, tt, smem) = match decode_attn_kv8_tc_entry::<T>(d, kernel) {
                 Some((name, stages)) if c.nq <= 16 && bs.is_multiple_of(16) && aligned => {
-                    (name, 0, decode_attn_kv8_tc_smem_bytes(d, stages))
+                    let smem = if kernel == Kv8AttnKernel::RegistersDeep {
+                        decode_attn_kv8_deep_smem_bytes(d, stages)
+                    } else {
+                        decode_attn_kv8_tc_smem_bytes(d, stages)
+                    };
+                    (name, 0, smem)
                 }
                 _ => {
                     let (tt, smem) = generic_tile(c.nq, d);
@@ -651,6 +690,18 @@ mod tests {
                 )),
                 "{name}"
             );
+            for (t, dt) in [("bf16", true), ("f16", false)] {
+                let (name, stages) = if dt {
+                    decode_attn_kv8_tc_entry::<half::bf16>(d, Kv8AttnKernel::RegistersDeep)
+                } else {
+                    decode_attn_kv8_tc_entry::<half::f16>(d, Kv8AttnKernel::RegistersDeep)
+                }
+                .unwrap();
+                assert_eq!(Some(stages), decode_attn_kv8_deep_stages(d));
+                assert!(crate::kernels::source_of(name).is_some(), "{name}");
+                let inst = format!("({name}, oasis::{t}, {d}, {stages}, TcKv8DeepPages)");
+                assert!(src.contains(&inst), "{inst} not in decode_attn.cu");
+            }
         }
         assert_eq!(
             decode_attn_kv8_tc_entry::<half::f16>(128, Kv8AttnKernel::Tile),
@@ -678,5 +729,15 @@ mod tests {
         assert!(b < decode_attn_tc_smem_bytes(128, 3));
         assert!(DECODE_TC_BLOCKS_PER_SM * (b + 1024) <= 227 * 1024);
         assert!(decode_attn_kv8_tc_smem_bytes(256, 2) <= 227 * 1024);
+        // The deep ring: the bf16 kernel's bytes in flight per warp at head_dim 64 and 128, and
+        // still two blocks per SM at every head_dim.
+        for d in [64, 128, 256] {
+            let s = decode_attn_kv8_deep_stages(d).unwrap();
+            let deep = decode_attn_kv8_deep_smem_bytes(d, s);
+            assert!(DECODE_TC_BLOCKS_PER_SM * (deep + 1024) <= 227 * 1024, "{d}");
+            if d < 256 {
+                assert_eq!(s * 16 * d, decode_attn_tc_stages(d).unwrap() * 16 * d * 2);
+            }
+        }
     }
 }

@@ -560,8 +560,9 @@ pub use gather_launch::{
     COPY_THREADS, KV8_STAGE_FACTOR, MAX_STAGE_ENTRIES,
 };
 pub use kv8::{
-    decode_attn_kv8_tc_entry, decode_attn_kv8_tc_smem_bytes, kv8_attn_kernel, set_kv8_attn_kernel,
-    Kv8AttnKernel, Kv8PagesDev, KvTierDev, PagedKv8Dev,
+    decode_attn_kv8_deep_smem_bytes, decode_attn_kv8_deep_stages, decode_attn_kv8_tc_entry,
+    decode_attn_kv8_tc_smem_bytes, kv8_attn_kernel, set_kv8_attn_kernel, Kv8AttnKernel,
+    Kv8PagesDev, KvTierDev, PagedKv8Dev,
 };
 pub use select::{
     bound8_score_kernel, score_bound8_entry, set_bound8_score_kernel, Bound8ScoreKernel,
