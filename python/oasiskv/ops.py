@@ -580,11 +580,12 @@ def set_kv8_attention_kernel(kernel: str) -> None:
     (head_dim 64/128/256, block_size a multiple of 16, up to 16 query vectors per KV head):
     ``"registers"`` (the default: the MMA fragments taken from the codes by ldmatrix, one
     conversion per two codes into f16, the scales applied to the scores and to the accumulator;
-    bf16 and f16) or ``"tile"`` (each 16-token chunk dequantized into a bf16 tile in shared
+    bf16 and f16), ``"tile"`` (each 16-token chunk dequantized into a bf16 tile in shared
     memory, then the bf16 pages' MMA; bf16 only; 1.26x slower on an H100) or ``"registers-deep"``
     (``"registers"`` with twice the pipeline depth, the bf16 kernel's bytes in flight per warp;
-    not yet run on a GPU). All match the CPU twin within the bf16 tolerances. Process-wide, for measuring; a captured CUDA graph keeps the
-    kernel it captured. ValueError for any other name."""
+    not yet run on a GPU). All match the CPU twin within the bf16 tolerances. Process-wide, for
+    measuring; a captured CUDA graph keeps the kernel it captured. ValueError for any other
+    name."""
     _core.set_kv8_attention_kernel(kernel)
 
 
