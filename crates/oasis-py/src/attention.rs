@@ -309,28 +309,31 @@ fn plan_num_splits(
     })
 }
 
-/// Add this module's functions to `_core`.
+/// The names `set_kv8_attention_kernel` takes, for its error.
+const KV8_KERNELS: &str = "'tile', 'registers' or 'registers-deep'";
+
 #[pyfunction]
 /// The tensor-core kernel that reads fp8_e4m3 pages in `decode_attention` on a GPU: `"tile"`
-/// (each chunk dequantized into a bf16 tile; bf16 only) or `"registers"` (the MMA fragments taken
-/// from the codes, f16 MMA; bf16 and f16). Process-wide, for measuring; a captured CUDA graph
-/// keeps the kernel it captured.
+/// (each chunk dequantized into a bf16 tile; bf16 only), `"registers"` (the MMA fragments taken
+/// from the codes, f16 MMA; bf16 and f16) or `"registers-deep"` (the same, twice the pipeline
+/// depth). Process-wide, for measuring; a captured CUDA graph keeps the kernel it captured.
 fn set_kv8_attention_kernel(kernel: &str) -> PyResult<()> {
     use oasis_cuda::ops::Kv8AttnKernel;
     let k = match kernel {
         "tile" => Kv8AttnKernel::Tile,
         "registers" => Kv8AttnKernel::Registers,
         "registers-deep" => Kv8AttnKernel::RegistersDeep,
-        other => return Err(pyo3::exceptions::PyValueError::new_err(format!(
-            "kv8 attention kernel must be 'tile', 'registers' or 'registers-deep', got {other:?}"
-        ))),
+        other => {
+            let msg = format!("kv8 attention kernel must be {KV8_KERNELS}, got {other:?}");
+            return Err(pyo3::exceptions::PyValueError::new_err(msg));
+        }
     };
     oasis_cuda::ops::set_kv8_attn_kernel(k);
     Ok(())
 }
 
 #[pyfunction]
-/// The kernel `set_kv8_attention_kernel` chose: `"tile"` or `"registers"`.
+/// The kernel `set_kv8_attention_kernel` chose: `"tile"`, `"registers"` or `"registers-deep"`.
 fn kv8_attention_kernel() -> &'static str {
     match oasis_cuda::ops::kv8_attn_kernel() {
         oasis_cuda::ops::Kv8AttnKernel::Tile => "tile",
@@ -339,6 +342,7 @@ fn kv8_attention_kernel() -> &'static str {
     }
 }
 
+/// Add this module's functions to `_core`.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(set_kv8_attention_kernel, m)?)?;
     m.add_function(wrap_pyfunction!(kv8_attention_kernel, m)?)?;
