@@ -192,13 +192,6 @@ pub fn decode_attn_kv8_deep_stages(head_dim: usize) -> Option<usize> {
     }
 }
 
-/// Shared memory of one `RegistersDeep` block, in bytes: per warp `stages` chunks of K and V
-/// codes (16 x head_dim bytes each) and no tile, then the item list, the merge's m/l and the
-/// scan scratch as [`decode_attn_tc_smem_bytes`].
-pub fn decode_attn_kv8_deep_smem_bytes(head_dim: usize, stages: usize) -> usize {
-    4 * stages * 2 * 16 * head_dim + 2 * 4 * (DECODE_TC_LIST_CAP + 1) + 2 * 4 * 64 + 4 * 36
-}
-
 static KV8_ATTN_KERNEL: Mutex<Kv8AttnKernel> = Mutex::new(Kv8AttnKernel::Registers);
 
 /// Set the process-wide kv8 tensor-core attention kernel (takes effect at the next launch; a
@@ -248,15 +241,21 @@ pub fn decode_attn_kv8_tc_entry<T: KvElem>(
     Some((name, stages))
 }
 
-/// Shared memory of one kv8 tensor-core decode attention block, in bytes (cuda/decode_attn.cu,
-/// `TcKv8Pages`, and `TcKv8RegPages`, which keeps the same layout): per warp `stages` chunks of
-/// K and V codes (16 x head_dim bytes each) and one bf16 tile of K and V, then the item list, the merge's m/l and the scan scratch as
-/// [`decode_attn_tc_smem_bytes`].
-pub fn decode_attn_kv8_tc_smem_bytes(head_dim: usize, stages: usize) -> usize {
-    4 * (stages * 2 * 16 * head_dim + 2 * 16 * head_dim * 2)
-        + 2 * 4 * (DECODE_TC_LIST_CAP + 1)
-        + 2 * 4 * 64
-        + 4 * 36
+/// Shared memory of one kv8 tensor-core decode attention block of `kernel`, in bytes
+/// (cuda/oasis_attn_tc.cuh, `TcKv8Pages` and `TcKv8RegPages`'s `WARP_UNITS`): per warp `stages`
+/// chunks of K and V codes (16 x head_dim bytes each), then one bf16 tile of K and V (`Tile`, and
+/// `Registers`, which keeps that layout; not `RegistersDeep`: its `TILE` is 0), as
+/// [`decode_attn_tc_block_smem_bytes`].
+pub fn decode_attn_kv8_tc_smem_bytes(
+    kernel: Kv8AttnKernel,
+    head_dim: usize,
+    stages: usize,
+) -> usize {
+    let tile = match kernel {
+        Kv8AttnKernel::RegistersDeep => 0,
+        Kv8AttnKernel::Tile | Kv8AttnKernel::Registers => 2 * 16 * head_dim * 2,
+    };
+    decode_attn_tc_block_smem_bytes(stages * 2 * 16 * head_dim + tile)
 }
 
 impl Gpu {
@@ -600,12 +599,7 @@ impl Gpu {
             let kernel = kv8_attn_kernel();
             let (name, tt, smem) = match decode_attn_kv8_tc_entry::<T>(d, kernel) {
                 Some((name, stages)) if c.nq <= 16 && bs.is_multiple_of(16) && aligned => {
-                    let smem = if kernel == Kv8AttnKernel::RegistersDeep {
-                        decode_attn_kv8_deep_smem_bytes(d, stages)
-                    } else {
-                        decode_attn_kv8_tc_smem_bytes(d, stages)
-                    };
-                    (name, 0, smem)
+                    (name, 0, decode_attn_kv8_tc_smem_bytes(kernel, d, stages))
                 }
                 _ => {
                     let (tt, smem) = generic_tile(c.nq, d);
@@ -721,19 +715,28 @@ mod tests {
     fn kv8_tensor_core_smem() {
         // Half the T ring plus one bf16 tile per warp: at head_dim 128, 80 KiB of staging, two
         // blocks per SM on an H100/H200 as with bf16 pages.
-        let b = decode_attn_kv8_tc_smem_bytes(128, 3);
+        let b = decode_attn_kv8_tc_smem_bytes(Kv8AttnKernel::Tile, 128, 3);
         assert_eq!(
             b,
             4 * (3 * 2 * 16 * 128 + 4 * 16 * 128) + 8 * 513 + 512 + 144
         );
+        assert_eq!(
+            b,
+            decode_attn_kv8_tc_smem_bytes(Kv8AttnKernel::Registers, 128, 3)
+        );
         assert!(b < decode_attn_tc_smem_bytes(128, 3));
         assert!(DECODE_TC_BLOCKS_PER_SM * (b + 1024) <= 227 * 1024);
-        assert!(decode_attn_kv8_tc_smem_bytes(256, 2) <= 227 * 1024);
+        assert!(decode_attn_kv8_tc_smem_bytes(Kv8AttnKernel::Registers, 256, 2) <= 227 * 1024);
         // The deep ring: the bf16 kernel's bytes in flight per warp at head_dim 64 and 128, and
         // still two blocks per SM at every head_dim.
         for d in [64, 128, 256] {
             let s = decode_attn_kv8_deep_stages(d).unwrap();
-            let deep = decode_attn_kv8_deep_smem_bytes(d, s);
+            let deep = decode_attn_kv8_tc_smem_bytes(Kv8AttnKernel::RegistersDeep, d, s);
+            assert_eq!(
+                deep,
+                4 * s * 2 * 16 * d + 8 * 513 + 512 + 144,
+                "{d}: no tile room"
+            );
             assert!(DECODE_TC_BLOCKS_PER_SM * (deep + 1024) <= 227 * 1024, "{d}");
             if d < 256 {
                 assert_eq!(s * 16 * d, decode_attn_tc_stages(d).unwrap() * 16 * d * 2);

@@ -355,11 +355,17 @@ pub fn decode_attn_tc_stages(head_dim: usize) -> Option<usize> {
     }
 }
 
-/// Shared memory of one tensor-core decode attention block, in bytes (cuda/decode_attn.cu,
-/// `decode_attn_tc_impl`): 4 warps × `stages` × (K + V of 16 tokens of 16-bit elements), the
-/// item list, the merge's m/l and the scan scratch.
+/// Shared memory of one tensor-core decode attention block of any page kind, in bytes
+/// (cuda/oasis_attn_tc.cuh, `decode_attn_tc_impl`): 4 warps × `warp_units_bytes` (the pages'
+/// `WARP_UNITS` × 16), then the item list, the merge's m/l and the scan scratch.
+pub fn decode_attn_tc_block_smem_bytes(warp_units_bytes: usize) -> usize {
+    4 * warp_units_bytes + 2 * 4 * (DECODE_TC_LIST_CAP + 1) + 2 * 4 * 64 + 4 * 36
+}
+
+/// Shared memory of one tensor-core decode attention block over 16-bit pages, in bytes: per
+/// warp `stages` × (K + V of 16 tokens of 16-bit elements) ([`decode_attn_tc_block_smem_bytes`]).
 pub fn decode_attn_tc_smem_bytes(head_dim: usize, stages: usize) -> usize {
-    4 * stages * 2 * 16 * head_dim * 2 + 2 * 4 * (DECODE_TC_LIST_CAP + 1) + 2 * 4 * 64 + 4 * 36
+    decode_attn_tc_block_smem_bytes(stages * 2 * 16 * head_dim * 2)
 }
 
 /// Shared memory of one `score_blocks_codes_*` block, in bytes (cuda/key_codes.cu): per warp,
@@ -560,9 +566,8 @@ pub use gather_launch::{
     COPY_THREADS, KV8_STAGE_FACTOR, MAX_STAGE_ENTRIES,
 };
 pub use kv8::{
-    decode_attn_kv8_deep_smem_bytes, decode_attn_kv8_deep_stages, decode_attn_kv8_tc_entry,
-    decode_attn_kv8_tc_smem_bytes, kv8_attn_kernel, set_kv8_attn_kernel, Kv8AttnKernel,
-    Kv8PagesDev, KvTierDev, PagedKv8Dev,
+    decode_attn_kv8_deep_stages, decode_attn_kv8_tc_entry, decode_attn_kv8_tc_smem_bytes,
+    kv8_attn_kernel, set_kv8_attn_kernel, Kv8AttnKernel, Kv8PagesDev, KvTierDev, PagedKv8Dev,
 };
 pub use select::{
     bound8_score_kernel, score_bound8_entry, set_bound8_score_kernel, Bound8ScoreKernel,
