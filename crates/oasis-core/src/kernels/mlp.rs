@@ -16,32 +16,40 @@ pub fn silu_f32(x: f32) -> f32 {
     x / (1.0 + e)
 }
 
-/// `out[r, c] = T(f32(T(silu(gu[r, c]))) * f32(gu[r, inter + c]))` for the `n = out.len() /
-/// inter` rows of `gu [n, 2 * inter]` (gate columns first, then up, as the fused projection's
-/// weight stacks them) into `out [n, inter]`.
+/// The rows `n` of a `silu_mul` call with `gu_len` and `out_len` elements: `out [n, inter]`,
+/// `gu [n, 2 * inter]`. The one check of the twin and of the CUDA launch.
 ///
 /// # Errors
 /// [`OasisError::Config`] for `inter == 0`; [`OasisError::Shape`] when `out` is not whole rows of
-/// `inter` or `gu` is not `[n, 2 * inter]`. Nothing is written then.
-pub fn silu_mul<T: KvElem>(gu: &[T], inter: usize, out: &mut [T]) -> Result<()> {
+/// `inter` or `gu` is not `[n, 2 * inter]`.
+pub fn silu_mul_rows(gu_len: usize, inter: usize, out_len: usize) -> Result<usize> {
     if inter == 0 {
         return Err(OasisError::Config(
             "silu_mul needs inter > 0 columns".into(),
         ));
     }
-    if !out.len().is_multiple_of(inter) {
+    if !out_len.is_multiple_of(inter) {
         return Err(OasisError::Shape {
             what: "out",
             expected: format!("[n, {inter}] (a multiple of {inter} elements)"),
-            got: format!("{} elements", out.len()),
+            got: format!("{out_len} elements"),
         });
     }
-    let n = out.len() / inter;
-    let width = inter
-        .checked_mul(2)
-        .ok_or_else(|| OasisError::Config("inter overflows".into()))?;
-    check_len("gu", gu.len(), &[n, width])?;
-    for (row, o) in gu.chunks_exact(width).zip(out.chunks_exact_mut(inter)) {
+    let n = out_len / inter;
+    check_len("gu", gu_len, &[n, 2, inter])?;
+    Ok(n)
+}
+
+/// `out[r, c] = T(f32(T(silu(gu[r, c]))) * f32(gu[r, inter + c]))` for the `n = out.len() /
+/// inter` rows of `gu [n, 2 * inter]` (gate columns first, then up, as the fused projection's
+/// weight stacks them) into `out [n, inter]`.
+///
+/// # Errors
+/// As [`silu_mul_rows`]. Nothing is written then.
+pub fn silu_mul<T: KvElem>(gu: &[T], inter: usize, out: &mut [T]) -> Result<()> {
+    silu_mul_rows(gu.len(), inter, out.len())?;
+    // 2 * inter does not overflow: gu holds n rows of it (checked).
+    for (row, o) in gu.chunks_exact(2 * inter).zip(out.chunks_exact_mut(inter)) {
         let (gate, up) = row.split_at(inter);
         for ((o, g), u) in o.iter_mut().zip(gate).zip(up) {
             let s = T::from_f32(silu_f32(g.to_f32()));

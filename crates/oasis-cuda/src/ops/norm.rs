@@ -1,13 +1,15 @@
 //! The decoder's elementwise launches (`rms_norm`, `qk_norm_rope`, `silu_mul`) and the stream
 //! timer `wait_stamp`.
 
+use oasis_core::kernels::mlp::silu_mul_rows;
+
 use super::*;
+use crate::params::WaitEpochParams;
 
 /// Threads per `silu_mul_*` block. Arbitrary.
 pub const SILU_MUL_THREADS: u32 = 256;
 /// Most `silu_mul_*` blocks; larger calls stride. Arbitrary (a few waves of an H100's SMs).
 pub const SILU_MUL_MAX_BLOCKS: usize = 4096;
-use crate::params::WaitEpochParams;
 
 impl Gpu {
     /// GPU twin of `oasis_core::kernels::rms_norm`: HF RMSNorm of `n` rows of `hidden =
@@ -86,8 +88,8 @@ impl Gpu {
     /// `n = 0`.
     ///
     /// # Errors
-    /// [`CudaError::Invalid`] for `inter == 0`, an `out` that is not whole rows of `inter` or a
-    /// `gu` that is not `[n, 2 * inter]`.
+    /// As `oasis_core::kernels::mlp::silu_mul_rows`, the one check of both: `inter == 0`, an
+    /// `out` that is not whole rows of `inter` or a `gu` that is not `[n, 2 * inter]`.
     pub fn silu_mul<T: KvElem>(
         &self,
         gu: DevSlice<T>, // [n, 2 * inter]
@@ -96,11 +98,7 @@ impl Gpu {
         stream: Stream,
     ) -> Result<()> {
         guard("silu_mul", || {
-            if inter == 0 {
-                return Err(OasisError::Config("silu_mul needs inter > 0 columns".into()).into());
-            }
-            let n = rows("out", out.len(), &[inter])?;
-            check_len("gu", gu.len(), &[n, 2, inter])?;
+            let n = silu_mul_rows(gu.len(), inter, out.len())?;
             if n == 0 {
                 return Ok(());
             }
