@@ -449,6 +449,8 @@ def run_row(eng, args, conn, transfer: str, rate: float, prompts) -> dict:
         "graph_replays": replays,
         "eager_steps": eager,
         "graph_error": eng.engine.graph_error,
+        # Whether this row's steps read their misses during the step (the engine's choice).
+        "kv_in_step_reads": eng.kv_source.in_step_reads,
         "read_ms_per_step": stats.read_seconds / steps * 1e3 if steps else None,
         # Overlap: the loop's seconds blocked on late layers per step, and the coordinator's
         # threads' seconds on reads per step (off the loop).
@@ -547,20 +549,13 @@ def _report(args, url: str, name: str, dev, rows: list[dict], dtypes: dict) -> d
             "fetch_cap": args.fetch_cap,
             "kv_cache_blocks": args.kv_cache_blocks,
             "kv_prefetch": _prefetch(args),
-            "kv_in_step_reads": _in_step_reads(args),
+            # Whether the partial rows read their misses in the step, as their engines did.
+            "kv_in_step_reads": any(r["kv_in_step_reads"] for r in out if r["transfer"] == "partial"),
             **dtypes,
         },
         "cuda_graph": args.cuda_graph,
         "rows": out,
     }
-
-
-def _in_step_reads(args) -> bool:
-    """Whether the partial rows read their misses in the step: the flag, else the engine's
-    default (on wherever it applies: not with ``--kv-cache-blocks``)."""
-    if args.kv_in_step_reads is not None:
-        return args.kv_in_step_reads
-    return args.kv_cache_blocks is None
 
 
 def markdown(rep: dict) -> str:

@@ -391,14 +391,21 @@ class RemoteKvSource(AdmissionMixin, StepReadsMixin, BlockSource):
         return self._in_step is not None and self._bounded == 0
 
     @property
+    def can_read_in_step(self) -> bool:
+        """Whether :attr:`in_step_reads` applies to this source: a partial transfer without
+        ``kv_cache_blocks`` (a bounded cache's rows change hands between layers). ``LLMEngine``
+        turns in-step reads on where this holds (``kv_in_step_reads=None``)."""
+        return self.transfer == "partial" and self.cache_blocks is None
+
+    @property
     def in_step_reads(self) -> bool:
         """Read each step's misses while the step runs (:mod:`.in_step`): every layer publishes
         its plan to the coordinator's step reader and its gather waits, on its own stream, for
         that layer's reads alone; the reads overlap the step, nothing waits on the host between
         steps (no plans copied back, no second gather). ``LLMEngine`` turns it on wherever it
         applies (``kv_in_step_reads=None``); a source made directly starts with it off, and False
-        sends the plans to the coordinator after the step (:meth:`before_gathers`). A partial
-        transfer only; not with ``kv_cache_blocks`` (its rows change hands between layers)."""
+        sends the plans to the coordinator after the step (:meth:`before_gathers`). Only where
+        :attr:`can_read_in_step`."""
         return self._in_step is not None
 
     @in_step_reads.setter
@@ -407,7 +414,7 @@ class RemoteKvSource(AdmissionMixin, StepReadsMixin, BlockSource):
             raise ConfigError(f"in_step_reads must be a bool, got {on!r}")
         if on == (self._in_step is not None):
             return
-        if on and (self.transfer != "partial" or self.cache_blocks is not None):
+        if on and not self.can_read_in_step:
             raise ConfigError(
                 "in_step_reads reads a partial transfer's misses in the step: it needs "
                 "kv_transfer='partial' and kv_cache_blocks=None"

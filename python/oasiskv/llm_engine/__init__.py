@@ -296,7 +296,7 @@ class LLMEngine(Scheduler, Decoder, Sampler, Drafting, Lifecycle):
                 kv_source, kv_transfer, kv_token, kv_timeout_s, kv_retries, self.cuda_graphs, kv_cache_blocks
             )
             if kv_in_step_reads is None:  # on wherever it applies
-                kv_in_step_reads = kv_transfer == "partial" and kv_cache_blocks is None
+                kv_in_step_reads = self.kv_source.can_read_in_step
             try:
                 if kv_prefetch is not None:
                     self.kv_source.decode_prefetch = kv_prefetch  # validated there
