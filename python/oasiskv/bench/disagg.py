@@ -331,6 +331,7 @@ def run_row(eng, args, conn, transfer: str, rate: float, prompts) -> dict:
     stats0 = dataclasses.replace(eng.kv_source.stats)
     coord0 = eng.kv_source.coordinator_stats
     graphs0 = dict(eng.engine.graph_stats)
+    gpu_wait0, _ = eng.engine.transfer_wait()
     eng.kv_source.stats.peak_cached_bytes = eng.kv_source.stats.cached_bytes
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     offsets = arrivals(rate, n, args.seed)
@@ -407,6 +408,7 @@ def run_row(eng, args, conn, transfer: str, rate: float, prompts) -> dict:
     replays = eng.engine.graph_stats["replays"] - graphs0["replays"]
     eager = eng.engine.graph_stats["eager"] - graphs0["eager"]
     steps = replays + eager
+    gpu_wait_s = eng.engine.transfer_wait()[0] - gpu_wait0
     t0 = min(arrival.values())
     span = max(done.values()) - t0
     made = sum(len(tokens[r]) for r in order)
@@ -456,6 +458,10 @@ def run_row(eng, args, conn, transfer: str, rate: float, prompts) -> dict:
         # threads' seconds on reads per step (off the loop).
         "wait_ms_per_step": stats.wait_seconds / steps * 1e3 if steps else None,
         "coord_read_ms_per_step": coord_read_s / steps * 1e3 if steps else None,
+        # The critical path: how long the compute stream itself was held per step waiting on the
+        # background streams (their gathers, and the reads those wait for), as Engine.transfer_wait
+        # measures it; the partial rows' excess over the full rows' is what late blocks cost.
+        "gpu_wait_ms_per_step": gpu_wait_s / steps * 1e3 if steps else None,
         "tokens": [tokens[f"r{i}"] for i in range(n)],
     }
 
@@ -578,8 +584,8 @@ def markdown(rep: dict) -> str:
         "",
         "| transfer | req/s | tok/s | TTFT p50 ms | TTFT p99 ms | admit p50 ms | TPOT p50 ms | "
         "admission MiB/req | fetched MiB/req | peak host KV MiB | vs first | host rows MiB | "
-        "same tokens | prefill + stage s | read ms/step | wait ms/step | graph / eager steps |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "same tokens | prefill + stage s | read ms/step | wait ms/step | GPU wait ms/step | graph / eager steps |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rep["rows"]:
         lines.append(
@@ -591,6 +597,7 @@ def markdown(rep: dict) -> str:
             f"{f(r['host_reserved_peak_bytes'], 1 / mib)} | "
             f"{r['same_tokens']:.0%} | {f(r['prefill_p50_s'], 1, 2)} + {f(r['stage_p50_s'], 1, 2)} | "
             f"{f(r.get('read_ms_per_step'), 1, 2)} | {f(r.get('wait_ms_per_step'), 1, 2)} | "
+            f"{f(r.get('gpu_wait_ms_per_step'), 1, 2)} | "
             f"{r.get('graph_replays', '-')} / {r.get('eager_steps', '-')} |"
         )
     lines += [
@@ -607,7 +614,11 @@ def markdown(rep: dict) -> str:
         "replayed from captured CUDA graphs and run eagerly. With --kv-in-step-reads the partial rows' "
         "reads run during the step: read ms/step is the loop's time handing each step's block table "
         "over, wait ms/step the time the layers' streams were held on the GPU by late reads "
-        "(wait_epoch, summed over the layers, which wait side by side).",
+        "(wait_epoch, summed over the layers, which wait side by side, so it overstates the delay); GPU "
+        "wait ms/step: the critical path, the time the compute stream itself was held waiting on the "
+        "background streams (Engine.transfer_wait: at each layer in eager steps, at the step's join in "
+        "CUDA-graph steps; 0 on the CPU). The partial rows' excess over the full rows' is what late "
+        "blocks cost the step.",
         "- same tokens: requests whose whole output equals the first mode's at the same rate. Each row "
         "batches requests differently, so with random bf16 weights near-tied logits may flip.",
     ]
