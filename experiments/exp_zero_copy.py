@@ -9,10 +9,13 @@ through the driver API (ctypes), on a pinned host buffer of `--pool-mib` and `--
 - `ld.nc.L2::256B` / `ld.L2::128B`: the same loads with a non-coherent / L2 prefetch-size hint;
 - `bulk`: one TMA bulk copy (cp.async.bulk, sm_90) per entry into shared memory, `stages` entries
   in flight per warp, then the lanes store it;
-- `memcpy`: one cudaMemcpyAsync of the whole (contiguous) bytes: the ceiling.
+- `memcpy`: one cudaMemcpyAsync of the whole (contiguous) bytes: the ceiling;
+- `batch-memcpy` (`--batch-memcpy`, run last: a wrong driver ABI would crash the process): the
+  copy engines on the scattered entries, one cuMemcpyBatchAsync (CUDA 12.8+) of every entry.
 
 Usage (on the GPU machine): python experiments/exp_zero_copy.py [--json out.json]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,14 +70,22 @@ __device__ void gather_ld(const V4* __restrict__ src, V4* __restrict__ dst, cons
     }
 }
 
-extern "C" __global__ void gather_ld0(const V4* s, V4* d, const int* idx, int n, int n16) { gather_ld<0>(s, d, idx, n, n16); }
-extern "C" __global__ void gather_ld1(const V4* s, V4* d, const int* idx, int n, int n16) { gather_ld<1>(s, d, idx, n, n16); }
-extern "C" __global__ void gather_ld2(const V4* s, V4* d, const int* idx, int n, int n16) { gather_ld<2>(s, d, idx, n, n16); }
+#define LD(M) \
+    extern "C" __global__ void gather_ld##M(const V4* s, V4* d, const int* idx, int n, int n16) { \
+        gather_ld<M>(s, d, idx, n, n16); \
+    }
+LD(0)
+LD(1)
+LD(2)
 
-__device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
 
-__device__ __forceinline__ void bulk_issue(void* slot, const void* src, unsigned bytes, unsigned long long* bar) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_addr(bar)), "r"(bytes) : "memory");
+__device__ __forceinline__ void bulk_issue(void* slot, const void* src, unsigned bytes,
+                                           unsigned long long* bar) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+                 :: "r"(smem_addr(bar)), "r"(bytes) : "memory");
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                  :: "r"(smem_addr(slot)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
 }
@@ -82,15 +93,16 @@ __device__ __forceinline__ void bulk_issue(void* slot, const void* src, unsigned
 __device__ __forceinline__ void bulk_wait(unsigned long long* bar, unsigned parity) {
     unsigned done = 0;
     while (!done) {
-        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; "
+                     "selp.u32 %0, 1, 0, p; }"
                      : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
     }
 }
 
 // Each warp keeps STAGES entries in flight as TMA bulk copies into its slots of shared memory
 // (dynamic: warps * STAGES * entry bytes), then its lanes store each entry to dst.
-extern "C" __global__ void gather_bulk(const V4* __restrict__ src, V4* __restrict__ dst, const int* __restrict__ idx,
-                                       int n_entries, int n16) {
+extern "C" __global__ void gather_bulk(const V4* __restrict__ src, V4* __restrict__ dst,
+                                       const int* __restrict__ idx, int n_entries, int n16) {
     extern __shared__ V4 slots[];
     __shared__ unsigned long long bars[32 * STAGES];
     const int lane = threadIdx.x & 31;
@@ -153,13 +165,19 @@ def _lib(env: str, patterns: list[str]) -> ctypes.CDLL:
 
 
 def compile_cubin(arch: str, unroll: int, stages: int) -> bytes:
-    nvrtc = _lib("OASIS_NVRTC_LIB", ["nvidia/cu13/lib/libnvrtc.so.13", "nvidia/cuda_nvrtc/lib/libnvrtc.so.12"])
+    libs = ["nvidia/cu13/lib/libnvrtc.so.13", "nvidia/cuda_nvrtc/lib/libnvrtc.so.12"]
+    nvrtc = _lib("OASIS_NVRTC_LIB", libs)
     prog = ctypes.c_void_p()
     src = SRC.encode()
     chk = nvrtc.nvrtcCreateProgram(ctypes.byref(prog), src, b"probe.cu", 0, None, None)
     assert chk == 0, chk
-    opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", f"-DUNROLL={unroll}".encode(),
-            f"-DSTAGES={stages}".encode(), b"-lineinfo"]
+    opts = [
+        f"--gpu-architecture={arch}".encode(),
+        b"-std=c++17",
+        f"-DUNROLL={unroll}".encode(),
+        f"-DSTAGES={stages}".encode(),
+        b"-lineinfo",
+    ]
     arr = (ctypes.c_char_p * len(opts))(*opts)
     rc = nvrtc.nvrtcCompileProgram(prog, len(opts), arr)
     size = ctypes.c_size_t()
@@ -200,9 +218,10 @@ class Driver:
         if smem > 48 * 1024:
             self.check(self.cu.cuFuncSetAttribute(f, 8, ctypes.c_int(smem)), "max dynamic smem")
         holders = [ctypes.c_uint64(a) if i < 3 else ctypes.c_int(a) for i, a in enumerate(args)]
-        params = (ctypes.c_void_p * len(holders))(*[ctypes.cast(ctypes.byref(h), ctypes.c_void_p) for h in holders])
-        self.check(self.cu.cuLaunchKernel(f, grid, 1, 1, block, 1, 1, smem, ctypes.c_void_p(stream), params, None),
-                   "cuLaunchKernel")
+        ptrs = [ctypes.cast(ctypes.byref(h), ctypes.c_void_p) for h in holders]
+        params = (ctypes.c_void_p * len(holders))(*ptrs)
+        rc = self.cu.cuLaunchKernel(f, grid, 1, 1, block, 1, 1, smem, ctypes.c_void_p(stream), params, None)
+        self.check(rc, "cuLaunchKernel")
 
 
 def main():
@@ -213,6 +232,7 @@ def main():
     ap.add_argument("--unroll", type=int, default=8)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--json")
+    ap.add_argument("--batch-memcpy", action="store_true", help="only the copy engines' batch rows")
     args = ap.parse_args()
     import torch
 
@@ -227,10 +247,14 @@ def main():
         cubin = compile_cubin(arch, args.unroll, stages)
         fs = drv.functions(cubin, ["gather_ld0", "gather_ld1", "gather_ld2", "gather_bulk"])
         if stages == 2:
-            kernels.update({"ld": fs["gather_ld0"], "ld.nc.L2::256B": fs["gather_ld1"], "ld.L2::128B": fs["gather_ld2"]})
+            kernels["ld"] = fs["gather_ld0"]
+            kernels["ld.nc.L2::256B"] = fs["gather_ld1"]
+            kernels["ld.L2::128B"] = fs["gather_ld2"]
         kernels[f"bulk{stages}"] = fs["gather_bulk"]
     pool = torch.empty(args.pool_mib << 20, dtype=torch.uint8).pin_memory()
     pool.random_(0, 256)
+    if args.batch_memcpy:
+        return batch_memcpy(args, drv, pool, dev)
     stream = torch.cuda.current_stream(dev).cuda_stream
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     rows = []
@@ -252,9 +276,9 @@ def main():
         dst = torch.empty(n * eb, dtype=torch.uint8, device=dev)
         moved = n * eb
         contiguous = pool[:moved]
-        t = timed(lambda: dst.copy_(contiguous, non_blocking=True))
+        t = timed(lambda dst=dst, contiguous=contiguous: dst.copy_(contiguous, non_blocking=True))
         ceiling = moved / t
-        rows.append({"path": "memcpy", "entry_bytes": eb, "order": "contiguous", "GBps": ceiling / 1e9, "of_h2d": 1.0})
+        rows.append({"path": "memcpy", "entry_bytes": eb, "order": "contiguous", "GBps": ceiling / 1e9})
         print(f"{eb} B entries: memcpy {ceiling / 1e9:.1f} GB/s", flush=True)
         for order in ("random", "sequential"):
             if order == "random":
@@ -265,25 +289,126 @@ def main():
             for name, f in kernels.items():
                 bulk = name.startswith("bulk")
                 stages = int(name[4:]) if bulk else 0
-                for blocks, warps in ((sms, 4), (2 * sms, 4), (4 * sms, 4), (8 * sms, 4)) if not bulk else (
-                        (sms, 4), (2 * sms, 4), (sms, 8)):
+                for blocks, warps in (
+                    ((sms, 4), (2 * sms, 4), (4 * sms, 4), (8 * sms, 4))
+                    if not bulk
+                    else ((sms, 4), (2 * sms, 4), (sms, 8))
+                ):
                     smem = warps * stages * eb if bulk else 0
                     if smem > 227 * 1024:
                         continue
                     dst.zero_()
                     try:
-                        fn = lambda: drv.launch(f, blocks, 32 * warps, smem, stream, pool.data_ptr(), dst.data_ptr(),
-                                                idx.data_ptr(), n, eb // 16)
-                        t = timed(fn)
+                        ptrs = (pool.data_ptr(), dst.data_ptr(), idx.data_ptr(), n, eb // 16)
+                        t = timed(lambda k=(f, blocks, 32 * warps, smem, stream, *ptrs): drv.launch(*k))
                         ok = bool(torch.equal(dst, ref))
                     except RuntimeError as e:
                         print(name, blocks, warps, "failed:", e, flush=True)
                         continue
-                    row = {"path": name, "entry_bytes": eb, "order": order, "blocks": blocks, "warps": warps,
-                           "GBps": moved / t / 1e9, "of_h2d": moved / t / ceiling, "exact": ok}
+                    row = {
+                        "path": name,
+                        "entry_bytes": eb,
+                        "order": order,
+                        "blocks": blocks,
+                        "warps": warps,
+                        "GBps": moved / t / 1e9,
+                        "of_h2d": moved / t / ceiling,
+                        "exact": ok,
+                    }
                     rows.append(row)
-                    print(f"{eb} B {order:10s} {name:16s} {blocks:5d}x{warps} {moved / t / 1e9:6.1f} GB/s "
-                          f"{moved / t / ceiling:5.2f} x memcpy exact={ok}", flush=True)
+                    print(
+                        f"{eb} B {order:10s} {name:16s} {blocks:5d}x{warps} {moved / t / 1e9:6.1f} GB/s "
+                        f"{moved / t / ceiling:5.2f} x memcpy exact={ok}",
+                        flush=True,
+                    )
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"device": torch.cuda.get_device_name(dev), "rows": rows}, fh, indent=1)
+
+
+class MemLoc(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class MemcpyAttrs(ctypes.Structure):
+    _fields_ = [
+        ("srcAccessOrder", ctypes.c_int),
+        ("srcLocHint", MemLoc),
+        ("dstLocHint", MemLoc),
+        ("flags", ctypes.c_uint),
+    ]
+
+
+def batch_memcpy(args, drv, pool, dev):
+    """The scattered entries by the copy engines: one cuMemcpyBatchAsync (the CUDA 12.8 ABI, which
+    the driver keeps under this name) of every entry, host pointers as sources."""
+    import torch
+
+    f = drv.cu.cuMemcpyBatchAsync
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    rows = []
+    for eb in args.entry_bytes:
+        n_slots = pool.numel() // eb
+        n = min(args.entries, n_slots)
+        dst = torch.empty(n * eb, dtype=torch.uint8, device=dev)
+        idx = torch.randperm(n_slots)[:n]
+        ref = pool.view(n_slots, eb)[idx].to(dev).view(-1)
+        dsts = (ctypes.c_uint64 * n)(*[dst.data_ptr() + i * eb for i in range(n)])
+        srcs = (ctypes.c_uint64 * n)(*[pool.data_ptr() + int(j) * eb for j in idx])
+        sizes = (ctypes.c_size_t * n)(*([eb] * n))
+        attrs = MemcpyAttrs(1, MemLoc(3, 0), MemLoc(1, dev.index or 0), 0)  # stream order, host -> device
+        idxs = (ctypes.c_size_t * 1)(0)
+        fail = ctypes.c_size_t(0)
+
+        call = (dsts, srcs, sizes, ctypes.c_size_t(n), ctypes.byref(attrs), idxs, ctypes.c_size_t(1))
+        call += (ctypes.byref(fail), ctypes.c_void_p(stream))
+
+        def run(call=call, fail=fail):
+            drv.check(f(*call), f"cuMemcpyBatchAsync (fail index {fail.value})")
+
+        for _ in range(2):
+            run()
+        torch.cuda.synchronize()
+        import time
+
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        a.record()
+        for _ in range(args.iters):
+            run()
+        b.record()
+        host_s = (time.perf_counter() - t0) / args.iters
+        torch.cuda.synchronize()
+        t = a.elapsed_time(b) / args.iters * 1e-3
+        ok = bool(torch.equal(dst, ref))
+        moved = n * eb
+        contiguous = pool[:moved]
+        dst2 = torch.empty_like(dst)
+        dst2.copy_(contiguous, non_blocking=True)
+        torch.cuda.synchronize()
+        c0 = torch.cuda.Event(enable_timing=True)
+        c1 = torch.cuda.Event(enable_timing=True)
+        c0.record()
+        for _ in range(args.iters):
+            dst2.copy_(contiguous, non_blocking=True)
+        c1.record()
+        torch.cuda.synchronize()
+        ceiling = moved / (c0.elapsed_time(c1) / args.iters * 1e-3)
+        row = {
+            "path": "batch-memcpy",
+            "entry_bytes": eb,
+            "order": "random",
+            "GBps": moved / t / 1e9,
+            "of_h2d": moved / t / ceiling,
+            "host_ms": host_s * 1e3,
+            "exact": ok,
+        }
+        rows.append(row)
+        print(
+            f"{eb} B random batch-memcpy {n} copies {moved / t / 1e9:6.1f} GB/s {moved / t / ceiling:5.2f} "
+            f"x memcpy (host {host_s * 1e3:.1f} ms per call) exact={ok}",
+            flush=True,
+        )
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"device": torch.cuda.get_device_name(dev), "rows": rows}, fh, indent=1)
