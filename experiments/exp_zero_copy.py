@@ -344,7 +344,9 @@ def batch_memcpy(args, drv, pool, dev):
     the driver keeps under this name) of every entry, host pointers as sources."""
     import torch
 
-    f = drv.cu.cuMemcpyBatchAsync
+    # CUDA 13's entry point has no failIdx; the 12.8 one (kept under the plain name) has.
+    v2 = hasattr(drv.cu, "cuMemcpyBatchAsync_v2")
+    f = drv.cu.cuMemcpyBatchAsync_v2 if v2 else drv.cu.cuMemcpyBatchAsync
     stream = torch.cuda.current_stream(dev).cuda_stream
     rows = []
     for eb in args.entry_bytes:
@@ -356,12 +358,12 @@ def batch_memcpy(args, drv, pool, dev):
         dsts = (ctypes.c_uint64 * n)(*[dst.data_ptr() + i * eb for i in range(n)])
         srcs = (ctypes.c_uint64 * n)(*[pool.data_ptr() + int(j) * eb for j in idx])
         sizes = (ctypes.c_size_t * n)(*([eb] * n))
-        attrs = MemcpyAttrs(1, MemLoc(3, 0), MemLoc(1, dev.index or 0), 0)  # stream order, host -> device
+        attrs = MemcpyAttrs(1, MemLoc(2, 0), MemLoc(1, dev.index or 0), 0)  # stream order, host -> device
         idxs = (ctypes.c_size_t * 1)(0)
         fail = ctypes.c_size_t(0)
 
         call = (dsts, srcs, sizes, ctypes.c_size_t(n), ctypes.byref(attrs), idxs, ctypes.c_size_t(1))
-        call += (ctypes.byref(fail), ctypes.c_void_p(stream))
+        call += (ctypes.c_void_p(stream),) if v2 else (ctypes.byref(fail), ctypes.c_void_p(stream))
 
         def run(call=call, fail=fail):
             drv.check(f(*call), f"cuMemcpyBatchAsync (fail index {fail.value})")
