@@ -4,4 +4,4 @@
 set -u
 export PYTHONUNBUFFERED=1
 timeout 120 python3 experiments/exp_zero_copy.py --json $OUT/zero-copy.json 2>&1 | tee $OUT/zero-copy.txt
-timeout 60 python3 experiments/exp_zero_copy.py --batch-memcpy --json $OUT/zero-copy-batch.json 2>&1 | tee $OUT/zero-copy-batch.txt
+timeout 60 python3 experiments/exp_zero_copy.py --batch-memcpy --entry-bytes 4096 2048 32768 --json $OUT/zero-copy-batch.json 2>&1 | tee $OUT/zero-copy-batch.txt
