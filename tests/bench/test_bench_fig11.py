@@ -37,7 +37,8 @@ def test_fig11_sweep_reports_every_mode_and_concurrency(tmp_path, capsys):
     assert rep["mode"] == "fig11" and rep["ceilings"] is None  # no CUDA: no copy bandwidth
     assert rep["contexts"]["256"]["ttft_cold_s"] > 0
     assert rep["gpu_kv_budget"] == "auto" and rep["gpu_kv_budget_kind"] == "emulated h100"  # auto off an H100
-    assert "| of roofline | binds | of HBM | of PCIe | of d2d roofline |" in paths["md"].read_text()
+    head = "| of roofline | binds | of HBM | of PCIe | of SM-read roofline | of d2d roofline |"
+    assert head in paths["md"].read_text()
     rows = {(r["mode"], r["concurrency"]): r for r in rep["rows"]}
     assert sorted(rows) == [(m, c) for m in ("dense", "oasis", "oracle") for c in (1, 2)]
     for (mode, c), r in rows.items():
@@ -357,7 +358,7 @@ def test_fig11_markdown_shows_the_bound_its_fractions_and_the_budget():
     md = markdown(_report(ceilings, {**row, "roofline_fraction_d2d": 0.6}, gpu_kv_budget_kind="real"))
     assert "HBM read 3000 GB/s, device-to-device copy 2950 GB/s (read + write)" in md
     assert "GPU KV budget 62.0 GiB (real: the card's free memory" in md
-    assert "| 12.00 | 80% | pcie | 61% | 80% | 60% |" in md
+    assert "| 12.00 | 80% | pcie | 61% | 80% | - | 60% |" in md
     # A report from before issue 35 (no read ceiling, no budget kind, the d2d fraction only).
     old = markdown(_report({"d2d_copy_Bps": 2.95e12, "h2d_pinned_Bps": 5.3e10}, {"roofline_fraction": 0.6}))
     assert (

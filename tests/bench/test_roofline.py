@@ -141,3 +141,20 @@ def test_step_roofline_reads_the_middle_of_the_decode():
         )["roofline_tpot_s"]
         is None
     )
+
+
+def test_sm_read_bound_beside_the_hardware_bound():
+    """A PCIe-bound row: 1 GB fetched at 50 GB/s (copy engines) is 20 ms, at 32 GB/s (SM reads)
+    31.25 ms; the hardware bound (and its fraction) stays the copy engines', the SM columns put the
+    gathers' own ceiling beside it. Without ``h2d_sm_Bps`` the SM columns are None."""
+    c = roofline_columns(10 * GB, GB, 0.040, {**CEILINGS, "h2d_sm_Bps": 32 * GB})
+    assert c["roofline_binds"] == "pcie" and c["roofline_tpot_s"] == pytest.approx(0.020)
+    assert c["pcie_sm_tpot_s"] == pytest.approx(1 / 32)
+    assert c["pcie_sm_fraction"] == pytest.approx(1 / 32 / 0.040)
+    assert c["roofline_sm_fraction"] == pytest.approx(1 / 32 / 0.040)
+    assert c["roofline_sm_fraction"] > c["roofline_fraction"]
+    # HBM-bound when nothing is fetched: both bounds are the HBM time.
+    d = roofline_columns(10 * GB, 0.0, 0.010, {**CEILINGS, "h2d_sm_Bps": 32 * GB})
+    assert d["roofline_sm_fraction"] == d["roofline_fraction"] == pytest.approx(0.5)
+    e = roofline_columns(10 * GB, GB, 0.040, CEILINGS)
+    assert e["pcie_sm_tpot_s"] is None and e["roofline_sm_fraction"] is None

@@ -584,7 +584,8 @@ def markdown(rep: dict) -> str:
         "",
         "| transfer | req/s | tok/s | TTFT p50 ms | TTFT p99 ms | admit p50 ms | TPOT p50 ms | "
         "admission MiB/req | fetched MiB/req | peak host KV MiB | vs first | host rows MiB | "
-        "same tokens | prefill + stage s | read ms/step | wait ms/step | GPU wait ms/step | graph / eager steps |",
+        "same tokens | prefill + stage s | read ms/step | wait ms/step | GPU wait ms/step | "
+        "graph / eager steps |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rep["rows"]:

@@ -17,8 +17,8 @@ _GIB = 2**30
 COLUMNS = [
     "context", "mode", "conc", "tok/s", "TPOT p50 ms", "TPOT p99 ms", "TTFT p50 ms", "peak GPU GiB",
     "host pool GiB", "fetched/step MiB", "transfer wait/step ms", "kernels/layer/step", "roofline ms",
-    "of roofline", "binds", "of HBM", "of PCIe", "of d2d roofline", "tok/step", "accept", "same tokens",
-    "note",
+    "of roofline", "binds", "of HBM", "of PCIe", "of SM-read roofline", "of d2d roofline", "tok/step",
+    "accept", "same tokens", "note",
 ]  # fmt: skip
 
 
@@ -95,13 +95,20 @@ def _header_lines(rep: dict) -> list[str]:
             + (f"HBM read {hbm / 1e9:.0f} GB/s, " if hbm else "")
             + f"device-to-device copy {c['d2d_copy_Bps'] / 1e9:.0f} GB/s (read + write), "
             f"pinned host-to-device {c['h2d_pinned_Bps'] / 1e9:.1f} GB/s"
+            + (
+                f" (copy engines; SM reads of pinned memory {c['h2d_sm_Bps'] / 1e9:.1f} GB/s)"
+                if c.get("h2d_sm_Bps")
+                else ""
+            )
         )
     if c and c.get("hbm_read_Bps"):
         lines.append(
             "- roofline: the larger of a step's HBM time (weights and the KV attention reads, over "
             "the HBM read bandwidth) and its PCIe time (bytes fetched from the pinned host pool, over "
             "the pinned host-to-device bandwidth); 'of roofline' is it over the measured step, 'binds' "
-            "the larger, 'of d2d roofline' the reads over the copy bandwidth (the bound before issue 35)"
+            "the larger, 'of SM-read roofline' the same bound with the PCIe time at what an SM kernel "
+            "reads of pinned memory (the gathers' path, below the copy engines on an H100), 'of d2d "
+            "roofline' the reads over the copy bandwidth (the bound before issue 35)"
         )
     for ctx, info in rep["contexts"].items():
         fills = info.get("dense_fills_budget_at")
@@ -188,6 +195,7 @@ def _row_cells(r: dict) -> list[str]:
         r.get("roofline_binds") or "-",
         pct(r.get("hbm_fraction")),
         pct(r.get("pcie_fraction")),
+        pct(r.get("roofline_sm_fraction")),
         pct(r.get("roofline_fraction_d2d")),
         fmt(r.get("tokens_per_step"), digits=2),
         fmt(r.get("acceptance_rate"), digits=3),

@@ -121,7 +121,11 @@ def roofline_columns(
     * ``hbm_tpot_s`` / ``hbm_fraction``, ``pcie_tpot_s`` / ``pcie_fraction``: each time alone;
     * ``pcie_bytes_per_step``;
     * ``roofline_tpot_d2d_s`` / ``roofline_fraction_d2d``: the reads over the device-to-device
-      copy bandwidth (read plus write), the bound reported before issue 35, for comparison.
+      copy bandwidth (read plus write), the bound reported before issue 35, for comparison;
+    * ``pcie_sm_tpot_s`` / ``pcie_sm_fraction``: the fetched bytes over ``h2d_sm_Bps``, what an
+      SM kernel reads of pinned host memory (the gathers' path; on an H100 well below the copy
+      engines' ``h2d_pinned_Bps``), and ``roofline_sm_fraction``: the bound with that PCIe time,
+      the least a step that gathers with SM loads can take. The bound above stays the hardware's.
     """
     c = ceilings or {}
     b = step_bound(
@@ -129,6 +133,9 @@ def roofline_columns(
     )
     d2d = c.get("d2d_copy_Bps")
     d2d_s = step_read_bytes / d2d if d2d else None
+    sm = step_bound(
+        step_read_bytes, pcie_bytes, hbm_read_Bps=c.get("hbm_read_Bps"), h2d_Bps=c.get("h2d_sm_Bps")
+    )
     return {
         "roofline_tpot_s": b["bound_s"],
         "roofline_fraction": fraction(b["bound_s"], step_s),
@@ -140,4 +147,7 @@ def roofline_columns(
         "pcie_bytes_per_step": pcie_bytes,
         "roofline_tpot_d2d_s": d2d_s,
         "roofline_fraction_d2d": fraction(d2d_s, step_s),
+        "pcie_sm_tpot_s": sm["pcie_s"],
+        "pcie_sm_fraction": fraction(sm["pcie_s"], step_s),
+        "roofline_sm_fraction": fraction(sm["bound_s"], step_s),
     }
