@@ -305,25 +305,33 @@ def main():
                     except RuntimeError as e:
                         print(name, blocks, warps, "failed:", e, flush=True)
                         continue
-                    row = {
-                        "path": name,
-                        "entry_bytes": eb,
-                        "order": order,
-                        "blocks": blocks,
-                        "warps": warps,
-                        "GBps": moved / t / 1e9,
-                        "of_h2d": moved / t / ceiling,
-                        "exact": ok,
-                    }
-                    rows.append(row)
-                    print(
-                        f"{eb} B {order:10s} {name:16s} {blocks:5d}x{warps} {moved / t / 1e9:6.1f} GB/s "
-                        f"{moved / t / ceiling:5.2f} x memcpy exact={ok}",
-                        flush=True,
+                    report(
+                        rows,
+                        f"{order:10s} {name:16s} {blocks:5d}x{warps}",
+                        path=name,
+                        entry_bytes=eb,
+                        order=order,
+                        blocks=blocks,
+                        warps=warps,
+                        moved=moved,
+                        seconds=t,
+                        ceiling=ceiling,
+                        exact=ok,
                     )
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"device": torch.cuda.get_device_name(dev), "rows": rows}, fh, indent=1)
+
+
+def report(rows: list, label: str, *, moved: int, seconds: float, ceiling: float, **row) -> None:
+    """Append one row (its bandwidth and its share of the memcpy ceiling) and print it."""
+    row.update(GBps=moved / seconds / 1e9, of_h2d=moved / seconds / ceiling)
+    rows.append(row)
+    print(
+        f"{row['entry_bytes']} B {label} {row['GBps']:6.1f} GB/s {row['of_h2d']:5.2f} x memcpy "
+        f"exact={row['exact']}",
+        flush=True,
+    )
 
 
 class MemLoc(ctypes.Structure):
@@ -396,20 +404,17 @@ def batch_memcpy(args, drv, pool, dev):
         c1.record()
         torch.cuda.synchronize()
         ceiling = moved / (c0.elapsed_time(c1) / args.iters * 1e-3)
-        row = {
-            "path": "batch-memcpy",
-            "entry_bytes": eb,
-            "order": "random",
-            "GBps": moved / t / 1e9,
-            "of_h2d": moved / t / ceiling,
-            "host_ms": host_s * 1e3,
-            "exact": ok,
-        }
-        rows.append(row)
-        print(
-            f"{eb} B random batch-memcpy {n} copies {moved / t / 1e9:6.1f} GB/s {moved / t / ceiling:5.2f} "
-            f"x memcpy (host {host_s * 1e3:.1f} ms per call) exact={ok}",
-            flush=True,
+        report(
+            rows,
+            f"random batch-memcpy of {n} (host {host_s * 1e3:.1f} ms a call)",
+            path="batch-memcpy",
+            entry_bytes=eb,
+            order="random",
+            moved=moved,
+            seconds=t,
+            ceiling=ceiling,
+            exact=ok,
+            host_ms=host_s * 1e3,
         )
     if args.json:
         with open(args.json, "w") as fh:
