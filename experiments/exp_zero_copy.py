@@ -366,7 +366,9 @@ def batch_memcpy(args, drv, pool, dev):
         dsts = (ctypes.c_uint64 * n)(*[dst.data_ptr() + i * eb for i in range(n)])
         srcs = (ctypes.c_uint64 * n)(*[pool.data_ptr() + int(j) * eb for j in idx])
         sizes = (ctypes.c_size_t * n)(*([eb] * n))
-        attrs = MemcpyAttrs(1, MemLoc(2, 0), MemLoc(1, dev.index or 0), 0)  # stream order, host -> device
+        # Any source order and no location hints (as vLLM's CPU offload passes them): s28's first
+        # try, stream order with host / device hints, was refused as an invalid argument.
+        attrs = MemcpyAttrs(3, MemLoc(0, 0), MemLoc(0, 0), 0)
         idxs = (ctypes.c_size_t * 1)(0)
         fail = ctypes.c_size_t(0)
 

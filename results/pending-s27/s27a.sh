@@ -23,7 +23,7 @@ cd /tmp
 for shape in "40 16384" "20 32768"; do
   set -- $shape
   for prio in 0 -1; do
-    timeout 100 python3 $R/experiments/exp_step_host.py --full --same-prompt --cuda-graph --no-recall \
+    timeout 150 python3 $R/experiments/exp_step_host.py --full --same-prompt --cuda-graph --no-recall \
       --requests $1 --context $2 --top-k-blocks 128 --steps 10 --variants fidmma:2:0,fast:2:0 --repeat 2 \
       --capture-priority $prio --json $OUT/prio$prio-$1x$2.json > $OUT/prio$prio-$1x$2.log 2>&1; echo "prio $prio $1x$2 rc=$?"
     grep -o '"selection": "[a-z]*".\{0,100\}step_ms": [0-9.]*' $OUT/prio$prio-$1x$2.log | sed 's/"background.*step_ms"/step/' | head -4

@@ -12,7 +12,7 @@ cd /tmp
 for spec in "40 16384 0 --no-silu-mul" "40 16384 0 --silu-mul" "40 16384 -1 --silu-mul" "20 32768 0 --silu-mul" "20 32768 -1 --silu-mul"; do
   set -- $spec
   tag="p$3-$1x$2$4"
-  timeout 80 python3 $R/experiments/exp_step_host.py --full --same-prompt --cuda-graph --no-recall \
+  timeout 150 python3 $R/experiments/exp_step_host.py --full --same-prompt --cuda-graph --no-recall \
     --requests $1 --context $2 --top-k-blocks 128 --steps 8 --variants fidmma:2:0,fast:2:0 --repeat 2 \
     --capture-priority $3 ${4:-} --json $OUT/$tag.json > $OUT/$tag.log 2>&1; echo "$tag rc=$?"
   grep -o '"selection": "[a-z]*".\{0,100\}step_ms": [0-9.]*' $OUT/$tag.log | sed 's/"background.*step_ms"/step/' | head -4

@@ -10,7 +10,7 @@ R=$PWD
 cd /tmp
 for sms in "" 16 32 66; do
   tag="g${sms:-all}-40x16384"
-  timeout 60 python3 $R/experiments/exp_step_host.py --full --same-prompt --cuda-graph --no-recall \
+  timeout 150 python3 $R/experiments/exp_step_host.py --full --same-prompt --cuda-graph --no-recall \
     --requests 40 --context 16384 --top-k-blocks 128 --steps 8 --variants fidmma:2:0,fast:2:0 --repeat 1 \
     ${sms:+--background-sms $sms} --json $OUT/$tag.json > $OUT/$tag.log 2>&1; echo "$tag rc=$?"
   grep -o '"selection": "[a-z]*".\{0,100\}step_ms": [0-9.]*' $OUT/$tag.log | sed 's/"background.*step_ms"/step/' | head -2
