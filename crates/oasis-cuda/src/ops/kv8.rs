@@ -175,8 +175,8 @@ pub enum Kv8AttnKernel {
     Registers,
     /// `decode_attn_kv8_tcd_*` (`TcKv8DeepPages`): `Registers` with twice the bf16 kernel's
     /// pipeline depth ([`decode_attn_kv8_deep_stages`]) and no tile room, so that a warp keeps
-    /// the bf16 kernel's bytes in flight (a chunk of codes is half a bf16 chunk). Not yet run
-    /// on a GPU.
+    /// the bf16 kernel's bytes in flight (a chunk of codes is half a bf16 chunk). Correct on an
+    /// H100 but not faster (0.66-0.68 of the copy ceiling against 0.69-0.70, s28): opt-in.
     RegistersDeep,
 }
 
