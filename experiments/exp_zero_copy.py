@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import glob
 import json
 import os
 import sys
+from pathlib import Path
 
 SRC = r"""
 typedef unsigned long long u64;
@@ -146,27 +146,22 @@ extern "C" __global__ void gather_bulk(const V4* __restrict__ src, V4* __restric
 """
 
 
-def _lib(env: str, patterns: list[str]) -> ctypes.CDLL:
-    if os.environ.get(env):
-        return ctypes.CDLL(os.environ[env])
-    import site
+def _nvrtc() -> ctypes.CDLL:
+    """libnvrtc: ``OASIS_NVRTC_LIB``, else the one ``scripts/find_nvrtc.py`` picks (the Makefile's
+    and oasis-cuda's choice: the newest CUDA major of the environment's NVIDIA wheels)."""
+    if os.environ.get("OASIS_NVRTC_LIB"):
+        return ctypes.CDLL(os.environ["OASIS_NVRTC_LIB"])
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from find_nvrtc import find_nvrtc, site_dirs
 
-    roots = site.getsitepackages() + [site.getusersitepackages()] + sys.path
-    for root in roots:
-        for pat in patterns:
-            for path in sorted(glob.glob(os.path.join(root, pat))):
-                return ctypes.CDLL(path)
-    for pat in patterns:
-        try:
-            return ctypes.CDLL(os.path.basename(pat))
-        except OSError:
-            pass
-    raise SystemExit(f"cannot find {patterns}; set {env}")
+    found = find_nvrtc(site_dirs())
+    if found is None:
+        raise SystemExit("no libnvrtc under nvidia/*/lib/; set OASIS_NVRTC_LIB")
+    return ctypes.CDLL(str(found))
 
 
 def compile_cubin(arch: str, unroll: int, stages: int) -> bytes:
-    libs = ["nvidia/cu13/lib/libnvrtc.so.13", "nvidia/cuda_nvrtc/lib/libnvrtc.so.12"]
-    nvrtc = _lib("OASIS_NVRTC_LIB", libs)
+    nvrtc = _nvrtc()
     prog = ctypes.c_void_p()
     src = SRC.encode()
     chk = nvrtc.nvrtcCreateProgram(ctypes.byref(prog), src, b"probe.cu", 0, None, None)
