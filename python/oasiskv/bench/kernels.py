@@ -390,25 +390,21 @@ def bench_gather_kv8(
         "ratio_to_h2d": moved / (ms * 1e-3) / h2d,
     }
     if refcheck:
-        cpu = {k: torch.zeros((slots_of(tabs), hk), dtype=torch.float32) for k in dst}
-        r["refcheck_bitwise"] = kv8_gather_refcheck(
-            ops, geo, tabs, host_k, host_v, {**pool, **cpu}, k_pages, v_pages
-        )
+        r["refcheck_bitwise"] = kv8_gather_refcheck(ops, geo, tabs, host_k, host_v, pool, k_pages, v_pages)
     return r
-
-
-def slots_of(tabs) -> int:
-    """Pages of one sequence's slots in :func:`gather_plan`'s tables (its budget)."""
-    return tabs[2].shape[1]
 
 
 def kv8_gather_refcheck(ops, geo, tabs, host_k, host_v, pool, k_pages, v_pages) -> bool:
     """Whether the first sequence's slots (pages ``0..128`` of ``k_pages``/``v_pages``, after a
-    gather of ``tabs``) equal the CPU twin's gather of that sequence's plan, bit for bit."""
+    gather of ``tabs``) equal the CPU twin's gather of that sequence's plan, bit for bit (the
+    codes, for fp8_e4m3 pages: uint8 ``k_pages``, whose twin gather also takes page scales)."""
     slots, blocks, slot_pages, indptr, indices = (t.cpu() for t in tabs)
     budget = slot_pages.shape[1]
     kp = torch.zeros((budget, *k_pages.shape[1:]), dtype=k_pages.dtype)
     vp = torch.zeros_like(kp)
+    if k_pages.dtype == torch.uint8:
+        scales = torch.zeros(budget, geo.num_kv_heads, dtype=torch.float32)
+        pool = {**pool, "k_scales": scales, "v_scales": scales.clone()}
     row = indices[: int(indptr[1])]  # the first sequence's CSR row
     ops.gather_blocks(
         geo, slots[:1], blocks[:1], slot_pages[:1], indptr[:2], row, host_k, host_v, kp, vp, **pool
