@@ -583,7 +583,7 @@ def set_kv8_attention_kernel(kernel: str) -> None:
     bf16 and f16), ``"tile"`` (each 16-token chunk dequantized into a bf16 tile in shared
     memory, then the bf16 pages' MMA; bf16 only; 1.26x slower on an H100) or ``"registers-deep"``
     (``"registers"`` with twice the pipeline depth, the bf16 kernel's bytes in flight per warp;
-    on an H100 0.96-0.98x the speed of ``"registers"``). All match the CPU twin within the bf16
+    on an H100 0.95-0.98x the speed of ``"registers"``). All match the CPU twin within the bf16
     tolerances. Process-wide, for measuring; a captured CUDA graph keeps the kernel it captured.
     ValueError for any other name."""
     _core.set_kv8_attention_kernel(kernel)

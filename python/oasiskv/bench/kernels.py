@@ -148,10 +148,10 @@ def ceilings(dev) -> dict:
     """The copy ceilings the rows are ratios to: ``d2d_copy_Bps`` (a device copy, read + write),
     ``h2d_pinned_Bps`` (one cudaMemcpy of pinned host memory: the copy engines), and
     ``h2d_sm_Bps``: pinned host memory read by an SM kernel (torch's elementwise ``bitwise_not``
-    over :func:`uva_view`), the path every gather takes. On an H100 SM reads of host memory run
-    well below the copy engines (NVIDIA's nvbandwidth reports 35 against about 55 GB/s), so a
-    gather's ``ratio_to_h2d`` is bounded by ``h2d_sm_Bps / h2d_pinned_Bps``; None where torch
-    refuses the view."""
+    over :func:`uva_view`), the path every gather takes. On some hosts SM reads of host memory run
+    well below the copy engines (34 against 55 GB/s on the H100 hosts of s20-s27; 51 on s28's),
+    so a gather's ``ratio_to_h2d`` is bounded by ``h2d_sm_Bps / h2d_pinned_Bps``; None where
+    torch refuses the view."""
     n = 1 << 30  # 1 GiB
     src = torch.empty(n, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)

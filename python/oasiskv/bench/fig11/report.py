@@ -107,7 +107,7 @@ def _header_lines(rep: dict) -> list[str]:
             "the HBM read bandwidth) and its PCIe time (bytes fetched from the pinned host pool, over "
             "the pinned host-to-device bandwidth); 'of roofline' is it over the measured step, 'binds' "
             "the larger, 'of SM-read roofline' the same bound with the PCIe time at what an SM kernel "
-            "reads of pinned memory (the gathers' path, below the copy engines on an H100), 'of d2d "
+            "reads of pinned memory (the gathers' path, below the copy engines on some hosts), 'of d2d "
             "roofline' the reads over the copy bandwidth (the bound before issue 35)"
         )
     for ctx, info in rep["contexts"].items():

@@ -123,7 +123,7 @@ def roofline_columns(
     * ``roofline_tpot_d2d_s`` / ``roofline_fraction_d2d``: the reads over the device-to-device
       copy bandwidth (read plus write), the bound reported before issue 35, for comparison;
     * ``pcie_sm_tpot_s`` / ``pcie_sm_fraction``: the fetched bytes over ``h2d_sm_Bps``, what an
-      SM kernel reads of pinned host memory (the gathers' path; on an H100 well below the copy
+      SM kernel reads of pinned host memory (the gathers' path; on some hosts well below the copy
       engines' ``h2d_pinned_Bps``), and ``roofline_sm_fraction``: the bound with that PCIe time,
       the least a step that gathers with SM loads can take. The bound above stays the hardware's.
     """
