@@ -1,4 +1,4 @@
-# s27d (one call, carry dist .whl; under 200 s): the GPU tests of silu_mul and of the fused decoder
+# s27d (one call, carry dist .whl; about 7 minutes): the GPU tests of silu_mul and of the fused decoder
 # (both MLP paths); then issue 33's step pair at 40 x 16K with silu_mul off and on (fidelity with
 # the mma bound, and fast, alternating). The short form of s27c.sh. (s28: 60 s per run was too short to
 # build the full host pool: 150 s.)

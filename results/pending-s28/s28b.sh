@@ -1,4 +1,4 @@
-# s28b (right after s28p in the same warm lease, carry dist .whl; about 10 minutes, so run it with
+# s28b (right after results/pending-s27/s27d.sh in the same warm lease, carry dist .whl; about 10 minutes, so run it with
 # the call's full 600 s): the capture-priority pair at 40 x 16K, then s27e (the background chains in a
 # CUDA green context of 16 / 32 / 66 SMs, 40 x 16K, fidelity (mma) and fast) as far as it gets.
 # (s27b's memcheck ran in s28: 0 errors.)
