@@ -138,7 +138,8 @@ def main() -> None:
         help="comma list of SELECTION:STREAMS:FUSED (fidelity|fidmma|fast|fid16: fidmma the fidelity "
         "selection with the 8-bit bound scored on the tensor cores (ops.set_bound8_score_kernel('mma')), "
         "fid16 with candidate_bound='summaries'; background streams; 0|1 for "
-        "engine.selection.FUSED_RESCORE) to time in the same process, in turn, --repeat times: the "
+        "engine.selection.FUSED_RESCORE; optionally :SILU, 0|1 for transformer.FUSED_SILU_MUL, and "
+        ":PRIO, the capture stream's priority) to time in the same process, in turn, --repeat times: the "
         "selection is switched on the live engine (fast drops the codes score; blocks completed "
         "meanwhile get no key codes, which changes no kernel's work), so both read one host pool",
     )
@@ -332,7 +333,11 @@ def main() -> None:
         kv_fid16 = dataclasses.replace(kv_fidelity, candidate_bound="summaries")  # the 16-bit bound
         for _ in range(args.repeat):
             for spec in args.variants.split(","):
-                name, k, fused = spec.split(":")
+                name, k, fused, *rest = spec.split(":")
+                if len(rest) > 2:
+                    raise SystemExit(f"--variants: SELECTION:STREAMS:FUSED[:SILU[:PRIO]], got {spec!r}")
+                silu = rest[0] if rest else None
+                prio = int(rest[1]) if len(rest) > 1 else None
                 if name not in ("fidelity", "fidmma", "fast", "fid16"):
                     raise SystemExit(
                         f"--variants: selection must be fidelity, fidmma, fast or fid16, got {name!r}"
@@ -348,11 +353,17 @@ def main() -> None:
                 # fidmma: the fidelity selection with the 8-bit bound scored on the tensor cores.
                 ops.set_bound8_score_kernel("mma" if name == "fidmma" else "fma")
                 sel_mod.FUSED_RESCORE = fused == "1"
+                if silu is not None:
+                    from oasiskv.models import transformer
+
+                    transformer.FUSED_SILU_MUL = silu == "1"
                 for layer in range(args.layers):
                     eng._counters_of(layer)  # made outside any capture, as the engine's first step does
                 if cuda:
                     eng._join_background()
                     eng._sides = sides(int(k))
+                    if prio is not None:
+                        eng._capture_stream = torch.cuda.Stream(dev, priority=prio)
                     eng.drop_graphs()
                 h, st = timed(args.steps)
                 if args.profile and cuda:  # this variant's kernel table beside the final one's
@@ -361,6 +372,8 @@ def main() -> None:
                     selection=name,
                     background_streams=int(k),
                     fused_rescore=fused == "1",
+                    silu_mul=None if silu is None else silu == "1",
+                    capture_priority=prio,
                     host_ms=statistics.median(h),
                     step_ms=statistics.median(st),
                     fetched_per_step=statistics.median(fetched) if fetched else None,
