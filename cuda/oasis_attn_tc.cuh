@@ -29,7 +29,8 @@ namespace oasis {
 // Shared memory (bytes; the Rust wrapper computes the same sum in
 // oasis_cuda::ops::decode_attn_tc_smem_bytes): staging 4 * STAGES * 64 * D (reused for the
 // final merge: 4 * 16 * (D + 8) f32), item list 2 * (LIST_CAP + 1) ints, merge m/l 2 * 64
-// floats, scan scratch 36 ints.
+// floats, scan scratch 36 ints; kv8 pages (SCALED) then the items' scales, 2 * (LIST_CAP + 1)
+// floats (oasis_cuda::ops::decode_attn_kv8_tc_smem_bytes).
 // ============================================================================================
 
 #define OASIS_TC_WARPS 4
@@ -149,14 +150,18 @@ __device__ __forceinline__ void f16x2_to_f32(u32 w, float& lo, float& hi) {
 // of shared memory `w`. `issue(w, slot, off, xk, xv, nvalid, lane)` starts the cp.async of a
 // 16-token chunk at element `off` of the pages (`nvalid` valid rows, the rest zero-filled), or,
 // when off < 0, of the extra K/V row `xk`, `xv`, into ring slot `slot` (0..STAGES). Once the copy
-// has landed and the warp has synchronised, `tile(w, slot, e, lane)` returns the chunk's K tile as
+// has landed and the warp has synchronised, `tile(w, slot, e, sk, sv, lane)` returns the chunk's K tile as
 // ldmatrix reads it (T, 16 rows of D, 16-byte units XOR-swizzled: unit u of row r at u ^ (r & 7)),
 // its V tile CHUNK_UNITS units after it; `e` = page * num_kv_heads + head, < 0 for the extra row.
+// SCALED loaders (kv8 pages) have per-(page, head) K and V scales: the kernel reads them with the
+// item list (`scales`, every item of a round's list at once, so no chunk waits on a scattered
+// global load of its own) and hands them to `tile` / the MMA as `sk`, `sv`.
 
 // T pages: the ring holds the swizzled T tiles themselves.
 template <typename T, int D, int STAGES>
 struct TcElemPages {
     static constexpr bool DIRECT = false;
+    static constexpr bool SCALED = false;
     static constexpr int UPR = D / 8;
     static constexpr int CHUNK_UNITS = 16 * UPR;
     static constexpr int WARP_UNITS = STAGES * 2 * CHUNK_UNITS;
@@ -181,7 +186,8 @@ struct TcElemPages {
             tc::cp_async_16(vd + dst, vsrc + src, ok ? 16 : 0);
         }
     }
-    __device__ __forceinline__ const uint4* tile(uint4* w, int slot, i64, int) const {
+    __device__ __forceinline__ void scales(i64, float& sk, float& sv) const { sk = sv = 1.f; }
+    __device__ __forceinline__ const uint4* tile(uint4* w, int slot, i64, float, float, int) const {
         return w + slot * 2 * CHUNK_UNITS;
     }
 };
@@ -194,6 +200,7 @@ template <typename T, int D, int STAGES>
 struct TcKv8Pages {
     static_assert(sizeof(T) == 2 && D % 16 == 0, "kv8 tensor-core pages: bf16, D a multiple of 16");
     static constexpr bool DIRECT = false;
+    static constexpr bool SCALED = true;
     static constexpr int UPR = D / 8;
     static constexpr int CHUNK_UNITS = 16 * UPR;  // of the T tile
     static constexpr int CODE_UNITS = D;          // 16 rows x D codes, in 16-byte units
@@ -224,14 +231,16 @@ struct TcKv8Pages {
             tc::cp_async_16(vd + unit, v + src, ok ? 16 : 0);
         }
     }
-    __device__ __forceinline__ const uint4* tile(uint4* w, int slot, i64 e, int lane) const {
+    __device__ __forceinline__ void scales(i64 e, float& sk, float& sv) const {
+        sk = ks[e];
+        sv = vs[e];
+    }
+    __device__ __forceinline__ const uint4* tile(uint4* w, int slot, i64 e, float sk, float sv, int lane) const {
         const uint4* kc = w + slot * 2 * CODE_UNITS;
         const uint4* vc = kc + CODE_UNITS;
         uint4* kt = w + STAGES * 2 * CODE_UNITS;
         uint4* vt = kt + CHUNK_UNITS;
         if (e >= 0) {
-            const float sk = ks[e];
-            const float sv = vs[e];
 #pragma unroll
             for (int r = 0; r < CODE_UNITS / 32; ++r) {
                 const int unit = lane + 32 * r;
@@ -278,6 +287,7 @@ template <typename T, int D, int STAGES, int TILE = 2>
 struct TcKv8RegPages {
     static_assert(sizeof(T) == 2 && D % 16 == 0, "kv8 tensor-core pages: 16-bit T, D a multiple of 16");
     static constexpr bool DIRECT = true;
+    static constexpr bool SCALED = true;
     static constexpr int UPR = D / 8;
     static constexpr int CHUNK_UNITS = 16 * UPR;   // of a T tile (the kernel's own checks)
     static constexpr int CODE_UPR = D / 16;        // 16-byte units per code row
@@ -308,6 +318,10 @@ struct TcKv8RegPages {
             tc::cp_async_16(kd + dst, k + src, ok ? 16 : 0);
             tc::cp_async_16(vd + dst, v + src, ok ? 16 : 0);
         }
+    }
+    __device__ __forceinline__ void scales(i64 e, float& sk, float& sv) const {
+        sk = ks[e];
+        sv = vs[e];
     }
     // The chunk's K codes (V's CODE_UNITS after).
     __device__ __forceinline__ const uint4* codes(const uint4* w, int slot) const {
@@ -373,11 +387,12 @@ __device__ __forceinline__ void tc_q_fragments(const T* __restrict__ q, int s, i
 
 // S = Q K^T of one 16-token chunk (two n-tiles of 8 tokens) into `sc` (zeroed by the caller),
 // from ring slot `slot` of the warp's buffers `wbuf`; `e` = page * num_kv_heads + head, < 0 for
-// the extra row `xk`. DIRECT: multiplies `s_mul` by the chunk's K scale and sets `v_scale` to its
-// V scale. Returns the chunk's K tile (T pages: the T tile; DIRECT: the K codes), V after it.
+// the extra row `xk`; `sk`, `sv` its K and V scales (SCALED pages). DIRECT: multiplies `s_mul` by
+// `sk` and sets `v_scale` to `sv`. Returns the chunk's K tile (T pages: the T tile; DIRECT: the K
+// codes), V after it.
 template <typename T, int D, typename P>
-__device__ __forceinline__ const uint4* tc_chunk_scores(const P& pages, uint4* wbuf, int slot, i64 e,
-                                                        const u32 (&qf)[D / 16][4], const T* __restrict__ xk,
+__device__ __forceinline__ const uint4* tc_chunk_scores(const P& pages, uint4* wbuf, int slot, i64 e, float sk,
+                                                        float sv, const u32 (&qf)[D / 16][4], const T* __restrict__ xk,
                                                         int lane, int c, float& s_mul, float& v_scale,
                                                         float (&sc)[2][4]) {
     constexpr int UPR = D / 8;
@@ -385,8 +400,8 @@ __device__ __forceinline__ const uint4* tc_chunk_scores(const P& pages, uint4* w
     if constexpr (P::DIRECT) {
         kb = pages.codes(wbuf, slot);
         if (e >= 0) {
-            s_mul *= pages.ks[e];
-            v_scale = pages.vs[e];
+            s_mul *= sk;
+            v_scale = sv;
             // ldmatrix x4: tokens 0-7 / 8-15 of units ks and ks + 1.
 #pragma unroll
             for (int ks = 0; ks < D / 16; ks += 2) {
@@ -422,7 +437,7 @@ __device__ __forceinline__ const uint4* tc_chunk_scores(const P& pages, uint4* w
             sc[0][2] = d1;
         }
     } else {
-        kb = pages.tile(wbuf, slot, e, lane);
+        kb = pages.tile(wbuf, slot, e, sk, sv, lane);
 #pragma unroll
         for (int ks = 0; ks < D / 16; ++ks) {
             const int tok = ((lane >> 4) << 3) + (lane & 7);
@@ -674,6 +689,9 @@ __device__ void decode_attn_tc_impl(
     float* red_m = (float*)(list_info + (LIST_CAP + 1));  // [WARPS][16]
     float* red_l = red_m + WARPS * 16;                    // [WARPS][16]
     int* scan_scratch = (int*)(red_l + WARPS * 16);       // 33 (+3 pad) ints
+    // SCALED pages: the items' K and V scales, [LIST_CAP + 1] each (not there for T pages)
+    float* list_sk = (float*)(scan_scratch + 36);
+    float* list_sv = list_sk + (LIST_CAP + 1);
     float* red_o = (float*)tc_smem;                       // [WARPS][16][OSTRIDE], after the loop
 
     const int s = blockIdx.x;
@@ -722,12 +740,14 @@ __device__ void decode_attn_tc_impl(
         // ---- compact this round's valid items into the shared list
         const int n = min(LIST_CAP, k_hi - base);
         int c_page[PER_THREAD], c_info[PER_THREAD];
+        float c_sk[PER_THREAD], c_sv[PER_THREAD];
         int cnt = 0;
 #pragma unroll
         for (int u = 0; u < PER_THREAD; ++u) {
             const int idx = threadIdx.x * PER_THREAD + u;
             c_page[u] = -1;
             c_info[u] = 0;
+            c_sk[u] = c_sv[u] = 1.f;
             if (idx < n) {
                 const int kk = base + idx;
                 const int p = kk / cpp;
@@ -738,6 +758,7 @@ __device__ void decode_attn_tc_impl(
                     (page_map == nullptr || page_map[(i64)page * num_kv_heads + h] >= 0)) {
                     c_page[u] = page;
                     c_info[u] = (t0 << 5) | min(CHUNK, n_tok - t0);
+                    if constexpr (P::SCALED) pages.scales((i64)page * num_kv_heads + h, c_sk[u], c_sv[u]);
                     ++cnt;
                 }
             }
@@ -749,6 +770,10 @@ __device__ void decode_attn_tc_impl(
             if (c_page[u] >= 0) {
                 list_page[pos] = c_page[u];
                 list_info[pos] = c_info[u];
+                if constexpr (P::SCALED) {
+                    list_sk[pos] = c_sk[u];
+                    list_sv[pos] = c_sv[u];
+                }
                 ++pos;
             }
         }
@@ -793,8 +818,10 @@ __device__ void decode_attn_tc_impl(
             for (int nt = 0; nt < 2; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
             float s_mul = scale_log2 * q_pow;
             float v_scale = 1.f;  // DIRECT: this chunk's V scale (1 for the extra row, which is T)
-            const uint4* kb =
-                tc_chunk_scores<T, D, P>(pages, wbuf, i % STAGES, e, qf, xk, lane, c, s_mul, v_scale, sc);
+            const float sk = P::SCALED && e >= 0 ? list_sk[j] : 1.f;
+            const float sv = P::SCALED && e >= 0 ? list_sv[j] : 1.f;
+            const uint4* kb = tc_chunk_scores<T, D, P>(pages, wbuf, i % STAGES, e, sk, sv, qf, xk, lane, c, s_mul,
+                                                       v_scale, sc);
 
             u32 pa[4];
             tc_softmax_step<T, D, P>(sc, nvalid, row_lo, s_mul, v_scale, g, c, m_r, l_r, o_unit, o, pa);

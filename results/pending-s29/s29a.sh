@@ -1,10 +1,11 @@
-# s29a (one call, carry dist .whl; about 3 minutes): install, then Nsight Compute on one warm launch
-# of the bf16 and the fp8 `registers` decode attention at batch 256 (129 pages a sequence, the
-# bench.kernels rows), and the fp8 kernel's time at each split count. Why the fp8 kernel reads at
-# 0.70 x copy while bf16 reads at 1.00 x (issue 36's 0.8).
+# s29a (one call, carry dist .whl; about 5 minutes): install; the kv8 GPU tests and the attention
+# rows of bench.kernels (the fp8 kernels now read their pages' scales with the item list); then
+# Nsight Compute on one warm launch of the bf16 and the fp8 `registers` decode attention at batch
+# 256 (129 pages a sequence, the bench.kernels rows), and the fp8 kernel's time at each split
+# count. Why the fp8 kernel read at 0.70 x copy while bf16 reads at 1.00 x (issue 36's 0.8).
 set -u
-TESTS="tests/kernels/test_gpu_silu_mul.py" NO_BENCH=1 OVERLAY_PY=1 PYTEST_SECS=60 \
-  bash scripts/device.sh run 2>&1 | tail -2
+TESTS="tests/kernels/test_gpu_kv8.py" BENCH_ARGS="--only attention" OVERLAY_PY=1 PYTEST_SECS=200 BENCH_SECS=120 \
+  bash scripts/device.sh run 2>&1 | grep -v "^$" | tail -14
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
 R=$PWD
 NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)

@@ -245,7 +245,8 @@ pub fn decode_attn_kv8_tc_entry<T: KvElem>(
 /// (cuda/oasis_attn_tc.cuh, `TcKv8Pages` and `TcKv8RegPages`'s `WARP_UNITS`): per warp `stages`
 /// chunks of K and V codes (16 x head_dim bytes each), then one bf16 tile of K and V (`Tile`, and
 /// `Registers`, which keeps that layout; not `RegistersDeep`: its `TILE` is 0), as
-/// [`decode_attn_tc_block_smem_bytes`].
+/// [`decode_attn_tc_block_smem_bytes`], then the item list's K and V scales (`SCALED` pages:
+/// read with the list, so no chunk waits on a scattered load of its own), `LIST_CAP + 1` f32 each.
 pub fn decode_attn_kv8_tc_smem_bytes(
     kernel: Kv8AttnKernel,
     head_dim: usize,
@@ -255,7 +256,7 @@ pub fn decode_attn_kv8_tc_smem_bytes(
         Kv8AttnKernel::RegistersDeep => 0,
         Kv8AttnKernel::Tile | Kv8AttnKernel::Registers => 2 * 16 * head_dim * 2,
     };
-    decode_attn_tc_block_smem_bytes(stages * 2 * 16 * head_dim + tile)
+    decode_attn_tc_block_smem_bytes(stages * 2 * 16 * head_dim + tile) + 2 * 4 * (DECODE_TC_LIST_CAP + 1)
 }
 
 impl Gpu {
@@ -714,11 +715,11 @@ mod tests {
     #[test]
     fn kv8_tensor_core_smem() {
         // Half the T ring plus one bf16 tile per warp: at head_dim 128, 80 KiB of staging, two
-        // blocks per SM on an H100/H200 as with bf16 pages.
+        // blocks per SM on an H100/H200 as with bf16 pages; the item list's scales after it.
         let b = decode_attn_kv8_tc_smem_bytes(Kv8AttnKernel::Tile, 128, 3);
         assert_eq!(
             b,
-            4 * (3 * 2 * 16 * 128 + 4 * 16 * 128) + 8 * 513 + 512 + 144
+            4 * (3 * 2 * 16 * 128 + 4 * 16 * 128) + 8 * 513 + 512 + 144 + 8 * 513
         );
         assert_eq!(
             b,
@@ -734,8 +735,8 @@ mod tests {
             let deep = decode_attn_kv8_tc_smem_bytes(Kv8AttnKernel::RegistersDeep, d, s);
             assert_eq!(
                 deep,
-                4 * s * 2 * 16 * d + 8 * 513 + 512 + 144,
-                "{d}: no tile room"
+                4 * s * 2 * 16 * d + 8 * 513 + 512 + 144 + 8 * 513,
+                "{d}: no tile room, the list's scales"
             );
             assert!(DECODE_TC_BLOCKS_PER_SM * (deep + 1024) <= 227 * 1024, "{d}");
             if d < 256 {
