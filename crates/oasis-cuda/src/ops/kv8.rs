@@ -256,7 +256,8 @@ pub fn decode_attn_kv8_tc_smem_bytes(
         Kv8AttnKernel::RegistersDeep => 0,
         Kv8AttnKernel::Tile | Kv8AttnKernel::Registers => 2 * 16 * head_dim * 2,
     };
-    decode_attn_tc_block_smem_bytes(stages * 2 * 16 * head_dim + tile) + 2 * 4 * (DECODE_TC_LIST_CAP + 1)
+    decode_attn_tc_block_smem_bytes(stages * 2 * 16 * head_dim + tile)
+        + 2 * 4 * (DECODE_TC_LIST_CAP + 1)
 }
 
 impl Gpu {
