@@ -1,6 +1,7 @@
 """The kernel benchmark's row builders on the CPU (``oasiskv.bench.kernels``): the gather plan
 copies every entry it counts, the fp8 rows' byte counts are the codes and scales the CPU twin
-actually reads, the fp8 gather's refcheck sees a difference, and ``--help`` names the fp8 rows.
+actually reads, the fp8 gather's refcheck sees a difference, ``--help`` names the fp8 rows, and the
+report prints each row's ratios and its refcheck.
 The timed rows themselves need a GPU (``python -m oasiskv.bench.kernels --refcheck``)."""
 
 from __future__ import annotations
@@ -83,3 +84,40 @@ def test_codes_rows_count_the_bound_and_the_codes_per_candidate():
     want = ops.empty_bounds8(GEO, 32)
     ops.build_bounds8(GEO, summ, torch.arange(32, dtype=torch.int32), *want)
     assert torch.equal(b8, want[0]) and torch.equal(sc, want[1])
+
+
+def test_report_prints_the_ceilings_ratios_and_refchecks():
+    res = {
+        "device": "GPU X",
+        "preset": "qwen3-8b",
+        "dtype": "bfloat16",
+        "ceilings": {"d2d_copy_Bps": 3.0e12, "h2d_pinned_Bps": 55.0e9, "h2d_sm_Bps": None},
+        "kernels": [
+            {
+                "label": "fp8 gather",
+                "ms": 0.5,
+                "Bps": 50.6e9,
+                "ratio_to_h2d": 0.92,
+                "refcheck_bitwise": False,
+                "target": ">= 0.9 x pinned H2D memcpy",
+            },
+            {
+                "label": "attn",
+                "ms": 0.25,
+                "ratio_to_d2d": 0.7,
+                "splits_ms": {1: 0.3, 2: "refused"},
+                "target": "t",
+            },
+        ],
+    }
+    lines = kernels.report_lines(res)
+    assert lines[0] == "GPU X  preset qwen3-8b  bfloat16"
+    assert "d2d copy 3.00 TB/s" in lines[2] and "pinned H2D 55.0 GB/s" in lines[2]
+    assert "SM reads of pinned memory - GB/s" in lines[2]  # not measured
+    gather = lines[3]
+    assert "500.0 us (eager   500.0)" in gather and "50.6 GB/s" in gather and "h2d 0.92" in gather
+    assert "DIFFERS FROM THE TWIN" in gather and gather.endswith("[target >= 0.9 x pinned H2D memcpy]")
+    assert "d2d 0.70" in lines[4]
+    assert lines[5] == "      splits: 1: 300.0 us, 2: refused"
+    res["ceilings"]["h2d_sm_Bps"] = 50.8e9
+    assert "SM reads of pinned memory 50.8 GB/s" in kernels.report_lines(res)[2]

@@ -713,6 +713,135 @@ def score_rows(ops, geo, dev, dtype, args, d2d: float) -> list[dict]:
     return rows
 
 
+def attention_rows(ops, geo, dev, dtype, args, d2d: float) -> list[dict]:
+    """Sparse attention over bf16 and fp8 pages (each kv8 tensor-core kernel), then (all rows only)
+    dense attention against SDPA: the rows of ``--only attention``."""
+    rows: list[dict] = []
+    batches = (8, 16) if args.quick else (64, 256)
+    # Sparse attention over bf16 pages, then over fp8_e4m3 pages (bytes = codes + scales, issue
+    # 36) under each tensor-core kernel (ops.set_kv8_attention_kernel; the process's own choice
+    # is restored after).
+    kernel_before = ops.kv8_attention_kernel()
+    try:
+        for label, kernel in (
+            ("sparse attn", None),
+            ("fp8 sparse attn (tile)", "tile"),
+            ("fp8 sparse attn (registers)", "registers"),
+            ("fp8 sparse attn (registers-deep)", "registers-deep"),
+        ):
+            if kernel is not None:
+                ops.set_kv8_attention_kernel(kernel)
+            for bs in batches:
+                r = bench_attention(
+                    ops,
+                    geo,
+                    dev,
+                    dtype,
+                    bs,
+                    129,
+                    True,
+                    args.sweep_splits,
+                    args.refcheck,
+                    f"{label}, 129 blocks/head, batch {bs}",
+                    kv8=kernel is not None,
+                )
+                if kernel is not None:
+                    r["kv8_attention_kernel"] = kernel
+                r["ratio_to_d2d"], r["target"] = r["Bps"] / d2d, ">= 0.8 x d2d"
+                rows.append(r)
+    finally:
+        ops.set_kv8_attention_kernel(kernel_before)
+    for ctx in () if args.only else (16384, 32768):
+        bs = 4 if args.quick else 16
+        r = bench_attention(
+            ops,
+            geo,
+            dev,
+            dtype,
+            bs,
+            ctx // geo.block_size,
+            False,
+            args.sweep_splits,
+            args.refcheck,
+            f"dense attn, {ctx} ctx, batch {bs}",
+        )
+        r["ratio_to_d2d"] = r["Bps"] / d2d
+        if "sdpa_ms" in r:
+            r["ratio_to_sdpa"] = r["sdpa_ms"] / r["ms"]
+        r["target"] = ">= 0.8 x d2d and >= 0.95 x SDPA"
+        rows.append(r)
+    return rows
+
+
+def gather_rows(ops, geo, dev, dtype, args, ceil: dict) -> list[dict]:
+    """The gathers from a bf16 and an fp8 host pool (into bf16 pages, and into fp8 pages under both
+    launches) against pinned H2D and the host's SM-read ceiling: the rows of ``--only gather``."""
+    h2d = ceil["h2d_pinned_Bps"]
+    n_entries = 8 * 128 * (16 if args.quick else 64)
+    g = bench_gather(ops, geo, dev, dtype, n_entries, h2d)
+    g["target"] = ">= 0.9 x pinned H2D memcpy"
+    g8 = bench_gather_kv8(ops, geo, dev, dtype, n_entries, h2d, args.refcheck)
+    g8["target"] = ">= 0.9 x pinned H2D memcpy (issue 36)"
+    rows = [g, g8]
+    # Into fp8 pages (no conversion) under the kv8 launch (registers) and under the float
+    # pools' staged launch, which the conversion kept off kv8 gathers (s20).
+    launch = ops.gather_launch(kv8=True)
+    try:
+        for shape in (launch, ops.gather_launch()):
+            ops.set_gather_launch(*shape, kv8=True)
+            r8 = bench_gather_kv8(ops, geo, dev, dtype, n_entries, h2d, args.refcheck, fp8_pages=True)
+            r8["label"] += f", launch {shape}"
+            r8["target"] = ">= 0.9 x pinned H2D memcpy (issue 36)"
+            rows.append(r8)
+    finally:
+        ops.set_gather_launch(*launch, kv8=True)
+    if ceil["h2d_sm_Bps"]:  # the same bytes against what an SM kernel reads of host memory
+        for row in rows:
+            row["ratio_to_h2d_sm"] = row["Bps"] / ceil["h2d_sm_Bps"]
+    return rows
+
+
+def report_lines(res: dict) -> list[str]:
+    """The printed report of a run's results (``main``'s JSON): the device, the ceilings, one line per
+    row with its ratios, refcheck and target."""
+    ceil = res["ceilings"]
+    d2d, h2d, sm = ceil["d2d_copy_Bps"], ceil["h2d_pinned_Bps"], ceil["h2d_sm_Bps"]
+    lines = [f"{res['device']}  preset {res['preset']}  {res['dtype']}"]
+    lines.append("kernel times: CUDA-graph replay per call (eager call incl. host launch cost in brackets)")
+    lines.append(
+        f"ceilings: d2d copy {d2d / 1e12:.2f} TB/s (read+write), pinned H2D {h2d / 1e9:.1f} GB/s "
+        f"(copy engines), SM reads of pinned memory {'-' if sm is None else f'{sm / 1e9:.1f}'} GB/s"
+    )
+    for r in res["kernels"]:
+        parts = [f"{r['label']:<48} {r['ms'] * 1e3:9.1f} us (eager {r.get('eager_ms', r['ms']) * 1e3:7.1f})"]
+        if "Bps" in r:
+            parts.append(f"{r['Bps'] / 1e9:8.1f} GB/s")
+        for key in ("ratio_to_d2d", "ratio_to_sdpa", "ratio_to_h2d", "ratio_to_h2d_sm", "ratio_to_quest"):
+            if key in r:
+                parts.append(f"{key[9:]} {r[key]:.2f}")
+        if "refcheck_max_abs_err" in r:
+            parts.append(f"err {r['refcheck_max_abs_err']:.1e}")
+        if "refcheck_bitwise" in r:
+            parts.append("bitwise = twin" if r["refcheck_bitwise"] else "DIFFERS FROM THE TWIN")
+        if "rescore_ms" in r:
+            parts.append(f"codes of the candidates {r['rescore_ms'] * 1e3:.1f} us")
+        parts.append(f"[target {r['target']}]")
+        lines.append("  ".join(parts))
+        if "kernels_us" in r:
+            lines.append(
+                "      kernels: " + ", ".join(f"{k}: {v:.1f} us" for k, v in r["kernels_us"].items())
+            )
+        if "splits_ms" in r:
+            lines.append(
+                "      splits: "
+                + ", ".join(
+                    f"{k}: {v * 1e3:.1f} us" if isinstance(v, float) else f"{k}: {v}"
+                    for k, v in r["splits_ms"].items()
+                )
+            )
+    return lines
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="qwen3-8b", choices=sorted(PRESETS))
@@ -744,7 +873,7 @@ def main(argv=None) -> int:
     p = PRESETS[args.preset]
     geo = ops.KvGeometry(p["num_qo_heads"], p["num_kv_heads"], p["head_dim"], p["block_size"])
     ceil = ceilings(dev)
-    d2d, h2d = ceil["d2d_copy_Bps"], ceil["h2d_pinned_Bps"]
+    d2d = ceil["d2d_copy_Bps"]
     res: dict = {
         "device": torch.cuda.get_device_name(),
         "preset": args.preset,
@@ -756,82 +885,10 @@ def main(argv=None) -> int:
     def want(rows: str) -> bool:
         return args.only in (None, rows)
 
-    batches = () if not want("attention") else (8, 16) if args.quick else (64, 256)
-    # Sparse attention over bf16 pages, then over fp8_e4m3 pages (bytes = codes + scales, issue
-    # 36) under each tensor-core kernel (ops.set_kv8_attention_kernel; the process's own choice
-    # is restored after).
-    kernel_before = ops.kv8_attention_kernel()
-    try:
-        for label, kernel in (
-            ("sparse attn", None),
-            ("fp8 sparse attn (tile)", "tile"),
-            ("fp8 sparse attn (registers)", "registers"),
-            ("fp8 sparse attn (registers-deep)", "registers-deep"),
-        ):
-            if kernel is not None:
-                ops.set_kv8_attention_kernel(kernel)
-            for bs in batches:
-                r = bench_attention(
-                    ops,
-                    geo,
-                    dev,
-                    dtype,
-                    bs,
-                    129,
-                    True,
-                    args.sweep_splits,
-                    args.refcheck,
-                    f"{label}, 129 blocks/head, batch {bs}",
-                    kv8=kernel is not None,
-                )
-                if kernel is not None:
-                    r["kv8_attention_kernel"] = kernel
-                r["ratio_to_d2d"], r["target"] = r["Bps"] / d2d, ">= 0.8 x d2d"
-                res["kernels"].append(r)
-    finally:
-        ops.set_kv8_attention_kernel(kernel_before)
-    for ctx in () if args.only else (16384, 32768):
-        bs = 4 if args.quick else 16
-        r = bench_attention(
-            ops,
-            geo,
-            dev,
-            dtype,
-            bs,
-            ctx // geo.block_size,
-            False,
-            args.sweep_splits,
-            args.refcheck,
-            f"dense attn, {ctx} ctx, batch {bs}",
-        )
-        r["ratio_to_d2d"] = r["Bps"] / d2d
-        if "sdpa_ms" in r:
-            r["ratio_to_sdpa"] = r["sdpa_ms"] / r["ms"]
-        r["target"] = ">= 0.8 x d2d and >= 0.95 x SDPA"
-        res["kernels"].append(r)
+    if want("attention"):
+        res["kernels"] += attention_rows(ops, geo, dev, dtype, args, d2d)
     if want("gather"):
-        n_entries = 8 * 128 * (16 if args.quick else 64)
-        g = bench_gather(ops, geo, dev, dtype, n_entries, h2d)
-        g["target"] = ">= 0.9 x pinned H2D memcpy"
-        g8 = bench_gather_kv8(ops, geo, dev, dtype, n_entries, h2d, args.refcheck)
-        g8["target"] = ">= 0.9 x pinned H2D memcpy (issue 36)"
-        rows = [g, g8]
-        # Into fp8 pages (no conversion) under the kv8 launch (registers) and under the float
-        # pools' staged launch, which the conversion kept off kv8 gathers (s20).
-        launch = ops.gather_launch(kv8=True)
-        try:
-            for shape in (launch, ops.gather_launch()):
-                ops.set_gather_launch(*shape, kv8=True)
-                r8 = bench_gather_kv8(ops, geo, dev, dtype, n_entries, h2d, args.refcheck, fp8_pages=True)
-                r8["label"] += f", launch {shape}"
-                r8["target"] = ">= 0.9 x pinned H2D memcpy (issue 36)"
-                rows.append(r8)
-        finally:
-            ops.set_gather_launch(*launch, kv8=True)
-        for row in rows:
-            if ceil["h2d_sm_Bps"]:  # the same bytes against what an SM kernel reads of host memory
-                row["ratio_to_h2d_sm"] = row["Bps"] / ceil["h2d_sm_Bps"]
-            res["kernels"].append(row)
+        res["kernels"] += gather_rows(ops, geo, dev, dtype, args, ceil)
     if want("score"):
         res["kernels"] += score_rows(ops, geo, dev, dtype, args, d2d)
     if not args.only:
@@ -839,38 +896,7 @@ def main(argv=None) -> int:
         sel["target"] = "<= 20 us per layer"
         res["kernels"].append(sel)
 
-    print(f"{res['device']}  preset {args.preset}  {args.dtype}")
-    print("kernel times: CUDA-graph replay per call (eager call incl. host launch cost in brackets)")
-    sm = ceil["h2d_sm_Bps"]
-    print(
-        f"ceilings: d2d copy {d2d / 1e12:.2f} TB/s (read+write), pinned H2D {h2d / 1e9:.1f} GB/s "
-        f"(copy engines), SM reads of pinned memory {'-' if sm is None else f'{sm / 1e9:.1f}'} GB/s"
-    )
-    for r in res["kernels"]:
-        parts = [f"{r['label']:<48} {r['ms'] * 1e3:9.1f} us (eager {r.get('eager_ms', r['ms']) * 1e3:7.1f})"]
-        if "Bps" in r:
-            parts.append(f"{r['Bps'] / 1e9:8.1f} GB/s")
-        for key in ("ratio_to_d2d", "ratio_to_sdpa", "ratio_to_h2d", "ratio_to_h2d_sm", "ratio_to_quest"):
-            if key in r:
-                parts.append(f"{key[9:]} {r[key]:.2f}")
-        if "refcheck_max_abs_err" in r:
-            parts.append(f"err {r['refcheck_max_abs_err']:.1e}")
-        if "refcheck_bitwise" in r:
-            parts.append("bitwise = twin" if r["refcheck_bitwise"] else "DIFFERS FROM THE TWIN")
-        if "rescore_ms" in r:
-            parts.append(f"codes of the candidates {r['rescore_ms'] * 1e3:.1f} us")
-        parts.append(f"[target {r['target']}]")
-        print("  ".join(parts))
-        if "kernels_us" in r:
-            print("      kernels: " + ", ".join(f"{k}: {v:.1f} us" for k, v in r["kernels_us"].items()))
-        if "splits_ms" in r:
-            print(
-                "      splits: "
-                + ", ".join(
-                    f"{k}: {v * 1e3:.1f} us" if isinstance(v, float) else f"{k}: {v}"
-                    for k, v in r["splits_ms"].items()
-                )
-            )
+    print("\n".join(report_lines(res)))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
