@@ -11,9 +11,9 @@ R=$PWD
 NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
 echo "ncu: ${NCU:-none}"
 cd /tmp
-for k in registers:256 bf16:256 registers:64; do
-  kern=${k%%:*}; bs=${k##*:}
-  for s in 0 1 2 4; do python3 $R/experiments/prof_attn.py --kernel $kern --batch $bs --splits $s --calls 20 --time; done
+for k in registers:256:0 registers:256:2 bf16:256:0 registers:64:0 registers:64:2; do
+  IFS=: read kern bs s <<< "$k"
+  python3 $R/experiments/prof_attn.py --kernel $kern --batch $bs --splits $s --calls 20 --time
 done 2>&1 | tee $OUT/times.txt
 if [ -n "${NCU:-}" ]; then
   for k in registers:256 bf16:256; do
