@@ -41,6 +41,23 @@ FEED_CHUNK = 8192
 BACKGROUND_STREAMS = 2
 
 
+def check_backend(backend: str, host_pool: str) -> None:
+    """Raise :class:`ConfigError` unless ``backend`` and ``host_pool`` name a known, compatible pair."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if host_pool not in HOST_POOLS:
+        raise ConfigError(
+            f"host_pool must be one of {HOST_POOLS}, got {host_pool!r}; pass 'pinned' (the host "
+            "pool in pinned CPU memory, read over PCIe) or 'device' (the all-resident oracle: the "
+            "host pool on the model's device)"
+        )
+    if host_pool == "device" and backend != "oasis":
+        raise ConfigError(
+            f"host_pool='device' places the oasis backend's host pool on the GPU, but backend="
+            f"{backend!r} has no host pool; pass host_pool='pinned' or backend='oasis'"
+        )
+
+
 class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixin):
     """Runs requests over one model with one attention backend (``dense`` or ``oasis``).
 
@@ -71,19 +88,7 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         host_pool: str = "pinned",
         background_streams: int | None = None,
     ) -> None:
-        if backend not in BACKENDS:
-            raise ConfigError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if host_pool not in HOST_POOLS:
-            raise ConfigError(
-                f"host_pool must be one of {HOST_POOLS}, got {host_pool!r}; pass 'pinned' (the host "
-                "pool in pinned CPU memory, read over PCIe) or 'device' (the all-resident oracle: the "
-                "host pool on the model's device)"
-            )
-        if host_pool == "device" and backend != "oasis":
-            raise ConfigError(
-                f"host_pool='device' places the oasis backend's host pool on the GPU, but backend="
-                f"{backend!r} has no host pool; pass host_pool='pinned' or backend='oasis'"
-            )
+        check_backend(backend, host_pool)
         self.host_pool = host_pool
         self.model = model
         # A model whose forward takes kv_groups (CausalLM) hands a decode step's K/V grouped by
@@ -167,18 +172,7 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         #: policy, a recorder). Sampling requests do not count: their acceptance rule runs inside
         #: the step (:func:`verify_sampled_drafts`), captured like the greedy one.
         self.spec_eager_steps = 0
-        #: Replay decode steps as CUDA graphs (:meth:`decode_step`); ignored on the CPU.
-        if not isinstance(cuda_graph, bool):
-            raise ConfigError(f"cuda_graph must be True or False, got {cuda_graph!r}")
-        self.cuda_graph = cuda_graph
-        self._graphs: dict[tuple, StepGraph] = {}
-        self._graph_pool = None
-        #: Captured decode steps so far, replays of them, and decode steps run eagerly.
-        self.graph_stats = {"captures": 0, "replays": 0, "eager": 0}
-        #: Why capturing failed (graphs are off since), else None.
-        self.graph_error: str | None = None
-        # The step number a captured step's selection reads on the device (set before each replay).
-        self._step_now = torch.zeros(1, dtype=torch.int32, device=self.device) if self.cuda else None
+        self._init_graph_state(cuda_graph)
         #: The selection policy (:mod:`oasiskv.policy`): None runs the engine as it is.
         self.policy = policy
         if policy is not None:
@@ -207,6 +201,21 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         #: rank's query heads of the KV head) over the ranks sharing the head, before every top-K,
         #: so that they select the same blocks; None otherwise.
         self.score_reduce = getattr(model, "score_reduce", None)
+
+    def _init_graph_state(self, cuda_graph: bool) -> None:
+        """The captured steps' state (part of __init__)."""
+        #: Replay decode steps as CUDA graphs (:meth:`decode_step`); ignored on the CPU.
+        if not isinstance(cuda_graph, bool):
+            raise ConfigError(f"cuda_graph must be True or False, got {cuda_graph!r}")
+        self.cuda_graph = cuda_graph
+        self._graphs: dict[tuple, StepGraph] = {}
+        self._graph_pool = None
+        #: Captured decode steps so far, replays of them, and decode steps run eagerly.
+        self.graph_stats = {"captures": 0, "replays": 0, "eager": 0}
+        #: Why capturing failed (graphs are off since), else None.
+        self.graph_error: str | None = None
+        # The step number a captured step's selection reads on the device (set before each replay).
+        self._step_now = torch.zeros(1, dtype=torch.int32, device=self.device) if self.cuda else None
 
     def _init_streams(self, background_streams: int | None) -> None:
         """The background streams, the capture stream and the transfer events (part of __init__)."""
