@@ -66,6 +66,7 @@ pub mod kernels;
 pub mod nvrtc;
 pub mod ops;
 pub mod params;
+pub mod resources;
 
 pub use cache::KernelCache;
 pub use driver::{driver_available, Gpu};
@@ -77,3 +78,4 @@ pub use nvrtc::{
 pub use ops::{
     DevSlice, ExtraKvDev, Kv8PagesDev, KvTierDev, PagedKv8Dev, PagedKvDev, SplitKv, Stream,
 };
+pub use resources::{cubin_resources, KernelResources};
