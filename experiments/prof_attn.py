@@ -1,8 +1,9 @@
 """Why does the fp8 decode attention read at 0.70 x the copy ceiling while the bf16 one reads at
 1.00 x? (issue 36's 0.8.) A driver for Nsight Compute, not the product: it builds the inputs of
-`bench.kernels`' sparse attention rows (Qwen3-8B heads, 129 random pages per sequence, two query
-rows, the extra row, a page map) and launches one kernel configuration `--calls` times, so that
-`ncu -k regex:decode_attn --launch-skip 2 --launch-count 1` profiles one warm launch of it.
+`bench.kernels`' sparse attention rows (`attention_inputs`: Qwen3-8B heads, 129 random pages per
+sequence, two query rows, the extra row, a page map) and launches one kernel configuration
+`--calls` times, so that `ncu -k regex:decode_attn --launch-skip 2 --launch-count 1` profiles
+one warm launch of it.
 
 Usage (on the GPU machine):
   ncu --section SpeedOfLight --section Occupancy --section WarpStateStats ... \\
@@ -34,52 +35,19 @@ def main(argv=None) -> int:
         print("prof_attn.py needs a CUDA GPU", file=sys.stderr)
         return 2
     from oasiskv import ops
-    from oasiskv.bench.kernels import PRESETS, kv8_bytes, kv8_pages
+    from oasiskv.bench.kernels import PRESETS, attention_inputs
 
     dev = torch.device("cuda")
-    dtype = torch.bfloat16
     p = PRESETS["qwen3-8b"]
     geo = ops.KvGeometry(p["num_qo_heads"], p["num_kv_heads"], p["head_dim"], p["block_size"])
-    hq, hk, d, b = geo.num_qo_heads, geo.num_kv_heads, geo.head_dim, geo.block_size
-    num_pages = args.batch * args.pages
     kv8 = args.kernel != "bf16"
-    scales = {}
     if kv8:
         ops.set_kv8_attention_kernel(args.kernel)
-        k_pages, k_scales = kv8_pages(ops, geo, dev, dtype, num_pages)
-        v_pages, v_scales = kv8_pages(ops, geo, dev, dtype, num_pages)
-        scales = dict(k_scales=k_scales, v_scales=v_scales)
-        nbytes = kv8_bytes(geo, num_pages * hk)
-    else:
-        k_pages = torch.randn(num_pages, hk, b, d, device=dev, dtype=dtype)
-        v_pages = torch.randn_like(k_pages)
-        nbytes = 2 * num_pages * hk * b * d * dtype.itemsize
-    perm = torch.randperm(num_pages, device=dev).to(torch.int32)
-    indptr = torch.arange(0, num_pages + 1, args.pages, dtype=torch.int32, device=dev)
-    last = torch.full((args.batch,), b, dtype=torch.int32, device=dev)
-    q = torch.randn(args.batch, 2, hq, d, device=dev, dtype=dtype)
-    extra_k = torch.randn(args.batch, hk, d, device=dev, dtype=dtype)
-    extra_v = torch.randn_like(extra_k)
-    page_map = torch.zeros(num_pages, hk, dtype=torch.int32, device=dev)
-    out = torch.empty_like(q)
+    inp = attention_inputs(ops, geo, dev, torch.bfloat16, args.batch, args.pages, sparse=True, kv8=kv8)
+    nbytes = inp.bytes_read
 
     def run():
-        ops.decode_attention(
-            geo,
-            q,
-            k_pages,
-            v_pages,
-            indptr,
-            perm,
-            last,
-            page_map=page_map,
-            extra_k=extra_k,
-            extra_v=extra_v,
-            out=out,
-            max_pages_per_seq=args.pages,
-            num_splits=args.splits,
-            **scales,
-        )
+        inp.run(ops, args.splits)
 
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

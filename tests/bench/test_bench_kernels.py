@@ -121,3 +121,35 @@ def test_report_prints_the_ceilings_ratios_and_refchecks():
     assert lines[5] == "      splits: 1: 300.0 us, 2: refused"
     res["ceilings"]["h2d_sm_Bps"] = 50.8e9
     assert "SM reads of pinned memory 50.8 GB/s" in kernels.report_lines(res)[2]
+
+
+@pytest.mark.parametrize("kv8", [False, True])
+def test_attention_inputs_run_the_call_they_count(kv8):
+    inp = kernels.attention_inputs(ops, GEO, "cpu", torch.bfloat16, 3, 5, sparse=True, kv8=kv8)
+    entries = 3 * 5 * GEO.num_kv_heads
+    if kv8:
+        assert inp.bytes_read == kernels.kv8_bytes(GEO, entries) and set(inp.scales) == {
+            "k_scales",
+            "v_scales",
+        }
+    else:
+        assert inp.bytes_read == 2 * entries * GEO.block_size * GEO.head_dim * 2 and inp.scales == {}
+    assert inp.q.shape == (3, 2, GEO.num_qo_heads, GEO.head_dim) and inp.extra_k.shape == (3, 2, GEO.head_dim)
+    inp.out.fill_(float("nan"))
+    inp.run(ops)
+    want = ops.decode_attention(
+        GEO,
+        inp.q,
+        inp.k_pages,
+        inp.v_pages,
+        inp.indptr,
+        inp.perm,
+        inp.last,
+        page_map=inp.page_map,
+        extra_k=inp.extra_k,
+        extra_v=inp.extra_v,
+        **inp.scales,
+    )
+    assert torch.equal(inp.out, want)
+    dense = kernels.attention_inputs(ops, GEO, "cpu", torch.bfloat16, 2, 4, sparse=False)
+    assert dense.q.shape[1] == 1 and dense.extra_k is None and dense.extra_v is None

@@ -18,6 +18,7 @@ attention rows (bf16 and fp8) with the CPU twin (max abs error) and the fp8 gath
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
@@ -173,6 +174,84 @@ def ceilings(dev) -> dict:
     return {"d2d_copy_Bps": d2d, "h2d_pinned_Bps": h2d, "h2d_sm_Bps": h2d_sm}
 
 
+@dataclasses.dataclass
+class AttentionInputs:
+    """The inputs of one :func:`bench_attention` case (:func:`attention_inputs`): the pages, their
+    table and queries on the device, ``scales`` the kv8 pages' (empty for T pages), and
+    ``bytes_read``, the K and V bytes one call reads."""
+
+    geo: object
+    q: torch.Tensor
+    k_pages: torch.Tensor
+    v_pages: torch.Tensor
+    indptr: torch.Tensor
+    perm: torch.Tensor
+    last: torch.Tensor
+    page_map: torch.Tensor
+    extra_k: torch.Tensor | None
+    extra_v: torch.Tensor | None
+    out: torch.Tensor
+    pages_per_seq: int
+    scales: dict
+    bytes_read: int
+
+    def run(self, ops, num_splits: int = 0) -> None:
+        """One ``ops.decode_attention`` call into ``out`` (``num_splits`` 0: the planner's count)."""
+        ops.decode_attention(
+            self.geo,
+            self.q,
+            self.k_pages,
+            self.v_pages,
+            self.indptr,
+            self.perm,
+            self.last,
+            page_map=self.page_map,
+            extra_k=self.extra_k,
+            extra_v=self.extra_v,
+            out=self.out,
+            max_pages_per_seq=self.pages_per_seq,
+            num_splits=num_splits,
+            **self.scales,
+        )
+
+
+def attention_inputs(
+    ops, geo, dev, dtype, batch: int, pages_per_seq: int, sparse: bool, kv8: bool = False
+) -> AttentionInputs:
+    """``batch`` sequences of ``pages_per_seq`` random pages (``sparse``: two query rows, the extra
+    current row and a page map, as the sparse step; else one row). ``kv8``: fp8_e4m3 pages
+    (:func:`kv8_pages`), ``bytes_read`` = codes + scales."""
+    hq, hk, d, b = geo.num_qo_heads, geo.num_kv_heads, geo.head_dim, geo.block_size
+    num_pages = batch * pages_per_seq
+    scales = {}
+    if kv8:
+        k_pages, k_scales = kv8_pages(ops, geo, dev, dtype, num_pages)
+        v_pages, v_scales = kv8_pages(ops, geo, dev, dtype, num_pages)
+        scales = dict(k_scales=k_scales, v_scales=v_scales)
+    else:
+        k_pages = torch.randn(num_pages, hk, b, d, device=dev, dtype=dtype)
+        v_pages = torch.randn_like(k_pages)
+    rows = 2 if sparse else 1
+    q = torch.randn(batch, rows, hq, d, device=dev, dtype=dtype)
+    extra_k = torch.randn(batch, hk, d, device=dev, dtype=dtype) if sparse else None
+    return AttentionInputs(
+        geo=geo,
+        q=q,
+        k_pages=k_pages,
+        v_pages=v_pages,
+        indptr=i32(torch.arange(0, num_pages + 1, pages_per_seq), dev),
+        perm=torch.randperm(num_pages, device=dev).to(torch.int32),
+        last=i32([b] * batch, dev),
+        page_map=torch.zeros(num_pages, hk, dtype=torch.int32, device=dev),
+        extra_k=extra_k,
+        extra_v=torch.randn_like(extra_k) if sparse else None,
+        out=torch.empty_like(q),
+        pages_per_seq=pages_per_seq,
+        scales=scales,
+        bytes_read=kv8_bytes(geo, num_pages * hk) if kv8 else 2 * num_pages * hk * b * d * dtype.itemsize,
+    )
+
+
 def bench_attention(
     ops,
     geo,
@@ -186,49 +265,17 @@ def bench_attention(
     label: str,
     kv8: bool = False,
 ) -> dict:
-    """Attention over ``batch`` sequences of ``pages_per_seq`` random pages (``sparse``: two query
-    rows, the extra current row and a page map, as the sparse step; else one row and the SDPA
-    ceiling). ``kv8``: fp8_e4m3 pages (:func:`kv8_pages`), ``bytes_read`` = codes + scales."""
+    """Attention over :func:`attention_inputs`' pages, timed (``sweep``: at fixed split counts too;
+    ``refcheck``: two sequences against the CPU twin); dense (not ``sparse``, not ``kv8``) against
+    the SDPA ceiling over the same bytes."""
     hq, hk, d, b = geo.num_qo_heads, geo.num_kv_heads, geo.head_dim, geo.block_size
-    num_pages = batch * pages_per_seq
-    scales = {}
-    if kv8:
-        k_pages, k_scales = kv8_pages(ops, geo, dev, dtype, num_pages)
-        v_pages, v_scales = kv8_pages(ops, geo, dev, dtype, num_pages)
-        scales = dict(k_scales=k_scales, v_scales=v_scales)
-    else:
-        k_pages = torch.randn(num_pages, hk, b, d, device=dev, dtype=dtype)
-        v_pages = torch.randn_like(k_pages)
-    perm = torch.randperm(num_pages, device=dev).to(torch.int32)
-    indptr = i32(torch.arange(0, num_pages + 1, pages_per_seq), dev)
-    last = i32([b] * batch, dev)
-    rows = 2 if sparse else 1
-    q = torch.randn(batch, rows, hq, d, device=dev, dtype=dtype)
-    extra_k = torch.randn(batch, hk, d, device=dev, dtype=dtype) if sparse else None
-    extra_v = torch.randn_like(extra_k) if sparse else None
-    page_map = torch.zeros(num_pages, hk, dtype=torch.int32, device=dev)
-    out = torch.empty_like(q)
+    inp = attention_inputs(ops, geo, dev, dtype, batch, pages_per_seq, sparse, kv8)
 
     def run(num_splits: int = 0):  # 0: the planner's split count
-        ops.decode_attention(
-            geo,
-            q,
-            k_pages,
-            v_pages,
-            indptr,
-            perm,
-            last,
-            page_map=page_map,
-            extra_k=extra_k,
-            extra_v=extra_v,
-            out=out,
-            max_pages_per_seq=pages_per_seq,
-            num_splits=num_splits,
-            **scales,
-        )
+        inp.run(ops, num_splits)
 
     ms, eager = time_both(run)
-    kv_bytes = kv8_bytes(geo, num_pages * hk) if kv8 else 2 * num_pages * hk * b * d * dtype.itemsize
+    kv_bytes = inp.bytes_read
     r = {"label": label, "ms": ms, "eager_ms": eager, "bytes_read": kv_bytes, "Bps": kv_bytes / (ms * 1e-3)}
     if sweep:
         r["splits_ms"] = {}
@@ -247,18 +294,18 @@ def bench_attention(
         sel = slice(0, 2)
         cpu_out = ops.decode_attention(
             geo,
-            q[sel].cpu(),
-            k_pages.cpu(),
-            v_pages.cpu(),
-            indptr[:3].cpu(),
-            perm[: 2 * pages_per_seq].cpu(),
-            last[sel].cpu(),
-            page_map=page_map.cpu(),
-            extra_k=None if extra_k is None else extra_k[sel].cpu(),
-            extra_v=None if extra_v is None else extra_v[sel].cpu(),
-            **{name: t.cpu() for name, t in scales.items()},
+            inp.q[sel].cpu(),
+            inp.k_pages.cpu(),
+            inp.v_pages.cpu(),
+            inp.indptr[:3].cpu(),
+            inp.perm[: 2 * pages_per_seq].cpu(),
+            inp.last[sel].cpu(),
+            page_map=inp.page_map.cpu(),
+            extra_k=None if inp.extra_k is None else inp.extra_k[sel].cpu(),
+            extra_v=None if inp.extra_v is None else inp.extra_v[sel].cpu(),
+            **{name: t.cpu() for name, t in inp.scales.items()},
         )
-        r["refcheck_max_abs_err"] = float((out[sel].cpu().float() - cpu_out.float()).abs().max())
+        r["refcheck_max_abs_err"] = float((inp.out[sel].cpu().float() - cpu_out.float()).abs().max())
     if not sparse and not kv8:
         # torch SDPA (flash) over the same amount of contiguous KV: [batch, heads, ctx, d]
         ctx = pages_per_seq * b
