@@ -186,7 +186,6 @@ struct TcElemPages {
             tc::cp_async_16(vd + dst, vsrc + src, ok ? 16 : 0);
         }
     }
-    __device__ __forceinline__ void scales(i64, float& sk, float& sv) const { sk = sv = 1.f; }
     __device__ __forceinline__ const uint4* tile(uint4* w, int slot, i64, float, float, int) const {
         return w + slot * 2 * CHUNK_UNITS;
     }

@@ -245,8 +245,8 @@ pub fn decode_attn_kv8_tc_entry<T: KvElem>(
 /// (cuda/oasis_attn_tc.cuh, `TcKv8Pages` and `TcKv8RegPages`'s `WARP_UNITS`): per warp `stages`
 /// chunks of K and V codes (16 x head_dim bytes each), then one bf16 tile of K and V (`Tile`, and
 /// `Registers`, which keeps that layout; not `RegistersDeep`: its `TILE` is 0), as
-/// [`decode_attn_tc_block_smem_bytes`], then the item list's K and V scales (`SCALED` pages:
-/// read with the list, so no chunk waits on a scattered load of its own), `LIST_CAP + 1` f32 each.
+/// [`decode_attn_tc_block_smem_bytes`] with the item list's K and V scales (`SCALED` pages: read
+/// with the list, so no chunk waits on a scattered load of its own).
 pub fn decode_attn_kv8_tc_smem_bytes(
     kernel: Kv8AttnKernel,
     head_dim: usize,
@@ -256,8 +256,7 @@ pub fn decode_attn_kv8_tc_smem_bytes(
         Kv8AttnKernel::RegistersDeep => 0,
         Kv8AttnKernel::Tile | Kv8AttnKernel::Registers => 2 * 16 * head_dim * 2,
     };
-    decode_attn_tc_block_smem_bytes(stages * 2 * 16 * head_dim + tile)
-        + 2 * 4 * (DECODE_TC_LIST_CAP + 1)
+    decode_attn_tc_block_smem_bytes(stages * 2 * 16 * head_dim + tile, true)
 }
 
 impl Gpu {

@@ -357,15 +357,18 @@ pub fn decode_attn_tc_stages(head_dim: usize) -> Option<usize> {
 
 /// Shared memory of one tensor-core decode attention block of any page kind, in bytes
 /// (cuda/oasis_attn_tc.cuh, `decode_attn_tc_impl`): 4 warps × `warp_units_bytes` (the pages'
-/// `WARP_UNITS` × 16), then the item list, the merge's m/l and the scan scratch.
-pub fn decode_attn_tc_block_smem_bytes(warp_units_bytes: usize) -> usize {
-    4 * warp_units_bytes + 2 * 4 * (DECODE_TC_LIST_CAP + 1) + 2 * 4 * 64 + 4 * 36
+/// `WARP_UNITS` × 16), then the item list (pages and infos), the merge's m/l and the scan
+/// scratch; `scaled` (the loader's `SCALED`: kv8 pages) adds the items' K and V scales after it.
+pub fn decode_attn_tc_block_smem_bytes(warp_units_bytes: usize, scaled: bool) -> usize {
+    let list = 4 * (DECODE_TC_LIST_CAP + 1); // one 4-byte array per list item
+    let per_item = if scaled { 4 } else { 2 };
+    4 * warp_units_bytes + per_item * list + 2 * 4 * 64 + 4 * 36
 }
 
 /// Shared memory of one tensor-core decode attention block over 16-bit pages, in bytes: per
 /// warp `stages` × (K + V of 16 tokens of 16-bit elements) ([`decode_attn_tc_block_smem_bytes`]).
 pub fn decode_attn_tc_smem_bytes(head_dim: usize, stages: usize) -> usize {
-    decode_attn_tc_block_smem_bytes(stages * 2 * 16 * head_dim * 2)
+    decode_attn_tc_block_smem_bytes(stages * 2 * 16 * head_dim * 2, false)
 }
 
 /// Shared memory of one `score_blocks_codes_*` block, in bytes (cuda/key_codes.cu): per warp,
