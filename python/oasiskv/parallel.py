@@ -787,6 +787,11 @@ class TPLLMEngine:
         self._need_driver("abort_request()")
         self._llm.abort_request(request_id)
 
+    def reserve_pools(self, sizes: list[tuple[int, int]]) -> None:
+        """:meth:`oasiskv.LLMEngine.reserve_pools` on every rank (the driver's engine tells them)."""
+        self._need_driver("reserve_pools()")
+        self._llm.reserve_pools(sizes)
+
     def step(self):
         """:meth:`oasiskv.LLMEngine.step` on the driver; raises the group's error if it broke."""
         self._need_driver("step()")

@@ -113,6 +113,24 @@ def test_pools_grow_with_need_not_with_the_budget(model):
     assert eng.engine.runtime.pool_sizes == (1, 0, 0)
 
 
+def test_reserve_pools_grows_them_at_once_and_checks_its_input(model):
+    """``LLMEngine.reserve_pools``: the pools for two 300-token requests in one growth (the
+    runtime's reservations of a sparse request: K + 1 pages, a host row per block), the
+    requests then admitted without another; bad pairs are refused before anything grows."""
+    eng = LLMEngine(model, kv=KvConfig(**README_KV))
+    for bad in [(0, 4)], [(300, -1)], [(300,)], [("300", 4)], [(300.5, 4)]:
+        with pytest.raises(errors.ConfigError, match="reserve_pools"):
+            eng.reserve_pools(bad)
+    assert eng.engine.runtime is None  # nothing made yet
+    eng.reserve_pools([(300, 8)] * 2)
+    sizes = eng.engine.runtime.pool_sizes
+    # 300 + 8 tokens: 20 blocks of 16 per request (ids and host rows); K + 1 = 9 pages each.
+    assert sizes == (2 * 9, 2 * 20, 2 * 20)
+    rids = [eng.add_request(prompt(300, s), SamplingParams(max_tokens=8, ignore_eos=True)) for s in (1, 2)]
+    eng.run_to_completion(rids)
+    assert eng.engine.runtime.pool_sizes == sizes and pools_are_full(eng)
+
+
 def test_refused_requests_leave_the_engine_running(model, monkeypatch):
     from oasiskv.engine import pools
 

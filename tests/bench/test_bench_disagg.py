@@ -60,15 +60,17 @@ def test_fig12_sweep_on_the_cpu(tmp_path):
 def test_fp8_rows_stage_and_name_fp8_blocks(tmp_path, flag):
     """``--host-kv-dtype`` / ``--kv-dtype fp8``: both nodes hold an fp8 host pool, the staged
     blocks are fp8 (each request's KV in codes plus a scale per block-head and side), the rows
-    name the dtypes, and partial fetching still decodes the full transfer's tokens."""
+    name the dtypes, and with ``--first-query prompt`` both transfers decode the single-process
+    fp8 engine's tokens (the ``local`` row, first) under a budget of 4 of 19 blocks."""
     from oasiskv.models.config import PRESETS
 
     binary = need_binary()
     out = tmp_path / "d.json"
     argv = [
         "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--daemon", binary,
-        "--prompt-tokens", "300", "--max-tokens", "4", "--requests", "2", "--rates", "100",
+        "--prompt-tokens", "300", "--max-tokens", "6", "--requests", "2", "--rates", "100",
         "--block-size", "16", "--top-k-blocks", "4", "--sparse-threshold", "64",
+        "--transfers", "local,full,partial", "--first-query", "prompt",
         flag, "fp8", "--json", str(out), "--md", "",
     ]  # fmt: skip
     assert disagg.main(argv) == 0
@@ -76,13 +78,45 @@ def test_fp8_rows_stage_and_name_fp8_blocks(tmp_path, flag):
     pages = "fp8_e4m3" if flag == "--kv-dtype" else "float32"
     assert (rep["kv"]["kv_dtype"], rep["kv"]["host_kv_dtype"]) == (pages, "fp8_e4m3")
     assert rep["kv"]["kv_in_step_reads"] is True  # the default, with no flag
+    assert rep["kv"]["first_query"] == "prompt"
     cfg = PRESETS["tiny"]
     # 300 tokens: 19 blocks of 16 per layer; a block-head side is 16 x 16 codes and a scale.
     fp8_kv = cfg.num_hidden_layers * 19 * 2 * cfg.num_key_value_heads * (16 * cfg.head_dim + 4)
-    for r in rep["rows"]:
+    rows = {r["transfer"]: r for r in rep["rows"]}
+    assert list(rows) == ["local", "full", "partial"]
+    for r in rows.values():
         assert (r["kv_dtype"], r["host_kv_dtype"]) == (pages, "fp8_e4m3")
         assert r["failures"] == 0 and r["same_tokens"] == 1.0
-        assert r["kv_bytes_per_request"] == fp8_kv
+    for t in ("full", "partial"):
+        assert rows[t]["kv_bytes_per_request"] == fp8_kv
+    assert rows["partial"]["fetched_bytes_per_request"] > 0  # the selection drifted to unsent blocks
+    # The single-process row stages nothing and moves nothing over the network.
+    loc = rows["local"]
+    assert loc["kv_bytes_per_request"] == loc["admission_bytes_per_request"] == 0
+    assert loc["prefill_p50_s"] is None and loc["peak_host_kv_bytes"] is None
+
+
+def test_the_default_first_query_selects_with_the_first_token(tmp_path):
+    """``--first-query first_token`` (the default, the paper's): under a budget of 4 of 19 blocks
+    the staged requests' first working set is the first token's own choice, not the
+    single-process engine's (the prompt's last query), so their tokens need not equal the
+    ``local`` row's; full and partial transfers still agree with each other."""
+    binary = need_binary()
+    out = tmp_path / "d.json"
+    argv = [
+        "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--daemon", binary,
+        "--prompt-tokens", "300", "--max-tokens", "6", "--requests", "2", "--rates", "100",
+        "--block-size", "16", "--top-k-blocks", "4", "--sparse-threshold", "64",
+        "--transfers", "full,partial,local", "--json", str(out), "--md", "",
+    ]  # fmt: skip
+    assert disagg.main(argv) == 0
+    rep = json.loads(out.read_text())
+    rows = {r["transfer"]: r for r in rep["rows"]}
+    assert rep["kv"]["first_query"] == "first_token"
+    assert rows["partial"]["same_tokens"] == 1.0
+    # The seeded prompts, model and arrivals: the local row differs here (a regression of the
+    # first query's meaning would make it equal).
+    assert rows["local"]["same_tokens"] < 1.0
 
 
 def test_in_step_reads_rows(tmp_path):
@@ -110,10 +144,10 @@ def test_in_step_reads_rows(tmp_path):
     assert "GPU wait ms/step" in md.read_text()
 
 
-def test_admission_choices_are_the_workers():
-    from oasiskv.disagg import ADMISSIONS
+def test_admission_and_first_query_choices_are_the_workers():
+    from oasiskv.disagg import ADMISSIONS, FIRST_QUERIES
 
-    assert disagg.ADMISSIONS == ADMISSIONS
+    assert disagg.ADMISSIONS == ADMISSIONS and disagg.FIRST_QUERIES == FIRST_QUERIES
 
 
 def test_arrivals_are_seeded_poisson():
@@ -130,6 +164,8 @@ def test_arrivals_are_seeded_poisson():
         (["--rates", "0"], "rates must be positive"),
         (["--rates", "x"], "comma-separated numbers"),
         (["--transfers", "full,bogus"], "--transfers takes"),
+        (["--transfers", "local,local"], "--transfers takes"),
+        (["--first-query", "draft"], "invalid choice"),
         (["--requests", "0"], "integer >= 1"),
         (["--read-connections", "0"], "integer >= 1"),
         (["--kv-prefetch", "-1"], "integer >= 0"),

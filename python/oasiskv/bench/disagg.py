@@ -6,7 +6,8 @@ KV transfer against partial fetching, over a request-rate sweep.
     python -m oasiskv.bench.disagg [--preset qwen3-8b | --model DIR] [--device cuda]
         [--kv-source oasis-rt://HOST:PORT | --daemon PATH [--transport tcp|ucx]]
         [--prompt-tokens 16384] [--max-tokens 64] [--requests 16] [--rates 0.5,1,2]
-        [--transfers full,partial] [--top-k-blocks 128] [--fetch-cap 0.05]
+        [--transfers [local,]full,partial] [--first-query first_token|prompt]
+        [--top-k-blocks 128] [--fetch-cap 0.05]
         [--kv-dtype auto|fp8_e4m3] [--host-kv-dtype auto|fp8_e4m3] [--json F] [--md F]
 
 Three processes: the daemon (``--kv-source`` names a running one; else ``--daemon`` starts that
@@ -28,8 +29,16 @@ Reported per (transfer, rate):
 - bytes at admission and fetched during decode per request, and the peak of the decode side's
   host memory for KV (``TransferStats.peak_cached_bytes``: the staged bytes the host pool held
   at once; the paper: 2.2-2.6x less with partial fetching);
-- whether each request's tokens equal the first transfer mode's (partial fetching is exact:
-  it reads the blocks the selection wants before they are gathered).
+- whether each request's tokens equal the first mode's (partial fetching is exact: it reads the
+  blocks the selection wants before they are gathered).
+
+``--transfers local,full,partial`` adds the single-process engine as the first row: the same
+``LLMEngine`` without a KV source, each request added at its arrival and prefilled by the decode
+engine itself (nothing staged, no bytes over the network). With ``--first-query prompt`` the
+staged requests' first working set is selected by the query the single-process engine selects
+with, so every row's tokens equal the local row's whatever the budget (the default,
+``first_token``, the paper's, selects with the first token's own query: equal only where the
+budget holds the whole context).
 
 ``--kv-dtype`` / ``--host-kv-dtype fp8_e4m3`` (as ``bench.serve``) give both nodes that
 ``KvConfig``: the blocks are staged, moved and held in fp8 (codes and a scale per block and KV
@@ -54,9 +63,14 @@ from pathlib import Path
 
 #: The transfer modes, in report order (``LLMEngine(kv_transfer=...)``).
 TRANSFERS = ("full", "partial")
-#: ``oasiskv.disagg.ADMISSIONS``, spelled out so that ``--help`` needs no torch import (a test
-#: checks that they agree).
+#: What ``--transfers`` takes: the transfer modes, and ``local``, the single-process engine (the
+#: decode engine prefills each request itself at its arrival; no daemon, nothing staged), the
+#: reference the staged modes' tokens compare with when it comes first.
+MODES = ("local", *TRANSFERS)
+#: ``oasiskv.disagg.ADMISSIONS`` and ``FIRST_QUERIES``, spelled out so that ``--help`` needs no
+#: torch import (a test checks that they agree).
 ADMISSIONS = ("heads", "union")
+FIRST_QUERIES = ("first_token", "prompt")
 #: How long a pipe read may wait for the prefill process (arbitrary, generous: it loads the
 #: model first).
 READY_TIMEOUT_S = 600.0
@@ -75,9 +89,9 @@ def _floats(s: str) -> list[float]:
 
 def _transfers(s: str) -> list[str]:
     out = [x for x in s.split(",") if x]
-    bad = [x for x in out if x not in TRANSFERS]
+    bad = [x for x in out if x not in MODES]
     if not out or bad or len(set(out)) != len(out):
-        raise argparse.ArgumentTypeError(f"--transfers takes distinct values of {TRANSFERS}, got {s!r}")
+        raise argparse.ArgumentTypeError(f"--transfers takes distinct values of {MODES}, got {s!r}")
     return out
 
 
@@ -129,7 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--max-tokens", type=_positive, default=64)
     w.add_argument("--requests", type=_positive, default=16, help="requests per rate")
     w.add_argument("--rates", type=_floats, default=[0.5, 1.0, 2.0], help="requests per second")
-    w.add_argument("--transfers", type=_transfers, default=list(TRANSFERS))
+    w.add_argument(
+        "--transfers",
+        type=_transfers,
+        default=list(TRANSFERS),
+        help="modes, in report order: full, partial, and local (the single-process engine, no "
+        "daemon: put it first to compare every row's tokens with it)",
+    )
     w.add_argument("--max-num-seqs", type=_positive, default=None, help="default: --requests")
     w.add_argument(
         "--cuda-graph",
@@ -138,6 +158,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     w.add_argument(
         "--admission", choices=list(ADMISSIONS), default="heads", help="the prefill worker's admission set"
+    )
+    w.add_argument(
+        "--first-query",
+        choices=list(FIRST_QUERIES),
+        default="first_token",
+        help="the query that selects a staged request's first working set (PrefillWorker(first_query=)): "
+        "the first token's (the paper's) or the prompt's last, as the single-process engine selects, so "
+        "that the staged rows' tokens equal a 'local' row's whatever the budget",
     )
     k = ap.add_argument_group("KV")
     k.add_argument("--block-size", type=_positive, default=16)
@@ -229,7 +257,14 @@ def _prefill_main(conn, args, url: str) -> None:
         from .fig11 import build_model
 
         model, _, _ = build_model(args)
-        worker = PrefillWorker(model, _kv(args), url, timeout_s=args.timeout, admission=args.admission)
+        worker = PrefillWorker(
+            model,
+            _kv(args),
+            url,
+            timeout_s=args.timeout,
+            admission=args.admission,
+            first_query=args.first_query,
+        )
         conn.send(("ready",))
         while True:
             msg = conn.recv()
@@ -292,133 +327,184 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 
 def decode_engine(model, args, url: str, transfer: str):
-    """The decode node's engine for every row of one transfer mode, its pools reserved up front
-    for ``max_num_seqs`` requests: growing a pinned host pool mid-row stalls the loop (about
-    0.6 s per GiB pinned, and the captured graphs are dropped with the old pools), which a
-    serving engine pays once, not per row."""
+    """The decode node's engine for every row of one mode, its pools reserved up front for
+    ``max_num_seqs`` requests: growing a pinned host pool mid-row stalls the loop (about 0.6 s per
+    GiB pinned, and the captured graphs are dropped with the old pools), which a serving engine
+    pays once, not per row. ``local``: the same engine without a KV source (it prefills itself)."""
     from ..llm_engine import LLMEngine
 
     n = args.max_num_seqs or args.requests
+    staged = {}
+    if transfer != "local":
+        staged = dict(
+            kv_source=url,
+            kv_transfer=transfer,
+            kv_timeout_s=args.timeout,
+            kv_cache_blocks=args.kv_cache_blocks if transfer == "partial" else None,
+            kv_prefetch=args.kv_prefetch,
+            kv_in_step_reads=args.kv_in_step_reads if transfer == "partial" else False,
+        )
     eng = LLMEngine(
         model,
         kv=_kv(args),
         backend="oasis",
         drafter="ngram",
-        kv_source=url,
-        kv_transfer=transfer,
-        kv_timeout_s=args.timeout,
         max_num_seqs=n,
         host_kv_budget_bytes=_bytes(args.host_kv_budget),
-        kv_cache_blocks=args.kv_cache_blocks if transfer == "partial" else None,
-        kv_prefetch=args.kv_prefetch,
-        kv_in_step_reads=args.kv_in_step_reads if transfer == "partial" else False,
         enforce_eager=not args.cuda_graph,  # this benchmark's graphs stay opt-in (its published runs)
         output_kind="delta",
+        **staged,
     )
-    eng.engine.reserve_pools([(args.prompt_tokens, args.max_tokens)] * n)
-    if args.read_connections is not None:
+    eng.reserve_pools([(args.prompt_tokens, args.max_tokens)] * n)
+    if args.read_connections is not None and eng.kv_source is not None:
         eng.kv_source.read_connections = args.read_connections
     return eng
 
 
-def run_row(eng, args, conn, transfer: str, rate: float, prompts) -> dict:
-    """One (transfer, rate) point through ``eng`` (idle): the prefill process's schedule. The
-    source's traffic counters are reported as this row's deltas, its peak from this row on."""
+@dataclasses.dataclass
+class _Row:
+    """One row's clocks and tokens per request id, in arrival order (``order``)."""
+
+    start: float
+    order: list[str] = dataclasses.field(default_factory=list)
+    arrival: dict[str, float] = dataclasses.field(default_factory=dict)
+    staged_at: dict[str, float] = dataclasses.field(default_factory=dict)
+    add_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    node_s: dict[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
+    first: dict[str, float] = dataclasses.field(default_factory=dict)
+    done: dict[str, float] = dataclasses.field(default_factory=dict)
+    tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    all_added: bool = False
+
+
+def _take_staged(eng, conn, row: _Row, params) -> None:
+    """Add every request the prefill process has handed over since the last call."""
     from ..disagg import StagedRequest
+
+    while conn.poll(0):
+        msg = _recv(conn, 0)
+        if msg[0] == "row_done":
+            row.all_added = True
+            continue
+        _, i, handle, arr, st = msg
+        h = StagedRequest.from_json(handle)
+        t_add = time.time()
+        rid = eng.add_staged_request(h, params, request_id=f"r{i}")
+        row.add_s[rid] = time.time() - t_add
+        row.arrival[rid], row.staged_at[rid] = arr, st
+        row.node_s[rid] = (h.prefill_s, h.stage_s)
+        row.order.append(rid)
+        _log(
+            f"  {rid}: arrived at +{arr - row.start:.2f} s, prefill {h.prefill_s:.2f} s + stage "
+            f"{h.stage_s:.2f} s, handed over after {st - arr:.2f} s; add_staged_request "
+            f"{row.add_s[rid]:.2f} s"
+        )
+
+
+def _take_local(eng, jobs: list, row: _Row, params) -> None:
+    """``local``: add every request whose arrival time has come (the engine prefills it in its
+    next step); ``jobs`` is the schedule still to come, consumed from the front."""
+    while jobs and row.start + jobs[0][1] <= time.time():
+        i, offset, prompt = jobs.pop(0)
+        t_add = time.time()
+        rid = eng.add_request(prompt, params, request_id=f"r{i}")
+        row.add_s[rid] = time.time() - t_add
+        row.arrival[rid] = row.staged_at[rid] = row.start + offset
+        row.order.append(rid)
+    row.all_added = not jobs
+
+
+def run_row(eng, args, conn, transfer: str, rate: float, prompts) -> dict:
+    """One (mode, rate) point through ``eng`` (idle): the prefill process's schedule, or, for
+    ``local``, the same arrivals added to ``eng`` itself. The source's traffic counters are
+    reported as this row's deltas, its peak from this row on."""
     from ..llm_engine import SamplingParams
 
     n = len(prompts)
-    stats0 = dataclasses.replace(eng.kv_source.stats)
-    coord0 = eng.kv_source.coordinator_stats
+    src = eng.kv_source
+    stats0 = dataclasses.replace(src.stats) if src is not None else None
+    coord0 = src.coordinator_stats if src is not None else None
     graphs0 = dict(eng.engine.graph_stats)
     gpu_wait0, _ = eng.engine.transfer_wait()
-    eng.kv_source.stats.peak_cached_bytes = eng.kv_source.stats.cached_bytes
+    if src is not None:
+        src.stats.peak_cached_bytes = src.stats.cached_bytes
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     offsets = arrivals(rate, n, args.seed)
-    start = time.time() + 0.5  # time for the prefill process to read the jobs
+    row = _Row(start=time.time() + 0.5)  # time for the prefill process to read the jobs
     _log(f"disagg: {transfer} at {rate:g} req/s, {n} requests of {len(prompts[0])} tokens")
-    conn.send(("row", start, list(zip(offsets, prompts, strict=True))))
-    arrival: dict[str, float] = {}
-    staged_at: dict[str, float] = {}
-    order: list[str] = []
-    add_s: dict[str, float] = {}
-    node_s: dict[str, tuple[float, float]] = {}
-    first: dict[str, float] = {}
-    done: dict[str, float] = {}
-    tokens: dict[str, list[int]] = {}
-    prefill_done = False
+    jobs = [(i, off, p) for i, (off, p) in enumerate(zip(offsets, prompts, strict=True))]
+    if transfer != "local":
+        conn.send(("row", row.start, [(off, p) for _, off, p in jobs]))
     peak_rows = 0
-    while not (prefill_done and len(done) == n):
-        while conn.poll(0):
-            msg = _recv(conn, 0)
-            if msg[0] == "row_done":
-                prefill_done = True
-                continue
-            _, i, handle, arr, st = msg
-            h = StagedRequest.from_json(handle)
-            t_add = time.time()
-            rid = eng.add_staged_request(h, params, request_id=f"r{i}")
-            add_s[rid] = time.time() - t_add
-            arrival[rid], staged_at[rid] = arr, st
-            node_s[rid] = (h.prefill_s, h.stage_s)
-            order.append(rid)
-            _log(
-                f"  {rid}: arrived at +{arr - start:.2f} s, prefill {h.prefill_s:.2f} s + stage "
-                f"{h.stage_s:.2f} s, handed over after {st - arr:.2f} s; add_staged_request "
-                f"{add_s[rid]:.2f} s"
-            )
+    while not (row.all_added and len(row.done) == n):
+        if transfer == "local":
+            _take_local(eng, jobs, row, params)
+        else:
+            _take_staged(eng, conn, row, params)
         if eng.has_unfinished_requests():
             outs = eng.step()
             peak_rows = max(peak_rows, eng.engine.runtime.reserved[2])
-            for o in outs:
-                now = time.time()
-                if o.new_token_ids:
-                    if o.request_id not in first:
-                        first[o.request_id] = now
-                        _log(f"  {o.request_id}: first token at +{now - start:.2f} s")
-                    tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
-                if o.finished:
-                    _log(f"  {o.request_id}: done at +{now - start:.2f} s ({len(done) + 1}/{n})")
-                    if o.finish_reason != "length":
-                        why = f"{o.finish_reason}: {o.error}"
-                        raise RuntimeError(f"request {o.request_id} ended with {why}")
-                    done[o.request_id] = now
-        elif not prefill_done or len(done) < n:
-            conn.poll(0.005)  # idle until the next staged request
-    now_stats = eng.kv_source.stats
-    stats = dataclasses.replace(
-        now_stats,
-        **{
-            f: getattr(now_stats, f) - getattr(stats0, f)
-            for f in (
-                "requests",
-                "admission_bytes",
-                "fetched_bytes",
-                "kv_bytes",
-                "failures",
-                "read_seconds",
-                "wait_seconds",
-                "miss_entries",
-                "prefetched_entries",
-                "prefetch_hits",
-            )
-        },
+            _note_outputs(outs, row)
+        elif not row.all_added or len(row.done) < n:
+            if transfer == "local":
+                time.sleep(0.005)
+            else:
+                conn.poll(0.005)  # idle until the next staged request
+    steps = (eng.engine.graph_stats["replays"] - graphs0["replays"]) + (
+        eng.engine.graph_stats["eager"] - graphs0["eager"]
     )
-    coord_read_s = eng.kv_source.coordinator_stats["read_seconds"] - coord0["read_seconds"]
-    replays = eng.engine.graph_stats["replays"] - graphs0["replays"]
-    eager = eng.engine.graph_stats["eager"] - graphs0["eager"]
-    steps = replays + eager
+    out = _row_timing(row, transfer, rate)
+    out |= _row_traffic(eng, stats0, coord0, steps)
     gpu_wait_s = eng.engine.transfer_wait()[0] - gpu_wait0
-    t0 = min(arrival.values())
-    span = max(done.values()) - t0
-    made = sum(len(tokens[r]) for r in order)
-    ttft = [first[r] - arrival[r] for r in order]
-    admit = [first[r] - staged_at[r] for r in order]
-    tpot = [(done[r] - first[r]) / (len(tokens[r]) - 1) for r in order if len(tokens[r]) > 1]
+    out |= {
+        # Host pool rows the admitted requests reserved at most (what the pinned pool must
+        # hold): rows a partial transfer reserves but never fills count, unless
+        # --kv-cache-blocks bounds them.
+        "host_reserved_peak_bytes": peak_rows
+        * eng.engine.pools.page_bytes
+        * eng.engine.cfg.num_hidden_layers,
+        # Decode steps replayed from captured graphs, and run eagerly.
+        "graph_replays": eng.engine.graph_stats["replays"] - graphs0["replays"],
+        "eager_steps": eng.engine.graph_stats["eager"] - graphs0["eager"],
+        "graph_error": eng.engine.graph_error,
+        # The critical path: how long the compute stream itself was held per step waiting on the
+        # background streams (their gathers, and the reads those wait for), as Engine.transfer_wait
+        # measures it; the partial rows' excess over the full rows' is what late blocks cost.
+        "gpu_wait_ms_per_step": gpu_wait_s / steps * 1e3 if steps else None,
+        "tokens": [row.tokens[f"r{i}"] for i in range(n)],
+    }
+    return out
+
+
+def _note_outputs(outs, row: _Row) -> None:
+    """A step's outputs into ``row``: first-token and finish clocks, the tokens."""
+    for o in outs:
+        now = time.time()
+        if o.new_token_ids:
+            if o.request_id not in row.first:
+                row.first[o.request_id] = now
+                _log(f"  {o.request_id}: first token at +{now - row.start:.2f} s")
+            row.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+        if o.finished:
+            _log(f"  {o.request_id}: done at +{now - row.start:.2f} s ({len(row.done) + 1}/{len(row.order)})")
+            if o.finish_reason != "length":
+                raise RuntimeError(f"request {o.request_id} ended with {o.finish_reason}: {o.error}")
+            row.done[o.request_id] = now
+
+
+def _row_timing(row: _Row, transfer: str, rate: float) -> dict:
+    """Throughput and latencies of a finished row."""
+    order = row.order
+    span = max(row.done.values()) - min(row.arrival.values())
+    made = sum(len(row.tokens[r]) for r in order)
+    ttft = [row.first[r] - row.arrival[r] for r in order]
+    admit = [row.first[r] - row.staged_at[r] for r in order]
+    tpot = [(row.done[r] - row.first[r]) / (len(row.tokens[r]) - 1) for r in order if len(row.tokens[r]) > 1]
+    staged = bool(row.node_s)
     return {
         "transfer": transfer,
         "rate": rate,
-        "requests": n,
+        "requests": len(order),
         "output_tokens": made,
         "tokens_per_s": made / span if span > 0 else None,
         "ttft_p50_s": _pct(ttft, 0.5),
@@ -426,44 +512,73 @@ def run_row(eng, args, conn, transfer: str, rate: float, prompts) -> dict:
         "admit_p50_s": _pct(admit, 0.5),
         "tpot_p50_s": _pct(tpot, 0.5),
         # The prefill node's service time per request (its capacity is about 1 / the sum)
-        # and how long handing a request to the decode engine blocked its loop.
-        "prefill_p50_s": _pct([node_s[r][0] for r in order], 0.5),
-        "stage_p50_s": _pct([node_s[r][1] for r in order], 0.5),
-        "add_staged_p50_s": _pct([add_s[r] for r in order], 0.5),
-        "admission_bytes_per_request": stats.admission_bytes / max(1, stats.requests),
-        "fetched_bytes_per_request": stats.fetched_bytes / max(1, stats.requests),
-        "kv_bytes_per_request": stats.kv_bytes / max(1, stats.requests),
+        # and how long handing a request to the decode engine blocked its loop (None: local).
+        "prefill_p50_s": _pct([row.node_s[r][0] for r in order], 0.5) if staged else None,
+        "stage_p50_s": _pct([row.node_s[r][1] for r in order], 0.5) if staged else None,
+        "add_staged_p50_s": _pct([row.add_s[r] for r in order], 0.5) if staged else None,
+    }
+
+
+#: The source's counters a row reports as its deltas.
+_DELTAS = (
+    "requests",
+    "admission_bytes",
+    "fetched_bytes",
+    "kv_bytes",
+    "failures",
+    "read_seconds",
+    "wait_seconds",
+    "miss_entries",
+    "prefetched_entries",
+    "prefetch_hits",
+)
+
+
+def _row_traffic(eng, stats0, coord0, steps: int) -> dict:
+    """The KV source's traffic over a row (nothing crosses a network in a ``local`` row)."""
+    src = eng.kv_source
+    if src is None:
+        zero = dict.fromkeys(
+            ("admission_bytes_per_request", "fetched_bytes_per_request", "kv_bytes_per_request", "failures"),
+            0,
+        )
+        return zero | {
+            "peak_host_kv_bytes": None,
+            "miss_entries": 0,
+            "prefetched_entries": 0,
+            "prefetch_hits": 0,
+            "kv_in_step_reads": False,
+            "read_ms_per_step": None,
+            "wait_ms_per_step": None,
+            "coord_read_ms_per_step": None,
+        }
+    now = src.stats
+    stats = dataclasses.replace(now, **{f: getattr(now, f) - getattr(stats0, f) for f in _DELTAS})
+    coord_read_s = src.coordinator_stats["read_seconds"] - coord0["read_seconds"]
+    per = max(1, stats.requests)
+    return {
+        "admission_bytes_per_request": stats.admission_bytes / per,
+        "fetched_bytes_per_request": stats.fetched_bytes / per,
+        "kv_bytes_per_request": stats.kv_bytes / per,
         "peak_host_kv_bytes": stats.peak_cached_bytes,
-        # Host pool rows the admitted requests reserved at most (what the pinned pool must
-        # hold): rows a partial transfer reserves but never fills count, unless
-        # --kv-cache-blocks bounds them.
-        "host_reserved_peak_bytes": peak_rows
-        * eng.engine.pools.page_bytes
-        * eng.engine.cfg.num_hidden_layers,
         "failures": stats.failures,
         # Block-heads the steps read themselves, read ahead in the background (kv_prefetch),
         # and of those, later planned by a step.
         "miss_entries": stats.miss_entries,
         "prefetched_entries": stats.prefetched_entries,
         "prefetch_hits": stats.prefetch_hits,
-        # Decode steps replayed from captured graphs, and run eagerly; the decode loop's seconds
-        # in decode-time reads per step.
-        "graph_replays": replays,
-        "eager_steps": eager,
-        "graph_error": eng.engine.graph_error,
         # Whether this row's steps read their misses during the step (the engine's choice).
-        "kv_in_step_reads": eng.kv_source.in_step_reads,
+        "kv_in_step_reads": src.in_step_reads,
+        # The decode loop's seconds in decode-time reads per step; overlap: its seconds blocked
+        # on late layers per step, and the coordinator's threads' seconds on reads (off the loop).
         "read_ms_per_step": stats.read_seconds / steps * 1e3 if steps else None,
-        # Overlap: the loop's seconds blocked on late layers per step, and the coordinator's
-        # threads' seconds on reads per step (off the loop).
         "wait_ms_per_step": stats.wait_seconds / steps * 1e3 if steps else None,
         "coord_read_ms_per_step": coord_read_s / steps * 1e3 if steps else None,
-        # The critical path: how long the compute stream itself was held per step waiting on the
-        # background streams (their gathers, and the reads those wait for), as Engine.transfer_wait
-        # measures it; the partial rows' excess over the full rows' is what late blocks cost.
-        "gpu_wait_ms_per_step": gpu_wait_s / steps * 1e3 if steps else None,
-        "tokens": [tokens[f"r{i}"] for i in range(n)],
     }
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f} MiB"
 
 
 def _bytes(s: str | None) -> int | None:
@@ -505,14 +620,15 @@ def run(args, on_row=None) -> dict:
                     print(
                         f"disagg: {transfer} at {rate:g} req/s: {r['tokens_per_s']:.1f} tok/s, "
                         f"TTFT p50 {r['ttft_p50_s'] * 1e3:.1f} ms, peak host KV "
-                        f"{r['peak_host_kv_bytes'] / 2**20:.1f} MiB",
+                        f"{_mib(r['peak_host_kv_bytes'])}",
                         file=sys.stderr,
                     )
                     rows.append(r)
                     if on_row is not None:  # a sweep cut short by a time limit keeps its rows
                         on_row(_report(args, url, name, dev, rows, _dtypes(args, model)))
             finally:
-                eng.kv_source.close()  # its daemon connection; the engine's pools go with it
+                if eng.kv_source is not None:
+                    eng.kv_source.close()  # its daemon connection; the engine's pools go with it
         return _report(args, url, name, dev, rows, _dtypes(args, model))
     finally:
         try:
@@ -535,11 +651,13 @@ def _report(args, url: str, name: str, dev, rows: list[dict], dtypes: dict) -> d
         same = sum(a == b for a, b in zip(r["tokens"], ref["tokens"], strict=True))
         keep = {k: v for k, v in r.items() if k != "tokens"}
         out.append(keep | dtypes | {"same_tokens": same / len(r["tokens"])})
+    # Staged KV held at peak against the first staged mode's row at the same rate (a local row
+    # stages nothing).
+    first_staged = next((t for t in args.transfers if t != "local"), None)
     for r in out:
-        b = next((x for x in out if x["transfer"] == args.transfers[0] and x["rate"] == r["rate"]), None)
-        r["peak_host_kv_vs_first"] = (
-            r["peak_host_kv_bytes"] / b["peak_host_kv_bytes"] if b and b["peak_host_kv_bytes"] else None
-        )
+        b = next((x for x in out if x["transfer"] == first_staged and x["rate"] == r["rate"]), None)
+        peak, base = r["peak_host_kv_bytes"], b["peak_host_kv_bytes"] if b else None
+        r["peak_host_kv_vs_first"] = peak / base if peak is not None and base else None
     return {
         "bench": "disagg",
         "model": name,
@@ -554,6 +672,7 @@ def _report(args, url: str, name: str, dev, rows: list[dict], dtypes: dict) -> d
             "top_k_blocks": args.top_k_blocks,
             "fetch_cap": args.fetch_cap,
             "kv_cache_blocks": args.kv_cache_blocks,
+            "first_query": args.first_query,
             "kv_prefetch": _prefetch(args),
             # Whether the partial rows read their misses in the step, as their engines did.
             "kv_in_step_reads": any(r["kv_in_step_reads"] for r in out if r["transfer"] == "partial"),
@@ -583,7 +702,7 @@ def markdown(rep: dict) -> str:
         f"{rep['kv']['host_kv_dtype']}; daemon {rep['kv_source']}{in_step}",
         "",
         "| transfer | req/s | tok/s | TTFT p50 ms | TTFT p99 ms | admit p50 ms | TPOT p50 ms | "
-        "admission MiB/req | fetched MiB/req | peak host KV MiB | vs first | host rows MiB | "
+        "admission MiB/req | fetched MiB/req | peak host KV MiB | vs first staged | host rows MiB | "
         "same tokens | prefill + stage s | read ms/step | wait ms/step | GPU wait ms/step | "
         "graph / eager steps |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -605,7 +724,9 @@ def markdown(rep: dict) -> str:
         "",
         "- peak host KV: the bytes of staged KV the decode side held at most (filled rows); host rows: "
         "the host pool rows its admitted requests reserved at most (with a partial transfer, a row "
-        "for every block unless --kv-cache-blocks bounds them).",
+        "for every block unless --kv-cache-blocks bounds them); vs first staged: the peak against the "
+        "first staged mode's at the same rate. A local row (the single-process engine) stages nothing "
+        "and reads nothing over the network: its host pool holds every block, as a full transfer's.",
         "- admit: from the prefill node's hand-over to the first token; prefill + stage: the prefill "
         "node's service time per request (p50), so it keeps up with about 1 / their sum requests/s.",
         "- read ms/step: the decode loop's time handing decode-time reads to the coordinator per step "
@@ -621,7 +742,10 @@ def markdown(rep: dict) -> str:
         "CUDA-graph steps; 0 on the CPU). The partial rows' excess over the full rows' is what late "
         "blocks cost the step.",
         "- same tokens: requests whose whole output equals the first mode's at the same rate. Each row "
-        "batches requests differently, so with random bf16 weights near-tied logits may flip.",
+        "batches requests differently, so with random bf16 weights near-tied logits may flip. A staged "
+        "request's first working set is selected by --first-query: 'prompt' is the single-process "
+        "engine's choice (equal tokens to a local row), 'first_token' (the default, the paper's) the "
+        "first token's own, which equals it only where the budget holds the whole context.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -217,10 +217,6 @@ class Fig11:
             if self.group.broken is None:
                 eng.shutdown()
 
-    def _driver(self, eng):
-        """The LLMEngine whose private admission and prefill :func:`drive` calls."""
-        return getattr(eng, "_llm", eng)
-
     def close_live(self) -> None:
         """Let the workers go from the engine they follow now (rank 0 of ``--tp``, at the end)."""
         self.close(self._live)
@@ -319,7 +315,7 @@ class Fig11:
         try:
             eng = self.engine(mode, conc, ctx, gpu_budget, host_budget, cache)
             # one allocation, not log2(C); through the driver's proxy under --tp (every rank)
-            self._driver(eng).engine.reserve_pools([(ctx, a.max_tokens)] * conc)
+            eng.reserve_pools([(ctx, a.max_tokens)] * conc)
             trace = None
             if a.trace_dir and profile is not None:
                 os.makedirs(a.trace_dir, exist_ok=True)
