@@ -42,6 +42,13 @@ class Drafter:
     #: True when the engine should hand the drafter the captured hidden states of EVERY prompt
     #: position at prefill (:meth:`feed_prompt`); needs non-empty :meth:`capture_layers`.
     wants_prompt_features = False
+    #: True when the drafter can report its probability of each draft: once
+    #: :attr:`track_confidence` is set, it keeps ``last_confidence`` (request id -> the
+    #: probability of its latest draft) up to date with every proposal. The engine sets it for
+    #: ``KvConfig.lookahead_min_confidence``, the evaluation to bin the lookahead's accuracy.
+    reports_confidence = False
+    #: Set True (only on a drafter that :attr:`reports_confidence`) to keep ``last_confidence``.
+    track_confidence = False
 
     def capture_layers(self, num_layers: int) -> tuple[int, ...]:
         """Target layers whose entering residual stream the drafter needs (none by default)."""
@@ -418,6 +425,7 @@ class Eagle3Drafter(Drafter):
     """
 
     name = "eagle3"
+    reports_confidence = True
 
     def __init__(self, head, target, *, prefill: bool = True, paged: bool | None = None) -> None:
         from .models.eagle3 import Eagle3State  # local: keeps `import oasiskv` light

@@ -143,10 +143,11 @@ class DrafterWithConfidence(NgramDrafter):
     """The n-gram drafter reporting a fixed probability for every draft, as the EAGLE-3 drafter
     does with ``track_confidence`` (``last_confidence``)."""
 
+    reports_confidence = True
+
     def __init__(self, conf: float) -> None:
         super().__init__()
         self.conf = conf
-        self.track_confidence = False
         self.last_confidence: dict[int, float] = {}
 
     def propose_batch(self, req_ids, tokens_list, features_list):

@@ -113,7 +113,8 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         self.device = next(model.parameters()).device
         self.rows = 2 if (drafter is not None and drafter.uses_lookahead_row) else 1
         # KvConfig's "auto" confidence fallback: on where the drafter reports its probability.
-        kv = self.kv = kv.resolve(reports_confidence=self.rows == 2 and hasattr(drafter, "track_confidence"))
+        confident = self.rows == 2 and drafter.reports_confidence
+        kv = self.kv = kv.resolve(reports_confidence=confident)
         self.key_codes = kv.block_score == "codes"
         if self.key_codes and c.head_dim % 4:
             raise ConfigError(
@@ -130,17 +131,17 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         # (written before each step; a captured step gathers it by the plan's slots).
         self._own_q: torch.Tensor | None = None
         if kv.lookahead_min_confidence is not None:
-            if self.rows != 2 or not hasattr(drafter, "track_confidence"):
+            if not confident:
                 raise ConfigError(
                     "KvConfig(lookahead_min_confidence=...) needs a drafter with a lookahead row that "
-                    f"reports its probability (eagle3), got {getattr(drafter, 'name', drafter)!r}; "
+                    f"reports its probability (eagle3), got {drafter.name if drafter else None!r}; "
                     "drop lookahead_min_confidence or use the eagle3 drafter"
                 )
             drafter.track_confidence = True
             self._own_q = torch.zeros(int(max_num_seqs) + 1, dtype=torch.bool, device=self.device)
         self.capture = tuple(drafter.capture_layers(c.num_hidden_layers)) if drafter is not None else ()
         # Hand the features of every prompt position to the drafter at prefill (Drafter.feed_prompt).
-        self.prompt_features = bool(self.capture) and bool(getattr(drafter, "wants_prompt_features", False))
+        self.prompt_features = bool(self.capture) and drafter.wants_prompt_features
         self.max_num_seqs = int(max_num_seqs)
         self.pools: KvPools | None = None
         self.runtime = None
@@ -328,7 +329,7 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
             p.v_pages[layer].view(-1, d).index_copy_(0, rows, v)
 
         cache = self.prefill_cache
-        key = (id(getattr(self.model, "prefill_model", self.model)), self.dtype, tuple(r.prompt))
+        key = (id(self.model), self.dtype, tuple(r.prompt))
         hit = cache.get(key, self.capture) if cache is not None else None
         if cache is not None and self.prefill_agree is not None and not self.prefill_agree(hit is not None):
             hit = None  # another rank missed: every rank runs the forward

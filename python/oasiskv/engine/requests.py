@@ -143,16 +143,16 @@ class PrefillCache:
     """Prompt -> its prefill results, so several engines (say a dense and an oasis one over the same
     model) prefill a shared prompt once. Holds at most ``capacity`` prompts, least recently used out.
 
-    Entries are keyed by (model, KV dtype, prompt); the model is the one that prefills (a model
-    wrapper that only changes decode steps names its inner model as ``prefill_model``; a
-    :class:`~oasiskv.policy.SelectionPolicy`, like the evaluation's Quest-like ``QuestPolicy``,
-    needs no wrapper). An engine that captures features stores those of every prompt
-    position, whether or not its own drafter wants them, so a hit serves a drafter with
-    ``wants_prompt_features`` exactly as a fresh prefill would (no recompute, and no dependence on
-    which engine filled the entry first). An entry serves an engine that captures nothing whatever
-    it captured (capturing does not change the KV or the logits); an engine that captures layers
-    is served only by an entry with those same layers, else it prefills and replaces the entry. So
-    where engines with and without a drafter share prompts, let one that captures prefill first.
+    Entries are keyed by (model, KV dtype, prompt): engines share an entry when they run the same
+    model object (a :class:`~oasiskv.policy.SelectionPolicy`, like the evaluation's Quest-like
+    ``QuestPolicy``, changes the decode steps without a model wrapper). An engine that captures
+    features stores those of every prompt position, whether or not its own drafter wants them,
+    so a hit serves a drafter with ``wants_prompt_features`` exactly as a fresh prefill would (no
+    recompute, and no dependence on which engine filled the entry first). An entry serves an
+    engine that captures nothing whatever it captured (capturing does not change the KV or the
+    logits); an engine that captures layers is served only by an entry with those same layers,
+    else it prefills and replaces the entry. So where engines with and without a drafter share
+    prompts, let one that captures prefill first.
 
     An entry holds the prompt's whole KV (and its features: ``3 * hidden`` values per token for
     EAGLE-3): on the model's device by default, or with ``on_host=True`` in pinned host memory

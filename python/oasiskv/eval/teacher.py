@@ -381,7 +381,7 @@ class TeacherForcing:
         n = len(chunk)
         drafter = self._drafter(policy, chunk)
         # An EAGLE-3 drafter keeps its probability of each draft (from the first one on).
-        track = getattr(drafter, "track_confidence", None) is not None
+        track = drafter is not None and drafter.reports_confidence
         if track:
             drafter.track_confidence = True
         top2 = policy.kind == "oasis" and parse_drafter(policy.drafter).top2

@@ -360,11 +360,10 @@ class EngineLoop:
         # The transfer-wait counters live on the device: read them at most twice a second (each
         # read is a small synchronous copy), between steps.
         now = time.monotonic()
-        wait_of = getattr(eng.engine, "transfer_wait", None)
-        if wait_of is not None and now - self._wait_read_at >= 0.5:
+        if now - self._wait_read_at >= 0.5:
             self._wait_read_at = now
-            self._transfer_wait_s = wait_of()[0]
-        spec = getattr(eng, "spec_stats", None) or {}
+            self._transfer_wait_s = eng.engine.transfer_wait()[0]
+        spec = eng.spec_stats
         kw["spec_drafts"] = int(spec.get("drafts", 0))
         kw["spec_accepted"] = int(spec.get("accepted", 0))
         if rt is not None:

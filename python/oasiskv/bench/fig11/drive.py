@@ -104,8 +104,7 @@ def drive(
     timed_tokens = 0
     kernels = copies = None
     waited = 0.0  # seconds the compute stream waited on transfers, over the timed steps
-    wait_of = getattr(eng.engine, "transfer_wait", None)
-    wait_seen = wait_of()[0] if wait_of is not None else 0.0  # the counter after the last step
+    wait_seen = eng.engine.transfer_wait()[0]  # the counter after the last step
     i = 0
     while eng.has_unfinished_requests():
         n = eng.num_running
@@ -121,11 +120,10 @@ def drive(
             times.append(dt)
             tpots.append(dt * n / made if made else dt)
             timed_tokens += made
-        if wait_of is not None:  # one read per step, outside its timing
-            wait_now = wait_of()[0]
-            if timed:
-                waited += wait_now - wait_seen
-            wait_seen = wait_now
+        wait_now = eng.engine.transfer_wait()[0]  # one read per step, outside its timing
+        if timed:
+            waited += wait_now - wait_seen
+        wait_seen = wait_now
         for o in outs:
             if o.finished:
                 if o.finish_reason != "length":
