@@ -13,6 +13,19 @@ from oasiskv.bench import disagg
 from support.rtd import need_binary
 
 
+def small_run(out, *flags: str) -> dict:
+    """``bench.disagg`` on the tiny preset over the CPU: two 300-token requests of 6 new tokens at
+    once, a budget of 4 of their 19 blocks (sparse from 64 tokens); its JSON report."""
+    argv = [
+        "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--daemon", need_binary(),
+        "--prompt-tokens", "300", "--max-tokens", "6", "--requests", "2", "--rates", "100",
+        "--block-size", "16", "--top-k-blocks", "4", "--sparse-threshold", "64",
+        *flags, "--json", str(out), "--md", "",
+    ]  # fmt: skip
+    assert disagg.main(argv) == 0
+    return json.loads(out.read_text())
+
+
 def test_fig12_sweep_on_the_cpu(tmp_path):
     binary = need_binary()
     out, md = tmp_path / "d.json", tmp_path / "d.md"
@@ -64,17 +77,9 @@ def test_fp8_rows_stage_and_name_fp8_blocks(tmp_path, flag):
     fp8 engine's tokens (the ``local`` row, first) under a budget of 4 of 19 blocks."""
     from oasiskv.models.config import PRESETS
 
-    binary = need_binary()
-    out = tmp_path / "d.json"
-    argv = [
-        "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--daemon", binary,
-        "--prompt-tokens", "300", "--max-tokens", "6", "--requests", "2", "--rates", "100",
-        "--block-size", "16", "--top-k-blocks", "4", "--sparse-threshold", "64",
-        "--transfers", "local,full,partial", "--first-query", "prompt",
-        flag, "fp8", "--json", str(out), "--md", "",
-    ]  # fmt: skip
-    assert disagg.main(argv) == 0
-    rep = json.loads(out.read_text())
+    rep = small_run(
+        tmp_path / "d.json", "--transfers", "local,full,partial", "--first-query", "prompt", flag, "fp8"
+    )
     pages = "fp8_e4m3" if flag == "--kv-dtype" else "float32"
     assert (rep["kv"]["kv_dtype"], rep["kv"]["host_kv_dtype"]) == (pages, "fp8_e4m3")
     assert rep["kv"]["kv_in_step_reads"] is True  # the default, with no flag
@@ -101,16 +106,7 @@ def test_the_default_first_query_selects_with_the_first_token(tmp_path):
     the staged requests' first working set is the first token's own choice, not the
     single-process engine's (the prompt's last query), so their tokens need not equal the
     ``local`` row's; full and partial transfers still agree with each other."""
-    binary = need_binary()
-    out = tmp_path / "d.json"
-    argv = [
-        "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--daemon", binary,
-        "--prompt-tokens", "300", "--max-tokens", "6", "--requests", "2", "--rates", "100",
-        "--block-size", "16", "--top-k-blocks", "4", "--sparse-threshold", "64",
-        "--transfers", "full,partial,local", "--json", str(out), "--md", "",
-    ]  # fmt: skip
-    assert disagg.main(argv) == 0
-    rep = json.loads(out.read_text())
+    rep = small_run(tmp_path / "d.json", "--transfers", "full,partial,local")
     rows = {r["transfer"]: r for r in rep["rows"]}
     assert rep["kv"]["first_query"] == "first_token"
     assert rows["partial"]["same_tokens"] == 1.0
