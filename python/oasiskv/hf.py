@@ -137,6 +137,10 @@ class _HFModel:
     which is what makes the flat batch correct (the engine attends each row over its own
     request's KV)."""
 
+    #: oasiskv.engine.EngineModel: no score reduction; the K/V come in token order.
+    score_reduce = None
+    groups_kv = False
+
     def __init__(self, hf) -> None:
         self.hf = hf
         c = hf.config.get_text_config(decoder=True)
@@ -270,7 +274,7 @@ class OasisKVCache(Cache):
         layers = model.config.get_text_config(decoder=True).num_hidden_layers
         if tuple(drafter_obj.capture_layers(layers)):
             raise ConfigError(
-                f"drafter {getattr(drafter_obj, 'name', type(drafter_obj).__name__)!r} reads the model's "
+                f"drafter {drafter_obj.name!r} reads the model's "
                 "hidden states (EAGLE-3), which oasiskv.hf does not capture from a transformers model; "
                 "pass drafter='ngram' or 'previous-query'"
             )

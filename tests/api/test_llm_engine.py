@@ -178,6 +178,9 @@ class PoisonModel(torch.nn.Module):
     """Wraps a model: logits turn NaN at position ``at``, or the forward fails for a prompt
     starting with token ``fail``."""
 
+    score_reduce = None  # oasiskv.engine.EngineModel; K/V in token order
+    groups_kv = False
+
     def __init__(self, inner, at: int = -1, fail: int = -1) -> None:
         super().__init__()
         self.inner, self.config, self.at, self.fail = inner, inner.config, at, fail
@@ -190,6 +193,27 @@ class PoisonModel(torch.nn.Module):
         bad = positions[rows] == self.at
         logits = torch.where(bad.unsqueeze(-1), torch.full_like(logits, float("nan")), logits)
         return logits, cap
+
+
+def test_a_model_without_the_engine_seam_is_refused_by_name(model):
+    """A wrapper missing :class:`oasiskv.engine.EngineModel`'s attributes is refused up front,
+    naming them, instead of failing mid-step; with them declared it runs (as PoisonModel)."""
+
+    class Bare(torch.nn.Module):
+        def __init__(self, inner) -> None:
+            super().__init__()
+            self.inner, self.config = inner, inner.config
+
+        def forward(self, *args, **kw):
+            return self.inner.forward(*args, **kw)
+
+    with pytest.raises(
+        errors.ConfigError, match=r"lacks score_reduce, groups_kv of oasiskv.engine.EngineModel"
+    ):
+        LLMEngine(Bare(model))
+    assert isinstance(model, oasiskv.engine.EngineModel)
+    assert isinstance(PoisonModel(model), oasiskv.engine.EngineModel)
+    assert not isinstance(Bare(model), oasiskv.engine.EngineModel)
 
 
 def test_non_finite_logits_and_failed_prefill_finish_one_request(model):

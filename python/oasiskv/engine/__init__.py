@@ -26,12 +26,14 @@ The package's rooms, each a module: :mod:`.requests` (requests, metrics, the pre
 :mod:`.pools` (the KV pools, runtime and admission), :mod:`.selection` (scoring, two-stage top-K,
 sinks, pins, successors, recall; the selection chain), :mod:`.speculative` (verification and
 commit), :mod:`.graphs` (buckets, capture, replay), :mod:`.step` (the decode step's forward and
-its attention callback) and :mod:`.core` (the :class:`Engine` façade over them). The block source
+its attention callback), :mod:`.model` (:class:`EngineModel`, what the engine calls on a model)
+and :mod:`.core` (the :class:`Engine` façade over them). The block source
 a disaggregated decode reads from is a :class:`~oasiskv.policy.BlockSource`.
 """
 
 from .core import BACKENDS, Engine
 from .graphs import StepGraph
+from .model import EngineModel, check_engine_model
 from .pools import HOST_POOLS, PIN_NOTICE_BYTES, KvPools, copy_to_host, i32
 from .requests import GenerationResult, PrefillCache, Prefilled, Request, RequestMetrics
 from .selection import (
@@ -68,6 +70,7 @@ __all__ = [
     "VERDICT_NONE",
     "VERDICT_REJECT",
     "Engine",
+    "EngineModel",
     "GenerationResult",
     "KvPools",
     "PrefillCache",
@@ -78,6 +81,7 @@ __all__ = [
     "SparsePlan",
     "SpecStep",
     "StepGraph",
+    "check_engine_model",
     "copy_to_host",
     "csr_tables",
     "i32",

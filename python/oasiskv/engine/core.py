@@ -11,7 +11,6 @@ They share the engine's attributes, all set in :meth:`Engine.__init__`.
 
 from __future__ import annotations
 
-import inspect
 import math
 
 import torch
@@ -22,6 +21,7 @@ from ..drafters import Drafter
 from ..errors import ConfigError
 from ..policy import BlockSource, LocalHostPool, SelectionPolicy
 from .graphs import GraphsMixin, StepGraph, split_caps
+from .model import check_engine_model
 from .pools import HOST_POOLS, KvPools, PoolsMixin, i32
 from .prefill import SparsePrefill
 from .requests import PrefillCache, Prefilled, Request
@@ -89,13 +89,14 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         background_streams: int | None = None,
     ) -> None:
         check_backend(backend, host_pool)
+        check_engine_model(model)
         self.host_pool = host_pool
         self.model = model
-        # A model whose forward takes kv_groups (CausalLM) hands a decode step's K/V grouped by
-        # row (each request's token row, then each lookahead row: contiguous for the append and
-        # the attention's extra row), written so by the QKV prologue kernel; any other model's
-        # K/V is regrouped here with one copy per tensor.
-        self._kv_grouped = "kv_groups" in inspect.signature(model.forward).parameters
+        # A model that groups a decode step's K/V by row (EngineModel.groups_kv: CausalLM's QKV
+        # prologue kernel writes each request's token row, then each lookahead row, contiguous
+        # for the append and the attention's extra row); any other model's K/V is regrouped here
+        # with one copy per tensor.
+        self._kv_grouped = bool(model.groups_kv)
         self.cfg = model.config
         self.kv = kv
         self.backend = backend
@@ -201,7 +202,7 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         #: shard's ``score_reduce`` sums each block's partial score ``[nnz, num_kv_heads]`` (this
         #: rank's query heads of the KV head) over the ranks sharing the head, before every top-K,
         #: so that they select the same blocks; None otherwise.
-        self.score_reduce = getattr(model, "score_reduce", None)
+        self.score_reduce = model.score_reduce
 
     def _init_graph_state(self, cuda_graph: bool) -> None:
         """The captured steps' state (part of __init__)."""

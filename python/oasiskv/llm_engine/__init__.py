@@ -46,7 +46,7 @@ import torch
 
 from ..config import KvConfig
 from ..drafters import Drafter, make_drafter
-from ..engine import Engine, GenerationResult, PrefillCache
+from ..engine import Engine, GenerationResult, PrefillCache, check_engine_model
 from ..errors import ConfigError
 from .decode import Decoder
 from .drafting import Drafting
@@ -227,8 +227,9 @@ class LLMEngine(Scheduler, Decoder, Sampler, Drafting, Lifecycle):
             device = resolve_device(device)
             model, loaded_tok = load_model(model, dtype=dtype or compute_dtype(device), device=device)
             tokenizer = tokenizer or loaded_tok
-        if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        if not isinstance(model, torch.nn.Module):
             raise ConfigError(f"model must be a path, 'smollm2' or a CausalLM, got {type(model).__name__}")
+        check_engine_model(model)
         if model_name is None:
             check_model_placement(model, device, dtype)
         if backend not in ("oasis", "dense"):

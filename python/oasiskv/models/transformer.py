@@ -509,6 +509,11 @@ class CausalLM(nn.Module):
     in :mod:`oasiskv.models.loader`. Parameters have ``requires_grad=False`` (inference model).
     """
 
+    #: oasiskv.engine.EngineModel: no score reduction (TPCausalLM sets one where KV heads are
+    #: replicated across ranks); forward takes ``kv_groups`` and hands K/V grouped by row.
+    score_reduce = None
+    groups_kv = True
+
     def __init__(
         self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
     ):
