@@ -158,6 +158,27 @@ def test_fp8_tokens_equal_the_single_process_engine(model, daemon, tier, transfe
     assert all_released(eng.kv_source.client)
 
 
+@pytest.mark.parametrize("transfer", ["partial", "full"])
+@pytest.mark.parametrize("tier", sorted(FP8))
+def test_a_prompt_of_whole_blocks_decodes_the_single_process_tokens(model, daemon, tier, transfer):
+    """A prompt that fills its last block (288 = 18 x 16 tokens) has no partial last block: the
+    worker stages no ``oasis/local_kv`` section over float pages, and the decode side must not ask
+    for one (it did, failing the admission; found by ``bench.disagg --host-kv-dtype fp8`` at 4,096
+    tokens). Its tokens equal the single-process engine's."""
+    kv = KvConfig(**SMALL, **FP8[tier])
+    prompts = [prompt(288, s) for s in SEEDS]
+    handles = _stage(model, kv, daemon.addr, prompts)
+    eng = LLMEngine(model, kv=kv, drafter="ngram", kv_source=daemon.url, kv_transfer=transfer)
+    outs = _run(eng, [lambda e, h=h: e.add_staged_request(h, _params()) for h in handles])
+    ref = LLMEngine(model, kv=kv, backend="oasis", drafter="ngram")
+    refs = _run(ref, [lambda e, p=p: e.add_request(p, _params()) for p in prompts])
+    for o, r in zip(outs, refs, strict=True):
+        assert o.finish_reason == "length", o.error
+        assert o.token_ids == r.token_ids
+    assert eng.kv_source.stats.failures == 0 and pools_are_full(eng)
+    assert all_released(eng.kv_source.client)
+
+
 def test_fp8_blocks_cross_in_about_half_of_bf16_s_bytes(daemon):
     """The same prompt staged from a bf16 model with plain and with fp8 blocks: the blocks (the
     handle's ``kv_bytes`` and what the daemon returns for every block) are exactly

@@ -199,7 +199,7 @@ class AdmissionMixin:
             # engine's summaries bound the keys before quantization, so the staged rows come along.
             sections = self._fetch_admission(st, layers, pf)
         st.admitting.query = self._checked_meta(sections, n)
-        st.admitting.local = self._local_kv(sections, layers)
+        st.admitting.local = self._local_kv(sections, layers, n)
         # Its blocks, streamed into its rows by the coordinator while others decode: every
         # block of every layer (whole), or each KV head's first working set.
         if self.transfer == "full":
@@ -358,14 +358,15 @@ class AdmissionMixin:
             )
         return sections
 
-    def _local_kv(self, sections: dict, layers: int) -> torch.Tensor | None:
+    def _local_kv(self, sections: dict, layers: int, prompt_len: int) -> torch.Tensor | None:
         """The staged partial last block, unquantized, ``[layers, 2, Hkv, b, D]``, when this
         engine's pages are float over an fp8 host pool (None otherwise: the host row holds the
-        local page's bytes)."""
+        local page's bytes; and for a prompt of whole blocks, which has no partial last block:
+        its first token starts a fresh local page)."""
         eng = self.engine
-        if not eng.host_kv8 or eng.page_kv8:
-            return None
         g = eng.geo
+        if not eng.host_kv8 or eng.page_kv8 or prompt_len % g.block_size == 0:
+            return None
         raw = sections.get(LOCAL_SECTION)
         want = layers * 2 * g.num_kv_heads * g.block_size * g.head_dim * eng.dtype.itemsize
         if raw is None or len(raw) != want:
