@@ -94,6 +94,9 @@ def test_fp8_rows_stage_and_name_fp8_blocks(tmp_path, flag):
         assert r["failures"] == 0 and r["same_tokens"] == 1.0
     for t in ("full", "partial"):
         assert rows[t]["kv_bytes_per_request"] == fp8_kv
+        # Host rows counted at the host pool's row size (fp8), not the pages' (float32 under
+        # --host-kv-dtype): two requests of at most 20 blocks (306 tokens) each.
+        assert fp8_kv <= rows[t]["host_reserved_peak_bytes"] <= 2 * 20 * fp8_kv // 19
     assert rows["partial"]["fetched_bytes_per_request"] > 0  # the selection drifted to unsent blocks
     # The single-process row stages nothing and moves nothing over the network.
     loc = rows["local"]

@@ -460,9 +460,7 @@ def run_row(eng, args, conn, transfer: str, rate: float, prompts) -> dict:
         # Host pool rows the admitted requests reserved at most (what the pinned pool must
         # hold): rows a partial transfer reserves but never fills count, unless
         # --kv-cache-blocks bounds them.
-        "host_reserved_peak_bytes": peak_rows
-        * eng.engine.pools.page_bytes
-        * eng.engine.cfg.num_hidden_layers,
+        "host_reserved_peak_bytes": peak_rows * eng.engine.host_row_bytes_all_layers,
         # Decode steps replayed from captured graphs, and run eagerly.
         "graph_replays": eng.engine.graph_stats["replays"] - graphs0["replays"],
         "eager_steps": eng.engine.graph_stats["eager"] - graphs0["eager"],
