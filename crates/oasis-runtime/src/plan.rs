@@ -307,12 +307,41 @@ impl StepPlan {
         pad: Option<&PlanPad>,
         spec: bool,
     ) {
-        let b = cfg.block_size;
         self.arena.clear();
         self.layout = Default::default();
         self.num_seqs = tables.len();
-        let rows = cfg.rows;
         let seqs = pad.map(|p| p.rows);
+        self.put_token_rows(cfg, tables, input_ids, seqs);
+        self.put_attention(tables, map_pages, map_values, pad);
+        self.put_selection(cfg, tables, pad);
+        let drafts = if spec {
+            seqs.unwrap_or(tables.len())
+        } else {
+            0
+        };
+        for (f, fill) in [
+            (PlanField::SpecPageIds, -1),
+            (PlanField::SpecOffsets, 0),
+            (PlanField::SpecHostIds, -1),
+            (PlanField::SpecHostRows, -1),
+        ] {
+            self.put(f, std::iter::repeat_n(fill, drafts));
+        }
+        let end = self.arena.len().div_ceil(ALIGN) * ALIGN;
+        self.arena.resize(end, 0);
+    }
+
+    /// The per-token fields of [`StepPlan::build`]: input ids and positions (every row), then
+    /// per request the page and offset its token lands in, its host id and row (sparse) and
+    /// the local block's length after it.
+    fn put_token_rows(
+        &mut self,
+        cfg: &RuntimeConfig,
+        tables: &[&RequestTable],
+        input_ids: &[i32],
+        seqs: Option<usize>,
+    ) {
+        let (b, rows) = (cfg.block_size, cfg.rows);
         self.put_padded(
             PlanField::InputIds,
             input_ids.iter().copied(),
@@ -377,6 +406,18 @@ impl StepPlan {
             seqs,
             1,
         );
+    }
+
+    /// The attention tables of [`StepPlan::build`]: per request its dense page table, or its K
+    /// slots then the local page (CSR), and the head-wise mapping's updates.
+    fn put_attention(
+        &mut self,
+        tables: &[&RequestTable],
+        map_pages: &[u32],
+        map_values: &[i32],
+        pad: Option<&PlanPad>,
+    ) {
+        let seqs = pad.map(|p| p.rows);
         // Attention: dense page table, or the K slots then the local page.
         self.open(PlanField::KvIndptr);
         self.arena.push(0);
@@ -404,7 +445,18 @@ impl StepPlan {
         self.close(PlanField::KvIndices);
         self.put(PlanField::MapPages, map_pages.iter().map(|&p| p as i32));
         self.put(PlanField::MapValues, map_values.iter().copied());
+    }
 
+    /// The sparse requests' selection tables of [`StepPlan::build`]: rows and slots, slot pages,
+    /// the scoring CSR (and its per-block request), the gather's host rows, the recall CSR, and
+    /// the blocks this step completes.
+    fn put_selection(
+        &mut self,
+        cfg: &RuntimeConfig,
+        tables: &[&RequestTable],
+        pad: Option<&PlanPad>,
+    ) {
+        let b = cfg.block_size;
         // The sparse requests' selection tables: every sparse request, then (padded) empty entries
         // up to `rows` when the runtime is sparse, or none.
         let sparse: Vec<(usize, &RequestTable)> = tables
@@ -500,21 +552,6 @@ impl StepPlan {
                 -1,
             );
         }
-        let drafts = if spec {
-            seqs.unwrap_or(tables.len())
-        } else {
-            0
-        };
-        for (f, fill) in [
-            (PlanField::SpecPageIds, -1),
-            (PlanField::SpecOffsets, 0),
-            (PlanField::SpecHostIds, -1),
-            (PlanField::SpecHostRows, -1),
-        ] {
-            self.put(f, std::iter::repeat_n(fill, drafts));
-        }
-        let end = self.arena.len().div_ceil(ALIGN) * ALIGN;
-        self.arena.resize(end, 0);
     }
 
     /// Set request `i`'s (batch row) draft target: the tentative slot its draft's K/V is written
