@@ -398,11 +398,26 @@ def test_refusals(model):
         (o,) = run_batch(eng, [lambda e: e.add_staged_request(h, params(4))])
         assert o.finish_reason == "error" and "geometry" in o.error
         assert pools_are_full(eng)
-        # Too short to turn sparse: refused at admission, with the fix.
-        worker = PrefillWorker(model, KvConfig.fast(**SMALL), d.addr)
+        # Too short to turn sparse: decoded sparsely from its first step over a budget (4 + 1
+        # blocks of 16) that holds its whole context, so its tokens are the single-process
+        # engine's, which attends densely below the threshold.
+        worker = PrefillWorker(model, KvConfig.fast(**SMALL), d.addr, first_query="prompt")
         h = worker.prefill(prompt(40, 3))
-        (o,) = run_batch(eng, [lambda e: e.add_staged_request(h, params(4))])
-        assert o.finish_reason == "error" and "sparse_threshold" in o.error
+        (o,) = run_batch(eng, [lambda e: e.add_staged_request(h, params())])  # 63 tokens at most
+        (ref,) = reference(model, KvConfig.fast(**SMALL), "oasis", [prompt(40, 3)])
+        assert o.finish_reason == "length", o.error
+        assert o.token_ids == ref.token_ids and not ref.metrics.sparse_since_token
+        assert pools_are_full(eng)
+        # Below a threshold raised past the budget, where the sparse steps would attend to less
+        # than the dense ones: refused at admission, with the fix.
+        high = LLMEngine(model, kv=KvConfig.fast(**{**SMALL, "sparse_threshold": 200}), kv_source=d.url)
+        h = worker.prefill(prompt(150, 3))
+        (o,) = run_batch(high, [lambda e: e.add_staged_request(h, params(4))])
+        assert (
+            o.finish_reason == "error" and "sparse budget of 80" in o.error and "sparse_threshold" in o.error
+        )
+        assert pools_are_full(high)
+        high.kv_source.close()
         # An unknown request id.
         h = worker.prefill(prompt(P, 3))
         assert worker.release(h.request_id) > 0

@@ -145,11 +145,20 @@ class AdmissionMixin:
                 "KvConfig.block_size and kv dtypes"
             )
         if not eng.runtime.reservation(n, r.max_new_tokens)[2]:
-            raise ConfigError(
-                f"a staged request decodes sparsely from its first step, but a {n}-token prompt with "
-                f"max_tokens={r.max_new_tokens} never passes sparse_threshold={eng.kv.threshold_tokens}; "
-                "lower KvConfig.sparse_threshold or raise max_tokens"
-            )
+            # Below the threshold the single-process engine attends densely. A staged request
+            # decodes sparsely from its first step, which is the same attention where the budget
+            # holds its whole context (always with the default threshold, K blocks).
+            kv, b = eng.kv, eng.geo.block_size
+            budget = (min(kv.layer_blocks or (kv.top_k_blocks,)) + 1) * b
+            context = n + r.max_new_tokens - 1
+            if context > budget:
+                raise ConfigError(
+                    f"a staged request decodes sparsely from its first step, but a {n}-token prompt "
+                    f"with max_tokens={r.max_new_tokens} stays below sparse_threshold="
+                    f"{kv.threshold_tokens} (dense attention in a single-process engine) while its "
+                    f"{context} tokens pass the sparse budget of {budget}; lower KvConfig.sparse_threshold "
+                    "to at most top_k_blocks * block_size, or raise top_k_blocks"
+                )
         c0 = self.conns.wire()
         pf = self.read_ahead.take(handle.request_id)
         if self._streaming() and self._moves_pools(n, r.max_new_tokens):

@@ -13,10 +13,11 @@ first decode step's working set (``first_query``):
 - ``"prompt"``: the last prompt position's query, the one the single-process engine selects with
   when a request turns sparse right after its prefill (``Engine.make_sparse``). Greedy tokens of
   the decode node then equal the single-process OasisKV engine's token for token, whatever the
-  budget (``tests/disagg/test_disagg.py``), for a prompt longer than ``sparse_threshold``: a
+  budget (``tests/disagg/test_disagg.py``), for a prompt longer than ``sparse_threshold``. A
   staged request decodes sparsely from its first step, while the single-process engine decodes
-  a shorter prompt densely until its context passes the threshold (with an fp8 tier the two then
-  read differently rounded KV). With ``"first_token"`` they equal them (and dense) only when the
+  a shorter prompt densely until its context passes the threshold: the same attention over float
+  tiers (the budget holds such a context), but with an fp8 tier the two read differently rounded
+  KV (the staged blocks come from the fp8 host pool). With ``"first_token"`` they equal them (and dense) only when the
   budget holds the whole context.
 
 Per layer it builds the block summaries (``ops.build_summaries`` on a copy of the request's

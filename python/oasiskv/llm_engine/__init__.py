@@ -351,8 +351,9 @@ class LLMEngine(Scheduler, Decoder, Sampler, Drafting, Lifecycle):
         the staging daemon (``handle``: its :class:`~oasiskv.disagg.StagedRequest`, or that
         object's JSON). It waits for admission like any request; admitted, its KV comes from the
         daemon (``kv_transfer``) instead of a prefill, its first token is the handle's, and it
-        decodes sparsely from its first step. Needs ``kv_source``. Raises as
-        :meth:`add_request`."""
+        decodes sparsely from its first step (a prompt too short for ``sparse_threshold`` too,
+        where the budget holds its whole context: the dense attention). Needs ``kv_source``.
+        Raises as :meth:`add_request`."""
         from ..disagg import StagedRequest
 
         if self.kv_source is None:
