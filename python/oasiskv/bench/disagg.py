@@ -61,6 +61,8 @@ import sys
 import time
 from pathlib import Path
 
+from ..serve.cli import add_kv_dtype_arguments
+
 #: The transfer modes, in report order (``LLMEngine(kv_transfer=...)``).
 TRANSFERS = ("full", "partial")
 #: What ``--transfers`` takes: the transfer modes, and ``local``, the single-process engine (the
@@ -173,20 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--fetch-cap", type=float, default=0.05)
     k.add_argument("--sparse-threshold", type=_positive, default=None, help="default: the KvConfig's")
     k.add_argument("--host-kv-budget", default=None, help="the decode engine's host pool, e.g. 64GiB")
-    k.add_argument(
-        "--kv-dtype",
-        default="auto",
-        choices=["auto", "fp8_e4m3", "fp8"],
-        help="both nodes' KV pages: the model's dtype ('auto') or fp8_e4m3 (the host pool and the "
-        "staged blocks too; KvConfig.kv_dtype)",
-    )
-    k.add_argument(
-        "--host-kv-dtype",
-        default="auto",
-        choices=["auto", "fp8_e4m3", "fp8"],
-        help="both nodes' host pool: as the pages ('auto') or fp8_e4m3 (the staged blocks too: about "
-        "half of bf16's bytes over the network; KvConfig.host_kv_dtype)",
-    )
+    add_kv_dtype_arguments(k, whose="both nodes'")  # the staged blocks are the host pool's
     k.add_argument(
         "--read-connections",
         type=_positive,

@@ -17,8 +17,8 @@ first decode step's working set (``first_query``):
   staged request decodes sparsely from its first step, while the single-process engine decodes
   a shorter prompt densely until its context passes the threshold: the same attention over float
   tiers (the budget holds such a context), but with an fp8 tier the two read differently rounded
-  KV (the staged blocks come from the fp8 host pool). With ``"first_token"`` they equal them (and dense) only when the
-  budget holds the whole context.
+  KV (the staged blocks come from the fp8 host pool). With ``"first_token"`` they equal them (and
+  dense) only when the budget holds the whole context.
 
 Per layer it builds the block summaries (``ops.build_summaries`` on a copy of the request's
 pages) and stages every block and summary row (in frames of a few MiB, over

@@ -8,7 +8,7 @@ import ipaddress
 import os
 import sys
 
-from ..config import BLOCK_SCORES, FAST_SELECTION, SELECTIONS
+from ..config import BLOCK_SCORES, FAST_SELECTION, FP8_KV_NAMES, SELECTIONS
 from .config import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, DEFAULT_MAX_TOKENS, ServeConfig
 
 
@@ -194,20 +194,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="oasis", choices=["oasis", "dense"])
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument(
-        "--kv-dtype",
-        default="auto",
-        choices=["auto", "fp8_e4m3", "fp8"],
-        help="the KV pages' storage: the model's dtype ('auto') or fp8_e4m3 (E4M3 with a scale per "
-        "page and KV head, the host pool too unless --host-kv-dtype says otherwise; KvConfig.kv_dtype)",
-    )
-    p.add_argument(
-        "--host-kv-dtype",
-        default="auto",
-        choices=["auto", "fp8_e4m3", "fp8"],
-        help="the host KV pool's storage: as the pages ('auto') or fp8_e4m3 (E4M3 with a scale per "
-        "block and KV head: half the host RAM and PCIe bytes of bf16; KvConfig.host_kv_dtype)",
-    )
+    add_kv_dtype_arguments(p)
     p.add_argument(
         "--kv8-attention-kernel",
         default=None,
@@ -249,6 +236,28 @@ def add_graph_arguments(p: argparse.ArgumentParser, cuda_graph_help: str | None 
         "--cuda-graph",
         action="store_true",
         help=cuda_graph_help or "the default on a GPU now (kept for old command lines); see --enforce-eager",
+    )
+
+
+def add_kv_dtype_arguments(p, whose: str = "the") -> None:
+    """``--kv-dtype`` and ``--host-kv-dtype`` (read back by :func:`kv_dtype` and
+    :func:`host_kv_dtype`): shared by ``oasis serve``, ``oasis generate``, ``oasis demo``, the
+    serving benchmark and ``bench.disagg`` (``whose="both nodes'"``: the prefill worker's and
+    the decode engine's)."""
+    choices = ["auto", *FP8_KV_NAMES]
+    p.add_argument(
+        "--kv-dtype",
+        default="auto",
+        choices=choices,
+        help=f"{whose} KV pages' storage: the model's dtype ('auto') or fp8_e4m3 (E4M3 with a scale per "
+        "page and KV head, the host pool too unless --host-kv-dtype says otherwise; KvConfig.kv_dtype)",
+    )
+    p.add_argument(
+        "--host-kv-dtype",
+        default="auto",
+        choices=choices,
+        help=f"{whose} host KV pool's storage: as the pages ('auto') or fp8_e4m3 (E4M3 with a scale per "
+        "block and KV head: half the host RAM and PCIe bytes of bf16; KvConfig.host_kv_dtype)",
     )
 
 
