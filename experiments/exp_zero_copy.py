@@ -350,7 +350,11 @@ def batch_memcpy(args, drv, pool, dev):
     # CUDA 13's entry point has no failIdx; the 12.8 one (kept under the plain name) has.
     v2 = hasattr(drv.cu, "cuMemcpyBatchAsync_v2")
     f = drv.cu.cuMemcpyBatchAsync_v2 if v2 else drv.cu.cuMemcpyBatchAsync
-    stream = torch.cuda.current_stream(dev).cuda_stream
+    # Not torch's current stream: that is the legacy NULL stream (handle 0), which
+    # cuMemcpyBatchAsync refuses outright as an invalid argument (s28's first try). A created
+    # stream; the timing events are recorded on it too.
+    side = torch.cuda.Stream(dev)
+    stream = side.cuda_stream
     rows = []
     for eb in args.entry_bytes:
         n_slots = pool.numel() // eb
@@ -361,8 +365,8 @@ def batch_memcpy(args, drv, pool, dev):
         dsts = (ctypes.c_uint64 * n)(*[dst.data_ptr() + i * eb for i in range(n)])
         srcs = (ctypes.c_uint64 * n)(*[pool.data_ptr() + int(j) * eb for j in idx])
         sizes = (ctypes.c_size_t * n)(*([eb] * n))
-        # Any source order and no location hints (as vLLM's CPU offload passes them): s28's first
-        # try, stream order with host / device hints, was refused as an invalid argument.
+        # Any source order; no location hints (the driver ignores them for memory that is not
+        # managed). s28's invalid argument was the legacy NULL stream, above.
         attrs = MemcpyAttrs(3, MemLoc(0, 0), MemLoc(0, 0), 0)
         idxs = (ctypes.c_size_t * 1)(0)
         fail = ctypes.c_size_t(0)
@@ -373,6 +377,7 @@ def batch_memcpy(args, drv, pool, dev):
         def run(call=call, fail=fail):
             drv.check(f(*call), f"cuMemcpyBatchAsync (fail index {fail.value})")
 
+        torch.cuda.synchronize()  # dst, ref and the pool are ready before the side stream reads them
         for _ in range(2):
             run()
         torch.cuda.synchronize()
@@ -380,10 +385,10 @@ def batch_memcpy(args, drv, pool, dev):
 
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t0 = time.perf_counter()
-        a.record()
+        a.record(side)
         for _ in range(args.iters):
             run()
-        b.record()
+        b.record(side)
         host_s = (time.perf_counter() - t0) / args.iters
         torch.cuda.synchronize()
         t = a.elapsed_time(b) / args.iters * 1e-3
