@@ -276,6 +276,27 @@ def test_a_staged_request_takes_only_its_working_set_on_the_gpu(model):
         assert pools_are_full(tight)
 
 
+@pytest.mark.parametrize("transfer", ["partial", "full"])
+def test_prompts_at_the_block_and_threshold_edges_decode_the_single_process_tokens(model, transfer):
+    """Prompt lengths at the edges: a single block and a partial one, one short of, at and one
+    past the threshold (64), whole blocks (288) and a partial last block (300). Staged with the
+    single-process engine's first query, each decodes that engine's greedy tokens, in one batch
+    (a short one densely there, sparsely here over a budget that holds its context)."""
+    lengths = (16, 40, 63, 64, 65, 288, 300)
+    with Daemon() as d:
+        worker = PrefillWorker(model, KvConfig.fast(**SMALL), d.addr, first_query="prompt")
+        handles = [worker.prefill(prompt(n, n)) for n in lengths]
+        worker.close()
+        eng = staged_engine(model, d, kv_transfer=transfer)
+        outs = run_batch(eng, [lambda e, h=h: e.add_staged_request(h, params()) for h in handles])
+        refs = reference(model, KvConfig.fast(**SMALL), "oasis", [prompt(n, n) for n in lengths])
+        for n, o, r in zip(lengths, outs, refs, strict=True):
+            assert o.finish_reason == "length", (n, o.error)
+            assert o.token_ids == r.token_ids, n
+        assert pools_are_full(eng)
+        eng.kv_source.close()
+
+
 def test_a_bounded_host_pool_decodes_as_the_unbounded_one(model):
     """``kv_cache_blocks=C`` below the context: the same greedy tokens as the unbounded partial
     run, at most ``C`` cached blocks (plus the partial last block, which the request writes) per
