@@ -31,24 +31,40 @@ pub const E4M3_MAX: f32 = 448.0;
 pub const BOUND8_MIN_EXP: i32 = -120;
 
 /// The f32 value of E4M3 bits `c` (sign, 4 exponent bits biased by 7, 3 mantissa bits; exponent
-/// field 0 is subnormal, `m 2^-9`). `0x7f`/`0xff` (E4M3's NaN) decode as NaN.
+/// field 0 is subnormal, `m 2^-9`). `0x7f`/`0xff` (E4M3's NaN) decode as NaN. A table lookup
+/// ([`E4M3_VALUES`]): the CPU twins decode every bound, code and page byte through it.
 #[inline]
 pub fn e4m3_decode(c: u8) -> f32 {
-    let ex = i32::from((c >> 3) & 15);
-    let m = f32::from(c & 7);
-    if ex == 15 && c & 7 == 7 {
-        return f32::NAN;
+    E4M3_VALUES[c as usize]
+}
+
+/// Every E4M3 code's f32 value, indexed by the code (NaN for `0x7f`/`0xff`), built at compile
+/// time from the bit layouts: a code of exponent field `e >= 1` is `(8 + m) 2^(e - 10)`, an f32
+/// of exponent field `e + 120` and mantissa `m << 20`; a subnormal `m 2^-9` (`m` in 1..=7) is
+/// normal in f32, its leading bit at `2^k`, `k = floor(log2 m)`.
+pub static E4M3_VALUES: [f32; 256] = e4m3_values();
+
+const fn e4m3_values() -> [f32; 256] {
+    let mut out = [0.0f32; 256];
+    let mut c = 0usize;
+    while c < 256 {
+        let sign = ((c as u32) & 0x80) << 24;
+        let e = ((c >> 3) & 15) as u32;
+        let m = (c & 7) as u32;
+        let bits = if e == 15 && m == 7 {
+            0x7fc0_0000 // f32::NAN, as e4m3_decode always returned (either sign)
+        } else if e > 0 {
+            sign | ((e + 120) << 23) | (m << 20)
+        } else if m == 0 {
+            sign // +-0
+        } else {
+            let k = 31 - m.leading_zeros(); // 0, 1 or 2
+            sign | ((k + 118) << 23) | ((m - (1 << k)) << (23 - k))
+        };
+        out[c] = f32::from_bits(bits);
+        c += 1;
     }
-    let mag = if ex == 0 {
-        m * 2f32.powi(-9)
-    } else {
-        (8.0 + m) * 2f32.powi(ex - 10)
-    };
-    if c & 0x80 != 0 {
-        -mag
-    } else {
-        mag
-    }
+    out
 }
 
 /// The largest E4M3 magnitude `<= a`, as bits (`0 <= a <= 448`, finite).
@@ -280,6 +296,33 @@ mod tests {
         v.sort_by(|a, b| a.partial_cmp(b).unwrap());
         v.dedup();
         v
+    }
+
+    /// The format's arithmetic definition, which the table replaces.
+    fn decode_by_arithmetic(c: u8) -> f32 {
+        let ex = i32::from((c >> 3) & 15);
+        let m = f32::from(c & 7);
+        if ex == 15 && c & 7 == 7 {
+            return f32::NAN;
+        }
+        let mag = if ex == 0 {
+            m * 2f32.powi(-9)
+        } else {
+            (8.0 + m) * 2f32.powi(ex - 10)
+        };
+        if c & 0x80 != 0 {
+            -mag
+        } else {
+            mag
+        }
+    }
+
+    #[test]
+    fn the_table_is_the_arithmetic_decode_bit_for_bit() {
+        for c in 0u8..=255 {
+            let (t, a) = (e4m3_decode(c), decode_by_arithmetic(c));
+            assert_eq!(t.to_bits(), a.to_bits(), "code {c:#04x}: {t} vs {a}");
+        }
     }
 
     #[test]

@@ -41,8 +41,24 @@ pub const CODE_LEVELS: f32 = 3.0;
 /// the same products.
 #[inline]
 pub fn code_weight(q: f32, lo: f32, hi: f32) -> f32 {
-    let q3 = f16::from_f32(q / CODE_LEVELS).to_f32();
-    let r = f16::from_f32(hi - lo).to_f32();
+    weight_of(query_third(q), range_f16(lo, hi))
+}
+
+/// `f16(q / 3)` as an f32: [`code_weight`]'s query factor (once per query value).
+#[inline]
+fn query_third(q: f32) -> f32 {
+    f16::from_f32(q / CODE_LEVELS).to_f32()
+}
+
+/// `f16(hi - lo)` as an f32: [`code_weight`]'s range factor (once per block, head and channel).
+#[inline]
+fn range_f16(lo: f32, hi: f32) -> f32 {
+    f16::from_f32(hi - lo).to_f32()
+}
+
+/// `f16(q3 r)` as an f32: [`code_weight`] from its two factors.
+#[inline]
+fn weight_of(q3: f32, r: f32) -> f32 {
     f16::from_f32(q3 * r).to_f32()
 }
 
@@ -166,11 +182,11 @@ pub fn score_blocks_codes<T: KvElem>(
     check_len("scores", scores.len(), &[blk_indices.len(), h_kv])?;
     all_indices("blk_indices", blk_indices, num_host)?;
     let mut scratch = Scratch::new(geo.head_dim);
-    for_each_query(geo, q, |s, qf| {
+    for_each_query(geo, q, |s, query| {
         for j in csr_range(blk_indptr, s) {
             let b = blk_indices[j] as usize; // validated
             for h in 0..h_kv {
-                scores[j * h_kv + h] = entry_score(geo, qf, &basis, b, h, &mut scratch);
+                scores[j * h_kv + h] = entry_score(geo, query, &basis, b, h, &mut scratch);
             }
         }
     });
@@ -185,11 +201,13 @@ struct CodesBasis<'a> {
 }
 
 /// Per-call buffers of [`entry_score`]: the decoded bound of one (block, head) and the code
-/// weights of one query head, `head_dim` values each.
+/// weights of one query head, `head_dim` values each, and the block's tokens' logits.
 struct Scratch {
     lo: Vec<f32>,
     hi: Vec<f32>,
+    r: Vec<f32>,
     w: Vec<f32>,
+    logits: Vec<f32>,
 }
 
 impl Scratch {
@@ -197,7 +215,9 @@ impl Scratch {
         Self {
             lo: vec![0.0; d],
             hi: vec![0.0; d],
+            r: vec![0.0; d],
             w: vec![0.0; d],
+            logits: Vec::new(),
         }
     }
 }
@@ -227,17 +247,26 @@ fn check_inputs<T: KvElem>(
     Ok((num_seqs, num_host))
 }
 
-/// `f(s, q_s)` for every sequence `s` of `q` `[num_seqs, num_qo_heads, head_dim]`, with its
-/// queries as f32 (one buffer, refilled per sequence).
-fn for_each_query<T: KvElem>(geo: &KvGeometry, q: &[T], mut f: impl FnMut(usize, &[f32])) {
+/// `f(s, Query)` for every sequence `s` of `q` `[num_seqs, num_qo_heads, head_dim]`: its
+/// queries as f32 and their code factors `f16(q / 3)` (buffers refilled per sequence).
+fn for_each_query<T: KvElem>(geo: &KvGeometry, q: &[T], mut f: impl FnMut(usize, Query<'_>)) {
     let row = geo.num_qo_heads * geo.head_dim;
-    let mut qf = vec![0.0f32; row];
+    let (mut qf, mut q3) = (vec![0.0f32; row], vec![0.0f32; row]);
     for (s, qs) in q.chunks_exact(row).enumerate() {
-        for (x, &v) in qf.iter_mut().zip(qs) {
+        for ((x, t), &v) in qf.iter_mut().zip(q3.iter_mut()).zip(qs) {
             *x = v.to_f32();
+            *t = query_third(*x);
         }
-        f(s, &qf);
+        f(s, Query { qf: &qf, q3: &q3 });
     }
+}
+
+/// One sequence's queries `[num_qo_heads, head_dim]` as f32 (`qf`) and their code factors
+/// `f16(q / 3)` (`q3`, [`code_weight`]).
+#[derive(Clone, Copy)]
+struct Query<'a> {
+    qf: &'a [f32],
+    q3: &'a [f32],
 }
 
 /// The codes score of host block `b` for KV head `h` (the sum over the group of the block's
@@ -245,7 +274,7 @@ fn for_each_query<T: KvElem>(geo: &KvGeometry, q: &[T], mut f: impl FnMut(usize,
 /// Shapes and `b` are the caller's to check.
 fn entry_score(
     geo: &KvGeometry,
-    qf: &[f32],
+    query: Query<'_>,
     basis: &CodesBasis<'_>,
     b: usize,
     h: usize,
@@ -258,26 +287,40 @@ fn entry_score(
         geo.group_size(),
     );
     let row = d / 4;
-    let Scratch { lo, hi, w } = scratch;
+    let Scratch {
+        lo,
+        hi,
+        r,
+        w,
+        logits,
+    } = scratch;
     decode_bound8(basis.bounds8, basis.scales, b * h_kv + h, lo, hi);
+    for x in 0..d {
+        r[x] = range_f16(lo[x], hi[x]);
+    }
     let blk = &basis.codes[(b * h_kv + h) * bs * row..][..bs * row];
     let mut acc = 0.0f32;
     for g in h * gs..(h + 1) * gs {
-        let qg = &qf[g * d..(g + 1) * d];
+        let (qg, q3) = (&query.qf[g * d..(g + 1) * d], &query.q3[g * d..(g + 1) * d]);
         let mut base = 0.0f32;
         for x in 0..d {
             base += qg[x] * lo[x];
-            w[x] = code_weight(qg[x], lo[x], hi[x]);
+            w[x] = weight_of(q3[x], r[x]); // code_weight(qg[x], lo[x], hi[x])
         }
-        let mut best = f32::NEG_INFINITY;
-        for t in blk.chunks_exact(row) {
-            let mut logit = base;
-            for (i, &byte) in t.iter().enumerate() {
-                for jj in 0..4 {
-                    let c = ((byte >> (2 * jj)) & 3) as f32;
-                    logit += w[4 * i + jj] * c;
+        // Each token's logit is `base` plus its codes' terms in d order, as one chain; the
+        // tokens' chains advance side by side (the same sums, bit for bit, without one add
+        // waiting on the last across the whole block).
+        logits.clear();
+        logits.resize(bs, base);
+        for (i, wq) in w.chunks_exact(4).enumerate() {
+            for (jj, &wv) in wq.iter().enumerate() {
+                for (logit, t) in logits.iter_mut().zip(blk.chunks_exact(row)) {
+                    *logit += wv * ((t[i] >> (2 * jj)) & 3) as f32;
                 }
             }
+        }
+        let mut best = f32::NEG_INFINITY;
+        for &logit in logits.iter() {
             // NaN propagates: a block whose estimate is NaN ranks last in top-K.
             best = if logit.is_nan() || best.is_nan() {
                 f32::NAN
@@ -333,7 +376,7 @@ pub fn rescore_blocks_codes<T: KvElem>(
         }
     }
     let mut scratch = Scratch::new(geo.head_dim);
-    for_each_query(geo, q, |s, qf| {
+    for_each_query(geo, q, |s, query| {
         let row0 = csr_range(blk_indptr, s).start;
         for h in 0..h_kv {
             for i in 0..m {
@@ -342,7 +385,7 @@ pub fn rescore_blocks_codes<T: KvElem>(
                     f32::NEG_INFINITY
                 } else {
                     let b = blk_indices[row0 + c as usize] as usize; // validated
-                    entry_score(geo, qf, &basis, b, h, &mut scratch)
+                    entry_score(geo, query, &basis, b, h, &mut scratch)
                 };
             }
         }
@@ -377,6 +420,97 @@ mod tests {
         let (mut b8, mut sc) = (vec![0u8; n * hk * 2 * d], vec![0.0f32; n * hk]);
         build_bounds8(g, &summ, &ids, &mut b8, &mut sc).unwrap();
         (summ, b8, sc)
+    }
+
+    /// [`entry_score`] as it was written first: one token's logit after another, each one add
+    /// chain over the codes in d order.
+    fn entry_score_token_by_token(
+        geo: &KvGeometry,
+        qf: &[f32],
+        basis: &CodesBasis<'_>,
+        b: usize,
+        h: usize,
+    ) -> f32 {
+        let (h_kv, bs, d, gs) = (
+            geo.num_kv_heads,
+            geo.block_size,
+            geo.head_dim,
+            geo.group_size(),
+        );
+        let row = d / 4;
+        let (mut lo, mut hi, mut w) = (vec![0.0f32; d], vec![0.0f32; d], vec![0.0f32; d]);
+        decode_bound8(basis.bounds8, basis.scales, b * h_kv + h, &mut lo, &mut hi);
+        let blk = &basis.codes[(b * h_kv + h) * bs * row..][..bs * row];
+        let mut acc = 0.0f32;
+        for g in h * gs..(h + 1) * gs {
+            let qg = &qf[g * d..(g + 1) * d];
+            let mut base = 0.0f32;
+            for x in 0..d {
+                base += qg[x] * lo[x];
+                w[x] = code_weight(qg[x], lo[x], hi[x]);
+            }
+            let mut best = f32::NEG_INFINITY;
+            for t in blk.chunks_exact(row) {
+                let mut logit = base;
+                for (i, &byte) in t.iter().enumerate() {
+                    for jj in 0..4 {
+                        logit += w[4 * i + jj] * ((byte >> (2 * jj)) & 3) as f32;
+                    }
+                }
+                best = if logit.is_nan() || best.is_nan() {
+                    f32::NAN
+                } else {
+                    best.max(logit)
+                };
+            }
+            acc += best;
+        }
+        acc
+    }
+
+    #[test]
+    fn side_by_side_token_chains_are_the_token_by_token_sums_bit_for_bit() {
+        // Random bounds, scales and codes (any bytes: the score reads them as they are), a NaN
+        // scale among them; GQA 4, head_dim 64 and 128, blocks of 16 and 8.
+        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        for (d, bs) in [(64, 16), (128, 8), (128, 16)] {
+            let g = KvGeometry::new(8, 2, d, bs).unwrap();
+            let n = 24;
+            let b8: Vec<u8> = (0..n * 2 * 2 * d)
+                .map(|_| (next() % 0x7e) as u8 | (next() as u8 & 0x80))
+                .collect();
+            let mut sc: Vec<f32> = (0..n * 2).map(|i| 2f32.powi((i % 9) as i32 - 4)).collect();
+            sc[5] = f32::NAN;
+            let codes: Vec<u8> = (0..n * 2 * bs * d / 4).map(|_| next() as u8).collect();
+            let basis = CodesBasis {
+                bounds8: &b8,
+                scales: &sc,
+                codes: &codes,
+            };
+            let qf: Vec<f32> = (0..8 * d)
+                .map(|_| (next() % 2001) as f32 / 1000.0 - 1.0)
+                .collect();
+            let q3: Vec<f32> = qf.iter().map(|&x| query_third(x)).collect();
+            let mut scratch = Scratch::new(d);
+            for b in 0..n {
+                for h in 0..2 {
+                    let (a, r) = (
+                        entry_score(&g, Query { qf: &qf, q3: &q3 }, &basis, b, h, &mut scratch),
+                        entry_score_token_by_token(&g, &qf, &basis, b, h),
+                    );
+                    assert!(
+                        a.to_bits() == r.to_bits() || (a.is_nan() && r.is_nan()),
+                        "{a} vs {r}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

@@ -91,7 +91,7 @@ fn finite_absmax<T: KvElem>(xs: &[T]) -> f32 {
 
 /// Every E4M3 code's value (`e4m3_decode`, NaN for `0x7f`/`0xff`), indexed by the code.
 pub(crate) fn e4m3_table() -> [f32; 256] {
-    std::array::from_fn(|c| e4m3_decode(c as u8))
+    crate::kernels::bound8::E4M3_VALUES
 }
 
 /// One tier's kv8 pages: E4M3 codes plus a power-of-two scale per (page, KV head), K and V apart.
