@@ -78,24 +78,47 @@ pub(crate) fn quest_scores<T: KvElem>(
         return Ok(()); // and `hq * d` below is bounded by `q.len()`
     }
 
+    // Entries go LANES at a time: each one's sum is one chain (each g of the group in d order,
+    // as the GPU kernels add), and the LANES chains advance side by side, so that no add waits
+    // on the previous one across a whole entry. The same sums, bit for bit. The bounds of a
+    // group are kept channel-major (`[x][lane]`); lanes past the last entry add zeros, unread.
+    const LANES: usize = 4;
     let mut qf = vec![0.0f32; hq * d];
-    let mut mn = vec![0.0f32; d];
-    let mut mx = vec![0.0f32; d];
+    let (mut mn, mut mx) = (vec![0.0f32; d], vec![0.0f32; d]);
+    let (mut mn4, mut mx4) = (vec![[0.0f32; LANES]; d], vec![[0.0f32; LANES]; d]);
     for s in 0..num_seqs {
         for (x, &v) in qf.iter_mut().zip(&q[s * hq * d..(s + 1) * hq * d]) {
             *x = v.to_f32();
         }
-        for j in csr_range(blk_indptr, s) {
-            let b = blk_indices[j] as usize; // validated
-            for h in 0..h_kv {
-                let factor = row(b, h, &mut mn, &mut mx);
-                let mut acc = 0.0f32;
-                for g in h * gs..(h + 1) * gs {
-                    for ((&qv, &lo), &hi) in qf[g * d..(g + 1) * d].iter().zip(&mn).zip(&mx) {
-                        acc += (qv * lo).max(qv * hi);
+        let range = csr_range(blk_indptr, s);
+        for h in 0..h_kv {
+            for first in range.clone().step_by(LANES) {
+                let n = LANES.min(range.end - first);
+                let mut factor = [1.0f32; LANES];
+                for k in 0..LANES {
+                    if k < n {
+                        let b = blk_indices[first + k] as usize; // validated
+                        factor[k] = row(b, h, &mut mn, &mut mx);
+                    } else {
+                        mn.fill(0.0);
+                        mx.fill(0.0);
+                    }
+                    for x in 0..d {
+                        mn4[x][k] = mn[x];
+                        mx4[x][k] = mx[x];
                     }
                 }
-                scores[j * h_kv + h] = acc * factor; // times 1.0 is exact
+                let mut acc = [0.0f32; LANES];
+                for g in h * gs..(h + 1) * gs {
+                    for ((&qv, lo), hi) in qf[g * d..(g + 1) * d].iter().zip(&mn4).zip(&mx4) {
+                        for k in 0..LANES {
+                            acc[k] += (qv * lo[k]).max(qv * hi[k]);
+                        }
+                    }
+                }
+                for k in 0..n {
+                    scores[(first + k) * h_kv + h] = acc[k] * factor[k]; // times 1.0 is exact
+                }
             }
         }
     }
@@ -404,6 +427,60 @@ mod tests {
                         (got - want).abs() <= 1e-4 + 1e-5 * want.abs(),
                         "{got} vs {want}"
                     );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn side_by_side_entries_are_the_one_chain_sums_bit_for_bit() {
+        // Random queries and summaries (some NaN), sequences of 0..=9 blocks (so every count of
+        // lanes in the last group), GQA 3 and 1; against one f32 chain per entry, in the order
+        // the loop documents (each g of the group in d order).
+        let mut rng = 0x2545_f491_4f6c_dd1du64;
+        let mut next = move || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            (rng % 20001) as f32 / 1000.0 - 10.0
+        };
+        for (hq, h_kv, d) in [(6, 2, 40), (4, 4, 64)] {
+            let g = KvGeometry::new(hq, h_kv, d, 16).unwrap();
+            let num_host = 11;
+            let mut sm: Vec<f32> = (0..num_host * h_kv * 2 * d).map(|_| next()).collect();
+            sm[17] = f32::NAN;
+            let lens = [0usize, 1, 2, 3, 4, 5, 9];
+            let mut indptr = vec![0i32];
+            let mut indices = Vec::new();
+            for (s, &n) in lens.iter().enumerate() {
+                indices.extend((0..n).map(|i| ((s * 5 + i * 3) % num_host) as i32));
+                indptr.push(indices.len() as i32);
+            }
+            let q: Vec<f32> = (0..lens.len() * hq * d).map(|_| next()).collect();
+            let mut scores = vec![0.0f32; indices.len() * h_kv];
+            score_blocks(&g, &q, &sm, &indptr, &indices, &mut scores).unwrap();
+            let gs = hq / h_kv;
+            for s in 0..lens.len() {
+                for j in indptr[s] as usize..indptr[s + 1] as usize {
+                    let b = indices[j] as usize;
+                    for h in 0..h_kv {
+                        let mut acc = 0.0f32;
+                        for gq in h * gs..(h + 1) * gs {
+                            for x in 0..d {
+                                let qv = q[(s * hq + gq) * d + x];
+                                let (lo, hi) = (
+                                    sm[(b * h_kv + h) * 2 * d + x],
+                                    sm[((b * h_kv + h) * 2 + 1) * d + x],
+                                );
+                                acc += (qv * lo).max(qv * hi);
+                            }
+                        }
+                        let got = scores[j * h_kv + h];
+                        assert!(
+                            got.to_bits() == acc.to_bits() || (got.is_nan() && acc.is_nan()),
+                            "{got} vs {acc}"
+                        );
+                    }
                 }
             }
         }
