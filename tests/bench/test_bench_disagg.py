@@ -13,14 +13,15 @@ from oasiskv.bench import disagg
 from support.rtd import need_binary
 
 
-def small_run(out, *flags: str) -> dict:
+def small_run(out, *flags: str, md="") -> dict:
     """``bench.disagg`` on the tiny preset over the CPU: two 300-token requests of 6 new tokens at
-    once, a budget of 4 of their 19 blocks (sparse from 64 tokens); its JSON report."""
+    once, a budget of 4 of their 19 blocks (sparse from 64 tokens); its JSON report (``md``: where
+    the markdown goes, none by default)."""
     argv = [
         "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--daemon", need_binary(),
         "--prompt-tokens", "300", "--max-tokens", "6", "--requests", "2", "--rates", "100",
         "--block-size", "16", "--top-k-blocks", "4", "--sparse-threshold", "64",
-        *flags, "--json", str(out), "--md", "",
+        *flags, "--json", str(out), "--md", str(md),
     ]  # fmt: skip
     assert disagg.main(argv) == 0
     return json.loads(out.read_text())
@@ -122,16 +123,8 @@ def test_in_step_reads_rows(tmp_path):
     """``--kv-in-step-reads``: the partial rows read their misses during each step (the CPU path
     waits inline for the step reader), decode the full transfer's tokens, and say so; the JSON
     records the flag and the layers' wait on their reads."""
-    binary = need_binary()
-    out, md = tmp_path / "d.json", tmp_path / "d.md"
-    argv = [
-        "--preset", "tiny", "--device", "cpu", "--dtype", "float32", "--daemon", binary,
-        "--prompt-tokens", "300", "--max-tokens", "6", "--requests", "2", "--rates", "100",
-        "--block-size", "16", "--top-k-blocks", "4", "--sparse-threshold", "64", "--kv-prefetch", "0",
-        "--kv-in-step-reads", "--json", str(out), "--md", str(md),
-    ]  # fmt: skip
-    assert disagg.main(argv) == 0
-    rep = json.loads(out.read_text())
+    md = tmp_path / "d.md"
+    rep = small_run(tmp_path / "d.json", "--kv-prefetch", "0", "--kv-in-step-reads", md=md)
     assert rep["kv"]["kv_in_step_reads"] is True
     rows = {r["transfer"]: r for r in rep["rows"]}
     part = rows["partial"]

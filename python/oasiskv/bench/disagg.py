@@ -439,9 +439,9 @@ def run_row(eng, args, conn, transfer: str, rate: float, prompts) -> dict:
                 time.sleep(0.005)
             else:
                 conn.poll(0.005)  # idle until the next staged request
-    steps = (eng.engine.graph_stats["replays"] - graphs0["replays"]) + (
-        eng.engine.graph_stats["eager"] - graphs0["eager"]
-    )
+    replays = eng.engine.graph_stats["replays"] - graphs0["replays"]
+    eager = eng.engine.graph_stats["eager"] - graphs0["eager"]
+    steps = replays + eager
     out = _row_timing(row, transfer, rate)
     out |= _row_traffic(eng, stats0, coord0, steps)
     gpu_wait_s = eng.engine.transfer_wait()[0] - gpu_wait0
@@ -451,8 +451,8 @@ def run_row(eng, args, conn, transfer: str, rate: float, prompts) -> dict:
         # --kv-cache-blocks bounds them.
         "host_reserved_peak_bytes": peak_rows * eng.engine.host_row_bytes_all_layers,
         # Decode steps replayed from captured graphs, and run eagerly.
-        "graph_replays": eng.engine.graph_stats["replays"] - graphs0["replays"],
-        "eager_steps": eng.engine.graph_stats["eager"] - graphs0["eager"],
+        "graph_replays": replays,
+        "eager_steps": eager,
         "graph_error": eng.engine.graph_error,
         # The critical path: how long the compute stream itself was held per step waiting on the
         # background streams (their gathers, and the reads those wait for), as Engine.transfer_wait

@@ -157,7 +157,7 @@ class AdmissionMixin:
                     f"with max_tokens={r.max_new_tokens} stays below sparse_threshold="
                     f"{kv.threshold_tokens} (dense attention in a single-process engine) while its "
                     f"{context} tokens pass the sparse budget of {budget}; lower KvConfig.sparse_threshold "
-                    "to at most top_k_blocks * block_size, or raise top_k_blocks"
+                    f"to at most {budget - b} (the smallest layer budget in tokens), or raise the budget"
                 )
         c0 = self.conns.wire()
         pf = self.read_ahead.take(handle.request_id)

@@ -270,7 +270,8 @@ struct Query<'a> {
 }
 
 /// The codes score of host block `b` for KV head `h` (the sum over the group of the block's
-/// largest approximate logit), from the sequence's queries `qf` `[num_qo_heads, head_dim]` (f32).
+/// largest approximate logit), from the sequence's `query` (its queries `[num_qo_heads, head_dim]`
+/// as f32 and their code factors).
 /// Shapes and `b` are the caller's to check.
 fn entry_score(
     geo: &KvGeometry,
