@@ -86,6 +86,32 @@ def test_fig11_skips_what_does_not_fit_and_says_where_dense_fills(tmp_path):
     assert "GPU KV budget" in skipped["reason"] and "skipped: dense KV" in paths["md"].read_text()
 
 
+def test_fig11_concurrency_max_runs_each_mode_at_the_most_that_fit(tmp_path):
+    """``--concurrency max``: each mode runs at the largest concurrency its budgets hold, the
+    report's ``max_concurrency`` (dense 1 in 250000 bytes, as above; oasis as many as a 1 MiB host
+    pool holds), and a level beside it still runs as given."""
+    paths, out = _files(tmp_path, "max")
+    budgets = ["--gpu-kv-budget", "250000", "--host-kv-budget", "1MiB"]
+    args = [*TINY, *KV, "--concurrency", "max,1", "--modes", "dense,oasis", *budgets, *out]
+    assert bench.main(args) == 0
+    rep = json.loads(paths["json"].read_text())
+    most = rep["contexts"]["256"]["max_concurrency"]
+    assert most["dense"] == 1 and most["oasis"] > 1, most
+    got = [(r["mode"], r["concurrency"], r["status"]) for r in rep["rows"]]
+    assert got == [("dense", 1, "ok"), ("dense", 1, "ok"), ("oasis", most["oasis"], "ok"), ("oasis", 1, "ok")]
+
+
+def test_fig11_concurrency_max_where_nothing_fits_is_a_skipped_row(tmp_path):
+    """A budget below one request: the ``max`` level is a skipped row that says so, and the
+    markdown still renders."""
+    paths, out = _files(tmp_path, "none")
+    args = [*TINY, *KV, "--concurrency", "max", "--modes", "dense", "--gpu-kv-budget", "1000", *out]
+    assert bench.main(args) == 0
+    (row,) = json.loads(paths["json"].read_text())["rows"]
+    assert row["status"] == "skipped" and "not even one request fits" in row["reason"]
+    assert "not even one request fits" in paths["md"].read_text()
+
+
 def test_fig11_real_budget_is_the_free_memory_less_the_reserve_and_every_row_names_it(tmp_path):
     """``--gpu-kv-budget real`` on the CPU, where the engine's pools live in RAM: the budget is the
     context's free bytes less the activation reserve, named in the header, the context and every
@@ -125,6 +151,8 @@ def test_fig11_real_budget_is_the_free_memory_less_the_reserve_and_every_row_nam
         (["--modes", "oasis", "--top-k-blocks", "64"], "does not turn sparse"),
         (["--max-tokens", "2"], "--max-tokens >= 3"),
         (["--preset", "nope"], "unknown model preset"),
+        (["--concurrency", "max,0"], "with --fig11 also 'max'"),
+        (["--concurrency", "most"], "with --fig11 also 'max'"),
     ],
 )
 def test_fig11_bad_arguments_are_a_message(extra, says, capsys):

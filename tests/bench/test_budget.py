@@ -11,6 +11,8 @@ from oasiskv.bench.fig11.budget import (
     ACTIVATION_RESERVE_BYTES,
     ADMISSION_MARGIN,
     H100_BYTES,
+    MAX_FITTING,
+    MAX_SEARCHED,
     REAL_ACTIVATION_RESERVE_BYTES,
     Budgets,
     GpuKvBudget,
@@ -20,6 +22,7 @@ from oasiskv.bench.fig11.budget import (
     choose_gpu_kv_budget,
     fit,
     max_concurrency,
+    resolve_concurrency,
 )
 from oasiskv.bench.fig11.flags import parse_budget
 from oasiskv.errors import ConfigError
@@ -133,3 +136,18 @@ def test_a_measured_admission_past_the_reserve_comes_off_that_mode_s_budget():
     assert reason is not None and f"{(20 * GIB - excess) / GIB:.1f} GiB" in reason
     dense = {**DENSE_32K, "admission_bytes": int(1.5 * GIB)}
     assert fit("dense", 1, dense, budgets, None)[1] == 20 * GIB - excess
+
+
+@pytest.mark.parametrize(
+    "level, most, out",
+    [
+        (4, 9, (4, None)),
+        (MAX_FITTING, 9, (9, None)),
+        (MAX_FITTING, 0, (None, "not even one request fits")),
+        (MAX_FITTING, None, (None, f"{MAX_SEARCHED} or more requests fit")),
+    ],
+)
+def test_resolve_concurrency(level, most, out):
+    conc, why = resolve_concurrency(level, most)
+    assert conc == out[0]
+    assert (why is None) if out[1] is None else (out[1] in why)

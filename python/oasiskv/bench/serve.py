@@ -436,7 +436,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the model id to request (default: the server's); --fig11: a local model instead of --preset",
     )
     ap.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY with --base-url)")
-    ap.add_argument("--concurrency", default=None, help="comma-separated client counts (default 1,4,16)")
+    ap.add_argument(
+        "--concurrency",
+        default=None,
+        help="comma-separated client counts (default 1,4,16); with --fig11 'max' is each mode's "
+        "largest concurrency that fits its budgets",
+    )
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, default=None, help="new tokens per request (default 64)")
     ap.add_argument("--requests", type=int, default=32, help="requests per concurrency level")
@@ -626,20 +631,25 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) is None:
             setattr(args, name, value)
     try:
-        levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
+        # --fig11 also takes "max": each mode's largest concurrency that fits (fig11.MAX_FITTING)
+        levels = [
+            fig11.MAX_FITTING if args.fig11 and x.strip() == "max" else int(x)
+            for x in args.concurrency.split(",")
+            if x.strip()
+        ]
     except ValueError:
         levels = []
     if (
         not levels
-        or min(levels) < 1
+        or any(c != fig11.MAX_FITTING and c < 1 for c in levels)
         or args.prompt_tokens < 1
         or args.max_tokens < 1
         or args.requests < 1
         or args.tp < 1
     ):
         print(
-            "bench.serve: error: --concurrency (ints >= 1), --prompt-tokens, --max-tokens, "
-            "--requests and --tp must be positive",
+            "bench.serve: error: --concurrency (ints >= 1; with --fig11 also 'max'), --prompt-tokens, "
+            "--max-tokens, --requests and --tp must be positive",
             file=sys.stderr,
         )
         return 2

@@ -135,6 +135,7 @@ from .budget import (
     ACTIVATION_RESERVE_BYTES,
     H100_BYTES,
     HOST_RAM_FRACTION,
+    MAX_FITTING,
     MAX_SEARCHED,
     REAL_ACTIVATION_RESERVE_BYTES,
     Budgets,
@@ -146,6 +147,7 @@ from .budget import (
     gpu_kv_budget,
     host_kv_limit,
     max_concurrency,
+    resolve_concurrency,
 )
 from .cli import main
 from .drive import DoesNotFit, drive, make_prompts, p50_p99, profiled
@@ -238,6 +240,8 @@ __all__ = [
     "make_prompts",
     "markdown",
     "max_concurrency",
+    "MAX_FITTING",
+    "resolve_concurrency",
     "mode_parts",
     "moe_weights_read_bytes",
     "oracle_drafter",

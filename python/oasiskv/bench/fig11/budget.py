@@ -59,6 +59,9 @@ BUDGET_WORDS = ("auto", "real", "h100")
 HOST_RAM_FRACTION = 0.6
 #: The most concurrent requests the report's "most that fit" looks for (arbitrary).
 MAX_SEARCHED = 1 << 16
+#: ``--concurrency max``: a level that stands for each mode's largest concurrency that fits
+#: (:func:`max_concurrency`), resolved per context and mode (:func:`resolve_concurrency`).
+MAX_FITTING = -1
 
 
 @dataclass(frozen=True)
@@ -228,3 +231,16 @@ def max_concurrency(
         else:
             hi = mid - 1
     return None if lo == limit else lo
+
+
+def resolve_concurrency(level: int, most: int | None) -> tuple[int | None, str | None]:
+    """``(concurrency, reason it cannot run)`` of a ``--concurrency`` ``level``: itself, or for
+    :data:`MAX_FITTING` the mode's ``most`` that fit (:func:`max_concurrency`; 0 when not even
+    one request fits, None when :data:`MAX_SEARCHED` or more do)."""
+    if level != MAX_FITTING:
+        return level, None
+    if most is None:
+        return None, f"--concurrency max: {MAX_SEARCHED} or more requests fit; name a concurrency"
+    if most == 0:
+        return None, "--concurrency max: not even one request fits the budgets"
+    return most, None

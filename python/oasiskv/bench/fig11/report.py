@@ -177,7 +177,8 @@ def _speculative_lines(sp: dict, kv: dict) -> list[str]:
 def _row_cells(r: dict) -> list[str]:
     """One row of the table, a cell per :data:`COLUMNS` entry."""
     gib = _GIB
-    cells = [str(r["context"]), r["mode"], str(r["concurrency"])]
+    # A "--concurrency max" level that could not run has no concurrency (resolve_concurrency).
+    cells = [str(r["context"]), r["mode"], "max" if r["concurrency"] is None else str(r["concurrency"])]
     if r["status"] != "ok":
         return cells + ["-"] * (len(COLUMNS) - 4) + [f"skipped: {r['reason']}"]
     return cells + [
@@ -253,7 +254,7 @@ def plot(rep: dict, path: str) -> None:
                 xs, ys = zip(*pts, strict=True)
                 ax.plot(xs, ys, marker="o", label=mode)
         fills = rep["contexts"][ctx].get("dense_fills_budget_at")
-        tested = [r["concurrency"] for r in rep["rows"] if str(r["context"]) == ctx]
+        tested = [r["concurrency"] or 0 for r in rep["rows"] if str(r["context"]) == ctx]
         if fills and fills <= 2 * max(tested):
             ax.axvline(fills, color="grey", linestyle=":", label="dense fills its budget")
         ax.set_xscale("log", base=2)

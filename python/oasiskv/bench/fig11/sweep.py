@@ -558,7 +558,23 @@ class Fig11:
             self.budgets = fits.Budgets(self.gpu_kv_budget.bytes, self.host_limit, self.activation_reserve)
             contexts[str(ctx)] = self.context_info(needs, cold, device_free, cache)
             for mode in modes:
-                for conc in a.concurrency:
+                for level in a.concurrency:
+                    most = None
+                    if level == fits.MAX_FITTING:  # a speculative row fits where its base does
+                        most = self.max_concurrency(mode, needs[mode], device_free)
+                    conc, why = fits.resolve_concurrency(level, most)
+                    if why is not None:
+                        rows.append(
+                            {
+                                "context": ctx,
+                                "mode": mode,
+                                "concurrency": None,
+                                "status": "skipped",
+                                "reason": why,
+                            }
+                        )
+                        print(f"fig11: ctx {ctx} {mode}: {why}", file=sys.stderr)
+                        continue
                     r = self.row(mode, ctx, conc, needs[mode], device_free, cache)
                     r["ttft_cold_s"] = cold
                     rows.append(r)
