@@ -57,6 +57,7 @@ import json
 import math
 import multiprocessing as mp
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -425,6 +426,7 @@ def run_row(eng, args, conn, transfer: str, rate: float, prompts) -> dict:
     if transfer != "local":
         conn.send(("row", row.start, [(off, p) for _, off, p in jobs]))
     peak_rows = 0
+    step_waits, last_wait = [], gpu_wait0  # the compute stream's wait in each step (s)
     while not (row.all_added and len(row.done) == n):
         if transfer == "local":
             _take_local(eng, jobs, row, params)
@@ -433,6 +435,9 @@ def run_row(eng, args, conn, transfer: str, rate: float, prompts) -> dict:
         if eng.has_unfinished_requests():
             outs = eng.step()
             peak_rows = max(peak_rows, eng.engine.runtime.reserved[2])
+            wait = eng.engine.transfer_wait()[0]  # the step's tokens are on the host: no stall
+            step_waits.append(wait - last_wait)
+            last_wait = wait
             _note_outputs(outs, row)
         elif not row.all_added or len(row.done) < n:
             if transfer == "local":
@@ -458,6 +463,10 @@ def run_row(eng, args, conn, transfer: str, rate: float, prompts) -> dict:
         # background streams (their gathers, and the reads those wait for), as Engine.transfer_wait
         # measures it; the partial rows' excess over the full rows' is what late blocks cost.
         "gpu_wait_ms_per_step": gpu_wait_s / steps * 1e3 if steps else None,
+        # Its spread over the steps: a few long waits (a first step's misses read in-step, as
+        # with --first-query prompt) against a wait in every step (reads that lag throughout).
+        "gpu_wait_p50_ms": 1e3 * statistics.median(step_waits) if step_waits else None,
+        "gpu_wait_max_ms": 1e3 * max(step_waits) if step_waits else None,
         "tokens": [row.tokens[f"r{i}"] for i in range(n)],
     }
     return out
@@ -691,8 +700,8 @@ def markdown(rep: dict) -> str:
         "| transfer | req/s | tok/s | TTFT p50 ms | TTFT p99 ms | admit p50 ms | TPOT p50 ms | "
         "admission MiB/req | fetched MiB/req | peak host KV MiB | vs first staged | host rows MiB | "
         "same tokens | prefill + stage s | read ms/step | wait ms/step | GPU wait ms/step | "
-        "graph / eager steps |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "GPU wait p50 / max ms | graph / eager steps |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rep["rows"]:
         lines.append(
@@ -705,6 +714,7 @@ def markdown(rep: dict) -> str:
             f"{r['same_tokens']:.0%} | {f(r['prefill_p50_s'], 1, 2)} + {f(r['stage_p50_s'], 1, 2)} | "
             f"{f(r.get('read_ms_per_step'), 1, 2)} | {f(r.get('wait_ms_per_step'), 1, 2)} | "
             f"{f(r.get('gpu_wait_ms_per_step'), 1, 2)} | "
+            f"{f(r.get('gpu_wait_p50_ms'), 1, 2)} / {f(r.get('gpu_wait_max_ms'), 1, 1)} | "
             f"{r.get('graph_replays', '-')} / {r.get('eager_steps', '-')} |"
         )
     lines += [
@@ -727,7 +737,9 @@ def markdown(rep: dict) -> str:
         "wait ms/step: the critical path, the time the compute stream itself was held waiting on the "
         "background streams (Engine.transfer_wait: at each layer in eager steps, at the step's join in "
         "CUDA-graph steps; 0 on the CPU). The partial rows' excess over the full rows' is what late "
-        "blocks cost the step.",
+        "blocks cost the step. GPU wait p50 / max: its median and longest single step: a long "
+        "maximum over a small median is a few steps' misses read in the step (with --first-query "
+        "prompt, a first step whose query is not the one its admitted blocks were chosen by).",
         "- same tokens: requests whose whole output equals the first mode's at the same rate. Each row "
         "batches requests differently, so with random bf16 weights near-tied logits may flip. A staged "
         "request's first working set is selected by --first-query: 'prompt' is the single-process "
