@@ -691,13 +691,16 @@ class TPLLMEngine:
 
     def __init__(self, model, group: TPGroup | None = None, **kwargs) -> None:
         from .llm_engine import LLMEngine
+        from .models.tp import TPCausalLM
 
+        # A TPCausalLM names its rank and group; any other EngineModel is the whole model.
+        sharded = isinstance(model, TPCausalLM)
         if group is None:
-            group = getattr(model, "group", None) or TPGroup.single(next(model.parameters()).device)
+            group = model.group if sharded else TPGroup.single(next(model.parameters()).device)
         if not isinstance(group, TPGroup):
             raise ConfigError(f"group must be a TPGroup, got {type(group).__name__}")
         tp = group.size
-        shard = (getattr(model, "tp_rank", 0), getattr(model, "tp_size", 1))
+        shard = (model.tp_rank, model.tp_size) if sharded else (0, 1)
         if shard != (group.rank, tp):
             raise ConfigError(
                 f"model is shard {shard[0]} of {shard[1]} but this is rank {group.rank} of {tp}; pass "

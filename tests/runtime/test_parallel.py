@@ -566,3 +566,6 @@ def test_tp_engine_refuses_what_it_cannot_split_yet():
         TPLLMEngine(model, cuda_graph=True)
     with pytest.raises(ConfigError, match="shard 0 of 2 but this is rank 1 of 2"):
         TPLLMEngine(model, group=TPGroup(1, 2, torch.device("cpu")))
+    # A model that is not a TPCausalLM is the whole model: shard 0 of 1, for a group of one only.
+    with pytest.raises(ConfigError, match="shard 0 of 1 but this is rank 0 of 2"):
+        TPLLMEngine(CausalLM.random(CFG, seed=SEED), group=TPGroup(0, 2, torch.device("cpu")))
