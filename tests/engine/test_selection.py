@@ -99,6 +99,8 @@ class _SinkCheck:
     prediction of a request with at least N candidates holds its blocks 0..N-1, and no slot is
     lost (min(K, candidates) blocks selected)."""
 
+    kept_reference = False  # RecallRecorder: no actual_kept
+
     def __init__(self, eng, n_sink: int) -> None:
         self.n, self.calls, self.recalls = n_sink, 0, 0
         orig = eng._select_and_fetch

@@ -465,6 +465,8 @@ def test_engine_recorder_default_is_off_and_cheap(tiny):
     calls = []
 
     class Rec:
+        kept_reference = False
+
         def on_recall(self, engine, layer, sp_reqs, actual, prev, slot_pages, q=None):
             calls.append((layer, actual.shape, prev.shape, slot_pages.shape))
 
@@ -762,7 +764,8 @@ def test_recall_with_sticky_candidates_also_ranks_what_the_prediction_kept(tiny)
     plain.generate([repetitive(130, seed=3)], 4, ignore_eos=True)
     assert seen and all(kw == {} for kw in seen)
 
-    class OldStyle:  # a recorder written before actual_kept: it does not ask for it
+    class OldStyle:  # a recorder that does not ask for actual_kept
+        kept_reference = False
         calls = 0
 
         def on_recall(self, engine, layer, sp_reqs, actual, prev, slot_pages, q=None) -> None:
@@ -772,6 +775,28 @@ def test_recall_with_sticky_candidates_also_ranks_what_the_prediction_kept(tiny)
     sticky.engine.recorder = OldStyle()
     sticky.generate([repetitive(130, seed=3)], 4, ignore_eos=True)
     assert OldStyle.calls > 0 and all(k is None for k in sticky.engine._kept)
+
+
+def test_a_recorder_that_is_not_a_recall_recorder_is_refused(tiny):
+    """``engine.recorder`` is a :class:`~oasiskv.engine.RecallRecorder`: an object lacking
+    ``kept_reference`` or ``on_recall`` is refused when set, naming what it lacks; None clears."""
+    import oasiskv
+    from oasiskv.errors import ConfigError
+
+    llm = oasiskv.LLM(tiny, kv=oasiskv.KvConfig(block_size=8, top_k_blocks=2, sparse_threshold=32))
+
+    class NoFlag:
+        def on_recall(self, engine, layer, sp_reqs, actual, prev, slot_pages, q=None):
+            pass
+
+    with pytest.raises(ConfigError, match="NoFlag lacks kept_reference"):
+        llm.engine.recorder = NoFlag()
+    with pytest.raises(ConfigError, match="object lacks on_recall and kept_reference"):
+        llm.engine.recorder = object()
+    assert llm.engine.recorder is None
+    llm.engine.recorder = teacher.LookaheadRecorder()
+    llm.engine.recorder = None
+    assert llm.engine.recorder is None
 
 
 def test_teacher_reports_the_overlap_against_the_selections_own_choice(tiny):

@@ -37,6 +37,7 @@ from .model import EngineModel, check_engine_model
 from .pools import HOST_POOLS, PIN_NOTICE_BYTES, KvPools, copy_to_host, i32
 from .requests import GenerationResult, PrefillCache, Prefilled, Request, RequestMetrics
 from .selection import (
+    RecallRecorder,
     SparsePlan,
     csr_tables,
     keep_pins,
@@ -71,6 +72,7 @@ __all__ = [
     "VERDICT_REJECT",
     "Engine",
     "EngineModel",
+    "RecallRecorder",
     "GenerationResult",
     "KvPools",
     "PrefillCache",

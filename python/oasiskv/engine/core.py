@@ -264,15 +264,8 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         # kept as candidates (the prediction before it), per layer, so that the next recall can also
         # rank the true query with the same kept blocks (the selection's own exact choice).
         self._kept: list[torch.Tensor | None] = [None] * c.num_hidden_layers
-        # Optional measurement hook (None on the normal path): ``recorder.on_recall(engine, layer,
-        # sp_reqs, actual, prev, slot_pages, q_now)`` is called from ``_select`` wherever recall is
-        # measured, before this step's selection changes the mapping; with sticky candidates and a
-        # recorder whose ``kept_reference`` is true, also ``actual_kept=``: the true query's top-K
-        # with the blocks the prediction kept as candidates (what the selection itself would have
-        # chosen knowing the query; one more top-K per layer, so a recorder opts in).
-        # ``oasiskv.eval`` uses it for per-layer, per-step lookahead accuracy. On a GPU it runs on
-        # the background stream: it must not sync, except an evaluation recorder that accepts the
-        # stall (the attention-mass sample).
+        # Optional measurement hook (None on the normal path): a RecallRecorder, whose on_recall
+        # _select calls wherever recall is measured (oasiskv.eval's per-layer lookahead accuracy).
         self.recorder = None
         self._recall_now = self._store_pred = bool(kv.measure_recall)  # set per step (_recall_phase)
 

@@ -10,12 +10,34 @@ layer's blocks (on a background stream on a GPU), and the block source's reads b
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from .. import ops
+from ..errors import ConfigError
 from .pools import i32
 from .requests import Request
+
+
+@runtime_checkable
+class RecallRecorder(Protocol):
+    """``Engine.recorder``, a measurement hook (``oasiskv.eval``'s per-layer lookahead accuracy).
+
+    Attributes:
+        kept_reference: True to also get ``actual_kept=`` with ``KvConfig.sticky_candidates``: the
+            true query's top-K when it keeps the blocks the prediction kept as candidates (the
+            selection's own choice had it known the query; one more top-K per layer).
+    """
+
+    kept_reference: bool
+
+    def on_recall(self, engine, layer, sp_reqs, actual, prev, slot_pages, q=None, **kw) -> None:
+        """Called wherever recall is measured, before this step's selection changes the mapping:
+        ``actual`` the true query's top-K, ``prev`` last step's prediction, per sparse request. On a
+        GPU it runs on the background stream: it must not sync, unless the evaluation accepts the
+        stall."""
+        ...
 
 
 @dataclass
@@ -444,7 +466,22 @@ class SelectionMixin:
 
     def _wants_kept(self) -> bool:
         """Whether the recorder asked for the recall's kept reference (``kept_reference``)."""
-        return self.recorder is not None and bool(getattr(self.recorder, "kept_reference", False))
+        return self.recorder is not None and bool(self.recorder.kept_reference)
+
+    @property
+    def recorder(self) -> RecallRecorder | None:
+        """The recall recorder (:class:`RecallRecorder`; None on the normal path)."""
+        return self._recorder
+
+    @recorder.setter
+    def recorder(self, rec: RecallRecorder | None) -> None:
+        if rec is not None and not isinstance(rec, RecallRecorder):
+            lacks = [n for n in ("on_recall", "kept_reference") if not hasattr(rec, n)]
+            raise ConfigError(
+                f"engine.recorder must be a RecallRecorder: {type(rec).__name__} lacks "
+                f"{' and '.join(lacks)} (kept_reference = False asks for no actual_kept)"
+            )
+        self._recorder = rec
 
     def _kept_of(self, layer: int) -> torch.Tensor:
         """Each slot's kept candidates of its latest prediction of ``layer`` (see ``_kept``), shaped
