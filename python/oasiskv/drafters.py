@@ -432,7 +432,7 @@ class Eagle3Drafter(Drafter):
 
         self.head = head
         self.target = target
-        if getattr(head, "embed_tokens", None) is None:
+        if head.embed_tokens is None:
             head.attach_target(target)  # the public format shares the target's token embedding
         self._state_cls = Eagle3State
         self._states: dict[int, object] = {}
