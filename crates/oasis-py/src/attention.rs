@@ -2,7 +2,7 @@
 //! split-KV helpers (`decode_attn_workspace_len`, `plan_num_splits`).
 
 use oasis_core::kernels::{self, ExtraKv, KvTier, PagedKv, PagedKv8};
-use oasis_core::OasisError;
+use oasis_core::{DType, KvGeometry, OasisError};
 use oasis_cuda::ops::{
     decode_attn_workspace_len as ws_len, plan_num_splits as plan_splits, MAX_SPLITS,
 };
@@ -126,104 +126,164 @@ fn decode_attention(
             .filter(|(n, _)| *n != "out" && *n != "workspace")
             .collect();
         check_outputs(py, &[("out", &out)], &inputs)?;
+        let tables = Tables {
+            kv_indptr: &kv_indptr,
+            kv_indices: &kv_indices,
+            kv_last_page_len: &kv_last_page_len,
+            page_map: page_map.as_ref(),
+        };
+        let call = Call {
+            g,
+            dt,
+            pages: &pages,
+            q: &q,
+            rows,
+            tables,
+            extra,
+            sm_scale,
+            out: &out,
+        };
         match cx.place {
-            Place::Cpu if pages.is_kv8() => with_dtype!(dt, T => {
-                // SAFETY: shapes/dtypes/CPU residence checked above; `out` is disjoint from every input.
-                let (qs, o) = unsafe { (q.slice::<T>(), out.slice_mut::<T>()) };
-                let KvTier::Kv8(p8) = (unsafe { pages.read::<T>() }) else { unreachable!("kv8 pages") };
-                let kv = PagedKv8 {
-                    pages: p8,
-                    kv_indptr: unsafe { kv_indptr.ints() },
-                    kv_indices: unsafe { kv_indices.ints() },
-                    kv_last_page_len: unsafe { kv_last_page_len.ints() },
-                    page_map: page_map.as_ref().map(|p| unsafe { p.ints() }),
-                };
-                let extra = extra.map(|(ek, ev)| ExtraKv { k: unsafe { ek.slice::<T>() }, v: unsafe { ev.slice::<T>() } });
-                guarded(py, "decode_attention", || kernels::decode_attention_kv8::<T>(&g, qs, rows, &kv, extra.as_ref(), sm_scale, o))
-            }),
-            Place::Cpu => with_dtype!(dt, T => {
-                // SAFETY: shapes/dtypes/CPU residence checked above; `out` is disjoint from every input.
-                let (qs, kp, vp, o) = unsafe { (q.slice::<T>(), k_pages.slice::<T>(), v_pages.slice::<T>(), out.slice_mut::<T>()) };
-                let kv = PagedKv {
-                    k_pages: kp,
-                    v_pages: vp,
-                    kv_indptr: unsafe { kv_indptr.ints() },
-                    kv_indices: unsafe { kv_indices.ints() },
-                    kv_last_page_len: unsafe { kv_last_page_len.ints() },
-                    page_map: page_map.as_ref().map(|p| unsafe { p.ints() }),
-                };
-                let extra = extra.map(|(ek, ev)| ExtraKv { k: unsafe { ek.slice::<T>() }, v: unsafe { ev.slice::<T>() } });
-                guarded(py, "decode_attention", || kernels::decode_attention::<T>(&g, qs, rows, &kv, extra.as_ref(), sm_scale, o))
-            }),
+            Place::Cpu => call.cpu(py),
             Place::Cuda(dev) => {
                 let ws = match &workspace {
                     Some(w) => {
                         w.check(&cx, "workspace", Elem::F32, [ANY])?;
-                        check_outputs(
-                            py,
-                            &[("workspace", w)],
-                            &all.iter()
-                                .copied()
-                                .filter(|(n, _)| *n != "workspace")
-                                .collect::<Vec<_>>(),
-                        )?;
+                        let others: Vec<_> = all
+                            .iter()
+                            .copied()
+                            .filter(|(n, _)| *n != "workspace")
+                            .collect();
+                        check_outputs(py, &[("workspace", w)], &others)?;
                         // SAFETY: float32, contiguous, on cuda:dev, disjoint from every other argument.
                         Some(unsafe { w.dev::<f32>() })
                     }
                     None => None,
                 };
-                let (hq, h, d) = (g.num_qo_heads, g.num_kv_heads, g.head_dim);
                 let max_pages = if max_pages_per_seq > 0 {
                     max_pages_per_seq
                 } else {
                     kv_indices.numel()
                 };
-                if pages.is_kv8() {
-                    return with_dtype!(dt, T => {
-                        // SAFETY: as below; the codes and scales were checked with the pages.
-                        let (qd, od) = unsafe { (q.dev::<T>(), out.dev::<T>()) };
-                        let KvTierDev::Kv8(p8) = (unsafe { pages.dev::<T>() }) else { unreachable!("kv8 pages") };
-                        let kv = unsafe {
-                            PagedKv8Dev {
-                                pages: p8,
-                                kv_indptr: kv_indptr.dev::<i32>(),
-                                kv_indices: kv_indices.dev::<i32>(),
-                                kv_last_page_len: kv_last_page_len.dev::<i32>(),
-                                page_map: page_map.as_ref().map(|p| p.dev::<i32>()),
-                            }
-                        };
-                        let extra = extra.map(|(ek, ev)| unsafe { ExtraKvDev { k: ek.dev::<T>(), v: ev.dev::<T>() } });
-                        on_gpu(py, "decode_attention", dev, stream, &[], move |gpu, st| {
-                            let splits = if num_splits > 0 { num_splits } else { plan_splits(gpu.num_sms(), ns, h, max_pages) };
-                            let split = split_kv(splits, ws, dev, ws_len(ns, rows, hq, d, splits))?;
-                            gpu.decode_attention_kv8::<T>(&g, qd, rows, &kv, extra.as_ref(), sm_scale, od, split.as_ref(), st)
-                        })
-                    });
-                }
-                with_dtype!(dt, T => {
-                    // SAFETY: (TensorArg::dev) shapes, dtypes, contiguity and residence on cuda:dev
-                    // checked above; `out` is disjoint from every other argument.
-                    let (qd, od) = unsafe { (q.dev::<T>(), out.dev::<T>()) };
-                    let kv = unsafe {
-                        PagedKvDev {
-                            k_pages: k_pages.dev::<T>(),
-                            v_pages: v_pages.dev::<T>(),
-                            kv_indptr: kv_indptr.dev::<i32>(),
-                            kv_indices: kv_indices.dev::<i32>(),
-                            kv_last_page_len: kv_last_page_len.dev::<i32>(),
-                            page_map: page_map.as_ref().map(|p| p.dev::<i32>()),
-                        }
-                    };
-                    let extra = extra.map(|(ek, ev)| unsafe { ExtraKvDev { k: ek.dev::<T>(), v: ev.dev::<T>() } });
-                    on_gpu(py, "decode_attention", dev, stream, &[], move |gpu, st| {
-                        let splits = if num_splits > 0 { num_splits } else { plan_splits(gpu.num_sms(), ns, h, max_pages) };
-                        let split = split_kv(splits, ws, dev, ws_len(ns, rows, hq, d, splits))?;
-                        gpu.decode_attention::<T>(&g, qd, rows, &kv, extra.as_ref(), sm_scale, od, split.as_ref(), st)
-                    })
-                })
+                let launch = Launch {
+                    dev,
+                    stream,
+                    num_splits,
+                    max_pages,
+                    ns,
+                    workspace: ws,
+                };
+                call.cuda(py, launch)
             }
         }
     })
+}
+
+/// The page tables of a decode_attention call (flashinfer's CSR and the head-wise page map).
+struct Tables<'a> {
+    kv_indptr: &'a TensorArg,
+    kv_indices: &'a TensorArg,
+    kv_last_page_len: &'a TensorArg,
+    page_map: Option<&'a TensorArg>,
+}
+
+/// A decode_attention call whose arguments `decode_attention` has checked (shapes, dtypes,
+/// residence on one place, outputs disjoint from inputs): what the CPU twin and the CUDA launch read.
+struct Call<'a> {
+    g: KvGeometry,
+    dt: DType,
+    pages: &'a Tier<'a>,
+    q: &'a TensorArg,
+    rows: usize,
+    tables: Tables<'a>,
+    extra: Option<(&'a TensorArg, &'a TensorArg)>,
+    sm_scale: f32,
+    out: &'a TensorArg,
+}
+
+/// The CUDA side of a call: where and how it launches.
+struct Launch {
+    dev: i32,
+    stream: u64,
+    num_splits: usize,
+    max_pages: usize,
+    ns: usize,
+    workspace: Option<DevSlice<f32>>,
+}
+
+impl Call<'_> {
+    /// The CPU twin (`oasis_core::kernels`), over float or fp8 pages.
+    fn cpu(&self, py: Python<'_>) -> PyResult<()> {
+        let (g, rows, sm_scale, t) = (&self.g, self.rows, self.sm_scale, &self.tables);
+        // SAFETY (every slice below): shapes, dtypes and CPU residence were checked by
+        // decode_attention; `out` is disjoint from every input.
+        let (indptr, indices, last) = unsafe {
+            (
+                t.kv_indptr.ints(),
+                t.kv_indices.ints(),
+                t.kv_last_page_len.ints(),
+            )
+        };
+        let page_map = t.page_map.map(|p| unsafe { p.ints() });
+        with_dtype!(self.dt, T => {
+            let (qs, o) = unsafe { (self.q.slice::<T>(), self.out.slice_mut::<T>()) };
+            let extra = self.extra.map(|(ek, ev)| ExtraKv { k: unsafe { ek.slice::<T>() }, v: unsafe { ev.slice::<T>() } });
+            match unsafe { self.pages.read::<T>() } {
+                KvTier::Kv8(p8) => {
+                    let kv = PagedKv8 { pages: p8, kv_indptr: indptr, kv_indices: indices, kv_last_page_len: last, page_map };
+                    guarded(py, "decode_attention", || kernels::decode_attention_kv8::<T>(g, qs, rows, &kv, extra.as_ref(), sm_scale, o))
+                }
+                KvTier::Elem { k, v } => {
+                    let kv = PagedKv { k_pages: k, v_pages: v, kv_indptr: indptr, kv_indices: indices, kv_last_page_len: last, page_map };
+                    guarded(py, "decode_attention", || kernels::decode_attention::<T>(g, qs, rows, &kv, extra.as_ref(), sm_scale, o))
+                }
+            }
+        })
+    }
+
+    /// The CUDA launch on `l.stream` of cuda:`l.dev`, split-KV as planned (returns at once).
+    fn cuda(&self, py: Python<'_>, l: Launch) -> PyResult<()> {
+        let (g, rows, sm_scale, t) = (self.g, self.rows, self.sm_scale, &self.tables);
+        let (hq, h, d) = (g.num_qo_heads, g.num_kv_heads, g.head_dim);
+        let Launch {
+            dev,
+            stream,
+            num_splits,
+            max_pages,
+            ns,
+            workspace: ws,
+        } = l;
+        // SAFETY (every device view below): (TensorArg::dev) shapes, dtypes, contiguity and
+        // residence on cuda:dev were checked by decode_attention; `out` is disjoint from every
+        // other argument.
+        let (indptr, indices, last) = unsafe {
+            (
+                t.kv_indptr.dev::<i32>(),
+                t.kv_indices.dev::<i32>(),
+                t.kv_last_page_len.dev::<i32>(),
+            )
+        };
+        let page_map = t.page_map.map(|p| unsafe { p.dev::<i32>() });
+        with_dtype!(self.dt, T => {
+            let (qd, od) = unsafe { (self.q.dev::<T>(), self.out.dev::<T>()) };
+            let extra = self.extra.map(|(ek, ev)| unsafe { ExtraKvDev { k: ek.dev::<T>(), v: ev.dev::<T>() } });
+            let pages = unsafe { self.pages.dev::<T>() };
+            on_gpu(py, "decode_attention", dev, stream, &[], move |gpu, st| {
+                let splits = if num_splits > 0 { num_splits } else { plan_splits(gpu.num_sms(), ns, h, max_pages) };
+                let split = split_kv(splits, ws, dev, ws_len(ns, rows, hq, d, splits))?;
+                match pages {
+                    KvTierDev::Kv8(p8) => {
+                        let kv = PagedKv8Dev { pages: p8, kv_indptr: indptr, kv_indices: indices, kv_last_page_len: last, page_map };
+                        gpu.decode_attention_kv8::<T>(&g, qd, rows, &kv, extra.as_ref(), sm_scale, od, split.as_ref(), st)
+                    }
+                    KvTierDev::Elem { k, v } => {
+                        let kv = PagedKvDev { k_pages: k, v_pages: v, kv_indptr: indptr, kv_indices: indices, kv_last_page_len: last, page_map };
+                        gpu.decode_attention::<T>(&g, qd, rows, &kv, extra.as_ref(), sm_scale, od, split.as_ref(), st)
+                    }
+                }
+            })
+        })
+    }
 }
 
 /// The split-KV launch of `splits` parts on `workspace` (None for one part). More than one needs
