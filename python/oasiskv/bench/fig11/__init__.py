@@ -15,6 +15,9 @@ Modes (each an :class:`~oasiskv.LLMEngine` over the same model):
   copy of the full KV on the GPU, so every gather is device to device. It bounds what the PCIe
   transfers cost; it needs the whole KV of every request in GPU memory.
 
+``--concurrency max`` is each mode's largest concurrency that fits its budgets (the report's
+"most requests that fit"; a skipped row where not even one fits).
+
 Per (context, mode, concurrency ``C``): ``C`` requests of the same context arrive at once; every
 one is prefilled first (the engine's admission and prefill, no decode step), then they decode
 ``--max-tokens`` together (greedy, ``ignore_eos``), so the decode phase runs at exactly ``C``. Its
