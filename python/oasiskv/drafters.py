@@ -57,6 +57,17 @@ class Drafter:
     def begin(self, req_id: int, prompt: Sequence[int]) -> None:
         """A request starts."""
 
+    def device_bytes(self, tokens: int) -> int:
+        """Device memory the drafter keeps for one request of ``tokens`` positions (prompt and new
+        tokens) while it runs, beside the engine's KV pools: 0 by default (a drafter without
+        per-request device state)."""
+        return 0
+
+    def reserve(self, sizes: Sequence[int]) -> None:
+        """Make room now, in one allocation, for requests of these many positions each beside the
+        running ones (``LLMEngine.reserve_pools``), instead of growing as they arrive. Nothing by
+        default."""
+
     def feed_prompt(self, req_id: int, prompt: Sequence[int], features: torch.Tensor, start: int = 0) -> None:
         """The engine prefilled ``prompt[start : start + n]``; ``features`` ``[n, width]`` are those
         positions' captured hidden states (:meth:`capture_layers` concatenated in order, the model's
@@ -470,6 +481,19 @@ class Eagle3Drafter(Drafter):
 
     def capture_layers(self, num_layers: int) -> tuple[int, ...]:
         return tuple(self.head.capture_layers(num_layers))
+
+    def device_bytes(self, tokens: int) -> int:
+        """The head's K and V of ``tokens`` positions (whole pages when paged)."""
+        cfg, p = self.head.config, next(self.head.parameters())
+        rows = -(-tokens // 16) * 16 if self.paged else tokens  # Eagle3PagedKV's block size
+        return 2 * rows * cfg.num_key_value_heads * cfg.head_dim * p.element_size()
+
+    def reserve(self, sizes: Sequence[int]) -> None:
+        """Grow the paged pool once to hold requests of ``sizes`` positions beside the running
+        ones (nothing when not ``paged``: a contiguous cache grows per request)."""
+        if self.paged and sizes:
+            pool = self.pool
+            pool.reserve_pages(pool.pages_in_use + sum(-(-int(n) // pool.block_size) for n in sizes))
 
     def begin(self, req_id, prompt) -> None:
         self.end(req_id)  # a request begun again starts empty (its pages back first)

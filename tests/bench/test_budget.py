@@ -151,3 +151,28 @@ def test_resolve_concurrency(level, most, out):
     conc, why = resolve_concurrency(level, most)
     assert conc == out[0]
     assert (why is None) if out[1] is None else (out[1] in why)
+
+
+def test_the_drafters_device_state_shares_the_budget():
+    """A drafter's per-request device bytes (the EAGLE-3 head's KV) count against the GPU budget:
+    12 dense 32K requests (4.50 GiB each) fit 54.5 GiB alone, 11 beside 64 MiB of head KV each
+    (12 need 54.05 GiB of pages + 0.75 GiB), and the reason names the drafter. An oasis row
+    likewise."""
+    budgets = Budgets(int(54.5 * GIB), 0, 0)
+    assert max_concurrency("dense", DENSE_32K, budgets, None) == 12
+    with_head = {**DENSE_32K, "drafter_bytes": 64 * 2**20}
+    assert max_concurrency("dense", with_head, budgets, None) == 11
+    why, _, _ = fit("dense", 12, with_head, budgets, None)
+    assert "dense KV + drafter" in why
+    oasis = {
+        "peak_pages": 129,
+        "steady_pages": 129,
+        "host_blocks": 1024,
+        "block_bytes": 16 * 147456,
+        "summary_bytes": 0,
+    }
+    roomy = Budgets(100 * 129 * oasis["block_bytes"], 10**15, 0)
+    assert max_concurrency("oasis", oasis, roomy, None) == 100
+    head = {**oasis, "drafter_bytes": oasis["block_bytes"] * 129}  # as much as a working set
+    assert max_concurrency("oasis", head, roomy, None) == 50
+    assert "pages + summaries + drafter" in fit("oasis", 51, head, roomy, None)[0]

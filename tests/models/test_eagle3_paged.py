@@ -348,3 +348,42 @@ def test_launched_drafts_on_cuda_graphs_equal_drafting_after_the_read(speculativ
         _, shadow, res[cls] = _oracle_launch_run(model, sharp, cls, speculative=speculative, cuda_graph=True)
         assert shadow.paged
     _assert_launch_changes_nothing(res[Eagle3Drafter], res[NotLaunched], least=5)
+
+
+def test_reserve_pages_grows_once_and_keeps_every_row():
+    """``reserve_pages`` grows the pool in one step to the pages asked for (never shrinks it); rows
+    already written stay where they were, and states then take pages without growing it again."""
+    g = torch.Generator().manual_seed(3)
+    kv = pool(num_pages=2, block_size=8)
+    a = Eagle3State(paged=kv)
+    k, v = rows(11, g)
+    a.append(k, v)
+    kv.reserve_pages(40)
+    assert kv.num_pages == 40 and kv.pages_in_use == 2
+    assert torch.equal(kv.gather(a)[0], k) and torch.equal(kv.gather(a)[1], v)
+    kv.reserve_pages(10)
+    assert kv.num_pages == 40
+    states = [Eagle3State(paged=kv) for _ in range(4)]
+    for st in states:
+        st.append(*rows(70, g))  # 9 pages each: 2 + 36 of the 40
+    assert kv.num_pages == 40 and kv.pages_in_use == 38
+
+
+def test_drafter_device_bytes_and_reserve(model, head):
+    """``Eagle3Drafter.device_bytes``: the head's K and V of whole 16-row pages; ``reserve`` grows
+    the paged pool once for the requests it is told of (``LLMEngine.reserve_pools`` calls it)."""
+    d = Eagle3Drafter(head, model, paged=True)
+    p = next(head.parameters())
+    per_row = 2 * head.config.num_key_value_heads * head.config.head_dim * p.element_size()
+    assert d.device_bytes(1) == d.device_bytes(16) == 16 * per_row
+    assert d.device_bytes(17) == 32 * per_row
+    d.reserve([100, 33])  # 7 + 3 pages
+    assert d.pool.num_pages == 64  # the initial pool already holds them
+    d.reserve([1000] * 8)  # 63 pages each
+    assert d.pool.num_pages == 8 * 63
+    flat = Eagle3Drafter(head, model, paged=False)
+    flat.reserve([1000])
+    assert flat.pool is None
+    eng = LLMEngine(model, kv=KvConfig(block_size=8, top_k_blocks=4, sparse_threshold=40), drafter=d)
+    eng.reserve_pools([(2000, 16)] * 4)  # 126 pages each: past what the pool holds
+    assert d.pool.num_pages == 4 * 126

@@ -551,14 +551,22 @@ class PoolsMixin:
 
     def ensure_pools(self, requests: list[Request]) -> None:
         """Make room for admitting ``requests`` together (grow the pools to their reservations)."""
-        self.reserve_pools([(len(r.prompt), r.max_new_tokens) for r in requests])
+        self._reserve_kv([(len(r.prompt), r.max_new_tokens) for r in requests])
 
     def reserve_pools(self, sizes: list[tuple[int, int]]) -> None:
         """Grow the pools now (up to the caps) so that requests of these ``(prompt_len,
         max_new_tokens)`` fit beside the running ones: one allocation instead of several as a
         batch is admitted. A prompt the engine admits sparse (:meth:`prefills_sparse`: prefilled
         in one piece) reserves its working set; one prefilled in chunks grows the pools at its
-        admission."""
+        admission. The drafter's own per-request device state (the EAGLE-3 head's KV) is reserved
+        the same way (``Drafter.reserve``); an admission grows it as it needs."""
+        self._reserve_kv(sizes)
+        if self.drafter is not None:
+            self.drafter.reserve([n + m for n, m in sizes])
+
+    def _reserve_kv(self, sizes: list[tuple[int, int]]) -> None:
+        """Grow the KV pools (up to the caps) for requests of these sizes beside the running ones."""
+
         self._sync_runtime()
         rt = self.runtime
         g, h, w = rt.reserved

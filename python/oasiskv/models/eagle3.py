@@ -194,6 +194,25 @@ class Eagle3PagedKV:
     def free(self, pages: Sequence[int]) -> None:
         self._free.extend(reversed(pages))
 
+    def reserve_pages(self, pages: int) -> None:
+        """Grow the pool to at least ``pages`` pages now, in one allocation (a batch's admission
+        then takes pages without a doubling, whose copy holds the old pool and the new at once)."""
+        if pages > self.num_pages:
+            self._grow(pages)
+
+    def _grow(self, new: int) -> None:
+        """The pool at ``new`` pages: a new pair of tensors, the pages in use copied over."""
+        old, shape = self.num_pages, (new, *self.k_pages.shape[1:])
+        k = self.k_pages
+        self.k_pages = k.new_zeros(shape)
+        self.k_pages[:old].copy_(k)
+        del k  # the old K pool goes before the V pool grows
+        v = self.v_pages
+        self.v_pages = v.new_zeros(shape)
+        self.v_pages[:old].copy_(v)
+        del v
+        self._free[:0] = range(new - 1, old - 1, -1)
+
     def _reserve(self, state: Eagle3State, length: int) -> None:
         """Give ``state`` pages for ``length`` rows."""
         need = -(-length // self.block_size) - len(state.pages)
@@ -201,11 +220,7 @@ class Eagle3PagedKV:
             return
         if need > len(self._free):
             old = self.num_pages
-            new = max(2 * old, old + need - len(self._free))
-            grow = (new - old, *self.k_pages.shape[1:])
-            self.k_pages = torch.cat((self.k_pages, self.k_pages.new_zeros(grow)))
-            self.v_pages = torch.cat((self.v_pages, self.v_pages.new_zeros(grow)))
-            self._free[:0] = range(new - 1, old - 1, -1)
+            self._grow(max(2 * old, old + need - len(self._free)))
         state.pages.extend(self._free.pop() for _ in range(need))
 
     def _check(self, k: Tensor, v: Tensor) -> None:

@@ -191,24 +191,28 @@ def fit(
     # What the mode's admission needs beside the pools past the budget's activation reserve
     # (need["admission_bytes"], measured: :func:`admission_excess`) comes off its budget.
     budget = budgets.gpu_kv - admission_excess(need, budgets)
+    # The drafter's per-request device state (the EAGLE-3 head's KV) shares the budget.
+    drafter = conc * need.get("drafter_bytes", 0)
     if mode == "dense":
         dense = conc * need["peak_pages"] * per
-        if dense > budget:
-            return f"dense KV {dense / gib:.1f} GiB > GPU KV budget {budget / gib:.1f} GiB", 0, None
-        return None, budget, None
+        if dense + drafter > budget:
+            what = "dense KV" if not drafter else "dense KV + drafter"
+            return f"{what} {(dense + drafter) / gib:.1f} GiB > GPU KV budget {budget / gib:.1f} GiB", 0, None
+        return None, budget - drafter, None
     # Admission turns one request sparse before the next is prefilled: (C - 1) working sets
     # and one dense prompt at the peak (a working set too when the prompt is prefilled sparse);
     # every request's summaries stay on the GPU.
     pages = (conc - 1) * need["steady_pages"] + need["peak_pages"]
     summaries = conc * need["host_blocks"] * need["summary_bytes"]
     host = conc * need["host_blocks"] * need.get("host_block_bytes", per)
-    if pages * per + summaries > budget:
-        gpu = (pages * per + summaries) / gib
-        return f"pages + summaries {gpu:.1f} GiB > GPU KV budget {budget / gib:.1f} GiB", 0, None
+    if pages * per + summaries + drafter > budget:
+        gpu = (pages * per + summaries + drafter) / gib
+        what = "pages + summaries" + (" + drafter" if drafter else "")
+        return f"{what} {gpu:.1f} GiB > GPU KV budget {budget / gib:.1f} GiB", 0, None
     if mode == "oasis" and host > budgets.host_limit:
         return f"host pool {host / gib:.1f} GiB > host limit {budgets.host_limit / gib:.1f} GiB", 0, None
     if mode == "oracle" and device_free is not None:
-        room = device_free - budgets.activation_reserve - pages * per - summaries
+        room = device_free - budgets.activation_reserve - pages * per - summaries - drafter
         if host > room:
             return (
                 f"full KV on the device {host / gib:.1f} GiB > {max(room, 0) / gib:.1f} GiB free",

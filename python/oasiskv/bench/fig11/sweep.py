@@ -255,6 +255,10 @@ class Fig11:
             "summary_bytes": probe.summary_bytes_all_layers,
             # What the roofline counts a step's scoring as reading per block: its min and max keys
             "score_bytes": per // kv.block_size,
+            # The drafter's own device state per request beside the pools (the EAGLE-3 head's KV)
+            "drafter_bytes": 0
+            if probe.drafter is None
+            else probe.drafter.device_bytes(ctx + self.args.max_tokens),
         }
 
     def fit(
