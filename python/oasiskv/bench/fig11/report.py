@@ -262,7 +262,8 @@ def plot(rep: dict, path: str) -> None:
         ax.set_ylabel("decode tokens/s")
         ax.set_title(f"context {ctx}")
         ax.grid(True, alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:  # a context whose every row was skipped has none
+            ax.legend()
     fig.suptitle(f"{rep['model']} on {rep['device']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
