@@ -270,19 +270,7 @@ impl Reader {
 
 fn decode_payload(kind: u8, r: &mut Reader) -> Result<Message> {
     Ok(match kind {
-        kind::HELLO => {
-            let version = r.u16("hello version")?;
-            let n = r.u16("token length")?;
-            if usize::from(n) > MAX_TOKEN_BYTES {
-                return Err(Error::OutOfRange {
-                    field: "token length",
-                    value: n.into(),
-                    limit: MAX_TOKEN_BYTES as u64,
-                });
-            }
-            let token = r.take("token", n.into())?;
-            Message::Hello(Hello { version, token })
-        }
+        kind::HELLO => Message::Hello(r.hello()?),
         kind::STAGE_BLOCKS => {
             let request = r.u64("request")?;
             let geometry = r.geometry()?;
@@ -303,44 +291,13 @@ fn decode_payload(kind: u8, r: &mut Reader) -> Result<Message> {
                 runs,
             })
         }
-        kind::STAGE_ADMISSION => {
-            let request = r.u64("request")?;
-            let n = r.count("selected count", MAX_ENTRIES, 6)?;
-            let mut selected = Vec::with_capacity(n);
-            for _ in 0..n {
-                selected.push(LayerBlock {
-                    layer: r.u16("layer")?,
-                    block: r.u32("block")?,
-                });
-            }
-            let sections = r.sections()?;
-            Message::StageAdmission(StageAdmission {
-                request,
-                selected,
-                sections,
-            })
-        }
-        kind::FETCH_ADMISSION => {
-            let request = r.u64("request")?;
-            let first_layer = r.u16("first_layer")?;
-            let num_layers = r.u16("num_layers")?;
-            let include_sections = match r.u8("include_sections")? {
-                0 => false,
-                1 => true,
-                _ => {
-                    return Err(Error::Invalid {
-                        field: "include_sections",
-                        reason: "must be 0 or 1",
-                    })
-                }
-            };
-            Message::FetchAdmission(FetchAdmission {
-                request,
-                first_layer,
-                num_layers,
-                include_sections,
-            })
-        }
+        kind::STAGE_ADMISSION => Message::StageAdmission(r.stage_admission()?),
+        kind::FETCH_ADMISSION => Message::FetchAdmission(FetchAdmission {
+            request: r.u64("request")?,
+            first_layer: r.u16("first_layer")?,
+            num_layers: r.u16("num_layers")?,
+            include_sections: r.flag("include_sections")?,
+        }),
         kind::READ_BLOCKS => Message::ReadBlocks(ReadBlocks { keys: r.keys()? }),
         kind::RELEASE => Message::Release {
             request: r.u64("request")?,
@@ -359,69 +316,11 @@ fn decode_payload(kind: u8, r: &mut Reader) -> Result<Message> {
         kind::ACKED => Message::Acked {
             lease: r.u32("lease")?,
         },
-        kind::BLOCKS_RMA => {
-            let lease = r.u32("lease")?;
-            let m = r.count("region count", MAX_REGIONS, 19)?;
-            let mut regions = Vec::with_capacity(m);
-            for _ in 0..m {
-                let base = r.u64("region base")?;
-                let len = r.u64("region length")?;
-                let k = r.u16("rkey length")?;
-                if usize::from(k) > MAX_RKEY_BYTES {
-                    return Err(Error::OutOfRange {
-                        field: "rkey length",
-                        value: k.into(),
-                        limit: MAX_RKEY_BYTES as u64,
-                    });
-                }
-                let region = RemoteRegion {
-                    base,
-                    len,
-                    rkey: r.take("rkey", k.into())?,
-                };
-                region.validate()?;
-                regions.push(region);
-            }
-            let n = r.count("entry count", MAX_ENTRIES, 2)?;
-            let mut entries = Vec::with_capacity(n);
-            for _ in 0..n {
-                let code = r.u16("entry code")?;
-                if code != 0 {
-                    entries.push(Err(ErrorCode::from_u16(code)));
-                    continue;
-                }
-                let k = r.u8("ranges per entry")?;
-                let k = r.bound_count("ranges per entry", k.into(), 2, 16)?;
-                let mut ranges = Vec::with_capacity(k);
-                for _ in 0..k {
-                    ranges.push(RmaRange {
-                        region: r.u32("range region")?,
-                        offset: r.u64("range offset")?,
-                        len: r.u32("range length")?,
-                    });
-                }
-                check_ranges(&regions, &ranges)?;
-                entries.push(Ok(ranges));
-            }
-            Message::BlocksRma(BlocksRma {
-                lease,
-                regions,
-                entries,
-            })
-        }
+        kind::BLOCKS_RMA => Message::BlocksRma(r.blocks_rma()?),
         kind::HELLO_OK => Message::HelloOk(HelloOk {
             version: r.u16("version")?,
             max_frame: r.u32("max_frame")?,
-            rma: match r.u8("rma")? {
-                0 => false,
-                1 => true,
-                _ => {
-                    return Err(Error::Invalid {
-                        field: "rma",
-                        reason: "must be 0 or 1",
-                    })
-                }
-            },
+            rma: r.flag("rma")?,
         }),
         kind::STAGED => Message::Staged(Staged {
             stored_bytes: r.u64("stored_bytes")?,
@@ -439,55 +338,149 @@ fn decode_payload(kind: u8, r: &mut Reader) -> Result<Message> {
                 sections,
             })
         }
-        kind::BLOCKS => {
-            let n = r.count("entry count", MAX_ENTRIES, 2)?;
-            let mut entries = Vec::with_capacity(n);
-            for _ in 0..n {
-                let code = r.u16("entry code")?;
-                if code == 0 {
-                    let len = r.u32("entry length")?;
-                    entries.push(Ok(r.take("entry bytes", len.into())?));
-                } else {
-                    entries.push(Err(ErrorCode::from_u16(code)));
-                }
-            }
-            Message::Blocks(Blocks { entries })
-        }
+        kind::BLOCKS => Message::Blocks(r.blocks_reply()?),
         kind::RELEASED => Message::Released(Released {
             freed_bytes: r.u64("freed_bytes")?,
         }),
-        kind::STATS_REPLY => {
-            let n = r.u8("stats count")?;
-            let n = usize::from(n);
-            if n < StatsSnapshot::FIELDS {
-                return Err(Error::OutOfRange {
-                    field: "stats count",
-                    value: n as u64,
-                    limit: StatsSnapshot::FIELDS as u64,
-                });
-            }
-            let mut v = [0u64; StatsSnapshot::FIELDS];
-            for x in v.iter_mut() {
-                *x = r.u64("stat")?;
-            }
-            // A newer daemon may send more counters: skip them.
-            r.take("extra stats", 8 * (n - StatsSnapshot::FIELDS) as u64)?;
-            Message::StatsReply(StatsSnapshot::from_values(&v))
-        }
-        kind::ERROR => {
-            let code = ErrorCode::from_u16(r.u16("error code")?);
-            let n = r.u16("message length")?;
-            if usize::from(n) > MAX_MESSAGE_BYTES {
-                return Err(Error::OutOfRange {
-                    field: "message length",
-                    value: n.into(),
-                    limit: MAX_MESSAGE_BYTES as u64,
-                });
-            }
-            let raw = r.take("message", n.into())?;
-            let message = String::from_utf8_lossy(&raw).into_owned();
-            Message::Error(ErrorReply { code, message })
-        }
+        kind::STATS_REPLY => Message::StatsReply(r.stats_reply()?),
+        kind::ERROR => Message::Error(r.error_reply()?),
         other => return Err(Error::UnknownKind(other)),
     })
+}
+
+/// The payloads of [`decode_payload`]'s longer arms, each read in wire order.
+impl Reader {
+    /// A 0 / 1 byte as a bool; anything else is invalid.
+    fn flag(&mut self, field: &'static str) -> Result<bool> {
+        match self.u8(field)? {
+            0 => Ok(false),
+            1 => Ok(true),
+            _ => Err(Error::Invalid {
+                field,
+                reason: "must be 0 or 1",
+            }),
+        }
+    }
+
+    /// A u16 length, at most `limit`, then that many bytes.
+    fn bounded_bytes(
+        &mut self,
+        len_field: &'static str,
+        field: &'static str,
+        limit: usize,
+    ) -> Result<Bytes> {
+        let n = self.u16(len_field)?;
+        if usize::from(n) > limit {
+            return Err(Error::OutOfRange {
+                field: len_field,
+                value: n.into(),
+                limit: limit as u64,
+            });
+        }
+        self.take(field, n.into())
+    }
+
+    fn hello(&mut self) -> Result<Hello> {
+        let version = self.u16("hello version")?;
+        let token = self.bounded_bytes("token length", "token", MAX_TOKEN_BYTES)?;
+        Ok(Hello { version, token })
+    }
+
+    fn stage_admission(&mut self) -> Result<StageAdmission> {
+        let request = self.u64("request")?;
+        let n = self.count("selected count", MAX_ENTRIES, 6)?;
+        let mut selected = Vec::with_capacity(n);
+        for _ in 0..n {
+            selected.push(LayerBlock {
+                layer: self.u16("layer")?,
+                block: self.u32("block")?,
+            });
+        }
+        let sections = self.sections()?;
+        Ok(StageAdmission {
+            request,
+            selected,
+            sections,
+        })
+    }
+
+    fn blocks_rma(&mut self) -> Result<BlocksRma> {
+        let lease = self.u32("lease")?;
+        let m = self.count("region count", MAX_REGIONS, 19)?;
+        let mut regions = Vec::with_capacity(m);
+        for _ in 0..m {
+            let base = self.u64("region base")?;
+            let len = self.u64("region length")?;
+            let rkey = self.bounded_bytes("rkey length", "rkey", MAX_RKEY_BYTES)?;
+            let region = RemoteRegion { base, len, rkey };
+            region.validate()?;
+            regions.push(region);
+        }
+        let n = self.count("entry count", MAX_ENTRIES, 2)?;
+        let mut entries = Vec::with_capacity(n);
+        for _ in 0..n {
+            let code = self.u16("entry code")?;
+            if code != 0 {
+                entries.push(Err(ErrorCode::from_u16(code)));
+                continue;
+            }
+            let k = self.u8("ranges per entry")?;
+            let k = self.bound_count("ranges per entry", k.into(), 2, 16)?;
+            let mut ranges = Vec::with_capacity(k);
+            for _ in 0..k {
+                ranges.push(RmaRange {
+                    region: self.u32("range region")?,
+                    offset: self.u64("range offset")?,
+                    len: self.u32("range length")?,
+                });
+            }
+            check_ranges(&regions, &ranges)?;
+            entries.push(Ok(ranges));
+        }
+        Ok(BlocksRma {
+            lease,
+            regions,
+            entries,
+        })
+    }
+
+    fn blocks_reply(&mut self) -> Result<Blocks> {
+        let n = self.count("entry count", MAX_ENTRIES, 2)?;
+        let mut entries = Vec::with_capacity(n);
+        for _ in 0..n {
+            let code = self.u16("entry code")?;
+            if code == 0 {
+                let len = self.u32("entry length")?;
+                entries.push(Ok(self.take("entry bytes", len.into())?));
+            } else {
+                entries.push(Err(ErrorCode::from_u16(code)));
+            }
+        }
+        Ok(Blocks { entries })
+    }
+
+    fn stats_reply(&mut self) -> Result<StatsSnapshot> {
+        let n = usize::from(self.u8("stats count")?);
+        if n < StatsSnapshot::FIELDS {
+            return Err(Error::OutOfRange {
+                field: "stats count",
+                value: n as u64,
+                limit: StatsSnapshot::FIELDS as u64,
+            });
+        }
+        let mut v = [0u64; StatsSnapshot::FIELDS];
+        for x in v.iter_mut() {
+            *x = self.u64("stat")?;
+        }
+        // A newer daemon may send more counters: skip them.
+        self.take("extra stats", 8 * (n - StatsSnapshot::FIELDS) as u64)?;
+        Ok(StatsSnapshot::from_values(&v))
+    }
+
+    fn error_reply(&mut self) -> Result<ErrorReply> {
+        let code = ErrorCode::from_u16(self.u16("error code")?);
+        let raw = self.bounded_bytes("message length", "message", MAX_MESSAGE_BYTES)?;
+        let message = String::from_utf8_lossy(&raw).into_owned();
+        Ok(ErrorReply { code, message })
+    }
 }
