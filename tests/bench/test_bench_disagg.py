@@ -122,10 +122,13 @@ def test_the_default_first_query_selects_with_the_first_token(tmp_path):
 def test_in_step_reads_rows(tmp_path):
     """``--kv-in-step-reads``: the partial rows read their misses during each step (the CPU path
     waits inline for the step reader), decode the full transfer's tokens, and say so; the JSON
-    records the flag and the layers' wait on their reads."""
+    records the flags and the layers' wait on their reads."""
     md = tmp_path / "d.md"
-    rep = small_run(tmp_path / "d.json", "--kv-prefetch", "0", "--kv-in-step-reads", md=md)
-    assert rep["kv"]["kv_in_step_reads"] is True
+    rep = small_run(
+        tmp_path / "d.json", "--kv-prefetch", "0", "--kv-in-step-reads", "--transfer-stream", md=md
+    )
+    # --transfer-stream is recorded; on the CPU the chains run inline, with no stream to move to.
+    assert rep["kv"]["kv_in_step_reads"] is True and rep["kv"]["transfer_stream"] is True
     rows = {r["transfer"]: r for r in rep["rows"]}
     part = rows["partial"]
     assert part["failures"] == 0 and part["same_tokens"] == 1.0

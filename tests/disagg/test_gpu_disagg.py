@@ -99,12 +99,17 @@ def test_a_partial_transfer_decodes_in_cuda_graphs_fixed_up_after_each_step():
         assert eng.engine.graph_stats["replays"] > 0
 
 
+@pytest.mark.parametrize("transfer_stream", [False, True], ids=["on-its-stream", "transfer-stream"])
 @pytest.mark.parametrize("eager", [False, True], ids=["graphs", "eager"])
-def test_in_step_reads_decode_as_the_single_process_engine(eager):
+def test_in_step_reads_decode_as_the_single_process_engine(eager, transfer_stream, monkeypatch):
     """``kv_in_step_reads=True``: each layer's plan goes to the coordinator's step reader while
-    the step runs, and the layer's gather waits on its stream (the ``wait_epoch`` kernel) for
-    its reads: the tokens are the eager single-process engine's, in captured graphs and
-    eagerly, misses came over the network, no wait gave up and no graph step was fixed up."""
+    the step runs, and the layer's gather waits (the ``wait_epoch`` kernel) for its reads, on
+    its background stream or on the transfer stream (``IN_STEP_TRANSFER_STREAM``): the tokens
+    are the eager single-process engine's, in captured graphs and eagerly, misses came over the
+    network, no wait gave up and no graph step was fixed up."""
+    from oasiskv.engine import core
+
+    monkeypatch.setattr(core, "IN_STEP_TRANSFER_STREAM", transfer_stream)
     with Daemon(memory="1GiB") as d:
         eng = _decode_staged(d, kv_transfer="partial", kv_in_step_reads=True, enforce_eager=eager)
         src = eng.kv_source
@@ -114,6 +119,7 @@ def test_in_step_reads_decode_as_the_single_process_engine(eager):
         assert int(src._in_step.waits[0]) == 0 and int(src._in_step.waits[3]) > 0
         if not eager:
             assert eng.engine.graph_stats["replays"] > 0
+        assert (eng.engine._transfer is not None) == transfer_stream
 
 
 def test_a_bounded_cache_refuses_cuda_graphs():

@@ -205,6 +205,13 @@ def build_parser() -> argparse.ArgumentParser:
         "waiting for its own reads (LLMEngine(kv_in_step_reads=)); --no-kv-in-step-reads: after "
         "the step. Default: the engine's (on, except with --kv-cache-blocks)",
     )
+    k.add_argument(
+        "--transfer-stream",
+        action="store_true",
+        help="with in-step reads on a GPU: each layer's wait for its reads and its gather on a "
+        "transfer stream of their own, not behind the layer's selection on its background stream "
+        "(oasiskv.engine.core.IN_STEP_TRANSFER_STREAM; off by default until measured)",
+    )
     o = ap.add_argument_group("output")
     o.add_argument("--json", default=None)
     o.add_argument("--md", default=None)
@@ -321,8 +328,10 @@ def decode_engine(model, args, url: str, transfer: str):
     ``max_num_seqs`` requests: growing a pinned host pool mid-row stalls the loop (about 0.6 s per
     GiB pinned, and the captured graphs are dropped with the old pools), which a serving engine
     pays once, not per row. ``local``: the same engine without a KV source (it prefills itself)."""
+    from ..engine import core
     from ..llm_engine import LLMEngine
 
+    core.IN_STEP_TRANSFER_STREAM = bool(args.transfer_stream)  # read as the engine is made
     n = args.max_num_seqs or args.requests
     staged = {}
     if transfer != "local":
@@ -672,6 +681,7 @@ def _report(args, url: str, name: str, dev, rows: list[dict], dtypes: dict) -> d
             "kv_prefetch": _prefetch(args),
             # Whether the partial rows read their misses in the step, as their engines did.
             "kv_in_step_reads": any(r["kv_in_step_reads"] for r in out if r["transfer"] == "partial"),
+            "transfer_stream": bool(args.transfer_stream),
             **dtypes,
         },
         "cuda_graph": args.cuda_graph,

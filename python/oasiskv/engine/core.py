@@ -39,6 +39,11 @@ FEED_CHUNK = 8192
 #: chain runs on stream l % N, :meth:`Engine._init_streams`); read when the engine is made, so
 #: ``experiments/exp_step_host.py`` and a tuning run can change it for every engine a tool makes.
 BACKGROUND_STREAMS = 2
+#: With a block source that reads in the step (issue 37): each layer's wait for its reads and its
+#: gather on a transfer stream of their own instead of the layer's background stream
+#: (:meth:`Engine._gather_on_transfer`). Off until measured and tested on a GPU (results/pending-s31:
+#: ``python -m oasiskv.bench.disagg --transfer-stream``); read when the engine is made.
+IN_STEP_TRANSFER_STREAM = False
 
 
 def check_backend(backend: str, host_pool: str) -> None:
@@ -238,7 +243,19 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         # nodes' priority against the background streams'. Same priority as theirs: a high one
         # measured 0.91x the step time at 20 x 32K but 1.11-1.25x at 32-40 x 16K (docs/PERF.md).
         self._capture_stream = torch.cuda.Stream(self.device, priority=0) if self.cuda else None
+        # Each layer's transfer event(s) of the last eager step: the next step's attention waits
+        # on them (DecodeAttention).
         self._gather_done: list = [None] * c.num_hidden_layers
+        # With a block source that reads in the step (issue 37), each layer's wait for its reads
+        # and its gather run on a transfer stream of their own (Engine._gather_on_transfer), after
+        # the layer's selection: later layers' selections, on the background streams, then never
+        # queue behind a layer's late reads (the paper's separate KV Transfer stream; None unless
+        # IN_STEP_TRANSFER_STREAM). Whether the step being built has forked it (DecodeAttention
+        # joins it at the end).
+        on = self.cuda and IN_STEP_TRANSFER_STREAM
+        self._transfer = torch.cuda.Stream(self.device) if on else None
+        self._transfer_forked = False
+        self._transfer_done: dict = {}
         # The compute stream's waits on the background streams, timed on the device (ops.wait_stamp:
         # start, total ns, waits); read by transfer_wait().
         self._wait_stamps = torch.zeros(3, dtype=torch.int64, device=self.device) if self.cuda else None
@@ -770,6 +787,8 @@ class Engine(PoolsMixin, SelectionMixin, SpeculativeMixin, GraphsMixin, StepMixi
         if plan is not None and self.cuda:
             for side in self._sides:
                 plan.keep_for(side)
+            if self._in_step and self._transfer is not None:
+                plan.keep_for(self._transfer)
         done_blocks = v["done_blocks"] if self.key_codes and v["done_blocks"].numel() else None
         if samp is not None:
             samp = samp.to(self.device, non_blocking=True)

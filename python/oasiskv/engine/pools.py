@@ -703,6 +703,8 @@ class PoolsMixin:
             cur = torch.cuda.current_stream(self.device)
             for side in self._sides:
                 cur.wait_stream(side)
+            if self._transfer is not None:
+                cur.wait_stream(self._transfer)
 
     def release(self, r: Request) -> None:
         """Return everything ``r`` holds to the pools (safe to call twice)."""

@@ -661,10 +661,32 @@ class SelectionMixin:
         if self._plans is not None:
             self._plans.append((layer, ps, pb, slot_pages, host_csr))  # read after the step
         elif self._in_step:
+            if self._transfer is not None:
+                self._gather_on_transfer(layer, ps, pb, slot_pages, host_csr)
+                return
             self.block_source.publish(layer, ps, pb, self._epoch_dev)  # and wait, on this stream
         else:
             self.block_source.before_gather(layer, ps, pb, *host_csr)
         self._gather(layer, ps, pb, slot_pages, host_csr)
+
+    def _gather_on_transfer(self, layer, ps, pb, slot_pages, host_csr) -> None:
+        """In-step reads on a GPU: publish layer ``layer``'s plan, wait for its reads and gather
+        it on the transfer stream, after the layer's selection (the current, background stream),
+        so that the selections queued behind it on that stream go on while the reads land. An
+        eager step keeps the gather's event for the next step's attention (``_transfer_done``);
+        a captured one is joined at its end (``_transfer_forked``)."""
+        t = self._transfer
+        t.wait_stream(torch.cuda.current_stream(self.device))
+        self._transfer_forked = True
+        with torch.cuda.stream(t):
+            self.block_source.publish(layer, ps, pb, self._epoch_dev)  # and the wait, on t
+            self._gather(layer, ps, pb, slot_pages, host_csr)
+            if not torch.cuda.is_current_stream_capturing():
+                ps.record_stream(t)
+                pb.record_stream(t)
+                done = torch.cuda.Event()
+                done.record(t)
+                self._transfer_done[layer] = done
 
     def _gather(self, layer, ps, pb, slot_pages, host_csr) -> None:
         """One layer's plan from the host pool into its working-set pages."""
@@ -719,5 +741,5 @@ class SelectionMixin:
                 gather(layer, ps, pb, slot_pages, host_csr)
                 done = torch.cuda.Event()
                 done.record(side)
-                self._gather_done[layer] = done
+                self._gather_done[layer] = (done,)
             prev = done

@@ -166,6 +166,7 @@ class DecodeAttention:
         # step (what the background streams read, alive until it is over) and the CPU.
         self.keep: list = []
         self.forked: set = set()  # the background streams this step forked
+        eng._transfer_forked = False  # the transfer stream: not forked by this step yet
         # Speculative decoding: each layer's row-1 K/V ([n, num_kv_heads, head_dim] each), kept on
         # the device for the draft stores (no copy beyond the one the attention takes anyway).
         self.spec_kv: list | None = [None] * layers if spec else None
@@ -181,9 +182,11 @@ class DecodeAttention:
         last_q, keep, forked, spec_kv = self.last_q, self.keep, self.forked, self.spec_kv
         out_dtype = q.dtype
         if eng.cuda and not static and eng._gather_done[layer] is not None:
-            # The one place the compute stream waits: layer l's transfer of the previous step.
+            # The one place the compute stream waits: layer l's transfer of the previous step
+            # (its chain's end, and the transfer stream's gather with in-step reads).
             ops.wait_stamp(eng._wait_stamps, 0)
-            torch.cuda.current_stream(dev).wait_event(eng._gather_done[layer])
+            for done in eng._gather_done[layer]:
+                torch.cuda.current_stream(dev).wait_event(done)
             ops.wait_stamp(eng._wait_stamps, 1)
         q4 = q.view(n, rows, hq, d).to(eng.dtype).contiguous()
         # Row-major by row: kt[0] (x_t's K) and kt[1] (the draft's) are contiguous views.
@@ -253,7 +256,10 @@ class DecodeAttention:
                         eng._select(*args)
                         done = torch.cuda.Event()
                         done.record(side)
-                        eng._gather_done[layer] = done
+                        moved = eng._transfer_done.pop(layer, None)  # in-step reads: the gather's
+                        eng._gather_done[layer] = (done,) if moved is None else (done, moved)
+                if eng._transfer_forked:  # joined at the end of the step with the others
+                    forked.add(eng._transfer)
             else:  # the CPU: inline; the fetches and predictions are kept after the forward
                 keep.append(eng._select(*args, per_layer=False))
         return o.view(n * rows, hq, d).to(out_dtype)
