@@ -100,10 +100,15 @@ class BlockSource(Protocol):
         raise NotImplementedError("a source that reads in the step implements begin_step")
 
     def publish(self, layer: int, plan_slots, plan_blocks, epoch) -> None:
-        """Inside a step of a source that :attr:`reads_in_step`, on the layer's stream between
-        its delta selection and its gather: hand the layer's plan over and queue the wait for
-        its reads (``epoch``: the step's, int64 ``[1]`` on the device)."""
+        """Inside a step of a source that :attr:`reads_in_step`, on the layer's stream right
+        after its delta selection: hand the layer's plan over, so that its reads start
+        (``epoch``: the step's, int64 ``[1]`` on the device)."""
         raise NotImplementedError("a source that reads in the step implements publish")
+
+    def wait_published(self, layer: int, epoch) -> None:
+        """Queue on the current stream, before layer ``layer``'s gather, the wait for the reads
+        :meth:`publish` started (the same stream, or a transfer stream that waited for it)."""
+        raise NotImplementedError("a source that reads in the step implements wait_published")
 
     def wait_for_layer_load(self, layer: int) -> float:
         """Block until the blocks :meth:`before_gathers` brings for ``layer`` are in the host pool

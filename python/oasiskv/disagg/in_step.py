@@ -5,10 +5,13 @@ coordinator's :class:`~oasiskv._core.StepReader` that serves it.
 Per layer, on the layer's background stream (a captured CUDA graph's nodes, or the CPU path
 inline), after the delta selection and before the gather (:meth:`InStepReads.publish`)::
 
-    plan_slots, plan_blocks  --copy-->  slots[l], blocks[l]      (pinned host memory)
+    plan_slots, plan_blocks  --copy-->  slots[l], blocks[l]      (pinned host memory)   publish
     the step's epoch         --copy-->  ready[l]
-    ops.wait_epoch(landed, l, epoch)    holds the stream until the reader writes landed[l]
+    ops.wait_epoch(landed, l, epoch)    holds the stream until the reader writes landed[l]   wait
     gather(l)                           reads what landed
+
+(with ``IN_STEP_TRANSFER_STREAM`` the wait and the gather run on the engine's transfer stream,
+after the publish).
 
 The reader (a Rust thread, no GIL) sees ``ready[l]``, submits the plan's block-heads to the
 coordinator (the absent ones are read into the host pool, the present ones cost nothing) and
@@ -88,7 +91,8 @@ class InStepReads:
         self, layer: int, plan_slots: torch.Tensor, plan_blocks: torch.Tensor, epoch: torch.Tensor
     ) -> None:
         """Queue on the current stream: layer ``layer``'s plan and the step's ``epoch`` (int64
-        ``[1]`` on the device) into the mailbox, then the wait for the layer's reads."""
+        ``[1]`` on the device) into the mailbox (the reader then starts its reads); the wait for
+        them is :meth:`wait`'s."""
         n = plan_slots.numel()
         if tuple(plan_slots.shape[1:]) != (self.heads, self.caps[layer]) or plan_slots.shape[0] != self._rows:
             raise ConfigError(
@@ -98,6 +102,10 @@ class InStepReads:
         self.slots[layer][:n].copy_(plan_slots.reshape(-1), non_blocking=True)
         self.blocks[layer][:n].copy_(plan_blocks.reshape(-1), non_blocking=True)
         self.ready[layer : layer + 1].copy_(epoch, non_blocking=True)
+
+    def wait(self, layer: int, epoch: torch.Tensor) -> None:
+        """Queue on the current stream the wait until the reader has landed layer ``layer``'s
+        reads of the step ``epoch`` (after :meth:`publish`, on its stream or one that waited on it)."""
         ops.wait_epoch(self.landed, layer, epoch, self.waits, self.timeout_s)
 
     def poll(self) -> tuple[int, float]:

@@ -438,9 +438,14 @@ class RemoteKvSource(AdmissionMixin, StepReadsMixin, BlockSource):
         return self._in_step.begin_step(host_indptr, host_indices)
 
     def publish(self, layer: int, plan_slots, plan_blocks, epoch) -> None:
-        """Layer ``layer``'s plan to the step reader, and the wait for its reads (on the
-        current stream; :meth:`InStepReads.publish`)."""
+        """Layer ``layer``'s plan to the step reader (on the current stream;
+        :meth:`InStepReads.publish`)."""
         self._in_step.publish(layer, plan_slots, plan_blocks, epoch)
+
+    def wait_published(self, layer: int, epoch) -> None:
+        """The wait for layer ``layer``'s reads, on the current stream
+        (:meth:`InStepReads.wait`)."""
+        self._in_step.wait(layer, epoch)
 
     @property
     def may_evict(self) -> bool:

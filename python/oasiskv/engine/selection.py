@@ -661,25 +661,27 @@ class SelectionMixin:
         if self._plans is not None:
             self._plans.append((layer, ps, pb, slot_pages, host_csr))  # read after the step
         elif self._in_step:
+            self.block_source.publish(layer, ps, pb, self._epoch_dev)  # the reads start
             if self._transfer is not None:
                 self._gather_on_transfer(layer, ps, pb, slot_pages, host_csr)
                 return
-            self.block_source.publish(layer, ps, pb, self._epoch_dev)  # and wait, on this stream
+            self.block_source.wait_published(layer, self._epoch_dev)  # on this stream
         else:
             self.block_source.before_gather(layer, ps, pb, *host_csr)
         self._gather(layer, ps, pb, slot_pages, host_csr)
 
     def _gather_on_transfer(self, layer, ps, pb, slot_pages, host_csr) -> None:
-        """In-step reads on a GPU: publish layer ``layer``'s plan, wait for its reads and gather
-        it on the transfer stream, after the layer's selection (the current, background stream),
-        so that the selections queued behind it on that stream go on while the reads land. An
-        eager step keeps the gather's event for the next step's attention (``_transfer_done``);
-        a captured one is joined at its end (``_transfer_forked``)."""
+        """In-step reads on a GPU: wait for layer ``layer``'s reads (its plan was published on the
+        current, background stream, so they have started) and gather it on the transfer stream,
+        so that the selections queued behind it on the background stream go on while the reads
+        land, and every layer's reads overlap. An eager step keeps the gather's event for the
+        next step's attention (``_transfer_done``); a captured one is joined at its end
+        (``_transfer_forked``)."""
         t = self._transfer
         t.wait_stream(torch.cuda.current_stream(self.device))
         self._transfer_forked = True
         with torch.cuda.stream(t):
-            self.block_source.publish(layer, ps, pb, self._epoch_dev)  # and the wait, on t
+            self.block_source.wait_published(layer, self._epoch_dev)
             self._gather(layer, ps, pb, slot_pages, host_csr)
             if not torch.cuda.is_current_stream_capturing():
                 ps.record_stream(t)
