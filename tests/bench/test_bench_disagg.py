@@ -136,6 +136,7 @@ def test_in_step_reads_rows(tmp_path):
     # The compute stream's own wait (the critical path): none on the CPU, where chains run inline.
     assert all(r["gpu_wait_ms_per_step"] == 0.0 for r in rep["rows"])
     assert all(r["gpu_wait_p50_ms"] == r["gpu_wait_max_ms"] == 0.0 for r in rep["rows"])
+    assert all(r["step_p50_ms"] > 0 for r in rep["rows"]) and "step p50 ms" in md.read_text()
     assert "read their misses in the step" in md.read_text()
     assert "GPU wait ms/step" in md.read_text() and "GPU wait p50 / max ms" in md.read_text()
 

@@ -436,13 +436,16 @@ def run_row(eng, args, conn, transfer: str, rate: float, prompts) -> dict:
         conn.send(("row", row.start, [(off, p) for _, off, p in jobs]))
     peak_rows = 0
     step_waits, last_wait = [], gpu_wait0  # the compute stream's wait in each step (s)
+    step_s = []  # each eng.step() call's time (s)
     while not (row.all_added and len(row.done) == n):
         if transfer == "local":
             _take_local(eng, jobs, row, params)
         else:
             _take_staged(eng, conn, row, params)
         if eng.has_unfinished_requests():
+            t_step = time.perf_counter()
             outs = eng.step()
+            step_s.append(time.perf_counter() - t_step)
             peak_rows = max(peak_rows, eng.engine.runtime.reserved[2])
             wait = eng.engine.transfer_wait()[0]  # the step's tokens are on the host: no stall
             step_waits.append(wait - last_wait)
@@ -476,6 +479,9 @@ def run_row(eng, args, conn, transfer: str, rate: float, prompts) -> dict:
         # with --first-query prompt) against a wait in every step (reads that lag throughout).
         "gpu_wait_p50_ms": 1e3 * statistics.median(step_waits) if step_waits else None,
         "gpu_wait_max_ms": 1e3 * max(step_waits) if step_waits else None,
+        # The loop's eng.step() time, median: per-request TPOT p50 over a few staggered requests
+        # moves with how their decode overlapped the admissions; the median step does not.
+        "step_p50_ms": 1e3 * statistics.median(step_s) if step_s else None,
         "tokens": [row.tokens[f"r{i}"] for i in range(n)],
     }
     return out
@@ -710,8 +716,8 @@ def markdown(rep: dict) -> str:
         "| transfer | req/s | tok/s | TTFT p50 ms | TTFT p99 ms | admit p50 ms | TPOT p50 ms | "
         "admission MiB/req | fetched MiB/req | peak host KV MiB | vs first staged | host rows MiB | "
         "same tokens | prefill + stage s | read ms/step | wait ms/step | GPU wait ms/step | "
-        "GPU wait p50 / max ms | graph / eager steps |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "GPU wait p50 / max ms | step p50 ms | graph / eager steps |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rep["rows"]:
         lines.append(
@@ -725,6 +731,7 @@ def markdown(rep: dict) -> str:
             f"{f(r.get('read_ms_per_step'), 1, 2)} | {f(r.get('wait_ms_per_step'), 1, 2)} | "
             f"{f(r.get('gpu_wait_ms_per_step'), 1, 2)} | "
             f"{f(r.get('gpu_wait_p50_ms'), 1, 2)} / {f(r.get('gpu_wait_max_ms'), 1, 1)} | "
+            f"{f(r.get('step_p50_ms'), 1, 2)} | "
             f"{r.get('graph_replays', '-')} / {r.get('eager_steps', '-')} |"
         )
     lines += [
@@ -747,9 +754,11 @@ def markdown(rep: dict) -> str:
         "wait ms/step: the critical path, the time the compute stream itself was held waiting on the "
         "background streams (Engine.transfer_wait: at each layer in eager steps, at the step's join in "
         "CUDA-graph steps; 0 on the CPU). The partial rows' excess over the full rows' is what late "
-        "blocks cost the step. GPU wait p50 / max: its median and longest single step: a long "
-        "maximum over a small median is a few steps' misses read in the step (with --first-query "
-        "prompt, a first step whose query is not the one its admitted blocks were chosen by).",
+        "blocks cost the step. GPU wait p50 / max: its median and longest single step (a long "
+        "maximum over a small median: a few steps' late reads; a median near the mean: late reads "
+        "in every step, as s31 measured). step p50: "
+        "the decode loop's median eng.step() time, steadier than TPOT p50 over a few staggered "
+        "requests (whose decode overlaps the admissions differently from run to run).",
         "- same tokens: requests whose whole output equals the first mode's at the same rate. Each row "
         "batches requests differently, so with random bf16 weights near-tied logits may flip. A staged "
         "request's first working set is selected by --first-query: 'prompt' is the single-process "
