@@ -484,8 +484,10 @@ class Eagle3Drafter(Drafter):
 
     def device_bytes(self, tokens: int) -> int:
         """The head's K and V of ``tokens`` positions (whole pages when paged)."""
+        from .models.eagle3 import HEAD_PAGE_ROWS
+
         cfg, p = self.head.config, next(self.head.parameters())
-        rows = -(-tokens // 16) * 16 if self.paged else tokens  # Eagle3PagedKV's block size
+        rows = -(-tokens // HEAD_PAGE_ROWS) * HEAD_PAGE_ROWS if self.paged else tokens
         return 2 * rows * cfg.num_key_value_heads * cfg.head_dim * p.element_size()
 
     def reserve(self, sizes: Sequence[int]) -> None:

@@ -149,6 +149,10 @@ class Eagle3State:
         return f"Eagle3State(length={self.length}{', paged' if self.paged is not None else ''})"
 
 
+#: Rows per page of :class:`Eagle3PagedKV` (the engine's block size for the paper's models).
+HEAD_PAGE_ROWS = 16
+
+
 class Eagle3PagedKV:
     """The head KV of many requests in one paged pool, ``[num_pages, Hkv, block_size, D]`` for K
     and for V, the engine's page layout.
@@ -171,7 +175,7 @@ class Eagle3PagedKV:
         *,
         dtype: torch.dtype,
         device: str | torch.device,
-        block_size: int = 16,
+        block_size: int = HEAD_PAGE_ROWS,
         num_pages: int = 64,
     ) -> None:
         from oasiskv import ops  # local: the native module loads with the first pool
