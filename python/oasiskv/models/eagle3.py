@@ -164,7 +164,9 @@ class Eagle3PagedKV:
     twin on the CPU), with the step's page tables built on the host and copied once.
 
     Pages are taken as states grow and given back by :meth:`Eagle3State.release`; the pool
-    doubles when it runs out (a copy of the pool, as a contiguous cache's growth copies it).
+    doubles when it runs out (a copy of the pool, as a contiguous cache's growth copies it), or
+    grows once to what :meth:`reserve_pages` asks (``Eagle3Drafter.reserve``, from
+    ``LLMEngine.reserve_pools``), so that a batch's admission takes its pages without a doubling.
     """
 
     def __init__(
