@@ -265,6 +265,10 @@ def test_fig11_eagle3_drafter_on_random_weights_is_a_random_head(tmp_path, capsy
     rep = json.loads(out.read_text())
     assert rep["kv"]["drafter"].startswith("eagle3 (a random head")
     assert rep["kv"]["drafter_head_bytes"] > 0
+    # The head's own KV per request, counted in the fit: K and V of 256 + 4 positions (unpaged on
+    # the CPU), so a multiple of 2 x 260 values.
+    head_kv = rep["contexts"]["256"]["drafter_bytes"]["oasis"]
+    assert head_kv > 0 and head_kv % (2 * 260) == 0
     (row,) = rep["rows"]
     assert row["status"] == "ok" and row["output_tokens"] == 2 * 4
     assert bench.main([*TINY, *KV, "--drafter", "eagle3", "--json", "", "--md", "", "--png", ""]) == 2

@@ -126,6 +126,11 @@ def _header_lines(rep: dict) -> list[str]:
             + f"{info['request_kv_bytes'] / gib:.2f} GiB of KV per request; most requests "
             f"that fit: {mc}"
             + (f"; dense fills its KV budget at concurrency {fills}" if fills else "")
+            + "".join(
+                f"; {m}'s drafter {b / 2**20:.1f} MiB per request"
+                for m, b in info.get("drafter_bytes", {}).items()
+                if b
+            )
             + f"; cold TTFT {fmt(info['ttft_cold_s'], 1e3)} ms"
         )
     return lines

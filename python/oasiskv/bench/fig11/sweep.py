@@ -521,6 +521,9 @@ class Fig11:
             # Whether each mode admits the context's prompt sparse (straight to the host pool, its
             # working set its only pages: Engine.prefills_sparse) or through its dense pages.
             "prefills_sparse": {m: bool(needs[m].get("prefills_sparse")) for m in modes},
+            # Each mode's drafter state per request beside the pools (the EAGLE-3 head's KV), in
+            # the fit with the pages.
+            "drafter_bytes": {m: needs[m].get("drafter_bytes", 0) for m in modes},
             "request_kv_bytes": needs[modes[0]]["kv_blocks"] * needs[modes[0]]["block_bytes"],
         }
         dense_max = info["max_concurrency"].get("dense")
