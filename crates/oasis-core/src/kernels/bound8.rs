@@ -339,13 +339,7 @@ mod tests {
     #[test]
     fn outward_rounding_is_the_nearest_grid_value_on_each_side() {
         let g = grid();
-        let mut rng = 0x1234_5678u64;
-        let mut next = || {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            rng
-        };
+        let mut next = crate::kernels::xorshift(0x1234_5678);
         let mut ys: Vec<f32> = g.clone();
         for _ in 0..20000 {
             let r = next();

@@ -473,13 +473,7 @@ mod tests {
     fn side_by_side_token_chains_are_the_token_by_token_sums_bit_for_bit() {
         // Random bounds, scales and codes (any bytes: the score reads them as they are), a NaN
         // scale among them; GQA 4, head_dim 64 and 128, blocks of 16 and 8.
-        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
-        let mut next = move || {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            rng
-        };
+        let mut next = crate::kernels::xorshift(0x9e37_79b9_7f4a_7c15);
         for (d, bs) in [(64, 16), (128, 8), (128, 16)] {
             let g = KvGeometry::new(8, 2, d, bs).unwrap();
             let n = 24;
@@ -592,13 +586,8 @@ mod tests {
         let g = KvGeometry::new(6, 3, 12, 5).unwrap();
         let (hk, bs, d) = (3, 5, 12);
         let n_host = 7;
-        let mut rng = 0x2545_f491_4f6c_dd1du64;
-        let mut unit = || {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            (rng >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-        };
+        let mut rng = crate::kernels::xorshift(0x2545_f491_4f6c_dd1d);
+        let mut unit = || (rng() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
         let mags = [
             2f32.powi(-100),
             1e-3,

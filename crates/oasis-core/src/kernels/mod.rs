@@ -24,6 +24,19 @@ pub mod two_stage;
 mod validate;
 pub mod wait;
 
+/// The tests' random numbers: a xorshift64 stream from `seed` (nonzero), the same sequence in every
+/// test that names the same seed.
+#[cfg(test)]
+pub(crate) fn xorshift(seed: u64) -> impl FnMut() -> u64 {
+    let mut rng = seed;
+    move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng
+    }
+}
+
 pub use append::{append_kv, append_kv_tiers};
 pub use attention::{decode_attention, decode_attention_kv8, ExtraKv, PagedKv, PagedKv8};
 pub use bound8::{build_bounds8, e4m3_decode, e4m3_rne, score_blocks_bound8};

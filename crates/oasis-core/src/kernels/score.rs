@@ -437,13 +437,8 @@ mod tests {
         // Random queries and summaries (some NaN), sequences of 0..=9 blocks (so every count of
         // lanes in the last group), GQA 3 and 1; against one f32 chain per entry, in the order
         // the loop documents (each g of the group in d order).
-        let mut rng = 0x2545_f491_4f6c_dd1du64;
-        let mut next = move || {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            (rng % 20001) as f32 / 1000.0 - 10.0
-        };
+        let mut rng = crate::kernels::xorshift(0x2545_f491_4f6c_dd1d);
+        let mut next = move || (rng() % 20001) as f32 / 1000.0 - 10.0;
         for (hq, h_kv, d) in [(6, 2, 40), (4, 4, 64)] {
             let g = KvGeometry::new(hq, h_kv, d, 16).unwrap();
             let num_host = 11;
